@@ -1,0 +1,55 @@
+"""The one rule that picks Triton or native PyTorch for every kernel in areno.kernels.
+
+- ``ARENO_KERNELS=native`` forces the native PyTorch path, ``ARENO_KERNELS=triton`` forces Triton
+  (on CPU tensors that needs ``TRITON_INTERPRET=1``, set before triton is imported).
+- Unset: Triton for CUDA tensors, and for CPU tensors when ``TRITON_INTERPRET=1``; native otherwise.
+
+Each kernel's public function calls :func:`use_triton` once with its tensors and a flag saying whether its
+Triton path supports the shape/dtype at hand. Nothing else switches kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("ARENO_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "native", "triton"):
+        raise ValueError(f"ARENO_KERNELS must be 'native', 'triton' or unset, got {mode!r}")
+    return mode
+
+
+def use_triton(*tensors: torch.Tensor, supported: bool = True) -> bool:
+    """True when the Triton path should run for these tensors (see the module docstring)."""
+    mode = kernel_mode()
+    if mode == "native":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor))
+    runnable = triton_available() and (on_cuda or interpreting())
+    if mode == "triton":
+        if not runnable:
+            raise RuntimeError(
+                "ARENO_KERNELS=triton but Triton cannot run here: it needs CUDA tensors, "
+                "or TRITON_INTERPRET=1 set before triton is imported"
+            )
+        if not supported:
+            raise RuntimeError("ARENO_KERNELS=triton but the Triton kernel does not support these shapes/dtypes")
+        return True
+    return runnable and supported
