@@ -1,0 +1,117 @@
+"""Shared bench helpers: environment record, GPU timing, a plain text table and JSON-line results.
+
+Every bench script appends one JSON line per measurement to ``bench/results/<name>.jsonl``, each carrying
+``env_info()`` (git sha, GPU, versions) so that numbers from different runs can be told apart.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        sha = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def env_info() -> dict:
+    """Where and with what a measurement was taken."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {
+        "git_sha": git_sha(),
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def gpu_time_ms(fn, *, warmup: int = 5, iters: int = 20, min_time_s: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in ms, timed with CUDA events (falls back to perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    # Flush L2 between iterations so bandwidth-bound ops are not timed out of cache.
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < iters or time.perf_counter() - start_all < min_time_s:
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Left-aligned text table of ``rows`` over ``columns`` (floats shown with 3 significant decimals)."""
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 1e4 else f"{v:.0f}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def append_jsonl(name: str, records: list[dict], env: dict | None = None) -> Path:
+    """Append ``records`` (each merged with ``env``) as JSON lines to ``bench/results/<name>.jsonl``."""
+    env = env_info() if env is None else env
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.jsonl"
+    with open(path, "a") as f:
+        for rec in records:
+            f.write(json.dumps({"bench": name, **env, **rec}) + "\n")
+    return path
