@@ -1,0 +1,108 @@
+"""SwiGLU activation: ``silu(gate) * up`` on a fused [..., 2I] gate/up projection (gate first, up second).
+
+    a = silu(g).to(dtype)          silu(g) = g / (1 + exp(-g)), rounded as Hugging Face's act_fn output is
+    y = (a * u).to(dtype)
+    backward: du = dy * a;  dg = dy * u * s * (1 + g * (1 - s)),  s = sigmoid(g)
+
+Math in fp32. One program handles BLOCK columns of one row: reads 2I, writes I elements per row (forward), reads
+3I and writes 2I (backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from areno.kernels.dispatch import use_triton
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _silu_and_mul_fwd_kernel(X, Y, I, sx, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * sx + I + cols, mask=mask, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * I + cols, (a * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_bwd_kernel(DY, X, DX, I, sx, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * sx + I + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * I + cols, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    a = (g * s).to(DX.dtype.element_ty).to(tl.float32)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * a
+    tl.store(DX + row * 2 * I + cols, dg.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + row * 2 * I + I + cols, du.to(DX.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_shape(i: int):
+    block = min(triton.next_power_of_2(i), 1024)
+    return block, triton.cdiv(i, block)
+
+
+def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
+    assert x.dtype in _FLOATS, f"silu_and_mul: x must be fp16/bf16/fp32, got {x.dtype}"
+    assert x.dim() >= 1 and x.shape[-1] % 2 == 0, f"silu_and_mul: last dim must be 2 * I, got {tuple(x.shape)}"
+    i = x.shape[-1] // 2
+    y = torch.empty((*x.shape[:-1], i), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    x2 = _rows(x)
+    block, col_blocks = _launch_shape(i)
+    _silu_and_mul_fwd_kernel[(x2.shape[0], col_blocks)](x2, y, i, x2.stride(0), BLOCK=block, num_warps=4)
+    return y
+
+
+def silu_and_mul_bwd(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    i = x.shape[-1] // 2
+    assert dy.shape == (*x.shape[:-1], i), f"silu_and_mul backward: dy {tuple(dy.shape)} vs x {tuple(x.shape)}"
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx
+    x2 = _rows(x)
+    dy = dy.contiguous()
+    block, col_blocks = _launch_shape(i)
+    _silu_and_mul_bwd_kernel[(x2.shape[0], col_blocks)](dy, x2, dx, i, x2.stride(0), BLOCK=block, num_warps=4)
+    return dx
+
+
+class SiluAndMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return silu_and_mul_fwd(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return silu_and_mul_bwd(dy, x)
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch reference, Hugging Face's ``act_fn(gate) * up``; differentiable through autograd."""
+    g, u = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for ``x [..., 2I]``; returns ``[..., I]`` in x's dtype."""
+    supported = x.dtype in _FLOATS and x.dim() >= 1 and x.shape[-1] % 2 == 0
+    if use_triton(x, supported=supported):
+        return SiluAndMulFunction.apply(x)
+    return silu_and_mul_native(x)

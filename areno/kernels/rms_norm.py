@@ -1,0 +1,227 @@
+"""RMSNorm with an optional fused residual add: Triton forward/backward, native reference, autograd, dispatch.
+
+    h = x + residual                      (optional, rounded to x's dtype as Hugging Face does)
+    n = h / sqrt(mean(h^2) + eps)         (fp32)
+    y = weight * n.to(h.dtype)            (the product rounded once to the output dtype)
+
+The rounding order follows Hugging Face's Qwen3/Llama RMSNorm so bf16 outputs match it almost bit for bit.
+Rows are the last dimension of any leading shape; a [T, H, D] view with strided tokens (Qwen3's per-head QK norm on
+a slice of a fused projection) is read in place, without a copy.
+
+Tiling: one program normalises a [BLOCK_M, BLOCK_N] tile of whole rows (BLOCK_N >= N), so x is read once and y
+written once: 2 * M * N * bytes per element (3 reads/writes more with the residual). The backward reads x and dy,
+writes dx, and reduces dweight through one fp32 partial row per program, summed afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from areno.kernels.dispatch import use_triton
+
+MAX_N = 65536  # one row must fit one tile
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, R, W, Y, H, RSTD,
+    M, N, B, sx0, sx1, sr0, sr1, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    # Row r sits at (r // B) * s0 + (r % B) * s1: a [A, B, N] view with unit last stride.
+    x_off = (rows64 // B) * sx0 + (rows64 % B) * sx1
+    x = tl.load(X + x_off[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_off = (rows64 // B) * sr0 + (rows64 % B) * sr1
+        r = tl.load(R + r_off[:, None] + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(H + rows64[:, None] * N + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    n = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = n * w[None, :]
+    tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, DH, X, W, RSTD, DX, DW_PART,
+    M, N, B, sx0, sx1, num_tiles,
+    HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # dn = dy * w;  dx = rstd * (dn - n * mean(dn * n));  dw = sum_rows dy * n.to(dtype)
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, num_tiles, tl.num_programs(0)):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x_off = (rows64 // B) * sx0 + (rows64 % B) * sx1
+        x = tl.load(X + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        offs = rows64[:, None] * N + cols[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        n = x * rstd[:, None]
+        if COMPUTE_DW:
+            dw += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+        dn = dy * w[None, :]
+        c = tl.sum(dn * n, axis=1) / N
+        dx = rstd[:, None] * (dn - n * c[:, None])
+        if HAS_DH:
+            dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid.to(tl.int64) * N + cols, dw, mask=cmask)
+
+
+def _rows(x: torch.Tensor):
+    """(tensor, B, s0, s1): x seen as rows at (r // B) * s0 + (r % B) * s1 with unit last stride; copies only
+    when no such view exists."""
+    n = x.shape[-1]
+    if x.stride(-1) == 1 or n == 1:
+        if x.dim() <= 2:
+            x2 = x.reshape(-1, n) if x.dim() == 1 else x
+            return x2, 1, x2.stride(0), 0
+        try:
+            x3 = x.view(-1, x.shape[-2], n)
+            return x3, x3.shape[1], x3.stride(0), x3.stride(1)
+        except RuntimeError:
+            pass
+    x = x.contiguous()
+    return x, 1, n, 0
+
+
+def _tiles(m: int, n: int):
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(triton.next_power_of_2(max(m, 1)), 4096 // block_n))
+    num_warps = min(16, max(4, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    assert x.dtype in _FLOATS, f"rms_norm: x must be fp16/bf16/fp32, got {x.dtype}"
+    assert weight.dtype in _FLOATS, f"rms_norm: weight must be fp16/bf16/fp32, got {weight.dtype}"
+    assert weight.dim() == 1 and weight.shape[0] == x.shape[-1], (
+        f"rms_norm: weight must be [{x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}"
+    )
+    assert x.device == weight.device, f"rms_norm: x on {x.device} but weight on {weight.device}"
+    assert x.shape[-1] <= MAX_N, f"rms_norm: hidden size {x.shape[-1]} > {MAX_N} is not supported by the kernel"
+    if residual is not None:
+        assert residual.shape == x.shape, f"rms_norm: residual {tuple(residual.shape)} != x {tuple(x.shape)}"
+        assert residual.dtype == x.dtype, f"rms_norm: residual dtype {residual.dtype} != x dtype {x.dtype}"
+        assert residual.device == x.device, f"rms_norm: residual on {residual.device} but x on {x.device}"
+
+
+def rms_norm_fwd(x, weight, eps=1e-6, residual=None):
+    """Launch the forward. Returns (y, h, rstd): h is x + residual (None without residual), rstd fp32 [rows]."""
+    _check(x, weight, residual)
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y, h, rstd
+    xv, b, sx0, sx1 = _rows(x)
+    if residual is not None:
+        rv, rb, sr0, sr1 = _rows(residual)
+        if rb != b:  # different view structure: fall back to plain rows for both
+            xv, b, sx0, sx1 = x.contiguous(), 1, n, 0
+            rv, sr0, sr1 = residual.contiguous(), n, 0
+    else:
+        rv, sr0, sr1 = xv, 0, 0
+    block_m, block_n, num_warps = _tiles(m, n)
+    grid = (triton.cdiv(m, block_m),)
+    _rms_norm_fwd_kernel[grid](
+        xv, rv, weight, y, h if h is not None else y, rstd,
+        m, n, b, sx0, sx1, sr0, sr1, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return y, h, rstd
+
+
+def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
+    """Launch the backward. ``x`` is the normalised input (h with a residual). Returns (dx, dweight or None)."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    assert dy.shape == x.shape, f"rms_norm backward: dy {tuple(dy.shape)} != x {tuple(x.shape)}"
+    assert rstd.shape == (m,) and rstd.dtype == torch.float32, "rms_norm backward: rstd must be fp32 [rows]"
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        dw = torch.zeros_like(weight) if compute_dweight else None
+        return dx, dw
+    dy = dy.contiguous()
+    dh = dh.contiguous() if dh is not None else None
+    xv, b, sx0, sx1 = _rows(x)
+    block_m, block_n, num_warps = _tiles(m, n)
+    num_tiles = triton.cdiv(m, block_m)
+    slots = 2 * _sm_count(x.device.index or 0) if x.is_cuda else 4
+    programs = max(1, min(num_tiles, slots))
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
+    _rms_norm_bwd_kernel[(programs,)](
+        dy, dh if dh is not None else dy, xv, weight, rstd, dx, dw_part,
+        m, n, b, sx0, sx1, num_tiles,
+        HAS_DH=dh is not None, COMPUTE_DW=compute_dweight, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    dw = dw_part.sum(0).to(weight.dtype) if compute_dweight else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps):
+        y, h, rstd = rms_norm_fwd(x, weight, eps, residual)
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(h if h is not None else x, weight, rstd)
+        return (y, h) if h is not None else y
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh, compute_dweight=ctx.needs_input_grad[1])
+        # h = x + residual, so both receive the same gradient.
+        return dx, dw, (dx if ctx.has_residual else None), None
+
+
+def rms_norm_native(x, weight, eps=1e-6, residual=None):
+    """Plain PyTorch reference, in Hugging Face's order; differentiable through autograd."""
+    if residual is not None:
+        h = x + residual
+        return rms_norm_native(h, weight, eps), h
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * n.to(x.dtype)
+
+
+def rms_norm(x, weight, eps=1e-6, residual=None):
+    """RMSNorm over the last dim of ``x``; with ``residual`` returns ``(rms_norm(x + residual), x + residual)``."""
+    supported = (
+        x.dtype in _FLOATS
+        and weight.dtype in _FLOATS
+        and x.shape[-1] <= MAX_N
+        and (residual is None or residual.dtype == x.dtype)
+    )
+    if use_triton(x, weight, residual, supported=supported):
+        return RMSNormFunction.apply(x, weight, residual, eps)
+    return rms_norm_native(x, weight, eps, residual)
