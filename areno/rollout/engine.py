@@ -1,0 +1,198 @@
+"""The rollout engine: requests in, token ids + log-probs out, by continuous batching over a paged KV cache.
+
+One engine serves RL rollout (the synchronous :meth:`Engine.generate`), ``areno serve`` and agentic rollout (the
+asyncio front end in ``async_engine.py``, which drives :meth:`Engine.step` from one thread). Model, KV cache and
+CUDA graphs persist across calls until :meth:`Engine.drop_rollout_state`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from areno.rollout.block_manager import BlockManager
+from areno.rollout.model_runner import ModelRunner, plan_num_blocks
+from areno.rollout.scheduler import Scheduler, Step
+from areno.rollout.sequence import SamplingOptions, Sequence
+from areno.rollout.stopping import StopChecker
+
+log = logging.getLogger("areno.rollout")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    max_running: int = 256  # --max-running-prompts: active sequences
+    max_batched_tokens: int = 8192  # token budget of one mixed prefill/decode step
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_memory: float | None = None  # fraction of free GPU memory (<= 1) or bytes (> 1)
+    eager_decode: bool = False
+    prefix_caching: bool = True
+    decode_progress_interval_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("block_size", "max_running", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class Completion:
+    """One sample's result."""
+
+    request_id: object
+    index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str | None = None
+    stop_text: str | None = None
+    timings: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, eos_token_ids=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        cfg = self.config
+        self.max_model_len = cfg.max_model_len or getattr(model, "max_position_embeddings", 4096)
+        if eos_token_ids is None:
+            eos_token_ids = _eos_ids(model, tokenizer)
+        self.stopper = StopChecker(tokenizer, eos_token_ids, self.max_model_len)
+        self._rng = random.Random(cfg.seed)
+        self.runner = None
+        self._build()
+        self._progress_t = time.perf_counter()
+        self._progress_tokens = 0
+
+    def _build(self):
+        cfg = self.config
+        device = next(self.model.parameters()).device
+        dtype = next(self.model.parameters()).dtype
+        num_blocks = plan_num_blocks(
+            self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
+            max_running=cfg.max_running, max_model_len=self.max_model_len,
+        )
+        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
+        self.scheduler = Scheduler(
+            self.blocks, max_running=cfg.max_running, max_batched_tokens=cfg.max_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(
+            self.model, num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len,
+            max_running=cfg.max_running, eager=cfg.eager_decode, device=device,
+        )
+
+    # ---- session state -------------------------------------------------------------------------------------
+    def drop_rollout_state(self) -> None:
+        """Free the KV cache and CUDA graphs; the next request rebuilds them."""
+        if self.scheduler.has_work():
+            raise RuntimeError("drop_rollout_state() while requests are in flight")
+        self.runner.release()
+        self.runner = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _ensure_built(self):
+        if self.runner is None:
+            self._build()
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], options: SamplingOptions | None = None, request_id=None):
+        """Queue one prompt for ``options.n`` samples; returns the samples' Sequence objects."""
+        self._ensure_built()
+        options = options or SamplingOptions()
+        base = options.seed if options.seed is not None else self._rng.getrandbits(62)
+        group = [
+            Sequence(list(prompt_ids), options, request_id=request_id, sample_index=i,
+                     seed=(base * 1_000_003 + i) % (2**62))
+            for i in range(options.n)
+        ]
+        self.scheduler.add(group)
+        return group
+
+    def abort(self, seqs) -> None:
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """One forward step; returns the sequences that received a token (finished ones included)."""
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        self.runner.copy_blocks(self.blocks.pending_copies)
+        self.blocks.pending_copies.clear()
+        rows, row_index, offset = [], [], 0
+        for chunk in step.chunks:
+            offset += chunk.end - chunk.start
+            if chunk.samples:
+                for seq in [chunk.seq] + [c for c in getattr(chunk.seq, "children", []) if not c.is_finished]:
+                    rows.append(seq)
+                    row_index.append(offset - 1)
+        tokens, logprobs = self.runner.run(step, rows, row_index) if rows else (None, None)
+        self.scheduler.after_step(step)
+        for i, seq in enumerate(rows):
+            seq.append(tokens[i].item(), logprobs[i].item())
+            reason = self.stopper.check(seq)
+            if reason is not None:
+                seq.finish(reason)
+                self.scheduler.finish(seq)
+        self._progress(step, len(rows))
+        return rows
+
+    def _progress(self, step: Step, n_tokens: int):
+        interval = self.config.decode_progress_interval_s
+        self._progress_tokens += n_tokens
+        if not interval:
+            return
+        now = time.perf_counter()
+        if now - self._progress_t >= interval:
+            rate = self._progress_tokens / (now - self._progress_t)
+            log.info(
+                "decode: %.1f tok/s, %d active sequences, %d waiting, cuda graph replay: %s, kv blocks used %d/%d",
+                rate, len(self.scheduler.running), len(self.scheduler.waiting), self.runner.last_step_used_graph,
+                self.blocks.num_used, self.blocks.num_blocks,
+            )
+            self._progress_t, self._progress_tokens = now, 0
+
+    # ---- synchronous API (RL rollout) ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], options=None) -> list[list[Completion]]:
+        """Generate for every prompt (``options``: one SamplingOptions or one per prompt); blocks until done."""
+        if options is None or isinstance(options, SamplingOptions):
+            options = [options or SamplingOptions()] * len(prompts)
+        groups = [self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]
+        while self.has_work():
+            self.step()
+        return [[self.completion(s) for s in g] for g in groups]
+
+    def completion(self, seq: Sequence) -> Completion:
+        text = seq.text if seq.options.stop else None
+        return Completion(
+            request_id=seq.request_id, index=seq.sample_index, prompt_ids=seq.tokens[: seq.prompt_len],
+            token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",
+            text=text, stop_text=seq.stop_text, timings=seq.timings(),
+        )
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

@@ -1,0 +1,108 @@
+"""A sequence being generated: its tokens, log-probs, sampling settings, KV blocks and timings."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingOptions:
+    """Per-sequence generation settings (the engine's view of SamplingParams)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError("min_new_tokens must be between 0 and max_new_tokens")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.stop = [s for s in ([self.stop] if isinstance(self.stop, str) else list(self.stop or [])) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One sample. Its KV covers ``tokens[:num_computed]``; ``block_table`` maps token i to block i // block_size."""
+
+    def __init__(self, prompt_ids: list[int], options: SamplingOptions, *, request_id=None, sample_index=0, seed=0):
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else self.seq_id
+        self.sample_index = sample_index
+        self.options = options
+        self.seed = seed
+        self.prompt_len = len(prompt_ids)
+        self.tokens: list[int] = list(prompt_ids)
+        self.logprobs: list[float] = []
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_cached = 0  # of those, how many came from the prefix cache
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.stop_text: str | None = None  # the stop string that ended it, if any
+        self.text = ""  # detokenized output (maintained only when stop strings are set)
+        self.text_offset = 0
+        self.fork_parent: Sequence | None = None  # n > 1: siblings wait for the first sample's prefill
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self):
+        return len(self.tokens)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int, logprob: float):
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.tokens.append(int(token))
+        self.logprobs.append(float(logprob))
+
+    def finish(self, reason: str):
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()
+
+    def timings(self) -> dict:
+        end = self.finish_time or time.perf_counter()
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
+        return {"queued_s": None, "ttft_s": ttft, "total_s": end - self.arrival}
