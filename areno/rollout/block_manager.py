@@ -91,7 +91,8 @@ class BlockManager:
             cached_blocks += 1
         seq.num_computed = seq.num_cached = cached_blocks * bs
         self.prefix_hits += seq.num_cached
-        self._hashed[seq.seq_id] = (cached_blocks, self.block_hash[seq.block_table[cached_blocks - 1]] if cached_blocks else 0)
+        last_hash = self.block_hash[seq.block_table[cached_blocks - 1]] if cached_blocks else 0
+        self._hashed[seq.seq_id] = (cached_blocks, last_hash)
 
     def free_seq(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
