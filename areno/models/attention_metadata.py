@@ -1,0 +1,31 @@
+"""What one forward against the engine's paged KV cache needs to know about its tokens.
+
+The engine builds it per step (static buffers for CUDA-graph decode) and passes it, with the per-layer caches
+``[(k_cache, v_cache), ...]`` each ``[num_blocks, block_size, Hkv_local, head_dim]``, to
+``model(input_ids, positions, kv_caches=..., attn_metadata=...)``. Every layer first stores its new K/V at
+``slot_mapping`` (``block * block_size + offset``; -1 skips, e.g. CUDA-graph padding rows), then:
+
+- decode (``is_prefill=False``): one query token per sequence, ``paged_attention`` over ``seq_lens`` cached keys;
+- prefill without cached prefix: varlen ``attention`` over the new tokens (``cu_seqlens_q == cu_seqlens_k``);
+- prefill with ``has_prefix`` (some keys already cached, e.g. shared prompt blocks or chunked prefill):
+  ``paged_attention`` with ``cu_seqlens_q``, the new tokens being the last ones of each sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor | None  # int64/int32 [T]: flat cache slot of each new token, -1 = do not store
+    is_prefill: bool
+    cu_seqlens_q: torch.Tensor | None = None  # int32 [B+1] over the new tokens
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [B+1] over all keys (prefill without prefix: == cu_seqlens_q)
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    block_table: torch.Tensor | None = None  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor | None = None  # int32 [B]: cached + new tokens of each sequence
+    has_prefix: bool = False
