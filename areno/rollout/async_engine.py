@@ -1,0 +1,143 @@
+"""An asyncio front end on the engine: submit, stream and abort, for ``areno serve`` and agentic rollout.
+
+One background thread owns the engine and runs its steps; requests and aborts reach it through a queue, so a request
+that arrives while decode runs joins the running batch at the next step (continuous batching). Each request gets an
+asyncio queue of :class:`TokenEvent` items, fed from the engine thread with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from areno.rollout.engine import Engine
+from areno.rollout.sequence import SamplingOptions
+
+log = logging.getLogger("areno.rollout")
+
+
+@dataclass
+class TokenEvent:
+    index: int  # sample index within the request
+    token_id: int | None
+    logprob: float | None
+    finish_reason: str | None = None
+    stop_text: str | None = None
+
+
+class RequestStream:
+    """What :meth:`AsyncEngine.submit` returns: iterate for events; ``abort()`` frees the request's blocks."""
+
+    def __init__(self, owner: AsyncEngine, prompt_ids, options):
+        self.owner, self.prompt_ids, self.options = owner, prompt_ids, options
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.seqs = []
+        self.remaining = options.n
+        self.error: BaseException | None = None
+
+    def push(self, event):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def abort(self):
+        if self.remaining > 0:
+            self.owner._commands.put(("abort", self))
+            self.owner._wake.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.remaining <= 0 and self.queue.empty():
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        if isinstance(event, BaseException):
+            self.remaining = 0
+            raise event
+        if event.finish_reason is not None:
+            self.remaining -= 1
+        return event
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._streams: dict[int, RequestStream] = {}  # seq_id -> stream
+        self._thread = threading.Thread(target=self._loop, name="areno-engine", daemon=True)
+        self._thread.start()
+
+    async def submit(self, prompt_ids: list[int], options: SamplingOptions) -> RequestStream:
+        stream = RequestStream(self, list(prompt_ids), options)
+        self._commands.put(("add", stream))
+        self._wake.set()
+        return stream
+
+    def shutdown(self, *, drain: bool = False, timeout: float = 30.0) -> None:
+        """Stop the engine thread; with ``drain`` let in-flight requests finish first, else abort them."""
+        self._commands.put(("shutdown", drain))
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    # ---- engine thread -------------------------------------------------------------------------------------
+    def _apply(self, cmd, arg) -> None:
+        if cmd == "add":
+            try:
+                arg.seqs = self.engine.add_request(arg.prompt_ids, arg.options)
+            except Exception as exc:  # a request the engine refuses fails alone
+                arg.push(exc)
+                return
+            for seq in arg.seqs:
+                self._streams[seq.seq_id] = arg
+        elif cmd == "abort":
+            self.engine.abort(arg.seqs)
+            for seq in arg.seqs:
+                if self._streams.pop(seq.seq_id, None) is not None:
+                    arg.push(TokenEvent(seq.sample_index, None, None, "abort"))
+        elif cmd == "shutdown":
+            self._stop = True
+            if not arg:
+                for stream in {id(s): s for s in self._streams.values()}.values():
+                    self._apply("abort", stream)
+
+    def _loop(self) -> None:
+        while True:
+            while True:
+                try:
+                    cmd, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                self._apply(cmd, arg)
+            if self._stop and not self.engine.has_work():
+                return
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                seqs = self.engine.step()
+            except Exception as exc:  # keep serving: fail the requests in flight, not the process
+                log.exception("engine step failed")
+                for stream in {id(s): s for s in self._streams.values()}.values():
+                    self.engine.abort(stream.seqs)
+                    stream.push(exc)
+                self._streams.clear()
+                continue
+            for seq in seqs:
+                stream = self._streams.get(seq.seq_id)
+                if stream is None:
+                    continue
+                event = TokenEvent(seq.sample_index, seq.tokens[-1], seq.logprobs[-1], seq.finish_reason,
+                                   seq.stop_text)
+                if seq.is_finished:
+                    del self._streams[seq.seq_id]
+                stream.push(event)
