@@ -1,0 +1,261 @@
+"""The SDK surface: backend types (`CUDA`, `MLX`) and their configs, `SamplingParams`, and `Trainer`.
+
+Backend selection is automatic and never falls back across platforms: Linux selects CUDA, macOS on arm64 selects
+MLX (not part of this build: an explicit error), anything else fails at once. A typed config that does not match
+the backend (`CudaConfig` with `backend_type=MLX`, `MlxConfig` with `backend_type=CUDA`) fails at construction.
+Light to import: torch and the runtime are imported only by the methods that run work.
+"""
+
+import enum
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from areno.config import (
+    ATTN_BACKENDS,
+    DTYPES,
+    ConfigError,
+    check_choice,
+    check_memory,
+    check_non_negative,
+    check_offload,
+    check_positive,
+    check_range,
+    device_list,
+)
+
+
+class BackendType(enum.Enum):
+    CUDA = "cuda"
+    MLX = "mlx"
+
+
+CUDA = BackendType.CUDA
+MLX = BackendType.MLX
+
+MLX_NOT_BUILT = ("The MLX backend is not part of this build (macOS on arm64 selects MLX); "
+                 "areno here runs the CUDA backend on Linux")
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ConfigError(name, f"must be True or False, got {value!r}")
+
+
+def _check_number(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, f"must be a number, got {value!r}")
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+
+
+def _check_folder(name, value):
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ConfigError(name, f"must be a folder path, got {value!r}")
+
+
+# CudaConfig.runtime: key -> check(name, value). The keys mirror the CLI's runtime flags.
+RUNTIME_KEYS = {
+    "attn_backend": lambda n, v: check_choice(n, v, ATTN_BACKENDS),
+    "eager_decode": _check_bool,
+    "drop_rollout_state": _check_bool,
+    "activation_checkpointing": _check_bool,
+    "optimizer_state_offload": lambda n, v: None,  # checked with its two companions below
+    "optimizer_state_offload_dir": _check_folder,
+    "optimizer_state_offload_batch_size": check_positive,
+    "decode_progress_interval_s": check_non_negative,
+    "kv_cache_memory": lambda n, v: _check_number(n, v) or check_memory(n, v),
+    "dtype": lambda n, v: check_choice(n, v, DTYPES),
+}
+
+
+def _check_devices(name, devices):
+    if devices is None:
+        return None
+    try:
+        devices = device_list(devices)
+    except ValueError as e:
+        raise ConfigError(name, str(e)) from None
+    if len(set(devices)) != len(devices):
+        raise ConfigError(name, f"lists a GPU twice: {devices}")
+    return devices
+
+
+@dataclass
+class CudaConfig:
+    """CUDA backend settings: tensor parallelism, GPU indices, rollout concurrency and runtime switches."""
+
+    tp_size: int = 1
+    devices: list[int] | None = None
+    max_running_prompts: int | None = None
+    runtime: dict = field(default_factory=dict)
+    backend_type: ClassVar[BackendType] = CUDA
+
+    def __post_init__(self):
+        check_positive("tp_size", self.tp_size)
+        self.devices = _check_devices("devices", self.devices)
+        check_positive("max_running_prompts", self.max_running_prompts, optional=True)
+        if not isinstance(self.runtime, dict):
+            raise ConfigError("runtime", f"must be a dict, got {type(self.runtime).__name__}")
+        unknown = sorted(set(self.runtime) - set(RUNTIME_KEYS))
+        if unknown:
+            raise ConfigError("runtime", f"has unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                              f"{', '.join(RUNTIME_KEYS)}")
+        for key, value in self.runtime.items():
+            RUNTIME_KEYS[key](f"runtime[{key!r}]", value)
+        check_offload(lambda key: f"runtime[{key!r}]", self.runtime.get("optimizer_state_offload", "none"),
+                      self.runtime.get("optimizer_state_offload_dir"),
+                      self.runtime.get("optimizer_state_offload_batch_size", 1))
+
+
+@dataclass
+class MlxConfig:
+    """MLX backend settings (the backend is not part of this build; the type exists so configs stay portable)."""
+
+    max_running_prompts: int | None = None
+    max_kv_size: int | None = None  # tokens kept per sequence in the rotating KV cache
+    quantize_bits: int | None = None  # load the model quantised to 4 or 8 bits
+    backend_type: ClassVar[BackendType] = MLX
+
+    def __post_init__(self):
+        check_positive("max_running_prompts", self.max_running_prompts, optional=True)
+        check_positive("max_kv_size", self.max_kv_size, optional=True)
+        if self.quantize_bits is not None and self.quantize_bits not in (4, 8):
+            raise ConfigError("quantize_bits", f"must be 4 or 8, got {self.quantize_bits!r}")
+
+
+BACKEND_CONFIGS = {CUDA: CudaConfig, MLX: MlxConfig}
+
+
+def _as_backend_type(value) -> BackendType:
+    if isinstance(value, BackendType):
+        return value
+    raw = getattr(value, "value", value)  # another enum with the same values (e.g. from areno.platform)
+    if isinstance(raw, str) and raw.lower() in {b.value for b in BackendType}:
+        return BackendType(raw.lower())
+    raise TypeError(f"backend_type must be areno.api.CUDA or areno.api.MLX, got {value!r}")
+
+
+def platform_backend() -> BackendType:
+    """The backend this host selects: areno.platform's choice when present, else by OS and machine."""
+    try:
+        from areno.platform import select_backend
+    except ImportError as e:
+        if e.name != "areno.platform":
+            raise
+    else:
+        return _as_backend_type(select_backend())
+    system, machine = platform.system(), platform.machine().lower()
+    if system == "Linux":
+        return CUDA
+    if system == "Darwin" and machine in ("arm64", "aarch64"):
+        return MLX
+    raise RuntimeError(f"areno does not run on {system} {machine}: Linux selects the CUDA backend and macOS on "
+                       "arm64 the MLX backend; there is no fallback to another platform's backend")
+
+
+def resolve_backend(backend_type=None, custom_config=None):
+    """Check `backend_type` against `custom_config` and the host; return `(BackendType, config)`.
+
+    A config of the other backend's type raises `TypeError` (before anything else); asking for a backend the host
+    does not select, or landing on MLX, raises `RuntimeError`. Without a config, the backend's default config.
+    """
+    if custom_config is not None and not isinstance(custom_config, (CudaConfig, MlxConfig)):
+        raise TypeError(f"custom_config must be a CudaConfig or an MlxConfig, got {type(custom_config).__name__}")
+    requested = None if backend_type is None else _as_backend_type(backend_type)
+    if custom_config is not None and requested is not None and custom_config.backend_type is not requested:
+        raise TypeError(f"{type(custom_config).__name__} configures the {custom_config.backend_type.name} backend "
+                        f"but backend_type={requested.name}; use {BACKEND_CONFIGS[requested].__name__} or omit "
+                        "backend_type")
+    selected = platform_backend()
+    if custom_config is not None and custom_config.backend_type is not selected:
+        raise TypeError(f"{type(custom_config).__name__} configures the {custom_config.backend_type.name} backend "
+                        f"but this host selects {selected.name}; use {BACKEND_CONFIGS[selected].__name__}")
+    if requested is MLX or selected is MLX:
+        raise RuntimeError(MLX_NOT_BUILT)
+    if requested is not None and requested is not selected:
+        raise RuntimeError(f"backend_type={requested.name} is not available here: this host selects {selected.name} "
+                           "and there is no fallback across platforms")
+    return selected, custom_config if custom_config is not None else BACKEND_CONFIGS[selected]()
+
+
+@dataclass
+class SamplingParams:
+    """Generation settings of one request (n samples of one prompt)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = True
+
+    def __post_init__(self):
+        _check_number("temperature", self.temperature)
+        check_non_negative("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0)
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError("min_new_tokens", f"({self.min_new_tokens}) must not exceed max_new_tokens "
+                              f"({self.max_new_tokens})")
+        _check_int("n", self.n, 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        _check_bool("logprobs", self.logprobs)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            self.stop = list(self.stop)
+            if not all(isinstance(s, str) and s for s in self.stop):
+                raise ConfigError("stop", f"must be a list of non-empty strings, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+                raise ConfigError("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+
+    @classmethod
+    def from_train_config(cls, config) -> "SamplingParams":
+        """The rollout sampling settings of a `TrainConfig` (n = --n-samples)."""
+        return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                   max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, stop=config.stop,
+                   seed=config.seed, n=config.n_samples)
+
+
+class Trainer:
+    """The training SDK: `Trainer(world_size, model_path, backend_type, custom_config)`, then `init()`.
+
+    The constructor only validates (backend, topology); the RL loop fills in `init()` and the methods that work.
+    Extra keyword arguments are kept in `self.options` for the runtime.
+    """
+
+    def __init__(self, world_size=1, model_path=None, backend_type=None, custom_config=None, **kwargs):
+        check_positive("world_size", world_size)
+        if not model_path:
+            raise ConfigError("model_path", "is required (a Hugging Face repo id or a local checkpoint folder)")
+        self.backend_type, self.config = resolve_backend(backend_type, custom_config)
+        if world_size % self.config.tp_size:
+            raise ConfigError("world_size", f"{world_size} is not divisible by tp_size {self.config.tp_size}")
+        devices = getattr(self.config, "devices", None)
+        if devices is not None and len(devices) != world_size:
+            raise ConfigError("devices", f"lists {len(devices)} GPUs but world_size is {world_size}")
+        self.world_size = world_size
+        self.model_path = os.fspath(model_path)
+        self.options = dict(kwargs)
+
+    def init(self):
+        raise NotImplementedError("Trainer.init arrives with the RL loop")
+
+    def __repr__(self):
+        return (f"Trainer(world_size={self.world_size}, model_path={self.model_path!r}, "
+                f"backend_type={self.backend_type.name}, custom_config={self.config!r})")

@@ -1,0 +1,168 @@
+"""The `areno` command: `train`, `serve`, `check`, `env` (also `python -m areno`).
+
+`train` and `serve` build their parser from the config dataclasses in `areno.config` (argparse-dataclass, plus the
+few things it lacks: `--help` groups, `--x/--no-x` for every bool, and knowing which flags were given explicitly,
+which `--preset` needs). They validate, print the resolved configuration, then hand it to the runtime, imported
+only then. `check` and `env` belong to `areno.platform`.
+"""
+
+import argparse
+import dataclasses
+import importlib
+import sys
+
+import argparse_dataclass
+
+from areno import __version__
+from areno.config import GROUPS, ConfigError, ServeConfig, TrainConfig, flag_name, format_config
+
+EXIT_NOT_BUILT = 3
+_METAVARS = {int: "N", float: "X", str: "STR"}
+
+
+class ConfigParser(argparse_dataclass.ArgumentParser):
+    """argparse-dataclass's parser, with three changes made as each field's argument is added:
+
+    - the argument goes into the `--help` group named by the field's `group` metadata;
+    - a bool field becomes `--x/--no-x` (argparse-dataclass only offers the form that flips the default);
+    - defaults are `argparse.SUPPRESS`, so the namespace holds only the flags given on the command line and the
+      dataclass supplies the rest (the default is written into the help text instead).
+    """
+
+    def __init__(self, options_class, **kwargs):
+        self._fields = {f.name: f for f in dataclasses.fields(options_class)}
+        self._sections = None
+        super().__init__(options_class, **kwargs)
+
+    def _section(self, group: str):
+        if self._sections is None:  # create every section up front so `--help` follows GROUPS' order
+            used = {f.metadata["group"] for f in self._fields.values()}
+            self._sections = {g: self.add_argument_group(f"{g} ({about})") for g, about in GROUPS.items() if g in used}
+        return self._sections[group]
+
+    def add_argument(self, *args, **kwargs):
+        dest = kwargs.get("dest") or (args[0].lstrip("-").replace("-", "_") if args else None)
+        f = self._fields.get(dest)
+        if f is None:  # -h/--help
+            return super().add_argument(*args, **kwargs)
+        meta = f.metadata
+        if f.type is bool:
+            args = (flag_name(f.name),)
+            kwargs = {"action": argparse.BooleanOptionalAction}
+        else:
+            kwargs.pop("required", None)
+            for key in ("action", "const"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+            if "choices" not in kwargs and "metavar" not in kwargs:
+                kwargs["metavar"] = _METAVARS.get(kwargs.get("type"), "VALUE")
+        kwargs.update(dest=f.name, default=argparse.SUPPRESS, help=_help_text(f))
+        return self._section(meta["group"]).add_argument(*args, **kwargs)
+
+    def parse_explicit(self, argv) -> dict:
+        """The flags given on the command line, as {field name: parsed value}."""
+        namespace, extras = argparse.ArgumentParser.parse_known_args(self, argv)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return vars(namespace)
+
+
+def _help_text(f: dataclasses.Field) -> str:
+    meta = f.metadata
+    if "default_help" in meta:
+        default = meta["default_help"]
+    elif f.type is bool:
+        default = "on" if f.default else "off"
+    else:
+        default = None if f.default is None else f.default
+    text = meta["help"] + ("" if default is None else f" (default: {default})")
+    return text.replace("%", "%%")
+
+
+def make_parser(command: str, options_class) -> ConfigParser:
+    # A short usage line: errors stay two lines, and `--help` lists every flag in its group anyway.
+    return ConfigParser(options_class, prog=f"areno {command}", usage="%(prog)s [-h] [flags]",
+                        description=options_class.__doc__)
+
+
+def parse_config(parser: ConfigParser, options_class, argv):
+    """Parse and validate; a bad value or combination exits 2 with `areno <cmd>: error: --flag ...`."""
+    explicit = parser.parse_explicit(argv)
+    try:
+        if explicit.get("preset"):
+            from areno.presets import get_preset
+
+            return dataclasses.replace(get_preset(explicit["preset"]), **explicit)
+        return options_class(**explicit)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
+def _load_runtime(command: str, module: str, name: str, what: str):
+    """The runtime entry point, or None (with a message) while its module is not part of the build yet."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        if e.name != module:  # the module exists but something it needs is missing: a real error
+            raise
+    except AttributeError:
+        pass
+    print(f"areno {command}: the {what} is not built yet", file=sys.stderr)
+    return None
+
+
+def _run_config_command(command, options_class, argv, module, name, what) -> int:
+    parser = make_parser(command, options_class)
+    config = parse_config(parser, options_class, argv)
+    print(f"areno {command}: resolved configuration\n{format_config(config)}", flush=True)
+    run = _load_runtime(command, module, name, what)
+    if run is None:
+        return EXIT_NOT_BUILT
+    rc = run(config)
+    return rc if isinstance(rc, int) else 0
+
+
+def run_train(argv) -> int:
+    return _run_config_command("train", TrainConfig, argv, "areno.rl.runner", "run_train", "RL training runtime")
+
+
+def run_serve(argv) -> int:
+    return _run_config_command("serve", ServeConfig, argv, "areno.serve.server", "run_server", "server runtime")
+
+
+def _platform_command(command, name):
+    def run(argv) -> int:
+        fn = _load_runtime(command, "areno.platform", name, "platform report")
+        return EXIT_NOT_BUILT if fn is None else fn(list(argv))
+
+    return run
+
+
+COMMANDS = {
+    "train": (run_train, "train a policy: SFT, DPO, GRPO, GSPO or PPO"),
+    "serve": (run_serve, "serve a model behind an OpenAI-compatible HTTP API"),
+    "check": (_platform_command("check", "run_check"), "readiness checks, one OK/WARN/FAIL line each"),
+    "env": (_platform_command("env", "run_env"), "environment report for support (--json for JSON)"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areno", description="areno: a self-contained LLM post-training toolkit.")
+    parser.add_argument("--version", action="version", version=f"areno {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    for name, (_, about) in COMMANDS.items():
+        sub.add_parser(name, help=about, add_help=False)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]][0](argv[1:])
+    parser = _top_parser()
+    parser.parse_args(argv)  # --help, --version and unknown commands exit here
+    parser.error("a command is required")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
