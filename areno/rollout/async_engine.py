@@ -26,6 +26,7 @@ class TokenEvent:
     logprob: float | None
     finish_reason: str | None = None
     stop_text: str | None = None
+    top: list[tuple[int, float]] | None = None  # top candidates' (id, log-prob) when asked for
 
 
 class RequestStream:
@@ -136,8 +137,9 @@ class AsyncEngine:
                 stream = self._streams.get(seq.seq_id)
                 if stream is None:
                     continue
+                top = seq.top_logprobs[-1] if seq.options.top_logprobs else None
                 event = TokenEvent(seq.sample_index, seq.tokens[-1], seq.logprobs[-1], seq.finish_reason,
-                                   seq.stop_text)
+                                   seq.stop_text, top)
                 if seq.is_finished:
                     del self._streams[seq.seq_id]
                 stream.push(event)

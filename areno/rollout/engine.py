@@ -140,10 +140,14 @@ class Engine:
                 for seq in [chunk.seq] + [c for c in getattr(chunk.seq, "children", []) if not c.is_finished]:
                     rows.append(seq)
                     row_index.append(offset - 1)
-        tokens, logprobs = self.runner.run(step, rows, row_index) if rows else (None, None)
+        tokens, logprobs, top = self.runner.run(step, rows, row_index) if rows else (None, None, None)
         self.scheduler.after_step(step)
+        tokens, logprobs = (tokens.tolist(), logprobs.tolist()) if rows else ([], [])
         for i, seq in enumerate(rows):
-            seq.append(tokens[i].item(), logprobs[i].item())
+            seq.append(tokens[i], logprobs[i])
+            if top is not None and seq.options.top_logprobs:
+                k = seq.options.top_logprobs
+                seq.top_logprobs.append(list(zip(top[0][i, :k].tolist(), top[1][i, :k].tolist())))
             reason = self.stopper.check(seq)
             if reason is not None:
                 seq.finish(reason)

@@ -128,17 +128,28 @@ class ModelRunner:
     def run(self, step: Step, rows: list, row_index: list[int]):
         """Forward the step and sample one token for each of ``rows`` (sequences) from hidden row ``row_index``.
 
-        Returns CPU tensors (tokens int64, logprobs fp32).
+        Returns CPU tensors (tokens int64, logprobs fp32) and, when a row asks for them, (ids, log-probs) of the
+        top candidates, else None.
         """
-        if self.use_graphs and step.is_decode and len(step.chunks) <= self.graph_buckets[-1]:
+        want_top = max((s.options.top_logprobs for s in rows), default=0)
+        if self.use_graphs and step.is_decode and not want_top and len(step.chunks) <= self.graph_buckets[-1]:
             self.last_step_used_graph = True
             return self._run_graph(step, rows)
         self.last_step_used_graph = False
         ids, pos, meta, _ = self._inputs(step)
         hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
         idx = torch.tensor(row_index, dtype=torch.int64, device=self.device)
-        tokens, logprobs = self._sample(hidden[idx], *self.sampling_tensors(rows, self.device))
-        return tokens.cpu(), logprobs.float().cpu()
+        params = self.sampling_tensors(rows, self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        tokens, logprobs = sample(logits, temperature=params[0], top_k=params[1], top_p=params[2], seeds=params[3],
+                                  offsets=params[4])
+        top = None
+        if want_top:  # the same tempered distribution as the returned log-probs (T = 0 counts as 1)
+            temp = torch.where(params[0] > 0, params[0], torch.ones_like(params[0]))
+            lp = torch.log_softmax(logits.float() / temp[:, None], dim=-1)
+            vals, ids = lp.topk(want_top, dim=-1)
+            top = (ids.cpu(), vals.cpu())
+        return tokens.cpu(), logprobs.float().cpu(), top
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
@@ -207,4 +218,4 @@ class ModelRunner:
             buf[name][:n].copy_(val, non_blocking=True)
             buf[name][n:].fill_(fill)
         graph.replay()
-        return tokens[:n].cpu(), logprobs[:n].float().cpu()
+        return tokens[:n].cpu(), logprobs[:n].float().cpu(), None

@@ -54,6 +54,8 @@ class Scheduler:
     def add(self, group: list[Sequence]) -> None:
         """A request's samples; samples 1..n-1 fork from sample 0 once its prompt is computed."""
         head = group[0]
+        if len(group) > self.max_running:
+            raise ValueError(f"n={len(group)} samples exceed the cap of {self.max_running} running sequences")
         total = len(head) + head.options.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(head)} tokens) + max_new_tokens exceeds the context ({self.max_model_len})")

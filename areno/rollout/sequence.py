@@ -22,6 +22,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    top_logprobs: int = 0  # also return the k most likely tokens' log-probs at each step
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -63,6 +64,7 @@ class Sequence:
         self.prompt_len = len(prompt_ids)
         self.tokens: list[int] = list(prompt_ids)
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache

@@ -1,0 +1,392 @@
+"""The OpenAI-compatible HTTP API over one engine session: /health, /v1/models, /v1/chat/completions,
+/v1/completions, with server-sent-event streaming, log-probs, tool calls and OpenAI-style 4xx errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from areno.rollout.async_engine import AsyncEngine
+from areno.rollout.sequence import SamplingOptions
+from areno.rollout.tool_calls import parse_tool_calls
+from areno.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+
+class Detokenizer:
+    """Incremental text of one choice: holds back an incomplete UTF-8 tail and what may start a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def final_text(self, stop_text: str | None) -> str:
+        text = self.text()
+        if stop_text:
+            i = text.find(stop_text)
+            if i >= 0:
+                text = text[:i]
+        return text
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.text()
+        end = len(text) - self.hold
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : end], end
+        return delta
+
+    def flush(self, stop_text: str | None) -> str:
+        text = self.final_text(stop_text)
+        delta = text[self.sent :]
+        self.sent = len(text)
+        return delta
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _parse(request: Request, model_cls):
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, "the request body is not valid UTF-8") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON in the request body: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        msg = err.get("msg", "invalid request")
+        if err.get("type") == "extra_forbidden":
+            msg = f"unsupported field: {param} (this server does not implement it)"
+        raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from exc
+
+
+def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
+               max_running: int = 256) -> FastAPI:
+    app = FastAPI(title="areno", version="1")
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return _error(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):  # never a bare 500 page; still an OpenAI-shaped body
+        return JSONResponse(APIError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {api_key}":
+                return _error(APIError(401, "invalid or missing API key", type="authentication_error",
+                                       code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "active_requests": engine.num_active}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "areno",
+                                            "max_model_len": max_model_len}]}
+
+    def check_model(name: str):
+        if name != model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
+                           param="model", code="model_not_found")
+
+    def options(req, prompt_len: int, max_tokens: int | None, top_logprobs: int) -> SamplingOptions:
+        if prompt_len >= max_model_len:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
+                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                           code="context_length_exceeded")
+        room = max_model_len - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the context "
+                           f"({max_model_len})", param="max_tokens", code="context_length_exceeded")
+        if req.n > max_running:
+            raise APIError(400, f"n ({req.n}) exceeds --max-running-prompts ({max_running})", param="n")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+        return SamplingOptions(
+            temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+            max_new_tokens=max_tokens or room, min_new_tokens=min(req.min_tokens, max_tokens or room),
+            stop=req.stop_list(), ignore_eos=req.ignore_eos, seed=req.seed, n=req.n, top_logprobs=top_logprobs,
+        )
+
+    async def run(request: Request, prompt_ids, opts):
+        try:
+            stream = await engine.submit(prompt_ids, opts)
+        except Exception as exc:
+            raise APIError(400, str(exc)) from exc
+        return stream
+
+    async def collect(request: Request, stream):
+        """Gather a request's events per sample, aborting it if the client disconnects meanwhile."""
+        out = [{"ids": [], "logprobs": [], "top": [], "finish": None, "stop_text": None}
+               for _ in range(stream.options.n)]
+        it = stream.__aiter__()
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            while not nxt.done():
+                done, _ = await asyncio.wait({nxt}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    stream.abort()
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                return out
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from exc
+            o = out[ev.index]
+            if ev.token_id is not None:
+                o["ids"].append(ev.token_id)
+                o["logprobs"].append(ev.logprob)
+                o["top"].append(ev.top)
+            if ev.finish_reason is not None:
+                o["finish"], o["stop_text"] = ev.finish_reason, ev.stop_text
+
+    def tok(i: int) -> str:
+        return tokenizer.decode([i])
+
+    def chat_logprobs(o, k: int):
+        content = []
+        for i, lp, top in zip(o["ids"], o["logprobs"], o["top"]):
+            s = tok(i)
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": list(tok(t).encode())}
+                                             for t, v in (top or [])[:k]]})
+        return {"content": content}
+
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    # ---- chat ----------------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        messages = []
+        for m in req.messages:
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+                    "name": c.function.name,
+                    "arguments": json.loads(c.function.arguments) if isinstance(c.function.arguments, str)
+                    and c.function.arguments.strip().startswith("{") else c.function.arguments}}
+                    for c in m.tool_calls]
+            if m.name:
+                msg["name"] = m.name
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            messages.append(msg)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:
+            raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
+                           param="messages") from exc
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        k = (req.top_logprobs or 0) if req.logprobs else 0
+        opts = options(req, len(prompt_ids), max_tokens, k)
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        stream = await run(request, prompt_ids, opts)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                chat_stream(request, stream, req, rid, created, len(prompt_ids), parse_tools, k),
+                media_type="text/event-stream")
+        out = await collect(request, stream)
+        choices = []
+        for idx, o in enumerate(out):
+            d = Detokenizer(tokenizer, opts.stop)
+            d.ids = o["ids"]
+            text = d.final_text(o["stop_text"])
+            message = {"role": "assistant", "content": text}
+            finish = o["finish"] or "abort"
+            if parse_tools:
+                content, calls = parse_tool_calls(text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [c.to_openai() for c in calls]}
+                    finish = "tool_calls"
+            choices.append({"index": idx, "message": message, "finish_reason": finish,
+                            "logprobs": chat_logprobs(o, k) if req.logprobs else None})
+        completion_tokens = sum(len(o["ids"]) for o in out)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": choices, "usage": usage(len(prompt_ids), completion_tokens)}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def chat_stream(request, stream, req, rid, created, prompt_len, parse_tools, k):
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+        detoks = [Detokenizer(tokenizer, req.stop_list()) for _ in range(req.n)]
+        completion_tokens = 0
+        try:
+            for i in range(req.n):
+                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None, "logprobs": None}]})
+            async for ev in stream:
+                d = detoks[ev.index]
+                delta_text = ""
+                if ev.token_id is not None:
+                    completion_tokens += 1
+                    delta_text = d.push(ev.token_id)
+                lp = None
+                if req.logprobs and ev.token_id is not None:
+                    o = {"ids": [ev.token_id], "logprobs": [ev.logprob], "top": [ev.top]}
+                    lp = chat_logprobs(o, k)
+                if ev.finish_reason is None:
+                    if delta_text and not parse_tools:
+                        yield sse({**head, "choices": [{"index": ev.index, "delta": {"content": delta_text},
+                                                        "finish_reason": None, "logprobs": lp}]})
+                    continue
+                finish = ev.finish_reason
+                if parse_tools:
+                    content, calls = parse_tool_calls(d.final_text(ev.stop_text))
+                    delta = {"content": content}
+                    if calls:
+                        delta["tool_calls"] = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
+                        finish = "tool_calls"
+                else:
+                    delta = {"content": delta_text + d.flush(ev.stop_text)}
+                yield sse({**head, "choices": [{"index": ev.index, "delta": delta, "finish_reason": finish,
+                                                "logprobs": lp}]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_len, completion_tokens)})
+            yield "data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            stream.abort()
+            raise
+        except Exception as exc:
+            stream.abort()
+            yield sse(APIError(400, str(exc)).body())
+        finally:
+            stream.abort()
+
+    # ---- completions ---------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        check_model(req.model)
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [tokenizer.encode(p, add_special_tokens=False)]
+        elif all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif all(isinstance(x, str) for x in p):
+            prompts = [tokenizer.encode(x, add_special_tokens=False) for x in p]
+        else:
+            prompts = [list(x) for x in p]
+        vocab = len(tokenizer)
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "a prompt encodes to no tokens", param="prompt")
+            if any(t < 0 or t >= vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        k = req.logprobs or 0
+        opts = [options(req, len(ids), req.max_tokens or 16, k) for ids in prompts]
+        streams = [await run(request, ids, o) for ids, o in zip(prompts, opts)]
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(x) for x in prompts)
+        if req.stream:
+            return StreamingResponse(completion_stream(streams, req, rid, created, prompt_tokens),
+                                     media_type="text/event-stream")
+        try:
+            outs = await asyncio.gather(*(collect(request, s) for s in streams))
+        finally:
+            for s in streams:
+                s.abort()
+        choices = []
+        for pi, out in enumerate(outs):
+            for si, o in enumerate(out):
+                d = Detokenizer(tokenizer, req.stop_list())
+                d.ids = o["ids"]
+                text = d.final_text(o["stop_text"])
+                lp = None
+                if req.logprobs is not None:
+                    toks = [tok(i) for i in o["ids"]]
+                    offsets, pos = [], 0
+                    for s in toks:
+                        offsets.append(pos)
+                        pos += len(s)
+                    lp = {"tokens": toks, "token_logprobs": o["logprobs"], "text_offset": offsets,
+                          "top_logprobs": [{tok(t): v for t, v in (top or [])} for top in o["top"]] if k else None}
+                choices.append({"index": pi * req.n + si, "text": text, "logprobs": lp,
+                                "finish_reason": o["finish"] or "abort"})
+        completion_tokens = sum(len(o["ids"]) for out in outs for o in out)
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    async def completion_stream(streams, req, rid, created, prompt_tokens):
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        merged: asyncio.Queue = asyncio.Queue()
+        completion_tokens = 0
+
+        async def pump(pi, stream):
+            try:
+                async for ev in stream:
+                    await merged.put((pi, ev))
+            except Exception as exc:
+                await merged.put((pi, exc))
+            await merged.put((pi, None))
+
+        tasks = [asyncio.create_task(pump(pi, s)) for pi, s in enumerate(streams)]
+        detoks = {}
+        try:
+            live = len(streams)
+            while live:
+                pi, ev = await merged.get()
+                if ev is None:
+                    live -= 1
+                    continue
+                if isinstance(ev, Exception):
+                    yield sse(APIError(400, str(ev)).body())
+                    continue
+                d = detoks.setdefault((pi, ev.index), Detokenizer(tokenizer, req.stop_list()))
+                text = ""
+                if ev.token_id is not None:
+                    completion_tokens += 1
+                    text = d.push(ev.token_id)
+                if ev.finish_reason is not None:
+                    text += d.flush(ev.stop_text)
+                if text or ev.finish_reason is not None:
+                    yield sse({**head, "choices": [{"index": pi * req.n + ev.index, "text": text, "logprobs": None,
+                                                    "finish_reason": ev.finish_reason}]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for s in streams:
+                s.abort()
+            for t in tasks:
+                t.cancel()
+
+    return app
