@@ -443,9 +443,10 @@ def _check_folder(name: str, path: Path, env_var: str) -> Check:
         os.remove(tmp)
     except OSError as e:
         return Check("FAIL", name, f"{path} is not writable ({e})", step)
+    shown = os.path.abspath(path)
     if target == path:
-        return Check("OK", name, f"{path} is writable")
-    return Check("OK", name, f"{path} will be created (under writable {target})")
+        return Check("OK", name, f"{shown} is writable")
+    return Check("OK", name, f"{shown} will be created (under writable {os.path.abspath(target)})")
 
 
 def collect_checks() -> list[Check]:
