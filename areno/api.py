@@ -149,10 +149,10 @@ def platform_backend() -> BackendType:
             raise
     else:
         return _as_backend_type(select_backend())
-    system, machine = platform.system(), platform.machine().lower()
+    system, machine = platform.system(), platform.machine()
     if system == "Linux":
         return CUDA
-    if system == "Darwin" and machine in ("arm64", "aarch64"):
+    if system == "Darwin" and machine.lower() in ("arm64", "aarch64"):
         return MLX
     raise RuntimeError(f"areno does not run on {system} {machine}: Linux selects the CUDA backend and macOS on "
                        "arm64 the MLX backend; there is no fallback to another platform's backend")
