@@ -209,7 +209,7 @@ def rms_norm_native(x, weight, eps=1e-6, residual=None):
     if residual is not None:
         h = x + residual
         return rms_norm_native(h, weight, eps), h
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32, or fp64 for a float64 reference
     n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * n.to(x.dtype)
 

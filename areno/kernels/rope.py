@@ -107,9 +107,10 @@ def apply_rope_native(x, positions, cos, sin):
     """Plain PyTorch reference (fp32 math); differentiable with respect to x."""
     half = cos.shape[-1]
     idx = positions.long()
-    c = cos[idx].float().unsqueeze(1)
-    s = sin[idx].float().unsqueeze(1)
-    xf = x.float()
+    math_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 reference
+    c = cos[idx].to(math_dtype).unsqueeze(1)
+    s = sin[idx].to(math_dtype).unsqueeze(1)
+    xf = x.to(math_dtype)
     x1, x2 = xf[..., :half], xf[..., half : 2 * half]
     out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xf[..., 2 * half :]], dim=-1)
     return out.to(x.dtype)
