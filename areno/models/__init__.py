@@ -1,1 +1,24 @@
-"""areno.models."""
+"""areno.models: adapters (qwen3, qwen3_moe, llama) on areno kernels, Hugging Face load/save, TP sharding.
+
+Entry points (DESIGN.md): ``load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None,
+attn_backend=None)``, ``load_tokenizer(path_or_repo_id)``, ``save_model(model, dir, tokenizer=None)`` and
+``model.logits(input_ids [B, T]) -> [B, T, V]``.
+"""
+
+from areno.models.attention_metadata import AttentionMetadata
+from areno.models.loader import load_hf_weights, load_model, load_tokenizer, resolve_model_path
+from areno.models.registry import MODEL_REGISTRY, get_adapter, register
+from areno.models.saver import iter_hf_tensors, save_model
+
+__all__ = [
+    "MODEL_REGISTRY",
+    "AttentionMetadata",
+    "get_adapter",
+    "iter_hf_tensors",
+    "load_hf_weights",
+    "load_model",
+    "load_tokenizer",
+    "register",
+    "resolve_model_path",
+    "save_model",
+]

@@ -1,0 +1,266 @@
+"""The decoder every adapter shares: attention, dense MLP, decoder layer, the causal LM.
+
+Pre-norm Llama layout (Qwen3 adds per-head q/k RMSNorm). Projections are fused (``qkv_proj``, ``gate_up_proj``);
+``hf_layouts`` says which Hugging Face tensors each parameter is made of, for loading, saving and TP sharding.
+
+Forward paths:
+- training, packed varlen batch: ``model(input_ids [T], positions [T], cu_seqlens [B+1], max_seqlen) -> [T, H]``
+  (final norm applied); log-probs come from ``model.token_logprobs`` (fused, no ``[T, V]`` logits).
+- plain parity path: ``model.logits(input_ids [B, T]) -> [B, T, V]``.
+- paged KV cache: ``model(input_ids, positions, kv_caches=[(k, v)] * L, attn_metadata=AttentionMetadata)``; the
+  decode step has no host syncs or data-dependent shapes, so the engine can capture it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from areno.kernels.activation import silu_and_mul
+from areno.kernels.attention import attention
+from areno.kernels.linear_logprobs import linear_logprobs
+from areno.kernels.paged_attention import paged_attention, store_kvcache
+from areno.kernels.rope import apply_rope, rope_cos_sin
+from areno.models.attention_metadata import AttentionMetadata
+from areno.models.layers import Linear, RMSNorm, VocabEmbedding, vocab_parallel_logits
+from areno.models.model_config import ModelConfig
+from areno.models.tp import layout
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_backend: str = "flash"):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.qkv_proj = Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = d**-0.5
+        self.backend = "native" if attn_backend == "native" else None
+
+    def shard_heads(self, rank: int, size: int) -> None:
+        """Local head counts under TP (KV heads replicated when TP exceeds them)."""
+        self.num_heads //= size
+        self.num_kv_heads = max(1, self.num_kv_heads // size)
+
+    def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache=None):
+        t, d = x.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, *rope), apply_rope(k, positions, *rope)
+        if kv_cache is None:
+            o = attention(
+                q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                causal=True, softmax_scale=self.scale, backend=self.backend,
+            )  # fmt: skip
+        else:
+            k_cache, v_cache = kv_cache
+            store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            if not meta.is_prefill:
+                o = paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale)
+            elif meta.has_prefix:
+                o = paged_attention(
+                    q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
+                    cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
+                )  # fmt: skip
+            else:
+                o = attention(
+                    q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                    causal=True, softmax_scale=self.scale, backend=self.backend,
+                )  # fmt: skip
+        return self.o_proj(o.reshape(t, -1))
+
+    def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
+        h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        rows = (hq + 2 * hkv) * d
+        qkv = [(f"{hf}.q_proj.{{}}", hq * d, "plain", d)] + [(f"{hf}.{p}_proj.{{}}", hkv * d, "kv", d) for p in "kv"]
+        out = {f"{name}.qkv_proj.weight": [layout((rows, h), 0, [(n.format("weight"), *r) for n, *r in qkv])]}
+        out[f"{name}.o_proj.weight"] = [layout((h, hq * d), 1, [(f"{hf}.o_proj.weight", hq * d)])]
+        if cfg.attention_bias:
+            out[f"{name}.qkv_proj.bias"] = [layout((rows,), 0, [(n.format("bias"), *r) for n, *r in qkv])]
+            out[f"{name}.o_proj.bias"] = [layout((h,), 0, [(f"{hf}.o_proj.bias", h)])]
+        if cfg.qk_norm:
+            for p in "qk":
+                out[f"{name}.{p}_norm.weight"] = [layout((d,), 0, [(f"{hf}.{p}_norm.weight", d)])]
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel GEMM."""
+
+    has_router = False
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        super().__init__()
+        self.intermediate_size = i = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def route(self, x):
+        return ()
+
+    def compute(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+    def forward(self, x):
+        return self.compute(x)
+
+    def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
+        h, i = cfg.hidden_size, self.intermediate_size
+        gate_up = lambda kind: [(f"{hf}.gate_proj.{kind}", i), (f"{hf}.up_proj.{kind}", i)]  # noqa: E731
+        out = {
+            f"{name}.gate_up_proj.weight": [layout((2 * i, h), 0, gate_up("weight"))],
+            f"{name}.down_proj.weight": [layout((h, i), 1, [(f"{hf}.down_proj.weight", i)])],
+        }
+        if cfg.mlp_bias:
+            out[f"{name}.gate_up_proj.bias"] = [layout((2 * i,), 0, gate_up("bias"))]
+            out[f"{name}.down_proj.bias"] = [layout((h,), 0, [(f"{hf}.down_proj.bias", h)])]
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. With activation checkpointing the attention half and the MLP are recomputed in backward;
+    a MoE router runs between the two recomputed regions, so routing (and its load counters) happens once."""
+
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, attn_backend: str = "flash"):
+        super().__init__()
+        self.self_attn = Attention(cfg, attn_backend)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.checkpointing = False
+
+    def attn_block(self, h, residual, positions, rope, meta, kv_cache=None):
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, rope, meta, kv_cache)
+        return self.post_attention_layernorm(h, residual)
+
+    def _dense(self, h, residual, positions, rope, meta):
+        h, residual = self.attn_block(h, residual, positions, rope, meta)
+        return self.mlp.compute(h), residual
+
+    def forward(self, h, residual, positions, rope, meta, kv_cache=None):
+        recompute = self.checkpointing and kv_cache is None and torch.is_grad_enabled()
+        if not recompute:
+            h, residual = self.attn_block(h, residual, positions, rope, meta, kv_cache)
+            return self.mlp.compute(h, *self.mlp.route(h)), residual
+        if not self.mlp.has_router:
+            return checkpoint(self._dense, h, residual, positions, rope, meta, use_reentrant=False)
+        h, residual = checkpoint(self.attn_block, h, residual, positions, rope, meta, use_reentrant=False)
+        route = self.mlp.route(h)
+        return checkpoint(self.mlp.compute, h, *route, use_reentrant=False), residual
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM built from areno kernels. Parameters follow ``hf_layouts`` (Hugging Face names)."""
+
+    def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None):
+        super().__init__()
+        if attn_backend not in ("flash", "native"):
+            raise ValueError(f"--attn-backend must be 'flash' or 'native', got {attn_backend!r}")
+        self.config, self.attn_backend = cfg, attn_backend
+        mlp_factory = mlp_factory or (lambda cfg, i: MLP(cfg))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, mlp_factory(cfg, i), attn_backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
+        self.rope = None  # (cos, sin) fp32 tables, built by init_buffers on the model's device
+
+    # ---- sizes the engine allocates with -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple:
+        """Shape of one layer's ``k_cache`` (and ``v_cache``) on this rank."""
+        return (num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[V_local, H]``: the LM head (the embedding when tied); this rank's vocab shard under TP."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_buffers(self, device=None) -> None:
+        """Non-persistent state made on the real device after loading: RoPE tables, MoE load counters."""
+        cfg = self.config
+        device = device or self.embed_tokens.weight.device
+        self.rope = rope_cos_sin(
+            cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, rope_scaling=cfg.rope_scaling, device=device
+        )
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers(device)
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        for layer in self.layers:
+            layer.checkpointing = enabled
+
+    # ---- forward paths -------------------------------------------------------------------------------------
+    def forward(self, input_ids, positions, cu_seqlens=None, max_seqlen=None, *, kv_caches=None, attn_metadata=None):
+        """Final hidden states ``[T, H]`` of a packed batch (or of the engine's step with ``kv_caches``)."""
+        meta = attn_metadata
+        if meta is None:
+            if cu_seqlens is None:
+                t = input_ids.shape[0]
+                cu_seqlens, max_seqlen = torch.tensor([0, t], dtype=torch.int32, device=input_ids.device), t
+            elif max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            meta = AttentionMetadata(None, True, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        h, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, positions, self.rope, meta, None if kv_caches is None else kv_caches[i])
+        return self.norm(h, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, V]`` logits in the model dtype (all-gathered over the vocab under TP)."""
+        return vocab_parallel_logits(hidden, self.lm_head_weight, self.tp_group)
+
+    def token_logprobs(self, hidden, targets, *, temperature=1.0, return_entropy=False, chunk_size=None):
+        """fp32 ``log p(target)`` per row of ``hidden [N, H]`` without materialising logits (``-100`` -> 0)."""
+        return linear_logprobs(
+            hidden, self.lm_head_weight, targets, temperature=temperature, return_entropy=return_entropy,
+            chunk_size=chunk_size, tp_group=self.tp_group,
+        )  # fmt: skip
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` token ids (no padding) -> ``[B, T, V]`` logits: the plain path for parity checks."""
+        b, t = input_ids.shape
+        dev = input_ids.device
+        positions = torch.arange(t, device=dev).repeat(b)
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev)
+        hidden = self(input_ids.reshape(-1), positions, cu, t)
+        return self.compute_logits(hidden).view(b, t, -1)
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def hf_layouts(self) -> dict:
+        """``{param_name: [Layout]}``: how each (full, unsharded) parameter is made of Hugging Face tensors."""
+        cfg = self.config
+        h, v = cfg.hidden_size, cfg.vocab_size
+        out = {"embed_tokens.weight": [layout((v, h), 0, [("model.embed_tokens.weight", v)])]}
+        for i, layer in enumerate(self.layers):
+            name, hf = f"layers.{i}", f"model.layers.{i}"
+            out.update(layer.self_attn.layouts(f"{name}.self_attn", f"{hf}.self_attn", cfg))
+            out.update(layer.mlp.layouts(f"{name}.mlp", f"{hf}.mlp", cfg))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                out[f"{name}.{norm}.weight"] = [layout((h,), 0, [(f"{hf}.{norm}.weight", h)])]
+        out["norm.weight"] = [layout((h,), 0, [("model.norm.weight", h)])]
+        if self.lm_head is not None:
+            out["lm_head.weight"] = [layout((v, h), 0, [("lm_head.weight", v)])]
+        return out

@@ -1,0 +1,74 @@
+"""The leaf modules of every adapter: linear, vocab embedding, RMSNorm.
+
+Plain parameters and areno kernels. Each holds ``tp_style``/``tp_group`` (``None`` unless the TP plan in
+``tp.py`` set them) and runs the matching collective; without TP they are the plain single-device ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from areno.kernels.rms_norm import rms_norm
+from areno.models.tp import copy_to_tp, gather_from_tp, reduce_from_tp
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with ``W [out, in]``; column/row parallel when the TP plan says so."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_style == "row":
+            y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)
+            return y if self.bias is None else y + self.bias
+        if self.tp_style == "column":
+            x = copy_to_tp(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding ``[V, H]``; vocab parallel under TP (this rank holds rows ``[vocab_start, vocab_end)``)."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype))
+        self.vocab_start, self.vocab_end = 0, vocab_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(inside, ids - self.vocab_start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return reduce_from_tp(out, self.tp_group)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """``hidden @ W^T`` over the full vocabulary, ``W`` this rank's vocab shard (logits all-gathered under TP)."""
+    return gather_from_tp(F.linear(copy_to_tp(hidden, group), weight), group)
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm`` over the last dim; ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual=residual)

@@ -1,0 +1,179 @@
+"""Hugging Face checkpoint -> areno model: resolve the folder, read the config, build on the meta device, shard,
+and copy each weight slice from safetensors straight into its parameter on the target device.
+
+Peak memory is the model shard plus one tensor slice in host memory; no full second copy of the model exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from areno.models.registry import get_adapter
+from areno.models.tp import apply_tp_plan, pieces, register_grad_hooks
+
+HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "merges.txt", "vocab*"]
+IGNORED_KEYS = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(path_or_repo_id: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id resolved through huggingface_hub (cache when offline)."""
+    text = str(path_or_repo_id)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise FileNotFoundError(f"model path {text!r} is not a folder (expected config.json and *.safetensors in it)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS))
+    except Exception as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        raise FileNotFoundError(
+            f"could not resolve model {text!r}: it is not a local folder, and the Hugging Face Hub repo id could not "
+            f"be resolved{' (HF_HUB_OFFLINE is set: only ids already in the local cache resolve)' if offline else ''}"
+            f" [{type(e).__name__}: {e}]. Pass a local folder holding config.json and *.safetensors instead, "
+            f"e.g. --model-path /path/to/model (or --ckpt /path/to/model)."
+        ) from e
+
+
+def read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model folder?")
+    return json.loads(file.read_text())
+
+
+def resolve_dtype(dtype, raw_config: dict, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or raw_config.get("dtype") or raw_config.get("torch_dtype")
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    result = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(result, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (use float32, bfloat16 or float16)")
+    return result
+
+
+class SafetensorsFiles:
+    """The tensors of a folder's safetensors files (sharded with an index, or not), opened lazily."""
+
+    def __init__(self, path: Path, stack: ExitStack):
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"{path} holds no *.safetensors files")
+        self.handles = {f: stack.enter_context(safe_open(str(path / f), framework="pt", device="cpu")) for f in files}
+        if weight_map is None:
+            weight_map = {k: f for f, h in self.handles.items() for k in h.keys()}
+        self.weight_map = weight_map
+
+    def keys(self):
+        return self.weight_map.keys()
+
+    def read(self, name: str, index: tuple) -> torch.Tensor:
+        return self.handles[self.weight_map[name]].get_slice(name)[index]
+
+
+class TensorDict:
+    """In-memory full Hugging Face tensors (e.g. weight sync from a trainer) with the same interface."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def read(self, name: str, index: tuple) -> torch.Tensor:
+        return self.tensors[name][index]
+
+
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every (meta) parameter by an uninitialised one on ``device``; buffers are made by ``init_buffers``."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            new = torch.empty(p.shape, dtype=dtype, device=device)
+            setattr(module, name, nn.Parameter(new, requires_grad=p.requires_grad))
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, source) -> None:
+    """Copy this rank's slice of every Hugging Face tensor in ``source`` into the model's parameters.
+
+    ``source`` is a ``SafetensorsFiles``, a ``TensorDict`` or a plain ``{hf_name: full tensor}`` dict.
+    Every parameter must be covered; unknown tensors are an error (except ignorable buffers and a tied LM head).
+    """
+    if isinstance(source, dict):
+        source = TensorDict(source)
+    params = dict(model.named_parameters())
+    available = set(source.keys())
+    expected, missing = set(), []
+    for pname, lays in model._tp_layouts.items():
+        param = params[pname]
+        for pc in pieces(lays, model.tp_rank, model.tp_size):
+            expected.add(pc.hf_name)
+            if pc.hf_name not in available:
+                missing.append(pc.hf_name)
+                continue
+            param[pc.dst].copy_(source.read(pc.hf_name, pc.src))
+    if missing:
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
+    extra = [
+        k
+        for k in available - expected
+        if not k.endswith(IGNORED_KEYS) and not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    ]
+    if extra:
+        raise KeyError(f"checkpoint has {len(extra)} tensors the {model.config.model_type} adapter does not use, e.g. "
+                       f"{sorted(extra)[:5]}")  # fmt: skip
+
+
+def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_backend=None):
+    """Build an areno model from a Hugging Face folder or repo id (see the module docstring); returned in eval mode."""
+    path = resolve_model_path(path_or_repo_id)
+    raw = read_config(path)
+    if "model_type" not in raw:
+        raise ValueError(f"{path / 'config.json'} has no model_type")
+    adapter = get_adapter(raw["model_type"])
+    from transformers import AutoConfig
+
+    cfg = adapter.config_from_hf(AutoConfig.from_pretrained(str(path)))
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = resolve_dtype(dtype, raw, device)
+    with torch.device("meta"):
+        model = adapter.model_class(cfg, attn_backend=attn_backend or "flash")
+    apply_tp_plan(model, tp_group)
+    materialize(model, dtype, device)
+    with ExitStack() as stack:
+        load_hf_weights(model, SafetensorsFiles(path, stack))
+    model.init_buffers(device)
+    register_grad_hooks(model)
+    model.hf_config, model.source_dir, model.name_or_path = raw, path, str(path_or_repo_id)
+    return model.eval()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_tokenizer(path_or_repo_id):
+    """The checkpoint's tokenizer (``AutoTokenizer``, local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_path(path_or_repo_id)), local_files_only=True)

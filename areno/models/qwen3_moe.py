@@ -1,0 +1,116 @@
+"""Qwen3-MoE: the Qwen3 decoder with sparse MoE MLPs (softmax top-k router, SwiGLU experts, no shared expert).
+
+Hugging Face stores one ``gate_proj/up_proj/down_proj`` per expert; areno stacks them at load into
+``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]`` for ``fused_moe``, and unstacks them at save.
+Each MoE layer counts the tokens routed to each expert in ``expert_load`` (int64 ``[E]``, not saved) on every
+forward that trains (``model.training`` and grad enabled); routing runs outside activation recomputation, so a
+step counts each token exactly once. ``model.expert_load()`` stacks them ``[num_moe_layers, E]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from areno.kernels.moe import fused_moe
+from areno.kernels.moe_routing import route_softmax_topk
+from areno.models.base import MLP, CausalLM
+from areno.models.layers import Linear
+from areno.models.model_config import ModelConfig, dense_config, get
+from areno.models.registry import register
+from areno.models.tp import copy_to_tp, layout, reduce_from_tp
+
+
+def qwen3_moe_config(hf) -> ModelConfig:
+    if get(hf, "use_sliding_window", False):
+        raise NotImplementedError("qwen3_moe: use_sliding_window=true is not supported")
+    return dense_config(
+        hf,
+        "qwen3_moe",
+        qk_norm=True,
+        num_experts=get(hf, "num_experts", None) or get(hf, "num_local_experts"),
+        num_experts_per_tok=get(hf, "num_experts_per_tok"),
+        moe_intermediate_size=get(hf, "moe_intermediate_size"),
+        norm_topk_prob=bool(get(hf, "norm_topk_prob", False)),
+        decoder_sparse_step=get(hf, "decoder_sparse_step", 1),
+        mlp_only_layers=list(get(hf, "mlp_only_layers", [])),
+    )
+
+
+class Experts(nn.Module):
+    """Stacked expert weights; under TP every rank holds every expert's slice of the intermediate dim."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    has_router = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts)  # the router, replicated under TP
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.register_buffer("expert_load", None, persistent=False)
+
+    def init_buffers(self, device) -> None:
+        self.expert_load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+
+    def route(self, x):
+        logits = self.gate(x)
+        weights, ids, counts = route_softmax_topk(logits, self.top_k, renormalize=self.renormalize)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            # the routing kernel's weights carry no autograd graph: recompute them from the chosen ids (T x E, cheap)
+            weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, ids.long())
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.training and torch.is_grad_enabled() and self.expert_load is not None:
+            self.expert_load += counts
+        return weights, ids
+
+    def compute(self, x, weights, ids):
+        group = self.experts.tp_group
+        x, weights = copy_to_tp(x, group), copy_to_tp(weights, group)
+        out = fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        return reduce_from_tp(out, group)
+
+    def forward(self, x):
+        return self.compute(x, *self.route(x))
+
+    def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        exp = f"{hf}.experts"
+        return {
+            f"{name}.gate.weight": [layout((e, h), 0, [(f"{hf}.gate.weight", e)])],
+            f"{name}.experts.w13": [
+                layout((e, 2 * i, h), 0, [(f"{exp}.{j}.gate_proj.weight", i), (f"{exp}.{j}.up_proj.weight", i)], j)
+                for j in range(e)
+            ],
+            f"{name}.experts.w2": [layout((e, h, i), 1, [(f"{exp}.{j}.down_proj.weight", i)], j) for j in range(e)],
+        }
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash"):
+        factory = lambda cfg, i: SparseMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg)  # noqa: E731
+        super().__init__(cfg, attn_backend=attn_backend, mlp_factory=factory)
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def expert_load(self) -> torch.Tensor:
+        """int64 ``[num_moe_layers, E]``: tokens routed to each expert since the last reset (training forwards)."""
+        return torch.stack([m.expert_load for m in self.moe_layers()])
+
+    def reset_expert_load(self) -> None:
+        for m in self.moe_layers():
+            m.expert_load.zero_()
+
+
+register("qwen3_moe", qwen3_moe_config, Qwen3MoeForCausalLM)
