@@ -176,7 +176,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
     xv, b, sx0, sx1 = _rows(x)
     block_m, block_n, num_warps = _tiles(m, n)
     num_tiles = triton.cdiv(m, block_m)
-    slots = 2 * _sm_count(x.device.index or 0) if x.is_cuda else 4
+    slots = 4 * _sm_count(x.device.index or 0) if x.is_cuda else 4
     programs = max(1, min(num_tiles, slots))
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
     _rms_norm_bwd_kernel[(programs,)](
