@@ -1,0 +1,58 @@
+"""Per-algorithm loss functions in the trainer's ``loss_fn(out, packed, norms) -> (loss, stats)`` form."""
+
+from __future__ import annotations
+
+import torch
+
+from areno.rl.losses import dpo_loss, gspo_loss, policy_loss, sft_loss
+
+
+def sft_loss_fn():
+    def fn(out, packed, norms):
+        return sft_loss(out.logprobs, packed.mask, num_tokens=norms.num_tokens)
+
+    return fn
+
+
+def grpo_loss_fn(cfg, *, dual_clip=None):
+    """Token-level clipped surrogate; old log-probs are the rollout's. Rows may carry per-token ``tis`` weights and
+    ``ref`` log-probs in their extras."""
+
+    def fn(out, packed, norms):
+        norm = norms.num_tokens if cfg.loss_agg == "token-mean" else norms.num_seqs
+        return policy_loss(
+            out.logprobs, packed.old_logprobs, packed.advantages, packed.mask, packed.seq_index,
+            num_rows=packed.num_rows, norm=norm, clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high,
+            dual_clip=dual_clip, loss_agg=cfg.loss_agg, tis_weight=packed.tok.get("tis"),
+            ref_logp=packed.tok.get("ref"), kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+            entropy=out.entropy, entropy_coef=cfg.entropy_coef,
+        )
+
+    return fn
+
+
+def gspo_loss_fn(cfg):
+    def fn(out, packed, norms):
+        return gspo_loss(
+            out.logprobs, packed.old_logprobs, packed.seq_advantages, packed.mask, packed.seq_index,
+            num_rows=packed.num_rows, num_seqs=norms.num_seqs, clip_low=cfg.gspo_clip_eps,
+            clip_high=cfg.gspo_clip_eps * 4 / 3, ref_logp=packed.tok.get("ref"), kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator, num_tokens=norms.num_tokens,
+        )
+
+    return fn
+
+
+def dpo_loss_fn(cfg):
+    """Rows come in adjacent (chosen, rejected) pairs; each row's ``extras['ref']`` is its summed reference
+    log-prob over the response."""
+
+    def fn(out, packed, norms):
+        sums = torch.zeros(packed.num_rows, dtype=torch.float32, device=out.logprobs.device)
+        sums.index_add_(0, packed.seq_index, out.logprobs * packed.mask)
+        ref = packed.row["ref"]
+        return dpo_loss(sums[0::2], sums[1::2], ref[0::2], ref[1::2], beta=cfg.dpo_beta,
+                        label_smoothing=cfg.dpo_label_smoothing, num_pairs=norms.num_seqs / 2)
+
+    return fn
+

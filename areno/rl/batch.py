@@ -1,0 +1,106 @@
+"""The packed batch layout every loss shares.
+
+A row is one sequence: prompt tokens then response tokens. Rows are packed end to end into ``input_ids [T]`` with
+``cu_seqlens``; position j of a row predicts its token j + 1, so the response token k of a row with P prompt tokens
+is scored at position P - 1 + k. ``targets`` holds that next token at scored positions and -100 elsewhere; every
+per-token field (rollout log-probs, advantages, ...) is laid out on the same positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Row:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float] | None = None  # log-prob of each response token under the rollout policy
+    advantage: float = 0.0  # sequence-level (GRPO/GSPO); PPO fills token_advantages
+    reward: float = 0.0
+    token_advantages: list[float] | None = None
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self):
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    cu_seqlens: torch.Tensor  # int32 [B+1]
+    max_seqlen: int
+    targets: torch.Tensor  # int64 [T], -100 where nothing is scored
+    mask: torch.Tensor  # float32 [T]
+    seq_index: torch.Tensor  # int64 [T]
+    num_rows: int
+    old_logprobs: torch.Tensor | None = None  # float32 [T]
+    advantages: torch.Tensor | None = None  # float32 [T]
+    seq_advantages: torch.Tensor | None = None  # float32 [B]
+    tok: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token extras (row.extras lists), float32 [T]
+    row: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row extras (row.extras scalars), float32 [B]
+
+    def to(self, device) -> Packed:
+        move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        kw = {k: ({kk: move(vv) for kk, vv in v.items()} if isinstance(v, dict) else move(v))
+              for k, v in vars(self).items()}
+        return Packed(**kw)
+
+
+def pack(rows: list[Row]) -> Packed:
+    ids, pos, tgt, seq, old, adv, cu = [], [], [], [], [], [], [0]
+    has_old = all(r.rollout_logprobs is not None for r in rows)
+    for i, r in enumerate(rows):
+        P, R = len(r.prompt_ids), len(r.response_ids)
+        tokens = list(r.prompt_ids) + list(r.response_ids)
+        ids.extend(tokens)
+        pos.extend(range(P + R))
+        tgt.extend([-100] * (P - 1) + list(r.response_ids) + [-100])
+        seq.extend([i] * (P + R))
+        if has_old:
+            old.extend([0.0] * (P - 1) + list(r.rollout_logprobs) + [0.0])
+        token_adv = r.token_advantages if r.token_advantages is not None else [r.advantage] * R
+        adv.extend([0.0] * (P - 1) + list(token_adv) + [0.0])
+        cu.append(cu[-1] + P + R)
+    targets = torch.tensor(tgt, dtype=torch.int64)
+    tok, row = {}, {}
+    for key in rows[0].extras if rows else ():
+        if isinstance(rows[0].extras[key], (list, tuple)):
+            vals = []
+            for r in rows:
+                vals.extend([0.0] * (len(r.prompt_ids) - 1) + list(r.extras[key]) + [0.0])
+            tok[key] = torch.tensor(vals, dtype=torch.float32)
+        else:
+            row[key] = torch.tensor([float(r.extras[key]) for r in rows], dtype=torch.float32)
+    return Packed(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(pos, dtype=torch.int64),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        max_seqlen=max(len(r) for r in rows),
+        targets=targets,
+        mask=(targets != -100).float(),
+        seq_index=torch.tensor(seq, dtype=torch.int64),
+        num_rows=len(rows),
+        old_logprobs=torch.tensor(old, dtype=torch.float32) if has_old else None,
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        seq_advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        tok=tok,
+        row=row,
+    )
+
+
+def per_row(values: torch.Tensor, packed: Packed) -> list[list[float]]:
+    """Split a per-token tensor back into each row's response-token values."""
+    out, vals, mask = [], values.detach().float().cpu(), packed.mask.cpu() > 0
+    cu = packed.cu_seqlens.tolist()
+    for b in range(packed.num_rows):
+        sl = slice(cu[b], cu[b + 1])
+        out.append(vals[sl][mask[sl]].tolist())
+    return out
+
+
+def microbatches(rows: list, mini_bs: int) -> list[list]:
+    return [rows[i : i + mini_bs] for i in range(0, len(rows), mini_bs)]

@@ -1,0 +1,49 @@
+"""PPO's critic: a value head on its own copy of the policy backbone (or on ``--critic-ckpt``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from areno.rl.batch import pack, per_row
+
+
+class ValueModel(nn.Module):
+    is_value_model = True
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        p = next(backbone.parameters())
+        self.value_head = nn.Linear(hidden_size, 1, dtype=p.dtype, device=p.device)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_policy(cls, path, policy, *, dtype, device, tp_group=None):
+        from areno.models import load_model
+
+        backbone = load_model(path, dtype=dtype, device=device, tp_group=tp_group) if path else None
+        if backbone is None:
+            import copy
+
+            backbone = copy.deepcopy(policy)
+        backbone.train()
+        hidden = backbone.lm_head_weight.shape[-1]
+        return cls(backbone, hidden)
+
+    def values(self, input_ids, positions, *, cu_seqlens, max_seqlen) -> torch.Tensor:
+        """V(s_t) at every packed position (the state before the token that position predicts), fp32 [T]."""
+        hidden = self.backbone(input_ids, positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.value_head(hidden).squeeze(-1).float()
+
+    @torch.no_grad()
+    def response_values(self, rows, mini_bs: int) -> list[list[float]]:
+        out = []
+        device = next(self.parameters()).device
+        for i in range(0, len(rows), mini_bs):
+            packed = pack(rows[i : i + mini_bs]).to(device)
+            v = self.values(packed.input_ids, packed.positions, cu_seqlens=packed.cu_seqlens,
+                            max_seqlen=packed.max_seqlen)
+            out.extend(per_row(v, packed))
+        return out

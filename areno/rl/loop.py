@@ -1,0 +1,489 @@
+"""The training loop behind ``areno train``: data -> rollout -> rewards -> advantages -> updates -> metrics ->
+checkpoints, for SFT, DPO, GRPO, GSPO and PPO, with the rollout engine colocated on the trainer's ranks.
+
+Colocated means the engine decodes with the very parameter tensors the optimizer updates in place, so there is no
+weight copy between the two. Every step the trainer recomputes the log-probs of the sampled tokens and logs their
+difference from the rollout's (``logprob_diff``); truncated importance sampling uses the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areno.rl import algorithms
+from areno.rl.advantages import gae, group_advantages
+from areno.rl.batch import Row
+from areno.rl.losses import value_loss
+from areno.rl.trainer import PolicyTrainer
+
+log = logging.getLogger("areno.train")
+RL_ALGOS = ("grpo", "gspo", "ppo")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _dtype(cfg, device) -> torch.dtype:
+    if cfg.dtype:
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _gather_objects(obj, group):
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class TrainLoop:
+    def __init__(self, cfg, *, model=None, tokenizer=None):
+        self.cfg = cfg
+        self._model, self._tokenizer = model, tokenizer
+        self.step_index = 0
+        self.engine = None
+        self.critic = None
+        self.eval_rows: list[dict] = []
+
+    # ---- set-up --------------------------------------------------------------------------------------------
+    def setup(self):
+        from areno import parallel
+        from areno.rl.data import PromptIterator, check_rows, default_loader, load_rows
+        from areno.rl.plugins import load_dataset_loader, load_reward_fn
+
+        cfg = self.cfg
+        # user files first: a bad plugin fails before any GPU work
+        self.reward_fn = load_reward_fn(cfg.reward_fn_path) if cfg.reward_fn_path else None
+        loader = load_dataset_loader(cfg.dataset_loader_fn) if cfg.dataset_loader_fn else None
+        rows = load_rows(cfg.dataset_path, loader_fn=loader) if (cfg.dataset_path or loader) else []
+        self.eval_rows = [r for r in rows if r.get("split") in ("eval", "test")]
+        rows = [r for r in rows if r.get("split") not in ("eval", "test")]
+        check_rows(rows, cfg.algo)
+        if self.reward_fn is None and cfg.algo in RL_ALGOS:
+            raise ValueError(f"--algo {cfg.algo} needs --reward-fn-path")
+
+        if cfg.world_size > 1:
+            parallel.init_distributed(tp_size=cfg.tp_size)
+        self.tp_group = parallel.get_tp_group() if cfg.tp_size > 1 else None
+        self.dp_group = parallel.get_dp_group() if cfg.world_size // cfg.tp_size > 1 else None
+        self.dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        self.dp_size = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        self.is_main = parallel.is_main_process()
+        torch.manual_seed(cfg.seed)
+
+        self.device = _device()
+        self.dtype = _dtype(cfg, self.device)
+        self.model, self.tokenizer = self._load_policy()
+        self.rows = self._tokenize(rows)
+        self.eval_data = self._tokenize(self.eval_rows)
+        unit = 2 if cfg.algo == "dpo" else 1
+        self.batch_rows = cfg.batch_size
+        self.data = PromptIterator(self.rows, cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
+        total = cfg.max_steps or max(1, math.ceil(len(self.rows) / cfg.batch_size) * cfg.epochs)
+        self.total_steps = total
+        self.trainer = self._make_trainer(self.model, cfg.lr, total, unit)
+        self.ref = self._load_ref() if (cfg.algo == "dpo" or cfg.kl_coef > 0) else None
+        if cfg.algo == "ppo":
+            self._setup_critic(total)
+        if cfg.algo in RL_ALGOS:
+            self._build_engine()
+        self.logger = self._make_logger()
+        self.default_loader = default_loader
+        if cfg.resume:
+            self._resume()
+
+    def _load_policy(self):
+        from areno.models import load_model, load_tokenizer
+
+        cfg = self.cfg
+        model = self._model or load_model(cfg.ckpt, dtype=self.dtype, device=self.device, tp_group=self.tp_group,
+                                          attn_backend=cfg.attn_backend)
+        tok = self._tokenizer or load_tokenizer(cfg.ckpt)
+        model.train()
+        if hasattr(model, "set_activation_checkpointing"):
+            model.set_activation_checkpointing(cfg.activation_checkpointing)
+        return model, tok
+
+    def _load_ref(self):
+        from areno.models import load_model
+
+        cfg = self.cfg
+        ref = load_model(cfg.ref_ckpt or cfg.ckpt, dtype=self.dtype, device=self.device, tp_group=self.tp_group,
+                         attn_backend=cfg.attn_backend) if (cfg.ref_ckpt or cfg.ckpt) else _frozen_copy(self.model)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _make_trainer(self, model, lr, total, unit=1):
+        from areno.rl.optimizer import MasterAdamW
+        from areno.rl.schedule import LRSchedule
+
+        cfg = self.cfg
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = MasterAdamW(params, lr=lr, weight_decay=cfg.weight_decay, dp_group=self.dp_group,
+                          tp_group=self.tp_group, offload=cfg.optimizer_state_offload,
+                          offload_dir=cfg.optimizer_state_offload_dir,
+                          offload_batch_size=cfg.optimizer_state_offload_batch_size)
+        updates_per_step = max(1, cfg.ppo_epochs if cfg.algo in RL_ALGOS else 1)
+        sched = LRSchedule(lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=total * updates_per_step,
+                           style=cfg.lr_decay_style)
+        trainer = PolicyTrainer(model, opt, sched, temperature=self._logprob_temperature(), grad_clip=cfg.grad_clip,
+                                dp_group=self.dp_group, tp_group=self.tp_group)
+        trainer.unit = unit
+        return trainer
+
+    def _logprob_temperature(self) -> float:
+        t = self.cfg.temperature
+        return t if t and t > 0 and self.cfg.algo in RL_ALGOS else 1.0
+
+    def _setup_critic(self, total):
+        from areno.rl.critic import ValueModel
+
+        cfg = self.cfg
+        self.critic = ValueModel.from_policy(cfg.critic_ckpt or cfg.ckpt, self.model, dtype=self.dtype,
+                                             device=self.device, tp_group=self.tp_group)
+        if hasattr(self.critic.backbone, "set_activation_checkpointing"):
+            self.critic.backbone.set_activation_checkpointing(cfg.activation_checkpointing)
+        self.critic_trainer = self._make_trainer(self.critic, cfg.critic_lr or cfg.lr, total)
+
+    def _build_engine(self):
+        from areno.rollout.engine import Engine, EngineConfig
+        from areno.rollout.session import eos_ids_from_checkpoint
+
+        cfg = self.cfg
+        max_len = cfg.max_prompt_tokens + cfg.max_new_tokens
+        eos = None
+        if cfg.ckpt and Path(cfg.ckpt).is_dir():
+            eos = sorted(set(eos_ids_from_checkpoint(cfg.ckpt)) | {self.tokenizer.eos_token_id})
+        econf = EngineConfig(
+            max_running=cfg.max_running_prompts or max(1, cfg.batch_size * cfg.n_samples),
+            max_model_len=max_len, eager_decode=cfg.eager_decode, seed=cfg.seed + 7919 * self.dp_rank,
+            kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
+            decode_progress_interval_s=cfg.decode_progress_interval_s or None,
+        )
+        self.engine = Engine(self.model, self.tokenizer, econf, eos_token_ids=eos)
+
+    def _make_logger(self):
+        from areno.rl.metrics import MetricsLogger
+
+        cfg = self.cfg
+        folder = cfg.metrics_dir or (str(Path(cfg.save_path) / "metrics") if cfg.save_path else "runs/latest")
+        return MetricsLogger(folder, tensorboard=cfg.tensorboard, rank=0 if self.is_main else 1)
+
+    # ---- data ----------------------------------------------------------------------------------------------
+    def prompt_ids(self, prompt) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(prompt, list):
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        else:
+            text = prompt
+        return tok.encode(text, add_special_tokens=False)
+
+    def _tokenize(self, rows):
+        cfg, out, dropped = self.cfg, [], 0
+        eos = self.tokenizer.eos_token_id
+        for r in rows:
+            r = dict(r)
+            if cfg.algo == "dpo":
+                r["_prompt_ids"] = self.prompt_ids(r["prompt"]) if r.get("prompt") is not None else []
+                r["_chosen"] = self._response_ids(r["chosen"], eos)
+                r["_rejected"] = self._response_ids(r["rejected"], eos)
+            else:
+                r["_prompt_ids"] = self.prompt_ids(r["prompt"])
+                if cfg.algo == "sft":
+                    r["_response_ids"] = self._response_ids(r["response"], eos)
+            if len(r["_prompt_ids"]) > cfg.max_prompt_tokens or (cfg.algo != "dpo" and not r["_prompt_ids"]):
+                dropped += 1
+                continue
+            out.append(r)
+        if dropped:
+            log.warning("dropped %d rows whose prompt is empty or longer than --max-prompt-tokens %d", dropped,
+                        cfg.max_prompt_tokens)
+        return out
+
+    def _response_ids(self, response, eos):
+        if isinstance(response, list):  # chat messages: the assistant text
+            response = "".join(m.get("content", "") for m in response if m.get("role") == "assistant")
+        ids = self.tokenizer.encode(response, add_special_tokens=False)
+        return ids + ([eos] if eos is not None else [])
+
+    # ---- rollout -------------------------------------------------------------------------------------------
+    def sampling_options(self, n=None, greedy=False):
+        from areno.rollout.sequence import SamplingOptions
+
+        cfg = self.cfg
+        return SamplingOptions(
+            temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=max(0, cfg.top_k),
+            max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens, stop=cfg.stop or [],
+            n=n or cfg.n_samples,
+        )
+
+    def rollout(self, batch: list[dict]) -> tuple[list[Row], dict]:
+        """Generate n samples per prompt of this rank's share, score them, gather all ranks' rows."""
+        from areno.rl.rewards import record_from, score
+
+        mine = batch[self.dp_rank :: self.dp_size]
+        t0 = time.perf_counter()
+        self.model.eval()
+        results = self.engine.generate([r["_prompt_ids"] for r in mine], self.sampling_options())
+        self.model.train()
+        t_roll = time.perf_counter() - t0
+        records, flat = [], []
+        for row, group in zip(mine, results):
+            for c in group:
+                text = c.text if c.text is not None else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                records.append(record_from(row, text, c.token_ids, len(records)))
+                flat.append((row, c))
+        t1 = time.perf_counter()
+        rewards, failures = score(self.reward_fn, records)
+        t_reward = time.perf_counter() - t1
+        local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason)
+                 for (row, c), rew in zip(flat, rewards)]
+        gathered = [x for part in _gather_objects(local, self.dp_group) for x in part]
+        n_tok = sum(len(x[1]) for x in gathered)
+        rows = [Row(p, list(ids), list(lps), reward=float(rew)) for p, ids, lps, rew, _ in gathered]
+        stats = {
+            "rollout_s": t_roll, "reward_s": t_reward, "reward_failures": failures,
+            "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t_roll, 1e-9) * self.dp_size,
+            "response_len_mean": n_tok / max(1, len(rows)),
+            "response_len_max": max((len(r.response_ids) for r in rows), default=0),
+            "truncated_frac": sum(x[4] == "length" for x in gathered) / max(1, len(gathered)),
+        }
+        return rows, stats
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+    def step_rl(self, batch) -> dict:
+        cfg = self.cfg
+        rows, m = self.rollout(batch)
+        rewards = torch.tensor([r.reward for r in rows])
+        adv, zero_var = group_advantages(rewards, cfg.n_samples, std_normalize=cfg.advantage_std_norm)
+        m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(rows) > 1 else 0.0,
+                 zero_variance_groups=int(zero_var.sum()), groups=len(zero_var))
+        for r, a in zip(rows, adv.tolist()):
+            r.advantage = a
+        if cfg.filter_zero_variance_groups and cfg.algo != "ppo":
+            keep = [i for i, z in enumerate(zero_var.tolist()) if not z]
+            rows = [r for g in keep for r in rows[g * cfg.n_samples : (g + 1) * cfg.n_samples]]
+        rows = [r for r in rows if r.response_ids]
+        if not rows:
+            m["skipped"] = 1
+            return m
+        t0 = time.perf_counter()
+        prox = self.trainer.compute_logprobs(rows, cfg.mini_bs)  # the trainer's view of the rollout tokens
+        diffs = [abs(a - b) for r, p in zip(rows, prox) for a, b in zip(p, r.rollout_logprobs)]
+        m["logprob_diff"] = sum(diffs) / max(1, len(diffs))
+        m["logprob_diff_max"] = max(diffs, default=0.0)
+        for r, p in zip(rows, prox):
+            if cfg.tis_cap > 0:
+                r.extras["tis"] = [min(math.exp(a - b), cfg.tis_cap) for a, b in zip(p, r.rollout_logprobs)]
+        if self.ref is not None:
+            for r, p in zip(rows, self.trainer.compute_logprobs(rows, cfg.mini_bs, model=self.ref)):
+                r.extras["ref"] = p
+        m["logprob_s"] = time.perf_counter() - t0
+        if cfg.algo == "ppo":
+            m.update(self._ppo_values(rows))
+            loss_fn = algorithms.grpo_loss_fn(cfg, dual_clip=cfg.dual_clip)
+        elif cfg.algo == "gspo":
+            loss_fn = algorithms.gspo_loss_fn(cfg)
+        else:
+            loss_fn = algorithms.grpo_loss_fn(cfg)
+        t1 = time.perf_counter()
+        train_policy = not (cfg.algo == "ppo" and self.step_index < cfg.critic_warmup_steps)
+        if train_policy:
+            s = self.trainer.train(rows, loss_fn, cfg.mini_bs, cfg.gradient_accumulation_steps,
+                                   epochs=cfg.ppo_epochs, entropy=cfg.entropy_coef > 0, shuffle_seed=cfg.seed)
+            m.update(_normalise(s))
+        if cfg.algo == "ppo":
+            m.update(self._ppo_critic_update(rows))
+        m["train_s"] = time.perf_counter() - t1
+        n_train = sum(len(r) for r in rows) * (cfg.ppo_epochs + 1)
+        m["train_tok_s"] = n_train / max(1e-9, m["train_s"] + m["logprob_s"])
+        if cfg.drop_rollout_state:
+            self.engine.drop_rollout_state()
+        return m
+
+    def step_sft(self, batch) -> dict:
+        cfg = self.cfg
+        rows = [Row(r["_prompt_ids"], r["_response_ids"]) for r in batch]
+        t0 = time.perf_counter()
+        s = self.trainer.train(rows, algorithms.sft_loss_fn(), cfg.mini_bs, cfg.gradient_accumulation_steps)
+        m = _normalise(s)
+        m["train_s"] = time.perf_counter() - t0
+        m["train_tok_s"] = sum(len(r) for r in rows) / max(1e-9, m["train_s"])
+        return m
+
+    def step_dpo(self, batch) -> dict:
+        cfg = self.cfg
+        rows = []
+        for r in batch:
+            rows += [Row(r["_prompt_ids"] or [self.tokenizer.eos_token_id], r["_chosen"]),
+                     Row(r["_prompt_ids"] or [self.tokenizer.eos_token_id], r["_rejected"])]
+        for row, lp in zip(rows, self.trainer.compute_logprobs(rows, cfg.mini_bs * 2, model=self.ref)):
+            row.extras["ref"] = float(sum(lp))
+        t0 = time.perf_counter()
+        s = self.trainer.train(rows, algorithms.dpo_loss_fn(cfg), cfg.mini_bs, cfg.gradient_accumulation_steps,
+                               unit=2)
+        m = _normalise(s)
+        m["train_s"] = time.perf_counter() - t0
+        return m
+
+    # ---- PPO critic ----------------------------------------------------------------------------------------
+    def _ppo_values(self, rows) -> dict:
+        cfg = self.cfg
+        with torch.no_grad():
+            values = self.critic.response_values(rows, cfg.mini_bs)
+        R = max(len(r.response_ids) for r in rows)
+        pad = lambda xs: xs + [0.0] * (R - len(xs))  # noqa: E731
+        v = torch.tensor([pad(x) for x in values])
+        mask = torch.tensor([[1.0] * len(r.response_ids) + [0.0] * (R - len(r.response_ids)) for r in rows])
+        rew = torch.zeros_like(v)
+        for i, r in enumerate(rows):
+            rew[i, len(r.response_ids) - 1] = r.reward
+        adv, ret = gae(rew, v, mask, gamma=cfg.gamma, lam=cfg.gae_lambda)
+        flat = adv[mask > 0]
+        mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.tensor(1.0)
+        adv = (adv - mean) / (std + 1e-8) * mask  # whitened over the batch's response tokens
+        for i, r in enumerate(rows):
+            n = len(r.response_ids)
+            r.token_advantages = adv[i, :n].tolist()
+            r.extras["old_values"] = v[i, :n].tolist()
+            r.extras["returns"] = ret[i, :n].tolist()
+        return {"value_mean": float(v[mask > 0].mean()), "return_mean": float(ret[mask > 0].mean())}
+
+    def _ppo_critic_update(self, rows) -> dict:
+        cfg = self.cfg
+
+        def fn(out, packed, norms):
+            values = out.values
+            return value_loss(values, packed.tok["old_values"], packed.tok["returns"], packed.mask,
+                              clip=cfg.value_clip, norm=norms.num_tokens)
+
+        s = self.critic_trainer.train(rows, fn, cfg.mini_bs, cfg.gradient_accumulation_steps, epochs=cfg.ppo_epochs)
+        return {"critic_" + k: v for k, v in _normalise(s).items()}
+
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    def evaluate(self, rows=None) -> float | None:
+        """Greedy accuracy (mean reward) on the held-out rows (``split`` eval/test in the dataset)."""
+        from areno.rl.rewards import record_from, score
+
+        rows = self.eval_data if rows is None else rows
+        if not rows or self.reward_fn is None or self.engine is None:
+            return None
+        self.model.eval()
+        out = self.engine.generate([r["_prompt_ids"] for r in rows], self.sampling_options(n=1, greedy=True))
+        self.model.train()
+        records = []
+        for r, group in zip(rows, out):
+            c = group[0]
+            text = c.text if c.text is not None else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            records.append(record_from(r, text, c.token_ids, len(records)))
+        rewards, _ = score(self.reward_fn, records)
+        return sum(rewards) / len(rewards)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def save(self, path=None):
+        from areno.rl.checkpoint import save_checkpoint
+
+        cfg = self.cfg
+        path = Path(path or Path(cfg.save_path) / f"step-{self.step_index}")
+        save_checkpoint(path, model=self.model, tokenizer=self.tokenizer, optimizer=self.trainer.optimizer,
+                        trainer_state={"step": self.step_index, "data": self.data.state_dict(),
+                                       "num_updates": self.trainer.num_updates, "config": _jsonable(asdict(cfg))})
+        return path
+
+    def _resume(self):
+        from areno.rl.checkpoint import latest_checkpoint, load_checkpoint
+
+        cfg = self.cfg
+        path = Path(cfg.resume) if cfg.resume not in ("latest", "auto", "") else latest_checkpoint(cfg.save_path)
+        if path is None or not Path(path).exists():
+            raise FileNotFoundError(f"--resume: no checkpoint found at {cfg.resume or cfg.save_path}")
+        state = load_checkpoint(path, optimizer=self.trainer.optimizer,
+                                rank=dist.get_rank() if dist.is_initialized() else 0)
+        from areno.models import load_model
+
+        fresh = load_model(path, dtype=self.dtype, device=self.device, tp_group=self.tp_group)
+        with torch.no_grad():
+            for p, q in zip(self.model.parameters(), fresh.parameters()):
+                p.copy_(q)
+        del fresh
+        self.step_index = state["step"]
+        self.data.load_state_dict(state["data"])
+        self.trainer.num_updates = state.get("num_updates", 0)
+        log.info("resumed from %s at step %d", path, self.step_index)
+
+    # ---- run -----------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        from tqdm import tqdm
+
+        step_fn = {"sft": self.step_sft, "dpo": self.step_dpo}.get(cfg.algo, self.step_rl)
+        bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.is_main, desc=cfg.algo,
+                   dynamic_ncols=True)
+        last = {}
+        for batch in self.data:
+            if self.step_index >= self.total_steps:
+                break
+            t0 = time.perf_counter()
+            m = step_fn(batch)
+            self.step_index += 1
+            m["step_s"] = time.perf_counter() - t0
+            if torch.cuda.is_available():
+                m["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if cfg.eval_interval and self.step_index % cfg.eval_interval == 0:
+                acc = self.evaluate()
+                if acc is not None:
+                    m["eval_accuracy"] = acc
+            if self.step_index % max(1, cfg.log_interval) == 0:
+                self.logger.log(self.step_index, m)
+            if cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0:
+                self.save()
+            bar.update(1)
+            last = m
+        bar.close()
+        if cfg.save_path:
+            self.save()
+        return last
+
+    def close(self):
+        self.logger.close()
+        self.trainer.optimizer.close()
+        if self.critic is not None:
+            self.critic_trainer.optimizer.close()
+
+
+def _normalise(stats: dict) -> dict:
+    """Turn summed stats into means: *_sum over tokens (or seqs / pairs), loss over updates."""
+    out = {}
+    tokens = stats.get("tokens") or stats.get("seqs") or stats.get("pairs") or 1.0
+    for k, v in stats.items():
+        if k.endswith("_sum"):
+            denom = stats.get("pairs", tokens) if k in ("reward_margin_sum", "accuracy_sum") else tokens
+            out[k[:-4]] = v / max(denom, 1e-9)
+        elif k == "loss":
+            out[k] = v / max(1, stats.get("num_updates", 1))
+        elif k not in ("tokens", "seqs", "pairs"):
+            out[k] = v
+    return out
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)) for k, v in d.items()}
+
+
+def _frozen_copy(model):
+    import copy
+
+    return copy.deepcopy(model)

@@ -1,0 +1,143 @@
+"""The training side of a step: per-token log-probs of a packed batch and optimizer updates over microbatches.
+
+``--mini-bs`` rows form one gradient microbatch (per data-parallel rank); ``--gradient-accumulation-steps``
+microbatches form one optimizer update. Losses are normalised by the token/row counts of the whole update (summed
+over microbatches and data-parallel ranks), so accumulation gives the same update as one big microbatch.
+The model's parameters are shared with the colocated rollout engine: the optimizer writes them in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areno.kernels import linear_logprobs
+from areno.rl.batch import Packed, Row, pack
+
+
+@dataclass
+class ForwardOut:
+    logprobs: torch.Tensor | None  # fp32 [T], 0 where targets == -100
+    entropy: torch.Tensor | None
+    hidden: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # a value model's V(s_t), fp32 [T]
+
+
+@dataclass
+class Norms:
+    """Counts over the whole optimizer update (all microbatches, all data-parallel ranks)."""
+
+    num_tokens: float
+    num_seqs: float
+
+
+def _all_sum(values: list[float], group) -> list[float]:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+class PolicyTrainer:
+    def __init__(self, model, optimizer, schedule, *, temperature=1.0, grad_clip=1.0, dp_group=None, tp_group=None,
+                 logprob_chunk_size=None):
+        self.model = model
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.temperature = temperature
+        self.grad_clip = grad_clip
+        self.dp_group = dp_group
+        self.tp_group = tp_group
+        self.chunk_size = logprob_chunk_size
+        self.device = next(model.parameters()).device
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.num_updates = 0
+
+    # ---- log-probs -----------------------------------------------------------------------------------------
+    def forward(self, packed: Packed, *, entropy=False, keep_hidden=False) -> ForwardOut:
+        p = packed.to(self.device) if packed.input_ids.device != self.device else packed
+        if getattr(self.model, "is_value_model", False):
+            values = self.model.values(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen)
+            return ForwardOut(None, None, values=values)
+        hidden = self.model(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen)
+        out = linear_logprobs(hidden, self.model.lm_head_weight, p.targets, temperature=self.temperature,
+                              return_entropy=entropy, chunk_size=self.chunk_size, tp_group=self.tp_group)
+        lp, ent = out if entropy else (out, None)
+        return ForwardOut(lp, ent, hidden if keep_hidden else None)
+
+    @torch.no_grad()
+    def compute_logprobs(self, rows: list[Row], mini_bs: int, *, model=None) -> list[list[float]]:
+        """Response-token log-probs of ``rows`` under the current (or given) model, no gradient."""
+        from areno.rl.batch import per_row
+
+        model_saved = self.model
+        if model is not None:
+            self.model = model
+        try:
+            out = []
+            for i in range(0, len(rows), mini_bs):
+                packed = pack(rows[i : i + mini_bs])
+                lp = self.forward(packed).logprobs
+                out.extend(per_row(lp, packed))
+            return out
+        finally:
+            self.model = model_saved
+
+    # ---- updates -------------------------------------------------------------------------------------------
+    def train(self, rows: list[Row], loss_fn, mini_bs: int, gradient_accumulation_steps: int,
+              *, epochs: int = 1, entropy: bool = False, shuffle_seed: int | None = None, unit: int = 1) -> dict:
+        """Run ``epochs`` passes of optimizer updates over ``rows`` (every rank passes the same global rows).
+
+        ``loss_fn(out: ForwardOut, packed: Packed, norms: Norms) -> (loss, stats)`` returns this microbatch's share
+        of the update's loss. ``unit`` rows stay together (2 for DPO's chosen/rejected pairs): ``mini_bs`` counts
+        units. Returns summed stats, mean grad norm, lr and the number of updates.
+        """
+        units = [rows[i : i + unit] for i in range(0, len(rows), unit)]
+        per_update = mini_bs * gradient_accumulation_steps * self.dp_size
+        totals: dict[str, float] = {}
+        grad_norms, lrs = [], []
+        for epoch in range(epochs):
+            order = list(units)
+            if shuffle_seed is not None and epochs > 1:
+                g = torch.Generator().manual_seed(shuffle_seed + epoch)
+                order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
+            for start in range(0, len(order), per_update):
+                stats, gn, lr = self._update(order[start : start + per_update], loss_fn, mini_bs, entropy)
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                grad_norms.append(gn)
+                lrs.append(lr)
+        totals["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+        totals["lr"] = lrs[-1] if lrs else self.schedule.lr(self.num_updates)
+        totals["num_updates"] = len(grad_norms)
+        return totals
+
+    def _update(self, group: list[list[Row]], loss_fn, mini_bs: int, entropy: bool):
+        mine = group[self.dp_rank :: self.dp_size]
+        all_rows = [r for u in group for r in u]
+        n_tokens = sum(len(r.response_ids) for r in all_rows)
+        norms = Norms(num_tokens=max(1.0, float(n_tokens)), num_seqs=float(max(1, len(all_rows))))
+        self.optimizer.zero_grad()
+        stats: dict[str, float] = {}
+        micro = [[r for u in mine[i : i + mini_bs] for r in u] for i in range(0, len(mine), mini_bs)]
+        for rows in micro:
+            packed = pack(rows).to(self.device)
+            out = self.forward(packed, entropy=entropy)
+            loss, s = loss_fn(out, packed, norms)
+            loss.backward()
+            for k, v in s.items():
+                stats[k] = stats.get(k, 0.0) + float(v)
+            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
+        # ranks with fewer microbatches still join the collectives inside the optimizer
+        if self.dp_size > 1:
+            keys = sorted(stats)
+            summed = _all_sum([stats[k] for k in keys], self.dp_group)
+            stats = dict(zip(keys, summed))
+        lr = self.schedule.lr(self.num_updates)
+        grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
+        self.num_updates += 1
+        return stats, float(grad_norm), lr
