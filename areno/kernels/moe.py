@@ -1,0 +1,143 @@
+"""Routed experts: ``fused_moe`` (grouped GEMMs over tokens sorted by expert, forward and backward) and the routers.
+
+    y[t] = sum_j w[t, j] * (silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) W2_e^T,   e = topk_ids[t, j]
+    w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]
+
+Triton path (kernels in moe_gemm.py):
+1. Sort the M = T*k (token, slot) pairs by expert: a stable argsort of the ids plus per-expert counts. No host sync
+   and no padded buffer: kernels cut each expert's rows into BLOCK_M blocks themselves from ``counts``.
+2. gate_up: h = silu(x Wg^T) * (x Wu^T) per sorted row, SiLU-and-mul fused; under autograd g|u is saved (M x 2I,
+   in the input dtype: cheaper than recomputing the larger GEMM in backward).
+3. down: y_pair[pair] = w * h W2^T written in pair order, then a per-token sum over its k slots (deterministic,
+   no atomics).
+Backward: dh = dy W2 per row with the routing-weight and SiLU-and-mul backward fused (-> dg|du, w*h, d w); dW2 and
+dW13 as per-expert row reductions (no atomics, deterministic); dx per pair then a per-token sum.
+FLOPs: forward 2*T*k*(H*2I + I*H), backward twice that.
+
+Native path: the per-expert loop as transformers' Qwen3MoeExperts runs it (CPU and reference); ``fused_moe_reference``
+is a dense float64-capable oracle for tests. ``fused_moe`` dispatches through ``use_triton``.
+Ids must lie in [0, E): they are not checked on device (that would need a sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from areno.kernels import moe_gemm
+from areno.kernels.dispatch import use_triton
+from areno.kernels.moe_routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
+
+__all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native",
+           "fused_moe_reference", "sort_by_expert"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order int32 [T*k]: pair ids t*k + j sorted stably by expert, counts int32 [E]); no host sync."""
+    ids = topk_ids.reshape(-1)
+    order = torch.argsort(ids, stable=True).to(torch.int32)
+    return order, expert_counts(ids, num_experts)
+
+
+def _forward(x, w13, w2, topk_weights, topk_ids, save: bool):
+    T, H = x.shape
+    E, I2, _ = w13.shape
+    k = topk_ids.shape[1]
+    order, counts = sort_by_expert(topk_ids, E)
+    w_flat = topk_weights.reshape(-1)
+    h, gu = moe_gemm.gate_up(x, w13, order, counts, k, save_gu=save)
+    # down projection: B_e = w2[e]^T viewed [K=I, N=H] -> strides (expert, k, n) = (H*I, 1, I)
+    y_pair = moe_gemm.expert_rows(h, w2, (w2.stride(0), 1, w2.stride(1)), H, order, counts, k, scale=w_flat)
+    y = y_pair.view(T, k, H).sum(dim=1) if k > 1 else y_pair
+    return y, order, counts, gu
+
+
+def _backward(dy, x, w13, w2, topk_weights, order, counts, gu, needs):
+    T, H = x.shape
+    k = topk_weights.shape[1]
+    dy = dy.contiguous()
+    dgu, hw, dw = moe_gemm.down_grad(dy, w2, order, counts, gu, topk_weights.reshape(-1), k)
+    dx = dw13 = dw2 = None
+    if needs[0]:
+        # dx per pair: B_e = w13[e] viewed [K=2I, N=H] -> strides (2I*H, H, 1)
+        dx_pair = moe_gemm.expert_rows(dgu, w13, (w13.stride(0), w13.stride(1), 1), H, order, counts, k)
+        dx = dx_pair.view(T, k, H).sum(dim=1) if k > 1 else dx_pair
+    if needs[1]:
+        dw13 = moe_gemm.expert_weight_grad(dgu, x, order, counts, k, gather_a=False, gather_b=True)
+    if needs[2]:
+        dw2 = moe_gemm.expert_weight_grad(dy, hw, order, counts, k, gather_a=True, gather_b=False)
+    dtw = dw.view(T, k).to(topk_weights.dtype) if needs[3] else None
+    return dx, dw13, dw2, dtw
+
+
+class FusedMoEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, w2, topk_weights, topk_ids):
+        y, order, counts, gu = _forward(x, w13, w2, topk_weights, topk_ids, save=True)
+        ctx.save_for_backward(x, w13, w2, topk_weights, order, counts, gu)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w13, w2, topk_weights, order, counts, gu = ctx.saved_tensors
+        grads = _backward(dy, x, w13, w2, topk_weights, order, counts, gu, ctx.needs_input_grad[:4])
+        return (*grads, None)
+
+
+def fused_moe_native(x, w13, w2, topk_weights, topk_ids, *, activation: str = "silu"):
+    """The per-expert loop, as transformers' Qwen3MoeExperts.forward runs it (host syncs on the hit experts)."""
+    _check_activation(activation)
+    E = w13.shape[0]
+    out = torch.zeros_like(x)
+    mask = F.one_hot(topk_ids.long(), num_classes=E).permute(2, 1, 0)  # [E, k, T]
+    for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        o = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[tok, slot, None]
+        out.index_add_(0, tok, o.to(out.dtype))
+    return out
+
+
+def fused_moe_reference(x, w13, w2, topk_weights, topk_ids):
+    """Dense oracle in the inputs' dtype (pass float64 tensors): gathers each slot's expert weights."""
+    ids = topk_ids.long()
+    gu = torch.einsum("th,tkoh->tko", x, w13[ids])
+    gate, up = gu.chunk(2, dim=-1)
+    o = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w2[ids])
+    return (o * topk_weights[..., None].to(o.dtype)).sum(dim=1)
+
+
+def _check_activation(activation: str):
+    if activation != "silu":
+        raise ValueError(f"fused_moe: only activation='silu' is implemented, got {activation!r}")
+
+
+def _check(x, w13, w2, topk_weights, topk_ids):
+    assert x.dim() == 2, f"fused_moe: x must be [T, H], got {tuple(x.shape)}"
+    T, H = x.shape
+    assert w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0, \
+        f"fused_moe: w13 must be [E, 2I, H={H}], got {tuple(w13.shape)}"
+    E, I = w13.shape[0], w13.shape[1] // 2
+    assert w2.shape == (E, H, I), f"fused_moe: w2 must be [E={E}, H={H}, I={I}], got {tuple(w2.shape)}"
+    assert topk_ids.dim() == 2 and topk_ids.shape[0] == T, f"fused_moe: topk_ids must be [T={T}, k]"
+    assert not topk_ids.is_floating_point(), f"fused_moe: topk_ids must be integer, got {topk_ids.dtype}"
+    assert topk_weights.shape == topk_ids.shape, \
+        f"fused_moe: topk_weights {tuple(topk_weights.shape)} vs topk_ids {tuple(topk_ids.shape)}"
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
+    """Routed experts: ``sum_k w_k * (silu(x Wg^T) * (x Wu^T)) W2^T`` as [T, H]; grads for x, w13, w2, weights."""
+    _check_activation(activation)
+    _check(x, w13, w2, topk_weights, topk_ids)
+    supported = (x.dtype in _FLOATS and w13.dtype == x.dtype and w2.dtype == x.dtype
+                 and topk_weights.dtype in _FLOATS)
+    if not use_triton(x, w13, w2, topk_weights, topk_ids, supported=supported) or x.shape[0] == 0:
+        return fused_moe_native(x, w13, w2, topk_weights, topk_ids)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+        return FusedMoEFunction.apply(x, w13, w2, topk_weights, topk_ids)
+    return _forward(x, w13, w2, topk_weights, topk_ids, save=False)[0]
