@@ -79,6 +79,22 @@ def test_rms_norm_eps_and_leading_shape(triton_kernels, nan_empty):
     _check_against_references(x, w, None, 1e-2, torch.float32)
 
 
+def test_residual_with_differently_strided_operands(triton_kernels, nan_empty):
+    x = torch.randn(5, 3, 40, requires_grad=True)
+    r_base = torch.randn(3, 5, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    r = r_base.transpose(0, 1)  # rows not evenly spaced: the launcher falls back to contiguous copies
+    upstream = [torch.randn_like(x), torch.randn_like(x)]
+    outs, grads = _grads(lambda x, w, r: rms_norm(x, w, 1e-6, residual=r), (x, w, r), upstream)
+    as64 = [t.detach().double().requires_grad_() for t in (x, w, r)]
+    ref = lambda x, w, r: rms_norm_native(x, w, 1e-6, residual=r)
+    ref_outs, ref_grads = _grads(ref, as64, [u.double() for u in upstream])
+    for out, ref_out in zip(outs, ref_outs):
+        _close(out, ref_out, TOL[torch.float32])
+    for g, ref_g in zip(grads, ref_grads):
+        _close(g, ref_g, GRAD_TOL[torch.float32], scale_by_max=True)
+
+
 def test_qk_norm_on_strided_view_reads_in_place(triton_kernels, nan_empty):
     """Qwen3's per-head q norm on a [T, H, D] slice of a fused qkv projection: no copy, grads into the slice."""
     t, hq, hkv, d = 13, 4, 2, 80
