@@ -1,4 +1,4 @@
-"""The paged KV-cache path (prefill, decode, prefill over a cached prefix) gives the logits of the plain full forward."""
+"""The paged KV-cache path (prefill, decode, prefill over a cached prefix) gives the plain full forward's logits."""
 
 import pytest
 import torch
@@ -19,7 +19,8 @@ class Cache:
     def __init__(self, model, num_blocks=16):
         shape = model.kv_cache_shape(num_blocks, BLOCK)
         dtype = model.embed_tokens.weight.dtype
-        self.layers = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)]
+        zeros = lambda: torch.zeros(shape, dtype=dtype)  # noqa: E731
+        self.layers = [(zeros(), zeros()) for _ in range(model.num_layers)]
 
     @staticmethod
     def slots(blocks, start, end):
