@@ -189,6 +189,11 @@ def _capability(gpu: dict) -> tuple[int, int]:
 
 def detect_attn_backend() -> dict:
     """What this host supports now: flash with a CUDA GPU of capability >= 8.0 and Triton, native otherwise."""
+    if "torch" not in sys.modules and not _nvidia_driver_present():
+        # No NVIDIA driver: no CUDA device for sure, and importing torch (seconds) would not change the answer.
+        info = {"gpu": None, "capability": None, "torch": dependency_version("torch", "torch"),
+                "triton": dependency_version("triton", "triton")}
+        return {"attn_backend": "native", "reason": "no CUDA device", **info}
     torch = _torch_or_none()
     info = {"gpu": None, "capability": None, "torch": torch.__version__ if torch else None, "triton": _triton_version()}
     if torch is None:
@@ -267,7 +272,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 def _nvidia_driver_present() -> bool:
-    if os.path.isdir("/proc/driver/nvidia"):
+    if os.path.isdir("/proc/driver/nvidia") or os.path.exists("/dev/nvidiactl"):
         return True
     return _run(["nvidia-smi", "-L"]) is not None
 

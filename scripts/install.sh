@@ -114,9 +114,15 @@ fi
 step 4 "PyTorch"
 gpu=0
 if nvidia-smi -L >/dev/null 2>&1 || [ -d /proc/driver/nvidia ]; then gpu=1; fi
+# torch's version and CUDA build, read from torch/version.py without importing torch (that takes seconds).
+torch_info() {
+  probe "$VPY" -c 'import importlib.util, os, runpy
+v = runpy.run_path(os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0], "version.py"))
+print(v["__version__"], v["cuda"] or "none")' 2>/dev/null
+}
 torch_version=""
 torch_cuda=""
-if [ -x "$VPY" ] && info=$(probe "$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")' 2>/dev/null); then
+if [ -x "$VPY" ] && info=$(torch_info); then
   torch_version=${info% *}
   torch_cuda=${info#* }
 fi

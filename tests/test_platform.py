@@ -225,9 +225,5 @@ def test_command_line(home):
     out = subprocess.run([sys.executable, "-m", "areno", "check"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert list(parse(out.stdout)) == CHECK_NAMES
-    out = subprocess.run([sys.executable, "-m", "areno.platform", "env", "--json"], capture_output=True, text=True,
-                         env=env)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["torch"]["version"] == torch.__version__
     out = subprocess.run([sys.executable, "-m", "areno.platform", "bogus"], capture_output=True, text=True, env=env)
     assert out.returncode == 2 and "usage" in out.stderr
