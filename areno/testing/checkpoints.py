@@ -1,0 +1,242 @@
+"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama) for tests and demos; nothing is downloaded.
+
+``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
+(through the transformers config class, so ``AutoConfig`` reads it), ``model.safetensors`` (random weights under HF's
+own tensor names, byte-identical for the same seed), ``generation_config.json`` and the tiny tokenizer's files
+(``areno.testing.tokenizer``: byte-level BPE, ChatML template with tools).
+
+Version notes, so areno's loaders and the tests agree on every transformers version:
+- transformers 5 writes rope settings as ``rope_parameters`` (with ``rope_theta`` inside) and the qwen3_moe expert
+  count as ``num_local_experts``; 4.x writes ``rope_theta``/``rope_scaling`` and ``num_experts``. ``config.json``
+  carries both spellings (the legacy ones are what Hub checkpoints hold), which every version reads the same way.
+- qwen3_moe experts are stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as on the Hub;
+  transformers 5 fuses them into ``gate_up_proj``/``down_proj`` at load and splits them back at save.
+- The weights are drawn by tensor name with a seeded CPU generator, independent of transformers, so the bytes are the
+  same whichever version is installed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from areno.testing import tokenizer as tiny_tokenizer
+
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+# Init std, written to config.json as initializer_range. Larger than HF's 0.02 on purpose: at 0.02 the residual
+# stream is all embedding, and the tied qwen3 model predicts its own input token 98% of the time, so generation tests
+# could not see a position or KV-cache bug. At 0.1 the layers matter (changing the first token changes ~80% of the
+# later argmaxes) and the next-token distribution stays broad (entropy 6.6 nats of 6.9) for sampling tests.
+WEIGHT_STD = 0.1
+NORM_NOISE_STD = 0.05
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+def _defaults(family: str) -> dict:
+    bos = tiny_tokenizer.token_id(tiny_tokenizer.BOS_TOKEN)
+    eos = tiny_tokenizer.token_id(tiny_tokenizer.EOS_TOKEN)
+    pad = tiny_tokenizer.token_id(tiny_tokenizer.PAD_TOKEN)
+    cfg = dict(
+        vocab_size=tiny_tokenizer.VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        attention_bias=False,
+        attention_dropout=0.0,
+        initializer_range=WEIGHT_STD,
+        use_cache=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    if family == "qwen3":
+        cfg.update(tie_word_embeddings=True, use_sliding_window=False, sliding_window=None)
+    elif family == "qwen3_moe":
+        cfg.update(
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+            output_router_logits=False,
+        )
+    elif family == "llama":
+        cfg.update(tie_word_embeddings=False, mlp_bias=False, rope_scaling=dict(LLAMA3_ROPE_SCALING))
+    return cfg
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype (or its name), got {dtype!r}")
+    return str(dtype).removeprefix("torch.")
+
+
+def _config_object(family: str, dtype, overrides: dict):
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    config_cls = getattr(transformers, FAMILIES[family][0])
+    kwargs = _defaults(family)
+    known = set(kwargs) | {"rope_scaling", "rope_parameters"}
+    probe = config_cls()
+    unknown = [k for k in overrides if k not in known and not hasattr(probe, k)]
+    if unknown:
+        raise ValueError(f"unknown {config_cls.__name__} field(s) {unknown} for family {family!r}")
+    kwargs.update(overrides)
+    if kwargs["vocab_size"] < tiny_tokenizer.VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size={kwargs['vocab_size']} is smaller than the tokenizer ({tiny_tokenizer.VOCAB_SIZE} tokens)"
+        )
+    if kwargs["num_attention_heads"] % kwargs["num_key_value_heads"]:
+        raise ValueError(f"num_attention_heads={kwargs['num_attention_heads']} is not a multiple of "
+                         f"num_key_value_heads={kwargs['num_key_value_heads']}")
+    if "rope_parameters" in overrides:  # transformers 5 spelling given explicitly: do not mix in the legacy one
+        kwargs.pop("rope_theta", None)
+        kwargs.pop("rope_scaling", None)
+    # 4.56 renamed torch_dtype to dtype
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = _dtype_name(dtype)
+    kwargs["architectures"] = [FAMILIES[family][1]]
+    return config_cls(**kwargs), kwargs
+
+
+def tiny_config(family: str = "qwen3", *, dtype=torch.float32, **overrides) -> dict:
+    """The ``config.json`` content of a tiny checkpoint of ``family`` with ``overrides`` applied.
+
+    Written through the installed transformers config class (``to_diff_dict``, what ``save_pretrained`` writes), with
+    every field set here kept explicit and both spellings of the rope and expert-count fields (see module doc).
+    """
+    config, kwargs = _config_object(family, dtype, overrides)
+    full = config.to_dict()
+    out = config.to_diff_dict()
+    for key in kwargs:
+        if key in full:
+            out[key] = full[key]
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict):
+        out.setdefault("rope_theta", rope.get("rope_theta"))
+        if rope.get("rope_type", "default") != "default":
+            out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    if family == "qwen3_moe":
+        experts = out.get("num_experts", out.get("num_local_experts"))
+        out["num_experts"] = out["num_local_experts"] = experts
+    return dict(sorted(out.items()))
+
+
+def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a ``config.json`` dict of one of the tiny families, in Hub (unfused) layout."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    qwen = config["model_type"] in ("qwen3", "qwen3_moe")
+    attn_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
+                           ("v_proj", kv_heads * head_dim)):
+            shapes[p + f"self_attn.{name}.weight"] = (rows, hidden)
+            if attn_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        if attn_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+        if qwen:
+            shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        sparse = (
+            config["model_type"] == "qwen3_moe"
+            and i not in (config.get("mlp_only_layers") or [])
+            and experts > 0
+            and (i + 1) % config.get("decoder_sparse_step", 1) == 0
+        )
+        if sparse:
+            inter = config["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (experts, hidden)
+            for e in range(experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (inter, hidden)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (inter, hidden)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, inter)
+        else:
+            inter = config["intermediate_size"]
+            mlp = (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))
+            for name, shape in mlp:
+                shapes[p + f"mlp.{name}.weight"] = shape
+                if mlp_bias:
+                    shapes[p + f"mlp.{name}.bias"] = shape[:1]
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def random_weights(config: dict, *, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Deterministic random weights for ``config``: N(0, initializer_range) matrices and biases (default 0.1), norm
+    scales 1 + N(0, 0.05).
+
+    Drawn in fp32 on the CPU in the fixed order of ``weight_shapes``, then cast, so a seed gives the same tensors
+    everywhere.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    std = float(config.get("initializer_range", WEIGHT_STD))
+    dtype = getattr(torch, _dtype_name(dtype))
+    out = {}
+    for name, shape in weight_shapes(config).items():
+        w = torch.randn(shape, generator=gen, dtype=torch.float32)
+        w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
+        out[name] = w.to(dtype).contiguous()
+    return out
+
+
+def make_tiny_checkpoint(path, family: str = "qwen3", seed: int = 0, *, dtype=torch.float32, **overrides) -> Path:
+    """Write a random tiny HF checkpoint of ``family`` into ``path`` (created if needed) and return it as a Path.
+
+    ``overrides`` set config fields (``num_hidden_layers=3``, ``hidden_size=128``, ``vocab_size`` >= the tokenizer's
+    size, ``tie_word_embeddings=False``, ...); unknown fields raise ``ValueError``. ``dtype`` is the weight dtype.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family, dtype=dtype, **overrides)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    weights = random_weights(config, seed=seed, dtype=dtype)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": [config["eos_token_id"], tiny_tokenizer.token_id(tiny_tokenizer.PAD_TOKEN)],
+        "pad_token_id": config["pad_token_id"],
+    }
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tiny_tokenizer.write_tokenizer_files(path, model_max_length=config["max_position_embeddings"])
+    return path
