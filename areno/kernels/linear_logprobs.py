@@ -1,0 +1,406 @@
+"""Per-token log-probabilities (and entropy) of a linear LM head without the [tokens, vocab] logits.
+
+    z        = hidden @ weight.T / T                      [N, V], never materialised whole
+    logprob  = z[target] - logsumexp(z)                   (0 where target == -100)
+    entropy  = -sum_j p_j log p_j,  p = softmax(z)
+
+Forward: one Triton program per (BLOCK_N tokens, vocab split) loops over [BLOCK_N x BLOCK_V] logit tiles, each a
+tl.dot over the hidden dim with fp32 accumulation, and keeps an online max m, sum-exp s = sum e^(z-m), entropy term
+a = sum e^(z-m) (z-m) (rescaled as m grows: a' = e^(m-m') (a + (m-m') s)) and the target logit. Splits (and, with
+a TP group, ranks) merge the same way, so only max, sums and the target logit cross ranks. lse = m + log s and
+entropy = log s - a / s.
+Backward recomputes the logits chunk by chunk: for a [C tokens x Vc vocab] chunk a Triton GEMM with an epilogue
+writes the logit gradient (bf16 on bf16 weights), then two cuBLAS GEMMs give dhidden += g @ W_c (fp32 accumulator)
+and dweight[chunk] = g^T @ hidden. Only that chunk (default 2^27 elements) is alive. d/dz_j of the logprob is
+onehot_j - p_j; of the entropy -p_j (log p_j + entropy); both divided by T for d/dlogits.
+FLOPs: 2 N V H forward, 6 N V H backward (recompute, dhidden, dweight); no [N, V] memory traffic in the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from areno.kernels.dispatch import interpreting, use_triton
+
+IGNORE_INDEX = -100
+_GRAD_CHUNK_ELEMENTS = 1 << 27  # Triton path: logit-gradient chunk alive in the backward (256 MB in bf16)
+_NATIVE_CHUNK_ELEMENTS = 1 << 24  # native path: fp32 logits chunk (64 MB, a few temporaries of that size)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+# ---------------------------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_V] fp32 tile of hidden[rows] @ weight[cols].T."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + ks[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            hb = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+            wb = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + ks) < H
+            hb = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wb = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:  # exact fp32 products for fp32 inputs (tf32 would lose 13 bits)
+            acc = tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hb, tl.trans(wb), acc)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _stats_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_temp, cols_per_split, stride_h, stride_w,
+                  HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # part_ptr: [4, splits, N] fp32 = (max, sum-exp, entropy term, target logit) of this split's vocab range.
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start
+    v_begin = pid_s * cols_per_split
+    v_end = tl.minimum(v_begin + cols_per_split, V)
+    m = tl.full([BLOCK_N], -1e30, dtype=tl.float32)  # finite: keeps (m - m_new) * s at 0 before the first tile
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    tz = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_end
+        acc = _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
+                           BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE)  # fmt: skip
+        z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        e = tl.exp(z - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        if HAS_ENT:
+            d = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
+            a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=1)
+        s = alpha * s + tl.sum(e, axis=1)
+        m = m_new
+        tz += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+    out = part_ptr + pid_s * N + rows
+    stride_part = tl.num_programs(1) * N
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + stride_part, s, mask=row_ok)
+    tl.store(out + 2 * stride_part, a, mask=row_ok)
+    tl.store(out + 3 * stride_part, tz, mask=row_ok)
+
+
+@triton.jit
+def _grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, out_ptr,
+                        C, Vc, H, row0, v0, vocab_start, inv_temp, stride_h, stride_w, stride_out,
+                        HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_N: tl.constexpr):  # fmt: skip
+    # out[r, c] = (g_lp[r] (onehot - p) - g_ent[r] p (log p + ent[r])) / T for the chunk rows row0.., cols v0..
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(C, BLOCK_N)
+    tiles_v = tl.cdiv(Vc, BLOCK_V)
+    in_group = GROUP_N * tiles_v
+    first_n = (pid // in_group) * GROUP_N
+    group_n = tl.minimum(tiles_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % in_group) % group_n
+    pid_v = (pid % in_group) // group_n
+    r_loc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_loc = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = r_loc < C
+    col_ok = c_loc < Vc
+    rows = row0 + r_loc
+    cols = v0 + c_loc
+    acc = _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
+                       BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE)  # fmt: skip
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start
+    logp = acc * inv_temp - lse[:, None]
+    p = tl.exp(logp)
+    g = glp[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
+    if HAS_ENT:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
+        g -= gent[:, None] * p * (logp + ent[:, None])
+    g = g * inv_temp
+    out = out_ptr + r_loc.to(tl.int64)[:, None] * stride_out + c_loc[None, :]
+    tl.store(out, g.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+_EVEN_K = triton.heuristics({"EVEN_K": lambda args: args["H"] % args["BLOCK_K"] == 0})
+_stats = _EVEN_K(_stats_kernel)
+_grad_logits = _EVEN_K(_grad_logits_kernel)
+
+
+def _configs(grad):
+    shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
+              (256, 128, 64, 8, 3), (128, 128, 128, 8, 2)]  # fmt: skip
+    extra = {"GROUP_N": 8} if grad else {}
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, **extra}, num_warps=w, num_stages=st)
+            for bn, bv, bk, w, st in shapes]  # fmt: skip
+
+
+_stats_tuned = triton.autotune(_configs(False), key=["H", "V", "HAS_ENT", "IEEE"])(_stats)
+_grad_tuned = triton.autotune(_configs(True), key=["H", "Vc", "HAS_ENT", "IEEE"])(_grad_logits)
+_INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy):
+    """Per-split (m, s, a, tz) partials: [4, splits, N] fp32."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    if interpreting() or not hidden.is_cuda:
+        splits = 2 if V > 2 * _INTERPRET_CFG["BLOCK_V"] else 1
+    else:  # about 8 waves of 128-token programs: enough to balance, few partials
+        splits = max(1, min(triton.cdiv(8 * _num_sms(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
+    cols_per_split = triton.cdiv(triton.cdiv(V, splits), 256) * 256
+    splits = triton.cdiv(V, cols_per_split)
+    parts = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
+    args = (hidden, weight, targets, parts, N, V, H, vocab_start, inv_temp, cols_per_split,
+            hidden.stride(0), weight.stride(0))  # fmt: skip
+    flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32}
+    if interpreting() or not hidden.is_cuda:
+        _stats[(triton.cdiv(N, _INTERPRET_CFG["BLOCK_N"]), splits)](*args, **flags, **_INTERPRET_CFG)
+    else:
+        _stats_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **flags)
+    return parts
+
+
+def _triton_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, rows, v0, cols, vocab_start, inv_temp,
+                       out):  # fmt: skip
+    """Write the logit gradient of rows [row0, row0+rows) x vocab [v0, v0+cols) into out[:rows, :cols]."""
+    H = hidden.shape[1]
+    has_ent = g_ent is not None
+    args = (hidden, weight, targets, lse, ent if has_ent else lse, g_lp, g_ent if has_ent else g_lp, out,
+            rows, cols, H, row0, v0, vocab_start, inv_temp, hidden.stride(0), weight.stride(0), out.stride(0))
+    flags = {"HAS_ENT": has_ent, "IEEE": hidden.dtype == torch.float32}
+    if interpreting() or not hidden.is_cuda:
+        cfg = {**_INTERPRET_CFG, "GROUP_N": 2}
+        grid = (triton.cdiv(rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
+        _grad_logits[grid](*args, **flags, **cfg)
+    else:
+        grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]) * triton.cdiv(cols, meta["BLOCK_V"]),)
+        _grad_tuned[grid](*args, **flags)
+    return out[:rows, :cols]
+
+
+# ------------------------------------------------------------------------------------------------ native path
+
+
+def _matmul_f32(a, b):
+    """a @ b with fp32 (or fp64) output and fp32 accumulation, without rounding the product to a 16-bit dtype."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            pass
+        return (a @ b).float()
+    return a.float() @ b.float()
+
+
+def _native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows):
+    """(m, s, a, tz) as [4, 1, N] over token chunks of at most ``chunk_rows`` x the full (local) vocab."""
+    N, V = hidden.shape[0], weight.shape[0]
+    ct = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    parts = torch.empty(4, 1, N, dtype=ct, device=hidden.device)
+    rows = chunk_rows or max(1, _NATIVE_CHUNK_ELEMENTS // V)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        z = _matmul_f32(hidden[r0:r1], weight.T).to(ct) * inv_temp
+        m = z.max(dim=1).values
+        e = torch.exp(z - m[:, None])
+        col = targets[r0:r1] - vocab_start
+        inside = (col >= 0) & (col < V)
+        parts[0, 0, r0:r1] = m
+        parts[1, 0, r0:r1] = e.sum(1)
+        parts[2, 0, r0:r1] = (e * (z - m[:, None])).sum(1)
+        parts[3, 0, r0:r1] = z.gather(1, col.clamp(0, V - 1)[:, None])[:, 0] * inside
+    return parts
+
+
+def _native_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, rows, v0, cols, vocab_start, inv_temp,
+                       out_dtype):  # fmt: skip
+    r = slice(row0, row0 + rows)
+    z = _matmul_f32(hidden[r], weight[v0 : v0 + cols].T).to(lse.dtype) * inv_temp
+    logp = z - lse[r, None]
+    p = torch.exp(logp)
+    g = -p * g_lp[r, None]
+    col = targets[r] - vocab_start - v0
+    inside = (col >= 0) & (col < cols)
+    g.scatter_add_(1, col.clamp(0, cols - 1)[:, None], (g_lp[r] * inside)[:, None])
+    if g_ent is not None:
+        g -= g_ent[r, None] * p * (logp + ent[r, None])
+    return (g * inv_temp).to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------ merge, backward, autograd
+
+
+def _merge(parts):
+    """Merge [4, K, N] partials over K: returns m, s, a, tz of the union (see the module docstring)."""
+    m, s, a, tz = parts.unbind(0)
+    big = m.max(dim=0).values
+    w = torch.exp(m - big)
+    return big, (w * s).sum(0), (w * (a + (m - big) * s)).sum(0), tz.sum(0)
+
+
+def _merge_across_ranks(m, s, a, tz, group):
+    import torch.distributed as dist
+
+    big = m.clone()
+    dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
+    w = torch.exp(m - big)
+    sums = torch.stack([w * s, w * (a + (m - big) * s), tz])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return big, sums[0], sums[1], sums[2]
+
+
+def _chunk_plan(N, V, chunk_rows, budget):
+    rows = min(N, chunk_rows or max(1, budget // 4096))
+    cols = V if rows * V <= budget else max(256, budget // rows // 256 * 256)
+    return rows, min(cols, V)
+
+
+def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, chunk_rows,
+              triton_path):  # fmt: skip
+    N, H = hidden.shape
+    V = weight.shape[0]
+    # bf16 logit gradients feed the tensor cores (as torch's own path casts them); fp16 could underflow, so fp32.
+    gdt = torch.bfloat16 if weight.dtype == torch.bfloat16 else lse.dtype
+    budget = _GRAD_CHUNK_ELEMENTS if triton_path else _NATIVE_CHUNK_ELEMENTS
+    rows, cols = _chunk_plan(N, V, chunk_rows, budget)
+    acc_dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    dh = torch.zeros(N, H, dtype=acc_dt, device=hidden.device) if need_dh else None
+    one_pass = rows >= N and gdt == weight.dtype  # each dweight row block is written once, in weight's dtype
+    dw = None
+    if need_dw:
+        dw = torch.empty_like(weight) if one_pass else torch.zeros(V, H, dtype=acc_dt, device=weight.device)
+    buf = torch.empty(rows, cols, dtype=gdt, device=hidden.device) if triton_path else None
+    for r0 in range(0, N, rows):
+        nr = min(rows, N - r0)
+        h_c = hidden[r0 : r0 + nr]
+        h_c = h_c if h_c.dtype == gdt else h_c.to(gdt)
+        for v0 in range(0, V, cols):
+            nc = min(cols, V - v0)
+            chunk_args = (hidden, weight, targets, lse, ent, g_lp, g_ent, r0, nr, v0, nc, vocab_start, inv_temp)
+            if triton_path:
+                g = _triton_grad_chunk(*chunk_args, buf)
+            else:
+                g = _native_grad_chunk(*chunk_args, gdt)
+            w_c = weight[v0 : v0 + nc]
+            w_c = w_c if w_c.dtype == gdt else w_c.to(gdt)
+            if need_dh:
+                dh[r0 : r0 + nr] += _matmul_f32(g, w_c)
+            if need_dw and one_pass:
+                torch.mm(g.T, h_c, out=dw[v0 : v0 + nc])
+            elif need_dw:
+                dw[v0 : v0 + nc] += _matmul_f32(g.T, h_c)
+    return dh, dw
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, want_entropy, chunk_rows, group, triton_path):
+        vocab_start = 0
+        if group is not None:
+            import torch.distributed as dist
+
+            vocab_start = dist.get_rank(group) * weight.shape[0]
+        if triton_path:
+            parts = _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy)
+        else:
+            parts = _native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows)
+        m, s, a, tz = _merge(parts)
+        if group is not None:
+            m, s, a, tz = _merge_across_ranks(m, s, a, tz, group)
+        log_s = torch.log(s)
+        lse = m + log_s
+        ent = log_s - a / s
+        ignore = targets < 0
+        logprobs = torch.where(ignore, torch.zeros_like(lse), tz - lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.cfg = (vocab_start, inv_temp, chunk_rows, group, triton_path)
+        ctx.set_materialize_grads(False)
+        return logprobs, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        vocab_start, inv_temp, chunk_rows, group, triton_path = ctx.cfg
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (g_lp is None and g_ent is None) or not (need_dh or need_dw):
+            return (None,) * 8
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
+        g_lp = torch.where(targets < 0, torch.zeros_like(g_lp), g_lp).contiguous()
+        g_ent = None if g_ent is None else g_ent.to(lse.dtype).contiguous()
+        dh, dw = _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw,
+                           chunk_rows, triton_path)  # fmt: skip
+        if dh is not None and group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(dh, group=group)
+        dh = None if dh is None else dh.to(hidden.dtype)
+        dw = None if dw is None else dw.to(weight.dtype)
+        return dh, dw, None, None, None, None, None, None
+
+
+def linear_logprobs(hidden, weight, targets, *, temperature=1.0, return_entropy=False, chunk_size=None, tp_group=None):
+    """log softmax(hidden @ weight.T / temperature)[targets] in fp32, tile by tile (see the module docstring).
+
+    hidden ``[..., H]``, weight ``[V, H]`` (same dtype), targets int ``[...]`` in ``[0, V)`` or -100 (ignored: logprob
+    0 and no gradient through it; its entropy is still computed and differentiable, mask it in the loss).
+    Returns fp32 ``logprobs [...]`` (fp64 for fp64 inputs), or ``(logprobs, entropy)`` with ``return_entropy``.
+    ``chunk_size``: tokens per chunk of the recomputation (both paths) and of the native forward; default: sized
+    to a fixed memory budget. ``tp_group``: vocab parallel; ``weight`` is this rank's contiguous row shard
+    (rows ``rank * V_local`` onwards, equal shards), ``targets`` are global ids, the results equal the unsharded
+    call, the gradient of ``weight`` is the local shard's and the gradient of ``hidden`` is summed over ranks.
+    """
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"linear_logprobs: hidden [..., H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"linear_logprobs: targets {tuple(targets.shape)} must match hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")  # fmt: skip
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"linear_logprobs: hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype})")
+    if targets.dtype not in (torch.int64, torch.int32) or not temperature > 0:
+        raise ValueError(f"linear_logprobs: targets must be int64/int32 (got {targets.dtype}) and temperature > 0 "
+                         f"(got {temperature})")  # fmt: skip
+    lead = targets.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    path = use_triton(h2, w, t, supported=hidden.dtype in _FLOATS)
+    lp, ent = _LinearLogprobs.apply(h2, w, t, 1.0 / float(temperature), return_entropy, chunk_size, tp_group, path)
+    if return_entropy:
+        return lp.reshape(lead), ent.reshape(lead)
+    return lp.reshape(lead)
+
+
+def reference_linear_logprobs(hidden, weight, targets, *, temperature=1.0):
+    """The plain full-logits computation (the test oracle; use float64 inputs): returns (logprobs, entropy)."""
+    logits = (hidden @ weight.T) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    ignore = targets < 0
+    lp = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    lp = torch.where(ignore, torch.zeros_like(lp), lp)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return lp, entropy

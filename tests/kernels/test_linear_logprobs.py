@@ -1,0 +1,179 @@
+"""linear_logprobs: Triton (interpreted on CPU) and native paths vs the float64 full-logits reference, fwd + bwd."""
+
+import pytest
+import torch
+
+from areno.kernels import linear_logprobs as mod
+from areno.kernels.linear_logprobs import linear_logprobs, reference_linear_logprobs
+
+# Gradients are compared by relative Frobenius error; values by absolute error (log-probs are O(10)).
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-5, 2e-3), torch.bfloat16: (2e-3, 1e-2)}  # (values, grads)
+
+
+@pytest.fixture(params=["native", "triton"])
+def path(request):
+    request.getfixturevalue(f"{request.param}_kernels")
+    return request.param
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every float buffer the launchers allocate starts as NaN, so an unwritten element fails the test."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def nan(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan(real_empty_like(*a, **k)))
+
+
+def _inputs(N, H, V, dtype, device="cpu", scale=0.5, n_ignore=3):
+    hidden = torch.randn(N, H, device=device).to(dtype)
+    weight = (torch.randn(V, H, device=device) * scale / H**0.5 * 4).to(dtype)
+    targets = torch.randint(0, V, (N,), device=device)
+    targets[torch.randperm(N, device=device)[:n_ignore]] = -100
+    return hidden, weight, targets
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _run(fn, hidden, weight, targets, g_lp, g_ent, **kw):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    lp, ent = fn(h, w, targets, **kw)
+    loss = (lp.double() * g_lp).sum() + (0 if g_ent is None else (ent.double() * g_ent).sum())
+    loss.backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
+
+
+def _ours(h, w, t, **kw):
+    return linear_logprobs(h, w, t, return_entropy=True, **kw)
+
+
+def _reference(h, w, t, **kw):
+    return reference_linear_logprobs(h.double(), w.double(), t, **kw)
+
+
+def _check(hidden, weight, targets, tol, with_entropy=True, **kw):
+    N = targets.numel()
+    g_lp = torch.randn(N, dtype=torch.float64, device=hidden.device)
+    g_ent = torch.randn(N, dtype=torch.float64, device=hidden.device) if with_entropy else None
+    lp, ent, dh, dw = _run(_ours, hidden, weight, targets, g_lp, g_ent, **kw)
+    kw.pop("chunk_size", None)
+    rlp, rent, rdh, rdw = _run(_reference, hidden, weight, targets, g_lp, g_ent, **kw)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    assert (lp[targets < 0] == 0).all()
+    assert (lp - rlp).abs().max().item() < tol[0] * max(1.0, rlp.abs().max().item())
+    assert (ent - rent).abs().max().item() < tol[0] * max(1.0, rent.abs().max().item())
+    assert _rel(dh, rdh) < tol[1], _rel(dh, rdh)
+    assert _rel(dw, rdw) < tol[1], _rel(dw, rdw)
+    assert dh.dtype == hidden.dtype and dw.dtype == weight.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_values_entropy_and_grads_vs_float64(path, dtype, nan_empty):
+    hidden, weight, targets = _inputs(37, 48, 2053, dtype)
+    _check(hidden, weight, targets, TOL[dtype], temperature=0.7)
+
+
+@pytest.mark.parametrize("chunk_size,budget", [(5, None), (16, 3000)])
+def test_chunked_backward(path, chunk_size, budget, monkeypatch):
+    """Token chunks (dweight accumulated over them) and vocab chunks give the same gradients."""
+    if budget is not None:  # small budget: several vocab chunks of 256 columns per token chunk
+        monkeypatch.setattr(mod, "_GRAD_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(mod, "_NATIVE_CHUNK_ELEMENTS", budget)
+    hidden, weight, targets = _inputs(29, 40, 1031, torch.float32)
+    _check(hidden, weight, targets, TOL[torch.float32], temperature=1.3, chunk_size=chunk_size)
+
+
+def test_ignore_index_without_entropy(path):
+    """-100 rows give 0 and no gradient; the logprob-only backward skips the entropy term."""
+    hidden, weight, targets = _inputs(23, 32, 777, torch.float32, n_ignore=8)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    lp = linear_logprobs(h, w, targets)
+    g = torch.randn(23)
+    (lp * g).sum().backward()
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    rlp, _ = reference_linear_logprobs(h64, w64, targets)
+    (rlp * g.double()).sum().backward()
+    ignored = targets < 0
+    assert (lp[ignored] == 0).all() and (h.grad[ignored] == 0).all()
+    assert (lp - rlp).abs().max().item() < 2e-5
+    assert _rel(h.grad, h64.grad) < 2e-5 and _rel(w.grad, w64.grad) < 2e-5
+
+
+def test_leading_dims_and_frozen_hidden(path):
+    """[B, T, H] inputs keep their shape; only the requested gradient is produced."""
+    hidden, weight, targets = _inputs(2 * 7, 24, 515, torch.float32, n_ignore=0)
+    w = weight.clone().requires_grad_()
+    lp, ent = linear_logprobs(hidden.view(2, 7, 24), w, targets.view(2, 7), temperature=0.5, return_entropy=True)
+    assert lp.shape == (2, 7) and ent.shape == (2, 7)
+    ent.sum().backward()
+    w64 = weight.double().requires_grad_()
+    rlp, rent = reference_linear_logprobs(hidden.double(), w64, targets, temperature=0.5)
+    rent.sum().backward()
+    assert (lp.reshape(-1) - rlp).abs().max().item() < 2e-5
+    assert _rel(w.grad, w64.grad) < 2e-5
+
+
+def test_native_float64_is_exact(native_kernels):
+    """The native path keeps float64 inputs in float64: it agrees with the reference to rounding."""
+    hidden, weight, targets = _inputs(11, 16, 301, torch.float64)
+    lp, ent = linear_logprobs(hidden, weight, targets, temperature=0.9, return_entropy=True)
+    rlp, rent = reference_linear_logprobs(hidden, weight, targets, temperature=0.9)
+    assert lp.dtype == torch.float64
+    assert (lp - rlp).abs().max().item() < 1e-12 and (ent - rent).abs().max().item() < 1e-12
+
+
+def test_rejects_bad_shapes():
+    hidden, weight, targets = _inputs(4, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        linear_logprobs(hidden, weight[:, :4], targets)
+    with pytest.raises(ValueError, match="targets"):
+        linear_logprobs(hidden, weight, targets[:3])
+    with pytest.raises(ValueError, match="temperature"):
+        linear_logprobs(hidden, weight, targets, temperature=0.0)
+
+
+# ---- GPU: bf16 at the real shape (16k tokens, vocab 151,936) -----------------------------------------------------
+
+
+def _reference_chunked(hidden, weight, targets, g_lp, g_ent, temperature, rows=1024):
+    """Float64 reference with autograd, 1024 tokens at a time so the [N, V] float64 logits never exist whole."""
+    w = weight.double().requires_grad_()
+    lps, ents, dhs = [], [], []
+    for r0 in range(0, hidden.shape[0], rows):
+        h = hidden[r0 : r0 + rows].double().requires_grad_()
+        lp, ent = reference_linear_logprobs(h, w, targets[r0 : r0 + rows], temperature=temperature)
+        ((lp * g_lp[r0 : r0 + rows]).sum() + (ent * g_ent[r0 : r0 + rows]).sum()).backward()
+        lps.append(lp.detach())
+        ents.append(ent.detach())
+        dhs.append(h.grad)
+    return torch.cat(lps), torch.cat(ents), torch.cat(dhs), w.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1024, 4096])
+def test_gpu_bf16_real_shape(H, triton_kernels):
+    torch.manual_seed(H)
+    N, V = 16384, 151936
+    hidden, weight, targets = _inputs(N, H, V, torch.bfloat16, device="cuda", n_ignore=100)
+    g_lp = torch.randn(N, dtype=torch.float64, device="cuda") / N
+    g_ent = torch.randn(N, dtype=torch.float64, device="cuda") / N
+    lp, ent, dh, dw = _run(_ours, hidden, weight, targets, g_lp, g_ent, temperature=0.9)
+    rlp, rent, rdh, rdw = _reference_chunked(hidden, weight, targets, g_lp, g_ent, 0.9)
+    assert (lp - rlp).abs().max().item() < 2e-3 and (ent - rent).abs().max().item() < 2e-3
+    assert _rel(dh, rdh) < 1e-2 and _rel(dw, rdw) < 1e-2
+    assert (lp[targets < 0] == 0).all() and torch.isfinite(dw).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_small_shapes(dtype, triton_kernels):
+    hidden, weight, targets = _inputs(300, 96, 5003, dtype, device="cuda")
+    _check(hidden, weight, targets, TOL[dtype], temperature=0.8)
