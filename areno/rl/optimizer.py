@@ -1,0 +1,352 @@
+"""AdamW with fp32 master weights, bucketed data-parallel gradient reduction, ZeRO-1 state sharding and offload.
+
+The parameters are grouped by dtype and cut, in order, into flat buckets of about ``bucket_bytes`` (fp32 bytes; a
+parameter larger than a bucket gets one of its own). Each bucket is padded to a multiple of the data-parallel size
+``D`` and split into ``D`` contiguous shards: rank ``r`` owns shard ``r`` of every bucket and keeps its optimizer
+state (fp32 master copy, ``exp_avg``, ``exp_avg_sq``). One ``step()``:
+
+1. per bucket: flatten the gradients into an fp32 buffer (``None`` counts as zero) and reduce-scatter it (SUM: the
+   loss is already normalised over the whole global batch) so each rank holds its shard of the summed gradient;
+2. the global grad norm: squares summed over the shards, then over DP and over TP ranks, where parameters marked
+   ``p.tp_replicated = True`` count on TP rank 0 only, so the norm equals the unsharded model's;
+3. clip (``grad_clip / (norm + 1e-6)`` when below 1, as ``torch.nn.utils.clip_grad_norm_``) and update each shard
+   exactly as ``torch.optim.AdamW`` (decoupled weight decay, bias correction; ``foreach=False`` numerics);
+4. round the updated master shard to the parameter dtype, all-gather it over DP and copy it into the parameters
+   IN PLACE (the rollout engine and its CUDA graphs hold these storages: ``p.data`` is never replaced).
+
+fp32 parameters are their own master (no copy is kept; their shard is read from the parameters for the update).
+Offload moves the state off the device between steps: ``"cpu"`` keeps it in host memory (pinned when CUDA is
+available), ``"disk"`` in process-private raw ``numpy.memmap`` files (``offload_batch_size`` buckets per file, read
+to the device one file at a time, written back and flushed per file, removed by ``close()`` or at interpreter exit;
+runtime scratch, never a checkpoint). A step whose grad norm is not finite is skipped (no state or weight change).
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
+
+
+@atexit.register
+def _remove_offload_dirs() -> None:
+    for d in list(_OFFLOAD_DIRS):
+        shutil.rmtree(d, ignore_errors=True)
+        _OFFLOAD_DIRS.discard(d)
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
+    if dist.get_backend(group) == "gloo":  # older gloo builds lack reduce_scatter: all-reduce and keep the shard
+        dist.all_reduce(flat, group=group)
+        out.copy_(flat[_rank(group) * out.numel() : (_rank(group) + 1) * out.numel()])
+    else:
+        dist.reduce_scatter_tensor(out, flat, group=group)
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    if dist.get_backend(group) == "gloo":
+        dist.all_gather(list(out.chunk(_size(group))), shard, group=group)
+    else:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, shard, group=group)
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]  # start of each parameter in the flat bucket
+    numel: int  # real elements; the bucket is padded to ``shard * D``
+    shard: int  # elements per rank
+    dtype: torch.dtype
+    counted: list[tuple[int, int]] = field(default_factory=list)  # shard-local ranges counted in the grad norm
+    storage: torch.Tensor | None = None  # [k * shard] fp32: (master,) exp_avg, exp_avg_sq; None for disk offload
+    file: int = -1  # disk offload: file index and element offset in it
+    file_offset: int = 0
+
+    @property
+    def has_master(self) -> bool:
+        return self.dtype != torch.float32
+
+    @property
+    def state_numel(self) -> int:
+        return (3 if self.has_master else 2) * self.shard
+
+
+class MasterAdamW:
+    def __init__(self, params, *, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, dp_group=None,
+                 tp_group=None, offload="none", offload_dir=None, offload_batch_size=1, bucket_bytes=25 * 2**20):
+        params = list(params)
+        if not params:
+            raise ValueError("MasterAdamW: no parameters to optimize")
+        if offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"--optimizer-state-offload must be none, cpu or disk, not {offload!r}")
+        if offload == "disk" and offload_dir is None:
+            raise ValueError("--optimizer-state-offload disk needs --optimizer-state-offload-dir")
+        if offload_batch_size < 1:
+            raise ValueError(f"--optimizer-state-offload-batch-size must be >= 1, not {offload_batch_size}")
+        self.device = params[0].device
+        for p in params:
+            if p.device != self.device or not p.is_contiguous() or not p.is_floating_point():
+                raise ValueError("MasterAdamW: parameters must be contiguous floating tensors on one device")
+        self.params = params
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.dp_group = dp_group if _size(dp_group) > 1 else None
+        self.tp_group = tp_group if _size(tp_group) > 1 else None
+        self.dp_size, self.dp_rank = _size(self.dp_group), _rank(self.dp_group)
+        self.offload, self.offload_batch_size = offload, offload_batch_size
+        self.num_steps = 0
+        self.buckets = self._make_buckets(params, bucket_bytes)
+        self.offload_path: Path | None = None
+        self._files: list[np.memmap] = []
+        self._init_state(offload_dir)
+
+    # ---- layout --------------------------------------------------------------------------------------------
+    def _make_buckets(self, params, bucket_bytes) -> list[_Bucket]:
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        cap = max(1, bucket_bytes // 4)
+        buckets = []
+        for dtype, group in by_dtype.items():
+            cur: list = []
+            for p in group + [None]:
+                full = cur and (p is None or sum(q.numel() for q in cur) + p.numel() > cap)
+                if full:
+                    offsets = np.cumsum([0] + [q.numel() for q in cur])
+                    n = int(offsets[-1])
+                    buckets.append(_Bucket(cur, [int(o) for o in offsets[:-1]], n, -(-n // self.dp_size), dtype))
+                    cur = []
+                if p is not None:
+                    cur.append(p)
+        tp_rank = _rank(self.tp_group)
+        for b in buckets:  # shard-local ranges of the parameters this rank counts in the grad norm
+            lo = self.dp_rank * b.shard
+            for p, off in zip(b.params, b.offsets):
+                if getattr(p, "tp_replicated", False) and tp_rank != 0:
+                    continue
+                a, e = max(off, lo) - lo, min(off + p.numel(), lo + b.shard) - lo
+                if a < e:
+                    if b.counted and b.counted[-1][1] == a:
+                        b.counted[-1] = (b.counted[-1][0], e)
+                    else:
+                        b.counted.append((a, e))
+        return buckets
+
+    def _read_params(self, b: _Bucket) -> torch.Tensor:
+        """This rank's shard of the bucket's parameters as fp32 (zeros in the padding)."""
+        lo, hi = self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
+        out = torch.zeros(b.shard, dtype=torch.float32, device=self.device)
+        for p, off in zip(b.params, b.offsets):
+            a, e = max(off, lo), min(off + p.numel(), hi)
+            if a < e:
+                out[a - lo : e - lo].copy_(p.detach().view(-1)[a - off : e - off])
+        return out
+
+    def _init_state(self, offload_dir) -> None:
+        if self.offload == "disk":
+            root = Path(offload_dir).expanduser()
+            root.mkdir(parents=True, exist_ok=True)
+            self.offload_path = root / f"areno-optim-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.mkdir(self.offload_path, 0o700)
+            os.chmod(self.offload_path, 0o700)
+            _OFFLOAD_DIRS.add(str(self.offload_path))
+            k = self.offload_batch_size
+            for f, start in enumerate(range(0, len(self.buckets), k)):
+                group = self.buckets[start : start + k]
+                off = 0
+                for b in group:
+                    b.file, b.file_offset = f, off
+                    off += b.state_numel
+                path = self.offload_path / f"state-{f:05d}.bin"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, off * 4)  # a sparse file of zeros
+                os.close(fd)
+                mm = np.memmap(path, dtype=np.float32, mode="r+", shape=(off,))
+                for b in group:
+                    if b.has_master:
+                        torch.from_numpy(mm[b.file_offset : b.file_offset + b.shard]).copy_(self._read_params(b))
+                mm.flush()
+                self._files.append(mm)
+            return
+        pin = self.offload == "cpu" and torch.cuda.is_available()
+        where = "cpu" if self.offload == "cpu" else self.device
+        for b in self.buckets:
+            b.storage = torch.zeros(b.state_numel, dtype=torch.float32, device=where, pin_memory=pin)
+            if b.has_master:
+                b.storage[: b.shard].copy_(self._read_params(b))
+
+    def _host_view(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's state where it lives between steps (device, host, or a view of its mmap file)."""
+        if b.storage is not None:
+            return b.storage
+        return torch.from_numpy(self._files[b.file][b.file_offset : b.file_offset + b.state_numel])
+
+    def _state_groups(self):
+        """Yield ``(buckets, device_state)`` one group at a time (a file for disk offload, else a bucket), then
+        write the group's state back to its host copy (and flush its file)."""
+        if self.offload == "disk":
+            for f, mm in enumerate(self._files):
+                host = torch.from_numpy(mm)
+                dev = host.to(self.device, copy=True)
+                yield [b for b in self.buckets if b.file == f], dev
+                host.copy_(dev)
+                mm.flush()
+            return
+        for b in self.buckets:
+            dev = b.storage.to(self.device, non_blocking=True)  # the storage itself when not offloaded
+            yield [b], dev
+            if dev is not b.storage:
+                b.storage.copy_(dev, non_blocking=True)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _grad_shard(self, b: _Bucket) -> torch.Tensor:
+        flat = torch.zeros(b.shard * self.dp_size, dtype=torch.float32, device=self.device)
+        for p, off in zip(b.params, b.offsets):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.view(-1))
+        if self.dp_group is None:
+            return flat
+        out = torch.empty(b.shard, dtype=torch.float32, device=self.device)
+        _reduce_scatter(out, flat, self.dp_group)
+        return out
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
+        """Reduce gradients, clip to ``grad_clip`` (0 disables), update; returns the global grad norm before
+        clipping."""
+        lr = self.lr if lr is None else lr
+        # with DP the reduced shards are kept (1/D of the gradient); alone, the gradient is re-read in the update
+        keep = self.dp_group is not None
+        shards = []
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for b in self.buckets:
+            g = self._grad_shard(b)
+            for a, e in b.counted:
+                sumsq += torch.linalg.vector_norm(g[a:e]).double() ** 2
+            shards.append(g if keep else None)
+        for group in (self.dp_group, self.tp_group):
+            if group is not None:
+                dist.all_reduce(sumsq, group=group)
+        norm = float(sumsq.sqrt())
+        if not math.isfinite(norm):
+            return norm
+        coef = grad_clip / (norm + 1e-6) if grad_clip > 0 else 1.0
+        self.num_steps += 1
+        index = {id(b): i for i, b in enumerate(self.buckets)}
+        for group, dev in self._state_groups():
+            for b in group:
+                g = shards[index[id(b)]] if keep else self._grad_shard(b)
+                if coef < 1.0:
+                    g.mul_(coef)
+                start = b.file_offset if self.offload == "disk" else 0
+                s = dev[start : start + b.state_numel]
+                if b.has_master:
+                    w, m, v = s.view(3, b.shard).unbind(0)
+                else:
+                    w = self._read_params(b)
+                    m, v = s.view(2, b.shard).unbind(0)
+                self._adamw(w, g, m, v, lr)
+                self._publish(b, w)
+                shards[index[id(b)]] = None
+        if self.offload == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the pinned host copies must be complete before anyone reads them
+        return norm
+
+    def _adamw(self, w, g, m, v, lr) -> None:
+        """torch.optim.AdamW's single-tensor update, op for op."""
+        beta1, beta2 = self.betas
+        step = float(self.num_steps)
+        if self.weight_decay != 0:
+            w.mul_(1 - lr * self.weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = lr / (1 - beta1**step)
+        denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
+        w.addcdiv_(m, denom, value=-step_size)
+
+    def _publish(self, b: _Bucket, w: torch.Tensor) -> None:
+        """Round the master shard to the parameter dtype, gather the bucket over DP and write it in place."""
+        local = w.to(b.dtype)
+        if self.dp_group is not None:
+            full = torch.empty(b.shard * self.dp_size, dtype=b.dtype, device=self.device)
+            _all_gather(full, local, self.dp_group)
+        else:
+            full = local
+        for p, off in zip(b.params, b.offsets):
+            p.detach().view(-1).copy_(full[off : off + p.numel()])
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"dp_size": self.dp_size, "dp_rank": self.dp_rank,
+                "buckets": [[b.numel, str(b.dtype).removeprefix("torch.")] for b in self.buckets]}
+
+    def state_dict(self) -> dict:
+        """This rank's state: step count, layout and per-bucket fp32 shards (``master``, ``exp_avg``,
+        ``exp_avg_sq``). Offloaded state is returned as host tensors that alias the live state (as with
+        ``torch.optim``): save or clone them before the next step."""
+        if self.offload == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        master, exp_avg, exp_avg_sq = [], [], []
+        for b in self.buckets:
+            s = self._host_view(b)
+            if b.has_master:
+                w, m, v = s.view(3, b.shard).unbind(0)
+            else:
+                w = self._read_params(b)
+                m, v = s.view(2, b.shard).unbind(0)
+            master.append(w)
+            exp_avg.append(m)
+            exp_avg_sq.append(v)
+        return {"step": self.num_steps, "layout": self._layout(), "master": master, "exp_avg": exp_avg,
+                "exp_avg_sq": exp_avg_sq,
+                "hparams": {"betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore the state saved by ``state_dict()`` on the same rank of the same layout, and write the master
+        weights back into the parameters (a collective over the DP group)."""
+        if sd["layout"] != self._layout():
+            raise ValueError(
+                f"optimizer state does not fit: saved layout {sd['layout']['dp_size']} DP ranks / "
+                f"{len(sd['layout']['buckets'])} buckets (rank {sd['layout']['dp_rank']}), this optimizer has "
+                f"{self.dp_size} / {len(self.buckets)} (rank {self.dp_rank}); resume with the same world size, "
+                "--tp-size, parameters and bucket size")
+        self.num_steps = int(sd["step"])
+        for i, b in enumerate(self.buckets):
+            s = self._host_view(b)
+            parts = [sd["master"][i]] if b.has_master else []
+            s.copy_(torch.cat([t.reshape(-1).to(s.device, torch.float32) for t in parts + [sd["exp_avg"][i],
+                                                                                         sd["exp_avg_sq"][i]]]))
+            self._publish(b, sd["master"][i].to(self.device, torch.float32))
+        for mm in self._files:
+            mm.flush()
+
+    def close(self) -> None:
+        """Remove the disk-offload files (the optimizer cannot step afterwards)."""
+        self._files = []
+        if self.offload_path is not None:
+            shutil.rmtree(self.offload_path, ignore_errors=True)
+            _OFFLOAD_DIRS.discard(str(self.offload_path))
+            self.offload_path = None
