@@ -1,30 +1,34 @@
 """areno's kernels: Triton kernels, native PyTorch references, autograd Functions and one dispatch point each.
 
-Public functions (contracts in DESIGN.md) are imported lazily so that ``import areno.kernels`` stays cheap.
+The public functions (contracts in DESIGN.md) are bound here after their modules are imported, so that a name such
+as ``areno.kernels.attention`` is always the function even though a submodule of the same name exists.
 """
 
-import importlib
+from areno.kernels import activation as _activation
+from areno.kernels import attention as _attention
+from areno.kernels import linear_logprobs as _linear_logprobs
+from areno.kernels import moe as _moe
+from areno.kernels import paged_attention as _paged_attention
+from areno.kernels import rms_norm as _rms_norm
+from areno.kernels import rope as _rope
+from areno.kernels import sampler as _sampler
 
-_PUBLIC = {
-    "attention": "attention",
-    "paged_attention": "paged_attention",
-    "store_kvcache": "paged_attention",
-    "rms_norm": "rms_norm",
-    "apply_rope": "rope",
-    "rope_cos_sin": "rope",
-    "silu_and_mul": "activation",
-    "linear_logprobs": "linear_logprobs",
-    "sample": "sampler",
-    "fused_moe": "moe",
-    "route_softmax_topk": "moe",
-    "route_sigmoid_grouped_topk": "moe",
-}
+attention = _attention.attention
+paged_attention = _paged_attention.paged_attention
+store_kvcache = _paged_attention.store_kvcache
+rms_norm = _rms_norm.rms_norm
+apply_rope = _rope.apply_rope
+rope_cos_sin = _rope.rope_cos_sin
+rope_params_from_config = _rope.rope_params_from_config
+silu_and_mul = _activation.silu_and_mul
+linear_logprobs = _linear_logprobs.linear_logprobs
+sample = _sampler.sample
+fused_moe = _moe.fused_moe
+route_softmax_topk = _moe.route_softmax_topk
+route_sigmoid_grouped_topk = _moe.route_sigmoid_grouped_topk
 
-__all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name):
-    if name in _PUBLIC:
-        module = importlib.import_module(f"areno.kernels.{_PUBLIC[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module 'areno.kernels' has no attribute {name!r}")
+__all__ = [
+    "apply_rope", "attention", "fused_moe", "linear_logprobs", "paged_attention", "rms_norm", "rope_cos_sin",
+    "rope_params_from_config", "route_sigmoid_grouped_topk", "route_softmax_topk", "sample", "silu_and_mul",
+    "store_kvcache",
+]

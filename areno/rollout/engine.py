@@ -62,7 +62,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         cfg = self.config
-        self.max_model_len = cfg.max_model_len or getattr(model, "max_position_embeddings", 4096)
+        model_max = getattr(getattr(model, "config", None), "max_position_embeddings", 4096)
+        self.max_model_len = cfg.max_model_len or model_max
         if eos_token_ids is None:
             eos_token_ids = _eos_ids(model, tokenizer)
         self.stopper = StopChecker(tokenizer, eos_token_ids, self.max_model_len)
@@ -140,9 +141,9 @@ class Engine:
                 for seq in [chunk.seq] + [c for c in getattr(chunk.seq, "children", []) if not c.is_finished]:
                     rows.append(seq)
                     row_index.append(offset - 1)
-        tokens, logprobs, top = self.runner.run(step, rows, row_index) if rows else (None, None, None)
+        tokens, logprobs, top = self.runner.run(step, rows, row_index)
         self.scheduler.after_step(step)
-        tokens, logprobs = (tokens.tolist(), logprobs.tolist()) if rows else ([], [])
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
         for i, seq in enumerate(rows):
             seq.append(tokens[i], logprobs[i])
             if top is not None and seq.options.top_logprobs:

@@ -83,6 +83,7 @@ class ModelRunner:
         ids, pos, slots, cu_q, seq_lens, tables = [], [], [0], [0], [], []
         slots = []
         max_q = 0
+        width = max(len(c.seq.block_table) for c in step.chunks)  # eager steps: only as wide as needed
         for c in step.chunks:
             seq = c.seq
             ids.extend(seq.tokens[c.start : c.end])
@@ -91,7 +92,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
             cu_q.append(cu_q[-1] + c.end - c.start)
             seq_lens.append(c.end)
-            tables.append(table + [0] * (self.max_blocks_per_seq - len(table)))
+            tables.append(table + [0] * (width - len(table)))
             max_q = max(max_q, c.end - c.start)
         dev = self.device
         t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
@@ -138,6 +139,8 @@ class ModelRunner:
         self.last_step_used_graph = False
         ids, pos, meta, _ = self._inputs(step)
         hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
+        if not rows:  # a prefill chunk that does not reach the end of its prompt: K/V only
+            return torch.empty(0, dtype=torch.int64), torch.empty(0), None
         idx = torch.tensor(row_index, dtype=torch.int64, device=self.device)
         params = self.sampling_tensors(rows, self.device)
         logits = self.model.compute_logits(hidden[idx])

@@ -1,0 +1,175 @@
+"""The rollout engine on tiny random checkpoints: parity with transformers, batching invariance, block accounting,
+prefix sharing, preemption, stopping and continuous batching."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areno.models import load_model, load_tokenizer
+from areno.rollout.async_engine import AsyncEngine
+from areno.rollout.engine import Engine, EngineConfig
+from areno.rollout.sequence import SamplingOptions
+from areno.testing import make_tiny_checkpoint
+
+GREEDY = SamplingOptions(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "llama"])
+def family_ckpt(request, tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param, seed=1)
+    return request.param, path
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("q3"), family="qwen3", seed=2)
+    model = load_model(path, dtype=torch.float32, device="cpu")
+    return path, model, load_tokenizer(path)
+
+
+def engine(model, tok, **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_running", 16)
+    return Engine(model, tok, EngineConfig(**kw))
+
+
+PROMPTS = ["hello world, 12 + 3 =", "the cat", "a", "tool call: {\"name\": \"add\"} and some longer text here"]
+
+
+def test_greedy_matches_transformers_generate(family_ckpt):
+    family, path = family_ckpt
+    model = load_model(path, dtype=torch.float32, device="cpu")
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    out = engine(model, tok).generate(prompts, GREEDY)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for p, group in zip(prompts, out):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(p):].tolist()
+        assert group[0].token_ids == ref, family
+        assert group[0].finish_reason == "length" and len(group[0].logprobs) == 10
+
+
+def test_output_does_not_depend_on_the_batch(qwen3):
+    _, model, tok = qwen3
+    prompts = [tok.encode(p) for p in PROMPTS]
+    alone = [engine(model, tok).generate([p], GREEDY)[0][0].token_ids for p in prompts]
+    together = [g[0].token_ids for g in engine(model, tok, max_batched_tokens=7).generate(prompts, GREEDY)]
+    assert alone == together
+
+
+def test_logprobs_match_a_full_forward(qwen3):
+    _, model, tok = qwen3
+    p = tok.encode(PROMPTS[0])
+    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.7, max_new_tokens=8, ignore_eos=True,
+                                                         seed=3))[0][0]
+    ids = torch.tensor([p + c.token_ids])
+    logits = model.logits(ids)[0, len(p) - 1 : -1].double() / 0.7
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=1e-4)
+
+
+def test_blocks_return_after_finish_abort_and_preemption(qwen3):
+    _, model, tok = qwen3
+    # a cache so small that eight long sequences cannot all fit: the scheduler must preempt and recompute
+    e = engine(model, tok, kv_cache_memory=80 * model.num_layers * 2 * 4 * model.num_kv_heads_local
+               * model.head_dim * 4, max_running=8)
+    assert e.blocks.num_blocks == 80
+    prompts = [tok.encode(p) for p in PROMPTS] * 2
+    opts = SamplingOptions(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    out = e.generate(prompts, opts)
+    assert e.scheduler.num_preemptions > 0
+    assert e.blocks.num_free == e.blocks.num_blocks
+    ref = engine(model, tok).generate(prompts, opts)
+    assert [g[0].token_ids for g in out] == [g[0].token_ids for g in ref]
+    seqs = e.add_request(prompts[0], SamplingOptions(max_new_tokens=30, n=3))
+    e.step()
+    e.step()
+    e.abort(seqs)
+    assert all(s.finish_reason == "abort" for s in seqs) and not e.has_work()
+    assert e.blocks.num_free == e.blocks.num_blocks
+
+
+def test_n_samples_share_the_prompt_blocks(qwen3):
+    _, model, tok = qwen3
+    prompt = tok.encode(PROMPTS[3] * 3)
+    e = engine(model, tok)
+    seqs = e.add_request(prompt, SamplingOptions(temperature=1.0, max_new_tokens=6, n=4, seed=0))
+    e.step()  # the prefill, and every sample's first token
+    shared = len(prompt) // 4  # full prompt blocks, one copy for all four samples
+    assert e.blocks.num_used < 4 * (shared + 1)
+    assert len(set(tuple(s.block_table[:shared]) for s in seqs)) == 1
+    while e.has_work():
+        e.step()
+    forked = [s.output_ids for s in seqs]
+    assert e.blocks.num_free == e.blocks.num_blocks
+    # each sample equals the same seed's sample generated without sharing
+    for s in seqs:
+        solo = engine(model, tok, prefix_caching=False)
+        (one,) = solo.add_request(prompt, SamplingOptions(temperature=1.0, max_new_tokens=6, n=1))
+        one.seed = s.seed
+        while solo.has_work():
+            solo.step()
+        assert one.output_ids == s.output_ids
+    assert len(set(map(tuple, forked))) > 1
+
+
+def test_prefix_cache_reuses_blocks_across_requests(qwen3):
+    _, model, tok = qwen3
+    e = engine(model, tok)
+    prefix = tok.encode(PROMPTS[3] * 2)
+    first = e.generate([prefix + tok.encode(" one")], GREEDY)[0][0]
+    hits = e.blocks.prefix_hits
+    second = e.generate([prefix + tok.encode(" two")], GREEDY)[0][0]
+    assert e.blocks.prefix_hits - hits >= (len(prefix) // 4) * 4
+    cold = engine(model, tok, prefix_caching=False).generate([prefix + tok.encode(" two")], GREEDY)[0][0]
+    assert second.token_ids == cold.token_ids and first.token_ids
+
+
+def test_stop_ids_and_stop_strings(qwen3):
+    _, model, tok = qwen3
+    p = tok.encode(PROMPTS[1])
+    free = engine(model, tok).generate([p], GREEDY)[0][0]
+    stop_id = free.token_ids[3]
+    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=10, stop_token_ids=[stop_id],
+                                                         ignore_eos=True))[0][0]
+    assert c.finish_reason == "stop" and c.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    text = tok.decode(free.token_ids, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=10, stop=[stop],
+                                                         ignore_eos=True))[0][0]
+    assert c.finish_reason == "stop" and c.stop_text == stop
+    assert c.text == text[: text.index(stop)]
+    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=3, min_new_tokens=3,
+                                                         stop_token_ids=[free.token_ids[0]], ignore_eos=True))[0][0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+
+
+def test_short_request_finishes_while_long_ones_decode(qwen3):
+    _, model, tok = qwen3
+    e = engine(model, tok, max_running=8)
+    ae = AsyncEngine(e)
+
+    async def main():
+        long = [await ae.submit(tok.encode(p), SamplingOptions(max_new_tokens=60, ignore_eos=True))
+                for p in PROMPTS[:3]]
+        order = []
+
+        async def drain(name, stream):
+            async for ev in stream:
+                if ev.finish_reason:
+                    order.append(name)
+
+        tasks = [asyncio.create_task(drain("long", s)) for s in long]
+        await asyncio.sleep(0.3)  # the long ones are decoding now
+        probe = await ae.submit(tok.encode("x"), SamplingOptions(max_new_tokens=2, ignore_eos=True))
+        await drain("probe", probe)
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(main())
+    ae.shutdown()
+    assert order[0] == "probe" and order.count("long") == 3
+    assert e.blocks.num_free == e.blocks.num_blocks
