@@ -570,82 +570,107 @@ def run_env(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------------------------- warmup
 
 
-def _warm_attention(fn, torch, dev):
-    q = torch.randn(16, 4, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(16, 2, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(16, 2, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+# Each recipe runs one public kernel (forward, and backward where training needs it) on small inputs. The shapes
+# compile the same kernels real models use for the dtype; other shape specialisations compile on first use.
+
+
+def _warm_attention(K, torch, dev, dt):
+    q, k, v = (torch.randn(16, h, 64, device=dev, dtype=dt, requires_grad=True) for h in (4, 2, 2))
     cu = torch.tensor([0, 7, 16], dtype=torch.int32, device=dev)
-    fn(q, k, v, cu, cu, 9, 9, causal=True).float().sum().backward()
+    K.attention(q, k, v, cu, cu, 9, 9, causal=True).float().sum().backward()
 
 
-def _warm_paged_attention(fn, torch, dev):
-    q = torch.randn(2, 4, 64, device=dev, dtype=torch.bfloat16)
-    k_cache = torch.randn(4, 16, 2, 64, device=dev, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+def _warm_paged_attention(K, torch, dev, dt):
+    q = torch.randn(2, 4, 64, device=dev, dtype=dt)
+    k_cache, v_cache = torch.zeros(4, 16, 2, 64, device=dev, dtype=dt), torch.zeros(4, 16, 2, 64, device=dev, dtype=dt)
+    k, v = torch.randn(25, 2, 64, device=dev, dtype=dt), torch.randn(25, 2, 64, device=dev, dtype=dt)
+    slots = torch.cat([torch.arange(0, 20), torch.arange(32, 37)]).to(device=dev, dtype=torch.int64)
+    K.store_kvcache(k, v, k_cache, v_cache, slots)
     block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=dev)
-    seq_lens = torch.tensor([20, 5], dtype=torch.int32, device=dev)
-    fn(q, k_cache, v_cache, block_table, seq_lens)
+    K.paged_attention(q, k_cache, v_cache, block_table, torch.tensor([20, 5], dtype=torch.int32, device=dev))
 
 
-def _warm_linear_logprobs(fn, torch, dev):
-    hidden = torch.randn(8, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(256, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+def _warm_linear_logprobs(K, torch, dev, dt):
+    hidden = torch.randn(8, 64, device=dev, dtype=dt, requires_grad=True)
+    weight = torch.randn(256, 64, device=dev, dtype=dt, requires_grad=True)
     targets = torch.randint(0, 256, (8,), device=dev)
-    logprobs, entropy = fn(hidden, weight, targets, return_entropy=True)
-    logprobs.sum().backward()
+    logprobs, entropy = K.linear_logprobs(hidden, weight, targets, return_entropy=True)
+    (logprobs.sum() + entropy.sum()).backward()
 
 
-def _warm_fused_moe(fn, torch, dev):
-    x = torch.randn(8, 64, device=dev, dtype=torch.bfloat16)
-    w13 = torch.randn(4, 64, 64, device=dev, dtype=torch.bfloat16) / 8
-    w2 = torch.randn(4, 64, 32, device=dev, dtype=torch.bfloat16) / 8
-    topk_weights = torch.rand(8, 2, device=dev).softmax(-1)
+def _warm_fused_moe(K, torch, dev, dt):
+    x = torch.randn(8, 64, device=dev, dtype=dt, requires_grad=True)
+    w13 = (torch.randn(4, 64, 64, device=dev, dtype=dt) / 8).requires_grad_()
+    w2 = (torch.randn(4, 64, 32, device=dev, dtype=dt) / 8).requires_grad_()
+    topk_weights = torch.rand(8, 2, device=dev).softmax(-1).to(dt).requires_grad_()
     topk_ids = torch.randint(0, 4, (8, 2), device=dev)
-    fn(x, w13, w2, topk_weights, topk_ids)
+    K.fused_moe(x, w13, w2, topk_weights, topk_ids).float().sum().backward()
 
 
-def _warm_rms_norm(fn, torch, dev):
-    fn(torch.randn(8, 64, device=dev, dtype=torch.bfloat16), torch.ones(64, device=dev, dtype=torch.bfloat16))
+def _warm_rms_norm(K, torch, dev, dt):
+    x = torch.randn(8, 64, device=dev, dtype=dt, requires_grad=True)
+    weight = torch.ones(64, device=dev, dtype=dt, requires_grad=True)
+    K.rms_norm(x, weight).float().sum().backward()
+    K.rms_norm(x.detach(), weight.detach(), residual=torch.randn_like(x.detach()))
 
 
-def _warm_silu_and_mul(fn, torch, dev):
-    fn(torch.randn(8, 128, device=dev, dtype=torch.bfloat16))
+def _warm_apply_rope(K, torch, dev, dt):
+    cos, sin = K.rope_cos_sin(64, 32, 10000.0, device=dev)
+    x = torch.randn(16, 4, 64, device=dev, dtype=dt, requires_grad=True)
+    K.apply_rope(x, torch.arange(16, device=dev), cos, sin).float().sum().backward()
 
 
-# Kernels with a fixed contract in DESIGN.md (plus the two small ops whose call is unambiguous). The small shapes
-# compile the same kernels as real models for the dtype; other shape specialisations compile on first use.
+def _warm_silu_and_mul(K, torch, dev, dt):
+    K.silu_and_mul(torch.randn(8, 128, device=dev, dtype=dt, requires_grad=True)).float().sum().backward()
+
+
+def _warm_sample(K, torch, dev, dt):
+    logits = torch.randn(4, 256, device=dev, dtype=torch.float32)
+    seeds, offsets = torch.arange(4, device=dev), torch.zeros(4, dtype=torch.int64, device=dev)
+    K.sample(logits, temperature=0.7, seeds=seeds, offsets=offsets)
+    K.sample(logits, temperature=0.7, seeds=seeds, offsets=offsets, top_k=50, top_p=0.9)
+
+
 WARMUP = {
     "attention": _warm_attention,
     "paged_attention": _warm_paged_attention,
     "linear_logprobs": _warm_linear_logprobs,
     "fused_moe": _warm_fused_moe,
     "rms_norm": _warm_rms_norm,
+    "apply_rope": _warm_apply_rope,
     "silu_and_mul": _warm_silu_and_mul,
+    "sample": _warm_sample,
 }
 
 
-def warmup() -> dict[str, str]:
-    """Run each public Triton kernel once on small CUDA tensors so Triton compiles and caches it
-    (in ~/.triton or $TRITON_CACHE_DIR). Kernels not built yet are skipped with a note. Returns name -> outcome."""
+def warmup(device: str = "cuda") -> dict[str, str]:
+    """Run each public Triton kernel once on small tensors so that Triton compiles and caches it (in ~/.triton or
+    $TRITON_CACHE_DIR). Kernels not built yet are skipped with a note. Returns kernel name -> outcome.
+
+    ``device="cpu"`` runs the same recipes in the Triton interpreter (TRITON_INTERPRET=1, fp32): a test of them."""
     import torch
 
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("warmup needs a CUDA device (the CPU path uses native PyTorch: nothing to build)")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("warmup on the CPU needs TRITON_INTERPRET=1, set before triton is imported")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # bf16 arithmetic is wrong in the interpreter
     kernels = importlib.import_module("areno.kernels")
     saved = os.environ.get("ARENO_KERNELS")
     os.environ["ARENO_KERNELS"] = "triton"  # compile the Triton path even where auto dispatch would not
     results = {}
     try:
-        for name, run in WARMUP.items():
+        for name, recipe in WARMUP.items():
             try:
-                fn = getattr(kernels, name)
+                getattr(kernels, name)
             except (ImportError, AttributeError) as e:
-                results[name] = f"skipped: not built yet ({type(e).__name__})"
+                results[name] = f"skipped: not built yet ({type(e).__name__}: {e})"
                 continue
             t0 = time.perf_counter()
             try:
-                run(fn, torch, "cuda")
-                torch.cuda.synchronize()
+                recipe(kernels, torch, device, dtype)
+                if device == "cuda":
+                    torch.cuda.synchronize()
             except Exception as e:
                 results[name] = f"failed: {type(e).__name__}: {e}"
             else:
