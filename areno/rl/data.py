@@ -21,6 +21,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from areno.config import ConfigError
+
 log = logging.getLogger("areno.data")
 
 FLAG = "--dataset-path"
@@ -28,13 +30,13 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".jsonl.gz", ".json.gz",
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
-class DatasetError(ValueError):
+class DatasetError(ConfigError):
     """A dataset that cannot be used; ``flag`` names the CLI flag at fault (the message starts with it)."""
 
     def __init__(self, flag: str, reason: str):
         self.flag = flag
         self.reason = reason
-        super().__init__(f"{flag}: {reason}")
+        ValueError.__init__(self, f"{flag}: {reason}")
 
 
 # ---- loading ---------------------------------------------------------------------------------------------------

@@ -18,16 +18,17 @@ import sys
 import traceback
 from pathlib import Path
 
+from areno.config import ConfigError
+
 _counter = itertools.count()
 
 
-class PluginError(ValueError):
-    """A plugin file that cannot be used; ``flag`` names the CLI flag that pointed at it."""
+class PluginError(ConfigError):
+    """A plugin file that cannot be used; ``flag`` names the CLI flag that pointed at it (a ValueError, like every
+    ConfigError, so the CLI reports it as a bad flag)."""
 
     def __init__(self, flag: str, message: str):
-        self.flag = flag
-        self.reason = message
-        super().__init__(f"{flag} {message}")
+        super().__init__(flag, message)  # str(e) == f"{flag} {message}"
 
 
 def load_module(path, *, flag: str):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from areno.config import ConfigError
 from areno.rl import data
 from areno.rl.data import DatasetError, PromptIterator, check_rows, default_loader, load_rows
 
@@ -77,7 +78,7 @@ def test_missing_file_names_the_flag(tmp_path):
     for missing in (str(tmp_path / "nope.jsonl"), "data/nope.parquet", "./nope", "a/b/c"):
         with pytest.raises(DatasetError, match=r"^--dataset-path: file not found") as e:
             load_rows(missing)
-        assert e.value.flag == "--dataset-path"
+        assert e.value.flag == "--dataset-path" and isinstance(e.value, ConfigError)
 
 
 def test_bad_json_line_is_located(tmp_path):

@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 
+from areno.config import ConfigError
 from areno.rl.plugins import PluginError, load_agent, load_dataset_loader, load_function, load_reward_fn
 
 
@@ -17,7 +18,7 @@ def _file(tmp_path, source, name="plugin.py"):
 def _error(fn, path) -> PluginError:
     with pytest.raises(PluginError) as e:
         fn(path)
-    assert isinstance(e.value, ValueError)
+    assert isinstance(e.value, ConfigError)  # a ValueError the CLI reports as a bad flag
     return e.value
 
 
