@@ -8,6 +8,7 @@ Only the standard library is imported at the top, so the installer can run this 
     python -m areno.platform env [--json]     # support report
     python -m areno.platform warmup           # compile and cache the Triton kernels (GPU)
     python -m areno.platform record-setup     # detect and record the attention setup (install.sh step 7)
+    python -m areno.platform installed REPO   # exit 0 when areno is installed from REPO, requirements met (step 5)
 """
 
 import argparse
@@ -714,7 +715,57 @@ def run_record_setup(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"check": run_check, "env": run_env, "warmup": run_warmup, "record-setup": run_record_setup}
+def unmet_requirements(repo: Path, extras: tuple[str, ...] = ("test",)) -> list[str]:
+    """What keeps the installed areno from matching the checkout `repo`: areno imported from elsewhere, no `areno`
+    console script, or requirements of setup.cfg (core plus `extras`) missing or at a version out of range."""
+    import configparser
+
+    from packaging.requirements import Requirement
+
+    import areno
+
+    problems = []
+    here = Path(areno.__file__).resolve().parent.parent
+    if here != repo.resolve():
+        problems.append(f"areno is imported from {here}, not {repo}")
+    if not (Path(sys.prefix) / "bin" / "areno").exists():
+        problems.append(f"no `areno` console script in {Path(sys.prefix) / 'bin'}")
+    cfg = configparser.ConfigParser()
+    cfg.read(repo / "setup.cfg")
+    lines = cfg.get("options", "install_requires", fallback="").splitlines()
+    for extra in extras:
+        lines += cfg.get("options.extras_require", extra, fallback="").splitlines()
+    for line in lines:
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            version = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            problems.append(f"{req.name} is not installed")
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            problems.append(f"{req.name} {version} does not satisfy {req.specifier}")
+    return problems
+
+
+def run_installed(argv: list[str]) -> int:
+    """Exit 0 when areno is installed from the given checkout with every requirement met (install.sh step 5)."""
+    parser = argparse.ArgumentParser(prog="python -m areno.platform installed", description=run_installed.__doc__)
+    parser.add_argument("repo", type=Path, help="the checkout areno should be installed from")
+    parser.add_argument("--extras", default="test", help="comma-separated extras that must be met too")
+    args = parser.parse_args(argv)
+    problems = unmet_requirements(args.repo, tuple(e for e in args.extras.split(",") if e))
+    for problem in problems:
+        print(problem)
+    return 1 if problems else 0
+
+
+COMMANDS = {"check": run_check, "env": run_env, "warmup": run_warmup, "record-setup": run_record_setup,
+            "installed": run_installed}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,6 +180,10 @@ if [ -x "$VPY" ]; then
 fi
 if [ "$(cat "$stamp_file" 2>/dev/null || true)" = "$stamp" ] && [ "$installed_from" = "$REPO" ]; then
   say "already installed from $REPO and up to date: nothing to do"
+elif [ -n "$installed_from" ] && probe "$VPY" -m areno.platform installed "$REPO" >/dev/null 2>&1; then
+  # Installed from this checkout by other means, every requirement met: no pip (which may need the network).
+  say "already installed from $REPO with every requirement of setup.cfg met: nothing to do"
+  if [ "$DRY_RUN" = 1 ]; then say "would write $stamp_file"; else echo "$stamp" > "$stamp_file"; fi
 else
   pip_args=(install --upgrade-strategy only-if-needed)
   # Pin the torch that is there, so no dependency can upgrade it.

@@ -232,3 +232,16 @@ def test_command_line(home):
     assert list(parse(out.stdout)) == CHECK_NAMES
     out = subprocess.run([sys.executable, "-m", "areno.platform", "bogus"], capture_output=True, text=True, env=env)
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_unmet_requirements(tmp_path):
+    assert P.unmet_requirements(REPO) == []  # this venv: areno from this checkout, setup.cfg met
+    (tmp_path / "setup.cfg").write_text(
+        "[options]\ninstall_requires =\n    torch>=99  # comment\n    areno-no-such-dep\n    tqdm\n"
+        "    some-windows-dep; platform_system == \"Windows\"\n"
+        "[options.extras_require]\ntest =\n    pytest\n"
+    )
+    problems = P.unmet_requirements(tmp_path)
+    assert problems[0] == f"areno is imported from {REPO}, not {tmp_path}"
+    assert problems[1:] == [f"torch {importlib.metadata.version('torch')} does not satisfy >=99",
+                            "areno-no-such-dep is not installed"]
