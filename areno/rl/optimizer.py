@@ -314,7 +314,7 @@ class MasterAdamW:
             if b.has_master:
                 w, m, v = s.view(3, b.shard).unbind(0)
             else:
-                w = self._read_params(b)
+                w = self._read_params(b).cpu()  # fp32 params are their own master: a host copy of this shard
                 m, v = s.view(2, b.shard).unbind(0)
             master.append(w)
             exp_avg.append(m)

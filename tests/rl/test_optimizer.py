@@ -30,7 +30,7 @@ def grads_for(step, rank=0, scale=1.0):
 
 def set_grads(params, grads):
     for p, g in zip(params, grads):
-        p.grad = None if g is None else g.to(p.dtype).clone()
+        p.grad = None if g is None else g.to(p.device, p.dtype).clone()
 
 
 LRS = [1e-2, 3e-2, 2e-2, 5e-3, 1e-2]
@@ -157,6 +157,24 @@ def test_offload_gives_the_same_weights(tmp_path, offload, batch):
         opt.close()
         assert not folder.exists()
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_gpu_offload_pinned_host_and_disk_give_the_same_weights(tmp_path):
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    runs = {}
+    for offload in ("none", "cpu", "disk"):
+        params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(dtypes=dtypes)]
+        ptrs = [p.data_ptr() for p in params]
+        opt, norms = run_master(params, 4.0, bucket_bytes=150, offload=offload, offload_dir=tmp_path)
+        assert [p.data_ptr() for p in params] == ptrs
+        if offload == "cpu":
+            assert all(b.storage.device.type == "cpu" and b.storage.is_pinned() for b in opt.buckets)
+        runs[offload] = (norms, [p.detach().cpu() for p in params])
+        opt.close()
+    for offload in ("cpu", "disk"):
+        assert runs[offload][0] == runs["none"][0]
+        assert all(torch.equal(a, b) for a, b in zip(runs[offload][1], runs["none"][1]))
 
 
 def test_disk_offload_folder_removed_at_interpreter_exit(tmp_path):

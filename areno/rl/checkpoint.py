@@ -1,0 +1,209 @@
+"""Training checkpoints: the Hugging Face model folder plus the state needed to resume, written atomically.
+
+Layout of ``save_path/step-{N}`` (reloadable as a model with ``--ckpt`` or ``--model-path``)::
+
+    config.json, *.safetensors, tokenizer files     the policy, written by ``areno.models.save_model``
+    training_state/optimizer-rank{r}.pt             each rank's optimizer shard (MasterAdamW.state_dict())
+    training_state/rng-rank{r}.pt                   each rank's python / numpy / torch / CUDA RNG states
+    training_state/trainer.json                     step, data position, config, scheduler, world size
+    COMPLETE                                        written last: a folder without it is never loaded
+
+Everything is written into ``.{name}.tmp-{pid}-{rand}`` beside the target, and the finished folder is renamed into
+place (an existing one is first renamed to ``.{name}.old-{pid}-{rand}``, then removed). A kill at any moment leaves
+the previous checkpoint or the new one, and a hidden folder; ``latest_checkpoint`` only answers complete
+``step-{N}`` folders (or, after a kill between the two renames, the complete ``.old`` one). Hidden folders left by
+dead processes are removed by the next save. Only files this module wrote are unpickled (``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STATE_DIR = "training_state"
+MARKER = "COMPLETE"
+_STEP = re.compile(r"step-(\d+)")
+_OLD = re.compile(r"\.step-(\d+)\.old-\d+-[0-9a-f]+")
+_TMP = re.compile(r"\.(.+)\.(?:tmp|old)-(\d+)-[0-9a-f]+")  # also matches save_model's own ``.tmp-`` inside a tmp
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+# ---- RNG -------------------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    """Python, numpy, torch (and CUDA) generator states, as plain types and tensors."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- save ------------------------------------------------------------------------------------------------------
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale(parent: Path) -> None:
+    """Hidden tmp/old folders of saves whose process is gone (never an ``.old`` that is the only complete copy)."""
+    for d in parent.iterdir():
+        m = _TMP.match(d.name)
+        if m is None or not d.is_dir() or int(m.group(2)) == os.getpid() or _alive(int(m.group(2))):
+            continue
+        old = _OLD.fullmatch(d.name)
+        if old and not (parent / f"step-{old.group(1)}" / MARKER).is_file() and (d / MARKER).is_file():
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_state=None, trainer_state: dict,
+                    rng: bool = True, save_model_fn=None) -> Path:
+    """Write a checkpoint at ``path`` (every rank calls this: a collective). ``save_model_fn(model, dir, tokenizer)``
+    runs on every rank (areno's ``save_model`` gathers TP shards and writes on global rank 0); each rank writes its
+    optimizer and RNG files; rank 0 writes ``trainer.json`` (``trainer_state`` must be JSON-able; ``Path`` and other
+    objects are written as strings) and the marker, then renames the folder into place. Returns ``path``."""
+    if save_model_fn is None:
+        from areno.models import save_model as save_model_fn
+    path = Path(path).expanduser().absolute()
+    rank, world = _dist()
+    tmp = None
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(path.parent)
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+    if world > 1:
+        box = [str(tmp) if tmp is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+    try:
+        save_model_fn(model, tmp, tokenizer)  # areno's save_model replaces the (empty) tmp folder with its own
+        state = tmp / STATE_DIR
+        if rank == 0:
+            state.mkdir(exist_ok=True)
+        _barrier(world)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), state / f"optimizer-rank{rank}.pt")
+        if rng:
+            torch.save(rng_state(), state / f"rng-rank{rank}.pt")
+        _barrier(world)
+        if rank == 0:
+            meta = {"format": 1, "world_size": world, "saved_at": time.time(), "optimizer": optimizer is not None,
+                    "rng": bool(rng), "scheduler": scheduler_state, "trainer": trainer_state}
+            (state / "trainer.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+            for f in tmp.rglob("*"):  # durable before the marker says so (a power cut, not only a kill)
+                if f.is_file():
+                    _fsync(f)
+            (tmp / MARKER).write_text(json.dumps({"world_size": world}) + "\n")
+            _fsync(tmp / MARKER)
+            _fsync(tmp)
+            if path.exists():
+                old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                os.rename(path, old)
+                os.rename(tmp, path)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, path)
+            _fsync(path.parent)
+    except BaseException:
+        if rank == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier(world)
+    return path
+
+
+# ---- load ------------------------------------------------------------------------------------------------------
+def is_complete(path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def load_checkpoint(path, *, optimizer=None, rank: int | None = None, rng: bool = True) -> dict:
+    """Read a checkpoint's training state: restores ``optimizer`` (this rank's shard) and the RNG states, and
+    returns the saved ``trainer_state`` dict (plus ``"scheduler_state"`` when one was saved). ``rank`` defaults to
+    the global rank."""
+    path = Path(path).expanduser()
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete areno checkpoint (no {MARKER} marker): the save was "
+                                "interrupted or the folder was not written by save_checkpoint")
+    if rank is None:
+        rank = _dist()[0]
+    state = path / STATE_DIR
+    meta = json.loads((state / "trainer.json").read_text())
+    if optimizer is not None:
+        f = state / f"optimizer-rank{rank}.pt"
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: {path} was saved by {meta['world_size']} ranks "
+                                    f"{'with' if meta['optimizer'] else 'without'} optimizer state")
+        optimizer.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+    if rng and meta["rng"]:
+        f = state / f"rng-rank{rank}.pt"
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: {path} was saved by {meta['world_size']} ranks")
+        set_rng_state(torch.load(f, map_location="cpu", weights_only=True))
+    out = dict(meta["trainer"])
+    if meta["scheduler"] is not None:
+        out["scheduler_state"] = meta["scheduler"]
+    return out
+
+
+def latest_checkpoint(save_path) -> Path | None:
+    """The complete ``save_path/step-{N}`` with the highest N (None if there is none)."""
+    root = Path(save_path).expanduser()
+    if not root.is_dir():
+        return None
+    found: dict[int, Path] = {}
+    fallback: dict[int, Path] = {}
+    for d in root.iterdir():
+        if (m := _STEP.fullmatch(d.name)) and is_complete(d):
+            found[int(m.group(1))] = d
+        elif (m := _OLD.fullmatch(d.name)) and is_complete(d):
+            fallback[int(m.group(1))] = d  # killed between "rename old away" and "rename new in"
+    for step, d in fallback.items():
+        found.setdefault(step, d)
+    return found[max(found)] if found else None
