@@ -182,7 +182,7 @@ class Engine:
         return [[self.completion(s) for s in g] for g in groups]
 
     def completion(self, seq: Sequence) -> Completion:
-        text = seq.text if seq.options.stop else None
+        text = seq.text if seq.stop_text is not None else None
         return Completion(
             request_id=seq.request_id, index=seq.sample_index, prompt_ids=seq.tokens[: seq.prompt_len],
             token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",

@@ -71,8 +71,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_text: str | None = None  # the stop string that ended it, if any
-        self.text = ""  # detokenized output (maintained only when stop strings are set)
-        self.text_offset = 0
+        self.text = ""  # the output text cut before the stop string (set when one ends the sequence)
         self.fork_parent: Sequence | None = None  # n > 1: siblings wait for the first sample's prefill
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None

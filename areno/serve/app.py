@@ -38,8 +38,12 @@ class Detokenizer:
                 text = text[:i]
         return text
 
-    def push(self, token_id: int) -> str:
+    def push(self, token_id: int, emit: bool = True) -> str:
+        """Add a token; return the text now safe to send (nothing when ``emit`` is False: the last token, whose
+        text goes out through :meth:`flush` once the stop string is known)."""
         self.ids.append(token_id)
+        if not emit:
+            return ""
         text = self.text()
         end = len(text) - self.hold
         while end > self.sent and text[end - 1] == "\ufffd":
@@ -258,7 +262,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                 delta_text = ""
                 if ev.token_id is not None:
                     completion_tokens += 1
-                    delta_text = d.push(ev.token_id)
+                    delta_text = d.push(ev.token_id, emit=ev.finish_reason is None)
                 lp = None
                 if req.logprobs and ev.token_id is not None:
                     o = {"ids": [ev.token_id], "logprobs": [ev.logprob], "top": [ev.top]}
@@ -374,7 +378,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                 text = ""
                 if ev.token_id is not None:
                     completion_tokens += 1
-                    text = d.push(ev.token_id)
+                    text = d.push(ev.token_id, emit=ev.finish_reason is None)
                 if ev.finish_reason is not None:
                     text += d.flush(ev.stop_text)
                 if text or ev.finish_reason is not None:

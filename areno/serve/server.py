@@ -35,8 +35,8 @@ def build_app(config, *, model=None, tokenizer=None):
         config.model_path, model=model, tokenizer=tokenizer, tp_size=config.tp_size,
         max_running=config.max_running_prompts, max_model_len=config.max_model_len,
         eager_decode=config.eager_decode, attn_backend=config.attn_backend,
-        decode_progress_interval_s=config.decode_progress_interval_s, dtype=getattr(config, "dtype", None),
-        seed=getattr(config, "seed", 0) or 0,
+        decode_progress_interval_s=config.decode_progress_interval_s or None, dtype=config.dtype,
+        seed=config.seed, kv_cache_memory=config.kv_cache_memory,
     )
     aengine = AsyncEngine(engine)
     name = config.served_model_name or str(config.model_path).rstrip("/")
