@@ -10,8 +10,9 @@ Triton path (kernels in moe_gemm.py):
    in the input dtype: cheaper than recomputing the larger GEMM in backward).
 3. down: y_pair[pair] = w * h W2^T written in pair order, then a per-token sum over its k slots (deterministic,
    no atomics).
-Backward: dh = dy W2 per row with the routing-weight and SiLU-and-mul backward fused (-> dg|du, w*h, d w); dW2 and
-dW13 as per-expert row reductions (no atomics, deterministic); dx per pair then a per-token sum.
+Backward: dh = dy[tok] W2 per sorted row (grouped GEMM), then one elementwise pass for the routing-weight and
+SiLU-and-mul backward (-> dg|du, w*h, d w); dW2 and dW13 as per-expert row reductions (no atomics, deterministic);
+dx per pair (grouped GEMM) then a per-token sum.
 FLOPs: forward 2*T*k*(H*2I + I*H), backward twice that.
 
 Native path: the per-expert loop as transformers' Qwen3MoeExperts runs it (CPU and reference); ``fused_moe_reference``

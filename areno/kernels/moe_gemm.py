@@ -10,11 +10,13 @@ cdiv(M, BLOCK_M) + min(E, M) blocks; blocks past the end return at once. Experts
 Kernels (I = intermediate, H = hidden; the FLOP count each one does):
 - ``_gate_up_kernel``: g|u = x[tok(r)] @ w13[e]^T with two accumulators (gate rows, up rows) over one I-tile, then
   h = silu(g) * u fused in the epilogue; writes h [M, I] and, when training, g|u [M, 2I].    2*M*H*2I
-- ``_expert_rows_kernel``: out[pair(r)] = (w_pair *) a[r] @ B_e, B_e any strided [K, N] view of an expert's weight:
-  the down projection (a = h, B_e = w2[e]^T, scaled by the routing weight) and dx per pair (a = dg|du, B_e = w13[e]).
-  2*M*I*H and 2*M*2I*H
-- ``_down_grad_kernel``: dh = dy[tok(r)] @ w2[e] with the backward of (routing weight, silu-and-mul) fused in the
-  epilogue: writes dg|du [M, 2I], w*h [M, I] and per-I-tile partial sums of <dh, h> (the routing-weight grads).  2*M*H*I
+- ``_expert_rows_kernel``: out[row] = (w_pair *) a[row'] @ B_e, with B_e any strided [K, N] view of an expert's
+  weight, a's rows read by token (gathered) or by sorted row, out written by pair or by sorted row. Used for the down
+  projection (a = h, B_e = w2[e]^T, scaled by the routing weight, out by pair)  2*M*I*H, dh = dy[tok] @ w2[e] (out
+  by sorted row)  2*M*H*I, and dx per pair (a = dg|du, B_e = w13[e])  2*M*2I*H.
+- ``_swiglu_routed_bwd_kernel`` (elementwise, per sorted row): from dh, g|u and the routing weight w: dg|du of
+  w * silu(g) * u, the row's w*h (for dW2) and d w = <dh, h> reduced over the whole row (deterministic). Kept out of
+  the dh GEMM's epilogue: fused there it needed 255 registers and spilled on sm_90 at every tile shape tried.
 - ``_expert_weight_grad_kernel``: dW[e] = sum over e's rows of a_row^T b_row, one [P, Q] tile per program, looping
   over the rows: dW2 = dy^T (w*h) and dW13 = (dg|du)^T x. Empty experts write zeros.  2*M*H*I and 2*M*2I*H
 Forward 6*M*H*I FLOPs, backward 12*M*H*I.
@@ -82,7 +84,7 @@ def _block_rows(order_ptr, counts_ptr, M, num_n, E, TOP_K,
     return expert, pid_n, rows, pair, pair // TOP_K, mask_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "tune_m"])
 def _gate_up_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, h_ptr, gu_ptr,
                     M, E, N, K, TOP_K, stride_xm, stride_we, stride_wn, tune_m,
                     SAVE_GU: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -129,13 +131,14 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, h_ptr, gu_ptr,
     tl.store(h_ptr + rows[:, None] * N + offs_n[None, :], (act * u.to(tl.float32)).to(dt), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "tune_m"])
 def _expert_rows_kernel(a_ptr, w_ptr, order_ptr, counts_ptr, scale_ptr, out_ptr,
-                        M, E, N, K, TOP_K, stride_we, stride_wk, stride_wn, tune_m,
-                        SCALE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                        M, E, N, K, TOP_K, stride_am, stride_we, stride_wk, stride_wn, tune_m,
+                        GATHER_A: tl.constexpr, OUT_SORTED: tl.constexpr, SCALE: tl.constexpr,
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
-    # out[pair(r), :N] = (scale[pair] *) a[r, :K] @ B_e;  a is [M, K] contiguous, out [M, N] contiguous
+    # out[(r or pair(r)), :N] = (scale[pair] *) a[(tok(r) or r), :K] @ B_e;  out is [M, N] contiguous
     expert, pid_n, rows, pair, tok, mask_m = _block_rows(
         order_ptr, counts_ptr, M, tl.cdiv(N, BLOCK_N), E, TOP_K, BLOCK_M, BLOCK_E, GROUP_M)
     if expert >= E:
@@ -143,7 +146,10 @@ def _expert_rows_kernel(a_ptr, w_ptr, order_ptr, counts_ptr, scale_ptr, out_ptr,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_nw = _wrap(offs_n, N, EVEN_N)
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
+    if GATHER_A:
+        a_ptrs = a_ptr + tok[:, None] * stride_am + offs_k[None, :]
+    else:
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -160,56 +166,44 @@ def _expert_rows_kernel(a_ptr, w_ptr, order_ptr, counts_ptr, scale_ptr, out_ptr,
     if SCALE:
         acc = acc * tl.load(scale_ptr + pair).to(tl.float32)[:, None]
     mask = mask_m[:, None] & (offs_n < N)[None, :]
-    tl.store(out_ptr + pair[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if OUT_SORTED:
+        out_ptrs = out_ptr + rows[:, None] * N + offs_n[None, :]
+    else:
+        out_ptrs = out_ptr + pair[:, None] * N + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _down_grad_kernel(dy_ptr, w2_ptr, order_ptr, counts_ptr, gu_ptr, topk_w_ptr, dgu_ptr, hw_ptr, part_ptr,
-                      M, E, N, K, TOP_K, stride_dym, stride_we, tune_m,
-                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
-    # N = I, K = H. dh = dy[tok] @ w2[e] ([K, N] row-major), then with h = silu(g) * u and w the routing weight:
-    # d w = <dh, h>, d(w h) = w dh -> du = w dh silu(g), dg = w dh u silu'(g); also w*h for dW2 = dy^T (w h).
-    expert, pid_n, rows, pair, tok, mask_m = _block_rows(
-        order_ptr, counts_ptr, M, tl.cdiv(N, BLOCK_N), E, TOP_K, BLOCK_M, BLOCK_E, GROUP_M)
-    if expert >= E:
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_nw = _wrap(offs_n, N, EVEN_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = dy_ptr + tok[:, None] * stride_dym + offs_k[None, :]
-    b_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] + offs_k[:, None] * N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * N
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_routed_bwd_kernel(dh_ptr, gu_ptr, order_ptr, topk_w_ptr, dgu_ptr, hw_ptr, dw_ptr, M, N,
+                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # per sorted row r (pair p = order[r], routing weight w = w[p]), with h = silu(g) * u as the forward rounded it:
+    #   d w[p] = <dh, h>;  d(w h) = w dh  ->  du = w dh silu(g),  dg = w dh u silu'(g);  hw = w h
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < M
+    rows = tl.where(mask_r, rows, 0).to(tl.int64)
+    pair = tl.load(order_ptr + rows).to(tl.int64)
+    w = tl.load(topk_w_ptr + pair).to(tl.float32)[:, None]
     dt = dgu_ptr.dtype.element_ty
-    mask = mask_m[:, None] & (offs_n < N)[None, :]
-    gu_ptrs = gu_ptr + rows[:, None] * (2 * N) + offs_n[None, :]
-    g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-    sg = tl.sigmoid(g)
-    act = (g * sg).to(dt).to(tl.float32)
-    h = (act * u).to(dt).to(tl.float32)  # the h the forward fed to the down projection
-    w = tl.load(topk_w_ptr + pair).to(tl.float32)
-    tl.store(part_ptr + pid_n.to(tl.int64) * M + pair, tl.sum(acc * h, axis=1), mask=mask_m)
-    dh = acc * w[:, None]
-    dgu_ptrs = dgu_ptr + rows[:, None] * (2 * N) + offs_n[None, :]
-    tl.store(dgu_ptrs, (dh * u * sg * (1.0 + g * (1.0 - sg))).to(dt), mask=mask)
-    tl.store(dgu_ptrs + N, (dh * act).to(dt), mask=mask)
-    tl.store(hw_ptr + rows[:, None] * N + offs_n[None, :], (h * w[:, None]).to(dt), mask=mask)
+    dw = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = mask_r[:, None] & (offs_n < N)[None, :]
+        dh = tl.load(dh_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        gu = rows[:, None] * (2 * N) + offs_n[None, :]
+        g = tl.load(gu_ptr + gu, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + gu + N, mask=mask, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(g)
+        act = (g * sg).to(dt).to(tl.float32)
+        h = (act * u).to(dt).to(tl.float32)
+        dw += tl.sum(dh * h, axis=1)
+        dh = dh * w
+        tl.store(dgu_ptr + gu, (dh * u * sg * (1.0 + g * (1.0 - sg))).to(dt), mask=mask)
+        tl.store(dgu_ptr + gu + N, (dh * act).to(dt), mask=mask)
+        tl.store(hw_ptr + rows[:, None] * N + offs_n[None, :], (h * w).to(dt), mask=mask)
+    tl.store(dw_ptr + pair, dw, mask=mask_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_m"])
 def _expert_weight_grad_kernel(a_ptr, b_ptr, order_ptr, counts_ptr, out_ptr, E, P, Q, TOP_K, tune_m,
                                GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, EVEN_P: tl.constexpr,
                                EVEN_Q: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -271,10 +265,6 @@ _ROWS_CONFIGS = [
     _cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4), _cfg(128, 128, 64, 4, 3),
     _cfg(128, 128, 64, 8, 3), _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 128, 4, 3),
 ]
-_DOWN_GRAD_CONFIGS = [
-    _cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4), _cfg(128, 128, 64, 4, 3),
-    _cfg(128, 128, 64, 8, 3), _cfg(64, 128, 128, 4, 3),
-]
 _WGRAD_CONFIGS = [
     _wcfg(128, 128, 64, 8, 3), _wcfg(128, 128, 32, 4, 4), _wcfg(128, 128, 64, 4, 3), _wcfg(64, 128, 64, 4, 4),
     _wcfg(128, 256, 64, 8, 3), _wcfg(128, 64, 64, 4, 4),
@@ -282,7 +272,7 @@ _WGRAD_CONFIGS = [
 _INTERP = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
 _INTERP_WGRAD = dict(BLOCK_P=32, BLOCK_Q=32, BLOCK_R=16, num_warps=4, num_stages=1)
 _DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-_MIN_BLOCK_N = 32  # smallest I-tile of any down-grad config: sizes its partial-sum buffer
+_DECODE_FP32 = dict(_DECODE, BLOCK_K=64, num_stages=3)  # same shared-memory budget with 4-byte elements
 
 
 def _fast_bench(fn, quantiles=None, **_):
@@ -303,11 +293,9 @@ _even_pq = triton.heuristics({"EVEN_P": lambda args: args["P"] % args["BLOCK_P"]
                               "EVEN_Q": lambda args: args["Q"] % args["BLOCK_Q"] == 0})
 _gate_up = _even_k(_gate_up_kernel)
 _rows = _even_k(_expert_rows_kernel)
-_down_grad = _even_k(_down_grad_kernel)
-_gate_up_tuned = _autotune(_GATE_UP_CONFIGS, ["N", "K", "tune_m"])(_gate_up)
-_rows_tuned = _autotune(_ROWS_CONFIGS, ["N", "K", "tune_m", "stride_wk"])(_rows)
-_down_grad_tuned = _autotune(_DOWN_GRAD_CONFIGS, ["N", "K", "tune_m"], reset_to_zero=["part_ptr"])(_down_grad)
 _wgrad = _even_pq(_expert_weight_grad_kernel)
+_gate_up_tuned = _autotune(_GATE_UP_CONFIGS, ["N", "K", "tune_m"])(_gate_up)
+_rows_tuned = _autotune(_ROWS_CONFIGS, ["N", "K", "tune_m", "stride_wk", "GATHER_A", "OUT_SORTED", "SCALE"])(_rows)
 _wgrad_tuned = _autotune(_WGRAD_CONFIGS, ["P", "Q", "tune_m", "GATHER_A"])(_wgrad)
 
 
@@ -323,7 +311,8 @@ def _launch_rows(kernel, tuned, M, E, N, args, consts):
     """Row-block kernel: fixed config under the interpreter or at decode size, autotuned otherwise."""
     grid = lambda meta: ((triton.cdiv(M, meta["BLOCK_M"]) + min(E, M)) * triton.cdiv(N, meta["BLOCK_N"]),)
     consts = dict(consts, DOT_PREC=_dot_prec(args[0].dtype), BLOCK_E=triton.next_power_of_2(E))
-    fixed = _INTERP if interpreting() else (_DECODE if M <= 16 * E else None)
+    decode = _DECODE_FP32 if args[0].dtype == torch.float32 else _DECODE
+    fixed = _INTERP if interpreting() else (decode if M <= 16 * E else None)
     if fixed is None:
         tuned[grid](*args, **consts)
     else:
@@ -342,27 +331,32 @@ def gate_up(x, w13, order, counts, top_k: int, save_gu: bool):
     return h, (gu if save_gu else None)
 
 
-def expert_rows(a, w, w_strides, N: int, order, counts, top_k: int, scale=None):
-    """out [M, N] in pair order: out[pair(r)] = (scale[pair] *) a[r] @ B_e, B_e = the [K, N] view of w[e] whose
-    (expert, k, n) strides are ``w_strides``."""
-    M, K = a.shape
-    E = counts.numel()
+def expert_rows(a, w, w_strides, N: int, order, counts, top_k: int, *, scale=None, gather_a=False, out_sorted=False):
+    """[M, N]: row (pair, or sorted row if ``out_sorted``) = (scale[pair] *) a_row @ B_e, a_row = a[tok] if
+    ``gather_a`` else a[sorted row], B_e the [K, N] view of w[e] with (expert, k, n) strides ``w_strides``."""
+    K, M, E = a.shape[1], order.numel(), counts.numel()
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    args = (a, w, order, counts, a if scale is None else scale, out, M, E, N, K, top_k, *w_strides, _tune_m(M, E))
-    _launch_rows(_rows, _rows_tuned, M, E, N, args, dict(SCALE=scale is not None))
+    args = (a, w, order, counts, a if scale is None else scale, out, M, E, N, K, top_k, a.stride(0), *w_strides,
+            _tune_m(M, E))
+    consts = dict(GATHER_A=gather_a, OUT_SORTED=out_sorted, SCALE=scale is not None)
+    _launch_rows(_rows, _rows_tuned, M, E, N, args, consts)
     return out
 
 
 def down_grad(dy, w2, order, counts, gu, topk_w, top_k: int):
-    """(dg|du [M, 2I] sorted rows, w*h [M, I] sorted rows, d topk_weights fp32 [M] in pair order)."""
-    M, E, H, I = order.numel(), counts.numel(), w2.shape[1], w2.shape[2]
+    """(dg|du [M, 2I] and w*h [M, I] by sorted row, d topk_weights fp32 [M] by pair) from dy [T, H]."""
+    M, I = order.numel(), w2.shape[2]
+    # dh = dy[tok] @ w2[e]: B_e = w2[e] is [K=H, N=I] row-major -> strides (H*I, I, 1)
+    dh = expert_rows(dy, w2, (w2.stride(0), w2.stride(1), 1), I, order, counts, top_k, gather_a=True,
+                     out_sorted=True)
     dgu = torch.empty(M, 2 * I, dtype=dy.dtype, device=dy.device)
     hw = torch.empty(M, I, dtype=dy.dtype, device=dy.device)
-    part = torch.zeros(triton.cdiv(I, _MIN_BLOCK_N), M, dtype=torch.float32, device=dy.device)
-    args = (dy, w2, order, counts, gu, topk_w, dgu, hw, part, M, E, I, H, top_k, dy.stride(0), w2.stride(0),
-            _tune_m(M, E))
-    _launch_rows(_down_grad, _down_grad_tuned, M, E, I, args, {})
-    return dgu, hw, part.sum(0)
+    dw = torch.empty(M, dtype=torch.float32, device=dy.device)
+    block_r = 8
+    _swiglu_routed_bwd_kernel[(triton.cdiv(M, block_r),)](
+        dh, gu, order, topk_w, dgu, hw, dw, M, I, BLOCK_R=block_r, BLOCK_N=min(triton.next_power_of_2(I), 256),
+        num_warps=4)
+    return dgu, hw, dw
 
 
 def expert_weight_grad(a, b, order, counts, top_k: int, gather_a: bool, gather_b: bool):
