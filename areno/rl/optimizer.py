@@ -225,7 +225,7 @@ class MasterAdamW:
         flat = torch.zeros(b.shard * self.dp_size, dtype=torch.float32, device=self.device)
         for p, off in zip(b.params, b.offsets):
             if p.grad is not None:
-                flat[off : off + p.numel()].copy_(p.grad.view(-1))
+                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
         if self.dp_group is None:
             return flat
         out = torch.empty(b.shard, dtype=torch.float32, device=self.device)
