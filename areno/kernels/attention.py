@@ -1,0 +1,576 @@
+"""Packed variable-length attention: Triton forward/backward, native PyTorch path, float64 reference, dispatch.
+
+    S = scale * Q K^T,  P = softmax(S) over the keys a query may see,  O = P V
+    query i of a sequence with Lq queries and Lk keys sees keys j <= i + (Lk - Lq)   (causal, aligned to the END,
+    so a chunk of queries attends to the cached keys before it; Lq == Lk is the usual causal mask)
+
+Layout: q [Tq, Hq, D], k/v [Tk, Hkv, D], sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]; GQA/MQA: query head h
+reads KV head h // (Hq // Hkv). A query row with no visible key (only when Lq > Lk) outputs 0.
+
+Tiling (FlashAttention-2): the forward runs one program per (BLOCK_M query rows, sequence, query head), streams
+BLOCK_N keys at a time with an online softmax in base 2 (fp32 m, l, acc), and saves LSE (log2 units) for the
+backward. Key blocks fully visible to every row of the tile run without masks; only the diagonal band and the
+sequence tail pay for the mask, and blocks past the diagonal are skipped. The backward recomputes P from LSE:
+delta = rowsum(dO * O) first, then dK/dV with one program per (BLOCK_N keys, sequence, KV head) iterating over the
+query blocks of every query head of its group (no atomics), then dQ with one program per query block.
+FLOPs (causal, Lq == Lk = L): forward 4 * H * L^2 * D / 2, backward 2.5x that.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from areno.kernels.dispatch import interpreting, use_triton
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+# Tile sizes used under TRITON_INTERPRET=1, where autotuning cannot run (tests may change them).
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16)}
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, D: tl.constexpr, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile, masking rows >= n_rows (if ROW_MASK) and padded head-dim columns."""
+    if ROW_MASK:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
+    return x
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, diag, Lk,
+               qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
+               MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(k_ptrs + start_n * stride_kt, cols, Lk, offs_d, D, MASKED, EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            keep = cols[None, :] < Lk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_new
+        p = tl.exp2(qk - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_ptrs + start_n * stride_vt, cols, Lk, offs_d, D, MASKED, EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _kv_bounds(start_m, Lk, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key range [0, hi) a query tile needs, and the prefix [0, full) that every row of the tile sees unmasked."""
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
+        full = tl.maximum(tl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = Lk
+        full = Lk // BLOCK_N * BLOCK_N
+    return hi, full
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, CU_Q, CU_K, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    GROUP, SEQ_BUCKET,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (diagonal-most) tiles start first
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    if start_m * BLOCK_M >= Lq:
+        return
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    diag = Lk - Lq
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+    q = _load_rows(q_ptrs, offs_m, Lq, offs_d, D, True, EVEN_D)
+    k_ptrs = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi, full = _kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                               0, full, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                               full, hi, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    # +inf LSE makes every recomputed probability of an empty row exactly 0 in the backward.
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
+    o_ptrs = O + q_start.to(tl.int64) * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+    row_ok = offs_m < Lq
+    if EVEN_D:
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh,
+                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # delta[h, t] = sum_d dO[t, h, d] * O[t, h, d]  (= rowsum(P * dP), the softmax-backward correction)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < T) & (offs_d[None, :] < D)
+    rows64 = rows.to(tl.int64)
+    o = tl.load(O + rows64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + rows64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h * stride_lh + rows, delta, mask=rows < T)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m, cols, offs_d,
+                lo, hi, Lq, diag, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_rows(q_ptrs + start_m * stride_qt, rows, Lq, offs_d, D, MASKED, EVEN_D)
+        if MASKED:  # rows past Lq get LSE +inf, so their probabilities are 0
+            lse = tl.load(lse_ptrs + start_m, mask=rows < Lq, other=float("inf"))
+        else:
+            lse = tl.load(lse_ptrs + start_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+        p_t = tl.exp2(qk_t - lse[None, :])
+        if MASKED:
+            if CAUSAL:
+                p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
+        do = _load_rows(do_ptrs + start_m * stride_dot, rows, Lq, offs_d, D, MASKED, EVEN_D)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        if MASKED:
+            delta = tl.load(delta_ptrs + start_m, mask=rows < Lq, other=0.0)
+        else:
+            delta = tl.load(delta_ptrs + start_m)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    GROUP, SEQ_BUCKET,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_n = tl.program_id(0)
+    b = tl.program_id(1)
+    hk = tl.program_id(2)
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    if start_n * BLOCK_N >= Lk:
+        return
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    diag = Lk - Lq
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    # Key rows past Lk load as 0; their dK/dV rows are garbage but never stored, and they touch nothing else.
+    k = _load_rows(K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + cols[:, None] * stride_kt
+                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
+    v = _load_rows(V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + cols[:, None] * stride_vt
+                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query blocks: [m_lo, a1) cross the diagonal (masked), [a1, b1) see every key of the tile, [b1, end) is the
+    # ragged tail past Lq (masked).
+    if CAUSAL:
+        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
+    b1 = tl.maximum(a1, Lq // BLOCK_M * BLOCK_M)
+    q_base = Q + q_start.to(tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_d[None, :]
+    do_base = DO + q_start.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_d[None, :]
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_ptrs = q_base + h * stride_qh
+        do_ptrs = do_base + h * stride_doh
+        lse_ptrs = LSE + h * stride_lh + q_start + offs_m
+        delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
+                             cols, offs_d, m_lo, a1, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, True, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
+                             cols, offs_d, a1, b1, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, False, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
+                             cols, offs_d, b1, end, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, True, DOT_PREC)
+
+    dk = dk * sm_scale
+    mask = cols[:, None] < Lk
+    if not EVEN_D:
+        mask = mask & (offs_d[None, :] < D)
+    dk_ptrs = DK + k_start.to(tl.int64) * stride_dkt + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :]
+    dv_ptrs = DV + k_start.to(tl.int64) * stride_dvt + hk * stride_dvh + cols[:, None] * stride_dvt + offs_d[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, diag, Lk,
+              qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
+              MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(k_ptrs + start_n * stride_kt, cols, Lk, offs_d, D, MASKED, EVEN_D)
+        v = _load_rows(v_ptrs + start_n * stride_vt, cols, Lk, offs_d, D, MASKED, EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        p = tl.exp2(qk - lse[:, None])
+        if MASKED:
+            keep = cols[None, :] < Lk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_lh,
+    GROUP, SEQ_BUCKET,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    if start_m * BLOCK_M >= Lq:
+        return
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    diag = Lk - Lq
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Lq
+    q = _load_rows(Q + q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
+                   + offs_d[None, :], offs_m, Lq, offs_d, D, True, EVEN_D)
+    do = _load_rows(DO + q_start.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
+                    + offs_d[None, :], offs_m, Lq, offs_d, D, True, EVEN_D)
+    lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    k_ptrs = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
+    v_ptrs = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi, full = _kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, 0, full,
+                   diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, full, hi,
+                   diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC)
+    dq = dq * sm_scale
+    mask = row_ok[:, None]
+    if not EVEN_D:
+        mask = mask & (offs_d[None, :] < D)
+    dq_ptrs = DQ + q_start.to(tl.int64) * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _cfg(bm, bn, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# Hopper-minded candidates per kernel and head-dim class (<= 64, <= 128, <= 256); configs that do not fit shared
+# memory fail to launch and the autotuner drops them.
+_CONFIGS = {
+    ("fwd", 64): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4),
+                  _cfg(64, 128, 4, 3)],
+    ("fwd", 128): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(64, 64, 4, 4),
+                   _cfg(128, 32, 4, 3), _cfg(128, 128, 8, 2)],
+    ("fwd", 256): [_cfg(64, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2)],
+    ("dkdv", 64): [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 4),
+                   _cfg(64, 128, 4, 2)],
+    ("dkdv", 128): [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 4),
+                    _cfg(64, 128, 8, 2), _cfg(32, 128, 8, 4)],
+    ("dkdv", 256): [_cfg(32, 64, 4, 2), _cfg(32, 32, 4, 2), _cfg(64, 64, 8, 1), _cfg(16, 64, 4, 2)],
+    ("dq", 64): [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 4),
+                 _cfg(128, 64, 4, 2)],
+    ("dq", 128): [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 4),
+                  _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 4)],
+    ("dq", 256): [_cfg(64, 32, 4, 2), _cfg(32, 32, 4, 2), _cfg(64, 64, 8, 1), _cfg(64, 16, 4, 2)],
+}
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+
+
+@functools.cache
+def _tuned(kind: str, dim_class: int):
+    key = ["SEQ_BUCKET", "BLOCK_D", "CAUSAL", "GROUP"]
+    return triton.autotune(configs=_CONFIGS[(kind, dim_class)], key=key)(_KERNELS[kind])
+
+
+def _launch(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucket: int, *args, **kwargs):
+    """Run kernel ``kind`` with grid (cdiv(grid_rows, BLOCK), *grid_rest): autotuned on GPU, one config interpreted."""
+    tile_axis = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    if interpreting():
+        bm, bn = INTERPRET_BLOCKS[kind]
+        blocks = {"BLOCK_M": bm, "BLOCK_N": bn}
+        grid = (triton.cdiv(grid_rows, blocks[tile_axis]), *grid_rest)
+        _KERNELS[kind][grid](*args, SEQ_BUCKET=seq_bucket, BLOCK_D=block_d, **blocks, **kwargs)
+        return
+    dim_class = 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
+    grid = lambda meta: (triton.cdiv(grid_rows, meta[tile_axis]), *grid_rest)
+    _tuned(kind, dim_class)[grid](*args, SEQ_BUCKET=seq_bucket, BLOCK_D=block_d, **kwargs)
+
+
+def _seq_bucket(n: int) -> int:
+    return min(max(triton.next_power_of_2(max(n, 1)), 64), 16384)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs stay exact; half inputs ignore it
+
+
+def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    Tq, Hq, D = q.shape
+    B = cu_q.numel() - 1
+    o = torch.empty_like(q)
+    lse = torch.empty((Hq, Tq), device=q.device, dtype=torch.float32)
+    block_d = max(triton.next_power_of_2(D), 16)
+    if max_q > 0 and B > 0:
+        _launch(
+            "fwd", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
+            q, k, v, o, lse, cu_q, cu_k, scale * _LOG2E,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+            lse.stride(0), Hq // k.shape[1],
+            D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
+        )  # fmt: skip
+    return o, lse
+
+
+def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    Tq, Hq, D = q.shape
+    Hkv = k.shape[1]
+    B = cu_q.numel() - 1
+    block_d = max(triton.next_power_of_2(D), 16)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    if Tq > 0:
+        block_t = 16 if interpreting() else 64
+        _attn_bwd_delta_kernel[(triton.cdiv(Tq, block_t), Hq)](
+            o, do, delta, Tq, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+            D=D, BLOCK_T=block_t, BLOCK_D=block_d,
+        )  # fmt: skip
+    if B == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    common = dict(D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    bucket = _seq_bucket(max(max_q, max_k))
+    if max_k > 0:
+        _launch(
+            "dkdv", max_k, (B, Hkv), block_d, bucket,
+            q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), Hq // Hkv, **common,
+        )  # fmt: skip
+    if max_q > 0:
+        _launch(
+            "dq", max_q, (B, Hq), block_d, bucket,
+            q, k, v, do, dq, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+            dq.stride(0), dq.stride(1), lse.stride(0), Hq // Hkv, **common,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        o, lse = _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale = ctx.args
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference and native paths
+
+
+def _visible(Lq: int, Lk: int, causal: bool, device) -> torch.Tensor | None:
+    """[Lq, Lk] bool mask of the keys each query sees (end-aligned causal), or None when it sees all of them."""
+    if not causal:
+        return None
+    i = torch.arange(Lq, device=device)[:, None]
+    j = torch.arange(Lk, device=device)[None, :]
+    return j <= i + (Lk - Lq)
+
+
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None):
+    """Plain per-sequence softmax(scale * q k^T) v in the inputs' own dtype (pass float64 for an oracle).
+
+    Differentiable; rows that see no key output 0. Host-syncs on cu_seqlens (a test/CPU path).
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    group = q.shape[1] // k.shape[1]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = []
+    for b in range(len(cq) - 1):
+        qs, ks, vs = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
+        ks = ks.repeat_interleave(group, dim=1)
+        vs = vs.repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        mask = _visible(qs.shape[0], ks.shape[0], causal, q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if mask is not None:
+            p = torch.where(mask.any(-1, keepdim=True), p, torch.zeros_like(p))  # empty rows: 0, not NaN
+        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
+    out = torch.cat(outs) if outs else q[:0]
+    if out.shape[0] < q.shape[0]:  # rows outside every sequence
+        out = torch.cat([out, out.new_zeros(q.shape[0] - out.shape[0], *out.shape[1:])])
+    return out
+
+
+def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale):
+    """CUDA native path: torch SDPA per sequence (flash/cuDNN/efficient as torch picks), differentiable."""
+    import torch.nn.functional as F
+
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    outs = []
+    for b in range(len(cq) - 1):
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
+        ks = k[ck[b]:ck[b + 1]].transpose(0, 1)[None]
+        vs = v[ck[b]:ck[b + 1]].transpose(0, 1)[None]
+        Lq, Lk = qs.shape[2], ks.shape[2]
+        if causal and Lq > Lk:  # some rows see nothing: SDPA would give NaN there
+            outs.append(attention_reference(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
+                                            cu_q.new_tensor([0, Lq]), cu_k.new_tensor([0, Lk]), causal=True,
+                                            softmax_scale=scale))
+            continue
+        mask = _visible(Lq, Lk, causal, q.device) if causal and Lq != Lk else None
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and Lq == Lk, scale=scale,
+                                           enable_gqa=ks.shape[1] != qs.shape[1])
+        outs.append(o[0].transpose(0, 1))
+    out = torch.cat(outs) if outs else q[:0]
+    if out.shape[0] < q.shape[0]:
+        out = torch.cat([out, out.new_zeros(q.shape[0] - out.shape[0], *out.shape[1:])])
+    return out
+
+
+def _attention_native(q, k, v, cu_q, cu_k, causal, scale):
+    if q.is_cuda:
+        return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale)
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    out = attention_reference(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal=causal,
+                              softmax_scale=scale)
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def _check(q, k, v, cu_q, cu_k):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"attention: q, k, v must be [tokens, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k and v must have the same shape, got {k.shape} and {v.shape}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"attention: q and k head_dim differ ({q.shape[2]} vs {k.shape[2]})")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"attention: query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape:
+        raise ValueError(f"attention: cu_seqlens_q/k must be 1-D of equal length [B+1], got {cu_q.shape}, {cu_k.shape}")
+
+
+def _triton_supported(q: torch.Tensor) -> bool:
+    return q.dtype in _FLOATS and q.shape[-1] <= MAX_HEAD_DIM
+
+
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True, softmax_scale=None,
+              backend=None):
+    """Packed varlen attention; ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_*`` int32 ``[B+1]``.
+
+    Causal masks align to the end of each key sequence (query i sees keys j <= i + Lk - Lq). ``max_seqlen_*`` are
+    host ints (upper bounds of the per-sequence lengths; they size the grid). ``backend``: None follows
+    ``use_triton``; "native" forces PyTorch (SDPA per sequence on CUDA); "triton" (alias "flash") forces Triton.
+    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths.
+    """
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if backend is None:
+        run_triton = use_triton(q, k, v, supported=_triton_supported(q))
+    elif backend == "native":
+        run_triton = False
+    elif backend in ("triton", "flash"):
+        if not _triton_supported(q):
+            raise ValueError(f"attention: Triton path needs fp16/bf16/fp32 and head_dim <= {MAX_HEAD_DIM}, "
+                             f"got {q.dtype}, head_dim {q.shape[-1]}")
+        if not (q.is_cuda or interpreting()):
+            raise RuntimeError("attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
+        run_triton = True
+    else:
+        raise ValueError(f"attention: backend must be None, 'native' or 'triton', got {backend!r}")
+    if not run_triton:
+        return _attention_native(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_k = cu_seqlens_k.to(torch.int32)
+    return _TritonAttention.apply(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale)

@@ -1,0 +1,354 @@
+"""Attention against a paged KV cache (decode, multi-token verify, prefill over a cached prefix), and the cache write.
+
+Cache layout: ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]``; token j of sequence b lives in block
+``block_table[b, j // block_size]`` at offset ``j % block_size``. ``seq_lens[b]`` counts every token of b, the new
+ones included. Decode: ``q [B, Hq, D]``, one query per sequence. With ``cu_seqlens_q``: ``q [Tq, Hq, D]``, the
+queries of b are its LAST ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` tokens, causal aligned to the end of seq_lens[b].
+
+Tiling: one program per (sequence, KV head, split, query tile). Its M dimension packs the query heads of one GQA
+group (padded to a power of two) times the query tokens of the tile, so K/V of a head are read once per group;
+keys stream BLOCK_N at a time through an online softmax, each key row found through the block table. When there are
+too few (sequence, head) programs to fill the GPU, the keys are split over NUM_SPLITS programs (split-K) whose
+partial (O, LSE) a second kernel merges. The split count comes from shapes only (never seq_lens values), no host
+sync happens and every buffer has a static shape, so the call can be captured in a CUDA graph.
+Decode bytes (the bound): sum_b seq_lens[b] * Hkv * D * 2 (K and V) * element size, plus q and o.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from areno.kernels.attention import attention_reference
+from areno.kernels.dispatch import interpreting, use_triton
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_ot, stride_oh, GROUP,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CU: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    hk = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
+    t0 = tl.program_id(2) * TOKENS
+    seq_len = tl.load(SEQ_LENS + b)
+    if HAS_CU:
+        q_start = tl.load(CU_Q + b)
+        Lq = tl.load(CU_Q + b + 1) - q_start
+    else:
+        q_start = b
+        Lq = 1
+    if t0 >= Lq:
+        return
+    diag = seq_len - Lq  # query t sees keys j <= t + diag
+
+    rows = tl.arange(0, BLOCK_M)
+    t = t0 + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    row_ok = (t < Lq) & (g < GROUP)
+    h = hk * GROUP + g
+    tok = (q_start + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(Q + tok[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this tile needs, cut into NUM_SPLITS chunks of whole BLOCK_N blocks; this program takes one.
+    kv_hi = tl.minimum(tl.maximum(tl.minimum(t0 + TOKENS, Lq) + diag, 0), seq_len)
+    chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_hi)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < hi
+        page = tl.load(BLOCK_TABLE + b * stride_bt + cols // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+        within = cols % PAGE_SIZE
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_CACHE + page[:, None] * stride_kb + within[:, None] * stride_ks + hk * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        keep = col_ok[None, :] & (cols[None, :] <= t[:, None] + diag)
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_CACHE + page[:, None] * stride_vb + within[:, None] * stride_vs + hk * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(O + tok[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: PART_O [T, Hq, NUM_SPLITS, D] fp32, PART_LSE [T, Hq, NUM_SPLITS] (log2 units, -inf if empty)
+        hq_total = tl.num_programs(1) // NUM_SPLITS * GROUP
+        part = (tok * hq_total + h) * NUM_SPLITS + split
+        tl.store(PART_O + part[:, None] * D + offs_d[None, :], o, mask=out_mask)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(PART_LSE + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_reduce_kernel(PART_O, PART_LSE, O, Hq, stride_ot, stride_oh, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLIT_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    # per (token, head): o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); BLOCK_H heads per program
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s = tl.arange(0, SPLIT_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    part = (t * Hq + offs_h[:, None]) * NUM_SPLITS + s[None, :]  # [BLOCK_H, SPLIT_PAD]
+    ok = (offs_h[:, None] < Hq) & (s[None, :] < NUM_SPLITS)
+    lse = tl.load(PART_LSE + part, mask=ok, other=float("-inf"))
+    m = tl.max(lse, 1)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    w_sum = tl.sum(w, 1)
+    o_part = tl.load(PART_O + part[:, :, None] * D + offs_d[None, None, :],
+                     mask=ok[:, :, None] & (offs_d[None, None, :] < D), other=0.0)
+    o = tl.sum(o_part * w[:, :, None], 1) / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
+    tl.store(O + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=(offs_h[:, None] < Hq) & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, HKV,
+                          D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    blk = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(K_CACHE + blk * stride_kb + off * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
+    tl.store(V_CACHE + blk * stride_vb + off * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits_for(q: torch.Tensor, programs: int, capacity: int) -> int:
+    """Split-K factor from static shapes: enough (sequence, head, split) programs for ~2 waves on the GPU, each
+    split at least 256 keys of the table's capacity; a power of two so few kernel variants compile."""
+    if not q.is_cuda:
+        return 1
+    want = triton.cdiv(2 * _sm_count(q.device.index or 0), max(programs, 1))
+    splits = min(want, max(capacity // 256, 1), MAX_SPLITS)
+    return 1 << (max(splits, 1).bit_length() - 1)  # round down to a power of two
+
+
+def _tile_config(group_pad: int, multi_token: bool, head_dim: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so small M and a deep-enough key tile."""
+    if interpreting():  # big tiles: the interpreter pays per program and per loop step, not per element
+        return max(64 if multi_token else 16, group_pad), 32, 4, 1
+    block_m = max(64 if multi_token else 16, group_pad)
+    block_n = 64 if head_dim <= 128 else 32
+    return block_m, block_n, 4, 2
+
+
+def _paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
+                            config=None):
+    T, Hq, D = q.shape
+    B = block_table.shape[0]
+    _, page_size, Hkv, _ = k_cache.shape
+    group = Hq // Hkv
+    group_pad = triton.next_power_of_2(group)
+    multi = cu_q is not None
+    block_m, block_n, warps, stages = config or _tile_config(group_pad, multi, D)
+    block_m = max(block_m, group_pad)
+    q_tiles = triton.cdiv(max_q, block_m // group_pad) if multi else 1
+    if num_splits is None:
+        num_splits = num_splits_for(q, B * Hkv * q_tiles, block_table.shape[1] * page_size)
+    out = torch.empty_like(q)
+    if T == 0 or B == 0:
+        return out
+    if num_splits > 1:
+        part_o = torch.empty((T, Hq, num_splits, D), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((T, Hq, num_splits), device=q.device, dtype=torch.float32)
+    else:
+        part_o = part_lse = out  # unused
+    block_d = max(triton.next_power_of_2(D), 16)
+    _paged_attn_kernel[(B, Hkv * num_splits, q_tiles)](
+        q, k_cache, v_cache, block_table, seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse,
+        scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
+        group, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        split_pad = triton.next_power_of_2(num_splits)
+        block_h = min(triton.next_power_of_2(Hq), max(16384 // (split_pad * block_d), 1))
+        _paged_reduce_kernel[(T, triton.cdiv(Hq, block_h))](
+            part_o, part_lse, out, Hq, out.stride(0), out.stride(1), D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            SPLIT_PAD=split_pad, BLOCK_H=block_h,
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Native paths and the reference
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None):
+    """Obviously-correct oracle: gather each sequence's keys through the block table, then plain attention in the
+    inputs' dtype (pass float64). Host-syncs; for tests."""
+    B = block_table.shape[0]
+    page = k_cache.shape[1]
+    lens = seq_lens.tolist()
+    cu_q = list(range(B + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
+    ks, vs = [], []
+    for b in range(B):
+        j = torch.arange(lens[b], device=q.device)
+        blocks = block_table[b].long()[j // page]
+        ks.append(k_cache[blocks, j % page])
+        vs.append(v_cache[blocks, j % page])
+    cu_k = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    return attention_reference(q[: cu_q[-1]], torch.cat(ks), torch.cat(vs), torch.tensor(cu_q), cu_k, causal=True,
+                               softmax_scale=softmax_scale)
+
+
+def _paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q):
+    """Tensorised PyTorch path, no host sync (graph-capturable): gather the whole block table, mask, softmax.
+    Memory is O(B * max_blocks * block_size), fine for tests and small batches. Assumes cu_seqlens_q[-1] == Tq."""
+    T, Hq, D = q.shape
+    B, max_blocks = block_table.shape
+    _, page, Hkv, _ = k_cache.shape
+    cap = max_blocks * page
+    compute = torch.float32 if (q.dtype != torch.float64 and not q.is_cuda) else q.dtype
+    kg = k_cache[block_table.long().clamp(min=0)].reshape(B, cap, Hkv, D).to(compute)
+    vg = v_cache[block_table.long().clamp(min=0)].reshape(B, cap, Hkv, D).to(compute)
+    if cu_q is None:
+        seq, pos, Lmax = torch.arange(B, device=q.device), torch.zeros(B, dtype=torch.long, device=q.device), 1
+        lq = torch.ones(B, dtype=torch.long, device=q.device)
+    else:
+        cu = cu_q.long()
+        seq = torch.searchsorted(cu[1:], torch.arange(T, device=q.device), right=True).clamp(max=B - 1)
+        pos = torch.arange(T, device=q.device) - cu[seq]
+        lq, Lmax = cu[1:] - cu[:-1], max_q
+    qb = q.new_zeros((B, Lmax, Hq, D), dtype=compute)
+    qb[seq, pos] = q.to(compute)
+    qb = qb.view(B, Lmax, Hkv, Hq // Hkv, D)
+    s = torch.einsum("btkgd,bjkd->bkgtj", qb, kg).float() * scale
+    j = torch.arange(cap, device=q.device)
+    limit = torch.arange(Lmax, device=q.device)[None, :] + (seq_lens.long() - lq)[:, None]  # [B, Lmax]
+    keep = (j[None, None, :] <= limit[:, :, None]) & (j[None, None, :] < seq_lens.long()[:, None, None])
+    keep = keep[:, None, None]  # [B, 1, 1, Lmax, cap]
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p)).to(compute)
+    out = torch.einsum("bkgtj,bjkd->btkgd", p, vg).reshape(B, Lmax, Hq, D)
+    return out[seq, pos].to(q.dtype)
+
+
+def _store_kvcache_native(k, v, k_cache, v_cache, slot_mapping):
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    page = k_cache.shape[1]
+    k_cache[slots // page, slots % page] = k[valid]
+    v_cache[slots // page, slots % page] = v[valid]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q):
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged_attention: k_cache/v_cache must both be [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"paged_attention: q must be [tokens, Hq, D] with Hq a multiple of Hkv and D matching the "
+                         f"cache, got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"paged_attention: q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}")
+    if block_table.dim() != 2 or seq_lens.shape != (block_table.shape[0],):
+        raise ValueError(f"paged_attention: block_table [B, max_blocks] and seq_lens [B] expected, got "
+                         f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}")
+    if cu_q is None and q.shape[0] != block_table.shape[0]:
+        raise ValueError(f"paged_attention: decode needs one query per sequence, q has {q.shape[0]} rows for "
+                         f"{block_table.shape[0]} sequences (pass cu_seqlens_q for several per sequence)")
+    if cu_q is not None and cu_q.shape != (block_table.shape[0] + 1,):
+        raise ValueError(f"paged_attention: cu_seqlens_q must be [B+1], got {tuple(cu_q.shape)}")
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
+                    max_seqlen_q=None, num_splits=None):
+    """Attention of new queries against a paged KV cache; returns ``[Tq, Hq, D]`` in q's dtype (no gradients).
+
+    ``q [B, Hq, D]`` (decode) or, with ``cu_seqlens_q`` int32 ``[B+1]``, ``[Tq, Hq, D]`` (each sequence's last
+    tokens; ``max_seqlen_q``, a host int, bounds the per-sequence query count and defaults to Tq).
+    ``num_splits`` overrides the split-K factor (default: chosen from shapes).
+    """
+    _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    max_q = q.shape[0] if max_seqlen_q is None else int(max_seqlen_q)
+    supported = q.dtype in _FLOATS and q.shape[-1] <= MAX_HEAD_DIM
+    if not use_triton(q, k_cache, v_cache, supported=supported):
+        return _paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: k_cache/v_cache need a unit stride on head_dim")
+    cu_q = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32)
+    return _paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
+                                   scale, cu_q, max_q, num_splits)
+
+
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
+    """Write ``k/v [T, Hkv, D]`` into the caches at flat slots ``block * block_size + offset``; slot -1 skips."""
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"store_kvcache: k/v [T, Hkv, D] must match the caches' [.., .., Hkv, D], got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"store_kvcache: slot_mapping must be [T={k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"store_kvcache: k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}")
+    if not use_triton(k, v, k_cache, v_cache, supported=k_cache.stride(-1) == 1):
+        _store_kvcache_native(k, v, k_cache, v_cache, slot_mapping)
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    T, Hkv, D = k.shape
+    if T == 0:
+        return
+    _store_kvcache_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), Hkv, D=D, PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
+        BLOCK_D=triton.next_power_of_2(D),
+    )  # fmt: skip

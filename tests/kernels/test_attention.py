@@ -1,0 +1,173 @@
+"""attention(): Triton (interpreted on CPU) and native paths against a float64 reference, forward and dq/dk/dv."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from areno.kernels import attention as attention_module
+from areno.kernels.attention import attention, attention_reference
+
+# Tolerances, relative to the largest reference magnitude: fp32 keeps every product exact-ish; fp16 rounds P and
+# dS to fp16 before the matmuls (about 1e-3 relative each), and the output once more.
+TOL = {torch.float32: dict(fwd=2e-5, grad=5e-5), torch.float16: dict(fwd=4e-3, grad=1e-2)}
+
+# (q lengths, k lengths, query heads, kv heads, head_dim, causal)
+CASES = {
+    "odd_lengths": ([1, 7, 127, 129], [1, 7, 127, 129], 2, 1, 64, True),
+    "gqa1": ([33, 70], [33, 70], 4, 4, 64, True),
+    "gqa2": ([33, 70], [33, 70], 4, 2, 64, True),
+    "gqa4": ([33, 70], [33, 70], 4, 1, 64, True),
+    "gqa8": ([33, 18], [33, 18], 8, 1, 64, True),
+    "varlen_mix": ([1, 150, 3, 64, 17], [1, 150, 3, 64, 17], 2, 1, 64, True),
+    "q_shorter_than_k": ([1, 5, 40, 16], [9, 5, 130, 100], 4, 2, 64, True),
+    "q_longer_than_k": ([20, 8], [5, 8], 2, 1, 64, True),  # some rows see nothing: output 0
+    "head_dim_80": ([45, 19], [45, 19], 2, 1, 80, True),
+    "head_dim_96": ([45, 19], [52, 19], 2, 1, 96, True),
+    "head_dim_128": ([45, 19], [45, 19], 2, 1, 128, True),
+    "head_dim_256": ([33, 9], [33, 9], 2, 1, 256, True),
+    "non_causal": ([7, 50], [30, 20], 4, 2, 64, False),
+}
+
+
+@pytest.fixture
+def nan_buffers(monkeypatch):
+    """torch.empty / empty_like hand back NaN-filled (float) or -7777-filled (int) memory: unwritten elements show."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7777)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: fill(real_empty_like(*a, **kw)))
+    assert torch.isnan(torch.empty(3)).all()
+
+
+def make_inputs(lq, lk, hq, hkv, d, dtype, seed, device="cpu"):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cu_q = torch.tensor([0, *itertools.accumulate(lq)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *itertools.accumulate(lk)], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lq), hq, d, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(sum(lk), hkv, d, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(sum(lk), hkv, d, generator=g).to(device=device, dtype=dtype)
+    do = torch.randn(sum(lq), hq, d, generator=g).to(device=device, dtype=dtype)
+    return q, k, v, do, cu_q, cu_k
+
+
+def run(q, k, v, do, cu_q, cu_k, lq, lk, causal, backend):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend=backend)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def reference(q, k, v, do, cu_q, cu_k, causal):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o = attention_reference(q, k, v, cu_q, cu_k, causal=causal)
+    o.backward(do.double())
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def assert_close(got, want, tol, what):
+    assert torch.isfinite(got).all(), f"{what}: non-finite values (unwritten output?)"
+    err = (got.double() - want).abs().max().item()
+    bound = tol * max(want.abs().max().item(), 1.0)
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_and_native_match_reference(case, dtype, nan_buffers):
+    lq, lk, hq, hkv, d, causal = CASES[case]
+    seed = random.randrange(2**31)
+    inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
+    want = reference(*inputs, causal)
+    tol = TOL[dtype]
+    for backend in ("triton", "native"):
+        got = run(*inputs, lq, lk, causal, backend)
+        for name, g, w, t in zip("o dq dk dv".split(), got, want, [tol["fwd"]] + [tol["grad"]] * 3):
+            assert g.dtype == dtype and g.shape == w.shape
+            assert_close(g, w, t, f"{case} {backend} {name} seed={seed}")
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (64, 16)], ids=["m16_n32", "m64_n16"])
+@pytest.mark.parametrize("case", ["odd_lengths", "q_shorter_than_k", "q_longer_than_k"])
+def test_other_tile_shapes(case, blocks, monkeypatch, nan_buffers):
+    """The causal bounds (full / diagonal / tail blocks) must hold whatever BLOCK_M and BLOCK_N are."""
+    monkeypatch.setattr(attention_module, "INTERPRET_BLOCKS", {"fwd": blocks, "dq": blocks, "dkdv": blocks[::-1]})
+    lq, lk, hq, hkv, d, causal = CASES[case]
+    seed = random.randrange(2**31)
+    inputs = make_inputs(lq, lk, hq, hkv, d, torch.float32, seed)
+    want = reference(*inputs, causal)
+    got = run(*inputs, lq, lk, causal, "triton")
+    for name, g, w in zip("o dq dk dv".split(), got, want):
+        assert_close(g, w, TOL[torch.float32]["grad"], f"{case} {blocks} {name} seed={seed}")
+
+
+def test_causal_is_end_aligned_and_chunking_is_exact():
+    """A query chunk over cached keys equals the matching rows of full attention (the contract prefill relies on)."""
+    lq, split = 50, 36
+    q, k, v, _, _, _ = make_inputs([lq], [lq], 4, 2, 64, torch.float32, random.randrange(2**31))
+    cu = torch.tensor([0, lq], dtype=torch.int32)
+    full = attention(q, k, v, cu, cu, lq, lq, backend="triton")
+    tail = attention(q[split:], k, v, torch.tensor([0, lq - split], dtype=torch.int32), cu, lq - split, lq,
+                     backend="triton")
+    torch.testing.assert_close(tail, full[split:], atol=1e-5, rtol=1e-5)
+    # row 0 of a causal sequence sees only key 0, so it returns v[0] exactly
+    torch.testing.assert_close(full[0], v[0].repeat_interleave(2, dim=0), atol=1e-6, rtol=1e-6)
+
+
+def test_softmax_scale_and_dispatch(monkeypatch):
+    lq = [9, 30]
+    q, k, v, _, cu_q, cu_k = make_inputs(lq, lq, 2, 1, 64, torch.float32, random.randrange(2**31))
+    want = attention_reference(q.double(), k.double(), v.double(), cu_q, cu_k, softmax_scale=0.3)
+    for mode in ("triton", "native"):
+        monkeypatch.setenv("ARENO_KERNELS", mode)
+        got = attention(q, k, v, cu_q, cu_k, 30, 30, softmax_scale=0.3)
+        assert_close(got, want, 2e-5, f"ARENO_KERNELS={mode}")
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        attention(q, torch.randn(k.shape[0], 3, 64), torch.randn(k.shape[0], 3, 64), cu_q, cu_k, 30, 30)
+    with pytest.raises(ValueError, match="backend"):
+        attention(q, k, v, cu_q, cu_k, 30, 30, backend="cuda")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU (bf16, real sizes). bf16 is judged against SDPA's own bf16 error w.r.t. the float64 reference.
+
+
+def _gpu_errors(lq, lk, hq, hkv, d, causal):
+    inputs = make_inputs(lq, lk, hq, hkv, d, torch.bfloat16, random.randrange(2**31), device="cuda")
+    want = reference(*inputs, causal)
+    got = run(*inputs, lq, lk, causal, "triton")
+    base = run(*inputs, lq, lk, causal, "native")
+    for name, g, b, w in zip("o dq dk dv".split(), got, base, want):
+        assert torch.isfinite(g).all(), name
+        err = (g.double() - w).abs().max().item()
+        base_err = (b.double() - w).abs().max().item()
+        assert err <= 2 * base_err + 1e-3 * w.abs().max().item(), f"{name}: {err:.3g} vs SDPA {base_err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bf16_training_shape(d):
+    _gpu_errors([1024] * 8, [1024] * 8, 16, 8, d, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [80, 96, 256])
+def test_gpu_bf16_other_head_dims(d):
+    _gpu_errors([1, 700, 129, 2048], [1, 700, 129, 2048], 8, 2, d, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gpu_bf16_varlen_chunked_prefill(group):
+    _gpu_errors([1, 17, 300, 1000], [513, 17, 1800, 4000], 8, 8 // group, 128, True)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_non_causal():
+    _gpu_errors([100, 1500], [700, 1500], 16, 8, 128, False)
