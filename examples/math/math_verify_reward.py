@@ -11,6 +11,8 @@ Use with ``areno train --reward-fn-path examples/math/math_verify_reward.py``.
 import re
 import threading
 
+from math_verify import parse, verify  # imported at load time: a missing package fails before any GPU work
+
 NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 PLAIN = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
 
@@ -102,8 +104,6 @@ def _timeout():
 
 def _parse(text: str):
     try:
-        from math_verify import parse
-
         return parse(text, parsing_timeout=_timeout())
     except Exception:  # noqa: BLE001 - a parser failure means "no answer found", not a crash
         return []
@@ -115,8 +115,6 @@ def _parse_gold(gold: str):
 
 def _verify(gold, pred) -> bool:
     try:
-        from math_verify import verify
-
         return bool(verify(gold, pred, timeout_seconds=_timeout()))
     except Exception:  # noqa: BLE001
         return False
