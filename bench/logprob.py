@@ -1,0 +1,149 @@
+"""K2: per-token log-prob of a linear LM head, forward + backward, bf16: areno vs torch vs Liger-Kernel.
+
+    python bench/logprob.py                       # 16,384 tokens, hidden 1024, vocab 151,936 (BENCH.md K2)
+    python bench/logprob.py --hidden 1024 4096    # more shapes
+
+FLOPs: forward 2 N V H; areno's backward recomputes the logits and runs the two gradient GEMMs, so fwd+bwd is
+8 N V H (20.4 TFLOP at K2, 26 ms at 790 TFLOP/s); torch's path keeps the logits and does 6 N V H. The table gives
+time, peak memory above the inputs (the torch path holds [N, V] logits in bf16 and fp32), TFLOP/s counted as 8 N V H
+for every row (same work unit), and the fraction of the 26 ms GEMM floor. Liger is optional: its pure-Python
+wheel on PYTHONPATH; skipped with a note when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
+
+PEAK_TFLOPS = 790.0  # H200 bf16 dense, BENCH.md
+
+
+def _impls(with_liger):
+    from areno.kernels.linear_logprobs import linear_logprobs
+
+    def torch_path(h, w, t):
+        lp = (h @ w.T).float().log_softmax(-1).gather(1, t[:, None])[:, 0]
+        (-lp.mean()).backward()
+
+    def areno(h, w, t):
+        (-linear_logprobs(h, w, t).mean()).backward()
+
+    def areno_entropy(h, w, t):
+        lp, ent = linear_logprobs(h, w, t, return_entropy=True)
+        (-lp.mean() - 0.01 * ent.mean()).backward()
+
+    def torch_fwd(h, w, t):
+        with torch.no_grad():
+            (h @ w.T).float().log_softmax(-1).gather(1, t[:, None])
+
+    def areno_fwd(h, w, t):
+        with torch.no_grad():
+            linear_logprobs(h, w, t)
+
+    impls = {"torch": torch_path, "areno": areno, "areno+entropy": areno_entropy}
+    if with_liger:
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            flce = LigerFusedLinearCrossEntropyLoss()
+            impls["liger_flce"] = lambda h, w, t: flce(w, h, t).backward()
+        except ImportError as e:
+            print(f"note: Liger-Kernel not installed ({e}); its row is skipped", flush=True)
+    impls["torch fwd-only"] = torch_fwd
+    impls["areno fwd-only"] = areno_fwd
+    return impls
+
+
+def _check(h, w, t):
+    """areno vs the torch path on a slice: max |logprob diff| (bf16 logits in torch, fp32 accumulation in areno)."""
+    from areno.kernels.linear_logprobs import linear_logprobs
+
+    with torch.no_grad():
+        n = min(2048, h.shape[0])
+        ref = (h[:n].float() @ w.float().T).log_softmax(-1).gather(1, t[:n, None])[:, 0]
+        return (linear_logprobs(h[:n], w, t[:n]) - ref).abs().max().item()
+
+
+def _peak_gib(run, cuda):
+    """Peak memory above what is allocated before ``run()`` (0 on CPU, where it is not tracked)."""
+    if not cuda:
+        run()
+        return 0.0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def bench(N, H, V, iters, with_liger, device="cuda"):
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    h = torch.randn(N, H, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(V, H, device=device, dtype=dtype) * 0.02).requires_grad_()
+    t = torch.randint(0, V, (N,), device=device)
+    flops = 8.0 * N * V * H
+    floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
+    rows = []
+    for name, fn in _impls(with_liger).items():
+        def run(fn=fn):
+            fn(h, w, t)
+            h.grad = None
+            w.grad = None
+
+        try:
+            run()  # compile / autotune outside the timing
+            peak = _peak_gib(run, device == "cuda")
+            ms = gpu_time_ms(run, warmup=3, iters=iters)
+        except Exception as e:  # one failing row must not lose the others
+            print(f"{name}: failed: {type(e).__name__}: {e}", flush=True)
+            rows.append({"impl": name, "N": N, "H": H, "V": V, "error": f"{type(e).__name__}: {e}"})
+            continue
+        work = flops / 4 if "fwd-only" in name else flops
+        rows.append({"impl": name, "N": N, "H": H, "V": V, "ms": ms, "peak_extra_GiB": round(peak, 3),
+                     "TFLOPs": work / ms / 1e9, "floor_frac": (work / flops * floor_ms) / ms})  # fmt: skip
+    ref = {r["impl"]: r for r in rows if "ms" in r}
+    for r in rows:
+        if "ms" in r and "torch" in ref:
+            base = ref["torch fwd-only" if "fwd-only" in r["impl"] else "torch"]
+            r["speedup_vs_torch"] = base["ms"] / r["ms"]
+            r["mem_frac_of_torch"] = r["peak_extra_GiB"] / max(base["peak_extra_GiB"], 1e-9)
+    try:
+        diff = _check(h.detach(), w.detach(), t)
+        print(f"N={N} H={H} V={V}: max |areno - fp32 torch| logprob = {diff:.2e}", flush=True)
+    except Exception as e:
+        print(f"check failed: {e}", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, nargs="+", default=[1024])
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-liger", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script at tiny shapes (fp32)")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/logprob.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    env = env_info()
+    print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}", flush=True)
+    rows = []
+    for H in args.hidden:
+        rows += bench(args.tokens, H, args.vocab, args.iters, not args.no_liger, args.device)
+    cols = ["impl", "N", "H", "V", "ms", "peak_extra_GiB", "TFLOPs", "floor_frac", "speedup_vs_torch",
+            "mem_frac_of_torch"]  # fmt: skip
+    print_table(rows, cols)
+    print(f"results appended to {append_jsonl('logprob', [{'workload': 'K2', **r} for r in rows], env)}")
+
+
+if __name__ == "__main__":
+    main()
