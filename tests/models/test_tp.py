@@ -96,3 +96,27 @@ def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
             assert sorted(a.keys()) == sorted(b.keys())
             for k in b.keys():
                 assert torch.equal(a.get_tensor(k), b.get_tensor(k)), (family, k)
+
+
+def test_tp_size_must_divide_heads_and_intermediate(tiny_checkpoint):
+    from areno.models.tp import check_divisible
+
+    cfg = load_model(tiny_checkpoint("qwen3_moe"), device="cpu").config  # 4 heads, 2 KV heads, I 128, moe I 32
+    check_divisible(cfg, 4)  # KV heads replicated: 4 ranks over 2 KV heads
+    try:
+        check_divisible(cfg, 3)
+    except ValueError as e:
+        assert "num_attention_heads=4" in str(e) and "intermediate_size=128" in str(e) and "--tp-size 3" in str(e)
+    else:
+        raise AssertionError("TP 3 accepted")
+
+
+def test_kv_head_shards_when_replicated():
+    from areno.models.tp import Part, part_range
+
+    kv = Part("k", size=2 * 16, shape=(32, 64), kind="kv", unit=16)  # 2 KV heads of dim 16
+    assert [part_range(kv, True, r, 2) for r in range(2)] == [(0, 16), (16, 16)]
+    assert [part_range(kv, True, r, 4) for r in range(4)] == [(0, 16), (0, 16), (16, 16), (16, 16)]
+    q = Part("q", size=4 * 16, shape=(64, 64))
+    assert [part_range(q, True, r, 4) for r in range(4)] == [(0, 16), (16, 16), (32, 16), (48, 16)]
+    assert part_range(q, False, 3, 4) == (0, 64)
