@@ -6,7 +6,8 @@
 
 Forward: one Triton program per (BLOCK_N tokens, vocab split) loops over [BLOCK_N x BLOCK_V] logit tiles, each a
 tl.dot over the hidden dim with fp32 accumulation, and keeps an online max m, sum-exp s = sum e^(z-m), entropy term
-a = sum e^(z-m) (z-m) (rescaled as m grows: a' = e^(m-m') (a + (m-m') s)) and the target logit. Splits (and, with
+a = sum e^(z-m) (z-m) (rescaled as m grows: a' = e^(m-m') (a + (m-m') s)); the target logit is one gathered dot
+product per token. Splits (and, with
 a TP group, ranks) merge the same way, so only max, sums and the target logit cross ranks. lse = m + log s and
 entropy = log s - a / s.
 Backward recomputes the logits chunk by chunk: for a [C tokens x Vc vocab] chunk a Triton GEMM with an epilogue
@@ -90,7 +91,19 @@ def _stats_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_tem
             a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=1)
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
-        tz += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
+    if pid_s == 0:  # the target logit as one gathered dot product per row, not a reduction per tile
+        t_ok = row_ok & (tgt >= 0) & (tgt < V)
+        ks = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + ks[None, :]
+        w_ptrs = w_ptr + tl.where(t_ok, tgt, 0).to(tl.int64)[:, None] * stride_w + ks[None, :]
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = t_ok[:, None] & ((k0 + ks) < H)[None, :]
+            hb = tl.load(h_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            wb = tl.load(w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            tz += tl.sum(hb * wb, axis=1)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        tz = tz * inv_temp
     out = part_ptr + pid_s * N + rows
     stride_part = tl.num_programs(1) * N
     tl.store(out, m, mask=row_ok)
@@ -143,8 +156,8 @@ _grad_logits = _EVEN_K(_grad_logits_kernel)
 
 
 def _configs(grad):
-    shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4),
-              (256, 128, 64, 8, 3), (128, 128, 128, 8, 2)]  # fmt: skip
+    shapes = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+              (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 128, 8, 2)]  # fmt: skip
     extra = {"GROUP_N": 8} if grad else {}
     return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, **extra}, num_warps=w, num_stages=st)
             for bn, bv, bk, w, st in shapes]  # fmt: skip
