@@ -271,8 +271,13 @@ _WGRAD_CONFIGS = [
 ]
 _INTERP = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
 _INTERP_WGRAD = dict(BLOCK_P=32, BLOCK_Q=32, BLOCK_R=16, num_warps=4, num_stages=1)
+# decode: weight-bandwidth bound; narrow N tiles put more programs (SMs) on the few experts a small batch touches
 _DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-_DECODE_FP32 = dict(_DECODE, BLOCK_K=64, num_stages=3)  # same shared-memory budget with 4-byte elements
+_DECODE_GATE_UP = dict(_DECODE, BLOCK_N=32)
+
+
+def _decode_config(base: dict, dtype: torch.dtype) -> dict:
+    return dict(base, BLOCK_K=64, num_stages=3) if dtype == torch.float32 else base  # fp32: same shared memory
 
 
 def _fast_bench(fn, quantiles=None, **_):
@@ -307,12 +312,11 @@ def _tune_m(M: int, E: int) -> int:
     return triton.next_power_of_2(max(1, M // E))
 
 
-def _launch_rows(kernel, tuned, M, E, N, args, consts):
+def _launch_rows(kernel, tuned, M, E, N, args, consts, decode=_DECODE):
     """Row-block kernel: fixed config under the interpreter or at decode size, autotuned otherwise."""
     grid = lambda meta: ((triton.cdiv(M, meta["BLOCK_M"]) + min(E, M)) * triton.cdiv(N, meta["BLOCK_N"]),)
     consts = dict(consts, DOT_PREC=_dot_prec(args[0].dtype), BLOCK_E=triton.next_power_of_2(E))
-    decode = _DECODE_FP32 if args[0].dtype == torch.float32 else _DECODE
-    fixed = _INTERP if interpreting() else (decode if M <= 16 * E else None)
+    fixed = _INTERP if interpreting() else (_decode_config(decode, args[0].dtype) if M <= 16 * E else None)
     if fixed is None:
         tuned[grid](*args, **consts)
     else:
@@ -327,7 +331,7 @@ def gate_up(x, w13, order, counts, top_k: int, save_gu: bool):
     gu = torch.empty(M, I2, dtype=x.dtype, device=x.device) if save_gu else h
     args = (x, w13, order, counts, h, gu, M, E, I, H, top_k, x.stride(0), w13.stride(0), w13.stride(1),
             _tune_m(M, E))
-    _launch_rows(_gate_up, _gate_up_tuned, M, E, I, args, dict(SAVE_GU=save_gu))
+    _launch_rows(_gate_up, _gate_up_tuned, M, E, I, args, dict(SAVE_GU=save_gu), decode=_DECODE_GATE_UP)
     return h, (gu if save_gu else None)
 
 
