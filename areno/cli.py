@@ -118,7 +118,11 @@ def _run_config_command(command, options_class, argv, module, name, what) -> int
     run = _load_runtime(command, module, name, what)
     if run is None:
         return EXIT_NOT_BUILT
-    rc = run(config)
+    try:
+        rc = run(config)
+    except ConfigError as e:  # found by the runtime before any work: a bad plugin file, dataset, ...
+        print(f"areno {command}: error: {e}", file=sys.stderr)
+        return 2
     return rc if isinstance(rc, int) else 0
 
 

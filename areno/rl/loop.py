@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from areno.config import ConfigError
 from areno.rl import algorithms
 from areno.rl.advantages import gae, group_advantages
 from areno.rl.batch import Row
@@ -71,7 +72,7 @@ class TrainLoop:
         rows = [r for r in rows if r.get("split") not in ("eval", "test")]
         check_rows(rows, cfg.algo)
         if self.reward_fn is None and cfg.algo in RL_ALGOS:
-            raise ValueError(f"--algo {cfg.algo} needs --reward-fn-path")
+            raise ConfigError("--reward-fn-path", f"is required for --algo {cfg.algo}")
 
         if cfg.world_size > 1:
             parallel.init_distributed(tp_size=cfg.tp_size)
@@ -89,8 +90,10 @@ class TrainLoop:
         self.eval_data = self._tokenize(self.eval_rows)
         unit = 2 if cfg.algo == "dpo" else 1
         self.batch_rows = cfg.batch_size
-        self.data = PromptIterator(self.rows, cfg.batch_size, seed=cfg.seed, epochs=cfg.epochs)
-        total = cfg.max_steps or max(1, math.ceil(len(self.rows) / cfg.batch_size) * cfg.epochs)
+        # with --max-steps the data repeats as needed; otherwise --epochs passes over it
+        epochs = None if cfg.max_steps else cfg.epochs
+        self.data = PromptIterator(self.rows, cfg.batch_size, seed=cfg.seed, epochs=epochs)
+        total = cfg.max_steps or max(1, len(self.data))
         self.total_steps = total
         self.trainer = self._make_trainer(self.model, cfg.lr, total, unit)
         self.ref = self._load_ref() if (cfg.algo == "dpo" or cfg.kl_coef > 0) else None
@@ -433,8 +436,10 @@ class TrainLoop:
         bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.is_main, desc=cfg.algo,
                    dynamic_ncols=True)
         last = {}
-        for batch in self.data:
-            if self.step_index >= self.total_steps:
+        batches = iter(self.data)
+        while self.step_index < self.total_steps:  # test first: a batch taken is a batch consumed
+            batch = next(batches, None)
+            if batch is None:
                 break
             t0 = time.perf_counter()
             m = step_fn(batch)
@@ -453,7 +458,7 @@ class TrainLoop:
             bar.update(1)
             last = m
         bar.close()
-        if cfg.save_path:
+        if cfg.save_path and not (cfg.save_interval and self.step_index % cfg.save_interval == 0):
             self.save()
         return last
 

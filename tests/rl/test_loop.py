@@ -1,0 +1,121 @@
+"""The training loop end to end on a tiny checkpoint: every algorithm through `areno train`, the on-policy
+invariants, gradient accumulation, checkpoint + resume, and clear errors for bad plugins."""
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areno.cli import main
+from areno.config import TrainConfig
+from areno.models import load_model
+from areno.rl.loop import TrainLoop
+from areno.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def setup_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(32):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
+                     "answer": str(a + b), "chosen": str(a + b), "rejected": str(a + b + 1)})
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = root / "reward.py"
+    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
+    return ckpt, data, reward, root
+
+
+def base_args(ckpt, data, reward, out):
+    return ["--ckpt", str(ckpt), "--dataset-path", str(data), "--reward-fn-path", str(reward), "--batch-size", "4",
+            "--n-samples", "2", "--mini-bs", "2", "--max-steps", "2", "--max-new-tokens", "6", "--save-path",
+            str(out), "--lr", "1e-3", "--no-tensorboard", "--dtype", "float32"]
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo", "gspo", "ppo"])
+def test_every_algorithm_runs_and_saves_a_reloadable_checkpoint(setup_files, algo, capsys):
+    ckpt, data, reward, root = setup_files
+    out = root / f"out-{algo}"
+    extra = ["--kl-coef", "0.05"] if algo == "grpo" else []
+    assert main(["train", "--algo", algo, *base_args(ckpt, data, reward, out), *extra]) == 0
+    saved = out / "step-2"
+    assert (saved / "COMPLETE").exists() and (saved / "config.json").exists()
+    lines = [json.loads(x) for x in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2] and all(x["loss"] is not None for x in lines)
+    mine = load_model(saved, dtype=torch.float32, device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.allclose(mine.logits(ids), hf(ids).logits, atol=1e-4)
+    start = load_model(ckpt, dtype=torch.float32, device="cpu")
+    moved = any(not torch.equal(a, b) for a, b in zip(mine.parameters(), start.parameters()))
+    assert moved or algo in ("grpo", "gspo", "ppo")  # RL may see all-equal rewards on a random model
+
+
+def loop_config(setup_files, **kw):
+    ckpt, data, reward, root = setup_files
+    cfg = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), algo="grpo",
+                      batch_size=4, n_samples=2, mini_bs=2, max_new_tokens=6, dtype="float32", lr=1e-3,
+                      tensorboard=False, metrics_dir=str(root / "m"), seed=0)
+    return replace(cfg, **kw)
+
+
+def test_first_on_policy_step_has_ratio_one_and_zero_kl(setup_files):
+    loop = TrainLoop(loop_config(setup_files, kl_coef=0.1, max_steps=1))
+    loop.setup()
+    m = loop.step_rl(next(iter(loop.data)))
+    loop.close()
+    assert m["logprob_diff_max"] < 1e-4  # trainer log-probs == rollout log-probs (fp32 native kernels)
+    if "ratio" in m:  # absent only when every group had equal rewards and was skipped
+        assert m["ratio"] == pytest.approx(1.0, abs=1e-4)
+        assert m["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def _weights_after_one_update(setup_files, mini_bs, accum):
+    cfg = loop_config(setup_files, algo="sft", batch_size=8, mini_bs=mini_bs, gradient_accumulation_steps=accum,
+                      max_steps=1)
+    loop = TrainLoop(cfg)
+    loop.setup()
+    m = loop.step_sft(next(iter(loop.data)))
+    loop.close()
+    assert m["num_updates"] == 1
+    return [p.detach().clone() for p in loop.model.parameters()]
+
+
+def test_gradient_accumulation_equals_one_big_microbatch(setup_files):
+    a = _weights_after_one_update(setup_files, 1, 8)
+    b = _weights_after_one_update(setup_files, 8, 1)
+    assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-5) for x, y in zip(a, b))
+
+
+def test_resume_reproduces_the_next_step(setup_files):
+    ckpt, data, reward, root = setup_files
+    full, part = root / "full", root / "part"
+    args = lambda out, steps: ["train", "--algo", "sft", "--ckpt", str(ckpt), "--dataset-path", str(data),  # noqa
+                               "--batch-size", "4", "--mini-bs", "2", "--lr", "1e-3", "--no-tensorboard",
+                               "--dtype", "float32", "--save-path", str(out), "--save-interval", "2",
+                               "--max-steps", str(steps)]
+    assert main(args(full, 3)) == 0
+    assert main(args(part, 2)) == 0
+    assert main(args(part, 3) + ["--resume", str(part / "step-2")]) == 0
+    loss = lambda out: [json.loads(x)["loss"] for x in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]  # noqa
+    assert loss(part)[-1] == pytest.approx(loss(full)[-1], rel=1e-5)
+
+
+def test_bad_plugins_exit_2_naming_the_flag(setup_files, tmp_path, capsys):
+    ckpt, data, reward, root = setup_files
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def not_the_reward(x):\n    return 0\n")
+    rc = main(["train", "--algo", "grpo", *base_args(ckpt, data, bad, tmp_path / "o")])
+    assert rc == 2 and "--reward-fn-path" in capsys.readouterr().err
+    broken = tmp_path / "broken_loader.py"
+    broken.write_text("def load_training_dataset(:\n")
+    rc = main(["train", "--algo", "grpo", *base_args(ckpt, data, reward, tmp_path / "o"),
+               "--dataset-loader-fn", str(broken)])
+    assert rc == 2 and "--dataset-loader-fn" in capsys.readouterr().err
