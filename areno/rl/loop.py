@@ -428,6 +428,28 @@ class TrainLoop:
         log.info("resumed from %s at step %d", path, self.step_index)
 
     # ---- run -----------------------------------------------------------------------------------------------
+    def warmup(self) -> dict:
+        """``--sft-warmup-steps`` SFT steps on the rows' responses before RL (skipped when resuming past them)."""
+        cfg = self.cfg
+        if not cfg.sft_warmup_steps or cfg.algo not in RL_ALGOS or self.step_index > 0:
+            return {}
+        rows = [r for r in self.rows if r.get("response") is not None]
+        if not rows:
+            raise ConfigError("--sft-warmup-steps", "needs rows with a `response`")
+        eos = self.tokenizer.eos_token_id
+        for r in rows:
+            r.setdefault("_response_ids", self._response_ids(r["response"], eos))
+        from areno.rl.data import PromptIterator
+
+        data = iter(PromptIterator(rows, cfg.batch_size, seed=cfg.seed + 1, epochs=None))
+        m = {}
+        for i in range(cfg.sft_warmup_steps):
+            m = self.step_sft(next(data))
+            if self.is_main and (i + 1) % max(1, cfg.log_interval) == 0:
+                self.logger.log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()})
+        self.trainer.num_updates = 0  # the RL schedule starts fresh
+        return m
+
     def run(self) -> dict:
         cfg = self.cfg
         from tqdm import tqdm

@@ -26,11 +26,15 @@ def run_train(config) -> int:
     loop = TrainLoop(config)
     try:
         loop.setup()
+        loop.warmup()
         before = loop.evaluate() if loop.eval_data else None
+        if loop.is_main and before is not None:
+            print(f"held-out accuracy before {config.algo}: {before:.3f}", flush=True)
         last = loop.run()
         after = loop.evaluate() if loop.eval_data else None
         if loop.is_main and before is not None:
-            print(f"held-out accuracy: {before:.3f} before, {after:.3f} after")
+            print(f"held-out accuracy: {before:.3f} before {config.algo}, {after:.3f} after", flush=True)
+        loop.results = {"accuracy_before": before, "accuracy_after": after}
         if loop.is_main and last:
             print("final step: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())
                                              if isinstance(v, (int, float))))
