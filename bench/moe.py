@@ -107,7 +107,8 @@ def bench_train(T, args, device, dtype, env):
                                  pct_peak=100 * fl / ms / 1e9 / PEAK_TFLOPS))
         except Exception as exc:  # a baseline the installed torch cannot run is reported, not fatal
             print(f"[moe bench] {name} at T={T} failed: {type(exc).__name__}: {str(exc)[:200]}")
-        torch.cuda.empty_cache() if device == "cuda" else None
+        if device == "cuda":
+            torch.cuda.empty_cache()
     base = ref.get("loop", ref.get("grouped_mm"))
     err = _rel_err(ref["areno"], base) if base is not None and "areno" in ref else None
     _ratios(rows, err)
@@ -174,7 +175,7 @@ def profile_areno(T, args, device, dtype):
         step()
         torch.cuda.synchronize()
     print(f"\nper-kernel profile, areno fwd+bwd at {T} tokens:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=15, max_name_column_width=60))
 
 
 def tuned_configs():
@@ -218,7 +219,10 @@ def main():
         print("\nautotuned configs:", tuned_configs())
         if not args.no_profile:
             mid = sorted(args.tokens)[len(args.tokens) // 2]
-            profile_areno(mid, args, device, dtype)
+            try:
+                profile_areno(mid, args, device, dtype)
+            except Exception as exc:
+                print(f"[moe bench] profile failed: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 if __name__ == "__main__":

@@ -262,12 +262,12 @@ _GATE_UP_CONFIGS = [  # two BLOCK_M x BLOCK_N accumulators (gate, up) per progra
     _cfg(128, 128, 64, 8, 3), _cfg(64, 64, 128, 4, 3),
 ]
 _ROWS_CONFIGS = [
-    _cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4), _cfg(128, 128, 64, 4, 3),
-    _cfg(128, 128, 64, 8, 3), _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 128, 4, 3),
+    _cfg(64, 64, 64, 4, 4), _cfg(64, 128, 64, 4, 4), _cfg(128, 64, 64, 4, 4), _cfg(128, 128, 64, 8, 3),
+    _cfg(128, 256, 64, 8, 3), _cfg(64, 128, 128, 4, 3),
 ]
 _WGRAD_CONFIGS = [
-    _wcfg(128, 128, 64, 8, 3), _wcfg(128, 128, 32, 4, 4), _wcfg(128, 128, 64, 4, 3), _wcfg(64, 128, 64, 4, 4),
-    _wcfg(128, 256, 64, 8, 3), _wcfg(128, 64, 64, 4, 4),
+    _wcfg(128, 128, 64, 8, 3), _wcfg(128, 128, 64, 4, 3), _wcfg(64, 128, 64, 4, 4), _wcfg(128, 256, 64, 8, 3),
+    _wcfg(128, 64, 64, 4, 4),
 ]
 _INTERP = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
 _INTERP_WGRAD = dict(BLOCK_P=32, BLOCK_Q=32, BLOCK_R=16, num_warps=4, num_stages=1)
@@ -299,7 +299,7 @@ _even_pq = triton.heuristics({"EVEN_P": lambda args: args["P"] % args["BLOCK_P"]
 _gate_up = _even_k(_gate_up_kernel)
 _rows = _even_k(_expert_rows_kernel)
 _wgrad = _even_pq(_expert_weight_grad_kernel)
-_gate_up_tuned = _autotune(_GATE_UP_CONFIGS, ["N", "K", "tune_m"])(_gate_up)
+_gate_up_tuned = _autotune(_GATE_UP_CONFIGS, ["N", "K", "tune_m", "SAVE_GU"])(_gate_up)
 _rows_tuned = _autotune(_ROWS_CONFIGS, ["N", "K", "tune_m", "stride_wk", "GATHER_A", "OUT_SORTED", "SCALE"])(_rows)
 _wgrad_tuned = _autotune(_WGRAD_CONFIGS, ["P", "Q", "tune_m", "GATHER_A"])(_wgrad)
 
