@@ -244,6 +244,9 @@ def register_grad_hooks(model: nn.Module) -> None:
     group, size, rank = model.tp_group, model.tp_size, model.tp_rank
     if group is None:
         return
+    for pname, param in model.named_parameters():  # the optimizer counts these once in the grad norm
+        lays = model._tp_layouts.get(pname, [])
+        param.tp_replicated = not any(lay.sharded for lay in lays)
     for mname, module in model.named_modules():
         style = getattr(module, "tp_style", None)
         if style == "partial_grad":
