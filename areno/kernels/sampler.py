@@ -44,16 +44,27 @@ def _key(z):
 
 
 @triton.jit
-def _gumbel(bits):
+def _log(x, FAST: tl.constexpr):
+    """Natural log; FAST (CUDA): the hardware lg2.approx (rel. error ~2^-22), 3 instructions instead of ~35."""
+    if FAST:
+        y = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return y * 0.6931471805599453
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _gumbel(bits, FAST: tl.constexpr):
     """-log(E), E = -log(1 - v) ~ Exp(1), v in (0, 1) from 32 random bits; a series keeps E exact near 0."""
     v = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
-    e = tl.where(v < 0.0078125, v * (1.0 + v * (0.5 + v * (0.33333334 + v * 0.25))), -tl.log(1.0 - v))
-    return -tl.log(e)
+    e = tl.where(v < 0.0078125, v * (1.0 + v * (0.5 + v * (0.33333334 + v * 0.25))), -_log(1.0 - v, FAST))
+    return -_log(e, FAST)
 
 
 @triton.jit
 def _race_kernel(x_ptr, stride_x, temp_ptr, seed_ptr, off_ptr, thr_ptr, m_ptr, s_ptr, best_ptr, idx_ptr,
-                 B, V, cols_per_split, HAS_THR: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr):  # fmt: skip
+                 B, V, cols_per_split, HAS_THR: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
+                 FAST: tl.constexpr):  # fmt: skip
     # One program: ROWS rows x one vocab split, in tiles of 4Q columns (Q Philox calls of 4 words each).
     pid_s = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -87,7 +98,7 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, seed_ptr, off_ptr, thr_ptr, m_ptr, s
         m_new = tl.maximum(m, tl.max(z, axis=1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
         m = m_new
-        score = tl.where(greedy[:, None], z, z + _gumbel(bits))
+        score = tl.where(greedy[:, None], z, z + _gumbel(bits, FAST))
         if HAS_THR:
             score = tl.where(_key(z) >= thr[:, None], score, float("-inf"))
         score = tl.where(ok, score, float("-inf"))
@@ -230,7 +241,8 @@ def _triton_sample(logits, temperature, top_k, top_p, seeds, offsets):
     idx = torch.empty(B, splits, dtype=torch.int32, device=dev)
     _race_kernel[(triton.cdiv(B, rows), splits)](
         logits, logits.stride(0), temperature, seeds, offsets, thr if thr is not None else idx, part[0], part[1],
-        part[2], idx, B, V, cols_per_split, HAS_THR=thr is not None, ROWS=rows, Q=q, num_warps=4)  # fmt: skip
+        part[2], idx, B, V, cols_per_split, HAS_THR=thr is not None, ROWS=rows, Q=q, FAST=not interp,
+        num_warps=4)  # fmt: skip
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     logprobs = torch.empty(B, dtype=torch.float32, device=dev)
     p_rows = min(64, triton.next_power_of_2(B))
