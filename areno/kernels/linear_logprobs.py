@@ -228,6 +228,31 @@ def _matmul_f32(a, b):
     return a.float() @ b.float()
 
 
+@functools.lru_cache(maxsize=8)
+def _addmm_out_dtype_ok(device_index: int, dtype: torch.dtype) -> bool:
+    """Whether torch.addmm(acc32, a16, b16, out_dtype=fp32, out=acc32) accumulates correctly here (checked once)."""
+    try:
+        dev = torch.device("cuda", device_index)
+        a = torch.randn(16, 32, device=dev).to(dtype)
+        b = torch.randn(32, 16, device=dev).to(dtype)
+        acc = torch.randn(16, 16, device=dev)
+        ref = acc + a.float() @ b.float()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc, ref, rtol=1e-3, atol=1e-3))
+    except (TypeError, RuntimeError):
+        return False
+
+
+def _accumulate(acc, a, b):
+    """acc += a @ b with fp32 accumulation; on CUDA in the GEMM epilogue (beta = 1), no temporary."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and _addmm_out_dtype_ok(a.device.index, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += _matmul_f32(a, b).to(acc.dtype)
+
+
 def _native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows):
     """(m, s, a, tz) as [4, 1, N] over token chunks of at most ``chunk_rows`` x the full (local) vocab."""
     N, V = hidden.shape[0], weight.shape[0]
@@ -320,11 +345,11 @@ def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_
             w_c = weight[v0 : v0 + nc]
             w_c = w_c if w_c.dtype == gdt else w_c.to(gdt)
             if need_dh:
-                dh[r0 : r0 + nr] += _matmul_f32(g, w_c)
+                _accumulate(dh[r0 : r0 + nr], g, w_c)
             if need_dw and one_pass:
                 torch.mm(g.T, h_c, out=dw[v0 : v0 + nc])
             elif need_dw:
-                dw[v0 : v0 + nc] += _matmul_f32(g.T, h_c)
+                _accumulate(dw[v0 : v0 + nc], g.T, h_c)
     return dh, dw
 
 

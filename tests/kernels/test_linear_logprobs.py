@@ -82,6 +82,12 @@ def test_values_entropy_and_grads_vs_float64(path, dtype, nan_empty):
     _check(hidden, weight, targets, TOL[dtype], temperature=0.7)
 
 
+def test_native_bf16(native_kernels):
+    """bf16 on the native path (the interpreter's bf16 arithmetic is wrong, so the Triton path is GPU-tested)."""
+    hidden, weight, targets = _inputs(31, 40, 1201, torch.bfloat16)
+    _check(hidden, weight, targets, TOL[torch.bfloat16], temperature=1.1, chunk_size=8)
+
+
 @pytest.mark.parametrize("chunk_size,budget", [(5, None), (16, 3000)])
 def test_chunked_backward(path, chunk_size, budget, monkeypatch):
     """Token chunks (dweight accumulated over them) and vocab chunks give the same gradients."""
