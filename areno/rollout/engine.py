@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from areno.rollout.block_manager import BlockManager
-from areno.rollout.model_runner import ModelRunner, plan_num_blocks
+from areno.rollout.model_runner import ModelRunner, TPWorker, broadcast_step, plan_num_blocks
 from areno.rollout.scheduler import Scheduler, Step
 from areno.rollout.sequence import SamplingOptions, Sequence
 from areno.rollout.stopping import StopChecker
@@ -132,7 +133,7 @@ class Engine:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
-        self.runner.copy_blocks(self.blocks.pending_copies)
+        copies = list(self.blocks.pending_copies)
         self.blocks.pending_copies.clear()
         rows, row_index, offset = [], [], 0
         for chunk in step.chunks:
@@ -141,7 +142,7 @@ class Engine:
                 for seq in [chunk.seq] + [c for c in getattr(chunk.seq, "children", []) if not c.is_finished]:
                     rows.append(seq)
                     row_index.append(offset - 1)
-        tokens, logprobs, top = self.runner.run(step, rows, row_index)
+        tokens, logprobs, top = self.runner.run(step, rows, row_index, copies)
         self.scheduler.after_step(step)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         for i, seq in enumerate(rows):
@@ -172,14 +173,34 @@ class Engine:
             self._progress_t, self._progress_tokens = now, 0
 
     # ---- synchronous API (RL rollout) ----------------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        group = getattr(self.model, "tp_group", None)
+        return dist.get_rank(group) if group is not None else 0
+
     def generate(self, prompts: list[list[int]], options=None) -> list[list[Completion]]:
-        """Generate for every prompt (``options``: one SamplingOptions or one per prompt); blocks until done."""
+        """Generate for every prompt (``options``: one SamplingOptions or one per prompt); blocks until done.
+
+        Under tensor parallelism every rank of the TP group calls this: rank 0 schedules and runs the steps, the
+        others execute the steps it broadcasts, and all return rank 0's results.
+        """
+        group = getattr(self.model, "tp_group", None)
+        if group is not None and self.tp_rank != 0:
+            self._ensure_built()
+            TPWorker(self.runner).loop()
+            box = [None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            return box[0]
         if options is None or isinstance(options, SamplingOptions):
             options = [options or SamplingOptions()] * len(prompts)
         groups = [self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]
         while self.has_work():
             self.step()
-        return [[self.completion(s) for s in g] for g in groups]
+        out = [[self.completion(s) for s in g] for g in groups]
+        if group is not None:
+            broadcast_step(None, group)  # the followers leave their loop
+            dist.broadcast_object_list([out], src=dist.get_global_rank(group, 0), group=group)
+        return out
 
     def completion(self, seq: Sequence) -> Completion:
         text = seq.text if seq.stop_text is not None else None

@@ -1,5 +1,8 @@
-"""Runs the model for one scheduled step: builds the packed inputs and attention metadata, owns the paged KV cache,
-samples the next tokens, and replays CUDA graphs for pure-decode steps (one graph per batch-size bucket).
+"""Runs the model for one scheduled step: turns it into packed inputs and attention metadata, owns the paged KV
+cache, samples the next tokens, and replays CUDA graphs for pure-decode steps (one graph per batch-size bucket).
+
+A step is first flattened into :class:`StepInputs` (plain lists): under tensor parallelism rank 0 schedules and
+broadcasts that record, and every rank of the TP group executes it in lockstep (``TPWorker`` on the others).
 
 KV cache layout: one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer i gets the views
 ``cache[i, 0]`` and ``cache[i, 1]``. Its size comes from a memory budget (a fraction of free GPU memory, or bytes)
@@ -9,8 +12,10 @@ capped by what ``max_running`` sequences of ``max_model_len`` tokens can use.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from areno.kernels import sample
 from areno.models.attention_metadata import AttentionMetadata
@@ -38,7 +43,33 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
             budget = int(kv_cache_memory * 2**30)
     else:
         budget = int(kv_cache_memory)
-    return max(1, min(cap, budget // per_block))
+    blocks = max(1, min(cap, budget // per_block))
+    if dist.is_initialized() and getattr(model, "tp_group", None) is not None:  # every TP rank the same size
+        t = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=model.tp_group)
+        blocks = int(t.item())
+    return blocks
+
+
+@dataclass
+class StepInputs:
+    """One step as plain lists: what TP rank 0 broadcasts and every rank executes."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_q: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    is_decode: bool
+    row_index: list[int]  # hidden row sampled by each output row
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    seeds: list[int]
+    offsets: list[int]
+    top_logprobs: int
+    copies: list[tuple[int, int]]
 
 
 class ModelRunner:
@@ -61,14 +92,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}
         self.graph_pool = None
         self.last_step_used_graph = False
-
-    # ---- cache maintenance ---------------------------------------------------------------------------------
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        self.tp_group = getattr(model, "tp_group", None)
 
     def release(self) -> None:
         """Drop CUDA graphs and the KV cache (``--drop-rollout-state``)."""
@@ -77,82 +101,94 @@ class ModelRunner:
         self.kv_cache = None
         self.kv_caches = []
 
-    # ---- inputs --------------------------------------------------------------------------------------------
-    def _inputs(self, step: Step):
+    # ---- step -> inputs ------------------------------------------------------------------------------------
+    def prepare(self, step: Step, rows: list, row_index: list[int], copies) -> StepInputs:
         bs = self.block_size
-        ids, pos, slots, cu_q, seq_lens, tables = [], [], [0], [0], [], []
-        slots = []
-        max_q = 0
-        width = max(len(c.seq.block_table) for c in step.chunks)  # eager steps: only as wide as needed
+        ids, pos, slots, cu_q, seq_lens, tables = [], [], [], [0], [], []
         for c in step.chunks:
-            seq = c.seq
+            seq, table = c.seq, c.seq.block_table
             ids.extend(seq.tokens[c.start : c.end])
             pos.extend(range(c.start, c.end))
-            table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
             cu_q.append(cu_q[-1] + c.end - c.start)
             seq_lens.append(c.end)
-            tables.append(table + [0] * (width - len(table)))
-            max_q = max(max_q, c.end - c.start)
-        dev = self.device
-        t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
-        has_prefix = any(c.start > 0 for c in step.chunks)
-        meta = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
-            is_prefill=not step.is_decode,
-            cu_seqlens_q=t(cu_q),
-            cu_seqlens_k=t([0] + list(torch.tensor(seq_lens).cumsum(0).tolist())),
-            max_seqlen_q=max_q,
-            max_seqlen_k=max(seq_lens),
-            block_table=t(tables),
-            seq_lens=t(seq_lens),
-            has_prefix=has_prefix,
+            tables.append(table)
+        return StepInputs(
+            ids=ids, positions=pos, slots=slots, cu_q=cu_q, seq_lens=seq_lens, tables=tables,
+            is_decode=step.is_decode, row_index=list(row_index),
+            temperature=[s.options.temperature for s in rows], top_k=[s.options.top_k for s in rows],
+            top_p=[s.options.top_p for s in rows], seeds=[s.seed for s in rows], offsets=[len(s) for s in rows],
+            top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
         )
-        return t(ids, torch.int64), t(pos, torch.int64), meta, cu_q
 
-    @staticmethod
-    def sampling_tensors(rows, device):
-        """Per-row sampling settings; the offset (the token's position) makes each step draw fresh noise."""
-        temp = torch.tensor([s.options.temperature for s in rows], dtype=torch.float32)
-        top_k = torch.tensor([s.options.top_k for s in rows], dtype=torch.int64)
-        top_p = torch.tensor([s.options.top_p for s in rows], dtype=torch.float32)
-        seeds = torch.tensor([s.seed for s in rows], dtype=torch.int64)
-        offsets = torch.tensor([len(s) for s in rows], dtype=torch.int64)
-        return [x.to(device, non_blocking=True) for x in (temp, top_k, top_p, seeds, offsets)]
-
-    def _sample(self, hidden, temp, top_k, top_p, seeds, offsets):
-        logits = self.model.compute_logits(hidden)
-        return sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, offsets=offsets)
-
-    # ---- run -----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, step: Step, rows: list, row_index: list[int]):
-        """Forward the step and sample one token for each of ``rows`` (sequences) from hidden row ``row_index``.
+    def run(self, step: Step, rows: list, row_index: list[int], copies=()):
+        """Forward the step and sample one token for each of ``rows`` from hidden row ``row_index``.
 
         Returns CPU tensors (tokens int64, logprobs fp32) and, when a row asks for them, (ids, log-probs) of the
-        top candidates, else None.
+        top candidates, else None. Under TP the step goes to the other ranks first.
         """
-        want_top = max((s.options.top_logprobs for s in rows), default=0)
-        if self.use_graphs and step.is_decode and not want_top and len(step.chunks) <= self.graph_buckets[-1]:
+        inp = self.prepare(step, rows, row_index, copies)
+        if self.tp_group is not None:
+            broadcast_step(inp, self.tp_group)
+        return self.execute(inp)
+
+    # ---- execution (every TP rank) -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, inp: StepInputs):
+        self._copy_blocks(inp.copies)
+        n = len(inp.seq_lens)
+        if self.use_graphs and inp.is_decode and not inp.top_logprobs and n <= self.graph_buckets[-1]:
             self.last_step_used_graph = True
-            return self._run_graph(step, rows)
+            return self._run_graph(inp)
         self.last_step_used_graph = False
-        ids, pos, meta, _ = self._inputs(step)
+        ids, pos, meta = self._tensors(inp)
         hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
-        if not rows:  # a prefill chunk that does not reach the end of its prompt: K/V only
+        if not inp.row_index:  # a prefill chunk that does not reach the end of its prompt: K/V only
             return torch.empty(0, dtype=torch.int64), torch.empty(0), None
-        idx = torch.tensor(row_index, dtype=torch.int64, device=self.device)
-        params = self.sampling_tensors(rows, self.device)
+        idx = torch.tensor(inp.row_index, dtype=torch.int64, device=self.device)
+        params = self._sampling(inp, self.device)
         logits = self.model.compute_logits(hidden[idx])
-        tokens, logprobs = sample(logits, temperature=params[0], top_k=params[1], top_p=params[2], seeds=params[3],
-                                  offsets=params[4])
+        tokens, logprobs = sample(logits, temperature=params[0], top_k=params[1], top_p=params[2],
+                                  seeds=params[3], offsets=params[4])
         top = None
-        if want_top:  # the same tempered distribution as the returned log-probs (T = 0 counts as 1)
+        if inp.top_logprobs:  # the same tempered distribution as the returned log-probs (T = 0 counts as 1)
             temp = torch.where(params[0] > 0, params[0], torch.ones_like(params[0]))
             lp = torch.log_softmax(logits.float() / temp[:, None], dim=-1)
-            vals, ids = lp.topk(want_top, dim=-1)
-            top = (ids.cpu(), vals.cpu())
+            vals, ids_ = lp.topk(inp.top_logprobs, dim=-1)
+            top = (ids_.cpu(), vals.cpu())
         return tokens.cpu(), logprobs.float().cpu(), top
+
+    def _copy_blocks(self, pairs) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _tensors(self, inp: StepInputs):
+        dev = self.device
+        t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+        width = max(len(tb) for tb in inp.tables)  # eager steps: only as wide as needed
+        tables = [tb + [0] * (width - len(tb)) for tb in inp.tables]
+        cu_k = [0]
+        for n in inp.seq_lens:
+            cu_k.append(cu_k[-1] + n)
+        q_lens = [b - a for a, b in zip(inp.cu_q, inp.cu_q[1:])]
+        has_prefix = any(n > q for n, q in zip(inp.seq_lens, q_lens))
+        meta = AttentionMetadata(
+            slot_mapping=t(inp.slots, torch.int64), is_prefill=not inp.is_decode, cu_seqlens_q=t(inp.cu_q),
+            cu_seqlens_k=t(cu_k), max_seqlen_q=max(q_lens), max_seqlen_k=max(inp.seq_lens), block_table=t(tables),
+            seq_lens=t(inp.seq_lens), has_prefix=has_prefix,
+        )
+        return t(inp.ids, torch.int64), t(inp.positions, torch.int64), meta
+
+    @staticmethod
+    def _sampling(inp: StepInputs, device):
+        """Per-row sampling settings; the offset (the token's position) makes each step draw fresh noise."""
+        out = (torch.tensor(inp.temperature, dtype=torch.float32), torch.tensor(inp.top_k, dtype=torch.int64),
+               torch.tensor(inp.top_p, dtype=torch.float32), torch.tensor(inp.seeds, dtype=torch.int64),
+               torch.tensor(inp.offsets, dtype=torch.int64))
+        return [x.to(device, non_blocking=True) for x in out]
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
@@ -181,7 +217,9 @@ class ModelRunner:
 
         def body():
             hidden = self.model(buf["ids"], buf["pos"], kv_caches=self.kv_caches, attn_metadata=meta)
-            return self._sample(hidden, buf["temp"], buf["top_k"], buf["top_p"], buf["seeds"], buf["offsets"])
+            logits = self.model.compute_logits(hidden)
+            return sample(logits, temperature=buf["temp"], top_k=buf["top_k"], top_p=buf["top_p"],
+                          seeds=buf["seeds"], offsets=buf["offsets"])
 
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -196,29 +234,48 @@ class ModelRunner:
             self.graph_pool = graph.pool()
         self.graphs[bsz] = (graph, buf, out)
 
-    def _run_graph(self, step: Step, rows):
-        n = len(step.chunks)
+    def _run_graph(self, inp: StepInputs):
+        n = len(inp.seq_lens)
         bsz = self._bucket(n)
         if bsz not in self.graphs:
             self._capture(bsz)
         graph, buf, (tokens, logprobs) = self.graphs[bsz]
-        bs = self.block_size
-        ids = [c.seq.tokens[-1] for c in step.chunks]
-        pos = [len(c.seq) - 1 for c in step.chunks]
-        slots = [c.seq.block_table[p // bs] * bs + p % bs for c, p in zip(step.chunks, pos)]
-        table = torch.zeros(bsz, self.max_blocks_per_seq, dtype=torch.int32)
-        for i, c in enumerate(step.chunks):
-            table[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
         pad = bsz - n
-        buf["ids"].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        buf["pos"].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
-        buf["slots"].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-        buf["table"].copy_(table, non_blocking=True)
-        buf["lens"].copy_(torch.tensor([p + 1 for p in pos] + [1] * pad, dtype=torch.int32), non_blocking=True)
-        temp, top_k, top_p, seeds, offsets = self.sampling_tensors(rows, "cpu")
-        for name, val, fill in (("temp", temp, 1.0), ("top_k", top_k, 0), ("top_p", top_p, 1.0),
-                                ("seeds", seeds, 0), ("offsets", offsets, 0)):
-            buf[name][:n].copy_(val, non_blocking=True)
-            buf[name][n:].fill_(fill)
+        table = torch.zeros(bsz, self.max_blocks_per_seq, dtype=torch.int32)
+        for i, tb in enumerate(inp.tables):
+            table[i, : len(tb)] = torch.tensor(tb, dtype=torch.int32)
+        host = {
+            "ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
+            "slots": torch.tensor(inp.slots + [-1] * pad), "table": table,
+            "lens": torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32),
+            "temp": torch.tensor(inp.temperature + [1.0] * pad, dtype=torch.float32),
+            "top_k": torch.tensor(inp.top_k + [0] * pad), "top_p": torch.tensor(inp.top_p + [1.0] * pad),
+            "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
+        }
+        for name, val in host.items():
+            buf[name].copy_(val, non_blocking=True)
         graph.replay()
         return tokens[:n].cpu(), logprobs[:n].float().cpu(), None
+
+
+# ---- tensor parallelism: rank 0 schedules, the others follow -------------------------------------------------
+def broadcast_step(inp: StepInputs | None, group) -> StepInputs | None:
+    """Send (rank 0) or receive (others) one step; ``None`` tells the followers to stop."""
+    box = [inp]
+    src = dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+class TPWorker:
+    """A non-zero TP rank of an engine: executes whatever rank 0 broadcasts until told to stop."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def loop(self) -> None:
+        while True:
+            inp = broadcast_step(None, self.runner.tp_group)
+            if inp is None:
+                return
+            self.runner.execute(inp)

@@ -153,17 +153,18 @@ def test_short_request_finishes_while_long_ones_decode(qwen3):
     ae = AsyncEngine(e)
 
     async def main():
-        long = [await ae.submit(tok.encode(p), SamplingOptions(max_new_tokens=60, ignore_eos=True))
+        long = [await ae.submit(tok.encode(p), SamplingOptions(max_new_tokens=120, ignore_eos=True))
                 for p in PROMPTS[:3]]
-        order = []
+        order, started = [], asyncio.Event()
 
         async def drain(name, stream):
             async for ev in stream:
+                started.set()
                 if ev.finish_reason:
                     order.append(name)
 
         tasks = [asyncio.create_task(drain("long", s)) for s in long]
-        await asyncio.sleep(0.3)  # the long ones are decoding now
+        await started.wait()  # the long ones are decoding now
         probe = await ae.submit(tok.encode("x"), SamplingOptions(max_new_tokens=2, ignore_eos=True))
         await drain("probe", probe)
         await asyncio.gather(*tasks)
