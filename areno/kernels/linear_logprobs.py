@@ -62,8 +62,22 @@ def _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w
 
 
 @triton.jit
+def _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT: tl.constexpr):
+    """Fold one logit tile into the running (max, sum-exp, entropy term) of each row."""
+    z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    e = tl.exp(z - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    if HAS_ENT:
+        d = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
+        a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=1)
+    s = alpha * s + tl.sum(e, axis=1)
+    return m_new, s, a
+
+
+@triton.jit
 def _stats_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_temp, cols_per_split, stride_h, stride_w,
-                  HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                  HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, FLAT: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # part_ptr: [4, splits, N] fp32 = (max, sum-exp, entropy term, target logit) of this split's vocab range.
     pid_n = tl.program_id(0)
@@ -77,20 +91,35 @@ def _stats_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_tem
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     a = tl.zeros([BLOCK_N], dtype=tl.float32)
     tz = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_end
-        acc = _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
-                           BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE)  # fmt: skip
-        z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        e = tl.exp(z - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        if HAS_ENT:
-            d = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
-            a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=1)
-        s = alpha * s + tl.sum(e, axis=1)
-        m = m_new
+    if FLAT:  # one loop over (vocab tile, k step): the pipeliner keeps loading across vocab-tile boundaries
+        k_tiles = tl.cdiv(H, BLOCK_K)
+        n_iter = tl.cdiv(v_end - v_begin, BLOCK_V) * k_tiles
+        ks = tl.arange(0, BLOCK_K)
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        for it in range(0, n_iter):
+            kt = it % k_tiles
+            cols = v_begin + (it // k_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_ok = cols < v_end
+            k_idx = kt * BLOCK_K + ks
+            k_ok = (k_idx < H) | EVEN_K
+            hb = tl.load(h_rows + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wb = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + k_idx[None, :],
+                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            if IEEE:
+                acc = tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(hb, tl.trans(wb), acc)
+            if kt == k_tiles - 1:
+                m, s, a = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
+                acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    else:
+        for v0 in range(v_begin, v_end, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            col_ok = cols < v_end
+            acc = _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
+                               BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE)  # fmt: skip
+            m, s, a = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
     if pid_s == 0:  # the target logit as one gathered dot product per row, not a reduction per tile
         t_ok = row_ok & (tgt >= 0) & (tgt < V)
         ks = tl.arange(0, BLOCK_K)
@@ -156,16 +185,22 @@ _grad_logits = _EVEN_K(_grad_logits_kernel)
 
 
 def _configs(grad):
-    shapes = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-              (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 128, 8, 2)]  # fmt: skip
+    # Few configs on purpose: each costs a compile (seconds) per flag combination. Hopper bf16 GEMM tiles; the
+    # forward also tries the single-loop shape (lower register use, loads pipelined across vocab tiles).
+    if grad:
+        shapes = [(128, 128, 64, 8, 4, {}), (128, 256, 64, 8, 3, {}), (64, 128, 64, 4, 3, {})]
+    else:
+        shapes = [(128, 128, 64, 8, 4, {"FLAT": True}), (128, 128, 64, 8, 3, {"FLAT": False}),
+                  (128, 256, 64, 8, 3, {"FLAT": True}), (64, 128, 64, 4, 4, {"FLAT": True})]  # fmt: skip
     extra = {"GROUP_N": 8} if grad else {}
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, **extra}, num_warps=w, num_stages=st)
-            for bn, bv, bk, w, st in shapes]  # fmt: skip
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, **extra, **flat}, num_warps=w, num_stages=st)
+            for bn, bv, bk, w, st, flat in shapes]  # fmt: skip
 
 
 _stats_tuned = triton.autotune(_configs(False), key=["H", "V", "HAS_ENT", "IEEE"])(_stats)
 _grad_tuned = triton.autotune(_configs(True), key=["H", "Vc", "HAS_ENT", "IEEE"])(_grad_logits)
 _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
+_INTERPRET_FLAT = False  # tests flip it to run the flat-loop forward too
 
 
 @functools.lru_cache(maxsize=8)
@@ -188,7 +223,8 @@ def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy):
             hidden.stride(0), weight.stride(0))  # fmt: skip
     flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32}
     if interpreting() or not hidden.is_cuda:
-        _stats[(triton.cdiv(N, _INTERPRET_CFG["BLOCK_N"]), splits)](*args, **flags, **_INTERPRET_CFG)
+        grid = (triton.cdiv(N, _INTERPRET_CFG["BLOCK_N"]), splits)
+        _stats[grid](*args, **flags, **_INTERPRET_CFG, FLAT=_INTERPRET_FLAT)
     else:
         _stats_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **flags)
     return parts
