@@ -347,7 +347,7 @@ def _merge_across_ranks(m, s, a, tz, group):
 
 
 def _chunk_plan(N, V, chunk_rows, budget):
-    rows = min(N, chunk_rows or max(1, budget // 4096))
+    rows = max(1, min(N, chunk_rows or max(1, budget // 4096)))
     cols = V if rows * V <= budget else max(256, budget // rows // 256 * 256)
     return rows, min(cols, V)
 
@@ -362,7 +362,7 @@ def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_
     rows, cols = _chunk_plan(N, V, chunk_rows, budget)
     acc_dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     dh = torch.zeros(N, H, dtype=acc_dt, device=hidden.device) if need_dh else None
-    one_pass = rows >= N and gdt == weight.dtype  # each dweight row block is written once, in weight's dtype
+    one_pass = 0 < N <= rows and gdt == weight.dtype  # each dweight row block is written once, in weight's dtype
     dw = None
     if need_dw:
         dw = torch.empty_like(weight) if one_pass else torch.zeros(V, H, dtype=acc_dt, device=weight.device)
@@ -462,7 +462,7 @@ def linear_logprobs(hidden, weight, targets, *, temperature=1.0, return_entropy=
     h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     t = targets.reshape(-1).to(torch.int64).contiguous()
-    path = use_triton(h2, w, t, supported=hidden.dtype in _FLOATS)
+    path = use_triton(h2, w, t, supported=hidden.dtype in _FLOATS and h2.shape[0] > 0)
     lp, ent = _LinearLogprobs.apply(h2, w, t, 1.0 / float(temperature), return_entropy, chunk_size, tp_group, path)
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)

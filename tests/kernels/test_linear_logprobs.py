@@ -148,6 +148,16 @@ def test_native_float64_is_exact(native_kernels):
     assert (lp - rlp).abs().max().item() < 1e-12 and (ent - rent).abs().max().item() < 1e-12
 
 
+def test_no_tokens(native_kernels):
+    """An empty batch gives empty results and zero (not uninitialised) gradients."""
+    w = torch.randn(50, 8, requires_grad=True)
+    h = torch.randn(0, 8, requires_grad=True)
+    lp, ent = linear_logprobs(h, w, torch.zeros(0, dtype=torch.int64), return_entropy=True)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert (w.grad == 0).all() and h.grad.shape == (0, 8)
+
+
 def test_rejects_bad_shapes():
     hidden, weight, targets = _inputs(4, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="weight"):
