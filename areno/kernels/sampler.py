@@ -83,10 +83,11 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, seed_ptr, off_ptr, thr_ptr, m_ptr, s
     x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     v_begin = pid_s * cols_per_split
     v_end = tl.minimum(v_begin + cols_per_split, V)
-    m = tl.full([ROWS], -1e30, dtype=tl.float32)
-    s = tl.zeros([ROWS], dtype=tl.float32)
-    best = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    best_idx = tl.zeros([ROWS], dtype=tl.int32)
+    # Per-lane running state, reduced across lanes once at the end (no reductions inside the loop).
+    m_vec = tl.full([ROWS, 4 * Q], -1e30, dtype=tl.float32)
+    s_vec = tl.zeros([ROWS, 4 * Q], dtype=tl.float32)
+    best_vec = tl.full([ROWS, 4 * Q], float("-inf"), dtype=tl.float32)
+    idx_vec = tl.zeros([ROWS, 4 * Q], dtype=tl.int32)
     for v0 in range(v_begin, v_end, 4 * Q):
         c0 = tl.broadcast_to((v0 // 4 + tl.arange(0, Q)).to(tl.uint32)[None, :], (ROWS, Q))
         r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
@@ -95,17 +96,20 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, seed_ptr, off_ptr, thr_ptr, m_ptr, s
         ok = row_ok[:, None] & (cols < v_end)[None, :]
         z = tl.load(x_row + cols[None, :], mask=ok, other=0.0).to(tl.float32) * inv_t[:, None]
         z = tl.where(ok, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-        m = m_new
+        m_new = tl.maximum(m_vec, z)
+        s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(z - m_new)
+        m_vec = m_new
         score = tl.where(greedy[:, None], z, z + _gumbel(bits, FAST))
         if HAS_THR:
             score = tl.where(_key(z) >= thr[:, None], score, float("-inf"))
         score = tl.where(ok, score, float("-inf"))
-        tile_best, tile_idx = tl.max(score, axis=1, return_indices=True)
-        better = tile_best > best
-        best = tl.where(better, tile_best, best)
-        best_idx = tl.where(better, v0 + tile_idx, best_idx)
+        better = score > best_vec  # strict: a lane keeps its first (lowest-index) maximum
+        best_vec = tl.where(better, score, best_vec)
+        idx_vec = tl.where(better, cols[None, :], idx_vec)
+    m = tl.max(m_vec, axis=1)
+    s = tl.sum(s_vec * tl.exp(m_vec - m[:, None]), axis=1)
+    best = tl.max(best_vec, axis=1)
+    best_idx = tl.min(tl.where(best_vec == best[:, None], idx_vec, 2147483647), axis=1)  # ties: lowest index
     out = rows * splits + pid_s
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
