@@ -5,11 +5,11 @@
     entropy  = -sum_j p_j log p_j,  p = softmax(z)
 
 Forward: one Triton program per (BLOCK_N tokens, vocab split) loops over [BLOCK_N x BLOCK_V] logit tiles, each a
-tl.dot over the hidden dim with fp32 accumulation, and keeps an online max m, sum-exp s = sum e^(z-m), entropy term
-a = sum e^(z-m) (z-m) (rescaled as m grows: a' = e^(m-m') (a + (m-m') s)); the target logit is one gathered dot
-product per token. Splits (and, with
-a TP group, ranks) merge the same way, so only max, sums and the target logit cross ranks. lse = m + log s and
-entropy = log s - a / s.
+tl.dot over the hidden dim with fp32 accumulation (as nested loops, or one flat loop so loads stay pipelined across
+tiles; autotuned), and keeps an online max m, sum-exp s = sum e^(z-m) and entropy term a = sum e^(z-m) (z-m)
+(rescaled as m grows: a' = e^(m-m') (a + (m-m') s)); the target logit is one gathered dot product per token.
+Splits (and, with a TP group, ranks) merge the same way, so only max, sums and the target logit cross ranks.
+lse = m + log s and entropy = log s - a / s.
 Backward recomputes the logits chunk by chunk: for a [C tokens x Vc vocab] chunk a Triton GEMM with an epilogue
 writes the logit gradient (bf16 on bf16 weights), then two cuBLAS GEMMs give dhidden += g @ W_c (fp32 accumulator)
 and dweight[chunk] = g^T @ hidden. Only that chunk (default 2^27 elements) is alive. d/dz_j of the logprob is
