@@ -1,0 +1,281 @@
+"""G1: one colocated GRPO step, areno's ``TrainLoop`` vs TRL's ``GRPOTrainer``, same model, batch and GPU.
+
+    python bench/grpo_step.py           # H200: Qwen3-0.6B shape, random bf16 weights (about 4 minutes)
+    python bench/grpo_step.py --smoke   # CPU: a tiny shape, 4 prompts x 4 samples (times meaningless)
+
+The batch (BENCH.md G1): 32 prompts of 128 random tokens, 8 samples each (256 completions), up to 512 new tokens at
+temperature 1 (EOS may stop a completion; with random weights almost none stops early: see response_len), bf16,
+one optimizer update per step over the 256 completions in 8 microbatches of 32, lr 1e-6, no KL (beta 0), no
+gradient checkpointing (TRL's setting; areno's default is on, ``--checkpointing on`` runs that too). The reward is
+``bench/grpo_reward.py`` (text length parity), the same function TRL's baseline used.
+
+- areno: ``TrainLoop(TrainConfig(algo="grpo", ...))`` from the cached checkpoint and a jsonl of the prompts (as
+  text ``"t5 t77 ..."``, which the checkpoint's word-level tokenizer maps back to the same 128 ids); ``setup()``
+  then ``step_rl(batch)`` per step, the loop's own phases: rollout (engine, CUDA graphs), reward, log-probs (the
+  trainer's recomputation of the rollout tokens: the logged rollout-vs-trainer difference), train (GRPO update).
+- TRL: ``GRPOTrainer`` set up exactly as ``../shared/baselines/peer_baselines.py`` (g1): the synthetic word-level
+  tokenizer of 151,936 tokens, 128 prompts, ``per_device_train_batch_size=32, gradient_accumulation_steps=8,
+  num_generations=8, max_completion_length=512``, HF generate, no vLLM; it measured 30-32 s per step (61 s for the
+  first), 52 GiB peak. Here it loads the same checkpoint (the baseline drew its own random weights). TRL is not
+  installed by areno: its wheel (with datasets, dill, multiprocess) must be on PYTHONPATH; without it only areno
+  is measured.
+Steady state = mean of the steps after the first (``--steps``, default 3). Peak memory: torch.cuda.max_memory_allocated
+over the measured steps (areno's includes its KV cache, sized to the batch: 256 x 640 tokens, about 19 GB).
+One JSON line per implementation goes to bench/results/grpo_step.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))
+sys.path.insert(0, BENCH)
+
+import models  # noqa: E402
+from common import append_jsonl, env_info, print_table  # noqa: E402
+
+REWARD_FILE = os.path.join(BENCH, "grpo_reward.py")
+PHASES = ("rollout_s", "reward_s", "logprob_s", "train_s")
+
+
+def sizes(smoke: bool) -> dict:
+    if smoke:
+        return dict(prompts=4, samples=4, prompt_len=16, new=32, mini_bs=4, accum=4)
+    return dict(prompts=32, samples=8, prompt_len=128, new=512, mini_bs=32, accum=8)
+
+
+def prompt_texts(s: dict, vocab: int) -> list[str]:
+    """4 batches' worth of prompts, as TRL's baseline made (32 x 4)."""
+    return [models.prompt_text(p) for p in models.random_prompts(s["prompts"] * 4, s["prompt_len"], vocab, seed=0)]
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def run_areno(path, texts, s, ckpt, args, tmp) -> dict:
+    from areno.config import TrainConfig
+    from areno.rl.loop import TrainLoop
+
+    data = os.path.join(tmp, "prompts.jsonl")
+    with open(data, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"prompt": t}) + "\n")
+    cfg = TrainConfig(
+        ckpt=str(path),
+        dataset_path=data,
+        reward_fn_path=REWARD_FILE,
+        algo="grpo",
+        batch_size=s["prompts"],
+        n_samples=s["samples"],
+        max_prompt_tokens=s["prompt_len"],
+        max_new_tokens=s["new"],
+        temperature=1.0,
+        mini_bs=s["mini_bs"],
+        gradient_accumulation_steps=s["accum"],
+        lr=1e-6,
+        activation_checkpointing=ckpt,
+        dtype="float32" if args.smoke else "bfloat16",
+        max_steps=args.steps,
+        seed=0,
+        tensorboard=False,
+        metrics_dir=os.path.join(tmp, "metrics"),
+        kv_cache_memory=args.kv_cache_memory,
+    )
+    rec = dict(impl="areno", checkpointing=ckpt)
+    loop = TrainLoop(cfg)
+    t0 = time.perf_counter()
+    loop.setup()
+    rec["setup_s"] = time.perf_counter() - t0
+    assert len(loop.rows[0]["_prompt_ids"]) == s["prompt_len"], "the word-level tokenizer did not round-trip"
+    steps = []
+    try:
+        batches = iter(loop.data)
+        for i in range(args.steps):
+            batch = next(batches)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t0 = time.perf_counter()
+            m = loop.step_rl(batch)
+            sync()
+            m["step_s"] = time.perf_counter() - t0
+            if torch.cuda.is_available():
+                m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            loop.step_index += 1
+            steps.append(m)
+            print(f"areno step {i + 1}: " + ", ".join(
+                f"{k} {m[k]:.4g}" for k in ("step_s",) + PHASES + ("logprob_diff", "response_len_mean",
+                                                                    "rollout_tok_s", "reward_mean", "peak_gib")
+                if isinstance(m.get(k), (int, float))), flush=True)  # fmt: skip
+    finally:
+        loop.close()
+        if loop.engine is not None and not loop.engine.has_work():
+            loop.engine.drop_rollout_state()
+        del loop
+    later = steps[1:] or steps
+    rec.update(
+        steps=len(steps), step_s_all=[round(m["step_s"], 3) for m in steps], step_s=mean([m["step_s"] for m in later])
+    )
+    for k in PHASES + ("logprob_diff", "response_len_mean", "rollout_tok_s", "train_tok_s", "reward_mean"):
+        vals = [m[k] for m in later if isinstance(m.get(k), (int, float))]
+        if vals:
+            rec[k] = mean(vals)
+    if any("peak_gib" in m for m in later):
+        rec["peak_gib"] = max(m.get("peak_gib", 0.0) for m in later)
+    return rec
+
+
+def run_trl(path, texts, s, args, tmp) -> dict:
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    vocab = models.shape_of(args.smoke)["vocab_size"]
+    tok = models.word_tokenizer(vocab)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    ds = Dataset.from_dict({"prompt": texts})
+
+    def reward(completions, **kw):
+        return [float(len(c) % 2) for c in completions]
+
+    extra = dict(use_cpu=True, bf16=False) if args.smoke else dict(bf16=True)
+    targs = GRPOConfig(
+        output_dir=os.path.join(tmp, "trl-out"),
+        per_device_train_batch_size=s["mini_bs"],
+        gradient_accumulation_steps=s["accum"],
+        num_generations=s["samples"],
+        max_completion_length=s["new"],
+        learning_rate=1e-6,
+        logging_steps=1,
+        max_steps=args.steps,
+        report_to="none",
+        save_strategy="no",
+        temperature=1.0,
+        top_k=0,
+        use_vllm=False,
+        gradient_checkpointing=False,
+        beta=0.0,
+        **extra,
+    )
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, a, st, c, **kw):
+            sync()
+            stamps.append(time.perf_counter())
+            print(f"trl step {len(stamps)}: {stamps[-1] - (stamps[-2] if len(stamps) > 1 else t0):.2f}s", flush=True)
+
+    tr = GRPOTrainer(
+        model=model, reward_funcs=reward, args=targs, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    tr.train()
+    steps = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
+    later = steps[1:] or steps
+    rec = dict(
+        impl=f"trl {trl.__version__}",
+        checkpointing=False,
+        steps=len(steps),
+        step_s_all=[round(x, 3) for x in steps],
+        step_s=mean(later),
+    )
+    if torch.cuda.is_available():
+        rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    lens = [h[k] for h in tr.state.log_history for k in h if k in ("completions/mean_length", "completion_length")]
+    if lens:
+        rec["response_len_mean"] = lens[-1]
+    del tr, model
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape, tiny batch (checks the script)")
+    ap.add_argument("--impls", default="areno,trl")
+    ap.add_argument("--checkpointing", default="off", help="areno activation checkpointing: off, on or off,on")
+    ap.add_argument("--steps", type=int, default=3, help="steps per implementation; the first is not averaged")
+    ap.add_argument("--kv-cache-memory", type=float, default=None, help="areno KV budget (fraction or bytes)")
+    ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/grpo_step.jsonl")
+    args = ap.parse_args()
+    s = sizes(args.smoke)
+    shape = models.shape_of(args.smoke)
+    t_start = time.perf_counter()
+    path = models.checkpoint(args.smoke)
+    print(f"checkpoint {path} ({time.perf_counter() - t_start:.1f}s)", flush=True)
+    texts = prompt_texts(s, shape["vocab_size"])
+
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for impl in args.impls.split(","):
+            variants = [c == "on" for c in args.checkpointing.split(",")] if impl == "areno" else [False]
+            for ckpt in variants:
+                t0 = time.perf_counter()
+                try:
+                    if impl == "areno":
+                        rec = run_areno(path, texts, s, ckpt, args, tmp)
+                    else:
+                        try:
+                            import trl  # noqa: F401
+                        except ImportError as e:
+                            print(
+                                f"note: trl is not importable ({e}); only areno is measured. Put TRL 1.16 and its "
+                                "missing dependencies on PYTHONPATH (see ../shared/baselines/README.md)",
+                                flush=True,
+                            )
+                            continue
+                        rec = run_trl(path, texts, s, args, tmp)
+                except Exception as e:  # one failing side is reported, the other still runs
+                    traceback.print_exc()
+                    rec = dict(impl=impl, checkpointing=ckpt, error=f"{type(e).__name__}: {e}"[:300])
+                rec["wall_s"] = time.perf_counter() - t0
+                rec.update(prompts=s["prompts"], samples=s["samples"], prompt_len=s["prompt_len"], max_new=s["new"])
+                print({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}, flush=True)
+                records.append(rec)
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+
+    trl_rec = next((r for r in records if r["impl"].startswith("trl") and r.get("step_s")), None)
+    for r in records:
+        if r["impl"] == "areno" and r.get("step_s") and trl_rec:
+            r["speedup_vs_trl"] = trl_rec["step_s"] / r["step_s"]
+    cols = ["impl", "checkpointing", "step_s", "rollout_s", "reward_s", "logprob_s", "train_s", "response_len_mean",
+            "logprob_diff", "peak_gib", "speedup_vs_trl", "step_s_all", "error"]  # fmt: skip
+    print_table(records, cols)
+    for r in records:
+        if "speedup_vs_trl" in r:
+            print(
+                f"G1 bar (>= 5x TRL; goal 10x, 3 s/step), checkpointing {'on' if r['checkpointing'] else 'off'}: "
+                f"{r['speedup_vs_trl']:.1f}x ({r['step_s']:.2f} s vs {trl_rec['step_s']:.2f} s)"
+            )
+    print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
+    if not args.no_save and not args.smoke:
+        env = env_info()
+        env["shape"] = "qwen3-0.6b"
+        print("results:", append_jsonl("grpo_step", records, env))
+
+
+if __name__ == "__main__":
+    main()

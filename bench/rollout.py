@@ -1,0 +1,328 @@
+"""R1/R2/R3 rollout: areno's engine (paged KV, CUDA-graph decode) vs transformers ``generate`` (sdpa, bf16).
+
+    python bench/rollout.py             # H200: Qwen3-0.6B shape, random bf16 weights (about 4 minutes)
+    python bench/rollout.py --smoke     # CPU: a tiny shape, checks the script (times meaningless)
+
+Workloads (BENCH.md), sampling at temperature 1.0, no early stop (``ignore_eos``), log-probs returned:
+- R1: 256 prompts of 128 random tokens, 256 new tokens each. Limit: per decode step the weights (1.19 GB) + the KV
+  of 256 sequences at mean context 256 (7.5 GB) at 4.3 TB/s = 2.0 ms, about 127k tok/s.
+- R2: 256 sequences, prompt and output lengths uniform in [100, 1024] (seed 0). Limit: KV-bound, about 40k tok/s.
+- R3: 1 prompt of 128 tokens, 512 new tokens. Limit: 1.19 GB of weights per token at 4.3 TB/s, about 3.6k tok/s.
+
+areno: one ``Engine`` (block 16, 256 running, 8192 batched tokens, CUDA graphs on) serves the three workloads in
+turn. The first call of each workload includes graph capture and kernel compilation; a second, warm call on fresh
+random prompts of the same shape (so the prefix cache cannot help) is the headline. After the warm call the
+sampled tokens go through a training forward (the packed ``model(input_ids, positions, cu_seqlens, max_seqlen)``
+path, then ``linear_logprobs(hidden, lm_head, targets, temperature=1)``) and the mean |difference| from the
+engine's log-probs is reported (the learning check: <= 0.005 in bf16, the issue's bar 0.01).
+
+transformers: ``AutoModelForCausalLM`` from the same checkpoint, sdpa, bf16, ``generate(do_sample=True,
+temperature=1, top_p=1, top_k=0, min_new_tokens=max_new_tokens)`` as in ``../shared/baselines/hf_baseline.py``
+(a short warm-up generate first). It is slow, so R2 runs on the first ``--hf-r2-seqs`` sequences as one left-padded
+batch (generating to the batch's longest output; only each sequence's own output length counts as useful tokens)
+with ``max_time`` as a cap, and R3 generates ``--hf-r3-new`` tokens (tok/s is per token either way).
+One JSON line per measurement goes to bench/results/rollout.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import models  # noqa: E402
+from common import append_jsonl, env_info, print_table  # noqa: E402
+
+LIMIT_TOK_S = {"R1": 127e3, "R2": 40e3, "R3": 3.6e3}  # BENCH.md hardware limits (H200)
+
+
+def workload(name: str, smoke: bool, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts, output lengths). ``seed`` draws the token ids; R2's lengths always come from seed 0."""
+    if name == "R1":
+        n, plen, new = (8, 16, 16) if smoke else (256, 128, 256)
+        return models.random_prompts(n, plen, vocab, seed), [new] * n
+    if name == "R2":
+        n, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
+        rng = random.Random(0)
+        lengths = [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(n)]
+        return models.random_prompts(n, [p for p, _ in lengths], vocab, seed), [o for _, o in lengths]
+    if name == "R3":
+        plen, new = (16, 32) if smoke else (128, 512)
+        return models.random_prompts(1, plen, vocab, seed), [new]
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------- areno
+
+
+def make_engine(path, device, args):
+    from areno.models import load_model, load_tokenizer
+    from areno.rollout.engine import Engine, EngineConfig
+
+    model = load_model(path, device=device)
+    tok = load_tokenizer(path)
+    cfg = EngineConfig(
+        block_size=16,
+        max_running=256,
+        max_batched_tokens=args.max_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        eager_decode=args.eager,
+    )
+    return Engine(model, tok, cfg, eos_token_ids=[models.EOS_ID]), model
+
+
+def areno_generate(engine, prompts, new_tokens, device):
+    from areno.rollout.sequence import SamplingOptions
+
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in new_tokens]
+    sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, opts)
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def logprob_diff(model, completions, device, max_tokens=16384) -> dict:
+    """Mean/max |rollout log-prob - training-forward log-prob| over every sampled token."""
+    from areno.kernels import linear_logprobs
+    from areno.rl.batch import Row, pack, per_row
+
+    flat = [c for group in completions for c in group]
+    diffs = []
+    i = 0
+    while i < len(flat):
+        chunk, n = [], 0
+        while i < len(flat) and (not chunk or n + len(flat[i].prompt_ids) + len(flat[i].token_ids) <= max_tokens):
+            chunk.append(flat[i])
+            n += len(flat[i].prompt_ids) + len(flat[i].token_ids)
+            i += 1
+        packed = pack([Row(c.prompt_ids, c.token_ids) for c in chunk]).to(device)
+        hidden = model(packed.input_ids, packed.positions, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
+        lp = linear_logprobs(hidden, model.lm_head_weight, packed.targets, temperature=1.0)
+        for c, train_lp in zip(chunk, per_row(lp, packed)):
+            diffs.extend(abs(a - b) for a, b in zip(c.logprobs, train_lp))
+    return {
+        "logprob_diff_mean": sum(diffs) / max(1, len(diffs)),
+        "logprob_diff_max": max(diffs, default=0.0),
+        "logprob_tokens": len(diffs),
+    }
+
+
+def run_areno(path, device, args, names, vocab) -> list[dict]:
+    records = []
+    engine, model = make_engine(path, device, args)
+    print(
+        f"areno engine: {engine.blocks.num_blocks} KV blocks of 16, max_model_len {engine.max_model_len}, "
+        f"cuda graphs {'off' if args.eager else 'on'}",
+        flush=True,
+    )
+    for name in names:
+        for call, seed in (("first", 1), ("warm", 2)):
+            rec = dict(impl="areno", workload=name, call=call)
+            try:
+                prompts, new = workload(name, args.smoke, vocab, seed)
+                out, dt = areno_generate(engine, prompts, new, device)
+                tokens = sum(len(c.token_ids) for g in out for c in g)
+                rec.update(
+                    sequences=len(prompts),
+                    output_tokens=tokens,
+                    wall_s=dt,
+                    tok_s=tokens / dt,
+                    complete=tokens == sum(new),
+                    graphs=len(engine.runner.graphs),
+                )
+                if name == "R3":
+                    rec["ms_per_token"] = dt / tokens * 1e3
+                if call == "warm":
+                    t0 = time.perf_counter()
+                    rec.update(logprob_diff(model, out, device))
+                    rec["logprob_check_s"] = time.perf_counter() - t0
+            except Exception as e:  # a failing workload is reported, the others still run
+                traceback.print_exc()
+                rec["error"] = f"{type(e).__name__}: {e}"[:300]
+                engine.abort(list(engine.scheduler.running) + list(engine.scheduler.waiting))
+            print(fmt(rec), flush=True)
+            records.append(rec)
+    try:
+        engine.drop_rollout_state()
+    except Exception:
+        traceback.print_exc()
+    del engine, model
+    return records
+
+
+# ---------------------------------------------------------------------------------------------- transformers
+
+
+def load_hf(path, device, smoke):
+    import transformers
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def hf_generate(model, prompts, new_tokens, device, max_time=None):
+    """One left-padded batch to the longest output; returns (useful output tokens, decode steps, wall seconds)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[models.PAD_ID] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    new = max(new_tokens)
+    sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        pad_token_id=models.PAD_ID,
+        max_time=max_time,
+    )
+    sync(device)
+    dt = time.perf_counter() - t0
+    steps = out.shape[1] - width
+    return sum(min(n, steps) for n in new_tokens), steps, dt
+
+
+def run_hf(path, device, args, names, vocab) -> list[dict]:
+    records = []
+    model = load_hf(path, device, args.smoke)
+    for name in names:
+        rec = dict(impl="transformers", workload=name, call="warm")
+        try:
+            prompts, new = workload(name, args.smoke, vocab, seed=2)
+            if name == "R1":
+                prompts, new = prompts[: args.hf_r1_prompts], new[: args.hf_r1_prompts]
+            elif name == "R2":
+                prompts, new = prompts[: args.hf_r2_seqs], new[: args.hf_r2_seqs]
+            elif name == "R3" and not args.smoke:
+                new = [args.hf_r3_new]
+            hf_generate(model, [p[:64] for p in prompts], [8] * len(prompts), device)  # warm-up, as hf_baseline.py
+            tokens, steps, dt = hf_generate(model, prompts, new, device, max_time=args.hf_max_time_s)
+            rec.update(
+                sequences=len(prompts),
+                output_tokens=tokens,
+                wall_s=dt,
+                tok_s=tokens / dt,
+                complete=steps >= max(new),
+                decode_steps=steps,
+            )
+            if name == "R3":
+                rec["ms_per_token"] = dt / tokens * 1e3
+            if steps < max(new):
+                rec["note"] = f"stopped by max_time {args.hf_max_time_s}s after {steps} of {max(new)} steps"
+            elif name != "R3" and len(prompts) < (8 if args.smoke else 256):
+                rec["note"] = f"{len(prompts)} of the sequences"
+            elif name == "R3" and not args.smoke:
+                rec["note"] = f"{args.hf_r3_new} new tokens"
+        except Exception as e:
+            traceback.print_exc()
+            rec["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(fmt(rec), flush=True)
+        records.append(rec)
+    del model
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def fmt(rec):
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on any device (checks the script)")
+    ap.add_argument("--workloads", default="R1,R2,R3")
+    ap.add_argument("--impls", default="areno,transformers")
+    ap.add_argument("--eager", action="store_true", help="areno without CUDA graphs (--eager-decode)")
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=2048 + 16)
+    ap.add_argument("--kv-cache-memory", type=float, default=None, help="fraction of free memory or bytes")
+    ap.add_argument("--hf-r1-prompts", type=int, default=256)
+    ap.add_argument("--hf-r2-seqs", type=int, default=64)
+    ap.add_argument("--hf-r3-new", type=int, default=64)
+    ap.add_argument("--hf-max-time-s", type=float, default=90.0, help="cap on one transformers generate call")
+    ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/rollout.jsonl")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.max_model_len = 128
+    names = args.workloads.split(",")
+    shape = models.shape_of(args.smoke)
+    t_start = time.perf_counter()
+    path = models.checkpoint(args.smoke)
+    print(f"checkpoint {path} ({time.perf_counter() - t_start:.1f}s)", flush=True)
+
+    records = []
+    for impl in args.impls.split(","):
+        t0 = time.perf_counter()
+        try:
+            run = {"areno": run_areno, "transformers": run_hf}[impl]
+            records += run(path, device, args, names, shape["vocab_size"])
+        except Exception as e:  # e.g. the model fails to load: report it, keep the other implementation
+            traceback.print_exc()
+            records.append(dict(impl=impl, error=f"{type(e).__name__}: {e}"[:300]))
+        free(device)
+        print(f"{impl} done in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    hf = {r["workload"]: r for r in records if r.get("impl") == "transformers" and "tok_s" in r}
+    for r in records:
+        if "tok_s" not in r:
+            continue
+        if not args.smoke:
+            r["limit_tok_s"] = LIMIT_TOK_S[r["workload"]]
+            r["frac_limit"] = r["tok_s"] / r["limit_tok_s"]
+        if r["impl"] == "areno" and r["workload"] in hf:
+            r["speedup_vs_hf"] = r["tok_s"] / hf[r["workload"]]["tok_s"]
+    cols = ["impl", "workload", "call", "sequences", "output_tokens", "wall_s", "tok_s", "ms_per_token", "frac_limit",
+            "speedup_vs_hf", "logprob_diff_mean", "logprob_diff_max", "note", "error"]  # fmt: skip
+    print_table(records, cols)
+    warm = {r["workload"]: r for r in records if r.get("impl") == "areno" and r.get("call") == "warm"}
+    if "R1" in warm and "speedup_vs_hf" in warm["R1"]:
+        print(
+            f"R1 bar (>= 10x transformers): {warm['R1']['speedup_vs_hf']:.1f}x; goal 60% of the limit: "
+            f"{warm['R1'].get('frac_limit', float('nan')):.0%}"
+        )
+    if "R3" in warm and "tok_s" in warm["R3"]:
+        print(f"R3 bar (>= 500 tok/s; goal 1,000): {warm['R3']['tok_s']:.0f} tok/s")
+    diffs = [r["logprob_diff_mean"] for r in warm.values() if "logprob_diff_mean" in r]
+    if diffs:
+        print(f"log-prob |diff| bar (<= 0.01; goal 0.005): worst workload mean {max(diffs):.4f}")
+    print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
+    if not args.no_save and not args.smoke:
+        env = env_info()
+        env["shape"] = "qwen3-0.6b"
+        print("results:", append_jsonl("rollout", records, env))
+
+
+if __name__ == "__main__":
+    main()
