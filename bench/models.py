@@ -2,7 +2,8 @@
 
 No weights can be downloaded, so every end-to-end benchmark (rollout, train step, serve, GRPO step) builds the same
 checkpoint with ``areno.testing.make_tiny_checkpoint`` at the BENCH.md shape (596,049,920 parameters, bf16) and
-caches it under ``$ARENO_BENCH_CACHE`` (default ``~/.cache/areno-bench``), so the scripts of one batch write it once.
+caches it under ``$ARENO_BENCH_CACHE`` (default ``~/.cache/areno-bench``, else the temp folder), so the scripts of
+one batch write it once.
 
 The tiny test tokenizer has 1,000 tokens while the model's vocab has 151,936, so the checkpoint gets instead the
 synthetic word-level tokenizer that TRL's G1 baseline used (``../shared/baselines/peer_baselines.py``): token ``i``
@@ -36,7 +37,14 @@ HBM_BYTES_PER_S = 4.3e12
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("ARENO_BENCH_CACHE", Path.home() / ".cache" / "areno-bench"))
+    if os.environ.get("ARENO_BENCH_CACHE"):
+        return Path(os.environ["ARENO_BENCH_CACHE"])
+    home = Path.home() / ".cache" / "areno-bench"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:  # read-only home: the temp folder still serves one batch of scripts
+        return Path(tempfile.gettempdir()) / "areno-bench"
 
 
 def word_tokenizer(vocab_size: int):
