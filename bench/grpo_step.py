@@ -13,12 +13,12 @@ gradient checkpointing (TRL's setting; areno's default is on, ``--checkpointing 
   text ``"t5 t77 ..."``, which the checkpoint's word-level tokenizer maps back to the same 128 ids); ``setup()``
   then ``step_rl(batch)`` per step, the loop's own phases: rollout (engine, CUDA graphs), reward, log-probs (the
   trainer's recomputation of the rollout tokens: the logged rollout-vs-trainer difference), train (GRPO update).
-- TRL: ``GRPOTrainer`` set up exactly as ``../shared/baselines/peer_baselines.py`` (g1): the synthetic word-level
-  tokenizer of 151,936 tokens, 128 prompts, ``per_device_train_batch_size=32, gradient_accumulation_steps=8,
-  num_generations=8, max_completion_length=512``, HF generate, no vLLM; it measured 30-32 s per step (61 s for the
-  first), 52 GiB peak. Here it loads the same checkpoint (the baseline drew its own random weights). TRL is not
-  installed by areno: its wheel (with datasets, dill, multiprocess) must be on PYTHONPATH; without it only areno
-  is measured.
+- TRL: ``GRPOTrainer`` set up as ``../shared/baselines/peer_baselines.py`` (g1): the synthetic word-level tokenizer
+  of 151,936 tokens (its special tokens fixed to match whole words only: see bench/models.py), 128 prompts,
+  ``per_device_train_batch_size=32, gradient_accumulation_steps=8, num_generations=8, max_completion_length=512``,
+  HF generate, no vLLM; it measured 30-32 s per step (61 s for the first), 52 GiB peak. Here it loads the same
+  checkpoint (the baseline drew its own random weights). TRL is not installed by areno: its wheel (with datasets,
+  dill, multiprocess) must be on PYTHONPATH; without it only areno is measured.
 Steady state = mean of the steps after the first (``--steps``, default 3). Peak memory: torch.cuda.max_memory_allocated
 over the measured steps (areno's includes its KV cache, sized to the batch: 256 x 640 tokens, about 19 GB).
 One JSON line per implementation goes to bench/results/grpo_step.jsonl.
