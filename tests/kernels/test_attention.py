@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
 
 import pytest
 import torch
 
-from areno.kernels import attention as attention_module
 from areno.kernels.attention import attention, attention_reference
+
+attention_module = importlib.import_module("areno.kernels.attention")  # the package name is the function
 
 # Tolerances, relative to the largest reference magnitude: fp32 keeps every product exact-ish; fp16 rounds P and
 # dS to fp16 before the matmuls (about 1e-3 relative each), and the output once more.
@@ -171,3 +173,13 @@ def test_gpu_bf16_varlen_chunked_prefill(group):
 @pytest.mark.gpu
 def test_gpu_bf16_non_causal():
     _gpu_errors([100, 1500], [700, 1500], 16, 8, 128, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_every_candidate_config(d, monkeypatch):
+    """Whatever config the autotuner picks on some shape must be exact: check each one, kernel by kernel."""
+    for kind in ("fwd", "dkdv", "dq"):
+        for cfg in attention_module._CONFIGS[(kind, d)]:
+            monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
+            _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
