@@ -224,6 +224,15 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
                 raise ConfigError("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
 
+    def to_options(self):
+        """The engine's per-request settings."""
+        from areno.rollout.sequence import SamplingOptions
+
+        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                               max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
+                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], seed=self.seed,
+                               n=self.n)
+
     @classmethod
     def from_train_config(cls, config) -> "SamplingParams":
         """The rollout sampling settings of a `TrainConfig` (n = --n-samples)."""
@@ -253,8 +262,98 @@ class Trainer:
         self.model_path = os.fspath(model_path)
         self.options = dict(kwargs)
 
+    # ---- running -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "Trainer":
+        """The Trainer `areno train` runs: every field of a `TrainConfig` carried over."""
+        runtime = {"attn_backend": config.attn_backend, "eager_decode": config.eager_decode,
+                   "drop_rollout_state": config.drop_rollout_state,
+                   "activation_checkpointing": config.activation_checkpointing,
+                   "optimizer_state_offload": config.optimizer_state_offload,
+                   "optimizer_state_offload_dir": config.optimizer_state_offload_dir,
+                   "optimizer_state_offload_batch_size": config.optimizer_state_offload_batch_size}
+        runtime = {k: v for k, v in runtime.items() if v is not None}
+        cuda = CudaConfig(tp_size=config.tp_size, devices=config.train_devices,
+                          max_running_prompts=config.max_running_prompts, runtime=runtime)
+        trainer = cls(world_size=config.world_size, model_path=config.ckpt, custom_config=cuda, **kwargs)
+        trainer.train_config = config
+        return trainer
+
+    def _train_config(self):
+        from areno.config import TrainConfig
+
+        base = getattr(self, "train_config", None)
+        if base is not None:
+            return base
+        opts = dict(self.options)
+        rt = dict(self.config.runtime)
+        fields = {"ckpt": self.model_path, "world_size": self.world_size, "tp_size": self.config.tp_size,
+                  "max_running_prompts": self.config.max_running_prompts, **rt, **opts}
+        unknown = sorted(set(opts) - set(TrainConfig.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(unknown[0], "is not a training option (see `areno train --help` for the names)")
+        return TrainConfig(**{k: v for k, v in fields.items() if k in TrainConfig.__dataclass_fields__})
+
     def init(self):
-        raise NotImplementedError("Trainer.init arrives with the RL loop")
+        """Load the model, tokenizer, optimizer (and the dataset, reward and engine when configured)."""
+        from areno.rl.launch import launched
+        from areno.rl.loop import TrainLoop
+
+        if self.world_size > 1 and not launched():
+            raise RuntimeError("world_size > 1 from the SDK needs one process per rank: start the script with "
+                               f"`torchrun --nproc-per-node {self.world_size} script.py`, or use `areno train`")
+        self.loop = TrainLoop(self._train_config(), sdk=getattr(self, "train_config", None) is None)
+        self.loop.setup()
+        return self
+
+    def _require_init(self):
+        if getattr(self, "loop", None) is None:
+            raise RuntimeError("call Trainer.init() first")
+        return self.loop
+
+    @property
+    def model(self):
+        return self._require_init().model
+
+    @property
+    def tokenizer(self):
+        return self._require_init().tokenizer
+
+    def generate(self, prompts, sampling_params=None):
+        """Roll out: ``prompts`` are strings, chat message lists or token-id lists; returns, per prompt, a list of
+        completions (token ids, log-probs, finish reason) from the colocated engine."""
+        loop = self._require_init()
+        sp = sampling_params or SamplingParams()
+        ids = [p if isinstance(p, list) and (not p or isinstance(p[0], int)) else loop.prompt_ids(p) for p in prompts]
+        return loop.generate(ids, sp.to_options())
+
+    rollout = generate
+
+    def train(self, batch, loss_fn="grpo", mini_bs=1, gradient_accumulation_steps=1, **kwargs) -> dict:
+        """Optimizer updates over ``batch`` (rows: `areno.rl.batch.Row` or dicts with prompt_ids, response_ids and
+        optionally rollout_logprobs / advantage). ``loss_fn`` is "sft", "grpo", "gspo", or a callable
+        ``(out, packed, norms) -> (loss, stats)``; ``mini_bs`` rows per microbatch and
+        ``gradient_accumulation_steps`` microbatches per update, as on the command line."""
+        return self._require_init().train_rows(batch, loss_fn, mini_bs, gradient_accumulation_steps, **kwargs)
+
+    def fit(self) -> dict:
+        """The whole `areno train` run: SFT warm-up, held-out evaluation, the steps, the final save."""
+        return self._require_init().fit()
+
+    def save_checkpoint(self, path):
+        return self._require_init().save(path)
+
+    def close(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.close()
+            self.loop = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def __repr__(self):
         return (f"Trainer(world_size={self.world_size}, model_path={self.model_path!r}, "

@@ -92,8 +92,12 @@ def parse_config(parser: ConfigParser, options_class, argv):
         if explicit.get("preset"):
             from areno.presets import get_preset
 
-            return dataclasses.replace(get_preset(explicit["preset"]), **explicit)
-        return options_class(**explicit)
+            config = dataclasses.replace(get_preset(explicit["preset"]), **explicit)
+        else:
+            config = options_class(**explicit)
+        if hasattr(config, "require_run_inputs"):  # a command-line run needs its data (the SDK may not)
+            config.require_run_inputs()
+        return config
     except ConfigError as e:
         parser.error(str(e))
 

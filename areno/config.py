@@ -334,10 +334,13 @@ class TrainConfig:
     def _check_required(self):
         if not self.ckpt:
             raise ConfigError("--ckpt", "is required (a Hugging Face repo id or a local checkpoint folder)")
-        if not self.dataset_path and not self.dataset_loader_fn:
-            raise ConfigError("--dataset-path", "is required (unless --dataset-loader-fn builds the data itself)")
         check_file("--dataset-loader-fn", self.dataset_loader_fn)
         check_file("--reward-fn-path", self.reward_fn_path)
+
+    def require_run_inputs(self):
+        """What a whole `areno train` run needs beyond the model (the SDK may pass its batches itself)."""
+        if not self.dataset_path and not self.dataset_loader_fn:
+            raise ConfigError("--dataset-path", "is required (unless --dataset-loader-fn builds the data itself)")
         if self.algo in ("grpo", "gspo", "ppo") and not self.reward_fn_path:
             raise ConfigError("--reward-fn-path", f"is required for --algo {self.algo}")
 

@@ -49,8 +49,9 @@ def _gather_objects(obj, group):
 
 
 class TrainLoop:
-    def __init__(self, cfg, *, model=None, tokenizer=None):
+    def __init__(self, cfg, *, model=None, tokenizer=None, sdk=False):
         self.cfg = cfg
+        self.sdk = sdk  # the SDK may bring its own batches: no dataset or reward function required
         self._model, self._tokenizer = model, tokenizer
         self.step_index = 0
         self.engine = None
@@ -64,14 +65,17 @@ class TrainLoop:
         from areno.rl.plugins import load_dataset_loader, load_reward_fn
 
         cfg = self.cfg
+        if not self.sdk:
+            cfg.require_run_inputs()
         # user files first: a bad plugin fails before any GPU work
         self.reward_fn = load_reward_fn(cfg.reward_fn_path) if cfg.reward_fn_path else None
         loader = load_dataset_loader(cfg.dataset_loader_fn) if cfg.dataset_loader_fn else None
         rows = load_rows(cfg.dataset_path, loader_fn=loader) if (cfg.dataset_path or loader) else []
         self.eval_rows = [r for r in rows if r.get("split") in ("eval", "test")]
         rows = [r for r in rows if r.get("split") not in ("eval", "test")]
-        check_rows(rows, cfg.algo)
-        if self.reward_fn is None and cfg.algo in RL_ALGOS:
+        if rows or not self.sdk:
+            check_rows(rows, cfg.algo)
+        if self.reward_fn is None and cfg.algo in RL_ALGOS and not self.sdk:
             raise ConfigError("--reward-fn-path", f"is required for --algo {cfg.algo}")
 
         if cfg.world_size > 1:
@@ -92,14 +96,14 @@ class TrainLoop:
         self.batch_rows = cfg.batch_size
         # with --max-steps the data repeats as needed; otherwise --epochs passes over it
         epochs = None if cfg.max_steps else cfg.epochs
-        self.data = PromptIterator(self.rows, cfg.batch_size, seed=cfg.seed, epochs=epochs)
-        total = cfg.max_steps or max(1, len(self.data))
+        self.data = PromptIterator(self.rows, cfg.batch_size, seed=cfg.seed, epochs=epochs) if self.rows else None
+        total = cfg.max_steps or (max(1, len(self.data)) if self.data is not None else 1)
         self.total_steps = total
         self.trainer = self._make_trainer(self.model, cfg.lr, total, unit)
         self.ref = self._load_ref() if (cfg.algo == "dpo" or cfg.kl_coef > 0) else None
         if cfg.algo == "ppo":
             self._setup_critic(total)
-        if cfg.algo in RL_ALGOS:
+        if cfg.algo in RL_ALGOS and not self.sdk:
             self._build_engine()
         self.logger = self._make_logger()
         self.default_loader = default_loader
@@ -222,6 +226,42 @@ class TrainLoop:
         ids = self.tokenizer.encode(response, add_special_tokens=False)
         return ids + ([eos] if eos is not None else [])
 
+    # ---- SDK entry points ----------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], options):
+        if self.engine is None:
+            self._build_engine()
+        self.model.eval()
+        try:
+            return self.engine.generate(prompt_ids, options)
+        finally:
+            self.model.train()
+
+    def train_rows(self, batch, loss_fn, mini_bs, grad_accum, *, epochs=1, entropy=False) -> dict:
+        rows = [b if isinstance(b, Row) else Row(list(b["prompt_ids"]), list(b["response_ids"]),
+                                                 b.get("rollout_logprobs"), float(b.get("advantage", 0.0)),
+                                                 float(b.get("reward", 0.0))) for b in batch]
+        if isinstance(loss_fn, str):
+            cfg = self.cfg
+            builders = {"sft": algorithms.sft_loss_fn, "grpo": lambda: algorithms.grpo_loss_fn(cfg),
+                        "gspo": lambda: algorithms.gspo_loss_fn(cfg)}
+            if loss_fn not in builders:
+                raise ConfigError("loss_fn", f"names an unknown loss {loss_fn!r}; known: {', '.join(builders)}")
+            loss_fn = builders[loss_fn]()
+        return _normalise(self.trainer.train(rows, loss_fn, mini_bs, grad_accum, epochs=epochs, entropy=entropy))
+
+    def fit(self) -> dict:
+        """The whole run: SFT warm-up, held-out accuracy before, the steps, accuracy after, the final save."""
+        self.warmup()
+        before = self.evaluate() if self.eval_data else None
+        if self.is_main and before is not None:
+            print(f"held-out accuracy before {self.cfg.algo}: {before:.3f}", flush=True)
+        last = self.run()
+        after = self.evaluate() if self.eval_data else None
+        if self.is_main and before is not None:
+            print(f"held-out accuracy: {before:.3f} before {self.cfg.algo}, {after:.3f} after", flush=True)
+        self.results = {"accuracy_before": before, "accuracy_after": after, "last": last}
+        return self.results
+
     # ---- rollout -------------------------------------------------------------------------------------------
     def sampling_options(self, n=None, greedy=False):
         from areno.rollout.sequence import SamplingOptions
@@ -238,6 +278,8 @@ class TrainLoop:
         from areno.rl.rewards import record_from, score
 
         mine = batch[self.dp_rank :: self.dp_size]
+        if self.engine is None:
+            self._build_engine()
         t0 = time.perf_counter()
         self.model.eval()
         results = self.engine.generate([r["_prompt_ids"] for r in mine], self.sampling_options())
@@ -382,8 +424,10 @@ class TrainLoop:
         from areno.rl.rewards import record_from, score
 
         rows = self.eval_data if rows is None else rows
-        if not rows or self.reward_fn is None or self.engine is None:
+        if not rows or self.reward_fn is None:
             return None
+        if self.engine is None:
+            self._build_engine()
         self.model.eval()
         out = self.engine.generate([r["_prompt_ids"] for r in rows], self.sampling_options(n=1, greedy=True))
         self.model.train()
@@ -402,7 +446,8 @@ class TrainLoop:
         cfg = self.cfg
         path = Path(path or Path(cfg.save_path) / f"step-{self.step_index}")
         save_checkpoint(path, model=self.model, tokenizer=self.tokenizer, optimizer=self.trainer.optimizer,
-                        trainer_state={"step": self.step_index, "data": self.data.state_dict(),
+                        trainer_state={"step": self.step_index,
+                                       "data": self.data.state_dict() if self.data is not None else None,
                                        "num_updates": self.trainer.num_updates, "config": _jsonable(asdict(cfg))})
         return path
 
@@ -454,6 +499,8 @@ class TrainLoop:
         cfg = self.cfg
         from tqdm import tqdm
 
+        if self.data is None:
+            raise ConfigError("--dataset-path", "gives no rows to train on")
         step_fn = {"sft": self.step_sft, "dpo": self.step_dpo}.get(cfg.algo, self.step_rl)
         bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.is_main, desc=cfg.algo,
                    dynamic_ncols=True)
@@ -485,9 +532,12 @@ class TrainLoop:
         return last
 
     def close(self):
-        self.logger.close()
-        self.trainer.optimizer.close()
-        if self.critic is not None:
+        """Release what setup() built so far (it may have stopped part-way on a bad input)."""
+        if hasattr(self, "logger"):
+            self.logger.close()
+        if hasattr(self, "trainer"):
+            self.trainer.optimizer.close()
+        if self.critic is not None and hasattr(self, "critic_trainer"):
             self.critic_trainer.optimizer.close()
 
 

@@ -21,24 +21,15 @@ def run_train(config) -> int:
     if config.world_size > 1 and not launched():
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
         return launch("areno.rl.worker", [], config.world_size)
-    from areno.rl.loop import TrainLoop
+    from areno.api import Trainer
 
-    loop = TrainLoop(config)
+    trainer = Trainer.from_config(config)  # the CLI runs on the SDK
     try:
-        loop.setup()
-        loop.warmup()
-        before = loop.evaluate() if loop.eval_data else None
-        if loop.is_main and before is not None:
-            print(f"held-out accuracy before {config.algo}: {before:.3f}", flush=True)
-        last = loop.run()
-        after = loop.evaluate() if loop.eval_data else None
-        if loop.is_main and before is not None:
-            print(f"held-out accuracy: {before:.3f} before {config.algo}, {after:.3f} after", flush=True)
-        loop.results = {"accuracy_before": before, "accuracy_after": after}
-        if loop.is_main and last:
+        trainer.init()
+        last = trainer.fit()["last"]
+        if trainer.loop.is_main and last:
             print("final step: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())
                                              if isinstance(v, (int, float))))
     finally:
-        if hasattr(loop, "logger"):
-            loop.close()
+        trainer.close()
     return 0

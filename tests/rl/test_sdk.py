@@ -1,0 +1,35 @@
+"""The Trainer SDK of the spec: construct, init, generate, train, save, close."""
+
+import torch
+
+from areno import Trainer
+from areno.api import CUDA, CudaConfig, SamplingParams
+from areno.models import load_model
+from areno.testing import make_tiny_checkpoint
+
+
+def test_sdk_generate_train_save(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3", seed=0)
+    trainer = Trainer(world_size=1, model_path=ckpt, backend_type=CUDA,
+                      custom_config=CudaConfig(tp_size=1, max_running_prompts=8, runtime={"attn_backend": "native"}),
+                      dtype="float32", lr=1e-3, tensorboard=False, metrics_dir=str(tmp_path / "m"))
+    with trainer:
+        trainer.init()
+        out = trainer.generate(["12 + 3 =", [{"role": "user", "content": "hi"}]],
+                               SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=1))
+        assert [len(g) for g in out] == [2, 2] and all(len(c.token_ids) == len(c.logprobs) for g in out for c in g)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        rows = [{"prompt_ids": list(c.prompt_ids), "response_ids": c.token_ids} for g in out for c in g]
+        stats = trainer.train(rows, loss_fn="sft", mini_bs=2, gradient_accumulation_steps=2)
+        assert stats["num_updates"] == 1 and stats["loss"] > 0
+        assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        saved = trainer.save_checkpoint(tmp_path / "saved")
+    reloaded = load_model(saved, dtype=torch.float32, device="cpu")
+    ids = torch.tensor([[3, 4, 5]])
+    assert torch.allclose(reloaded.logits(ids), trainer_logits(saved, ids), atol=1e-4)
+
+
+def trainer_logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
