@@ -1,0 +1,241 @@
+"""K1: varlen causal attention forward/backward vs torch SDPA (flash, cuDNN), and paged decode bandwidth.
+
+    python bench/attention.py                            # H200: the K1 shapes and the decode grid below
+    TRITON_INTERPRET=1 python bench/attention.py --smoke # CPU: tiny shapes, checks the script (times meaningless)
+
+Training attention: batch 8 sequences of L = 1k, 4k, 8k tokens, 16 query / 8 KV heads, head_dim 128, bf16, causal.
+areno runs on the packed [B*L, H, D] layout with cu_seqlens; SDPA runs on [B, H, L, D] with enable_gqa, once per
+backend (flash, cuDNN when torch has it). FLOPs count the causal half: forward 4*B*Hq*L^2*D/2, backward 2.5x that.
+Times: forward (no autograd graph), backward (autograd.grad of q, k, v from a saved graph), forward+backward.
+
+Paged decode: one query per sequence over a context of C tokens in a paged cache (block size 16 and 64, blocks
+scattered at random), batch 1/64/256, C = 512/2048. Bytes it must read: K and V of every context token
+(B*C*Hkv*D*2*2) plus q, o and the block table; GB/s against the device-to-device copy bandwidth measured in the
+same run (read + write bytes / time). Baseline: SDPA decode on a contiguous (unpaged) KV of the same size.
+Timed from a CUDA graph replay (as the engine runs decode). A sweep of decode tile configs at batch 256 and of
+split counts at batch 1/8 is printed for tuning. One JSON line per measurement: bench/results/attention.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import os
+import sys
+
+os.environ.setdefault("ARENO_KERNELS", "triton")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
+
+from areno.kernels.attention import attention  # noqa: E402
+from areno.kernels.paged_attention import _paged_attention_triton, paged_attention  # noqa: E402
+
+attention_module = importlib.import_module("areno.kernels.attention")
+PEAK_TFLOPS = 790.0  # H200 bf16 dense (BENCH.md)
+CUDA = torch.cuda.is_available()
+
+
+def time_ms(fn, graph=False):
+    if not CUDA:
+        return gpu_time_ms(fn, warmup=1, iters=2)
+    if graph:
+        try:
+            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        except Exception as e:  # fall back to eager timing if capture fails
+            print(f"  (graph timing failed: {type(e).__name__}: {str(e)[:120]}; timing eagerly)")
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def sdpa_backends():
+    if not CUDA:
+        return []
+    from torch.nn.attention import SDPBackend
+
+    out = [("sdpa flash", SDPBackend.FLASH_ATTENTION)]
+    if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        out.append(("sdpa cudnn", SDPBackend.CUDNN_ATTENTION))
+    return out
+
+
+def measure(fwd, inputs):
+    """(fwd_ms, bwd_ms, fwdbwd_ms) of ``fwd(*inputs)`` and its gradient w.r.t. inputs."""
+    with torch.no_grad():
+        t_fwd = time_ms(lambda: fwd(*inputs))
+    out = fwd(*inputs)
+    g = torch.randn_like(out)
+    t_bwd = time_ms(lambda: torch.autograd.grad(out, inputs, g, retain_graph=True))
+    t_all = time_ms(lambda: torch.autograd.grad(fwd(*inputs), inputs, g))
+    return t_fwd, t_bwd, t_all
+
+
+def bench_training(seqs, batch, hq, hkv, d, dtype):
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    dev = "cuda" if CUDA else "cpu"
+    rows = []
+    for L in seqs:
+        flops = 4 * batch * hq * L * L * d / 2
+        q = torch.randn(batch * L, hq, d, device=dev, dtype=dtype, requires_grad=True)
+        k = torch.randn(batch * L, hkv, d, device=dev, dtype=dtype, requires_grad=True)
+        v = torch.randn(batch * L, hkv, d, device=dev, dtype=dtype, requires_grad=True)
+        cu = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * L
+        impls = [("areno", lambda q, k, v, L=L, cu=cu: attention(q, k, v, cu, cu, L, L, causal=True), (q, k, v))]
+        qb, kb, vb = (t.detach().view(batch, L, -1, d).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        for name, backend in sdpa_backends():
+            def run(q, k, v, backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            impls.append((name, run, (qb, kb, vb)))
+        base = {}
+        for name, fn, inputs in impls:
+            try:
+                t_fwd, t_bwd, t_all = measure(fn, inputs)
+            except Exception as e:
+                print(f"  {name} L={L}: failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            base[name] = t_all
+            rows.append({
+                "workload": "K1", "impl": name, "seq": L, "batch": batch, "heads_q": hq, "heads_kv": hkv,
+                "head_dim": d, "dtype": str(dtype).replace("torch.", ""),
+                "fwd_ms": t_fwd, "bwd_ms": t_bwd, "fwdbwd_ms": t_all,
+                "fwd_tflops": flops / t_fwd / 1e9, "bwd_tflops": 2.5 * flops / t_bwd / 1e9,
+                "fwdbwd_tflops": 3.5 * flops / t_all / 1e9, "fwdbwd_frac_peak": 3.5 * flops / t_all / 1e9 / PEAK_TFLOPS,
+            })  # fmt: skip
+        for r in rows:
+            if r["seq"] == L:
+                for b in ("sdpa flash", "sdpa cudnn"):
+                    if b in base:
+                        r[f"speedup_vs_{b.split()[1]}"] = base[b] / r["fwdbwd_ms"]
+        if CUDA and L == seqs[0]:  # sanity: same answer as flash
+            with torch.no_grad():
+                a = attention(q, k, v, cu, cu, L, L).float()
+                with sdpa_kernel(sdpa_backends()[0][1]):
+                    b = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+            err = (a - b.transpose(1, 2).reshape_as(a).float()).abs().max()
+            print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
+        del q, k, v, qb, kb, vb
+    return rows
+
+
+def copy_bandwidth_gbs():
+    if not CUDA:
+        return None
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = time_ms(lambda: y.copy_(x))
+    return 2 * x.numel() / t / 1e6
+
+
+def make_paged(batch, ctx, hq, hkv, d, page, dtype, dev):
+    blocks_per_seq = triton.cdiv(ctx, page)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, page, hkv, d, device=dev, dtype=dtype)
+    v_cache = torch.randn(num_blocks, page, hkv, d, device=dev, dtype=dtype)
+    table = torch.randperm(num_blocks, device=dev).view(batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
+    nbytes = (2 * batch * ctx * hkv * d + 2 * batch * hq * d) * k_cache.element_size() + table.numel() * 4
+    return q, k_cache, v_cache, table, lens, nbytes
+
+
+def decode_row(impl, fn, nbytes, copy_gbs, **info):
+    t = time_ms(fn, graph=True)
+    gbs = nbytes / t / 1e6
+    return {"workload": "paged_decode", "impl": impl, **info, "ms": t, "GB/s": gbs,
+            "frac_copy_bw": gbs / copy_gbs if copy_gbs else None}
+
+
+def bench_decode(batches, ctxs, pages, hq, hkv, d, dtype, copy_gbs):
+    import torch.nn.functional as F
+
+    dev = "cuda" if CUDA else "cpu"
+    rows = []
+    for batch, ctx, page in itertools.product(batches, ctxs, pages):
+        q, k_cache, v_cache, table, lens, nbytes = make_paged(batch, ctx, hq, hkv, d, page, dtype, dev)
+        info = dict(batch=batch, ctx=ctx, heads_q=hq, heads_kv=hkv, head_dim=d)
+        rows.append(decode_row("areno", lambda a=(q, k_cache, v_cache, table, lens): paged_attention(*a), nbytes,
+                               copy_gbs, block_size=page, **info))
+        if page == pages[0]:  # baseline once per (batch, ctx): SDPA over an unpaged, contiguous KV
+            kd = k_cache.view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+            vd = v_cache.view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+            sdpa = lambda a=(q[:, :, None], kd, vd): F.scaled_dot_product_attention(*a, enable_gqa=True)
+            try:
+                rows.append(decode_row("sdpa (contiguous KV)", sdpa, nbytes, copy_gbs, block_size=None, **info))
+            except Exception as e:
+                print(f"  sdpa decode batch={batch} ctx={ctx}: failed: {type(e).__name__}: {str(e)[:160]}")
+    return rows
+
+
+def sweep_decode(hq, hkv, d, dtype, copy_gbs, big_batch=256, ctx=2048, small_batches=(1, 8)):
+    """Tile configs at batch 256 / ctx 2048 / block 16, and split counts at batch 1 and 8 / ctx 2048."""
+    rows = []
+    scale = d**-0.5
+    dev = "cuda" if CUDA else "cpu"
+    runs = [(big_batch, 1, (16, bn, w, s)) for bn, w, s in itertools.product([32, 64, 128], [4, 8], [2, 3])]
+    runs += [(batch, splits, None) for batch in small_batches for splits in (1, 2, 4, 8, 16)]
+    made = {}
+    for batch, splits, cfg in runs:
+        if batch not in made:
+            made = {batch: make_paged(batch, ctx, hq, hkv, d, 16, dtype, dev)}  # drop the previous cache
+        q, k_cache, v_cache, table, lens, nbytes = made[batch]
+        fn = lambda a=(q, k_cache, v_cache, table, lens, scale, None, 1, splits, cfg): _paged_attention_triton(*a)
+        try:
+            t = time_ms(fn, graph=True)
+        except Exception as e:
+            print(f"  batch {batch} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        name = f"splits={splits}" if cfg is None else f"BLOCK_N={cfg[1]} warps={cfg[2]} stages={cfg[3]}"
+        gbs = nbytes / t / 1e6
+        rows.append({"workload": "paged_decode_sweep", "batch": batch, "ctx": ctx, "block_size": 16, "config": name,
+                     "ms": t, "GB/s": gbs, "frac_copy_bw": gbs / copy_gbs if copy_gbs else None})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of the script)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the decode config / split sweep")
+    args = ap.parse_args()
+    if args.smoke:
+        dtype = torch.float16 if not CUDA else torch.bfloat16  # the interpreter gets bf16 arithmetic wrong
+        train = bench_training([64], 2, 4, 2, 64, dtype)
+        decode = bench_decode([2], [40], [16], 4, 2, 64, dtype, None)
+        sweep = [] if args.no_sweep else sweep_decode(4, 2, 64, dtype, None, big_batch=2, ctx=40, small_batches=(1,))
+    else:
+        assert CUDA, "the full benchmark needs a GPU (use --smoke on CPU)"
+        train = bench_training([1024, 4096, 8192], 8, 16, 8, 128, torch.bfloat16)
+        copy_gbs = copy_bandwidth_gbs()
+        print(f"device-to-device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
+        decode = bench_decode([1, 64, 256], [512, 2048], [16, 64], 16, 8, 128, torch.bfloat16, copy_gbs)
+        sweep = [] if args.no_sweep else sweep_decode(16, 8, 128, torch.bfloat16, copy_gbs)
+        decode.append({"workload": "copy_bandwidth", "GB/s": copy_gbs})
+
+    print("\nK1 attention (varlen causal, fwd / bwd / fwd+bwd)")
+    print_table(train, ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
+                        "speedup_vs_flash", "speedup_vs_cudnn"])
+    print("\npaged decode")
+    print_table([r for r in decode if r["workload"] == "paged_decode"],
+                ["impl", "batch", "ctx", "block_size", "ms", "GB/s", "frac_copy_bw"])
+    if sweep:
+        print("\npaged decode sweep (areno kernel configs)")
+        print_table(sweep, ["batch", "config", "ms", "GB/s", "frac_copy_bw"])
+    if CUDA:
+        print("\nautotuned attention configs (key -> config):")
+        for kind in ("fwd", "dkdv", "dq"):
+            for key, cfg in attention_module._tuned(kind, 128).cache.items():
+                print(f"  {kind} {key}: {cfg}")
+    if not args.smoke:
+        path = append_jsonl("attention", train + decode + sweep, env_info())
+        print(f"\nappended {len(train) + len(decode) + len(sweep)} lines to {path}")
+
+
+if __name__ == "__main__":
+    main()
