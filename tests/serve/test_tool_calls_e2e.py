@@ -1,0 +1,115 @@
+"""Tool calls through the endpoint: a tiny checkpoint overfit (seconds, fp32 on CPU) to answer one conversation with
+a ``get_weather`` call, served for real and read back through the official openai client."""
+
+import json
+
+import openai
+import pytest
+import torch
+
+from areno.serve.protocol import Tool
+from tests.serve.conftest import RunningServer
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TARGET = CALL + "<|im_end|>"
+
+
+def overfit_tool_caller(src, dst, *, margin=4.0, max_steps=300):
+    """Train ``src`` until greedy decoding of the rendered conversation gives TARGET by a logit margin; save to
+    ``dst``. The prompt is rendered exactly as the server renders it (tools through the protocol model)."""
+    from areno.models import load_model, load_tokenizer, save_model
+
+    tok = load_tokenizer(src)
+    tools = [Tool.model_validate(TOOL).model_dump(exclude_none=True)]
+    prompt = tok.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True, tokenize=False)
+    p = tok.encode(prompt, add_special_tokens=False)
+    labels = torch.tensor(tok.encode(TARGET, add_special_tokens=False))
+    ids = torch.tensor([p + labels.tolist()])
+    torch.manual_seed(0)
+    model = load_model(src, dtype=torch.float32, device="cpu")
+    model.train()
+    for prm in model.parameters():
+        prm.requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(max_steps):
+        logits = model.logits(ids)[0, len(p) - 1 : -1].float()
+        right = logits.gather(1, labels[:, None])[:, 0]
+        other = logits.scatter(1, labels[:, None], float("-inf")).amax(1)
+        if (right - other).min().item() > margin:
+            break
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    else:
+        raise AssertionError(f"the tool caller did not reach a {margin} logit margin in {max_steps} steps")
+    model.eval()
+    return save_model(model, dst, tok)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    from areno.testing import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path_factory.mktemp("tool_src"), family="qwen3", seed=5, num_hidden_layers=1)
+    ckpt = overfit_tool_caller(src, tmp_path_factory.mktemp("tool_ckpt") / "model")
+    s = RunningServer(ckpt)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tool_server):
+    return openai.OpenAI(base_url=tool_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _check_call(calls):
+    assert len(calls) == 1
+    assert calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert calls[0].id.startswith("call_")
+
+
+def test_tool_call_non_streaming(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[TOOL], temperature=0,
+                                         max_tokens=64)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    _check_call(choice.message.tool_calls)
+    assert out.usage.completion_tokens == 23  # the call's tokens and <|im_end|>
+
+
+def test_tool_call_streaming(client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[TOOL], temperature=0,
+                                                 max_tokens=64, stream=True))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    _check_call(calls)
+    assert calls[0].index == 0
+    assert "".join(d.delta.content or "" for d in deltas) == ""  # the call text never leaks out as content
+    assert [d.finish_reason for d in deltas if d.finish_reason] == ["tool_calls"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_none_returns_the_raw_text(client, stream):
+    kw = dict(model="tiny", messages=MESSAGES, tools=[TOOL], tool_choice="none", temperature=0, max_tokens=64)
+    if stream:
+        deltas = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(d.delta.content or "" for d in deltas) == CALL
+        assert not any(d.delta.tool_calls for d in deltas)
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["stop"]
+    else:
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert choice.message.content == CALL and not choice.message.tool_calls
+        assert choice.finish_reason == "stop"
+
+
+def test_no_tools_no_tool_calls(client):
+    """Without ``tools`` the server does not parse calls, whatever the model says."""
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=8)
+    assert not out.choices[0].message.tool_calls and out.choices[0].finish_reason != "tool_calls"
