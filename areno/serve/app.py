@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -74,8 +75,16 @@ async def _parse(request: Request, model_cls):
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise APIError(400, f"malformed JSON in the request body: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError(400, "the request body is nested too deeply") from exc
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
+    try:  # a \ud800-style escape decodes to a lone surrogate: not text the tokenizer (or UTF-8) can hold
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (not valid Unicode text)") from exc
+    except RecursionError as exc:
+        raise APIError(400, "the request body is nested too deeply") from exc
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
@@ -87,9 +96,48 @@ async def _parse(request: Request, model_cls):
         raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from exc
 
 
+def _inline_refs(node, defs):
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def _bound_token_ids(node, vocab: int):
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("minimum") == 0:
+            node["maximum"] = vocab - 1
+        for v in node.values():
+            _bound_token_ids(v, vocab)
+    elif isinstance(node, list):
+        for v in node:
+            _bound_token_ids(v, vocab)
+
+
+def request_body(model_cls, vocab: int | None = None) -> dict:
+    """``openapi_extra`` describing a route's JSON body by its pydantic model (the routes parse bodies themselves, to
+    answer malformed ones with OpenAI-style errors, so FastAPI cannot infer it). References are inlined: the
+    models are not recursive, and the schema then stands alone under the route. ``vocab`` bounds the token ids
+    of a completion prompt."""
+    schema = model_cls.model_json_schema()
+    if vocab is not None and "prompt" in schema["properties"]:
+        _bound_token_ids(schema["properties"]["prompt"], vocab)
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": _inline_refs(schema, schema.get("$defs", {}))}}}}
+
+
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
                max_running: int = 256) -> FastAPI:
-    app = FastAPI(title="areno", version="1")
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # after uvicorn has drained (or given up on) the connections: abort what is left, stop the engine thread
+        await asyncio.to_thread(engine.shutdown, drain=False)
+
+    app = FastAPI(title="areno", version="1", lifespan=lifespan)
     app.state.engine = engine
 
     @app.exception_handler(APIError)
@@ -111,7 +159,10 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "active_requests": engine.num_active}
+        body = {"status": "ok", "active_requests": engine.num_active}
+        if hasattr(engine, "health"):  # the data-parallel front end adds per-replica counters
+            body.update(engine.health())
+        return body
 
     @app.get("/v1/models")
     async def models():
@@ -135,7 +186,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         if req.n > max_running:
             raise APIError(400, f"n ({req.n}) exceeds --max-running-prompts ({max_running})", param="n")
         temperature = 1.0 if req.temperature is None else req.temperature
-        top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+        # any k beyond the vocabulary means no cut; bounded so it fits the sampler's int64 (an engine-step error
+        # would fail every request in the batch, not just this one)
+        top_k = min(req.top_k, 1 << 30) if req.top_k and req.top_k > 0 else 0
         return SamplingOptions(
             temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
             max_new_tokens=max_tokens or room, min_new_tokens=min(req.min_tokens, max_tokens or room),
@@ -145,6 +198,8 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
     async def run(request: Request, prompt_ids, opts):
         try:
             stream = await engine.submit(prompt_ids, opts)
+        except APIError:
+            raise
         except Exception as exc:
             raise APIError(400, str(exc)) from exc
         return stream
@@ -174,6 +229,16 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             if ev.finish_reason is not None:
                 o["finish"], o["stop_text"] = ev.finish_reason, ev.stop_text
 
+    def tool_arguments(args):
+        """An assistant tool call's arguments for the chat template: a JSON-object string becomes the object."""
+        if not isinstance(args, str) or not args.strip().startswith("{"):
+            return args
+        try:
+            return json.loads(args)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise APIError(400, f"a tool call's arguments are not valid JSON: {exc}",
+                           param="messages.tool_calls.function.arguments") from exc
+
     def tok(i: int) -> str:
         return tokenizer.decode([i])
 
@@ -191,7 +256,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                 "total_tokens": prompt_tokens + completion_tokens}
 
     # ---- chat ----------------------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(request: Request):
         req = await _parse(request, ChatCompletionRequest)
         check_model(req.model)
@@ -200,9 +265,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
             if m.tool_calls:
                 msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
-                    "name": c.function.name,
-                    "arguments": json.loads(c.function.arguments) if isinstance(c.function.arguments, str)
-                    and c.function.arguments.strip().startswith("{") else c.function.arguments}}
+                    "name": c.function.name, "arguments": tool_arguments(c.function.arguments)}}
                     for c in m.tool_calls]
             if m.name:
                 msg["name"] = m.name
@@ -296,7 +359,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             stream.abort()
 
     # ---- completions ---------------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest, len(tokenizer)))
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
         check_model(req.model)

@@ -24,6 +24,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _schema_only(**constraints) -> dict:
+    """JSON-schema constraints for the OpenAPI document (what a valid request may hold), where validation itself is
+    done by a validator that names the unsupported feature in its message."""
+    return {"json_schema_extra": constraints}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -73,7 +79,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def _field_dependencies(schema: dict, cls) -> None:
+    """The cross-field rules of the validators below, as JSON-schema ``dependentSchemas`` (for the OpenAPI document;
+    stricter than the validators where null or 0 would also pass)."""
+    deps = {"stream_options": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}
+    if "top_logprobs" in schema.get("properties", {}):
+        deps["top_logprobs"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+    schema["dependentSchemas"] = deps
+
+
 class _Sampling(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_field_dependencies)
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -84,9 +101,9 @@ class _Sampling(_Strict):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
+    frequency_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
+    logit_bias: dict[str, float] | None = Field(default=None, **_schema_only(maxProperties=0))
     user: str | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -132,11 +149,16 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1}]})
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: bool = Field(default=False, **_schema_only(enum=[False]))
+    suffix: str | None = Field(default=None, **_schema_only(maxLength=0))
+    best_of: int | None = Field(default=None, **_schema_only(minimum=1, maximum=1))
 
     @model_validator(mode="after")
     def _unsupported_completion(self):

@@ -1,18 +1,23 @@
 """``areno serve``: load the model once, open one engine session for the server's lifetime, serve HTTP.
 
-SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
-``GRACEFUL_SHUTDOWN_S`` seconds, then aborts what is left, closes the engine and exits 0.
+SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to ``GRACEFUL_SHUTDOWN_S``
+seconds (``ARENO_SERVE_GRACEFUL_SHUTDOWN_S`` overrides it), then aborts what is left, so every client gets a
+response that ends cleanly (``finish_reason: "abort"``, then ``[DONE]`` when streaming), closes the engine and exits 0.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import signal
 import socket
+import threading
 
 log = logging.getLogger("areno.serve")
 
-GRACEFUL_SHUTDOWN_S = 30
+GRACEFUL_SHUTDOWN_S = 30.0
+ABORT_FLUSH_S = 5.0  # after the abort, time for the aborted responses to reach their clients
 
 
 def _is_loopback(host: str) -> bool:
@@ -26,10 +31,24 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_app(config, *, model=None, tokenizer=None):
-    """The FastAPI app and its AsyncEngine for a ServeConfig (model/tokenizer may be passed in by tests)."""
+    """The FastAPI app and its engine front end for a ServeConfig: an AsyncEngine on one engine session in this
+    process, or, with --world-size / --tp-size > 1, a ReplicaPool of that many replica processes (model/tokenizer
+    may be passed in by tests, single-replica only)."""
     from areno.rollout.async_engine import AsyncEngine
     from areno.rollout.session import build_engine
     from areno.serve.app import create_app
+    from areno.serve.replicas import build_pool, check_topology, visible_gpus
+
+    name = config.served_model_name or str(config.model_path).rstrip("/")
+    replicas = check_topology(config.world_size, config.tp_size, len(visible_gpus()))
+    if replicas > 1:
+        from areno.models import load_tokenizer
+
+        tokenizer = tokenizer or load_tokenizer(config.model_path)
+        pool = build_pool(config, replicas)
+        app = create_app(pool, tokenizer, model_name=name, max_model_len=pool.max_model_len,
+                         api_key=config.api_key, max_running=config.max_running_prompts)
+        return app, pool
 
     engine, tokenizer = build_engine(
         config.model_path, model=model, tokenizer=tokenizer, tp_size=config.tp_size,
@@ -39,29 +58,66 @@ def build_app(config, *, model=None, tokenizer=None):
         seed=config.seed, kv_cache_memory=config.kv_cache_memory,
     )
     aengine = AsyncEngine(engine)
-    name = config.served_model_name or str(config.model_path).rstrip("/")
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
                      api_key=config.api_key, max_running=config.max_running_prompts)
-
-    @app.on_event("shutdown")
-    async def _close():
-        aengine.shutdown(drain=False)
-
     return app, aengine
 
 
-def run_server(config) -> int:
+def graceful_shutdown_s() -> float:
+    raw = os.environ.get("ARENO_SERVE_GRACEFUL_SHUTDOWN_S")
+    if raw is None:
+        return GRACEFUL_SHUTDOWN_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise SystemExit(f"areno serve: error: ARENO_SERVE_GRACEFUL_SHUTDOWN_S must be seconds >= 0, got {raw!r}")
+    return value
+
+
+def _make_server(app, engine, config, window: float):
+    """A uvicorn server whose first SIGTERM/SIGINT starts a timer that aborts the engine's requests at ``window``:
+    uvicorn drains connections but would cancel a still-streaming response mid-body; the abort ends it cleanly."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        timer: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame):
+            if self.timer is None:
+                log.info("signal %d: draining in-flight requests for up to %.0f s", sig, window)
+                self.timer = threading.Timer(window, self._abort)
+                self.timer.daemon = True
+                self.timer.start()
+            super().handle_exit(sig, frame)
+
+        def _abort(self):
+            if engine.num_active:
+                log.warning("graceful shutdown window over: aborting %d in-flight requests", engine.num_active)
+            engine.shutdown(drain=False)
+
+    return Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                 timeout_graceful_shutdown=window + ABORT_FLUSH_S))
+
+
+def run_server(config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.world_size // config.tp_size > 1:
-        raise SystemExit("areno serve: error: --world-size / --tp-size > 1 (data-parallel replicas) needs the "
-                         "multi-replica front end, which is not built yet; use --world-size equal to --tp-size")
     if not config.api_key and not _is_loopback(config.host):
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     config.host)
-    app, _ = build_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    server.run()
+    window = graceful_shutdown_s()
+    app, engine = build_app(config)
+    server = _make_server(app, engine, config, window)
+    # uvicorn re-raises the signal that stopped it once it is done, under the handlers it found: make those only
+    # ask the server to stop, so a graceful stop exits 0 instead of dying by that signal
+    previous = {sig: signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        if server.timer is not None:
+            server.timer.cancel()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

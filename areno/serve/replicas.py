@@ -1,0 +1,385 @@
+"""Data-parallel serving: ``areno serve --world-size W --tp-size T`` with W / T > 1 runs W / T engine replicas.
+
+Each replica is a worker process (``multiprocessing`` spawn) that loads the model and holds its own engine session
+on devices ``[r*T, (r+1)*T)`` of the visible GPUs (its ``CUDA_VISIBLE_DEVICES``; on a CPU-only host every replica
+runs on the CPU, for tests and tiny models). The HTTP front end keeps one :class:`ReplicaPool`, which looks to
+``areno.serve.app`` like an ``AsyncEngine``: ``submit`` sends a request to the least-loaded live replica (active
+sequences, then fewest requests served), a reader thread turns the replicas' token events back into each request's
+asyncio stream, and ``abort`` (client disconnect, shutdown) is forwarded to the replica holding the request.
+
+Wire protocol, front end -> replica (one queue each): ``("add", rid, prompt_ids, options)``, ``("abort", rid)``,
+``("shutdown", drain)``. Replica -> front end (one shared queue): ``(rank, "ready", max_model_len)``,
+``(rank, "failed", message)``, ``(rank, "tokens", [(rid, index, token, logprob, finish, stop_text, top), ...])``
+(one message per engine step), ``(rank, "error", (rid, is_value_error, message))``, ``(rank, "closed", None)``.
+
+T > 1 with several replicas needs each replica's TP group to run the engine in lockstep, which is not built yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from areno.config import ConfigError
+from areno.rollout.async_engine import RequestStream, TokenEvent
+from areno.serve.protocol import APIError
+
+log = logging.getLogger("areno.serve")
+
+STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint on every replica takes a while
+
+
+def check_topology(world_size: int, tp_size: int, num_gpus: int) -> int:
+    """The number of replicas, or a ConfigError for a topology this build cannot run."""
+    replicas = world_size // tp_size
+    if replicas > 1 and tp_size > 1:
+        raise ConfigError("--tp-size", f"{tp_size} with --world-size {world_size} ({replicas} data-parallel replicas "
+                                       "of TP size > 1) needs each replica's TP group to run the engine in lockstep, "
+                                       "which is not built yet; use --tp-size 1 (replicas) or --world-size equal to "
+                                       "--tp-size (one TP replica)")
+    if num_gpus and world_size > num_gpus:
+        raise ConfigError("--world-size", f"{world_size} needs {world_size} GPUs; {num_gpus} are visible")
+    return replicas
+
+
+def visible_gpus() -> list[str]:
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in env.split(",") if d.strip()] if env else [str(i) for i in range(n)]
+    return names[:n]
+
+
+# ---- replica process -------------------------------------------------------------------------------------------
+
+
+def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events) -> None:
+    """A replica's process: build the engine, then serve commands until shutdown or the front end's death."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when replicas stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import torch
+
+    from areno.rollout.session import build_engine
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    try:
+        engine, _ = build_engine(**engine_kwargs)
+    except BaseException as exc:  # report, so the front end fails at start with the reason
+        events.put((rank, "failed", f"{type(exc).__name__}: {exc}"))
+        return
+    events.put((rank, "ready", engine.max_model_len))
+    ReplicaWorker(rank, engine, commands, events).run()
+
+
+class ReplicaWorker:
+    def __init__(self, rank, engine, commands, events):
+        self.rank, self.engine, self.commands, self.events = rank, engine, commands, events
+        self.seqs: dict[int, list] = {}  # rid -> its sequences
+        self.rid_of: dict[int, int] = {}  # seq_id -> rid
+        self.stopping = False
+        self.parent = mp.parent_process()
+
+    def _apply(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt_ids, options = cmd
+            try:
+                seqs = self.engine.add_request(prompt_ids, options)
+            except Exception as exc:  # a request the engine refuses fails alone
+                self.events.put((self.rank, "error", (rid, isinstance(exc, ValueError), str(exc))))
+                return
+            self.seqs[rid] = seqs
+            for seq in seqs:
+                self.rid_of[seq.seq_id] = rid
+        elif kind == "abort":
+            self._abort(cmd[1])
+        elif kind == "shutdown":
+            self.stopping = True
+            if not cmd[1]:
+                for rid in list(self.seqs):
+                    self._abort(rid)
+
+    def _abort(self, rid) -> None:
+        seqs = self.seqs.pop(rid, None)
+        if seqs is None:
+            return
+        self.engine.abort(seqs)
+        batch = []
+        for seq in seqs:
+            if self.rid_of.pop(seq.seq_id, None) is not None:
+                batch.append((rid, seq.sample_index, None, None, "abort", None, None))
+        if batch:
+            self.events.put((self.rank, "tokens", batch))
+
+    def _next_commands(self, block: bool) -> list:
+        out = []
+        try:
+            out.append(self.commands.get(timeout=0.05) if block else self.commands.get_nowait())
+            while True:
+                out.append(self.commands.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def run(self) -> None:
+        while True:
+            for cmd in self._next_commands(block=not self.engine.has_work()):
+                self._apply(cmd)
+            if self.parent is not None and not self.parent.is_alive():
+                return  # orphaned: nobody is left to read the results
+            if not self.engine.has_work():
+                if self.stopping:
+                    break
+                continue
+            try:
+                seqs = self.engine.step()
+            except Exception as exc:  # keep serving: fail the requests in flight, not the replica
+                log.exception("replica %d: engine step failed", self.rank)
+                for rid, seqs in list(self.seqs.items()):
+                    self.engine.abort(seqs)
+                    self.events.put((self.rank, "error", (rid, False, f"engine step failed: {exc}")))
+                self.seqs.clear()
+                self.rid_of.clear()
+                continue
+            batch = []
+            for seq in seqs:
+                rid = self.rid_of.get(seq.seq_id)
+                if rid is None:
+                    continue
+                top = seq.top_logprobs[-1] if seq.options.top_logprobs else None
+                batch.append((rid, seq.sample_index, seq.tokens[-1], seq.logprobs[-1], seq.finish_reason,
+                              seq.stop_text, top))
+                if seq.is_finished:
+                    del self.rid_of[seq.seq_id]
+                    if not any(s.seq_id in self.rid_of for s in self.seqs[rid]):
+                        del self.seqs[rid]
+            if batch:
+                self.events.put((self.rank, "tokens", batch))
+        self.events.put((self.rank, "closed", None))
+
+
+# ---- front end -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    rank: int
+    devices: list[str]
+    process: object
+    commands: object
+    alive: bool = True
+    active: int = 0  # sequences in flight
+    requests: int = 0  # requests dispatched to it, ever
+    rids: set = field(default_factory=set)
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "pid": self.process.pid, "devices": self.devices or "cpu", "alive": self.alive,
+                "active_requests": self.active, "requests": self.requests}
+
+
+class ReplicaStream(RequestStream):
+    def __init__(self, pool, replica: Replica, rid: int, prompt_ids, options):
+        super().__init__(pool, prompt_ids, options)
+        self.replica, self.rid = replica, rid
+        self._abort_sent = False
+
+    def abort(self):
+        if self.remaining > 0 and not self._abort_sent and self.replica.alive:
+            self._abort_sent = True
+            self.replica.commands.put(("abort", self.rid))
+
+
+class ReplicaPool:
+    """The front end's view of W / T replica processes, with the interface of ``AsyncEngine``."""
+
+    def __init__(self, engine_kwargs: dict, num_replicas: int, *, tp_size: int = 1, gpus: list[str] | None = None):
+        ctx = mp.get_context("spawn")
+        self.events = ctx.Queue()
+        self.replicas: list[Replica] = []
+        self._streams: dict[int, tuple[ReplicaStream, int]] = {}  # rid -> (stream, samples left)
+        self._lock = threading.Lock()
+        self._rids = itertools.count()
+        self._closed = False
+        threads = max(1, (os.cpu_count() or 1) // num_replicas)
+        for rank in range(num_replicas):
+            devices = list(gpus[rank * tp_size : (rank + 1) * tp_size]) if gpus else []
+            commands = ctx.Queue()
+            # seed + rank: unseeded requests must not repeat each other's samples across replicas
+            kwargs = dict(engine_kwargs, device="cuda:0" if devices else "cpu",
+                          seed=engine_kwargs.get("seed", 0) + rank)
+            proc = ctx.Process(target=replica_main, args=(rank, kwargs, threads, commands, self.events),
+                               name=f"areno-replica-{rank}", daemon=True)
+            before = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if devices:  # the child inherits the environment at start, before anything in it touches CUDA
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            try:
+                proc.start()
+            finally:
+                if devices:
+                    if before is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = before
+            self.replicas.append(Replica(rank, devices, proc, commands))
+        try:
+            self.max_model_len = self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self._reader = threading.Thread(target=self._read, name="areno-replica-events", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> int:
+        ready: dict[int, int] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < len(self.replicas):
+            try:
+                rank, kind, payload = self.events.get(timeout=1.0)
+            except queue.Empty:
+                kind = None
+            if kind is None:
+                dead = [r.rank for r in self.replicas if not r.process.is_alive() and r.rank not in ready]
+                if dead:
+                    raise RuntimeError(f"replica {dead[0]} exited during start-up "
+                                       f"(exit code {self.replicas[dead[0]].process.exitcode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replicas not ready after {STARTUP_TIMEOUT_S:.0f} s")
+                continue
+            if kind == "failed":
+                raise RuntimeError(f"replica {rank} failed to start: {payload}")
+            ready[rank] = payload
+            log.info("replica %d ready on %s", rank, ",".join(self.replicas[rank].devices) or "cpu")
+        return min(ready.values())
+
+    # ---- the AsyncEngine interface ---------------------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], options) -> ReplicaStream:
+        with self._lock:
+            live = [r for r in self.replicas if r.alive]
+            if self._closed or not live:
+                raise APIError(503, "no engine replica is serving", type="server_error")
+            replica = min(live, key=lambda r: (r.active, r.requests, r.rank))
+            rid = next(self._rids)
+            stream = ReplicaStream(self, replica, rid, list(prompt_ids), options)
+            self._streams[rid] = (stream, options.n)
+            replica.active += options.n
+            replica.requests += 1
+            replica.rids.add(rid)
+        replica.commands.put(("add", rid, stream.prompt_ids, options))
+        return stream
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return sum(r.active for r in self.replicas)
+
+    def health(self) -> dict:
+        with self._lock:
+            return {"replicas": [r.info() for r in self.replicas]}
+
+    def shutdown(self, *, drain: bool = False, timeout: float = 30.0) -> None:
+        """Stop every replica (aborting in-flight requests unless ``drain``) and wait for the processes."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+        if first:
+            for r in self.replicas:
+                if r.alive:
+                    r.commands.put(("shutdown", drain))
+        deadline = time.monotonic() + timeout
+        for r in self.replicas:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+        if getattr(self, "_reader", None) is not None:
+            self._reader.join(5)
+
+    # ---- internals -------------------------------------------------------------------------------------------
+    def _kill(self):
+        for r in self.replicas:
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join(5)
+
+    def _finish(self, rid: int, samples: int) -> None:
+        """Account for ``samples`` of request ``rid`` ending (called with the lock held)."""
+        stream, left = self._streams[rid]
+        left -= samples
+        stream.replica.active -= samples
+        if left > 0:
+            self._streams[rid] = (stream, left)
+        else:
+            del self._streams[rid]
+            stream.replica.rids.discard(rid)
+
+    def _read(self) -> None:
+        """The reader thread: replica events -> request streams; a replica that dies fails its requests."""
+        while True:
+            try:
+                rank, kind, payload = self.events.get(timeout=0.5)
+            except queue.Empty:
+                self._reap()
+                if all(not r.alive for r in self.replicas):
+                    return
+                continue
+            except (EOFError, OSError):
+                return
+            with self._lock:
+                if kind == "tokens":
+                    for rid, index, token, logprob, finish, stop_text, top in payload:
+                        entry = self._streams.get(rid)
+                        if entry is None:
+                            continue
+                        if finish is not None:
+                            self._finish(rid, 1)
+                        _push(entry[0], TokenEvent(index, token, logprob, finish, stop_text, top))
+                elif kind == "error":
+                    rid, is_value_error, message = payload
+                    entry = self._streams.get(rid)
+                    if entry is not None:
+                        self._finish(rid, entry[1])
+                        _push(entry[0], ValueError(message) if is_value_error else RuntimeError(message))
+                elif kind == "closed":
+                    self._fail_replica(self.replicas[rank], "stopped")
+
+    def _reap(self) -> None:
+        with self._lock:
+            for r in self.replicas:
+                if r.alive and not r.process.is_alive():
+                    log.error("replica %d exited (code %s)", r.rank, r.process.exitcode)
+                    self._fail_replica(r, f"exited with code {r.process.exitcode}")
+
+    def _fail_replica(self, replica: Replica, why: str) -> None:
+        replica.alive = False
+        for rid in list(replica.rids):
+            stream, left = self._streams[rid]
+            self._finish(rid, left)
+            _push(stream, RuntimeError(f"engine replica {replica.rank} {why}"))
+
+
+def _push(stream: RequestStream, item) -> None:
+    try:
+        stream.push(item)
+    except RuntimeError:  # its event loop is gone (server shut down): nobody is waiting for it
+        pass
+
+
+def build_pool(config, num_replicas: int) -> ReplicaPool:
+    """Start the replicas for a ServeConfig (each loads the model itself)."""
+    gpus = visible_gpus()
+    engine_kwargs = dict(
+        model_path=config.model_path, tp_size=config.tp_size, max_running=config.max_running_prompts,
+        max_model_len=config.max_model_len, eager_decode=config.eager_decode, attn_backend=config.attn_backend,
+        decode_progress_interval_s=config.decode_progress_interval_s or None, dtype=config.dtype, seed=config.seed,
+        kv_cache_memory=config.kv_cache_memory,
+    )
+    if not gpus:
+        log.warning("no CUDA device: all %d replicas run on the CPU", num_replicas)
+    return ReplicaPool(engine_kwargs, num_replicas, tp_size=config.tp_size, gpus=gpus)

@@ -1,0 +1,101 @@
+"""Data-parallel serving on the CPU: ``areno serve --world-size 2 --tp-size 1`` runs two replica processes; requests
+spread over both, greedy outputs equal the single-replica server's, aborts reach the replica, SIGTERM stops all."""
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from areno.config import ConfigError, ServeConfig
+from areno.serve.replicas import check_topology
+from tests.serve.test_signals import ServeProcess
+
+PROMPTS = ["the cat", "12 + 7 =", "one two three", "hello", "What is 2 + 3?", "abc"]
+
+
+@pytest.fixture(scope="module")
+def pool_server(tiny_ckpt):
+    s = ServeProcess(tiny_ckpt, "--world-size", "2", "--tp-size", "1", "--max-running-prompts", "8",
+                     "--max-model-len", "512")
+    yield s
+    s.kill()
+
+
+def health(s):
+    return httpx.get(s.base_url + "/health", timeout=10).json()
+
+
+def completions(base_url, **kw):
+    c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return c.completions.create(model="tiny", temperature=0, **kw)
+
+
+def test_topology_rules(tiny_ckpt):
+    assert check_topology(2, 1, 0) == 2  # CPU-only host: replicas on the CPU
+    assert check_topology(4, 4, 4) == 1  # one TP replica: the single-replica path
+    with pytest.raises(ConfigError, match="not built yet"):
+        check_topology(4, 2, 4)
+    with pytest.raises(ConfigError, match="needs 4 GPUs; 2 are visible"):
+        check_topology(4, 1, 2)
+    from areno.serve.server import run_server
+
+    with pytest.raises(ConfigError, match="--tp-size 2 .*not built yet"):
+        run_server(ServeConfig(model_path=str(tiny_ckpt), world_size=4, tp_size=2))
+
+
+def test_both_replicas_serve_and_match_one_replica(pool_server, server):
+    h = health(pool_server)
+    assert [r["rank"] for r in h["replicas"]] == [0, 1] and all(r["alive"] for r in h["replicas"])
+    assert len({r["pid"] for r in h["replicas"]} | {os.getpid()}) == 3
+
+    async def fire(base_url):  # concurrently, so least-loaded dispatch has to spread them
+        c = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        outs = await asyncio.gather(*(c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                                           logprobs=2) for p in PROMPTS))
+        chat = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=10, temperature=0, n=2)
+        return outs, chat
+
+    many, chat = asyncio.run(fire(pool_server.base_url))
+    one, chat_one = asyncio.run(fire(server.base_url))
+    assert [o.choices[0].text for o in many] == [o.choices[0].text for o in one]
+    for a, b in zip(many, one):
+        assert a.choices[0].logprobs.token_logprobs == pytest.approx(b.choices[0].logprobs.token_logprobs, abs=1e-4)
+        assert a.usage == b.usage
+    assert [c.message.content for c in chat.choices] == [c.message.content for c in chat_one.choices]
+    served = [r["requests"] for r in health(pool_server)["replicas"]]
+    assert sum(served) == len(PROMPTS) + 1 and min(served) >= 2, served
+
+    # sequential requests alternate: least loaded, then fewest served
+    before = [r["requests"] for r in health(pool_server)["replicas"]]
+    for p in PROMPTS[:4]:
+        completions(pool_server.base_url, prompt=p, max_tokens=2)
+    after = [r["requests"] for r in health(pool_server)["replicas"]]
+    assert [a - b for a, b in zip(after, before)] == [2, 2]
+
+
+def test_disconnect_aborts_on_the_replica(pool_server):
+    body = {"model": "tiny", "prompt": "stream me", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", pool_server.base_url + "/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break
+    deadline = time.time() + 20  # the front end counts a sequence done only once its replica reports the abort
+    while time.time() < deadline and health(pool_server)["active_requests"]:
+        time.sleep(0.1)
+    h = health(pool_server)
+    assert h["active_requests"] == 0 and all(r["active_requests"] == 0 for r in h["replicas"])
+    assert completions(pool_server.base_url, prompt="after", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_sigterm_stops_front_end_and_replicas(pool_server):
+    pids = [r["pid"] for r in health(pool_server)["replicas"]]
+    pool_server.proc.send_signal(signal.SIGTERM)
+    assert pool_server.proc.wait(30) == 0, pool_server.output()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

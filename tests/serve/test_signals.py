@@ -1,0 +1,150 @@
+"""SIGTERM on a real ``python -m areno serve`` process: in-flight requests drain (or, past the graceful window, are
+aborted with a clean end), new connections are refused, the process exits 0 and the port is free again."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import free_port
+
+
+class ServeProcess:
+    def __init__(self, ckpt, *extra, env=None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "areno", "serve", "--model-path", str(ckpt), "--port", str(self.port),
+               "--dtype", "float32", "--served-model-name", "tiny", *extra]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+        deadline = time.time() + 90
+        while True:
+            assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
+            assert time.time() < deadline, f"server did not come up:\n{self.output()}"
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+
+    def output(self) -> str:
+        return "".join(self.log)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def serve(tiny_ckpt):
+    started = []
+
+    def start(*extra, env=None):
+        started.append(ServeProcess(tiny_ckpt, *extra, env=env))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+def sse_events(response):
+    """The parsed ``data:`` payloads of an SSE response, ``[DONE]`` kept as the string."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a new server could listen on ``port`` (as uvicorn does, with SO_REUSEADDR: the closed connections'
+    TIME_WAIT entries do not count, a listener left behind does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def stream_after_sigterm(server, body, *, before_signal=3):
+    """Stream ``body`` to /v1/completions, SIGTERM the server after a few chunks, return (events, seconds from the
+    signal to the stream's end, whether /health was refused meanwhile)."""
+    events, refused = [], False
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        it = sse_events(r)
+        for _ in range(before_signal):
+            events.append(next(it))
+        server.proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        deadline = t0 + 5
+        while time.time() < deadline and not refused:  # the listening socket closes at once
+            try:
+                httpx.get(server.base_url + "/health", timeout=0.5)
+                time.sleep(0.1)
+            except httpx.ConnectError:
+                refused = True
+        events.extend(it)
+        return events, time.time() - t0, refused
+
+
+def finish_reasons(events):
+    return [c["choices"][0]["finish_reason"] for c in events[:-1] if c["choices"] and c["choices"][0]["finish_reason"]]
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_0(serve):
+    server = serve()
+    body = {"model": "tiny", "prompt": "drain me", "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events, _, refused = stream_after_sigterm(server, body)
+    assert refused, "the server kept accepting connections after SIGTERM"
+    assert events[-1] == "[DONE]"
+    assert finish_reasons(events) == ["length"]  # drained: the whole completion came through
+    assert events[-2]["usage"]["completion_tokens"] == 400
+    assert server.proc.wait(30) == 0, server.output()
+    assert "Traceback" not in server.output()
+    assert port_is_free(server.port)
+
+
+def test_sigterm_past_the_window_aborts_cleanly_and_exits_0(serve):
+    window = 1.5
+    server = serve(env={"ARENO_SERVE_GRACEFUL_SHUTDOWN_S": str(window)})
+    chat = {}
+
+    def non_streaming():  # a second, non-streamed request in flight at the signal
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900,
+                "ignore_eos": True}
+        chat["r"] = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+
+    t = threading.Thread(target=non_streaming)
+    t.start()
+    deadline = time.time() + 20
+    while httpx.get(server.base_url + "/health").json()["active_requests"] < 1:
+        assert time.time() < deadline and t.is_alive()
+        time.sleep(0.05)
+    body = {"model": "tiny", "prompt": "abort me", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    events, took, _ = stream_after_sigterm(server, body)
+    assert events[-1] == "[DONE]"  # ended cleanly, not cut mid-body
+    assert finish_reasons(events) == ["abort"]
+    assert window - 0.5 < took < window + 5
+    t.join(30)
+    r = chat["r"]
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
+    assert 0 < r.json()["usage"]["completion_tokens"] < 1900
+    assert server.proc.wait(20) == 0, server.output()
+    assert "aborting 2 in-flight requests" in server.output()
+    assert port_is_free(server.port)
+
