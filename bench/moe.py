@@ -216,7 +216,10 @@ def main():
     print()
     print_table(rows, ["tokens", "phase", "impl", "ms", "tflops", "pct_peak", "x_loop", "x_grouped_mm", "rel_err"])
     if device == "cuda":
-        print("\nautotuned configs:", tuned_configs())
+        try:
+            print("\nautotuned configs:", tuned_configs())
+        except AttributeError as e:  # a renamed tuner: the numbers above are what matter
+            print(f"\nautotuned configs unavailable: {e}")
         if not args.no_profile:
             mid = sorted(args.tokens)[len(args.tokens) // 2]
             try:

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from areno.kernels import sample
+from areno.kernels.sampler import _logits_f32
 from areno.models.attention_metadata import AttentionMetadata
+from areno.models.layers import gather_from_tp
 from areno.rollout.scheduler import Step
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -147,7 +149,7 @@ class ModelRunner:
             return torch.empty(0, dtype=torch.int64), torch.empty(0), None
         idx = torch.tensor(inp.row_index, dtype=torch.int64, device=self.device)
         params = self._sampling(inp, self.device)
-        logits = self.model.compute_logits(hidden[idx])
+        logits = self.logits(hidden[idx])
         tokens, logprobs = sample(logits, temperature=params[0], top_k=params[1], top_p=params[2],
                                   seeds=params[3], offsets=params[4])
         top = None
@@ -157,6 +159,12 @@ class ModelRunner:
             vals, ids_ = lp.topk(inp.top_logprobs, dim=-1)
             top = (ids_.cpu(), vals.cpu())
         return tokens.cpu(), logprobs.float().cpu(), top
+
+    def logits(self, hidden):
+        """fp32 logits (an fp32-output GEMM: bf16 logits would round the log-probs by up to ~0.1 nats), gathered
+        over the vocab shards under TP."""
+        local = _logits_f32(hidden, self.model.lm_head_weight)
+        return gather_from_tp(local, self.tp_group) if self.tp_group is not None else local
 
     def _copy_blocks(self, pairs) -> None:
         if not pairs:
@@ -217,7 +225,7 @@ class ModelRunner:
 
         def body():
             hidden = self.model(buf["ids"], buf["pos"], kv_caches=self.kv_caches, attn_metadata=meta)
-            logits = self.model.compute_logits(hidden)
+            logits = self.logits(hidden)
             return sample(logits, temperature=buf["temp"], top_k=buf["top_k"], top_p=buf["top_p"],
                           seeds=buf["seeds"], offsets=buf["offsets"])
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
+#   bash bench/gpu_session.sh tests|kernels|models|engine|e2e ...   (stages run in the order given)
+# Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+} >>"$LOG" 2>&1
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))" >>"$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$? ($(date +%T))" >>"$LOG"
+  tar -cf "$OUT/results.tar" bench/results 2>/dev/null
+}
+for stage in "$@"; do
+  case $stage in
+    tests2) step gpu-tests 330 python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider \
+        tests/kernels/test_linear_logprobs.py tests/kernels/test_sampler.py tests/kernels/test_moe.py \
+        tests/kernels/test_moe_routing.py tests/kernels/test_paged_attention.py tests/kernels/test_rms_norm.py \
+        tests/kernels/test_rope.py tests/models/test_gpu.py ;;
+    parity) step parity 100 python3 bench/logprob_parity.py ;;
+    tests) step gpu-tests 330 python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider tests/kernels tests/models ;;
+    kernels)
+      step attention 150 python3 bench/attention.py
+      step logprob 100 python3 bench/logprob.py
+      step sampler 90 python3 bench/sampler.py
+      step small_ops 90 python3 bench/small_ops.py ;;
+    rollout) step rollout 190 python3 bench/rollout.py ${ROLLOUT_ARGS:-} ;;
+    moe) step moe 150 python3 bench/moe.py ;;
+    models)
+      step model_step 100 python3 bench/model_step.py
+      step train_step 130 python3 bench/train_step.py ;;
+    engine)  # a tiny run first: if CUDA-graph decode fails there, measure eager decode rather than nothing
+      if timeout 120 python3 bench/rollout.py --smoke >"$OUT/smoke.txt" 2>&1 && ! grep -q "Traceback" "$OUT/smoke.txt"
+      then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
+      else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
+    serve) step serve 300 python3 bench/serve.py ;;
+    g1) step grpo_step 160 python3 bench/grpo_step.py ;;
+    *) echo "unknown stage $stage" >>"$LOG" ;;
+  esac
+done
+tar -cf "$OUT/results.tar" bench/results 2>/dev/null
+exit 0
