@@ -95,6 +95,10 @@ if [ -n "${VIRTUAL_ENV:-}" ]; then
   VENV=$VIRTUAL_ENV
   [ -x "$VENV/bin/python" ] || die "VIRTUAL_ENV=$VENV has no bin/python"
   say "reusing the active virtual environment $VENV"
+  # .venv/bin/... is how the README reaches the environment: point .venv at the active one if it is free
+  if [ ! -e "$REPO/.venv" ] && [ "$(cd "$VENV" && pwd -P)" != "$(cd "$REPO" && pwd -P)/.venv" ]; then
+    act ln -s "$VENV" "$REPO/.venv"
+  fi
 elif [ -x "$REPO/.venv/bin/python" ]; then
   VENV=$REPO/.venv
   say "reusing $VENV"
