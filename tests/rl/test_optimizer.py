@@ -300,3 +300,23 @@ def _check_tp_norm(rank):
 def test_zero1_dp2_and_tp2_norm_on_gloo(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
     assert list(tmp_path.iterdir()) == []  # both ranks' disk-offload folders were removed by close()
+
+
+def test_fused_update_equals_the_single_tensor_path():
+    """The CUDA update goes through torch's fused AdamW kernel: it must match the op-for-op path (run here on CPU)."""
+    from areno.rl.optimizer import MasterAdamW
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = MasterAdamW([p], lr=1e-2, weight_decay=0.1)
+    states = {}
+    for fused in (False, True):
+        torch.manual_seed(1)
+        w, m, v = torch.randn(300), torch.zeros(300), torch.zeros(300)
+        opt.num_steps = 0
+        for _ in range(4):
+            opt.num_steps += 1
+            opt._adamw(w, torch.randn(300), m, v, 1e-2, fused=fused)
+        states[fused] = (w, m, v)
+    for a, b in zip(states[False], states[True]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
