@@ -34,8 +34,8 @@ def main():
     rows = []
     for std in (0.1, 0.02):
         path = tempfile.mkdtemp(prefix=f"parity-{std}-")
-        shape = dict(QWEN3_06B, num_hidden_layers=args.layers)
-        make_tiny_checkpoint(path, "qwen3", seed=0, dtype=torch.bfloat16, initializer_range=std, **shape)
+        shape = dict(QWEN3_06B, num_hidden_layers=args.layers, initializer_range=std)
+        make_tiny_checkpoint(path, "qwen3", seed=0, dtype=torch.bfloat16, **shape)
         for dtype in (torch.bfloat16, torch.float32):
             model = load_model(path, dtype=dtype, device=device)
             prompts = random_prompts(args.prompts, 64, shape["vocab_size"], seed=1)

@@ -25,6 +25,7 @@ import torch
 QWEN3_06B = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
     head_dim=128, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
+    initializer_range=0.02,  # transformers' init for Qwen3: a 28-layer net at std 0.1 amplifies bf16 rounding
 )  # fmt: skip
 SMOKE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -76,7 +77,7 @@ def checkpoint(smoke: bool = False, *, seed: int = 0) -> Path:
 
     shape = SMOKE if smoke else QWEN3_06B
     dtype = torch.float32 if smoke else torch.bfloat16
-    path = cache_root() / f"{'smoke' if smoke else 'qwen3-0.6b'}-seed{seed}-wordtok2"
+    path = cache_root() / f"{'smoke' if smoke else 'qwen3-0.6b-std002'}-seed{seed}-wordtok2"
     if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
