@@ -93,12 +93,14 @@ def test_refill_short_probe_finishes_before_long_requests(server):
         done = []
 
         async def long(i):
-            await aclient.completions.create(model="tiny", prompt=f"long {i}", max_tokens=150, temperature=1.0,
+            await aclient.completions.create(model="tiny", prompt=f"long {i}", max_tokens=400, temperature=1.0,
                                              extra_body={"ignore_eos": True})
             done.append("long")
 
         tasks = [asyncio.create_task(long(i)) for i in range(3)]
-        await asyncio.sleep(1.0)
+        async with httpx.AsyncClient() as http:  # wait until all three are decoding
+            while (await http.get(server.base_url + "/health")).json()["active_requests"] < 3:
+                await asyncio.sleep(0.05)
         await aclient.completions.create(model="tiny", prompt="probe", max_tokens=2, temperature=0,
                                          extra_body={"ignore_eos": True})
         done.append("probe")
