@@ -18,8 +18,11 @@ _DP_GROUP = None
 _TP_SIZE = 1
 
 
-def init_distributed(backend: str | None = None, tp_size: int = 1) -> None:
-    """Initialise the default group from torchrun env vars (once) and build the TP/DP groups for ``tp_size``."""
+def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None) -> None:
+    """Initialise the default group from torchrun env vars (once) and build the TP/DP groups for ``tp_size``.
+
+    ``timeout`` (a timedelta) bounds every collective; a server's followers wait on rank 0 for as long as it idles.
+    """
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
@@ -28,6 +31,7 @@ def init_distributed(backend: str | None = None, tp_size: int = 1) -> None:
             backend=backend,
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            **({"timeout": timeout} if timeout is not None else {}),
         )
     new_groups(tp_size)
 

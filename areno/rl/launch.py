@@ -23,8 +23,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(module: str, argv: list[str], nproc: int) -> int:
-    """Run ``python -m module argv`` on ``nproc`` local ranks with torch.distributed.run; returns the exit code."""
+def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False) -> int:
+    """Run ``python -m module argv`` on ``nproc`` local ranks with torch.distributed.run; returns the exit code.
+
+    A SIGTERM/SIGINT reaches the ranks through the launcher; with ``stop_is_success`` (a server) that is a normal
+    stop (exit 0), otherwise the exit code says which signal ended the run.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args([
@@ -33,6 +38,8 @@ def launch(module: str, argv: list[str], nproc: int) -> int:
     ])
     try:
         run(args)
+    except SignalException as exc:
+        return 0 if stop_is_success else 128 + int(exc.sigval)
     except Exception as exc:  # ChildFailedError: the failing rank's error is already printed
         print(f"areno: a rank failed: {exc}", file=sys.stderr)
         return 1

@@ -85,6 +85,12 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
+    def close(self) -> None:
+        """Stop the engine thread (aborting what is in flight) and end the session, TP followers included."""
+        if self._thread.is_alive():
+            self.shutdown(drain=False)
+        self.engine.close()
+
     @property
     def num_active(self) -> int:
         return len(self._streams)

@@ -102,6 +102,17 @@ class Engine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def close(self) -> None:
+        """Release the TP followers (they leave their loop); call once, on rank 0, when the session ends."""
+        group = getattr(self.model, "tp_group", None)
+        if group is not None and self.tp_rank == 0:
+            broadcast_step(None, group)
+
+    def follow(self) -> None:
+        """A non-zero TP rank of a long-lived session (the server): execute rank 0's steps until it closes."""
+        self._ensure_built()
+        TPWorker(self.runner).loop()
+
     def _ensure_built(self):
         if self.runner is None:
             self._build()

@@ -101,8 +101,20 @@ def _make_server(app, engine, config, window: float):
                                  timeout_graceful_shutdown=window + ABORT_FLUSH_S))
 
 
+TP_CONFIG_ENV = "ARENO_SERVE_CONFIG"
+
+
 def run_server(config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from areno.rl.launch import launch, launched
+
+    if config.tp_size > 1 and config.world_size == config.tp_size and not launched():
+        # one replica over --tp-size ranks: rank 0 serves HTTP and schedules, the others follow its steps
+        import json
+        from dataclasses import asdict
+
+        os.environ[TP_CONFIG_ENV] = json.dumps(asdict(config))
+        return launch("areno.serve.tp_worker", [], config.tp_size, stop_is_success=True)
     if not config.api_key and not _is_loopback(config.host):
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     config.host)
@@ -120,4 +132,6 @@ def run_server(config) -> int:
             server.timer.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if hasattr(engine, "close"):
+            engine.close()  # a TP session's followers leave their loop
     return 0
