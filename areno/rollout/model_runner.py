@@ -107,6 +107,18 @@ class ModelRunner:
     # ---- step -> inputs ------------------------------------------------------------------------------------
     def prepare(self, step: Step, rows: list, row_index: list[int], copies) -> StepInputs:
         bs = self.block_size
+        if step.is_decode:  # the hot path: one token per sequence
+            seqs = [c.seq for c in step.chunks]
+            pos = [c.start for c in step.chunks]
+            return StepInputs(
+                ids=[s.tokens[-1] for s in seqs], positions=pos,
+                slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+                cu_q=list(range(len(seqs) + 1)), seq_lens=[p + 1 for p in pos], tables=[s.block_table for s in seqs],
+                is_decode=True, row_index=list(row_index),
+                temperature=[s.options.temperature for s in rows], top_k=[s.options.top_k for s in rows],
+                top_p=[s.options.top_p for s in rows], seeds=[s.seed for s in rows], offsets=[p + 1 for p in pos],
+                top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
+            )
         ids, pos, slots, cu_q, seq_lens, tables = [], [], [], [0], [], []
         for c in step.chunks:
             seq, table = c.seq, c.seq.block_table
@@ -249,7 +261,14 @@ class ModelRunner:
         if bsz not in self.graphs:
             self._capture(bsz)
         graph, buf, (tokens, logprobs) = self.graphs[bsz]
-        pad = bsz - n
+        for name, val in self._graph_host(inp, bsz).items():
+            buf[name].copy_(val, non_blocking=True)
+        graph.replay()
+        return tokens[:n].cpu(), logprobs[:n].float().cpu(), None
+
+    def _graph_host(self, inp: StepInputs, bsz: int) -> dict:
+        """The graph's inputs on the host, padded to the bucket (padding rows write nowhere and read one slot)."""
+        pad = bsz - len(inp.seq_lens)
         table = np.zeros((bsz, self.max_blocks_per_seq), dtype=np.int32)  # numpy: cheap per-row fills
         for i, tb in enumerate(inp.tables):
             table[i, : len(tb)] = tb
@@ -261,10 +280,7 @@ class ModelRunner:
             "top_k": torch.tensor(inp.top_k + [0] * pad), "top_p": torch.tensor(inp.top_p + [1.0] * pad),
             "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
         }
-        for name, val in host.items():
-            buf[name].copy_(val, non_blocking=True)
-        graph.replay()
-        return tokens[:n].cpu(), logprobs[:n].float().cpu(), None
+        return host
 
 
 # ---- tensor parallelism: rank 0 schedules, the others follow -------------------------------------------------

@@ -21,10 +21,10 @@ class Chunk:
     seq: Sequence
     start: int  # first token to compute
     end: int  # one past the last; the step samples the next token when end == len(seq)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        return self.end == len(self.seq)
+    def __post_init__(self):
+        self.samples = self.end == len(self.seq.tokens)
 
 
 @dataclass
@@ -106,14 +106,14 @@ class Scheduler:
         # 1. every computed running sequence decodes one token; make room, preempting the youngest if needed
         decodes = []
         for seq in list(self.running):
-            if seq not in self.running or seq.num_computed < len(seq) - 1:
-                continue
+            if seq.status is not Status.RUNNING or seq.num_computed < len(seq) - 1:
+                continue  # preempted just now, or still in prefill
             while not self.blocks.prepare_append(seq):
                 victim = self.running[-1]
                 self._preempt(victim, step)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq.status is Status.RUNNING:
                 decodes.append(seq)
         step.chunks = [Chunk(s, len(s) - 1, len(s)) for s in decodes]
         budget = self.max_batched_tokens - len(decodes)
@@ -121,7 +121,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.num_computed < len(seq) - 1 and seq not in decodes:
+            if seq.num_computed < len(seq) - 1:
                 end = min(len(seq), seq.num_computed + budget)
                 step.chunks.append(Chunk(seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
@@ -149,10 +149,12 @@ class Scheduler:
     def after_step(self, step: Step) -> list[Sequence]:
         """Advance computed counts and fork siblings whose head finished its prompt; returns the forked ones."""
         forked = []
+        bs = self.blocks.block_size
         for chunk in step.chunks:
             seq = chunk.seq
             seq.num_computed = chunk.end
-            self.blocks.commit(seq)
+            if chunk.end - chunk.start > 1 or chunk.end % bs == 0:  # a decode fills a block only every bs tokens
+                self.blocks.commit(seq)
             if chunk.samples:
                 for child in getattr(seq, "children", []):
                     if child.is_finished:
