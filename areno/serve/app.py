@@ -20,16 +20,25 @@ from areno.serve.protocol import APIError, ChatCompletionRequest, CompletionRequ
 
 
 class Detokenizer:
-    """Incremental text of one choice: holds back an incomplete UTF-8 tail and what may start a stop string."""
+    """Incremental text of one choice: holds back an incomplete UTF-8 tail and what may start a stop string.
+
+    Decodes only a short window of recent tokens per step (``prefix``..end minus ``prefix``..``read``), so a long
+    completion costs O(length), not O(length^2); the final text is one full decode.
+    """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.sent = 0
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.acc = ""  # text decoded so far (up to ``read``)
+        self.prefix = self.read = 0
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._decode(self.ids)
 
     def final_text(self, stop_text: str | None) -> str:
         text = self.text()
@@ -45,13 +54,15 @@ class Detokenizer:
         self.ids.append(token_id)
         if not emit:
             return ""
-        text = self.text()
-        end = len(text) - self.hold
-        while end > self.sent and text[end - 1] == "\ufffd":
-            end -= 1
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):  # a complete character more
+            self.acc += now[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        end = len(self.acc) - self.hold
         if end <= self.sent:
             return ""
-        delta, self.sent = text[self.sent : end], end
+        delta, self.sent = self.acc[self.sent : end], end
         return delta
 
     def flush(self, stop_text: str | None) -> str:
