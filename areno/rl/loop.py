@@ -61,7 +61,7 @@ class TrainLoop:
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
         from areno import parallel
-        from areno.rl.data import PromptIterator, check_rows, default_loader, load_rows
+        from areno.rl.data import PromptIterator, check_rows, load_rows
         from areno.rl.plugins import load_dataset_loader, load_reward_fn
 
         cfg = self.cfg
@@ -92,21 +92,18 @@ class TrainLoop:
         self.model, self.tokenizer = self._load_policy()
         self.rows = self._tokenize(rows)
         self.eval_data = self._tokenize(self.eval_rows)
-        unit = 2 if cfg.algo == "dpo" else 1
-        self.batch_rows = cfg.batch_size
         # with --max-steps the data repeats as needed; otherwise --epochs passes over it
         epochs = None if cfg.max_steps else cfg.epochs
         self.data = PromptIterator(self.rows, cfg.batch_size, seed=cfg.seed, epochs=epochs) if self.rows else None
         total = cfg.max_steps or (max(1, len(self.data)) if self.data is not None else 1)
         self.total_steps = total
-        self.trainer = self._make_trainer(self.model, cfg.lr, total, unit)
+        self.trainer = self._make_trainer(self.model, cfg.lr, total)
         self.ref = self._load_ref() if (cfg.algo == "dpo" or cfg.kl_coef > 0) else None
         if cfg.algo == "ppo":
             self._setup_critic(total)
         if cfg.algo in RL_ALGOS and not self.sdk:
             self._build_engine()
         self.logger = self._make_logger()
-        self.default_loader = default_loader
         if cfg.resume:
             self._resume()
 
@@ -133,7 +130,7 @@ class TrainLoop:
             p.requires_grad_(False)
         return ref
 
-    def _make_trainer(self, model, lr, total, unit=1):
+    def _make_trainer(self, model, lr, total):
         from areno.rl.optimizer import MasterAdamW
         from areno.rl.schedule import LRSchedule
 
@@ -148,7 +145,6 @@ class TrainLoop:
                            style=cfg.lr_decay_style)
         trainer = PolicyTrainer(model, opt, sched, temperature=self._logprob_temperature(), grad_clip=cfg.grad_clip,
                                 dp_group=self.dp_group, tp_group=self.tp_group)
-        trainer.unit = unit
         return trainer
 
     def _logprob_temperature(self) -> float:
