@@ -250,6 +250,8 @@ class TrainConfig:
     dual_clip: float = opt(3.0, "PPO dual-clip constant c > 1 for negative advantages (0 = off)", "train")
     critic_warmup_steps: int = opt(0, "PPO steps that train only the critic", "train")
     sft_warmup_steps: int = opt(0, "SFT steps on the rows' `response` before RL starts (grpo, gspo, ppo)", "train")
+    sft_warmup_lr: float = opt(0.0, "peak learning rate of the SFT warm-up steps (0 = --lr); the RL schedule starts "
+                               "fresh after them", "train")
 
     # memory
     drop_rollout_state: bool = opt(False, "release KV cache and graphs at each rollout session boundary", "memory")
@@ -380,8 +382,8 @@ class TrainConfig:
             raise ConfigError("--lr", f"must be > 0, got {self.lr}")
         check_range("--min-lr", self.min_lr, 0.0, self.lr)
         for name in ("warmup_steps", "weight_decay", "grad_clip", "save_interval", "eval_interval",
-                     "critic_warmup_steps", "sft_warmup_steps", "kl_coef", "entropy_coef", "tis_cap", "value_clip",
-                     "clip_eps_high"):
+                     "critic_warmup_steps", "sft_warmup_steps", "sft_warmup_lr", "kl_coef", "entropy_coef", "tis_cap",
+                     "value_clip", "clip_eps_high"):
             check_non_negative(flag_name(name), getattr(self, name))
         for name in ("critic_lr", "mm_tower_lr", "mm_tower_min_lr", "mm_projector_lr", "mm_projector_min_lr"):
             if getattr(self, name) is not None:

@@ -57,6 +57,7 @@ class TrainLoop:
         self.engine = None
         self.critic = None
         self.eval_rows: list[dict] = []
+        self.last_save = None
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
@@ -104,6 +105,7 @@ class TrainLoop:
         if cfg.algo in RL_ALGOS and not self.sdk:
             self._build_engine()
         self.logger = self._make_logger()
+        self.started_at = time.time()  # metrics.jsonl appends: this run's records are those logged from here on
         if cfg.resume:
             self._resume()
 
@@ -246,17 +248,48 @@ class TrainLoop:
         return _normalise(self.trainer.train(rows, loss_fn, mini_bs, grad_accum, epochs=epochs, entropy=entropy))
 
     def fit(self) -> dict:
-        """The whole run: SFT warm-up, held-out accuracy before, the steps, accuracy after, the final save."""
+        """The whole run: SFT warm-up, held-out accuracy before, the steps, accuracy after, the final save; with
+        held-out rows, the before/after accuracy is also logged and the reward curve drawn next to metrics.jsonl."""
+        cfg = self.cfg
         self.warmup()
         before = self.evaluate() if self.eval_data else None
+        stage = "RL" if cfg.algo in RL_ALGOS else cfg.algo.upper()
         if self.is_main and before is not None:
-            print(f"held-out accuracy before {self.cfg.algo}: {before:.3f}", flush=True)
+            print(f"held-out accuracy before {stage}: {before:.1%} ({len(self.eval_data)} prompts, greedy)", flush=True)
         last = self.run()
         after = self.evaluate() if self.eval_data else None
+        self.results = {"accuracy_before": before, "accuracy_after": after, "last": last,
+                        "checkpoint": str(self.last_save) if self.last_save else None, "reward_curve": None}
         if self.is_main and before is not None:
-            print(f"held-out accuracy: {before:.3f} before {self.cfg.algo}, {after:.3f} after", flush=True)
-        self.results = {"accuracy_before": before, "accuracy_after": after, "last": last}
+            stdout, self.logger.stdout = self.logger.stdout, False
+            self.logger.log(self.step_index, {"eval_accuracy_before": before, "eval_accuracy_after": after})
+            self.logger.stdout = stdout
+            self.results["reward_curve"] = self._plot_reward_curve()
+            print(f"held-out accuracy: before {stage} {before:.1%} -> after {stage} {after:.1%} "
+                  f"({(after - before) * 100:+.1f} points)", flush=True)
+        if self.is_main and self.last_save:
+            print(f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
         return self.results
+
+    def _plot_reward_curve(self):
+        """reward_curve.png beside metrics.jsonl (RL runs); without matplotlib, a warning and no plot."""
+        from areno.rl.metrics import plot_reward_curve
+
+        if self.cfg.algo not in RL_ALGOS:
+            return None
+        png = self.logger.metrics_dir / "reward_curve.png"
+        try:
+            plot_reward_curve(self.logger.jsonl_path, png, title=f"{self.cfg.algo} reward per step",
+                              since=getattr(self, "started_at", None))
+        except ImportError as e:
+            log.warning("no reward-curve plot: %s (pip install matplotlib); the metrics are in %s", e,
+                        self.logger.jsonl_path)
+            return None
+        except ValueError as e:  # no reward logged (e.g. no RL step ran)
+            log.warning("no reward-curve plot: %s", e)
+            return None
+        print(f"reward curve: {png}", flush=True)
+        return str(png)
 
     # ---- rollout -------------------------------------------------------------------------------------------
     def sampling_options(self, n=None, greedy=False):
@@ -445,6 +478,7 @@ class TrainLoop:
                         trainer_state={"step": self.step_index,
                                        "data": self.data.state_dict() if self.data is not None else None,
                                        "num_updates": self.trainer.num_updates, "config": _jsonable(asdict(cfg))})
+        self.last_save = path
         return path
 
     def _resume(self):
@@ -481,14 +515,38 @@ class TrainLoop:
         for r in rows:
             r.setdefault("_response_ids", self._response_ids(r["response"], eos))
         from areno.rl.data import PromptIterator
+        from areno.rl.schedule import LRSchedule
 
         data = iter(PromptIterator(rows, cfg.batch_size, seed=cfg.seed + 1, epochs=None))
+        # the warm-up has a schedule of its own (same shape, peak --sft-warmup-lr or --lr, over its own updates) and
+        # trains at temperature 1: the RL schedule and the rollout temperature apply to the RL steps only
+        lr = cfg.sft_warmup_lr or cfg.lr
+        rl_schedule, rl_temperature = self.trainer.schedule, self.trainer.temperature
+        self.trainer.schedule = LRSchedule(lr, min_lr=min(cfg.min_lr, lr), warmup_steps=cfg.warmup_steps,
+                                           total_steps=cfg.sft_warmup_steps, style=cfg.lr_decay_style)
+        self.trainer.temperature = 1.0
         m = {}
-        for i in range(cfg.sft_warmup_steps):
-            m = self.step_sft(next(data))
-            if self.is_main and (i + 1) % max(1, cfg.log_interval) == 0:
-                self.logger.log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()})
-        self.trainer.num_updates = 0  # the RL schedule starts fresh
+        bar = None
+        if self.is_main:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.sft_warmup_steps, desc="sft warm-up", dynamic_ncols=True)
+        try:
+            for i in range(cfg.sft_warmup_steps):
+                m = self.step_sft(next(data))
+                if self.is_main and (i + 1) % max(1, cfg.log_interval) == 0:
+                    # JSON lines only: the progress bar carries the loss instead of one stdout line per step
+                    stdout, self.logger.stdout = self.logger.stdout, False
+                    self.logger.log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()})
+                    self.logger.stdout = stdout
+                if bar is not None:
+                    bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}", refresh=False)
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.trainer.schedule, self.trainer.temperature = rl_schedule, rl_temperature
+            self.trainer.num_updates = 0  # the RL schedule starts fresh
         return m
 
     def run(self) -> dict:

@@ -127,12 +127,15 @@ def read_metrics(jsonl_path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_reward_curve(jsonl_path, png_path, key: str = "reward_mean", title: str | None = None) -> Path:
-    """Plot ``key`` over steps from a metrics.jsonl (with a ±std band for reward_mean and a moving average)."""
+def plot_reward_curve(jsonl_path, png_path, key: str = "reward_mean", title: str | None = None,
+                      since: float | None = None) -> Path:
+    """Plot ``key`` over steps from a metrics.jsonl (with a ±std band for reward_mean and a moving average);
+    ``since`` (a Unix time) keeps only the records logged from then on, e.g. this run's in an appended file."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    points = [(r["step"], r[key], r.get("reward_std")) for r in read_metrics(jsonl_path) if r.get(key) is not None]
+    points = [(r["step"], r[key], r.get("reward_std")) for r in read_metrics(jsonl_path)
+              if r.get(key) is not None and (since is None or r.get("time", since) >= since)]
     if not points:
         raise ValueError(f"{jsonl_path} has no {key!r} values to plot")
     points.sort(key=lambda p: p[0])
