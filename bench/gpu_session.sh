@@ -43,6 +43,8 @@ for stage in "$@"; do
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
     serve) step serve 300 python3 bench/serve.py ;;
+    profile) step decode_profile 120 python3 bench/decode_profile.py ;;
+    train) step train_step 150 python3 bench/train_step.py ;;
     g1) step grpo_step 160 python3 bench/grpo_step.py ;;
     *) echo "unknown stage $stage" >>"$LOG" ;;
   esac

@@ -31,6 +31,29 @@ def grpo_loss_fn(cfg, *, dual_clip=None):
     return fn
 
 
+def inline_proximal(loss_fn, tis_cap: float):
+    """Wrap a policy loss for one update per rollout batch: the update's forward, detached, gives the trainer's
+    log-probs of the rollout tokens (the weights have not moved yet), from which the truncated importance weights
+    (``tis_cap`` > 0) and the rollout-vs-trainer difference are taken, saving a separate no-grad pass. Adds the
+    stats ``logprob_diff_total``/``logprob_diff_count`` (summed over microbatches and ranks); this rank's largest
+    difference is left in ``fn.max_diff``."""
+
+    def fn(out, packed, norms):
+        lp = out.logprobs.detach()
+        mask = packed.mask > 0
+        delta = lp - packed.old_logprobs
+        if tis_cap > 0:
+            packed.tok["tis"] = torch.exp(delta).clamp(max=tis_cap) * mask
+        loss, stats = loss_fn(out, packed, norms)
+        diff = delta.abs()[mask]
+        if diff.numel():
+            fn.max_diff = max(fn.max_diff, float(diff.max()))
+        return loss, dict(stats, logprob_diff_total=float(diff.sum()), logprob_diff_count=float(diff.numel()))
+
+    fn.max_diff = 0.0
+    return fn
+
+
 def gspo_loss_fn(cfg):
     def fn(out, packed, norms):
         return gspo_loss(

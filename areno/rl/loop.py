@@ -355,13 +355,17 @@ class TrainLoop:
             m["skipped"] = 1
             return m
         t0 = time.perf_counter()
-        prox = self.trainer.compute_logprobs(rows, cfg.mini_bs)  # the trainer's view of the rollout tokens
-        diffs = [abs(a - b) for r, p in zip(rows, prox) for a, b in zip(p, r.rollout_logprobs)]
-        m["logprob_diff"] = sum(diffs) / max(1, len(diffs))
-        m["logprob_diff_max"] = max(diffs, default=0.0)
-        for r, p in zip(rows, prox):
-            if cfg.tis_cap > 0:
-                r.extras["tis"] = [min(math.exp(a - b), cfg.tis_cap) for a, b in zip(p, r.rollout_logprobs)]
+        # One optimizer update per rollout batch: the update's own forward (detached) is the trainer's view of the
+        # rollout tokens, so the separate no-grad pass is skipped (same weights, same kernels, same numbers).
+        inline = self._single_update(rows)
+        if not inline:
+            prox = self.trainer.compute_logprobs(rows, cfg.mini_bs)  # the trainer's view of the rollout tokens
+            diffs = [abs(a - b) for r, p in zip(rows, prox) for a, b in zip(p, r.rollout_logprobs)]
+            m["logprob_diff"] = sum(diffs) / max(1, len(diffs))
+            m["logprob_diff_max"] = max(diffs, default=0.0)
+            for r, p in zip(rows, prox):
+                if cfg.tis_cap > 0:
+                    r.extras["tis"] = [min(math.exp(a - b), cfg.tis_cap) for a, b in zip(p, r.rollout_logprobs)]
         if self.ref is not None:
             for r, p in zip(rows, self.trainer.compute_logprobs(rows, cfg.mini_bs, model=self.ref)):
                 r.extras["ref"] = p
@@ -373,20 +377,31 @@ class TrainLoop:
             loss_fn = algorithms.gspo_loss_fn(cfg)
         else:
             loss_fn = algorithms.grpo_loss_fn(cfg)
+        if inline:
+            loss_fn = algorithms.inline_proximal(loss_fn, cfg.tis_cap if cfg.algo == "grpo" else 0.0)
         t1 = time.perf_counter()
         train_policy = not (cfg.algo == "ppo" and self.step_index < cfg.critic_warmup_steps)
         if train_policy:
             s = self.trainer.train(rows, loss_fn, cfg.mini_bs, cfg.gradient_accumulation_steps,
                                    epochs=cfg.ppo_epochs, entropy=cfg.entropy_coef > 0, shuffle_seed=cfg.seed)
+            if inline:
+                m["logprob_diff"] = s.pop("logprob_diff_total") / max(1.0, s.pop("logprob_diff_count"))
+                m["logprob_diff_max"] = max(_gather_objects(loss_fn.max_diff, self.dp_group))
             m.update(_normalise(s))
         if cfg.algo == "ppo":
             m.update(self._ppo_critic_update(rows))
         m["train_s"] = time.perf_counter() - t1
-        n_train = sum(len(r) for r in rows) * (cfg.ppo_epochs + 1)
+        n_train = sum(len(r) for r in rows) * (cfg.ppo_epochs + (not inline))
         m["train_tok_s"] = n_train / max(1e-9, m["train_s"] + m["logprob_s"])
         if cfg.drop_rollout_state:
             self.engine.drop_rollout_state()
         return m
+
+    def _single_update(self, rows) -> bool:
+        """Whether this step makes exactly one optimizer update (so its forward sees the rollout-time weights)."""
+        cfg = self.cfg
+        return (cfg.algo != "ppo" and cfg.ppo_epochs == 1
+                and len(rows) <= cfg.mini_bs * cfg.gradient_accumulation_steps * self.dp_size)
 
     def step_sft(self, batch) -> dict:
         cfg = self.cfg

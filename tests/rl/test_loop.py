@@ -77,6 +77,32 @@ def test_first_on_policy_step_has_ratio_one_and_zero_kl(setup_files):
         assert m["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])
+def test_single_update_step_skips_the_logprob_pass_with_the_same_result(setup_files, monkeypatch, algo):
+    """One update per rollout batch: the update's own forward replaces the no-grad log-prob pass; the weights,
+    the TIS-weighted loss and the reported rollout-vs-trainer difference are those of the separate pass."""
+
+    def one_step(inline):
+        loop = TrainLoop(loop_config(setup_files, algo=algo, gradient_accumulation_steps=4, max_steps=1,
+                                     temperature=0.7, tis_cap=2.0))
+        loop.setup()
+        monkeypatch.setattr(loop, "_single_update", lambda rows: inline)
+        calls = []
+        orig = loop.trainer.compute_logprobs
+        monkeypatch.setattr(loop.trainer, "compute_logprobs", lambda *a, **k: calls.append(1) or orig(*a, **k))
+        m = loop.step_rl(next(iter(loop.data)))
+        loop.close()
+        return m, [p.detach().clone() for p in loop.model.parameters()], calls
+
+    m1, w1, calls1 = one_step(True)
+    m0, w0, calls0 = one_step(False)
+    assert calls1 == [] and calls0 == [1]
+    assert m1["num_updates"] == m0["num_updates"] == 1
+    for k in ("loss", "logprob_diff", "logprob_diff_max"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(w1, w0))
+
+
 def _weights_after_one_update(setup_files, mini_bs, accum):
     cfg = loop_config(setup_files, algo="sft", batch_size=8, mini_bs=mini_bs, gradient_accumulation_steps=accum,
                       max_steps=1)
