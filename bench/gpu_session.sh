@@ -44,6 +44,9 @@ for stage in "$@"; do
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
     serve) step serve 300 python3 bench/serve.py ;;
     profile) step decode_profile 120 python3 bench/decode_profile.py ;;
+    prof)
+      step prof_train 90 python3 bench/profile_step.py train
+      step prof_decode 60 python3 bench/profile_step.py decode ;;
     train) step train_step 150 python3 bench/train_step.py ;;
     g1) step grpo_step 160 python3 bench/grpo_step.py ;;
     *) echo "unknown stage $stage" >>"$LOG" ;;

@@ -1,0 +1,102 @@
+"""Kernel-level profile (torch.profiler) of one areno T1 train step and of decode steps at R1's shape.
+
+    python bench/profile_step.py train     # T1: 8 x 1024 tokens, fwd + bwd + optimizer (Qwen3-0.6B shape)
+    python bench/profile_step.py decode    # 256 sequences, 128-token prompts, CUDA-graph decode steps
+    python bench/profile_step.py decode --eager
+
+Prints the top GPU kernels by total time and the step's wall time; a diagnostic, nothing is saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import models  # noqa: E402
+
+
+def table(prof, n=30):
+    print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
+                                    row_limit=n, max_name_column_width=70), flush=True)
+
+
+def train(args, device):
+    from areno.models import load_model
+    from areno.rl.algorithms import sft_loss_fn
+    from areno.rl.batch import Row
+    from areno.rl.optimizer import MasterAdamW
+    from areno.rl.schedule import LRSchedule
+    from areno.rl.trainer import PolicyTrainer
+
+    model = load_model(models.checkpoint(args.smoke), device=device).train()
+    model.set_activation_checkpointing(False)
+    opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    trainer = PolicyTrainer(model, opt, LRSchedule(1e-6), grad_clip=1.0)
+    b, s = (2, 64) if args.smoke else (8, 1024)
+    ids = torch.randint(models.FIRST_TOKEN, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    rows = [Row(prompt_ids=r[:1], response_ids=r[1:]) for r in ids.tolist()]
+
+    def step():
+        trainer.train(rows, sft_loss_fn(), mini_bs=b, gradient_accumulation_steps=1)
+
+    for _ in range(3):
+        step()
+    for label, fn in (("step", step), ("optimizer only", lambda: opt.step(lr=1e-6, grad_clip=1.0))):
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        t = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        print(f"{label}: {(time.perf_counter() - t) / 3 * 1e3:.1f} ms wall", flush=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+    table(prof)
+
+
+def decode(args, device):
+    from areno.models import load_model, load_tokenizer
+    from areno.rollout.engine import Engine, EngineConfig
+    from areno.rollout.sequence import SamplingOptions
+
+    path = models.checkpoint(args.smoke)
+    model = load_model(path, device=device)
+    engine = Engine(model, load_tokenizer(path), EngineConfig(block_size=16, max_running=256, max_model_len=2064,
+                                                              eager_decode=args.eager),
+                    eos_token_ids=[models.EOS_ID])
+    n = 8 if args.smoke else 256
+    opts = SamplingOptions(temperature=1.0, max_new_tokens=64, ignore_eos=True)
+    engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
+    for p in models.random_prompts(n, 128, model.config.vocab_size, seed=2):
+        engine.add_request(p, opts)
+    for _ in range(8):  # prefill and a few decode steps
+        engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(10):
+            engine.step()
+    print(f"10 decode steps, graph replay: {engine.runner.last_step_used_graph}")
+    table(prof, 40)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["train", "decode"])
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    (train if args.what == "train" else decode)(args, device)
+
+
+if __name__ == "__main__":
+    main()
