@@ -13,8 +13,8 @@ from areno.config import ConfigError, TrainConfig
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {}
 
-# Modules that register built-in presets when imported (e.g. the quickstart, once its task and model exist).
-_BUILTIN: tuple[str, ...] = ()
+# Modules that register built-in presets when imported.
+_BUILTIN: tuple[str, ...] = ("areno.quickstart.preset",)
 
 
 def register_preset(name: str):
