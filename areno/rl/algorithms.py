@@ -36,7 +36,7 @@ def inline_proximal(loss_fn, tis_cap: float):
     log-probs of the rollout tokens (the weights have not moved yet), from which the truncated importance weights
     (``tis_cap`` > 0) and the rollout-vs-trainer difference are taken, saving a separate no-grad pass. Adds the
     stats ``logprob_diff_total``/``logprob_diff_count`` (summed over microbatches and ranks); this rank's largest
-    difference is left in ``fn.max_diff``."""
+    difference is left in ``fn.max_diff`` (a device scalar)."""
 
     def fn(out, packed, norms):
         lp = out.logprobs.detach()
@@ -45,12 +45,12 @@ def inline_proximal(loss_fn, tis_cap: float):
         if tis_cap > 0:
             packed.tok["tis"] = torch.exp(delta).clamp(max=tis_cap) * mask
         loss, stats = loss_fn(out, packed, norms)
-        diff = delta.abs()[mask]
-        if diff.numel():
-            fn.max_diff = max(fn.max_diff, float(diff.max()))
-        return loss, dict(stats, logprob_diff_total=float(diff.sum()), logprob_diff_count=float(diff.numel()))
+        diff = delta.abs() * mask  # device scalars only: no host sync per microbatch
+        top = diff.max() if diff.numel() else diff.new_zeros(())
+        fn.max_diff = top if fn.max_diff is None else torch.maximum(fn.max_diff, top)
+        return loss, dict(stats, logprob_diff_total=diff.sum(), logprob_diff_count=mask.sum())
 
-    fn.max_diff = 0.0
+    fn.max_diff = None  # a device scalar after the first microbatch
     return fn
 
 

@@ -386,7 +386,8 @@ class TrainLoop:
                                    epochs=cfg.ppo_epochs, entropy=cfg.entropy_coef > 0, shuffle_seed=cfg.seed)
             if inline:
                 m["logprob_diff"] = s.pop("logprob_diff_total") / max(1.0, s.pop("logprob_diff_count"))
-                m["logprob_diff_max"] = max(_gather_objects(loss_fn.max_diff, self.dp_group))
+                top = float(loss_fn.max_diff) if loss_fn.max_diff is not None else 0.0
+                m["logprob_diff_max"] = max(_gather_objects(top, self.dp_group))
             m.update(_normalise(s))
         if cfg.algo == "ppo":
             m.update(self._ppo_critic_update(rows))

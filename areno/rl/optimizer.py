@@ -222,10 +222,20 @@ class MasterAdamW:
             p.grad = None
 
     def _grad_shard(self, b: _Bucket) -> torch.Tensor:
-        flat = torch.zeros(b.shard * self.dp_size, dtype=torch.float32, device=self.device)
+        """The bucket's gradient, flattened (one fused copy; ``None`` counts as zero), and the parameters' own
+        ``.grad`` released: the step consumes them. Alone: the whole bucket in the parameter dtype. Under DP:
+        this rank's shard of the sum over ranks, reduced in fp32."""
+        dtype = b.dtype if self.dp_group is None else torch.float32
+        flat = torch.zeros(b.shard * self.dp_size, dtype=dtype, device=self.device)
+        dst, src = [], []
         for p, off in zip(b.params, b.offsets):
             if p.grad is not None:
-                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                dst.append(flat[off : off + p.numel()])
+                src.append(p.grad.reshape(-1))
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for p in b.params:
+            p.grad = None
         if self.dp_group is None:
             return flat
         out = torch.empty(b.shard, dtype=torch.float32, device=self.device)
@@ -235,17 +245,14 @@ class MasterAdamW:
     @torch.no_grad()
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
         """Reduce gradients, clip to ``grad_clip`` (0 disables), update; returns the global grad norm before
-        clipping."""
+        clipping. The parameters' ``.grad`` are consumed (set to ``None``)."""
         lr = self.lr if lr is None else lr
-        # with DP the reduced shards are kept (1/D of the gradient); alone, the gradient is re-read in the update
-        keep = self.dp_group is not None
-        shards = []
+        shards = [self._grad_shard(b) for b in self.buckets]
+        parts = [g[a:e] for b, g in zip(self.buckets, shards) for a, e in b.counted]
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b in self.buckets:
-            g = self._grad_shard(b)
-            for a, e in b.counted:
-                sumsq += torch.linalg.vector_norm(g[a:e]).double() ** 2
-            shards.append(g if keep else None)
+        if parts:
+            norms = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) for x in parts])
+            sumsq = norms.double().square().sum()
         for group in (self.dp_group, self.tp_group):
             if group is not None:
                 dist.all_reduce(sumsq, group=group)
@@ -257,7 +264,7 @@ class MasterAdamW:
         index = {id(b): i for i, b in enumerate(self.buckets)}
         for group, dev in self._state_groups():
             for b in group:
-                g = shards[index[id(b)]] if keep else self._grad_shard(b)
+                g = shards[index[id(b)]].float()  # a copy for bf16 buckets, the shard itself otherwise
                 if coef < 1.0:
                     g.mul_(coef)
                 start = b.file_offset if self.offload == "disk" else 0
@@ -280,8 +287,10 @@ class MasterAdamW:
         beta1, beta2 = self.betas
         step = float(self.num_steps)
         if fused if fused is not None else (w.is_cuda and hasattr(torch, "_fused_adamw_")):
-            steps = [torch.tensor(step, dtype=torch.float32, device=w.device)]
-            torch._fused_adamw_([w], [g], [m], [v], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+            cached = getattr(self, "_step_tensor", None)  # one per step, shared by the buckets
+            if cached is None or cached[0] != step or cached[1].device != w.device:
+                self._step_tensor = cached = (step, torch.tensor(step, dtype=torch.float32, device=w.device))
+            torch._fused_adamw_([w], [g], [m], [v], [], [cached[1]], lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
             return
         if self.weight_decay != 0:
@@ -300,8 +309,8 @@ class MasterAdamW:
             _all_gather(full, local, self.dp_group)
         else:
             full = local
-        for p, off in zip(b.params, b.offsets):
-            p.detach().view(-1).copy_(full[off : off + p.numel()])
+        torch._foreach_copy_([p.detach().view(-1) for p in b.params],
+                             [full[off : off + p.numel()] for p, off in zip(b.params, b.offsets)])
 
     # ---- state ---------------------------------------------------------------------------------------------
     def _layout(self) -> dict:

@@ -124,14 +124,21 @@ class PolicyTrainer:
         self.optimizer.zero_grad()
         stats: dict[str, float] = {}
         micro = [[r for u in mine[i : i + mini_bs] for r in u] for i in range(0, len(mine), mini_bs)]
-        for rows in micro:
+        pending: list[tuple[str, torch.Tensor]] = []  # device scalars, read back once per update (no sync per
+        for rows in micro:                              # microbatch)
             packed = pack(rows).to(self.device)
             out = self.forward(packed, entropy=entropy)
             loss, s = loss_fn(out, packed, norms)
             loss.backward()
-            for k, v in s.items():
-                stats[k] = stats.get(k, 0.0) + float(v)
-            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
+            for k, v in [*s.items(), ("loss", loss)]:
+                if torch.is_tensor(v):
+                    pending.append((k, v.detach().float().reshape(())))
+                else:
+                    stats[k] = stats.get(k, 0.0) + float(v)
+        if pending:
+            values = torch.stack([v.to(self.device) for _, v in pending]).tolist()
+            for (k, _), v in zip(pending, values):
+                stats[k] = stats.get(k, 0.0) + v
         # ranks with fewer microbatches still join the collectives inside the optimizer
         if self.dp_size > 1:
             keys = sorted(stats)
