@@ -271,7 +271,7 @@ def test_preset_is_the_base_and_explicit_flags_override_it(capsys, plugin_files,
     code, _, err = run(capsys, "train", "--preset", "unit", "--world-size", "3", "--tp-size", "2")
     assert code == 2 and "--world-size" in err
     code, _, err = run(capsys, "train", "--preset", "nope")
-    assert code == 2 and "known presets: unit" in err
+    assert code == 2 and "known presets: quickstart, unit" in err
 
 
 def test_top_level_version_help_and_platform_dispatch(capsys, monkeypatch):

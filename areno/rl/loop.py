@@ -142,12 +142,20 @@ class TrainLoop:
                           tp_group=self.tp_group, offload=cfg.optimizer_state_offload,
                           offload_dir=cfg.optimizer_state_offload_dir,
                           offload_batch_size=cfg.optimizer_state_offload_batch_size)
-        updates_per_step = max(1, cfg.ppo_epochs if cfg.algo in RL_ALGOS else 1)
+        rl = cfg.algo in RL_ALGOS
+        updates_per_step = self._updates_per_step(cfg.batch_size * (cfg.n_samples if rl else 1)) * max(
+            1, cfg.ppo_epochs if rl else 1)
         sched = LRSchedule(lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=total * updates_per_step,
                            style=cfg.lr_decay_style)
         trainer = PolicyTrainer(model, opt, sched, temperature=self._logprob_temperature(), grad_clip=cfg.grad_clip,
                                 dp_group=self.dp_group, tp_group=self.tp_group)
         return trainer
+
+    def _updates_per_step(self, units: int) -> int:
+        """Optimizer updates one train() pass makes over ``units`` rows (pairs for DPO): the decay schedules count
+        updates, so their length is steps x this (x epochs)."""
+        cfg = self.cfg
+        return max(1, -(-units // (cfg.mini_bs * cfg.gradient_accumulation_steps * self.dp_size)))
 
     def _logprob_temperature(self) -> float:
         t = self.cfg.temperature
@@ -539,7 +547,8 @@ class TrainLoop:
         lr = cfg.sft_warmup_lr or cfg.lr
         rl_schedule, rl_temperature = self.trainer.schedule, self.trainer.temperature
         self.trainer.schedule = LRSchedule(lr, min_lr=min(cfg.min_lr, lr), warmup_steps=cfg.warmup_steps,
-                                           total_steps=cfg.sft_warmup_steps, style=cfg.lr_decay_style)
+                                           total_steps=cfg.sft_warmup_steps * self._updates_per_step(cfg.batch_size),
+                                           style=cfg.lr_decay_style)
         self.trainer.temperature = 1.0
         m = {}
         bar = None

@@ -145,3 +145,64 @@ def test_bad_plugins_exit_2_naming_the_flag(setup_files, tmp_path, capsys):
     rc = main(["train", "--algo", "grpo", *base_args(ckpt, data, reward, tmp_path / "o"),
                "--dataset-loader-fn", str(broken)])
     assert rc == 2 and "--dataset-loader-fn" in capsys.readouterr().err
+
+
+def test_sft_warmup_has_its_own_lr_then_rl_starts_fresh_and_fit_reports_held_out_accuracy(setup_files, tmp_path,
+                                                                                           capsys):
+    ckpt, data, reward, root = setup_files
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({**r, "split": "eval"} if i < 8 else r) + "\n" for i, r in enumerate(rows)))
+    metrics = tmp_path / "m"
+    cfg = loop_config(setup_files, dataset_path=str(held), metrics_dir=str(metrics), sft_warmup_steps=3,
+                      sft_warmup_lr=5e-3, lr=1e-3, lr_decay_style="linear", max_steps=2, temperature=0.7,
+                      mini_bs=8, save_path=str(tmp_path / "out"))  # one optimizer update per step
+    loop = TrainLoop(cfg)
+    loop.setup()
+    rl_schedule = loop.trainer.schedule
+    try:
+        results = loop.fit()
+    finally:
+        loop.close()
+    lines = [json.loads(x) for x in (metrics / "metrics.jsonl").read_text().splitlines()]
+    warm = [x for x in lines if "warmup_lr" in x]
+    assert [x["step"] for x in warm] == [-2, -1, 0]
+    assert [x["warmup_lr"] for x in warm] == pytest.approx([5e-3, 5e-3 * 2 / 3, 5e-3 / 3])  # linear over 3 updates
+    rl = [x for x in lines if x["step"] > 0 and "reward_mean" in x]
+    assert [x["step"] for x in rl] == [1, 2]
+    assert loop.trainer.schedule is rl_schedule and loop.trainer.temperature == 0.7
+    lrs = [x["lr"] for x in rl if "lr" in x]  # absent from a step skipped for all-equal rewards
+    assert lrs == pytest.approx([1e-3, 5e-4][: len(lrs)])  # the RL schedule from its first update
+    out = capsys.readouterr().out
+    assert "held-out accuracy: before RL" in out and "-> after RL" in out
+    assert results["accuracy_before"] is not None and results["accuracy_after"] is not None
+    assert lines[-1]["eval_accuracy_before"] == results["accuracy_before"]
+    assert results["checkpoint"] == str(tmp_path / "out" / "step-2")
+    if results["reward_curve"] is not None:  # None only without matplotlib
+        assert (metrics / "reward_curve.png").exists()
+
+
+def test_fit_without_matplotlib_warns_and_still_finishes(setup_files, tmp_path, monkeypatch, caplog):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    ckpt, data, reward, root = setup_files
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({**r, "split": "eval"} if i < 4 else r) + "\n" for i, r in enumerate(rows)))
+    loop = TrainLoop(loop_config(setup_files, dataset_path=str(held), metrics_dir=str(tmp_path / "m"), max_steps=1))
+    loop.setup()
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    try:
+        results = loop.fit()
+    finally:
+        monkeypatch.undo()
+        loop.close()
+    assert results["reward_curve"] is None and not (tmp_path / "m" / "reward_curve.png").exists()
+    assert "no reward-curve plot" in caplog.text
