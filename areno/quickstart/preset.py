@@ -26,7 +26,8 @@ from areno.presets import register_preset
 
 TASK = Path(__file__).resolve().with_name("task.py")
 # The model the quickstart trains: qwen3 layout, two layers of width 128 (about 0.4M parameters with the tied
-# embedding of the tiny tokenizer). Changing it changes the cache folder's name, so an old cached model is never reused.
+# embedding of the tiny tokenizer). Bump MODEL_VERSION with any change here: it names the cache folder, so an old
+# cached model is never reused.
 MODEL = dict(family="qwen3", seed=0, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, initializer_range=0.05)
 MODEL_VERSION = "addition-v2"
