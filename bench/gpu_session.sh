@@ -48,7 +48,8 @@ for stage in "$@"; do
       step prof_train 90 python3 bench/profile_step.py train
       step prof_decode 60 python3 bench/profile_step.py decode ;;
     train) step train_step 150 python3 bench/train_step.py ;;
-    g1) step grpo_step 160 python3 bench/grpo_step.py ;;
+    learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
+    g1) step grpo_step 170 python3 bench/grpo_step.py ;;
     *) echo "unknown stage $stage" >>"$LOG" ;;
   esac
 done
