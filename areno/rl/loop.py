@@ -268,6 +268,9 @@ class TrainLoop:
         after = self.evaluate() if self.eval_data else None
         self.results = {"accuracy_before": before, "accuracy_after": after, "last": last,
                         "checkpoint": str(self.last_save) if self.last_save else None, "reward_curve": None}
+        if self.is_main and last:
+            print("final step: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())
+                                             if isinstance(v, (int, float))), flush=True)
         if self.is_main and before is not None:
             stdout, self.logger.stdout = self.logger.stdout, False
             self.logger.log(self.step_index, {"eval_accuracy_before": before, "eval_accuracy_after": after})

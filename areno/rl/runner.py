@@ -26,10 +26,7 @@ def run_train(config) -> int:
     trainer = Trainer.from_config(config)  # the CLI runs on the SDK
     try:
         trainer.init()
-        last = trainer.fit()["last"]
-        if trainer.loop.is_main and last:
-            print("final step: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())
-                                             if isinstance(v, (int, float))))
+        trainer.fit()  # ends with the last step's metrics, held-out accuracy before -> after, the checkpoint
     finally:
         trainer.close()
     return 0

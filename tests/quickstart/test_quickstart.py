@@ -1,0 +1,110 @@
+"""`areno train --preset quickstart`, shortened, through the real command: the reward rises, held-out accuracy rises,
+metrics.jsonl and the reward-curve PNG are written, and the checkpoint loads in areno, transformers and the server.
+
+The full preset is measured in the README (about 2 minutes on two CPU cores); here the SFT warm-up and the RL run are
+cut to what still shows the effect in well under a minute and a half on one core.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from areno import presets
+from areno.cli import make_parser, parse_config
+from areno.config import TrainConfig
+from areno.quickstart import task
+
+ROOT = Path(__file__).resolve().parents[2]
+RL_STEPS = 18
+
+
+@pytest.fixture
+def areno_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("ARENO_HOME", str(home))
+    threads = torch.get_num_threads()  # the preset picks one CPU thread for this process
+    yield home
+    torch.set_num_threads(threads)
+
+
+def test_task_teacher_forgets_carries_and_the_reward_checks_the_true_sum():
+    assert task.carry_forgotten(47, 85) == "122" and task.true_sum(47, 85) == "132"
+    assert task.carry_forgotten(23, 19) == "32" and task.carry_forgotten(12, 34) == "46"
+    rows = task.load_training_dataset("n_eval=50,teacher_error=0.6")
+    train = [r for r in rows if r.get("split") != "eval"]
+    held_out = [r for r in rows if r.get("split") == "eval"]
+    assert len(held_out) == 50 and len(train) == 90 * 90 - 50
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in held_out}
+    assert all(r["response"] == r["answer"] for r in held_out)
+    carry = [r for r in train if task.carries(*map(int, r["prompt"][0]["content"][:-1].split("+")))]
+    sloppy = sum(r["response"] != r["answer"] for r in carry) / len(carry)
+    assert 0.55 < sloppy < 0.65 and all(r["response"] == r["answer"] for r in train if r not in carry)
+    assert rows == task.load_training_dataset("n_eval=50,teacher_error=0.6")  # deterministic
+    assert task.reward_fn({"completion": " 132\n", "answer": "132"}) == 1.0
+    assert task.reward_fn({"completion": "122", "answer": "132"}) == 0.0
+    with pytest.raises(ValueError, match="keys"):
+        task.parse_spec("digit=3")
+
+
+def test_flags_override_the_quickstart_preset(areno_home):
+    parser = make_parser("train", TrainConfig)
+    cfg = parse_config(parser, TrainConfig, ["--preset", "quickstart", "--max-steps", "3", "--seed", "7"])
+    base = presets.get_preset("quickstart")
+    assert (cfg.max_steps, cfg.seed) == (3, 7) and (base.max_steps, base.seed) != (3, 7)
+    assert cfg.preset == "quickstart" and cfg.algo == "grpo" and cfg.sft_warmup_steps == base.sft_warmup_steps
+    assert Path(cfg.ckpt).parent == areno_home / "quickstart" and (Path(cfg.ckpt) / "model.safetensors").exists()
+    assert "quickstart" in presets.preset_names()
+
+
+def test_quickstart_end_to_end(areno_home, tmp_path):
+    save, metrics = tmp_path / "run", tmp_path / "run" / "metrics"
+    env = {**os.environ, "ARENO_HOME": str(areno_home), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "areno.train", "--preset", "quickstart", "--sft-warmup-steps", "300",
+           "--max-steps", str(RL_STEPS), "--eval-interval", "0", "--dataset-path", "n_eval=100",
+           "--save-path", str(save), "--metrics-dir", str(metrics)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "resolved configuration" in out and "held-out accuracy: before RL" in out
+
+    records = [json.loads(line) for line in (metrics / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
+    assert len(rewards) == RL_STEPS
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    final = records[-1]
+    before, after = final["eval_accuracy_before"], final["eval_accuracy_after"]
+    assert last > first and after >= before + 0.05, (rewards, before, after)
+    png = metrics / "reward_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    ckpt = save / f"step-{RL_STEPS}"
+    from areno.models import load_model
+
+    model = load_model(str(ckpt), dtype=torch.float32, device=torch.device("cpu"))
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    text = tok.apply_chat_template([{"role": "user", "content": "47+85="}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids)[0, -1], hf(ids).logits[0, -1].float(), atol=1e-3, rtol=1e-3)
+
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from tests.serve.conftest import RunningServer
+
+    server = RunningServer(ckpt)
+    try:
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "47+85="}], "max_tokens": 6,
+            "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"].strip().isdigit()
+    finally:
+        server.stop()
