@@ -63,6 +63,7 @@ def start_server(path, port, args, log_file):
     ]
     if args.eager:
         cmd.append("--eager-decode")
+    cmd += args.server_args.split()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print("server:", " ".join(cmd), flush=True)
     return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -206,6 +207,9 @@ def main():
     ap.add_argument("--startup-timeout-s", type=float, default=300)
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/serve.jsonl")
+    ap.add_argument("--server-args", default="", help="more areno serve flags, e.g. '--world-size 2 --tp-size 2'")
+    ap.add_argument("--greedy-out", default=None,
+                    help="after the loads, write the greedy completions of 32 fixed prompts (64 tokens) here (JSON)")
     args = ap.parse_args()
     if args.smoke:
         args.requests, args.prompt_tokens, args.max_tokens = 20, 32, 8
@@ -245,6 +249,7 @@ def main():
                 traceback.print_exc()
                 rec = dict(load=load, error=f"{type(e).__name__}: {e}"[:300])
             rec.update(
+                server_args=args.server_args,
                 prompt_tokens=args.prompt_tokens,
                 max_tokens=args.max_tokens,
                 max_running_prompts=args.max_running_prompts,
@@ -254,6 +259,15 @@ def main():
             if proc.poll() is not None:
                 print(f"server died (code {proc.returncode})", flush=True)
                 break
+        if args.greedy_out and proc.poll() is None:
+            import httpx
+
+            prompts = models.random_prompts(32, args.prompt_tokens, vocab, seed=7)
+            texts = [httpx.post(base + "/v1/completions", timeout=300, json={
+                "model": model, "prompt": p, "max_tokens": 64, "temperature": 0.0, "ignore_eos": True,
+            }).json()["choices"][0]["text"] for p in prompts]
+            with open(args.greedy_out, "w") as f:
+                json.dump(texts, f)
     except Exception as e:
         traceback.print_exc()
         records.append(dict(load="startup", error=f"{type(e).__name__}: {e}"[:300]))
