@@ -48,6 +48,7 @@ for stage in "$@"; do
       step prof_train 90 python3 bench/profile_step.py train
       step prof_decode 60 python3 bench/profile_step.py decode ;;
     train) step train_step 150 python3 bench/train_step.py ;;
+    tp) step tp ${TP_LIMIT:-400} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
     learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
     g1) step grpo_step 170 python3 bench/grpo_step.py ;;
     *) echo "unknown stage $stage" >>"$LOG" ;;
