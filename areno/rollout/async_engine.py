@@ -39,9 +39,24 @@ class RequestStream:
         self.seqs = []
         self.remaining = options.n
         self.error: BaseException | None = None
+        self._deferred: BaseException | None = None
 
     def push(self, event):
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def pending(self) -> list[TokenEvent]:
+        """The events already queued, taken without waiting: a consumer that fell behind sends them as one chunk.
+        An error queued among them is raised by the next ``__anext__``, after the events before it."""
+        out = []
+        while self._deferred is None and not self.queue.empty():
+            event = self.queue.get_nowait()
+            if isinstance(event, BaseException):
+                self._deferred = event
+                break
+            if event.finish_reason is not None:
+                self.remaining -= 1
+            out.append(event)
+        return out
 
     def abort(self):
         if self.remaining > 0:
@@ -52,6 +67,10 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> TokenEvent:
+        if self._deferred is not None:
+            event, self._deferred = self._deferred, None
+            self.remaining = 0
+            raise event
         if self.remaining <= 0 and self.queue.empty():
             raise StopAsyncIteration
         event = await self.queue.get()
@@ -61,6 +80,11 @@ class RequestStream:
         if event.finish_reason is not None:
             self.remaining -= 1
         return event
+
+
+def _deliver(batch) -> None:
+    for stream, event in batch:
+        stream.queue.put_nowait(event)
 
 
 class AsyncEngine:
@@ -139,6 +163,7 @@ class AsyncEngine:
                     stream.push(exc)
                 self._streams.clear()
                 continue
+            batches: dict = {}  # event loop -> [(stream, event)]: one wake-up per loop per step, not per token
             for seq in seqs:
                 stream = self._streams.get(seq.seq_id)
                 if stream is None:
@@ -148,4 +173,9 @@ class AsyncEngine:
                                    seq.stop_text, top)
                 if seq.is_finished:
                     del self._streams[seq.seq_id]
-                stream.push(event)
+                batches.setdefault(stream.loop, []).append((stream, event))
+            for loop, batch in batches.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver, batch)
+                except RuntimeError:  # that event loop is closed: nobody is listening
+                    pass

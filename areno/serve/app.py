@@ -331,32 +331,41 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             for i in range(req.n):
                 yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None, "logprobs": None}]})
-            async for ev in stream:
-                d = detoks[ev.index]
-                delta_text = ""
-                if ev.token_id is not None:
-                    completion_tokens += 1
-                    delta_text = d.push(ev.token_id, emit=ev.finish_reason is None)
-                lp = None
-                if req.logprobs and ev.token_id is not None:
-                    o = {"ids": [ev.token_id], "logprobs": [ev.logprob], "top": [ev.top]}
-                    lp = chat_logprobs(o, k)
-                if ev.finish_reason is None:
-                    if delta_text and not parse_tools:
-                        yield sse({**head, "choices": [{"index": ev.index, "delta": {"content": delta_text},
+            held = [{"ids": [], "logprobs": [], "top": []} for _ in range(req.n)]  # log-probs not yet sent
+            async for first in stream:
+                # every event already queued goes out with this one: one chunk per sample however far behind
+                by_index: dict[int, list] = {}
+                for ev in [first, *stream.pending()]:
+                    by_index.setdefault(ev.index, []).append(ev)
+                for index, evs in by_index.items():
+                    d, h, last = detoks[index], held[index], evs[-1]
+                    delta_text = ""
+                    for ev in evs:
+                        if ev.token_id is not None:
+                            completion_tokens += 1
+                            delta_text += d.push(ev.token_id, emit=ev.finish_reason is None)
+                            h["ids"].append(ev.token_id)
+                            h["logprobs"].append(ev.logprob)
+                            h["top"].append(ev.top)
+                    if last.finish_reason is None and not (delta_text and not parse_tools):
+                        continue  # nothing to show yet (held-back text, or tool calls parsed at the end)
+                    lp = chat_logprobs(h, k) if req.logprobs and h["ids"] else None
+                    held[index] = {"ids": [], "logprobs": [], "top": []}
+                    if last.finish_reason is None:
+                        yield sse({**head, "choices": [{"index": index, "delta": {"content": delta_text},
                                                         "finish_reason": None, "logprobs": lp}]})
-                    continue
-                finish = ev.finish_reason
-                if parse_tools:
-                    content, calls = parse_tool_calls(d.final_text(ev.stop_text))
-                    delta = {"content": content}
-                    if calls:
-                        delta["tool_calls"] = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
-                        finish = "tool_calls"
-                else:
-                    delta = {"content": delta_text + d.flush(ev.stop_text)}
-                yield sse({**head, "choices": [{"index": ev.index, "delta": delta, "finish_reason": finish,
-                                                "logprobs": lp}]})
+                        continue
+                    finish = last.finish_reason
+                    if parse_tools:
+                        content, calls = parse_tool_calls(d.final_text(last.stop_text))
+                        delta = {"content": content}
+                        if calls:
+                            delta["tool_calls"] = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
+                            finish = "tool_calls"
+                    else:
+                        delta = {"content": delta_text + d.flush(last.stop_text)}
+                    yield sse({**head, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
+                                                    "logprobs": lp}]})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_len, completion_tokens)})
             yield "data: [DONE]\n\n"
@@ -441,23 +450,29 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         try:
             live = len(streams)
             while live:
-                pi, ev = await merged.get()
-                if ev is None:
-                    live -= 1
-                    continue
-                if isinstance(ev, Exception):
-                    yield sse(APIError(400, str(ev)).body())
-                    continue
-                d = detoks.setdefault((pi, ev.index), Detokenizer(tokenizer, req.stop_list()))
-                text = ""
-                if ev.token_id is not None:
-                    completion_tokens += 1
-                    text = d.push(ev.token_id, emit=ev.finish_reason is None)
-                if ev.finish_reason is not None:
-                    text += d.flush(ev.stop_text)
-                if text or ev.finish_reason is not None:
-                    yield sse({**head, "choices": [{"index": pi * req.n + ev.index, "text": text, "logprobs": None,
-                                                    "finish_reason": ev.finish_reason}]})
+                batch = [await merged.get()]
+                while not merged.empty():  # a consumer that fell behind sends what is queued as one chunk each
+                    batch.append(merged.get_nowait())
+                texts: dict[tuple[int, int], list] = {}  # (prompt, sample) -> [text, finish_reason]
+                for pi, ev in batch:
+                    if ev is None:
+                        live -= 1
+                        continue
+                    if isinstance(ev, Exception):
+                        yield sse(APIError(400, str(ev)).body())
+                        continue
+                    d = detoks.setdefault((pi, ev.index), Detokenizer(tokenizer, req.stop_list()))
+                    entry = texts.setdefault((pi, ev.index), ["", None])
+                    if ev.token_id is not None:
+                        completion_tokens += 1
+                        entry[0] += d.push(ev.token_id, emit=ev.finish_reason is None)
+                    if ev.finish_reason is not None:
+                        entry[0] += d.flush(ev.stop_text)
+                        entry[1] = ev.finish_reason
+                for (pi, index), (text, finish) in texts.items():
+                    if text or finish is not None:
+                        yield sse({**head, "choices": [{"index": pi * req.n + index, "text": text, "logprobs": None,
+                                                        "finish_reason": finish}]})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
             yield "data: [DONE]\n\n"

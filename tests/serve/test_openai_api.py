@@ -73,6 +73,66 @@ def test_logprobs(client):
     assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
 
 
+def test_streamed_logprobs_cover_every_token(client):
+    """Tokens whose text is held back (a partial character, a possible stop string) still get their log-probs,
+    sent with the next chunk that carries text."""
+    full = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=24, temperature=0, logprobs=True)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=24, temperature=0,
+                                                 logprobs=True, stream=True, stop=["zz"],
+                                                 stream_options={"include_usage": True}))
+    items = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert len(items) == chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [x.logprob for x in items] == pytest.approx([x.logprob for x in full.choices[0].logprobs.content],
+                                                       abs=1e-5)
+
+
+def test_a_server_that_falls_behind_sends_several_tokens_per_chunk(server):
+    """When the server's event loop falls behind the engine (here: stalled for 0.4 s mid-stream), the tokens that
+    queued meanwhile go out in one chunk: same text, same usage, fewer chunks."""
+    body = {"model": "tiny", "prompt": "slow reader", "max_tokens": 128, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    full = httpx.post(server.base_url + "/v1/completions", json=plain, timeout=60).json()
+
+    def read(stall):
+        pieces, usage = [], None
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj["choices"]:
+                    pieces.append(obj["choices"][0]["text"])
+                    if stall and len(pieces) == 1:
+                        streams = list(server.engine._streams.values())
+                        streams[0].loop.call_soon_threadsafe(time.sleep, 0.4)  # the engine keeps decoding
+                usage = obj.get("usage") or usage
+        return pieces, usage
+
+    fast, usage_fast = read(False)
+    slow, usage_slow = read(True)
+    assert "".join(fast) == "".join(slow) == full["choices"][0]["text"]
+    assert usage_fast["completion_tokens"] == usage_slow["completion_tokens"] == 128
+    assert len(slow) < len(fast) - 5
+
+
+def test_request_stream_pending_keeps_order_and_defers_errors():
+    from areno.rollout.async_engine import RequestStream, TokenEvent
+    from areno.rollout.sequence import SamplingOptions
+
+    async def main():
+        stream = RequestStream(owner=None, prompt_ids=[1], options=SamplingOptions(n=2))
+        for ev in (TokenEvent(0, 5, -0.1), TokenEvent(1, 6, -0.2, "stop"), ValueError("boom"), TokenEvent(0, 7, -1)):
+            stream.queue.put_nowait(ev)
+        got = stream.pending()
+        assert [(e.index, e.token_id) for e in got] == [(0, 5), (1, 6)] and stream.remaining == 1
+        assert stream.pending() == []  # nothing past the error until it is raised
+        with pytest.raises(ValueError, match="boom"):
+            await stream.__anext__()
+
+    asyncio.run(main())
+
+
 def test_tool_call_parser_on_crafted_outputs():
     content, calls = parse_tool_calls('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
                                       '{"city": "Paris"}}\n</tool_call>')
