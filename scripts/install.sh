@@ -190,13 +190,23 @@ elif [ -n "$installed_from" ] && probe "$VPY" -m areno.platform installed "$REPO
   if [ "$DRY_RUN" = 1 ]; then say "would write $stamp_file"; else echo "$stamp" > "$stamp_file"; fi
 else
   pip_args=(install --upgrade-strategy only-if-needed)
-  # Pin the torch that is there, so no dependency can upgrade it.
-  if [ -n "$torch_version" ] && [ "$DRY_RUN" = 1 ]; then
-    pip_args+=(--constraint "<(echo torch==$torch_version)")
-  elif [ -n "$torch_version" ]; then
+  # Pin the torch that is there, so no dependency can upgrade it; without a GPU, also the Triton release that torch
+  # was built with (a CPU torch wheel does not name one, and the newest Triton may not match its interpreter).
+  [ -z "$torch_version" ] && [ "$DRY_RUN" != 1 ] && torch_version=$(probe "$VPY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+  pins=""
+  [ -n "$torch_version" ] && pins="torch==$torch_version"
+  if [ "$gpu" != 1 ] && ! probe "$VPY" -c 'import triton' >/dev/null 2>&1; then
+    case $torch_version in
+      2.13.*) pins="$pins triton==3.7.1" ;;
+      2.11.*) pins="$pins triton==3.6.0" ;;
+    esac
+  fi
+  if [ -n "$pins" ] && [ "$DRY_RUN" = 1 ]; then
+    pip_args+=(--constraint "<(printf '%s\\n' $pins)")
+  elif [ -n "$pins" ]; then
     pin=$(mktemp "${TMPDIR:-/tmp}/areno-torch-pin.XXXXXX")
     trap 'rm -f "$pin"' EXIT
-    echo "torch==$torch_version" > "$pin"
+    printf '%s\n' $pins > "$pin"
     pip_args+=(--constraint "$pin")
   fi
   # Build with the venv's own setuptools when it can build editables: faster, and works offline.
