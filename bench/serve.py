@@ -198,9 +198,9 @@ def summarize(load, results, origin, max_tokens) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shape, few short requests (checks the script)")
-    ap.add_argument("--requests", type=int, default=500)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=None, help="500 (20 with --smoke)")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="512 (32 with --smoke)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="128 (8 with --smoke)")
     ap.add_argument("--rates", default="inf,16", help="comma list of requests/s; inf = all at once")
     ap.add_argument("--max-running-prompts", type=int, default=256)
     ap.add_argument("--eager", action="store_true", help="server with --eager-decode")
@@ -211,8 +211,9 @@ def main():
     ap.add_argument("--greedy-out", default=None,
                     help="after the loads, write the greedy completions of 32 fixed prompts (64 tokens) here (JSON)")
     args = ap.parse_args()
-    if args.smoke:
-        args.requests, args.prompt_tokens, args.max_tokens = 20, 32, 8
+    for name, full, smoke in (("requests", 500, 20), ("prompt_tokens", 512, 32), ("max_tokens", 128, 8)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
     shape = models.shape_of(args.smoke)
     t_start = time.perf_counter()
     path = models.checkpoint(args.smoke)
