@@ -96,4 +96,5 @@ def quickstart() -> TrainConfig:
         save_path="runs/quickstart",
         metrics_dir="runs/quickstart/metrics",
         tensorboard=False,
+        dtype="float32",  # the numbers measured on CPU hold on a GPU too (bf16 would change them); tiny either way
     )
