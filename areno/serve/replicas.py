@@ -12,7 +12,10 @@ Wire protocol, front end -> replica (one queue each): ``("add", rid, prompt_ids,
 ``(rank, "failed", message)``, ``(rank, "tokens", [(rid, index, token, logprob, finish, stop_text, top), ...])``
 (one message per engine step), ``(rank, "error", (rid, is_value_error, message))``, ``(rank, "closed", None)``.
 
-T > 1 with several replicas needs each replica's TP group to run the engine in lockstep, which is not built yet.
+With T > 1 a replica is a tensor-parallel group of T processes, all started by the front end: the first (TP rank 0)
+runs the replica's engine and speaks the wire protocol, the other T - 1 hold their weight shards and execute the
+steps it broadcasts (``Engine.follow``). Each replica group has its own ``torch.distributed`` rendezvous on a free
+loopback port (NCCL on GPUs, gloo on the CPU), so replicas never wait on each other.
 """
 
 from __future__ import annotations
@@ -38,15 +41,11 @@ STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint on every replica takes a
 
 def check_topology(world_size: int, tp_size: int, num_gpus: int) -> int:
     """The number of replicas, or a ConfigError for a topology this build cannot run."""
-    replicas = world_size // tp_size
-    if replicas > 1 and tp_size > 1:
-        raise ConfigError("--tp-size", f"{tp_size} with --world-size {world_size} ({replicas} data-parallel replicas "
-                                       "of TP size > 1) needs each replica's TP group to run the engine in lockstep, "
-                                       "which is not built yet; use --tp-size 1 (replicas) or --world-size equal to "
-                                       "--tp-size (one TP replica)")
+    if world_size % tp_size:
+        raise ConfigError("--world-size", f"{world_size} is not divisible by --tp-size {tp_size}")
     if num_gpus and world_size > num_gpus:
         raise ConfigError("--world-size", f"{world_size} needs {world_size} GPUs; {num_gpus} are visible")
-    return replicas
+    return world_size // tp_size
 
 
 def visible_gpus() -> list[str]:
@@ -61,23 +60,57 @@ def visible_gpus() -> list[str]:
 # ---- replica process -------------------------------------------------------------------------------------------
 
 
-def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events) -> None:
-    """A replica's process: build the engine, then serve commands until shutdown or the front end's death."""
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_process(engine_kwargs: dict, threads: int, dist_env: dict | None):
+    """Common start of a replica's process: signals left to the front end, CPU threads, the replica's TP group."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when replicas stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
-    from areno.rollout.session import build_engine
-
     if not torch.cuda.is_available():
         torch.set_num_threads(threads)
+    if dist_env:
+        from datetime import timedelta
+
+        from areno import parallel
+
+        os.environ.update(dist_env)
+        # followers wait on their rank 0 for as long as the server idles
+        parallel.init_distributed(tp_size=engine_kwargs["tp_size"], timeout=timedelta(days=30))
+
+
+def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events, dist_env=None) -> None:
+    """A replica's process (its TP rank 0): build the engine, then serve commands until shutdown or the front
+    end's death; at the end, release the replica's TP followers."""
     try:
+        _start_process(engine_kwargs, threads, dist_env)
+        from areno.rollout.session import build_engine
+
         engine, _ = build_engine(**engine_kwargs)
     except BaseException as exc:  # report, so the front end fails at start with the reason
         events.put((rank, "failed", f"{type(exc).__name__}: {exc}"))
         return
     events.put((rank, "ready", engine.max_model_len))
-    ReplicaWorker(rank, engine, commands, events).run()
+    try:
+        ReplicaWorker(rank, engine, commands, events).run()
+    finally:
+        engine.close()
+
+
+def tp_follower_main(engine_kwargs: dict, threads: int, dist_env: dict) -> None:
+    """A non-zero TP rank of a replica: load its shard, execute the steps its rank 0 broadcasts until it closes."""
+    _start_process(engine_kwargs, threads, dist_env)
+    from areno.rollout.session import build_engine
+
+    engine, _ = build_engine(**engine_kwargs)
+    engine.follow()
 
 
 class ReplicaWorker:
@@ -177,6 +210,7 @@ class Replica:
     process: object
     commands: object
     alive: bool = True
+    followers: list = field(default_factory=list)  # TP ranks 1..T-1 of this replica
     active: int = 0  # sequences in flight
     requests: int = 0  # requests dispatched to it, ever
     rids: set = field(default_factory=set)
@@ -209,27 +243,37 @@ class ReplicaPool:
         self._lock = threading.Lock()
         self._rids = itertools.count()
         self._closed = False
-        threads = max(1, (os.cpu_count() or 1) // num_replicas)
+        threads = max(1, (os.cpu_count() or 1) // (num_replicas * tp_size))
         for rank in range(num_replicas):
             devices = list(gpus[rank * tp_size : (rank + 1) * tp_size]) if gpus else []
             commands = ctx.Queue()
             # seed + rank: unseeded requests must not repeat each other's samples across replicas
-            kwargs = dict(engine_kwargs, device="cuda:0" if devices else "cpu",
-                          seed=engine_kwargs.get("seed", 0) + rank)
-            proc = ctx.Process(target=replica_main, args=(rank, kwargs, threads, commands, self.events),
-                               name=f"areno-replica-{rank}", daemon=True)
+            kwargs = dict(engine_kwargs, seed=engine_kwargs.get("seed", 0) + rank)
+            if tp_size == 1:
+                kwargs["device"] = "cuda:0" if devices else "cpu"
+            envs = [None]
+            if tp_size > 1:  # one rendezvous per replica group; each rank's device is cuda:LOCAL_RANK
+                port = str(_free_port())
+                envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(tp_size),
+                         "RANK": str(i), "LOCAL_RANK": str(i)} for i in range(tp_size)]
+            procs = [ctx.Process(target=replica_main, args=(rank, kwargs, threads, commands, self.events, envs[0]),
+                                 name=f"areno-replica-{rank}", daemon=True)]
+            procs += [ctx.Process(target=tp_follower_main, args=(kwargs, threads, env),
+                                  name=f"areno-replica-{rank}-tp{i}", daemon=True)
+                      for i, env in enumerate(envs[1:], start=1)]
             before = os.environ.get("CUDA_VISIBLE_DEVICES")
             if devices:  # the child inherits the environment at start, before anything in it touches CUDA
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             try:
-                proc.start()
+                for proc in procs:
+                    proc.start()
             finally:
                 if devices:
                     if before is None:
                         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                     else:
                         os.environ["CUDA_VISIBLE_DEVICES"] = before
-            self.replicas.append(Replica(rank, devices, proc, commands))
+            self.replicas.append(Replica(rank, devices, procs[0], commands, followers=procs[1:]))
         try:
             self.max_model_len = self._wait_ready()
         except BaseException:
@@ -247,10 +291,9 @@ class ReplicaPool:
             except queue.Empty:
                 kind = None
             if kind is None:
-                dead = [r.rank for r in self.replicas if not r.process.is_alive() and r.rank not in ready]
+                dead = [p for r in self.replicas for p in [r.process, *r.followers] if not p.is_alive()]
                 if dead:
-                    raise RuntimeError(f"replica {dead[0]} exited during start-up "
-                                       f"(exit code {self.replicas[dead[0]].process.exitcode})")
+                    raise RuntimeError(f"{dead[0].name} exited during start-up (exit code {dead[0].exitcode})")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"replicas not ready after {STARTUP_TIMEOUT_S:.0f} s")
                 continue
@@ -296,7 +339,8 @@ class ReplicaPool:
                     r.commands.put(("shutdown", drain))
         deadline = time.monotonic() + timeout
         for r in self.replicas:
-            r.process.join(max(0.0, deadline - time.monotonic()))
+            for proc in [r.process, *r.followers]:  # rank 0 releases its followers as it ends
+                proc.join(max(0.0, deadline - time.monotonic()))
         self._kill()
         if getattr(self, "_reader", None) is not None:
             self._reader.join(5)
@@ -304,9 +348,10 @@ class ReplicaPool:
     # ---- internals -------------------------------------------------------------------------------------------
     def _kill(self):
         for r in self.replicas:
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join(5)
+            for proc in [r.process, *r.followers]:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
 
     def _finish(self, rid: int, samples: int) -> None:
         """Account for ``samples`` of request ``rid`` ending (called with the lock held)."""
@@ -352,9 +397,13 @@ class ReplicaPool:
     def _reap(self) -> None:
         with self._lock:
             for r in self.replicas:
-                if r.alive and not r.process.is_alive():
-                    log.error("replica %d exited (code %s)", r.rank, r.process.exitcode)
-                    self._fail_replica(r, f"exited with code {r.process.exitcode}")
+                gone = [p for p in [r.process, *r.followers] if not p.is_alive()]
+                if r.alive and gone:  # one lost rank stalls the whole TP group: stop what is left of it
+                    log.error("replica %d: process %s exited (code %s)", r.rank, gone[0].name, gone[0].exitcode)
+                    for proc in [r.process, *r.followers]:
+                        if proc.is_alive():
+                            proc.kill()
+                    self._fail_replica(r, f"exited with code {gone[0].exitcode}")
 
     def _fail_replica(self, replica: Replica, why: str) -> None:
         replica.alive = False

@@ -37,14 +37,15 @@ def completions(base_url, **kw):
 def test_topology_rules(tiny_ckpt):
     assert check_topology(2, 1, 0) == 2  # CPU-only host: replicas on the CPU
     assert check_topology(4, 4, 4) == 1  # one TP replica: the single-replica path
-    with pytest.raises(ConfigError, match="not built yet"):
-        check_topology(4, 2, 4)
+    assert check_topology(4, 2, 4) == 2  # two replicas of TP 2
     with pytest.raises(ConfigError, match="needs 4 GPUs; 2 are visible"):
         check_topology(4, 1, 2)
+    with pytest.raises(ConfigError, match="--world-size.*not divisible by --tp-size 2"):
+        check_topology(3, 2, 0)
     from areno.serve.server import run_server
 
-    with pytest.raises(ConfigError, match="--tp-size 2 .*not built yet"):
-        run_server(ServeConfig(model_path=str(tiny_ckpt), world_size=4, tp_size=2))
+    with pytest.raises(ConfigError, match="not divisible"):
+        run_server(ServeConfig(model_path=str(tiny_ckpt), world_size=3, tp_size=2))
 
 
 def test_both_replicas_serve_and_match_one_replica(pool_server, server):
@@ -99,3 +100,28 @@ def test_sigterm_stops_front_end_and_replicas(pool_server):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_two_replicas_of_tp2_serve_and_match_one_process(tiny_ckpt, server):
+    """``--world-size 4 --tp-size 2``: two replicas, each a TP group of two processes (gloo); greedy outputs equal
+    the single-process server's and both replicas take requests; SIGTERM stops all five processes."""
+    s = ServeProcess(tiny_ckpt, "--world-size", "4", "--tp-size", "2", "--max-running-prompts", "8",
+                     "--max-model-len", "512", env={"ARENO_KERNELS": "native"})
+    try:
+        h = health(s)
+        assert [r["rank"] for r in h["replicas"]] == [0, 1] and all(r["alive"] for r in h["replicas"])
+
+        async def fire(base_url):
+            c = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+            return await asyncio.gather(*(c.completions.create(model="tiny", prompt=p, max_tokens=8,
+                                                               temperature=0) for p in PROMPTS))
+
+        many = asyncio.run(fire(s.base_url))
+        one = asyncio.run(fire(server.base_url))
+        assert [o.choices[0].text for o in many] == [o.choices[0].text for o in one]
+        served = [r["requests"] for r in health(s)["replicas"]]
+        assert sum(served) == len(PROMPTS) and min(served) >= 1, served
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0, s.output()
+    finally:
+        s.kill()
