@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
-#   bash bench/gpu_session.sh tests|kernels|models|engine|e2e ...   (stages run in the order given)
+#   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 parity kernels rollout moe
+#   models engine serve profile prof train learn tp g1)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,7 +27,7 @@ for stage in "$@"; do
         tests/kernels/test_linear_logprobs.py tests/kernels/test_sampler.py tests/kernels/test_moe.py \
         tests/kernels/test_moe_routing.py tests/kernels/test_paged_attention.py tests/kernels/test_rms_norm.py \
         tests/kernels/test_rope.py tests/models/test_gpu.py ;;
-    parity) step parity 100 python3 bench/logprob_parity.py ;;
+    parity) step parity 200 python3 bench/logprob_parity.py ;;
     tests) step gpu-tests 330 python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider tests/kernels tests/models ;;
     kernels)
       step attention 150 python3 bench/attention.py
