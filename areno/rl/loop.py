@@ -58,6 +58,7 @@ class TrainLoop:
         self.critic = None
         self.eval_rows: list[dict] = []
         self.last_save = None
+        self.started_at = None  # set by setup(): where this run's records start in an appended metrics.jsonl
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
@@ -272,9 +273,8 @@ class TrainLoop:
             print("final step: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())
                                              if isinstance(v, (int, float))), flush=True)
         if self.is_main and before is not None:
-            stdout, self.logger.stdout = self.logger.stdout, False
-            self.logger.log(self.step_index, {"eval_accuracy_before": before, "eval_accuracy_after": after})
-            self.logger.stdout = stdout
+            self.logger.log(self.step_index, {"eval_accuracy_before": before, "eval_accuracy_after": after},
+                            stdout=False)
             self.results["reward_curve"] = self._plot_reward_curve()
             print(f"held-out accuracy: before {stage} {before:.1%} -> after {stage} {after:.1%} "
                   f"({(after - before) * 100:+.1f} points)", flush=True)
@@ -291,7 +291,7 @@ class TrainLoop:
         png = self.logger.metrics_dir / "reward_curve.png"
         try:
             plot_reward_curve(self.logger.jsonl_path, png, title=f"{self.cfg.algo} reward per step",
-                              since=getattr(self, "started_at", None))
+                              since=self.started_at)
         except ImportError as e:
             log.warning("no reward-curve plot: %s (pip install matplotlib); the metrics are in %s", e,
                         self.logger.jsonl_path)
@@ -412,8 +412,7 @@ class TrainLoop:
     def _single_update(self, rows) -> bool:
         """Whether this step makes exactly one optimizer update (so its forward sees the rollout-time weights)."""
         cfg = self.cfg
-        return (cfg.algo != "ppo" and cfg.ppo_epochs == 1
-                and len(rows) <= cfg.mini_bs * cfg.gradient_accumulation_steps * self.dp_size)
+        return cfg.algo != "ppo" and cfg.ppo_epochs == 1 and self._updates_per_step(len(rows)) == 1
 
     def step_sft(self, batch) -> dict:
         cfg = self.cfg
@@ -564,9 +563,8 @@ class TrainLoop:
                 m = self.step_sft(next(data))
                 if self.is_main and (i + 1) % max(1, cfg.log_interval) == 0:
                     # JSON lines only: the progress bar carries the loss instead of one stdout line per step
-                    stdout, self.logger.stdout = self.logger.stdout, False
-                    self.logger.log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()})
-                    self.logger.stdout = stdout
+                    self.logger.log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()},
+                                    stdout=False)
                 if bar is not None:
                     bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}", refresh=False)
                     bar.update(1)

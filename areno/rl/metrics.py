@@ -76,7 +76,8 @@ class MetricsLogger:
     def jsonl_path(self) -> Path:
         return self.metrics_dir / "metrics.jsonl"
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, *, stdout: bool = True) -> None:
+        """One JSON line (and TensorBoard scalars); also a compact stdout line unless ``stdout`` is False."""
         if not self.active or self._file is None:
             return
         clean = {k: _clean(v) for k, v in metrics.items() if k not in ("step", "time")}
@@ -88,7 +89,7 @@ class MetricsLogger:
                 if isinstance(v, float):
                     writer.add_scalar(k, v, int(step))
             writer.flush()
-        if self.stdout:
+        if self.stdout and stdout:
             from tqdm import tqdm
 
             tqdm.write(format_line(int(step), {k: v for k, v in clean.items() if isinstance(v, float)}))

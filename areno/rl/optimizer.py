@@ -113,6 +113,7 @@ class MasterAdamW:
         self.dp_size, self.dp_rank = _size(self.dp_group), _rank(self.dp_group)
         self.offload, self.offload_batch_size = offload, offload_batch_size
         self.num_steps = 0
+        self._step_tensor: tuple[float, torch.Tensor] | None = None  # (step, its device tensor) for fused AdamW
         self.buckets = self._make_buckets(params, bucket_bytes)
         self.offload_path: Path | None = None
         self._files: list[np.memmap] = []
@@ -287,7 +288,7 @@ class MasterAdamW:
         beta1, beta2 = self.betas
         step = float(self.num_steps)
         if fused if fused is not None else (w.is_cuda and hasattr(torch, "_fused_adamw_")):
-            cached = getattr(self, "_step_tensor", None)  # one per step, shared by the buckets
+            cached = self._step_tensor  # one per step, shared by the buckets
             if cached is None or cached[0] != step or cached[1].device != w.device:
                 self._step_tensor = cached = (step, torch.tensor(step, dtype=torch.float32, device=w.device))
             torch._fused_adamw_([w], [g], [m], [v], [], [cached[1]], lr=lr, beta1=beta1, beta2=beta2,

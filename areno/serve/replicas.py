@@ -60,14 +60,6 @@ def visible_gpus() -> list[str]:
 # ---- replica process -------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_process(engine_kwargs: dict, threads: int, dist_env: dict | None):
     """Common start of a replica's process: signals left to the front end, CPU threads, the replica's TP group."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when replicas stop
@@ -215,6 +207,11 @@ class Replica:
     requests: int = 0  # requests dispatched to it, ever
     rids: set = field(default_factory=set)
 
+    @property
+    def processes(self) -> list:
+        """TP rank 0 (the replica's engine) then its followers."""
+        return [self.process, *self.followers]
+
     def info(self) -> dict:
         return {"rank": self.rank, "pid": self.process.pid, "devices": self.devices or "cpu", "alive": self.alive,
                 "active_requests": self.active, "requests": self.requests}
@@ -253,7 +250,9 @@ class ReplicaPool:
                 kwargs["device"] = "cuda:0" if devices else "cpu"
             envs = [None]
             if tp_size > 1:  # one rendezvous per replica group; each rank's device is cuda:LOCAL_RANK
-                port = str(_free_port())
+                from areno.rl.launch import free_port
+
+                port = str(free_port())
                 envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(tp_size),
                          "RANK": str(i), "LOCAL_RANK": str(i)} for i in range(tp_size)]
             procs = [ctx.Process(target=replica_main, args=(rank, kwargs, threads, commands, self.events, envs[0]),
@@ -291,7 +290,7 @@ class ReplicaPool:
             except queue.Empty:
                 kind = None
             if kind is None:
-                dead = [p for r in self.replicas for p in [r.process, *r.followers] if not p.is_alive()]
+                dead = [p for r in self.replicas for p in r.processes if not p.is_alive()]
                 if dead:
                     raise RuntimeError(f"{dead[0].name} exited during start-up (exit code {dead[0].exitcode})")
                 if time.monotonic() > deadline:
@@ -339,7 +338,7 @@ class ReplicaPool:
                     r.commands.put(("shutdown", drain))
         deadline = time.monotonic() + timeout
         for r in self.replicas:
-            for proc in [r.process, *r.followers]:  # rank 0 releases its followers as it ends
+            for proc in r.processes:  # rank 0 releases its followers as it ends
                 proc.join(max(0.0, deadline - time.monotonic()))
         self._kill()
         if getattr(self, "_reader", None) is not None:
@@ -348,7 +347,7 @@ class ReplicaPool:
     # ---- internals -------------------------------------------------------------------------------------------
     def _kill(self):
         for r in self.replicas:
-            for proc in [r.process, *r.followers]:
+            for proc in r.processes:
                 if proc.is_alive():
                     proc.kill()
                     proc.join(5)
@@ -397,10 +396,10 @@ class ReplicaPool:
     def _reap(self) -> None:
         with self._lock:
             for r in self.replicas:
-                gone = [p for p in [r.process, *r.followers] if not p.is_alive()]
+                gone = [p for p in r.processes if not p.is_alive()]
                 if r.alive and gone:  # one lost rank stalls the whole TP group: stop what is left of it
                     log.error("replica %d: process %s exited (code %s)", r.rank, gone[0].name, gone[0].exitcode)
-                    for proc in [r.process, *r.followers]:
+                    for proc in r.processes:
                         if proc.is_alive():
                             proc.kill()
                     self._fail_replica(r, f"exited with code {gone[0].exitcode}")
