@@ -217,6 +217,9 @@ class TrainConfig:
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
     eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout")
+    decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
+                            "(one CUDA graph; a completion that stops early drops the surplus); 1 = every token",
+                            "rollout")
 
     # train
     mini_bs: int = opt(1, "training rows in one gradient microbatch", "train")
@@ -373,6 +376,7 @@ class TrainConfig:
         check_range("--top-p", self.top_p, 0.0, 1.0, low_open=True)
         check_non_negative("--top-k", self.top_k)
         check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
+        check_positive("--decode-steps", self.decode_steps)
         if self.algo in ("grpo", "gspo") and self.n_samples < 2:
             raise ConfigError("--n-samples", f"must be >= 2 for --algo {self.algo} (group advantages compare "
                               "several samples of one prompt)")

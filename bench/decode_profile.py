@@ -2,6 +2,10 @@
 
     python bench/decode_profile.py            # H200: Qwen3-0.6B shape, 256 sequences, 128-token prompts
     python bench/decode_profile.py --smoke    # CPU: tiny shape (times meaningless)
+    python bench/decode_profile.py --decode-steps 8   # k decode steps chained per scheduling round
+
+With ``--decode-steps k`` one engine step runs k decode steps (one graph replay), so the times below are per
+engine step and cover k tokens per sequence; ``*_per_token_ms`` divides them by the tokens each sequence got.
 
 Runs R1's shape (256 prompts of 128 random tokens, ``--new`` tokens each, CUDA graphs on) twice (the first call
 captures graphs and compiles) and on the second wraps the runner: per decode step it records the wall time of
@@ -32,6 +36,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=1)
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +46,8 @@ def main():
     from areno.rollout.sequence import SamplingOptions
 
     model = load_model(path, device=device)
-    engine = Engine(model, load_tokenizer(path), EngineConfig(block_size=16, max_running=256, max_model_len=2064),
+    engine = Engine(model, load_tokenizer(path), EngineConfig(block_size=16, max_running=256, max_model_len=2064,
+                                                              decode_steps=args.decode_steps),
                     eos_token_ids=[models.EOS_ID])
     vocab = model.config.vocab_size
     n, new = (8, 16) if args.smoke else (args.seqs, args.new)
@@ -51,6 +57,7 @@ def main():
     runner = engine.runner
     cuda = device.type == "cuda"
     rec = {"host": [], "gpu": [], "step": [], "post": []}
+    per_step = []  # tokens each sequence got per decode engine step
     orig_execute = runner.execute
     marks = {}
 
@@ -74,10 +81,12 @@ def main():
     t_all = time.perf_counter()
     while engine.has_work():
         t0 = time.perf_counter()
-        engine.step()
+        before = engine.scheduler.running[0].num_output if engine.scheduler.running else None
+        rows = engine.step(args.decode_steps)
         t1 = time.perf_counter()
         steps += 1
         if marks.get("decode"):
+            per_step.append(rows[0].num_output - before if before is not None and rows else 1)
             rec["step"].append(t1 - t0)
             rec["host"].append(marks["pre"] - t0)
             rec["post"].append(t1 - marks["post0"])
@@ -90,6 +99,8 @@ def main():
     mean = {k: 1e3 * sum(v) / len(v) for k, v in rec.items() if v}
     out = {"bench": "decode_profile", "seqs": n, "new_tokens": new, "steps": steps, "wall_s": round(wall, 3),
            "tok_s": round(n * new / wall, 1), **{f"{k}_ms": round(v, 3) for k, v in mean.items()},
+           "decode_steps": args.decode_steps, "tokens_per_step": round(sum(per_step) / max(1, len(per_step)), 3),
+           **{f"{k}_per_token_ms": round(v * len(per_step) / max(1, sum(per_step)), 3) for k, v in mean.items()},
            "graph": runner.last_step_used_graph, **env_info()}
     print(out)
     if not args.no_save and not args.smoke:

@@ -82,6 +82,7 @@ def make_engine(path, device, args):
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         eager_decode=args.eager,
+        decode_steps=args.decode_steps,
     )
     return Engine(model, tok, cfg, eos_token_ids=[models.EOS_ID]), model
 
@@ -129,12 +130,12 @@ def run_areno(path, device, args, names, vocab) -> list[dict]:
     engine, model = make_engine(path, device, args)
     print(
         f"areno engine: {engine.blocks.num_blocks} KV blocks of 16, max_model_len {engine.max_model_len}, "
-        f"cuda graphs {'off' if args.eager else 'on'}",
+        f"cuda graphs {'off' if args.eager else 'on'}, decode steps per round {args.decode_steps}",
         flush=True,
     )
     for name in names:
         for call, seed in (("first", 1), ("warm", 2)):
-            rec = dict(impl="areno", workload=name, call=call)
+            rec = dict(impl="areno", workload=name, call=call, decode_steps=args.decode_steps)
             try:
                 prompts, new = workload(name, args.smoke, vocab, seed)
                 out, dt = areno_generate(engine, prompts, new, device)
@@ -265,6 +266,7 @@ def main():
     ap.add_argument("--impls", default="areno,transformers")
     ap.add_argument("--eager", action="store_true", help="areno without CUDA graphs (--eager-decode)")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--decode-steps", type=int, default=8, help="decode steps chained per scheduling round (1 = off)")
     ap.add_argument("--max-model-len", type=int, default=2048 + 16)
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="fraction of free memory or bytes")
     ap.add_argument("--hf-r1-prompts", type=int, default=256)

@@ -28,7 +28,7 @@ TRAIN_FLAGS = """
 --kl-estimator --entropy-coef --advantage-std-norm --no-advantage-std-norm --tis-cap --loss-agg
 --filter-zero-variance-groups --critic-ckpt --critic-lr --gamma --gae-lambda --value-clip --dual-clip
 --critic-warmup-steps --weight-decay --grad-clip --min-new-tokens --stop --eval-interval --log-interval
---tensorboard --no-tensorboard --decode-progress-interval-s --dtype --kv-cache-memory
+--tensorboard --no-tensorboard --decode-progress-interval-s --dtype --kv-cache-memory --decode-steps
 """.split()
 
 SERVE_FLAGS = """
@@ -176,6 +176,7 @@ BAD_TRAIN = [
     (["--mini-bs", "0"], "--mini-bs"),
     (["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps"),
     (["--max-running-prompts", "0"], "--max-running-prompts"),
+    (["--decode-steps", "0"], "--decode-steps"),
     (["--optimizer-state-offload-batch-size", "0"], "--optimizer-state-offload-batch-size"),
     (["--optimizer-state-offload", "disk"], "--optimizer-state-offload-dir"),
     (["--dataset-loader-fn", "/no/such/loader.py"], "--dataset-loader-fn"),

@@ -183,7 +183,8 @@ class TrainLoop:
             eos = sorted(set(eos_ids_from_checkpoint(cfg.ckpt)) | {self.tokenizer.eos_token_id})
         econf = EngineConfig(
             max_running=cfg.max_running_prompts or max(1, cfg.batch_size * cfg.n_samples),
-            max_model_len=max_len, eager_decode=cfg.eager_decode, seed=cfg.seed + 7919 * self.dp_rank,
+            max_model_len=max_len, eager_decode=cfg.eager_decode, decode_steps=cfg.decode_steps,
+            seed=cfg.seed + 7919 * self.dp_rank,
             kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
             decode_progress_interval_s=cfg.decode_progress_interval_s or None,
         )

@@ -35,9 +35,10 @@ class EngineConfig:
     prefix_caching: bool = True
     decode_progress_interval_s: float | None = None
     seed: int = 0
+    decode_steps: int = 1  # generate(): decode steps per scheduling round when only decodes run (multi-step)
 
     def __post_init__(self):
-        for name in ("block_size", "max_running", "max_batched_tokens"):
+        for name in ("block_size", "max_running", "max_batched_tokens", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -139,8 +140,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[Sequence]:
-        """One forward step; returns the sequences that received a token (finished ones included)."""
+    def step(self, decode_steps: int = 1) -> list[Sequence]:
+        """One forward step; returns the sequences that received a token (finished ones included).
+
+        ``decode_steps`` k > 1: when the step only decodes and nothing waits, run k decode steps in one go (the
+        runner chains them on the device) and give each sequence up to k tokens; a sequence that stops early keeps
+        only its tokens up to the stop (the rest were computed and are dropped)."""
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
@@ -153,6 +158,8 @@ class Engine:
                 for seq in [chunk.seq] + [c for c in getattr(chunk.seq, "children", []) if not c.is_finished]:
                     rows.append(seq)
                     row_index.append(offset - 1)
+        if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps):
+            return self._multi_step(step, rows, decode_steps, copies)
         tokens, logprobs, top = self.runner.run(step, rows, row_index, copies)
         self.scheduler.after_step(step)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
@@ -166,6 +173,34 @@ class Engine:
                 seq.finish(reason)
                 self.scheduler.finish(seq)
         self._progress(step, len(rows))
+        return rows
+
+    def _reserve_decode_steps(self, step: Step, rows: list[Sequence], k: int) -> bool:
+        """Whether ``step`` can run as k decode steps: decodes only, nothing waiting, no top log-probs, every
+        position inside the context, and the blocks of all k positions reserved (they are, when this says yes)."""
+        if not step.is_decode or self.scheduler.waiting or any(s.options.top_logprobs for s in rows):
+            return False
+        if any(len(s) + k - 1 > self.max_model_len for s in rows):
+            return False
+        return all(self.blocks.reserve_tokens(s, len(s) + k - 1) for s in rows)
+
+    def _multi_step(self, step: Step, rows: list[Sequence], k: int, copies) -> list[Sequence]:
+        tokens, logprobs = self.runner.run_decode_steps(step, rows, k, copies)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        appended = 0
+        for j, seq in enumerate(rows):
+            reason = None
+            for i in range(k):
+                seq.append(tokens[i][j], logprobs[i][j])
+                appended += 1
+                reason = self.stopper.check(seq)
+                if reason is not None:
+                    break
+            self.scheduler.after_decode(seq)
+            if reason is not None:
+                seq.finish(reason)
+                self.scheduler.finish(seq)
+        self._progress(step, appended)
         return rows
 
     def _progress(self, step: Step, n_tokens: int):
@@ -206,7 +241,7 @@ class Engine:
             options = [options or SamplingOptions()] * len(prompts)
         groups = [self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]
         while self.has_work():
-            self.step()
+            self.step(self.config.decode_steps)
         out = [[self.completion(s) for s in g] for g in groups]
         if group is not None:
             broadcast_step(None, group)  # the followers leave their loop

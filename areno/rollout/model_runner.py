@@ -1,6 +1,12 @@
 """Runs the model for one scheduled step: turns it into packed inputs and attention metadata, owns the paged KV
 cache, samples the next tokens, and replays CUDA graphs for pure-decode steps (one graph per batch-size bucket).
 
+Multi-step decode (``StepInputs.decode_steps = k > 1``): k decode steps back to back on the device, each feeding
+its sampled tokens to the next (positions, slots, lengths and sampler offsets advance on the device; the blocks for
+all k positions are reserved beforehand), then one copy back of ``[k, rows]`` tokens. With CUDA graphs the k steps
+are one graph, so the host schedules, packs inputs and synchronises once per k tokens instead of once per token.
+Each step draws the same noise (seed, position) as k single steps would, so the tokens are the same.
+
 A step is first flattened into :class:`StepInputs` (plain lists): under tensor parallelism rank 0 schedules and
 broadcasts that record, and every rank of the TP group executes it in lockstep (``TPWorker`` on the others).
 
@@ -73,6 +79,7 @@ class StepInputs:
     offsets: list[int]
     top_logprobs: int
     copies: list[tuple[int, int]]
+    decode_steps: int = 1  # > 1: multi-step decode (see the module docstring)
 
 
 class ModelRunner:
@@ -147,6 +154,15 @@ class ModelRunner:
             broadcast_step(inp, self.tp_group)
         return self.execute(inp)
 
+    def run_decode_steps(self, step: Step, rows: list, k: int, copies=()):
+        """``k`` decode steps of every row of a pure-decode ``step`` (the blocks of all k positions reserved);
+        returns CPU tensors tokens int64 ``[k, rows]`` and logprobs fp32 ``[k, rows]``."""
+        inp = self.prepare(step, rows, list(range(len(rows))), copies)
+        inp.decode_steps = k
+        if self.tp_group is not None:
+            broadcast_step(inp, self.tp_group)
+        return self.execute(inp)
+
     # ---- execution (every TP rank) -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inp: StepInputs):
@@ -156,6 +172,8 @@ class ModelRunner:
             self.last_step_used_graph = True
             return self._run_graph(inp)
         self.last_step_used_graph = False
+        if inp.decode_steps > 1:
+            return self._run_decode_steps_eager(inp)
         ids, pos, meta = self._tensors(inp)
         hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
         if not inp.row_index:  # a prefill chunk that does not reach the end of its prompt: K/V only
@@ -215,7 +233,30 @@ class ModelRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.graph_buckets if b >= n)
 
-    def _capture(self, bsz: int):
+    def decode_steps(self, buf: dict, k: int):
+        """``k`` chained decode steps from the inputs in ``buf`` (device tensors, see ``_capture``); no host sync.
+        Rows whose slot is -1 (graph padding) stay put and write nothing. Returns tokens/logprobs ``[k, rows]``."""
+        ids, pos, slots, lens, offsets = buf["ids"], buf["pos"], buf["slots"], buf["lens"], buf["offsets"]
+        table, bs = buf["table"], self.block_size
+        live = (slots >= 0).long()
+        tokens, logprobs = [], []
+        for i in range(k):
+            if i:  # the next position of every live row, its slot from the (reserved) block table
+                ids, pos, offsets, lens = tokens[-1], pos + live, offsets + live, lens + live.int()
+                block = table.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
+                slots = torch.where(live.bool(), block * bs + pos % bs, torch.full_like(slots, -1))
+            meta = AttentionMetadata(
+                slot_mapping=slots, is_prefill=False, cu_seqlens_q=buf["cu"], cu_seqlens_k=None, max_seqlen_q=1,
+                max_seqlen_k=table.shape[1] * bs, block_table=table, seq_lens=lens, has_prefix=False,
+            )
+            hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
+            tok, lp = sample(self.logits(hidden), temperature=buf["temp"], top_k=buf["top_k"], top_p=buf["top_p"],
+                             seeds=buf["seeds"], offsets=offsets)
+            tokens.append(tok)
+            logprobs.append(lp)
+        return torch.stack(tokens), torch.stack(logprobs)
+
+    def _capture(self, bsz: int, k: int):
         dev, mb = self.device, self.max_blocks_per_seq
         buf = {
             "ids": torch.zeros(bsz, dtype=torch.int64, device=dev),
@@ -230,41 +271,41 @@ class ModelRunner:
             "seeds": torch.zeros(bsz, dtype=torch.int64, device=dev),
             "offsets": torch.zeros(bsz, dtype=torch.int64, device=dev),
         }
-        meta = AttentionMetadata(
-            slot_mapping=buf["slots"], is_prefill=False, cu_seqlens_q=buf["cu"], cu_seqlens_k=None,
-            max_seqlen_q=1, max_seqlen_k=mb * self.block_size, block_table=buf["table"], seq_lens=buf["lens"],
-            has_prefix=False,
-        )
-
-        def body():
-            hidden = self.model(buf["ids"], buf["pos"], kv_caches=self.kv_caches, attn_metadata=meta)
-            logits = self.logits(hidden)
-            return sample(logits, temperature=buf["temp"], top_k=buf["top_k"], top_p=buf["top_p"],
-                          seeds=buf["seeds"], offsets=buf["offsets"])
-
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):  # warm up (Triton autotune, allocator) outside the graph
-                body()
+                self.decode_steps(buf, k)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = body()
+            out = self.decode_steps(buf, k)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()
-        self.graphs[bsz] = (graph, buf, out)
+        self.graphs[(bsz, k)] = (graph, buf, out)
 
     def _run_graph(self, inp: StepInputs):
-        n = len(inp.seq_lens)
+        n, k = len(inp.seq_lens), inp.decode_steps
         bsz = self._bucket(n)
-        if bsz not in self.graphs:
-            self._capture(bsz)
-        graph, buf, (tokens, logprobs) = self.graphs[bsz]
+        if (bsz, k) not in self.graphs:
+            self._capture(bsz, k)
+        graph, buf, (tokens, logprobs) = self.graphs[(bsz, k)]
         for name, val in self._graph_host(inp, bsz).items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
-        return tokens[:n].cpu(), logprobs[:n].float().cpu(), None
+        tokens, logprobs = tokens[:, :n].cpu(), logprobs[:, :n].float().cpu()
+        return (tokens, logprobs) if k > 1 else (tokens[0], logprobs[0], None)
+
+    def _run_decode_steps_eager(self, inp: StepInputs):
+        """Multi-step decode without graphs (CPU, ``--eager-decode``): the same device loop, unpadded."""
+        n = len(inp.seq_lens)
+        host = self._graph_host(inp, n)
+        width = max(len(tb) for tb in inp.tables)
+        host["table"] = host["table"][:, :width]
+        buf = {name: val.to(self.device) for name, val in host.items()}
+        buf["cu"] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        tokens, logprobs = self.decode_steps(buf, inp.decode_steps)
+        return tokens.cpu(), logprobs.float().cpu()
 
     def _graph_host(self, inp: StepInputs, bsz: int) -> dict:
         """The graph's inputs on the host, padded to the bucket (padding rows write nowhere and read one slot)."""

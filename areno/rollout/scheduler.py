@@ -146,6 +146,11 @@ class Scheduler:
         step.is_decode = bool(decodes) and len(step.chunks) == len(decodes)
         return step
 
+    def after_decode(self, seq: Sequence) -> None:
+        """After a multi-step decode appended tokens: every token but the newest has its K/V in the cache."""
+        seq.num_computed = len(seq) - 1
+        self.blocks.commit(seq)
+
     def after_step(self, step: Step) -> list[Sequence]:
         """Advance computed counts and fork siblings whose head finished its prompt; returns the forked ones."""
         forked = []

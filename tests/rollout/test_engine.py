@@ -174,3 +174,39 @@ def test_short_request_finishes_while_long_ones_decode(qwen3):
     ae.shutdown()
     assert order[0] == "probe" and order.count("long") == 3
     assert e.blocks.num_free == e.blocks.num_blocks
+
+
+def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
+    """decode_steps=k chains k decode steps on the device: same tokens and log-probs as one step at a time (same
+    noise per (seed, position)), stops honoured mid-chain (the surplus tokens dropped), every block returned."""
+    _, model, tok = qwen3
+    prompts = [tok.encode(p) for p in PROMPTS]
+    sampled = [SamplingOptions(temperature=1.0, max_new_tokens=m, ignore_eos=True, n=3, seed=11 + i)
+               for i, m in enumerate((13, 6, 1, 9))]
+    ref = engine(model, tok).generate(prompts, sampled)
+    # stop on a token that one sample draws at its 3rd position, another stop string, a min_new_tokens
+    stop_id = ref[0][1].token_ids[2]
+    stop_text = tok.decode(ref[3][0].token_ids[4:6])
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=13, ignore_eos=True, n=3, seed=11, stop_token_ids=[stop_id]),
+            sampled[1], sampled[2],
+            SamplingOptions(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text], min_new_tokens=2)]
+    for case in (sampled, opts):
+        single = engine(model, tok).generate(prompts, case)
+        eng = engine(model, tok, decode_steps=4)
+        chains = []
+        run = eng.runner.run_decode_steps
+        eng.runner.run_decode_steps = lambda *a: chains.append(a[2]) or run(*a)
+        multi = eng.generate(prompts, case)
+        assert chains and set(chains) == {4}
+        for g1, g2 in zip(single, multi):
+            for a, b in zip(g1, g2):
+                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+                assert a.stop_text == b.stop_text and a.text == b.text
+                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert any(c.finish_reason == "stop" for g in single for c in g)
+    # near the end of the context the chain falls back to single steps
+    ctx = engine(model, tok, decode_steps=8, max_model_len=len(prompts[0]) + 5)
+    out = ctx.generate([prompts[0]], SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))
+    assert out[0][0].token_ids == engine(model, tok, max_model_len=len(prompts[0]) + 5).generate(
+        [prompts[0]], SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))[0][0].token_ids
