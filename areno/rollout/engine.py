@@ -186,16 +186,12 @@ class Engine:
 
     def _multi_step(self, step: Step, rows: list[Sequence], k: int, copies) -> list[Sequence]:
         tokens, logprobs = self.runner.run_decode_steps(step, rows, k, copies)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        tokens, logprobs = tokens.t().tolist(), logprobs.t().tolist()  # [rows][k]
         appended = 0
-        for j, seq in enumerate(rows):
-            reason = None
-            for i in range(k):
-                seq.append(tokens[i][j], logprobs[i][j])
-                appended += 1
-                reason = self.stopper.check(seq)
-                if reason is not None:
-                    break
+        for seq, toks, lps in zip(rows, tokens, logprobs):
+            before = len(seq)
+            reason = self.stopper.extend(seq, toks, lps)
+            appended += len(seq) - before
             self.scheduler.after_decode(seq)
             if reason is not None:
                 seq.finish(reason)

@@ -98,6 +98,12 @@ class Sequence:
         self.tokens.append(int(token))
         self.logprobs.append(float(logprob))
 
+    def extend(self, tokens: list[int], logprobs: list[float]):
+        if tokens and self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.tokens.extend(tokens)
+        self.logprobs.extend(logprobs)
+
     def finish(self, reason: str):
         self.status = Status.FINISHED
         self.finish_reason = reason

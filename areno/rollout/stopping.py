@@ -40,3 +40,32 @@ class StopChecker:
         if self.max_model_len is not None and len(seq) >= self.max_model_len:
             return "length"
         return None
+
+    def extend(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> str | None:
+        """Append ``tokens`` (a multi-step decode's tokens for ``seq``) up to the first finish; returns its reason
+        or None. The same outcome as ``append`` + ``check`` per token; without stop strings one scan, no per-token
+        calls."""
+        opts = seq.options
+        if opts.stop and self.tokenizer is not None:  # stop strings need the text after every token
+            for token, lp in zip(tokens, logprobs):
+                seq.append(token, lp)
+                reason = self.check(seq)
+                if reason is not None:
+                    return reason
+            return None
+        done = seq.num_output
+        take = min(len(tokens), opts.max_new_tokens - done)
+        if self.max_model_len is not None:
+            take = min(take, self.max_model_len - len(seq))
+        stops = set(opts.stop_token_ids) if opts.ignore_eos else self.eos.union(opts.stop_token_ids)
+        reason = None
+        if stops:
+            for i in range(max(0, opts.min_new_tokens - done - 1), take):
+                if tokens[i] in stops:
+                    take, reason = i + 1, "stop"
+                    break
+        seq.extend(tokens[:take], logprobs[:take])
+        if reason is None and (seq.num_output >= opts.max_new_tokens
+                               or (self.max_model_len is not None and len(seq) >= self.max_model_len)):
+            reason = "length"
+        return reason
