@@ -210,3 +210,24 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
     out = ctx.generate([prompts[0]], SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))
     assert out[0][0].token_ids == engine(model, tok, max_model_len=len(prompts[0]) + 5).generate(
         [prompts[0]], SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))[0][0].token_ids
+
+
+@pytest.mark.gpu
+def test_multi_step_cuda_graph_matches_single_step_graphs(tmp_path):
+    """On the GPU (bf16, CUDA graphs): k decode steps in one graph give the tokens and log-probs of k one-step
+    graph replays, for a batch that is not a graph bucket size (padding rows) and samples that stop early."""
+    path = make_tiny_checkpoint(tmp_path, family="qwen3", seed=3)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode("more text " * i) for i in range(1, 8)]
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=20 + 7 * i, n=2, seed=i, ignore_eos=i % 2 == 0)
+            for i in range(len(prompts))]
+    outs = []
+    for k in (1, 8):
+        eng = engine(model, tok, block_size=16, max_running=32, decode_steps=k)
+        outs.append(eng.generate(prompts, opts))
+        assert eng.runner.last_step_used_graph and any(key[1] == k for key in eng.runner.graphs)
+    for g1, g2 in zip(*outs):
+        for a, b in zip(g1, g2):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert a.logprobs == b.logprobs
