@@ -199,11 +199,49 @@ def sweep_decode(hq, hkv, d, dtype, copy_gbs, big_batch=256, ctx=2048, small_bat
     return rows
 
 
+def sweep_rollout_decode(hq, hkv, d, dtype, copy_gbs, batch=256, ctxs=(160, 384, 640)):
+    """Tile configs and split counts at the contexts of an RL rollout (batch 256, 128 + up to 512 tokens)."""
+    rows = []
+    scale = d**-0.5
+    dev = "cuda" if CUDA else "cpu"
+    configs = list(itertools.product([16, 32, 64], [2, 4], [2, 3, 4]))
+    for ctx in ctxs:
+        q, k_cache, v_cache, table, lens, nbytes = make_paged(batch, ctx, hq, hkv, d, 16, dtype, dev)
+        for (bn, w, st), splits in itertools.product(configs, (1, 2)):
+            cfg = (16, bn, w, st)
+            fn = lambda a=(q, k_cache, v_cache, table, lens, scale, None, 1, splits, cfg): _paged_attention_triton(*a)
+            try:
+                t = time_ms(fn, graph=True)
+            except Exception as e:
+                print(f"  ctx {ctx} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            gbs = nbytes / t / 1e6
+            rows.append({"workload": "paged_decode_rollout_sweep", "batch": batch, "ctx": ctx, "block_size": 16,
+                         "config": f"BLOCK_N={bn} warps={w} stages={st} splits={splits}", "ms": t, "GB/s": gbs,
+                         "frac_copy_bw": gbs / copy_gbs if copy_gbs else None})
+        best = max((r for r in rows if r["ctx"] == ctx), key=lambda r: r["GB/s"], default=None)
+        if best:
+            print(f"  rollout sweep ctx {ctx}: best {best['config']} {best['ms'] * 1e3:.1f} us {best['GB/s']:.0f} GB/s")
+        del q, k_cache, v_cache
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of the script)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the decode config / split sweep")
+    ap.add_argument("--rollout-sweep", action="store_true",
+                    help="only the decode config sweep at rollout contexts (batch 256, ctx 160 / 384 / 640)")
     args = ap.parse_args()
+    if args.rollout_sweep:
+        dtype = torch.bfloat16 if CUDA else torch.float16
+        shape = (16, 8, 128) if CUDA else (4, 2, 64)
+        copy_gbs = copy_bandwidth_gbs() if CUDA else None
+        rows = sweep_rollout_decode(*shape, dtype, copy_gbs, **({} if CUDA else dict(batch=2, ctxs=(40,))))
+        print_table(rows, ["ctx", "config", "ms", "GB/s", "frac_copy_bw"])
+        if CUDA:
+            append_jsonl("attention", rows, env_info())
+        return
     if args.smoke:
         dtype = torch.float16 if not CUDA else torch.bfloat16  # the interpreter gets bf16 arithmetic wrong
         train = bench_training([64], 2, 4, 2, 64, dtype)
