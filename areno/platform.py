@@ -591,6 +591,17 @@ def _warm_paged_attention(K, torch, dev, dt):
     K.paged_attention(q, k_cache, v_cache, block_table, torch.tensor([20, 5], dtype=torch.int32, device=dev))
 
 
+def _warm_qkv_prologue(K, torch, dev, dt):
+    cos, sin = K.rope_cos_sin(64, 32, 10000.0, device=dev)
+    qkv = torch.randn(16, 8 * 64, device=dev, dtype=dt)
+    k_cache, v_cache = torch.zeros(4, 16, 2, 64, device=dev, dtype=dt), torch.zeros(4, 16, 2, 64, device=dev, dtype=dt)
+    norm_w = torch.ones(64, device=dev, dtype=dt)
+    slots = torch.arange(16, device=dev)
+    with torch.no_grad():
+        for w in (norm_w, None):  # Qwen3 (q/k norm) and Llama (none) variants
+            K.qkv_prologue(qkv, slots, cos, sin, 4, 2, 64, w, w, 1e-6, k_cache, v_cache, slots)
+
+
 def _warm_linear_logprobs(K, torch, dev, dt):
     hidden = torch.randn(8, 64, device=dev, dtype=dt, requires_grad=True)
     weight = torch.randn(256, 64, device=dev, dtype=dt, requires_grad=True)
@@ -635,6 +646,7 @@ def _warm_sample(K, torch, dev, dt):
 WARMUP = {
     "attention": _warm_attention,
     "paged_attention": _warm_paged_attention,
+    "qkv_prologue": _warm_qkv_prologue,
     "linear_logprobs": _warm_linear_logprobs,
     "fused_moe": _warm_fused_moe,
     "rms_norm": _warm_rms_norm,

@@ -9,6 +9,7 @@ from areno.kernels import attention as _attention
 from areno.kernels import linear_logprobs as _linear_logprobs
 from areno.kernels import moe as _moe
 from areno.kernels import paged_attention as _paged_attention
+from areno.kernels import qkv_prologue as _qkv_prologue
 from areno.kernels import rms_norm as _rms_norm
 from areno.kernels import rope as _rope
 from areno.kernels import sampler as _sampler
@@ -16,6 +17,7 @@ from areno.kernels import sampler as _sampler
 attention = _attention.attention
 paged_attention = _paged_attention.paged_attention
 store_kvcache = _paged_attention.store_kvcache
+qkv_prologue = _qkv_prologue.qkv_prologue
 rms_norm = _rms_norm.rms_norm
 apply_rope = _rope.apply_rope
 rope_cos_sin = _rope.rope_cos_sin
@@ -28,7 +30,7 @@ route_softmax_topk = _moe.route_softmax_topk
 route_sigmoid_grouped_topk = _moe.route_sigmoid_grouped_topk
 
 __all__ = [
-    "apply_rope", "attention", "fused_moe", "linear_logprobs", "paged_attention", "rms_norm", "rope_cos_sin",
-    "rope_params_from_config", "route_sigmoid_grouped_topk", "route_softmax_topk", "sample", "silu_and_mul",
-    "store_kvcache",
+    "apply_rope", "attention", "fused_moe", "linear_logprobs", "paged_attention", "qkv_prologue", "rms_norm",
+    "rope_cos_sin", "rope_params_from_config", "route_sigmoid_grouped_topk", "route_softmax_topk", "sample",
+    "silu_and_mul", "store_kvcache",
 ]

@@ -8,7 +8,8 @@ Forward paths:
   (final norm applied); log-probs come from ``model.token_logprobs`` (fused, no ``[T, V]`` logits).
 - plain parity path: ``model.logits(input_ids [B, T]) -> [B, T, V]``.
 - paged KV cache: ``model(input_ids, positions, kv_caches=[(k, v)] * L, attn_metadata=AttentionMetadata)``; the
-  decode step has no host syncs or data-dependent shapes, so the engine can capture it in a CUDA graph.
+  decode step has no host syncs or data-dependent shapes, so the engine can capture it in a CUDA graph. Under
+  no-grad this path runs each layer's q/k norm, RoPE and cache write as one ``qkv_prologue`` launch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from areno.kernels.activation import silu_and_mul
 from areno.kernels.attention import attention
 from areno.kernels.linear_logprobs import linear_logprobs
 from areno.kernels.paged_attention import paged_attention, store_kvcache
+from areno.kernels.qkv_prologue import qkv_prologue
 from areno.kernels.rope import apply_rope, rope_cos_sin
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import Linear, RMSNorm, VocabEmbedding, vocab_parallel_logits
@@ -29,6 +31,10 @@ from areno.models.tp import layout
 
 
 class Attention(nn.Module):
+    # With a KV cache and grad mode off, run the fused qkv_prologue kernel; False keeps the separate
+    # norm/rope/store launches (the baseline for parity tests and benchmarks).
+    fused_prologue = True
+
     def __init__(self, cfg: ModelConfig, attn_backend: str = "flash"):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -47,12 +53,23 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache=None):
         t, d = x.shape[0], self.head_dim
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, positions, *rope), apply_rope(k, positions, *rope)
+        qkv = self.qkv_proj(x)
+        if kv_cache is not None and self.fused_prologue and not torch.is_grad_enabled():
+            # inference: q/k norm, RoPE and the cache write in one launch (local head counts under TP)
+            qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            eps = 1e-6 if self.q_norm is None else self.q_norm.eps
+            q, k, v = qkv_prologue(
+                qkv, positions, *rope, self.num_heads, self.num_kv_heads, d, qn, kn, eps, *kv_cache, meta.slot_mapping
+            )
+        else:
+            q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, positions, *rope), apply_rope(k, positions, *rope)
+            if kv_cache is not None:
+                store_kvcache(k, v, *kv_cache, meta.slot_mapping)
         if kv_cache is None:
             o = attention(
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
@@ -60,7 +77,6 @@ class Attention(nn.Module):
             )  # fmt: skip
         else:
             k_cache, v_cache = kv_cache
-            store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
             if not meta.is_prefill:
                 o = paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale)
             elif meta.has_prefix:
