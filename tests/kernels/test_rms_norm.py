@@ -186,7 +186,9 @@ def test_qk_norm_gpu_bf16_matches_hugging_face():
     with torch.no_grad():
         hf.weight.copy_(1 + 0.3 * torch.randn(d))
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-        torch.testing.assert_close(rms_norm(k, hf.weight, 1e-6), hf(k), rtol=2**-7, atol=1e-3)
+        # Hugging Face rounds twice (the normalised value to bf16, then the product with the weight), areno once:
+        # over 8M elements a few land 2 bf16 ulps apart, so the tolerance is 2 ulps (2^-6 relative)
+        torch.testing.assert_close(rms_norm(k, hf.weight, 1e-6), hf(k), rtol=2**-6, atol=1e-3)
 
 
 @pytest.mark.gpu
