@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
-#   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 parity kernels rollout moe
-#   models engine serve profile prof train learn tp g1)
+#   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 parity kernels rollout
+#   moe models engine serve profile prof train learn tp g1)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -44,7 +44,10 @@ for stage in "$@"; do
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
     serve) step serve 300 python3 bench/serve.py ;;
-    profile) step decode_profile 120 python3 bench/decode_profile.py ;;
+    profile) step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;
+    tests3) step gpu-tests 200 python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider \
+        tests/rollout/test_engine.py tests/kernels/test_gemm.py tests/kernels/test_qkv_prologue.py \
+        tests/kernels/test_rms_norm.py tests/models/test_gpu.py ;;
     prof)
       step prof_train 90 python3 bench/profile_step.py train
       step prof_decode 60 python3 bench/profile_step.py decode ;;
