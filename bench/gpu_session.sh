@@ -54,7 +54,7 @@ for stage in "$@"; do
     train) step train_step 150 python3 bench/train_step.py ;;
     tp) step tp ${TP_LIMIT:-400} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
     learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
-    g1) step grpo_step 170 python3 bench/grpo_step.py ;;
+    g1) step grpo_step ${G1_LIMIT:-300} python3 bench/grpo_step.py ;;
     *) echo "unknown stage $stage" >>"$LOG" ;;
   esac
 done
