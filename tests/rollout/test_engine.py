@@ -187,7 +187,8 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
     # stop on a token that one sample draws at its 3rd position, another stop string, a min_new_tokens
     stop_id = ref[0][1].token_ids[2]
     stop_text = tok.decode(ref[3][0].token_ids[4:6])
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=13, ignore_eos=True, n=3, seed=11, stop_token_ids=[stop_id]),
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=13, ignore_eos=True, n=3, seed=11,
+                            stop_token_ids=[stop_id]),
             sampled[1], sampled[2],
             SamplingOptions(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text], min_new_tokens=2)]
     for case in (sampled, opts):
@@ -195,7 +196,7 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
         eng = engine(model, tok, decode_steps=4)
         chains = []
         run = eng.runner.run_decode_steps
-        eng.runner.run_decode_steps = lambda *a: chains.append(a[2]) or run(*a)
+        eng.runner.run_decode_steps = lambda *a, run=run, chains=chains: chains.append(a[2]) or run(*a)
         multi = eng.generate(prompts, case)
         assert chains and set(chains) == {4}
         for g1, g2 in zip(single, multi):
