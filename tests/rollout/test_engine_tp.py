@@ -28,7 +28,8 @@ def _worker(rank, path, port, out):
     parallel.init_distributed(backend="gloo", tp_size=2)
     model = load_model(path, dtype=torch.float32, device="cpu", tp_group=parallel.get_tp_group())
     tok = load_tokenizer(path)
-    engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8, max_batched_tokens=5))
+    # multi-step decode on the TP ranks (the followers run rank 0's chained steps) vs one step at a time on one
+    engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8, max_batched_tokens=5, decode_steps=3))
     sampled = engine.generate(_prompts(tok), SamplingOptions(temperature=1.0, max_new_tokens=6, seed=5))
     greedy = engine.generate(_prompts(tok), SamplingOptions(**OPTS))
     with open(f"{out}.{rank}", "w") as f:
