@@ -21,10 +21,10 @@ At M = 256 the weight read and the MMA time are about equal on an H200 (intensit
 TFLOP/s / 4.2 TB/s); below that the kernel should approach the weight-read time N K 2 / 4.2 TB/s.
 
 Configs: :class:`GemmConfig` = (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, fused_reduce).
-:func:`default_config` looks shapes up in ``TUNED`` (from ``bench/gemm.py``'s sweep on an H200), else a heuristic.
-``TUNED`` may also say None (cuBLAS was faster there). :func:`linear` uses the kernel only for M <= ``TRITON_MAX_M``
-(0: off until set), without autograd (there is no backward here: a call that needs gradients goes to ``F.linear``),
-where the picker has a config, and through ``use_triton``.
+:func:`default_config` looks shapes up in ``TUNED`` (from ``bench/gemm.py``'s sweep on an H200); shapes not there,
+and entries that say None (cuBLAS was as fast), go to cuBLAS. :func:`linear` uses the kernel only for
+M <= ``TRITON_MAX_M`` (128: the sweep found cuBLAS as fast from 256), without autograd (there is no backward here: a
+call that needs gradients goes to ``F.linear``), where the picker has a config, and through ``use_triton``.
 
 Measured (bench/gemm.py, H200, bf16, Qwen3-0.6B decode shapes, per call in a CUDA graph, weights from HBM): a
 kernel that only reads W takes 3-5 us there (launch and ramp-up dominate: 4 MB should take 1 us), cuBLAS 5.3-8 us at
@@ -238,11 +238,12 @@ def _heuristic(M: int, N: int, K: int, num_sms: int) -> GemmConfig:
 
 
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> GemmConfig | None:
-    """The config :func:`linear` uses for an [M, K] x [N, K]^T product on a GPU of ``num_sms`` SMs, or None where
-    ``TUNED`` says cuBLAS is faster."""
+    """The config :func:`linear` uses for an [M, K] x [N, K]^T product, or None (cuBLAS) where ``TUNED`` says cuBLAS
+    is as fast and for every (N, K) it has not measured (``_heuristic`` is a starting point for a sweep there, not a
+    measured win)."""
     entries = TUNED.get((N, K))
     if not entries:
-        return _heuristic(M, N, K, num_sms)
+        return None
     cfg = next((c for m, c in entries if M <= m), entries[-1][1])
     return None if cfg is None else cfg._replace(block_m=min(cfg.block_m, max(16, triton.next_power_of_2(M))))
 

@@ -118,7 +118,7 @@ def test_default_config_table_and_heuristic(monkeypatch):
     assert mod._heuristic(64, 1024, 2048, 132) == GemmConfig(64, 32, 128, 4, 4, 4)
     assert mod._heuristic(1, 4096, 1024, 132) == GemmConfig(16, 32, 128, 1, 4, 6)  # 128 tiles: no split
     assert mod._heuristic(256, 6144, 1024, 132).block_n == 128  # widened while tiles > SMs
-    assert default_config(64, 1000, 2048, 132) == mod._heuristic(64, 1000, 2048, 132)  # not in TUNED
+    assert default_config(64, 1000, 2048, 132) is None  # not in TUNED: cuBLAS until a sweep says otherwise
     big = GemmConfig(128, 64, 64, 1, 8, 3)
     small = GemmConfig(64, 32, 128, 4, 4, 4, True)
     monkeypatch.setattr(mod, "TUNED", {(1024, 2048): [(16, small), (64, None), (512, big)]})
@@ -140,7 +140,14 @@ def launches(monkeypatch):
     return calls
 
 
+def _tune(monkeypatch, *shapes):
+    """Give these (N, K) a TUNED entry (the heuristic's config): untabled shapes go to cuBLAS."""
+    for n, k in shapes:
+        monkeypatch.setitem(mod.TUNED, (n, k), [(512, mod._heuristic(512, n, k, 132))])
+
+
 def test_linear_gated_by_triton_max_m(triton_kernels, monkeypatch, launches):
+    _tune(monkeypatch, (50, 40))
     x, w, b = _inputs(6, 50, 40, torch.float32, bias=True)
     x = x.view(2, 3, 40)
     assert 0 < mod.TRITON_MAX_M < 256  # on for decode batches up to 128 (bench/gemm.py: cuBLAS as fast from 256)
@@ -162,6 +169,7 @@ def test_linear_gated_by_triton_max_m(triton_kernels, monkeypatch, launches):
 
 def test_linear_needing_grad_uses_native(triton_kernels, monkeypatch, launches):
     monkeypatch.setattr(mod, "TRITON_MAX_M", 512)
+    _tune(monkeypatch, (16, 32))
     x, w, _ = _inputs(4, 16, 32, torch.float32)
     w.requires_grad_()
     y = linear(x, w)
@@ -179,6 +187,7 @@ def test_linear_needing_grad_uses_native(triton_kernels, monkeypatch, launches):
 
 def test_linear_dispatch_rule(monkeypatch, launches):
     monkeypatch.setattr(mod, "TRITON_MAX_M", 512)
+    _tune(monkeypatch, (16, 32), (16, 8))
     x, w, _ = _inputs(4, 16, 32, torch.float32)
     monkeypatch.setenv("ARENO_KERNELS", "native")
     linear(x, w)
