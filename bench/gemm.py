@@ -15,7 +15,7 @@ median of several replays. Bytes = 2 (N K + M K + M N) (weight, input, output); 
 max(bytes / copy bandwidth, FLOPs / 790 TFLOP/s) with the device-to-device copy bandwidth (read + write bytes / time)
 measured in the same run; read_us, the time of a kernel that only reads W in the same setting, is the practical
 floor at these sizes (launch, ramp-up and tail included). Every config's output is checked against cuBLAS (max abs
-error) before it is timed. Split-K configs are tried with both reductions (two launches, or fused into the GEMM).
+error) before it is timed.
 One JSON line per measurement (cuBLAS, the picker's config, the best and the top sweep configs per shape):
 bench/results/gemm.jsonl. The last printout is a ``TUNED`` table for areno/kernels/gemm.py and a TRITON_MAX_M.
 """
@@ -118,8 +118,7 @@ def time_us(call, weights, calls: int, replays: int = 7) -> float:
 def sweep_configs(M: int, N: int, K: int, num_sms: int, smoke: bool, full: bool):
     """The configs tried at one shape, pruned so the whole sweep stays near two minutes on an H200."""
     if smoke:
-        return [GemmConfig(16, bn, bk, sk, 4, 2, fused) for bn, bk, sk, fused in
-                itertools.product((16, 32), (16, 32), (1, 2, 3), (False, True)) if sk > 1 or not fused]  # fmt: skip
+        return [GemmConfig(16, bn, bk, sk, 4, 2) for bn, bk, sk in itertools.product((16, 32), (16, 32), (1, 2, 3))]
     out = []
     for bm, bn, bk, sk, warps, stages in itertools.product((16, 32, 64, 128, 256), (32, 64, 128), (64, 128, 256),
                                                            (1, 2, 4, 8), (4, 8), (3, 4, 6, 8)):  # fmt: skip
@@ -142,8 +141,6 @@ def sweep_configs(M: int, N: int, K: int, num_sms: int, smoke: bool, full: bool)
         if not full and (bk == 256 and stages > 4 or bk == 64 and bm < 128):
             continue  # (BLOCK_K 64 won only with 128-row tiles in the first sweeps)
         out.append(GemmConfig(bm, bn, bk, sk, warps, stages))
-        if sk > 1 and (full or stages == 4):
-            out.append(GemmConfig(bm, bn, bk, sk, warps, stages, True))
     return out
 
 
@@ -200,15 +197,14 @@ def bench_shape(name, K, N, M, dtype, num_sms, copy_gbs, smoke, sweep, full):
 def cfg_str(cfg) -> str:
     if cfg is None:
         return "cublas"
-    bm, bn, bk, sk, warps, stages, fused = cfg
-    return f"{bm}x{bn}x{bk} sk{sk}{'f' if fused else ''} w{warps} s{stages}"
+    bm, bn, bk, sk, warps, stages = cfg
+    return f"{bm}x{bn}x{bk} sk{sk} w{warps} s{stages}"
 
 
 def cfg_code(r) -> str:
     if r is None:
         return "None"
-    *fields, fused = r["config"]
-    return f"GemmConfig({', '.join(map(str, fields))}{', True' if fused else ''})"
+    return f"GemmConfig({', '.join(map(str, r['config']))})"
 
 
 def summary(rows):
@@ -292,7 +288,7 @@ def main():
           f"(configs: BLOCK_M BLOCK_N BLOCK_K SPLIT_K warps stages)")
     print_table(table, ["shape", "M", "K", "N", "read_us", "cublas_us", "picker_us", "picker_cfg", "best_us",
                         "best_cfg", "ctas", "speedup", "GBps", "TFLOPs", "frac_floor"])  # fmt: skip
-    print("(read_us: a kernel that only reads W, same setting; config BMxBNxBK skSPLIT_K[f: fused reduce] warps "
+    print("(read_us: a kernel that only reads W, same setting; config BMxBNxBK skSPLIT_K warps "
           "stages)")
     if not args.no_sweep:
         suggest(rows, shapes)

@@ -11,16 +11,15 @@ so the ones that read the same weight tile run together and all but the first fi
 
 Split-K is deterministic and graph-capturable (no host sync, shapes fixed by the inputs):
     program (i, j, s) writes its fp32 partial of y[tile] over K-slice s to ws[s, M, N]  (SPLIT_K M N 4 bytes), then
-    two launches: _splitk_reduce_kernel sums ws over s in split order, adds the bias, rounds to y's dtype; or
-    fused_reduce: the tile's last program to finish (an atomic counter per tile, re-zeroed by that program) sums the
-    partials in split order itself: one launch, the same bits.
+    _splitk_reduce_kernel sums ws over s in split order, adds the bias, rounds to y's dtype. (Reducing in the GEMM's
+    last program per tile instead, through atomic tile counters, saved the second launch but measured the same.)
 SPLIT_K = 1 writes y (bias included) from the GEMM's epilogue: one launch.
 
 Cost: 2 M N K FLOPs; bytes >= 2 (N K + M K + M N) for 16-bit inputs, plus 8 SPLIT_K M N (workspace, mostly in L2).
 At M = 256 the weight read and the MMA time are about equal on an H200 (intensity M FLOP/byte vs ~170 at 700
 TFLOP/s / 4.2 TB/s); below that the kernel should approach the weight-read time N K 2 / 4.2 TB/s.
 
-Configs: :class:`GemmConfig` = (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, fused_reduce).
+Configs: :class:`GemmConfig` = (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 :func:`default_config` looks shapes up in ``TUNED`` (from ``bench/gemm.py``'s sweep on an H200); shapes not there,
 and entries that say None (cuBLAS was as fast), go to cuBLAS. :func:`linear` uses the kernel only for
 M <= ``TRITON_MAX_M`` (128: the sweep found cuBLAS as fast from 256), without autograd (there is no backward here: a
@@ -30,8 +29,8 @@ Measured (bench/gemm.py, H200, bf16, Qwen3-0.6B decode shapes, per call in a CUD
 kernel that only reads W takes 3-5 us there (launch and ramp-up dominate: 4 MB should take 1 us), cuBLAS 5.3-8 us at
 M <= 256 (12.6 us for o_proj at M = 1). The best Triton config wins by 2-23% for the N = 1024 projections (o_proj,
 down_proj) at most M <= 256 (2.3x for o_proj at M = 1) and qkv_proj at M = 64, and loses by 5-15% at the wide N
-(gate_up_proj always, qkv_proj at M >= 128) and everywhere at M = 512: ``TUNED`` keeps cuBLAS there. Both split-K
-reductions measured the same within noise. Both Triton and cuBLAS stay 1.3-2.5x above the read-only time.
+(gate_up_proj always, qkv_proj at M >= 128) and everywhere at M = 512: ``TUNED`` keeps cuBLAS there.
+Both Triton and cuBLAS stay 1.3-2.5x above the read-only time.
 """
 
 from __future__ import annotations
@@ -58,20 +57,17 @@ class GemmConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
-    fused_reduce: bool = False  # split_k > 1: reduce in the GEMM's last program per tile (one launch, not two)
 
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_xm, stride_wn, k_split, split_k,
-                 HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, FUSED_REDUCE: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, k_split,
+                 HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # Program (pid_m, pid_n, pid_k): y[tile] over K in [pid_k k_split, (pid_k + 1) k_split), k_split % BLOCK_K == 0.
-    # DIRECT (split_k == 1): y [M, N] written here. Else the fp32 partial goes to ws [split_k, M, N], and with
-    # FUSED_REDUCE the tile's last program to finish sums the partials into y (count_ptr: one counter per tile).
+    # DIRECT (split_k == 1): y [M, N] written here. Else the fp32 partial goes to ws [split_k, M, N].
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -106,21 +102,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N, K, stride_
             acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
         tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        ws_tile = ws_ptr + out_offs
-        tl.store(ws_tile + pid_k.to(tl.int64) * M * N, acc, mask=mask)
-        if FUSED_REDUCE:
-            tl.debug_barrier()  # all of this program's partial is stored before it counts itself in (release)
-            counter = count_ptr + pid_n * tl.num_programs(0) + pid_m
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == split_k - 1:
-                # Last to arrive: sum every split's partial in split order (deterministic), from L2 (.cg).
-                acc = tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
-                for _ in range(1, split_k):
-                    ws_tile += M * N  # < 2^31 (asserted at launch)
-                    acc += tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-                tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch (or graph replay)
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + out_offs, acc, mask=mask)
 
 
 @triton.jit
@@ -155,7 +137,7 @@ def gemm_launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, bias:
         f"gemm: x and weight must share fp16/bf16/fp32, got {x.dtype}, {weight.dtype}")
     assert x.stride(1) == 1 and weight.stride(1) == 1, "gemm: x and weight need unit stride along K"
     assert bias is None or (bias.shape == (N,) and bias.is_contiguous()), f"gemm: bias must be contiguous [N={N}]"
-    bm, bn, bk, split, warps, stages, fused = config
+    bm, bn, bk, split, warps, stages = config
     assert all(_pow2(b) and b >= 16 for b in (bm, bn, bk)), f"gemm: BLOCK_M/N/K must be powers of 2 >= 16: {config}"
     assert split >= 1, f"gemm: SPLIT_K must be >= 1, got {split}"
     assert M * N < 2**31, f"gemm: M N = {M * N} must be < 2^31"
@@ -166,36 +148,18 @@ def gemm_launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, bias:
         return y.zero_() if bias is None else y.copy_(bias.expand(M, N))
     k_split = triton.cdiv(triton.cdiv(K, bk), split) * bk  # whole BLOCK_K tiles per split
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-    direct, fused = split == 1, fused and split > 1
+    direct = split == 1
     ws = y if direct else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    counts = _tile_counters(x.device, grid[0] * grid[1]) if fused else y  # y: a dummy pointer, never read
     b = bias if bias is not None else y
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    _gemm_kernel[grid](x, weight, b, y, ws, counts, M, N, K, x.stride(0), weight.stride(0), k_split, split,
-                       HAS_BIAS=bias is not None, DIRECT=direct, FUSED_REDUCE=fused, EVEN_K=K == split * k_split,
+    _gemm_kernel[grid](x, weight, b, y, ws, M, N, K, x.stride(0), weight.stride(0), k_split,
+                       HAS_BIAS=bias is not None, DIRECT=direct, EVEN_K=K == split * k_split,
                        DOT_PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                        num_warps=warps, num_stages=stages)  # fmt: skip
-    if not direct and not fused:
+    if not direct:
         _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
             ws, b, y, M * N, N, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, num_warps=4)
     return y
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device int32 tile counters for the fused split-K reduce, zero between launches (the kernel re-zeroes
-    each one it used). Shared by every call on the device: fused split-K GEMMs must not run concurrently on two
-    streams. Made before any CUDA-graph capture (run each shape once first); never freed, since graphs keep the
-    pointer."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gemm: fused split-K needs its tile counters made before CUDA-graph capture: "
-                               "run the same shapes once outside the capture first")
-        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 # ---------------------------------------------------------------------------------------------- default config
