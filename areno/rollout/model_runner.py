@@ -143,13 +143,15 @@ class ModelRunner:
             top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
         )
 
-    def run(self, step: Step, rows: list, row_index: list[int], copies=()):
+    def run(self, step: Step, rows: list, row_index: list[int], copies=(), decode_steps: int = 1):
         """Forward the step and sample one token for each of ``rows`` from hidden row ``row_index``.
 
         Returns CPU tensors (tokens int64, logprobs fp32) and, when a row asks for them, (ids, log-probs) of the
-        top candidates, else None. Under TP the step goes to the other ranks first.
+        top candidates, else None. Under TP the step goes to the other ranks first. ``decode_steps`` k > 1: see
+        :meth:`run_decode_steps`.
         """
         inp = self.prepare(step, rows, row_index, copies)
+        inp.decode_steps = decode_steps
         if self.tp_group is not None:
             broadcast_step(inp, self.tp_group)
         return self.execute(inp)
@@ -157,11 +159,7 @@ class ModelRunner:
     def run_decode_steps(self, step: Step, rows: list, k: int, copies=()):
         """``k`` decode steps of every row of a pure-decode ``step`` (the blocks of all k positions reserved);
         returns CPU tensors tokens int64 ``[k, rows]`` and logprobs fp32 ``[k, rows]``."""
-        inp = self.prepare(step, rows, list(range(len(rows))), copies)
-        inp.decode_steps = k
-        if self.tp_group is not None:
-            broadcast_step(inp, self.tp_group)
-        return self.execute(inp)
+        return self.run(step, rows, list(range(len(rows))), copies, decode_steps=k)
 
     # ---- execution (every TP rank) -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -299,18 +297,17 @@ class ModelRunner:
     def _run_decode_steps_eager(self, inp: StepInputs):
         """Multi-step decode without graphs (CPU, ``--eager-decode``): the same device loop, unpadded."""
         n = len(inp.seq_lens)
-        host = self._graph_host(inp, n)
-        width = max(len(tb) for tb in inp.tables)
-        host["table"] = host["table"][:, :width]
+        host = self._graph_host(inp, n, width=max(len(tb) for tb in inp.tables))
         buf = {name: val.to(self.device) for name, val in host.items()}
         buf["cu"] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         tokens, logprobs = self.decode_steps(buf, inp.decode_steps)
         return tokens.cpu(), logprobs.float().cpu()
 
-    def _graph_host(self, inp: StepInputs, bsz: int) -> dict:
-        """The graph's inputs on the host, padded to the bucket (padding rows write nowhere and read one slot)."""
+    def _graph_host(self, inp: StepInputs, bsz: int, width: int | None = None) -> dict:
+        """The graph's inputs on the host, padded to the bucket (padding rows write nowhere and read one slot);
+        the block table ``width`` blocks wide (default: the graphs' full width)."""
         pad = bsz - len(inp.seq_lens)
-        table = np.zeros((bsz, self.max_blocks_per_seq), dtype=np.int32)  # numpy: cheap per-row fills
+        table = np.zeros((bsz, width or self.max_blocks_per_seq), dtype=np.int32)  # numpy: cheap per-row fills
         for i, tb in enumerate(inp.tables):
             table[i, : len(tb)] = tb
         host = {
