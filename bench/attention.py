@@ -174,10 +174,23 @@ def bench_decode(batches, ctxs, pages, hq, hkv, d, dtype, copy_gbs):
     return rows
 
 
+def sweep_row(paged, splits, cfg, copy_gbs, **fields):
+    """Time one kernel config (``cfg`` (BLOCK_M, BLOCK_N, warps, stages) or None) and split count on the decode
+    problem ``paged`` (from make_paged) in a CUDA graph; a sweep row, or None if it failed."""
+    q, k_cache, v_cache, table, lens, nbytes = paged
+    args = (q, k_cache, v_cache, table, lens, q.shape[-1] ** -0.5, None, 1, splits, cfg)
+    try:
+        t = time_ms(lambda: _paged_attention_triton(*args), graph=True)
+    except Exception as e:
+        print(f"  {fields} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
+        return None
+    gbs = nbytes / t / 1e6
+    return {**fields, "block_size": 16, "ms": t, "GB/s": gbs, "frac_copy_bw": gbs / copy_gbs if copy_gbs else None}
+
+
 def sweep_decode(hq, hkv, d, dtype, copy_gbs, big_batch=256, ctx=2048, small_batches=(1, 8)):
     """Tile configs at batch 256 / ctx 2048 / block 16, and split counts at batch 1 and 8 / ctx 2048."""
     rows = []
-    scale = d**-0.5
     dev = "cuda" if CUDA else "cpu"
     runs = [(big_batch, 1, (16, bn, w, s)) for bn, w, s in itertools.product([32, 64, 128], [4, 8], [2, 3])]
     runs += [(batch, splits, None) for batch in small_batches for splits in (1, 2, 4, 8, 16)]
@@ -185,44 +198,28 @@ def sweep_decode(hq, hkv, d, dtype, copy_gbs, big_batch=256, ctx=2048, small_bat
     for batch, splits, cfg in runs:
         if batch not in made:
             made = {batch: make_paged(batch, ctx, hq, hkv, d, 16, dtype, dev)}  # drop the previous cache
-        q, k_cache, v_cache, table, lens, nbytes = made[batch]
-        fn = lambda a=(q, k_cache, v_cache, table, lens, scale, None, 1, splits, cfg): _paged_attention_triton(*a)
-        try:
-            t = time_ms(fn, graph=True)
-        except Exception as e:
-            print(f"  batch {batch} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
-            continue
         name = f"splits={splits}" if cfg is None else f"BLOCK_N={cfg[1]} warps={cfg[2]} stages={cfg[3]}"
-        gbs = nbytes / t / 1e6
-        rows.append({"workload": "paged_decode_sweep", "batch": batch, "ctx": ctx, "block_size": 16, "config": name,
-                     "ms": t, "GB/s": gbs, "frac_copy_bw": gbs / copy_gbs if copy_gbs else None})
+        row = sweep_row(made[batch], splits, cfg, copy_gbs, workload="paged_decode_sweep", batch=batch, ctx=ctx,
+                        config=name)
+        rows += [row] if row else []
     return rows
 
 
 def sweep_rollout_decode(hq, hkv, d, dtype, copy_gbs, batch=256, ctxs=(160, 384, 640)):
     """Tile configs and split counts at the contexts of an RL rollout (batch 256, 128 + up to 512 tokens)."""
     rows = []
-    scale = d**-0.5
     dev = "cuda" if CUDA else "cpu"
     configs = list(itertools.product([16, 32, 64], [2, 4], [2, 3, 4]))
     for ctx in ctxs:
-        q, k_cache, v_cache, table, lens, nbytes = make_paged(batch, ctx, hq, hkv, d, 16, dtype, dev)
+        paged = make_paged(batch, ctx, hq, hkv, d, 16, dtype, dev)
         for (bn, w, st), splits in itertools.product(configs, (1, 2)):
-            cfg = (16, bn, w, st)
-            fn = lambda a=(q, k_cache, v_cache, table, lens, scale, None, 1, splits, cfg): _paged_attention_triton(*a)
-            try:
-                t = time_ms(fn, graph=True)
-            except Exception as e:
-                print(f"  ctx {ctx} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            gbs = nbytes / t / 1e6
-            rows.append({"workload": "paged_decode_rollout_sweep", "batch": batch, "ctx": ctx, "block_size": 16,
-                         "config": f"BLOCK_N={bn} warps={w} stages={st} splits={splits}", "ms": t, "GB/s": gbs,
-                         "frac_copy_bw": gbs / copy_gbs if copy_gbs else None})
+            row = sweep_row(paged, splits, (16, bn, w, st), copy_gbs, workload="paged_decode_rollout_sweep",
+                            batch=batch, ctx=ctx, config=f"BLOCK_N={bn} warps={w} stages={st} splits={splits}")
+            rows += [row] if row else []
         best = max((r for r in rows if r["ctx"] == ctx), key=lambda r: r["GB/s"], default=None)
         if best:
             print(f"  rollout sweep ctx {ctx}: best {best['config']} {best['ms'] * 1e3:.1f} us {best['GB/s']:.0f} GB/s")
-        del q, k_cache, v_cache
+        del paged
     return rows
 
 
