@@ -95,8 +95,8 @@ def stream_after_sigterm(server, body, *, before_signal=3):
             try:
                 httpx.get(server.base_url + "/health", timeout=0.5)
                 time.sleep(0.1)
-            except httpx.ConnectError:
-                refused = True
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                refused = True  # refused, or (caught in the backlog at the signal) closed unanswered
         events.extend(it)
         return events, time.time() - t0, refused
 
