@@ -11,6 +11,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,9 +107,20 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
+def command_line() -> str:
+    """How this process was started, as a user would retype it: ``python bench/x.py --flag ...``."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return " ".join(["python", str(script), *sys.argv[1:]])
+
+
 def append_jsonl(name: str, records: list[dict], env: dict | None = None) -> Path:
-    """Append ``records`` (each merged with ``env``) as JSON lines to ``bench/results/<name>.jsonl``."""
-    env = env_info() if env is None else env
+    """Append ``records`` (each merged with ``env`` and, unless a record names its own, the ``command`` that ran) as
+    JSON lines to ``bench/results/<name>.jsonl``."""
+    env = {"command": command_line(), **(env_info() if env is None else env)}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.jsonl"
     with open(path, "a") as f:

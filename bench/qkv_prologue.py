@@ -109,8 +109,7 @@ def main() -> None:
             rows.append({**rec, "us_per_layer": ms * 1e3})
     print_table(rows, ["tokens", "mode", "impl", "us_per_layer", "gb_s", "frac_copy_bw", "speedup_vs_unfused"])
     if not args.no_save:
-        cmd = "python bench/qkv_prologue.py " + " ".join(sys.argv[1:])
-        path = append_jsonl("qkv_prologue", [{**r, "command": cmd.strip()} for r in records], env)
+        path = append_jsonl("qkv_prologue", records, env)
         print(f"# appended {len(records)} lines to {path}")
 
 

@@ -179,8 +179,7 @@ def main() -> None:
         del inputs
     print_table(rows, ["op", "shape", "pass", "impl", "us", "gb_s", "frac_copy_bw", "speedup_vs_native"])
     if not args.no_save:
-        cmd = "python bench/small_ops.py " + " ".join(sys.argv[1:])
-        path = append_jsonl("small_ops", [{**r, "command": cmd.strip()} for r in records], env)
+        path = append_jsonl("small_ops", records, env)
         print(f"# appended {len(records)} lines to {path}")
 
 
