@@ -1,4 +1,5 @@
-"""The GSM8K recipe of the spec through `areno train` on a tiny checkpoint and the shared GSM8K copy."""
+"""The GSM8K recipe of the spec through `areno train` on a tiny checkpoint and the GSM8K rows shipped in tests/data
+(a local copy in the hub's file format: the recipe reads the full train.jsonl the same way)."""
 
 import json
 from pathlib import Path
@@ -7,7 +8,7 @@ from areno.cli import main
 from areno.testing import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-GSM8K = ROOT / ".." / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"
 
 
 def test_gsm8k_gspo_recipe_runs(tmp_path):
