@@ -32,7 +32,9 @@ MIN_PYTHON = (3, 10)
 MIN_TORCH = (2, 6)
 FLASH_MIN_CAPABILITY = (8, 0)  # the Triton flash-attention kernels target Ampere and newer
 ATTN_BACKENDS = ("flash", "native")
-CPU_WARNING = "no CUDA device: the native PyTorch path runs on the CPU (tests and tiny models)"
+CPU_WARNING = "no CUDA device: the native PyTorch path runs on the CPU (tests, the quickstart and tiny models)"
+# The gpu check's next step on a CPU host: the CPU really trains and serves the quickstart, a GPU is for real sizes.
+CPU_NEXT_STEP = "for real model sizes, use a Linux host with an NVIDIA GPU"
 
 # distribution name -> import name
 CORE_DEPS = {
@@ -347,7 +349,7 @@ def _check_torch(torch, nvidia: bool) -> Check:
     if torch.version.cuda is None:
         if nvidia:
             return Check("FAIL", "torch", f"{version} is a CPU build on a host with an NVIDIA GPU", NEXT_TORCH_CUDA)
-        return Check("OK", "torch", f"{version} (CPU build: the native path for tests and tiny models)")
+        return Check("OK", "torch", f"{version} (CPU build: the native path for tests, the quickstart and tiny models)")
     return Check("OK", "torch", f"{version} (CUDA {torch.version.cuda} build)")
 
 
@@ -358,7 +360,7 @@ def _check_gpus(torch, gpus: list[dict], nvidia: bool) -> Check:
         if nvidia:
             return Check("WARN", "gpu", f"{CPU_WARNING}; an NVIDIA driver is present but torch sees no CUDA device",
                          "check CUDA_VISIBLE_DEVICES, `nvidia-smi`, and that torch's CUDA build matches the driver")
-        return Check("WARN", "gpu", CPU_WARNING, "train and serve on a Linux host with an NVIDIA GPU")
+        return Check("WARN", "gpu", CPU_WARNING, CPU_NEXT_STEP)
     listing = "; ".join(f"{g['index']}: {g['name']} (capability {g['capability']}, {g['memory_gib']} GiB)"
                         for g in gpus)
     return Check("OK", "gpu", f"{len(gpus)} visible: {listing}")

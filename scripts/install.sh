@@ -5,7 +5,9 @@
 #   bash scripts/install.sh --dry-run  print the plan, change nothing
 #
 # Steps: platform, Python, venv, torch, areno, kernels, attention setup, `areno check`.
-# torch is never installed or upgraded on a host with an NVIDIA GPU: the wheel must match the driver.
+# torch is never installed or upgraded on a host with an NVIDIA GPU: the wheel must match the driver. Without one it
+# installs the CPU build: the native PyTorch path, which trains and serves the quickstart and tiny models and runs the
+# tests; real model sizes need an NVIDIA GPU.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
@@ -26,7 +28,9 @@ and runs \`areno check\`. Running it again is a fast no-op.
 
 Environment: PYTHON (interpreter used to create .venv; default python3), VIRTUAL_ENV (reused when set),
 ARENO_HOME (where the setup record goes; default ~/.cache/areno).
-On a host with an NVIDIA GPU, install a CUDA build of torch >= 2.6 matching the driver first.
+On a host with an NVIDIA GPU, install a CUDA build of torch >= 2.6 matching the driver first. Without one, the
+CPU build of torch is installed: the CPU trains and serves the quickstart and tiny models and runs the tests; real
+model sizes need an NVIDIA GPU.
 EOF
 }
 
@@ -117,7 +121,10 @@ fi
 # ------------------------------------------------------------------------------------------------ 4. torch
 step 4 "PyTorch"
 gpu=0
-if nvidia-smi -L >/dev/null 2>&1 || [ -d /proc/driver/nvidia ]; then gpu=1; fi
+nvidia_proc=${ARENO_NVIDIA_PROC:-/proc/driver/nvidia}  # overridable so tests can fake a host without the driver
+if nvidia-smi -L >/dev/null 2>&1 || [ -d "$nvidia_proc" ]; then gpu=1; fi
+# What the CPU path is for, said the same way wherever the installer mentions it.
+cpu_path="the CPU runs the native PyTorch path: the tests, and training and serving the quickstart and tiny models; real model sizes need an NVIDIA GPU"
 # torch's version and CUDA build, read from torch/version.py without importing torch (that takes seconds).
 torch_info() {
   probe "$VPY" -c 'import importlib.util, os, runpy
@@ -157,9 +164,9 @@ if [ "$gpu" = 1 ]; then
     fi
   fi
 elif [ -n "$torch_version" ]; then
-  say "no NVIDIA GPU: keeping torch $torch_version (the CPU path: tests and tiny models)"
+  say "no NVIDIA GPU: keeping torch $torch_version ($cpu_path)"
 else
-  say "no NVIDIA GPU: installing the CPU build of torch for the development and test path (training needs a GPU)"
+  say "no NVIDIA GPU: installing the CPU build of torch ($cpu_path)"
   # Where the CPU wheel comes from: PyTorch's CPU index when it is reachable; otherwise a CPU wheel pip already
   # sees locally (pip's find-links, e.g. a wheel folder named in pip.conf). Never a plain `pip install torch` from
   # PyPI: on Linux that is the multi-GB CUDA build.

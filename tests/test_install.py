@@ -111,7 +111,8 @@ def test_install_then_second_run_is_a_no_op(tmp_path):
     import torch
 
     if not torch.cuda.is_available():
-        assert "WARN gpu: no CUDA device: the native PyTorch path runs on the CPU (tests and tiny models)" in check[3]
+        assert check[3] == ("WARN gpu: no CUDA device: the native PyTorch path runs on the CPU (tests, the quickstart "
+                            "and tiny models) -> for real model sizes, use a Linux host with an NVIDIA GPU")
         assert "no GPU: nothing to build" in first.stdout and record["attn_backend"] == "native"
 
     stamp = venv / ".areno-install-stamp"
@@ -175,8 +176,39 @@ echo "| NVIDIA-SMI 570.86.15    Driver Version: 570.86.15    CUDA Version: {driv
     assert sorted(str(p.relative_to(torchless_venv)) for p in torchless_venv.rglob("*")) == before
 
 
+CPU_PATH = ("the CPU runs the native PyTorch path: the tests, and training and serving the quickstart and tiny models; "
+            "real model sizes need an NVIDIA GPU")
+
+
+def test_cpu_host_without_torch_plans_the_cpu_build_and_says_what_a_cpu_is_for(tmp_path, torchless_venv):
+    """The README promises that a CPU machine trains the quickstart: the installer says so too, never "training
+    needs a GPU"."""
+    bin_dir = tmp_path / "bin"
+    shim(bin_dir, "nvidia-smi", "exit 1\n")  # no GPU, even where the test runs on a GPU host
+    shim(bin_dir, "curl", "exit 0\n")  # PyTorch's CPU index "reachable": nothing is fetched under --dry-run
+    env, _ = venv_env(PATH=f"{bin_dir}:{os.environ['PATH']}", VIRTUAL_ENV=str(torchless_venv),
+                      ARENO_NVIDIA_PROC=str(tmp_path / "no-driver"), ARENO_HOME=str(tmp_path / "home"))
+    out = install("--dry-run", env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"no NVIDIA GPU: installing the CPU build of torch ({CPU_PATH})" in out.stdout
+    assert "pip install --index-url https://download.pytorch.org/whl/cpu torch" in out.stdout
+    assert "needs a GPU" not in out.stdout + out.stderr
+    assert not (tmp_path / "home").exists()
+
+
+def test_cpu_host_with_torch_says_what_a_cpu_is_for(tmp_path):
+    bin_dir = tmp_path / "bin"
+    shim(bin_dir, "nvidia-smi", "exit 1\n")
+    env, _ = venv_env(PATH=f"{bin_dir}:{os.environ['PATH']}", ARENO_NVIDIA_PROC=str(tmp_path / "no-driver"),
+                      ARENO_HOME=str(tmp_path / "home"))
+    out = install("--dry-run", env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(rf"no NVIDIA GPU: keeping torch \S+ \({re.escape(CPU_PATH)}\)", out.stdout), out.stdout
+
+
 def test_help():
     out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--dry-run" in out.stdout and "[1/8]" not in out.stdout
+    assert "the CPU trains and serves the quickstart and tiny models" in " ".join(out.stdout.split())
     out = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown option: --bogus" in out.stderr

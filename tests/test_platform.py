@@ -139,6 +139,19 @@ def test_check_on_this_host(home, capsys):
     assert not home.exists() and os.listdir(".") == [] and sorted(os.listdir(home.parent)) == ["work"]
 
 
+def test_check_says_what_a_cpu_host_is_for():
+    """No CUDA device: a warning (never silent) that says the truth: the CPU runs the tests and trains and serves the
+    quickstart and tiny models; a GPU is for real model sizes (not "train and serve on a GPU host")."""
+    gpu = P._check_gpus(torch, [], nvidia=False)
+    assert (gpu.status, gpu.name) == ("WARN", "gpu")
+    assert gpu.detail == ("no CUDA device: the native PyTorch path runs on the CPU (tests, the quickstart and tiny "
+                          "models)")
+    assert gpu.next_step == "for real model sizes, use a Linux host with an NVIDIA GPU"
+    cpu_torch = type("FakeTorch", (), {"__version__": "2.9.0+cpu", "version": type("V", (), {"cuda": None})})
+    assert P._check_torch(cpu_torch, nvidia=False).detail == (
+        "2.9.0+cpu (CPU build: the native path for tests, the quickstart and tiny models)")
+
+
 def test_check_reads_the_record(home, capsys):
     P.record_setup()
     assert P.run_check([]) == 0
