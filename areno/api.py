@@ -321,11 +321,17 @@ class Trainer:
 
     def generate(self, prompts, sampling_params=None):
         """Roll out: ``prompts`` are strings, chat message lists or token-id lists; returns, per prompt, a list of
-        completions (token ids, log-probs, finish reason) from the colocated engine."""
+        completions (token ids, log-probs, finish reason, and ``text``: the completion decoded without special tokens,
+        or the text before the stop string that ended it) from the colocated engine."""
         loop = self._require_init()
         sp = sampling_params or SamplingParams()
         ids = [p if isinstance(p, list) and (not p or isinstance(p[0], int)) else loop.prompt_ids(p) for p in prompts]
-        return loop.generate(ids, sp.to_options())
+        out = loop.generate(ids, sp.to_options())
+        for group in out:
+            for c in group:
+                if c.text is None:  # the engine sets it only when a stop string cut the output; decode the rest
+                    c.text = loop.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return out
 
     rollout = generate
 

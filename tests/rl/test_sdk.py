@@ -18,6 +18,16 @@ def test_sdk_generate_train_save(tmp_path):
         out = trainer.generate(["12 + 3 =", [{"role": "user", "content": "hi"}]],
                                SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=1))
         assert [len(g) for g in out] == [2, 2] and all(len(c.token_ids) == len(c.logprobs) for g in out for c in g)
+        # every completion has its text: the tokens decoded without special tokens (as the loop's evaluate does)
+        tok = trainer.loop.tokenizer
+        assert all(c.text == tok.decode(c.token_ids, skip_special_tokens=True) for g in out for c in g)
+        assert all(c.text for g in out for c in g)  # 5 sampled tokens, none special here
+        # a stop string: the engine's text (cut before it) is kept, not replaced by the decoded tokens
+        first = out[0][0]
+        stop = first.text[2]
+        stopped = trainer.generate([list(first.prompt_ids)], SamplingParams(
+            temperature=1.0, max_new_tokens=5, n=2, seed=1, stop=[stop]))
+        assert (stopped[0][0].text, stopped[0][0].stop_text) == (first.text[:first.text.index(stop)], stop)
         before = [p.detach().clone() for p in trainer.model.parameters()]
         rows = [{"prompt_ids": list(c.prompt_ids), "response_ids": c.token_ids} for g in out for c in g]
         stats = trainer.train(rows, loss_fn="sft", mini_bs=2, gradient_accumulation_steps=2)
