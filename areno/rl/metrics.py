@@ -128,26 +128,57 @@ def read_metrics(jsonl_path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def reward_band(records: list[dict], key: str = "reward_mean") -> tuple[list, list, list] | None:
+    """The ±std band around ``key`` per step, as (steps, lower, upper), clipped to the rewards' observed range: a
+    band may not claim rewards that never occurred (with 0/1 rewards, mean + std often passes 1). Each step is
+    clipped to its logged ``reward_min`` / ``reward_max`` where present; otherwise to the range observed over the
+    run (the lowest and highest logged per-step minimum / maximum, or mean where those are absent). None without a
+    ``reward_std`` on every record."""
+    points = sorted((r for r in records if r.get(key) is not None), key=lambda r: r["step"])
+    if not points or any(r.get("reward_std") is None for r in points):
+        return None
+    lo = min(r["reward_min"] if r.get("reward_min") is not None else r[key] for r in points)
+    hi = max(r["reward_max"] if r.get("reward_max") is not None else r[key] for r in points)
+    steps, lower, upper = [], [], []
+    for r in points:
+        low = r["reward_min"] if r.get("reward_min") is not None else lo
+        high = r["reward_max"] if r.get("reward_max") is not None else hi
+        steps.append(r["step"])
+        lower.append(min(max(r[key] - r["reward_std"], low), r[key]))
+        upper.append(max(min(r[key] + r["reward_std"], high), r[key]))
+    return steps, lower, upper
+
+
 def plot_reward_curve(jsonl_path, png_path, key: str = "reward_mean", title: str | None = None,
                       since: float | None = None) -> Path:
-    """Plot ``key`` over steps from a metrics.jsonl (with a ±std band for reward_mean and a moving average);
-    ``since`` (a Unix time) keeps only the records logged from then on, e.g. this run's in an appended file."""
+    """Plot ``key`` over steps from a metrics.jsonl (with a ±std band for reward_mean, clipped to the observed
+    reward range: see ``reward_band``, and a moving average); ``since`` (a Unix time) keeps only the records
+    logged from then on, e.g. this run's in an appended file."""
+    fig = reward_curve_figure(read_metrics(jsonl_path), key, title=title, since=since, source=jsonl_path)
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path)
+    return png_path
+
+
+def reward_curve_figure(records: list[dict], key: str = "reward_mean", *, title: str | None = None,
+                        since: float | None = None, source=None):
+    """The matplotlib figure ``plot_reward_curve`` saves."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    points = [(r["step"], r[key], r.get("reward_std")) for r in read_metrics(jsonl_path)
-              if r.get(key) is not None and (since is None or r.get("time", since) >= since)]
-    if not points:
-        raise ValueError(f"{jsonl_path} has no {key!r} values to plot")
-    points.sort(key=lambda p: p[0])
-    steps, values = [p[0] for p in points], [p[1] for p in points]
+    records = [r for r in records if r.get(key) is not None and (since is None or r.get("time", since) >= since)]
+    if not records:
+        raise ValueError(f"{source or 'the metrics'} has no {key!r} values to plot")
+    records.sort(key=lambda r: r["step"])
+    steps, values = [r["step"] for r in records], [r[key] for r in records]
     fig = Figure(figsize=(7, 4), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot(steps, values, marker="o" if len(points) < 40 else None, lw=1, alpha=0.6, label=key)
-    if key == "reward_mean" and all(p[2] is not None for p in points):
-        ax.fill_between(steps, [v - p[2] for v, p in zip(values, points)], [v + p[2] for v, p in zip(values, points)],
-                        alpha=0.15, label="± std")
+    ax.plot(steps, values, marker="o" if len(records) < 40 else None, lw=1, alpha=0.6, label=key)
+    band = reward_band(records, key) if key == "reward_mean" else None
+    if band is not None:
+        ax.fill_between(band[0], band[1], band[2], alpha=0.15, label="± std (within the observed rewards)")
     w = max(1, len(values) // 10)
     if w > 1:
         avg = [sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1])
@@ -159,7 +190,4 @@ def plot_reward_curve(jsonl_path, png_path, key: str = "reward_mean", title: str
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path)
-    return png_path
+    return fig

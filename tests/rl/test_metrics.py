@@ -7,7 +7,14 @@ import sys
 import pytest
 import torch
 
-from areno.rl.metrics import MetricsLogger, format_line, plot_reward_curve, read_metrics
+from areno.rl.metrics import (
+    MetricsLogger,
+    format_line,
+    plot_reward_curve,
+    read_metrics,
+    reward_band,
+    reward_curve_figure,
+)
 
 STEP = {"reward_mean": 0.41, "reward_std": 0.22, "loss": 0.0123, "kl": 1.5e-4, "logprob_diff": 3.1e-3,
         "grad_norm": 0.52, "lr": 1e-6, "rollout_tok_s": 1234.4, "train_tok_s": 567.8, "step_s": 3.21}
@@ -83,3 +90,40 @@ def test_reward_curve_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     with pytest.raises(ValueError, match="no 'eval_accuracy' values"):
         plot_reward_curve(tmp_path / "metrics.jsonl", tmp_path / "e.png", key="eval_accuracy")
+
+
+def _band_of(fig):
+    """The y extent of the ±std band (the one PolyCollection fill_between draws) of a reward-curve figure."""
+    from matplotlib.collections import PolyCollection
+
+    (band,) = [c for c in fig.axes[0].collections if isinstance(c, PolyCollection)]
+    ys = [y for path in band.get_paths() for _, y in path.vertices]
+    return min(ys), max(ys)
+
+
+def test_reward_band_stays_within_the_observed_rewards(tmp_path):
+    # 0/1 rewards, 8 samples a step: mean + std passes 1 (0.875 + 0.354) and mean - std falls below 0 (0.125 - 0.354)
+    means = [0.125, 0.5, 0.875, 0.875, 1.0]
+    with MetricsLogger(tmp_path, tensorboard=False, stdout=False) as logger:
+        for step, m in enumerate(means, 1):
+            std = (m * (1 - m) * 8 / 7) ** 0.5
+            logger.log(step, {"reward_mean": m, "reward_std": std})
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    steps, lower, upper = reward_band(records)
+    assert steps == [1, 2, 3, 4, 5]
+    assert max(upper) <= 1.0 and min(lower) >= 0.125  # no per-step extremes logged: the run's observed range
+    assert upper[0] == pytest.approx(0.125 + (0.125 * 0.875 * 8 / 7) ** 0.5)  # inside the range: unchanged
+    assert lower[1] == pytest.approx(0.125) and upper[1] == upper[2] == 1.0
+    assert all(lo <= m <= hi for lo, m, hi in zip(lower, means, upper))
+    assert _band_of(reward_curve_figure(records)) == (pytest.approx(0.125), pytest.approx(1.0))
+    assert plot_reward_curve(tmp_path / "metrics.jsonl", tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reward_band_uses_logged_per_step_extremes():
+    records = [{"step": 1, "reward_mean": 0.5, "reward_std": 0.6, "reward_min": 0.0, "reward_max": 1.0},
+               {"step": 2, "reward_mean": 0.9, "reward_std": 0.3, "reward_min": 0.5, "reward_max": 1.0},
+               {"step": 3, "reward_mean": -0.2, "reward_std": 0.1, "reward_min": -1.0, "reward_max": 0.0}]
+    steps, lower, upper = reward_band(records)
+    assert lower == pytest.approx([0.0, 0.6, -0.3]) and upper == pytest.approx([1.0, 1.0, -0.1])
+    assert _band_of(reward_curve_figure(records)) == (pytest.approx(-0.3), pytest.approx(1.0))
+    assert reward_band([{"step": 1, "reward_mean": 0.5}]) is None  # no std logged: no band
