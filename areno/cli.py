@@ -2,8 +2,11 @@
 
 `train` and `serve` build their parser from the config dataclasses in `areno.config` (argparse-dataclass, plus the
 few things it lacks: `--help` groups, `--x/--no-x` for every bool, and knowing which flags were given explicitly,
-which `--preset` needs). They validate, print the resolved configuration, then hand it to the runtime, imported
-only then. `check` and `env` belong to `areno.platform`.
+which `--preset` needs). They validate (flags, then the model folder or hub id they name), print one summary line
+(the whole resolved configuration with `--verbose`; `areno train` always writes it to config.json in its metrics
+folder), then hand it to the runtime, imported only then. Errors come last, as one line: a bad flag or input exits 2,
+a run that had to stop (`RunError`: every reward failing, a full disk) exits 1. `check` and `env` belong to
+`areno.platform`.
 """
 
 import argparse
@@ -14,7 +17,7 @@ import sys
 import argparse_dataclass
 
 from areno import __version__
-from areno.config import GROUPS, ConfigError, ServeConfig, TrainConfig, flag_name, format_config
+from areno.config import GROUPS, ConfigError, RunError, ServeConfig, TrainConfig, flag_name, format_config
 
 EXIT_NOT_BUILT = 3
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -69,6 +72,10 @@ class ConfigParser(argparse_dataclass.ArgumentParser):
 
 def _help_text(f: dataclasses.Field) -> str:
     meta = f.metadata
+    if f.name == "preset":
+        from areno.presets import preset_names
+
+        return f"{meta['help']}; presets: {', '.join(preset_names())}"
     if "default_help" in meta:
         default = meta["default_help"]
     elif f.type is bool:
@@ -97,9 +104,34 @@ def parse_config(parser: ConfigParser, options_class, argv):
             config = options_class(**explicit)
         if hasattr(config, "require_run_inputs"):  # a command-line run needs its data (the SDK may not)
             config.require_run_inputs()
+        if explicit.get("preset") and "resume" in explicit and "overwrite" not in explicit:
+            config.overwrite = False  # a preset's --overwrite gives way to an explicit --resume
+        _check_models(config)
         return config
     except ConfigError as e:
         parser.error(str(e))
+
+
+def _check_models(config) -> None:
+    """Every model folder or hub id the config names resolves (a local folder with config.json, or a hub id in the
+    cache / downloadable), so a typo is one line naming the flag, not a traceback from deep in the loader."""
+    for name in ("ckpt", "ref_ckpt", "critic_ckpt", "model_path"):
+        value = getattr(config, name, None)
+        if value:
+            from areno.models.loader import check_model_source
+
+            check_model_source(flag_name(name), value)
+
+
+def _summary(command: str, config) -> str:
+    if command == "serve":
+        return (f"areno serve: {config.model_path} on {config.host}:{config.port}, world size {config.world_size}, "
+                f"TP {config.tp_size} (--verbose prints the whole configuration)")
+    steps = f"{config.max_steps} steps" if config.max_steps else f"{config.epochs} epoch(s)"
+    saved = f", saved to {config.save_path}" if config.save_path else ", nothing saved (no --save-path)"
+    where = f"{config.metrics_folder}/config.json"
+    return (f"areno train: {config.algo} on {config.ckpt}, {steps}{saved}; resolved configuration in {where}"
+            f"{'' if config.verbose else ' (--verbose prints it)'}")
 
 
 def _load_runtime(command: str, module: str, name: str, what: str):
@@ -118,7 +150,9 @@ def _load_runtime(command: str, module: str, name: str, what: str):
 def _run_config_command(command, options_class, argv, module, name, what) -> int:
     parser = make_parser(command, options_class)
     config = parse_config(parser, options_class, argv)
-    print(f"areno {command}: resolved configuration\n{format_config(config)}", flush=True)
+    print(_summary(command, config), flush=True)
+    if config.verbose:
+        print(f"areno {command}: resolved configuration\n{format_config(config)}", flush=True)
     run = _load_runtime(command, module, name, what)
     if run is None:
         return EXIT_NOT_BUILT
@@ -127,6 +161,9 @@ def _run_config_command(command, options_class, argv, module, name, what) -> int
     except ConfigError as e:  # found by the runtime before any work: a bad plugin file, dataset, ...
         print(f"areno {command}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:  # the run stopped on its own terms; what could be saved is saved
+        print(f"areno {command}: error: {e}", file=sys.stderr)
+        return 1
     return rc if isinstance(rc, int) else 0
 
 

@@ -45,6 +45,11 @@ class ConfigError(ValueError):
         super().__init__(f"{flag} {reason}")
 
 
+class RunError(RuntimeError):
+    """A run that had to stop on its own terms (every reward failing, a full disk, ...): the CLI prints the message
+    as one line and exits 1; what could be saved has been saved."""
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -255,6 +260,10 @@ class TrainConfig:
     sft_warmup_steps: int = opt(0, "SFT steps on the rows' `response` before RL starts (grpo, gspo, ppo)", "train")
     sft_warmup_lr: float = opt(0.0, "peak learning rate of the SFT warm-up steps (0 = --lr); the RL schedule starts "
                                "fresh after them", "train")
+    reward_timeout_s: float = opt(60.0, "seconds one reward_fn call may run before its sample is scored 0.0 as a "
+                                  "failure (0 = no limit)", "train")
+    max_reward_failure_steps: int = opt(3, "stop the run (exit 1, after saving) once every reward of this many steps "
+                                        "in a row failed (0 = never)", "train")
 
     # memory
     drop_rollout_state: bool = opt(False, "release KV cache and graphs at each rollout session boundary", "memory")
@@ -272,6 +281,9 @@ class TrainConfig:
     save_path: Optional[str] = opt(None, "folder for checkpoints (Hugging Face layout plus training state)",
                                    "checkpoint", metavar="DIR")
     save_interval: int = opt(0, "save every N steps (0 = only at the end)", "checkpoint")
+    overwrite: bool = opt(False, "start a new run in a --save-path that already holds files: its checkpoints and "
+                          "metrics are removed first (without it such a folder is refused unless --resume)",
+                          "checkpoint")
     resume: Optional[str] = opt(None, "resume from a checkpoint folder, or with no value from the latest under "
                                 "--save-path", "checkpoint", nargs="?", const="latest", metavar="PATH")
     ref_ckpt: Optional[str] = opt(None, "reference model for KL and DPO", "checkpoint", metavar="PATH",
@@ -298,8 +310,10 @@ class TrainConfig:
 
     # observability
     metrics_dir: Optional[str] = opt(None, "folder for metrics JSON lines and TensorBoard events", "observability",
-                                     metavar="DIR", default_help="<save-path>/metrics, else ./runs/<time>")
+                                     metavar="DIR", default_help="<save-path>/metrics, else ./runs/latest")
     log_interval: int = opt(1, "print a metrics line every N steps", "observability")
+    verbose: bool = opt(False, "also print the resolved configuration to stdout (it is always written to "
+                        "config.json in the metrics folder)", "observability")
     eval_interval: int = opt(0, "evaluate held-out prompts every N steps (0 = off)", "observability")
     tensorboard: bool = opt(True, "write TensorBoard events beside the JSON lines", "observability")
     decode_progress_interval_s: float = opt(0.0, "report decode throughput every N seconds (0 = off)",
@@ -332,9 +346,19 @@ class TrainConfig:
         self._check_sampling()
         self._check_optimisation()
         check_memory("--kv-cache-memory", self.kv_cache_memory)
+        if self.resume and self.overwrite:
+            raise ConfigError("--overwrite", "and --resume contradict each other: resume continues the run in "
+                              "--save-path, overwrite removes it")
+        if self.overwrite and not self.save_path:
+            raise ConfigError("--overwrite", "needs --save-path (the folder whose previous run it replaces)")
         if self.resume == "latest" and not self.save_path:
             raise ConfigError("--resume", "without a folder resumes the latest checkpoint under --save-path; "
                               "set --save-path or give the checkpoint folder")
+
+    @property
+    def metrics_folder(self) -> str:
+        """Where metrics.jsonl, TensorBoard events and config.json go."""
+        return self.metrics_dir or (os.path.join(self.save_path, "metrics") if self.save_path else "runs/latest")
 
     def _check_required(self):
         if not self.ckpt:
@@ -387,7 +411,7 @@ class TrainConfig:
         check_range("--min-lr", self.min_lr, 0.0, self.lr)
         for name in ("warmup_steps", "weight_decay", "grad_clip", "save_interval", "eval_interval",
                      "critic_warmup_steps", "sft_warmup_steps", "sft_warmup_lr", "kl_coef", "entropy_coef", "tis_cap",
-                     "value_clip", "clip_eps_high"):
+                     "value_clip", "clip_eps_high", "reward_timeout_s", "max_reward_failure_steps"):
             check_non_negative(flag_name(name), getattr(self, name))
         for name in ("critic_lr", "mm_tower_lr", "mm_tower_min_lr", "mm_projector_lr", "mm_projector_min_lr"):
             if getattr(self, name) is not None:
@@ -422,6 +446,8 @@ class ServeConfig:
                                            "server", metavar="NAME", default_help="the --model-path")
     max_model_len: Optional[int] = opt(None, "maximum prompt + completion tokens per request", "server",
                                        default_help="the model's context length")
+    max_request_bytes: int = opt(32 << 20, "largest request body accepted, in bytes (a larger one gets HTTP 413)",
+                                 "server")
     max_running_prompts: int = opt(32, "cap on active sequences in the continuous batch", "rollout")
     attn_backend: Optional[str] = opt(
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
@@ -433,11 +459,12 @@ class ServeConfig:
     decode_progress_interval_s: float = opt(
         0.0, "report decode throughput, active sequences and graph replay every N seconds (0 = off)",
         "observability")
+    verbose: bool = opt(False, "print the resolved configuration to stdout before serving", "observability")
 
     def __post_init__(self):
         if not self.model_path:
             raise ConfigError("--model-path", "is required (a Hugging Face repo id or a local folder)")
-        check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len"))
+        check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len", "max_request_bytes"))
         if self.world_size % self.tp_size:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)

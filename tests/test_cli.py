@@ -29,6 +29,7 @@ TRAIN_FLAGS = """
 --filter-zero-variance-groups --critic-ckpt --critic-lr --gamma --gae-lambda --value-clip --dual-clip
 --critic-warmup-steps --weight-decay --grad-clip --min-new-tokens --stop --eval-interval --log-interval
 --tensorboard --no-tensorboard --decode-progress-interval-s --dtype --kv-cache-memory --decode-steps
+--overwrite --reward-timeout-s --max-reward-failure-steps --verbose
 """.split()
 
 SERVE_FLAGS = """
@@ -60,6 +61,13 @@ def run(capsys, *argv):
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def any_model_name(monkeypatch):
+    """The tests here name models that do not exist ("tiny-model"): the model-folder check is tested on its own in
+    tests/test_run_safety.py."""
+    monkeypatch.setattr("areno.models.loader.check_model_source", lambda flag, value: None)
 
 
 @pytest.fixture
@@ -135,7 +143,12 @@ def test_spec_defaults_and_the_resolved_config_is_printed_before_the_run(capsys,
                     critic_warmup_steps=0, weight_decay=0.0, grad_clip=1.0, drop_rollout_state=False,
                     eager_decode=False, tensorboard=True, world_size=1, tp_size=1, ckpt="tiny-model")
     assert {k: getattr(cfg, k) for k in expected} == expected
-    assert out.index("areno train: resolved configuration") < out.index("train runner started")
+    assert out.index("areno train: grpo on tiny-model") < out.index("train runner started")
+    assert "resolved configuration\n" not in out  # the dump goes to the run folder; stdout only with --verbose
+    code, out, _ = run(capsys, "train", *base, "--verbose")
+    assert code == 0
+    assert out.index("areno train: resolved configuration\n") < out.index("train runner started")
+    assert "  reward_timeout_s" in out
     printed = dict(re.findall(r"^  (\w+)\s+: (.*)$", out, flags=re.M))
     assert set(printed) == set(TrainConfig.__dataclass_fields__)
     assert printed["ckpt"] == "'tiny-model'" and printed["world_size"] == "1"
@@ -249,7 +262,7 @@ def test_missing_runtime_exits_3_after_printing_the_config(capsys, base, monkeyp
     monkeypatch.setitem(sys.modules, "areno.rl.runner", None)
     monkeypatch.setitem(sys.modules, "areno.serve.server", None)
     code, out, err = run(capsys, "train", *base)
-    assert code == 3 and "resolved configuration" in out
+    assert code == 3 and "areno train: grpo on tiny-model" in out
     assert "areno train: the RL training runtime is not built yet" in err
     code, _, err = run(capsys, "serve", "--model-path", "m")
     assert code == 3 and "areno serve: the server runtime is not built yet" in err
@@ -266,7 +279,7 @@ def test_preset_is_the_base_and_explicit_flags_override_it(capsys, plugin_files,
     cfg = runners["train"]
     assert (cfg.preset, cfg.ckpt, cfg.n_samples, cfg.activation_checkpointing) == ("unit", "preset-model", 4, False)
     assert (cfg.lr, cfg.max_steps) == (1e-5, 3)
-    assert "'preset-model'" in out
+    assert "grpo on preset-model, 3 steps" in out
     run(capsys, "train", "--preset", "unit", "--activation-checkpointing")
     assert runners["train"].activation_checkpointing is True and runners["train"].lr == 5e-6
     code, _, err = run(capsys, "train", "--preset", "unit", "--world-size", "3", "--tp-size", "2")

@@ -38,9 +38,22 @@ def resolve_model_path(path_or_repo_id: str | os.PathLike) -> Path:
         raise FileNotFoundError(
             f"could not resolve model {text!r}: it is not a local folder, and the Hugging Face Hub repo id could not "
             f"be resolved{' (HF_HUB_OFFLINE is set: only ids already in the local cache resolve)' if offline else ''}"
-            f" [{type(e).__name__}: {e}]. Pass a local folder holding config.json and *.safetensors instead, "
-            f"e.g. --model-path /path/to/model (or --ckpt /path/to/model)."
+            f" [{type(e).__name__}: {' '.join(str(e).split())}]. Pass a local folder holding config.json and "
+            f"*.safetensors instead, e.g. --model-path /path/to/model (or --ckpt /path/to/model)."
         ) from e
+
+
+def check_model_source(flag: str, value) -> Path:
+    """``resolve_model_path`` for a CLI flag: the folder, or a ``ConfigError`` naming ``flag`` in one line."""
+    from areno.config import ConfigError
+
+    try:
+        path = resolve_model_path(value)
+    except FileNotFoundError as e:
+        raise ConfigError(flag, str(e).replace(f"model path {str(value)!r}", f"{str(value)!r}")) from None
+    if not (path / "config.json").is_file():
+        raise ConfigError(flag, f"{value!r} is a folder without config.json: not a Hugging Face model folder")
+    return path
 
 
 def read_config(path: Path) -> dict:

@@ -94,7 +94,8 @@ def quickstart() -> TrainConfig:
         activation_checkpointing=False,
         eval_interval=10,
         save_path="runs/quickstart",
-        metrics_dir="runs/quickstart/metrics",
+        overwrite=True,  # a demo: running it again replaces the last one (an explicit --resume continues it instead)
+        # no metrics_dir: it follows the save path (<save_path>/metrics), so --save-path X keeps the metrics in X
         tensorboard=False,
         dtype="float32",  # the numbers measured on CPU hold on a GPU too (bf16 would change them); tiny either way
     )

@@ -11,12 +11,16 @@ Layout of ``save_path/step-{N}`` (reloadable as a model with ``--ckpt`` or ``--m
 Everything is written into ``.{name}.tmp-{pid}-{rand}`` beside the target, and the finished folder is renamed into
 place (an existing one is first renamed to ``.{name}.old-{pid}-{rand}``, then removed). A kill at any moment leaves
 the previous checkpoint or the new one, and a hidden folder; ``latest_checkpoint`` only answers complete
-``step-{N}`` folders (or, after a kill between the two renames, the complete ``.old`` one). Hidden folders left by
-dead processes are removed by the next save. Only files this module wrote are unpickled (``weights_only=True``).
+``step-{N}`` folders. ``recover`` (run before a resume) renames the complete ``.old`` copy left by a kill between the
+two renames back to ``step-{N}``; other hidden folders left by dead processes are removed by the next save. Before
+writing, the free space is checked against the checkpoint's size (the previous checkpoint's, or an estimate), and a
+disk that fills up during the write is reported as ``DiskFullError`` naming the folder and the bytes needed: the
+previous checkpoint is untouched either way. Only files this module wrote are unpickled (``weights_only=True``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -29,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from areno.config import RunError
 
 STATE_DIR = "training_state"
 MARKER = "COMPLETE"
@@ -71,6 +77,55 @@ def set_rng_state(state: dict) -> None:
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
+class DiskFullError(RunError, OSError):
+    """The disk cannot hold the checkpoint; the message names the folder and the bytes needed."""
+
+
+def _gib(n: float) -> str:
+    if n < 2**20:
+        return f"{n} bytes"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def estimate_bytes(path: Path, model=None, optimizer=None, world: int = 1) -> int:
+    """What a checkpoint at ``path`` will take: the size of the newest complete sibling ``step-N`` if there is one,
+    else the model's tensors plus ``world`` ranks' optimizer state."""
+    previous = latest_checkpoint(path.parent)
+    if previous is not None:
+        return folder_bytes(previous)
+    total = 0
+    if model is not None:
+        seen = set()
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size() * (model.tp_group.size() if getattr(model, "tp_group", None)
+                                                         is not None else 1)
+    buckets = getattr(optimizer, "buckets", None) or []
+    total += 4 * sum(b.state_numel for b in buckets) * world
+    return total
+
+
+def _check_space(path: Path, needed: int) -> None:
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        raise DiskFullError(errno.ENOSPC, f"not enough disk space to save checkpoint {path}: it needs about "
+                            f"{_gib(needed)} ({needed} bytes) and {path.parent} has {_gib(free)} free; the previous "
+                            "checkpoint is intact")
+
+
+def _disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)  # torch.save and safetensors report a short write without the errno
+    return isinstance(e, (RuntimeError, OSError)) and any(
+        k in text for k in ("unexpected pos", "No space left", "file write failed", "Disk quota"))
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -102,25 +157,36 @@ def _remove_stale(parent: Path) -> None:
 
 
 def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_state=None, trainer_state: dict,
-                    rng: bool = True, save_model_fn=None) -> Path:
+                    rng: bool = True, save_model_fn=None, rank_state=None) -> Path:
     """Write a checkpoint at ``path`` (every rank calls this: a collective). ``save_model_fn(model, dir, tokenizer)``
     runs on every rank (areno's ``save_model`` gathers TP shards and writes on global rank 0); each rank writes its
-    optimizer and RNG files; rank 0 writes ``trainer.json`` (``trainer_state`` must be JSON-able; ``Path`` and other
-    objects are written as strings) and the marker, then renames the folder into place. Returns ``path``."""
+    optimizer and RNG files (with ``rank_state``, this rank's extra state such as its rollout engine's generator);
+    rank 0 writes ``trainer.json`` (``trainer_state`` must be JSON-able; ``Path`` and other objects are written as
+    strings) and the marker, then renames the folder into place. Returns ``path``; raises ``DiskFullError`` when the
+    disk cannot hold it (checked before writing, and caught during the write)."""
     if save_model_fn is None:
         from areno.models import save_model as save_model_fn
     path = Path(path).expanduser().absolute()
     rank, world = _dist()
-    tmp = None
+    tmp, problem, needed = None, None, 0
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(path.parent)
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        needed = estimate_bytes(path, model, optimizer, world)
+        try:
+            _check_space(path, needed)
+            tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+        except DiskFullError as e:
+            problem = e
     if world > 1:
-        box = [str(tmp) if tmp is not None else None]
+        box = [(str(tmp) if tmp is not None else None, str(problem) if problem else None)]
         dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
+        tmp = Path(box[0][0]) if box[0][0] else None
+        if box[0][1] and problem is None:
+            problem = DiskFullError(errno.ENOSPC, box[0][1])
+    if problem is not None:
+        raise problem
     try:
         save_model_fn(model, tmp, tokenizer)  # areno's save_model replaces the (empty) tmp folder with its own
         state = tmp / STATE_DIR
@@ -129,8 +195,8 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
         _barrier(world)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), state / f"optimizer-rank{rank}.pt")
-        if rng:
-            torch.save(rng_state(), state / f"rng-rank{rank}.pt")
+        if rng or rank_state is not None:
+            torch.save({**(rng_state() if rng else {}), "rank_state": rank_state}, state / f"rng-rank{rank}.pt")
         _barrier(world)
         if rank == 0:
             meta = {"format": 1, "world_size": world, "saved_at": time.time(), "optimizer": optimizer is not None,
@@ -150,9 +216,14 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
             else:
                 os.rename(tmp, path)
             _fsync(path.parent)
-    except BaseException:
+    except BaseException as e:
         if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(e) and not isinstance(e, DiskFullError):
+            free = shutil.disk_usage(path.parent).free
+            raise DiskFullError(errno.ENOSPC, f"the disk filled up while saving checkpoint {path}: it needs about "
+                                f"{_gib(needed)} ({needed} bytes) and {path.parent} has {_gib(free)} free; the "
+                                "previous checkpoint is intact") from e
         raise
     _barrier(world)
     return path
@@ -165,8 +236,8 @@ def is_complete(path) -> bool:
 
 def load_checkpoint(path, *, optimizer=None, rank: int | None = None, rng: bool = True) -> dict:
     """Read a checkpoint's training state: restores ``optimizer`` (this rank's shard) and the RNG states, and
-    returns the saved ``trainer_state`` dict (plus ``"scheduler_state"`` when one was saved). ``rank`` defaults to
-    the global rank."""
+    returns the saved ``trainer_state`` dict (plus ``"scheduler_state"`` when one was saved, and ``"rank_state"``,
+    this rank's extra state, when one was saved). ``rank`` defaults to the global rank."""
     path = Path(path).expanduser()
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete areno checkpoint (no {MARKER} marker): the save was "
@@ -181,12 +252,17 @@ def load_checkpoint(path, *, optimizer=None, rank: int | None = None, rng: bool 
             raise FileNotFoundError(f"{f} is missing: {path} was saved by {meta['world_size']} ranks "
                                     f"{'with' if meta['optimizer'] else 'without'} optimizer state")
         optimizer.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
-    if rng and meta["rng"]:
-        f = state / f"rng-rank{rank}.pt"
-        if not f.is_file():
-            raise FileNotFoundError(f"{f} is missing: {path} was saved by {meta['world_size']} ranks")
-        set_rng_state(torch.load(f, map_location="cpu", weights_only=True))
     out = dict(meta["trainer"])
+    f = state / f"rng-rank{rank}.pt"
+    if f.is_file():
+        saved = torch.load(f, map_location="cpu", weights_only=True)
+        if saved.get("rank_state") is not None:
+            out["rank_state"] = saved["rank_state"]
+        saved.pop("rank_state", None)
+        if rng and meta["rng"]:
+            set_rng_state(saved)
+    elif rng and meta["rng"]:
+        raise FileNotFoundError(f"{f} is missing: {path} was saved by {meta['world_size']} ranks")
     if meta["scheduler"] is not None:
         out["scheduler_state"] = meta["scheduler"]
     return out
@@ -197,13 +273,26 @@ def latest_checkpoint(save_path) -> Path | None:
     root = Path(save_path).expanduser()
     if not root.is_dir():
         return None
-    found: dict[int, Path] = {}
-    fallback: dict[int, Path] = {}
-    for d in root.iterdir():
-        if (m := _STEP.fullmatch(d.name)) and is_complete(d):
-            found[int(m.group(1))] = d
-        elif (m := _OLD.fullmatch(d.name)) and is_complete(d):
-            fallback[int(m.group(1))] = d  # killed between "rename old away" and "rename new in"
-    for step, d in fallback.items():
-        found.setdefault(step, d)
+    found = {int(m.group(1)): d for d in root.iterdir() if (m := _STEP.fullmatch(d.name)) and is_complete(d)}
     return found[max(found)] if found else None
+
+
+def recover(save_path) -> list[Path]:
+    """Put back the complete ``.step-N.old-*`` copies that a save killed between its two renames left as the only
+    complete ``step-N`` (their process gone), under their own name; returns the folders restored."""
+    root = Path(save_path).expanduser()
+    restored = []
+    if not root.is_dir():
+        return restored
+    for d in sorted(root.iterdir()):
+        m = _OLD.fullmatch(d.name)
+        if m is None or not is_complete(d) or _alive(int(d.name.rsplit("-", 2)[-2])):
+            continue
+        target = root / f"step-{m.group(1)}"
+        if is_complete(target):
+            continue
+        if target.exists():  # an incomplete folder under the final name (not written by this module): set aside
+            shutil.rmtree(target)
+        os.rename(d, target)
+        restored.append(target)
+    return restored

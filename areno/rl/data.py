@@ -44,11 +44,26 @@ def load_rows(dataset_path, *, loader_fn=None, split="train", **kwargs) -> list[
     """Rows of ``--dataset-path``; with ``loader_fn`` (``--dataset-loader-fn``) the user function decides."""
     if loader_fn is not None:
         extra = _accepted(loader_fn, {"split": split, **kwargs})
-        rows = loader_fn(dataset_path, default_loader=default_loader, **extra)
+        try:
+            rows = loader_fn(dataset_path, default_loader=default_loader, **extra)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's loader failed: one line naming the flag and where
+            raise DatasetError("--dataset-loader-fn", f"load_training_dataset raised {type(e).__name__}: {e}"
+                               f"{_user_line(e, loader_fn)}") from e
         return _as_rows(rows, "--dataset-loader-fn", "load_training_dataset returned")
     if not dataset_path:
         raise DatasetError(FLAG, "is required (or pass --dataset-loader-fn to build the rows yourself)")
     return default_loader(dataset_path, split=split, **kwargs)
+
+
+def _user_line(e: BaseException, fn) -> str:
+    """`` (file.py, line N)``: the last frame of the traceback inside ``fn``'s own file."""
+    import traceback
+
+    file = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == file]
+    return f" ({Path(file).name}, line {frames[-1].lineno})" if frames else ""
 
 
 def default_loader(path, *, split="train", **kwargs) -> list[dict]:

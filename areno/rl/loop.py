@@ -8,6 +8,7 @@ difference from the rollout's (``logprob_diff``); truncated importance sampling 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areno.config import ConfigError
+from areno.config import ConfigError, RunError
 from areno.rl import algorithms
 from areno.rl.advantages import gae, group_advantages
 from areno.rl.batch import Row
@@ -59,6 +60,9 @@ class TrainLoop:
         self.eval_rows: list[dict] = []
         self.last_save = None
         self.started_at = None  # set by setup(): where this run's records start in an appended metrics.jsonl
+        self.run_dir = None  # the claimed --save-path (rank 0)
+        self.accuracy_before = None  # held-out accuracy of the pre-RL model (kept in checkpoints across resumes)
+        self.failed_reward_steps = 0  # consecutive steps in which every reward failed
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
@@ -87,6 +91,10 @@ class TrainLoop:
         self.dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
         self.dp_size = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
         self.is_main = parallel.is_main_process()
+        if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
+            from areno.rl.run_dir import claim
+
+            self.run_dir = claim(cfg.save_path, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         torch.manual_seed(cfg.seed)
 
         self.device = _device()
@@ -114,9 +122,12 @@ class TrainLoop:
         from areno.models import load_model, load_tokenizer
 
         cfg = self.cfg
-        model = self._model or load_model(cfg.ckpt, dtype=self.dtype, device=self.device, tp_group=self.tp_group,
-                                          attn_backend=cfg.attn_backend)
-        tok = self._tokenizer or load_tokenizer(cfg.ckpt)
+        try:
+            model = self._model or load_model(cfg.ckpt, dtype=self.dtype, device=self.device, tp_group=self.tp_group,
+                                              attn_backend=cfg.attn_backend)
+            tok = self._tokenizer or load_tokenizer(cfg.ckpt)
+        except (OSError, KeyError, ValueError) as e:  # missing folder, unresolvable hub id, foreign checkpoint
+            raise ConfigError("--ckpt", f"{cfg.ckpt!r} cannot be loaded: {e}") from e
         model.train()
         if hasattr(model, "set_activation_checkpointing"):
             model.set_activation_checkpointing(cfg.activation_checkpointing)
@@ -194,8 +205,10 @@ class TrainLoop:
         from areno.rl.metrics import MetricsLogger
 
         cfg = self.cfg
-        folder = cfg.metrics_dir or (str(Path(cfg.save_path) / "metrics") if cfg.save_path else "runs/latest")
-        return MetricsLogger(folder, tensorboard=cfg.tensorboard, rank=0 if self.is_main else 1)
+        logger = MetricsLogger(cfg.metrics_folder, tensorboard=cfg.tensorboard, rank=0 if self.is_main else 1)
+        if self.is_main:  # the whole resolved configuration lives with the run (stdout shows it with --verbose)
+            (logger.metrics_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+        return logger
 
     # ---- data ----------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt) -> list[int]:
@@ -262,10 +275,21 @@ class TrainLoop:
         held-out rows, the before/after accuracy is also logged and the reward curve drawn next to metrics.jsonl."""
         cfg = self.cfg
         self.warmup()
-        before = self.evaluate() if self.eval_data else None
         stage = "RL" if cfg.algo in RL_ALGOS else cfg.algo.upper()
-        if self.is_main and before is not None:
-            print(f"held-out accuracy before {stage}: {before:.1%} ({len(self.eval_data)} prompts, greedy)", flush=True)
+        if self.accuracy_before is None and self.eval_data:
+            self.accuracy_before = self.evaluate()
+            if self.is_main and self.accuracy_before is not None:
+                print(f"held-out accuracy before {stage}: {self.accuracy_before:.1%} ({len(self.eval_data)} prompts, "
+                      "greedy)", flush=True)
+        elif self.is_main and self.accuracy_before is not None:
+            print(f"held-out accuracy before {stage}: {self.accuracy_before:.1%} (measured before the run was "
+                  "interrupted; kept in the checkpoint)", flush=True)
+        elif self.is_main and not self.eval_data:
+            print("held-out accuracy: not measured: the dataset has no held-out rows (rows whose `split` is eval or "
+                  "test; a dataset loader can mark some)", flush=True)
+        elif self.is_main and self.reward_fn is None:
+            print("held-out accuracy: not measured: it needs --reward-fn-path to score the held-out rows", flush=True)
+        before = self.accuracy_before
         last = self.run()
         after = self.evaluate() if self.eval_data else None
         self.results = {"accuracy_before": before, "accuracy_after": after, "last": last,
@@ -273,12 +297,13 @@ class TrainLoop:
         if self.is_main and last:
             print("final step: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())
                                              if isinstance(v, (int, float))), flush=True)
-        if self.is_main and before is not None:
+        if self.is_main and before is not None and after is not None:
             self.logger.log(self.step_index, {"eval_accuracy_before": before, "eval_accuracy_after": after},
                             stdout=False)
-            self.results["reward_curve"] = self._plot_reward_curve()
             print(f"held-out accuracy: before {stage} {before:.1%} -> after {stage} {after:.1%} "
                   f"({(after - before) * 100:+.1f} points)", flush=True)
+        if self.is_main:
+            self.results["reward_curve"] = self._plot_reward_curve()
         if self.is_main and self.last_save:
             print(f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
         return self.results
@@ -333,15 +358,17 @@ class TrainLoop:
                 records.append(record_from(row, text, c.token_ids, len(records)))
                 flat.append((row, c))
         t1 = time.perf_counter()
-        rewards, failures = score(self.reward_fn, records)
+        rewards, failures = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
         t_reward = time.perf_counter() - t1
         local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason)
                  for (row, c), rew in zip(flat, rewards)]
-        gathered = [x for part in _gather_objects(local, self.dp_group) for x in part]
+        parts = _gather_objects((local, failures), self.dp_group)
+        gathered = [x for part, _ in parts for x in part]
+        failures = sum(f for _, f in parts)
         n_tok = sum(len(x[1]) for x in gathered)
         rows = [Row(p, list(ids), list(lps), reward=float(rew)) for p, ids, lps, rew, _ in gathered]
         stats = {
-            "rollout_s": t_roll, "reward_s": t_reward, "reward_failures": failures,
+            "rollout_s": t_roll, "reward_s": t_reward, "reward_failures": failures, "samples": len(gathered),
             "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t_roll, 1e-9) * self.dp_size,
             "response_len_mean": n_tok / max(1, len(rows)),
             "response_len_max": max((len(r.response_ids) for r in rows), default=0),
@@ -492,7 +519,7 @@ class TrainLoop:
             c = group[0]
             text = c.text if c.text is not None else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             records.append(record_from(r, text, c.token_ids, len(records)))
-        rewards, _ = score(self.reward_fn, records)
+        rewards, _ = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
         return sum(rewards) / len(rewards)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -504,17 +531,29 @@ class TrainLoop:
         save_checkpoint(path, model=self.model, tokenizer=self.tokenizer, optimizer=self.trainer.optimizer,
                         trainer_state={"step": self.step_index,
                                        "data": self.data.state_dict() if self.data is not None else None,
-                                       "num_updates": self.trainer.num_updates, "config": _jsonable(asdict(cfg))})
+                                       "num_updates": self.trainer.num_updates, "config": _jsonable(asdict(cfg)),
+                                       "accuracy_before": self.accuracy_before, "started_at": self.started_at,
+                                       "failed_reward_steps": self.failed_reward_steps},
+                        rank_state={"engine_rng": self.engine.rng_state()} if self.engine is not None else None)
         self.last_save = path
         return path
 
     def _resume(self):
-        from areno.rl.checkpoint import latest_checkpoint, load_checkpoint
+        from areno.rl.checkpoint import MARKER, is_complete, latest_checkpoint, load_checkpoint
 
         cfg = self.cfg
-        path = Path(cfg.resume) if cfg.resume not in ("latest", "auto", "") else latest_checkpoint(cfg.save_path)
-        if path is None or not Path(path).exists():
-            raise FileNotFoundError(f"--resume: no checkpoint found at {cfg.resume or cfg.save_path}")
+        if dist.is_initialized():
+            dist.barrier()  # rank 0 has recovered the save folder (run_dir.claim) before anyone looks in it
+        if cfg.resume in ("latest", "auto", ""):
+            path = latest_checkpoint(cfg.save_path)
+            if path is None:
+                raise ConfigError("--resume", f"found no complete checkpoint (a step-N folder with its {MARKER} "
+                                  f"marker) in {Path(cfg.save_path).expanduser().absolute()}")
+        else:
+            path = Path(cfg.resume).expanduser()
+            if not is_complete(path):
+                why = "does not exist" if not path.exists() else f"is not a complete areno checkpoint (no {MARKER})"
+                raise ConfigError("--resume", f"{path.absolute()} {why}")
         state = load_checkpoint(path, optimizer=self.trainer.optimizer,
                                 rank=dist.get_rank() if dist.is_initialized() else 0)
         from areno.models import load_model
@@ -527,6 +566,15 @@ class TrainLoop:
         self.step_index = state["step"]
         self.data.load_state_dict(state["data"])
         self.trainer.num_updates = state.get("num_updates", 0)
+        self.accuracy_before = state.get("accuracy_before")
+        self.failed_reward_steps = state.get("failed_reward_steps", 0)
+        self.started_at = state.get("started_at") or self.started_at
+        engine_rng = (state.get("rank_state") or {}).get("engine_rng")
+        if engine_rng is not None:
+            if self.engine is None:
+                self._build_engine()
+            self.engine.set_rng_state(engine_rng)
+        self.logger.truncate_after(self.step_index)  # the interrupted run's lines after this checkpoint go
         log.info("resumed from %s at step %d", path, self.step_index)
 
     # ---- run -----------------------------------------------------------------------------------------------
@@ -585,6 +633,16 @@ class TrainLoop:
         step_fn = {"sft": self.step_sft, "dpo": self.step_dpo}.get(cfg.algo, self.step_rl)
         bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.is_main, desc=cfg.algo,
                    dynamic_ncols=True)
+        try:
+            last = self._steps(step_fn, bar)
+        finally:
+            bar.close()  # before any error message, so the message is the last line
+        if cfg.save_path and not (cfg.save_interval and self.step_index % cfg.save_interval == 0):
+            self.save()
+        return last
+
+    def _steps(self, step_fn, bar) -> dict:
+        cfg = self.cfg
         last = {}
         batches = iter(self.data)
         while self.step_index < self.total_steps:  # test first: a batch taken is a batch consumed
@@ -603,14 +661,32 @@ class TrainLoop:
                     m["eval_accuracy"] = acc
             if self.step_index % max(1, cfg.log_interval) == 0:
                 self.logger.log(self.step_index, m)
-            if cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0:
+            saved = bool(cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0)
+            if saved:
                 self.save()
             bar.update(1)
             last = m
-        bar.close()
-        if cfg.save_path and not (cfg.save_interval and self.step_index % cfg.save_interval == 0):
-            self.save()
+            self._check_reward_failures(m, saved)
         return last
+
+    def _check_reward_failures(self, m: dict, saved: bool) -> None:
+        """Stop (after saving) once every reward of ``--max-reward-failure-steps`` steps in a row failed."""
+        cfg = self.cfg
+        if "samples" not in m or not cfg.max_reward_failure_steps:
+            return
+        all_failed = m["samples"] > 0 and m["reward_failures"] >= m["samples"]
+        self.failed_reward_steps = self.failed_reward_steps + 1 if all_failed else 0
+        if self.failed_reward_steps < cfg.max_reward_failure_steps:
+            return
+        if cfg.save_path and not saved:
+            self.save()
+        n = self.failed_reward_steps
+        kept = f"; the run is saved at {self.last_save} (fix the reward function, then --resume)" if cfg.save_path \
+            else ""
+        raise RunError(f"stopping: every reward failed in the last {n} steps (steps {self.step_index - n + 1}-"
+                       f"{self.step_index}): --reward-fn-path {cfg.reward_fn_path} raised, timed out (> "
+                       f"--reward-timeout-s {cfg.reward_timeout_s:g}) or returned no number on every sample (its "
+                       f"first traceback is logged above){kept}")
 
     def close(self):
         """Release what setup() built so far (it may have stopped part-way on a bad input)."""
@@ -620,6 +696,9 @@ class TrainLoop:
             self.trainer.optimizer.close()
         if self.critic is not None and hasattr(self, "critic_trainer"):
             self.critic_trainer.optimizer.close()
+        if self.run_dir is not None:
+            self.run_dir.release()
+            self.run_dir = None
 
 
 def _normalise(stats: dict) -> dict:

@@ -68,6 +68,7 @@ class MetricsLogger:
         self.tensorboard = tensorboard
         self._writer = None
         self._file = None
+        self._purge_step = None
         if self.active:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.metrics_dir / "metrics.jsonl", "a", encoding="utf-8")
@@ -94,6 +95,21 @@ class MetricsLogger:
 
             tqdm.write(format_line(int(step), {k: v for k, v in clean.items() if isinstance(v, float)}))
 
+    def truncate_after(self, step: int) -> None:
+        """Forget what was logged after ``step`` (a resumed run redoes those steps): metrics.jsonl keeps its lines
+        up to ``step`` (rewritten atomically) and TensorBoard purges the later events on its next write."""
+        if not self.active or self._file is None:
+            return
+        self._file.close()
+        path = self.jsonl_path
+        keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        tmp.replace(path)
+        self._file = open(path, "a", encoding="utf-8")
+        self._purge_step = step + 1
+
     def _tb(self):
         if not self.tensorboard:
             return None
@@ -105,7 +121,7 @@ class MetricsLogger:
                             e, self.jsonl_path)
                 self.tensorboard = False
                 return None
-            self._writer = SummaryWriter(str(self.metrics_dir / "tb"))
+            self._writer = SummaryWriter(str(self.metrics_dir / "tb"), purge_step=self._purge_step)
         return self._writer
 
     def close(self) -> None:

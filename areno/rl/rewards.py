@@ -1,17 +1,24 @@
 """Scoring completions with the user's ``reward_fn(record) -> float``.
 
-A reward function that raises, or returns something that is not a finite number, costs that one sample (reward 0.0),
-is counted in ``failures`` (logged by the loop as ``reward_failures``) and logs its traceback once per distinct
-exception type and location, at WARNING; it never stops the run.
+A reward function that raises (``SystemExit`` and ``KeyboardInterrupt`` included: user code cannot end the run), runs
+longer than ``timeout_s``, or returns something that is not a finite number costs that one sample (reward 0.0), is
+counted in ``failures`` (logged by the loop as ``reward_failures``) and logs its traceback once per distinct exception
+type and location, at WARNING; it never stops the run by itself (the loop stops a run whose rewards all fail for
+``--max-reward-failure-steps`` steps in a row).
+
+Calls run on daemon worker threads, so a real Ctrl-C still reaches the main thread and a hung call can be abandoned:
+its sample is scored as a failure at the deadline, its thread is left to finish (or not) on its own and a fresh
+worker takes its place; a late result is discarded.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
+import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -82,25 +89,75 @@ def _first(d: dict, *keys):
     return None
 
 
-def score(reward_fn, records, *, workers: int = 1) -> tuple[list[float], int]:
-    """Rewards for ``records`` and how many samples failed (raised, or returned a non-finite/non-number)."""
+def score(reward_fn, records, *, workers: int = 1, timeout_s: float | None = None) -> tuple[list[float], int]:
+    """Rewards for ``records`` (in order) and how many samples failed (raised, timed out after ``timeout_s`` seconds
+    of one call, or returned a non-finite/non-number), scored by ``workers`` threads."""
     records = list(records)
-    if workers > 1 and len(records) > 1:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward") as pool:
-            results = list(pool.map(lambda r: _score_one(reward_fn, r), records))
-    else:
-        results = [_score_one(reward_fn, r) for r in records]
-    return [r for r, _ in results], sum(not ok for _, ok in results)
+    n = len(records)
+    rewards, ok = [0.0] * n, [False] * n
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(n):
+        todo.put(i)
+    running: dict[int, float] = {}  # sample index -> when its call started
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            with lock:
+                running[i] = time.monotonic()
+            done.put((i, _score_one(reward_fn, records[i])))
+
+    def start_worker():
+        threading.Thread(target=work, name="reward", daemon=True).start()
+
+    for _ in range(min(max(1, workers), n)):
+        start_worker()
+    finished = 0
+    while finished < n:
+        with lock:
+            oldest = min(running.values(), default=None)
+        wait = 0.5 if timeout_s is None or oldest is None else oldest + timeout_s - time.monotonic()
+        try:
+            i, (value, good) = done.get(timeout=max(0.01, wait))
+            with lock:
+                late = running.pop(i, None) is None
+            if not late:
+                rewards[i], ok[i] = value, good
+                finished += 1
+        except queue.Empty:
+            pass
+        if timeout_s is None:
+            continue
+        now = time.monotonic()
+        with lock:
+            expired = [i for i, t0 in running.items() if now - t0 > timeout_s]
+            for i in expired:
+                del running[i]
+        for i in expired:  # abandoned: the thread keeps the call, a new worker takes the rest of the queue
+            finished += 1
+            if _first_time(("timeout", getattr(reward_fn, "__module__", None),
+                            getattr(reward_fn, "__qualname__", None))):
+                log.warning("reward function did not return within --reward-timeout-s %gs on sample %s: scored 0.0 "
+                            "and counted as a failure; the call is left running on a background thread (later "
+                            "timeouts are counted, not logged)", timeout_s, getattr(records[i], "index", i))
+            start_worker()
+    return rewards, sum(not x for x in ok)
 
 
 def _score_one(reward_fn, record) -> tuple[float, bool]:
     try:
         value = reward_fn(record)
-    except Exception as e:  # noqa: BLE001 - a user's bug costs the sample, not the run
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        if _first_time((type(e).__qualname__, frame.filename, frame.lineno)):
+    except BaseException as e:  # noqa: BLE001 - a user's bug (even sys.exit()) costs the sample, not the run
+        frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        where = (frame.filename, frame.lineno) if frame else ("?", 0)
+        if _first_time((type(e).__qualname__, *where)):
             log.warning("reward function raised on sample %s (scored 0.0; later %s at %s:%d are counted, not logged)"
-                        "\n%s", getattr(record, "index", "?"), type(e).__name__, frame.filename, frame.lineno,
+                        "\n%s", getattr(record, "index", "?"), type(e).__name__, *where,
                         "".join(traceback.format_exception(e)).rstrip())
         return 0.0, False
     reward = _as_float(value)

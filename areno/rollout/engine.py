@@ -94,6 +94,14 @@ class Engine:
         )
 
     # ---- session state -------------------------------------------------------------------------------------
+    def rng_state(self):
+        """The generator that draws a seed for each request that gives none (saved in checkpoints: exact resume)."""
+        return self._rng.getstate()
+
+    def set_rng_state(self, state) -> None:
+        version, internal, gauss = state
+        self._rng.setstate((version, tuple(internal), gauss))
+
     def drop_rollout_state(self) -> None:
         """Free the KV cache and CUDA graphs; the next request rebuilds them."""
         if self.scheduler.has_work():

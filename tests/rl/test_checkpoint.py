@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from areno.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from areno.rl.checkpoint import DiskFullError, latest_checkpoint, load_checkpoint, recover, save_checkpoint
 from areno.rl.optimizer import MasterAdamW
 
 
@@ -71,10 +71,18 @@ def test_layout_atomic_replace_and_latest(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     with pytest.raises(FileNotFoundError, match=r"step-12 is not a complete areno checkpoint"):
         load_checkpoint(root / "step-12")
-    # killed between "rename the old away" and "rename the new in": the complete old copy still counts
-    os.rename(root / "step-10", root / ".step-10.old-1-abcdef12")
-    assert latest_checkpoint(root) == root / ".step-10.old-1-abcdef12"
+    # killed between "rename the old away" and "rename the new in": recover() puts the complete old copy back under
+    # its own name (never loaded by its hidden name); one whose process still lives is left to it
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    os.rename(root / "step-10", root / f".step-10.old-{dead.pid}-abcdef12")
+    assert latest_checkpoint(root) == root / "step-2"
+    os.rename(root / "step-2", root / f".step-2.old-{os.getpid()}-abcdef12")
+    assert recover(root) == [root / "step-10"]
+    assert latest_checkpoint(root) == root / "step-10"
     assert load_checkpoint(latest_checkpoint(root), rng=False) == {"step": 10}
+    assert sorted(p.name for p in root.iterdir()) == [f".step-2.old-{os.getpid()}-abcdef12", "notes", "step-10",
+                                                      "step-12"]
 
 
 def test_rng_round_trip(tmp_path):
@@ -218,3 +226,50 @@ def test_two_ranks_write_their_own_state(tmp_path):
     assert names == ["optimizer-rank0.pt", "optimizer-rank1.pt", "rng-rank0.pt", "rng-rank1.pt", "trainer.json"]
     assert json.loads((tmp_path / "step-2" / "training_state" / "trainer.json").read_text())["world_size"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
+
+
+def test_full_disk_is_one_clear_error_and_the_previous_checkpoint_stays_loadable(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from areno.rl import checkpoint
+
+    root = tmp_path / "ckpts"
+    model = toy_model()
+    save_checkpoint(root / "step-1", model=model, trainer_state={"step": 1}, save_model_fn=save_tensors)
+    size = checkpoint.folder_bytes(root / "step-1")
+    # 1) the space check before writing: nothing is written
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 100, 100))
+    with pytest.raises(DiskFullError) as info:
+        save_checkpoint(root / "step-2", model=model, trainer_state={"step": 2}, save_model_fn=save_tensors)
+    msg = str(info.value)
+    assert "\n" not in msg and str(root / "step-2") in msg and f"{size} bytes" in msg and "has 100 bytes free" in msg
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+    monkeypatch.undo()
+
+    # 2) the disk fills up during the write (torch.save's own message names neither disk nor path)
+    def full(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1088 vs 982")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(DiskFullError, match=r"disk filled up while saving checkpoint .*step-1: it needs about"):
+        save_checkpoint(root / "step-1", model=model, trainer_state={"step": 9}, save_model_fn=save_tensors)
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+    assert load_checkpoint(root / "step-1", rng=False) == {"step": 1}
+
+
+def test_rank_state_round_trip(tmp_path):
+    import random
+
+    model = toy_model()
+    gen = random.Random(5)
+    gen.random()
+    path = save_checkpoint(tmp_path / "step-1", model=model, trainer_state={"step": 1}, save_model_fn=save_tensors,
+                           rank_state={"engine_rng": gen.getstate()})
+    state = load_checkpoint(path, rng=False)
+    again = random.Random()
+    version, internal, gauss = state["rank_state"]["engine_rng"]
+    again.setstate((version, tuple(internal), gauss))
+    assert [again.random() for _ in range(3)] == [gen.random() for _ in range(3)]

@@ -69,7 +69,7 @@ def test_import_failure_reports_type_message_and_line(tmp_path):
     assert str(e).startswith("--reward-fn-path") and "failed to import" in str(e)
     assert "RuntimeError: boom here (line 2)" in str(e)
     e = _error(load_reward_fn, _file(tmp_path, "def reward_fn(r)\n    return 1\n", "syntax.py"))
-    assert "SyntaxError" in str(e) and "(line 1)" in str(e)
+    assert "SyntaxError" in str(e) and "(syntax.py, line 1)" in str(e) and str(e).count("line 1") == 1
     e = _error(load_reward_fn, _file(tmp_path, "import areno_no_such_module_xyz\n", "dep.py"))
     assert "ModuleNotFoundError: No module named 'areno_no_such_module_xyz'" in str(e)
 

@@ -86,3 +86,35 @@ def test_bad_return_values_are_failures(caplog):
     assert rewards == [0.0] * 6 + [1.0, 2.0, 0.5] and failures == 6
     assert all(isinstance(r, float) for r in rewards)
     assert len([r for r in caplog.records if r.name == "areno.rewards"]) == 2  # once per kind: non-number, non-finite
+
+
+@pytest.mark.parametrize("exc", [SystemExit(0), SystemExit(3), KeyboardInterrupt()])
+def test_sys_exit_or_keyboard_interrupt_from_user_code_costs_one_sample(exc):
+    def fn(rec):
+        if rec.completion == "bye":
+            raise exc
+        return 1.0
+
+    assert score(fn, _records(["ok", "bye", "ok"])) == ([1.0, 0.0, 1.0], 1)
+
+
+def test_a_hanging_reward_times_out_as_one_failed_sample_and_the_rest_are_scored(caplog):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def fn(rec):
+        if rec.completion == "hang":
+            release.wait(30)  # stands in for a call that never returns
+            return 1.0
+        return 1.0
+
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="areno.rewards"):
+        rewards, failures = score(fn, _records(["ok", "hang", "ok", "ok"]), timeout_s=0.3)
+    took = time.monotonic() - t0
+    release.set()
+    assert (rewards, failures) == ([1.0, 0.0, 1.0, 1.0], 1)
+    assert took < 3.0
+    assert any("--reward-timeout-s" in r.getMessage() for r in caplog.records)
