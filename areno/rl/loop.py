@@ -383,6 +383,7 @@ class TrainLoop:
         rewards = torch.tensor([r.reward for r in rows])
         adv, zero_var = group_advantages(rewards, cfg.n_samples, std_normalize=cfg.advantage_std_norm)
         m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(rows) > 1 else 0.0,
+                 reward_min=rewards.min().item(), reward_max=rewards.max().item(),
                  zero_variance_groups=int(zero_var.sum()), groups=len(zero_var))
         for r, a in zip(rows, adv.tolist()):
             r.advantage = a
