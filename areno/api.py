@@ -288,7 +288,8 @@ class Trainer:
         opts = dict(self.options)
         rt = dict(self.config.runtime)
         fields = {"ckpt": self.model_path, "world_size": self.world_size, "tp_size": self.config.tp_size,
-                  "max_running_prompts": self.config.max_running_prompts, **rt, **opts}
+                  "max_running_prompts": self.config.max_running_prompts,
+                  "train_devices": getattr(self.config, "devices", None), **rt, **opts}
         unknown = sorted(set(opts) - set(TrainConfig.__dataclass_fields__))
         if unknown:
             raise ConfigError(unknown[0], "is not a training option (see `areno train --help` for the names)")

@@ -170,6 +170,26 @@ def format_config(config) -> str:
     return "\n".join(f"  {n.ljust(width)} : {shown(n)}" for n in names)
 
 
+# ---- flags of features not built yet: refused (exit 2) when given, never parsed and ignored ----
+_NO_TOWER = "no model adapter in this build has a vision or audio tower (multimodal adapters are not built yet)"
+NOT_BUILT = {
+    "rollout_devices": "split rollout (training and rollout on separate device partitions) is not built yet: "
+                       "rollout runs colocated on the training ranks (--train-devices alone pins those)",
+    "rollout_tp_size": "applies to split rollout, which is not built yet (colocated rollout uses --tp-size)",
+    **{name: _NO_TOWER for name in (
+        "unfreeze_mm_tower", "unfreeze_mm_projector", "mm_tower_lr", "mm_tower_min_lr", "mm_tower_lr_steps",
+        "mm_tower_lr_style", "mm_projector_lr", "mm_projector_min_lr", "mm_projector_lr_steps",
+        "mm_projector_lr_style")},
+}
+
+
+def refuse_not_built(config) -> None:
+    """A ``ConfigError`` for the first field of ``NOT_BUILT`` set to anything but its default."""
+    for f in fields(config):
+        if f.name in NOT_BUILT and getattr(config, f.name) != f.default:
+            raise ConfigError(flag_name(f.name), NOT_BUILT[f.name])
+
+
 # ---- the configs (fields in `--help` order within each group) ----
 
 
@@ -201,8 +221,8 @@ class TrainConfig:
 
     # rollout
     train_devices: Optional[list[int]] = opt(
-        None, "GPU indices of the training partition, e.g. 0,1,2,3 (split mode; length must equal --world-size)",
-        "rollout", type=device_list, metavar="IDS")
+        None, "GPU indices of the training ranks, e.g. 0,1,2,3 (one per rank: its length must equal --world-size)",
+        "rollout", type=device_list, metavar="IDS", default_help="GPUs 0..world size - 1")
     rollout_devices: Optional[list[int]] = opt(
         None, "GPU indices of a separate rollout partition, e.g. 4,5 (split mode; with --train-devices)",
         "rollout", type=device_list, metavar="IDS")
@@ -342,6 +362,7 @@ class TrainConfig:
             check_choice(flag_name(name), getattr(self, name), choices, optional=True)
         check_offload(flag_name, self.optimizer_state_offload, self.optimizer_state_offload_dir,
                       self.optimizer_state_offload_batch_size)
+        refuse_not_built(self)
         self._check_devices()
         self._check_sampling()
         self._check_optimisation()
@@ -374,24 +395,13 @@ class TrainConfig:
             raise ConfigError("--reward-fn-path", f"is required for --algo {self.algo}")
 
     def _check_devices(self):
-        train, rollout = self.train_devices, self.rollout_devices
-        if (train is None) != (rollout is None):
-            given, missing = ("--train-devices", "--rollout-devices") if train else ("--rollout-devices",
-                                                                                     "--train-devices")
-            raise ConfigError(given, f"needs {missing} too (split mode uses both partitions)")
+        train = self.train_devices
         if train is None:
             return
-        for name, devices in (("--train-devices", train), ("--rollout-devices", rollout)):
-            if len(set(devices)) != len(devices):
-                raise ConfigError(name, f"lists a GPU twice: {devices}")
-        overlap = sorted(set(train) & set(rollout))
-        if overlap:
-            raise ConfigError("--train-devices", f"and --rollout-devices overlap on GPU {overlap}")
+        if len(set(train)) != len(train):
+            raise ConfigError("--train-devices", f"lists a GPU twice: {train}")
         if len(train) != self.world_size:
             raise ConfigError("--train-devices", f"lists {len(train)} GPUs but --world-size is {self.world_size}")
-        if len(rollout) % self.rollout_tp_size:
-            raise ConfigError("--rollout-devices", f"lists {len(rollout)} GPUs, not divisible by --rollout-tp-size "
-                              f"{self.rollout_tp_size}")
 
     def _check_sampling(self):
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

@@ -18,15 +18,16 @@ _DP_GROUP = None
 _TP_SIZE = 1
 
 
-def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None) -> None:
+def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None, device: int | None = None) -> None:
     """Initialise the default group from torchrun env vars (once) and build the TP/DP groups for ``tp_size``.
 
     ``timeout`` (a timedelta) bounds every collective; a server's followers wait on rank 0 for as long as it idles.
+    ``device`` is this rank's GPU (``--train-devices``); by default its ``LOCAL_RANK``.
     """
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device if device is not None else int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             backend=backend,
             rank=int(os.environ.get("RANK", "0")),

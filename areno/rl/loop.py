@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -84,8 +85,11 @@ class TrainLoop:
         if self.reward_fn is None and cfg.algo in RL_ALGOS and not self.sdk:
             raise ConfigError("--reward-fn-path", f"is required for --algo {cfg.algo}")
 
+        device = self._pinned_device()
+        if device is not None:
+            torch.cuda.set_device(device)
         if cfg.world_size > 1:
-            parallel.init_distributed(tp_size=cfg.tp_size)
+            parallel.init_distributed(tp_size=cfg.tp_size, device=device)
         self.tp_group = parallel.get_tp_group() if cfg.tp_size > 1 else None
         self.dp_group = parallel.get_dp_group() if cfg.world_size // cfg.tp_size > 1 else None
         self.dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
@@ -117,6 +121,18 @@ class TrainLoop:
         self.started_at = time.time()  # metrics.jsonl appends: this run's records are those logged from here on
         if cfg.resume:
             self._resume()
+
+    def _pinned_device(self) -> int | None:
+        """This rank's GPU from ``--train-devices`` (one per local rank, in order); None: the launcher's choice, or
+        no GPU (on a CPU host the indices name process slots, so the flag changes nothing there)."""
+        devices = self.cfg.train_devices
+        if not devices or not torch.cuda.is_available():
+            return None
+        device = devices[int(os.environ.get("LOCAL_RANK", "0"))]
+        if device >= torch.cuda.device_count():
+            raise ConfigError("--train-devices", f"names GPU {device}, but this process sees "
+                              f"{torch.cuda.device_count()} (after CUDA_VISIBLE_DEVICES)")
+        return device
 
     def _load_policy(self):
         from areno.models import load_model, load_tokenizer
