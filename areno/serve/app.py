@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,7 +19,18 @@ from pydantic import ValidationError
 from areno.rollout.async_engine import AsyncEngine
 from areno.rollout.sequence import SamplingOptions
 from areno.rollout.tool_calls import parse_tool_calls
+from areno.serve.limits import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    PromptEncoder,
+    RequestBodyLimit,
+    context_exceeded,
+    release_memory,
+)
 from areno.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+PREP_THREADS = max(2, min(4, os.cpu_count() or 1))  # request parsing and tokenisation, off the event loop
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a valid UTF-8 body can yield a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class Detokenizer:
@@ -76,8 +90,9 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def _parse(request: Request, model_cls):
-    raw = await request.body()
+def _parse(raw: bytes, model_cls):
+    """A request body as ``model_cls``, or an APIError saying what is wrong with it. CPU work proportional to the
+    body: runs on the prep pool, never on the event loop."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -88,10 +103,12 @@ async def _parse(request: Request, model_cls):
         raise APIError(400, f"malformed JSON in the request body: {exc}") from exc
     except RecursionError as exc:
         raise APIError(400, "the request body is nested too deeply") from exc
+    del text
     if not isinstance(obj, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:  # a \ud800-style escape decodes to a lone surrogate: not text the tokenizer (or UTF-8) can hold
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        if _SURROGATE_ESCAPE.search(raw):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
         raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (not valid Unicode text)") from exc
     except RecursionError as exc:
@@ -160,15 +177,31 @@ class BearerAuth:
 
 
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
-               max_running: int = 256) -> FastAPI:
+               max_running: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    # parsing, chat-template rendering and tokenisation: a few threads, so a large body never stalls the event loop
+    prep_pool = ThreadPoolExecutor(max_workers=PREP_THREADS, thread_name_prefix="areno-prep")
+    encode = PromptEncoder(tokenizer, max_model_len)
+    vocab = len(tokenizer)
+
+    async def prep(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(prep_pool, fn, *args)
+
+    async def after_large_request(size: int):
+        try:
+            await prep(release_memory)
+        except RuntimeError:  # the pool is shut down: the server is stopping anyway
+            pass
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         # after uvicorn has drained (or given up on) the connections: abort what is left, stop the engine thread
         await asyncio.to_thread(engine.shutdown, drain=False)
+        prep_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="areno", version="1", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.engine, app.state.prompt_encoder = engine, encode
+    app.add_middleware(RequestBodyLimit, limit=max_request_bytes, on_large=after_large_request)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -200,9 +233,8 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     def options(req, prompt_len: int, max_tokens: int | None, top_logprobs: int) -> SamplingOptions:
         if prompt_len >= max_model_len:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
-                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded")
+            raise context_exceeded(f"{prompt_len} tokens", max_model_len,
+                                   "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
         room = max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"max_tokens ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the context "
@@ -280,9 +312,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                 "total_tokens": prompt_tokens + completion_tokens}
 
     # ---- chat ----------------------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
-    async def chat(request: Request):
-        req = await _parse(request, ChatCompletionRequest)
+    def prepare_chat(raw: bytes):
+        """Body -> (request, prompt ids, sampling options, top log-probs): on the prep pool."""
+        req = _parse(raw, ChatCompletionRequest)
         check_model(req.model)
         messages = []
         for m in req.messages:
@@ -302,10 +334,14 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         except Exception as exc:
             raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages") from exc
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = encode(text, "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else 0
-        opts = options(req, len(prompt_ids), max_tokens, k)
+        return req, prompt_ids, options(req, len(prompt_ids), max_tokens, k), k
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+    async def chat(request: Request):
+        req, prompt_ids, opts, k = await prep(prepare_chat, await request.body())
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         stream = await run(request, prompt_ids, opts)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -392,27 +428,32 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             stream.abort()
 
     # ---- completions ---------------------------------------------------------------------------------------
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest, len(tokenizer)))
-    async def completions(request: Request):
-        req = await _parse(request, CompletionRequest)
+    def prepare_completions(raw: bytes):
+        """Body -> (request, each prompt's ids, each one's sampling options, log-probs): on the prep pool."""
+        req = _parse(raw, CompletionRequest)
         check_model(req.model)
         p = req.prompt
         if isinstance(p, str):
-            prompts = [tokenizer.encode(p, add_special_tokens=False)]
+            prompts = [encode(p, "prompt")]
         elif all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif all(isinstance(x, str) for x in p):
-            prompts = [tokenizer.encode(x, add_special_tokens=False) for x in p]
+            prompts = [encode(x, "prompt") for x in p]
         else:
             prompts = [list(x) for x in p]
-        vocab = len(tokenizer)
         for ids in prompts:
             if not ids:
                 raise APIError(400, "a prompt encodes to no tokens", param="prompt")
+            if len(ids) >= max_model_len:  # before looking at every id of a huge list
+                raise context_exceeded(f"{len(ids)} tokens", max_model_len, "prompt")
             if any(t < 0 or t >= vocab for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         k = req.logprobs or 0
-        opts = [options(req, len(ids), req.max_tokens or 16, k) for ids in prompts]
+        return req, prompts, [options(req, len(ids), req.max_tokens or 16, k) for ids in prompts], k
+
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest, vocab))
+    async def completions(request: Request):
+        req, prompts, opts, k = await prep(prepare_completions, await request.body())
         streams = [await run(request, ids, o) for ids, o in zip(prompts, opts)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(x) for x in prompts)

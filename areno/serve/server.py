@@ -47,7 +47,8 @@ def build_app(config, *, model=None, tokenizer=None):
         tokenizer = tokenizer or load_tokenizer(config.model_path)
         pool = build_pool(config, replicas)
         app = create_app(pool, tokenizer, model_name=name, max_model_len=pool.max_model_len,
-                         api_key=config.api_key, max_running=config.max_running_prompts)
+                         api_key=config.api_key, max_running=config.max_running_prompts,
+                         max_request_bytes=config.max_request_bytes)
         return app, pool
 
     engine, tokenizer = build_engine(
@@ -59,7 +60,8 @@ def build_app(config, *, model=None, tokenizer=None):
     )
     aengine = AsyncEngine(engine)
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
-                     api_key=config.api_key, max_running=config.max_running_prompts)
+                     api_key=config.api_key, max_running=config.max_running_prompts,
+                     max_request_bytes=config.max_request_bytes)
     return app, aengine
 
 

@@ -1,9 +1,15 @@
-"""A real areno server on a free loopback port, serving a tiny random checkpoint."""
+"""A real areno server on a free loopback port, serving a tiny random checkpoint: in this process
+(``RunningServer``, the ``server`` fixture) or as a ``python -m areno serve`` process (``ServeProcess``, the ``serve``
+fixture)."""
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 import uvicorn
@@ -52,3 +58,52 @@ def server(tiny_ckpt):
     s = RunningServer(tiny_ckpt)
     yield s
     s.stop()
+
+
+class ServeProcess:
+    def __init__(self, ckpt, *extra, env=None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "areno", "serve", "--model-path", str(ckpt), "--port", str(self.port),
+               "--dtype", "float32", "--served-model-name", "tiny", *extra]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+        deadline = time.time() + 90
+        while True:
+            assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
+            assert time.time() < deadline, f"server did not come up:\n{self.output()}"
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+
+    def output(self) -> str:
+        return "".join(self.log)
+
+    def rss(self) -> int:
+        """The server process's resident memory, in bytes (Linux /proc)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return kib * 1024
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def serve(tiny_ckpt):
+    started = []
+
+    def start(*extra, env=None):
+        started.append(ServeProcess(tiny_ckpt, *extra, env=env))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()

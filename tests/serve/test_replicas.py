@@ -12,7 +12,7 @@ import pytest
 
 from areno.config import ConfigError, ServeConfig
 from areno.serve.replicas import check_topology
-from tests.serve.test_signals import ServeProcess
+from tests.serve.conftest import ServeProcess
 
 PROMPTS = ["the cat", "12 + 7 =", "one two three", "hello", "What is 2 + 3?", "abc"]
 
