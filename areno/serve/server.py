@@ -3,6 +3,9 @@
 SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to ``GRACEFUL_SHUTDOWN_S``
 seconds (``ARENO_SERVE_GRACEFUL_SHUTDOWN_S`` overrides it), then aborts what is left, so every client gets a
 response that ends cleanly (``finish_reason: "abort"``, then ``[DONE]`` when streaming), closes the engine and exits 0.
+A second SIGTERM or SIGINT during that drain cuts it short: the in-flight requests are aborted at once (the same
+clean end), and the process exits with 128 + that signal's number (143 for SIGTERM, 130 for SIGINT), saying the
+stop was not graceful. A third signal stops waiting for the aborted responses to reach their clients.
 """
 
 from __future__ import annotations
@@ -80,24 +83,49 @@ def graceful_shutdown_s() -> float:
 
 def _make_server(app, engine, config, window: float):
     """A uvicorn server whose first SIGTERM/SIGINT starts a timer that aborts the engine's requests at ``window``:
-    uvicorn drains connections but would cancel a still-streaming response mid-body; the abort ends it cleanly."""
+    uvicorn drains connections but would cancel a still-streaming response mid-body; the abort ends it cleanly.
+    A second signal aborts at once (``forced`` keeps its number, for the exit code); a third stops waiting for
+    the aborted responses. uvicorn's own second-Ctrl-C "force exit" is never used: it skips the app's shutdown,
+    cutting streams mid-body and leaving the engine thread to find its event loop closed."""
     import uvicorn
 
     class Server(uvicorn.Server):
         timer: threading.Timer | None = None
+        forced: int | None = None  # the signal that cut the drain short
+        aborter: threading.Thread | None = None
 
         def handle_exit(self, sig, frame):
+            force_exit = self.force_exit
+            super().handle_exit(sig, frame)
+            self.force_exit = force_exit
             if self.timer is None:
                 log.info("signal %d: draining in-flight requests for up to %.0f s", sig, window)
-                self.timer = threading.Timer(window, self._abort)
+                self.timer = threading.Timer(window, self._abort, args=("graceful shutdown window over",))
                 self.timer.daemon = True
                 self.timer.start()
-            super().handle_exit(sig, frame)
+            elif self.forced is None:
+                self.forced = sig
+                self.timer.cancel()
+                self.aborter = threading.Thread(target=self._abort, args=(f"signal {sig} during the drain",),
+                                                daemon=True)
+                self.aborter.start()
+                # aborted responses end in milliseconds; a client that does not read its own holds the exit for
+                # ABORT_FLUSH_S at most, not for what is left of the drain window
+                flush = threading.Timer(ABORT_FLUSH_S, self._stop_waiting)
+                flush.daemon = True
+                flush.start()
+            else:
+                threading.Thread(target=self._stop_waiting, daemon=True).start()
 
-        def _abort(self):
+        def _abort(self, why: str):
             if engine.num_active:
-                log.warning("graceful shutdown window over: aborting %d in-flight requests", engine.num_active)
+                log.warning("%s: aborting %d in-flight requests", why, engine.num_active)
             engine.shutdown(drain=False)
+
+        def _stop_waiting(self):
+            """uvicorn's force exit, once the engine has stopped (so nothing it sends finds the loop closed)."""
+            self.aborter.join()
+            self.force_exit = True
 
     return Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                  timeout_graceful_shutdown=window + ABORT_FLUSH_S))
@@ -136,4 +164,7 @@ def run_server(config) -> int:
             signal.signal(sig, handler)
         if hasattr(engine, "close"):
             engine.close()  # a TP session's followers leave their loop
+    if server.forced is not None:
+        log.warning("stopped by a second signal (%d) before in-flight requests could finish", server.forced)
+        return 128 + server.forced
     return 0

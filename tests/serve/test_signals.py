@@ -1,62 +1,15 @@
 """SIGTERM on a real ``python -m areno serve`` process: in-flight requests drain (or, past the graceful window, are
-aborted with a clean end), new connections are refused, the process exits 0 and the port is free again."""
+aborted with a clean end), new connections are refused, the process exits 0 and the port is free again. A second
+SIGTERM or SIGINT during the drain aborts at once (the same clean end) and exits 128 + the signal's number."""
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-
-from tests.serve.conftest import free_port
-
-
-class ServeProcess:
-    def __init__(self, ckpt, *extra, env=None):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "areno", "serve", "--model-path", str(ckpt), "--port", str(self.port),
-               "--dtype", "float32", "--served-model-name", "tiny", *extra]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True)
-        self._reader.start()
-        deadline = time.time() + 90
-        while True:
-            assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
-            assert time.time() < deadline, f"server did not come up:\n{self.output()}"
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-
-    def output(self) -> str:
-        return "".join(self.log)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def serve(tiny_ckpt):
-    started = []
-
-    def start(*extra, env=None):
-        started.append(ServeProcess(tiny_ckpt, *extra, env=env))
-        return started[-1]
-
-    yield start
-    for p in started:
-        p.kill()
 
 
 def sse_events(response):
@@ -148,3 +101,33 @@ def test_sigterm_past_the_window_aborts_cleanly_and_exits_0(serve):
     assert "aborting 2 in-flight requests" in server.output()
     assert port_is_free(server.port)
 
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_second_signal_ends_the_drain_at_once_and_exits_128_plus_signal(serve, sig):
+    """A second SIGTERM (or a second Ctrl-C) while the 30 s drain waits on a long stream: the stream is aborted
+    with a clean end, the process exits within seconds with 128 + the signal's number, and no traceback."""
+    server = serve()
+    body = {"model": "tiny", "prompt": "abort me twice", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        it = sse_events(r)
+        for _ in range(3):
+            events.append(next(it))
+        server.proc.send_signal(sig)
+        time.sleep(0.5)  # the drain has started: the stream goes on
+        events.append(next(it))
+        assert server.proc.poll() is None
+        server.proc.send_signal(sig)
+        t0 = time.time()
+        events.extend(it)
+    assert server.proc.wait(15) == 128 + sig, server.output()
+    took = time.time() - t0
+    assert took < 5, f"exit {took:.1f} s after the second signal (the drain window is 30 s)"
+    assert events[-1] == "[DONE]"
+    assert finish_reasons(events) == ["abort"]
+    out = server.output()
+    assert "Traceback" not in out and "Event loop is closed" not in out, out
+    assert f"signal {int(sig)} during the drain: aborting 1 in-flight requests" in out
+    assert port_is_free(server.port)
