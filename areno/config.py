@@ -64,15 +64,23 @@ def opt(default, help: str, group: str, **meta):
 
 
 def device_list(text) -> list[int]:
-    """'0,1,2' -> [0, 1, 2]; a list of ints passes through."""
+    """'0,1,2' -> [0, 1, 2]; inclusive ranges too: '0..3,6' -> [0, 1, 2, 3, 6]; a list of ints passes through."""
     if isinstance(text, (list, tuple)):
         items = list(text)
     else:
         items = [t.strip() for t in str(text).split(",") if t.strip()]
     try:
-        devices = [int(d) for d in items]
+        devices = []
+        for d in items:
+            if isinstance(d, str) and ".." in d:
+                low, high = (int(x) for x in d.split(".."))
+                if high < low:
+                    raise ValueError(d)
+                devices += range(low, high + 1)
+            else:
+                devices.append(int(d))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"expected comma-separated GPU indices such as 0,1,2, got {text!r}") from e
+        raise ValueError(f"expected comma-separated GPU indices or inclusive ranges like 0..3,6, got {text!r}") from e
     if not devices or any(d < 0 for d in devices):
         raise ValueError(f"expected comma-separated non-negative GPU indices, got {text!r}")
     return devices
@@ -173,9 +181,6 @@ def format_config(config) -> str:
 # ---- flags of features not built yet: refused (exit 2) when given, never parsed and ignored ----
 _NO_TOWER = "no model adapter in this build has a vision or audio tower (multimodal adapters are not built yet)"
 NOT_BUILT = {
-    "rollout_devices": "split rollout (training and rollout on separate device partitions) is not built yet: "
-                       "rollout runs colocated on the training ranks (--train-devices alone pins those)",
-    "rollout_tp_size": "applies to split rollout, which is not built yet (colocated rollout uses --tp-size)",
     **{name: _NO_TOWER for name in (
         "unfreeze_mm_tower", "unfreeze_mm_projector", "mm_tower_lr", "mm_tower_min_lr", "mm_tower_lr_steps",
         "mm_tower_lr_style", "mm_projector_lr", "mm_projector_min_lr", "mm_projector_lr_steps",
@@ -211,7 +216,7 @@ class TrainConfig:
         None, "Python file defining reward_fn(record) -> float (required for grpo, gspo and ppo)", "basic",
         metavar="FILE")
     algo: str = opt("grpo", "training algorithm", "basic", choices=ALGOS)
-    world_size: int = opt(1, "total training ranks (one process per GPU)", "basic")
+    world_size: int = opt(1, "total training ranks (one process per GPU); with --train-devices, its length", "basic")
     tp_size: int = opt(1, "training tensor-parallel size; --world-size must be divisible by it", "basic")
     batch_size: int = opt(8, "prompts per step (the logical rollout batch)", "basic")
     n_samples: int = opt(8, "completions sampled per prompt", "basic")
@@ -221,12 +226,18 @@ class TrainConfig:
 
     # rollout
     train_devices: Optional[list[int]] = opt(
-        None, "GPU indices of the training ranks, e.g. 0,1,2,3 (one per rank: its length must equal --world-size)",
+        None, "GPU indices of the training ranks, e.g. 0..3 or 0,1,2,3 (one per rank: the world size is its length)",
         "rollout", type=device_list, metavar="IDS", default_help="GPUs 0..world size - 1")
     rollout_devices: Optional[list[int]] = opt(
-        None, "GPU indices of a separate rollout partition, e.g. 4,5 (split mode; with --train-devices)",
-        "rollout", type=device_list, metavar="IDS")
-    rollout_tp_size: int = opt(1, "tensor-parallel size of each rollout engine in split mode", "rollout")
+        None, "GPU indices of a separate rollout partition, e.g. 4..7 (split mode: rollout engines run there and the "
+        "policy is streamed to them after each optimizer step; needs --train-devices)", "rollout", type=device_list,
+        metavar="IDS", default_help="off: rollout is colocated on the training ranks")
+    rollout_tp_size: Optional[int] = opt(None, "tensor-parallel size of each rollout engine in split mode", "rollout",
+                                         default_help="--tp-size")
+    policy_sync_bucket_mb: float = opt(64.0, "split mode: MiB per bucket of the policy streamed to the rollout "
+                                       "engines", "rollout")
+    max_staleness: int = opt(0, "split mode: 0 = on-policy (the rollout waits for the new policy); 1 = one-step-off "
+                             "async (the next rollout runs while this step trains)", "rollout", choices=(0, 1))
     max_running_prompts: Optional[int] = opt(
         None, "cap on active rollout sequences (and their KV-cache demand)", "rollout",
         default_help="the whole rollout batch")
@@ -354,6 +365,11 @@ class TrainConfig:
                            "rollout_tp_size", "max_running_prompts", "max_prompt_tokens", "max_new_tokens",
                            "max_steps", "epochs", "ppo_epochs", "log_interval", "mm_tower_lr_steps",
                            "mm_projector_lr_steps"))
+        if self.train_devices is not None and self.world_size == 1:
+            self.world_size = len(self.train_devices)  # the world size is the train list's length
+        if self.rollout_devices is None and self.rollout_tp_size not in (None, self.tp_size):
+            raise ConfigError("--rollout-tp-size", "applies to split mode only (--rollout-devices); colocated rollout "
+                              "uses --tp-size")
         if self.world_size % self.tp_size:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         for name, choices in (("algo", ALGOS), ("lr_decay_style", LR_STYLES), ("kl_estimator", KL_ESTIMATORS),
@@ -394,14 +410,46 @@ class TrainConfig:
         if self.algo in ("grpo", "gspo", "ppo") and not self.reward_fn_path:
             raise ConfigError("--reward-fn-path", f"is required for --algo {self.algo}")
 
+    @property
+    def rollout_tp(self) -> int:
+        """Each split-mode rollout engine's TP size (``--rollout-tp-size``, default ``--tp-size``)."""
+        return self.rollout_tp_size or self.tp_size
+
+    @property
+    def split(self) -> bool:
+        """Split mode: rollout engines on their own devices (``--rollout-devices``)."""
+        return self.rollout_devices is not None
+
     def _check_devices(self):
-        train = self.train_devices
+        train, rollout = self.train_devices, self.rollout_devices
+        if rollout is not None and train is None:
+            raise ConfigError("--rollout-devices", "needs --train-devices too (split mode places both partitions)")
         if train is None:
+            for name in ("policy_sync_bucket_mb", "max_staleness"):
+                if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default:
+                    raise ConfigError(flag_name(name), "applies to split mode only (--train-devices and "
+                                      "--rollout-devices)")
             return
-        if len(set(train)) != len(train):
-            raise ConfigError("--train-devices", f"lists a GPU twice: {train}")
+        for name, devices in (("--train-devices", train), ("--rollout-devices", rollout or [])):
+            if len(set(devices)) != len(devices):
+                raise ConfigError(name, f"lists a GPU twice: {devices}")
         if len(train) != self.world_size:
-            raise ConfigError("--train-devices", f"lists {len(train)} GPUs but --world-size is {self.world_size}")
+            raise ConfigError("--world-size", f"{self.world_size} conflicts with --train-devices, which lists "
+                              f"{len(train)} GPUs (the world size is its length)")
+        if rollout is None:
+            return
+        if self.algo not in ("grpo", "gspo", "ppo"):
+            raise ConfigError("--rollout-devices", f"split mode is for online algorithms (grpo, gspo, ppo), not "
+                              f"--algo {self.algo}")
+        overlap = sorted(set(train) & set(rollout))
+        if overlap:
+            raise ConfigError("--rollout-devices", f"overlaps --train-devices on GPU {overlap} (the partitions must "
+                              "be disjoint)")
+        if len(rollout) % self.rollout_tp:
+            raise ConfigError("--rollout-devices", f"lists {len(rollout)} GPUs, not divisible by --rollout-tp-size "
+                              f"{self.rollout_tp}")
+        if not self.policy_sync_bucket_mb > 0:
+            raise ConfigError("--policy-sync-bucket-mb", f"must be > 0, got {self.policy_sync_bucket_mb}")
 
     def _check_sampling(self):
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

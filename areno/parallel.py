@@ -9,6 +9,7 @@ Without an initialised process group every getter answers as a single process (g
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,13 +35,16 @@ def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None,
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             **({"timeout": timeout} if timeout is not None else {}),
         )
-    new_groups(tp_size)
+    if tp_size:
+        new_groups(tp_size)
 
 
-def new_groups(tp_size: int):
-    """Build (collectively, on every rank) the TP and DP groups for ``tp_size``; returns ``(tp_group, dp_group)``."""
+def new_groups(tp_size: int, world: int | None = None):
+    """Build (collectively, on every rank) the TP and DP groups for ``tp_size`` over ranks ``[0, world)`` (default:
+    all); returns ``(tp_group, dp_group)``, None on a rank outside them."""
     global _TP_GROUP, _DP_GROUP, _TP_SIZE
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
+    world = world or dist.get_world_size()
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"--tp-size {tp_size} must divide the world size {world}")
     tp_group = dp_group = None
@@ -56,6 +60,78 @@ def new_groups(tp_size: int):
             dp_group = group
     _TP_GROUP, _DP_GROUP, _TP_SIZE = tp_group, dp_group, tp_size
     return tp_group, dp_group
+
+
+@dataclass
+class SplitLayout:
+    """Split mode's world: ranks ``[0, n_train)`` train (TP x DP groups as usual), the rest are rollout ranks, in
+    engines of ``rollout_tp_size`` consecutive ranks. ``control`` joins train rank 0 and every rollout rank (commands,
+    results); ``publish[p]`` joins the policy publisher ``p`` (the first rank of each train DP replica) and every
+    rollout rank (policy buckets)."""
+
+    n_train: int
+    rollout_ranks: list[int]
+    engines: list[list[int]]
+    publishers: list[int]
+    train_group: object
+    control: object
+    publish: dict
+    engine_group: object  # this rollout rank's engine TP group (None on train ranks or with rollout TP 1)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank >= self.n_train
+
+    @property
+    def engine_index(self) -> int:
+        return next(i for i, ranks in enumerate(self.engines) if self.rank in ranks)
+
+
+def init_split(n_train: int, tp_size: int, rollout_tp_size: int, device: int | None = None,
+               timeout=None) -> SplitLayout:
+    """Initialise the world (train ranks first, then rollout ranks) and every split-mode group, collectively."""
+    global _TP_GROUP, _DP_GROUP, _TP_SIZE
+    init_distributed(tp_size=0, device=device, timeout=timeout)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not 0 < n_train < world or (world - n_train) % rollout_tp_size:
+        raise ValueError(f"a split world of {world} ranks cannot hold {n_train} train ranks and rollout engines of "
+                         f"{rollout_tp_size}")
+    tp_group, dp_group = new_groups(tp_size, n_train)
+    rollout = list(range(n_train, world))
+    train_group = dist.new_group(list(range(n_train)))
+    control = dist.new_group([0] + rollout)
+    engines = [rollout[i : i + rollout_tp_size] for i in range(0, len(rollout), rollout_tp_size)]
+    engine_group = None
+    for ranks in engines:
+        group = dist.new_group(ranks)
+        if rank in ranks and rollout_tp_size > 1:
+            engine_group = group
+    publishers = list(range(0, n_train, tp_size))
+    publish = {p: control if p == 0 else dist.new_group([p] + rollout) for p in publishers}
+    if rank >= n_train:
+        _TP_GROUP, _DP_GROUP, _TP_SIZE = engine_group, None, rollout_tp_size
+    return SplitLayout(n_train, rollout, engines, publishers, train_group, control, publish, engine_group)
+
+
+def rank_device(devices: list[int] | None, index: int, flag: str = "--train-devices") -> int | None:
+    """The GPU of the rank at ``index`` of a device list (``--train-devices`` / ``--rollout-devices``) on this node;
+    None without CUDA. Across several nodes the lists cannot name another node's GPUs: torchrun's LOCAL_RANK does."""
+    if not torch.cuda.is_available():
+        return None
+    if int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) != int(os.environ.get(
+            "WORLD_SIZE", "1")):
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    device = devices[index] if devices else index
+    if device >= torch.cuda.device_count():
+        from areno.config import ConfigError
+
+        raise ConfigError(flag, f"names GPU {device}, but this process sees {torch.cuda.device_count()} (after "
+                          "CUDA_VISIBLE_DEVICES)")
+    return device
 
 
 def get_world_group():

@@ -125,8 +125,9 @@ def run_areno(path, texts, s, ckpt, args, tmp) -> dict:
                 if isinstance(m.get(k), (int, float))), flush=True)  # fmt: skip
     finally:
         loop.close()
-        if loop.engine is not None and not loop.engine.has_work():
-            loop.engine.drop_rollout_state()
+        engine = getattr(loop.engine, "engine", None)  # the colocated rollout's Engine
+        if engine is not None and not engine.has_work():
+            engine.drop_rollout_state()
         del loop
     later = steps[1:] or steps
     rec.update(

@@ -171,6 +171,11 @@ def test_flag_values_reach_the_config(capsys, base, runners):
     assert cfg.resume == "latest" and cfg.algo == "gspo"
     run(capsys, "train", *base, "--no-activation-checkpointing", "--activation-checkpointing")
     assert runners["train"].activation_checkpointing is True  # the last form given wins
+    run(capsys, "train", *base, "--train-devices", "0..2,5", "--tp-size", "2", "--rollout-devices", "6..7",
+        "--max-staleness", "1", "--policy-sync-bucket-mb", "16")
+    cfg = runners["train"]
+    assert (cfg.train_devices, cfg.world_size, cfg.rollout_devices) == ([0, 1, 2, 5], 4, [6, 7])
+    assert (cfg.rollout_tp, cfg.max_staleness, cfg.policy_sync_bucket_mb, cfg.split) == (2, 1, 16.0, True)
 
 
 def test_argparse_dataclass_parse_args_still_builds_the_config(base):
@@ -194,12 +199,18 @@ BAD_TRAIN = [
     (["--optimizer-state-offload", "disk"], "--optimizer-state-offload-dir"),
     (["--dataset-loader-fn", "/no/such/loader.py"], "--dataset-loader-fn"),
     (["--reward-fn-path", "/no/such/reward.py"], "--reward-fn-path"),
-    (["--train-devices", "0,1"], "--train-devices"),  # 2 GPUs, world size 1
+    (["--train-devices", "0,1", "--world-size", "3"], "--world-size"),  # the world size is the list's length
     (["--train-devices", "1,1", "--world-size", "2"], "--train-devices"),
-    # not built yet: refused, never parsed and ignored
-    (["--train-devices", "0", "--rollout-devices", "1"], "--rollout-devices"),
+    (["--train-devices", "0", "--rollout-devices", "0"], "--rollout-devices"),  # overlapping partitions
+    (["--train-devices", "0", "--rollout-devices", "1..3", "--rollout-tp-size", "2"], "--rollout-devices"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--algo", "sft"], "--rollout-devices"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--algo", "dpo"], "--rollout-devices"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--policy-sync-bucket-mb", "0"], "--policy-sync-bucket-mb"),
     (["--rollout-devices", "1"], "--rollout-devices"),
-    (["--rollout-tp-size", "2"], "--rollout-tp-size"),
+    (["--rollout-tp-size", "2"], "--rollout-tp-size"),  # split mode only
+    (["--max-staleness", "1"], "--max-staleness"),
+    (["--policy-sync-bucket-mb", "16"], "--policy-sync-bucket-mb"),
+    # not built yet: refused, never parsed and ignored
     (["--unfreeze-mm-tower"], "--unfreeze-mm-tower"),
     (["--mm-projector-lr-style", "cosine"], "--mm-projector-lr-style"),
     (["--top-p", "0"], "--top-p"),
@@ -233,6 +244,8 @@ def test_required_train_flags(capsys, plugin_files, runners, argv, flag):
     (["--algo", "reinforce"], "--algo"),
     (["--world-size", "two"], "--world-size"),
     (["--train-devices", "a,b"], "--train-devices"),
+    (["--train-devices", "3..1"], "--train-devices"),
+    (["--max-staleness", "2"], "--max-staleness"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["--attn-backend", "sdpa"], "--attn-backend"),
 ])

@@ -13,6 +13,7 @@ from areno.config import NOT_BUILT, ServeConfig, TrainConfig, flag_name
 PACKAGE = Path(__file__).resolve().parents[1] / "areno"
 PARSING_ONLY = {"config.py", "cli.py"}  # where a flag is parsed, validated and printed: not where it takes effect
 CLI_ONLY = {"verbose", "preset"}  # flags whose whole effect is in the CLI itself (printing; the preset's base config)
+VIA = {"rollout_tp_size": "rollout_tp"}  # read through a TrainConfig property
 
 
 def runtime_sources() -> dict[str, str]:
@@ -29,7 +30,7 @@ def readers(name: str, sources: dict[str, str]) -> list[str]:
 def test_every_option_is_used_by_the_run_or_refused(cls):
     sources = runtime_sources()
     silent = [flag_name(f.name) for f in dataclasses.fields(cls)
-              if f.name not in NOT_BUILT.keys() | CLI_ONLY and not readers(f.name, sources)]
+              if f.name not in NOT_BUILT.keys() | CLI_ONLY and not readers(VIA.get(f.name, f.name), sources)]
     cli = {"cli.py": (PACKAGE / "cli.py").read_text()}
     assert all(readers(name, cli) for name in CLI_ONLY if name in {f.name for f in dataclasses.fields(cls)})
     assert not silent, f"parsed and validated but never used by the run: {silent}"

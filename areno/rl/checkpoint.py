@@ -43,15 +43,15 @@ _OLD = re.compile(r"\.step-(\d+)\.old-\d+-[0-9a-f]+")
 _TMP = re.compile(r"\.(.+)\.(?:tmp|old)-(\d+)-[0-9a-f]+")  # also matches save_model's own ``.tmp-`` inside a tmp
 
 
-def _dist() -> tuple[int, int]:
+def _dist(group=None) -> tuple[int, int]:
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def _barrier(world: int) -> None:
+def _barrier(world: int, group=None) -> None:
     if world > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 # ---- RNG -------------------------------------------------------------------------------------------------------
@@ -157,17 +157,18 @@ def _remove_stale(parent: Path) -> None:
 
 
 def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_state=None, trainer_state: dict,
-                    rng: bool = True, save_model_fn=None, rank_state=None) -> Path:
+                    rng: bool = True, save_model_fn=None, rank_state=None, group=None) -> Path:
     """Write a checkpoint at ``path`` (every rank calls this: a collective). ``save_model_fn(model, dir, tokenizer)``
     runs on every rank (areno's ``save_model`` gathers TP shards and writes on global rank 0); each rank writes its
     optimizer and RNG files (with ``rank_state``, this rank's extra state such as its rollout engine's generator);
     rank 0 writes ``trainer.json`` (``trainer_state`` must be JSON-able; ``Path`` and other objects are written as
     strings) and the marker, then renames the folder into place. Returns ``path``; raises ``DiskFullError`` when the
-    disk cannot hold it (checked before writing, and caught during the write)."""
+    disk cannot hold it (checked before writing, and caught during the write). ``group``: the ranks that save (split
+    mode's train ranks; default all, whose rank 0 must be the global rank 0)."""
     if save_model_fn is None:
         from areno.models import save_model as save_model_fn
     path = Path(path).expanduser().absolute()
-    rank, world = _dist()
+    rank, world = _dist(group)
     tmp, problem, needed = None, None, 0
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +182,7 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
             problem = e
     if world > 1:
         box = [(str(tmp) if tmp is not None else None, str(problem) if problem else None)]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         tmp = Path(box[0][0]) if box[0][0] else None
         if box[0][1] and problem is None:
             problem = DiskFullError(errno.ENOSPC, box[0][1])
@@ -192,12 +193,12 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
         state = tmp / STATE_DIR
         if rank == 0:
             state.mkdir(exist_ok=True)
-        _barrier(world)
+        _barrier(world, group)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), state / f"optimizer-rank{rank}.pt")
         if rng or rank_state is not None:
             torch.save({**(rng_state() if rng else {}), "rank_state": rank_state}, state / f"rng-rank{rank}.pt")
-        _barrier(world)
+        _barrier(world, group)
         if rank == 0:
             meta = {"format": 1, "world_size": world, "saved_at": time.time(), "optimizer": optimizer is not None,
                     "rng": bool(rng), "scheduler": scheduler_state, "trainer": trainer_state}
@@ -225,7 +226,7 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
                                 f"{_gib(needed)} ({needed} bytes) and {path.parent} has {_gib(free)} free; the "
                                 "previous checkpoint is intact") from e
         raise
-    _barrier(world)
+    _barrier(world, group)
     return path
 
 

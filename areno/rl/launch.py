@@ -23,11 +23,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False) -> int:
+def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False, describe=None) -> int:
     """Run ``python -m module argv`` on ``nproc`` local ranks with torch.distributed.run; returns the exit code.
 
     A SIGTERM/SIGINT reaches the ranks through the launcher; with ``stop_is_success`` (a server) that is a normal
-    stop (exit 0), otherwise the exit code says which signal ended the run.
+    stop (exit 0), otherwise the exit code says which signal ended the run. A rank that dies takes the others down
+    with it (the launcher stops them); the message names it, with ``describe(rank)`` (its role and device).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
@@ -41,6 +42,14 @@ def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = 
     except SignalException as exc:
         return 0 if stop_is_success else 128 + int(exc.sigval)
     except Exception as exc:  # ChildFailedError: the failing rank's error is already printed
-        print(f"areno: a rank failed: {exc}", file=sys.stderr)
+        failures = getattr(exc, "failures", None) or {}
+        for rank, failure in sorted(failures.items()):
+            code = getattr(failure, "exitcode", None)
+            how = (f"was killed by {failure.signal_name()}" if code is not None and code < 0 and
+                   hasattr(failure, "signal_name") else f"exited with code {code}")
+            who = f" ({describe(rank)})" if describe is not None else ""
+            print(f"areno: rank {rank}{who} {how}; the other ranks were stopped", file=sys.stderr)
+        if not failures:
+            print(f"areno: a rank failed: {exc}", file=sys.stderr)
         return 1
     return 0

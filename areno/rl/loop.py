@@ -1,9 +1,11 @@
 """The training loop behind ``areno train``: data -> rollout -> rewards -> advantages -> updates -> metrics ->
-checkpoints, for SFT, DPO, GRPO, GSPO and PPO, with the rollout engine colocated on the trainer's ranks.
+checkpoints, for SFT, DPO, GRPO, GSPO and PPO.
 
-Colocated means the engine decodes with the very parameter tensors the optimizer updates in place, so there is no
-weight copy between the two. Every step the trainer recomputes the log-probs of the sampled tokens and logs their
-difference from the rollout's (``logprob_diff``); truncated importance sampling uses the same numbers.
+The loop talks to one rollout interface with two implementations: colocated (``rollout_colocated``: the engine
+decodes with the very parameter tensors the optimizer updates in place, no weight copy) and split
+(``rollout_remote``: engines on ``--rollout-devices``, the policy streamed to them after each optimizer step). Every
+step the trainer recomputes the log-probs of the sampled tokens and logs their difference from the rollout's
+(``logprob_diff``); truncated importance sampling uses the same numbers.
 """
 
 from __future__ import annotations
@@ -42,12 +44,7 @@ def _dtype(cfg, device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _gather_objects(obj, group):
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+from areno.rl.rollout_colocated import gather_objects as _gather_objects  # noqa: E402
 
 
 class TrainLoop:
@@ -56,7 +53,9 @@ class TrainLoop:
         self.sdk = sdk  # the SDK may bring its own batches: no dataset or reward function required
         self._model, self._tokenizer = model, tokenizer
         self.step_index = 0
-        self.engine = None
+        self.engine = None  # the rollout interface: ColocatedRollout or RemoteRollout
+        self.layout = None  # split mode's process layout (parallel.SplitLayout)
+        self._data_state = None  # the data position a checkpoint records (async split mode reads one batch ahead)
         self.critic = None
         self.eval_rows: list[dict] = []
         self.last_save = None
@@ -88,13 +87,16 @@ class TrainLoop:
         device = self._pinned_device()
         if device is not None:
             torch.cuda.set_device(device)
-        if cfg.world_size > 1:
+        if cfg.split:
+            self.layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
+        elif cfg.world_size > 1:
             parallel.init_distributed(tp_size=cfg.tp_size, device=device)
         self.tp_group = parallel.get_tp_group() if cfg.tp_size > 1 else None
         self.dp_group = parallel.get_dp_group() if cfg.world_size // cfg.tp_size > 1 else None
         self.dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
         self.dp_size = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
         self.is_main = parallel.is_main_process()
+        self.train_group = self.layout.train_group if self.layout is not None else None  # None: the whole world
         if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
             from areno.rl.run_dir import claim
 
@@ -123,16 +125,13 @@ class TrainLoop:
             self._resume()
 
     def _pinned_device(self) -> int | None:
-        """This rank's GPU from ``--train-devices`` (one per local rank, in order); None: the launcher's choice, or
-        no GPU (on a CPU host the indices name process slots, so the flag changes nothing there)."""
-        devices = self.cfg.train_devices
-        if not devices or not torch.cuda.is_available():
+        """This rank's GPU from ``--train-devices`` (one per rank, in order); None: the launcher's choice, or no GPU
+        (on a CPU host the indices name process slots, so the flag changes nothing there)."""
+        from areno.parallel import rank_device
+
+        if not self.cfg.train_devices:
             return None
-        device = devices[int(os.environ.get("LOCAL_RANK", "0"))]
-        if device >= torch.cuda.device_count():
-            raise ConfigError("--train-devices", f"names GPU {device}, but this process sees "
-                              f"{torch.cuda.device_count()} (after CUDA_VISIBLE_DEVICES)")
-        return device
+        return rank_device(self.cfg.train_devices, int(os.environ.get("RANK", "0")))
 
     def _load_policy(self):
         from areno.models import load_model, load_tokenizer
@@ -200,22 +199,14 @@ class TrainLoop:
         self.critic_trainer = self._make_trainer(self.critic, cfg.critic_lr or cfg.lr, total)
 
     def _build_engine(self):
-        from areno.rollout.engine import Engine, EngineConfig
-        from areno.rollout.session import eos_ids_from_checkpoint
+        if self.cfg.split:
+            from areno.rl.rollout_remote import RemoteRollout
 
-        cfg = self.cfg
-        max_len = cfg.max_prompt_tokens + cfg.max_new_tokens
-        eos = None
-        if cfg.ckpt and Path(cfg.ckpt).is_dir():
-            eos = sorted(set(eos_ids_from_checkpoint(cfg.ckpt)) | {self.tokenizer.eos_token_id})
-        econf = EngineConfig(
-            max_running=cfg.max_running_prompts or max(1, cfg.batch_size * cfg.n_samples),
-            max_model_len=max_len, eager_decode=cfg.eager_decode, decode_steps=cfg.decode_steps,
-            seed=cfg.seed + 7919 * self.dp_rank,
-            kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
-            decode_progress_interval_s=cfg.decode_progress_interval_s or None,
-        )
-        self.engine = Engine(self.model, self.tokenizer, econf, eos_token_ids=eos)
+            self.engine = RemoteRollout(self, self.layout)
+        else:
+            from areno.rl.rollout_colocated import ColocatedRollout
+
+            self.engine = ColocatedRollout(self)
 
     def _make_logger(self):
         from areno.rl.metrics import MetricsLogger
@@ -267,11 +258,7 @@ class TrainLoop:
     def generate(self, prompt_ids: list[list[int]], options):
         if self.engine is None:
             self._build_engine()
-        self.model.eval()
-        try:
-            return self.engine.generate(prompt_ids, options)
-        finally:
-            self.model.train()
+        return self.engine.generate(prompt_ids, options)
 
     def train_rows(self, batch, loss_fn, mini_bs, grad_accum, *, epochs=1, entropy=False) -> dict:
         rows = [b if isinstance(b, Row) else Row(list(b["prompt_ids"]), list(b["response_ids"]),
@@ -355,17 +342,18 @@ class TrainLoop:
             n=n or cfg.n_samples,
         )
 
-    def rollout(self, batch: list[dict]) -> tuple[list[Row], dict]:
-        """Generate n samples per prompt of this rank's share, score them, gather all ranks' rows."""
+    def rollout(self, batch: list[dict], upcoming: list[dict] | None = None) -> tuple[list[Row], dict]:
+        """Generate n samples per prompt of this rank's share, score them, gather all ranks' rows (``upcoming``:
+        the next step's prompts, sent ahead in async split mode)."""
         from areno.rl.rewards import record_from, score
 
-        mine = batch[self.dp_rank :: self.dp_size]
         if self.engine is None:
             self._build_engine()
+        mine = self.engine.share(batch)
+        ahead = [r["_prompt_ids"] for r in self.engine.share(upcoming)] if upcoming is not None else None
         t0 = time.perf_counter()
-        self.model.eval()
-        results = self.engine.generate([r["_prompt_ids"] for r in mine], self.sampling_options())
-        self.model.train()
+        results, split_stats = self.engine.rollout([r["_prompt_ids"] for r in mine], self.sampling_options(),
+                                                   upcoming=ahead)
         t_roll = time.perf_counter() - t0
         records, flat = [], []
         for row, group in zip(mine, results):
@@ -378,7 +366,7 @@ class TrainLoop:
         t_reward = time.perf_counter() - t1
         local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason)
                  for (row, c), rew in zip(flat, rewards)]
-        parts = _gather_objects((local, failures), self.dp_group)
+        parts = self.engine.gather((local, failures))
         gathered = [x for part, _ in parts for x in part]
         failures = sum(f for _, f in parts)
         n_tok = sum(len(x[1]) for x in gathered)
@@ -389,13 +377,14 @@ class TrainLoop:
             "response_len_mean": n_tok / max(1, len(rows)),
             "response_len_max": max((len(r.response_ids) for r in rows), default=0),
             "truncated_frac": sum(x[4] == "length" for x in gathered) / max(1, len(gathered)),
+            **split_stats,
         }
         return rows, stats
 
     # ---- steps ---------------------------------------------------------------------------------------------
-    def step_rl(self, batch) -> dict:
+    def step_rl(self, batch, upcoming=None) -> dict:
         cfg = self.cfg
-        rows, m = self.rollout(batch)
+        rows, m = self.rollout(batch, upcoming)
         rewards = torch.tensor([r.reward for r in rows])
         adv, zero_var = group_advantages(rewards, cfg.n_samples, std_normalize=cfg.advantage_std_norm)
         m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(rows) > 1 else 0.0,
@@ -528,9 +517,7 @@ class TrainLoop:
             return None
         if self.engine is None:
             self._build_engine()
-        self.model.eval()
         out = self.engine.generate([r["_prompt_ids"] for r in rows], self.sampling_options(n=1, greedy=True))
-        self.model.train()
         records = []
         for r, group in zip(rows, out):
             c = group[0]
@@ -547,11 +534,13 @@ class TrainLoop:
         path = Path(path or Path(cfg.save_path) / f"step-{self.step_index}")
         save_checkpoint(path, model=self.model, tokenizer=self.tokenizer, optimizer=self.trainer.optimizer,
                         trainer_state={"step": self.step_index,
-                                       "data": self.data.state_dict() if self.data is not None else None,
+                                       "data": self._data_state or (self.data.state_dict() if self.data is not None
+                                                                    else None),
                                        "num_updates": self.trainer.num_updates, "config": _jsonable(asdict(cfg)),
                                        "accuracy_before": self.accuracy_before, "started_at": self.started_at,
                                        "failed_reward_steps": self.failed_reward_steps},
-                        rank_state={"engine_rng": self.engine.rng_state()} if self.engine is not None else None)
+                        rank_state={"engine_rng": self.engine.rng_state()} if self.engine is not None else None,
+                        group=self.train_group)
         self.last_save = path
         return path
 
@@ -560,7 +549,7 @@ class TrainLoop:
 
         cfg = self.cfg
         if dist.is_initialized():
-            dist.barrier()  # rank 0 has recovered the save folder (run_dir.claim) before anyone looks in it
+            dist.barrier(group=self.train_group)  # rank 0 has recovered the save folder (run_dir.claim) first
         if cfg.resume in ("latest", "auto", ""):
             path = latest_checkpoint(cfg.save_path)
             if path is None:
@@ -586,10 +575,12 @@ class TrainLoop:
         self.accuracy_before = state.get("accuracy_before")
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
         self.started_at = state.get("started_at") or self.started_at
+        if self.engine is None and self.cfg.algo in RL_ALGOS:
+            self._build_engine()
+        if self.engine is not None:
+            self.engine.policy_changed()  # split mode: the engines still hold --ckpt's weights
         engine_rng = (state.get("rank_state") or {}).get("engine_rng")
-        if engine_rng is not None:
-            if self.engine is None:
-                self._build_engine()
+        if engine_rng is not None and self.engine is not None:
             self.engine.set_rng_state(engine_rng)
         self.logger.truncate_after(self.step_index)  # the interrupted run's lines after this checkpoint go
         log.info("resumed from %s at step %d", path, self.step_index)
@@ -662,12 +653,18 @@ class TrainLoop:
         cfg = self.cfg
         last = {}
         batches = iter(self.data)
+        ahead = None  # async split mode: the next step's batch, already sent to the rollout engines
+        read_ahead = cfg.split and cfg.max_staleness > 0 and step_fn == self.step_rl
         while self.step_index < self.total_steps:  # test first: a batch taken is a batch consumed
-            batch = next(batches, None)
+            batch = ahead if ahead is not None else next(batches, None)
+            ahead = self._data_state = None
             if batch is None:
                 break
+            if read_ahead and self.step_index + 1 < self.total_steps:
+                self._data_state = self.data.state_dict()  # a checkpoint after this step resumes at the next batch
+                ahead = next(batches, None)
             t0 = time.perf_counter()
-            m = step_fn(batch)
+            m = step_fn(batch, ahead) if ahead is not None else step_fn(batch)
             self.step_index += 1
             m["step_s"] = time.perf_counter() - t0
             if torch.cuda.is_available():
@@ -707,6 +704,8 @@ class TrainLoop:
 
     def close(self):
         """Release what setup() built so far (it may have stopped part-way on a bad input)."""
+        if self.engine is not None:
+            self.engine.close()  # split mode: the rollout ranks leave their loop
         if hasattr(self, "logger"):
             self.logger.close()
         if hasattr(self, "trainer"):

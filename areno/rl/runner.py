@@ -1,7 +1,8 @@
 """``areno train`` / ``python -m areno.train``: run the training loop on this process, or launch the ranks.
 
-With ``--world-size N`` > 1 outside a torchrun worker, the resolved config travels to N ranks started by torch's
-elastic launcher (``areno.rl.worker``); inside a worker (or with one rank) the loop runs here.
+With ``--world-size N`` > 1 (or split mode: N train ranks plus one per ``--rollout-devices`` entry) outside a
+torchrun worker, the resolved config travels to the ranks started by torch's elastic launcher (``areno.rl.worker``);
+inside a worker (or with one rank) the loop runs here, or, on a split-mode rollout rank, the rollout engine.
 """
 
 from __future__ import annotations
@@ -16,11 +17,27 @@ from areno.rl.launch import launch, launched
 CONFIG_ENV = "ARENO_TRAIN_CONFIG"
 
 
+def describe_rank(config, rank: int) -> str:
+    """``train rank 0 on GPU 2`` / ``rollout engine 1 rank 0 on GPU 5`` (process slots on a CPU host)."""
+    where = "GPU" if __import__("torch").cuda.is_available() else "CPU slot"
+    if rank < config.world_size:
+        device = config.train_devices[rank] if config.train_devices else rank
+        return f"train rank {rank} on {where} {device}"
+    j = rank - config.world_size
+    return (f"rollout engine {j // config.rollout_tp} rank {j % config.rollout_tp} on {where} "
+            f"{config.rollout_devices[j]}")
+
+
 def run_train(config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.world_size > 1 and not launched():
+    ranks = config.world_size + (len(config.rollout_devices) if config.split else 0)
+    if ranks > 1 and not launched():
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
-        return launch("areno.rl.worker", [], config.world_size)
+        return launch("areno.rl.worker", [], ranks, describe=lambda rank: describe_rank(config, rank))
+    if config.split and int(os.environ.get("RANK", "0")) >= config.world_size:
+        from areno.rl.rollout_remote import serve
+
+        return serve(config)  # a rollout rank: engines, not the loop
     from areno.api import Trainer
 
     trainer = Trainer.from_config(config)  # the CLI runs on the SDK

@@ -1,0 +1,138 @@
+"""Policy streaming for split mode: the trainer's weights reach the rollout engines over torch.distributed (NCCL on
+GPUs, gloo on CPU), never through a file.
+
+The unit is the Hugging Face (canonical) tensor, so train TP and rollout TP may differ either way: every train rank
+walks ``iter_hf_tensors`` (which assembles the train-TP shards), the publishers (the first rank of each train DP
+replica, taking buckets in turn) pack whole tensors into byte buckets of ``--policy-sync-bucket-mb`` and broadcast
+each to the rollout ranks, and every rollout rank copies its own rollout-TP slice of each tensor in place into the
+engine's parameters (no per-tensor allocation; the engine's CUDA graphs keep pointing at the same memory). The
+bucket plan (names, shapes, dtypes, byte offsets) goes to the rollout ranks once, with the first sync.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areno.models.tp import pieces
+
+ALIGN = 16  # byte offset alignment of every tensor inside a bucket (any dtype view is aligned)
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple
+    dtype: str
+    offset: int  # bytes from the bucket start
+    nbytes: int
+
+
+def hf_specs(model) -> list[tuple[str, tuple, torch.dtype]]:
+    """``(hf_name, full shape, dtype)`` of every Hugging Face tensor in ``iter_hf_tensors`` order (no communication)."""
+    params = dict(model.named_parameters())
+    specs, seen = [], set()
+    for pname, lays in model._tp_layouts.items():
+        for rank in range(model.tp_size):
+            for pc in pieces(lays, rank, model.tp_size):
+                if pc.hf_name not in seen:
+                    seen.add(pc.hf_name)
+                    specs.append((pc.hf_name, tuple(pc.hf_shape), params[pname].dtype))
+    return specs
+
+
+def plan_buckets(specs, bucket_bytes: int) -> list[list[Entry]]:
+    """Consecutive tensors packed into buckets of at most ``bucket_bytes`` (a larger tensor gets one of its own)."""
+    buckets, current, used = [], [], 0
+    for name, shape, dtype in specs:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        start = -(-used // ALIGN) * ALIGN
+        if current and start + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, start = [], 0
+        current.append(Entry(name, tuple(shape), str(dtype).removeprefix("torch."), start, nbytes))
+        used = start + nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_size(bucket: list[Entry]) -> int:
+    return bucket[-1].offset + bucket[-1].nbytes
+
+
+def pack(buffer: torch.Tensor, entry: Entry, tensor: torch.Tensor) -> None:
+    """Write ``tensor``'s bytes at ``entry`` in the uint8 ``buffer``."""
+    buffer[entry.offset : entry.offset + entry.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def unpack(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """A view of ``entry``'s tensor inside ``buffer`` (no copy)."""
+    return buffer[entry.offset : entry.offset + entry.nbytes].view(getattr(torch, entry.dtype)).view(entry.shape)
+
+
+class PolicyPublisher:
+    """The train side: every train rank calls ``publish`` (it takes part in the train-TP gathers)."""
+
+    def __init__(self, model, layout, bucket_bytes: int):
+        self.model, self.layout = model, layout
+        self.plan = plan_buckets(hf_specs(model), bucket_bytes)
+        self.owner = [layout.publishers[b % len(layout.publishers)] for b in range(len(self.plan))]
+        self.where = {e.name: (b, e) for b, bucket in enumerate(self.plan) for e in bucket}
+        self.nbytes = sum(bucket_size(b) for b in self.plan)
+        self._buffer = None
+
+    def publish(self) -> tuple[int, float]:
+        """Stream the current weights; returns (bytes sent, seconds)."""
+        from areno.models.saver import iter_hf_tensors
+
+        t0 = time.perf_counter()
+        rank = dist.get_rank()
+        if rank in self.layout.publishers and self._buffer is None:
+            device = next(self.model.parameters()).device
+            self._buffer = torch.empty(max(bucket_size(b) for b in self.plan), dtype=torch.uint8, device=device)
+        filled = [0] * len(self.plan)
+        for name, tensor in iter_hf_tensors(self.model):
+            b, entry = self.where[name]
+            if self.owner[b] != rank:
+                continue
+            pack(self._buffer, entry, tensor)
+            filled[b] += 1
+            if filled[b] == len(self.plan[b]):
+                dist.broadcast(self._buffer[: bucket_size(self.plan[b])], src=rank, group=self.layout.publish[rank])
+        if self._buffer is not None and self._buffer.is_cuda:
+            torch.cuda.synchronize()
+        return self.nbytes, time.perf_counter() - t0
+
+
+class PolicyReceiver:
+    """The rollout side: receives every bucket and copies this rank's slice of each tensor into the model."""
+
+    def __init__(self, model, layout):
+        self.model, self.layout = model, layout
+        params = dict(model.named_parameters())
+        self.targets: dict[str, list] = {}
+        for pname, lays in model._tp_layouts.items():
+            for pc in pieces(lays, model.tp_rank, model.tp_size):
+                self.targets.setdefault(pc.hf_name, []).append((params[pname], pc.dst, pc.src))
+        self.plan = self.owner = None
+        self._buffer = None
+
+    @torch.no_grad()
+    def receive(self, plan=None, owner=None) -> None:
+        if plan is not None:
+            self.plan, self.owner = plan, owner
+            device = next(self.model.parameters()).device
+            self._buffer = torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8, device=device)
+        for bucket, src in zip(self.plan, self.owner):
+            view = self._buffer[: bucket_size(bucket)]
+            dist.broadcast(view, src=src, group=self.layout.publish[src])
+            for entry in bucket:
+                full = unpack(view, entry)
+                for param, dst, index in self.targets.get(entry.name, ()):
+                    param[dst].copy_(full[index])
+        if hasattr(self.model, "after_weight_update"):  # whatever the engine derives from the weights
+            self.model.after_weight_update()

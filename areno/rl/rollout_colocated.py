@@ -1,0 +1,83 @@
+"""Colocated rollout: the engine lives in the trainer's process and decodes with the very parameter tensors the
+optimizer updates in place, so a new policy costs no copy. One of the two rollout implementations the loop talks to
+(``rollout_remote`` is the other); both answer ``share``, ``gather``, ``rollout``, ``generate``, the RNG state
+(checkpoints) and ``close``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def engine_config(cfg, tokenizer, dp_rank: int = 0):
+    """The rollout engine's settings for a TrainConfig (the same in both modes) and its EOS ids."""
+    from areno.rollout.engine import EngineConfig
+    from areno.rollout.session import eos_ids_from_checkpoint
+
+    eos = None
+    if cfg.ckpt and Path(cfg.ckpt).is_dir():
+        eos = sorted(set(eos_ids_from_checkpoint(cfg.ckpt)) | {tokenizer.eos_token_id})
+    econf = EngineConfig(
+        max_running=cfg.max_running_prompts or max(1, cfg.batch_size * cfg.n_samples),
+        max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens, eager_decode=cfg.eager_decode,
+        decode_steps=cfg.decode_steps, seed=cfg.seed + 7919 * dp_rank,
+        kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
+        decode_progress_interval_s=cfg.decode_progress_interval_s or None,
+    )
+    return econf, eos
+
+
+def gather_objects(obj, group):
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class ColocatedRollout:
+    split = False
+
+    def __init__(self, loop):
+        from areno.rollout.engine import Engine
+
+        self.loop = loop
+        econf, eos = engine_config(loop.cfg, loop.tokenizer, loop.dp_rank)
+        self.engine = Engine(loop.model, loop.tokenizer, econf, eos_token_ids=eos)
+
+    def share(self, rows: list) -> list:
+        """This rank's part of a rollout batch (its data-parallel slice)."""
+        return rows[self.loop.dp_rank :: self.loop.dp_size]
+
+    def gather(self, obj) -> list:
+        """Every data-parallel rank's ``obj``, on every rank."""
+        return gather_objects(obj, self.loop.dp_group)
+
+    def generate(self, prompt_ids, options):
+        model = self.loop.model
+        model.eval()
+        try:
+            return self.engine.generate(prompt_ids, options)
+        finally:
+            model.train()
+
+    def rollout(self, prompt_ids, options, upcoming=None):
+        """This step's completions and the rollout's own stats (none here: the weights are the trainer's)."""
+        return self.generate(prompt_ids, options), {}
+
+    def rng_state(self):
+        return self.engine.rng_state()
+
+    def set_rng_state(self, state) -> None:
+        self.engine.set_rng_state(state)
+
+    def policy_changed(self) -> None:
+        pass
+
+    def drop_rollout_state(self) -> None:
+        self.engine.drop_rollout_state()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,251 @@
+"""Split-mode rollout: engines on their own ranks (``--rollout-devices``), the policy streamed to them after each
+optimizer step (``policy_sync``), prompts sent and completions returned over torch.distributed.
+
+Train side (``RemoteRollout``, the loop's rollout interface): train rank 0 sends every command over the ``control``
+group (itself and every rollout rank, in one order): ``sync`` (then the policy buckets follow on the publish groups),
+``generate`` (each engine its share of the prompts, least loaded first; each prompt carries the seed the colocated
+engine would have drawn for it, so the samples do not depend on how prompts are spread over engines) and ``stop``.
+The completions come back to rank 0 by a gather on the same group and are broadcast to the other train ranks.
+
+Rollout side (``serve``): each rollout rank loads the policy, builds the same engine as colocated mode (KV cache,
+CUDA graphs, prefix sharing, its TP workers on the engine group) and executes commands until ``stop``.
+
+With ``--max-staleness 1`` the rollout of the next step is sent before this step trains and collected at the next
+step: it was sampled with the policy one step older than the one it trains (rows record the policy version), and
+the truncated importance sampling against the rollout log-probs corrects for it. With 0 every rollout waits for the
+new policy and the run equals a colocated one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
+
+log = logging.getLogger("areno.rollout")
+VERIFY_ENV = "ARENO_VERIFY_POLICY_SYNC"  # 1: after every sync, fetch the engines' weights and compare them exactly
+
+
+def _broadcast(obj, group, src=0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _shares(n: int, engines: int) -> list[range]:
+    """Contiguous, near-equal shares of ``n`` prompts (the first engines take the remainder)."""
+    base, extra = divmod(n, engines)
+    out, start = [], 0
+    for i in range(engines):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class RemoteRollout:
+    split = True
+
+    def __init__(self, loop, layout):
+        cfg = loop.cfg
+        self.loop, self.layout = loop, layout
+        self.rank0 = dist.get_rank() == 0
+        self._rng = random.Random(cfg.seed)  # the seeds the colocated engine (DP rank 0) would draw
+        self.publisher = PolicyPublisher(loop.model, layout, int(cfg.policy_sync_bucket_mb * 2**20))
+        self.synced = loop.trainer.optimizer.num_steps  # the engines hold the checkpoint the trainer started from
+        self.version = loop.step_index
+        self._plan_sent = False
+        self._pending = None  # async: (prompt count, policy version, dispatch time) of the rollout in flight
+        self._ready = None  # completions collected early (a generate() while a rollout was in flight)
+        self._prefetched = False  # async: the next step's prompts are already on the engines
+        self._sync_stats: dict = {}
+
+    # ---- the loop's interface ------------------------------------------------------------------------------
+    def share(self, rows: list) -> list:
+        """Train rank 0 sends every prompt; the other train ranks get its completions through ``gather``."""
+        return list(rows) if self.rank0 else []
+
+    def gather(self, obj) -> list:
+        return [_broadcast(obj, self.layout.train_group)]
+
+    def policy_changed(self) -> None:
+        """The trainer's weights were replaced (a resume): the next rollout syncs whatever the optimizer says."""
+        self.synced = None
+
+    def generate(self, prompt_ids, options):
+        """Completions for rank 0's ``prompt_ids`` with the current policy, on every train rank (evaluation)."""
+        self.sync()
+        out = self._collect() if self._pending else None
+        if out is not None:
+            self._ready = out
+        results = None
+        if self.rank0:
+            self._dispatch(prompt_ids, options)
+            results = self._collect()[0]
+        return _broadcast(results, self.layout.train_group)
+
+    def rollout(self, prompt_ids, options, upcoming=None):
+        """This step's completions (rank 0) and the split-mode stats; with ``upcoming`` (async), the next step's
+        prompts are sent before returning, to run while this step trains. Every train rank calls it."""
+        stats = {}
+        results, version, idle = None, self.version, {}
+        if self._prefetched:  # the previous step sent this step's prompts (every train rank knows)
+            self._prefetched = False
+            if self.rank0:
+                results, version, idle = self._ready or self._collect()
+                self._ready = None
+        else:
+            stats.update(self.sync())
+            version = self.version
+            if self.rank0:
+                self._dispatch(prompt_ids, options)
+                results, version, idle = self._collect()
+        stats.update(idle)
+        if upcoming is not None:
+            stats.update(self.sync())
+            if self.rank0:
+                self._dispatch(upcoming, options)
+            self._prefetched = True
+        stats.update(self._sync_stats)
+        self._sync_stats = {}
+        staleness = self.loop.step_index - version
+        stats.update(policy_version=version, staleness_mean=staleness, staleness_max=staleness)
+        return (results or []), stats
+
+    def sync(self) -> dict:
+        """Stream the policy if the optimizer moved since the last sync (every train rank takes part)."""
+        now = self.loop.trainer.optimizer.num_steps
+        if now == self.synced:
+            return {}
+        if self.rank0:
+            if self._pending:  # commands are executed in order: the rollout in flight is collected first
+                self._ready = self._collect()
+            plan = None if self._plan_sent else (self.publisher.plan, self.publisher.owner)
+            self._command({"op": "sync", "plan": plan})
+            self._plan_sent = True
+        nbytes, seconds = self.publisher.publish()
+        self.synced, self.version = now, self.loop.step_index
+        stats = {"policy_sync_time_s": seconds, "policy_sync_bytes": float(nbytes),
+                 "policy_sync_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+        if os.environ.get(VERIFY_ENV) == "1":
+            self._verify()
+            stats["policy_sync_verified"] = 1.0
+        self._sync_stats = stats
+        return stats
+
+    def rng_state(self):
+        return self._rng.getstate()
+
+    def set_rng_state(self, state) -> None:
+        version, internal, gauss = state
+        self._rng.setstate((version, tuple(internal), gauss))
+
+    def drop_rollout_state(self) -> None:
+        pass  # the rollout ranks drop theirs after each generate (the flag travels with the command)
+
+    def close(self) -> None:
+        if self.rank0:
+            if self._pending:
+                self._collect()
+            self._command({"op": "stop"})
+
+    # ---- rank 0 ----------------------------------------------------------------------------------------------
+    def _command(self, cmd) -> None:
+        _broadcast(cmd, self.layout.control)
+
+    def _dispatch(self, prompt_ids, options) -> None:
+        opts = [dataclasses.replace(options, seed=self._rng.getrandbits(62)) for _ in prompt_ids]
+        shares = [([prompt_ids[i] for i in r], [opts[i] for i in r])
+                  for r in _shares(len(prompt_ids), len(self.layout.engines))]
+        self._command({"op": "generate", "shares": shares, "drop": self.loop.cfg.drop_rollout_state})
+        self._pending = (len(prompt_ids), self.version, time.perf_counter())
+
+    def _collect(self):
+        """Wait for the rollout in flight: (completions in prompt order, its policy version, idle times)."""
+        _, version, _ = self._pending
+        t0 = time.perf_counter()
+        parts = [None] * dist.get_world_size(self.layout.control)
+        dist.gather_object(None, parts, dst=0, group=self.layout.control)
+        waited = time.perf_counter() - t0
+        self._pending = None
+        results, idle = [], 0.0
+        for ranks in self.layout.engines:  # leaders' answers, in engine (= prompt) order
+            out, rollout_idle = parts[self.layout.rollout_ranks.index(ranks[0]) + 1]
+            results += out
+            idle = max(idle, rollout_idle)
+        return results, version, {"train_idle_s": waited, "rollout_idle_s": idle}
+
+    def _verify(self) -> None:
+        """Fetch every engine's weights and compare them with the trainer's, tensor by tensor, exactly."""
+        from areno.models.saver import iter_hf_tensors
+
+        mine = {k: v.cpu() for k, v in iter_hf_tensors(self.loop.model)}
+        if not self.rank0:
+            return
+        self._command({"op": "weights"})
+        parts = [None] * dist.get_world_size(self.layout.control)
+        dist.gather_object(None, parts, dst=0, group=self.layout.control)
+        for ranks in self.layout.engines:
+            theirs = parts[self.layout.rollout_ranks.index(ranks[0]) + 1]
+            bad = [k for k in mine if not torch.equal(mine[k], theirs[k])]
+            if bad or theirs.keys() != mine.keys():
+                raise RuntimeError(f"policy sync: engine on ranks {ranks} differs from the trainer on {bad[:5]}")
+
+
+# ---- the rollout ranks -----------------------------------------------------------------------------------------
+def serve(cfg) -> int:
+    """A rollout rank's whole life: join the split world, load the policy, build the engine, run commands."""
+    from areno import parallel
+    from areno.models import load_model, load_tokenizer
+    from areno.models.saver import iter_hf_tensors
+    from areno.rl.rollout_colocated import engine_config
+    from areno.rollout.engine import Engine
+
+    rank = int(os.environ.get("RANK", "0"))
+    device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
+    layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
+    torch_device = torch.device("cuda", device) if device is not None else torch.device("cpu")
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device is not None else torch.float32)
+    model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
+                       attn_backend=cfg.attn_backend)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tokenizer = load_tokenizer(cfg.ckpt)
+    econf, eos = engine_config(cfg, tokenizer)
+    engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
+    receiver = PolicyReceiver(model, layout)
+    index = layout.engine_index
+    leader = rank == layout.engines[index][0]
+    idle, waiting = 0.0, time.perf_counter()
+    log.info("rollout rank %d: engine %d of %d on %s", rank, index, len(layout.engines), torch_device)
+    while True:
+        cmd = _broadcast(None, layout.control)
+        idle += time.perf_counter() - waiting
+        op = cmd["op"]
+        if op == "stop":
+            break
+        if op == "sync":
+            plan = cmd.get("plan")
+            receiver.receive(*(plan if plan is not None else (None, None)))
+        elif op == "generate":
+            prompts, options = cmd["shares"][index]
+            out = engine.generate(prompts, options) if prompts else []
+            if cmd.get("drop") and engine.runner is not None:
+                engine.drop_rollout_state()
+            dist.gather_object((out, idle) if leader else None, None, dst=0, group=layout.control)
+            idle = 0.0
+        elif op == "weights":
+            tensors = {k: v.cpu() for k, v in iter_hf_tensors(model)}
+            dist.gather_object(tensors if leader else None, None, dst=0, group=layout.control)
+        else:
+            raise RuntimeError(f"rollout rank {rank}: unknown command {op!r}")
+        waiting = time.perf_counter()
+    return 0

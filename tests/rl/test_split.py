@@ -1,0 +1,161 @@
+"""Split mode on CPU (gloo: device indices name process slots): training and rollout on separate ranks, the policy
+streamed after each optimizer step. On-policy split runs equal the colocated run; the engines' weights equal the
+trainer's after every sync; async keeps staleness at 1; a dead rollout rank ends the run naming it; two "nodes" under
+torchrun on loopback equal one."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from areno.rl.launch import free_port
+from areno.testing import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("split")
+    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(32):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = root / "reward.py"
+    reward.write_text("def reward_fn(record):\n"
+                      "    return float(len(record.completion) % 3 == 0) + 0.1 * record.completion.count('1')\n")
+    return ckpt, data, reward
+
+
+def train_args(files, out, *extra, steps=3):
+    ckpt, data, reward = files
+    return ["train", "--ckpt", str(ckpt), "--dataset-path", str(data), "--reward-fn-path", str(reward),
+            "--batch-size", "4", "--n-samples", "2", "--mini-bs", "2", "--max-steps", str(steps),
+            "--max-new-tokens", "6", "--save-path", str(out), "--lr", "1e-3", "--no-tensorboard", "--dtype",
+            "float32", "--temperature", "1.0", *extra]
+
+
+def env(**extra):
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+
+
+def areno(files, out, *extra, steps=3, **env_extra):
+    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, out, *extra, steps=steps)],
+                          env=env(**env_extra), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def metrics(out):
+    return [json.loads(x) for x in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_run(a, b, *, steps):
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, steps + 1))
+    for key in ("reward_mean", "reward_std", "loss", "grad_norm"):
+        for x, y in zip(ma, mb):
+            assert x[key] == pytest.approx(y[key], abs=1e-5, rel=1e-5), key
+    wa = load_file(str(a / f"step-{steps}" / "model.safetensors"))
+    wb = load_file(str(b / f"step-{steps}" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def colocated(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated") / "run"
+    areno(files, out)
+    return out
+
+
+@pytest.mark.parametrize("topology", [
+    ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "0"],
+    ["--train-devices", "0,1", "--tp-size", "2", "--rollout-devices", "2,3", "--rollout-tp-size", "1"],
+    ["--train-devices", "0", "--rollout-devices", "1..2", "--rollout-tp-size", "2"],
+], ids=["1+1", "tp2+2x1", "1+tp2"])
+def test_on_policy_split_equals_colocated_and_engines_hold_the_trainers_weights(files, colocated, tmp_path,
+                                                                                 topology):
+    out = tmp_path / "split"
+    areno(files, out, *topology, "--policy-sync-bucket-mb", "0.05", ARENO_VERIFY_POLICY_SYNC="1")
+    same_run(colocated, out, steps=3)
+    ms = metrics(out)
+    assert all(m["staleness_max"] == 0 for m in ms)
+    synced = [m for m in ms if "policy_sync_bytes" in m]
+    assert [m["step"] for m in synced] == [2, 3]  # the engines start from --ckpt; every update is streamed
+    assert all(m["policy_sync_verified"] == 1 and m["policy_sync_bytes"] > 0 for m in synced)
+    assert [m["policy_version"] for m in ms] == [0, 1, 2]
+
+
+def test_async_split_keeps_staleness_at_one(files, tmp_path):
+    out = tmp_path / "async"
+    areno(files, out, "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", steps=4)
+    ms = metrics(out)
+    assert [m["staleness_max"] for m in ms] == [0, 1, 1, 1]
+    assert [m["policy_version"] for m in ms] == [0, 0, 1, 2]
+    assert all(m["loss"] is not None for m in ms)
+
+
+def test_two_nodes_on_loopback_equal_one(files, colocated, tmp_path):
+    out = tmp_path / "nodes"
+    port = free_port()
+    argv = train_args(files, out, "--train-devices", "0", "--rollout-devices", "1")[1:]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                               "1", "--node-rank", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               f"127.0.0.1:{port}", "-m", "areno.train", *argv], env=env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    same_run(colocated, out, steps=3)
+
+
+def _rollout_worker_pid(parent: int) -> int | None:
+    """The launched process whose RANK is 1 (the rollout rank), among ``parent``'s descendants."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if b"RANK=1" in environ and b"ARENO_TRAIN_CONFIG" in b"".join(environ):
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == parent or int(Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                return int(pid)
+    return None
+
+
+def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "areno",
+                             *train_args(files, out, "--train-devices", "0", "--rollout-devices", "1", steps=500)],
+                            env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics" / "metrics.jsonl").is_file() or not metrics(out):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        victim = _rollout_worker_pid(proc.pid)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        assert time.monotonic() - t0 < 60
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) was killed by SIGKILL" in err
+    children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not children, "orphan processes"
