@@ -87,17 +87,29 @@ def _check_devices(name, devices):
 
 @dataclass
 class CudaConfig:
-    """CUDA backend settings: tensor parallelism, GPU indices, rollout concurrency and runtime switches."""
+    """CUDA backend settings: tensor parallelism, GPU indices, rollout concurrency and runtime switches.
+
+    ``rollout_devices`` (with ``devices``) selects split mode: rollout engines of ``rollout_tp_size`` (default
+    ``tp_size``) ranks on those GPUs, the policy streamed to them after each optimizer step. Run the script under
+    ``torchrun`` with one process per train and rollout device: on a rollout rank ``Trainer.init()`` serves rollouts
+    until the train side closes, then exits the process.
+    """
 
     tp_size: int = 1
     devices: list[int] | None = None
     max_running_prompts: int | None = None
+    rollout_devices: list[int] | None = None
+    rollout_tp_size: int | None = None
     runtime: dict = field(default_factory=dict)
     backend_type: ClassVar[BackendType] = CUDA
 
     def __post_init__(self):
         check_positive("tp_size", self.tp_size)
         self.devices = _check_devices("devices", self.devices)
+        self.rollout_devices = _check_devices("rollout_devices", self.rollout_devices)
+        check_positive("rollout_tp_size", self.rollout_tp_size, optional=True)
+        if self.rollout_devices is not None and self.devices is None:
+            raise ConfigError("rollout_devices", "needs devices too (split mode places both partitions)")
         check_positive("max_running_prompts", self.max_running_prompts, optional=True)
         if not isinstance(self.runtime, dict):
             raise ConfigError("runtime", f"must be a dict, got {type(self.runtime).__name__}")
@@ -274,7 +286,8 @@ class Trainer:
                    "optimizer_state_offload_batch_size": config.optimizer_state_offload_batch_size}
         runtime = {k: v for k, v in runtime.items() if v is not None}
         cuda = CudaConfig(tp_size=config.tp_size, devices=config.train_devices,
-                          max_running_prompts=config.max_running_prompts, runtime=runtime)
+                          max_running_prompts=config.max_running_prompts, runtime=runtime,
+                          rollout_devices=config.rollout_devices, rollout_tp_size=config.rollout_tp_size)
         trainer = cls(world_size=config.world_size, model_path=config.ckpt, custom_config=cuda, **kwargs)
         trainer.train_config = config
         return trainer
@@ -289,7 +302,9 @@ class Trainer:
         rt = dict(self.config.runtime)
         fields = {"ckpt": self.model_path, "world_size": self.world_size, "tp_size": self.config.tp_size,
                   "max_running_prompts": self.config.max_running_prompts,
-                  "train_devices": getattr(self.config, "devices", None), **rt, **opts}
+                  "train_devices": getattr(self.config, "devices", None),
+                  "rollout_devices": getattr(self.config, "rollout_devices", None),
+                  "rollout_tp_size": getattr(self.config, "rollout_tp_size", None), **rt, **opts}
         unknown = sorted(set(opts) - set(TrainConfig.__dataclass_fields__))
         if unknown:
             raise ConfigError(unknown[0], "is not a training option (see `areno train --help` for the names)")
@@ -300,10 +315,16 @@ class Trainer:
         from areno.rl.launch import launched
         from areno.rl.loop import TrainLoop
 
-        if self.world_size > 1 and not launched():
-            raise RuntimeError("world_size > 1 from the SDK needs one process per rank: start the script with "
-                               f"`torchrun --nproc-per-node {self.world_size} script.py`, or use `areno train`")
-        self.loop = TrainLoop(self._train_config(), sdk=getattr(self, "train_config", None) is None)
+        config = self._train_config()
+        ranks = self.world_size + (len(config.rollout_devices) if config.split else 0)
+        if ranks > 1 and not launched():
+            raise RuntimeError(f"{ranks} ranks from the SDK need one process each: start the script with "
+                               f"`torchrun --nproc-per-node {ranks} script.py`, or use `areno train`")
+        if config.split and int(os.environ.get("RANK", "0")) >= config.world_size:
+            from areno.rl.rollout_remote import serve
+
+            raise SystemExit(serve(config))  # a rollout rank serves until the train side closes, then leaves
+        self.loop = TrainLoop(config, sdk=getattr(self, "train_config", None) is None)
         self.loop.setup()
         return self
 

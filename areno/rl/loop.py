@@ -117,7 +117,7 @@ class TrainLoop:
         self.ref = self._load_ref() if (cfg.algo == "dpo" or cfg.kl_coef > 0) else None
         if cfg.algo == "ppo":
             self._setup_critic(total)
-        if cfg.algo in RL_ALGOS and not self.sdk:
+        if (cfg.algo in RL_ALGOS and not self.sdk) or cfg.split:  # split: the rollout ranks wait for commands
             self._build_engine()
         self.logger = self._make_logger()
         self.started_at = time.time()  # metrics.jsonl appends: this run's records are those logged from here on

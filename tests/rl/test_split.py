@@ -159,3 +159,38 @@ def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
     assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) was killed by SIGKILL" in err
     children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not children, "orphan processes"
+
+
+SDK_SCRIPT = """
+import json, sys
+from areno import Trainer
+from areno.api import CudaConfig, SamplingParams
+
+ckpt, out, split = sys.argv[1], sys.argv[2], sys.argv[3] == "split"
+cuda = CudaConfig(devices=[0], rollout_devices=[1]) if split else CudaConfig()
+trainer = Trainer(world_size=1, model_path=ckpt, custom_config=cuda, dtype="float32", lr=1e-2, seed=3)
+trainer.init()  # a rollout rank serves here until the trainer closes, then exits
+params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0)
+first = trainer.generate(["1+2=", "3+4="], params)
+rows = [{"prompt_ids": c.prompt_ids, "response_ids": c.token_ids} for g in first for c in g]
+trainer.train(rows, loss_fn="sft", mini_bs=4)
+second = trainer.generate(["1+2=", "3+4="], params)
+trainer.close()
+json.dump([[c.token_ids for c in g] for g in first + second], open(out, "w"))
+"""
+
+
+def test_sdk_split_mode_under_torchrun_matches_the_colocated_sdk(files, tmp_path):
+    ckpt = files[0]
+    script = tmp_path / "sdk.py"
+    script.write_text(SDK_SCRIPT)
+    colo, split = tmp_path / "colo.json", tmp_path / "split.json"
+    proc = subprocess.run([sys.executable, str(script), str(ckpt), str(colo), "colo"], env=env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), str(ckpt), str(split),
+                           "split"], env=env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = json.loads(colo.read_text()), json.loads(split.read_text())
+    assert a == b and a[:2] != a[2:]  # same samples before and after the update, and the update changed them
