@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from areno.rl.launch import free_port
@@ -80,10 +81,20 @@ def colocated(files, tmp_path_factory):
     return out
 
 
+def needs_gpus(n: int):
+    """On a CUDA host the indices are GPUs: skip where there are too few (the CPU runs every topology on gloo)."""
+    return pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < n,
+                              reason=f"needs {n} GPUs on a CUDA host")
+
+
+pytestmark = needs_gpus(2)
+
+
 @pytest.mark.parametrize("topology", [
     ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "0"],
-    ["--train-devices", "0,1", "--tp-size", "2", "--rollout-devices", "2,3", "--rollout-tp-size", "1"],
-    ["--train-devices", "0", "--rollout-devices", "1..2", "--rollout-tp-size", "2"],
+    pytest.param(["--train-devices", "0,1", "--tp-size", "2", "--rollout-devices", "2,3", "--rollout-tp-size", "1"],
+                 marks=needs_gpus(4)),
+    pytest.param(["--train-devices", "0", "--rollout-devices", "1..2", "--rollout-tp-size", "2"], marks=needs_gpus(3)),
 ], ids=["1+1", "tp2+2x1", "1+tp2"])
 def test_on_policy_split_equals_colocated_and_engines_hold_the_trainers_weights(files, colocated, tmp_path,
                                                                                  topology):

@@ -1,0 +1,210 @@
+"""S1 policy sync: how fast split mode streams the policy from the train partition to the rollout partition.
+
+Two measurements, random weights in bf16 (fp32 with --smoke), Qwen3-0.6B and an 8B dense shape:
+
+- ``--pack-only`` (one process, one GPU or the CPU): the pack/unpack cost alone, i.e. walking the trainer's tensors
+  into byte buckets (``policy_sync.pack``) and copying each bucket's tensors in place into a second model's
+  parameters (``PolicyReceiver``'s copy), per bucket size; reported as seconds and GB/s of policy.
+- default (two processes: train rank on GPU 0, rollout rank on GPU 1, or two CPU slots with gloo): whole syncs
+  through ``PolicyPublisher.publish`` / ``PolicyReceiver.receive`` per bucket size (16 / 64 / 256 / 1024 MiB),
+  seconds per sync, GB/s, and the fraction of a plain broadcast of one tensor of the same size measured in the same
+  run (the link's limit).
+
+    python bench/policy_sync.py --pack-only            # one GPU
+    python bench/policy_sync.py                        # two GPUs (nvidia-h200-x2)
+    python bench/policy_sync.py --smoke [--pack-only]  # tiny shape, CPU, seconds
+
+Results go to bench/results/policy_sync.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import append_jsonl, env_info, print_table  # noqa: E402
+from bench.models import QWEN3_06B, SMOKE  # noqa: E402
+
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
+)  # fmt: skip
+SHAPES = {"0.6b": QWEN3_06B, "8b": QWEN3_8B, "smoke": SMOKE}
+BUCKETS_MIB = (16, 64, 256, 1024)
+
+
+def random_model(shape: dict, dtype, device, seed: int = 0):
+    """An areno qwen3 model of ``shape`` with random weights, built on the device (no checkpoint on disk)."""
+    from transformers import Qwen3Config
+
+    from areno.models.loader import materialize
+    from areno.models.registry import get_adapter
+    from areno.models.tp import apply_tp_plan
+
+    adapter = get_adapter("qwen3")
+    cfg = adapter.config_from_hf(Qwen3Config(**{k: v for k, v in shape.items() if k != "initializer_range"}))
+    with torch.device("meta"):
+        model = adapter.model_class(cfg)
+    apply_tp_plan(model, None)
+    materialize(model, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    model.init_buffers(device)
+    return model.eval()
+
+
+def sync_time(fn, device, iters: int) -> float:
+    times = []
+    for _ in range(iters + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])  # the first one allocates buffers
+
+
+# ---- pack/unpack alone (one process) ---------------------------------------------------------------------------
+def pack_only(args, device, dtype) -> list[dict]:
+    from areno.models.saver import iter_hf_tensors
+    from areno.models.tp import pieces
+    from areno.rl.policy_sync import bucket_size, hf_specs, pack, plan_buckets, unpack
+
+    rows = []
+    for name in args.shapes:
+        src = random_model(SHAPES[name], dtype, device, seed=0)
+        dst = random_model(SHAPES[name], dtype, device, seed=1)
+        params = dict(dst.named_parameters())
+        targets = {}
+        for pname, lays in dst._tp_layouts.items():
+            for pc in pieces(lays, 0, 1):
+                targets.setdefault(pc.hf_name, []).append((params[pname], pc.dst, pc.src))
+        for mib in args.buckets:
+            plan = plan_buckets(hf_specs(src), int(mib * 2**20))
+            where = {e.name: (b, e) for b, bucket in enumerate(plan) for e in bucket}
+            buffer = torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8, device=device)
+            total = sum(bucket_size(b) for b in plan)
+
+            def round_trip():
+                filled = [0] * len(plan)
+                with torch.no_grad():
+                    for hf_name, tensor in iter_hf_tensors(src):
+                        b, entry = where[hf_name]
+                        pack(buffer, entry, tensor)
+                        filled[b] += 1
+                        if filled[b] == len(plan[b]):  # the bucket would be broadcast here
+                            for e in plan[b]:
+                                full = unpack(buffer, e)
+                                for param, d, s in targets[e.name]:
+                                    param[d].copy_(full[s])
+
+            seconds = sync_time(round_trip, device, args.iters)
+            same = all(torch.equal(a, b) for a, b in zip(src.parameters(), dst.parameters()))
+            rows.append({"mode": "pack+unpack", "shape": name, "bucket_mib": mib, "buckets": len(plan),
+                         "gbytes": total / 1e9, "seconds": seconds, "gbps": total / seconds / 1e9,
+                         "s_per_gb": seconds / (total / 1e9), "exact": same})
+        del src, dst
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---- whole syncs between two ranks -----------------------------------------------------------------------------
+def two_ranks(args, dtype) -> list[dict] | None:
+    from areno import parallel
+    from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
+
+    rank = int(os.environ["RANK"])
+    device_index = rank if torch.cuda.is_available() else None
+    layout = parallel.init_split(1, 1, 1, device=device_index)
+    device = torch.device("cuda", rank) if device_index is not None else torch.device("cpu")
+    rows = []
+    for name in args.shapes:
+        model = random_model(SHAPES[name], dtype, device, seed=rank)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        big = torch.empty(total, dtype=torch.uint8, device=device)
+        plain = sync_time(lambda: (dist.broadcast(big, src=0, group=layout.control), dist.barrier(layout.control)),
+                          device, args.iters)
+        del big
+        for mib in args.buckets:
+            if rank == 0:
+                side = PolicyPublisher(model, layout, int(mib * 2**20))
+                box = [(side.plan, side.owner)]
+            else:
+                side, box = PolicyReceiver(model, layout), [None]
+            dist.broadcast_object_list(box, src=0, group=layout.control)
+            if rank != 0:
+                side.plan, side.owner = None, None
+                first = [True]
+
+                def step():
+                    side.receive(*(box[0] if first[0] else (None, None)))
+                    first[0] = False
+                    dist.barrier(layout.control)
+            else:
+                def step():
+                    side.publish()
+                    dist.barrier(layout.control)
+            seconds = sync_time(step, device, args.iters)
+            if rank == 0:
+                nbytes = side.nbytes
+                rows.append({"mode": "sync", "shape": name, "bucket_mib": mib, "buckets": len(side.plan),
+                             "gbytes": nbytes / 1e9, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+                             "plain_broadcast_s": plain, "plain_gbps": total / plain / 1e9,
+                             "of_plain": plain / seconds})
+        if rank != 0:  # the last sync must have made the rollout model the trainer's exactly
+            ref = random_model(SHAPES[name], dtype, device, seed=0)
+            assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters())), "sync not exact"
+            del ref
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    parallel.destroy_distributed()
+    return rows if rank == 0 else None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pack-only", action="store_true", help="one process: the pack/unpack cost alone")
+    p.add_argument("--smoke", action="store_true", help="tiny shape in fp32 (CPU-friendly)")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
+    p.add_argument("--buckets", nargs="+", type=float, default=list(BUCKETS_MIB), help="bucket sizes in MiB")
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args()
+    args.shapes = args.shapes or (["smoke"] if args.smoke else ["0.6b", "8b"])
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.pack_only:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        rows = pack_only(args, device, dtype)
+    elif "RANK" not in os.environ:  # start the two ranks (train, rollout) with torch's launcher
+        from areno.rl.launch import free_port
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, *sys.argv[1:]]
+        return subprocess.run(cmd).returncode
+    else:
+        rows = two_ranks(args, dtype)
+        if rows is None:
+            return 0
+    print_table(rows, [c for c in ("mode", "shape", "bucket_mib", "buckets", "gbytes", "seconds", "gbps", "s_per_gb",
+                                   "plain_gbps", "of_plain", "exact") if any(c in r for r in rows)])
+    append_jsonl("policy_sync", rows, env_info())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
