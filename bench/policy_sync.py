@@ -20,6 +20,7 @@ Results go to bench/results/policy_sync.jsonl.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -79,10 +80,26 @@ def sync_time(fn, device, iters: int) -> float:
 
 
 # ---- pack/unpack alone (one process) ---------------------------------------------------------------------------
+@torch.no_grad()
+def round_trip(model, plan, where, buffer, targets) -> None:
+    """Pack every tensor into its bucket; each full bucket is unpacked into the receiving model at once."""
+    from areno.rl.policy_sync import pack, policy_tensors, unpack
+
+    filled = [0] * len(plan)
+    for hf_name, tensor in policy_tensors(model):
+        b, entry = where[hf_name]
+        pack(buffer, entry, tensor)
+        filled[b] += 1
+        if filled[b] == len(plan[b]):  # where a bucket would be broadcast
+            for e in plan[b]:
+                full = unpack(buffer, e)
+                for param, d, s in targets[e.name]:
+                    param[d].copy_(full[s])
+
+
 def pack_only(args, device, dtype) -> list[dict]:
-    from areno.models.saver import iter_hf_tensors
     from areno.models.tp import pieces
-    from areno.rl.policy_sync import bucket_size, hf_specs, pack, plan_buckets, unpack
+    from areno.rl.policy_sync import bucket_size, hf_specs, plan_buckets
 
     rows = []
     for name in args.shapes:
@@ -99,20 +116,8 @@ def pack_only(args, device, dtype) -> list[dict]:
             buffer = torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8, device=device)
             total = sum(bucket_size(b) for b in plan)
 
-            def round_trip():
-                filled = [0] * len(plan)
-                with torch.no_grad():
-                    for hf_name, tensor in iter_hf_tensors(src):
-                        b, entry = where[hf_name]
-                        pack(buffer, entry, tensor)
-                        filled[b] += 1
-                        if filled[b] == len(plan[b]):  # the bucket would be broadcast here
-                            for e in plan[b]:
-                                full = unpack(buffer, e)
-                                for param, d, s in targets[e.name]:
-                                    param[d].copy_(full[s])
-
-            seconds = sync_time(round_trip, device, args.iters)
+            seconds = sync_time(functools.partial(round_trip, src, plan, where, buffer, targets), device,
+                                args.iters)
             same = all(torch.equal(a, b) for a, b in zip(src.parameters(), dst.parameters()))
             rows.append({"mode": "pack+unpack", "shape": name, "bucket_mib": mib, "buckets": len(plan),
                          "gbytes": total / 1e9, "seconds": seconds, "gbps": total / seconds / 1e9,
@@ -124,6 +129,21 @@ def pack_only(args, device, dtype) -> list[dict]:
 
 
 # ---- whole syncs between two ranks -----------------------------------------------------------------------------
+def broadcast_and_wait(tensor, group) -> None:
+    dist.broadcast(tensor, src=0, group=group)
+    dist.barrier(group)
+
+
+def publish_and_wait(publisher, group) -> None:
+    publisher.publish()
+    dist.barrier(group)
+
+
+def receive_and_wait(receiver, group) -> None:
+    receiver.receive()
+    dist.barrier(group)
+
+
 def two_ranks(args, dtype) -> list[dict] | None:
     from areno import parallel
     from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
@@ -137,8 +157,7 @@ def two_ranks(args, dtype) -> list[dict] | None:
         model = random_model(SHAPES[name], dtype, device, seed=rank)
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         big = torch.empty(total, dtype=torch.uint8, device=device)
-        plain = sync_time(lambda: (dist.broadcast(big, src=0, group=layout.control), dist.barrier(layout.control)),
-                          device, args.iters)
+        plain = sync_time(functools.partial(broadcast_and_wait, big, layout.control), device, args.iters)
         del big
         for mib in args.buckets:
             if rank == 0:
@@ -148,17 +167,11 @@ def two_ranks(args, dtype) -> list[dict] | None:
                 side, box = PolicyReceiver(model, layout), [None]
             dist.broadcast_object_list(box, src=0, group=layout.control)
             if rank != 0:
-                side.plan, side.owner = None, None
-                first = [True]
-
-                def step():
-                    side.receive(*(box[0] if first[0] else (None, None)))
-                    first[0] = False
-                    dist.barrier(layout.control)
+                side.receive(*box[0])  # the first sync also sends the plan
+                step = functools.partial(receive_and_wait, side, layout.control)
             else:
-                def step():
-                    side.publish()
-                    dist.barrier(layout.control)
+                side.publish()
+                step = functools.partial(publish_and_wait, side, layout.control)
             seconds = sync_time(step, device, args.iters)
             if rank == 0:
                 nbytes = side.nbytes

@@ -74,6 +74,20 @@ def unpack(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return buffer[entry.offset : entry.offset + entry.nbytes].view(getattr(torch, entry.dtype)).view(entry.shape)
 
 
+def policy_tensors(model):
+    """``(hf_name, tensor)`` of the whole policy: without TP each piece is a view of its slice of the parameter
+    (packed with one copy); with TP, ``iter_hf_tensors`` assembles the shards (a collective over the TP group)."""
+    from areno.models.saver import iter_hf_tensors
+
+    if model.tp_size > 1:
+        yield from iter_hf_tensors(model)
+        return
+    params = dict(model.named_parameters())
+    for pname, lays in model._tp_layouts.items():
+        for pc in pieces(lays, 0, 1):
+            yield pc.hf_name, params[pname].detach()[pc.dst]
+
+
 class PolicyPublisher:
     """The train side: every train rank calls ``publish`` (it takes part in the train-TP gathers)."""
 
@@ -87,15 +101,13 @@ class PolicyPublisher:
 
     def publish(self) -> tuple[int, float]:
         """Stream the current weights; returns (bytes sent, seconds)."""
-        from areno.models.saver import iter_hf_tensors
-
         t0 = time.perf_counter()
         rank = dist.get_rank()
         if rank in self.layout.publishers and self._buffer is None:
             device = next(self.model.parameters()).device
             self._buffer = torch.empty(max(bucket_size(b) for b in self.plan), dtype=torch.uint8, device=device)
         filled = [0] * len(self.plan)
-        for name, tensor in iter_hf_tensors(self.model):
+        for name, tensor in policy_tensors(self.model):
             b, entry = self.where[name]
             if self.owner[b] != rank:
                 continue
