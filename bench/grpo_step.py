@@ -2,6 +2,7 @@
 
     python bench/grpo_step.py           # H200: Qwen3-0.6B shape, random bf16 weights (about 4 minutes)
     python bench/grpo_step.py --smoke   # CPU: a tiny shape, 4 prompts x 4 samples (times meaningless)
+    python bench/grpo_step.py --split   # also split mode, sync and async: train on GPU 0, rollout on GPU 1
 
 The batch (BENCH.md G1): 32 prompts of 128 random tokens, 8 samples each (256 completions), up to 512 new tokens at
 temperature 1 (EOS may stop a completion; with random weights almost none stops early: see response_len), bf16,
@@ -142,6 +143,43 @@ def run_areno(path, texts, s, ckpt, args, tmp) -> dict:
     return rec
 
 
+def run_areno_split(path, texts, s, ckpt, args, tmp, staleness: int) -> dict:
+    """The same steps through ``areno train`` in split mode (train rank on device 0, a rollout engine on device 1),
+    ``--max-staleness`` 0 (on-policy) or 1 (the next rollout runs while this step trains); per-step times and
+    phases from its metrics.jsonl (step_s there is the loop's wall time per step, idle waits included)."""
+    import subprocess
+
+    data = os.path.join(tmp, "prompts.jsonl")
+    with open(data, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"prompt": t}) + "\n")
+    out = os.path.join(tmp, f"split-{staleness}")
+    cmd = [sys.executable, "-m", "areno", "train", "--ckpt", str(path), "--dataset-path", data, "--reward-fn-path",
+           REWARD_FILE, "--algo", "grpo", "--batch-size", str(s["prompts"]), "--n-samples", str(s["samples"]),
+           "--max-prompt-tokens", str(s["prompt_len"]), "--max-new-tokens", str(s["new"]), "--temperature", "1.0",
+           "--mini-bs", str(s["mini_bs"]), "--gradient-accumulation-steps", str(s["accum"]), "--lr", "1e-6",
+           "--activation-checkpointing" if ckpt else "--no-activation-checkpointing",
+           "--dtype", "float32" if args.smoke else "bfloat16", "--max-steps", str(args.steps), "--seed", "0",
+           "--no-tensorboard", "--metrics-dir", out, "--train-devices", "0", "--rollout-devices", "1",
+           "--max-staleness", str(staleness)]
+    if args.kv_cache_memory is not None:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.path.dirname(BENCH)), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"areno train (split, staleness {staleness}) failed: {proc.stderr[-2000:]}")
+    steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"step_s"' in x]
+    later = steps[1:] or steps
+    rec = dict(impl=f"areno-split-{'async' if staleness else 'sync'}", checkpointing=ckpt, steps=len(steps),
+               step_s_all=[round(m["step_s"], 3) for m in steps], step_s=mean([m["step_s"] for m in later]))
+    for k in PHASES + ("logprob_diff", "response_len_mean", "rollout_tok_s", "train_tok_s", "reward_mean",
+                       "policy_sync_time_s", "policy_sync_gbps", "train_idle_s", "rollout_idle_s", "staleness_max"):
+        vals = [m[k] for m in later if isinstance(m.get(k), (int, float))]
+        if vals:
+            rec[k] = mean(vals)
+    return rec
+
+
 def run_trl(path, texts, s, args, tmp) -> dict:
     import transformers
     import trl
@@ -219,6 +257,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="steps per implementation; the first is not averaged")
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="areno KV budget (fraction or bytes)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/grpo_step.jsonl")
+    ap.add_argument("--split", action="store_true", help="also areno in split mode, sync and async (2 devices)")
     args = ap.parse_args()
     s = sizes(args.smoke)
     shape = models.shape_of(args.smoke)
@@ -229,13 +268,18 @@ def main():
 
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for impl in args.impls.split(","):
-            variants = [c == "on" for c in args.checkpointing.split(",")] if impl == "areno" else [False]
+        impls = args.impls.split(",")
+        if args.split:
+            impls[1:1] = ["areno-split-sync", "areno-split-async"]
+        for impl in impls:
+            variants = [c == "on" for c in args.checkpointing.split(",")] if impl.startswith("areno") else [False]
             for ckpt in variants:
                 t0 = time.perf_counter()
                 try:
                     if impl == "areno":
                         rec = run_areno(path, texts, s, ckpt, args, tmp)
+                    elif impl.startswith("areno-split"):
+                        rec = run_areno_split(path, texts, s, ckpt, args, tmp, int(impl.endswith("async")))
                     else:
                         try:
                             import trl  # noqa: F401
@@ -260,15 +304,17 @@ def main():
 
     trl_rec = next((r for r in records if r["impl"].startswith("trl") and r.get("step_s")), None)
     for r in records:
-        if r["impl"] == "areno" and r.get("step_s") and trl_rec:
+        if r["impl"].startswith("areno") and r.get("step_s") and trl_rec:
             r["speedup_vs_trl"] = trl_rec["step_s"] / r["step_s"]
     cols = ["impl", "checkpointing", "step_s", "rollout_s", "reward_s", "logprob_s", "train_s", "response_len_mean",
-            "logprob_diff", "peak_gib", "speedup_vs_trl", "step_s_all", "error"]  # fmt: skip
+            "logprob_diff", "policy_sync_time_s", "train_idle_s", "staleness_max", "peak_gib", "speedup_vs_trl",
+            "step_s_all", "error"]  # fmt: skip
     print_table(records, cols)
     for r in records:
         if "speedup_vs_trl" in r:
             print(
-                f"G1 bar (>= 5x TRL; goal 10x, 3 s/step), checkpointing {'on' if r['checkpointing'] else 'off'}: "
+                f"G1 bar (>= 5x TRL; goal 10x, 3 s/step), {r['impl']}, checkpointing "
+                f"{'on' if r['checkpointing'] else 'off'}: "
                 f"{r['speedup_vs_trl']:.1f}x ({r['step_s']:.2f} s vs {trl_rec['step_s']:.2f} s)"
             )
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
