@@ -258,3 +258,30 @@ def test_a_gsm8k_like_run_without_held_out_rows_says_why_and_still_draws_the_rew
     assert code == 0
     assert "held-out accuracy: not measured: the dataset has no held-out rows" in stdout
     assert (out / "metrics" / "reward_curve.png").is_file()
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_previous_checkpoint(files, tmp_path, capsys,
+                                                                                   monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from areno.rl.checkpoint import load_checkpoint
+
+    reward = reward_file(tmp_path, "def reward_fn(record):\n    return float(len(record.completion) % 2)\n")
+    out = tmp_path / "out"
+    real = shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+    saves = []
+
+    def filling_up(path):  # room for the first checkpoint, then the disk is full
+        saves.append(path)
+        return real(path) if len(saves) == 1 else usage(10**12, 10**12 - 4096, 4096)
+
+    monkeypatch.setattr(shutil, "disk_usage", filling_up)
+    code, _, err = run(capsys, args(files, reward, out, "--save-interval", "1", steps=3))
+    lines = err.strip().splitlines()
+    assert code == 1 and "Traceback" not in err
+    assert f"not enough disk space to save checkpoint {out / 'step-2'}: it needs about" in lines[-1]
+    assert "has 4096 bytes free" in lines[-1]
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-1"]
+    assert load_checkpoint(out / "step-1", rng=False)["step"] == 1
