@@ -107,6 +107,7 @@ def parse_config(parser: ConfigParser, options_class, argv):
         if explicit.get("preset") and "resume" in explicit and "overwrite" not in explicit:
             config.overwrite = False  # a preset's --overwrite gives way to an explicit --resume
         _check_models(config)
+        _check_device_indices(config)
         return config
     except ConfigError as e:
         parser.error(str(e))
@@ -121,6 +122,24 @@ def _check_models(config) -> None:
             from areno.models.loader import check_model_source
 
             check_model_source(flag_name(name), value)
+
+
+def _check_device_indices(config) -> None:
+    """On a CUDA host every index of --train-devices / --rollout-devices must be a GPU this process sees (on a CPU
+    host they name process slots: any index works)."""
+    named = [(flag_name(n), getattr(config, n, None)) for n in ("train_devices", "rollout_devices")]
+    if not any(devices for _, devices in named):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    for flag, devices in named:
+        missing = [d for d in devices or () if d >= count]
+        if missing:
+            raise ConfigError(flag, f"names GPU {missing[0]}, but this machine has {count} (indices 0..{count - 1}, "
+                              "after CUDA_VISIBLE_DEVICES)")
 
 
 def _summary(command: str, config) -> str:

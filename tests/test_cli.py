@@ -318,3 +318,15 @@ def test_top_level_version_help_and_platform_dispatch(capsys, monkeypatch):
     assert run(capsys, "check")[0] == 1
     assert run(capsys, "env", "--json")[0] == 0
     assert calls == [("check", []), ("env", ["--json"])]
+
+
+def test_a_gpu_index_the_machine_lacks_exits_2_naming_the_flag(capsys, base, runners, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, _, err = run(capsys, "train", *base, "--train-devices", "0", "--rollout-devices", "1..2")
+    assert code == 2 and "--rollout-devices names GPU 2, but this machine has 2" in err
+    code, _, err = run(capsys, "train", *base, "--train-devices", "5")
+    assert code == 2 and "--train-devices names GPU 5" in err
+    assert run(capsys, "train", *base, "--train-devices", "0", "--rollout-devices", "1")[0] == 0
