@@ -215,6 +215,9 @@ class TrainConfig:
     reward_fn_path: Optional[str] = opt(
         None, "Python file defining reward_fn(record) -> float (required for grpo, gspo and ppo)", "basic",
         metavar="FILE")
+    agent_fn: Optional[str] = opt(
+        None, "Python file defining async run_agent(ctx, batch): multi-turn agentic rollout (grpo, gspo)", "basic",
+        metavar="FILE")
     algo: str = opt("grpo", "training algorithm", "basic", choices=ALGOS)
     world_size: int = opt(1, "total training ranks (one process per GPU); with --train-devices, its length", "basic")
     tp_size: int = opt(1, "training tensor-parallel size; --world-size must be divisible by it", "basic")
@@ -234,6 +237,13 @@ class TrainConfig:
         metavar="IDS", default_help="off: rollout is colocated on the training ranks")
     rollout_tp_size: Optional[int] = opt(None, "tensor-parallel size of each rollout engine in split mode", "rollout",
                                          default_help="--tp-size")
+    max_context_len: Optional[int] = opt(
+        None, "agentic rollout: tokens of a whole trajectory (prompt, turns, tool results)", "rollout",
+        default_help="--max-prompt-tokens + --max-new-tokens")
+    agent_timeout_s: float = opt(300.0, "agentic rollout: seconds one sample's agent may run before it is scored 0.0 "
+                                 "as a failure (0 = no limit)", "rollout")
+    train_tool_results: bool = opt(False, "agentic rollout: train on tool-result tokens too (by default only the "
+                                   "sampled tokens are trained)", "rollout")
     policy_sync_bucket_mb: float = opt(64.0, "split mode: MiB per bucket of the policy streamed to the rollout "
                                        "engines", "rollout")
     max_staleness: int = opt(0, "split mode: 0 = on-policy (the rollout waits for the new policy); 1 = one-step-off "
@@ -347,6 +357,9 @@ class TrainConfig:
                         "config.json in the metrics folder)", "observability")
     eval_interval: int = opt(0, "evaluate held-out prompts every N steps (0 = off)", "observability")
     tensorboard: bool = opt(True, "write TensorBoard events beside the JSON lines", "observability")
+    rollout_dump_dir: Optional[str] = opt(
+        None, "write every RL step's rows as JSON lines (token ids, loss mask, rollout log-probs, policy version, "
+        "reward, finish reason; an agent's messages) to DIR/step-N.jsonl", "observability", metavar="DIR")
     decode_progress_interval_s: float = opt(0.0, "report decode throughput every N seconds (0 = off)",
                                             "observability")
 
@@ -380,6 +393,7 @@ class TrainConfig:
                       self.optimizer_state_offload_batch_size)
         refuse_not_built(self)
         self._check_devices()
+        self._check_agent()
         self._check_sampling()
         self._check_optimisation()
         check_memory("--kv-cache-memory", self.kv_cache_memory)
@@ -402,13 +416,29 @@ class TrainConfig:
             raise ConfigError("--ckpt", "is required (a Hugging Face repo id or a local checkpoint folder)")
         check_file("--dataset-loader-fn", self.dataset_loader_fn)
         check_file("--reward-fn-path", self.reward_fn_path)
+        check_file("--agent-fn", self.agent_fn)
 
     def require_run_inputs(self):
         """What a whole `areno train` run needs beyond the model (the SDK may pass its batches itself)."""
         if not self.dataset_path and not self.dataset_loader_fn:
             raise ConfigError("--dataset-path", "is required (unless --dataset-loader-fn builds the data itself)")
-        if self.algo in ("grpo", "gspo", "ppo") and not self.reward_fn_path:
-            raise ConfigError("--reward-fn-path", f"is required for --algo {self.algo}")
+        if self.algo in ("grpo", "gspo", "ppo") and not self.reward_fn_path and not self.agent_fn:
+            raise ConfigError("--reward-fn-path", f"is required for --algo {self.algo} (unless --agent-fn returns "
+                              "the rewards)")
+
+    def _check_agent(self):
+        if self.agent_fn is None:
+            for name in ("max_context_len", "agent_timeout_s", "train_tool_results"):
+                if getattr(self, name) != TrainConfig.__dataclass_fields__[name].default:
+                    raise ConfigError(flag_name(name), "applies to agentic rollout only (--agent-fn)")
+            return
+        if self.algo not in ("grpo", "gspo"):
+            raise ConfigError("--agent-fn", f"agentic rollout trains with grpo or gspo, not --algo {self.algo}")
+        if self.split:
+            raise ConfigError("--agent-fn", "agentic rollout runs on the colocated engine; with --rollout-devices "
+                              "(split mode) it is not supported yet")
+        check_positive("--max-context-len", self.max_context_len, optional=True)
+        check_non_negative("--agent-timeout-s", self.agent_timeout_s)
 
     @property
     def rollout_tp(self) -> int:

@@ -210,6 +210,13 @@ BAD_TRAIN = [
     (["--rollout-tp-size", "2"], "--rollout-tp-size"),  # split mode only
     (["--max-staleness", "1"], "--max-staleness"),
     (["--policy-sync-bucket-mb", "16"], "--policy-sync-bucket-mb"),
+    (["--max-context-len", "512"], "--max-context-len"),  # agentic rollout only
+    (["--train-tool-results"], "--train-tool-results"),
+    (["--agent-timeout-s", "5"], "--agent-timeout-s"),
+    (["--agent-fn", "{reward}", "--algo", "sft"], "--agent-fn"),
+    (["--agent-fn", "{reward}", "--algo", "ppo"], "--agent-fn"),
+    (["--agent-fn", "{reward}", "--train-devices", "0", "--rollout-devices", "1"], "--agent-fn"),
+    (["--agent-fn", "/no/such/agent.py"], "--agent-fn"),
     # not built yet: refused, never parsed and ignored
     (["--unfreeze-mm-tower"], "--unfreeze-mm-tower"),
     (["--mm-projector-lr-style", "cosine"], "--mm-projector-lr-style"),
@@ -222,6 +229,7 @@ BAD_TRAIN = [
 
 @pytest.mark.parametrize("extra,flag", BAD_TRAIN, ids=[" ".join(a) for a, _ in BAD_TRAIN])
 def test_invalid_train_flags_exit_2_naming_the_flag(capsys, base, runners, extra, flag):
+    extra = [x.format(reward=base[-1]) for x in extra]
     code, _, err = run(capsys, "train", *base, *extra)
     assert code == 2
     assert f"areno train: error: {flag} " in err, err

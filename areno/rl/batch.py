@@ -22,6 +22,19 @@ class Row:
     reward: float = 0.0
     token_advantages: list[float] | None = None
     extras: dict = field(default_factory=dict)
+    loss_mask: list[int] | None = None  # per response token: 1 trained, 0 context (an agent's tool results, ...)
+    meta: dict = field(default_factory=dict)  # not packed: messages, finish reason, policy version (dumps)
+
+    def scored(self, values: list) -> list:
+        """The entries of a per-response-token list at the trained positions (all of them without a mask)."""
+        return list(values) if self.loss_mask is None else [v for v, m in zip(values, self.loss_mask) if m]
+
+    def spread(self, values: list) -> list:
+        """A list over the trained positions back over every response token (0.0 at context positions)."""
+        if self.loss_mask is None:
+            return list(values)
+        it = iter(values)
+        return [next(it) if m else 0.0 for m in self.loss_mask]
 
     def __len__(self):
         return len(self.prompt_ids) + len(self.response_ids)
@@ -58,7 +71,9 @@ def pack(rows: list[Row]) -> Packed:
         tokens = list(r.prompt_ids) + list(r.response_ids)
         ids.extend(tokens)
         pos.extend(range(P + R))
-        tgt.extend([-100] * (P - 1) + list(r.response_ids) + [-100])
+        trained = r.response_ids if r.loss_mask is None else [t if m else -100 for t, m in zip(r.response_ids,
+                                                                                           r.loss_mask)]
+        tgt.extend([-100] * (P - 1) + list(trained) + [-100])
         seq.extend([i] * (P + R))
         if has_old:
             old.extend([0.0] * (P - 1) + list(r.rollout_logprobs) + [0.0])

@@ -54,6 +54,7 @@ class TrainLoop:
         self._model, self._tokenizer = model, tokenizer
         self.step_index = 0
         self.engine = None  # the rollout interface: ColocatedRollout or RemoteRollout
+        self.agent = None  # agentic rollout (--agent-fn) on the colocated engine
         self.layout = None  # split mode's process layout (parallel.SplitLayout)
         self._data_state = None  # the data position a checkpoint records (async split mode reads one batch ahead)
         self.critic = None
@@ -68,20 +69,21 @@ class TrainLoop:
     def setup(self):
         from areno import parallel
         from areno.rl.data import PromptIterator, check_rows, load_rows
-        from areno.rl.plugins import load_dataset_loader, load_reward_fn
+        from areno.rl.plugins import load_agent, load_dataset_loader, load_reward_fn
 
         cfg = self.cfg
         if not self.sdk:
             cfg.require_run_inputs()
         # user files first: a bad plugin fails before any GPU work
         self.reward_fn = load_reward_fn(cfg.reward_fn_path) if cfg.reward_fn_path else None
+        self.agent_fn = load_agent(cfg.agent_fn) if cfg.agent_fn else None
         loader = load_dataset_loader(cfg.dataset_loader_fn) if cfg.dataset_loader_fn else None
         rows = load_rows(cfg.dataset_path, loader_fn=loader) if (cfg.dataset_path or loader) else []
         self.eval_rows = [r for r in rows if r.get("split") in ("eval", "test")]
         rows = [r for r in rows if r.get("split") not in ("eval", "test")]
         if rows or not self.sdk:
             check_rows(rows, cfg.algo)
-        if self.reward_fn is None and cfg.algo in RL_ALGOS and not self.sdk:
+        if self.reward_fn is None and self.agent_fn is None and cfg.algo in RL_ALGOS and not self.sdk:
             raise ConfigError("--reward-fn-path", f"is required for --algo {cfg.algo}")
 
         device = self._pinned_device()
@@ -207,6 +209,10 @@ class TrainLoop:
             from areno.rl.rollout_colocated import ColocatedRollout
 
             self.engine = ColocatedRollout(self)
+            if self.agent_fn is not None:
+                from areno.rl.agentic import AgentRollout
+
+                self.agent = AgentRollout(self, self.agent_fn)
 
     def _make_logger(self):
         from areno.rl.metrics import MetricsLogger
@@ -349,6 +355,8 @@ class TrainLoop:
 
         if self.engine is None:
             self._build_engine()
+        if self.agent is not None:
+            return self._agent_rollout(batch)
         mine = self.engine.share(batch)
         ahead = [r["_prompt_ids"] for r in self.engine.share(upcoming)] if upcoming is not None else None
         t0 = time.perf_counter()
@@ -370,7 +378,8 @@ class TrainLoop:
         gathered = [x for part, _ in parts for x in part]
         failures = sum(f for _, f in parts)
         n_tok = sum(len(x[1]) for x in gathered)
-        rows = [Row(p, list(ids), list(lps), reward=float(rew)) for p, ids, lps, rew, _ in gathered]
+        rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin})
+                for p, ids, lps, rew, fin in gathered]
         stats = {
             "rollout_s": t_roll, "reward_s": t_reward, "reward_failures": failures, "samples": len(gathered),
             "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t_roll, 1e-9) * self.dp_size,
@@ -381,21 +390,79 @@ class TrainLoop:
         }
         return rows, stats
 
+    def _agent_rollout(self, batch: list[dict]) -> tuple[list[Row], dict]:
+        """Agentic rollout of this rank's share: one row per trajectory (a fork adds one), each tagged with its
+        sample (``extras["sample"]``) so the group advantages stay per sample; the agent's reward, else
+        --reward-fn-path on the finished trajectory (its record carries the messages)."""
+        from areno.rl.rewards import record_from, score
+
+        mine = self.engine.share(batch)
+        t0 = time.perf_counter()
+        rows, owner, rewards, stats = self.agent.run(mine, self.cfg.n_samples)
+        t_roll = time.perf_counter() - t0
+        last = {}  # sample -> its last trajectory (the one the reward function scores)
+        for row, i in zip(rows, owner):
+            last[i] = row
+        todo = [i for i, r in enumerate(rewards) if r is None and i in last]
+        failures = stats.pop("agent_failures") + sum(1 for i, r in enumerate(rewards) if r is None and i not in last)
+        t1 = time.perf_counter()
+        if todo and self.reward_fn is not None:
+            records = []
+            for i in todo:
+                row, src = last[i], mine[i // self.cfg.n_samples]
+                sampled = [t for t, m in zip(row.response_ids, row.loss_mask) if m]
+                msgs = row.meta.get("messages") or []
+                text = next((m.get("content") or "" for m in reversed(msgs) if m.get("role") == "assistant"),
+                            self.tokenizer.decode(sampled, skip_special_tokens=True))
+                records.append(record_from({**src, "messages": msgs}, text, sampled, len(records)))
+            scored, bad = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
+            for i, value in zip(todo, scored):
+                rewards[i] = value
+            failures += bad
+        rewards = [0.0 if r is None else r for r in rewards]
+        local = [(row.prompt_ids, row.response_ids, row.rollout_logprobs, rewards[i], row.loss_mask, row.meta, i)
+                 for row, i in zip(rows, owner)]
+        parts = self.engine.gather((local, failures, rewards))
+        out, offset, all_rewards = [], 0, []
+        for part, _, part_rewards in parts:  # sample indices made global: rank after rank, as the prompts are
+            for p, ids, lps, rew, mask, meta, i in part:
+                row = Row(p, list(ids), list(lps), reward=float(rew), loss_mask=list(mask), meta=dict(meta))
+                row.extras["sample"] = offset + i
+                out.append(row)
+            offset += len(part_rewards)
+            all_rewards += part_rewards
+        stats.update(rollout_s=t_roll, reward_s=time.perf_counter() - t1, samples=offset,
+                     sample_rewards=all_rewards,
+                     reward_failures=sum(f for _, f, _ in parts),
+                     response_len_mean=sum(len(r.response_ids) for r in out) / max(1, len(out)),
+                     response_len_max=max((len(r.response_ids) for r in out), default=0),
+                     truncated_frac=sum(r.meta.get("finish_reason") == "length" for r in out) / max(1, len(out)),
+                     rollout_tok_s=sum(sum(r.loss_mask) for r in out) / max(t_roll, 1e-9))
+        return out, stats
+
     # ---- steps ---------------------------------------------------------------------------------------------
     def step_rl(self, batch, upcoming=None) -> dict:
         cfg = self.cfg
         rows, m = self.rollout(batch, upcoming)
-        rewards = torch.tensor([r.reward for r in rows])
+        # rows of one sample (an agent's forks) share its reward and advantage; groups are n samples of a prompt
+        sample = [r.extras.pop("sample", i) for i, r in enumerate(rows)]
+        if "sample_rewards" in m:  # agentic: a sample can end with no row (its agent failed before sampling)
+            rewards = torch.tensor(m.pop("sample_rewards"), dtype=torch.float32)
+        else:
+            rewards = torch.tensor([r.reward for r in rows], dtype=torch.float32)
         adv, zero_var = group_advantages(rewards, cfg.n_samples, std_normalize=cfg.advantage_std_norm)
-        m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(rows) > 1 else 0.0,
+        m.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(rewards) > 1 else 0.0,
                  reward_min=rewards.min().item(), reward_max=rewards.max().item(),
                  zero_variance_groups=int(zero_var.sum()), groups=len(zero_var))
-        for r, a in zip(rows, adv.tolist()):
-            r.advantage = a
+        advantages = adv.tolist()
+        for r, s in zip(rows, sample):
+            r.advantage = advantages[s]
+            r.meta.update(sample=s, advantage=r.advantage)
         if cfg.filter_zero_variance_groups and cfg.algo != "ppo":
-            keep = [i for i, z in enumerate(zero_var.tolist()) if not z]
-            rows = [r for g in keep for r in rows[g * cfg.n_samples : (g + 1) * cfg.n_samples]]
-        rows = [r for r in rows if r.response_ids]
+            zero = zero_var.tolist()
+            rows = [r for r, s in zip(rows, sample) if not zero[s // cfg.n_samples]]
+        self._dump(rows, m)
+        rows = [r for r in rows if r.response_ids and (r.loss_mask is None or any(r.loss_mask))]
         if not rows:
             m["skipped"] = 1
             return m
@@ -405,15 +472,16 @@ class TrainLoop:
         inline = self._single_update(rows)
         if not inline:
             prox = self.trainer.compute_logprobs(rows, cfg.mini_bs)  # the trainer's view of the rollout tokens
-            diffs = [abs(a - b) for r, p in zip(rows, prox) for a, b in zip(p, r.rollout_logprobs)]
+            diffs = [abs(a - b) for r, p in zip(rows, prox) for a, b in zip(p, r.scored(r.rollout_logprobs))]
             m["logprob_diff"] = sum(diffs) / max(1, len(diffs))
             m["logprob_diff_max"] = max(diffs, default=0.0)
             for r, p in zip(rows, prox):
                 if cfg.tis_cap > 0:
-                    r.extras["tis"] = [min(math.exp(a - b), cfg.tis_cap) for a, b in zip(p, r.rollout_logprobs)]
+                    r.extras["tis"] = r.spread([min(math.exp(a - b), cfg.tis_cap)
+                                                for a, b in zip(p, r.scored(r.rollout_logprobs))])
         if self.ref is not None:
             for r, p in zip(rows, self.trainer.compute_logprobs(rows, cfg.mini_bs, model=self.ref)):
-                r.extras["ref"] = p
+                r.extras["ref"] = r.spread(p)
         m["logprob_s"] = time.perf_counter() - t0
         if cfg.algo == "ppo":
             m.update(self._ppo_values(rows))
@@ -442,6 +510,22 @@ class TrainLoop:
         if cfg.drop_rollout_state:
             self.engine.drop_rollout_state()
         return m
+
+    def _dump(self, rows: list[Row], m: dict) -> None:
+        """``--rollout-dump-dir``: this step's rows as JSON lines (rank 0)."""
+        folder = self.cfg.rollout_dump_dir
+        if not folder or not self.is_main:
+            return
+        path = Path(folder) / f"step-{self.step_index + 1}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        version = m.get("policy_version", self.step_index)
+        with open(path, "w", encoding="utf-8") as f:
+            for r in rows:
+                rec = {"prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
+                       "loss_mask": r.loss_mask if r.loss_mask is not None else [1] * len(r.response_ids),
+                       "rollout_logprobs": r.rollout_logprobs, "policy_version": version, "reward": r.reward,
+                       **{k: v for k, v in r.meta.items() if k != "item"}}
+                f.write(json.dumps(rec, default=str) + "\n")
 
     def _single_update(self, rows) -> bool:
         """Whether this step makes exactly one optimizer update (so its forward sees the rollout-time weights)."""
@@ -706,6 +790,8 @@ class TrainLoop:
         """Release what setup() built so far (it may have stopped part-way on a bad input)."""
         if self.engine is not None:
             self.engine.close()  # split mode: the rollout ranks leave their loop
+        if self.agent is not None:
+            self.agent.close()
         if hasattr(self, "logger"):
             self.logger.close()
         if hasattr(self, "trainer"):

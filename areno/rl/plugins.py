@@ -2,7 +2,7 @@
 
 - ``--dataset-loader-fn FILE``: ``load_training_dataset(path, *, default_loader, **kwargs)`` returning rows.
 - ``--reward-fn-path FILE``: ``reward_fn(record) -> float`` (synchronous).
-- ``--agent-fn-path FILE``: ``async def run_agent(ctx, batch)``.
+- ``--agent-fn FILE``: ``async def run_agent(ctx, batch)``.
 
 Every problem (missing file, import failure, missing function, not callable, wrong signature) raises ``PluginError``
 whose message starts with the flag, so the CLI can exit 2 with a line that names what to fix.
@@ -132,7 +132,7 @@ def load_dataset_loader(path):
 
 
 def load_agent(path):
-    return load_function(path, "run_agent", flag="--agent-fn-path", check=_check_agent)
+    return load_function(path, "run_agent", flag="--agent-fn", check=_check_agent)
 
 
 def _identifier(stem: str) -> str:

@@ -104,7 +104,7 @@ def test_not_callable(tmp_path):
 def test_wrong_signatures(tmp_path, loader, source, needle):
     e = _error(loader, _file(tmp_path, source))
     flag = {load_reward_fn: "--reward-fn-path", load_dataset_loader: "--dataset-loader-fn",
-            load_agent: "--agent-fn-path"}[loader]
+            load_agent: "--agent-fn"}[loader]
     assert e.flag == flag and str(e).startswith(flag) and needle in str(e)
 
 
