@@ -46,6 +46,18 @@ class ColocatedRollout:
         self.loop = loop
         econf, eos = engine_config(loop.cfg, loop.tokenizer, loop.dp_rank)
         self.engine = Engine(loop.model, loop.tokenizer, econf, eos_token_ids=eos)
+        self._version = self._policy_version()
+
+    def _policy_version(self) -> int:
+        return self.loop.trainer.optimizer.num_steps
+
+    def refresh(self) -> None:
+        """Before sampling: if the optimizer moved the weights since the last rollout, the prefix cache's K/V were
+        computed by an older policy and are dropped (the weights themselves are shared: nothing to copy)."""
+        version = self._policy_version()
+        if version != self._version:
+            self.engine.reset_prefix_cache()
+            self._version = version
 
     def share(self, rows: list) -> list:
         """This rank's part of a rollout batch (its data-parallel slice)."""
@@ -56,6 +68,7 @@ class ColocatedRollout:
         return gather_objects(obj, self.loop.dp_group)
 
     def generate(self, prompt_ids, options):
+        self.refresh()
         model = self.loop.model
         model.eval()
         try:

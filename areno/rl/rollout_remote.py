@@ -235,6 +235,7 @@ def serve(cfg) -> int:
         if op == "sync":
             plan = cmd.get("plan")
             receiver.receive(*(plan if plan is not None else (None, None)))
+            engine.reset_prefix_cache()  # K/V cached under the old policy are stale
         elif op == "generate":
             prompts, options = cmd["shares"][index]
             out = engine.generate(prompts, options) if prompts else []

@@ -89,7 +89,7 @@ class BlockManager:
             if self.block_hash[block] is None:
                 break
             cached_blocks += 1
-        seq.num_computed = seq.num_cached = cached_blocks * bs
+        seq.num_computed = seq.num_cached = seq.prefix_cached = cached_blocks * bs
         self.prefix_hits += seq.num_cached
         last_hash = self.block_hash[seq.block_table[cached_blocks - 1]] if cached_blocks else 0
         self._hashed[seq.seq_id] = (cached_blocks, last_hash)
@@ -150,6 +150,12 @@ class BlockManager:
                 return False
             seq.block_table.append(self._take_free())
         return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the weights changed, so their K/V are stale (call it between requests)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self._hashed = {seq_id: (0, 0) for seq_id in self._hashed}
 
     # ---- prefix cache registration -------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:

@@ -102,6 +102,11 @@ class Engine:
         version, internal, gauss = state
         self._rng.setstate((version, tuple(internal), gauss))
 
+    def reset_prefix_cache(self) -> None:
+        """The model's weights changed: cached prefixes hold stale K/V (an RL step, a policy sync)."""
+        if self.runner is not None:
+            self.blocks.reset_prefix_cache()
+
     def drop_rollout_state(self) -> None:
         """Free the KV cache and CUDA graphs; the next request rebuilds them."""
         if self.scheduler.has_work():

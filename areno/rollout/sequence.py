@@ -68,6 +68,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache
+        self.prefix_cached = 0  # prompt tokens the prefix cache served at the last allocation (kept after freeing)
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.stop_text: str | None = None  # the stop string that ended it, if any

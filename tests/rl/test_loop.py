@@ -206,3 +206,30 @@ def test_fit_without_matplotlib_warns_and_still_finishes(setup_files, tmp_path, 
         loop.close()
     assert results["reward_curve"] is None and not (tmp_path / "m" / "reward_curve.png").exists()
     assert "no reward-curve plot" in caplog.text
+
+
+def test_prefixes_cached_under_an_older_policy_are_not_reused_after_an_update(setup_files, tmp_path, monkeypatch):
+    """Prompts sharing a long system prompt: step 2's rollout must not read K/V that step 1's policy computed (the
+    prefix cache is dropped when the weights change), so the rollout and the trainer agree on every log-prob."""
+    from areno.rl.rollout_colocated import ColocatedRollout
+
+    system = {"role": "system", "content": "You are a careful calculator. " * 12}
+    data = tmp_path / "system.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [system, {"role": "user", "content": f"{a}+{a}="}],
+                                        "answer": str(2 * a)}) + "\n" for a in range(8)))
+
+    def second_step(stale: bool) -> float:
+        if stale:  # what happened before the fix: the cache outlives the update
+            monkeypatch.setattr(ColocatedRollout, "refresh", lambda self: None)
+        loop = TrainLoop(loop_config(setup_files, dataset_path=str(data), max_steps=2, lr=1e-2))
+        loop.setup()
+        try:
+            batches = iter(loop.data)
+            loop.step_rl(next(batches))
+            assert loop.engine.engine.blocks.cached  # the shared prefix was registered for reuse
+            return loop.step_rl(next(batches))["logprob_diff_max"]
+        finally:
+            loop.close()
+
+    assert second_step(stale=False) < 1e-4
+    assert second_step(stale=True) > 1e-3  # the check sees the bug it guards against
