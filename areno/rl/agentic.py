@@ -334,7 +334,7 @@ class AgentRollout:
                                         train_tool_results=self.cfg.train_tool_results) for it in items}
         self.loop.engine.refresh()  # stale prefixes from the previous policy go
         self.loop.model.eval()
-        self.async_engine = AsyncEngine(self.loop.engine.engine)
+        self.async_engine = AsyncEngine(self.loop.engine.engine, decode_steps=self.cfg.decode_steps)
         t0 = time.perf_counter()
         try:
             rewards, failures = asyncio.run(self._run_all(items))

@@ -88,8 +88,13 @@ def _deliver(batch) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    """``decode_steps`` k > 1 lets a step that only decodes run k tokens in one go (``Engine.step``): each sequence
+    then yields up to k events at once (agentic rollout uses the RL rollout's k; the server keeps 1)."""
+
+    def __init__(self, engine: Engine, decode_steps: int = 1):
         self.engine = engine
+        self.decode_steps = decode_steps
+        self._emitted: dict[int, int] = {}  # seq_id -> output tokens already sent
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = False
@@ -132,6 +137,7 @@ class AsyncEngine:
         elif cmd == "abort":
             self.engine.abort(arg.seqs)
             for seq in arg.seqs:
+                self._emitted.pop(seq.seq_id, None)
                 if self._streams.pop(seq.seq_id, None) is not None:
                     arg.push(TokenEvent(seq.sample_index, None, None, "abort"))
         elif cmd == "shutdown":
@@ -155,7 +161,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                seqs = self.engine.step()
+                seqs = self.engine.step(self.decode_steps)
             except Exception as exc:  # keep serving: fail the requests in flight, not the process
                 log.exception("engine step failed")
                 for stream in {id(s): s for s in self._streams.values()}.values():
@@ -168,12 +174,19 @@ class AsyncEngine:
                 stream = self._streams.get(seq.seq_id)
                 if stream is None:
                     continue
-                top = seq.top_logprobs[-1] if seq.options.top_logprobs else None
-                event = TokenEvent(seq.sample_index, seq.tokens[-1], seq.logprobs[-1], seq.finish_reason,
-                                   seq.stop_text, top)
+                start, end, p = self._emitted.get(seq.seq_id, 0), len(seq.tokens) - seq.prompt_len, seq.prompt_len
+                events = [TokenEvent(seq.sample_index, seq.tokens[p + j], seq.logprobs[j], None, None,
+                                     seq.top_logprobs[j] if seq.options.top_logprobs else None)
+                          for j in range(start, end)]
                 if seq.is_finished:
+                    if not events:
+                        events = [TokenEvent(seq.sample_index, None, None)]
+                    events[-1].finish_reason, events[-1].stop_text = seq.finish_reason, seq.stop_text
                     del self._streams[seq.seq_id]
-                batches.setdefault(stream.loop, []).append((stream, event))
+                    self._emitted.pop(seq.seq_id, None)
+                else:
+                    self._emitted[seq.seq_id] = end
+                batches.setdefault(stream.loop, []).extend((stream, e) for e in events)
             for loop, batch in batches.items():
                 try:
                     loop.call_soon_threadsafe(_deliver, batch)
