@@ -8,9 +8,11 @@ sequences, then fewest requests served), a reader thread turns the replicas' tok
 asyncio stream, and ``abort`` (client disconnect, shutdown) is forwarded to the replica holding the request.
 
 Wire protocol, front end -> replica (one queue each): ``("add", rid, prompt_ids, options)``, ``("abort", rid)``,
-``("shutdown", drain)``. Replica -> front end (one shared queue): ``(rank, "ready", max_model_len)``,
-``(rank, "failed", message)``, ``(rank, "tokens", [(rid, index, token, logprob, finish, stop_text, top), ...])``
-(one message per engine step), ``(rank, "error", (rid, is_value_error, message))``, ``(rank, "closed", None)``.
+``("call", cid, fn, args)`` (``fn(engine, *args)`` between two engine steps: prompt log-probs), ``("shutdown",
+drain)``. Replica -> front end (one shared queue): ``(rank, "ready", max_model_len)``, ``(rank, "failed",
+message)``, ``(rank, "tokens", [(rid, index, token, logprob, finish, stop_text, top), ...])`` (one message per
+engine step), ``(rank, "error", (rid, is_value_error, message))``, ``(rank, "result", (cid, ok, value or
+(is_value_error, message)))``, ``(rank, "closed", None)``.
 
 With T > 1 a replica is a tensor-parallel group of T processes, all started by the front end: the first (TP rank 0)
 runs the replica's engine and speaks the wire protocol, the other T - 1 hold their weight shards and execute the
@@ -20,6 +22,7 @@ loopback port (NCCL on GPUs, gloo on the CPU), so replicas never wait on each ot
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing as mp
@@ -127,6 +130,13 @@ class ReplicaWorker:
                 self.rid_of[seq.seq_id] = rid
         elif kind == "abort":
             self._abort(cmd[1])
+        elif kind == "call":
+            _, cid, fn, args = cmd
+            try:
+                result = (cid, True, fn(self.engine, *args))
+            except Exception as exc:  # the caller's failure, not the replica's
+                result = (cid, False, (isinstance(exc, ValueError), str(exc)))
+            self.events.put((self.rank, "result", result))
         elif kind == "shutdown":
             self.stopping = True
             if not cmd[1]:
@@ -237,6 +247,7 @@ class ReplicaPool:
         self.events = ctx.Queue()
         self.replicas: list[Replica] = []
         self._streams: dict[int, tuple[ReplicaStream, int]] = {}  # rid -> (stream, samples left)
+        self._calls: dict[int, tuple[Replica, object, asyncio.Future]] = {}  # cid -> (replica, loop, future)
         self._lock = threading.Lock()
         self._rids = itertools.count()
         self._closed = False
@@ -318,6 +329,21 @@ class ReplicaPool:
         replica.commands.put(("add", rid, stream.prompt_ids, options))
         return stream
 
+    async def run_on_engine(self, fn, *args):
+        """``fn(engine, *args)`` in the least-loaded replica, between two of its engine steps (``fn`` a module-level
+        function: it travels by name)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            live = [r for r in self.replicas if r.alive]
+            if self._closed or not live:
+                raise APIError(503, "no engine replica is serving", type="server_error")
+            replica = min(live, key=lambda r: (r.active, r.requests, r.rank))
+            cid = next(self._rids)
+            self._calls[cid] = (replica, loop, future)
+        replica.commands.put(("call", cid, fn, args))
+        return await future
+
     @property
     def num_active(self) -> int:
         with self._lock:
@@ -390,6 +416,14 @@ class ReplicaPool:
                     if entry is not None:
                         self._finish(rid, entry[1])
                         _push(entry[0], ValueError(message) if is_value_error else RuntimeError(message))
+                elif kind == "result":
+                    cid, ok, value = payload
+                    entry = self._calls.pop(cid, None)
+                    if entry is not None:
+                        if not ok:
+                            is_value_error, message = value
+                            value = ValueError(message) if is_value_error else RuntimeError(message)
+                        _settle(entry[1], entry[2], ok, value)
                 elif kind == "closed":
                     self._fail_replica(self.replicas[rank], "stopped")
 
@@ -410,6 +444,23 @@ class ReplicaPool:
             stream, left = self._streams[rid]
             self._finish(rid, left)
             _push(stream, RuntimeError(f"engine replica {replica.rank} {why}"))
+        for cid, (r, loop, future) in list(self._calls.items()):
+            if r is replica:
+                del self._calls[cid]
+                _settle(loop, future, False, RuntimeError(f"engine replica {replica.rank} {why}"))
+
+
+def _settle(loop, future, ok: bool, value) -> None:
+    """Resolve a ``run_on_engine`` future from the reader thread."""
+
+    def settle():
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # its event loop is gone: nobody is waiting
+        pass
 
 
 def _push(stream: RequestStream, item) -> None:

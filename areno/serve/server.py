@@ -34,13 +34,13 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_app(config, *, model=None, tokenizer=None):
-    """The FastAPI app and its engine front end for a ServeConfig: an AsyncEngine on one engine session in this
-    process, or, with --world-size / --tp-size > 1, a ReplicaPool of that many replica processes (model/tokenizer
-    may be passed in by tests, single-replica only)."""
-    from areno.rollout.async_engine import AsyncEngine
+    """The FastAPI app and its engine front end for a ServeConfig: an AsyncEngine (``ServeEngine``) on one engine
+    session in this process, or, with --world-size / --tp-size > 1, a ReplicaPool of that many replica processes
+    (model/tokenizer may be passed in by tests, single-replica only)."""
     from areno.rollout.session import build_engine
     from areno.serve.app import create_app
     from areno.serve.replicas import build_pool, check_topology, visible_gpus
+    from areno.serve.scoring import ServeEngine
 
     name = config.served_model_name or str(config.model_path).rstrip("/")
     replicas = check_topology(config.world_size, config.tp_size, len(visible_gpus()))
@@ -61,7 +61,7 @@ def build_app(config, *, model=None, tokenizer=None):
         decode_progress_interval_s=config.decode_progress_interval_s or None, dtype=config.dtype,
         seed=config.seed, kv_cache_memory=config.kv_cache_memory,
     )
-    aengine = AsyncEngine(engine)
+    aengine = ServeEngine(engine)
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
                      api_key=config.api_key, max_running=config.max_running_prompts,
                      max_request_bytes=config.max_request_bytes)
