@@ -243,6 +243,7 @@ class AgentRollout:
         self.api_key = "areno-agent-" + uuid.uuid4().hex[:8]
         self.sessions: dict[str, Session] = {}
         self.async_engine = None
+        self._greedy = False
         self._server = None
         self.base_url = self._start_server()
 
@@ -289,7 +290,7 @@ class AgentRollout:
         cfg = self.cfg
         room = self.cfg_max_context() - len(session.tokens)
         options = SamplingOptions(
-            temperature=cfg.temperature if temperature is None else temperature,
+            temperature=0.0 if self._greedy else (cfg.temperature if temperature is None else temperature),
             top_p=cfg.top_p if top_p is None else top_p, top_k=max(0, cfg.top_k),
             max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)),
             stop=[stop] if isinstance(stop, str) else list(stop or cfg.stop or []), n=1)
@@ -322,14 +323,42 @@ class AgentRollout:
         return self.cfg.max_context_len or (self.cfg.max_prompt_tokens + self.cfg.max_new_tokens)
 
     # one rollout batch
-    def run(self, batch: list[dict], n: int) -> tuple[list[Row], list[int], list[float | None], dict]:
+    def collect(self, batch: list[dict], n: int, reward_fn, *, greedy: bool = False):
+        """``run``, then every sample the agent left unscored scored by ``reward_fn`` on its last trajectory (the
+        record carries the messages); returns (rows, each row's sample, each sample's reward, failures, stats)."""
+        from areno.rl.rewards import record_from, score
+
+        rows, owner, rewards, stats = self.run(batch, n, greedy=greedy)
+        t0 = time.perf_counter()
+        last = dict(zip(owner, rows))  # sample -> its last trajectory
+        failures = stats.pop("agent_failures") + sum(r is None and i not in last for i, r in enumerate(rewards))
+        todo = [i for i, r in enumerate(rewards) if r is None and i in last]
+        if todo and reward_fn is not None:
+            records = []
+            for i in todo:
+                row = last[i]
+                sampled = [t for t, m in zip(row.response_ids, row.loss_mask) if m]
+                msgs = row.meta.get("messages") or []
+                text = next((m.get("content") or "" for m in reversed(msgs) if m.get("role") == "assistant"),
+                            self.loop.tokenizer.decode(sampled, skip_special_tokens=True))
+                records.append(record_from({**batch[i // n], "messages": msgs}, text, sampled, len(records)))
+            scored, bad = score(reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
+            for i, value in zip(todo, scored):
+                rewards[i] = value
+            failures += bad
+        stats["reward_s"] = time.perf_counter() - t0
+        return rows, owner, [0.0 if r is None else r for r in rewards], failures, stats
+
+    def run(self, batch: list[dict], n: int, *, greedy: bool = False):
         """Rows (one per trajectory), each row's sample index, each sample's agent reward (None: score with
-        --reward-fn-path) and stats, for this rank's ``batch`` with ``n`` samples per prompt."""
+        --reward-fn-path) and stats, for this rank's ``batch`` with ``n`` samples per prompt (``greedy``: every
+        answer at temperature 0, for evaluation)."""
         from areno.rollout.async_engine import AsyncEngine
 
         items = [AgentItem({k: v for k, v in row.items() if not (isinstance(k, str) and k.startswith("_"))},
                            _messages(row["prompt"]), p, s) for p, row in enumerate(batch) for s in range(n)]
         eos = self.loop.tokenizer.eos_token_id
+        self._greedy = greedy
         self.sessions = {it.id: Session(it, self.loop.tokenizer, eos_id=eos, max_context_len=self.cfg_max_context(),
                                         train_tool_results=self.cfg.train_tool_results) for it in items}
         self.loop.engine.refresh()  # stale prefixes from the previous policy go

@@ -394,32 +394,10 @@ class TrainLoop:
         """Agentic rollout of this rank's share: one row per trajectory (a fork adds one), each tagged with its
         sample (``extras["sample"]``) so the group advantages stay per sample; the agent's reward, else
         --reward-fn-path on the finished trajectory (its record carries the messages)."""
-        from areno.rl.rewards import record_from, score
-
         mine = self.engine.share(batch)
         t0 = time.perf_counter()
-        rows, owner, rewards, stats = self.agent.run(mine, self.cfg.n_samples)
-        t_roll = time.perf_counter() - t0
-        last = {}  # sample -> its last trajectory (the one the reward function scores)
-        for row, i in zip(rows, owner):
-            last[i] = row
-        todo = [i for i, r in enumerate(rewards) if r is None and i in last]
-        failures = stats.pop("agent_failures") + sum(1 for i, r in enumerate(rewards) if r is None and i not in last)
-        t1 = time.perf_counter()
-        if todo and self.reward_fn is not None:
-            records = []
-            for i in todo:
-                row, src = last[i], mine[i // self.cfg.n_samples]
-                sampled = [t for t, m in zip(row.response_ids, row.loss_mask) if m]
-                msgs = row.meta.get("messages") or []
-                text = next((m.get("content") or "" for m in reversed(msgs) if m.get("role") == "assistant"),
-                            self.tokenizer.decode(sampled, skip_special_tokens=True))
-                records.append(record_from({**src, "messages": msgs}, text, sampled, len(records)))
-            scored, bad = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
-            for i, value in zip(todo, scored):
-                rewards[i] = value
-            failures += bad
-        rewards = [0.0 if r is None else r for r in rewards]
+        rows, owner, rewards, failures, stats = self.agent.collect(mine, self.cfg.n_samples, self.reward_fn)
+        t_roll = time.perf_counter() - t0 - stats["reward_s"]
         local = [(row.prompt_ids, row.response_ids, row.rollout_logprobs, rewards[i], row.loss_mask, row.meta, i)
                  for row, i in zip(rows, owner)]
         parts = self.engine.gather((local, failures, rewards))
@@ -431,7 +409,7 @@ class TrainLoop:
                 out.append(row)
             offset += len(part_rewards)
             all_rewards += part_rewards
-        stats.update(rollout_s=t_roll, reward_s=time.perf_counter() - t1, samples=offset,
+        stats.update(rollout_s=t_roll, samples=offset,
                      sample_rewards=all_rewards,
                      reward_failures=sum(f for _, f, _ in parts),
                      response_len_mean=sum(len(r.response_ids) for r in out) / max(1, len(out)),
@@ -597,10 +575,13 @@ class TrainLoop:
         from areno.rl.rewards import record_from, score
 
         rows = self.eval_data if rows is None else rows
-        if not rows or self.reward_fn is None:
+        if not rows or (self.reward_fn is None and self.agent_fn is None):
             return None
         if self.engine is None:
             self._build_engine()
+        if self.agent is not None:  # an agentic task is evaluated through its agent, greedily, one sample each
+            rewards = self.agent.collect(rows, 1, self.reward_fn, greedy=True)[2]
+            return sum(rewards) / len(rewards)
         out = self.engine.generate([r["_prompt_ids"] for r in rows], self.sampling_options(n=1, greedy=True))
         records = []
         for r, group in zip(rows, out):

@@ -200,3 +200,26 @@ def test_the_dump_holds_every_rows_tokens_mask_and_messages(files, tmp_path):
         assert len(rec["loss_mask"]) == len(rec["response_ids"]) == len(rec["rollout_logprobs"])
         assert rec["policy_version"] == 0 and rec["finish_reason"] in ("length", "stop")
         assert [m["role"] for m in rec["messages"]][-1] == "assistant" and "reward" in rec
+
+
+EVAL_AGENT = """
+async def run_agent(ctx, batch):
+    for item in batch.iter_samples():
+        client = ctx.client(item)
+        reply = await client.chat.completions.create(model="policy", messages=item.messages, max_tokens=6,
+                                                     temperature=1.5)  # evaluation overrides it: greedy
+        return 1.0 if item.prompt_index % 2 == 0 else 0.0
+"""
+
+
+def test_held_out_rows_are_evaluated_through_the_agent_greedily(files):
+    ckpt, data, root = files
+    loop = make_loop(files, agent_file(root, EVAL_AGENT, "evaluator"))
+    try:
+        rows = loop.rows[:4]
+        assert loop.evaluate(rows) == 0.5
+        first = [s.samples for s in loop.agent.sessions.values()]
+        assert loop.evaluate(rows) == 0.5
+        assert [s.samples for s in loop.agent.sessions.values()] == first  # greedy: the same answers again
+    finally:
+        loop.close()
