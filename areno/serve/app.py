@@ -1,24 +1,28 @@
 """The OpenAI-compatible HTTP API over one engine session: /health, /v1/models, /v1/chat/completions,
-/v1/completions, with server-sent-event streaming, log-probs, tool calls and OpenAI-style 4xx errors."""
+/v1/completions (with ``echo`` and prompt log-probs), vLLM's /tokenize, /detokenize and /tokenizer_info, /version
+and Prometheus /metrics, with server-sent-event streaming, log-probs, tool calls and OpenAI-style errors (unknown
+routes and methods included)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import os
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from areno.rollout.async_engine import AsyncEngine
 from areno.rollout.sequence import SamplingOptions
 from areno.rollout.tool_calls import parse_tool_calls
+from areno.serve.bodies import parse, request_body
 from areno.serve.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     PromptEncoder,
@@ -26,147 +30,36 @@ from areno.serve.limits import (
     context_exceeded,
     release_memory,
 )
+from areno.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from areno.serve.metrics import ServeMetrics
 from areno.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from areno.serve.scoring import prompt_logprobs, score_groups
+from areno.serve.text import Detokenizer, token_offsets
+from areno.serve.tokenizer_api import add_tokenizer_routes, render_chat
 
+__all__ = ["Detokenizer", "create_app", "request_body"]
+_parse = parse  # the name callers of this module used
+
+log = logging.getLogger("areno.serve")
 PREP_THREADS = max(2, min(4, os.cpu_count() or 1))  # request parsing and tokenisation, off the event loop
-# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a valid UTF-8 body can yield a lone surrogate
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-class Detokenizer:
-    """Incremental text of one choice: holds back an incomplete UTF-8 tail and what may start a stop string.
-
-    Decodes only a short window of recent tokens per step (``prefix``..end minus ``prefix``..``read``), so a long
-    completion costs O(length), not O(length^2); the final text is one full decode.
-    """
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.sent = 0
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.acc = ""  # text decoded so far (up to ``read``)
-        self.prefix = self.read = 0
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def text(self) -> str:
-        return self._decode(self.ids)
-
-    def final_text(self, stop_text: str | None) -> str:
-        text = self.text()
-        if stop_text:
-            i = text.find(stop_text)
-            if i >= 0:
-                text = text[:i]
-        return text
-
-    def push(self, token_id: int, emit: bool = True) -> str:
-        """Add a token; return the text now safe to send (nothing when ``emit`` is False: the last token, whose
-        text goes out through :meth:`flush` once the stop string is known)."""
-        self.ids.append(token_id)
-        if not emit:
-            return ""
-        before = self._decode(self.ids[self.prefix : self.read])
-        now = self._decode(self.ids[self.prefix :])
-        if len(now) > len(before) and not now.endswith("\ufffd"):  # a complete character more
-            self.acc += now[len(before) :]
-            self.prefix, self.read = self.read, len(self.ids)
-        end = len(self.acc) - self.hold
-        if end <= self.sent:
-            return ""
-        delta, self.sent = self.acc[self.sent : end], end
-        return delta
-
-    def flush(self, stop_text: str | None) -> str:
-        text = self.final_text(stop_text)
-        delta = text[self.sent :]
-        self.sent = len(text)
-        return delta
+# routes that need the API key when --api-key is set (besides everything under /v1)
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def _parse(raw: bytes, model_cls):
-    """A request body as ``model_cls``, or an APIError saying what is wrong with it. CPU work proportional to the
-    body: runs on the prep pool, never on the event loop."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(400, "the request body is not valid UTF-8") from exc
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON in the request body: {exc}") from exc
-    except RecursionError as exc:
-        raise APIError(400, "the request body is nested too deeply") from exc
-    del text
-    if not isinstance(obj, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:  # a \ud800-style escape decodes to a lone surrogate: not text the tokenizer (or UTF-8) can hold
-        if _SURROGATE_ESCAPE.search(raw):
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (not valid Unicode text)") from exc
-    except RecursionError as exc:
-        raise APIError(400, "the request body is nested too deeply") from exc
-    try:
-        return model_cls.model_validate(obj)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        msg = err.get("msg", "invalid request")
-        if err.get("type") == "extra_forbidden":
-            msg = f"unsupported field: {param} (this server does not implement it)"
-        raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from exc
-
-
-def _inline_refs(node, defs):
-    if isinstance(node, dict):
-        if "$ref" in node:
-            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
-        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
-    if isinstance(node, list):
-        return [_inline_refs(v, defs) for v in node]
-    return node
-
-
-def _bound_token_ids(node, vocab: int):
-    if isinstance(node, dict):
-        if node.get("type") == "integer" and node.get("minimum") == 0:
-            node["maximum"] = vocab - 1
-        for v in node.values():
-            _bound_token_ids(v, vocab)
-    elif isinstance(node, list):
-        for v in node:
-            _bound_token_ids(v, vocab)
-
-
-def request_body(model_cls, vocab: int | None = None) -> dict:
-    """``openapi_extra`` describing a route's JSON body by its pydantic model (the routes parse bodies themselves, to
-    answer malformed ones with OpenAI-style errors, so FastAPI cannot infer it). References are inlined: the
-    models are not recursive, and the schema then stands alone under the route. ``vocab`` bounds the token ids
-    of a completion prompt."""
-    schema = model_cls.model_json_schema()
-    if vocab is not None and "prompt" in schema["properties"]:
-        _bound_token_ids(schema["properties"]["prompt"], vocab)
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": _inline_refs(schema, schema.get("$defs", {}))}}}}
-
-
 class BearerAuth:
-    """``Authorization: Bearer <key>`` on ``/v1`` routes, as plain ASGI middleware: Starlette's
-    ``BaseHTTPMiddleware`` would pipe every streamed chunk through an extra task and memory stream (a third of the
-    event loop's time per token under load)."""
+    """``Authorization: Bearer <key>`` on ``/v1`` routes and the tokenizer routes, as plain ASGI middleware:
+    Starlette's ``BaseHTTPMiddleware`` would pipe every streamed chunk through an extra task and memory stream (a
+    third of the event loop's time per token under load)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in PROTECTED_PATHS):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if header != self.expected:
                 response = _error(APIError(401, "invalid or missing API key", type="authentication_error",
@@ -176,12 +69,28 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _Notes:
+    """Accepted request fields that change nothing here but would elsewhere: logged once per field."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def __call__(self, field: str, why: str) -> None:
+        if field not in self.seen:
+            self.seen.add(field)
+            log.info("request field %s accepted and ignored: %s (logged once)", field, why)
+
+
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
                max_running: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     # parsing, chat-template rendering and tokenisation: a few threads, so a large body never stalls the event loop
     prep_pool = ThreadPoolExecutor(max_workers=PREP_THREADS, thread_name_prefix="areno-prep")
     encode = PromptEncoder(tokenizer, max_model_len)
     vocab = len(tokenizer)
+    metrics = ServeMetrics(model_name)
+    note = _Notes()
+    template = getattr(tokenizer, "chat_template", None)
+    template_text = template if isinstance(template, str) else json.dumps(template)
 
     async def prep(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(prep_pool, fn, *args)
@@ -200,12 +109,32 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         prep_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="areno", version="1", lifespan=lifespan)
-    app.state.engine, app.state.prompt_encoder = engine, encode
+    app.state.engine, app.state.prompt_encoder, app.state.metrics = engine, encode, metrics
     app.add_middleware(RequestBodyLimit, limit=max_request_bytes, on_large=after_large_request)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # unknown routes, wrong methods: OpenAI-shaped
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"Invalid URL ({where}): no such route", "not_found"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            message = f"Method not allowed ({where})" + (f"; this route allows {allowed}" if allowed else "")
+            code = "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        body = APIError(exc.status_code, message, code=code).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        return _error(APIError(400, f"{param}: {err.get('msg', 'invalid request')}", param=param))
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):  # never a bare 500 page; still an OpenAI-shaped body
@@ -214,6 +143,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
 
+    # ---- information -----------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
         body = {"status": "ok", "active_requests": engine.num_active}
@@ -221,15 +151,56 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             body.update(engine.health())
         return body
 
+    @app.get("/version")
+    async def version():
+        from areno import __version__
+
+        return {"version": __version__}
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "areno", "root": model_name,
+                "parent": None, "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "areno",
-                                            "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @app.get("/metrics")
+    async def metrics_route():
+        gauges = {}
+        blocks = getattr(getattr(engine, "engine", None), "blocks", None)
+        if blocks is not None and blocks.num_blocks:
+            gauges["areno_kv_cache_usage_ratio"] = ("Fraction of the paged KV cache's blocks in use.",
+                                                    1.0 - blocks.num_free / blocks.num_blocks)
+        return Response(metrics.render(gauges), media_type=METRICS_CONTENT_TYPE)
 
     def check_model(name: str):
         if name != model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            param="model", code="model_not_found")
+
+    add_tokenizer_routes(app, tokenizer, prep=prep, check_model=check_model, max_model_len=max_model_len)
+
+    # ---- shared by both generation routes --------------------------------------------------------------------
+    def check_request(req):
+        """What a request's fields mean beyond their schema: token ids inside the vocabulary, notes on fields
+        accepted and ignored."""
+        if req.stop_token_ids and any(t >= vocab for t in req.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+        if req.store:
+            note("store", "this server does not store completions")
+        if req.metadata:
+            note("metadata", "kept only by servers that store completions")
+        if req.service_tier not in (None, "auto", "default"):
+            note("service_tier", "this server has one tier")
+        effort = getattr(req, "reasoning_effort", None)
+        if effort is not None and "reasoning_effort" not in template_text:
+            note("reasoning_effort", "passed to the chat template, which does not use it")
 
     def options(req, prompt_len: int, max_tokens: int | None, top_logprobs: int) -> SamplingOptions:
         if prompt_len >= max_model_len:
@@ -237,8 +208,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                                    "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
         room = max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the context "
-                           f"({max_model_len})", param="max_tokens", code="context_length_exceeded")
+            name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"{name} ({max_tokens}) + prompt ({prompt_len} tokens) exceeds the context "
+                           f"({max_model_len})", param=name, code="context_length_exceeded")
         if req.n > max_running:
             raise APIError(400, f"n ({req.n}) exceeds --max-running-prompts ({max_running})", param="n")
         temperature = 1.0 if req.temperature is None else req.temperature
@@ -248,17 +220,18 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         return SamplingOptions(
             temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
             max_new_tokens=max_tokens or room, min_new_tokens=min(req.min_tokens, max_tokens or room),
-            stop=req.stop_list(), ignore_eos=req.ignore_eos, seed=req.seed, n=req.n, top_logprobs=top_logprobs,
+            stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            seed=req.seed, n=req.n, top_logprobs=top_logprobs,
         )
 
-    async def run(request: Request, prompt_ids, opts):
+    async def run(prompt_ids, opts, arrival: float):
         try:
             stream = await engine.submit(prompt_ids, opts)
         except APIError:
             raise
         except Exception as exc:
             raise APIError(400, str(exc)) from exc
-        return stream
+        return metrics.track(stream, len(prompt_ids), arrival)
 
     async def collect(request: Request, stream):
         """Gather a request's events per sample, aborting it if the client disconnects meanwhile."""
@@ -285,76 +258,75 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             if ev.finish_reason is not None:
                 o["finish"], o["stop_text"] = ev.finish_reason, ev.stop_text
 
-    def tool_arguments(args):
-        """An assistant tool call's arguments for the chat template: a JSON-object string becomes the object."""
-        if not isinstance(args, str) or not args.strip().startswith("{"):
-            return args
-        try:
-            return json.loads(args)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise APIError(400, f"a tool call's arguments are not valid JSON: {exc}",
-                           param="messages.tool_calls.function.arguments") from exc
-
     def tok(i: int) -> str:
         return tokenizer.decode([i])
 
-    def chat_logprobs(o, k: int):
+    def token_str(req):
+        """How log-probs name a token: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
+        return (lambda i: f"token_id:{i}") if req.return_tokens_as_token_ids else tok
+
+    def detokenizer(req) -> Detokenizer:
+        return Detokenizer(tokenizer, req.stop_list(), skip_special_tokens=req.skip_special_tokens,
+                           include_stop=req.include_stop_str_in_output)
+
+    def chat_logprobs(o, k: int, name):
         content = []
         for i, lp, top in zip(o["ids"], o["logprobs"], o["top"]):
-            s = tok(i)
+            s = name(i)
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": tok(t), "logprob": v, "bytes": list(tok(t).encode())}
+                            "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(name(t).encode())}
                                              for t, v in (top or [])[:k]]})
         return {"content": content}
+
+    def top_dict(pairs, name) -> dict:
+        """Top candidates as {token: log-prob}, most likely first; two ids with the same text keep the likelier."""
+        out = {}
+        for t, v in pairs or []:
+            out.setdefault(name(t), v)
+        return out
 
     def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    def continuous_usage(req) -> bool:
+        so = req.stream_options
+        return bool(so and so.include_usage and so.continuous_usage_stats)
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
     # ---- chat ----------------------------------------------------------------------------------------------
     def prepare_chat(raw: bytes):
         """Body -> (request, prompt ids, sampling options, top log-probs): on the prep pool."""
-        req = _parse(raw, ChatCompletionRequest)
+        req = parse(raw, ChatCompletionRequest)
         check_model(req.model)
-        messages = []
-        for m in req.messages:
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
-            if m.tool_calls:
-                msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
-                    "name": c.function.name, "arguments": tool_arguments(c.function.arguments)}}
-                    for c in m.tool_calls]
-            if m.name:
-                msg["name"] = m.name
-            if m.tool_call_id:
-                msg["tool_call_id"] = m.tool_call_id
-            messages.append(msg)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        try:
-            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:
-            raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
-                           param="messages") from exc
-        prompt_ids = encode(text, "messages")
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        check_request(req)
+        prompt_ids = encode(render_chat(tokenizer, req), "messages")
         k = (req.top_logprobs or 0) if req.logprobs else 0
-        return req, prompt_ids, options(req, len(prompt_ids), max_tokens, k), k
+        return req, prompt_ids, options(req, len(prompt_ids), req.token_limit(), k), k
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(request: Request):
+        arrival = time.perf_counter()
         req, prompt_ids, opts, k = await prep(prepare_chat, await request.body())
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        stream = await run(request, prompt_ids, opts)
+        stream = await run(prompt_ids, opts, arrival)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return StreamingResponse(
-                chat_stream(request, stream, req, rid, created, len(prompt_ids), parse_tools, k),
+                chat_stream(stream, req, rid, created, len(prompt_ids), parse_tools, k),
                 media_type="text/event-stream")
-        out = await collect(request, stream)
+        try:
+            out = await collect(request, stream)
+        finally:
+            stream.abort()
         choices = []
+        name = token_str(req)
         for idx, o in enumerate(out):
-            d = Detokenizer(tokenizer, opts.stop)
+            d = detokenizer(req)
             d.ids = o["ids"]
-            text = d.final_text(o["stop_text"])
+            text = d.final_text(o["stop_text"], o["finish"])
             message = {"role": "assistant", "content": text}
             finish = o["finish"] or "abort"
             if parse_tools:
@@ -364,22 +336,28 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                                "tool_calls": [c.to_openai() for c in calls]}
                     finish = "tool_calls"
             choices.append({"index": idx, "message": message, "finish_reason": finish,
-                            "logprobs": chat_logprobs(o, k) if req.logprobs else None})
+                            "logprobs": chat_logprobs(o, k, name) if req.logprobs else None})
         completion_tokens = sum(len(o["ids"]) for o in out)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage(len(prompt_ids), completion_tokens)}
 
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    async def chat_stream(request, stream, req, rid, created, prompt_len, parse_tools, k):
+    async def chat_stream(stream, req, rid, created, prompt_len, parse_tools, k):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
-        detoks = [Detokenizer(tokenizer, req.stop_list()) for _ in range(req.n)]
+        detoks = [detokenizer(req) for _ in range(req.n)]
+        name = token_str(req)
         completion_tokens = 0
+        every = continuous_usage(req)
+
+        def chunk(choice) -> str:
+            body = {**head, "choices": [choice]}
+            if every:
+                body["usage"] = usage(prompt_len, completion_tokens)
+            return sse(body)
+
         try:
             for i in range(req.n):
-                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None, "logprobs": None}]})
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                             "logprobs": None})
             held = [{"ids": [], "logprobs": [], "top": []} for _ in range(req.n)]  # log-probs not yet sent
             async for first in stream:
                 # every event already queued goes out with this one: one chunk per sample however far behind
@@ -398,23 +376,22 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                             h["top"].append(ev.top)
                     if last.finish_reason is None and not (delta_text and not parse_tools):
                         continue  # nothing to show yet (held-back text, or tool calls parsed at the end)
-                    lp = chat_logprobs(h, k) if req.logprobs and h["ids"] else None
+                    lp = chat_logprobs(h, k, name) if req.logprobs and h["ids"] else None
                     held[index] = {"ids": [], "logprobs": [], "top": []}
                     if last.finish_reason is None:
-                        yield sse({**head, "choices": [{"index": index, "delta": {"content": delta_text},
-                                                        "finish_reason": None, "logprobs": lp}]})
+                        yield chunk({"index": index, "delta": {"content": delta_text}, "finish_reason": None,
+                                     "logprobs": lp})
                         continue
                     finish = last.finish_reason
                     if parse_tools:
-                        content, calls = parse_tool_calls(d.final_text(last.stop_text))
+                        content, calls = parse_tool_calls(d.final_text(last.stop_text, finish))
                         delta = {"content": content}
                         if calls:
                             delta["tool_calls"] = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
                             finish = "tool_calls"
                     else:
-                        delta = {"content": delta_text + d.flush(last.stop_text)}
-                    yield sse({**head, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
-                                                    "logprobs": lp}]})
+                        delta = {"content": delta_text + d.flush(last.stop_text, finish)}
+                    yield chunk({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_len, completion_tokens)})
             yield "data: [DONE]\n\n"
@@ -429,18 +406,20 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     # ---- completions ---------------------------------------------------------------------------------------
     def prepare_completions(raw: bytes):
-        """Body -> (request, each prompt's ids, each one's sampling options, log-probs): on the prep pool."""
-        req = _parse(raw, CompletionRequest)
+        """Body -> (request, each prompt's ids, each one's echoed text, each one's sampling options (None: nothing
+        to generate), top log-probs): on the prep pool."""
+        req = parse(raw, CompletionRequest)
         check_model(req.model)
+        check_request(req)
         p = req.prompt
         if isinstance(p, str):
-            prompts = [encode(p, "prompt")]
+            texts, prompts = [p], [encode(p, "prompt")]
         elif all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
+            texts, prompts = [None], [list(p)]
         elif all(isinstance(x, str) for x in p):
-            prompts = [encode(x, "prompt") for x in p]
+            texts, prompts = list(p), [encode(x, "prompt") for x in p]
         else:
-            prompts = [list(x) for x in p]
+            texts, prompts = [None] * len(p), [list(x) for x in p]
         for ids in prompts:
             if not ids:
                 raise APIError(400, "a prompt encodes to no tokens", param="prompt")
@@ -449,47 +428,121 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             if any(t < 0 or t >= vocab for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         k = req.logprobs or 0
-        return req, prompts, [options(req, len(ids), req.max_tokens or 16, k) for ids in prompts], k
+        limit = req.token_limit()
+        limit = 16 if limit is None else limit
+        opts = [options(req, len(ids), limit, k) if limit > 0 else None for ids in prompts]
+        echo = None
+        if req.echo:  # each prompt's text (as sent, or decoded) and, with log-probs, its tokens and their offsets
+            echo = []
+            for text, ids in zip(texts, prompts):
+                if text is None:
+                    text = tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+                    offsets = token_offsets(tokenizer, ids, skip_special_tokens=req.skip_special_tokens)
+                elif req.logprobs is not None:  # the text as sent spells special tokens out
+                    offsets = token_offsets(tokenizer, ids, skip_special_tokens=False)
+                else:
+                    offsets = []
+                echo.append({"text": text, "offsets": [min(x, len(text)) for x in offsets]})
+        return req, prompts, echo, opts, k
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest, vocab))
+    async def score_prompts(prompts: list[list[int]], k: int):
+        """Each prompt's (token log-probs from its second token on, top-k per position) from the engine's model."""
+        run_on_engine = getattr(engine, "run_on_engine", None)
+        if run_on_engine is None:
+            raise APIError(400, "echo with logprobs (prompt log-probs) is not supported yet by this engine",
+                           param="echo")
+        scores = [None] * len(prompts)
+        for group in score_groups(prompts):
+            try:
+                got = await run_on_engine(prompt_logprobs, [prompts[i] for i in group], k)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="echo") from exc
+            for i, s in zip(group, got):
+                scores[i] = s
+        return scores
+
+    def prompt_logprob_part(req, ids, echo, score, k) -> dict:
+        """The echoed prompt's share of a choice's log-probs: the first token has no log-prob (nothing before it)."""
+        name = token_str(req)
+        lps, tops = score
+        return {"tokens": [name(i) for i in ids], "token_logprobs": [None, *lps],
+                "top_logprobs": [None, *(top_dict(t, name) for t in tops)] if k else None,
+                "text_offset": list(echo["offsets"])}
+
+    def completion_logprob_part(req, ids, lps, tops, offsets, k, shift: int) -> dict:
+        name = token_str(req)
+        return {"tokens": [name(i) for i in ids], "token_logprobs": list(lps),
+                "top_logprobs": [top_dict(t, name) for t in tops] if k else None,
+                "text_offset": [x + shift for x in offsets]}
+
+    def joined(a: dict | None, b: dict) -> dict:
+        if a is None:
+            return b
+        top = None if a["top_logprobs"] is None else a["top_logprobs"] + b["top_logprobs"]
+        return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+                "top_logprobs": top, "text_offset": a["text_offset"] + b["text_offset"]}
+
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest, vocab=vocab))
     async def completions(request: Request):
-        req, prompts, opts, k = await prep(prepare_completions, await request.body())
-        streams = [await run(request, ids, o) for ids, o in zip(prompts, opts)]
+        arrival = time.perf_counter()
+        req, prompts, echo, opts, k = await prep(prepare_completions, await request.body())
+        streams = []
+        try:
+            for ids, o in zip(prompts, opts):
+                if o is not None:
+                    streams.append(await run(ids, o, arrival))
+            # the prompts' log-probs: a forward on the engine thread, while the completions decode
+            scores = await score_prompts(prompts, k) if echo and req.logprobs is not None else None
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        echo_lp = None
+        if scores is not None:
+            echo_lp = [prompt_logprob_part(req, ids, e, s, k) for ids, e, s in zip(prompts, echo, scores)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(x) for x in prompts)
         if req.stream:
-            return StreamingResponse(completion_stream(streams, req, rid, created, prompt_tokens),
-                                     media_type="text/event-stream")
+            return StreamingResponse(completion_stream(streams, req, rid, created, prompt_tokens, len(prompts),
+                                                       echo, echo_lp, k), media_type="text/event-stream")
         try:
             outs = await asyncio.gather(*(collect(request, s) for s in streams))
         finally:
             for s in streams:
                 s.abort()
+        if not streams:  # max_tokens 0: the prompts only
+            outs = [[{"ids": [], "logprobs": [], "top": [], "finish": "length", "stop_text": None}] * req.n
+                    for _ in prompts]
         choices = []
         for pi, out in enumerate(outs):
+            prefix = echo[pi]["text"] if echo else ""
             for si, o in enumerate(out):
-                d = Detokenizer(tokenizer, req.stop_list())
+                d = detokenizer(req)
                 d.ids = o["ids"]
-                text = d.final_text(o["stop_text"])
+                text = d.final_text(o["stop_text"], o["finish"])
                 lp = None
                 if req.logprobs is not None:
-                    toks = [tok(i) for i in o["ids"]]
-                    offsets, pos = [], 0
-                    for s in toks:
-                        offsets.append(pos)
-                        pos += len(s)
-                    lp = {"tokens": toks, "token_logprobs": o["logprobs"], "text_offset": offsets,
-                          "top_logprobs": [{tok(t): v for t, v in (top or [])} for top in o["top"]] if k else None}
-                choices.append({"index": pi * req.n + si, "text": text, "logprobs": lp,
+                    offsets = token_offsets(tokenizer, o["ids"], skip_special_tokens=req.skip_special_tokens)
+                    lp = completion_logprob_part(req, o["ids"], o["logprobs"], o["top"],
+                                                 [min(x, len(text)) for x in offsets], k, len(prefix))
+                    lp = joined(echo_lp[pi] if echo_lp else None, lp)
+                choices.append({"index": pi * req.n + si, "text": prefix + text, "logprobs": lp,
                                 "finish_reason": o["finish"] or "abort"})
         completion_tokens = sum(len(o["ids"]) for out in outs for o in out)
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
-    async def completion_stream(streams, req, rid, created, prompt_tokens):
+    async def completion_stream(streams, req, rid, created, prompt_tokens, num_prompts, echo, echo_lp, k):
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         merged: asyncio.Queue = asyncio.Queue()
         completion_tokens = 0
+        every = continuous_usage(req)
+
+        def chunk(choice) -> str:
+            body = {**head, "choices": [choice]}
+            if every:
+                body["usage"] = usage(prompt_tokens, completion_tokens)
+            return sse(body)
 
         async def pump(pi, stream):
             try:
@@ -500,8 +553,15 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             await merged.put((pi, None))
 
         tasks = [asyncio.create_task(pump(pi, s)) for pi, s in enumerate(streams)]
-        detoks = {}
+        detoks: dict[tuple[int, int], Detokenizer] = {}
+        held: dict[tuple[int, int], dict] = {}  # log-probs of tokens whose text is not sent yet
         try:
+            if echo:  # the prompt first, as its own chunk per choice
+                for pi in range(num_prompts):
+                    for si in range(req.n):
+                        yield chunk({"index": pi * req.n + si, "text": echo[pi]["text"],
+                                     "logprobs": echo_lp[pi] if echo_lp else None,
+                                     "finish_reason": None if streams else "length"})
             live = len(streams)
             while live:
                 batch = [await merged.get()]
@@ -515,18 +575,32 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                     if isinstance(ev, Exception):
                         yield sse(APIError(400, str(ev)).body())
                         continue
-                    d = detoks.setdefault((pi, ev.index), Detokenizer(tokenizer, req.stop_list()))
-                    entry = texts.setdefault((pi, ev.index), ["", None])
+                    key = (pi, ev.index)
+                    d = detoks.setdefault(key, detokenizer(req))
+                    h = held.setdefault(key, {"ids": [], "lps": [], "tops": [], "offsets": []})
+                    entry = texts.setdefault(key, ["", None])
                     if ev.token_id is not None:
                         completion_tokens += 1
+                        h["offsets"].append(d.offset)
                         entry[0] += d.push(ev.token_id, emit=ev.finish_reason is None)
+                        h["ids"].append(ev.token_id)
+                        h["lps"].append(ev.logprob)
+                        h["tops"].append(ev.top)
                     if ev.finish_reason is not None:
-                        entry[0] += d.flush(ev.stop_text)
+                        entry[0] += d.flush(ev.stop_text, ev.finish_reason)
                         entry[1] = ev.finish_reason
-                for (pi, index), (text, finish) in texts.items():
-                    if text or finish is not None:
-                        yield sse({**head, "choices": [{"index": pi * req.n + index, "text": text, "logprobs": None,
-                                                        "finish_reason": finish}]})
+                for key, (text, finish) in texts.items():
+                    if not (text or finish is not None):
+                        continue  # held back: its log-probs go with the next chunk that carries text
+                    lp = None
+                    if req.logprobs is not None:
+                        h, sent = held[key], detoks[key].sent  # offsets index into the text sent so far
+                        shift = len(echo[key[0]]["text"]) if echo else 0
+                        lp = completion_logprob_part(req, h["ids"], h["lps"], h["tops"],
+                                                     [min(x, sent) for x in h["offsets"]], k, shift)
+                        held[key] = {"ids": [], "lps": [], "tops": [], "offsets": []}
+                    yield chunk({"index": key[0] * req.n + key[1], "text": text, "logprobs": lp,
+                                 "finish_reason": finish})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
             yield "data: [DONE]\n\n"

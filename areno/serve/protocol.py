@@ -1,18 +1,24 @@
 """The OpenAI request bodies areno serves, as pydantic models, and OpenAI-style errors.
 
 Unknown fields are refused (``extra="forbid"``), so a feature the server lacks gets a 400 naming the field instead
-of being ignored. Fields OpenAI defines whose neutral value is a no-op (penalties of 0, ``logit_bias`` empty,
-``parallel_tool_calls``, ``user``) are accepted at that value only.
+of being ignored. Fields that clients send to every OpenAI-compatible server are accepted where they change nothing
+here or are built (vLLM's ``chat_template_kwargs``, ``continue_final_message``, ``stop_token_ids``,
+``skip_special_tokens``, ...; the SDK's ``store``, ``metadata``, ``service_tier``, ...), and refused by name where
+they would change the answer and are not built (penalties other than neutral, ``min_p`` > 0, ``logit_bias``,
+``response_format`` other than text, ``prompt_logprobs``). A null value means the field's default.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 128  # checked against every sampled token: a long list would slow every engine step
+
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class APIError(Exception):
@@ -22,6 +28,19 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class FieldError(ValueError):
+    """A value refused by a check across fields (or as a feature not built): carries the field it is about, which
+    the error's ``param`` names."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def not_supported(field: str, detail: str = "") -> FieldError:
+    return FieldError(field, f"{field} is not supported yet by this server{detail}")
 
 
 def _schema_only(**constraints) -> dict:
@@ -56,6 +75,10 @@ class Message(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # what an assistant message read back from an OpenAI-compatible response may carry when sent again
+    reasoning_content: str | None = None  # earlier reasoning, for the chat templates that render it
+    refusal: str | None = None  # ignored
+    annotations: list | None = None  # ignored
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
@@ -77,14 +100,18 @@ class Tool(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk (with include_usage)
 
 
 def _field_dependencies(schema: dict, cls) -> None:
     """The cross-field rules of the validators below, as JSON-schema ``dependentSchemas`` (for the OpenAPI document;
     stricter than the validators where null or 0 would also pass)."""
     deps = {"stream_options": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}
-    if "top_logprobs" in schema.get("properties", {}):
+    props = schema.get("properties", {})
+    if "top_logprobs" in props:
         deps["top_logprobs"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+    if "continue_final_message" in props:  # continuing the last message adds no generation prompt
+        deps["continue_final_message"] = {"properties": {"add_generation_prompt": {"const": False}}}
     schema["dependentSchemas"] = deps
 
 
@@ -93,20 +120,45 @@ class _Sampling(_Strict):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
-    frequency_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
-    logit_bias: dict[str, float] | None = Field(default=None, **_schema_only(maxProperties=0))
-    user: str | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    return_tokens_as_token_ids: bool = False
+    # accepted, change nothing here
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # neutral values only, until built
+    presence_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
+    frequency_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
+    repetition_penalty: float | None = Field(default=None, **_schema_only(minimum=1, maximum=1))
+    min_p: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
+    logit_bias: dict[str, float] | None = Field(default=None, **_schema_only(maxProperties=0))
+    response_format: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+         "additionalProperties": False}, {"type": "null"}]})
+    prompt_logprobs: int | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """``"n": null`` (as some clients send every field) means the default, for fields whose default is not null."""
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -119,32 +171,84 @@ class _Sampling(_Strict):
     def _unsupported(self):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this server (only 0)")
+                raise not_supported(name, " (only 0)")
+        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
+            raise not_supported("repetition_penalty", " (only 1)")
+        if self.min_p:
+            raise not_supported("min_p", " (only 0)")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+            raise not_supported("logit_bias", " (only an empty one)")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            kind = self.response_format.get("type")
+            raise not_supported("response_format", f" (only {{\"type\": \"text\"}}, got type {kind!r})")
+        if self.prompt_logprobs is not None:
+            raise not_supported("prompt_logprobs", "; on /v1/completions, echo=true with logprobs gives the "
+                                "prompt's log-probs")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options", "stream_options is only allowed with stream=true")
         return self
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def token_limit(self) -> int | None:
+        """The completion's token budget: ``max_completion_tokens`` (the newer name) else ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-class ChatCompletionRequest(_Sampling):
+
+# parameters of tokenizer.apply_chat_template and of the template's own render call: chat_template_kwargs may not
+# set them (they would change how the template is called, not what it renders)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class _ChatRendering(_Strict):
+    """How messages become the prompt: the chat template's switches (vLLM's extensions)."""
+
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool | None = None  # default: true, false with continue_final_message
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra={
+        "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})
+
+    @model_validator(mode="after")
+    def _rendering(self):
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise FieldError("continue_final_message", "continue_final_message and add_generation_prompt "
+                                 "cannot both be true (continuing the last message adds no generation prompt)")
+            if self.messages[-1].role != "assistant":
+                raise FieldError("continue_final_message", "continue_final_message needs the last message to be "
+                                 f"an assistant message (it is {self.messages[-1].role!r})")
+        for key in self.chat_template_kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {key!r} (a parameter "
+                                 "of the template call itself, not a template variable)")
+        return self
+
+    def generation_prompt(self) -> bool:
+        return (not self.continue_final_message) if self.add_generation_prompt is None else self.add_generation_prompt
+
+
+class ChatCompletionRequest(_ChatRendering, _Sampling):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_field_dependencies)
+
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # a template variable
 
     @model_validator(mode="after")
     def _logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs=true")
         if isinstance(self.tool_choice, dict):
-            raise ValueError("tool_choice naming a function is not supported; use 'auto', 'none' or 'required'")
+            raise FieldError("tool_choice", "tool_choice naming a function is not supported yet; use 'auto', "
+                             "'none' or 'required'")
         return self
 
 
@@ -155,19 +259,43 @@ class CompletionRequest(_Sampling):
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
          "minItems": 1}]})
+    # 0 with echo: score the prompt, generate nothing
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = Field(default=False, **_schema_only(enum=[False]))
+    echo: bool = False
     suffix: str | None = Field(default=None, **_schema_only(maxLength=0))
     best_of: int | None = Field(default=None, **_schema_only(minimum=1, maximum=1))
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.suffix:
-            raise ValueError("suffix is not supported by this server")
+            raise not_supported("suffix")
         if self.best_of not in (None, 1, self.n):
-            raise ValueError("best_of is not supported by this server")
+            raise not_supported("best_of", " (only best_of = n)")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "prompt must not be empty")
+        if self.token_limit() == 0 and not self.echo:
+            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise FieldError(name, f"{name} = 0 generates nothing; it is only allowed with echo=true")
         return self
+
+
+# ---- vLLM's /tokenize and /detokenize ----------------------------------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_ChatRendering):
+    model: str | None = None
+    add_special_tokens: bool = False  # the template writes the special tokens itself
+    return_token_strs: bool = False
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,5 +1,6 @@
-"""Fuzz the real server from its own OpenAPI schema (schemathesis): valid and invalid bodies for both POST routes,
-never a 5xx, and the server still healthy afterwards; plus the 5xx the fuzzing found, as regressions.
+"""Fuzz the real server from its own OpenAPI schema (schemathesis): valid and invalid bodies for the POST routes
+(the two generation routes, /tokenize and /detokenize), never a 5xx, and the server still healthy afterwards; plus
+the 5xx the fuzzing found, as regressions.
 
 CI runs a fixed (derandomized) sample; ``ARENO_FUZZ_EXAMPLES=2000 pytest tests/serve/test_fuzz.py`` draws that many
 fresh examples per route and mode. Against a running ``areno serve``, the stock command also works:
@@ -25,7 +26,7 @@ def api_schema(server):
     return schemathesis.openapi.from_url(server.base_url + "/openapi.json")
 
 
-def bounded(body):
+def bounded(body, path="/v1/completions"):
     """Steer generated bodies towards the engine, and keep them cheap: the served model's name in ``model`` (else
     nearly every case stops at the 404), and a small ``max_tokens`` where a valid one (or none) was drawn. Invalid
     values and huge ones (which exceed the context, a fast 400) are left as drawn."""
@@ -33,6 +34,8 @@ def bounded(body):
         return body
     if isinstance(body.get("model"), str):
         body["model"] = "tiny"
+    if not path.startswith("/v1/"):  # the tokenizer routes generate nothing
+        return body
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and 4 < v < 10_000:
@@ -43,7 +46,7 @@ def bounded(body):
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"])
 def test_no_server_errors(api_schema, server, path, mode):
     operation = api_schema[path]["POST"]
     n = MAX_EXAMPLES
@@ -54,7 +57,7 @@ def test_no_server_errors(api_schema, server, path, mode):
               suppress_health_check=list(HealthCheck))
     def fuzz(case):
         if isinstance(case.body, (dict, list)):
-            case.body = bounded(case.body)
+            case.body = bounded(case.body, path)
         response = case.call(timeout=60)
         assert response.status_code < 500, (f"{case.method} {case.path} {case.body!r} -> {response.status_code}: "
                                             f"{response.text}")

@@ -213,7 +213,7 @@ BAD = [
     ("completions", {"model": "tiny"}, 400),
     ("completions", {"model": "tiny", "prompt": []}, 400),
     ("completions", {"model": "tiny", "prompt": [10**9]}, 400),
-    ("completions", {"model": "tiny", "prompt": "hi", "echo": True}, 400),
+    ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400),  # 0 only with echo
     ("completions", {"model": "tiny", "prompt": "hi", "suffix": "x"}, 400),
     ("completions", {"model": "tiny", "prompt": "hi", "logprobs": 99}, 400),
     ("completions", {"model": "tiny", "prompt": "hi", "stop": ["a"] * 40}, 400),

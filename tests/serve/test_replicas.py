@@ -93,6 +93,19 @@ def test_disconnect_aborts_on_the_replica(pool_server):
     assert completions(pool_server.base_url, prompt="after", max_tokens=3).usage.completion_tokens >= 1
 
 
+def test_echo_logprobs_run_in_a_replica(pool_server, server):
+    """Prompt log-probs (echo + logprobs) are computed by a replica's engine, between its steps: the same as the
+    single-process server's."""
+    body = {"model": "tiny", "prompt": ["the cat sat", "12 + 7 = 19"], "max_tokens": 1, "logprobs": 2, "echo": True,
+            "temperature": 0}
+    many = httpx.post(pool_server.base_url + "/v1/completions", json=body, timeout=60).json()
+    one = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+    for a, b in zip(many["choices"], one["choices"]):
+        assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["token_logprobs"][0] is None
+        assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=1e-4)
+
+
 def test_sigterm_stops_front_end_and_replicas(pool_server):
     pids = [r["pid"] for r in health(pool_server)["replicas"]]
     pool_server.proc.send_signal(signal.SIGTERM)
@@ -121,6 +134,10 @@ def test_two_replicas_of_tp2_serve_and_match_one_process(tiny_ckpt, server):
         assert [o.choices[0].text for o in many] == [o.choices[0].text for o in one]
         served = [r["requests"] for r in health(s)["replicas"]]
         assert sum(served) == len(PROMPTS) and min(served) >= 1, served
+        r = httpx.post(s.base_url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hi there", "max_tokens": 0, "logprobs": 1, "echo": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo"  # not built under TP yet
+        assert "--tp-size > 1" in r.json()["error"]["message"]
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0, s.output()
     finally:
