@@ -434,9 +434,9 @@ class TrainConfig:
             return
         if self.algo not in ("grpo", "gspo"):
             raise ConfigError("--agent-fn", f"agentic rollout trains with grpo or gspo, not --algo {self.algo}")
-        if self.split:
-            raise ConfigError("--agent-fn", "agentic rollout runs on the colocated engine; with --rollout-devices "
-                              "(split mode) it is not supported yet")
+        if self.max_staleness:
+            raise ConfigError("--max-staleness", "agentic rollout is on-policy: --max-staleness 1 does not apply to "
+                              "--agent-fn runs yet")
         check_positive("--max-context-len", self.max_context_len, optional=True)
         check_non_negative("--agent-timeout-s", self.agent_timeout_s)
 

@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from areno.rl.batch import Row
+from areno.rollout.token_service import RemoteTokens, sample_local
 
 log = logging.getLogger("areno.agent")
 SESSION_HEADER = "X-Areno-Session"
@@ -130,6 +131,7 @@ class Session:
         self.turns = 0
         self.prefilled: list[int] = []  # per turn: prompt tokens the engine computed (not from the prefix cache)
         self.samples: list[list[int]] = []  # per turn: the token ids the engine sampled
+        self.key = 0  # which split-mode engine serves it
         self._reset()
 
     def _reset(self):
@@ -240,9 +242,12 @@ class AgentRollout:
 
     def __init__(self, loop, agent_fn):
         self.loop, self.agent_fn, self.cfg = loop, agent_fn, loop.cfg
+        for name in ("httpx", "httpx2"):  # one INFO line per local request would drown the step lines
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.api_key = "areno-agent-" + uuid.uuid4().hex[:8]
         self.sessions: dict[str, Session] = {}
         self.async_engine = None
+        self._remote = None
         self._greedy = False
         self._server = None
         self.base_url = self._start_server()
@@ -294,16 +299,12 @@ class AgentRollout:
             top_p=cfg.top_p if top_p is None else top_p, top_k=max(0, cfg.top_k),
             max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)),
             stop=[stop] if isinstance(stop, str) else list(stop or cfg.stop or []), n=1)
-        stream = await self.async_engine.submit(list(session.tokens), options)
-        ids, lps, finish, stop_text = [], [], None, None
-        async for event in stream:
-            if event.token_id is not None:
-                ids.append(event.token_id)
-                lps.append(event.logprob)
-            if event.finish_reason is not None:
-                finish, stop_text = event.finish_reason, event.stop_text
-        seq = stream.seqs[0] if stream.seqs else None
-        session.prefilled.append(len(session.tokens) - (seq.prefix_cached if seq is not None else 0))
+        if self._remote is not None:  # split mode: the session's engine, always the same one (its prefix cache)
+            out = await self._remote.sample(session.tokens, options, session.key)
+        else:
+            out = await sample_local(self.async_engine, session.tokens, options)
+        ids, lps, finish, stop_text = out["ids"], out["logprobs"], out["finish_reason"], out["stop_text"]
+        session.prefilled.append(len(session.tokens) - out["prefix_cached"])
         text = self.loop.tokenizer.decode(ids, skip_special_tokens=True)
         if stop_text:
             cut = text.find(stop_text)
@@ -355,22 +356,35 @@ class AgentRollout:
         answer at temperature 0, for evaluation)."""
         from areno.rollout.async_engine import AsyncEngine
 
+        split = getattr(self.loop.engine, "split", False)
+        if split and not batch:  # a train rank other than 0: rank 0 runs the agents
+            return [], [], [], {"agent_s": 0.0, "agent_failures": 0, "agent_forks": 0, "agent_turns_mean": 0.0,
+                                "agent_prefill_tokens_mean": 0.0}
         items = [AgentItem({k: v for k, v in row.items() if not (isinstance(k, str) and k.startswith("_"))},
                            _messages(row["prompt"]), p, s) for p, row in enumerate(batch) for s in range(n)]
         eos = self.loop.tokenizer.eos_token_id
         self._greedy = greedy
         self.sessions = {it.id: Session(it, self.loop.tokenizer, eos_id=eos, max_context_len=self.cfg_max_context(),
                                         train_tool_results=self.cfg.train_tool_results) for it in items}
-        self.loop.engine.refresh()  # stale prefixes from the previous policy go
-        self.loop.model.eval()
-        self.async_engine = AsyncEngine(self.loop.engine.engine, decode_steps=self.cfg.decode_steps)
+        for k, it in enumerate(items):
+            self.sessions[it.id].key = k
         t0 = time.perf_counter()
-        try:
-            rewards, failures = asyncio.run(self._run_all(items))
-        finally:
-            self.async_engine.shutdown(drain=False)
-            self.async_engine = None
-            self.loop.model.train()
+        if split:
+            addresses, token = self.loop.engine.agent_begin()
+            try:
+                rewards, failures = asyncio.run(self._run_all(items, (addresses, token)))
+            finally:
+                self.loop.engine.agent_end(addresses, token)
+        else:
+            self.loop.engine.refresh()  # stale prefixes from the previous policy go
+            self.loop.model.eval()
+            self.async_engine = AsyncEngine(self.loop.engine.engine, decode_steps=self.cfg.decode_steps)
+            try:
+                rewards, failures = asyncio.run(self._run_all(items))
+            finally:
+                self.async_engine.shutdown(drain=False)
+                self.async_engine = None
+                self.loop.model.train()
         rows, owner, stats = [], [], {"agent_s": time.perf_counter() - t0, "agent_failures": failures}
         forks = turns = 0
         prefilled = []
@@ -390,9 +404,15 @@ class AgentRollout:
                      agent_prefill_tokens_mean=sum(prefilled) / max(1, len(prefilled)))
         return rows, owner, rewards, stats
 
-    async def _run_all(self, items):
+    async def _run_all(self, items, remote=None):
         ctx = AgentContext(self)
-        results = await asyncio.gather(*(self._run_one(ctx, it) for it in items))
+        self._remote = RemoteTokens(*remote) if remote is not None else None
+        try:
+            results = await asyncio.gather(*(self._run_one(ctx, it) for it in items))
+        finally:
+            if self._remote is not None:
+                await self._remote.aclose()
+                self._remote = None
         return [r for r, _ in results], sum(not ok for _, ok in results)
 
     async def _run_one(self, ctx, item) -> tuple[float | None, bool]:

@@ -209,10 +209,10 @@ class TrainLoop:
             from areno.rl.rollout_colocated import ColocatedRollout
 
             self.engine = ColocatedRollout(self)
-            if self.agent_fn is not None:
-                from areno.rl.agentic import AgentRollout
+        if self.agent_fn is not None:
+            from areno.rl.agentic import AgentRollout
 
-                self.agent = AgentRollout(self, self.agent_fn)
+            self.agent = AgentRollout(self, self.agent_fn)
 
     def _make_logger(self):
         from areno.rl.metrics import MetricsLogger
@@ -394,9 +394,11 @@ class TrainLoop:
         """Agentic rollout of this rank's share: one row per trajectory (a fork adds one), each tagged with its
         sample (``extras["sample"]``) so the group advantages stay per sample; the agent's reward, else
         --reward-fn-path on the finished trajectory (its record carries the messages)."""
+        sync = self.engine.sync()  # split mode: the engines get the policy first (every train rank takes part)
         mine = self.engine.share(batch)
         t0 = time.perf_counter()
         rows, owner, rewards, failures, stats = self.agent.collect(mine, self.cfg.n_samples, self.reward_fn)
+        stats.update(sync)
         t_roll = time.perf_counter() - t0 - stats["reward_s"]
         local = [(row.prompt_ids, row.response_ids, row.rollout_logprobs, rewards[i], row.loss_mask, row.meta, i)
                  for row, i in zip(rows, owner)]
@@ -580,8 +582,11 @@ class TrainLoop:
         if self.engine is None:
             self._build_engine()
         if self.agent is not None:  # an agentic task is evaluated through its agent, greedily, one sample each
-            rewards = self.agent.collect(rows, 1, self.reward_fn, greedy=True)[2]
-            return sum(rewards) / len(rewards)
+            self.engine.sync()
+            rewards = self.agent.collect(self.engine.share(rows), 1, self.reward_fn, greedy=True)[2]
+            rewards = self.engine.gather(rewards)
+            flat = [r for part in rewards for r in part]
+            return sum(flat) / max(1, len(flat))
         out = self.engine.generate([r["_prompt_ids"] for r in rows], self.sampling_options(n=1, greedy=True))
         records = []
         for r, group in zip(rows, out):

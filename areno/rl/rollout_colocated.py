@@ -80,6 +80,9 @@ class ColocatedRollout:
         """This step's completions and the rollout's own stats (none here: the weights are the trainer's)."""
         return self.generate(prompt_ids, options), {}
 
+    def sync(self) -> dict:
+        return {}  # the engine decodes with the trainer's own tensors
+
     def rng_state(self):
         return self.engine.rng_state()
 

@@ -140,6 +140,24 @@ class RemoteRollout:
         self._sync_stats = stats
         return stats
 
+    def agent_begin(self) -> tuple[list[str], str]:
+        """Rank 0, agentic rollout: every engine leader opens its token endpoint; returns their addresses (in
+        engine order) and the run's bearer token. The engines stay there until ``agent_end``."""
+        from areno.rollout.token_service import new_token
+
+        token = new_token()
+        self._command({"op": "agent", "token": token})
+        parts = [None] * dist.get_world_size(self.layout.control)
+        dist.gather_object(None, parts, dst=0, group=self.layout.control)
+        return [parts[self.layout.rollout_ranks.index(r[0]) + 1] for r in self.layout.engines], token
+
+    def agent_end(self, addresses: list[str], token: str) -> None:
+        import httpx
+
+        for address in addresses:  # a leader that is not told to stop would hang the run: fail loudly instead
+            httpx.post(address + "/shutdown", headers={"authorization": f"Bearer {token}"},
+                       timeout=60).raise_for_status()
+
     def rng_state(self):
         return self._rng.getstate()
 
@@ -243,6 +261,22 @@ def serve(cfg) -> int:
                 engine.drop_rollout_state()
             dist.gather_object((out, idle) if leader else None, None, dst=0, group=layout.control)
             idle = 0.0
+        elif op == "agent":  # agentic rollout: serve tokens over HTTP until the train side is done
+            from areno.rollout.model_runner import TPWorker, broadcast_step
+            from areno.rollout.token_service import TokenServer, reachable_host
+
+            server = None
+            if leader:
+                server = TokenServer(engine, decode_steps=cfg.decode_steps, host=reachable_host(),
+                                     token=cmd["token"])
+            dist.gather_object(server.address if server else None, None, dst=0, group=layout.control)
+            if server is not None:
+                server.wait()
+                if layout.engine_group is not None:
+                    broadcast_step(None, layout.engine_group)  # the TP followers leave their loop
+            elif layout.engine_group is not None:
+                engine._ensure_built()
+                TPWorker(engine.runner).loop()
         elif op == "weights":
             tensors = {k: v.cpu() for k, v in iter_hf_tensors(model)}
             dist.gather_object(tensors if leader else None, None, dst=0, group=layout.control)

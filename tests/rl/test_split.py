@@ -221,3 +221,32 @@ def test_async_split_quickstart_still_learns(tmp_path):
     assert len(steps) == 40 and max(r["staleness_max"] for r in steps) == 1
     final = records[-1]
     assert final["eval_accuracy_after"] - final["eval_accuracy_before"] >= 0.20, final
+
+
+AGENT = """
+async def run_agent(ctx, batch):
+    for item in batch.iter_samples():
+        client = ctx.client(item)
+        messages = list(item.messages)
+        for turn in range(3):
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "user", "content": f"again {turn}"})
+        return float(len(messages[-2].get("content") or "") % 2)
+"""
+
+
+@pytest.mark.parametrize("topology", [["--rollout-devices", "1"],
+                                      pytest.param(["--rollout-devices", "1,2", "--rollout-tp-size", "2"],
+                                                   marks=needs_gpus(3))], ids=["1+1", "1+tp2"])
+def test_agentic_rollout_in_split_mode(files, tmp_path, topology):
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    out = tmp_path / "agentic"
+    areno(files, out, "--agent-fn", str(agent), "--train-devices", "0", *topology, "--max-context-len", "400",
+          ARENO_VERIFY_POLICY_SYNC="1")
+    ms = metrics(out)
+    assert [m["step"] for m in ms] == [1, 2, 3]
+    assert all(m["agent_turns_mean"] == 3 and m["agent_forks"] == 0 for m in ms)
+    assert all(m["logprob_diff_max"] < 1e-4 for m in ms)  # the engines sampled with the trainer's policy
+    assert [m.get("policy_sync_verified") for m in ms] == [None, 1.0, 1.0]
