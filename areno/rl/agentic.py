@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import traceback
 import uuid
@@ -254,32 +253,11 @@ class AgentRollout:
 
     # the local endpoint
     def _start_server(self) -> str:
-        import socket
-
-        import uvicorn
-
         from areno.rl.agent_server import create_app
+        from areno.rollout.token_service import serve_in_thread
 
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self), host="127.0.0.1", port=port, log_level="warning",
-                                lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None
-        self._server_loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, args=(sock,), name="areno-agent-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the agent endpoint did not start")
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{port}/v1"
-
-    def _serve(self, sock):
-        asyncio.set_event_loop(self._server_loop)
-        self._server_loop.run_until_complete(self._server.serve(sockets=[sock]))
+        self._server, self._thread, address = serve_in_thread(create_app(self), "127.0.0.1", "areno-agent-http")
+        return address + "/v1"
 
     def close(self) -> None:
         if self._server is not None:

@@ -41,7 +41,6 @@ class TokenServer:
     """An engine leader's endpoint for one agentic rollout; ``wait()`` returns after ``/shutdown``."""
 
     def __init__(self, engine, *, decode_steps: int, host: str, token: str):
-        import uvicorn
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse
 
@@ -69,19 +68,7 @@ class TokenServer:
             self.done.set()
             return {"ok": True}
 
-        sock = socket.socket()
-        sock.bind((host, 0))
-        self.address = f"http://{host}:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self._server.install_signal_handlers = lambda: None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
-                                        name="areno-token-server", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the rollout token endpoint did not start")
-            time.sleep(0.01)
+        self._server, self._thread, self.address = serve_in_thread(app, host, "areno-token-server")
 
     def wait(self) -> None:
         """Serve until ``/shutdown``, then stop the endpoint and the engine thread (the engine stays)."""
@@ -89,6 +76,25 @@ class TokenServer:
         self._server.should_exit = True
         self._thread.join(10)
         self.async_engine.shutdown(drain=False)
+
+
+def serve_in_thread(app, host: str, name: str):
+    """Serve ``app`` on a free port of ``host`` from a daemon thread; returns (server, thread, "http://host:port")
+    once it accepts connections. ``server.should_exit = True`` then ``thread.join()`` stops it."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"{name}: the HTTP endpoint did not start")
+        time.sleep(0.01)
+    return server, thread, f"http://{host}:{sock.getsockname()[1]}"
 
 
 def reachable_host() -> str:
