@@ -250,3 +250,18 @@ def test_agentic_rollout_in_split_mode(files, tmp_path, topology):
     assert all(m["agent_turns_mean"] == 3 and m["agent_forks"] == 0 for m in ms)
     assert all(m["logprob_diff_max"] < 1e-4 for m in ms)  # the engines sampled with the trainer's policy
     assert [m.get("policy_sync_verified") for m in ms] == [None, 1.0, 1.0]
+
+
+def test_resume_in_split_mode_continues_exactly(files, tmp_path):
+    split = ["--train-devices", "0", "--rollout-devices", "1", "--save-interval", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    areno(files, full, *split, steps=3)
+    areno(files, part, *split, steps=2)
+    areno(files, part, *split, "--resume", steps=3)  # the engines start from --ckpt: the resumed policy is synced
+    a, b = metrics(full), metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3]
+    assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=1e-6) and b[2]["reward_mean"] == a[2]["reward_mean"]
+    assert b[2]["policy_sync_bytes"] > 0
+    wa = load_file(str(full / "step-3" / "model.safetensors"))
+    wb = load_file(str(part / "step-3" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
