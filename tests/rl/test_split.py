@@ -265,3 +265,37 @@ def test_resume_in_split_mode_continues_exactly(files, tmp_path):
     wa = load_file(str(full / "step-3" / "model.safetensors"))
     wb = load_file(str(part / "step-3" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _ranks_of(out) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and str(out).encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_no_rank_outlives_a_killed_launcher(files, tmp_path):
+    out = tmp_path / "orphans"
+    proc = subprocess.Popen([sys.executable, "-m", "areno",
+                             *train_args(files, out, "--train-devices", "0", "--rollout-devices", "1", steps=500)],
+                            env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics" / "metrics.jsonl").is_file() or not metrics(out):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        assert len(_ranks_of(out)) >= 2
+        os.kill(proc.pid, signal.SIGKILL)  # no chance to stop its workers itself
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while _ranks_of(out) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _ranks_of(out), "a rank outlived the launcher"
+    finally:
+        proc.kill()
+        for pid in _ranks_of(out):
+            os.kill(pid, signal.SIGKILL)
