@@ -14,7 +14,7 @@ from areno.config import ConfigError, TrainConfig
 PRESETS: dict[str, Callable[[], TrainConfig]] = {}
 
 # Modules that register built-in presets when imported.
-_BUILTIN: tuple[str, ...] = ("areno.quickstart.preset",)
+_BUILTIN: tuple[str, ...] = ("areno.quickstart.preset", "areno.quickstart.agentic")
 
 
 def register_preset(name: str):
