@@ -242,7 +242,8 @@ def test_the_configuration_goes_to_the_run_folder_and_errors_come_last(files, tm
 
 def test_help_lists_the_presets(capsys):
     code, out, _ = run(capsys, ["train", "--help"])
-    assert code == 0 and "presets: quickstart" in " ".join(out.split())
+    text = " ".join(out.split())
+    assert code == 0 and "presets: agentic-quickstart, quickstart" in text
 
 
 def test_a_gsm8k_like_run_without_held_out_rows_says_why_and_still_draws_the_reward_curve(files, tmp_path, capsys):
