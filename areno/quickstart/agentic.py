@@ -18,20 +18,16 @@ e.g. ``--max-steps 6``, ``--seed 1`` or ``--dataset-path teacher_skips=0`` (a te
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from areno.config import TrainConfig
 from areno.presets import register_preset
+from areno.quickstart.preset import MODEL, _cpu_threads, cached_model
 
 NAME = "agentic-quickstart"
 TASK = Path(__file__).resolve().with_name("agentic_task.py")
-# qwen3 layout, two layers of width 128 (about 0.4M parameters with the tied embedding of the tiny tokenizer). Bump
-# MODEL_VERSION with any change here: it names the cache folder, so an old cached model is never reused.
-MODEL = dict(family="qwen3", seed=0, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32, initializer_range=0.05)
+# The quickstart's model layout (preset.MODEL). Bump MODEL_VERSION with any change to it: it names the cache folder,
+# so an old cached model is never reused.
 MODEL_VERSION = "add-tool-v1"
 
 
@@ -42,36 +38,8 @@ def cache_dir() -> Path:
 
 
 def model_path() -> Path:
-    """The preset's model folder, created on first use (atomically: a crashed or concurrent run leaves no half-written
-    model behind)."""
-    path = cache_dir() / f"model-{MODEL_VERSION}"
-    if (path / "model.safetensors").exists():
-        return path
-    from areno.testing import make_tiny_checkpoint
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=path.parent))
-    try:
-        kwargs = dict(MODEL)
-        make_tiny_checkpoint(tmp, kwargs.pop("family"), kwargs.pop("seed"), **kwargs)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process created it first
-            if not (path / "model.safetensors").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def _cpu_threads():
-    """Tiny matrices: on a CPU extra intra-op threads only add synchronisation, so use one unless the user chose with
-    OMP_NUM_THREADS."""
-    import torch
-
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
+    """The preset's model folder (the quickstart's layout, cached under its own name), created on first use."""
+    return cached_model(cache_dir() / f"model-{MODEL_VERSION}", MODEL)
 
 
 @register_preset(NAME)

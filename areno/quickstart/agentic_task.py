@@ -168,19 +168,10 @@ def generate(seed: int = 0, digits: int = 7, n_train: int = 8000, n_eval: int = 
 
 
 def parse_spec(spec) -> dict:
-    """``"n_eval=64,teacher_skips=0.5"`` -> ``{"n_eval": 64, "teacher_skips": 0.5}`` (keys of ``generate``; empty
-    or None -> {})."""
-    out = {}
-    for item in str(spec or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in DEFAULTS:
-            raise ValueError(f"--dataset-path for the agentic quickstart task takes key=value items with keys "
-                             f"{', '.join(DEFAULTS)}; got {item!r}")
-        out[key] = type(DEFAULTS[key])(value)
-    return out
+    """``"n_eval=64,teacher_skips=0.5"`` -> ``{"n_eval": 64, "teacher_skips": 0.5}`` (keys of ``generate``)."""
+    from areno.quickstart.task import parse_spec as parse
+
+    return parse(spec, DEFAULTS, "the agentic quickstart task")
 
 
 def load_training_dataset(path=None, *, default_loader=None, **kwargs) -> list[dict]:

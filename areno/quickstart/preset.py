@@ -40,9 +40,13 @@ def cache_dir() -> Path:
 
 
 def model_path() -> Path:
-    """The quickstart model's folder, created on first use (atomically: a crashed or concurrent run leaves no
-    half-written model behind)."""
-    path = cache_dir() / f"model-{MODEL_VERSION}"
+    """The quickstart model's folder, created on first use."""
+    return cached_model(cache_dir() / f"model-{MODEL_VERSION}", MODEL)
+
+
+def cached_model(path: Path, model: dict) -> Path:
+    """A tiny ``model`` (``make_tiny_checkpoint`` arguments) at ``path``, created on first use (atomically: a crashed
+    or concurrent run leaves no half-written model behind)."""
     if (path / "model.safetensors").exists():
         return path
     from areno.testing import make_tiny_checkpoint
@@ -50,7 +54,7 @@ def model_path() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=path.parent))
     try:
-        kwargs = dict(MODEL)
+        kwargs = dict(model)
         make_tiny_checkpoint(tmp, kwargs.pop("family"), kwargs.pop("seed"), **kwargs)
         try:
             os.rename(tmp, path)

@@ -77,19 +77,20 @@ def generate(seed: int = 0, digits: int = 2, n_train: int = 0, n_eval: int = 200
     return rows
 
 
-def parse_spec(spec) -> dict:
-    """``"n_eval=64,teacher_error=0.5"`` -> ``{"n_eval": 64, "teacher_error": 0.5}`` (keys of ``generate``; empty
-    or None -> {})."""
+def parse_spec(spec, defaults=None, task: str = "the quickstart task") -> dict:
+    """``"n_eval=64,teacher_error=0.5"`` -> ``{"n_eval": 64, "teacher_error": 0.5}`` (keys of ``defaults``, by
+    default ``generate``'s; empty or None -> {})."""
+    defaults = DEFAULTS if defaults is None else defaults
     out = {}
     for item in str(spec or "").split(","):
         if not item.strip():
             continue
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in DEFAULTS:
-            raise ValueError(f"--dataset-path for the quickstart task takes key=value items with keys "
-                             f"{', '.join(DEFAULTS)}; got {item!r}")
-        out[key] = type(DEFAULTS[key])(value)
+        if not sep or key not in defaults:
+            raise ValueError(f"--dataset-path for {task} takes key=value items with keys "
+                             f"{', '.join(defaults)}; got {item!r}")
+        out[key] = type(defaults[key])(value)
     return out
 
 
