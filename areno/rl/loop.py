@@ -26,6 +26,7 @@ from areno.rl import algorithms
 from areno.rl.advantages import gae, group_advantages
 from areno.rl.batch import Row
 from areno.rl.losses import value_loss
+from areno.rl.rollout_colocated import gather_objects as _gather_objects
 from areno.rl.trainer import PolicyTrainer
 
 log = logging.getLogger("areno.train")
@@ -42,9 +43,6 @@ def _dtype(cfg, device) -> torch.dtype:
     if cfg.dtype:
         return getattr(torch, cfg.dtype)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-from areno.rl.rollout_colocated import gather_objects as _gather_objects  # noqa: E402
 
 
 class TrainLoop:
