@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from areno.rollout.block_manager import BlockManager
+from areno.rollout.grammar import token_mask
 from areno.rollout.model_runner import ModelRunner, TPWorker, broadcast_step, plan_num_blocks
 from areno.rollout.scheduler import Scheduler, Step
 from areno.rollout.sequence import SamplingOptions, Sequence
@@ -70,10 +71,12 @@ class Engine:
             eos_token_ids = _eos_ids(model, tokenizer)
         self.stopper = StopChecker(tokenizer, eos_token_ids, self.max_model_len)
         self._rng = random.Random(cfg.seed)
+        self.grammars = None  # compiled structured-output grammars (areno.rollout.grammar), built on first use
         self.runner = None
         self._build()
         self._progress_t = time.perf_counter()
         self._progress_tokens = 0
+        self._hold_waiting = False  # the last step admitted while requests waited: the next one may decode k steps
 
     def _build(self):
         cfg = self.config
@@ -142,8 +145,23 @@ class Engine:
                      seed=(base * 1_000_003 + i) % (2**62))
             for i in range(options.n)
         ]
+        if options.grammar is not None:
+            self._attach_grammar(group, options)
         self.scheduler.add(group)
         return group
+
+    def _attach_grammar(self, group: list[Sequence], options: SamplingOptions) -> None:
+        """One grammar matcher per sample (compiled once per spec); the stop tokens end the output."""
+        from areno.rollout.grammar import GrammarError, Grammars
+
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise GrammarError("structured outputs need the engine's tokenizer")
+            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) or len(self.tokenizer)
+            self.grammars = Grammars(self.tokenizer, vocab, self.stopper.eos)
+        stops = set(options.stop_token_ids) if options.ignore_eos else self.stopper.eos.union(options.stop_token_ids)
+        for seq in group:
+            seq.grammar = self.grammars.matcher(options.grammar, stops)
 
     def abort(self, seqs) -> None:
         for seq in seqs:
@@ -158,8 +176,16 @@ class Engine:
 
         ``decode_steps`` k > 1: when the step only decodes and nothing waits, run k decode steps in one go (the
         runner chains them on the device) and give each sequence up to k tokens; a sequence that stops early keeps
-        only its tokens up to the stop (the rest were computed and are dropped)."""
-        step = self.scheduler.schedule()
+        only its tokens up to the stop (the rest were computed and are dropped).
+
+        Requests that arrive while sequences decode (agent turns, a stream of clients) would otherwise hold every step
+        to one token: after a step that admitted with requests waiting, the next step leaves them waiting and decodes
+        k tokens, so waiting costs at most one k-step group and at least k of every k + 1 decode tokens come from
+        chained steps."""
+        hold = decode_steps > 1 and self._hold_waiting and bool(self.scheduler.running)
+        waited = bool(self.scheduler.waiting)
+        step = self.scheduler.schedule(admit=not hold)
+        self._hold_waiting = False
         if not step.chunks:
             return []
         copies = list(self.blocks.pending_copies)
@@ -171,9 +197,11 @@ class Engine:
                 for seq in [chunk.seq] + [c for c in getattr(chunk.seq, "children", []) if not c.is_finished]:
                     rows.append(seq)
                     row_index.append(offset - 1)
-        if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps):
+        if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps, hold):
             return self._multi_step(step, rows, decode_steps, copies)
-        tokens, logprobs, top = self.runner.run(step, rows, row_index, copies)
+        self._hold_waiting = waited and not hold  # a held step is followed by an admitting one
+        mask = token_mask([s.grammar for s in rows]) if self.grammars is not None else None
+        tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask)
         self.scheduler.after_step(step)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         for i, seq in enumerate(rows):
@@ -182,16 +210,21 @@ class Engine:
                 k = seq.options.top_logprobs
                 seq.top_logprobs.append(list(zip(top[0][i, :k].tolist(), top[1][i, :k].tolist())))
             reason = self.stopper.check(seq)
+            if seq.grammar is not None:
+                reason = _grammar_reason(seq, tokens[i], reason)
             if reason is not None:
                 seq.finish(reason)
                 self.scheduler.finish(seq)
         self._progress(step, len(rows))
         return rows
 
-    def _reserve_decode_steps(self, step: Step, rows: list[Sequence], k: int) -> bool:
-        """Whether ``step`` can run as k decode steps: decodes only, nothing waiting, no top log-probs, every
-        position inside the context, and the blocks of all k positions reserved (they are, when this says yes)."""
-        if not step.is_decode or self.scheduler.waiting or any(s.options.top_logprobs for s in rows):
+    def _reserve_decode_steps(self, step: Step, rows: list[Sequence], k: int, hold: bool = False) -> bool:
+        """Whether ``step`` can run as k decode steps: decodes only, nothing waiting (unless ``hold``: waiting ones
+        were admitted one step ago), no top log-probs or grammars (the host masks every token), every position inside
+        the context, and the blocks of all k positions reserved (they are, when this says yes)."""
+        if not step.is_decode or (self.scheduler.waiting and not hold):
+            return False
+        if any(s.options.top_logprobs or s.grammar is not None for s in rows):
             return False
         if any(len(s) + k - 1 > self.max_model_len for s in rows):
             return False
@@ -264,6 +297,15 @@ class Engine:
             token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",
             text=text, stop_text=seq.stop_text, timings=seq.timings(),
         )
+
+
+def _grammar_reason(seq: Sequence, token: int, reason: str | None) -> str | None:
+    """Advance the sequence's grammar by its new token: a whole output (only stop tokens may follow) finishes it
+    ("stop"); a token the grammar refuses (no allowed token was left to sample) aborts it."""
+    if not seq.grammar.accept(token):
+        log.warning("request %s: token %d is outside its grammar; the sample is aborted", seq.request_id, token)
+        return "abort"
+    return "stop" if seq.grammar.finished else reason
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

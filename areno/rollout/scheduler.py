@@ -101,7 +101,9 @@ class Scheduler:
         self.num_preemptions += 1
         step.preempted.append(seq)
 
-    def schedule(self) -> Step:
+    def schedule(self, admit: bool = True) -> Step:
+        """The next step; ``admit=False`` leaves waiting requests waiting (the engine holds them for one multi-step
+        decode group at most)."""
         step = Step()
         # 1. every computed running sequence decodes one token; make room, preempting the youngest if needed
         decodes = []
@@ -126,7 +128,7 @@ class Scheduler:
                 step.chunks.append(Chunk(seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
         # 3. admit waiting requests while a slot, blocks and budget allow
-        while self.waiting and budget > 0 and not step.preempted:
+        while admit and self.waiting and budget > 0 and not step.preempted:
             seq = self.waiting[0]
             if len(self.running) + self._group_size(seq) > self.max_running:
                 break
