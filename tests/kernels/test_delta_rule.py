@@ -1,0 +1,112 @@
+"""Gated delta rule: Triton (interpreted on CPU) and the native chunked path vs a float64 token-by-token recurrence,
+forward and every gradient; the decode step vs the chunked forward, token by token."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from areno.kernels.delta_rule import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_native,
+    delta_rule_reference,
+    fused_recurrent_gated_delta_rule_step,
+)
+
+NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
+
+
+def _inputs(lens, H, K, V, gate, dtype=torch.float32, device="cpu", seed=0):
+    """Random packed inputs like KDA's: unit-norm k, g in [-lower, 0] per channel ("channel") or per head ("head")."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T = sum(lens)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q = r(T, H, K)
+    k = F.normalize(r(T, H, K), dim=-1)
+    v = r(T, H, V)
+    g = -5 * torch.rand(T, H, *((K,) if gate == "channel" else ()), generator=gen) ** 2
+    beta = torch.rand(T, H, generator=gen)
+    s0 = r(len(lens), H, K, V)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    ts = [t.to(device=device, dtype=dtype) for t in (q, k, v, g, beta)] + [s0.to(device)]
+    return ts, cu
+
+
+def _run(fn, ts, cu, do, dst, **kw):
+    ts = [t.detach().clone().requires_grad_() for t in ts]
+    o, st = fn(*ts[:5], initial_state=ts[5], cu_seqlens=cu, output_final_state=True, **kw)
+    grads = torch.autograd.grad((o, st), ts, (do.to(o.dtype), dst.to(st.dtype)))
+    return o, st, grads
+
+
+def _check(fn, lens, H, K, V, gate, chunk_size, tol=(2e-4, 2e-4)):
+    ts, cu = _inputs(lens, H, K, V, gate)
+    do, dst = torch.randn(sum(lens), H, V), torch.randn(len(lens), H, K, V)
+    ref = _run(delta_rule_reference, [t.double() for t in ts], cu, do.double(), dst.double())
+    out = _run(fn, ts, cu, do, dst, chunk_size=chunk_size)
+    rtol, atol = tol
+    torch.testing.assert_close(out[0].double(), ref[0], rtol=rtol, atol=atol, msg="o")
+    torch.testing.assert_close(out[1].double(), ref[1], rtol=rtol, atol=atol, msg="final_state")
+    for name, g, g_ref in zip(NAMES, out[2], ref[2]):
+        scale = max(g_ref.abs().max().item(), 1.0)
+        torch.testing.assert_close(g.double(), g_ref, rtol=rtol, atol=atol * scale, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_native_chunked_matches_recurrence(gate):
+    _check(chunk_gated_delta_rule_native, [5, 37, 20], 2, 16, 8, gate, chunk_size=16)
+    _check(chunk_gated_delta_rule_native, [70], 1, 32, 16, gate, chunk_size=64)
+
+
+def test_public_function_without_state(native_kernels):
+    ts, cu = _inputs([9, 23], 2, 8, 8, "channel")
+    o, st = chunk_gated_delta_rule(*ts[:5], cu_seqlens=cu, chunk_size=16)
+    o_ref, _ = delta_rule_reference(*[t.double() for t in ts[:5]], cu_seqlens=cu)
+    assert st is None and o.dtype == torch.float32
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+    o1, _ = chunk_gated_delta_rule(*[t[:9] for t in ts[:5]], chunk_size=16)  # cu_seqlens None: one sequence
+    torch.testing.assert_close(o1, o[:9], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_decode_step_follows_chunked_forward(gate):
+    """Prefill a few tokens with the chunked path, then step token by token in a state pool: every output and the
+    final states equal the chunked forward over the whole sequences."""
+    lens, H, K, V = [7, 4, 9], 2, 8, 8
+    (q, k, v, g, beta, s0), cu = _inputs(lens, H, K, V, gate)
+    o_full, st_full = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu,
+                                             output_final_state=True, chunk_size=16)
+    pool = torch.randn(6, H, K, V)
+    slots = torch.tensor([4, -1, 1, 2])  # row 1 is a padding row: its slot (and output) must be left alone
+    seqs = [0, None, 1, 2]
+    pool[4], pool[1], pool[2] = s0[0], s0[1], s0[2]
+    untouched = pool[[0, 3, 5]].clone()
+    starts = cu[:-1].tolist()
+    for step in range(max(lens)):
+        rows = [starts[n] + min(step, lens[n] - 1) if n is not None else 0 for n in seqs]
+        idx = torch.tensor(slots.tolist())
+        for i, n in enumerate(seqs):  # sequences that are done skip the step
+            if n is not None and step >= lens[n]:
+                idx[i] = -1
+        o = fused_recurrent_gated_delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], pool,
+                                                  state_indices=idx)
+        for i in range(len(seqs)):
+            if idx[i] < 0:
+                assert (o[i] == 0).all()
+            else:
+                torch.testing.assert_close(o[i], o_full[rows[i]], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[[4, 1, 2]], st_full, rtol=1e-4, atol=1e-4)
+    assert torch.equal(pool[[0, 3, 5]], untouched)
+    # without a pool: the state is [B, H, K, V] and updated in place
+    st = s0[:1].clone()
+    for t in range(lens[0]):
+        o = fused_recurrent_gated_delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], st)
+        torch.testing.assert_close(o[0], o_full[t], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(st[0], st_full[0], rtol=1e-4, atol=1e-4)
+
+
+def test_rejects_bad_shapes():
+    ts, cu = _inputs([4], 2, 8, 8, "channel")
+    with pytest.raises(ValueError, match="g must be"):
+        chunk_gated_delta_rule(*ts[:3], ts[3][..., :3], ts[4])
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_gated_delta_rule(*ts[:5], initial_state=ts[5][:, :1])
