@@ -81,16 +81,26 @@ class AgentContext:
         self._rollout = rollout
         self.base_url = rollout.base_url
         self.api_key = rollout.api_key
+        self._openai = None  # one client (one connection pool) per rollout; each sample's is a cheap copy of it
 
     def get_base_url(self) -> str:
         return self.base_url
 
     def client(self, item: AgentItem, **kwargs):
-        """An ``openai.AsyncOpenAI`` client whose calls belong to ``item``'s session."""
+        """An ``openai.AsyncOpenAI`` client whose calls belong to ``item``'s session (``kwargs``: any option of
+        ``AsyncOpenAI.with_options``, e.g. ``timeout``, ``max_retries``). Every sample's client shares one connection
+        pool: building a fresh ``AsyncOpenAI`` costs ~30-100 ms, which a rollout of hundreds of samples would pay."""
         import openai
 
+        if self._openai is None:
+            self._openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key)
         headers = {**kwargs.pop("default_headers", {}), SESSION_HEADER: item.id}
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, default_headers=headers, **kwargs)
+        return self._openai.with_options(default_headers=headers, **kwargs)
+
+    async def aclose(self) -> None:
+        if self._openai is not None:
+            await self._openai.close()
+            self._openai = None
 
     async def generate(self, item: AgentItem, prompt_ids: list[int], *, max_tokens=None, temperature=None,
                        top_p=None, stop=None) -> Generation:
@@ -388,6 +398,7 @@ class AgentRollout:
         try:
             results = await asyncio.gather(*(self._run_one(ctx, it) for it in items))
         finally:
+            await ctx.aclose()
             if self._remote is not None:
                 await self._remote.aclose()
                 self._remote = None
