@@ -9,6 +9,7 @@ from areno.kernels import attention as _attention
 from areno.kernels import linear_logprobs as _linear_logprobs
 from areno.kernels import moe as _moe
 from areno.kernels import paged_attention as _paged_attention
+from areno.kernels import penalties as _penalties
 from areno.kernels import qkv_prologue as _qkv_prologue
 from areno.kernels import rms_norm as _rms_norm
 from areno.kernels import rope as _rope
@@ -25,12 +26,14 @@ rope_params_from_config = _rope.rope_params_from_config
 silu_and_mul = _activation.silu_and_mul
 linear_logprobs = _linear_logprobs.linear_logprobs
 sample = _sampler.sample
+apply_penalties = _penalties.apply_penalties
+apply_logit_bias = _penalties.apply_logit_bias
 fused_moe = _moe.fused_moe
 route_softmax_topk = _moe.route_softmax_topk
 route_sigmoid_grouped_topk = _moe.route_sigmoid_grouped_topk
 
 __all__ = [
-    "apply_rope", "attention", "fused_moe", "linear_logprobs", "paged_attention", "qkv_prologue", "rms_norm",
-    "rope_cos_sin", "rope_params_from_config", "route_sigmoid_grouped_topk", "route_softmax_topk", "sample",
-    "silu_and_mul", "store_kvcache",
+    "apply_logit_bias", "apply_penalties", "apply_rope", "attention", "fused_moe", "linear_logprobs",
+    "paged_attention", "qkv_prologue", "rms_norm", "rope_cos_sin", "rope_params_from_config",
+    "route_sigmoid_grouped_topk", "route_softmax_topk", "sample", "silu_and_mul", "store_kvcache",
 ]

@@ -1,4 +1,5 @@
-"""Token sampling for decode: per-row temperature, top-k, top-p and seed; sync-free, fixed shapes, graph-capturable.
+"""Token sampling for decode: per-row temperature, min-p, top-k, top-p and seed; sync-free, fixed shapes,
+graph-capturable.
 
     z        = logits / T                      (T <= 0: greedy, z = logits)
     token    = argmax_j  z_j + G_j  over the kept set,   G_j = -log(-log U_j)  (Gumbel-max: token ~ softmax(z))
@@ -8,12 +9,20 @@
 Noise: U_j is a counter-based hash, Philox4x32-10 keyed by the row's 64-bit seed with counter (j // 4, offset
 lo, offset hi, 0), word j % 4; the offset is typically the decode position, so every step draws fresh noise and
 the same (seed, offset) gives the same token. The native path computes the same bits with int64 torch ops.
-Kept set: tokens with z >= a per-row threshold, the largest value whose count (top-k) or probability mass (top-p,
-relative to the top-k set, as Hugging Face applies them) still reaches the target; ties at the threshold are all
-kept. The threshold is found without sorting: a bisection over the order-preserving int32 key of fp32, 16 pivots
-per pass over the row, 8 passes. top_k <= 0 or >= V and top_p >= 1 switch a row's filter off.
+Kept set: tokens with z >= a per-row threshold: the largest value whose count (top-k) still reaches k; min-p keeps
+z >= max z + log(min_p) (probability >= min_p * the largest probability, after temperature, as vLLM applies it);
+the two cuts intersect, and top-p then keeps the smallest top of that set whose probability mass relative to it
+reaches p (Hugging Face's order); ties at the threshold are all kept. The threshold is found without sorting: a
+bisection over the order-preserving int32 key of fp32, 16 pivots per pass over the row, 8 passes. top_k <= 0 or
+>= V, min_p <= 0 and top_p >= 1 switch a row's filter off.
 Kernels: [threshold] -> race (grid rows x vocab splits: online logsumexp + best score) -> pick (merge the splits).
 Traffic: the logits are read once (plus ~20 passes per row for rows with top-k/top-p); no host sync anywhere.
+
+Penalties, logit bias and the min_tokens ban (``areno.kernels.penalties``) rewrite the logits before this step, so
+the returned logprob is that of the distribution the token was actually drawn from: the adjusted, tempered logits,
+before min-p/top-k/top-p. For RL this is the behaviour policy's log-prob; the trainer's log-probs are of the plain
+model at the same temperature, so the rollout/trainer difference (and truncated importance sampling) then measures
+and corrects the adjustment as off-policy sampling.
 """
 
 from __future__ import annotations
@@ -189,9 +198,9 @@ def _search(x_ptr, stride_x, rows, row_ok, inv_t, m, target, lo, V, USE_MASS: tl
 
 
 @triton.jit
-def _threshold_kernel(x_ptr, stride_x, temp_ptr, k_ptr, p_ptr, thr_ptr, B, V, HAS_K: tl.constexpr,
-                      HAS_P: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr,
-                      NPASS: tl.constexpr):  # fmt: skip
+def _threshold_kernel(x_ptr, stride_x, temp_ptr, k_ptr, p_ptr, lmp_ptr, thr_ptr, B, V, HAS_K: tl.constexpr,
+                      HAS_P: tl.constexpr, HAS_MINP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      NPIV: tl.constexpr, NPASS: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < B
     temp = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)
@@ -204,6 +213,13 @@ def _threshold_kernel(x_ptr, stride_x, temp_ptr, k_ptr, p_ptr, thr_ptr, B, V, HA
             tk = _search(x_ptr, stride_x, rows, row_ok, inv_t, inv_t, k.to(tl.float32), thr, V, False, ROWS, BLOCK,
                          NPIV, NPASS)  # fmt: skip
             thr = tl.where(k_on, tk, thr)
+    if HAS_MINP:  # log(min_p) from the host (-inf: off), so both paths compare the same fp32 threshold
+        lmp = tl.load(lmp_ptr + rows, mask=row_ok, other=float("-inf"))
+        mp_on = row_ok & (lmp > float("-inf"))
+        if tl.max(mp_on.to(tl.int32), axis=0) > 0:
+            m = _row_pass(x_ptr, stride_x, rows, row_ok, inv_t, inv_t, thr, V, 0, ROWS, BLOCK)
+            tm = _key(m + tl.where(mp_on, lmp, 0.0)).to(tl.int64)
+            thr = tl.where(mp_on, tl.maximum(thr, tm), thr)
     if HAS_P:
         p = tl.load(p_ptr + rows, mask=row_ok, other=1.0)
         p_on = row_ok & (p < 1.0)
@@ -221,19 +237,20 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _triton_sample(logits, temperature, top_k, top_p, seeds, offsets):
+def _triton_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets):
     B, V = logits.shape
     dev = logits.device
     interp = interpreting() or not logits.is_cuda
     rows, q = (min(128, triton.next_power_of_2(B)), 16) if interp else (1, 256)
     thr = None
-    if top_k is not None or top_p is not None:
+    if top_k is not None or top_p is not None or log_min_p is not None:
         thr = torch.empty(B, dtype=torch.int32, device=dev)
         t_rows, block = (rows, 64) if interp else (1, 1024)
         _threshold_kernel[(triton.cdiv(B, t_rows),)](
             logits, logits.stride(0), temperature, top_k if top_k is not None else seeds,
-            top_p if top_p is not None else temperature, thr, B, V, HAS_K=top_k is not None,
-            HAS_P=top_p is not None, ROWS=t_rows, BLOCK=block, NPIV=_NPIV, NPASS=_NPASS, num_warps=8)  # fmt: skip
+            top_p if top_p is not None else temperature, log_min_p if log_min_p is not None else temperature, thr,
+            B, V, HAS_K=top_k is not None, HAS_P=top_p is not None, HAS_MINP=log_min_p is not None, ROWS=t_rows,
+            BLOCK=block, NPIV=_NPIV, NPASS=_NPASS, num_warps=8)  # fmt: skip
     tile = 4 * q
     if interp:
         splits = 2 if V > 2 * tile else 1
@@ -296,7 +313,7 @@ def _gumbel_torch(bits):
     return -torch.log(torch.where(v < 0.0078125, series, -torch.log(1.0 - v)))
 
 
-def _native_threshold(z, key, top_k, top_p):
+def _native_threshold(z, key, top_k, top_p, log_min_p=None):
     """Per-row int32-key threshold by sorting (same definition as the Triton bisection)."""
     B, V = z.shape
     skey, order = key.sort(dim=1, descending=True)
@@ -305,6 +322,10 @@ def _native_threshold(z, key, top_k, top_p):
         k = top_k.to(torch.int64)
         tk = skey.gather(1, (k - 1).clamp(0, V - 1)[:, None])[:, 0].to(torch.int64)
         thr = torch.where((k > 0) & (k < V), tk, thr)
+    if log_min_p is not None:
+        on = log_min_p > float("-inf")
+        tm = _key_torch(z.max(dim=1).values + torch.where(on, log_min_p, 0.0)).to(torch.int64)
+        thr = torch.where(on, torch.maximum(thr, tm), thr)
     if top_p is not None:
         zs = z.gather(1, order)
         mass = torch.exp(zs - zs[:, :1]) * (skey >= thr[:, None])
@@ -316,14 +337,14 @@ def _native_threshold(z, key, top_k, top_p):
     return thr
 
 
-def _native_sample(logits, temperature, top_k, top_p, seeds, offsets):
+def _native_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets):
     greedy = temperature <= 0
     inv_t = 1.0 / torch.where(greedy, torch.ones_like(temperature), temperature)
     z = logits.float() * inv_t[:, None]
     score = torch.where(greedy[:, None], z, z + _gumbel_torch(philox_bits(seeds, offsets, z.shape[1])))
-    if top_k is not None or top_p is not None:
+    if top_k is not None or top_p is not None or log_min_p is not None:
         key = _key_torch(z)
-        score = score.masked_fill(key < _native_threshold(z, key, top_k, top_p)[:, None], float("-inf"))
+        score = score.masked_fill(key < _native_threshold(z, key, top_k, top_p, log_min_p)[:, None], float("-inf"))
     tokens = score.argmax(dim=1)
     return tokens, z.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(z, dim=1)
 
@@ -352,15 +373,16 @@ def _logits_f32(hidden, weight):
     return hidden.float() @ weight.float().T
 
 
-def sample(logits=None, *, hidden=None, weight=None, temperature, seeds, offsets, top_k=None, top_p=None):
+def sample(logits=None, *, hidden=None, weight=None, temperature, seeds, offsets, top_k=None, top_p=None,
+           min_p=None):
     """Sample one token per row; returns ``(tokens int64 [B], logprobs fp32 [B])`` (see the module docstring).
 
     Give ``logits [B, V]``, or ``hidden [B, H]`` and ``weight [V, H]`` (the LM head, applied with fp32 output).
     Per row (tensor ``[B]`` or a Python scalar for all rows): ``temperature`` (<= 0: greedy), ``seeds`` int64,
     ``offsets`` int64 (the decode position: fresh noise per step, same seed + offset -> same token), ``top_k``
-    (<= 0 or >= V: off), ``top_p`` (>= 1: off). ``top_k=None`` / ``top_p=None`` skip the filter kernel entirely.
-    The logprob is of the tempered distribution before top-k/top-p (T <= 0 uses T = 1), matching
-    ``linear_logprobs(hidden, weight, tokens, temperature=T)``.
+    (<= 0 or >= V: off), ``top_p`` (>= 1: off), ``min_p`` in [0, 1] (0: off). ``None`` for all three skips the
+    filter kernel entirely. The logprob is of the tempered distribution before min-p/top-k/top-p (T <= 0 uses
+    T = 1), matching ``linear_logprobs(hidden, weight, tokens, temperature=T)`` on unadjusted logits.
     """
     if logits is None:
         if hidden is None or weight is None:
@@ -377,8 +399,10 @@ def sample(logits=None, *, hidden=None, weight=None, temperature, seeds, offsets
     offsets = _per_row(offsets, B, torch.int64, dev, "offsets")
     top_k = _per_row(top_k, B, torch.int32, dev, "top_k")
     top_p = _per_row(top_p, B, torch.float32, dev, "top_p")
+    min_p = _per_row(min_p, B, torch.float32, dev, "min_p")
+    log_min_p = torch.log(min_p) if min_p is not None else None  # 0 -> -inf: off
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if use_triton(logits, supported=logits.dtype in _FLOATS):
-        return _triton_sample(logits, temperature, top_k, top_p, seeds, offsets)
-    return _native_sample(logits, temperature, top_k, top_p, seeds, offsets)
+        return _triton_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets)
+    return _native_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets)

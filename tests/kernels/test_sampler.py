@@ -1,4 +1,5 @@
-"""sample: chi-square distribution, top-k/top-p support, seeding, greedy, logprobs; Triton (interpreted), native."""
+"""sample: chi-square distribution, min-p/top-k/top-p support, seeding, greedy, logprobs; Triton (interpreted),
+native."""
 
 import math
 
@@ -19,11 +20,14 @@ def _seeds(B, device="cpu"):
     return torch.randint(-(2**62), 2**62, (B,), device=device), torch.randint(0, 2**40, (B,), device=device)
 
 
-def _kept_set(z, k, p):
-    """Reference kept set of one row of tempered logits (float64): top-k, then top-p of the renormalised top-k."""
+def _kept_set(z, k, p, min_p=0.0):
+    """Reference kept set of one row of tempered logits (float64): min-p and top-k, then top-p of the renormalised
+    rest."""
     order = z.double().argsort(descending=True)
     n = len(order) if k <= 0 or k >= len(order) else k
     cand = order[:n]
+    probs = torch.softmax(z.double(), 0)
+    cand = cand[probs[cand] >= min_p * probs.max()]
     if p < 1:
         cum = torch.softmax(z.double()[cand], 0).cumsum(0)
         cand = cand[: int((cum < p).sum()) + 1]
@@ -92,6 +96,22 @@ def test_distribution_mixed_batch(path):
         _assert_distribution(got, probs / probs.sum())
 
 
+def test_min_p_distribution(path):
+    """min-p keeps the tokens with probability >= min_p * the largest (after temperature), alone and before top-p."""
+    V, n = 24, 900
+    logits = torch.randn(V) * 1.5
+    groups = [(1.0, 0.2, 0, 1.0), (0.7, 0.05, 6, 1.0), (1.3, 0.1, 0, 0.6)]  # temperature, min_p, top_k, top_p
+    rows = lambda i: torch.tensor([g[i] for g in groups]).repeat_interleave(n)  # noqa: E731
+    seeds, offsets = _seeds(n * len(groups))
+    tokens, _ = sample(logits.expand(n * len(groups), V), temperature=rows(0), min_p=rows(1), top_k=rows(2),
+                       top_p=rows(3), seeds=seeds, offsets=offsets)  # fmt: skip
+    for i, (t, mp, k, p) in enumerate(groups):
+        keep = _kept_set(logits / t, k, p, mp)
+        assert 1 < keep.sum() < V
+        probs = torch.where(keep, torch.softmax(logits.double() / t, 0), 0.0)
+        _assert_distribution(tokens[i * n : (i + 1) * n], probs / probs.sum())
+
+
 def test_support_random_rows(path):
     """Per-row random logits, k, p, temperature: every token lies in its row's top-k / top-p set."""
     B, V = 96, 301
@@ -156,11 +176,13 @@ def test_native_and_triton_draw_the_same_tokens(monkeypatch):
     temp = torch.where(torch.rand(B) < 0.1, 0.0, torch.rand(B) + 0.2)
     top_k = torch.randint(-1, 40, (B,))
     top_p = torch.where(torch.rand(B) < 0.3, 1.0, torch.rand(B) * 0.9 + 0.05)
+    min_p = torch.where(torch.rand(B) < 0.5, 0.0, torch.rand(B) * 0.3)
     seeds, offsets = _seeds(B)
     out = {}
     for mode in ("native", "triton"):
         monkeypatch.setenv("ARENO_KERNELS", mode)
-        out[mode] = sample(logits, temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, offsets=offsets)
+        out[mode] = sample(logits, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+                           offsets=offsets)  # fmt: skip
     assert torch.equal(out["native"][0], out["triton"][0])
     torch.testing.assert_close(out["native"][1], out["triton"][1], rtol=0, atol=1e-5)
 
