@@ -81,26 +81,27 @@ class AgentContext:
         self._rollout = rollout
         self.base_url = rollout.base_url
         self.api_key = rollout.api_key
-        self._openai = None  # one client (one connection pool) per rollout; each sample's is a cheap copy of it
+        self._pool = None  # one HTTP connection pool per rollout, shared by the samples' clients
 
     def get_base_url(self) -> str:
         return self.base_url
 
     def client(self, item: AgentItem, **kwargs):
-        """An ``openai.AsyncOpenAI`` client whose calls belong to ``item``'s session (``kwargs``: any option of
-        ``AsyncOpenAI.with_options``, e.g. ``timeout``, ``max_retries``). Every sample's client shares one connection
-        pool: building a fresh ``AsyncOpenAI`` costs ~30-100 ms, which a rollout of hundreds of samples would pay."""
+        """An ``openai.AsyncOpenAI`` client whose calls belong to ``item``'s session (``kwargs`` go to
+        ``AsyncOpenAI``). Every sample's client shares one connection pool, which closing a client leaves open (the
+        rollout closes it): a client with its own pool costs 30-100 ms to build, paid by every sample of a rollout."""
         import openai
 
-        if self._openai is None:
-            self._openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key)
+        if self._pool is None:
+            self._pool = _shared_pool(openai)
         headers = {**kwargs.pop("default_headers", {}), SESSION_HEADER: item.id}
-        return self._openai.with_options(default_headers=headers, **kwargs)
+        kwargs.setdefault("http_client", self._pool)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, default_headers=headers, **kwargs)
 
     async def aclose(self) -> None:
-        if self._openai is not None:
-            await self._openai.close()
-            self._openai = None
+        if self._pool is not None:
+            await self._pool.close_pool()
+            self._pool = None
 
     async def generate(self, item: AgentItem, prompt_ids: list[int], *, max_tokens=None, temperature=None,
                        top_p=None, stop=None) -> Generation:
@@ -420,6 +421,17 @@ class AgentRollout:
                        f"(later ones counted, not logged)\n{''.join(traceback.format_exception(e)).rstrip()}")
             return 0.0, False
         return _reward_of(out, item), True
+
+
+def _shared_pool(openai):
+    class SharedPool(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:  # a sample's client closing (``async with``) leaves the pool to the rollout
+            pass
+
+        async def close_pool(self) -> None:
+            await super().aclose()
+
+    return SharedPool()
 
 
 def _reward_of(out, item) -> float | None:
