@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-BUILTIN = ("qwen3", "qwen3_moe", "llama")
+BUILTIN = ("qwen3", "qwen3_moe", "llama", "qwen3_vl")
 
 
 @dataclass(frozen=True)

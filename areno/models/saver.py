@@ -23,6 +23,8 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
+# the media processors' configs (multimodal checkpoints): copied from the source folder in every case
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 
 
 @torch.no_grad()
@@ -107,8 +109,9 @@ def _write_config_and_tokenizer(model, out: Path, tokenizer) -> None:
         config[k] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     source = getattr(model, "source_dir", None)
-    if source is not None and (Path(source) / "generation_config.json").is_file():
-        shutil.copy2(Path(source) / "generation_config.json", out / "generation_config.json")
+    for name in ("generation_config.json", *PROCESSOR_FILES):
+        if source is not None and (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, out / name)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     elif source is not None:

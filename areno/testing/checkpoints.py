@@ -223,9 +223,14 @@ def make_tiny_checkpoint(path, family: str = "qwen3", seed: int = 0, *, dtype=to
 
     ``overrides`` set config fields (``num_hidden_layers=3``, ``hidden_size=128``, ``vocab_size`` >= the tokenizer's
     size, ``tie_word_embeddings=False``, ...); unknown fields raise ``ValueError``. ``dtype`` is the weight dtype.
+    ``family="qwen3_vl"`` writes a tiny Qwen3-VL with its processor files (``areno.testing.qwen3_vl``).
     """
     from safetensors.torch import save_file
 
+    if family == "qwen3_vl":
+        from areno.testing.qwen3_vl import make_tiny_vl_checkpoint
+
+        return make_tiny_vl_checkpoint(path, seed, dtype=dtype, **overrides)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(family, dtype=dtype, **overrides)
