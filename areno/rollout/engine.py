@@ -91,7 +91,7 @@ class Engine:
         )
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len,
-            max_running=cfg.max_running, eager=cfg.eager_decode, device=device,
+            max_running=cfg.max_running, eager=cfg.eager_decode, device=device, eos_token_ids=self.stopper.eos,
         )
 
     # ---- session state -------------------------------------------------------------------------------------
@@ -137,6 +137,8 @@ class Engine:
         """Queue one prompt for ``options.n`` samples; returns the samples' Sequence objects."""
         self._ensure_built()
         options = options or SamplingOptions()
+        if options.logit_bias and max(options.logit_bias) >= self.runner.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
         base = options.seed if options.seed is not None else self._rng.getrandbits(62)
         group = [
             Sequence(list(prompt_ids), options, request_id=request_id, sample_index=i,

@@ -7,6 +7,12 @@ all k positions are reserved beforehand), then one copy back of ``[k, rows]`` to
 are one graph, so the host schedules, packs inputs and synchronises once per k tokens instead of once per token.
 Each step draws the same noise (seed, position) as k single steps would, so the tokens are the same.
 
+Logit adjustments (``StepInputs.adjust``, None when no row asks): logit_bias and the min_tokens ban of EOS and stop
+ids (a sparse per-row list), repetition/presence/frequency penalties (a per-sequence slot of token counts on the
+device, filled at the sequence's first sampled step and counted up by every sampled token inside the step, graphs
+included), then min-p in the sampler. Graphs with adjustments are captured apart (key ``(bucket, k, width)``,
+width 0 without), so a batch that uses none runs exactly the plain graph.
+
 A step is first flattened into :class:`StepInputs` (plain lists): under tensor parallelism rank 0 schedules and
 broadcasts that record, and every rank of the TP group executes it in lockstep (``TPWorker`` on the others).
 
@@ -25,12 +31,15 @@ import torch
 import torch.distributed as dist
 
 from areno.kernels import sample
+from areno.kernels.penalties import apply_logit_bias, apply_penalties, record_tokens, reset_token_state
 from areno.kernels.sampler import _logits_f32
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import gather_from_tp
 from areno.rollout.scheduler import Step
+from areno.rollout.sequence import Status
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+SPARSE_MIN_WIDTH = 16  # the graphs' per-row logit-bias/ban list: a power of two, at least this wide
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -61,6 +70,24 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
 
 
 @dataclass
+class LogitAdjust:
+    """A step's per-row logit adjustments (see the module docstring), one entry per sampled row."""
+
+    slots: list[int]  # the row's token-count slot, -1: no penalties
+    repetition: list[float]
+    presence: list[float]
+    frequency: list[float]
+    min_p: list[float]
+    min_left: list[int]  # output tokens still to sample before EOS and stop ids may be (min_tokens)
+    sparse: list[list[tuple[int, float, bool]]]  # (token id, bias, banned while min_left > 0); distinct ids
+    init: list[tuple[int, list[int], list[int]]]  # slots to fill before the step: (slot, prompt ids, output ids)
+
+    @property
+    def width(self) -> int:
+        return max(map(len, self.sparse), default=0)
+
+
+@dataclass
 class StepInputs:
     """One step as plain lists: what TP rank 0 broadcasts and every rank executes."""
 
@@ -80,10 +107,12 @@ class StepInputs:
     top_logprobs: int
     copies: list[tuple[int, int]]
     decode_steps: int = 1  # > 1: multi-step decode (see the module docstring)
+    adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
 
 
 class ModelRunner:
-    def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None):
+    def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None,
+                 eos_token_ids=()):
         self.model = model
         self.device = device or next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -103,11 +132,21 @@ class ModelRunner:
         self.graph_pool = None
         self.last_step_used_graph = False
         self.tp_group = getattr(model, "tp_group", None)
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        self.vocab_size = model.lm_head_weight.shape[0] * tp  # the width of the (gathered) logits
+        self.eos_token_ids = sorted(set(eos_token_ids))  # banned with the stop ids before min_tokens
+        self.max_running = max_running
+        self.token_state = None  # [max_running, V] int32 token counts (areno.kernels.penalties), made when needed
+        self._slots: dict[int, tuple] = {}  # rank 0: seq_id -> (sequence, its token-state slot)
+        self._free_slots = list(range(max_running))[::-1]
 
     def release(self) -> None:
         """Drop CUDA graphs and the KV cache (``--drop-rollout-state``)."""
         self.graphs.clear()
         self.graph_pool = None
+        self.token_state = None
+        self._slots.clear()
+        self._free_slots = list(range(self.max_running))[::-1]
         self.kv_cache = None
         self.kv_caches = []
 
@@ -151,6 +190,7 @@ class ModelRunner:
         :meth:`run_decode_steps`.
         """
         inp = self.prepare(step, rows, row_index, copies)
+        inp.adjust = self._adjust(rows)
         inp.decode_steps = decode_steps
         if self.tp_group is not None:
             broadcast_step(inp, self.tp_group)
@@ -165,6 +205,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: StepInputs):
         self._copy_blocks(inp.copies)
+        if inp.adjust is not None:
+            self._fill_slots(inp.adjust)
         n = len(inp.seq_lens)
         if self.use_graphs and inp.is_decode and not inp.top_logprobs and n <= self.graph_buckets[-1]:
             self.last_step_used_graph = True
@@ -179,8 +221,15 @@ class ModelRunner:
         idx = torch.tensor(inp.row_index, dtype=torch.int64, device=self.device)
         params = self._sampling(inp, self.device)
         logits = self.logits(hidden[idx])
+        adj = None
+        if inp.adjust is not None:
+            host = self._adjust_host(inp.adjust, len(inp.row_index), inp.adjust.width)
+            adj = {name: val.to(self.device, non_blocking=True) for name, val in host.items()}
+            self._apply_adjust(logits, adj, adj["min_left"])
         tokens, logprobs = sample(logits, temperature=params[0], top_k=params[1], top_p=params[2],
-                                  seeds=params[3], offsets=params[4])
+                                  seeds=params[3], offsets=params[4], min_p=None if adj is None else adj["min_p"])
+        if adj is not None and "pen_slot" in adj:
+            record_tokens(self.token_state, adj["pen_slot"], tokens)
         top = None
         if inp.top_logprobs:  # the same tempered distribution as the returned log-probs (T = 0 counts as 1)
             temp = torch.where(params[0] > 0, params[0], torch.ones_like(params[0]))
@@ -201,6 +250,89 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # ---- logit adjustments ---------------------------------------------------------------------------------
+    def _adjust(self, rows) -> LogitAdjust | None:
+        """The rows' logit adjustments (rank 0). A penalised sequence takes a token-state slot at its first sampled
+        step and gives it back once it no longer runs (finished, aborted or preempted: refilled on its return)."""
+        if self._slots:
+            self._release_slots(rows)
+        if not any(s.options.adjusts_logits for s in rows):
+            return None
+        adj = LogitAdjust([], [], [], [], [], [], [], [])
+        for seq in rows:
+            o = seq.options
+            slot = -1
+            if o.penalized:
+                held = self._slots.get(seq.seq_id)
+                if held is None:
+                    if not self._free_slots:
+                        raise RuntimeError("no token-state slot free: more penalised sequences than max_running")
+                    slot = self._free_slots.pop()
+                    self._slots[seq.seq_id] = (seq, slot)
+                    adj.init.append((slot, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :]))
+                else:
+                    slot = held[1]
+            left = max(0, o.min_new_tokens - seq.num_output)
+            entries = {t: (b, False) for t, b in o.logit_bias.items()}
+            if left:
+                for t in o.stop_token_ids + ([] if o.ignore_eos else self.eos_token_ids):
+                    entries[t] = (entries.get(t, (0.0, False))[0], True)
+            adj.slots.append(slot)
+            adj.repetition.append(o.repetition_penalty)
+            adj.presence.append(o.presence_penalty)
+            adj.frequency.append(o.frequency_penalty)
+            adj.min_p.append(o.min_p)
+            adj.min_left.append(left)
+            adj.sparse.append([(t, b, ban) for t, (b, ban) in entries.items()])
+        if max(adj.slots) < 0 and not any(adj.min_p) and not adj.width:
+            return None  # only a min_tokens that is already reached
+        return adj
+
+    def _release_slots(self, rows) -> None:
+        current = {s.seq_id for s in rows}
+        for seq_id, (seq, slot) in list(self._slots.items()):
+            if seq.status is not Status.RUNNING and seq_id not in current:
+                del self._slots[seq_id]
+                self._free_slots.append(slot)
+
+    def _token_state(self) -> torch.Tensor:
+        if self.token_state is None:
+            self.token_state = torch.zeros(self.max_running, self.vocab_size, dtype=torch.int32, device=self.device)
+        return self.token_state
+
+    def _fill_slots(self, adj: LogitAdjust) -> None:
+        """Every rank: the token counts of the sequences that took a slot at this step."""
+        for slot, prompt, output in adj.init:
+            reset_token_state(self._token_state(), slot, prompt, output)
+
+    @staticmethod
+    def _adjust_host(adj: LogitAdjust, bsz: int, width: int, penalties: bool | None = None) -> dict:
+        """The adjustments as host tensors, padded to ``bsz`` rows and ``width`` sparse entries; the penalty
+        entries only with ``penalties`` (default: when some row has a slot)."""
+        pad = bsz - len(adj.slots)
+        ids = np.full((bsz, width), -1, dtype=np.int64)
+        bias = np.zeros((bsz, width), dtype=np.float32)
+        ban = np.zeros((bsz, width), dtype=np.bool_)
+        for i, entries in enumerate(adj.sparse):
+            for j, (t, b, banned) in enumerate(entries):
+                ids[i, j], bias[i, j], ban[i, j] = t, b, banned
+        host = {"min_p": torch.tensor(adj.min_p + [0.0] * pad, dtype=torch.float32),
+                "min_left": torch.tensor(adj.min_left + [0] * pad, dtype=torch.int32),
+                "sp_ids": torch.from_numpy(ids), "sp_bias": torch.from_numpy(bias), "sp_ban": torch.from_numpy(ban)}
+        if penalties or (penalties is None and max(adj.slots) >= 0):
+            host.update(pen_slot=torch.tensor(adj.slots + [-1] * pad, dtype=torch.int64),
+                        rep=torch.tensor(adj.repetition + [1.0] * pad, dtype=torch.float32),
+                        pres=torch.tensor(adj.presence + [0.0] * pad, dtype=torch.float32),
+                        freq=torch.tensor(adj.frequency + [0.0] * pad, dtype=torch.float32))
+        return host
+
+    def _apply_adjust(self, logits, adj: dict, min_left) -> None:
+        """In place on fp32 logits: logit_bias and the min_tokens ban, then the penalties (vLLM's order)."""
+        if adj["sp_ids"].shape[1]:
+            apply_logit_bias(logits, adj["sp_ids"], adj["sp_bias"], adj["sp_ban"], min_left)
+        if "pen_slot" in adj:
+            apply_penalties(logits, adj["pen_slot"], self._token_state(), adj["rep"], adj["pres"], adj["freq"])
 
     def _tensors(self, inp: StepInputs):
         dev = self.device
@@ -237,10 +369,12 @@ class ModelRunner:
         ids, pos, slots, lens, offsets = buf["ids"], buf["pos"], buf["slots"], buf["lens"], buf["offsets"]
         table, bs = buf["table"], self.block_size
         live = (slots >= 0).long()
+        adjust, min_left = "sp_ids" in buf, buf.get("min_left")
         tokens, logprobs = [], []
         for i in range(k):
             if i:  # the next position of every live row, its slot from the (reserved) block table
                 ids, pos, offsets, lens = tokens[-1], pos + live, offsets + live, lens + live.int()
+                min_left = min_left - live.int() if adjust else None
                 block = table.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
                 slots = torch.where(live.bool(), block * bs + pos % bs, torch.full_like(slots, -1))
             meta = AttentionMetadata(
@@ -248,13 +382,18 @@ class ModelRunner:
                 max_seqlen_k=table.shape[1] * bs, block_table=table, seq_lens=lens, has_prefix=False,
             )
             hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
-            tok, lp = sample(self.logits(hidden), temperature=buf["temp"], top_k=buf["top_k"], top_p=buf["top_p"],
-                             seeds=buf["seeds"], offsets=offsets)
+            logits = self.logits(hidden)
+            if adjust:
+                self._apply_adjust(logits, buf, min_left)
+            tok, lp = sample(logits, temperature=buf["temp"], top_k=buf["top_k"], top_p=buf["top_p"],
+                             seeds=buf["seeds"], offsets=offsets, min_p=buf["min_p"] if adjust else None)
+            if adjust and "pen_slot" in buf:
+                record_tokens(self.token_state, buf["pen_slot"], tok)
             tokens.append(tok)
             logprobs.append(lp)
         return torch.stack(tokens), torch.stack(logprobs)
 
-    def _capture(self, bsz: int, k: int):
+    def _capture(self, bsz: int, k: int, width: int = 0):
         dev, mb = self.device, self.max_blocks_per_seq
         buf = {
             "ids": torch.zeros(bsz, dtype=torch.int64, device=dev),
@@ -269,6 +408,10 @@ class ModelRunner:
             "seeds": torch.zeros(bsz, dtype=torch.int64, device=dev),
             "offsets": torch.zeros(bsz, dtype=torch.int64, device=dev),
         }
+        if width:  # logit adjustments: neutral values until a step copies its own in
+            self._token_state()
+            buf.update({name: val.to(dev) for name, val in self._adjust_host(
+                LogitAdjust([], [], [], [], [], [], [], []), bsz, width, penalties=True).items()})
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -280,15 +423,16 @@ class ModelRunner:
             out = self.decode_steps(buf, k)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()
-        self.graphs[(bsz, k)] = (graph, buf, out)
+        self.graphs[(bsz, k, width)] = (graph, buf, out)
 
     def _run_graph(self, inp: StepInputs):
         n, k = len(inp.seq_lens), inp.decode_steps
         bsz = self._bucket(n)
-        if (bsz, k) not in self.graphs:
-            self._capture(bsz, k)
-        graph, buf, (tokens, logprobs) = self.graphs[(bsz, k)]
-        for name, val in self._graph_host(inp, bsz).items():
+        width = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
+        if (bsz, k, width) not in self.graphs:
+            self._capture(bsz, k, width)
+        graph, buf, (tokens, logprobs) = self.graphs[(bsz, k, width)]
+        for name, val in self._graph_host(inp, bsz, sparse_width=width).items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
         tokens, logprobs = tokens[:, :n].cpu(), logprobs[:, :n].float().cpu()
@@ -303,9 +447,10 @@ class ModelRunner:
         tokens, logprobs = self.decode_steps(buf, inp.decode_steps)
         return tokens.cpu(), logprobs.float().cpu()
 
-    def _graph_host(self, inp: StepInputs, bsz: int, width: int | None = None) -> dict:
+    def _graph_host(self, inp: StepInputs, bsz: int, width: int | None = None, sparse_width: int | None = None):
         """The graph's inputs on the host, padded to the bucket (padding rows write nowhere and read one slot);
-        the block table ``width`` blocks wide (default: the graphs' full width)."""
+        the block table ``width`` blocks wide (default: the graphs' full width); with logit adjustments, their
+        sparse lists ``sparse_width`` wide and every entry a graph has (default: as wide and as many as needed)."""
         pad = bsz - len(inp.seq_lens)
         table = np.zeros((bsz, width or self.max_blocks_per_seq), dtype=np.int32)  # numpy: cheap per-row fills
         for i, tb in enumerate(inp.tables):
@@ -318,6 +463,10 @@ class ModelRunner:
             "top_k": torch.tensor(inp.top_k + [0] * pad), "top_p": torch.tensor(inp.top_p + [1.0] * pad),
             "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
         }
+        if inp.adjust is not None:
+            graph = sparse_width is not None
+            host.update(self._adjust_host(inp.adjust, bsz, sparse_width if graph else inp.adjust.width,
+                                          penalties=True if graph else None))
         return host
 
 

@@ -23,6 +23,12 @@ class SamplingOptions:
     seed: int | None = None
     n: int = 1
     top_logprobs: int = 0  # also return the k most likely tokens' log-probs at each step
+    # logit adjustments before temperature (vLLM's semantics; areno.kernels.penalties), then min-p after it
+    repetition_penalty: float = 1.0  # > 0, 1 = off: logits of prompt/output tokens divided (> 0) or multiplied
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence of a token in the output
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p * the most likely one
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -39,6 +45,23 @@ class SamplingOptions:
             raise ValueError(f"n must be >= 1, got {self.n}")
         self.stop = [s for s in ([self.stop] if isinstance(self.stop, str) else list(self.stop or [])) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        # whether a step may have to adjust this sequence's logits (the engine's hot path reads only this flag)
+        self.adjusts_logits = bool(self.penalized or self.min_p > 0 or self.logit_bias or self.min_new_tokens)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the sequence's token counts (a repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class Status(enum.Enum):
