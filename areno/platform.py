@@ -47,7 +47,8 @@ CORE_DEPS = {
     "tqdm": "tqdm",
 }
 OPTIONAL_DEPS = {
-    "serve": ({"fastapi": "fastapi", "uvicorn": "uvicorn"}, "`areno serve` cannot start"),
+    "serve": ({"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus-client": "prometheus_client"},
+              "`areno serve` cannot start"),
     "math": ({"math-verify": "math_verify"}, "the math_verify reward cannot run"),
 }
 ENV_VARS = (

@@ -32,7 +32,10 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[int, int] = {}  # chained hash -> block id
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
-        self.prefix_hits = 0  # tokens served from the prefix cache (a counter for metrics and tests)
+        # prefix-cache counters for /metrics and tests (hit rate = hits / queries): prompt tokens looked up at
+        # allocation (a recomputed preempted sequence counts again), and those served from the cache
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self._hashed: dict[int, tuple[int, int]] = {}  # seq_id -> (blocks hashed so far, last chain hash)
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -90,6 +93,8 @@ class BlockManager:
                 break
             cached_blocks += 1
         seq.num_computed = seq.num_cached = seq.prefix_cached = cached_blocks * bs
+        if self.prefix_caching:
+            self.prefix_queries += len(tokens)
         self.prefix_hits += seq.num_cached
         last_hash = self.block_hash[seq.block_table[cached_blocks - 1]] if cached_blocks else 0
         self._hashed[seq.seq_id] = (cached_blocks, last_hash)

@@ -172,12 +172,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     @app.get("/metrics")
     async def metrics_route():
-        gauges = {}
-        blocks = getattr(getattr(engine, "engine", None), "blocks", None)
-        if blocks is not None and blocks.num_blocks:
-            gauges["areno_kv_cache_usage_ratio"] = ("Fraction of the paged KV cache's blocks in use.",
-                                                    1.0 - blocks.num_free / blocks.num_blocks)
-        return Response(metrics.render(gauges), media_type=METRICS_CONTENT_TYPE)
+        return Response(await metrics.render(engine), media_type=METRICS_CONTENT_TYPE)
 
     def check_model(name: str):
         if name != model_name:

@@ -1,14 +1,35 @@
-"""``/metrics``: the server's counters in the Prometheus text exposition format (version 0.0.4), written here
-(``prometheus-client`` is not a dependency).
+"""``/metrics``: the server's counters in the Prometheus text format (0.0.4), through ``prometheus-client``.
 
-Requests running and waiting, prompt and generation tokens, finished samples by reason, and histograms of the time
-to first token and the time per output token. Every engine stream the app reads goes through
-:class:`MeteredStream`, which updates them as its events are read (all on the event loop, so no lock)."""
+The names are vLLM's (``vllm:`` prefix), so dashboards and autoscalers written for vLLM read areno unchanged:
+
+- ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (gauges): requests (one per prompt) with a first
+  token and not finished / submitted to the engine with no token yet (queued or in prefill);
+- ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:request_success_total{finished_reason}``
+  (counters): prompt tokens submitted, tokens generated, samples finished by reason;
+- ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds`` (per sample of two or more tokens:
+  (last - first token time) / (tokens - 1)), ``vllm:e2e_request_latency_seconds`` (histograms);
+- per engine (label ``engine``: the replica's rank, 0 without replicas), read from its ``BlockManager`` at scrape
+  time: ``vllm:kv_cache_usage_perc`` (fraction of the paged KV cache's blocks in use, 0..1) and the counters
+  ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt tokens looked up in the prefix
+  cache / served from it: hit rate = hits / queries).
+
+Every series carries ``model_name``; no ``*_created`` series are written. Each app has its own
+``CollectorRegistry``, so several servers in one process never clash. Every engine stream the app reads goes
+through :class:`MeteredStream`, which updates the request metrics as its events are read (all on the event loop,
+so no lock; tokens generated are a plain integer, read at scrape time).
+"""
 
 from __future__ import annotations
 
-import math
+import asyncio
 import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# no ``*_created`` series beside each counter and histogram (prometheus-client's default, a process-wide switch):
+# start timestamps that no dashboard reads, doubling the series
+disable_created_metrics()
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -16,102 +37,103 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+# generate_latest writes the classic text format: version 0.0.4 (what every Prometheus scrapes)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort")  # present (at 0) from the start, as vLLM does
+KV_STATS_WAIT_S = 0.5  # how long a scrape waits for the engines' KV-cache counters
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def kv_stats(engine) -> dict:
+    """An ``Engine``'s KV-cache and prefix-cache counters (run where the engine lives: its thread or replica)."""
+    b = engine.blocks
+    return {"num_blocks": b.num_blocks, "used_blocks": b.num_used, "prefix_queries": b.prefix_queries,
+            "prefix_hits": b.prefix_hits}
 
 
-def _labels(labels: dict) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
+async def engine_kv_stats(engine) -> dict[int, dict]:
+    """``kv_stats`` of every engine behind the app's front end, by engine rank: each live replica's through
+    ``run_on_every_engine``, else the in-process engine's (plain integers, read from the event loop)."""
+    every = getattr(engine, "run_on_every_engine", None)
+    if every is not None:
+        return {rank: s for rank, s in (await every(kv_stats)).items() if isinstance(s, dict)}
+    inner = getattr(engine, "engine", None)
+    if inner is None or getattr(inner, "blocks", None) is None:
+        return {}
+    return {0: kv_stats(inner)}
 
 
-def _num(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
+class _Collector:
+    """Series read at scrape time: tokens generated (a plain integer on the per-token path: no lock per token) and
+    the per-engine series, from the snapshot the /metrics route took just before writing."""
 
+    def __init__(self, metrics: ServeMetrics, model_name: str):
+        self.metrics, self.model_name = metrics, model_name
+        self.snapshot: dict[int, dict] = {}
 
-class Histogram:
-    def __init__(self, buckets):
-        self.bounds = tuple(buckets)
-        self.counts = [0] * len(self.bounds)  # per bucket, made cumulative when written
-        self.count, self.sum = 0, 0.0
-
-    def observe(self, v: float) -> None:
-        self.count += 1
-        self.sum += v
-        for i, b in enumerate(self.bounds):
-            if v <= b:
-                self.counts[i] += 1
-                break
-
-    def lines(self, name: str, labels: dict) -> list[str]:
-        out, running = [], 0
-        for b, c in zip(self.bounds, self.counts):
-            running += c
-            out.append(f"{name}_bucket{_labels({**labels, 'le': _num(b)})} {running}")
-        out.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {self.count}")
-        out.append(f"{name}_sum{_labels(labels)} {_num(self.sum)}")
-        out.append(f"{name}_count{_labels(labels)} {self.count}")
-        return out
+    def collect(self):
+        generated = CounterMetricFamily("vllm:generation_tokens", "Tokens generated.", labels=["model_name"])
+        generated.add_metric([self.model_name], self.metrics.generation_tokens)
+        labels = ["model_name", "engine"]
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of the paged KV cache's blocks in use "
+                                  "(0 to 1).", labels=labels)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=labels)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (hit "
+                                   "rate = hits / queries).", labels=labels)
+        for rank, s in sorted(self.snapshot.items()):
+            lb = [self.model_name, str(rank)]
+            usage.add_metric(lb, s["used_blocks"] / s["num_blocks"] if s["num_blocks"] else 0.0)
+            queries.add_metric(lb, s["prefix_queries"])
+            hits.add_metric(lb, s["prefix_hits"])
+        return [generated, usage, queries, hits] if self.snapshot else [generated]
 
 
 class ServeMetrics:
     def __init__(self, model_name: str):
-        self.labels = {"model_name": model_name}
+        self.registry = CollectorRegistry(auto_describe=True)
         self.waiting: set = set()  # streams submitted, no token yet
         self.running: set = set()  # streams with tokens, not finished
-        self.prompt_tokens = 0
+        lb, reg = {"model_name": model_name}, self.registry
+        Gauge("vllm:num_requests_running", "Requests (one per prompt) generating: first token sent, not finished.",
+              ["model_name"], registry=reg).labels(**lb).set_function(lambda: len(self.running))
+        Gauge("vllm:num_requests_waiting", "Requests (one per prompt) submitted to the engine that have no token "
+              "yet (queued or in prefill).", ["model_name"], registry=reg).labels(**lb).set_function(
+            lambda: len(self.waiting))
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens submitted to the engine.",
+                                     ["model_name"], registry=reg).labels(**lb)
         self.generation_tokens = 0
-        self.finished: dict[str, int] = {}  # finish reason -> samples
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
+        success = Counter("vllm:request_success", "Samples finished, by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self.finished = {r: success.labels(model_name=model_name, finished_reason=r) for r in FINISH_REASONS}
+        self._success, self._model_name = success, model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Seconds from the request's arrival to its first "
+                              "generated token.", ["model_name"], buckets=TTFT_BUCKETS, registry=reg).labels(**lb)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean seconds between a sample's generated "
+                              "tokens after the first (one observation per sample of two or more tokens).",
+                              ["model_name"], buckets=TPOT_BUCKETS, registry=reg).labels(**lb)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Seconds from a request's arrival to the end of "
+                             "its last sample.", ["model_name"], buckets=E2E_BUCKETS, registry=reg).labels(**lb)
+        self.scraped = _Collector(self, model_name)
+        reg.register(self.scraped)
+
+    def finish(self, reason: str) -> None:
+        child = self.finished.get(reason)
+        if child is None:
+            child = self.finished[reason] = self._success.labels(model_name=self._model_name, finished_reason=reason)
+        child.inc()
 
     def track(self, stream, prompt_tokens: int, arrival: float) -> MeteredStream:
-        self.prompt_tokens += prompt_tokens
+        self.prompt_tokens.inc(prompt_tokens)
         return MeteredStream(stream, self, arrival)
 
-    def render(self, gauges: dict[str, tuple[str, float]] | None = None) -> str:
-        """The exposition text; ``gauges`` adds ``name -> (help, value)`` read from the engine."""
-        lb = self.labels
-        out = []
-
-        def head(name, kind, help_):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-
-        head("areno_num_requests_running", "gauge", "Requests (one per prompt) generating: first token sent, not "
-             "finished.")
-        out.append(f"areno_num_requests_running{_labels(lb)} {len(self.running)}")
-        head("areno_num_requests_waiting", "gauge", "Requests (one per prompt) submitted to the engine that have "
-             "no token yet (queued or in prefill).")
-        out.append(f"areno_num_requests_waiting{_labels(lb)} {len(self.waiting)}")
-        for name, (help_, value) in (gauges or {}).items():
-            head(name, "gauge", help_)
-            out.append(f"{name}{_labels(lb)} {_num(value)}")
-        head("areno_prompt_tokens_total", "counter", "Prompt tokens submitted to the engine.")
-        out.append(f"areno_prompt_tokens_total{_labels(lb)} {self.prompt_tokens}")
-        head("areno_generation_tokens_total", "counter", "Tokens generated.")
-        out.append(f"areno_generation_tokens_total{_labels(lb)} {self.generation_tokens}")
-        head("areno_request_success_total", "counter", "Samples finished, by finish reason.")
-        for reason in sorted(self.finished) or ["stop"]:
-            out.append(f"areno_request_success_total{_labels({**lb, 'finished_reason': reason})} "
-                       f"{self.finished.get(reason, 0)}")
-        head("areno_time_to_first_token_seconds", "histogram", "Seconds from the request's arrival to its first "
-             "generated token.")
-        out += self.ttft.lines("areno_time_to_first_token_seconds", lb)
-        head("areno_time_per_output_token_seconds", "histogram", "Mean seconds between a sample's generated "
-             "tokens after the first (one observation per sample of two or more tokens).")
-        out += self.tpot.lines("areno_time_per_output_token_seconds", lb)
-        head("areno_e2e_request_latency_seconds", "histogram", "Seconds from a request's arrival to the end of "
-             "its last sample.")
-        out += self.e2e.lines("areno_e2e_request_latency_seconds", lb)
-        return "\n".join(out) + "\n"
+    async def render(self, engine) -> bytes:
+        """The exposition text, with ``engine``'s KV-cache and prefix-cache counters read now: an engine busy in a
+        long step for more than ``KV_STATS_WAIT_S`` leaves the last values it gave (a scrape never waits on it)."""
+        try:
+            self.scraped.snapshot = await asyncio.wait_for(engine_kv_stats(engine), KV_STATS_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
+        return generate_latest(self.registry)
 
 
 class MeteredStream:
@@ -149,7 +171,7 @@ class MeteredStream:
             s[1] = now
             s[2] += 1
         if ev.finish_reason is not None:
-            m.finished[ev.finish_reason] = m.finished.get(ev.finish_reason, 0) + 1
+            m.finish(ev.finish_reason)
             s = self._samples.get(ev.index)
             if s is not None and s[2] > 1:
                 m.tpot.observe((s[1] - s[0]) / (s[2] - 1))

@@ -344,6 +344,23 @@ class ReplicaPool:
         replica.commands.put(("call", cid, fn, args))
         return await future
 
+    async def run_on_every_engine(self, fn, *args) -> dict:
+        """``fn(engine, *args)`` in every live replica, each between two of its engine steps: {rank: result, or
+        the exception it raised}."""
+        loop = asyncio.get_running_loop()
+        sent = []
+        with self._lock:
+            for replica in self.replicas:
+                if replica.alive and not self._closed:
+                    cid = next(self._rids)
+                    future = loop.create_future()
+                    self._calls[cid] = (replica, loop, future)
+                    sent.append((replica, cid, future))
+        for replica, cid, _ in sent:
+            replica.commands.put(("call", cid, fn, args))
+        results = await asyncio.gather(*(f for _, _, f in sent), return_exceptions=True)
+        return {replica.rank: result for (replica, _, _), result in zip(sent, results)}
+
     @property
     def num_active(self) -> int:
         with self._lock:

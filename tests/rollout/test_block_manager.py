@@ -41,6 +41,17 @@ def test_prefix_cache_reuses_full_blocks_but_recomputes_the_last_token():
     d = seq(list(range(8)) + [7, 7, 7, 7, 1])  # hits the freed-but-cached blocks
     bm.allocate(d)
     assert d.num_computed == 8 and bm.prefix_hits == 12 + 8 + 8
+    assert bm.prefix_queries == 12 + 13 + 12 + 13  # every prompt token allocated is a query
+
+
+def test_prefix_counters_stay_zero_without_prefix_caching():
+    bm = BlockManager(16, 4, prefix_caching=False)
+    for _ in range(2):
+        s = seq(range(12))
+        bm.allocate(s)
+        computed(bm, s)
+        bm.free_seq(s)
+    assert bm.prefix_queries == bm.prefix_hits == 0
 
 
 def test_eviction_under_pressure_drops_hashes():

@@ -6,6 +6,7 @@ import asyncio
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -13,6 +14,7 @@ import pytest
 
 import areno
 from areno.models import load_tokenizer
+from areno.serve.metrics import ServeMetrics, engine_kv_stats
 from tests.serve.conftest import RunningServer
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -99,13 +101,11 @@ def test_unknown_routes_and_methods_get_openai_errors(server, method, path, stat
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
 
 
-def scrape(server) -> dict:
+def parse_exposition(text: str) -> dict:
     """The exposition text parsed strictly: every line a comment or ``name{labels} value``; returns
     {(name, frozenset(labels)): value} after checking the format."""
-    r = httpx.get(server.base_url + "/metrics", timeout=10)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     out, types = {}, {}
-    for line in r.text.splitlines():
+    for line in text.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ", 3)
             types[name] = kind
@@ -117,15 +117,26 @@ def scrape(server) -> dict:
         labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
         out[(m.group(1), labels)] = float(m.group(4))
     for name, kind in types.items():  # each declared family has samples; histograms are consistent
-        if kind == "histogram":
-            buckets = sorted(((float("inf") if dict(lb)["le"] == "+Inf" else float(dict(lb)["le"])), v)
-                             for (n, lb), v in out.items() if n == name + "_bucket")
-            counts = [v for _, v in buckets]
-            assert buckets and buckets[-1][0] == float("inf") and counts == sorted(counts)
-            assert counts[-1] == value(out, name + "_count")
-        else:
-            assert any(n == name for n, _ in out), name
+        if kind == "histogram":  # per label set: cumulative buckets ending at +Inf, which equals _count
+            groups: dict = {}
+            for (n, lb), v in out.items():
+                if n == name + "_bucket":
+                    le = dict(lb)["le"]
+                    groups.setdefault(lb - {("le", le)}, []).append((float(le), v))
+            assert groups, name
+            for rest, buckets in groups.items():
+                counts = [v for _, v in sorted(buckets)]
+                assert max(buckets)[0] == float("inf") and counts == sorted(counts)
+                assert counts[-1] == out[(name + "_count", rest)]
+        else:  # a counter's family may be declared with or without its _total suffix
+            assert any(n in (name, name + "_total") for n, _ in out), name
     return out
+
+
+def scrape(server) -> dict:
+    r = httpx.get(server.base_url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return parse_exposition(r.text)
 
 
 def value(samples, name, **labels):
@@ -138,50 +149,91 @@ def test_metrics_count_tokens_and_times(server):
         "model": "tiny", "prompt": [[5, 6, 7, 8, 9]], "max_tokens": 7, "ignore_eos": True, "n": 2}).json()
     assert out["usage"]["completion_tokens"] == 14
     after = scrape(server)
-    assert value(after, "areno_prompt_tokens_total") - value(before, "areno_prompt_tokens_total") == 5
-    assert value(after, "areno_generation_tokens_total") - value(before, "areno_generation_tokens_total") == 14
-    assert (value(after, "areno_request_success_total", finished_reason="length")
-            - value(before, "areno_request_success_total", finished_reason="length")) == 2
-    assert value(after, "areno_time_to_first_token_seconds_count") - value(
-        before, "areno_time_to_first_token_seconds_count") == 1
-    assert value(after, "areno_time_per_output_token_seconds_count") - value(
-        before, "areno_time_per_output_token_seconds_count") == 2  # one per sample
-    ttft = "areno_time_to_first_token_seconds_sum"
-    assert value(after, ttft) > value(before, ttft)
-    assert value(after, "areno_num_requests_running") == value(after, "areno_num_requests_waiting") == 0
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("vllm:prompt_tokens_total") == 5
+    assert delta("vllm:generation_tokens_total") == 14
+    assert delta("vllm:request_success_total", finished_reason="length") == 2
+    assert delta("vllm:request_success_total", finished_reason="stop") == 0  # present before any stop
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:time_per_output_token_seconds_count") == 2  # one per sample
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:time_to_first_token_seconds_sum") > 0
+    assert value(after, "vllm:num_requests_running") == value(after, "vllm:num_requests_waiting") == 0
     assert all(dict(lb).get("model_name") == "tiny" for (_, lb) in after)
 
 
-def test_metrics_running_and_waiting(server):
-    """A request the engine has not started is waiting; one that is decoding is running. The engine thread is held
-    busy (a function run between two of its steps) so the request cannot start until it is released."""
-    entered, release = threading.Event(), threading.Event()
+def test_metrics_prefix_cache_hits_and_kv_usage(server):
+    """A prompt of three full blocks (16 tokens each) sent twice: the second time its first blocks come from the
+    prefix cache (the last block is recomputed, its logits give the first token)."""
+    prompt = [[(7 * i) % 500 + 3 for i in range(48)]]
+    before = scrape(server)
+    assert value(before, "vllm:kv_cache_usage_perc", engine="0") == 0  # nothing in flight holds a block
+    for _ in range(2):
+        httpx.post(server.base_url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+    after = scrape(server)
+    queries = value(after, "vllm:prefix_cache_queries_total", engine="0") - value(
+        before, "vllm:prefix_cache_queries_total", engine="0")
+    hits = value(after, "vllm:prefix_cache_hits_total", engine="0") - value(
+        before, "vllm:prefix_cache_hits_total", engine="0")
+    assert queries == 2 * 48 and hits == 32
+    stats = asyncio.run(engine_kv_stats(server.engine))  # read from the engine itself, wherever it runs
+    assert value(after, "vllm:prefix_cache_hits_total") == stats[0]["prefix_hits"]
+    assert value(after, "vllm:kv_cache_usage_perc", engine="0", model_name="tiny") == 0
 
-    def hold(engine):
-        entered.set()
-        release.wait(30)
 
-    holder = threading.Thread(target=lambda: asyncio.run(server.engine.run_on_engine(hold)), daemon=True)
+def test_metrics_registries_of_two_apps_do_not_clash():
+    a, b = ServeMetrics("a"), ServeMetrics("b")
+    a.track(type("S", (), {})(), prompt_tokens=3, arrival=0.0)
+    sa, sb = (parse_exposition(asyncio.run(m.render(None)).decode()) for m in (a, b))
+    assert value(sa, "vllm:prompt_tokens_total", model_name="a") == 3 and value(sa, "vllm:num_requests_waiting") == 1
+    assert value(sb, "vllm:prompt_tokens_total", model_name="b") == 0 and value(sb, "vllm:num_requests_waiting") == 0
+
+
+def hold_engine(engine, entered: str, release: str):
+    """Run on the engine (its thread or its process) between two steps: say so, then wait for ``release``."""
+    Path(entered).touch()
+    deadline = time.time() + 30
+    while not Path(release).exists() and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def test_metrics_running_and_waiting(server, tmp_path):
+    """A request the engine has not started is waiting; one that is decoding is running and holds KV blocks. The
+    engine is held busy (a function run between two of its steps) so the request cannot start until it is
+    released; meanwhile a scrape answers at once, with the KV counters the engine last gave."""
+    entered, release = tmp_path / "entered", tmp_path / "release"
+    holder = threading.Thread(daemon=True, target=lambda: asyncio.run(
+        server.engine.run_on_engine(hold_engine, str(entered), str(release))))
     holder.start()
-    assert entered.wait(20)
+    deadline = time.time() + 20
+    while not entered.exists():
+        assert time.time() < deadline
+        time.sleep(0.02)
     body = {"model": "tiny", "prompt": "waiting", "max_tokens": 300, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
         deadline = time.time() + 20
-        while value(scrape(server), "areno_num_requests_waiting") != 1:  # the stream starts when its head is read
+        while value(scrape(server), "vllm:num_requests_waiting") != 1:  # the stream starts when its head is read
             assert time.time() < deadline
             time.sleep(0.05)
-        assert value(scrape(server), "areno_num_requests_running") == 0
-        release.set()
+        assert value(scrape(server), "vllm:num_requests_running") == 0
+        release.touch()
         lines = r.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
         s = scrape(server)
-        assert value(s, "areno_num_requests_running") == 1 and value(s, "areno_num_requests_waiting") == 0
+        assert value(s, "vllm:num_requests_running") == 1 and value(s, "vllm:num_requests_waiting") == 0
+        num_blocks = asyncio.run(engine_kv_stats(server.engine))[0]["num_blocks"]
+        assert 0 < value(s, "vllm:kv_cache_usage_perc", engine="0") <= 20 / num_blocks
     holder.join(10)
     deadline = time.time() + 20
-    while value(scrape(server), "areno_num_requests_running") != 0:  # the disconnect aborts it
+    while value(scrape(server), "vllm:num_requests_running") != 0:  # the disconnect aborts it
         assert time.time() < deadline
         time.sleep(0.05)
+    assert value(scrape(server), "vllm:kv_cache_usage_perc", engine="0") == 0  # its blocks are free again
 
 
 def test_api_key_covers_the_tokenizer_routes_not_health_or_metrics(tiny_ckpt):
