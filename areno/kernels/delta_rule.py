@@ -31,8 +31,10 @@ FLOPs per token and head (K = V = D, C = 64): about 2*D*(3C + 4D) forward, 2.5x 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from areno.kernels.dispatch import use_triton
+from areno.kernels.dispatch import interpreting, use_triton
 
 __all__ = [
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_step", "delta_rule_reference",
@@ -40,7 +42,11 @@ __all__ = [
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_CHUNKS = (16, 32, 64)
+MAX_DIM = 256  # head dims the Triton tiles hold
 SUB = 16  # sub-block rows for the intra-chunk decay factorisation
+MIN_BLOCK = 16  # smallest tile side (tl.dot's minimum on a GPU; interpreter tests lower it and SUB to run fast)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,6 +172,456 @@ def chunk_gated_delta_rule_native(q, k, v, g, beta, *, scale=None, initial_state
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Triton kernels. Layout: q, k [T, H, K], v [T, H, V] contiguous; gamma (in-chunk cumsum of g) fp32 [T, H, K] or
+# [T, H]; per chunk c (global index over all sequences) and head h: T = (I + A)^-1 [C, C], M = M_qk [C, C] and the
+# chunk-start state S_c [K, V] (fp32 buffers). One program per (chunk, head) except the two state passes, which
+# run one program per (sequence, head, V block) sequentially over the sequence's chunks.
+
+
+@triton.jit
+def _scores(a, b, gam, b_base, g_base, stride, n, offs_t, offs_k, kmask,
+            INCL: tl.constexpr, SCALAR: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, PREC: tl.constexpr):
+    """[C, C] P_ti = sum_c a_tc b_ic exp(gam_tc - gam_ic) over kept pairs (i < t, or i <= t if INCL; both < n).
+
+    a, b [C, BK] fp32 rows of this chunk (b also at b_base + i * stride for gathers); gam [C, BK] or [C] (SCALAR).
+    Exponents are clamped at 0, which is exact for g <= 0 and keeps masked lanes finite."""
+    rows = offs_t[:, None]
+    cols = offs_t[None, :]
+    keep = (cols <= rows) if INCL else (cols < rows)
+    keep = keep & (rows < n)
+    if SCALAR:
+        d = tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.0))
+        p = tl.dot(a, tl.trans(b), input_precision=PREC) * d
+    else:
+        p = tl.zeros([C, C], dtype=tl.float32)
+        for rb in tl.static_range(1, C // SUBC):  # rows of sub-block rb against earlier columns, through row r
+            r = rb * SUBC
+            gr = tl.load(g_base + r * stride + offs_k, mask=kmask & (r < n), other=0.0)
+            inb = (offs_t >= r) & (offs_t < r + SUBC)
+            ar = tl.where(inb[:, None], a * tl.exp(tl.minimum(gam - gr[None, :], 0.0)), 0.0)
+            br = tl.where((offs_t < r)[:, None], b * tl.exp(tl.minimum(gr[None, :] - gam, 0.0)), 0.0)
+            p += tl.dot(ar, tl.trans(br), input_precision=PREC)
+        for j in range(SUBC):  # inside a sub-block: column i = block start + j, element by element
+            i_idx = (offs_t // SUBC) * SUBC + j
+            ok = (i_idx <= offs_t) if INCL else (i_idx < offs_t)
+            ok = ok & (i_idx < n)
+            m2 = ok[:, None] & kmask[None, :]
+            bj = tl.load(b_base + i_idx[:, None] * stride + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            gj = tl.load(g_base + i_idx[:, None] * stride + offs_k[None, :], mask=m2, other=0.0)
+            val = tl.sum(a * bj * tl.exp(tl.minimum(gam - gj, 0.0)), axis=1)
+            p += tl.where(cols == i_idx[:, None], val[:, None], 0.0)
+    return tl.where(keep, p, 0.0)
+
+
+@triton.jit
+def _scores_bwd(dpr, dpc, a, b, gam, a_base, b_base, g_base, stride, n, offs_t, offs_k, kmask,
+                INCL: tl.constexpr, SCALAR: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, PREC: tl.constexpr):
+    """Backward of _scores, rows and columns with separate upstreams: (da, db) with
+    da_t = sum_i dpr_ti b_i exp(gam_t - gam_i), db_i = sum_t dpc_ti a_t exp(gam_t - gam_i) over kept pairs.
+    (The gamma gradient is then a * da - b * db.)"""
+    rows = offs_t[:, None]
+    cols = offs_t[None, :]
+    keep = (cols <= rows) if INCL else (cols < rows)
+    keep = keep & (rows < n)
+    dpr = tl.where(keep, dpr, 0.0)
+    dpc = tl.where(keep, dpc, 0.0)
+    if SCALAR:
+        d = tl.exp(tl.minimum(gam[:, None] - gam[None, :], 0.0))
+        da = tl.dot(dpr * d, b, input_precision=PREC)
+        db = tl.dot(tl.trans(dpc * d), a, input_precision=PREC)
+    else:
+        da = tl.zeros(a.shape, dtype=tl.float32)
+        db = tl.zeros(a.shape, dtype=tl.float32)
+        for rb in tl.static_range(1, C // SUBC):
+            r = rb * SUBC
+            gr = tl.load(g_base + r * stride + offs_k, mask=kmask & (r < n), other=0.0)
+            inb = (offs_t >= r) & (offs_t < r + SUBC)
+            early = offs_t < r
+            er = tl.exp(tl.minimum(gam - gr[None, :], 0.0))
+            ec = tl.exp(tl.minimum(gr[None, :] - gam, 0.0))
+            ar = tl.where(inb[:, None], a * er, 0.0)
+            br = tl.where(early[:, None], b * ec, 0.0)
+            blk = inb[:, None] & (cols < r)
+            da += tl.where(inb[:, None], er * tl.dot(tl.where(blk, dpr, 0.0), br, input_precision=PREC), 0.0)
+            db += tl.where(early[:, None], ec * tl.dot(tl.trans(tl.where(blk, dpc, 0.0)), ar,
+                                                       input_precision=PREC), 0.0)
+        for j in range(SUBC):
+            idx = (offs_t // SUBC) * SUBC + j
+            # rows: partner column i = idx(t)
+            ok = (idx <= offs_t) if INCL else (idx < offs_t)
+            m2 = (ok & (idx < n))[:, None] & kmask[None, :]
+            bj = tl.load(b_base + idx[:, None] * stride + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            gj = tl.load(g_base + idx[:, None] * stride + offs_k[None, :], mask=m2, other=0.0)
+            coef = tl.sum(tl.where(cols == idx[:, None], dpr, 0.0), axis=1)
+            da += coef[:, None] * bj * tl.exp(tl.minimum(gam - gj, 0.0))
+            # columns: partner row t = idx(i)
+            okc = (idx >= offs_t) if INCL else (idx > offs_t)
+            m2 = (okc & (idx < n))[:, None] & kmask[None, :]
+            at = tl.load(a_base + idx[:, None] * stride + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            gt = tl.load(g_base + idx[:, None] * stride + offs_k[None, :], mask=m2, other=0.0)
+            coefc = tl.sum(tl.where(rows == idx[None, :], dpc, 0.0), axis=0)
+            db += coefc[:, None] * at * tl.exp(tl.minimum(gt - gam, 0.0))
+    return da, db
+
+
+@triton.jit
+def _load_tile(base, row_stride, offs_t, n, offs_c, ncols):
+    m = (offs_t < n)[:, None] & (offs_c < ncols)[None, :]
+    return tl.load(base + offs_t[:, None] * row_stride + offs_c[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(base, row_stride, offs_t, n, offs_c, ncols, x):
+    m = (offs_t < n)[:, None] & (offs_c < ncols)[None, :]
+    tl.store(base + offs_t[:, None] * row_stride + offs_c[None, :], x.to(base.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _load_gamma(GAM, row0, h, H, K, offs_t, n, offs_k, SCALAR: tl.constexpr):
+    """(gam for _scores, gam broadcastable against [C, BK], gam of row n - 1 broadcastable against [BK])."""
+    if SCALAR:
+        gs = tl.load(GAM + (row0 + offs_t) * H + h, mask=offs_t < n, other=0.0)
+        gl = tl.load(GAM + (row0 + n - 1) * H + h)
+        return gs, gs[:, None], gl
+    else:
+        g2 = _load_tile(GAM + row0 * H * K + h * K, H * K, offs_t, n, offs_k, K)
+        gl = tl.load(GAM + (row0 + n - 1) * H * K + h * K + offs_k, mask=offs_k < K, other=0.0)
+        return g2, g2, gl
+
+
+@triton.jit
+def _cumsum_kernel(G, GAM, CHUNK_BOS, CHUNK_LEN, H, K, SCALAR: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, n = tl.load(CHUNK_BOS + c), tl.load(CHUNK_LEN + c)
+    offs_t = tl.arange(0, C)
+    if SCALAR:
+        g = tl.load(G + (bos + offs_t) * H + h, mask=offs_t < n, other=0.0).to(tl.float32)
+        tl.store(GAM + (bos + offs_t) * H + h, tl.cumsum(g, axis=0), mask=offs_t < n)
+    else:
+        offs_k = tl.arange(0, BK)
+        g = _load_tile(G + bos * H * K + h * K, H * K, offs_t, n, offs_k, K)
+        _store_tile(GAM + bos * H * K + h * K, H * K, offs_t, n, offs_k, K, tl.cumsum(g, axis=0))
+
+
+@triton.jit
+def _prep_kernel(K_, V_, BETA, GAM, TM, WK, U, CHUNK_BOS, CHUNK_LEN, H, K, V,
+                 SCALAR: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 PREC: tl.constexpr):
+    """T = (I + A)^-1 by forward substitution, Wk = T (beta K e^gamma), U = T (beta V)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, n = tl.load(CHUNK_BOS + c), tl.load(CHUNK_LEN + c)
+    offs_t, offs_k, offs_v = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    kmask = offs_k < K
+    kbase = K_ + bos * H * K + h * K
+    gbase = GAM + bos * H * K + h * K
+    k = _load_tile(kbase, H * K, offs_t, n, offs_k, K)
+    gs, g2, gl = _load_gamma(GAM, bos, h, H, K, offs_t, n, offs_k, SCALAR)
+    beta = tl.load(BETA + (bos + offs_t) * H + h, mask=offs_t < n, other=0.0).to(tl.float32)
+    a = beta[:, None] * _scores(k, k, gs, kbase, gbase, H * K, n, offs_t, offs_k, kmask,
+                                False, SCALAR, C, SUBC, PREC)
+    rows = offs_t[:, None]
+    tm = tl.where(rows == offs_t[None, :], 1.0, 0.0)
+    for i in range(1, C):  # row i of T: e_i - A[i, :i] T[:i, :]
+        a_i = tl.sum(tl.where(rows == i, a, 0.0), axis=0)
+        tm = tl.where(rows == i, tm - tl.sum(a_i[:, None] * tm, axis=0)[None, :], tm)
+    c64 = c.to(tl.int64)
+    tl.store(TM + (c64 * H + h) * C * C + rows * C + offs_t[None, :], tm)
+    wk = tl.dot(tm, beta[:, None] * k * tl.exp(g2), input_precision=PREC)
+    _store_tile(WK + bos * H * K + h * K, H * K, offs_t, n, offs_k, K, wk)
+    for v0 in range(0, V, BV):
+        v = _load_tile(V_ + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0)
+        u = tl.dot(tm, beta[:, None] * v, input_precision=PREC)
+        _store_tile(U + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0, u)
+
+
+@triton.jit
+def _state_fwd_kernel(K_, GAM, WK, U, W, SBUF, S0, SFIN, CU, SEQ_CHUNK, H, K, V,
+                      HAS_S0: tl.constexpr, SCALAR: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over the chunks of one sequence: store S_c, W = U - Wk S_c, S <- e^gamma_C S + Kd^T W."""
+    s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_bos, seq_eos = tl.load(CU + s), tl.load(CU + s + 1)
+    c0, c1 = tl.load(SEQ_CHUNK + s), tl.load(SEQ_CHUNK + s + 1)
+    offs_t, offs_k, offs_v = tl.arange(0, C), tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    smask = (offs_k < K)[:, None] & (offs_v < V)[None, :]
+    soffs = offs_k[:, None] * V + offs_v[None, :]
+    if HAS_S0:
+        S = tl.load(S0 + (s * H + h).to(tl.int64) * K * V + soffs, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    for c in range(c0, c1):
+        bos = seq_bos + (c - c0) * C
+        n = tl.minimum(C, seq_eos - bos)
+        tl.store(SBUF + (c * H + h).to(tl.int64) * K * V + soffs, S, mask=smask)
+        wk = _load_tile(WK + bos * H * K + h * K, H * K, offs_t, n, offs_k, K)
+        u = _load_tile(U + bos * H * V + h * V, H * V, offs_t, n, offs_v, V)
+        w = u - tl.dot(wk, S, input_precision=PREC)
+        _store_tile(W + bos * H * V + h * V, H * V, offs_t, n, offs_v, V, w)
+        k = _load_tile(K_ + bos * H * K + h * K, H * K, offs_t, n, offs_k, K)
+        gs, g2, gl = _load_gamma(GAM, bos, h, H, K, offs_t, n, offs_k, SCALAR)
+        kd = tl.where((offs_t < n)[:, None], k * tl.exp(tl.minimum(gl - g2, 0.0)), 0.0)
+        if SCALAR:
+            S = S * tl.exp(gl)
+        else:
+            S = S * tl.exp(gl)[:, None]
+        S += tl.dot(tl.trans(kd), w, input_precision=PREC)
+    tl.store(SFIN + (s * H + h).to(tl.int64) * K * V + soffs, S, mask=smask)
+
+
+@triton.jit
+def _out_kernel(Q, K_, GAM, W, SBUF, O, MQK, CHUNK_BOS, CHUNK_LEN, scale, H, K, V,
+                SCALAR: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                PREC: tl.constexpr):
+    """O = scale ((Q e^gamma) S_c + M W); M is saved for the backward."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, n = tl.load(CHUNK_BOS + c), tl.load(CHUNK_LEN + c)
+    offs_t, offs_k, offs_v = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    kmask = offs_k < K
+    kbase = K_ + bos * H * K + h * K
+    q = _load_tile(Q + bos * H * K + h * K, H * K, offs_t, n, offs_k, K)
+    k = _load_tile(kbase, H * K, offs_t, n, offs_k, K)
+    gs, g2, gl = _load_gamma(GAM, bos, h, H, K, offs_t, n, offs_k, SCALAR)
+    m = _scores(q, k, gs, kbase, GAM + bos * H * K + h * K, H * K, n, offs_t, offs_k, kmask,
+                True, SCALAR, C, SUBC, PREC)
+    c64 = c.to(tl.int64)
+    tl.store(MQK + (c64 * H + h) * C * C + offs_t[:, None] * C + offs_t[None, :], m)
+    qe = q * tl.exp(g2)
+    for v0 in range(0, V, BV):
+        sm = kmask[:, None] & (v0 + offs_v < V)[None, :]
+        S = tl.load(SBUF + (c64 * H + h) * K * V + offs_k[:, None] * V + v0 + offs_v[None, :], mask=sm, other=0.0)
+        w = _load_tile(W + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0)
+        o = scale * (tl.dot(qe, S, input_precision=PREC) + tl.dot(m, w, input_precision=PREC))
+        _store_tile(O + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0, o)
+
+
+@triton.jit
+def _state_bwd_kernel(Q, K_, GAM, WK, MQK, DO, DW, DHBUF, DFIN, DS0, CU, SEQ_CHUNK, scale, H, K, V,
+                      HAS_DFIN: tl.constexpr, SCALAR: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, PREC: tl.constexpr):
+    """Reverse over chunks: dh is the gradient of the chunk's end state. dW = scale M^T dO + Kd dh;
+    dh <- e^gamma_C dh + scale (Q e^gamma)^T dO - Wk^T dW."""
+    s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_bos, seq_eos = tl.load(CU + s), tl.load(CU + s + 1)
+    c0, c1 = tl.load(SEQ_CHUNK + s), tl.load(SEQ_CHUNK + s + 1)
+    offs_t, offs_k, offs_v = tl.arange(0, C), tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    smask = (offs_k < K)[:, None] & (offs_v < V)[None, :]
+    soffs = offs_k[:, None] * V + offs_v[None, :]
+    if HAS_DFIN:
+        dh = tl.load(DFIN + (s * H + h).to(tl.int64) * K * V + soffs, mask=smask, other=0.0).to(tl.float32)
+    else:
+        dh = tl.zeros([BK, BV], dtype=tl.float32)
+    for cc in range(c0, c1):
+        c = c1 - 1 - (cc - c0)
+        bos = seq_bos + (c - c0) * C
+        n = tl.minimum(C, seq_eos - bos)
+        ch = (c * H + h).to(tl.int64)
+        tl.store(DHBUF + ch * K * V + soffs, dh, mask=smask)
+        m = tl.load(MQK + ch * C * C + offs_t[:, None] * C + offs_t[None, :])
+        do = _load_tile(DO + bos * H * V + h * V, H * V, offs_t, n, offs_v, V)
+        k = _load_tile(K_ + bos * H * K + h * K, H * K, offs_t, n, offs_k, K)
+        q = _load_tile(Q + bos * H * K + h * K, H * K, offs_t, n, offs_k, K)
+        wk = _load_tile(WK + bos * H * K + h * K, H * K, offs_t, n, offs_k, K)
+        gs, g2, gl = _load_gamma(GAM, bos, h, H, K, offs_t, n, offs_k, SCALAR)
+        kd = tl.where((offs_t < n)[:, None], k * tl.exp(tl.minimum(gl - g2, 0.0)), 0.0)
+        dw = scale * tl.dot(tl.trans(m), do, input_precision=PREC) + tl.dot(kd, dh, input_precision=PREC)
+        _store_tile(DW + bos * H * V + h * V, H * V, offs_t, n, offs_v, V, dw)
+        qe = q * tl.exp(g2)
+        if SCALAR:
+            dh = dh * tl.exp(gl)
+        else:
+            dh = dh * tl.exp(gl)[:, None]
+        dh += scale * tl.dot(tl.trans(qe), do, input_precision=PREC) - tl.dot(tl.trans(wk), dw, input_precision=PREC)
+    tl.store(DS0 + (s * H + h).to(tl.int64) * K * V + soffs, dh, mask=smask)
+
+
+@triton.jit
+def _bwd_chunk_kernel(Q, K_, V_, BETA, GAM, TM, W, DW, SBUF, DHBUF, DO, DQ, DK, DV, DG, DBETA,
+                      CHUNK_BOS, CHUNK_LEN, scale, H, K, V,
+                      SCALAR: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, PREC: tl.constexpr):
+    """Everything of one chunk given W, dW, S_c and dh (end-state gradient): dq, dk, dv, dbeta, dg."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, n = tl.load(CHUNK_BOS + c), tl.load(CHUNK_LEN + c)
+    offs_t, offs_k, offs_v = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    kmask = offs_k < K
+    rmask = offs_t < n
+    c64 = c.to(tl.int64)
+    qbase = Q + bos * H * K + h * K
+    kbase = K_ + bos * H * K + h * K
+    gbase = GAM + bos * H * K + h * K
+    q = _load_tile(qbase, H * K, offs_t, n, offs_k, K)
+    k = _load_tile(kbase, H * K, offs_t, n, offs_k, K)
+    gs, g2, gl = _load_gamma(GAM, bos, h, H, K, offs_t, n, offs_k, SCALAR)
+    beta = tl.load(BETA + (bos + offs_t) * H + h, mask=rmask, other=0.0).to(tl.float32)
+    tm = tl.load(TM + (c64 * H + h) * C * C + offs_t[:, None] * C + offs_t[None, :])
+    e = tl.where(rmask[:, None], tl.exp(g2), 0.0)
+    kbe = beta[:, None] * k * e
+    dqe = tl.zeros([C, BK], dtype=tl.float32)
+    dwk = tl.zeros([C, BK], dtype=tl.float32)
+    dkd = tl.zeros([C, BK], dtype=tl.float32)
+    ddec = tl.zeros([BK], dtype=tl.float32)
+    dm = tl.zeros([C, C], dtype=tl.float32)
+    dt = tl.zeros([C, C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        sm = kmask[:, None] & (v0 + offs_v < V)[None, :]
+        soffs = (c64 * H + h) * K * V + offs_k[:, None] * V + v0 + offs_v[None, :]
+        S = tl.load(SBUF + soffs, mask=sm, other=0.0)
+        dh = tl.load(DHBUF + soffs, mask=sm, other=0.0)
+        w = _load_tile(W + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0)
+        dw = _load_tile(DW + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0)
+        do = _load_tile(DO + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0)
+        v = _load_tile(V_ + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0)
+        dqe += tl.dot(do, tl.trans(S), input_precision=PREC)
+        dm += tl.dot(do, tl.trans(w), input_precision=PREC)
+        dwk -= tl.dot(dw, tl.trans(S), input_precision=PREC)
+        dkd += tl.dot(w, tl.trans(dh), input_precision=PREC)
+        ddec += tl.sum(dh * S, axis=1)
+        dbv = tl.dot(tl.trans(tm), dw, input_precision=PREC)  # U = T (beta V), dU = dW
+        _store_tile(DV + bos * H * V + h * V + v0, H * V, offs_t, n, offs_v, V - v0, beta[:, None] * dbv)
+        dbeta += tl.sum(v * dbv, axis=1)
+        dt += tl.dot(dw, tl.trans(beta[:, None] * v), input_precision=PREC)
+    dqe *= scale
+    dm *= scale
+    # Wk = T (beta K e^gamma)
+    dt += tl.dot(dwk, tl.trans(kbe), input_precision=PREC)
+    dkbe = tl.dot(tl.trans(tm), dwk, input_precision=PREC)
+    dk = beta[:, None] * e * dkbe
+    dbeta += tl.sum(k * e * dkbe, axis=1)
+    dgam = kbe * dkbe
+    # T = (I + A)^-1: dA = -T^T dT T^T; A = beta_t P(k, k)
+    da_mat = -tl.dot(tl.dot(tl.trans(tm), dt, input_precision=PREC), tl.trans(tm), input_precision=PREC)
+    da, db = _scores_bwd(da_mat, beta[:, None] * da_mat, k, k, gs, kbase, kbase, gbase, H * K, n, offs_t, offs_k,
+                         kmask, False, SCALAR, C, SUBC, PREC)
+    dbeta += tl.sum(k * da, axis=1)
+    dk += beta[:, None] * da + db
+    dgam += beta[:, None] * k * da - k * db
+    # O = scale ((Q e^gamma) S + M W), M = P(q, k) inclusive
+    dqm, dkm = _scores_bwd(dm, dm, q, k, gs, qbase, kbase, gbase, H * K, n, offs_t, offs_k, kmask,
+                           True, SCALAR, C, SUBC, PREC)
+    dq = dqm + dqe * e
+    dk += dkm
+    dgam += q * dqm - k * dkm + q * e * dqe
+    # S_next = e^gamma_C S + (K e^(gamma_C - gamma))^T W
+    ed = tl.where(rmask[:, None], tl.exp(tl.minimum(gl - g2, 0.0)), 0.0)
+    kdd = k * ed * dkd
+    dk += ed * dkd
+    dgam -= kdd
+    dgl = tl.sum(kdd, axis=0) + tl.exp(gl) * ddec
+    dgam += tl.where((offs_t == n - 1)[:, None], dgl[None, :], 0.0)
+    dg = tl.cumsum(dgam, axis=0, reverse=True)
+    _store_tile(DQ + bos * H * K + h * K, H * K, offs_t, n, offs_k, K, dq)
+    _store_tile(DK + bos * H * K + h * K, H * K, offs_t, n, offs_k, K, dk)
+    if SCALAR:
+        tl.store(DG + (bos + offs_t) * H + h, tl.sum(tl.where(kmask[None, :], dg, 0.0), axis=1), mask=rmask)
+    else:
+        _store_tile(DG + bos * H * K + h * K, H * K, offs_t, n, offs_k, K, dg)
+    tl.store(DBETA + (bos + offs_t) * H + h, dbeta, mask=rmask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers and autograd
+
+
+def _chunk_meta(cu: list[int], C: int, device):
+    """(chunk start rows int32 [NC], chunk lengths int32 [NC], first chunk of each sequence int32 [N+1])."""
+    bos, lens, first = [], [], [0]
+    for n in range(len(cu) - 1):
+        for s in range(cu[n], cu[n + 1], C):
+            bos.append(s)
+            lens.append(min(C, cu[n + 1] - s))
+        first.append(len(bos))
+    as32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    return as32(bos), as32(lens), as32(first)
+
+
+def _blocks(q, v, C):
+    K, V = q.shape[-1], v.shape[-1]
+    prec = "ieee" if interpreting() or q.dtype == torch.float32 else "tf32"
+    lo = MIN_BLOCK
+    return max(lo, triton.next_power_of_2(K)), max(lo, min(64, triton.next_power_of_2(V))), min(SUB, C), prec
+
+
+def _delta_rule_fwd(q, k, v, g, beta, s0, scale, cu, meta, C):
+    T, H, K = q.shape
+    V = v.shape[-1]
+    bos, lens, first = meta
+    NC, N = bos.shape[0], first.shape[0] - 1
+    scalar = g.dim() == 2
+    BK, BV, SUBC, prec = _blocks(q, v, C)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    gam = torch.empty(g.shape, **f32)
+    tm = torch.empty(NC, H, C, C, **f32)
+    wk, u, w = torch.empty(T, H, K, **f32), torch.empty(T, H, V, **f32), torch.empty(T, H, V, **f32)
+    sbuf, sfin = torch.empty(NC, H, K, V, **f32), torch.empty(N, H, K, V, **f32)
+    o, mqk = torch.empty(T, H, V, dtype=q.dtype, device=q.device), torch.empty(NC, H, C, C, **f32)
+    if NC:
+        _cumsum_kernel[(NC, H)](g, gam, bos, lens, H, K, SCALAR=scalar, C=C, BK=BK)
+        _prep_kernel[(NC, H)](k, v, beta, gam, tm, wk, u, bos, lens, H, K, V,
+                              SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec)
+    _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
+        k, gam, wk, u, w, sbuf, s0 if s0 is not None else sfin, sfin, cu, first, H, K, V,
+        HAS_S0=s0 is not None, SCALAR=scalar, C=C, BK=BK, BV=BV, PREC=prec,
+    )  # fmt: skip
+    if NC:
+        _out_kernel[(NC, H)](q, k, gam, w, sbuf, o, mqk, bos, lens, scale, H, K, V,
+                             SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec)
+    return o, sfin, (gam, tm, wk, w, sbuf, mqk)
+
+
+def _delta_rule_bwd(do, dsfin, q, k, v, g, beta, saved, scale, cu, meta, C):
+    T, H, K = q.shape
+    V = v.shape[-1]
+    bos, lens, first = meta
+    NC, N = bos.shape[0], first.shape[0] - 1
+    gam, tm, wk, w, sbuf, mqk = saved
+    scalar = g.dim() == 2
+    BK, BV, SUBC, prec = _blocks(q, v, C)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dw, dhbuf, ds0 = torch.empty(T, H, V, **f32), torch.empty(NC, H, K, V, **f32), torch.empty(N, H, K, V, **f32)
+    _state_bwd_kernel[(N, H, triton.cdiv(V, BV))](
+        q, k, gam, wk, mqk, do, dw, dhbuf, dsfin if dsfin is not None else ds0, ds0, cu, first, scale, H, K, V,
+        HAS_DFIN=dsfin is not None, SCALAR=scalar, C=C, BK=BK, BV=BV, PREC=prec,
+    )  # fmt: skip
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg, dbeta = torch.empty(g.shape, **f32), torch.empty(beta.shape, **f32)
+    if NC:
+        _bwd_chunk_kernel[(NC, H)](
+            q, k, v, beta, gam, tm, w, dw, sbuf, dhbuf, do, dq, dk, dv, dg, dbeta, bos, lens, scale, H, K, V,
+            SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec,
+        )  # fmt: skip
+    return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), ds0
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, s0, scale, cu, chunk_size, meta):
+        o, sfin, saved = _delta_rule_fwd(q, k, v, g, beta, s0, scale, cu, meta, chunk_size)
+        ctx.save_for_backward(q, k, v, g, beta, cu, *meta, *saved)
+        ctx.args = (scale, chunk_size, s0 is not None)
+        return o, sfin
+
+    @staticmethod
+    def backward(ctx, do, dsfin):
+        q, k, v, g, beta, cu, *rest = ctx.saved_tensors
+        meta, saved = tuple(rest[:3]), tuple(rest[3:])
+        scale, chunk_size, has_s0 = ctx.args
+        grads = _delta_rule_bwd(do.contiguous(), dsfin.contiguous() if dsfin is not None else None, q, k, v, g, beta,
+                                saved, scale, cu, meta, chunk_size)
+        return *grads[:5], (grads[5] if has_s0 else None), None, None, None, None
+
+
+def _chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size):
+    T = q.shape[0]
+    cu_list = _seqs(cu_seqlens, T)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=q.device)
+    meta = _chunk_meta(cu_list, chunk_size, q.device)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    s0 = initial_state.float().contiguous() if initial_state is not None else None
+    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, s0, float(scale), cu, chunk_size, meta)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Decode step
 
 
@@ -232,8 +688,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     Differentiable in q, k, v, g, beta and initial_state.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    if use_triton(q, k, v, g, beta, supported=False):
-        raise NotImplementedError  # the Triton path lands in the next commit
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    supported = (q.dtype in _TRITON_FLOATS and k.dtype == q.dtype and v.dtype == q.dtype
+                 and chunk_size in _CHUNKS and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM)
+    if use_triton(q, k, v, g, beta, supported=supported):
+        o, final = _chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+        return o, (final if output_final_state else None)
     return chunk_gated_delta_rule_native(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                          chunk_size=chunk_size)

@@ -1,6 +1,8 @@
 """Gated delta rule: Triton (interpreted on CPU) and the native chunked path vs a float64 token-by-token recurrence,
 forward and every gradient; the decode step vs the chunked forward, token by token."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,17 @@ from areno.kernels.delta_rule import (
     fused_recurrent_gated_delta_rule_step,
 )
 
+mod = importlib.import_module("areno.kernels.delta_rule")
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """The interpreter runs every Triton op in Python: 8-row chunks of two 4-row sub-blocks and 4-wide tiles keep
+    the tests fast while exercising the same code paths (cross-sub-block matmuls, in-block element loop)."""
+    monkeypatch.setattr(mod, "SUB", 4)
+    monkeypatch.setattr(mod, "MIN_BLOCK", 4)
+    monkeypatch.setattr(mod, "_CHUNKS", (8, 16, 32, 64))
 
 
 def _inputs(lens, H, K, V, gate, dtype=torch.float32, device="cpu", seed=0):
@@ -53,8 +65,18 @@ def _check(fn, lens, H, K, V, gate, chunk_size, tol=(2e-4, 2e-4)):
 
 @pytest.mark.parametrize("gate", ["channel", "head"])
 def test_native_chunked_matches_recurrence(gate):
-    _check(chunk_gated_delta_rule_native, [5, 37, 20], 2, 16, 8, gate, chunk_size=16)
-    _check(chunk_gated_delta_rule_native, [70], 1, 32, 16, gate, chunk_size=64)
+    _check(chunk_gated_delta_rule_native, [5, 37, 20], 1, 16, 8, gate, chunk_size=16)
+    _check(chunk_gated_delta_rule_native, [45], 1, 8, 4, gate, chunk_size=32)
+
+
+@pytest.mark.parametrize("gate,lens,H", [("channel", [3, 13, 6], 1), ("head", [11, 6], 2)])
+def test_triton_matches_recurrence(triton_kernels, small_tiles, monkeypatch, gate, lens, H):
+    """Lengths not multiples of the chunk (8), several packed sequences, initial states, every gradient."""
+    ran = []
+    real = mod._ChunkGatedDeltaRule.apply
+    monkeypatch.setattr(mod._ChunkGatedDeltaRule, "apply", lambda *a: ran.append(1) or real(*a))
+    _check(chunk_gated_delta_rule, lens, H, 8, 4, gate, chunk_size=8)
+    assert ran, "the Triton path did not run"
 
 
 def test_public_function_without_state(native_kernels):
