@@ -40,9 +40,16 @@ def test_native_matches_oracle():
     torch.testing.assert_close(fin.double(), fin_ref)
 
 
+@pytest.fixture(params=["native", "triton"])
+def kernels(request, monkeypatch):
+    monkeypatch.setenv("ARENO_KERNELS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_public_matches_oracle_with_grads(native_kernels, activation):
-    x, w, b, s0, cu = _inputs([3, 1, 12, 6], 6, 4)
+def test_public_matches_oracle_with_grads(kernels, activation):
+    """Sequences shorter than the state (1 < W-1), several packed, initial and final states, every gradient."""
+    x, w, b, s0, cu = _inputs([3, 1, 12, 6], 24, 4)
     ts = [t.clone().requires_grad_() for t in (x, w, b, s0)]
     y, fin = causal_conv1d(ts[0], ts[1], ts[2], activation=activation, cu_seqlens=cu, initial_state=ts[3],
                            output_final_state=True)
@@ -57,8 +64,8 @@ def test_public_matches_oracle_with_grads(native_kernels, activation):
         torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-5, msg=f"d{name}")
 
 
-def test_update_follows_forward(native_kernels):
-    lens, D, W = [5, 2, 7], 6, 4
+def test_update_follows_forward(kernels):
+    lens, D, W = [5, 2, 7], 24, 4
     x, w, b, s0, cu = _inputs(lens, D, W)
     y_full, fin = causal_conv1d(x, w, b, cu_seqlens=cu, initial_state=s0, output_final_state=True)
     pool = torch.randn(5, D, W - 1)
