@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from areno.rollout.block_manager import BlockManager
+from areno.rollout.grammar import token_mask
 from areno.rollout.model_runner import ModelRunner, TPWorker, broadcast_step, plan_num_blocks
 from areno.rollout.scheduler import Scheduler, Step
 from areno.rollout.sequence import SamplingOptions, Sequence
@@ -70,6 +71,7 @@ class Engine:
             eos_token_ids = _eos_ids(model, tokenizer)
         self.stopper = StopChecker(tokenizer, eos_token_ids, self.max_model_len)
         self._rng = random.Random(cfg.seed)
+        self.grammars = None  # compiled structured-output grammars (areno.rollout.grammar), built on first use
         self.runner = None
         self._build()
         self._progress_t = time.perf_counter()
@@ -145,8 +147,23 @@ class Engine:
                      seed=(base * 1_000_003 + i) % (2**62))
             for i in range(options.n)
         ]
+        if options.grammar is not None:
+            self._attach_grammar(group, options)
         self.scheduler.add(group)
         return group
+
+    def _attach_grammar(self, group: list[Sequence], options: SamplingOptions) -> None:
+        """One grammar matcher per sample (compiled once per spec); the stop tokens end the output."""
+        from areno.rollout.grammar import GrammarError, Grammars
+
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise GrammarError("structured outputs need the engine's tokenizer")
+            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) or len(self.tokenizer)
+            self.grammars = Grammars(self.tokenizer, vocab, self.stopper.eos)
+        stops = set(options.stop_token_ids) if options.ignore_eos else self.stopper.eos.union(options.stop_token_ids)
+        for seq in group:
+            seq.grammar = self.grammars.matcher(options.grammar, stops)
 
     def abort(self, seqs) -> None:
         for seq in seqs:
@@ -185,7 +202,8 @@ class Engine:
         if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps, hold):
             return self._multi_step(step, rows, decode_steps, copies)
         self._hold_waiting = waited and not hold  # a held step is followed by an admitting one
-        tokens, logprobs, top = self.runner.run(step, rows, row_index, copies)
+        mask = token_mask([s.grammar for s in rows]) if self.grammars is not None else None
+        tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask)
         self.scheduler.after_step(step)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         for i, seq in enumerate(rows):
@@ -194,6 +212,8 @@ class Engine:
                 k = seq.options.top_logprobs
                 seq.top_logprobs.append(list(zip(top[0][i, :k].tolist(), top[1][i, :k].tolist())))
             reason = self.stopper.check(seq)
+            if seq.grammar is not None:
+                reason = _grammar_reason(seq, tokens[i], reason)
             if reason is not None:
                 seq.finish(reason)
                 self.scheduler.finish(seq)
@@ -202,9 +222,11 @@ class Engine:
 
     def _reserve_decode_steps(self, step: Step, rows: list[Sequence], k: int, hold: bool = False) -> bool:
         """Whether ``step`` can run as k decode steps: decodes only, nothing waiting (unless ``hold``: waiting ones
-        were admitted one step ago), no top log-probs, every position inside the context, and the blocks of all k
-        positions reserved (they are, when this says yes)."""
-        if not step.is_decode or (self.scheduler.waiting and not hold) or any(s.options.top_logprobs for s in rows):
+        were admitted one step ago), no top log-probs or grammars (the host masks every token), every position inside
+        the context, and the blocks of all k positions reserved (they are, when this says yes)."""
+        if not step.is_decode or (self.scheduler.waiting and not hold):
+            return False
+        if any(s.options.top_logprobs or s.grammar is not None for s in rows):
             return False
         if any(len(s) + k - 1 > self.max_model_len for s in rows):
             return False
@@ -277,6 +299,15 @@ class Engine:
             token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",
             text=text, stop_text=seq.stop_text, timings=seq.timings(),
         )
+
+
+def _grammar_reason(seq: Sequence, token: int, reason: str | None) -> str | None:
+    """Advance the sequence's grammar by its new token: the stop token after a whole output finishes it ("stop",
+    also under ignore_eos); a token the grammar refuses (no allowed token was left to sample) aborts it."""
+    if not seq.grammar.accept(token):
+        log.warning("request %s: token %d is outside its grammar; the sample is aborted", seq.request_id, token)
+        return "abort"
+    return "stop" if seq.grammar.finished else reason
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

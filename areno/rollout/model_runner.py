@@ -35,6 +35,7 @@ from areno.kernels.penalties import apply_logit_bias, apply_penalties, record_to
 from areno.kernels.sampler import _logits_f32
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import gather_from_tp
+from areno.rollout.grammar import apply_token_mask
 from areno.rollout.scheduler import Step
 from areno.rollout.sequence import Status
 
@@ -107,6 +108,7 @@ class StepInputs:
     top_logprobs: int
     copies: list[tuple[int, int]]
     decode_steps: int = 1  # > 1: multi-step decode (see the module docstring)
+    token_mask: tuple | None = None  # structured outputs: (rows, int32 bitmask), see areno.rollout.grammar
     adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
 
 
@@ -182,16 +184,16 @@ class ModelRunner:
             top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
         )
 
-    def run(self, step: Step, rows: list, row_index: list[int], copies=(), decode_steps: int = 1):
+    def run(self, step: Step, rows: list, row_index: list[int], copies=(), decode_steps: int = 1, token_mask=None):
         """Forward the step and sample one token for each of ``rows`` from hidden row ``row_index``.
 
         Returns CPU tensors (tokens int64, logprobs fp32) and, when a row asks for them, (ids, log-probs) of the
         top candidates, else None. Under TP the step goes to the other ranks first. ``decode_steps`` k > 1: see
-        :meth:`run_decode_steps`.
+        :meth:`run_decode_steps`. ``token_mask`` (grammar rows): their disallowed logits become -inf before sampling.
         """
         inp = self.prepare(step, rows, row_index, copies)
         inp.adjust = self._adjust(rows)
-        inp.decode_steps = decode_steps
+        inp.decode_steps, inp.token_mask = decode_steps, token_mask
         if self.tp_group is not None:
             broadcast_step(inp, self.tp_group)
         return self.execute(inp)
@@ -208,7 +210,8 @@ class ModelRunner:
         if inp.adjust is not None:
             self._fill_slots(inp.adjust)
         n = len(inp.seq_lens)
-        if self.use_graphs and inp.is_decode and not inp.top_logprobs and n <= self.graph_buckets[-1]:
+        if (self.use_graphs and inp.is_decode and not inp.top_logprobs and inp.token_mask is None
+                and n <= self.graph_buckets[-1]):
             self.last_step_used_graph = True
             return self._run_graph(inp)
         self.last_step_used_graph = False
@@ -221,6 +224,8 @@ class ModelRunner:
         idx = torch.tensor(inp.row_index, dtype=torch.int64, device=self.device)
         params = self._sampling(inp, self.device)
         logits = self.logits(hidden[idx])
+        if inp.token_mask is not None:
+            apply_token_mask(logits, inp.token_mask)
         adj = None
         if inp.adjust is not None:
             host = self._adjust_host(inp.adjust, len(inp.row_index), inp.adjust.width)

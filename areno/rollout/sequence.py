@@ -29,6 +29,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence of a token in the output
     min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p * the most likely one
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    grammar: dict | None = None  # structured output spec (areno.rollout.grammar): {"type": "json_object"}, ...
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -57,6 +58,10 @@ class SamplingOptions:
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         # whether a step may have to adjust this sequence's logits (the engine's hot path reads only this flag)
         self.adjusts_logits = bool(self.penalized or self.min_p > 0 or self.logit_bias or self.min_new_tokens)
+        if self.grammar is not None:
+            from areno.rollout.grammar import normalize
+
+            self.grammar = normalize(self.grammar)
 
     @property
     def penalized(self) -> bool:
@@ -97,6 +102,7 @@ class Sequence:
         self.stop_text: str | None = None  # the stop string that ended it, if any
         self.text = ""  # the output text cut before the stop string (set when one ends the sequence)
         self.fork_parent: Sequence | None = None  # n > 1: siblings wait for the first sample's prefill
+        self.grammar = None  # a grammar.Matcher when options.grammar is set (the engine attaches it)
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

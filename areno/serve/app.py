@@ -216,7 +216,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
             max_new_tokens=max_tokens or room, min_new_tokens=min(req.min_tokens, max_tokens or room),
             stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            seed=req.seed, n=req.n, top_logprobs=top_logprobs,
+            seed=req.seed, n=req.n, top_logprobs=top_logprobs, grammar=req.grammar(),
         )
 
     async def run(prompt_ids, opts, arrival: float):

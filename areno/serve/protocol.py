@@ -5,7 +5,13 @@ of being ignored. Fields that clients send to every OpenAI-compatible server are
 here or are built (vLLM's ``chat_template_kwargs``, ``continue_final_message``, ``stop_token_ids``,
 ``skip_special_tokens``, ...; the SDK's ``store``, ``metadata``, ``service_tier``, ...), and refused by name where
 they would change the answer and are not built (penalties other than neutral, ``min_p`` > 0, ``logit_bias``,
-``response_format`` other than text, ``prompt_logprobs``). A null value means the field's default.
+``prompt_logprobs``). A null value means the field's default.
+
+``response_format`` (both routes, as vLLM): ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type":
+"json_schema", "json_schema": {"name", "schema", "description", "strict"}}`` becomes a grammar the engine decodes
+under (``areno.rollout.grammar``); the output always follows the schema, so ``strict`` changes nothing, and
+``description`` is not shown to the model. A schema the grammar converter refuses is a 400 naming
+``response_format``.
 """
 
 from __future__ import annotations
@@ -115,6 +121,51 @@ def _field_dependencies(schema: dict, cls) -> None:
     schema["dependentSchemas"] = deps
 
 
+JSON_SCHEMA_FORMAT = {"type": "object", "properties": {
+    "name": {"type": "string"}, "description": {"type": "string"}, "schema": {"type": "object"},
+    "strict": {"type": ["boolean", "null"]}}, "required": ["schema"], "additionalProperties": False}
+
+
+def response_format_grammar(response_format: dict | None, *, check: bool = False) -> dict | None:
+    """The grammar spec (``areno.rollout.grammar``) of an OpenAI ``response_format``, None for text; ``check``
+    also converts the schema (xgrammar), so a schema it refuses fails here. Errors are FieldErrors on
+    ``response_format``."""
+    rf = response_format
+    if rf is None or rf == {"type": "text"}:
+        return None
+    kind = rf.get("type")
+    if kind == "json_object" and set(rf) == {"type"}:
+        spec = {"type": "json_object"}
+    elif kind == "json_schema":
+        js = rf.get("json_schema")
+        if set(rf) != {"type", "json_schema"} or not isinstance(js, dict):
+            raise FieldError("response_format", "response_format of type json_schema needs a json_schema object "
+                             "(and no other keys)")
+        extra = set(js) - set(JSON_SCHEMA_FORMAT["properties"])
+        if extra:
+            raise FieldError("response_format", f"response_format.json_schema: unknown keys {sorted(extra)}")
+        if not isinstance(js.get("schema"), dict):
+            raise FieldError("response_format", "response_format.json_schema.schema must be a JSON schema object")
+        for key, types in (("name", str), ("description", str), ("strict", (bool, type(None)))):
+            if key in js and not isinstance(js[key], types):
+                raise FieldError("response_format", f"response_format.json_schema.{key} has the wrong type")
+        spec = {"type": "json_schema", "schema": js["schema"]}
+    elif kind in ("text", "json_object"):
+        raise FieldError("response_format", f"response_format of type {kind} takes no other keys")
+    else:
+        raise FieldError("response_format", "response_format type must be one of text, json_object, json_schema; "
+                         f"got {kind!r}")
+    if check:
+        from areno.rollout.grammar import GrammarError
+        from areno.rollout.grammar import check as check_grammar
+
+        try:
+            check_grammar(spec)
+        except GrammarError as exc:
+            raise FieldError("response_format", f"response_format: {exc}") from exc
+    return spec
+
+
 class _Sampling(_Strict):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_field_dependencies)
 
@@ -147,8 +198,11 @@ class _Sampling(_Strict):
     min_p: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
     logit_bias: dict[str, float] | None = Field(default=None, **_schema_only(maxProperties=0))
     response_format: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
-        {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-         "additionalProperties": False}, {"type": "null"}]})
+        *({"type": "object", "properties": {"type": {"const": kind}}, "required": ["type"],
+           "additionalProperties": False} for kind in ("text", "json_object")),
+        {"type": "object", "properties": {"type": {"const": "json_schema"}, "json_schema": JSON_SCHEMA_FORMAT},
+         "required": ["type", "json_schema"], "additionalProperties": False},
+        {"type": "null"}]})
     prompt_logprobs: int | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
 
     @model_validator(mode="before")
@@ -178,9 +232,7 @@ class _Sampling(_Strict):
             raise not_supported("min_p", " (only 0)")
         if self.logit_bias:
             raise not_supported("logit_bias", " (only an empty one)")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            kind = self.response_format.get("type")
-            raise not_supported("response_format", f" (only {{\"type\": \"text\"}}, got type {kind!r})")
+        response_format_grammar(self.response_format, check=True)
         if self.prompt_logprobs is not None:
             raise not_supported("prompt_logprobs", "; on /v1/completions, echo=true with logprobs gives the "
                                 "prompt's log-probs")
@@ -190,6 +242,10 @@ class _Sampling(_Strict):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def grammar(self) -> dict | None:
+        """The structured-output grammar spec of ``response_format`` (None: free text)."""
+        return response_format_grammar(self.response_format)
 
     def token_limit(self) -> int | None:
         """The completion's token budget: ``max_completion_tokens`` (the newer name) else ``max_tokens``."""

@@ -27,8 +27,8 @@ def free_port() -> int:
 class RunningServer:
     def __init__(self, path, **overrides):
         self.port = free_port()
-        cfg = ServeConfig(model_path=str(path), port=self.port, dtype="float32", served_model_name="tiny",
-                          max_running_prompts=8, max_model_len=512, **overrides)
+        settings = {"max_running_prompts": 8, "max_model_len": 512, **overrides}
+        cfg = ServeConfig(model_path=str(path), port=self.port, dtype="float32", served_model_name="tiny", **settings)
         from areno.serve.server import build_app
 
         torch.manual_seed(0)

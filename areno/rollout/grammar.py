@@ -1,0 +1,178 @@
+"""Structured outputs by constrained decoding: a grammar masks the logits of the rows that carry one, so every
+sampled token keeps the output inside the grammar's language.
+
+Spec (plain data in ``SamplingOptions.grammar``, so it travels to replicas and remote rollout as it is):
+
+    {"type": "json_object"}                     any JSON object
+    {"type": "json_schema", "schema": {...}}    a JSON value that validates against the schema (the OpenAI subset
+                                                and more: xgrammar's converter; unknown keys -> GrammarError)
+
+JSON is written compact: ``", "`` and ``": "`` separators and no other whitespace between tokens (``json.dumps``'s
+layout), so a model cannot loop on whitespace. Under a json_schema, objects take no properties the schema does not
+name (as OpenAI's strict mode). Compilation (xgrammar, against the tokenizer and the model's vocabulary, padding ids
+included) happens once per spec per engine (``Grammars``, an LRU cache); each sequence gets its own matcher
+(``Matcher``), advanced with every accepted token. The matcher keeps the mask of its next token:
+
+    bitmask int32 [ceil(V / 32)]:  token t allowed  <=>  bit t % 32 of word t // 32 is set
+    logits[t] = -inf for every disallowed t, before sampling (``apply_token_mask``)
+
+so the sampled token and its log-prob come from the distribution renormalised over the allowed tokens. Once the
+output is whole the mask allows only the stop tokens; the matcher accepting one finishes the sequence ("stop", the
+stop token last, as any EOS). The mask needs the host after every token: steps with a grammar row run single-step,
+without CUDA graphs.
+xgrammar is imported only when a grammar is used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+TYPES = ("json_object", "json_schema")
+_LAYOUT = {"any_whitespace": False}  # separators (", ", ": "), no free whitespace
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before the message
+
+
+class GrammarError(ValueError):
+    """A grammar spec that cannot be used (malformed, or a schema the converter refuses)."""
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:  # pragma: no cover - xgrammar is a dependency; this names the fix if it is missing
+        raise GrammarError("structured outputs need the xgrammar package: pip install xgrammar") from exc
+    return xgrammar
+
+
+def _message(exc: Exception) -> str:
+    return _XGR_PREFIX.sub("", str(exc).strip()).strip()
+
+
+def normalize(spec) -> dict:
+    """The canonical form of a spec: ``{"type": "json_object"}`` or ``{"type": "json_schema", "schema": <dict or
+    bool>}`` (a schema given as JSON text is parsed)."""
+    if not isinstance(spec, dict) or spec.get("type") not in TYPES:
+        raise GrammarError(f"a grammar is a dict with type one of {list(TYPES)}, got {spec!r}"[:300])
+    if spec["type"] == "json_object":
+        if set(spec) != {"type"}:
+            raise GrammarError(f"a json_object grammar takes no other keys, got {sorted(set(spec) - {'type'})}")
+        return {"type": "json_object"}
+    if set(spec) != {"type", "schema"}:
+        raise GrammarError(f"a json_schema grammar has exactly the keys type and schema, got {sorted(spec)}")
+    schema = spec["schema"]
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the schema is not valid JSON: {exc}") from exc
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")
+    return {"type": "json_schema", "schema": schema}
+
+
+def _schema_text(spec: dict) -> tuple[str, bool]:
+    """(schema JSON, strict mode) of a normalised spec: json_object is the schema ``{"type": "object"}`` with
+    additional properties allowed."""
+    if spec["type"] == "json_object":
+        return '{"type": "object"}', False
+    return json.dumps(spec["schema"]), True
+
+
+def check(spec) -> dict:
+    """Normalise and convert ``spec`` to a grammar without a tokenizer (the server's validation); returns the
+    normalised spec or raises GrammarError with the converter's reason."""
+    spec = normalize(spec)
+    xgr = _xgrammar()
+    text, strict = _schema_text(spec)
+    try:
+        xgr.Grammar.from_json_schema(text, strict_mode=strict, **_LAYOUT)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the converter's message
+        raise GrammarError(f"unsupported JSON schema: {_message(exc)}") from exc
+    return spec
+
+
+class Matcher:
+    """One sequence's position in its grammar and the mask of its next token."""
+
+    def __init__(self, xgr, compiled, stop_token_ids: list[int], vocab_size: int):
+        self.inner = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
+        self.mask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.inner.fill_next_token_bitmask(self.mask, 0)
+
+    @property
+    def finished(self) -> bool:
+        """A stop token ended the whole output."""
+        return self.inner.is_terminated()
+
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token and compute the next mask; False if the grammar refuses the token."""
+        if self.finished or not self.inner.accept_token(int(token)):
+            return False
+        if not self.finished:
+            self.inner.fill_next_token_bitmask(self.mask, 0)
+        return True
+
+
+class Grammars:
+    """Compiled grammars of one tokenizer and vocabulary (``vocab_size``: the logits' width, >= the tokenizer's),
+    cached per spec (LRU, ``capacity`` entries)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=(), capacity: int = 64):
+        self.xgr = _xgrammar()
+        self.vocab_size = max(int(vocab_size), len(tokenizer))
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self.stop_token_ids or None)
+        self.compiler = self.xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self.capacity = capacity
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec):
+        spec = normalize(spec)
+        key = json.dumps(spec, sort_keys=True)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        text, strict = _schema_text(spec)
+        try:
+            compiled = self.compiler.compile_json_schema(text, strict_mode=strict, **_LAYOUT)
+        except Exception as exc:
+            raise GrammarError(f"unsupported JSON schema: {_message(exc)}") from exc
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec, stop_token_ids=None) -> Matcher:
+        """A fresh matcher for one sequence; ``stop_token_ids`` (default: the engine's) end the output."""
+        stops = self.stop_token_ids if stop_token_ids is None else sorted(set(int(t) for t in stop_token_ids))
+        return Matcher(self.xgr, self.compile(spec), stops, self.vocab_size)
+
+
+def token_mask(matchers: list) -> tuple[list[int], torch.Tensor] | None:
+    """The step's mask from its rows' matchers (None where a row has no grammar): (row indices, bitmask int32
+    ``[rows, ceil(V / 32)]`` on the host, all bits set on the rows without a grammar), or None when no row has one."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return None
+    width = matchers[rows[0]].mask.shape[1]
+    mask = torch.full((len(matchers), width), -1, dtype=torch.int32)
+    for i in rows:
+        mask[i] = matchers[i].mask[0]
+    return rows, mask
+
+
+def apply_token_mask(logits: torch.Tensor, mask: tuple[list[int], torch.Tensor]) -> None:
+    """Set the disallowed logits of the masked rows to -inf, in place (xgrammar's kernel: CPU, or Triton on CUDA)."""
+    from xgrammar import apply_token_bitmask_inplace
+
+    rows, bits = mask
+    apply_token_bitmask_inplace(logits, bits.to(logits.device, non_blocking=True), indices=rows)
