@@ -122,6 +122,13 @@ def _check_models(config) -> None:
             from areno.models.loader import check_model_source
 
             check_model_source(flag_name(name), value)
+    # the models the rollout engine runs: the served one, the policy of an online algorithm
+    engine_model = getattr(config, "model_path", None) or (
+        getattr(config, "ckpt", None) if getattr(config, "algo", None) in ("grpo", "gspo", "ppo") else None)
+    if engine_model:
+        from areno.models.loader import check_engine_support
+
+        check_engine_support("--model-path" if getattr(config, "model_path", None) else "--ckpt", engine_model)
 
 
 def _check_device_indices(config) -> None:

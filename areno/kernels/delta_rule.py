@@ -519,6 +519,34 @@ def _bwd_chunk_kernel(Q, K_, V_, BETA, GAM, TM, W, DW, SBUF, DHBUF, DO, DQ, DK, 
     tl.store(DBETA + (bos + offs_t) * H + h, dbeta, mask=rmask)
 
 
+@triton.jit
+def _step_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V,
+                 HAS_IDX: tl.constexpr, SCALAR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """One token: S <- e^g S; S <- S + beta k (v - S^T k)^T; o = scale S^T q, on slot IDX[b] (-1: skip, o = 0)."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    kmask, vmask = offs_k < K, offs_v < V
+    slot = tl.load(IDX + b) if HAS_IDX else b
+    ok = slot >= 0
+    smask = (kmask[:, None] & vmask[None, :]) & ok
+    soffs = (tl.maximum(slot, 0).to(tl.int64) * H + h) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(STATE + soffs, mask=smask, other=0.0)
+    row = b * H + h
+    q = tl.load(Q + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(K_ + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(V_ + row * V + offs_v, mask=vmask, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + row).to(tl.float32)
+    if SCALAR:
+        S = S * tl.exp(tl.load(G + row).to(tl.float32))
+    else:
+        S = S * tl.exp(tl.load(G + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32))[:, None]
+    w = beta * (v - tl.sum(S * k[:, None], axis=0))
+    S += k[:, None] * w[None, :]
+    o = scale * tl.sum(S * q[:, None], axis=0)
+    tl.store(STATE + soffs, S, mask=smask)
+    tl.store(O + row * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers and autograd
 
@@ -711,5 +739,18 @@ def fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None
     if state_indices is None and state.shape[0] != q.shape[0]:
         raise ValueError(f"fused_recurrent_gated_delta_rule_step: state has {state.shape[0]} rows for batch "
                          f"{q.shape[0]} (pass state_indices to address a pool)")
+    B, H, K = k.shape
+    V = v.shape[-1]
+    supported = (state.dtype == torch.float32 and state.is_contiguous() and q.dtype in _TRITON_FLOATS
+                 and K <= MAX_DIM and V <= MAX_DIM)
+    if use_triton(q, k, v, g, beta, state, supported=supported):
+        scale = K**-0.5 if scale is None else scale
+        o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
+        BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+        _step_kernel[(B, H, triton.cdiv(V, BV))](
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, state_indices,
+            o, float(scale), H, K, V, HAS_IDX=state_indices is not None, SCALAR=g.dim() == 2, BK=BK, BV=BV,
+        )  # fmt: skip
+        return o
     with torch.no_grad():
         return gated_delta_rule_step_native(q, k, v, g, beta, state, scale=scale, state_indices=state_indices)

@@ -143,9 +143,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. With activation checkpointing the attention half and the MLP are recomputed in backward;
     a MoE router runs between the two recomputed regions, so routing (and its load counters) happens once."""
 
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module, attn_backend: str = "flash"):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, attn_backend: str = "flash", attn: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, attn_backend)
+        self.self_attn = Attention(cfg, attn_backend) if attn is None else attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -178,14 +178,17 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """A decoder-only LM built from areno kernels. Parameters follow ``hf_layouts`` (Hugging Face names)."""
 
-    def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None):
+    def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None, attn_factory=None):
         super().__init__()
         if attn_backend not in ("flash", "native"):
             raise ValueError(f"--attn-backend must be 'flash' or 'native', got {attn_backend!r}")
         self.config, self.attn_backend = cfg, attn_backend
         mlp_factory = mlp_factory or (lambda cfg, i: MLP(cfg))
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, mlp_factory(cfg, i), attn_backend) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, mlp_factory(cfg, i), attn_backend, attn_factory(cfg, i) if attn_factory else None)
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.tp_group, self.tp_rank, self.tp_size = None, 0, 1

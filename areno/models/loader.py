@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from areno.models.registry import get_adapter
-from areno.models.tp import apply_tp_plan, pieces, register_grad_hooks
+from areno.models.tp import apply_tp_plan, layout, pieces, register_grad_hooks
 
 HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "merges.txt", "vocab*"]
 IGNORED_KEYS = ("rotary_emb.inv_freq",)
@@ -54,6 +54,23 @@ def check_model_source(flag: str, value) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(flag, f"{value!r} is a folder without config.json: not a Hugging Face model folder")
     return path
+
+
+def check_engine_support(flag: str, value) -> None:
+    """A ``ConfigError`` naming ``flag`` when the local checkpoint's adapter says the rollout engine cannot run it
+    (``model_class.engine_support``: the reason). Hub ids are checked when the engine loads them."""
+    from areno.config import ConfigError
+
+    file = Path(str(value)).expanduser() / "config.json"
+    if not file.is_file():
+        return
+    model_type = json.loads(file.read_text()).get("model_type")
+    try:
+        reason = getattr(get_adapter(model_type).model_class, "engine_support", None)
+    except ValueError:
+        return  # unsupported model_type: the loader says so
+    if reason:
+        raise ConfigError(flag, f"{str(value)!r} is a {model_type} checkpoint: {reason}")
 
 
 def read_config(path: Path) -> dict:
@@ -118,8 +135,9 @@ class TensorDict:
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Replace every (meta) parameter by an uninitialised one on ``device``; buffers are made by ``init_buffers``."""
     for module in model.modules():
+        fp32 = getattr(module, "fp32_params", ())  # kept fp32 in any model dtype (routers, decay parameters)
         for name, p in list(module.named_parameters(recurse=False)):
-            new = torch.empty(p.shape, dtype=dtype, device=device)
+            new = torch.empty(p.shape, dtype=torch.float32 if name in fp32 else dtype, device=device)
             setattr(module, name, nn.Parameter(new, requires_grad=p.requires_grad))
 
 
@@ -145,6 +163,13 @@ def load_hf_weights(model: nn.Module, source) -> None:
             param[pc.dst].copy_(source.read(pc.hf_name, pc.src))
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
+    keep = getattr(model, "keep_hf_tensor", None)  # tensors an adapter holds untouched (e.g. MTP layers)
+    for name in sorted(available - expected) if keep is not None else ():
+        if keep(name):
+            tensor = source.read(name, (...,)).to(model.embed_tokens.weight.device)
+            pname = model.add_hf_tensor(name, tensor)
+            model._tp_layouts[pname] = [layout(tuple(tensor.shape), 0, [(name, tensor.shape[0])])]
+            expected.add(name)
     extra = [
         k
         for k in available - expected
@@ -162,6 +187,8 @@ def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_
     if "model_type" not in raw:
         raise ValueError(f"{path / 'config.json'} has no model_type")
     adapter = get_adapter(raw["model_type"])
+    if adapter.check_config is not None:
+        adapter.check_config(raw)
     from transformers import AutoConfig
 
     cfg = adapter.config_from_hf(AutoConfig.from_pretrained(str(path)))

@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-BUILTIN = ("qwen3", "qwen3_moe", "llama", "qwen3_vl")
+BUILTIN = ("qwen3", "qwen3_moe", "llama", "bailing_hybrid", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -17,13 +17,15 @@ class Adapter:
     model_type: str
     config_from_hf: Callable  # transformers config (or dict) -> ModelConfig
     model_class: type  # model_class(ModelConfig, attn_backend=...) built on any device (meta at load)
+    check_config: Callable | None = None  # raw config.json dict -> None, or ValueError (before transformers reads it)
 
 
 MODEL_REGISTRY: dict[str, Adapter] = {}
 
 
-def register(model_type: str, config_from_hf: Callable, model_class: type) -> None:
-    MODEL_REGISTRY[model_type] = Adapter(model_type, config_from_hf, model_class)
+def register(model_type: str, config_from_hf: Callable, model_class: type, check_config: Callable | None = None
+             ) -> None:
+    MODEL_REGISTRY[model_type] = Adapter(model_type, config_from_hf, model_class, check_config)
 
 
 def get_adapter(model_type: str) -> Adapter:

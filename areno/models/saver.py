@@ -29,11 +29,13 @@ PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
 
 @torch.no_grad()
 def iter_hf_tensors(model, *, grads: bool = False):
-    """Yield ``(hf_name, full tensor)`` for every Hugging Face tensor of the model (of its gradients with ``grads``),
-    gathered over TP (a collective: every rank of the group must iterate to the end)."""
+    """Yield ``(hf_name, full tensor)`` for every Hugging Face tensor of the model (with ``grads``: the gradients of
+    its trainable parameters), gathered over TP (a collective: every rank of the group must iterate to the end)."""
     params = dict(model.named_parameters())
     size, group = model.tp_size, model.tp_group
     for pname, lays in model._tp_layouts.items():
+        if grads and not params[pname].requires_grad:  # frozen tensors (MTP layers, a router's bias) have none
+            continue
         local = params[pname].grad if grads else params[pname]
         if local is None:
             raise ValueError(f"{pname} has no gradient")

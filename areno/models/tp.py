@@ -181,6 +181,19 @@ PLAN = {
     "lm_head": "vocab",
     "self_attn.q_norm": "partial_grad",
     "self_attn.k_norm": "partial_grad",
+    # bailing_hybrid: KDA (heads split; the conv kernels and decay parameters follow their channels) and MLA (heads
+    # split in q, kv_b and the output gate; the latent projections replicated), the MoE's shared expert
+    "self_attn.conv": "column",
+    "self_attn.decay": "column",
+    "self_attn.f_proj": "column",
+    "self_attn.b_proj": "column",
+    "self_attn.g_proj": "column",
+    "self_attn.o_norm": "partial_grad",
+    "self_attn.q_proj": "column",
+    "self_attn.q_b_proj": "column",
+    "self_attn.kv_b_proj": "column",
+    "shared_experts.gate_up_proj": "column",
+    "shared_experts.down_proj": "row",
 }
 
 

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama) for tests and demos; nothing is downloaded.
+"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid) for tests and demos; nothing is
+downloaded.
 
 ``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
 (through the transformers config class, so ``AutoConfig`` reads it), ``model.safetensors`` (random weights under HF's
@@ -11,6 +12,11 @@ Version notes, so areno's loaders and the tests agree on every transformers vers
   carries both spellings (the legacy ones are what Hub checkpoints hold), which every version reads the same way.
 - qwen3_moe experts are stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as on the Hub;
   transformers 5 fuses them into ``gate_up_proj``/``down_proj`` at load and splits them back at save.
+- bailing_hybrid (Ling 3) uses the Hub's tensor names (``model.word_embeddings``, ``layers.i.attention.*`` with
+  ``dense``/``q_conv1d``/..., ``mlp.gate.expert_bias``, per-expert weights), which transformers renames at load, and
+  stores ``num_mtp_layers`` MTP layers after the decoder (``enorm``/``hnorm``/``eh_proj``, an MLA + MoE block,
+  ``final_layernorm``) that transformers skips. The tensors transformers keeps fp32 (router, expert bias, conv
+  kernels, ``dt_bias``, ``A_log``) are written fp32 whatever ``dtype`` is.
 - The weights are drawn by tensor name with a seeded CPU generator, independent of transformers, so the bytes are the
   same whichever version is installed.
 """
@@ -28,7 +34,9 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingMoeV3ForCausalLM"),
 }
+BAILING_FP32 = ("mlp.gate.weight", "expert_bias", "_conv1d.weight", "dt_bias", "A_log")
 # Init std, written to config.json as initializer_range. Larger than HF's 0.02 on purpose: at 0.02 the residual
 # stream is all embedding, and the tied qwen3 model predicts its own input token 98% of the time, so generation tests
 # could not see a position or KV-cache bug. At 0.1 the layers matter (changing the first token changes ~80% of the
@@ -86,6 +94,15 @@ def _defaults(family: str) -> dict:
         )
     elif family == "llama":
         cfg.update(tie_word_embeddings=False, mlp_bias=False, rope_scaling=dict(LLAMA3_ROPE_SCALING))
+    elif family == "bailing_hybrid":
+        # [KDA, MLA, KDA, MLA], dense MLP first then 8 experts in 4 groups; qk head dim 24 != v head dim 16
+        cfg.update(
+            tie_word_embeddings=False, num_hidden_layers=4, num_key_value_heads=4, rope_theta=6e6,
+            layer_group_size=2, first_k_dense_replace=1, short_conv_kernel_size=4, kda_safe_gate=True,
+            kda_lower_bound=-5.0, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1,
+        )
     return cfg
 
 
@@ -144,14 +161,81 @@ def tiny_config(family: str = "qwen3", *, dtype=torch.float32, **overrides) -> d
         out.setdefault("rope_theta", rope.get("rope_theta"))
         if rope.get("rope_type", "default") != "default":
             out.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    if family == "bailing_hybrid":
+        out.pop("head_dim", None)  # transformers writes the RoPE dim there; the Hub config has the KDA head dim
+        out["head_dim"] = out["linear_head_dim"]
     if family == "qwen3_moe":
         experts = out.get("num_experts", out.get("num_local_experts"))
         out["num_experts"] = out["num_local_experts"] = experts
     return dict(sorted(out.items()))
 
 
+def _bailing_hybrid_layer(config: dict, p: str, full: bool, sparse: bool) -> dict:
+    """Hub tensor shapes of one Ling 3 decoder layer with prefix ``p`` (``model.layers.{i}.``)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    shapes = {p + "input_layernorm.weight": (hidden,)}
+    a = p + "attention."
+    if full:
+        qk, rank, rope = config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["kv_lora_rank"], \
+            config["qk_rope_head_dim"]
+        if config.get("q_lora_rank"):
+            q = config["q_lora_rank"]
+            shapes.update({a + "q_a_proj.weight": (q, hidden), a + "q_a_layernorm.weight": (q,),
+                           a + "q_b_proj.weight": (heads * qk, q)})
+        else:
+            shapes[a + "q_proj.weight"] = (heads * qk, hidden)
+        shapes.update({a + "kv_a_proj_with_mqa.weight": (rank + rope, hidden), a + "kv_a_layernorm.weight": (rank,),
+                       a + "kv_b_proj.weight": (heads * (config["qk_nope_head_dim"] + config["v_head_dim"]), rank),
+                       a + "g_proj.weight": (heads, hidden),
+                       a + "dense.weight": (hidden, heads * config["v_head_dim"])})
+    else:
+        hd, width = heads * config["head_dim"], config["short_conv_kernel_size"]
+        for x in "qkv":
+            shapes[a + f"{x}_proj.weight"] = (hd, hidden)
+        for x in "qkv":
+            shapes[a + f"{x}_conv1d.weight"] = (hd, 1, width)
+        shapes.update({a + "f_proj.weight": (hd, hidden), a + "dt_bias": (hd,), a + "A_log": (heads,),
+                       a + "b_proj.weight": (heads, hidden), a + "g_proj.weight": (hd, hidden),
+                       a + "o_norm.weight": (config["head_dim"],), a + "dense.weight": (hidden, hd)})
+    shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+    if sparse:
+        experts, inter = config["num_experts"], config["moe_intermediate_size"]
+        shared = inter * config.get("num_shared_experts", 1)
+        shapes.update({p + "mlp.gate.weight": (experts, hidden), p + "mlp.gate.expert_bias": (experts,)})
+        for e in range(experts):
+            shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (inter, hidden)
+            shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (inter, hidden)
+            shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, inter)
+        mlp, inter = p + "mlp.shared_experts.", shared
+    else:
+        mlp, inter = p + "mlp.", config["intermediate_size"]
+    shapes.update({mlp + "gate_proj.weight": (inter, hidden), mlp + "up_proj.weight": (inter, hidden),
+                   mlp + "down_proj.weight": (hidden, inter)})
+    return shapes
+
+
+def _bailing_hybrid_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    hidden, vocab, n = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    shapes = {"model.word_embeddings.weight": (vocab, hidden)}
+    for i in range(n):
+        full, sparse = config["layer_types"][i] == "full_attention", config["mlp_layer_types"][i] == "sparse"
+        shapes.update(_bailing_hybrid_layer(config, f"model.layers.{i}.", full, sparse))
+    for i in range(n, n + config.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{i}."
+        shapes.update({p + "enorm.weight": (hidden,), p + "hnorm.weight": (hidden,),
+                       p + "eh_proj.weight": (hidden, 2 * hidden)})
+        shapes.update(_bailing_hybrid_layer(config, p, True, True))
+        shapes[p + "final_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a ``config.json`` dict of one of the tiny families, in Hub (unfused) layout."""
+    if config["model_type"] == "bailing_hybrid":
+        return _bailing_hybrid_shapes(config)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -214,7 +298,8 @@ def random_weights(config: dict, *, seed: int = 0, dtype=torch.float32) -> dict[
     for name, shape in weight_shapes(config).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
         w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
-        out[name] = w.to(dtype).contiguous()
+        fp32 = config["model_type"] == "bailing_hybrid" and name.endswith(BAILING_FP32)
+        out[name] = w.to(torch.float32 if fp32 else dtype).contiguous()
     return out
 
 
@@ -243,5 +328,6 @@ def make_tiny_checkpoint(path, family: str = "qwen3", seed: int = 0, *, dtype=to
         "pad_token_id": config["pad_token_id"],
     }
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tiny_tokenizer.write_tokenizer_files(path, model_max_length=config["max_position_embeddings"])
+    max_len = config.get("max_position_embeddings", config.get("model_max_length"))
+    tiny_tokenizer.write_tokenizer_files(path, model_max_length=max_len)
     return path

@@ -89,14 +89,17 @@ def test_public_function_without_state(native_kernels):
     torch.testing.assert_close(o1, o[:9], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", ["native", "triton"])
 @pytest.mark.parametrize("gate", ["channel", "head"])
-def test_decode_step_follows_chunked_forward(gate):
+def test_decode_step_follows_chunked_forward(monkeypatch, kernels, gate):
     """Prefill a few tokens with the chunked path, then step token by token in a state pool: every output and the
     final states equal the chunked forward over the whole sequences."""
     lens, H, K, V = [7, 4, 9], 2, 8, 8
     (q, k, v, g, beta, s0), cu = _inputs(lens, H, K, V, gate)
+    monkeypatch.setenv("ARENO_KERNELS", "native")  # the chunked reference
     o_full, st_full = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu,
                                              output_final_state=True, chunk_size=16)
+    monkeypatch.setenv("ARENO_KERNELS", kernels)
     pool = torch.randn(6, H, K, V)
     slots = torch.tensor([4, -1, 1, 2])  # row 1 is a padding row: its slot (and output) must be left alone
     seqs = [0, None, 1, 2]

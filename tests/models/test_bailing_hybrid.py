@@ -1,0 +1,259 @@
+"""Ling 3 (bailing_hybrid: KDA + gated MLA + sigmoid-routed MoE with a shared expert) against transformers' own
+model: logits and gradients in fp32, the Hub-name round trip (MTP layers kept untouched), TP=2 on gloo, activation
+checkpointing with routing counted once, the selection-bias update, and the refusals (Ling 2.x hybrid, engine)."""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hf_reference import load_reference, next_token_targets
+from safetensors import safe_open
+
+from areno.models import load_model, save_model
+from areno.models.tp import pieces
+
+# the default tiny config: [KDA, MLA, KDA, MLA], dense then sparse MLPs, qk head dim 24 > v head dim 16, one MTP
+# layer; the second: q_lora_rank, v head dim 32 > qk 24 (q and k padded), the softplus forget gate, no MTP
+VARIANT = dict(q_lora_rank=24, v_head_dim=32, kda_safe_gate=False, num_mtp_layers=0)
+
+
+def _ids(vocab, b=2, t=19, seed=0):
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model, ids):
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
+    targets = next_token_targets(ids)
+    return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+
+
+def _grads(model) -> dict:
+    """Gradients under Hub names (this process's full model)."""
+    params, out = dict(model.named_parameters()), {}
+    for pname, lays in model._tp_layouts.items():
+        g = params[pname].grad
+        if g is None:
+            continue
+        for pc in pieces(lays, 0, 1):
+            out.setdefault(pc.hf_name, torch.empty(pc.hf_shape))[pc.src] = g[pc.dst]
+    return out
+
+
+def _hub_grads(ref) -> dict:
+    """transformers' gradients under the Hub names it renamed at load (conv kernels split back, experts unfused)."""
+    out = {}
+    for name, p in ref.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        name = name.replace("model.embed_tokens.", "model.word_embeddings.").replace(".self_attn.", ".attention.")
+        name = name.replace(".attention.o_proj.", ".attention.dense.").replace(".forget_gate.", ".")
+        if name.endswith("attention.conv1d.weight"):
+            out.update({name.replace("conv1d", f"{x}_conv1d"): c for x, c in zip("qkv", g.chunk(3))})
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            base, i = name[: -len("gate_up_proj")], g.shape[1] // 2
+            for e in range(g.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = g[e, :i], g[e, i:]
+        elif name.endswith("mlp.experts.down_proj"):
+            out.update({f"{name[: -len('down_proj')]}{e}.down_proj.weight": g[e] for e in range(g.shape[0])})
+        else:
+            out[name] = g
+    return out
+
+
+def _tensors(folder):
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("overrides", [{}, VARIANT], ids=["mtp", "q_lora"])
+def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, overrides):
+    path = tiny_checkpoint("bailing_hybrid", **overrides)
+    model, ref = load_model(path, device="cpu"), load_reference(path)
+    cfg = model.config
+    assert cfg.layer_types == ["linear_attention", "full_attention"] * 2 and cfg.num_experts == 8
+    assert len(model.mtp_names) == (0 if overrides else 41)  # the MTP layer's tensors, held untouched
+    ids = _ids(cfg.vocab_size)
+    with torch.no_grad():
+        got, want = model.logits(ids), ref(ids).logits
+    assert got.shape == want.shape == (*ids.shape, cfg.vocab_size)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    model.train(), ref.train()
+    loss = _loss(model, _ids(cfg.vocab_size, seed=2))
+    loss.backward()
+    ref_loss = ref(_ids(cfg.vocab_size, seed=2), labels=_ids(cfg.vocab_size, seed=2)).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    got, want = _grads(model), _hub_grads(ref)
+    assert set(got) == set(want)
+    for name, g in want.items():
+        assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_areno_hf_is_bit_identical_with_mtp_layers(tmp_path, dtype):
+    from areno.testing import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", "bailing_hybrid", dtype=dtype)
+    model = load_model(src, device="cpu")
+    assert model.layers[1].mlp.gate.weight.dtype == model.layers[0].self_attn.decay.A_log.dtype == torch.float32
+    out = save_model(model, tmp_path / "out")
+    a, b = _tensors(src), _tensors(out)
+    assert sorted(a) == sorted(b) and any(k.startswith("model.layers.4.eh_proj") for k in a)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_transformers_loads_what_areno_saves(tiny_checkpoint, tmp_path):
+    model = load_model(tiny_checkpoint("bailing_hybrid", **VARIANT), device="cpu")
+    with torch.no_grad():  # change the weights so the test sees what was saved
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = save_model(model, tmp_path / "trained")
+    ids = _ids(model.config.vocab_size, t=11, seed=3)
+    with torch.no_grad():
+        want = model.logits(ids)
+        assert (load_reference(out)(ids).logits - want).abs().max() <= 1e-4 * want.abs().max()
+        assert torch.equal(load_model(out, device="cpu").logits(ids), want)
+
+
+def test_checkpointing_counts_routing_once_and_bias_moves_once_per_step(tiny_checkpoint):
+    path = tiny_checkpoint("bailing_hybrid")
+    ids = _ids(1000, b=3, t=13, seed=4)
+    results = []
+    for enabled in (False, True):
+        model = load_model(path, device="cpu").train()
+        model.set_activation_checkpointing(enabled)
+        loss = _loss(model, ids)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
+                        model.expert_load().clone()))
+    (loss0, grads0, counts0), (loss1, grads1, counts1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=name)
+    k, layers = model.config.num_experts_per_tok, len(model.moe_layers())
+    assert counts1.shape == (layers, 8) and torch.equal(counts1, counts0)
+    assert (counts1.sum(1) == ids.numel() * k).all()  # every token routed once per MoE layer, k slots
+    with torch.no_grad():
+        model.logits(ids)  # no grad: not counted
+    assert torch.equal(model.expert_load(), counts1)
+
+    before = torch.stack([m.gate.expert_bias.clone() for m in model.moe_layers()])
+    model.update_routing_bias(1e-3)
+    after = torch.stack([m.gate.expert_bias for m in model.moe_layers()])
+    mean = counts1.float().mean(1, keepdim=True)
+    torch.testing.assert_close(after - before, 1e-3 * torch.sign(mean - counts1.float()), rtol=0, atol=1e-7)
+    assert model.expert_load().sum() == 0  # counters restart for the next step
+    model.update_routing_bias(1e-3)  # nothing routed since: every load equals the mean, the bias stays
+    assert torch.equal(torch.stack([m.gate.expert_bias for m in model.moe_layers()]), after)
+
+
+def test_selection_bias_steers_routing_not_weights(tiny_checkpoint):
+    """A large bias on expert 0 makes every token pick it; its weight is still its unbiased sigmoid score."""
+    model = load_model(tiny_checkpoint("bailing_hybrid"), device="cpu")
+    moe = model.moe_layers()[0]
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        moe.gate.expert_bias.zero_()
+        moe.gate.expert_bias[0] = 10.0
+        weights, ids = moe.route(x)
+    assert (ids == 0).any(dim=1).all()
+    scores = torch.sigmoid(x @ moe.gate.weight.t())
+    chosen = scores.gather(1, ids.long())
+    torch.testing.assert_close(weights, 2.5 * chosen / chosen.sum(1, keepdim=True))
+
+
+def test_refuses_the_ling2_hybrid_and_the_engine(tiny_checkpoint, tmp_path, capsys):
+    import shutil
+
+    src = tiny_checkpoint("bailing_hybrid")
+    old = tmp_path / "ling2"
+    shutil.copytree(src, old)
+    config = json.loads((old / "config.json").read_text())
+    config["architectures"] = ["BailingMoeV2_5ForCausalLM"]
+    (old / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="BailingMoeV2_5ForCausalLM.*not Ling 3"):
+        load_model(old, device="cpu")
+
+    from areno.cli import main
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_fn(record):\n    return 0.0\n")
+    for flag, argv in (("--model-path", ["serve", "--model-path", str(src)]),
+                       ("--ckpt", ["train", "--ckpt", str(src), "--dataset-path", "d.jsonl", "--reward-fn-path",
+                                   str(reward)])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: {flag} " in err and "no recurrent-state slots" in err, err
+
+
+# ---- tensor parallel -----------------------------------------------------------------------------------------------
+
+
+def _run(model):
+    ids = _ids(1000, t=13, seed=7)
+    with torch.no_grad():
+        logits = model.logits(ids)
+    model.train()
+    model.set_activation_checkpointing(True)
+    loss = _loss(model, ids)
+    loss.backward()
+    from areno.models import iter_hf_tensors
+
+    return logits, loss.detach(), dict(iter_hf_tensors(model, grads=True)), model.expert_load()
+
+
+def _worker(rank, world, port, path, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from areno import parallel
+
+    parallel.init_distributed("gloo", tp_size=world)
+    model = load_model(path, device="cpu", tp_group=parallel.get_tp_group())
+    assert model.layers[0].self_attn.num_heads == model.layers[1].self_attn.num_heads == 4 // world
+    result = _run(model)
+    save_model(model, os.path.join(out_dir, "saved"))
+    if rank == 0:
+        torch.save(result, os.path.join(out_dir, "results.pt"))
+    parallel.destroy_distributed()
+
+
+def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
+    path = str(tiny_checkpoint("bailing_hybrid"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.spawn(_worker, args=(2, port, path, str(tmp_path)), nprocs=2, join=False)
+    deadline = time.time() + 240
+    while not ctx.join(timeout=5):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError("TP workers did not finish")
+    assert not dist.is_initialized()
+    logits2, loss2, grads2, load2 = torch.load(tmp_path / "results.pt")
+    logits1, loss1, grads1, load1 = _run(load_model(path, device="cpu"))
+    assert (logits2 - logits1).abs().max() <= 1e-5 * logits1.abs().max()
+    torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=1e-6)
+    assert torch.equal(load2, load1)  # routing is replicated: the same counts on every rank
+    assert set(grads2) == set(grads1)
+    for name, g in grads1.items():
+        assert (grads2[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+    a, b = _tensors(tmp_path / "saved"), _tensors(tiny_checkpoint("bailing_hybrid"))
+    assert sorted(a) == sorted(b)
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
