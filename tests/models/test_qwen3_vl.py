@@ -169,3 +169,48 @@ def test_tiny_checkpoint_processor_and_template(vl):
     pv, grid = _images(processor, [(100, 30)])  # resized to multiples of 8 pixels within 256..4096 pixels
     t, h, w = grid[0].tolist()
     assert t == 1 and h % 2 == 0 and w % 2 == 0 and h * w * 16 <= 4096 and pv.shape == (h * w, 3 * 2 * 4 * 4)
+
+
+def test_paged_kv_cache_greedy_decode_matches_transformers_generate(vl):
+    """The engine-facing contract: the tower runs once (``encode_images``), prefill takes ``[3, T]`` positions over
+    the paged cache in two chunks (the image split between them, each chunk given its rows of the image embeddings),
+    decode steps sit at ``n + rope_delta`` on all three streams; greedy tokens equal transformers' ``generate``."""
+    from test_kv_cache import BLOCK, Cache, _i32
+
+    from areno.models import AttentionMetadata
+
+    _, model, ref, processor = vl
+    pv, grid = _images(processor, IMAGE_SIZES[1:], seed=8)
+    ids = _prompt(model.config, grid, seed=8)
+    image = ids == model.config.image_token_id
+    positions, deltas = model.mrope_positions(ids, grid)
+    new_tokens, split = 6, int(image.nonzero()[5])  # the first chunk ends inside the image
+    with torch.inference_mode():
+        want = ref.generate(ids[None], pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=image.int()[None],
+                            attention_mask=torch.ones_like(ids)[None], max_new_tokens=new_tokens, do_sample=False,
+                            return_dict_in_generate=True, output_logits=True)
+        embeds, deepstack = model.encode_images(pv, grid)
+        cache, table = Cache(model), list(range(15, 15 - (len(ids) + new_tokens + BLOCK) // BLOCK - 1, -1))
+        for start, end in ((0, split), (split, len(ids))):
+            k0, k1 = int(image[:start].sum()), int(image[:end].sum())
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(Cache.slots(table, start, end)), is_prefill=True,
+                cu_seqlens_q=_i32([0, end - start]), cu_seqlens_k=_i32([0, end]), max_seqlen_q=end - start,
+                max_seqlen_k=end, block_table=_i32([table]), seq_lens=_i32([end]), has_prefix=start > 0,
+            )  # fmt: skip
+            hidden = model(ids[start:end], positions[:, start:end], kv_caches=cache.layers, attn_metadata=meta,
+                           image_embeds=(embeds[k0:k1], deepstack[:, k0:k1]))  # fmt: skip
+        logits = [model.compute_logits(hidden[-1:])[0]]
+        tokens = [int(logits[-1].argmax())]
+        for n in range(len(ids), len(ids) + new_tokens - 1):
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(Cache.slots(table, n, n + 1)), is_prefill=False, cu_seqlens_q=_i32([0, 1]),
+                max_seqlen_q=1, max_seqlen_k=n + 1, block_table=_i32([table]), seq_lens=_i32([n + 1]),
+            )  # fmt: skip
+            pos = torch.full((3, 1), n + deltas[0])
+            hidden = model(torch.tensor(tokens[-1:]), pos, kv_caches=cache.layers, attn_metadata=meta)
+            logits.append(model.compute_logits(hidden)[0])
+            tokens.append(int(logits[-1].argmax()))
+    assert tokens == want.sequences[0, len(ids):].tolist()
+    for got, step in zip(logits, want.logits, strict=True):  # every step's logits, not only the argmax
+        assert (got - step[0]).abs().max() <= 1e-4 * step.abs().max()
