@@ -6,6 +6,7 @@
     dense   (``apply_penalties``):   x[i]  = x[i] / rep  if x[i] > 0 else x[i] * rep    where i is in the prompt
                                                                                         or the output so far
                                      x[i] -= frequency * count[i] + presence * (count[i] > 0)   (output only)
+                                     (then clamped to +-1e30, so that an extreme penalty never makes inf or NaN)
 
 The engine applies the sparse step first (logit_bias, then the min_tokens ban), the dense one second, both on the
 raw logits; temperature, min-p, top-k and top-p follow in ``sample``. Rows whose slot is -1 (dense) or whose list
@@ -29,6 +30,7 @@ from areno.kernels.dispatch import interpreting, use_triton
 COUNT_BITS = 24
 IN_PROMPT = 1 << COUNT_BITS  # flag bit of the token state: the token occurs in the prompt
 _COUNT_MASK = IN_PROMPT - 1
+_LIMIT = 1e30  # penalised logits stay within +-1e30 (an extreme penalty must not make inf, then NaN), bans stay -inf
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
@@ -48,10 +50,11 @@ def _penalty_kernel(x_ptr, stride_x, slot_ptr, state_ptr, stride_s, rep_ptr, pre
         ok = cols < V
         st = tl.load(state_ptr + slot.to(tl.int64) * stride_s + cols, mask=ok, other=0)
         ptr = x_ptr + row.to(tl.int64) * stride_x + cols
-        x = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+        x0 = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
         count = (st & COUNT_MASK).to(tl.float32)
-        x = tl.where(st != 0, tl.where(x > 0, x / rep, x * rep), x)
+        x = tl.where(st != 0, tl.where(x0 > 0, x0 / rep, x0 * rep), x0)
         x = x - freq * count - pres * tl.where(count > 0, 1.0, 0.0)
+        x = tl.where(x0 == float("-inf"), x0, tl.minimum(tl.maximum(x, -1e30), 1e30))  # _LIMIT
         tl.store(ptr, x.to(x_ptr.dtype.element_ty), mask=ok)
 
 
@@ -97,7 +100,7 @@ def _native_penalties(logits, slots, state, rep, pres, freq):
     rep = torch.where(on, rep, torch.ones_like(rep))[:, None]
     x = torch.where(st != 0, torch.where(x > 0, x / rep, x * rep), x)
     x = x - torch.where(on[:, None], freq[:, None] * count + pres[:, None] * (count > 0).float(), 0.0)
-    logits.copy_(x)
+    logits.copy_(torch.where(logits == float("-inf"), logits.float(), x.clamp(-_LIMIT, _LIMIT)))
 
 
 def _native_bias(logits, ids, bias, ban, left):

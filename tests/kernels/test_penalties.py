@@ -69,3 +69,16 @@ def test_bias_and_min_tokens_ban(path):
     got = apply_logit_bias(logits.clone(), ids, bias, ban, min_left)
     torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
     assert torch.isinf(got[0, 150]) and not torch.isinf(got[1, 7])  # a row past min_tokens keeps the bias only
+
+
+def test_extreme_penalties_stay_finite_and_bans_stay_banned(path):
+    V = 50
+    logits = torch.randn(2, V)
+    logits[1, 7] = float("-inf")
+    state = torch.zeros(2, V, dtype=torch.int32)
+    for s in range(2):
+        reset_token_state(state, s, list(range(V)), [])
+    out = apply_penalties(logits.clone(), torch.tensor([0, 1]), state, torch.tensor([1e-40, 3e38]), torch.zeros(2),
+                          torch.zeros(2))  # fmt: skip
+    assert torch.isfinite(out[0]).all() and out[1, 7] == float("-inf") and torch.isfinite(out[1, :7]).all()
+    assert torch.isfinite(torch.log_softmax(out, 1)[:, :7]).all()
