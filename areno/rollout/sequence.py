@@ -7,6 +7,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+FP32_MAX = 3.4028234663852886e38
+
 
 @dataclass
 class SamplingOptions:
@@ -46,6 +48,18 @@ class SamplingOptions:
             raise ValueError(f"n must be >= 1, got {self.n}")
         self.stop = [s for s in ([self.stop] if isinstance(self.stop, str) else list(self.stop or [])) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not 0 < self.repetition_penalty <= FP32_MAX:  # applied in fp32: an overflow would make inf * 0
+            raise ValueError(f"repetition_penalty must be > 0 (and a finite fp32), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        # whether a step may have to adjust this sequence's logits (the engine's hot path reads only this flag)
+        self.adjusts_logits = bool(self.penalized or self.min_p > 0 or self.logit_bias or self.min_new_tokens)
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

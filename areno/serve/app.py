@@ -187,6 +187,8 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         accepted and ignored."""
         if req.stop_token_ids and any(t >= vocab for t in req.stop_token_ids):
             raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+        if req.logit_bias and max(map(int, req.logit_bias)) >= vocab:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         if req.store:
             note("store", "this server does not store completions")
         if req.metadata:
@@ -216,6 +218,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
             max_new_tokens=max_tokens or room, min_new_tokens=min(req.min_tokens, max_tokens or room),
             stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            min_p=req.min_p or 0.0, logit_bias=req.logit_bias_ids(),
             seed=req.seed, n=req.n, top_logprobs=top_logprobs, grammar=req.grammar(),
         )
 

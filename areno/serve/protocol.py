@@ -4,7 +4,7 @@ Unknown fields are refused (``extra="forbid"``), so a feature the server lacks g
 of being ignored. Fields that clients send to every OpenAI-compatible server are accepted where they change nothing
 here or are built (vLLM's ``chat_template_kwargs``, ``continue_final_message``, ``stop_token_ids``,
 ``skip_special_tokens``, ...; the SDK's ``store``, ``metadata``, ``service_tier``, ...), and refused by name where
-they would change the answer and are not built (penalties other than neutral, ``min_p`` > 0, ``logit_bias``,
+they would change the answer and are not built (such as
 ``prompt_logprobs``). A null value means the field's default.
 
 ``response_format`` (both routes, as vLLM): ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type":
@@ -12,6 +12,10 @@ they would change the answer and are not built (penalties other than neutral, ``
 under (``areno.rollout.grammar``); the output always follows the schema, so ``strict`` changes nothing, and
 ``description`` is not shown to the model. A schema the grammar converter refuses is a 400 naming
 ``response_format``.
+
+Sampling options beyond OpenAI's few (vLLM's semantics, ``SamplingOptions``): ``repetition_penalty`` > 0,
+``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``min_p`` in [0, 1], ``logit_bias`` (at most
+``MAX_LOGIT_BIAS`` token ids, biases in [-100, 100]), ``min_tokens`` (EOS and stop ids masked until reached).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 128  # checked against every sampled token: a long list would slow every engine step
+MAX_LOGIT_BIAS = 300  # token ids in one logit_bias (OpenAI's own limit)
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -191,12 +196,13 @@ class _Sampling(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # neutral values only, until built
-    presence_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
-    frequency_penalty: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
-    repetition_penalty: float | None = Field(default=None, **_schema_only(minimum=1, maximum=1))
-    min_p: float | None = Field(default=None, **_schema_only(minimum=0, maximum=0))
-    logit_bias: dict[str, float] | None = Field(default=None, **_schema_only(maxProperties=0))
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=3.4028234663852886e38)  # a finite fp32
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
         *({"type": "object", "properties": {"type": {"const": kind}}, "required": ["type"],
            "additionalProperties": False} for kind in ("text", "json_object")),
@@ -223,15 +229,6 @@ class _Sampling(_Strict):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise not_supported(name, " (only 0)")
-        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
-            raise not_supported("repetition_penalty", " (only 1)")
-        if self.min_p:
-            raise not_supported("min_p", " (only 0)")
-        if self.logit_bias:
-            raise not_supported("logit_bias", " (only an empty one)")
         response_format_grammar(self.response_format, check=True)
         if self.prompt_logprobs is not None:
             raise not_supported("prompt_logprobs", "; on /v1/completions, echo=true with logprobs gives the "
@@ -242,6 +239,10 @@ class _Sampling(_Strict):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` keyed by token id (its JSON keys are the ids' decimal strings)."""
+        return {int(t): b for t, b in (self.logit_bias or {}).items()}
 
     def grammar(self) -> dict | None:
         """The structured-output grammar spec of ``response_format`` (None: free text)."""

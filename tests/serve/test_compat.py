@@ -168,11 +168,6 @@ def test_continuous_usage_stats(server):
 
 # ---- fields refused until built ----------------------------------------------------------------------------------
 REFUSED = [
-    ("repetition_penalty", 1.2),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0),
-    ("min_p", 0.1),
-    ("logit_bias", {"5": 2.0}),
     ("prompt_logprobs", 1),
 ]
 
@@ -194,7 +189,7 @@ def test_refusals_reach_the_openai_client_as_bad_requests(client):
                                            "name": "x", "schema": {"type": "nonsense"}}})
     assert e.value.param == "response_format"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, presence_penalty=1.0)
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, presence_penalty=2.5)
     assert e.value.param == "presence_penalty"
 
 
@@ -269,3 +264,56 @@ def test_assistant_messages_read_back_from_a_response(server, tok):
     ids = post(server, "/tokenize", {"messages": messages})["tokens"]
     assert "<|im_start|>assistant\n<think>\n2 plus 3\n</think>\n\n5<|im_end|>" in tok.decode(ids)
     assert chat(server, messages=messages, max_tokens=2)["usage"]["prompt_tokens"] == len(ids)
+
+
+# ---- sampling options in the engine's sampler ----------------------------------------------------------------------
+def token_ids(choice) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, tiny_ckpt, tok):
+    """Through the openai client: the tokens and log-probs are those of the engine given the same options."""
+    import torch
+
+    from areno.models import load_model
+    from areno.rollout.engine import Engine, EngineConfig
+    from areno.rollout.sequence import SamplingOptions
+
+    kw = dict(temperature=0.9, seed=7, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"17": 3.0})
+    extra = {"repetition_penalty": 1.3, "min_p": 0.05, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    out = client.completions.create(model="tiny", prompt="a b a b a b", max_tokens=8, logprobs=0, extra_body=extra,
+                                    **kw).choices[0]  # fmt: skip
+    engine = Engine(load_model(tiny_ckpt, dtype=torch.float32, device="cpu"), tok, EngineConfig(block_size=4))
+    ref = engine.generate([tok.encode("a b a b a b")], SamplingOptions(
+        temperature=0.9, seed=7, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={17: 3.0},
+        repetition_penalty=1.3, min_p=0.05, ignore_eos=True, max_new_tokens=8))[0][0]
+    assert token_ids(out) == ref.token_ids
+    assert out.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    forced = client.completions.create(model="tiny", prompt="the cat", max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={"17": 100}, extra_body=extra).choices[0]  # fmt: skip
+    assert token_ids(forced) == [17] * 4
+
+
+def test_min_tokens_masks_eos(client, tok):
+    """EOS (pushed to the top by a bias) comes only once min_tokens tokens are out: no hidden EOS in the text, the
+    usage or the log-probs before it."""
+    eos = tok.eos_token_id
+    out = client.completions.create(model="tiny", prompt="the cat", max_tokens=12, temperature=1.0, seed=3, logprobs=0,
+                                    logit_bias={str(eos): 30},
+                                    extra_body={"min_tokens": 5, "return_tokens_as_token_ids": True})  # fmt: skip
+    ids = token_ids(out.choices[0])
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 6
+    assert ids[-1] == eos and eos not in ids[:-1] and all(lp > -50 for lp in out.choices[0].logprobs.token_logprobs)
+    chat_out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0,
+                                              logit_bias={str(eos): 30}, extra_body={"min_tokens": 3})  # fmt: skip
+    assert chat_out.usage.completion_tokens == 4 and chat_out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("repetition_penalty", 0, "repetition_penalty"), ("presence_penalty", 2.5, "presence_penalty"),
+    ("frequency_penalty", -3, "frequency_penalty"), ("min_p", 1.5, "min_p"), ("logit_bias", {"5": 101}, "logit_bias"),
+    ("logit_bias", {"abc": 1}, "logit_bias"), ("logit_bias", {"100000": 1}, "logit_bias")])
+def test_sampling_option_ranges_name_the_field(server, field, value, param):
+    err = post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value}, 400)
+    err = err["error"]
+    assert err["param"].split(".")[0] == param and not err["message"].startswith("Value error"), err
