@@ -563,6 +563,10 @@ def _chunk_meta(cu: list[int], C: int, device):
     return as32(bos), as32(lens), as32(first)
 
 
+# One pipeline stage: the [C, K] fp32 operands of the chunk matmuls would overflow shared memory if prefetched.
+_LAUNCH = dict(num_warps=4, num_stages=1)
+
+
 def _blocks(q, v, C):
     K, V = q.shape[-1], v.shape[-1]
     prec = "ieee" if interpreting() or q.dtype == torch.float32 else "tf32"
@@ -586,14 +590,14 @@ def _delta_rule_fwd(q, k, v, g, beta, s0, scale, cu, meta, C):
     if NC:
         _cumsum_kernel[(NC, H)](g, gam, bos, lens, H, K, SCALAR=scalar, C=C, BK=BK)
         _prep_kernel[(NC, H)](k, v, beta, gam, tm, wk, u, bos, lens, H, K, V,
-                              SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec)
+                              SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec, **_LAUNCH)
     _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
         k, gam, wk, u, w, sbuf, s0 if s0 is not None else sfin, sfin, cu, first, H, K, V,
-        HAS_S0=s0 is not None, SCALAR=scalar, C=C, BK=BK, BV=BV, PREC=prec,
+        HAS_S0=s0 is not None, SCALAR=scalar, C=C, BK=BK, BV=BV, PREC=prec, **_LAUNCH,
     )  # fmt: skip
     if NC:
         _out_kernel[(NC, H)](q, k, gam, w, sbuf, o, mqk, bos, lens, scale, H, K, V,
-                             SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec)
+                             SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec, **_LAUNCH)
     return o, sfin, (gam, tm, wk, w, sbuf, mqk)
 
 
@@ -609,14 +613,14 @@ def _delta_rule_bwd(do, dsfin, q, k, v, g, beta, saved, scale, cu, meta, C):
     dw, dhbuf, ds0 = torch.empty(T, H, V, **f32), torch.empty(NC, H, K, V, **f32), torch.empty(N, H, K, V, **f32)
     _state_bwd_kernel[(N, H, triton.cdiv(V, BV))](
         q, k, gam, wk, mqk, do, dw, dhbuf, dsfin if dsfin is not None else ds0, ds0, cu, first, scale, H, K, V,
-        HAS_DFIN=dsfin is not None, SCALAR=scalar, C=C, BK=BK, BV=BV, PREC=prec,
+        HAS_DFIN=dsfin is not None, SCALAR=scalar, C=C, BK=BK, BV=BV, PREC=prec, **_LAUNCH,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty(g.shape, **f32), torch.empty(beta.shape, **f32)
     if NC:
         _bwd_chunk_kernel[(NC, H)](
             q, k, v, beta, gam, tm, w, dw, sbuf, dhbuf, do, dq, dk, dv, dg, dbeta, bos, lens, scale, H, K, V,
-            SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec,
+            SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec, **_LAUNCH,
         )  # fmt: skip
     return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), ds0
 

@@ -98,3 +98,23 @@ def test_rejects_bad_arguments():
         causal_conv1d(x, w, activation="gelu")
     with pytest.raises(ValueError, match="initial_state"):
         causal_conv1d(x, w, initial_state=s0[:, :, :2])
+
+
+@pytest.mark.gpu
+def test_triton_gpu_bf16(monkeypatch):
+    """KDA's conv width (4) over q|k|v channels (3 x 16 heads x 128), packed odd lengths, fp32 weights as the model
+    keeps them, bf16 activations: forward and gradients against the float64 oracle."""
+    monkeypatch.setenv("ARENO_KERNELS", "triton")
+    x, w, b, s0, cu = _inputs([1000, 3, 2049, 500], 6144, 4, dtype=torch.bfloat16, device="cuda")
+    ts = [t.clone().requires_grad_() for t in (x, w, b, s0)]
+    y, fin = causal_conv1d(*ts[:3], cu_seqlens=cu, initial_state=ts[3], output_final_state=True)
+    dy, dfin = torch.randn_like(y), torch.randn_like(fin)
+    grads = torch.autograd.grad((y, fin), ts, (dy, dfin))
+    t64 = [t.detach().double().requires_grad_() for t in (x, w, b, s0)]
+    y_ref, fin_ref = _oracle(*t64, cu, "silu")
+    grads_ref = torch.autograd.grad((y_ref, fin_ref), t64, (dy.double(), dfin.double()))
+    torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(fin.double(), fin_ref)
+    for name, g, g_ref in zip(["x", "weight", "bias", "initial_state"], grads, grads_ref):
+        scale = g_ref.abs().max().item()
+        torch.testing.assert_close(g.double(), g_ref, rtol=2e-2, atol=2e-2 * max(scale, 1.0), msg=f"d{name}")
