@@ -1,8 +1,11 @@
 """An asyncio front end on the engine: submit, stream and abort, for ``areno serve`` and agentic rollout.
 
 One background thread owns the engine and runs its steps; requests and aborts reach it through a queue, so a request
-that arrives while decode runs joins the running batch at the next step (continuous batching). Each request gets an
-asyncio queue of :class:`TokenEvent` items, fed from the engine thread with ``call_soon_threadsafe``.
+that arrives while decode runs joins the running batch at the next step (continuous batching). Outputs leave the
+engine thread once per step, as one batch per event loop (one ``call_soon_threadsafe`` per step, never per token);
+on the loop each request's :class:`RequestStream` buffers its :class:`TokenEvent` items in a deque and wakes its
+reader at most once per batch, so a reader that fell behind takes everything queued in one go (``pending``).
+``areno serve`` runs the engine in its own process instead (``areno.serve.replicas``), with the same stream type.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from areno.rollout.engine import Engine
@@ -19,7 +23,7 @@ from areno.rollout.sequence import SamplingOptions
 log = logging.getLogger("areno.rollout")
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenEvent:
     index: int  # sample index within the request
     token_id: int | None
@@ -30,26 +34,49 @@ class TokenEvent:
 
 
 class RequestStream:
-    """What :meth:`AsyncEngine.submit` returns: iterate for events; ``abort()`` frees the request's blocks."""
+    """What :meth:`AsyncEngine.submit` returns: iterate for events; ``abort()`` frees the request's blocks.
 
-    def __init__(self, owner: AsyncEngine, prompt_ids, options):
+    Events (or an exception, which ends the stream) arrive on the event loop through :meth:`put` / :meth:`put_many`
+    (from another thread: :meth:`push`); they wait in a deque until read."""
+
+    def __init__(self, owner, prompt_ids, options):
         self.owner, self.prompt_ids, self.options = owner, prompt_ids, options
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
+        self._events: deque = deque()
+        self._waiter: asyncio.Future | None = None
         self.seqs = []
         self.remaining = options.n
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
 
-    def push(self, event):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    # ---- producer side (on the event loop) ---------------------------------------------------------------
+    def put(self, event) -> None:
+        self._events.append(event)
+        self._wake()
 
+    def put_many(self, events) -> None:
+        self._events.extend(events)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def push(self, event):
+        """:meth:`put` from another thread."""
+        self.loop.call_soon_threadsafe(self.put, event)
+
+    # ---- consumer side -----------------------------------------------------------------------------------
     def pending(self) -> list[TokenEvent]:
         """The events already queued, taken without waiting: a consumer that fell behind sends them as one chunk.
         An error queued among them is raised by the next ``__anext__``, after the events before it."""
         out = []
-        while self._deferred is None and not self.queue.empty():
-            event = self.queue.get_nowait()
+        events = self._events
+        while self._deferred is None and events:
+            event = events.popleft()
             if isinstance(event, BaseException):
                 self._deferred = event
                 break
@@ -71,9 +98,17 @@ class RequestStream:
             event, self._deferred = self._deferred, None
             self.remaining = 0
             raise event
-        if self.remaining <= 0 and self.queue.empty():
-            raise StopAsyncIteration
-        event = await self.queue.get()
+        events = self._events
+        if not events:
+            if self.remaining <= 0:
+                raise StopAsyncIteration
+            while not events:
+                self._waiter = self.loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        event = events.popleft()
         if isinstance(event, BaseException):
             self.remaining = 0
             raise event
@@ -82,9 +117,10 @@ class RequestStream:
         return event
 
 
-def _deliver(batch) -> None:
-    for stream, event in batch:
-        stream.queue.put_nowait(event)
+def deliver(batch) -> None:
+    """On the event loop: ``[(stream, [events])]`` of one engine step into their streams."""
+    for stream, events in batch:
+        stream.put_many(events)
 
 
 class AsyncEngine:
@@ -169,7 +205,7 @@ class AsyncEngine:
                     stream.push(exc)
                 self._streams.clear()
                 continue
-            batches: dict = {}  # event loop -> [(stream, event)]: one wake-up per loop per step, not per token
+            batches: dict = {}  # event loop -> [(stream, events)]: one wake-up per loop per step, not per token
             for seq in seqs:
                 stream = self._streams.get(seq.seq_id)
                 if stream is None:
@@ -186,9 +222,9 @@ class AsyncEngine:
                     self._emitted.pop(seq.seq_id, None)
                 else:
                     self._emitted[seq.seq_id] = end
-                batches.setdefault(stream.loop, []).extend((stream, e) for e in events)
+                batches.setdefault(stream.loop, []).append((stream, events))
             for loop, batch in batches.items():
                 try:
-                    loop.call_soon_threadsafe(_deliver, batch)
+                    loop.call_soon_threadsafe(deliver, batch)
                 except RuntimeError:  # that event loop is closed: nobody is listening
                     pass

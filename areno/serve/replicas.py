@@ -1,4 +1,11 @@
-"""Data-parallel serving: ``areno serve --world-size W --tp-size T`` with W / T > 1 runs W / T engine replicas.
+"""Engine-core processes: ``areno serve`` runs its engine in a process of its own (one replica), and with
+``--world-size W --tp-size T``, W / T > 1, runs W / T engine replicas (data-parallel serving).
+
+Why a process: the engine's host work (scheduling, input packing, stop checks) and the HTTP path (parsing,
+detokenisation, SSE encoding, socket writes) would otherwise take turns on one interpreter lock, and every time the
+engine waits for it the GPU idles. Here the engine core loops on its own core; the front end receives one message per
+engine step and hands it to the event loop as one callback (``deliver``), so a stream that fell behind sends all its
+new tokens in one chunk and the engine never waits for HTTP.
 
 Each replica is a worker process (``multiprocessing`` spawn) that loads the model and holds its own engine session
 on devices ``[r*T, (r+1)*T)`` of the visible GPUs (its ``CUDA_VISIBLE_DEVICES``; on a CPU-only host every replica
@@ -10,9 +17,9 @@ asyncio stream, and ``abort`` (client disconnect, shutdown) is forwarded to the 
 Wire protocol, front end -> replica (one queue each): ``("add", rid, prompt_ids, options)``, ``("abort", rid)``,
 ``("call", cid, fn, args)`` (``fn(engine, *args)`` between two engine steps: prompt log-probs), ``("shutdown",
 drain)``. Replica -> front end (one shared queue): ``(rank, "ready", max_model_len)``, ``(rank, "failed",
-message)``, ``(rank, "tokens", [(rid, index, token, logprob, finish, stop_text, top), ...])`` (one message per
-engine step), ``(rank, "error", (rid, is_value_error, message))``, ``(rank, "result", (cid, ok, value or
-(is_value_error, message)))``, ``(rank, "closed", None)``.
+message)``, ``(rank, "tokens", [(rid, index, tokens, logprobs, finish, stop_text, tops), ...])`` (one message per
+engine step: each sequence's new tokens), ``(rank, "error", (rid, is_value_error, message))``, ``(rank, "result",
+(cid, ok, value or (is_value_error, message)))``, ``(rank, "closed", None)``.
 
 With T > 1 a replica is a tensor-parallel group of T processes, all started by the front end: the first (TP rank 0)
 runs the replica's engine and speaks the wire protocol, the other T - 1 hold their weight shards and execute the
@@ -34,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 from areno.config import ConfigError
-from areno.rollout.async_engine import RequestStream, TokenEvent
+from areno.rollout.async_engine import RequestStream, TokenEvent, deliver
 from areno.serve.protocol import APIError
 
 log = logging.getLogger("areno.serve")
@@ -115,6 +122,8 @@ class ReplicaWorker:
         self.rid_of: dict[int, int] = {}  # seq_id -> rid
         self.stopping = False
         self.parent = mp.parent_process()
+        self.sent: dict[int, int] = {}  # seq_id -> output tokens already sent
+        self.decode_steps = 1  # the server decodes one token per step (lowest latency per token)
 
     def _apply(self, cmd) -> None:
         kind = cmd[0]
@@ -148,12 +157,13 @@ class ReplicaWorker:
         if seqs is None:
             return
         self.engine.abort(seqs)
-        batch = []
+        rows = []
         for seq in seqs:
+            self.sent.pop(seq.seq_id, None)
             if self.rid_of.pop(seq.seq_id, None) is not None:
-                batch.append((rid, seq.sample_index, None, None, "abort", None, None))
-        if batch:
-            self.events.put((self.rank, "tokens", batch))
+                rows.append((rid, seq.sample_index, [], [], "abort", None, None))
+        if rows:
+            self.events.put((self.rank, "tokens", rows))
 
     def _next_commands(self, block: bool) -> list:
         out = []
@@ -166,39 +176,46 @@ class ReplicaWorker:
         return out
 
     def run(self) -> None:
+        engine, sent = self.engine, self.sent
         while True:
-            for cmd in self._next_commands(block=not self.engine.has_work()):
+            for cmd in self._next_commands(block=not engine.has_work()):
                 self._apply(cmd)
             if self.parent is not None and not self.parent.is_alive():
                 return  # orphaned: nobody is left to read the results
-            if not self.engine.has_work():
+            if not engine.has_work():
                 if self.stopping:
                     break
                 continue
             try:
-                seqs = self.engine.step()
+                seqs = engine.step(self.decode_steps)
             except Exception as exc:  # keep serving: fail the requests in flight, not the replica
                 log.exception("replica %d: engine step failed", self.rank)
                 for rid, seqs in list(self.seqs.items()):
-                    self.engine.abort(seqs)
+                    engine.abort(seqs)
                     self.events.put((self.rank, "error", (rid, False, f"engine step failed: {exc}")))
                 self.seqs.clear()
                 self.rid_of.clear()
+                sent.clear()
                 continue
-            batch = []
+            rows = []  # one message per engine step: every sequence's new tokens
             for seq in seqs:
                 rid = self.rid_of.get(seq.seq_id)
                 if rid is None:
                     continue
-                top = seq.top_logprobs[-1] if seq.options.top_logprobs else None
-                batch.append((rid, seq.sample_index, seq.tokens[-1], seq.logprobs[-1], seq.finish_reason,
-                              seq.stop_text, top))
+                start, end = sent.get(seq.seq_id, 0), len(seq.logprobs)
+                tokens = seq.tokens[seq.prompt_len + start : seq.prompt_len + end]
+                top = seq.top_logprobs[start:end] if seq.options.top_logprobs else None
+                rows.append((rid, seq.sample_index, tokens, seq.logprobs[start:end], seq.finish_reason,
+                             seq.stop_text, top))
                 if seq.is_finished:
                     del self.rid_of[seq.seq_id]
+                    sent.pop(seq.seq_id, None)
                     if not any(s.seq_id in self.rid_of for s in self.seqs[rid]):
                         del self.seqs[rid]
-            if batch:
-                self.events.put((self.rank, "tokens", batch))
+                else:
+                    sent[seq.seq_id] = end
+            if rows:
+                self.events.put((self.rank, "tokens", rows))
         self.events.put((self.rank, "closed", None))
 
 
@@ -420,13 +437,7 @@ class ReplicaPool:
                 return
             with self._lock:
                 if kind == "tokens":
-                    for rid, index, token, logprob, finish, stop_text, top in payload:
-                        entry = self._streams.get(rid)
-                        if entry is None:
-                            continue
-                        if finish is not None:
-                            self._finish(rid, 1)
-                        _push(entry[0], TokenEvent(index, token, logprob, finish, stop_text, top))
+                    self._dispatch(payload)
                 elif kind == "error":
                     rid, is_value_error, message = payload
                     entry = self._streams.get(rid)
@@ -443,6 +454,39 @@ class ReplicaPool:
                         _settle(entry[1], entry[2], ok, value)
                 elif kind == "closed":
                     self._fail_replica(self.replicas[rank], "stopped")
+
+    def _dispatch(self, rows) -> None:
+        """One engine step's rows -> one batch per event loop, delivered by one callback (called with the lock
+        held, on the reader thread)."""
+        batches: dict = {}  # event loop -> {stream: [events]}
+        streams = self._streams
+        for rid, index, tokens, logprobs, finish, stop_text, tops in rows:
+            entry = streams.get(rid)
+            if entry is None:
+                continue
+            stream = entry[0]
+            n = len(tokens)
+            if n == 1 and not tops:  # the common case: one decoded token
+                events = [TokenEvent(index, tokens[0], logprobs[0], finish, stop_text)]
+            else:
+                events = [TokenEvent(index, t, lp, None, None, tops[j] if tops else None)
+                          for j, (t, lp) in enumerate(zip(tokens, logprobs))]
+                if finish is not None:
+                    if not events:
+                        events.append(TokenEvent(index, None, None))
+                    events[-1].finish_reason, events[-1].stop_text = finish, stop_text
+            if finish is not None:
+                self._finish(rid, 1)
+            by_stream = batches.setdefault(stream.loop, {})
+            if stream in by_stream:
+                by_stream[stream].extend(events)
+            else:
+                by_stream[stream] = events
+        for loop, by_stream in batches.items():
+            try:
+                loop.call_soon_threadsafe(deliver, list(by_stream.items()))
+            except RuntimeError:  # its event loop is gone (server shut down): nobody is waiting
+                pass
 
     def _reap(self) -> None:
         with self._lock:

@@ -34,9 +34,11 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_app(config, *, model=None, tokenizer=None):
-    """The FastAPI app and its engine front end for a ServeConfig: an AsyncEngine (``ServeEngine``) on one engine
-    session in this process, or, with --world-size / --tp-size > 1, a ReplicaPool of that many replica processes
-    (model/tokenizer may be passed in by tests, single-replica only)."""
+    """The FastAPI app and its engine front end for a ServeConfig: a ReplicaPool of --world-size / --tp-size
+    engine-core processes (one by default: the engine never shares this process's interpreter lock with HTTP,
+    detokenisation and SSE encoding), or, with --engine-thread, under a --world-size == --tp-size > 1 launch (TP
+    rank 0 holds the engine) or when tests pass ``model``/``tokenizer`` objects, an AsyncEngine (``ServeEngine``)
+    on an engine thread in this process."""
     from areno.rollout.session import build_engine
     from areno.serve.app import create_app
     from areno.serve.replicas import build_pool, check_topology, visible_gpus
@@ -44,7 +46,13 @@ def build_app(config, *, model=None, tokenizer=None):
 
     name = config.served_model_name or str(config.model_path).rstrip("/")
     replicas = check_topology(config.world_size, config.tp_size, len(visible_gpus()))
-    if replicas > 1:
+    if config.engine_thread and replicas > 1:
+        from areno.config import ConfigError
+
+        raise ConfigError("--engine-thread", f"puts one engine in the HTTP process; {replicas} replicas "
+                          "(--world-size / --tp-size) each run in their own process")
+    in_process = config.engine_thread or config.tp_size > 1 or model is not None
+    if replicas > 1 or not in_process:
         from areno.models import load_tokenizer
 
         tokenizer = tokenizer or load_tokenizer(config.model_path)

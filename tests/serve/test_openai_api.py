@@ -92,7 +92,9 @@ def test_a_server_that_falls_behind_sends_several_tokens_per_chunk(server):
     body = {"model": "tiny", "prompt": "slow reader", "max_tokens": 128, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    t0 = time.perf_counter()
     full = httpx.post(server.base_url + "/v1/completions", json=plain, timeout=60).json()
+    stall_s = min(5.0, max(0.4, 12 * (time.perf_counter() - t0) / 128))  # a dozen tokens' time, on a busy CPU too
 
     def read(stall):
         pieces, usage = [], None
@@ -104,8 +106,9 @@ def test_a_server_that_falls_behind_sends_several_tokens_per_chunk(server):
                 if obj["choices"]:
                     pieces.append(obj["choices"][0]["text"])
                     if stall and len(pieces) == 1:
-                        streams = list(server.engine._streams.values())
-                        streams[0].loop.call_soon_threadsafe(time.sleep, 0.4)  # the engine keeps decoding
+                        entry = next(iter(server.engine._streams.values()))  # the engine-core's (stream, left)
+                        stream = entry[0] if isinstance(entry, tuple) else entry
+                        stream.loop.call_soon_threadsafe(time.sleep, stall_s)  # the engine keeps decoding
                 usage = obj.get("usage") or usage
         return pieces, usage
 
@@ -123,7 +126,7 @@ def test_request_stream_pending_keeps_order_and_defers_errors():
     async def main():
         stream = RequestStream(owner=None, prompt_ids=[1], options=SamplingOptions(n=2))
         for ev in (TokenEvent(0, 5, -0.1), TokenEvent(1, 6, -0.2, "stop"), ValueError("boom"), TokenEvent(0, 7, -1)):
-            stream.queue.put_nowait(ev)
+            stream.put(ev)
         got = stream.pending()
         assert [(e.index, e.token_id) for e in got] == [(0, 5), (1, 6)] and stream.remaining == 1
         assert stream.pending() == []  # nothing past the error until it is raised
