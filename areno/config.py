@@ -257,16 +257,6 @@ class TrainConfig:
     temperature: float = opt(1.0, "sampling temperature (0 = greedy)", "rollout")
     top_p: float = opt(1.0, "nucleus sampling threshold in (0, 1]", "rollout")
     top_k: int = opt(0, "top-k sampling (0 = off)", "rollout")
-    min_p: float = opt(0.0, "min-p sampling in [0, 1]: drop tokens less likely than this times the most likely one "
-                       "(after temperature; 0 = off)", "rollout")
-    repetition_penalty: float = opt(
-        1.0, "divide the positive logits (multiply the negative ones) of tokens already in the prompt or completion by "
-        "this, before temperature (> 0; 1 = off); rollout log-probs are then those of the penalised distribution",
-        "rollout")
-    presence_penalty: float = opt(0.0, "subtract this from the logits of tokens already in the completion, in [-2, 2]"
-                                  " (0 = off)", "rollout")
-    frequency_penalty: float = opt(0.0, "subtract this times a token's count in the completion from its logit, in "
-                                   "[-2, 2] (0 = off)", "rollout")
     stop: Optional[list[str]] = opt(None, "stop string (repeat the flag for several)", "rollout", action="append",
                                     type=str, metavar="TEXT")
     attn_backend: Optional[str] = opt(
@@ -286,10 +276,6 @@ class TrainConfig:
     warmup_steps: int = opt(0, "linear warm-up steps", "train")
     weight_decay: float = opt(0.0, "AdamW weight decay", "train")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", "train")
-    router_bias_update_rate: float = opt(
-        0.0, "MoE selection-bias step per optimizer step (auxiliary-loss-free balancing: bias += rate * "
-        "sign(mean load - expert load), loads summed over data-parallel ranks; models with a selection bias such as "
-        "Ling 3; 0 = off)", "train")
     max_steps: Optional[int] = opt(None, "stop after this many steps", "train", default_help="--epochs over the data")
     epochs: int = opt(1, "passes over the dataset", "train")
     ppo_epochs: int = opt(1, "optimizer passes over each rollout batch (grpo, gspo, ppo)", "train")
@@ -501,10 +487,6 @@ class TrainConfig:
         check_non_negative("--temperature", self.temperature)
         check_range("--top-p", self.top_p, 0.0, 1.0, low_open=True)
         check_non_negative("--top-k", self.top_k)
-        check_range("--min-p", self.min_p, 0.0, 1.0)
-        check_range("--repetition-penalty", self.repetition_penalty, 0.0, 3.4028234663852886e38, low_open=True)
-        check_range("--presence-penalty", self.presence_penalty, -2.0, 2.0)
-        check_range("--frequency-penalty", self.frequency_penalty, -2.0, 2.0)
         check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
         check_positive("--decode-steps", self.decode_steps)
         if self.algo in ("grpo", "gspo") and self.n_samples < 2:
@@ -517,8 +499,7 @@ class TrainConfig:
         check_range("--min-lr", self.min_lr, 0.0, self.lr)
         for name in ("warmup_steps", "weight_decay", "grad_clip", "save_interval", "eval_interval",
                      "critic_warmup_steps", "sft_warmup_steps", "sft_warmup_lr", "kl_coef", "entropy_coef", "tis_cap",
-                     "value_clip", "clip_eps_high", "reward_timeout_s", "max_reward_failure_steps",
-                     "router_bias_update_rate"):
+                     "value_clip", "clip_eps_high", "reward_timeout_s", "max_reward_failure_steps"):
             check_non_negative(flag_name(name), getattr(self, name))
         for name in ("critic_lr", "mm_tower_lr", "mm_tower_min_lr", "mm_projector_lr", "mm_projector_min_lr"):
             if getattr(self, name) is not None:
