@@ -202,6 +202,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and completion tokens; vLLM's rule)
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     max_new_tokens: int = 256
     min_new_tokens: int = 0
     stop: list[str] | None = None
@@ -216,6 +221,17 @@ class SamplingParams:
         _check_number("top_p", self.top_p)
         check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_int("top_k", self.top_k, 0)
+        for name, low, high, low_open in (("min_p", 0.0, 1.0, False), ("repetition_penalty", 0.0, 3.4e38, True),
+                                          ("presence_penalty", -2.0, 2.0, False),
+                                          ("frequency_penalty", -2.0, 2.0, False)):
+            _check_number(name, getattr(self, name))
+            check_range(name, getattr(self, name), low, high, low_open=low_open)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+                       and not isinstance(b, bool) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+                raise ConfigError("logit_bias", f"must map token ids >= 0 to biases in [-100, 100], got "
+                                  f"{self.logit_bias!r}")
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("min_new_tokens", self.min_new_tokens, 0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -240,7 +256,9 @@ class SamplingParams:
         """The engine's per-request settings."""
         from areno.rollout.sequence import SamplingOptions
 
-        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or {},
                                max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
                                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], seed=self.seed,
                                n=self.n)
@@ -248,7 +266,9 @@ class SamplingParams:
     @classmethod
     def from_train_config(cls, config) -> "SamplingParams":
         """The rollout sampling settings of a `TrainConfig` (n = --n-samples)."""
-        return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                   repetition_penalty=config.repetition_penalty, presence_penalty=config.presence_penalty,
+                   frequency_penalty=config.frequency_penalty,
                    max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, stop=config.stop,
                    seed=config.seed, n=config.n_samples)
 

@@ -257,6 +257,16 @@ class TrainConfig:
     temperature: float = opt(1.0, "sampling temperature (0 = greedy)", "rollout")
     top_p: float = opt(1.0, "nucleus sampling threshold in (0, 1]", "rollout")
     top_k: int = opt(0, "top-k sampling (0 = off)", "rollout")
+    min_p: float = opt(0.0, "min-p sampling in [0, 1]: drop tokens less likely than this times the most likely one "
+                       "(after temperature; 0 = off)", "rollout")
+    repetition_penalty: float = opt(
+        1.0, "divide the positive logits (multiply the negative ones) of tokens already in the prompt or completion by "
+        "this, before temperature (> 0; 1 = off); rollout log-probs are then those of the penalised distribution",
+        "rollout")
+    presence_penalty: float = opt(0.0, "subtract this from the logits of tokens already in the completion, in [-2, 2]"
+                                  " (0 = off)", "rollout")
+    frequency_penalty: float = opt(0.0, "subtract this times a token's count in the completion from its logit, in "
+                                   "[-2, 2] (0 = off)", "rollout")
     stop: Optional[list[str]] = opt(None, "stop string (repeat the flag for several)", "rollout", action="append",
                                     type=str, metavar="TEXT")
     attn_backend: Optional[str] = opt(
@@ -487,6 +497,10 @@ class TrainConfig:
         check_non_negative("--temperature", self.temperature)
         check_range("--top-p", self.top_p, 0.0, 1.0, low_open=True)
         check_non_negative("--top-k", self.top_k)
+        check_range("--min-p", self.min_p, 0.0, 1.0)
+        check_range("--repetition-penalty", self.repetition_penalty, 0.0, 3.4028234663852886e38, low_open=True)
+        check_range("--presence-penalty", self.presence_penalty, -2.0, 2.0)
+        check_range("--frequency-penalty", self.frequency_penalty, -2.0, 2.0)
         check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
         check_positive("--decode-steps", self.decode_steps)
         if self.algo in ("grpo", "gspo") and self.n_samples < 2:

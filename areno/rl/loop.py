@@ -45,6 +45,12 @@ def _dtype(cfg, device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def sampling_adjustments(cfg) -> dict:
+    """The rollout's --min-p and penalties as SamplingOptions fields (rollout and agentic sampling alike)."""
+    return {"min_p": cfg.min_p, "repetition_penalty": cfg.repetition_penalty,
+            "presence_penalty": cfg.presence_penalty, "frequency_penalty": cfg.frequency_penalty}
+
+
 class TrainLoop:
     def __init__(self, cfg, *, model=None, tokenizer=None, sdk=False):
         self.cfg = cfg
@@ -199,6 +205,11 @@ class TrainLoop:
         self.critic_trainer = self._make_trainer(self.critic, cfg.critic_lr or cfg.lr, total)
 
     def _build_engine(self):
+        if self.cfg.repetition_penalty != 1.0 or self.cfg.presence_penalty or self.cfg.frequency_penalty:
+            log.warning("rollout with --repetition-penalty/--presence-penalty/--frequency-penalty: the rollout "
+                        "log-probs are those of the penalised distribution the tokens were drawn from, the trainer's "
+                        "those of the plain policy, so logprob_diff includes the penalty and --tis-cap's importance "
+                        "weights correct for it as off-policy sampling")
         if self.cfg.split:
             from areno.rl.rollout_remote import RemoteRollout
 
@@ -343,7 +354,7 @@ class TrainLoop:
         return SamplingOptions(
             temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=max(0, cfg.top_k),
             max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens, stop=cfg.stop or [],
-            n=n or cfg.n_samples,
+            n=n or cfg.n_samples, **sampling_adjustments(cfg),
         )
 
     def rollout(self, batch: list[dict], upcoming: list[dict] | None = None) -> tuple[list[Row], dict]:
