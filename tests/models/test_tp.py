@@ -1,7 +1,9 @@
 """Tensor parallel on two gloo processes equals one process: logits, loss, gradients, and the saved checkpoint.
 
 Covers qwen3 (KV heads split), qwen3_moe (experts' intermediate dim split, with activation checkpointing, routing
-replicated) and llama with one KV head and biases (KV head replicated: its gradient summed over the two ranks).
+replicated), llama with one KV head and biases (KV head replicated: its gradient summed over the two ranks) and
+qwen3_vl with two images (decoder sharded, vision tower and mergers replicated: every rank runs them and holds the
+same gradient without a collective).
 """
 
 import os
@@ -20,8 +22,20 @@ CASES = {
     "qwen3": dict(),
     "qwen3_moe": dict(),
     "llama": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
+    "qwen3_vl": dict(),
 }
-CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False}
+CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False, "qwen3_vl": True}
+VL_GRID = torch.tensor([[1, 8, 8], [1, 6, 10]])  # two images: 16 and 15 tokens
+
+
+def _vl_batch(cfg):
+    """Token ids with two images' placeholders, and random pixel rows for them."""
+    gen = torch.Generator().manual_seed(3)
+    pixel_values = torch.randn(int(VL_GRID.prod(-1).sum()), cfg.vision.patch_dim, generator=gen)
+    ids = torch.randint(0, 990, (4,), generator=gen).tolist()
+    for t, h, w in VL_GRID.tolist():
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // 4) + [cfg.vision_end_token_id, 7]
+    return torch.tensor(ids)[None], pixel_values
 
 
 def _ids():
@@ -35,8 +49,14 @@ def _run(model, family):
         logits = model.logits(ids)
     model.train()
     model.set_activation_checkpointing(CHECKPOINTING[family])
-    b, t = ids.shape
-    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), torch.arange(0, (b + 1) * t, t, dtype=torch.int32), t)
+    if family == "qwen3_vl":
+        ids, pv = _vl_batch(model.config)
+        positions = model.mrope_positions(ids[0], VL_GRID)[0]
+        hidden = model(ids[0], positions, pixel_values=pv, image_grid_thw=VL_GRID)
+    else:
+        b, t = ids.shape
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+        hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
     targets = next_token_targets(ids)
     loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
     loss.backward()
@@ -59,6 +79,12 @@ def _worker(rank, world, port, paths, out_dir):
         assert model.num_kv_heads_local == max(1, cfg.num_kv_heads // world)
         assert model.embed_tokens.weight.shape[0] == cfg.vocab_size // world
         results[family] = _run(model, family)
+        if family == "qwen3_vl":  # the replicated tower's gradient is the same on every rank
+            assert model.visual.blocks[0].attn.qkv.weight.shape[0] == 3 * cfg.vision.hidden_size
+            for p in model.visual.parameters():
+                theirs = p.grad.clone()
+                dist.broadcast(theirs, src=0)
+                assert torch.equal(theirs, p.grad)
         save_model(model, os.path.join(out_dir, family))
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
