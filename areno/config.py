@@ -286,6 +286,10 @@ class TrainConfig:
     warmup_steps: int = opt(0, "linear warm-up steps", "train")
     weight_decay: float = opt(0.0, "AdamW weight decay", "train")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", "train")
+    router_bias_update_rate: float = opt(
+        0.0, "MoE selection-bias step per optimizer step (auxiliary-loss-free balancing: bias += rate * "
+        "sign(mean load - expert load), loads summed over data-parallel ranks; models with a selection bias such as "
+        "Ling 3; 0 = off)", "train")
     max_steps: Optional[int] = opt(None, "stop after this many steps", "train", default_help="--epochs over the data")
     epochs: int = opt(1, "passes over the dataset", "train")
     ppo_epochs: int = opt(1, "optimizer passes over each rollout batch (grpo, gspo, ppo)", "train")
@@ -513,7 +517,8 @@ class TrainConfig:
         check_range("--min-lr", self.min_lr, 0.0, self.lr)
         for name in ("warmup_steps", "weight_decay", "grad_clip", "save_interval", "eval_interval",
                      "critic_warmup_steps", "sft_warmup_steps", "sft_warmup_lr", "kl_coef", "entropy_coef", "tis_cap",
-                     "value_clip", "clip_eps_high", "reward_timeout_s", "max_reward_failure_steps"):
+                     "value_clip", "clip_eps_high", "reward_timeout_s", "max_reward_failure_steps",
+                     "router_bias_update_rate"):
             check_non_negative(flag_name(name), getattr(self, name))
         for name in ("critic_lr", "mm_tower_lr", "mm_tower_min_lr", "mm_projector_lr", "mm_projector_min_lr"):
             if getattr(self, name) is not None:

@@ -180,8 +180,12 @@ class TrainLoop:
             1, cfg.ppo_epochs if rl else 1)
         sched = LRSchedule(lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=total * updates_per_step,
                            style=cfg.lr_decay_style)
+        bias_rate = 0.0 if getattr(model, "is_value_model", False) else cfg.router_bias_update_rate
+        if bias_rate and not hasattr(model, "update_routing_bias"):
+            raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE "
+                              "selection bias to update (Ling 3, bailing_hybrid, has one)")
         trainer = PolicyTrainer(model, opt, sched, temperature=self._logprob_temperature(), grad_clip=cfg.grad_clip,
-                                dp_group=self.dp_group, tp_group=self.tp_group)
+                                dp_group=self.dp_group, tp_group=self.tp_group, router_bias_update_rate=bias_rate)
         return trainer
 
     def _updates_per_step(self, units: int) -> int:

@@ -8,6 +8,7 @@ The model's parameters are shared with the colocated rollout engine: the optimiz
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ def _all_sum(values: list[float], group) -> list[float]:
 
 class PolicyTrainer:
     def __init__(self, model, optimizer, schedule, *, temperature=1.0, grad_clip=1.0, dp_group=None, tp_group=None,
-                 logprob_chunk_size=None):
+                 logprob_chunk_size=None, router_bias_update_rate=0.0):
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
@@ -52,6 +53,11 @@ class PolicyTrainer:
         self.dp_group = dp_group
         self.tp_group = tp_group
         self.chunk_size = logprob_chunk_size
+        self.router_bias_update_rate = router_bias_update_rate
+        if router_bias_update_rate and not hasattr(model, "update_routing_bias"):
+            raise ValueError(f"--router-bias-update-rate {router_bias_update_rate}: the "
+                             f"{getattr(getattr(model, 'config', None), 'model_type', 'model')} has no MoE selection "
+                             "bias to update (Ling 3 / bailing_hybrid has one)")
         self.device = next(model.parameters()).device
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -146,5 +152,9 @@ class PolicyTrainer:
             stats = dict(zip(keys, summed))
         lr = self.schedule.lr(self.num_updates)
         grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
+        if hasattr(self.model, "update_routing_bias"):
+            # once per optimizer step, from this step's expert loads (a skipped step moves nothing); counters reset
+            rate = self.router_bias_update_rate if math.isfinite(float(grad_norm)) else 0.0
+            self.model.update_routing_bias(rate, self.dp_group)
         self.num_updates += 1
         return stats, float(grad_norm), lr

@@ -257,3 +257,39 @@ def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
     assert sorted(a) == sorted(b)
     for k in b:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_trainer_moves_the_bias_once_per_optimizer_step(tiny_checkpoint):
+    from areno.rl.batch import Row
+    from areno.rl.optimizer import MasterAdamW
+    from areno.rl.schedule import LRSchedule
+    from areno.rl.trainer import PolicyTrainer
+
+    model = load_model(tiny_checkpoint("bailing_hybrid"), device="cpu").train()
+    model.set_activation_checkpointing(True)
+    opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    trainer = PolicyTrainer(model, opt, LRSchedule(1e-3), router_bias_update_rate=1e-2)
+    steps, update = [], model.update_routing_bias
+
+    def record(rate, group=None):  # the real update, with the loads it is given
+        steps.append((rate, model.expert_load().clone(), torch.stack([m.gate.expert_bias.clone()
+                                                                        for m in model.moe_layers()])))
+        update(rate, group)
+
+    model.update_routing_bias = record
+    rows = [Row(list(range(3 + i, 8 + i)), list(range(20, 24 + i))) for i in range(2)]
+
+    def loss_fn(out, packed, norms):
+        return -(out.logprobs * packed.mask).sum() / norms.num_tokens, {}
+
+    stats = trainer.train(rows, loss_fn, mini_bs=1, gradient_accumulation_steps=1)
+    assert stats["num_updates"] == len(steps) == 2
+    k = model.config.num_experts_per_tok
+    for (rate, load, _), row in zip(steps, rows):
+        assert rate == 1e-2 and (load.sum(1) == len(row) * k).all()  # this step's tokens, each counted once
+    final = torch.stack([m.gate.expert_bias for m in model.moe_layers()])
+    moved = sum(1e-2 * torch.sign(load.float().mean(1, keepdim=True) - load.float()) for _, load, _ in steps)
+    torch.testing.assert_close(final - steps[0][2], moved, rtol=0, atol=1e-6)
+    assert model.expert_load().sum() == 0
+    with pytest.raises(ValueError, match="no MoE selection bias"):
+        PolicyTrainer(torch.nn.Linear(2, 2), opt, LRSchedule(1e-3), router_bias_update_rate=1e-2)
