@@ -108,6 +108,7 @@ class StepInputs:
     top_logprobs: int
     copies: list[tuple[int, int]]
     decode_steps: int = 1  # > 1: multi-step decode (see the module docstring)
+    adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
     token_mask: tuple | None = None  # structured outputs: (rows, int32 bitmask), see areno.rollout.grammar
     adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
 
@@ -398,7 +399,8 @@ class ModelRunner:
             logprobs.append(lp)
         return torch.stack(tokens), torch.stack(logprobs)
 
-    def _capture(self, bsz: int, k: int, width: int = 0):
+    def _graph_buffers(self, bsz: int, width: int = 0) -> dict:
+        """The static inputs of a graph of ``bsz`` rows (``width`` > 0: with logit adjustments that wide)."""
         dev, mb = self.device, self.max_blocks_per_seq
         buf = {
             "ids": torch.zeros(bsz, dtype=torch.int64, device=dev),
@@ -417,6 +419,10 @@ class ModelRunner:
             self._token_state()
             buf.update({name: val.to(dev) for name, val in self._adjust_host(
                 LogitAdjust([], [], [], [], [], [], [], []), bsz, width, penalties=True).items()})
+        return buf
+
+    def _capture(self, bsz: int, k: int, width: int = 0):
+        buf = self._graph_buffers(bsz, width)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

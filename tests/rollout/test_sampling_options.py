@@ -86,20 +86,79 @@ def test_penalties_change_greedy_output_as_the_reference_says(qwen3):
         assert any(g[0].token_ids != b[0].token_ids for g, b in zip(out, plain))  # the penalty did something
 
 
-def test_min_p_one_is_greedy_and_multi_step_matches_single_steps(qwen3):
+def test_min_p_one_is_greedy(qwen3):
     model, tok = qwen3
-    prompts = [tok.encode(t) for t in ("the cat", "hello world, 12 + 3 =", "x")]
-    greedy = engine(model, tok).generate(prompts, SamplingOptions(temperature=0.0, max_new_tokens=7, ignore_eos=True))
-    top = engine(model, tok).generate(prompts, SamplingOptions(temperature=1.5, max_new_tokens=7, ignore_eos=True,
+    prompts = [tok.encode(t) for t in ("the cat", "hello world, 12 + 3 =")]
+    greedy = engine(model, tok).generate(prompts, SamplingOptions(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    top = engine(model, tok).generate(prompts, SamplingOptions(temperature=1.5, max_new_tokens=6, ignore_eos=True,
                                                                min_p=1.0, seed=4))  # fmt: skip
     assert [g[0].token_ids for g in greedy] == [g[0].token_ids for g in top]
-    mixed = [SamplingOptions(temperature=1.0, max_new_tokens=7, ignore_eos=True, n=2, seed=5, frequency_penalty=1.0,
-                             repetition_penalty=1.2, min_p=0.05, logit_bias={3: 2.0}),
-             SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, n=2, seed=6),
-             SamplingOptions(temperature=0.8, max_new_tokens=6, n=2, seed=7, presence_penalty=1.0, min_new_tokens=3)]
-    single = engine(model, tok, max_running=4).generate(prompts, mixed)
-    multi = engine(model, tok, max_running=4, decode_steps=4).generate(prompts, mixed)
-    for g1, g2 in zip(single, multi):
+
+
+class _Replay:
+    """Stands in for a captured CUDA graph on the CPU: ``replay()`` runs the captured decode steps again on the same
+    static buffers and writes the same output tensors, which is what a graph replay does."""
+
+    def __init__(self, runner, buf, k):
+        self.run = lambda: runner.decode_steps(buf, k)
+        self.out = tuple(torch.zeros_like(t) for t in self.run())
+
+    def replay(self):
+        for dst, src in zip(self.out, self.run()):
+            dst.copy_(src)
+
+
+def test_graph_inputs_give_the_eager_tokens(qwen3, monkeypatch):
+    """The CUDA-graph path's inputs (rows padded to a bucket, full-width block tables, the adjustment buffers padded
+    to their width, neutral padding rows), replayed on the CPU, one step and three chained steps per graph: the
+    tokens and log-probs of eager single steps, and the adjusted graphs kept apart from the plain ones."""
+    model, tok = qwen3
+    prompts = [tok.encode(t) for t in ("the cat", "hello world, 12 + 3 =", "x")]
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=9, ignore_eos=True, n=2, seed=5, frequency_penalty=1.0,
+                            repetition_penalty=1.2, min_p=0.05, logit_bias={3: 2.0}),
+            SamplingOptions(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=2, seed=6),
+            SamplingOptions(temperature=0.8, max_new_tokens=6, n=2, seed=7, presence_penalty=1.0, min_new_tokens=3)]
+    ref = engine(model, tok, max_model_len=40).generate(prompts, opts)
+    for k in (1, 3):
+        eng = engine(model, tok, decode_steps=k, max_model_len=40)
+        runner = eng.runner
+        runner.use_graphs, runner.graph_buckets = True, [4, 8]
+
+        def capture(bsz, k, width=0, runner=runner):
+            buf = runner._graph_buffers(bsz, width)
+            graph = _Replay(runner, buf, k)
+            runner.graphs[(bsz, k, width)] = (graph, buf, graph.out)
+
+        monkeypatch.setattr(runner, "_capture", capture)
+        got = eng.generate(prompts, opts)
+        assert {key[2] > 0 for key in runner.graphs if key[1] == k} == {True, False}, runner.graphs.keys()
+        for g1, g2 in zip(ref, got):
+            for a, b in zip(g1, g2):
+                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_with_sampling_options(tmp_path):
+    """On the GPU (CUDA graphs): rows with penalties, min-p, logit_bias and min_tokens beside plain rows; k = 8
+    chained steps in one graph give the tokens and log-probs of k = 1 graph replays, the adjusted graphs are captured
+    apart from the plain ones (which the batch uses again once only plain rows are left), and min_tokens holds."""
+    path = make_tiny_checkpoint(tmp_path, family="qwen3", seed=3)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    tok = load_tokenizer(path)
+    eos = tok.eos_token_id
+    prompts = [tok.encode("more text " * i) for i in range(1, 9)]
+    kinds = [{}, {"frequency_penalty": 1.0, "repetition_penalty": 1.3}, {"min_p": 0.1},
+             {"logit_bias": {5: 4.0, eos: 6.0}, "min_new_tokens": 10}, {"presence_penalty": -1.0}]
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=60 if i % 5 == 0 else 24 + 3 * i, n=2, seed=i,
+                            ignore_eos=i % 5 == 0 or i == 6, **kinds[i % 5]) for i in range(len(prompts))]
+    outs = []
+    for k in (1, 8):
+        eng = Engine(model, tok, EngineConfig(block_size=16, max_running=32, decode_steps=k))
+        outs.append(eng.generate(prompts, opts))
+        assert {key[2] > 0 for key in eng.runner.graphs if key[1] == k} == {True, False}, eng.runner.graphs.keys()
+    for g1, g2 in zip(*outs):
         for a, b in zip(g1, g2):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+            assert a.logprobs == b.logprobs
+    assert all(eos not in c.token_ids[:10] and len(c.token_ids) > 10 for c in outs[0][3])
