@@ -26,12 +26,13 @@ from areno.rollout.sequence import SamplingOptions
 async def sample_local(async_engine, prompt_ids: list[int], options: SamplingOptions) -> dict:
     stream = await async_engine.submit(list(prompt_ids), options)
     ids, lps, finish, stop_text = [], [], None, None
-    async for event in stream:
-        if event.token_id is not None:
-            ids.append(event.token_id)
-            lps.append(event.logprob)
-        if event.finish_reason is not None:
-            finish, stop_text = event.finish_reason, event.stop_text
+    async for first in stream:  # one wake-up per engine step: the rest of the step's events are already queued
+        for event in (first, *stream.pending()):
+            if event.token_id is not None:
+                ids.append(event.token_id)
+                lps.append(event.logprob)
+            if event.finish_reason is not None:
+                finish, stop_text = event.finish_reason, event.stop_text
     seq = stream.seqs[0] if stream.seqs else None
     return {"ids": ids, "logprobs": lps, "finish_reason": finish, "stop_text": stop_text,
             "prefix_cached": seq.prefix_cached if seq is not None else 0}
