@@ -214,3 +214,46 @@ def test_paged_kv_cache_greedy_decode_matches_transformers_generate(vl):
     assert tokens == want.sequences[0, len(ids):].tolist()
     for got, step in zip(logits, want.logits, strict=True):  # every step's logits, not only the argmax
         assert (got - step[0]).abs().max() <= 1e-4 * step.abs().max()
+
+
+QWEN3_VL_2B_SMALL = dict(  # Qwen3-VL-2B's widths (text and vision), fewer layers and a smaller vocabulary
+    text_config=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=4, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=128, vocab_size=32768, max_position_embeddings=32768,
+                     rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20],
+                                          mrope_interleaved=True)),
+    vision_config=dict(depth=6, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16,
+                       out_hidden_size=2048, num_position_embeddings=2304, deepstack_visual_indexes=[1, 3, 5]),
+    tie_word_embeddings=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_parity_with_transformers(tmp_path, device):
+    """areno's bf16 error against transformers' fp32 logits is at most 2x transformers' own bf16 error plus 1% (CPU,
+    tiny) or 2% (GPU: Qwen3-VL-2B widths, one 448x448 image, Triton kernels) of the logit scale."""
+    import transformers
+
+    from areno.testing import make_tiny_checkpoint
+
+    shape = QWEN3_VL_2B_SMALL if device == "cuda" else {}
+    path = make_tiny_checkpoint(tmp_path, "qwen3_vl", dtype=torch.bfloat16, **shape)
+    model = load_model(path, device=device)
+    vc = model.config.vision
+    grid = torch.tensor([[1, 28, 28]] if device == "cuda" else [[1, 8, 8], [1, 6, 10]])
+    pv = torch.randn(int(grid.prod(-1).sum()), vc.patch_dim, generator=torch.Generator().manual_seed(0))
+    ids = _prompt(model.config, grid, seed=9, text_len=64 if device == "cuda" else 5)
+    mm = (ids == model.config.image_token_id).int()[None]
+    kwargs = dict(pixel_values=pv.to(device), image_grid_thw=grid.to(device), mm_token_type_ids=mm.to(device))
+    with torch.no_grad():
+        logits = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            ref = transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(path), dtype=dtype).to(device)
+            logits[dtype] = ref(ids[None].to(device), **kwargs).logits[0].float()
+            del ref
+        positions = model.mrope_positions(ids, grid)[0].to(device)
+        got = model.compute_logits(model(ids.to(device), positions, pixel_values=pv.to(device),
+                                         image_grid_thw=grid.to(device))).float()  # fmt: skip
+    exact = logits[torch.float32]
+    scale = exact.abs().max()
+    ref_err, our_err = (logits[torch.bfloat16] - exact).abs().max(), (got - exact).abs().max()
+    assert our_err <= 2 * ref_err + (2e-2 if device == "cuda" else 1e-2) * scale, (our_err, ref_err, scale)
