@@ -41,6 +41,7 @@ __all__ = ["Detokenizer", "create_app", "request_body"]
 _parse = parse  # the name callers of this module used
 
 log = logging.getLogger("areno.serve")
+json_str = json.encoder.encode_basestring  # a str as a JSON string (C), as json.dumps(ensure_ascii=False) writes it
 PREP_THREADS = max(2, min(4, os.cpu_count() or 1))  # request parsing and tokenisation, off the event loop
 # routes that need the API key when --api-key is set (besides everything under /v1)
 PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
@@ -294,7 +295,13 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         return bool(so and so.include_usage and so.continuous_usage_stats)
 
     def sse(obj) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def chunk_prefix(rid: str, kind: str, created: int) -> str:
+        """The constant start of a stream's chunks, up to the choice's index: the common chunk (text only) is then
+        a few string joins (the per-token path: no dict, no json.dumps of the whole body)."""
+        return (f'data: {{"id":{json_str(rid)},"object":"{kind}","created":{created},"model":{json_str(model_name)},'
+                f'"choices":[{{"index":')
 
     # ---- chat ----------------------------------------------------------------------------------------------
     def prepare_chat(raw: bytes):
@@ -347,6 +354,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         name = token_str(req)
         completion_tokens = 0
         every = continuous_usage(req)
+        prefix = chunk_prefix(rid, "chat.completion.chunk", created)
 
         def chunk(choice) -> str:
             body = {**head, "choices": [choice]}
@@ -366,21 +374,29 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                     by_index.setdefault(ev.index, []).append(ev)
                 for index, evs in by_index.items():
                     d, h, last = detoks[index], held[index], evs[-1]
-                    delta_text = ""
-                    for ev in evs:
-                        if ev.token_id is not None:
-                            completion_tokens += 1
-                            delta_text += d.push(ev.token_id, emit=ev.finish_reason is None)
-                            h["ids"].append(ev.token_id)
-                            h["logprobs"].append(ev.logprob)
-                            h["top"].append(ev.top)
+                    got = [ev for ev in evs if ev.token_id is not None]
+                    ids = [ev.token_id for ev in got]
+                    completion_tokens += len(ids)
+                    if last.finish_reason is None:
+                        delta_text = d.push_many(ids)
+                    else:  # the last token's text goes out through flush, once the stop string is known
+                        d.ids.extend(ids)
+                        delta_text = ""
+                    if req.logprobs:
+                        h["ids"] += ids
+                        h["logprobs"] += [ev.logprob for ev in got]
+                        h["top"] += [ev.top for ev in got]
                     if last.finish_reason is None and not (delta_text and not parse_tools):
                         continue  # nothing to show yet (held-back text, or tool calls parsed at the end)
                     lp = chat_logprobs(h, k, name) if req.logprobs and h["ids"] else None
                     held[index] = {"ids": [], "logprobs": [], "top": []}
                     if last.finish_reason is None:
-                        yield chunk({"index": index, "delta": {"content": delta_text}, "finish_reason": None,
-                                     "logprobs": lp})
+                        if lp is None and not every:  # the hot path: a template, no dict, no json.dumps
+                            yield (f'{prefix}{index},"delta":{{"content":{json_str(delta_text)}}},'
+                                   f'"finish_reason":null,"logprobs":null}}]}}\n\n')
+                        else:
+                            yield chunk({"index": index, "delta": {"content": delta_text}, "finish_reason": None,
+                                         "logprobs": lp})
                         continue
                     finish = last.finish_reason
                     if parse_tools:
@@ -534,9 +550,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     async def completion_stream(streams, req, rid, created, prompt_tokens, num_prompts, echo, echo_lp, k):
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-        merged: asyncio.Queue = asyncio.Queue()
         completion_tokens = 0
         every = continuous_usage(req)
+        prefix = chunk_prefix(rid, "text_completion", created)
 
         def chunk(choice) -> str:
             body = {**head, "choices": [choice]}
@@ -544,15 +560,36 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                 body["usage"] = usage(prompt_tokens, completion_tokens)
             return sse(body)
 
+        merged: asyncio.Queue = asyncio.Queue()
+
         async def pump(pi, stream):
             try:
                 async for ev in stream:
-                    await merged.put((pi, ev))
+                    merged.put_nowait([(pi, ev), *((pi, e) for e in stream.pending())])
             except Exception as exc:
-                await merged.put((pi, exc))
-            await merged.put((pi, None))
+                merged.put_nowait([(pi, exc)])
+            merged.put_nowait([(pi, None)])
 
-        tasks = [asyncio.create_task(pump(pi, s)) for pi, s in enumerate(streams)]
+        async def batches():
+            """Lists of (prompt index, event or exception): everything queued at the time. One prompt: read its
+            stream directly; several: their pumps' batches, merged."""
+            if len(streams) == 1:
+                stream = streams[0]
+                try:
+                    async for ev in stream:
+                        yield [(0, ev), *((0, e) for e in stream.pending())]
+                except Exception as exc:
+                    yield [(0, exc)]
+                return
+            live = len(streams)
+            while live:
+                batch = await merged.get()
+                while not merged.empty():
+                    batch += merged.get_nowait()
+                live -= sum(ev is None for _, ev in batch)
+                yield [(pi, ev) for pi, ev in batch if ev is not None]
+
+        tasks = [asyncio.create_task(pump(pi, s)) for pi, s in enumerate(streams)] if len(streams) > 1 else []
         detoks: dict[tuple[int, int], Detokenizer] = {}
         held: dict[tuple[int, int], dict] = {}  # log-probs of tokens whose text is not sent yet
         try:
@@ -562,43 +599,57 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                         yield chunk({"index": pi * req.n + si, "text": echo[pi]["text"],
                                      "logprobs": echo_lp[pi] if echo_lp else None,
                                      "finish_reason": None if streams else "length"})
-            live = len(streams)
-            while live:
-                batch = [await merged.get()]
-                while not merged.empty():  # a consumer that fell behind sends what is queued as one chunk each
-                    batch.append(merged.get_nowait())
-                texts: dict[tuple[int, int], list] = {}  # (prompt, sample) -> [text, finish_reason]
+            async for batch in batches():
+                by_key: dict[tuple[int, int], list] = {}  # (prompt, sample) -> its events in this batch
                 for pi, ev in batch:
-                    if ev is None:
-                        live -= 1
-                        continue
                     if isinstance(ev, Exception):
                         yield sse(APIError(400, str(ev)).body())
                         continue
-                    key = (pi, ev.index)
-                    d = detoks.setdefault(key, detokenizer(req))
-                    h = held.setdefault(key, {"ids": [], "lps": [], "tops": [], "offsets": []})
-                    entry = texts.setdefault(key, ["", None])
-                    if ev.token_id is not None:
-                        completion_tokens += 1
-                        h["offsets"].append(d.offset)
-                        entry[0] += d.push(ev.token_id, emit=ev.finish_reason is None)
-                        h["ids"].append(ev.token_id)
-                        h["lps"].append(ev.logprob)
-                        h["tops"].append(ev.top)
-                    if ev.finish_reason is not None:
-                        entry[0] += d.flush(ev.stop_text, ev.finish_reason)
-                        entry[1] = ev.finish_reason
-                for key, (text, finish) in texts.items():
+                    by_key.setdefault((pi, ev.index), []).append(ev)
+                for key, evs in by_key.items():
+                    d = detoks.get(key)
+                    if d is None:
+                        d = detoks[key] = detokenizer(req)
+                    last = evs[-1]
+                    finish = last.finish_reason
+                    if req.logprobs is None:
+                        ids = [ev.token_id for ev in evs if ev.token_id is not None]
+                        completion_tokens += len(ids)
+                        if finish is None:
+                            text = d.push_many(ids)
+                        else:  # the last token's text goes out through flush, once the stop string is known
+                            d.ids.extend(ids)
+                            text = d.flush(last.stop_text, finish)
+                        if not text and finish is None:
+                            continue  # held back (an incomplete character, what may start a stop string)
+                        index = key[0] * req.n + key[1]
+                        if every:
+                            yield chunk({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
+                        else:  # the hot path: a template, no dict, no json.dumps
+                            yield (f'{prefix}{index},"text":{json_str(text)},"logprobs":null,"finish_reason":'
+                                   f'{"null" if finish is None else json_str(finish)}}}]}}\n\n')
+                        continue
+                    h = held.get(key)
+                    if h is None:
+                        h = held[key] = {"ids": [], "lps": [], "tops": [], "offsets": []}
+                    text = ""
+                    for ev in evs:  # per token: each one's offset in the text
+                        if ev.token_id is not None:
+                            completion_tokens += 1
+                            h["offsets"].append(d.offset)
+                            text += d.push(ev.token_id, emit=ev.finish_reason is None)
+                            h["ids"].append(ev.token_id)
+                            h["lps"].append(ev.logprob)
+                            h["tops"].append(ev.top)
+                    if finish is not None:
+                        text += d.flush(last.stop_text, finish)
                     if not (text or finish is not None):
                         continue  # held back: its log-probs go with the next chunk that carries text
-                    lp = None
-                    if req.logprobs is not None:
-                        h, sent = held[key], detoks[key].sent  # offsets index into the text sent so far
-                        shift = len(echo[key[0]]["text"]) if echo else 0
-                        lp = completion_logprob_part(req, h["ids"], h["lps"], h["tops"],
-                                                     [min(x, sent) for x in h["offsets"]], k, shift)
-                        held[key] = {"ids": [], "lps": [], "tops": [], "offsets": []}
+                    sent = d.sent  # offsets index into the text sent so far
+                    shift = len(echo[key[0]]["text"]) if echo else 0
+                    lp = completion_logprob_part(req, h["ids"], h["lps"], h["tops"],
+                                                 [min(x, sent) for x in h["offsets"]], k, shift)
+                    held[key] = {"ids": [], "lps": [], "tops": [], "offsets": []}
                     yield chunk({"index": key[0] * req.n + key[1], "text": text, "logprobs": lp,
                                  "finish_reason": finish})
             if req.stream_options and req.stream_options.include_usage:
