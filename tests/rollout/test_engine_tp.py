@@ -1,4 +1,4 @@
-"""The engine on a TP=2 gloo group (rank 0 schedules, rank 1 follows) gives TP=1's greedy tokens."""
+"""The engine on a TP=2 gloo group (rank 0 schedules, rank 1 follows) gives TP=1's greedy and sampled tokens."""
 
 import json
 import os
@@ -14,6 +14,9 @@ from areno.rollout.sequence import SamplingOptions
 from areno.testing import make_tiny_checkpoint
 
 OPTS = dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+# sampled, with penalties (their token-count slots filled and counted on every rank), a bias, min-p and min_tokens
+SAMPLED = dict(temperature=1.0, max_new_tokens=6, seed=5, frequency_penalty=1.0, repetition_penalty=1.2, min_p=0.02,
+               logit_bias={5: 1.5}, min_new_tokens=2)
 
 
 def _prompts(tok):
@@ -30,7 +33,7 @@ def _worker(rank, path, port, out):
     tok = load_tokenizer(path)
     # multi-step decode on the TP ranks (the followers run rank 0's chained steps) vs one step at a time on one
     engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8, max_batched_tokens=5, decode_steps=3))
-    sampled = engine.generate(_prompts(tok), SamplingOptions(temperature=1.0, max_new_tokens=6, seed=5))
+    sampled = engine.generate(_prompts(tok), SamplingOptions(**SAMPLED))
     greedy = engine.generate(_prompts(tok), SamplingOptions(**OPTS))
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"greedy": [g[0].token_ids for g in greedy], "sampled": [g[0].token_ids for g in sampled]}, f)
@@ -48,5 +51,5 @@ def test_tp2_equals_tp1(tmp_path):
     engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8))
     ref = engine.generate(_prompts(tok), SamplingOptions(**OPTS))
     assert r0["greedy"] == [g[0].token_ids for g in ref]
-    sampled = engine.generate(_prompts(tok), SamplingOptions(temperature=1.0, max_new_tokens=6, seed=5))
+    sampled = engine.generate(_prompts(tok), SamplingOptions(**SAMPLED))
     assert r0["sampled"] == [g[0].token_ids for g in sampled]
