@@ -228,12 +228,11 @@ class KimiDeltaAttention(nn.Module):
         qkv, _ = causal_conv1d(self.qkv_proj(x), self.conv.weight.squeeze(1), activation="silu",
                                cu_seqlens=meta.cu_seqlens_q)
         q, k, v = qkv.to(x.dtype).view(t, 3, hh, d).unbind(1)
-        q, k = _l2norm(q), _l2norm(k)  # fp32, as the reference computes them
+        q, k = _l2norm(q).to(x.dtype), _l2norm(k).to(x.dtype)  # normalised in fp32, as the reference does
         g = self.log_decay(x).to(x.dtype)
         beta = torch.sigmoid(self.b_proj(x))
-        # the recurrence runs in fp32 (as the reference does); o comes back fp32
-        o, _ = chunk_gated_delta_rule(q, k, v.float(), g.float(), beta.float(), scale=d**-0.5,
-                                      cu_seqlens=meta.cu_seqlens_q)
+        # q/k/v in the model dtype (bf16 tensor-core matmuls on a GPU), gates fp32; the state is fp32 inside
+        o, _ = chunk_gated_delta_rule(q, k, v, g.float(), beta.float(), scale=d**-0.5, cu_seqlens=meta.cu_seqlens_q)
         gate = self.g_proj(x).view(t, hh, d)
         return self.o_proj(_gated_rms_norm(o.to(x.dtype), gate, self.o_norm).reshape(t, hh * d))
 
