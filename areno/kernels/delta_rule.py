@@ -44,7 +44,7 @@ __all__ = [
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _CHUNKS = (16, 32, 64)
-MAX_DIM = 256  # head dims the Triton tiles hold
+MAX_DIM = 128  # head dims the Triton tiles hold (K = V = 128 fits sm_90 shared memory, checked by compiling)
 SUB = 16  # sub-block rows for the intra-chunk decay factorisation
 MIN_BLOCK = 16  # smallest tile side (tl.dot's minimum on a GPU; interpreter tests lower it and SUB to run fast)
 
@@ -620,8 +620,8 @@ def _delta_rule_bwd(do, dsfin, q, k, v, g, beta, saved, scale, cu, meta, C):
     if NC:
         _bwd_chunk_kernel[(NC, H)](
             q, k, v, beta, gam, tm, w, dw, sbuf, dhbuf, do, dq, dk, dv, dg, dbeta, bos, lens, scale, H, K, V,
-            SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=BV, PREC=prec, **_LAUNCH,
-        )  # fmt: skip
+            SCALAR=scalar, C=C, SUBC=SUBC, BK=BK, BV=max(MIN_BLOCK, min(BV, 32)), PREC=prec, **_LAUNCH,
+        )  # fmt: skip  (V tiles of 32: the per-chunk backward holds the most tiles; sm_90 shared memory <= 200 KB)
     return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), ds0
 
 
