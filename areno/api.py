@@ -214,6 +214,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: bool = True
+    json_schema: dict | bool | None = None  # structured output: every completion is JSON valid against this schema
 
     def __post_init__(self):
         _check_number("temperature", self.temperature)
@@ -251,6 +252,13 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
                 raise ConfigError("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if self.json_schema is not None:
+            from areno.rollout.grammar import GrammarError, check
+
+            try:
+                check({"type": "json_schema", "schema": self.json_schema})
+            except GrammarError as exc:
+                raise ConfigError("json_schema", str(exc)) from exc
 
     def to_options(self):
         """The engine's per-request settings."""
@@ -261,7 +269,8 @@ class SamplingParams:
                                frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or {},
                                max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
                                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], seed=self.seed,
-                               n=self.n)
+                               n=self.n, grammar=None if self.json_schema is None else {
+                                   "type": "json_schema", "schema": self.json_schema})
 
     @classmethod
     def from_train_config(cls, config) -> "SamplingParams":

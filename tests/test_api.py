@@ -143,10 +143,13 @@ def test_sampling_params_defaults_and_validation():
     assert SamplingParams(stop="\n\n", stop_token_ids=(2, 7)).stop == ["\n\n"]
     assert SamplingParams(stop_token_ids=(2, 7)).stop_token_ids == [2, 7]
     assert SamplingParams(temperature=0, seed=0).temperature == 0
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert SamplingParams(json_schema=schema).to_options().grammar == {"type": "json_schema", "schema": schema}
     bad = [("temperature", -0.1), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
            ("top_k", 2.5), ("max_new_tokens", 0), ("min_new_tokens", 300), ("min_new_tokens", -1), ("n", 0),
            ("seed", -1), ("seed", 1.5), ("logprobs", 1), ("stop", ["ok", ""]), ("stop", [3]),
-           ("stop_token_ids", [-1]), ("stop_token_ids", ["eos"])]
+           ("stop_token_ids", [-1]), ("stop_token_ids", ["eos"]), ("json_schema", {"type": "nonsense"}),
+           ("json_schema", [1])]
     for name, value in bad:
         with pytest.raises(ValueError) as info:
             SamplingParams(**{name: value})

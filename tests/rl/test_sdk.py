@@ -1,5 +1,7 @@
 """The Trainer SDK of the spec: construct, init, generate, train, save, close."""
 
+import json
+
 import torch
 
 from areno import Trainer
@@ -28,6 +30,13 @@ def test_sdk_generate_train_save(tmp_path):
         stopped = trainer.generate([list(first.prompt_ids)], SamplingParams(
             temperature=1.0, max_new_tokens=5, n=2, seed=1, stop=[stop]))
         assert (stopped[0][0].text, stopped[0][0].stop_text) == (first.text[:first.text.index(stop)], stop)
+        # structured output: a JSON schema the completions follow (constrained decoding), EOS dropped from the text
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                   "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+        shaped = trainer.generate(["12 + 3 ="], SamplingParams(max_new_tokens=40, n=2, seed=1, json_schema=schema))
+        for c in shaped[0]:
+            obj = json.loads(c.text)
+            assert c.finish_reason == "stop" and set(obj) == {"n", "ok"} and 0 <= obj["n"] <= 9
         before = [p.detach().clone() for p in trainer.model.parameters()]
         rows = [{"prompt_ids": list(c.prompt_ids), "response_ids": c.token_ids} for g in out for c in g]
         stats = trainer.train(rows, loss_fn="sft", mini_bs=2, gradient_accumulation_steps=2)
