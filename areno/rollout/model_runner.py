@@ -491,7 +491,8 @@ def broadcast_step(inp: StepInputs | None, group) -> StepInputs | None:
 
 
 class TPWorker:
-    """A non-zero TP rank of an engine: executes whatever rank 0 broadcasts until told to stop."""
+    """A non-zero TP rank of an engine: executes whatever rank 0 broadcasts until told to stop: steps, or a callable
+    run with this rank's runner (``areno.serve.scoring.PromptForward``)."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -501,4 +502,7 @@ class TPWorker:
             inp = broadcast_step(None, self.runner.tp_group)
             if inp is None:
                 return
+            if not isinstance(inp, StepInputs):  # other work rank 0 broadcast (prompt log-probs): it runs itself
+                inp(self.runner)
+                continue
             self.runner.execute(inp)

@@ -33,7 +33,7 @@ from areno.serve.limits import (
 from areno.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from areno.serve.metrics import ServeMetrics
 from areno.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from areno.serve.scoring import prompt_logprobs, score_groups
+from areno.serve.scoring import prompt_logprobs, score_groups, vllm_prompt_logprobs
 from areno.serve.text import Detokenizer, token_offsets
 from areno.serve.tokenizer_api import add_tokenizer_routes, render_chat
 
@@ -319,6 +319,14 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         req, prompt_ids, opts, k = await prep(prepare_chat, await request.body())
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         stream = await run(prompt_ids, opts, arrival)
+        plp = None
+        if req.prompt_logprobs is not None:  # vLLM's extension (never streamed): a forward while it decodes
+            try:
+                (score,) = await score_prompts([prompt_ids], req.prompt_logprobs, ranks=True, param="prompt_logprobs")
+            except BaseException:
+                stream.abort()
+                raise
+            plp = {"prompt_logprobs": vllm_prompt_logprobs(prompt_ids, score, req.prompt_logprobs, token_str(req))}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return StreamingResponse(
@@ -346,7 +354,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                             "logprobs": chat_logprobs(o, k, name) if req.logprobs else None})
         completion_tokens = sum(len(o["ids"]) for o in out)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage(len(prompt_ids), completion_tokens)}
+                "choices": choices, "usage": usage(len(prompt_ids), completion_tokens), **(plp or {})}
 
     async def chat_stream(stream, req, rid, created, prompt_len, parse_tools, k):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
@@ -461,18 +469,18 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                 echo.append({"text": text, "offsets": [min(x, len(text)) for x in offsets]})
         return req, prompts, echo, opts, k
 
-    async def score_prompts(prompts: list[list[int]], k: int):
-        """Each prompt's (token log-probs from its second token on, top-k per position) from the engine's model."""
+    async def score_prompts(prompts: list[list[int]], k: int, ranks: bool = False, param: str = "echo"):
+        """Each prompt's (token log-probs from its second token on, top-k per position, ranks) from the engine's
+        model."""
         run_on_engine = getattr(engine, "run_on_engine", None)
         if run_on_engine is None:
-            raise APIError(400, "echo with logprobs (prompt log-probs) is not supported yet by this engine",
-                           param="echo")
+            raise APIError(400, "prompt log-probs are not supported yet by this engine", param=param)
         scores = [None] * len(prompts)
         for group in score_groups(prompts):
             try:
-                got = await run_on_engine(prompt_logprobs, [prompts[i] for i in group], k)
+                got = await run_on_engine(prompt_logprobs, [prompts[i] for i in group], k, ranks)
             except ValueError as exc:
-                raise APIError(400, str(exc), param="echo") from exc
+                raise APIError(400, str(exc), param=param) from exc
             for i, s in zip(group, got):
                 scores[i] = s
         return scores
@@ -480,9 +488,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
     def prompt_logprob_part(req, ids, echo, score, k) -> dict:
         """The echoed prompt's share of a choice's log-probs: the first token has no log-prob (nothing before it)."""
         name = token_str(req)
-        lps, tops = score
+        lps, tops = score[:2]
         return {"tokens": [name(i) for i in ids], "token_logprobs": [None, *lps],
-                "top_logprobs": [None, *(top_dict(t, name) for t in tops)] if k else None,
+                "top_logprobs": [None, *(top_dict(t[:k], name) for t in tops)] if k else None,
                 "text_offset": list(echo["offsets"])}
 
     def completion_logprob_part(req, ids, lps, tops, offsets, k, shift: int) -> dict:
@@ -507,15 +515,23 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             for ids, o in zip(prompts, opts):
                 if o is not None:
                     streams.append(await run(ids, o, arrival))
-            # the prompts' log-probs: a forward on the engine thread, while the completions decode
-            scores = await score_prompts(prompts, k) if echo and req.logprobs is not None else None
+            # the prompts' log-probs (echoed, and/or vLLM's prompt_logprobs): a forward on the engine thread,
+            # while the completions decode
+            echo_scored, pk = bool(echo) and req.logprobs is not None, req.prompt_logprobs
+            scores = None
+            if echo_scored or pk is not None:
+                scores = await score_prompts(prompts, max(k if echo_scored else 0, pk or 0), ranks=pk is not None,
+                                             param="echo" if echo_scored else "prompt_logprobs")
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         echo_lp = None
-        if scores is not None:
+        if echo_scored:
             echo_lp = [prompt_logprob_part(req, ids, e, s, k) for ids, e, s in zip(prompts, echo, scores)]
+        plp = None
+        if pk is not None:
+            plp = [vllm_prompt_logprobs(ids, s, pk, token_str(req)) for ids, s in zip(prompts, scores)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(x) for x in prompts)
         if req.stream:
@@ -543,7 +559,8 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                                                  [min(x, len(text)) for x in offsets], k, len(prefix))
                     lp = joined(echo_lp[pi] if echo_lp else None, lp)
                 choices.append({"index": pi * req.n + si, "text": prefix + text, "logprobs": lp,
-                                "finish_reason": o["finish"] or "abort"})
+                                "finish_reason": o["finish"] or "abort",
+                                **({"prompt_logprobs": plp[pi]} if plp is not None else {})})
         completion_tokens = sum(len(o["ids"]) for out in outs for o in out)
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}

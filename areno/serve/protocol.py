@@ -5,7 +5,7 @@ of being ignored. Fields that clients send to every OpenAI-compatible server are
 here or are built (vLLM's ``chat_template_kwargs``, ``continue_final_message``, ``stop_token_ids``,
 ``skip_special_tokens``, ...; the SDK's ``store``, ``metadata``, ``service_tier``, ...), and refused by name where
 they would change the answer and are not built (such as
-``prompt_logprobs``). A null value means the field's default.
+``suffix``). A null value means the field's default.
 
 ``response_format`` (both routes, as vLLM): ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type":
 "json_schema", "json_schema": {"name", "schema", "description", "strict"}}`` becomes a grammar the engine decodes
@@ -117,7 +117,8 @@ class StreamOptions(_Strict):
 def _field_dependencies(schema: dict, cls) -> None:
     """The cross-field rules of the validators below, as JSON-schema ``dependentSchemas`` (for the OpenAPI document;
     stricter than the validators where null or 0 would also pass)."""
-    deps = {"stream_options": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}
+    deps = {"stream_options": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+            "prompt_logprobs": {"properties": {"stream": {"const": False}}}}
     props = schema.get("properties", {})
     if "top_logprobs" in props:
         deps["top_logprobs"] = {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
@@ -209,7 +210,8 @@ class _Sampling(_Strict):
         {"type": "object", "properties": {"type": {"const": "json_schema"}, "json_schema": JSON_SCHEMA_FORMAT},
          "required": ["type", "json_schema"], "additionalProperties": False},
         {"type": "null"}]})
-    prompt_logprobs: int | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
+    # vLLM's extension: per prompt token, its own log-prob and rank and the k likeliest (not with stream=true)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -230,9 +232,8 @@ class _Sampling(_Strict):
     @model_validator(mode="after")
     def _unsupported(self):
         response_format_grammar(self.response_format, check=True)
-        if self.prompt_logprobs is not None:
-            raise not_supported("prompt_logprobs", "; on /v1/completions, echo=true with logprobs gives the "
-                                "prompt's log-probs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "prompt_logprobs is not available with stream=true")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed with stream=true")
         return self

@@ -167,13 +167,13 @@ def test_continuous_usage_stats(server):
 
 
 # ---- fields refused until built ----------------------------------------------------------------------------------
-REFUSED = [
-    ("prompt_logprobs", 1),
+REFUSED = [  # (route, field, value)
+    ("completions", "suffix", " and then"),
+    ("completions", "best_of", 3),
 ]
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
-@pytest.mark.parametrize("field,value", REFUSED)
+@pytest.mark.parametrize("endpoint,field,value", REFUSED)
 def test_fields_that_would_change_the_answer_are_refused_by_name(server, endpoint, field, value):
     body = {"model": "tiny", "max_tokens": 2, field: value}
     body.update({"messages": USER} if endpoint == "chat" else {"prompt": "hi"})

@@ -169,3 +169,63 @@ def test_engine_call_runs_between_steps(server):
         return engine.max_model_len
 
     assert asyncio.run(server.engine.run_on_engine(probe)) == 512 and seen["thread"] == "areno-engine"
+
+
+# ---- vLLM's prompt_logprobs ----------------------------------------------------------------------------------------
+def check_prompt_logprobs(plp, model, tok, ids, k):
+    """vLLM's format: None first, then {token id: {logprob, rank, decoded_token}} with the prompt's own token (its
+    rank: how many tokens are at least as likely) and the k likeliest (ranks 1..k), from the model's forward."""
+    ref = reference(model, ids)
+    assert len(plp) == len(ids) and plp[0] is None
+    for pos, entry in enumerate(plp[1:]):
+        row, own = ref[pos], ids[pos + 1]
+        top_vals, top_ids = row.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        want_ids = [own, *(t for t in top_ids.tolist() if t != own)]
+        assert [int(t) for t in entry] == want_ids  # the prompt's token first, then the likeliest
+        got = entry[str(own)]
+        assert got["logprob"] == pytest.approx(row[own].item(), abs=1e-4)
+        assert got["rank"] == int((row >= row[own]).sum()) and got["decoded_token"] == tok.decode([own])
+        for r, (t, v) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), start=1):
+            e = entry[str(t)]
+            assert e["logprob"] == pytest.approx(v, abs=1e-4) and e["decoded_token"] == tok.decode([t])
+            assert e["rank"] == (r if t != own else got["rank"])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_logprobs_on_completions(server, model, tok, k):
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
+    out = completions(server, prompt=ids, max_tokens=2, n=2, prompt_logprobs=k, logprobs=1, echo=k > 0)
+    choices = sorted(out["choices"], key=itemgetter("index"))
+    assert len(choices) == 4
+    for c in choices:
+        p = ids[c["index"] // 2]
+        check_prompt_logprobs(c["prompt_logprobs"], model, tok, p, k)
+        if k:  # echo's own top_logprobs keep logprobs=1 candidates while prompt_logprobs has k
+            assert all(len(top) == 1 for top in c["logprobs"]["top_logprobs"][1 : len(p)])
+    # absent unless asked for; the bounds and streaming are refused by name
+    assert "prompt_logprobs" not in completions(server, prompt="the cat", max_tokens=1)["choices"][0]
+    for body in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 1, "stream": True}):
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "the cat", "max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_prompt_logprobs_on_chat_through_the_openai_client(server, model, tok):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                         extra_body={"prompt_logprobs": 3, "return_tokens_as_token_ids": True})
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    plp = out.model_extra["prompt_logprobs"]
+    assert out.usage.prompt_tokens == len(ids) == len(plp)
+    ref = reference(model, ids)
+    for pos, entry in enumerate(plp[1:]):
+        own = ids[pos + 1]
+        assert entry[str(own)]["decoded_token"] == f"token_id:{own}"
+        assert entry[str(own)]["logprob"] == pytest.approx(ref[pos, own].item(), abs=1e-4)
+        assert len(entry) in (3, 4) and sorted(e["rank"] for e in entry.values())[:3] == [1, 2, 3]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert e.value.param == "prompt_logprobs"

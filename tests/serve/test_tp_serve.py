@@ -1,5 +1,6 @@
 """`areno serve --world-size 2 --tp-size 2` on gloo: rank 0 serves and schedules, rank 1 follows; greedy output equals
-the single-process server's, and SIGTERM stops both ranks with exit 0."""
+the single-process server's, and so do prompt log-probs (echo and prompt_logprobs: a forward every rank runs), and
+SIGTERM stops both ranks with exit 0."""
 
 import os
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.serve.conftest import RunningServer, free_port
 
@@ -33,14 +35,27 @@ def test_tp2_server_matches_tp1(tiny_ckpt):
             time.sleep(0.5)
         body = {"model": "tiny", "prompt": ["12 + 7 =", "the cat"], "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}
-        tp2 = [c["text"] for c in httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"]]
+        # prompt log-probs (echo, vLLM's prompt_logprobs): every TP rank runs the scoring forward on its shard
+        score = {"model": "tiny", "prompt": ["12 + 7 = 19", "the cat sat on"], "max_tokens": 1, "temperature": 0,
+                 "echo": True, "logprobs": 2, "prompt_logprobs": 1}
+
+        def ask(url):
+            gen = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"]
+            scored = httpx.post(url + "/v1/completions", json=score, timeout=60)
+            assert scored.status_code == 200, scored.text
+            return [c["text"] for c in gen], scored.json()["choices"]
+
+        tp2, tp2_scored = ask(base)
         single = RunningServer(tiny_ckpt)
         try:
-            tp1 = [c["text"] for c in httpx.post(single.base_url + "/v1/completions", json=body,
-                                                 timeout=60).json()["choices"]]
+            tp1, tp1_scored = ask(single.base_url)
         finally:
             single.stop()
         assert tp2 == tp1
+        for a, b in zip(tp2_scored, tp1_scored):
+            assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+            assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=1e-4)
+            assert [list(e or {}) for e in a["prompt_logprobs"]] == [list(e or {}) for e in b["prompt_logprobs"]]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
