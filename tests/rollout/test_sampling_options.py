@@ -114,10 +114,10 @@ def test_graph_inputs_give_the_eager_tokens(qwen3, monkeypatch):
     tokens and log-probs of eager single steps, and the adjusted graphs kept apart from the plain ones."""
     model, tok = qwen3
     prompts = [tok.encode(t) for t in ("the cat", "hello world, 12 + 3 =", "x")]
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=9, ignore_eos=True, n=2, seed=5, frequency_penalty=1.0,
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=7, ignore_eos=True, n=2, seed=5, frequency_penalty=1.0,
                             repetition_penalty=1.2, min_p=0.05, logit_bias={3: 2.0}),
-            SamplingOptions(temperature=1.0, max_new_tokens=12, ignore_eos=True, n=2, seed=6),
-            SamplingOptions(temperature=0.8, max_new_tokens=6, n=2, seed=7, presence_penalty=1.0, min_new_tokens=3)]
+            SamplingOptions(temperature=1.0, max_new_tokens=10, ignore_eos=True, n=2, seed=6),
+            SamplingOptions(temperature=0.8, max_new_tokens=5, n=2, seed=7, presence_penalty=1.0, min_new_tokens=3)]
     ref = engine(model, tok, max_model_len=40).generate(prompts, opts)
     for k in (1, 3):
         eng = engine(model, tok, decode_steps=k, max_model_len=40)
