@@ -295,6 +295,36 @@ def test_trainer_moves_the_bias_once_per_optimizer_step(tiny_checkpoint):
         PolicyTrainer(torch.nn.Linear(2, 2), opt, LRSchedule(1e-3), router_bias_update_rate=1e-2)
 
 
+
+def test_sft_run_trains_moves_the_bias_and_keeps_mtp_untouched(tiny_checkpoint, tmp_path):
+    """`areno train --algo sft` on Ling 3 with the bias update on: two steps, a checkpoint transformers and areno load,
+    the MTP layer's tensors bit-identical to the source, the selection bias moved by whole multiples of the rate, at
+    most once per optimizer update."""
+    from areno.cli import main
+
+    src = tiny_checkpoint("bailing_hybrid")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{a}="}], "response": str(2 * a)})
+                            + "\n" for a in range(8)))
+    out = tmp_path / "run"
+    assert main(["train", "--algo", "sft", "--ckpt", str(src), "--dataset-path", str(data), "--batch-size", "4",
+                 "--mini-bs", "2", "--max-steps", "2", "--lr", "1e-3", "--save-path", str(out), "--no-tensorboard",
+                 "--dtype", "float32", "--router-bias-update-rate", "0.01"]) == 0
+    before, after = _tensors(src), _tensors(out / "step-2")
+    assert sorted(before) == sorted(after)
+    for name in before:  # MTP untouched; everything else trained (an expert no token reached keeps its weights)
+        same = torch.equal(before[name], after[name])
+        assert same if name.startswith("model.layers.4.") else (not same or ".mlp.experts." in name), name
+    for i in (1, 2, 3):
+        moved = (after[f"model.layers.{i}.mlp.gate.expert_bias"] - before[f"model.layers.{i}.mlp.gate.expert_bias"])
+        steps = moved / 0.01
+        # 2 run steps of 2 optimizer updates each (4 rows, --mini-bs 2): at most 4 moves of the rate
+        assert (steps - steps.round()).abs().max() < 1e-3 and 1 <= steps.round().abs().max() <= 4
+    ids = _ids(1000, t=9, seed=8)
+    with torch.no_grad():
+        want = load_model(out / "step-2", device="cpu").logits(ids)
+        assert (load_reference(out / "step-2")(ids).logits - want).abs().max() <= 1e-4 * want.abs().max()
+
 # ---- GPU (bf16, Triton kernels): python -m pytest -q tests/models/test_bailing_hybrid.py -m gpu ----------------------
 
 LING3_FLASH_SMALL = dict(  # Ling-3.0-Flash's attention, KDA and expert shapes; 3 layers (KDA, KDA, MLA), 64 experts
