@@ -391,10 +391,13 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         return torch.arange(t, device=positions.device), (cos, sin)
 
     def forward(self, input_ids, positions, cu_seqlens=None, max_seqlen=None, *, kv_caches=None,
-                attn_metadata=None, pixel_values=None, image_grid_thw=None, image_embeds=None):  # fmt: skip
+                attn_metadata=None, pixel_values=None, image_grid_thw=None, image_embeds=None,
+                image_rows=None):  # fmt: skip
         """Final hidden states ``[T, H]``. Images come as ``pixel_values``/``image_grid_thw`` (the tower runs here)
         or as ``image_embeds=(embeds, deepstack)`` from ``encode_images`` (rows for exactly the image tokens of
-        ``input_ids``, in order); ``positions`` is ``[3, T]`` whenever the tokens hold an image."""
+        ``input_ids``, in order); ``positions`` is ``[3, T]`` whenever the tokens hold an image. ``image_rows``
+        (int64 ``[N]``, the engine's steps): the rows of ``input_ids`` that take the embeddings, instead of every
+        ``image_token_id`` (a generated or literal placeholder id elsewhere in a batch stays a text token)."""
         meta = attn_metadata
         if meta is None:
             if cu_seqlens is None:
@@ -411,7 +414,7 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         index, deepstack = None, ()
         if image_embeds is not None:
             embeds, deepstack = image_embeds
-            index = (input_ids == self.config.image_token_id).nonzero().squeeze(1)
+            index = (input_ids == self.config.image_token_id).nonzero().squeeze(1) if image_rows is None else image_rows
             if index.numel() != embeds.shape[0]:
                 raise ValueError(f"input_ids hold {index.numel()} image tokens but the images give {embeds.shape[0]}")
             h = h.index_copy(0, index, embeds.to(h.dtype))

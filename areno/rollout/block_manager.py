@@ -3,9 +3,9 @@
 The cache holds ``num_blocks`` blocks of ``block_size`` token slots. A block is shared by reference count:
 - the n samples of one prompt fork from the first sample after its prefill and share all its blocks; the last,
   partly filled block is copied (copy-on-write) by whichever sample writes into it first while it is shared;
-- a full block whose K/V are computed is registered under a hash chained over all tokens up to its end, so a later
-  request with the same prefix reuses it. Freed blocks keep their hash and sit in an LRU free list until a new
-  allocation evicts them.
+- a full block whose K/V are computed is registered under a hash chained over all tokens up to its end (and the
+  content hashes of the images whose tokens it holds), so a later request with the same prefix reuses it. Freed
+  blocks keep their hash and sit in an LRU free list until a new allocation evicts them.
 No device memory is touched here; copies are queued in ``pending_copies`` for the model runner.
 """
 
@@ -18,6 +18,13 @@ from areno.rollout.sequence import Sequence
 
 def _chain_hash(prev: int, tokens) -> int:
     return hash((prev, tuple(tokens)))
+
+
+def _with_images(seq: Sequence, tokens: list[int], start: int) -> list:
+    """A block's key material: its tokens, and for a block holding image tokens the images' content hashes (the
+    placeholder ids are the same for every image, so two prompts with other images never share the block)."""
+    extra = seq.mm.ids_in(start, start + len(tokens))
+    return tokens + [extra] if extra else tokens
 
 
 class BlockManager:
@@ -70,14 +77,14 @@ class BlockManager:
         At least the last token is always left to compute, since its logits give the next token.
         """
         assert not seq.block_table, "sequence already holds blocks"
-        bs, tokens = self.block_size, seq.tokens
+        bs, tokens, mm = self.block_size, seq.tokens, seq.mm
         prev, hit = 0, True
         n_blocks = self.blocks_for(len(tokens))
         for i in range(n_blocks):
             chunk = tokens[i * bs : (i + 1) * bs]
             block = None
             if self.prefix_caching and hit and len(chunk) == bs and (i + 1) * bs < len(tokens):
-                prev = _chain_hash(prev, chunk)
+                prev = _chain_hash(prev, chunk if mm is None else _with_images(seq, chunk, i * bs))
                 block = self.cached.get(prev)
                 if block is not None:
                     if self.ref_count[block] == 0:
@@ -171,7 +178,8 @@ class BlockManager:
         done, prev = self._hashed.get(seq.seq_id, (0, 0))
         full = min(seq.num_computed // bs, len(seq.block_table))
         for i in range(done, full):
-            prev = _chain_hash(prev, seq.tokens[i * bs : (i + 1) * bs])
+            chunk = seq.tokens[i * bs : (i + 1) * bs]
+            prev = _chain_hash(prev, chunk if seq.mm is None else _with_images(seq, chunk, i * bs))
             block = seq.block_table[i]
             if self.block_hash[block] is None and prev not in self.cached and self.ref_count[block] == 1:
                 self.block_hash[block] = prev

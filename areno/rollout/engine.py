@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from areno.rollout.block_manager import BlockManager
 from areno.rollout.grammar import token_mask
+from areno.rollout.images import PromptImages
 from areno.rollout.model_runner import ModelRunner, TPWorker, broadcast_step, plan_num_blocks
 from areno.rollout.scheduler import Scheduler, Step
 from areno.rollout.sequence import SamplingOptions, Sequence
@@ -135,9 +136,20 @@ class Engine:
             self._build()
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], options: SamplingOptions | None = None, request_id=None):
-        """Queue one prompt for ``options.n`` samples; returns the samples' Sequence objects."""
+    def add_request(self, prompt_ids: list[int] | None, options: SamplingOptions | None = None, request_id=None, *,
+                    mm=None):  # fmt: skip
+        """Queue one prompt for ``options.n`` samples; returns the samples' Sequence objects.
+
+        ``mm``: the prompt's images, a ``MultimodalPrompt`` (``areno.models.multimodal``) or any object with its
+        ``input_ids``, ``pixel_values`` and ``image_grid_thw`` (``image_hashes``, ``positions``, ``rope_delta``
+        are computed when absent); ``prompt_ids`` then equals ``mm.input_ids`` or is None. A ``ValueError`` when
+        the model takes no images or the placeholders do not match the images."""
         self._ensure_built()
+        if prompt_ids is None:
+            if mm is None:
+                raise ValueError("add_request needs prompt_ids or mm")
+            prompt_ids = list(mm.input_ids)
+        images = PromptImages.from_prompt(mm, prompt_ids, self.model) if mm is not None else None
         options = options or SamplingOptions()
         if options.logit_bias and max(options.logit_bias) >= self.runner.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
@@ -147,6 +159,9 @@ class Engine:
                      seed=(base * 1_000_003 + i) % (2**62))
             for i in range(options.n)
         ]
+        if images is not None:
+            for seq in group:
+                seq.mm = images
         if options.grammar is not None:
             self._attach_grammar(group, options)
         self.scheduler.add(group)
@@ -268,8 +283,11 @@ class Engine:
         group = getattr(self.model, "tp_group", None)
         return dist.get_rank(group) if group is not None else 0
 
-    def generate(self, prompts: list[list[int]], options=None) -> list[list[Completion]]:
+    def generate(self, prompts: list, options=None) -> list[list[Completion]]:
         """Generate for every prompt (``options``: one SamplingOptions or one per prompt); blocks until done.
+
+        A prompt is a list of token ids, or a prompt with images (a ``MultimodalPrompt``: anything with
+        ``input_ids``, see :meth:`add_request`).
 
         Under tensor parallelism every rank of the TP group calls this: rank 0 schedules and runs the steps, the
         others execute the steps it broadcasts, and all return rank 0's results.
@@ -283,7 +301,8 @@ class Engine:
             return box[0]
         if options is None or isinstance(options, SamplingOptions):
             options = [options or SamplingOptions()] * len(prompts)
-        groups = [self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]
+        groups = [self.add_request(None, o, request_id=i, mm=p) if hasattr(p, "input_ids") else
+                  self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]  # fmt: skip
         while self.has_work():
             self.step(self.config.decode_steps)
         out = [[self.completion(s) for s in g] for g in groups]

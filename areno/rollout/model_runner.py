@@ -36,6 +36,7 @@ from areno.kernels.sampler import _logits_f32
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import gather_from_tp
 from areno.rollout.grammar import apply_token_mask
+from areno.rollout.images import ImageEmbeddings, ImageStep
 from areno.rollout.scheduler import Step
 from areno.rollout.sequence import Status
 
@@ -111,6 +112,11 @@ class StepInputs:
     adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
     token_mask: tuple | None = None  # structured outputs: (rows, int32 bitmask), see areno.rollout.grammar
     adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
+    # prompts with images (areno.rollout.images), None for text: the model's positions where they differ from the
+    # cache positions ([T], or [3][T] when the step holds image tokens), decode's per-row offsets, the image work
+    rope_positions: list | None = None
+    rope_offsets: list[int] | None = None
+    images: ImageStep | None = None
 
 
 class ModelRunner:
@@ -142,6 +148,7 @@ class ModelRunner:
         self.token_state = None  # [max_running, V] int32 token counts (areno.kernels.penalties), made when needed
         self._slots: dict[int, tuple] = {}  # rank 0: seq_id -> (sequence, its token-state slot)
         self._free_slots = list(range(max_running))[::-1]
+        self.images = ImageEmbeddings(model) if hasattr(model, "encode_images") else None  # a model with a tower
 
     def release(self) -> None:
         """Drop CUDA graphs and the KV cache (``--drop-rollout-state``)."""
@@ -150,6 +157,8 @@ class ModelRunner:
         self.token_state = None
         self._slots.clear()
         self._free_slots = list(range(self.max_running))[::-1]
+        if self.images is not None:
+            self.images.clear()
         self.kv_cache = None
         self.kv_caches = []
 
@@ -159,6 +168,10 @@ class ModelRunner:
         if step.is_decode:  # the hot path: one token per sequence
             seqs = [c.seq for c in step.chunks]
             pos = [c.start for c in step.chunks]
+            offsets = None
+            if self.images is not None:  # M-RoPE: a token after the prompt sits at n + rope_delta
+                offsets = [0 if s.mm is None else s.mm.rope_delta for s in seqs]
+                offsets = offsets if any(offsets) else None
             return StepInputs(
                 ids=[s.tokens[-1] for s in seqs], positions=pos,
                 slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
@@ -167,6 +180,7 @@ class ModelRunner:
                 temperature=[s.options.temperature for s in rows], top_k=[s.options.top_k for s in rows],
                 top_p=[s.options.top_p for s in rows], seeds=[s.seed for s in rows], offsets=[p + 1 for p in pos],
                 top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
+                rope_offsets=offsets,
             )
         ids, pos, slots, cu_q, seq_lens, tables = [], [], [], [0], [], []
         for c in step.chunks:
@@ -177,13 +191,26 @@ class ModelRunner:
             cu_q.append(cu_q[-1] + c.end - c.start)
             seq_lens.append(c.end)
             tables.append(table)
-        return StepInputs(
+        inp = StepInputs(
             ids=ids, positions=pos, slots=slots, cu_q=cu_q, seq_lens=seq_lens, tables=tables,
             is_decode=step.is_decode, row_index=list(row_index),
             temperature=[s.options.temperature for s in rows], top_k=[s.options.top_k for s in rows],
             top_p=[s.options.top_p for s in rows], seeds=[s.seed for s in rows], offsets=[len(s) for s in rows],
             top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
         )
+        if self.images is not None and (self.images.readers or any(c.seq.mm is not None for c in step.chunks)):
+            self._prepare_images(inp, step.chunks)
+        return inp
+
+    def _prepare_images(self, inp: StepInputs, chunks) -> None:
+        """A prefill step with prompts that hold images: the image work, and the model's positions ([3][T] when
+        image tokens are in the step, else [T]: every other token's three streams are equal)."""
+        inp.images = self.images.plan(chunks)
+        if not any(c.seq.mm is not None for c in chunks):
+            return
+        rope = np.concatenate([np.broadcast_to(np.arange(c.start, c.end), (3, c.end - c.start)) if c.seq.mm is None
+                               else c.seq.mm.rope_positions(c.start, c.end) for c in chunks], axis=1)  # fmt: skip
+        inp.rope_positions = rope.tolist() if inp.images is not None and inp.images.rows else rope[0].tolist()
 
     def run(self, step: Step, rows: list, row_index: list[int], copies=(), decode_steps: int = 1, token_mask=None):
         """Forward the step and sample one token for each of ``rows`` from hidden row ``row_index``.
@@ -219,7 +246,12 @@ class ModelRunner:
         if inp.decode_steps > 1:
             return self._run_decode_steps_eager(inp)
         ids, pos, meta = self._tensors(inp)
-        hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
+        if inp.images is None:
+            hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
+        else:  # the tower runs here for new images; each chunk takes its rows of the embeddings
+            hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta,
+                                **self.images.inputs(inp.images, self.device))
+            self.images.release(inp.images)
         if not inp.row_index:  # a prefill chunk that does not reach the end of its prompt: K/V only
             return torch.empty(0, dtype=torch.int64), torch.empty(0), None
         idx = torch.tensor(inp.row_index, dtype=torch.int64, device=self.device)
@@ -355,7 +387,13 @@ class ModelRunner:
             cu_seqlens_k=t(cu_k), max_seqlen_q=max(q_lens), max_seqlen_k=max(inp.seq_lens), block_table=t(tables),
             seq_lens=t(inp.seq_lens), has_prefix=has_prefix,
         )
-        return t(inp.ids, torch.int64), t(inp.positions, torch.int64), meta
+        if inp.rope_positions is not None:
+            pos = inp.rope_positions
+        elif inp.rope_offsets is not None:
+            pos = [p + o for p, o in zip(inp.positions, inp.rope_offsets)]
+        else:
+            pos = inp.positions
+        return t(inp.ids, torch.int64), t(pos, torch.int64), meta
 
     @staticmethod
     def _sampling(inp: StepInputs, device):
@@ -371,7 +409,8 @@ class ModelRunner:
 
     def decode_steps(self, buf: dict, k: int):
         """``k`` chained decode steps from the inputs in ``buf`` (device tensors, see ``_capture``); no host sync.
-        Rows whose slot is -1 (graph padding) stay put and write nothing. Returns tokens/logprobs ``[k, rows]``."""
+        Rows whose slot is -1 (graph padding) stay put and write nothing. Returns tokens/logprobs ``[k, rows]``.
+        ``buf["rope_off"]`` (prompts with images): the model's position is the cache position plus the row's offset."""
         ids, pos, slots, lens, offsets = buf["ids"], buf["pos"], buf["slots"], buf["lens"], buf["offsets"]
         table, bs = buf["table"], self.block_size
         live = (slots >= 0).long()
@@ -387,7 +426,8 @@ class ModelRunner:
                 slot_mapping=slots, is_prefill=False, cu_seqlens_q=buf["cu"], cu_seqlens_k=None, max_seqlen_q=1,
                 max_seqlen_k=table.shape[1] * bs, block_table=table, seq_lens=lens, has_prefix=False,
             )
-            hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
+            rope = pos + buf["rope_off"] if "rope_off" in buf else pos
+            hidden = self.model(ids, rope, kv_caches=self.kv_caches, attn_metadata=meta)
             logits = self.logits(hidden)
             if adjust:
                 self._apply_adjust(logits, buf, min_left)
@@ -399,8 +439,9 @@ class ModelRunner:
             logprobs.append(lp)
         return torch.stack(tokens), torch.stack(logprobs)
 
-    def _graph_buffers(self, bsz: int, width: int = 0) -> dict:
-        """The static inputs of a graph of ``bsz`` rows (``width`` > 0: with logit adjustments that wide)."""
+    def _graph_buffers(self, bsz: int, width: int = 0, rope_off: bool = False) -> dict:
+        """The static inputs of a graph of ``bsz`` rows (``width`` > 0: with logit adjustments that wide;
+        ``rope_off``: with per-row position offsets, for prompts with images)."""
         dev, mb = self.device, self.max_blocks_per_seq
         buf = {
             "ids": torch.zeros(bsz, dtype=torch.int64, device=dev),
@@ -415,14 +456,16 @@ class ModelRunner:
             "seeds": torch.zeros(bsz, dtype=torch.int64, device=dev),
             "offsets": torch.zeros(bsz, dtype=torch.int64, device=dev),
         }
+        if rope_off:
+            buf["rope_off"] = torch.zeros(bsz, dtype=torch.int64, device=dev)
         if width:  # logit adjustments: neutral values until a step copies its own in
             self._token_state()
             buf.update({name: val.to(dev) for name, val in self._adjust_host(
                 LogitAdjust([], [], [], [], [], [], [], []), bsz, width, penalties=True).items()})
         return buf
 
-    def _capture(self, bsz: int, k: int, width: int = 0):
-        buf = self._graph_buffers(bsz, width)
+    def _capture(self, bsz: int, k: int, width: int = 0, rope_off: bool = False):
+        buf = self._graph_buffers(bsz, width, rope_off)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -434,15 +477,17 @@ class ModelRunner:
             out = self.decode_steps(buf, k)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()
-        self.graphs[(bsz, k, width)] = (graph, buf, out)
+        self.graphs[_graph_key(bsz, k, width, rope_off)] = (graph, buf, out)
 
     def _run_graph(self, inp: StepInputs):
         n, k = len(inp.seq_lens), inp.decode_steps
         bsz = self._bucket(n)
         width = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
-        if (bsz, k, width) not in self.graphs:
-            self._capture(bsz, k, width)
-        graph, buf, (tokens, logprobs) = self.graphs[(bsz, k, width)]
+        rope_off = inp.rope_offsets is not None
+        key = _graph_key(bsz, k, width, rope_off)
+        if key not in self.graphs:
+            self._capture(bsz, k, width, rope_off=True) if rope_off else self._capture(bsz, k, width)
+        graph, buf, (tokens, logprobs) = self.graphs[key]
         for name, val in self._graph_host(inp, bsz, sparse_width=width).items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
@@ -474,11 +519,19 @@ class ModelRunner:
             "top_k": torch.tensor(inp.top_k + [0] * pad), "top_p": torch.tensor(inp.top_p + [1.0] * pad),
             "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
         }
+        if inp.rope_offsets is not None:
+            host["rope_off"] = torch.tensor(inp.rope_offsets + [0] * pad)
         if inp.adjust is not None:
             graph = sparse_width is not None
             host.update(self._adjust_host(inp.adjust, bsz, sparse_width if graph else inp.adjust.width,
                                           penalties=True if graph else None))
         return host
+
+
+def _graph_key(bsz: int, k: int, width: int, rope_off: bool) -> tuple:
+    """A graph's key: (rows, chained steps, logit-adjustment width), plus a mark for per-row position offsets
+    (graphs without offsets, all of a text-only model's, do no extra work)."""
+    return (bsz, k, width, "rope_off") if rope_off else (bsz, k, width)
 
 
 # ---- tensor parallelism: rank 0 schedules, the others follow -------------------------------------------------

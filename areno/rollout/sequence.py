@@ -117,6 +117,7 @@ class Sequence:
         self.text = ""  # the output text cut before the stop string (set when one ends the sequence)
         self.fork_parent: Sequence | None = None  # n > 1: siblings wait for the first sample's prefill
         self.grammar = None  # a grammar.Matcher when options.grammar is set (the engine attaches it)
+        self.mm = None  # images.PromptImages of a prompt with images (the engine attaches it; its samples share it)
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
