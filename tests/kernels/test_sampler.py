@@ -96,20 +96,29 @@ def test_distribution_mixed_batch(path):
         _assert_distribution(got, probs / probs.sum())
 
 
+def _min_p_between(z, i):
+    """A min-p value halfway between the i-th and (i+1)-th largest probability ratios to the top: keeps i+1 tokens."""
+    r = torch.softmax(z.double(), 0).sort(descending=True).values
+    return float((r[i] + r[i + 1]) / (2 * r[0]))
+
+
 def test_min_p_distribution(path):
     """min-p keeps the tokens with probability >= min_p * the largest (after temperature), alone and before top-p."""
     V, n = 24, 900
     logits = torch.randn(V) * 1.5
-    groups = [(1.0, 0.2, 0, 1.0), (0.7, 0.05, 6, 1.0), (1.3, 0.1, 0, 0.6)]  # temperature, min_p, top_k, top_p
+    groups = [(1.0, _min_p_between(logits, 4), 0, 1.0), (0.7, _min_p_between(logits / 0.7, 7), 6, 1.0),
+              (1.3, _min_p_between(logits / 1.3, 9), 0, 0.6)]  # temperature, min_p, top_k, top_p
     rows = lambda i: torch.tensor([g[i] for g in groups]).repeat_interleave(n)  # noqa: E731
     seeds, offsets = _seeds(n * len(groups))
     tokens, _ = sample(logits.expand(n * len(groups), V), temperature=rows(0), min_p=rows(1), top_k=rows(2),
                        top_p=rows(3), seeds=seeds, offsets=offsets)  # fmt: skip
+    sizes = []
     for i, (t, mp, k, p) in enumerate(groups):
         keep = _kept_set(logits / t, k, p, mp)
-        assert 1 < keep.sum() < V
+        sizes.append(int(keep.sum()))
         probs = torch.where(keep, torch.softmax(logits.double() / t, 0), 0.0)
         _assert_distribution(tokens[i * n : (i + 1) * n], probs / probs.sum())
+    assert sizes[:2] == [5, 6] and sizes[2] <= 10  # min-p alone; then top-k cuts deeper; top-p after min-p
 
 
 def test_support_random_rows(path):
