@@ -111,7 +111,6 @@ class StepInputs:
     decode_steps: int = 1  # > 1: multi-step decode (see the module docstring)
     adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
     token_mask: tuple | None = None  # structured outputs: (rows, int32 bitmask), see areno.rollout.grammar
-    adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
     # prompts with images (areno.rollout.images), None for text: the model's positions where they differ from the
     # cache positions ([T], or [3][T] when the step holds image tokens), decode's per-row offsets, the image work
     rope_positions: list | None = None
