@@ -60,18 +60,6 @@ class SamplingOptions:
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         # whether a step may have to adjust this sequence's logits (the engine's hot path reads only this flag)
         self.adjusts_logits = bool(self.penalized or self.min_p > 0 or self.logit_bias or self.min_new_tokens)
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
-        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
-            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
-        # whether a step may have to adjust this sequence's logits (the engine's hot path reads only this flag)
-        self.adjusts_logits = bool(self.penalized or self.min_p > 0 or self.logit_bias or self.min_new_tokens)
         if self.grammar is not None:
             from areno.rollout.grammar import normalize
 
