@@ -179,13 +179,18 @@ def format_config(config) -> str:
 
 
 # ---- flags of features not built yet: refused (exit 2) when given, never parsed and ignored ----
-_NO_TOWER = "no model adapter in this build has a vision or audio tower (multimodal adapters are not built yet)"
-NOT_BUILT = {
-    **{name: _NO_TOWER for name in (
-        "unfreeze_mm_tower", "unfreeze_mm_projector", "mm_tower_lr", "mm_tower_min_lr", "mm_tower_lr_steps",
-        "mm_tower_lr_style", "mm_projector_lr", "mm_projector_min_lr", "mm_projector_lr_steps",
-        "mm_projector_lr_style")},
-}
+NOT_BUILT: dict[str, str] = {}
+
+
+def check_media_limits(config) -> None:
+    """The image caps of the message schema (``MediaLimits``), shared by train and serve."""
+    check_sizes(config, ("max_image_bytes", "max_image_pixels", "max_images_per_prompt"))
+
+
+_IMAGE_BYTES_HELP = ("largest encoded image accepted in a prompt, in bytes (a larger one is refused: exit 2 for a "
+                     "dataset row, HTTP 400 for a request)")
+_IMAGE_PIXELS_HELP = "largest image accepted, in pixels (width x height, before the processor resizes it)"
+_IMAGES_HELP = "most images accepted in one prompt"
 
 
 def refuse_not_built(config) -> None:
@@ -347,21 +352,26 @@ class TrainConfig:
                                      default_help="a value head on a copy of --ckpt")
 
     # multimodal
-    unfreeze_mm_tower: bool = opt(False, "train the vision/audio tower (frozen unless given)", "multimodal")
-    unfreeze_mm_projector: bool = opt(False, "train the projector/merger (frozen unless given)", "multimodal")
+    unfreeze_mm_tower: bool = opt(False, "train the vision/audio tower as its own optimizer group with its own "
+                             "schedule (--mm-tower-*; frozen unless given)", "multimodal")
+    unfreeze_mm_projector: bool = opt(False, "train the projector/merger as its own optimizer group with its own "
+                                 "schedule (--mm-projector-*; frozen unless given)", "multimodal")
     mm_tower_lr: Optional[float] = opt(None, "tower peak learning rate", "multimodal", default_help="--lr")
     mm_tower_min_lr: Optional[float] = opt(None, "tower final learning rate", "multimodal", default_help="--min-lr")
-    mm_tower_lr_steps: Optional[int] = opt(None, "tower schedule length in steps", "multimodal",
-                                           default_help="the run length")
+    mm_tower_lr_steps: Optional[int] = opt(None, "tower schedule length in optimizer updates (as --warmup-steps)",
+                                           "multimodal", default_help="the run length")
     mm_tower_lr_style: Optional[str] = opt(None, "tower schedule", "multimodal", choices=LR_STYLES,
                                            default_help="--lr-decay-style")
     mm_projector_lr: Optional[float] = opt(None, "projector peak learning rate", "multimodal", default_help="--lr")
     mm_projector_min_lr: Optional[float] = opt(None, "projector final learning rate", "multimodal",
                                                default_help="--min-lr")
-    mm_projector_lr_steps: Optional[int] = opt(None, "projector schedule length in steps", "multimodal",
-                                               default_help="the run length")
+    mm_projector_lr_steps: Optional[int] = opt(None, "projector schedule length in optimizer updates (as "
+                                               "--warmup-steps)", "multimodal", default_help="the run length")
     mm_projector_lr_style: Optional[str] = opt(None, "projector schedule", "multimodal", choices=LR_STYLES,
                                                default_help="--lr-decay-style")
+    max_image_bytes: int = opt(20 << 20, _IMAGE_BYTES_HELP, "multimodal")
+    max_image_pixels: int = opt(50_000_000, _IMAGE_PIXELS_HELP, "multimodal")
+    max_images_per_prompt: int = opt(64, _IMAGES_HELP, "multimodal")
 
     # observability
     metrics_dir: Optional[str] = opt(None, "folder for metrics JSON lines and TensorBoard events", "observability",
@@ -406,6 +416,8 @@ class TrainConfig:
         check_offload(flag_name, self.optimizer_state_offload, self.optimizer_state_offload_dir,
                       self.optimizer_state_offload_batch_size)
         refuse_not_built(self)
+        check_media_limits(self)
+        self._check_multimodal()
         self._check_devices()
         self._check_agent()
         self._check_sampling()
@@ -510,6 +522,21 @@ class TrainConfig:
         if self.algo in ("grpo", "gspo") and self.n_samples < 2:
             raise ConfigError("--n-samples", f"must be >= 2 for --algo {self.algo} (group advantages compare "
                               "several samples of one prompt)")
+
+    def _check_multimodal(self):
+        """A tower/projector schedule flag needs its part unfrozen; a final rate may not exceed its peak (whether
+        the model has a tower at all is checked once it is loaded: areno.rl.multimodal.check_flags)."""
+        for part in ("tower", "projector"):
+            names = [f"mm_{part}_{x}" for x in ("lr", "min_lr", "lr_steps", "lr_style")]
+            given = [n for n in names if getattr(self, n) is not None]
+            if given and not getattr(self, f"unfreeze_mm_{part}"):
+                raise ConfigError(flag_name(given[0]), f"applies only with --unfreeze-mm-{part} (the {part} is frozen "
+                                  "otherwise)")
+            peak, low = getattr(self, f"mm_{part}_lr"), getattr(self, f"mm_{part}_min_lr")
+            if low is not None and low > (self.lr if peak is None else peak):
+                raise ConfigError(f"--mm-{part}-min-lr", f"({low}) must not exceed the {part}'s peak rate "
+                                  f"{'--mm-' + part + '-lr' if peak is not None else '--lr'} "
+                                  f"({self.lr if peak is None else peak})")
 
     def _check_optimisation(self):
         if not self.lr > 0:

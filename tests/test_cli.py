@@ -218,9 +218,11 @@ BAD_TRAIN = [
     (["--agent-fn", "{reward}", "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1"],
      "--max-staleness"),
     (["--agent-fn", "/no/such/agent.py"], "--agent-fn"),
-    # not built yet: refused, never parsed and ignored
-    (["--unfreeze-mm-tower"], "--unfreeze-mm-tower"),
+    # a frozen part has no schedule; a final rate above its peak; the image caps (a model without a tower refuses
+    # the multimodal flags once it is loaded: tests/rl/test_multimodal_train.py)
     (["--mm-projector-lr-style", "cosine"], "--mm-projector-lr-style"),
+    (["--unfreeze-mm-tower", "--mm-tower-lr", "0.1", "--mm-tower-min-lr", "0.2"], "--mm-tower-min-lr"),
+    (["--max-image-bytes", "0"], "--max-image-bytes"),
     (["--top-p", "0"], "--top-p"),
     (["--min-new-tokens", "9", "--max-new-tokens", "4"], "--min-new-tokens"),
     (["--resume"], "--resume"),

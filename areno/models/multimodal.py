@@ -61,6 +61,7 @@ class MultimodalPrompt:
     image_hashes: list[str] = field(default_factory=list)  # sha256 of each image's pixel rows (prefix-cache keys)
     positions: torch.Tensor | None = None
     rope_delta: int = 0
+    image_token_id: int | None = None  # the placeholder id the image tokens carry in ``input_ids``
 
 
 def media_parts(messages) -> list[tuple[int, str, dict]]:
@@ -205,7 +206,7 @@ class MultimodalProcessor:
         rows = grid.prod(-1).tolist()
         hashes = [hashlib.sha256(chunk.contiguous().numpy().tobytes()).hexdigest()
                   for chunk in pixel_values.split(rows)]  # fmt: skip
-        return self._finish(MultimodalPrompt(expanded, pixel_values, grid, hashes))
+        return self._finish(MultimodalPrompt(expanded, pixel_values, grid, hashes, image_token_id=image_id))
 
     def _finish(self, prompt: MultimodalPrompt) -> MultimodalPrompt:
         from areno.models.qwen3_vl import Qwen3VLConfig, mrope_positions

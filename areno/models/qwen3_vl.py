@@ -370,6 +370,22 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         """The merger and the DeepStack mergers: ``--unfreeze-mm-projector``."""
         return [*self.visual.merger.parameters(), *self.visual.deepstack_merger_list.parameters()]
 
+    def freeze_media(self, *, tower: bool = True, projector: bool = True) -> None:
+        """Freeze the tower and/or the projector (the training default): no gradients, eval mode, which ``train()``
+        keeps."""
+        v = self.visual
+        self._frozen_media = [*([v.patch_embed, v.pos_embed, v.blocks] if tower else []),
+                              *([v.merger, v.deepstack_merger_list] if projector else [])]  # fmt: skip
+        for module in self._frozen_media:
+            module.requires_grad_(False)
+            module.eval()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for module in getattr(self, "_frozen_media", ()):
+            module.train(False)
+        return self
+
     def encode_images(self, pixel_values, image_grid_thw):
         """``(embeds [N, H], deepstack [K, N, H])`` for the image tokens of ``image_grid_thw`` (rows in order)."""
         return self.visual(pixel_values, image_grid_thw)

@@ -4,6 +4,14 @@ A row is one sequence: prompt tokens then response tokens. Rows are packed end t
 ``cu_seqlens``; position j of a row predicts its token j + 1, so the response token k of a row with P prompt tokens
 is scored at position P - 1 + k. ``targets`` holds that next token at scored positions and -100 elsewhere; every
 per-token field (rollout log-probs, advantages, ...) is laid out on the same positions.
+
+A row whose prompt shows images carries them in ``media`` (the ``MultimodalPrompt`` of its prompt: pixel rows,
+``image_grid_thw``, ``[3, P]`` M-RoPE positions, decode offset ``rope_delta``). When any row of a batch has media,
+``positions`` is ``[3, T]``: such a row's prompt keeps its M-RoPE positions and its response token ``k`` sits at
+``P + k + rope_delta`` on all three streams (where the engine decoded it); a text row counts up on all three. The
+images are concatenated in row order (``pixel_values``, ``image_grid_thw``, one ``image_hashes`` entry each) and
+``image_rows`` lists the packed positions of the prompts' image tokens (a response token equal to the image
+placeholder id is text: the policy sampled it).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ class Row:
     extras: dict = field(default_factory=dict)
     loss_mask: list[int] | None = None  # per response token: 1 trained, 0 context (an agent's tool results, ...)
     meta: dict = field(default_factory=dict)  # not packed: messages, finish reason, policy version (dumps)
+    media: object = None  # the prompt's images: an areno.models.multimodal.MultimodalPrompt, None for text
 
     def scored(self, values: list) -> list:
         """The entries of a per-response-token list at the trained positions (all of them without a mask)."""
@@ -43,7 +52,7 @@ class Row:
 @dataclass
 class Packed:
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T], or [3, T] (M-RoPE) when a row has images
     cu_seqlens: torch.Tensor  # int32 [B+1]
     max_seqlen: int
     targets: torch.Tensor  # int64 [T], -100 where nothing is scored
@@ -55,6 +64,10 @@ class Packed:
     seq_advantages: torch.Tensor | None = None  # float32 [B]
     tok: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token extras (row.extras lists), float32 [T]
     row: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row extras (row.extras scalars), float32 [B]
+    pixel_values: torch.Tensor | None = None  # every row's images, in row order
+    image_grid_thw: torch.Tensor | None = None  # int64 [n, 3]
+    image_rows: torch.Tensor | None = None  # int64 [N]: packed positions of the image tokens
+    image_hashes: list[str] = field(default_factory=list)  # one per image (identical images, identical hashes)
 
     def to(self, device) -> Packed:
         move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
@@ -90,9 +103,13 @@ def pack(rows: list[Row]) -> Packed:
             tok[key] = torch.tensor(vals, dtype=torch.float32)
         else:
             row[key] = torch.tensor([float(r.extras[key]) for r in rows], dtype=torch.float32)
+    positions = torch.tensor(pos, dtype=torch.int64)
+    media = {}
+    if any(r.media is not None and r.media.positions is not None for r in rows):
+        positions, media = _pack_media(rows, cu)
     return Packed(
         input_ids=torch.tensor(ids, dtype=torch.int64),
-        positions=torch.tensor(pos, dtype=torch.int64),
+        positions=positions,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         max_seqlen=max(len(r) for r in rows),
         targets=targets,
@@ -104,7 +121,33 @@ def pack(rows: list[Row]) -> Packed:
         seq_advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         tok=tok,
         row=row,
+        **media,
     )
+
+
+def _pack_media(rows: list[Row], cu: list[int]) -> tuple[torch.Tensor, dict]:
+    """``[3, T]`` positions and the images of the rows (see the module doc)."""
+    pos, pixels, grids, hashes, index = [], [], [], [], []
+    for r, start in zip(rows, cu):
+        P, R = len(r.prompt_ids), len(r.response_ids)
+        m = r.media
+        if m is None or m.positions is None:
+            pos.append(torch.arange(P + R).expand(3, -1))
+            continue
+        if m.positions.shape != (3, P):
+            raise ValueError(f"a row's M-RoPE positions are {tuple(m.positions.shape)}, its prompt has {P} tokens")
+        pos += [m.positions.to(torch.int64), (torch.arange(P, P + R) + m.rope_delta).expand(3, -1)]
+        if m.pixel_values is not None:
+            pixels.append(m.pixel_values)
+            grids.append(m.image_grid_thw)
+            hashes += list(m.image_hashes)
+            image = [k for k, t in enumerate(r.prompt_ids) if t == m.image_token_id]
+            index.append(torch.tensor(image, dtype=torch.int64) + start)
+    out: dict = {}
+    if pixels:
+        out = {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids).to(torch.int64),
+               "image_rows": torch.cat(index), "image_hashes": hashes}
+    return torch.cat(pos, dim=1), out
 
 
 def per_row(values: torch.Tensor, packed: Packed) -> list[list[float]]:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from areno.rl.batch import pack, per_row
+from areno.rl.multimodal import media_inputs
 
 
 class ValueModel(nn.Module):
@@ -32,9 +33,10 @@ class ValueModel(nn.Module):
         hidden = backbone.lm_head_weight.shape[-1]
         return cls(backbone, hidden)
 
-    def values(self, input_ids, positions, *, cu_seqlens, max_seqlen) -> torch.Tensor:
-        """V(s_t) at every packed position (the state before the token that position predicts), fp32 [T]."""
-        hidden = self.backbone(input_ids, positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    def values(self, input_ids, positions, *, cu_seqlens, max_seqlen, **media) -> torch.Tensor:
+        """V(s_t) at every packed position (the state before the token that position predicts), fp32 [T];
+        ``media``: a multimodal backbone's image arguments (``areno.rl.multimodal.media_inputs``)."""
+        hidden = self.backbone(input_ids, positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **media)
         return self.value_head(hidden).squeeze(-1).float()
 
     @torch.no_grad()
@@ -44,6 +46,6 @@ class ValueModel(nn.Module):
         for i in range(0, len(rows), mini_bs):
             packed = pack(rows[i : i + mini_bs]).to(device)
             v = self.values(packed.input_ids, packed.positions, cu_seqlens=packed.cu_seqlens,
-                            max_seqlen=packed.max_seqlen)
+                            max_seqlen=packed.max_seqlen, **media_inputs(self.backbone, packed))
             out.extend(per_row(v, packed))
         return out

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from areno.config import ConfigError, RunError
-from areno.rl import algorithms
+from areno.rl import algorithms, multimodal
 from areno.rl.advantages import gae, group_advantages
 from areno.rl.batch import Row
 from areno.rl.losses import value_loss
+from areno.rl.multimodal import DatasetMedia, media_limits
 from areno.rl.rollout_colocated import gather_objects as _gather_objects
 from areno.rl.trainer import PolicyTrainer
 
@@ -83,6 +84,9 @@ class TrainLoop:
         self.agent_fn = load_agent(cfg.agent_fn) if cfg.agent_fn else None
         loader = load_dataset_loader(cfg.dataset_loader_fn) if cfg.dataset_loader_fn else None
         rows = load_rows(cfg.dataset_path, loader_fn=loader) if (cfg.dataset_path or loader) else []
+        for i, r in enumerate(rows):  # the dataset row index, named by errors (and the media cache's key)
+            if isinstance(r, dict):
+                r.setdefault("_row", i)
         self.eval_rows = [r for r in rows if r.get("split") in ("eval", "test")]
         rows = [r for r in rows if r.get("split") not in ("eval", "test")]
         if rows or not self.sdk:
@@ -112,6 +116,7 @@ class TrainLoop:
         self.device = _device()
         self.dtype = _dtype(cfg, self.device)
         self.model, self.tokenizer = self._load_policy()
+        self.media = DatasetMedia(cfg.ckpt, cfg.dataset_path, limits=media_limits(cfg))
         self.rows = self._tokenize(rows)
         self.eval_data = self._tokenize(self.eval_rows)
         # with --max-steps the data repeats as needed; otherwise --epochs passes over it
@@ -149,6 +154,8 @@ class TrainLoop:
             tok = self._tokenizer or load_tokenizer(cfg.ckpt)
         except (OSError, KeyError, ValueError) as e:  # missing folder, unresolvable hub id, foreign checkpoint
             raise ConfigError("--ckpt", f"{cfg.ckpt!r} cannot be loaded: {e}") from e
+        multimodal.check_flags(cfg, model)
+        multimodal.freeze(model, cfg)  # the tower and projector stay frozen (and in eval mode) unless unfrozen
         model.train()
         if hasattr(model, "set_activation_checkpointing"):
             model.set_activation_checkpointing(cfg.activation_checkpointing)
@@ -170,7 +177,7 @@ class TrainLoop:
         from areno.rl.schedule import LRSchedule
 
         cfg = self.cfg
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = multimodal.optimizer_params(model)  # frozen parts have no optimizer state
         opt = MasterAdamW(params, lr=lr, weight_decay=cfg.weight_decay, dp_group=self.dp_group,
                           tp_group=self.tp_group, offload=cfg.optimizer_state_offload,
                           offload_dir=cfg.optimizer_state_offload_dir,
@@ -184,8 +191,10 @@ class TrainLoop:
         if bias_rate and not hasattr(model, "update_routing_bias"):
             raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE "
                               "selection bias to update (Ling 3, bailing_hybrid, has one)")
+        groups = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates_per_step)
         trainer = PolicyTrainer(model, opt, sched, temperature=self._logprob_temperature(), grad_clip=cfg.grad_clip,
-                                dp_group=self.dp_group, tp_group=self.tp_group, router_bias_update_rate=bias_rate)
+                                dp_group=self.dp_group, tp_group=self.tp_group, router_bias_update_rate=bias_rate,
+                                group_schedules=groups)
         return trainer
 
     def _updates_per_step(self, units: int) -> int:
@@ -204,6 +213,7 @@ class TrainLoop:
         cfg = self.cfg
         self.critic = ValueModel.from_policy(cfg.critic_ckpt or cfg.ckpt, self.model, dtype=self.dtype,
                                              device=self.device, tp_group=self.tp_group)
+        multimodal.freeze(self.critic, cfg)
         if hasattr(self.critic.backbone, "set_activation_checkpointing"):
             self.critic.backbone.set_activation_checkpointing(cfg.activation_checkpointing)
         self.critic_trainer = self._make_trainer(self.critic, cfg.critic_lr or cfg.lr, total)
@@ -250,22 +260,34 @@ class TrainLoop:
         eos = self.tokenizer.eos_token_id
         for r in rows:
             r = dict(r)
+            if self.media.has_media(r.get("prompt")):  # images: the processor's ids (placeholders expanded)
+                r["_prompt_ids"], r["_media"] = self.media.encode(r).input_ids, True
+            elif r.get("prompt") is not None or cfg.algo != "dpo":
+                r["_prompt_ids"] = self.prompt_ids(r["prompt"])
+            else:
+                r["_prompt_ids"] = []
             if cfg.algo == "dpo":
-                r["_prompt_ids"] = self.prompt_ids(r["prompt"]) if r.get("prompt") is not None else []
                 r["_chosen"] = self._response_ids(r["chosen"], eos)
                 r["_rejected"] = self._response_ids(r["rejected"], eos)
-            else:
-                r["_prompt_ids"] = self.prompt_ids(r["prompt"])
-                if cfg.algo == "sft":
-                    r["_response_ids"] = self._response_ids(r["response"], eos)
+            elif cfg.algo == "sft":
+                r["_response_ids"] = self._response_ids(r["response"], eos)
             if len(r["_prompt_ids"]) > cfg.max_prompt_tokens or (cfg.algo != "dpo" and not r["_prompt_ids"]):
                 dropped += 1
+                self.media.forget(r)
                 continue
             out.append(r)
         if dropped:
             log.warning("dropped %d rows whose prompt is empty or longer than --max-prompt-tokens %d", dropped,
                         cfg.max_prompt_tokens)
         return out
+
+    def row_media(self, row: dict):
+        """The ``MultimodalPrompt`` of a dataset row whose prompt shows images, else None."""
+        return self.media.encode(row) if row.get("_media") else None
+
+    def engine_prompt(self, row: dict):
+        """What the rollout engine takes for a row's prompt: its token ids, or its ``MultimodalPrompt``."""
+        return self.row_media(row) or row["_prompt_ids"]
 
     def _response_ids(self, response, eos):
         if isinstance(response, list):  # chat messages: the assistant text
@@ -371,9 +393,9 @@ class TrainLoop:
         if self.agent is not None:
             return self._agent_rollout(batch)
         mine = self.engine.share(batch)
-        ahead = [r["_prompt_ids"] for r in self.engine.share(upcoming)] if upcoming is not None else None
+        ahead = [self.engine_prompt(r) for r in self.engine.share(upcoming)] if upcoming is not None else None
         t0 = time.perf_counter()
-        results, split_stats = self.engine.rollout([r["_prompt_ids"] for r in mine], self.sampling_options(),
+        results, split_stats = self.engine.rollout([self.engine_prompt(r) for r in mine], self.sampling_options(),
                                                    upcoming=ahead)
         t_roll = time.perf_counter() - t0
         records, flat = [], []
@@ -385,14 +407,16 @@ class TrainLoop:
         t1 = time.perf_counter()
         rewards, failures = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
         t_reward = time.perf_counter() - t1
-        local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason)
+        # rows travel as token ids; a prompt's images are found again by its place in the (global) batch
+        where = {id(r): i for i, r in enumerate(batch)}
+        local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason, where[id(row)])
                  for (row, c), rew in zip(flat, rewards)]
         parts = self.engine.gather((local, failures))
         gathered = [x for part, _ in parts for x in part]
         failures = sum(f for _, f in parts)
         n_tok = sum(len(x[1]) for x in gathered)
-        rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin})
-                for p, ids, lps, rew, fin in gathered]
+        rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin},
+                    media=self.row_media(batch[i])) for p, ids, lps, rew, fin, i in gathered]
         stats = {
             "rollout_s": t_roll, "reward_s": t_reward, "reward_failures": failures, "samples": len(gathered),
             "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t_roll, 1e-9) * self.dp_size,
@@ -527,7 +551,7 @@ class TrainLoop:
 
     def step_sft(self, batch) -> dict:
         cfg = self.cfg
-        rows = [Row(r["_prompt_ids"], r["_response_ids"]) for r in batch]
+        rows = [Row(r["_prompt_ids"], r["_response_ids"], media=self.row_media(r)) for r in batch]
         t0 = time.perf_counter()
         s = self.trainer.train(rows, algorithms.sft_loss_fn(), cfg.mini_bs, cfg.gradient_accumulation_steps)
         m = _normalise(s)
@@ -539,8 +563,9 @@ class TrainLoop:
         cfg = self.cfg
         rows = []
         for r in batch:
-            rows += [Row(r["_prompt_ids"] or [self.tokenizer.eos_token_id], r["_chosen"]),
-                     Row(r["_prompt_ids"] or [self.tokenizer.eos_token_id], r["_rejected"])]
+            media = self.row_media(r)
+            rows += [Row(r["_prompt_ids"] or [self.tokenizer.eos_token_id], r["_chosen"], media=media),
+                     Row(r["_prompt_ids"] or [self.tokenizer.eos_token_id], r["_rejected"], media=media)]
         for row, lp in zip(rows, self.trainer.compute_logprobs(rows, cfg.mini_bs * 2, model=self.ref)):
             row.extras["ref"] = float(sum(lp))
         t0 = time.perf_counter()
@@ -600,7 +625,7 @@ class TrainLoop:
             rewards = self.engine.gather(rewards)
             flat = [r for part in rewards for r in part]
             return sum(flat) / max(1, len(flat))
-        out = self.engine.generate([r["_prompt_ids"] for r in rows], self.sampling_options(n=1, greedy=True))
+        out = self.engine.generate([self.engine_prompt(r) for r in rows], self.sampling_options(n=1, greedy=True))
         records = []
         for r, group in zip(rows, out):
             c = group[0]
@@ -688,9 +713,12 @@ class TrainLoop:
         # trains at temperature 1: the RL schedule and the rollout temperature apply to the RL steps only
         lr = cfg.sft_warmup_lr or cfg.lr
         rl_schedule, rl_temperature = self.trainer.schedule, self.trainer.temperature
+        rl_groups = self.trainer.group_schedules
+        updates = cfg.sft_warmup_steps * self._updates_per_step(cfg.batch_size)
         self.trainer.schedule = LRSchedule(lr, min_lr=min(cfg.min_lr, lr), warmup_steps=cfg.warmup_steps,
-                                           total_steps=cfg.sft_warmup_steps * self._updates_per_step(cfg.batch_size),
-                                           style=cfg.lr_decay_style)
+                                           total_steps=updates, style=cfg.lr_decay_style)
+        self.trainer.group_schedules = multimodal.group_schedules(cfg, self.trainer.optimizer.groups, lr=lr,
+                                                                  total_updates=updates)
         self.trainer.temperature = 1.0
         m = {}
         bar = None
@@ -712,6 +740,7 @@ class TrainLoop:
             if bar is not None:
                 bar.close()
             self.trainer.schedule, self.trainer.temperature = rl_schedule, rl_temperature
+            self.trainer.group_schedules = rl_groups
             self.trainer.num_updates = 0  # the RL schedule starts fresh
         return m
 

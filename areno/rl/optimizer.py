@@ -14,6 +14,11 @@ state (fp32 master copy, ``exp_avg``, ``exp_avg_sq``). One ``step()``:
 4. round the updated master shard to the parameter dtype, all-gather it over DP and copy it into the parameters
    IN PLACE (the rollout engine and its CUDA graphs hold these storages: ``p.data`` is never replaced).
 
+Parameter groups: ``params`` may list dicts ``{"name": str, "params": [...]}`` beside plain parameters (the
+multimodal tower and projector under ``--unfreeze-mm-tower`` / ``--unfreeze-mm-projector``). Buckets never mix
+groups; ``step(lr, group_lrs={name: lr})`` updates each named group with its own rate, and clipping uses the one
+global norm over every group (as ``torch.optim`` param groups under ``clip_grad_norm_``).
+
 fp32 parameters are their own master (no copy is kept; their shard is read from the parameters for the update).
 Offload moves the state off the device between steps: ``"cpu"`` keeps it in host memory (pinned when CUDA is
 available), ``"disk"`` in process-private raw ``numpy.memmap`` files (``offload_batch_size`` buckets per file, read
@@ -76,6 +81,7 @@ class _Bucket:
     numel: int  # real elements; the bucket is padded to ``shard * D``
     shard: int  # elements per rank
     dtype: torch.dtype
+    group: str | None = None  # a named parameter group (its own learning rate); None: the main group
     counted: list[tuple[int, int]] = field(default_factory=list)  # shard-local ranges counted in the grad norm
     storage: torch.Tensor | None = None  # [k * shard] fp32: (master,) exp_avg, exp_avg_sq; None for disk offload
     file: int = -1  # disk offload: file index and element offset in it
@@ -93,7 +99,17 @@ class _Bucket:
 class MasterAdamW:
     def __init__(self, params, *, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, dp_group=None,
                  tp_group=None, offload="none", offload_dir=None, offload_batch_size=1, bucket_bytes=25 * 2**20):
-        params = list(params)
+        self.group_of: dict[int, str] = {}  # id(param) -> its named group
+        flat = []
+        for item in params:
+            if isinstance(item, dict):
+                for p in item["params"]:
+                    self.group_of[id(p)] = item["name"]
+                    flat.append(p)
+            else:
+                flat.append(item)
+        params = flat
+        self.groups = sorted(set(self.group_of.values()))
         if not params:
             raise ValueError("MasterAdamW: no parameters to optimize")
         if offload not in ("none", "cpu", "disk"):
@@ -121,19 +137,20 @@ class MasterAdamW:
 
     # ---- layout --------------------------------------------------------------------------------------------
     def _make_buckets(self, params, bucket_bytes) -> list[_Bucket]:
-        by_dtype: dict[torch.dtype, list] = {}
+        by_dtype: dict[tuple, list] = {}
         for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            by_dtype.setdefault((self.group_of.get(id(p)), p.dtype), []).append(p)
         cap = max(1, bucket_bytes // 4)
         buckets = []
-        for dtype, group in by_dtype.items():
+        for (name, dtype), group in by_dtype.items():
             cur: list = []
             for p in group + [None]:
                 full = cur and (p is None or sum(q.numel() for q in cur) + p.numel() > cap)
                 if full:
                     offsets = np.cumsum([0] + [q.numel() for q in cur])
                     n = int(offsets[-1])
-                    buckets.append(_Bucket(cur, [int(o) for o in offsets[:-1]], n, -(-n // self.dp_size), dtype))
+                    buckets.append(_Bucket(cur, [int(o) for o in offsets[:-1]], n, -(-n // self.dp_size), dtype,
+                                           name))
                     cur = []
                 if p is not None:
                     cur.append(p)
@@ -244,10 +261,14 @@ class MasterAdamW:
         return out
 
     @torch.no_grad()
-    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
+    def step(self, lr: float | None = None, grad_clip: float = 0.0, group_lrs: dict[str, float] | None = None) -> float:
         """Reduce gradients, clip to ``grad_clip`` (0 disables), update; returns the global grad norm before
-        clipping. The parameters' ``.grad`` are consumed (set to ``None``)."""
+        clipping. Named groups update at ``group_lrs[name]`` (each must be given), the rest at ``lr``. The
+        parameters' ``.grad`` are consumed (set to ``None``)."""
         lr = self.lr if lr is None else lr
+        missing = [g for g in self.groups if g not in (group_lrs or {})]
+        if missing:
+            raise ValueError(f"MasterAdamW.step: no learning rate for the parameter groups {missing}")
         shards = [self._grad_shard(b) for b in self.buckets]
         parts = [g[a:e] for b, g in zip(self.buckets, shards) for a, e in b.counted]
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -275,7 +296,7 @@ class MasterAdamW:
                 else:
                     w = self._read_params(b)
                     m, v = s.view(2, b.shard).unbind(0)
-                self._adamw(w, g, m, v, lr)
+                self._adamw(w, g, m, v, lr if b.group is None else group_lrs[b.group])
                 self._publish(b, w)
                 shards[index[id(b)]] = None
         if self.offload == "cpu" and torch.cuda.is_available():
@@ -316,7 +337,8 @@ class MasterAdamW:
     # ---- state ---------------------------------------------------------------------------------------------
     def _layout(self) -> dict:
         return {"dp_size": self.dp_size, "dp_rank": self.dp_rank,
-                "buckets": [[b.numel, str(b.dtype).removeprefix("torch.")] for b in self.buckets]}
+                "buckets": [[b.numel, str(b.dtype).removeprefix("torch.")] + ([b.group] if b.group else [])
+                            for b in self.buckets]}
 
     def state_dict(self) -> dict:
         """This rank's state: step count, layout and per-bucket fp32 shards (``master``, ``exp_avg``,

@@ -7,6 +7,10 @@ replica, taking buckets in turn) pack whole tensors into byte buckets of ``--pol
 each to the rollout ranks, and every rollout rank copies its own rollout-TP slice of each tensor in place into the
 engine's parameters (no per-tensor allocation; the engine's CUDA graphs keep pointing at the same memory). The
 bucket plan (names, shapes, dtypes, byte offsets) goes to the rollout ranks once, with the first sync.
+
+Frozen parameters (``requires_grad=False``: a multimodal tower or projector left frozen, Ling's MTP layers) never
+change, so the plan leaves them out; the engines hold them from the checkpoint. After a resume the first sync
+streams every tensor once (``publish(full=True)``, the full plan), since the resumed weights may differ there.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ class Entry:
     nbytes: int
 
 
-def hf_specs(model) -> list[tuple[str, tuple, torch.dtype]]:
-    """``(hf_name, full shape, dtype)`` of every Hugging Face tensor in ``iter_hf_tensors`` order (no communication)."""
+def hf_specs(model, *, trainable_only: bool = False) -> list[tuple[str, tuple, torch.dtype]]:
+    """``(hf_name, full shape, dtype)`` of every Hugging Face tensor in ``iter_hf_tensors`` order (no communication);
+    ``trainable_only``: of the parameters that require gradients."""
     params = dict(model.named_parameters())
     specs, seen = [], set()
     for pname, lays in model._tp_layouts.items():
+        if trainable_only and not params[pname].requires_grad:
+            continue
         for rank in range(model.tp_size):
             for pc in pieces(lays, rank, model.tp_size):
                 if pc.hf_name not in seen:
@@ -93,31 +100,36 @@ class PolicyPublisher:
 
     def __init__(self, model, layout, bucket_bytes: int):
         self.model, self.layout = model, layout
-        self.plan = plan_buckets(hf_specs(model), bucket_bytes)
-        self.owner = [layout.publishers[b % len(layout.publishers)] for b in range(len(self.plan))]
-        self.where = {e.name: (b, e) for b, bucket in enumerate(self.plan) for e in bucket}
-        self.nbytes = sum(bucket_size(b) for b in self.plan)
+        self.plans = {}  # full -> (plan, owners, where, bytes): every tensor, or only the trainable ones
+        for full in (False, True):
+            plan = plan_buckets(hf_specs(model, trainable_only=not full), bucket_bytes)
+            owner = [layout.publishers[b % len(layout.publishers)] for b in range(len(plan))]
+            where = {e.name: (b, e) for b, bucket in enumerate(plan) for e in bucket}
+            self.plans[full] = (plan, owner, where, sum(bucket_size(b) for b in plan))
+        self.plan, self.owner, self.where, self.nbytes = self.plans[False]
         self._buffer = None
 
-    def publish(self) -> tuple[int, float]:
-        """Stream the current weights; returns (bytes sent, seconds)."""
+    def publish(self, full: bool = False) -> tuple[int, float]:
+        """Stream the current weights (``full``: the frozen ones too); returns (bytes sent, seconds)."""
         t0 = time.perf_counter()
         rank = dist.get_rank()
-        if rank in self.layout.publishers and self._buffer is None:
+        plan, owner, where, nbytes = self.plans[full]
+        if rank in self.layout.publishers and (self._buffer is None or self._buffer.numel() < max(
+                (bucket_size(b) for b in plan), default=0)):  # fmt: skip
             device = next(self.model.parameters()).device
-            self._buffer = torch.empty(max(bucket_size(b) for b in self.plan), dtype=torch.uint8, device=device)
-        filled = [0] * len(self.plan)
-        for name, tensor in policy_tensors(self.model):
-            b, entry = self.where[name]
-            if self.owner[b] != rank:
+            self._buffer = torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8, device=device)
+        filled = [0] * len(plan)
+        for name, tensor in policy_tensors(self.model):  # every rank walks every tensor (TP gathers inside)
+            b, entry = where.get(name, (None, None))
+            if b is None or owner[b] != rank:
                 continue
             pack(self._buffer, entry, tensor)
             filled[b] += 1
-            if filled[b] == len(self.plan[b]):
-                dist.broadcast(self._buffer[: bucket_size(self.plan[b])], src=rank, group=self.layout.publish[rank])
+            if filled[b] == len(plan[b]):
+                dist.broadcast(self._buffer[: bucket_size(plan[b])], src=rank, group=self.layout.publish[rank])
         if self._buffer is not None and self._buffer.is_cuda:
             torch.cuda.synchronize()
-        return self.nbytes, time.perf_counter() - t0
+        return nbytes, time.perf_counter() - t0
 
 
 class PolicyReceiver:
@@ -138,7 +150,9 @@ class PolicyReceiver:
         if plan is not None:
             self.plan, self.owner = plan, owner
             device = next(self.model.parameters()).device
-            self._buffer = torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8, device=device)
+            size = max(bucket_size(b) for b in plan)
+            if self._buffer is None or self._buffer.numel() < size:
+                self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
         for bucket, src in zip(self.plan, self.owner):
             view = self._buffer[: bucket_size(bucket)]
             dist.broadcast(view, src=src, group=self.layout.publish[src])

@@ -61,7 +61,8 @@ class RemoteRollout:
         self.publisher = PolicyPublisher(loop.model, layout, int(cfg.policy_sync_bucket_mb * 2**20))
         self.synced = loop.trainer.optimizer.num_steps  # the engines hold the checkpoint the trainer started from
         self.version = loop.step_index
-        self._plan_sent = False
+        self._plan_sent = None  # the plan the engines hold: False (trainable tensors), True (every tensor)
+        self._full_next = False  # after a resume the first sync streams the frozen tensors too
         self._pending = None  # async: (prompt count, policy version, dispatch time) of the rollout in flight
         self._ready = None  # completions collected early (a generate() while a rollout was in flight)
         self._prefetched = False  # async: the next step's prompts are already on the engines
@@ -76,8 +77,10 @@ class RemoteRollout:
         return [_broadcast(obj, self.layout.train_group)]
 
     def policy_changed(self) -> None:
-        """The trainer's weights were replaced (a resume): the next rollout syncs whatever the optimizer says."""
+        """The trainer's weights were replaced (a resume): the next rollout syncs whatever the optimizer says, every
+        tensor, frozen ones included."""
         self.synced = None
+        self._full_next = True
 
     def generate(self, prompt_ids, options):
         """Completions for rank 0's ``prompt_ids`` with the current policy, on every train rank (evaluation)."""
@@ -124,13 +127,15 @@ class RemoteRollout:
         now = self.loop.trainer.optimizer.num_steps
         if now == self.synced:
             return {}
+        full = self._full_next
         if self.rank0:
             if self._pending:  # commands are executed in order: the rollout in flight is collected first
                 self._ready = self._collect()
-            plan = None if self._plan_sent else (self.publisher.plan, self.publisher.owner)
+            plan = None if self._plan_sent is full else self.publisher.plans[full][:2]
             self._command({"op": "sync", "plan": plan})
-            self._plan_sent = True
-        nbytes, seconds = self.publisher.publish()
+            self._plan_sent = full
+        nbytes, seconds = self.publisher.publish(full)
+        self._full_next = False
         self.synced, self.version = now, self.loop.step_index
         stats = {"policy_sync_time_s": seconds, "policy_sync_bytes": float(nbytes),
                  "policy_sync_gbps": nbytes / max(seconds, 1e-9) / 1e9}

@@ -4,6 +4,10 @@
 microbatches form one optimizer update. Losses are normalised by the token/row counts of the whole update (summed
 over microbatches and data-parallel ranks), so accumulation gives the same update as one big microbatch.
 The model's parameters are shared with the colocated rollout engine: the optimizer writes them in place.
+Named optimizer groups (an unfrozen multimodal tower or projector) follow their own schedules (``group_schedules``)
+and their rates are reported as ``lr_<group>`` beside ``lr``. Images reach the forward as the packed batch's
+``pixel_values``/``image_grid_thw`` with ``[3, T]`` M-RoPE positions; with the tower and projector frozen, each
+distinct image of a microbatch is encoded once (no gradient) and its embeddings reused by every row that shows it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.distributed as dist
 
 from areno.kernels import linear_logprobs
 from areno.rl.batch import Packed, Row, pack
+from areno.rl.multimodal import media_inputs
 
 
 @dataclass
@@ -44,10 +49,11 @@ def _all_sum(values: list[float], group) -> list[float]:
 
 class PolicyTrainer:
     def __init__(self, model, optimizer, schedule, *, temperature=1.0, grad_clip=1.0, dp_group=None, tp_group=None,
-                 logprob_chunk_size=None, router_bias_update_rate=0.0):
+                 logprob_chunk_size=None, router_bias_update_rate=0.0, group_schedules=None):
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
+        self.group_schedules = dict(group_schedules or {})  # optimizer group name -> LRSchedule
         self.temperature = temperature
         self.grad_clip = grad_clip
         self.dp_group = dp_group
@@ -67,9 +73,11 @@ class PolicyTrainer:
     def forward(self, packed: Packed, *, entropy=False, keep_hidden=False) -> ForwardOut:
         p = packed.to(self.device) if packed.input_ids.device != self.device else packed
         if getattr(self.model, "is_value_model", False):
-            values = self.model.values(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen)
+            values = self.model.values(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
+                                       **media_inputs(self.model.backbone, p))
             return ForwardOut(None, None, values=values)
-        hidden = self.model(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen)
+        hidden = self.model(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
+                            **media_inputs(self.model, p))
         out = linear_logprobs(hidden, self.model.lm_head_weight, p.targets, temperature=self.temperature,
                               return_entropy=entropy, chunk_size=self.chunk_size, tp_group=self.tp_group)
         lp, ent = out if entropy else (out, None)
@@ -105,20 +113,23 @@ class PolicyTrainer:
         units = [rows[i : i + unit] for i in range(0, len(rows), unit)]
         per_update = mini_bs * gradient_accumulation_steps * self.dp_size
         totals: dict[str, float] = {}
-        grad_norms, lrs = [], []
+        grad_norms, lrs, group_lrs = [], [], {}
         for epoch in range(epochs):
             order = list(units)
             if shuffle_seed is not None and epochs > 1:
                 g = torch.Generator().manual_seed(shuffle_seed + epoch)
                 order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
             for start in range(0, len(order), per_update):
-                stats, gn, lr = self._update(order[start : start + per_update], loss_fn, mini_bs, entropy)
+                stats, gn, lr, group_lrs = self._update(order[start : start + per_update], loss_fn, mini_bs,
+                                                        entropy)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 grad_norms.append(gn)
                 lrs.append(lr)
         totals["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
         totals["lr"] = lrs[-1] if lrs else self.schedule.lr(self.num_updates)
+        for name, s in self.group_schedules.items():
+            totals[f"lr_{name}"] = group_lrs[name] if lrs else s.lr(self.num_updates)
         totals["num_updates"] = len(grad_norms)
         return totals
 
@@ -151,10 +162,14 @@ class PolicyTrainer:
             summed = _all_sum([stats[k] for k in keys], self.dp_group)
             stats = dict(zip(keys, summed))
         lr = self.schedule.lr(self.num_updates)
-        grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
+        group_lrs = {name: s.lr(self.num_updates) for name, s in self.group_schedules.items()}
+        if group_lrs:
+            grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
+        else:
+            grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
         if hasattr(self.model, "update_routing_bias"):
             # once per optimizer step, from this step's expert loads (a skipped step moves nothing); counters reset
             rate = self.router_bias_update_rate if math.isfinite(float(grad_norm)) else 0.0
             self.model.update_routing_bias(rate, self.dp_group)
         self.num_updates += 1
-        return stats, float(grad_norm), lr
+        return stats, float(grad_norm), lr, group_lrs
