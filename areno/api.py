@@ -371,12 +371,15 @@ class Trainer:
         return self._require_init().tokenizer
 
     def generate(self, prompts, sampling_params=None):
-        """Roll out: ``prompts`` are strings, chat message lists or token-id lists; returns, per prompt, a list of
+        """Roll out: ``prompts`` are strings, chat message lists (with ``image_url`` parts for a model that takes
+        images), token-id lists or ``areno.models.multimodal.MultimodalPrompt``; returns, per prompt, a list of
         completions (token ids, log-probs, finish reason, and ``text``: the completion decoded without special tokens,
-        or the text before the stop string that ended it) from the colocated engine."""
+        or the text before the stop string that ended it) from the colocated engine. An image the model cannot take
+        or cannot decode is a ``ValueError`` (``MediaError``) naming it."""
         loop = self._require_init()
         sp = sampling_params or SamplingParams()
-        ids = [p if isinstance(p, list) and (not p or isinstance(p[0], int)) else loop.prompt_ids(p) for p in prompts]
+        ids = [p if isinstance(p, list) and (not p or isinstance(p[0], int)) or hasattr(p, "input_ids")
+               else self._media_prompt(p) or loop.prompt_ids(p) for p in prompts]  # fmt: skip
         out = loop.generate(ids, sp.to_options())
         for group in out:
             for c in group:
@@ -385,6 +388,16 @@ class Trainer:
         return out
 
     rollout = generate
+
+    def _media_prompt(self, prompt):
+        """Chat messages with media parts -> a ``MultimodalPrompt`` (the checkpoint's processor); None otherwise."""
+        from areno.models.multimodal import MultimodalProcessor, media_parts
+
+        if not isinstance(prompt, list) or not media_parts(prompt):
+            return None
+        if getattr(self, "_processor", None) is None:
+            self._processor = MultimodalProcessor.from_pretrained(self.model_path)
+        return self._processor.encode(prompt)
 
     def train(self, batch, loss_fn="grpo", mini_bs=1, gradient_accumulation_steps=1, **kwargs) -> dict:
         """Optimizer updates over ``batch`` (rows: `areno.rl.batch.Row` or dicts with prompt_ids, response_ids and

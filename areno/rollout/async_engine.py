@@ -45,6 +45,7 @@ class RequestStream:
         self._events: deque = deque()
         self._waiter: asyncio.Future | None = None
         self.seqs = []
+        self.mm = None  # the request's images (Engine.add_request's mm), set by submit
         self.remaining = options.n
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
@@ -138,8 +139,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="areno-engine", daemon=True)
         self._thread.start()
 
-    async def submit(self, prompt_ids: list[int], options: SamplingOptions) -> RequestStream:
+    async def submit(self, prompt_ids: list[int], options: SamplingOptions, *, mm=None) -> RequestStream:
+        """Queue a request (``mm``: its images, as for :meth:`Engine.add_request`); a refusal ends the stream."""
         stream = RequestStream(self, list(prompt_ids), options)
+        stream.mm = mm
         self._commands.put(("add", stream))
         self._wake.set()
         return stream
@@ -164,7 +167,7 @@ class AsyncEngine:
     def _apply(self, cmd, arg) -> None:
         if cmd == "add":
             try:
-                arg.seqs = self.engine.add_request(arg.prompt_ids, arg.options)
+                arg.seqs = self.engine.add_request(arg.prompt_ids, arg.options, mm=arg.mm)
             except Exception as exc:  # a request the engine refuses fails alone
                 arg.push(exc)
                 return
