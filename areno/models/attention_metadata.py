@@ -9,6 +9,15 @@ The engine builds it per step (static buffers for CUDA-graph decode) and passes 
 - prefill without cached prefix: varlen ``attention`` over the new tokens (``cu_seqlens_q == cu_seqlens_k``);
 - prefill with ``has_prefix`` (some keys already cached, e.g. shared prompt blocks or chunked prefill):
   ``paged_attention`` with ``cu_seqlens_q``, the new tokens being the last ones of each sequence.
+
+Hybrid models (``bailing_hybrid``): a recurrent layer's cache entry is its pair of state pools ``(conv_state [S, D,
+W-1], recurrent_state [S, H, K, V])`` instead of K/V blocks; ``state_indices`` names each sequence's slot (-1 skips:
+graph padding). A prefill chunk starts from its slot's state when the sequence has tokens before it (``seq_lens`` >
+its new tokens), else from zeros, and leaves the state at its end in the slot; a decode step updates it in place.
+
+Routing (sparse-MoE models): ``routing_out`` ``[num_moe_layers, T, k]`` takes each MoE layer's chosen expert ids
+(routing capture, written by the layer; a static buffer under CUDA graphs); ``routing_in`` ``[T, num_moe_layers, k]``
+gives the ids to use instead of choosing (routing replay; a row of -1 chooses as usual).
 """
 
 from __future__ import annotations
@@ -29,3 +38,6 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None  # int32 [B, max_blocks]
     seq_lens: torch.Tensor | None = None  # int32 [B]: cached + new tokens of each sequence
     has_prefix: bool = False
+    state_indices: torch.Tensor | None = None  # int32 [B]: recurrent-state slot of each sequence (hybrid models)
+    routing_out: torch.Tensor | None = None  # int [num_moe_layers, >= T, k]: chosen expert ids are written here
+    routing_in: torch.Tensor | None = None  # int [T, num_moe_layers, k]: expert ids to use (-1 rows: choose)

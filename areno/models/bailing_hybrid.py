@@ -25,8 +25,13 @@ weights); the ``num_mtp_layers`` multi-token-prediction layers stored after the 
 are loaded, kept (frozen, replicated) and saved untouched. The router weight, the expert bias, the conv kernels,
 ``dt_bias`` and ``A_log`` stay fp32 in any model dtype (as transformers keeps them).
 
-The rollout engine cannot run this model yet (no recurrent-state slots for KDA, no latent KV cache for MLA):
-``engine_support`` says so, and ``areno train`` (RL) / ``areno serve`` refuse it with that message.
+In the rollout engine (``kv_caches``, see ``attention_metadata``): a KDA layer's cache entry is its pair of
+per-sequence state pools, ``conv_state [S, 3*H*D, W-1]`` (model dtype: the last W-1 conv inputs) and the delta-rule
+state ``[S, H, D, D]`` (fp32), addressed by ``state_indices``; prefill chunks start from the slot's state and leave
+theirs in it (``causal_conv1d`` / ``chunk_gated_delta_rule`` with initial and final states), decode updates it in place
+(``causal_conv1d_update`` / ``fused_recurrent_gated_delta_rule_step``, graph-capturable). MLA layers keep their K/V
+expanded per head in the paged cache (``kv_head_dim`` = max(d_nope + d_rope, d_v), v zero-padded) and run
+``paged_attention``; a latent cache (r + d_rope per token instead of 2 * H * that width) is not built yet.
 """
 
 from __future__ import annotations
@@ -39,22 +44,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.kernels.attention import attention
-from areno.kernels.delta_rule import chunk_gated_delta_rule
+from areno.kernels.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
 from areno.kernels.moe import fused_moe
 from areno.kernels.moe_routing import route_sigmoid_grouped_topk
+from areno.kernels.paged_attention import paged_attention, store_kvcache
 from areno.kernels.rope import apply_rope
-from areno.kernels.short_conv import causal_conv1d
+from areno.kernels.short_conv import causal_conv1d, causal_conv1d_update
 from areno.models.base import MLP, CausalLM
 from areno.models.layers import Linear, RMSNorm
 from areno.models.model_config import ModelConfig, get
-from areno.models.qwen3_moe import Experts
+from areno.models.qwen3_moe import Experts, replay_routes
 from areno.models.registry import register
 from areno.models.tp import copy_to_tp, layout, reduce_from_tp
 
 ARCHITECTURES = ("BailingMoeV3ForCausalLM", "BailingHybridForCausalLM")
-ENGINE_SUPPORT = ("the rollout engine has no recurrent-state slots (KDA delta-rule and short-conv state) and no "
-                  "latent KV cache (MLA) yet, so bailing_hybrid (Ling 3) cannot generate: use it for SFT/DPO or "
-                  "logits only")
 
 
 @dataclass
@@ -162,9 +165,12 @@ def _one(name: str, size: int, *shape) -> list:
     return [layout((size, *shape), 0, [(name, size)])]
 
 
-def _no_cache(kv_cache) -> None:
-    if kv_cache is not None:
-        raise NotImplementedError(f"bailing_hybrid: {ENGINE_SUPPORT}")
+def _carried(pool, meta):
+    """The state each prefill sequence starts from: its slot's, when tokens precede its chunk, else zeros."""
+    idx = meta.state_indices.long()
+    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
+    carry = (meta.seq_lens > q_lens).view(-1, *[1] * (pool.dim() - 1))
+    return idx, torch.where(carry, pool.index_select(0, idx), torch.zeros((), dtype=pool.dtype, device=pool.device))
 
 
 # ---- KDA -----------------------------------------------------------------------------------------------------------
@@ -223,16 +229,33 @@ class KimiDeltaAttention(nn.Module):
         return -rate * F.softplus(gate_in)
 
     def forward(self, x, positions, rope, meta, kv_cache=None):
-        _no_cache(kv_cache)
         t, hh, d = x.shape[0], self.num_heads, self.head_dim
-        qkv, _ = causal_conv1d(self.qkv_proj(x), self.conv.weight.squeeze(1), activation="silu",
-                               cu_seqlens=meta.cu_seqlens_q)
+        mixed, w, cu = self.qkv_proj(x), self.conv.weight.squeeze(1), meta.cu_seqlens_q
+        decode = kv_cache is not None and not meta.is_prefill
+        if kv_cache is None:
+            qkv, _ = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu)
+        elif decode:
+            qkv = causal_conv1d_update(mixed, kv_cache[0], w, activation="silu", state_indices=meta.state_indices)
+        else:
+            idx, s0 = _carried(kv_cache[0], meta)
+            qkv, final = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu, initial_state=s0,
+                                       output_final_state=True)
+            kv_cache[0].index_copy_(0, idx, final)
         q, k, v = qkv.to(x.dtype).view(t, 3, hh, d).unbind(1)
         q, k = _l2norm(q).to(x.dtype), _l2norm(k).to(x.dtype)  # normalised in fp32, as the reference does
-        g = self.log_decay(x).to(x.dtype)
-        beta = torch.sigmoid(self.b_proj(x))
+        g = self.log_decay(x).to(x.dtype).float()
+        beta = torch.sigmoid(self.b_proj(x)).float()
         # q/k/v in the model dtype (bf16 tensor-core matmuls on a GPU), gates fp32; the state is fp32 inside
-        o, _ = chunk_gated_delta_rule(q, k, v, g.float(), beta.float(), scale=d**-0.5, cu_seqlens=meta.cu_seqlens_q)
+        if kv_cache is None:
+            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu)
+        elif decode:
+            o = fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, kv_cache[1], scale=d**-0.5,
+                                                      state_indices=meta.state_indices)
+        else:
+            idx, s0 = _carried(kv_cache[1], meta)
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu, initial_state=s0,
+                                              output_final_state=True)
+            kv_cache[1].index_copy_(0, idx, final)
         gate = self.g_proj(x).view(t, hh, d)
         return self.o_proj(_gated_rms_norm(o.to(x.dtype), gate, self.o_norm).reshape(t, hh * d))
 
@@ -298,7 +321,6 @@ class LatentAttention(nn.Module):
         self.num_heads //= size
 
     def forward(self, x, positions, rope, meta, kv_cache=None):
-        _no_cache(kv_cache)
         t, hh, nope, r = x.shape[0], self.num_heads, self.nope, self.rope_dim
         q = self.q_proj(x) if self.q_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, hh, nope + r)
@@ -311,10 +333,17 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rot.expand(t, hh, r)], dim=-1)
         width = max(nope + r, self.v_dim)
         q, k, v = (F.pad(z, (0, width - z.shape[-1])) if z.shape[-1] < width else z for z in (q, k, v))
-        o = attention(
-            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            causal=True, softmax_scale=self.scale, backend=self.backend,
-        )[..., : self.v_dim]  # fmt: skip
+        if kv_cache is not None:  # K/V expanded per head in the paged cache (see the module docstring)
+            store_kvcache(k, v, *kv_cache, meta.slot_mapping)
+        if kv_cache is not None and (not meta.is_prefill or meta.has_prefix):
+            multi = dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q) if meta.is_prefill else {}
+            o = paged_attention(q, *kv_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale, **multi)
+        else:
+            o = attention(
+                q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                causal=True, softmax_scale=self.scale, backend=self.backend,
+            )  # fmt: skip
+        o = o[..., : self.v_dim]
         gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)
         return self.o_proj((o * gate.unsqueeze(-1)).reshape(t, hh * self.v_dim))
 
@@ -375,13 +404,15 @@ class SigmoidMoE(nn.Module):
     def init_buffers(self, device) -> None:
         self.expert_load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
 
-    def route(self, x):
+    def route(self, x, given=None):
         logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids, counts = route_sigmoid_grouped_topk(
             logits, self.top_k, bias=self.gate.expert_bias, n_group=self.n_group, topk_group=self.topk_group,
             routed_scaling_factor=self.scaling, renormalize=self.renormalize,
         )  # fmt: skip
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if given is not None:  # routing replay: the given experts, weighted by the current router
+            ids, counts = replay_routes(ids, given, self.num_experts)
+        if given is not None or (torch.is_grad_enabled() and logits.requires_grad):
             # the kernel's weights carry no autograd graph: recompute them from the chosen ids (T x k, cheap)
             weights = torch.sigmoid(logits).gather(1, ids.long())
             if self.renormalize:
@@ -420,8 +451,6 @@ class SigmoidMoE(nn.Module):
 
 
 class BailingHybridForCausalLM(CausalLM):
-    engine_support = ENGINE_SUPPORT  # a reason string: the rollout engine cannot run this model yet
-
     def __init__(self, cfg: BailingHybridConfig, *, attn_backend: str = "flash"):
         def attn(cfg, i):
             full = cfg.layer_types[i] == "full_attention"
@@ -432,13 +461,29 @@ class BailingHybridForCausalLM(CausalLM):
         self.mtp = nn.Module()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
         self.mtp_names: list[str] = []
 
-    # ---- the engine's sizes: not available (see the module docstring) ---------------------------------------
+    # ---- the engine's sizes (see the module docstring) ---------------------------------------------------------
+    @property
+    def kv_cache_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.config.layer_types) if t == "full_attention"]
+
     @property
     def num_kv_heads_local(self) -> int:
-        raise NotImplementedError(f"bailing_hybrid: {ENGINE_SUPPORT}")
+        return self.layers[self.kv_cache_layers[0]].self_attn.num_heads if self.kv_cache_layers else 1
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple:
-        raise NotImplementedError(f"bailing_hybrid: {ENGINE_SUPPORT}")
+    @property
+    def kv_head_dim(self) -> int:
+        cfg = self.config
+        return max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+
+    def recurrent_state_shapes(self) -> dict | None:
+        """Per KDA layer and sequence: ``{"layers": [i, ...], "conv": (3*H*D, W-1), "recurrent": (H, D, D)}``
+        (local heads under TP); the conv state in the model dtype, the recurrent state fp32."""
+        kda = [i for i, t in enumerate(self.config.layer_types) if t == "linear_attention"]
+        if not kda:
+            return None
+        attn = self.layers[kda[0]].self_attn
+        hh, d = attn.num_heads, attn.head_dim
+        return {"layers": kda, "conv": (3 * hh * d, self.config.conv_kernel - 1), "recurrent": (hh, d, d)}
 
     # ---- MoE load counters and the selection bias ---------------------------------------------------------------
     def moe_layers(self) -> list[SigmoidMoE]:

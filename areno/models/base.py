@@ -117,7 +117,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias)
         self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def route(self, x):
+    def route(self, x, given=None):
         return ()
 
     def compute(self, x):
@@ -163,15 +163,26 @@ class DecoderLayer(nn.Module):
         h, residual = self.attn_block(h, residual, positions, rope, meta)
         return self.mlp.compute(h), residual
 
+    def route(self, h, meta: AttentionMetadata):
+        """A MoE layer's (weights, ids): replayed from ``meta.routing_in`` when given (weights from the current
+        router), recorded into ``meta.routing_out`` when asked (see attention_metadata)."""
+        if not self.mlp.has_router:
+            return ()
+        j = self.mlp.moe_index
+        weights, ids = self.mlp.route(h, None if meta.routing_in is None else meta.routing_in[:, j])
+        if meta.routing_out is not None:
+            meta.routing_out[j, : ids.shape[0]].copy_(ids)
+        return weights, ids
+
     def forward(self, h, residual, positions, rope, meta, kv_cache=None):
         recompute = self.checkpointing and kv_cache is None and torch.is_grad_enabled()
         if not recompute:
             h, residual = self.attn_block(h, residual, positions, rope, meta, kv_cache)
-            return self.mlp.compute(h, *self.mlp.route(h)), residual
+            return self.mlp.compute(h, *self.route(h, meta)), residual
         if not self.mlp.has_router:
             return checkpoint(self._dense, h, residual, positions, rope, meta, use_reentrant=False)
         h, residual = checkpoint(self.attn_block, h, residual, positions, rope, meta, use_reentrant=False)
-        route = self.mlp.route(h)
+        route = self.route(h, meta)
         return checkpoint(self.mlp.compute, h, *route, use_reentrant=False), residual
 
 
@@ -191,6 +202,11 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        routed = [layer.mlp for layer in self.layers if layer.mlp.has_router]
+        for j, mlp in enumerate(routed):  # the row of each MoE layer in routing capture/replay tensors
+            mlp.moe_index = j
+        self.num_moe_layers = len(routed)
+        self.moe_top_k = routed[0].top_k if routed else 0
         self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
         self.rope = None  # (cos, sin) fp32 tables, built by init_buffers on the model's device
 
@@ -207,9 +223,23 @@ class CausalLM(nn.Module):
     def num_kv_heads_local(self) -> int:
         return self.layers[0].self_attn.num_kv_heads
 
+    @property
+    def kv_head_dim(self) -> int:
+        """Head dim of the paged K/V cache."""
+        return self.head_dim
+
+    @property
+    def kv_cache_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged cache (all of them here; attention layers of a hybrid)."""
+        return list(range(self.num_layers))
+
+    def recurrent_state_shapes(self) -> dict | None:
+        """Per-sequence state of recurrent layers for the engine (None: the model has none); see bailing_hybrid."""
+        return None
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple:
         """Shape of one layer's ``k_cache`` (and ``v_cache``) on this rank."""
-        return (num_blocks, block_size, self.num_kv_heads_local, self.head_dim)
+        return (num_blocks, block_size, self.num_kv_heads_local, self.kv_head_dim)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -232,8 +262,12 @@ class CausalLM(nn.Module):
             layer.checkpointing = enabled
 
     # ---- forward paths -------------------------------------------------------------------------------------
-    def forward(self, input_ids, positions, cu_seqlens=None, max_seqlen=None, *, kv_caches=None, attn_metadata=None):
-        """Final hidden states ``[T, H]`` of a packed batch (or of the engine's step with ``kv_caches``)."""
+    def forward(self, input_ids, positions, cu_seqlens=None, max_seqlen=None, *, kv_caches=None, attn_metadata=None,
+                routed_experts=None):
+        """Final hidden states ``[T, H]`` of a packed batch (or of the engine's step with ``kv_caches``).
+
+        ``routed_experts`` int ``[T, num_moe_layers, k]`` (routing replay): the experts each token uses in each MoE
+        layer (rows of -1 route as usual); the weights still come from the current router."""
         meta = attn_metadata
         if meta is None:
             if cu_seqlens is None:
@@ -242,6 +276,11 @@ class CausalLM(nn.Module):
             elif max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             meta = AttentionMetadata(None, True, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        if routed_experts is not None:
+            if tuple(routed_experts.shape) != (input_ids.shape[0], self.num_moe_layers, self.moe_top_k):
+                raise ValueError(f"routed_experts must be [T, num_moe_layers={self.num_moe_layers}, k="
+                                 f"{self.moe_top_k}], got {tuple(routed_experts.shape)}")
+            meta.routing_in = routed_experts
         h, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, self.rope, meta, None if kv_caches is None else kv_caches[i])

@@ -5,6 +5,9 @@ Hugging Face stores one ``gate_proj/up_proj/down_proj`` per expert; areno stacks
 Each MoE layer counts the tokens routed to each expert in ``expert_load`` (int64 ``[E]``, not saved) on every
 forward that trains (``model.training`` and grad enabled); routing runs outside activation recomputation, so a
 step counts each token exactly once. ``model.expert_load()`` stacks them ``[num_moe_layers, E]``.
+
+Routing replay: ``route(x, given)`` uses the expert ids ``given [T, k]`` (the rollout's choice; a row of -1 chooses
+as usual) and computes their weights from the current router logits, so training runs the experts the rollout ran.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 from torch import nn
 
 from areno.kernels.moe import fused_moe
-from areno.kernels.moe_routing import route_softmax_topk
+from areno.kernels.moe_routing import expert_counts, route_softmax_topk
 from areno.models.base import MLP, CausalLM
 from areno.models.layers import Linear
 from areno.models.model_config import ModelConfig, dense_config, get
@@ -35,6 +38,13 @@ def qwen3_moe_config(hf) -> ModelConfig:
         decoder_sparse_step=get(hf, "decoder_sparse_step", 1),
         mlp_only_layers=list(get(hf, "mlp_only_layers", [])),
     )
+
+
+def replay_routes(ids, given, num_experts: int):
+    """``ids [T, k]`` with the rows of ``given`` that hold ids (>= 0) put in their place, and the per-expert counts
+    of the result (int32 ``[E]``, sync-free)."""
+    ids = torch.where(given[:, :1] >= 0, given.to(ids.dtype), ids)
+    return ids, expert_counts(ids, num_experts)
 
 
 class Experts(nn.Module):
@@ -62,10 +72,12 @@ class SparseMoE(nn.Module):
     def init_buffers(self, device) -> None:
         self.expert_load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
 
-    def route(self, x):
+    def route(self, x, given=None):
         logits = self.gate(x)
         weights, ids, counts = route_softmax_topk(logits, self.top_k, renormalize=self.renormalize)
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if given is not None:
+            ids, counts = replay_routes(ids, given, self.num_experts)
+        if given is not None or (torch.is_grad_enabled() and logits.requires_grad):
             # the routing kernel's weights carry no autograd graph: recompute them from the chosen ids (T x E, cheap)
             weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, ids.long())
             if self.renormalize:

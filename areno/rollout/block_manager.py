@@ -7,6 +7,10 @@ The cache holds ``num_blocks`` blocks of ``block_size`` token slots. A block is 
   content hashes of the images whose tokens it holds), so a later request with the same prefix reuses it. Freed
   blocks keep their hash and sit in an LRU free list until a new allocation evicts them.
 No device memory is touched here; copies are queued in ``pending_copies`` for the model runner.
+
+Hybrid models (``state_slots`` > 0): each sequence also holds a recurrent-state slot (``seq.state_slot``) from
+allocation to free; a fork gives the child its own slot and queues the copy of the parent's state in
+``pending_state_copies`` (see ``state_cache.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def _with_images(seq: Sequence, tokens: list[int], start: int) -> list:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True, state_slots: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one slot")
         self.num_blocks = num_blocks
@@ -39,6 +43,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[int, int] = {}  # chained hash -> block id
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the runner
+        self.num_state_slots = state_slots
+        self.free_state_slots = list(range(state_slots))[::-1]
+        self.pending_state_copies: list[tuple[int, int]] = []  # (src, dst) recurrent-state slot copies
         # prefix-cache counters for /metrics and tests (hit rate = hits / queries): prompt tokens looked up at
         # allocation (a recomputed preempted sequence counts again), and those served from the cache
         self.prefix_queries = 0
@@ -77,6 +84,7 @@ class BlockManager:
         At least the last token is always left to compute, since its logits give the next token.
         """
         assert not seq.block_table, "sequence already holds blocks"
+        self._take_state_slot(seq)
         bs, tokens, mm = self.block_size, seq.tokens, seq.mm
         prev, hit = 0, True
         n_blocks = self.blocks_for(len(tokens))
@@ -117,6 +125,17 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = seq.num_cached = 0
         self._hashed.pop(seq.seq_id, None)
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
+
+    def _take_state_slot(self, seq: Sequence) -> None:
+        if not self.num_state_slots:
+            return
+        assert seq.state_slot < 0, "sequence already holds a state slot"
+        if not self.free_state_slots:  # the scheduler admits at most max_running (= slots) sequences
+            raise RuntimeError("no recurrent-state slot free: more running sequences than state slots")
+        seq.state_slot = self.free_state_slots.pop()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (same prompt, computed KV)."""
@@ -125,6 +144,9 @@ class BlockManager:
             self.ref_count[block] += 1
         child.block_table = list(parent.block_table)
         child.num_computed = parent.num_computed
+        if parent.state_slot >= 0:
+            self._take_state_slot(child)
+            self.pending_state_copies.append((parent.state_slot, child.state_slot))
         self._hashed[child.seq_id] = self._hashed.get(parent.seq_id, (0, 0))
 
     def can_append(self, seqs) -> bool:

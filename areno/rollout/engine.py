@@ -3,6 +3,13 @@
 One engine serves RL rollout (the synchronous :meth:`Engine.generate`), ``areno serve`` and agentic rollout (the
 asyncio front end in ``async_engine.py``, which drives :meth:`Engine.step` from one thread). Model, KV cache and
 CUDA graphs persist across calls until :meth:`Engine.drop_rollout_state`.
+
+Hybrid models (recurrent layers, e.g. ``bailing_hybrid``) get a recurrent-state slot per running sequence
+(``state_cache.py``); their prefix caching across requests is off (a cached prefix would need the state at its
+end), while the n samples of a prompt still share its prefill (state copied at the fork). ``record_routing``
+(sparse-MoE models, routing replay): each completion carries the expert ids every MoE layer chose for each of its
+tokens (``Completion.routed_experts``); prefix caching across requests is then off too, so every prompt token's
+routing comes from this request.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,6 +46,7 @@ class EngineConfig:
     decode_progress_interval_s: float | None = None
     seed: int = 0
     decode_steps: int = 1  # generate(): decode steps per scheduling round when only decodes run (multi-step)
+    record_routing: bool = False  # sparse-MoE models: completions carry their tokens' expert ids (routing replay)
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_batched_tokens", "decode_steps"):
@@ -58,6 +67,9 @@ class Completion:
     text: str | None = None
     stop_text: str | None = None
     timings: dict = field(default_factory=dict)
+    # record_routing: int16 [prompt + output tokens, num_moe_layers, k] expert ids per token (-1: not computed, the
+    # last output token), else None
+    routed_experts: np.ndarray | None = None
 
 
 class Engine:
@@ -87,7 +99,13 @@ class Engine:
             self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
             max_running=cfg.max_running, max_model_len=self.max_model_len,
         )
-        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
+        hybrid = hasattr(self.model, "recurrent_state_shapes") and self.model.recurrent_state_shapes() is not None
+        record = cfg.record_routing and getattr(self.model, "num_moe_layers", 0) > 0
+        if cfg.prefix_caching and (hybrid or record):
+            log.info("prefix caching across requests is off: %s", "the model has recurrent state" if hybrid else
+                     "routing is recorded for replay")
+        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching and not (
+            hybrid or record), state_slots=cfg.max_running if hybrid else 0)
         self.scheduler = Scheduler(
             self.blocks, max_running=cfg.max_running, max_batched_tokens=cfg.max_batched_tokens,
             max_model_len=self.max_model_len,
@@ -95,6 +113,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len,
             max_running=cfg.max_running, eager=cfg.eager_decode, device=device, eos_token_ids=self.stopper.eos,
+            record_routing=record,
         )
 
     # ---- session state -------------------------------------------------------------------------------------
@@ -205,8 +224,9 @@ class Engine:
         self._hold_waiting = False
         if not step.chunks:
             return []
-        copies = list(self.blocks.pending_copies)
+        copies, state_copies = list(self.blocks.pending_copies), list(self.blocks.pending_state_copies)
         self.blocks.pending_copies.clear()
+        self.blocks.pending_state_copies.clear()
         rows, row_index, offset = [], [], 0
         for chunk in step.chunks:
             offset += chunk.end - chunk.start
@@ -215,10 +235,12 @@ class Engine:
                     rows.append(seq)
                     row_index.append(offset - 1)
         if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps, hold):
-            return self._multi_step(step, rows, decode_steps, copies)
+            return self._multi_step(step, rows, decode_steps, copies, state_copies)
         self._hold_waiting = waited and not hold  # a held step is followed by an admitting one
         mask = token_mask([s.grammar for s in rows]) if self.grammars is not None else None
-        tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask)
+        tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask,
+                                                state_copies=state_copies)
+        self._keep_routing(step)
         self.scheduler.after_step(step)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         for i, seq in enumerate(rows):
@@ -247,8 +269,9 @@ class Engine:
             return False
         return all(self.blocks.reserve_tokens(s, len(s) + k - 1) for s in rows)
 
-    def _multi_step(self, step: Step, rows: list[Sequence], k: int, copies) -> list[Sequence]:
-        tokens, logprobs = self.runner.run_decode_steps(step, rows, k, copies)
+    def _multi_step(self, step: Step, rows: list[Sequence], k: int, copies, state_copies=()) -> list[Sequence]:
+        tokens, logprobs = self.runner.run_decode_steps(step, rows, k, copies, state_copies)
+        self._keep_routing(step)
         tokens, logprobs = tokens.t().tolist(), logprobs.t().tolist()  # [rows][k]
         appended = 0
         for seq, toks, lps in zip(rows, tokens, logprobs):
@@ -261,6 +284,26 @@ class Engine:
                 self.scheduler.finish(seq)
         self._progress(step, appended)
         return rows
+
+    def _keep_routing(self, step: Step) -> None:
+        """Routing capture: each chunk's sequence keeps the expert ids of the tokens the step computed for it;
+        samples not yet forked from a head that finished its prompt take the prompt's."""
+        r = self.runner.last_routing
+        if r is None:
+            return
+        if r.dim() == 3:  # [layers, T, k] over the step's tokens, chunk after chunk
+            r, off = r.permute(1, 0, 2).to(torch.int16).numpy(), 0
+            for c in step.chunks:
+                c.seq.routing.append((c.start, r[off : off + c.end - c.start]))
+                off += c.end - c.start
+        else:  # decode: [steps, layers, rows, k], row i = chunk i, positions start, start + 1, ...
+            r = r.permute(2, 0, 1, 3).to(torch.int16).numpy()
+            for i, c in enumerate(step.chunks):
+                c.seq.routing.append((c.start, r[i]))
+        for c in step.chunks:
+            if c.samples:
+                for child in getattr(c.seq, "children", []):
+                    child.routing = list(c.seq.routing)
 
     def _progress(self, step: Step, n_tokens: int):
         interval = self.config.decode_progress_interval_s
@@ -316,8 +359,19 @@ class Engine:
         return Completion(
             request_id=seq.request_id, index=seq.sample_index, prompt_ids=seq.tokens[: seq.prompt_len],
             token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",
-            text=text, stop_text=seq.stop_text, timings=seq.timings(),
+            text=text, stop_text=seq.stop_text, timings=seq.timings(), routed_experts=_routed_experts(seq),
         )
+
+
+def _routed_experts(seq: Sequence) -> np.ndarray | None:
+    """The recorded routing of every token of ``seq`` (later pieces win: a preempted sequence is recomputed)."""
+    if not seq.routing:
+        return None
+    out = np.full((len(seq.tokens), *seq.routing[0][1].shape[1:]), -1, dtype=np.int16)
+    for start, r in seq.routing:
+        end = min(start + len(r), len(out))
+        out[start:end] = r[: end - start]
+    return out
 
 
 def _grammar_reason(seq: Sequence, token: int, reason: str | None) -> str | None:

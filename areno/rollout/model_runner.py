@@ -18,7 +18,14 @@ broadcasts that record, and every rank of the TP group executes it in lockstep (
 
 KV cache layout: one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer i gets the views
 ``cache[i, 0]`` and ``cache[i, 1]``. Its size comes from a memory budget (a fraction of free GPU memory, or bytes)
-capped by what ``max_running`` sequences of ``max_model_len`` tokens can use.
+capped by what ``max_running`` sequences of ``max_model_len`` tokens can use. Hybrid models: only the attention
+layers (``model.kv_cache_layers``) have K/V blocks; the recurrent layers get ``max_running`` state slots
+(``state_cache.py``, addressed by ``StepInputs.state_slots``; graph padding rows use slot -1), taken from the budget.
+
+Routing capture (``record_routing``, sparse-MoE models, for routing replay in training): every step also returns the
+expert ids each MoE layer chose for each token it computed, ``last_routing`` (CPU int32 ``[num_moe_layers, T, k]``,
+or ``[steps, num_moe_layers, rows, k]`` for (multi-step) decode), written by the layers into a buffer that is static
+under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from areno.rollout.grammar import apply_token_mask
 from areno.rollout.images import ImageEmbeddings, ImageStep
 from areno.rollout.scheduler import Step
 from areno.rollout.sequence import Status
+from areno.rollout.state_cache import RecurrentStates
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 SPARSE_MIN_WIDTH = 16  # the graphs' per-row logit-bias/ban list: a power of two, at least this wide
@@ -46,7 +54,14 @@ SPARSE_MIN_WIDTH = 16  # the graphs' per-row logit-bias/ban list: a power of two
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads_local * model.head_dim * elem
+    layers = len(getattr(model, "kv_cache_layers", range(model.num_layers)))
+    return layers * 2 * block_size * model.num_kv_heads_local * getattr(model, "kv_head_dim", model.head_dim) * elem
+
+
+def state_bytes(model, max_running: int, dtype: torch.dtype) -> int:
+    """Device bytes of a hybrid model's recurrent-state slots (0 for attention-only models)."""
+    shapes = model.recurrent_state_shapes() if hasattr(model, "recurrent_state_shapes") else None
+    return max_running * RecurrentStates.bytes_per_slot(shapes, dtype) if shapes else 0
 
 
 def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_running, max_model_len) -> int:
@@ -63,6 +78,7 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
             budget = int(kv_cache_memory * 2**30)
     else:
         budget = int(kv_cache_memory)
+    budget -= state_bytes(model, max_running, dtype)  # the recurrent-state slots come out of the same budget
     blocks = max(1, min(cap, budget // per_block))
     if dist.is_initialized() and getattr(model, "tp_group", None) is not None:  # every TP rank the same size
         t = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
@@ -116,22 +132,35 @@ class StepInputs:
     rope_positions: list | None = None
     rope_offsets: list[int] | None = None
     images: ImageStep | None = None
+    # hybrid models: each sequence's (chunk's) recurrent-state slot, and the (src, dst) slot copies of forks
+    state_slots: list[int] | None = None
+    state_copies: list[tuple[int, int]] | None = None
 
 
 class ModelRunner:
     def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None,
-                 eos_token_ids=()):
+                 eos_token_ids=(), record_routing=False):
         self.model = model
         self.device = device or next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        kv_layers = getattr(model, "kv_cache_layers", range(model.num_layers))
         self.kv_cache = torch.zeros(
-            model.num_layers, 2, num_blocks, block_size, model.num_kv_heads_local, model.head_dim,
-            dtype=self.dtype, device=self.device,
+            len(kv_layers), 2, num_blocks, block_size, model.num_kv_heads_local,
+            getattr(model, "kv_head_dim", model.head_dim), dtype=self.dtype, device=self.device,
         )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model.num_layers)]
+        self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache), or a recurrent layer's pools
+        for j, i in enumerate(kv_layers):
+            self.kv_caches[i] = (self.kv_cache[j, 0], self.kv_cache[j, 1])
+        shapes = model.recurrent_state_shapes() if hasattr(model, "recurrent_state_shapes") else None
+        self.states = RecurrentStates(shapes, max_running, dtype=self.dtype, device=self.device) if shapes else None
+        if self.states is not None:
+            for i, pools in self.states.caches().items():
+                self.kv_caches[i] = pools
+        self.record_routing = bool(record_routing and getattr(model, "num_moe_layers", 0))
+        self.last_routing = None
         self.use_graphs = (not eager) and self.device.type == "cuda"
         self.graph_buckets = [b for b in GRAPH_BUCKETS if b <= max(1, max_running)]
         if self.graph_buckets[-1] < max_running:
@@ -160,6 +189,7 @@ class ModelRunner:
             self.images.clear()
         self.kv_cache = None
         self.kv_caches = []
+        self.states = None
 
     # ---- step -> inputs ------------------------------------------------------------------------------------
     def prepare(self, step: Step, rows: list, row_index: list[int], copies) -> StepInputs:
@@ -179,7 +209,7 @@ class ModelRunner:
                 temperature=[s.options.temperature for s in rows], top_k=[s.options.top_k for s in rows],
                 top_p=[s.options.top_p for s in rows], seeds=[s.seed for s in rows], offsets=[p + 1 for p in pos],
                 top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
-                rope_offsets=offsets,
+                rope_offsets=offsets, state_slots=[s.state_slot for s in seqs] if self.states is not None else None,
             )
         ids, pos, slots, cu_q, seq_lens, tables = [], [], [], [0], [], []
         for c in step.chunks:
@@ -196,6 +226,7 @@ class ModelRunner:
             temperature=[s.options.temperature for s in rows], top_k=[s.options.top_k for s in rows],
             top_p=[s.options.top_p for s in rows], seeds=[s.seed for s in rows], offsets=[len(s) for s in rows],
             top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
+            state_slots=[c.seq.state_slot for c in step.chunks] if self.states is not None else None,
         )
         if self.images is not None and (self.images.readers or any(c.seq.mm is not None for c in step.chunks)):
             self._prepare_images(inp, step.chunks)
@@ -211,29 +242,34 @@ class ModelRunner:
                                else c.seq.mm.rope_positions(c.start, c.end) for c in chunks], axis=1)  # fmt: skip
         inp.rope_positions = rope.tolist() if inp.images is not None and inp.images.rows else rope[0].tolist()
 
-    def run(self, step: Step, rows: list, row_index: list[int], copies=(), decode_steps: int = 1, token_mask=None):
+    def run(self, step: Step, rows: list, row_index: list[int], copies=(), decode_steps: int = 1, token_mask=None,
+            state_copies=()):
         """Forward the step and sample one token for each of ``rows`` from hidden row ``row_index``.
 
         Returns CPU tensors (tokens int64, logprobs fp32) and, when a row asks for them, (ids, log-probs) of the
         top candidates, else None. Under TP the step goes to the other ranks first. ``decode_steps`` k > 1: see
         :meth:`run_decode_steps`. ``token_mask`` (grammar rows): their disallowed logits become -inf before sampling.
+        ``state_copies``: recurrent-state slot copies (forks) to make before the step.
         """
         inp = self.prepare(step, rows, row_index, copies)
+        inp.state_copies = list(state_copies) or None
         inp.adjust = self._adjust(rows)
         inp.decode_steps, inp.token_mask = decode_steps, token_mask
         if self.tp_group is not None:
             broadcast_step(inp, self.tp_group)
         return self.execute(inp)
 
-    def run_decode_steps(self, step: Step, rows: list, k: int, copies=()):
+    def run_decode_steps(self, step: Step, rows: list, k: int, copies=(), state_copies=()):
         """``k`` decode steps of every row of a pure-decode ``step`` (the blocks of all k positions reserved);
         returns CPU tensors tokens int64 ``[k, rows]`` and logprobs fp32 ``[k, rows]``."""
-        return self.run(step, rows, list(range(len(rows))), copies, decode_steps=k)
+        return self.run(step, rows, list(range(len(rows))), copies, decode_steps=k, state_copies=state_copies)
 
     # ---- execution (every TP rank) -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inp: StepInputs):
         self._copy_blocks(inp.copies)
+        if inp.state_copies:
+            self.states.copy(inp.state_copies)
         if inp.adjust is not None:
             self._fill_slots(inp.adjust)
         n = len(inp.seq_lens)
@@ -245,12 +281,16 @@ class ModelRunner:
         if inp.decode_steps > 1:
             return self._run_decode_steps_eager(inp)
         ids, pos, meta = self._tensors(inp)
+        if self.record_routing:
+            meta.routing_out = torch.empty(self.model.num_moe_layers, len(inp.ids), self.model.moe_top_k,
+                                           dtype=torch.int32, device=self.device)
         if inp.images is None:
             hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
         else:  # the tower runs here for new images; each chunk takes its rows of the embeddings
             hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta,
                                 **self.images.inputs(inp.images, self.device))
             self.images.release(inp.images)
+        self.last_routing = meta.routing_out.cpu() if self.record_routing else None
         if not inp.row_index:  # a prefill chunk that does not reach the end of its prompt: K/V only
             return torch.empty(0, dtype=torch.int64), torch.empty(0), None
         idx = torch.tensor(inp.row_index, dtype=torch.int64, device=self.device)
@@ -385,6 +425,7 @@ class ModelRunner:
             slot_mapping=t(inp.slots, torch.int64), is_prefill=not inp.is_decode, cu_seqlens_q=t(inp.cu_q),
             cu_seqlens_k=t(cu_k), max_seqlen_q=max(q_lens), max_seqlen_k=max(inp.seq_lens), block_table=t(tables),
             seq_lens=t(inp.seq_lens), has_prefix=has_prefix,
+            state_indices=None if inp.state_slots is None else t(inp.state_slots),
         )
         if inp.rope_positions is not None:
             pos = inp.rope_positions
@@ -412,6 +453,9 @@ class ModelRunner:
         ``buf["rope_off"]`` (prompts with images): the model's position is the cache position plus the row's offset."""
         ids, pos, slots, lens, offsets = buf["ids"], buf["pos"], buf["slots"], buf["lens"], buf["offsets"]
         table, bs = buf["table"], self.block_size
+        if self.record_routing and "routing" not in buf:  # made on the first (warm-up) call: static in the graph
+            buf["routing"] = torch.empty(k, self.model.num_moe_layers, ids.shape[0], self.model.moe_top_k,
+                                         dtype=torch.int32, device=ids.device)
         live = (slots >= 0).long()
         adjust, min_left = "sp_ids" in buf, buf.get("min_left")
         tokens, logprobs = [], []
@@ -424,6 +468,7 @@ class ModelRunner:
             meta = AttentionMetadata(
                 slot_mapping=slots, is_prefill=False, cu_seqlens_q=buf["cu"], cu_seqlens_k=None, max_seqlen_q=1,
                 max_seqlen_k=table.shape[1] * bs, block_table=table, seq_lens=lens, has_prefix=False,
+                state_indices=buf.get("state_idx"), routing_out=buf["routing"][i] if "routing" in buf else None,
             )
             rope = pos + buf["rope_off"] if "rope_off" in buf else pos
             hidden = self.model(ids, rope, kv_caches=self.kv_caches, attn_metadata=meta)
@@ -457,6 +502,8 @@ class ModelRunner:
         }
         if rope_off:
             buf["rope_off"] = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        if self.states is not None:
+            buf["state_idx"] = torch.full((bsz,), -1, dtype=torch.int32, device=dev)
         if width:  # logit adjustments: neutral values until a step copies its own in
             self._token_state()
             buf.update({name: val.to(dev) for name, val in self._adjust_host(
@@ -490,6 +537,7 @@ class ModelRunner:
         for name, val in self._graph_host(inp, bsz, sparse_width=width).items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
+        self.last_routing = buf["routing"][:, :, :n].cpu() if self.record_routing else None
         tokens, logprobs = tokens[:, :n].cpu(), logprobs[:, :n].float().cpu()
         return (tokens, logprobs) if k > 1 else (tokens[0], logprobs[0], None)
 
@@ -500,6 +548,7 @@ class ModelRunner:
         buf = {name: val.to(self.device) for name, val in host.items()}
         buf["cu"] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         tokens, logprobs = self.decode_steps(buf, inp.decode_steps)
+        self.last_routing = buf["routing"].cpu() if self.record_routing else None
         return tokens.cpu(), logprobs.float().cpu()
 
     def _graph_host(self, inp: StepInputs, bsz: int, width: int | None = None, sparse_width: int | None = None):
@@ -520,6 +569,8 @@ class ModelRunner:
         }
         if inp.rope_offsets is not None:
             host["rope_off"] = torch.tensor(inp.rope_offsets + [0] * pad)
+        if inp.state_slots is not None:
+            host["state_idx"] = torch.tensor(inp.state_slots + [-1] * pad, dtype=torch.int32)
         if inp.adjust is not None:
             graph = sparse_width is not None
             host.update(self._adjust_host(inp.adjust, bsz, sparse_width if graph else inp.adjust.width,

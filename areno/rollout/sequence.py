@@ -98,6 +98,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache
+        self.state_slot = -1  # hybrid models: the slot of its recurrent state (areno.rollout.state_cache), -1: none
+        self.routing: list = []  # routing capture: (first position, int16 [n, num_moe_layers, k] expert ids) pieces
         self.prefix_cached = 0  # prompt tokens the prefix cache served at the last allocation (kept after freeing)
         self.status = Status.WAITING
         self.finish_reason: str | None = None

@@ -1,0 +1,46 @@
+"""Per-sequence recurrent state of a hybrid model's linear-attention layers (KDA), beside the paged KV cache.
+
+Each recurrent layer keeps, per slot, its short-conv state and its delta-rule state (shapes from the model's
+``recurrent_state_shapes()``). All layers' pools are one tensor per kind, ``conv [L, S, D, W-1]`` (model dtype) and
+``recurrent [L, S, H, K, V]`` (fp32), so forking a sequence (slot a copied to slot b) is one indexed copy of each.
+There are ``max_running`` slots; the block manager hands one to each running sequence (``seq.state_slot``) and takes
+it back with its blocks. A layer reads and writes its pools through its ``kv_caches`` entry ``(conv[l],
+recurrent[l])`` at ``AttentionMetadata.state_indices``; nothing here needs zeroing, since a sequence's first chunk
+starts from zeros whatever its slot holds.
+
+The state at the end of a prefix lives only in the slot of the sequence that computed it, so prefix caching across
+requests (which reuses K/V blocks of a prefix, not states) is off for these models; the n samples of one prompt
+still share its prefill: they fork from the first sample by copying its state after the prompt (and sharing its
+blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RecurrentStates:
+    def __init__(self, shapes: dict, num_slots: int, *, dtype: torch.dtype, device):
+        self.layers = list(shapes["layers"])
+        n = len(self.layers)
+        self.conv = torch.zeros(n, num_slots, *shapes["conv"], dtype=dtype, device=device)
+        self.recurrent = torch.zeros(n, num_slots, *shapes["recurrent"], dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_slot(shapes: dict, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        conv, rec = shapes["conv"], shapes["recurrent"]
+        return len(shapes["layers"]) * (elem * conv[0] * conv[1] + 4 * rec[0] * rec[1] * rec[2])
+
+    def caches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``{layer index: (conv pool, recurrent pool)}``: the layers' ``kv_caches`` entries."""
+        return {layer: (self.conv[j], self.recurrent[j]) for j, layer in enumerate(self.layers)}
+
+    def copy(self, pairs) -> None:
+        """Slot ``src``'s state into slot ``dst`` in every layer, for each ``(src, dst)`` (forks)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.conv.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.conv.device)
+        self.conv[:, dst] = self.conv[:, src]
+        self.recurrent[:, dst] = self.recurrent[:, src]
