@@ -124,6 +124,20 @@ def test_prefix_cache_keys_include_the_image(vl, want, monkeypatch):
     assert tower.images == [1]  # only the other image
 
 
+def test_preempted_image_prompts_are_recomputed(vl, want):
+    """A KV cache too small for the batch: preempted image prompts come back (with the prefix cache, their image
+    blocks may still be cached; without it, the tower runs again) and still give transformers' tokens."""
+    model, _, _, prompts, *_ = vl
+    per_block = model.num_layers * 2 * 4 * model.num_kv_heads_local * model.head_dim * 4
+    opts = SamplingOptions(temperature=0.0, max_new_tokens=NEW, ignore_eos=True, n=2)
+    for caching in (True, False):
+        eng = _engine(model, kv_cache_memory=24 * per_block, max_running=6, prefix_caching=caching)
+        out = eng.generate(prompts, opts)
+        assert eng.scheduler.num_preemptions > 0
+        assert [[c.token_ids for c in g] for g in out] == [[w, w] for w in want]
+        assert not eng.runner.images.resident and eng.blocks.num_used == 0
+
+
 def test_decode_offsets_through_graph_inputs_and_multi_step(vl, want, monkeypatch):
     """The CUDA-graph path's inputs (padded bucket, the per-row ``rope_off`` buffer) replayed on the CPU, single and
     three chained steps, and eager multi-step decode: the tokens of transformers; graphs with offsets kept apart."""
