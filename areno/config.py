@@ -22,6 +22,7 @@ ATTN_BACKENDS = ("flash", "native")
 DTYPES = ("bfloat16", "float16", "float32")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+ROUTING_REPLAY = ("auto", "on", "off")
 
 # Order of the sections in `--help`; every field names one of these in its metadata.
 GROUPS = {
@@ -295,6 +296,10 @@ class TrainConfig:
         0.0, "MoE selection-bias step per optimizer step (auxiliary-loss-free balancing: bias += rate * "
         "sign(mean load - expert load), loads summed over data-parallel ranks; models with a selection bias such as "
         "Ling 3; 0 = off)", "train")
+    routing_replay: str = opt(
+        "auto", "routing replay: the training forward uses the experts the rollout chose for each token (per MoE "
+        "layer; weights from the current router). auto = on for grpo/gspo/ppo with a sparse-MoE policy; on = "
+        "required (refused for a dense policy or a non-RL --algo); off", "train", choices=ROUTING_REPLAY)
     max_steps: Optional[int] = opt(None, "stop after this many steps", "train", default_help="--epochs over the data")
     epochs: int = opt(1, "passes over the dataset", "train")
     ppo_epochs: int = opt(1, "optimizer passes over each rollout batch (grpo, gspo, ppo)", "train")
@@ -539,6 +544,9 @@ class TrainConfig:
                                   f"({self.lr if peak is None else peak})")
 
     def _check_optimisation(self):
+        if self.routing_replay == "on" and self.algo not in ("grpo", "gspo", "ppo"):
+            raise ConfigError("--routing-replay", f"on applies to RL with rollout (grpo, gspo, ppo), not --algo "
+                              f"{self.algo}")
         if not self.lr > 0:
             raise ConfigError("--lr", f"must be > 0, got {self.lr}")
         check_range("--min-lr", self.min_lr, 0.0, self.lr)

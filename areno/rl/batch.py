@@ -33,6 +33,7 @@ class Row:
     loss_mask: list[int] | None = None  # per response token: 1 trained, 0 context (an agent's tool results, ...)
     meta: dict = field(default_factory=dict)  # not packed: messages, finish reason, policy version (dumps)
     media: object = None  # the prompt's images: an areno.models.multimodal.MultimodalPrompt, None for text
+    routed_experts: object = None  # routing replay: int [len(row), num_moe_layers, k] rollout expert ids (-1: none)
 
     def scored(self, values: list) -> list:
         """The entries of a per-response-token list at the trained positions (all of them without a mask)."""
@@ -68,6 +69,7 @@ class Packed:
     image_grid_thw: torch.Tensor | None = None  # int64 [n, 3]
     image_rows: torch.Tensor | None = None  # int64 [N]: packed positions of the image tokens
     image_hashes: list[str] = field(default_factory=list)  # one per image (identical images, identical hashes)
+    routed_experts: torch.Tensor | None = None  # int32 [T, num_moe_layers, k] (areno.rl.routing_replay), -1: none
 
     def to(self, device) -> Packed:
         move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
@@ -107,6 +109,7 @@ def pack(rows: list[Row]) -> Packed:
     media = {}
     if any(r.media is not None and r.media.positions is not None for r in rows):
         positions, media = _pack_media(rows, cu)
+    routes = _pack_routes(rows) if any(r.routed_experts is not None for r in rows) else None
     return Packed(
         input_ids=torch.tensor(ids, dtype=torch.int64),
         positions=positions,
@@ -121,8 +124,21 @@ def pack(rows: list[Row]) -> Packed:
         seq_advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         tok=tok,
         row=row,
+        routed_experts=routes,
         **media,
     )
+
+
+def _pack_routes(rows: list[Row]) -> torch.Tensor:
+    """The rows' recorded routes end to end, ``[T, num_moe_layers, k]``; -1 for a row without a record."""
+    shape = next(r.routed_experts for r in rows if r.routed_experts is not None).shape[1:]
+    parts = [torch.as_tensor(r.routed_experts, dtype=torch.int32) if r.routed_experts is not None
+             else torch.full((len(r), *shape), -1, dtype=torch.int32) for r in rows]
+    for r, part in zip(rows, parts):
+        if part.shape != (len(r), *shape):
+            raise ValueError(f"routed_experts must be [{len(r)}, {shape[0]}, {shape[1]}] for a row of {len(r)} "
+                             f"tokens, got {tuple(part.shape)}")
+    return torch.cat(parts)
 
 
 def _pack_media(rows: list[Row], cu: list[int]) -> tuple[torch.Tensor, dict]:

@@ -28,6 +28,7 @@ from areno.rl.batch import Row
 from areno.rl.losses import value_loss
 from areno.rl.multimodal import DatasetMedia, media_limits
 from areno.rl.rollout_colocated import gather_objects as _gather_objects
+from areno.rl.routing_replay import routing_replay_enabled
 from areno.rl.trainer import PolicyTrainer
 
 log = logging.getLogger("areno.train")
@@ -125,6 +126,7 @@ class TrainLoop:
         total = cfg.max_steps or (max(1, len(self.data)) if self.data is not None else 1)
         self.total_steps = total
         self.trainer = self._make_trainer(self.model, cfg.lr, total)
+        self.trainer.routing_replay = routing_replay_enabled(cfg, self.model)  # the engine records routes to replay
         self.ref = self._load_ref() if (cfg.algo == "dpo" or cfg.kl_coef > 0) else None
         if cfg.algo == "ppo":
             self._setup_critic(total)
@@ -409,14 +411,15 @@ class TrainLoop:
         t_reward = time.perf_counter() - t1
         # rows travel as token ids; a prompt's images are found again by its place in the (global) batch
         where = {id(r): i for i, r in enumerate(batch)}
-        local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason, where[id(row)])
-                 for (row, c), rew in zip(flat, rewards)]
+        local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason, where[id(row)],
+                  c.routed_experts) for (row, c), rew in zip(flat, rewards)]
         parts = self.engine.gather((local, failures))
         gathered = [x for part, _ in parts for x in part]
         failures = sum(f for _, f in parts)
         n_tok = sum(len(x[1]) for x in gathered)
         rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin},
-                    media=self.row_media(batch[i])) for p, ids, lps, rew, fin, i in gathered]
+                    media=self.row_media(batch[i]), routed_experts=routes)
+                for p, ids, lps, rew, fin, i, routes in gathered]
         stats = {
             "rollout_s": t_roll, "reward_s": t_reward, "reward_failures": failures, "samples": len(gathered),
             "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t_roll, 1e-9) * self.dp_size,

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def engine_config(cfg, tokenizer, dp_rank: int = 0):
-    """The rollout engine's settings for a TrainConfig (the same in both modes) and its EOS ids."""
+def engine_config(cfg, tokenizer, dp_rank: int = 0, *, record_routing: bool = False):
+    """The rollout engine's settings for a TrainConfig (the same in both modes) and its EOS ids;
+    ``record_routing``: the completions carry their routes (routing replay)."""
     from areno.rollout.engine import EngineConfig
     from areno.rollout.session import eos_ids_from_checkpoint
 
@@ -24,7 +25,7 @@ def engine_config(cfg, tokenizer, dp_rank: int = 0):
         max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens, eager_decode=cfg.eager_decode,
         decode_steps=cfg.decode_steps, seed=cfg.seed + 7919 * dp_rank,
         kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
-        decode_progress_interval_s=cfg.decode_progress_interval_s or None,
+        decode_progress_interval_s=cfg.decode_progress_interval_s or None, record_routing=record_routing,
     )
     return econf, eos
 
@@ -44,7 +45,8 @@ class ColocatedRollout:
         from areno.rollout.engine import Engine
 
         self.loop = loop
-        econf, eos = engine_config(loop.cfg, loop.tokenizer, loop.dp_rank)
+        econf, eos = engine_config(loop.cfg, loop.tokenizer, loop.dp_rank,
+                                   record_routing=loop.trainer.routing_replay)
         self.engine = Engine(loop.model, loop.tokenizer, econf, eos_token_ids=eos)
         self._version = self._policy_version()
 

@@ -229,6 +229,7 @@ def serve(cfg) -> int:
     from areno.models import load_model, load_tokenizer
     from areno.models.saver import iter_hf_tensors
     from areno.rl.rollout_colocated import engine_config
+    from areno.rl.routing_replay import routing_replay_enabled
     from areno.rollout.engine import Engine
 
     rank = int(os.environ.get("RANK", "0"))
@@ -242,7 +243,7 @@ def serve(cfg) -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     tokenizer = load_tokenizer(cfg.ckpt)
-    econf, eos = engine_config(cfg, tokenizer)
+    econf, eos = engine_config(cfg, tokenizer, record_routing=routing_replay_enabled(cfg, model))
     engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
     receiver = PolicyReceiver(model, layout)
     index = layout.engine_index

@@ -60,6 +60,7 @@ class PolicyTrainer:
         self.tp_group = tp_group
         self.chunk_size = logprob_chunk_size
         self.router_bias_update_rate = router_bias_update_rate
+        self.routing_replay = False  # the loop turns it on (--routing-replay): rows' routes go to the policy forward
         if router_bias_update_rate and not hasattr(model, "update_routing_bias"):
             raise ValueError(f"--router-bias-update-rate {router_bias_update_rate}: the "
                              f"{getattr(getattr(model, 'config', None), 'model_type', 'model')} has no MoE selection "
@@ -70,14 +71,19 @@ class PolicyTrainer:
         self.num_updates = 0
 
     # ---- log-probs -----------------------------------------------------------------------------------------
-    def forward(self, packed: Packed, *, entropy=False, keep_hidden=False) -> ForwardOut:
+    def forward(self, packed: Packed, *, entropy=False, keep_hidden=False, replay=True) -> ForwardOut:
+        """Log-probs (and entropy) of ``packed``'s targets; with routing replay on and ``replay``, the policy runs
+        the experts the rollout chose (areno.rl.routing_replay)."""
         p = packed.to(self.device) if packed.input_ids.device != self.device else packed
         if getattr(self.model, "is_value_model", False):
             values = self.model.values(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
                                        **media_inputs(self.model.backbone, p))
             return ForwardOut(None, None, values=values)
+        routes = {}
+        if replay and self.routing_replay and p.routed_experts is not None:
+            routes["routed_experts"] = p.routed_experts
         hidden = self.model(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
-                            **media_inputs(self.model, p))
+                            **media_inputs(self.model, p), **routes)
         out = linear_logprobs(hidden, self.model.lm_head_weight, p.targets, temperature=self.temperature,
                               return_entropy=entropy, chunk_size=self.chunk_size, tp_group=self.tp_group)
         lp, ent = out if entropy else (out, None)
@@ -95,7 +101,7 @@ class PolicyTrainer:
             out = []
             for i in range(0, len(rows), mini_bs):
                 packed = pack(rows[i : i + mini_bs])
-                lp = self.forward(packed).logprobs
+                lp = self.forward(packed, replay=model is None).logprobs  # the reference routes by itself
                 out.extend(per_row(lp, packed))
             return out
         finally:
