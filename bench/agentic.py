@@ -75,6 +75,7 @@ def agentic(loop, prompts, s) -> tuple[int, float, dict]:
         return 0.0
 
     rollout = AgentRollout(loop, run_agent)
+    counts = dict(loop.engine.engine.step_counts)
     try:
         rows = [{"prompt": "x", "_prompt_ids": p} for p in prompts]
         t0 = time.perf_counter()
@@ -83,6 +84,9 @@ def agentic(loop, prompts, s) -> tuple[int, float, dict]:
     finally:
         rollout.close()
     sampled = sum(sum(r.loss_mask) for r in out_rows)
+    now = loop.engine.engine.step_counts
+    stats["single_steps"] = now["single"] - counts["single"]
+    stats["chained_steps"] = now["chained"] - counts["chained"]
     return sampled, seconds, stats
 
 
@@ -121,11 +125,13 @@ def main() -> int:
                              "single_tokens": tokens_1, "single_s": sec_1, "single_tok_s": rate_1,
                              "agentic_tokens": tokens_a, "agentic_s": sec_a, "agentic_tok_s": rate_a,
                              "ratio": rate_a / rate_1, "prefill_tokens_per_turn": stats["agent_prefill_tokens_mean"],
-                             "forks": stats["agent_forks"]})
+                             "forks": stats["agent_forks"], "single_steps": stats["single_steps"],
+                             "chained_steps": stats["chained_steps"]})
         finally:
             loop.close()
     print_table(rows, ["repeat", "sessions", "turns", "single_tokens", "single_tok_s", "agentic_tokens",
-                       "agentic_tok_s", "ratio", "prefill_tokens_per_turn", "forks"])
+                       "agentic_tok_s", "ratio", "prefill_tokens_per_turn", "forks", "single_steps",
+                       "chained_steps"])
     last = rows[-1]
     print(f"agentic / single-turn: {last['ratio']:.2f} (bar 0.60)")
     if not args.smoke:

@@ -90,6 +90,7 @@ class Engine:
         self._progress_t = time.perf_counter()
         self._progress_tokens = 0
         self._hold_waiting = False  # the last step admitted while requests waited: the next one may decode k steps
+        self.step_counts = {"single": 0, "chained": 0}  # forward steps run one at a time / inside k-step chains
 
     def _build(self):
         cfg = self.config
@@ -215,10 +216,11 @@ class Engine:
         only its tokens up to the stop (the rest were computed and are dropped).
 
         Requests that arrive while sequences decode (agent turns, a stream of clients) would otherwise hold every step
-        to one token: after a step that admitted with requests waiting, the next step leaves them waiting and decodes
-        k tokens, so waiting costs at most one k-step group and at least k of every k + 1 decode tokens come from
-        chained steps."""
-        hold = decode_steps > 1 and self._hold_waiting and bool(self.scheduler.running)
+        to one token: after a step that admitted with requests waiting, the next step leaves the few that arrived since
+        (at most a quarter of the running count: many arrivals are worth admitting at once) waiting and decodes k
+        tokens, so waiting costs at most one k-step group and steady arrivals still let chained steps run."""
+        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        hold = decode_steps > 1 and self._hold_waiting and 0 < 4 * waiting <= running
         waited = bool(self.scheduler.waiting)
         step = self.scheduler.schedule(admit=not hold)
         self._hold_waiting = False
@@ -238,6 +240,7 @@ class Engine:
             return self._multi_step(step, rows, decode_steps, copies, state_copies)
         self._hold_waiting = waited and not hold  # a held step is followed by an admitting one
         mask = token_mask([s.grammar for s in rows]) if self.grammars is not None else None
+        self.step_counts["single"] += 1
         tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask,
                                                 state_copies=state_copies)
         self._keep_routing(step)
@@ -271,6 +274,7 @@ class Engine:
 
     def _multi_step(self, step: Step, rows: list[Sequence], k: int, copies, state_copies=()) -> list[Sequence]:
         tokens, logprobs = self.runner.run_decode_steps(step, rows, k, copies, state_copies)
+        self.step_counts["chained"] += k
         self._keep_routing(step)
         tokens, logprobs = tokens.t().tolist(), logprobs.t().tolist()  # [rows][k]
         appended = 0

@@ -235,26 +235,28 @@ def test_multi_step_cuda_graph_matches_single_step_graphs(tmp_path):
 
 
 def test_requests_arriving_during_decode_wait_one_chain_at_most(qwen3):
-    """With decode_steps=k, a request that arrives while others decode is admitted by the next step, then waits while
-    the running ones decode k tokens in one chain (so steady arrivals do not hold every step to one token), and the
-    tokens are those of a run where it arrived alone (noise keyed by seed and position)."""
+    """With decode_steps=k, a request that arrives while others decode is admitted by the next step; a few arrivals
+    (at most a quarter of the running count) then wait while the running ones decode k tokens in one chain (so steady
+    arrivals do not hold every step to one token), and every request gets the tokens of a run where it arrived alone
+    (noise keyed by seed and position)."""
     _, model, tok = qwen3
-    prompts = [tok.encode(p) for p in PROMPTS]
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=40 + i) for i in range(4)]
+    prompts = [tok.encode(p) for p in PROMPTS] * 2
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=40 + i) for i in range(8)]
     alone = [engine(model, tok).generate([p], o)[0][0].token_ids for p, o in zip(prompts, opts)]
     eng = engine(model, tok, decode_steps=4)
     log = []
     run = eng.runner.run_decode_steps
-    eng.runner.run_decode_steps = lambda *a, run=run: log.append(bool(eng.scheduler.waiting)) or run(*a)
-    seqs = [eng.add_request(prompts[0], opts[0])[0]]
+    eng.runner.run_decode_steps = lambda *a, run=run: log.append(len(eng.scheduler.waiting)) or run(*a)
+    seqs = [eng.add_request(p, o)[0] for p, o in zip(prompts[:4], opts[:4])]
     eng.step(4)  # prefill
     eng.step(4)  # a chain of 4
-    for p, o in zip(prompts[1:], opts[1:]):  # one arrival per step from here on
+    for p, o in zip(prompts[4:], opts[4:]):  # one arrival per step from here on
         seqs += eng.add_request(p, o)
         eng.step(4)
     while eng.has_work():
         eng.step(4)
-    assert True in log  # a chain ran while a request waited
+    assert max(log) == 1  # a chain ran while a request waited
+    assert eng.step_counts["chained"] == 4 * len(log) and eng.step_counts["single"] > 0
     assert [s.tokens[s.prompt_len:] for s in seqs] == alone
     assert all(s.finish_reason == "length" for s in seqs)
     assert eng.blocks.num_free == eng.blocks.num_blocks
