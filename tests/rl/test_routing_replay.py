@@ -102,3 +102,35 @@ def test_routing_replay_is_refused_where_it_cannot_apply(files, tmp_path, capsys
     with pytest.raises(SystemExit) as e:
         main(sft)
     assert e.value.code == 2 and "--routing-replay on applies to RL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "bailing_hybrid"])
+def test_replayed_experts_are_used_and_the_router_still_learns(family, tmp_path):
+    """``model(..., routed_experts=ids)``: every MoE layer runs the given experts (rows of -1 route themselves),
+    which changes the output when they differ from the router's own choice, and the router weights still get a
+    gradient through the routing weights."""
+    from areno.models import load_model
+    from areno.models.attention_metadata import AttentionMetadata
+
+    model = load_model(make_tiny_checkpoint(tmp_path, family, seed=1), dtype=torch.float32, device="cpu")
+    t, layers, k = 9, model.num_moe_layers, model.moe_top_k
+    ids, pos = torch.randint(0, 500, (t,)), torch.arange(t)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+
+    def run(routes):
+        meta = AttentionMetadata(None, True, cu, cu, t, t)
+        meta.routing_out = torch.empty(layers, t, k, dtype=torch.int32)
+        return model(ids, pos, attn_metadata=meta, routed_experts=routes), meta.routing_out.permute(1, 0, 2)
+
+    with torch.no_grad():
+        own_h, own = run(None)
+    given = (own + 1) % model.config.num_experts  # other experts than the router's, still distinct per token
+    given[-2:] = -1
+    h, used = run(given)
+    # the -1 rows route themselves (the first MoE layer's input is unchanged for them; later ones see replayed
+    # tokens through attention)
+    assert torch.equal(used[:-2], given[:-2]) and torch.equal(used[-2:, 0], own[-2:, 0])
+    assert not torch.allclose(h, own_h)
+    h.square().mean().backward()
+    gates = [m.gate.weight for m in model.moe_layers()]
+    assert all(g.grad is not None and g.grad.abs().sum() > 0 for g in gates)
