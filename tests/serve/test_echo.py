@@ -5,6 +5,7 @@ tokens; the forward runs on the engine thread, between decode steps, so concurre
 
 import asyncio
 import json
+import os
 import threading
 from operator import itemgetter
 
@@ -160,15 +161,20 @@ def test_scoring_never_races_decoding(server):
                                                                         abs=1e-5)
 
 
+def where_am_i(engine):
+    """Run by run_on_engine: the engine it was given, and the process and thread it ran in."""
+    return engine.max_model_len, os.getpid(), threading.current_thread().name
+
+
 def test_engine_call_runs_between_steps(server):
-    """run_on_engine hands the function the engine itself, on the engine thread."""
-    seen = {}
-
-    def probe(engine):
-        seen["thread"] = threading.current_thread().name
-        return engine.max_model_len
-
-    assert asyncio.run(server.engine.run_on_engine(probe)) == 512 and seen["thread"] == "areno-engine"
+    """run_on_engine hands the function the engine itself, where the engine runs: its engine-core process, or
+    (--engine-thread) the engine thread of this process."""
+    max_len, pid, thread = asyncio.run(server.engine.run_on_engine(where_am_i))
+    assert max_len == 512
+    if pid == os.getpid():
+        assert thread == "areno-engine"
+    else:
+        assert pid in [r.process.pid for r in server.engine.replicas]
 
 
 # ---- vLLM's prompt_logprobs ----------------------------------------------------------------------------------------
