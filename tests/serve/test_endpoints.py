@@ -7,6 +7,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -14,6 +15,8 @@ import pytest
 
 import areno
 from areno.models import load_tokenizer
+from areno.rollout.block_manager import BlockManager
+from areno.rollout.sequence import SamplingOptions, Sequence
 from areno.serve.metrics import ServeMetrics, engine_kv_stats
 from tests.serve.conftest import RunningServer
 
@@ -191,6 +194,18 @@ def test_metrics_registries_of_two_apps_do_not_clash():
     sa, sb = (parse_exposition(asyncio.run(m.render(None)).decode()) for m in (a, b))
     assert value(sa, "vllm:prompt_tokens_total", model_name="a") == 3 and value(sa, "vllm:num_requests_waiting") == 1
     assert value(sb, "vllm:prompt_tokens_total", model_name="b") == 0 and value(sb, "vllm:num_requests_waiting") == 0
+
+
+def test_metrics_read_the_engine_in_this_process():
+    """--engine-thread: the KV and prefix-cache series come straight from the engine's BlockManager (engine 0)."""
+    blocks = BlockManager(8, 4)
+    seq = Sequence(list(range(9)), SamplingOptions(max_new_tokens=2))
+    blocks.allocate(seq)
+    front = SimpleNamespace(engine=SimpleNamespace(blocks=blocks))  # what ServeEngine holds: .engine, an Engine
+    s = parse_exposition(asyncio.run(ServeMetrics("t").render(front)).decode())
+    assert value(s, "vllm:kv_cache_usage_perc", engine="0", model_name="t") == 3 / 8
+    assert value(s, "vllm:prefix_cache_queries_total", engine="0") == 9
+    assert value(s, "vllm:prefix_cache_hits_total", engine="0") == 0
 
 
 def hold_engine(engine, entered: str, release: str):
