@@ -349,6 +349,7 @@ class ReplicaPool:
     async def run_on_engine(self, fn, *args):
         """``fn(engine, *args)`` in the least-loaded replica, between two of its engine steps (``fn`` a module-level
         function: it travels by name)."""
+        _check_picklable(fn, args)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
@@ -364,6 +365,7 @@ class ReplicaPool:
     async def run_on_every_engine(self, fn, *args) -> dict:
         """``fn(engine, *args)`` in every live replica, each between two of its engine steps: {rank: result, or
         the exception it raised}."""
+        _check_picklable(fn, args)
         loop = asyncio.get_running_loop()
         sent = []
         with self._lock:
@@ -509,6 +511,18 @@ class ReplicaPool:
             if r is replica:
                 del self._calls[cid]
                 _settle(loop, future, False, RuntimeError(f"engine replica {replica.rank} {why}"))
+
+
+def _check_picklable(fn, args) -> None:
+    """A call that cannot travel fails here, at once: the queue's feeder thread would drop it (printing the error)
+    and its caller would wait forever."""
+    import pickle
+
+    try:
+        pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(f"run_on_engine: {fn!r} and its arguments must be picklable (a module-level function): "
+                        f"{exc}") from exc
 
 
 def _settle(loop, future, ok: bool, value) -> None:

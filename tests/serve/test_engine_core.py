@@ -2,6 +2,7 @@
 the same greedy streams; ``bench/serve.py --smoke`` measures the engine alone on the same batch in the same run."""
 
 import ast
+import asyncio
 import json
 import os
 import subprocess
@@ -37,6 +38,8 @@ def streamed(base_url: str, path: str, body: dict) -> tuple[dict, int]:
 
 def test_engine_process_and_engine_thread_stream_the_same(tiny_ckpt, server):
     assert isinstance(server.engine, ReplicaPool) and len(server.engine.replicas) == 1
+    with pytest.raises(TypeError, match="picklable"):  # a call that cannot reach the engine core fails at once
+        asyncio.run(server.engine.run_on_engine(lambda engine: engine.max_model_len))
     bodies = [("/v1/completions", {"model": "tiny", "prompt": ["12 + 7 =", "the cat"], "max_tokens": 24,
                                    "temperature": 0, "ignore_eos": True}),
               ("/v1/completions", {"model": "tiny", "prompt": "stop here", "max_tokens": 24, "temperature": 0,
