@@ -46,6 +46,7 @@ class RequestStream:
         self._waiter: asyncio.Future | None = None
         self.seqs = []
         self.mm = None  # the request's images (Engine.add_request's mm), set by submit
+        self.final_only = False  # set by submit: events only when a sample finishes
         self.remaining = options.n
         self.error: BaseException | None = None
         self._deferred: BaseException | None = None
@@ -139,10 +140,14 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="areno-engine", daemon=True)
         self._thread.start()
 
-    async def submit(self, prompt_ids: list[int], options: SamplingOptions, *, mm=None) -> RequestStream:
-        """Queue a request (``mm``: its images, as for :meth:`Engine.add_request`); a refusal ends the stream."""
+    async def submit(self, prompt_ids: list[int], options: SamplingOptions, *, mm=None,
+                     final_only: bool = False) -> RequestStream:
+        """Queue a request (``mm``: its images, as for :meth:`Engine.add_request`); a refusal ends the stream.
+        ``final_only``: a sample's events arrive together when it finishes (a caller that wants whole outputs, such as
+        agentic rollout, costs the event loop one wake-up per sample instead of one per engine step)."""
         stream = RequestStream(self, list(prompt_ids), options)
         stream.mm = mm
+        stream.final_only = final_only
         self._commands.put(("add", stream))
         self._wake.set()
         return stream
@@ -211,7 +216,7 @@ class AsyncEngine:
             batches: dict = {}  # event loop -> [(stream, events)]: one wake-up per loop per step, not per token
             for seq in seqs:
                 stream = self._streams.get(seq.seq_id)
-                if stream is None:
+                if stream is None or (stream.final_only and not seq.is_finished):
                     continue
                 start, end, p = self._emitted.get(seq.seq_id, 0), len(seq.tokens) - seq.prompt_len, seq.prompt_len
                 events = [TokenEvent(seq.sample_index, seq.tokens[p + j], seq.logprobs[j], None, None,

@@ -24,9 +24,9 @@ from areno.rollout.sequence import SamplingOptions
 
 
 async def sample_local(async_engine, prompt_ids: list[int], options: SamplingOptions) -> dict:
-    stream = await async_engine.submit(list(prompt_ids), options)
+    stream = await async_engine.submit(list(prompt_ids), options, final_only=True)
     ids, lps, finish, stop_text = [], [], None, None
-    async for first in stream:  # one wake-up per engine step: the rest of the step's events are already queued
+    async for first in stream:  # final_only: a sample's events come in one go, when it finishes
         for event in (first, *stream.pending()):
             if event.token_id is not None:
                 ids.append(event.token_id)

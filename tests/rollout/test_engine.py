@@ -260,3 +260,22 @@ def test_requests_arriving_during_decode_wait_one_chain_at_most(qwen3):
     assert [s.tokens[s.prompt_len:] for s in seqs] == alone
     assert all(s.finish_reason == "length" for s in seqs)
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_final_only_stream_delivers_a_sample_once_with_the_streamed_tokens(qwen3):
+    _, model, tok = qwen3
+    ae = AsyncEngine(engine(model, tok), decode_steps=4)
+    opts = SamplingOptions(temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=5, n=2)
+
+    async def collect(final_only):
+        stream = await ae.submit(tok.encode(PROMPTS[0]), opts, final_only=final_only)
+        wakes, events = 0, []
+        async for first in stream:
+            wakes += 1
+            events += [first, *stream.pending()]
+        return wakes, sorted((e.index, e.token_id, e.finish_reason) for e in events)
+
+    (w_stream, streamed), (w_final, final) = asyncio.run(collect(False)), asyncio.run(collect(True))
+    ae.shutdown()
+    assert final == streamed and len(final) == 2 * 9
+    assert w_final <= 2 < w_stream  # one wake-up per sample at most
