@@ -602,6 +602,9 @@ class ServeConfig:
     kv_cache_memory: Optional[float] = opt(
         None, "KV-cache budget: a fraction of free GPU memory (0.9) or a size (40GiB)", "memory",
         type=memory_amount, metavar="AMOUNT", default_help="the runtime decides")
+    max_image_bytes: int = opt(20 << 20, _IMAGE_BYTES_HELP, "multimodal")
+    max_image_pixels: int = opt(50_000_000, _IMAGE_PIXELS_HELP, "multimodal")
+    max_images_per_prompt: int = opt(64, _IMAGES_HELP, "multimodal")
     decode_progress_interval_s: float = opt(
         0.0, "report decode throughput, active sequences and graph replay every N seconds (0 = off)",
         "observability")
@@ -621,3 +624,4 @@ class ServeConfig:
             raise ConfigError("--host", "must not be empty")
         check_memory("--kv-cache-memory", self.kv_cache_memory)
         check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
+        check_media_limits(self)

@@ -83,7 +83,8 @@ class _Notes:
 
 
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
-               max_running: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_running: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, media=None) -> FastAPI:
+    """``media``: a ``ChatMedia`` for chat messages with image/audio/video parts (without one they get a 400)."""
     # parsing, chat-template rendering and tokenisation: a few threads, so a large body never stalls the event loop
     prep_pool = ThreadPoolExecutor(max_workers=PREP_THREADS, thread_name_prefix="areno-prep")
     encode = PromptEncoder(tokenizer, max_model_len)
@@ -180,7 +181,8 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            param="model", code="model_not_found")
 
-    add_tokenizer_routes(app, tokenizer, prep=prep, check_model=check_model, max_model_len=max_model_len)
+    add_tokenizer_routes(app, tokenizer, prep=prep, check_model=check_model, max_model_len=max_model_len,
+                         media=media)
 
     # ---- shared by both generation routes --------------------------------------------------------------------
     def check_request(req):
@@ -225,9 +227,9 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
             seed=req.seed, n=req.n, top_logprobs=top_logprobs, grammar=req.grammar(),
         )
 
-    async def run(prompt_ids, opts, arrival: float):
+    async def run(prompt_ids, opts, arrival: float, mm=None):
         try:
-            stream = await engine.submit(prompt_ids, opts)
+            stream = await (engine.submit(prompt_ids, opts) if mm is None else engine.submit(prompt_ids, opts, mm=mm))
         except APIError:
             raise
         except Exception as exc:
@@ -305,20 +307,30 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
 
     # ---- chat ----------------------------------------------------------------------------------------------
     def prepare_chat(raw: bytes):
-        """Body -> (request, prompt ids, sampling options, top log-probs): on the prep pool."""
+        """Body -> (request, prompt ids, sampling options, top log-probs, images or None): on the prep pool."""
         req = parse(raw, ChatCompletionRequest)
         check_model(req.model)
         check_request(req)
-        prompt_ids = encode(render_chat(tokenizer, req), "messages")
+        mm = None
+        if req.has_media():  # image parts: the model's processor (expanded placeholders, pixel rows)
+            if media is None:
+                raise APIError(400, "this server takes no image, audio or video parts", param="messages")
+            if req.prompt_logprobs is not None:
+                raise APIError(400, "prompt_logprobs is not supported yet for prompts with images",
+                               param="prompt_logprobs")
+            mm = media.encode(req)
+            prompt_ids = mm.input_ids
+        else:
+            prompt_ids = encode(render_chat(tokenizer, req), "messages")
         k = (req.top_logprobs or 0) if req.logprobs else 0
-        return req, prompt_ids, options(req, len(prompt_ids), req.token_limit(), k), k
+        return req, prompt_ids, options(req, len(prompt_ids), req.token_limit(), k), k, mm
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(request: Request):
         arrival = time.perf_counter()
-        req, prompt_ids, opts, k = await prep(prepare_chat, await request.body())
+        req, prompt_ids, opts, k, mm = await prep(prepare_chat, await request.body())
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        stream = await run(prompt_ids, opts, arrival)
+        stream = await run(prompt_ids, opts, arrival, mm)
         plp = None
         if req.prompt_logprobs is not None:  # vLLM's extension (never streamed): a forward while it decodes
             try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -69,6 +69,71 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data:image/...;base64 URL (remote URLs are refused: the server never fetches)
+    detail: str | None = None
+
+    @field_validator("detail")
+    @classmethod
+    def _detail(cls, v):
+        if v not in (None, "auto"):
+            raise ValueError(f"{v!r} is not served: only 'auto' (the checkpoint's image processor decides the "
+                             "resolution)")
+        return v
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+class InputAudio(_Strict):
+    data: str  # base64
+    format: str
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class MediaURL(_Strict):
+    url: str
+
+
+class AudioURLPart(_Strict):
+    type: Literal["audio_url"]
+    audio_url: MediaURL | str
+
+
+class VideoURLPart(_Strict):
+    type: Literal["video_url"]
+    video_url: MediaURL | str
+
+
+# the shared message schema's parts (areno.models.multimodal): the model's processor takes or refuses the media ones
+ContentPart = Annotated[TextPart | ImagePart | InputAudioPart | AudioURLPart | VideoURLPart,
+                        Field(discriminator="type")]  # fmt: skip
+_PARTS = TypeAdapter(list[ContentPart])
+
+
+def _content_parts(value):
+    """A list content validated part by part, its first problem named by part index and field (the union of a
+    string and a part list would otherwise report "should be a valid string")."""
+    if not isinstance(value, list):
+        return value
+    try:
+        return _PARTS.validate_python(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        kind = value[int(loc[0])].get("type") if loc and isinstance(value[int(loc[0])], dict) else None
+        where = ".".join(x for x in loc[2:] if x != "str" and not x[:1].isupper())  # drop the tag and branch names
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        raise ValueError(f"part {loc[0] if loc else '?'}" + (f" ({kind})" if kind else "")
+                         + (f" {where}" if where else "") + f": {msg}") from None
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str | dict = "{}"
@@ -82,7 +147,7 @@ class ToolCallIn(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -91,10 +156,18 @@ class Message(_Strict):
     refusal: str | None = None  # ignored
     annotations: list | None = None  # ignored
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        return _content_parts(v)
+
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if p.type == "text")
         return self.content
+
+    def has_media(self) -> bool:
+        return isinstance(self.content, list) and any(p.type != "text" for p in self.content)
 
 
 class FunctionDef(_Strict):
@@ -286,6 +359,10 @@ class _ChatRendering(_Strict):
                 raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {key!r} (a parameter "
                                  "of the template call itself, not a template variable)")
         return self
+
+    def has_media(self) -> bool:
+        """Whether a message holds an image, audio or video part (the model's processor renders those)."""
+        return any(m.has_media() for m in self.messages)
 
     def generation_prompt(self) -> bool:
         return (not self.continue_final_message) if self.add_generation_prompt is None else self.add_generation_prompt

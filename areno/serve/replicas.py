@@ -14,12 +14,13 @@ runs on the CPU, for tests and tiny models). The HTTP front end keeps one :class
 sequences, then fewest requests served), a reader thread turns the replicas' token events back into each request's
 asyncio stream, and ``abort`` (client disconnect, shutdown) is forwarded to the replica holding the request.
 
-Wire protocol, front end -> replica (one queue each): ``("add", rid, prompt_ids, options)``, ``("abort", rid)``,
-``("call", cid, fn, args)`` (``fn(engine, *args)`` between two engine steps: prompt log-probs), ``("shutdown",
-drain)``. Replica -> front end (one shared queue): ``(rank, "ready", max_model_len)``, ``(rank, "failed",
-message)``, ``(rank, "tokens", [(rid, index, tokens, logprobs, finish, stop_text, tops), ...])`` (one message per
-engine step: each sequence's new tokens), ``(rank, "error", (rid, is_value_error, message))``, ``(rank, "result",
-(cid, ok, value or (is_value_error, message)))``, ``(rank, "closed", None)``.
+Wire protocol, front end -> replica (one queue each): ``("add", rid, prompt_ids, options[, pickled mm])`` (a
+prompt's images: its ``MultimodalPrompt``), ``("abort", rid)``, ``("call", cid, fn, args)`` (``fn(engine, *args)``
+between two engine steps: prompt log-probs), ``("shutdown", drain)``. Replica -> front end (one shared queue):
+``(rank, "ready", max_model_len)``, ``(rank, "failed", message)``, ``(rank, "tokens", [(rid, index, tokens,
+logprobs, finish, stop_text, tops), ...])`` (one message per engine step: each sequence's new tokens), ``(rank,
+"error", (rid, is_value_error, message))``, ``(rank, "result", (cid, ok, value or (is_value_error, message)))``,
+``(rank, "closed", None)``.
 
 With T > 1 a replica is a tensor-parallel group of T processes, all started by the front end: the first (TP rank 0)
 runs the replica's engine and speaks the wire protocol, the other T - 1 hold their weight shards and execute the
@@ -34,6 +35,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -128,9 +130,10 @@ class ReplicaWorker:
     def _apply(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt_ids, options = cmd
+            _, rid, prompt_ids, options, *images = cmd
             try:
-                seqs = self.engine.add_request(prompt_ids, options)
+                mm = pickle.loads(images[0]) if images else None  # a MultimodalPrompt, sent by value
+                seqs = self.engine.add_request(prompt_ids, options, mm=mm)
             except Exception as exc:  # a request the engine refuses fails alone
                 self.events.put((self.rank, "error", (rid, isinstance(exc, ValueError), str(exc))))
                 return
@@ -331,7 +334,7 @@ class ReplicaPool:
         return min(ready.values())
 
     # ---- the AsyncEngine interface ---------------------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], options) -> ReplicaStream:
+    async def submit(self, prompt_ids: list[int], options, *, mm=None) -> ReplicaStream:
         with self._lock:
             live = [r for r in self.replicas if r.alive]
             if self._closed or not live:
@@ -343,7 +346,10 @@ class ReplicaPool:
             replica.active += options.n
             replica.requests += 1
             replica.rids.add(rid)
-        replica.commands.put(("add", rid, stream.prompt_ids, options))
+        # images travel pickled by value (a tensor put on the queue as it is would go through shared memory that
+        # this process must keep alive until the replica has read it)
+        images = () if mm is None else (pickle.dumps(mm),)
+        replica.commands.put(("add", rid, stream.prompt_ids, options, *images))
         return stream
 
     async def run_on_engine(self, fn, *args):

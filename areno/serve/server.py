@@ -39,12 +39,17 @@ def build_app(config, *, model=None, tokenizer=None):
     detokenisation and SSE encoding), or, with --engine-thread, under a --world-size == --tp-size > 1 launch (TP
     rank 0 holds the engine) or when tests pass ``model``/``tokenizer`` objects, an AsyncEngine (``ServeEngine``)
     on an engine thread in this process."""
+    from areno.models.multimodal import MediaLimits
     from areno.rollout.session import build_engine
     from areno.serve.app import create_app
+    from areno.serve.media import ChatMedia
     from areno.serve.replicas import build_pool, check_topology, visible_gpus
     from areno.serve.scoring import ServeEngine
 
     name = config.served_model_name or str(config.model_path).rstrip("/")
+    media = ChatMedia(config.model_path, MediaLimits(max_image_bytes=config.max_image_bytes,
+                                                     max_image_pixels=config.max_image_pixels,
+                                                     max_images=config.max_images_per_prompt))
     replicas = check_topology(config.world_size, config.tp_size, len(visible_gpus()))
     if config.engine_thread and replicas > 1:
         from areno.config import ConfigError
@@ -59,7 +64,7 @@ def build_app(config, *, model=None, tokenizer=None):
         pool = build_pool(config, replicas)
         app = create_app(pool, tokenizer, model_name=name, max_model_len=pool.max_model_len,
                          api_key=config.api_key, max_running=config.max_running_prompts,
-                         max_request_bytes=config.max_request_bytes)
+                         max_request_bytes=config.max_request_bytes, media=media)
         return app, pool
 
     engine, tokenizer = build_engine(
@@ -72,7 +77,7 @@ def build_app(config, *, model=None, tokenizer=None):
     aengine = ServeEngine(engine)
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
                      api_key=config.api_key, max_running=config.max_running_prompts,
-                     max_request_bytes=config.max_request_bytes)
+                     max_request_bytes=config.max_request_bytes, media=media)
     return app, aengine
 
 

@@ -25,13 +25,13 @@ def tool_arguments(args):
                        param="messages.tool_calls.function.arguments") from exc
 
 
-def render_chat(tokenizer, req) -> str:
-    """The prompt text of a chat request (``ChatCompletionRequest`` or ``TokenizeChatRequest``): its messages and
-    tools through the chat template, with ``add_generation_prompt``, ``continue_final_message`` (the last assistant
-    message left open, to be continued), ``chat_template_kwargs`` and ``reasoning_effort`` as template variables."""
+def chat_messages(req, *, media: bool = False) -> list[dict]:
+    """A chat request's messages as chat-template dicts; ``media``: list contents keep their parts (the shared
+    schema's dicts, for ``MultimodalProcessor``), else they become their text."""
     messages = []
     for m in req.messages:
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""}
+        content = [p.model_dump(exclude_none=True) for p in m.content] if media and m.has_media() else m.text() or ""
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.tool_calls:
             msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
                 "name": c.function.name, "arguments": tool_arguments(c.function.arguments)}}
@@ -43,14 +43,28 @@ def render_chat(tokenizer, req) -> str:
         if m.reasoning_content:
             msg["reasoning_content"] = m.reasoning_content
         messages.append(msg)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return messages
+
+
+def template_kwargs(req) -> dict:
+    """The chat template's arguments besides the messages and ``add_generation_prompt``."""
     kwargs = dict(req.chat_template_kwargs or {})
     if getattr(req, "reasoning_effort", None) is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return dict(tools=tools, continue_final_message=req.continue_final_message, **kwargs)
+
+
+def render_chat(tokenizer, req) -> str:
+    """The prompt text of a chat request (``ChatCompletionRequest`` or ``TokenizeChatRequest``) without media parts:
+    its messages and tools through the chat template, with ``add_generation_prompt``, ``continue_final_message``
+    (the last assistant message left open, to be continued), ``chat_template_kwargs`` and ``reasoning_effort`` as
+    template variables. Media parts go through ``areno.serve.media.ChatMedia`` instead."""
+    if req.has_media():
+        raise APIError(400, "messages with image, audio or video parts need the model's processor", param="messages")
     try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=req.generation_prompt(),
-            continue_final_message=req.continue_final_message, tokenize=False, **kwargs)
+        return tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=req.generation_prompt(),
+                                             tokenize=False, **template_kwargs(req))
     except Exception as exc:
         raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                        param="messages") from exc
@@ -76,9 +90,10 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     return info
 
 
-def add_tokenizer_routes(app, tokenizer, *, prep, check_model, max_model_len: int):
+def add_tokenizer_routes(app, tokenizer, *, prep, check_model, max_model_len: int, media=None):
     """Register /tokenize, /detokenize and /tokenizer_info on ``app``. ``prep(fn, *args)`` runs CPU work off the
-    event loop, ``check_model(name)`` refuses another model's name."""
+    event loop, ``check_model(name)`` refuses another model's name, ``media`` (``ChatMedia``) renders messages with
+    media parts (their placeholders expanded to the image tokens, as the chat route counts them)."""
     vocab = len(tokenizer)
     info = tokenizer_info(tokenizer, max_model_len)
 
@@ -91,8 +106,11 @@ def add_tokenizer_routes(app, tokenizer, *, prep, check_model, max_model_len: in
         req = validate(obj, TokenizeChatRequest if chat else TokenizeCompletionRequest)
         if req.model is not None:
             check_model(req.model)
-        text = render_chat(tokenizer, req) if chat else req.prompt
-        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        if chat and req.has_media() and media is not None:
+            ids = media.encode(req).input_ids
+        else:
+            text = render_chat(tokenizer, req) if chat else req.prompt
+            ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                 "token_strs": token_strs(ids) if req.return_token_strs else None}
 
