@@ -43,7 +43,7 @@ for stage in "$@"; do
       if timeout 120 python3 bench/rollout.py --smoke >"$OUT/smoke.txt" 2>&1 && ! grep -q "Traceback" "$OUT/smoke.txt"
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
-    serve) step serve 300 python3 bench/serve.py ;;
+    serve) step serve 480 python3 bench/serve.py ;;  # the engine alone on the same batch first, then the server
     profile) step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;
     tests3) step gpu-tests 200 python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider \
         tests/rollout/test_engine.py tests/kernels/test_gemm.py tests/kernels/test_qkv_prologue.py \
