@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import traceback
 import uuid
@@ -369,9 +370,14 @@ class AgentRollout:
             self.loop.engine.refresh()  # stale prefixes from the previous policy go
             self.loop.model.eval()
             self.async_engine = AsyncEngine(self.loop.engine.engine, decode_steps=self.cfg.decode_steps)
+            # the engine thread and the agents' event loop share the GIL: with the default 5 ms switch interval a
+            # turn boundary's hundreds of resubmissions queue behind engine steps 5 ms at a time
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, 0.0005))
             try:
                 rewards, failures = asyncio.run(self._run_all(items))
             finally:
+                sys.setswitchinterval(interval)
                 self.async_engine.shutdown(drain=False)
                 self.async_engine = None
                 self.loop.model.train()

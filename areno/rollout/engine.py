@@ -245,7 +245,7 @@ class Engine:
                                                 state_copies=state_copies)
         self._keep_routing(step)
         self.scheduler.after_step(step)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        tokens, logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()  # .cpu() waits without the GIL
         for i, seq in enumerate(rows):
             seq.append(tokens[i], logprobs[i])
             if top is not None and seq.options.top_logprobs:
@@ -276,7 +276,7 @@ class Engine:
         tokens, logprobs = self.runner.run_decode_steps(step, rows, k, copies, state_copies)
         self.step_counts["chained"] += k
         self._keep_routing(step)
-        tokens, logprobs = tokens.t().tolist(), logprobs.t().tolist()  # [rows][k]
+        tokens, logprobs = tokens.t().cpu().tolist(), logprobs.t().cpu().tolist()  # [rows][k]; .cpu(): no GIL held
         appended = 0
         for seq, toks, lps in zip(rows, tokens, logprobs):
             before = len(seq)
