@@ -23,6 +23,7 @@ agent or the template adds 0 (tool results 1 with ``--train-tool-results``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -372,12 +373,16 @@ class AgentRollout:
             self.async_engine = AsyncEngine(self.loop.engine.engine, decode_steps=self.cfg.decode_steps)
             # the engine thread and the agents' event loop share the GIL: with the default 5 ms switch interval a
             # turn boundary's hundreds of resubmissions queue behind engine steps 5 ms at a time
-            interval = sys.getswitchinterval()
+            # and no cyclic-GC pass during the rollout: a full collection over its many small objects stalls both
+            interval, collecting = sys.getswitchinterval(), gc.isenabled()
             sys.setswitchinterval(min(interval, 0.0005))
+            gc.disable()
             try:
                 rewards, failures = asyncio.run(self._run_all(items))
             finally:
                 sys.setswitchinterval(interval)
+                if collecting:
+                    gc.enable()
                 self.async_engine.shutdown(drain=False)
                 self.async_engine = None
                 self.loop.model.train()
