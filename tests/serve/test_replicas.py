@@ -134,10 +134,12 @@ def test_two_replicas_of_tp2_serve_and_match_one_process(tiny_ckpt, server):
         assert [o.choices[0].text for o in many] == [o.choices[0].text for o in one]
         served = [r["requests"] for r in health(s)["replicas"]]
         assert sum(served) == len(PROMPTS) and min(served) >= 1, served
-        r = httpx.post(s.base_url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "hi there", "max_tokens": 0, "logprobs": 1, "echo": True})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "echo"  # not built under TP yet
-        assert "--tp-size > 1" in r.json()["error"]["message"]
+        body = {"model": "tiny", "prompt": "hi there", "max_tokens": 0, "logprobs": 1, "echo": True}
+        r, r1 = (httpx.post(u + "/v1/completions", timeout=60, json=body) for u in (s.base_url, server.base_url))
+        assert r.status_code == 200 == r1.status_code, r.text  # prompt log-probs under TP: every rank scores
+        lp, lp1 = (x.json()["choices"][0]["logprobs"] for x in (r, r1))
+        assert lp["tokens"] == lp1["tokens"] and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(lp1["token_logprobs"][1:], abs=1e-4)
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0, s.output()
     finally:
