@@ -155,6 +155,14 @@ class Engine:
         if self.runner is None:
             self._build()
 
+    def capture_graphs(self, decode_steps=(1,)) -> int:
+        """Capture every batch bucket's decode graph now instead of on first use (``ModelRunner.capture_graphs``);
+        under tensor parallelism the ranks capture together on first use, so nothing happens here."""
+        self._ensure_built()
+        if getattr(self.model, "tp_group", None) is not None:
+            return 0
+        return self.runner.capture_graphs(decode_steps)
+
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int] | None, options: SamplingOptions | None = None, request_id=None, *,
                     mm=None):  # fmt: skip

@@ -525,6 +525,19 @@ class ModelRunner:
             self.graph_pool = graph.pool()
         self.graphs[_graph_key(bsz, k, width, rope_off)] = (graph, buf, out)
 
+    @torch.inference_mode()
+    def capture_graphs(self, decode_steps=(1,)) -> int:
+        """Capture the plain decode graph of every batch-size bucket for each k in ``decode_steps`` now (a server
+        does this at start: a graph captured on first use stalls that step by the capture's time). Returns how many
+        were captured; none without graphs."""
+        if not self.use_graphs:
+            return 0
+        todo = [(b, k) for k in decode_steps for b in self.graph_buckets
+                if _graph_key(b, k, 0, False) not in self.graphs]
+        for bsz, k in todo:
+            self._capture(bsz, k)
+        return len(todo)
+
     def _run_graph(self, inp: StepInputs):
         n, k = len(inp.seq_lens), inp.decode_steps
         bsz = self._bucket(n)

@@ -98,6 +98,7 @@ def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events,
         from areno.rollout.session import build_engine
 
         engine, _ = build_engine(**engine_kwargs)
+        engine.capture_graphs((1,))  # the server decodes one token per step; no capture stalls a request later
     except BaseException as exc:  # report, so the front end fails at start with the reason
         events.put((rank, "failed", f"{type(exc).__name__}: {exc}"))
         return

@@ -279,3 +279,22 @@ def test_final_only_stream_delivers_a_sample_once_with_the_streamed_tokens(qwen3
     ae.shutdown()
     assert final == streamed and len(final) == 2 * 9
     assert w_final <= 2 < w_stream  # one wake-up per sample at most
+
+
+def test_capture_graphs_is_a_no_op_without_graphs(qwen3):
+    _, model, tok = qwen3
+    assert engine(model, tok).capture_graphs((1, 4)) == 0  # CPU: no CUDA graphs
+
+
+@pytest.mark.gpu
+def test_capture_graphs_captures_every_bucket_before_the_first_request(tmp_path):
+    """A server captures every decode bucket at start: later steps of any batch size replay without capturing."""
+    path = make_tiny_checkpoint(tmp_path, family="qwen3", seed=2)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    eng = engine(model, load_tokenizer(path), block_size=16, max_running=24)
+    n = eng.capture_graphs((1,))
+    assert n == len(eng.runner.graph_buckets) and eng.capture_graphs((1,)) == 0
+    before = set(eng.runner.graphs)
+    tok = load_tokenizer(path)
+    eng.generate([tok.encode(p) for p in PROMPTS * 5], SamplingOptions(temperature=1.0, max_new_tokens=6, seed=1))
+    assert set(eng.runner.graphs) == before
