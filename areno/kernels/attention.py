@@ -14,12 +14,21 @@ sequence tail pay for the mask, and blocks past the diagonal are skipped. The ba
 delta = rowsum(dO * O) first, then dK/dV with one program per (BLOCK_N keys, sequence, KV head) iterating over the
 query blocks of every query head of its group (no atomics), then dQ with one program per query block.
 FLOPs (causal, Lq == Lk = L): forward 4 * H * L^2 * D / 2, backward 2.5x that.
+
+Two backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs):
+- "split" (default): the dK/dV kernel above, then a dQ kernel that recomputes S and dP per query block: seven
+  [BLOCK, BLOCK, D] matmuls per (query block, key block) pair, 3.5x the forward's FLOPs, no atomics.
+- "fused": the same dK/dV program also forms dQ_partial = dS K for each query block it visits and adds it with fp32
+  atomics (relaxed) into a [Tq, Hq, D] fp32 accumulator that the delta kernel zeroes; dQ = accumulator cast to q's
+  dtype. Five matmuls per pair (2.5x the forward) plus Tq * Hq * D * ceil(Lk / BLOCK_N) (causal: about half)
+  fp32 atomic adds, i.e. one per 2 * BLOCK_N FLOPs of the dQ product, so BLOCK_N is kept at 64-128.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -31,7 +40,16 @@ _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 # Tile sizes used under TRITON_INTERPRET=1, where autotuning cannot run (tests may change them).
-INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16)}
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32)}
+BWD_VARIANTS = ("split", "fused")
+
+
+def backward_variant() -> str:
+    """``ARENO_ATTN_BWD``: "split" (default; dK/dV kernel + dQ kernel) or "fused" (one pass, dQ through atomics)."""
+    variant = os.environ.get("ARENO_ATTN_BWD", "split").strip().lower() or "split"
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"ARENO_ATTN_BWD must be one of {BWD_VARIANTS} or unset, got {variant!r}")
+    return variant
 
 
 @triton.jit
@@ -142,9 +160,11 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh,
-                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    # delta[h, t] = sum_d dO[t, h, d] * O[t, h, d]  (= rowsum(P * dP), the softmax-backward correction)
+def _attn_bwd_delta_kernel(O, DO, DELTA, DQ, T, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh, stride_dqt,
+                           stride_dqh, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                           ZERO_DQ: tl.constexpr):
+    # delta[h, t] = sum_d dO[t, h, d] * O[t, h, d]  (= rowsum(P * dP), the softmax-backward correction);
+    # ZERO_DQ (fused backward): also clear the rows of the fp32 dQ accumulator, saving a separate memset launch.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -154,12 +174,16 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, T, stride_ot, stride_oh, stride_dt, str
     do = tl.load(DO + rows64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + h * stride_lh + rows, delta, mask=rows < T)
+    if ZERO_DQ:
+        tl.store(DQ + rows64[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+                 tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32), mask=mask)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m, cols, offs_d,
-                lo, hi, Lq, diag, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, stride_qt, stride_dot, stride_dqt, offs_m,
+                cols, offs_d, lo, hi, Lq, diag, qk_scale, sm_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+                DQ_ATOMIC: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
@@ -180,20 +204,30 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, 
         else:
             delta = tl.load(delta_ptrs + start_m)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        if DQ_ATOMIC:
+            # dQ[rows] += scale * dS K over this key tile. Key rows past Lk loaded as 0, so they add exactly 0;
+            # rows past Lq have dS = 0 and are masked out of the add.
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC) * sm_scale
+            dq_mask = rows[:, None] < Lq
+            if not EVEN_D:
+                dq_mask = dq_mask & (offs_d[None, :] < D)
+            tl.atomic_add(dq_ptrs + start_m * stride_dqt, dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+    Q, K, V, DO, DK, DV, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
     GROUP, SEQ_BUCKET,
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    # DQ_ATOMIC (the fused backward): DQ is the fp32 [Tq, Hq, D] accumulator, zeroed by the delta kernel; the dQ kernel
+    # does not run. Otherwise DQ is unused.
     start_n = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
@@ -228,16 +262,20 @@ def _attn_bwd_dkdv_kernel(
     a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
     q_base = Q + q_start.to(tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_d[None, :]
     do_base = DO + q_start.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_d[None, :]
+    dq_base = DQ + q_start.to(tl.int64) * stride_dqt + offs_m[:, None] * stride_dqt + offs_d[None, :]
     for g in range(GROUP):
         h = hk * GROUP + g
         q_ptrs = q_base + h * stride_qh
         do_ptrs = do_base + h * stride_doh
+        dq_ptrs = dq_base + h * stride_dqh
         lse_ptrs = LSE + h * stride_lh + q_start + offs_m
         delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
-                             cols, offs_d, m_lo, a1, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, True, DOT_PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
-                             cols, offs_d, a1, end, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, False, True, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, stride_qt, stride_dot,
+                             stride_dqt, offs_m, cols, offs_d, m_lo, a1, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
+                             EVEN_D, CAUSAL, True, DOT_PREC, DQ_ATOMIC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, stride_qt, stride_dot,
+                             stride_dqt, offs_m, cols, offs_d, a1, end, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
+                             EVEN_D, False, True, DOT_PREC, DQ_ATOMIC)
 
     dk = dk * sm_scale
     mask = cols[:, None] < Lk
@@ -342,14 +380,23 @@ _CONFIGS = {
     ("dq", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 4),
                   _cfg(64, 64, 4, 2)],
     ("dq", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(32, 32, 4, 2)],
+    # The fused dK/dV/dQ pass: the dK/dV tiling (tall key tile, two [BLOCK_N, D] fp32 accumulators) plus a
+    # [BLOCK_M, D] fp32 dQ partial per step; BLOCK_N >= 64 keeps the atomics at one per >= 128 FLOPs of dS K.
+    ("fused", 64): [_cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
+    ("fused", 128): [_cfg(64, 128, 8, 2), _cfg(32, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(16, 128, 8, 3),
+                     _cfg(64, 64, 4, 3), _cfg(64, 64, 8, 3)],
+    ("fused", 256): [_cfg(32, 64, 8, 2), _cfg(16, 64, 8, 2), _cfg(32, 32, 4, 2)],
 }
-_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel,
+            "fused": _attn_bwd_dkdv_kernel}
 
 
 @functools.cache
 def _tuned(kind: str, dim_class: int):
     key = ["SEQ_BUCKET", "BLOCK_D", "CAUSAL", "GROUP"]
-    return triton.autotune(configs=_CONFIGS[(kind, dim_class)], key=key)(_KERNELS[kind])
+    # the fused pass accumulates into DQ with atomics: each benchmarked config must start from a zeroed DQ
+    reset = ["DQ"] if kind == "fused" else None
+    return triton.autotune(configs=_CONFIGS[(kind, dim_class)], key=key, reset_to_zero=reset)(_KERNELS[kind])
 
 
 def _dim_class(block_d: int) -> int:
@@ -363,7 +410,7 @@ FORCE_CONFIG: dict = {}
 
 def _launch(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucket: int, *args, **kwargs):
     """Run kernel ``kind`` with grid (cdiv(grid_rows, tile), *grid_rest): autotuned on GPU, one config interpreted."""
-    tile_axis = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    tile_axis = "BLOCK_N" if kind in ("dkdv", "fused") else "BLOCK_M"
     kwargs.update(SEQ_BUCKET=seq_bucket, BLOCK_D=block_d)
     if interpreting():
         bm, bn = INTERPRET_BLOCKS[kind]
@@ -403,30 +450,36 @@ def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return o, lse
 
 
-def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, variant="split"):
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fused = variant == "fused"
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # fused: dQ accumulates in fp32 (zeroed by the delta kernel below), then is cast to q's dtype
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
     delta = torch.empty_like(lse)
     if Tq > 0:
         block_t = 16 if interpreting() else 64
         _attn_bwd_delta_kernel[(triton.cdiv(Tq, block_t), Hq)](
-            o, do, delta, Tq, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-            D=D, BLOCK_T=block_t, BLOCK_D=block_d,
+            o, do, delta, dq, Tq, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+            dq.stride(0), dq.stride(1), D=D, BLOCK_T=block_t, BLOCK_D=block_d, ZERO_DQ=fused,
         )  # fmt: skip
     if B == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     common = dict(D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
     bucket = _seq_bucket(max(max_q, max_k))
     if max_k > 0:
         _launch(
-            "dkdv", max_k, (B, Hkv), block_d, bucket,
-            q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
+            "fused" if fused else "dkdv", max_k, (B, Hkv), block_d, bucket,
+            q, k, v, do, dk, dv, dq, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), Hq // Hkv, **common,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+            Hq // Hkv, DQ_ATOMIC=fused, **common,
         )  # fmt: skip
+    if fused:
+        return dq.to(q.dtype), dk, dv
     if max_q > 0:
         _launch(
             "dq", max_q, (B, Hq), block_d, bucket,
@@ -439,19 +492,18 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale)
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, bwd_variant):
         o, lse = _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale)
+        ctx.args = (max_q, max_k, causal, scale, bwd_variant)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, causal, scale = ctx.args
         do = do if do.stride(-1) == 1 else do.contiguous()
-        dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -562,9 +614,11 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     Causal masks align to the end of each key sequence (query i sees keys j <= i + Lk - Lq). ``max_seqlen_*`` are
     host ints (upper bounds of the per-sequence lengths; they size the grid). ``backend``: None follows
     ``use_triton``; "native" forces PyTorch (SDPA per sequence on CUDA); "triton" (alias "flash") forces Triton.
-    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths.
+    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. The Triton path's backward
+    follows ``ARENO_ATTN_BWD`` ("split" or "fused", see the module docstring), read here, at the forward.
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    bwd_variant = backward_variant()  # an invalid value fails on every path, not only where it would take effect
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if backend is None:
         run_triton = use_triton(q, k, v, supported=_triton_supported(q))
@@ -584,4 +638,5 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_seqlens_k.to(torch.int32)
-    return _TritonAttention.apply(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale)
+    return _TritonAttention.apply(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
+                                  bwd_variant)
