@@ -679,12 +679,13 @@ def gated_delta_rule_step_native(q, k, v, g, beta, state, *, scale=None, state_i
         state.copy_(S)
         return o.to(out_dtype)
     # Skipped rows write the same slot and value as the first valid row (or slot 0's own value if none is valid),
-    # so duplicate indices never race with different values.
+    # so duplicate indices never race with different values. (index_select with a 1-element index: indexing with a
+    # 0-dim tensor would read it on the host.)
     old = state.index_select(0, slot)
     S = torch.where(ok[:, None, None, None], S, old)
-    j = torch.argmax(ok.to(torch.int32))
-    target = torch.where(ok, slot, slot[j])
-    S = torch.where(ok[:, None, None, None], S, S[j])
+    j = torch.argmax(ok.to(torch.int32)).view(1)
+    target = torch.where(ok, slot, slot.index_select(0, j))
+    S = torch.where(ok[:, None, None, None], S, S.index_select(0, j))
     state.index_copy_(0, target, S)
     return torch.where(ok[:, None, None], o, 0.0).to(out_dtype)
 

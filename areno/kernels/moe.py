@@ -15,8 +15,10 @@ SiLU-and-mul backward (-> dg|du, w*h, d w); dW2 and dW13 as per-expert row reduc
 dx per pair (grouped GEMM) then a per-token sum.
 FLOPs: forward 2*T*k*(H*2I + I*H), backward twice that.
 
-Native path: the per-expert loop as transformers' Qwen3MoeExperts runs it (CPU and reference); ``fused_moe_reference``
-is a dense float64-capable oracle for tests. ``fused_moe`` dispatches through ``use_triton``.
+Native path: the per-expert loop as transformers' Qwen3MoeExperts runs it (CPU and reference), which syncs to find the
+hit experts, so without gradients at decode size it runs ``fused_moe_dense`` instead (every expert over every token,
+masked: no host sync, graph-capturable; the GPU's path for fp32, which the Triton path leaves to native);
+``fused_moe_reference`` is a dense float64-capable oracle for tests. ``fused_moe`` dispatches through ``use_triton``.
 Ids must lie in [0, E): they are not checked on device (that would need a sync).
 """
 
@@ -29,7 +31,7 @@ from areno.kernels import moe_gemm
 from areno.kernels.dispatch import interpreting, use_triton
 from areno.kernels.moe_routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
 
-__all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native",
+__all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native", "fused_moe_dense",
            "fused_moe_reference", "sort_by_expert"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -88,9 +90,13 @@ class FusedMoEFunction(torch.autograd.Function):
 
 
 def fused_moe_native(x, w13, w2, topk_weights, topk_ids, *, activation: str = "silu"):
-    """The per-expert loop, as transformers' Qwen3MoeExperts.forward runs it (host syncs on the hit experts)."""
+    """The per-expert loop, as transformers' Qwen3MoeExperts.forward runs it (host syncs on the hit experts); without
+    gradients at decode size (at most ``DENSE_PAIRS_PER_EXPERT`` pairs per expert) :func:`fused_moe_dense`."""
     _check_activation(activation)
     E = w13.shape[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
+    if not grad and topk_ids.numel() <= DENSE_PAIRS_PER_EXPERT * E:
+        return fused_moe_dense(x, w13, w2, topk_weights, topk_ids)
     out = torch.zeros_like(x)
     mask = F.one_hot(topk_ids.long(), num_classes=E).permute(2, 1, 0)  # [E, k, T]
     for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
@@ -98,6 +104,23 @@ def fused_moe_native(x, w13, w2, topk_weights, topk_ids, *, activation: str = "s
         gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
         o = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[tok, slot, None]
         out.index_add_(0, tok, o.to(out.dtype))
+    return out
+
+
+# The decode-size bound (pairs per expert) of the sync-free native path: the bound of moe_gemm's fixed decode config.
+DENSE_PAIRS_PER_EXPERT = 16
+
+
+def fused_moe_dense(x, w13, w2, topk_weights, topk_ids):
+    """Every expert over every token, kept where the token routes to it: fixed shapes and no host sync, so a CUDA graph
+    can hold it (the native path's decode step: fp32 on a GPU, which the Triton path leaves to native). E/k times the
+    routed FLOPs. Experts accumulate in id order, as the per-expert loop does. No gradients."""
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        hit = topk_ids == e  # [T, k]
+        gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
+        o = F.linear(F.silu(gate) * up, w2[e]) * (topk_weights * hit).sum(dim=1, keepdim=True)
+        out += torch.where(hit.any(dim=1, keepdim=True), o, 0).to(out.dtype)  # never 0 * inf for unrouted tokens
     return out
 
 

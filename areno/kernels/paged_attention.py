@@ -277,11 +277,16 @@ def _paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, c
 
 
 def _store_kvcache_native(k, v, k_cache, v_cache, slot_mapping):
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    page = k_cache.shape[1]
-    k_cache[slots // page, slots % page] = k[valid]
-    v_cache[slots // page, slots % page] = v[valid]
+    """No host sync (graph-capturable): a row at slot -1 rewrites the first valid row's slot with that row's K/V (slot 0
+    with what it holds when no row is valid), so every slot written gets one value however many rows write it."""
+    ok = slot_mapping >= 0
+    first = torch.argmax(ok.to(torch.int32)).view(1)
+    slots = torch.where(ok, slot_mapping, slot_mapping.index_select(0, first)).long().clamp(min=0)
+    blk, off = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    keep, any_ok = ok[:, None, None], ok.any()
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        val = torch.where(keep, new, new.index_select(0, first)).to(cache.dtype)
+        cache[blk, off] = torch.where(any_ok, val, cache[blk, off])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -86,9 +86,11 @@ def causal_conv1d_update_native(x, conv_state, weight, bias=None, *, activation=
         conv_state.copy_(new)
         return y
     # Skipped rows rewrite the first valid row's slot with its value (or slot 0 with its own), so no write races.
+    # (index_select with a 1-element index: indexing with a 0-dim tensor would read it on the host)
     new = torch.where(ok[:, None, None], new, old)
-    j = torch.argmax(ok.to(torch.int32))
-    conv_state.index_copy_(0, torch.where(ok, slot, slot[j]), torch.where(ok[:, None, None], new, new[j]))
+    j = torch.argmax(ok.to(torch.int32)).view(1)
+    conv_state.index_copy_(0, torch.where(ok, slot, slot.index_select(0, j)),
+                           torch.where(ok[:, None, None], new, new.index_select(0, j)))
     return torch.where(ok[:, None], y, 0)
 
 
