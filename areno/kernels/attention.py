@@ -180,10 +180,9 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, DQ, T, stride_ot, stride_oh, stride_dt,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, stride_qt, stride_dot, stride_dqt, offs_m,
-                cols, offs_d, lo, hi, Lq, diag, qk_scale, sm_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m, cols, offs_d,
+                lo, hi, Lq, diag, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
@@ -204,30 +203,20 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, st
         else:
             delta = tl.load(delta_ptrs + start_m)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        if DQ_ATOMIC:
-            # dQ[rows] += scale * dS K over this key tile. Key rows past Lk loaded as 0, so they add exactly 0;
-            # rows past Lq have dS = 0 and are masked out of the add.
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC) * sm_scale
-            dq_mask = rows[:, None] < Lq
-            if not EVEN_D:
-                dq_mask = dq_mask & (offs_d[None, :] < D)
-            tl.atomic_add(dq_ptrs + start_m * stride_dqt, dq, mask=dq_mask, sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+    Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     GROUP, SEQ_BUCKET,
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # DQ_ATOMIC (the fused backward): DQ is the fp32 [Tq, Hq, D] accumulator, zeroed by the delta kernel; the dQ kernel
-    # does not run. Otherwise DQ is unused.
     start_n = tl.program_id(0)
     b = tl.program_id(1)
     hk = tl.program_id(2)
@@ -262,20 +251,118 @@ def _attn_bwd_dkdv_kernel(
     a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
     q_base = Q + q_start.to(tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_d[None, :]
     do_base = DO + q_start.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_d[None, :]
-    dq_base = DQ + q_start.to(tl.int64) * stride_dqt + offs_m[:, None] * stride_dqt + offs_d[None, :]
     for g in range(GROUP):
         h = hk * GROUP + g
         q_ptrs = q_base + h * stride_qh
         do_ptrs = do_base + h * stride_doh
-        dq_ptrs = dq_base + h * stride_dqh
         lse_ptrs = LSE + h * stride_lh + q_start + offs_m
         delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, stride_qt, stride_dot,
-                             stride_dqt, offs_m, cols, offs_d, m_lo, a1, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
-                             EVEN_D, CAUSAL, True, DOT_PREC, DQ_ATOMIC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs, stride_qt, stride_dot,
-                             stride_dqt, offs_m, cols, offs_d, a1, end, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
-                             EVEN_D, False, True, DOT_PREC, DQ_ATOMIC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
+                             cols, offs_d, m_lo, a1, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, True, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
+                             cols, offs_d, a1, end, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, False, True, DOT_PREC)
+
+    dk = dk * sm_scale
+    mask = cols[:, None] < Lk
+    if not EVEN_D:
+        mask = mask & (offs_d[None, :] < D)
+    dk_ptrs = DK + k_start.to(tl.int64) * stride_dkt + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :]
+    dv_ptrs = DV + k_start.to(tl.int64) * stride_dvt + hk * stride_dvh + cols[:, None] * stride_dvt + offs_d[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _q_bounds(start_n, Lq, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query blocks a key tile needs: [m_lo, a1) cross the diagonal (causal mask), [a1, end) see every key of it."""
+    if CAUSAL:
+        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    return m_lo, tl.maximum(m_lo, tl.minimum(m_full, end)), end
+
+
+@triton.jit
+def _fused_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qt, stride_dot, stride_dqt,
+                 offs_m, cols, offs_d, lo, hi, Lq, diag, qk_scale, sm_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+    # Addresses are rebuilt from the row index each step rather than kept as [BLOCK_M, D] pointer tensors across the
+    # loop: those tensors cost registers the two [BLOCK_N, D] fp32 accumulators need.
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        row_ok = rows < Lq
+        q = _load_rows(q_base + rows[:, None] * stride_qt + offs_d[None, :], rows, Lq, offs_d, D, True, EVEN_D)
+        lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))  # rows past Lq: P = 0
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+        p_t = tl.exp2(qk_t - lse[None, :])
+        if CAUSAL:
+            p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
+        do = _load_rows(do_base + rows[:, None] * stride_dot + offs_d[None, :], rows, Lq, offs_d, D, True, EVEN_D)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        # dQ[rows] += scale * dS K over this key tile, formed transposed (K^T dS^T, [BLOCK_D, BLOCK_M]) so that the
+        # product's M side is the tall key tile: on sm_90 a short query tile (BLOCK_M < 64) still gets wgmma, and K^T
+        # is a view of the K tile already in shared memory. Key rows past Lk were loaded as 0, so they add exactly 0.
+        dq_t = tl.dot(tl.trans(k), ds_t, input_precision=DOT_PREC) * sm_scale
+        dq_mask = row_ok[None, :]
+        if not EVEN_D:
+            dq_mask = dq_mask & (offs_d[:, None] < D)
+        tl.atomic_add(dq_base + rows[None, :] * stride_dqt + offs_d[:, None], dq_t, mask=dq_mask, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_fused_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    GROUP, SEQ_BUCKET,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # The fused backward: the dK/dV program (one per key tile, sequence, KV head; every query head of the group in
+    # turn, so dK/dV stay in registers) also adds each visited query block's dQ into DQ, the fp32 [Tq, Hq, D]
+    # accumulator the delta kernel zeroed. Query blocks above the diagonal are skipped, the diagonal band masked.
+    start_n = tl.program_id(0)
+    b = tl.program_id(1)
+    hk = tl.program_id(2)
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    if start_n * BLOCK_N >= Lk:
+        return
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    diag = Lk - Lq
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_rows(K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + cols[:, None] * stride_kt
+                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
+    v = _load_rows(V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + cols[:, None] * stride_vt
+                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    m_lo, a1, end = _q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+        do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
+        dq_base = DQ + q_start.to(tl.int64) * stride_dqt + h * stride_dqh
+        lse_base = LSE + h * stride_lh + q_start
+        delta_base = DELTA + h * stride_lh + q_start
+        dk, dv = _fused_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qt, stride_dot,
+                              stride_dqt, offs_m, cols, offs_d, m_lo, a1, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
+                              EVEN_D, CAUSAL, DOT_PREC)
+        dk, dv = _fused_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qt, stride_dot,
+                              stride_dqt, offs_m, cols, offs_d, a1, end, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
+                              EVEN_D, False, DOT_PREC)
 
     dk = dk * sm_scale
     mask = cols[:, None] < Lk
@@ -380,15 +467,18 @@ _CONFIGS = {
     ("dq", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 4),
                   _cfg(64, 64, 4, 2)],
     ("dq", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(32, 32, 4, 2)],
-    # The fused dK/dV/dQ pass: the dK/dV tiling (tall key tile, two [BLOCK_N, D] fp32 accumulators) plus a
-    # [BLOCK_M, D] fp32 dQ partial per step; BLOCK_N >= 64 keeps the atomics at one per >= 128 FLOPs of dS K.
-    ("fused", 64): [_cfg(64, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
-    ("fused", 128): [_cfg(64, 128, 8, 2), _cfg(32, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(16, 128, 8, 3),
-                     _cfg(64, 64, 4, 3), _cfg(64, 64, 8, 3)],
-    ("fused", 256): [_cfg(32, 64, 8, 2), _cfg(16, 64, 8, 2), _cfg(32, 32, 4, 2)],
+    # The fused dK/dV/dQ pass: the dK/dV tiling plus a [D, BLOCK_M] fp32 dQ partial per step (all five products on
+    # wgmma, checked in the PTX). ptxas stack per config, d64: 0, 0, 80, 0 bytes; d128: 8, 8, 120, 40, 456;
+    # d256: 0, 8, 120. BLOCK_M 16 keeps d128 spill-free but gives the three [BLOCK_N, D] x [D, BLOCK_M] products
+    # an N of 16 (shared-memory bound); 64 x 128 is FlashAttention-2's tile and spills. Atomics: one per
+    # 2 * BLOCK_N FLOPs of dS K, so the key tile stays tall where the registers allow.
+    ("fused", 64): [_cfg(32, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
+    ("fused", 128): [_cfg(16, 128, 8, 2), _cfg(16, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(32, 64, 8, 3),
+                     _cfg(64, 128, 8, 2)],
+    ("fused", 256): [_cfg(16, 32, 8, 2), _cfg(32, 32, 8, 2), _cfg(16, 64, 8, 2)],
 }
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel,
-            "fused": _attn_bwd_dkdv_kernel}
+            "fused": _attn_bwd_fused_kernel}
 
 
 @functools.cache
@@ -470,16 +560,23 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
         return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     common = dict(D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
     bucket = _seq_bucket(max(max_q, max_k))
+    if fused:
+        if max_k > 0:
+            _launch(
+                "fused", max_k, (B, Hkv), block_d, bucket,
+                q, k, v, do, dq, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                lse.stride(0), Hq // Hkv, **common,
+            )  # fmt: skip
+        return dq.to(q.dtype), dk, dv
     if max_k > 0:
         _launch(
-            "fused" if fused else "dkdv", max_k, (B, Hkv), block_d, bucket,
-            q, k, v, do, dk, dv, dq, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
+            "dkdv", max_k, (B, Hkv), block_d, bucket,
+            q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-            Hq // Hkv, DQ_ATOMIC=fused, **common,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), Hq // Hkv, **common,
         )  # fmt: skip
-    if fused:
-        return dq.to(q.dtype), dk, dv
     if max_q > 0:
         _launch(
             "dq", max_q, (B, Hq), block_d, bucket,
