@@ -137,6 +137,60 @@ def test_softmax_scale_and_dispatch(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The fused backward (ARENO_ATTN_BWD=fused): dK/dV/dQ in one pass, dQ through fp32 atomics. Tiny odd shapes: lengths
+# that are not multiples of the tiles, packed sequences, GQA 1/2/4, head dims that are not powers of two.
+
+FUSED_CASES = {
+    "gqa1_varlen": ([1, 29, 19], [1, 29, 19], 2, 2, 32, True),
+    "gqa2_chunked": ([5, 26, 3], [9, 26, 45], 4, 2, 32, True),  # queries end-aligned on longer key sequences
+    "gqa4_odd_dim": ([21, 18], [21, 18], 4, 1, 24, True),
+    "q_longer_than_k": ([20, 8], [5, 8], 2, 1, 32, True),  # rows that see no key
+    "non_causal": ([7, 50], [30, 20], 4, 2, 32, False),
+}
+
+
+def run_variant(variant, monkeypatch, inputs, lq, lk, causal):
+    monkeypatch.setenv("ARENO_ATTN_BWD", variant)
+    return run(*inputs, lq, lk, causal, "triton")
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_backward_matches_reference_and_split(case, monkeypatch, nan_buffers):
+    lq, lk, hq, hkv, d, causal = FUSED_CASES[case]
+    seed = random.randrange(2**31)
+    inputs = make_inputs(lq, lk, hq, hkv, d, torch.float32, seed)
+    want = reference(*inputs, causal)
+    fused = run_variant("fused", monkeypatch, inputs, lq, lk, causal)
+    split = run_variant("split", monkeypatch, inputs, lq, lk, causal)
+    for name, f, s, w in zip("o dq dk dv".split(), fused, split, want):
+        assert f.dtype == torch.float32 and f.shape == w.shape
+        assert_close(f, w, TOL[torch.float32]["grad"], f"{case} fused {name} seed={seed}")
+        assert_close(f, s.double(), TOL[torch.float32]["grad"], f"{case} fused vs split {name} seed={seed}")
+
+
+def test_fused_backward_other_tiles_and_fp16(monkeypatch, nan_buffers):
+    """Key tile shorter than the query tile (the diagonal band is one block), and the fp32 -> fp16 dQ cast."""
+    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "fused", (32, 16))
+    lq, lk, hq, hkv, d, causal = [3, 45], [3, 61], 4, 2, 32, True
+    seed = random.randrange(2**31)
+    for dtype in (torch.float32, torch.float16):
+        inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
+        want = reference(*inputs, causal)
+        got = run_variant("fused", monkeypatch, inputs, lq, lk, causal)
+        for name, g, w in zip("o dq dk dv".split(), got, want):
+            assert g.dtype == dtype
+            assert_close(g, w, TOL[dtype]["grad"], f"{dtype} fused {name} seed={seed}")
+
+
+def test_backward_variant_is_validated(monkeypatch):
+    q, k, v, _, cu_q, cu_k = make_inputs([4], [4], 2, 1, 16, torch.float32, 0)
+    monkeypatch.setenv("ARENO_ATTN_BWD", "atomic")
+    for backend in ("triton", "native"):
+        with pytest.raises(ValueError, match="ARENO_ATTN_BWD"):
+            attention(q, k, v, cu_q, cu_k, 4, 4, backend=backend)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # GPU (bf16, real sizes). bf16 is judged against SDPA's own bf16 error w.r.t. the float64 reference.
 
 
@@ -174,6 +228,31 @@ def test_gpu_bf16_varlen_chunked_prefill(group):
 @pytest.mark.gpu
 def test_gpu_bf16_non_causal():
     _gpu_errors([100, 1500], [700, 1500], 16, 8, 128, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["split", "fused"])
+@pytest.mark.parametrize("shape", [
+    ([1024] * 8, [1024] * 8, 16, 8, 128, True),  # training shape
+    ([1024] * 4, [1024] * 4, 16, 8, 64, True),
+    ([1, 700, 129, 2048], [1, 700, 129, 2048], 8, 2, 256, True),
+    ([1, 700, 129, 2048], [1, 700, 129, 2048], 8, 2, 80, True),
+    ([1, 17, 300, 1000], [513, 17, 1800, 4000], 8, 2, 128, True),  # chunked prefill, GQA 4
+    ([100, 1500], [700, 1500], 16, 16, 128, False),
+], ids=["train_d128", "train_d64", "varlen_d256", "varlen_d80", "chunked_gqa4", "non_causal_mha"])
+def test_gpu_bf16_backward_variants(variant, shape, monkeypatch):
+    """Both backward variants (ARENO_ATTN_BWD) within a small factor of SDPA's own bf16 error."""
+    monkeypatch.setenv("ARENO_ATTN_BWD", variant)
+    _gpu_errors(*shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_fused_every_candidate_config(d, monkeypatch):
+    monkeypatch.setenv("ARENO_ATTN_BWD", "fused")
+    for cfg in attention_module._CONFIGS[("fused", d)]:
+        monkeypatch.setattr(attention_module, "FORCE_CONFIG", {"fused": cfg})
+        _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
 
 
 @pytest.mark.gpu
