@@ -1,12 +1,16 @@
 """K1: varlen causal attention forward/backward vs torch SDPA (flash, cuDNN), and paged decode bandwidth.
 
     python bench/attention.py                            # H200: the K1 shapes and the decode grid below
+    python bench/attention.py --bwd-variants             # H200: K1 only, areno with each backward variant
     TRITON_INTERPRET=1 python bench/attention.py --smoke # CPU: tiny shapes, checks the script (times meaningless)
 
 Training attention: batch 8 sequences of L = 1k, 4k, 8k tokens, 16 query / 8 KV heads, head_dim 128, bf16, causal.
 areno runs on the packed [B*L, H, D] layout with cu_seqlens; SDPA runs on [B, H, L, D] with enable_gqa, once per
 backend (flash, cuDNN when torch has it). FLOPs count the causal half: forward 4*B*Hq*L^2*D/2, backward 2.5x that.
 Times: forward (no autograd graph), backward (autograd.grad of q, k, v from a saved graph), forward+backward.
+--bwd-variants: areno runs once per backward variant (ARENO_ATTN_BWD = split, fused; impl "areno bwd=<variant>"),
+each row with its fwd+bwd and backward-only speed-ups over SDPA flash and cuDNN, and the largest gradient
+difference between the variants at the first length is printed; the decode part is skipped.
 
 Paged decode: one query per sequence over a context of C tokens in a paged cache (block size 16 and 64, blocks
 scattered at random), batch 1/64/256, C = 512/2048. Bytes it must read: K and V of every context token
@@ -75,36 +79,64 @@ def measure(fwd, inputs):
     return t_fwd, t_bwd, t_all
 
 
-def bench_training(seqs, batch, hq, hkv, d, dtype):
+def areno_attention(L, cu, variant):
+    """areno's attention on the packed layout; ``variant`` (None: the environment's) picks the backward."""
+    def fn(q, k, v):
+        if variant is not None:
+            os.environ["ARENO_ATTN_BWD"] = variant  # read by attention() at the forward
+        return attention(q, k, v, cu, cu, L, L, causal=True)
+    return fn
+
+
+def compare_variants(variants, L, cu, q, k, v):
+    """Print the largest |grad difference| of each backward variant from the first, relative to the gradient's size."""
+    g = torch.randn_like(q)
+    grads = {var: torch.autograd.grad(areno_attention(L, cu, var)(q, k, v), (q, k, v), g) for var in variants}
+    first = variants[0]
+    for var in variants[1:]:
+        diffs = [f"{n} {(a.float() - b.float()).abs().max().item() / b.float().abs().max().item():.2e}"
+                 for n, a, b in zip(("dq", "dk", "dv"), grads[var], grads[first])]
+        print(f"  L={L}: max |{var} - {first}| / max |{first}|: " + ", ".join(diffs))
+
+
+def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     dev = "cuda" if CUDA else "cpu"
     rows = []
+    saved_variant = os.environ.get("ARENO_ATTN_BWD")
     for L in seqs:
         flops = 4 * batch * hq * L * L * d / 2
         q = torch.randn(batch * L, hq, d, device=dev, dtype=dtype, requires_grad=True)
         k = torch.randn(batch * L, hkv, d, device=dev, dtype=dtype, requires_grad=True)
         v = torch.randn(batch * L, hkv, d, device=dev, dtype=dtype, requires_grad=True)
         cu = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * L
-        impls = [("areno", lambda q, k, v, L=L, cu=cu: attention(q, k, v, cu, cu, L, L, causal=True), (q, k, v))]
+        if bwd_variants:
+            impls = [(f"areno bwd={var}", areno_attention(L, cu, var), (q, k, v)) for var in bwd_variants]
+            if L == seqs[0]:
+                compare_variants(bwd_variants, L, cu, q, k, v)
+        else:
+            impls = [("areno", areno_attention(L, cu, None), (q, k, v))]
         qb, kb, vb = (t.detach().view(batch, L, -1, d).transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
         for name, backend in sdpa_backends():
             def run(q, k, v, backend=backend):
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             impls.append((name, run, (qb, kb, vb)))
-        base = {}
+        base, base_bwd = {}, {}
         for name, fn, inputs in impls:
             try:
                 t_fwd, t_bwd, t_all = measure(fn, inputs)
             except Exception as e:
                 print(f"  {name} L={L}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            base[name] = t_all
+            base[name], base_bwd[name] = t_all, t_bwd
+            variant = name.split("bwd=")[1] if "bwd=" in name else None
             rows.append({
                 "workload": "K1", "impl": name, "seq": L, "batch": batch, "heads_q": hq, "heads_kv": hkv,
                 "head_dim": d, "dtype": str(dtype).replace("torch.", ""),
+                **({"bwd_variant": variant} if variant else {}),
                 "fwd_ms": t_fwd, "bwd_ms": t_bwd, "fwdbwd_ms": t_all,
                 "fwd_tflops": flops / t_fwd / 1e9, "bwd_tflops": 2.5 * flops / t_bwd / 1e9,
                 "fwdbwd_tflops": 3.5 * flops / t_all / 1e9, "fwdbwd_frac_peak": 3.5 * flops / t_all / 1e9 / PEAK_TFLOPS,
@@ -114,6 +146,8 @@ def bench_training(seqs, batch, hq, hkv, d, dtype):
                 for b in ("sdpa flash", "sdpa cudnn"):
                     if b in base:
                         r[f"speedup_vs_{b.split()[1]}"] = base[b] / r["fwdbwd_ms"]
+                        if bwd_variants:
+                            r[f"bwd_speedup_vs_{b.split()[1]}"] = base_bwd[b] / r["bwd_ms"]
         if CUDA and L == seqs[0]:  # sanity: same answer as flash
             with torch.no_grad():
                 a = attention(q, k, v, cu, cu, L, L).float()
@@ -122,6 +156,10 @@ def bench_training(seqs, batch, hq, hkv, d, dtype):
             err = (a - b.transpose(1, 2).reshape_as(a).float()).abs().max()
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
         del q, k, v, qb, kb, vb
+    if saved_variant is None:
+        os.environ.pop("ARENO_ATTN_BWD", None)
+    else:
+        os.environ["ARENO_ATTN_BWD"] = saved_variant
     return rows
 
 
@@ -223,13 +261,49 @@ def sweep_rollout_decode(hq, hkv, d, dtype, copy_gbs, batch=256, ctxs=(160, 384,
     return rows
 
 
+K1_COLUMNS = ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
+              "speedup_vs_flash", "speedup_vs_cudnn"]
+
+
+def print_tuned_configs():
+    print("\nautotuned attention configs (key -> config):")
+    for kind in ("fwd", "dkdv", "dq", "fused"):
+        for key, cfg in attention_module._tuned(kind, 128).cache.items():
+            print(f"  {kind} {key}: {cfg}")
+
+
+def bench_bwd_variants(smoke):
+    """K1 with areno's backward variants side by side (same inputs, same SDPA baselines, same run)."""
+    variants = list(attention_module.BWD_VARIANTS)
+    if smoke:
+        dtype = torch.float16 if not CUDA else torch.bfloat16
+        rows = bench_training([64], 2, 4, 2, 64, dtype, bwd_variants=variants)
+    else:
+        assert CUDA, "the full benchmark needs a GPU (use --smoke on CPU)"
+        rows = bench_training([1024, 4096, 8192], 8, 16, 8, 128, torch.bfloat16, bwd_variants=variants)
+    print("\nK1 attention, backward variants (varlen causal, fwd / bwd / fwd+bwd)")
+    print_table(rows, K1_COLUMNS + ["bwd_speedup_vs_flash", "bwd_speedup_vs_cudnn"])
+    if CUDA:
+        print_tuned_configs()
+    if not smoke:
+        path = append_jsonl("attention", rows, env_info())
+        print(f"\nappended {len(rows)} lines to {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check of the script)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the decode config / split sweep")
     ap.add_argument("--rollout-sweep", action="store_true",
                     help="only the decode config sweep at rollout contexts (batch 256, ctx 160 / 384 / 640)")
+    ap.add_argument("--bwd-variants", action="store_true",
+                    help="K1 only: areno once per backward variant (ARENO_ATTN_BWD=split, fused) beside SDPA")
     args = ap.parse_args()
+    if args.bwd_variants:
+        if args.rollout_sweep or args.no_sweep:
+            ap.error("--bwd-variants runs K1 only: --rollout-sweep / --no-sweep do not apply to it")
+        bench_bwd_variants(args.smoke)
+        return
     if args.rollout_sweep:
         dtype = torch.bfloat16 if CUDA else torch.float16
         shape = (16, 8, 128) if CUDA else (4, 2, 64)
@@ -254,8 +328,7 @@ def main():
         decode.append({"workload": "copy_bandwidth", "GB/s": copy_gbs})
 
     print("\nK1 attention (varlen causal, fwd / bwd / fwd+bwd)")
-    print_table(train, ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops",
-                        "speedup_vs_flash", "speedup_vs_cudnn"])
+    print_table(train, K1_COLUMNS)
     print("\npaged decode")
     print_table([r for r in decode if r["workload"] == "paged_decode"],
                 ["impl", "batch", "ctx", "block_size", "ms", "GB/s", "frac_copy_bw"])
@@ -263,10 +336,7 @@ def main():
         print("\npaged decode sweep (areno kernel configs)")
         print_table(sweep, ["batch", "config", "ms", "GB/s", "frac_copy_bw"])
     if CUDA:
-        print("\nautotuned attention configs (key -> config):")
-        for kind in ("fwd", "dkdv", "dq"):
-            for key, cfg in attention_module._tuned(kind, 128).cache.items():
-                print(f"  {kind} {key}: {cfg}")
+        print_tuned_configs()
     if not args.smoke:
         path = append_jsonl("attention", train + decode + sweep, env_info())
         print(f"\nappended {len(train) + len(decode) + len(sweep)} lines to {path}")
