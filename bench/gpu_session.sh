@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
-#   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 parity kernels rollout
+#   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
 #   moe models engine serve profile prof train learn tp g1)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
@@ -45,6 +45,9 @@ for stage in "$@"; do
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
     serve) step serve 480 python3 bench/serve.py ;;  # the engine alone on the same batch first, then the server
     profile) step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;
+    hybrid)  # Ling 3: the Flash-shaped parity test loads a 1.1B checkpoint three ways and autotunes every kernel
+      step gpu-hybrid 560 python3 -m pytest -m gpu -q --timeout 520 --tb=short -p no:cacheprovider \
+        tests/rollout/test_engine_hybrid.py tests/models/test_bailing_hybrid.py ;;
     tests3) step gpu-tests 200 python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider \
         tests/rollout/test_engine.py tests/kernels/test_gemm.py tests/kernels/test_qkv_prologue.py \
         tests/kernels/test_rms_norm.py tests/models/test_gpu.py ;;

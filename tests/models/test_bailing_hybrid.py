@@ -327,8 +327,13 @@ LING3_FLASH_SMALL = dict(  # Ling-3.0-Flash's attention, KDA and expert shapes; 
 def test_bf16_parity_and_triton_gradients_on_gpu(tmp_path, monkeypatch):
     """bf16 logits: areno's error against transformers' fp32 is at most 2x transformers' own bf16 error plus 2% of the
     logit scale. Training fwd+bwd on the Triton kernels equals the native path to bf16 rounding (loss 1%, every
-    gradient's cosine similarity >= 0.99). Needs a transformers with bailing_hybrid (5.2x)."""
+    gradient's cosine similarity >= 0.99), the Triton run replaying the native run's expert choices: the two paths
+    round differently, and near-tie routing flips (a few % of tokens at these random weights) would move the router
+    and expert gradients by more than kernel rounding. One model load serves all three runs (loading this 1.1B-parameter
+    checkpoint is a large part of the test's time). Needs a transformers with bailing_hybrid (5.2x)."""
     import transformers
+
+    from areno.models.attention_metadata import AttentionMetadata
 
     if not hasattr(transformers, "BailingHybridConfig"):
         pytest.skip(f"transformers {transformers.__version__} has no bailing_hybrid")
@@ -337,34 +342,46 @@ def test_bf16_parity_and_triton_gradients_on_gpu(tmp_path, monkeypatch):
     path = make_tiny_checkpoint(tmp_path, "bailing_hybrid", dtype=torch.bfloat16, **LING3_FLASH_SMALL)
     ids = torch.randint(0, 32768, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
-        ref32 = load_reference(path, torch.float32).cuda()
-        exact = ref32(ids).logits
-        del ref32
-        ref_logits = load_reference(path, torch.bfloat16).cuda()(ids).logits.float()
+        ref = load_reference(path, torch.float32).cuda()
+        exact = ref(ids).logits
+        del ref
+        ref = load_reference(path, torch.bfloat16).cuda()
+        ref_logits = ref(ids).logits.float()
+        del ref
         model = load_model(path, device="cuda")
         assert model.embed_tokens.weight.dtype == torch.bfloat16
         got = model.logits(ids).float()
     scale = exact.abs().max()
     ref_err, our_err = (ref_logits - exact).abs().max(), (got - exact).abs().max()
     assert our_err <= 2 * ref_err + 2e-2 * scale, (our_err, ref_err, scale)
+    del exact, ref_logits, got
 
+    model.train()
+    model.set_activation_checkpointing(True)
+    b, t = 2, 257
+    x = ids[:, :t].reshape(-1)
+    pos = torch.arange(t, device="cuda").repeat(b)
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device="cuda")
+    targets = next_token_targets(ids[:, :t])
+    routes = torch.full((model.num_moe_layers, b * t, model.moe_top_k), -1, dtype=torch.int32, device="cuda")
     runs = {}
     for mode in ("native", "triton"):
         monkeypatch.setenv("ARENO_KERNELS", mode)
-        model = load_model(path, device="cuda").train()
-        model.set_activation_checkpointing(True)
-        b, t = 2, 257
-        x = ids[:, :t]
-        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device="cuda")
-        hidden = model(x.reshape(-1), torch.arange(t, device="cuda").repeat(b), cu, t)
-        targets = next_token_targets(x)
+        model.zero_grad(set_to_none=True)
+        if mode == "native":  # routes chosen here, recorded
+            meta = AttentionMetadata(None, True, cu, cu, t, t, routing_out=routes)
+            hidden = model(x, pos, attn_metadata=meta)
+        else:  # the same experts, weighted by the current router
+            hidden = model(x, pos, cu, t, routed_experts=routes.permute(1, 0, 2).contiguous())
         loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
         loss.backward()
-        runs[mode] = (loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()
+        runs[mode] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()
                                               if p.grad is not None})
-        del model
+    assert (routes >= 0).all()
     (loss0, grads0), (loss1, grads1) = runs["native"], runs["triton"]
-    assert (loss1 - loss0).abs() <= 1e-2 * loss0.abs()
-    for name, g in grads0.items():
-        cos = torch.nn.functional.cosine_similarity(grads1[name].flatten(), g.flatten(), dim=0)
-        assert cos >= 0.99, (name, cos)
+    assert (loss1 - loss0).abs() <= 1e-2 * loss0.abs(), (loss0, loss1)
+    assert set(grads1) == set(grads0)
+    cos = {n: float(torch.nn.functional.cosine_similarity(grads1[n].flatten(), g.flatten(), dim=0))
+           for n, g in grads0.items()}
+    low = {n: round(c, 4) for n, c in cos.items() if not c >= 0.99}
+    assert not low, (low, min(cos.values()))
