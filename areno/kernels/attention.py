@@ -18,10 +18,13 @@ FLOPs (causal, Lq == Lk = L): forward 4 * H * L^2 * D / 2, backward 2.5x that.
 Two backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs):
 - "split" (default): the dK/dV kernel above, then a dQ kernel that recomputes S and dP per query block: seven
   [BLOCK, BLOCK, D] matmuls per (query block, key block) pair, 3.5x the forward's FLOPs, no atomics.
-- "fused": the same dK/dV program also forms dQ_partial = dS K for each query block it visits and adds it with fp32
-  atomics (relaxed) into a [Tq, Hq, D] fp32 accumulator that the delta kernel zeroes; dQ = accumulator cast to q's
-  dtype. Five matmuls per pair (2.5x the forward) plus Tq * Hq * D * ceil(Lk / BLOCK_N) (causal: about half)
-  fp32 atomic adds, i.e. one per 2 * BLOCK_N FLOPs of the dQ product, so BLOCK_N is kept at 64-128.
+- "fused": one pass. A program per (key tile, sequence, KV head), as in the dK/dV kernel (same causal block
+  skipping, GQA heads in turn so dK/dV stay in registers), also forms dQ_partial = dS K for each query block it
+  visits and adds it with fp32 atomics (relaxed) into a [Tq, Hq, D] fp32 accumulator that the delta kernel zeroes;
+  dQ = accumulator cast to q's dtype. Five matmuls per pair (2.5x the forward) plus Tq * Hq * D * ceil(Lk / BLOCK_N)
+  (causal: about half) fp32 atomic adds, i.e. one per 2 * BLOCK_N FLOPs of the dQ product, so BLOCK_N is kept at
+  64-128. Costs 4 * Tq * Hq * D bytes of scratch, and dQ's fp32 summation order varies from run to run (last-bit
+  differences; dK/dV are deterministic).
 """
 
 from __future__ import annotations
