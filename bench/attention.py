@@ -155,6 +155,8 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
                     b = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
             err = (a - b.transpose(1, 2).reshape_as(a).float()).abs().max()
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
+        if bwd_variants and CUDA:
+            print_config_timings("fused", L)
         del q, k, v, qb, kb, vb
     if saved_variant is None:
         os.environ.pop("ARENO_ATTN_BWD", None)
@@ -270,6 +272,13 @@ def print_tuned_configs():
     for kind in ("fwd", "dkdv", "dq", "fused"):
         for key, cfg in attention_module._tuned(kind, 128).cache.items():
             print(f"  {kind} {key}: {cfg}")
+
+
+def print_config_timings(kind, L):
+    """The autotuner's time per candidate config of ``kind`` (d128) at its last new key (here: length L)."""
+    timings = getattr(attention_module._tuned(kind, 128), "configs_timings", None) or {}
+    for cfg, t in sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1]):
+        print(f"  L={L} {kind} {cfg}: {t}")
 
 
 def bench_bwd_variants(smoke):
