@@ -208,6 +208,10 @@ class ScriptedStream:
             raise StopAsyncIteration
         return self.events.pop(0)
 
+    def pending(self):
+        out, self.events = self.events, []
+        return out
+
 
 class ScriptedEngine:
     """Stands in for the AsyncEngine the agentic rollout samples with: ``policy(context_text) -> reply_text``, the
@@ -216,7 +220,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, policy):
         self.tok, self.policy = tokenizer, policy
 
-    async def submit(self, prompt_ids, options):
+    async def submit(self, prompt_ids, options, *, mm=None, final_only=False):  # AsyncEngine.submit's signature
         reply = self.policy(self.tok.decode(prompt_ids, skip_special_tokens=False))
         return ScriptedStream(self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id])
 
