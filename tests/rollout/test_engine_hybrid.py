@@ -12,6 +12,7 @@ from areno.rollout.engine import Engine, EngineConfig
 from areno.rollout.model_runner import kv_bytes_per_block, state_bytes
 from areno.rollout.sequence import SamplingOptions
 from areno.testing import make_tiny_checkpoint
+from areno.testing.cpu_graph import CpuGraph
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 
@@ -97,18 +98,6 @@ def test_routing_capture_equals_the_forwards_routing(hybrid):
         assert torch.equal(got[:-1].sort(-1).values, want.sort(-1).values)
 
 
-class _Replay:
-    """A stand-in for a captured graph on the CPU: replay reruns the decode on the same static buffers."""
-
-    def __init__(self, runner, buf, k):
-        self.run = lambda: runner.decode_steps(buf, k)
-        self.out = tuple(torch.zeros_like(t) for t in self.run())
-
-    def replay(self):
-        for dst, src in zip(self.out, self.run()):
-            dst.copy_(src)
-
-
 def test_graph_inputs_give_the_eager_tokens_and_routes(hybrid, monkeypatch):
     """The CUDA-graph path's inputs replayed on the CPU (rows padded to a bucket with state slot -1, the static
     routing buffer), one step and three chained steps per graph: the tokens, log-probs and routes of eager steps."""
@@ -123,7 +112,7 @@ def test_graph_inputs_give_the_eager_tokens_and_routes(hybrid, monkeypatch):
 
         def capture(bsz, k, width=0, rope_off=False, runner=runner):
             buf = runner._graph_buffers(bsz, width)
-            graph = _Replay(runner, buf, k)
+            graph = CpuGraph(runner, buf, k)
             runner.graphs[(bsz, k, width)] = (graph, buf, graph.out)
 
         monkeypatch.setattr(runner, "_capture", capture)

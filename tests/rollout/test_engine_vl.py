@@ -14,6 +14,7 @@ from areno.models.multimodal import MultimodalProcessor, MultimodalPrompt, data_
 from areno.rollout.engine import Engine, EngineConfig
 from areno.rollout.sequence import SamplingOptions
 from areno.testing import make_tiny_checkpoint
+from areno.testing.cpu_graph import CpuGraph
 
 NEW = 8
 GREEDY = SamplingOptions(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
@@ -143,15 +144,6 @@ def test_decode_offsets_through_graph_inputs_and_multi_step(vl, want, monkeypatc
     three chained steps, and eager multi-step decode: the tokens of transformers; graphs with offsets kept apart."""
     model, _, _, prompts, *_ = vl
 
-    class Replay:  # runs the graph's body on its static buffers, as a replay does
-        def __init__(self, runner, buf, k):
-            self.run = lambda: runner.decode_steps(buf, k)
-            self.out = tuple(torch.zeros_like(t) for t in self.run())
-
-        def replay(self):
-            for dst, src in zip(self.out, self.run()):
-                dst.copy_(src)
-
     for k, graphs in ((1, True), (3, True), (3, False)):
         eng = _engine(model, decode_steps=k)
         runner = eng.runner
@@ -160,7 +152,7 @@ def test_decode_offsets_through_graph_inputs_and_multi_step(vl, want, monkeypatc
 
             def capture(bsz, k, width=0, rope_off=False, runner=runner):
                 buf = runner._graph_buffers(bsz, width, rope_off)
-                graph = Replay(runner, buf, k)
+                graph = CpuGraph(runner, buf, k)
                 runner.graphs[(bsz, k, width) + (("rope_off",) if rope_off else ())] = (graph, buf, graph.out)
 
             monkeypatch.setattr(runner, "_capture", capture)

@@ -8,6 +8,7 @@ from areno.models import load_model, load_tokenizer
 from areno.rollout.engine import Engine, EngineConfig
 from areno.rollout.sequence import SamplingOptions
 from areno.testing import make_tiny_checkpoint
+from areno.testing.cpu_graph import CpuGraph
 
 
 @pytest.fixture(scope="module")
@@ -95,19 +96,6 @@ def test_min_p_one_is_greedy(qwen3):
     assert [g[0].token_ids for g in greedy] == [g[0].token_ids for g in top]
 
 
-class _Replay:
-    """Stands in for a captured CUDA graph on the CPU: ``replay()`` runs the captured decode steps again on the same
-    static buffers and writes the same output tensors, which is what a graph replay does."""
-
-    def __init__(self, runner, buf, k):
-        self.run = lambda: runner.decode_steps(buf, k)
-        self.out = tuple(torch.zeros_like(t) for t in self.run())
-
-    def replay(self):
-        for dst, src in zip(self.out, self.run()):
-            dst.copy_(src)
-
-
 def test_graph_inputs_give_the_eager_tokens(qwen3, monkeypatch):
     """The CUDA-graph path's inputs (rows padded to a bucket, full-width block tables, the adjustment buffers padded
     to their width, neutral padding rows), replayed on the CPU, one step and three chained steps per graph: the
@@ -126,7 +114,7 @@ def test_graph_inputs_give_the_eager_tokens(qwen3, monkeypatch):
 
         def capture(bsz, k, width=0, runner=runner):
             buf = runner._graph_buffers(bsz, width)
-            graph = _Replay(runner, buf, k)
+            graph = CpuGraph(runner, buf, k)
             runner.graphs[(bsz, k, width)] = (graph, buf, graph.out)
 
         monkeypatch.setattr(runner, "_capture", capture)
