@@ -186,6 +186,16 @@ class DecoderLayer(nn.Module):
         return checkpoint(self.mlp.compute, h, *route, use_reentrant=False), residual
 
 
+def training_metadata(input_ids, cu_seqlens=None, max_seqlen=None) -> AttentionMetadata:
+    """Metadata of a plain (cache-free) forward over packed sequences: one sequence when ``cu_seqlens`` is None."""
+    if cu_seqlens is None:
+        t = input_ids.shape[0]
+        cu_seqlens, max_seqlen = torch.tensor([0, t], dtype=torch.int32, device=input_ids.device), t
+    elif max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return AttentionMetadata(None, True, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM built from areno kernels. Parameters follow ``hf_layouts`` (Hugging Face names)."""
 
@@ -268,14 +278,7 @@ class CausalLM(nn.Module):
 
         ``routed_experts`` int ``[T, num_moe_layers, k]`` (routing replay): the experts each token uses in each MoE
         layer (rows of -1 route as usual); the weights still come from the current router."""
-        meta = attn_metadata
-        if meta is None:
-            if cu_seqlens is None:
-                t = input_ids.shape[0]
-                cu_seqlens, max_seqlen = torch.tensor([0, t], dtype=torch.int32, device=input_ids.device), t
-            elif max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            meta = AttentionMetadata(None, True, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        meta = attn_metadata if attn_metadata is not None else training_metadata(input_ids, cu_seqlens, max_seqlen)
         if routed_experts is not None:
             if tuple(routed_experts.shape) != (input_ids.shape[0], self.num_moe_layers, self.moe_top_k):
                 raise ValueError(f"routed_experts must be [T, num_moe_layers={self.num_moe_layers}, k="

@@ -33,8 +33,7 @@ from torch import nn
 from areno.kernels.attention import attention
 from areno.kernels.gemm import linear
 from areno.kernels.rope import apply_rope
-from areno.models.attention_metadata import AttentionMetadata
-from areno.models.base import CausalLM
+from areno.models.base import CausalLM, training_metadata
 from areno.models.layers import Linear
 from areno.models.model_config import ModelConfig, dense_config, get
 from areno.models.registry import register
@@ -414,14 +413,7 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         ``input_ids``, in order); ``positions`` is ``[3, T]`` whenever the tokens hold an image. ``image_rows``
         (int64 ``[N]``, the engine's steps): the rows of ``input_ids`` that take the embeddings, instead of every
         ``image_token_id`` (a generated or literal placeholder id elsewhere in a batch stays a text token)."""
-        meta = attn_metadata
-        if meta is None:
-            if cu_seqlens is None:
-                t = input_ids.shape[0]
-                cu_seqlens, max_seqlen = torch.tensor([0, t], dtype=torch.int32, device=input_ids.device), t
-            elif max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            meta = AttentionMetadata(None, True, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        meta = attn_metadata if attn_metadata is not None else training_metadata(input_ids, cu_seqlens, max_seqlen)
         if pixel_values is not None:
             if image_embeds is not None:
                 raise ValueError("pass pixel_values or image_embeds, not both")
