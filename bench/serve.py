@@ -270,6 +270,8 @@ def summarize(load, results, origin, max_tokens) -> dict:
         for q in (50, 90, 99):
             rec[f"{key}_p{q}_ms"] = pct(vals, q)
         rec[f"{key}_mean_ms"] = sum(vals) / len(vals) if vals else None
+    worst = sorted((r for r in ok if "ttft" in r), key=lambda r: -r["ttft"])[:8]
+    rec["ttft_worst"] = [[round(r["sent"] - origin, 3), round(r["ttft"] * 1e3, 1)] for r in worst]  # [sent at s, ms]
     errors = [r["error"] for r in results if r["error"]]
     if errors:
         rec["error"] = f"{len(errors)} failed, e.g. {errors[0]}"
@@ -384,6 +386,8 @@ def main():
     cols = ["load", "requests", "failed", "output_tokens", "wall_s", "tok_s", "engine_tok_s", "vs_engine", "req_s",
             "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "error"]
     print_table(records, cols)
+    for r in records:
+        print(f"{r['load']}: slowest TTFTs [sent at s, ms]: {r.get('ttft_worst')}", flush=True)
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if not args.no_save and not args.smoke:
         env = env_info()
