@@ -377,7 +377,11 @@ def main():
         stop_server(proc)
         log.flush()
         log.seek(0)
-        tail = log.read()[-3000:]
+        full = log.read()
+        tail = full[-3000:]
+        if os.environ.get("ARENO_TRACE_STEPS_MS"):  # the server's stall trace (areno/serve/replicas.py)
+            print("--- server stall trace ---", *[ln for ln in full.splitlines() if "slow step" in ln
+                                                  or "triton compiled" in ln][:200], sep="\n", flush=True)
         log.close()
         if any("error" in r for r in records):
             print(f"--- server log tail ({log.name}) ---\n{tail}\n---", flush=True)

@@ -120,6 +120,22 @@ def tp_follower_main(engine_kwargs: dict, threads: int, dist_env: dict) -> None:
     engine.follow()
 
 
+def _trace_stalls() -> float | None:
+    """``ARENO_TRACE_STEPS_MS=N``: log every engine step slower than N ms and every Triton kernel compiled while
+    serving (a stall's usual causes); None when unset."""
+    value = os.environ.get("ARENO_TRACE_STEPS_MS")
+    if not value:
+        return None
+    import triton
+
+    def compiled(*args, **kwargs):
+        log.warning("triton compiled %s", str(kwargs.get("repr", ""))[:300])
+
+    if hasattr(triton, "knobs"):
+        triton.knobs.runtime.jit_post_compile_hook = compiled
+    return float(value)
+
+
 class ReplicaWorker:
     def __init__(self, rank, engine, commands, events):
         self.rank, self.engine, self.commands, self.events = rank, engine, commands, events
@@ -183,6 +199,7 @@ class ReplicaWorker:
 
     def run(self) -> None:
         engine, sent = self.engine, self.sent
+        slow_ms = _trace_stalls()
         while True:
             for cmd in self._next_commands(block=not engine.has_work()):
                 self._apply(cmd)
@@ -193,7 +210,11 @@ class ReplicaWorker:
                     break
                 continue
             try:
+                t0 = time.perf_counter()
                 seqs = engine.step(self.decode_steps)
+                if slow_ms is not None and (ms := (time.perf_counter() - t0) * 1e3) > slow_ms:
+                    log.warning("replica %d: slow step %.0f ms: %d rows, %d running, %d waiting", self.rank, ms,
+                                len(seqs), len(engine.scheduler.running), len(engine.scheduler.waiting))
             except Exception as exc:  # keep serving: fail the requests in flight, not the replica
                 log.exception("replica %d: engine step failed", self.rank)
                 for rid, seqs in list(self.seqs.items()):
