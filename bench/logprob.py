@@ -8,13 +8,27 @@ FLOPs: forward 2 N V H; areno's backward recomputes the logits and runs the two 
 time, peak memory above the inputs (the torch path holds [N, V] logits in bf16 and fp32), TFLOP/s counted as 8 N V H
 for every row (same work unit), and the fraction of the 26 ms GEMM floor. Liger is optional: its pure-Python
 wheel on PYTHONPATH; skipped with a note when missing.
+
+A/B of areno's switches (each read at the call, see areno/kernels/linear_logprobs.py `options`), one row each, in
+the same run as the torch baseline:
+
+    python bench/logprob.py --impls torch areno --variants loads=pointer,streams=1 loads=tma,streams=1 \
+        loads=tma,streams=2,chunk=134217728
+    python bench/logprob.py --impls torch areno --profile     # per-kernel GPU time of one areno fwd+bwd
+
+Variant keys: loads (auto|tma|pointer -> ARENO_LOGPROB_LOADS), streams (1|2 -> ARENO_LOGPROB_BWD_STREAMS), chunk
+(elements -> ARENO_LOGPROB_BWD_CHUNK), entropy (0|1: the loss also takes the entropy term). The autotuner's picks
+are printed at the end (the first run of each row compiles and autotunes outside the timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import sys
+from collections import defaultdict
 
 import torch
 
@@ -24,7 +38,39 @@ from bench.common import append_jsonl, env_info, gpu_time_ms, print_table  # noq
 PEAK_TFLOPS = 790.0  # H200 bf16 dense, BENCH.md
 
 
-def _impls(with_liger):
+VARIANT_ENV = {"loads": "ARENO_LOGPROB_LOADS", "streams": "ARENO_LOGPROB_BWD_STREAMS",
+               "chunk": "ARENO_LOGPROB_BWD_CHUNK"}  # fmt: skip
+
+
+def parse_variant(spec):
+    """'loads=tma,streams=2' -> ({env var: value}, entropy flag); raises ValueError naming a bad key or value."""
+    env, entropy = {}, False
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key == "entropy" and value in ("0", "1"):
+            entropy = value == "1"
+        elif key in VARIANT_ENV and value:
+            env[VARIANT_ENV[key]] = value
+        else:
+            raise ValueError(f"variant {spec!r}: {item!r} is not one of {sorted(VARIANT_ENV) + ['entropy']}=VALUE")
+    return env, entropy
+
+
+@contextlib.contextmanager
+def _env(values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _impls(with_liger, variants=()):
     from areno.kernels.linear_logprobs import linear_logprobs
 
     def torch_path(h, w, t):
@@ -47,6 +93,14 @@ def _impls(with_liger):
             linear_logprobs(h, w, t)
 
     impls = {"torch": torch_path, "areno": areno, "areno+entropy": areno_entropy}
+    for spec in variants:
+        env, entropy = parse_variant(spec)
+
+        def variant(h, w, t, env=env, fn=areno_entropy if entropy else areno):
+            with _env(env):
+                fn(h, w, t)
+
+        impls[f"areno[{spec}]"] = variant
     if with_liger:
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -83,7 +137,53 @@ def _peak_gib(run, cuda):
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def bench(N, H, V, iters, with_liger, device="cuda"):
+def _kernel_class(name):
+    if "_stats_kernel" in name:
+        return "forward stats kernel (Triton)"
+    if "_grad_logits_kernel" in name:
+        return "logit-gradient recompute (Triton)"
+    if any(k in name.lower() for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+        return "gradient GEMMs (cuBLAS)"
+    return "other"
+
+
+def profile(fn, h, w, t):
+    """GPU time per kernel class of one ``fn`` call (kernels on two streams overlap: the sum can exceed the wall)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def run():
+        fn(h, w, t)
+        h.grad = None
+        w.grad = None
+
+    run()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    per_class, per_kernel = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            per_class[_kernel_class(e.name)] += us / 1e3
+            per_kernel[e.name][0] += us / 1e3
+            per_kernel[e.name][1] += 1
+    for cls, ms in sorted(per_class.items(), key=lambda kv: -kv[1]):
+        print(f"  {cls:40s} {ms:8.2f} ms")
+    for name, (ms, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"    {ms:8.2f} ms  x{n:<4d} {name[:110]}")
+
+
+def autotune_picks():
+    """The autotuner's chosen config per key of the two Triton kernels (after the runs)."""
+    mod = importlib.import_module("areno.kernels.linear_logprobs")
+    for name in ("_stats_tuned", "_grad_tuned"):
+        for key, cfg in getattr(mod, name).cache.items():
+            print(f"  {name} {key}: {cfg}")
+
+
+def bench(N, H, V, iters, with_liger, device="cuda", variants=(), impls=None, do_profile=False):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     h = torch.randn(N, H, device=device, dtype=dtype, requires_grad=True)
@@ -92,7 +192,10 @@ def bench(N, H, V, iters, with_liger, device="cuda"):
     flops = 8.0 * N * V * H
     floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
     rows = []
-    for name, fn in _impls(with_liger).items():
+    every = _impls(with_liger, variants)
+    if impls:  # the named base rows (and their fwd-only rows) plus every variant
+        every = {k: f for k, f in every.items() if k.replace(" fwd-only", "") in impls or k.startswith("areno[")}
+    for name, fn in every.items():
         def run(fn=fn):
             fn(h, w, t)
             h.grad = None
@@ -115,6 +218,11 @@ def bench(N, H, V, iters, with_liger, device="cuda"):
             base = ref["torch fwd-only" if "fwd-only" in r["impl"] else "torch"]
             r["speedup_vs_torch"] = base["ms"] / r["ms"]
             r["mem_frac_of_torch"] = r["peak_extra_GiB"] / max(base["peak_extra_GiB"], 1e-9)
+    if do_profile and device == "cuda":
+        for name, fn in every.items():
+            if name.startswith("areno") and "fwd-only" not in name:
+                print(f"{name}: GPU time per kernel class (one fwd+bwd)", flush=True)
+                profile(fn, h, w, t)
     try:
         diff = _check(h.detach(), w.detach(), t)
         print(f"N={N} H={H} V={V}: max |areno - fp32 torch| logprob = {diff:.2e}", flush=True)
@@ -131,17 +239,39 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script at tiny shapes (fp32)")
+    ap.add_argument("--impls", nargs="+", default=None,
+                    help="base rows to run (torch, areno, areno+entropy, liger_flce; each with its fwd-only row "
+                         "where it has one); default: all")  # fmt: skip
+    ap.add_argument("--variants", nargs="+", default=[], metavar="SPEC",
+                    help="extra areno rows, each 'key=value,...' with keys loads, streams, chunk, entropy")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd of each areno row")
     args = ap.parse_args()
+    known = {"torch", "areno", "areno+entropy", "liger_flce"}
+    if args.impls and not set(args.impls) <= known:
+        ap.error(f"--impls: unknown {sorted(set(args.impls) - known)} (choose from {sorted(known)})")
+    if args.impls and "liger_flce" not in args.impls:
+        args.no_liger = True
+    for spec in args.variants:
+        try:
+            parse_variant(spec)
+        except ValueError as e:
+            ap.error(f"--variants: {e}")
+    if args.profile and args.device != "cuda":
+        ap.error("--profile needs --device cuda")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/logprob.py needs a CUDA GPU (or --device cpu for a smoke run)")
     env = env_info()
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}", flush=True)
     rows = []
     for H in args.hidden:
-        rows += bench(args.tokens, H, args.vocab, args.iters, not args.no_liger, args.device)
+        rows += bench(args.tokens, H, args.vocab, args.iters, not args.no_liger, args.device, args.variants,
+                      args.impls, args.profile)  # fmt: skip
     cols = ["impl", "N", "H", "V", "ms", "peak_extra_GiB", "TFLOPs", "floor_frac", "speedup_vs_torch",
             "mem_frac_of_torch"]  # fmt: skip
     print_table(rows, cols)
+    if args.device == "cuda":
+        print("autotune picks:")
+        autotune_picks()
     print(f"results appended to {append_jsonl('logprob', [{'workload': 'K2', **r} for r in rows], env)}")
 
 

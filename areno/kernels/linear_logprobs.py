@@ -11,24 +11,33 @@ tiles; autotuned), and keeps an online max m, sum-exp s = sum e^(z-m) and entrop
 Splits (and, with a TP group, ranks) merge the same way, so only max, sums and the target logit cross ranks.
 lse = m + log s and entropy = log s - a / s.
 Backward recomputes the logits chunk by chunk: for a [C tokens x Vc vocab] chunk a Triton GEMM with an epilogue
-writes the logit gradient (bf16 on bf16 weights), then two cuBLAS GEMMs give dhidden += g @ W_c (fp32 accumulator)
-and dweight[chunk] = g^T @ hidden. Only that chunk (default 2^27 elements) is alive. d/dz_j of the logprob is
-onehot_j - p_j; of the entropy -p_j (log p_j + entropy); both divided by T for d/dlogits.
+writes the logit gradient (bf16 on bf16 weights), then two cuBLAS GEMMs give dhidden += g @ W_c (fp32 accumulator,
+beta = 1 in the GEMM) and dweight[chunk] = g^T @ hidden (written in place). Vocab chunks are evened out (default
+2^28 elements: 16,384 tokens x 15,360 columns). With two streams (default) the recompute of chunk i + 1 runs on a
+side stream into a second buffer while the current stream runs chunk i's GEMMs, so each kernel's last partial wave
+and the recompute's exp/store epilogues overlap GEMM work; events order the reuse of each buffer (graph-capturable).
+d/dz_j of the logprob is onehot_j - p_j; of the entropy -p_j (log p_j + entropy); both divided by T for d/dlogits.
+Loads: on sm_90+ the logit tiles come through TMA tensor descriptors (fewer registers than masked pointer loads:
+the 128 x 128 x 64 three-stage tile fits two programs per SM, 96 KB shared memory and <= 128 registers each, so one
+program's epilogue overlaps the other's MMAs); masked pointer loads elsewhere. Switches: see ``options``.
 FLOPs: 2 N V H forward, 6 N V H backward (recompute, dhidden, dweight); no [N, V] memory traffic in the forward.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from areno.kernels.dispatch import interpreting, use_triton
 
 IGNORE_INDEX = -100
-_GRAD_CHUNK_ELEMENTS = 1 << 27  # Triton path: logit-gradient chunk alive in the backward (256 MB in bf16)
+_GRAD_CHUNK_ELEMENTS = 1 << 28  # Triton path: default logit-gradient chunk (512 MB in bf16, two with streams)
 _NATIVE_CHUNK_ELEMENTS = 1 << 24  # native path: fp32 logits chunk (64 MB, a few temporaries of that size)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -36,29 +45,43 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
+def _tile_logits(h, w, r_start, c_start, row_ok, col_ok, H, stride_h, stride_w,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_V] fp32 tile of hidden[rows] @ weight[cols].T."""
+                 EVEN_K: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_V] fp32 tile of hidden[r_start:] @ weight[c_start:].T.
+
+    TMA: ``h``/``w`` are tensor descriptors over all of hidden / weight (rows past the end read as 0); otherwise
+    pointers, loads masked by ``row_ok`` / ``col_ok``."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_h + ks[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            hb = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
-            wb = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + ks) < H
-            hb = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wb = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:  # exact fp32 products for fp32 inputs (tf32 would lose 13 bits)
-            acc = tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(hb, tl.trans(wb), acc)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if TMA:
+        for k0 in range(0, H, BLOCK_K):
+            acc = _dot(h.load([r_start, k0]), w.load([c_start, k0]), acc, IEEE)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        rows = r_start + tl.arange(0, BLOCK_N)
+        cols = c_start + tl.arange(0, BLOCK_V)
+        h_ptrs = h + rows.to(tl.int64)[:, None] * stride_h + ks[None, :]
+        w_ptrs = w + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                hb = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)
+                wb = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            else:
+                k_ok = (k0 + ks) < H
+                hb = tl.load(h_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wb = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(hb, wb, acc, IEEE)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def _dot(hb, wb, acc, IEEE: tl.constexpr):
+    """acc + hb @ wb.T; exact fp32 products for fp32 inputs (tf32 would lose 13 bits)."""
+    if IEEE:
+        return tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
+    return tl.dot(hb, tl.trans(wb), acc)
 
 
 @triton.jit
@@ -76,13 +99,16 @@ def _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_temp, cols_per_split, stride_h, stride_w,
+def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_temp, cols_per_split,
+                  stride_h, stride_w,
                   HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, FLAT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                  TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # part_ptr: [4, splits, N] fp32 = (max, sum-exp, entropy term, target logit) of this split's vocab range.
+    # TMA: the logit tiles are loaded through the descriptors h_desc / w_desc (over all of hidden / weight).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_start = pid_n * BLOCK_N
+    rows = r_start + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start
     v_begin = pid_s * cols_per_split
@@ -99,26 +125,31 @@ def _stats_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_tem
         acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         for it in range(0, n_iter):
             kt = it % k_tiles
-            cols = v_begin + (it // k_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)
+            c_start = v_begin + (it // k_tiles) * BLOCK_V
+            cols = c_start + tl.arange(0, BLOCK_V)
             col_ok = cols < v_end
-            k_idx = kt * BLOCK_K + ks
-            k_ok = (k_idx < H) | EVEN_K
-            hb = tl.load(h_rows + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wb = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + k_idx[None, :],
-                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            if IEEE:
-                acc = tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
+            if TMA:
+                hb = h_desc.load([r_start, kt * BLOCK_K])
+                wb = w_desc.load([c_start, kt * BLOCK_K])
             else:
-                acc = tl.dot(hb, tl.trans(wb), acc)
+                k_idx = kt * BLOCK_K + ks
+                k_ok = (k_idx < H) | EVEN_K
+                hb = tl.load(h_rows + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wb = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + k_idx[None, :],
+                             mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            acc = _dot(hb, wb, acc, IEEE)
             if kt == k_tiles - 1:
                 m, s, a = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
                 acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     else:
         for v0 in range(v_begin, v_end, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            col_ok = cols < v_end
-            acc = _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
-                               BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE)  # fmt: skip
+            col_ok = (v0 + tl.arange(0, BLOCK_V)) < v_end
+            if TMA:
+                acc = _tile_logits(h_desc, w_desc, r_start, v0, row_ok, col_ok, H, stride_h, stride_w,
+                                   BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE, True)  # fmt: skip
+            else:
+                acc = _tile_logits(h_ptr, w_ptr, r_start, v0, row_ok, col_ok, H, stride_h, stride_w,
+                                   BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE, False)  # fmt: skip
             m, s, a = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
     if pid_s == 0:  # the target logit as one gathered dot product per row, not a reduction per tile
         t_ok = row_ok & (tgt >= 0) & (tgt < V)
@@ -142,9 +173,9 @@ def _stats_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_tem
 
 
 @triton.jit
-def _grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, out_ptr,
+def _grad_logits_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, out_ptr,
                         C, Vc, H, row0, v0, vocab_start, inv_temp, stride_h, stride_w, stride_out,
-                        HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                        HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_N: tl.constexpr):  # fmt: skip
     # out[r, c] = (g_lp[r] (onehot - p) - g_ent[r] p (log p + ent[r])) / T for the chunk rows row0.., cols v0..
@@ -162,8 +193,12 @@ def _grad_logits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_p
     col_ok = c_loc < Vc
     rows = row0 + r_loc
     cols = v0 + c_loc
-    acc = _tile_logits(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w,
-                       BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE)  # fmt: skip
+    if TMA:
+        acc = _tile_logits(h_desc, w_desc, row0 + pid_n * BLOCK_N, v0 + pid_v * BLOCK_V, row_ok, col_ok, H,
+                           stride_h, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE, True)  # fmt: skip
+    else:
+        acc = _tile_logits(h_ptr, w_ptr, row0 + pid_n * BLOCK_N, v0 + pid_v * BLOCK_V, row_ok, col_ok, H,
+                           stride_h, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE, False)  # fmt: skip
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start
@@ -184,21 +219,33 @@ _stats = _EVEN_K(_stats_kernel)
 _grad_logits = _EVEN_K(_grad_logits_kernel)
 
 
+def _set_blocks(nargs):
+    """Config pre-hook: the tensor descriptors' block shapes follow the config's tile (no-op for pointers)."""
+    for name, rows in (("h_desc", "BLOCK_N"), ("w_desc", "BLOCK_V")):
+        if isinstance(nargs[name], TensorDescriptor):
+            nargs[name].block_shape = [nargs[rows], nargs["BLOCK_K"]]
+
+
 def _configs(grad):
-    # Few configs on purpose: each costs a compile (seconds) per flag combination. Hopper bf16 GEMM tiles; the
-    # forward also tries the single-loop shape (lower register use, loads pipelined across vocab tiles).
+    # Few configs on purpose: each costs a compile (seconds) per flag combination. Hopper bf16 GEMM tiles. The
+    # 128 x 128 tile with 3 stages fits two programs per SM (96 KB shared memory, <= 128 registers with TMA loads,
+    # checked with ptxas for sm_90), so one program's exp/store epilogue runs while the other's MMAs do; the
+    # others are one program per SM. The forward also tries the single-loop shape (loads pipelined across tiles).
     if grad:
-        shapes = [(128, 128, 64, 8, 4, {}), (128, 256, 64, 8, 3, {}), (64, 128, 64, 4, 3, {})]
+        shapes = [(128, 128, 64, 8, 3, {}), (128, 128, 64, 8, 4, {}), (128, 256, 64, 8, 3, {}),
+                  (64, 128, 64, 4, 3, {})]  # fmt: skip
     else:
-        shapes = [(128, 128, 64, 8, 4, {"FLAT": True}), (128, 128, 64, 8, 3, {"FLAT": False}),
-                  (128, 256, 64, 8, 3, {"FLAT": True}), (64, 128, 64, 4, 4, {"FLAT": True})]  # fmt: skip
+        shapes = [(128, 128, 64, 8, 3, {"FLAT": True}), (128, 128, 64, 8, 4, {"FLAT": True}),
+                  (128, 128, 64, 8, 3, {"FLAT": False}), (128, 256, 64, 8, 3, {"FLAT": True}),
+                  (64, 128, 64, 4, 4, {"FLAT": True})]  # fmt: skip
     extra = {"GROUP_N": 8} if grad else {}
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, **extra, **flat}, num_warps=w, num_stages=st)
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, **extra, **flat}, num_warps=w, num_stages=st,
+                          pre_hook=_set_blocks)
             for bn, bv, bk, w, st, flat in shapes]  # fmt: skip
 
 
-_stats_tuned = triton.autotune(_configs(False), key=["H", "V", "HAS_ENT", "IEEE"])(_stats)
-_grad_tuned = triton.autotune(_configs(True), key=["H", "Vc", "HAS_ENT", "IEEE"])(_grad_logits)
+_stats_tuned = triton.autotune(_configs(False), key=["H", "V", "HAS_ENT", "IEEE", "TMA"])(_stats)
+_grad_tuned = triton.autotune(_configs(True), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(_grad_logits)
 _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
 _INTERPRET_FLAT = False  # tests flip it to run the flat-loop forward too
 
@@ -208,21 +255,43 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy):
+def _on_device(t):
+    return t.is_cuda and not interpreting()
+
+
+def _tma_possible(*tensors):
+    """TMA descriptors need sm_90+ (or the interpreter), 16-byte aligned bases and row strides, unit last stride."""
+    if not all(t.is_cuda for t in tensors) and not interpreting():
+        return False
+    if _on_device(tensors[0]) and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(-1) == 1
+               for t in tensors)  # fmt: skip
+
+
+def _operands(hidden, weight, tma):
+    """(h_desc, w_desc): descriptors over all of hidden / weight (block shapes set per config), or the pointers."""
+    if not tma:
+        return hidden, weight
+    bn, bv, bk = (_INTERPRET_CFG[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_K"))
+    return TensorDescriptor.from_tensor(hidden, [bn, bk]), TensorDescriptor.from_tensor(weight, [bv, bk])
+
+
+def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, tma):
     """Per-split (m, s, a, tz) partials: [4, splits, N] fp32."""
     N, H = hidden.shape
     V = weight.shape[0]
-    if interpreting() or not hidden.is_cuda:
+    if not _on_device(hidden):
         splits = 2 if V > 2 * _INTERPRET_CFG["BLOCK_V"] else 1
-    else:  # about 8 waves of 128-token programs: enough to balance, few partials
-        splits = max(1, min(triton.cdiv(8 * _num_sms(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
+    else:  # ~16 waves of two 128-token programs per SM: tail under 1/16 whether one or two fit an SM
+        splits = max(1, min(triton.cdiv(32 * _num_sms(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
     cols_per_split = triton.cdiv(triton.cdiv(V, splits), 256) * 256
     splits = triton.cdiv(V, cols_per_split)
     parts = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
-    args = (hidden, weight, targets, parts, N, V, H, vocab_start, inv_temp, cols_per_split,
-            hidden.stride(0), weight.stride(0))  # fmt: skip
-    flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32}
-    if interpreting() or not hidden.is_cuda:
+    args = (hidden, weight, *_operands(hidden, weight, tma), targets, parts, N, V, H, vocab_start, inv_temp,
+            cols_per_split, hidden.stride(0), weight.stride(0))  # fmt: skip
+    flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32, "TMA": tma}
+    if not _on_device(hidden):
         grid = (triton.cdiv(N, _INTERPRET_CFG["BLOCK_N"]), splits)
         _stats[grid](*args, **flags, **_INTERPRET_CFG, FLAT=_INTERPRET_FLAT)
     else:
@@ -231,14 +300,15 @@ def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy):
 
 
 def _triton_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, rows, v0, cols, vocab_start, inv_temp,
-                       out):  # fmt: skip
+                       out, operands):  # fmt: skip
     """Write the logit gradient of rows [row0, row0+rows) x vocab [v0, v0+cols) into out[:rows, :cols]."""
     H = hidden.shape[1]
     has_ent = g_ent is not None
-    args = (hidden, weight, targets, lse, ent if has_ent else lse, g_lp, g_ent if has_ent else g_lp, out,
+    tma = isinstance(operands[0], TensorDescriptor)
+    args = (hidden, weight, *operands, targets, lse, ent if has_ent else lse, g_lp, g_ent if has_ent else g_lp, out,
             rows, cols, H, row0, v0, vocab_start, inv_temp, hidden.stride(0), weight.stride(0), out.stride(0))
-    flags = {"HAS_ENT": has_ent, "IEEE": hidden.dtype == torch.float32}
-    if interpreting() or not hidden.is_cuda:
+    flags = {"HAS_ENT": has_ent, "IEEE": hidden.dtype == torch.float32, "TMA": tma}
+    if not _on_device(hidden):
         cfg = {**_INTERPRET_CFG, "GROUP_N": 2}
         grid = (triton.cdiv(rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
         _grad_logits[grid](*args, **flags, **cfg)
@@ -347,18 +417,27 @@ def _merge_across_ranks(m, s, a, tz, group):
 
 
 def _chunk_plan(N, V, chunk_rows, budget):
+    """(rows, cols) of a backward chunk: at most ``budget`` elements, vocab chunks evened out (no small last one)."""
     rows = max(1, min(N, chunk_rows or max(1, budget // 4096)))
-    cols = V if rows * V <= budget else max(256, budget // rows // 256 * 256)
+    if rows * V <= budget:
+        return rows, V
+    cols = max(256, budget // rows // 256 * 256)
+    cols = triton.cdiv(triton.cdiv(V, triton.cdiv(V, cols)), 256) * 256
     return rows, min(cols, V)
 
 
+@functools.lru_cache(maxsize=8)
+def _side_stream(device_index: int):
+    return torch.cuda.Stream(device=device_index)
+
+
 def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, chunk_rows,
-              triton_path):  # fmt: skip
+              triton_path, opts):  # fmt: skip
     N, H = hidden.shape
     V = weight.shape[0]
     # bf16 logit gradients feed the tensor cores (as torch's own path casts them); fp16 could underflow, so fp32.
     gdt = torch.bfloat16 if weight.dtype == torch.bfloat16 else lse.dtype
-    budget = _GRAD_CHUNK_ELEMENTS if triton_path else _NATIVE_CHUNK_ELEMENTS
+    budget = opts.chunk if triton_path else _NATIVE_CHUNK_ELEMENTS
     rows, cols = _chunk_plan(N, V, chunk_rows, budget)
     acc_dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     dh = torch.zeros(N, H, dtype=acc_dt, device=hidden.device) if need_dh else None
@@ -366,39 +445,91 @@ def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_
     dw = None
     if need_dw:
         dw = torch.empty_like(weight) if one_pass else torch.zeros(V, H, dtype=acc_dt, device=weight.device)
-    buf = torch.empty(rows, cols, dtype=gdt, device=hidden.device) if triton_path else None
-    for r0 in range(0, N, rows):
-        nr = min(rows, N - r0)
+    chunks = [(r0, min(rows, N - r0), v0, min(cols, V - v0)) for r0 in range(0, N, rows) for v0 in range(0, V, cols)]
+    # Two streams: the recompute of chunk i + 1 (side stream, its own buffer) runs beside the gradient GEMMs of
+    # chunk i (current stream), filling each kernel's last wave and the epilogues; events order buffer reuse.
+    overlap = triton_path and opts.streams == 2 and _on_device(hidden) and len(chunks) > 1
+    bufs = [torch.empty(rows, cols, dtype=gdt, device=hidden.device) for _ in range(1 + overlap)] if triton_path else []
+    operands = _operands(hidden, weight, opts.tma) if triton_path else None
+    if overlap:
+        main, side = torch.cuda.current_stream(hidden.device), _side_stream(hidden.device.index or 0)
+        side.wait_stream(main)  # lse, ent, g_lp, g_ent were written on the current stream
+        released = [None, None]  # per buffer: the event after the GEMMs that last read it
+    for i, (r0, nr, v0, nc) in enumerate(chunks):
+        chunk_args = (hidden, weight, targets, lse, ent, g_lp, g_ent, r0, nr, v0, nc, vocab_start, inv_temp)
+        if overlap:
+            if released[i % 2] is not None:
+                side.wait_event(released[i % 2])
+            with torch.cuda.stream(side):
+                g = _triton_grad_chunk(*chunk_args, bufs[i % 2], operands)
+            main.wait_event(side.record_event())
+        elif triton_path:
+            g = _triton_grad_chunk(*chunk_args, bufs[0], operands)
+        else:
+            g = _native_grad_chunk(*chunk_args, gdt)
         h_c = hidden[r0 : r0 + nr]
         h_c = h_c if h_c.dtype == gdt else h_c.to(gdt)
-        for v0 in range(0, V, cols):
-            nc = min(cols, V - v0)
-            chunk_args = (hidden, weight, targets, lse, ent, g_lp, g_ent, r0, nr, v0, nc, vocab_start, inv_temp)
-            if triton_path:
-                g = _triton_grad_chunk(*chunk_args, buf)
-            else:
-                g = _native_grad_chunk(*chunk_args, gdt)
-            w_c = weight[v0 : v0 + nc]
-            w_c = w_c if w_c.dtype == gdt else w_c.to(gdt)
-            if need_dh:
-                _accumulate(dh[r0 : r0 + nr], g, w_c)
-            if need_dw and one_pass:
-                torch.mm(g.T, h_c, out=dw[v0 : v0 + nc])
-            elif need_dw:
-                _accumulate(dw[v0 : v0 + nc], g.T, h_c)
+        w_c = weight[v0 : v0 + nc]
+        w_c = w_c if w_c.dtype == gdt else w_c.to(gdt)
+        if need_dh:
+            _accumulate(dh[r0 : r0 + nr], g, w_c)
+        if need_dw and one_pass:
+            torch.mm(g.T, h_c, out=dw[v0 : v0 + nc])
+        elif need_dw:
+            _accumulate(dw[v0 : v0 + nc], g.T, h_c)
+        if overlap:
+            released[i % 2] = main.record_event()
+    # The buffers are freed on the current stream after its wait on the last recompute, i.e. after all side work.
     return dh, dw
+
+
+class _Options(NamedTuple):
+    tma: bool  # load the logit tiles through TMA descriptors (Triton path)
+    streams: int  # 2: backward recompute on a second CUDA stream beside the gradient GEMMs
+    chunk: int  # elements of one backward logit-gradient chunk (Triton path)
+
+
+_LOADS = ("auto", "tma", "pointer")
+
+
+def options(hidden=None, weight=None, triton_path=False) -> _Options:
+    """The A/B switches, read from the environment at each forward (an invalid value raises on every path):
+
+    ``ARENO_LOGPROB_LOADS``: "auto" (default: TMA descriptors where the GPU (sm_90+) and the tensors' alignment
+    allow, else pointers), "tma" (required: raises where not possible), "pointer" (masked pointer loads).
+    ``ARENO_LOGPROB_BWD_STREAMS``: 2 (default) recomputes the next logit-gradient chunk on a second CUDA stream
+    while the current stream runs the gradient GEMMs (two chunk buffers), 1 runs everything in order (one buffer).
+    ``ARENO_LOGPROB_BWD_CHUNK``: elements per logit-gradient chunk of the Triton backward (default 2^28: 512 MB in
+    bf16 per buffer); at least 65,536."""
+    loads = os.environ.get("ARENO_LOGPROB_LOADS", "auto").strip().lower() or "auto"
+    if loads not in _LOADS:
+        raise ValueError(f"ARENO_LOGPROB_LOADS must be one of {_LOADS} or unset, got {loads!r}")
+    streams = os.environ.get("ARENO_LOGPROB_BWD_STREAMS", "2").strip() or "2"
+    if streams not in ("1", "2"):
+        raise ValueError(f"ARENO_LOGPROB_BWD_STREAMS must be 1 or 2, got {streams!r}")
+    chunk = os.environ.get("ARENO_LOGPROB_BWD_CHUNK", "").strip()
+    if chunk and (not chunk.isdigit() or int(chunk) < 1 << 16):
+        raise ValueError(f"ARENO_LOGPROB_BWD_CHUNK must be an integer >= 65536 (elements), got {chunk!r}")
+    tma = False
+    if triton_path and loads != "pointer":
+        tma = _tma_possible(hidden, weight)
+        if loads == "tma" and not tma:
+            raise RuntimeError("ARENO_LOGPROB_LOADS=tma but TMA descriptors cannot be used here (they need sm_90+ or "
+                               "the interpreter, 16-byte aligned hidden/weight rows)")  # fmt: skip
+    return _Options(tma, int(streams), int(chunk) if chunk else _GRAD_CHUNK_ELEMENTS)
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_temp, want_entropy, chunk_rows, group, triton_path):
+        opts = options(hidden, weight, triton_path)
         vocab_start = 0
         if group is not None:
             import torch.distributed as dist
 
             vocab_start = dist.get_rank(group) * weight.shape[0]
         if triton_path:
-            parts = _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy)
+            parts = _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, opts.tma)
         else:
             parts = _native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows)
         m, s, a, tz = _merge(parts)
@@ -410,14 +541,14 @@ class _LinearLogprobs(torch.autograd.Function):
         ignore = targets < 0
         logprobs = torch.where(ignore, torch.zeros_like(lse), tz - lse)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.cfg = (vocab_start, inv_temp, chunk_rows, group, triton_path)
+        ctx.cfg = (vocab_start, inv_temp, chunk_rows, group, triton_path, opts)
         ctx.set_materialize_grads(False)
         return logprobs, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        vocab_start, inv_temp, chunk_rows, group, triton_path = ctx.cfg
+        vocab_start, inv_temp, chunk_rows, group, triton_path, opts = ctx.cfg
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp is None and g_ent is None) or not (need_dh or need_dw):
             return (None,) * 8
@@ -425,7 +556,7 @@ class _LinearLogprobs(torch.autograd.Function):
         g_lp = torch.where(targets < 0, torch.zeros_like(g_lp), g_lp).contiguous()
         g_ent = None if g_ent is None else g_ent.to(lse.dtype).contiguous()
         dh, dw = _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw,
-                           chunk_rows, triton_path)  # fmt: skip
+                           chunk_rows, triton_path, opts)  # fmt: skip
         if dh is not None and group is not None:
             import torch.distributed as dist
 

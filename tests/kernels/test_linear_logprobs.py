@@ -82,13 +82,59 @@ def test_values_entropy_and_grads_vs_float64(path, dtype, nan_empty):
     _check(hidden, weight, targets, TOL[dtype], temperature=0.7)
 
 
-def test_flat_loop_forward(triton_kernels, monkeypatch):
+@pytest.mark.parametrize("loads", ["tma", "pointer"])
+def test_flat_loop_forward(triton_kernels, monkeypatch, loads):
     """The forward's single-loop variant (one of the autotuned shapes on CUDA) gives the same values."""
     monkeypatch.setattr(mod, "_INTERPRET_FLAT", True)
+    monkeypatch.setenv("ARENO_LOGPROB_LOADS", loads)
     hidden, weight, targets = _inputs(37, 40, 1031, torch.float32)
     lp, ent = linear_logprobs(hidden, weight, targets, temperature=0.6, return_entropy=True)
     rlp, rent = reference_linear_logprobs(hidden.double(), weight.double(), targets, temperature=0.6)
     assert (lp - rlp).abs().max().item() < 2e-5 and (ent - rent).abs().max().item() < 2e-5
+
+
+def test_pointer_loads_vs_float64(triton_kernels, monkeypatch):
+    """Masked pointer loads (the path where TMA cannot run), hidden size not a multiple of the K tile."""
+    monkeypatch.setenv("ARENO_LOGPROB_LOADS", "pointer")
+    hidden, weight, targets = _inputs(37, 40, 1031, torch.float32)
+    assert not mod.options(hidden, weight, True).tma
+    _check(hidden, weight, targets, TOL[torch.float32], temperature=0.7)
+
+
+def test_load_choice(triton_kernels, monkeypatch):
+    """auto: TMA descriptors where the rows are 16-byte aligned; tma refuses where it cannot run."""
+    hidden, weight, _ = _inputs(8, 40, 300, torch.float32)
+    assert mod.options(hidden, weight, True).tma and not mod.options(hidden, weight, False).tma
+    odd = torch.randn(8, 37)  # 148-byte rows
+    assert not mod.options(odd, torch.randn(300, 37), True).tma
+    monkeypatch.setenv("ARENO_LOGPROB_LOADS", "tma")
+    with pytest.raises(RuntimeError, match="ARENO_LOGPROB_LOADS"):
+        mod.options(odd, torch.randn(300, 37), True)
+    monkeypatch.delenv("ARENO_LOGPROB_LOADS")
+    w = torch.randn(300, 37) / 8
+    targets = torch.randint(0, 300, (8,))
+    lp = linear_logprobs(odd, w, targets)  # auto falls back to pointers on its own
+    rlp, _ = reference_linear_logprobs(odd.double(), w.double(), targets)
+    assert (lp - rlp).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("var,value", [("ARENO_LOGPROB_LOADS", "fast"), ("ARENO_LOGPROB_BWD_STREAMS", "3"),
+                                       ("ARENO_LOGPROB_BWD_CHUNK", "1000"), ("ARENO_LOGPROB_BWD_CHUNK", "1e9")])
+def test_invalid_options_refused(path, monkeypatch, var, value):
+    """An invalid A/B switch fails on every path, naming the variable."""
+    monkeypatch.setenv(var, value)
+    hidden, weight, targets = _inputs(4, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=var):
+        linear_logprobs(hidden, weight, targets)
+
+
+def test_chunk_plan_evens_vocab_chunks():
+    """Vocab chunks of one size (a multiple of 256) within the budget, no small last chunk."""
+    rows, cols = mod._chunk_plan(16384, 151936, None, 1 << 28)
+    assert rows == 16384 and cols == 15360 and rows * cols <= 1 << 28
+    assert 151936 - 9 * cols == 13696  # ten chunks, the last 89% of the others
+    assert mod._chunk_plan(16384, 151936, None, 1 << 27) == (16384, 8192)
+    assert mod._chunk_plan(100, 5000, None, 1 << 28) == (100, 5000)
 
 
 def test_native_bf16(native_kernels):
@@ -185,9 +231,20 @@ def _reference_chunked(hidden, weight, targets, g_lp, g_ent, temperature, rows=1
     return torch.cat(lps), torch.cat(ents), torch.cat(dhs), w.grad
 
 
+_GPU_VARIANTS = [  # (H, ARENO_LOGPROB_LOADS, ARENO_LOGPROB_BWD_STREAMS, ARENO_LOGPROB_BWD_CHUNK); "" = default
+    (1024, "", "", ""), (4096, "", "", ""), (1024, "pointer", "1", ""), (1024, "tma", "1", str(1 << 27)),
+    (1024, "pointer", "2", str(1 << 26)),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [1024, 4096])
-def test_gpu_bf16_real_shape(H, triton_kernels):
+@pytest.mark.parametrize("H,loads,streams,chunk", _GPU_VARIANTS)
+def test_gpu_bf16_real_shape(H, loads, streams, chunk, triton_kernels, monkeypatch):
+    """Every backward schedule and load path against float64 at the K2 shape (10-20 vocab chunks)."""
+    for var, value in (("ARENO_LOGPROB_LOADS", loads), ("ARENO_LOGPROB_BWD_STREAMS", streams),
+                       ("ARENO_LOGPROB_BWD_CHUNK", chunk)):  # fmt: skip
+        if value:
+            monkeypatch.setenv(var, value)
     torch.manual_seed(H)
     N, V = 16384, 151936
     hidden, weight, targets = _inputs(N, H, V, torch.bfloat16, device="cuda", n_ignore=100)
@@ -201,7 +258,45 @@ def test_gpu_bf16_real_shape(H, triton_kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loads", ["auto", "pointer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_small_shapes(dtype, triton_kernels):
+def test_gpu_small_shapes(dtype, loads, triton_kernels, monkeypatch):
+    monkeypatch.setenv("ARENO_LOGPROB_LOADS", loads)
     hidden, weight, targets = _inputs(300, 96, 5003, dtype, device="cuda")
     _check(hidden, weight, targets, TOL[dtype], temperature=0.8)
+
+
+@pytest.mark.gpu
+def test_gpu_two_stream_backward_in_cuda_graph(triton_kernels, monkeypatch):
+    """The second-stream backward captures into a CUDA graph (as the train-step graphs do) and replays the eager
+    gradients: 64 chunks, so the stream fork/join and buffer reuse run many times."""
+    monkeypatch.setenv("ARENO_LOGPROB_BWD_STREAMS", "2")
+    monkeypatch.setenv("ARENO_LOGPROB_BWD_CHUNK", str(1 << 16))
+    hidden, weight, targets = _inputs(512, 128, 5003, torch.bfloat16, device="cuda")
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    g = torch.randn(512, device="cuda")
+
+    def step():
+        lp, ent = linear_logprobs(h, w, targets, return_entropy=True)
+        ((lp * g).sum() + ent.sum()).backward()
+
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(2):
+            h.grad = w.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(warm)
+    eager_h, eager_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(h.grad, eager_h) < 1e-3 and _rel(w.grad, eager_w) < 1e-3
+    monkeypatch.setenv("ARENO_LOGPROB_BWD_STREAMS", "1")
+    h.grad = w.grad = None
+    step()
+    assert _rel(h.grad, eager_h) < 1e-3 and _rel(w.grad, eager_w) < 1e-3
