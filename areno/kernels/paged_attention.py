@@ -32,7 +32,7 @@ MAX_HEAD_DIM = 256
 MAX_SPLITS = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per eager step: one variant for all
 def _paged_attn_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -332,6 +332,30 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     cu_q = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32)
     return _paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
                                    scale, cu_q, max_q, num_splits)
+
+
+def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
+    """Compile every kernel variant ``paged_attention`` can pick for this cache and query head count (each split-K
+    factor, one query per sequence and several), so that no serving step stalls on a JIT compile (hundreds of ms
+    each). Reads block 0 of the caches, writes nothing to them; returns how many variants ran (0 off the GPU)."""
+    if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=k_cache.dtype in _FLOATS)):
+        return 0
+    _, page_size, hkv, d = k_cache.shape
+    if num_q_heads % hkv or d > MAX_HEAD_DIM:
+        return 0
+    dev = k_cache.device
+    table = torch.zeros((1, 3), dtype=torch.int32, device=dev)
+    seq_lens = torch.full((1,), min(2, page_size), dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+    runs, splits = 0, 1
+    while splits <= MAX_SPLITS:
+        for multi in (False, True):
+            q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
+            _paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
+                                    splits)
+            runs += 1
+        splits *= 2
+    return runs
 
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):

@@ -70,7 +70,9 @@ def _gumbel(bits, FAST: tl.constexpr):
     return -_log(e, FAST)
 
 
-@triton.jit
+# Row counts (B) and split counts (S) vary from step to step in a server's eager steps: they are not specialised
+# (each new specialisation is a JIT compile in the middle of serving).
+@triton.jit(do_not_specialize=["B"])
 def _race_kernel(x_ptr, stride_x, temp_ptr, seed_ptr, off_ptr, thr_ptr, m_ptr, s_ptr, best_ptr, idx_ptr,
                  B, V, cols_per_split, HAS_THR: tl.constexpr, ROWS: tl.constexpr, Q: tl.constexpr,
                  FAST: tl.constexpr):  # fmt: skip
@@ -126,7 +128,7 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, seed_ptr, off_ptr, thr_ptr, m_ptr, s
     tl.store(idx_ptr + out, best_idx, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "S"])
 def _pick_kernel(x_ptr, stride_x, temp_ptr, m_ptr, s_ptr, best_ptr, idx_ptr, tok_ptr, lp_ptr, B, S,
                  ROWS: tl.constexpr, SB: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -197,7 +199,7 @@ def _search(x_ptr, stride_x, rows, row_ok, inv_t, m, target, lo, V, USE_MASS: tl
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _threshold_kernel(x_ptr, stride_x, temp_ptr, k_ptr, p_ptr, lmp_ptr, thr_ptr, B, V, HAS_K: tl.constexpr,
                       HAS_P: tl.constexpr, HAS_MINP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                       NPIV: tl.constexpr, NPASS: tl.constexpr):  # fmt: skip
@@ -266,10 +268,14 @@ def _triton_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets)
         num_warps=4)  # fmt: skip
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     logprobs = torch.empty(B, dtype=torch.float32, device=dev)
-    p_rows = min(64, triton.next_power_of_2(B))
+    if interp:
+        p_rows, sb = min(64, triton.next_power_of_2(B)), triton.next_power_of_2(splits)
+    else:  # one variant per vocabulary size: the widest split count any batch size gives
+        sb = triton.next_power_of_2(triton.cdiv(V, 4 * tile))
+        p_rows = max(1, min(64, 2048 // sb))
     _pick_kernel[(triton.cdiv(B, p_rows),)](
         logits, logits.stride(0), temperature, part[0], part[1], part[2], idx, tokens, logprobs, B, splits,
-        ROWS=p_rows, SB=triton.next_power_of_2(splits))  # fmt: skip
+        ROWS=p_rows, SB=sb)  # fmt: skip
     return tokens, logprobs
 
 

@@ -163,6 +163,31 @@ class Engine:
             return 0
         return self.runner.capture_graphs(decode_steps)
 
+    def warm_up(self, *, on_cpu: bool = False) -> dict:
+        """Compile and autotune what eager steps run before the first request does (a server calls this at start):
+        every paged-attention variant of the caches, then one prefill per attention sequence bucket (64 tokens up to
+        the step's token budget; odd lengths, so integer specialisations are compiled too) with a second request
+        arriving while the first decodes (a mixed step). The prefix cache is emptied after. Nothing under tensor
+        parallelism (the ranks would have to step together), nor off the GPU unless ``on_cpu`` (nothing compiles
+        there). Seeded requests: the engine's own seed stream is untouched. Returns {"variants": n, "prefills": m}."""
+        self._ensure_built()
+        if getattr(self.model, "tp_group", None) is not None or (self.runner.device.type != "cuda" and not on_cpu):
+            return {"variants": 0, "prefills": 0}
+        variants = self.runner.warm_kernels()
+        vocab = self.runner.vocab_size
+        opts = SamplingOptions(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=0)
+        limit, n, prefills = min(self.max_model_len - opts.max_new_tokens, self.config.max_batched_tokens), 64, 0
+        while n <= limit:
+            self.add_request([(7 * j + n) % vocab for j in range(n - 1)], opts)
+            self.step()
+            self.add_request([(5 * j + n + 1) % vocab for j in range(n // 2 + 1)], opts)
+            while self.has_work():
+                self.step()
+            prefills += 2
+            n *= 2
+        self.reset_prefix_cache()
+        return {"variants": variants, "prefills": prefills}
+
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int] | None, options: SamplingOptions | None = None, request_id=None, *,
                     mm=None):  # fmt: skip

@@ -538,6 +538,23 @@ class ModelRunner:
             self._capture(bsz, k)
         return len(todo)
 
+    def warm_kernels(self) -> int:
+        """Compile every paged-attention variant each distinct KV-cache layout can pick (``warm_paged_attention``);
+        returns how many ran."""
+        from areno.kernels.paged_attention import warm_paged_attention
+
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) // tp
+        seen, runs = set(), 0
+        for entry in self.kv_caches:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0].dim() == 4):
+                continue  # a recurrent layer's state pools
+            key = (tuple(entry[0].shape[1:]), entry[0].dtype)
+            if key not in seen:
+                seen.add(key)
+                runs += warm_paged_attention(entry[0], entry[1], heads)
+        return runs
+
     def _run_graph(self, inp: StepInputs):
         n, k = len(inp.seq_lens), inp.decode_steps
         bsz = self._bucket(n)

@@ -100,6 +100,7 @@ def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events,
 
         engine, _ = build_engine(**engine_kwargs)
         engine.capture_graphs((1,))  # the server decodes one token per step; no capture stalls a request later
+        engine.warm_up()  # nor a JIT compile or an autotune of an eager (prefill or mixed) step
         gc.freeze()  # the model and engine objects leave the collector's scans: shorter GC pauses while serving
     except BaseException as exc:  # report, so the front end fails at start with the reason
         events.put((rank, "failed", f"{type(exc).__name__}: {exc}"))

@@ -75,6 +75,7 @@ def build_app(config, *, model=None, tokenizer=None):
         seed=config.seed, kv_cache_memory=config.kv_cache_memory,
     )
     engine.capture_graphs((1,))  # every decode bucket before the first request: no capture stalls a request later
+    engine.warm_up()  # nor a JIT compile or an autotune of an eager (prefill or mixed) step
     aengine = ServeEngine(engine)
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
                      api_key=config.api_key, max_running=config.max_running_prompts,

@@ -298,3 +298,46 @@ def test_capture_graphs_captures_every_bucket_before_the_first_request(tmp_path)
     tok = load_tokenizer(path)
     eng.generate([tok.encode(p) for p in PROMPTS * 5], SamplingOptions(temperature=1.0, max_new_tokens=6, seed=1))
     assert set(eng.runner.graphs) == before
+
+
+def test_warm_up_runs_prefills_per_bucket_and_leaves_the_engine_as_it_was(qwen3):
+    """``warm_up`` (a server's start) prefills one prompt per attention bucket plus a mixed step, then leaves no
+    work, no cached prefix and the engine's seed stream untouched: later output equals a fresh engine's."""
+    _, model, tok = qwen3
+    prompts = [tok.encode(p) for p in PROMPTS]
+    opts = SamplingOptions(temperature=1.0, max_new_tokens=6)
+    assert engine(model, tok).warm_up() == {"variants": 0, "prefills": 0}  # CPU: nothing compiles
+    warm = engine(model, tok, max_model_len=160, max_batched_tokens=140)
+    assert warm.warm_up(on_cpu=True) == {"variants": 0, "prefills": 4}  # buckets 64 and 128, two requests each
+    assert not warm.has_work() and warm.blocks.num_free == warm.blocks.num_blocks
+    fresh = engine(model, tok, max_model_len=160, max_batched_tokens=140)
+    got = [[c.token_ids for c in g] for g in warm.generate(prompts, opts)]
+    assert got == [[c.token_ids for c in g] for g in fresh.generate(prompts, opts)]
+
+
+@pytest.mark.gpu
+def test_nothing_compiles_while_serving_after_warm_up(tmp_path):
+    """After ``capture_graphs`` and ``warm_up``, arrivals of any count during decode (eager mixed steps of every batch
+    size) compile no Triton kernel: a compile in the middle of serving stalls every stream for hundreds of ms."""
+    import triton
+
+    path = make_tiny_checkpoint(tmp_path, family="qwen3", seed=2)
+    tok = load_tokenizer(path)
+    eng = engine(load_model(path, dtype=torch.bfloat16, device="cuda"), tok, block_size=16, max_running=48)
+    eng.capture_graphs((1,))
+    eng.warm_up()
+    compiled = []
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(str(kw.get("repr", ""))[:80])
+    try:
+        opts = SamplingOptions(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+        for wave in (1, 3, 7, 2, 11, 5, 17, 1, 13):  # arrivals while the earlier waves decode
+            for i in range(wave):
+                eng.add_request(tok.encode(PROMPTS[i % len(PROMPTS)] + " x" * (wave + i)), opts)
+            for _ in range(3):
+                eng.step()
+        while eng.has_work():
+            eng.step()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+    assert compiled == []
