@@ -32,9 +32,10 @@ def engine(model, tok, **kw):
 
 def _forward_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log p(ids[t+1] | ids[:t+1]) from one plain forward (no cache)."""
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        logits = model.logits(torch.tensor([ids]))[0].float()
-    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        logits = model.logits(torch.tensor([ids], device=dev))[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:], device=dev)[:, None])[:, 0]
 
 
 def test_greedy_n_samples_match_transformers_generate(hybrid):
