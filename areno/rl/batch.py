@@ -12,12 +12,18 @@ A row whose prompt shows images carries them in ``media`` (the ``MultimodalPromp
 images are concatenated in row order (``pixel_values``, ``image_grid_thw``, one ``image_hashes`` entry each) and
 ``image_rows`` lists the packed positions of the prompts' image tokens (a response token equal to the image
 placeholder id is text: the policy sampled it).
+
+Packing is vectorised: per row only its token ids and rollout log-probs are converted from lists (or taken from the
+row's ``ids_tensor``/``logprobs_tensor``, which the rollout fills while other prompts still decode, so packing a
+microbatch is then a concatenation); every other field is built from the row lengths with tensor ops. CUDA copies go
+through pinned memory, so ``Packed.to`` never waits for the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -34,6 +40,11 @@ class Row:
     meta: dict = field(default_factory=dict)  # not packed: messages, finish reason, policy version (dumps)
     media: object = None  # the prompt's images: an areno.models.multimodal.MultimodalPrompt, None for text
     routed_experts: object = None  # routing replay: int [len(row), num_moe_layers, k] rollout expert ids (-1: none)
+    # Optional tensor copies of prompt_ids + response_ids (int64 [len(row)]) and rollout_logprobs (float32 [R]), made
+    # ahead of the update (the rollout tensorises finished prompt groups while the rest decode); they must hold the
+    # same values as the lists, pack() checks their lengths only.
+    ids_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    logprobs_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def scored(self, values: list) -> list:
         """The entries of a per-response-token list at the trained positions (all of them without a mask)."""
@@ -72,61 +83,130 @@ class Packed:
     routed_experts: torch.Tensor | None = None  # int32 [T, num_moe_layers, k] (areno.rl.routing_replay), -1: none
 
     def to(self, device) -> Packed:
-        move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        """The batch on ``device``; host tensors bound for a GPU are staged in pinned memory first, so the copies are
+        asynchronous (a copy from pageable memory may wait for the device's queued work)."""
+        pin = torch.device(device).type == "cuda"
+
+        def move(v):
+            if not isinstance(v, torch.Tensor):
+                return v
+            if pin and v.device.type == "cpu" and not v.is_pinned():
+                v = v.pin_memory()
+            return v.to(device, non_blocking=True)
+
         kw = {k: ({kk: move(vv) for kk, vv in v.items()} if isinstance(v, dict) else move(v))
               for k, v in vars(self).items()}
         return Packed(**kw)
 
 
+def row_tensors(prompt_ids, response_ids, rollout_logprobs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row's ``ids_tensor`` (prompt then response ids, int64) and ``logprobs_tensor`` (float32, None without
+    log-probs): what pack() would convert from the lists."""
+    ids = torch.from_numpy(_array(list(prompt_ids) + list(response_ids), np.int64))
+    return ids, (torch.from_numpy(_array(rollout_logprobs, np.float32)) if rollout_logprobs is not None else None)
+
+
+def _array(values, dtype) -> np.ndarray:
+    """A list of numbers as an array (numpy converts a list several times faster than torch.tensor, with the same
+    rounding to float32)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+    return np.asarray(values, dtype=dtype)
+
+
 def pack(rows: list[Row]) -> Packed:
-    ids, pos, tgt, seq, old, adv, cu = [], [], [], [], [], [], [0]
-    has_old = all(r.rollout_logprobs is not None for r in rows)
-    for i, r in enumerate(rows):
-        P, R = len(r.prompt_ids), len(r.response_ids)
-        tokens = list(r.prompt_ids) + list(r.response_ids)
-        ids.extend(tokens)
-        pos.extend(range(P + R))
-        trained = r.response_ids if r.loss_mask is None else [t if m else -100 for t, m in zip(r.response_ids,
-                                                                                           r.loss_mask)]
-        tgt.extend([-100] * (P - 1) + list(trained) + [-100])
-        seq.extend([i] * (P + R))
-        if has_old:
-            old.extend([0.0] * (P - 1) + list(r.rollout_logprobs) + [0.0])
-        token_adv = r.token_advantages if r.token_advantages is not None else [r.advantage] * R
-        adv.extend([0.0] * (P - 1) + list(token_adv) + [0.0])
-        cu.append(cu[-1] + P + R)
-    targets = torch.tensor(tgt, dtype=torch.int64)
+    """Rows end to end (module doc). Response token k of row b, with P prompt tokens, is scored at packed position
+    ``cu[b] + P - 1 + k``: every per-response-token list (log-probs, advantages, loss mask, extras) lands there.
+    The index arithmetic runs in numpy: single-threaded, where torch would start its thread pool for every op on
+    arrays of a few thousand entries."""
+    if not rows:
+        raise ValueError("pack() needs at least one row")
+    B = len(rows)
+    P = np.asarray([len(r.prompt_ids) for r in rows], dtype=np.int64)
+    R = np.asarray([len(r.response_ids) for r in rows], dtype=np.int64)
+    if P.min() < 1:
+        raise ValueError("every row needs at least one prompt token (position P - 1 scores the first response token)")
+    lens = P + R
+    cu = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    T = int(cu[-1])
+    ids = np.concatenate([_row_ids(r, int(n)) for r, n in zip(rows, lens)])
+    # packed position of every response token, row after row (the position that predicts it)
+    at = np.repeat(cu[:-1] + P - 1 - (np.cumsum(R) - R), R) + np.arange(int(R.sum()), dtype=np.int64)
+    trained = ids[at + 1]
+    if any(r.loss_mask is not None for r in rows):
+        keep = np.concatenate([_per_response(r.loss_mask, n, np.bool_, "loss_mask") if r.loss_mask is not None
+                               else np.ones(n, dtype=np.bool_) for r, n in zip(rows, R)])
+        trained = np.where(keep, trained, -100)
+    targets = np.full(T, -100, dtype=np.int64)
+    targets[at] = trained
+
+    def spread(values: np.ndarray) -> torch.Tensor:  # response-token values onto the packed positions
+        out = np.zeros(T, dtype=np.float32)
+        out[at] = values
+        return torch.from_numpy(out)
+
+    old = None
+    if all(r.rollout_logprobs is not None for r in rows):
+        old = spread(np.concatenate([_row_logprobs(r, int(n)) for r, n in zip(rows, R)]))
+    if any(r.token_advantages is not None for r in rows):
+        adv = np.concatenate([_per_response(r.token_advantages, n, np.float32, "token_advantages")
+                              if r.token_advantages is not None else np.full(n, r.advantage, dtype=np.float32)
+                              for r, n in zip(rows, R)])
+    else:
+        adv = np.repeat(np.asarray([r.advantage for r in rows], dtype=np.float32), R)
     tok, row = {}, {}
-    for key in rows[0].extras if rows else ():
+    for key in rows[0].extras:
         if isinstance(rows[0].extras[key], (list, tuple)):
-            vals = []
-            for r in rows:
-                vals.extend([0.0] * (len(r.prompt_ids) - 1) + list(r.extras[key]) + [0.0])
-            tok[key] = torch.tensor(vals, dtype=torch.float32)
+            tok[key] = spread(np.concatenate([_per_response(r.extras[key], n, np.float32, f"extras[{key!r}]")
+                                              for r, n in zip(rows, R)]))
         else:
             row[key] = torch.tensor([float(r.extras[key]) for r in rows], dtype=torch.float32)
-    positions = torch.tensor(pos, dtype=torch.int64)
+    positions = torch.from_numpy(np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], lens))
     media = {}
     if any(r.media is not None and r.media.positions is not None for r in rows):
-        positions, media = _pack_media(rows, cu)
+        positions, media = _pack_media(rows, cu.tolist())
     routes = _pack_routes(rows) if any(r.routed_experts is not None for r in rows) else None
     return Packed(
-        input_ids=torch.tensor(ids, dtype=torch.int64),
+        input_ids=torch.from_numpy(ids),
         positions=positions,
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        max_seqlen=max(len(r) for r in rows),
-        targets=targets,
-        mask=(targets != -100).float(),
-        seq_index=torch.tensor(seq, dtype=torch.int64),
-        num_rows=len(rows),
-        old_logprobs=torch.tensor(old, dtype=torch.float32) if has_old else None,
-        advantages=torch.tensor(adv, dtype=torch.float32),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        max_seqlen=int(lens.max()),
+        targets=torch.from_numpy(targets),
+        mask=torch.from_numpy((targets != -100).astype(np.float32)),
+        seq_index=torch.from_numpy(np.repeat(np.arange(B, dtype=np.int64), lens)),
+        num_rows=B,
+        old_logprobs=old,
+        advantages=spread(adv),
         seq_advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
         tok=tok,
         row=row,
         routed_experts=routes,
         **media,
     )
+
+
+def _row_ids(r: Row, n: int) -> np.ndarray:
+    if r.ids_tensor is not None:
+        if r.ids_tensor.numel() != n:
+            raise ValueError(f"a row's ids_tensor has {r.ids_tensor.numel()} tokens, its lists {n}")
+        return _array(r.ids_tensor.reshape(-1), np.int64)
+    return _array(list(r.prompt_ids) + list(r.response_ids), np.int64)
+
+
+def _row_logprobs(r: Row, n: int) -> np.ndarray:
+    if r.logprobs_tensor is not None:
+        if r.logprobs_tensor.numel() != n:
+            raise ValueError(f"a row's logprobs_tensor has {r.logprobs_tensor.numel()} values for {n} response tokens")
+        return _array(r.logprobs_tensor.reshape(-1), np.float32)
+    return _per_response(r.rollout_logprobs, n, np.float32, "rollout_logprobs")
+
+
+def _per_response(values, n: int, dtype, name: str) -> np.ndarray:
+    """A per-response-token list as an array; it must have one entry per response token."""
+    if len(values) != n:
+        raise ValueError(f"a row's {name} has {len(values)} entries for {n} response tokens")
+    return _array(values, dtype)
 
 
 def _pack_routes(rows: list[Row]) -> torch.Tensor:
