@@ -2,6 +2,7 @@
 
     python bench/attention.py                            # H200: the K1 shapes and the decode grid below
     python bench/attention.py --bwd-variants             # H200: K1 only, areno with each backward variant
+    python bench/attention.py --variants --seqs 4096     # H200: K1 only, areno's forward/backward variant pairs
     TRITON_INTERPRET=1 python bench/attention.py --smoke # CPU: tiny shapes, checks the script (times meaningless)
 
 Training attention: batch 8 sequences of L = 1k, 4k, 8k tokens, 16 query / 8 KV heads, head_dim 128, bf16, causal.
@@ -11,6 +12,9 @@ Times: forward (no autograd graph), backward (autograd.grad of q, k, v from a sa
 --bwd-variants: areno runs once per backward variant (ARENO_ATTN_BWD = split, fused; impl "areno bwd=<variant>"),
 each row with its fwd+bwd and backward-only speed-ups over SDPA flash and cuDNN, and the largest gradient
 difference between the variants at the first length is printed; the decode part is skipped.
+--variants: the same for the (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pairs in VARIANT_PAIRS (impl "areno fwd=<f> bwd=<b>"),
+plus each backward's time per kernel (torch profiler) at every length, so a slow kernel shows by name.
+--seqs: the lengths L of those two modes (default 1024 4096 8192).
 
 Paged decode: one query per sequence over a context of C tokens in a paged cache (block size 16 and 64, blocks
 scattered at random), batch 1/64/256, C = 512/2048. Bytes it must read: K and V of every context token
@@ -79,24 +83,61 @@ def measure(fwd, inputs):
     return t_fwd, t_bwd, t_all
 
 
+# (forward, backward) variant pairs that --variants times: today's default, the fused backward, the TMA pair, and
+# each TMA kernel beside the other pass's default (the forward's LSE feeds every backward alike).
+VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "split"), ("default", "tma")]
+
+
 def areno_attention(L, cu, variant):
-    """areno's attention on the packed layout; ``variant`` (None: the environment's) picks the backward."""
+    """areno's attention on the packed layout; ``variant``: None (the environment's), a backward variant name, or a
+    (forward, backward) pair."""
+    fwd, bwd = variant if isinstance(variant, tuple) else (None, variant)
+
     def fn(q, k, v):
-        if variant is not None:
-            os.environ["ARENO_ATTN_BWD"] = variant  # read by attention() at the forward
+        if bwd is not None:
+            os.environ["ARENO_ATTN_BWD"] = bwd  # read by attention() at the forward
+        if fwd is not None:
+            os.environ["ARENO_ATTN_FWD"] = fwd
         return attention(q, k, v, cu, cu, L, L, causal=True)
     return fn
 
 
+def variant_name(variant):
+    return f"fwd={variant[0]} bwd={variant[1]}" if isinstance(variant, tuple) else f"bwd={variant}"
+
+
 def compare_variants(variants, L, cu, q, k, v):
-    """Print the largest |grad difference| of each backward variant from the first, relative to the gradient's size."""
+    """Print the largest |output / grad difference| of each variant from the first, relative to the first's size."""
     g = torch.randn_like(q)
-    grads = {var: torch.autograd.grad(areno_attention(L, cu, var)(q, k, v), (q, k, v), g) for var in variants}
+    outs = {}
+    for var in variants:
+        o = areno_attention(L, cu, var)(q, k, v)
+        outs[var] = (o.detach(), *torch.autograd.grad(o, (q, k, v), g))
     first = variants[0]
     for var in variants[1:]:
         diffs = [f"{n} {(a.float() - b.float()).abs().max().item() / b.float().abs().max().item():.2e}"
-                 for n, a, b in zip(("dq", "dk", "dv"), grads[var], grads[first])]
-        print(f"  L={L}: max |{var} - {first}| / max |{first}|: " + ", ".join(diffs))
+                 for n, a, b in zip(("o", "dq", "dk", "dv"), outs[var], outs[first])]
+        print(f"  L={L}: max |{variant_name(var)} - {variant_name(first)}| / max |first|: " + ", ".join(diffs))
+
+
+def backward_kernel_times(fn, inputs, reps=5):
+    """{kernel name: ms per backward} of ``fn``'s backward from the torch profiler (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = fn(*inputs)
+    g = torch.randn_like(out)
+    torch.autograd.grad(out, inputs, g, retain_graph=True)  # warm (autotuned already by measure())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            torch.autograd.grad(out, inputs, g, retain_graph=True)
+        torch.cuda.synchronize()
+    times = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if us > 0:
+            times[evt.key] = us / 1e3 / reps
+    return times
 
 
 def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
@@ -113,7 +154,7 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
         v = torch.randn(batch * L, hkv, d, device=dev, dtype=dtype, requires_grad=True)
         cu = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * L
         if bwd_variants:
-            impls = [(f"areno bwd={var}", areno_attention(L, cu, var), (q, k, v)) for var in bwd_variants]
+            impls = [(f"areno {variant_name(var)}", areno_attention(L, cu, var), (q, k, v)) for var in bwd_variants]
             if L == seqs[0]:
                 compare_variants(bwd_variants, L, cu, q, k, v)
         else:
@@ -133,10 +174,12 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
                 continue
             base[name], base_bwd[name] = t_all, t_bwd
             variant = name.split("bwd=")[1] if "bwd=" in name else None
+            fwd_variant = name.split("fwd=")[1].split()[0] if "fwd=" in name else None
             rows.append({
                 "workload": "K1", "impl": name, "seq": L, "batch": batch, "heads_q": hq, "heads_kv": hkv,
                 "head_dim": d, "dtype": str(dtype).replace("torch.", ""),
                 **({"bwd_variant": variant} if variant else {}),
+                **({"fwd_variant": fwd_variant} if fwd_variant else {}),
                 "fwd_ms": t_fwd, "bwd_ms": t_bwd, "fwdbwd_ms": t_all,
                 "fwd_tflops": flops / t_fwd / 1e9, "bwd_tflops": 2.5 * flops / t_bwd / 1e9,
                 "fwdbwd_tflops": 3.5 * flops / t_all / 1e9, "fwdbwd_frac_peak": 3.5 * flops / t_all / 1e9 / PEAK_TFLOPS,
@@ -157,6 +200,12 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
         if bwd_variants and CUDA:
             print_config_timings("fused", L)
+            for name, fn, inputs in impls:
+                if name.startswith("areno"):
+                    times = backward_kernel_times(fn, inputs)
+                    top = sorted(times.items(), key=lambda kv: -kv[1])[:6]
+                    print(f"  L={L} {name} backward per kernel: "
+                          + ", ".join(f"{k[:48]} {t:.3f} ms" for k, t in top))
         del q, k, v, qb, kb, vb
     if saved_variant is None:
         os.environ.pop("ARENO_ATTN_BWD", None)
@@ -269,7 +318,7 @@ K1_COLUMNS = ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd
 
 def print_tuned_configs():
     print("\nautotuned attention configs (key -> config):")
-    for kind in ("fwd", "dkdv", "dq", "fused"):
+    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma"):
         for key, cfg in attention_module._tuned(kind, 128).cache.items():
             print(f"  {kind} {key}: {cfg}")
 
@@ -281,16 +330,20 @@ def print_config_timings(kind, L):
         print(f"  L={L} {kind} {cfg}: {t}")
 
 
-def bench_bwd_variants(smoke):
-    """K1 with areno's backward variants side by side (same inputs, same SDPA baselines, same run)."""
-    variants = list(attention_module.BWD_VARIANTS)
+def bench_bwd_variants(smoke, variants, seqs):
+    """K1 with areno's variants side by side (same inputs, same SDPA baselines, same run)."""
+    saved_fwd = os.environ.get("ARENO_ATTN_FWD")
     if smoke:
         dtype = torch.float16 if not CUDA else torch.bfloat16
         rows = bench_training([64], 2, 4, 2, 64, dtype, bwd_variants=variants)
     else:
         assert CUDA, "the full benchmark needs a GPU (use --smoke on CPU)"
-        rows = bench_training([1024, 4096, 8192], 8, 16, 8, 128, torch.bfloat16, bwd_variants=variants)
-    print("\nK1 attention, backward variants (varlen causal, fwd / bwd / fwd+bwd)")
+        rows = bench_training(seqs, 8, 16, 8, 128, torch.bfloat16, bwd_variants=variants)
+    if saved_fwd is None:
+        os.environ.pop("ARENO_ATTN_FWD", None)
+    else:
+        os.environ["ARENO_ATTN_FWD"] = saved_fwd
+    print("\nK1 attention, areno variants (varlen causal, fwd / bwd / fwd+bwd)")
     print_table(rows, K1_COLUMNS + ["bwd_speedup_vs_flash", "bwd_speedup_vs_cudnn"])
     if CUDA:
         print_tuned_configs()
@@ -306,12 +359,21 @@ def main():
     ap.add_argument("--rollout-sweep", action="store_true",
                     help="only the decode config sweep at rollout contexts (batch 256, ctx 160 / 384 / 640)")
     ap.add_argument("--bwd-variants", action="store_true",
-                    help="K1 only: areno once per backward variant (ARENO_ATTN_BWD=split, fused) beside SDPA")
+                    help="K1 only: areno once per backward variant (ARENO_ATTN_BWD=split, fused, tma) beside SDPA")
+    ap.add_argument("--variants", action="store_true",
+                    help="K1 only: areno once per (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pair of VARIANT_PAIRS beside SDPA")
+    ap.add_argument("--seqs", type=int, nargs="+", default=None,
+                    help="K1 lengths for --variants / --bwd-variants (default 1024 4096 8192)")
     args = ap.parse_args()
-    if args.bwd_variants:
+    if args.bwd_variants and args.variants:
+        ap.error("--bwd-variants and --variants are two modes: pick one")
+    if args.seqs is not None and not (args.bwd_variants or args.variants) or args.seqs and args.smoke:
+        ap.error("--seqs applies to the full --variants / --bwd-variants runs only")
+    if args.bwd_variants or args.variants:
         if args.rollout_sweep or args.no_sweep:
-            ap.error("--bwd-variants runs K1 only: --rollout-sweep / --no-sweep do not apply to it")
-        bench_bwd_variants(args.smoke)
+            ap.error("--variants / --bwd-variants run K1 only: --rollout-sweep / --no-sweep do not apply to them")
+        variants = list(VARIANT_PAIRS) if args.variants else list(attention_module.BWD_VARIANTS)
+        bench_bwd_variants(args.smoke, variants, args.seqs or [1024, 4096, 8192])
         return
     if args.rollout_sweep:
         dtype = torch.bfloat16 if CUDA else torch.float16

@@ -25,6 +25,12 @@ Two backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs)
   (causal: about half) fp32 atomic adds, i.e. one per 2 * BLOCK_N FLOPs of the dQ product, so BLOCK_N is kept at
   64-128. Costs 4 * Tq * Hq * D bytes of scratch, and dQ's fp32 summation order varies from run to run (last-bit
   differences; dK/dV are deterministic).
+- "tma": the split pair (dK/dV kernel, then dQ kernel) with every Q/K/V/dO tile moved by Hopper TMA descriptors
+  (``attention_tma.py``): no address tensors in registers, operands pipelined in shared memory.
+
+Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above) or "tma" (the same kernel with
+TMA descriptors, ``attention_tma.py``). The TMA variants apply to head_dim 16/32/64/128/256 with heads packed in the
+last two dims (``attention_tma.tma_layout_ok``); other inputs, and GPUs before sm_90, run the pointer kernels.
 """
 
 from __future__ import annotations
@@ -37,22 +43,42 @@ import torch
 import triton
 import triton.language as tl
 
+from areno.kernels import attention_tma as tma
 from areno.kernels.dispatch import interpreting, use_triton
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 # Tile sizes used under TRITON_INTERPRET=1, where autotuning cannot run (tests may change them).
+# A "<kind>_tma" kernel without its own entry uses its pointer twin's tiles.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32)}
-BWD_VARIANTS = ("split", "fused")
+BWD_VARIANTS = ("split", "fused", "tma")
+FWD_VARIANTS = ("default", "tma")
+
+
+def _variant(env: str, choices: tuple) -> str:
+    variant = os.environ.get(env, choices[0]).strip().lower() or choices[0]
+    if variant not in choices:
+        raise ValueError(f"{env} must be one of {choices} or unset, got {variant!r}")
+    return variant
 
 
 def backward_variant() -> str:
-    """``ARENO_ATTN_BWD``: "split" (default; dK/dV kernel + dQ kernel) or "fused" (one pass, dQ through atomics)."""
-    variant = os.environ.get("ARENO_ATTN_BWD", "split").strip().lower() or "split"
-    if variant not in BWD_VARIANTS:
-        raise ValueError(f"ARENO_ATTN_BWD must be one of {BWD_VARIANTS} or unset, got {variant!r}")
-    return variant
+    """``ARENO_ATTN_BWD``: "split" (default; dK/dV kernel + dQ kernel), "fused" (one pass, dQ through atomics) or
+    "tma" (the split pair with TMA descriptors)."""
+    return _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
+
+
+def forward_variant() -> str:
+    """``ARENO_ATTN_FWD``: "default" (pointer loads) or "tma" (TMA descriptors)."""
+    return _variant("ARENO_ATTN_FWD", FWD_VARIANTS)
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """The TMA kernels run on sm_90+ (or interpreted) for layouts a [T, H * D] descriptor can address."""
+    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return tma.tma_layout_ok(*tensors)
 
 
 @triton.jit
@@ -480,8 +506,9 @@ _CONFIGS = {
                      _cfg(64, 128, 8, 2)],
     ("fused", 256): [_cfg(16, 32, 8, 2), _cfg(32, 32, 8, 2), _cfg(16, 64, 8, 2)],
 }
+_CONFIGS.update(tma.CONFIGS)
 _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel,
-            "fused": _attn_bwd_fused_kernel}
+            "fused": _attn_bwd_fused_kernel, **tma.KERNELS}
 
 
 @functools.cache
@@ -502,17 +529,24 @@ FORCE_CONFIG: dict = {}
 
 
 def _launch(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucket: int, *args, **kwargs):
-    """Run kernel ``kind`` with grid (cdiv(grid_rows, tile), *grid_rest): autotuned on GPU, one config interpreted."""
-    tile_axis = "BLOCK_N" if kind in ("dkdv", "fused") else "BLOCK_M"
+    """Run kernel ``kind`` with grid (cdiv(grid_rows, tile), *grid_rest): autotuned on GPU, one config interpreted.
+
+    TMA kinds take their descriptors positionally; each config's pre_hook (or the code below) sizes their blocks.
+    """
+    base = kind.removesuffix("_tma")
+    tile_axis = "BLOCK_N" if base in ("dkdv", "fused") else "BLOCK_M"
     kwargs.update(SEQ_BUCKET=seq_bucket, BLOCK_D=block_d)
+    kernel = _KERNELS[kind]
     if interpreting():
-        bm, bn = INTERPRET_BLOCKS[kind]
+        bm, bn = INTERPRET_BLOCKS.get(kind, INTERPRET_BLOCKS[base])
         blocks = {"BLOCK_M": bm, "BLOCK_N": bn}
-        _KERNELS[kind][(triton.cdiv(grid_rows, blocks[tile_axis]), *grid_rest)](*args, **blocks, **kwargs)
+        tma.fit_descriptors({**dict(zip(kernel.arg_names, args)), **blocks})
+        kernel[(triton.cdiv(grid_rows, blocks[tile_axis]), *grid_rest)](*args, **blocks, **kwargs)
     elif kind in FORCE_CONFIG:
         cfg = FORCE_CONFIG[kind]
+        tma.fit_descriptors({**dict(zip(kernel.arg_names, args)), **cfg.kwargs})
         grid = (triton.cdiv(grid_rows, cfg.kwargs[tile_axis]), *grid_rest)
-        _KERNELS[kind][grid](*args, **cfg.kwargs, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        kernel[grid](*args, **cfg.kwargs, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = lambda meta: (triton.cdiv(grid_rows, meta[tile_axis]), *grid_rest)
         _tuned(kind, _dim_class(block_d))[grid](*args, **kwargs)
@@ -526,13 +560,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs stay exact; half inputs ignore it
 
 
-def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="default"):
     Tq, Hq, D = q.shape
     B = cu_q.numel() - 1
     o = torch.empty_like(q)
     lse = torch.empty((Hq, Tq), device=q.device, dtype=torch.float32)
     block_d = max(triton.next_power_of_2(D), 16)
-    if max_q > 0 and B > 0:
+    if max_q > 0 and B > 0 and variant == "tma" and _use_tma(q, k, v, o):
+        _launch(
+            "fwd_tma", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
+            tma.descriptor(q), tma.descriptor(k), tma.descriptor(v), tma.descriptor(o), o, lse, cu_q, cu_k,
+            scale * _LOG2E, o.stride(0), o.stride(1), lse.stride(0), Hq // k.shape[1],
+            CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
+        )  # fmt: skip
+    elif max_q > 0 and B > 0:
         _launch(
             "fwd", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
             q, k, v, o, lse, cu_q, cu_k, scale * _LOG2E,
@@ -549,9 +590,13 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
     fused = variant == "fused"
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # fused: dQ accumulates in fp32 (zeroed by the delta kernel below), then is cast to q's dtype
-    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
+    use_tma = variant == "tma" and B > 0 and _use_tma(q, k, v, do)
+    if use_tma:  # packed [T, H, D], as the output descriptors address them
+        dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        # fused: dQ accumulates in fp32 (zeroed by the delta kernel below), then is cast to q's dtype
+        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
     delta = torch.empty_like(lse)
     if Tq > 0:
         block_t = 16 if interpreting() else 64
@@ -563,6 +608,9 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
         return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     common = dict(D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
     bucket = _seq_bucket(max(max_q, max_k))
+    if use_tma:
+        _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket)
+        return dq, dk, dv
     if fused:
         if max_k > 0:
             _launch(
@@ -590,10 +638,28 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     return dq, dk, dv
 
 
+def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket):
+    """The split backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk, dv."""
+    B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
+    dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
+    q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
+    common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    if max_k > 0:
+        _launch("dkdv_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, dk, dv, lse, delta, cu_q, cu_k,
+                scale * _LOG2E, scale, dk.stride(0), lse.stride(0), Hq // Hkv, **common)
+    else:
+        dk.zero_(), dv.zero_()
+    if max_q > 0:
+        _launch("dq_tma", max_q, (B, Hq), D, bucket, q_, k_, v_, do_, dq_, dq, lse, delta, cu_q, cu_k,
+                scale * _LOG2E, scale, dq.stride(0), lse.stride(0), Hq // Hkv, **common)
+    else:
+        dq.zero_()
+
+
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, bwd_variant):
-        o, lse = _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant, bwd_variant):
+        o, lse = _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant)
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, causal, scale, bwd_variant)
         return o
@@ -602,8 +668,10 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         do = do if do.stride(-1) == 1 else do.contiguous()
+        if ctx.args[-1] == "tma" and not tma.tma_layout_ok(do):  # e.g. an expanded gradient: pack it for TMA
+            do = do.contiguous()
         dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -715,10 +783,12 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     host ints (upper bounds of the per-sequence lengths; they size the grid). ``backend``: None follows
     ``use_triton``; "native" forces PyTorch (SDPA per sequence on CUDA); "triton" (alias "flash") forces Triton.
     Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. The Triton path's backward
-    follows ``ARENO_ATTN_BWD`` ("split" or "fused", see the module docstring), read here, at the forward.
+    follows ``ARENO_ATTN_BWD`` ("split", "fused" or "tma") and its forward ``ARENO_ATTN_FWD`` ("default" or "tma"),
+    both read here, at the forward (see the module docstring).
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    bwd_variant = backward_variant()  # an invalid value fails on every path, not only where it would take effect
+    # an invalid value fails on every path, not only where it would take effect
+    fwd_variant, bwd_variant = forward_variant(), backward_variant()
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if backend is None:
         run_triton = use_triton(q, k, v, supported=_triton_supported(q))
@@ -739,4 +809,4 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_seqlens_k.to(torch.int32)
     return _TritonAttention.apply(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
-                                  bwd_variant)
+                                  fwd_variant, bwd_variant)

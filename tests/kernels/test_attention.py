@@ -263,3 +263,107 @@ def test_gpu_every_candidate_config(d, monkeypatch):
         for cfg in attention_module._CONFIGS[(kind, d)]:
             monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
             _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The TMA variants (ARENO_ATTN_FWD=tma, ARENO_ATTN_BWD=tma): the interpreter emulates tensor descriptors, including a
+# tile that runs past its sequence into the next one (the bounds handling in attention_tma.py's docstring).
+
+TMA_CASES = {
+    "gqa2_varlen": ([1, 29, 19], [1, 29, 19], 4, 2, 32, True),
+    "chunked_gqa4": ([5, 26, 3], [9, 26, 45], 4, 1, 16, True),  # queries end-aligned on longer key sequences
+    "q_longer_than_k": ([20, 8], [5, 8], 2, 1, 32, True),  # rows that see no key
+    "non_causal": ([7, 50], [30, 20], 4, 2, 32, False),  # key tiles past Lk are not causally masked here
+}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernel kinds attention() launches, in order (the real launcher runs)."""
+    kinds, real = [], attention_module._launch
+
+    def spy(kind, *args, **kwargs):
+        kinds.append(kind)
+        return real(kind, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "_launch", spy)
+    return kinds
+
+
+@pytest.mark.parametrize("case", list(TMA_CASES))
+def test_tma_variants_match_reference(case, monkeypatch, nan_buffers, launched):
+    lq, lk, hq, hkv, d, causal = TMA_CASES[case]
+    seed = random.randrange(2**31)
+    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
+    for dtype in (torch.float32, torch.float16) if case == "gqa2_varlen" else (torch.float32,):
+        inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
+        want = reference(*inputs, causal)
+        got = run_variant("tma", monkeypatch, inputs, lq, lk, causal)
+        assert launched == ["fwd_tma", "dkdv_tma", "dq_tma"], launched
+        launched.clear()
+        for name, g, w in zip("o dq dk dv".split(), got, want):
+            assert g.dtype == dtype and g.shape == w.shape and g.is_contiguous()
+            assert_close(g, w, TOL[dtype]["grad"], f"{case} {dtype} tma {name} seed={seed}")
+
+
+def test_tma_other_tiles_and_fallback(monkeypatch, nan_buffers, launched):
+    """Key tile taller than the query tile; and a head_dim no D-wide descriptor fits runs the pointer kernels."""
+    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
+    monkeypatch.setattr(attention_module, "INTERPRET_BLOCKS",
+                        {**attention_module.INTERPRET_BLOCKS, "fwd_tma": (16, 32), "dq_tma": (16, 32)})
+    for d, kinds in ((32, ["fwd_tma", "dkdv_tma", "dq_tma"]), (24, ["fwd", "dkdv", "dq"])):
+        lq, lk, hq, hkv, causal = [3, 45], [3, 61], 4, 2, True
+        seed = random.randrange(2**31)
+        inputs = make_inputs(lq, lk, hq, hkv, d, torch.float32, seed)
+        want = reference(*inputs, causal)
+        got = run_variant("tma", monkeypatch, inputs, lq, lk, causal)
+        assert launched == kinds, launched
+        launched.clear()
+        for name, g, w in zip("o dq dk dv".split(), got, want):
+            assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma {name} seed={seed}")
+
+
+def test_forward_variant_is_validated(monkeypatch):
+    q, k, v, _, cu_q, cu_k = make_inputs([4], [4], 2, 1, 16, torch.float32, 0)
+    monkeypatch.setenv("ARENO_ATTN_FWD", "wgmma")
+    for backend in ("triton", "native"):
+        with pytest.raises(ValueError, match="ARENO_ATTN_FWD"):
+            attention(q, k, v, cu_q, cu_k, 4, 4, backend=backend)
+
+
+TMA_GPU_SHAPES = {
+    "train_d128": ([1024] * 8, [1024] * 8, 16, 8, 128, True),
+    "train_d64": ([1024] * 4, [1024] * 4, 16, 8, 64, True),
+    "varlen_odd_d128": ([1, 700, 129, 2048, 77], [1, 700, 129, 2048, 77], 8, 2, 128, True),
+    "varlen_d256": ([1, 700, 129, 2048], [1, 700, 129, 2048], 8, 2, 256, True),
+    "chunked_gqa4": ([1, 17, 300, 1000], [513, 17, 1800, 4000], 8, 2, 128, True),
+    "non_causal_mha": ([100, 1500], [700, 1500], 16, 16, 128, False),
+    "d80_falls_back": ([1, 700, 129], [1, 700, 129], 8, 2, 80, True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "split"), ("default", "tma")], ids="-".join)
+@pytest.mark.parametrize("shape", list(TMA_GPU_SHAPES))
+def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
+    """ARENO_ATTN_FWD / ARENO_ATTN_BWD = tma on odd varlen shapes, within a small factor of SDPA's bf16 error."""
+    monkeypatch.setenv("ARENO_ATTN_FWD", pair[0])
+    monkeypatch.setenv("ARENO_ATTN_BWD", pair[1])
+    _gpu_errors(*TMA_GPU_SHAPES[shape])
+    tma = shape != "d80_falls_back"
+    want = ["fwd_tma" if tma and pair[0] == "tma" else "fwd"]
+    want += ["dkdv_tma", "dq_tma"] if tma and pair[1] == "tma" else ["dkdv", "dq"]
+    assert launched == want, launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_tma_every_candidate_config(d, monkeypatch, launched):
+    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
+    monkeypatch.setenv("ARENO_ATTN_BWD", "tma")
+    for kind in ("fwd_tma", "dkdv_tma", "dq_tma"):
+        for cfg in attention_module._CONFIGS[(kind, d)]:
+            monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
+            _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
+            assert kind in launched
+            launched.clear()

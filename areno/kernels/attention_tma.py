@@ -1,0 +1,306 @@
+"""Hopper (sm_90) TMA variants of the packed varlen attention kernels: ``ARENO_ATTN_FWD=tma``, ``ARENO_ATTN_BWD=tma``.
+
+Same math, tiling, causal block split and outputs as the pointer kernels in ``attention.py`` (see its docstring);
+what changes is how tiles reach the tensor cores. Every [rows, D] tile of Q, K, V, dO (and the full tiles of O, dQ,
+dK, dV on the way out) moves through a host-built tensor descriptor over the packed 2-D view ``[T, H * D]`` (block
+``[BLOCK_M or BLOCK_N, D]``, coordinates ``(sequence start + tile offset, head * D)``): on sm_90 that is a bulk
+tensor copy (TMA) into shared memory, software-pipelined ``num_stages`` deep, from which wgmma reads its operands,
+instead of per-thread address tensors (a [64, 128] tile of int64 pointers alone is 64 registers per thread) and
+register-staged loads. The softmax scale is folded into one FMA with the running max (exp2 units).
+
+Varlen bounds. One descriptor spans the whole packed tensor, so a tile that runs past its sequence's end reads the
+next sequence's rows (zeros only past the tensor's end). Those rows are made harmless, not avoided:
+- query rows past Lq get LSE = +inf / delta = 0 (masked vector loads), so their P and dS are exactly 0 in the
+  backward; in the forward they are computed and then not stored (O and LSE stores are masked / full-tile only);
+- key rows past Lk only occur in the masked (diagonal / tail) key blocks of the forward and dQ kernels, where
+  ``cols < Lk`` sets their scores to -inf / P to 0; in the dK/dV kernel they only ever touch their own dK/dV rows,
+  which are not stored (row n of dK/dV depends on key n alone).
+So every stored value equals the pointer kernels' up to summation order.
+
+Applies where the layout allows it (``tma_layout_ok``): head_dim a power of two in [16, 256] (the descriptor's
+block is exactly D wide: a padded D would read the next head's columns), heads packed (stride(1) == D,
+stride(2) == 1), 16-byte aligned base and row stride. Other inputs run the pointer kernels (the dispatcher in
+``attention.py`` decides, per call). Runs under ``TRITON_INTERPRET=1`` (the interpreter emulates descriptors,
+including the cross-sequence reads), so the CPU tests check the bounds logic against float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# Which tile axis sizes each descriptor's block rows: BLOCK_M is always the query tile, BLOCK_N the key tile.
+_DESC_AXIS = {"desc_q": "BLOCK_M", "desc_o": "BLOCK_M", "desc_do": "BLOCK_M", "desc_dq": "BLOCK_M",
+              "desc_k": "BLOCK_N", "desc_v": "BLOCK_N", "desc_dk": "BLOCK_N", "desc_dv": "BLOCK_N"}
+
+
+def fit_descriptors(args: dict) -> None:
+    """Set each descriptor's block to [its tile, D] from BLOCK_M / BLOCK_N in ``args`` (an autotune pre_hook)."""
+    for name, axis in _DESC_AXIS.items():
+        desc = args.get(name)
+        if isinstance(desc, TensorDescriptor):
+            desc.block_shape = [args[axis], desc.block_shape[1]]
+
+
+def tma_layout_ok(*tensors: torch.Tensor) -> bool:
+    """True when every ``[T, H, D]`` tensor can be read through a ``[T, H * D]`` descriptor with a D-wide block."""
+    for t in tensors:
+        d = t.shape[-1]
+        if d < 16 or d > 256 or d & (d - 1) or t.shape[0] == 0:
+            return False
+        if t.stride(2) != 1 or t.stride(1) != d or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
+def descriptor(t: torch.Tensor) -> TensorDescriptor:
+    """``[T, H, D]`` -> descriptor over ``[T, H * D]``; the block rows are set per config by ``fit_descriptors``."""
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [16, t.shape[2]])
+
+
+@triton.jit
+def _fwd_inner_tma(acc, l_i, m_i, q, desc_k, desc_v, k_row0, col, offs_m, offs_n, lo, hi, diag, Lk, qk_scale,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = desc_k.load([k_row0 + start_n, col])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if MASKED:
+            cols = start_n + offs_n
+            keep = cols[None, :] < Lk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet
+            p = tl.exp2(qk - m_sub[:, None])
+        else:
+            # every row sees every key of the block: max of the raw scores, then one FMA per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
+            p = tl.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = desc_v.load([k_row0 + start_n, col])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_tma_kernel(
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh,
+    GROUP, SEQ_BUCKET,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (diagonal-most) tiles start first
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    if start_m * BLOCK_M >= Lq:
+        return
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    diag = Lk - Lq
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = desc_q.load([q_start + start_m * BLOCK_M, h * BLOCK_D])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
+        full = tl.maximum(tl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = Lk
+        full = Lk // BLOCK_N * BLOCK_N
+    col = (h // GROUP) * BLOCK_D
+    acc, l_i, m_i = _fwd_inner_tma(acc, l_i, m_i, q, desc_k, desc_v, k_start, col, offs_m, offs_n, 0, full, diag,
+                                   Lk, qk_scale, BLOCK_N, CAUSAL, False, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner_tma(acc, l_i, m_i, q, desc_k, desc_v, k_start, col, offs_m, offs_n, full, hi, diag,
+                                   Lk, qk_scale, BLOCK_N, CAUSAL, True, DOT_PREC)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
+    lse = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))  # +inf: P = 0 in the backward
+    row_ok = offs_m < Lq
+    if (start_m + 1) * BLOCK_M <= Lq:
+        desc_o.store([q_start + start_m * BLOCK_M, h * BLOCK_D], o)
+    else:  # the sequence's last tile: a descriptor store would write into the next sequence
+        offs_d = tl.arange(0, BLOCK_D)
+        o_ptrs = O + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o, mask=row_ok[:, None])
+    tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _store_rows(desc, ptr, tile, row0, col, n_valid, stride_t, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a [ROWS, BLOCK_D] tile at rows row0.. of the packed tensor: by descriptor when all ROWS rows belong to
+    the sequence (n_valid >= ROWS), else with a row mask (the descriptor would spill into the next sequence)."""
+    if n_valid >= ROWS:
+        desc.store([row0, col], tile)
+    else:
+        rows = tl.arange(0, ROWS)
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = ptr + (row0 + rows[:, None]).to(tl.int64) * stride_t + col + offs_d[None, :]
+        tl.store(ptrs, tile, mask=rows[:, None] < n_valid)
+
+
+@triton.jit
+def _dkdv_inner_tma(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, q_start, col, offs_m, cols, lo, hi, Lq, diag,
+                    qk_scale, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        row_ok = rows < Lq
+        q = desc_q.load([q_start + start_m, col])
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))  # rows past Lq (next sequence): P = 0
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
+        if CAUSAL:
+            p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
+        do = desc_do.load([q_start + start_m, col])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_tma_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+    stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # One program per (key tile, sequence, KV head): K/V tile resident, dK/dV in fp32 registers, Q/dO streamed by
+    # TMA for every query head of the GQA group. Query blocks above the diagonal are skipped, the band masked.
+    start_n = tl.program_id(0)
+    b = tl.program_id(1)
+    hk = tl.program_id(2)
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    if start_n * BLOCK_N >= Lk:
+        return
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    diag = Lk - Lq
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = desc_k.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
+    v = desc_v.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        lse_ptr = LSE + h * stride_lh + q_start
+        delta_ptr = DELTA + h * stride_lh + q_start
+        dk, dv = _dkdv_inner_tma(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, q_start, h * BLOCK_D, offs_m,
+                                 cols, m_lo, a1, Lq, diag, qk_scale, BLOCK_M, CAUSAL, DOT_PREC)
+        dk, dv = _dkdv_inner_tma(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, q_start, h * BLOCK_D, offs_m,
+                                 cols, a1, end, Lq, diag, qk_scale, BLOCK_M, False, DOT_PREC)
+    n_valid = Lk - start_n * BLOCK_N
+    row0 = k_start + start_n * BLOCK_N
+    _store_rows(desc_dk, DK, (dk * sm_scale).to(DK.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N,
+                BLOCK_D)
+    _store_rows(desc_dv, DV, dv.to(DV.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _dq_inner_tma(dq, q, do, lse, delta, desc_k, desc_v, k_start, col, offs_m, offs_n, lo, hi, diag, Lk, qk_scale,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = desc_k.load([k_start + start_n, col])
+        v = desc_v.load([k_start + start_n, col])
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        p = tl.exp2(qk * qk_scale - lse[:, None])
+        if MASKED:  # key rows past Lk (next sequence) and, if causal, keys right of the diagonal
+            cols = start_n + offs_n
+            keep = cols[None, :] < Lk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_tma_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale, stride_dqt, stride_lh,
+    GROUP, SEQ_BUCKET,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    if start_m * BLOCK_M >= Lq:
+        return
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    diag = Lk - Lq
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < Lq
+    q = desc_q.load([q_start + start_m * BLOCK_M, h * BLOCK_D])
+    do = desc_do.load([q_start + start_m * BLOCK_M, h * BLOCK_D])
+    lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
+        full = tl.maximum(tl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = Lk
+        full = Lk // BLOCK_N * BLOCK_N
+    col = (h // GROUP) * BLOCK_D
+    dq = _dq_inner_tma(dq, q, do, lse, delta, desc_k, desc_v, k_start, col, offs_m, offs_n, 0, full, diag, Lk,
+                       qk_scale, BLOCK_N, CAUSAL, False, DOT_PREC)
+    dq = _dq_inner_tma(dq, q, do, lse, delta, desc_k, desc_v, k_start, col, offs_m, offs_n, full, hi, diag, Lk,
+                       qk_scale, BLOCK_N, CAUSAL, True, DOT_PREC)
+    _store_rows(desc_dq, DQ, (dq * sm_scale).to(DQ.dtype.element_ty), q_start + start_m * BLOCK_M, h * BLOCK_D,
+                Lq - start_m * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
+
+
+def _cfg(bm, bn, warps, stages, **extra):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=warps, num_stages=stages,
+                         pre_hook=fit_descriptors)
+
+
+# Candidates per kernel and head dim, sm_90, checked by compiling offline (ptxas, bf16, triton 3.7.1; the device may
+# run another triton): every one fits shared memory, and all but three compile with no stack. Without address
+# tensors the forward's 128 x 64 d128 tile needs 142 registers and no stack (its pointer twin: 255 and 440 bytes).
+# The dK/dV kernel's two [BLOCK_N, D] fp32 accumulators still bound it: d128 16 x 128 has no stack, 32 x 128 8-16
+# bytes, 64 x 128 120-170 bytes (kept for its wider query step, FlashAttention-2's tile); d256 32 x 64, 24 bytes.
+CONFIGS = {
+    ("fwd_tma", 64): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    ("fwd_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3),
+                       _cfg(64, 128, 8, 3)],
+    ("fwd_tma", 256): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
+    ("dkdv_tma", 64): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
+    ("dkdv_tma", 128): [_cfg(16, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 2),
+                        _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3)],
+    ("dkdv_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
+    ("dq_tma", 64): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dq_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3),
+                      _cfg(128, 32, 8, 3)],
+    ("dq_tma", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2)],
+}
+KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel}
