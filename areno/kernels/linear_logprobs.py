@@ -227,17 +227,20 @@ def _set_blocks(nargs):
 
 
 def _configs(grad):
-    # Few configs on purpose: each costs a compile (seconds) per flag combination. Hopper bf16 GEMM tiles. The
-    # 128 x 128 tile with 3 stages fits two programs per SM (96 KB shared memory, <= 128 registers with TMA loads,
-    # checked with ptxas for sm_90), so one program's exp/store epilogue runs while the other's MMAs do; the
-    # others are one program per SM. The forward also tries the single-loop shape (loads pipelined across tiles).
+    # Few configs on purpose: each costs a compile (seconds) per flag combination. Hopper bf16 GEMM tiles, all
+    # checked with ptxas for sm_90 (TMA loads: no spills but 256 x 128 with the entropy terms, 12 bytes). At
+    # H = 1024 every tile streams (BLOCK_N + BLOCK_V) x H operands from L2 for 2 BLOCK_N BLOCK_V H FLOPs: 64 FLOP
+    # per byte at 128 x 128 (about 450 TFLOP/s if L2 gives ~7 TB/s), 85 at 128 x 256 / 256 x 128 (one program per
+    # SM, 144 KB). 128 x 128 with 3 stages fits two programs per SM (96 KB, <= 128 registers), so one program's
+    # exp/store epilogue overlaps the other's MMAs. The forward also tries the single-loop shape (FLAT: loads
+    # pipelined across vocab tiles) and the nested loops.
     if grad:
         shapes = [(128, 128, 64, 8, 3, {}), (128, 128, 64, 8, 4, {}), (128, 256, 64, 8, 3, {}),
-                  (64, 128, 64, 4, 3, {})]  # fmt: skip
+                  (256, 128, 64, 8, 3, {})]  # fmt: skip
     else:
         shapes = [(128, 128, 64, 8, 3, {"FLAT": True}), (128, 128, 64, 8, 4, {"FLAT": True}),
                   (128, 128, 64, 8, 3, {"FLAT": False}), (128, 256, 64, 8, 3, {"FLAT": True}),
-                  (64, 128, 64, 4, 4, {"FLAT": True})]  # fmt: skip
+                  (256, 128, 64, 8, 3, {"FLAT": True})]  # fmt: skip
     extra = {"GROUP_N": 8} if grad else {}
     return [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, **extra, **flat}, num_warps=w, num_stages=st,
                           pre_hook=_set_blocks)
