@@ -23,6 +23,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ROUTING_REPLAY = ("auto", "on", "off")
+TRAIN_CUDA_GRAPHS = ("auto", "on", "off")
 
 # Order of the sections in `--help`; every field names one of these in its metadata.
 GROUPS = {
@@ -300,6 +301,11 @@ class TrainConfig:
         "auto", "routing replay: the training forward uses the experts the rollout chose for each token (per MoE "
         "layer; weights from the current router). auto = on for grpo/gspo/ppo with a sparse-MoE policy; on = "
         "required (refused for a dense policy or a non-RL --algo); off", "train", choices=ROUTING_REPLAY)
+    train_cuda_graphs: str = opt(
+        "auto", "replay each text microbatch's forward/backward and the optimizer step as CUDA graphs per shape "
+        "bucket (no Python launch gaps). auto = on for a dense text policy on CUDA without activation checkpointing, "
+        "TP or routing replay (others train eagerly, as does the PPO critic); on = required (refused where it cannot "
+        "apply); off", "train", choices=TRAIN_CUDA_GRAPHS)
     max_steps: Optional[int] = opt(None, "stop after this many steps", "train", default_help="--epochs over the data")
     epochs: int = opt(1, "passes over the dataset", "train")
     ppo_epochs: int = opt(1, "optimizer passes over each rollout batch (grpo, gspo, ppo)", "train")
@@ -416,7 +422,8 @@ class TrainConfig:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         for name, choices in (("algo", ALGOS), ("lr_decay_style", LR_STYLES), ("kl_estimator", KL_ESTIMATORS),
                               ("loss_agg", LOSS_AGGS), ("attn_backend", ATTN_BACKENDS), ("dtype", DTYPES),
-                              ("mm_tower_lr_style", LR_STYLES), ("mm_projector_lr_style", LR_STYLES)):
+                              ("mm_tower_lr_style", LR_STYLES), ("mm_projector_lr_style", LR_STYLES),
+                              ("train_cuda_graphs", TRAIN_CUDA_GRAPHS)):
             check_choice(flag_name(name), getattr(self, name), choices, optional=True)
         check_offload(flag_name, self.optimizer_state_offload, self.optimizer_state_offload_dir,
                       self.optimizer_state_offload_batch_size)
@@ -544,6 +551,11 @@ class TrainConfig:
                                   f"({self.lr if peak is None else peak})")
 
     def _check_optimisation(self):
+        if self.train_cuda_graphs == "on" and self.activation_checkpointing:
+            raise ConfigError("--train-cuda-graphs", "on needs --no-activation-checkpointing (recomputation in the "
+                              "backward is not graphed)")
+        if self.train_cuda_graphs == "on" and self.tp_size > 1:
+            raise ConfigError("--train-cuda-graphs", "on does not apply with --tp-size > 1 (TP is not graphed)")
         if self.routing_replay == "on" and self.algo not in ("grpo", "gspo", "ppo"):
             raise ConfigError("--routing-replay", f"on applies to RL with rollout (grpo, gspo, ppo), not --algo "
                               f"{self.algo}")

@@ -194,9 +194,16 @@ class TrainLoop:
             raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE "
                               "selection bias to update (Ling 3, bailing_hybrid, has one)")
         groups = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates_per_step)
+        graphs = "off" if getattr(model, "is_value_model", False) else cfg.train_cuda_graphs  # the critic: eager
+        if graphs == "on":
+            from areno.rl.train_graphs import unsupported
+
+            why = unsupported(model, tp_group=self.tp_group)
+            if why:
+                raise ConfigError("--train-cuda-graphs", f"on does not apply to this run: {why}")
         trainer = PolicyTrainer(model, opt, sched, temperature=self._logprob_temperature(), grad_clip=cfg.grad_clip,
                                 dp_group=self.dp_group, tp_group=self.tp_group, router_bias_update_rate=bias_rate,
-                                group_schedules=groups)
+                                group_schedules=groups, train_cuda_graphs=graphs)
         return trainer
 
     def _updates_per_step(self, units: int) -> int:
@@ -387,8 +394,14 @@ class TrainLoop:
 
     def rollout(self, batch: list[dict], upcoming: list[dict] | None = None) -> tuple[list[Row], dict]:
         """Generate n samples per prompt of this rank's share, score them, gather all ranks' rows (``upcoming``:
-        the next step's prompts, sent ahead in async split mode)."""
-        from areno.rl.rewards import record_from, score
+        the next step's prompts, sent ahead in async split mode).
+
+        Each prompt group is scored (and its rows tensorised) on a background thread as soon as its samples have
+        finished, while the colocated engine decodes the rest (``FinishedGroups``); the stats time the phases:
+        ``rollout_s`` the decode, ``reward_s`` the wait for the scores after it, ``reward_work_s`` the whole
+        scoring work and ``overlap_saved_s`` the part of it hidden under the decode, ``pack_s`` turning the
+        results into rows."""
+        from areno.rl.finished_groups import FinishedGroups
 
         if self.engine is None:
             self._build_engine()
@@ -396,23 +409,24 @@ class TrainLoop:
             return self._agent_rollout(batch)
         mine = self.engine.share(batch)
         ahead = [self.engine_prompt(r) for r in self.engine.share(upcoming)] if upcoming is not None else None
-        t0 = time.perf_counter()
-        results, split_stats = self.engine.rollout([self.engine_prompt(r) for r in mine], self.sampling_options(),
-                                                   upcoming=ahead)
-        t_roll = time.perf_counter() - t0
-        records, flat = [], []
-        for row, group in zip(mine, results):
-            for c in group:
-                text = c.text if c.text is not None else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                records.append(record_from(row, text, c.token_ids, len(records)))
-                flat.append((row, c))
-        t1 = time.perf_counter()
-        rewards, failures = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
-        t_reward = time.perf_counter() - t1
+        options = self.sampling_options()
+        finished = FinishedGroups(mine, options.n, self.tokenizer, self.reward_fn,
+                                  timeout_s=self.cfg.reward_timeout_s or None)
+        try:
+            t0 = time.perf_counter()
+            report = {} if self.engine.split else {"on_group": finished.add}
+            results, split_stats = self.engine.rollout([self.engine_prompt(r) for r in mine], options,
+                                                       upcoming=ahead, **report)
+            t1 = time.perf_counter()
+            rewards, failures, tensors = finished.finish(results)
+        finally:
+            finished.close()
+        t2 = time.perf_counter()
         # rows travel as token ids; a prompt's images are found again by its place in the (global) batch
         where = {id(r): i for i, r in enumerate(batch)}
+        flat = [(row, c) for row, group in zip(mine, results) for c in group]
         local = [(row["_prompt_ids"], c.token_ids, c.logprobs, rew, c.finish_reason, where[id(row)],
-                  c.routed_experts) for (row, c), rew in zip(flat, rewards)]
+                  c.routed_experts) for (row, c), rew in zip(flat, (r for group in rewards for r in group))]
         parts = self.engine.gather((local, failures))
         gathered = [x for part, _ in parts for x in part]
         failures = sum(f for _, f in parts)
@@ -420,9 +434,16 @@ class TrainLoop:
         rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin},
                     media=self.row_media(batch[i]), routed_experts=routes)
                 for p, ids, lps, rew, fin, i, routes in gathered]
+        if len(parts) == 1:  # this rank's rows only: the tensors made while the rest decoded apply as they are
+            made = [t for group, ts in zip(results, tensors) for t in (ts or [None] * len(group))]
+            for row, t in zip(rows, made):
+                if t is not None:
+                    row.ids_tensor, row.logprobs_tensor = t
         stats = {
-            "rollout_s": t_roll, "reward_s": t_reward, "reward_failures": failures, "samples": len(gathered),
-            "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t_roll, 1e-9) * self.dp_size,
+            "rollout_s": t1 - t0, "reward_s": t2 - t1, "reward_work_s": finished.busy_s,
+            "overlap_saved_s": finished.overlap_s, "overlap_groups": finished.early_groups,
+            "pack_s": time.perf_counter() - t2, "reward_failures": failures, "samples": len(gathered),
+            "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t1 - t0, 1e-9) * self.dp_size,
             "response_len_mean": n_tok / max(1, len(rows)),
             "response_len_max": max((len(r.response_ids) for r in rows), default=0),
             "truncated_frac": sum(x[4] == "length" for x in gathered) / max(1, len(gathered)),
@@ -464,6 +485,7 @@ class TrainLoop:
     def step_rl(self, batch, upcoming=None) -> dict:
         cfg = self.cfg
         rows, m = self.rollout(batch, upcoming)
+        t_rows = time.perf_counter()
         # rows of one sample (an agent's forks) share its reward and advantage; groups are n samples of a prompt
         sample = [r.extras.pop("sample", i) for i, r in enumerate(rows)]
         if "sample_rewards" in m:  # agentic: a sample can end with no row (its agent failed before sampling)
@@ -487,6 +509,7 @@ class TrainLoop:
             m["skipped"] = 1
             return m
         t0 = time.perf_counter()
+        m["pack_s"] = m.get("pack_s", 0.0) + t0 - t_rows  # rows, advantages, filters: host time before the update
         # One optimizer update per rollout batch: the update's own forward (detached) is the trainer's view of the
         # rollout tokens, so the separate no-grad pass is skipped (same weights, same kernels, same numbers).
         inline = self._single_update(rows)
@@ -615,7 +638,7 @@ class TrainLoop:
     # ---- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self, rows=None) -> float | None:
         """Greedy accuracy (mean reward) on the held-out rows (``split`` eval/test in the dataset)."""
-        from areno.rl.rewards import record_from, score
+        from areno.rl.rewards import completion_texts, record_from, score
 
         rows = self.eval_data if rows is None else rows
         if not rows or (self.reward_fn is None and self.agent_fn is None):
@@ -629,11 +652,9 @@ class TrainLoop:
             flat = [r for part in rewards for r in part]
             return sum(flat) / max(1, len(flat))
         out = self.engine.generate([self.engine_prompt(r) for r in rows], self.sampling_options(n=1, greedy=True))
-        records = []
-        for r, group in zip(rows, out):
-            c = group[0]
-            text = c.text if c.text is not None else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            records.append(record_from(r, text, c.token_ids, len(records)))
+        texts = completion_texts(self.tokenizer, [group[0] for group in out])
+        records = [record_from(r, text, group[0].token_ids, i)
+                   for i, (r, group, text) in enumerate(zip(rows, out, texts))]
         rewards, _ = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
         return sum(rewards) / len(rewards)
 

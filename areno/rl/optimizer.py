@@ -24,6 +24,8 @@ Offload moves the state off the device between steps: ``"cpu"`` keeps it in host
 available), ``"disk"`` in process-private raw ``numpy.memmap`` files (``offload_batch_size`` buckets per file, read
 to the device one file at a time, written back and flushed per file, removed by ``close()`` or at interpreter exit;
 runtime scratch, never a checkpoint). A step whose grad norm is not finite is skipped (no state or weight change).
+``device_step`` is the same update without a host sync (norm, clip factor and skip on the device) for CUDA-graph
+capture of a single-rank step; a step it skips writes the unchanged master back (the parameters are its rounding).
 """
 
 from __future__ import annotations
@@ -301,6 +303,51 @@ class MasterAdamW:
                 shards[index[id(b)]] = None
         if self.offload == "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned host copies must be complete before anyone reads them
+        return norm
+
+    @torch.no_grad()
+    def device_step(self, lr: torch.Tensor, grad_clip: float, step: torch.Tensor, *,
+                    group_lrs: dict[str, torch.Tensor] | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
+        """``step()`` without a host sync, so a CUDA graph can capture it (areno.rl.train_graphs). Single rank
+        (no DP/TP group), no offload. ``lr`` and each ``group_lrs`` value are 0-dim fp32 device tensors, ``step``
+        the fp32 device step count before this step (incremented here unless skipped), ``skip`` an optional 0-dim
+        fp32 tensor (1 skips the update: a dry run). Reads ``p.grad`` (``None`` counts as zero) and leaves it. The
+        norm is taken from the gradients themselves (one fp32 norm per tensor, summed in fp64); the clip factor
+        and the skip of a non-finite norm happen on the device, through fused AdamW's ``grad_scale`` (the gradient
+        divided by ``max(1, (norm + 1e-6) / grad_clip)``) and ``found_inf``. Returns the fp64 norm tensor; the
+        caller adds 1 to ``num_steps`` once it has read a finite one. The master, moments and parameters change in
+        place exactly as ``step()`` changes them (up to the rounding of the clip factor)."""
+        if self.dp_group is not None or self.tp_group is not None or self.offload != "none":
+            raise RuntimeError("MasterAdamW.device_step: one rank without --optimizer-state-offload only")
+        missing = [g for g in self.groups if g not in (group_lrs or {})]
+        if missing:
+            raise ValueError(f"MasterAdamW.device_step: no learning rate for the parameter groups {missing}")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if grads:
+            sumsq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().sum()
+        norm = sumsq.sqrt()
+        bad = (~torch.isfinite(norm)).float()
+        if skip is not None:
+            bad = torch.maximum(bad, skip)
+        scale = ((norm + 1e-6) / grad_clip).clamp(min=1.0).float() if grad_clip > 0 else torch.ones_like(bad)
+        step.add_(1.0 - bad)
+        beta1, beta2 = self.betas
+        for b in self.buckets:
+            g = torch.zeros(b.shard, dtype=torch.float32, device=self.device)
+            pairs = [(g[off : off + p.numel()], p.grad.reshape(-1)) for p, off in zip(b.params, b.offsets)
+                     if p.grad is not None]
+            if pairs:
+                torch._foreach_copy_(*map(list, zip(*pairs)))
+            if b.has_master:
+                w, m, v = b.storage.view(3, b.shard).unbind(0)
+            else:
+                w = self._read_params(b)
+                m, v = b.storage.view(2, b.shard).unbind(0)
+            torch._fused_adamw_([w], [g], [m], [v], [], [step], lr=lr if b.group is None else group_lrs[b.group],
+                                beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
+                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=bad)
+            self._publish(b, w)
         return norm
 
     def _adamw(self, w, g, m, v, lr, fused=None) -> None:

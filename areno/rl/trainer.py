@@ -8,10 +8,14 @@ Named optimizer groups (an unfrozen multimodal tower or projector) follow their 
 and their rates are reported as ``lr_<group>`` beside ``lr``. Images reach the forward as the packed batch's
 ``pixel_values``/``image_grid_thw`` with ``[3, T]`` M-RoPE positions; with the tower and projector frozen, each
 distinct image of a microbatch is encoded once (no gradient) and its embeddings reused by every row that shows it.
+``train_cuda_graphs`` (auto/on/off, ``--train-cuda-graphs``): replay each text microbatch's forward/backward and the
+optimizer step as CUDA graphs per shape bucket (areno.rl.train_graphs: which models and runs it applies to, and the
+per-microbatch eager cases); "auto" graphs where it applies, "on" refuses a model or run where it cannot.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -21,6 +25,10 @@ import torch.distributed as dist
 from areno.kernels import linear_logprobs
 from areno.rl.batch import Packed, Row, pack
 from areno.rl.multimodal import media_inputs
+from areno.rl.train_graphs import TrainGraphs, bucket_of, unsupported
+
+log = logging.getLogger("areno.train")
+TRAIN_CUDA_GRAPHS = ("auto", "on", "off")
 
 
 @dataclass
@@ -49,7 +57,8 @@ def _all_sum(values: list[float], group) -> list[float]:
 
 class PolicyTrainer:
     def __init__(self, model, optimizer, schedule, *, temperature=1.0, grad_clip=1.0, dp_group=None, tp_group=None,
-                 logprob_chunk_size=None, router_bias_update_rate=0.0, group_schedules=None):
+                 logprob_chunk_size=None, router_bias_update_rate=0.0, group_schedules=None,
+                 train_cuda_graphs="auto"):
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
@@ -69,6 +78,16 @@ class PolicyTrainer:
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.num_updates = 0
+        if train_cuda_graphs not in TRAIN_CUDA_GRAPHS:
+            raise ValueError(f"--train-cuda-graphs must be one of {TRAIN_CUDA_GRAPHS}, not {train_cuda_graphs!r}")
+        self.graphs: TrainGraphs | None = None
+        self.graphs_required = train_cuda_graphs == "on"
+        why = None if train_cuda_graphs == "off" else unsupported(model, tp_group=tp_group)
+        if train_cuda_graphs == "on" and why:
+            raise ValueError(f"--train-cuda-graphs on: {why}")
+        if train_cuda_graphs != "off" and why is None:
+            self.graphs = TrainGraphs(model, optimizer, temperature=temperature, chunk_size=logprob_chunk_size,
+                                      grad_clip=grad_clip)
 
     # ---- log-probs -----------------------------------------------------------------------------------------
     def forward(self, packed: Packed, *, entropy=False, keep_hidden=False, replay=True) -> ForwardOut:
@@ -144,13 +163,17 @@ class PolicyTrainer:
         all_rows = [r for u in group for r in u]
         n_tokens = sum(len(r.response_ids) for r in all_rows)
         norms = Norms(num_tokens=max(1.0, float(n_tokens)), num_seqs=float(max(1, len(all_rows))))
-        self.optimizer.zero_grad()
-        stats: dict[str, float] = {}
         micro = [[r for u in mine[i : i + mini_bs] for r in u] for i in range(0, len(mine), mini_bs)]
+        packs = [pack(rows) for rows in micro]
+        buckets, mode = self._plan(packs, entropy)
+        stats: dict[str, float] = {}
         pending: list[tuple[str, torch.Tensor]] = []  # device scalars, read back once per update (no sync per
-        for rows in micro:                              # microbatch)
-            packed = pack(rows).to(self.device)
-            out = self.forward(packed, entropy=entropy)
+        for host, bucket in zip(packs, buckets):        # microbatch)
+            packed = host.to(self.device)
+            if bucket is None:
+                out = self.forward(packed, entropy=entropy)
+            else:
+                out = self.graphs.forward(host, bucket, mode)
             loss, s = loss_fn(out, packed, norms)
             loss.backward()
             for k, v in [*s.items(), ("loss", loss)]:
@@ -158,24 +181,53 @@ class PolicyTrainer:
                     pending.append((k, v.detach().float().reshape(())))
                 else:
                     stats[k] = stats.get(k, 0.0) + float(v)
+        lr = self.schedule.lr(self.num_updates)
+        group_lrs = {name: s.lr(self.num_updates) for name, s in self.group_schedules.items()}
+        device_norm = None
+        if mode is not None and self.graphs.device_optimizer:  # queued without a host sync
+            device_norm = self.graphs.optimizer_step(lr, group_lrs, mode, buckets[0])
+        elif group_lrs:
+            grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
+        else:
+            grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
         if pending:
             values = torch.stack([v.to(self.device) for _, v in pending]).tolist()
             for (k, _), v in zip(pending, values):
                 stats[k] = stats.get(k, 0.0) + v
-        # ranks with fewer microbatches still join the collectives inside the optimizer
+        if device_norm is not None:
+            grad_norm = float(device_norm)
+            self.graphs.count_step(grad_norm)
+        # ranks with fewer microbatches still joined the collectives inside the optimizer
         if self.dp_size > 1:
             keys = sorted(stats)
             summed = _all_sum([stats[k] for k in keys], self.dp_group)
             stats = dict(zip(keys, summed))
-        lr = self.schedule.lr(self.num_updates)
-        group_lrs = {name: s.lr(self.num_updates) for name, s in self.group_schedules.items()}
-        if group_lrs:
-            grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
-        else:
-            grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
         if hasattr(self.model, "update_routing_bias"):
             # once per optimizer step, from this step's expert loads (a skipped step moves nothing); counters reset
             rate = self.router_bias_update_rate if math.isfinite(float(grad_norm)) else 0.0
             self.model.update_routing_bias(rate, self.dp_group)
         self.num_updates += 1
         return stats, float(grad_norm), lr, group_lrs
+
+    def _plan(self, packs: list[Packed], entropy: bool):
+        """Each microbatch's graph bucket (None: eager) and the update's gradient mode (None: all eager), with
+        the update's graphs captured and its gradients zeroed (areno.rl.train_graphs)."""
+        self.optimizer.zero_grad()
+        graphs = self.graphs
+        if graphs is None:
+            return [None] * len(packs), None
+        buckets = [bucket_of(p, entropy) if graphs.applies(p, routes=self.routing_replay and p.routed_experts
+                                                            is not None) else None for p in packs]
+        if all(b is None for b in buckets):
+            return buckets, None
+        try:
+            return buckets, graphs.begin_update(buckets, packs)
+        except Exception as e:  # a capture that fails: "on" stops, "auto" trains eagerly from here on
+            if self.graphs_required:
+                raise
+            log.warning("training CUDA graphs off (--train-cuda-graphs auto): capture failed: %s: %s",
+                        type(e).__name__, e)
+            graphs.close()
+            self.graphs = None
+            self.optimizer.zero_grad()
+            return [None] * len(packs), None
