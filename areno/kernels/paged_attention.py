@@ -341,7 +341,7 @@ def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
     if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=k_cache.dtype in _FLOATS)):
         return 0
     _, page_size, hkv, d = k_cache.shape
-    if num_q_heads % hkv or d > MAX_HEAD_DIM:
+    if num_q_heads < hkv or num_q_heads % hkv or d > MAX_HEAD_DIM:
         return 0
     dev = k_cache.device
     table = torch.zeros((1, 3), dtype=torch.int32, device=dev)

@@ -408,7 +408,8 @@ def _routed_experts(seq: Sequence) -> np.ndarray | None:
     for start, r in seq.routing:
         end = min(start + len(r), len(out))
         out[start:end] = r[: end - start]
-    return out
+    out[-1] = -1  # the last output token is no step's input (a k-step chain may have run it; the tokens after it
+    return out    # were dropped): -1 whatever the decode mode
 
 
 def _grammar_reason(seq: Sequence, token: int, reason: str | None) -> str | None:

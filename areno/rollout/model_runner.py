@@ -544,7 +544,7 @@ class ModelRunner:
         from areno.kernels.paged_attention import warm_paged_attention
 
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
-        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) // tp
+        heads = getattr(getattr(self.model, "config", None), "num_heads", 0) // tp
         seen, runs = set(), 0
         for entry in self.kv_caches:
             if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0].dim() == 4):
