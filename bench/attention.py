@@ -83,9 +83,10 @@ def measure(fwd, inputs):
     return t_fwd, t_bwd, t_all
 
 
-# (forward, backward) variant pairs that --variants times: today's default, the fused backward, the TMA pair, and
-# each TMA kernel beside the other pass's default (the forward's LSE feeds every backward alike).
-VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "split"), ("default", "tma")]
+# (forward, backward) variant pairs that --variants times: today's default, the fused backward, the TMA forward with
+# each TMA backward, and the TMA forward beside today's backward (the forward's LSE feeds every backward alike, so a
+# forward and a backward can be picked independently from these rows).
+VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "fused_tma"), ("tma", "split")]
 
 
 def areno_attention(L, cu, variant):
@@ -318,7 +319,7 @@ K1_COLUMNS = ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd
 
 def print_tuned_configs():
     print("\nautotuned attention configs (key -> config):")
-    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma"):
+    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma"):
         for key, cfg in attention_module._tuned(kind, 128).cache.items():
             print(f"  {kind} {key}: {cfg}")
 
@@ -359,7 +360,7 @@ def main():
     ap.add_argument("--rollout-sweep", action="store_true",
                     help="only the decode config sweep at rollout contexts (batch 256, ctx 160 / 384 / 640)")
     ap.add_argument("--bwd-variants", action="store_true",
-                    help="K1 only: areno once per backward variant (ARENO_ATTN_BWD=split, fused, tma) beside SDPA")
+                    help="K1 only: areno once per backward variant (ARENO_ATTN_BWD, all of BWD_VARIANTS) beside SDPA")
     ap.add_argument("--variants", action="store_true",
                     help="K1 only: areno once per (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pair of VARIANT_PAIRS beside SDPA")
     ap.add_argument("--seqs", type=int, nargs="+", default=None,

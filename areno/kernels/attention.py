@@ -27,6 +27,8 @@ Two backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs)
   differences; dK/dV are deterministic).
 - "tma": the split pair (dK/dV kernel, then dQ kernel) with every Q/K/V/dO tile moved by Hopper TMA descriptors
   (``attention_tma.py``): no address tensors in registers, operands pipelined in shared memory.
+- "fused_tma": the fused pass through TMA descriptors, each [BLOCK_M, D] dQ partial added to the fp32 accumulator by
+  one bulk tensor reduce (``cp.reduce.async.bulk.tensor``, FlashAttention-3's way) instead of per-element atomics.
 
 Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above) or "tma" (the same kernel with
 TMA descriptors, ``attention_tma.py``). The TMA variants apply to head_dim 16/32/64/128/256 with heads packed in the
@@ -52,7 +54,7 @@ MAX_HEAD_DIM = 256
 # Tile sizes used under TRITON_INTERPRET=1, where autotuning cannot run (tests may change them).
 # A "<kind>_tma" kernel without its own entry uses its pointer twin's tiles.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32)}
-BWD_VARIANTS = ("split", "fused", "tma")
+BWD_VARIANTS = ("split", "fused", "tma", "fused_tma")
 FWD_VARIANTS = ("default", "tma")
 
 
@@ -64,8 +66,8 @@ def _variant(env: str, choices: tuple) -> str:
 
 
 def backward_variant() -> str:
-    """``ARENO_ATTN_BWD``: "split" (default; dK/dV kernel + dQ kernel), "fused" (one pass, dQ through atomics) or
-    "tma" (the split pair with TMA descriptors)."""
+    """``ARENO_ATTN_BWD``: "split" (default; dK/dV kernel + dQ kernel), "fused" (one pass, dQ through atomics),
+    "tma" (the split pair with TMA descriptors) or "fused_tma" (the fused pass with TMA, dQ by bulk reduce)."""
     return _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
 
 
@@ -515,7 +517,7 @@ _KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_
 def _tuned(kind: str, dim_class: int):
     key = ["SEQ_BUCKET", "BLOCK_D", "CAUSAL", "GROUP"]
     # the fused pass accumulates into DQ with atomics: each benchmarked config must start from a zeroed DQ
-    reset = ["DQ"] if kind == "fused" else None
+    reset = ["DQ"] if kind in ("fused", "fused_tma") else None
     return triton.autotune(configs=_CONFIGS[(kind, dim_class)], key=key, reset_to_zero=reset)(_KERNELS[kind])
 
 
@@ -589,10 +591,11 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
-    fused = variant == "fused"
-    use_tma = variant == "tma" and B > 0 and _use_tma(q, k, v, do)
-    if use_tma:  # packed [T, H, D], as the output descriptors address them
-        dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    use_tma = variant in ("tma", "fused_tma") and B > 0 and _use_tma(q, k, v, do)
+    fused = variant in ("fused", "fused_tma")  # fused_tma on a layout TMA cannot address: the pointer fused pass
+    if use_tma:  # packed [T, H, D], as the output descriptors address them; fused: dQ accumulates in fp32
+        dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
+        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32 if fused else q.dtype)
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         # fused: dQ accumulates in fp32 (zeroed by the delta kernel below), then is cast to q's dtype
@@ -609,8 +612,9 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     common = dict(D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
     bucket = _seq_bucket(max(max_q, max_k))
     if use_tma:
-        _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket)
-        return dq, dk, dv
+        _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
+                           fused)
+        return dq.to(q.dtype), dk, dv
     if fused:
         if max_k > 0:
             _launch(
@@ -638,12 +642,22 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     return dq, dk, dv
 
 
-def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket):
-    """The split backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk, dv."""
+def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
+                       fused):
+    """The split (or fused) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk, dv; fused:
+    dq is the fp32 accumulator, already zeroed."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
     common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    if fused:
+        if max_k > 0:
+            _launch("fused_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dq_, dk_, dv_, dq, dk, dv, lse, delta,
+                    cu_q, cu_k, scale * _LOG2E, scale, dq.stride(0), dk.stride(0), lse.stride(0), Hq // Hkv,
+                    DESC_REDUCE=not interpreting(), **common)
+        else:
+            dk.zero_(), dv.zero_()
+        return
     if max_k > 0:
         _launch("dkdv_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, dk, dv, lse, delta, cu_q, cu_k,
                 scale * _LOG2E, scale, dk.stride(0), lse.stride(0), Hq // Hkv, **common)
@@ -668,8 +682,8 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         do = do if do.stride(-1) == 1 else do.contiguous()
-        if ctx.args[-1] == "tma" and not tma.tma_layout_ok(do):  # e.g. an expanded gradient: pack it for TMA
-            do = do.contiguous()
+        if ctx.args[-1] in ("tma", "fused_tma") and not tma.tma_layout_ok(do):
+            do = do.contiguous()  # e.g. an expanded gradient: pack it for the descriptors
         dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 

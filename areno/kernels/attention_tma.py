@@ -279,6 +279,90 @@ def _attn_bwd_dq_tma_kernel(
                 Lq - start_m * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
 
 
+@triton.jit
+def _fused_inner_tma(dk, dv, k, v, desc_q, desc_do, desc_dq, DQ, lse_ptr, delta_ptr, q_start, col, stride_dqt, offs_m,
+                     offs_d, cols, lo, hi, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_M: tl.constexpr,
+                     CAUSAL: tl.constexpr, KEY_MASK: tl.constexpr, DOT_PREC: tl.constexpr, DESC_REDUCE: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        row_ok = rows < Lq
+        q = desc_q.load([q_start + start_m, col])
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))  # rows past Lq (next sequence): P = 0
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
+        if CAUSAL:
+            p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
+        if KEY_MASK:  # key rows past Lk (next sequence) must not reach dQ
+            p_t = tl.where(cols[:, None] < Lk, p_t, 0.0)
+        do = desc_do.load([q_start + start_m, col])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+        # dQ[rows] += scale * dS K, formed as K^T dS^T so that the tall key tile is the product's M side (wgmma
+        # with a short query step). Rows past Lq have dS = 0 exactly, so the reduce adds 0 to the next sequence.
+        dq = tl.trans(tl.dot(tl.trans(k), ds_t, input_precision=DOT_PREC) * sm_scale)  # [BLOCK_M, BLOCK_D]
+        if DESC_REDUCE:  # one bulk fp32 reduce-add of the tile (cp.reduce.async.bulk.tensor)
+            desc_dq.atomic_add([q_start + start_m, col], dq)
+        else:  # the interpreter has no descriptor reduce: the same adds through pointers
+            ptrs = DQ + (q_start + rows[:, None]).to(tl.int64) * stride_dqt + col + offs_d[None, :]
+            tl.atomic_add(ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_fused_tma_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, DQ, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale,
+    sm_scale, stride_dqt, stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, DESC_REDUCE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # The dK/dV program above that also reduces each visited query block's dQ into DQ, the fp32 [Tq, Hq * D]
+    # accumulator the delta kernel zeroed: five products per (query block, key tile) instead of the split pair's 7.
+    start_n = tl.program_id(0)
+    b = tl.program_id(1)
+    hk = tl.program_id(2)
+    k_start = tl.load(CU_K + b)
+    Lk = tl.load(CU_K + b + 1) - k_start
+    if start_n * BLOCK_N >= Lk:
+        return
+    q_start = tl.load(CU_Q + b)
+    Lq = tl.load(CU_Q + b + 1) - q_start
+    diag = Lk - Lq
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = desc_k.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
+    v = desc_v.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:  # a key tile past Lk is never "fully visible", so only the masked loop meets its tail rows
+        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        lse_ptr = LSE + h * stride_lh + q_start
+        delta_ptr = DELTA + h * stride_lh + q_start
+        dk, dv = _fused_inner_tma(dk, dv, k, v, desc_q, desc_do, desc_dq, DQ, lse_ptr, delta_ptr, q_start,
+                                  h * BLOCK_D, stride_dqt, offs_m, offs_d, cols, m_lo, a1, Lq, Lk, diag, qk_scale,
+                                  sm_scale, BLOCK_M, CAUSAL, False, DOT_PREC, DESC_REDUCE)
+        dk, dv = _fused_inner_tma(dk, dv, k, v, desc_q, desc_do, desc_dq, DQ, lse_ptr, delta_ptr, q_start,
+                                  h * BLOCK_D, stride_dqt, offs_m, offs_d, cols, a1, end, Lq, Lk, diag, qk_scale,
+                                  sm_scale, BLOCK_M, False, not CAUSAL, DOT_PREC, DESC_REDUCE)
+    n_valid = Lk - start_n * BLOCK_N
+    row0 = k_start + start_n * BLOCK_N
+    _store_rows(desc_dk, DK, (dk * sm_scale).to(DK.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N,
+                BLOCK_D)
+    _store_rows(desc_dv, DV, dv.to(DV.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
+
+
 def _cfg(bm, bn, warps, stages, **extra):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=warps, num_stages=stages,
                          pre_hook=fit_descriptors)
@@ -302,5 +386,11 @@ CONFIGS = {
     ("dq_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3),
                       _cfg(128, 32, 8, 3)],
     ("dq_tma", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2)],
+    # fused: the dK/dV tiling plus a [BLOCK_M, D] fp32 dQ partial; d128 stacks: 0, 0, 96, 72, 264 bytes in this order
+    ("fused_tma", 64): [_cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
+    ("fused_tma", 128): [_cfg(32, 64, 8, 3), _cfg(16, 64, 4, 3), _cfg(16, 128, 8, 2), _cfg(64, 64, 8, 2),
+                         _cfg(32, 128, 8, 2)],
+    ("fused_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
 }
-KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel}
+KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel,
+           "fused_tma": _attn_bwd_fused_tma_kernel}

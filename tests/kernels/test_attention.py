@@ -292,18 +292,21 @@ def launched(monkeypatch):
 
 @pytest.mark.parametrize("case", list(TMA_CASES))
 def test_tma_variants_match_reference(case, monkeypatch, nan_buffers, launched):
+    """fused_tma runs its dQ adds through pointer atomics here (the interpreter has no descriptor reduce)."""
     lq, lk, hq, hkv, d, causal = TMA_CASES[case]
     seed = random.randrange(2**31)
     monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    for dtype in (torch.float32, torch.float16) if case == "gqa2_varlen" else (torch.float32,):
+    runs = [(torch.float32, "tma"), (torch.float32, "fused_tma")]
+    runs += [(torch.float16, "tma"), (torch.float16, "fused_tma")] if case == "gqa2_varlen" else []
+    for dtype, bwd in runs:
         inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
         want = reference(*inputs, causal)
-        got = run_variant("tma", monkeypatch, inputs, lq, lk, causal)
-        assert launched == ["fwd_tma", "dkdv_tma", "dq_tma"], launched
+        got = run_variant(bwd, monkeypatch, inputs, lq, lk, causal)
+        assert launched == (["fwd_tma", "dkdv_tma", "dq_tma"] if bwd == "tma" else ["fwd_tma", "fused_tma"]), launched
         launched.clear()
         for name, g, w in zip("o dq dk dv".split(), got, want):
             assert g.dtype == dtype and g.shape == w.shape and g.is_contiguous()
-            assert_close(g, w, TOL[dtype]["grad"], f"{case} {dtype} tma {name} seed={seed}")
+            assert_close(g, w, TOL[dtype]["grad"], f"{case} {dtype} {bwd} {name} seed={seed}")
 
 
 def test_tma_other_tiles_and_fallback(monkeypatch, nan_buffers, launched):
@@ -343,7 +346,7 @@ TMA_GPU_SHAPES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "split"), ("default", "tma")], ids="-".join)
+@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "fused_tma"), ("default", "tma")], ids="-".join)
 @pytest.mark.parametrize("shape", list(TMA_GPU_SHAPES))
 def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
     """ARENO_ATTN_FWD / ARENO_ATTN_BWD = tma on odd varlen shapes, within a small factor of SDPA's bf16 error."""
@@ -352,7 +355,8 @@ def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
     _gpu_errors(*TMA_GPU_SHAPES[shape])
     tma = shape != "d80_falls_back"
     want = ["fwd_tma" if tma and pair[0] == "tma" else "fwd"]
-    want += ["dkdv_tma", "dq_tma"] if tma and pair[1] == "tma" else ["dkdv", "dq"]
+    want += {"tma": ["dkdv_tma", "dq_tma"], "fused_tma": ["fused_tma"]}[pair[1]] if tma else []
+    want += [] if tma else {"tma": ["dkdv", "dq"], "fused_tma": ["fused"]}[pair[1]]
     assert launched == want, launched
 
 
@@ -360,8 +364,8 @@ def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_tma_every_candidate_config(d, monkeypatch, launched):
     monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    monkeypatch.setenv("ARENO_ATTN_BWD", "tma")
-    for kind in ("fwd_tma", "dkdv_tma", "dq_tma"):
+    for kind in ("fwd_tma", "dkdv_tma", "dq_tma", "fused_tma"):
+        monkeypatch.setenv("ARENO_ATTN_BWD", "fused_tma" if kind == "fused_tma" else "tma")
         for cfg in attention_module._CONFIGS[(kind, d)]:
             monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
             _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
