@@ -1,6 +1,7 @@
 """Kernel-level profile (torch.profiler) of one areno T1 train step and of decode steps at R1's shape.
 
     python bench/profile_step.py train     # T1: 8 x 1024 tokens, fwd + bwd + optimizer (Qwen3-0.6B shape)
+    python bench/profile_step.py train --train-cuda-graphs on   # the same step replayed as CUDA graphs
     python bench/profile_step.py decode    # 256 sequences, 128-token prompts, CUDA-graph decode steps
     python bench/profile_step.py decode --eager
 
@@ -39,7 +40,7 @@ def train(args, device):
     model = load_model(models.checkpoint(args.smoke), device=device).train()
     model.set_activation_checkpointing(False)
     opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    trainer = PolicyTrainer(model, opt, LRSchedule(1e-6), grad_clip=1.0)
+    trainer = PolicyTrainer(model, opt, LRSchedule(1e-6), grad_clip=1.0, train_cuda_graphs=args.train_cuda_graphs)
     b, s = (2, 64) if args.smoke else (8, 1024)
     ids = torch.randint(models.FIRST_TOKEN, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     rows = [Row(prompt_ids=r[:1], response_ids=r[1:]) for r in ids.tolist()]
@@ -49,7 +50,12 @@ def train(args, device):
 
     for _ in range(3):
         step()
-    for label, fn in (("step", step), ("optimizer only", lambda: opt.step(lr=1e-6, grad_clip=1.0))):
+    timed = [("step", step)]
+    if trainer.graphs is None:  # the eager step alone (the graphed one is replayed inside the step)
+        timed.append(("optimizer only", lambda: opt.step(lr=1e-6, grad_clip=1.0)))
+    else:
+        print(f"CUDA graphs: {trainer.graphs.captures} captured, {trainer.graphs.replays} microbatches replayed")
+    for label, fn in timed:
         torch.cuda.synchronize() if device.type == "cuda" else None
         t = time.perf_counter()
         for _ in range(3):
@@ -92,6 +98,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["train", "decode"])
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--train-cuda-graphs", default="off", choices=["auto", "on", "off"],
+                    help="train: the trainer's CUDA-graph mode (off: the eager step, as before)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
