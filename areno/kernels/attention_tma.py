@@ -1,4 +1,5 @@
-"""Hopper (sm_90) TMA variants of the packed varlen attention kernels: ``ARENO_ATTN_FWD=tma``, ``ARENO_ATTN_BWD=tma``.
+"""Hopper (sm_90) TMA variants of the packed varlen attention kernels: ``ARENO_ATTN_FWD=tma``,
+``ARENO_ATTN_BWD=tma`` (the split dK/dV + dQ pair) and ``ARENO_ATTN_BWD=fused_tma`` (one pass, dQ by bulk reduce).
 
 Same math, tiling, causal block split and outputs as the pointer kernels in ``attention.py`` (see its docstring);
 what changes is how tiles reach the tensor cores. Every [rows, D] tile of Q, K, V, dO (and the full tiles of O, dQ,
@@ -15,6 +16,11 @@ next sequence's rows (zeros only past the tensor's end). Those rows are made har
 - key rows past Lk only occur in the masked (diagonal / tail) key blocks of the forward and dQ kernels, where
   ``cols < Lk`` sets their scores to -inf / P to 0; in the dK/dV kernel they only ever touch their own dK/dV rows,
   which are not stored (row n of dK/dV depends on key n alone).
+- fused_tma adds each [BLOCK_M, D] dQ partial into the fp32 accumulator with one bulk tensor reduce
+  (``cp.reduce.async.bulk.tensor .add``): rows past Lq carry dS = 0 exactly, so they add 0 to the next sequence's
+  rows, and key rows past Lk get P = 0 by an explicit ``cols < Lk`` mask where no causal mask already zeroes them
+  (non-causal). The interpreter has no descriptor reduce, so there (``DESC_REDUCE=False``) the same adds go
+  through pointer atomics; the GPU tests cover the reduce.
 So every stored value equals the pointer kernels' up to summation order.
 
 Applies where the layout allows it (``tma_layout_ok``): head_dim a power of two in [16, 256] (the descriptor's
@@ -369,27 +375,24 @@ def _cfg(bm, bn, warps, stages, **extra):
 
 
 # Candidates per kernel and head dim, sm_90, checked by compiling offline (ptxas, bf16, triton 3.7.1; the device may
-# run another triton): every one fits shared memory, and all but three compile with no stack. Without address
+# run another triton): every one fits shared memory; stacks are noted where not 0. Without address
 # tensors the forward's 128 x 64 d128 tile needs 142 registers and no stack (its pointer twin: 255 and 440 bytes).
 # The dK/dV kernel's two [BLOCK_N, D] fp32 accumulators still bound it: d128 16 x 128 has no stack, 32 x 128 8-16
 # bytes, 64 x 128 120-170 bytes (kept for its wider query step, FlashAttention-2's tile); d256 32 x 64, 24 bytes.
 CONFIGS = {
     ("fwd_tma", 64): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("fwd_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3),
-                       _cfg(64, 128, 8, 3)],
+    ("fwd_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3)],
     ("fwd_tma", 256): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
     ("dkdv_tma", 64): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
-    ("dkdv_tma", 128): [_cfg(16, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 2),
-                        _cfg(64, 128, 8, 3), _cfg(32, 64, 4, 3)],
+    ("dkdv_tma", 128): [_cfg(16, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
     ("dkdv_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
     ("dq_tma", 64): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3),
-                      _cfg(128, 32, 8, 3)],
+    ("dq_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3)],
     ("dq_tma", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2)],
-    # fused: the dK/dV tiling plus a [BLOCK_M, D] fp32 dQ partial; d128 stacks: 0, 0, 96, 72, 264 bytes in this order
+    # fused: the dK/dV tiling plus a [BLOCK_M, D] fp32 dQ partial; d128 stacks: 0, 0, 96, 72 bytes in this order
+    # (32 x 128: 264 bytes, left out)
     ("fused_tma", 64): [_cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
-    ("fused_tma", 128): [_cfg(32, 64, 8, 3), _cfg(16, 64, 4, 3), _cfg(16, 128, 8, 2), _cfg(64, 64, 8, 2),
-                         _cfg(32, 128, 8, 2)],
+    ("fused_tma", 128): [_cfg(32, 64, 8, 3), _cfg(16, 64, 4, 3), _cfg(16, 128, 8, 2), _cfg(64, 64, 8, 2)],
     ("fused_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
 }
 KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel,
