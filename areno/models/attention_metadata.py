@@ -14,6 +14,9 @@ Hybrid models (``bailing_hybrid``): a recurrent layer's cache entry is its pair 
 W-1], recurrent_state [S, H, K, V])`` instead of K/V blocks; ``state_indices`` names each sequence's slot (-1 skips:
 graph padding). A prefill chunk starts from its slot's state when the sequence has tokens before it (``seq_lens`` >
 its new tokens), else from zeros, and leaves the state at its end in the slot; a decode step updates it in place.
+Its MLA layers' entry is ``(latent_cache,)``, one tensor ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``
+(the latent row of each token, same block tables and slots; see ``areno.kernels.mla_decode``), unless the model was
+set to the expanded ``(k_cache, v_cache)`` layout.
 
 Routing (sparse-MoE models): ``routing_out`` ``[num_moe_layers, T, k]`` takes each MoE layer's chosen expert ids
 (routing capture, written by the layer; a static buffer under CUDA graphs); ``routing_in`` ``[T, num_moe_layers, k]``

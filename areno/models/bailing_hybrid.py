@@ -29,13 +29,23 @@ In the rollout engine (``kv_caches``, see ``attention_metadata``): a KDA layer's
 per-sequence state pools, ``conv_state [S, 3*H*D, W-1]`` (model dtype: the last W-1 conv inputs) and the delta-rule
 state ``[S, H, D, D]`` (fp32), addressed by ``state_indices``; prefill chunks start from the slot's state and leave
 theirs in it (``causal_conv1d`` / ``chunk_gated_delta_rule`` with initial and final states), decode updates it in place
-(``causal_conv1d_update`` / ``fused_recurrent_gated_delta_rule_step``, graph-capturable). MLA layers keep their K/V
-expanded per head in the paged cache (``kv_head_dim`` = max(d_nope + d_rope, d_v), v zero-padded) and run
-``paged_attention``; a latent cache (r + d_rope per token instead of 2 * H * that width) is not built yet.
+(``causal_conv1d_update`` / ``fused_recurrent_gated_delta_rule_step``, graph-capturable).
+MLA layers keep a latent cache (``kv_cache_layout``): per token one row ``[c | k_rope]`` of ``r + d_rope`` values
+(576 for Ling 3: 1,152 bytes in bf16, against 24,576 for K and V of 32 heads at 192), in paged blocks of the same
+block tables as every layer (``[num_blocks, block_size, r + d_rope]`` per layer; no V, no head axis; identical on
+every TP rank, the latent projections being replicated). Each forward first writes its new tokens' rows
+(``store_latent``). Decode runs in absorbed form: ``q_lat = q_nope W_uk`` per head (``W_uk``, ``W_uv``: the head's
+key and value rows of ``kv_b_proj``), ``mla_decode`` (softmax over ``q_lat . c + q_rope . k_rope``, output latent
+``softmax @ c``), then ``o = W_uv o_lat``, graph-capturable. Prefill without cached keys uses the new tokens' own
+latents; with a cached prefix (chunked prefill, forked samples) it reads every key's row back from the cache
+(``_cached_rows``) and expands it per head for the varlen ``attention``. ``set_mla_cache("expanded")`` (or
+``ARENO_MLA_CACHE=expanded`` when the model is built) keeps the earlier layout instead, for comparison: K/V expanded
+per head (``kv_head_dim`` = max(d_nope + d_rope, d_v), v zero-padded) with ``store_kvcache`` / ``paged_attention``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +55,7 @@ from torch import nn
 
 from areno.kernels.attention import attention
 from areno.kernels.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
+from areno.kernels.mla_decode import mla_decode, store_latent
 from areno.kernels.moe import fused_moe
 from areno.kernels.moe_routing import route_sigmoid_grouped_topk
 from areno.kernels.paged_attention import paged_attention, store_kvcache
@@ -58,6 +69,7 @@ from areno.models.registry import register
 from areno.models.tp import copy_to_tp, layout, reduce_from_tp
 
 ARCHITECTURES = ("BailingMoeV3ForCausalLM", "BailingHybridForCausalLM")
+MLA_CACHES = ("latent", "expanded")  # the engine's paged cache of the MLA layers (see the module docstring)
 
 
 @dataclass
@@ -325,17 +337,26 @@ class LatentAttention(nn.Module):
         q = self.q_proj(x) if self.q_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, hh, nope + r)
         latent, k_rot = self.kv_a_proj(x).split([self.rank, r], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, hh, nope + self.v_dim)
-        k_nope, v = kv.split([nope, self.v_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
         # k_rot is shared by this rank's heads only: its gradient is summed over the TP group
         k_rot = copy_to_tp(_rope_interleaved(k_rot.view(t, 1, r), positions, rope), self.kv_b_proj.tp_group)
         q = torch.cat([q[..., :nope], _rope_interleaved(q[..., nope:], positions, rope)], dim=-1)
-        k = torch.cat([k_nope, k_rot.expand(t, hh, r)], dim=-1)
+        latent_cache = kv_cache is not None and len(kv_cache) == 1  # else (k_cache, v_cache) expanded per head
+        if latent_cache:  # the new tokens' rows first: decode and a cached prefix read them from the cache
+            store_latent(torch.cat([latent, k_rot.view(t, r)], dim=-1), kv_cache[0], meta.slot_mapping)
+            if not meta.is_prefill:
+                return self._output(self._decode_absorbed(q, kv_cache[0], meta), x)
+            if meta.has_prefix:  # every key of each sequence, expanded from its cached rows
+                latent, k_rot = _cached_rows(kv_cache[0], meta).split([self.rank, r], dim=-1)
+                k_rot = k_rot.unsqueeze(1)
+        kv = self.kv_b_proj(latent).view(-1, hh, nope + self.v_dim)
+        k_nope, v = kv.split([nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, hh, r)], dim=-1)
         width = max(nope + r, self.v_dim)
         q, k, v = (F.pad(z, (0, width - z.shape[-1])) if z.shape[-1] < width else z for z in (q, k, v))
-        if kv_cache is not None:  # K/V expanded per head in the paged cache (see the module docstring)
+        if kv_cache is not None and not latent_cache:
             store_kvcache(k, v, *kv_cache, meta.slot_mapping)
-        if kv_cache is not None and (not meta.is_prefill or meta.has_prefix):
+        if kv_cache is not None and not latent_cache and (not meta.is_prefill or meta.has_prefix):
             multi = dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q) if meta.is_prefill else {}
             o = paged_attention(q, *kv_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale, **multi)
         else:
@@ -343,9 +364,23 @@ class LatentAttention(nn.Module):
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
                 causal=True, softmax_scale=self.scale, backend=self.backend,
             )  # fmt: skip
-        o = o[..., : self.v_dim]
+        return self._output(o[..., : self.v_dim], x)
+
+    def _decode_absorbed(self, q, cache, meta):
+        """``[T, H, d_v]`` of one decode token per sequence against the latent cache: ``q_nope`` absorbed through the
+        heads' key rows of ``kv_b_proj`` (``W_uk [H, d_nope, r]``), ``mla_decode``, then their value rows ``W_uv``."""
+        nope, hh = self.nope, self.num_heads
+        w = self.kv_b_proj.weight.view(hh, nope + self.v_dim, self.rank)
+        q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [T, H, r]
+        o_lat = mla_decode(torch.cat([q_lat, q[..., nope:]], dim=-1), cache, meta.block_table, meta.seq_lens,
+                           kv_lora_rank=self.rank, softmax_scale=self.scale)
+        return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+
+    def _output(self, o, x):
+        """The head-wise sigmoid gate, then the output projection of ``o [T, H, d_v]``."""
+        t = x.shape[0]
         gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)
-        return self.o_proj((o * gate.unsqueeze(-1)).reshape(t, hh * self.v_dim))
+        return self.o_proj((o * gate.unsqueeze(-1)).reshape(t, self.num_heads * self.v_dim))
 
     def layouts(self, name: str, hf: str, cfg: BailingHybridConfig) -> dict:
         h, hh, r, qk = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -370,6 +405,17 @@ class LatentAttention(nn.Module):
             if cfg.q_lora_rank is not None:
                 out[f"{name}.q_a_proj.bias"] = _one(f"{hf}.q_a_proj.bias", cfg.q_lora_rank)
         return out
+
+
+def _cached_rows(cache, meta):
+    """The latent-cache rows ``[sum(seq_lens), r + d_rope]`` of every token of each sequence, in order (packed as
+    ``cu_seqlens_k``); prefill only (one host read for the total)."""
+    lens, bs = meta.seq_lens.long(), cache.shape[1]
+    cu = meta.cu_seqlens_k.long()
+    total = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=total)
+    j = torch.arange(total, device=lens.device) - cu[seq]
+    return cache[meta.block_table[seq, j // bs].long(), j % bs]
 
 
 # ---- MoE -----------------------------------------------------------------------------------------------------------
@@ -460,6 +506,7 @@ class BailingHybridForCausalLM(CausalLM):
                          mlp_factory=lambda cfg, i: SigmoidMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg))
         self.mtp = nn.Module()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
         self.mtp_names: list[str] = []
+        self.set_mla_cache(os.environ.get("ARENO_MLA_CACHE", "latent").strip().lower() or "latent")
 
     # ---- the engine's sizes (see the module docstring) ---------------------------------------------------------
     @property
@@ -474,6 +521,21 @@ class BailingHybridForCausalLM(CausalLM):
     def kv_head_dim(self) -> int:
         cfg = self.config
         return max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, tuple[int, ...]]:
+        """(tensors per MLA layer, per-token shape) of the engine's paged cache: the latent row ``(1, (r + d_rope,))``,
+        or with ``mla_cache == "expanded"`` K and V per head ``(2, (H_local, kv_head_dim))``."""
+        if self.mla_cache == "expanded":
+            return 2, (self.num_kv_heads_local, self.kv_head_dim)
+        return 1, (self.config.kv_lora_rank + self.config.qk_rope_head_dim,)
+
+    def set_mla_cache(self, kind: str) -> None:
+        """Choose the MLA layers' engine cache for the engines built after this call: "latent" (the default) or
+        "expanded"; the environment variable ``ARENO_MLA_CACHE`` sets the default."""
+        if kind not in MLA_CACHES:
+            raise ValueError(f"MLA cache must be one of {MLA_CACHES} (ARENO_MLA_CACHE), got {kind!r}")
+        self.mla_cache = kind
 
     def recurrent_state_shapes(self) -> dict | None:
         """Per KDA layer and sequence: ``{"layers": [i, ...], "conv": (3*H*D, W-1), "recurrent": (H, D, D)}``

@@ -17,7 +17,9 @@ A step is first flattened into :class:`StepInputs` (plain lists): under tensor p
 broadcasts that record, and every rank of the TP group executes it in lockstep (``TPWorker`` on the others).
 
 KV cache layout: one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer i gets the views
-``cache[i, 0]`` and ``cache[i, 1]``. Its size comes from a memory budget (a fraction of free GPU memory, or bytes)
+``cache[i, 0]`` and ``cache[i, 1]`` (a model's ``kv_cache_layout`` may say otherwise: bailing_hybrid's latent MLA
+cache is ``[num_layers, 1, num_blocks, block_size, r + d_rope]``, layer i gets ``(cache[i, 0],)``).
+Its size comes from a memory budget (a fraction of free GPU memory, or bytes)
 capped by what ``max_running`` sequences of ``max_model_len`` tokens can use. Hybrid models: only the attention
 layers (``model.kv_cache_layers``) have K/V blocks; the recurrent layers get ``max_running`` state slots
 (``state_cache.py``, addressed by ``StepInputs.state_slots``; graph padding rows use slot -1), taken from the budget.
@@ -52,10 +54,20 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 SPARSE_MIN_WIDTH = 16  # the graphs' per-row logit-bias/ban list: a power of two, at least this wide
 
 
+def kv_cache_layout(model) -> tuple[int, tuple[int, ...]]:
+    """(tensors per cache layer, per-token shape): K and V ``[Hkv_local, head_dim]`` unless the model says otherwise
+    (``model.kv_cache_layout``: bailing_hybrid's latent MLA cache is one ``[r + d_rope]`` row a token)."""
+    layout = getattr(model, "kv_cache_layout", None)
+    if layout is not None:
+        return layout
+    return 2, (model.num_kv_heads_local, getattr(model, "kv_head_dim", model.head_dim))
+
+
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     layers = len(getattr(model, "kv_cache_layers", range(model.num_layers)))
-    return layers * 2 * block_size * model.num_kv_heads_local * getattr(model, "kv_head_dim", model.head_dim) * elem
+    n, shape = kv_cache_layout(model)
+    return layers * n * block_size * math.prod(shape) * elem
 
 
 def state_bytes(model, max_running: int, dtype: torch.dtype) -> int:
@@ -147,13 +159,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         kv_layers = getattr(model, "kv_cache_layers", range(model.num_layers))
-        self.kv_cache = torch.zeros(
-            len(kv_layers), 2, num_blocks, block_size, model.num_kv_heads_local,
-            getattr(model, "kv_head_dim", model.head_dim), dtype=self.dtype, device=self.device,
-        )
+        n, shape = kv_cache_layout(model)
+        self.kv_cache = torch.zeros(len(kv_layers), n, num_blocks, block_size, *shape, dtype=self.dtype,
+                                    device=self.device)
         self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache), or a recurrent layer's pools
         for j, i in enumerate(kv_layers):
-            self.kv_caches[i] = (self.kv_cache[j, 0], self.kv_cache[j, 1])
+            self.kv_caches[i] = tuple(self.kv_cache[j, e] for e in range(n))
         shapes = model.recurrent_state_shapes() if hasattr(model, "recurrent_state_shapes") else None
         self.states = RecurrentStates(shapes, max_running, dtype=self.dtype, device=self.device) if shapes else None
         if self.states is not None:

@@ -77,6 +77,36 @@ def test_sampled_forks_and_multi_step_decode_match_the_forward(hybrid):
     assert [[c.token_ids for c in g] for g in tight] == [[c.token_ids for c in g] for g in out]
 
 
+def test_latent_mla_cache_equals_the_expanded_cache_and_fits_more_blocks(hybrid, monkeypatch):
+    """The MLA layers' latent cache (one ``r + d_rope`` row a token, absorbed decode) against K/V expanded per head
+    (``ARENO_MLA_CACHE=expanded``): same tokens and log-probs through chunked prefill over cached rows and forked
+    samples; one budget holds as many more blocks as the rows are narrower."""
+    path, model, tok = hybrid
+    prompts = [tok.encode(p) for p in PROMPTS]
+    opts = SamplingOptions(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=11)
+    cfg = model.config
+    assert model.kv_cache_layout == (1, (cfg.kv_lora_rank + cfg.qk_rope_head_dim,))
+    latent_bytes = kv_bytes_per_block(model, 4, torch.float32)
+    latent = engine(model, tok, max_batched_tokens=7, max_running=4, kv_cache_memory=40 * latent_bytes
+                    + state_bytes(model, 4, torch.float32))
+    assert latent.runner.kv_caches[1][0].shape == (40, 4, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    got = latent.generate(prompts, opts)
+    monkeypatch.setenv("ARENO_MLA_CACHE", "expanded")
+    expanded_model = load_model(path, dtype=torch.float32, device="cpu")
+    assert expanded_model.kv_cache_layout == (2, (cfg.num_heads, expanded_model.kv_head_dim))
+    expanded_bytes = kv_bytes_per_block(expanded_model, 4, torch.float32)
+    assert expanded_bytes == latent_bytes * 2 * cfg.num_heads * expanded_model.kv_head_dim // (
+        cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    ref = engine(expanded_model, tok, max_batched_tokens=7).generate(prompts, opts)
+    for g1, g2 in zip(ref, got):
+        for a, b in zip(g1, g2):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=2e-5, rtol=0)
+    monkeypatch.setenv("ARENO_MLA_CACHE", "paged")
+    with pytest.raises(ValueError, match="ARENO_MLA_CACHE"):
+        load_model(path, dtype=torch.float32, device="cpu")
+
+
 def test_routing_capture_equals_the_forwards_routing(hybrid):
     """``record_routing``: each completion carries, per token and MoE layer, the top-k experts the engine used;
     they equal those a plain forward over the same tokens picks (the last token is never fed: -1)."""
