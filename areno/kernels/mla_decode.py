@@ -13,7 +13,7 @@ Absorbed decode: a head's key is ``[W_uk c | k_rope]`` and its value ``W_uv c`` 
 i.e. multi-query attention with one shared K/V head: K the whole row (R + P wide), V its first R columns.
 ``mla_decode`` takes ``q = [q_lat | q_rope]  [B, H, R + P]`` and returns ``o_lat [B, H, R]``.
 
-Tiling: one program per (sequence, head tile, split): BLOCK_H query heads (all of them for H <= 64) against BLOCK_N
+Tiling: one program per (sequence, head tile, split): BLOCK_H query heads (all of them for H <= 32) against BLOCK_N
 cache rows at a time through an online softmax, each row found through the block table, so a row is read once per
 head tile instead of once per head. Keys split over NUM_SPLITS programs (split-K) when there are too few sequences
 to fill the GPU; ``paged_attention``'s merge kernel combines the partial (O, LSE). The split count comes from shapes
@@ -120,11 +120,11 @@ def _store_latent_kernel(X, CACHE, SLOTS, stride_x, stride_cb, stride_cs, W: tl.
 def _tile_config(heads: int, rank: int, dtype: torch.dtype):
     """(BLOCK_H, BLOCK_N, num_warps, num_stages). The accumulator is BLOCK_H x R fp32 (32 x 512: 64 registers a thread
     at 8 warps); a cache tile BLOCK_N x (R + P) per stage in shared memory."""
-    block_h = min(max(triton.next_power_of_2(heads), 16), 64)
+    block_h = max(triton.next_power_of_2(heads), 16)
     if interpreting():  # the interpreter pays per program and per loop step, not per element
-        return block_h, 32, 4, 1
+        return min(block_h, 64), 32, 4, 1
     block_n = 32 if dtype != torch.float32 and rank <= 512 else 16
-    return block_h, block_n, 8 if rank >= 256 else 4, 2
+    return min(block_h, 32), block_n, 8 if rank >= 256 else 4, 2
 
 
 def _mla_decode_triton(q, cache, block_table, seq_lens, rank, scale, num_splits=None, config=None):
