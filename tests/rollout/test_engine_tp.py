@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -40,8 +41,9 @@ def _worker(rank, path, port, out):
     dist.destroy_process_group()
 
 
-def test_tp2_equals_tp1(tmp_path):
-    path = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3", seed=4)
+@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid"])  # hybrid: local heads, replicated latent cache
+def test_tp2_equals_tp1(tmp_path, family):
+    path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=4)
     out = str(tmp_path / "res")
     mp.spawn(_worker, args=(path, free_port(), out), nprocs=2, join=True)
     r0, r1 = (json.load(open(f"{out}.{r}")) for r in (0, 1))
