@@ -20,9 +20,11 @@ through an autograd Function whose backward replays the backward graph. Gradient
 - "acc" (several microbatches, or an eager optimizer step): persistent per-parameter gradient buffers that every
   backward, graphed or eager, adds into; one optimizer graph reads them.
 
-Before each capture an eager warm-up runs the same shapes (Triton autotuning, lazy initialisation); warm-up and
-capture happen before the update's gradients are zeroed. At most ``max_graphs`` entries are kept (least recently
-used dropped). Nothing inside a captured region reads tensor values on the host (max_seqlen is the bucket's).
+A bucket is captured the ``capture_after``-th time a microbatch falls in it (2: a one-off shape runs eagerly and
+never pays for a capture). Before each capture an eager warm-up runs the same shapes (Triton autotuning, lazy
+initialisation); warm-up and capture happen before the update's gradients are zeroed. At most ``max_graphs`` entries
+are kept (least recently used dropped). Nothing inside a captured region reads tensor values on the host
+(max_seqlen is the bucket's).
 
 Eager fallback per microbatch: activation checkpointing on, images or M-RoPE positions, routing-replay routes.
 Never graphed (``unsupported`` says why): no CUDA device, a TP group, MoE / hybrid / vision-language / value models,
@@ -169,12 +171,14 @@ class TrainGraphs:
     whose ``capture`` runs the body once and whose ``replay`` runs it again)."""
 
     def __init__(self, model, optimizer, *, temperature=1.0, chunk_size=None, grad_clip=1.0, max_graphs=MAX_GRAPHS,
-                 graph_class=None):
+                 capture_after=2, graph_class=None):
         from areno.rl.optimizer import MasterAdamW
 
         self.model, self.optimizer = model, optimizer
         self.temperature, self.chunk_size, self.grad_clip = temperature, chunk_size, float(grad_clip)
         self.max_graphs = max(1, int(max_graphs))
+        self.capture_after = max(1, int(capture_after))
+        self.seen: dict[Bucket, int] = {}  # microbatches per bucket so far
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device
         self.graph_class = graph_class or CudaGraph
@@ -199,6 +203,18 @@ class TrainGraphs:
         """Whether this microbatch can replay a graph now (the per-microbatch eager cases of the module doc)."""
         checkpointing = any(getattr(layer, "checkpointing", False) for layer in self.model.layers)
         return not (checkpointing or routes or packed.positions.dim() != 1 or packed.pixel_values is not None)
+
+    def bucket(self, packed, entropy=False, routes=False) -> Bucket | None:
+        """The bucket this microbatch replays in, or None to run it eagerly (it cannot be graphed, or its bucket
+        has been seen fewer than ``capture_after`` times)."""
+        if not self.applies(packed, routes):
+            return None
+        b = bucket_of(packed, entropy)
+        if len(self.seen) > 4096:
+            self.seen.clear()
+        self.seen[b] = self.seen.get(b, 0) + 1
+        captured = any(key[0] == b for key in self.entries)
+        return b if captured or self.seen[b] >= self.capture_after else None
 
     # ---- one update ----------------------------------------------------------------------------------------------
     def begin_update(self, buckets: list[Bucket | None], packs: list) -> str:

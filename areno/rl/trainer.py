@@ -25,7 +25,7 @@ import torch.distributed as dist
 from areno.kernels import linear_logprobs
 from areno.rl.batch import Packed, Row, pack
 from areno.rl.multimodal import media_inputs
-from areno.rl.train_graphs import TrainGraphs, bucket_of, unsupported
+from areno.rl.train_graphs import TrainGraphs, unsupported
 
 log = logging.getLogger("areno.train")
 TRAIN_CUDA_GRAPHS = ("auto", "on", "off")
@@ -216,8 +216,8 @@ class PolicyTrainer:
         graphs = self.graphs
         if graphs is None:
             return [None] * len(packs), None
-        buckets = [bucket_of(p, entropy) if graphs.applies(p, routes=self.routing_replay and p.routed_experts
-                                                            is not None) else None for p in packs]
+        buckets = [graphs.bucket(p, entropy, routes=self.routing_replay and p.routed_experts is not None)
+                   for p in packs]
         if all(b is None for b in buckets):
             return buckets, None
         try:

@@ -107,7 +107,7 @@ def trainer_pair(ckpt, **kw):
         trainers.append(PolicyTrainer(model, opt, LRSchedule(1e-3), grad_clip=kw.get("grad_clip", 1.0),
                                       train_cuda_graphs="off"))
     trainers[1].graphs = TrainGraphs(graph_model, trainers[1].optimizer, grad_clip=kw.get("grad_clip", 1.0),
-                                     graph_class=CpuReplay, max_graphs=kw.get("max_graphs", 8))
+                                     graph_class=CpuReplay, max_graphs=kw.get("max_graphs", 8), capture_after=1)
     return trainers
 
 
@@ -189,6 +189,11 @@ def test_unsupported_on_cpu_and_the_flag_refused(ckpt, tmp_path, capsys, monkeyp
     with pytest.raises(ValueError, match="--train-cuda-graphs on: needs a CUDA device"):
         PolicyTrainer(model, opt, LRSchedule(1e-3), train_cuda_graphs="on")
     assert PolicyTrainer(model, opt, LRSchedule(1e-3)).graphs is None  # auto: eager here
+    g = TrainGraphs(model, opt, graph_class=CpuReplay)  # a bucket is captured the second time it is seen
+    p = pack(rows_of([9, 5], seed=3))
+    assert g.bucket(p) is None and g.bucket(p) == bucket_of(p) and g.bucket(p, entropy=True) is None
+    model.set_activation_checkpointing(True)
+    assert g.bucket(p) is None  # recomputation runs eagerly
     from areno.cli import main
 
     monkeypatch.setattr("areno.models.loader.check_model_source", lambda flag, value: None)

@@ -59,6 +59,7 @@ def test_graphed_trainer_matches_eager_bf16(tmp_path, family):
         trainers[mode] = PolicyTrainer(model, opt, LRSchedule(1e-3), grad_clip=1.0, train_cuda_graphs=mode)
     eager, graphed = trainers["off"], trainers["on"]
     assert eager.graphs is None and graphed.graphs is not None
+    graphed.graphs.capture_after = 1  # capture at the first sight of a bucket (the default waits for the second)
     start = masters(eager.optimizer)
     steps = [  # (row lengths, mini_bs, accumulation, entropy)
         ([300, 220, 180, 257], 4, 1, False),  # "own": captured
@@ -110,8 +111,8 @@ def test_graphed_step_memory_within_the_eager_step(tmp_path):
         trainer.train(rows, sft_loss_fn(), 8, 1)
         torch.cuda.synchronize()
         peaks[mode] = torch.cuda.max_memory_reserved()
-        if trainer.graphs is not None:
-            assert trainer.graphs.replays == 4 and trainer.graphs.captures == 3
+        if trainer.graphs is not None:  # the first update ran eagerly, the second captured
+            assert trainer.graphs.replays == 3 and trainer.graphs.captures == 3
             trainer.graphs.close()
         del trainer, opt, model
         torch.cuda.empty_cache()
