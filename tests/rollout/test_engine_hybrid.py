@@ -78,12 +78,14 @@ def test_sampled_forks_and_multi_step_decode_match_the_forward(hybrid):
 
 
 def test_latent_mla_cache_equals_the_expanded_cache_and_fits_more_blocks(hybrid, monkeypatch):
-    """The MLA layers' latent cache (one ``r + d_rope`` row a token, absorbed decode) against K/V expanded per head
-    (``ARENO_MLA_CACHE=expanded``): same tokens and log-probs through chunked prefill over cached rows and forked
-    samples; one budget holds as many more blocks as the rows are narrower."""
-    path, model, tok = hybrid
+    """The MLA layers' latent cache (``ARENO_MLA_CACHE=latent``: one ``r + d_rope`` row a token, absorbed decode)
+    against K/V expanded per head (the default): same tokens and log-probs through chunked prefill over cached rows
+    and forked samples; one budget holds as many more blocks as the rows are narrower."""
+    path, _, tok = hybrid
     prompts = [tok.encode(p) for p in PROMPTS]
     opts = SamplingOptions(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=11)
+    monkeypatch.setenv("ARENO_MLA_CACHE", "latent")
+    model = load_model(path, dtype=torch.float32, device="cpu")
     cfg = model.config
     assert model.kv_cache_layout == (1, (cfg.kv_lora_rank + cfg.qk_rope_head_dim,))
     latent_bytes = kv_bytes_per_block(model, 4, torch.float32)
