@@ -82,6 +82,41 @@ def record_from(row: dict, completion: str, tokens, index: int) -> RewardRecord:
                         tokens=list(tokens) if tokens is not None else [], row=source, index=index)
 
 
+def completion_texts(tokenizer, completions) -> list[str]:
+    """The text each completion is scored on: the engine's own (cut at a stop string) where it has one, else the
+    decode of its token ids without special tokens. A transformers ``TokenizersBackend`` with the library's own
+    decode and no space clean-up decodes them all in one ``decode_batch`` call (Rust threads, outside the GIL), which
+    gives exactly ``tokenizer.decode``'s strings; any other tokenizer decodes one by one."""
+    texts = [c.text for c in completions]
+    todo = [i for i, t in enumerate(texts) if t is None]
+    ids = [list(completions[i].token_ids) for i in todo]
+    backend = _plain_backend(tokenizer) if len(ids) > 1 else None
+    if backend is not None:
+        decoded = backend.decode_batch(ids, skip_special_tokens=True)
+    else:
+        decoded = [tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+    for i, t in zip(todo, decoded):
+        texts[i] = t
+    return texts
+
+
+def _plain_backend(tokenizer):
+    """The Rust tokenizer behind ``tokenizer`` when ``tokenizer.decode(ids, skip_special_tokens=True)`` is exactly
+    its ``decode``: transformers' TokenizersBackend, neither decode method overridden, no clean-up of spaces."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend if hasattr(backend, "decode_batch") else None
+
+
 def _first(d: dict, *keys):
     for k in keys:
         if d.get(k) is not None:

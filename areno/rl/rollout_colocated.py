@@ -69,18 +69,20 @@ class ColocatedRollout:
         """Every data-parallel rank's ``obj``, on every rank."""
         return gather_objects(obj, self.loop.dp_group)
 
-    def generate(self, prompt_ids, options):
+    def generate(self, prompt_ids, options, *, on_finished=None):
         self.refresh()
         model = self.loop.model
         model.eval()
         try:
-            return self.engine.generate(prompt_ids, options)
+            return self.engine.generate(prompt_ids, options, on_finished=on_finished)
         finally:
             model.train()
 
-    def rollout(self, prompt_ids, options, upcoming=None):
-        """This step's completions and the rollout's own stats (none here: the weights are the trainer's)."""
-        return self.generate(prompt_ids, options), {}
+    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None):
+        """This step's completions and the rollout's own stats (none here: the weights are the trainer's).
+        ``on_group(i, completions)``: called as soon as every sample of prompt ``i`` has finished, while the others
+        still decode (``Engine.generate``'s ``on_finished``)."""
+        return self.generate(prompt_ids, options, on_finished=on_group), {}
 
     def sync(self) -> dict:
         return {}  # the engine decodes with the trainer's own tensors

@@ -363,11 +363,15 @@ class Engine:
         group = getattr(self.model, "tp_group", None)
         return dist.get_rank(group) if group is not None else 0
 
-    def generate(self, prompts: list, options=None) -> list[list[Completion]]:
+    def generate(self, prompts: list, options=None, *, on_finished=None) -> list[list[Completion]]:
         """Generate for every prompt (``options``: one SamplingOptions or one per prompt); blocks until done.
 
         A prompt is a list of token ids, or a prompt with images (a ``MultimodalPrompt``: anything with
         ``input_ids``, see :meth:`add_request`).
+
+        ``on_finished(i, completions)``: called (on this thread, between steps: keep it short) as soon as every
+        sample of prompt ``i`` has finished, while the other prompts still decode; each prompt once, in the order
+        they finish. The returned lists hold the same Completion objects.
 
         Under tensor parallelism every rank of the TP group calls this: rank 0 schedules and runs the steps, the
         others execute the steps it broadcasts, and all return rank 0's results.
@@ -383,9 +387,19 @@ class Engine:
             options = [options or SamplingOptions()] * len(prompts)
         groups = [self.add_request(None, o, request_id=i, mm=p) if hasattr(p, "input_ids") else
                   self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]  # fmt: skip
+        done: dict[int, list[Completion]] = {}
         while self.has_work():
-            self.step(self.config.decode_steps)
-        out = [[self.completion(s) for s in g] for g in groups]
+            rows = self.step(self.config.decode_steps)
+            if on_finished is not None:
+                for i in sorted({s.request_id for s in rows if s.is_finished} - done.keys()):
+                    if all(s.is_finished for s in groups[i]):
+                        done[i] = [self.completion(s) for s in groups[i]]
+                        on_finished(i, done[i])
+        out = [done.get(i) or [self.completion(s) for s in g] for i, g in enumerate(groups)]
+        if on_finished is not None:
+            for i in range(len(groups)):
+                if i not in done:  # e.g. finished without a step of its own
+                    on_finished(i, out[i])
         if group is not None:
             broadcast_step(None, group)  # the followers leave their loop
             dist.broadcast_object_list([out], src=dist.get_global_rank(group, 0), group=group)
