@@ -195,6 +195,10 @@ class TrainLoop:
                               "selection bias to update (Ling 3, bailing_hybrid, has one)")
         groups = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates_per_step)
         graphs = "off" if getattr(model, "is_value_model", False) else cfg.train_cuda_graphs  # the critic: eager
+        if graphs == "auto" and rl and not cfg.split:
+            # colocated RL: the rollout engine's KV cache shares the GPU, and a graphed step reserves more than the
+            # eager one (its memory pool stays between updates); eager until measured at G1 (--train-cuda-graphs on)
+            graphs = "off"
         if graphs == "on":
             from areno.rl.train_graphs import unsupported
 
