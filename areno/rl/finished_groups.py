@@ -27,6 +27,23 @@ from areno.rl.batch import row_tensors
 from areno.rl.rewards import completion_texts, record_from, score
 
 SWITCH_INTERVAL_S = 5e-5
+_switch = {"users": 0, "saved": None}  # rollouts running now (threads of an SDK user may run several at once)
+_switch_lock = threading.Lock()
+
+
+def _lower_switch_interval() -> None:
+    with _switch_lock:
+        if _switch["users"] == 0:
+            _switch["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch["saved"], SWITCH_INTERVAL_S))
+        _switch["users"] += 1
+
+
+def _restore_switch_interval() -> None:
+    with _switch_lock:
+        _switch["users"] -= 1
+        if _switch["users"] == 0:
+            sys.setswitchinterval(_switch["saved"])
 
 
 class FinishedGroups:
@@ -45,8 +62,8 @@ class FinishedGroups:
         self._reported: set[int] = set()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL_S))
+        self._closed = False
+        _lower_switch_interval()
         self._thread = threading.Thread(target=self._work, name="finished-groups", daemon=True)
         self._thread.start()
 
@@ -71,10 +88,13 @@ class FinishedGroups:
 
     def close(self) -> None:
         """Stop the worker (if ``finish`` did not run: the rollout failed) and restore the switch interval."""
+        if self._closed:
+            return
+        self._closed = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        sys.setswitchinterval(self._switch)
+        _restore_switch_interval()
 
     @property
     def busy_s(self) -> float:
