@@ -74,7 +74,7 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def run_areno(path, texts, s, ckpt, args, tmp) -> dict:
+def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto") -> dict:
     from areno.config import TrainConfig
     from areno.rl.loop import TrainLoop
 
@@ -102,8 +102,9 @@ def run_areno(path, texts, s, ckpt, args, tmp) -> dict:
         tensorboard=False,
         metrics_dir=os.path.join(tmp, "metrics"),
         kv_cache_memory=args.kv_cache_memory,
+        train_cuda_graphs=graphs,
     )
-    rec = dict(impl="areno", checkpointing=ckpt)
+    rec = dict(impl="areno", checkpointing=ckpt, train_cuda_graphs=graphs)
     loop = TrainLoop(cfg)
     t0 = time.perf_counter()
     loop.setup()
@@ -277,6 +278,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="steps per implementation; the first is not averaged")
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="areno KV budget (fraction or bytes)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/grpo_step.jsonl")
+    ap.add_argument("--train-cuda-graphs", default="auto", help="areno's --train-cuda-graphs: auto (eager in "
+                    "colocated RL), on, off, or a comma list measured in turn (e.g. off,on)")
     ap.add_argument("--split", action="store_true", help="also areno in split mode, sync and async (2 devices)")
     args = ap.parse_args()
     s = sizes(args.smoke)
@@ -293,11 +296,12 @@ def main():
             impls[1:1] = ["areno-split-sync", "areno-split-async"]
         for impl in impls:
             variants = [c == "on" for c in args.checkpointing.split(",")] if impl.startswith("areno") else [False]
-            for ckpt in variants:
+            graph_modes = args.train_cuda_graphs.split(",") if impl == "areno" else [None]
+            for ckpt, graphs in [(c, g) for c in variants for g in graph_modes]:
                 t0 = time.perf_counter()
                 try:
                     if impl == "areno":
-                        rec = run_areno(path, texts, s, ckpt, args, tmp)
+                        rec = run_areno(path, texts, s, ckpt, args, tmp, graphs)
                     elif impl.startswith("areno-split"):
                         rec = run_areno_split(path, texts, s, ckpt, args, tmp, int(impl.endswith("async")))
                     else:
@@ -326,9 +330,9 @@ def main():
     for r in records:
         if r["impl"].startswith("areno") and r.get("step_s") and trl_rec:
             r["speedup_vs_trl"] = trl_rec["step_s"] / r["step_s"]
-    cols = ["impl", "checkpointing", "step_s", "rollout_s", "reward_s", "pack_s", "logprob_s", "train_s",
-            "other_s", "overlap_saved_s", "response_len_mean", "logprob_diff", "policy_sync_time_s", "train_idle_s",
-            "staleness_max", "peak_gib", "speedup_vs_trl", "step_s_all", "error"]  # fmt: skip
+    cols = ["impl", "checkpointing", "train_cuda_graphs", "step_s", "rollout_s", "reward_s", "pack_s", "logprob_s",
+            "train_s", "other_s", "overlap_saved_s", "response_len_mean", "logprob_diff", "policy_sync_time_s",
+            "train_idle_s", "staleness_max", "peak_gib", "speedup_vs_trl", "step_s_all", "error"]  # fmt: skip
     print_table(records, cols)
     for r in records:
         if r["impl"].startswith("areno") and r.get("step_s"):
