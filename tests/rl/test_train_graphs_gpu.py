@@ -16,11 +16,11 @@ import torch
 
 from areno.models import load_model
 from areno.rl.algorithms import grpo_loss_fn, sft_loss_fn
-from areno.rl.batch import Row
 from areno.rl.optimizer import MasterAdamW
 from areno.rl.schedule import LRSchedule
 from areno.rl.trainer import PolicyTrainer
 from areno.testing import make_tiny_checkpoint
+from tests.rl.test_train_graphs import rows_of as cpu_rows_of
 
 pytestmark = pytest.mark.gpu
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -32,15 +32,8 @@ class _Cfg:
     kl_coef, kl_estimator, entropy_coef = 0.0, "k3", 0.01
 
 
-def rows_of(lengths, seed, vocab=1000, prompt=5):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(10, vocab, (n,), generator=g).tolist()
-        lp = (-torch.rand(n - prompt, generator=g) * 3).tolist()
-        out.append(Row(prompt_ids=ids[:prompt], response_ids=ids[prompt:], rollout_logprobs=lp,
-                       advantage=float(torch.randn((), generator=g))))
-    return out
+def rows_of(lengths, seed):
+    return cpu_rows_of(lengths, seed, vocab=1000, prompt=5)
 
 
 def masters(opt):
