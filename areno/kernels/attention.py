@@ -33,6 +33,10 @@ Two backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs)
 Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above) or "tma" (the same kernel with
 TMA descriptors, ``attention_tma.py``). The TMA variants apply to head_dim 16/32/64/128/256 with heads packed in the
 last two dims (``attention_tma.tma_layout_ok``); other inputs, and GPUs before sm_90, run the pointer kernels.
+
+Both files' kernels are built from the same ``@triton.jit`` pieces in ``attention_common.py`` (the forward, dQ and
+dK/dV/fused inner loops, tile and block bounds), each taking a constexpr ``TMA`` that picks pointer or descriptor
+loads; Triton inlines them, so every kernel compiles as it did with its own copy (sm_90 PTX compared).
 """
 
 from __future__ import annotations
@@ -46,6 +50,18 @@ import triton
 import triton.language as tl
 
 from areno.kernels import attention_tma as tma
+from areno.kernels.attention_common import (
+    dq_inner,
+    fwd_inner,
+    key_tile,
+    kv_bounds,
+    kv_inner,
+    load_rows,
+    q_bounds,
+    query_tile,
+    seq_span,
+    tile_config,
+)
 from areno.kernels.dispatch import interpreting, use_triton
 
 _LOG2E = 1.4426950408889634
@@ -84,62 +100,6 @@ def _use_tma(*tensors: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, D: tl.constexpr, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile, masking rows >= n_rows (if ROW_MASK) and padded head-dim columns."""
-    if ROW_MASK:
-        if EVEN_D:
-            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < D), other=0.0)
-    else:
-        if EVEN_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=offs_d[None, :] < D, other=0.0)
-    return x
-
-
-@triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, diag, Lk,
-               qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        k = _load_rows(k_ptrs + start_n * stride_kt, cols, Lk, offs_d, D, MASKED, EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if MASKED:
-            keep = cols[None, :] < Lk
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-            qk = tl.where(keep, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = m_new
-        p = tl.exp2(qk - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_ptrs + start_n * stride_vt, cols, Lk, offs_d, D, MASKED, EVEN_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _kv_bounds(start_m, Lk, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Key range [0, hi) a query tile needs, and the prefix [0, full) that every row of the tile sees unmasked."""
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
-        full = tl.maximum(tl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = Lk
-        full = Lk // BLOCK_N * BLOCK_N
-    return hi, full
-
-
-@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
@@ -147,15 +107,10 @@ def _attn_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (diagonal-most) tiles start first
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
+    start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
         return
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
+    k_start, Lk = seq_span(CU_K, b)
     diag = Lk - Lq
     hk = h // GROUP
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -163,18 +118,18 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     q_ptrs = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
-    q = _load_rows(q_ptrs, offs_m, Lq, offs_d, D, True, EVEN_D)
+    q = load_rows(q_ptrs, offs_m, Lq, offs_d, D, True, EVEN_D)
     k_ptrs = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi, full = _kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                               0, full, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                               full, hi, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC)
+    hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d,
+                              0, full, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC, False)
+    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d,
+                              full, hi, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC, False)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -211,88 +166,19 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, DQ, T, stride_ot, stride_oh, stride_dt,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m, cols, offs_d,
-                lo, hi, Lq, diag, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_m
-        q = _load_rows(q_ptrs + start_m * stride_qt, rows, Lq, offs_d, D, MASKED, EVEN_D)
-        if MASKED:  # rows past Lq get LSE +inf, so their probabilities are 0
-            lse = tl.load(lse_ptrs + start_m, mask=rows < Lq, other=float("inf"))
-        else:
-            lse = tl.load(lse_ptrs + start_m)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-        p_t = tl.exp2(qk_t - lse[None, :])
-        if MASKED:
-            if CAUSAL:
-                p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
-        do = _load_rows(do_ptrs + start_m * stride_dot, rows, Lq, offs_d, D, MASKED, EVEN_D)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        if MASKED:
-            delta = tl.load(delta_ptrs + start_m, mask=rows < Lq, other=0.0)
-        else:
-            delta = tl.load(delta_ptrs + start_m)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    return dk, dv
+def _load_kv_tile(K, V, k_start, hk, cols, offs_d, Lk, stride_kt, stride_kh, stride_vt, stride_vh, D: tl.constexpr,
+                  EVEN_D: tl.constexpr):
+    # Key rows past Lk load as 0; their dK/dV rows are garbage but never stored, and they touch nothing else.
+    k = load_rows(K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + cols[:, None] * stride_kt
+                  + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
+    v = load_rows(V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + cols[:, None] * stride_vt
+                  + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
+    return k, v
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    GROUP, SEQ_BUCKET,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    start_n = tl.program_id(0)
-    b = tl.program_id(1)
-    hk = tl.program_id(2)
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
-    if start_n * BLOCK_N >= Lk:
-        return
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
-    diag = Lk - Lq
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    # Key rows past Lk load as 0; their dK/dV rows are garbage but never stored, and they touch nothing else.
-    k = _load_rows(K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + cols[:, None] * stride_kt
-                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
-    v = _load_rows(V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + cols[:, None] * stride_vt
-                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    # Query blocks: [m_lo, a1) cross the diagonal (causal mask), [a1, end) see every key of the tile; both loops mask
-    # the rows past Lq through their loads (LSE +inf there), which costs no extra ALU work per element. A third,
-    # load-mask-free loop for the interior blocks measured as more spills (sm_90, ptxas) for no gain in work.
-    if CAUSAL:
-        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = 0
-    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
-    a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
-    q_base = Q + q_start.to(tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_d[None, :]
-    do_base = DO + q_start.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_d[None, :]
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        q_ptrs = q_base + h * stride_qh
-        do_ptrs = do_base + h * stride_doh
-        lse_ptrs = LSE + h * stride_lh + q_start + offs_m
-        delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
-                             cols, offs_d, m_lo, a1, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, True, DOT_PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
-                             cols, offs_d, a1, end, Lq, diag, qk_scale, D, BLOCK_M, EVEN_D, False, True, DOT_PREC)
-
+def _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
+                    stride_dvh, D: tl.constexpr, EVEN_D: tl.constexpr):
     dk = dk * sm_scale
     mask = cols[:, None] < Lk
     if not EVEN_D:
@@ -304,49 +190,46 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _q_bounds(start_n, Lq, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Query blocks a key tile needs: [m_lo, a1) cross the diagonal (causal mask), [a1, end) see every key of it."""
-    if CAUSAL:
-        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = 0
-    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
-    return m_lo, tl.maximum(m_lo, tl.minimum(m_full, end)), end
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    GROUP, SEQ_BUCKET,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    start_n, b, hk, k_start, Lk = key_tile(CU_K)
+    if start_n * BLOCK_N >= Lk:
+        return
+    q_start, Lq = seq_span(CU_Q, b)
+    diag = Lk - Lq
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k, v = _load_kv_tile(K, V, k_start, hk, cols, offs_d, Lk, stride_kt, stride_kh, stride_vt, stride_vh, D, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-
-@triton.jit
-def _fused_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qt, stride_dot, stride_dqt,
-                 offs_m, cols, offs_d, lo, hi, Lq, diag, qk_scale, sm_scale, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    # Addresses are rebuilt from the row index each step rather than kept as [BLOCK_M, D] pointer tensors across the
-    # loop: those tensors cost registers the two [BLOCK_N, D] fp32 accumulators need.
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_m
-        row_ok = rows < Lq
-        q = _load_rows(q_base + rows[:, None] * stride_qt + offs_d[None, :], rows, Lq, offs_d, D, True, EVEN_D)
-        lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))  # rows past Lq: P = 0
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-        p_t = tl.exp2(qk_t - lse[None, :])
-        if CAUSAL:
-            p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
-        do = _load_rows(do_base + rows[:, None] * stride_dot + offs_d[None, :], rows, Lq, offs_d, D, True, EVEN_D)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        # dQ[rows] += scale * dS K over this key tile, formed transposed (K^T dS^T, [BLOCK_D, BLOCK_M]) so that the
-        # product's M side is the tall key tile: on sm_90 a short query tile (BLOCK_M < 64) still gets wgmma, and K^T
-        # is a view of the K tile already in shared memory. Key rows past Lk were loaded as 0, so they add exactly 0.
-        dq_t = tl.dot(tl.trans(k), ds_t, input_precision=DOT_PREC) * sm_scale
-        dq_mask = row_ok[None, :]
-        if not EVEN_D:
-            dq_mask = dq_mask & (offs_d[:, None] < D)
-        tl.atomic_add(dq_base + rows[None, :] * stride_dqt + offs_d[:, None], dq_t, mask=dq_mask, sem="relaxed")
-    return dk, dv
+    # Query blocks: [m_lo, a1) cross the diagonal (causal mask), [a1, end) see every key of the tile; both loops mask
+    # the rows past Lq through their loads (LSE +inf there), which costs no extra ALU work per element. A third,
+    # load-mask-free loop for the interior blocks measured as more spills (sm_90, ptxas) for no gain in work.
+    m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    q_base = Q + q_start.to(tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_d[None, :]
+    do_base = DO + q_start.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_d[None, :]
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_ptrs = q_base + h * stride_qh
+        do_ptrs = do_base + h * stride_doh
+        lse_ptrs = LSE + h * stride_lh + q_start + offs_m
+        delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
+        dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, None, None, stride_qt, stride_dot, 0,
+                          0, 0, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, D, BLOCK_M, EVEN_D,
+                          CAUSAL, DOT_PREC, False, False, False, False, False)
+        dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, None, None, stride_qt, stride_dot, 0,
+                          0, 0, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale, D, BLOCK_M, EVEN_D,
+                          False, DOT_PREC, False, False, False, False, False)
+    _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
+                    stride_dvh, D, EVEN_D)
 
 
 @triton.jit
@@ -361,26 +244,21 @@ def _attn_bwd_fused_kernel(
     # The fused backward: the dK/dV program (one per key tile, sequence, KV head; every query head of the group in
     # turn, so dK/dV stay in registers) also adds each visited query block's dQ into DQ, the fp32 [Tq, Hq, D]
     # accumulator the delta kernel zeroed. Query blocks above the diagonal are skipped, the diagonal band masked.
-    start_n = tl.program_id(0)
-    b = tl.program_id(1)
-    hk = tl.program_id(2)
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
+    # Addresses are rebuilt from the row index each step (ROW_ADDR) rather than kept as [BLOCK_M, D] pointer tensors
+    # across the loop: those tensors cost registers the two [BLOCK_N, D] fp32 accumulators need. Key rows past Lk
+    # were loaded as 0, so they add exactly 0 to dQ.
+    start_n, b, hk, k_start, Lk = key_tile(CU_K)
     if start_n * BLOCK_N >= Lk:
         return
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
+    q_start, Lq = seq_span(CU_Q, b)
     diag = Lk - Lq
     offs_m = tl.arange(0, BLOCK_M)
     cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + cols[:, None] * stride_kt
-                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
-    v = _load_rows(V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + cols[:, None] * stride_vt
-                   + offs_d[None, :], cols, Lk, offs_d, D, True, EVEN_D)
+    k, v = _load_kv_tile(K, V, k_start, hk, cols, offs_d, Lk, stride_kt, stride_kh, stride_vt, stride_vh, D, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    m_lo, a1, end = _q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
@@ -388,43 +266,14 @@ def _attn_bwd_fused_kernel(
         dq_base = DQ + q_start.to(tl.int64) * stride_dqt + h * stride_dqh
         lse_base = LSE + h * stride_lh + q_start
         delta_base = DELTA + h * stride_lh + q_start
-        dk, dv = _fused_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qt, stride_dot,
-                              stride_dqt, offs_m, cols, offs_d, m_lo, a1, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
-                              EVEN_D, CAUSAL, DOT_PREC)
-        dk, dv = _fused_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qt, stride_dot,
-                              stride_dqt, offs_m, cols, offs_d, a1, end, Lq, diag, qk_scale, sm_scale, D, BLOCK_M,
-                              EVEN_D, False, DOT_PREC)
-
-    dk = dk * sm_scale
-    mask = cols[:, None] < Lk
-    if not EVEN_D:
-        mask = mask & (offs_d[None, :] < D)
-    dk_ptrs = DK + k_start.to(tl.int64) * stride_dkt + hk * stride_dkh + cols[:, None] * stride_dkt + offs_d[None, :]
-    dv_ptrs = DV + k_start.to(tl.int64) * stride_dvt + hk * stride_dvh + cols[:, None] * stride_dvt + offs_d[None, :]
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, diag, Lk,
-              qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
-              MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        k = _load_rows(k_ptrs + start_n * stride_kt, cols, Lk, offs_d, D, MASKED, EVEN_D)
-        v = _load_rows(v_ptrs + start_n * stride_vt, cols, Lk, offs_d, D, MASKED, EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        p = tl.exp2(qk - lse[:, None])
-        if MASKED:
-            keep = cols[None, :] < Lk
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-            p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-    return dq
+        dk, dv = kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, None, dq_base, stride_qt, stride_dot,
+                          stride_dqt, 0, 0, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, D,
+                          BLOCK_M, EVEN_D, CAUSAL, DOT_PREC, False, True, True, False, False)
+        dk, dv = kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, None, dq_base, stride_qt, stride_dot,
+                          stride_dqt, 0, 0, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale, D,
+                          BLOCK_M, EVEN_D, False, DOT_PREC, False, True, True, False, False)
+    _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
+                    stride_dvh, D, EVEN_D)
 
 
 @triton.jit
@@ -436,35 +285,30 @@ def _attn_bwd_dq_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
+    start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
         return
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
+    k_start, Lk = seq_span(CU_K, b)
     diag = Lk - Lq
     hk = h // GROUP
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
-    q = _load_rows(Q + q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
+    q = load_rows(Q + q_start.to(tl.int64) * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
+                  + offs_d[None, :], offs_m, Lq, offs_d, D, True, EVEN_D)
+    do = load_rows(DO + q_start.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
                    + offs_d[None, :], offs_m, Lq, offs_d, D, True, EVEN_D)
-    do = _load_rows(DO + q_start.to(tl.int64) * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
-                    + offs_d[None, :], offs_m, Lq, offs_d, D, True, EVEN_D)
     lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     k_ptrs = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :]
     v_ptrs = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi, full = _kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, 0, full,
-                   diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC)
-    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, offs_d, full, hi,
-                   diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC)
+    hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d, 0, full,
+                  diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC, False)
+    dq = dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d, full, hi,
+                  diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC, False)
     dq = dq * sm_scale
     mask = row_ok[:, None]
     if not EVEN_D:
@@ -477,8 +321,7 @@ def _attn_bwd_dq_kernel(
 # Launchers
 
 
-def _cfg(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+_cfg = tile_config
 
 
 # Candidates per kernel and head-dim class (<= 64, <= 128, <= 256), chosen for sm_90 by compiling offline (ptxas,

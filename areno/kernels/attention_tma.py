@@ -1,8 +1,9 @@
 """Hopper (sm_90) TMA variants of the packed varlen attention kernels: ``ARENO_ATTN_FWD=tma``,
 ``ARENO_ATTN_BWD=tma`` (the split dK/dV + dQ pair) and ``ARENO_ATTN_BWD=fused_tma`` (one pass, dQ by bulk reduce).
 
-Same math, tiling, causal block split and outputs as the pointer kernels in ``attention.py`` (see its docstring);
-what changes is how tiles reach the tensor cores. Every [rows, D] tile of Q, K, V, dO (and the full tiles of O, dQ,
+Same math, tiling, causal block split and outputs as the pointer kernels in ``attention.py`` (see its docstring),
+through the same inner loops (``attention_common.py``, called with ``TMA=True``); what changes is how tiles reach the
+tensor cores. Every [rows, D] tile of Q, K, V, dO (and the full tiles of O, dQ,
 dK, dV on the way out) moves through a host-built tensor descriptor over the packed 2-D view ``[T, H * D]`` (block
 ``[BLOCK_M or BLOCK_N, D]``, coordinates ``(sequence start + tile offset, head * D)``): on sm_90 that is a bulk
 tensor copy (TMA) into shared memory, software-pipelined ``num_stages`` deep, from which wgmma reads its operands,
@@ -37,6 +38,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from areno.kernels.attention_common import (
+    dq_inner,
+    fwd_inner,
+    key_tile,
+    kv_bounds,
+    kv_inner,
+    q_bounds,
+    query_tile,
+    seq_span,
+    tile_config,
+)
+
 # Which tile axis sizes each descriptor's block rows: BLOCK_M is always the query tile, BLOCK_N the key tile.
 _DESC_AXIS = {"desc_q": "BLOCK_M", "desc_o": "BLOCK_M", "desc_do": "BLOCK_M", "desc_dq": "BLOCK_M",
               "desc_k": "BLOCK_N", "desc_v": "BLOCK_N", "desc_dk": "BLOCK_N", "desc_dv": "BLOCK_N"}
@@ -67,50 +80,16 @@ def descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 
 @triton.jit
-def _fwd_inner_tma(acc, l_i, m_i, q, desc_k, desc_v, k_row0, col, offs_m, offs_n, lo, hi, diag, Lk, qk_scale,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = desc_k.load([k_row0 + start_n, col])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if MASKED:
-            cols = start_n + offs_n
-            keep = cols[None, :] < Lk
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet
-            p = tl.exp2(qk - m_sub[:, None])
-        else:
-            # every row sees every key of the block: max of the raw scores, then one FMA per score
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_sub = m_new
-            p = tl.exp2(qk * qk_scale - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([k_row0 + start_n, col])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh,
     GROUP, SEQ_BUCKET,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (diagonal-most) tiles start first
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
+    start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
         return
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
+    k_start, Lk = seq_span(CU_K, b)
     diag = Lk - Lq
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -118,17 +97,12 @@ def _attn_fwd_tma_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
-        full = tl.maximum(tl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = Lk
-        full = Lk // BLOCK_N * BLOCK_N
+    hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
     col = (h // GROUP) * BLOCK_D
-    acc, l_i, m_i = _fwd_inner_tma(acc, l_i, m_i, q, desc_k, desc_v, k_start, col, offs_m, offs_n, 0, full, diag,
-                                   Lk, qk_scale, BLOCK_N, CAUSAL, False, DOT_PREC)
-    acc, l_i, m_i = _fwd_inner_tma(acc, l_i, m_i, q, desc_k, desc_v, k_start, col, offs_m, offs_n, full, hi, diag,
-                                   Lk, qk_scale, BLOCK_N, CAUSAL, True, DOT_PREC)
+    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, 0, full, diag,
+                              Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, full, hi, diag,
+                              Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
@@ -157,25 +131,13 @@ def _store_rows(desc, ptr, tile, row0, col, n_valid, stride_t, ROWS: tl.constexp
 
 
 @triton.jit
-def _dkdv_inner_tma(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, q_start, col, offs_m, cols, lo, hi, Lq, diag,
-                    qk_scale, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_m
-        row_ok = rows < Lq
-        q = desc_q.load([q_start + start_m, col])
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))  # rows past Lq (next sequence): P = 0
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
-        p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
-        if CAUSAL:
-            p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
-        do = desc_do.load([q_start + start_m, col])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    return dk, dv
+def _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, col, sm_scale, stride_dkt,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dK (times sm_scale) and dV of key tile start_n; its rows past Lk (another sequence's) are not stored."""
+    n_valid = Lk - start_n * BLOCK_N
+    row0 = k_start + start_n * BLOCK_N
+    _store_rows(desc_dk, DK, (dk * sm_scale).to(DK.dtype.element_ty), row0, col, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
+    _store_rows(desc_dv, DV, dv.to(DV.dtype.element_ty), row0, col, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -185,16 +147,12 @@ def _attn_bwd_dkdv_tma_kernel(
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # One program per (key tile, sequence, KV head): K/V tile resident, dK/dV in fp32 registers, Q/dO streamed by
-    # TMA for every query head of the GQA group. Query blocks above the diagonal are skipped, the band masked.
-    start_n = tl.program_id(0)
-    b = tl.program_id(1)
-    hk = tl.program_id(2)
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
+    # TMA for every query head of the GQA group. Query blocks above the diagonal are skipped, the band masked. Key
+    # rows past Lk (the next sequence's) only touch their own dK/dV rows, which are not stored.
+    start_n, b, hk, k_start, Lk = key_tile(CU_K)
     if start_n * BLOCK_N >= Lk:
         return
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
+    q_start, Lq = seq_span(CU_Q, b)
     diag = Lk - Lq
     offs_m = tl.arange(0, BLOCK_M)
     cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -202,48 +160,19 @@ def _attn_bwd_dkdv_tma_kernel(
     v = desc_v.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
-        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = 0
-    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
-    a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
+    m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(GROUP):
         h = hk * GROUP + g
         lse_ptr = LSE + h * stride_lh + q_start
         delta_ptr = DELTA + h * stride_lh + q_start
-        dk, dv = _dkdv_inner_tma(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, q_start, h * BLOCK_D, offs_m,
-                                 cols, m_lo, a1, Lq, diag, qk_scale, BLOCK_M, CAUSAL, DOT_PREC)
-        dk, dv = _dkdv_inner_tma(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, q_start, h * BLOCK_D, offs_m,
-                                 cols, a1, end, Lq, diag, qk_scale, BLOCK_M, False, DOT_PREC)
-    n_valid = Lk - start_n * BLOCK_N
-    row0 = k_start + start_n * BLOCK_N
-    _store_rows(desc_dk, DK, (dk * sm_scale).to(DK.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N,
-                BLOCK_D)
-    _store_rows(desc_dv, DV, dv.to(DV.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
-
-
-@triton.jit
-def _dq_inner_tma(dq, q, do, lse, delta, desc_k, desc_v, k_start, col, offs_m, offs_n, lo, hi, diag, Lk, qk_scale,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = desc_k.load([k_start + start_n, col])
-        v = desc_v.load([k_start + start_n, col])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        p = tl.exp2(qk * qk_scale - lse[:, None])
-        if MASKED:  # key rows past Lk (next sequence) and, if causal, keys right of the diagonal
-            cols = start_n + offs_n
-            keep = cols[None, :] < Lk
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-            p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-    return dq
+        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
+                          h * BLOCK_D, offs_m, cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D, BLOCK_M,
+                          True, CAUSAL, DOT_PREC, True, True, False, False, False)
+        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
+                          h * BLOCK_D, offs_m, cols, 0, a1, end, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D, BLOCK_M,
+                          True, False, DOT_PREC, True, True, False, False, False)
+    _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
+                    BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -252,15 +181,10 @@ def _attn_bwd_dq_tma_kernel(
     GROUP, SEQ_BUCKET,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
+    start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
         return
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
+    k_start, Lk = seq_span(CU_K, b)
     diag = Lk - Lq
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -270,52 +194,14 @@ def _attn_bwd_dq_tma_kernel(
     lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
-        full = tl.maximum(tl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = Lk
-        full = Lk // BLOCK_N * BLOCK_N
+    hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
     col = (h // GROUP) * BLOCK_D
-    dq = _dq_inner_tma(dq, q, do, lse, delta, desc_k, desc_v, k_start, col, offs_m, offs_n, 0, full, diag, Lk,
-                       qk_scale, BLOCK_N, CAUSAL, False, DOT_PREC)
-    dq = _dq_inner_tma(dq, q, do, lse, delta, desc_k, desc_v, k_start, col, offs_m, offs_n, full, hi, diag, Lk,
-                       qk_scale, BLOCK_N, CAUSAL, True, DOT_PREC)
+    dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, 0, full, diag, Lk,
+                  qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+    dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, full, hi, diag, Lk,
+                  qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
     _store_rows(desc_dq, DQ, (dq * sm_scale).to(DQ.dtype.element_ty), q_start + start_m * BLOCK_M, h * BLOCK_D,
                 Lq - start_m * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
-
-
-@triton.jit
-def _fused_inner_tma(dk, dv, k, v, desc_q, desc_do, desc_dq, DQ, lse_ptr, delta_ptr, q_start, col, stride_dqt, offs_m,
-                     offs_d, cols, lo, hi, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_M: tl.constexpr,
-                     CAUSAL: tl.constexpr, KEY_MASK: tl.constexpr, DOT_PREC: tl.constexpr, DESC_REDUCE: tl.constexpr):
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_m
-        row_ok = rows < Lq
-        q = desc_q.load([q_start + start_m, col])
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))  # rows past Lq (next sequence): P = 0
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
-        p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
-        if CAUSAL:
-            p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
-        if KEY_MASK:  # key rows past Lk (next sequence) must not reach dQ
-            p_t = tl.where(cols[:, None] < Lk, p_t, 0.0)
-        do = desc_do.load([q_start + start_m, col])
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        # dQ[rows] += scale * dS K, formed as K^T dS^T so that the tall key tile is the product's M side (wgmma
-        # with a short query step). Rows past Lq have dS = 0 exactly, so the reduce adds 0 to the next sequence.
-        dq = tl.trans(tl.dot(tl.trans(k), ds_t, input_precision=DOT_PREC) * sm_scale)  # [BLOCK_M, BLOCK_D]
-        if DESC_REDUCE:  # one bulk fp32 reduce-add of the tile (cp.reduce.async.bulk.tensor)
-            desc_dq.atomic_add([q_start + start_m, col], dq)
-        else:  # the interpreter has no descriptor reduce: the same adds through pointers
-            ptrs = DQ + (q_start + rows[:, None]).to(tl.int64) * stride_dqt + col + offs_d[None, :]
-            tl.atomic_add(ptrs, dq, mask=row_ok[:, None], sem="relaxed")
-    return dk, dv
 
 
 @triton.jit
@@ -327,15 +213,12 @@ def _attn_bwd_fused_tma_kernel(
 ):  # fmt: skip
     # The dK/dV program above that also reduces each visited query block's dQ into DQ, the fp32 [Tq, Hq * D]
     # accumulator the delta kernel zeroed: five products per (query block, key tile) instead of the split pair's 7.
-    start_n = tl.program_id(0)
-    b = tl.program_id(1)
-    hk = tl.program_id(2)
-    k_start = tl.load(CU_K + b)
-    Lk = tl.load(CU_K + b + 1) - k_start
+    # Rows past Lq have dS = 0 exactly, so the reduce adds 0 to the next sequence's rows; key rows past Lk get P = 0
+    # from the causal mask or (non-causal, KEY_MASK) an explicit one, so they reach no dQ.
+    start_n, b, hk, k_start, Lk = key_tile(CU_K)
     if start_n * BLOCK_N >= Lk:
         return
-    q_start = tl.load(CU_Q + b)
-    Lq = tl.load(CU_Q + b + 1) - q_start
+    q_start, Lq = seq_span(CU_Q, b)
     diag = Lk - Lq
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -344,34 +227,25 @@ def _attn_bwd_fused_tma_kernel(
     v = desc_v.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:  # a key tile past Lk is never "fully visible", so only the masked loop meets its tail rows
-        m_lo = tl.maximum(start_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = 0
-    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
-    a1 = tl.maximum(m_lo, tl.minimum(m_full, end))
+    # a key tile past Lk is never "fully visible", so only the masked loop meets its tail rows
+    m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(GROUP):
         h = hk * GROUP + g
         lse_ptr = LSE + h * stride_lh + q_start
         delta_ptr = DELTA + h * stride_lh + q_start
-        dk, dv = _fused_inner_tma(dk, dv, k, v, desc_q, desc_do, desc_dq, DQ, lse_ptr, delta_ptr, q_start,
-                                  h * BLOCK_D, stride_dqt, offs_m, offs_d, cols, m_lo, a1, Lq, Lk, diag, qk_scale,
-                                  sm_scale, BLOCK_M, CAUSAL, False, DOT_PREC, DESC_REDUCE)
-        dk, dv = _fused_inner_tma(dk, dv, k, v, desc_q, desc_do, desc_dq, DQ, lse_ptr, delta_ptr, q_start,
-                                  h * BLOCK_D, stride_dqt, offs_m, offs_d, cols, a1, end, Lq, Lk, diag, qk_scale,
-                                  sm_scale, BLOCK_M, False, not CAUSAL, DOT_PREC, DESC_REDUCE)
-    n_valid = Lk - start_n * BLOCK_N
-    row0 = k_start + start_n * BLOCK_N
-    _store_rows(desc_dk, DK, (dk * sm_scale).to(DK.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N,
-                BLOCK_D)
-    _store_rows(desc_dv, DV, dv.to(DV.dtype.element_ty), row0, hk * BLOCK_D, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
+        dq_base = DQ + q_start.to(tl.int64) * stride_dqt + h * BLOCK_D  # the interpreter's atomics (no DESC_REDUCE)
+        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, desc_dq, dq_base, 0, 0, stride_dqt,
+                          q_start, h * BLOCK_D, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale,
+                          BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC, True, True, True, False, DESC_REDUCE)
+        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, desc_dq, dq_base, 0, 0, stride_dqt,
+                          q_start, h * BLOCK_D, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale,
+                          BLOCK_D, BLOCK_M, True, False, DOT_PREC, True, True, True, not CAUSAL, DESC_REDUCE)
+    _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
+                    BLOCK_N, BLOCK_D)
 
 
-def _cfg(bm, bn, warps, stages, **extra):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=warps, num_stages=stages,
-                         pre_hook=fit_descriptors)
+def _cfg(bm, bn, warps, stages):
+    return tile_config(bm, bn, warps, stages, pre_hook=fit_descriptors)
 
 
 # Candidates per kernel and head dim, sm_90, checked by compiling offline (ptxas, bf16, triton 3.7.1; the device may
