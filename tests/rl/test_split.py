@@ -209,16 +209,17 @@ def test_sdk_split_mode_under_torchrun_matches_the_colocated_sdk(files, tmp_path
 
 def test_async_split_quickstart_still_learns(tmp_path):
     """--max-staleness 1 on the quickstart task: one step of policy lag, corrected by truncated importance sampling,
-    still gains at least 20 points of held-out accuracy (measured: 66.5% -> 99.5%, about 4 min on two cores)."""
+    still gains at least 20 points of held-out accuracy in 24 of the preset's 40 steps (measured: 66.5% -> 98.5%,
+    about 3 min on two cores; 99.5% after 40)."""
     save = tmp_path / "run"
     cmd = [sys.executable, "-m", "areno", "train", "--preset", "quickstart", "--save-path", str(save),
-           "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1"]
+           "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--max-steps", "24"]
     proc = subprocess.run(cmd, env=env(ARENO_HOME=str(tmp_path / "home")), cwd=tmp_path, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(x) for x in (save / "metrics" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "staleness_max" in r]
-    assert len(steps) == 40 and max(r["staleness_max"] for r in steps) == 1
+    assert len(steps) == 24 and max(r["staleness_max"] for r in steps) == 1
     final = records[-1]
     assert final["eval_accuracy_after"] - final["eval_accuracy_before"] >= 0.20, final
 
