@@ -200,7 +200,9 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
             err = (a - b.transpose(1, 2).reshape_as(a).float()).abs().max()
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
         if bwd_variants and CUDA:
-            print_config_timings("fused", L)
+            sweep = os.environ.get("ARENO_ATTN_SWEEP")  # attention_tma.py: a wide TMA candidate list
+            for kind in ("fused", "fwd_tma", "dkdv_tma", "dq_tma") if sweep else ("fwd_tma", "dkdv_tma", "dq_tma"):
+                print_config_timings(kind, L)
             for name, fn, inputs in impls:
                 if name.startswith("areno"):
                     times = backward_kernel_times(fn, inputs)

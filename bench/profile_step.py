@@ -2,6 +2,7 @@
 
     python bench/profile_step.py train     # T1: 8 x 1024 tokens, fwd + bwd + optimizer (Qwen3-0.6B shape)
     python bench/profile_step.py train --train-cuda-graphs on   # the same step replayed as CUDA graphs
+    python bench/profile_step.py train --shape 4x4096              # T2's layout
     python bench/profile_step.py decode    # 256 sequences, 128-token prompts, CUDA-graph decode steps
     python bench/profile_step.py decode --eager
 
@@ -41,7 +42,7 @@ def train(args, device):
     model.set_activation_checkpointing(False)
     opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     trainer = PolicyTrainer(model, opt, LRSchedule(1e-6), grad_clip=1.0, train_cuda_graphs=args.train_cuda_graphs)
-    b, s = (2, 64) if args.smoke else (8, 1024)
+    b, s = (2, 64) if args.smoke else map(int, args.shape.lower().split("x"))
     ids = torch.randint(models.FIRST_TOKEN, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     rows = [Row(prompt_ids=r[:1], response_ids=r[1:]) for r in ids.tolist()]
 
@@ -100,8 +101,11 @@ def main():
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--train-cuda-graphs", default="off", choices=["auto", "on", "off"],
                     help="train: the trainer's CUDA-graph mode (off: the eager step, as before)")
+    ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    if args.what != "train" and args.shape != "8x1024":
+        ap.error("--shape applies to the train profile only")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     (train if args.what == "train" else decode)(args, device)
 

@@ -33,6 +33,8 @@ including the cross-sequence reads), so the CPU tests check the bounds logic aga
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,7 +81,7 @@ def descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [16, t.shape[2]])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lh"])
 def _attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh,
     GROUP, SEQ_BUCKET,
@@ -140,7 +142,7 @@ def _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, col,
     _store_rows(desc_dv, DV, dv.to(DV.dtype.element_ty), row0, col, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lh"])
 def _attn_bwd_dkdv_tma_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
     stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
@@ -175,7 +177,7 @@ def _attn_bwd_dkdv_tma_kernel(
                     BLOCK_N, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lh"])
 def _attn_bwd_dq_tma_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale, stride_dqt, stride_lh,
     GROUP, SEQ_BUCKET,
@@ -204,7 +206,7 @@ def _attn_bwd_dq_tma_kernel(
                 Lq - start_m * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lh"])
 def _attn_bwd_fused_tma_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, DQ, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale,
     sm_scale, stride_dqt, stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
@@ -248,20 +250,27 @@ def _cfg(bm, bn, warps, stages):
     return tile_config(bm, bn, warps, stages, pre_hook=fit_descriptors)
 
 
-# Candidates per kernel and head dim, sm_90, checked by compiling offline (ptxas, bf16, triton 3.7.1; the device may
+# Candidates per kernel and head dim, sm_90. The d128 lists come from a measured sweep (H200, K1 at 4k,
+# ``ARENO_ATTN_SWEEP=1 python bench/attention.py --variants --seqs 4096``): fwd 64 x 64 / 4 warps / 3 stages 1.19 ms,
+# 128 x 128 / 8 / 3 1.23; dK/dV 64 x 64 / 4 / 2 2.19 ms (the earlier best, 64 x 128 / 8 / 2, 2.73); dQ 128 x 64 /
+# 8 / 4 1.41. The rest were checked by compiling offline (ptxas, bf16, triton 3.7.1; the device may
 # run another triton): every one fits shared memory; stacks are noted where not 0. Without address
 # tensors the forward's 128 x 64 d128 tile needs 142 registers and no stack (its pointer twin: 255 and 440 bytes).
 # The dK/dV kernel's two [BLOCK_N, D] fp32 accumulators still bound it: d128 16 x 128 has no stack, 32 x 128 8-16
 # bytes, 64 x 128 120-170 bytes (kept for its wider query step, FlashAttention-2's tile); d256 32 x 64, 24 bytes.
 CONFIGS = {
     ("fwd_tma", 64): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("fwd_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3)],
+    ("fwd_tma", 128): [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2),
+                       _cfg(128, 64, 4, 3)],
     ("fwd_tma", 256): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
-    ("dkdv_tma", 64): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
-    ("dkdv_tma", 128): [_cfg(16, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
+    ("dkdv_tma", 64): [_cfg(64, 64, 4, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2),
+                       _cfg(32, 64, 4, 3)],
+    ("dkdv_tma", 128): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(32, 64, 4, 2),
+                        _cfg(64, 128, 8, 2), _cfg(16, 128, 8, 3)],
     ("dkdv_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
     ("dq_tma", 64): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 3)],
+    ("dq_tma", 128): [_cfg(128, 64, 8, 4), _cfg(128, 64, 8, 3), _cfg(64, 128, 4, 3), _cfg(128, 32, 4, 3),
+                      _cfg(64, 64, 4, 2)],
     ("dq_tma", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2)],
     # fused: the dK/dV tiling plus a [BLOCK_M, D] fp32 dQ partial; d128 stacks: 0, 0, 96, 72 bytes in this order
     # (32 x 128: 264 bytes, left out)
@@ -269,5 +278,16 @@ CONFIGS = {
     ("fused_tma", 128): [_cfg(32, 64, 8, 3), _cfg(16, 64, 4, 3), _cfg(16, 128, 8, 2), _cfg(64, 64, 8, 2)],
     ("fused_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
 }
+# ARENO_ATTN_SWEEP=1 (bench/attention.py --variants): a wide d128 candidate list per TMA kernel, to choose the
+# lists above from measured times (the bench prints each candidate's time).
+if os.environ.get("ARENO_ATTN_SWEEP"):
+    _wide = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+             (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 3)]
+    CONFIGS[("fwd_tma", 128)] = [_cfg(*c) for c in _wide]
+    CONFIGS[("dq_tma", 128)] = [_cfg(*c) for c in _wide + [(128, 64, 8, 2), (128, 32, 4, 3)]]
+    CONFIGS[("dkdv_tma", 128)] = [_cfg(*c) for c in [
+        (16, 128, 8, 3), (16, 128, 8, 4), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (64, 128, 8, 2),
+        (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3),
+        (16, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2), (16, 128, 4, 3)]]
 KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel,
            "fused_tma": _attn_bwd_fused_tma_kernel}

@@ -259,6 +259,8 @@ def test_gpu_fused_every_candidate_config(d, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_every_candidate_config(d, monkeypatch):
     """Whatever config the autotuner picks on some shape must be exact: check each one, kernel by kernel."""
+    monkeypatch.setenv("ARENO_ATTN_FWD", "default")  # the pointer kernels (auto runs TMA on sm_90+)
+    monkeypatch.setenv("ARENO_ATTN_BWD", "split")
     for kind in ("fwd", "dkdv", "dq"):
         for cfg in attention_module._CONFIGS[(kind, d)]:
             monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
@@ -324,6 +326,25 @@ def test_tma_other_tiles_and_fallback(monkeypatch, nan_buffers, launched):
         launched.clear()
         for name, g, w in zip("o dq dk dv".split(), got, want):
             assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma {name} seed={seed}")
+
+
+def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
+    """Unset (or "auto"), ARENO_ATTN_FWD / ARENO_ATTN_BWD run the TMA kernels on sm_90+ and the pointer ones
+    elsewhere (the interpreter included); an explicit variant is kept either way."""
+    monkeypatch.delenv("ARENO_ATTN_FWD", raising=False)
+    monkeypatch.setenv("ARENO_ATTN_BWD", "auto")
+    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("default", "split")
+    inputs = make_inputs([5, 9], [5, 9], 2, 1, 16, torch.float32, 0)
+    run_variant("auto", monkeypatch, inputs, [5, 9], [5, 9], True)
+    assert launched == ["fwd", "dkdv", "dq"], launched
+    launched.clear()
+    monkeypatch.setattr(attention_module, "_hopper", lambda: True)
+    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("tma", "tma")
+    run_variant("auto", monkeypatch, inputs, [5, 9], [5, 9], True)
+    assert launched == ["fwd_tma", "dkdv_tma", "dq_tma"], launched
+    monkeypatch.setenv("ARENO_ATTN_FWD", "default")
+    monkeypatch.setenv("ARENO_ATTN_BWD", "fused")
+    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("default", "fused")
 
 
 def test_forward_variant_is_validated(monkeypatch):
