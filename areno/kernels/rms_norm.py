@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.dispatch import use_triton
+from areno.kernels.dispatch import interpreting, use_triton
 
 MAX_N = 65536  # one row must fit one tile
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,15 +58,18 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, DH, X, W, RSTD, DX, DW_PART,
-    M, N, B, sx0, sx1, num_tiles,
+    M, N, B, sx0, sx1, M_BUCKET,
     HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PER_SM: tl.constexpr,
 ):  # fmt: skip
+    # M_BUCKET (next power of two of M) and PER_SM (programs per SM, read by the grid) only key the autotuner
     # dn = dy * w;  dx = rstd * (dn - n * mean(dn * n));  dw = sum_rows dy * n.to(dtype)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    num_tiles = tl.cdiv(M, BLOCK_M)
     for tile in range(pid, num_tiles, tl.num_programs(0)):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -177,17 +180,49 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
     dh = dh.contiguous() if dh is not None else None
     xv, b, sx0, sx1 = _rows(x)
     block_m, block_n, num_warps = _tiles(m, n)
-    num_tiles = triton.cdiv(m, block_m)
-    slots = 4 * _sm_count(x.device.index or 0) if x.is_cuda else 4
-    programs = max(1, min(num_tiles, slots))
-    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
-    _rms_norm_bwd_kernel[(programs,)](
-        dy, dh if dh is not None else dy, xv, weight, rstd, dx, dw_part,
-        m, n, b, sx0, sx1, num_tiles,
-        HAS_DH=dh is not None, COMPUTE_DW=compute_dweight, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
-    dw = dw_part.sum(0).to(weight.dtype) if compute_dweight else None
+    args = (dy, dh if dh is not None else dy, xv, weight, rstd, dx)
+    meta = dict(HAS_DH=dh is not None, COMPUTE_DW=compute_dweight, BLOCK_N=block_n)
+    if not x.is_cuda or interpreting() or block_n > 4096:  # one tiling (the interpreter cannot autotune)
+        programs = max(1, min(triton.cdiv(m, block_m), 4 * (_sm_count(x.device.index or 0) if x.is_cuda else 1)))
+        dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
+        _rms_norm_bwd_kernel[(programs,)](*args, dw_part, m, n, b, sx0, sx1, 0, **meta, BLOCK_M=block_m, PER_SM=4,
+                                          num_warps=num_warps)
+    else:
+        sms = _sm_count(x.device.index or 0)
+        progs = lambda cfg: max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), cfg["PER_SM"] * sms))  # noqa: E731
+        rows = max(c.kwargs["PER_SM"] for c in _BWD_TILES) * sms
+        dw_part = torch.empty((rows, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
+        tuned = _tuned_bwd(block_n)
+        tuned[lambda cfg: (progs(cfg),)](*args, dw_part, m, n, b, sx0, sx1, _m_bucket(m), **meta)
+        programs = progs(tuned.best_config.kwargs)
+    dw = dw_part[:programs].sum(0).to(weight.dtype) if compute_dweight else None
     return dx, dw
+
+
+# Backward tilings the autotuner times on the GPU (elements per tile, warps, programs per SM, pipeline stages):
+# the persistent loop over row tiles is latency-bound at small tiles, so bigger tiles, more programs in flight and
+# a pipelined loop are candidates; the first is the interpreter's / the fallback's tiling.
+_BWD_TILES = [triton.Config({"TILE": t, "PER_SM": p}, num_warps=w, num_stages=st) for t, w, p, st in [
+    (4096, 8, 4, 3), (8192, 8, 2, 3), (8192, 16, 2, 3), (16384, 16, 1, 3), (4096, 4, 8, 3), (2048, 4, 8, 3),
+    (4096, 8, 4, 1), (8192, 8, 4, 2)]]  # fmt: skip
+
+
+def _m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(max(m, 1)), 1 << 22)
+
+
+@functools.cache
+def _tuned_bwd(block_n: int):
+    """The backward autotuned over ``_BWD_TILES`` for rows of ``block_n`` (BLOCK_M = tile elements / block_n),
+    keyed on the row length, the row count's power of two and the gradient outputs."""
+    configs, seen = [], set()
+    for c in _BWD_TILES:
+        bm = max(1, c.kwargs["TILE"] // block_n)
+        if (bm, c.kwargs["PER_SM"], c.num_warps, c.num_stages) not in seen:
+            seen.add((bm, c.kwargs["PER_SM"], c.num_warps, c.num_stages))
+            configs.append(triton.Config({"BLOCK_M": bm, "PER_SM": c.kwargs["PER_SM"]}, num_warps=c.num_warps,
+                                         num_stages=c.num_stages))
+    return triton.autotune(configs=configs, key=["N", "M_BUCKET", "HAS_DH", "COMPUTE_DW"])(_rms_norm_bwd_kernel)
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -209,3 +209,21 @@ def test_rms_norm_cuda_graph_replay():
     y_ref, h_ref = rms_norm_native(x, w, 1e-6, residual=r)
     torch.testing.assert_close(h, h_ref)
     torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(mod._BWD_TILES)))
+def test_every_backward_tiling_gpu_bf16(index, monkeypatch):
+    """Whichever tiling the backward's autotuner picks is exact: each one alone, on rows that leave a partial tile
+    and a partial last wave, with the residual's gradient, and on a strided per-head (QK-norm) view."""
+    monkeypatch.setattr(mod, "_BWD_TILES", [mod._BWD_TILES[index]])
+    mod._tuned_bwd.cache_clear()
+    try:
+        x, w, r = _inputs(4099, 1024, torch.bfloat16, True, device="cuda")
+        _check_against_references(x, w, r, 1e-6, torch.bfloat16)
+        qkv = torch.randn(3001, 32 * 128, device="cuda", dtype=torch.bfloat16)
+        k = qkv[:, 16 * 128 : 24 * 128].view(3001, 8, 128).detach().requires_grad_()
+        wk = (1 + 0.5 * torch.randn(128, device="cuda", dtype=torch.bfloat16)).requires_grad_()
+        _check_against_references(k, wk, None, 1e-6, torch.bfloat16)
+    finally:
+        mod._tuned_bwd.cache_clear()
