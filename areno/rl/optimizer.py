@@ -334,7 +334,9 @@ class MasterAdamW:
         step.add_(1.0 - bad)
         beta1, beta2 = self.betas
         for b in self.buckets:
-            g = torch.zeros(b.shard, dtype=torch.float32, device=self.device)
+            # one rank: the parameters tile the bucket, so with every gradient present nothing is left to zero
+            full = all(p.grad is not None for p in b.params) and b.numel == b.shard
+            g = (torch.empty if full else torch.zeros)(b.shard, dtype=torch.float32, device=self.device)
             pairs = [(g[off : off + p.numel()], p.grad.reshape(-1)) for p, off in zip(b.params, b.offsets)
                      if p.grad is not None]
             if pairs:

@@ -163,11 +163,11 @@ def test_device_step_matches_step_without_host_syncs():
     ref = MasterAdamW(items_a, betas=(0.9, 0.95), weight_decay=0.1, bucket_bytes=256)
     dev = MasterAdamW(items_b, betas=(0.9, 0.95), weight_decay=0.1, bucket_bytes=256)
     lr, tower_lr, step = torch.tensor(2e-2), torch.tensor(5e-3), torch.zeros(())
-    for i, scale in enumerate([1.0, 30.0, float("nan"), 0.01]):  # plain, clipped, skipped, plain
+    for i, scale in enumerate([1.0, 30.0, float("nan"), 0.01, 0.5]):  # plain, clipped, skipped, plain, one missing
         g = torch.Generator().manual_seed(i)
-        for p, q in zip(pa, pb):
-            p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype)
-            q.grad = p.grad.clone()
+        for j, (p, q) in enumerate(zip(pa, pb)):
+            p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.dtype) if i < 4 or j < 2 else None
+            q.grad = p.grad.clone() if p.grad is not None else None
         norm_a = ref.step(lr=2e-2, grad_clip=4.0, group_lrs={"tower": 5e-3})
         step.fill_(dev.num_steps)
         with capture_guard():
