@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v g1trl)
+#   moe models engine serve profile prof train learn tp g1 checks k1v g1trl; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -73,6 +74,16 @@ for stage in "$@"; do
         .whl_trl/*.whl >>"$LOG" 2>&1
       step grpo_step ${G1_LIMIT:-420} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py \
         --train-cuda-graphs off,on ;;
+    # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
+    x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
+      step policy_sync 300 python3 bench/policy_sync.py
+      step gpu2-tests 280 python3 -m pytest -q --timeout 240 --tb=short -p no:cacheprovider tests/rl/test_split.py \
+        tests/rl/test_train_graphs_gpu.py -k "not quickstart and not memory" ;;
+    x2g1)  # G1 colocated vs split sync / async (train GPU 0, rollout GPU 1) vs TRL, same run
+      [ -d .whl_trl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl \
+        .whl_trl/*.whl >>"$LOG" 2>&1
+      step grpo_split ${G1_LIMIT:-560} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py --split ;;
+    x2tp) step tp ${TP_LIMIT:-500} python3 bench/tp.py --gpus 2 ;;  # serve / train TP=2 vs TP=1
     *) echo "unknown stage $stage" >>"$LOG" ;;
   esac
 done
