@@ -15,6 +15,9 @@ difference between the variants at the first length is printed; the decode part 
 --variants: the same for the (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pairs in VARIANT_PAIRS (impl "areno fwd=<f> bwd=<b>"),
 plus each backward's time per kernel (torch profiler) at every length, so a slow kernel shows by name.
 --seqs: the lengths L of those two modes (default 1024 4096 8192).
+With --variants the autotuner's time per candidate config of each TMA kernel is printed; ARENO_ATTN_SWEEP=1 widens
+the d128 candidate lists, ARENO_ATTN_SWEEP=2 tries the chosen tiles' neighbourhood with register caps
+(areno/kernels/attention_tma.py).
 
 Paged decode: one query per sequence over a context of C tokens in a paged cache (block size 16 and 64, blocks
 scattered at random), batch 1/64/256, C = 512/2048. Bytes it must read: K and V of every context token

@@ -233,7 +233,9 @@ def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, dq_desc, dq_base, 
     return dk, dv
 
 
-def tile_config(bm: int, bn: int, warps: int, stages: int, pre_hook=None) -> triton.Config:
+def tile_config(bm: int, bn: int, warps: int, stages: int, pre_hook=None, maxnreg=None) -> triton.Config:
     """An autotune candidate: BLOCK_M (always the query tile) x BLOCK_N (the key tile), warps, pipeline stages;
-    ``pre_hook`` runs before each launch with the config (the TMA kernels size their descriptor blocks there)."""
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages, pre_hook=pre_hook)
+    ``pre_hook`` runs before each launch with the config (the TMA kernels size their descriptor blocks there);
+    ``maxnreg`` caps registers per thread (more programs per SM, at the price of spills)."""
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages, pre_hook=pre_hook,
+                         maxnreg=maxnreg)

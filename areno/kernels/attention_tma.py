@@ -246,8 +246,8 @@ def _attn_bwd_fused_tma_kernel(
                     BLOCK_N, BLOCK_D)
 
 
-def _cfg(bm, bn, warps, stages):
-    return tile_config(bm, bn, warps, stages, pre_hook=fit_descriptors)
+def _cfg(bm, bn, warps, stages, maxnreg=None):
+    return tile_config(bm, bn, warps, stages, pre_hook=fit_descriptors, maxnreg=maxnreg)
 
 
 # Candidates per kernel and head dim, sm_90. The d128 lists come from a measured sweep (H200, K1 at 4k,
@@ -279,8 +279,16 @@ CONFIGS = {
     ("fused_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
 }
 # ARENO_ATTN_SWEEP=1 (bench/attention.py --variants): a wide d128 candidate list per TMA kernel, to choose the
-# lists above from measured times (the bench prints each candidate's time).
-if os.environ.get("ARENO_ATTN_SWEEP"):
+# lists above from measured times (the bench prints each candidate's time). ARENO_ATTN_SWEEP=2: the neighbourhood of
+# the chosen tiles with fewer stages and register caps (3 programs per SM for 4-warp tiles at <= 168 registers).
+if os.environ.get("ARENO_ATTN_SWEEP") == "2":
+    _near = [(64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 4, 2, 168), (64, 64, 4, 1, 168), (64, 64, 4, 3, 168),
+             (64, 64, 4, 2, 200), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4, 168), (32, 64, 4, 2, 168),
+             (64, 32, 4, 2), (64, 32, 4, 3)]
+    CONFIGS[("fwd_tma", 128)] = [_cfg(*c) for c in _near + [(64, 64, 4, 3), (128, 128, 8, 3)]]
+    CONFIGS[("dq_tma", 128)] = [_cfg(*c) for c in _near + [(128, 64, 8, 4, 200)]]
+    CONFIGS[("dkdv_tma", 128)] = [_cfg(*c) for c in _near]
+elif os.environ.get("ARENO_ATTN_SWEEP"):
     _wide = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
              (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 3)]
     CONFIGS[("fwd_tma", 128)] = [_cfg(*c) for c in _wide]
