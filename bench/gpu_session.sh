@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep g1trl; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl; issue 23 on nvidia-h200-x2: x2sync x2g1
 #   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
@@ -69,6 +69,8 @@ for stage in "$@"; do
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
       step k1-tests 200 python3 -m pytest -m gpu -q --timeout 180 -p no:cacheprovider tests/kernels/test_attention.py \
         -k "tma_variants and (train_d128 or varlen_odd_d128 or chunked_gqa4 or non_causal_mha)" ;;
+    gmem)  # where the graphed train step's memory goes (tiny model of the GPU test, then T1's shape)
+      step graph-memory 200 bash -c "python3 bench/graph_memory.py && python3 bench/graph_memory.py --shape t1" ;;
     k1sweep)  # every TMA candidate's time at K1 4k (SWEEP=1 wide lists, 2 the chosen tiles' neighbourhood)
       step k1-sweep 300 env ARENO_ATTN_SWEEP=${SWEEP:-2} python3 bench/attention.py --variants --seqs 4096 ;;
     g1trl)  # G1 against TRL 1.16 (its wheels and missing dependencies in .whl_trl), areno eager and with train graphs
