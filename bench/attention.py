@@ -87,9 +87,11 @@ def measure(fwd, inputs):
 
 
 # (forward, backward) variant pairs that --variants times: today's default, the fused backward, the TMA forward with
-# each TMA backward, and the TMA forward beside today's backward (the forward's LSE feeds every backward alike, so a
-# forward and a backward can be picked independently from these rows).
-VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "fused_tma"), ("tma", "split")]
+# each TMA backward (the split pair, the fused pass, the split pair merged into one launch), and the TMA forward
+# beside today's backward (the forward's LSE feeds every backward alike, so a forward and a backward can be picked
+# independently from these rows).
+VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "fused_tma"), ("tma", "split"),
+                 ("tma", "tma_merged")]
 
 
 def areno_attention(L, cu, variant):
@@ -204,7 +206,8 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
         if bwd_variants and CUDA:
             sweep = os.environ.get("ARENO_ATTN_SWEEP")  # attention_tma.py: a wide TMA candidate list
-            for kind in ("fused", "fwd_tma", "dkdv_tma", "dq_tma") if sweep else ("fwd_tma", "dkdv_tma", "dq_tma"):
+            tma_kinds = ("fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma")
+            for kind in ("fused", *tma_kinds) if sweep else tma_kinds:
                 print_config_timings(kind, L)
             for name, fn, inputs in impls:
                 if name.startswith("areno"):
@@ -324,7 +327,7 @@ K1_COLUMNS = ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd
 
 def print_tuned_configs():
     print("\nautotuned attention configs (key -> config):")
-    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma"):
+    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma"):
         for key, cfg in attention_module._tuned(kind, 128).cache.items():
             print(f"  {kind} {key}: {cfg}")
 

@@ -30,6 +30,10 @@ and "split" elsewhere, the interpreter included):
   (``attention_tma.py``): no address tensors in registers, operands pipelined in shared memory.
 - "fused_tma": the fused pass through TMA descriptors, each [BLOCK_M, D] dQ partial added to the fp32 accumulator by
   one bulk tensor reduce (``cp.reduce.async.bulk.tensor``, FlashAttention-3's way) instead of per-element atomics.
+- "tma_merged": the "tma" pair in one launch: program (t, sequence, KV head) runs the dK/dV program of key tile t
+  and the dQ program of query tile t for each query head of the group, one after the other (the order is part of
+  the tuned config); causal with Lq == Lk the heavy key tiles pair with the light query tiles, so every program does
+  the same work (``attention_tma.py``). Where TMA does not apply it runs the pointer "split" pair, as "tma" does.
 
 Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above) or "tma" (the same kernel with
 TMA descriptors, ``attention_tma.py``); "auto" (the default) is "tma" on sm_90+, else "default". The TMA variants
@@ -71,8 +75,16 @@ MAX_HEAD_DIM = 256
 
 # Tile sizes used under TRITON_INTERPRET=1, where autotuning cannot run (tests may change them).
 # A "<kind>_tma" kernel without its own entry uses its pointer twin's tiles.
-INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32)}
-BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma")
+# "bwd_merged_tma" (no pointer twin): (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, DQ_FIRST): phase 1's (dK/dV) and
+# phase 2's (dQ) tiles, and whether phase 2 runs first.
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32),
+                    "bwd_merged_tma": (16, 32, 32, 16, True)}
+BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged")
+# Kernel kinds whose config constexprs are not (BLOCK_M, BLOCK_N), in INTERPRET_BLOCKS order, and the constexpr that
+# sizes grid dim 0 of each kind that is not a query-tile launch (BLOCK_M).
+_BLOCK_NAMES = {"bwd_merged_tma": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "DQ_FIRST")}
+_GRID_AXIS = {"dkdv": "BLOCK_N", "fused": "BLOCK_N", "dkdv_tma": "BLOCK_N", "fused_tma": "BLOCK_N",
+              "bwd_merged_tma": "BLOCK_N1"}
 FWD_VARIANTS = ("auto", "default", "tma")
 
 
@@ -85,8 +97,9 @@ def _variant(env: str, choices: tuple) -> str:
 
 def backward_variant() -> str:
     """``ARENO_ATTN_BWD``: "auto" (default: "tma" on sm_90+, else "split"), "split" (dK/dV kernel + dQ kernel),
-    "fused" (one pass, dQ through atomics), "tma" (the split pair with TMA descriptors) or "fused_tma" (the fused
-    pass with TMA, dQ by bulk reduce). TMA kinds fall back to their pointer twins where ``_use_tma`` says no."""
+    "fused" (one pass, dQ through atomics), "tma" (the split pair with TMA descriptors), "tma_merged" (the "tma"
+    pair as one launch, key tile t and query tile t per program) or "fused_tma" (the fused pass with TMA, dQ by bulk
+    reduce). TMA kinds fall back to their pointer twins ("tma_merged": "split") where ``_use_tma`` says no."""
     variant = _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
     return ("tma" if _hopper() else "split") if variant == "auto" else variant
 
@@ -381,7 +394,7 @@ def _dim_class(block_d: int) -> int:
     return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
 
 
-# Pin one triton.Config per kernel kind ("fwd", "dkdv", "dq"), bypassing autotune: GPU tests use it to check every
+# Pin one triton.Config per kernel kind ("fwd", "dkdv", "dq", ...), bypassing autotune: GPU tests use it to check every
 # candidate the autotuner might pick. Under TRITON_INTERPRET=1, INTERPRET_BLOCKS applies instead.
 FORCE_CONFIG: dict = {}
 
@@ -392,16 +405,20 @@ def _launch(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucke
     TMA kinds take their descriptors positionally; each config's pre_hook (or the code below) sizes their blocks.
     """
     base = kind.removesuffix("_tma")
-    tile_axis = "BLOCK_N" if base in ("dkdv", "fused") else "BLOCK_M"
+    tile_axis = _GRID_AXIS.get(kind, "BLOCK_M")
     kwargs.update(SEQ_BUCKET=seq_bucket, BLOCK_D=block_d)
     kernel = _KERNELS[kind]
     if interpreting():
-        bm, bn = INTERPRET_BLOCKS.get(kind, INTERPRET_BLOCKS[base])
-        blocks = {"BLOCK_M": bm, "BLOCK_N": bn}
+        tiles = INTERPRET_BLOCKS[kind] if kind in INTERPRET_BLOCKS else INTERPRET_BLOCKS[base]
+        blocks = dict(zip(_BLOCK_NAMES.get(kind, ("BLOCK_M", "BLOCK_N")), tiles, strict=True))
+        if kind == "bwd_merged_tma":
+            tma.check_merged_blocks(blocks)
         tma.fit_descriptors({**dict(zip(kernel.arg_names, args)), **blocks})
         kernel[(triton.cdiv(grid_rows, blocks[tile_axis]), *grid_rest)](*args, **blocks, **kwargs)
     elif kind in FORCE_CONFIG:
         cfg = FORCE_CONFIG[kind]
+        if kind == "bwd_merged_tma":
+            tma.check_merged_blocks(cfg.kwargs)
         tma.fit_descriptors({**dict(zip(kernel.arg_names, args)), **cfg.kwargs})
         grid = (triton.cdiv(grid_rows, cfg.kwargs[tile_axis]), *grid_rest)
         kernel[grid](*args, **cfg.kwargs, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -447,7 +464,7 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
-    use_tma = variant in ("tma", "fused_tma") and B > 0 and _use_tma(q, k, v, do)
+    use_tma = variant in ("tma", "fused_tma", "tma_merged") and B > 0 and _use_tma(q, k, v, do)
     fused = variant in ("fused", "fused_tma")  # fused_tma on a layout TMA cannot address: the pointer fused pass
     if use_tma:  # packed [T, H, D], as the output descriptors address them; fused: dQ accumulates in fp32
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
@@ -469,7 +486,7 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     bucket = _seq_bucket(max(max_q, max_k))
     if use_tma:
         _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                           fused)
+                           fused, merged=variant == "tma_merged")
         return dq.to(q.dtype), dk, dv
     if fused:
         if max_k > 0:
@@ -499,13 +516,25 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
 
 
 def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                       fused):
-    """The split (or fused) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk, dv; fused:
-    dq is the fp32 accumulator, already zeroed."""
+                       fused, merged=False):
+    """The split (or fused, or merged) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk,
+    dv; fused: dq is the fp32 accumulator, already zeroed."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
     common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    if merged:  # one launch; grid dim 0 covers both phases' tiles (BLOCK_M2 == BLOCK_N1)
+        if max(max_q, max_k) > 0:
+            # each phase has its own descriptors (block rows per phase): q, k, v, do again for phase 2
+            q2, k2, v2, do2 = (tma.descriptor(t) for t in (q, k, v, do))
+            _launch("bwd_merged_tma", max(max_q, max_k), (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, q2, k2, v2,
+                    do2, dq_, dq, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale, dq.stride(0), dk.stride(0),
+                    lse.stride(0), Hq // Hkv, **common)
+        if max_k == 0:
+            dk.zero_(), dv.zero_()
+        if max_q == 0:
+            dq.zero_()
+        return
     if fused:
         if max_k > 0:
             _launch("fused_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dq_, dk_, dv_, dq, dk, dv, lse, delta,
@@ -538,7 +567,7 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         do = do if do.stride(-1) == 1 else do.contiguous()
-        if ctx.args[-1] in ("tma", "fused_tma") and not tma.tma_layout_ok(do):
+        if ctx.args[-1] in ("tma", "fused_tma", "tma_merged") and not tma.tma_layout_ok(do):
             do = do.contiguous()  # e.g. an expanded gradient: pack it for the descriptors
         dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
@@ -653,8 +682,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     host ints (upper bounds of the per-sequence lengths; they size the grid). ``backend``: None follows
     ``use_triton``; "native" forces PyTorch (SDPA per sequence on CUDA); "triton" (alias "flash") forces Triton.
     Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. The Triton path's backward
-    follows ``ARENO_ATTN_BWD`` ("split", "fused" or "tma") and its forward ``ARENO_ATTN_FWD`` ("default" or "tma"),
-    both read here, at the forward (see the module docstring).
+    follows ``ARENO_ATTN_BWD`` ("split", "fused", "tma", "tma_merged" or "fused_tma") and its forward
+    ``ARENO_ATTN_FWD`` ("default" or "tma"), both read here, at the forward (see the module docstring).
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     # an invalid value fails on every path, not only where it would take effect

@@ -1,5 +1,7 @@
 """Hopper (sm_90) TMA variants of the packed varlen attention kernels: ``ARENO_ATTN_FWD=tma``,
-``ARENO_ATTN_BWD=tma`` (the split dK/dV + dQ pair) and ``ARENO_ATTN_BWD=fused_tma`` (one pass, dQ by bulk reduce).
+``ARENO_ATTN_BWD=tma`` (the split dK/dV + dQ pair), ``ARENO_ATTN_BWD=tma_merged`` (the same pair's two programs run
+one after the other by one program of one launch: key tile t's dK/dV, then query tile t's dQ) and
+``ARENO_ATTN_BWD=fused_tma`` (one pass, dQ by bulk reduce).
 
 Same math, tiling, causal block split and outputs as the pointer kernels in ``attention.py`` (see its docstring),
 through the same inner loops (``attention_common.py``, called with ``TMA=True``); what changes is how tiles reach the
@@ -22,6 +24,13 @@ next sequence's rows (zeros only past the tensor's end). Those rows are made har
   rows, and key rows past Lk get P = 0 by an explicit ``cols < Lk`` mask where no causal mask already zeroes them
   (non-causal). The interpreter has no descriptor reduce, so there (``DESC_REDUCE=False``) the same adds go
   through pointer atomics; the GPU tests cover the reduce.
+- tma_merged: program (t, b, hk) does the dK/dV kernel's work for key tile t, then the dQ kernel's for query tile t
+  of each query head h = hk * GROUP + g, with as many query rows in phase 2 as key rows in phase 1 (BLOCK_M2 ==
+  BLOCK_N1). Causal, Lq == Lk: key tile t's work ~ L - t * BLOCK_N1 and query tile t's ~ (t + 1) * BLOCK_M2, so
+  every program does the same work and the launch has no tail of short programs. The grid covers the longer of the
+  two tile counts (cdiv(max(Lq, Lk), BLOCK_N1)); each phase skips a tile past its own sequence's end. Separate
+  descriptors per phase (``desc_q1`` ... ``desc_dq2``) carry each phase's block rows. The phases write disjoint
+  outputs, so a config's ``DQ_FIRST`` may run the dQ phase first (fewer spills in the dK/dV loop, see the kernel).
 So every stored value equals the pointer kernels' up to summation order.
 
 Applies where the layout allows it (``tma_layout_ok``): head_dim a power of two in [16, 256] (the descriptor's
@@ -52,13 +61,19 @@ from areno.kernels.attention_common import (
     tile_config,
 )
 
-# Which tile axis sizes each descriptor's block rows: BLOCK_M is always the query tile, BLOCK_N the key tile.
+# Which tile axis sizes each descriptor's block rows: BLOCK_M is always the query tile, BLOCK_N the key tile; the
+# merged backward's descriptors are per phase (suffix 1: dK/dV, BLOCK_M1 x BLOCK_N1; suffix 2: dQ, BLOCK_M2 x BLOCK_N2).
 _DESC_AXIS = {"desc_q": "BLOCK_M", "desc_o": "BLOCK_M", "desc_do": "BLOCK_M", "desc_dq": "BLOCK_M",
-              "desc_k": "BLOCK_N", "desc_v": "BLOCK_N", "desc_dk": "BLOCK_N", "desc_dv": "BLOCK_N"}
+              "desc_k": "BLOCK_N", "desc_v": "BLOCK_N", "desc_dk": "BLOCK_N", "desc_dv": "BLOCK_N",
+              "desc_q1": "BLOCK_M1", "desc_do1": "BLOCK_M1", "desc_k1": "BLOCK_N1", "desc_v1": "BLOCK_N1",
+              "desc_dk1": "BLOCK_N1", "desc_dv1": "BLOCK_N1",
+              "desc_q2": "BLOCK_M2", "desc_do2": "BLOCK_M2", "desc_dq2": "BLOCK_M2", "desc_k2": "BLOCK_N2",
+              "desc_v2": "BLOCK_N2"}
 
 
 def fit_descriptors(args: dict) -> None:
-    """Set each descriptor's block to [its tile, D] from BLOCK_M / BLOCK_N in ``args`` (an autotune pre_hook)."""
+    """Set each descriptor's block to [its tile, D] from BLOCK_M / BLOCK_N (merged backward: BLOCK_M1 ... BLOCK_N2)
+    in ``args`` (an autotune pre_hook)."""
     for name, axis in _DESC_AXIS.items():
         desc = args.get(name)
         if isinstance(desc, TensorDescriptor):
@@ -246,8 +261,108 @@ def _attn_bwd_fused_tma_kernel(
                     BLOCK_N, BLOCK_D)
 
 
+@triton.jit
+def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, t, hk, k_start, Lk,
+                       q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D: tl.constexpr,
+                       CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The merged backward's phase 1: the dK/dV kernel's program for key tile t (nothing past Lk)."""
+    if t * BLOCK_N < Lk:
+        diag = Lk - Lq
+        offs_m = tl.arange(0, BLOCK_M)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = desc_k.load([k_start + t * BLOCK_N, hk * BLOCK_D])
+        v = desc_v.load([k_start + t * BLOCK_N, hk * BLOCK_D])
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        m_lo, a1, end = q_bounds(t, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            lse_ptr = LSE + h * stride_lh + q_start
+            delta_ptr = DELTA + h * stride_lh + q_start
+            dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
+                              h * BLOCK_D, offs_m, cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D,
+                              BLOCK_M, True, CAUSAL, DOT_PREC, True, True, False, False, False)
+            dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
+                              h * BLOCK_D, offs_m, cols, 0, a1, end, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D,
+                              BLOCK_M, True, False, DOT_PREC, True, True, False, False, False)
+        _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, t, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
+                        BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _merged_dq_phase(desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, t, hk, k_start, Lk, q_start, Lq,
+                     qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The merged backward's phase 2: the dQ kernel's program for query tile t (nothing past Lq), once per query
+    head h = hk * GROUP + g of the group."""
+    if t * BLOCK_M < Lq:
+        diag = Lk - Lq
+        offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        row_ok = offs_m < Lq
+        hi, full = kv_bounds(t, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            q = desc_q.load([q_start + t * BLOCK_M, h * BLOCK_D])
+            do = desc_do.load([q_start + t * BLOCK_M, h * BLOCK_D])
+            lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+            dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0, 0,
+                          full, diag, Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+            dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0,
+                          full, hi, diag, Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
+            _store_rows(desc_dq, DQ, (dq * sm_scale).to(DQ.dtype.element_ty), q_start + t * BLOCK_M, h * BLOCK_D,
+                        Lq - t * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["stride_lh"])
+def _attn_bwd_merged_tma_kernel(
+    desc_q1, desc_k1, desc_v1, desc_do1, desc_dk1, desc_dv1, desc_q2, desc_k2, desc_v2, desc_do2, desc_dq2,
+    DQ, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale, stride_dqt, stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    DQ_FIRST: tl.constexpr,
+):  # fmt: skip
+    # The split pair in one launch: program (t, b, hk) runs the dK/dV kernel's key tile t (phase 1, BLOCK_M1 query
+    # steps over a BLOCK_N1 key tile) and the dQ kernel's query tile t (phase 2, BLOCK_M2 == BLOCK_N1 rows, BLOCK_N2
+    # key steps) for each query head of the group. Causal with Lq == Lk, key tile t's work falls with t as query
+    # tile t's grows, so every program does about the same work. Each phase skips a tile past its own sequence's end
+    # (Lk > Lq: phase 1 has more tiles). The phases are independent (disjoint outputs), so their order is free:
+    # DQ_FIRST runs phase 2 first, which keeps phase 2's values (its descriptor addresses, DQ) from being live across
+    # phase 1's register-bound loop (sm_90 ptxas, d128 64 x 64 / 4 warps: 120 bytes of stack instead of 184).
+    t, b, hk, k_start, Lk = key_tile(CU_K)
+    q_start, Lq = seq_span(CU_Q, b)
+    if DQ_FIRST:
+        _merged_dq_phase(desc_q2, desc_k2, desc_v2, desc_do2, desc_dq2, DQ, LSE, DELTA, t, hk, k_start, Lk, q_start,
+                         Lq, qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC, BLOCK_M2,
+                         BLOCK_N2)
+    _merged_dkdv_phase(desc_q1, desc_k1, desc_v1, desc_do1, desc_dk1, desc_dv1, DK, DV, LSE, DELTA, t, hk, k_start,
+                       Lk, q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC,
+                       BLOCK_M1, BLOCK_N1)
+    if not DQ_FIRST:
+        _merged_dq_phase(desc_q2, desc_k2, desc_v2, desc_do2, desc_dq2, DQ, LSE, DELTA, t, hk, k_start, Lk, q_start,
+                         Lq, qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC, BLOCK_M2,
+                         BLOCK_N2)
+
+
 def _cfg(bm, bn, warps, stages, maxnreg=None):
     return tile_config(bm, bn, warps, stages, pre_hook=fit_descriptors, maxnreg=maxnreg)
+
+
+def check_merged_blocks(blocks: dict) -> None:
+    """The merged backward's phase-2 query tile must have the phase-1 key tile's rows (the grid and the balance of
+    work per program rest on it)."""
+    if blocks["BLOCK_M2"] != blocks["BLOCK_N1"]:
+        raise ValueError(f"bwd_merged_tma needs BLOCK_M2 == BLOCK_N1, got {blocks}")
+
+
+def _mcfg(bm1, bn1, bm2, bn2, warps, stages, dq_first=True, maxnreg=None):
+    """A merged-backward candidate: phase 1 (dK/dV) BLOCK_M1 x BLOCK_N1, phase 2 (dQ) BLOCK_M2 x BLOCK_N2, the dQ
+    phase first unless ``dq_first`` is False."""
+    blocks = {"BLOCK_M1": bm1, "BLOCK_N1": bn1, "BLOCK_M2": bm2, "BLOCK_N2": bn2, "DQ_FIRST": dq_first}
+    check_merged_blocks(blocks)
+    return triton.Config(blocks, num_warps=warps, num_stages=stages, pre_hook=fit_descriptors, maxnreg=maxnreg)
 
 
 # Candidates per kernel and head dim, sm_90. The d128 lists come from a measured sweep (H200, K1 at 4k,
@@ -277,6 +392,17 @@ CONFIGS = {
     ("fused_tma", 64): [_cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
     ("fused_tma", 128): [_cfg(32, 64, 8, 3), _cfg(16, 64, 4, 3), _cfg(16, 128, 8, 2), _cfg(64, 64, 8, 2)],
     ("fused_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
+    # merged (BLOCK_M1, BLOCK_N1, BLOCK_M2 == BLOCK_N1, BLOCK_N2, warps, stages, dQ phase first unless False): the
+    # dK/dV tiles of the lists above with a dQ phase of as many query rows. Not yet timed; compiled offline (sm_90,
+    # bf16, triton 3.7.1), stacks: d64 none; d128 120, 88, 0, 0, 144, 0 bytes in this order (the other phase order:
+    # 184, 200, 16, 8, 216, 16; 32 x 128 / 128 x 32 on 4 warps: 856, left out); d256 0, 56. Shared memory <= 160 KB.
+    ("bwd_merged_tma", 64): [_mcfg(64, 64, 64, 64, 4, 2), _mcfg(64, 64, 64, 64, 4, 3), _mcfg(32, 128, 128, 64, 8, 3),
+                             _mcfg(64, 128, 128, 64, 8, 2), _mcfg(32, 64, 64, 64, 4, 3),
+                             _mcfg(64, 128, 128, 128, 8, 2)],
+    ("bwd_merged_tma", 128): [_mcfg(64, 64, 64, 64, 4, 2), _mcfg(64, 64, 64, 64, 4, 3), _mcfg(32, 128, 128, 32, 8, 3),
+                              _mcfg(32, 128, 128, 64, 8, 2, dq_first=False), _mcfg(64, 128, 128, 64, 8, 2),
+                              _mcfg(32, 64, 64, 32, 4, 3)],
+    ("bwd_merged_tma", 256): [_mcfg(16, 64, 64, 32, 8, 2), _mcfg(32, 64, 64, 32, 8, 2)],
 }
 # ARENO_ATTN_SWEEP=1 (bench/attention.py --variants): a wide d128 candidate list per TMA kernel, to choose the
 # lists above from measured times (the bench prints each candidate's time). ARENO_ATTN_SWEEP=2: the neighbourhood of
@@ -298,4 +424,4 @@ elif os.environ.get("ARENO_ATTN_SWEEP"):
         (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3),
         (16, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2), (16, 128, 4, 3)]]
 KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel,
-           "fused_tma": _attn_bwd_fused_tma_kernel}
+           "fused_tma": _attn_bwd_fused_tma_kernel, "bwd_merged_tma": _attn_bwd_merged_tma_kernel}

@@ -328,6 +328,47 @@ def test_tma_other_tiles_and_fallback(monkeypatch, nan_buffers, launched):
             assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma {name} seed={seed}")
 
 
+@pytest.mark.parametrize("case", list(TMA_CASES))
+def test_tma_merged_matches_reference(case, monkeypatch, nan_buffers, launched):
+    """ARENO_ATTN_BWD=tma_merged: one launch, key tile t's dK/dV and query tile t's dQ per program (the default
+    interpreter tiles: phase 1 16 x 32, phase 2 32 x 16, dQ phase first); varlen, chunked (more key tiles than query
+    tiles), rows that see no key, non-causal."""
+    lq, lk, hq, hkv, d, causal = TMA_CASES[case]
+    seed = random.randrange(2**31)
+    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
+    for dtype in (torch.float32, torch.float16) if case == "gqa2_varlen" else (torch.float32,):
+        inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
+        want = reference(*inputs, causal)
+        got = run_variant("tma_merged", monkeypatch, inputs, lq, lk, causal)
+        assert launched == ["fwd_tma", "bwd_merged_tma"], launched
+        launched.clear()
+        for name, g, w in zip("o dq dk dv".split(), got, want):
+            assert g.dtype == dtype and g.shape == w.shape and g.is_contiguous()
+            assert_close(g, w, TOL[dtype]["grad"], f"{case} {dtype} tma_merged {name} seed={seed}")
+
+
+def test_tma_merged_other_tiles_and_fallback(monkeypatch, nan_buffers, launched):
+    """Phase 1's key tile shorter than its query step and phase 2's key step longer than its query tile, the dK/dV
+    phase first, GQA group 1; chunked (key tiles past the query tiles) and Lq > Lk (query tiles past the key tiles,
+    rows that see no key); a head_dim no D-wide descriptor fits runs the pointer split pair; BLOCK_M2 != BLOCK_N1 is
+    refused."""
+    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
+    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "bwd_merged_tma", (32, 16, 16, 32, False))
+    for d, kinds in ((32, ["fwd_tma", "bwd_merged_tma"]), (24, ["fwd", "dkdv", "dq"])):
+        lq, lk, hq, hkv, causal = [3, 45, 40], [3, 61, 10], 2, 2, True
+        seed = random.randrange(2**31)
+        inputs = make_inputs(lq, lk, hq, hkv, d, torch.float32, seed)
+        want = reference(*inputs, causal)
+        got = run_variant("tma_merged", monkeypatch, inputs, lq, lk, causal)
+        assert launched == kinds, launched
+        launched.clear()
+        for name, g, w in zip("o dq dk dv".split(), got, want):
+            assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma_merged {name} seed={seed}")
+    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "bwd_merged_tma", (16, 32, 16, 16, True))
+    with pytest.raises(ValueError, match="BLOCK_M2 == BLOCK_N1"):
+        run_variant("tma_merged", monkeypatch, make_inputs([5], [5], 2, 1, 16, torch.float32, 0), [5], [5], True)
+
+
 def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
     """Unset (or "auto"), ARENO_ATTN_FWD / ARENO_ATTN_BWD run the TMA kernels on sm_90+ and the pointer ones
     elsewhere (the interpreter included); an explicit variant is kept either way."""
@@ -367,7 +408,8 @@ TMA_GPU_SHAPES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "fused_tma"), ("default", "tma")], ids="-".join)
+@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "fused_tma"), ("tma", "tma_merged"), ("default", "tma")],
+                         ids="-".join)
 @pytest.mark.parametrize("shape", list(TMA_GPU_SHAPES))
 def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
     """ARENO_ATTN_FWD / ARENO_ATTN_BWD = tma on odd varlen shapes, within a small factor of SDPA's bf16 error."""
@@ -376,8 +418,9 @@ def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
     _gpu_errors(*TMA_GPU_SHAPES[shape])
     tma = shape != "d80_falls_back"
     want = ["fwd_tma" if tma and pair[0] == "tma" else "fwd"]
-    want += {"tma": ["dkdv_tma", "dq_tma"], "fused_tma": ["fused_tma"]}[pair[1]] if tma else []
-    want += [] if tma else {"tma": ["dkdv", "dq"], "fused_tma": ["fused"]}[pair[1]]
+    want += {"tma": ["dkdv_tma", "dq_tma"], "fused_tma": ["fused_tma"], "tma_merged": ["bwd_merged_tma"]}[pair[1]] \
+        if tma else []
+    want += [] if tma else {"tma": ["dkdv", "dq"], "fused_tma": ["fused"], "tma_merged": ["dkdv", "dq"]}[pair[1]]
     assert launched == want, launched
 
 
@@ -385,8 +428,9 @@ def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_tma_every_candidate_config(d, monkeypatch, launched):
     monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    for kind in ("fwd_tma", "dkdv_tma", "dq_tma", "fused_tma"):
-        monkeypatch.setenv("ARENO_ATTN_BWD", "fused_tma" if kind == "fused_tma" else "tma")
+    variant = {"fused_tma": "fused_tma", "bwd_merged_tma": "tma_merged"}
+    for kind in ("fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma"):
+        monkeypatch.setenv("ARENO_ATTN_BWD", variant.get(kind, "tma"))
         for cfg in attention_module._CONFIGS[(kind, d)]:
             monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
             _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
