@@ -9,7 +9,7 @@ Training attention: batch 8 sequences of L = 1k, 4k, 8k tokens, 16 query / 8 KV 
 areno runs on the packed [B*L, H, D] layout with cu_seqlens; SDPA runs on [B, H, L, D] with enable_gqa, once per
 backend (flash, cuDNN when torch has it). FLOPs count the causal half: forward 4*B*Hq*L^2*D/2, backward 2.5x that.
 Times: forward (no autograd graph), backward (autograd.grad of q, k, v from a saved graph), forward+backward.
---bwd-variants: areno runs once per backward variant (ARENO_ATTN_BWD = split, fused, ...; impl "areno bwd=<variant>"),
+--bwd-variants: areno runs once per backward variant (every ARENO_ATTN_BWD value but auto; impl "areno bwd=<variant>"),
 each row with its fwd+bwd and backward-only speed-ups over SDPA flash and cuDNN, and the largest gradient
 difference between the variants at the first length is printed; the decode part is skipped.
 --variants: the same for the (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pairs in VARIANT_PAIRS (impl "areno fwd=<f> bwd=<b>"),
@@ -381,7 +381,8 @@ def main():
     if args.bwd_variants or args.variants:
         if args.rollout_sweep or args.no_sweep:
             ap.error("--variants / --bwd-variants run K1 only: --rollout-sweep / --no-sweep do not apply to them")
-        variants = list(VARIANT_PAIRS) if args.variants else list(attention_module.BWD_VARIANTS)
+        explicit = [v for v in attention_module.BWD_VARIANTS if v != "auto"]  # auto is one of them per device
+        variants = list(VARIANT_PAIRS) if args.variants else explicit
         bench_bwd_variants(args.smoke, variants, args.seqs or [1024, 4096, 8192])
         return
     if args.rollout_sweep:
