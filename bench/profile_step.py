@@ -42,7 +42,7 @@ def train(args, device):
     model.set_activation_checkpointing(False)
     opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     trainer = PolicyTrainer(model, opt, LRSchedule(1e-6), grad_clip=1.0, train_cuda_graphs=args.train_cuda_graphs)
-    b, s = (2, 64) if args.smoke else map(int, args.shape.lower().split("x"))
+    b, s = (2, 64) if args.smoke else (args.rows, args.tokens)
     ids = torch.randint(models.FIRST_TOKEN, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     rows = [Row(prompt_ids=r[:1], response_ids=r[1:]) for r in ids.tolist()]
 
@@ -104,8 +104,12 @@ def main():
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    if args.what != "train" and args.shape != "8x1024":
-        ap.error("--shape applies to the train profile only")
+    if args.shape != "8x1024" and (args.what != "train" or args.smoke):
+        ap.error("--shape applies to the full train profile only (not decode, not --smoke)")
+    try:
+        args.rows, args.tokens = (int(n) for n in args.shape.lower().split("x"))
+    except ValueError:
+        ap.error(f"--shape must be ROWSxTOKENS, e.g. 4x4096, got {args.shape!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     (train if args.what == "train" else decode)(args, device)
 

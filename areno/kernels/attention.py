@@ -531,7 +531,8 @@ def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, m
                     do2, dq_, dq, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale, dq.stride(0), dk.stride(0),
                     lse.stride(0), Hq // Hkv, **common)
         if max_k == 0:
-            dk.zero_(), dv.zero_()
+            dk.zero_()
+            dv.zero_()
         if max_q == 0:
             dq.zero_()
         return

@@ -190,7 +190,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
     else:
         sms = _sm_count(x.device.index or 0)
         progs = lambda cfg: max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), cfg["PER_SM"] * sms))  # noqa: E731
-        rows = max(c.kwargs["PER_SM"] for c in _BWD_TILES) * sms
+        rows = max(per_sm for _, _, per_sm, _ in _BWD_TILES) * sms
         dw_part = torch.empty((rows, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
         tuned = _tuned_bwd(block_n)
         tuned[lambda cfg: (progs(cfg),)](*args, dw_part, m, n, b, sx0, sx1, _m_bucket(m), **meta)
@@ -202,9 +202,8 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
 # Backward tilings the autotuner times on the GPU (elements per tile, warps, programs per SM, pipeline stages):
 # the persistent loop over row tiles is latency-bound at small tiles, so bigger tiles, more programs in flight and
 # a pipelined loop are candidates; the first is the interpreter's / the fallback's tiling.
-_BWD_TILES = [triton.Config({"TILE": t, "PER_SM": p}, num_warps=w, num_stages=st) for t, w, p, st in [
-    (4096, 8, 4, 3), (8192, 8, 2, 3), (8192, 16, 2, 3), (16384, 16, 1, 3), (4096, 4, 8, 3), (2048, 4, 8, 3),
-    (4096, 8, 4, 1), (8192, 8, 4, 2)]]  # fmt: skip
+_BWD_TILES = [(4096, 8, 4, 3), (8192, 8, 2, 3), (8192, 16, 2, 3), (16384, 16, 1, 3), (4096, 4, 8, 3),
+              (2048, 4, 8, 3), (4096, 8, 4, 1), (8192, 8, 4, 2)]
 
 
 def _m_bucket(m: int) -> int:
@@ -215,13 +214,9 @@ def _m_bucket(m: int) -> int:
 def _tuned_bwd(block_n: int):
     """The backward autotuned over ``_BWD_TILES`` for rows of ``block_n`` (BLOCK_M = tile elements / block_n),
     keyed on the row length, the row count's power of two and the gradient outputs."""
-    configs, seen = [], set()
-    for c in _BWD_TILES:
-        bm = max(1, c.kwargs["TILE"] // block_n)
-        if (bm, c.kwargs["PER_SM"], c.num_warps, c.num_stages) not in seen:
-            seen.add((bm, c.kwargs["PER_SM"], c.num_warps, c.num_stages))
-            configs.append(triton.Config({"BLOCK_M": bm, "PER_SM": c.kwargs["PER_SM"]}, num_warps=c.num_warps,
-                                         num_stages=c.num_stages))
+    distinct = dict.fromkeys((max(1, tile // block_n), per_sm, w, st) for tile, w, per_sm, st in _BWD_TILES)
+    configs = [triton.Config({"BLOCK_M": bm, "PER_SM": per_sm}, num_warps=w, num_stages=st)
+               for bm, per_sm, w, st in distinct]
     return triton.autotune(configs=configs, key=["N", "M_BUCKET", "HAS_DH", "COMPUTE_DW"])(_rms_norm_bwd_kernel)
 
 
