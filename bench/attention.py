@@ -339,15 +339,16 @@ def print_config_timings(kind, L):
         print(f"  L={L} {kind} {cfg}: {t}")
 
 
-def bench_bwd_variants(smoke, variants, seqs):
-    """K1 with areno's variants side by side (same inputs, same SDPA baselines, same run)."""
+def bench_bwd_variants(smoke, variants, seqs, batch=8):
+    """K1 with areno's variants side by side (same inputs, same SDPA baselines, same run); ``batch`` sequences of
+    each length (K1: 8; T2's attention: 4)."""
     saved_fwd = os.environ.get("ARENO_ATTN_FWD")
     if smoke:
         dtype = torch.float16 if not CUDA else torch.bfloat16
         rows = bench_training([64], 2, 4, 2, 64, dtype, bwd_variants=variants)
     else:
         assert CUDA, "the full benchmark needs a GPU (use --smoke on CPU)"
-        rows = bench_training(seqs, 8, 16, 8, 128, torch.bfloat16, bwd_variants=variants)
+        rows = bench_training(seqs, batch, 16, 8, 128, torch.bfloat16, bwd_variants=variants)
     if saved_fwd is None:
         os.environ.pop("ARENO_ATTN_FWD", None)
     else:
@@ -373,17 +374,21 @@ def main():
                     help="K1 only: areno once per (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pair of VARIANT_PAIRS beside SDPA")
     ap.add_argument("--seqs", type=int, nargs="+", default=None,
                     help="K1 lengths for --variants / --bwd-variants (default 1024 4096 8192)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="sequences per length for --variants / --bwd-variants (default 8, K1; 4 is T2's attention)")
     args = ap.parse_args()
     if args.bwd_variants and args.variants:
         ap.error("--bwd-variants and --variants are two modes: pick one")
     if args.seqs is not None and not (args.bwd_variants or args.variants) or args.seqs and args.smoke:
         ap.error("--seqs applies to the full --variants / --bwd-variants runs only")
+    if args.batch is not None and (not (args.bwd_variants or args.variants) or args.smoke or args.batch < 1):
+        ap.error("--batch (>= 1) applies to the full --variants / --bwd-variants runs only")
     if args.bwd_variants or args.variants:
         if args.rollout_sweep or args.no_sweep:
             ap.error("--variants / --bwd-variants run K1 only: --rollout-sweep / --no-sweep do not apply to them")
         explicit = [v for v in attention_module.BWD_VARIANTS if v != "auto"]  # auto is one of them per device
         variants = list(VARIANT_PAIRS) if args.variants else explicit
-        bench_bwd_variants(args.smoke, variants, args.seqs or [1024, 4096, 8192])
+        bench_bwd_variants(args.smoke, variants, args.seqs or [1024, 4096, 8192], args.batch or 8)
         return
     if args.rollout_sweep:
         dtype = torch.bfloat16 if CUDA else torch.float16

@@ -67,7 +67,13 @@ def train(args, device):
     with profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize() if device.type == "cuda" else None
-    table(prof)
+    table(prof, args.top or 30)
+    if device.type == "cuda":  # which tiles the attention autotuner chose in this process (d128)
+        from areno.kernels import attention as attn
+
+        for kind in ("fwd", "dkdv", "dq", "fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma"):
+            for key, cfg in attn._tuned(kind, 128).cache.items():
+                print(f"autotuned {kind} {key[:4]}: {cfg}")
 
 
 def decode(args, device):
@@ -92,7 +98,7 @@ def decode(args, device):
         for _ in range(10):
             engine.step()
     print(f"10 decode steps, graph replay: {engine.runner.last_step_used_graph}")
-    table(prof, 40)
+    table(prof, args.top or 40)
 
 
 def main():
@@ -103,9 +109,12 @@ def main():
                     help="train: the trainer's CUDA-graph mode (off: the eager step, as before)")
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--top", type=int, default=None, help="rows of the profiler table (default 30 train, 40 decode)")
     args = ap.parse_args()
     if args.shape != "8x1024" and (args.what != "train" or args.smoke):
         ap.error("--shape applies to the full train profile only (not decode, not --smoke)")
+    if args.top is not None and args.top < 1:
+        ap.error(f"--top must be >= 1, got {args.top}")
     try:
         args.rows, args.tokens = (int(n) for n in args.shape.lower().split("x"))
     except ValueError:
