@@ -373,13 +373,16 @@ class MasterAdamW:
         w.addcdiv_(m, denom, value=-step_size)
 
     def _publish(self, b: _Bucket, w: torch.Tensor) -> None:
-        """Round the master shard to the parameter dtype, gather the bucket over DP and write it in place."""
-        local = w.to(b.dtype)
+        """Round the master shard to the parameter dtype, gather the bucket over DP and write it in place. One rank
+        with the master on the parameters' device: each parameter is rounded straight from its master slice (no
+        rounded copy of the bucket in between); an offloaded master is rounded first (half the bytes to move)."""
         if self.dp_group is not None:
             full = torch.empty(b.shard * self.dp_size, dtype=b.dtype, device=self.device)
-            _all_gather(full, local, self.dp_group)
+            _all_gather(full, w.to(b.dtype), self.dp_group)
+        elif w.device == b.params[0].device:
+            full = w
         else:
-            full = local
+            full = w.to(b.dtype)
         torch._foreach_copy_([p.detach().view(-1) for p in b.params],
                              [full[off : off + p.numel()] for p, off in zip(b.params, b.offsets)])
 
