@@ -82,9 +82,7 @@ INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": 
 BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged")
 # Kernel kinds whose config constexprs are not (BLOCK_M, BLOCK_N), in INTERPRET_BLOCKS order, and the constexpr that
 # sizes grid dim 0 of each kind that is not a query-tile launch (BLOCK_M).
-# "fwd_tma" may add PIPE (the software-pipelined unmasked loop); a shorter tuple leaves the rest at the defaults.
-_BLOCK_NAMES = {"bwd_merged_tma": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "DQ_FIRST"),
-                "fwd_tma": ("BLOCK_M", "BLOCK_N", "PIPE")}
+_BLOCK_NAMES = {"bwd_merged_tma": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "DQ_FIRST")}
 _GRID_AXIS = {"dkdv": "BLOCK_N", "fused": "BLOCK_N", "dkdv_tma": "BLOCK_N", "fused_tma": "BLOCK_N",
               "bwd_merged_tma": "BLOCK_N1"}
 FWD_VARIANTS = ("auto", "default", "tma")
@@ -412,8 +410,7 @@ def _launch(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucke
     kernel = _KERNELS[kind]
     if interpreting():
         tiles = INTERPRET_BLOCKS[kind] if kind in INTERPRET_BLOCKS else INTERPRET_BLOCKS[base]
-        names = _BLOCK_NAMES.get(kind, ("BLOCK_M", "BLOCK_N"))
-        blocks = dict(zip(names[: max(len(tiles), 2)], tiles, strict=True))
+        blocks = dict(zip(_BLOCK_NAMES.get(kind, ("BLOCK_M", "BLOCK_N")), tiles, strict=True))
         if kind == "bwd_merged_tma":
             tma.check_merged_blocks(blocks)
         tma.fit_descriptors({**dict(zip(kernel.arg_names, args)), **blocks})

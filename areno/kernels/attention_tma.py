@@ -96,43 +96,13 @@ def descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [16, t.shape[2]])
 
 
-@triton.jit
-def _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, k_row0, col, full, qk_scale, BLOCK_N: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
-    """``fwd_inner``'s unmasked key blocks [0, full) through descriptors, software-pipelined by one block: block
-    j + 1's Q K^T is issued after block j's softmax and before block j's P V, so that P V (an async wgmma on sm_90,
-    waited for only at the next Q K^T) runs under block j + 1's softmax instead of after it. Same math as the
-    unpipelined loop (the scale folded into the row max and one FMA per score)."""
-    if full > 0:
-        qk = tl.dot(q, tl.trans(desc_k.load([k_row0, col])), input_precision=DOT_PREC)
-        for start_n in range(0, full - BLOCK_N, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            qk = tl.dot(q, tl.trans(desc_k.load([k_row0 + start_n + BLOCK_N, col])), input_precision=DOT_PREC)
-            v = desc_v.load([k_row0 + start_n, col])
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-            m_i = m_new
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # the last full block: its P V alone
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([k_row0 + full - BLOCK_N, col])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
 @triton.jit(do_not_specialize=["stride_lh"])
 def _attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh,
     GROUP, SEQ_BUCKET,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # PIPE: the unmasked key blocks through _fwd_full_pipelined (a config choice; the masked band is the same loop)
     start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
         return
@@ -146,12 +116,8 @@ def _attn_fwd_tma_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
     col = (h // GROUP) * BLOCK_D
-    if PIPE:
-        acc, l_i, m_i = _fwd_full_pipelined(acc, l_i, m_i, q, desc_k, desc_v, k_start, col, full, qk_scale, BLOCK_N,
-                                            DOT_PREC)
-    else:
-        acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, 0, full,
-                                  diag, Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, 0, full, diag,
+                              Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
     acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, full, hi, diag,
                               Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
     empty = l_i == 0.0
@@ -384,12 +350,6 @@ def _cfg(bm, bn, warps, stages, maxnreg=None):
     return tile_config(bm, bn, warps, stages, pre_hook=fit_descriptors, maxnreg=maxnreg)
 
 
-def _pcfg(bm, bn, warps, stages, maxnreg=None):
-    """A forward candidate with the software-pipelined unmasked loop (PIPE)."""
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PIPE": True}, num_warps=warps, num_stages=stages,
-                         pre_hook=fit_descriptors, maxnreg=maxnreg)
-
-
 def check_merged_blocks(blocks: dict) -> None:
     """The merged backward's phase-2 query tile must have the phase-1 key tile's rows (the grid and the balance of
     work per program rest on it)."""
@@ -416,8 +376,7 @@ def _mcfg(bm1, bn1, bm2, bn2, warps, stages, dq_first=True, maxnreg=None):
 CONFIGS = {
     ("fwd_tma", 64): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
     ("fwd_tma", 128): [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2),
-                       _cfg(128, 64, 4, 3), _pcfg(64, 64, 4, 3), _pcfg(128, 128, 8, 3), _pcfg(128, 64, 8, 3),
-                       _pcfg(64, 64, 4, 2), _pcfg(128, 64, 4, 3)],
+                       _cfg(128, 64, 4, 3)],
     ("fwd_tma", 256): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
     ("dkdv_tma", 64): [_cfg(64, 64, 4, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2),
                        _cfg(32, 64, 4, 3)],

@@ -328,25 +328,6 @@ def test_tma_other_tiles_and_fallback(monkeypatch, nan_buffers, launched):
             assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma {name} seed={seed}")
 
 
-@pytest.mark.parametrize("blocks", [(16, 16, True), (32, 16, True)])
-def test_tma_pipelined_forward_matches_reference(blocks, monkeypatch, nan_buffers, launched):
-    """The TMA forward with PIPE (its unmasked key blocks software-pipelined by one block) on every TMA case: varlen
-    tails, sequences shorter than a block, rows that see no key, chunked prefill, non-causal."""
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "fwd_tma", blocks)
-    long = {"long_causal": ([70, 3], [70, 3], 2, 1, 32, True), "long_non_causal": ([40], [70], 2, 2, 16, False)}
-    for case, (lq, lk, hq, hkv, d, causal) in {**TMA_CASES, **long}.items():  # long: several pipelined blocks
-        seed = random.randrange(2**31)
-        for dtype in (torch.float32,) if case != "gqa2_varlen" else (torch.float32, torch.float16):
-            inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
-            want = reference(*inputs, causal)
-            got = run_variant("tma", monkeypatch, inputs, lq, lk, causal)
-            assert launched[0] == "fwd_tma", launched
-            launched.clear()
-            for name, g, w in zip("o dq dk dv".split(), got, want):
-                assert_close(g, w, TOL[dtype]["grad"], f"{case} {dtype} PIPE {blocks} {name} seed={seed}")
-
-
 @pytest.mark.parametrize("case", list(TMA_CASES))
 def test_tma_merged_matches_reference(case, monkeypatch, nan_buffers, launched):
     """ARENO_ATTN_BWD=tma_merged: one launch, key tile t's dK/dV and query tile t's dQ per program (the default
