@@ -380,9 +380,9 @@ def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
     assert launched == ["fwd", "dkdv", "dq"], launched
     launched.clear()
     monkeypatch.setattr(attention_module, "_hopper", lambda: True)
-    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("tma", "tma")
+    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("tma", "tma_merged")
     run_variant("auto", monkeypatch, inputs, [5, 9], [5, 9], True)
-    assert launched == ["fwd_tma", "dkdv_tma", "dq_tma"], launched
+    assert launched == ["fwd_tma", "bwd_merged_tma"], launched
     monkeypatch.setenv("ARENO_ATTN_FWD", "default")
     monkeypatch.setenv("ARENO_ATTN_BWD", "fused")
     assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("default", "fused")
