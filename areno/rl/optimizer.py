@@ -42,6 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areno.kernels.adamw import bias_corrections, master_adamw_
+
 _OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
 
 
@@ -313,8 +315,10 @@ class MasterAdamW:
         the fp32 device step count before this step (incremented here unless skipped), ``skip`` an optional 0-dim
         fp32 tensor (1 skips the update: a dry run). Reads ``p.grad`` (``None`` counts as zero) and leaves it. The
         norm is taken from the gradients themselves (one fp32 norm per tensor, summed in fp64); the clip factor
-        and the skip of a non-finite norm happen on the device, through fused AdamW's ``grad_scale`` (the gradient
-        divided by ``max(1, (norm + 1e-6) / grad_clip)``) and ``found_inf``. Returns the fp64 norm tensor; the
+        and the skip of a non-finite norm happen on the device: the gradient is divided by ``max(1, (norm + 1e-6) /
+        grad_clip)`` and a skipped step changes nothing, in one fused pass per parameter of a master bucket
+        (``areno.kernels.adamw``: bf16 gradient in, master and moments updated, parameter written) and through
+        torch's fused AdamW (``grad_scale``, ``found_inf``) for fp32 buckets. Returns the fp64 norm tensor; the
         caller adds 1 to ``num_steps`` once it has read a finite one. The master, moments and parameters change in
         place exactly as ``step()`` changes them (up to the rounding of the clip factor)."""
         if self.dp_group is not None or self.tp_group is not None or self.offload != "none":
@@ -333,7 +337,18 @@ class MasterAdamW:
         scale = ((norm + 1e-6) / grad_clip).clamp(min=1.0).float() if grad_clip > 0 else torch.ones_like(bad)
         step.add_(1.0 - bad)
         beta1, beta2 = self.betas
+        corrections = {}  # per learning-rate tensor: (step_size, bc2_sqrt) on the device
         for b in self.buckets:
+            b_lr = lr if b.group is None else group_lrs[b.group]
+            if b.has_master:  # one fused pass per parameter: gradient in, master/moments updated, parameter out
+                if id(b_lr) not in corrections:
+                    corrections[id(b_lr)] = bias_corrections(b_lr, step, beta1, beta2)
+                w, m, v = b.storage.view(3, b.shard).unbind(0)
+                for p, off in zip(b.params, b.offsets):
+                    sl = slice(off, off + p.numel())
+                    master_adamw_(w[sl], m[sl], v[sl], p.grad, p.detach(), b_lr, *corrections[id(b_lr)], scale, bad,
+                                  beta1=beta1, beta2=beta2, eps=self.eps, weight_decay=self.weight_decay)
+                continue
             # one rank: the parameters tile the bucket, so with every gradient present nothing is left to zero
             full = all(p.grad is not None for p in b.params) and b.numel == b.shard
             g = (torch.empty if full else torch.zeros)(b.shard, dtype=torch.float32, device=self.device)
@@ -341,12 +356,9 @@ class MasterAdamW:
                      if p.grad is not None]
             if pairs:
                 torch._foreach_copy_(*map(list, zip(*pairs)))
-            if b.has_master:
-                w, m, v = b.storage.view(3, b.shard).unbind(0)
-            else:
-                w = self._read_params(b)
-                m, v = b.storage.view(2, b.shard).unbind(0)
-            torch._fused_adamw_([w], [g], [m], [v], [], [step], lr=lr if b.group is None else group_lrs[b.group],
+            w = self._read_params(b)
+            m, v = b.storage.view(2, b.shard).unbind(0)
+            torch._fused_adamw_([w], [g], [m], [v], [], [step], lr=b_lr,
                                 beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
                                 amsgrad=False, maximize=False, grad_scale=scale, found_inf=bad)
             self._publish(b, w)
