@@ -9,7 +9,8 @@ Forward paths:
 - plain parity path: ``model.logits(input_ids [B, T]) -> [B, T, V]``.
 - paged KV cache: ``model(input_ids, positions, kv_caches=[(k, v)] * L, attn_metadata=AttentionMetadata)``; the
   decode step has no host syncs or data-dependent shapes, so the engine can capture it in a CUDA graph. Under
-  no-grad this path runs each layer's q/k norm, RoPE and cache write as one ``qkv_prologue`` launch.
+  no-grad this path runs each layer's q/k norm, RoPE and cache write as one ``qkv_prologue`` launch. Training
+  (no cache, grad mode on) runs them as ``qk_norm_rope``: one launch forward, one backward.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from areno.kernels.activation import silu_and_mul
 from areno.kernels.attention import attention
 from areno.kernels.linear_logprobs import linear_logprobs
 from areno.kernels.paged_attention import paged_attention, store_kvcache
+from areno.kernels.qk_norm_rope import qk_norm_rope
 from areno.kernels.qkv_prologue import qkv_prologue
 from areno.kernels.rope import apply_rope, rope_cos_sin
 from areno.models.attention_metadata import AttentionMetadata
@@ -31,8 +33,9 @@ from areno.models.tp import layout
 
 
 class Attention(nn.Module):
-    # With a KV cache and grad mode off, run the fused qkv_prologue kernel; False keeps the separate
-    # norm/rope/store launches (the baseline for parity tests and benchmarks).
+    # With a KV cache and grad mode off, run the fused qkv_prologue kernel; for training (no cache, grad mode on),
+    # the differentiable qk_norm_rope. False keeps the separate split/norm/rope/store launches (the baseline for
+    # parity tests and benchmarks).
     fused_prologue = True
 
     def __init__(self, cfg: ModelConfig, attn_backend: str = "flash"):
@@ -54,13 +57,16 @@ class Attention(nn.Module):
     def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache=None):
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
+        qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        eps = 1e-6 if self.q_norm is None else self.q_norm.eps
         if kv_cache is not None and self.fused_prologue and not torch.is_grad_enabled():
             # inference: q/k norm, RoPE and the cache write in one launch (local head counts under TP)
-            qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-            eps = 1e-6 if self.q_norm is None else self.q_norm.eps
             q, k, v = qkv_prologue(
                 qkv, positions, *rope, self.num_heads, self.num_kv_heads, d, qn, kn, eps, *kv_cache, meta.slot_mapping
             )
+        elif kv_cache is None and self.fused_prologue and torch.is_grad_enabled():
+            # training: q/k norm and RoPE in one launch, their backward (and the split's) in one more
+            q, k, v = qk_norm_rope(qkv, positions, *rope, self.num_heads, self.num_kv_heads, d, qn, kn, eps)
         else:
             q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

@@ -1,0 +1,393 @@
+"""The attention prologue of a decoder layer on the training path, fused: per-head QK RMSNorm and RoPE, with autograd.
+
+Input: the fused projection ``qkv [T, (Hq + 2 * Hkv) * D]`` = ``[q heads | k heads | v heads]`` (any row stride).
+For every query head (norm weight ``wq``) and key head (``wk``), the norms optional (both None: RoPE only):
+
+    n  = x / sqrt(mean(x^2) + eps)       (fp32, mean over D)
+    x' = (w * n.to(dtype)).to(dtype)     (rms_norm's rounding: the normed value is in qkv's dtype before RoPE)
+    y  = rope(x')                        (NeoX rotate-halves on the first rotary_dim dims, fp32, rounded once)
+
+Returns ``q = y_q [T, Hq, D]`` and ``k = y_k [T, Hkv, D]`` (new tensors) and ``v [T, Hkv, D]``, a view of qkv's v
+columns. The math and rounding order are those of ``qkv_prologue`` (the inference kernel) and of ``rms_norm`` ->
+``apply_rope`` (the native reference below composes exactly those), so outputs equal the unfused chain but for rare
+one-ulp flips from the fp32 order of the sum of squares.
+
+Backward, per q/k head row, with ``dy`` the output's gradient (fp32 throughout, rounded once at the store):
+
+    da  = rope^T(dy)                     (the rotation by -theta; the dims past rotary_dim pass through)
+    dw += da * n.to(dtype)               (over all rows: one fp32 partial row per program, then one sum)
+    dx  = rstd * (da * w - n * mean(da * w * n))
+
+and ``dv`` is copied into the v columns, so one launch writes the whole ``dqkv [T, width]`` (the split's backward,
+a concat, is gone). Unlike the unfused chain, ``da`` is not rounded to the dtype between the RoPE and the norm
+backward. Saved for the backward: qkv (alive anyway: v is a view of it) and the fp32 rstd per (token, q/k head).
+
+Tiling: the q and k heads of a token are adjacent in qkv, so its ``T * (Hq + Hkv)`` head rows form one row space
+(row r: token r // (Hq + Hkv), head r % (Hq + Hkv); heads below Hq are queries: weight wq, output q; the rest keys).
+Forward: one program per BLOCK_R rows, each row as two [D/2] halves (plus the dims past rotary_dim), its cos/sin
+row gathered by the token's position. Backward: a persistent grid (a few programs per SM) strides over the same
+row tiles, accumulating both weights' gradients in registers, then over [BLOCK_RV, D] tiles of v rows.
+
+Bytes per token, E = element size, Hqk = Hq + Hkv:
+- forward: read and write Hqk D (+ 4 Hqk for rstd): 2 Hqk D E, against 4 Hqk D E for norm -> rope unfused;
+- backward: read dq, dk and x, write dx: 3 Hqk D E, plus dv read and written: 2 Hkv D E; unfused, the two RoPE
+  backwards (2 Hqk D E), the two norm backwards (3 Hqk D E) and the concat (2 (Hqk + Hkv) D E) move 7 Hqk D E + 2 Hkv
+  D E. With Hq=16, Hkv=8, D=128 in bf16: 12.4 KB + 22.6 KB per token against 24.6 KB + 47.1 KB; 0.57 GB against
+  1.17 GB per layer at T=16384.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.rms_norm import _sm_count, rms_norm_native
+from areno.kernels.rope import apply_rope_native
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 512
+
+
+@triton.jit
+def _head_rows(tile, T, HQ, HKV, POS, COS, SIN, scos, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """Rows of q/k tile ``tile``: (rows, mask, token, head, is_q, cos, sin), cos/sin [BLOCK_R, BLOCK_HALF] fp32."""
+    hqk = HQ + HKV
+    rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < T * hqk
+    t = rows // hqk
+    h = rows % hqk
+    k = tl.arange(0, BLOCK_HALF)
+    m = rmask[:, None] & (k < HALF)[None, :]
+    pos = tl.load(POS + t, mask=rmask, other=0).to(tl.int64)
+    c = tl.load(COS + pos[:, None] * scos + k[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(SIN + pos[:, None] * scos + k[None, :], mask=m, other=0.0).to(tl.float32)
+    return rows, rmask, t, h, h < HQ, c, s
+
+
+@triton.jit
+def _row_weights(WQ, WK, is_q, cols, cmask):
+    """[rows, cols] fp32: wq on query-head rows, wk on key-head rows."""
+    wq = tl.load(WQ + cols, mask=cmask, other=0.0).to(tl.float32)
+    wk = tl.load(WK + cols, mask=cmask, other=0.0).to(tl.float32)
+    return tl.where(is_q[:, None], wq[None, :], wk[None, :])
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    QKV, POS, COS, SIN, WQ, WK, Q, K, RSTD,
+    T, HQ, HKV, sxt, scos, eps,
+    D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):  # fmt: skip
+    dtype = QKV.dtype.element_ty
+    rows, rmask, t, h, is_q, c, s = _head_rows(
+        tl.program_id(0), T, HQ, HKV, POS, COS, SIN, scos, HALF, BLOCK_R, BLOCK_HALF
+    )
+    k = tl.arange(0, BLOCK_HALF)
+    kmask = k < HALF
+    m = rmask[:, None] & kmask[None, :]
+    x_at = QKV + (t * sxt + h * D)[:, None]
+    x1 = tl.load(x_at + k[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_at + HALF + k[None, :], mask=m, other=0.0).to(tl.float32)
+    if BLOCK_PASS > 0:  # dims past rotary_dim: normed, not rotated
+        p = tl.arange(0, BLOCK_PASS)
+        pmask = p < D - 2 * HALF
+        mp = rmask[:, None] & pmask[None, :]
+        xp = tl.load(x_at + 2 * HALF + p[None, :], mask=mp, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if BLOCK_PASS > 0:
+            ss += tl.sum(xp * xp, axis=1)
+        rstd = tl.rsqrt(ss / D + eps)
+        tl.store(RSTD + rows, rstd, mask=rmask)
+        w1 = _row_weights(WQ, WK, is_q, k, kmask)
+        w2 = _row_weights(WQ + HALF, WK + HALF, is_q, k, kmask)
+        x1 = (w1 * (x1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        if BLOCK_PASS > 0:
+            wp = _row_weights(WQ + 2 * HALF, WK + 2 * HALF, is_q, p, pmask)
+            xp = (wp * (xp * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    # q is [T, HQ, D] and k [T, HKV, D], both contiguous; each row goes to one of them
+    q_at = Q + ((t * HQ + h) * D)[:, None]
+    k_at = K + ((t * HKV + h - HQ) * D)[:, None]
+    mq, mk = m & is_q[:, None], m & ~is_q[:, None]
+    y1 = (x1 * c - x2 * s).to(dtype)
+    y2 = (x2 * c + x1 * s).to(dtype)
+    tl.store(q_at + k[None, :], y1, mask=mq)
+    tl.store(k_at + k[None, :], y1, mask=mk)
+    tl.store(q_at + HALF + k[None, :], y2, mask=mq)
+    tl.store(k_at + HALF + k[None, :], y2, mask=mk)
+    if BLOCK_PASS > 0:
+        tl.store(q_at + 2 * HALF + p[None, :], xp.to(dtype), mask=mp & is_q[:, None])
+        tl.store(k_at + 2 * HALF + p[None, :], xp.to(dtype), mask=mp & ~is_q[:, None])
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(
+    DQ, DK, DV, QKV, POS, COS, SIN, WQ, WK, RSTD, DQKV, DW_PART,
+    T, HQ, HKV, sxt, scos, QK_TILES, V_TILES,
+    D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_RV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # DW_PART [2, programs, D] fp32: this program's partial sums of dwq (plane 0) and dwk (plane 1)
+    dtype = QKV.dtype.element_ty
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    width = (HQ + 2 * HKV) * D
+    k = tl.arange(0, BLOCK_HALF)
+    kmask = k < HALF
+    p = tl.arange(0, BLOCK_PASS if BLOCK_PASS > 0 else 1)
+    pmask = p < D - 2 * HALF
+    dwq1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dwq2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dwk1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dwk2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dwqp = tl.zeros([BLOCK_PASS if BLOCK_PASS > 0 else 1], dtype=tl.float32)
+    dwkp = tl.zeros([BLOCK_PASS if BLOCK_PASS > 0 else 1], dtype=tl.float32)
+    for tile in range(pid, QK_TILES, programs):
+        rows, rmask, t, h, is_q, c, s = _head_rows(tile, T, HQ, HKV, POS, COS, SIN, scos, HALF, BLOCK_R, BLOCK_HALF)
+        m = rmask[:, None] & kmask[None, :]
+        mq, mk = m & is_q[:, None], m & ~is_q[:, None]
+        dq_at = DQ + ((t * HQ + h) * D)[:, None]
+        dk_at = DK + ((t * HKV + h - HQ) * D)[:, None]
+        g1 = tl.load(dq_at + k[None, :], mask=mq, other=0.0) + tl.load(dk_at + k[None, :], mask=mk, other=0.0)
+        g2 = tl.load(dq_at + HALF + k[None, :], mask=mq, other=0.0) + tl.load(
+            dk_at + HALF + k[None, :], mask=mk, other=0.0
+        )
+        g1, g2 = g1.to(tl.float32), g2.to(tl.float32)
+        a1 = g1 * c + g2 * s  # the transpose of the rotation
+        a2 = g2 * c - g1 * s
+        if BLOCK_PASS > 0:
+            mp = rmask[:, None] & pmask[None, :]
+            gq = tl.load(dq_at + 2 * HALF + p[None, :], mask=mp & is_q[:, None], other=0.0)
+            gk = tl.load(dk_at + 2 * HALF + p[None, :], mask=mp & ~is_q[:, None], other=0.0)
+            ap = (gq + gk).to(tl.float32)
+        x_at = QKV + (t * sxt + h * D)[:, None]
+        if HAS_NORM:
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)[:, None]
+            n1 = tl.load(x_at + k[None, :], mask=m, other=0.0).to(tl.float32) * rstd
+            n2 = tl.load(x_at + HALF + k[None, :], mask=m, other=0.0).to(tl.float32) * rstd
+            if COMPUTE_DW:
+                qrow = is_q[:, None]
+                d1 = a1 * n1.to(dtype).to(tl.float32)
+                d2 = a2 * n2.to(dtype).to(tl.float32)
+                dwq1 += tl.sum(tl.where(qrow, d1, 0.0), axis=0)
+                dwk1 += tl.sum(tl.where(qrow, 0.0, d1), axis=0)
+                dwq2 += tl.sum(tl.where(qrow, d2, 0.0), axis=0)
+                dwk2 += tl.sum(tl.where(qrow, 0.0, d2), axis=0)
+            a1 = a1 * _row_weights(WQ, WK, is_q, k, kmask)
+            a2 = a2 * _row_weights(WQ + HALF, WK + HALF, is_q, k, kmask)
+            dot = tl.sum(a1 * n1, axis=1) + tl.sum(a2 * n2, axis=1)
+            if BLOCK_PASS > 0:
+                np_ = tl.load(x_at + 2 * HALF + p[None, :], mask=mp, other=0.0).to(tl.float32) * rstd
+                if COMPUTE_DW:
+                    dp = ap * np_.to(dtype).to(tl.float32)
+                    dwqp += tl.sum(tl.where(qrow, dp, 0.0), axis=0)
+                    dwkp += tl.sum(tl.where(qrow, 0.0, dp), axis=0)
+                ap = ap * _row_weights(WQ + 2 * HALF, WK + 2 * HALF, is_q, p, pmask)
+                dot += tl.sum(ap * np_, axis=1)
+            mean = (dot / D)[:, None]
+            a1 = rstd * (a1 - n1 * mean)
+            a2 = rstd * (a2 - n2 * mean)
+            if BLOCK_PASS > 0:
+                ap = rstd * (ap - np_ * mean)
+        dx_at = DQKV + (t * width + h * D)[:, None]
+        tl.store(dx_at + k[None, :], a1.to(DQKV.dtype.element_ty), mask=m)
+        tl.store(dx_at + HALF + k[None, :], a2.to(DQKV.dtype.element_ty), mask=m)
+        if BLOCK_PASS > 0:
+            tl.store(dx_at + 2 * HALF + p[None, :], ap.to(DQKV.dtype.element_ty), mask=mp)
+    # the v columns of dqkv are dv itself
+    d = tl.arange(0, BLOCK_D)
+    for tile in range(pid, V_TILES, programs):
+        rows = (tile * BLOCK_RV + tl.arange(0, BLOCK_RV)).to(tl.int64)
+        mv = (rows < T * HKV)[:, None] & (d < D)[None, :]
+        t = rows // HKV
+        h = rows % HKV
+        dv = tl.load(DV + rows[:, None] * D + d[None, :], mask=mv)
+        tl.store(DQKV + (t * width + (HQ + HKV + h) * D)[:, None] + d[None, :], dv.to(DQKV.dtype.element_ty), mask=mv)
+    if COMPUTE_DW:
+        q_part = DW_PART + pid.to(tl.int64) * D
+        k_part = q_part + programs.to(tl.int64) * D
+        tl.store(q_part + k, dwq1, mask=kmask)
+        tl.store(q_part + HALF + k, dwq2, mask=kmask)
+        tl.store(k_part + k, dwk1, mask=kmask)
+        tl.store(k_part + HALF + k, dwk2, mask=kmask)
+        if BLOCK_PASS > 0:
+            tl.store(q_part + 2 * HALF + p, dwqp, mask=pmask)
+            tl.store(k_part + 2 * HALF + p, dwkp, mask=pmask)
+
+
+def _tiles(rows: int, width: int, elements: int) -> int:
+    """Rows per tile: about ``elements`` elements of rows ``width`` wide (padded), at most rows' next power of 2."""
+    return max(1, min(triton.next_power_of_2(max(rows, 1)), elements // width))
+
+
+# Elements per tile (of padded head rows: two D/2 halves and the dims past rotary_dim) and warps, forward and backward,
+# and the backward's programs per SM. Chosen so that on sm_90 with D=128 neither kernel spills and four backward
+# programs fit on an SM (ptxas, bf16: 62 and 88 registers per thread). The interpreter uses small tiles so that tiny
+# test shapes span several tiles and the persistent loop runs several times per program.
+_FWD_TILE, _FWD_WARPS = 2048, 8
+_BWD_TILE, _BWD_WARPS, _BWD_PER_SM = 1024, 4, 4
+_INTERPRETER_TILE, _INTERPRETER_PROGRAMS = 128, 3
+
+
+def _pass_block(d: int, half: int) -> int:
+    rest = d - 2 * half
+    return triton.next_power_of_2(rest) if rest > 0 else 0
+
+
+def qk_norm_rope_fwd(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps):
+    """Launch the forward (inputs checked by :func:`qk_norm_rope`). Returns ``(q, k, rstd)``, rstd fp32
+    ``[T * (Hq + Hkv)]`` (empty without norm)."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    t, hq, hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
+    has_norm = q_norm_weight is not None
+    q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, hkv, d), dtype=qkv.dtype, device=qkv.device)
+    rstd = torch.empty(t * (hq + hkv) if has_norm else 0, dtype=torch.float32, device=qkv.device)
+    if t == 0:
+        return q, k, rstd
+    half = cos.shape[1]
+    rows = t * (hq + hkv)
+    block_half, block_pass = triton.next_power_of_2(half), _pass_block(d, half)
+    block_r = _tiles(rows, 2 * block_half + block_pass, _INTERPRETER_TILE if interpreting() else _FWD_TILE)
+    _qk_norm_rope_fwd_kernel[(triton.cdiv(rows, block_r),)](
+        qkv, positions.contiguous(), cos, sin,
+        q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, q, k, rstd if has_norm else q,
+        t, hq, hkv, qkv.stride(0), cos.stride(0), float(eps),
+        D=d, HALF=half, HAS_NORM=has_norm, BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        num_warps=_FWD_WARPS,
+    )  # fmt: skip
+    return q, k, rstd
+
+
+def qk_norm_rope_bwd(dq, dk, dv, qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight,
+                     k_norm_weight, rstd, compute_dweight=True):  # fmt: skip
+    """Launch the backward. Returns ``(dqkv [T, width] contiguous, dwq, dwk)`` (the dweights None without norm or
+    without ``compute_dweight``)."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    t, hq, hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
+    has_norm = q_norm_weight is not None
+    compute_dw = has_norm and compute_dweight
+    assert dq.shape == (t, hq, d) and dk.shape == (t, hkv, d) and dv.shape == (t, hkv, d), (
+        f"qk_norm_rope backward: gradients {tuple(dq.shape)}, {tuple(dk.shape)}, {tuple(dv.shape)} do not match "
+        f"q [{t}, {hq}, {d}], k and v [{t}, {hkv}, {d}]"
+    )
+    dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+    dqkv = torch.empty((t, (hq + 2 * hkv) * d), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        zeros = (torch.zeros_like(q_norm_weight), torch.zeros_like(k_norm_weight)) if compute_dw else (None, None)
+        return dqkv, *zeros
+    half = cos.shape[1]
+    rows = t * (hq + hkv)
+    tile = _INTERPRETER_TILE if interpreting() else _BWD_TILE
+    block_half, block_pass, block_d = triton.next_power_of_2(half), _pass_block(d, half), triton.next_power_of_2(d)
+    block_r = _tiles(rows, 2 * block_half + block_pass, tile)
+    block_rv = _tiles(t * hkv, block_d, tile)
+    qk_tiles, v_tiles = triton.cdiv(rows, block_r), triton.cdiv(t * hkv, block_rv)
+    cap = _INTERPRETER_PROGRAMS if interpreting() or not qkv.is_cuda else _BWD_PER_SM * _sm_count(qkv.device.index or 0)
+    programs = max(1, min(max(qk_tiles, v_tiles), cap))
+    dw_part = torch.empty((2, programs, d), dtype=torch.float32, device=qkv.device) if compute_dw else dqkv
+    _qk_norm_rope_bwd_kernel[(programs,)](
+        dq, dk, dv, qkv, positions.contiguous(), cos, sin,
+        q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, rstd if has_norm else dq,
+        dqkv, dw_part,
+        t, hq, hkv, qkv.stride(0), cos.stride(0), qk_tiles, v_tiles,
+        D=d, HALF=half, HAS_NORM=has_norm, COMPUTE_DW=compute_dw, BLOCK_R=block_r, BLOCK_HALF=block_half,
+        BLOCK_PASS=block_pass, BLOCK_RV=block_rv, BLOCK_D=block_d, num_warps=_BWD_WARPS,
+    )  # fmt: skip
+    if not compute_dw:
+        return dqkv, None, None
+    dw = dw_part.sum(1)  # one small reduction for both weights
+    return dqkv, dw[0].to(q_norm_weight.dtype), dw[1].to(k_norm_weight.dtype)
+
+
+class QKNormRopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps):
+        heads = (num_heads, num_kv_heads, head_dim)
+        q, k, rstd = qk_norm_rope_fwd(qkv, positions, cos, sin, *heads, q_norm_weight, k_norm_weight, eps)
+        ctx.heads = heads
+        ctx.save_for_backward(qkv, positions, cos, sin, q_norm_weight, k_norm_weight, rstd)
+        # v is returned as a view of the input: autograd hands its gradient to backward() (in-place ops on it raise)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(1, (num_kv_heads, head_dim))
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        qkv, positions, cos, sin, wq, wk, rstd = ctx.saved_tensors
+        need_wq, need_wk = ctx.needs_input_grad[7], ctx.needs_input_grad[8]
+        dqkv, dwq, dwk = qk_norm_rope_bwd(
+            dq, dk, dv, qkv, positions, cos, sin, *ctx.heads, wq, wk, rstd, compute_dweight=need_wq or need_wk
+        )
+        return dqkv, None, None, None, None, None, None, (dwq if need_wq else None), (dwk if need_wk else None), None
+
+
+def qk_norm_rope_native(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+                        eps):  # fmt: skip
+    """The unfused chain (split -> rms_norm -> apply_rope natives): the oracle and the CPU path; differentiable."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = rms_norm_native(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = rms_norm_native(k, k_norm_weight, eps)
+    return apply_rope_native(q, positions, cos, sin), apply_rope_native(k, positions, cos, sin), v
+
+
+def _check(qkv, positions, cos, sin, q_norm_weight, k_norm_weight, hq, hkv, d):
+    if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d:
+        raise ValueError(
+            f"qk_norm_rope: qkv must be [T, (Hq + 2*Hkv) * D] = [T, {(hq + 2 * hkv) * d}] for Hq={hq}, "
+            f"Hkv={hkv}, D={d}, got {tuple(qkv.shape)}"
+        )
+    if qkv.dtype not in _FLOATS:
+        raise ValueError(f"qk_norm_rope: qkv must be fp16/bf16/fp32, got {qkv.dtype}")
+    t = qkv.shape[0]
+    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"qk_norm_rope: positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}"
+        )
+    if cos.dim() != 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[1] <= d:
+        raise ValueError(
+            f"qk_norm_rope: cos and sin must both be [max_position, rotary_dim/2] with rotary_dim in "
+            f"(0, D={d}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and (w.shape != (d,) or w.dtype not in _FLOATS):
+            raise ValueError(f"qk_norm_rope: {name} must be a float [D={d}] or None, got {w.dtype} {tuple(w.shape)}")
+    devices = {x.device for x in (qkv, positions, cos, sin, q_norm_weight, k_norm_weight) if x is not None}
+    if len(devices) > 1:
+        raise ValueError(f"qk_norm_rope: tensors on different devices: {sorted(map(str, devices))}")
+
+
+def qk_norm_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps):
+    """Per-head RMSNorm of q and k (weights optional), then NeoX RoPE, differentiable: one launch each way.
+
+    ``qkv [T, (Hq + 2*Hkv) * D]`` (any row stride) holds this rank's heads (local counts under TP); ``cos``/``sin``
+    fp32 ``[P, rotary_dim/2]``; positions lie in ``[0, P)`` (not checked: no host sync). Returns ``q [T, Hq, D]``
+    and ``k [T, Hkv, D]`` (new) and ``v``, a ``[T, Hkv, D]`` view of ``qkv``; the same values as
+    :func:`qk_norm_rope_native`. The kernels need both weights or neither, in qkv's dtype; else the native path runs.
+    """
+    heads = (num_heads, num_kv_heads, head_dim)
+    _check(qkv, positions, cos, sin, q_norm_weight, k_norm_weight, *heads)
+    weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
+    supported = (
+        head_dim <= MAX_HEAD_DIM
+        and len(weights) in (0, 2)
+        and all(w.dtype == qkv.dtype and w.stride(0) == 1 for w in weights)
+    )
+    if use_triton(qkv, positions, cos, sin, q_norm_weight, k_norm_weight, supported=supported):
+        return QKNormRopeFunction.apply(qkv, positions, cos, sin, *heads, q_norm_weight, k_norm_weight, eps)
+    return qk_norm_rope_native(qkv, positions, cos, sin, *heads, q_norm_weight, k_norm_weight, eps)
