@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8; issue 23 on nvidia-h200-x2: x2sync x2g1
 #   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
@@ -78,6 +78,15 @@ for stage in "$@"; do
         .whl_trl/*.whl >>"$LOG" 2>&1
       step grpo_step ${G1_LIMIT:-420} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py \
         --train-cuda-graphs off,on ;;
+    s8)  # eighth session's kernels on the GPU (fused qk-norm+RoPE, master AdamW, logit-gradient TMA store, merged
+      # backward as the default), then T1/T2 against transformers + AdamW and the T2 kernel profile
+      step s8-tests 240 python3 -m pytest -m gpu -q --timeout 200 --tb=short -p no:cacheprovider \
+        tests/kernels/test_qk_norm_rope.py tests/kernels/test_adamw.py tests/kernels/test_linear_logprobs.py \
+        tests/rl/test_train_graphs_gpu.py tests/models/test_gpu.py
+      step s8-attn 150 python3 -m pytest -m gpu -q --timeout 140 --tb=short -p no:cacheprovider \
+        tests/kernels/test_attention.py -k "tma_every_candidate or training_shape"
+      step t12 200 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
+      step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45 ;;
     # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
     x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
       step policy_sync 300 python3 bench/policy_sync.py
