@@ -174,13 +174,11 @@ def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, N, V, H, voca
 
 @triton.jit
 def _grad_logits_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, out_ptr,
-                        out_desc, C, Vc, H, row0, v0, vocab_start, inv_temp, stride_h, stride_w, stride_out,
+                        C, Vc, H, row0, v0, vocab_start, inv_temp, stride_h, stride_w, stride_out,
                         HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-                        DESC_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_N: tl.constexpr):  # fmt: skip
     # out[r, c] = (g_lp[r] (onehot - p) - g_ent[r] p (log p + ent[r])) / T for the chunk rows row0.., cols v0..
-    # DESC_OUT: the tile leaves through a descriptor over out[:C, :Vc] (a TMA store clipped at its bounds) instead
-    # of a [BLOCK_N, BLOCK_V] tensor of addresses.
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(C, BLOCK_N)
     tiles_v = tl.cdiv(Vc, BLOCK_V)
@@ -212,11 +210,8 @@ def _grad_logits_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, lse_ptr, ent_ptr,
         gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
         g -= gent[:, None] * p * (logp + ent[:, None])
     g = g * inv_temp
-    if DESC_OUT:
-        out_desc.store([pid_n * BLOCK_N, pid_v * BLOCK_V], g.to(out_ptr.dtype.element_ty))
-    else:
-        out = out_ptr + r_loc.to(tl.int64)[:, None] * stride_out + c_loc[None, :]
-        tl.store(out, g.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    out = out_ptr + r_loc.to(tl.int64)[:, None] * stride_out + c_loc[None, :]
+    tl.store(out, g.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 _EVEN_K = triton.heuristics({"EVEN_K": lambda args: args["H"] % args["BLOCK_K"] == 0})
@@ -229,8 +224,6 @@ def _set_blocks(nargs):
     for name, rows in (("h_desc", "BLOCK_N"), ("w_desc", "BLOCK_V")):
         if isinstance(nargs[name], TensorDescriptor):
             nargs[name].block_shape = [nargs[rows], nargs["BLOCK_K"]]
-    if isinstance(nargs.get("out_desc"), TensorDescriptor):
-        nargs["out_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_V"]]
 
 
 def _configs(grad):
@@ -255,7 +248,7 @@ def _configs(grad):
 
 
 _stats_tuned = triton.autotune(_configs(False), key=["H", "V", "HAS_ENT", "IEEE", "TMA"])(_stats)
-_grad_tuned = triton.autotune(_configs(True), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA", "DESC_OUT"])(_grad_logits)
+_grad_tuned = triton.autotune(_configs(True), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(_grad_logits)
 _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
 _INTERPRET_FLAT = False  # tests flip it to run the flat-loop forward too
 
@@ -315,17 +308,11 @@ def _triton_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, row
     H = hidden.shape[1]
     has_ent = g_ent is not None
     tma = isinstance(operands[0], TensorDescriptor)
-    out_desc = None  # with the TMA loads, the store by descriptor too where out's rows are 16-byte aligned
-    if tma and _tma_possible(out):
-        out_desc = TensorDescriptor(out, [rows, cols], [out.stride(0), 1], [_INTERPRET_CFG["BLOCK_N"],
-                                                                           _INTERPRET_CFG["BLOCK_V"]])
     args = (hidden, weight, *operands, targets, lse, ent if has_ent else lse, g_lp, g_ent if has_ent else g_lp, out,
-            out_desc, rows, cols, H, row0, v0, vocab_start, inv_temp, hidden.stride(0), weight.stride(0),
-            out.stride(0))  # fmt: skip
-    flags = {"HAS_ENT": has_ent, "IEEE": hidden.dtype == torch.float32, "TMA": tma, "DESC_OUT": out_desc is not None}
+            rows, cols, H, row0, v0, vocab_start, inv_temp, hidden.stride(0), weight.stride(0), out.stride(0))
+    flags = {"HAS_ENT": has_ent, "IEEE": hidden.dtype == torch.float32, "TMA": tma}
     if not _on_device(hidden):
         cfg = {**_INTERPRET_CFG, "GROUP_N": 2}
-        _set_blocks({**dict(zip(_grad_logits_kernel.arg_names, args)), **cfg})
         grid = (triton.cdiv(rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
         _grad_logits[grid](*args, **flags, **cfg)
     else:
@@ -465,10 +452,7 @@ def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_
     # Two streams: the recompute of chunk i + 1 (side stream, its own buffer) runs beside the gradient GEMMs of
     # chunk i (current stream), filling each kernel's last wave and the epilogues; events order buffer reuse.
     overlap = triton_path and opts.streams == 2 and _on_device(hidden) and len(chunks) > 1
-    # rows padded to 16 bytes: the gradient tile is stored by descriptor (TMA) and cuBLAS reads aligned rows
-    pad = -(-cols // 8) * 8
-    bufs = [torch.empty(rows, pad, dtype=gdt, device=hidden.device)[:, :cols] for _ in range(1 + overlap)] \
-        if triton_path else []  # fmt: skip
+    bufs = [torch.empty(rows, cols, dtype=gdt, device=hidden.device) for _ in range(1 + overlap)] if triton_path else []
     operands = _operands(hidden, weight, opts.tma) if triton_path else None
     if overlap:
         main, side = torch.cuda.current_stream(hidden.device), _side_stream(hidden.device.index or 0)
