@@ -38,6 +38,8 @@ Bytes per token, E = element size, Hqk = Hq + Hkv:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -128,13 +130,16 @@ def _qk_norm_rope_fwd_kernel(
 @triton.jit
 def _qk_norm_rope_bwd_kernel(
     DQ, DK, DV, QKV, POS, COS, SIN, WQ, WK, RSTD, DQKV, DW_PART,
-    T, HQ, HKV, sxt, scos, QK_TILES, V_TILES,
+    T, HQ, HKV, sxt, scos, ROWS_BUCKET,
     D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, COMPUTE_DW: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_RV: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # DW_PART [2, programs, D] fp32: this program's partial sums of dwq (plane 0) and dwk (plane 1)
+    # DW_PART [2, programs, D] fp32: this program's partial sums of dwq (plane 0) and dwk (plane 1).
+    # ROWS_BUCKET: the row count's power of two (the autotuning key only).
     dtype = QKV.dtype.element_ty
+    QK_TILES = tl.cdiv(T * (HQ + HKV), BLOCK_R)
+    V_TILES = tl.cdiv(T * HKV, BLOCK_RV)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     width = (HQ + 2 * HKV) * D
@@ -142,12 +147,14 @@ def _qk_norm_rope_bwd_kernel(
     kmask = k < HALF
     p = tl.arange(0, BLOCK_PASS if BLOCK_PASS > 0 else 1)
     pmask = p < D - 2 * HALF
-    dwq1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-    dwq2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-    dwk1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-    dwk2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
-    dwqp = tl.zeros([BLOCK_PASS if BLOCK_PASS > 0 else 1], dtype=tl.float32)
-    dwkp = tl.zeros([BLOCK_PASS if BLOCK_PASS > 0 else 1], dtype=tl.float32)
+    # dweight partials as [BLOCK_R, cols] register tiles, summed over rows once after the loop (a cross-warp
+    # reduction per tile would put a block-wide barrier in every iteration)
+    dwq1 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
+    dwq2 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
+    dwk1 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
+    dwk2 = tl.zeros([BLOCK_R, BLOCK_HALF], dtype=tl.float32)
+    dwqp = tl.zeros([BLOCK_R, BLOCK_PASS if BLOCK_PASS > 0 else 1], dtype=tl.float32)
+    dwkp = tl.zeros([BLOCK_R, BLOCK_PASS if BLOCK_PASS > 0 else 1], dtype=tl.float32)
     for tile in range(pid, QK_TILES, programs):
         rows, rmask, t, h, is_q, c, s = _head_rows(tile, T, HQ, HKV, POS, COS, SIN, scos, HALF, BLOCK_R, BLOCK_HALF)
         m = rmask[:, None] & kmask[None, :]
@@ -175,10 +182,10 @@ def _qk_norm_rope_bwd_kernel(
                 qrow = is_q[:, None]
                 d1 = a1 * n1.to(dtype).to(tl.float32)
                 d2 = a2 * n2.to(dtype).to(tl.float32)
-                dwq1 += tl.sum(tl.where(qrow, d1, 0.0), axis=0)
-                dwk1 += tl.sum(tl.where(qrow, 0.0, d1), axis=0)
-                dwq2 += tl.sum(tl.where(qrow, d2, 0.0), axis=0)
-                dwk2 += tl.sum(tl.where(qrow, 0.0, d2), axis=0)
+                dwq1 += tl.where(qrow, d1, 0.0)
+                dwk1 += tl.where(qrow, 0.0, d1)
+                dwq2 += tl.where(qrow, d2, 0.0)
+                dwk2 += tl.where(qrow, 0.0, d2)
             a1 = a1 * _row_weights(WQ, WK, is_q, k, kmask)
             a2 = a2 * _row_weights(WQ + HALF, WK + HALF, is_q, k, kmask)
             dot = tl.sum(a1 * n1, axis=1) + tl.sum(a2 * n2, axis=1)
@@ -186,8 +193,8 @@ def _qk_norm_rope_bwd_kernel(
                 np_ = tl.load(x_at + 2 * HALF + p[None, :], mask=mp, other=0.0).to(tl.float32) * rstd
                 if COMPUTE_DW:
                     dp = ap * np_.to(dtype).to(tl.float32)
-                    dwqp += tl.sum(tl.where(qrow, dp, 0.0), axis=0)
-                    dwkp += tl.sum(tl.where(qrow, 0.0, dp), axis=0)
+                    dwqp += tl.where(qrow, dp, 0.0)
+                    dwkp += tl.where(qrow, 0.0, dp)
                 ap = ap * _row_weights(WQ + 2 * HALF, WK + 2 * HALF, is_q, p, pmask)
                 dot += tl.sum(ap * np_, axis=1)
             mean = (dot / D)[:, None]
@@ -212,13 +219,13 @@ def _qk_norm_rope_bwd_kernel(
     if COMPUTE_DW:
         q_part = DW_PART + pid.to(tl.int64) * D
         k_part = q_part + programs.to(tl.int64) * D
-        tl.store(q_part + k, dwq1, mask=kmask)
-        tl.store(q_part + HALF + k, dwq2, mask=kmask)
-        tl.store(k_part + k, dwk1, mask=kmask)
-        tl.store(k_part + HALF + k, dwk2, mask=kmask)
+        tl.store(q_part + k, tl.sum(dwq1, axis=0), mask=kmask)
+        tl.store(q_part + HALF + k, tl.sum(dwq2, axis=0), mask=kmask)
+        tl.store(k_part + k, tl.sum(dwk1, axis=0), mask=kmask)
+        tl.store(k_part + HALF + k, tl.sum(dwk2, axis=0), mask=kmask)
         if BLOCK_PASS > 0:
-            tl.store(q_part + 2 * HALF + p, dwqp, mask=pmask)
-            tl.store(k_part + 2 * HALF + p, dwkp, mask=pmask)
+            tl.store(q_part + 2 * HALF + p, tl.sum(dwqp, axis=0), mask=pmask)
+            tl.store(k_part + 2 * HALF + p, tl.sum(dwkp, axis=0), mask=pmask)
 
 
 def _tiles(rows: int, width: int, elements: int) -> int:
@@ -227,12 +234,30 @@ def _tiles(rows: int, width: int, elements: int) -> int:
 
 
 # Elements per tile (of padded head rows: two D/2 halves and the dims past rotary_dim) and warps, forward and backward,
-# and the backward's programs per SM. Chosen so that on sm_90 with D=128 neither kernel spills and four backward
-# programs fit on an SM (ptxas, bf16: 62 and 88 registers per thread). The interpreter uses small tiles so that tiny
-# test shapes span several tiles and the persistent loop runs several times per program.
+# and the backward's programs per SM. On sm_90 with D=128 neither kernel spills (ptxas, bf16: 62 and 96 registers per
+# thread); 16 backward programs per SM leave the small tilings enough programs to fill an SM. The interpreter uses
+# small tiles so that tiny test shapes span several tiles and the persistent loop runs several times per program.
 _FWD_TILE, _FWD_WARPS = 2048, 8
-_BWD_TILE, _BWD_WARPS, _BWD_PER_SM = 1024, 4, 4
+_BWD_TILE, _BWD_WARPS, _BWD_PER_SM = 1024, 4, 16
 _INTERPRETER_TILE, _INTERPRETER_PROGRAMS = 128, 3
+# On CUDA the backward's tiling is autotuned (elements per tile, warps) over this list at a fixed program count
+# (_BWD_PER_SM per SM, sized by the smallest tile), so every candidate writes every partial row of dweight. The
+# first measurement (H200, T2's 16,384 tokens x 24 q/k heads, D=128) had the fixed 1024 / 4 warps at 0.38 ms a layer,
+# ~1.5 TB/s, where the forward streams at ~3 TB/s.
+_BWD_TILES = [(1024, 4), (2048, 8), (2048, 4), (4096, 8), (512, 2), (1024, 2)]
+
+
+@functools.cache
+def _tuned_bwd(width: int, width_v: int):
+    """The backward autotuned over _BWD_TILES for head rows ``width`` (padded) and v rows ``width_v`` wide."""
+    configs = [triton.Config({"BLOCK_R": max(1, tile // width), "BLOCK_RV": max(1, tile // width_v)}, num_warps=w)
+               for tile, w in _BWD_TILES]
+    return triton.autotune(configs, key=["ROWS_BUCKET", "D", "HALF", "HAS_NORM", "COMPUTE_DW"])(
+        _qk_norm_rope_bwd_kernel)
+
+
+def _pow2_bucket(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
 
 
 def _pass_block(d: int, half: int) -> int:
@@ -290,22 +315,25 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, positions, cos, sin, num_heads, num_kv_hea
         return dqkv, *zeros
     half = cos.shape[1]
     rows = t * (hq + hkv)
-    tile = _INTERPRETER_TILE if interpreting() else _BWD_TILE
     block_half, block_pass, block_d = triton.next_power_of_2(half), _pass_block(d, half), triton.next_power_of_2(d)
-    block_r = _tiles(rows, 2 * block_half + block_pass, tile)
-    block_rv = _tiles(t * hkv, block_d, tile)
+    width = 2 * block_half + block_pass
+    tuned = qkv.is_cuda and not interpreting() and rows >= _BWD_TILES[0][0]  # small inputs: the one fixed tiling
+    tile = _INTERPRETER_TILE if interpreting() else (min(t for t, _ in _BWD_TILES) if tuned else _BWD_TILE)
+    block_r, block_rv = _tiles(rows, width, tile), _tiles(t * hkv, block_d, tile)
     qk_tiles, v_tiles = triton.cdiv(rows, block_r), triton.cdiv(t * hkv, block_rv)
     cap = _INTERPRETER_PROGRAMS if interpreting() or not qkv.is_cuda else _BWD_PER_SM * _sm_count(qkv.device.index or 0)
-    programs = max(1, min(max(qk_tiles, v_tiles), cap))
+    programs = max(1, min(max(qk_tiles, v_tiles), cap))  # the same for every tuned tiling
     dw_part = torch.empty((2, programs, d), dtype=torch.float32, device=qkv.device) if compute_dw else dqkv
-    _qk_norm_rope_bwd_kernel[(programs,)](
-        dq, dk, dv, qkv, positions.contiguous(), cos, sin,
-        q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, rstd if has_norm else dq,
-        dqkv, dw_part,
-        t, hq, hkv, qkv.stride(0), cos.stride(0), qk_tiles, v_tiles,
-        D=d, HALF=half, HAS_NORM=has_norm, COMPUTE_DW=compute_dw, BLOCK_R=block_r, BLOCK_HALF=block_half,
-        BLOCK_PASS=block_pass, BLOCK_RV=block_rv, BLOCK_D=block_d, num_warps=_BWD_WARPS,
-    )  # fmt: skip
+    args = (dq, dk, dv, qkv, positions.contiguous(), cos, sin,
+            q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, rstd if has_norm else dq,
+            dqkv, dw_part, t, hq, hkv, qkv.stride(0), cos.stride(0))  # fmt: skip
+    consts = dict(D=d, HALF=half, HAS_NORM=has_norm, COMPUTE_DW=compute_dw, BLOCK_HALF=block_half,
+                  BLOCK_PASS=block_pass, BLOCK_D=block_d)
+    if tuned:  # the tile counts follow each candidate's rows per tile
+        _tuned_bwd(width, block_d)[(programs,)](*args, _pow2_bucket(rows), **consts)
+    else:
+        _qk_norm_rope_bwd_kernel[(programs,)](*args, _pow2_bucket(rows), **consts, BLOCK_R=block_r, BLOCK_RV=block_rv,
+                                              num_warps=_BWD_WARPS)
     if not compute_dw:
         return dqkv, None, None
     dw = dw_part.sum(1)  # one small reduction for both weights
