@@ -307,7 +307,10 @@ def test_gpu_bf16_training_shape(norm):
         _close(got, want, TOL[dt], f"{name} vs float64")
     for name, got, ref in zip("qk", outs, unfused):
         differ = (got != ref).float().mean().item()
-        gap = ((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)).max().item()
-        assert differ <= 0.01 and gap <= 2**-7, f"{name}: {differ:.2%} of elements differ, relative gap {gap}"
+        # a one-ulp flip of the normed value moves an output by at most ~2^-8 of its head row's largest value (RoPE
+        # may cancel the element itself: on the H200 one element in 5e5 differed by 1.3% of its own size)
+        row = ref.float().abs().amax(-1, keepdim=True).clamp_min(1e-3)
+        gap = ((got.float() - ref.float()).abs() / row).max().item()
+        assert differ <= 0.01 and gap <= 2**-7, f"{name}: {differ:.2%} of elements differ, gap {gap} of the row max"
     for name, got, want in zip(["dqkv", "dwq", "dwk"], grads, exact_grads):
         _close(got, want, GRAD_TOL[dt], name, scale_by_max=name != "dqkv")
