@@ -10,6 +10,7 @@ from areno.kernels import linear_logprobs as _linear_logprobs
 from areno.kernels import moe as _moe
 from areno.kernels import paged_attention as _paged_attention
 from areno.kernels import penalties as _penalties
+from areno.kernels import qk_norm_rope as _qk_norm_rope
 from areno.kernels import qkv_prologue as _qkv_prologue
 from areno.kernels import rms_norm as _rms_norm
 from areno.kernels import rope as _rope
@@ -19,6 +20,7 @@ attention = _attention.attention
 paged_attention = _paged_attention.paged_attention
 store_kvcache = _paged_attention.store_kvcache
 qkv_prologue = _qkv_prologue.qkv_prologue
+qk_norm_rope = _qk_norm_rope.qk_norm_rope
 rms_norm = _rms_norm.rms_norm
 apply_rope = _rope.apply_rope
 rope_cos_sin = _rope.rope_cos_sin
