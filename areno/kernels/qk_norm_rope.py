@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.qkv_prologue import check_prologue_inputs
 from areno.kernels.rms_norm import _sm_count, rms_norm_native
 from areno.kernels.rope import apply_rope_native
 
@@ -375,26 +376,8 @@ def qk_norm_rope_native(qkv, positions, cos, sin, num_heads, num_kv_heads, head_
 
 
 def _check(qkv, positions, cos, sin, q_norm_weight, k_norm_weight, hq, hkv, d):
-    if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d:
-        raise ValueError(
-            f"qk_norm_rope: qkv must be [T, (Hq + 2*Hkv) * D] = [T, {(hq + 2 * hkv) * d}] for Hq={hq}, "
-            f"Hkv={hkv}, D={d}, got {tuple(qkv.shape)}"
-        )
-    if qkv.dtype not in _FLOATS:
-        raise ValueError(f"qk_norm_rope: qkv must be fp16/bf16/fp32, got {qkv.dtype}")
-    t = qkv.shape[0]
-    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"qk_norm_rope: positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}"
-        )
-    if cos.dim() != 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[1] <= d:
-        raise ValueError(
-            f"qk_norm_rope: cos and sin must both be [max_position, rotary_dim/2] with rotary_dim in "
-            f"(0, D={d}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
-        )
-    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        if w is not None and (w.shape != (d,) or w.dtype not in _FLOATS):
-            raise ValueError(f"qk_norm_rope: {name} must be a float [D={d}] or None, got {w.dtype} {tuple(w.shape)}")
+    check_prologue_inputs("qk_norm_rope", qkv, positions, cos, sin,
+                          {"q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight}, hq, hkv, d)
     devices = {x.device for x in (qkv, positions, cos, sin, q_norm_weight, k_norm_weight) if x is not None}
     if len(devices) > 1:
         raise ValueError(f"qk_norm_rope: tensors on different devices: {sorted(map(str, devices))}")

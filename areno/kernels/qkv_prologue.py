@@ -177,27 +177,35 @@ def qkv_prologue_native(
     return q, k, v
 
 
-def _check(qkv, positions, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping, hq, hkv, d):
+def check_prologue_inputs(who, qkv, positions, cos, sin, weights, hq, hkv, d):
+    """The checks qkv_prologue and qk_norm_rope share: qkv's shape and dtype, positions, cos/sin tables, the two
+    norm weights (``weights``: {argument name: tensor or None}); errors name ``who`` and the argument."""
     if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d:
         raise ValueError(
-            f"qkv_prologue: qkv must be [T, (Hq + 2*Hkv) * D] = [T, {(hq + 2 * hkv) * d}] for Hq={hq}, "
+            f"{who}: qkv must be [T, (Hq + 2*Hkv) * D] = [T, {(hq + 2 * hkv) * d}] for Hq={hq}, "
             f"Hkv={hkv}, D={d}, got {tuple(qkv.shape)}"
         )
     if qkv.dtype not in _FLOATS:
-        raise ValueError(f"qkv_prologue: qkv must be fp16/bf16/fp32, got {qkv.dtype}")
+        raise ValueError(f"{who}: qkv must be fp16/bf16/fp32, got {qkv.dtype}")
     t = qkv.shape[0]
     if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(
-            f"qkv_prologue: positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}"
+            f"{who}: positions must be int32/int64 [T={t}], got {positions.dtype} {tuple(positions.shape)}"
         )
     if cos.dim() != 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[1] <= d:
         raise ValueError(
-            f"qkv_prologue: cos and sin must both be [max_position, rotary_dim/2] with rotary_dim in "
+            f"{who}: cos and sin must both be [max_position, rotary_dim/2] with rotary_dim in "
             f"(0, D={d}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
         )
-    for name, w in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
+    for name, w in weights.items():
         if w is not None and (w.shape != (d,) or w.dtype not in _FLOATS):
-            raise ValueError(f"qkv_prologue: {name} must be a float [D={d}] or None, got {w.dtype} {tuple(w.shape)}")
+            raise ValueError(f"{who}: {name} must be a float [D={d}] or None, got {w.dtype} {tuple(w.shape)}")
+
+
+def _check(qkv, positions, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, slot_mapping, hq, hkv, d):
+    check_prologue_inputs("qkv_prologue", qkv, positions, cos, sin, {"q_norm_w": q_norm_w, "k_norm_w": k_norm_w},
+                          hq, hkv, d)
+    t = qkv.shape[0]
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hkv, d):
         raise ValueError(
             f"qkv_prologue: k_cache/v_cache must both be [num_blocks, block_size, Hkv={hkv}, D={d}], "
