@@ -167,29 +167,10 @@ def _attn_bwd_dkdv_tma_kernel(
     # TMA for every query head of the GQA group. Query blocks above the diagonal are skipped, the band masked. Key
     # rows past Lk (the next sequence's) only touch their own dK/dV rows, which are not stored.
     start_n, b, hk, k_start, Lk = key_tile(CU_K)
-    if start_n * BLOCK_N >= Lk:
-        return
     q_start, Lq = seq_span(CU_Q, b)
-    diag = Lk - Lq
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = desc_k.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
-    v = desc_v.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        lse_ptr = LSE + h * stride_lh + q_start
-        delta_ptr = DELTA + h * stride_lh + q_start
-        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
-                          h * BLOCK_D, offs_m, cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D, BLOCK_M,
-                          True, CAUSAL, DOT_PREC, True, True, False, False, False)
-        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
-                          h * BLOCK_D, offs_m, cols, 0, a1, end, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D, BLOCK_M,
-                          True, False, DOT_PREC, True, True, False, False, False)
-    _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
-                    BLOCK_N, BLOCK_D)
+    _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, start_n, hk, k_start, Lk,
+                       q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC,
+                       BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["stride_lh"])
@@ -265,7 +246,8 @@ def _attn_bwd_fused_tma_kernel(
 def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, t, hk, k_start, Lk,
                        q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D: tl.constexpr,
                        CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The merged backward's phase 1: the dK/dV kernel's program for key tile t (nothing past Lk)."""
+    """The dK/dV program for key tile t (nothing past Lk): the whole of the standalone dK/dV kernel and the merged
+    backward's phase 1."""
     if t * BLOCK_N < Lk:
         diag = Lk - Lq
         offs_m = tl.arange(0, BLOCK_M)

@@ -266,13 +266,19 @@ def _pass_block(d: int, half: int) -> int:
     return triton.next_power_of_2(rest) if rest > 0 else 0
 
 
-def qk_norm_rope_fwd(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps):
-    """Launch the forward (inputs checked by :func:`qk_norm_rope`). Returns ``(q, k, rstd)``, rstd fp32
-    ``[T * (Hq + Hkv)]`` (empty without norm)."""
+def _kernel_layout(qkv, cos, sin):
+    """qkv with a unit last stride, cos/sin with unit column strides and one layout (copies only where not)."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if cos.stride(1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
+    return qkv, cos, sin
+
+
+def qk_norm_rope_fwd(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps):
+    """Launch the forward (inputs checked by :func:`qk_norm_rope`). Returns ``(q, k, rstd)``, rstd fp32
+    ``[T * (Hq + Hkv)]`` (empty without norm)."""
+    qkv, cos, sin = _kernel_layout(qkv, cos, sin)
     t, hq, hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
     has_norm = q_norm_weight is not None
     q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
@@ -298,10 +304,7 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, positions, cos, sin, num_heads, num_kv_hea
                      k_norm_weight, rstd, compute_dweight=True):  # fmt: skip
     """Launch the backward. Returns ``(dqkv [T, width] contiguous, dwq, dwk)`` (the dweights None without norm or
     without ``compute_dweight``)."""
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
-    if cos.stride(1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
+    qkv, cos, sin = _kernel_layout(qkv, cos, sin)
     t, hq, hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
     has_norm = q_norm_weight is not None
     compute_dw = has_norm and compute_dweight
