@@ -13,7 +13,8 @@ Times: forward (no autograd graph), backward (autograd.grad of q, k, v from a sa
 each row with its fwd+bwd and backward-only speed-ups over SDPA flash and cuDNN, and the largest gradient
 difference between the variants at the first length is printed; the decode part is skipped.
 --variants: the same for the (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pairs in VARIANT_PAIRS (impl "areno fwd=<f> bwd=<b>"),
-plus each backward's time per kernel (torch profiler) at every length, so a slow kernel shows by name.
+plus each backward's time per kernel (torch profiler) at every length, so a slow kernel shows by name; --pairs
+tma:tma_merged,tma:tma_ds times only those pairs.
 --seqs: the lengths L of those two modes (default 1024 4096 8192).
 With --variants the autotuner's time per candidate config of each TMA kernel is printed; ARENO_ATTN_SWEEP=1 widens
 the d128 candidate lists, ARENO_ATTN_SWEEP=2 tries the chosen tiles' neighbourhood with register caps
@@ -91,7 +92,7 @@ def measure(fwd, inputs):
 # beside today's backward (the forward's LSE feeds every backward alike, so a forward and a backward can be picked
 # independently from these rows).
 VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "fused_tma"), ("tma", "split"),
-                 ("tma", "tma_merged")]
+                 ("tma", "tma_merged"), ("tma", "tma_ds")]
 
 
 def areno_attention(L, cu, variant):
@@ -206,7 +207,7 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
         if bwd_variants and CUDA:
             sweep = os.environ.get("ARENO_ATTN_SWEEP")  # attention_tma.py: a wide TMA candidate list
-            tma_kinds = ("fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma")
+            tma_kinds = ("fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma", "dkdv_ds_tma", "dq_ds_tma")
             for kind in ("fused", *tma_kinds) if sweep else tma_kinds:
                 print_config_timings(kind, L)
             for name, fn, inputs in impls:
@@ -327,7 +328,8 @@ K1_COLUMNS = ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd
 
 def print_tuned_configs():
     print("\nautotuned attention configs (key -> config):")
-    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma"):
+    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma",
+                 "dkdv_ds_tma", "dq_ds_tma"):
         for key, cfg in attention_module._tuned(kind, 128).cache.items():
             print(f"  {kind} {key}: {cfg}")
 
@@ -374,6 +376,8 @@ def main():
                     help="K1 only: areno once per (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pair of VARIANT_PAIRS beside SDPA")
     ap.add_argument("--seqs", type=int, nargs="+", default=None,
                     help="K1 lengths for --variants / --bwd-variants (default 1024 4096 8192)")
+    ap.add_argument("--pairs", default=None,
+                    help="--variants only: the FWD:BWD pairs to time, comma-separated (default: all of VARIANT_PAIRS)")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per length for --variants / --bwd-variants (default 8, K1; 4 is T2's attention)")
     args = ap.parse_args()
@@ -388,6 +392,15 @@ def main():
             ap.error("--variants / --bwd-variants run K1 only: --rollout-sweep / --no-sweep do not apply to them")
         explicit = [v for v in attention_module.BWD_VARIANTS if v != "auto"]  # auto is one of them per device
         variants = list(VARIANT_PAIRS) if args.variants else explicit
+        if args.pairs is not None:
+            if not args.variants:
+                ap.error("--pairs applies to --variants only")
+            variants = [tuple(p.split(":")) for p in args.pairs.split(",")]
+            bad = [p for p in variants if len(p) != 2 or p[0] not in attention_module.FWD_VARIANTS
+                   or p[1] not in attention_module.BWD_VARIANTS]
+            if bad:
+                ap.error(f"--pairs: each pair is FWD:BWD with FWD in {attention_module.FWD_VARIANTS} and BWD in "
+                         f"{attention_module.BWD_VARIANTS}, got {args.pairs!r}")
         bench_bwd_variants(args.smoke, variants, args.seqs or [1024, 4096, 8192], args.batch or 8)
         return
     if args.rollout_sweep:

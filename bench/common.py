@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -21,6 +22,10 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def git_sha() -> str:
+    """The commit measured: ``ARENO_GIT_SHA`` when set (a copy of the tree whose own .git is stale, e.g. the GPU
+    machine's), else ``git rev-parse`` here, "-dirty" with uncommitted changes to tracked files."""
+    if os.environ.get("ARENO_GIT_SHA", "").strip():
+        return os.environ["ARENO_GIT_SHA"].strip()
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
