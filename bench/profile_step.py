@@ -3,6 +3,7 @@
     python bench/profile_step.py train     # T1: 8 x 1024 tokens, fwd + bwd + optimizer (Qwen3-0.6B shape)
     python bench/profile_step.py train --train-cuda-graphs on   # the same step replayed as CUDA graphs
     python bench/profile_step.py train --shape 4x4096              # T2's layout
+    python bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps   # where the GPU idles
     python bench/profile_step.py decode    # 256 sequences, 128-token prompts, CUDA-graph decode steps
     python bench/profile_step.py decode --eager
 
@@ -28,6 +29,36 @@ import models  # noqa: E402
 def table(prof, n=30):
     print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total",
                                     row_limit=n, max_name_column_width=70), flush=True)
+
+
+def print_gaps(prof, n, min_us=20.0):
+    """Where the GPU idles: its busy time against the span from the first to the last GPU activity, and for the
+    ``n`` longest gaps (> ``min_us``) the innermost host frames (Python functions, ops) running at the gap's middle."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "user_annotation") and "dur" in e]
+    merged = [list(gpu[0])]
+    for a, b in gpu[1:]:
+        if a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    span = merged[-1][1] - merged[0][0]
+    busy = sum(b - a for a, b in merged)
+    gaps = [(b2 - a1, a1, b2) for (_, a1), (b2, _) in zip(merged, merged[1:]) if b2 - a1 > min_us]
+    print(f"2 steps: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+          f"({len(gaps)} gaps > {min_us:.0f} us: {sum(g[0] for g in gaps) / 1e3:.1f} ms)")
+    for dur, a, b in sorted(gaps, reverse=True)[:n]:
+        mid = (a + b) / 2
+        frames = sorted((e for e in host if e["ts"] <= mid <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+        names = " < ".join(e["name"][:60] for e in frames[:4]) or "(no host frame)"
+        print(f"  {dur / 1e3:7.2f} ms at +{(a - merged[0][0]) / 1e3:7.1f} ms: {names}")
 
 
 def train(args, device):
@@ -64,6 +95,13 @@ def train(args, device):
         torch.cuda.synchronize() if device.type == "cuda" else None
         print(f"{label}: {(time.perf_counter() - t) / 3 * 1e3:.1f} ms wall", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if args.gaps:
+        with profile(activities=acts, with_stack=True) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        print_gaps(prof, args.top or 15)
+        return
     with profile(activities=acts) as prof:
         step()
         torch.cuda.synchronize() if device.type == "cuda" else None
@@ -112,7 +150,12 @@ def main():
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--top", type=int, default=None, help="rows of the profiler table (default 30 train, 40 decode)")
+    ap.add_argument("--gaps", action="store_true",
+                    help="train, GPU: instead of the table, where the GPU idles over two steps and what the host runs "
+                         "meanwhile (--top gaps, default 15)")
     args = ap.parse_args()
+    if args.gaps and (args.what != "train" or not torch.cuda.is_available()):
+        ap.error("--gaps applies to the train profile on a GPU only")
     if args.shape != "8x1024" and (args.what != "train" or args.smoke):
         ap.error("--shape applies to the full train profile only (not decode, not --smoke)")
     if args.top is not None and args.top < 1:
