@@ -14,7 +14,7 @@ each row with its fwd+bwd and backward-only speed-ups over SDPA flash and cuDNN,
 difference between the variants at the first length is printed; the decode part is skipped.
 --variants: the same for the (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pairs in VARIANT_PAIRS (impl "areno fwd=<f> bwd=<b>"),
 plus each backward's time per kernel (torch profiler) at every length, so a slow kernel shows by name; --pairs
-tma:tma_merged,tma:tma_ds times only those pairs.
+tma:tma,tma:tma_merged times only those pairs.
 --seqs: the lengths L of those two modes (default 1024 4096 8192).
 With --variants the autotuner's time per candidate config of each TMA kernel is printed; ARENO_ATTN_SWEEP=1 widens
 the d128 candidate lists, ARENO_ATTN_SWEEP=2 tries the chosen tiles' neighbourhood with register caps
@@ -92,7 +92,7 @@ def measure(fwd, inputs):
 # beside today's backward (the forward's LSE feeds every backward alike, so a forward and a backward can be picked
 # independently from these rows).
 VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "fused_tma"), ("tma", "split"),
-                 ("tma", "tma_merged"), ("tma", "tma_ds")]
+                 ("tma", "tma_merged")]
 
 
 def areno_attention(L, cu, variant):
@@ -207,7 +207,7 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
         if bwd_variants and CUDA:
             sweep = os.environ.get("ARENO_ATTN_SWEEP")  # attention_tma.py: a wide TMA candidate list
-            tma_kinds = ("fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma", "dkdv_ds_tma", "dq_ds_tma")
+            tma_kinds = ("fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma")
             for kind in ("fused", *tma_kinds) if sweep else tma_kinds:
                 print_config_timings(kind, L)
             for name, fn, inputs in impls:
@@ -328,8 +328,7 @@ K1_COLUMNS = ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd
 
 def print_tuned_configs():
     print("\nautotuned attention configs (key -> config):")
-    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma",
-                 "dkdv_ds_tma", "dq_ds_tma"):
+    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma"):
         for key, cfg in attention_module._tuned(kind, 128).cache.items():
             print(f"  {kind} {key}: {cfg}")
 

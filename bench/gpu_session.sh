@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8; issue 23 on nvidia-h200-x2: x2sync x2g1
 #   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
@@ -87,14 +87,6 @@ for stage in "$@"; do
         tests/kernels/test_attention.py -k "tma_every_candidate or training_shape"
       step t12 200 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
       step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45 ;;
-    s9)  # ninth session: the dS-materialising backward (tma_ds) against the merged one at K1 and in T2, its GPU tests
-      step k1ds 200 python3 bench/attention.py --variants --seqs 4096 --pairs tma:tma_merged,tma:tma_ds
-      step t2merged 120 env ARENO_ATTN_BWD=tma_merged python3 bench/train_step.py --workloads T2 --checkpointing off \
-        --graphs on --impls areno --no-save
-      step t2ds 120 env ARENO_ATTN_BWD=tma_ds python3 bench/train_step.py --workloads T2 --checkpointing off \
-        --graphs on --impls areno --no-save
-      step ds-tests 150 python3 -m pytest -m gpu -q --timeout 140 --tb=short -p no:cacheprovider \
-        tests/kernels/test_attention.py -k "tma_ds" ;;
     # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
     x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
       step policy_sync 300 python3 bench/policy_sync.py

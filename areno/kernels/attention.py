@@ -54,7 +54,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from areno.kernels import attention_tma as tma
 from areno.kernels.attention_common import (
@@ -79,15 +78,13 @@ MAX_HEAD_DIM = 256
 # "bwd_merged_tma" (no pointer twin): (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, DQ_FIRST): phase 1's (dK/dV) and
 # phase 2's (dQ) tiles, and whether phase 2 runs first.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32),
-                    "bwd_merged_tma": (16, 32, 32, 16, True), "dkdv_ds_tma": (32, 16), "dq_ds_tma": (32, 16)}
-BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged", "tma_ds")
+                    "bwd_merged_tma": (16, 32, 32, 16, True)}
+BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged")
 # Kernel kinds whose config constexprs are not (BLOCK_M, BLOCK_N), in INTERPRET_BLOCKS order, and the constexpr that
 # sizes grid dim 0 of each kind that is not a query-tile launch (BLOCK_M).
 _BLOCK_NAMES = {"bwd_merged_tma": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "DQ_FIRST")}
 _GRID_AXIS = {"dkdv": "BLOCK_N", "fused": "BLOCK_N", "dkdv_tma": "BLOCK_N", "fused_tma": "BLOCK_N",
-              "bwd_merged_tma": "BLOCK_N1", "dkdv_ds_tma": "BLOCK_N"}
-# tma_ds: the dS^T scratch's bytes at most (ARENO_ATTN_DS_MB, MiB); the KV heads run in chunks that fit it
-DS_SCRATCH_MB = 1024
+              "bwd_merged_tma": "BLOCK_N1"}
 FWD_VARIANTS = ("auto", "default", "tma")
 
 
@@ -101,9 +98,8 @@ def _variant(env: str, choices: tuple) -> str:
 def backward_variant() -> str:
     """``ARENO_ATTN_BWD``: "auto" (default: "tma_merged" on sm_90+, else "split"), "split" (dK/dV kernel + dQ kernel),
     "fused" (one pass, dQ through atomics), "tma" (the split pair with TMA descriptors), "tma_merged" (the "tma"
-    pair as one launch, key tile t and query tile t per program), "fused_tma" (the fused pass with TMA, dQ by bulk
-    reduce) or "tma_ds" (the TMA dK/dV kernel also writes dS, then dQ = dS K). TMA kinds fall back to their pointer
-    twins ("tma_merged", "tma_ds": "split") where ``_use_tma`` says no."""
+    pair as one launch, key tile t and query tile t per program) or "fused_tma" (the fused pass with TMA, dQ by bulk
+    reduce). TMA kinds fall back to their pointer twins ("tma_merged": "split") where ``_use_tma`` says no."""
     variant = _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
     return ("tma_merged" if _hopper() else "split") if variant == "auto" else variant
 
@@ -255,10 +251,10 @@ def _attn_bwd_dkdv_kernel(
         delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
         dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, None, None, stride_qt, stride_dot, 0,
                           0, 0, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, D, BLOCK_M, EVEN_D,
-                          CAUSAL, DOT_PREC, False, False, False, False, False, None, 0, False)
+                          CAUSAL, DOT_PREC, False, False, False, False, False)
         dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, None, None, stride_qt, stride_dot, 0,
                           0, 0, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale, D, BLOCK_M, EVEN_D,
-                          False, DOT_PREC, False, False, False, False, False, None, 0, False)
+                          False, DOT_PREC, False, False, False, False, False)
     _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, D, EVEN_D)
 
@@ -299,10 +295,10 @@ def _attn_bwd_fused_kernel(
         delta_base = DELTA + h * stride_lh + q_start
         dk, dv = kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, None, dq_base, stride_qt, stride_dot,
                           stride_dqt, 0, 0, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, D,
-                          BLOCK_M, EVEN_D, CAUSAL, DOT_PREC, False, True, True, False, False, None, 0, False)
+                          BLOCK_M, EVEN_D, CAUSAL, DOT_PREC, False, True, True, False, False)
         dk, dv = kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, None, dq_base, stride_qt, stride_dot,
                           stride_dqt, 0, 0, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale, D,
-                          BLOCK_M, EVEN_D, False, DOT_PREC, False, True, True, False, False, None, 0, False)
+                          BLOCK_M, EVEN_D, False, DOT_PREC, False, True, True, False, False)
     _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, D, EVEN_D)
 
@@ -469,7 +465,7 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
-    use_tma = variant in ("tma", "fused_tma", "tma_merged", "tma_ds") and B > 0 and _use_tma(q, k, v, do)
+    use_tma = variant in ("tma", "fused_tma", "tma_merged") and B > 0 and _use_tma(q, k, v, do)
     fused = variant in ("fused", "fused_tma")  # fused_tma on a layout TMA cannot address: the pointer fused pass
     if use_tma:  # packed [T, H, D], as the output descriptors address them; fused: dQ accumulates in fp32
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
@@ -491,7 +487,7 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     bucket = _seq_bucket(max(max_q, max_k))
     if use_tma:
         _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                           fused, merged=variant == "tma_merged", ds=variant == "tma_ds")
+                           fused, merged=variant == "tma_merged")
         return dq.to(q.dtype), dk, dv
     if fused:
         if max_k > 0:
@@ -520,53 +516,14 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     return dq, dk, dv
 
 
-def ds_scratch_mb() -> int:
-    """``ARENO_ATTN_DS_MB``: the tma_ds backward's dS scratch limit in MiB (default ``DS_SCRATCH_MB``)."""
-    raw = os.environ.get("ARENO_ATTN_DS_MB", "").strip()
-    if raw and (not raw.isdigit() or int(raw) < 1):
-        raise ValueError(f"ARENO_ATTN_DS_MB must be a positive integer (MiB), got {raw!r}")
-    return int(raw) if raw else DS_SCRATCH_MB
-
-
-def _ds_plan(B, Hkv, group, max_q, max_k, itemsize):
-    """tma_ds's scratch: (key rows, query columns, KV heads per chunk) of a [B, chunk * group, key rows, query
-    columns] dS^T buffer within ``ds_scratch_mb``, or None where one KV head's share alone exceeds it."""
-    rows, cols = (triton.cdiv(max(n, 1), 128) * 128 for n in (max_k, max_q))  # a multiple of every tile
-    per_kv_head = B * group * rows * cols * itemsize
-    chunk = min(Hkv, (ds_scratch_mb() << 20) // per_kv_head)
-    return (rows, cols, chunk) if chunk else None
-
-
-def _attention_bwd_ds(q_, k_, v_, do_, dq_, dk_, dv_, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, scale,
-                      bucket, plan, common):
-    """tma_ds: per chunk of KV heads, the dK/dV kernel writing dS^T into the scratch, then dQ = dS K from it."""
-    B, Hq, Hkv, D = cu_q.numel() - 1, dq.shape[1], dk.shape[1], dq.shape[2]
-    group = Hq // Hkv
-    rows, cols, chunk = plan
-    scratch = torch.empty((B * chunk * group * rows, cols), device=dq.device, dtype=dk.dtype)
-    ds_w, ds_r = (TensorDescriptor(scratch, list(scratch.shape), [cols, 1], [16, 16]) for _ in range(2))
-    for hk0 in range(0, Hkv, chunk):
-        n = min(chunk, Hkv - hk0)
-        _launch("dkdv_ds_tma", max_k, (B, n), D, bucket, q_, k_, v_, do_, dk_, dv_, ds_w, dk, dv, lse, delta, cu_q,
-                cu_k, scale * _LOG2E, scale, dk.stride(0), lse.stride(0), rows, hk0, chunk * group, group, **common)
-        _launch("dq_ds_tma", max_q, (B, n * group), D, bucket, ds_r, k_, dq_, dq, cu_q, cu_k, scale, dq.stride(0),
-                rows, hk0 * group, chunk * group, group, **common)
-
-
 def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                       fused, merged=False, ds=False):
-    """The split (or fused, merged, dS) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk,
-    dv; fused: dq is the fp32 accumulator, already zeroed. ds: where the scratch plan fits (else merged)."""
+                       fused, merged=False):
+    """The split (or fused, or merged) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk,
+    dv; fused: dq is the fp32 accumulator, already zeroed."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
     common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
-    plan = _ds_plan(B, Hkv, Hq // Hkv, max_q, max_k, k.element_size()) if ds and max_q > 0 and max_k > 0 else None
-    if plan is not None:
-        _attention_bwd_ds(q_, k_, v_, do_, dq_, dk_, dv_, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, scale,
-                          bucket, plan, common)
-        return
-    merged = merged or ds
     if merged:  # one launch; grid dim 0 covers both phases' tiles (BLOCK_M2 == BLOCK_N1)
         if max(max_q, max_k) > 0:
             # each phase has its own descriptors (block rows per phase): q, k, v, do again for phase 2
@@ -612,7 +569,7 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         do = do if do.stride(-1) == 1 else do.contiguous()
-        if ctx.args[-1] in ("tma", "fused_tma", "tma_merged", "tma_ds") and not tma.tma_layout_ok(do):
+        if ctx.args[-1] in ("tma", "fused_tma", "tma_merged") and not tma.tma_layout_ok(do):
             do = do.contiguous()  # e.g. an expanded gradient: pack it for the descriptors
         dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None

@@ -181,7 +181,7 @@ def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, dq_desc, dq_base, 
              q_row0, col, offs_m, cols, offs_d, lo, hi, Lq, Lk, diag, qk_scale, sm_scale, D: tl.constexpr,
              BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
              TMA: tl.constexpr, ROW_ADDR: tl.constexpr, FUSED: tl.constexpr, KEY_MASK: tl.constexpr,
-             DESC_REDUCE: tl.constexpr, ds_desc, ds_row0, DS_STORE: tl.constexpr):
+             DESC_REDUCE: tl.constexpr):
     """Query blocks [lo, hi) of one key tile: dV += P^T dO, dK += dS^T Q (unscaled, fp32, [BLOCK_N, BLOCK_D]).
 
     Rows past Lq load LSE = +inf and delta = 0, so their P and dS are exactly 0. ROW_ADDR: Q/dO/LSE/delta addresses
@@ -190,8 +190,7 @@ def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, dq_desc, dq_base, 
     they are another sequence's rows and reach dQ). FUSED: also dQ[rows] += sm_scale * dS K, formed transposed
     (K^T dS^T, so that the tall key tile is the product's M side: a short query step still gets wgmma on sm_90) and
     added with fp32 atomics through ``dq_base`` (the accumulator's row 0 of the head), or with DESC_REDUCE by one
-    bulk tensor reduce of the [BLOCK_M, BLOCK_D] tile through ``dq_desc``. DS_STORE: also store dS^T (the
-    [BLOCK_N, BLOCK_M] tile, inputs' dtype) through ``ds_desc`` at [ds_row0, start_m] for a later dQ = dS K pass.
+    bulk tensor reduce of the [BLOCK_M, BLOCK_D] tile through ``dq_desc``.
     """
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -220,8 +219,6 @@ def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, dq_desc, dq_base, 
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        if DS_STORE:
-            ds_desc.store([ds_row0, start_m], ds_t)
         if FUSED:
             dq_t = tl.dot(tl.trans(k), ds_t, input_precision=DOT_PREC) * sm_scale  # [BLOCK_D, BLOCK_M]
             if DESC_REDUCE:  # cp.reduce.async.bulk.tensor .add

@@ -52,7 +52,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from areno.kernels.attention_common import (
     dq_inner,
     fwd_inner,
-    keep_mask,
     key_tile,
     kv_bounds,
     kv_inner,
@@ -74,13 +73,11 @@ _DESC_AXIS = {"desc_q": "BLOCK_M", "desc_o": "BLOCK_M", "desc_do": "BLOCK_M", "d
 
 def fit_descriptors(args: dict) -> None:
     """Set each descriptor's block to [its tile, D] from BLOCK_M / BLOCK_N (merged backward: BLOCK_M1 ... BLOCK_N2)
-    in ``args`` (an autotune pre_hook); the dS^T scratch's (tma_ds) to [BLOCK_N, BLOCK_M]."""
+    in ``args`` (an autotune pre_hook)."""
     for name, axis in _DESC_AXIS.items():
         desc = args.get(name)
         if isinstance(desc, TensorDescriptor):
             desc.block_shape = [args[axis], desc.block_shape[1]]
-    if isinstance(args.get("desc_ds"), TensorDescriptor):
-        args["desc_ds"].block_shape = [args["BLOCK_N"], args["BLOCK_M"]]
 
 
 def tma_layout_ok(*tensors: torch.Tensor) -> bool:
@@ -173,7 +170,7 @@ def _attn_bwd_dkdv_tma_kernel(
     q_start, Lq = seq_span(CU_Q, b)
     _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, start_n, hk, k_start, Lk,
                        q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC,
-                       BLOCK_M, BLOCK_N, None, 0, 0, False)
+                       BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["stride_lh"])
@@ -237,12 +234,10 @@ def _attn_bwd_fused_tma_kernel(
         dq_base = DQ + q_start.to(tl.int64) * stride_dqt + h * BLOCK_D  # the interpreter's atomics (no DESC_REDUCE)
         dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, desc_dq, dq_base, 0, 0, stride_dqt,
                           q_start, h * BLOCK_D, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale,
-                          BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC, True, True, True, False, DESC_REDUCE, None, 0,
-                          False)
+                          BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC, True, True, True, False, DESC_REDUCE)
         dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, desc_dq, dq_base, 0, 0, stride_dqt,
                           q_start, h * BLOCK_D, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale,
-                          BLOCK_D, BLOCK_M, True, False, DOT_PREC, True, True, True, not CAUSAL, DESC_REDUCE, None,
-                          0, False)
+                          BLOCK_D, BLOCK_M, True, False, DOT_PREC, True, True, True, not CAUSAL, DESC_REDUCE)
     _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
                     BLOCK_N, BLOCK_D)
 
@@ -250,11 +245,9 @@ def _attn_bwd_fused_tma_kernel(
 @triton.jit
 def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, t, hk, k_start, Lk,
                        q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D: tl.constexpr,
-                       CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       desc_ds, ds_base, ds_rows, DS_STORE: tl.constexpr):
+                       CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The dK/dV program for key tile t (nothing past Lk): the whole of the standalone dK/dV kernel and the merged
-    backward's phase 1. DS_STORE: also write each visited dS^T tile of query head h to ``desc_ds`` at row
-    ds_base + h * ds_rows + t * BLOCK_N, column = the query block's first row (``tma_ds``)."""
+    backward's phase 1."""
     if t * BLOCK_N < Lk:
         diag = Lk - Lq
         offs_m = tl.arange(0, BLOCK_M)
@@ -268,15 +261,12 @@ def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV
             h = hk * GROUP + g
             lse_ptr = LSE + h * stride_lh + q_start
             delta_ptr = DELTA + h * stride_lh + q_start
-            ds_row0 = ds_base + h * ds_rows + t * BLOCK_N
             dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
                               h * BLOCK_D, offs_m, cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D,
-                              BLOCK_M, True, CAUSAL, DOT_PREC, True, True, False, False, False, desc_ds, ds_row0,
-                              DS_STORE)
+                              BLOCK_M, True, CAUSAL, DOT_PREC, True, True, False, False, False)
             dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
                               h * BLOCK_D, offs_m, cols, 0, a1, end, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D,
-                              BLOCK_M, True, False, DOT_PREC, True, True, False, False, False, desc_ds, ds_row0,
-                              DS_STORE)
+                              BLOCK_M, True, False, DOT_PREC, True, True, False, False, False)
         _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, t, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
                         BLOCK_N, BLOCK_D)
 
@@ -331,64 +321,11 @@ def _attn_bwd_merged_tma_kernel(
                          BLOCK_N2)
     _merged_dkdv_phase(desc_q1, desc_k1, desc_v1, desc_do1, desc_dk1, desc_dv1, DK, DV, LSE, DELTA, t, hk, k_start,
                        Lk, q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC,
-                       BLOCK_M1, BLOCK_N1, None, 0, 0, False)
+                       BLOCK_M1, BLOCK_N1)
     if not DQ_FIRST:
         _merged_dq_phase(desc_q2, desc_k2, desc_v2, desc_do2, desc_dq2, DQ, LSE, DELTA, t, hk, k_start, Lk, q_start,
                          Lq, qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC, BLOCK_M2,
                          BLOCK_N2)
-
-
-@triton.jit(do_not_specialize=["stride_lh", "ds_rows", "HK0", "HC"])
-def _attn_bwd_dkdv_ds_tma_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_ds, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
-    stride_dkt, stride_lh, ds_rows, HK0, HC, GROUP, SEQ_BUCKET,
-    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # tma_ds, pass 1: the dK/dV program of key tile t for KV head HK0 + program_id(2) that also writes every dS^T tile
-    # it forms into the scratch ``desc_ds`` ([B * HC * ds_rows, query columns]: sequence b's query head h has rows
-    # (b * HC + h - HK0 * GROUP) * ds_rows + key, one column per query row of the sequence).
-    t, b, hc, k_start, Lk = key_tile(CU_K)
-    q_start, Lq = seq_span(CU_Q, b)
-    _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, t, HK0 + hc, k_start,
-                       Lk, q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC,
-                       BLOCK_M, BLOCK_N, desc_ds, (b * HC - HK0 * GROUP) * ds_rows, ds_rows, True)
-
-
-@triton.jit(do_not_specialize=["ds_rows", "H0", "HC"])
-def _attn_bwd_dq_ds_tma_kernel(
-    desc_ds, desc_k, desc_dq, DQ, CU_Q, CU_K, sm_scale, stride_dqt, ds_rows, H0, HC, GROUP, SEQ_BUCKET,
-    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # tma_ds, pass 2: dQ = sm_scale * dS K for query tile start_m of query head H0 + program_id(2), reading the dS^T
-    # tiles pass 1 wrote (as the transposed operand) instead of recomputing S, P and dP: one product per (query
-    # block, key block) pair instead of three. Pass 1 wrote every pair a query row < Lq sees; the pairs it did not
-    # (right of the diagonal, keys past Lk: unwritten scratch) are selected away in the masked blocks, and rows past
-    # Lq only reach their own dQ rows, which are not stored.
-    start_m, b, hc, q_start, Lq = query_tile(CU_Q)
-    if start_m * BLOCK_M >= Lq:
-        return
-    h = H0 + hc
-    k_start, Lk = seq_span(CU_K, b)
-    diag = Lk - Lq
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    row0 = (b * HC + hc) * ds_rows
-    col = (h // GROUP) * BLOCK_D
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, full, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        ds_t = desc_ds.load([row0 + start_n, start_m * BLOCK_M])
-        k = desc_k.load([k_start + start_n, col])
-        dq = tl.dot(tl.trans(ds_t), k, dq, input_precision=DOT_PREC)
-    for start_n in range(full, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        ds_t = desc_ds.load([row0 + start_n, start_m * BLOCK_M])
-        k = desc_k.load([k_start + start_n, col])
-        ds = tl.where(keep_mask(start_n + offs_n, offs_m, diag, Lk, CAUSAL), tl.trans(ds_t), 0.0).to(k.dtype)
-        dq = tl.dot(ds, k, dq, input_precision=DOT_PREC)
-    _store_rows(desc_dq, DQ, (dq * sm_scale).to(DQ.dtype.element_ty), q_start + start_m * BLOCK_M, h * BLOCK_D,
-                Lq - start_m * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
 
 
 def _cfg(bm, bn, warps, stages, maxnreg=None):
@@ -448,15 +385,7 @@ CONFIGS = {
                               _mcfg(32, 128, 128, 64, 8, 2, dq_first=False), _mcfg(64, 128, 128, 64, 8, 2),
                               _mcfg(32, 64, 64, 32, 4, 3)],
     ("bwd_merged_tma", 256): [_mcfg(16, 64, 64, 32, 8, 2), _mcfg(32, 64, 64, 32, 8, 2)],
-    # tma_ds: pass 1 is the dK/dV kernel plus a store per step (its lists); pass 2 one product per pair, streaming
-    # [BLOCK_N, BLOCK_M] dS^T and [BLOCK_N, D] K tiles
-    ("dq_ds_tma", 64): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 3)],
-    ("dq_ds_tma", 128): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 3),
-                         _cfg(64, 128, 4, 3), _cfg(128, 64, 8, 4)],
-    ("dq_ds_tma", 256): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)],
 }
-for _d in (64, 128, 256):
-    CONFIGS[("dkdv_ds_tma", _d)] = list(CONFIGS[("dkdv_tma", _d)])
 # ARENO_ATTN_SWEEP=1 (bench/attention.py --variants): a wide d128 candidate list per TMA kernel, to choose the
 # lists above from measured times (the bench prints each candidate's time). ARENO_ATTN_SWEEP=2: the neighbourhood of
 # the chosen tiles with fewer stages and register caps (3 programs per SM for 4-warp tiles at <= 168 registers).
@@ -477,5 +406,4 @@ elif os.environ.get("ARENO_ATTN_SWEEP"):
         (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3),
         (16, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2), (16, 128, 4, 3)]]
 KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel,
-           "fused_tma": _attn_bwd_fused_tma_kernel, "bwd_merged_tma": _attn_bwd_merged_tma_kernel,
-           "dkdv_ds_tma": _attn_bwd_dkdv_ds_tma_kernel, "dq_ds_tma": _attn_bwd_dq_ds_tma_kernel}
+           "fused_tma": _attn_bwd_fused_tma_kernel, "bwd_merged_tma": _attn_bwd_merged_tma_kernel}

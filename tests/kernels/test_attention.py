@@ -369,53 +369,6 @@ def test_tma_merged_other_tiles_and_fallback(monkeypatch, nan_buffers, launched)
         run_variant("tma_merged", monkeypatch, make_inputs([5], [5], 2, 1, 16, torch.float32, 0), [5], [5], True)
 
 
-@pytest.mark.parametrize("case", list(TMA_CASES))
-def test_tma_ds_matches_reference(case, monkeypatch, nan_buffers, launched):
-    """ARENO_ATTN_BWD=tma_ds: the dK/dV kernel writes dS^T into a NaN-filled scratch, the dQ kernel reads it back
-    (the unwritten pairs right of the diagonal / past Lk must be selected away); varlen, chunked, Lq > Lk,
-    non-causal."""
-    lq, lk, hq, hkv, d, causal = TMA_CASES[case]
-    seed = random.randrange(2**31)
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    for dtype in (torch.float32, torch.float16) if case == "gqa2_varlen" else (torch.float32,):
-        inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
-        want = reference(*inputs, causal)
-        got = run_variant("tma_ds", monkeypatch, inputs, lq, lk, causal)
-        assert launched == ["fwd_tma", "dkdv_ds_tma", "dq_ds_tma"], launched
-        launched.clear()
-        for name, g, w in zip("o dq dk dv".split(), got, want):
-            assert g.dtype == dtype and g.shape == w.shape and g.is_contiguous()
-            assert_close(g, w, TOL[dtype]["grad"], f"{case} {dtype} tma_ds {name} seed={seed}")
-
-
-def test_tma_ds_head_chunks_tiles_and_fallback(monkeypatch, nan_buffers, launched):
-    """The KV heads run in chunks when the scratch limit (ARENO_ATTN_DS_MB) is below all of them (here 2 chunks of 2
-    KV heads, other tiles: dK/dV key tile taller than its query step, dQ key step taller than its query tile); a
-    sequence whose one KV head alone exceeds the limit runs the merged backward; a bad limit is refused."""
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    monkeypatch.setenv("ARENO_ATTN_DS_MB", "1")
-    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "dkdv_ds_tma", (16, 32))
-    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "dq_ds_tma", (16, 32))
-    lq, lk, hq, hkv, causal = [3, 45, 40], [3, 61, 10], 8, 4, True  # fp32: 393 KB of scratch per KV head
-    seed = random.randrange(2**31)
-    inputs = make_inputs(lq, lk, hq, hkv, 16, torch.float32, seed)
-    want = reference(*inputs, causal)
-    got = run_variant("tma_ds", monkeypatch, inputs, lq, lk, causal)
-    assert launched == ["fwd_tma"] + ["dkdv_ds_tma", "dq_ds_tma"] * 2, launched
-    launched.clear()
-    for name, g, w in zip("o dq dk dv".split(), got, want):
-        assert_close(g, w, TOL[torch.float32]["grad"], f"tma_ds chunks {name} seed={seed}")
-    inputs = make_inputs([520], [520], 2, 2, 16, torch.float32, seed)  # 640 x 640 x 4 bytes: 1.6 MB per KV head
-    want = reference(*inputs, True)
-    got = run_variant("tma_ds", monkeypatch, inputs, [520], [520], True)
-    assert launched == ["fwd_tma", "bwd_merged_tma"], launched
-    for name, g, w in zip("o dq dk dv".split(), got, want):
-        assert_close(g, w, TOL[torch.float32]["grad"], f"tma_ds fallback {name} seed={seed}")
-    monkeypatch.setenv("ARENO_ATTN_DS_MB", "lots")
-    with pytest.raises(ValueError, match="ARENO_ATTN_DS_MB"):
-        run_variant("tma_ds", monkeypatch, make_inputs([5], [5], 2, 1, 16, torch.float32, 0), [5], [5], True)
-
-
 def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
     """Unset (or "auto"), ARENO_ATTN_FWD / ARENO_ATTN_BWD run the TMA kernels on sm_90+ and the pointer ones
     elsewhere (the interpreter included); an explicit variant is kept either way."""
@@ -455,8 +408,7 @@ TMA_GPU_SHAPES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "fused_tma"), ("tma", "tma_merged"), ("tma", "tma_ds"),
-                                  ("default", "tma")],
+@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "fused_tma"), ("tma", "tma_merged"), ("default", "tma")],
                          ids="-".join)
 @pytest.mark.parametrize("shape", list(TMA_GPU_SHAPES))
 def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
@@ -466,10 +418,9 @@ def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
     _gpu_errors(*TMA_GPU_SHAPES[shape])
     tma = shape != "d80_falls_back"
     want = ["fwd_tma" if tma and pair[0] == "tma" else "fwd"]
-    want += {"tma": ["dkdv_tma", "dq_tma"], "fused_tma": ["fused_tma"], "tma_merged": ["bwd_merged_tma"],
-             "tma_ds": ["dkdv_ds_tma", "dq_ds_tma"]}[pair[1]] if tma else []
-    want += [] if tma else {"tma": ["dkdv", "dq"], "fused_tma": ["fused"], "tma_merged": ["dkdv", "dq"],
-                            "tma_ds": ["dkdv", "dq"]}[pair[1]]
+    want += {"tma": ["dkdv_tma", "dq_tma"], "fused_tma": ["fused_tma"], "tma_merged": ["bwd_merged_tma"]}[pair[1]] \
+        if tma else []
+    want += [] if tma else {"tma": ["dkdv", "dq"], "fused_tma": ["fused"], "tma_merged": ["dkdv", "dq"]}[pair[1]]
     assert launched == want, launched
 
 
@@ -477,8 +428,8 @@ def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_tma_every_candidate_config(d, monkeypatch, launched):
     monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    variant = {"fused_tma": "fused_tma", "bwd_merged_tma": "tma_merged", "dkdv_ds_tma": "tma_ds", "dq_ds_tma": "tma_ds"}
-    for kind in ("fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma", "dkdv_ds_tma", "dq_ds_tma"):
+    variant = {"fused_tma": "fused_tma", "bwd_merged_tma": "tma_merged"}
+    for kind in ("fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma"):
         monkeypatch.setenv("ARENO_ATTN_BWD", variant.get(kind, "tma"))
         for cfg in attention_module._CONFIGS[(kind, d)]:
             monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
