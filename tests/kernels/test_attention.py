@@ -369,6 +369,24 @@ def test_tma_merged_other_tiles_and_fallback(monkeypatch, nan_buffers, launched)
         run_variant("tma_merged", monkeypatch, make_inputs([5], [5], 2, 1, 16, torch.float32, 0), [5], [5], True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_tma_forward_lazy_rescale(dtype, monkeypatch, nan_buffers):
+    """The TMA forward moves its running max only when a block's scores exceed it by more than 2^8: keys whose
+    scores jump late in the sequence (one large jump, and a steady climb of less than 8 (log2) per block that adds
+    up to more) give the reference's output and gradients."""
+    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
+    lq = lk = [100, 77]
+    seed = random.randrange(2**31)
+    q, k, v, do, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 16, dtype, seed)
+    k = k.clone()
+    k[40:48] *= 6.0  # sequence 0: one jump, seen unmasked by the query tiles past row 48
+    k[100:177] *= torch.linspace(0.2, 3.0, 77, dtype=dtype)[:, None, None]  # sequence 1: a steady climb
+    want = reference(q, k, v, do, cu_q, cu_k, True)
+    got = run_variant("tma", monkeypatch, (q, k, v, do, cu_q, cu_k), lq, lk, True)
+    for name, g, w in zip("o dq dk dv".split(), got, want):
+        assert_close(g, w, TOL[dtype]["grad"], f"lazy rescale {dtype} {name} seed={seed}")
+
+
 def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
     """Unset (or "auto"), ARENO_ATTN_FWD / ARENO_ATTN_BWD run the TMA kernels on sm_90+ and the pointer ones
     elsewhere (the interpreter included); an explicit variant is kept either way."""
