@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9; issue 23 on nvidia-h200-x2: x2sync x2g1
 #   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md).
 set -u
@@ -87,6 +87,14 @@ for stage in "$@"; do
         tests/kernels/test_attention.py -k "tma_every_candidate or training_shape"
       step t12 200 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
       step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45 ;;
+    s9)  # ninth session: lazy-rescaling TMA forward, one-copy batch transfer, device-side graph padding
+      step s9-attn 120 python3 -m pytest -m gpu -q --timeout 100 --tb=short -p no:cacheprovider \
+        tests/kernels/test_attention.py -k "training_shape or tma-tma_merged"
+      step t12 230 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
+      step k1 80 python3 bench/attention.py --variants --seqs 4096 --pairs tma:tma_merged
+      step gaps-t2 70 python3 bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps --top 8
+      step s9-tests 150 python3 -m pytest -m gpu -q --timeout 120 --tb=short -p no:cacheprovider \
+        tests/rl/test_pack.py tests/rl/test_train_graphs_gpu.py tests/models/test_gpu.py ;;
     # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
     x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
       step policy_sync 300 python3 bench/policy_sync.py

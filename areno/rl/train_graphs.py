@@ -85,8 +85,10 @@ def pad_inputs(packed, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torc
         raise ValueError(f"a microbatch of {t} tokens, {packed.num_rows} rows (longest {packed.max_seqlen}) does not "
                          f"fit {bucket}")
     dev = packed.input_ids.device
-    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev) + t
-    cu = torch.cat([packed.cu_seqlens.to(torch.int32), ends.to(torch.int32),
+    # the padding sequences' ends t + cap, t + 2 cap, ..., then t + pad: formed on the device (no host copy)
+    ends = t + cap * torch.arange(1, pad // cap + 1, dtype=torch.int32, device=dev)
+    tail = [torch.full((1,), t + pad, dtype=torch.int32, device=dev)] if pad % cap else []
+    cu = torch.cat([packed.cu_seqlens.to(torch.int32), ends, *tail,
                     torch.full((bucket.seqs - rows,), bucket.tokens, dtype=torch.int32, device=dev)])
     zeros = torch.zeros(pad, dtype=torch.int64, device=dev)  # padding tokens: id 0 at position 0
     return (torch.cat([packed.input_ids, zeros]), torch.cat([packed.positions.to(torch.int64), zeros]), cu,

@@ -173,7 +173,7 @@ class PolicyTrainer:
             if bucket is None:
                 out = self.forward(packed, entropy=entropy)
             else:
-                out = self.graphs.forward(host, bucket, mode)
+                out = self.graphs.forward(packed, bucket, mode)  # padded on the device, no host copy
             loss, s = loss_fn(out, packed, norms)
             loss.backward()
             for k, v in [*s.items(), ("loss", loss)]:

@@ -104,3 +104,20 @@ def test_packed_to_cuda_goes_through_pinned_memory_and_keeps_every_value():
         if isinstance(value, torch.Tensor):
             assert getattr(dev, key).is_cuda and torch.equal(getattr(dev, key).cpu(), value), key
     assert not host.input_ids.is_pinned()  # the caller's tensors are left as they were
+
+
+def test_tensors_travel_in_one_buffer_and_keep_every_value():
+    """Packed.to's GPU path (here with a CPU target: no pinning): every CPU tensor, in the fields and in the extras
+    dicts, becomes a view of one 16-byte-slotted buffer, with its dtype, shape and values; other values pass."""
+    from areno.rl.batch import _to_gpu_together
+
+    fields = {"a": torch.arange(7, dtype=torch.int64), "b": torch.tensor([True, False, True]),
+              "c": torch.randn(3, 5).t(), "e": torch.empty(0, 4), "n": None, "k": 3,
+              "tok": {"x": torch.randn(11, dtype=torch.float32), "y": torch.arange(2, dtype=torch.int32)}, "row": {}}
+    out = _to_gpu_together(fields, torch.device("cpu"))
+    tensors = [out["a"], out["b"], out["c"], out["e"], out["tok"]["x"], out["tok"]["y"]]
+    base = out["a"].untyped_storage().data_ptr()
+    for got, want in zip(tensors, [fields["a"], fields["b"], fields["c"], fields["e"], *fields["tok"].values()]):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert got.untyped_storage().data_ptr() == base and (got.data_ptr() - base) % 16 == 0
+    assert out["n"] is None and out["k"] == 3 and out["row"] == {} and fields["tok"]["x"] is not out["tok"]["x"]
