@@ -190,13 +190,16 @@ class PolicyTrainer:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
         else:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
+        if device_norm is not None:  # read back with the stats: one host sync per update
+            pending.append(("", device_norm.to(torch.float64)))
         if pending:
-            values = torch.stack([v.to(self.device) for _, v in pending]).tolist()
+            values = torch.stack([v.to(self.device, torch.float64) for _, v in pending]).tolist()
+            if device_norm is not None:
+                grad_norm = values.pop()
+                pending.pop()
+                self.graphs.count_step(grad_norm)
             for (k, _), v in zip(pending, values):
                 stats[k] = stats.get(k, 0.0) + v
-        if device_norm is not None:
-            grad_norm = float(device_norm)
-            self.graphs.count_step(grad_norm)
         # ranks with fewer microbatches still joined the collectives inside the optimizer
         if self.dp_size > 1:
             keys = sorted(stats)
