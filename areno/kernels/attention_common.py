@@ -127,45 +127,33 @@ def fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, k_row0, col,
     MASKED: keys past Lk and (causal) right of the diagonal score -inf, and rows that have seen no key yet keep
     m = -inf without NaNs. The pointer kernel scales the scores first; the TMA kernel keeps the raw dot product and
     folds the scale into the masked select, or (unmasked blocks) into the row max and one FMA per score.
-    TMA, unmasked: lazy rescaling (FlashAttention-4's): the running max m_i moves, and acc / l_i are rescaled, only
-    when some row's block max exceeds it by more than 8 (log2 units), so p = 2^(s - m_i) <= 2^8 stays far from fp32's
-    range and bf16 keeps its relative precision; most blocks skip the [BLOCK_M, D] rescale. The result is the same
-    softmax (l_i and acc share the stale max; the masked blocks and the epilogue use m_i as it stands).
     """
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = load_tile(k_src, start_n, offs_n, Lk, stride_kt, k_row0, col, offs_d, D, MASKED, EVEN_D, TMA, False)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if TMA and not MASKED:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            if tl.max(m_new - m_i, 0) > 8.0:  # m_i = -inf before the first block: always taken there
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(qk * qk_scale - m_i[:, None])
-            l_i += tl.sum(p, 1)
-            v = load_tile(v_src, start_n, offs_n, Lk, stride_vt, k_row0, col, offs_d, D, False, EVEN_D, True, False)
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-        else:
-            if not TMA:
+        if not TMA:
+            qk = qk * qk_scale
+        if MASKED:
+            keep = keep_mask(start_n + offs_n, offs_m, diag, Lk, CAUSAL)
+            if TMA:
                 qk = qk * qk_scale
-            if MASKED:
-                keep = keep_mask(start_n + offs_n, offs_m, diag, Lk, CAUSAL)
-                if TMA:
-                    qk = qk * qk_scale
-                qk = tl.where(keep, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet
-            else:
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_sub = m_new
-            p = tl.exp2(qk - m_sub[:, None])
-            alpha = tl.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = load_tile(v_src, start_n, offs_n, Lk, stride_vt, k_row0, col, offs_d, D, MASKED, EVEN_D, TMA, False)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-            m_i = m_new
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet
+        elif TMA:  # every row sees every key of the block: max of the raw scores, then one FMA per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
+            qk = qk * qk_scale
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_new
+        p = tl.exp2(qk - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_src, start_n, offs_n, Lk, stride_vt, k_row0, col, offs_d, D, MASKED, EVEN_D, TMA, False)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
     return acc, l_i, m_i
 
 

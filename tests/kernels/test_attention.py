@@ -370,10 +370,9 @@ def test_tma_merged_other_tiles_and_fallback(monkeypatch, nan_buffers, launched)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_tma_forward_lazy_rescale(dtype, monkeypatch, nan_buffers):
-    """The TMA forward moves its running max only when a block's scores exceed it by more than 2^8: keys whose
-    scores jump late in the sequence (one large jump, and a steady climb of less than 8 (log2) per block that adds
-    up to more) give the reference's output and gradients."""
+def test_tma_forward_rescales_for_late_score_jumps(dtype, monkeypatch, nan_buffers):
+    """The online softmax's rescaling in the TMA forward: keys whose scores jump late in the sequence (one large jump,
+    and a steady climb over many blocks) give the reference's output and gradients."""
     monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
     lq = lk = [100, 77]
     seed = random.randrange(2**31)
@@ -384,7 +383,7 @@ def test_tma_forward_lazy_rescale(dtype, monkeypatch, nan_buffers):
     want = reference(q, k, v, do, cu_q, cu_k, True)
     got = run_variant("tma", monkeypatch, (q, k, v, do, cu_q, cu_k), lq, lk, True)
     for name, g, w in zip("o dq dk dv".split(), got, want):
-        assert_close(g, w, TOL[dtype]["grad"], f"lazy rescale {dtype} {name} seed={seed}")
+        assert_close(g, w, TOL[dtype]["grad"], f"late score jumps {dtype} {name} seed={seed}")
 
 
 def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
