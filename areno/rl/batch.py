@@ -21,6 +21,7 @@ through pinned memory, so ``Packed.to`` never waits for the device.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,16 +99,33 @@ class Packed:
 def row_tensors(prompt_ids, response_ids, rollout_logprobs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A row's ``ids_tensor`` (prompt then response ids, int64) and ``logprobs_tensor`` (float32, None without
     log-probs): what pack() would convert from the lists."""
-    ids = torch.from_numpy(_array(list(prompt_ids) + list(response_ids), np.int64))
+    ids = torch.from_numpy(_ids_array(prompt_ids, response_ids))
     return ids, (torch.from_numpy(_array(rollout_logprobs, np.float32)) if rollout_logprobs is not None else None)
 
 
 def _array(values, dtype) -> np.ndarray:
-    """A list of numbers as an array (numpy converts a list several times faster than torch.tensor, with the same
-    rounding to float32)."""
+    """Numbers (a list, tuple, array or tensor) as an array. A list goes through ``np.fromiter`` with its length:
+    about 2x faster than ``np.asarray`` on a list of Python ints (4x torch.tensor), with the same rounding to
+    float32; anything it cannot take goes to ``np.asarray`` (and its error)."""
     if isinstance(values, torch.Tensor):
-        values = values.detach().cpu()
+        return np.asarray(values.detach().cpu(), dtype=dtype)
+    if isinstance(values, (list, tuple)):
+        try:
+            return np.fromiter(values, dtype=dtype, count=len(values))
+        except (TypeError, ValueError):
+            pass
     return np.asarray(values, dtype=dtype)
+
+
+def _ids_array(prompt_ids, response_ids) -> np.ndarray:
+    """A row's prompt and response ids as one int64 array (no list concatenation on the way)."""
+    if isinstance(prompt_ids, (list, tuple)) and isinstance(response_ids, (list, tuple)):
+        try:
+            return np.fromiter(itertools.chain(prompt_ids, response_ids), dtype=np.int64,
+                               count=len(prompt_ids) + len(response_ids))
+        except (TypeError, ValueError):
+            pass
+    return _array(list(prompt_ids) + list(response_ids), np.int64)
 
 
 def _move(v, device):
@@ -222,7 +240,7 @@ def _row_ids(r: Row, n: int) -> np.ndarray:
         if r.ids_tensor.numel() != n:
             raise ValueError(f"a row's ids_tensor has {r.ids_tensor.numel()} tokens, its lists {n}")
         return _array(r.ids_tensor.reshape(-1), np.int64)
-    return _array(list(r.prompt_ids) + list(r.response_ids), np.int64)
+    return _ids_array(r.prompt_ids, r.response_ids)
 
 
 def _row_logprobs(r: Row, n: int) -> np.ndarray:
