@@ -68,7 +68,7 @@ from areno.kernels.attention_common import (
     seq_span,
     tile_config,
 )
-from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -388,7 +388,8 @@ def _tuned(kind: str, dim_class: int):
     key = ["SEQ_BUCKET", "BLOCK_D", "CAUSAL", "GROUP"]
     # the fused pass accumulates into DQ with atomics: each benchmarked config must start from a zeroed DQ
     reset = ["DQ"] if kind in ("fused", "fused_tma") else None
-    return triton.autotune(configs=_CONFIGS[(kind, dim_class)], key=key, reset_to_zero=reset)(_KERNELS[kind])
+    configs = autotune_candidates(_CONFIGS[(kind, dim_class)])
+    return triton.autotune(configs=configs, key=key, reset_to_zero=reset)(_KERNELS[kind])
 
 
 def _dim_class(block_d: int) -> int:

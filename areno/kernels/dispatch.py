@@ -3,6 +3,10 @@
 - ``ARENO_KERNELS=native`` forces the native PyTorch path, ``ARENO_KERNELS=triton`` forces Triton
   (on CPU tensors that needs ``TRITON_INTERPRET=1``, set before triton is imported).
 - Unset: Triton for CUDA tensors, and for CPU tensors when ``TRITON_INTERPRET=1``; native otherwise.
+- ``ARENO_AUTOTUNE=off`` gives every autotuned kernel only the first config of its candidate list (the measured best
+  where a list was swept): nothing is benchmarked and one variant per kernel compiles, for GPU correctness runs on a
+  fresh machine. ``on`` (the default) autotunes over every candidate. Read when a kernel's autotuner is built (at
+  import for most kernels).
 
 Each kernel's public function calls :func:`use_triton` once with its tensors and a flag saying whether its
 Triton path supports the shape/dtype at hand. Nothing else switches kernels.
@@ -53,3 +57,12 @@ def use_triton(*tensors: torch.Tensor, supported: bool = True) -> bool:
             raise RuntimeError("ARENO_KERNELS=triton but the Triton kernel does not support these shapes/dtypes")
         return True
     return runnable and supported
+
+
+def autotune_candidates(configs) -> list:
+    """The configs an autotuner gets (``ARENO_AUTOTUNE``, module docstring)."""
+    mode = os.environ.get("ARENO_AUTOTUNE", "on").strip().lower() or "on"
+    if mode not in ("on", "off"):
+        raise ValueError(f"ARENO_AUTOTUNE must be 'on', 'off' or unset, got {mode!r}")
+    configs = list(configs)
+    return configs if mode == "on" else configs[:1]

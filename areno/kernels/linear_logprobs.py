@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 
 IGNORE_INDEX = -100
 _GRAD_CHUNK_ELEMENTS = 1 << 28  # Triton path: default logit-gradient chunk (512 MB in bf16, two with streams)
@@ -247,8 +247,10 @@ def _configs(grad):
             for bn, bv, bk, w, st, flat in shapes]  # fmt: skip
 
 
-_stats_tuned = triton.autotune(_configs(False), key=["H", "V", "HAS_ENT", "IEEE", "TMA"])(_stats)
-_grad_tuned = triton.autotune(_configs(True), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(_grad_logits)
+_stats_tuned = triton.autotune(autotune_candidates(_configs(False)), key=["H", "V", "HAS_ENT", "IEEE", "TMA"])(
+    _stats)
+_grad_tuned = triton.autotune(autotune_candidates(_configs(True)), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(
+    _grad_logits)
 _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
 _INTERPRET_FLAT = False  # tests flip it to run the flat-loop forward too
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.dispatch import interpreting
+from areno.kernels.dispatch import autotune_candidates, interpreting
 
 
 @triton.jit
@@ -289,7 +289,7 @@ def _fast_bench(fn, quantiles=None, **_):
 def _autotune(configs, key, **kwargs):
     if "do_bench" in inspect.signature(triton.autotune).parameters:
         kwargs["do_bench"] = _fast_bench
-    return triton.autotune(configs=configs, key=key, **kwargs)
+    return triton.autotune(configs=autotune_candidates(configs), key=key, **kwargs)
 
 
 _even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 from areno.kernels.qkv_prologue import check_prologue_inputs
 from areno.kernels.rms_norm import _sm_count, rms_norm_native
 from areno.kernels.rope import apply_rope_native
@@ -253,7 +253,7 @@ def _tuned_bwd(width: int, width_v: int):
     """The backward autotuned over _BWD_TILES for head rows ``width`` (padded) and v rows ``width_v`` wide."""
     configs = [triton.Config({"BLOCK_R": max(1, tile // width), "BLOCK_RV": max(1, tile // width_v)}, num_warps=w)
                for tile, w in _BWD_TILES]
-    return triton.autotune(configs, key=["ROWS_BUCKET", "D", "HALF", "HAS_NORM", "COMPUTE_DW"])(
+    return triton.autotune(autotune_candidates(configs), key=["ROWS_BUCKET", "D", "HALF", "HAS_NORM", "COMPUTE_DW"])(
         _qk_norm_rope_bwd_kernel)
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 
 MAX_N = 65536  # one row must fit one tile
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -217,7 +217,8 @@ def _tuned_bwd(block_n: int):
     distinct = dict.fromkeys((max(1, tile // block_n), per_sm, w, st) for tile, w, per_sm, st in _BWD_TILES)
     configs = [triton.Config({"BLOCK_M": bm, "PER_SM": per_sm}, num_warps=w, num_stages=st)
                for bm, per_sm, w, st in distinct]
-    return triton.autotune(configs=configs, key=["N", "M_BUCKET", "HAS_DH", "COMPUTE_DW"])(_rms_norm_bwd_kernel)
+    return triton.autotune(configs=autotune_candidates(configs), key=["N", "M_BUCKET", "HAS_DH", "COMPUTE_DW"])(
+        _rms_norm_bwd_kernel)
 
 
 class RMSNormFunction(torch.autograd.Function):

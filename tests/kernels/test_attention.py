@@ -453,3 +453,24 @@ def test_gpu_tma_every_candidate_config(d, monkeypatch, launched):
             _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
             assert kind in launched
             launched.clear()
+
+
+def test_autotune_off_keeps_each_kernels_first_candidate(monkeypatch):
+    """ARENO_AUTOTUNE=off: an autotuner built then gets only its list's first config (nothing to benchmark); on or
+    unset: every candidate; anything else is refused by name."""
+    from areno.kernels.dispatch import autotune_candidates
+
+    monkeypatch.setenv("ARENO_AUTOTUNE", "off")
+    attention_module._tuned.cache_clear()
+    try:
+        tuned = attention_module._tuned("fwd_tma", 128)
+        assert tuned.configs == attention_module._CONFIGS[("fwd_tma", 128)][:1]
+        monkeypatch.setenv("ARENO_AUTOTUNE", "on")
+        assert autotune_candidates([1, 2, 3]) == [1, 2, 3]
+        monkeypatch.delenv("ARENO_AUTOTUNE")
+        assert autotune_candidates((1, 2)) == [1, 2]
+        monkeypatch.setenv("ARENO_AUTOTUNE", "fast")
+        with pytest.raises(ValueError, match="ARENO_AUTOTUNE"):
+            autotune_candidates([1])
+    finally:
+        attention_module._tuned.cache_clear()
