@@ -209,19 +209,20 @@ def test_sdk_split_mode_under_torchrun_matches_the_colocated_sdk(files, tmp_path
 
 def test_async_split_quickstart_still_learns(tmp_path):
     """--max-staleness 1 on the quickstart task: one step of policy lag, corrected by truncated importance sampling,
-    still gains at least 20 points of held-out accuracy in 24 of the preset's 40 steps (measured: 66.5% -> 98.5%,
-    about 3 min on two cores; 99.5% after 40)."""
+    still gains at least 10 points of held-out accuracy in 12 of the preset's 40 steps (measured on two cores: 66.5%
+    -> 90.5%, +24 points, about 2 min, most of it the preset's 500-step SFT warm-up; --seed 1..4 gave +14.5 to +26
+    after 12 steps; 98.5% after 24 steps, 99.5% after 40). The sync quickstart test proves the full preset learns."""
     save = tmp_path / "run"
     cmd = [sys.executable, "-m", "areno", "train", "--preset", "quickstart", "--save-path", str(save),
-           "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--max-steps", "24"]
+           "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--max-steps", "12"]
     proc = subprocess.run(cmd, env=env(ARENO_HOME=str(tmp_path / "home")), cwd=tmp_path, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(x) for x in (save / "metrics" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "staleness_max" in r]
-    assert len(steps) == 24 and max(r["staleness_max"] for r in steps) == 1
+    assert len(steps) == 12 and max(r["staleness_max"] for r in steps) == 1
     final = records[-1]
-    assert final["eval_accuracy_after"] - final["eval_accuracy_before"] >= 0.20, final
+    assert final["eval_accuracy_after"] - final["eval_accuracy_before"] >= 0.10, final
 
 
 AGENT = """
