@@ -642,12 +642,60 @@ def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale):
     return out
 
 
+def _length_groups(lq: list[int], lk: list[int], slack: float = 2.0) -> list[list[int]]:
+    """The sequences (with query rows) in groups padded together: longest first, a group grows while its padded
+    score count stays within ``slack`` x its sequences' own (plus 4096, so short sequences always batch)."""
+    order = sorted((b for b in range(len(lq)) if lq[b] > 0), key=lambda b: -max(lq[b], lk[b]))
+    groups, cur, mq, mk, own = [], [], 0, 0, 0
+    for b in order:
+        nq, nk = max(mq, lq[b]), max(mk, lk[b])
+        if cur and (len(cur) + 1) * nq * nk > slack * (own + lq[b] * lk[b]) + 4096:
+            groups.append(cur)
+            cur, nq, nk, own = [], lq[b], lk[b], 0
+        cur.append(b)
+        mq, mk, own = nq, nk, own + lq[b] * lk[b]
+    return groups + ([cur] if cur else [])
+
+
+def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale):
+    """CPU native path: sequences of similar length padded into batches, one SDPA call per batch (instead of one
+    einsum pair per sequence), differentiable. Rows that see no key output 0; rows outside every sequence too."""
+    import torch.nn.functional as F
+
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    lq = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
+    lk = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
+    if k.shape[0] == 0:  # no keys at all: the reference's zeros (and its empty gradients)
+        return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    rows_all, vals_all = [], []
+    for group in _length_groups(lq, lk):
+        n_q, n_k = max(lq[b] for b in group), max(lk[b] for b in group)
+        sq, sk = (torch.tensor([c[b] for b in group])[:, None] for c in (cq, ck))
+        gq, gk = (torch.tensor([lens[b] for b in group])[:, None] for lens in (lq, lk))
+        i, j = torch.arange(n_q)[None, :], torch.arange(n_k)[None, :]
+        valid_q = i < gq  # [n, n_q]
+        idx_q = sq + torch.minimum(i, (gq - 1).clamp(min=0))
+        idx_k = (sk + torch.minimum(j, (gk - 1).clamp(min=0))).clamp(max=k.shape[0] - 1)
+        visible = (j < gk)[:, None, :].expand(-1, n_q, -1)  # [n, n_q, n_k]
+        if causal:
+            visible = visible & (j[:, None, :] <= i[:, :, None] + (gk - gq)[:, :, None])
+        has_key = visible.any(-1)
+        mask = visible | ((~has_key)[:, :, None] & (j == 0)[:, None, :])  # a row with no key reads key 0, then 0
+        qp, kp, vp = (t[idx].transpose(1, 2) for t, idx in ((q, idx_q), (k, idx_k), (v, idx_k)))
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale,
+                                           enable_gqa=kp.shape[1] != qp.shape[1]).transpose(1, 2)
+        o = torch.where(has_key[:, :, None, None], o, torch.zeros((), dtype=o.dtype))
+        rows_all.append(idx_q[valid_q])
+        vals_all.append(o[valid_q])
+    return out.index_copy(0, torch.cat(rows_all), torch.cat(vals_all)) if rows_all else out
+
+
 def _attention_native(q, k, v, cu_q, cu_k, causal, scale):
     if q.is_cuda:
         return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    out = attention_reference(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal=causal,
-                              softmax_scale=scale)
+    out = _attention_cpu_padded(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal, scale)
     return out.to(q.dtype)
 
 

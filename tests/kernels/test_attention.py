@@ -474,3 +474,23 @@ def test_autotune_off_keeps_each_kernels_first_candidate(monkeypatch):
             autotune_candidates([1])
     finally:
         attention_module._tuned.cache_clear()
+
+
+def test_native_cpu_path_pads_similar_lengths_together(monkeypatch):
+    """The CPU native path batches sequences of similar length (one SDPA call per group): a long sequence is not
+    padded together with many short ones, empty sequences and rows outside every sequence give 0, and values and
+    gradients equal the float64 reference's (here in float64 too)."""
+    assert attention_module._length_groups([1000, 3, 3, 3, 3, 0, 500], [1000, 3, 3, 3, 3, 4, 500]) == \
+        [[0, 6], [1, 2, 3, 4]]
+    assert attention_module._length_groups([40] * 64, [40] * 64) == [list(range(64))]
+    lq, lk = [0, 61, 2, 3, 0, 40, 9], [0, 61, 2, 7, 5, 40, 4]  # empty, chunked-prefill, Lq > Lk rows
+    seed = random.randrange(2**31)
+    q, k, v, do, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 16, torch.float64, seed)
+    q = torch.cat([q, torch.randn(3, 4, 16, dtype=torch.float64)])  # rows past the last sequence
+    do = torch.cat([do, torch.randn(3, 4, 16, dtype=torch.float64)])
+    for causal in (True, False):
+        want = reference(q, k, v, do, cu_q, cu_k, causal)
+        got = run(q, k, v, do, cu_q, cu_k, lq, lk, causal, "native")
+        for name, g, w in zip("o dq dk dv".split(), got, want):
+            assert_close(g, w, 1e-12, f"native cpu causal={causal} {name} seed={seed}")
+        assert (got[0][-3:] == 0).all()
