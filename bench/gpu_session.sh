@@ -89,7 +89,7 @@ for stage in "$@"; do
         tests/kernels/test_attention.py -k "tma_every_candidate or training_shape"
       step t12 200 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
       step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45 ;;
-    s9)  # ninth session: lazy-rescaling TMA forward, one-copy batch transfer, device-side graph padding
+    s9)  # ninth session (at b218e2d, its lazy-rescaling forward since reverted): one-copy batch transfer, device padding
       step s9-attn 120 python3 -m pytest -m gpu -q --timeout 100 --tb=short -p no:cacheprovider \
         tests/kernels/test_attention.py -k "training_shape or tma-tma_merged"
       step t12 230 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
