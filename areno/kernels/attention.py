@@ -731,7 +731,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
 
     Causal masks align to the end of each key sequence (query i sees keys j <= i + Lk - Lq). ``max_seqlen_*`` are
     host ints (upper bounds of the per-sequence lengths; they size the grid). ``backend``: None follows
-    ``use_triton``; "native" forces PyTorch (SDPA per sequence on CUDA); "triton" (alias "flash") forces Triton.
+    ``use_triton``; "native" forces PyTorch (SDPA per sequence on CUDA, per group of similar-length sequences padded
+    together on the CPU); "triton" (alias "flash") forces Triton.
     Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. The Triton path's backward
     follows ``ARENO_ATTN_BWD`` ("split", "fused", "tma", "tma_merged" or "fused_tma") and its forward
     ``ARENO_ATTN_FWD`` ("default" or "tma"), both read here, at the forward (see the module docstring).
