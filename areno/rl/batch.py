@@ -21,7 +21,6 @@ through pinned memory, so ``Packed.to`` never waits for the device.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,7 +88,7 @@ class Packed:
         instead of one pinning and one copy per tensor, and no copy from pageable memory, which may wait for the
         device's queued work)."""
         device = torch.device(device)
-        fields = {k: v for k, v in vars(self).items()}
+        fields = dict(vars(self))
         if device.type == "cuda":
             return Packed(**_to_gpu_together(fields, device))
         return Packed(**{k: ({kk: _move(vv, device) for kk, vv in v.items()} if isinstance(v, dict)
@@ -99,7 +98,7 @@ class Packed:
 def row_tensors(prompt_ids, response_ids, rollout_logprobs=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A row's ``ids_tensor`` (prompt then response ids, int64) and ``logprobs_tensor`` (float32, None without
     log-probs): what pack() would convert from the lists."""
-    ids = torch.from_numpy(_ids_array(prompt_ids, response_ids))
+    ids = torch.from_numpy(_array(list(prompt_ids) + list(response_ids), np.int64))
     return ids, (torch.from_numpy(_array(rollout_logprobs, np.float32)) if rollout_logprobs is not None else None)
 
 
@@ -117,17 +116,6 @@ def _array(values, dtype) -> np.ndarray:
     return np.asarray(values, dtype=dtype)
 
 
-def _ids_array(prompt_ids, response_ids) -> np.ndarray:
-    """A row's prompt and response ids as one int64 array (no list concatenation on the way)."""
-    if isinstance(prompt_ids, (list, tuple)) and isinstance(response_ids, (list, tuple)):
-        try:
-            return np.fromiter(itertools.chain(prompt_ids, response_ids), dtype=np.int64,
-                               count=len(prompt_ids) + len(response_ids))
-        except (TypeError, ValueError):
-            pass
-    return _array(list(prompt_ids) + list(response_ids), np.int64)
-
-
 def _move(v, device):
     return v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
 
@@ -135,27 +123,26 @@ def _move(v, device):
 def _to_gpu_together(fields: dict, device: torch.device) -> dict:
     """``fields`` (tensors, dicts of tensors, other values) with every CPU tensor sent to ``device`` through one
     buffer (pinned for a GPU) and one copy, each arriving as a view of it; other tensors go by their own copy."""
-    slots, total = [], 0  # (field, key or None, tensor, byte offset)
+    out, slots, total = {}, [], 0  # slots: (field, key or None, tensor, byte offset)
     for k, v in fields.items():
+        moved = {}
         for kk, t in (v.items() if isinstance(v, dict) else [(None, v)]):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 slots.append((k, kk, t.contiguous(), total))
                 total += -(-t.numel() * t.element_size() // 16) * 16
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in fields.items()}
-    for k, v in out.items():  # what is not on the CPU moves by itself
-        if isinstance(v, dict):
-            out[k] = {kk: t if isinstance(t, torch.Tensor) and t.device.type == "cpu" else _move(t, device)
-                      for kk, t in v.items()}
-        elif not (isinstance(v, torch.Tensor) and v.device.type == "cpu"):
-            out[k] = _move(v, device)
+                moved[kk] = None  # its view of the device buffer, below
+            else:
+                moved[kk] = _move(t, device)
+        out[k] = moved if isinstance(v, dict) else moved[None]
     if not slots:
         return out
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    for _, _, t, off in slots:
-        staging[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+    views = [(k, kk, t, slice(off, off + t.numel() * t.element_size())) for k, kk, t, off in slots]
+    for _, _, t, span in views:
+        staging[span].view(t.dtype).view(t.shape).copy_(t)
     on_device = staging.to(device, non_blocking=True)
-    for k, kk, t, off in slots:
-        view = on_device[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    for k, kk, t, span in views:
+        view = on_device[span].view(t.dtype).view(t.shape)
         if kk is None:
             out[k] = view
         else:
@@ -240,7 +227,7 @@ def _row_ids(r: Row, n: int) -> np.ndarray:
         if r.ids_tensor.numel() != n:
             raise ValueError(f"a row's ids_tensor has {r.ids_tensor.numel()} tokens, its lists {n}")
         return _array(r.ids_tensor.reshape(-1), np.int64)
-    return _ids_array(r.prompt_ids, r.response_ids)
+    return _array(list(r.prompt_ids) + list(r.response_ids), np.int64)
 
 
 def _row_logprobs(r: Row, n: int) -> np.ndarray:

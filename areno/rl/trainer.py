@@ -190,13 +190,11 @@ class PolicyTrainer:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
         else:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
-        if device_norm is not None:  # read back with the stats: one host sync per update
-            pending.append(("", device_norm.to(torch.float64)))
-        if pending:
-            values = torch.stack([v.to(self.device, torch.float64) for _, v in pending]).tolist()
+        reads = [v for _, v in pending] + ([device_norm] if device_norm is not None else [])
+        if reads:  # the stats and the device norm read back together: one host sync per update
+            values = torch.stack([v.to(self.device, torch.float64) for v in reads]).tolist()
             if device_norm is not None:
                 grad_norm = values.pop()
-                pending.pop()
                 self.graphs.count_step(grad_norm)
             for (k, _), v in zip(pending, values):
                 stats[k] = stats.get(k, 0.0) + v
