@@ -4,7 +4,8 @@
     python bench/logprob.py --hidden 1024 4096    # more shapes
 
 FLOPs: forward 2 N V H; areno's backward recomputes the logits and runs the two gradient GEMMs, so fwd+bwd is
-8 N V H (20.4 TFLOP at K2, 26 ms at 790 TFLOP/s); torch's path keeps the logits and does 6 N V H. The table gives
+8 N V H (20.4 TFLOP at K2, 26 ms at 790 TFLOP/s); torch's path keeps the logits and does 6 N V H, and so does
+``areno_loss`` (``linear_logprobs_loss``: the same -mean loss with its gradient taken in the forward). The table gives
 time, peak memory above the inputs (the torch path holds [N, V] logits in bf16 and fp32), TFLOP/s counted as 8 N V H
 for every row (same work unit), and the fraction of the 26 ms GEMM floor. Liger is optional: its pure-Python
 wheel on PYTHONPATH; skipped with a note when missing.
@@ -80,6 +81,12 @@ def _impls(with_liger, variants=()):
     def areno(h, w, t):
         (-linear_logprobs(h, w, t).mean()).backward()
 
+    def areno_loss(h, w, t):  # the same -mean loss, its gradient taken in the forward (linear_logprobs_loss)
+        from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
+
+        weights = torch.full(t.shape, -1.0 / t.numel(), device=t.device)
+        linear_logprobs_loss(h, w, t, weights)[0].backward()
+
     def areno_entropy(h, w, t):
         lp, ent = linear_logprobs(h, w, t, return_entropy=True)
         (-lp.mean() - 0.01 * ent.mean()).backward()
@@ -92,7 +99,7 @@ def _impls(with_liger, variants=()):
         with torch.no_grad():
             linear_logprobs(h, w, t)
 
-    impls = {"torch": torch_path, "areno": areno, "areno+entropy": areno_entropy}
+    impls = {"torch": torch_path, "areno": areno, "areno_loss": areno_loss, "areno+entropy": areno_entropy}
     for spec in variants:
         env, entropy = parse_variant(spec)
 
@@ -240,13 +247,14 @@ def main():
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script at tiny shapes (fp32)")
     ap.add_argument("--impls", nargs="+", default=None,
-                    help="base rows to run (torch, areno, areno+entropy, liger_flce; each with its fwd-only row "
+                    help="base rows to run (torch, areno, areno_loss, areno+entropy, liger_flce; each with its "
+                         "fwd-only row "
                          "where it has one); default: all")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=[], metavar="SPEC",
                     help="extra areno rows, each 'key=value,...' with keys loads, streams, chunk, entropy")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd of each areno row")
     args = ap.parse_args()
-    known = {"torch", "areno", "areno+entropy", "liger_flce"}
+    known = {"torch", "areno", "areno_loss", "areno+entropy", "liger_flce"}
     if args.impls and not set(args.impls) <= known:
         ap.error(f"--impls: unknown {sorted(set(args.impls) - known)} (choose from {sorted(known)})")
     if args.impls and "liger_flce" not in args.impls:

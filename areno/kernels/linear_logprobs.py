@@ -40,6 +40,7 @@ IGNORE_INDEX = -100
 _GRAD_CHUNK_ELEMENTS = 1 << 28  # Triton path: default logit-gradient chunk (512 MB in bf16, two with streams)
 _NATIVE_CHUNK_ELEMENTS = 1 << 24  # native path: fp32 logits chunk (64 MB, a few temporaries of that size)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+Q_EXP_CAP = 40.0  # linear_logprobs_loss: q = e^(z - ref) is exact for rows whose max logit is within this of ref
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 
@@ -86,7 +87,8 @@ def _dot(hb, wb, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT: tl.constexpr):
-    """Fold one logit tile into the running (max, sum-exp, entropy term) of each row."""
+    """Fold one logit tile into the running (max, sum-exp, entropy term) of each row; also returns the tile's
+    e^(z - m) under the new max (0 past the vocab end)."""
     z = tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
     m_new = tl.maximum(m, tl.max(z, axis=1))
     e = tl.exp(z - m_new[:, None])
@@ -95,28 +97,49 @@ def _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT: tl.constexpr):
         d = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)
         a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=1)
     s = alpha * s + tl.sum(e, axis=1)
-    return m_new, s, a
+    return m_new, s, a, e
 
 
 @triton.jit
-def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, N, V, H, vocab_start, inv_temp, cols_per_split,
-                  stride_h, stride_w,
+def _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP: tl.constexpr):
+    """Store q = e^(z - ref) = e * e^(m - ref) (exponent capped at CAP) of one tile, 0 in each row's target
+    column, for the rows in ``keep`` (linear_logprobs_loss)."""
+    q = e * tl.exp(tl.minimum(m - ref, CAP))[:, None]
+    q = tl.where(cols[None, :] == tgt[:, None], 0.0, q)
+    ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :]
+    tl.store(ptrs, q.to(q_ptr.dtype.element_ty), mask=(row_ok & keep)[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, q_ptr, ref_ptr, fix_ptr, N, V, H, vocab_start,
+                  inv_temp, cols_per_split, stride_h, stride_w, stride_q,
                   HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, FLAT: tl.constexpr,
-                  TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                  TMA: tl.constexpr, STORE: tl.constexpr, FIX: tl.constexpr, CAP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # part_ptr: [4, splits, N] fp32 = (max, sum-exp, entropy term, target logit) of this split's vocab range.
     # TMA: the logit tiles are loaded through the descriptors h_desc / w_desc (over all of hidden / weight).
+    # STORE (linear_logprobs_loss): also write every tile's q = e^(z - ref[row]) into q_ptr [N, V] (see _store_q).
+    # FIX: only the rows with fix_ptr[row] != 0 are stored (their ref is now the row's max) and no partials are
+    # written; a program without such a row loops over nothing.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     r_start = pid_n * BLOCK_N
     rows = r_start + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    keep = row_ok
+    ref = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if STORE:
+        ref = tl.load(ref_ptr + rows, mask=row_ok, other=0.0)
+        if FIX:
+            keep = row_ok & (tl.load(fix_ptr + rows, mask=row_ok, other=0) != 0)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - vocab_start
     v_begin = pid_s * cols_per_split
     v_end = tl.minimum(v_begin + cols_per_split, V)
+    if FIX:
+        v_end = tl.where(tl.max(keep.to(tl.int32), axis=0) > 0, v_end, v_begin)
     m = tl.full([BLOCK_N], -1e30, dtype=tl.float32)  # finite: keeps (m - m_new) * s at 0 before the first tile
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     a = tl.zeros([BLOCK_N], dtype=tl.float32)
-    tz = tl.zeros([BLOCK_N], dtype=tl.float32)
     if FLAT:  # one loop over (vocab tile, k step): the pipeliner keeps loading across vocab-tile boundaries
         k_tiles = tl.cdiv(H, BLOCK_K)
         n_iter = tl.cdiv(v_end - v_begin, BLOCK_V) * k_tiles
@@ -139,18 +162,32 @@ def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, N, V, H, voca
                              mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             acc = _dot(hb, wb, acc, IEEE)
             if kt == k_tiles - 1:
-                m, s, a = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
+                m, s, a, e = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
+                if STORE:
+                    _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP)
                 acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     else:
         for v0 in range(v_begin, v_end, BLOCK_V):
-            col_ok = (v0 + tl.arange(0, BLOCK_V)) < v_end
+            cols = v0 + tl.arange(0, BLOCK_V)
+            col_ok = cols < v_end
             if TMA:
                 acc = _tile_logits(h_desc, w_desc, r_start, v0, row_ok, col_ok, H, stride_h, stride_w,
                                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE, True)  # fmt: skip
             else:
                 acc = _tile_logits(h_ptr, w_ptr, r_start, v0, row_ok, col_ok, H, stride_h, stride_w,
                                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE, False)  # fmt: skip
-            m, s, a = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
+            m, s, a, e = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
+            if STORE:
+                _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP)
+    if not FIX:
+        _store_partials(h_ptr, w_ptr, tgt, part_ptr, rows, row_ok, pid_s, N, V, H, inv_temp, stride_h, stride_w, m, s,
+                        a, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _store_partials(h_ptr, w_ptr, tgt, part_ptr, rows, row_ok, pid_s, N, V, H, inv_temp, stride_h, stride_w, m, s, a,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    tz = tl.zeros([BLOCK_N], dtype=tl.float32)
     if pid_s == 0:  # the target logit as one gathered dot product per row, not a reduction per tile
         t_ok = row_ok & (tgt >= 0) & (tgt < V)
         ks = tl.arange(0, BLOCK_K)
@@ -247,8 +284,8 @@ def _configs(grad):
             for bn, bv, bk, w, st, flat in shapes]  # fmt: skip
 
 
-_stats_tuned = triton.autotune(autotune_candidates(_configs(False)), key=["H", "V", "HAS_ENT", "IEEE", "TMA"])(
-    _stats)
+_stats_tuned = triton.autotune(autotune_candidates(_configs(False)),
+                               key=["H", "V", "HAS_ENT", "IEEE", "TMA", "STORE", "FIX"])(_stats)
 _grad_tuned = triton.autotune(autotune_candidates(_configs(True)), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(
     _grad_logits)
 _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
@@ -282,8 +319,10 @@ def _operands(hidden, weight, tma):
     return TensorDescriptor.from_tensor(hidden, [bn, bk]), TensorDescriptor.from_tensor(weight, [bv, bk])
 
 
-def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, tma):
-    """Per-split (m, s, a, tz) partials: [4, splits, N] fp32."""
+def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, tma, store=None, fix=None):
+    """Per-split (m, s, a, tz) partials: [4, splits, N] fp32. ``store`` = (q [N, V], ref [N] fp32): also write each
+    row's q = e^(z - ref) (linear_logprobs_loss); with ``fix`` (int [N]) only the flagged rows are written, no
+    partials (returns None)."""
     N, H = hidden.shape
     V = weight.shape[0]
     if not _on_device(hidden):
@@ -292,10 +331,12 @@ def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, 
         splits = max(1, min(triton.cdiv(32 * _num_sms(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
     cols_per_split = triton.cdiv(triton.cdiv(V, splits), 256) * 256
     splits = triton.cdiv(V, cols_per_split)
-    parts = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device)
-    args = (hidden, weight, *_operands(hidden, weight, tma), targets, parts, N, V, H, vocab_start, inv_temp,
-            cols_per_split, hidden.stride(0), weight.stride(0))  # fmt: skip
-    flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32, "TMA": tma}
+    parts = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device) if fix is None else None
+    q, ref = store if store is not None else (None, None)
+    args = (hidden, weight, *_operands(hidden, weight, tma), targets, parts, q, ref, fix, N, V, H, vocab_start,
+            inv_temp, cols_per_split, hidden.stride(0), weight.stride(0), q.stride(0) if q is not None else 0)
+    flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32, "TMA": tma, "STORE": q is not None,
+             "FIX": fix is not None, "CAP": Q_EXP_CAP}
     if not _on_device(hidden):
         grid = (triton.cdiv(N, _INTERPRET_CFG["BLOCK_N"]), splits)
         _stats[grid](*args, **flags, **_INTERPRET_CFG, FLAT=_INTERPRET_FLAT)

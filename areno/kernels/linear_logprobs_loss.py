@@ -1,0 +1,166 @@
+"""A loss linear in the per-token log-probs of an LM head, with its gradient taken during the forward.
+
+    loss = sum_t w_t * logprob_t,    logprob_t = log softmax(hidden_t @ weight.T / T)[target_t]
+
+When each log-prob's upstream gradient w_t is known before the forward (SFT: -mask / tokens), the gradients of
+hidden and weight need not wait for the backward. ``linear_logprobs`` spends one GEMM-equivalent on its forward
+statistics and three in its backward (logits recomputed, dhidden, dweight); this spends three in all. Per chunk of
+token rows (each over the whole vocab):
+
+1. the statistics kernel of ``linear_logprobs`` also writes q = e^(z - r) for every logit (bf16 for bf16 weights),
+   relative to a per-row reference r known before the pass: the target logit (one gathered dot product per row).
+   So p = q e^(r - lse) with one factor per row, none per tile. The target column's q is written as 0.
+2. lse and log-probs from the merged statistics. A row with a weight whose max logit exceeds r by more than
+   ``Q_EXP_CAP`` (its target's log-prob is below about -40, where q would pass the cap) is written again relative to
+   its own max by the same kernel in its FIX mode (flagged rows only; a program without one does nothing), so the
+   step is exact for every row without a host sync (CUDA-graph safe).
+3. dlogits = c (onehot - p) with c = w / T, i.e. c (1 - p_y) at the target and -s q elsewhere, s = c e^(r - lse):
+   dhidden = -s (q @ W) + c (1 - p_y) W[y] and dweight += -q^T @ (s hidden) + c (1 - p_y) hidden added at row y:
+   two cuBLAS GEMMs, fp32 accumulation; 1 - p_y = -expm1(logprob) in fp32, so a confident target loses nothing to
+   the rounding of q.
+
+Other inputs (the native path, fp16) run ``linear_logprobs``' statistics and recomputed backward inside the forward:
+the same results with four GEMM-equivalents. The backward returns the stashed gradients times the loss's gradient.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import triton
+
+from areno.kernels.dispatch import use_triton
+
+ll = importlib.import_module("areno.kernels.linear_logprobs")  # the module (the package exports the function)
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float32)  # q in the weight's dtype; fp16 would overflow at the cap
+
+
+def _chunk_rows(N: int, V: int, chunk_rows, budget: int, on_device: bool) -> int:
+    """Rows per chunk: at most ``budget`` q elements, chunks evened out (multiples of 128 on a GPU)."""
+    rows = max(1, min(N, chunk_rows or max(128, budget // max(1, V))))
+    n = triton.cdiv(N, rows)
+    rows = triton.cdiv(N, n)
+    return min(N, triton.cdiv(rows, 128) * 128) if on_device and not chunk_rows else rows
+
+
+def _target_logits(hidden, weight, targets, inv_temp):
+    """The reference r per row: hidden . weight[target] / T in fp32 (0 for ignored rows)."""
+    rows = weight[targets.clamp(min=0)]
+    r = torch.einsum("nh,nh->n", hidden.float(), rows.float()) * inv_temp
+    return torch.where(targets >= 0, r, torch.zeros_like(r))
+
+
+def _fused_triton(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw, opts):
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    rows = _chunk_rows(N, V, chunk_rows, 2 * opts.chunk, ll._on_device(hidden))
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    dh = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_dh else None
+    dw = torch.zeros(V, H, dtype=torch.float32, device=dev) if need_dw else None
+    ref_all = _target_logits(hidden, weight, targets, inv_temp)
+    q_buf = torch.empty(rows, V, dtype=weight.dtype, device=dev)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        h_c, t_c, q = hidden[r0:r1], targets[r0:r1], q_buf[: r1 - r0]
+        ref = ref_all[r0:r1]
+        tma = opts.tma and ll._tma_possible(h_c, weight)  # a chunk's first row must stay 16-byte aligned
+        parts = ll._triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref))
+        m, s, _, tz = ll._merge(parts)
+        lse = m + torch.log(s)
+        valid = t_c >= 0
+        lp = torch.where(valid, tz - lse, torch.zeros_like(lse))
+        logp[r0:r1] = lp
+        c = torch.where(valid, w_tok[r0:r1].float(), torch.zeros_like(lse)) * inv_temp
+        fix = (m - ref > ll.Q_EXP_CAP) & (c != 0)
+        ref = torch.where(fix, m, ref)
+        ll._triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref), fix=fix.to(torch.int32))
+        scale = c * torch.exp(ref - lse)  # p = q e^(r - lse)
+        tgt_coef = -torch.expm1(lp) * c  # c (1 - p_y); 0 where c is
+        y = t_c.clamp(min=0)
+        if need_dh:
+            qw = ll._matmul_f32(q, weight)
+            dh[r0:r1] = (tgt_coef[:, None] * weight[y].float() - scale[:, None] * qw).to(dh.dtype)
+        if need_dw:
+            hf = h_c.float()
+            ll._accumulate(dw, q.T, (-scale[:, None] * hf).to(q.dtype))
+            dw.index_add_(0, y, tgt_coef[:, None] * hf)
+    return logp, dh, None if dw is None else dw.to(weight.dtype)
+
+
+def _generic(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw, triton_path, opts):
+    """The statistics and the recomputed backward of linear_logprobs, both now (four GEMM-equivalents)."""
+    if triton_path:
+        parts = ll._triton_stats(hidden, weight, targets, 0, inv_temp, False, opts.tma)
+    else:
+        parts = ll._native_stats(hidden, weight, targets, 0, inv_temp, chunk_rows)
+    m, s, a, tz = ll._merge(parts)
+    lse = m + torch.log(s)
+    valid = targets >= 0
+    logp = torch.where(valid, tz - lse, torch.zeros_like(lse))
+    g = torch.where(valid, w_tok.to(lse.dtype), torch.zeros_like(lse)).contiguous()
+    dh = dw = None
+    if need_dh or need_dw:
+        dh, dw = ll._backward(hidden, weight, targets, 0, inv_temp, lse, None, g, None, need_dh, need_dw, chunk_rows,
+                              triton_path, opts)  # fmt: skip
+    return logp, None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype)
+
+
+class _LinearLogprobsLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, w_tok, inv_temp, chunk_rows, triton_path):
+        opts = ll.options(hidden, weight, triton_path)
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if triton_path and weight.dtype in _FUSED_DTYPES:
+            logp, dh, dw = _fused_triton(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw, opts)
+        else:
+            logp, dh, dw = _generic(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw,
+                                    triton_path, opts)  # fmt: skip
+        loss = (logp * w_tok.to(logp.dtype)).sum()
+        ctx.save_for_backward(dh, dw)
+        ctx.mark_non_differentiable(logp)
+        ctx.set_materialize_grads(False)
+        return loss, logp
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_logp):
+        dh, dw = ctx.saved_tensors
+        if g_loss is None:
+            return (None,) * 7
+        return (None if dh is None else dh * g_loss.to(dh.dtype), None if dw is None else dw * g_loss.to(dw.dtype),
+                None, None, None, None, None)
+
+
+def linear_logprobs_loss(hidden, weight, targets, token_weights, *, temperature=1.0, chunk_size=None):
+    """``(loss, logprobs)`` with ``loss = sum(token_weights * logprobs)`` and ``logprobs`` as ``linear_logprobs``
+    gives them (fp32, 0 at targets == -100), the gradients of hidden and weight computed now (module docstring).
+
+    ``token_weights``: float ``[...]`` like ``targets``, not differentiable (the loss's derivative by each
+    log-prob). ``logprobs`` carries no gradient: anything else built on it is a constant to the backward.
+    ``chunk_size``: token rows per chunk (default: a fixed memory budget, ``ARENO_LOGPROB_BWD_CHUNK`` x 2 elements of
+    q). No entropy, no tensor parallelism (``linear_logprobs`` has both).
+    """
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"linear_logprobs_loss: hidden [..., H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if hidden.shape[:-1] != targets.shape or token_weights.shape != targets.shape:
+        raise ValueError(f"linear_logprobs_loss: targets {tuple(targets.shape)} and token_weights "
+                         f"{tuple(token_weights.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"linear_logprobs_loss: hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype})")
+    if targets.dtype not in (torch.int64, torch.int32) or not temperature > 0:
+        raise ValueError(f"linear_logprobs_loss: targets must be int64/int32 (got {targets.dtype}) and temperature "
+                         f"> 0 (got {temperature})")  # fmt: skip
+    if token_weights.requires_grad or not token_weights.is_floating_point():
+        raise ValueError("linear_logprobs_loss: token_weights must be a float tensor without grad")
+    lead = targets.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    tw = token_weights.reshape(-1).contiguous()
+    path = use_triton(h2, w, t, supported=hidden.dtype in ll._FLOATS and h2.shape[0] > 0)
+    loss, lp = _LinearLogprobsLoss.apply(h2, w, t, tw, 1.0 / float(temperature), chunk_size, path)
+    return loss, lp.reshape(lead)
