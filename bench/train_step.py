@@ -12,13 +12,19 @@ One step = forward + backward + optimizer update of every parameter, next-token 
   ``linear_logprobs`` (no ``[tokens, vocab]`` logits), backward and the update. Activation checkpointing off and on.
   ``--graphs off,on`` measures the trainer with ``train_cuda_graphs="off"`` and ``"on"`` (areno.rl.train_graphs:
   forward/backward and optimizer replayed as CUDA graphs; the first steps capture) in the same run; checkpointing
-  "on" rows run eager only (recomputation is not graphed).
+  "on" rows run eager only (recomputation is not graphed). The loss is linear in the log-probs, so the head takes
+  its gradient in the forward (``linear_logprobs_loss``, one GEMM-equivalent fewer); ``--sft-head plain`` (or
+  ``fused,plain``) also measures the same loss built on ``linear_logprobs``' output (gradient in the backward).
 - transformers: ``model(input_ids, labels=input_ids).loss.backward(); opt.step(); opt.zero_grad()`` with
   ``torch.optim.AdamW(lr=1e-6)`` on the bf16 parameters (bf16 optimizer state, no master copy), sdpa attention,
   exactly as ``../shared/baselines/hf_baseline.py`` measured it (46.5k tok/s at T1, 35.0 GiB peak); checkpointing
   through ``gradient_checkpointing_enable`` (non-reentrant) for the "on" rows.
 
 MFU = 6 x 596,049,920 x tokens / step time / 790 TFLOP/s (BENCH.md; attention FLOPs and recomputation not counted).
+Two step times per row: ``step_ms``, the median of single steps each timed by CUDA events and waited for (the host's
+work before a step's first kernel counts, with the GPU idle), and ``loop_ms``, the mean over ``--iters`` steps run
+back to back with one synchronisation at the end, as ``../shared/baselines/hf_baseline.py`` (BENCH.md's baseline)
+times them: a step's host work may then overlap the previous step's GPU tail (``loop_mfu``, ``loop_speedup_vs_hf``).
 Peak memory: ``torch.cuda.max_memory_allocated`` over a step with only that implementation's model, gradients,
 optimizer state and activations resident (the optimizer state exists from the warm-up steps on). A graph replay
 allocates nothing, so for graphs ``peak_gib`` misses the pool's activations: compare ``reserved_gib``
@@ -72,15 +78,18 @@ def areno_trainer(state, graphs):
     return trainers[graphs]
 
 
-def areno_step(state, ids, ckpt, graphs="off"):
+def areno_step(state, ids, ckpt, graphs="off", head="fused"):
     from areno.rl.algorithms import sft_loss_fn
     from areno.rl.batch import Row
+    from areno.rl.losses import sft_loss
 
     model = state[0]
     trainer = areno_trainer(state, graphs)
     model.set_activation_checkpointing(ckpt)
     rows = [Row(prompt_ids=r[:1], response_ids=r[1:]) for r in ids.tolist()]
     loss_fn = sft_loss_fn()
+    if head == "plain":  # the same loss without token weights: the trainer runs linear_logprobs + its backward
+        loss_fn = lambda out, packed, norms: sft_loss(out.logprobs, packed.mask, num_tokens=norms.num_tokens)  # noqa: E731
     batch = len(rows)
     return lambda: trainer.train(rows, loss_fn, mini_bs=batch, gradient_accumulation_steps=1)
 
@@ -110,15 +119,25 @@ def hf_step(state, ids, ckpt):
     return step
 
 
-def measure(impl, state, name, batch, seqlen, ckpt, device, args, vocab, n_params, graphs=None):
+def measure(impl, state, name, batch, seqlen, ckpt, device, args, vocab, n_params, graphs=None, head=None):
     rec = dict(impl=impl, workload=name, batch=batch, seqlen=seqlen, tokens=batch * seqlen, checkpointing=ckpt)
     if graphs is not None:
         rec["graphs"] = graphs
+    if head is not None:
+        rec["head"] = head
     try:
         ids = torch.randint(models.FIRST_TOKEN, vocab, (batch, seqlen), generator=torch.Generator().manual_seed(0))
-        step = areno_step(state, ids, ckpt, graphs) if impl == "areno" else hf_step(state, ids, ckpt)
+        step = areno_step(state, ids, ckpt, graphs, head) if impl == "areno" else hf_step(state, ids, ckpt)
         warmup, iters = (args.warmup, args.iters) if impl == "areno" else (args.hf_warmup, args.hf_iters)
         ms = gpu_time_ms(step, warmup=warmup, iters=iters)
+        if device.type == "cuda":  # back to back, one sync at the end (hf_baseline.py's timing)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            rec["loop_ms"] = (time.perf_counter() - t0) / iters * 1e3
+            rec["loop_mfu"] = 6 * n_params * batch * seqlen / (rec["loop_ms"] / 1e3) / models.PEAK_FLOPS
         if device.type == "cuda":
             torch.cuda.synchronize()
             gc.collect()
@@ -156,8 +175,13 @@ def main():
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--hf-warmup", type=int, default=2)
     ap.add_argument("--hf-iters", type=int, default=5)
+    ap.add_argument("--sft-head", default="fused", help="areno's head: fused (gradient in the forward), plain, or "
+                    "fused,plain (both, same run)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/train_step.jsonl")
     args = ap.parse_args()
+    heads = args.sft_head.split(",")
+    if not heads or any(h not in ("fused", "plain") for h in heads):
+        ap.error(f"--sft-head: a comma list of fused, plain (got {args.sft_head!r})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = models.shape_of(args.smoke)
     workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
@@ -185,8 +209,9 @@ def main():
                     graphed = ckpt == "off" and device.type == "cuda"
                     modes = [g for g in args.graphs.split(",") if g == "off" or graphed]
                 for graphs in modes:
-                    records.append(measure(impl, state, name, batch, seqlen, ckpt == "on", device, args,
-                                           shape["vocab_size"], n_params, graphs))
+                    for head in heads if impl == "areno" else [None]:
+                        records.append(measure(impl, state, name, batch, seqlen, ckpt == "on", device, args,
+                                               shape["vocab_size"], n_params, graphs, head))
         if impl == "areno":
             for t in state[2].values():
                 if t.graphs is not None:
@@ -206,28 +231,33 @@ def main():
         ref = base.get((r["workload"], r["checkpointing"]))
         if ref is not None:
             r["speedup_vs_hf"] = ref["step_ms"] / r["step_ms"]
+            if "loop_ms" in r and "loop_ms" in ref:
+                r["loop_speedup_vs_hf"] = ref["loop_ms"] / r["loop_ms"]
         ref = hf_off.get(r["workload"])  # memory against the baseline as BENCH.md measured it (no checkpointing)
         if ref is not None and "peak_gib" in r and "peak_gib" in ref:
             r["memory_vs_hf"] = r["peak_gib"] / ref["peak_gib"]
         if ref is not None and "reserved_gib" in r and "reserved_gib" in ref:
             r["reserved_vs_hf"] = r["reserved_gib"] / ref["reserved_gib"]
-    eager = {(r["workload"], r["checkpointing"]): r for r in records
+    eager = {(r["workload"], r["checkpointing"], r.get("head")): r for r in records
              if r["impl"] == "areno" and r.get("graphs") == "off" and "step_ms" in r}
     for r in records:
-        ref = eager.get((r["workload"], r["checkpointing"]))
+        ref = eager.get((r["workload"], r["checkpointing"], r.get("head")))
         if r["impl"] == "areno" and r.get("graphs") == "on" and "step_ms" in r and ref is not None:
             r["speedup_vs_eager"] = ref["step_ms"] / r["step_ms"]
             if "reserved_gib" in r and "reserved_gib" in ref:
                 r["reserved_vs_eager"] = r["reserved_gib"] / ref["reserved_gib"]
-    cols = ["impl", "workload", "checkpointing", "graphs", "step_ms", "tok_s", "mfu", "peak_gib", "reserved_gib",
-            "speedup_vs_hf", "speedup_vs_eager", "memory_vs_hf", "reserved_vs_hf", "reserved_vs_eager",
-            "error"]  # fmt: skip
+    cols = ["impl", "workload", "checkpointing", "graphs", "head", "step_ms", "tok_s", "mfu", "loop_ms", "loop_mfu",
+            "peak_gib", "reserved_gib", "speedup_vs_hf", "loop_speedup_vs_hf", "speedup_vs_eager", "memory_vs_hf",
+            "reserved_vs_hf", "reserved_vs_eager", "error"]  # fmt: skip
     print_table(records, cols)
     for r in records:
         if r["impl"] == "areno" and not r["checkpointing"] and "speedup_vs_hf" in r:
             ok = r["speedup_vs_hf"] >= 1.8 and r["mfu"] >= 0.40
+            loop = (f"; back to back {r['loop_speedup_vs_hf']:.2f}x, MFU {r['loop_mfu']:.1%}"
+                    if "loop_speedup_vs_hf" in r else "")
             print(f"{r['workload']} graphs {r.get('graphs')} bar (>= 40% MFU, >= 1.8x transformers + AdamW, memory "
-                  f"no more than eager's): {'PASS' if ok else 'FAIL'} ({r['speedup_vs_hf']:.2f}x, MFU {r['mfu']:.1%}, "
+                  f"no more than eager's): {'PASS' if ok else 'FAIL'} ({r['speedup_vs_hf']:.2f}x, MFU {r['mfu']:.1%}"
+                  f"{loop}, "
                   f"{r.get('memory_vs_hf', float('nan')):.2f}x allocated / "
                   f"{r.get('reserved_vs_hf', float('nan')):.2f}x reserved vs transformers; goal 50% MFU)")
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)

@@ -8,9 +8,14 @@ from areno.rl.losses import dpo_loss, gspo_loss, policy_loss, sft_loss
 
 
 def sft_loss_fn():
-    def fn(out, packed, norms):
-        return sft_loss(out.logprobs, packed.mask, num_tokens=norms.num_tokens)
+    """Mean NLL of the response tokens. Linear in the log-probs: its ``token_weights`` (-mask / tokens) let the
+    trainer take the head's gradient in the forward (``ForwardOut.loss``, the same value)."""
 
+    def fn(out, packed, norms):
+        loss, stats = sft_loss(out.logprobs, packed.mask, num_tokens=norms.num_tokens)
+        return (loss if out.loss is None else out.loss), stats
+
+    fn.token_weights = lambda packed, norms: packed.mask * (-1.0 / norms.num_tokens)
     return fn
 
 

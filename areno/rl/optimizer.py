@@ -320,12 +320,18 @@ class MasterAdamW:
         (``areno.kernels.adamw``: bf16 gradient in, master and moments updated, parameter written) and through
         torch's fused AdamW (``grad_scale``, ``found_inf``) for fp32 buckets. Returns the fp64 norm tensor; the
         caller adds 1 to ``num_steps`` once it has read a finite one. The master, moments and parameters change in
-        place exactly as ``step()`` changes them (up to the rounding of the clip factor)."""
+        place exactly as ``step()`` changes them (up to the rounding of the clip factor). It is ``device_norm``
+        then ``device_update``: a caller may read the norm between the two while the update runs."""
+        norm, bad, scale = self.device_norm(grad_clip, skip=skip)
+        self.device_update(lr, step, bad, scale, group_lrs=group_lrs)
+        return norm
+
+    @torch.no_grad()
+    def device_norm(self, grad_clip: float, *, skip: torch.Tensor | None = None):
+        """The first half of ``device_step``: ``(norm fp64, bad, scale)`` device tensors from the gradients
+        (``bad`` 1 skips the update: a non-finite norm or ``skip``; ``scale`` divides the gradient)."""
         if self.dp_group is not None or self.tp_group is not None or self.offload != "none":
             raise RuntimeError("MasterAdamW.device_step: one rank without --optimizer-state-offload only")
-        missing = [g for g in self.groups if g not in (group_lrs or {})]
-        if missing:
-            raise ValueError(f"MasterAdamW.device_step: no learning rate for the parameter groups {missing}")
         grads = [p.grad for p in self.params if p.grad is not None]
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
@@ -335,6 +341,15 @@ class MasterAdamW:
         if skip is not None:
             bad = torch.maximum(bad, skip)
         scale = ((norm + 1e-6) / grad_clip).clamp(min=1.0).float() if grad_clip > 0 else torch.ones_like(bad)
+        return norm, bad, scale
+
+    @torch.no_grad()
+    def device_update(self, lr: torch.Tensor, step: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, *,
+                      group_lrs: dict[str, torch.Tensor] | None = None) -> None:
+        """The second half of ``device_step``: the update from ``device_norm``'s ``bad`` and ``scale``."""
+        missing = [g for g in self.groups if g not in (group_lrs or {})]
+        if missing:
+            raise ValueError(f"MasterAdamW.device_step: no learning rate for the parameter groups {missing}")
         step.add_(1.0 - bad)
         beta1, beta2 = self.betas
         corrections = {}  # per learning-rate tensor: (step_size, bc2_sqrt) on the device
@@ -362,7 +377,6 @@ class MasterAdamW:
                                 beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
                                 amsgrad=False, maximize=False, grad_scale=scale, found_inf=bad)
             self._publish(b, w)
-        return norm
 
     def _adamw(self, w, g, m, v, lr, fused=None) -> None:
         """torch.optim.AdamW's update: on CUDA its fused kernel (one pass over w, g, m, v instead of ~9), elsewhere

@@ -12,11 +12,14 @@ gradients are those of the unpadded microbatch, up to the summation order of GEM
 Graphs. Per (bucket, gradient mode) a forward graph (model + ``linear_logprobs`` from static input buffers into static
 log-prob/entropy buffers) and a backward graph (static output gradients -> parameter gradients); all graphs share one
 memory pool and replay one after another, never concurrently. The loss runs eagerly in between (any ``loss_fn``),
-through an autograd Function whose backward replays the backward graph. Gradient modes:
+through an autograd Function whose backward replays the backward graph. A weighted bucket (a loss linear in the
+log-probs, its token weights a static input) runs ``linear_logprobs_loss`` instead: its forward graph also returns the
+loss and takes the head's gradients, and its backward graph starts from the loss. Gradient modes:
 
 - "own" (an update of one microbatch, optimizer graphed): the backward graph writes fresh gradients into the pool,
-  where activations it has consumed lived (as the eager path allocates them), and that entry's optimizer graph
-  (``MasterAdamW.device_step``) reads them: no more memory than eager.
+  where activations it has consumed lived (as the eager path allocates them), and that entry's optimizer graphs
+  (``MasterAdamW.device_norm``, then ``device_update``) read them: no more memory than eager. The trainer reads the
+  norm and the update's stats between the two, so its host returns while the parameter update still runs.
 - "acc" (several microbatches, or an eager optimizer step): persistent per-parameter gradient buffers that every
   backward, graphed or eager, adds into; one optimizer graph reads them.
 
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from areno.kernels import linear_logprobs
+from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
 
 MAX_GRAPHS = 8
 MIN_TOKENS = 64  # the smallest token bucket: tiny microbatches share one graph
@@ -63,15 +67,16 @@ class Bucket:
     seqs: int  # B': cu_seqlens has B' + 1 entries (rows, padding sequences, zero-length sequences)
     max_seqlen: int  # L': the attention grid's sequence bound
     entropy: bool  # whether the graph also returns the entropy
+    weighted: bool = False  # the head is linear_logprobs_loss: the graph returns the loss (its gradient already taken)
 
 
-def bucket_of(packed, entropy: bool = False, min_tokens: int = MIN_TOKENS) -> Bucket:
+def bucket_of(packed, entropy: bool = False, min_tokens: int = MIN_TOKENS, weighted: bool = False) -> Bucket:
     """The bucket a packed microbatch runs in (see the module docstring)."""
     t = packed.input_ids.numel()
     tokens = bucket_up(t, min_tokens)
     max_seqlen = bucket_up(packed.max_seqlen)
     pad_seqs = -(-(tokens - t) // max_seqlen)
-    return Bucket(tokens, bucket_up(packed.num_rows + pad_seqs), max_seqlen, bool(entropy))
+    return Bucket(tokens, bucket_up(packed.num_rows + pad_seqs), max_seqlen, bool(entropy), bool(weighted))
 
 
 def pad_inputs(packed, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,12 +140,13 @@ class CudaGraph:
 class _Entry:
     bucket: Bucket
     mode: str
-    inputs: tuple[torch.Tensor, ...]  # static input_ids, positions, cu_seqlens, targets
-    outputs: list[torch.Tensor]  # static log-probs (, entropy), fp32 [T']
-    grad_outputs: list[torch.Tensor]  # their gradients, written before the backward replay
+    inputs: tuple[torch.Tensor, ...]  # static input_ids, positions, cu_seqlens, targets (, token weights)
+    outputs: list[torch.Tensor]  # static log-probs (, entropy), fp32 [T']; weighted: loss [], log-probs [T']
+    grad_outputs: list[torch.Tensor]  # the differentiable outputs' gradients (the first ones), written before the
+    # backward replay
     fwd: object = None
     bwd: object = None
-    opt: object = None  # "own" mode: this entry's optimizer graph
+    opt: object = None  # "own" mode: this entry's optimizer graphs (norm, update)
     live: tuple | None = field(default=None, repr=False)  # outputs with autograd history, between fwd and bwd capture
 
 
@@ -153,7 +159,9 @@ class _Replay(torch.autograd.Function):
         entry.fwd.replay()
         ctx.entry = entry
         ctx.set_materialize_grads(False)
-        return tuple(o.detach() for o in entry.outputs)
+        outs = tuple(o.detach() for o in entry.outputs)
+        ctx.mark_non_differentiable(*outs[len(entry.grad_outputs):])
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -206,12 +214,13 @@ class TrainGraphs:
         checkpointing = any(getattr(layer, "checkpointing", False) for layer in self.model.layers)
         return not (checkpointing or routes or packed.positions.dim() != 1 or packed.pixel_values is not None)
 
-    def bucket(self, packed, entropy=False, routes=False) -> Bucket | None:
+    def bucket(self, packed, entropy=False, routes=False, weighted=False) -> Bucket | None:
         """The bucket this microbatch replays in, or None to run it eagerly (it cannot be graphed, or its bucket
-        has been seen fewer than ``capture_after`` times)."""
+        has been seen fewer than ``capture_after`` times). ``weighted``: the loss is linear in the log-probs and
+        comes with its token weights (``linear_logprobs_loss``)."""
         if not self.applies(packed, routes):
             return None
-        b = bucket_of(packed, entropy)
+        b = bucket_of(packed, entropy, weighted=weighted)
         if len(self.seen) > 4096:
             self.seen.clear()
         self.seen[b] = self.seen.get(b, 0) + 1
@@ -246,30 +255,46 @@ class TrainGraphs:
         torch._foreach_zero_(self.grads)
         return mode
 
-    def forward(self, packed, bucket: Bucket, mode: str):
+    def forward(self, packed, bucket: Bucket, mode: str, token_weights=None):
         """Replay ``packed`` (host or device) through its bucket's forward graph: a ForwardOut over its own T tokens,
-        differentiable (the backward replays the backward graph)."""
+        differentiable (the backward replays the backward graph). A weighted bucket takes ``token_weights`` [T]
+        and returns the loss (``ForwardOut.loss``) beside log-probs without gradient."""
         from areno.rl.trainer import ForwardOut
 
         entry = self.entries[(bucket, mode)]
+        t = packed.input_ids.numel()
         for buf, src in zip(entry.inputs, pad_inputs(packed, bucket)):
             buf.copy_(src, non_blocking=True)
+        if bucket.weighted:
+            if token_weights is None or token_weights.shape != (t,):
+                raise ValueError(f"a weighted bucket needs token weights for its {t} tokens")
+            entry.inputs[4][:t].copy_(token_weights, non_blocking=True)
+            entry.inputs[4][t:].zero_()
         outs = _Replay.apply(entry, self.anchor)
         self.replays += 1
-        t = packed.input_ids.numel()
+        if bucket.weighted:
+            return ForwardOut(outs[1][:t], None, loss=outs[0])
         return ForwardOut(outs[0][:t], outs[1][:t] if bucket.entropy else None)
 
-    def optimizer_step(self, lr: float, group_lrs: dict[str, float], mode: str, bucket: Bucket | None) -> torch.Tensor:
-        """Replay the optimizer graph of this update's gradients; returns the device norm (read it, then call
-        ``count_step``)."""
-        graph = self.entries[(bucket, mode)].opt if mode == "own" else self.acc_opt
+    def optimizer_step(self, lr: float, group_lrs: dict[str, float], mode: str, bucket: Bucket | None,
+                       update: bool = True) -> torch.Tensor:
+        """Replay the optimizer graphs of this update's gradients (the norm's, then the update's); returns the
+        device norm (read it, then call ``count_step``). ``update=False`` replays the norm's alone: the caller
+        queues its reads of the norm, then calls ``optimizer_update`` (so the host need not wait for the update)."""
+        graphs = self.entries[(bucket, mode)].opt if mode == "own" else self.acc_opt
         self.lr.fill_(lr)
         for name, t in self.group_lrs.items():
             t.fill_(group_lrs[name])
         self.step.fill_(float(self.optimizer.num_steps))
         self.skip.fill_(0.0)
-        graph.replay()
+        graphs[0].replay()
+        if update:
+            graphs[1].replay()
         return self.norm
+
+    def optimizer_update(self, mode: str, bucket: Bucket | None) -> None:
+        """Replay the update graph after ``optimizer_step(..., update=False)``."""
+        (self.entries[(bucket, mode)].opt if mode == "own" else self.acc_opt)[1].replay()
 
     def count_step(self, norm: float) -> None:
         """The host side of ``device_step``: a finite norm was an update."""
@@ -305,25 +330,34 @@ class TrainGraphs:
             del self.entries[old]
 
     def _forward_body(self, entry: _Entry) -> None:
-        input_ids, positions, cu_seqlens, targets = entry.inputs
+        input_ids, positions, cu_seqlens, targets = entry.inputs[:4]
         hidden = self.model(input_ids, positions, cu_seqlens=cu_seqlens, max_seqlen=entry.bucket.max_seqlen)
-        out = linear_logprobs(hidden, self.model.lm_head_weight, targets, temperature=self.temperature,
-                              return_entropy=entry.bucket.entropy, chunk_size=self.chunk_size)
-        entry.live = out if entry.bucket.entropy else (out,)
+        if entry.bucket.weighted:
+            out = linear_logprobs_loss(hidden, self.model.lm_head_weight, targets, entry.inputs[4],
+                                       temperature=self.temperature, chunk_size=self.chunk_size)
+        else:
+            out = linear_logprobs(hidden, self.model.lm_head_weight, targets, temperature=self.temperature,
+                                  return_entropy=entry.bucket.entropy, chunk_size=self.chunk_size)
+        entry.live = out if isinstance(out, tuple) else (out,)
         with torch.no_grad():
             for dst, src in zip(entry.outputs, entry.live):
                 dst.copy_(src)
 
     def _backward_body(self, entry: _Entry) -> None:
         live, entry.live = entry.live, None
-        torch.autograd.backward(live, entry.grad_outputs)
+        torch.autograd.backward(live[: len(entry.grad_outputs)], entry.grad_outputs)
 
     def _capture(self, bucket: Bucket, mode: str, packed) -> _Entry:
         dev = self.device
         inputs = tuple(t.to(dev).clone() for t in pad_inputs(packed, bucket))
-        n = 2 if bucket.entropy else 1
-        entry = _Entry(bucket, mode, inputs, [torch.zeros(bucket.tokens, device=dev) for _ in range(n)],
-                       [torch.zeros(bucket.tokens, device=dev) for _ in range(n)])
+        if bucket.weighted:  # token weights (zero while warming up and capturing); loss and log-probs out
+            inputs += (torch.zeros(bucket.tokens, device=dev),)
+            entry = _Entry(bucket, mode, inputs, [torch.zeros((), device=dev), torch.zeros(bucket.tokens, device=dev)],
+                           [torch.zeros((), device=dev)])
+        else:
+            n = 2 if bucket.entropy else 1
+            entry = _Entry(bucket, mode, inputs, [torch.zeros(bucket.tokens, device=dev) for _ in range(n)],
+                           [torch.zeros(bucket.tokens, device=dev) for _ in range(n)])
         self._clear_grads()
         with self._stream():  # warm-up: autotuning and lazy initialisation outside the capture
             self._forward_body(entry)
@@ -345,21 +379,28 @@ class TrainGraphs:
         self._clear_grads()
         return entry
 
-    def _optimizer_body(self) -> None:
-        norm = self.optimizer.device_step(self.lr, self.grad_clip, self.step, group_lrs=self.group_lrs,
-                                          skip=self.skip)
+    def _norm_body(self, held: dict) -> None:
+        norm, held["bad"], held["scale"] = self.optimizer.device_norm(self.grad_clip, skip=self.skip)
         self.norm.copy_(norm)
 
+    def _update_body(self, held: dict) -> None:
+        self.optimizer.device_update(self.lr, self.step, held["bad"], held["scale"], group_lrs=self.group_lrs)
+
     def _capture_optimizer(self):
-        """The optimizer graph over the current ``p.grad`` tensors. Captured (and, once, warmed up) as a dry run:
-        ``skip`` is 1 until a replay sets it to 0."""
+        """The optimizer's two graphs over the current ``p.grad`` tensors (``MasterAdamW.device_norm``, then
+        ``device_update`` from the clip factor and skip flag the first leaves in the pool). Captured (and, once,
+        warmed up) as a dry run: ``skip`` is 1 until a replay sets it to 0."""
         self.skip.fill_(1.0)
         if not self.optimizer_warm:
+            warm: dict = {}
             with self._stream():
-                self._optimizer_body()
+                self._norm_body(warm)
+                self._update_body(warm)
             self._join()
             self.optimizer_warm = True
-        graph = self.graph_class(self.pool, self.stream)
-        graph.capture(self._optimizer_body)
-        self.captures += 1
-        return graph
+        held: dict = {}  # the norm graph's bad/scale tensors, read by the update graph
+        graphs = (self.graph_class(self.pool, self.stream), self.graph_class(self.pool, self.stream))
+        graphs[0].capture(lambda: self._norm_body(held))
+        graphs[1].capture(lambda: self._update_body(held))
+        self.captures += 2
+        return graphs

@@ -11,6 +11,9 @@ distinct image of a microbatch is encoded once (no gradient) and its embeddings 
 ``train_cuda_graphs`` (auto/on/off, ``--train-cuda-graphs``): replay each text microbatch's forward/backward and the
 optimizer step as CUDA graphs per shape bucket (areno.rl.train_graphs: which models and runs it applies to, and the
 per-microbatch eager cases); "auto" graphs where it applies, "on" refuses a model or run where it cannot.
+A ``loss_fn`` with a ``token_weights(packed, norms)`` attribute is linear in the log-probs (SFT): its microbatches run
+the head as ``linear_logprobs_loss`` (gradient taken in the forward, one GEMM-equivalent fewer) and hand the loss to
+``loss_fn`` as ``ForwardOut.loss``, which it must return as its own; not with entropy or a TP group.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from areno.kernels import linear_logprobs
+from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
 from areno.rl.batch import Packed, Row, pack
 from areno.rl.multimodal import media_inputs
 from areno.rl.train_graphs import TrainGraphs, unsupported
@@ -37,6 +41,7 @@ class ForwardOut:
     entropy: torch.Tensor | None
     hidden: torch.Tensor | None = None
     values: torch.Tensor | None = None  # a value model's V(s_t), fp32 [T]
+    loss: torch.Tensor | None = None  # sum(token_weights * logprobs), its gradient already taken (logprobs carry none)
 
 
 @dataclass
@@ -53,6 +58,23 @@ def _all_sum(values: list[float], group) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def _read_back(values: torch.Tensor, then=None) -> list[float]:
+    """``values.tolist()``; on CUDA ``then()`` (more GPU work, e.g. the parameter update) is queued after the copy
+    and not waited for: the host goes on while it runs (later GPU work is ordered after it on the stream)."""
+    if not values.is_cuda:
+        if then is not None:
+            then()
+        return values.tolist()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    if then is not None:
+        then()
+    done.synchronize()
+    return host.tolist()
 
 
 class PolicyTrainer:
@@ -90,9 +112,11 @@ class PolicyTrainer:
                                       grad_clip=grad_clip)
 
     # ---- log-probs -----------------------------------------------------------------------------------------
-    def forward(self, packed: Packed, *, entropy=False, keep_hidden=False, replay=True) -> ForwardOut:
+    def forward(self, packed: Packed, *, entropy=False, keep_hidden=False, replay=True,
+                token_weights=None) -> ForwardOut:
         """Log-probs (and entropy) of ``packed``'s targets; with routing replay on and ``replay``, the policy runs
-        the experts the rollout chose (areno.rl.routing_replay)."""
+        the experts the rollout chose (areno.rl.routing_replay). ``token_weights`` [T]: also the loss
+        ``sum(token_weights * logprobs)`` through ``linear_logprobs_loss`` (no entropy, no TP group)."""
         p = packed.to(self.device) if packed.input_ids.device != self.device else packed
         if getattr(self.model, "is_value_model", False):
             values = self.model.values(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
@@ -103,6 +127,12 @@ class PolicyTrainer:
             routes["routed_experts"] = p.routed_experts
         hidden = self.model(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
                             **media_inputs(self.model, p), **routes)
+        if token_weights is not None:
+            if entropy or self.tp_group is not None:
+                raise ValueError("token_weights: linear_logprobs_loss has no entropy and no TP group")
+            loss, lp = linear_logprobs_loss(hidden, self.model.lm_head_weight, p.targets, token_weights,
+                                            temperature=self.temperature, chunk_size=self.chunk_size)
+            return ForwardOut(lp, None, hidden if keep_hidden else None, loss=loss)
         out = linear_logprobs(hidden, self.model.lm_head_weight, p.targets, temperature=self.temperature,
                               return_entropy=entropy, chunk_size=self.chunk_size, tp_group=self.tp_group)
         lp, ent = out if entropy else (out, None)
@@ -165,15 +195,19 @@ class PolicyTrainer:
         norms = Norms(num_tokens=max(1.0, float(n_tokens)), num_seqs=float(max(1, len(all_rows))))
         micro = [[r for u in mine[i : i + mini_bs] for r in u] for i in range(0, len(mine), mini_bs)]
         packs = [pack(rows) for rows in micro]
-        buckets, mode = self._plan(packs, entropy)
+        weights_of = getattr(loss_fn, "token_weights", None)
+        if entropy or self.tp_group is not None or getattr(self.model, "is_value_model", False):
+            weights_of = None
+        buckets, mode = self._plan(packs, entropy, weighted=weights_of is not None)
         stats: dict[str, float] = {}
         pending: list[tuple[str, torch.Tensor]] = []  # device scalars, read back once per update (no sync per
         for host, bucket in zip(packs, buckets):        # microbatch)
             packed = host.to(self.device)
+            weights = None if weights_of is None else weights_of(packed, norms).float()
             if bucket is None:
-                out = self.forward(packed, entropy=entropy)
+                out = self.forward(packed, entropy=entropy, token_weights=weights)
             else:
-                out = self.graphs.forward(packed, bucket, mode)  # padded on the device, no host copy
+                out = self.graphs.forward(packed, bucket, mode, weights)  # padded on the device, no host copy
             loss, s = loss_fn(out, packed, norms)
             loss.backward()
             for k, v in [*s.items(), ("loss", loss)]:
@@ -185,14 +219,16 @@ class PolicyTrainer:
         group_lrs = {name: s.lr(self.num_updates) for name, s in self.group_schedules.items()}
         device_norm = None
         if mode is not None and self.graphs.device_optimizer:  # queued without a host sync
-            device_norm = self.graphs.optimizer_step(lr, group_lrs, mode, buckets[0])
+            device_norm = self.graphs.optimizer_step(lr, group_lrs, mode, buckets[0], update=False)
         elif group_lrs:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
         else:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
         reads = [v for _, v in pending] + ([device_norm] if device_norm is not None else [])
         if reads:  # the stats and the device norm read back together: one host sync per update
-            values = torch.stack([v.to(self.device, torch.float64) for v in reads]).tolist()
+            values = _read_back(torch.stack([v.to(self.device, torch.float64) for v in reads]),
+                                then=None if device_norm is None else lambda: self.graphs.optimizer_update(
+                                    mode, buckets[0]))
             if device_norm is not None:
                 grad_norm = values.pop()
                 self.graphs.count_step(grad_norm)
@@ -210,15 +246,15 @@ class PolicyTrainer:
         self.num_updates += 1
         return stats, float(grad_norm), lr, group_lrs
 
-    def _plan(self, packs: list[Packed], entropy: bool):
+    def _plan(self, packs: list[Packed], entropy: bool, weighted: bool = False):
         """Each microbatch's graph bucket (None: eager) and the update's gradient mode (None: all eager), with
         the update's graphs captured and its gradients zeroed (areno.rl.train_graphs)."""
         self.optimizer.zero_grad()
         graphs = self.graphs
         if graphs is None:
             return [None] * len(packs), None
-        buckets = [graphs.bucket(p, entropy, routes=self.routing_replay and p.routed_experts is not None)
-                   for p in packs]
+        buckets = [graphs.bucket(p, entropy, routes=self.routing_replay and p.routed_experts is not None,
+                                 weighted=weighted) for p in packs]
         if all(b is None for b in buckets):
             return buckets, None
         try:

@@ -13,6 +13,7 @@ from areno.kernels import linear_logprobs
 from areno.models import load_model
 from areno.rl.algorithms import grpo_loss_fn, sft_loss_fn
 from areno.rl.batch import Row, pack
+from areno.rl.losses import sft_loss
 from areno.rl.optimizer import MasterAdamW
 from areno.rl.schedule import LRSchedule
 from areno.rl.train_graphs import Bucket, TrainGraphs, bucket_of, bucket_up, pad_inputs, unsupported
@@ -142,14 +143,41 @@ def test_graph_path_matches_eager_over_updates_buckets_and_accumulation(ckpt):
         for (n, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=f"update {i}: {n}")
     assert graphed.optimizer.num_steps == eager.optimizer.num_steps == len(steps)
-    assert captures[0] == captures[1] == 3  # fwd, bwd, optimizer; the second update replayed them
-    assert captures[2] == 6 and captures[3] == 6 + 2 * 2 + 1 == captures[4] == captures[5]  # acc: 2 entries + 1
-    assert captures[6] == captures[5] + 3 and len(g.entries) == 3  # optimizer graph; then "own" recaptured
+    assert captures[0] == captures[1] == 4  # fwd, bwd, optimizer norm + update; the second update replayed them
+    assert captures[2] == 8 and captures[3] == 8 + 2 * 2 + 2 == captures[4] == captures[5]  # acc: 2 entries + opt
+    assert captures[6] == captures[5] + 4 and len(g.entries) == 3  # optimizer graphs; then "own" recaptured
     assert g.replays == 2 + 1 + 2 + 0 + 2 + 1  # every text microbatch without checkpointing went through a graph
     state_a, state_b = eager.optimizer.state_dict(), graphed.optimizer.state_dict()
     for key in ("exp_avg", "exp_avg_sq"):
         for x, y in zip(state_a[key], state_b[key]):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-8)
+
+
+def test_sft_takes_the_head_gradient_in_the_forward(ckpt):
+    """sft_loss_fn's token weights run the head as linear_logprobs_loss, eagerly and in weighted graph buckets: the
+    same stats and updates as the same loss built on linear_logprobs' output (no token weights)."""
+    eager, graphed = trainer_pair(ckpt)
+    plain_model = copy.deepcopy(eager.model)
+    plain = PolicyTrainer(plain_model, MasterAdamW(list(plain_model.parameters()), lr=1e-3, weight_decay=0.01,
+                                                   bucket_bytes=64 << 10), LRSchedule(1e-3), train_cuda_graphs="off")
+    fused_fn = sft_loss_fn()
+
+    def plain_fn(out, packed, norms):
+        assert out.loss is None
+        return sft_loss(out.logprobs, packed.mask, num_tokens=norms.num_tokens)
+
+    seen = []
+    for i, (lengths, mini_bs, accum) in enumerate([([12, 9, 7], 3, 1), ([11, 10, 7], 3, 1), ([12, 30, 9, 7], 2, 2)]):
+        rows = rows_of(lengths, seed=40 + i)
+        ref = plain.train(rows, plain_fn, mini_bs, accum)
+        for t in (eager, graphed):
+            got = t.train(rows, fused_fn, mini_bs, accum)
+            for k, v in ref.items():
+                assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (i, k)
+            for (n, p), q in zip(plain.model.named_parameters(), t.model.parameters()):
+                torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=f"update {i}: {n}")
+        seen += [key[0].weighted for key in graphed.graphs.entries]
+    assert graphed.graphs.replays >= 3 and seen and all(seen)
 
 
 @pytest.mark.parametrize("kernels", ["native", "triton"])
