@@ -24,7 +24,9 @@ MFU = 6 x 596,049,920 x tokens / step time / 790 TFLOP/s (BENCH.md; attention FL
 Two step times per row: ``step_ms``, the median of single steps each timed by CUDA events and waited for (the host's
 work before a step's first kernel counts, with the GPU idle), and ``loop_ms``, the mean over ``--iters`` steps run
 back to back with one synchronisation at the end, as ``../shared/baselines/hf_baseline.py`` (BENCH.md's baseline)
-times them: a step's host work may then overlap the previous step's GPU tail (``loop_mfu``, ``loop_speedup_vs_hf``).
+times them: a step's host work may then overlap the previous step's GPU tail (``loop_mfu``, ``loop_speedup_vs_hf``);
+``loop_ms`` is the median of the GPU's intervals between consecutive steps' start events, ``loop_mean_ms`` the mean
+wall time.
 Peak memory: ``torch.cuda.max_memory_allocated`` over a step with only that implementation's model, gradients,
 optimizer state and activations resident (the optimizer state exists from the warm-up steps on). A graph replay
 allocates nothing, so for graphs ``peak_gib`` misses the pool's activations: compare ``reserved_gib``
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -132,11 +135,15 @@ def measure(impl, state, name, batch, seqlen, ckpt, device, args, vocab, n_param
         ms = gpu_time_ms(step, warmup=warmup, iters=iters)
         if device.type == "cuda":  # back to back, one sync at the end (hf_baseline.py's timing)
             torch.cuda.synchronize()
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
             t0 = time.perf_counter()
-            for _ in range(iters):
+            for i in range(iters):
+                marks[i].record()  # reached by the GPU when it starts this step's work (or ends the last one's)
                 step()
+            marks[-1].record()
             torch.cuda.synchronize()
-            rec["loop_ms"] = (time.perf_counter() - t0) / iters * 1e3
+            rec["loop_mean_ms"] = (time.perf_counter() - t0) / iters * 1e3
+            rec["loop_ms"] = statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
             rec["loop_mfu"] = 6 * n_params * batch * seqlen / (rec["loop_ms"] / 1e3) / models.PEAK_FLOPS
         if device.type == "cuda":
             torch.cuda.synchronize()
