@@ -34,16 +34,28 @@ def run_train(config) -> int:
     if ranks > 1 and not launched():
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
         return launch("areno.rl.worker", [], ranks, describe=lambda rank: describe_rank(config, rank))
+    import torch.distributed as dist
+
+    from areno import parallel
+
+    owned = not dist.is_initialized()  # a group this run makes is this run's to end (not a caller's)
     if config.split and int(os.environ.get("RANK", "0")) >= config.world_size:
         from areno.rl.rollout_remote import serve
 
-        return serve(config)  # a rollout rank: engines, not the loop
-    from areno.api import Trainer
+        rc = serve(config)  # a rollout rank: engines, not the loop
+    else:
+        from areno.api import Trainer
 
-    trainer = Trainer.from_config(config)  # the CLI runs on the SDK
-    try:
-        trainer.init()
-        trainer.fit()  # ends with the last step's metrics, held-out accuracy before -> after, the checkpoint
-    finally:
-        trainer.close()
-    return 0
+        trainer = Trainer.from_config(config)  # the CLI runs on the SDK
+        try:
+            trainer.init()
+            trainer.fit()  # ends with the last step's metrics, held-out accuracy before -> after, the checkpoint
+        finally:
+            trainer.close()
+        rc = 0
+    # An orderly end of a finished rank's process group (an error leaves it to the exit, where a pending NCCL
+    # collective cannot hold it): left to the interpreter's exit, gloo's threads were sometimes destroyed unjoined
+    # ("terminate called without an active exception", a SIGABRT after the run's last step).
+    if owned:
+        parallel.destroy_distributed()
+    return rc
