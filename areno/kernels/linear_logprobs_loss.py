@@ -1,16 +1,19 @@
-"""A loss linear in the per-token log-probs of an LM head, with its gradient taken during the forward.
+"""A loss of the per-token log-probs of an LM head, token by token, with its gradient taken during the forward.
 
-    loss = sum_t w_t * logprob_t,    logprob_t = log softmax(hidden_t @ weight.T / T)[target_t]
+    loss = sum_t f_t(logprob_t),    logprob_t = log softmax(hidden_t @ weight.T / T)[target_t]
 
-When each log-prob's upstream gradient w_t is known before the forward (SFT: -mask / tokens), the gradients of
-hidden and weight need not wait for the backward. ``linear_logprobs`` spends one GEMM-equivalent on its forward
+with f_t(x) = w_t x (a weight per token: SFT's -mask / tokens) or any function of each token's own log-prob (a
+policy-gradient surrogate: GRPO/PPO's clipped ratio against the rollout's log-prob, KL to a reference). Its
+derivative at each log-prob is known as soon as that log-prob is, so the gradients of hidden and weight need not
+wait for the backward. ``linear_logprobs`` spends one GEMM-equivalent on its forward
 statistics and three in its backward (logits recomputed, dhidden, dweight); this spends three in all. Per chunk of
 token rows (each over the whole vocab):
 
 1. the statistics kernel of ``linear_logprobs`` also writes q = e^(z - r) for every logit (bf16 for bf16 weights),
    relative to a per-row reference r known before the pass: the target logit (one gathered dot product per row).
    So p = q e^(r - lse) with one factor per row, none per tile. The target column's q is written as 0.
-2. lse and log-probs from the merged statistics. A row with a weight whose max logit exceeds r by more than
+2. lse and log-probs from the merged statistics, then f_t and w_t = f_t'(logprob_t) (autograd over the chunk for a
+   function). A row with a weight whose max logit exceeds r by more than
    ``Q_EXP_CAP`` (its target's log-prob is below about -40, where q would pass the cap) is written again relative to
    its own max by the same kernel in its FIX mode (flagged rows only; a program without one does nothing), so the
    step is exact for every row without a host sync (CUDA-graph safe).
@@ -52,12 +55,29 @@ def _target_logits(hidden, weight, targets, inv_temp):
     return torch.where(targets >= 0, r, torch.zeros_like(r))
 
 
-def _fused_triton(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw, opts):
+def _token_terms(token_loss, lp, start, end):
+    """(sum of f_t over rows [start, end), f_t'(logprob_t) [end - start] fp32) for ``lp`` = those rows' log-probs."""
+    if isinstance(token_loss, torch.Tensor):
+        w = token_loss[start:end]
+        return (lp * w.to(lp.dtype)).sum(), w.to(lp.dtype)
+    with torch.enable_grad():
+        x = lp.detach().requires_grad_()
+        values = token_loss(x, start, end)
+        if values.shape != x.shape:
+            raise ValueError(f"linear_logprobs_loss: token_loss returned {tuple(values.shape)} values for "
+                             f"{x.shape[0]} tokens")
+        total = values.sum()
+        (g,) = torch.autograd.grad(total, x, allow_unused=True)
+    return total.detach(), torch.zeros_like(lp) if g is None else g
+
+
+def _fused_triton(hidden, weight, targets, token_loss, inv_temp, chunk_rows, need_dh, need_dw, opts):
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     rows = _chunk_rows(N, V, chunk_rows, opts.chunk * 5 // 2, ll._on_device(hidden))
     logp = torch.empty(N, dtype=torch.float32, device=dev)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
     dh = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_dh else None
     dw = None  # fp32, written by the first chunk's GEMM, accumulated by the others
     ref_all = _target_logits(hidden, weight, targets, inv_temp)
@@ -73,7 +93,9 @@ def _fused_triton(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh,
         valid = t_c >= 0
         lp = torch.where(valid, tz - lse, torch.zeros_like(lse))
         logp[r0:r1] = lp
-        c = torch.where(valid, w_tok[r0:r1].float(), torch.zeros_like(lse)) * inv_temp
+        part, g = _token_terms(token_loss, lp, r0, r1)
+        loss += part
+        c = torch.where(valid, g.float(), torch.zeros_like(lse)) * inv_temp
         fix = (m - ref > ll.Q_EXP_CAP) & (c != 0)
         ref = torch.where(fix, m, ref)
         ll._triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref), fix=fix.to(torch.int32))
@@ -91,10 +113,10 @@ def _fused_triton(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh,
             else:
                 ll._accumulate(dw, q.T, sh)
             dw.index_add_(0, y, tgt_coef[:, None] * hf)
-    return logp, dh, dw  # dw in fp32: the backward scales and rounds it in one pass
+    return loss, logp, dh, dw  # dw in fp32: the backward scales and rounds it in one pass
 
 
-def _generic(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw, triton_path, opts):
+def _generic(hidden, weight, targets, token_loss, inv_temp, chunk_rows, need_dh, need_dw, triton_path, opts):
     """The statistics and the recomputed backward of linear_logprobs, both now (four GEMM-equivalents)."""
     if triton_path:
         parts = ll._triton_stats(hidden, weight, targets, 0, inv_temp, False, opts.tma)
@@ -104,25 +126,25 @@ def _generic(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need
     lse = m + torch.log(s)
     valid = targets >= 0
     logp = torch.where(valid, tz - lse, torch.zeros_like(lse))
-    g = torch.where(valid, w_tok.to(lse.dtype), torch.zeros_like(lse)).contiguous()
+    loss, g = _token_terms(token_loss, logp, 0, logp.shape[0])
+    g = torch.where(valid, g.to(lse.dtype), torch.zeros_like(lse)).contiguous()
     dh = dw = None
     if need_dh or need_dw:
         dh, dw = ll._backward(hidden, weight, targets, 0, inv_temp, lse, None, g, None, need_dh, need_dw, chunk_rows,
                               triton_path, opts)  # fmt: skip
-    return logp, None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype)
+    return loss, logp, None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype)
 
 
 class _LinearLogprobsLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, w_tok, inv_temp, chunk_rows, triton_path):
+    def forward(ctx, hidden, weight, targets, token_loss, inv_temp, chunk_rows, triton_path):
         opts = ll.options(hidden, weight, triton_path)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        args = (hidden, weight, targets, token_loss, inv_temp, chunk_rows, need_dh, need_dw)
         if triton_path and weight.dtype in _FUSED_DTYPES:
-            logp, dh, dw = _fused_triton(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw, opts)
+            loss, logp, dh, dw = _fused_triton(*args, opts)
         else:
-            logp, dh, dw = _generic(hidden, weight, targets, w_tok, inv_temp, chunk_rows, need_dh, need_dw,
-                                    triton_path, opts)  # fmt: skip
-        loss = (logp * w_tok.to(logp.dtype)).sum()
+            loss, logp, dh, dw = _generic(*args, triton_path, opts)
         ctx.save_for_backward(dh, dw)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(logp)
@@ -140,12 +162,15 @@ class _LinearLogprobsLoss(torch.autograd.Function):
         return (*out, None, None, None, None, None)
 
 
-def linear_logprobs_loss(hidden, weight, targets, token_weights, *, temperature=1.0, chunk_size=None):
-    """``(loss, logprobs)`` with ``loss = sum(token_weights * logprobs)`` and ``logprobs`` as ``linear_logprobs``
-    gives them (fp32, 0 at targets == -100), the gradients of hidden and weight computed now (module docstring).
+def linear_logprobs_loss(hidden, weight, targets, token_loss, *, temperature=1.0, chunk_size=None):
+    """``(loss, logprobs)`` with ``loss = sum_t f_t(logprobs_t)`` and ``logprobs`` as ``linear_logprobs`` gives them
+    (fp32, 0 at targets == -100), the gradients of hidden and weight computed now (module docstring).
 
-    ``token_weights``: float ``[...]`` like ``targets``, not differentiable (the loss's derivative by each
-    log-prob). ``logprobs`` carries no gradient: anything else built on it is a constant to the backward.
+    ``token_loss``: a float tensor of weights ``w`` like ``targets`` (f_t(x) = w_t x; not differentiable), or a
+    callable ``token_loss(logprobs, start, end)`` taking the log-probs of flattened tokens ``[start, end)`` and
+    returning their loss terms (same shape), each a differentiable function of that token's log-prob alone (it is
+    called per chunk of tokens; other inputs are constants). Targets of -100 get no gradient whatever f is.
+    ``logprobs`` carries no gradient: anything else built on it is a constant to the backward.
     ``chunk_size``: token rows per chunk (default: a fixed memory budget, ``ARENO_LOGPROB_BWD_CHUNK`` x 2.5 elements
     of q: 1.25 GiB in bf16 by default, 4,096 rows at a 151,936 vocab, enough rows for the dhidden GEMM to fill an
     H200 and few fp32 accumulations of dweight). No entropy, no tensor parallelism (``linear_logprobs`` has both).
@@ -153,22 +178,27 @@ def linear_logprobs_loss(hidden, weight, targets, token_weights, *, temperature=
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"linear_logprobs_loss: hidden [..., H] and weight [V, H], got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")  # fmt: skip
-    if hidden.shape[:-1] != targets.shape or token_weights.shape != targets.shape:
-        raise ValueError(f"linear_logprobs_loss: targets {tuple(targets.shape)} and token_weights "
-                         f"{tuple(token_weights.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
+    weighted = isinstance(token_loss, torch.Tensor)
+    if hidden.shape[:-1] != targets.shape or (weighted and token_loss.shape != targets.shape):
+        raise ValueError(f"linear_logprobs_loss: targets {tuple(targets.shape)} and token_loss weights "
+                         f"{tuple(token_loss.shape) if weighted else '-'} must match hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"linear_logprobs_loss: hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype})")
     if targets.dtype not in (torch.int64, torch.int32) or not temperature > 0:
         raise ValueError(f"linear_logprobs_loss: targets must be int64/int32 (got {targets.dtype}) and temperature "
                          f"> 0 (got {temperature})")  # fmt: skip
-    if token_weights.requires_grad or not token_weights.is_floating_point():
-        raise ValueError("linear_logprobs_loss: token_weights must be a float tensor without grad")
+    if weighted and (token_loss.requires_grad or not token_loss.is_floating_point()):
+        raise ValueError("linear_logprobs_loss: token_loss weights must be a float tensor without grad")
+    if not weighted and not callable(token_loss):
+        raise ValueError(f"linear_logprobs_loss: token_loss must be a weight tensor or a callable, not "
+                         f"{type(token_loss).__name__}")
     lead = targets.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
     h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     t = targets.reshape(-1).to(torch.int64).contiguous()
-    tw = token_weights.reshape(-1).contiguous()
+    tl_ = token_loss.reshape(-1).contiguous() if weighted else token_loss
     path = use_triton(h2, w, t, supported=hidden.dtype in ll._FLOATS and h2.shape[0] > 0)
-    loss, lp = _LinearLogprobsLoss.apply(h2, w, t, tw, 1.0 / float(temperature), chunk_size, path)
+    loss, lp = _LinearLogprobsLoss.apply(h2, w, t, tl_, 1.0 / float(temperature), chunk_size, path)
     return loss, lp.reshape(lead)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from areno.rl.losses import dpo_loss, gspo_loss, policy_loss, sft_loss
+from areno.rl.losses import dpo_loss, gspo_loss, policy_loss, policy_token_loss, sft_loss
 
 
 def sft_loss_fn():
@@ -21,18 +21,32 @@ def sft_loss_fn():
 
 def grpo_loss_fn(cfg, *, dual_clip=None):
     """Token-level clipped surrogate; old log-probs are the rollout's. Rows may carry per-token ``tis`` weights and
-    ``ref`` log-probs in their extras."""
+    ``ref`` log-probs in their extras. A function of each token's own log-prob: its ``token_loss(packed, norms)``
+    (policy_token_loss) lets the trainer take the head's gradient in the forward (``ForwardOut.loss``, the same
+    value) where no entropy term is asked for."""
+
+    def norm_of(norms):
+        return norms.num_tokens if cfg.loss_agg == "token-mean" else norms.num_seqs
 
     def fn(out, packed, norms):
-        norm = norms.num_tokens if cfg.loss_agg == "token-mean" else norms.num_seqs
-        return policy_loss(
+        loss, stats = policy_loss(
             out.logprobs, packed.old_logprobs, packed.advantages, packed.mask, packed.seq_index,
-            num_rows=packed.num_rows, norm=norm, clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high,
+            num_rows=packed.num_rows, norm=norm_of(norms), clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high,
             dual_clip=dual_clip, loss_agg=cfg.loss_agg, tis_weight=packed.tok.get("tis"),
             ref_logp=packed.tok.get("ref"), kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
             entropy=out.entropy, entropy_coef=cfg.entropy_coef,
         )
+        return (loss if out.loss is None else out.loss), stats
 
+    def token_loss(packed, norms, tis_cap=None):
+        return policy_token_loss(
+            packed.old_logprobs, packed.advantages, packed.mask, packed.seq_index, num_rows=packed.num_rows,
+            norm=norm_of(norms), clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high, dual_clip=dual_clip,
+            loss_agg=cfg.loss_agg, tis_weight=packed.tok.get("tis"), tis_cap=tis_cap, ref_logp=packed.tok.get("ref"),
+            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+        )
+
+    fn.token_loss = token_loss
     return fn
 
 
@@ -56,6 +70,9 @@ def inline_proximal(loss_fn, tis_cap: float):
         return loss, dict(stats, logprob_diff_total=diff.sum(), logprob_diff_count=mask.sum())
 
     fn.max_diff = None  # a device scalar after the first microbatch
+    if hasattr(loss_fn, "token_loss"):  # the truncated weights come from the head's own log-probs there too
+        cap = tis_cap if tis_cap > 0 else None
+        fn.token_loss = lambda packed, norms: loss_fn.token_loss(packed, norms, tis_cap=cap)
     return fn
 
 

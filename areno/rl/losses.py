@@ -18,6 +18,17 @@ def _seq_sum(x: torch.Tensor, seq_index: torch.Tensor, num_rows: int) -> torch.T
     return torch.zeros(num_rows, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
 
 
+def aggregate_weights(mask: torch.Tensor, seq_index: torch.Tensor, num_rows: int, mode: str,
+                      norm: float) -> torch.Tensor:
+    """Per-token weights with ``aggregate(x) == (x * weights).sum()`` (up to summation order)."""
+    if mode in ("token-mean", "seq-mean-token-sum"):
+        return mask / norm
+    if mode == "seq-mean-token-mean":
+        counts = _seq_sum(mask.to(torch.float32), seq_index, num_rows).clamp(min=1)
+        return mask / (counts[seq_index] * norm)
+    raise ValueError(f"unknown --loss-agg {mode!r}")
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, num_rows: int, mode: str,
               norm: float) -> torch.Tensor:
     """Sum this microbatch's contribution to the global aggregate.
@@ -79,22 +90,10 @@ def policy_loss(logp, old_logp, advantages, mask, seq_index, *, num_rows, norm, 
     truncated at the cap) multiplies each token's policy term: truncated importance sampling against the
     rollout/trainer mismatch. Optional KL to a reference and entropy bonus.
     """
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg1, pg2 = -advantages * ratio, -advantages * clipped
-    pg = torch.maximum(pg1, pg2)
-    clip_frac = (pg2 > pg1).float()
-    if dual_clip is not None:
-        bound = -advantages * dual_clip
-        pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
-    if tis_weight is not None:
-        pg = pg * tis_weight
-    per_token = pg
+    pg, ratio, clip_frac, per_token, kl = _policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip,
+                                                        tis_weight, ref_logp, kl_coef, kl_estimator)
     stats = {}
-    if ref_logp is not None and kl_coef:
-        kl = kl_penalty(logp, ref_logp, kl_estimator)
-        per_token = per_token + kl_coef * kl
+    if kl is not None:
         stats["kl_sum"] = (kl * mask).sum().detach()
     if entropy is not None and entropy_coef:
         per_token = per_token - entropy_coef * entropy
@@ -108,6 +107,47 @@ def policy_loss(logp, old_logp, advantages, mask, seq_index, *, num_rows, norm, 
         "tokens": mask.sum().detach(),
     })
     return loss, stats
+
+
+def _policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip, tis_weight, ref_logp, kl_coef,
+                  kl_estimator):
+    """policy_loss's per-token terms: (pg, ratio, clip_frac, per_token = pg [+ kl_coef kl], kl or None)."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg1, pg2 = -advantages * ratio, -advantages * clipped
+    pg = torch.maximum(pg1, pg2)
+    clip_frac = (pg2 > pg1).float()
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
+    if tis_weight is not None:
+        pg = pg * tis_weight
+    per_token, kl = pg, None
+    if ref_logp is not None and kl_coef:
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        per_token = per_token + kl_coef * kl
+    return pg, ratio, clip_frac, per_token, kl
+
+
+def policy_token_loss(old_logp, advantages, mask, seq_index, *, num_rows, norm, clip_low=0.2, clip_high=0.28,
+                      dual_clip=None, loss_agg="token-mean", tis_weight=None, tis_cap=None, ref_logp=None,
+                      kl_coef=0.0, kl_estimator="k3"):
+    """policy_loss's loss (without entropy) as a token function for ``linear_logprobs_loss``: ``f(logp, start,
+    end)`` gives tokens ``[start, end)`` their aggregate weight times their per-token term, so its sum over every
+    token is policy_loss's loss. ``tis_cap``: the truncated importance weight is taken from the log-probs being
+    computed, ``min(exp(logp - old_logp), tis_cap)`` (detached), as ``inline_proximal`` takes it."""
+    weights = aggregate_weights(mask, seq_index, num_rows, loss_agg, norm)
+
+    def f(logp, start, end):
+        sl = slice(start, end)
+        tis = None if tis_weight is None else tis_weight[sl]
+        if tis_cap:
+            tis = torch.exp(logp.detach() - old_logp[sl]).clamp(max=tis_cap) * mask[sl]
+        per_token = _policy_terms(logp, old_logp[sl], advantages[sl], clip_low, clip_high, dual_clip, tis,
+                                  None if ref_logp is None else ref_logp[sl], kl_coef, kl_estimator)[3]
+        return weights[sl] * per_token
+
+    return f
 
 
 def gspo_loss(logp, old_logp, seq_advantages, mask, seq_index, *, num_rows, num_seqs, clip_low=3e-4,

@@ -11,9 +11,11 @@ distinct image of a microbatch is encoded once (no gradient) and its embeddings 
 ``train_cuda_graphs`` (auto/on/off, ``--train-cuda-graphs``): replay each text microbatch's forward/backward and the
 optimizer step as CUDA graphs per shape bucket (areno.rl.train_graphs: which models and runs it applies to, and the
 per-microbatch eager cases); "auto" graphs where it applies, "on" refuses a model or run where it cannot.
-A ``loss_fn`` with a ``token_weights(packed, norms)`` attribute is linear in the log-probs (SFT): its microbatches run
-the head as ``linear_logprobs_loss`` (gradient taken in the forward, one GEMM-equivalent fewer) and hand the loss to
-``loss_fn`` as ``ForwardOut.loss``, which it must return as its own; not with entropy or a TP group.
+A ``loss_fn`` with a ``token_weights(packed, norms)`` attribute is linear in the log-probs (SFT), one with a
+``token_loss(packed, norms)`` attribute (a ``linear_logprobs_loss`` token function: GRPO/PPO) a function of each
+token's own log-prob: their microbatches run the head as ``linear_logprobs_loss`` (gradient taken in the forward, one
+GEMM-equivalent fewer; a token function eagerly only, weights in graphs too) and hand the loss to ``loss_fn`` as
+``ForwardOut.loss``, which it must return as its own; not with entropy or a TP group.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class ForwardOut:
     entropy: torch.Tensor | None
     hidden: torch.Tensor | None = None
     values: torch.Tensor | None = None  # a value model's V(s_t), fp32 [T]
-    loss: torch.Tensor | None = None  # sum(token_weights * logprobs), its gradient already taken (logprobs carry none)
+    loss: torch.Tensor | None = None  # linear_logprobs_loss's loss, its gradient already taken (logprobs carry none)
 
 
 @dataclass
@@ -113,10 +115,10 @@ class PolicyTrainer:
 
     # ---- log-probs -----------------------------------------------------------------------------------------
     def forward(self, packed: Packed, *, entropy=False, keep_hidden=False, replay=True,
-                token_weights=None) -> ForwardOut:
+                token_loss=None) -> ForwardOut:
         """Log-probs (and entropy) of ``packed``'s targets; with routing replay on and ``replay``, the policy runs
-        the experts the rollout chose (areno.rl.routing_replay). ``token_weights`` [T]: also the loss
-        ``sum(token_weights * logprobs)`` through ``linear_logprobs_loss`` (no entropy, no TP group)."""
+        the experts the rollout chose (areno.rl.routing_replay). ``token_loss`` (weights [T] or a token function): also
+        its loss through ``linear_logprobs_loss`` (no entropy, no TP group)."""
         p = packed.to(self.device) if packed.input_ids.device != self.device else packed
         if getattr(self.model, "is_value_model", False):
             values = self.model.values(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
@@ -127,10 +129,10 @@ class PolicyTrainer:
             routes["routed_experts"] = p.routed_experts
         hidden = self.model(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
                             **media_inputs(self.model, p), **routes)
-        if token_weights is not None:
+        if token_loss is not None:
             if entropy or self.tp_group is not None:
-                raise ValueError("token_weights: linear_logprobs_loss has no entropy and no TP group")
-            loss, lp = linear_logprobs_loss(hidden, self.model.lm_head_weight, p.targets, token_weights,
+                raise ValueError("token_loss: linear_logprobs_loss has no entropy and no TP group")
+            loss, lp = linear_logprobs_loss(hidden, self.model.lm_head_weight, p.targets, token_loss,
                                             temperature=self.temperature, chunk_size=self.chunk_size)
             return ForwardOut(lp, None, hidden if keep_hidden else None, loss=loss)
         out = linear_logprobs(hidden, self.model.lm_head_weight, p.targets, temperature=self.temperature,
@@ -195,9 +197,10 @@ class PolicyTrainer:
         norms = Norms(num_tokens=max(1.0, float(n_tokens)), num_seqs=float(max(1, len(all_rows))))
         micro = [[r for u in mine[i : i + mini_bs] for r in u] for i in range(0, len(mine), mini_bs)]
         packs = [pack(rows) for rows in micro]
-        weights_of = getattr(loss_fn, "token_weights", None)
+        weights_of = getattr(loss_fn, "token_weights", None)  # linear: graphed too
+        function_of = getattr(loss_fn, "token_loss", None)  # a token function: eager microbatches
         if entropy or self.tp_group is not None or getattr(self.model, "is_value_model", False):
-            weights_of = None
+            weights_of = function_of = None
         buckets, mode = self._plan(packs, entropy, weighted=weights_of is not None)
         stats: dict[str, float] = {}
         pending: list[tuple[str, torch.Tensor]] = []  # device scalars, read back once per update (no sync per
@@ -205,7 +208,8 @@ class PolicyTrainer:
             packed = host.to(self.device)
             weights = None if weights_of is None else weights_of(packed, norms).float()
             if bucket is None:
-                out = self.forward(packed, entropy=entropy, token_weights=weights)
+                token_loss = function_of(packed, norms) if weights is None and function_of is not None else weights
+                out = self.forward(packed, entropy=entropy, token_loss=token_loss)
             else:
                 out = self.graphs.forward(packed, bucket, mode, weights)  # padded on the device, no host copy
             loss, s = loss_fn(out, packed, norms)

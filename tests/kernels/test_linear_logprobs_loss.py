@@ -89,6 +89,36 @@ def test_matches_linear_logprobs_backward(path):
     assert _rel(ours[2], theirs[2]) < 1e-5 and _rel(ours[3], theirs[3]) < 1e-5
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_a_token_function_vs_float64(path, chunk):
+    """token_loss as a callable, nonlinear in each token's log-prob (a clipped-ratio-like term and a square), called
+    per chunk of rows: loss, log-probs and gradients as the float64 reference's autograd gives them."""
+    hidden, weight, targets, weights = _inputs(45, 40, 230, seed=4)
+    old = -torch.rand(45, dtype=torch.float64) * 4
+    adv = torch.randn(45, dtype=torch.float64)
+    calls = []
+
+    def f(lp, start, end, dtype=None):
+        calls.append((start, end))
+        ratio = torch.exp(lp - old[start:end].to(lp.dtype))
+        pg = torch.maximum(-adv[start:end].to(lp.dtype) * ratio, -adv[start:end].to(lp.dtype) * ratio.clamp(0.8, 1.28))
+        return weights[start:end].to(lp.dtype) * (pg + 0.1 * lp.square())
+
+    ours = _grads(lambda h, w: linear_logprobs_loss(h, w, targets, f, temperature=0.9, chunk_size=chunk),
+                  hidden, weight)
+
+    def ref_fn(h, w):
+        lp, _ = reference_linear_logprobs(h.double(), w.double(), targets, temperature=0.9)
+        ok = targets >= 0  # an ignored target's log-prob is 0 and carries no gradient
+        return torch.where(ok, f(lp, 0, 45), f(lp.detach(), 0, 45)).sum(), lp
+    ref = _grads(ref_fn, hidden, weight)
+    assert abs(ours[0].item() - ref[0].item()) < 2e-5 * max(1.0, abs(ref[0].item()))
+    assert (ours[1] - ref[1]).abs().max().item() < 2e-5 * max(1.0, ref[1].abs().max().item())
+    assert _rel(ours[2], ref[2]) < 2e-5 and _rel(ours[3], ref[3]) < 2e-5
+    if chunk and path == "triton":
+        assert (0, 7) in calls and (42, 45) in calls  # chunk by chunk
+
+
 def test_frozen_inputs_and_leading_dims(path):
     hidden, weight, targets, weights = _inputs(24, 32, 130, seed=3)
     h = hidden.view(4, 6, 32).requires_grad_()
@@ -101,10 +131,14 @@ def test_frozen_inputs_and_leading_dims(path):
 
 def test_rejects_bad_inputs():
     hidden, weight, targets, weights = _inputs(8, 16, 40)
-    with pytest.raises(ValueError, match="token_weights"):
+    with pytest.raises(ValueError, match="token_loss weights"):
         linear_logprobs_loss(hidden, weight, targets, weights[:4].float())
     with pytest.raises(ValueError, match="without grad"):
         linear_logprobs_loss(hidden, weight, targets, weights.float().requires_grad_())
+    with pytest.raises(ValueError, match="weight tensor or a callable"):
+        linear_logprobs_loss(hidden, weight, targets, [1.0] * 8)
+    with pytest.raises(ValueError, match="returned"):
+        linear_logprobs_loss(hidden, weight, targets, lambda lp, a, b: lp.sum())
     with pytest.raises(ValueError, match="dtypes differ"):
         linear_logprobs_loss(hidden, weight.double(), targets, weights.float())
 

@@ -126,3 +126,28 @@ def test_gae_by_hand():
     a0 = d0 + 0.72 * a1
     assert adv[0].tolist() == pytest.approx([a0, a1, a2, 0.0])
     assert ret[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.6, a2 + 0.7, 0.0])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_policy_token_loss_sums_to_policy_loss(agg):
+    """The token function (for linear_logprobs_loss) over any split of the tokens: its terms sum to policy_loss's
+    loss and their gradients by each log-prob are policy_loss's, with KL, dual clip and truncated weights."""
+    from areno.rl.losses import policy_token_loss
+
+    kw = dict(num_rows=2, norm=3.0, loss_agg=agg, dual_clip=2.5, kl_coef=0.1, ref_logp=t(OLD), clip_low=0.2,
+              clip_high=0.28)
+    tis = t([0.9, 1.0, 1.1, 0.5, 1.0])
+    logp = t(LOGP, True)
+    ref, _ = policy_loss(logp, t(OLD), t(ADV), t(MASK), torch.tensor(SEQ), tis_weight=tis, **kw)
+    ref.backward()
+    f = policy_token_loss(t(OLD), t(ADV), t(MASK), torch.tensor(SEQ), tis_weight=tis, **kw)
+    x = t(LOGP, True)
+    total = f(x[:2], 0, 2).sum() + f(x[2:], 2, 5).sum()  # two chunks
+    total.backward()
+    assert total.item() == pytest.approx(ref.item())
+    assert x.grad.tolist() == pytest.approx(logp.grad.tolist())
+    # tis_cap: the weights come from the log-probs themselves (detached), as inline_proximal takes them
+    capped = [min(math.exp(a - b), 1.2) * m for a, b, m in zip(LOGP, OLD, MASK)]
+    ref2, _ = policy_loss(t(LOGP), t(OLD), t(ADV), t(MASK), torch.tensor(SEQ), tis_weight=t(capped), **kw)
+    g = policy_token_loss(t(OLD), t(ADV), t(MASK), torch.tensor(SEQ), tis_cap=1.2, **kw)
+    assert g(t(LOGP), 0, 5).sum().item() == pytest.approx(ref2.item())

@@ -180,6 +180,61 @@ def test_sft_takes_the_head_gradient_in_the_forward(ckpt):
     assert graphed.graphs.replays >= 3 and seen and all(seen)
 
 
+class _KlCfg(_Cfg):
+    loss_agg, kl_coef, entropy_coef = "seq-mean-token-mean", 0.05, 0.0
+
+
+@pytest.mark.parametrize("case", ["token-mean", "seq-mean+kl+dual-clip", "inline-tis"])
+def test_policy_loss_takes_the_head_gradient_in_the_forward(ckpt, case):
+    """grpo_loss_fn's token function (policy_token_loss) runs the head as linear_logprobs_loss in eager
+    microbatches: the same stats and updates as the same loss on linear_logprobs' output, with KL to a reference,
+    dual clip, per-sequence means and inline truncated importance weights; graphed microbatches keep the plain head."""
+    from areno.rl.algorithms import inline_proximal
+
+    cfg = _KlCfg if case == "seq-mean+kl+dual-clip" else type("C", (_Cfg,), {"entropy_coef": 0.0})
+    dual = 3.0 if case == "seq-mean+kl+dual-clip" else None
+    eager, graphed = trainer_pair(ckpt)
+    plain_model = copy.deepcopy(eager.model)
+    plain = PolicyTrainer(plain_model, MasterAdamW(list(plain_model.parameters()), lr=1e-3, weight_decay=0.01,
+                                                   bucket_bytes=64 << 10), LRSchedule(1e-3), train_cuda_graphs="off")
+    seen = []
+
+    def fused_fn():
+        fn = grpo_loss_fn(cfg, dual_clip=dual)
+        return inline_proximal(fn, 2.0) if case == "inline-tis" else fn
+
+    def plain_fn():
+        inner = grpo_loss_fn(cfg, dual_clip=dual)
+
+        def fn(out, packed, norms):  # no token_loss attribute: linear_logprobs and its backward
+            assert out.loss is None
+            return inner(out, packed, norms)
+        return inline_proximal(fn, 2.0) if case == "inline-tis" else fn
+
+    for i, (lengths, mini_bs, accum) in enumerate([([12, 9, 7], 3, 1), ([11, 10, 7, 13], 2, 2)]):
+        rows = rows_of(lengths, seed=60 + i)
+        if case == "seq-mean+kl+dual-clip":
+            for r in rows:
+                r.extras["ref"] = [lp - 0.3 for lp in r.rollout_logprobs]
+        ref = plain.train(rows, plain_fn(), mini_bs, accum)
+        for t in (eager, graphed):
+            fn = fused_fn()
+            real = fn.__call__
+            if t is eager:
+                def spy(out, packed, norms, real=real):
+                    seen.append(out.loss is not None)
+                    return real(out, packed, norms)
+                spy.token_loss = fn.token_loss
+                fn = spy
+            got = t.train(rows, fn, mini_bs, accum)
+            for k, v in ref.items():
+                assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (case, i, k)
+            for (n, p), q in zip(plain.model.named_parameters(), t.model.parameters()):
+                torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=f"{case} update {i}: {n}")
+    assert seen and all(seen)  # the eager trainer's microbatches went through linear_logprobs_loss
+    assert not any(key[0].weighted for key in graphed.graphs.entries) and graphed.graphs.replays >= 2
+
+
 @pytest.mark.parametrize("kernels", ["native", "triton"])
 def test_device_step_matches_step_without_host_syncs(kernels, monkeypatch):
     monkeypatch.setenv("ARENO_KERNELS", kernels)  # the fused master update: native reference or Triton kernel
