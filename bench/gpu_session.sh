@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9 s10; issue 23 on nvidia-h200-x2: x2sync x2g1
 #   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md). The correctness stages
 # (tests, tests2, tests3) run with ARENO_AUTOTUNE=off: one config per kernel compiles (the every-candidate tests pin
@@ -97,6 +97,11 @@ for stage in "$@"; do
       step gaps-t2 70 python3 bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps --top 8
       step s9-tests 150 python3 -m pytest -m gpu -q --timeout 120 --tb=short -p no:cacheprovider \
         tests/rl/test_pack.py tests/rl/test_train_graphs_gpu.py tests/models/test_gpu.py ;;
+    s10)  # tenth session's code: the head's gradient in the forward (SFT weights; GRPO/PPO token function, eager)
+      step s10-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short \
+        -p no:cacheprovider tests/kernels/test_linear_logprobs_loss.py tests/rl/test_train_graphs_gpu.py
+      step k2 120 python3 bench/logprob.py --impls torch areno areno_loss --no-liger
+      step t12 230 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
     # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
     x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
       step policy_sync 300 python3 bench/policy_sync.py
