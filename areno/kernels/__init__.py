@@ -7,6 +7,7 @@ as ``areno.kernels.attention`` is always the function even though a submodule of
 from areno.kernels import activation as _activation
 from areno.kernels import attention as _attention
 from areno.kernels import linear_logprobs as _linear_logprobs
+from areno.kernels import linear_logprobs_loss as _linear_logprobs_loss
 from areno.kernels import moe as _moe
 from areno.kernels import paged_attention as _paged_attention
 from areno.kernels import penalties as _penalties
@@ -27,6 +28,7 @@ rope_cos_sin = _rope.rope_cos_sin
 rope_params_from_config = _rope.rope_params_from_config
 silu_and_mul = _activation.silu_and_mul
 linear_logprobs = _linear_logprobs.linear_logprobs
+linear_logprobs_loss = _linear_logprobs_loss.linear_logprobs_loss
 sample = _sampler.sample
 apply_penalties = _penalties.apply_penalties
 apply_logit_bias = _penalties.apply_logit_bias
@@ -36,6 +38,6 @@ route_sigmoid_grouped_topk = _moe.route_sigmoid_grouped_topk
 
 __all__ = [
     "apply_logit_bias", "apply_penalties", "apply_rope", "attention", "fused_moe", "linear_logprobs",
-    "paged_attention", "qkv_prologue", "rms_norm", "rope_cos_sin", "rope_params_from_config",
+    "linear_logprobs_loss", "paged_attention", "qkv_prologue", "rms_norm", "rope_cos_sin", "rope_params_from_config",
     "route_sigmoid_grouped_topk", "route_softmax_topk", "sample", "silu_and_mul", "store_kvcache",
 ]
