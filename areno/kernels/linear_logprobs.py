@@ -614,6 +614,27 @@ class _LinearLogprobs(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None
 
 
+def flat_inputs(hidden, weight, targets, temperature, name):
+    """Checked ``(hidden [N, H], weight [V, H], targets int64 [N], use the Triton path)`` for the head's kernels;
+    a bad shape, dtype or temperature raises ValueError naming ``name``."""
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"{name}: hidden [..., H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"{name}: targets {tuple(targets.shape)} must match hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")  # fmt: skip
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"{name}: hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype})")
+    if targets.dtype not in (torch.int64, torch.int32) or not temperature > 0:
+        raise ValueError(f"{name}: targets must be int64/int32 (got {targets.dtype}) and temperature > 0 "
+                         f"(got {temperature})")  # fmt: skip
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    return h2, w, t, use_triton(h2, w, t, supported=hidden.dtype in _FLOATS and h2.shape[0] > 0)
+
+
 def linear_logprobs(hidden, weight, targets, *, temperature=1.0, return_entropy=False, chunk_size=None, tp_group=None):
     """log softmax(hidden @ weight.T / temperature)[targets] in fp32, tile by tile (see the module docstring).
 
@@ -625,23 +646,8 @@ def linear_logprobs(hidden, weight, targets, *, temperature=1.0, return_entropy=
     (rows ``rank * V_local`` onwards, equal shards), ``targets`` are global ids, the results equal the unsharded
     call, the gradient of ``weight`` is the local shard's and the gradient of ``hidden`` is summed over ranks.
     """
-    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
-        raise ValueError(f"linear_logprobs: hidden [..., H] and weight [V, H], got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")  # fmt: skip
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"linear_logprobs: targets {tuple(targets.shape)} must match hidden's leading dims "
-                         f"{tuple(hidden.shape[:-1])}")  # fmt: skip
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"linear_logprobs: hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype})")
-    if targets.dtype not in (torch.int64, torch.int32) or not temperature > 0:
-        raise ValueError(f"linear_logprobs: targets must be int64/int32 (got {targets.dtype}) and temperature > 0 "
-                         f"(got {temperature})")  # fmt: skip
+    h2, w, t, path = flat_inputs(hidden, weight, targets, temperature, "linear_logprobs")
     lead = targets.shape
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    t = targets.reshape(-1).to(torch.int64).contiguous()
-    path = use_triton(h2, w, t, supported=hidden.dtype in _FLOATS and h2.shape[0] > 0)
     lp, ent = _LinearLogprobs.apply(h2, w, t, 1.0 / float(temperature), return_entropy, chunk_size, tp_group, path)
     if return_entropy:
         return lp.reshape(lead), ent.reshape(lead)

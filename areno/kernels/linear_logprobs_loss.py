@@ -33,8 +33,6 @@ import importlib
 import torch
 import triton
 
-from areno.kernels.dispatch import use_triton
-
 ll = importlib.import_module("areno.kernels.linear_logprobs")  # the module (the package exports the function)
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)  # q in the weight's dtype; fp16 would overflow at the cap
@@ -58,8 +56,8 @@ def _target_logits(hidden, weight, targets, inv_temp):
 def _token_terms(token_loss, lp, start, end):
     """(sum of f_t over rows [start, end), f_t'(logprob_t) [end - start] fp32) for ``lp`` = those rows' log-probs."""
     if isinstance(token_loss, torch.Tensor):
-        w = token_loss[start:end]
-        return (lp * w.to(lp.dtype)).sum(), w.to(lp.dtype)
+        w = token_loss[start:end].to(lp.dtype)
+        return (lp * w).sum(), w
     with torch.enable_grad():
         x = lp.detach().requires_grad_()
         values = token_loss(x, start, end)
@@ -175,30 +173,16 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, temperature=1.0
     of q: 1.25 GiB in bf16 by default, 4,096 rows at a 151,936 vocab, enough rows for the dhidden GEMM to fill an
     H200 and few fp32 accumulations of dweight). No entropy, no tensor parallelism (``linear_logprobs`` has both).
     """
-    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
-        raise ValueError(f"linear_logprobs_loss: hidden [..., H] and weight [V, H], got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")  # fmt: skip
+    h2, w, t, path = ll.flat_inputs(hidden, weight, targets, temperature, "linear_logprobs_loss")
     weighted = isinstance(token_loss, torch.Tensor)
-    if hidden.shape[:-1] != targets.shape or (weighted and token_loss.shape != targets.shape):
-        raise ValueError(f"linear_logprobs_loss: targets {tuple(targets.shape)} and token_loss weights "
-                         f"{tuple(token_loss.shape) if weighted else '-'} must match hidden's leading dims "
-                         f"{tuple(hidden.shape[:-1])}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"linear_logprobs_loss: hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype})")
-    if targets.dtype not in (torch.int64, torch.int32) or not temperature > 0:
-        raise ValueError(f"linear_logprobs_loss: targets must be int64/int32 (got {targets.dtype}) and temperature "
-                         f"> 0 (got {temperature})")  # fmt: skip
+    if weighted and token_loss.shape != targets.shape:
+        raise ValueError(f"linear_logprobs_loss: token_loss weights {tuple(token_loss.shape)} must match targets "
+                         f"{tuple(targets.shape)}")
     if weighted and (token_loss.requires_grad or not token_loss.is_floating_point()):
         raise ValueError("linear_logprobs_loss: token_loss weights must be a float tensor without grad")
     if not weighted and not callable(token_loss):
         raise ValueError(f"linear_logprobs_loss: token_loss must be a weight tensor or a callable, not "
                          f"{type(token_loss).__name__}")
-    lead = targets.shape
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    t = targets.reshape(-1).to(torch.int64).contiguous()
     tl_ = token_loss.reshape(-1).contiguous() if weighted else token_loss
-    path = use_triton(h2, w, t, supported=hidden.dtype in ll._FLOATS and h2.shape[0] > 0)
     loss, lp = _LinearLogprobsLoss.apply(h2, w, t, tl_, 1.0 / float(temperature), chunk_size, path)
-    return loss, lp.reshape(lead)
+    return loss, lp.reshape(targets.shape)

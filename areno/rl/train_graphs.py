@@ -276,25 +276,24 @@ class TrainGraphs:
             return ForwardOut(outs[1][:t], None, loss=outs[0])
         return ForwardOut(outs[0][:t], outs[1][:t] if bucket.entropy else None)
 
-    def optimizer_step(self, lr: float, group_lrs: dict[str, float], mode: str, bucket: Bucket | None,
-                       update: bool = True) -> torch.Tensor:
-        """Replay the optimizer graphs of this update's gradients (the norm's, then the update's); returns the
-        device norm (read it, then call ``count_step``). ``update=False`` replays the norm's alone: the caller
-        queues its reads of the norm, then calls ``optimizer_update`` (so the host need not wait for the update)."""
-        graphs = self.entries[(bucket, mode)].opt if mode == "own" else self.acc_opt
+    def optimizer_step(self, lr: float, group_lrs: dict[str, float], mode: str, bucket: Bucket | None) -> torch.Tensor:
+        """Replay the norm graph of this update's gradients; returns the device norm. The caller queues its reads
+        of the norm, then calls ``optimizer_update`` (so the host need not wait for the update), reads the norm and
+        calls ``count_step``."""
         self.lr.fill_(lr)
         for name, t in self.group_lrs.items():
             t.fill_(group_lrs[name])
         self.step.fill_(float(self.optimizer.num_steps))
         self.skip.fill_(0.0)
-        graphs[0].replay()
-        if update:
-            graphs[1].replay()
+        self._optimizer_graphs(mode, bucket)[0].replay()
         return self.norm
 
     def optimizer_update(self, mode: str, bucket: Bucket | None) -> None:
-        """Replay the update graph after ``optimizer_step(..., update=False)``."""
-        (self.entries[(bucket, mode)].opt if mode == "own" else self.acc_opt)[1].replay()
+        """Replay the update graph after ``optimizer_step``."""
+        self._optimizer_graphs(mode, bucket)[1].replay()
+
+    def _optimizer_graphs(self, mode: str, bucket: Bucket | None):
+        return self.entries[(bucket, mode)].opt if mode == "own" else self.acc_opt
 
     def count_step(self, norm: float) -> None:
         """The host side of ``device_step``: a finite norm was an update."""

@@ -223,7 +223,7 @@ class PolicyTrainer:
         group_lrs = {name: s.lr(self.num_updates) for name, s in self.group_schedules.items()}
         device_norm = None
         if mode is not None and self.graphs.device_optimizer:  # queued without a host sync
-            device_norm = self.graphs.optimizer_step(lr, group_lrs, mode, buckets[0], update=False)
+            device_norm = self.graphs.optimizer_step(lr, group_lrs, mode, buckets[0])
         elif group_lrs:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
         else:
