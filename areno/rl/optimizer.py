@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areno.kernels.adamw import bias_corrections, master_adamw_
+from areno.kernels.adamw import AdamwPlan, SumsqPlan, bias_corrections, grad_sumsq, master_adamw_multi_
 
 _OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
 
@@ -309,7 +309,8 @@ class MasterAdamW:
 
     @torch.no_grad()
     def device_step(self, lr: torch.Tensor, grad_clip: float, step: torch.Tensor, *,
-                    group_lrs: dict[str, torch.Tensor] | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
+                    group_lrs: dict[str, torch.Tensor] | None = None, skip: torch.Tensor | None = None,
+                    plan: dict | None = None) -> torch.Tensor:
         """``step()`` without a host sync, so a CUDA graph can capture it (areno.rl.train_graphs). Single rank
         (no DP/TP group), no offload. ``lr`` and each ``group_lrs`` value are 0-dim fp32 device tensors, ``step``
         the fp32 device step count before this step (incremented here unless skipped), ``skip`` an optional 0-dim
@@ -321,21 +322,44 @@ class MasterAdamW:
         torch's fused AdamW (``grad_scale``, ``found_inf``) for fp32 buckets. Returns the fp64 norm tensor; the
         caller adds 1 to ``num_steps`` once it has read a finite one. The master, moments and parameters change in
         place exactly as ``step()`` changes them (up to the rounding of the clip factor). It is ``device_norm``
-        then ``device_update``: a caller may read the norm between the two while the update runs."""
-        norm, bad, scale = self.device_norm(grad_clip, skip=skip)
-        self.device_update(lr, step, bad, scale, group_lrs=group_lrs)
+        then ``device_update``: a caller may read the norm between the two while the update runs. ``plan``:
+        ``device_plan()``'s launch tables, built ahead of a CUDA graph capture."""
+        norm, bad, scale = self.device_norm(grad_clip, skip=skip, plan=plan)
+        self.device_update(lr, step, bad, scale, group_lrs=group_lrs, plan=plan)
         return norm
 
+    def device_plan(self) -> dict:
+        """The multi-tensor launch tables of ``device_norm`` and ``device_update`` over the current ``p.grad``
+        tensors (``areno.kernels.adamw``: one gradient sum-of-squares launch and one master-AdamW launch per
+        learning-rate group, instead of one or two per parameter). Built outside a CUDA graph capture and passed
+        to both while capturing; whoever replays the graphs holds it (the tables carry the tensors' addresses)."""
+        plan = {"norm": SumsqPlan([p.grad for p in self.params if p.grad is not None])}
+        for name, entries in self._master_entries().items():
+            plan[("adamw", name)] = AdamwPlan(entries)
+        return plan
+
+    def _master_entries(self) -> dict:
+        """``(w, m, v, grad, param)`` of every master-bucket parameter, per learning-rate group (None: the main)."""
+        out: dict = {}
+        for b in self.buckets:
+            if b.has_master:
+                w, m, v = b.storage.view(3, b.shard).unbind(0)
+                for p, off in zip(b.params, b.offsets):
+                    sl = slice(off, off + p.numel())
+                    out.setdefault(b.group, []).append((w[sl], m[sl], v[sl], p.grad, p.detach()))
+        return out
+
     @torch.no_grad()
-    def device_norm(self, grad_clip: float, *, skip: torch.Tensor | None = None):
+    def device_norm(self, grad_clip: float, *, skip: torch.Tensor | None = None, plan: dict | None = None):
         """The first half of ``device_step``: ``(norm fp64, bad, scale)`` device tensors from the gradients
-        (``bad`` 1 skips the update: a non-finite norm or ``skip``; ``scale`` divides the gradient)."""
+        (``bad`` 1 skips the update: a non-finite norm or ``skip``; ``scale`` divides the gradient). ``plan``:
+        ``device_plan()``'s tables, built ahead (needed under a CUDA graph capture)."""
         if self.dp_group is not None or self.tp_group is not None or self.offload != "none":
             raise RuntimeError("MasterAdamW.device_step: one rank without --optimizer-state-offload only")
         grads = [p.grad for p in self.params if p.grad is not None]
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
-            sumsq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().sum()
+            sumsq = grad_sumsq(grads, None if plan is None else plan["norm"])
         norm = sumsq.sqrt()
         bad = (~torch.isfinite(norm)).float()
         if skip is not None:
@@ -345,24 +369,24 @@ class MasterAdamW:
 
     @torch.no_grad()
     def device_update(self, lr: torch.Tensor, step: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, *,
-                      group_lrs: dict[str, torch.Tensor] | None = None) -> None:
-        """The second half of ``device_step``: the update from ``device_norm``'s ``bad`` and ``scale``."""
+                      group_lrs: dict[str, torch.Tensor] | None = None, plan: dict | None = None) -> None:
+        """The second half of ``device_step``: the update from ``device_norm``'s ``bad`` and ``scale`` (``plan``:
+        as ``device_norm``'s)."""
         missing = [g for g in self.groups if g not in (group_lrs or {})]
         if missing:
             raise ValueError(f"MasterAdamW.device_step: no learning rate for the parameter groups {missing}")
         step.add_(1.0 - bad)
         beta1, beta2 = self.betas
-        corrections = {}  # per learning-rate tensor: (step_size, bc2_sqrt) on the device
+        # master buckets: one fused pass over every parameter of a learning-rate group (gradient in, master and
+        # moments updated, parameter out; areno.kernels.adamw)
+        for name, entries in self._master_entries().items():
+            g_lr = lr if name is None else group_lrs[name]
+            master_adamw_multi_(entries, g_lr, *bias_corrections(g_lr, step, beta1, beta2), scale, bad, beta1=beta1,
+                                beta2=beta2, eps=self.eps, weight_decay=self.weight_decay,
+                                plan=None if plan is None else plan[("adamw", name)])
         for b in self.buckets:
             b_lr = lr if b.group is None else group_lrs[b.group]
-            if b.has_master:  # one fused pass per parameter: gradient in, master/moments updated, parameter out
-                if id(b_lr) not in corrections:
-                    corrections[id(b_lr)] = bias_corrections(b_lr, step, beta1, beta2)
-                w, m, v = b.storage.view(3, b.shard).unbind(0)
-                for p, off in zip(b.params, b.offsets):
-                    sl = slice(off, off + p.numel())
-                    master_adamw_(w[sl], m[sl], v[sl], p.grad, p.detach(), b_lr, *corrections[id(b_lr)], scale, bad,
-                                  beta1=beta1, beta2=beta2, eps=self.eps, weight_decay=self.weight_decay)
+            if b.has_master:
                 continue
             # one rank: the parameters tile the bucket, so with every gradient present nothing is left to zero
             full = all(p.grad is not None for p in b.params) and b.numel == b.shard

@@ -379,27 +379,31 @@ class TrainGraphs:
         return entry
 
     def _norm_body(self, held: dict) -> None:
-        norm, held["bad"], held["scale"] = self.optimizer.device_norm(self.grad_clip, skip=self.skip)
+        norm, held["bad"], held["scale"] = self.optimizer.device_norm(self.grad_clip, skip=self.skip,
+                                                                      plan=held["plan"])
         self.norm.copy_(norm)
 
     def _update_body(self, held: dict) -> None:
-        self.optimizer.device_update(self.lr, self.step, held["bad"], held["scale"], group_lrs=self.group_lrs)
+        self.optimizer.device_update(self.lr, self.step, held["bad"], held["scale"], group_lrs=self.group_lrs,
+                                     plan=held["plan"])
 
     def _capture_optimizer(self):
         """The optimizer's two graphs over the current ``p.grad`` tensors (``MasterAdamW.device_norm``, then
         ``device_update`` from the clip factor and skip flag the first leaves in the pool). Captured (and, once,
         warmed up) as a dry run: ``skip`` is 1 until a replay sets it to 0."""
         self.skip.fill_(1.0)
+        # the multi-tensor launch tables over these gradients, built before the capture; the graphs hold them
+        held: dict = {"plan": self.optimizer.device_plan()}  # and the norm graph's bad/scale for the update graph
         if not self.optimizer_warm:
-            warm: dict = {}
+            warm = {"plan": held["plan"]}
             with self._stream():
                 self._norm_body(warm)
                 self._update_body(warm)
             self._join()
             self.optimizer_warm = True
-        held: dict = {}  # the norm graph's bad/scale tensors, read by the update graph
         graphs = (self.graph_class(self.pool, self.stream), self.graph_class(self.pool, self.stream))
         graphs[0].capture(lambda: self._norm_body(held))
         graphs[1].capture(lambda: self._update_body(held))
+        graphs[0].held = graphs[1].held = held
         self.captures += 2
         return graphs
