@@ -32,10 +32,35 @@ import importlib
 
 import torch
 import triton
+import triton.language as tl
+
+from areno.kernels.dispatch import interpreting, use_triton
 
 ll = importlib.import_module("areno.kernels.linear_logprobs")  # the module (the package exports the function)
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)  # q in the weight's dtype; fp16 would overflow at the cap
+
+
+@triton.jit
+def _scale_round_kernel(X, S, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, (x * tl.load(S)).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _scale_round(g: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g * s`` (fp32 stashed gradient times the loss's 0-dim gradient) rounded to ``dtype`` in one pass: a
+    vectorized Triton pass (torch's mixed-dtype ``mul(out=)`` takes its slow dynamic-cast loop: 0.65 ms for the
+    151,936 x 1,024 dweight on the H200, twice the bytes' time)."""
+    out = torch.empty_like(g, dtype=dtype)
+    s = s.to(g.dtype)
+    if use_triton(g, s, out, supported=g.is_contiguous() and g.dtype == torch.float32 and s.numel() == 1):
+        block = 64 if interpreting() else 2048
+        _scale_round_kernel[(triton.cdiv(g.numel(), block),)](g, s, out, g.numel(), BLOCK=block, num_warps=8)
+    else:
+        torch.mul(g, s, out=out)
+    return out
 
 
 def _chunk_rows(N: int, V: int, chunk_rows, budget: int, on_device: bool) -> int:
@@ -156,7 +181,7 @@ class _LinearLogprobsLoss(torch.autograd.Function):
             return (None,) * 7
         out = []
         for g, dtype in zip((dh, dw), ctx.dtypes):  # scaled and rounded to the input's dtype in one pass
-            out.append(None if g is None else torch.mul(g, g_loss.to(g.dtype), out=torch.empty_like(g, dtype=dtype)))
+            out.append(None if g is None else _scale_round(g, g_loss, dtype))
         return (*out, None, None, None, None, None)
 
 

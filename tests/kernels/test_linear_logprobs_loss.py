@@ -188,3 +188,19 @@ def test_gpu_bf16_token_function_vs_float64():
         reference_linear_logprobs(h.double(), w.double(), targets)[0]), hidden, weight)
     assert (ours[1] - ref[1]).abs().max().item() < 2e-2
     assert _rel(ours[2], ref[2]) < 2e-2 and _rel(ours[3], ref[3]) < 2e-2
+
+
+@pytest.mark.parametrize("n,dtype", [(1, torch.float16), (1000, torch.float16), (4097, torch.float32),
+                                     pytest.param(151_936 * 64 + 3, torch.bfloat16, marks=pytest.mark.gpu)])
+def test_scale_round_matches_torch(n, dtype, triton_kernels, monkeypatch):
+    mod = importlib.import_module("areno.kernels.linear_logprobs_loss")  # the package exports the function
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 7).to(dev)
+    s = torch.tensor(-0.37, device=dev)
+    launched = []
+    real = mod._scale_round_kernel
+    monkeypatch.setattr(mod, "_scale_round_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
+    out = mod._scale_round(g, s, dtype)
+    assert out.dtype == dtype and len(launched) == 1
+    assert torch.equal(out, (g.double() * -0.37).float().to(dtype)) or torch.equal(out, (g * s).to(dtype))
