@@ -111,16 +111,32 @@ def _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, 
 
 
 @triton.jit
-def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, q_ptr, ref_ptr, fix_ptr, N, V, H, vocab_start,
+def _store_q_tile(q_ptr, q_desc, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, r_start, c_start, stride_q,
+                  CAP: tl.constexpr, Q_TMA: tl.constexpr):
+    """``_store_q``, or with Q_TMA one bulk tensor store of the whole tile through ``q_desc`` (rows past N and
+    columns past V clipped by the descriptor; every row of the tile is kept)."""
+    if Q_TMA:
+        q = e * tl.exp(tl.minimum(m - ref, CAP))[:, None]
+        q = tl.where(cols[None, :] == tgt[:, None], 0.0, q)
+        q_desc.store([r_start, c_start], q.to(q_desc.dtype))
+    else:
+        _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP)
+
+
+@triton.jit
+def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, q_ptr, q_desc, ref_ptr, fix_ptr, N, V, H,
+                  vocab_start,
                   inv_temp, cols_per_split, stride_h, stride_w, stride_q,
                   HAS_ENT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, FLAT: tl.constexpr,
                   TMA: tl.constexpr, STORE: tl.constexpr, FIX: tl.constexpr, CAP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                  Q_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
     # part_ptr: [4, splits, N] fp32 = (max, sum-exp, entropy term, target logit) of this split's vocab range.
     # TMA: the logit tiles are loaded through the descriptors h_desc / w_desc (over all of hidden / weight).
     # STORE (linear_logprobs_loss): also write every tile's q = e^(z - ref[row]) into q_ptr [N, V] (see _store_q).
     # FIX: only the rows with fix_ptr[row] != 0 are stored (their ref is now the row's max) and no partials are
-    # written; a program without such a row loops over nothing.
+    # written; a program without such a row loops over nothing. Q_TMA (STORE without FIX, TMA loads): q's tiles
+    # leave through the descriptor q_desc (block [BLOCK_N, BLOCK_V]) as bulk stores, not per-thread pointers.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     r_start = pid_n * BLOCK_N
@@ -164,7 +180,8 @@ def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, q_ptr, ref_pt
             if kt == k_tiles - 1:
                 m, s, a, e = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
                 if STORE:
-                    _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP)
+                    _store_q_tile(q_ptr, q_desc, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, r_start,
+                                  c_start, stride_q, CAP, Q_TMA)
                 acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     else:
         for v0 in range(v_begin, v_end, BLOCK_V):
@@ -178,7 +195,8 @@ def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, q_ptr, ref_pt
                                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, IEEE, False)  # fmt: skip
             m, s, a, e = _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT)
             if STORE:
-                _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP)
+                _store_q_tile(q_ptr, q_desc, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, r_start, v0,
+                              stride_q, CAP, Q_TMA)
     if not FIX:
         _store_partials(h_ptr, w_ptr, tgt, part_ptr, rows, row_ok, pid_s, N, V, H, inv_temp, stride_h, stride_w, m, s,
                         a, BLOCK_N, BLOCK_K)
@@ -261,6 +279,8 @@ def _set_blocks(nargs):
     for name, rows in (("h_desc", "BLOCK_N"), ("w_desc", "BLOCK_V")):
         if isinstance(nargs[name], TensorDescriptor):
             nargs[name].block_shape = [nargs[rows], nargs["BLOCK_K"]]
+    if isinstance(nargs.get("q_desc"), TensorDescriptor):
+        nargs["q_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_V"]]
 
 
 def _configs(grad):
@@ -285,7 +305,7 @@ def _configs(grad):
 
 
 _stats_tuned = triton.autotune(autotune_candidates(_configs(False)),
-                               key=["H", "V", "HAS_ENT", "IEEE", "TMA", "STORE", "FIX"])(_stats)
+                               key=["H", "V", "HAS_ENT", "IEEE", "TMA", "STORE", "FIX", "Q_TMA"])(_stats)
 _grad_tuned = triton.autotune(autotune_candidates(_configs(True)), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(
     _grad_logits)
 _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
@@ -319,10 +339,11 @@ def _operands(hidden, weight, tma):
     return TensorDescriptor.from_tensor(hidden, [bn, bk]), TensorDescriptor.from_tensor(weight, [bv, bk])
 
 
-def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, tma, store=None, fix=None):
+def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, tma, store=None, fix=None,
+                  q_tma=True):
     """Per-split (m, s, a, tz) partials: [4, splits, N] fp32. ``store`` = (q [N, V], ref [N] fp32): also write each
     row's q = e^(z - ref) (linear_logprobs_loss); with ``fix`` (int [N]) only the flagged rows are written, no
-    partials (returns None)."""
+    partials (returns None); ``q_tma`` lets q leave by TMA stores where the loads use TMA (not with ``fix``)."""
     N, H = hidden.shape
     V = weight.shape[0]
     if not _on_device(hidden):
@@ -333,10 +354,13 @@ def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, 
     splits = triton.cdiv(V, cols_per_split)
     parts = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device) if fix is None else None
     q, ref = store if store is not None else (None, None)
-    args = (hidden, weight, *_operands(hidden, weight, tma), targets, parts, q, ref, fix, N, V, H, vocab_start,
-            inv_temp, cols_per_split, hidden.stride(0), weight.stride(0), q.stride(0) if q is not None else 0)
+    q_tma = q_tma and q is not None and fix is None and tma and _tma_possible(q)
+    q_desc = TensorDescriptor.from_tensor(q, [_INTERPRET_CFG["BLOCK_N"], _INTERPRET_CFG["BLOCK_V"]]) if q_tma else q
+    args = (hidden, weight, *_operands(hidden, weight, tma), targets, parts, q, q_desc, ref, fix, N, V, H,
+            vocab_start, inv_temp, cols_per_split, hidden.stride(0), weight.stride(0),
+            q.stride(0) if q is not None else 0)
     flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32, "TMA": tma, "STORE": q is not None,
-             "FIX": fix is not None, "CAP": Q_EXP_CAP}
+             "FIX": fix is not None, "CAP": Q_EXP_CAP, "Q_TMA": q_tma}
     if not _on_device(hidden):
         grid = (triton.cdiv(N, _INTERPRET_CFG["BLOCK_N"]), splits)
         _stats[grid](*args, **flags, **_INTERPRET_CFG, FLAT=_INTERPRET_FLAT)
@@ -533,6 +557,7 @@ class _Options(NamedTuple):
     tma: bool  # load the logit tiles through TMA descriptors (Triton path)
     streams: int  # 2: backward recompute on a second CUDA stream beside the gradient GEMMs
     chunk: int  # elements of one backward logit-gradient chunk (Triton path)
+    q_tma: bool = True  # linear_logprobs_loss: q's tiles leave by TMA bulk stores where the loads use TMA
 
 
 _LOADS = ("auto", "tma", "pointer")
@@ -548,7 +573,9 @@ def options(hidden=None, weight=None, triton_path=False) -> _Options:
     slower on the H200 (K2 fwd+bwd 35.5 ms vs 34.5 ms in one run: the recompute kernel and the GEMMs compete for the
     SMs rather than fill each other's gaps).
     ``ARENO_LOGPROB_BWD_CHUNK``: elements per logit-gradient chunk of the Triton backward (default 2^28: 512 MB in
-    bf16 per buffer); at least 65,536."""
+    bf16 per buffer); at least 65,536.
+    ``ARENO_LOGPROB_Q_STORE`` (``linear_logprobs_loss``): "tma" (default: q's tiles leave the statistics kernel as
+    bulk tensor stores wherever its loads use TMA) or "pointer" (per-thread masked stores)."""
     loads = os.environ.get("ARENO_LOGPROB_LOADS", "auto").strip().lower() or "auto"
     if loads not in _LOADS:
         raise ValueError(f"ARENO_LOGPROB_LOADS must be one of {_LOADS} or unset, got {loads!r}")
@@ -564,7 +591,10 @@ def options(hidden=None, weight=None, triton_path=False) -> _Options:
         if loads == "tma" and not tma:
             raise RuntimeError("ARENO_LOGPROB_LOADS=tma but TMA descriptors cannot be used here (they need sm_90+ or "
                                "the interpreter, 16-byte aligned hidden/weight rows)")  # fmt: skip
-    return _Options(tma, int(streams), int(chunk) if chunk else _GRAD_CHUNK_ELEMENTS)
+    q_store = os.environ.get("ARENO_LOGPROB_Q_STORE", "tma").strip().lower() or "tma"
+    if q_store not in ("tma", "pointer"):
+        raise ValueError(f"ARENO_LOGPROB_Q_STORE must be tma or pointer, got {q_store!r}")
+    return _Options(tma, int(streams), int(chunk) if chunk else _GRAD_CHUNK_ELEMENTS, q_store == "tma")
 
 
 class _LinearLogprobs(torch.autograd.Function):

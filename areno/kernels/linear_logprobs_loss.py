@@ -110,7 +110,7 @@ def _fused_triton(hidden, weight, targets, token_loss, inv_temp, chunk_rows, nee
         h_c, t_c, q = hidden[r0:r1], targets[r0:r1], q_buf[: r1 - r0]
         ref = ref_all[r0:r1]
         tma = opts.tma and ll._tma_possible(h_c, weight)  # a chunk's first row must stay 16-byte aligned
-        parts = ll._triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref))
+        parts = ll._triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref), q_tma=opts.q_tma)
         m, s, _, tz = ll._merge(parts)
         lse = m + torch.log(s)
         valid = t_c >= 0

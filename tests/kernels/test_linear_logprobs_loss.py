@@ -204,3 +204,19 @@ def test_scale_round_matches_torch(n, dtype, triton_kernels, monkeypatch):
     out = mod._scale_round(g, s, dtype)
     assert out.dtype == dtype and len(launched) == 1
     assert torch.equal(out, (g.double() * -0.37).float().to(dtype)) or torch.equal(out, (g * s).to(dtype))
+
+
+def test_q_store_tma_and_pointer_agree(triton_kernels, monkeypatch):
+    hidden, weight, targets, weights = _inputs(37, 32, 300, seed=5)
+    got = {}
+    for store in ("tma", "pointer"):
+        monkeypatch.setenv("ARENO_LOGPROB_Q_STORE", store)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, lp = linear_logprobs_loss(h, w, targets, weights.float())
+        loss.backward()
+        got[store] = (loss, lp, h.grad, w.grad)
+    for a, b in zip(got["tma"], got["pointer"]):
+        assert torch.equal(a, b)  # the same q values, stored two ways
+    monkeypatch.setenv("ARENO_LOGPROB_Q_STORE", "bulk")
+    with pytest.raises(ValueError, match="ARENO_LOGPROB_Q_STORE must be tma or pointer"):
+        linear_logprobs_loss(hidden, weight, targets, weights.float())
