@@ -46,7 +46,7 @@ import triton.language as tl
 
 from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 from areno.kernels.qkv_prologue import check_prologue_inputs
-from areno.kernels.rms_norm import _sm_count, rms_norm_native
+from areno.kernels.rms_norm import _sm_count, rms_norm_native, sum_rows
 from areno.kernels.rope import apply_rope_native
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -340,8 +340,10 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, positions, cos, sin, num_heads, num_kv_hea
                                               num_warps=_BWD_WARPS)
     if not compute_dw:
         return dqkv, None, None
-    dw = dw_part.sum(1)  # one small reduction for both weights
-    return dqkv, dw[0].to(q_norm_weight.dtype), dw[1].to(k_norm_weight.dtype)
+    if q_norm_weight.dtype == k_norm_weight.dtype:  # one small reduction (and rounding) for both weights
+        dw = sum_rows(dw_part, q_norm_weight.dtype)
+        return dqkv, dw[0], dw[1]
+    return dqkv, sum_rows(dw_part[0], q_norm_weight.dtype), sum_rows(dw_part[1], k_norm_weight.dtype)
 
 
 class QKNormRopeFunction(torch.autograd.Function):

@@ -227,3 +227,22 @@ def test_every_backward_tiling_gpu_bf16(index, monkeypatch):
         _check_against_references(k, wk, None, 1e-6, torch.bfloat16)
     finally:
         mod._tuned_bwd.cache_clear()
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 1), torch.float32), ((37, 50), torch.float16),
+                                         ((2, 19, 33), torch.float32),
+                                         pytest.param((528, 1024), torch.bfloat16, marks=pytest.mark.gpu),
+                                         pytest.param((2, 528, 128), torch.bfloat16, marks=pytest.mark.gpu)])
+def test_sum_rows_matches_float64(shape, dtype, triton_kernels, monkeypatch):
+    """The weight-gradient partials' reduction: one launch, fp32 sums rounded once to the weight's dtype."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    part = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dev)
+    launched = []
+    real = mod._sum_rows_kernel
+    monkeypatch.setattr(mod, "_sum_rows_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
+    got = mod.sum_rows(part, dtype)
+    want = part.double().sum(-2)
+    assert got.dtype == dtype and got.shape == want.shape and len(launched) == 1
+    rtol = 1e-6 if dtype == torch.float32 else {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-5)
