@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9 s10; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9 s10 s11; issue 23 on nvidia-h200-x2: x2sync x2g1
 #   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md). The correctness stages
 # (tests, tests2, tests3) run with ARENO_AUTOTUNE=off: one config per kernel compiles (the every-candidate tests pin
@@ -102,6 +102,14 @@ for stage in "$@"; do
         -p no:cacheprovider tests/kernels/test_linear_logprobs_loss.py tests/rl/test_train_graphs_gpu.py
       step k2 120 python3 bench/logprob.py --impls torch areno areno_loss --no-liger
       step t12 230 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
+    s11)  # eleventh session's kernels (multi-tensor optimizer step, TMA q store, scale-and-round, sum_rows), then
+      # the optimizer step, K2 and T1/T2 against their baselines
+      step s11-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short \
+        -p no:cacheprovider tests/kernels/test_adamw.py tests/kernels/test_linear_logprobs_loss.py \
+        tests/kernels/test_rms_norm.py tests/kernels/test_qk_norm_rope.py tests/rl/test_train_graphs_gpu.py
+      step optimizer 60 python3 bench/optimizer_step.py
+      step k2 100 python3 bench/logprob.py --impls torch areno_loss --no-liger
+      step t12 240 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
     # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
     x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
       step policy_sync 300 python3 bench/policy_sync.py
