@@ -315,10 +315,11 @@ class MasterAdamW:
         (no DP/TP group), no offload. ``lr`` and each ``group_lrs`` value are 0-dim fp32 device tensors, ``step``
         the fp32 device step count before this step (incremented here unless skipped), ``skip`` an optional 0-dim
         fp32 tensor (1 skips the update: a dry run). Reads ``p.grad`` (``None`` counts as zero) and leaves it. The
-        norm is taken from the gradients themselves (one fp32 norm per tensor, summed in fp64); the clip factor
-        and the skip of a non-finite norm happen on the device: the gradient is divided by ``max(1, (norm + 1e-6) /
-        grad_clip)`` and a skipped step changes nothing, in one fused pass per parameter of a master bucket
-        (``areno.kernels.adamw``: bf16 gradient in, master and moments updated, parameter written) and through
+        norm is taken from the gradients themselves (fp32 sums per block, added in fp64: ``grad_sumsq``); the clip
+        factor and the skip of a non-finite norm happen on the device: the gradient is divided by ``max(1, (norm +
+        1e-6) / grad_clip)`` and a skipped step changes nothing, in one fused pass over the master-bucket
+        parameters of each learning-rate group (``areno.kernels.adamw.master_adamw_multi_``: bf16 gradient in,
+        master and moments updated, parameter written; one launch for all of them) and through
         torch's fused AdamW (``grad_scale``, ``found_inf``) for fp32 buckets. Returns the fp64 norm tensor; the
         caller adds 1 to ``num_steps`` once it has read a finite one. The master, moments and parameters change in
         place exactly as ``step()`` changes them (up to the rounding of the clip factor). It is ``device_norm``
