@@ -15,6 +15,13 @@ or a dry run) leaves every value as it is, so the whole update runs without a ho
 This is torch's fused AdamW (``grad_scale`` / ``found_inf``) on the master, fused with what ``device_step`` did around
 it: the gradient's copy into an fp32 buffer and the rounding of the master into the parameter. Bytes per element:
 2 (gradient) + 3 x 4 read + 3 x 4 written + 2 (parameter) = 28, against 46 for the unfused sequence.
+
+Multi-tensor launches (what ``MasterAdamW.device_step`` runs): ``master_adamw_multi_`` updates many parameters in
+one launch and ``grad_sumsq`` takes the gradients' sum of squares (the clip norm) in one launch per dtype. Each
+program finds its tensor and block in small device tables of addresses (``MultiTensorTable``, built by
+``AdamwPlan`` / ``SumsqPlan`` from 16-byte aligned contiguous tensors, so full blocks move in 16-byte vectors;
+other tensors go one by one). The tables hold raw addresses: a plan is valid for the tensors it was built from,
+which is what a CUDA graph replays (Qwen3-0.6B's 226 parameters: 5.12 -> 4.42 ms graphed, ``bench/optimizer_step.py``).
 """
 
 from __future__ import annotations
