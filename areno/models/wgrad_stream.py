@@ -98,12 +98,15 @@ class SideWgradLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # the parameter itself, not a saved copy: its .grad is written, and activation checkpointing unpacks saved
+        # tensors as new objects (recomputed), whose .grad would be lost
+        ctx.weight = weight
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             n, k = weight.shape

@@ -50,9 +50,10 @@ def test_plain_path_when_off_hooked_or_biased(monkeypatch):
         Linear(8, 4)(x)
 
 
-def _train(ckpt, monkeypatch, flag, device="cpu", dtype=torch.float32, graphs="off"):
+def _train(ckpt, monkeypatch, flag, device="cpu", dtype=torch.float32, graphs="off", checkpointing=False):
     monkeypatch.setenv("ARENO_WGRAD_STREAM", flag)
     model = load_model(ckpt, dtype=dtype, device=device).train()
+    model.set_activation_checkpointing(checkpointing)
     opt = MasterAdamW(list(model.parameters()), lr=1e-3)
     trainer = PolicyTrainer(model, opt, LRSchedule(1e-3), grad_clip=1.0, train_cuda_graphs=graphs)
     if trainer.graphs is not None:
@@ -63,14 +64,15 @@ def _train(ckpt, monkeypatch, flag, device="cpu", dtype=torch.float32, graphs="o
     return model, stats
 
 
-def test_trainer_updates_match_with_the_side_stream(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checkpointing", [False, True])  # recomputation re-runs the forward inside the backward
+def test_trainer_updates_match_with_the_side_stream(tmp_path, monkeypatch, checkpointing):
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=0)
     queued = []
     real = wgrad_stream.queue_weight_grad
     monkeypatch.setattr(wgrad_stream, "queue_weight_grad", lambda *a: (queued.append(a[0].shape), real(*a)))
-    a, sa = _train(ckpt, monkeypatch, "0")
+    a, sa = _train(ckpt, monkeypatch, "0", checkpointing=checkpointing)
     assert not queued
-    b, sb = _train(ckpt, monkeypatch, "1")
+    b, sb = _train(ckpt, monkeypatch, "1", checkpointing=checkpointing)
     assert len(queued) == 4 * b.num_layers * 4  # qkv, o, gate_up, down a layer; 1 + 2 + 1 microbatch backwards
     for x, y in zip(sa, sb):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["grad_norm"] == pytest.approx(x["grad_norm"],
