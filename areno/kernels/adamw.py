@@ -197,13 +197,19 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def _addresses(items) -> tuple:
+    """The identity a plan is valid for: the address of every tensor in ``items`` (tensors, or tuples of tensors
+    and Nones), in order."""
+    return tuple(_addresses(x) if isinstance(x, tuple) else (0 if x is None else x.data_ptr()) for x in items)
+
+
 class SumsqPlan:
     """``grad_sumsq``'s launches over ``tensors``: one per dtype over the aligned contiguous ones (``tables``),
     torch's ``_foreach_norm`` over the rest (``rest``)."""
 
     def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = list(tensors)
-        self.key = tuple(t.data_ptr() for t in self.tensors)
+        self.tensors = list(tensors)  # held: the tables' addresses stay theirs while the plan lives
+        self.key = _addresses(self.tensors)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         self.rest: list[torch.Tensor] = []
         triton_ok = bool(tensors) and use_triton(*tensors, supported=all(t.numel() > 0 for t in tensors))
@@ -223,7 +229,7 @@ def grad_sumsq(tensors: list[torch.Tensor], plan: SumsqPlan | None = None) -> to
     sync: fp32 sums over blocks of ``_SQ_BLOCK`` elements (one launch per dtype over all the tensors), added in
     fp64. ``plan`` (``SumsqPlan(tensors)``) may be built ahead, e.g. before a CUDA graph captures this; one built for
     other tensors is rebuilt (which a capture refuses)."""
-    if plan is None or plan.key != tuple(t.data_ptr() for t in tensors):  # none ahead, or built for others
+    if plan is None or plan.key != _addresses(tensors):  # none ahead, or built for others
         plan = SumsqPlan(tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
     parts = []
@@ -244,8 +250,8 @@ class AdamwPlan:
     by one through ``master_adamw_``."""
 
     def __init__(self, entries: list[tuple]):
-        self.entries = list(entries)
-        self.key = tuple(tuple(x.data_ptr() if x is not None else 0 for x in e) for e in self.entries)
+        self.entries = list(entries)  # held: the tables' addresses stay theirs while the plan lives
+        self.key = _addresses(self.entries)
         self.rest: list[tuple] = []
         groups: dict[tuple, list[tuple]] = {}
         flat = [x for e in self.entries for x in e if x is not None]
@@ -272,7 +278,7 @@ def master_adamw_multi_(entries: list[tuple], lr, step_size, bc2_sqrt, scale, sk
     update the same per element. On CUDA (and interpreted) one launch per dtype pair covers every entry with a
     gradient whose tensors are contiguous and 16-byte aligned (``AdamwPlan``; build it ahead of a CUDA graph
     capture), instead of one launch per parameter; the others run one by one."""
-    if plan is None or plan.key != tuple(tuple(x.data_ptr() if x is not None else 0 for x in e) for e in entries):
+    if plan is None or plan.key != _addresses(entries):
         plan = AdamwPlan(entries)  # none ahead, or built for other tensors
     hp = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     for g_ref, p_ref, table, block in plan.tables:

@@ -101,26 +101,19 @@ def _online_update(acc, col_ok, m, s, a, inv_temp, HAS_ENT: tl.constexpr):
 
 
 @triton.jit
-def _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP: tl.constexpr):
-    """Store q = e^(z - ref) = e * e^(m - ref) (exponent capped at CAP) of one tile, 0 in each row's target
-    column, for the rows in ``keep`` (linear_logprobs_loss)."""
-    q = e * tl.exp(tl.minimum(m - ref, CAP))[:, None]
-    q = tl.where(cols[None, :] == tgt[:, None], 0.0, q)
-    ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :]
-    tl.store(ptrs, q.to(q_ptr.dtype.element_ty), mask=(row_ok & keep)[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def _store_q_tile(q_ptr, q_desc, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, r_start, c_start, stride_q,
                   CAP: tl.constexpr, Q_TMA: tl.constexpr):
-    """``_store_q``, or with Q_TMA one bulk tensor store of the whole tile through ``q_desc`` (rows past N and
-    columns past V clipped by the descriptor; every row of the tile is kept)."""
+    """Store q = e^(z - ref) = e * e^(m - ref) (exponent capped at CAP) of one tile, 0 in each row's target
+    column (linear_logprobs_loss): with Q_TMA one bulk tensor store of the whole tile through ``q_desc`` (rows past
+    N and columns past V clipped by the descriptor; every row of the tile is kept), else per-thread stores of the
+    rows in ``keep``."""
+    q = e * tl.exp(tl.minimum(m - ref, CAP))[:, None]
+    q = tl.where(cols[None, :] == tgt[:, None], 0.0, q)
     if Q_TMA:
-        q = e * tl.exp(tl.minimum(m - ref, CAP))[:, None]
-        q = tl.where(cols[None, :] == tgt[:, None], 0.0, q)
         q_desc.store([r_start, c_start], q.to(q_desc.dtype))
     else:
-        _store_q(q_ptr, e, m, ref, keep, cols, tgt, rows, row_ok, col_ok, stride_q, CAP)
+        ptrs = q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :]
+        tl.store(ptrs, q.to(q_ptr.dtype.element_ty), mask=(row_ok & keep)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -133,7 +126,7 @@ def _stats_kernel(h_ptr, w_ptr, h_desc, w_desc, tgt_ptr, part_ptr, q_ptr, q_desc
                   BLOCK_K: tl.constexpr):  # fmt: skip
     # part_ptr: [4, splits, N] fp32 = (max, sum-exp, entropy term, target logit) of this split's vocab range.
     # TMA: the logit tiles are loaded through the descriptors h_desc / w_desc (over all of hidden / weight).
-    # STORE (linear_logprobs_loss): also write every tile's q = e^(z - ref[row]) into q_ptr [N, V] (see _store_q).
+    # STORE (linear_logprobs_loss): also write every tile's q = e^(z - ref[row]) into q_ptr [N, V] (see _store_q_tile).
     # FIX: only the rows with fix_ptr[row] != 0 are stored (their ref is now the row's max) and no partials are
     # written; a program without such a row loops over nothing. Q_TMA (STORE without FIX, TMA loads): q's tiles
     # leave through the descriptor q_desc (block [BLOCK_N, BLOCK_V]) as bulk stores, not per-thread pointers.
