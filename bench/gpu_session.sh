@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
 #   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9 s10 s11 wgrad; issue 23 on nvidia-h200-x2: x2sync x2g1
+#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9 s10 s11; issue 23 on nvidia-h200-x2: x2sync x2g1
 #   x2tp, one device call each)
 # Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md). The correctness stages
 # (tests, tests2, tests3) run with ARENO_AUTOTUNE=off: one config per kernel compiles (the every-candidate tests pin
@@ -110,13 +110,6 @@ for stage in "$@"; do
       step optimizer 60 python3 bench/optimizer_step.py
       step k2 100 python3 bench/logprob.py --impls torch areno_loss --no-liger
       step t12 240 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
-    wgrad)  # the side-stream weight gradients (ARENO_WGRAD_STREAM=1, off by default): GPU tests, then T1/T2 A/B
-      step wgrad-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short \
-        -p no:cacheprovider tests/models/test_wgrad_stream.py
-      step t12-plain 150 python3 bench/train_step.py --workloads T1,T2 --impls areno --checkpointing off --graphs on \
-        --no-save
-      step t12-wgrad 150 env ARENO_WGRAD_STREAM=1 python3 bench/train_step.py --workloads T1,T2 --impls areno \
-        --checkpointing off --graphs on --no-save ;;
     # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
     x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
       step policy_sync 300 python3 bench/policy_sync.py

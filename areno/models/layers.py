@@ -12,7 +12,6 @@ from torch import nn
 
 from areno.kernels.gemm import linear
 from areno.kernels.rms_norm import rms_norm
-from areno.models import wgrad_stream
 from areno.models.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 
 
@@ -34,8 +33,6 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         if self.tp_style == "column":
             x = copy_to_tp(x, self.tp_group)
-        elif self.tp_style is None and wgrad_stream.applies(x, self.weight, self.bias):
-            return wgrad_stream.SideWgradLinear.apply(x, self.weight)  # ARENO_WGRAD_STREAM=1
         return linear(x, self.weight, self.bias)
 
 

@@ -46,7 +46,6 @@ import torch
 
 from areno.kernels import linear_logprobs
 from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
-from areno.models import wgrad_stream
 
 MAX_GRAPHS = 8
 MIN_TOKENS = 64  # the smallest token bucket: tiny microbatches share one graph
@@ -346,7 +345,6 @@ class TrainGraphs:
     def _backward_body(self, entry: _Entry) -> None:
         live, entry.live = entry.live, None
         torch.autograd.backward(live[: len(entry.grad_outputs)], entry.grad_outputs)
-        wgrad_stream.join(self.device)  # inside the capture: the side stream rejoins it
 
     def _capture(self, bucket: Bucket, mode: str, packed) -> _Entry:
         dev = self.device

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from areno.kernels import linear_logprobs
 from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
-from areno.models import wgrad_stream
 from areno.rl.batch import Packed, Row, pack
 from areno.rl.multimodal import media_inputs
 from areno.rl.train_graphs import TrainGraphs, unsupported
@@ -215,7 +214,6 @@ class PolicyTrainer:
                 out = self.graphs.forward(packed, bucket, mode, weights)  # padded on the device, no host copy
             loss, s = loss_fn(out, packed, norms)
             loss.backward()
-            wgrad_stream.join(self.device)  # weight gradients queued on a side stream (ARENO_WGRAD_STREAM=1)
             for k, v in [*s.items(), ("loss", loss)]:
                 if torch.is_tensor(v):
                     pending.append((k, v.detach().float().reshape(())))
