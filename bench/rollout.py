@@ -83,6 +83,7 @@ def make_engine(path, device, args):
         kv_cache_memory=args.kv_cache_memory,
         eager_decode=args.eager,
         decode_steps=args.decode_steps,
+        lookahead=not args.no_lookahead,
     )
     return Engine(model, tok, cfg, eos_token_ids=[models.EOS_ID]), model
 
@@ -130,12 +131,14 @@ def run_areno(path, device, args, names, vocab) -> list[dict]:
     engine, model = make_engine(path, device, args)
     print(
         f"areno engine: {engine.blocks.num_blocks} KV blocks of 16, max_model_len {engine.max_model_len}, "
-        f"cuda graphs {'off' if args.eager else 'on'}, decode steps per round {args.decode_steps}",
+        f"cuda graphs {'off' if args.eager else 'on'}, decode steps per round {args.decode_steps}, "
+        f"lookahead {'off' if args.no_lookahead else 'on'}",
         flush=True,
     )
     for name in names:
         for call, seed in (("first", 1), ("warm", 2)):
-            rec = dict(impl="areno", workload=name, call=call, decode_steps=args.decode_steps)
+            rec = dict(impl="areno", workload=name, call=call, decode_steps=args.decode_steps,
+                       lookahead=not args.no_lookahead)
             try:
                 prompts, new = workload(name, args.smoke, vocab, seed)
                 out, dt = areno_generate(engine, prompts, new, device)
@@ -267,6 +270,8 @@ def main():
     ap.add_argument("--eager", action="store_true", help="areno without CUDA graphs (--eager-decode)")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps chained per scheduling round (1 = off)")
+    ap.add_argument("--no-lookahead", action="store_true",
+                    help="areno: read each decode group's tokens before queuing the next (EngineConfig.lookahead)")
     ap.add_argument("--max-model-len", type=int, default=2048 + 16)
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="fraction of free memory or bytes")
     ap.add_argument("--hf-r1-prompts", type=int, default=256)

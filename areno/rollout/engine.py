@@ -27,7 +27,7 @@ from areno.rollout.block_manager import BlockManager
 from areno.rollout.grammar import token_mask
 from areno.rollout.images import PromptImages
 from areno.rollout.model_runner import ModelRunner, TPWorker, broadcast_step, plan_num_blocks
-from areno.rollout.scheduler import Scheduler, Step
+from areno.rollout.scheduler import Chunk, Scheduler, Step
 from areno.rollout.sequence import SamplingOptions, Sequence
 from areno.rollout.stopping import StopChecker
 
@@ -46,6 +46,9 @@ class EngineConfig:
     decode_progress_interval_s: float | None = None
     seed: int = 0
     decode_steps: int = 1  # generate(): decode steps per scheduling round when only decodes run (multi-step)
+    # generate() with decode_steps > 1: queue the next k-step group before reading the current one's tokens, so the
+    # host's stop checks and input packing run under the device's work (see Engine.step)
+    lookahead: bool = True
     record_routing: bool = False  # sparse-MoE models: completions carry their tokens' expert ids (routing replay)
 
     def __post_init__(self):
@@ -91,6 +94,8 @@ class Engine:
         self._progress_tokens = 0
         self._hold_waiting = False  # the last step admitted while requests waited: the next one may decode k steps
         self.step_counts = {"single": 0, "chained": 0}  # forward steps run one at a time / inside k-step chains
+        self._lookahead = False  # set by generate() (config.lookahead): step() may queue the next group early
+        self._ahead = None  # (rows, DecodeLaunch) of a queued k-step group whose tokens are not read yet
 
     def _build(self):
         cfg = self.config
@@ -133,7 +138,7 @@ class Engine:
 
     def drop_rollout_state(self) -> None:
         """Free the KV cache and CUDA graphs; the next request rebuilds them."""
-        if self.scheduler.has_work():
+        if self.has_work():
             raise RuntimeError("drop_rollout_state() while requests are in flight")
         self.runner.release()
         self.runner = None
@@ -239,7 +244,7 @@ class Engine:
                 self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._ahead is not None or self.scheduler.has_work()
 
     def step(self, decode_steps: int = 1) -> list[Sequence]:
         """One forward step; returns the sequences that received a token (finished ones included).
@@ -251,7 +256,17 @@ class Engine:
         Requests that arrive while sequences decode (agent turns, a stream of clients) would otherwise hold every step
         to one token: after a step that admitted with requests waiting, the next step leaves the few that arrived since
         (at most a quarter of the running count: many arrivals are worth admitting at once) waiting and decodes k
-        tokens, so waiting costs at most one k-step group and steady arrivals still let chained steps run."""
+        tokens, so waiting costs at most one k-step group and steady arrivals still let chained steps run.
+
+        Lookahead (inside :meth:`generate`, ``config.lookahead``): when a k-step group is launched and nothing
+        waits, the next group of the same rows is queued right behind it, its input tokens taken on the device
+        from the first group's last step, before the host reads the first group's tokens; the next call returns
+        that group's tokens (queuing the one after it first). So the host's read-back, stop checks and input
+        packing overlap the device's decoding instead of leaving it idle between groups. A row that stops in a
+        group has already been queued for the next one: those tokens are dropped (the device work is wasted,
+        nothing else: the tokens and log-probs kept are those of the plain chain)."""
+        if self._ahead is not None:
+            return self._step_ahead()
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         hold = decode_steps > 1 and self._hold_waiting and 0 < 4 * waiting <= running
         waited = bool(self.scheduler.waiting)
@@ -306,21 +321,61 @@ class Engine:
         return all(self.blocks.reserve_tokens(s, len(s) + k - 1) for s in rows)
 
     def _multi_step(self, step: Step, rows: list[Sequence], k: int, copies, state_copies=()) -> list[Sequence]:
-        tokens, logprobs = self.runner.run_decode_steps(step, rows, k, copies, state_copies)
+        launch = self.runner.launch_decode_steps(step, rows, k, copies, state_copies)
         self.step_counts["chained"] += k
+        self._queue_next(rows, launch, range(len(rows)))
+        tokens, logprobs = self.runner.wait_decode(launch)
         self._keep_routing(step)
-        tokens, logprobs = tokens.t().cpu().tolist(), logprobs.t().cpu().tolist()  # [rows][k]; .cpu(): no GIL held
-        appended = 0
+        return self._take_group(rows, tokens, logprobs)
+
+    def _step_ahead(self) -> list[Sequence]:
+        """The queued group's tokens, after queuing the group after it for the rows still running."""
+        rows, launch = self._ahead
+        self._ahead = None
+        live = [i for i, s in enumerate(rows) if not s.is_finished]
+        if live:
+            self._queue_next([rows[i] for i in live], launch, live)
+        tokens, logprobs = self.runner.wait_decode(launch)
+        return self._take_group(rows, tokens, logprobs)
+
+    def _queue_next(self, rows: list[Sequence], launch, index) -> None:
+        """Lookahead: queue k more decode steps of ``rows`` (row i's input: row ``index[i]``'s last token of
+        ``launch``, still on the device) when every row surely runs k more tokens and the blocks for them are
+        there; else queue nothing (the next step schedules as usual)."""
+        k = launch.k
+        if not self._lookahead or self.scheduler.waiting or self.runner.tp_group is not None:
+            return
+        if self.runner.record_routing or self.runner.states is not None or self.runner.images is not None:
+            return  # routing capture, recurrent state and image offsets are read or set per group on the host
+        for s in rows:  # each has up to k unread tokens in ``launch``: the next group covers k after those
+            if s.num_output + k >= s.options.max_new_tokens or len(s) + 2 * k - 1 > self.max_model_len:
+                return
+        if any(s.options.adjusts_logits for s in rows):
+            return  # penalty slots are filled and released per group on the host
+        if not all(self.blocks.reserve_tokens(s, len(s) + 2 * k - 1) for s in rows):
+            return
+        nxt = Step([Chunk(s, len(s) + k - 1, len(s) + k) for s in rows], is_decode=True)
+        self._ahead = (rows, self.runner.launch_decode_steps(nxt, rows, k, ids_from=(launch, list(index))))
+        self.step_counts["chained"] += k
+
+    def _take_group(self, rows: list[Sequence], tokens, logprobs) -> list[Sequence]:
+        """Append a k-step group's tokens ([k, rows] CPU) to its rows up to each one's stop; rows that finished
+        before the group (queued ahead, see :meth:`step`) drop theirs. Returns the rows that took tokens."""
+        tokens, logprobs = tokens.t().tolist(), logprobs.t().tolist()  # [rows][k]
+        appended, took = 0, []
         for seq, toks, lps in zip(rows, tokens, logprobs):
+            if seq.is_finished:
+                continue
             before = len(seq)
             reason = self.stopper.extend(seq, toks, lps)
             appended += len(seq) - before
+            took.append(seq)
             self.scheduler.after_decode(seq)
             if reason is not None:
                 seq.finish(reason)
                 self.scheduler.finish(seq)
-        self._progress(step, appended)
-        return rows
+        self._progress(None, appended)
+        return took
 
     def _keep_routing(self, step: Step) -> None:
         """Routing capture: each chunk's sequence keeps the expert ids of the tokens the step computed for it;
@@ -388,13 +443,17 @@ class Engine:
         groups = [self.add_request(None, o, request_id=i, mm=p) if hasattr(p, "input_ids") else
                   self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]  # fmt: skip
         done: dict[int, list[Completion]] = {}
-        while self.has_work():
-            rows = self.step(self.config.decode_steps)
-            if on_finished is not None:
-                for i in sorted({s.request_id for s in rows if s.is_finished} - done.keys()):
-                    if all(s.is_finished for s in groups[i]):
-                        done[i] = [self.completion(s) for s in groups[i]]
-                        on_finished(i, done[i])
+        self._lookahead = self.config.lookahead and self.config.decode_steps > 1
+        try:
+            while self.has_work():
+                rows = self.step(self.config.decode_steps)
+                if on_finished is not None:
+                    for i in sorted({s.request_id for s in rows if s.is_finished} - done.keys()):
+                        if all(s.is_finished for s in groups[i]):
+                            done[i] = [self.completion(s) for s in groups[i]]
+                            on_finished(i, done[i])
+        finally:
+            self._lookahead = False
         out = [done.get(i) or [self.completion(s) for s in g] for i, g in enumerate(groups)]
         if on_finished is not None:
             for i in range(len(groups)):

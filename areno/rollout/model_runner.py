@@ -6,6 +6,9 @@ its sampled tokens to the next (positions, slots, lengths and sampler offsets ad
 all k positions are reserved beforehand), then one copy back of ``[k, rows]`` tokens. With CUDA graphs the k steps
 are one graph, so the host schedules, packs inputs and synchronises once per k tokens instead of once per token.
 Each step draws the same noise (seed, position) as k single steps would, so the tokens are the same.
+``launch_decode_steps`` queues such a group and returns at once (its tokens come back through pinned buffers and
+an event, ``wait_decode``); a group launched with ``ids_from`` takes each row's input token from an earlier,
+unread group's last step on the device, so the engine can queue the next group before it reads the current one.
 
 Logit adjustments (``StepInputs.adjust``, None when no row asks): logit_bias and the min_tokens ban of EOS and stop
 ids (a sparse per-row list), repetition/presence/frequency penalties (a per-sequence slot of token counts on the
@@ -149,6 +152,17 @@ class StepInputs:
     state_copies: list[tuple[int, int]] | None = None
 
 
+@dataclass
+class DecodeLaunch:
+    """A k-step decode group queued on the device and not yet read (``ModelRunner.launch_decode_steps``)."""
+
+    k: int
+    n: int  # rows
+    device_tokens: torch.Tensor | None  # [k, >= n] on the device: a later group's input ids come from its last step
+    host: tuple  # (tokens int64, logprobs) [k, >= n] on the host: pinned copies in flight, or the results
+    event: object = None  # a CUDA event after the copies to ``host``; None when ``host`` is ready
+
+
 class ModelRunner:
     def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None,
                  eos_token_ids=(), record_routing=False):
@@ -179,6 +193,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}
         self.graph_pool = None
         self.last_step_used_graph = False
+        self._pinned: dict[tuple, list] = {}  # graph output shape -> two pinned (tokens, logprobs) pairs, alternated
+        self._pinned_turn: dict[tuple, int] = {}
         self.tp_group = getattr(model, "tp_group", None)
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         self.vocab_size = model.lm_head_weight.shape[0] * tp  # the width of the (gathered) logits
@@ -273,24 +289,63 @@ class ModelRunner:
     def run_decode_steps(self, step: Step, rows: list, k: int, copies=(), state_copies=()):
         """``k`` decode steps of every row of a pure-decode ``step`` (the blocks of all k positions reserved);
         returns CPU tensors tokens int64 ``[k, rows]`` and logprobs fp32 ``[k, rows]``."""
-        return self.run(step, rows, list(range(len(rows))), copies, decode_steps=k, state_copies=state_copies)
+        return self.wait_decode(self.launch_decode_steps(step, rows, k, copies, state_copies))
+
+    def launch_decode_steps(self, step: Step, rows: list, k: int, copies=(), state_copies=(),
+                            ids_from: tuple | None = None) -> DecodeLaunch:
+        """Queue ``k`` decode steps of every row of a pure-decode ``step`` (the blocks of all k positions reserved)
+        and return without waiting for them; :meth:`wait_decode` reads their tokens. ``ids_from = (launch, index)``:
+        row i's input token is row ``index[i]``'s token from the last step of that earlier launch, taken on the
+        device (the step's own ids are placeholders). Under TP the group runs before this returns."""
+        inp = self.prepare(step, rows, list(range(len(rows))), copies)
+        inp.state_copies = list(state_copies) or None
+        inp.adjust = self._adjust(rows)
+        inp.decode_steps = k
+        if self.tp_group is not None:
+            if ids_from is not None:
+                raise ValueError("launch_decode_steps: ids_from needs the whole model on this rank (no TP)")
+            broadcast_step(inp, self.tp_group)
+            return DecodeLaunch(k, len(rows), None, self.execute(inp))
+        return self._launch(inp, ids_from)
+
+    def wait_decode(self, launch: DecodeLaunch):
+        """A launch's tokens (int64) and logprobs (fp32), ``[k, rows]`` CPU tensors of their own."""
+        if launch.event is not None:
+            launch.event.synchronize()
+        tokens, logprobs = launch.host
+        return tokens[:, : launch.n].clone(), logprobs[:, : launch.n].to(torch.float32, copy=True)
 
     # ---- execution (every TP rank) -------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, inp: StepInputs):
+    def _prologue(self, inp: StepInputs) -> None:
+        """What every step does before its forward: block and state copies, penalty slots."""
         self._copy_blocks(inp.copies)
         if inp.state_copies:
             self.states.copy(inp.state_copies)
         if inp.adjust is not None:
             self._fill_slots(inp.adjust)
+
+    def _graphable(self, inp: StepInputs) -> bool:
+        return (self.use_graphs and inp.is_decode and not inp.top_logprobs and inp.token_mask is None
+                and len(inp.seq_lens) <= self.graph_buckets[-1])
+
+    @torch.inference_mode()
+    def _launch(self, inp: StepInputs, ids_from: tuple | None) -> DecodeLaunch:
+        self._prologue(inp)
+        self.last_step_used_graph = self._graphable(inp)
+        if self.last_step_used_graph:
+            return self._launch_graph(inp, ids_from)
+        return self._launch_eager(inp, ids_from)
+
+    @torch.inference_mode()
+    def execute(self, inp: StepInputs):
+        self._prologue(inp)
         n = len(inp.seq_lens)
-        if (self.use_graphs and inp.is_decode and not inp.top_logprobs and inp.token_mask is None
-                and n <= self.graph_buckets[-1]):
+        if self._graphable(inp):
             self.last_step_used_graph = True
             return self._run_graph(inp)
         self.last_step_used_graph = False
         if inp.decode_steps > 1:
-            return self._run_decode_steps_eager(inp)
+            return self.wait_decode(self._launch_eager(inp, None))
         ids, pos, meta = self._tensors(inp)
         if self.record_routing:
             meta.routing_out = torch.empty(self.model.num_moe_layers, len(inp.ids), self.model.moe_top_k,
@@ -567,6 +622,11 @@ class ModelRunner:
         return runs
 
     def _run_graph(self, inp: StepInputs):
+        tokens, logprobs = self.wait_decode(self._launch_graph(inp, None))
+        return (tokens, logprobs) if inp.decode_steps > 1 else (tokens[0], logprobs[0], None)
+
+    def _launch_graph(self, inp: StepInputs, ids_from: tuple | None) -> DecodeLaunch:
+        """Replay the bucket's graph on ``inp`` and queue the copies of its tokens to pinned host buffers."""
         n, k = len(inp.seq_lens), inp.decode_steps
         bsz = self._bucket(n)
         width = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
@@ -577,20 +637,48 @@ class ModelRunner:
         graph, buf, (tokens, logprobs) = self.graphs[key]
         for name, val in self._graph_host(inp, bsz, sparse_width=width).items():
             buf[name].copy_(val, non_blocking=True)
+        if ids_from is not None:
+            buf["ids"][:n].copy_(self._ids_from(ids_from))
         graph.replay()
         self.last_routing = buf["routing"][:, :, :n].cpu() if self.record_routing else None
-        tokens, logprobs = tokens[:, :n].cpu(), logprobs[:, :n].float().cpu()
-        return (tokens, logprobs) if k > 1 else (tokens[0], logprobs[0], None)
+        if tokens.device.type != "cuda":  # graphs stood in for on the CPU (capture tests)
+            return DecodeLaunch(k, n, tokens, (tokens.clone(), logprobs.clone()))
+        host = self._pinned_pair(tokens, logprobs)
+        host[0].copy_(tokens, non_blocking=True)
+        host[1].copy_(logprobs, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return DecodeLaunch(k, n, tokens, host, event)
 
-    def _run_decode_steps_eager(self, inp: StepInputs):
+    def _pinned_pair(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple:
+        """Pinned host buffers for a graph's outputs: two pairs per shape, taken in turn (at most two launches are
+        unread at a time, and consecutive launches of one graph take different pairs)."""
+        key = (tuple(tokens.shape), tokens.dtype, logprobs.dtype)
+        pairs = self._pinned.setdefault(key, [])
+        turn = self._pinned_turn.get(key, 0)
+        self._pinned_turn[key] = turn ^ 1
+        if len(pairs) <= turn:
+            pairs.append((torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                          torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)))
+        return pairs[turn]
+
+    def _ids_from(self, ids_from: tuple) -> torch.Tensor:
+        """Each row's input token from an earlier launch's last step: ``(launch, index)`` -> device int64 [rows]."""
+        prev, index = ids_from
+        idx = torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True)
+        return prev.device_tokens[prev.k - 1].index_select(0, idx)
+
+    def _launch_eager(self, inp: StepInputs, ids_from: tuple | None) -> DecodeLaunch:
         """Multi-step decode without graphs (CPU, ``--eager-decode``): the same device loop, unpadded."""
         n = len(inp.seq_lens)
         host = self._graph_host(inp, n, width=max(len(tb) for tb in inp.tables))
         buf = {name: val.to(self.device) for name, val in host.items()}
         buf["cu"] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        if ids_from is not None:
+            buf["ids"] = self._ids_from(ids_from)
         tokens, logprobs = self.decode_steps(buf, inp.decode_steps)
         self.last_routing = buf["routing"].cpu() if self.record_routing else None
-        return tokens.cpu(), logprobs.float().cpu()
+        return DecodeLaunch(inp.decode_steps, n, tokens, (tokens.cpu(), logprobs.float().cpu()))
 
     def _graph_host(self, inp: StepInputs, bsz: int, width: int | None = None, sparse_width: int | None = None):
         """The graph's inputs on the host, padded to the bucket (padding rows write nowhere and read one slot);

@@ -178,7 +178,9 @@ def test_short_request_finishes_while_long_ones_decode(qwen3):
 
 def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
     """decode_steps=k chains k decode steps on the device: same tokens and log-probs as one step at a time (same
-    noise per (seed, position)), stops honoured mid-chain (the surplus tokens dropped), every block returned."""
+    noise per (seed, position)), stops honoured mid-chain (the surplus tokens dropped), every block returned; with
+    the lookahead (generate() queues the next chain, its input tokens read on the device, before reading the
+    current one: rows that stop meanwhile drop the queued tokens) and without it."""
     _, model, tok = qwen3
     prompts = [tok.encode(p) for p in PROMPTS]
     sampled = [SamplingOptions(temperature=1.0, max_new_tokens=m, ignore_eos=True, n=3, seed=11 + i)
@@ -191,20 +193,29 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
                             stop_token_ids=[stop_id]),
             sampled[1], sampled[2],
             SamplingOptions(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text], min_new_tokens=2)]
-    for case in (sampled, opts):
+    # min_new_tokens adjusts the logits per chain on the host, so ``opts`` never looks ahead; without it a sample
+    # stops on its stop id inside the first chain while the next one is already queued
+    ahead = [opts[0], sampled[1], sampled[2],
+             SamplingOptions(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text])]
+    looked = {True: [], False: []}
+    for case in (sampled, opts, ahead):
         single = engine(model, tok).generate(prompts, case)
-        eng = engine(model, tok, decode_steps=4)
-        chains = []
-        run = eng.runner.run_decode_steps
-        eng.runner.run_decode_steps = lambda *a, run=run, chains=chains: chains.append(a[2]) or run(*a)
-        multi = eng.generate(prompts, case)
-        assert chains and set(chains) == {4}
-        for g1, g2 in zip(single, multi):
-            for a, b in zip(g1, g2):
-                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-                assert a.stop_text == b.stop_text and a.text == b.text
-                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
-        assert eng.blocks.num_free == eng.blocks.num_blocks
+        for lookahead in (True, False):
+            eng = engine(model, tok, decode_steps=4, lookahead=lookahead)
+            chains = []
+            launch = eng.runner.launch_decode_steps
+            eng.runner.launch_decode_steps = lambda *a, run=launch, chains=chains, **kw: (
+                chains.append((a[2], kw.get("ids_from") is not None)) or run(*a, **kw))
+            multi = eng.generate(prompts, case)
+            assert chains and {k for k, _ in chains} == {4}
+            looked[lookahead].append(sum(queued for _, queued in chains))  # chains fed by the device's tokens
+            for g1, g2 in zip(single, multi):
+                for a, b in zip(g1, g2):
+                    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+                    assert a.stop_text == b.stop_text and a.text == b.text
+                    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+            assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.has_work()
+    assert looked[False] == [0, 0, 0] and looked[True][0] > 0 and looked[True][1] == 0 and looked[True][2] > 0
     assert any(c.finish_reason == "stop" for g in single for c in g)
     # near the end of the context the chain falls back to single steps
     ctx = engine(model, tok, decode_steps=8, max_model_len=len(prompts[0]) + 5)
@@ -245,8 +256,8 @@ def test_requests_arriving_during_decode_wait_one_chain_at_most(qwen3):
     alone = [engine(model, tok).generate([p], o)[0][0].token_ids for p, o in zip(prompts, opts)]
     eng = engine(model, tok, decode_steps=4)
     log = []
-    run = eng.runner.run_decode_steps
-    eng.runner.run_decode_steps = lambda *a, run=run: log.append(len(eng.scheduler.waiting)) or run(*a)
+    run = eng.runner.launch_decode_steps
+    eng.runner.launch_decode_steps = lambda *a, run=run, **kw: log.append(len(eng.scheduler.waiting)) or run(*a, **kw)
     seqs = [eng.add_request(p, o)[0] for p, o in zip(prompts[:4], opts[:4])]
     eng.step(4)  # prefill
     eng.step(4)  # a chain of 4
