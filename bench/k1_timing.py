@@ -3,9 +3,12 @@
 - eager: ``triton.testing.do_bench`` (an L2 flush before each call; what ``bench/attention.py`` reports);
 - graph: ``triton.testing.do_bench_cudagraph`` (the same call captured once and replayed: GPU time, no host work);
 - loop: 20 calls back to back between two CUDA events, no flush;
-- kernels: the torch profiler's sum of CUDA kernel time per call, and the host time to enqueue one call.
+- kernels: the torch profiler's sum of CUDA kernel time per call, and the host time to enqueue one call;
+- paired rounds (``--rounds``): each impl timed once per round (10 calls back to back, eagerly and as graph replays)
+  in a rotated order, the ratio to cuDNN taken per round: the H200 moves its clocks under this load, so timings
+  taken one impl after the other are not comparable; these are (median and range printed).
 
-    python bench/k1_timing.py [--seq 4096] [--batch 8]
+    python bench/k1_timing.py [--seq 4096] [--batch 8] [--rounds 15] [--trace]
 """
 
 from __future__ import annotations
@@ -48,15 +51,21 @@ def impls(batch, seq, hq, hkv, d):
     return out
 
 
-def kernel_ms(step, reps=10):
+def profiled(run, n):
+    """The torch profiler's record (CUDA activity) of ``n`` calls of ``run`` after a warm one."""
     from torch.profiler import ProfilerActivity, profile
 
-    step()
+    run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
+        for _ in range(n):
+            run()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_ms(step, reps=10):
+    prof = profiled(step, reps)
     per = {}
     for evt in prof.key_averages():
         us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
@@ -68,15 +77,7 @@ def kernel_ms(step, reps=10):
 def timeline(step, graph=False, n=3):
     """Print each CUDA kernel of ``n`` consecutive calls (eager, or replays of one captured call): start relative to
     the first, duration, and the idle gap since the previous kernel ended (us)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run = captured(step) if graph else step
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            run()
-        torch.cuda.synchronize()
+    prof = profiled(captured(step) if graph else step, n)
     evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     t0, prev = evs[0].time_range.start, None
     for e in evs:
