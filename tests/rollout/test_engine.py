@@ -224,6 +224,29 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
         [prompts[0]], SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))[0][0].token_ids
 
 
+def test_lookahead_under_preemption_with_forks_and_a_reused_prefix(qwen3):
+    """Lookahead where blocks run short (a reservation ahead fails, the scheduler preempts between chains), with
+    forked samples that may stop on EOS mid-chain, and a second call that reuses the first one's cached prefixes:
+    the tokens of single steps with a roomy cache, every block returned, chains queued ahead in both calls."""
+    _, model, tok = qwen3
+    small = 80 * model.num_layers * 2 * 4 * model.num_kv_heads_local * model.head_dim * 4  # 80 blocks of 4
+    prompts = [tok.encode(p) for p in PROMPTS] * 2
+    opts = [SamplingOptions(temperature=1.0, max_new_tokens=30, n=2, seed=60 + i) for i in range(len(prompts))]
+    ref = [[c.token_ids for c in g] for g in engine(model, tok).generate(prompts, opts)]
+    e = engine(model, tok, kv_cache_memory=small, decode_steps=4)
+    queued = []
+    launch = e.runner.launch_decode_steps
+    e.runner.launch_decode_steps = lambda *a, run=launch, **kw: queued.append("ids_from" in kw) or run(*a, **kw)
+    for call in range(2):
+        hits = e.blocks.prefix_hits
+        out = [[c.token_ids for c in g] for g in e.generate(prompts, opts)]
+        assert out == ref, call
+        assert e.blocks.num_free == e.blocks.num_blocks and not e.has_work()
+        assert any(queued) and not all(queued)
+        queued.clear()
+    assert e.scheduler.num_preemptions > 0 and e.blocks.prefix_hits > hits
+
+
 @pytest.mark.gpu
 def test_multi_step_cuda_graph_matches_single_step_graphs(tmp_path):
     """On the GPU (bf16, CUDA graphs): k decode steps in one graph give the tokens and log-probs of k one-step
