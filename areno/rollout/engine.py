@@ -47,8 +47,9 @@ class EngineConfig:
     seed: int = 0
     decode_steps: int = 1  # generate(): decode steps per scheduling round when only decodes run (multi-step)
     # generate() with decode_steps > 1: queue the next k-step group before reading the current one's tokens, so the
-    # host's stop checks and input packing run under the device's work (see Engine.step)
-    lookahead: bool = True
+    # host's stop checks and input packing run under the device's work (see Engine.step). None: on a CUDA device
+    # (on the CPU the groups run one after the other anyway: it would only add the dropped tokens' work)
+    lookahead: bool | None = None
     record_routing: bool = False  # sparse-MoE models: completions carry their tokens' expert ids (routing replay)
 
     def __post_init__(self):
@@ -443,7 +444,10 @@ class Engine:
         groups = [self.add_request(None, o, request_id=i, mm=p) if hasattr(p, "input_ids") else
                   self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]  # fmt: skip
         done: dict[int, list[Completion]] = {}
-        self._lookahead = self.config.lookahead and self.config.decode_steps > 1
+        ahead = self.config.lookahead
+        if ahead is None:
+            ahead = self.runner.device.type == "cuda"
+        self._lookahead = ahead and self.config.decode_steps > 1
         try:
             while self.has_work():
                 rows = self.step(self.config.decode_steps)

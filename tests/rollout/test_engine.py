@@ -197,10 +197,10 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
     # stops on its stop id inside the first chain while the next one is already queued
     ahead = [opts[0], sampled[1], sampled[2],
              SamplingOptions(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text])]
-    looked = {True: [], False: []}
+    looked = {True: [], False: [], None: []}  # None (the default): on CUDA devices only
     for case in (sampled, opts, ahead):
         single = engine(model, tok).generate(prompts, case)
-        for lookahead in (True, False):
+        for lookahead in (True, False, None):
             eng = engine(model, tok, decode_steps=4, lookahead=lookahead)
             chains = []
             launch = eng.runner.launch_decode_steps
@@ -215,7 +215,8 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
                     assert a.stop_text == b.stop_text and a.text == b.text
                     torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
             assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.has_work()
-    assert looked[False] == [0, 0, 0] and looked[True][0] > 0 and looked[True][1] == 0 and looked[True][2] > 0
+    assert looked[False] == looked[None] == [0, 0, 0]
+    assert looked[True][0] > 0 and looked[True][1] == 0 and looked[True][2] > 0
     assert any(c.finish_reason == "stop" for g in single for c in g)
     # near the end of the context the chain falls back to single steps
     ctx = engine(model, tok, decode_steps=8, max_model_len=len(prompts[0]) + 5)
@@ -233,7 +234,7 @@ def test_lookahead_under_preemption_with_forks_and_a_reused_prefix(qwen3):
     prompts = [tok.encode(p) for p in PROMPTS] * 2
     opts = [SamplingOptions(temperature=1.0, max_new_tokens=30, n=2, seed=60 + i) for i in range(len(prompts))]
     ref = [[c.token_ids for c in g] for g in engine(model, tok).generate(prompts, opts)]
-    e = engine(model, tok, kv_cache_memory=small, decode_steps=4)
+    e = engine(model, tok, kv_cache_memory=small, decode_steps=4, lookahead=True)  # (auto: CUDA only)
     queued = []
     launch = e.runner.launch_decode_steps
     e.runner.launch_decode_steps = lambda *a, run=launch, **kw: queued.append("ids_from" in kw) or run(*a, **kw)
