@@ -166,7 +166,8 @@ def main():
         if args.trace:
             timeline(step)
             timeline(step, graph=True)
-        print(f"{name} kernels: " + ", ".join(f"{k[:60]} {v:.3f}" for k, v in sorted(kern.items(), key=lambda x: -x[1])))
+        top = sorted(kern.items(), key=lambda x: -x[1])
+        print(f"{name} kernels: " + ", ".join(f"{k[:60]} {v:.3f}" for k, v in top))
     paired = paired_rounds(steps, args.rounds)
     for r in rows:
         for mode in ("eager", "graph"):

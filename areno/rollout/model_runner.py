@@ -339,7 +339,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: StepInputs):
         self._prologue(inp)
-        n = len(inp.seq_lens)
         if self._graphable(inp):
             self.last_step_used_graph = True
             return self._run_graph(inp)
