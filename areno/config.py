@@ -281,7 +281,8 @@ class TrainConfig:
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
     eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout")
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
-                            "(one CUDA graph; a completion that stops early drops the surplus); 1 = every token",
+                            "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "
+                            "chain is queued before the current one's tokens are read); 1 = every token",
                             "rollout")
 
     # train
