@@ -96,6 +96,20 @@ def gpu_time_ms(fn, *, warmup: int = 5, iters: int = 20, min_time_s: float = 0.0
     return statistics.median(times)
 
 
+def graph_replay(fn):
+    """Capture one ``fn()`` call as a CUDA graph (after a warm-up call on a side stream: autotuning and allocations
+    stay outside the capture); returns the graph's ``replay``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """Left-aligned text table of ``rows`` over ``columns`` (floats shown with 3 significant decimals)."""
 

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import append_jsonl, print_table  # noqa: E402
+from common import append_jsonl, graph_replay, print_table  # noqa: E402
 
 from areno.kernels.attention import attention  # noqa: E402
 
@@ -77,7 +77,7 @@ def kernel_ms(step, reps=10):
 def timeline(step, graph=False, n=3):
     """Print each CUDA kernel of ``n`` consecutive calls (eager, or replays of one captured call): start relative to
     the first, duration, and the idle gap since the previous kernel ended (us)."""
-    prof = profiled(captured(step) if graph else step, n)
+    prof = profiled(graph_replay(step) if graph else step, n)
     evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     t0, prev = evs[0].time_range.start, None
     for e in evs:
@@ -99,25 +99,12 @@ def loop_ms(step, n=20):
     return a.elapsed_time(b) / n
 
 
-def captured(step):
-    """A CUDA graph of one ``step()`` call; returns its replay."""
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-        with torch.cuda.graph(g):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    return g.replay
-
-
 def paired_rounds(steps, rounds, n=10):
     """{impl: [ms per call of each round]} for eager calls and graph replays: every round times each impl (n calls
     back to back between two events) in a rotated order, so that all of them meet the GPU's clock and power states
     alike (an H200 under this load moves its clocks by ~10% between seconds)."""
     names = list(steps)
-    replays = {name: captured(step) for name, step in steps.items()}
+    replays = {name: graph_replay(step) for name, step in steps.items()}
     out = {("eager", name): [] for name in names} | {("graph", name): [] for name in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]

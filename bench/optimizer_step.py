@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import append_jsonl, gpu_time_ms, print_table  # noqa: E402
+from common import append_jsonl, gpu_time_ms, graph_replay, print_table  # noqa: E402
 
 from areno.kernels import adamw  # noqa: E402
 from areno.rl.optimizer import MasterAdamW  # noqa: E402
@@ -71,17 +71,7 @@ def main():
             adamw.master_adamw_(w, m, v, grad, p, lr, *corr, scale, skip, **hp)
 
     def graphed(fn):
-        if dev.type != "cuda":
-            return fn
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay
+        return graph_replay(fn) if dev.type == "cuda" else fn
 
     def sumsq():
         adamw.grad_sumsq([p.grad for p in params], plan["norm"])

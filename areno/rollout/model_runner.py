@@ -269,27 +269,26 @@ class ModelRunner:
                                else c.seq.mm.rope_positions(c.start, c.end) for c in chunks], axis=1)  # fmt: skip
         inp.rope_positions = rope.tolist() if inp.images is not None and inp.images.rows else rope[0].tolist()
 
-    def run(self, step: Step, rows: list, row_index: list[int], copies=(), decode_steps: int = 1, token_mask=None,
-            state_copies=()):
-        """Forward the step and sample one token for each of ``rows`` from hidden row ``row_index``.
-
-        Returns CPU tensors (tokens int64, logprobs fp32) and, when a row asks for them, (ids, log-probs) of the
-        top candidates, else None. Under TP the step goes to the other ranks first. ``decode_steps`` k > 1: see
-        :meth:`run_decode_steps`. ``token_mask`` (grammar rows): their disallowed logits become -inf before sampling.
-        ``state_copies``: recurrent-state slot copies (forks) to make before the step.
-        """
+    def _inputs(self, step: Step, rows: list, row_index: list[int], copies, state_copies, decode_steps: int = 1,
+                token_mask=None) -> StepInputs:
+        """The step as :class:`StepInputs` (rank 0), sent to the other TP ranks first."""
         inp = self.prepare(step, rows, row_index, copies)
         inp.state_copies = list(state_copies) or None
         inp.adjust = self._adjust(rows)
         inp.decode_steps, inp.token_mask = decode_steps, token_mask
         if self.tp_group is not None:
             broadcast_step(inp, self.tp_group)
-        return self.execute(inp)
+        return inp
 
-    def run_decode_steps(self, step: Step, rows: list, k: int, copies=(), state_copies=()):
-        """``k`` decode steps of every row of a pure-decode ``step`` (the blocks of all k positions reserved);
-        returns CPU tensors tokens int64 ``[k, rows]`` and logprobs fp32 ``[k, rows]``."""
-        return self.wait_decode(self.launch_decode_steps(step, rows, k, copies, state_copies))
+    def run(self, step: Step, rows: list, row_index: list[int], copies=(), token_mask=None, state_copies=()):
+        """Forward the step and sample one token for each of ``rows`` from hidden row ``row_index``.
+
+        Returns CPU tensors (tokens int64, logprobs fp32) and, when a row asks for them, (ids, log-probs) of the
+        top candidates, else None. Under TP the step goes to the other ranks first. k chained decode steps:
+        :meth:`launch_decode_steps`. ``token_mask`` (grammar rows): their disallowed logits become -inf before
+        sampling. ``state_copies``: recurrent-state slot copies (forks) to make before the step.
+        """
+        return self.execute(self._inputs(step, rows, row_index, copies, state_copies, token_mask=token_mask))
 
     def launch_decode_steps(self, step: Step, rows: list, k: int, copies=(), state_copies=(),
                             ids_from: tuple | None = None) -> DecodeLaunch:
@@ -297,14 +296,10 @@ class ModelRunner:
         and return without waiting for them; :meth:`wait_decode` reads their tokens. ``ids_from = (launch, index)``:
         row i's input token is row ``index[i]``'s token from the last step of that earlier launch, taken on the
         device (the step's own ids are placeholders). Under TP the group runs before this returns."""
-        inp = self.prepare(step, rows, list(range(len(rows))), copies)
-        inp.state_copies = list(state_copies) or None
-        inp.adjust = self._adjust(rows)
-        inp.decode_steps = k
+        if ids_from is not None and self.tp_group is not None:
+            raise ValueError("launch_decode_steps: ids_from needs the whole model on this rank (no TP)")
+        inp = self._inputs(step, rows, list(range(len(rows))), copies, state_copies, decode_steps=k)
         if self.tp_group is not None:
-            if ids_from is not None:
-                raise ValueError("launch_decode_steps: ids_from needs the whole model on this rank (no TP)")
-            broadcast_step(inp, self.tp_group)
             return DecodeLaunch(k, len(rows), None, self.execute(inp))
         return self._launch(inp, ids_from)
 
