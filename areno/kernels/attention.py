@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from areno.kernels import attention_gluon
 from areno.kernels import attention_tma as tma
 from areno.kernels.attention_common import (
     dq_inner,
@@ -85,7 +86,7 @@ BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged")
 _BLOCK_NAMES = {"bwd_merged_tma": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "DQ_FIRST")}
 _GRID_AXIS = {"dkdv": "BLOCK_N", "fused": "BLOCK_N", "dkdv_tma": "BLOCK_N", "fused_tma": "BLOCK_N",
               "bwd_merged_tma": "BLOCK_N1"}
-FWD_VARIANTS = ("auto", "default", "tma")
+FWD_VARIANTS = ("auto", "default", "tma", "gluon")
 
 
 def _variant(env: str, choices: tuple) -> str:
@@ -105,8 +106,9 @@ def backward_variant() -> str:
 
 
 def forward_variant() -> str:
-    """``ARENO_ATTN_FWD``: "auto" (default: "tma" on sm_90+, else "default"), "default" (pointer loads) or "tma"
-    (TMA descriptors)."""
+    """``ARENO_ATTN_FWD``: "auto" (default: "tma" on sm_90+, else "default"), "default" (pointer loads), "tma"
+    (TMA descriptors) or "gluon" (the Gluon kernel of ``attention_gluon.py``, sm_90 bf16/fp16; inputs it does not
+    apply to run "tma")."""
     variant = _variant("ARENO_ATTN_FWD", FWD_VARIANTS)
     return ("tma" if _hopper() else "default") if variant == "auto" else variant
 
@@ -443,7 +445,10 @@ def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="de
     o = torch.empty_like(q)
     lse = torch.empty((Hq, Tq), device=q.device, dtype=torch.float32)
     block_d = max(triton.next_power_of_2(D), 16)
-    if max_q > 0 and B > 0 and variant == "tma" and _use_tma(q, k, v, o):
+    if max_q > 0 and B > 0 and variant == "gluon" and attention_gluon.applies(q, k, v) is None:
+        attention_gluon.forward(q, k, v, o, lse, cu_q, cu_k, max_q, _seq_bucket(max(max_q, max_k)), causal,
+                                scale * _LOG2E)
+    elif max_q > 0 and B > 0 and variant in ("tma", "gluon") and _use_tma(q, k, v, o):
         _launch(
             "fwd_tma", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
             tma.descriptor(q), tma.descriptor(k), tma.descriptor(v), tma.descriptor(o), o, lse, cu_q, cu_k,

@@ -1,0 +1,293 @@
+"""Hopper (sm_90) attention forward written in Gluon (``triton.experimental.gluon``): ``ARENO_ATTN_FWD=gluon``.
+
+Same math, packed varlen layout, causal block split and outputs (O, base-2 LSE) as the TMA forward in
+``attention_tma.py``; what Gluon adds is control over the order of the asynchronous work, which the Triton compiler
+decides for itself (and serialises: each ``tl.dot`` is waited for before the softmax that follows it):
+
+- K and V tiles stream through a ring of ``STAGES`` shared-memory slots, each with its own mbarrier for K and for V,
+  loaded by TMA; a slot is refilled as soon as the wgmma that read it has completed (K after the scores, V after
+  P V), so loads run ``STAGES - 1`` blocks ahead;
+- FlashAttention-3's intra-warpgroup pipelining: for key block j the scores S_j = Q K_j^T and the previous block's
+  O += P_{j-1} V_{j-1} are issued together as asynchronous wgmma groups; the warpgroup waits for S_j only
+  (``warpgroup_mma_wait(1)``: groups complete in order), runs block j's softmax while P V still runs on the tensor
+  cores, then waits for P V and rescales O. The tensor cores are busy during the softmax instead of idle;
+- P stays in registers (the wgmma A operand), converted from the score accumulator's layout without shared memory.
+
+Masking, bounds and the rows past a sequence's end are handled as in the TMA kernels (see ``attention_tma.py``): one
+descriptor over the packed ``[T, H * D]`` view, key blocks at or past ``full`` masked (keys past Lk, causal), query
+rows past Lq computed and not stored. A query tile that sees no key at all (Lk == 0, or causal with Lq > Lk) runs one
+fully masked block: O = 0, LSE = +inf.
+
+Gluon compiles only for a GPU (no ``TRITON_INTERPRET``): the CPU tests compile every candidate offline for sm_90
+(``compile_sm90``) and check the PTX's asynchronous structure; the GPU tests compare with float64. Needs a Triton
+with Gluon's Hopper module (3.5+); ``available()`` says whether this one has it, and the dispatcher in
+``attention.py`` refuses ``ARENO_ATTN_FWD=gluon`` where it does not apply.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+try:  # Gluon is experimental: older Tritons lack it, and its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    _IMPORT_ERROR = None
+except Exception as e:  # pragma: no cover - depends on the installed triton
+    _IMPORT_ERROR = e
+
+
+def available() -> bool:
+    """True when this Triton has Gluon's Hopper language (the kernel below compiles)."""
+    return _IMPORT_ERROR is None
+
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _load_kv(desc, smem, bars, j, n_blocks, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Start the TMA load of key block j (K or V) into ring slot j % STAGES, if block j exists."""
+        slot = j % STAGES
+        pred = j < n_blocks
+        bar = bars.index(slot)
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, [row0 + j * BLOCK_N, col], bar, smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _softmax_block(qk, m_i, l_i, j, n_full, offs_m, offs_n, diag, Lk, qk_scale, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+        """Online softmax (base 2) of raw scores ``qk`` of key block j: P (fp32), the new running max and sum, and
+        alpha, the factor that moves the previous accumulator to the new max. Blocks at or past ``n_full`` mask keys
+        past Lk and, if causal, right of the diagonal; a row that has seen no key yet keeps m = -inf without NaNs."""
+        if j >= n_full:
+            cols = j * BLOCK_N + offs_n
+            keep = cols[None, :] < Lk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+            qk = gl.where(keep, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = gl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit(do_not_specialize=["stride_lh"])
+    def _attn_fwd_gluon_kernel(
+        desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh, GROUP,
+        SEQ_BUCKET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        Q_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        HEAD_D: gl.constexpr = desc_q.block_type.shape[1]
+        dtype: gl.constexpr = desc_q.dtype
+        start_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest (diagonal-most) tiles start first
+        b = gl.program_id(1)
+        h = gl.program_id(2)
+        q_start = gl.load(CU_Q + b)
+        Lq = gl.load(CU_Q + b + 1) - q_start
+        if start_m * BLOCK_M >= Lq:
+            return
+        k_start = gl.load(CU_K + b)
+        Lk = gl.load(CU_K + b + 1) - k_start
+        diag = Lk - Lq
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
+            full = gl.maximum(gl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0)
+        else:
+            hi = Lk
+            full = Lk
+        n_full = full // BLOCK_N
+        n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a tile that sees no key runs one fully masked block
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], desc_q.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_v.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        q_row = q_start + start_m * BLOCK_M
+        q_col = h * HEAD_D
+        kv_col = (h // GROUP) * HEAD_D
+        mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_bar, q_smem)
+        for i in gl.static_range(STAGES):
+            _load_kv(desc_k, k_smem, k_bars, i, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
+            _load_kv(desc_v, v_smem, v_bars, i, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
+
+        offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+
+        # block 0: scores and softmax only (no P V before it)
+        mbarrier.wait(q_bar, 0)
+        if Q_REGS:  # Q as the wgmma's register operand: each score product reads only K from shared memory
+            q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        else:
+            q = q_smem
+        mbarrier.wait(k_bars.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        _load_kv(desc_k, k_smem, k_bars, STAGES, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
+        p, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, 0, n_full, offs_m, offs_n, diag, Lk, qk_scale, BLOCK_N,
+                                            CAUSAL)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_blocks):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk, ))  # S_j done, P_{j-1} V_{j-1} may still run
+            _load_kv(desc_k, k_smem, k_bars, j + STAGES, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
+            p_next, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, j, n_full, offs_m, offs_n, diag, Lk, qk_scale,
+                                                     BLOCK_N, CAUSAL)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            _load_kv(desc_v, v_smem, v_bars, j - 1 + STAGES, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+        last = n_blocks - 1
+        mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        l_o = gl.convert_layout(l_i, row_o)
+        o = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
+        lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+        if (start_m + 1) * BLOCK_M <= Lq:
+            q_smem.store(o)  # every wgmma that read Q has completed
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc_o, [q_row, q_col], q_smem)
+            tma.store_wait(0)
+        else:  # the sequence's last tile: a descriptor store would write into the next sequence
+            rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+            ptrs = O + (q_start + rows)[:, None].to(gl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
+            gl.store(ptrs, o, mask=(rows < Lq)[:, None])
+        gl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
+
+
+def _fit(args: dict) -> None:
+    """Autotune pre_hook: each descriptor's block rows follow the config (Q, O: BLOCK_M; K, V: BLOCK_N)."""
+    for name, axis in (("desc_q", "BLOCK_M"), ("desc_o", "BLOCK_M"), ("desc_k", "BLOCK_N"), ("desc_v", "BLOCK_N")):
+        desc = args[name]
+        desc.block_shape = [args[axis], desc.block_shape[1]]
+
+
+def _config(bm: int, bn: int, warps: int, stages: int, q_regs: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "Q_REGS": q_regs}, num_warps=warps,
+                         pre_hook=_fit)
+
+
+# (BLOCK_M, BLOCK_N, warps, STAGES) candidates per head dim. Shared memory per program: Q [BLOCK_M, D] plus STAGES
+# K and V tiles [BLOCK_N, D] (bf16); 64-row tiles on 4 warps leave room for two programs per SM.
+CONFIGS = {
+    64: [_config(128, 128, 8, 2), _config(64, 128, 4, 2), _config(128, 64, 8, 3), _config(64, 64, 4, 3)],
+    128: [_config(64, 64, 4, 2), _config(64, 64, 4, 3), _config(128, 64, 8, 2), _config(128, 128, 8, 2),
+          _config(64, 128, 4, 2)],
+    256: [_config(64, 64, 4, 2), _config(128, 64, 8, 2), _config(64, 32, 4, 2)],
+}
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the Gluon forward cannot run these inputs (None when it can): it needs this Triton's Gluon, an sm_90
+    GPU, bf16/fp16 and head_dim 64, 128 or 256 packed as the TMA kernels need it."""
+    from areno.kernels.attention_tma import tma_layout_ok
+
+    if not available():
+        return f"this triton ({triton.__version__}) has no Gluon Hopper language: {_IMPORT_ERROR}"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "it needs an sm_90 (Hopper) GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"it needs bf16 or fp16 inputs, got {q.dtype}"
+    if q.shape[-1] not in CONFIGS:
+        return f"it needs head_dim 64, 128 or 256, got {q.shape[-1]}"
+    if not tma_layout_ok(q, k, v):
+        return "it needs [T, H, D] tensors with heads packed and 16-byte aligned rows"
+    return None
+
+
+def descriptor(t: torch.Tensor, rows: int = 64):
+    """``[T, H, D]`` -> Gluon descriptor over the packed ``[T, H * D]`` view, block ``[rows, D]`` (rows set per
+    config by ``_fit``); the shared layout is the default swizzle for a D-wide tile, the same for every row count."""
+    d = t.shape[2]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    return GluonDescriptor(t, [t.shape[0], t.shape[1] * d], [t.stride(0), 1], [rows, d], layout)
+
+
+@functools.cache
+def _tuned(head_dim: int, autotune: bool):
+    from areno.kernels.dispatch import autotune_candidates
+
+    configs = autotune_candidates(CONFIGS[head_dim]) if autotune else CONFIGS[head_dim][:1]
+    return triton.autotune(configs=configs, key=["SEQ_BUCKET", "CAUSAL", "GROUP"])(_attn_fwd_gluon_kernel)
+
+
+FORCE_CONFIG: list = []  # tests pin one config here ([triton.Config]) to check each candidate
+
+
+def forward(q, k, v, o, lse, cu_q, cu_k, max_q, seq_bucket, causal, qk_scale):
+    """Fill ``o`` ([T, Hq, D], packed) and ``lse`` ([Hq, T], base 2) for packed varlen inputs (``applies`` holds)."""
+    B, Hq, D = cu_q.numel() - 1, q.shape[1], q.shape[2]
+    args = (descriptor(q), descriptor(k), descriptor(v), descriptor(o), o, lse, cu_q, cu_k, qk_scale, o.stride(0),
+            o.stride(1), lse.stride(0), Hq // k.shape[1], seq_bucket)
+    if FORCE_CONFIG:
+        cfg = FORCE_CONFIG[0]
+        _fit({**dict(zip(_attn_fwd_gluon_kernel.arg_names, args)), **cfg.kwargs})
+        grid = (triton.cdiv(max_q, cfg.kwargs["BLOCK_M"]), B, Hq)
+        _attn_fwd_gluon_kernel[grid](*args, CAUSAL=causal, **cfg.kwargs, num_warps=cfg.num_warps)
+        return
+    grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), B, Hq)  # noqa: E731
+    _tuned(D, True)[grid](*args, CAUSAL=causal)
+
+
+def compile_sm90(cfg: triton.Config, head_dim: int = 128, causal: bool = True, dtype: str = "bf16"):
+    """Compile the kernel for sm_90 without a GPU (CPU tests, offline inspection): the CompiledKernel, with its
+    ``asm["ptx"]`` and ``n_regs``/``n_spills`` where ptxas reports them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
+    lay = {r: gl.NVMMASharedLayout.get_default_for([r, head_dim], gdt) for r in (bm, bn)}
+    desc = {r: f"tensordesc<{dtype}[{r}, {head_dim}],{lay[r]!r}>" for r in (bm, bn)}
+    sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_o": desc[bm], "O": f"*{dtype}",
+           "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "stride_ot": "i32",
+           "stride_oh": "i32", "stride_lh": "i32", "GROUP": "i32", "SEQ_BUCKET": "i32", "CAUSAL": "constexpr",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr", "Q_REGS": "constexpr",
+           "num_warps": "constexpr"}
+    consts = {"CAUSAL": causal, **cfg.kwargs, "num_warps": cfg.num_warps}
+    src = GluonASTSource(_attn_fwd_gluon_kernel, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})

@@ -1,0 +1,140 @@
+"""The Gluon attention forward (``ARENO_ATTN_FWD=gluon``, ``areno/kernels/attention_gluon.py``).
+
+Gluon has no interpreter: on the CPU every candidate is compiled for sm_90 (PTX and ptxas, no GPU) and its PTX
+checked for the structure the kernel exists for; on the GPU each candidate is compared with float64 over odd varlen
+shapes (``test_attention._gpu_errors``), and the dispatcher's fallback is checked where the kernel does not apply.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areno.kernels import attention_gluon
+
+attention_module = importlib.import_module("areno.kernels.attention")
+
+needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this triton has no Gluon Hopper language")
+
+CANDIDATES = [(d, i) for d, cfgs in attention_gluon.CONFIGS.items() for i in range(len(cfgs))]
+
+
+# Compiled in a child process: under TRITON_INTERPRET=1 (the CPU suite) Gluon's own library functions (gl.max, gl.sum)
+# are interpreter objects its compiler refuses.
+_COMPILE = """
+import json, re, sys
+from areno.kernels import attention_gluon as g
+out = {}
+for d, i, causal, dtype in json.loads(sys.argv[1]):
+    ptx = g.compile_sm90(g.CONFIGS[d][i], head_dim=d, causal=causal, dtype=dtype).asm["ptx"]
+    out[f"{d}/{i}/{causal}/{dtype}"] = {
+        "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n\\d+k16\\.f32\\.(\\w+)\\.", ptx))),
+        "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"),
+        "loads": ptx.count("cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes"),
+        "store": ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"),
+        "waits": ptx.count("mbarrier.try_wait.parity"),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    jobs = [(128, i, c, "bf16") for i in range(len(attention_gluon.CONFIGS[128])) for c in (True, False)]
+    jobs += [(64, 0, True, "bf16"), (256, 0, True, "bf16"), (128, 0, True, "fp16")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(jobs)], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon
+def test_every_candidate_compiles_for_sm90_with_the_pipelined_loop(compiled):
+    """Each candidate compiles for sm_90 without a GPU (PTX and ptxas), and its PTX holds the kernel's asynchronous
+    structure: Q and the K/V ring by TMA, the scores and the previous block's P V issued as wgmma groups before
+    waiting for the scores alone (``wgmma.wait_group 1``), O by TMA store."""
+    assert len(compiled) == 2 * len(attention_gluon.CONFIGS[128]) + 3
+    for key, info in compiled.items():
+        d, i, _, dtype = key.split("/")
+        stages = attention_gluon.CONFIGS[int(d)][int(i)].kwargs["STAGES"]
+        assert info["mma"] == [{"bf16": "bf16", "fp16": "f16"}[dtype]], (key, info)
+        assert info["wait1"] >= 1, (key, "S_j and P_{j-1} V_{j-1} are not overlapped")
+        assert info["loads"] >= 3 + 2 * stages, (key, info)  # Q, the prologue's K/V ring, the loop's refills
+        assert info["store"] >= 1 and info["waits"] >= 3, (key, info)
+
+
+def test_applies_names_why_not():
+    q = torch.zeros(8, 2, 128)
+    reason = attention_gluon.applies(q, q, q)
+    assert reason is not None and ("sm_90" in reason or "Gluon" in reason), reason
+
+
+def test_gluon_variant_falls_back_to_tma_where_it_does_not_apply(monkeypatch):
+    """ARENO_ATTN_FWD=gluon is accepted everywhere; off an sm_90 GPU (here: the CPU) the forward runs the TMA
+    kernel, or the pointer kernel where TMA does not apply either."""
+    assert "gluon" in attention_module.FWD_VARIANTS
+    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
+    assert attention_module.forward_variant() == "gluon"
+    called = []
+    monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: called.append(a))
+    q = torch.randn(12, 2, 16)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = attention_module.attention(q, q, q, cu, cu, 7, 7, causal=True)
+    want = attention_module.attention_reference(q, q, q, cu, cu, causal=True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert not called
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: every candidate against float64 (bf16 judged against SDPA's own bf16 error), odd varlen shapes.
+
+GPU_SHAPES = {
+    "train": ([1024] * 4, [1024] * 4, 16, 8, True),
+    "varlen_odd": ([1, 700, 129, 2048, 77], [1, 700, 129, 2048, 77], 8, 2, True),
+    "chunked_gqa4": ([1, 17, 300, 1000], [513, 17, 1800, 4000], 8, 2, True),
+    "q_longer_than_k": ([300, 64], [100, 64], 4, 4, True),  # rows that see no key: O = 0
+    "non_causal": ([100, 1500], [700, 1500], 16, 16, False),
+}
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("d,i", CANDIDATES)
+def test_gpu_every_candidate_matches_float64(d, i, monkeypatch):
+    from tests.kernels.test_attention import _gpu_errors
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is sm_90 only")
+    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
+    monkeypatch.setattr(attention_gluon, "FORCE_CONFIG", [attention_gluon.CONFIGS[d][i]])
+    calls = []
+    real = attention_gluon.forward
+    monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for name, (lq, lk, hq, hkv, causal) in GPU_SHAPES.items():
+        _gpu_errors(lq, lk, hq, hkv, d, causal)
+        assert calls, f"{name}: the Gluon forward did not run"
+        calls.clear()
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_gpu_autotuned_and_fp16(monkeypatch):
+    from tests.kernels.test_attention import make_inputs, reference, run
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is sm_90 only")
+    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
+    lq = lk = [1, 300, 1000, 77]
+    inputs = make_inputs(lq, lk, 8, 2, 128, torch.float16, 0, device="cuda")
+    got = run(*inputs, lq, lk, True, "triton")
+    want = reference(*inputs, True)
+    for name, g, w in zip("o dq dk dv".split(), got, want):
+        assert (g.double() - w).abs().max().item() <= 2e-2 * max(w.abs().max().item(), 1.0), name
