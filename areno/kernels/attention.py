@@ -80,7 +80,7 @@ MAX_HEAD_DIM = 256
 # phase 2's (dQ) tiles, and whether phase 2 runs first.
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32),
                     "bwd_merged_tma": (16, 32, 32, 16, True)}
-BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged")
+BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged", "gluon")
 # Kernel kinds whose config constexprs are not (BLOCK_M, BLOCK_N), in INTERPRET_BLOCKS order, and the constexpr that
 # sizes grid dim 0 of each kind that is not a query-tile launch (BLOCK_M).
 _BLOCK_NAMES = {"bwd_merged_tma": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "DQ_FIRST")}
@@ -100,7 +100,9 @@ def backward_variant() -> str:
     """``ARENO_ATTN_BWD``: "auto" (default: "tma_merged" on sm_90+, else "split"), "split" (dK/dV kernel + dQ kernel),
     "fused" (one pass, dQ through atomics), "tma" (the split pair with TMA descriptors), "tma_merged" (the "tma"
     pair as one launch, key tile t and query tile t per program) or "fused_tma" (the fused pass with TMA, dQ by bulk
-    reduce). TMA kinds fall back to their pointer twins ("tma_merged": "split") where ``_use_tma`` says no."""
+    reduce), "gluon" (the "tma" pair's dK/dV kernel and the warp-specialized Gluon dQ kernel of
+    ``attention_gluon.py``; the "tma" pair where that does not apply). TMA kinds fall back to their pointer twins
+    ("tma_merged", "gluon": "split") where ``_use_tma`` says no."""
     variant = _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
     return ("tma_merged" if _hopper() else "split") if variant == "auto" else variant
 
@@ -471,7 +473,7 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
-    use_tma = variant in ("tma", "fused_tma", "tma_merged") and B > 0 and _use_tma(q, k, v, do)
+    use_tma = variant in ("tma", "fused_tma", "tma_merged", "gluon") and B > 0 and _use_tma(q, k, v, do)
     fused = variant in ("fused", "fused_tma")  # fused_tma on a layout TMA cannot address: the pointer fused pass
     if use_tma:  # packed [T, H, D], as the output descriptors address them; fused: dQ accumulates in fp32
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
@@ -493,7 +495,8 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     bucket = _seq_bucket(max(max_q, max_k))
     if use_tma:
         _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                           fused, merged=variant == "tma_merged")
+                           fused, merged=variant == "tma_merged",
+                           gluon_dq=variant == "gluon" and attention_gluon.applies(q, k, v, "dq") is None)
         return dq.to(q.dtype), dk, dv
     if fused:
         if max_k > 0:
@@ -523,9 +526,9 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
 
 
 def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                       fused, merged=False):
+                       fused, merged=False, gluon_dq=False):
     """The split (or fused, or merged) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk,
-    dv; fused: dq is the fp32 accumulator, already zeroed."""
+    dv; fused: dq is the fp32 accumulator, already zeroed; gluon_dq: dQ by the Gluon kernel."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
@@ -556,7 +559,10 @@ def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, m
                 scale * _LOG2E, scale, dk.stride(0), lse.stride(0), Hq // Hkv, **common)
     else:
         dk.zero_(), dv.zero_()
-    if max_q > 0:
+    if max_q > 0 and gluon_dq:
+        attention_gluon.backward_dq(q, k, v, do, dq, lse, delta, cu_q, cu_k, max_q, bucket, causal, scale * _LOG2E,
+                                    scale)
+    elif max_q > 0:
         _launch("dq_tma", max_q, (B, Hq), D, bucket, q_, k_, v_, do_, dq_, dq, lse, delta, cu_q, cu_k,
                 scale * _LOG2E, scale, dq.stride(0), lse.stride(0), Hq // Hkv, **common)
     else:

@@ -39,6 +39,7 @@ try:  # Gluon is experimental: older Tritons lack it, and its API moves between 
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -199,31 +200,375 @@ if _IMPORT_ERROR is None:
         gl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
 
 
+    @gluon.jit
+    def _stream_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_start, kv_col, n_blocks,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """A load partition's loop: K and V of key blocks [0, n_blocks) into the ring, each slot once both consumer
+        warpgroups have released it (``*_empty``, count 2), signalling ``*_ready`` by the TMA's byte count."""
+        for j in range(n_blocks):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)  # a fresh barrier passes parity 1 at once
+            mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [k_start + j * BLOCK_N, kv_col], k_ready.index(slot),
+                                            k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_v, [k_start + j * BLOCK_N, kv_col], v_ready.index(slot),
+                                            v_smem.index(slot))
+
+    @gluon.jit
+    def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
+                   q_col, k_start, kv_col, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The warp-specialized forward's load partition (one warp): both 64-row halves of the Q tile, then K and V
+        block by block."""
+        HALF: gl.constexpr = desc_q.block_type.shape[0]
+        mbarrier.expect(q_bar, 2 * desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(desc_q, [q_row + HALF, q_col], q_bar, q_smem.index(1))
+        _stream_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_start, kv_col, n_blocks,
+                   BLOCK_N, STAGES)
+
+    @gluon.jit
+    def _ws_consumer(desc_o, O, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, WG, q_start,
+                     row0, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, stride_ot, stride_oh, stride_lh,
+                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """A consumer partition (one warpgroup): query rows row0 + [0, 64) of the tile (half WG of the Q tile), the
+        pipelined loop of ``_attn_fwd_gluon_kernel`` over its own key blocks, releasing each K / V slot once its
+        wgmma has completed; key blocks of the tile past its own causal range are only released."""
+        HALF: gl.constexpr = desc_o.block_type.shape[0]
+        HEAD_D: gl.constexpr = desc_o.block_type.shape[1]
+        dtype: gl.constexpr = desc_o.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(Lk, row0 + HALF + diag), 0)
+            full = gl.maximum(gl.minimum(row0 + diag + 1, Lk), 0)
+        else:
+            hi = Lk
+            full = Lk
+        n_full = full // BLOCK_N
+        n_mine = gl.minimum(gl.maximum(gl.cdiv(hi, BLOCK_N), 1), n_blocks)
+        offs_m = row0 + gl.arange(0, HALF, layout=row_s)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([HALF], gl.float32, row_s)
+        acc = gl.zeros([HALF, HEAD_D], gl.float32, o_layout)
+        q_half = q_smem.index(WG)
+
+        mbarrier.wait(q_bar, 0)
+        q = q_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        mbarrier.wait(k_ready.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, 0, n_full, offs_m, offs_n, diag, Lk, qk_scale, BLOCK_N,
+                                            CAUSAL)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_mine):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p_next, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, j, n_full, offs_m, offs_n, diag, Lk, qk_scale,
+                                                     BLOCK_N, CAUSAL)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+        last = n_mine - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+        for j in range(n_mine, n_blocks):  # the tile's blocks right of this half's diagonal: release them in order
+            slot = j % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+
+        l_o = gl.convert_layout(l_i, row_o)
+        o = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
+        lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+        if row0 + HALF <= Lq:
+            q_half.store(o)  # this half's Q is no longer read
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc_o, [q_start + row0, q_col], q_half)
+            tma.store_wait(0)
+        elif row0 < Lq:  # the sequence's last rows: a descriptor store would write into the next sequence
+            rows = row0 + gl.arange(0, HALF, layout=row_o)
+            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+            ptrs = O + (q_start + rows)[:, None].to(gl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
+            gl.store(ptrs, o, mask=(rows < Lq)[:, None])
+        gl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
+
+    @gluon.jit(do_not_specialize=["stride_lh"])
+    def _attn_fwd_gluon_ws_kernel(
+        desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh, GROUP,
+        SEQ_BUCKET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """Warp-specialized forward, FlashAttention-3's layout: a [BLOCK_M = 128, D] query tile per program, one
+        load warp (TMA for Q, K, V) and two consumer warpgroups of 64 query rows each sharing every K / V tile (half
+        the K / V traffic of two 64-row programs), synchronised only through mbarriers (no CTA-wide barrier in the
+        loop). The descriptors' blocks: Q and O [64, D], K and V [BLOCK_N, D]."""
+        HALF: gl.constexpr = desc_q.block_type.shape[0]
+        HEAD_D: gl.constexpr = desc_q.block_type.shape[1]
+        dtype: gl.constexpr = desc_q.dtype
+        gl.static_assert(BLOCK_M == 2 * HALF)
+        start_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        b = gl.program_id(1)
+        h = gl.program_id(2)
+        q_start = gl.load(CU_Q + b)
+        Lq = gl.load(CU_Q + b + 1) - q_start
+        if start_m * BLOCK_M >= Lq:
+            return
+        k_start = gl.load(CU_K + b)
+        Lk = gl.load(CU_K + b + 1) - k_start
+        diag = Lk - Lq
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
+        else:
+            hi = Lk
+        n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_q.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_v.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
+
+        row0 = start_m * BLOCK_M
+        q_col = h * HEAD_D
+        kv_col = (h // GROUP) * HEAD_D
+        gl.warp_specialize([
+            (_ws_consumer, (desc_o, O, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, 0,
+                            q_start, row0, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, stride_ot, stride_oh,
+                            stride_lh, CAUSAL, BLOCK_N, STAGES)),
+            (_ws_consumer, (desc_o, O, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, 1,
+                            q_start, row0 + HALF, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, stride_ot, stride_oh,
+                            stride_lh, CAUSAL, BLOCK_N, STAGES)),
+            (_ws_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                          q_start + row0, q_col, k_start, kv_col, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+    @gluon.jit
+    def _dq_loader(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                   k_empty, v_empty, q_row, q_col, k_start, kv_col, n_blocks, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """The dQ kernel's load partition: both halves of the Q and dO tiles, then K and V block by block."""
+        HALF: gl.constexpr = desc_q.block_type.shape[0]
+        mbarrier.expect(q_bar, 4 * desc_q.block_type.nbytes)
+        for w in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc_q, [q_row + w * HALF, q_col], q_bar, q_smem.index(w))
+            tma.async_copy_global_to_shared(desc_do, [q_row + w * HALF, q_col], q_bar, do_smem.index(w))
+        _stream_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_start, kv_col, n_blocks,
+                   BLOCK_N, STAGES)
+
+    @gluon.jit
+    def _dq_consumer(desc_dq, DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                     v_empty, WG, q_start, row0, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, sm_scale, stride_dqt,
+                     stride_dqh, stride_lh, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """A dQ consumer warpgroup: query rows row0 + [0, 64): per key block S = Q K^T and dP = dO V^T issued
+        together, P = exp2(S - LSE) while dP runs, dS = P (dP - delta), dQ += dS K left running into the next block
+        (waited for after that block's S and dP are issued, then its K slot is released)."""
+        HALF: gl.constexpr = desc_dq.block_type.shape[0]
+        HEAD_D: gl.constexpr = desc_dq.block_type.shape[1]
+        dtype: gl.constexpr = desc_dq.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(Lk, row0 + HALF + diag), 0)
+            full = gl.maximum(gl.minimum(row0 + diag + 1, Lk), 0)
+        else:
+            hi = Lk
+            full = Lk
+        n_full = full // BLOCK_N
+        n_mine = gl.minimum(gl.cdiv(hi, BLOCK_N), n_blocks)
+        offs_m = row0 + gl.arange(0, HALF, layout=row_s)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        row_ok = offs_m < Lq
+        lse = gl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
+        delta = gl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        dq = warpgroup_mma_init(gl.zeros([HALF, HEAD_D], gl.float32, dq_layout))  # loop-carried as a wgmma result
+        ds = gl.zeros([HALF, BLOCK_N], dtype, gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
+        q_half = q_smem.index(WG)
+        mbarrier.wait(q_bar, 0)
+        q = q_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        for j in range(0, n_mine):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(slot), phase)
+            dp = warpgroup_mma(do_smem.index(WG), v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+            dq, ds = warpgroup_mma_wait(2, deps=(dq, ds))  # the previous block's dS K is done: release its K
+            mbarrier.arrive(k_empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+            qk = warpgroup_mma_wait(1, deps=(qk, ))
+            p = gl.exp2(qk * qk_scale - lse[:, None])
+            if j >= n_full:
+                cols = j * BLOCK_N + offs_n
+                keep = cols[None, :] < Lk
+                if CAUSAL:
+                    keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+                p = gl.where(keep, p, 0.0)
+            dp = warpgroup_mma_wait(0, deps=(dp, ))
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            ds = (p * (dp - delta[:, None])).to(dtype)
+            ds = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
+            dq = warpgroup_mma(ds, k_smem.index(slot), dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+        mbarrier.arrive(k_empty.index((n_mine + STAGES - 1) % STAGES), count=1, pred=n_mine > 0)
+        for j in range(n_mine, n_blocks):  # the tile's blocks right of this half's diagonal: release them in order
+            slot = j % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+
+        out = (dq * sm_scale).to(dtype)
+        if row0 + HALF <= Lq:
+            q_half.store(out)  # this half's Q was read into registers at the start
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc_dq, [q_start + row0, q_col], q_half)
+            tma.store_wait(0)
+        elif row0 < Lq:  # the sequence's last rows: a descriptor store would write into the next sequence
+            rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, dq_layout))
+            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, dq_layout))
+            ptrs = DQ + (q_start + rows)[:, None].to(gl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :]
+            gl.store(ptrs, out, mask=(rows < Lq)[:, None])
+
+    @gluon.jit(do_not_specialize=["stride_lh"])
+    def _attn_bwd_dq_gluon_kernel(
+        desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale, stride_dqt,
+        stride_dqh, stride_lh, GROUP, SEQ_BUCKET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """dQ = sm_scale * sum_j dS_j K_j for a [128, D] query tile, warp-specialized as the forward: a load warp
+        (Q and dO halves, then the K / V ring) and two consumer warpgroups of 64 query rows each. A query half that
+        sees no key stores dQ = 0."""
+        HALF: gl.constexpr = desc_q.block_type.shape[0]
+        HEAD_D: gl.constexpr = desc_q.block_type.shape[1]
+        dtype: gl.constexpr = desc_q.dtype
+        gl.static_assert(BLOCK_M == 2 * HALF)
+        start_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        b = gl.program_id(1)
+        h = gl.program_id(2)
+        q_start = gl.load(CU_Q + b)
+        Lq = gl.load(CU_Q + b + 1) - q_start
+        if start_m * BLOCK_M >= Lq:
+            return
+        k_start = gl.load(CU_K + b)
+        Lk = gl.load(CU_K + b + 1) - k_start
+        diag = Lk - Lq
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
+        else:
+            hi = Lk
+        n_blocks = gl.cdiv(hi, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_q.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_do.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_v.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+
+        row0 = start_m * BLOCK_M
+        q_col = h * HEAD_D
+        kv_col = (h // GROUP) * HEAD_D
+        gl.warp_specialize([
+            (_dq_consumer, (desc_dq, DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                            v_empty, 0, q_start, row0, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, sm_scale,
+                            stride_dqt, stride_dqh, stride_lh, CAUSAL, BLOCK_N, STAGES)),
+            (_dq_consumer, (desc_dq, DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                            v_empty, 1, q_start, row0 + HALF, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, sm_scale,
+                            stride_dqt, stride_dqh, stride_lh, CAUSAL, BLOCK_N, STAGES)),
+            (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                          k_empty, v_empty, q_start + row0, q_col, k_start, kv_col, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+def _is_ws(kwargs: dict) -> bool:
+    return "CONSUMER_REGS" in kwargs
+
+
 def _fit(args: dict) -> None:
-    """Autotune pre_hook: each descriptor's block rows follow the config (Q, O: BLOCK_M; K, V: BLOCK_N)."""
-    for name, axis in (("desc_q", "BLOCK_M"), ("desc_o", "BLOCK_M"), ("desc_k", "BLOCK_N"), ("desc_v", "BLOCK_N")):
-        desc = args[name]
-        desc.block_shape = [args[axis], desc.block_shape[1]]
+    """Autotune pre_hook: each descriptor's block rows follow the config (Q, O: BLOCK_M, or BLOCK_M / 2 for the
+    warp-specialized kernel's consumer halves; K, V: BLOCK_N)."""
+    q_rows = args["BLOCK_M"] // 2 if _is_ws(args) else args["BLOCK_M"]
+    for name, rows in (("desc_q", q_rows), ("desc_o", q_rows), ("desc_do", q_rows), ("desc_dq", q_rows),
+                       ("desc_k", args["BLOCK_N"]), ("desc_v", args["BLOCK_N"])):
+        if name in args:
+            args[name].block_shape = [rows, args[name].block_shape[1]]
 
 
 def _config(bm: int, bn: int, warps: int, stages: int, q_regs: bool = False) -> triton.Config:
+    """A candidate of the plain kernel: BLOCK_M x BLOCK_N tiles on ``warps`` warps, a K/V ring of ``stages``."""
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": stages, "Q_REGS": q_regs}, num_warps=warps,
                          pre_hook=_fit)
 
 
-# (BLOCK_M, BLOCK_N, warps, STAGES) candidates per head dim. Shared memory per program: Q [BLOCK_M, D] plus STAGES
-# K and V tiles [BLOCK_N, D] (bf16); 64-row tiles on 4 warps leave room for two programs per SM.
+def _ws_config(bn: int, stages: int, consumer_regs: int = 240, maxnreg: int = 168) -> triton.Config:
+    """A candidate of the warp-specialized kernel (128 query rows, two consumer warpgroups and a load warp: 12 warps
+    of registers at ``maxnreg``, the load warp's group at 24 and the consumers at ``consumer_regs``)."""
+    return triton.Config({"BLOCK_M": 128, "BLOCK_N": bn, "STAGES": stages, "CONSUMER_REGS": consumer_regs},
+                         num_warps=4, maxnreg=maxnreg, pre_hook=_fit)
+
+
+# Candidates per head dim. Shared memory per program: Q [BLOCK_M, D] plus STAGES K and V tiles [BLOCK_N, D] (bf16);
+# 64-row tiles on 4 warps leave room for two programs per SM.
 CONFIGS = {
-    64: [_config(128, 128, 8, 2), _config(64, 128, 4, 2), _config(128, 64, 8, 3), _config(64, 64, 4, 3)],
-    128: [_config(64, 64, 4, 2), _config(64, 64, 4, 3), _config(128, 64, 8, 2), _config(128, 128, 8, 2),
-          _config(64, 128, 4, 2)],
+    64: [_config(64, 64, 4, 2, True), _config(128, 128, 8, 2), _config(64, 128, 4, 2), _config(128, 64, 8, 3)],
+    128: [_config(64, 64, 4, 2, True), _config(64, 64, 4, 3, True), _config(64, 64, 4, 3), _config(128, 128, 8, 2),
+          _ws_config(64, 2), _ws_config(128, 2)],
     256: [_config(64, 64, 4, 2), _config(128, 64, 8, 2), _config(64, 32, 4, 2)],
+}
+# The dQ kernel (warp-specialized only): shared memory holds both halves of Q and dO besides the K / V ring.
+DQ_CONFIGS = {
+    64: [_ws_config(64, 2), _ws_config(128, 2), _ws_config(64, 3)],
+    128: [_ws_config(64, 2), _ws_config(64, 3), _ws_config(128, 2)],
 }
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the Gluon forward cannot run these inputs (None when it can): it needs this Triton's Gluon, an sm_90
-    GPU, bf16/fp16 and head_dim 64, 128 or 256 packed as the TMA kernels need it."""
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fwd") -> str | None:
+    """Why the Gluon forward (``kind`` "fwd") or dQ kernel ("dq") cannot run these inputs (None when it can): it
+    needs this Triton's Gluon, an sm_90 GPU, bf16/fp16 and a head_dim of its candidate lists (fwd 64, 128, 256; dq
+    64, 128) packed as the TMA kernels need it."""
     from areno.kernels.attention_tma import tma_layout_ok
 
     if not available():
@@ -232,8 +577,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
         return "it needs an sm_90 (Hopper) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"it needs bf16 or fp16 inputs, got {q.dtype}"
-    if q.shape[-1] not in CONFIGS:
-        return f"it needs head_dim 64, 128 or 256, got {q.shape[-1]}"
+    dims = DQ_CONFIGS if kind == "dq" else CONFIGS
+    if q.shape[-1] not in dims:
+        return f"it needs head_dim {' / '.join(map(str, dims))}, got {q.shape[-1]}"
     if not tma_layout_ok(q, k, v):
         return "it needs [T, H, D] tensors with heads packed and 16-byte aligned rows"
     return None
@@ -248,46 +594,81 @@ def descriptor(t: torch.Tensor, rows: int = 64):
 
 
 @functools.cache
-def _tuned(head_dim: int, autotune: bool):
+def _tuned(head_dim: int, kind: str):
+    """The autotuned kernel of ``kind``: "fwd" (plain), "fwd_ws" (warp-specialized) or "dq"."""
     from areno.kernels.dispatch import autotune_candidates
 
-    configs = autotune_candidates(CONFIGS[head_dim]) if autotune else CONFIGS[head_dim][:1]
-    return triton.autotune(configs=configs, key=["SEQ_BUCKET", "CAUSAL", "GROUP"])(_attn_fwd_gluon_kernel)
+    if kind == "dq":
+        configs, kernel = DQ_CONFIGS[head_dim], _attn_bwd_dq_gluon_kernel
+    else:
+        configs = [c for c in CONFIGS[head_dim] if _is_ws(c.kwargs) == (kind == "fwd_ws")]
+        kernel = _attn_fwd_gluon_ws_kernel if kind == "fwd_ws" else _attn_fwd_gluon_kernel
+    return triton.autotune(configs=autotune_candidates(configs), key=["SEQ_BUCKET", "CAUSAL", "GROUP"])(kernel)
 
 
-FORCE_CONFIG: list = []  # tests pin one config here ([triton.Config]) to check each candidate
+FORCE_CONFIG: dict = {}  # tests pin one config per kind here ({"fwd" or "dq": triton.Config}) to check each one
 
 
 def forward(q, k, v, o, lse, cu_q, cu_k, max_q, seq_bucket, causal, qk_scale):
-    """Fill ``o`` ([T, Hq, D], packed) and ``lse`` ([Hq, T], base 2) for packed varlen inputs (``applies`` holds)."""
+    """Fill ``o`` ([T, Hq, D], packed) and ``lse`` ([Hq, T], base 2) for packed varlen inputs (``applies`` holds).
+    The first candidate of the head dim's list decides the kernel (plain or warp-specialized); the autotuner picks
+    among that kernel's candidates."""
     B, Hq, D = cu_q.numel() - 1, q.shape[1], q.shape[2]
     args = (descriptor(q), descriptor(k), descriptor(v), descriptor(o), o, lse, cu_q, cu_k, qk_scale, o.stride(0),
             o.stride(1), lse.stride(0), Hq // k.shape[1], seq_bucket)
-    if FORCE_CONFIG:
-        cfg = FORCE_CONFIG[0]
-        _fit({**dict(zip(_attn_fwd_gluon_kernel.arg_names, args)), **cfg.kwargs})
-        grid = (triton.cdiv(max_q, cfg.kwargs["BLOCK_M"]), B, Hq)
-        _attn_fwd_gluon_kernel[grid](*args, CAUSAL=causal, **cfg.kwargs, num_warps=cfg.num_warps)
+    if "fwd" in FORCE_CONFIG:
+        kernel = _attn_fwd_gluon_ws_kernel if _is_ws(FORCE_CONFIG["fwd"].kwargs) else _attn_fwd_gluon_kernel
+        _launch_forced(kernel, FORCE_CONFIG["fwd"], args, max_q, B, Hq, causal)
         return
     grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), B, Hq)  # noqa: E731
-    _tuned(D, True)[grid](*args, CAUSAL=causal)
+    _tuned(D, "fwd_ws" if _is_ws(CONFIGS[D][0].kwargs) else "fwd")[grid](*args, CAUSAL=causal)
 
 
-def compile_sm90(cfg: triton.Config, head_dim: int = 128, causal: bool = True, dtype: str = "bf16"):
-    """Compile the kernel for sm_90 without a GPU (CPU tests, offline inspection): the CompiledKernel, with its
-    ``asm["ptx"]`` and ``n_regs``/``n_spills`` where ptxas reports them."""
+def backward_dq(q, k, v, do, dq, lse, delta, cu_q, cu_k, max_q, seq_bucket, causal, qk_scale, sm_scale):
+    """Fill ``dq`` ([T, Hq, D], packed, q's dtype) from the forward's base-2 ``lse`` and ``delta`` = rowsum(dO * O)
+    (both [Hq, T]) for packed varlen inputs (``applies(..., kind="dq")`` holds)."""
+    B, Hq, D = cu_q.numel() - 1, q.shape[1], q.shape[2]
+    args = (descriptor(q), descriptor(k), descriptor(v), descriptor(do), descriptor(dq), dq, lse, delta, cu_q, cu_k,
+            qk_scale, sm_scale, dq.stride(0), dq.stride(1), lse.stride(0), Hq // k.shape[1], seq_bucket)
+    if "dq" in FORCE_CONFIG:
+        _launch_forced(_attn_bwd_dq_gluon_kernel, FORCE_CONFIG["dq"], args, max_q, B, Hq, causal)
+        return
+    grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), B, Hq)  # noqa: E731
+    _tuned(D, "dq")[grid](*args, CAUSAL=causal)
+
+
+def _launch_forced(kernel, cfg: triton.Config, args: tuple, max_q: int, B: int, Hq: int, causal: bool) -> None:
+    named = dict(zip(kernel.arg_names, args))
+    _fit({**named, **cfg.kwargs})
+    grid = (triton.cdiv(max_q, cfg.kwargs["BLOCK_M"]), B, Hq)
+    kernel[grid](*args, CAUSAL=causal, **cfg.kwargs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+
+
+def compile_sm90(cfg: triton.Config, head_dim: int = 128, causal: bool = True, dtype: str = "bf16",
+                 kind: str = "fwd"):
+    """Compile a kernel (``kind``: "fwd", or "dq" for the dQ kernel) for sm_90 without a GPU (CPU tests, offline
+    inspection): the CompiledKernel, with its ``asm["ptx"]`` and ``metadata.shared``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    ws = _is_ws(cfg.kwargs)
+    bm, bn = cfg.kwargs["BLOCK_M"] // (2 if ws else 1), cfg.kwargs["BLOCK_N"]
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
     lay = {r: gl.NVMMASharedLayout.get_default_for([r, head_dim], gdt) for r in (bm, bn)}
     desc = {r: f"tensordesc<{dtype}[{r}, {head_dim}],{lay[r]!r}>" for r in (bm, bn)}
-    sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_o": desc[bm], "O": f"*{dtype}",
-           "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "stride_ot": "i32",
-           "stride_oh": "i32", "stride_lh": "i32", "GROUP": "i32", "SEQ_BUCKET": "i32", "CAUSAL": "constexpr",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr", "Q_REGS": "constexpr",
-           "num_warps": "constexpr"}
+    if kind == "dq":
+        kernel = _attn_bwd_dq_gluon_kernel
+        sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_do": desc[bm], "desc_dq": desc[bm],
+               "DQ": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
+               "qk_scale": "fp32", "sm_scale": "fp32", "stride_dqt": "i32", "stride_dqh": "i32", "stride_lh": "i32"}
+    else:
+        kernel = _attn_fwd_gluon_ws_kernel if ws else _attn_fwd_gluon_kernel
+        sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_o": desc[bm], "O": f"*{dtype}",
+               "LSE": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "stride_ot": "i32",
+               "stride_oh": "i32", "stride_lh": "i32"}
+    sig.update({"GROUP": "i32", "SEQ_BUCKET": "i32", "CAUSAL": "constexpr"})
+    sig.update({name: "constexpr" for name in cfg.kwargs})
+    sig["num_warps"] = "constexpr"
     consts = {"CAUSAL": causal, **cfg.kwargs, "num_warps": cfg.num_warps}
-    src = GluonASTSource(_attn_fwd_gluon_kernel, sig, consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    options = {"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg}
+    return triton.compile(GluonASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options=options)

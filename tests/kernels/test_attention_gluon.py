@@ -22,8 +22,6 @@ attention_module = importlib.import_module("areno.kernels.attention")
 
 needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this triton has no Gluon Hopper language")
 
-CANDIDATES = [(d, i) for d, cfgs in attention_gluon.CONFIGS.items() for i in range(len(cfgs))]
-
 
 # Compiled in a child process: under TRITON_INTERPRET=1 (the CPU suite) Gluon's own library functions (gl.max, gl.sum)
 # are interpreter objects its compiler refuses.
@@ -31,14 +29,17 @@ _COMPILE = """
 import json, re, sys
 from areno.kernels import attention_gluon as g
 out = {}
-for d, i, causal, dtype in json.loads(sys.argv[1]):
-    ptx = g.compile_sm90(g.CONFIGS[d][i], head_dim=d, causal=causal, dtype=dtype).asm["ptx"]
-    out[f"{d}/{i}/{causal}/{dtype}"] = {
+for kind, d, i, causal, dtype in json.loads(sys.argv[1]):
+    cfg = (g.DQ_CONFIGS if kind == "dq" else g.CONFIGS)[d][i]
+    ptx = g.compile_sm90(cfg, head_dim=d, causal=causal, dtype=dtype, kind=kind).asm["ptx"]
+    out[f"{kind}/{d}/{i}/{causal}/{dtype}"] = {
         "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n\\d+k16\\.f32\\.(\\w+)\\.", ptx))),
         "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"),
         "loads": ptx.count("cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes"),
         "store": ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"),
         "waits": ptx.count("mbarrier.try_wait.parity"),
+        "setmaxnreg": ptx.count("setmaxnreg"),
+        "cta_barriers": len(re.findall(r"bar\\.sync\\s+0;|barrier\\.sync\\s+0;", ptx)),
     }
 print(json.dumps(out))
 """
@@ -46,8 +47,11 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    jobs = [(128, i, c, "bf16") for i in range(len(attention_gluon.CONFIGS[128])) for c in (True, False)]
-    jobs += [(64, 0, True, "bf16"), (256, 0, True, "bf16"), (128, 0, True, "fp16")]
+    jobs = [(kind, 128, i, c, "bf16") for kind, lists in (("fwd", attention_gluon.CONFIGS),
+                                                           ("dq", attention_gluon.DQ_CONFIGS))
+            for i in range(len(lists[128])) for c in (True, False)]
+    jobs += [("fwd", 64, 0, True, "bf16"), ("fwd", 256, 0, True, "bf16"), ("fwd", 128, 0, True, "fp16"),
+             ("dq", 64, 0, True, "bf16"), ("dq", 128, 0, True, "fp16")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(jobs)], env=env, cwd=root, capture_output=True,
@@ -60,15 +64,20 @@ def compiled():
 def test_every_candidate_compiles_for_sm90_with_the_pipelined_loop(compiled):
     """Each candidate compiles for sm_90 without a GPU (PTX and ptxas), and its PTX holds the kernel's asynchronous
     structure: Q and the K/V ring by TMA, the scores and the previous block's P V issued as wgmma groups before
-    waiting for the scores alone (``wgmma.wait_group 1``), O by TMA store."""
-    assert len(compiled) == 2 * len(attention_gluon.CONFIGS[128]) + 3
+    waiting for the scores alone (``wgmma.wait_group 1``), O by TMA store; the warp-specialized candidates also
+    move registers between partitions (``setmaxnreg``) and synchronise without CTA-wide barriers."""
+    assert len(compiled) == 2 * (len(attention_gluon.CONFIGS[128]) + len(attention_gluon.DQ_CONFIGS[128])) + 5
     for key, info in compiled.items():
-        d, i, _, dtype = key.split("/")
-        stages = attention_gluon.CONFIGS[int(d)][int(i)].kwargs["STAGES"]
+        kind, d, i, _, dtype = key.split("/")
+        cfg = (attention_gluon.DQ_CONFIGS if kind == "dq" else attention_gluon.CONFIGS)[int(d)][int(i)]
         assert info["mma"] == [{"bf16": "bf16", "fp16": "f16"}[dtype]], (key, info)
         assert info["wait1"] >= 1, (key, "S_j and P_{j-1} V_{j-1} are not overlapped")
-        assert info["loads"] >= 3 + 2 * stages, (key, info)  # Q, the prologue's K/V ring, the loop's refills
         assert info["store"] >= 1 and info["waits"] >= 3, (key, info)
+        if "CONSUMER_REGS" in cfg.kwargs:  # warp-specialized: registers moved to the consumers, no CTA-wide barrier
+            assert info["loads"] >= (6 if kind == "dq" else 4), (key, info)  # Q (and dO) halves, K and V
+            assert info["setmaxnreg"] >= 2 and info["cta_barriers"] == 0, (key, info)
+        else:
+            assert info["loads"] >= 3 + 2 * cfg.kwargs["STAGES"], (key, info)  # Q, the K/V ring, the refills
 
 
 def test_applies_names_why_not():
@@ -107,20 +116,25 @@ GPU_SHAPES = {
 
 @pytest.mark.gpu
 @needs_gluon
-@pytest.mark.parametrize("d,i", CANDIDATES)
-def test_gpu_every_candidate_matches_float64(d, i, monkeypatch):
+@pytest.mark.parametrize("kind,d,i", [("fwd", d, i) for d, c in attention_gluon.CONFIGS.items() for i in range(len(c))]
+                         + [("dq", d, i) for d, c in attention_gluon.DQ_CONFIGS.items() for i in range(len(c))])
+def test_gpu_every_candidate_matches_float64(kind, d, i, monkeypatch):
+    """ARENO_ATTN_FWD=gluon (forward candidates) / ARENO_ATTN_BWD=gluon (dQ candidates), one candidate pinned."""
     from tests.kernels.test_attention import _gpu_errors
 
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward is sm_90 only")
-    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
-    monkeypatch.setattr(attention_gluon, "FORCE_CONFIG", [attention_gluon.CONFIGS[d][i]])
+        pytest.skip("the Gluon kernels are sm_90 only")
+    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon" if kind == "fwd" else "tma")
+    monkeypatch.setenv("ARENO_ATTN_BWD", "gluon" if kind == "dq" else "tma")
+    lists = attention_gluon.CONFIGS if kind == "fwd" else attention_gluon.DQ_CONFIGS
+    monkeypatch.setattr(attention_gluon, "FORCE_CONFIG", {kind: lists[d][i]})
     calls = []
-    real = attention_gluon.forward
-    monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    for name, (lq, lk, hq, hkv, causal) in GPU_SHAPES.items():
+    name = "forward" if kind == "fwd" else "backward_dq"
+    real = getattr(attention_gluon, name)
+    monkeypatch.setattr(attention_gluon, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for shape, (lq, lk, hq, hkv, causal) in GPU_SHAPES.items():
         _gpu_errors(lq, lk, hq, hkv, d, causal)
-        assert calls, f"{name}: the Gluon forward did not run"
+        assert calls, f"{shape}: the Gluon {kind} kernel did not run"
         calls.clear()
 
 
@@ -130,8 +144,9 @@ def test_gpu_autotuned_and_fp16(monkeypatch):
     from tests.kernels.test_attention import make_inputs, reference, run
 
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon forward is sm_90 only")
+        pytest.skip("the Gluon kernels are sm_90 only")
     monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
+    monkeypatch.setenv("ARENO_ATTN_BWD", "gluon")
     lq = lk = [1, 300, 1000, 77]
     inputs = make_inputs(lq, lk, 8, 2, 128, torch.float16, 0, device="cuda")
     got = run(*inputs, lq, lk, True, "triton")
