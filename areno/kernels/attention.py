@@ -35,8 +35,10 @@ on sm_90+ and "split" elsewhere, the interpreter included):
   the tuned config); causal with Lq == Lk the heavy key tiles pair with the light query tiles, so every program does
   the same work (``attention_tma.py``). Where TMA does not apply it runs the pointer "split" pair, as "tma" does.
 
-Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above) or "tma" (the same kernel with
-TMA descriptors, ``attention_tma.py``); "auto" (the default) is "tma" on sm_90+, else "default". The TMA variants
+Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above), "tma" (the same kernel with
+TMA descriptors, ``attention_tma.py``) or "gluon" (``attention_gluon.py``: written in Gluon, for d128 warp-specialized
+as FlashAttention-3 is, a load warp and two consumer warpgroups sharing each K / V tile); "auto" (the default) is
+"gluon" on sm_90 where the installed Triton has Gluon, "tma" on other sm_90+, else "default". The TMA variants
 apply to head_dim 16/32/64/128/256 with heads packed in the last two dims (``attention_tma.tma_layout_ok``); other
 inputs, and GPUs before sm_90, run the pointer kernels.
 
@@ -100,19 +102,21 @@ def backward_variant() -> str:
     """``ARENO_ATTN_BWD``: "auto" (default: "tma_merged" on sm_90+, else "split"), "split" (dK/dV kernel + dQ kernel),
     "fused" (one pass, dQ through atomics), "tma" (the split pair with TMA descriptors), "tma_merged" (the "tma"
     pair as one launch, key tile t and query tile t per program) or "fused_tma" (the fused pass with TMA, dQ by bulk
-    reduce), "gluon" (the "tma" pair's dK/dV kernel and the warp-specialized Gluon dQ kernel of
-    ``attention_gluon.py``; the "tma" pair where that does not apply). TMA kinds fall back to their pointer twins
+    reduce), "gluon" (the warp-specialized Gluon dK/dV and dQ kernels of ``attention_gluon.py``; the "tma" pair
+    where they do not apply). TMA kinds fall back to their pointer twins
     ("tma_merged", "gluon": "split") where ``_use_tma`` says no."""
     variant = _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
     return ("tma_merged" if _hopper() else "split") if variant == "auto" else variant
 
 
 def forward_variant() -> str:
-    """``ARENO_ATTN_FWD``: "auto" (default: "tma" on sm_90+, else "default"), "default" (pointer loads), "tma"
-    (TMA descriptors) or "gluon" (the Gluon kernel of ``attention_gluon.py``, sm_90 bf16/fp16; inputs it does not
-    apply to run "tma")."""
+    """``ARENO_ATTN_FWD``: "auto" (default: "gluon" on sm_90+ where this Triton has Gluon, else "tma" on sm_90+,
+    else "default"), "default" (pointer loads), "tma" (TMA descriptors) or "gluon" (the Gluon kernels of
+    ``attention_gluon.py``, sm_90 bf16/fp16; inputs they do not apply to run "tma")."""
     variant = _variant("ARENO_ATTN_FWD", FWD_VARIANTS)
-    return ("tma" if _hopper() else "default") if variant == "auto" else variant
+    if variant != "auto":
+        return variant
+    return ("gluon" if attention_gluon.available() else "tma") if _hopper() else "default"
 
 
 @functools.cache
@@ -496,7 +500,7 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     if use_tma:
         _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
                            fused, merged=variant == "tma_merged",
-                           gluon_dq=variant == "gluon" and attention_gluon.applies(q, k, v, "dq") is None)
+                           gluon=variant == "gluon" and attention_gluon.applies(q, k, v, "dq") is None)
         return dq.to(q.dtype), dk, dv
     if fused:
         if max_k > 0:
@@ -526,9 +530,9 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
 
 
 def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                       fused, merged=False, gluon_dq=False):
+                       fused, merged=False, gluon=False):
     """The split (or fused, or merged) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk,
-    dv; fused: dq is the fp32 accumulator, already zeroed; gluon_dq: dQ by the Gluon kernel."""
+    dv; fused: dq is the fp32 accumulator, already zeroed; gluon: the Gluon dK/dV and dQ kernels."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
@@ -554,12 +558,15 @@ def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, m
         else:
             dk.zero_(), dv.zero_()
         return
-    if max_k > 0:
+    if max_k > 0 and gluon:
+        attention_gluon.backward_dkdv(q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, max_k, bucket, causal,
+                                      scale * _LOG2E, scale)
+    elif max_k > 0:
         _launch("dkdv_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, dk, dv, lse, delta, cu_q, cu_k,
                 scale * _LOG2E, scale, dk.stride(0), lse.stride(0), Hq // Hkv, **common)
     else:
         dk.zero_(), dv.zero_()
-    if max_q > 0 and gluon_dq:
+    if max_q > 0 and gluon:
         attention_gluon.backward_dq(q, k, v, do, dq, lse, delta, cu_q, cu_k, max_q, bucket, causal, scale * _LOG2E,
                                     scale)
     elif max_q > 0:

@@ -39,7 +39,6 @@ try:  # Gluon is experimental: older Tritons lack it, and its API moves between 
         mbarrier,
         tma,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -391,8 +390,8 @@ if _IMPORT_ERROR is None:
                      v_empty, WG, q_start, row0, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, sm_scale, stride_dqt,
                      stride_dqh, stride_lh, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """A dQ consumer warpgroup: query rows row0 + [0, 64): per key block S = Q K^T and dP = dO V^T issued
-        together, P = exp2(S - LSE) while dP runs, dS = P (dP - delta), dQ += dS K left running into the next block
-        (waited for after that block's S and dP are issued, then its K slot is released)."""
+        together, P = exp2(S - LSE) while dP runs, dS = P (dP - delta), dQ += dS K; each slot released as soon as
+        its last reader has completed."""
         HALF: gl.constexpr = desc_dq.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_dq.block_type.shape[1]
         dtype: gl.constexpr = desc_dq.dtype
@@ -415,21 +414,17 @@ if _IMPORT_ERROR is None:
         lse = gl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
         delta = gl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
-        dq = warpgroup_mma_init(gl.zeros([HALF, HEAD_D], gl.float32, dq_layout))  # loop-carried as a wgmma result
-        ds = gl.zeros([HALF, BLOCK_N], dtype, gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
+        dq = gl.zeros([HALF, HEAD_D], gl.float32, dq_layout)
         q_half = q_smem.index(WG)
         mbarrier.wait(q_bar, 0)
-        q = q_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         for j in range(0, n_mine):
             slot = j % STAGES
             phase = (j // STAGES) & 1
             mbarrier.wait(k_ready.index(slot), phase)
-            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(slot), phase)
             dp = warpgroup_mma(do_smem.index(WG), v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
                                is_async=True)
-            dq, ds = warpgroup_mma_wait(2, deps=(dq, ds))  # the previous block's dS K is done: release its K
-            mbarrier.arrive(k_empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
             qk = warpgroup_mma_wait(1, deps=(qk, ))
             p = gl.exp2(qk * qk_scale - lse[:, None])
             if j >= n_full:
@@ -443,8 +438,10 @@ if _IMPORT_ERROR is None:
             ds = (p * (dp - delta[:, None])).to(dtype)
             ds = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
             dq = warpgroup_mma(ds, k_smem.index(slot), dq, is_async=True)
-        dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
-        mbarrier.arrive(k_empty.index((n_mine + STAGES - 1) % STAGES), count=1, pred=n_mine > 0)
+            # waited here, not under the next block's products: a wgmma left in flight across the loop's back edge
+            # makes ptxas serialize every wgmma of the kernel ("insufficient register resources")
+            dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+            mbarrier.arrive(k_empty.index(slot), count=1)
         for j in range(n_mine, n_blocks):  # the tile's blocks right of this half's diagonal: release them in order
             slot = j % STAGES
             mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -454,7 +451,7 @@ if _IMPORT_ERROR is None:
 
         out = (dq * sm_scale).to(dtype)
         if row0 + HALF <= Lq:
-            q_half.store(out)  # this half's Q was read into registers at the start
+            q_half.store(out)  # every wgmma that read this half's Q has completed
             fence_async_shared()
             tma.async_copy_shared_to_global(desc_dq, [q_start + row0, q_col], q_half)
             tma.store_wait(0)
@@ -523,16 +520,166 @@ if _IMPORT_ERROR is None:
                           k_empty, v_empty, q_start + row0, q_col, k_start, kv_col, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
+    @gluon.jit
+    def _dkdv_loader(desc_q, desc_do, desc_k, desc_v, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready, q_empty,
+                     k_row, kv_col, q_start, m_lo, nq, hk, GROUP, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The dK/dV kernel's load partition: both 64-row halves of the K and V tiles, then Q and dO of every query
+        block [m_lo, Lq) of every query head of the GQA group, into the ring."""
+        HALF: gl.constexpr = desc_k.block_type.shape[0]
+        HEAD_D: gl.constexpr = desc_k.block_type.shape[1]
+        mbarrier.expect(kv_bar, 4 * desc_k.block_type.nbytes)
+        for w in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc_k, [k_row + w * HALF, kv_col], kv_bar, k_smem.index(w))
+            tma.async_copy_global_to_shared(desc_v, [k_row + w * HALF, kv_col], kv_bar, v_smem.index(w))
+        for t in range(GROUP * nq):
+            slot = t % STAGES
+            g = t // nq
+            row = q_start + m_lo + (t - g * nq) * BLOCK_M
+            col = (hk * GROUP + g) * HEAD_D
+            mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(slot), 2 * desc_q.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_q, [row, col], q_ready.index(slot), q_ring.index(slot))
+            tma.async_copy_global_to_shared(desc_do, [row, col], q_ready.index(slot), do_ring.index(slot))
+
+    @gluon.jit
+    def _dkdv_consumer(desc_dk, desc_dv, DK, DV, LSE, DELTA, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
+                       q_empty, WG, k_start, key0, Lq, Lk, diag, hk, q_start, m_lo, nq, GROUP, qk_scale, sm_scale,
+                       stride_dkt, stride_dkh, stride_lh, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """A dK/dV consumer warpgroup: keys key0 + [0, 64). Per query block: S^T = K Q^T and dP^T = V dO^T issued
+        together, P^T = exp2(S^T - LSE) while dP^T runs, dV += P^T dO issued, then dS^T = P^T (dP^T - delta) and
+        dK += dS^T Q (dV still running); the block's Q / dO slot is released once both have completed."""
+        HALF: gl.constexpr = desc_dk.block_type.shape[0]
+        HEAD_D: gl.constexpr = desc_dk.block_type.shape[1]
+        dtype: gl.constexpr = desc_dk.dtype
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
+        keys = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
+        offs_q = gl.arange(0, BLOCK_M, layout=col_s)
+        if CAUSAL:  # query blocks from m_full on see every key of this half: no mask
+            m_full = gl.cdiv(gl.maximum(key0 + HALF - 1 - diag, 0), BLOCK_M) * BLOCK_M
+        else:
+            m_full = 0
+        zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
+        dk = gl.zeros([HALF, HEAD_D], gl.float32, kv_layout)
+        dv = gl.zeros([HALF, HEAD_D], gl.float32, kv_layout)
+        k_half = k_smem.index(WG)
+        v_half = v_smem.index(WG)
+        mbarrier.wait(kv_bar, 0)
+        for t in range(GROUP * nq):
+            slot = t % STAGES
+            g = t // nq
+            mb = m_lo + (t - g * nq) * BLOCK_M
+            h = hk * GROUP + g
+            rows = mb + offs_q
+            row_ok = rows < Lq
+            lse = gl.load(LSE + h * stride_lh + q_start + rows, mask=row_ok, other=float("inf"))
+            delta = gl.load(DELTA + h * stride_lh + q_start + rows, mask=row_ok, other=0.0)
+            mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
+            st = warpgroup_mma(k_half, q_ring.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_half, do_ring.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st, ))
+            pt = gl.exp2(st * qk_scale - lse[None, :])  # rows past Lq: LSE = +inf, P = 0
+            if mb < m_full:
+                pt = gl.where(rows[None, :] + diag >= keys[:, None], pt, 0.0)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do_ring.index(slot), dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dP^T done, dV may still run
+            dst_op = gl.convert_layout((pt * (dpt - delta[None, :])).to(dtype), op_layout)
+            dk = warpgroup_mma(dst_op, q_ring.index(slot), dk, is_async=True)
+            # both waited here (see the dQ consumer: nothing left in flight across the back edge)
+            dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+
+        dk_out = (dk * sm_scale).to(dtype)
+        dv_out = dv.to(dtype)
+        if key0 + HALF <= Lk:
+            k_half.store(dk_out)  # every wgmma that read this half's K and V has completed
+            v_half.store(dv_out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc_dk, [k_start + key0, hk * HEAD_D], k_half)
+            tma.async_copy_shared_to_global(desc_dv, [k_start + key0, hk * HEAD_D], v_half)
+            tma.store_wait(0)
+        elif key0 < Lk:  # the sequence's last keys: a descriptor store would write into the next sequence
+            rows_k = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, kv_layout))
+            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+            off = (k_start + rows_k)[:, None].to(gl.int64) * stride_dkt + hk * stride_dkh + offs_d[None, :]
+            mask = (rows_k < Lk)[:, None]
+            gl.store(DK + off, dk_out, mask=mask)
+            gl.store(DV + off, dv_out, mask=mask)
+
+    @gluon.jit(do_not_specialize=["stride_lh"])
+    def _attn_bwd_dkdv_gluon_kernel(
+        desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
+        stride_dkt, stride_dkh, stride_lh, GROUP, SEQ_BUCKET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """dK, dV of a [BLOCK_N = 128, D] key tile of one KV head, warp-specialized: a load warp (the K / V halves,
+        then Q and dO of each query block of each query head of the group) and two consumer warpgroups of 64 keys
+        each sharing every Q / dO tile. Blocks the tile's first half needs and its second does not (left of the
+        second half's diagonal) are computed by both, fully masked for the second."""
+        HALF: gl.constexpr = desc_k.block_type.shape[0]
+        HEAD_D: gl.constexpr = desc_k.block_type.shape[1]
+        dtype: gl.constexpr = desc_k.dtype
+        gl.static_assert(BLOCK_N == 2 * HALF)
+        n0 = gl.program_id(0) * BLOCK_N
+        b = gl.program_id(1)
+        hk = gl.program_id(2)
+        k_start = gl.load(CU_K + b)
+        Lk = gl.load(CU_K + b + 1) - k_start
+        if n0 >= Lk:
+            return
+        q_start = gl.load(CU_Q + b)
+        Lq = gl.load(CU_Q + b + 1) - q_start
+        diag = Lk - Lq
+        if CAUSAL:
+            m_lo = gl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
+        else:
+            m_lo = 0
+        nq = gl.maximum(gl.cdiv(Lq - m_lo, BLOCK_M), 0)
+
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], desc_q.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], desc_do.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_v.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+
+        kv_col = hk * HEAD_D
+        gl.warp_specialize([
+            (_dkdv_consumer, (desc_dk, desc_dv, DK, DV, LSE, DELTA, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
+                              q_empty, 0, k_start, n0, Lq, Lk, diag, hk, q_start, m_lo, nq, GROUP, qk_scale, sm_scale,
+                              stride_dkt, stride_dkh, stride_lh, CAUSAL, BLOCK_M, STAGES)),
+            (_dkdv_consumer, (desc_dk, desc_dv, DK, DV, LSE, DELTA, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
+                              q_empty, 1, k_start, n0 + HALF, Lq, Lk, diag, hk, q_start, m_lo, nq, GROUP, qk_scale,
+                              sm_scale, stride_dkt, stride_dkh, stride_lh, CAUSAL, BLOCK_M, STAGES)),
+            (_dkdv_loader, (desc_q, desc_do, desc_k, desc_v, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
+                            q_empty, k_start + n0, kv_col, q_start, m_lo, nq, hk, GROUP, BLOCK_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
 def _is_ws(kwargs: dict) -> bool:
     return "CONSUMER_REGS" in kwargs
 
 
 def _fit(args: dict) -> None:
     """Autotune pre_hook: each descriptor's block rows follow the config (Q, O: BLOCK_M, or BLOCK_M / 2 for the
-    warp-specialized kernel's consumer halves; K, V: BLOCK_N)."""
-    q_rows = args["BLOCK_M"] // 2 if _is_ws(args) else args["BLOCK_M"]
+    warp-specialized kernels' consumer halves; K, V: BLOCK_N; the dK/dV kernel: Q, dO BLOCK_M, K, V, dK, dV
+    BLOCK_N / 2)."""
+    if "desc_dk" in args:  # the dK/dV kernel: 64-key halves, whole query blocks
+        q_rows, k_rows = args["BLOCK_M"], args["BLOCK_N"] // 2
+    else:
+        q_rows, k_rows = (args["BLOCK_M"] // 2 if _is_ws(args) else args["BLOCK_M"]), args["BLOCK_N"]
     for name, rows in (("desc_q", q_rows), ("desc_o", q_rows), ("desc_do", q_rows), ("desc_dq", q_rows),
-                       ("desc_k", args["BLOCK_N"]), ("desc_v", args["BLOCK_N"])):
+                       ("desc_k", k_rows), ("desc_v", k_rows), ("desc_dk", k_rows), ("desc_dv", k_rows)):
         if name in args:
             args[name].block_shape = [rows, args[name].block_shape[1]]
 
@@ -550,13 +697,31 @@ def _ws_config(bn: int, stages: int, consumer_regs: int = 240, maxnreg: int = 16
                          num_warps=4, maxnreg=maxnreg, pre_hook=_fit)
 
 
-# Candidates per head dim. Shared memory per program: Q [BLOCK_M, D] plus STAGES K and V tiles [BLOCK_N, D] (bf16);
-# 64-row tiles on 4 warps leave room for two programs per SM.
+# Candidates per head dim; the first decides the kernel the autotuner chooses among (plain or warp-specialized).
+# Shared memory per program: Q [BLOCK_M, D] plus STAGES K and V tiles [BLOCK_N, D] (bf16); 64-row plain tiles on 4
+# warps leave room for two programs per SM. d128 measured (H200, K1 forward, ``.devsrc``-free: see bench/RESULTS.md,
+# K1): warp-specialized 128 x 128 / 232 registers 1.06-1.11 ms, 128 x 64 1.13-1.17, plain 64 x 64 with Q in
+# registers 1.11-1.21, the Triton TMA forward 1.19-1.35 (SDPA cuDNN 1.00-1.07 in the same runs).
 CONFIGS = {
     64: [_config(64, 64, 4, 2, True), _config(128, 128, 8, 2), _config(64, 128, 4, 2), _config(128, 64, 8, 3)],
-    128: [_config(64, 64, 4, 2, True), _config(64, 64, 4, 3, True), _config(64, 64, 4, 3), _config(128, 128, 8, 2),
-          _ws_config(64, 2), _ws_config(128, 2)],
+    128: [_ws_config(128, 2, 232), _ws_config(64, 2, 232), _ws_config(128, 2), _config(64, 64, 4, 2, True),
+          _config(64, 64, 4, 3, True)],
     256: [_config(64, 64, 4, 2), _config(128, 64, 8, 2), _config(64, 32, 4, 2)],
+}
+
+
+def _dkdv_config(bm: int, stages: int, consumer_regs: int = 240, maxnreg: int = 168) -> triton.Config:
+    """A candidate of the dK/dV kernel: 128 keys (two 64-key consumer warpgroups) per program, query blocks of
+    ``bm`` rows in a ring of ``stages``."""
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "STAGES": stages, "CONSUMER_REGS": consumer_regs},
+                         num_warps=4, maxnreg=maxnreg, pre_hook=_fit)
+
+
+# dK/dV, d128 measured (H200, K1): 32-row query blocks / 3 stages 2.28-2.33 ms, 64 / 2 2.51-2.54 (the Triton TMA
+# dK/dV kernel: 2.19). The dQ kernel: 1.32-1.35 ms (Triton's: 1.33).
+DKDV_CONFIGS = {
+    64: [_dkdv_config(64, 2), _dkdv_config(32, 3)],
+    128: [_dkdv_config(32, 3), _dkdv_config(64, 2), _dkdv_config(32, 2)],
 }
 # The dQ kernel (warp-specialized only): shared memory holds both halves of Q and dO besides the K / V ring.
 DQ_CONFIGS = {
@@ -566,9 +731,9 @@ DQ_CONFIGS = {
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fwd") -> str | None:
-    """Why the Gluon forward (``kind`` "fwd") or dQ kernel ("dq") cannot run these inputs (None when it can): it
-    needs this Triton's Gluon, an sm_90 GPU, bf16/fp16 and a head_dim of its candidate lists (fwd 64, 128, 256; dq
-    64, 128) packed as the TMA kernels need it."""
+    """Why the Gluon forward (``kind`` "fwd"), dQ ("dq") or dK/dV ("dkdv") kernel cannot run these inputs (None
+    when it can): it needs this Triton's Gluon, an sm_90 GPU, bf16/fp16 and a head_dim of its candidate lists (fwd
+    64, 128, 256; dq and dkdv 64, 128) packed as the TMA kernels need it."""
     from areno.kernels.attention_tma import tma_layout_ok
 
     if not available():
@@ -577,7 +742,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fwd"
         return "it needs an sm_90 (Hopper) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"it needs bf16 or fp16 inputs, got {q.dtype}"
-    dims = DQ_CONFIGS if kind == "dq" else CONFIGS
+    dims = {"dq": DQ_CONFIGS, "dkdv": DKDV_CONFIGS}.get(kind, CONFIGS)
     if q.shape[-1] not in dims:
         return f"it needs head_dim {' / '.join(map(str, dims))}, got {q.shape[-1]}"
     if not tma_layout_ok(q, k, v):
@@ -595,18 +760,20 @@ def descriptor(t: torch.Tensor, rows: int = 64):
 
 @functools.cache
 def _tuned(head_dim: int, kind: str):
-    """The autotuned kernel of ``kind``: "fwd" (plain), "fwd_ws" (warp-specialized) or "dq"."""
+    """The autotuned kernel of ``kind``: "fwd" (plain), "fwd_ws" (warp-specialized), "dq" or "dkdv"."""
     from areno.kernels.dispatch import autotune_candidates
 
     if kind == "dq":
         configs, kernel = DQ_CONFIGS[head_dim], _attn_bwd_dq_gluon_kernel
+    elif kind == "dkdv":
+        configs, kernel = DKDV_CONFIGS[head_dim], _attn_bwd_dkdv_gluon_kernel
     else:
         configs = [c for c in CONFIGS[head_dim] if _is_ws(c.kwargs) == (kind == "fwd_ws")]
         kernel = _attn_fwd_gluon_ws_kernel if kind == "fwd_ws" else _attn_fwd_gluon_kernel
     return triton.autotune(configs=autotune_candidates(configs), key=["SEQ_BUCKET", "CAUSAL", "GROUP"])(kernel)
 
 
-FORCE_CONFIG: dict = {}  # tests pin one config per kind here ({"fwd" or "dq": triton.Config}) to check each one
+FORCE_CONFIG: dict = {}  # tests pin one config per kind here ({"fwd", "dq" or "dkdv": triton.Config})
 
 
 def forward(q, k, v, o, lse, cu_q, cu_k, max_q, seq_bucket, causal, qk_scale):
@@ -637,10 +804,24 @@ def backward_dq(q, k, v, do, dq, lse, delta, cu_q, cu_k, max_q, seq_bucket, caus
     _tuned(D, "dq")[grid](*args, CAUSAL=causal)
 
 
-def _launch_forced(kernel, cfg: triton.Config, args: tuple, max_q: int, B: int, Hq: int, causal: bool) -> None:
+def backward_dkdv(q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, max_k, seq_bucket, causal, qk_scale, sm_scale):
+    """Fill ``dk``, ``dv`` ([T, Hkv, D], packed, k's dtype) as ``backward_dq`` fills dQ."""
+    B, Hkv, D = cu_k.numel() - 1, k.shape[1], k.shape[2]
+    args = (descriptor(q), descriptor(k), descriptor(v), descriptor(do), descriptor(dk), descriptor(dv), dk, dv, lse,
+            delta, cu_q, cu_k, qk_scale, sm_scale, dk.stride(0), dk.stride(1), lse.stride(0), q.shape[1] // Hkv,
+            seq_bucket)
+    if "dkdv" in FORCE_CONFIG:
+        _launch_forced(_attn_bwd_dkdv_gluon_kernel, FORCE_CONFIG["dkdv"], args, max_k, B, Hkv, causal, "BLOCK_N")
+        return
+    grid = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), B, Hkv)  # noqa: E731
+    _tuned(D, "dkdv")[grid](*args, CAUSAL=causal)
+
+
+def _launch_forced(kernel, cfg: triton.Config, args: tuple, rows: int, B: int, H: int, causal: bool,
+                   tile: str = "BLOCK_M") -> None:
     named = dict(zip(kernel.arg_names, args))
     _fit({**named, **cfg.kwargs})
-    grid = (triton.cdiv(max_q, cfg.kwargs["BLOCK_M"]), B, Hq)
+    grid = (triton.cdiv(rows, cfg.kwargs[tile]), B, H)
     kernel[grid](*args, CAUSAL=causal, **cfg.kwargs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
 
 
@@ -653,10 +834,18 @@ def compile_sm90(cfg: triton.Config, head_dim: int = 128, causal: bool = True, d
 
     ws = _is_ws(cfg.kwargs)
     bm, bn = cfg.kwargs["BLOCK_M"] // (2 if ws else 1), cfg.kwargs["BLOCK_N"]
+    if kind == "dkdv":
+        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"] // 2
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
     lay = {r: gl.NVMMASharedLayout.get_default_for([r, head_dim], gdt) for r in (bm, bn)}
     desc = {r: f"tensordesc<{dtype}[{r}, {head_dim}],{lay[r]!r}>" for r in (bm, bn)}
-    if kind == "dq":
+    if kind == "dkdv":
+        kernel = _attn_bwd_dkdv_gluon_kernel
+        sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_do": desc[bm], "desc_dk": desc[bn],
+               "desc_dv": desc[bn], "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32",
+               "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "stride_dkt": "i32",
+               "stride_dkh": "i32", "stride_lh": "i32"}
+    elif kind == "dq":
         kernel = _attn_bwd_dq_gluon_kernel
         sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_do": desc[bm], "desc_dq": desc[bm],
                "DQ": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",

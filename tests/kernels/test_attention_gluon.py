@@ -20,6 +20,7 @@ from areno.kernels import attention_gluon
 
 attention_module = importlib.import_module("areno.kernels.attention")
 
+LISTS = {"fwd": attention_gluon.CONFIGS, "dq": attention_gluon.DQ_CONFIGS, "dkdv": attention_gluon.DKDV_CONFIGS}
 needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this triton has no Gluon Hopper language")
 
 
@@ -30,7 +31,7 @@ import json, re, sys
 from areno.kernels import attention_gluon as g
 out = {}
 for kind, d, i, causal, dtype in json.loads(sys.argv[1]):
-    cfg = (g.DQ_CONFIGS if kind == "dq" else g.CONFIGS)[d][i]
+    cfg = {"dq": g.DQ_CONFIGS, "dkdv": g.DKDV_CONFIGS, "fwd": g.CONFIGS}[kind][d][i]
     ptx = g.compile_sm90(cfg, head_dim=d, causal=causal, dtype=dtype, kind=kind).asm["ptx"]
     out[f"{kind}/{d}/{i}/{causal}/{dtype}"] = {
         "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n\\d+k16\\.f32\\.(\\w+)\\.", ptx))),
@@ -47,11 +48,11 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    jobs = [(kind, 128, i, c, "bf16") for kind, lists in (("fwd", attention_gluon.CONFIGS),
-                                                           ("dq", attention_gluon.DQ_CONFIGS))
-            for i in range(len(lists[128])) for c in (True, False)]
+    jobs = [(kind, 128, i, c, "bf16") for kind, lists in LISTS.items() for i in range(len(lists[128]))
+            for c in (True, False)]
     jobs += [("fwd", 64, 0, True, "bf16"), ("fwd", 256, 0, True, "bf16"), ("fwd", 128, 0, True, "fp16"),
-             ("dq", 64, 0, True, "bf16"), ("dq", 128, 0, True, "fp16")]
+             ("dq", 64, 0, True, "bf16"), ("dq", 128, 0, True, "fp16"), ("dkdv", 64, 0, True, "bf16"),
+             ("dkdv", 128, 0, True, "fp16")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(jobs)], env=env, cwd=root, capture_output=True,
@@ -66,15 +67,17 @@ def test_every_candidate_compiles_for_sm90_with_the_pipelined_loop(compiled):
     structure: Q and the K/V ring by TMA, the scores and the previous block's P V issued as wgmma groups before
     waiting for the scores alone (``wgmma.wait_group 1``), O by TMA store; the warp-specialized candidates also
     move registers between partitions (``setmaxnreg``) and synchronise without CTA-wide barriers."""
-    assert len(compiled) == 2 * (len(attention_gluon.CONFIGS[128]) + len(attention_gluon.DQ_CONFIGS[128])) + 5
+    assert len(compiled) == 2 * sum(len(lists[128]) for lists in LISTS.values()) + 7
     for key, info in compiled.items():
         kind, d, i, _, dtype = key.split("/")
-        cfg = (attention_gluon.DQ_CONFIGS if kind == "dq" else attention_gluon.CONFIGS)[int(d)][int(i)]
+        cfg = LISTS[kind][int(d)][int(i)]
         assert info["mma"] == [{"bf16": "bf16", "fp16": "f16"}[dtype]], (key, info)
         assert info["wait1"] >= 1, (key, "S_j and P_{j-1} V_{j-1} are not overlapped")
         assert info["store"] >= 1 and info["waits"] >= 3, (key, info)
         if "CONSUMER_REGS" in cfg.kwargs:  # warp-specialized: registers moved to the consumers, no CTA-wide barrier
-            assert info["loads"] >= (6 if kind == "dq" else 4), (key, info)  # Q (and dO) halves, K and V
+            # the load warp's tiles: Q halves, then K and V (fwd); Q and dO halves, then K and V (dq); K and V
+            # halves, then Q and dO (dkdv)
+            assert info["loads"] >= (4 if kind == "fwd" else 6), (key, info)
             assert info["setmaxnreg"] >= 2 and info["cta_barriers"] == 0, (key, info)
         else:
             assert info["loads"] >= 3 + 2 * cfg.kwargs["STAGES"], (key, info)  # Q, the K/V ring, the refills
@@ -86,19 +89,27 @@ def test_applies_names_why_not():
     assert reason is not None and ("sm_90" in reason or "Gluon" in reason), reason
 
 
-def test_gluon_variant_falls_back_to_tma_where_it_does_not_apply(monkeypatch):
-    """ARENO_ATTN_FWD=gluon is accepted everywhere; off an sm_90 GPU (here: the CPU) the forward runs the TMA
-    kernel, or the pointer kernel where TMA does not apply either."""
-    assert "gluon" in attention_module.FWD_VARIANTS
+def test_gluon_variants_fall_back_to_tma_where_they_do_not_apply(monkeypatch):
+    """ARENO_ATTN_FWD=gluon / ARENO_ATTN_BWD=gluon are accepted everywhere; off an sm_90 GPU (here: the CPU) they
+    run the TMA kernels (or the pointer ones where TMA does not apply either), with the same results."""
+    assert "gluon" in attention_module.FWD_VARIANTS and "gluon" in attention_module.BWD_VARIANTS
     monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
-    assert attention_module.forward_variant() == "gluon"
+    monkeypatch.setenv("ARENO_ATTN_BWD", "gluon")
+    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("gluon", "gluon")
     called = []
-    monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: called.append(a))
-    q = torch.randn(12, 2, 16)
+    monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: called.append("fwd"))
+    monkeypatch.setattr(attention_gluon, "backward_dq", lambda *a, **k: called.append("dq"))
+    monkeypatch.setattr(attention_gluon, "backward_dkdv", lambda *a, **k: called.append("dkdv"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 2, 16, generator=g, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    out = attention_module.attention(q, q, q, cu, cu, 7, 7, causal=True)
-    want = attention_module.attention_reference(q, q, q, cu, cu, causal=True)
+    out = attention_module.attention(q, k, v, cu, cu, 7, 7, causal=True)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    want = attention_module.attention_reference(q, k, v, cu, cu, causal=True)
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert not called
 
 
@@ -116,20 +127,19 @@ GPU_SHAPES = {
 
 @pytest.mark.gpu
 @needs_gluon
-@pytest.mark.parametrize("kind,d,i", [("fwd", d, i) for d, c in attention_gluon.CONFIGS.items() for i in range(len(c))]
-                         + [("dq", d, i) for d, c in attention_gluon.DQ_CONFIGS.items() for i in range(len(c))])
+@pytest.mark.parametrize("kind,d,i", [(kind, d, i) for kind, lists in LISTS.items() for d, c in lists.items()
+                                      for i in range(len(c))])
 def test_gpu_every_candidate_matches_float64(kind, d, i, monkeypatch):
-    """ARENO_ATTN_FWD=gluon (forward candidates) / ARENO_ATTN_BWD=gluon (dQ candidates), one candidate pinned."""
+    """ARENO_ATTN_FWD=gluon (forward candidates) / ARENO_ATTN_BWD=gluon (dQ, dK/dV candidates), one pinned."""
     from tests.kernels.test_attention import _gpu_errors
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are sm_90 only")
     monkeypatch.setenv("ARENO_ATTN_FWD", "gluon" if kind == "fwd" else "tma")
-    monkeypatch.setenv("ARENO_ATTN_BWD", "gluon" if kind == "dq" else "tma")
-    lists = attention_gluon.CONFIGS if kind == "fwd" else attention_gluon.DQ_CONFIGS
-    monkeypatch.setattr(attention_gluon, "FORCE_CONFIG", {kind: lists[d][i]})
+    monkeypatch.setenv("ARENO_ATTN_BWD", "tma" if kind == "fwd" else "gluon")
+    monkeypatch.setattr(attention_gluon, "FORCE_CONFIG", {kind: LISTS[kind][d][i]})
     calls = []
-    name = "forward" if kind == "fwd" else "backward_dq"
+    name = {"fwd": "forward", "dq": "backward_dq", "dkdv": "backward_dkdv"}[kind]
     real = getattr(attention_gluon, name)
     monkeypatch.setattr(attention_gluon, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     for shape, (lq, lk, hq, hkv, causal) in GPU_SHAPES.items():
