@@ -521,6 +521,19 @@ if _IMPORT_ERROR is None:
         ], [4, 1], [CONSUMER_REGS, 24])
 
     @gluon.jit
+    def _rows_stats(LSE, DELTA, t, n_iter, nq, m_lo, hk, GROUP, q_start, Lq, stride_lh, offs_q,
+                    BLOCK_M: gl.constexpr):
+        """LSE and delta of the dK/dV loop's step t (query head hk * GROUP + t // nq, rows of its query block);
+        rows past Lq, and every row of a step past the loop, read LSE = +inf and delta = 0."""
+        g = t // gl.maximum(nq, 1)
+        h = hk * GROUP + g
+        rows = m_lo + (t - g * nq) * BLOCK_M + offs_q
+        ok = (rows < Lq) & (t < n_iter)
+        lse = gl.load(LSE + h * stride_lh + q_start + rows, mask=ok, other=float("inf"))
+        delta = gl.load(DELTA + h * stride_lh + q_start + rows, mask=ok, other=0.0)
+        return lse, delta
+
+    @gluon.jit
     def _dkdv_loader(desc_q, desc_do, desc_k, desc_v, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready, q_empty,
                      k_row, kv_col, q_start, m_lo, nq, hk, GROUP, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         """The dK/dV kernel's load partition: both 64-row halves of the K and V tiles, then Q and dO of every query
@@ -569,19 +582,21 @@ if _IMPORT_ERROR is None:
         dv = gl.zeros([HALF, HEAD_D], gl.float32, kv_layout)
         k_half = k_smem.index(WG)
         v_half = v_smem.index(WG)
+        n_iter = GROUP * nq
+        lse, delta = _rows_stats(LSE, DELTA, 0, n_iter, nq, m_lo, hk, GROUP, q_start, Lq, stride_lh, offs_q,
+                                 BLOCK_M)
         mbarrier.wait(kv_bar, 0)
-        for t in range(GROUP * nq):
+        for t in range(n_iter):
             slot = t % STAGES
             g = t // nq
             mb = m_lo + (t - g * nq) * BLOCK_M
-            h = hk * GROUP + g
             rows = mb + offs_q
-            row_ok = rows < Lq
-            lse = gl.load(LSE + h * stride_lh + q_start + rows, mask=row_ok, other=float("inf"))
-            delta = gl.load(DELTA + h * stride_lh + q_start + rows, mask=row_ok, other=0.0)
             mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
             st = warpgroup_mma(k_half, q_ring.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_half, do_ring.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+            # the next block's LSE / delta, loaded while this block's products run
+            lse_next, delta_next = _rows_stats(LSE, DELTA, t + 1, n_iter, nq, m_lo, hk, GROUP, q_start, Lq,
+                                               stride_lh, offs_q, BLOCK_M)
             st = warpgroup_mma_wait(1, deps=(st, ))
             pt = gl.exp2(st * qk_scale - lse[None, :])  # rows past Lq: LSE = +inf, P = 0
             if mb < m_full:
@@ -594,6 +609,8 @@ if _IMPORT_ERROR is None:
             # both waited here (see the dQ consumer: nothing left in flight across the back edge)
             dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
             mbarrier.arrive(q_empty.index(slot), count=1)
+            lse = lse_next
+            delta = delta_next
 
         dk_out = (dk * sm_scale).to(dtype)
         dv_out = dv.to(dtype)
@@ -720,8 +737,8 @@ def _dkdv_config(bm: int, stages: int, consumer_regs: int = 240, maxnreg: int = 
 # dK/dV, d128 measured (H200, K1): 32-row query blocks / 3 stages 2.28-2.33 ms, 64 / 2 2.51-2.54 (the Triton TMA
 # dK/dV kernel: 2.19). The dQ kernel: 1.32-1.35 ms (Triton's: 1.33).
 DKDV_CONFIGS = {
-    64: [_dkdv_config(64, 2), _dkdv_config(32, 3)],
-    128: [_dkdv_config(32, 3), _dkdv_config(64, 2), _dkdv_config(32, 2)],
+    64: [_dkdv_config(32, 3), _dkdv_config(64, 2)],
+    128: [_dkdv_config(32, 3), _dkdv_config(32, 2), _dkdv_config(32, 4)],
 }
 # The dQ kernel (warp-specialized only): shared memory holds both halves of Q and dO besides the K / V ring.
 DQ_CONFIGS = {
