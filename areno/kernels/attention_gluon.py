@@ -83,6 +83,50 @@ if _IMPORT_ERROR is None:
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_i, alpha
 
+    @gluon.jit
+    def _seq_tile(CU_Q, CU_K):
+        """A query-tile program's (tile, sequence, head), its sequence's query and key spans in the packed tensors
+        and diag = Lk - Lq (queries end-aligned on the keys). Tiles run in reverse: the longest (diagonal-most) ones
+        start first."""
+        start_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        b = gl.program_id(1)
+        h = gl.program_id(2)
+        q_start = gl.load(CU_Q + b)
+        Lq = gl.load(CU_Q + b + 1) - q_start
+        k_start = gl.load(CU_K + b)
+        Lk = gl.load(CU_K + b + 1) - k_start
+        return start_m, h, q_start, Lq, k_start, Lk, Lk - Lq
+
+    @gluon.jit
+    def _key_blocks(row0, ROWS: gl.constexpr, Lk, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key blocks query rows row0 + [0, ROWS) need: how many cover the keys any of them sees, and how many
+        leading ones every row sees whole (no mask)."""
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(Lk, row0 + ROWS + diag), 0)
+            full = gl.maximum(gl.minimum(row0 + diag + 1, Lk), 0)
+        else:
+            hi = Lk
+            full = Lk
+        return gl.cdiv(hi, BLOCK_N), full // BLOCK_N
+
+    @gluon.jit
+    def _store_rows(desc, PTR, out, smem, row0, n_valid, col, head, stride_t, stride_h, layout: gl.constexpr):
+        """Store the [ROWS, D] tile ``out`` (in ``layout``) at rows row0 + [0, n_valid) of a packed [T, H, D]
+        tensor: through ``smem`` and a TMA store when all ROWS rows are the sequence's, else (its last rows: a
+        descriptor store would write into the next sequence) by masked stores; nothing when n_valid <= 0."""
+        ROWS: gl.constexpr = out.shape[0]
+        HEAD_D: gl.constexpr = out.shape[1]
+        if n_valid >= ROWS:
+            smem.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc, [row0, col], smem)
+            tma.store_wait(0)
+        elif n_valid > 0:
+            rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+            ptrs = PTR + (row0 + rows)[:, None].to(gl.int64) * stride_t + head * stride_h + offs_d[None, :]
+            gl.store(ptrs, out, mask=(rows < n_valid)[:, None])
+
     @gluon.jit(do_not_specialize=["stride_lh"])
     def _attn_fwd_gluon_kernel(
         desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh, GROUP,
@@ -91,24 +135,11 @@ if _IMPORT_ERROR is None:
     ):  # fmt: skip
         HEAD_D: gl.constexpr = desc_q.block_type.shape[1]
         dtype: gl.constexpr = desc_q.dtype
-        start_m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest (diagonal-most) tiles start first
-        b = gl.program_id(1)
-        h = gl.program_id(2)
-        q_start = gl.load(CU_Q + b)
-        Lq = gl.load(CU_Q + b + 1) - q_start
+        start_m, h, q_start, Lq, k_start, Lk, diag = _seq_tile(CU_Q, CU_K)
         if start_m * BLOCK_M >= Lq:
             return
-        k_start = gl.load(CU_K + b)
-        Lk = gl.load(CU_K + b + 1) - k_start
-        diag = Lk - Lq
-        if CAUSAL:
-            hi = gl.maximum(gl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
-            full = gl.maximum(gl.minimum(start_m * BLOCK_M + diag + 1, Lk), 0)
-        else:
-            hi = Lk
-            full = Lk
-        n_full = full // BLOCK_N
-        n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a tile that sees no key runs one fully masked block
+        n_blocks, n_full = _key_blocks(start_m * BLOCK_M, BLOCK_M, Lk, diag, BLOCK_N, CAUSAL)
+        n_blocks = gl.maximum(n_blocks, 1)  # a tile that sees no key runs one fully masked block
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -186,16 +217,8 @@ if _IMPORT_ERROR is None:
         l_o = gl.convert_layout(l_i, row_o)
         o = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
         lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
-        if (start_m + 1) * BLOCK_M <= Lq:
-            q_smem.store(o)  # every wgmma that read Q has completed
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc_o, [q_row, q_col], q_smem)
-            tma.store_wait(0)
-        else:  # the sequence's last tile: a descriptor store would write into the next sequence
-            rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-            ptrs = O + (q_start + rows)[:, None].to(gl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
-            gl.store(ptrs, o, mask=(rows < Lq)[:, None])
+        # through q_smem: every wgmma that read Q has completed
+        _store_rows(desc_o, O, o, q_smem, q_row, Lq - start_m * BLOCK_M, q_col, h, stride_ot, stride_oh, o_layout)
         gl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
 
 
@@ -215,6 +238,33 @@ if _IMPORT_ERROR is None:
             mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_v, [k_start + j * BLOCK_N, kv_col], v_ready.index(slot),
                                             v_smem.index(slot))
+
+    @gluon.jit
+    def _release_kv(k_ready, v_ready, k_empty, v_empty, lo, hi, STAGES: gl.constexpr):
+        """A consumer's release of ring blocks [lo, hi) it does not read (each once loaded, in order)."""
+        for j in range(lo, hi):
+            slot = j % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+
+    @gluon.jit
+    def _kv_ring(desc_k, desc_v, STAGES: gl.constexpr):
+        """The warp-specialized kernels' K / V ring: STAGES tiles of each, ready barriers (the TMA's bytes) and
+        empty barriers (both consumer warpgroups' releases)."""
+        k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+        v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        return k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 
     @gluon.jit
     def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
@@ -245,14 +295,8 @@ if _IMPORT_ERROR is None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        if CAUSAL:
-            hi = gl.maximum(gl.minimum(Lk, row0 + HALF + diag), 0)
-            full = gl.maximum(gl.minimum(row0 + diag + 1, Lk), 0)
-        else:
-            hi = Lk
-            full = Lk
-        n_full = full // BLOCK_N
-        n_mine = gl.minimum(gl.maximum(gl.cdiv(hi, BLOCK_N), 1), n_blocks)
+        n_mine, n_full = _key_blocks(row0, HALF, Lk, diag, BLOCK_N, CAUSAL)
+        n_mine = gl.minimum(gl.maximum(n_mine, 1), n_blocks)
         offs_m = row0 + gl.arange(0, HALF, layout=row_s)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
@@ -290,26 +334,14 @@ if _IMPORT_ERROR is None:
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-        for j in range(n_mine, n_blocks):  # the tile's blocks right of this half's diagonal: release them in order
-            slot = j % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
-            mbarrier.arrive(v_empty.index(slot), count=1)
+        # the tile's blocks right of this half's diagonal: released in order, unread
+        _release_kv(k_ready, v_ready, k_empty, v_empty, n_mine, n_blocks, STAGES)
 
         l_o = gl.convert_layout(l_i, row_o)
         o = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
         lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
-        if row0 + HALF <= Lq:
-            q_half.store(o)  # this half's Q is no longer read
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc_o, [q_start + row0, q_col], q_half)
-            tma.store_wait(0)
-        elif row0 < Lq:  # the sequence's last rows: a descriptor store would write into the next sequence
-            rows = row0 + gl.arange(0, HALF, layout=row_o)
-            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-            ptrs = O + (q_start + rows)[:, None].to(gl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
-            gl.store(ptrs, o, mask=(rows < Lq)[:, None])
+        # through this half's Q tile, no longer read
+        _store_rows(desc_o, O, o, q_half, q_start + row0, Lq - row0, q_col, h, stride_ot, stride_oh, o_layout)
         gl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
 
     @gluon.jit(do_not_specialize=["stride_lh"])
@@ -326,36 +358,16 @@ if _IMPORT_ERROR is None:
         HEAD_D: gl.constexpr = desc_q.block_type.shape[1]
         dtype: gl.constexpr = desc_q.dtype
         gl.static_assert(BLOCK_M == 2 * HALF)
-        start_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        b = gl.program_id(1)
-        h = gl.program_id(2)
-        q_start = gl.load(CU_Q + b)
-        Lq = gl.load(CU_Q + b + 1) - q_start
+        start_m, h, q_start, Lq, k_start, Lk, diag = _seq_tile(CU_Q, CU_K)
         if start_m * BLOCK_M >= Lq:
             return
-        k_start = gl.load(CU_K + b)
-        Lk = gl.load(CU_K + b + 1) - k_start
-        diag = Lk - Lq
-        if CAUSAL:
-            hi = gl.maximum(gl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
-        else:
-            hi = Lk
-        n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+        n_blocks, _ = _key_blocks(start_m * BLOCK_M, BLOCK_M, Lk, diag, BLOCK_N, CAUSAL)
+        n_blocks = gl.maximum(n_blocks, 1)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_q.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_k.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_v.layout)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _kv_ring(desc_k, desc_v, STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-            mbarrier.init(v_empty.index(i), count=2)
 
         row0 = start_m * BLOCK_M
         q_col = h * HEAD_D
@@ -400,14 +412,8 @@ if _IMPORT_ERROR is None:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_D, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        if CAUSAL:
-            hi = gl.maximum(gl.minimum(Lk, row0 + HALF + diag), 0)
-            full = gl.maximum(gl.minimum(row0 + diag + 1, Lk), 0)
-        else:
-            hi = Lk
-            full = Lk
-        n_full = full // BLOCK_N
-        n_mine = gl.minimum(gl.cdiv(hi, BLOCK_N), n_blocks)
+        n_mine, n_full = _key_blocks(row0, HALF, Lk, diag, BLOCK_N, CAUSAL)
+        n_mine = gl.minimum(n_mine, n_blocks)
         offs_m = row0 + gl.arange(0, HALF, layout=row_s)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         row_ok = offs_m < Lq
@@ -442,24 +448,13 @@ if _IMPORT_ERROR is None:
             # makes ptxas serialize every wgmma of the kernel ("insufficient register resources")
             dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
             mbarrier.arrive(k_empty.index(slot), count=1)
-        for j in range(n_mine, n_blocks):  # the tile's blocks right of this half's diagonal: release them in order
-            slot = j % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
-            mbarrier.arrive(v_empty.index(slot), count=1)
+        # the tile's blocks right of this half's diagonal: released in order, unread
+        _release_kv(k_ready, v_ready, k_empty, v_empty, n_mine, n_blocks, STAGES)
 
         out = (dq * sm_scale).to(dtype)
-        if row0 + HALF <= Lq:
-            q_half.store(out)  # every wgmma that read this half's Q has completed
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc_dq, [q_start + row0, q_col], q_half)
-            tma.store_wait(0)
-        elif row0 < Lq:  # the sequence's last rows: a descriptor store would write into the next sequence
-            rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, dq_layout))
-            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, dq_layout))
-            ptrs = DQ + (q_start + rows)[:, None].to(gl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :]
-            gl.store(ptrs, out, mask=(rows < Lq)[:, None])
+        # through this half's Q tile: every wgmma that read it has completed
+        _store_rows(desc_dq, DQ, out, q_half, q_start + row0, Lq - row0, q_col, h, stride_dqt, stride_dqh,
+                    dq_layout)
 
     @gluon.jit(do_not_specialize=["stride_lh"])
     def _attn_bwd_dq_gluon_kernel(
@@ -474,37 +469,16 @@ if _IMPORT_ERROR is None:
         HEAD_D: gl.constexpr = desc_q.block_type.shape[1]
         dtype: gl.constexpr = desc_q.dtype
         gl.static_assert(BLOCK_M == 2 * HALF)
-        start_m = gl.num_programs(0) - 1 - gl.program_id(0)
-        b = gl.program_id(1)
-        h = gl.program_id(2)
-        q_start = gl.load(CU_Q + b)
-        Lq = gl.load(CU_Q + b + 1) - q_start
+        start_m, h, q_start, Lq, k_start, Lk, diag = _seq_tile(CU_Q, CU_K)
         if start_m * BLOCK_M >= Lq:
             return
-        k_start = gl.load(CU_K + b)
-        Lk = gl.load(CU_K + b + 1) - k_start
-        diag = Lk - Lq
-        if CAUSAL:
-            hi = gl.maximum(gl.minimum(Lk, (start_m + 1) * BLOCK_M + diag), 0)
-        else:
-            hi = Lk
-        n_blocks = gl.cdiv(hi, BLOCK_N)
+        n_blocks, _ = _key_blocks(start_m * BLOCK_M, BLOCK_M, Lk, diag, BLOCK_N, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_q.layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_do.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_k.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_v.layout)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _kv_ring(desc_k, desc_v, STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
 
         row0 = start_m * BLOCK_M
         q_col = h * HEAD_D
@@ -614,20 +588,11 @@ if _IMPORT_ERROR is None:
 
         dk_out = (dk * sm_scale).to(dtype)
         dv_out = dv.to(dtype)
-        if key0 + HALF <= Lk:
-            k_half.store(dk_out)  # every wgmma that read this half's K and V has completed
-            v_half.store(dv_out)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc_dk, [k_start + key0, hk * HEAD_D], k_half)
-            tma.async_copy_shared_to_global(desc_dv, [k_start + key0, hk * HEAD_D], v_half)
-            tma.store_wait(0)
-        elif key0 < Lk:  # the sequence's last keys: a descriptor store would write into the next sequence
-            rows_k = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, kv_layout))
-            offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-            off = (k_start + rows_k)[:, None].to(gl.int64) * stride_dkt + hk * stride_dkh + offs_d[None, :]
-            mask = (rows_k < Lk)[:, None]
-            gl.store(DK + off, dk_out, mask=mask)
-            gl.store(DV + off, dv_out, mask=mask)
+        # through this half's K and V tiles: every wgmma that read them has completed
+        _store_rows(desc_dk, DK, dk_out, k_half, k_start + key0, Lk - key0, hk * HEAD_D, hk, stride_dkt, stride_dkh,
+                    kv_layout)
+        _store_rows(desc_dv, DV, dv_out, v_half, k_start + key0, Lk - key0, hk * HEAD_D, hk, stride_dkt, stride_dkh,
+                    kv_layout)
 
     @gluon.jit(do_not_specialize=["stride_lh"])
     def _attn_bwd_dkdv_gluon_kernel(
