@@ -87,12 +87,12 @@ def measure(fwd, inputs):
     return t_fwd, t_bwd, t_all
 
 
-# (forward, backward) variant pairs that --variants times: today's default, the fused backward, the TMA forward with
-# each TMA backward (the split pair, the fused pass, the split pair merged into one launch), and the TMA forward
-# beside today's backward (the forward's LSE feeds every backward alike, so a forward and a backward can be picked
-# independently from these rows).
+# (forward, backward) variant pairs that --variants times: the pointer kernels, the fused backward, the TMA forward
+# with each TMA backward (the split pair, the fused pass, the split pair merged into one launch) and beside the pointer
+# backward, then the Gluon forward (today's sm_90 default) with the merged backward and with the Gluon backward (the
+# forward's LSE feeds every backward alike, so a forward and a backward can be picked independently from these rows).
 VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "fused_tma"), ("tma", "split"),
-                 ("tma", "tma_merged")]
+                 ("tma", "tma_merged"), ("gluon", "tma_merged"), ("gluon", "gluon")]
 
 
 def areno_attention(L, cu, variant):
