@@ -1,27 +1,41 @@
-"""Hopper (sm_90) attention forward written in Gluon (``triton.experimental.gluon``): ``ARENO_ATTN_FWD=gluon``.
+"""Hopper (sm_90) attention kernels written in Gluon (``triton.experimental.gluon``): the forward
+(``ARENO_ATTN_FWD=gluon``, the sm_90 default) and a dQ and a dK/dV kernel (``ARENO_ATTN_BWD=gluon``, opt-in).
 
-Same math, packed varlen layout, causal block split and outputs (O, base-2 LSE) as the TMA forward in
+Same math, packed varlen layout, causal block split and outputs (O, base-2 LSE; dQ, dK, dV) as the TMA kernels in
 ``attention_tma.py``; what Gluon adds is control over the order of the asynchronous work, which the Triton compiler
-decides for itself (and serialises: each ``tl.dot`` is waited for before the softmax that follows it):
+decides for itself (each ``tl.dot`` waited for before the code that follows it, a CTA-wide barrier before each TMA
+issue):
 
-- K and V tiles stream through a ring of ``STAGES`` shared-memory slots, each with its own mbarrier for K and for V,
-  loaded by TMA; a slot is refilled as soon as the wgmma that read it has completed (K after the scores, V after
-  P V), so loads run ``STAGES - 1`` blocks ahead;
-- FlashAttention-3's intra-warpgroup pipelining: for key block j the scores S_j = Q K_j^T and the previous block's
+- plain forward (``_attn_fwd_gluon_kernel``, d64 / d256): K and V stream through a ring of ``STAGES`` shared-memory
+  slots by TMA, each with its own mbarrier; a slot is refilled as soon as the wgmma that read it has completed.
+  FlashAttention-3's intra-warpgroup pipelining: for key block j the scores S_j = Q K_j^T and the previous block's
   O += P_{j-1} V_{j-1} are issued together as asynchronous wgmma groups; the warpgroup waits for S_j only
-  (``warpgroup_mma_wait(1)``: groups complete in order), runs block j's softmax while P V still runs on the tensor
-  cores, then waits for P V and rescales O. The tensor cores are busy during the softmax instead of idle;
-- P stays in registers (the wgmma A operand), converted from the score accumulator's layout without shared memory.
+  (``warpgroup_mma_wait(1)``: groups complete in order), runs block j's softmax while P V still runs, then waits for
+  P V and rescales O. P stays in registers (the wgmma A operand); Q may too (``Q_REGS``);
+- warp-specialized forward (``_attn_fwd_gluon_ws_kernel``, d128), FlashAttention-3's layout: a 128-row query tile,
+  one load warp issuing every TMA, two consumer warpgroups of 64 rows each running the loop above on their half and
+  sharing each K / V tile (half the K / V traffic of two 64-row programs). The partitions meet only at mbarriers
+  (ready: the TMA's bytes; empty: both consumers' releases), and ``setmaxnreg`` gives the load warp's group 24
+  registers and the consumers the rest;
+- dQ (``_attn_bwd_dq_gluon_kernel``): the warp-specialized forward's structure, per key block S = Q K^T and
+  dP = dO V^T issued together, P under dP, dQ += dS K;
+- dK/dV (``_attn_bwd_dkdv_gluon_kernel``): a 128-key tile, the load warp streaming Q and dO of every query block of
+  every query head of the GQA group, two consumer warpgroups of 64 keys each: S^T, dP^T together, dV += P^T dO while
+  dS^T forms, dK += dS^T Q.
+The backward kernels wait for each step's last products inside the step: a wgmma left in flight across a loop's back
+edge makes ptxas serialise every wgmma of the kernel ("insufficient register resources").
 
 Masking, bounds and the rows past a sequence's end are handled as in the TMA kernels (see ``attention_tma.py``): one
 descriptor over the packed ``[T, H * D]`` view, key blocks at or past ``full`` masked (keys past Lk, causal), query
-rows past Lq computed and not stored. A query tile that sees no key at all (Lk == 0, or causal with Lq > Lk) runs one
-fully masked block: O = 0, LSE = +inf.
+rows past Lq computed and not stored (their LSE = +inf makes P = 0 in the backward), key rows past Lk not stored.
+A forward query tile that sees no key at all (Lk == 0, or causal with Lq > Lk) runs one fully masked block: O = 0,
+LSE = +inf.
 
 Gluon compiles only for a GPU (no ``TRITON_INTERPRET``): the CPU tests compile every candidate offline for sm_90
-(``compile_sm90``) and check the PTX's asynchronous structure; the GPU tests compare with float64. Needs a Triton
-with Gluon's Hopper module (3.5+); ``available()`` says whether this one has it, and the dispatcher in
-``attention.py`` refuses ``ARENO_ATTN_FWD=gluon`` where it does not apply.
+(``compile_sm90``) and check the PTX's asynchronous structure; the GPU tests compare each with float64. Needs a Triton
+with Gluon's Hopper module (3.5+; the device's 3.6 and the CPU's 3.7 agree on what is used here): ``available()``
+says whether this one has it, ``applies()`` why a kernel cannot take given inputs, in which case ``attention.py``
+runs the TMA kernels instead.
 """
 
 from __future__ import annotations
