@@ -349,10 +349,21 @@ class Trainer:
         if ranks > 1 and not launched():
             raise RuntimeError(f"{ranks} ranks from the SDK need one process each: start the script with "
                                f"`torchrun --nproc-per-node {ranks} script.py`, or use `areno train`")
+        import torch.distributed as dist
+
+        from areno import parallel
+
+        # A process group this Trainer makes is its to end (as `areno train` does): left to the interpreter's exit,
+        # gloo's threads were sometimes destroyed unjoined ("terminate called without an active exception", a
+        # SIGABRT after the script's last line).
+        self._owns_group = not dist.is_initialized()
         if config.split and int(os.environ.get("RANK", "0")) >= config.world_size:
             from areno.rl.rollout_remote import serve
 
-            raise SystemExit(serve(config))  # a rollout rank serves until the train side closes, then leaves
+            rc = serve(config)  # a rollout rank serves until the train side closes, then leaves
+            if self._owns_group:
+                parallel.destroy_distributed()
+            raise SystemExit(rc)
         self.loop = TrainLoop(config, sdk=getattr(self, "train_config", None) is None)
         self.loop.setup()
         return self
@@ -418,6 +429,11 @@ class Trainer:
         if loop is not None:
             loop.close()
             self.loop = None
+        if getattr(self, "_owns_group", False):
+            from areno import parallel
+
+            parallel.destroy_distributed()
+            self._owns_group = False
 
     def __enter__(self):
         return self
