@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
+from common import append_jsonl, env_info, gpu_time_ms, graph_replay, print_table  # noqa: E402
 
 from areno.kernels.paged_attention import store_kvcache  # noqa: E402
 from areno.kernels.rms_norm import rms_norm  # noqa: E402
@@ -44,20 +44,6 @@ def unfused(qkv, pos, cos, sin, hq, hkv, d, wq, wk, eps, k_cache, v_cache, slots
 def eager(fn, layers):
     for _ in range(layers):
         fn()
-
-
-def graph_of(fn, layers):
-    """A CUDA graph of ``layers`` calls of ``fn`` (warmed up outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
-    return graph
 
 
 def main() -> None:
@@ -94,9 +80,8 @@ def main() -> None:
         with torch.inference_mode():
             for name, fn in impls.items():
                 call = functools.partial(fn, qkv, pos, cos, sin, hq, hkv, d, wq, wk, eps, k_cache, v_cache, slots)
-                graph = graph_of(call, args.layers)
                 layers = functools.partial(eager, call, args.layers)
-                times[name, "graph"] = gpu_time_ms(graph.replay, iters=args.iters) / args.layers
+                times[name, "graph"] = gpu_time_ms(graph_replay(layers), iters=args.iters) / args.layers
                 times[name, "eager"] = gpu_time_ms(layers, iters=args.iters) / args.layers
         for (name, mode), ms in times.items():
             gb_s = nbytes / (ms * 1e-3) / 1e9

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
+from bench.common import append_jsonl, env_info, gpu_time_ms, graph_replay, print_table  # noqa: E402
 
 
 def torch_sample(logits, temp, top_k=None, top_p=None):
@@ -40,16 +40,7 @@ def torch_sample(logits, temp, top_k=None, top_p=None):
 def _graphed(fn):
     """Capture fn() once; return a callable that replays it (None if capture fails)."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay
+        return graph_replay(fn)
     except Exception as e:
         print(f"note: CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
         return None
