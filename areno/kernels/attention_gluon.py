@@ -141,6 +141,66 @@ if _IMPORT_ERROR is None:
             ptrs = PTR + (row0 + rows)[:, None].to(gl.int64) * stride_t + head * stride_h + offs_d[None, :]
             gl.store(ptrs, out, mask=(rows < n_valid)[:, None])
 
+    @gluon.jit
+    def _release(desc, smem, ready, empty, blk, n_blocks, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 WS: gl.constexpr):
+        """Done with key block ``blk``'s K (or V) slot: a warp-specialized consumer hands it back to the load warp
+        (its empty barrier); the plain kernel refills it itself with block blk + STAGES."""
+        if WS:
+            mbarrier.arrive(empty.index(blk % STAGES), count=1)
+        else:
+            _load_kv(desc, smem, ready, blk + STAGES, n_blocks, row0, col, BLOCK_N, STAGES)
+
+    @gluon.jit
+    def _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, desc_k, desc_v, k_start, kv_col, n_iter,
+                n_blocks, n_full, offs_m, offs_n, diag, Lk, qk_scale, acc, m_i, l_i, zero_s, p_layout: gl.constexpr,
+                row_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                WS: gl.constexpr):
+        """The forward's pipelined loop over key blocks [0, n_iter) of the ring: for block j, S_j = Q K_j^T and
+        P_{j-1} V_{j-1} issued as async wgmma groups, block j's softmax while P V runs, then O rescaled; each K / V
+        slot released (``_release``) as soon as the wgmma that read it has completed. Returns O (unnormalised), the
+        running max and sum."""
+        dtype: gl.constexpr = k_smem.dtype
+        # block 0: scores and softmax only (no P V before it)
+        mbarrier.wait(k_ready.index(0), 0)
+        qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        _release(desc_k, k_smem, k_ready, k_empty, 0, n_blocks, k_start, kv_col, BLOCK_N, STAGES, WS)
+        p, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, 0, n_full, offs_m, offs_n, diag, Lk, qk_scale, BLOCK_N,
+                                            CAUSAL)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_iter):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk, ))  # S_j done, P_{j-1} V_{j-1} may still run
+            _release(desc_k, k_smem, k_ready, k_empty, j, n_blocks, k_start, kv_col, BLOCK_N, STAGES, WS)
+            p_next, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, j, n_full, offs_m, offs_n, diag, Lk, qk_scale,
+                                                     BLOCK_N, CAUSAL)
+            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+            _release(desc_v, v_smem, v_ready, v_empty, j - 1, n_blocks, k_start, kv_col, BLOCK_N, STAGES, WS)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+        last = n_iter - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if WS:  # the plain kernel has nothing left to load
+            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _normalise(acc, m_i, l_i, row_o: gl.constexpr, dtype: gl.constexpr):
+        """O = acc / l in ``dtype`` and the base-2 LSE = m + log2(l); a row that saw no key: O = 0, LSE = +inf
+        (P = 0 in the backward)."""
+        l_o = gl.convert_layout(l_i, row_o)
+        o = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
+        lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+        return o, lse
+
     @gluon.jit(do_not_specialize=["stride_lh"])
     def _attn_fwd_gluon_kernel(
         desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh, GROUP,
@@ -190,47 +250,19 @@ if _IMPORT_ERROR is None:
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
 
-        # block 0: scores and softmax only (no P V before it)
         mbarrier.wait(q_bar, 0)
         if Q_REGS:  # Q as the wgmma's register operand: each score product reads only K from shared memory
             q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
         else:
             q = q_smem
-        mbarrier.wait(k_bars.index(0), 0)
-        qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(0, deps=(qk, ))
-        _load_kv(desc_k, k_smem, k_bars, STAGES, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
-        p, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, 0, n_full, offs_m, offs_n, diag, Lk, qk_scale, BLOCK_N,
-                                            CAUSAL)
-        p = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_blocks):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_bars.index(slot), (j // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk, ))  # S_j done, P_{j-1} V_{j-1} may still run
-            _load_kv(desc_k, k_smem, k_bars, j + STAGES, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
-            p_next, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, j, n_full, offs_m, offs_n, diag, Lk, qk_scale,
-                                                     BLOCK_N, CAUSAL)
-            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            _load_kv(desc_v, v_smem, v_bars, j - 1 + STAGES, n_blocks, k_start, kv_col, BLOCK_N, STAGES)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p = gl.convert_layout(p_next.to(dtype), p_layout)
-        last = n_blocks - 1
-        mbarrier.wait(v_bars.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-
+        acc, m_i, l_i = _attend(q, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars, desc_k, desc_v, k_start, kv_col,
+                                n_blocks, n_blocks, n_full, offs_m, offs_n, diag, Lk, qk_scale, acc, m_i, l_i, zero_s,
+                                p_layout, row_o, BLOCK_N, STAGES, CAUSAL, False)
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-
-        l_o = gl.convert_layout(l_i, row_o)
-        o = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
-        lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+        o, lse = _normalise(acc, m_i, l_i, row_o, dtype)
         # through q_smem: every wgmma that read Q has completed
         _store_rows(desc_o, O, o, q_smem, q_row, Lq - start_m * BLOCK_M, q_col, h, stride_ot, stride_oh, o_layout)
         gl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
@@ -321,39 +353,12 @@ if _IMPORT_ERROR is None:
 
         mbarrier.wait(q_bar, 0)
         q = q_half.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(0, deps=(qk, ))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, 0, n_full, offs_m, offs_n, diag, Lk, qk_scale, BLOCK_N,
-                                            CAUSAL)
-        p = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_mine):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk, ))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p_next, m_i, l_i, alpha = _softmax_block(qk, m_i, l_i, j, n_full, offs_m, offs_n, diag, Lk, qk_scale,
-                                                     BLOCK_N, CAUSAL)
-            acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p = gl.convert_layout(p_next.to(dtype), p_layout)
-        last = n_mine - 1
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+        acc, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, None, None, 0, 0, n_mine,
+                                n_blocks, n_full, offs_m, offs_n, diag, Lk, qk_scale, acc, m_i, l_i, zero_s, p_layout,
+                                row_o, BLOCK_N, STAGES, CAUSAL, True)
         # the tile's blocks right of this half's diagonal: released in order, unread
         _release_kv(k_ready, v_ready, k_empty, v_empty, n_mine, n_blocks, STAGES)
-
-        l_o = gl.convert_layout(l_i, row_o)
-        o = (acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
-        lse = gl.where(l_i == 0.0, float("inf"), m_i + gl.log2(gl.where(l_i == 0.0, 1.0, l_i)))
+        o, lse = _normalise(acc, m_i, l_i, row_o, dtype)
         # through this half's Q tile, no longer read
         _store_rows(desc_o, O, o, q_half, q_start + row0, Lq - row0, q_col, h, stride_ot, stride_oh, o_layout)
         gl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
