@@ -69,6 +69,12 @@ def available() -> bool:
 
 if _IMPORT_ERROR is None:
 
+    @gluon.constexpr_function
+    def _mma_layout(n, warps):
+        """The wgmma accumulator layout of an [M, n] tile: ``warps`` warps stacked along M (a warpgroup per 64 rows),
+        one m64 x n x k16 instruction per row group."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
     def _load_kv(desc, smem, bars, j, n_blocks, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Start the TMA load of key block j (K or V) into ring slot j % STAGES, if block j exists."""
@@ -215,10 +221,8 @@ if _IMPORT_ERROR is None:
         n_blocks, n_full = _key_blocks(start_m * BLOCK_M, BLOCK_M, Lk, diag, BLOCK_N, CAUSAL)
         n_blocks = gl.maximum(n_blocks, 1)  # a tile that sees no key runs one fully masked block
 
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_D, 16])
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N, num_warps)
+        o_layout: gl.constexpr = _mma_layout(HEAD_D, num_warps)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -334,10 +338,8 @@ if _IMPORT_ERROR is None:
         HALF: gl.constexpr = desc_o.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_o.block_type.shape[1]
         dtype: gl.constexpr = desc_o.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_D, 16])
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
+        o_layout: gl.constexpr = _mma_layout(HEAD_D, 4)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -426,10 +428,8 @@ if _IMPORT_ERROR is None:
         HALF: gl.constexpr = desc_dq.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_dq.block_type.shape[1]
         dtype: gl.constexpr = desc_dq.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_D, 16])
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
+        dq_layout: gl.constexpr = _mma_layout(HEAD_D, 4)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         n_mine, n_full = _key_blocks(row0, HALF, Lk, diag, BLOCK_N, CAUSAL)
         n_mine = gl.minimum(n_mine, n_blocks)
@@ -558,10 +558,8 @@ if _IMPORT_ERROR is None:
         HALF: gl.constexpr = desc_dk.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_dk.block_type.shape[1]
         dtype: gl.constexpr = desc_dk.dtype
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
-        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_D, 16])
+        st_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
+        kv_layout: gl.constexpr = _mma_layout(HEAD_D, 4)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
         keys = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
