@@ -3,11 +3,12 @@
 
 - forward: each Gluon candidate (plain and warp-specialized) vs the Triton TMA forward (autotuned) and SDPA cuDNN's
   forward; its O and LSE compared with the TMA forward's;
-- dQ: each Gluon dQ candidate; dK/dV: each Gluon dK/dV candidate (the Triton kernels they replace are timed by
-  ``bench/attention.py --variants``, per kernel);
-- each kernel's TFLOP/s counts the causal half (forward 4 B H L^2 D / 2; dQ 1.5x that, dK/dV 2x).
+- bwd: the whole backward (delta, kernels, dQ cast) with each candidate of the single-pass Gluon kernel vs the
+  merged Triton backward and SDPA cuDNN's backward (autograd through its forward), dQ / dK / dV compared with the
+  merged backward's;
+- each kernel's TFLOP/s counts the causal half (forward 4 B H L^2 D / 2, backward 2.5x that).
 
-    python bench/attention_gluon.py [--rounds 2] [--parts fwd,dq,dkdv]
+    python bench/attention_gluon.py [--rounds 2] [--parts fwd,bwd]
 
 Needs an sm_90 GPU and a Triton with Gluon (no interpreter). Results: ``bench/results/attention_gluon.jsonl``.
 """
@@ -38,7 +39,7 @@ LOG2E = 1.4426950408889634
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="passes over every candidate (the H200 moves its clocks)")
-    ap.add_argument("--parts", default="fwd,dq,dkdv")
+    ap.add_argument("--parts", default="fwd,bwd")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not g.available():
@@ -53,12 +54,23 @@ def main() -> None:
     scale = D**-0.5
     flops = 4 * B * HQ * L * L * D / 2
     ref_o, ref_lse = A._attention_fwd(q, k, v, cu, cu, L, L, True, scale, "tma")
-    delta = (ref_o.float() * do.float()).sum(-1).t().contiguous()
     qb, kb, vb = (t.view(B, L, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+
+    def bwd(variant):
+        return A._attention_bwd(do, q, k, v, ref_o, ref_lse, cu, cu, L, L, True, scale, variant)
+
+    base = torch.cat([t.float().flatten() for t in bwd("tma_merged")])
+    qg, kg, vg = (t.detach().requires_grad_() for t in (qb, kb, vb))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+    dout = do.view(B, L, HQ, D).transpose(1, 2).contiguous()
+
+    def cudnn_bwd():
+        return torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
 
     records = []
 
@@ -83,31 +95,16 @@ def main() -> None:
                 err = max((o.float() - ref_o.float()).abs().max().item(), (lse - ref_lse).abs().max().item())
                 timed(rnd, "fwd", candidate(cfg), fn, flops, max_diff_vs_tma=err)
             g.FORCE_CONFIG.clear()
-        if "dq" in parts:
-            dq_first = None
-            for cfg in g.DQ_CONFIGS[D]:
-                g.FORCE_CONFIG["dq"] = cfg
-                dq = torch.empty_like(q)
-                fn = lambda dq=dq: g.backward_dq(q, k, v, do, dq, ref_lse, delta, cu, cu, L, L, True,  # noqa: E731
-                                                 scale * LOG2E, scale)
-                fn()
-                dq_first = dq.clone() if dq_first is None else dq_first
-                timed(rnd, "dq", candidate(cfg), fn, 1.5 * flops,
-                      max_diff_vs_first=(dq.float() - dq_first.float()).abs().max().item())
+        if "bwd" in parts:  # the whole backward (delta, kernels, casts) beside the merged Triton one and cuDNN's
+            timed(rnd, "bwd", "triton tma_merged", lambda: bwd("tma_merged"), 2.5 * flops)
+            timed(rnd, "bwd", "sdpa cudnn", cudnn_bwd, 2.5 * flops)
+            for cfg in g.BWD_CONFIGS[D]:
+                g.FORCE_CONFIG["bwd"] = cfg
+                got = torch.cat([t.float().flatten() for t in bwd("gluon")])
+                timed(rnd, "bwd", candidate(cfg), lambda: bwd("gluon"), 2.5 * flops,
+                      max_diff_vs_tma=(got - base).abs().max().item())
             g.FORCE_CONFIG.clear()
-        if "dkdv" in parts:
-            first = None
-            for cfg in g.DKDV_CONFIGS[D]:
-                g.FORCE_CONFIG["dkdv"] = cfg
-                dk, dv = torch.empty_like(k), torch.empty_like(v)
-                fn = lambda dk=dk, dv=dv: g.backward_dkdv(q, k, v, do, dk, dv, ref_lse, delta, cu, cu, L, L,  # noqa: E731
-                                                          True, scale * LOG2E, scale)
-                fn()
-                first = torch.cat([dk, dv]).clone() if first is None else first
-                timed(rnd, "dkdv", candidate(cfg), fn, 2 * flops,
-                      max_diff_vs_first=(torch.cat([dk, dv]).float() - first.float()).abs().max().item())
-            g.FORCE_CONFIG.clear()
-    print_table(records, ["round", "kernel", "impl", "ms", "tflops", "max_diff_vs_tma", "max_diff_vs_first"])
+    print_table(records, ["round", "kernel", "impl", "ms", "tflops", "max_diff_vs_tma"])
     print(f"results: {append_jsonl('attention_gluon', records)}")
 
 

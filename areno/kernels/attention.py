@@ -15,8 +15,9 @@ delta = rowsum(dO * O) first, then dK/dV with one program per (BLOCK_N keys, seq
 query blocks of every query head of its group (no atomics), then dQ with one program per query block.
 FLOPs (causal, Lq == Lk = L): forward 4 * H * L^2 * D / 2, backward 2.5x that.
 
-Backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs; "auto", the default, is "tma_merged"
-on sm_90+ and "split" elsewhere, the interpreter included):
+Backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs; "auto", the default, is "gluon" on
+sm_90 where the installed Triton has Gluon, "tma_merged" on other sm_90+ and "split" elsewhere, the interpreter
+included):
 - "split": the dK/dV kernel above, then a dQ kernel that recomputes S and dP per query block: seven
   [BLOCK, BLOCK, D] matmuls per (query block, key block) pair, 3.5x the forward's FLOPs, no atomics.
 - "fused": one pass. A program per (key tile, sequence, KV head), as in the dK/dV kernel (same causal block
@@ -34,6 +35,10 @@ on sm_90+ and "split" elsewhere, the interpreter included):
   and the dQ program of query tile t for each query head of the group, one after the other (the order is part of
   the tuned config); causal with Lq == Lk the heavy key tiles pair with the light query tiles, so every program does
   the same work (``attention_tma.py``). Where TMA does not apply it runs the pointer "split" pair, as "tma" does.
+- "gluon": the single pass written in Gluon (``attention_gluon.py``, d128 bf16/fp16 on sm_90): warp-specialized as
+  FlashAttention-3's backward is, five products per pair, dQ partials added by TMA reduces into the fp32
+  accumulator (which the delta kernel zeroes); "tma_merged" where it does not apply (other head dims, fp32, no
+  Gluon), and "split" where TMA does not. dQ's fp32 summation order varies from run to run, as "fused"'s.
 
 Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above), "tma" (the same kernel with
 TMA descriptors, ``attention_tma.py``) or "gluon" (``attention_gluon.py``: written in Gluon, for d128 warp-specialized
@@ -99,14 +104,16 @@ def _variant(env: str, choices: tuple) -> str:
 
 
 def backward_variant() -> str:
-    """``ARENO_ATTN_BWD``: "auto" (default: "tma_merged" on sm_90+, else "split"), "split" (dK/dV kernel + dQ kernel),
-    "fused" (one pass, dQ through atomics), "tma" (the split pair with TMA descriptors), "tma_merged" (the "tma"
-    pair as one launch, key tile t and query tile t per program) or "fused_tma" (the fused pass with TMA, dQ by bulk
-    reduce), "gluon" (the warp-specialized Gluon dK/dV and dQ kernels of ``attention_gluon.py``; the "tma" pair
-    where they do not apply). TMA kinds fall back to their pointer twins
-    ("tma_merged", "gluon": "split") where ``_use_tma`` says no."""
+    """``ARENO_ATTN_BWD``: "auto" (default: "gluon" on sm_90+ where this Triton has Gluon, else "tma_merged" on
+    sm_90+, else "split"), "split" (dK/dV kernel + dQ kernel), "fused" (one pass, dQ through atomics), "tma" (the
+    split pair with TMA descriptors), "tma_merged" (the "tma" pair as one launch, key tile t and query tile t per
+    program), "fused_tma" (the fused pass with TMA, dQ by bulk reduce) or "gluon" (the single-pass warp-specialized
+    Gluon kernel of ``attention_gluon.py``, dQ by TMA reduces; "tma_merged" where it does not apply). TMA kinds fall
+    back to their pointer twins ("tma_merged", "gluon": "split") where ``_use_tma`` says no."""
     variant = _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
-    return ("tma_merged" if _hopper() else "split") if variant == "auto" else variant
+    if variant == "auto":
+        return ("gluon" if attention_gluon.available() else "tma_merged") if _hopper() else "split"
+    return variant
 
 
 def forward_variant() -> str:
@@ -479,6 +486,10 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     block_d = max(triton.next_power_of_2(D), 16)
     use_tma = variant in ("tma", "fused_tma", "tma_merged", "gluon") and B > 0 and _use_tma(q, k, v, do)
     fused = variant in ("fused", "fused_tma")  # fused_tma on a layout TMA cannot address: the pointer fused pass
+    if use_tma and variant == "gluon":
+        if attention_gluon.applies(q, k, v, "bwd") is None:
+            return _attention_bwd_gluon(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+        variant = "tma_merged"
     if use_tma:  # packed [T, H, D], as the output descriptors address them; fused: dQ accumulates in fp32
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
         dq = torch.empty(q.shape, device=q.device, dtype=torch.float32 if fused else q.dtype)
@@ -499,8 +510,7 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     bucket = _seq_bucket(max(max_q, max_k))
     if use_tma:
         _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                           fused, merged=variant == "tma_merged",
-                           gluon=variant == "gluon" and attention_gluon.applies(q, k, v, "dq") is None)
+                           fused, merged=variant == "tma_merged")
         return dq.to(q.dtype), dk, dv
     if fused:
         if max_k > 0:
@@ -529,10 +539,30 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     return dq, dk, dv
 
 
+def _attention_bwd_gluon(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    """The single-pass Gluon backward: delta and the zeroed fp32 dQ accumulator in one pass, then dK, dV and dQ in
+    one launch, then dQ rounded to q's dtype."""
+    Tq, Hq, D = q.shape
+    delta = torch.empty_like(lse)
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
+    if Tq > 0:
+        _attn_bwd_delta_kernel[(triton.cdiv(Tq, 64), Hq)](
+            o, do, delta, dq, Tq, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
+            dq.stride(0), dq.stride(1), D=D, BLOCK_T=64, BLOCK_D=D, ZERO_DQ=True,
+        )  # fmt: skip
+    if max_k > 0:
+        attention_gluon.backward(q, k, v, do, dq, dk, dv, lse, delta, cu_q, cu_k, max_k,
+                                 _seq_bucket(max(max_q, max_k)), causal, scale * _LOG2E, scale)
+    else:
+        dk.zero_(), dv.zero_()
+    return dq.to(q.dtype), dk, dv
+
+
 def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                       fused, merged=False, gluon=False):
+                       fused, merged=False):
     """The split (or fused, or merged) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk,
-    dv; fused: dq is the fp32 accumulator, already zeroed; gluon: the Gluon dK/dV and dQ kernels."""
+    dv; fused: dq is the fp32 accumulator, already zeroed."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
@@ -558,18 +588,12 @@ def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, m
         else:
             dk.zero_(), dv.zero_()
         return
-    if max_k > 0 and gluon:
-        attention_gluon.backward_dkdv(q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, max_k, bucket, causal,
-                                      scale * _LOG2E, scale)
-    elif max_k > 0:
+    if max_k > 0:
         _launch("dkdv_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, dk, dv, lse, delta, cu_q, cu_k,
                 scale * _LOG2E, scale, dk.stride(0), lse.stride(0), Hq // Hkv, **common)
     else:
         dk.zero_(), dv.zero_()
-    if max_q > 0 and gluon:
-        attention_gluon.backward_dq(q, k, v, do, dq, lse, delta, cu_q, cu_k, max_q, bucket, causal, scale * _LOG2E,
-                                    scale)
-    elif max_q > 0:
+    if max_q > 0:
         _launch("dq_tma", max_q, (B, Hq), D, bucket, q_, k_, v_, do_, dq_, dq, lse, delta, cu_q, cu_k,
                 scale * _LOG2E, scale, dq.stride(0), lse.stride(0), Hq // Hkv, **common)
     else:
@@ -588,7 +612,7 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         do = do if do.stride(-1) == 1 else do.contiguous()
-        if ctx.args[-1] in ("tma", "fused_tma", "tma_merged") and not tma.tma_layout_ok(do):
+        if ctx.args[-1] in ("tma", "fused_tma", "tma_merged", "gluon") and not tma.tma_layout_ok(do):
             do = do.contiguous()  # e.g. an expanded gradient: pack it for the descriptors
         dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None

@@ -1,5 +1,5 @@
 """Hopper (sm_90) attention kernels written in Gluon (``triton.experimental.gluon``): the forward
-(``ARENO_ATTN_FWD=gluon``, the sm_90 default) and a dQ and a dK/dV kernel (``ARENO_ATTN_BWD=gluon``, opt-in).
+(``ARENO_ATTN_FWD=gluon``) and the single-pass backward (``ARENO_ATTN_BWD=gluon``), the sm_90 defaults.
 
 Same math, packed varlen layout, causal block split and outputs (O, base-2 LSE; dQ, dK, dV) as the TMA kernels in
 ``attention_tma.py``; what Gluon adds is control over the order of the asynchronous work, which the Triton compiler
@@ -17,17 +17,21 @@ issue):
   sharing each K / V tile (half the K / V traffic of two 64-row programs). The partitions meet only at mbarriers
   (ready: the TMA's bytes; empty: both consumers' releases), and ``setmaxnreg`` gives the load warp's group 24
   registers and the consumers the rest;
-- dQ (``_attn_bwd_dq_gluon_kernel``): the warp-specialized forward's structure, per key block S = Q K^T and
-  dP = dO V^T issued together, P under dP, dQ += dS K;
-- dK/dV (``_attn_bwd_dkdv_gluon_kernel``): a 128-key tile, the load warp streaming Q and dO of every query block of
-  every query head of the GQA group, two consumer warpgroups of 64 keys each: S^T, dP^T together, dV += P^T dO while
-  dS^T forms, dK += dS^T Q.
-The backward kernels wait for each step's last products inside the step: a wgmma left in flight across a loop's back
-edge makes ptxas serialise every wgmma of the kernel ("insufficient register resources").
+- single-pass backward (``_attn_bwd_gluon_kernel``, d128), FlashAttention-3's: a 128-key tile of one KV head, one
+  load warp streaming K / V once, then Q, dO and the rows' LSE and delta of every query block of every query head of
+  the GQA group; two consumer warpgroups of 64 keys each: S^T, dP^T issued together, P^T under dP^T, dV += P^T dO,
+  dS^T = P^T (dP^T - delta), dK += dS^T Q; both dS^T halves meet in shared memory (an mbarrier per step), and each
+  warpgroup forms half the head dims of dQ^T = K^T dS^T and adds it into an fp32 dQ accumulator by a TMA reduce
+  (``cp.reduce.async.bulk.tensor``), which runs under the next step's products. Five products per (query block,
+  key tile) where the Triton backward's two kernels take seven. Each step's products are waited for inside the step:
+  a wgmma left in flight across a loop's back edge makes ptxas serialise every wgmma of the kernel ("insufficient
+  register resources").
 
 Masking, bounds and the rows past a sequence's end are handled as in the TMA kernels (see ``attention_tma.py``): one
 descriptor over the packed ``[T, H * D]`` view, key blocks at or past ``full`` masked (keys past Lk, causal), query
-rows past Lq computed and not stored (their LSE = +inf makes P = 0 in the backward), key rows past Lk not stored.
+rows past Lq computed and not stored, key rows past Lk not stored; in the backward, P = 0 (by mask) for query rows
+past Lq (their Q, dO, LSE and delta boxes hold the next sequence's rows) and key rows past Lk (their dS would reach
+dQ).
 A forward query tile that sees no key at all (Lk == 0, or causal with Lq > Lk) runs one fully masked block: O = 0,
 LSE = +inf.
 
@@ -46,8 +50,10 @@ import torch
 import triton
 
 try:  # Gluon is experimental: older Tritons lack it, and its API moves between releases
+    from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -56,6 +62,10 @@ try:  # Gluon is experimental: older Tritons lack it, and its API moves between 
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    # a barrier of the calling partition's warps (bar.sync with its own id inside warp_specialize): 3.6 names it
+    # thread_barrier, 3.7 barrier
+    _wg_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     _IMPORT_ERROR = None
 except Exception as e:  # pragma: no cover - depends on the installed triton
@@ -74,6 +84,12 @@ if _IMPORT_ERROR is None:
         """The wgmma accumulator layout of an [M, n] tile: ``warps`` warps stacked along M (a warpgroup per 64 rows),
         one m64 x n x k16 instruction per row group."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _shared_layout(rows, cols, bits):
+        """The default NVMMA shared layout (wgmma operand / TMA tile) of a [rows, cols] tile of ``bits``-bit
+        elements."""
+        return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if bits == 16 else gl.float32)
 
     @gluon.jit
     def _load_kv(desc, smem, bars, j, n_blocks, row0, col, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -405,134 +421,28 @@ if _IMPORT_ERROR is None:
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
-    @gluon.jit
-    def _dq_loader(desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                   k_empty, v_empty, q_row, q_col, k_start, kv_col, n_blocks, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr):
-        """The dQ kernel's load partition: both halves of the Q and dO tiles, then K and V block by block."""
-        HALF: gl.constexpr = desc_q.block_type.shape[0]
-        mbarrier.expect(q_bar, 4 * desc_q.block_type.nbytes)
-        for w in gl.static_range(2):
-            tma.async_copy_global_to_shared(desc_q, [q_row + w * HALF, q_col], q_bar, q_smem.index(w))
-            tma.async_copy_global_to_shared(desc_do, [q_row + w * HALF, q_col], q_bar, do_smem.index(w))
-        _stream_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_start, kv_col, n_blocks,
-                   BLOCK_N, STAGES)
+    @builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Start an asynchronous bulk add of shared-memory tile ``src`` into ``tensor_desc`` at ``coord`` (PTX
+        ``cp.reduce.async.bulk.tensor .add``; completes like a TMA store: ``tma.store_wait``). Triton's Gluon
+        builder has the op; its Python module does not wrap it (3.6, 3.7)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
     @gluon.jit
-    def _dq_consumer(desc_dq, DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                     v_empty, WG, q_start, row0, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, sm_scale, stride_dqt,
-                     stride_dqh, stride_lh, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """A dQ consumer warpgroup: query rows row0 + [0, 64): per key block S = Q K^T and dP = dO V^T issued
-        together, P = exp2(S - LSE) while dP runs, dS = P (dP - delta), dQ += dS K; each slot released as soon as
-        its last reader has completed."""
-        HALF: gl.constexpr = desc_dq.block_type.shape[0]
-        HEAD_D: gl.constexpr = desc_dq.block_type.shape[1]
-        dtype: gl.constexpr = desc_dq.dtype
-        s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
-        dq_layout: gl.constexpr = _mma_layout(HEAD_D, 4)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        n_mine, n_full = _key_blocks(row0, HALF, Lk, diag, BLOCK_N, CAUSAL)
-        n_mine = gl.minimum(n_mine, n_blocks)
-        offs_m = row0 + gl.arange(0, HALF, layout=row_s)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        row_ok = offs_m < Lq
-        lse = gl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
-        delta = gl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
-        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
-        dq = gl.zeros([HALF, HEAD_D], gl.float32, dq_layout)
-        q_half = q_smem.index(WG)
-        mbarrier.wait(q_bar, 0)
-        for j in range(0, n_mine):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            qk = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(slot), phase)
-            dp = warpgroup_mma(do_smem.index(WG), v_smem.index(slot).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk, ))
-            p = gl.exp2(qk * qk_scale - lse[:, None])
-            if j >= n_full:
-                cols = j * BLOCK_N + offs_n
-                keep = cols[None, :] < Lk
-                if CAUSAL:
-                    keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-                p = gl.where(keep, p, 0.0)
-            dp = warpgroup_mma_wait(0, deps=(dp, ))
-            mbarrier.arrive(v_empty.index(slot), count=1)
-            ds = (p * (dp - delta[:, None])).to(dtype)
-            ds = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
-            dq = warpgroup_mma(ds, k_smem.index(slot), dq, is_async=True)
-            # waited here, not under the next block's products: a wgmma left in flight across the loop's back edge
-            # makes ptxas serialize every wgmma of the kernel ("insufficient register resources")
-            dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-        # the tile's blocks right of this half's diagonal: released in order, unread
-        _release_kv(k_ready, v_ready, k_empty, v_empty, n_mine, n_blocks, STAGES)
-
-        out = (dq * sm_scale).to(dtype)
-        # through this half's Q tile: every wgmma that read it has completed
-        _store_rows(desc_dq, DQ, out, q_half, q_start + row0, Lq - row0, q_col, h, stride_dqt, stride_dqh,
-                    dq_layout)
-
-    @gluon.jit(do_not_specialize=["stride_lh"])
-    def _attn_bwd_dq_gluon_kernel(
-        desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale, stride_dqt,
-        stride_dqh, stride_lh, GROUP, SEQ_BUCKET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        """dQ = sm_scale * sum_j dS_j K_j for a [128, D] query tile, warp-specialized as the forward: a load warp
-        (Q and dO halves, then the K / V ring) and two consumer warpgroups of 64 query rows each. A query half that
-        sees no key stores dQ = 0."""
-        HALF: gl.constexpr = desc_q.block_type.shape[0]
-        HEAD_D: gl.constexpr = desc_q.block_type.shape[1]
-        dtype: gl.constexpr = desc_q.dtype
-        gl.static_assert(BLOCK_M == 2 * HALF)
-        start_m, h, q_start, Lq, k_start, Lk, diag = _seq_tile(CU_Q, CU_K)
-        if start_m * BLOCK_M >= Lq:
-            return
-        n_blocks, _ = _key_blocks(start_m * BLOCK_M, BLOCK_M, Lk, diag, BLOCK_N, CAUSAL)
-
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_q.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_do.layout)
-        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = _kv_ring(desc_k, desc_v, STAGES)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-
-        row0 = start_m * BLOCK_M
-        q_col = h * HEAD_D
-        kv_col = (h // GROUP) * HEAD_D
-        gl.warp_specialize([
-            (_dq_consumer, (desc_dq, DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                            v_empty, 0, q_start, row0, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, sm_scale,
-                            stride_dqt, stride_dqh, stride_lh, CAUSAL, BLOCK_N, STAGES)),
-            (_dq_consumer, (desc_dq, DQ, LSE, DELTA, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                            v_empty, 1, q_start, row0 + HALF, Lq, Lk, diag, h, q_col, n_blocks, qk_scale, sm_scale,
-                            stride_dqt, stride_dqh, stride_lh, CAUSAL, BLOCK_N, STAGES)),
-            (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                          k_empty, v_empty, q_start + row0, q_col, k_start, kv_col, n_blocks, BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
-
-    @gluon.jit
-    def _rows_stats(LSE, DELTA, t, n_iter, nq, m_lo, hk, GROUP, q_start, Lq, stride_lh, offs_q,
-                    BLOCK_M: gl.constexpr):
-        """LSE and delta of the dK/dV loop's step t (query head hk * GROUP + t // nq, rows of its query block);
-        rows past Lq, and every row of a step past the loop, read LSE = +inf and delta = 0."""
-        g = t // gl.maximum(nq, 1)
-        h = hk * GROUP + g
-        rows = m_lo + (t - g * nq) * BLOCK_M + offs_q
-        ok = (rows < Lq) & (t < n_iter)
-        lse = gl.load(LSE + h * stride_lh + q_start + rows, mask=ok, other=float("inf"))
-        delta = gl.load(DELTA + h * stride_lh + q_start + rows, mask=ok, other=0.0)
-        return lse, delta
-
-    @gluon.jit
-    def _dkdv_loader(desc_q, desc_do, desc_k, desc_v, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready, q_empty,
-                     k_row, kv_col, q_start, m_lo, nq, hk, GROUP, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """The dK/dV kernel's load partition: both 64-row halves of the K and V tiles, then Q and dO of every query
-        block [m_lo, Lq) of every query head of the GQA group, into the ring."""
+    def _bwd_loader(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, q_ring, do_ring, lse_ring, delta_ring, k_smem,
+                    v_smem, kv_bar, q_ready, q_empty, k_row, kv_col, q_start, Lq, m_lo, nq, hk, GROUP, stride_lh,
+                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The single-pass backward's load partition (one warp): both 64-key halves of the K and V tiles, then per
+        step Q and dO by TMA and the rows' LSE and delta (rows past Lq: +inf and 0) by loads into shared memory (a
+        TMA box of the [Hq, T] tensors would start at any row, and TMA needs 16-byte aligned inner coordinates), of
+        every query block [m_lo, Lq) of every query head of the GQA group, into the ring. The warp's stores are
+        published by the same arrive as the TMA's bytes."""
         HALF: gl.constexpr = desc_k.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_k.block_type.shape[1]
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_M // 32], [1, 32], [1, 1], [1, 0])
+        offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, rows_layout))[None, :]
         mbarrier.expect(kv_bar, 4 * desc_k.block_type.nbytes)
         for w in gl.static_range(2):
             tma.async_copy_global_to_shared(desc_k, [k_row + w * HALF, kv_col], kv_bar, k_smem.index(w))
@@ -541,86 +451,116 @@ if _IMPORT_ERROR is None:
             slot = t % STAGES
             g = t // nq
             row = q_start + m_lo + (t - g * nq) * BLOCK_M
-            col = (hk * GROUP + g) * HEAD_D
+            h = hk * GROUP + g
+            bar = q_ready.index(slot)
+            ok = row - q_start + offs < Lq
+            lse = gl.load(LSE + h * stride_lh + row + offs, mask=ok, other=float("inf"))
+            delta = gl.load(DELTA + h * stride_lh + row + offs, mask=ok, other=0.0)
             mbarrier.wait(q_empty.index(slot), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(slot), 2 * desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [row, col], q_ready.index(slot), q_ring.index(slot))
-            tma.async_copy_global_to_shared(desc_do, [row, col], q_ready.index(slot), do_ring.index(slot))
+            lse_ring.index(slot).store(lse)
+            delta_ring.index(slot).store(delta)
+            _wg_barrier()  # every lane's stores before the (single-thread) arrive that publishes them
+            mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_q, [row, h * HEAD_D], bar, q_ring.index(slot))
+            tma.async_copy_global_to_shared(desc_do, [row, h * HEAD_D], bar, do_ring.index(slot))
 
     @gluon.jit
-    def _dkdv_consumer(desc_dk, desc_dv, DK, DV, LSE, DELTA, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
-                       q_empty, WG, k_start, key0, Lq, Lk, diag, hk, q_start, m_lo, nq, GROUP, qk_scale, sm_scale,
-                       stride_dkt, stride_dkh, stride_lh, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr):
-        """A dK/dV consumer warpgroup: keys key0 + [0, 64). Per query block: S^T = K Q^T and dP^T = V dO^T issued
-        together, P^T = exp2(S^T - LSE) while dP^T runs, dV += P^T dO issued, then dS^T = P^T (dP^T - delta) and
-        dK += dS^T Q (dV still running); the block's Q / dO slot is released once both have completed."""
+    def _bwd_consumer(desc_dk, desc_dv, desc_dqa, DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                      ds_smem, dq_smem, kv_bar, q_ready, q_empty, ds_bar, end_bar, WG, k_start, key0, Lq, Lk, diag,
+                      hk, q_start, m_lo, nq, GROUP, qk_scale, sm_scale, stride_dkt, stride_dkh, CAUSAL: gl.constexpr,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """A consumer warpgroup of the single-pass backward: keys key0 + [0, 64). Per query block: S^T = K Q^T and
+        dP^T = V dO^T issued together, P^T under dP^T, dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q; dS^T
+        also goes to shared memory, where, once the other warpgroup's half is there too (``ds_bar``), this
+        warpgroup forms its half of the head dims of dQ^T = K^T dS^T over all 128 keys and adds it into the fp32
+        dQ accumulator by a TMA reduce."""
         HALF: gl.constexpr = desc_dk.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_dk.block_type.shape[1]
+        DQ_COLS: gl.constexpr = desc_dqa.block_type.shape[1]
         dtype: gl.constexpr = desc_dk.dtype
         st_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
         kv_layout: gl.constexpr = _mma_layout(HEAD_D, 4)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-        col_s: gl.constexpr = gl.SliceLayout(0, st_layout)
         keys = key0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
-        offs_q = gl.arange(0, BLOCK_M, layout=col_s)
-        if CAUSAL:  # query blocks from m_full on see every key of this half: no mask
+        offs_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        if CAUSAL:  # query blocks from m_full on see every key of this half
             m_full = gl.cdiv(gl.maximum(key0 + HALF - 1 - diag, 0), BLOCK_M) * BLOCK_M
         else:
             m_full = 0
+        keys_past = key0 + HALF > Lk  # this half holds rows past the sequence's keys: masked everywhere
         zero_st = gl.zeros([HALF, BLOCK_M], gl.float32, st_layout)
         dk = gl.zeros([HALF, HEAD_D], gl.float32, kv_layout)
         dv = gl.zeros([HALF, HEAD_D], gl.float32, kv_layout)
         k_half = k_smem.index(WG)
         v_half = v_smem.index(WG)
+        # this warpgroup's dQ head dims, as the wgmma A operand K^T [DQ_COLS, 64 keys] of each key half
+        kt0 = k_smem.index(0).permute((1, 0)).slice(WG * DQ_COLS, DQ_COLS, dim=0)
+        kt1 = k_smem.index(1).permute((1, 0)).slice(WG * DQ_COLS, DQ_COLS, dim=0)
         n_iter = GROUP * nq
-        lse, delta = _rows_stats(LSE, DELTA, 0, n_iter, nq, m_lo, hk, GROUP, q_start, Lq, stride_lh, offs_q,
-                                 BLOCK_M)
         mbarrier.wait(kv_bar, 0)
         for t in range(n_iter):
             slot = t % STAGES
+            buf = t % 2
             g = t // nq
             mb = m_lo + (t - g * nq) * BLOCK_M
             rows = mb + offs_q
             mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
             st = warpgroup_mma(k_half, q_ring.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_half, do_ring.index(slot).permute((1, 0)), zero_st, use_acc=False, is_async=True)
-            # the next block's LSE / delta, loaded while this block's products run
-            lse_next, delta_next = _rows_stats(LSE, DELTA, t + 1, n_iter, nq, m_lo, hk, GROUP, q_start, Lq,
-                                               stride_lh, offs_q, BLOCK_M)
+            lse = lse_ring.index(slot).load(st_layout)  # [1, BLOCK_M]
             st = warpgroup_mma_wait(1, deps=(st, ))
-            pt = gl.exp2(st * qk_scale - lse[None, :])  # rows past Lq: LSE = +inf, P = 0
-            if mb < m_full:
-                pt = gl.where(rows[None, :] + diag >= keys[:, None], pt, 0.0)
+            pt = gl.exp2(st * qk_scale - lse)
+            if (mb < m_full) | (mb + BLOCK_M > Lq) | keys_past:
+                # rows past Lq are the next sequence's (or zeros): their LSE is not theirs, P = 0 by mask
+                keep = (rows[None, :] < Lq) & (keys[:, None] < Lk)
+                if CAUSAL:
+                    keep = keep & (rows[None, :] + diag >= keys[:, None])
+                pt = gl.where(keep, pt, 0.0)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_ring.index(slot), dv, is_async=True)
+            delta = delta_ring.index(slot).load(st_layout)
             dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dP^T done, dV may still run
-            dst_op = gl.convert_layout((pt * (dpt - delta[None, :])).to(dtype), op_layout)
+            dst = (pt * (dpt - delta)).to(dtype)
+            ds_smem.index(2 * buf + WG).store(dst)
+            dst_op = gl.convert_layout(dst, op_layout)
             dk = warpgroup_mma(dst_op, q_ring.index(slot), dk, is_async=True)
-            # both waited here (see the dQ consumer: nothing left in flight across the back edge)
-            dk, dv, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op))
+            # both halves of dS^T in shared memory: this one's stores visible to the async proxy, then the hand-off
+            fence_async_shared()
+            _wg_barrier()
+            mbarrier.arrive(ds_bar.index(buf), count=1)
+            mbarrier.wait(ds_bar.index(buf), (t // 2) & 1)
+            dqt = warpgroup_mma(kt0, ds_smem.index(2 * buf), zero_st, use_acc=False, is_async=True)
+            dqt = warpgroup_mma(kt1, ds_smem.index(2 * buf + 1), dqt, is_async=True)
+            dk, dv, pt_op, dst_op, dqt = warpgroup_mma_wait(0, deps=(dk, dv, pt_op, dst_op, dqt))
             mbarrier.arrive(q_empty.index(slot), count=1)
-            lse = lse_next
-            delta = delta_next
+            tma.store_wait(0)  # the previous step's reduce has read dq_smem
+            _wg_barrier()
+            dq_smem.permute((1, 0)).store(dqt * sm_scale)
+            fence_async_shared()
+            _wg_barrier()
+            _tma_reduce_add(desc_dqa, [q_start + mb, (hk * GROUP + g) * HEAD_D + WG * DQ_COLS], dq_smem)
+        tma.store_wait(0)
 
-        dk_out = (dk * sm_scale).to(dtype)
-        dv_out = dv.to(dtype)
-        # through this half's K and V tiles: every wgmma that read them has completed
-        _store_rows(desc_dk, DK, dk_out, k_half, k_start + key0, Lk - key0, hk * HEAD_D, hk, stride_dkt, stride_dkh,
-                    kv_layout)
-        _store_rows(desc_dv, DV, dv_out, v_half, k_start + key0, Lk - key0, hk * HEAD_D, hk, stride_dkt, stride_dkh,
-                    kv_layout)
+        # dV through this half's V tile (read only by this warpgroup); dK through the K tile once the other
+        # warpgroup's last dQ^T product (which reads both K halves) has completed
+        _store_rows(desc_dv, DV, dv.to(dtype), v_half, k_start + key0, Lk - key0, hk * HEAD_D, hk, stride_dkt,
+                    stride_dkh, kv_layout)
+        mbarrier.arrive(end_bar, count=1)
+        mbarrier.wait(end_bar, 0)
+        _store_rows(desc_dk, DK, (dk * sm_scale).to(dtype), k_half, k_start + key0, Lk - key0, hk * HEAD_D, hk,
+                    stride_dkt, stride_dkh, kv_layout)
 
     @gluon.jit(do_not_specialize=["stride_lh"])
-    def _attn_bwd_dkdv_gluon_kernel(
-        desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
-        stride_dkt, stride_dkh, stride_lh, GROUP, SEQ_BUCKET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _attn_bwd_gluon_kernel(
+        desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dqa, DK, DV, DQA, LSE, DELTA, CU_Q, CU_K, qk_scale,
+        sm_scale, stride_dkt, stride_dkh, stride_lh, GROUP, SEQ_BUCKET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """dK, dV of a [BLOCK_N = 128, D] key tile of one KV head, warp-specialized: a load warp (the K / V halves,
-        then Q and dO of each query block of each query head of the group) and two consumer warpgroups of 64 keys
-        each sharing every Q / dO tile. Blocks the tile's first half needs and its second does not (left of the
-        second half's diagonal) are computed by both, fully masked for the second."""
+        """The single-pass backward (FlashAttention-3's): dK, dV of a [BLOCK_N = 128, D] key tile of one KV head and
+        its share of every dQ row block, added into an fp32 accumulator (zeroed beforehand) by TMA reduces; five
+        products per (query block, key tile) instead of the two-kernel backward's seven. Warp-specialized as the
+        dK/dV kernel: a load warp and two consumer warpgroups of 64 keys each, which meet once per step to share
+        dS^T for dQ."""
         HALF: gl.constexpr = desc_k.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_k.block_type.shape[1]
         dtype: gl.constexpr = desc_k.dtype
@@ -643,27 +583,41 @@ if _IMPORT_ERROR is None:
 
         q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], desc_q.layout)
         do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], desc_do.layout)
+        lse_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], _ROWS_SMEM)
+        delta_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], _ROWS_SMEM)
         k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_k.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_D], desc_v.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], _shared_layout(HALF, BLOCK_M, 16))
+        dq_smem0 = gl.allocate_shared_memory(gl.float32, desc_dqa.block_type.shape, desc_dqa.layout)
+        dq_smem1 = gl.allocate_shared_memory(gl.float32, desc_dqa.block_type.shape, desc_dqa.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        end_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        mbarrier.init(end_bar, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_bar.index(i), count=2)
 
         kv_col = hk * HEAD_D
         gl.warp_specialize([
-            (_dkdv_consumer, (desc_dk, desc_dv, DK, DV, LSE, DELTA, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
-                              q_empty, 0, k_start, n0, Lq, Lk, diag, hk, q_start, m_lo, nq, GROUP, qk_scale, sm_scale,
-                              stride_dkt, stride_dkh, stride_lh, CAUSAL, BLOCK_M, STAGES)),
-            (_dkdv_consumer, (desc_dk, desc_dv, DK, DV, LSE, DELTA, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
-                              q_empty, 1, k_start, n0 + HALF, Lq, Lk, diag, hk, q_start, m_lo, nq, GROUP, qk_scale,
-                              sm_scale, stride_dkt, stride_dkh, stride_lh, CAUSAL, BLOCK_M, STAGES)),
-            (_dkdv_loader, (desc_q, desc_do, desc_k, desc_v, q_ring, do_ring, k_smem, v_smem, kv_bar, q_ready,
-                            q_empty, k_start + n0, kv_col, q_start, m_lo, nq, hk, GROUP, BLOCK_M, STAGES)),
+            (_bwd_consumer, (desc_dk, desc_dv, desc_dqa, DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                             ds_smem, dq_smem0, kv_bar, q_ready, q_empty, ds_bar, end_bar, 0, k_start, n0, Lq, Lk,
+                             diag, hk, q_start, m_lo, nq, GROUP, qk_scale, sm_scale, stride_dkt, stride_dkh, CAUSAL,
+                             BLOCK_M, STAGES)),
+            (_bwd_consumer, (desc_dk, desc_dv, desc_dqa, DK, DV, q_ring, do_ring, lse_ring, delta_ring, k_smem, v_smem,
+                             ds_smem, dq_smem1, kv_bar, q_ready, q_empty, ds_bar, end_bar, 1, k_start, n0 + HALF, Lq,
+                             Lk, diag, hk, q_start, m_lo, nq, GROUP, qk_scale, sm_scale, stride_dkt, stride_dkh,
+                             CAUSAL, BLOCK_M, STAGES)),
+            (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, LSE, DELTA, q_ring, do_ring, lse_ring, delta_ring, k_smem,
+                           v_smem, kv_bar, q_ready, q_empty, k_start + n0, kv_col, q_start, Lq, m_lo, nq, hk, GROUP,
+                           stride_lh, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
+
 
 def _is_ws(kwargs: dict) -> bool:
     return "CONSUMER_REGS" in kwargs
@@ -673,7 +627,9 @@ def _fit(args: dict) -> None:
     """Autotune pre_hook: each descriptor's block rows follow the config (Q, O: BLOCK_M, or BLOCK_M / 2 for the
     warp-specialized kernels' consumer halves; K, V: BLOCK_N; the dK/dV kernel: Q, dO BLOCK_M, K, V, dK, dV
     BLOCK_N / 2)."""
-    if "desc_dk" in args:  # the dK/dV kernel: 64-key halves, whole query blocks
+    if "desc_dqa" in args:  # the single-pass backward: dQ tiles follow BLOCK_M
+        args["desc_dqa"].block_shape = [args["BLOCK_M"], args["desc_dqa"].block_shape[1]]
+    if "desc_dk" in args:  # the dK/dV kernels: 64-key halves, whole query blocks
         q_rows, k_rows = args["BLOCK_M"], args["BLOCK_N"] // 2
     else:
         q_rows, k_rows = (args["BLOCK_M"] // 2 if _is_ws(args) else args["BLOCK_M"]), args["BLOCK_N"]
@@ -709,30 +665,25 @@ CONFIGS = {
 }
 
 
-def _dkdv_config(bm: int, stages: int, consumer_regs: int = 240, maxnreg: int = 168) -> triton.Config:
-    """A candidate of the dK/dV kernel: 128 keys (two 64-key consumer warpgroups) per program, query blocks of
-    ``bm`` rows in a ring of ``stages``."""
+def _bwd_config(bm: int, stages: int, consumer_regs: int = 240, maxnreg: int = 168) -> triton.Config:
+    """A candidate of the single-pass backward: 128 keys (two 64-key consumer warpgroups) per program, query blocks
+    of ``bm`` rows in a ring of ``stages``."""
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "STAGES": stages, "CONSUMER_REGS": consumer_regs},
                          num_warps=4, maxnreg=maxnreg, pre_hook=_fit)
 
 
-# dK/dV, d128 measured (H200, K1): 32-row query blocks / 3 stages 2.28-2.33 ms, 64 / 2 2.51-2.54 (the Triton TMA
-# dK/dV kernel: 2.19). The dQ kernel: 1.32-1.35 ms (Triton's: 1.33).
-DKDV_CONFIGS = {
-    64: [_dkdv_config(32, 3), _dkdv_config(64, 2)],
-    128: [_dkdv_config(32, 3), _dkdv_config(32, 2), _dkdv_config(32, 4)],
-}
-# The dQ kernel (warp-specialized only): shared memory holds both halves of Q and dO besides the K / V ring.
-DQ_CONFIGS = {
-    64: [_ws_config(64, 2), _ws_config(128, 2), _ws_config(64, 3)],
-    128: [_ws_config(64, 2), _ws_config(64, 3), _ws_config(128, 2)],
+# The single-pass backward, d128 only: each consumer forms dQ^T for half the head dims, a wgmma M of 64 (d64 would
+# need 32). Measured (H200, K1, whole backward with delta and the dQ cast): 64-row query blocks / 2 stages 3.01-3.03
+# ms, 32 / 3 3.41-3.48, 32 / 2 3.34-3.44 (the merged Triton backward 3.83, SDPA cuDNN's 3.08-3.35 in the same runs).
+BWD_CONFIGS = {
+    128: [_bwd_config(64, 2), _bwd_config(32, 3), _bwd_config(32, 2)],
 }
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fwd") -> str | None:
-    """Why the Gluon forward (``kind`` "fwd"), dQ ("dq") or dK/dV ("dkdv") kernel cannot run these inputs (None
+    """Why the Gluon forward (``kind`` "fwd") or backward ("bwd") kernel cannot run these inputs (None
     when it can): it needs this Triton's Gluon, an sm_90 GPU, bf16/fp16 and a head_dim of its candidate lists (fwd
-    64, 128, 256; dq and dkdv 64, 128) packed as the TMA kernels need it."""
+    64, 128, 256; bwd 128) packed as the TMA kernels need it."""
     from areno.kernels.attention_tma import tma_layout_ok
 
     if not available():
@@ -741,7 +692,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fwd"
         return "it needs an sm_90 (Hopper) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"it needs bf16 or fp16 inputs, got {q.dtype}"
-    dims = {"dq": DQ_CONFIGS, "dkdv": DKDV_CONFIGS}.get(kind, CONFIGS)
+    dims = BWD_CONFIGS if kind == "bwd" else CONFIGS
     if q.shape[-1] not in dims:
         return f"it needs head_dim {' / '.join(map(str, dims))}, got {q.shape[-1]}"
     if not tma_layout_ok(q, k, v):
@@ -759,20 +710,19 @@ def descriptor(t: torch.Tensor, rows: int = 64):
 
 @functools.cache
 def _tuned(head_dim: int, kind: str):
-    """The autotuned kernel of ``kind``: "fwd" (plain), "fwd_ws" (warp-specialized), "dq" or "dkdv"."""
+    """The autotuned kernel of ``kind``: "fwd" (plain), "fwd_ws" (warp-specialized) or "bwd"."""
     from areno.kernels.dispatch import autotune_candidates
 
-    if kind == "dq":
-        configs, kernel = DQ_CONFIGS[head_dim], _attn_bwd_dq_gluon_kernel
-    elif kind == "dkdv":
-        configs, kernel = DKDV_CONFIGS[head_dim], _attn_bwd_dkdv_gluon_kernel
-    else:
-        configs = [c for c in CONFIGS[head_dim] if _is_ws(c.kwargs) == (kind == "fwd_ws")]
-        kernel = _attn_fwd_gluon_ws_kernel if kind == "fwd_ws" else _attn_fwd_gluon_kernel
+    if kind == "bwd":
+        configs, kernel = BWD_CONFIGS[head_dim], _attn_bwd_gluon_kernel
+        return triton.autotune(configs=autotune_candidates(configs), key=["SEQ_BUCKET", "CAUSAL", "GROUP"],
+                               reset_to_zero=["DQA"])(kernel)
+    configs = [c for c in CONFIGS[head_dim] if _is_ws(c.kwargs) == (kind == "fwd_ws")]
+    kernel = _attn_fwd_gluon_ws_kernel if kind == "fwd_ws" else _attn_fwd_gluon_kernel
     return triton.autotune(configs=autotune_candidates(configs), key=["SEQ_BUCKET", "CAUSAL", "GROUP"])(kernel)
 
 
-FORCE_CONFIG: dict = {}  # tests pin one config per kind here ({"fwd", "dq" or "dkdv": triton.Config})
+FORCE_CONFIG: dict = {}  # tests pin one config per kind here ({"fwd" or "bwd": triton.Config})
 
 
 def forward(q, k, v, o, lse, cu_q, cu_k, max_q, seq_bucket, causal, qk_scale):
@@ -790,30 +740,21 @@ def forward(q, k, v, o, lse, cu_q, cu_k, max_q, seq_bucket, causal, qk_scale):
     _tuned(D, "fwd_ws" if _is_ws(CONFIGS[D][0].kwargs) else "fwd")[grid](*args, CAUSAL=causal)
 
 
-def backward_dq(q, k, v, do, dq, lse, delta, cu_q, cu_k, max_q, seq_bucket, causal, qk_scale, sm_scale):
-    """Fill ``dq`` ([T, Hq, D], packed, q's dtype) from the forward's base-2 ``lse`` and ``delta`` = rowsum(dO * O)
-    (both [Hq, T]) for packed varlen inputs (``applies(..., kind="dq")`` holds)."""
-    B, Hq, D = cu_q.numel() - 1, q.shape[1], q.shape[2]
-    args = (descriptor(q), descriptor(k), descriptor(v), descriptor(do), descriptor(dq), dq, lse, delta, cu_q, cu_k,
-            qk_scale, sm_scale, dq.stride(0), dq.stride(1), lse.stride(0), Hq // k.shape[1], seq_bucket)
-    if "dq" in FORCE_CONFIG:
-        _launch_forced(_attn_bwd_dq_gluon_kernel, FORCE_CONFIG["dq"], args, max_q, B, Hq, causal)
-        return
-    grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), B, Hq)  # noqa: E731
-    _tuned(D, "dq")[grid](*args, CAUSAL=causal)
-
-
-def backward_dkdv(q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, max_k, seq_bucket, causal, qk_scale, sm_scale):
-    """Fill ``dk``, ``dv`` ([T, Hkv, D], packed, k's dtype) as ``backward_dq`` fills dQ."""
-    B, Hkv, D = cu_k.numel() - 1, k.shape[1], k.shape[2]
-    args = (descriptor(q), descriptor(k), descriptor(v), descriptor(do), descriptor(dk), descriptor(dv), dk, dv, lse,
-            delta, cu_q, cu_k, qk_scale, sm_scale, dk.stride(0), dk.stride(1), lse.stride(0), q.shape[1] // Hkv,
+def backward(q, k, v, do, dqa, dk, dv, lse, delta, cu_q, cu_k, max_k, seq_bucket, causal, qk_scale, sm_scale):
+    """The single-pass backward: fill ``dk``, ``dv`` ([T, Hkv, D], packed, k's dtype) and add sm_scale * dQ into
+    ``dqa`` ([T, Hq, D] fp32, zeroed by the caller) from the forward's base-2 ``lse`` and ``delta`` = rowsum(dO * O)
+    (both [Hq, T], the same row stride) for packed varlen inputs (``applies(..., kind="bwd")`` holds)."""
+    B, Hq, Hkv, D = cu_k.numel() - 1, q.shape[1], k.shape[1], k.shape[2]
+    assert lse.stride() == delta.stride() and lse.stride(1) == 1, "lse and delta need the same [Hq, T] layout"
+    acc = GluonDescriptor(dqa, [dqa.shape[0], Hq * D], [dqa.stride(0), 1], [64, D // 2], _dq_layout(64, D))
+    args = (descriptor(q), descriptor(k), descriptor(v), descriptor(do), descriptor(dk), descriptor(dv), acc, dk, dv,
+            dqa, lse, delta, cu_q, cu_k, qk_scale, sm_scale, dk.stride(0), dk.stride(1), lse.stride(0), Hq // Hkv,
             seq_bucket)
-    if "dkdv" in FORCE_CONFIG:
-        _launch_forced(_attn_bwd_dkdv_gluon_kernel, FORCE_CONFIG["dkdv"], args, max_k, B, Hkv, causal, "BLOCK_N")
+    if "bwd" in FORCE_CONFIG:
+        _launch_forced(_attn_bwd_gluon_kernel, FORCE_CONFIG["bwd"], args, max_k, B, Hkv, causal, "BLOCK_N")
         return
     grid = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), B, Hkv)  # noqa: E731
-    _tuned(D, "dkdv")[grid](*args, CAUSAL=causal)
+    _tuned(D, "bwd")[grid](*args, CAUSAL=causal)
 
 
 def _launch_forced(kernel, cfg: triton.Config, args: tuple, rows: int, B: int, H: int, causal: bool,
@@ -826,29 +767,25 @@ def _launch_forced(kernel, cfg: triton.Config, args: tuple, rows: int, B: int, H
 
 def compile_sm90(cfg: triton.Config, head_dim: int = 128, causal: bool = True, dtype: str = "bf16",
                  kind: str = "fwd"):
-    """Compile a kernel (``kind``: "fwd", or "dq" for the dQ kernel) for sm_90 without a GPU (CPU tests, offline
-    inspection): the CompiledKernel, with its ``asm["ptx"]`` and ``metadata.shared``."""
+    """Compile a kernel (``kind``: "fwd", or "bwd", the single-pass backward) for sm_90 without a GPU
+    (CPU tests, offline inspection): the CompiledKernel, with its ``asm["ptx"]`` and ``metadata.shared``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ws = _is_ws(cfg.kwargs)
     bm, bn = cfg.kwargs["BLOCK_M"] // (2 if ws else 1), cfg.kwargs["BLOCK_N"]
-    if kind == "dkdv":
+    if kind == "bwd":
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"] // 2
     gdt = gl.bfloat16 if dtype == "bf16" else gl.float16
     lay = {r: gl.NVMMASharedLayout.get_default_for([r, head_dim], gdt) for r in (bm, bn)}
     desc = {r: f"tensordesc<{dtype}[{r}, {head_dim}],{lay[r]!r}>" for r in (bm, bn)}
-    if kind == "dkdv":
-        kernel = _attn_bwd_dkdv_gluon_kernel
+    if kind == "bwd":
+        kernel = _attn_bwd_gluon_kernel
+        dqa = f"tensordesc<fp32[{bm}, {head_dim // 2}],{_dq_layout(bm, head_dim)!r}>"
         sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_do": desc[bm], "desc_dk": desc[bn],
-               "desc_dv": desc[bn], "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32",
-               "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "stride_dkt": "i32",
-               "stride_dkh": "i32", "stride_lh": "i32"}
-    elif kind == "dq":
-        kernel = _attn_bwd_dq_gluon_kernel
-        sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_do": desc[bm], "desc_dq": desc[bm],
-               "DQ": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "CU_Q": "*i32", "CU_K": "*i32",
-               "qk_scale": "fp32", "sm_scale": "fp32", "stride_dqt": "i32", "stride_dqh": "i32", "stride_lh": "i32"}
+               "desc_dv": desc[bn], "desc_dqa": dqa, "DK": f"*{dtype}", "DV": f"*{dtype}", "DQA": "*fp32",
+               "LSE": "*fp32", "DELTA": "*fp32", "CU_Q": "*i32", "CU_K": "*i32", "qk_scale": "fp32",
+               "sm_scale": "fp32", "stride_dkt": "i32", "stride_dkh": "i32", "stride_lh": "i32"}
     else:
         kernel = _attn_fwd_gluon_ws_kernel if ws else _attn_fwd_gluon_kernel
         sig = {"desc_q": desc[bm], "desc_k": desc[bn], "desc_v": desc[bn], "desc_o": desc[bm], "O": f"*{dtype}",
@@ -860,3 +797,12 @@ def compile_sm90(cfg: triton.Config, head_dim: int = 128, causal: bool = True, d
     consts = {"CAUSAL": causal, **cfg.kwargs, "num_warps": cfg.num_warps}
     options = {"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg}
     return triton.compile(GluonASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+# The single-pass backward's row statistics (LSE, delta) sit in shared memory as [1, BLOCK_M] rows, unswizzled; its
+# dQ accumulator ([T, Hq * D] fp32) takes [BLOCK_M, D / 2] tiles, one per consumer.
+_ROWS_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2) if available() else None
+
+
+def _dq_layout(bm: int, head_dim: int):
+    return gl.NVMMASharedLayout.get_default_for([bm, head_dim // 2], gl.float32)

@@ -387,8 +387,8 @@ def test_tma_forward_rescales_for_late_score_jumps(dtype, monkeypatch, nan_buffe
 
 
 def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
-    """Unset (or "auto"), ARENO_ATTN_FWD / ARENO_ATTN_BWD run the TMA kernels on sm_90+ and the pointer ones
-    elsewhere (the interpreter included); an explicit variant is kept either way."""
+    """Unset (or "auto"), ARENO_ATTN_FWD / ARENO_ATTN_BWD run the Gluon kernels on sm_90 (TMA ones where Gluon does
+    not apply) and the pointer ones elsewhere (the interpreter included); an explicit variant is kept either way."""
     monkeypatch.delenv("ARENO_ATTN_FWD", raising=False)
     monkeypatch.setenv("ARENO_ATTN_BWD", "auto")
     assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("default", "split")
@@ -397,10 +397,11 @@ def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
     assert launched == ["fwd", "dkdv", "dq"], launched
     launched.clear()
     monkeypatch.setattr(attention_module, "_hopper", lambda: True)
-    fwd = "gluon" if attention_module.attention_gluon.available() else "tma"
-    assert (attention_module.forward_variant(), attention_module.backward_variant()) == (fwd, "tma_merged")
+    gluon = attention_module.attention_gluon.available()
+    assert (attention_module.forward_variant(), attention_module.backward_variant()) == (
+        ("gluon", "gluon") if gluon else ("tma", "tma_merged"))
     run_variant("auto", monkeypatch, inputs, [5, 9], [5, 9], True)
-    assert launched == ["fwd_tma", "bwd_merged_tma"], launched  # the Gluon forward does not apply on the CPU
+    assert launched == ["fwd_tma", "bwd_merged_tma"], launched  # the Gluon kernels do not apply on the CPU
     monkeypatch.setenv("ARENO_ATTN_FWD", "default")
     monkeypatch.setenv("ARENO_ATTN_BWD", "fused")
     assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("default", "fused")

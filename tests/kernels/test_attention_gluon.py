@@ -1,4 +1,4 @@
-"""The Gluon attention forward (``ARENO_ATTN_FWD=gluon``, ``areno/kernels/attention_gluon.py``).
+"""The Gluon attention kernels (``ARENO_ATTN_FWD=gluon`` and ``ARENO_ATTN_BWD=gluon``, ``attention_gluon.py``).
 
 Gluon has no interpreter: on the CPU every candidate is compiled for sm_90 (PTX and ptxas, no GPU) and its PTX
 checked for the structure the kernel exists for; on the GPU each candidate is compared with float64 over odd varlen
@@ -20,7 +20,7 @@ from areno.kernels import attention_gluon
 
 attention_module = importlib.import_module("areno.kernels.attention")
 
-LISTS = {"fwd": attention_gluon.CONFIGS, "dq": attention_gluon.DQ_CONFIGS, "dkdv": attention_gluon.DKDV_CONFIGS}
+LISTS = {"fwd": attention_gluon.CONFIGS, "bwd": attention_gluon.BWD_CONFIGS}
 needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this triton has no Gluon Hopper language")
 
 
@@ -31,13 +31,14 @@ import json, re, sys
 from areno.kernels import attention_gluon as g
 out = {}
 for kind, d, i, causal, dtype in json.loads(sys.argv[1]):
-    cfg = {"dq": g.DQ_CONFIGS, "dkdv": g.DKDV_CONFIGS, "fwd": g.CONFIGS}[kind][d][i]
+    cfg = {"bwd": g.BWD_CONFIGS, "fwd": g.CONFIGS}[kind][d][i]
     ptx = g.compile_sm90(cfg, head_dim=d, causal=causal, dtype=dtype, kind=kind).asm["ptx"]
     out[f"{kind}/{d}/{i}/{causal}/{dtype}"] = {
         "mma": sorted(set(re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n\\d+k16\\.f32\\.(\\w+)\\.", ptx))),
         "wait1": ptx.count("wgmma.wait_group.sync.aligned 1;"),
         "loads": ptx.count("cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes"),
         "store": ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"),
+        "reduce": ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group"),
         "waits": ptx.count("mbarrier.try_wait.parity"),
         "setmaxnreg": ptx.count("setmaxnreg"),
         "cta_barriers": len(re.findall(r"bar\\.sync\\s+0;|barrier\\.sync\\s+0;", ptx)),
@@ -51,8 +52,7 @@ def compiled():
     jobs = [(kind, 128, i, c, "bf16") for kind, lists in LISTS.items() for i in range(len(lists[128]))
             for c in (True, False)]
     jobs += [("fwd", 64, 0, True, "bf16"), ("fwd", 256, 0, True, "bf16"), ("fwd", 128, 0, True, "fp16"),
-             ("dq", 64, 0, True, "bf16"), ("dq", 128, 0, True, "fp16"), ("dkdv", 64, 0, True, "bf16"),
-             ("dkdv", 128, 0, True, "fp16")]
+             ("bwd", 128, 0, True, "fp16")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(jobs)], env=env, cwd=root, capture_output=True,
@@ -67,7 +67,7 @@ def test_every_candidate_compiles_for_sm90_with_the_pipelined_loop(compiled):
     structure: Q and the K/V ring by TMA, the scores and the previous block's P V issued as wgmma groups before
     waiting for the scores alone (``wgmma.wait_group 1``), O by TMA store; the warp-specialized candidates also
     move registers between partitions (``setmaxnreg``) and synchronise without CTA-wide barriers."""
-    assert len(compiled) == 2 * sum(len(lists[128]) for lists in LISTS.values()) + 7
+    assert len(compiled) == 2 * sum(len(lists[128]) for lists in LISTS.values()) + 4
     for key, info in compiled.items():
         kind, d, i, _, dtype = key.split("/")
         cfg = LISTS[kind][int(d)][int(i)]
@@ -75,10 +75,11 @@ def test_every_candidate_compiles_for_sm90_with_the_pipelined_loop(compiled):
         assert info["wait1"] >= 1, (key, "S_j and P_{j-1} V_{j-1} are not overlapped")
         assert info["store"] >= 1 and info["waits"] >= 3, (key, info)
         if "CONSUMER_REGS" in cfg.kwargs:  # warp-specialized: registers moved to the consumers, no CTA-wide barrier
-            # the load warp's tiles: Q halves, then K and V (fwd); Q and dO halves, then K and V (dq); K and V
-            # halves, then Q and dO (dkdv)
-            assert info["loads"] >= (4 if kind == "fwd" else 6), (key, info)
+            # the load warp's tiles: Q halves, then K and V (fwd); K and V halves, then Q, dO, LSE and delta (bwd),
+            # whose dQ partials leave by TMA reduce
+            assert info["loads"] >= (4 if kind == "fwd" else 8), (key, info)
             assert info["setmaxnreg"] >= 2 and info["cta_barriers"] == 0, (key, info)
+            assert (info["reduce"] >= 1) == (kind == "bwd"), (key, info)
         else:
             assert info["loads"] >= 3 + 2 * cfg.kwargs["STAGES"], (key, info)  # Q, the K/V ring, the refills
 
@@ -98,8 +99,7 @@ def test_gluon_variants_fall_back_to_tma_where_they_do_not_apply(monkeypatch):
     assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("gluon", "gluon")
     called = []
     monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: called.append("fwd"))
-    monkeypatch.setattr(attention_gluon, "backward_dq", lambda *a, **k: called.append("dq"))
-    monkeypatch.setattr(attention_gluon, "backward_dkdv", lambda *a, **k: called.append("dkdv"))
+    monkeypatch.setattr(attention_gluon, "backward", lambda *a, **k: called.append("bwd"))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(12, 2, 16, generator=g, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -130,7 +130,8 @@ GPU_SHAPES = {
 @pytest.mark.parametrize("kind,d,i", [(kind, d, i) for kind, lists in LISTS.items() for d, c in lists.items()
                                       for i in range(len(c))])
 def test_gpu_every_candidate_matches_float64(kind, d, i, monkeypatch):
-    """ARENO_ATTN_FWD=gluon (forward candidates) / ARENO_ATTN_BWD=gluon (dQ, dK/dV candidates), one pinned."""
+    """ARENO_ATTN_FWD=gluon (forward candidates) / ARENO_ATTN_BWD=gluon (single-pass backward candidates), one
+    pinned."""
     from tests.kernels.test_attention import _gpu_errors
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -139,7 +140,7 @@ def test_gpu_every_candidate_matches_float64(kind, d, i, monkeypatch):
     monkeypatch.setenv("ARENO_ATTN_BWD", "tma" if kind == "fwd" else "gluon")
     monkeypatch.setattr(attention_gluon, "FORCE_CONFIG", {kind: LISTS[kind][d][i]})
     calls = []
-    name = {"fwd": "forward", "dq": "backward_dq", "dkdv": "backward_dkdv"}[kind]
+    name = {"fwd": "forward", "bwd": "backward"}[kind]
     real = getattr(attention_gluon, name)
     monkeypatch.setattr(attention_gluon, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     for shape, (lq, lk, hq, hkv, causal) in GPU_SHAPES.items():
