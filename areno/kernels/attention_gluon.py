@@ -558,9 +558,8 @@ if _IMPORT_ERROR is None:
     ):  # fmt: skip
         """The single-pass backward (FlashAttention-3's): dK, dV of a [BLOCK_N = 128, D] key tile of one KV head and
         its share of every dQ row block, added into an fp32 accumulator (zeroed beforehand) by TMA reduces; five
-        products per (query block, key tile) instead of the two-kernel backward's seven. Warp-specialized as the
-        dK/dV kernel: a load warp and two consumer warpgroups of 64 keys each, which meet once per step to share
-        dS^T for dQ."""
+        products per (query block, key tile) instead of the Triton backward's seven. Warp-specialized: a load warp
+        and two consumer warpgroups of 64 keys each, which meet once per step to share dS^T for dQ."""
         HALF: gl.constexpr = desc_k.block_type.shape[0]
         HEAD_D: gl.constexpr = desc_k.block_type.shape[1]
         dtype: gl.constexpr = desc_k.dtype
@@ -625,15 +624,15 @@ def _is_ws(kwargs: dict) -> bool:
 
 def _fit(args: dict) -> None:
     """Autotune pre_hook: each descriptor's block rows follow the config (Q, O: BLOCK_M, or BLOCK_M / 2 for the
-    warp-specialized kernels' consumer halves; K, V: BLOCK_N; the dK/dV kernel: Q, dO BLOCK_M, K, V, dK, dV
-    BLOCK_N / 2)."""
+    warp-specialized forward's consumer halves; K, V: BLOCK_N; the backward: Q, dO BLOCK_M, K, V, dK, dV
+    BLOCK_N / 2, the dQ accumulator's tiles BLOCK_M rows)."""
     if "desc_dqa" in args:  # the single-pass backward: dQ tiles follow BLOCK_M
         args["desc_dqa"].block_shape = [args["BLOCK_M"], args["desc_dqa"].block_shape[1]]
-    if "desc_dk" in args:  # the dK/dV kernels: 64-key halves, whole query blocks
+    if "desc_dk" in args:  # the backward: 64-key halves, whole query blocks
         q_rows, k_rows = args["BLOCK_M"], args["BLOCK_N"] // 2
     else:
         q_rows, k_rows = (args["BLOCK_M"] // 2 if _is_ws(args) else args["BLOCK_M"]), args["BLOCK_N"]
-    for name, rows in (("desc_q", q_rows), ("desc_o", q_rows), ("desc_do", q_rows), ("desc_dq", q_rows),
+    for name, rows in (("desc_q", q_rows), ("desc_o", q_rows), ("desc_do", q_rows),
                        ("desc_k", k_rows), ("desc_v", k_rows), ("desc_dk", k_rows), ("desc_dv", k_rows)):
         if name in args:
             args[name].block_shape = [rows, args[name].block_shape[1]]
