@@ -485,11 +485,10 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
     use_tma = variant in ("tma", "fused_tma", "tma_merged", "gluon") and B > 0 and _use_tma(q, k, v, do)
-    fused = variant in ("fused", "fused_tma")  # fused_tma on a layout TMA cannot address: the pointer fused pass
-    if use_tma and variant == "gluon":
-        if attention_gluon.applies(q, k, v, "bwd") is None:
-            return _attention_bwd_gluon(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale)
-        variant = "tma_merged"
+    if variant == "gluon" and not (use_tma and attention_gluon.applies(q, k, v, "bwd") is None):
+        variant = "tma_merged"  # where the single pass does not apply: the merged pair (or the pointer split pair)
+    # fused_tma on a layout TMA cannot address: the pointer fused pass
+    fused = variant in ("fused", "fused_tma", "gluon")
     if use_tma:  # packed [T, H, D], as the output descriptors address them; fused: dQ accumulates in fp32
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
         dq = torch.empty(q.shape, device=q.device, dtype=torch.float32 if fused else q.dtype)
@@ -508,6 +507,13 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
         return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     common = dict(D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
     bucket = _seq_bucket(max(max_q, max_k))
+    if variant == "gluon":  # the single pass: dK, dV and sm_scale * dQ into the zeroed fp32 accumulator
+        if max_k > 0:
+            attention_gluon.backward(q, k, v, do, dq, dk, dv, lse, delta, cu_q, cu_k, max_k, bucket, causal,
+                                     scale * _LOG2E, scale)
+        else:
+            dk.zero_(), dv.zero_()
+        return dq.to(q.dtype), dk, dv
     if use_tma:
         _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
                            fused, merged=variant == "tma_merged")
@@ -537,26 +543,6 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
             dq.stride(0), dq.stride(1), lse.stride(0), Hq // Hkv, **common,
         )  # fmt: skip
     return dq, dk, dv
-
-
-def _attention_bwd_gluon(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    """The single-pass Gluon backward: delta and the zeroed fp32 dQ accumulator in one pass, then dK, dV and dQ in
-    one launch, then dQ rounded to q's dtype."""
-    Tq, Hq, D = q.shape
-    delta = torch.empty_like(lse)
-    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
-    if Tq > 0:
-        _attn_bwd_delta_kernel[(triton.cdiv(Tq, 64), Hq)](
-            o, do, delta, dq, Tq, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-            dq.stride(0), dq.stride(1), D=D, BLOCK_T=64, BLOCK_D=D, ZERO_DQ=True,
-        )  # fmt: skip
-    if max_k > 0:
-        attention_gluon.backward(q, k, v, do, dq, dk, dv, lse, delta, cu_q, cu_k, max_k,
-                                 _seq_bucket(max(max_q, max_k)), causal, scale * _LOG2E, scale)
-    else:
-        dk.zero_(), dv.zero_()
-    return dq.to(q.dtype), dk, dv
 
 
 def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,

@@ -29,9 +29,9 @@ issue):
 
 Masking, bounds and the rows past a sequence's end are handled as in the TMA kernels (see ``attention_tma.py``): one
 descriptor over the packed ``[T, H * D]`` view, key blocks at or past ``full`` masked (keys past Lk, causal), query
-rows past Lq computed and not stored, key rows past Lk not stored; in the backward, P = 0 (by mask) for query rows
-past Lq (their Q, dO, LSE and delta boxes hold the next sequence's rows) and key rows past Lk (their dS would reach
-dQ).
+rows past Lq computed and not stored, key rows past Lk not stored; in the backward, P = 0 for query rows past Lq
+(their Q and dO tiles hold the next sequence's rows; their LSE loads as +inf) and, by mask, for key rows past Lk
+(their dS would reach dQ).
 A forward query tile that sees no key at all (Lk == 0, or causal with Lq > Lk) runs one fully masked block: O = 0,
 LSE = +inf.
 
@@ -510,9 +510,8 @@ if _IMPORT_ERROR is None:
             lse = lse_ring.index(slot).load(st_layout)  # [1, BLOCK_M]
             st = warpgroup_mma_wait(1, deps=(st, ))
             pt = gl.exp2(st * qk_scale - lse)
-            if (mb < m_full) | (mb + BLOCK_M > Lq) | keys_past:
-                # rows past Lq are the next sequence's (or zeros): their LSE is not theirs, P = 0 by mask
-                keep = (rows[None, :] < Lq) & (keys[:, None] < Lk)
+            if (mb < m_full) | keys_past:  # (rows past Lq need no mask: their LSE is +inf, P = 0)
+                keep = keys[:, None] < Lk
                 if CAUSAL:
                     keep = keep & (rows[None, :] + diag >= keys[:, None])
                 pt = gl.where(keep, pt, 0.0)
