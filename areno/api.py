@@ -253,7 +253,7 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
                 raise ConfigError("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
         if self.json_schema is not None:
-            from areno.rollout.grammar import GrammarError, check
+            from areno.engine.grammar import GrammarError, check
 
             try:
                 check({"type": "json_schema", "schema": self.json_schema})
@@ -262,7 +262,7 @@ class SamplingParams:
 
     def to_options(self):
         """The engine's per-request settings."""
-        from areno.rollout.sequence import SamplingOptions
+        from areno.engine.sequence import SamplingOptions
 
         return SamplingOptions(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -341,7 +341,7 @@ class Trainer:
 
     def init(self):
         """Load the model, tokenizer, optimizer (and the dataset, reward and engine when configured)."""
-        from areno.rl.launch import launched
+        from areno.distributed.launch import launched
         from areno.rl.loop import TrainLoop
 
         config = self._train_config()
@@ -351,7 +351,7 @@ class Trainer:
                                f"`torchrun --nproc-per-node {ranks} script.py`, or use `areno train`")
         import torch.distributed as dist
 
-        from areno import parallel
+        from areno.distributed import parallel
 
         # A process group this Trainer makes is its to end (as `areno train` does): left to the interpreter's exit,
         # gloo's threads were sometimes destroyed unjoined ("terminate called without an active exception", a
@@ -411,7 +411,7 @@ class Trainer:
         return self._processor.encode(prompt)
 
     def train(self, batch, loss_fn="grpo", mini_bs=1, gradient_accumulation_steps=1, **kwargs) -> dict:
-        """Optimizer updates over ``batch`` (rows: `areno.rl.batch.Row` or dicts with prompt_ids, response_ids and
+        """Optimizer updates over ``batch`` (rows: `areno.training.batch.Row` or dicts with prompt_ids, response_ids and
         optionally rollout_logprobs / advantage). ``loss_fn`` is "sft", "grpo", "gspo", or a callable
         ``(out, packed, norms) -> (loss, stats)``; ``mini_bs`` rows per microbatch and
         ``gradient_accumulation_steps`` microbatches per update, as on the command line."""
@@ -430,7 +430,7 @@ class Trainer:
             loop.close()
             self.loop = None
         if getattr(self, "_owns_group", False):
-            from areno import parallel
+            from areno.distributed import parallel
 
             parallel.destroy_distributed()
             self._owns_group = False

@@ -539,7 +539,7 @@ class TrainConfig:
 
     def _check_multimodal(self):
         """A tower/projector schedule flag needs its part unfrozen; a final rate may not exceed its peak (whether
-        the model has a tower at all is checked once it is loaded: areno.rl.multimodal.check_flags)."""
+        the model has a tower at all is checked once it is loaded: areno.training.multimodal.check_flags)."""
         for part in ("tower", "projector"):
             names = [f"mm_{part}_{x}" for x in ("lr", "min_lr", "lr_steps", "lr_style")]
             given = [n for n in names if getattr(self, n) is not None]

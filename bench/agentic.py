@@ -92,7 +92,7 @@ def agentic(loop, prompts, s) -> tuple[int, float, dict]:
 
 
 def single_turn(loop, prompts, s) -> tuple[int, float]:
-    from areno.rollout.sequence import SamplingOptions
+    from areno.engine.sequence import SamplingOptions
 
     options = SamplingOptions(temperature=1.0, max_new_tokens=s["turns"] * s["turn_tokens"], n=1)
     loop.model.eval()

@@ -41,9 +41,9 @@ def main():
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = models.checkpoint(args.smoke)
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.engine.sequence import SamplingOptions
     from areno.models import load_model, load_tokenizer
-    from areno.rollout.engine import Engine, EngineConfig
-    from areno.rollout.sequence import SamplingOptions
 
     model = load_model(path, device=device)
     engine = Engine(model, load_tokenizer(path), EngineConfig(block_size=16, max_running=256, max_model_len=2064,

@@ -50,9 +50,9 @@ for stage in "$@"; do
     profile) step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;
     hybrid)  # Ling 3: the Flash-shaped parity test loads a 1.1B checkpoint three ways and autotunes every kernel
       step gpu-hybrid 560 python3 -m pytest -m gpu -q --timeout 520 --tb=short -p no:cacheprovider \
-        tests/rollout/test_engine_hybrid.py tests/models/test_bailing_hybrid.py ;;
+        tests/engine/test_engine_hybrid.py tests/models/test_bailing_hybrid.py ;;
     tests3) step gpu-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider \
-        tests/rollout/test_engine.py tests/kernels/test_gemm.py tests/kernels/test_qkv_prologue.py \
+        tests/engine/test_engine.py tests/kernels/test_gemm.py tests/kernels/test_qkv_prologue.py \
         tests/kernels/test_rms_norm.py tests/models/test_gpu.py ;;
     prof)
       step prof_train 90 python3 bench/profile_step.py train
@@ -65,8 +65,8 @@ for stage in "$@"; do
       [ -d .whl_tf ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf \
         .whl_tf/*.whl >>"$LOG" 2>&1
       step gpu-checks 300 env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 -m pytest -m gpu -q --timeout 120 --tb=short \
-        -p no:cacheprovider tests/rl/test_train_graphs_gpu.py tests/rollout/test_engine_hybrid.py \
-        tests/kernels/test_mla_decode.py tests/rollout/test_engine.py -k "not greedy" ;;
+        -p no:cacheprovider tests/training/test_train_graphs_gpu.py tests/engine/test_engine_hybrid.py \
+        tests/kernels/test_mla_decode.py tests/engine/test_engine.py -k "not greedy" ;;
     k1v)  # attention variants (TMA forward, split / fused / TMA / fused-TMA backward) vs SDPA flash and cuDNN at 4k
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
       step k1-tests 200 python3 -m pytest -m gpu -q --timeout 180 -p no:cacheprovider tests/kernels/test_attention.py \
@@ -84,7 +84,7 @@ for stage in "$@"; do
       # backward as the default), then T1/T2 against transformers + AdamW and the T2 kernel profile
       step s8-tests 240 python3 -m pytest -m gpu -q --timeout 200 --tb=short -p no:cacheprovider \
         tests/kernels/test_qk_norm_rope.py tests/kernels/test_adamw.py tests/kernels/test_linear_logprobs.py \
-        tests/rl/test_train_graphs_gpu.py tests/models/test_gpu.py
+        tests/training/test_train_graphs_gpu.py tests/models/test_gpu.py
       step s8-attn 150 python3 -m pytest -m gpu -q --timeout 140 --tb=short -p no:cacheprovider \
         tests/kernels/test_attention.py -k "tma_every_candidate or training_shape"
       step t12 200 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
@@ -96,17 +96,17 @@ for stage in "$@"; do
       step k1 80 python3 bench/attention.py --variants --seqs 4096 --pairs tma:tma_merged
       step gaps-t2 70 python3 bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps --top 8
       step s9-tests 150 python3 -m pytest -m gpu -q --timeout 120 --tb=short -p no:cacheprovider \
-        tests/rl/test_pack.py tests/rl/test_train_graphs_gpu.py tests/models/test_gpu.py ;;
+        tests/training/test_pack.py tests/training/test_train_graphs_gpu.py tests/models/test_gpu.py ;;
     s10)  # tenth session's code: the head's gradient in the forward (SFT weights; GRPO/PPO token function, eager)
       step s10-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short \
-        -p no:cacheprovider tests/kernels/test_linear_logprobs_loss.py tests/rl/test_train_graphs_gpu.py
+        -p no:cacheprovider tests/kernels/test_linear_logprobs_loss.py tests/training/test_train_graphs_gpu.py
       step k2 120 python3 bench/logprob.py --impls torch areno areno_loss --no-liger
       step t12 230 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
     s11)  # eleventh session's kernels (multi-tensor optimizer step, TMA q store, scale-and-round, sum_rows), then
       # the optimizer step, K2 and T1/T2 against their baselines
       step s11-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short \
         -p no:cacheprovider tests/kernels/test_adamw.py tests/kernels/test_linear_logprobs_loss.py \
-        tests/kernels/test_rms_norm.py tests/kernels/test_qk_norm_rope.py tests/rl/test_train_graphs_gpu.py
+        tests/kernels/test_rms_norm.py tests/kernels/test_qk_norm_rope.py tests/training/test_train_graphs_gpu.py
       step optimizer 60 python3 bench/optimizer_step.py
       step k2 100 python3 bench/logprob.py --impls torch areno_loss --no-liger
       step t12 240 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
@@ -114,7 +114,7 @@ for stage in "$@"; do
     x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
       step policy_sync 300 python3 bench/policy_sync.py
       step gpu2-tests 280 python3 -m pytest -q --timeout 240 --tb=short -p no:cacheprovider tests/rl/test_split.py \
-        tests/rl/test_train_graphs_gpu.py -k "not quickstart and not memory" ;;
+        tests/training/test_train_graphs_gpu.py -k "not quickstart and not memory" ;;
     x2g1)  # G1 colocated vs split sync / async (train GPU 0, rollout GPU 1) vs TRL, same run
       [ -d .whl_trl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl \
         .whl_trl/*.whl >>"$LOG" 2>&1

@@ -1,6 +1,6 @@
 """Where the graphed training step's memory goes (a diagnostic for ``--train-cuda-graphs``; nothing is saved).
 
-    python bench/graph_memory.py                 # GPU: the tiny model of tests/rl/test_train_graphs_gpu.py
+    python bench/graph_memory.py                 # GPU: the tiny model of tests/training/test_train_graphs_gpu.py
     python bench/graph_memory.py --shape t1      # GPU: the Qwen3-0.6B shape at T1's layout (8 x 1024)
 
 Runs the same update eagerly and with CUDA graphs (one microbatch, the "own" gradient mode) and prints, for each,
@@ -42,7 +42,7 @@ def pools(top: int = 5) -> None:
 
 
 def rows_of(lengths, vocab, seed):
-    from areno.rl.batch import Row
+    from areno.training.batch import Row
 
     g = torch.Generator().manual_seed(seed)
     return [Row(prompt_ids=torch.randint(1, vocab, (5,), generator=g).tolist(),
@@ -58,10 +58,10 @@ def main() -> int:
         return 2
     from areno.models import load_model
     from areno.rl.algorithms import sft_loss_fn
-    from areno.rl.optimizer import MasterAdamW
-    from areno.rl.schedule import LRSchedule
-    from areno.rl.trainer import PolicyTrainer
     from areno.testing import make_tiny_checkpoint
+    from areno.training.optimizer import MasterAdamW
+    from areno.training.schedule import LRSchedule
+    from areno.training.trainer import PolicyTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.shape == "tiny":

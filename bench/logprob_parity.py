@@ -18,9 +18,9 @@ from common import append_jsonl, print_table  # noqa: E402
 from models import QWEN3_06B, random_prompts  # noqa: E402
 from rollout import logprob_diff  # noqa: E402
 
+from areno.engine.engine import Engine, EngineConfig  # noqa: E402
+from areno.engine.sequence import SamplingOptions  # noqa: E402
 from areno.models import load_model  # noqa: E402
-from areno.rollout.engine import Engine, EngineConfig  # noqa: E402
-from areno.rollout.sequence import SamplingOptions  # noqa: E402
 from areno.testing import make_tiny_checkpoint  # noqa: E402
 
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl, gpu_time_ms, graph_replay, print_table  # noqa: E402
 
 from areno.kernels import adamw  # noqa: E402
-from areno.rl.optimizer import MasterAdamW  # noqa: E402
+from areno.training.optimizer import MasterAdamW  # noqa: E402
 
 LAYER = [(6144, 1024), (1024, 3072), (4096, 1024), (1024, 2048), (1024,), (1024,), (128,), (128,)]  # Qwen3-0.6B
 

@@ -145,7 +145,7 @@ def receive_and_wait(receiver, group) -> None:
 
 
 def two_ranks(args, dtype) -> list[dict] | None:
-    from areno import parallel
+    from areno.distributed import parallel
     from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
 
     rank = int(os.environ["RANK"])
@@ -204,7 +204,7 @@ def main() -> int:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         rows = pack_only(args, device, dtype)
     elif "RANK" not in os.environ:  # start the two ranks (train, rollout) with torch's launcher
-        from areno.rl.launch import free_port
+        from areno.distributed.launch import free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", __file__, *sys.argv[1:]]

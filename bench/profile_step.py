@@ -64,10 +64,10 @@ def print_gaps(prof, n, min_us=20.0):
 def train(args, device):
     from areno.models import load_model
     from areno.rl.algorithms import sft_loss_fn
-    from areno.rl.batch import Row
-    from areno.rl.optimizer import MasterAdamW
-    from areno.rl.schedule import LRSchedule
-    from areno.rl.trainer import PolicyTrainer
+    from areno.training.batch import Row
+    from areno.training.optimizer import MasterAdamW
+    from areno.training.schedule import LRSchedule
+    from areno.training.trainer import PolicyTrainer
 
     model = load_model(models.checkpoint(args.smoke), device=device).train()
     model.set_activation_checkpointing(False)
@@ -117,9 +117,9 @@ def train(args, device):
 
 
 def decode(args, device):
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.engine.sequence import SamplingOptions
     from areno.models import load_model, load_tokenizer
-    from areno.rollout.engine import Engine, EngineConfig
-    from areno.rollout.sequence import SamplingOptions
 
     path = models.checkpoint(args.smoke)
     model = load_model(path, device=device)

@@ -70,8 +70,8 @@ def sync(device):
 
 
 def make_engine(path, device, args):
+    from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model, load_tokenizer
-    from areno.rollout.engine import Engine, EngineConfig
 
     model = load_model(path, device=device)
     tok = load_tokenizer(path)
@@ -89,7 +89,7 @@ def make_engine(path, device, args):
 
 
 def areno_generate(engine, prompts, new_tokens, device):
-    from areno.rollout.sequence import SamplingOptions
+    from areno.engine.sequence import SamplingOptions
 
     opts = [SamplingOptions(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in new_tokens]
     sync(device)
@@ -103,7 +103,7 @@ def areno_generate(engine, prompts, new_tokens, device):
 def logprob_diff(model, completions, device, max_tokens=16384) -> dict:
     """Mean/max |rollout log-prob - training-forward log-prob| over every sampled token."""
     from areno.kernels import linear_logprobs
-    from areno.rl.batch import Row, pack, per_row
+    from areno.training.batch import Row, pack, per_row
 
     flat = [c for group in completions for c in group]
     diffs = []

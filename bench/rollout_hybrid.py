@@ -115,7 +115,7 @@ def decode_limit_tok_s(model, rows: int, context: float, kv_bytes_per_token: flo
 
 
 def generate(engine, prompts, new, device):
-    from areno.rollout.sequence import SamplingOptions
+    from areno.engine.sequence import SamplingOptions
 
     opts = [SamplingOptions(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in new]
     sync(device)
@@ -128,8 +128,8 @@ def generate(engine, prompts, new, device):
 def run_layout(model, kind: str, device, args, vocab: int) -> list[dict]:
     from rollout import logprob_diff
 
-    from areno.rollout.engine import Engine, EngineConfig
-    from areno.rollout.model_runner import kv_bytes_per_block
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.engine.model_runner import kv_bytes_per_block
 
     model.set_mla_cache(kind)
     cfg = EngineConfig(block_size=16, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,

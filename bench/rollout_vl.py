@@ -118,7 +118,7 @@ def sync(device):
 
 
 def timed_generate(engine, prompts, new, device):
-    from areno.rollout.sequence import SamplingOptions
+    from areno.engine.sequence import SamplingOptions
 
     sync(device)
     t0 = time.perf_counter()
@@ -174,8 +174,8 @@ def logprob_diff(model, prompts, completions, device, max_tokens=16384) -> dict:
 
 
 def run_areno(path, device, args) -> list[dict]:
+    from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model
-    from areno.rollout.engine import Engine, EngineConfig
 
     model = load_model(path, device=device)
     cfg = model.config

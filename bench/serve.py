@@ -207,8 +207,8 @@ def engine_only_main(path, prompts_warm, prompts, max_tokens, args_dict, results
     try:
         import torch
 
-        from areno.rollout.sequence import SamplingOptions
-        from areno.rollout.session import build_engine
+        from areno.engine.build import build_engine
+        from areno.engine.sequence import SamplingOptions
 
         engine, _ = build_engine(path, max_running=args_dict["max_running_prompts"],
                                  eager_decode=args_dict["eager"], seed=0)

@@ -10,7 +10,7 @@ One step = forward + backward + optimizer update of every parameter, next-token 
   ``LRSchedule``; each row is ``Row(prompt_ids=[tok_0], response_ids=tok_1..)``, so every next token is a target,
   as in transformers' shifted loss. The step includes packing the rows (host side), the packed forward,
   ``linear_logprobs`` (no ``[tokens, vocab]`` logits), backward and the update. Activation checkpointing off and on.
-  ``--graphs off,on`` measures the trainer with ``train_cuda_graphs="off"`` and ``"on"`` (areno.rl.train_graphs:
+  ``--graphs off,on`` measures the trainer with ``train_cuda_graphs="off"`` and ``"on"`` (areno.training.graphs:
   forward/backward and optimizer replayed as CUDA graphs; the first steps capture) in the same run; checkpointing
   "on" rows run eager only (recomputation is not graphed). The loss is linear in the log-probs, so the head takes
   its gradient in the forward (``linear_logprobs_loss``, one GEMM-equivalent fewer); ``--sft-head plain`` (or
@@ -58,7 +58,7 @@ SMOKE_WORKLOADS = {"T1": (2, 64), "T2": (1, 128)}
 
 def areno_setup(path, device):
     from areno.models import load_model
-    from areno.rl.optimizer import MasterAdamW
+    from areno.training.optimizer import MasterAdamW
 
     model = load_model(path, device=device).train()
     opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
@@ -67,8 +67,8 @@ def areno_setup(path, device):
 
 def areno_trainer(state, graphs):
     """The trainer of one graphs mode (made once, sharing the model and optimizer state)."""
-    from areno.rl.schedule import LRSchedule
-    from areno.rl.trainer import PolicyTrainer
+    from areno.training.schedule import LRSchedule
+    from areno.training.trainer import PolicyTrainer
 
     model, opt, trainers = state
     for mode, t in list(trainers.items()):  # only one mode's graph pool resident at a time
@@ -83,8 +83,8 @@ def areno_trainer(state, graphs):
 
 def areno_step(state, ids, ckpt, graphs="off", head="fused"):
     from areno.rl.algorithms import sft_loss_fn
-    from areno.rl.batch import Row
     from areno.rl.losses import sft_loss
+    from areno.training.batch import Row
 
     model = state[0]
     trainer = areno_trainer(state, graphs)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from areno.config import TrainConfig
-from areno.rl.data import load_rows
 from areno.rl.loop import TrainLoop
-from areno.rl.plugins import load_dataset_loader, load_module, load_reward_fn
 from areno.rl.rewards import record_from
 from areno.testing import make_tiny_checkpoint
+from areno.training.data import load_rows
+from areno.training.plugins import load_dataset_loader, load_module, load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "agentic"
@@ -195,7 +195,7 @@ def make_loop(ckpt, tmp_path, **kw):
 
 class ScriptedStream:
     def __init__(self, ids):
-        from areno.rollout.async_engine import TokenEvent
+        from areno.engine.async_engine import TokenEvent
 
         self.seqs = []
         self.events = [TokenEvent(0, t, -1.0, "stop" if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
@@ -229,7 +229,7 @@ class ScriptedEngine:
 
 
 def script(monkeypatch, loop, policy):
-    import areno.rollout.async_engine as async_engine
+    import areno.engine.async_engine as async_engine
 
     monkeypatch.setattr(async_engine, "AsyncEngine", lambda *args, **kwargs: ScriptedEngine(loop.tokenizer, policy))
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from areno.rl import data
-from areno.rl.data import DatasetError, check_rows, load_rows
-from areno.rl.plugins import load_dataset_loader, load_reward_fn
 from areno.rl.rewards import record_from, score
+from areno.training import data
+from areno.training.data import DatasetError, check_rows, load_rows
+from areno.training.plugins import load_dataset_loader, load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "data" / "gsm8k"  # 15 train + 20 test rows, see its README.md

@@ -10,8 +10,8 @@ import pytest
 
 from areno.config import TrainConfig
 from areno.rl.loop import TrainLoop
-from areno.rl.plugins import load_reward_fn
 from areno.rl.rewards import record_from
+from areno.training.plugins import load_reward_fn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vision"
 

@@ -1,5 +1,5 @@
 """One pass of AdamW over a parameter's fp32 master slice, reading its low-precision gradient and writing the
-low-precision parameter: the update of ``MasterAdamW.device_step`` (``areno/rl/optimizer.py``).
+low-precision parameter: the update of ``MasterAdamW.device_step`` (``areno/training/optimizer.py``).
 
 Per element, with ``g`` the gradient divided by the clip factor ``scale`` (0 for a parameter without a gradient):
 

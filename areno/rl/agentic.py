@@ -32,8 +32,8 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 
-from areno.rl.batch import Row
-from areno.rollout.token_service import RemoteTokens, sample_local
+from areno.engine.token_service import RemoteTokens, sample_local
+from areno.training.batch import Row
 
 log = logging.getLogger("areno.agent")
 SESSION_HEADER = "X-Areno-Session"
@@ -266,8 +266,8 @@ class AgentRollout:
 
     # the local endpoint
     def _start_server(self) -> str:
+        from areno.engine.token_service import serve_in_thread
         from areno.rl.agent_server import create_app
-        from areno.rollout.token_service import serve_in_thread
 
         self._server, self._thread, address = serve_in_thread(create_app(self), "127.0.0.1", "areno-agent-http")
         return address + "/v1"
@@ -281,8 +281,8 @@ class AgentRollout:
     # sampling (called from the endpoint's loop or the agent's loop)
     async def sample(self, session: Session, *, max_tokens=None, temperature=None, top_p=None, stop=None,
                      assistant_message=False):
+        from areno.engine.sequence import SamplingOptions
         from areno.rl.loop import sampling_adjustments
-        from areno.rollout.sequence import SamplingOptions
 
         cfg = self.cfg
         room = self.cfg_max_context() - len(session.tokens)
@@ -303,7 +303,7 @@ class AgentRollout:
             text = text[:cut] if cut >= 0 else text
         message = None
         if assistant_message:
-            from areno.rollout.tool_calls import parse_tool_calls
+            from areno.engine.tool_calls import parse_tool_calls
 
             content, calls = parse_tool_calls(text)
             message = {"role": "assistant", "content": content}
@@ -346,7 +346,7 @@ class AgentRollout:
         """Rows (one per trajectory), each row's sample index, each sample's agent reward (None: score with
         --reward-fn-path) and stats, for this rank's ``batch`` with ``n`` samples per prompt (``greedy``: every
         answer at temperature 0, for evaluation)."""
-        from areno.rollout.async_engine import AsyncEngine
+        from areno.engine.async_engine import AsyncEngine
 
         split = getattr(self.loop.engine, "split", False)
         if split and not batch:  # a train rank other than 0: rank 0 runs the agents

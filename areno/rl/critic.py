@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from areno.rl.batch import pack, per_row
-from areno.rl.multimodal import media_inputs
+from areno.training.batch import pack, per_row
+from areno.training.multimodal import media_inputs
 
 
 class ValueModel(nn.Module):
@@ -35,7 +35,7 @@ class ValueModel(nn.Module):
 
     def values(self, input_ids, positions, *, cu_seqlens, max_seqlen, **media) -> torch.Tensor:
         """V(s_t) at every packed position (the state before the token that position predicts), fp32 [T];
-        ``media``: a multimodal backbone's image arguments (``areno.rl.multimodal.media_inputs``)."""
+        ``media``: a multimodal backbone's image arguments (``areno.training.multimodal.media_inputs``)."""
         hidden = self.backbone(input_ids, positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **media)
         return self.value_head(hidden).squeeze(-1).float()
 

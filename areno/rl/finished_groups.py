@@ -23,8 +23,8 @@ import sys
 import threading
 import time
 
-from areno.rl.batch import row_tensors
 from areno.rl.rewards import completion_texts, record_from, score
+from areno.training.batch import row_tensors
 
 SWITCH_INTERVAL_S = 5e-5
 _switch = {"users": 0, "saved": None}  # rollouts running now (threads of an SDK user may run several at once)

@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 
 from areno.config import ConfigError, RunError
-from areno.rl import algorithms, multimodal
+from areno.rl import algorithms
 from areno.rl.advantages import gae, group_advantages
-from areno.rl.batch import Row
 from areno.rl.losses import value_loss
-from areno.rl.multimodal import DatasetMedia, media_limits
 from areno.rl.rollout_colocated import gather_objects as _gather_objects
 from areno.rl.routing_replay import routing_replay_enabled
-from areno.rl.trainer import PolicyTrainer
+from areno.training import multimodal
+from areno.training.batch import Row
+from areno.training.multimodal import DatasetMedia, media_limits
+from areno.training.trainer import PolicyTrainer
 
 log = logging.getLogger("areno.train")
 RL_ALGOS = ("grpo", "gspo", "ppo")
@@ -73,9 +74,9 @@ class TrainLoop:
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
-        from areno import parallel
-        from areno.rl.data import PromptIterator, check_rows, load_rows
-        from areno.rl.plugins import load_agent, load_dataset_loader, load_reward_fn
+        from areno.distributed import parallel
+        from areno.training.data import PromptIterator, check_rows, load_rows
+        from areno.training.plugins import load_agent, load_dataset_loader, load_reward_fn
 
         cfg = self.cfg
         if not self.sdk:
@@ -109,7 +110,7 @@ class TrainLoop:
         self.is_main = parallel.is_main_process()
         self.train_group = self.layout.train_group if self.layout is not None else None  # None: the whole world
         if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
-            from areno.rl.run_dir import claim
+            from areno.training.run_dir import claim
 
             self.run_dir = claim(cfg.save_path, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         torch.manual_seed(cfg.seed)
@@ -140,7 +141,7 @@ class TrainLoop:
     def _pinned_device(self) -> int | None:
         """This rank's GPU from ``--train-devices`` (one per rank, in order); None: the launcher's choice, or no GPU
         (on a CPU host the indices name process slots, so the flag changes nothing there)."""
-        from areno.parallel import rank_device
+        from areno.distributed.parallel import rank_device
 
         if not self.cfg.train_devices:
             return None
@@ -175,8 +176,8 @@ class TrainLoop:
         return ref
 
     def _make_trainer(self, model, lr, total):
-        from areno.rl.optimizer import MasterAdamW
-        from areno.rl.schedule import LRSchedule
+        from areno.training.optimizer import MasterAdamW
+        from areno.training.schedule import LRSchedule
 
         cfg = self.cfg
         params = multimodal.optimizer_params(model)  # frozen parts have no optimizer state
@@ -200,7 +201,7 @@ class TrainLoop:
             # eager one (its memory pool stays between updates); eager until measured at G1 (--train-cuda-graphs on)
             graphs = "off"
         if graphs == "on":
-            from areno.rl.train_graphs import unsupported
+            from areno.training.graphs import unsupported
 
             why = unsupported(model, tp_group=self.tp_group)
             if why:
@@ -251,7 +252,7 @@ class TrainLoop:
             self.agent = AgentRollout(self, self.agent_fn)
 
     def _make_logger(self):
-        from areno.rl.metrics import MetricsLogger
+        from areno.training.metrics import MetricsLogger
 
         cfg = self.cfg
         logger = MetricsLogger(cfg.metrics_folder, tensorboard=cfg.tensorboard, rank=0 if self.is_main else 1)
@@ -367,7 +368,7 @@ class TrainLoop:
 
     def _plot_reward_curve(self):
         """reward_curve.png beside metrics.jsonl (RL runs); without matplotlib, a warning and no plot."""
-        from areno.rl.metrics import plot_reward_curve
+        from areno.training.metrics import plot_reward_curve
 
         if self.cfg.algo not in RL_ALGOS:
             return None
@@ -387,7 +388,7 @@ class TrainLoop:
 
     # ---- rollout -------------------------------------------------------------------------------------------
     def sampling_options(self, n=None, greedy=False):
-        from areno.rollout.sequence import SamplingOptions
+        from areno.engine.sequence import SamplingOptions
 
         cfg = self.cfg
         return SamplingOptions(
@@ -664,7 +665,7 @@ class TrainLoop:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def save(self, path=None):
-        from areno.rl.checkpoint import save_checkpoint
+        from areno.training.checkpoint import save_checkpoint
 
         cfg = self.cfg
         path = Path(path or Path(cfg.save_path) / f"step-{self.step_index}")
@@ -681,7 +682,7 @@ class TrainLoop:
         return path
 
     def _resume(self):
-        from areno.rl.checkpoint import MARKER, is_complete, latest_checkpoint, load_checkpoint
+        from areno.training.checkpoint import MARKER, is_complete, latest_checkpoint, load_checkpoint
 
         cfg = self.cfg
         if dist.is_initialized():
@@ -733,8 +734,8 @@ class TrainLoop:
         eos = self.tokenizer.eos_token_id
         for r in rows:
             r.setdefault("_response_ids", self._response_ids(r["response"], eos))
-        from areno.rl.data import PromptIterator
-        from areno.rl.schedule import LRSchedule
+        from areno.training.data import PromptIterator
+        from areno.training.schedule import LRSchedule
 
         data = iter(PromptIterator(rows, cfg.batch_size, seed=cfg.seed + 1, epochs=None))
         # the warm-up has a schedule of its own (same shape, peak --sft-warmup-lr or --lr, over its own updates) and

@@ -14,8 +14,8 @@ import torch.distributed as dist
 def engine_config(cfg, tokenizer, dp_rank: int = 0, *, record_routing: bool = False):
     """The rollout engine's settings for a TrainConfig (the same in both modes) and its EOS ids;
     ``record_routing``: the completions carry their routes (routing replay)."""
-    from areno.rollout.engine import EngineConfig
-    from areno.rollout.session import eos_ids_from_checkpoint
+    from areno.engine.build import eos_ids_from_checkpoint
+    from areno.engine.engine import EngineConfig
 
     eos = None
     if cfg.ckpt and Path(cfg.ckpt).is_dir():
@@ -42,7 +42,7 @@ class ColocatedRollout:
     split = False
 
     def __init__(self, loop):
-        from areno.rollout.engine import Engine
+        from areno.engine.engine import Engine
 
         self.loop = loop
         econf, eos = engine_config(loop.cfg, loop.tokenizer, loop.dp_rank,

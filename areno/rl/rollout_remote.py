@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
 
-log = logging.getLogger("areno.rollout")
+log = logging.getLogger("areno.engine")
 VERIFY_ENV = "ARENO_VERIFY_POLICY_SYNC"  # 1: after every sync, fetch the engines' weights and compare them exactly
 
 
@@ -148,7 +148,7 @@ class RemoteRollout:
     def agent_begin(self) -> tuple[list[str], str]:
         """Rank 0, agentic rollout: every engine leader opens its token endpoint; returns their addresses (in
         engine order) and the run's bearer token. The engines stay there until ``agent_end``."""
-        from areno.rollout.token_service import new_token
+        from areno.engine.token_service import new_token
 
         token = new_token()
         self._command({"op": "agent", "token": token})
@@ -225,12 +225,12 @@ class RemoteRollout:
 # ---- the rollout ranks -----------------------------------------------------------------------------------------
 def serve(cfg) -> int:
     """A rollout rank's whole life: join the split world, load the policy, build the engine, run commands."""
-    from areno import parallel
+    from areno.distributed import parallel
+    from areno.engine.engine import Engine
     from areno.models import load_model, load_tokenizer
     from areno.models.saver import iter_hf_tensors
     from areno.rl.rollout_colocated import engine_config
     from areno.rl.routing_replay import routing_replay_enabled
-    from areno.rollout.engine import Engine
 
     rank = int(os.environ.get("RANK", "0"))
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
@@ -268,8 +268,8 @@ def serve(cfg) -> int:
             dist.gather_object((out, idle) if leader else None, None, dst=0, group=layout.control)
             idle = 0.0
         elif op == "agent":  # agentic rollout: serve tokens over HTTP until the train side is done
-            from areno.rollout.model_runner import TPWorker, broadcast_step
-            from areno.rollout.token_service import TokenServer, reachable_host
+            from areno.engine.model_runner import TPWorker, broadcast_step
+            from areno.engine.token_service import TokenServer, reachable_host
 
             server = None
             if leader:

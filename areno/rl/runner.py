@@ -1,8 +1,9 @@
 """``areno train`` / ``python -m areno.train``: run the training loop on this process, or launch the ranks.
 
 With ``--world-size N`` > 1 (or split mode: N train ranks plus one per ``--rollout-devices`` entry) outside a
-torchrun worker, the resolved config travels to the ranks started by torch's elastic launcher (``areno.rl.worker``);
-inside a worker (or with one rank) the loop runs here, or, on a split-mode rollout rank, the rollout engine.
+torchrun worker, the resolved config travels to the ranks started by torch's elastic launcher
+(``areno.distributed.worker``); inside a worker (or with one rank) the loop runs here, or, on a split-mode rollout
+rank, the rollout engine.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import os
 from dataclasses import asdict
 
-from areno.rl.launch import launch, launched
+from areno.distributed.launch import launch, launched
 
 CONFIG_ENV = "ARENO_TRAIN_CONFIG"
 
@@ -33,10 +34,10 @@ def run_train(config) -> int:
     ranks = config.world_size + (len(config.rollout_devices) if config.split else 0)
     if ranks > 1 and not launched():
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
-        return launch("areno.rl.worker", [], ranks, describe=lambda rank: describe_rank(config, rank))
+        return launch("areno.distributed.worker", [], ranks, describe=lambda rank: describe_rank(config, rank))
     import torch.distributed as dist
 
-    from areno import parallel
+    from areno.distributed import parallel
 
     owned = not dist.is_initialized()  # a group this run makes is this run's to end (not a caller's)
     if config.split and int(os.environ.get("RANK", "0")) >= config.world_size:

@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from areno.rollout.async_engine import AsyncEngine
-from areno.rollout.sequence import SamplingOptions
-from areno.rollout.tool_calls import parse_tool_calls
+from areno.engine.async_engine import AsyncEngine
+from areno.engine.sequence import SamplingOptions
+from areno.engine.tool_calls import parse_tool_calls
 from areno.serve.bodies import parse, request_body
 from areno.serve.limits import (
     DEFAULT_MAX_REQUEST_BYTES,

@@ -9,7 +9,7 @@ they would change the answer and are not built (such as
 
 ``response_format`` (both routes, as vLLM): ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type":
 "json_schema", "json_schema": {"name", "schema", "description", "strict"}}`` becomes a grammar the engine decodes
-under (``areno.rollout.grammar``); the output always follows the schema, so ``strict`` changes nothing, and
+under (``areno.engine.grammar``); the output always follows the schema, so ``strict`` changes nothing, and
 ``description`` is not shown to the model. A schema the grammar converter refuses is a 400 naming
 ``response_format``.
 
@@ -206,7 +206,7 @@ JSON_SCHEMA_FORMAT = {"type": "object", "properties": {
 
 
 def response_format_grammar(response_format: dict | None, *, check: bool = False) -> dict | None:
-    """The grammar spec (``areno.rollout.grammar``) of an OpenAI ``response_format``, None for text; ``check``
+    """The grammar spec (``areno.engine.grammar``) of an OpenAI ``response_format``, None for text; ``check``
     also converts the schema (xgrammar), so a schema it refuses fails here. Errors are FieldErrors on
     ``response_format``."""
     rf = response_format
@@ -235,8 +235,8 @@ def response_format_grammar(response_format: dict | None, *, check: bool = False
         raise FieldError("response_format", "response_format type must be one of text, json_object, json_schema; "
                          f"got {kind!r}")
     if check:
-        from areno.rollout.grammar import GrammarError
-        from areno.rollout.grammar import check as check_grammar
+        from areno.engine.grammar import GrammarError
+        from areno.engine.grammar import check as check_grammar
 
         try:
             check_grammar(spec)

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 
 from areno.config import ConfigError
-from areno.rollout.async_engine import RequestStream, TokenEvent, deliver
+from areno.engine.async_engine import RequestStream, TokenEvent, deliver
 from areno.serve.protocol import APIError
 
 log = logging.getLogger("areno.serve")
@@ -84,7 +84,7 @@ def _start_process(engine_kwargs: dict, threads: int, dist_env: dict | None):
     if dist_env:
         from datetime import timedelta
 
-        from areno import parallel
+        from areno.distributed import parallel
 
         os.environ.update(dist_env)
         # followers wait on their rank 0 for as long as the server idles
@@ -96,7 +96,7 @@ def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events,
     end's death; at the end, release the replica's TP followers."""
     try:
         _start_process(engine_kwargs, threads, dist_env)
-        from areno.rollout.session import build_engine
+        from areno.engine.build import build_engine
 
         engine, _ = build_engine(**engine_kwargs)
         engine.capture_graphs((1,))  # the server decodes one token per step; no capture stalls a request later
@@ -115,7 +115,7 @@ def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events,
 def tp_follower_main(engine_kwargs: dict, threads: int, dist_env: dict) -> None:
     """A non-zero TP rank of a replica: load its shard, execute the steps its rank 0 broadcasts until it closes."""
     _start_process(engine_kwargs, threads, dist_env)
-    from areno.rollout.session import build_engine
+    from areno.engine.build import build_engine
 
     engine, _ = build_engine(**engine_kwargs)
     engine.follow()
@@ -306,7 +306,7 @@ class ReplicaPool:
                 kwargs["device"] = "cuda:0" if devices else "cpu"
             envs = [None]
             if tp_size > 1:  # one rendezvous per replica group; each rank's device is cuda:LOCAL_RANK
-                from areno.rl.launch import free_port
+                from areno.distributed.launch import free_port
 
                 port = str(free_port())
                 envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(tp_size),

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.rollout.async_engine import AsyncEngine
-from areno.rollout.model_runner import broadcast_step
+from areno.engine.async_engine import AsyncEngine
+from areno.engine.model_runner import broadcast_step
 from areno.serve.protocol import APIError
 
 SCORE_TOKENS_PER_FORWARD = 8192  # prompts packed into one forward up to this many tokens

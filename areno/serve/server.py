@@ -39,8 +39,8 @@ def build_app(config, *, model=None, tokenizer=None):
     detokenisation and SSE encoding), or, with --engine-thread, under a --world-size == --tp-size > 1 launch (TP
     rank 0 holds the engine) or when tests pass ``model``/``tokenizer`` objects, an AsyncEngine (``ServeEngine``)
     on an engine thread in this process."""
+    from areno.engine.build import build_engine
     from areno.models.multimodal import MediaLimits
-    from areno.rollout.session import build_engine
     from areno.serve.app import create_app
     from areno.serve.media import ChatMedia
     from areno.serve.replicas import build_pool, check_topology, visible_gpus
@@ -151,7 +151,7 @@ TP_CONFIG_ENV = "ARENO_SERVE_CONFIG"
 
 def run_server(config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from areno.rl.launch import launch, launched
+    from areno.distributed.launch import launch, launched
 
     if config.tp_size > 1 and config.world_size == config.tp_size and not launched():
         # one replica over --tp-size ranks: rank 0 serves HTTP and schedules, the others follow its steps

@@ -17,7 +17,7 @@ def main() -> int:
         print(f"areno.serve.tp_worker: {TP_CONFIG_ENV} is not set; start servers with `areno serve`", file=sys.stderr)
         return 2
     config = ServeConfig(**json.loads(raw))
-    from areno import parallel
+    from areno.distributed import parallel
 
     # a follower waits on rank 0 for as long as the server idles
     parallel.init_distributed(tp_size=config.tp_size, timeout=timedelta(days=30))
@@ -25,7 +25,7 @@ def main() -> int:
         return run_server(config)
     import signal
 
-    from areno.rollout.session import build_engine
+    from areno.engine.build import build_engine
 
     # the launcher forwards SIGTERM to every rank: a follower stops when rank 0 closes the session, not before
     for sig in (signal.SIGTERM, signal.SIGINT):

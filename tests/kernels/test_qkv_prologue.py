@@ -211,9 +211,9 @@ def tiny_models(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_engine_greedy_tokens_match_the_unfused_prologue(family, tiny_models, count_launches, monkeypatch):
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.engine.sequence import SamplingOptions
     from areno.models.base import Attention
-    from areno.rollout.engine import Engine, EngineConfig
-    from areno.rollout.sequence import SamplingOptions
 
     model, tok = tiny_models[family]
     assert (model.layers[0].self_attn.q_norm is not None) == (family == "qwen3")

@@ -208,7 +208,7 @@ def _run(model):
 def _worker(rank, world, port, path, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    from areno import parallel
+    from areno.distributed import parallel
 
     parallel.init_distributed("gloo", tp_size=world)
     model = load_model(path, device="cpu", tp_group=parallel.get_tp_group())
@@ -248,10 +248,10 @@ def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
 
 
 def test_trainer_moves_the_bias_once_per_optimizer_step(tiny_checkpoint):
-    from areno.rl.batch import Row
-    from areno.rl.optimizer import MasterAdamW
-    from areno.rl.schedule import LRSchedule
-    from areno.rl.trainer import PolicyTrainer
+    from areno.training.batch import Row
+    from areno.training.optimizer import MasterAdamW
+    from areno.training.schedule import LRSchedule
+    from areno.training.trainer import PolicyTrainer
 
     model = load_model(tiny_checkpoint("bailing_hybrid"), device="cpu").train()
     model.set_activation_checkpointing(True)

@@ -66,7 +66,7 @@ def _run(model, family):
 def _worker(rank, world, port, paths, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    from areno import parallel
+    from areno.distributed import parallel
 
     parallel.init_distributed("gloo", tp_size=world)
     group = parallel.get_tp_group()

@@ -14,9 +14,9 @@ import torch
 from areno import presets
 from areno.cli import make_parser, parse_config
 from areno.config import TrainConfig
+from areno.engine.tool_calls import parse_tool_calls
 from areno.quickstart import agentic
 from areno.quickstart import agentic_task as task
-from areno.rollout.tool_calls import parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[2]
 # The shortened run (about two minutes on two CPU cores): 3-digit operands (shorter rows), fewer rows, 130 SFT steps

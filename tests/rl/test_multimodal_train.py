@@ -13,11 +13,11 @@ from areno.cli import main
 from areno.config import TrainConfig
 from areno.models import load_model
 from areno.models.multimodal import MultimodalProcessor, data_url
-from areno.rl.batch import Row, pack
 from areno.rl.loop import TrainLoop
-from areno.rl.multimodal import media_inputs
-from areno.rl.optimizer import MasterAdamW
 from areno.testing import make_tiny_checkpoint
+from areno.training.batch import Row, pack
+from areno.training.multimodal import media_inputs
+from areno.training.optimizer import MasterAdamW
 
 
 def _png(path, h, w, seed):

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from areno.config import TrainConfig
+from areno.engine.engine import Completion, Engine, EngineConfig
+from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
-from areno.rl.batch import Row
 from areno.rl.finished_groups import SWITCH_INTERVAL_S, FinishedGroups
 from areno.rl.loop import TrainLoop
 from areno.rl.rewards import completion_texts, record_from, score
-from areno.rollout.engine import Completion, Engine, EngineConfig
-from areno.rollout.sequence import SamplingOptions
 from areno.testing import make_tiny_checkpoint
+from areno.training.batch import Row
 
 REWARD = '''
 def reward_fn(record):

@@ -9,8 +9,8 @@ import pytest
 from areno.api import SamplingParams
 from areno.cli import make_parser, parse_config
 from areno.config import ConfigError, TrainConfig
+from areno.engine.engine import Engine
 from areno.rl.loop import TrainLoop
-from areno.rollout.engine import Engine
 from areno.testing import make_tiny_checkpoint
 
 

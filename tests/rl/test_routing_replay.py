@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from areno.cli import main
+from areno.engine.engine import Engine
 from areno.models.bailing_hybrid import SigmoidMoE
-from areno.rl.trainer import PolicyTrainer
-from areno.rollout.engine import Engine
 from areno.testing import make_tiny_checkpoint
+from areno.training.trainer import PolicyTrainer
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def test_a_run_whose_rewards_all_fail_stops_with_exit_1_and_saves(files, tmp_pat
 # ---- the save folder -----------------------------------------------------------------------------------------------
 HOLD = """
 import sys, time
-from areno.rl.run_dir import claim
+from areno.training.run_dir import claim
 claim(sys.argv[1], resume=False, overwrite=False)
 print("HELD", flush=True)
 time.sleep(120)
@@ -266,7 +266,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_previous_checkpoi
     import shutil
     from collections import namedtuple
 
-    from areno.rl.checkpoint import load_checkpoint
+    from areno.training.checkpoint import load_checkpoint
 
     reward = reward_file(tmp_path, "def reward_fn(record):\n    return float(len(record.completion) % 2)\n")
     out = tmp_path / "out"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areno.rl.launch import free_port
+from areno.distributed.launch import free_port
 from areno.testing import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -275,9 +275,9 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, tiny_ckpt, tok
     """Through the openai client: the tokens and log-probs are those of the engine given the same options."""
     import torch
 
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.engine.sequence import SamplingOptions
     from areno.models import load_model
-    from areno.rollout.engine import Engine, EngineConfig
-    from areno.rollout.sequence import SamplingOptions
 
     kw = dict(temperature=0.9, seed=7, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"17": 3.0})
     extra = {"repetition_penalty": 1.3, "min_p": 0.05, "ignore_eos": True, "return_tokens_as_token_ids": True}

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 import areno
+from areno.engine.block_manager import BlockManager
+from areno.engine.sequence import SamplingOptions, Sequence
 from areno.models import load_tokenizer
-from areno.rollout.block_manager import BlockManager
-from areno.rollout.sequence import SamplingOptions, Sequence
 from areno.serve.metrics import ServeMetrics, engine_kv_stats
 from tests.serve.conftest import RunningServer
 

@@ -5,10 +5,10 @@ greedy text."""
 import openai
 import torch
 
+from areno.engine.engine import Engine, EngineConfig
+from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.models.loader import check_engine_support
-from areno.rollout.engine import Engine, EngineConfig
-from areno.rollout.sequence import SamplingOptions
 from areno.testing import make_tiny_checkpoint
 from tests.serve.conftest import RunningServer
 

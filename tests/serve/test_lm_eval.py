@@ -24,8 +24,8 @@ import httpx
 import pytest
 import torch
 
+from areno.engine.build import eos_ids_from_checkpoint
 from areno.models import load_model, load_tokenizer
-from areno.rollout.session import eos_ids_from_checkpoint
 
 MC = [  # question, choices, answer index
     ("Question: What is 2 + 3?\nAnswer:", ["5", "6", "23"], 0),

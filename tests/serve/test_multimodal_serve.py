@@ -11,10 +11,10 @@ import openai
 import pytest
 import torch
 
+from areno.engine.engine import Engine, EngineConfig
+from areno.engine.sequence import SamplingOptions
 from areno.models import load_model
 from areno.models.multimodal import MultimodalProcessor, data_url
-from areno.rollout.engine import Engine, EngineConfig
-from areno.rollout.sequence import SamplingOptions
 from areno.testing import make_tiny_checkpoint
 from tests.serve.conftest import RunningServer
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from areno.rollout.tool_calls import parse_tool_calls
+from areno.engine.tool_calls import parse_tool_calls
 
 MSG = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 3?"}]
 
@@ -120,8 +120,8 @@ def test_a_server_that_falls_behind_sends_several_tokens_per_chunk(server):
 
 
 def test_request_stream_pending_keeps_order_and_defers_errors():
-    from areno.rollout.async_engine import RequestStream, TokenEvent
-    from areno.rollout.sequence import SamplingOptions
+    from areno.engine.async_engine import RequestStream, TokenEvent
+    from areno.engine.sequence import SamplingOptions
 
     async def main():
         stream = RequestStream(owner=None, prompt_ids=[1], options=SamplingOptions(n=2))

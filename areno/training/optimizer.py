@@ -1,0 +1,493 @@
+"""AdamW with fp32 master weights, bucketed data-parallel gradient reduction, ZeRO-1 state sharding and offload.
+
+The parameters are grouped by dtype and cut, in order, into flat buckets of about ``bucket_bytes`` (fp32 bytes; a
+parameter larger than a bucket gets one of its own). Each bucket is padded to a multiple of the data-parallel size
+``D`` and split into ``D`` contiguous shards: rank ``r`` owns shard ``r`` of every bucket and keeps its optimizer
+state (fp32 master copy, ``exp_avg``, ``exp_avg_sq``). One ``step()``:
+
+1. per bucket: flatten the gradients into an fp32 buffer (``None`` counts as zero) and reduce-scatter it (SUM: the
+   loss is already normalised over the whole global batch) so each rank holds its shard of the summed gradient;
+2. the global grad norm: squares summed over the shards, then over DP and over TP ranks, where parameters marked
+   ``p.tp_replicated = True`` count on TP rank 0 only, so the norm equals the unsharded model's;
+3. clip (``grad_clip / (norm + 1e-6)`` when below 1, as ``torch.nn.utils.clip_grad_norm_``) and update each shard
+   exactly as ``torch.optim.AdamW`` (decoupled weight decay, bias correction; ``foreach=False`` numerics);
+4. round the updated master shard to the parameter dtype, all-gather it over DP and copy it into the parameters
+   IN PLACE (the rollout engine and its CUDA graphs hold these storages: ``p.data`` is never replaced).
+
+Parameter groups: ``params`` may list dicts ``{"name": str, "params": [...]}`` beside plain parameters (the
+multimodal tower and projector under ``--unfreeze-mm-tower`` / ``--unfreeze-mm-projector``). Buckets never mix
+groups; ``step(lr, group_lrs={name: lr})`` updates each named group with its own rate, and clipping uses the one
+global norm over every group (as ``torch.optim`` param groups under ``clip_grad_norm_``).
+
+fp32 parameters are their own master (no copy is kept; their shard is read from the parameters for the update).
+Offload moves the state off the device between steps: ``"cpu"`` keeps it in host memory (pinned when CUDA is
+available), ``"disk"`` in process-private raw ``numpy.memmap`` files (``offload_batch_size`` buckets per file, read
+to the device one file at a time, written back and flushed per file, removed by ``close()`` or at interpreter exit;
+runtime scratch, never a checkpoint). A step whose grad norm is not finite is skipped (no state or weight change).
+``device_step`` is the same update without a host sync (norm, clip factor and skip on the device) for CUDA-graph
+capture of a single-rank step; a step it skips writes the unchanged master back (the parameters are its rounding).
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from areno.kernels.adamw import AdamwPlan, SumsqPlan, bias_corrections, grad_sumsq, master_adamw_multi_
+
+_OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
+
+
+@atexit.register
+def _remove_offload_dirs() -> None:
+    for d in list(_OFFLOAD_DIRS):
+        shutil.rmtree(d, ignore_errors=True)
+        _OFFLOAD_DIRS.discard(d)
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
+    if dist.get_backend(group) == "gloo":  # older gloo builds lack reduce_scatter: all-reduce and keep the shard
+        dist.all_reduce(flat, group=group)
+        out.copy_(flat[_rank(group) * out.numel() : (_rank(group) + 1) * out.numel()])
+    else:
+        dist.reduce_scatter_tensor(out, flat, group=group)
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    if dist.get_backend(group) == "gloo":
+        dist.all_gather(list(out.chunk(_size(group))), shard, group=group)
+    else:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, shard, group=group)
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]  # start of each parameter in the flat bucket
+    numel: int  # real elements; the bucket is padded to ``shard * D``
+    shard: int  # elements per rank
+    dtype: torch.dtype
+    group: str | None = None  # a named parameter group (its own learning rate); None: the main group
+    counted: list[tuple[int, int]] = field(default_factory=list)  # shard-local ranges counted in the grad norm
+    storage: torch.Tensor | None = None  # [k * shard] fp32: (master,) exp_avg, exp_avg_sq; None for disk offload
+    file: int = -1  # disk offload: file index and element offset in it
+    file_offset: int = 0
+
+    @property
+    def has_master(self) -> bool:
+        return self.dtype != torch.float32
+
+    @property
+    def state_numel(self) -> int:
+        return (3 if self.has_master else 2) * self.shard
+
+
+class MasterAdamW:
+    def __init__(self, params, *, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, dp_group=None,
+                 tp_group=None, offload="none", offload_dir=None, offload_batch_size=1, bucket_bytes=25 * 2**20):
+        self.group_of: dict[int, str] = {}  # id(param) -> its named group
+        flat = []
+        for item in params:
+            if isinstance(item, dict):
+                for p in item["params"]:
+                    self.group_of[id(p)] = item["name"]
+                    flat.append(p)
+            else:
+                flat.append(item)
+        params = flat
+        self.groups = sorted(set(self.group_of.values()))
+        if not params:
+            raise ValueError("MasterAdamW: no parameters to optimize")
+        if offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"--optimizer-state-offload must be none, cpu or disk, not {offload!r}")
+        if offload == "disk" and offload_dir is None:
+            raise ValueError("--optimizer-state-offload disk needs --optimizer-state-offload-dir")
+        if offload_batch_size < 1:
+            raise ValueError(f"--optimizer-state-offload-batch-size must be >= 1, not {offload_batch_size}")
+        self.device = params[0].device
+        for p in params:
+            if p.device != self.device or not p.is_contiguous() or not p.is_floating_point():
+                raise ValueError("MasterAdamW: parameters must be contiguous floating tensors on one device")
+        self.params = params
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.dp_group = dp_group if _size(dp_group) > 1 else None
+        self.tp_group = tp_group if _size(tp_group) > 1 else None
+        self.dp_size, self.dp_rank = _size(self.dp_group), _rank(self.dp_group)
+        self.offload, self.offload_batch_size = offload, offload_batch_size
+        self.num_steps = 0
+        self._step_tensor: tuple[float, torch.Tensor] | None = None  # (step, its device tensor) for fused AdamW
+        self.buckets = self._make_buckets(params, bucket_bytes)
+        self.offload_path: Path | None = None
+        self._files: list[np.memmap] = []
+        self._init_state(offload_dir)
+
+    # ---- layout --------------------------------------------------------------------------------------------
+    def _make_buckets(self, params, bucket_bytes) -> list[_Bucket]:
+        by_dtype: dict[tuple, list] = {}
+        for p in params:
+            by_dtype.setdefault((self.group_of.get(id(p)), p.dtype), []).append(p)
+        cap = max(1, bucket_bytes // 4)
+        buckets = []
+        for (name, dtype), group in by_dtype.items():
+            cur: list = []
+            for p in group + [None]:
+                full = cur and (p is None or sum(q.numel() for q in cur) + p.numel() > cap)
+                if full:
+                    offsets = np.cumsum([0] + [q.numel() for q in cur])
+                    n = int(offsets[-1])
+                    buckets.append(_Bucket(cur, [int(o) for o in offsets[:-1]], n, -(-n // self.dp_size), dtype,
+                                           name))
+                    cur = []
+                if p is not None:
+                    cur.append(p)
+        tp_rank = _rank(self.tp_group)
+        for b in buckets:  # shard-local ranges of the parameters this rank counts in the grad norm
+            lo = self.dp_rank * b.shard
+            for p, off in zip(b.params, b.offsets):
+                if getattr(p, "tp_replicated", False) and tp_rank != 0:
+                    continue
+                a, e = max(off, lo) - lo, min(off + p.numel(), lo + b.shard) - lo
+                if a < e:
+                    if b.counted and b.counted[-1][1] == a:
+                        b.counted[-1] = (b.counted[-1][0], e)
+                    else:
+                        b.counted.append((a, e))
+        return buckets
+
+    def _read_params(self, b: _Bucket) -> torch.Tensor:
+        """This rank's shard of the bucket's parameters as fp32 (zeros in the padding)."""
+        lo, hi = self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
+        out = torch.zeros(b.shard, dtype=torch.float32, device=self.device)
+        for p, off in zip(b.params, b.offsets):
+            a, e = max(off, lo), min(off + p.numel(), hi)
+            if a < e:
+                out[a - lo : e - lo].copy_(p.detach().view(-1)[a - off : e - off])
+        return out
+
+    def _init_state(self, offload_dir) -> None:
+        if self.offload == "disk":
+            root = Path(offload_dir).expanduser()
+            root.mkdir(parents=True, exist_ok=True)
+            self.offload_path = root / f"areno-optim-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.mkdir(self.offload_path, 0o700)
+            os.chmod(self.offload_path, 0o700)
+            _OFFLOAD_DIRS.add(str(self.offload_path))
+            k = self.offload_batch_size
+            for f, start in enumerate(range(0, len(self.buckets), k)):
+                group = self.buckets[start : start + k]
+                off = 0
+                for b in group:
+                    b.file, b.file_offset = f, off
+                    off += b.state_numel
+                path = self.offload_path / f"state-{f:05d}.bin"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, off * 4)  # a sparse file of zeros
+                os.close(fd)
+                mm = np.memmap(path, dtype=np.float32, mode="r+", shape=(off,))
+                for b in group:
+                    if b.has_master:
+                        torch.from_numpy(mm[b.file_offset : b.file_offset + b.shard]).copy_(self._read_params(b))
+                mm.flush()
+                self._files.append(mm)
+            return
+        pin = self.offload == "cpu" and torch.cuda.is_available()
+        where = "cpu" if self.offload == "cpu" else self.device
+        for b in self.buckets:
+            b.storage = torch.zeros(b.state_numel, dtype=torch.float32, device=where, pin_memory=pin)
+            if b.has_master:
+                b.storage[: b.shard].copy_(self._read_params(b))
+
+    def _host_view(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's state where it lives between steps (device, host, or a view of its mmap file)."""
+        if b.storage is not None:
+            return b.storage
+        return torch.from_numpy(self._files[b.file][b.file_offset : b.file_offset + b.state_numel])
+
+    def _state_groups(self):
+        """Yield ``(buckets, device_state)`` one group at a time (a file for disk offload, else a bucket), then
+        write the group's state back to its host copy (and flush its file)."""
+        if self.offload == "disk":
+            for f, mm in enumerate(self._files):
+                host = torch.from_numpy(mm)
+                dev = host.to(self.device, copy=True)
+                yield [b for b in self.buckets if b.file == f], dev
+                host.copy_(dev)
+                mm.flush()
+            return
+        for b in self.buckets:
+            dev = b.storage.to(self.device, non_blocking=True)  # the storage itself when not offloaded
+            yield [b], dev
+            if dev is not b.storage:
+                b.storage.copy_(dev, non_blocking=True)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _grad_shard(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's gradient, flattened (one fused copy; ``None`` counts as zero), and the parameters' own
+        ``.grad`` released: the step consumes them. Alone: the whole bucket in the parameter dtype. Under DP:
+        this rank's shard of the sum over ranks, reduced in fp32."""
+        dtype = b.dtype if self.dp_group is None else torch.float32
+        flat = torch.zeros(b.shard * self.dp_size, dtype=dtype, device=self.device)
+        dst, src = [], []
+        for p, off in zip(b.params, b.offsets):
+            if p.grad is not None:
+                dst.append(flat[off : off + p.numel()])
+                src.append(p.grad.reshape(-1))
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for p in b.params:
+            p.grad = None
+        if self.dp_group is None:
+            return flat
+        out = torch.empty(b.shard, dtype=torch.float32, device=self.device)
+        _reduce_scatter(out, flat, self.dp_group)
+        return out
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None, grad_clip: float = 0.0, group_lrs: dict[str, float] | None = None) -> float:
+        """Reduce gradients, clip to ``grad_clip`` (0 disables), update; returns the global grad norm before
+        clipping. Named groups update at ``group_lrs[name]`` (each must be given), the rest at ``lr``. The
+        parameters' ``.grad`` are consumed (set to ``None``)."""
+        lr = self.lr if lr is None else lr
+        missing = [g for g in self.groups if g not in (group_lrs or {})]
+        if missing:
+            raise ValueError(f"MasterAdamW.step: no learning rate for the parameter groups {missing}")
+        shards = [self._grad_shard(b) for b in self.buckets]
+        parts = [g[a:e] for b, g in zip(self.buckets, shards) for a, e in b.counted]
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if parts:
+            norms = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32) for x in parts])
+            sumsq = norms.double().square().sum()
+        for group in (self.dp_group, self.tp_group):
+            if group is not None:
+                dist.all_reduce(sumsq, group=group)
+        norm = float(sumsq.sqrt())
+        if not math.isfinite(norm):
+            return norm
+        coef = grad_clip / (norm + 1e-6) if grad_clip > 0 else 1.0
+        self.num_steps += 1
+        index = {id(b): i for i, b in enumerate(self.buckets)}
+        for group, dev in self._state_groups():
+            for b in group:
+                g = shards[index[id(b)]].float()  # a copy for bf16 buckets, the shard itself otherwise
+                if coef < 1.0:
+                    g.mul_(coef)
+                start = b.file_offset if self.offload == "disk" else 0
+                s = dev[start : start + b.state_numel]
+                if b.has_master:
+                    w, m, v = s.view(3, b.shard).unbind(0)
+                else:
+                    w = self._read_params(b)
+                    m, v = s.view(2, b.shard).unbind(0)
+                self._adamw(w, g, m, v, lr if b.group is None else group_lrs[b.group])
+                self._publish(b, w)
+                shards[index[id(b)]] = None
+        if self.offload == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the pinned host copies must be complete before anyone reads them
+        return norm
+
+    @torch.no_grad()
+    def device_step(self, lr: torch.Tensor, grad_clip: float, step: torch.Tensor, *,
+                    group_lrs: dict[str, torch.Tensor] | None = None, skip: torch.Tensor | None = None,
+                    plan: dict | None = None) -> torch.Tensor:
+        """``step()`` without a host sync, so a CUDA graph can capture it (areno.training.graphs). Single rank
+        (no DP/TP group), no offload. ``lr`` and each ``group_lrs`` value are 0-dim fp32 device tensors, ``step``
+        the fp32 device step count before this step (incremented here unless skipped), ``skip`` an optional 0-dim
+        fp32 tensor (1 skips the update: a dry run). Reads ``p.grad`` (``None`` counts as zero) and leaves it. The
+        norm is taken from the gradients themselves (fp32 sums per block, added in fp64: ``grad_sumsq``); the clip
+        factor and the skip of a non-finite norm happen on the device: the gradient is divided by ``max(1, (norm +
+        1e-6) / grad_clip)`` and a skipped step changes nothing, in one fused pass over the master-bucket
+        parameters of each learning-rate group (``areno.kernels.adamw.master_adamw_multi_``: bf16 gradient in,
+        master and moments updated, parameter written; one launch for all of them) and through
+        torch's fused AdamW (``grad_scale``, ``found_inf``) for fp32 buckets. Returns the fp64 norm tensor; the
+        caller adds 1 to ``num_steps`` once it has read a finite one. The master, moments and parameters change in
+        place exactly as ``step()`` changes them (up to the rounding of the clip factor). It is ``device_norm``
+        then ``device_update``: a caller may read the norm between the two while the update runs. ``plan``:
+        ``device_plan()``'s launch tables, built ahead of a CUDA graph capture."""
+        norm, bad, scale = self.device_norm(grad_clip, skip=skip, plan=plan)
+        self.device_update(lr, step, bad, scale, group_lrs=group_lrs, plan=plan)
+        return norm
+
+    def device_plan(self) -> dict:
+        """The multi-tensor launch tables of ``device_norm`` and ``device_update`` over the current ``p.grad``
+        tensors (``areno.kernels.adamw``: one gradient sum-of-squares launch and one master-AdamW launch per
+        learning-rate group, instead of one or two per parameter). Built outside a CUDA graph capture and passed
+        to both while capturing; whoever replays the graphs holds it (the tables carry the tensors' addresses)."""
+        plan = {"norm": SumsqPlan([p.grad for p in self.params if p.grad is not None])}
+        for name, entries in self._master_entries().items():
+            plan[("adamw", name)] = AdamwPlan(entries)
+        return plan
+
+    def _master_entries(self) -> dict:
+        """``(w, m, v, grad, param)`` of every master-bucket parameter, per learning-rate group (None: the main)."""
+        out: dict = {}
+        for b in self.buckets:
+            if b.has_master:
+                w, m, v = b.storage.view(3, b.shard).unbind(0)
+                for p, off in zip(b.params, b.offsets):
+                    sl = slice(off, off + p.numel())
+                    out.setdefault(b.group, []).append((w[sl], m[sl], v[sl], p.grad, p.detach()))
+        return out
+
+    @torch.no_grad()
+    def device_norm(self, grad_clip: float, *, skip: torch.Tensor | None = None, plan: dict | None = None):
+        """The first half of ``device_step``: ``(norm fp64, bad, scale)`` device tensors from the gradients
+        (``bad`` 1 skips the update: a non-finite norm or ``skip``; ``scale`` divides the gradient). ``plan``:
+        ``device_plan()``'s tables, built ahead (needed under a CUDA graph capture)."""
+        if self.dp_group is not None or self.tp_group is not None or self.offload != "none":
+            raise RuntimeError("MasterAdamW.device_step: one rank without --optimizer-state-offload only")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if grads:
+            sumsq = grad_sumsq(grads, None if plan is None else plan["norm"])
+        norm = sumsq.sqrt()
+        bad = (~torch.isfinite(norm)).float()
+        if skip is not None:
+            bad = torch.maximum(bad, skip)
+        scale = ((norm + 1e-6) / grad_clip).clamp(min=1.0).float() if grad_clip > 0 else torch.ones_like(bad)
+        return norm, bad, scale
+
+    @torch.no_grad()
+    def device_update(self, lr: torch.Tensor, step: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, *,
+                      group_lrs: dict[str, torch.Tensor] | None = None, plan: dict | None = None) -> None:
+        """The second half of ``device_step``: the update from ``device_norm``'s ``bad`` and ``scale`` (``plan``:
+        as ``device_norm``'s)."""
+        missing = [g for g in self.groups if g not in (group_lrs or {})]
+        if missing:
+            raise ValueError(f"MasterAdamW.device_step: no learning rate for the parameter groups {missing}")
+        step.add_(1.0 - bad)
+        beta1, beta2 = self.betas
+        # master buckets: one fused pass over every parameter of a learning-rate group (gradient in, master and
+        # moments updated, parameter out; areno.kernels.adamw)
+        for name, entries in self._master_entries().items():
+            g_lr = lr if name is None else group_lrs[name]
+            master_adamw_multi_(entries, g_lr, *bias_corrections(g_lr, step, beta1, beta2), scale, bad, beta1=beta1,
+                                beta2=beta2, eps=self.eps, weight_decay=self.weight_decay,
+                                plan=None if plan is None else plan[("adamw", name)])
+        for b in self.buckets:
+            b_lr = lr if b.group is None else group_lrs[b.group]
+            if b.has_master:
+                continue
+            # one rank: the parameters tile the bucket, so with every gradient present nothing is left to zero
+            full = all(p.grad is not None for p in b.params) and b.numel == b.shard
+            g = (torch.empty if full else torch.zeros)(b.shard, dtype=torch.float32, device=self.device)
+            pairs = [(g[off : off + p.numel()], p.grad.reshape(-1)) for p, off in zip(b.params, b.offsets)
+                     if p.grad is not None]
+            if pairs:
+                torch._foreach_copy_(*map(list, zip(*pairs)))
+            w = self._read_params(b)
+            m, v = b.storage.view(2, b.shard).unbind(0)
+            torch._fused_adamw_([w], [g], [m], [v], [], [step], lr=b_lr,
+                                beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
+                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=bad)
+            self._publish(b, w)
+
+    def _adamw(self, w, g, m, v, lr, fused=None) -> None:
+        """torch.optim.AdamW's update: on CUDA its fused kernel (one pass over w, g, m, v instead of ~9), elsewhere
+        the single-tensor path op for op."""
+        beta1, beta2 = self.betas
+        step = float(self.num_steps)
+        if fused if fused is not None else (w.is_cuda and hasattr(torch, "_fused_adamw_")):
+            cached = self._step_tensor  # one per step, shared by the buckets
+            if cached is None or cached[0] != step or cached[1].device != w.device:
+                self._step_tensor = cached = (step, torch.tensor(step, dtype=torch.float32, device=w.device))
+            torch._fused_adamw_([w], [g], [m], [v], [], [cached[1]], lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False)
+            return
+        if self.weight_decay != 0:
+            w.mul_(1 - lr * self.weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        step_size = lr / (1 - beta1**step)
+        denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
+        w.addcdiv_(m, denom, value=-step_size)
+
+    def _publish(self, b: _Bucket, w: torch.Tensor) -> None:
+        """Round the master shard to the parameter dtype, gather the bucket over DP and write it in place. One rank
+        with the master on the parameters' device: each parameter is rounded straight from its master slice (no
+        rounded copy of the bucket in between); an offloaded master is rounded first (half the bytes to move)."""
+        if self.dp_group is not None:
+            full = torch.empty(b.shard * self.dp_size, dtype=b.dtype, device=self.device)
+            _all_gather(full, w.to(b.dtype), self.dp_group)
+        elif w.device == b.params[0].device:
+            full = w
+        else:
+            full = w.to(b.dtype)
+        torch._foreach_copy_([p.detach().view(-1) for p in b.params],
+                             [full[off : off + p.numel()] for p, off in zip(b.params, b.offsets)])
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"dp_size": self.dp_size, "dp_rank": self.dp_rank,
+                "buckets": [[b.numel, str(b.dtype).removeprefix("torch.")] + ([b.group] if b.group else [])
+                            for b in self.buckets]}
+
+    def state_dict(self) -> dict:
+        """This rank's state: step count, layout and per-bucket fp32 shards (``master``, ``exp_avg``,
+        ``exp_avg_sq``). Offloaded state is returned as host tensors that alias the live state (as with
+        ``torch.optim``): save or clone them before the next step."""
+        if self.offload == "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        master, exp_avg, exp_avg_sq = [], [], []
+        for b in self.buckets:
+            s = self._host_view(b)
+            if b.has_master:
+                w, m, v = s.view(3, b.shard).unbind(0)
+            else:
+                w = self._read_params(b).cpu()  # fp32 params are their own master: a host copy of this shard
+                m, v = s.view(2, b.shard).unbind(0)
+            master.append(w)
+            exp_avg.append(m)
+            exp_avg_sq.append(v)
+        return {"step": self.num_steps, "layout": self._layout(), "master": master, "exp_avg": exp_avg,
+                "exp_avg_sq": exp_avg_sq,
+                "hparams": {"betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore the state saved by ``state_dict()`` on the same rank of the same layout, and write the master
+        weights back into the parameters (a collective over the DP group)."""
+        if sd["layout"] != self._layout():
+            raise ValueError(
+                f"optimizer state does not fit: saved layout {sd['layout']['dp_size']} DP ranks / "
+                f"{len(sd['layout']['buckets'])} buckets (rank {sd['layout']['dp_rank']}), this optimizer has "
+                f"{self.dp_size} / {len(self.buckets)} (rank {self.dp_rank}); resume with the same world size, "
+                "--tp-size, parameters and bucket size")
+        self.num_steps = int(sd["step"])
+        for i, b in enumerate(self.buckets):
+            s = self._host_view(b)
+            parts = [sd["master"][i]] if b.has_master else []
+            s.copy_(torch.cat([t.reshape(-1).to(s.device, torch.float32) for t in parts + [sd["exp_avg"][i],
+                                                                                         sd["exp_avg_sq"][i]]]))
+            self._publish(b, sd["master"][i].to(self.device, torch.float32))
+        for mm in self._files:
+            mm.flush()
+
+    def close(self) -> None:
+        """Remove the disk-offload files (the optimizer cannot step afterwards)."""
+        self._files = []
+        if self.offload_path is not None:
+            shutil.rmtree(self.offload_path, ignore_errors=True)
+            _OFFLOAD_DIRS.discard(str(self.offload_path))
+            self.offload_path = None
