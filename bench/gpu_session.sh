@@ -1,19 +1,41 @@
 #!/usr/bin/env bash
-# One batched GPU session (the device tool runs this on an H200): GPU tests and/or benchmarks, logs to $OUT.
-#   bash bench/gpu_session.sh STAGE ...   (run in the order given; stages: tests tests2 tests3 hybrid parity kernels rollout
-#   moe models engine serve profile prof train learn tp g1 checks k1v k1sweep gmem g1trl s8 s9 s10 s11; issue 23 on nvidia-h200-x2: x2sync x2g1
-#   x2tp, one device call each)
-# Carries .whl (serving, CLI and baseline wheels for Python 3.12: see bench/RESULTS.md). The correctness stages
-# (tests, tests2, tests3) run with ARENO_AUTOTUNE=off: one config per kernel compiles (the every-candidate tests pin
+# One batched GPU session: GPU tests and/or benchmarks by purpose, run in the order given, logs to $OUT/log.txt and the
+# jsonl rows to $OUT/results.tar (bench/results). Regenerate bench/RESULTS.md from the rows: python bench/report.py.
+#   bash bench/gpu_session.sh STAGE ...
+# Stages (one H200 unless stated; each fits a 10-minute call):
+#   gpu-tests         pytest -m gpu tests/kernels tests/models (ARENO_AUTOTUNE=off)
+#   gpu-tests-engine  the engine's GPU tests with the decode kernels (gemm, qkv_prologue, rms_norm) and model parity
+#   gpu-tests-train   the trainer's GPU tests: AdamW, log-prob kernels, norms, RoPE, batch packing, CUDA-graphed step
+#   gpu-tests-hybrid  Ling 3 (bailing_hybrid) engine and model, MLA decode (transformers from $WHEELS_TF if present)
+#   attention-tests   tests/kernels/test_attention.py -m gpu (every candidate config)
+#   parity            rollout-vs-trainer log-prob parity (bench/logprob_parity.py)
+#   kernels           K1 attention, K2 log-probs, sampler, small ops, K3 MoE
+#   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
+#   rollout           R1-R3 ($ROLLOUT_ARGS); rollout-fallback: a smoke run first, eager decode if graphs fail
+#   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS)
+#   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
+#   train-profile     kernel tables of T1 and T2 steps, graph gaps, graphed-step memory
+#   grpo              G1 vs TRL (TRL from $WHEELS_TRL if present), graphs off and on; grpo-default: the default command
+#   grpo-split        G1 colocated vs split sync/async vs TRL (nvidia-h200-x2)
+#   sync              S1 policy sync and the split-mode tests (nvidia-h200-x2)
+#   tp                serve/train TP vs TP=1 on every GPU of the machine (nvidia-h200-x2 or -x4)
+#   serve             V1: the engine alone, then the server under 500 streams and 16 req/s
+#   learn             proof of learning (SFT then GRPO/GSPO from scratch, $LEARN_ARGS)
+# Wheels for Python 3.12 that the GPU machine lacks, carried with the tree (bench/README.md says how to fetch them):
+#   $WHEELS (default .whl: serving/CLI dependencies, liger-kernel), $WHEELS_TF (.whl_tf: transformers >= 5.2x),
+#   $WHEELS_TRL (.whl_trl: trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19).
+# The correctness stages run with ARENO_AUTOTUNE=off: one config per kernel compiles (the every-candidate tests pin
 # each config themselves), so a fresh machine spends its minutes testing rather than tuning.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG="$OUT/log.txt"
+WHEELS=${WHEELS:-.whl} WHEELS_TF=${WHEELS_TF:-.whl_tf} WHEELS_TRL=${WHEELS_TRL:-.whl_trl}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site:$PWD
-fi
+wheels() {  # wheels DIR TARGET: install DIR's wheels into TARGET (no index, no dependencies); false if DIR is absent
+  [ -d "$1" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" \
+    "$1"/*.whl >>"$LOG" 2>&1
+}
+if wheels "$WHEELS" /tmp/site; then export PYTHONPATH=/tmp/site:$PWD; fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
@@ -24,102 +46,69 @@ step() {  # step NAME TIMEOUT CMD...
   timeout "$limit" "$@" >>"$LOG" 2>&1; echo "=== $name rc=$? ($(date +%T))" >>"$LOG"
   tar -cf "$OUT/results.tar" bench/results 2>/dev/null
 }
+gpu_pytest() {  # gpu_pytest NAME TIMEOUT PYTEST-ARGS...
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short -p no:cacheprovider "$@"
+}
 for stage in "$@"; do
   case $stage in
-    tests2) step gpu-tests 330 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider \
-        tests/kernels/test_linear_logprobs.py tests/kernels/test_sampler.py tests/kernels/test_moe.py \
-        tests/kernels/test_moe_routing.py tests/kernels/test_paged_attention.py tests/kernels/test_rms_norm.py \
-        tests/kernels/test_rope.py tests/models/test_gpu.py ;;
+    gpu-tests) gpu_pytest gpu-tests 330 tests/kernels tests/models ;;
+    gpu-tests-engine) gpu_pytest gpu-tests-engine 200 tests/engine/test_engine.py tests/kernels/test_gemm.py \
+        tests/kernels/test_qkv_prologue.py tests/kernels/test_rms_norm.py tests/models/test_gpu.py ;;
+    gpu-tests-train) gpu_pytest gpu-tests-train 330 tests/kernels/test_adamw.py tests/kernels/test_linear_logprobs.py \
+        tests/kernels/test_linear_logprobs_loss.py tests/kernels/test_rms_norm.py tests/kernels/test_qk_norm_rope.py \
+        tests/training/test_pack.py tests/training/test_train_graphs_gpu.py tests/models/test_gpu.py ;;
+    gpu-tests-hybrid)  # the Flash-shaped parity test loads a 1.1B checkpoint three ways and autotunes every kernel
+      wheels "$WHEELS_TF" /tmp/tf
+      step gpu-tests-hybrid 560 env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 -m pytest -m gpu -q --timeout 520 \
+        --tb=short -p no:cacheprovider tests/engine/test_engine_hybrid.py tests/models/test_bailing_hybrid.py \
+        tests/kernels/test_mla_decode.py ;;
+    attention-tests) step attention-tests 300 python3 -m pytest -m gpu -q --timeout 180 --tb=short -p no:cacheprovider \
+        tests/kernels/test_attention.py ;;
     parity) step parity 200 python3 bench/logprob_parity.py ;;
-    tests) step gpu-tests 330 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider tests/kernels tests/models ;;
     kernels)
       step attention 150 python3 bench/attention.py
       step logprob 100 python3 bench/logprob.py
       step sampler 90 python3 bench/sampler.py
-      step small_ops 90 python3 bench/small_ops.py ;;
+      step small_ops 90 python3 bench/small_ops.py
+      step moe 150 python3 bench/moe.py ;;
+    kernel-variants)
+      step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
+      step k1-sweep 300 env ARENO_ATTN_SWEEP=${SWEEP:-2} python3 bench/attention.py --variants --seqs 4096
+      step k2-no-liger 120 python3 bench/logprob.py --impls torch areno areno_loss --no-liger ;;
     rollout) step rollout 190 python3 bench/rollout.py ${ROLLOUT_ARGS:-} ;;
-    moe) step moe 150 python3 bench/moe.py ;;
-    models)
-      step model_step 100 python3 bench/model_step.py
-      step train_step 130 python3 bench/train_step.py ;;
-    engine)  # a tiny run first: if CUDA-graph decode fails there, measure eager decode rather than nothing
+    rollout-fallback)  # a tiny run first: if CUDA-graph decode fails there, measure eager decode rather than nothing
       if timeout 120 python3 bench/rollout.py --smoke >"$OUT/smoke.txt" 2>&1 && ! grep -q "Traceback" "$OUT/smoke.txt"
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
-    serve) step serve 480 python3 bench/serve.py ;;  # the engine alone on the same batch first, then the server
-    profile) step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-} ;;
-    hybrid)  # Ling 3: the Flash-shaped parity test loads a 1.1B checkpoint three ways and autotunes every kernel
-      step gpu-hybrid 560 python3 -m pytest -m gpu -q --timeout 520 --tb=short -p no:cacheprovider \
-        tests/engine/test_engine_hybrid.py tests/models/test_bailing_hybrid.py ;;
-    tests3) step gpu-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 120 -p no:cacheprovider \
-        tests/engine/test_engine.py tests/kernels/test_gemm.py tests/kernels/test_qkv_prologue.py \
-        tests/kernels/test_rms_norm.py tests/models/test_gpu.py ;;
-    prof)
-      step prof_train 90 python3 bench/profile_step.py train
+    rollout-profile)
+      step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-}
       step prof_decode 60 python3 bench/profile_step.py decode ;;
-    train) step train_step 150 python3 bench/train_step.py ;;
-    tp) step tp ${TP_LIMIT:-400} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
-    learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
-    g1) step grpo_step ${G1_LIMIT:-300} python3 bench/grpo_step.py ;;
-    checks)  # GPU tests not yet seen passing on the H200 (sixth session's code); transformers >= 5.2x from .whl_tf
-      [ -d .whl_tf ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tf \
-        .whl_tf/*.whl >>"$LOG" 2>&1
-      step gpu-checks 300 env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 -m pytest -m gpu -q --timeout 120 --tb=short \
-        -p no:cacheprovider tests/training/test_train_graphs_gpu.py tests/engine/test_engine_hybrid.py \
-        tests/kernels/test_mla_decode.py tests/engine/test_engine.py -k "not greedy" ;;
-    k1v)  # attention variants (TMA forward, split / fused / TMA / fused-TMA backward) vs SDPA flash and cuDNN at 4k
-      step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
-      step k1-tests 200 python3 -m pytest -m gpu -q --timeout 180 -p no:cacheprovider tests/kernels/test_attention.py \
-        -k "tma_variants and (train_d128 or varlen_odd_d128 or chunked_gqa4 or non_causal_mha)" ;;
-    gmem)  # where the graphed train step's memory goes (tiny model of the GPU test, then T1's shape)
+    train)
+      step model_step 100 python3 bench/model_step.py
+      step train_step 150 python3 bench/train_step.py
+      step train_step_graphs 240 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
+      step optimizer 60 python3 bench/optimizer_step.py ;;
+    train-profile)
+      step prof_train 90 python3 bench/profile_step.py train
+      step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45
+      step gaps-t2 70 python3 bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps --top 8
       step graph-memory 200 bash -c "python3 bench/graph_memory.py && python3 bench/graph_memory.py --shape t1" ;;
-    k1sweep)  # every TMA candidate's time at K1 4k (SWEEP=1 wide lists, 2 the chosen tiles' neighbourhood)
-      step k1-sweep 300 env ARENO_ATTN_SWEEP=${SWEEP:-2} python3 bench/attention.py --variants --seqs 4096 ;;
-    g1trl)  # G1 against TRL 1.16 (its wheels and missing dependencies in .whl_trl), areno eager and with train graphs
-      [ -d .whl_trl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl \
-        .whl_trl/*.whl >>"$LOG" 2>&1
+    grpo)
+      wheels "$WHEELS_TRL" /tmp/trl
       step grpo_step ${G1_LIMIT:-420} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py \
         --train-cuda-graphs off,on ;;
-    s8)  # eighth session's kernels on the GPU (fused qk-norm+RoPE, master AdamW, logit-gradient TMA store, merged
-      # backward as the default), then T1/T2 against transformers + AdamW and the T2 kernel profile
-      step s8-tests 240 python3 -m pytest -m gpu -q --timeout 200 --tb=short -p no:cacheprovider \
-        tests/kernels/test_qk_norm_rope.py tests/kernels/test_adamw.py tests/kernels/test_linear_logprobs.py \
-        tests/training/test_train_graphs_gpu.py tests/models/test_gpu.py
-      step s8-attn 150 python3 -m pytest -m gpu -q --timeout 140 --tb=short -p no:cacheprovider \
-        tests/kernels/test_attention.py -k "tma_every_candidate or training_shape"
-      step t12 200 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
-      step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45 ;;
-    s9)  # ninth session (at b218e2d, its lazy-rescaling forward since reverted): one-copy batch transfer, device padding
-      step s9-attn 120 python3 -m pytest -m gpu -q --timeout 100 --tb=short -p no:cacheprovider \
-        tests/kernels/test_attention.py -k "training_shape or tma-tma_merged"
-      step t12 230 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
-      step k1 80 python3 bench/attention.py --variants --seqs 4096 --pairs tma:tma_merged
-      step gaps-t2 70 python3 bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps --top 8
-      step s9-tests 150 python3 -m pytest -m gpu -q --timeout 120 --tb=short -p no:cacheprovider \
-        tests/training/test_pack.py tests/training/test_train_graphs_gpu.py tests/models/test_gpu.py ;;
-    s10)  # tenth session's code: the head's gradient in the forward (SFT weights; GRPO/PPO token function, eager)
-      step s10-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short \
-        -p no:cacheprovider tests/kernels/test_linear_logprobs_loss.py tests/training/test_train_graphs_gpu.py
-      step k2 120 python3 bench/logprob.py --impls torch areno areno_loss --no-liger
-      step t12 230 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
-    s11)  # eleventh session's kernels (multi-tensor optimizer step, TMA q store, scale-and-round, sum_rows), then
-      # the optimizer step, K2 and T1/T2 against their baselines
-      step s11-tests 200 env ARENO_AUTOTUNE=off python3 -m pytest -m gpu -q --timeout 150 --tb=short \
-        -p no:cacheprovider tests/kernels/test_adamw.py tests/kernels/test_linear_logprobs_loss.py \
-        tests/kernels/test_rms_norm.py tests/kernels/test_qk_norm_rope.py tests/training/test_train_graphs_gpu.py
-      step optimizer 60 python3 bench/optimizer_step.py
-      step k2 100 python3 bench/logprob.py --impls torch areno_loss --no-liger
-      step t12 240 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on ;;
-    # Issue 23 on nvidia-h200-x2, one device call per stage (each under the 10-minute call limit):
-    x2sync)  # S1 (0.6B and 8B shapes, bucket sizes, NCCL broadcast bandwidth in the same run) and the two-GPU tests
+    grpo-default) step grpo_step ${G1_LIMIT:-300} python3 bench/grpo_step.py ;;
+    grpo-split)
+      wheels "$WHEELS_TRL" /tmp/trl
+      step grpo_split ${G1_LIMIT:-560} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py --split ;;
+    sync)
       step policy_sync 300 python3 bench/policy_sync.py
       step gpu2-tests 280 python3 -m pytest -q --timeout 240 --tb=short -p no:cacheprovider tests/rl/test_split.py \
         tests/training/test_train_graphs_gpu.py -k "not quickstart and not memory" ;;
-    x2g1)  # G1 colocated vs split sync / async (train GPU 0, rollout GPU 1) vs TRL, same run
-      [ -d .whl_trl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl \
-        .whl_trl/*.whl >>"$LOG" 2>&1
-      step grpo_split ${G1_LIMIT:-560} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py --split ;;
-    x2tp) step tp ${TP_LIMIT:-500} python3 bench/tp.py --gpus 2 ;;  # serve / train TP=2 vs TP=1
+    tp) step tp ${TP_LIMIT:-500} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
+    serve) step serve 480 python3 bench/serve.py ;;  # the engine alone on the same batch first, then the server
+    learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
     *) echo "unknown stage $stage" >>"$LOG" ;;
   esac
 done

@@ -18,7 +18,7 @@ gradient checkpointing (TRL's setting; areno's default is on, ``--checkpointing 
   advantages and filters before the update), log-probs (the trainer's recomputation of the rollout tokens when it
   is a separate pass), train (the GRPO update; its microbatches are packed inside it), and other (the rest of the
   step's wall time).
-- TRL: ``GRPOTrainer`` set up as ``../shared/baselines/peer_baselines.py`` (g1): the synthetic word-level tokenizer
+- TRL: ``GRPOTrainer`` set up as ``bench/baselines/peers_liger_trl.py`` (G1): the synthetic word-level tokenizer
   of 151,936 tokens (its special tokens fixed to match whole words only: see bench/models.py), 128 prompts,
   ``per_device_train_batch_size=32, gradient_accumulation_steps=8, num_generations=8, max_completion_length=512``,
   HF generate, no vLLM; it measured 30-32 s per step (61 s for the first), 52 GiB peak. Here it loads the same
@@ -310,7 +310,7 @@ def main():
                         except ImportError as e:
                             print(
                                 f"note: trl is not importable ({e}); only areno is measured. Put TRL 1.16 and its "
-                                "missing dependencies on PYTHONPATH (see ../shared/baselines/README.md)",
+                                "missing dependencies on PYTHONPATH (see bench/README.md)",
                                 flush=True,
                             )
                             continue

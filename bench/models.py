@@ -6,7 +6,7 @@ caches it under ``$ARENO_BENCH_CACHE`` (default ``~/.cache/areno-bench``, else t
 one batch write it once.
 
 The tiny test tokenizer has 1,000 tokens while the model's vocab has 151,936, so the checkpoint gets instead the
-synthetic word-level tokenizer that TRL's G1 baseline used (``../shared/baselines/peer_baselines.py``): token ``i``
+synthetic word-level tokenizer that TRL's G1 baseline used (``bench/baselines/peers_liger_trl.py``): token ``i``
 is the word ``t{i}``, pad ``t0`` (id 0), eos ``t1`` (id 1), unk ``t2``. Every id decodes to text (a streamed server
 response sends one chunk per token) and a prompt ``"t5 t77 ..."`` encodes to exactly those ids.
 """

@@ -17,10 +17,11 @@ path, then ``linear_logprobs(hidden, lm_head, targets, temperature=1)``) and the
 engine's log-probs is reported (the learning check: <= 0.005 in bf16, the issue's bar 0.01).
 
 transformers: ``AutoModelForCausalLM`` from the same checkpoint, sdpa, bf16, ``generate(do_sample=True,
-temperature=1, top_p=1, top_k=0, min_new_tokens=max_new_tokens)`` as in ``../shared/baselines/hf_baseline.py``
-(a short warm-up generate first). It is slow, so R2 runs on the first ``--hf-r2-seqs`` sequences as one left-padded
-batch (generating to the batch's longest output; only each sequence's own output length counts as useful tokens)
-with ``max_time`` as a cap, and R3 generates ``--hf-r3-new`` tokens (tok/s is per token either way).
+temperature=1, top_p=1, top_k=0, min_new_tokens=max_new_tokens)`` as in
+``bench/baselines/transformers_generate_train.py`` (a short warm-up generate first). It is slow, so R2 runs on the
+first ``--hf-r2-seqs`` sequences as one left-padded batch (generating to the batch's longest output; only
+each sequence's own output length counts as useful tokens) with ``max_time`` as a cap, and R3 generates
+``--hf-r3-new`` tokens (tok/s is per token either way).
 One JSON line per measurement goes to bench/results/rollout.jsonl.
 """
 

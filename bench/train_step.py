@@ -17,13 +17,13 @@ One step = forward + backward + optimizer update of every parameter, next-token 
   ``fused,plain``) also measures the same loss built on ``linear_logprobs``' output (gradient in the backward).
 - transformers: ``model(input_ids, labels=input_ids).loss.backward(); opt.step(); opt.zero_grad()`` with
   ``torch.optim.AdamW(lr=1e-6)`` on the bf16 parameters (bf16 optimizer state, no master copy), sdpa attention,
-  exactly as ``../shared/baselines/hf_baseline.py`` measured it (46.5k tok/s at T1, 35.0 GiB peak); checkpointing
-  through ``gradient_checkpointing_enable`` (non-reentrant) for the "on" rows.
+  as ``bench/baselines/transformers_generate_train.py`` measures it (BENCH.md: 46.5k tok/s at T1, 35.0 GiB peak);
+  checkpointing through ``gradient_checkpointing_enable`` (non-reentrant) for the "on" rows.
 
 MFU = 6 x 596,049,920 x tokens / step time / 790 TFLOP/s (BENCH.md; attention FLOPs and recomputation not counted).
 Two step times per row: ``step_ms``, the median of single steps each timed by CUDA events and waited for (the host's
 work before a step's first kernel counts, with the GPU idle), and ``loop_ms``, the mean over ``--iters`` steps run
-back to back with one synchronisation at the end, as ``../shared/baselines/hf_baseline.py`` (BENCH.md's baseline)
+back to back with one synchronisation at the end, as ``bench/baselines/transformers_generate_train.py`` (the baseline)
 times them: a step's host work may then overlap the previous step's GPU tail (``loop_mfu``, ``loop_speedup_vs_hf``);
 ``loop_ms`` is the median of the GPU's intervals between consecutive steps' start events, ``loop_mean_ms`` the mean
 wall time.
