@@ -42,65 +42,156 @@ class Spec:
 
 
 SPECS = {
-    "agentic": Spec("python bench/agentic.py", ("sessions", "turns"),
-                    ("single_tok_s", "agentic_tok_s", "prefill_tokens_per_turn", "forks"), ("ratio",), "A1",
-                    variants=("repeat",)),
-    "attention": Spec("python bench/attention.py",
-                      ("impl", "seq", "batch", "heads_q", "heads_kv", "head_dim", "ctx", "block_size", "config"),
-                      ("fwd_ms", "bwd_ms", "fwdbwd_ms", "fwdbwd_tflops", "fwdbwd_frac_peak", "ms", "GB/s",
-                       "frac_copy_bw"),
-                      ("speedup_vs_flash", "speedup_vs_cudnn", "bwd_speedup_vs_cudnn")),
-    "attention_gluon": Spec("python bench/attention_gluon.py", ("kernel", "impl"),
-                            ("ms", "tflops", "max_diff_vs_tma", "max_diff_vs_first"), (), "K1 Gluon"),
-    "decode_profile": Spec("python bench/decode_profile.py", ("seqs", "new_tokens"),
-                           ("tok_s", "step_ms", "host_ms", "gpu_ms", "post_ms", "tokens_per_step"), (),
-                           "R1 decode profile", variants=("graph", "decode_steps")),
-    "delta_rule": Spec("python bench/delta_rule.py", ("impl", "gate", "seq", "heads", "K", "V", "chunk"),
-                       ("fwd_ms", "fwdbwd_ms", "tokens_per_s", "fwdbwd_tflops", "peak_gib"),
-                       ("speedup_vs_native", "max_abs_diff_vs_native")),
-    "gemm": Spec("python bench/gemm.py", ("shape", "impl", "M", "K", "N"),
-                 ("us", "GB/s", "TFLOP/s", "frac_floor", "tiny_kernel_us"), (), skip=(("impl", "sweep"),)),
-    "grpo_step": Spec("python bench/grpo_step.py", ("impl", "shape"),
-                      ("step_s", "rollout_s", "reward_s", "pack_s", "logprob_s", "train_s", "other_s", "peak_gib",
-                       "logprob_diff"), ("speedup_vs_trl",), "G1", variants=("checkpointing", "train_cuda_graphs")),
-    "k1_timing": Spec("python bench/k1_timing.py", ("impl", "batch", "seq"),
-                      ("eager_ms", "graph_ms", "kernel_ms", "host_ms", "paired_eager_ms", "paired_graph_ms"),
-                      ("eager_x_cudnn", "graph_x_cudnn", "paired_graph_x_cudnn", "paired_graph_x_cudnn_range")),
-    "learn": Spec("python bench/learn.py", ("stage",),
-                  ("accuracy_before", "accuracy_after", "gain_points", "wall_s"), (), "learning check",
-                  variants=("task",)),
-    "logprob": Spec("python bench/logprob.py", ("impl", "N", "H", "V"),
-                    ("ms", "peak_extra_GiB", "TFLOPs", "floor_frac"), ("speedup_vs_torch", "mem_frac_of_torch")),
-    "model_step": Spec("python bench/model_step.py", ("impl", "batch", "seqlen"),
-                       ("step_ms", "tokens_per_s", "mfu", "peak_gib"), ("speedup_vs_hf", "memory_vs_hf"),
-                       variants=("checkpointing",)),
-    "moe": Spec("python bench/moe.py", ("impl", "phase", "tokens", "experts", "top_k"),
-                ("ms", "tflops", "pct_peak", "rel_err"), ("x_loop", "x_grouped_mm")),
-    "optimizer_step": Spec("python bench/optimizer_step.py", ("impl", "mode", "tensors", "elements"),
-                           ("ms", "update_tb_s", "norm_tb_s"), ("speedup_vs_per_tensor",), "AdamW step"),
-    "policy_sync": Spec("python bench/policy_sync.py", ("mode", "shape", "bucket_mib"),
-                        ("buckets", "gbytes", "seconds", "gbps", "exact"), (), "S1"),
-    "qkv_prologue": Spec("python bench/qkv_prologue.py", ("impl", "mode", "tokens", "shape"),
-                         ("ms_per_layer", "gb_s", "frac_copy_bw"), ("speedup_vs_unfused",), "QKV prologue"),
-    "rollout": Spec("python bench/rollout.py", ("impl", "shape", "sequences"),
-                    ("tok_s", "wall_s", "frac_limit", "ms_per_token", "logprob_diff_mean"), ("speedup_vs_hf",),
-                    variants=("call", "decode_steps", "lookahead")),
-    "rollout_vl": Spec("python bench/rollout_vl.py", ("impl", "shape", "sequences"),
-                       ("tok_s", "wall_s", "tower_s", "logprob_diff_mean"), ("speedup_vs_hf", "vs_text"),
-                       variants=("call",)),
-    "sampler": Spec("python bench/sampler.py", ("impl", "mode", "B", "V"), ("ms", "GB/s"),
-                    ("speedup_vs_torch_eager",)),
-    "serve": Spec("python bench/serve.py", ("load",),
-                  ("requests", "failed", "tok_s", "engine_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-                   "error"), ("vs_engine",), "V1", variants=("server_args", "clients"),
-                  skip=(("load", "startup"),)),  # a record of a server that failed to start, not a measurement
-    "tp": Spec("python bench/tp.py --gpus 2", ("part", "label", "gpus"),
-               ("tok_s", "ttft_p50_ms", "tpot_p50_ms", "greedy_identical", "max_abs_weight_diff",
-                "max_abs_loss_diff", "error"), ("speedup_vs_tp1",), "TP"),
-    "train_step": Spec("python bench/train_step.py", ("impl", "batch", "seqlen"),
-                       ("step_ms", "tok_s", "mfu", "peak_gib", "reserved_gib", "loop_ms"),
-                       ("speedup_vs_hf", "memory_vs_hf", "loop_speedup_vs_hf"),
-                       variants=("checkpointing", "graphs")),
+    "agentic": Spec(
+        "python bench/agentic.py",
+        ("sessions", "turns"),
+        ("single_tok_s", "agentic_tok_s", "prefill_tokens_per_turn", "forks"),
+        ("ratio",),
+        "A1",
+        variants=("repeat",),
+    ),
+    "attention": Spec(
+        "python bench/attention.py",
+        ("impl", "seq", "batch", "heads_q", "heads_kv", "head_dim", "ctx", "block_size", "config"),
+        ("fwd_ms", "bwd_ms", "fwdbwd_ms", "fwdbwd_tflops", "fwdbwd_frac_peak", "ms", "GB/s", "frac_copy_bw"),
+        ("speedup_vs_flash", "speedup_vs_cudnn", "bwd_speedup_vs_cudnn"),
+    ),
+    "attention_gluon": Spec(
+        "python bench/attention_gluon.py",
+        ("kernel", "impl"),
+        ("ms", "tflops", "max_diff_vs_tma", "max_diff_vs_first"),
+        (),
+        "K1 Gluon",
+    ),
+    "decode_profile": Spec(
+        "python bench/decode_profile.py",
+        ("seqs", "new_tokens"),
+        ("tok_s", "step_ms", "host_ms", "gpu_ms", "post_ms", "tokens_per_step"),
+        (),
+        "R1 decode profile",
+        variants=("graph", "decode_steps"),
+    ),
+    "delta_rule": Spec(
+        "python bench/delta_rule.py",
+        ("impl", "gate", "seq", "heads", "K", "V", "chunk"),
+        ("fwd_ms", "fwdbwd_ms", "tokens_per_s", "fwdbwd_tflops", "peak_gib"),
+        ("speedup_vs_native", "max_abs_diff_vs_native"),
+    ),
+    "gemm": Spec(
+        "python bench/gemm.py",
+        ("shape", "impl", "M", "K", "N"),
+        ("us", "GB/s", "TFLOP/s", "frac_floor", "tiny_kernel_us"),
+        (),
+        skip=(("impl", "sweep"),),
+    ),
+    "grpo_step": Spec(
+        "python bench/grpo_step.py",
+        ("impl", "shape"),
+        ("step_s", "rollout_s", "reward_s", "pack_s", "logprob_s", "train_s", "other_s", "peak_gib", "logprob_diff"),
+        ("speedup_vs_trl",),
+        "G1",
+        variants=("checkpointing", "train_cuda_graphs"),
+    ),
+    "k1_timing": Spec(
+        "python bench/k1_timing.py",
+        ("impl", "batch", "seq"),
+        ("eager_ms", "graph_ms", "kernel_ms", "host_ms", "paired_eager_ms", "paired_graph_ms"),
+        ("eager_x_cudnn", "graph_x_cudnn", "paired_graph_x_cudnn", "paired_graph_x_cudnn_range"),
+    ),
+    "learn": Spec(
+        "python bench/learn.py",
+        ("stage",),
+        ("accuracy_before", "accuracy_after", "gain_points", "wall_s"),
+        (),
+        "learning check",
+        variants=("task",),
+    ),
+    "logprob": Spec(
+        "python bench/logprob.py",
+        ("impl", "N", "H", "V"),
+        ("ms", "peak_extra_GiB", "TFLOPs", "floor_frac"),
+        ("speedup_vs_torch", "mem_frac_of_torch"),
+    ),
+    "model_step": Spec(
+        "python bench/model_step.py",
+        ("impl", "batch", "seqlen"),
+        ("step_ms", "tokens_per_s", "mfu", "peak_gib"),
+        ("speedup_vs_hf", "memory_vs_hf"),
+        variants=("checkpointing",),
+    ),
+    "moe": Spec(
+        "python bench/moe.py",
+        ("impl", "phase", "tokens", "experts", "top_k"),
+        ("ms", "tflops", "pct_peak", "rel_err"),
+        ("x_loop", "x_grouped_mm"),
+    ),
+    "optimizer_step": Spec(
+        "python bench/optimizer_step.py",
+        ("impl", "mode", "tensors", "elements"),
+        ("ms", "update_tb_s", "norm_tb_s"),
+        ("speedup_vs_per_tensor",),
+        "AdamW step",
+    ),
+    "policy_sync": Spec(
+        "python bench/policy_sync.py",
+        ("mode", "shape", "bucket_mib"),
+        ("buckets", "gbytes", "seconds", "gbps", "exact"),
+        (),
+        "S1",
+    ),
+    "qkv_prologue": Spec(
+        "python bench/qkv_prologue.py",
+        ("impl", "mode", "tokens", "shape"),
+        ("ms_per_layer", "gb_s", "frac_copy_bw"),
+        ("speedup_vs_unfused",),
+        "QKV prologue",
+    ),
+    "rollout": Spec(
+        "python bench/rollout.py",
+        ("impl", "shape", "sequences"),
+        ("tok_s", "wall_s", "frac_limit", "ms_per_token", "logprob_diff_mean"),
+        ("speedup_vs_hf",),
+        variants=("call", "decode_steps", "lookahead"),
+    ),
+    "rollout_vl": Spec(
+        "python bench/rollout_vl.py",
+        ("impl", "shape", "sequences"),
+        ("tok_s", "wall_s", "tower_s", "logprob_diff_mean"),
+        ("speedup_vs_hf", "vs_text"),
+        variants=("call",),
+    ),
+    "sampler": Spec("python bench/sampler.py", ("impl", "mode", "B", "V"), ("ms", "GB/s"), ("speedup_vs_torch_eager",)),
+    "serve": Spec(
+        "python bench/serve.py",
+        ("load",),
+        ("requests", "failed", "tok_s", "engine_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "error"),
+        ("vs_engine",),
+        "V1",
+        variants=("server_args", "clients"),
+        skip=(("load", "startup"),),
+    ),  # a record of a server that failed to start, not a measurement
+    "tp": Spec(
+        "python bench/tp.py --gpus 2",
+        ("part", "label", "gpus"),
+        (
+            "tok_s",
+            "ttft_p50_ms",
+            "tpot_p50_ms",
+            "greedy_identical",
+            "max_abs_weight_diff",
+            "max_abs_loss_diff",
+            "error",
+        ),
+        ("speedup_vs_tp1",),
+        "TP",
+    ),
+    "train_step": Spec(
+        "python bench/train_step.py",
+        ("impl", "batch", "seqlen"),
+        ("step_ms", "tok_s", "mfu", "peak_gib", "reserved_gib", "loop_ms"),
+        ("speedup_vs_hf", "memory_vs_hf", "loop_speedup_vs_hf"),
+        variants=("checkpointing", "graphs"),
+    ),
 }
 GENERIC = Spec("", ("impl",), (), ())  # a bench not listed above: its workload and impl only
 
@@ -201,10 +292,13 @@ def provenance(row: dict, spec: Spec) -> list[str]:
 def render_table(workload: str, bench: str, rows: list[dict]) -> list[str]:
     spec = SPECS.get(bench, GENERIC)
     shown = ("workload",) if any(r.get("workload", workload) != workload for r in rows) else ()
-    cols = [c for c in (*shown, *spec.keys, *spec.variants, *spec.metrics, *spec.ratios, "note") if any(c in r for r in rows)]
+    cols = [
+        c
+        for c in (*shown, *spec.keys, *spec.variants, *spec.metrics, *spec.ratios, "note")
+        if any(c in r for r in rows)
+    ]
     head = [*cols, "commit", "date", "GPU", "versions", "command"]
-    lines = [f"## {workload}: `bench/{bench}.py`", "", "| " + " | ".join(head) + " |",
-             "|" + " --- |" * len(head)]
+    lines = [f"## {workload}: `bench/{bench}.py`", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
         lines.append("| " + " | ".join([*(fmt(row.get(c)) for c in cols), *provenance(row, spec)]) + " |")
     return [*lines, ""]

@@ -38,8 +38,7 @@ def test_committed_results_md_is_up_to_date():
 def test_latest_run_per_key_with_its_settings_and_provenance(tmp_path):
     report = _report()
     old = dict(git_sha="aaa", time="2026-11-30T10:00:00+00:00", command="python bench/train_step.py")
-    new = dict(git_sha="bbb", time="2026-12-02T10:00:00+00:00",
-               command="python bench/train_step.py --graphs on")
+    new = dict(git_sha="bbb", time="2026-12-02T10:00:00+00:00", command="python bench/train_step.py --graphs on")
     rows = [
         _row(impl="areno", graphs="off", step_ms=111.0, speedup_vs_hf=1.5, **old),
         _row(impl="transformers", step_ms=180.0, **old),
@@ -56,7 +55,7 @@ def test_latest_run_per_key_with_its_settings_and_provenance(tmp_path):
     assert got == [("areno", "off", 80.0), ("areno", "on", 69.0), ("transformers", None, 180.0)]
 
     text = report.render(report.load_rows(tmp_path / "results"))
-    table = text[text.index("## T1: `bench/train_step.py`"):]
+    table = text[text.index("## T1: `bench/train_step.py`") :]
     assert "| areno | 8 | 1024 | on | 69 |" in table and "2.6 | bbb | 2026-12-02 | NVIDIA H200 |" in table
     assert "`python bench/train_step.py --graphs on`" in table and "111" not in table and "aaa" in table
     for figure in ("111", "1.5 |"):  # the superseded run's figures are not quoted
@@ -65,9 +64,24 @@ def test_latest_run_per_key_with_its_settings_and_provenance(tmp_path):
 
 def test_default_command_marked_and_check_detects_staleness(tmp_path):
     report = _report()
-    _write(tmp_path / "results", "moe", [{"bench": "moe", "workload": "K3", "impl": "areno", "phase": "fwd+bwd",
-                                          "tokens": 8192, "ms": 6.01, "x_loop": 34.5, "git_sha": "ccc",
-                                          "time": "2026-12-01T00:00:00", **ENV}])
+    _write(
+        tmp_path / "results",
+        "moe",
+        [
+            {
+                "bench": "moe",
+                "workload": "K3",
+                "impl": "areno",
+                "phase": "fwd+bwd",
+                "tokens": 8192,
+                "ms": 6.01,
+                "x_loop": 34.5,
+                "git_sha": "ccc",
+                "time": "2026-12-01T00:00:00",
+                **ENV,
+            }
+        ],
+    )
     out = tmp_path / "RESULTS.md"
     args = ["--results", str(tmp_path / "results"), "--out", str(out)]
     assert report.main([*args, "--check"]) == 1  # missing
