@@ -1,6 +1,6 @@
 """areno's kernels: Triton kernels, native PyTorch references, autograd Functions and one dispatch point each.
 
-The public functions (contracts in DESIGN.md) are bound here after their modules are imported, so that a name such
+The public functions (contracts in docs/design.md) are bound here after their modules are imported, so that a name such
 as ``areno.kernels.attention`` is always the function even though a submodule of the same name exists.
 """
 

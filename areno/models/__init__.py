@@ -1,6 +1,6 @@
 """areno.models: adapters (qwen3, qwen3_moe, llama) on areno kernels, Hugging Face load/save, TP sharding.
 
-Entry points (DESIGN.md): ``load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None,
+Entry points (docs/design.md): ``load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None,
 attn_backend=None)``, ``load_tokenizer(path_or_repo_id)``, ``save_model(model, dir, tokenizer=None)`` and
 ``model.logits(input_ids [B, T]) -> [B, T, V]``.
 """

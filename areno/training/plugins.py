@@ -1,4 +1,4 @@
-"""User plugin files (DESIGN.md "Plugin interfaces"), loaded by path and checked before any GPU work.
+"""User plugin files (docs/design.md "Plugin interfaces"), loaded by path and checked before any GPU work.
 
 - ``--dataset-loader-fn FILE``: ``load_training_dataset(path, *, default_loader, **kwargs)`` returning rows.
 - ``--reward-fn-path FILE``: ``reward_fn(record) -> float`` (synchronous).
