@@ -15,9 +15,7 @@ through two ``torch._grouped_mm`` calls. Median of CUDA-event timings (``bench/c
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import sys
 
@@ -25,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.baselines.common import run_parts  # noqa: E402
 from bench.common import gpu_time_ms  # noqa: E402
 
 
@@ -126,18 +125,10 @@ def k3(device: str, dtype, smoke: bool):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("parts", nargs="*", help="K1 and/or K3 (default: both)")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
-    args = ap.parse_args(argv)
-    parts = {"K1": k1, "K3": k3}
-    if set(args.parts) - set(parts):
-        ap.error(f"unknown parts {sorted(set(args.parts) - set(parts))}: choose from K1 K3")
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    for name in args.parts or list(parts):
-        for rec in parts[name](device, dtype, args.smoke):
-            print(json.dumps({**rec, "torch": torch.__version__}), flush=True)
+    dtype = lambda device: torch.float32 if device == "cpu" else torch.bfloat16  # noqa: E731
+    parts = {"K1": lambda a, device: k1(device, dtype(device), a.smoke),
+             "K3": lambda a, device: k3(device, dtype(device), a.smoke)}  # fmt: skip
+    run_parts(__doc__, parts, argv)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ no gradient checkpointing, the reward ``bench/grpo_reward.py``'s text-length par
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
@@ -29,6 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.baselines.common import run_parts  # noqa: E402
 from bench.common import gpu_time_ms  # noqa: E402
 from bench.models import QWEN3_06B, SMOKE, prompt_text, random_prompts, word_tokenizer  # noqa: E402
 
@@ -120,17 +119,7 @@ def g1(device: str, smoke: bool):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("parts", nargs="*", help="K2 and/or G1 (default: both)")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
-    args = ap.parse_args(argv)
-    parts = {"K2": k2, "G1": g1}
-    if set(args.parts) - set(parts):
-        ap.error(f"unknown parts {sorted(set(args.parts) - set(parts))}: choose from K2 G1")
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    for name in args.parts or list(parts):
-        for rec in parts[name](device, args.smoke):
-            print(json.dumps({**rec, "torch": torch.__version__}), flush=True)
+    run_parts(__doc__, {"K2": lambda a, device: k2(device, a.smoke), "G1": lambda a, device: g1(device, a.smoke)}, argv)
 
 
 if __name__ == "__main__":

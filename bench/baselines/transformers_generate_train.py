@@ -14,8 +14,6 @@ measurement. ``bench/rollout.py`` and ``bench/train_step.py`` run the same basel
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -23,6 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.baselines.common import run_parts  # noqa: E402
 from bench.models import FIRST_TOKEN, PAD_ID, QWEN3_06B, SMOKE  # noqa: E402
 
 # workload: (prompts, prompt tokens, new tokens) for generation, (rows, tokens per row) for training
@@ -94,29 +93,31 @@ def measure_train(model, config, device, workload, sizes, steps: int) -> dict:
     return rec
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("workloads", nargs="*", help="any of R1 R3 T1 T2 (default: all)")
+def _options(ap) -> None:
     ap.add_argument("--static-cache", action="store_true", help="generate with cache_implementation='static'")
     ap.add_argument("--steps", type=int, default=3, help="timed train steps (after one untimed)")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
-    args = ap.parse_args(argv)
-    unknown = set(args.workloads) - {*GENERATE, *TRAIN}
-    if unknown:
-        ap.error(f"unknown workloads {sorted(unknown)}: choose from {[*GENERATE, *TRAIN]}")
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    model, config = make_model(args.smoke, device)
-    generate, train = (SMOKE_GENERATE, SMOKE_TRAIN) if args.smoke else (GENERATE, TRAIN)
-    import transformers
 
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}  # fmt: skip
-    for name in args.workloads or [*GENERATE, *TRAIN]:
-        if name in generate:
-            rec = measure_generate(model, config, device, name, generate[name], args.static_cache)
-        else:
-            rec = measure_train(model, config, device, name, train[name], args.steps)
-        print(json.dumps({**rec, **versions}), flush=True)
+
+def main(argv=None) -> None:
+    model = {}  # built once, by the first part that runs
+
+    def part(name):
+        def run(args, device):
+            import transformers
+
+            if not model:
+                model["m"], model["config"] = make_model(args.smoke, device)
+            m, config = model["m"], model["config"]
+            if name in GENERATE:
+                sizes = (SMOKE_GENERATE if args.smoke else GENERATE)[name]
+                rec = measure_generate(m, config, device, name, sizes, args.static_cache)
+            else:
+                rec = measure_train(m, config, device, name, (SMOKE_TRAIN if args.smoke else TRAIN)[name], args.steps)
+            yield {**rec, "transformers": transformers.__version__}
+
+        return run
+
+    run_parts(__doc__, {name: part(name) for name in (*GENERATE, *TRAIN)}, argv, _options)
 
 
 if __name__ == "__main__":
