@@ -31,7 +31,6 @@ split counts at batch 1/8 is printed for tuning. One JSON line per measurement: 
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import os
 import sys
@@ -47,9 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
 from areno.kernels.attention import attention  # noqa: E402
-from areno.kernels.paged_attention import _paged_attention_triton, paged_attention  # noqa: E402
+from areno.kernels.attention import packed as attention_module  # noqa: E402
+from areno.kernels.attention.paged import paged_attention, paged_attention_triton  # noqa: E402
 
-attention_module = importlib.import_module("areno.kernels.attention")
 PEAK_TFLOPS = 790.0  # H200 bf16 dense (BENCH.md)
 CUDA = torch.cuda.is_available()
 
@@ -279,7 +278,7 @@ def sweep_row(paged, splits, cfg, copy_gbs, **fields):
     q, k_cache, v_cache, table, lens, nbytes = paged
     args = (q, k_cache, v_cache, table, lens, q.shape[-1] ** -0.5, None, 1, splits, cfg)
     try:
-        t = time_ms(lambda: _paged_attention_triton(*args), graph=True)
+        t = time_ms(lambda: paged_attention_triton(*args), graph=True)
     except Exception as e:
         print(f"  {fields} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
         return None

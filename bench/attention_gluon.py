@@ -16,7 +16,6 @@ Needs an sm_90 GPU and a Triton with Gluon (no interpreter). Results: ``bench/re
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -30,9 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, print_table  # noqa: E402
 
-from areno.kernels import attention_gluon as g  # noqa: E402
-
-A = importlib.import_module("areno.kernels.attention")
+from areno.kernels.attention import gluon as g  # noqa: E402
+from areno.kernels.attention import packed as A  # noqa: E402
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
 from collections import defaultdict
@@ -72,7 +71,7 @@ def _env(values):
 
 
 def _impls(with_liger, variants=()):
-    from areno.kernels.linear_logprobs import linear_logprobs
+    from areno.kernels.logprobs.forward import linear_logprobs
 
     def torch_path(h, w, t):
         lp = (h @ w.T).float().log_softmax(-1).gather(1, t[:, None])[:, 0]
@@ -82,7 +81,7 @@ def _impls(with_liger, variants=()):
         (-linear_logprobs(h, w, t).mean()).backward()
 
     def areno_loss(h, w, t):  # the same -mean loss, its gradient taken in the forward (linear_logprobs_loss)
-        from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
+        from areno.kernels.logprobs.loss import linear_logprobs_loss
 
         weights = torch.full(t.shape, -1.0 / t.numel(), device=t.device)
         linear_logprobs_loss(h, w, t, weights)[0].backward()
@@ -123,7 +122,7 @@ def _impls(with_liger, variants=()):
 
 def _check(h, w, t):
     """areno vs the torch path on a slice: max |logprob diff| (bf16 logits in torch, fp32 accumulation in areno)."""
-    from areno.kernels.linear_logprobs import linear_logprobs
+    from areno.kernels.logprobs.forward import linear_logprobs
 
     with torch.no_grad():
         n = min(2048, h.shape[0])
@@ -184,7 +183,7 @@ def profile(fn, h, w, t):
 
 def autotune_picks():
     """The autotuner's chosen config per key of the two Triton kernels (after the runs)."""
-    mod = importlib.import_module("areno.kernels.linear_logprobs")
+    from areno.kernels.logprobs import forward as mod
     for name in ("_stats_tuned", "_grad_tuned"):
         for key, cfg in getattr(mod, name).cache.items():
             print(f"  {name} {key}: {cfg}")

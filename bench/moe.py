@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
-from areno.kernels import moe_gemm  # noqa: E402
-from areno.kernels.moe import fused_moe, fused_moe_native, route_softmax_topk  # noqa: E402
+from areno.kernels.moe import gemm as moe_gemm  # noqa: E402
+from areno.kernels.moe.fused import fused_moe, fused_moe_native, route_softmax_topk  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # H200 bf16 dense (BENCH.md)
 

@@ -107,9 +107,8 @@ def train(args, device):
         torch.cuda.synchronize() if device.type == "cuda" else None
     table(prof, args.top or 30)
     if device.type == "cuda":  # which tiles the attention autotuner chose in this process (d128)
-        import importlib
 
-        attn = importlib.import_module("areno.kernels.attention")  # the module (the package binds the function)
+        from areno.kernels.attention import packed as attn
 
         for kind in ("fwd", "dkdv", "dq", "fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma"):
             for key, cfg in attn._tuned(kind, 128).cache.items():

@@ -35,7 +35,6 @@ Both Triton and cuBLAS stay 1.3-2.5x above the read-only time.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from areno.kernels._device import sm_count
 from areno.kernels.dispatch import use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -212,10 +212,6 @@ def default_config(M: int, N: int, K: int, num_sms: int = 132) -> GemmConfig | N
     return None if cfg is None else cfg._replace(block_m=min(cfg.block_m, max(16, triton.next_power_of_2(M))))
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 # ---------------------------------------------------------------------------------------------- native / public
 
@@ -247,7 +243,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not use_triton(x, weight, bias, supported=supported):
         return linear_native(x, weight, bias)
     N = weight.shape[0]
-    config = default_config(M, N, K, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    config = default_config(M, N, K, sm_count(x.device.index or 0) if x.is_cuda else 132)
     if config is None:
         return linear_native(x, weight, bias)
     y = gemm_launch(x2, weight, config, None if bias is None else bias.contiguous())

@@ -7,7 +7,6 @@ shapes (``test_attention._gpu_errors``), and the dispatcher's fallback is checke
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -16,9 +15,8 @@ import sys
 import pytest
 import torch
 
-from areno.kernels import attention_gluon
-
-attention_module = importlib.import_module("areno.kernels.attention")
+from areno.kernels.attention import gluon as attention_gluon
+from areno.kernels.attention import packed as attention_module
 
 LISTS = {"fwd": attention_gluon.CONFIGS, "bwd": attention_gluon.BWD_CONFIGS}
 needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this triton has no Gluon Hopper language")
@@ -28,7 +26,7 @@ needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this t
 # are interpreter objects its compiler refuses.
 _COMPILE = """
 import json, re, sys
-from areno.kernels import attention_gluon as g
+from areno.kernels.attention import gluon as g
 out = {}
 for kind, d, i, causal, dtype in json.loads(sys.argv[1]):
     cfg = {"bwd": g.BWD_CONFIGS, "fwd": g.CONFIGS}[kind][d][i]

@@ -1,20 +1,19 @@
 """Gated delta rule: Triton (interpreted on CPU) and the native chunked path vs a float64 token-by-token recurrence,
 forward and every gradient; the decode step vs the chunked forward, token by token."""
 
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from areno.kernels.delta_rule import (
+from areno.kernels.linear_attn import delta_rule as mod
+from areno.kernels.linear_attn.delta_rule import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_native,
     delta_rule_reference,
     fused_recurrent_gated_delta_rule_step,
 )
 
-mod = importlib.import_module("areno.kernels.delta_rule")
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
 
 

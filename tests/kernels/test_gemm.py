@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from areno.kernels import gemm as mod
+from areno.kernels._device import sm_count
 from areno.kernels.gemm import GemmConfig, default_config, gemm_launch, linear
 
 # (rtol, atol) against float64 of the same (rounded) inputs with outputs ~ N(0, 1): fp32 differs by summation
@@ -214,8 +215,8 @@ DECODE_SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]  # (K, 
 def test_gemm_gpu_bf16_decode_shapes(K, N, M):
     x, w, b = _inputs(M, N, K, torch.bfloat16, device="cuda", bias=True)
     ref = _reference(x, w)
-    picked = default_config(M, N, K, mod._num_sms(0)) or mod._heuristic(M, N, K, mod._num_sms(0))  # None: cuBLAS
-    for cfg in (picked, mod._heuristic(M, N, K, mod._num_sms(0)), GemmConfig(32, 64, 128, 4, 4, 3),
+    picked = default_config(M, N, K, sm_count(0)) or mod._heuristic(M, N, K, sm_count(0))  # None: cuBLAS
+    for cfg in (picked, mod._heuristic(M, N, K, sm_count(0)), GemmConfig(32, 64, 128, 4, 4, 3),
                 GemmConfig(64, 128, 64, 1, 8, 3), GemmConfig(16, 32, 64, 3, 4, 4),
                 GemmConfig(64, 32, 128, 4, 4, 4), GemmConfig(128, 64, 64, 3, 8, 3)):  # fmt: skip
         _close(gemm_launch(x, w, cfg), ref, torch.bfloat16)

@@ -1,13 +1,11 @@
 """linear_logprobs: Triton (interpreted on CPU) and native paths vs the float64 full-logits reference, fwd + bwd."""
 
-import importlib
 
 import pytest
 import torch
 
-from areno.kernels.linear_logprobs import linear_logprobs, reference_linear_logprobs
-
-mod = importlib.import_module("areno.kernels.linear_logprobs")  # the module (the package exports the function)
+from areno.kernels.logprobs import forward as mod
+from areno.kernels.logprobs.forward import linear_logprobs, reference_linear_logprobs
 
 # Gradients are compared by relative Frobenius error; values by absolute error (log-probs are O(10)).
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-5, 2e-3), torch.bfloat16: (2e-3, 1e-2)}  # (values, grads)

@@ -1,14 +1,12 @@
 """linear_logprobs_loss: the loss linear in the log-probs, gradients taken in the forward, vs float64."""
 
-import importlib
 
 import pytest
 import torch
 
-from areno.kernels.linear_logprobs import linear_logprobs, reference_linear_logprobs
-from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
-
-ll = importlib.import_module("areno.kernels.linear_logprobs")
+from areno.kernels.logprobs import forward as ll
+from areno.kernels.logprobs.forward import linear_logprobs, reference_linear_logprobs
+from areno.kernels.logprobs.loss import linear_logprobs_loss
 
 
 @pytest.fixture(params=["native", "triton"])
@@ -193,7 +191,7 @@ def test_gpu_bf16_token_function_vs_float64():
 @pytest.mark.parametrize("n,dtype", [(1, torch.float16), (1000, torch.float16), (4097, torch.float32),
                                      pytest.param(151_936 * 64 + 3, torch.bfloat16, marks=pytest.mark.gpu)])
 def test_scale_round_matches_torch(n, dtype, triton_kernels, monkeypatch):
-    mod = importlib.import_module("areno.kernels.linear_logprobs_loss")  # the package exports the function
+    from areno.kernels.logprobs import loss as mod
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 7).to(dev)
     s = torch.tensor(-0.37, device=dev)

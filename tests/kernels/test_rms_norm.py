@@ -1,13 +1,11 @@
 """rms_norm: Triton (interpreted on CPU) vs native vs a float64 reference, forward and every gradient."""
 
-import importlib
 
 import pytest
 import torch
 
-from areno.kernels.rms_norm import rms_norm, rms_norm_native
-
-mod = importlib.import_module("areno.kernels.rms_norm")  # the module (areno.kernels.rms_norm is the function)
+from areno.kernels import norm as mod
+from areno.kernels.norm import rms_norm, rms_norm_native
 
 # (rtol, atol) against the float64 reference. fp16: the output is rounded twice (n, then weight * n), each
 # 2^-11 relative; gradients are fp32 sums rounded once to fp16.

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from areno.kernels._device import has_tma, sm_count
 from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 
 IGNORE_INDEX = -100
@@ -305,10 +306,6 @@ _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small con
 _INTERPRET_FLAT = False  # tests flip it to run the flat-loop forward too
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 def _on_device(t):
     return t.is_cuda and not interpreting()
@@ -318,7 +315,7 @@ def _tma_possible(*tensors):
     """TMA descriptors need sm_90+ (or the interpreter), 16-byte aligned bases and row strides, unit last stride."""
     if not all(t.is_cuda for t in tensors) and not interpreting():
         return False
-    if _on_device(tensors[0]) and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if _on_device(tensors[0]) and not has_tma(tensors[0].device):
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(-1) == 1
                for t in tensors)  # fmt: skip
@@ -342,7 +339,7 @@ def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, 
     if not _on_device(hidden):
         splits = 2 if V > 2 * _INTERPRET_CFG["BLOCK_V"] else 1
     else:  # ~16 waves of two 128-token programs per SM: tail under 1/16 whether one or two fit an SM
-        splits = max(1, min(triton.cdiv(32 * _num_sms(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
+        splits = max(1, min(triton.cdiv(32 * sm_count(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
     cols_per_split = triton.cdiv(triton.cdiv(V, splits), 256) * 256
     splits = triton.cdiv(V, cols_per_split)
     parts = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device) if fix is None else None

@@ -62,9 +62,10 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels import attention_gluon
-from areno.kernels import attention_tma as tma
-from areno.kernels.attention_common import (
+from areno.kernels._device import has_tma
+from areno.kernels.attention import gluon as attention_gluon
+from areno.kernels.attention import tma
+from areno.kernels.attention.common import (
     dq_inner,
     fwd_inner,
     key_tile,
@@ -131,12 +132,12 @@ def _hopper() -> bool:
     """A compiled (not interpreted) run on an sm_90+ GPU: where the TMA variants measured faster (H200, K1 at 4k:
     fwd+bwd 4.96 ms vs the pointer pair's 6.07; the merged backward's one launch 3.44 ms of kernel time vs the TMA
     pair's 3.56, batch 4 (T2's attention) 1.77 vs 1.86)."""
-    return not interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return not interpreting() and torch.cuda.is_available() and has_tma()
 
 
 def _use_tma(*tensors: torch.Tensor) -> bool:
     """The TMA kernels run on sm_90+ (or interpreted) for layouts a [T, H * D] descriptor can address."""
-    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not interpreting() and not has_tma(tensors[0].device):
         return False
     return tma.tma_layout_ok(*tensors)
 

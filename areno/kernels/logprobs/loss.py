@@ -28,15 +28,12 @@ the same results with four GEMM-equivalents. The backward returns the stashed gr
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import triton
 import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
-
-ll = importlib.import_module("areno.kernels.linear_logprobs")  # the module (the package exports the function)
+from areno.kernels.logprobs import forward as ll
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)  # q in the weight's dtype; fp16 would overflow at the cap
 

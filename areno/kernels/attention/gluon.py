@@ -49,6 +49,8 @@ import functools
 import torch
 import triton
 
+from areno.kernels._device import capability
+
 try:  # Gluon is experimental: older Tritons lack it, and its API moves between releases
     from triton._C.libtriton import ir
     from triton.experimental import gluon
@@ -682,11 +684,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fwd"
     """Why the Gluon forward (``kind`` "fwd") or backward ("bwd") kernel cannot run these inputs (None
     when it can): it needs this Triton's Gluon, an sm_90 GPU, bf16/fp16 and a head_dim of its candidate lists (fwd
     64, 128, 256; bwd 128) packed as the TMA kernels need it."""
-    from areno.kernels.attention_tma import tma_layout_ok
+    from areno.kernels.attention.tma import tma_layout_ok
 
     if not available():
         return f"this triton ({triton.__version__}) has no Gluon Hopper language: {_IMPORT_ERROR}"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda or capability(q.device)[0] != 9:
         return "it needs an sm_90 (Hopper) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"it needs bf16 or fp16 inputs, got {q.dtype}"

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from areno.kernels import moe_gemm
 from areno.kernels.dispatch import interpreting, use_triton
-from areno.kernels.moe_routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
+from areno.kernels.moe import gemm as moe_gemm
+from areno.kernels.moe.routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
 
 __all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native", "fused_moe_dense",
            "fused_moe_reference", "sort_by_expert"]

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from areno.kernels._device import sm_count
 from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 
 MAX_N = 65536  # one row must fit one tile
@@ -152,10 +153,6 @@ def _tiles(m: int, n: int):
     return block_m, block_n, num_warps
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     assert x.dtype in _FLOATS, f"rms_norm: x must be fp16/bf16/fp32, got {x.dtype}"
@@ -216,12 +213,12 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
     args = (dy, dh if dh is not None else dy, xv, weight, rstd, dx)
     meta = dict(HAS_DH=dh is not None, COMPUTE_DW=compute_dweight, BLOCK_N=block_n)
     if not x.is_cuda or interpreting() or block_n > 4096:  # one tiling (the interpreter cannot autotune)
-        programs = max(1, min(triton.cdiv(m, block_m), 4 * (_sm_count(x.device.index or 0) if x.is_cuda else 1)))
+        programs = max(1, min(triton.cdiv(m, block_m), 4 * (sm_count(x.device.index or 0) if x.is_cuda else 1)))
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
         _rms_norm_bwd_kernel[(programs,)](*args, dw_part, m, n, b, sx0, sx1, 0, **meta, BLOCK_M=block_m, PER_SM=4,
                                           num_warps=num_warps)
     else:
-        sms = _sm_count(x.device.index or 0)
+        sms = sm_count(x.device.index or 0)
         progs = lambda cfg: max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), cfg["PER_SM"] * sms))  # noqa: E731
         rows = max(per_sm for _, _, per_sm, _ in _BWD_TILES) * sms
         dw_part = torch.empty((rows, n), dtype=torch.float32, device=x.device) if compute_dweight else dx

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from areno.kernels.attention_common import (
+from areno.kernels.attention.common import (
     dq_inner,
     fwd_inner,
     key_tile,
