@@ -182,7 +182,7 @@ TUNED: dict[tuple[int, int], list[tuple[int, GemmConfig | None]]] = {
 }  # fmt: skip
 
 
-def _heuristic(M: int, N: int, K: int, num_sms: int) -> GemmConfig:
+def heuristic_config(M: int, N: int, K: int, num_sms: int) -> GemmConfig:
     """What won most in the H200 sweeps: 16-row tiles up to M = 16, 64 up to 256, then 128; 32 columns, widened
     while there are more tiles than SMs; then K split until about one program per SM, keeping >= 2 K tiles per
     split; a deep pipeline (all of a program's loads in flight early) where shared memory allows."""
@@ -203,8 +203,8 @@ def _heuristic(M: int, N: int, K: int, num_sms: int) -> GemmConfig:
 
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> GemmConfig | None:
     """The config :func:`linear` uses for an [M, K] x [N, K]^T product, or None (cuBLAS) where ``TUNED`` says cuBLAS
-    is as fast and for every (N, K) it has not measured (``_heuristic`` is a starting point for a sweep there, not a
-    measured win)."""
+    is as fast and for every (N, K) it has not measured (``heuristic_config`` is a starting point for a sweep there,
+    not a measured win)."""
     entries = TUNED.get((N, K))
     if not entries:
         return None

@@ -3,7 +3,7 @@
     y[t] = sum_j w[t, j] * (silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) W2_e^T,   e = topk_ids[t, j]
     w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]
 
-Triton path (kernels in moe_gemm.py):
+Triton path (kernels in gemm.py):
 1. Sort the M = T*k (token, slot) pairs by expert: a stable argsort of the ids plus per-expert counts. No host sync
    and no padded buffer: kernels cut each expert's rows into BLOCK_M blocks themselves from ``counts``.
 2. gate_up: h = silu(x Wg^T) * (x Wu^T) per sorted row, SiLU-and-mul fused; under autograd g|u is saved (M x 2I,
