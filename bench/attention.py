@@ -9,16 +9,17 @@ Training attention: batch 8 sequences of L = 1k, 4k, 8k tokens, 16 query / 8 KV 
 areno runs on the packed [B*L, H, D] layout with cu_seqlens; SDPA runs on [B, H, L, D] with enable_gqa, once per
 backend (flash, cuDNN when torch has it). FLOPs count the causal half: forward 4*B*Hq*L^2*D/2, backward 2.5x that.
 Times: forward (no autograd graph), backward (autograd.grad of q, k, v from a saved graph), forward+backward.
---bwd-variants: areno runs once per backward variant (every ARENO_ATTN_BWD value but auto; impl "areno bwd=<variant>"),
+--bwd-variants: areno runs once per backward variant (attention's ``_bwd``, every value but auto; impl
+"areno bwd=<variant>"),
 each row with its fwd+bwd and backward-only speed-ups over SDPA flash and cuDNN, and the largest gradient
 difference between the variants at the first length is printed; the decode part is skipped.
---variants: the same for the (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pairs in VARIANT_PAIRS (impl "areno fwd=<f> bwd=<b>"),
-plus each backward's time per kernel (torch profiler) at every length, so a slow kernel shows by name; --pairs
-tma:tma,tma:tma_merged times only those pairs.
+--variants: the same for the (``_fwd``, ``_bwd``) pairs in VARIANT_PAIRS (impl "areno fwd=<f> bwd=<b>"), plus each
+backward's time per kernel (torch profiler) at every length, so a slow kernel shows by name; --pairs
+tma:split,tma:tma_merged times only those pairs.
 --seqs: the lengths L of those two modes (default 1024 4096 8192).
-With --variants the autotuner's time per candidate config of each TMA kernel is printed; ARENO_ATTN_SWEEP=1 widens
-the d128 candidate lists, ARENO_ATTN_SWEEP=2 tries the chosen tiles' neighbourhood with register caps
-(areno/kernels/attention_tma.py).
+With --variants the autotuner's time per candidate config of each TMA kernel is printed; --sweep wide autotunes the
+d128 TMA forward over a wide candidate list, --sweep near over the chosen tiles' neighbourhood with register caps
+(passed to areno/kernels/attention/packed.py ``sweep_candidates``; the production lists stay as they are).
 
 Paged decode: one query per sequence over a context of C tokens in a paged cache (block size 16 and 64, blocks
 scattered at random), batch 1/64/256, C = 512/2048. Bytes it must read: K and V of every context token
@@ -31,7 +32,6 @@ split counts at batch 1/8 is printed for tuning. One JSON line per measurement: 
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import os
 import sys
@@ -47,9 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
 from areno.kernels.attention import attention  # noqa: E402
-from areno.kernels.paged_attention import _paged_attention_triton, paged_attention  # noqa: E402
+from areno.kernels.attention import packed as attention_module  # noqa: E402
+from areno.kernels.attention.paged import paged_attention, paged_attention_triton  # noqa: E402
 
-attention_module = importlib.import_module("areno.kernels.attention")
 PEAK_TFLOPS = 790.0  # H200 bf16 dense (BENCH.md)
 CUDA = torch.cuda.is_available()
 
@@ -87,25 +87,42 @@ def measure(fwd, inputs):
     return t_fwd, t_bwd, t_all
 
 
-# (forward, backward) variant pairs that --variants times: the pointer kernels, the fused backward, the TMA forward
-# with each TMA backward (the split pair, the fused pass, the split pair merged into one launch) and beside the pointer
-# backward, then the Gluon forward (today's sm_90 default) with the merged backward and with the Gluon backward (the
-# forward's LSE feeds every backward alike, so a forward and a backward can be picked independently from these rows).
-VARIANT_PAIRS = [("default", "split"), ("default", "fused"), ("tma", "tma"), ("tma", "fused_tma"), ("tma", "split"),
-                 ("tma", "tma_merged"), ("gluon", "tma_merged"), ("gluon", "gluon")]
+# (forward, backward) variant pairs that --variants times: the pointer kernels, the TMA forward beside the pointer
+# backward and with the merged TMA backward, then the Gluon forward (today's sm_90 default) with the merged backward
+# and with the Gluon backward (the forward's LSE feeds every backward alike, so a forward and a backward can be picked
+# independently from these rows).
+VARIANT_PAIRS = [("default", "split"), ("tma", "split"), ("tma", "tma_merged"), ("gluon", "tma_merged"),
+                 ("gluon", "gluon")]
+
+# --sweep: d128 candidate lists of the TMA forward, (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]): "wide" to choose
+# the list in areno/kernels/attention/tma.py from measured times, "near" the chosen tiles' neighbourhood with fewer
+# stages and register caps (3 programs per SM for 4-warp tiles at <= 168 registers).
+SWEEPS = {
+    "wide": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+             (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 3)],
+    "near": [(64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 4, 2, 168), (64, 64, 4, 1, 168), (64, 64, 4, 3, 168),
+             (64, 64, 4, 2, 200), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4, 168), (32, 64, 4, 2, 168),
+             (64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+}
+
+
+def set_sweep(name):
+    """Autotune the d128 TMA forward over SWEEPS[name] (the kernels' own lists otherwise)."""
+    from areno.kernels.attention import tma
+    from areno.kernels.attention.common import tile_config
+
+    configs = [tile_config(*c[:4], pre_hook=tma.fit_descriptors, maxnreg=c[4] if len(c) > 4 else None)
+               for c in SWEEPS[name]]
+    attention_module.sweep_candidates("fwd_tma", 128, configs)
 
 
 def areno_attention(L, cu, variant):
-    """areno's attention on the packed layout; ``variant``: None (the environment's), a backward variant name, or a
-    (forward, backward) pair."""
+    """areno's attention on the packed layout; ``variant``: None (the defaults), a backward variant name, or a
+    (forward, backward) pair, passed as attention's ``_fwd`` / ``_bwd``."""
     fwd, bwd = variant if isinstance(variant, tuple) else (None, variant)
 
     def fn(q, k, v):
-        if bwd is not None:
-            os.environ["ARENO_ATTN_BWD"] = bwd  # read by attention() at the forward
-        if fwd is not None:
-            os.environ["ARENO_ATTN_FWD"] = fwd
-        return attention(q, k, v, cu, cu, L, L, causal=True)
+        return attention(q, k, v, cu, cu, L, L, causal=True, _fwd=fwd, _bwd=bwd)
     return fn
 
 
@@ -153,7 +170,6 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
 
     dev = "cuda" if CUDA else "cpu"
     rows = []
-    saved_variant = os.environ.get("ARENO_ATTN_BWD")
     for L in seqs:
         flops = 4 * batch * hq * L * L * d / 2
         q = torch.randn(batch * L, hq, d, device=dev, dtype=dtype, requires_grad=True)
@@ -206,9 +222,7 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
             err = (a - b.transpose(1, 2).reshape_as(a).float()).abs().max()
             print(f"  L={L}: max |areno - sdpa flash| = {err:.3g}")
         if bwd_variants and CUDA:
-            sweep = os.environ.get("ARENO_ATTN_SWEEP")  # attention_tma.py: a wide TMA candidate list
-            tma_kinds = ("fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma")
-            for kind in ("fused", *tma_kinds) if sweep else tma_kinds:
+            for kind in ("fwd_tma", "bwd_merged_tma"):
                 print_config_timings(kind, L)
             for name, fn, inputs in impls:
                 if name.startswith("areno"):
@@ -217,10 +231,6 @@ def bench_training(seqs, batch, hq, hkv, d, dtype, bwd_variants=None):
                     print(f"  L={L} {name} backward per kernel: "
                           + ", ".join(f"{k[:48]} {t:.3f} ms" for k, t in top))
         del q, k, v, qb, kb, vb
-    if saved_variant is None:
-        os.environ.pop("ARENO_ATTN_BWD", None)
-    else:
-        os.environ["ARENO_ATTN_BWD"] = saved_variant
     return rows
 
 
@@ -279,7 +289,7 @@ def sweep_row(paged, splits, cfg, copy_gbs, **fields):
     q, k_cache, v_cache, table, lens, nbytes = paged
     args = (q, k_cache, v_cache, table, lens, q.shape[-1] ** -0.5, None, 1, splits, cfg)
     try:
-        t = time_ms(lambda: _paged_attention_triton(*args), graph=True)
+        t = time_ms(lambda: paged_attention_triton(*args), graph=True)
     except Exception as e:
         print(f"  {fields} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
         return None
@@ -328,14 +338,14 @@ K1_COLUMNS = ["impl", "seq", "fwd_ms", "bwd_ms", "fwdbwd_ms", "fwd_tflops", "bwd
 
 def print_tuned_configs():
     print("\nautotuned attention configs (key -> config):")
-    for kind in ("fwd", "dkdv", "dq", "fused", "fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma"):
-        for key, cfg in attention_module._tuned(kind, 128).cache.items():
+    for kind in ("fwd", "dkdv", "dq", "fwd_tma", "bwd_merged_tma"):
+        for key, cfg in attention_module.autotuned(kind, 128).cache.items():
             print(f"  {kind} {key}: {cfg}")
 
 
 def print_config_timings(kind, L):
     """The autotuner's time per candidate config of ``kind`` (d128) at its last new key (here: length L)."""
-    timings = getattr(attention_module._tuned(kind, 128), "configs_timings", None) or {}
+    timings = getattr(attention_module.autotuned(kind, 128), "configs_timings", None) or {}
     for cfg, t in sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1]):
         print(f"  L={L} {kind} {cfg}: {t}")
 
@@ -343,17 +353,12 @@ def print_config_timings(kind, L):
 def bench_bwd_variants(smoke, variants, seqs, batch=8):
     """K1 with areno's variants side by side (same inputs, same SDPA baselines, same run); ``batch`` sequences of
     each length (K1: 8; T2's attention: 4)."""
-    saved_fwd = os.environ.get("ARENO_ATTN_FWD")
     if smoke:
         dtype = torch.float16 if not CUDA else torch.bfloat16
         rows = bench_training([64], 2, 4, 2, 64, dtype, bwd_variants=variants)
     else:
         assert CUDA, "the full benchmark needs a GPU (use --smoke on CPU)"
         rows = bench_training(seqs, batch, 16, 8, 128, torch.bfloat16, bwd_variants=variants)
-    if saved_fwd is None:
-        os.environ.pop("ARENO_ATTN_FWD", None)
-    else:
-        os.environ["ARENO_ATTN_FWD"] = saved_fwd
     print("\nK1 attention, areno variants (varlen causal, fwd / bwd / fwd+bwd)")
     print_table(rows, K1_COLUMNS + ["bwd_speedup_vs_flash", "bwd_speedup_vs_cudnn"])
     if CUDA:
@@ -370,9 +375,12 @@ def main():
     ap.add_argument("--rollout-sweep", action="store_true",
                     help="only the decode config sweep at rollout contexts (batch 256, ctx 160 / 384 / 640)")
     ap.add_argument("--bwd-variants", action="store_true",
-                    help="K1 only: areno once per backward variant (ARENO_ATTN_BWD, all of BWD_VARIANTS) beside SDPA")
+                    help="K1 only: areno once per backward variant (attention's _bwd, all of BWD_VARIANTS) beside "
+                         "SDPA")
     ap.add_argument("--variants", action="store_true",
-                    help="K1 only: areno once per (ARENO_ATTN_FWD, ARENO_ATTN_BWD) pair of VARIANT_PAIRS beside SDPA")
+                    help="K1 only: areno once per (_fwd, _bwd) pair of VARIANT_PAIRS beside SDPA")
+    ap.add_argument("--sweep", choices=sorted(SWEEPS), default=None,
+                    help="--variants only: autotune the d128 TMA forward over this candidate list (times printed)")
     ap.add_argument("--seqs", type=int, nargs="+", default=None,
                     help="K1 lengths for --variants / --bwd-variants (default 1024 4096 8192)")
     ap.add_argument("--pairs", default=None,
@@ -386,7 +394,11 @@ def main():
         ap.error("--seqs applies to the full --variants / --bwd-variants runs only")
     if args.batch is not None and (not (args.bwd_variants or args.variants) or args.smoke or args.batch < 1):
         ap.error("--batch (>= 1) applies to the full --variants / --bwd-variants runs only")
+    if args.sweep and not args.variants:
+        ap.error("--sweep applies to --variants only")
     if args.bwd_variants or args.variants:
+        if args.sweep:
+            set_sweep(args.sweep)
         if args.rollout_sweep or args.no_sweep:
             ap.error("--variants / --bwd-variants run K1 only: --rollout-sweep / --no-sweep do not apply to them")
         explicit = [v for v in attention_module.BWD_VARIANTS if v != "auto"]  # auto is one of them per device

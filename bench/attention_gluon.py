@@ -1,4 +1,4 @@
-"""Every candidate of the Gluon attention kernels (``areno/kernels/attention_gluon.py``) timed at K1 (8 x 4096,
+"""Every candidate of the Gluon attention kernels (``areno/kernels/attention/gluon.py``) timed at K1 (8 x 4096,
 16/8 heads, d128, causal, bf16) beside the kernels they replace, in one process:
 
 - forward: each Gluon candidate (plain and warp-specialized) vs the Triton TMA forward (autotuned) and SDPA cuDNN's
@@ -16,7 +16,6 @@ Needs an sm_90 GPU and a Triton with Gluon (no interpreter). Results: ``bench/re
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -30,9 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, print_table  # noqa: E402
 
-from areno.kernels import attention_gluon as g  # noqa: E402
-
-A = importlib.import_module("areno.kernels.attention")
+from areno.kernels.attention import gluon as g  # noqa: E402
+from areno.kernels.attention import packed as A  # noqa: E402
 
 
 def main() -> None:
@@ -52,7 +50,7 @@ def main() -> None:
     cu = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * L
     scale = D**-0.5
     flops = 4 * B * HQ * L * L * D / 2
-    ref_o, ref_lse = A._attention_fwd(q, k, v, cu, cu, L, L, True, scale, "tma")
+    ref_o, ref_lse = A.attention_fwd(q, k, v, cu, cu, L, L, True, scale, "tma")
     qb, kb, vb = (t.view(B, L, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
 
     def cudnn():
@@ -60,7 +58,7 @@ def main() -> None:
             return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
 
     def bwd(variant):
-        return A._attention_bwd(do, q, k, v, ref_o, ref_lse, cu, cu, L, L, True, scale, variant)
+        return A.attention_bwd(do, q, k, v, ref_o, ref_lse, cu, cu, L, L, True, scale, variant)
 
     if "bwd" in parts:  # the merged backward's outputs (the reference) and cuDNN's graph to differentiate
         base = torch.cat([t.float().flatten() for t in bwd("tma_merged")])
@@ -87,10 +85,10 @@ def main() -> None:
         if "fwd" in parts:
             timed(rnd, "fwd", "sdpa cudnn", cudnn, flops)
             timed(rnd, "fwd", "triton tma (autotuned)",
-                  lambda: A._attention_fwd(q, k, v, cu, cu, L, L, True, scale, "tma"), flops)
+                  lambda: A.attention_fwd(q, k, v, cu, cu, L, L, True, scale, "tma"), flops)
             for cfg in g.CONFIGS[D]:
                 g.FORCE_CONFIG["fwd"] = cfg
-                fn = lambda: A._attention_fwd(q, k, v, cu, cu, L, L, True, scale, "gluon")  # noqa: E731
+                fn = lambda: A.attention_fwd(q, k, v, cu, cu, L, L, True, scale, "gluon")  # noqa: E731
                 o, lse = fn()
                 err = max((o.float() - ref_o.float()).abs().max().item(), (lse - ref_lse).abs().max().item())
                 timed(rnd, "fwd", candidate(cfg), fn, flops, max_diff_vs_tma=err)

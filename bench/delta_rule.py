@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
-from areno.kernels.delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_native  # noqa: E402
+from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_native  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 PEAK_TFLOPS = 790.0

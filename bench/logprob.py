@@ -10,23 +10,20 @@ time, peak memory above the inputs (the torch path holds [N, V] logits in bf16 a
 for every row (same work unit), and the fraction of the 26 ms GEMM floor. Liger is optional: its pure-Python
 wheel on PYTHONPATH; skipped with a note when missing.
 
-A/B of areno's switches (each read at the call, see areno/kernels/linear_logprobs.py `options`), one row each, in
-the same run as the torch baseline:
+A/B of areno's variants (passed to linear_logprobs as private keywords, see areno/kernels/logprobs/core.py
+`options`), one row each, in the same run as the torch baseline:
 
-    python bench/logprob.py --impls torch areno --variants loads=pointer,streams=1 loads=tma,streams=1 \
-        loads=tma,streams=2,chunk=134217728
+    python bench/logprob.py --impls torch areno --variants loads=pointer loads=tma loads=tma,chunk=134217728
     python bench/logprob.py --impls torch areno --profile     # per-kernel GPU time of one areno fwd+bwd
 
-Variant keys: loads (auto|tma|pointer -> ARENO_LOGPROB_LOADS), streams (1|2 -> ARENO_LOGPROB_BWD_STREAMS), chunk
-(elements -> ARENO_LOGPROB_BWD_CHUNK), entropy (0|1: the loss also takes the entropy term). The autotuner's picks
-are printed at the end (the first run of each row compiles and autotunes outside the timing).
+Variant keys: loads (auto|tma|pointer -> ``_loads``), chunk (elements of a backward chunk -> ``_bwd_chunk``),
+entropy (0|1: the loss also takes the entropy term). The autotuner's picks are printed at the end (the first run of
+each row compiles and autotunes outside the timing).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import os
 import sys
 from collections import defaultdict
@@ -39,56 +36,46 @@ from bench.common import append_jsonl, env_info, gpu_time_ms, print_table  # noq
 PEAK_TFLOPS = 790.0  # H200 bf16 dense, BENCH.md
 
 
-VARIANT_ENV = {"loads": "ARENO_LOGPROB_LOADS", "streams": "ARENO_LOGPROB_BWD_STREAMS",
-               "chunk": "ARENO_LOGPROB_BWD_CHUNK"}  # fmt: skip
+VARIANT_KEYS = {"loads": ("_loads", str), "chunk": ("_bwd_chunk", int)}  # spec key -> (keyword, type)
 
 
 def parse_variant(spec):
-    """'loads=tma,streams=2' -> ({env var: value}, entropy flag); raises ValueError naming a bad key or value."""
-    env, entropy = {}, False
+    """'loads=tma,chunk=134217728' -> ({keyword: value}, entropy flag); raises ValueError naming a bad key or
+    value."""
+    kwargs, entropy = {}, False
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key == "entropy" and value in ("0", "1"):
             entropy = value == "1"
-        elif key in VARIANT_ENV and value:
-            env[VARIANT_ENV[key]] = value
+        elif key in VARIANT_KEYS and value:
+            name, kind = VARIANT_KEYS[key]
+            try:
+                kwargs[name] = kind(value)
+            except ValueError:
+                raise ValueError(f"variant {spec!r}: {item!r} needs a {kind.__name__} value") from None
         else:
-            raise ValueError(f"variant {spec!r}: {item!r} is not one of {sorted(VARIANT_ENV) + ['entropy']}=VALUE")
-    return env, entropy
-
-
-@contextlib.contextmanager
-def _env(values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            raise ValueError(f"variant {spec!r}: {item!r} is not one of {sorted(VARIANT_KEYS) + ['entropy']}=VALUE")
+    return kwargs, entropy
 
 
 def _impls(with_liger, variants=()):
-    from areno.kernels.linear_logprobs import linear_logprobs
+    from areno.kernels.logprobs import linear_logprobs
 
     def torch_path(h, w, t):
         lp = (h @ w.T).float().log_softmax(-1).gather(1, t[:, None])[:, 0]
         (-lp.mean()).backward()
 
-    def areno(h, w, t):
-        (-linear_logprobs(h, w, t).mean()).backward()
+    def areno(h, w, t, **variant):
+        (-linear_logprobs(h, w, t, **variant).mean()).backward()
 
     def areno_loss(h, w, t):  # the same -mean loss, its gradient taken in the forward (linear_logprobs_loss)
-        from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
+        from areno.kernels.logprobs import linear_logprobs_loss
 
         weights = torch.full(t.shape, -1.0 / t.numel(), device=t.device)
         linear_logprobs_loss(h, w, t, weights)[0].backward()
 
-    def areno_entropy(h, w, t):
-        lp, ent = linear_logprobs(h, w, t, return_entropy=True)
+    def areno_entropy(h, w, t, **variant):
+        lp, ent = linear_logprobs(h, w, t, return_entropy=True, **variant)
         (-lp.mean() - 0.01 * ent.mean()).backward()
 
     def torch_fwd(h, w, t):
@@ -101,11 +88,10 @@ def _impls(with_liger, variants=()):
 
     impls = {"torch": torch_path, "areno": areno, "areno_loss": areno_loss, "areno+entropy": areno_entropy}
     for spec in variants:
-        env, entropy = parse_variant(spec)
+        kwargs, entropy = parse_variant(spec)
 
-        def variant(h, w, t, env=env, fn=areno_entropy if entropy else areno):
-            with _env(env):
-                fn(h, w, t)
+        def variant(h, w, t, kwargs=kwargs, fn=areno_entropy if entropy else areno):
+            fn(h, w, t, **kwargs)
 
         impls[f"areno[{spec}]"] = variant
     if with_liger:
@@ -123,7 +109,7 @@ def _impls(with_liger, variants=()):
 
 def _check(h, w, t):
     """areno vs the torch path on a slice: max |logprob diff| (bf16 logits in torch, fp32 accumulation in areno)."""
-    from areno.kernels.linear_logprobs import linear_logprobs
+    from areno.kernels.logprobs import linear_logprobs
 
     with torch.no_grad():
         n = min(2048, h.shape[0])
@@ -155,7 +141,7 @@ def _kernel_class(name):
 
 
 def profile(fn, h, w, t):
-    """GPU time per kernel class of one ``fn`` call (kernels on two streams overlap: the sum can exceed the wall)."""
+    """GPU time per kernel class of one ``fn`` call."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -184,8 +170,9 @@ def profile(fn, h, w, t):
 
 def autotune_picks():
     """The autotuner's chosen config per key of the two Triton kernels (after the runs)."""
-    mod = importlib.import_module("areno.kernels.linear_logprobs")
-    for name in ("_stats_tuned", "_grad_tuned"):
+    from areno.kernels.logprobs import core as mod
+
+    for name in ("stats_autotuner", "grad_autotuner"):
         for key, cfg in getattr(mod, name).cache.items():
             print(f"  {name} {key}: {cfg}")
 
@@ -251,7 +238,7 @@ def main():
                          "fwd-only row "
                          "where it has one); default: all")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=[], metavar="SPEC",
-                    help="extra areno rows, each 'key=value,...' with keys loads, streams, chunk, entropy")
+                    help="extra areno rows, each 'key=value,...' with keys loads, chunk, entropy")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of one fwd+bwd of each areno row")
     args = ap.parse_args()
     known = {"torch", "areno", "areno_loss", "areno+entropy", "liger_flce"}

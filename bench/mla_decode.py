@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
-from areno.kernels.mla_decode import _mla_decode_triton, mla_decode  # noqa: E402
-from areno.kernels.paged_attention import paged_attention  # noqa: E402
+from areno.kernels.attention.mla import mla_decode, mla_decode_triton  # noqa: E402
+from areno.kernels.attention.paged import paged_attention  # noqa: E402
 
 HBM = 4.3e12
 SHAPES = [(1, 4096), (1, 32768), (32, 4096), (64, 8192), (256, 1024), (256, 4096)]
@@ -65,7 +65,7 @@ def latent_fn(t, R, nope, scale, config=None):
         if config is None:
             o_lat = mla_decode(qa, t["rows"], t["table"], t["lens"], kv_lora_rank=R, softmax_scale=scale)
         else:
-            o_lat = _mla_decode_triton(qa, t["rows"], t["table"], t["lens"], R, scale, config=config)
+            o_lat = mla_decode_triton(qa, t["rows"], t["table"], t["lens"], R, scale, config=config)
         return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
 
     return fn

@@ -107,12 +107,10 @@ def train(args, device):
         torch.cuda.synchronize() if device.type == "cuda" else None
     table(prof, args.top or 30)
     if device.type == "cuda":  # which tiles the attention autotuner chose in this process (d128)
-        import importlib
+        from areno.kernels.attention import packed as attn
 
-        attn = importlib.import_module("areno.kernels.attention")  # the module (the package binds the function)
-
-        for kind in ("fwd", "dkdv", "dq", "fwd_tma", "dkdv_tma", "dq_tma", "bwd_merged_tma"):
-            for key, cfg in attn._tuned(kind, 128).cache.items():
+        for kind in ("fwd", "dkdv", "dq", "fwd_tma", "bwd_merged_tma"):
+            for key, cfg in attn.autotuned(kind, 128).cache.items():
                 print(f"autotuned {kind} {key[:4]}: {cfg}")
 
 

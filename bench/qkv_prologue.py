@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import os
 import sys
 
@@ -24,11 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, gpu_time_ms, graph_replay, print_table  # noqa: E402
 
-from areno.kernels.paged_attention import store_kvcache  # noqa: E402
-from areno.kernels.rms_norm import rms_norm  # noqa: E402
+from areno.kernels.attention import prologue as qp  # noqa: E402
+from areno.kernels.attention.paged import store_kvcache  # noqa: E402
+from areno.kernels.norm import rms_norm  # noqa: E402
 from areno.kernels.rope import apply_rope, rope_cos_sin  # noqa: E402
 
-qp = importlib.import_module("areno.kernels.qkv_prologue")
 COPY_BW_GB_S = 4300.0  # H200 device-to-device copy, read + write (BENCH.md)
 
 

@@ -103,7 +103,7 @@ def areno_generate(engine, prompts, new_tokens, device):
 @torch.no_grad()
 def logprob_diff(model, completions, device, max_tokens=16384) -> dict:
     """Mean/max |rollout log-prob - training-forward log-prob| over every sampled token."""
-    from areno.kernels import linear_logprobs
+    from areno.kernels.logprobs import linear_logprobs
     from areno.training.batch import Row, pack, per_row
 
     flat = [c for group in completions for c in group]

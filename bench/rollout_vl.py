@@ -142,7 +142,7 @@ def tower_time(model, prompts, group: int, device) -> float:
 @torch.no_grad()
 def logprob_diff(model, prompts, completions, device, max_tokens=16384) -> dict:
     """Mean/max |rollout log-prob - training-forward log-prob| (packed rows, [3, T] positions, the tower inside)."""
-    from areno.kernels import linear_logprobs
+    from areno.kernels.logprobs import linear_logprobs
 
     image_id = model.config.image_token_id
     rows = [(p, c) for p, g in zip(prompts, completions) for c in g if image_id not in c.token_ids]

@@ -19,11 +19,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import importlib  # noqa: E402
 
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
-activation, rms_norm, rope = (importlib.import_module(f"areno.kernels.{m}") for m in ("activation", "rms_norm", "rope"))
+from areno.kernels import activation, rope  # noqa: E402
+from areno.kernels import norm as rms_norm  # noqa: E402
 
 COPY_BW_GB_S = 4300.0  # H200 device-to-device copy, read + write (BENCH.md)
 

@@ -47,9 +47,8 @@ from areno.engine.images import ImageEmbeddings, ImageStep
 from areno.engine.scheduler import Step
 from areno.engine.sequence import Status
 from areno.engine.state_cache import RecurrentStates
-from areno.kernels import sample
 from areno.kernels.penalties import apply_logit_bias, apply_penalties, record_tokens, reset_token_state
-from areno.kernels.sampler import _logits_f32
+from areno.kernels.sampler import logits_f32, sample
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import gather_from_tp
 
@@ -378,7 +377,7 @@ class ModelRunner:
     def logits(self, hidden):
         """fp32 logits (an fp32-output GEMM: bf16 logits would round the log-probs by up to ~0.1 nats), gathered
         over the vocab shards under TP."""
-        local = _logits_f32(hidden, self.model.lm_head_weight)
+        local = logits_f32(hidden, self.model.lm_head_weight)
         return gather_from_tp(local, self.tp_group) if self.tp_group is not None else local
 
     def _copy_blocks(self, pairs) -> None:
@@ -601,7 +600,7 @@ class ModelRunner:
     def warm_kernels(self) -> int:
         """Compile every paged-attention variant each distinct KV-cache layout can pick (``warm_paged_attention``);
         returns how many ran."""
-        from areno.kernels.paged_attention import warm_paged_attention
+        from areno.kernels.attention.paged import warm_paged_attention
 
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         heads = getattr(getattr(self.model, "config", None), "num_heads", 0) // tp

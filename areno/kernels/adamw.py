@@ -48,7 +48,7 @@ def _adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_d
 
 
 @triton.jit
-def _master_adamw_kernel(
+def master_adamw_kernel(
     W, M, V, G, P, n, LR, STEP_SIZE, BC2_SQRT, SCALE, SKIP, beta1, beta2, eps, weight_decay,
     HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -71,7 +71,7 @@ def _master_adamw_kernel(
 
 
 @triton.jit
-def _multi_adamw_kernel(
+def multi_adamw_kernel(
     TABLE, CHUNK_T, FIRST, LR, STEP_SIZE, BC2_SQRT, SCALE, SKIP, beta1, beta2, eps, weight_decay, G_REF, P_REF,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -111,7 +111,7 @@ def _multi_adamw_kernel(
 
 
 @triton.jit
-def _multi_sumsq_kernel(TABLE, CHUNK_T, FIRST, OUT, X_REF, BLOCK: tl.constexpr):
+def multi_sumsq_kernel(TABLE, CHUNK_T, FIRST, OUT, X_REF, BLOCK: tl.constexpr):
     # OUT[c] = the fp32 sum of squares of block c - FIRST[t] of tensor t = CHUNK_T[c]; TABLE[t] = (16-byte aligned
     # address, numel)
     c = tl.program_id(0)
@@ -169,7 +169,7 @@ def master_adamw_(w, m, v, grad, param, lr, step_size, bc2_sqrt, scale, skip, *,
                             eps=eps, weight_decay=weight_decay)
         return
     block = 64 if interpreting() else _BLOCK
-    _master_adamw_kernel[(triton.cdiv(n, block),)](
+    master_adamw_kernel[(triton.cdiv(n, block),)](
         w, m, v, grad if grad is not None else w, param, n, lr, step_size, bc2_sqrt, scale, skip,
         beta1, beta2, eps, weight_decay, HAS_GRAD=grad is not None, BLOCK=block, num_warps=8,
     )  # fmt: skip
@@ -235,7 +235,7 @@ def grad_sumsq(tensors: list[torch.Tensor], plan: SumsqPlan | None = None) -> to
     parts = []
     for ref, table, block in plan.tables:
         out = torch.empty(table.programs, dtype=torch.float32, device=device)
-        _multi_sumsq_kernel[(table.programs,)](table.rows, table.chunk_t, table.first, out, ref, BLOCK=block,
+        multi_sumsq_kernel[(table.programs,)](table.rows, table.chunk_t, table.first, out, ref, BLOCK=block,
                                               num_warps=8)
         parts.append(out.sum(dtype=torch.float64).reshape(1))
     if plan.rest:
@@ -282,7 +282,7 @@ def master_adamw_multi_(entries: list[tuple], lr, step_size, bc2_sqrt, scale, sk
         plan = AdamwPlan(entries)  # none ahead, or built for other tensors
     hp = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     for g_ref, p_ref, table, block in plan.tables:
-        _multi_adamw_kernel[(table.programs,)](table.rows, table.chunk_t, table.first, lr, step_size, bc2_sqrt,
+        multi_adamw_kernel[(table.programs,)](table.rows, table.chunk_t, table.first, lr, step_size, bc2_sqrt,
                                                scale, skip, beta1, beta2, eps, weight_decay, g_ref, p_ref,
                                                BLOCK=block, num_warps=8)
     for w, m, v, g, p in plan.rest:

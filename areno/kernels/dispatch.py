@@ -9,7 +9,11 @@
   import for most kernels).
 
 Each kernel's public function calls :func:`use_triton` once with its tensors and a flag saying whether its
-Triton path supports the shape/dtype at hand. Nothing else switches kernels.
+Triton path supports the shape/dtype at hand. Nothing else switches kernels: these are the only two environment
+variables the kernels read, both here (``ARENO_KERNELS`` at each dispatch, since the test suite and the install-time
+warm-up switch it at run time; ``ARENO_AUTOTUNE`` when an autotuner is built). Within the Triton path a family's
+variant is its measured default for the GPU; benchmarks pass others as private keyword arguments (docs/kernels.md).
+``--attn-backend native`` reaches attention as ``backend="native"``; ``flash`` (the default) follows this rule.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ Both Triton and cuBLAS stay 1.3-2.5x above the read-only time.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from areno.kernels._device import sm_count
 from areno.kernels.dispatch import use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -182,7 +182,7 @@ TUNED: dict[tuple[int, int], list[tuple[int, GemmConfig | None]]] = {
 }  # fmt: skip
 
 
-def _heuristic(M: int, N: int, K: int, num_sms: int) -> GemmConfig:
+def heuristic_config(M: int, N: int, K: int, num_sms: int) -> GemmConfig:
     """What won most in the H200 sweeps: 16-row tiles up to M = 16, 64 up to 256, then 128; 32 columns, widened
     while there are more tiles than SMs; then K split until about one program per SM, keeping >= 2 K tiles per
     split; a deep pipeline (all of a program's loads in flight early) where shared memory allows."""
@@ -203,18 +203,14 @@ def _heuristic(M: int, N: int, K: int, num_sms: int) -> GemmConfig:
 
 def default_config(M: int, N: int, K: int, num_sms: int = 132) -> GemmConfig | None:
     """The config :func:`linear` uses for an [M, K] x [N, K]^T product, or None (cuBLAS) where ``TUNED`` says cuBLAS
-    is as fast and for every (N, K) it has not measured (``_heuristic`` is a starting point for a sweep there, not a
-    measured win)."""
+    is as fast and for every (N, K) it has not measured (``heuristic_config`` is a starting point for a sweep there,
+    not a measured win)."""
     entries = TUNED.get((N, K))
     if not entries:
         return None
     cfg = next((c for m, c in entries if M <= m), entries[-1][1])
     return None if cfg is None else cfg._replace(block_m=min(cfg.block_m, max(16, triton.next_power_of_2(M))))
 
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # ---------------------------------------------------------------------------------------------- native / public
@@ -247,7 +243,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not use_triton(x, weight, bias, supported=supported):
         return linear_native(x, weight, bias)
     N = weight.shape[0]
-    config = default_config(M, N, K, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    config = default_config(M, N, K, sm_count(x.device.index or 0) if x.is_cuda else 132)
     if config is None:
         return linear_native(x, weight, bias)
     y = gemm_launch(x2, weight, config, None if bias is None else bias.contiguous())

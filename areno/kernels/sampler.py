@@ -27,12 +27,11 @@ and corrects the adjustment as off-policy sampling.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from areno.kernels._device import sm_count
 from areno.kernels.dispatch import interpreting, use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -234,10 +233,6 @@ def _threshold_kernel(x_ptr, stride_x, temp_ptr, k_ptr, p_ptr, lmp_ptr, thr_ptr,
     tl.store(thr_ptr + rows, thr.to(tl.int32), mask=row_ok)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 def _triton_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets):
     B, V = logits.shape
@@ -257,7 +252,7 @@ def _triton_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets)
     if interp:
         splits = 2 if V > 2 * tile else 1
     else:  # enough programs to fill the GPU about 4 times over
-        splits = max(1, min(triton.cdiv(4 * _num_sms(dev.index or 0), B), triton.cdiv(V, 4 * tile)))
+        splits = max(1, min(triton.cdiv(4 * sm_count(dev.index or 0), B), triton.cdiv(V, 4 * tile)))
     cols_per_split = triton.cdiv(triton.cdiv(V, splits), tile) * tile
     splits = triton.cdiv(V, cols_per_split)
     part = torch.empty(3, B, splits, dtype=torch.float32, device=dev)
@@ -368,7 +363,7 @@ def _per_row(value, B, dtype, device, name):
     return value.to(device=device, dtype=dtype).reshape(-1).expand(B).contiguous()
 
 
-def _logits_f32(hidden, weight):
+def logits_f32(hidden, weight):
     if hidden.dtype == torch.float32:
         return hidden @ weight.T
     if hidden.is_cuda:
@@ -396,7 +391,7 @@ def sample(logits=None, *, hidden=None, weight=None, temperature, seeds, offsets
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
             raise ValueError(f"sample: hidden [B, H] and weight [V, H], got {tuple(hidden.shape)}, "
                              f"{tuple(weight.shape)}")  # fmt: skip
-        logits = _logits_f32(hidden, weight)
+        logits = logits_f32(hidden, weight)
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be [B, V], got {tuple(logits.shape)}")
     B, dev = logits.shape[0], logits.device

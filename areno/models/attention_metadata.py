@@ -15,7 +15,7 @@ W-1], recurrent_state [S, H, K, V])`` instead of K/V blocks; ``state_indices`` n
 graph padding). A prefill chunk starts from its slot's state when the sequence has tokens before it (``seq_lens`` >
 its new tokens), else from zeros, and leaves the state at its end in the slot; a decode step updates it in place.
 Its MLA layers' entry is ``(latent_cache,)``, one tensor ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``
-(the latent row of each token, same block tables and slots; see ``areno.kernels.mla_decode``), unless the model was
+(the latent row of each token, same block tables and slots; see ``areno.kernels.attention.mla``), unless the model was
 set to the expanded ``(k_cache, v_cache)`` layout.
 
 Routing (sparse-MoE models): ``routing_out`` ``[num_moe_layers, T, k]`` takes each MoE layer's chosen expert ids

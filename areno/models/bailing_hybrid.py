@@ -58,13 +58,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.kernels.attention import attention
-from areno.kernels.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
-from areno.kernels.mla_decode import mla_decode, store_latent
-from areno.kernels.moe import fused_moe
-from areno.kernels.moe_routing import route_sigmoid_grouped_topk
-from areno.kernels.paged_attention import paged_attention, store_kvcache
+from areno.kernels.attention.mla import mla_decode, store_latent
+from areno.kernels.attention.paged import paged_attention, store_kvcache
+from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
+from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_update
+from areno.kernels.moe.fused import fused_moe
+from areno.kernels.moe.routing import route_sigmoid_grouped_topk
 from areno.kernels.rope import apply_rope
-from areno.kernels.short_conv import causal_conv1d, causal_conv1d_update
 from areno.models.base import MLP, CausalLM
 from areno.models.layers import Linear, RMSNorm
 from areno.models.model_config import ModelConfig, get

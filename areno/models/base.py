@@ -21,10 +21,10 @@ from torch.utils.checkpoint import checkpoint
 
 from areno.kernels.activation import silu_and_mul
 from areno.kernels.attention import attention
-from areno.kernels.linear_logprobs import linear_logprobs
-from areno.kernels.paged_attention import paged_attention, store_kvcache
-from areno.kernels.qk_norm_rope import qk_norm_rope
-from areno.kernels.qkv_prologue import qkv_prologue
+from areno.kernels.attention.norm_rope import qk_norm_rope
+from areno.kernels.attention.paged import paged_attention, store_kvcache
+from areno.kernels.attention.prologue import qkv_prologue
+from areno.kernels.logprobs.forward import linear_logprobs
 from areno.kernels.rope import apply_rope, rope_cos_sin
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import Linear, RMSNorm, VocabEmbedding, vocab_parallel_logits

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.kernels.gemm import linear
-from areno.kernels.rms_norm import rms_norm
+from areno.kernels.norm import rms_norm
 from areno.models.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 
 

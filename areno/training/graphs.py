@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areno.kernels import linear_logprobs
-from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
+from areno.kernels.logprobs import linear_logprobs
+from areno.kernels.logprobs.loss import linear_logprobs_loss
 
 MAX_GRAPHS = 8
 MIN_TOKENS = 64  # the smallest token bucket: tiny microbatches share one graph

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areno.kernels import linear_logprobs
-from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
+from areno.kernels.logprobs import linear_logprobs
+from areno.kernels.logprobs.loss import linear_logprobs_loss
 from areno.training.batch import Packed, Row, pack
 from areno.training.graphs import TrainGraphs, unsupported
 from areno.training.multimodal import media_inputs

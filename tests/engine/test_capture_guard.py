@@ -12,10 +12,10 @@ import torch
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.model_runner import _graph_key
 from areno.engine.sequence import SamplingOptions
-from areno.kernels.delta_rule import gated_delta_rule_step_native
-from areno.kernels.moe import fused_moe_native, fused_moe_reference
-from areno.kernels.paged_attention import _store_kvcache_native
-from areno.kernels.short_conv import causal_conv1d_update_native
+from areno.kernels.attention.paged import store_kvcache_native
+from areno.kernels.linear_attn.delta_rule import gated_delta_rule_step_native
+from areno.kernels.linear_attn.short_conv import causal_conv1d_update_native
+from areno.kernels.moe.fused import fused_moe_native, fused_moe_reference
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
 from areno.testing.capture_guard import CaptureBreak, capture_guard
@@ -74,7 +74,7 @@ def test_native_decode_kernels_are_sync_free_and_skip_padding_rows():
                 want_k[s // 4, s % 4], want_v[s // 4, s % 4] = k[row], v[row]
         got_k, got_v, slot_mapping = kc.clone(), vc.clone(), torch.tensor(slots)
         with torch.inference_mode(), capture_guard():
-            _store_kvcache_native(k, v, got_k, got_v, slot_mapping)
+            store_kvcache_native(k, v, got_k, got_v, slot_mapping)
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     idx = torch.tensor([3, -1, 1], dtype=torch.int32)
     c2, s2 = conv.clone(), state.clone()

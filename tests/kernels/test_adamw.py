@@ -41,8 +41,8 @@ def test_kernel_matches_float64_and_native(n, dtype, grad, monkeypatch, triton_k
     skip = torch.zeros(())
     want = float64_adamw(*state(n, dtype, seed, grad)[:4], 3e-3, 7, 2.5, **HP)
     launched = []
-    real = mod._master_adamw_kernel
-    monkeypatch.setattr(mod, "_master_adamw_kernel", type("K", (), {
+    real = mod.master_adamw_kernel
+    monkeypatch.setattr(mod, "master_adamw_kernel", type("K", (), {
         "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     lr, step_size, bc2, scale, skip = (x.to(dev) for x in (lr, step_size, bc2, scale, skip))
@@ -99,7 +99,7 @@ def test_multi_tensor_update_matches_float64(sizes, dtype, missing, shift, monke
     entries = _bucket_entries(sizes, dtype, seed, dev, missing, shift)
     want = [float64_adamw(w, m, v, g, 3e-3, 7, 2.5, **HP) for w, m, v, g, _ in entries]
     launched = []
-    for name in ("_multi_adamw_kernel", "_master_adamw_kernel"):
+    for name in ("multi_adamw_kernel", "master_adamw_kernel"):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, type("K", (), {
             "__getitem__": lambda self, grid, real=real, name=name: (launched.append(name), real[grid])[1]})())
@@ -110,8 +110,8 @@ def test_multi_tensor_update_matches_float64(sizes, dtype, missing, shift, monke
             torch.testing.assert_close(got.double(), r, rtol=2e-6, atol=2e-7, msg=f"entry {i} {name} seed={seed}")
         assert torch.equal(p, w.to(dtype)), f"entry {i}: the parameter is the rounded master"
     vector = 0 if shift else len(sizes) - len(missing)  # entries in the one multi-tensor launch
-    assert launched.count("_multi_adamw_kernel") == (1 if vector else 0)
-    assert launched.count("_master_adamw_kernel") == len(sizes) - vector
+    assert launched.count("multi_adamw_kernel") == (1 if vector else 0)
+    assert launched.count("master_adamw_kernel") == len(sizes) - vector
 
 
 def test_multi_tensor_skip_and_plan_for_other_tensors(triton_kernels):
@@ -138,8 +138,8 @@ def test_grad_sumsq_matches_float64(sizes, dtype, monkeypatch, triton_kernels):
     tensors = [(torch.randn(s, generator=g) * 2).to(dtype).to(dev) for s in sizes]
     tensors.append(torch.randn(9, generator=g).to(dev)[1:])  # fp32, misaligned: torch's norm path
     launched = []
-    real = mod._multi_sumsq_kernel
-    monkeypatch.setattr(mod, "_multi_sumsq_kernel", type("K", (), {
+    real = mod.multi_sumsq_kernel
+    monkeypatch.setattr(mod, "multi_sumsq_kernel", type("K", (), {
         "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
     got = mod.grad_sumsq(tensors, mod.SumsqPlan(tensors))
     want = sum((x.double() ** 2).sum() for x in tensors)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import random
 
 import pytest
 import torch
 
-from areno.kernels.attention import attention, attention_reference
-
-attention_module = importlib.import_module("areno.kernels.attention")  # the package name is the function
+from areno.kernels.attention import packed as attention_module
+from areno.kernels.attention.packed import attention, attention_reference
 
 # Tolerances, relative to the largest reference magnitude: fp32 keeps every product exact-ish; fp16 rounds P and
 # dS to fp16 before the matmuls (about 1e-3 relative each), and the output once more.
@@ -59,9 +57,9 @@ def make_inputs(lq, lk, hq, hkv, d, dtype, seed, device="cpu"):
     return q, k, v, do, cu_q, cu_k
 
 
-def run(q, k, v, do, cu_q, cu_k, lq, lk, causal, backend):
+def run(q, k, v, do, cu_q, cu_k, lq, lk, causal, backend, fwd=None, bwd=None):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend=backend)
+    o = attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend=backend, _fwd=fwd, _bwd=bwd)
     o.backward(do)
     return o.detach(), q.grad, k.grad, v.grad
 
@@ -136,68 +134,25 @@ def test_softmax_scale_and_dispatch(monkeypatch):
         attention(q, k, v, cu_q, cu_k, 30, 30, backend="cuda")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The fused backward (ARENO_ATTN_BWD=fused): dK/dV/dQ in one pass, dQ through fp32 atomics. Tiny odd shapes: lengths
-# that are not multiples of the tiles, packed sequences, GQA 1/2/4, head dims that are not powers of two.
-
-FUSED_CASES = {
-    "gqa1_varlen": ([1, 29, 19], [1, 29, 19], 2, 2, 32, True),
-    "gqa2_chunked": ([5, 26, 3], [9, 26, 45], 4, 2, 32, True),  # queries end-aligned on longer key sequences
-    "gqa4_odd_dim": ([21, 18], [21, 18], 4, 1, 24, True),
-    "q_longer_than_k": ([20, 8], [5, 8], 2, 1, 32, True),  # rows that see no key
-    "non_causal": ([7, 50], [30, 20], 4, 2, 32, False),
-}
+def run_variant(bwd, inputs, lq, lk, causal, fwd=None):
+    return run(*inputs, lq, lk, causal, "triton", fwd=fwd, bwd=bwd)
 
 
-def run_variant(variant, monkeypatch, inputs, lq, lk, causal):
-    monkeypatch.setenv("ARENO_ATTN_BWD", variant)
-    return run(*inputs, lq, lk, causal, "triton")
-
-
-@pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_fused_backward_matches_reference_and_split(case, monkeypatch, nan_buffers):
-    lq, lk, hq, hkv, d, causal = FUSED_CASES[case]
-    seed = random.randrange(2**31)
-    inputs = make_inputs(lq, lk, hq, hkv, d, torch.float32, seed)
-    want = reference(*inputs, causal)
-    fused = run_variant("fused", monkeypatch, inputs, lq, lk, causal)
-    split = run_variant("split", monkeypatch, inputs, lq, lk, causal)
-    for name, f, s, w in zip("o dq dk dv".split(), fused, split, want):
-        assert f.dtype == torch.float32 and f.shape == w.shape
-        assert_close(f, w, TOL[torch.float32]["grad"], f"{case} fused {name} seed={seed}")
-        assert_close(f, s.double(), TOL[torch.float32]["grad"], f"{case} fused vs split {name} seed={seed}")
-
-
-def test_fused_backward_other_tiles_and_fp16(monkeypatch, nan_buffers):
-    """Key tile shorter than the query tile (the diagonal band is one block), and the fp32 -> fp16 dQ cast."""
-    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "fused", (32, 16))
-    lq, lk, hq, hkv, d, causal = [3, 45], [3, 61], 4, 2, 32, True
-    seed = random.randrange(2**31)
-    for dtype in (torch.float32, torch.float16):
-        inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
-        want = reference(*inputs, causal)
-        got = run_variant("fused", monkeypatch, inputs, lq, lk, causal)
-        for name, g, w in zip("o dq dk dv".split(), got, want):
-            assert g.dtype == dtype
-            assert_close(g, w, TOL[dtype]["grad"], f"{dtype} fused {name} seed={seed}")
-
-
-def test_backward_variant_is_validated(monkeypatch):
+def test_backward_variant_is_validated():
     q, k, v, _, cu_q, cu_k = make_inputs([4], [4], 2, 1, 16, torch.float32, 0)
-    monkeypatch.setenv("ARENO_ATTN_BWD", "atomic")
     for backend in ("triton", "native"):
-        with pytest.raises(ValueError, match="ARENO_ATTN_BWD"):
-            attention(q, k, v, cu_q, cu_k, 4, 4, backend=backend)
+        with pytest.raises(ValueError, match="_bwd must be one of"):
+            attention(q, k, v, cu_q, cu_k, 4, 4, backend=backend, _bwd="fused")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # GPU (bf16, real sizes). bf16 is judged against SDPA's own bf16 error w.r.t. the float64 reference.
 
 
-def _gpu_errors(lq, lk, hq, hkv, d, causal):
+def _gpu_errors(lq, lk, hq, hkv, d, causal, fwd=None, bwd=None):
     inputs = make_inputs(lq, lk, hq, hkv, d, torch.bfloat16, random.randrange(2**31), device="cuda")
     want = reference(*inputs, causal)
-    got = run(*inputs, lq, lk, causal, "triton")
+    got = run(*inputs, lq, lk, causal, "triton", fwd=fwd, bwd=bwd)
     base = run(*inputs, lq, lk, causal, "native")
     for name, g, b, w in zip("o dq dk dv".split(), got, base, want):
         assert torch.isfinite(g).all(), name
@@ -231,7 +186,7 @@ def test_gpu_bf16_non_causal():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["split", "fused"])
+@pytest.mark.parametrize("variant", ["split"])
 @pytest.mark.parametrize("shape", [
     ([1024] * 8, [1024] * 8, 16, 8, 128, True),  # training shape
     ([1024] * 4, [1024] * 4, 16, 8, 64, True),
@@ -240,36 +195,25 @@ def test_gpu_bf16_non_causal():
     ([1, 17, 300, 1000], [513, 17, 1800, 4000], 8, 2, 128, True),  # chunked prefill, GQA 4
     ([100, 1500], [700, 1500], 16, 16, 128, False),
 ], ids=["train_d128", "train_d64", "varlen_d256", "varlen_d80", "chunked_gqa4", "non_causal_mha"])
-def test_gpu_bf16_backward_variants(variant, shape, monkeypatch):
-    """Both backward variants (ARENO_ATTN_BWD) within a small factor of SDPA's own bf16 error."""
-    monkeypatch.setenv("ARENO_ATTN_BWD", variant)
-    _gpu_errors(*shape)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_gpu_fused_every_candidate_config(d, monkeypatch):
-    monkeypatch.setenv("ARENO_ATTN_BWD", "fused")
-    for cfg in attention_module._CONFIGS[("fused", d)]:
-        monkeypatch.setattr(attention_module, "FORCE_CONFIG", {"fused": cfg})
-        _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
+def test_gpu_bf16_backward_variants(variant, shape):
+    """The pointer backward (``_bwd="split"``, the fallback where TMA does not apply) within a small factor of SDPA's
+    own bf16 error."""
+    _gpu_errors(*shape, bwd=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_every_candidate_config(d, monkeypatch):
     """Whatever config the autotuner picks on some shape must be exact: check each one, kernel by kernel."""
-    monkeypatch.setenv("ARENO_ATTN_FWD", "default")  # the pointer kernels (auto runs TMA on sm_90+)
-    monkeypatch.setenv("ARENO_ATTN_BWD", "split")
-    for kind in ("fwd", "dkdv", "dq"):
-        for cfg in attention_module._CONFIGS[(kind, d)]:
+    for kind in ("fwd", "dkdv", "dq"):  # the pointer kernels (auto runs TMA on sm_90+)
+        for cfg in attention_module.CONFIGS[(kind, d)]:
             monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
-            _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
+            _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True, fwd="default", bwd="split")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The TMA variants (ARENO_ATTN_FWD=tma, ARENO_ATTN_BWD=tma): the interpreter emulates tensor descriptors, including a
-# tile that runs past its sequence into the next one (the bounds handling in attention_tma.py's docstring).
+# The TMA variants (_fwd="tma", _bwd="tma_merged"): the interpreter emulates tensor descriptors, including a tile that
+# runs past its sequence into the next one (the bounds handling in tma.py's docstring).
 
 TMA_CASES = {
     "gqa2_varlen": ([1, 29, 19], [1, 29, 19], 4, 2, 32, True),
@@ -282,64 +226,43 @@ TMA_CASES = {
 @pytest.fixture
 def launched(monkeypatch):
     """The kernel kinds attention() launches, in order (the real launcher runs)."""
-    kinds, real = [], attention_module._launch
+    kinds, real = [], attention_module.launch_kernel
 
     def spy(kind, *args, **kwargs):
         kinds.append(kind)
         return real(kind, *args, **kwargs)
 
-    monkeypatch.setattr(attention_module, "_launch", spy)
+    monkeypatch.setattr(attention_module, "launch_kernel", spy)
     return kinds
 
 
-@pytest.mark.parametrize("case", list(TMA_CASES))
-def test_tma_variants_match_reference(case, monkeypatch, nan_buffers, launched):
-    """fused_tma runs its dQ adds through pointer atomics here (the interpreter has no descriptor reduce)."""
-    lq, lk, hq, hkv, d, causal = TMA_CASES[case]
-    seed = random.randrange(2**31)
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    runs = [(torch.float32, "tma"), (torch.float32, "fused_tma")]
-    runs += [(torch.float16, "tma"), (torch.float16, "fused_tma")] if case == "gqa2_varlen" else []
-    for dtype, bwd in runs:
-        inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
-        want = reference(*inputs, causal)
-        got = run_variant(bwd, monkeypatch, inputs, lq, lk, causal)
-        assert launched == (["fwd_tma", "dkdv_tma", "dq_tma"] if bwd == "tma" else ["fwd_tma", "fused_tma"]), launched
-        launched.clear()
-        for name, g, w in zip("o dq dk dv".split(), got, want):
-            assert g.dtype == dtype and g.shape == w.shape and g.is_contiguous()
-            assert_close(g, w, TOL[dtype]["grad"], f"{case} {dtype} {bwd} {name} seed={seed}")
-
-
 def test_tma_other_tiles_and_fallback(monkeypatch, nan_buffers, launched):
-    """Key tile taller than the query tile; and a head_dim no D-wide descriptor fits runs the pointer kernels."""
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    monkeypatch.setattr(attention_module, "INTERPRET_BLOCKS",
-                        {**attention_module.INTERPRET_BLOCKS, "fwd_tma": (16, 32), "dq_tma": (16, 32)})
-    for d, kinds in ((32, ["fwd_tma", "dkdv_tma", "dq_tma"]), (24, ["fwd", "dkdv", "dq"])):
+    """TMA forward with a key tile taller than the query tile (beside the pointer backward); and a head_dim no D-wide
+    descriptor fits runs the pointer kernels."""
+    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "fwd_tma", (16, 32))
+    for d, kinds in ((32, ["fwd_tma", "dkdv", "dq"]), (24, ["fwd", "dkdv", "dq"])):
         lq, lk, hq, hkv, causal = [3, 45], [3, 61], 4, 2, True
         seed = random.randrange(2**31)
         inputs = make_inputs(lq, lk, hq, hkv, d, torch.float32, seed)
         want = reference(*inputs, causal)
-        got = run_variant("tma", monkeypatch, inputs, lq, lk, causal)
+        got = run_variant("split", inputs, lq, lk, causal, fwd="tma")
         assert launched == kinds, launched
         launched.clear()
         for name, g, w in zip("o dq dk dv".split(), got, want):
-            assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma {name} seed={seed}")
+            assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma forward {name} seed={seed}")
 
 
 @pytest.mark.parametrize("case", list(TMA_CASES))
-def test_tma_merged_matches_reference(case, monkeypatch, nan_buffers, launched):
-    """ARENO_ATTN_BWD=tma_merged: one launch, key tile t's dK/dV and query tile t's dQ per program (the default
+def test_tma_merged_matches_reference(case, nan_buffers, launched):
+    """_bwd="tma_merged": one launch, key tile t's dK/dV and query tile t's dQ per program (the default
     interpreter tiles: phase 1 16 x 32, phase 2 32 x 16, dQ phase first); varlen, chunked (more key tiles than query
     tiles), rows that see no key, non-causal."""
     lq, lk, hq, hkv, d, causal = TMA_CASES[case]
     seed = random.randrange(2**31)
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
     for dtype in (torch.float32, torch.float16) if case == "gqa2_varlen" else (torch.float32,):
         inputs = make_inputs(lq, lk, hq, hkv, d, dtype, seed)
         want = reference(*inputs, causal)
-        got = run_variant("tma_merged", monkeypatch, inputs, lq, lk, causal)
+        got = run_variant("tma_merged", inputs, lq, lk, causal, fwd="tma")
         assert launched == ["fwd_tma", "bwd_merged_tma"], launched
         launched.clear()
         for name, g, w in zip("o dq dk dv".split(), got, want):
@@ -352,28 +275,26 @@ def test_tma_merged_other_tiles_and_fallback(monkeypatch, nan_buffers, launched)
     phase first, GQA group 1; chunked (key tiles past the query tiles) and Lq > Lk (query tiles past the key tiles,
     rows that see no key); a head_dim no D-wide descriptor fits runs the pointer split pair; BLOCK_M2 != BLOCK_N1 is
     refused."""
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
     monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "bwd_merged_tma", (32, 16, 16, 32, False))
     for d, kinds in ((32, ["fwd_tma", "bwd_merged_tma"]), (24, ["fwd", "dkdv", "dq"])):
         lq, lk, hq, hkv, causal = [3, 45, 40], [3, 61, 10], 2, 2, True
         seed = random.randrange(2**31)
         inputs = make_inputs(lq, lk, hq, hkv, d, torch.float32, seed)
         want = reference(*inputs, causal)
-        got = run_variant("tma_merged", monkeypatch, inputs, lq, lk, causal)
+        got = run_variant("tma_merged", inputs, lq, lk, causal, fwd="tma")
         assert launched == kinds, launched
         launched.clear()
         for name, g, w in zip("o dq dk dv".split(), got, want):
             assert_close(g, w, TOL[torch.float32]["grad"], f"d{d} tma_merged {name} seed={seed}")
     monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "bwd_merged_tma", (16, 32, 16, 16, True))
     with pytest.raises(ValueError, match="BLOCK_M2 == BLOCK_N1"):
-        run_variant("tma_merged", monkeypatch, make_inputs([5], [5], 2, 1, 16, torch.float32, 0), [5], [5], True)
+        run_variant("tma_merged", make_inputs([5], [5], 2, 1, 16, torch.float32, 0), [5], [5], True, fwd="tma")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_tma_forward_rescales_for_late_score_jumps(dtype, monkeypatch, nan_buffers):
+def test_tma_forward_rescales_for_late_score_jumps(dtype, nan_buffers):
     """The online softmax's rescaling in the TMA forward: keys whose scores jump late in the sequence (one large jump,
     and a steady climb over many blocks) give the reference's output and gradients."""
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
     lq = lk = [100, 77]
     seed = random.randrange(2**31)
     q, k, v, do, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 16, dtype, seed)
@@ -381,38 +302,34 @@ def test_tma_forward_rescales_for_late_score_jumps(dtype, monkeypatch, nan_buffe
     k[40:48] *= 6.0  # sequence 0: one jump, seen unmasked by the query tiles past row 48
     k[100:177] *= torch.linspace(0.2, 3.0, 77, dtype=dtype)[:, None, None]  # sequence 1: a steady climb
     want = reference(q, k, v, do, cu_q, cu_k, True)
-    got = run_variant("tma", monkeypatch, (q, k, v, do, cu_q, cu_k), lq, lk, True)
+    got = run_variant("tma_merged", (q, k, v, do, cu_q, cu_k), lq, lk, True, fwd="tma")
     for name, g, w in zip("o dq dk dv".split(), got, want):
         assert_close(g, w, TOL[dtype]["grad"], f"late score jumps {dtype} {name} seed={seed}")
 
 
 def test_auto_variants_pick_tma_on_hopper_only(monkeypatch, launched):
-    """Unset (or "auto"), ARENO_ATTN_FWD / ARENO_ATTN_BWD run the Gluon kernels on sm_90 (TMA ones where Gluon does
-    not apply) and the pointer ones elsewhere (the interpreter included); an explicit variant is kept either way."""
-    monkeypatch.delenv("ARENO_ATTN_FWD", raising=False)
-    monkeypatch.setenv("ARENO_ATTN_BWD", "auto")
+    """By default (None or "auto") the Gluon kernels run on sm_90 (TMA ones where Gluon does not apply) and the
+    pointer ones elsewhere (the interpreter included); an explicit variant is kept either way."""
     assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("default", "split")
     inputs = make_inputs([5, 9], [5, 9], 2, 1, 16, torch.float32, 0)
-    run_variant("auto", monkeypatch, inputs, [5, 9], [5, 9], True)
+    run_variant(None, inputs, [5, 9], [5, 9], True)
     assert launched == ["fwd", "dkdv", "dq"], launched
     launched.clear()
-    monkeypatch.setattr(attention_module, "_hopper", lambda: True)
+    monkeypatch.setattr(attention_module, "hopper", lambda: True)
     gluon = attention_module.attention_gluon.available()
-    assert (attention_module.forward_variant(), attention_module.backward_variant()) == (
+    assert (attention_module.forward_variant(), attention_module.backward_variant("auto")) == (
         ("gluon", "gluon") if gluon else ("tma", "tma_merged"))
-    run_variant("auto", monkeypatch, inputs, [5, 9], [5, 9], True)
+    run_variant(None, inputs, [5, 9], [5, 9], True)
     assert launched == ["fwd_tma", "bwd_merged_tma"], launched  # the Gluon kernels do not apply on the CPU
-    monkeypatch.setenv("ARENO_ATTN_FWD", "default")
-    monkeypatch.setenv("ARENO_ATTN_BWD", "fused")
-    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("default", "fused")
+    assert (attention_module.forward_variant("default"), attention_module.backward_variant("split")) == (
+        "default", "split")
 
 
-def test_forward_variant_is_validated(monkeypatch):
+def test_forward_variant_is_validated():
     q, k, v, _, cu_q, cu_k = make_inputs([4], [4], 2, 1, 16, torch.float32, 0)
-    monkeypatch.setenv("ARENO_ATTN_FWD", "wgmma")
     for backend in ("triton", "native"):
-        with pytest.raises(ValueError, match="ARENO_ATTN_FWD"):
-            attention(q, k, v, cu_q, cu_k, 4, 4, backend=backend)
+        with pytest.raises(ValueError, match="_fwd must be one of"):
+            attention(q, k, v, cu_q, cu_k, 4, 4, backend=backend, _fwd="wgmma")
 
 
 TMA_GPU_SHAPES = {
@@ -427,32 +344,25 @@ TMA_GPU_SHAPES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [("tma", "tma"), ("tma", "fused_tma"), ("tma", "tma_merged"), ("default", "tma")],
+@pytest.mark.parametrize("pair", [("tma", "tma_merged"), ("tma", "split"), ("default", "tma_merged")],
                          ids="-".join)
 @pytest.mark.parametrize("shape", list(TMA_GPU_SHAPES))
-def test_gpu_bf16_tma_variants(shape, pair, monkeypatch, launched):
-    """ARENO_ATTN_FWD / ARENO_ATTN_BWD = tma on odd varlen shapes, within a small factor of SDPA's bf16 error."""
-    monkeypatch.setenv("ARENO_ATTN_FWD", pair[0])
-    monkeypatch.setenv("ARENO_ATTN_BWD", pair[1])
-    _gpu_errors(*TMA_GPU_SHAPES[shape])
+def test_gpu_bf16_tma_variants(shape, pair, launched):
+    """The TMA forward and merged backward on odd varlen shapes, within a small factor of SDPA's bf16 error."""
+    _gpu_errors(*TMA_GPU_SHAPES[shape], fwd=pair[0], bwd=pair[1])
     tma = shape != "d80_falls_back"
     want = ["fwd_tma" if tma and pair[0] == "tma" else "fwd"]
-    want += {"tma": ["dkdv_tma", "dq_tma"], "fused_tma": ["fused_tma"], "tma_merged": ["bwd_merged_tma"]}[pair[1]] \
-        if tma else []
-    want += [] if tma else {"tma": ["dkdv", "dq"], "fused_tma": ["fused"], "tma_merged": ["dkdv", "dq"]}[pair[1]]
+    want += ["bwd_merged_tma"] if tma and pair[1] == "tma_merged" else ["dkdv", "dq"]
     assert launched == want, launched
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_tma_every_candidate_config(d, monkeypatch, launched):
-    monkeypatch.setenv("ARENO_ATTN_FWD", "tma")
-    variant = {"fused_tma": "fused_tma", "bwd_merged_tma": "tma_merged"}
-    for kind in ("fwd_tma", "dkdv_tma", "dq_tma", "fused_tma", "bwd_merged_tma"):
-        monkeypatch.setenv("ARENO_ATTN_BWD", variant.get(kind, "tma"))
-        for cfg in attention_module._CONFIGS[(kind, d)]:
+    for kind in ("fwd_tma", "bwd_merged_tma"):
+        for cfg in attention_module.CONFIGS[(kind, d)]:
             monkeypatch.setattr(attention_module, "FORCE_CONFIG", {kind: cfg})
-            _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True)
+            _gpu_errors([1, 300, 1000, 77], [1, 300, 1200, 77], 8, 2, d, True, fwd="tma", bwd="tma_merged")
             assert kind in launched
             launched.clear()
 
@@ -463,10 +373,10 @@ def test_autotune_off_keeps_each_kernels_first_candidate(monkeypatch):
     from areno.kernels.dispatch import autotune_candidates
 
     monkeypatch.setenv("ARENO_AUTOTUNE", "off")
-    attention_module._tuned.cache_clear()
+    attention_module.autotuned.cache_clear()
     try:
-        tuned = attention_module._tuned("fwd_tma", 128)
-        assert tuned.configs == attention_module._CONFIGS[("fwd_tma", 128)][:1]
+        tuned = attention_module.autotuned("fwd_tma", 128)
+        assert tuned.configs == attention_module.CONFIGS[("fwd_tma", 128)][:1]
         monkeypatch.setenv("ARENO_AUTOTUNE", "on")
         assert autotune_candidates([1, 2, 3]) == [1, 2, 3]
         monkeypatch.delenv("ARENO_AUTOTUNE")
@@ -475,16 +385,16 @@ def test_autotune_off_keeps_each_kernels_first_candidate(monkeypatch):
         with pytest.raises(ValueError, match="ARENO_AUTOTUNE"):
             autotune_candidates([1])
     finally:
-        attention_module._tuned.cache_clear()
+        attention_module.autotuned.cache_clear()
 
 
 def test_native_cpu_path_pads_similar_lengths_together(monkeypatch):
     """The CPU native path batches sequences of similar length (one SDPA call per group): a long sequence is not
     padded together with many short ones, empty sequences and rows outside every sequence give 0, and values and
     gradients equal the float64 reference's (here in float64 too)."""
-    assert attention_module._length_groups([1000, 3, 3, 3, 3, 0, 500], [1000, 3, 3, 3, 3, 4, 500]) == \
+    assert attention_module.length_groups([1000, 3, 3, 3, 3, 0, 500], [1000, 3, 3, 3, 3, 4, 500]) == \
         [[0, 6], [1, 2, 3, 4]]
-    assert attention_module._length_groups([40] * 64, [40] * 64) == [list(range(64))]
+    assert attention_module.length_groups([40] * 64, [40] * 64) == [list(range(64))]
     lq, lk = [0, 61, 2, 3, 0, 40, 9], [0, 61, 2, 7, 5, 40, 4]  # empty, chunked-prefill, Lq > Lk rows
     seed = random.randrange(2**31)
     q, k, v, do, cu_q, cu_k = make_inputs(lq, lk, 4, 2, 16, torch.float64, seed)

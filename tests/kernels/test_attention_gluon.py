@@ -1,4 +1,4 @@
-"""The Gluon attention kernels (``ARENO_ATTN_FWD=gluon`` and ``ARENO_ATTN_BWD=gluon``, ``attention_gluon.py``).
+"""The Gluon attention kernels (``attention(_fwd="gluon", _bwd="gluon")``, the sm_90 defaults; ``gluon.py``).
 
 Gluon has no interpreter: on the CPU every candidate is compiled for sm_90 (PTX and ptxas, no GPU) and its PTX
 checked for the structure the kernel exists for; on the GPU each candidate is compared with float64 over odd varlen
@@ -7,7 +7,6 @@ shapes (``test_attention._gpu_errors``), and the dispatcher's fallback is checke
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -16,9 +15,8 @@ import sys
 import pytest
 import torch
 
-from areno.kernels import attention_gluon
-
-attention_module = importlib.import_module("areno.kernels.attention")
+from areno.kernels.attention import gluon as attention_gluon
+from areno.kernels.attention import packed as attention_module
 
 LISTS = {"fwd": attention_gluon.CONFIGS, "bwd": attention_gluon.BWD_CONFIGS}
 needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this triton has no Gluon Hopper language")
@@ -28,7 +26,7 @@ needs_gluon = pytest.mark.skipif(not attention_gluon.available(), reason="this t
 # are interpreter objects its compiler refuses.
 _COMPILE = """
 import json, re, sys
-from areno.kernels import attention_gluon as g
+from areno.kernels.attention import gluon as g
 out = {}
 for kind, d, i, causal, dtype in json.loads(sys.argv[1]):
     cfg = {"bwd": g.BWD_CONFIGS, "fwd": g.CONFIGS}[kind][d][i]
@@ -91,19 +89,17 @@ def test_applies_names_why_not():
 
 
 def test_gluon_variants_fall_back_to_tma_where_they_do_not_apply(monkeypatch):
-    """ARENO_ATTN_FWD=gluon / ARENO_ATTN_BWD=gluon are accepted everywhere; off an sm_90 GPU (here: the CPU) they
-    run the TMA kernels (or the pointer ones where TMA does not apply either), with the same results."""
+    """_fwd="gluon" / _bwd="gluon" are accepted everywhere; off an sm_90 GPU (here: the CPU) they run the TMA kernels
+    (or the pointer ones where TMA does not apply either), with the same results."""
     assert "gluon" in attention_module.FWD_VARIANTS and "gluon" in attention_module.BWD_VARIANTS
-    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
-    monkeypatch.setenv("ARENO_ATTN_BWD", "gluon")
-    assert (attention_module.forward_variant(), attention_module.backward_variant()) == ("gluon", "gluon")
+    assert (attention_module.forward_variant("gluon"), attention_module.backward_variant("gluon")) == ("gluon", "gluon")
     called = []
     monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: called.append("fwd"))
     monkeypatch.setattr(attention_gluon, "backward", lambda *a, **k: called.append("bwd"))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(12, 2, 16, generator=g, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    out = attention_module.attention(q, k, v, cu, cu, 7, 7, causal=True)
+    out = attention_module.attention(q, k, v, cu, cu, 7, 7, causal=True, _fwd="gluon", _bwd="gluon")
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     want = attention_module.attention_reference(q, k, v, cu, cu, causal=True)
     want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
@@ -130,37 +126,33 @@ GPU_SHAPES = {
 @pytest.mark.parametrize("kind,d,i", [(kind, d, i) for kind, lists in LISTS.items() for d, c in lists.items()
                                       for i in range(len(c))])
 def test_gpu_every_candidate_matches_float64(kind, d, i, monkeypatch):
-    """ARENO_ATTN_FWD=gluon (forward candidates) / ARENO_ATTN_BWD=gluon (single-pass backward candidates), one
-    pinned."""
+    """_fwd="gluon" (forward candidates) / _bwd="gluon" (single-pass backward candidates), one pinned."""
     from tests.kernels.test_attention import _gpu_errors
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are sm_90 only")
-    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon" if kind == "fwd" else "tma")
-    monkeypatch.setenv("ARENO_ATTN_BWD", "tma" if kind == "fwd" else "gluon")
+    fwd, bwd = ("gluon", "tma_merged") if kind == "fwd" else ("tma", "gluon")
     monkeypatch.setattr(attention_gluon, "FORCE_CONFIG", {kind: LISTS[kind][d][i]})
     calls = []
     name = {"fwd": "forward", "bwd": "backward"}[kind]
     real = getattr(attention_gluon, name)
     monkeypatch.setattr(attention_gluon, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     for shape, (lq, lk, hq, hkv, causal) in GPU_SHAPES.items():
-        _gpu_errors(lq, lk, hq, hkv, d, causal)
+        _gpu_errors(lq, lk, hq, hkv, d, causal, fwd=fwd, bwd=bwd)
         assert calls, f"{shape}: the Gluon {kind} kernel did not run"
         calls.clear()
 
 
 @pytest.mark.gpu
 @needs_gluon
-def test_gpu_autotuned_and_fp16(monkeypatch):
+def test_gpu_autotuned_and_fp16():
     from tests.kernels.test_attention import make_inputs, reference, run
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are sm_90 only")
-    monkeypatch.setenv("ARENO_ATTN_FWD", "gluon")
-    monkeypatch.setenv("ARENO_ATTN_BWD", "gluon")
     lq = lk = [1, 300, 1000, 77]
     inputs = make_inputs(lq, lk, 8, 2, 128, torch.float16, 0, device="cuda")
-    got = run(*inputs, lq, lk, True, "triton")
+    got = run(*inputs, lq, lk, True, "triton", fwd="gluon", bwd="gluon")
     want = reference(*inputs, True)
     for name, g, w in zip("o dq dk dv".split(), got, want):
         assert (g.double() - w).abs().max().item() <= 2e-2 * max(w.abs().max().item(), 1.0), name

@@ -1,20 +1,19 @@
 """Gated delta rule: Triton (interpreted on CPU) and the native chunked path vs a float64 token-by-token recurrence,
 forward and every gradient; the decode step vs the chunked forward, token by token."""
 
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from areno.kernels.delta_rule import (
+from areno.kernels.linear_attn import delta_rule as mod
+from areno.kernels.linear_attn.delta_rule import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_native,
     delta_rule_reference,
     fused_recurrent_gated_delta_rule_step,
 )
 
-mod = importlib.import_module("areno.kernels.delta_rule")
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
 
 
@@ -24,7 +23,7 @@ def small_tiles(monkeypatch):
     the tests fast while exercising the same code paths (cross-sub-block matmuls, in-block element loop)."""
     monkeypatch.setattr(mod, "SUB", 4)
     monkeypatch.setattr(mod, "MIN_BLOCK", 4)
-    monkeypatch.setattr(mod, "_CHUNKS", (8, 16, 32, 64))
+    monkeypatch.setattr(mod, "CHUNKS", (8, 16, 32, 64))
 
 
 def _inputs(lens, H, K, V, gate, dtype=torch.float32, device="cpu", seed=0):
@@ -73,8 +72,8 @@ def test_native_chunked_matches_recurrence(gate):
 def test_triton_matches_recurrence(triton_kernels, small_tiles, monkeypatch, gate, lens, H):
     """Lengths not multiples of the chunk (8), several packed sequences, initial states, every gradient."""
     ran = []
-    real = mod._ChunkGatedDeltaRule.apply
-    monkeypatch.setattr(mod._ChunkGatedDeltaRule, "apply", lambda *a: ran.append(1) or real(*a))
+    real = mod.ChunkGatedDeltaRule.apply
+    monkeypatch.setattr(mod.ChunkGatedDeltaRule, "apply", lambda *a: ran.append(1) or real(*a))
     _check(chunk_gated_delta_rule, lens, H, 8, 4, gate, chunk_size=8)
     assert ran, "the Triton path did not run"
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from areno.kernels import gemm as mod
+from areno.kernels._device import sm_count
 from areno.kernels.gemm import GemmConfig, default_config, gemm_launch, linear
 
 # (rtol, atol) against float64 of the same (rounded) inputs with outputs ~ N(0, 1): fp32 differs by summation
@@ -108,9 +109,9 @@ def test_launcher_rejects_bad_inputs():
 
 def test_default_config_table_and_heuristic(monkeypatch):
     # 1 x 32 tiles of 64 x 32: K split 4 ways to fill 132 SMs (2 K tiles left per split, so 4 stages, not 6)
-    assert mod._heuristic(64, 1024, 2048, 132) == GemmConfig(64, 32, 128, 4, 4, 4)
-    assert mod._heuristic(1, 4096, 1024, 132) == GemmConfig(16, 32, 128, 1, 4, 6)  # 128 tiles: no split
-    assert mod._heuristic(256, 6144, 1024, 132).block_n == 128  # widened while tiles > SMs
+    assert mod.heuristic_config(64, 1024, 2048, 132) == GemmConfig(64, 32, 128, 4, 4, 4)
+    assert mod.heuristic_config(1, 4096, 1024, 132) == GemmConfig(16, 32, 128, 1, 4, 6)  # 128 tiles: no split
+    assert mod.heuristic_config(256, 6144, 1024, 132).block_n == 128  # widened while tiles > SMs
     assert default_config(64, 1000, 2048, 132) is None  # not in TUNED: cuBLAS until a sweep says otherwise
     big = GemmConfig(128, 64, 64, 1, 8, 3)
     small = GemmConfig(64, 32, 128, 4, 4, 4)
@@ -136,7 +137,7 @@ def launches(monkeypatch):
 def _tune(monkeypatch, *shapes):
     """Give these (N, K) a TUNED entry (the heuristic's config): untabled shapes go to cuBLAS."""
     for n, k in shapes:
-        monkeypatch.setitem(mod.TUNED, (n, k), [(512, mod._heuristic(512, n, k, 132))])
+        monkeypatch.setitem(mod.TUNED, (n, k), [(512, mod.heuristic_config(512, n, k, 132))])
 
 
 def test_linear_gated_by_triton_max_m(triton_kernels, monkeypatch, launches):
@@ -214,8 +215,8 @@ DECODE_SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]  # (K, 
 def test_gemm_gpu_bf16_decode_shapes(K, N, M):
     x, w, b = _inputs(M, N, K, torch.bfloat16, device="cuda", bias=True)
     ref = _reference(x, w)
-    picked = default_config(M, N, K, mod._num_sms(0)) or mod._heuristic(M, N, K, mod._num_sms(0))  # None: cuBLAS
-    for cfg in (picked, mod._heuristic(M, N, K, mod._num_sms(0)), GemmConfig(32, 64, 128, 4, 4, 3),
+    picked = default_config(M, N, K, sm_count(0)) or mod.heuristic_config(M, N, K, sm_count(0))  # None: cuBLAS
+    for cfg in (picked, mod.heuristic_config(M, N, K, sm_count(0)), GemmConfig(32, 64, 128, 4, 4, 3),
                 GemmConfig(64, 128, 64, 1, 8, 3), GemmConfig(16, 32, 64, 3, 4, 4),
                 GemmConfig(64, 32, 128, 4, 4, 4), GemmConfig(128, 64, 64, 3, 8, 3)):  # fmt: skip
         _close(gemm_launch(x, w, cfg), ref, torch.bfloat16)

@@ -1,13 +1,11 @@
 """linear_logprobs: Triton (interpreted on CPU) and native paths vs the float64 full-logits reference, fwd + bwd."""
 
-import importlib
 
 import pytest
 import torch
 
-from areno.kernels.linear_logprobs import linear_logprobs, reference_linear_logprobs
-
-mod = importlib.import_module("areno.kernels.linear_logprobs")  # the module (the package exports the function)
+from areno.kernels.logprobs import core as mod
+from areno.kernels.logprobs.forward import linear_logprobs, reference_linear_logprobs
 
 # Gradients are compared by relative Frobenius error; values by absolute error (log-probs are O(10)).
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-5, 2e-3), torch.bfloat16: (2e-3, 1e-2)}  # (values, grads)
@@ -65,7 +63,8 @@ def _check(hidden, weight, targets, tol, with_entropy=True, **kw):
     g_lp = torch.randn(N, dtype=torch.float64, device=hidden.device)
     g_ent = torch.randn(N, dtype=torch.float64, device=hidden.device) if with_entropy else None
     lp, ent, dh, dw = _run(_ours, hidden, weight, targets, g_lp, g_ent, **kw)
-    kw.pop("chunk_size", None)
+    for key in ("chunk_size", "_loads", "_bwd_chunk"):  # linear_logprobs only
+        kw.pop(key, None)
     rlp, rent, rdh, rdw = _run(_reference, hidden, weight, targets, g_lp, g_ent, **kw)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     assert (lp[targets < 0] == 0).all()
@@ -85,32 +84,28 @@ def test_values_entropy_and_grads_vs_float64(path, dtype, nan_empty):
 @pytest.mark.parametrize("loads", ["tma", "pointer"])
 def test_flat_loop_forward(triton_kernels, monkeypatch, loads):
     """The forward's single-loop variant (one of the autotuned shapes on CUDA) gives the same values."""
-    monkeypatch.setattr(mod, "_INTERPRET_FLAT", True)
-    monkeypatch.setenv("ARENO_LOGPROB_LOADS", loads)
+    monkeypatch.setattr(mod, "INTERPRET_FLAT", True)
     hidden, weight, targets = _inputs(37, 40, 1031, torch.float32)
-    lp, ent = linear_logprobs(hidden, weight, targets, temperature=0.6, return_entropy=True)
+    lp, ent = linear_logprobs(hidden, weight, targets, temperature=0.6, return_entropy=True, _loads=loads)
     rlp, rent = reference_linear_logprobs(hidden.double(), weight.double(), targets, temperature=0.6)
     assert (lp - rlp).abs().max().item() < 2e-5 and (ent - rent).abs().max().item() < 2e-5
 
 
-def test_pointer_loads_vs_float64(triton_kernels, monkeypatch):
+def test_pointer_loads_vs_float64(triton_kernels):
     """Masked pointer loads (the path where TMA cannot run), hidden size not a multiple of the K tile."""
-    monkeypatch.setenv("ARENO_LOGPROB_LOADS", "pointer")
     hidden, weight, targets = _inputs(37, 40, 1031, torch.float32)
-    assert not mod.options(hidden, weight, True).tma
-    _check(hidden, weight, targets, TOL[torch.float32], temperature=0.7)
+    assert not mod.options(hidden, weight, True, loads="pointer").tma
+    _check(hidden, weight, targets, TOL[torch.float32], temperature=0.7, _loads="pointer")
 
 
-def test_load_choice(triton_kernels, monkeypatch):
+def test_load_choice(triton_kernels):
     """auto: TMA descriptors where the rows are 16-byte aligned; tma refuses where it cannot run."""
     hidden, weight, _ = _inputs(8, 40, 300, torch.float32)
     assert mod.options(hidden, weight, True).tma and not mod.options(hidden, weight, False).tma
     odd = torch.randn(8, 37)  # 148-byte rows
     assert not mod.options(odd, torch.randn(300, 37), True).tma
-    monkeypatch.setenv("ARENO_LOGPROB_LOADS", "tma")
-    with pytest.raises(RuntimeError, match="ARENO_LOGPROB_LOADS"):
-        mod.options(odd, torch.randn(300, 37), True)
-    monkeypatch.delenv("ARENO_LOGPROB_LOADS")
+    with pytest.raises(RuntimeError, match="loads='tma'"):
+        mod.options(odd, torch.randn(300, 37), True, loads="tma")
     w = torch.randn(300, 37) / 8
     targets = torch.randint(0, 300, (8,))
     lp = linear_logprobs(odd, w, targets)  # auto falls back to pointers on its own
@@ -118,23 +113,21 @@ def test_load_choice(triton_kernels, monkeypatch):
     assert (lp - rlp).abs().max().item() < 2e-5
 
 
-@pytest.mark.parametrize("var,value", [("ARENO_LOGPROB_LOADS", "fast"), ("ARENO_LOGPROB_BWD_STREAMS", "3"),
-                                       ("ARENO_LOGPROB_BWD_CHUNK", "1000"), ("ARENO_LOGPROB_BWD_CHUNK", "1e9")])
-def test_invalid_options_refused(path, monkeypatch, var, value):
-    """An invalid A/B switch fails on every path, naming the variable."""
-    monkeypatch.setenv(var, value)
+@pytest.mark.parametrize("key,value", [("loads", "fast"), ("bwd_chunk", 1000), ("bwd_chunk", "1e9")])
+def test_invalid_options_refused(path, key, value):
+    """An invalid variant fails on every path, naming the keyword."""
     hidden, weight, targets = _inputs(4, 8, 16, torch.float32)
-    with pytest.raises(ValueError, match=var):
-        linear_logprobs(hidden, weight, targets)
+    with pytest.raises(ValueError, match=key):
+        linear_logprobs(hidden, weight, targets, **{f"_{key}": value})
 
 
 def test_chunk_plan_evens_vocab_chunks():
     """Vocab chunks of one size (a multiple of 256) within the budget, no small last chunk."""
-    rows, cols = mod._chunk_plan(16384, 151936, None, 1 << 28)
+    rows, cols = mod.chunk_plan(16384, 151936, None, 1 << 28)
     assert rows == 16384 and cols == 15360 and rows * cols <= 1 << 28
     assert 151936 - 9 * cols == 13696  # ten chunks, the last 89% of the others
-    assert mod._chunk_plan(16384, 151936, None, 1 << 27) == (16384, 8192)
-    assert mod._chunk_plan(100, 5000, None, 1 << 28) == (100, 5000)
+    assert mod.chunk_plan(16384, 151936, None, 1 << 27) == (16384, 8192)
+    assert mod.chunk_plan(100, 5000, None, 1 << 28) == (100, 5000)
 
 
 def test_native_bf16(native_kernels):
@@ -147,8 +140,8 @@ def test_native_bf16(native_kernels):
 def test_chunked_backward(path, chunk_size, budget, monkeypatch):
     """Token chunks (dweight accumulated over them) and vocab chunks give the same gradients."""
     if budget is not None:  # small budget: several vocab chunks of 256 columns per token chunk
-        monkeypatch.setattr(mod, "_GRAD_CHUNK_ELEMENTS", budget)
-        monkeypatch.setattr(mod, "_NATIVE_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(mod, "GRAD_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(mod, "NATIVE_CHUNK_ELEMENTS", budget)
     hidden, weight, targets = _inputs(29, 40, 1031, torch.float32)
     _check(hidden, weight, targets, TOL[torch.float32], temperature=1.3, chunk_size=chunk_size)
 
@@ -231,26 +224,23 @@ def _reference_chunked(hidden, weight, targets, g_lp, g_ent, temperature, rows=1
     return torch.cat(lps), torch.cat(ents), torch.cat(dhs), w.grad
 
 
-_GPU_VARIANTS = [  # (H, ARENO_LOGPROB_LOADS, ARENO_LOGPROB_BWD_STREAMS, ARENO_LOGPROB_BWD_CHUNK); "" = default
-    (1024, "", "", ""), (4096, "", "", ""), (1024, "pointer", "1", ""), (1024, "tma", "1", str(1 << 27)),
-    (1024, "pointer", "2", str(1 << 26)),
+_GPU_VARIANTS = [  # (H, loads, backward chunk elements; None = default)
+    (1024, "auto", None), (4096, "auto", None), (1024, "pointer", None), (1024, "tma", 1 << 27),
+    (1024, "pointer", 1 << 26),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,loads,streams,chunk", _GPU_VARIANTS)
-def test_gpu_bf16_real_shape(H, loads, streams, chunk, triton_kernels, monkeypatch):
-    """Every backward schedule and load path against float64 at the K2 shape (10-20 vocab chunks)."""
-    for var, value in (("ARENO_LOGPROB_LOADS", loads), ("ARENO_LOGPROB_BWD_STREAMS", streams),
-                       ("ARENO_LOGPROB_BWD_CHUNK", chunk)):  # fmt: skip
-        if value:
-            monkeypatch.setenv(var, value)
+@pytest.mark.parametrize("H,loads,chunk", _GPU_VARIANTS)
+def test_gpu_bf16_real_shape(H, loads, chunk, triton_kernels):
+    """Every backward chunking and load path against float64 at the K2 shape (10-20 vocab chunks)."""
     torch.manual_seed(H)
     N, V = 16384, 151936
     hidden, weight, targets = _inputs(N, H, V, torch.bfloat16, device="cuda", n_ignore=100)
     g_lp = torch.randn(N, dtype=torch.float64, device="cuda") / N
     g_ent = torch.randn(N, dtype=torch.float64, device="cuda") / N
-    lp, ent, dh, dw = _run(_ours, hidden, weight, targets, g_lp, g_ent, temperature=0.9)
+    lp, ent, dh, dw = _run(_ours, hidden, weight, targets, g_lp, g_ent, temperature=0.9, _loads=loads,
+                           _bwd_chunk=chunk)
     rlp, rent, rdh, rdw = _reference_chunked(hidden, weight, targets, g_lp, g_ent, 0.9)
     assert (lp - rlp).abs().max().item() < 2e-3 and (ent - rent).abs().max().item() < 2e-3
     assert _rel(dh, rdh) < 1e-2 and _rel(dw, rdw) < 1e-2
@@ -260,25 +250,22 @@ def test_gpu_bf16_real_shape(H, loads, streams, chunk, triton_kernels, monkeypat
 @pytest.mark.gpu
 @pytest.mark.parametrize("loads", ["auto", "pointer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_small_shapes(dtype, loads, triton_kernels, monkeypatch):
-    monkeypatch.setenv("ARENO_LOGPROB_LOADS", loads)
+def test_gpu_small_shapes(dtype, loads, triton_kernels):
     hidden, weight, targets = _inputs(300, 96, 5003, dtype, device="cuda")
-    _check(hidden, weight, targets, TOL[dtype], temperature=0.8)
+    _check(hidden, weight, targets, TOL[dtype], temperature=0.8, _loads=loads)
 
 
 @pytest.mark.gpu
-def test_gpu_two_stream_backward_in_cuda_graph(triton_kernels, monkeypatch):
-    """The second-stream backward captures into a CUDA graph (as the train-step graphs do) and replays the eager
-    gradients: 64 chunks, so the stream fork/join and buffer reuse run many times."""
-    monkeypatch.setenv("ARENO_LOGPROB_BWD_STREAMS", "2")
-    monkeypatch.setenv("ARENO_LOGPROB_BWD_CHUNK", str(1 << 16))
+def test_gpu_chunked_backward_in_cuda_graph(triton_kernels):
+    """The chunked backward captures into a CUDA graph (as the train-step graphs do) and replays the eager
+    gradients: 64 chunks, so the buffer reuse runs many times."""
     hidden, weight, targets = _inputs(512, 128, 5003, torch.bfloat16, device="cuda")
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     g = torch.randn(512, device="cuda")
 
     def step():
-        lp, ent = linear_logprobs(h, w, targets, return_entropy=True)
+        lp, ent = linear_logprobs(h, w, targets, return_entropy=True, _bwd_chunk=1 << 16)
         ((lp * g).sum() + ent.sum()).backward()
 
     warm = torch.cuda.Stream()
@@ -295,8 +282,4 @@ def test_gpu_two_stream_backward_in_cuda_graph(triton_kernels, monkeypatch):
         step()
     graph.replay()
     torch.cuda.synchronize()
-    assert _rel(h.grad, eager_h) < 1e-3 and _rel(w.grad, eager_w) < 1e-3
-    monkeypatch.setenv("ARENO_LOGPROB_BWD_STREAMS", "1")
-    h.grad = w.grad = None
-    step()
     assert _rel(h.grad, eager_h) < 1e-3 and _rel(w.grad, eager_w) < 1e-3

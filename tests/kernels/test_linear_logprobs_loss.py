@@ -1,14 +1,12 @@
 """linear_logprobs_loss: the loss linear in the log-probs, gradients taken in the forward, vs float64."""
 
-import importlib
 
 import pytest
 import torch
 
-from areno.kernels.linear_logprobs import linear_logprobs, reference_linear_logprobs
-from areno.kernels.linear_logprobs_loss import linear_logprobs_loss
-
-ll = importlib.import_module("areno.kernels.linear_logprobs")
+from areno.kernels.logprobs import core as ll
+from areno.kernels.logprobs.forward import linear_logprobs, reference_linear_logprobs
+from areno.kernels.logprobs.loss import linear_logprobs_loss
 
 
 @pytest.fixture(params=["native", "triton"])
@@ -193,30 +191,29 @@ def test_gpu_bf16_token_function_vs_float64():
 @pytest.mark.parametrize("n,dtype", [(1, torch.float16), (1000, torch.float16), (4097, torch.float32),
                                      pytest.param(151_936 * 64 + 3, torch.bfloat16, marks=pytest.mark.gpu)])
 def test_scale_round_matches_torch(n, dtype, triton_kernels, monkeypatch):
-    mod = importlib.import_module("areno.kernels.linear_logprobs_loss")  # the package exports the function
+    from areno.kernels.logprobs import loss as mod
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 7).to(dev)
     s = torch.tensor(-0.37, device=dev)
     launched = []
-    real = mod._scale_round_kernel
-    monkeypatch.setattr(mod, "_scale_round_kernel", type("K", (), {
+    real = mod.scale_round_kernel
+    monkeypatch.setattr(mod, "scale_round_kernel", type("K", (), {
         "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
-    out = mod._scale_round(g, s, dtype)
+    out = mod.scale_round(g, s, dtype)
     assert out.dtype == dtype and len(launched) == 1
     assert torch.equal(out, (g.double() * -0.37).float().to(dtype)) or torch.equal(out, (g * s).to(dtype))
 
 
-def test_q_store_tma_and_pointer_agree(triton_kernels, monkeypatch):
+def test_q_store_tma_and_pointer_agree(triton_kernels):
     hidden, weight, targets, weights = _inputs(37, 32, 300, seed=5)
     got = {}
     for store in ("tma", "pointer"):
-        monkeypatch.setenv("ARENO_LOGPROB_Q_STORE", store)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss, lp = linear_logprobs_loss(h, w, targets, weights.float())
+        loss, lp = linear_logprobs_loss(h, w, targets, weights.float(), _q_store=store)
         loss.backward()
         got[store] = (loss, lp, h.grad, w.grad)
     for a, b in zip(got["tma"], got["pointer"]):
         assert torch.equal(a, b)  # the same q values, stored two ways
-    monkeypatch.setenv("ARENO_LOGPROB_Q_STORE", "bulk")
-    with pytest.raises(ValueError, match="ARENO_LOGPROB_Q_STORE must be tma or pointer"):
-        linear_logprobs_loss(hidden, weight, targets, weights.float())
+    with pytest.raises(ValueError, match="q_store must be one of"):
+        linear_logprobs_loss(hidden, weight, targets, weights.float(), _q_store="bulk")

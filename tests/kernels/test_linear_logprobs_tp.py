@@ -28,7 +28,7 @@ def _worker(rank, port, seed):
 
 
 def _compare(rank, seed):
-    from areno.kernels.linear_logprobs import linear_logprobs
+    from areno.kernels.logprobs.forward import linear_logprobs
 
     gen = torch.Generator().manual_seed(seed)  # the same inputs on every rank
     hidden = torch.randn(N, H, generator=gen)

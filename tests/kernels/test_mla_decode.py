@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areno.kernels.mla_decode import _mla_decode_native, mla_decode, mla_decode_reference, store_latent
-from areno.kernels.paged_attention import paged_attention_reference
+from areno.kernels.attention.mla import mla_decode, mla_decode_native, mla_decode_reference, store_latent
+from areno.kernels.attention.paged import paged_attention_reference
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
@@ -27,7 +27,7 @@ def make_cache(seq_lens, width, page, dtype, g, device="cpu", spare_blocks=3):
 def check(q, cache, table, lens, rank, scale, tol, num_splits=None):
     want = mla_decode_reference(q.double(), cache.double(), table, lens, kv_lora_rank=rank, softmax_scale=scale)
     got = mla_decode(q, cache, table, lens, kv_lora_rank=rank, softmax_scale=scale, num_splits=num_splits)
-    native = _mla_decode_native(q, cache, table, lens, rank, scale)
+    native = mla_decode_native(q, cache, table, lens, rank, scale)
     bound = tol * max(want.abs().max().item(), 1.0)
     for name, out in (("triton", got), ("native", native)):
         assert out.shape == (q.shape[0], q.shape[1], rank) and out.dtype == q.dtype, name

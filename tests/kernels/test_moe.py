@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from areno.kernels.moe import (
+from areno.kernels.moe.fused import (
     fused_moe,
     fused_moe_native,
     fused_moe_reference,

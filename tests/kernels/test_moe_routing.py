@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from areno.kernels.moe import route_sigmoid_grouped_topk, route_softmax_topk
-from areno.kernels.moe_routing import route_sigmoid_grouped_topk_native
+from areno.kernels.moe.fused import route_sigmoid_grouped_topk, route_softmax_topk
+from areno.kernels.moe.routing import route_sigmoid_grouped_topk_native
 
 PATHS = ["triton_kernels", "native_kernels"]
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from areno.kernels.paged_attention import (
-    _paged_attention_native,
+from areno.kernels.attention.paged import (
     paged_attention,
+    paged_attention_native,
     paged_attention_reference,
     store_kvcache,
 )
@@ -51,7 +51,7 @@ def check(q, k_cache, v_cache, table, lens, tol, what, cu_q=None, max_q=None, nu
     want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lens, cu_seqlens_q=cu_q)
     got = paged_attention(q, k_cache, v_cache, table, lens, cu_seqlens_q=cu_q, max_seqlen_q=max_q,
                           num_splits=num_splits)
-    native = _paged_attention_native(q, k_cache, v_cache, table, lens, q.shape[-1] ** -0.5, cu_q,
+    native = paged_attention_native(q, k_cache, v_cache, table, lens, q.shape[-1] ** -0.5, cu_q,
                                      max_q or q.shape[0])
     bound = tol * max(want.abs().max().item(), 1.0)
     for name, out in (("triton", got), ("native", native)):
@@ -168,7 +168,7 @@ def test_gpu_bf16_decode(batch, ctx, page):
     q = torch.randn(batch, 16, 128, generator=g).to("cuda", torch.bfloat16)
     want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lens)
     got = paged_attention(q, k_cache, v_cache, table, lens)
-    native = _paged_attention_native(q, k_cache, v_cache, table, lens, 128**-0.5, None, 1)
+    native = paged_attention_native(q, k_cache, v_cache, table, lens, 128**-0.5, None, 1)
     assert torch.isfinite(got).all()
     err = (got.double() - want).abs().max().item()
     assert err <= 2 * (native.double() - want).abs().max().item() + 2e-3, err
@@ -183,7 +183,7 @@ def test_gpu_bf16_chunked_prefill():
     q = torch.randn(sum(q_lens), 16, 128, generator=g).to("cuda", torch.bfloat16)
     want = paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), table, lens, cu_seqlens_q=cu_q)
     got = paged_attention(q, k_cache, v_cache, table, lens, cu_seqlens_q=cu_q, max_seqlen_q=max(q_lens))
-    native = _paged_attention_native(q, k_cache, v_cache, table, lens, 128**-0.5, cu_q, max(q_lens))
+    native = paged_attention_native(q, k_cache, v_cache, table, lens, 128**-0.5, cu_q, max(q_lens))
     err = (got.double() - want).abs().max().item()
     assert err <= 2 * (native.double() - want).abs().max().item() + 2e-3, err
 

@@ -1,17 +1,15 @@
 """qk_norm_rope(): Triton (interpreted on CPU) vs the native composition vs float64, forward and every gradient, and
 the model's training step through it."""
 
-import importlib
 
 import pytest
 import torch
 
+from areno.kernels.attention import norm_rope as mod
+from areno.kernels.attention.norm_rope import qk_norm_rope, qk_norm_rope_native
 from areno.kernels.dispatch import interpreting
-from areno.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_native
-from areno.kernels.rms_norm import rms_norm
+from areno.kernels.norm import rms_norm
 from areno.kernels.rope import apply_rope, rope_cos_sin
-
-mod = importlib.import_module("areno.kernels.qk_norm_rope")
 
 # (rtol, atol) against float64: the norm rounds twice (n, then w * n) and RoPE once, each 2^-11 relative in fp16.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}

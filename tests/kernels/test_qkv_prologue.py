@@ -1,17 +1,15 @@
 """qkv_prologue(): Triton (interpreted on CPU) vs the native composition vs float64, and the model/engine using it."""
 
-import importlib
 
 import pytest
 import torch
 
+from areno.kernels.attention import prologue as mod
+from areno.kernels.attention.paged import store_kvcache
+from areno.kernels.attention.prologue import qkv_prologue, qkv_prologue_native
 from areno.kernels.dispatch import interpreting
-from areno.kernels.paged_attention import store_kvcache
-from areno.kernels.qkv_prologue import qkv_prologue, qkv_prologue_native
-from areno.kernels.rms_norm import rms_norm
+from areno.kernels.norm import rms_norm
 from areno.kernels.rope import apply_rope, rope_cos_sin
-
-mod = importlib.import_module("areno.kernels.qkv_prologue")  # the package binds the name to the function
 
 # (rtol, atol) against float64: the norm rounds twice (n, then w * n) and RoPE once, each 2^-11 relative in fp16.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}

@@ -1,13 +1,11 @@
 """rms_norm: Triton (interpreted on CPU) vs native vs a float64 reference, forward and every gradient."""
 
-import importlib
 
 import pytest
 import torch
 
-from areno.kernels.rms_norm import rms_norm, rms_norm_native
-
-mod = importlib.import_module("areno.kernels.rms_norm")  # the module (areno.kernels.rms_norm is the function)
+from areno.kernels import norm as mod
+from areno.kernels.norm import rms_norm, rms_norm_native
 
 # (rtol, atol) against the float64 reference. fp16: the output is rounded twice (n, then weight * n), each
 # 2^-11 relative; gradients are fp32 sums rounded once to fp16.
@@ -105,7 +103,7 @@ def test_qk_norm_on_strided_view_reads_in_place(triton_kernels, nan_empty):
     w = torch.randn(d, requires_grad=True)
     q = qkv[:, : hq * d].view(t, hq, d)
     assert not q.is_contiguous()
-    view, heads, _, _ = mod._rows(q)
+    view, heads, _, _ = mod.row_view(q)
     assert view.data_ptr() == q.data_ptr() and heads == hq, "the strided q view would be copied"
     y = rms_norm(q, w, 1e-6)
     dy = torch.randn_like(y)
@@ -212,12 +210,12 @@ def test_rms_norm_cuda_graph_replay():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(len(mod._BWD_TILES)))
+@pytest.mark.parametrize("index", range(len(mod.BWD_TILES)))
 def test_every_backward_tiling_gpu_bf16(index, monkeypatch):
     """Whichever tiling the backward's autotuner picks is exact: each one alone, on rows that leave a partial tile
     and a partial last wave, with the residual's gradient, and on a strided per-head (QK-norm) view."""
-    monkeypatch.setattr(mod, "_BWD_TILES", [mod._BWD_TILES[index]])
-    mod._tuned_bwd.cache_clear()
+    monkeypatch.setattr(mod, "BWD_TILES", [mod.BWD_TILES[index]])
+    mod.tuned_bwd.cache_clear()
     try:
         x, w, r = _inputs(4099, 1024, torch.bfloat16, True, device="cuda")
         _check_against_references(x, w, r, 1e-6, torch.bfloat16)
@@ -226,7 +224,7 @@ def test_every_backward_tiling_gpu_bf16(index, monkeypatch):
         wk = (1 + 0.5 * torch.randn(128, device="cuda", dtype=torch.bfloat16)).requires_grad_()
         _check_against_references(k, wk, None, 1e-6, torch.bfloat16)
     finally:
-        mod._tuned_bwd.cache_clear()
+        mod.tuned_bwd.cache_clear()
 
 
 @pytest.mark.parametrize("shape,dtype", [((1, 1), torch.float32), ((37, 50), torch.float16),
@@ -238,8 +236,8 @@ def test_sum_rows_matches_float64(shape, dtype, triton_kernels, monkeypatch):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     part = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dev)
     launched = []
-    real = mod._sum_rows_kernel
-    monkeypatch.setattr(mod, "_sum_rows_kernel", type("K", (), {
+    real = mod.sum_rows_kernel
+    monkeypatch.setattr(mod, "sum_rows_kernel", type("K", (), {
         "__getitem__": lambda self, grid: (launched.append(grid), real[grid])[1]})())
     got = mod.sum_rows(part, dtype)
     want = part.double().sum(-2)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from areno.kernels.linear_logprobs import linear_logprobs
+from areno.kernels.logprobs.forward import linear_logprobs
 from areno.kernels.sampler import sample
 
 

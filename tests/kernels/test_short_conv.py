@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areno.kernels.short_conv import causal_conv1d, causal_conv1d_native, causal_conv1d_update
+from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_native, causal_conv1d_update
 
 
 def _inputs(lens, D, W, dtype=torch.float32, device="cpu", seed=0):

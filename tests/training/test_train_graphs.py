@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from areno.kernels import linear_logprobs
+from areno.kernels.logprobs import linear_logprobs
 from areno.models import load_model
 from areno.rl.algorithms import grpo_loss_fn, sft_loss_fn
 from areno.rl.losses import sft_loss

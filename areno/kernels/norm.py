@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from areno.kernels._device import sm_count
 from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 
 MAX_N = 65536  # one row must fit one tile
@@ -94,7 +95,7 @@ def _rms_norm_bwd_kernel(
 
 
 @triton.jit
-def _sum_rows_kernel(X, OUT, P, n, stride_b, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def sum_rows_kernel(X, OUT, P, n, stride_b, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     # OUT[b, cols] = sum over p of X[b, p, cols] (fp32, rows added in order), rounded to OUT's dtype
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,12 +122,12 @@ def sum_rows(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # many narrow programs (load latency, not bandwidth, bounds a 2 MB reduction): 128 rows x 8 columns a step, the
     # H200's best of a sweep (7.1 us with the launch for [528, 1024] vs torch's sum + cast 25 us, eager)
     block_p, block_n = (16, 16) if interpreting() else (128, 8)
-    _sum_rows_kernel[(flat.shape[0], triton.cdiv(n, block_n))](flat, out, p, n, flat.stride(0), flat.stride(1),
+    sum_rows_kernel[(flat.shape[0], triton.cdiv(n, block_n))](flat, out, p, n, flat.stride(0), flat.stride(1),
                                                                BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
     return out
 
 
-def _rows(x: torch.Tensor):
+def row_view(x: torch.Tensor):
     """(tensor, B, s0, s1): x seen as rows at (r // B) * s0 + (r % B) * s1 with unit last stride; copies only
     when no such view exists."""
     n = x.shape[-1]
@@ -151,10 +152,6 @@ def _tiles(m: int, n: int):
     num_warps = min(16, max(4, block_m * block_n // 512))
     return block_m, block_n, num_warps
 
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -181,9 +178,9 @@ def rms_norm_fwd(x, weight, eps=1e-6, residual=None):
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y, h, rstd
-    xv, b, sx0, sx1 = _rows(x)
+    xv, b, sx0, sx1 = row_view(x)
     if residual is not None:
-        rv, rb, sr0, sr1 = _rows(residual)
+        rv, rb, sr0, sr1 = row_view(residual)
         if rb != b:  # different view structure: fall back to plain rows for both
             xv, b, sx0, sx1 = x.contiguous(), 1, n, 0
             rv, sr0, sr1 = residual.contiguous(), n, 0
@@ -211,21 +208,21 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
         return dx, dw
     dy = dy.contiguous()
     dh = dh.contiguous() if dh is not None else None
-    xv, b, sx0, sx1 = _rows(x)
+    xv, b, sx0, sx1 = row_view(x)
     block_m, block_n, num_warps = _tiles(m, n)
     args = (dy, dh if dh is not None else dy, xv, weight, rstd, dx)
     meta = dict(HAS_DH=dh is not None, COMPUTE_DW=compute_dweight, BLOCK_N=block_n)
     if not x.is_cuda or interpreting() or block_n > 4096:  # one tiling (the interpreter cannot autotune)
-        programs = max(1, min(triton.cdiv(m, block_m), 4 * (_sm_count(x.device.index or 0) if x.is_cuda else 1)))
+        programs = max(1, min(triton.cdiv(m, block_m), 4 * (sm_count(x.device.index or 0) if x.is_cuda else 1)))
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
         _rms_norm_bwd_kernel[(programs,)](*args, dw_part, m, n, b, sx0, sx1, 0, **meta, BLOCK_M=block_m, PER_SM=4,
                                           num_warps=num_warps)
     else:
-        sms = _sm_count(x.device.index or 0)
+        sms = sm_count(x.device.index or 0)
         progs = lambda cfg: max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), cfg["PER_SM"] * sms))  # noqa: E731
-        rows = max(per_sm for _, _, per_sm, _ in _BWD_TILES) * sms
+        rows = max(per_sm for _, _, per_sm, _ in BWD_TILES) * sms
         dw_part = torch.empty((rows, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
-        tuned = _tuned_bwd(block_n)
+        tuned = tuned_bwd(block_n)
         tuned[lambda cfg: (progs(cfg),)](*args, dw_part, m, n, b, sx0, sx1, _m_bucket(m), **meta)
         programs = progs(tuned.best_config.kwargs)
     dw = sum_rows(dw_part[:programs], weight.dtype) if compute_dweight else None
@@ -235,7 +232,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
 # Backward tilings the autotuner times on the GPU (elements per tile, warps, programs per SM, pipeline stages):
 # the persistent loop over row tiles is latency-bound at small tiles, so bigger tiles, more programs in flight and
 # a pipelined loop are candidates; the first is the interpreter's / the fallback's tiling.
-_BWD_TILES = [(4096, 8, 4, 3), (8192, 8, 2, 3), (8192, 16, 2, 3), (16384, 16, 1, 3), (4096, 4, 8, 3),
+BWD_TILES = [(4096, 8, 4, 3), (8192, 8, 2, 3), (8192, 16, 2, 3), (16384, 16, 1, 3), (4096, 4, 8, 3),
               (2048, 4, 8, 3), (4096, 8, 4, 1), (8192, 8, 4, 2)]
 
 
@@ -244,10 +241,10 @@ def _m_bucket(m: int) -> int:
 
 
 @functools.cache
-def _tuned_bwd(block_n: int):
-    """The backward autotuned over ``_BWD_TILES`` for rows of ``block_n`` (BLOCK_M = tile elements / block_n),
+def tuned_bwd(block_n: int):
+    """The backward autotuned over ``BWD_TILES`` for rows of ``block_n`` (BLOCK_M = tile elements / block_n),
     keyed on the row length, the row count's power of two and the gradient outputs."""
-    distinct = dict.fromkeys((max(1, tile // block_n), per_sm, w, st) for tile, w, per_sm, st in _BWD_TILES)
+    distinct = dict.fromkeys((max(1, tile // block_n), per_sm, w, st) for tile, w, per_sm, st in BWD_TILES)
     configs = [triton.Config({"BLOCK_M": bm, "PER_SM": per_sm}, num_warps=w, num_stages=st)
                for bm, per_sm, w, st in distinct]
     return triton.autotune(configs=autotune_candidates(configs), key=["N", "M_BUCKET", "HAS_DH", "COMPUTE_DW"])(

@@ -28,28 +28,25 @@ the same results with four GEMM-equivalents. The backward returns the stashed gr
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import triton
 import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
-
-ll = importlib.import_module("areno.kernels.linear_logprobs")  # the module (the package exports the function)
+from areno.kernels.logprobs import core
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)  # q in the weight's dtype; fp16 would overflow at the cap
 
 
 @triton.jit
-def _scale_round_kernel(X, S, OUT, n, BLOCK: tl.constexpr):
+def scale_round_kernel(X, S, OUT, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(X + offs, mask=mask, other=0.0)
     tl.store(OUT + offs, (x * tl.load(S)).to(OUT.dtype.element_ty), mask=mask)
 
 
-def _scale_round(g: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scale_round(g: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``g * s`` (fp32 stashed gradient times the loss's 0-dim gradient) rounded to ``dtype`` in one pass: a
     vectorized Triton pass (torch's mixed-dtype ``mul(out=)`` takes its slow dynamic-cast loop: 0.65 ms for the
     151,936 x 1,024 dweight on the H200, twice the bytes' time)."""
@@ -57,7 +54,7 @@ def _scale_round(g: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.
     s = s.to(g.dtype)
     if use_triton(g, s, out, supported=g.is_contiguous() and g.dtype == torch.float32 and s.numel() == 1):
         block = 64 if interpreting() else 2048
-        _scale_round_kernel[(triton.cdiv(g.numel(), block),)](g, s, out, g.numel(), BLOCK=block, num_warps=8)
+        scale_round_kernel[(triton.cdiv(g.numel(), block),)](g, s, out, g.numel(), BLOCK=block, num_warps=8)
     else:
         torch.mul(g, s, out=out)
     return out
@@ -98,7 +95,7 @@ def _fused_triton(hidden, weight, targets, token_loss, inv_temp, chunk_rows, nee
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
-    rows = _chunk_rows(N, V, chunk_rows, opts.chunk * 5 // 2, ll._on_device(hidden))
+    rows = _chunk_rows(N, V, chunk_rows, opts.chunk * 5 // 2, core.on_device(hidden))
     logp = torch.empty(N, dtype=torch.float32, device=dev)
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     dh = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_dh else None
@@ -109,9 +106,9 @@ def _fused_triton(hidden, weight, targets, token_loss, inv_temp, chunk_rows, nee
         r1 = min(N, r0 + rows)
         h_c, t_c, q = hidden[r0:r1], targets[r0:r1], q_buf[: r1 - r0]
         ref = ref_all[r0:r1]
-        tma = opts.tma and ll._tma_possible(h_c, weight)  # a chunk's first row must stay 16-byte aligned
-        parts = ll._triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref), q_tma=opts.q_tma)
-        m, s, _, tz = ll._merge(parts)
+        tma = opts.tma and core.tma_possible(h_c, weight)  # a chunk's first row must stay 16-byte aligned
+        parts = core.triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref), q_tma=opts.q_tma)
+        m, s, _, tz = core.merge(parts)
         lse = m + torch.log(s)
         valid = t_c >= 0
         lp = torch.where(valid, tz - lse, torch.zeros_like(lse))
@@ -119,22 +116,22 @@ def _fused_triton(hidden, weight, targets, token_loss, inv_temp, chunk_rows, nee
         part, g = _token_terms(token_loss, lp, r0, r1)
         loss += part
         c = torch.where(valid, g.float(), torch.zeros_like(lse)) * inv_temp
-        fix = (m - ref > ll.Q_EXP_CAP) & (c != 0)
+        fix = (m - ref > core.Q_EXP_CAP) & (c != 0)
         ref = torch.where(fix, m, ref)
-        ll._triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref), fix=fix.to(torch.int32))
+        core.triton_stats(h_c, weight, t_c, 0, inv_temp, False, tma, store=(q, ref), fix=fix.to(torch.int32))
         scale = c * torch.exp(ref - lse)  # p = q e^(r - lse)
         tgt_coef = -torch.expm1(lp) * c  # c (1 - p_y); 0 where c is
         y = t_c.clamp(min=0)
         if need_dh:
-            qw = ll._matmul_f32(q, weight)
+            qw = core.matmul_f32(q, weight)
             dh[r0:r1] = (tgt_coef[:, None] * weight[y].float() - scale[:, None] * qw).to(dh.dtype)
         if need_dw:
             hf = h_c.float()
             sh = (-scale[:, None] * hf).to(q.dtype)
             if dw is None:
-                dw = ll._matmul_f32(q.T, sh)
+                dw = core.matmul_f32(q.T, sh)
             else:
-                ll._accumulate(dw, q.T, sh)
+                core.accumulate(dw, q.T, sh)
             dw.index_add_(0, y, tgt_coef[:, None] * hf)
     return loss, logp, dh, dw  # dw in fp32: the backward scales and rounds it in one pass
 
@@ -142,10 +139,10 @@ def _fused_triton(hidden, weight, targets, token_loss, inv_temp, chunk_rows, nee
 def _generic(hidden, weight, targets, token_loss, inv_temp, chunk_rows, need_dh, need_dw, triton_path, opts):
     """The statistics and the recomputed backward of linear_logprobs, both now (four GEMM-equivalents)."""
     if triton_path:
-        parts = ll._triton_stats(hidden, weight, targets, 0, inv_temp, False, opts.tma)
+        parts = core.triton_stats(hidden, weight, targets, 0, inv_temp, False, opts.tma)
     else:
-        parts = ll._native_stats(hidden, weight, targets, 0, inv_temp, chunk_rows)
-    m, s, a, tz = ll._merge(parts)
+        parts = core.native_stats(hidden, weight, targets, 0, inv_temp, chunk_rows)
+    m, s, a, tz = core.merge(parts)
     lse = m + torch.log(s)
     valid = targets >= 0
     logp = torch.where(valid, tz - lse, torch.zeros_like(lse))
@@ -153,15 +150,14 @@ def _generic(hidden, weight, targets, token_loss, inv_temp, chunk_rows, need_dh,
     g = torch.where(valid, g.to(lse.dtype), torch.zeros_like(lse)).contiguous()
     dh = dw = None
     if need_dh or need_dw:
-        dh, dw = ll._backward(hidden, weight, targets, 0, inv_temp, lse, None, g, None, need_dh, need_dw, chunk_rows,
-                              triton_path, opts)  # fmt: skip
+        dh, dw = core.recompute_grads(hidden, weight, targets, 0, inv_temp, lse, None, g, None, need_dh, need_dw,
+                                      chunk_rows, triton_path, opts)  # fmt: skip
     return loss, logp, None if dh is None else dh.to(hidden.dtype), None if dw is None else dw.to(weight.dtype)
 
 
 class _LinearLogprobsLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, token_loss, inv_temp, chunk_rows, triton_path):
-        opts = ll.options(hidden, weight, triton_path)
+    def forward(ctx, hidden, weight, targets, token_loss, inv_temp, chunk_rows, triton_path, opts):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         args = (hidden, weight, targets, token_loss, inv_temp, chunk_rows, need_dh, need_dw)
         if triton_path and weight.dtype in _FUSED_DTYPES:
@@ -178,14 +174,15 @@ class _LinearLogprobsLoss(torch.autograd.Function):
     def backward(ctx, g_loss, _g_logp):
         dh, dw = ctx.saved_tensors
         if g_loss is None:
-            return (None,) * 7
+            return (None,) * 8
         out = []
         for g, dtype in zip((dh, dw), ctx.dtypes):  # scaled and rounded to the input's dtype in one pass
-            out.append(None if g is None else _scale_round(g, g_loss, dtype))
-        return (*out, None, None, None, None, None)
+            out.append(None if g is None else scale_round(g, g_loss, dtype))
+        return (*out, None, None, None, None, None, None)
 
 
-def linear_logprobs_loss(hidden, weight, targets, token_loss, *, temperature=1.0, chunk_size=None):
+def linear_logprobs_loss(hidden, weight, targets, token_loss, *, temperature=1.0, chunk_size=None, _loads="auto",
+                         _bwd_chunk=None, _q_store="tma"):
     """``(loss, logprobs)`` with ``loss = sum_t f_t(logprobs_t)`` and ``logprobs`` as ``linear_logprobs`` gives them
     (fp32, 0 at targets == -100), the gradients of hidden and weight computed now (module docstring).
 
@@ -194,11 +191,13 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, temperature=1.0
     returning their loss terms (same shape), each a differentiable function of that token's log-prob alone (it is
     called per chunk of tokens; other inputs are constants). Targets of -100 get no gradient whatever f is.
     ``logprobs`` carries no gradient: anything else built on it is a constant to the backward.
-    ``chunk_size``: token rows per chunk (default: a fixed memory budget, ``ARENO_LOGPROB_BWD_CHUNK`` x 2.5 elements
-    of q: 1.25 GiB in bf16 by default, 4,096 rows at a 151,936 vocab, enough rows for the dhidden GEMM to fill an
-    H200 and few fp32 accumulations of dweight). No entropy, no tensor parallelism (``linear_logprobs`` has both).
+    ``chunk_size``: token rows per chunk (default: a fixed memory budget, the backward chunk (``_bwd_chunk``,
+    2^28) x 2.5 elements of q: 1.25 GiB in bf16 by default, 4,096 rows at a 151,936 vocab, enough rows for the
+    dhidden GEMM to fill an H200 and few fp32 accumulations of dweight). No entropy, no tensor parallelism
+    (``linear_logprobs`` has both). ``_loads``, ``_bwd_chunk``, ``_q_store``: the Triton path's variants a benchmark
+    compares (``core.options``).
     """
-    h2, w, t, path = ll.flat_inputs(hidden, weight, targets, temperature, "linear_logprobs_loss")
+    h2, w, t, path = core.flat_inputs(hidden, weight, targets, temperature, "linear_logprobs_loss")
     weighted = isinstance(token_loss, torch.Tensor)
     if weighted and token_loss.shape != targets.shape:
         raise ValueError(f"linear_logprobs_loss: token_loss weights {tuple(token_loss.shape)} must match targets "
@@ -209,5 +208,6 @@ def linear_logprobs_loss(hidden, weight, targets, token_loss, *, temperature=1.0
         raise ValueError(f"linear_logprobs_loss: token_loss must be a weight tensor or a callable, not "
                          f"{type(token_loss).__name__}")
     tl_ = token_loss.reshape(-1).contiguous() if weighted else token_loss
-    loss, lp = _LinearLogprobsLoss.apply(h2, w, t, tl_, 1.0 / float(temperature), chunk_size, path)
+    opts = core.options(h2, w, path, loads=_loads, bwd_chunk=_bwd_chunk, q_store=_q_store)
+    loss, lp = _LinearLogprobsLoss.apply(h2, w, t, tl_, 1.0 / float(temperature), chunk_size, path, opts)
     return loss, lp.reshape(targets.shape)

@@ -1,8 +1,8 @@
 """Hopper (sm_90) attention kernels written in Gluon (``triton.experimental.gluon``): the forward
-(``ARENO_ATTN_FWD=gluon``) and the single-pass backward (``ARENO_ATTN_BWD=gluon``), the sm_90 defaults.
+(``attention(_fwd="gluon")``) and the single-pass backward (``_bwd="gluon"``), the sm_90 defaults.
 
 Same math, packed varlen layout, causal block split and outputs (O, base-2 LSE; dQ, dK, dV) as the TMA kernels in
-``attention_tma.py``; what Gluon adds is control over the order of the asynchronous work, which the Triton compiler
+``tma.py``; what Gluon adds is control over the order of the asynchronous work, which the Triton compiler
 decides for itself (each ``tl.dot`` waited for before the code that follows it, a CTA-wide barrier before each TMA
 issue):
 
@@ -27,7 +27,7 @@ issue):
   a wgmma left in flight across a loop's back edge makes ptxas serialise every wgmma of the kernel ("insufficient
   register resources").
 
-Masking, bounds and the rows past a sequence's end are handled as in the TMA kernels (see ``attention_tma.py``): one
+Masking, bounds and the rows past a sequence's end are handled as in the TMA kernels (see ``tma.py``): one
 descriptor over the packed ``[T, H * D]`` view, key blocks at or past ``full`` masked (keys past Lk, causal), query
 rows past Lq computed and not stored, key rows past Lk not stored; in the backward, P = 0 for query rows past Lq
 (their Q and dO tiles hold the next sequence's rows; their LSE loads as +inf) and, by mask, for key rows past Lk
@@ -38,7 +38,7 @@ LSE = +inf.
 Gluon compiles only for a GPU (no ``TRITON_INTERPRET``): the CPU tests compile every candidate offline for sm_90
 (``compile_sm90``) and check the PTX's asynchronous structure; the GPU tests compare each with float64. Needs a Triton
 with Gluon's Hopper module (3.5+; the device's 3.6 and the CPU's 3.7 agree on what is used here): ``available()``
-says whether this one has it, ``applies()`` why a kernel cannot take given inputs, in which case ``attention.py``
+says whether this one has it, ``applies()`` why a kernel cannot take given inputs, in which case ``packed.py``
 runs the TMA kernels instead.
 """
 
@@ -48,6 +48,8 @@ import functools
 
 import torch
 import triton
+
+from areno.kernels._device import capability
 
 try:  # Gluon is experimental: older Tritons lack it, and its API moves between releases
     from triton._C.libtriton import ir
@@ -682,11 +684,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "fwd"
     """Why the Gluon forward (``kind`` "fwd") or backward ("bwd") kernel cannot run these inputs (None
     when it can): it needs this Triton's Gluon, an sm_90 GPU, bf16/fp16 and a head_dim of its candidate lists (fwd
     64, 128, 256; bwd 128) packed as the TMA kernels need it."""
-    from areno.kernels.attention_tma import tma_layout_ok
+    from areno.kernels.attention.tma import tma_layout_ok
 
     if not available():
         return f"this triton ({triton.__version__}) has no Gluon Hopper language: {_IMPORT_ERROR}"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not q.is_cuda or capability(q.device)[0] != 9:
         return "it needs an sm_90 (Hopper) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"it needs bf16 or fp16 inputs, got {q.dtype}"

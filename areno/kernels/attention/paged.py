@@ -16,14 +16,14 @@ Decode bytes (the bound): sum_b seq_lens[b] * Hkv * D * 2 (K and V) * element si
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.attention import attention_reference
+from areno.kernels._device import sm_count
+from areno.kernels.attention.packed import attention_reference
 from areno.kernels.dispatch import interpreting, use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -115,7 +115,7 @@ def _paged_attn_kernel(
 
 
 @triton.jit
-def _paged_reduce_kernel(PART_O, PART_LSE, O, Hq, stride_ot, stride_oh, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def paged_reduce_kernel(PART_O, PART_LSE, O, Hq, stride_ot, stride_oh, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, SPLIT_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
     # per (token, head): o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); BLOCK_H heads per program
     t = tl.program_id(0).to(tl.int64)
@@ -158,17 +158,13 @@ def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, s
 # Launchers
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
 
 def num_splits_for(q: torch.Tensor, programs: int, capacity: int) -> int:
     """Split-K factor from static shapes: enough (sequence, head, split) programs for ~2 waves on the GPU, each
     split at least 256 keys of the table's capacity; a power of two so few kernel variants compile."""
     if not q.is_cuda:
         return 1
-    want = triton.cdiv(2 * _sm_count(q.device.index or 0), max(programs, 1))
+    want = triton.cdiv(2 * sm_count(q.device.index or 0), max(programs, 1))
     splits = min(want, max(capacity // 256, 1), MAX_SPLITS)
     return 1 << (max(splits, 1).bit_length() - 1)  # round down to a power of two
 
@@ -182,7 +178,7 @@ def _tile_config(group_pad: int, multi_token: bool, head_dim: int):
     return block_m, block_n, 4, 2
 
 
-def _paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
+def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
                             config=None):
     T, Hq, D = q.shape
     B = block_table.shape[0]
@@ -215,7 +211,7 @@ def _paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, c
     if num_splits > 1:
         split_pad = triton.next_power_of_2(num_splits)
         block_h = min(triton.next_power_of_2(Hq), max(16384 // (split_pad * block_d), 1))
-        _paged_reduce_kernel[(T, triton.cdiv(Hq, block_h))](
+        paged_reduce_kernel[(T, triton.cdiv(Hq, block_h))](
             part_o, part_lse, out, Hq, out.stride(0), out.stride(1), D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             SPLIT_PAD=split_pad, BLOCK_H=block_h,
         )  # fmt: skip
@@ -244,7 +240,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, sof
                                softmax_scale=softmax_scale)
 
 
-def _paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q):
+def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q):
     """Tensorised PyTorch path, no host sync (graph-capturable): gather the whole block table, mask, softmax.
     Memory is O(B * max_blocks * block_size), fine for tests and small batches. Assumes cu_seqlens_q[-1] == Tq."""
     T, Hq, D = q.shape
@@ -276,7 +272,7 @@ def _paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, c
     return out[seq, pos].to(q.dtype)
 
 
-def _store_kvcache_native(k, v, k_cache, v_cache, slot_mapping):
+def store_kvcache_native(k, v, k_cache, v_cache, slot_mapping):
     """No host sync (graph-capturable): a row at slot -1 rewrites the first valid row's slot with that row's K/V (slot 0
     with what it holds when no row is valid), so every slot written gets one value however many rows write it."""
     ok = slot_mapping >= 0
@@ -325,12 +321,12 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     max_q = q.shape[0] if max_seqlen_q is None else int(max_seqlen_q)
     supported = q.dtype in _FLOATS and q.shape[-1] <= MAX_HEAD_DIM
     if not use_triton(q, k_cache, v_cache, supported=supported):
-        return _paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q)
+        return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention: k_cache/v_cache need a unit stride on head_dim")
     cu_q = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32)
-    return _paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
+    return paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
                                    scale, cu_q, max_q, num_splits)
 
 
@@ -351,7 +347,7 @@ def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
     while splits <= MAX_SPLITS:
         for multi in (False, True):
             q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
-            _paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
+            paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
                                     splits)
             runs += 1
         splits *= 2
@@ -368,7 +364,7 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(f"store_kvcache: k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}")
     if not use_triton(k, v, k_cache, v_cache, supported=k_cache.stride(-1) == 1):
-        _store_kvcache_native(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_native(k, v, k_cache, v_cache, slot_mapping)
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from areno.kernels.attention.paged import store_kvcache_native
 from areno.kernels.dispatch import use_triton
-from areno.kernels.paged_attention import _store_kvcache_native
-from areno.kernels.rms_norm import rms_norm_native
+from areno.kernels.norm import rms_norm_native
 from areno.kernels.rope import apply_rope_native
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -173,7 +173,7 @@ def qkv_prologue_native(
     if k_norm_w is not None:
         k = rms_norm_native(k, k_norm_w, eps).to(qkv.dtype)
     q, k = apply_rope_native(q, positions, cos, sin), apply_rope_native(k, positions, cos, sin)
-    _store_kvcache_native(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache_native(k, v, k_cache, v_cache, slot_mapping)
     return q, k, v
 
 

@@ -1,12 +1,11 @@
-"""Triton pieces shared by the pointer kernels (``attention.py``) and the TMA kernels (``attention_tma.py``) of the
-packed varlen attention; the math, tiling and causal block split are in ``attention.py``'s docstring.
+"""Triton pieces shared by the pointer kernels (``packed.py``) and the TMA kernels (``tma.py``) of the packed varlen
+attention; the math, tiling and causal block split are in ``packed.py``'s docstring.
 
 - ``query_tile``, ``key_tile``, ``seq_span``: a program's tile, sequence and head, and a sequence's rows;
 - ``kv_bounds``, ``q_bounds``: the block ranges of the causal split;
 - ``fwd_inner``: the forward's online softmax over a range of key blocks;
 - ``dq_inner``: the dQ kernel's loop over key blocks (P recomputed from LSE, dS = P (dP - delta));
-- ``kv_inner``: the loop over query blocks of a key tile, accumulating dK and dV, and in the fused backward also
-  adding each query block's dQ partial into the fp32 accumulator;
+- ``kv_inner``: the loop over query blocks of a key tile, accumulating dK and dV;
 - ``tile_config``: the autotune candidates' form (host side).
 
 Each loop reads its tiles either through pointers or, with ``TMA`` set, through tensor descriptors over the packed
@@ -177,20 +176,14 @@ def dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, k_row0, 
 
 
 @triton.jit
-def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, dq_desc, dq_base, stride_qt, stride_dot, stride_dqt,
-             q_row0, col, offs_m, cols, offs_d, lo, hi, Lq, Lk, diag, qk_scale, sm_scale, D: tl.constexpr,
-             BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-             TMA: tl.constexpr, ROW_ADDR: tl.constexpr, FUSED: tl.constexpr, KEY_MASK: tl.constexpr,
-             DESC_REDUCE: tl.constexpr):
+def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_dot, q_row0, col, offs_m, cols,
+             offs_d, lo, hi, Lq, Lk, diag, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+             CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, ROW_ADDR: tl.constexpr):
     """Query blocks [lo, hi) of one key tile: dV += P^T dO, dK += dS^T Q (unscaled, fp32, [BLOCK_N, BLOCK_D]).
 
     Rows past Lq load LSE = +inf and delta = 0, so their P and dS are exactly 0. ROW_ADDR: Q/dO/LSE/delta addresses
     are formed from the row index each step (``lse_src``/``delta_src`` at the sequence's row 0); else they are kept
-    as pointer tensors across the loop (at the tile's row 0). KEY_MASK: P = 0 for key rows past Lk (needed where
-    they are another sequence's rows and reach dQ). FUSED: also dQ[rows] += sm_scale * dS K, formed transposed
-    (K^T dS^T, so that the tall key tile is the product's M side: a short query step still gets wgmma on sm_90) and
-    added with fp32 atomics through ``dq_base`` (the accumulator's row 0 of the head), or with DESC_REDUCE by one
-    bulk tensor reduce of the [BLOCK_M, BLOCK_D] tile through ``dq_desc``.
+    as pointer tensors across the loop (at the tile's row 0).
     """
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -208,8 +201,6 @@ def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, dq_desc, dq_base, 
         p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
         if CAUSAL:
             p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
-        if KEY_MASK:
-            p_t = tl.where(cols[:, None] < Lk, p_t, 0.0)
         do = load_tile(do_src, start_m, offs_m, Lq, stride_dot, q_row0, col, offs_d, D, True, EVEN_D, TMA, ROW_ADDR)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         if ROW_ADDR:
@@ -219,17 +210,6 @@ def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, dq_desc, dq_base, 
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
-        if FUSED:
-            dq_t = tl.dot(tl.trans(k), ds_t, input_precision=DOT_PREC) * sm_scale  # [BLOCK_D, BLOCK_M]
-            if DESC_REDUCE:  # cp.reduce.async.bulk.tensor .add
-                dq = tl.trans(dq_t)
-                dq_desc.atomic_add([q_row0 + start_m, col], dq)
-            else:
-                dq_mask = row_ok[None, :]
-                if not EVEN_D:
-                    dq_mask = dq_mask & (offs_d[:, None] < D)
-                tl.atomic_add(dq_base + rows[None, :] * stride_dqt + offs_d[:, None], dq_t, mask=dq_mask,
-                              sem="relaxed")
     return dk, dv
 
 

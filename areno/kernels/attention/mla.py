@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from areno.kernels.attention.paged import num_splits_for, paged_reduce_kernel
 from areno.kernels.dispatch import interpreting, use_triton
-from areno.kernels.paged_attention import _paged_reduce_kernel, num_splits_for
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -127,7 +127,7 @@ def _tile_config(heads: int, rank: int, dtype: torch.dtype):
     return min(block_h, 32), block_n, 8 if rank >= 256 else 4, 2
 
 
-def _mla_decode_triton(q, cache, block_table, seq_lens, rank, scale, num_splits=None, config=None):
+def mla_decode_triton(q, cache, block_table, seq_lens, rank, scale, num_splits=None, config=None):
     B, H, W = q.shape
     page = cache.shape[1]
     block_h, block_n, warps, stages = config or _tile_config(H, rank, q.dtype)
@@ -154,7 +154,7 @@ def _mla_decode_triton(q, cache, block_table, seq_lens, rank, scale, num_splits=
         split_pad = triton.next_power_of_2(num_splits)
         block_r = max(triton.next_power_of_2(rank), 16)
         block_hr = min(triton.next_power_of_2(H), max(16384 // (split_pad * block_r), 1))
-        _paged_reduce_kernel[(B, triton.cdiv(H, block_hr))](
+        paged_reduce_kernel[(B, triton.cdiv(H, block_hr))](
             part_o, part_lse, out, H, out.stride(0), out.stride(1), D=rank, BLOCK_D=block_r, NUM_SPLITS=num_splits,
             SPLIT_PAD=split_pad, BLOCK_H=block_hr,
         )  # fmt: skip
@@ -178,7 +178,7 @@ def mla_decode_reference(q, latent_cache, block_table, seq_lens, *, kv_lora_rank
     return out
 
 
-def _mla_decode_native(q, cache, block_table, seq_lens, rank, scale):
+def mla_decode_native(q, cache, block_table, seq_lens, rank, scale):
     """Tensorised PyTorch path, no host sync (graph-capturable): gather the whole block table, mask, softmax.
     Memory O(B * max_blocks * block_size * (R + P)): for tests and small batches."""
     B, H, W = q.shape
@@ -193,7 +193,7 @@ def _mla_decode_native(q, cache, block_table, seq_lens, rank, scale):
     return torch.einsum("bhj,bjr->bhr", p, rows[..., :rank]).to(q.dtype)
 
 
-def _store_latent_native(x, cache, slot_mapping):
+def store_latent_native(x, cache, slot_mapping):
     """No host sync (graph-capturable): a row at slot -1 rewrites the first valid row's slot with that row's values
     (slot 0 with what it holds when no row is valid), so every slot written gets one value."""
     ok = slot_mapping >= 0
@@ -236,11 +236,11 @@ def mla_decode(q, latent_cache, block_table, seq_lens, *, kv_lora_rank, softmax_
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     supported = q.dtype in _FLOATS and kv_lora_rank <= MAX_RANK and q.shape[-1] - kv_lora_rank <= 256
     if not use_triton(q, latent_cache, supported=supported):
-        return _mla_decode_native(q, latent_cache, block_table, seq_lens, kv_lora_rank, scale)
+        return mla_decode_native(q, latent_cache, block_table, seq_lens, kv_lora_rank, scale)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if latent_cache.stride(-1) != 1:
         raise ValueError("mla_decode: latent_cache needs a unit stride on its last dim")
-    return _mla_decode_triton(q, latent_cache, block_table.to(torch.int32), seq_lens.to(torch.int32), kv_lora_rank,
+    return mla_decode_triton(q, latent_cache, block_table.to(torch.int32), seq_lens.to(torch.int32), kv_lora_rank,
                               scale, num_splits)
 
 
@@ -255,7 +255,7 @@ def store_latent(x, latent_cache, slot_mapping):
     if x.dtype != latent_cache.dtype:
         raise ValueError(f"store_latent: x dtype {x.dtype} differs from the cache's {latent_cache.dtype}")
     if not use_triton(x, latent_cache, supported=latent_cache.stride(-1) == 1):
-        _store_latent_native(x, latent_cache, slot_mapping)
+        store_latent_native(x, latent_cache, slot_mapping)
         return
     x = x if x.stride(-1) == 1 else x.contiguous()
     if x.shape[0] == 0:

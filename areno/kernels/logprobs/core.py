@@ -1,10 +1,12 @@
-"""Per-token log-probabilities (and entropy) of a linear LM head without the [tokens, vocab] logits.
+"""The shared core of the LM-head log-prob kernels (``forward``: ``linear_logprobs``; ``loss``:
+``linear_logprobs_loss``): the Triton statistics and logit-gradient kernels, their native twins, the merge of
+partial statistics and the chunked recomputed backward.
 
     z        = hidden @ weight.T / T                      [N, V], never materialised whole
     logprob  = z[target] - logsumexp(z)                   (0 where target == -100)
     entropy  = -sum_j p_j log p_j,  p = softmax(z)
 
-Forward: one Triton program per (BLOCK_N tokens, vocab split) loops over [BLOCK_N x BLOCK_V] logit tiles, each a
+Statistics: one Triton program per (BLOCK_N tokens, vocab split) loops over [BLOCK_N x BLOCK_V] logit tiles, each a
 tl.dot over the hidden dim with fp32 accumulation (as nested loops, or one flat loop so loads stay pipelined across
 tiles; autotuned), and keeps an online max m, sum-exp s = sum e^(z-m) and entropy term a = sum e^(z-m) (z-m)
 (rescaled as m grows: a' = e^(m-m') (a + (m-m') s)); the target logit is one gathered dot product per token.
@@ -13,20 +15,18 @@ lse = m + log s and entropy = log s - a / s.
 Backward recomputes the logits chunk by chunk: for a [C tokens x Vc vocab] chunk a Triton GEMM with an epilogue
 writes the logit gradient (bf16 on bf16 weights), then two cuBLAS GEMMs give dhidden += g @ W_c (fp32 accumulator,
 beta = 1 in the GEMM) and dweight[chunk] = g^T @ hidden (written in place). Vocab chunks are evened out (default
-2^28 elements: 16,384 tokens x 15,360 columns). With two streams (default) the recompute of chunk i + 1 runs on a
-side stream into a second buffer while the current stream runs chunk i's GEMMs, so each kernel's last partial wave
-and the recompute's exp/store epilogues overlap GEMM work; events order the reuse of each buffer (graph-capturable).
+2^28 elements: 16,384 tokens x 15,360 columns).
 d/dz_j of the logprob is onehot_j - p_j; of the entropy -p_j (log p_j + entropy); both divided by T for d/dlogits.
 Loads: on sm_90+ the logit tiles come through TMA tensor descriptors (fewer registers than masked pointer loads:
 the 128 x 128 x 64 three-stage tile fits two programs per SM, 96 KB shared memory and <= 128 registers each, so one
-program's epilogue overlaps the other's MMAs); masked pointer loads elsewhere. Switches: see ``options``.
+program's epilogue overlaps the other's MMAs); masked pointer loads elsewhere. Variants: see ``options``.
 FLOPs: 2 N V H forward, 6 N V H backward (recompute, dhidden, dweight); no [N, V] memory traffic in the forward.
 """
+
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -34,11 +34,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from areno.kernels._device import has_tma, sm_count
 from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
 
-IGNORE_INDEX = -100
-_GRAD_CHUNK_ELEMENTS = 1 << 28  # Triton path: default logit-gradient chunk (512 MB in bf16, two with streams)
-_NATIVE_CHUNK_ELEMENTS = 1 << 24  # native path: fp32 logits chunk (64 MB, a few temporaries of that size)
+GRAD_CHUNK_ELEMENTS = 1 << 28  # Triton path: default logit-gradient chunk (512 MB in bf16)
+NATIVE_CHUNK_ELEMENTS = 1 << 24  # native path: fp32 logits chunk (64 MB, a few temporaries of that size)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 Q_EXP_CAP = 40.0  # linear_logprobs_loss: q = e^(z - ref) is exact for rows whose max logit is within this of ref
 
@@ -297,34 +297,30 @@ def _configs(grad):
             for bn, bv, bk, w, st, flat in shapes]  # fmt: skip
 
 
-_stats_tuned = triton.autotune(autotune_candidates(_configs(False)),
+stats_autotuner = triton.autotune(autotune_candidates(_configs(False)),
                                key=["H", "V", "HAS_ENT", "IEEE", "TMA", "STORE", "FIX", "Q_TMA"])(_stats)
-_grad_tuned = triton.autotune(autotune_candidates(_configs(True)), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(
+grad_autotuner = triton.autotune(autotune_candidates(_configs(True)), key=["H", "Vc", "HAS_ENT", "IEEE", "TMA"])(
     _grad_logits)
 _INTERPRET_CFG = {"BLOCK_N": 32, "BLOCK_V": 128, "BLOCK_K": 32}  # one small config: the interpreter is slow
-_INTERPRET_FLAT = False  # tests flip it to run the flat-loop forward too
+INTERPRET_FLAT = False  # tests flip it to run the flat-loop forward too
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
-
-def _on_device(t):
+def on_device(t):
     return t.is_cuda and not interpreting()
 
 
-def _tma_possible(*tensors):
+def tma_possible(*tensors):
     """TMA descriptors need sm_90+ (or the interpreter), 16-byte aligned bases and row strides, unit last stride."""
     if not all(t.is_cuda for t in tensors) and not interpreting():
         return False
-    if _on_device(tensors[0]) and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if on_device(tensors[0]) and not has_tma(tensors[0].device):
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(-1) == 1
                for t in tensors)  # fmt: skip
 
 
-def _operands(hidden, weight, tma):
+def operands(hidden, weight, tma):
     """(h_desc, w_desc): descriptors over all of hidden / weight (block shapes set per config), or the pointers."""
     if not tma:
         return hidden, weight
@@ -332,37 +328,37 @@ def _operands(hidden, weight, tma):
     return TensorDescriptor.from_tensor(hidden, [bn, bk]), TensorDescriptor.from_tensor(weight, [bv, bk])
 
 
-def _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, tma, store=None, fix=None,
+def triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, tma, store=None, fix=None,
                   q_tma=True):
     """Per-split (m, s, a, tz) partials: [4, splits, N] fp32. ``store`` = (q [N, V], ref [N] fp32): also write each
     row's q = e^(z - ref) (linear_logprobs_loss); with ``fix`` (int [N]) only the flagged rows are written, no
     partials (returns None); ``q_tma`` lets q leave by TMA stores where the loads use TMA (not with ``fix``)."""
     N, H = hidden.shape
     V = weight.shape[0]
-    if not _on_device(hidden):
+    if not on_device(hidden):
         splits = 2 if V > 2 * _INTERPRET_CFG["BLOCK_V"] else 1
     else:  # ~16 waves of two 128-token programs per SM: tail under 1/16 whether one or two fit an SM
-        splits = max(1, min(triton.cdiv(32 * _num_sms(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
+        splits = max(1, min(triton.cdiv(32 * sm_count(hidden.device.index or 0), triton.cdiv(N, 128)), V // 1024))
     cols_per_split = triton.cdiv(triton.cdiv(V, splits), 256) * 256
     splits = triton.cdiv(V, cols_per_split)
     parts = torch.empty(4, splits, N, dtype=torch.float32, device=hidden.device) if fix is None else None
     q, ref = store if store is not None else (None, None)
-    q_tma = q_tma and q is not None and fix is None and tma and _tma_possible(q)
+    q_tma = q_tma and q is not None and fix is None and tma and tma_possible(q)
     q_desc = TensorDescriptor.from_tensor(q, [_INTERPRET_CFG["BLOCK_N"], _INTERPRET_CFG["BLOCK_V"]]) if q_tma else q
-    args = (hidden, weight, *_operands(hidden, weight, tma), targets, parts, q, q_desc, ref, fix, N, V, H,
+    args = (hidden, weight, *operands(hidden, weight, tma), targets, parts, q, q_desc, ref, fix, N, V, H,
             vocab_start, inv_temp, cols_per_split, hidden.stride(0), weight.stride(0),
             q.stride(0) if q is not None else 0)
     flags = {"HAS_ENT": want_entropy, "IEEE": hidden.dtype == torch.float32, "TMA": tma, "STORE": q is not None,
              "FIX": fix is not None, "CAP": Q_EXP_CAP, "Q_TMA": q_tma}
-    if not _on_device(hidden):
+    if not on_device(hidden):
         grid = (triton.cdiv(N, _INTERPRET_CFG["BLOCK_N"]), splits)
-        _stats[grid](*args, **flags, **_INTERPRET_CFG, FLAT=_INTERPRET_FLAT)
+        _stats[grid](*args, **flags, **_INTERPRET_CFG, FLAT=INTERPRET_FLAT)
     else:
-        _stats_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **flags)
+        stats_autotuner[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **flags)
     return parts
 
 
-def _triton_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, rows, v0, cols, vocab_start, inv_temp,
+def triton_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, rows, v0, cols, vocab_start, inv_temp,
                        out, operands):  # fmt: skip
     """Write the logit gradient of rows [row0, row0+rows) x vocab [v0, v0+cols) into out[:rows, :cols]."""
     H = hidden.shape[1]
@@ -371,20 +367,20 @@ def _triton_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, row
     args = (hidden, weight, *operands, targets, lse, ent if has_ent else lse, g_lp, g_ent if has_ent else g_lp, out,
             rows, cols, H, row0, v0, vocab_start, inv_temp, hidden.stride(0), weight.stride(0), out.stride(0))
     flags = {"HAS_ENT": has_ent, "IEEE": hidden.dtype == torch.float32, "TMA": tma}
-    if not _on_device(hidden):
+    if not on_device(hidden):
         cfg = {**_INTERPRET_CFG, "GROUP_N": 2}
         grid = (triton.cdiv(rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
         _grad_logits[grid](*args, **flags, **cfg)
     else:
         grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]) * triton.cdiv(cols, meta["BLOCK_V"]),)
-        _grad_tuned[grid](*args, **flags)
+        grad_autotuner[grid](*args, **flags)
     return out[:rows, :cols]
 
 
 # ------------------------------------------------------------------------------------------------ native path
 
 
-def _matmul_f32(a, b):
+def matmul_f32(a, b):
     """a @ b with fp32 (or fp64) output and fp32 accumulation, without rounding the product to a 16-bit dtype."""
     if a.dtype in (torch.float32, torch.float64):
         return a @ b
@@ -412,25 +408,25 @@ def _addmm_out_dtype_ok(device_index: int, dtype: torch.dtype) -> bool:
         return False
 
 
-def _accumulate(acc, a, b):
+def accumulate(acc, a, b):
     """acc += a @ b with fp32 accumulation; on CUDA in the GEMM epilogue (beta = 1), no temporary."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     elif a.is_cuda and _addmm_out_dtype_ok(a.device.index, a.dtype):
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
-        acc += _matmul_f32(a, b).to(acc.dtype)
+        acc += matmul_f32(a, b).to(acc.dtype)
 
 
-def _native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows):
+def native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows):
     """(m, s, a, tz) as [4, 1, N] over token chunks of at most ``chunk_rows`` x the full (local) vocab."""
     N, V = hidden.shape[0], weight.shape[0]
     ct = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     parts = torch.empty(4, 1, N, dtype=ct, device=hidden.device)
-    rows = chunk_rows or max(1, _NATIVE_CHUNK_ELEMENTS // V)
+    rows = chunk_rows or max(1, NATIVE_CHUNK_ELEMENTS // V)
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
-        z = _matmul_f32(hidden[r0:r1], weight.T).to(ct) * inv_temp
+        z = matmul_f32(hidden[r0:r1], weight.T).to(ct) * inv_temp
         m = z.max(dim=1).values
         e = torch.exp(z - m[:, None])
         col = targets[r0:r1] - vocab_start
@@ -442,10 +438,10 @@ def _native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows):
     return parts
 
 
-def _native_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, rows, v0, cols, vocab_start, inv_temp,
+def native_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, rows, v0, cols, vocab_start, inv_temp,
                        out_dtype):  # fmt: skip
     r = slice(row0, row0 + rows)
-    z = _matmul_f32(hidden[r], weight[v0 : v0 + cols].T).to(lse.dtype) * inv_temp
+    z = matmul_f32(hidden[r], weight[v0 : v0 + cols].T).to(lse.dtype) * inv_temp
     logp = z - lse[r, None]
     p = torch.exp(logp)
     g = -p * g_lp[r, None]
@@ -460,7 +456,7 @@ def _native_grad_chunk(hidden, weight, targets, lse, ent, g_lp, g_ent, row0, row
 # ------------------------------------------------------------------------------------ merge, backward, autograd
 
 
-def _merge(parts):
+def merge(parts):
     """Merge [4, K, N] partials over K: returns m, s, a, tz of the union (see the module docstring)."""
     m, s, a, tz = parts.unbind(0)
     big = m.max(dim=0).values
@@ -468,18 +464,7 @@ def _merge(parts):
     return big, (w * s).sum(0), (w * (a + (m - big) * s)).sum(0), tz.sum(0)
 
 
-def _merge_across_ranks(m, s, a, tz, group):
-    import torch.distributed as dist
-
-    big = m.clone()
-    dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
-    w = torch.exp(m - big)
-    sums = torch.stack([w * s, w * (a + (m - big) * s), tz])
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    return big, sums[0], sums[1], sums[2]
-
-
-def _chunk_plan(N, V, chunk_rows, budget):
+def chunk_plan(N, V, chunk_rows, budget):
     """(rows, cols) of a backward chunk: at most ``budget`` elements, vocab chunks evened out (no small last one)."""
     rows = max(1, min(N, chunk_rows or max(1, budget // 4096)))
     if rows * V <= budget:
@@ -489,19 +474,16 @@ def _chunk_plan(N, V, chunk_rows, budget):
     return rows, min(cols, V)
 
 
-@functools.lru_cache(maxsize=8)
-def _side_stream(device_index: int):
-    return torch.cuda.Stream(device=device_index)
-
-
-def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw, chunk_rows,
-              triton_path, opts):  # fmt: skip
+def recompute_grads(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw,
+                    chunk_rows, triton_path, opts):  # fmt: skip
+    """(dhidden, dweight) of the log-probs (and entropy) given their gradients: the logits recomputed chunk by chunk
+    into one logit-gradient buffer (Triton, or native), then two GEMMs per chunk (module docstring)."""
     N, H = hidden.shape
     V = weight.shape[0]
     # bf16 logit gradients feed the tensor cores (as torch's own path casts them); fp16 could underflow, so fp32.
     gdt = torch.bfloat16 if weight.dtype == torch.bfloat16 else lse.dtype
-    budget = opts.chunk if triton_path else _NATIVE_CHUNK_ELEMENTS
-    rows, cols = _chunk_plan(N, V, chunk_rows, budget)
+    budget = opts.chunk if triton_path else NATIVE_CHUNK_ELEMENTS
+    rows, cols = chunk_plan(N, V, chunk_rows, budget)
     acc_dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     dh = torch.zeros(N, H, dtype=acc_dt, device=hidden.device) if need_dh else None
     one_pass = 0 < N <= rows and gdt == weight.dtype  # each dweight row block is written once, in weight's dtype
@@ -509,132 +491,60 @@ def _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_
     if need_dw:
         dw = torch.empty_like(weight) if one_pass else torch.zeros(V, H, dtype=acc_dt, device=weight.device)
     chunks = [(r0, min(rows, N - r0), v0, min(cols, V - v0)) for r0 in range(0, N, rows) for v0 in range(0, V, cols)]
-    # Two streams: the recompute of chunk i + 1 (side stream, its own buffer) runs beside the gradient GEMMs of
-    # chunk i (current stream), filling each kernel's last wave and the epilogues; events order buffer reuse.
-    overlap = triton_path and opts.streams == 2 and _on_device(hidden) and len(chunks) > 1
-    bufs = [torch.empty(rows, cols, dtype=gdt, device=hidden.device) for _ in range(1 + overlap)] if triton_path else []
-    operands = _operands(hidden, weight, opts.tma) if triton_path else None
-    if overlap:
-        main, side = torch.cuda.current_stream(hidden.device), _side_stream(hidden.device.index or 0)
-        side.wait_stream(main)  # lse, ent, g_lp, g_ent were written on the current stream
-        released = [None, None]  # per buffer: the event after the GEMMs that last read it
-    for i, (r0, nr, v0, nc) in enumerate(chunks):
+    buf = torch.empty(rows, cols, dtype=gdt, device=hidden.device) if triton_path else None
+    tiles = operands(hidden, weight, opts.tma) if triton_path else None
+    for r0, nr, v0, nc in chunks:
         chunk_args = (hidden, weight, targets, lse, ent, g_lp, g_ent, r0, nr, v0, nc, vocab_start, inv_temp)
-        if overlap:
-            if released[i % 2] is not None:
-                side.wait_event(released[i % 2])
-            with torch.cuda.stream(side):
-                g = _triton_grad_chunk(*chunk_args, bufs[i % 2], operands)
-            main.wait_event(side.record_event())
-        elif triton_path:
-            g = _triton_grad_chunk(*chunk_args, bufs[0], operands)
+        if triton_path:
+            g = triton_grad_chunk(*chunk_args, buf, tiles)
         else:
-            g = _native_grad_chunk(*chunk_args, gdt)
+            g = native_grad_chunk(*chunk_args, gdt)
         h_c = hidden[r0 : r0 + nr]
         h_c = h_c if h_c.dtype == gdt else h_c.to(gdt)
         w_c = weight[v0 : v0 + nc]
         w_c = w_c if w_c.dtype == gdt else w_c.to(gdt)
         if need_dh:
-            _accumulate(dh[r0 : r0 + nr], g, w_c)
+            accumulate(dh[r0 : r0 + nr], g, w_c)
         if need_dw and one_pass:
             torch.mm(g.T, h_c, out=dw[v0 : v0 + nc])
         elif need_dw:
-            _accumulate(dw[v0 : v0 + nc], g.T, h_c)
-        if overlap:
-            released[i % 2] = main.record_event()
-    # The buffers are freed on the current stream after its wait on the last recompute, i.e. after all side work.
+            accumulate(dw[v0 : v0 + nc], g.T, h_c)
     return dh, dw
 
 
-class _Options(NamedTuple):
+class Options(NamedTuple):
     tma: bool  # load the logit tiles through TMA descriptors (Triton path)
-    streams: int  # 2: backward recompute on a second CUDA stream beside the gradient GEMMs
     chunk: int  # elements of one backward logit-gradient chunk (Triton path)
     q_tma: bool = True  # linear_logprobs_loss: q's tiles leave by TMA bulk stores where the loads use TMA
 
 
-_LOADS = ("auto", "tma", "pointer")
+LOADS = ("auto", "tma", "pointer")
+Q_STORES = ("tma", "pointer")
 
 
-def options(hidden=None, weight=None, triton_path=False) -> _Options:
-    """The A/B switches, read from the environment at each forward (an invalid value raises on every path):
+def options(hidden=None, weight=None, triton_path=False, *, loads="auto", bwd_chunk=None, q_store="tma") -> Options:
+    """The variants a benchmark compares (the public functions take them as private keywords; the defaults are the
+    measured winners; an invalid value raises on every path):
 
-    ``ARENO_LOGPROB_LOADS``: "auto" (default: TMA descriptors where the GPU (sm_90+) and the tensors' alignment
-    allow, else pointers), "tma" (required: raises where not possible), "pointer" (masked pointer loads).
-    ``ARENO_LOGPROB_BWD_STREAMS``: 1 (default) runs everything in order (one chunk buffer); 2 recomputes the next
-    logit-gradient chunk on a second CUDA stream while the current stream runs the gradient GEMMs (two buffers):
-    slower on the H200 (K2 fwd+bwd 35.5 ms vs 34.5 ms in one run: the recompute kernel and the GEMMs compete for the
-    SMs rather than fill each other's gaps).
-    ``ARENO_LOGPROB_BWD_CHUNK``: elements per logit-gradient chunk of the Triton backward (default 2^28: 512 MB in
-    bf16 per buffer); at least 65,536.
-    ``ARENO_LOGPROB_Q_STORE`` (``linear_logprobs_loss``): "tma" (default: q's tiles leave the statistics kernel as
-    bulk tensor stores wherever its loads use TMA) or "pointer" (per-thread masked stores)."""
-    loads = os.environ.get("ARENO_LOGPROB_LOADS", "auto").strip().lower() or "auto"
-    if loads not in _LOADS:
-        raise ValueError(f"ARENO_LOGPROB_LOADS must be one of {_LOADS} or unset, got {loads!r}")
-    streams = os.environ.get("ARENO_LOGPROB_BWD_STREAMS", "1").strip() or "1"
-    if streams not in ("1", "2"):
-        raise ValueError(f"ARENO_LOGPROB_BWD_STREAMS must be 1 or 2, got {streams!r}")
-    chunk = os.environ.get("ARENO_LOGPROB_BWD_CHUNK", "").strip()
-    if chunk and (not chunk.isdigit() or int(chunk) < 1 << 16):
-        raise ValueError(f"ARENO_LOGPROB_BWD_CHUNK must be an integer >= 65536 (elements), got {chunk!r}")
+    ``loads``: "auto" (TMA descriptors where the GPU (sm_90+) and the tensors' alignment allow, else pointers),
+    "tma" (required: raises where not possible), "pointer" (masked pointer loads).
+    ``bwd_chunk``: elements per logit-gradient chunk of the Triton backward (None: 2^28, 512 MB in bf16); at least
+    65,536.
+    ``q_store`` (``linear_logprobs_loss``): "tma" (q's tiles leave the statistics kernel as bulk tensor stores
+    wherever its loads use TMA) or "pointer" (per-thread masked stores)."""
+    if loads not in LOADS:
+        raise ValueError(f"logprobs: loads must be one of {LOADS}, got {loads!r}")
+    if bwd_chunk is not None and (not isinstance(bwd_chunk, int) or bwd_chunk < 1 << 16):
+        raise ValueError(f"logprobs: bwd_chunk must be an integer >= 65536 (elements), got {bwd_chunk!r}")
+    if q_store not in Q_STORES:
+        raise ValueError(f"logprobs: q_store must be one of {Q_STORES}, got {q_store!r}")
     tma = False
     if triton_path and loads != "pointer":
-        tma = _tma_possible(hidden, weight)
+        tma = tma_possible(hidden, weight)
         if loads == "tma" and not tma:
-            raise RuntimeError("ARENO_LOGPROB_LOADS=tma but TMA descriptors cannot be used here (they need sm_90+ or "
+            raise RuntimeError("logprobs: loads='tma' but TMA descriptors cannot be used here (they need sm_90+ or "
                                "the interpreter, 16-byte aligned hidden/weight rows)")  # fmt: skip
-    q_store = os.environ.get("ARENO_LOGPROB_Q_STORE", "tma").strip().lower() or "tma"
-    if q_store not in ("tma", "pointer"):
-        raise ValueError(f"ARENO_LOGPROB_Q_STORE must be tma or pointer, got {q_store!r}")
-    return _Options(tma, int(streams), int(chunk) if chunk else _GRAD_CHUNK_ELEMENTS, q_store == "tma")
-
-
-class _LinearLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, want_entropy, chunk_rows, group, triton_path):
-        opts = options(hidden, weight, triton_path)
-        vocab_start = 0
-        if group is not None:
-            import torch.distributed as dist
-
-            vocab_start = dist.get_rank(group) * weight.shape[0]
-        if triton_path:
-            parts = _triton_stats(hidden, weight, targets, vocab_start, inv_temp, want_entropy, opts.tma)
-        else:
-            parts = _native_stats(hidden, weight, targets, vocab_start, inv_temp, chunk_rows)
-        m, s, a, tz = _merge(parts)
-        if group is not None:
-            m, s, a, tz = _merge_across_ranks(m, s, a, tz, group)
-        log_s = torch.log(s)
-        lse = m + log_s
-        ent = log_s - a / s
-        ignore = targets < 0
-        logprobs = torch.where(ignore, torch.zeros_like(lse), tz - lse)
-        ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.cfg = (vocab_start, inv_temp, chunk_rows, group, triton_path, opts)
-        ctx.set_materialize_grads(False)
-        return logprobs, ent
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        hidden, weight, targets, lse, ent = ctx.saved_tensors
-        vocab_start, inv_temp, chunk_rows, group, triton_path, opts = ctx.cfg
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (g_lp is None and g_ent is None) or not (need_dh or need_dw):
-            return (None,) * 8
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.to(lse.dtype)
-        g_lp = torch.where(targets < 0, torch.zeros_like(g_lp), g_lp).contiguous()
-        g_ent = None if g_ent is None else g_ent.to(lse.dtype).contiguous()
-        dh, dw = _backward(hidden, weight, targets, vocab_start, inv_temp, lse, ent, g_lp, g_ent, need_dh, need_dw,
-                           chunk_rows, triton_path, opts)  # fmt: skip
-        if dh is not None and group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(dh, group=group)
-        dh = None if dh is None else dh.to(hidden.dtype)
-        dw = None if dw is None else dw.to(weight.dtype)
-        return dh, dw, None, None, None, None, None, None
+    return Options(tma, GRAD_CHUNK_ELEMENTS if bwd_chunk is None else bwd_chunk, q_store == "tma")
 
 
 def flat_inputs(hidden, weight, targets, temperature, name):
@@ -658,31 +568,3 @@ def flat_inputs(hidden, weight, targets, temperature, name):
     return h2, w, t, use_triton(h2, w, t, supported=hidden.dtype in _FLOATS and h2.shape[0] > 0)
 
 
-def linear_logprobs(hidden, weight, targets, *, temperature=1.0, return_entropy=False, chunk_size=None, tp_group=None):
-    """log softmax(hidden @ weight.T / temperature)[targets] in fp32, tile by tile (see the module docstring).
-
-    hidden ``[..., H]``, weight ``[V, H]`` (same dtype), targets int ``[...]`` in ``[0, V)`` or -100 (ignored: logprob
-    0 and no gradient through it; its entropy is still computed and differentiable, mask it in the loss).
-    Returns fp32 ``logprobs [...]`` (fp64 for fp64 inputs), or ``(logprobs, entropy)`` with ``return_entropy``.
-    ``chunk_size``: tokens per chunk of the recomputation (both paths) and of the native forward; default: sized
-    to a fixed memory budget. ``tp_group``: vocab parallel; ``weight`` is this rank's contiguous row shard
-    (rows ``rank * V_local`` onwards, equal shards), ``targets`` are global ids, the results equal the unsharded
-    call, the gradient of ``weight`` is the local shard's and the gradient of ``hidden`` is summed over ranks.
-    """
-    h2, w, t, path = flat_inputs(hidden, weight, targets, temperature, "linear_logprobs")
-    lead = targets.shape
-    lp, ent = _LinearLogprobs.apply(h2, w, t, 1.0 / float(temperature), return_entropy, chunk_size, tp_group, path)
-    if return_entropy:
-        return lp.reshape(lead), ent.reshape(lead)
-    return lp.reshape(lead)
-
-
-def reference_linear_logprobs(hidden, weight, targets, *, temperature=1.0):
-    """The plain full-logits computation (the test oracle; use float64 inputs): returns (logprobs, entropy)."""
-    logits = (hidden @ weight.T) / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    ignore = targets < 0
-    lp = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    lp = torch.where(ignore, torch.zeros_like(lp), lp)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return lp, entropy

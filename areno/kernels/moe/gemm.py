@@ -299,9 +299,9 @@ _even_pq = triton.heuristics({"EVEN_P": lambda args: args["P"] % args["BLOCK_P"]
 _gate_up = _even_k(_gate_up_kernel)
 _rows = _even_k(_expert_rows_kernel)
 _wgrad = _even_pq(_expert_weight_grad_kernel)
-_gate_up_tuned = _autotune(_GATE_UP_CONFIGS, ["N", "K", "tune_m", "SAVE_GU"])(_gate_up)
-_rows_tuned = _autotune(_ROWS_CONFIGS, ["N", "K", "tune_m", "stride_wk", "GATHER_A", "OUT_SORTED", "SCALE"])(_rows)
-_wgrad_tuned = _autotune(_WGRAD_CONFIGS, ["P", "Q", "tune_m", "GATHER_A"])(_wgrad)
+gate_up_tuned = _autotune(_GATE_UP_CONFIGS, ["N", "K", "tune_m", "SAVE_GU"])(_gate_up)
+rows_tuned = _autotune(_ROWS_CONFIGS, ["N", "K", "tune_m", "stride_wk", "GATHER_A", "OUT_SORTED", "SCALE"])(_rows)
+wgrad_tuned = _autotune(_WGRAD_CONFIGS, ["P", "Q", "tune_m", "GATHER_A"])(_wgrad)
 
 
 def _dot_prec(dtype: torch.dtype) -> str:
@@ -331,7 +331,7 @@ def gate_up(x, w13, order, counts, top_k: int, save_gu: bool):
     gu = torch.empty(M, I2, dtype=x.dtype, device=x.device) if save_gu else h
     args = (x, w13, order, counts, h, gu, M, E, I, H, top_k, x.stride(0), w13.stride(0), w13.stride(1),
             _tune_m(M, E))
-    _launch_rows(_gate_up, _gate_up_tuned, M, E, I, args, dict(SAVE_GU=save_gu), decode=_DECODE_GATE_UP)
+    _launch_rows(_gate_up, gate_up_tuned, M, E, I, args, dict(SAVE_GU=save_gu), decode=_DECODE_GATE_UP)
     return h, (gu if save_gu else None)
 
 
@@ -343,7 +343,7 @@ def expert_rows(a, w, w_strides, N: int, order, counts, top_k: int, *, scale=Non
     args = (a, w, order, counts, a if scale is None else scale, out, M, E, N, K, top_k, a.stride(0), *w_strides,
             _tune_m(M, E))
     consts = dict(GATHER_A=gather_a, OUT_SORTED=out_sorted, SCALE=scale is not None)
-    _launch_rows(_rows, _rows_tuned, M, E, N, args, consts)
+    _launch_rows(_rows, rows_tuned, M, E, N, args, consts)
     return out
 
 
@@ -374,5 +374,5 @@ def expert_weight_grad(a, b, order, counts, top_k: int, gather_a: bool, gather_b
     if interpreting():
         _wgrad[grid](*args, **consts, **_INTERP_WGRAD)
     else:
-        _wgrad_tuned[grid](*args, **consts)
+        wgrad_tuned[grid](*args, **consts)
     return out

@@ -44,9 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
+from areno.kernels._device import sm_count
+from areno.kernels.attention.prologue import check_prologue_inputs
 from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
-from areno.kernels.qkv_prologue import check_prologue_inputs
-from areno.kernels.rms_norm import _sm_count, rms_norm_native, sum_rows
+from areno.kernels.norm import rms_norm_native, sum_rows
 from areno.kernels.rope import apply_rope_native
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -325,7 +326,7 @@ def qk_norm_rope_bwd(dq, dk, dv, qkv, positions, cos, sin, num_heads, num_kv_hea
     tile = _INTERPRETER_TILE if interpreting() else (min(t for t, _ in _BWD_TILES) if tuned else _BWD_TILE)
     block_r, block_rv = _tiles(rows, width, tile), _tiles(t * hkv, block_d, tile)
     qk_tiles, v_tiles = triton.cdiv(rows, block_r), triton.cdiv(t * hkv, block_rv)
-    cap = _INTERPRETER_PROGRAMS if interpreting() or not qkv.is_cuda else _BWD_PER_SM * _sm_count(qkv.device.index or 0)
+    cap = _INTERPRETER_PROGRAMS if interpreting() or not qkv.is_cuda else _BWD_PER_SM * sm_count(qkv.device.index or 0)
     programs = max(1, min(max(qk_tiles, v_tiles), cap))  # the same for every tuned tiling
     dw_part = torch.empty((2, programs, d), dtype=torch.float32, device=qkv.device) if compute_dw else dqkv
     args = (dq, dk, dv, qkv, positions.contiguous(), cos, sin,

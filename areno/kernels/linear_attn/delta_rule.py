@@ -43,7 +43,7 @@ __all__ = [
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_CHUNKS = (16, 32, 64)
+CHUNKS = (16, 32, 64)
 MAX_DIM = 128  # head dims the Triton tiles hold (K = V = 128 fits sm_90 shared memory, checked by compiling)
 SUB = 16  # sub-block rows for the intra-chunk decay factorisation
 MIN_BLOCK = 16  # smallest tile side (tl.dot's minimum on a GPU; interpreter tests lower it and SUB to run fast)
@@ -625,7 +625,7 @@ def _delta_rule_bwd(do, dsfin, q, k, v, g, beta, saved, scale, cu, meta, C):
     return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), ds0
 
 
-class _ChunkGatedDeltaRule(torch.autograd.Function):
+class ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, s0, scale, cu, chunk_size, meta):
         o, sfin, saved = _delta_rule_fwd(q, k, v, g, beta, s0, scale, cu, meta, chunk_size)
@@ -650,7 +650,7 @@ def _chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, cu_se
     meta = _chunk_meta(cu_list, chunk_size, q.device)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     s0 = initial_state.float().contiguous() if initial_state is not None else None
-    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, s0, float(scale), cu, chunk_size, meta)
+    return ChunkGatedDeltaRule.apply(q, k, v, g, beta, s0, float(scale), cu, chunk_size, meta)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -723,7 +723,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     supported = (q.dtype in _TRITON_FLOATS and k.dtype == q.dtype and v.dtype == q.dtype
-                 and chunk_size in _CHUNKS and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM)
+                 and chunk_size in CHUNKS and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM)
     if use_triton(q, k, v, g, beta, supported=supported):
         o, final = _chunk_gated_delta_rule_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
         return o, (final if output_final_state else None)

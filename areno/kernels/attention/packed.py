@@ -15,40 +15,32 @@ delta = rowsum(dO * O) first, then dK/dV with one program per (BLOCK_N keys, seq
 query blocks of every query head of its group (no atomics), then dQ with one program per query block.
 FLOPs (causal, Lq == Lk = L): forward 4 * H * L^2 * D / 2, backward 2.5x that.
 
-Backward variants, picked by ``ARENO_ATTN_BWD`` (read when the forward runs; "auto", the default, is "gluon" on
-sm_90 where the installed Triton has Gluon, "tma_merged" on other sm_90+ and "split" elsewhere, the interpreter
-included):
+Backward variants ("auto", the default, is "gluon" on sm_90 where the installed Triton has Gluon, "tma_merged" on
+other sm_90+ and "split" elsewhere, the interpreter included; a benchmark picks one with ``attention(..., _bwd=)``):
 - "split": the dK/dV kernel above, then a dQ kernel that recomputes S and dP per query block: seven
-  [BLOCK, BLOCK, D] matmuls per (query block, key block) pair, 3.5x the forward's FLOPs, no atomics.
-- "fused": one pass. A program per (key tile, sequence, KV head), as in the dK/dV kernel (same causal block
-  skipping, GQA heads in turn so dK/dV stay in registers), also forms dQ_partial = dS K for each query block it
-  visits and adds it with fp32 atomics (relaxed) into a [Tq, Hq, D] fp32 accumulator that the delta kernel zeroes;
-  dQ = accumulator cast to q's dtype. Five matmuls per pair (2.5x the forward) plus Tq * Hq * D * ceil(Lk / BLOCK_N)
-  (causal: about half) fp32 atomic adds, i.e. one per 2 * BLOCK_N FLOPs of the dQ product, so BLOCK_N is kept at
-  64-128. Costs 4 * Tq * Hq * D bytes of scratch, and dQ's fp32 summation order varies from run to run (last-bit
-  differences; dK/dV are deterministic).
-- "tma": the split pair (dK/dV kernel, then dQ kernel) with every Q/K/V/dO tile moved by Hopper TMA descriptors
-  (``attention_tma.py``): no address tensors in registers, operands pipelined in shared memory.
-- "fused_tma": the fused pass through TMA descriptors, each [BLOCK_M, D] dQ partial added to the fp32 accumulator by
-  one bulk tensor reduce (``cp.reduce.async.bulk.tensor``, FlashAttention-3's way) instead of per-element atomics.
-- "tma_merged": the "tma" pair in one launch: program (t, sequence, KV head) runs the dK/dV program of key tile t
-  and the dQ program of query tile t for each query head of the group, one after the other (the order is part of
-  the tuned config); causal with Lq == Lk the heavy key tiles pair with the light query tiles, so every program does
-  the same work (``attention_tma.py``). Where TMA does not apply it runs the pointer "split" pair, as "tma" does.
-- "gluon": the single pass written in Gluon (``attention_gluon.py``, d128 bf16/fp16 on sm_90): warp-specialized as
-  FlashAttention-3's backward is, five products per pair, dQ partials added by TMA reduces into the fp32
-  accumulator (which the delta kernel zeroes); "tma_merged" where it does not apply (other head dims, fp32, no
-  Gluon), and "split" where TMA does not. dQ's fp32 summation order varies from run to run, as "fused"'s.
+  [BLOCK, BLOCK, D] matmuls per (query block, key block) pair, 3.5x the forward's FLOPs, no atomics. The fallback
+  where TMA does not apply (GPUs before sm_90, layouts a descriptor cannot address, the interpreter's default).
+- "tma_merged": the split pair with every Q/K/V/dO tile moved by Hopper TMA descriptors, in one launch: program
+  (t, sequence, KV head) runs the dK/dV program of key tile t and the dQ program of query tile t for each query
+  head of the group, one after the other (the order is part of the tuned config); causal with Lq == Lk the heavy key
+  tiles pair with the light query tiles, so every program does the same work (``tma.py``). Where TMA does not apply
+  it runs the pointer "split" pair. The fallback of "gluon" (other head dims, fp32, no Gluon).
+- "gluon": the single pass written in Gluon (``gluon.py``, d128 bf16/fp16 on sm_90): warp-specialized as
+  FlashAttention-3's backward is, five products per pair, dQ partials added by TMA reduces into an fp32
+  accumulator (which the delta kernel zeroes); "tma_merged" where it does not apply, and "split" where TMA does not.
+  dQ's fp32 summation order varies from run to run (last-bit differences; dK/dV are deterministic).
+Measured and removed (docs/kernels.md): a fused pointer pass with dQ by fp32 atomics, its TMA twin with dQ by bulk
+reduce, and the TMA split pair in two launches.
 
-Forward variants, picked by ``ARENO_ATTN_FWD``: "default" (the pointer kernel above), "tma" (the same kernel with
-TMA descriptors, ``attention_tma.py``) or "gluon" (``attention_gluon.py``: written in Gluon, for d128 warp-specialized
-as FlashAttention-3 is, a load warp and two consumer warpgroups sharing each K / V tile); "auto" (the default) is
-"gluon" on sm_90 where the installed Triton has Gluon, "tma" on other sm_90+, else "default". The TMA variants
-apply to head_dim 16/32/64/128/256 with heads packed in the last two dims (``attention_tma.tma_layout_ok``); other
-inputs, and GPUs before sm_90, run the pointer kernels.
+Forward variants (``_fwd=``): "default" (the pointer kernel above), "tma" (the same kernel with TMA descriptors,
+``tma.py``) or "gluon" (``gluon.py``: written in Gluon, for d128 warp-specialized as FlashAttention-3 is, a load
+warp and two consumer warpgroups sharing each K / V tile); "auto" (the default) is "gluon" on sm_90 where the
+installed Triton has Gluon, "tma" on other sm_90+, else "default". The TMA variants apply to head_dim
+16/32/64/128/256 with heads packed in the last two dims (``tma.tma_layout_ok``); other inputs, and GPUs before
+sm_90, run the pointer kernels.
 
-Both files' kernels are built from the same ``@triton.jit`` pieces in ``attention_common.py`` (the forward, dQ and
-dK/dV/fused inner loops, tile and block bounds), each taking a constexpr ``TMA`` that picks pointer or descriptor
+The pointer and TMA kernels are built from the same ``@triton.jit`` pieces in ``common.py`` (the forward, dQ and
+dK/dV inner loops, tile and block bounds), each taking a constexpr ``TMA`` that picks pointer or descriptor
 loads; Triton inlines them, so every kernel compiles as it did with its own copy (sm_90 PTX compared).
 """
 
@@ -56,15 +48,15 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from areno.kernels import attention_gluon
-from areno.kernels import attention_tma as tma
-from areno.kernels.attention_common import (
+from areno.kernels._device import has_tma
+from areno.kernels.attention import gluon as attention_gluon
+from areno.kernels.attention import tma
+from areno.kernels.attention.common import (
     dq_inner,
     fwd_inner,
     key_tile,
@@ -85,58 +77,53 @@ MAX_HEAD_DIM = 256
 # A "<kind>_tma" kernel without its own entry uses its pointer twin's tiles.
 # "bwd_merged_tma" (no pointer twin): (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, DQ_FIRST): phase 1's (dK/dV) and
 # phase 2's (dQ) tiles, and whether phase 2 runs first.
-INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "fused": (16, 32),
-                    "bwd_merged_tma": (16, 32, 32, 16, True)}
-BWD_VARIANTS = ("auto", "split", "fused", "tma", "fused_tma", "tma_merged", "gluon")
+INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (32, 16), "dq": (32, 16), "bwd_merged_tma": (16, 32, 32, 16, True)}
+BWD_VARIANTS = ("auto", "split", "tma_merged", "gluon")
 # Kernel kinds whose config constexprs are not (BLOCK_M, BLOCK_N), in INTERPRET_BLOCKS order, and the constexpr that
 # sizes grid dim 0 of each kind that is not a query-tile launch (BLOCK_M).
 _BLOCK_NAMES = {"bwd_merged_tma": ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "DQ_FIRST")}
-_GRID_AXIS = {"dkdv": "BLOCK_N", "fused": "BLOCK_N", "dkdv_tma": "BLOCK_N", "fused_tma": "BLOCK_N",
-              "bwd_merged_tma": "BLOCK_N1"}
+_GRID_AXIS = {"dkdv": "BLOCK_N", "bwd_merged_tma": "BLOCK_N1"}
 FWD_VARIANTS = ("auto", "default", "tma", "gluon")
 
 
-def _variant(env: str, choices: tuple) -> str:
-    variant = os.environ.get(env, choices[0]).strip().lower() or choices[0]
+def _check_variant(kind: str, variant: str | None, choices: tuple) -> str:
+    variant = "auto" if variant is None else variant
     if variant not in choices:
-        raise ValueError(f"{env} must be one of {choices} or unset, got {variant!r}")
+        raise ValueError(f"attention: _{kind} must be one of {choices} or None, got {variant!r}")
     return variant
 
 
-def backward_variant() -> str:
-    """``ARENO_ATTN_BWD``: "auto" (default: "gluon" on sm_90+ where this Triton has Gluon, else "tma_merged" on
-    sm_90+, else "split"), "split" (dK/dV kernel + dQ kernel), "fused" (one pass, dQ through atomics), "tma" (the
-    split pair with TMA descriptors), "tma_merged" (the "tma" pair as one launch, key tile t and query tile t per
-    program), "fused_tma" (the fused pass with TMA, dQ by bulk reduce) or "gluon" (the single-pass warp-specialized
-    Gluon kernel of ``attention_gluon.py``, dQ by TMA reduces; "tma_merged" where it does not apply). TMA kinds fall
-    back to their pointer twins ("tma_merged", "gluon": "split") where ``_use_tma`` says no."""
-    variant = _variant("ARENO_ATTN_BWD", BWD_VARIANTS)
+def backward_variant(variant: str | None = None) -> str:
+    """The backward that runs: ``variant`` ("split", "tma_merged", "gluon"; None or "auto": "gluon" on sm_90+ where
+    this Triton has Gluon, else "tma_merged" on sm_90+, else "split"). TMA kinds fall back to the pointer "split"
+    pair where ``_use_tma`` says no, "gluon" to "tma_merged" where it does not apply (module docstring)."""
+    variant = _check_variant("bwd", variant, BWD_VARIANTS)
     if variant == "auto":
-        return ("gluon" if attention_gluon.available() else "tma_merged") if _hopper() else "split"
+        return ("gluon" if attention_gluon.available() else "tma_merged") if hopper() else "split"
     return variant
 
 
-def forward_variant() -> str:
-    """``ARENO_ATTN_FWD``: "auto" (default: "gluon" on sm_90+ where this Triton has Gluon, else "tma" on sm_90+,
-    else "default"), "default" (pointer loads), "tma" (TMA descriptors) or "gluon" (the Gluon kernels of
-    ``attention_gluon.py``, sm_90 bf16/fp16; inputs they do not apply to run "tma")."""
-    variant = _variant("ARENO_ATTN_FWD", FWD_VARIANTS)
+def forward_variant(variant: str | None = None) -> str:
+    """The forward that runs: ``variant`` ("default": pointer loads, "tma": TMA descriptors, "gluon": the Gluon
+    kernels of ``gluon.py``, sm_90 bf16/fp16, inputs they do not apply to run "tma"; None or "auto": "gluon" on
+    sm_90+ where this Triton has Gluon, else "tma" on sm_90+, else "default")."""
+    variant = _check_variant("fwd", variant, FWD_VARIANTS)
     if variant != "auto":
         return variant
-    return ("gluon" if attention_gluon.available() else "tma") if _hopper() else "default"
+    return ("gluon" if attention_gluon.available() else "tma") if hopper() else "default"
 
 
 @functools.cache
-def _hopper() -> bool:
+def hopper() -> bool:
     """A compiled (not interpreted) run on an sm_90+ GPU: where the TMA variants measured faster (H200, K1 at 4k:
     fwd+bwd 4.96 ms vs the pointer pair's 6.07; the merged backward's one launch 3.44 ms of kernel time vs the TMA
     pair's 3.56, batch 4 (T2's attention) 1.77 vs 1.86)."""
-    return not interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return not interpreting() and torch.cuda.is_available() and has_tma()
 
 
 def _use_tma(*tensors: torch.Tensor) -> bool:
     """The TMA kernels run on sm_90+ (or interpreted) for layouts a [T, H * D] descriptor can address."""
-    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not interpreting() and not has_tma(tensors[0].device):
         return False
     return tma.tma_layout_ok(*tensors)
 
@@ -192,7 +179,7 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, DQ, T, stride_ot, stride_oh, stride_dt,
                            stride_dqh, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                            ZERO_DQ: tl.constexpr):
     # delta[h, t] = sum_d dO[t, h, d] * O[t, h, d]  (= rowsum(P * dP), the softmax-backward correction);
-    # ZERO_DQ (fused backward): also clear the rows of the fp32 dQ accumulator, saving a separate memset launch.
+    # ZERO_DQ (single-pass backward): also clear the rows of the fp32 dQ accumulator, saving a memset launch.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -264,56 +251,12 @@ def _attn_bwd_dkdv_kernel(
         do_ptrs = do_base + h * stride_doh
         lse_ptrs = LSE + h * stride_lh + q_start + offs_m
         delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
-        dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, None, None, stride_qt, stride_dot, 0,
-                          0, 0, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, D, BLOCK_M, EVEN_D,
-                          CAUSAL, DOT_PREC, False, False, False, False, False)
-        dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, None, None, stride_qt, stride_dot, 0,
-                          0, 0, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale, D, BLOCK_M, EVEN_D,
-                          False, DOT_PREC, False, False, False, False, False)
-    _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
-                    stride_dvh, D, EVEN_D)
-
-
-@triton.jit(do_not_specialize=["stride_lh"])
-def _attn_bwd_fused_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    GROUP, SEQ_BUCKET,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # The fused backward: the dK/dV program (one per key tile, sequence, KV head; every query head of the group in
-    # turn, so dK/dV stay in registers) also adds each visited query block's dQ into DQ, the fp32 [Tq, Hq, D]
-    # accumulator the delta kernel zeroed. Query blocks above the diagonal are skipped, the diagonal band masked.
-    # Addresses are rebuilt from the row index each step (ROW_ADDR) rather than kept as [BLOCK_M, D] pointer tensors
-    # across the loop: those tensors cost registers the two [BLOCK_N, D] fp32 accumulators need. Key rows past Lk
-    # were loaded as 0, so they add exactly 0 to dQ.
-    start_n, b, hk, k_start, Lk = key_tile(CU_K)
-    if start_n * BLOCK_N >= Lk:
-        return
-    q_start, Lq = seq_span(CU_Q, b)
-    diag = Lk - Lq
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k, v = _load_kv_tile(K, V, k_start, hk, cols, offs_d, Lk, stride_kt, stride_kh, stride_vt, stride_vh, D, EVEN_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
-        do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
-        dq_base = DQ + q_start.to(tl.int64) * stride_dqt + h * stride_dqh
-        lse_base = LSE + h * stride_lh + q_start
-        delta_base = DELTA + h * stride_lh + q_start
-        dk, dv = kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, None, dq_base, stride_qt, stride_dot,
-                          stride_dqt, 0, 0, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, D,
-                          BLOCK_M, EVEN_D, CAUSAL, DOT_PREC, False, True, True, False, False)
-        dk, dv = kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, None, dq_base, stride_qt, stride_dot,
-                          stride_dqt, 0, 0, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale, D,
-                          BLOCK_M, EVEN_D, False, DOT_PREC, False, True, True, False, False)
+        dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, 0, 0, offs_m,
+                          cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, DOT_PREC, False,
+                          False)
+        dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, 0, 0, offs_m,
+                          cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, D, BLOCK_M, EVEN_D, False, DOT_PREC, False,
+                          False)
     _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, D, EVEN_D)
 
@@ -370,7 +313,7 @@ _cfg = tile_config
 # bf16): each fits shared memory and spills little (<= ~300 bytes; most none). BLOCK_M is always the query tile and
 # BLOCK_N the key tile; the dK/dV kernel wants a tall key tile (its two fp32 accumulators are [BLOCK_N, D]) and
 # a short query step.
-_CONFIGS = {
+CONFIGS = {
     ("fwd", 64): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 4)],
     ("fwd", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 128, 8, 2), _cfg(64, 128, 8, 3),
                    _cfg(64, 64, 4, 3)],
@@ -383,28 +326,30 @@ _CONFIGS = {
     ("dq", 128): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 4), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 4),
                   _cfg(64, 64, 4, 2)],
     ("dq", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(32, 32, 4, 2)],
-    # The fused dK/dV/dQ pass: the dK/dV tiling plus a [D, BLOCK_M] fp32 dQ partial per step (all five products on
-    # wgmma, checked in the PTX). ptxas stack per config, d64: 0, 0, 80, 0 bytes; d128: 8, 8, 120, 40, 456;
-    # d256: 0, 8, 120. BLOCK_M 16 keeps d128 spill-free but gives the three [BLOCK_N, D] x [D, BLOCK_M] products
-    # an N of 16 (shared-memory bound); 64 x 128 is FlashAttention-2's tile and spills. Atomics: one per
-    # 2 * BLOCK_N FLOPs of dS K, so the key tile stays tall where the registers allow.
-    ("fused", 64): [_cfg(32, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
-    ("fused", 128): [_cfg(16, 128, 8, 2), _cfg(16, 128, 8, 3), _cfg(32, 128, 8, 2), _cfg(32, 64, 8, 3),
-                     _cfg(64, 128, 8, 2)],
-    ("fused", 256): [_cfg(16, 32, 8, 2), _cfg(32, 32, 8, 2), _cfg(16, 64, 8, 2)],
 }
-_CONFIGS.update(tma.CONFIGS)
-_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel,
-            "fused": _attn_bwd_fused_kernel, **tma.KERNELS}
+CONFIGS.update(tma.CONFIGS)
+_KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel, **tma.KERNELS}
 
 
 @functools.cache
-def _tuned(kind: str, dim_class: int):
+def autotuned(kind: str, dim_class: int):
+    """Kernel ``kind``'s autotuner over its candidates for one head-dim class (built once)."""
     key = ["SEQ_BUCKET", "BLOCK_D", "CAUSAL", "GROUP"]
-    # the fused pass accumulates into DQ with atomics: each benchmarked config must start from a zeroed DQ
-    reset = ["DQ"] if kind in ("fused", "fused_tma") else None
-    configs = autotune_candidates(_CONFIGS[(kind, dim_class)])
-    return triton.autotune(configs=configs, key=key, reset_to_zero=reset)(_KERNELS[kind])
+    configs = autotune_candidates(_SWEEP.get((kind, dim_class), CONFIGS[(kind, dim_class)]))
+    return triton.autotune(configs=configs, key=key)(_KERNELS[kind])
+
+
+_SWEEP: dict = {}  # (kind, head-dim class) -> the candidates a benchmark sweeps instead of CONFIGS' list
+
+
+def sweep_candidates(kind: str, dim_class: int, configs: list | None) -> None:
+    """For a benchmark's sweep: autotune kernel ``kind`` over ``configs`` (None: back to its own list) from the
+    next launch on; ``bench/attention.py --sweep`` prints each candidate's time."""
+    if configs is None:
+        _SWEEP.pop((kind, dim_class), None)
+    else:
+        _SWEEP[(kind, dim_class)] = list(configs)
+    autotuned.cache_clear()
 
 
 def _dim_class(block_d: int) -> int:
@@ -416,7 +361,7 @@ def _dim_class(block_d: int) -> int:
 FORCE_CONFIG: dict = {}
 
 
-def _launch(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucket: int, *args, **kwargs):
+def launch_kernel(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucket: int, *args, **kwargs):
     """Run kernel ``kind`` with grid (cdiv(grid_rows, tile), *grid_rest): autotuned on GPU, one config interpreted.
 
     TMA kinds take their descriptors positionally; each config's pre_hook (or the code below) sizes their blocks.
@@ -441,7 +386,7 @@ def _launch(kind: str, grid_rows: int, grid_rest: tuple, block_d: int, seq_bucke
         kernel[grid](*args, **cfg.kwargs, **kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = lambda meta: (triton.cdiv(grid_rows, meta[tile_axis]), *grid_rest)
-        _tuned(kind, _dim_class(block_d))[grid](*args, **kwargs)
+        autotuned(kind, _dim_class(block_d))[grid](*args, **kwargs)
 
 
 def _seq_bucket(n: int) -> int:
@@ -452,7 +397,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs stay exact; half inputs ignore it
 
 
-def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="default"):
+def attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="default"):
     Tq, Hq, D = q.shape
     B = cu_q.numel() - 1
     o = torch.empty_like(q)
@@ -462,14 +407,14 @@ def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="de
         attention_gluon.forward(q, k, v, o, lse, cu_q, cu_k, max_q, _seq_bucket(max(max_q, max_k)), causal,
                                 scale * _LOG2E)
     elif max_q > 0 and B > 0 and variant in ("tma", "gluon") and _use_tma(q, k, v, o):
-        _launch(
+        launch_kernel(
             "fwd_tma", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
             tma.descriptor(q), tma.descriptor(k), tma.descriptor(v), tma.descriptor(o), o, lse, cu_q, cu_k,
             scale * _LOG2E, o.stride(0), o.stride(1), lse.stride(0), Hq // k.shape[1],
             CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
         )  # fmt: skip
     elif max_q > 0 and B > 0:
-        _launch(
+        launch_kernel(
             "fwd", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
             q, k, v, o, lse, cu_q, cu_k, scale * _LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
@@ -479,35 +424,32 @@ def _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="de
     return o, lse
 
 
-def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, variant="split"):
+def attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, variant="split"):
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
     block_d = max(triton.next_power_of_2(D), 16)
-    use_tma = variant in ("tma", "fused_tma", "tma_merged", "gluon") and B > 0 and _use_tma(q, k, v, do)
+    use_tma = variant in ("tma_merged", "gluon") and B > 0 and _use_tma(q, k, v, do)
     if variant == "gluon" and not (use_tma and attention_gluon.applies(q, k, v, "bwd") is None):
         variant = "tma_merged"  # where the single pass does not apply: the merged pair (or the pointer split pair)
-    # fused_tma on a layout TMA cannot address: the pointer fused pass
-    fused = variant in ("fused", "fused_tma", "gluon")
-    if use_tma:  # packed [T, H, D], as the output descriptors address them; fused: dQ accumulates in fp32
+    single_pass = variant == "gluon"  # dQ accumulates in fp32 (zeroed by the delta kernel below), then is cast
+    if use_tma:  # packed [T, H, D], as the output descriptors address them
         dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (k, v))
-        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32 if fused else q.dtype)
+        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32 if single_pass else q.dtype)
     else:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        # fused: dQ accumulates in fp32 (zeroed by the delta kernel below), then is cast to q's dtype
-        dq = torch.empty(q.shape, device=q.device, dtype=torch.float32) if fused else torch.empty_like(q)
+        dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
     delta = torch.empty_like(lse)
     if Tq > 0:
         block_t = 16 if interpreting() else 64
         _attn_bwd_delta_kernel[(triton.cdiv(Tq, block_t), Hq)](
             o, do, delta, dq, Tq, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-            dq.stride(0), dq.stride(1), D=D, BLOCK_T=block_t, BLOCK_D=block_d, ZERO_DQ=fused,
+            dq.stride(0), dq.stride(1), D=D, BLOCK_T=block_t, BLOCK_D=block_d, ZERO_DQ=single_pass,
         )  # fmt: skip
     if B == 0:
         return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     common = dict(D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
     bucket = _seq_bucket(max(max_q, max_k))
-    if variant == "gluon":  # the single pass: dK, dV and sm_scale * dQ into the zeroed fp32 accumulator
+    if single_pass:  # dK, dV and sm_scale * dQ into the zeroed fp32 accumulator
         if max_k > 0:
             attention_gluon.backward(q, k, v, do, dq, dk, dv, lse, delta, cu_q, cu_k, max_k, bucket, causal,
                                      scale * _LOG2E, scale)
@@ -515,28 +457,18 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
             dk.zero_(), dv.zero_()
         return dq.to(q.dtype), dk, dv
     if use_tma:
-        _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                           fused, merged=variant == "tma_merged")
-        return dq.to(q.dtype), dk, dv
-    if fused:
-        if max_k > 0:
-            _launch(
-                "fused", max_k, (B, Hkv), block_d, bucket,
-                q, k, v, do, dq, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-                do.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                lse.stride(0), Hq // Hkv, **common,
-            )  # fmt: skip
+        _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale,
+                                  bucket)
         return dq.to(q.dtype), dk, dv
     if max_k > 0:
-        _launch(
+        launch_kernel(
             "dkdv", max_k, (B, Hkv), block_d, bucket,
             q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), Hq // Hkv, **common,
         )  # fmt: skip
     if max_q > 0:
-        _launch(
+        launch_kernel(
             "dq", max_q, (B, Hq), block_d, bucket,
             q, k, v, do, dq, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
@@ -545,51 +477,30 @@ def _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale,
     return dq, dk, dv
 
 
-def _attention_bwd_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
-                       fused, merged=False):
-    """The split (or fused, or merged) backward through TMA descriptors, into packed (contiguous [T, H, D]) dq, dk,
-    dv; fused: dq is the fp32 accumulator, already zeroed."""
+def _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket):
+    """The split pair through TMA descriptors in one launch, into packed (contiguous [T, H, D]) dq, dk, dv; grid dim
+    0 covers both phases' tiles (BLOCK_M2 == BLOCK_N1)."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
     common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
-    if merged:  # one launch; grid dim 0 covers both phases' tiles (BLOCK_M2 == BLOCK_N1)
-        if max(max_q, max_k) > 0:
-            # each phase has its own descriptors (block rows per phase): q, k, v, do again for phase 2
-            q2, k2, v2, do2 = (tma.descriptor(t) for t in (q, k, v, do))
-            _launch("bwd_merged_tma", max(max_q, max_k), (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, q2, k2, v2,
-                    do2, dq_, dq, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale, dq.stride(0), dk.stride(0),
-                    lse.stride(0), Hq // Hkv, **common)
-        if max_k == 0:
-            dk.zero_()
-            dv.zero_()
-        if max_q == 0:
-            dq.zero_()
-        return
-    if fused:
-        if max_k > 0:
-            _launch("fused_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dq_, dk_, dv_, dq, dk, dv, lse, delta,
-                    cu_q, cu_k, scale * _LOG2E, scale, dq.stride(0), dk.stride(0), lse.stride(0), Hq // Hkv,
-                    DESC_REDUCE=not interpreting(), **common)
-        else:
-            dk.zero_(), dv.zero_()
-        return
-    if max_k > 0:
-        _launch("dkdv_tma", max_k, (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, dk, dv, lse, delta, cu_q, cu_k,
-                scale * _LOG2E, scale, dk.stride(0), lse.stride(0), Hq // Hkv, **common)
-    else:
-        dk.zero_(), dv.zero_()
-    if max_q > 0:
-        _launch("dq_tma", max_q, (B, Hq), D, bucket, q_, k_, v_, do_, dq_, dq, lse, delta, cu_q, cu_k,
-                scale * _LOG2E, scale, dq.stride(0), lse.stride(0), Hq // Hkv, **common)
-    else:
+    if max(max_q, max_k) > 0:
+        # each phase has its own descriptors (block rows per phase): q, k, v, do again for phase 2
+        q2, k2, v2, do2 = (tma.descriptor(t) for t in (q, k, v, do))
+        launch_kernel("bwd_merged_tma", max(max_q, max_k), (B, Hkv), D, bucket, q_, k_, v_, do_, dk_, dv_, q2, k2, v2,
+                do2, dq_, dq, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale, dq.stride(0), dk.stride(0),
+                lse.stride(0), Hq // Hkv, **common)
+    if max_k == 0:
+        dk.zero_()
+        dv.zero_()
+    if max_q == 0:
         dq.zero_()
 
 
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant, bwd_variant):
-        o, lse = _attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant)
+        o, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant)
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, causal, scale, bwd_variant)
         return o
@@ -598,9 +509,9 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         do = do if do.stride(-1) == 1 else do.contiguous()
-        if ctx.args[-1] in ("tma", "fused_tma", "tma_merged", "gluon") and not tma.tma_layout_ok(do):
+        if ctx.args[-1] in ("tma_merged", "gluon") and not tma.tma_layout_ok(do):
             do = do.contiguous()  # e.g. an expanded gradient: pack it for the descriptors
-        dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -670,7 +581,7 @@ def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale):
     return out
 
 
-def _length_groups(lq: list[int], lk: list[int], slack: float = 2.0) -> list[list[int]]:
+def length_groups(lq: list[int], lk: list[int], slack: float = 2.0) -> list[list[int]]:
     """The sequences (with query rows) in groups padded together: longest first, a group grows while its padded
     score count stays within ``slack`` x its sequences' own (plus 4096, so short sequences always batch)."""
     order = sorted((b for b in range(len(lq)) if lq[b] > 0), key=lambda b: -max(lq[b], lk[b]))
@@ -697,7 +608,7 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale):
         return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     rows_all, vals_all = [], []
-    for group in _length_groups(lq, lk):
+    for group in length_groups(lq, lk):
         n_q, n_k = max(lq[b] for b in group), max(lk[b] for b in group)
         sq, sk = (torch.tensor([c[b] for b in group])[:, None] for c in (cq, ck))
         gq, gk = (torch.tensor([lens[b] for b in group])[:, None] for lens in (lq, lk))
@@ -754,20 +665,21 @@ def _triton_supported(q: torch.Tensor) -> bool:
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True, softmax_scale=None,
-              backend=None):
+              backend=None, _fwd=None, _bwd=None):
     """Packed varlen attention; ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_*`` int32 ``[B+1]``.
 
     Causal masks align to the end of each key sequence (query i sees keys j <= i + Lk - Lq). ``max_seqlen_*`` are
     host ints (upper bounds of the per-sequence lengths; they size the grid). ``backend``: None follows
-    ``use_triton``; "native" forces PyTorch (SDPA per sequence on CUDA, per group of similar-length sequences padded
-    together on the CPU); "triton" (alias "flash") forces Triton.
-    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. The Triton path's backward
-    follows ``ARENO_ATTN_BWD`` ("split", "fused", "tma", "tma_merged" or "fused_tma") and its forward
-    ``ARENO_ATTN_FWD`` ("default" or "tma"), both read here, at the forward (see the module docstring).
+    ``use_triton`` (``ARENO_KERNELS``; what ``--attn-backend flash`` gives); "native" forces PyTorch (SDPA per
+    sequence on CUDA, per group of similar-length sequences padded together on the CPU; ``--attn-backend
+    native``); "triton" (alias "flash") forces Triton.
+    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. ``_fwd`` / ``_bwd``: the Triton
+    path's forward ("default", "tma", "gluon") and backward ("split", "tma_merged", "gluon") for a benchmark or a
+    test to compare; None (or "auto") picks the measured default for the GPU (see the module docstring).
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     # an invalid value fails on every path, not only where it would take effect
-    fwd_variant, bwd_variant = forward_variant(), backward_variant()
+    fwd_variant, bwd_variant = forward_variant(_fwd), backward_variant(_bwd)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if backend is None:
         run_triton = use_triton(q, k, v, supported=_triton_supported(q))

@@ -1,10 +1,10 @@
-"""Hopper (sm_90) TMA variants of the packed varlen attention kernels: ``ARENO_ATTN_FWD=tma``,
-``ARENO_ATTN_BWD=tma`` (the split dK/dV + dQ pair), ``ARENO_ATTN_BWD=tma_merged`` (the same pair's two programs run
-one after the other by one program of one launch: key tile t's dK/dV, then query tile t's dQ) and
-``ARENO_ATTN_BWD=fused_tma`` (one pass, dQ by bulk reduce).
+"""Hopper (sm_90) TMA variants of the packed varlen attention kernels: the forward (``attention(_fwd="tma")``,
+the fallback of "gluon") and the merged backward (``_bwd="tma_merged"``: the split dK/dV + dQ pair's two programs run
+one after the other by one program of one launch: key tile t's dK/dV, then query tile t's dQ; the fallback of
+"gluon").
 
-Same math, tiling, causal block split and outputs as the pointer kernels in ``attention.py`` (see its docstring),
-through the same inner loops (``attention_common.py``, called with ``TMA=True``); what changes is how tiles reach the
+Same math, tiling, causal block split and outputs as the pointer kernels in ``packed.py`` (see its docstring),
+through the same inner loops (``common.py``, called with ``TMA=True``); what changes is how tiles reach the
 tensor cores. Every [rows, D] tile of Q, K, V, dO (and the full tiles of O, dQ,
 dK, dV on the way out) moves through a host-built tensor descriptor over the packed 2-D view ``[T, H * D]`` (block
 ``[BLOCK_M or BLOCK_N, D]``, coordinates ``(sequence start + tile offset, head * D)``): on sm_90 that is a bulk
@@ -19,11 +19,6 @@ next sequence's rows (zeros only past the tensor's end). Those rows are made har
 - key rows past Lk only occur in the masked (diagonal / tail) key blocks of the forward and dQ kernels, where
   ``cols < Lk`` sets their scores to -inf / P to 0; in the dK/dV kernel they only ever touch their own dK/dV rows,
   which are not stored (row n of dK/dV depends on key n alone).
-- fused_tma adds each [BLOCK_M, D] dQ partial into the fp32 accumulator with one bulk tensor reduce
-  (``cp.reduce.async.bulk.tensor .add``): rows past Lq carry dS = 0 exactly, so they add 0 to the next sequence's
-  rows, and key rows past Lk get P = 0 by an explicit ``cols < Lk`` mask where no causal mask already zeroes them
-  (non-causal). The interpreter has no descriptor reduce, so there (``DESC_REDUCE=False``) the same adds go
-  through pointer atomics; the GPU tests cover the reduce.
 - tma_merged: program (t, b, hk) does the dK/dV kernel's work for key tile t, then the dQ kernel's for query tile t
   of each query head h = hk * GROUP + g, with as many query rows in phase 2 as key rows in phase 1 (BLOCK_M2 ==
   BLOCK_N1). Causal, Lq == Lk: key tile t's work ~ L - t * BLOCK_N1 and query tile t's ~ (t + 1) * BLOCK_M2, so
@@ -36,20 +31,18 @@ So every stored value equals the pointer kernels' up to summation order.
 Applies where the layout allows it (``tma_layout_ok``): head_dim a power of two in [16, 256] (the descriptor's
 block is exactly D wide: a padded D would read the next head's columns), heads packed (stride(1) == D,
 stride(2) == 1), 16-byte aligned base and row stride. Other inputs run the pointer kernels (the dispatcher in
-``attention.py`` decides, per call). Runs under ``TRITON_INTERPRET=1`` (the interpreter emulates descriptors,
+``packed.py`` decides, per call). Runs under ``TRITON_INTERPRET=1`` (the interpreter emulates descriptors,
 including the cross-sequence reads), so the CPU tests check the bounds logic against float64.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from areno.kernels.attention_common import (
+from areno.kernels.attention.common import (
     dq_inner,
     fwd_inner,
     key_tile,
@@ -157,97 +150,14 @@ def _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, col,
     _store_rows(desc_dv, DV, dv.to(DV.dtype.element_ty), row0, col, n_valid, stride_dkt, BLOCK_N, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["stride_lh"])
-def _attn_bwd_dkdv_tma_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
-    stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
-    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # One program per (key tile, sequence, KV head): K/V tile resident, dK/dV in fp32 registers, Q/dO streamed by
-    # TMA for every query head of the GQA group. Query blocks above the diagonal are skipped, the band masked. Key
-    # rows past Lk (the next sequence's) only touch their own dK/dV rows, which are not stored.
-    start_n, b, hk, k_start, Lk = key_tile(CU_K)
-    q_start, Lq = seq_span(CU_Q, b)
-    _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, start_n, hk, k_start, Lk,
-                       q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC,
-                       BLOCK_M, BLOCK_N)
-
-
-@triton.jit(do_not_specialize=["stride_lh"])
-def _attn_bwd_dq_tma_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale, stride_dqt, stride_lh,
-    GROUP, SEQ_BUCKET,
-    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    start_m, b, h, q_start, Lq = query_tile(CU_Q)
-    if start_m * BLOCK_M >= Lq:
-        return
-    k_start, Lk = seq_span(CU_K, b)
-    diag = Lk - Lq
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    row_ok = offs_m < Lq
-    q = desc_q.load([q_start + start_m * BLOCK_M, h * BLOCK_D])
-    do = desc_do.load([q_start + start_m * BLOCK_M, h * BLOCK_D])
-    lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    col = (h // GROUP) * BLOCK_D
-    dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, 0, full, diag, Lk,
-                  qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
-    dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, full, hi, diag, Lk,
-                  qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
-    _store_rows(desc_dq, DQ, (dq * sm_scale).to(DQ.dtype.element_ty), q_start + start_m * BLOCK_M, h * BLOCK_D,
-                Lq - start_m * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
-
-
-@triton.jit(do_not_specialize=["stride_lh"])
-def _attn_bwd_fused_tma_kernel(
-    desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, DQ, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale,
-    sm_scale, stride_dqt, stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
-    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, DESC_REDUCE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # The dK/dV program above that also reduces each visited query block's dQ into DQ, the fp32 [Tq, Hq * D]
-    # accumulator the delta kernel zeroed: five products per (query block, key tile) instead of the split pair's 7.
-    # Rows past Lq have dS = 0 exactly, so the reduce adds 0 to the next sequence's rows; key rows past Lk get P = 0
-    # from the causal mask or (non-causal, KEY_MASK) an explicit one, so they reach no dQ.
-    start_n, b, hk, k_start, Lk = key_tile(CU_K)
-    if start_n * BLOCK_N >= Lk:
-        return
-    q_start, Lq = seq_span(CU_Q, b)
-    diag = Lk - Lq
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = desc_k.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
-    v = desc_v.load([k_start + start_n * BLOCK_N, hk * BLOCK_D])
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # a key tile past Lk is never "fully visible", so only the masked loop meets its tail rows
-    m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        lse_ptr = LSE + h * stride_lh + q_start
-        delta_ptr = DELTA + h * stride_lh + q_start
-        dq_base = DQ + q_start.to(tl.int64) * stride_dqt + h * BLOCK_D  # the interpreter's atomics (no DESC_REDUCE)
-        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, desc_dq, dq_base, 0, 0, stride_dqt,
-                          q_start, h * BLOCK_D, offs_m, cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale,
-                          BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC, True, True, True, False, DESC_REDUCE)
-        dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, desc_dq, dq_base, 0, 0, stride_dqt,
-                          q_start, h * BLOCK_D, offs_m, cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, sm_scale,
-                          BLOCK_D, BLOCK_M, True, False, DOT_PREC, True, True, True, not CAUSAL, DESC_REDUCE)
-    _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
-                    BLOCK_N, BLOCK_D)
-
-
 @triton.jit
 def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, t, hk, k_start, Lk,
                        q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D: tl.constexpr,
                        CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The dK/dV program for key tile t (nothing past Lk): the whole of the standalone dK/dV kernel and the merged
-    backward's phase 1."""
+    """The merged backward's phase 1: the dK/dV program for key tile t (nothing past Lk). One program per (key tile,
+    sequence, KV head): K/V tile resident, dK/dV in fp32 registers, Q/dO streamed by TMA for every query head of the
+    GQA group; query blocks above the diagonal are skipped, the band masked. Key rows past Lk (the next sequence's)
+    only touch their own dK/dV rows, which are not stored."""
     if t * BLOCK_N < Lk:
         diag = Lk - Lq
         offs_m = tl.arange(0, BLOCK_M)
@@ -261,12 +171,12 @@ def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV
             h = hk * GROUP + g
             lse_ptr = LSE + h * stride_lh + q_start
             delta_ptr = DELTA + h * stride_lh + q_start
-            dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
-                              h * BLOCK_D, offs_m, cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D,
-                              BLOCK_M, True, CAUSAL, DOT_PREC, True, True, False, False, False)
-            dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, None, None, 0, 0, 0, q_start,
-                              h * BLOCK_D, offs_m, cols, 0, a1, end, Lq, Lk, diag, qk_scale, sm_scale, BLOCK_D,
-                              BLOCK_M, True, False, DOT_PREC, True, True, False, False, False)
+            dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, 0, 0, q_start, h * BLOCK_D, offs_m,
+                              cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC, True,
+                              True)
+            dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, 0, 0, q_start, h * BLOCK_D, offs_m,
+                              cols, 0, a1, end, Lq, Lk, diag, qk_scale, BLOCK_D, BLOCK_M, True, False, DOT_PREC, True,
+                              True)
         _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, t, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
                         BLOCK_N, BLOCK_D)
 
@@ -347,37 +257,22 @@ def _mcfg(bm1, bn1, bm2, bn2, warps, stages, dq_first=True, maxnreg=None):
     return triton.Config(blocks, num_warps=warps, num_stages=stages, pre_hook=fit_descriptors, maxnreg=maxnreg)
 
 
-# Candidates per kernel and head dim, sm_90. The d128 lists come from a measured sweep (H200, K1 at 4k,
-# ``ARENO_ATTN_SWEEP=1 python bench/attention.py --variants --seqs 4096``): fwd 64 x 64 / 4 warps / 3 stages 1.19 ms,
-# 128 x 128 / 8 / 3 1.23; dK/dV 64 x 64 / 4 / 2 2.19 ms (the earlier best, 64 x 128 / 8 / 2, 2.73); dQ 128 x 64 /
-# 8 / 4 1.41. The rest were checked by compiling offline (ptxas, bf16, triton 3.7.1; the device may
-# run another triton): every one fits shared memory; stacks are noted where not 0. Without address
-# tensors the forward's 128 x 64 d128 tile needs 142 registers and no stack (its pointer twin: 255 and 440 bytes).
-# The dK/dV kernel's two [BLOCK_N, D] fp32 accumulators still bound it: d128 16 x 128 has no stack, 32 x 128 8-16
-# bytes, 64 x 128 120-170 bytes (kept for its wider query step, FlashAttention-2's tile); d256 32 x 64, 24 bytes.
+# Candidates per kernel and head dim, sm_90. The d128 forward list comes from a measured sweep (H200, K1 at 4k,
+# ``python bench/attention.py --variants --seqs 4096 --sweep wide``): 64 x 64 / 4 warps / 3 stages 1.19 ms,
+# 128 x 128 / 8 / 3 1.23. The rest were checked by compiling offline (ptxas, bf16, triton 3.7.1; the device may run
+# another triton): every one fits shared memory. Without address tensors the forward's 128 x 64 d128 tile needs 142
+# registers and no stack (its pointer twin: 255 and 440 bytes).
 CONFIGS = {
     ("fwd_tma", 64): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
     ("fwd_tma", 128): [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2),
                        _cfg(128, 64, 4, 3)],
     ("fwd_tma", 256): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 32, 4, 2)],
-    ("dkdv_tma", 64): [_cfg(64, 64, 4, 2), _cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2),
-                       _cfg(32, 64, 4, 3)],
-    ("dkdv_tma", 128): [_cfg(64, 64, 4, 2), _cfg(128, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(32, 64, 4, 2),
-                        _cfg(64, 128, 8, 2), _cfg(16, 128, 8, 3)],
-    ("dkdv_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
-    ("dq_tma", 64): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq_tma", 128): [_cfg(128, 64, 8, 4), _cfg(128, 64, 8, 3), _cfg(64, 128, 4, 3), _cfg(128, 32, 4, 3),
-                      _cfg(64, 64, 4, 2)],
-    ("dq_tma", 256): [_cfg(64, 32, 8, 2), _cfg(128, 32, 8, 2), _cfg(64, 64, 8, 2)],
-    # fused: the dK/dV tiling plus a [BLOCK_M, D] fp32 dQ partial; d128 stacks: 0, 0, 96, 72 bytes in this order
-    # (32 x 128: 264 bytes, left out)
-    ("fused_tma", 64): [_cfg(32, 128, 8, 2), _cfg(64, 128, 8, 2), _cfg(32, 64, 4, 3)],
-    ("fused_tma", 128): [_cfg(32, 64, 8, 3), _cfg(16, 64, 4, 3), _cfg(16, 128, 8, 2), _cfg(64, 64, 8, 2)],
-    ("fused_tma", 256): [_cfg(16, 64, 8, 2), _cfg(32, 64, 8, 2)],
     # merged (BLOCK_M1, BLOCK_N1, BLOCK_M2 == BLOCK_N1, BLOCK_N2, warps, stages, dQ phase first unless False): the
-    # dK/dV tiles of the lists above with a dQ phase of as many query rows. Not yet timed; compiled offline (sm_90,
-    # bf16, triton 3.7.1), stacks: d64 none; d128 120, 88, 0, 0, 144, 0 bytes in this order (the other phase order:
-    # 184, 200, 16, 8, 216, 16; 32 x 128 / 128 x 32 on 4 warps: 856, left out); d256 0, 56. Shared memory <= 160 KB.
+    # swept dK/dV tiles of the two-launch TMA pair (d128: 64 x 64 / 4 / 2 2.19 ms, its best; 64 x 128 / 8 / 2 2.73;
+    # the dK/dV accumulators bound the tile: 16 x 128 no stack, 64 x 128 120-170 bytes) with a dQ phase of as many
+    # query rows. Compiled offline (sm_90, bf16, triton 3.7.1), stacks: d64 none; d128 120, 88, 0, 0, 144, 0 bytes in
+    # this order (the other phase order: 184, 200, 16, 8, 216, 16; 32 x 128 / 128 x 32 on 4 warps: 856, left out);
+    # d256 0, 56. Shared memory <= 160 KB.
     ("bwd_merged_tma", 64): [_mcfg(64, 64, 64, 64, 4, 2), _mcfg(64, 64, 64, 64, 4, 3), _mcfg(32, 128, 128, 64, 8, 3),
                              _mcfg(64, 128, 128, 64, 8, 2), _mcfg(32, 64, 64, 64, 4, 3),
                              _mcfg(64, 128, 128, 128, 8, 2)],
@@ -386,24 +281,4 @@ CONFIGS = {
                               _mcfg(32, 64, 64, 32, 4, 3)],
     ("bwd_merged_tma", 256): [_mcfg(16, 64, 64, 32, 8, 2), _mcfg(32, 64, 64, 32, 8, 2)],
 }
-# ARENO_ATTN_SWEEP=1 (bench/attention.py --variants): a wide d128 candidate list per TMA kernel, to choose the
-# lists above from measured times (the bench prints each candidate's time). ARENO_ATTN_SWEEP=2: the neighbourhood of
-# the chosen tiles with fewer stages and register caps (3 programs per SM for 4-warp tiles at <= 168 registers).
-if os.environ.get("ARENO_ATTN_SWEEP") == "2":
-    _near = [(64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 4, 2, 168), (64, 64, 4, 1, 168), (64, 64, 4, 3, 168),
-             (64, 64, 4, 2, 200), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4, 168), (32, 64, 4, 2, 168),
-             (64, 32, 4, 2), (64, 32, 4, 3)]
-    CONFIGS[("fwd_tma", 128)] = [_cfg(*c) for c in _near + [(64, 64, 4, 3), (128, 128, 8, 3)]]
-    CONFIGS[("dq_tma", 128)] = [_cfg(*c) for c in _near + [(128, 64, 8, 4, 200)]]
-    CONFIGS[("dkdv_tma", 128)] = [_cfg(*c) for c in _near]
-elif os.environ.get("ARENO_ATTN_SWEEP"):
-    _wide = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
-             (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 3)]
-    CONFIGS[("fwd_tma", 128)] = [_cfg(*c) for c in _wide]
-    CONFIGS[("dq_tma", 128)] = [_cfg(*c) for c in _wide + [(128, 64, 8, 2), (128, 32, 4, 3)]]
-    CONFIGS[("dkdv_tma", 128)] = [_cfg(*c) for c in [
-        (16, 128, 8, 3), (16, 128, 8, 4), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 4), (64, 128, 8, 2),
-        (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3),
-        (16, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 2), (16, 128, 4, 3)]]
-KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "dkdv_tma": _attn_bwd_dkdv_tma_kernel, "dq_tma": _attn_bwd_dq_tma_kernel,
-           "fused_tma": _attn_bwd_fused_tma_kernel, "bwd_merged_tma": _attn_bwd_merged_tma_kernel}
+KERNELS = {"fwd_tma": _attn_fwd_tma_kernel, "bwd_merged_tma": _attn_bwd_merged_tma_kernel}

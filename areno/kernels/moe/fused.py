@@ -3,7 +3,7 @@
     y[t] = sum_j w[t, j] * (silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) W2_e^T,   e = topk_ids[t, j]
     w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]
 
-Triton path (kernels in moe_gemm.py):
+Triton path (kernels in gemm.py):
 1. Sort the M = T*k (token, slot) pairs by expert: a stable argsort of the ids plus per-expert counts. No host sync
    and no padded buffer: kernels cut each expert's rows into BLOCK_M blocks themselves from ``counts``.
 2. gate_up: h = silu(x Wg^T) * (x Wu^T) per sorted row, SiLU-and-mul fused; under autograd g|u is saved (M x 2I,
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from areno.kernels import moe_gemm
 from areno.kernels.dispatch import interpreting, use_triton
-from areno.kernels.moe_routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
+from areno.kernels.moe import gemm as moe_gemm
+from areno.kernels.moe.routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
 
 __all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native", "fused_moe_dense",
            "fused_moe_reference", "sort_by_expert"]
