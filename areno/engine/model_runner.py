@@ -60,22 +60,21 @@ SPARSE_MIN_WIDTH = 16  # the graphs' per-row logit-bias/ban list: a power of two
 def kv_cache_layout(model) -> tuple[int, tuple[int, ...]]:
     """(tensors per cache layer, per-token shape): K and V ``[Hkv_local, head_dim]`` unless the model says otherwise
     (``model.kv_cache_layout``: bailing_hybrid's latent MLA cache is one ``[r + d_rope]`` row a token)."""
-    layout = getattr(model, "kv_cache_layout", None)
-    if layout is not None:
-        return layout
-    return 2, (model.num_kv_heads_local, getattr(model, "kv_head_dim", model.head_dim))
+    if model.kv_cache_layout is not None:
+        return model.kv_cache_layout
+    return 2, (model.num_kv_heads_local, model.kv_head_dim)
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
-    layers = len(getattr(model, "kv_cache_layers", range(model.num_layers)))
+    layers = len(model.kv_cache_layers)
     n, shape = kv_cache_layout(model)
     return layers * n * block_size * math.prod(shape) * elem
 
 
 def state_bytes(model, max_running: int, dtype: torch.dtype) -> int:
     """Device bytes of a hybrid model's recurrent-state slots (0 for attention-only models)."""
-    shapes = model.recurrent_state_shapes() if hasattr(model, "recurrent_state_shapes") else None
+    shapes = model.recurrent_state_shapes()
     return max_running * RecurrentStates.bytes_per_slot(shapes, dtype) if shapes else 0
 
 
@@ -95,7 +94,7 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
         budget = int(kv_cache_memory)
     budget -= state_bytes(model, max_running, dtype)  # the recurrent-state slots come out of the same budget
     blocks = max(1, min(cap, budget // per_block))
-    if dist.is_initialized() and getattr(model, "tp_group", None) is not None:  # every TP rank the same size
+    if dist.is_initialized() and model.tp_group is not None:  # every TP rank the same size
         t = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=model.tp_group)
         blocks = int(t.item())
@@ -172,19 +171,19 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        kv_layers = getattr(model, "kv_cache_layers", range(model.num_layers))
+        kv_layers = model.kv_cache_layers
         n, shape = kv_cache_layout(model)
         self.kv_cache = torch.zeros(len(kv_layers), n, num_blocks, block_size, *shape, dtype=self.dtype,
                                     device=self.device)
         self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache), or a recurrent layer's pools
         for j, i in enumerate(kv_layers):
             self.kv_caches[i] = tuple(self.kv_cache[j, e] for e in range(n))
-        shapes = model.recurrent_state_shapes() if hasattr(model, "recurrent_state_shapes") else None
+        shapes = model.recurrent_state_shapes()
         self.states = RecurrentStates(shapes, max_running, dtype=self.dtype, device=self.device) if shapes else None
         if self.states is not None:
             for i, pools in self.states.caches().items():
                 self.kv_caches[i] = pools
-        self.record_routing = bool(record_routing and getattr(model, "num_moe_layers", 0))
+        self.record_routing = bool(record_routing and model.is_moe)
         self.last_routing = None
         self.use_graphs = (not eager) and self.device.type == "cuda"
         self.graph_buckets = [b for b in GRAPH_BUCKETS if b <= max(1, max_running)]
@@ -195,7 +194,7 @@ class ModelRunner:
         self.last_step_used_graph = False
         self._pinned: dict[tuple, list] = {}  # graph output shape -> two pinned (tokens, logprobs) pairs, alternated
         self._pinned_turn: dict[tuple, int] = {}
-        self.tp_group = getattr(model, "tp_group", None)
+        self.tp_group = model.tp_group
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         self.vocab_size = model.lm_head_weight.shape[0] * tp  # the width of the (gathered) logits
         self.eos_token_ids = sorted(set(eos_token_ids))  # banned with the stop ids before min_tokens
@@ -203,7 +202,7 @@ class ModelRunner:
         self.token_state = None  # [max_running, V] int32 token counts (areno.kernels.penalties), made when needed
         self._slots: dict[int, tuple] = {}  # rank 0: seq_id -> (sequence, its token-state slot)
         self._free_slots = list(range(max_running))[::-1]
-        self.images = ImageEmbeddings(model) if hasattr(model, "encode_images") else None  # a model with a tower
+        self.images = ImageEmbeddings(model) if model.is_multimodal else None  # a model with a tower
 
     def release(self) -> None:
         """Drop CUDA graphs and the KV cache (``--drop-rollout-state``)."""
@@ -604,7 +603,7 @@ class ModelRunner:
         from areno.kernels.paged_attention import warm_paged_attention
 
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
-        heads = getattr(getattr(self.model, "config", None), "num_heads", 0) // tp
+        heads = self.model.config.num_heads // tp
         seen, runs = set(), 0
         for entry in self.kv_caches:
             if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0].dim() == 4):

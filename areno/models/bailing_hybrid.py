@@ -501,6 +501,8 @@ class SigmoidMoE(nn.Module):
 
 
 class BailingHybridForCausalLM(CausalLM):
+    has_routing_bias = True  # the sigmoid routers' selection bias (update_routing_bias)
+
     def __init__(self, cfg: BailingHybridConfig, *, attn_backend: str = "flash"):
         def attn(cfg, i):
             full = cfg.layer_types[i] == "full_attention"
