@@ -36,18 +36,6 @@ log = logging.getLogger("areno.train")
 RL_ALGOS = ("grpo", "gspo", "ppo")
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _dtype(cfg, device) -> torch.dtype:
-    if cfg.dtype:
-        return getattr(torch, cfg.dtype)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def sampling_adjustments(cfg) -> dict:
     """The rollout's --min-p and penalties as SamplingOptions fields (rollout and agentic sampling alike)."""
     return {"min_p": cfg.min_p, "repetition_penalty": cfg.repetition_penalty,
@@ -115,8 +103,9 @@ class TrainLoop:
             self.run_dir = claim(cfg.save_path, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         torch.manual_seed(cfg.seed)
 
-        self.device = _device()
-        self.dtype = _dtype(cfg, self.device)
+        from areno.engine.build import device_and_dtype
+
+        self.device, self.dtype = device_and_dtype(cfg.dtype)
         self.model, self.tokenizer = self._load_policy()
         self.media = DatasetMedia(cfg.ckpt, cfg.dataset_path, limits=media_limits(cfg))
         self.rows = self._tokenize(rows)
