@@ -18,7 +18,7 @@ from areno.kernels.paged_attention import _store_kvcache_native
 from areno.kernels.short_conv import causal_conv1d_update_native
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
-from areno.testing.capture_guard import CaptureBreak, capture_guard
+from tests.helpers.capture_guard import CaptureBreak, capture_guard
 
 X = torch.arange(6.0)
 BREAKS = {

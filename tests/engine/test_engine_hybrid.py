@@ -12,7 +12,7 @@ from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
-from areno.testing.cpu_graph import CpuGraph
+from tests.helpers.cpu_graph import CpuGraph
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 
