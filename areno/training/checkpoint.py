@@ -103,8 +103,8 @@ def estimate_bytes(path: Path, model=None, optimizer=None, world: int = 1) -> in
         for t in list(model.parameters()) + list(model.buffers()):
             if id(t) not in seen:
                 seen.add(id(t))
-                total += t.numel() * t.element_size() * (model.tp_group.size() if model.tp_group is not None
-                                                         else 1)
+                total += t.numel() * t.element_size() * (model.tp_group.size() if getattr(model, "tp_group", None)
+                                                         is not None else 1)
     buckets = getattr(optimizer, "buckets", None) or []
     total += 4 * sum(b.state_numel for b in buckets) * world
     return total
