@@ -26,7 +26,8 @@ import torch.distributed as dist
 from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import token_mask
 from areno.engine.images import PromptImages
-from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step, plan_num_blocks
+from areno.engine.kv_cache import plan_num_blocks
+from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import SamplingOptions, Sequence
 from areno.engine.stopping import StopChecker

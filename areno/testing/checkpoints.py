@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from areno.testing import tokenizer as tiny_tokenizer
+import areno.testing.tokenizer as tiny_tokenizer
 from areno.testing.qwen3_vl import make_tiny_vl_checkpoint
 from areno.testing.shapes import weight_shapes
 

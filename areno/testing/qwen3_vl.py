@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from areno.testing import tokenizer as tiny_tokenizer
+import areno.testing.tokenizer as tiny_tokenizer
 from areno.testing.shapes import weight_shapes
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")

@@ -9,8 +9,8 @@ native decode paths of the kernels a decode step calls, then the body the engine
 import pytest
 import torch
 
+from areno.engine.decode_graphs import graph_key
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.model_runner import _graph_key
 from areno.engine.sequence import SamplingOptions
 from areno.kernels.delta_rule import gated_delta_rule_step_native
 from areno.kernels.moe import fused_moe_native, fused_moe_reference
@@ -140,7 +140,7 @@ def test_decode_graph_body_is_capturable(family, k, record_routing, adjust):
     def capture(bsz, k, width=0, rope_off=False):
         buf = runner._graph_buffers(bsz, width, rope_off)
         graph = _GuardedGraph(runner, buf, k)
-        runner.graphs[_graph_key(bsz, k, width, rope_off)] = (graph, buf, graph.out)
+        runner.graphs[graph_key(bsz, k, width, rope_off)] = (graph, buf, graph.out)
 
     runner._capture = capture
     got = eng.generate(prompts, opts)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.model_runner import kv_bytes_per_block, state_bytes
+from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
 from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.models.attention_metadata import AttentionMetadata
