@@ -129,7 +129,7 @@ def run_layout(model, kind: str, device, args, vocab: int) -> list[dict]:
     from rollout import logprob_diff
 
     from areno.engine.engine import Engine, EngineConfig
-    from areno.engine.model_runner import kv_bytes_per_block
+    from areno.engine.kv_cache import kv_bytes_per_block
 
     model.set_mla_cache(kind)
     cfg = EngineConfig(block_size=16, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,

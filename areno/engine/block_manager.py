@@ -149,17 +149,6 @@ class BlockManager:
             self.pending_state_copies.append((parent.state_slot, child.state_slot))
         self._hashed[child.seq_id] = self._hashed.get(parent.seq_id, (0, 0))
 
-    def can_append(self, seqs) -> bool:
-        return self._append_need(seqs) <= self.num_free
-
-    def _append_need(self, seqs) -> int:
-        need = 0
-        for seq in seqs:
-            idx = (len(seq) - 1) // self.block_size
-            if idx >= len(seq.block_table) or self.ref_count[seq.block_table[idx]] > 1:
-                need += 1
-        return need
-
     def prepare_append(self, seq: Sequence) -> bool:
         """Make the slot of ``seq``'s last token writable: a new block, or a private copy of a shared one."""
         idx = (len(seq) - 1) // self.block_size

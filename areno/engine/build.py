@@ -1,4 +1,10 @@
-"""Build an engine session from a checkpoint: model + tokenizer + KV cache, the way serve and train open one."""
+"""The one build path of a rollout engine for train and serve: device/dtype, EOS ids, EngineConfig, and the engine
+session from a checkpoint (model + tokenizer + KV cache) the way serve opens one.
+
+``areno train`` (``rl/rollout_colocated.engine_config``, both rollout modes) and ``areno serve``
+(``serve/server.build_app`` through ``build_engine``) build their engines through these functions; only the values
+they pass differ (the flags of each command).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,23 @@ from pathlib import Path
 import torch
 
 from areno.engine.engine import Engine, EngineConfig
+from areno.models.loader import default_device
+
+
+def device_and_dtype(dtype=None, device=None, *, checkpoint_dtype: bool = False) -> tuple[torch.device, object]:
+    """``(device, dtype)`` for a run: ``device`` as given, else the current CUDA device or the CPU; ``dtype`` (a name
+    such as ``"bfloat16"`` or a ``torch.dtype``) as given, else bfloat16 on CUDA and float32 on the CPU, or with
+    ``checkpoint_dtype`` None (the loader then reads the checkpoint's own dtype: ``areno serve``)."""
+    device = default_device() if device is None else torch.device(device)
+    if isinstance(dtype, str) and dtype:
+        return device, getattr(torch, dtype)
+    if dtype or checkpoint_dtype:
+        return device, dtype or None
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def eos_ids_from_checkpoint(path) -> list[int]:
+    """The ``eos_token_id`` entries of a local checkpoint's generation_config.json and config.json."""
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
@@ -23,6 +43,30 @@ def eos_ids_from_checkpoint(path) -> list[int]:
     return sorted(ids)
 
 
+def eos_token_ids(model_path, tokenizer) -> list[int] | None:
+    """The engine's stop ids: a local checkpoint's EOS ids and the tokenizer's; None for a hub id or no path (the
+    engine then stops on the tokenizer's EOS)."""
+    if not model_path or not Path(str(model_path)).is_dir():
+        return None
+    ids = set(eos_ids_from_checkpoint(model_path))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def engine_config(model, *, max_running: int = 256, max_model_len: int | None = None, eager_decode: bool = False,
+                  decode_steps: int = 1, seed: int = 0, kv_cache_memory: float | None = None,
+                  decode_progress_interval_s: float | None = None, block_size: int = 16,
+                  record_routing: bool = False) -> EngineConfig:
+    """The ``EngineConfig`` for ``model`` and a command's values; ``record_routing`` (routing replay) only applies to
+    a sparse-MoE model (``model.is_moe``)."""
+    return EngineConfig(
+        block_size=block_size, max_running=max_running, max_model_len=max_model_len, eager_decode=eager_decode,
+        decode_steps=decode_steps, seed=seed, kv_cache_memory=kv_cache_memory,
+        decode_progress_interval_s=decode_progress_interval_s, record_routing=record_routing and model.is_moe,
+    )
+
+
 def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_running=256, max_model_len=None,
                  eager_decode=False, attn_backend=None, decode_progress_interval_s=None, dtype=None, seed=0,
                  kv_cache_memory=None, block_size=16, device=None):
@@ -30,22 +74,14 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
     from areno.distributed.parallel import get_tp_group
     from areno.models import load_model, load_tokenizer
 
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    device, dtype = device_and_dtype(dtype, device, checkpoint_dtype=True)
     if model is None:
         model = load_model(model_path, dtype=dtype, device=device, tp_group=get_tp_group() if tp_size > 1 else None,
                            attn_backend=attn_backend)
     model.eval()
     if tokenizer is None:
         tokenizer = load_tokenizer(model_path)
-    local = Path(str(model_path))
-    eos = eos_ids_from_checkpoint(local) if local.is_dir() else None
-    if eos is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        eos = sorted(set(eos) | {tokenizer.eos_token_id})
-    config = EngineConfig(
-        block_size=block_size, max_running=max_running, max_model_len=max_model_len, eager_decode=eager_decode,
-        decode_progress_interval_s=decode_progress_interval_s, seed=seed, kv_cache_memory=kv_cache_memory,
-    )
-    return Engine(model, tokenizer, config, eos_token_ids=eos), tokenizer
+    config = engine_config(model, block_size=block_size, max_running=max_running, max_model_len=max_model_len,
+                           eager_decode=eager_decode, decode_progress_interval_s=decode_progress_interval_s,
+                           seed=seed, kv_cache_memory=kv_cache_memory)
+    return Engine(model, tokenizer, config, eos_token_ids=eos_token_ids(model_path, tokenizer)), tokenizer

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import token_mask
 from areno.engine.images import PromptImages
-from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step, plan_num_blocks
+from areno.engine.kv_cache import plan_num_blocks
+from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import SamplingOptions, Sequence
 from areno.engine.stopping import StopChecker
@@ -82,10 +83,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         cfg = self.config
-        model_max = getattr(getattr(model, "config", None), "max_position_embeddings", 4096)
+        model_max = model.config.max_position_embeddings
         self.max_model_len = cfg.max_model_len or model_max
         if eos_token_ids is None:
-            eos_token_ids = _eos_ids(model, tokenizer)
+            eos_token_ids = tokenizer_eos_ids(tokenizer)
         self.stopper = StopChecker(tokenizer, eos_token_ids, self.max_model_len)
         self._rng = random.Random(cfg.seed)
         self.grammars = None  # compiled structured-output grammars (areno.engine.grammar), built on first use
@@ -106,8 +107,8 @@ class Engine:
             self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
             max_running=cfg.max_running, max_model_len=self.max_model_len,
         )
-        hybrid = hasattr(self.model, "recurrent_state_shapes") and self.model.recurrent_state_shapes() is not None
-        record = cfg.record_routing and getattr(self.model, "num_moe_layers", 0) > 0
+        hybrid = self.model.is_hybrid
+        record = cfg.record_routing and self.model.is_moe
         if cfg.prefix_caching and (hybrid or record):
             log.info("prefix caching across requests is off: %s", "the model has recurrent state" if hybrid else
                      "routing is recorded for replay")
@@ -148,7 +149,7 @@ class Engine:
 
     def close(self) -> None:
         """Release the TP followers (they leave their loop); call once, on rank 0, when the session ends."""
-        group = getattr(self.model, "tp_group", None)
+        group = self.model.tp_group
         if group is not None and self.tp_rank == 0:
             broadcast_step(None, group)
 
@@ -165,7 +166,7 @@ class Engine:
         """Capture every batch bucket's decode graph now instead of on first use (``ModelRunner.capture_graphs``);
         under tensor parallelism the ranks capture together on first use, so nothing happens here."""
         self._ensure_built()
-        if getattr(self.model, "tp_group", None) is not None:
+        if self.model.tp_group is not None:
             return 0
         return self.runner.capture_graphs(decode_steps)
 
@@ -177,7 +178,7 @@ class Engine:
         parallelism (the ranks would have to step together), nor off the GPU unless ``on_cpu`` (nothing compiles
         there). Seeded requests: the engine's own seed stream is untouched. Returns {"variants": n, "prefills": m}."""
         self._ensure_built()
-        if getattr(self.model, "tp_group", None) is not None or (self.runner.device.type != "cuda" and not on_cpu):
+        if self.model.tp_group is not None or (self.runner.device.type != "cuda" and not on_cpu):
             return {"variants": 0, "prefills": 0}
         variants = self.runner.warm_kernels()
         vocab = self.runner.vocab_size
@@ -233,7 +234,7 @@ class Engine:
         if self.grammars is None:
             if self.tokenizer is None:
                 raise GrammarError("structured outputs need the engine's tokenizer")
-            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) or len(self.tokenizer)
+            vocab = self.model.config.vocab_size or len(self.tokenizer)
             self.grammars = Grammars(self.tokenizer, vocab, self.stopper.eos)
         stops = set(options.stop_token_ids) if options.ignore_eos else self.stopper.eos.union(options.stop_token_ids)
         for seq in group:
@@ -416,7 +417,7 @@ class Engine:
     # ---- synchronous API (RL rollout) ----------------------------------------------------------------------
     @property
     def tp_rank(self) -> int:
-        group = getattr(self.model, "tp_group", None)
+        group = self.model.tp_group
         return dist.get_rank(group) if group is not None else 0
 
     def generate(self, prompts: list, options=None, *, on_finished=None) -> list[list[Completion]]:
@@ -432,7 +433,7 @@ class Engine:
         Under tensor parallelism every rank of the TP group calls this: rank 0 schedules and runs the steps, the
         others execute the steps it broadcasts, and all return rank 0's results.
         """
-        group = getattr(self.model, "tp_group", None)
+        group = self.model.tp_group
         if group is not None and self.tp_rank != 0:
             self._ensure_built()
             TPWorker(self.runner).loop()
@@ -498,14 +499,8 @@ def _grammar_reason(seq: Sequence, token: int, reason: str | None) -> str | None
     return "stop" if seq.grammar.finished else reason
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
+def tokenizer_eos_ids(tokenizer) -> list[int]:
+    """The tokenizer's EOS id (the engine's stop ids when none are given; ``engine.build.eos_token_ids`` adds the
+    checkpoint's generation_config/config ids)."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    return [] if eos is None else [eos]

@@ -47,9 +47,8 @@ class PromptImages:
         known, ``image_hashes``, ``positions``, ``rope_delta``); None when it holds no image."""
         if getattr(mm, "pixel_values", None) is None:
             return None
-        if not hasattr(model, "encode_images"):
-            name = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-            raise ValueError(f"the model ({name}) does not take image input")
+        if not model.is_multimodal:
+            raise ValueError(f"the model ({model.config.model_type}) does not take image input")
         if list(mm.input_ids) != list(prompt_ids):
             raise ValueError("prompt_ids differ from the multimodal prompt's input_ids")
         pv, grid = mm.pixel_values.detach().cpu(), torch.as_tensor(mm.image_grid_thw).cpu().long().reshape(-1, 3)

@@ -31,138 +31,34 @@ Routing capture (``record_routing``, sparse-MoE models, for routing replay in tr
 expert ids each MoE layer chose for each token it computed, ``last_routing`` (CPU int32 ``[num_moe_layers, T, k]``,
 or ``[steps, num_moe_layers, rows, k]`` for (multi-step) decode), written by the layers into a buffer that is static
 under CUDA graphs.
+
+The runner's concerns live in their own modules: ``kv_cache`` (the cache's layout and size), ``step_inputs`` (the
+step records), ``logit_adjust`` (the adjustments and token-count slots), ``decode_graphs`` (the decode graphs and the
+k-step device loop, a mixin of ``ModelRunner``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from areno.engine.decode_graphs import GRAPH_BUCKETS, DecodeGraphs
 from areno.engine.grammar import apply_token_mask
-from areno.engine.images import ImageEmbeddings, ImageStep
+from areno.engine.images import ImageEmbeddings
+from areno.engine.kv_cache import kv_cache_layout
+from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.scheduler import Step
-from areno.engine.sequence import Status
 from areno.engine.state_cache import RecurrentStates
-from areno.kernels.penalties import apply_logit_bias, apply_penalties, record_tokens, reset_token_state
+from areno.engine.step_inputs import DecodeLaunch, StepInputs
 from areno.kernels.sampler import logits_f32, sample
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import gather_from_tp
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-SPARSE_MIN_WIDTH = 16  # the graphs' per-row logit-bias/ban list: a power of two, at least this wide
 
-
-def kv_cache_layout(model) -> tuple[int, tuple[int, ...]]:
-    """(tensors per cache layer, per-token shape): K and V ``[Hkv_local, head_dim]`` unless the model says otherwise
-    (``model.kv_cache_layout``: bailing_hybrid's latent MLA cache is one ``[r + d_rope]`` row a token)."""
-    layout = getattr(model, "kv_cache_layout", None)
-    if layout is not None:
-        return layout
-    return 2, (model.num_kv_heads_local, getattr(model, "kv_head_dim", model.head_dim))
-
-
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    layers = len(getattr(model, "kv_cache_layers", range(model.num_layers)))
-    n, shape = kv_cache_layout(model)
-    return layers * n * block_size * math.prod(shape) * elem
-
-
-def state_bytes(model, max_running: int, dtype: torch.dtype) -> int:
-    """Device bytes of a hybrid model's recurrent-state slots (0 for attention-only models)."""
-    shapes = model.recurrent_state_shapes() if hasattr(model, "recurrent_state_shapes") else None
-    return max_running * RecurrentStates.bytes_per_slot(shapes, dtype) if shapes else 0
-
-
-def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_running, max_model_len) -> int:
-    """Blocks for the KV cache: the memory budget, capped by max_running full-length sequences."""
-    per_block = kv_bytes_per_block(model, block_size, dtype)
-    cap = max_running * math.ceil(max_model_len / block_size) + max_running  # + one spare per sequence
-    if kv_cache_memory is None:
-        kv_cache_memory = 0.5 if device.type == "cuda" else 256 * 2**20
-    if kv_cache_memory <= 1.0:  # a fraction of the free device memory
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * kv_cache_memory)
-        else:
-            budget = int(kv_cache_memory * 2**30)
-    else:
-        budget = int(kv_cache_memory)
-    budget -= state_bytes(model, max_running, dtype)  # the recurrent-state slots come out of the same budget
-    blocks = max(1, min(cap, budget // per_block))
-    if dist.is_initialized() and getattr(model, "tp_group", None) is not None:  # every TP rank the same size
-        t = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=model.tp_group)
-        blocks = int(t.item())
-    return blocks
-
-
-@dataclass
-class LogitAdjust:
-    """A step's per-row logit adjustments (see the module docstring), one entry per sampled row."""
-
-    slots: list[int]  # the row's token-count slot, -1: no penalties
-    repetition: list[float]
-    presence: list[float]
-    frequency: list[float]
-    min_p: list[float]
-    min_left: list[int]  # output tokens still to sample before EOS and stop ids may be (min_tokens)
-    sparse: list[list[tuple[int, float, bool]]]  # (token id, bias, banned while min_left > 0); distinct ids
-    init: list[tuple[int, list[int], list[int]]]  # slots to fill before the step: (slot, prompt ids, output ids)
-
-    @property
-    def width(self) -> int:
-        return max(map(len, self.sparse), default=0)
-
-
-@dataclass
-class StepInputs:
-    """One step as plain lists: what TP rank 0 broadcasts and every rank executes."""
-
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    cu_q: list[int]
-    seq_lens: list[int]
-    tables: list[list[int]]
-    is_decode: bool
-    row_index: list[int]  # hidden row sampled by each output row
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
-    seeds: list[int]
-    offsets: list[int]
-    top_logprobs: int
-    copies: list[tuple[int, int]]
-    decode_steps: int = 1  # > 1: multi-step decode (see the module docstring)
-    adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
-    token_mask: tuple | None = None  # structured outputs: (rows, int32 bitmask), see areno.engine.grammar
-    # prompts with images (areno.engine.images), None for text: the model's positions where they differ from the
-    # cache positions ([T], or [3][T] when the step holds image tokens), decode's per-row offsets, the image work
-    rope_positions: list | None = None
-    rope_offsets: list[int] | None = None
-    images: ImageStep | None = None
-    # hybrid models: each sequence's (chunk's) recurrent-state slot, and the (src, dst) slot copies of forks
-    state_slots: list[int] | None = None
-    state_copies: list[tuple[int, int]] | None = None
-
-
-@dataclass
-class DecodeLaunch:
-    """A k-step decode group queued on the device and not yet read (``ModelRunner.launch_decode_steps``)."""
-
-    k: int
-    n: int  # rows
-    device_tokens: torch.Tensor | None  # [k, >= n] on the device: a later group's input ids come from its last step
-    host: tuple  # (tokens int64, logprobs) [k, >= n] on the host: pinned copies in flight, or the results
-    event: object = None  # a CUDA event after the copies to ``host``; None when ``host`` is ready
-
-
-class ModelRunner:
+class ModelRunner(DecodeGraphs):
     def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None,
                  eos_token_ids=(), record_routing=False):
         self.model = model
@@ -171,19 +67,19 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        kv_layers = getattr(model, "kv_cache_layers", range(model.num_layers))
+        kv_layers = model.kv_cache_layers
         n, shape = kv_cache_layout(model)
         self.kv_cache = torch.zeros(len(kv_layers), n, num_blocks, block_size, *shape, dtype=self.dtype,
                                     device=self.device)
         self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache), or a recurrent layer's pools
         for j, i in enumerate(kv_layers):
             self.kv_caches[i] = tuple(self.kv_cache[j, e] for e in range(n))
-        shapes = model.recurrent_state_shapes() if hasattr(model, "recurrent_state_shapes") else None
+        shapes = model.recurrent_state_shapes()
         self.states = RecurrentStates(shapes, max_running, dtype=self.dtype, device=self.device) if shapes else None
         if self.states is not None:
             for i, pools in self.states.caches().items():
                 self.kv_caches[i] = pools
-        self.record_routing = bool(record_routing and getattr(model, "num_moe_layers", 0))
+        self.record_routing = bool(record_routing and model.is_moe)
         self.last_routing = None
         self.use_graphs = (not eager) and self.device.type == "cuda"
         self.graph_buckets = [b for b in GRAPH_BUCKETS if b <= max(1, max_running)]
@@ -194,23 +90,18 @@ class ModelRunner:
         self.last_step_used_graph = False
         self._pinned: dict[tuple, list] = {}  # graph output shape -> two pinned (tokens, logprobs) pairs, alternated
         self._pinned_turn: dict[tuple, int] = {}
-        self.tp_group = getattr(model, "tp_group", None)
+        self.tp_group = model.tp_group
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         self.vocab_size = model.lm_head_weight.shape[0] * tp  # the width of the (gathered) logits
-        self.eos_token_ids = sorted(set(eos_token_ids))  # banned with the stop ids before min_tokens
         self.max_running = max_running
-        self.token_state = None  # [max_running, V] int32 token counts (areno.kernels.penalties), made when needed
-        self._slots: dict[int, tuple] = {}  # rank 0: seq_id -> (sequence, its token-state slot)
-        self._free_slots = list(range(max_running))[::-1]
-        self.images = ImageEmbeddings(model) if hasattr(model, "encode_images") else None  # a model with a tower
+        self.adjuster = LogitAdjuster(max_running, self.vocab_size, self.device, eos_token_ids)
+        self.images = ImageEmbeddings(model) if model.is_multimodal else None  # a model with a tower
 
     def release(self) -> None:
         """Drop CUDA graphs and the KV cache (``--drop-rollout-state``)."""
         self.graphs.clear()
         self.graph_pool = None
-        self.token_state = None
-        self._slots.clear()
-        self._free_slots = list(range(self.max_running))[::-1]
+        self.adjuster.reset()
         if self.images is not None:
             self.images.clear()
         self.kv_cache = None
@@ -273,7 +164,7 @@ class ModelRunner:
         """The step as :class:`StepInputs` (rank 0), sent to the other TP ranks first."""
         inp = self.prepare(step, rows, row_index, copies)
         inp.state_copies = list(state_copies) or None
-        inp.adjust = self._adjust(rows)
+        inp.adjust = self.adjuster.plan(rows)
         inp.decode_steps, inp.token_mask = decode_steps, token_mask
         if self.tp_group is not None:
             broadcast_step(inp, self.tp_group)
@@ -316,7 +207,7 @@ class ModelRunner:
         if inp.state_copies:
             self.states.copy(inp.state_copies)
         if inp.adjust is not None:
-            self._fill_slots(inp.adjust)
+            self.adjuster.fill(inp.adjust)
 
     def _graphable(self, inp: StepInputs) -> bool:
         return (self.use_graphs and inp.is_decode and not inp.top_logprobs and inp.token_mask is None
@@ -359,13 +250,13 @@ class ModelRunner:
             apply_token_mask(logits, inp.token_mask)
         adj = None
         if inp.adjust is not None:
-            host = self._adjust_host(inp.adjust, len(inp.row_index), inp.adjust.width)
+            host = adjust_host(inp.adjust, len(inp.row_index), inp.adjust.width)
             adj = {name: val.to(self.device, non_blocking=True) for name, val in host.items()}
-            self._apply_adjust(logits, adj, adj["min_left"])
+            self.adjuster.apply(logits, adj, adj["min_left"])
         tokens, logprobs = sample(logits, temperature=params[0], top_k=params[1], top_p=params[2],
                                   seeds=params[3], offsets=params[4], min_p=None if adj is None else adj["min_p"])
-        if adj is not None and "pen_slot" in adj:
-            record_tokens(self.token_state, adj["pen_slot"], tokens)
+        if adj is not None:
+            self.adjuster.record(adj, tokens)
         top = None
         if inp.top_logprobs:  # the same tempered distribution as the returned log-probs (T = 0 counts as 1)
             temp = torch.where(params[0] > 0, params[0], torch.ones_like(params[0]))
@@ -386,89 +277,6 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-    # ---- logit adjustments ---------------------------------------------------------------------------------
-    def _adjust(self, rows) -> LogitAdjust | None:
-        """The rows' logit adjustments (rank 0). A penalised sequence takes a token-state slot at its first sampled
-        step and gives it back once it no longer runs (finished, aborted or preempted: refilled on its return)."""
-        if self._slots:
-            self._release_slots(rows)
-        if not any(s.options.adjusts_logits for s in rows):
-            return None
-        adj = LogitAdjust([], [], [], [], [], [], [], [])
-        for seq in rows:
-            o = seq.options
-            slot = -1
-            if o.penalized:
-                held = self._slots.get(seq.seq_id)
-                if held is None:
-                    if not self._free_slots:
-                        raise RuntimeError("no token-state slot free: more penalised sequences than max_running")
-                    slot = self._free_slots.pop()
-                    self._slots[seq.seq_id] = (seq, slot)
-                    adj.init.append((slot, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :]))
-                else:
-                    slot = held[1]
-            left = max(0, o.min_new_tokens - seq.num_output)
-            entries = {t: (b, False) for t, b in o.logit_bias.items()}
-            if left:
-                for t in o.stop_token_ids + ([] if o.ignore_eos else self.eos_token_ids):
-                    entries[t] = (entries.get(t, (0.0, False))[0], True)
-            adj.slots.append(slot)
-            adj.repetition.append(o.repetition_penalty)
-            adj.presence.append(o.presence_penalty)
-            adj.frequency.append(o.frequency_penalty)
-            adj.min_p.append(o.min_p)
-            adj.min_left.append(left)
-            adj.sparse.append([(t, b, ban) for t, (b, ban) in entries.items()])
-        if max(adj.slots) < 0 and not any(adj.min_p) and not adj.width:
-            return None  # only a min_tokens that is already reached
-        return adj
-
-    def _release_slots(self, rows) -> None:
-        current = {s.seq_id for s in rows}
-        for seq_id, (seq, slot) in list(self._slots.items()):
-            if seq.status is not Status.RUNNING and seq_id not in current:
-                del self._slots[seq_id]
-                self._free_slots.append(slot)
-
-    def _token_state(self) -> torch.Tensor:
-        if self.token_state is None:
-            self.token_state = torch.zeros(self.max_running, self.vocab_size, dtype=torch.int32, device=self.device)
-        return self.token_state
-
-    def _fill_slots(self, adj: LogitAdjust) -> None:
-        """Every rank: the token counts of the sequences that took a slot at this step."""
-        for slot, prompt, output in adj.init:
-            reset_token_state(self._token_state(), slot, prompt, output)
-
-    @staticmethod
-    def _adjust_host(adj: LogitAdjust, bsz: int, width: int, penalties: bool | None = None) -> dict:
-        """The adjustments as host tensors, padded to ``bsz`` rows and ``width`` sparse entries; the penalty
-        entries only with ``penalties`` (default: when some row has a slot)."""
-        pad = bsz - len(adj.slots)
-        ids = np.full((bsz, width), -1, dtype=np.int64)
-        bias = np.zeros((bsz, width), dtype=np.float32)
-        ban = np.zeros((bsz, width), dtype=np.bool_)
-        for i, entries in enumerate(adj.sparse):
-            for j, (t, b, banned) in enumerate(entries):
-                ids[i, j], bias[i, j], ban[i, j] = t, b, banned
-        host = {"min_p": torch.tensor(adj.min_p + [0.0] * pad, dtype=torch.float32),
-                "min_left": torch.tensor(adj.min_left + [0] * pad, dtype=torch.int32),
-                "sp_ids": torch.from_numpy(ids), "sp_bias": torch.from_numpy(bias), "sp_ban": torch.from_numpy(ban)}
-        if penalties or (penalties is None and max(adj.slots) >= 0):
-            host.update(pen_slot=torch.tensor(adj.slots + [-1] * pad, dtype=torch.int64),
-                        rep=torch.tensor(adj.repetition + [1.0] * pad, dtype=torch.float32),
-                        pres=torch.tensor(adj.presence + [0.0] * pad, dtype=torch.float32),
-                        freq=torch.tensor(adj.frequency + [0.0] * pad, dtype=torch.float32))
-        return host
-
-    def _apply_adjust(self, logits, adj: dict, min_left) -> None:
-        """In place on fp32 logits: logit_bias and the min_tokens ban, then the penalties (vLLM's order)."""
-        if adj["sp_ids"].shape[1]:
-            apply_logit_bias(logits, adj["sp_ids"], adj["sp_bias"], adj["sp_ban"], min_left)
-        if "pen_slot" in adj:
-            apply_penalties(logits, adj["pen_slot"], self._token_state(), adj["rep"], adj["pres"], adj["freq"])
 
     def _tensors(self, inp: StepInputs):
         dev = self.device
@@ -501,109 +309,13 @@ class ModelRunner:
                torch.tensor(inp.top_p, dtype=torch.float32), torch.tensor(inp.seeds, dtype=torch.int64),
                torch.tensor(inp.offsets, dtype=torch.int64))
         return [x.to(device, non_blocking=True) for x in out]
-
-    # ---- CUDA graphs for decode ----------------------------------------------------------------------------
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.graph_buckets if b >= n)
-
-    def decode_steps(self, buf: dict, k: int):
-        """``k`` chained decode steps from the inputs in ``buf`` (device tensors, see ``_capture``); no host sync.
-        Rows whose slot is -1 (graph padding) stay put and write nothing. Returns tokens/logprobs ``[k, rows]``.
-        ``buf["rope_off"]`` (prompts with images): the model's position is the cache position plus the row's offset."""
-        ids, pos, slots, lens, offsets = buf["ids"], buf["pos"], buf["slots"], buf["lens"], buf["offsets"]
-        table, bs = buf["table"], self.block_size
-        if self.record_routing and "routing" not in buf:  # made on the first (warm-up) call: static in the graph
-            buf["routing"] = torch.empty(k, self.model.num_moe_layers, ids.shape[0], self.model.moe_top_k,
-                                         dtype=torch.int32, device=ids.device)
-        live = (slots >= 0).long()
-        adjust, min_left = "sp_ids" in buf, buf.get("min_left")
-        tokens, logprobs = [], []
-        for i in range(k):
-            if i:  # the next position of every live row, its slot from the (reserved) block table
-                ids, pos, offsets, lens = tokens[-1], pos + live, offsets + live, lens + live.int()
-                min_left = min_left - live.int() if adjust else None
-                block = table.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
-                slots = torch.where(live.bool(), block * bs + pos % bs, torch.full_like(slots, -1))
-            meta = AttentionMetadata(
-                slot_mapping=slots, is_prefill=False, cu_seqlens_q=buf["cu"], cu_seqlens_k=None, max_seqlen_q=1,
-                max_seqlen_k=table.shape[1] * bs, block_table=table, seq_lens=lens, has_prefix=False,
-                state_indices=buf.get("state_idx"), routing_out=buf["routing"][i] if "routing" in buf else None,
-            )
-            rope = pos + buf["rope_off"] if "rope_off" in buf else pos
-            hidden = self.model(ids, rope, kv_caches=self.kv_caches, attn_metadata=meta)
-            logits = self.logits(hidden)
-            if adjust:
-                self._apply_adjust(logits, buf, min_left)
-            tok, lp = sample(logits, temperature=buf["temp"], top_k=buf["top_k"], top_p=buf["top_p"],
-                             seeds=buf["seeds"], offsets=offsets, min_p=buf["min_p"] if adjust else None)
-            if adjust and "pen_slot" in buf:
-                record_tokens(self.token_state, buf["pen_slot"], tok)
-            tokens.append(tok)
-            logprobs.append(lp)
-        return torch.stack(tokens), torch.stack(logprobs)
-
-    def _graph_buffers(self, bsz: int, width: int = 0, rope_off: bool = False) -> dict:
-        """The static inputs of a graph of ``bsz`` rows (``width`` > 0: with logit adjustments that wide;
-        ``rope_off``: with per-row position offsets, for prompts with images)."""
-        dev, mb = self.device, self.max_blocks_per_seq
-        buf = {
-            "ids": torch.zeros(bsz, dtype=torch.int64, device=dev),
-            "pos": torch.zeros(bsz, dtype=torch.int64, device=dev),
-            "slots": torch.full((bsz,), -1, dtype=torch.int64, device=dev),
-            "table": torch.zeros(bsz, mb, dtype=torch.int32, device=dev),
-            "lens": torch.ones(bsz, dtype=torch.int32, device=dev),
-            "cu": torch.arange(bsz + 1, dtype=torch.int32, device=dev),
-            "temp": torch.ones(bsz, dtype=torch.float32, device=dev),
-            "top_k": torch.zeros(bsz, dtype=torch.int64, device=dev),
-            "top_p": torch.ones(bsz, dtype=torch.float32, device=dev),
-            "seeds": torch.zeros(bsz, dtype=torch.int64, device=dev),
-            "offsets": torch.zeros(bsz, dtype=torch.int64, device=dev),
-        }
-        if rope_off:
-            buf["rope_off"] = torch.zeros(bsz, dtype=torch.int64, device=dev)
-        if self.states is not None:
-            buf["state_idx"] = torch.full((bsz,), -1, dtype=torch.int32, device=dev)
-        if width:  # logit adjustments: neutral values until a step copies its own in
-            self._token_state()
-            buf.update({name: val.to(dev) for name, val in self._adjust_host(
-                LogitAdjust([], [], [], [], [], [], [], []), bsz, width, penalties=True).items()})
-        return buf
-
-    def _capture(self, bsz: int, k: int, width: int = 0, rope_off: bool = False):
-        buf = self._graph_buffers(bsz, width, rope_off)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm up (Triton autotune, allocator) outside the graph
-                self.decode_steps(buf, k)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = self.decode_steps(buf, k)
-        if self.graph_pool is None:
-            self.graph_pool = graph.pool()
-        self.graphs[_graph_key(bsz, k, width, rope_off)] = (graph, buf, out)
-
-    @torch.inference_mode()
-    def capture_graphs(self, decode_steps=(1,)) -> int:
-        """Capture the plain decode graph of every batch-size bucket for each k in ``decode_steps`` now (a server
-        does this at start: a graph captured on first use stalls that step by the capture's time). Returns how many
-        were captured; none without graphs."""
-        if not self.use_graphs:
-            return 0
-        todo = [(b, k) for k in decode_steps for b in self.graph_buckets
-                if _graph_key(b, k, 0, False) not in self.graphs]
-        for bsz, k in todo:
-            self._capture(bsz, k)
-        return len(todo)
-
     def warm_kernels(self) -> int:
         """Compile every paged-attention variant each distinct KV-cache layout can pick (``warm_paged_attention``);
         returns how many ran."""
         from areno.kernels.attention.paged import warm_paged_attention
 
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
-        heads = getattr(getattr(self.model, "config", None), "num_heads", 0) // tp
+        heads = self.model.config.num_heads // tp
         seen, runs = set(), 0
         for entry in self.kv_caches:
             if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0].dim() == 4):
@@ -613,97 +325,6 @@ class ModelRunner:
                 seen.add(key)
                 runs += warm_paged_attention(entry[0], entry[1], heads)
         return runs
-
-    def _run_graph(self, inp: StepInputs):
-        tokens, logprobs = self.wait_decode(self._launch_graph(inp, None))
-        return (tokens, logprobs) if inp.decode_steps > 1 else (tokens[0], logprobs[0], None)
-
-    def _launch_graph(self, inp: StepInputs, ids_from: tuple | None) -> DecodeLaunch:
-        """Replay the bucket's graph on ``inp`` and queue the copies of its tokens to pinned host buffers."""
-        n, k = len(inp.seq_lens), inp.decode_steps
-        bsz = self._bucket(n)
-        width = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
-        rope_off = inp.rope_offsets is not None
-        key = _graph_key(bsz, k, width, rope_off)
-        if key not in self.graphs:
-            self._capture(bsz, k, width, rope_off=True) if rope_off else self._capture(bsz, k, width)
-        graph, buf, (tokens, logprobs) = self.graphs[key]
-        for name, val in self._graph_host(inp, bsz, sparse_width=width).items():
-            buf[name].copy_(val, non_blocking=True)
-        if ids_from is not None:
-            buf["ids"][:n].copy_(self._ids_from(ids_from))
-        graph.replay()
-        self.last_routing = buf["routing"][:, :, :n].cpu() if self.record_routing else None
-        if tokens.device.type != "cuda":  # graphs stood in for on the CPU (capture tests)
-            return DecodeLaunch(k, n, tokens, (tokens.clone(), logprobs.clone()))
-        host = self._pinned_pair(tokens, logprobs)
-        host[0].copy_(tokens, non_blocking=True)
-        host[1].copy_(logprobs, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return DecodeLaunch(k, n, tokens, host, event)
-
-    def _pinned_pair(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple:
-        """Pinned host buffers for a graph's outputs: two pairs per shape, taken in turn (at most two launches are
-        unread at a time, and consecutive launches of one graph take different pairs)."""
-        key = (tuple(tokens.shape), tokens.dtype, logprobs.dtype)
-        pairs = self._pinned.setdefault(key, [])
-        turn = self._pinned_turn.get(key, 0)
-        self._pinned_turn[key] = turn ^ 1
-        if len(pairs) <= turn:
-            pairs.append((torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
-                          torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)))
-        return pairs[turn]
-
-    def _ids_from(self, ids_from: tuple) -> torch.Tensor:
-        """Each row's input token from an earlier launch's last step: ``(launch, index)`` -> device int64 [rows]."""
-        prev, index = ids_from
-        idx = torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True)
-        return prev.device_tokens[prev.k - 1].index_select(0, idx)
-
-    def _launch_eager(self, inp: StepInputs, ids_from: tuple | None) -> DecodeLaunch:
-        """Multi-step decode without graphs (CPU, ``--eager-decode``): the same device loop, unpadded."""
-        n = len(inp.seq_lens)
-        host = self._graph_host(inp, n, width=max(len(tb) for tb in inp.tables))
-        buf = {name: val.to(self.device) for name, val in host.items()}
-        buf["cu"] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
-        if ids_from is not None:
-            buf["ids"] = self._ids_from(ids_from)
-        tokens, logprobs = self.decode_steps(buf, inp.decode_steps)
-        self.last_routing = buf["routing"].cpu() if self.record_routing else None
-        return DecodeLaunch(inp.decode_steps, n, tokens, (tokens.cpu(), logprobs.float().cpu()))
-
-    def _graph_host(self, inp: StepInputs, bsz: int, width: int | None = None, sparse_width: int | None = None):
-        """The graph's inputs on the host, padded to the bucket (padding rows write nowhere and read one slot);
-        the block table ``width`` blocks wide (default: the graphs' full width); with logit adjustments, their
-        sparse lists ``sparse_width`` wide and every entry a graph has (default: as wide and as many as needed)."""
-        pad = bsz - len(inp.seq_lens)
-        table = np.zeros((bsz, width or self.max_blocks_per_seq), dtype=np.int32)  # numpy: cheap per-row fills
-        for i, tb in enumerate(inp.tables):
-            table[i, : len(tb)] = tb
-        host = {
-            "ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
-            "slots": torch.tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
-            "lens": torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32),
-            "temp": torch.tensor(inp.temperature + [1.0] * pad, dtype=torch.float32),
-            "top_k": torch.tensor(inp.top_k + [0] * pad), "top_p": torch.tensor(inp.top_p + [1.0] * pad),
-            "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
-        }
-        if inp.rope_offsets is not None:
-            host["rope_off"] = torch.tensor(inp.rope_offsets + [0] * pad)
-        if inp.state_slots is not None:
-            host["state_idx"] = torch.tensor(inp.state_slots + [-1] * pad, dtype=torch.int32)
-        if inp.adjust is not None:
-            graph = sparse_width is not None
-            host.update(self._adjust_host(inp.adjust, bsz, sparse_width if graph else inp.adjust.width,
-                                          penalties=True if graph else None))
-        return host
-
-
-def _graph_key(bsz: int, k: int, width: int, rope_off: bool) -> tuple:
-    """A graph's key: (rows, chained steps, logit-adjustment width), plus a mark for per-row position offsets
-    (graphs without offsets, all of a text-only model's, do no extra work)."""
-    return (bsz, k, width, "rope_off") if rope_off else (bsz, k, width)
 
 
 # ---- tensor parallelism: rank 0 schedules, the others follow -------------------------------------------------
@@ -731,3 +352,4 @@ class TPWorker:
                 inp(self.runner)
                 continue
             self.runner.execute(inp)
+

@@ -203,7 +203,18 @@ def training_metadata(input_ids, cu_seqlens=None, max_seqlen=None) -> AttentionM
 
 
 class CausalLM(nn.Module):
-    """A decoder-only LM built from areno kernels. Parameters follow ``hf_layouts`` (Hugging Face names)."""
+    """A decoder-only LM built from areno kernels. Parameters follow ``hf_layouts`` (Hugging Face names).
+
+    Implements ``areno.models.protocol.ModelProtocol``: the capability facts below are its defaults (a dense,
+    text-only, attention-only decoder); an adapter overrides those that differ."""
+
+    is_value_model = False
+    is_multimodal = False  # Qwen3-VL: a vision tower
+    has_routing_bias = False  # bailing_hybrid: an MoE selection bias that update_routing_bias moves
+    engine_support: str | None = None  # a reason the rollout engine cannot run the family (None: it can)
+    kv_cache_layout: tuple | None = None  # None: K and V [num_kv_heads_local, kv_head_dim] a token
+    hf_config: dict | None = None  # set by the loader
+    source_dir = None  # set by the loader
 
     def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None, attn_factory=None):
         super().__init__()
@@ -224,6 +235,7 @@ class CausalLM(nn.Module):
         self.num_moe_layers = len(routed)
         self.moe_top_k = routed[0].top_k if routed else 0
         self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
+        self.activation_checkpointing = False
         self.rope = None  # (cos, sin) fp32 tables, built by init_buffers on the model's device
 
     # ---- sizes the engine allocates with -------------------------------------------------------------------
@@ -253,6 +265,43 @@ class CausalLM(nn.Module):
         """Per-sequence state of recurrent layers for the engine (None: the model has none); see bailing_hybrid."""
         return None
 
+    # ---- capabilities (areno.models.protocol) --------------------------------------------------------------
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    @property
+    def is_moe(self) -> bool:
+        """Sparse-MoE layers: the engine can capture their routing and the trainer replay it."""
+        return self.num_moe_layers > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Recurrent layers: the engine keeps a state slot per running sequence."""
+        return self.recurrent_state_shapes() is not None
+
+    def update_routing_bias(self, rate: float, dp_group=None) -> None:
+        raise NotImplementedError(f"{self.config.model_type} has no MoE selection bias (has_routing_bias is False)")
+
+    def after_weight_update(self) -> None:
+        """Called after new weights are copied in (policy sync): nothing derived from the weights to refresh here."""
+
+    def encode_images(self, pixel_values, image_grid_thw):
+        raise NotImplementedError(f"{self.config.model_type} has no vision tower (is_multimodal is False)")
+
+    def freeze_media(self, *, tower: bool = True, projector: bool = True) -> None:
+        """Freeze a media tower and projector: nothing to freeze without one."""
+
+    def tower_parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def projector_parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def keep_hf_tensor(self, hf_name: str) -> bool:
+        """Whether a checkpoint tensor the layouts do not name is held opaque (``add_hf_tensor``): none here."""
+        return False
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple:
         """Shape of one layer's ``k_cache`` (and ``v_cache``) on this rank."""
         return (num_blocks, block_size, self.num_kv_heads_local, self.kv_head_dim)
@@ -274,6 +323,7 @@ class CausalLM(nn.Module):
                 module.init_buffers(device)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        self.activation_checkpointing = enabled
         for layer in self.layers:
             layer.checkpointing = enabled
 

@@ -66,7 +66,7 @@ def check_engine_support(flag: str, value) -> None:
         return
     model_type = json.loads(file.read_text()).get("model_type")
     try:
-        reason = getattr(get_adapter(model_type).model_class, "engine_support", None)
+        reason = get_adapter(model_type).model_class.engine_support
     except ValueError:
         return  # unsupported model_type: the loader says so
     if reason:
@@ -163,9 +163,8 @@ def load_hf_weights(model: nn.Module, source) -> None:
             param[pc.dst].copy_(source.read(pc.hf_name, pc.src))
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
-    keep = getattr(model, "keep_hf_tensor", None)  # tensors an adapter holds untouched (e.g. MTP layers)
-    for name in sorted(available - expected) if keep is not None else ():
-        if keep(name):
+    for name in sorted(available - expected):  # tensors an adapter holds untouched (e.g. MTP layers)
+        if model.keep_hf_tensor(name):
             tensor = source.read(name, (...,)).to(model.embed_tokens.weight.device)
             pname = model.add_hf_tensor(name, tensor)
             model._tp_layouts[pname] = [layout(tuple(tensor.shape), 0, [(name, tensor.shape[0])])]

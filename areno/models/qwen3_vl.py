@@ -350,9 +350,12 @@ class VisionTower(nn.Module):
 class Qwen3VLForConditionalGeneration(CausalLM):
     """The Qwen3 decoder with a vision tower. See the module doc for the forward contract."""
 
+    is_multimodal = True
+
     def __init__(self, cfg: Qwen3VLConfig, *, attn_backend: str = "flash"):
         super().__init__(cfg, attn_backend=attn_backend)
         self.visual = VisionTower(cfg.vision, attn_backend)
+        self._frozen_media: list[nn.Module] = []  # set by freeze_media: kept in eval mode by train()
         self.register_buffer("mrope_streams", None, persistent=False)
 
     def init_buffers(self, device=None) -> None:
@@ -381,7 +384,7 @@ class Qwen3VLForConditionalGeneration(CausalLM):
 
     def train(self, mode: bool = True):
         super().train(mode)
-        for module in getattr(self, "_frozen_media", ()):
+        for module in self._frozen_media:
             module.train(False)
         return self
 

@@ -102,7 +102,7 @@ def _write_weights(model, out: Path | None, max_bytes: int) -> None:
 
 
 def _write_config_and_tokenizer(model, out: Path, tokenizer) -> None:
-    config = dict(getattr(model, "hf_config", None) or {})
+    config = dict(model.hf_config or {})
     if not config:
         raise ValueError("save_model: the model has no hf_config (load it with areno.models.load_model)")
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
@@ -110,7 +110,7 @@ def _write_config_and_tokenizer(model, out: Path, tokenizer) -> None:
     for k in keys:
         config[k] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    source = getattr(model, "source_dir", None)
+    source = model.source_dir
     for name in ("generation_config.json", *PROCESSOR_FILES):
         if source is not None and (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)

@@ -10,7 +10,24 @@ from areno.training.multimodal import media_inputs
 
 
 class ValueModel(nn.Module):
-    is_value_model = True
+    """Implements ``areno.models.protocol.TrainedModel``: the facts the trainer reads on what it trains."""
+
+    is_value_model = True  # values(), no log-probs; trained eagerly
+    has_routing_bias = False  # no selection bias is moved through the critic
+    tp_group = None  # its checkpoint-size estimate counts the critic's own tensors once
+
+    @property
+    def config(self):
+        """The backbone's architecture."""
+        return self.backbone.config
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Whether the backbone has a media tower (``training.multimodal.media_model`` reaches it there)."""
+        return self.backbone.is_multimodal
+
+    def update_routing_bias(self, rate: float, dp_group=None) -> None:
+        raise NotImplementedError("the PPO critic has no MoE selection bias (has_routing_bias is False)")
 
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()

@@ -36,18 +36,6 @@ log = logging.getLogger("areno.train")
 RL_ALGOS = ("grpo", "gspo", "ppo")
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _dtype(cfg, device) -> torch.dtype:
-    if cfg.dtype:
-        return getattr(torch, cfg.dtype)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def sampling_adjustments(cfg) -> dict:
     """The rollout's --min-p and penalties as SamplingOptions fields (rollout and agentic sampling alike)."""
     return {"min_p": cfg.min_p, "repetition_penalty": cfg.repetition_penalty,
@@ -115,8 +103,9 @@ class TrainLoop:
             self.run_dir = claim(cfg.save_path, resume=bool(cfg.resume), overwrite=cfg.overwrite)
         torch.manual_seed(cfg.seed)
 
-        self.device = _device()
-        self.dtype = _dtype(cfg, self.device)
+        from areno.engine.build import device_and_dtype
+
+        self.device, self.dtype = device_and_dtype(cfg.dtype)
         self.model, self.tokenizer = self._load_policy()
         self.media = DatasetMedia(cfg.ckpt, cfg.dataset_path, limits=media_limits(cfg))
         self.rows = self._tokenize(rows)
@@ -160,8 +149,7 @@ class TrainLoop:
         multimodal.check_flags(cfg, model)
         multimodal.freeze(model, cfg)  # the tower and projector stay frozen (and in eval mode) unless unfrozen
         model.train()
-        if hasattr(model, "set_activation_checkpointing"):
-            model.set_activation_checkpointing(cfg.activation_checkpointing)
+        model.set_activation_checkpointing(cfg.activation_checkpointing)
         return model, tok
 
     def _load_ref(self):
@@ -190,12 +178,12 @@ class TrainLoop:
             1, cfg.ppo_epochs if rl else 1)
         sched = LRSchedule(lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=total * updates_per_step,
                            style=cfg.lr_decay_style)
-        bias_rate = 0.0 if getattr(model, "is_value_model", False) else cfg.router_bias_update_rate
-        if bias_rate and not hasattr(model, "update_routing_bias"):
+        bias_rate = 0.0 if model.is_value_model else cfg.router_bias_update_rate
+        if bias_rate and not model.has_routing_bias:
             raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE "
                               "selection bias to update (Ling 3, bailing_hybrid, has one)")
         groups = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates_per_step)
-        graphs = "off" if getattr(model, "is_value_model", False) else cfg.train_cuda_graphs  # the critic: eager
+        graphs = "off" if model.is_value_model else cfg.train_cuda_graphs  # the critic: eager
         if graphs == "auto" and rl and not cfg.split:
             # colocated RL: the rollout engine's KV cache shares the GPU, and a graphed step reserves more than the
             # eager one (its memory pool stays between updates); eager until measured at G1 (--train-cuda-graphs on)
@@ -228,8 +216,7 @@ class TrainLoop:
         self.critic = ValueModel.from_policy(cfg.critic_ckpt or cfg.ckpt, self.model, dtype=self.dtype,
                                              device=self.device, tp_group=self.tp_group)
         multimodal.freeze(self.critic, cfg)
-        if hasattr(self.critic.backbone, "set_activation_checkpointing"):
-            self.critic.backbone.set_activation_checkpointing(cfg.activation_checkpointing)
+        self.critic.backbone.set_activation_checkpointing(cfg.activation_checkpointing)
         self.critic_trainer = self._make_trainer(self.critic, cfg.critic_lr or cfg.lr, total)
 
     def _build_engine(self):

@@ -160,5 +160,4 @@ class PolicyReceiver:
                 full = unpack(view, entry)
                 for param, dst, index in self.targets.get(entry.name, ()):
                     param[dst].copy_(full[index])
-        if hasattr(self.model, "after_weight_update"):  # whatever the engine derives from the weights
-            self.model.after_weight_update()
+        self.model.after_weight_update()  # whatever the engine derives from the weights

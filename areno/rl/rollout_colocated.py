@@ -6,28 +6,23 @@ optimizer updates in place, so a new policy costs no copy. One of the two rollou
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch.distributed as dist
 
 
-def engine_config(cfg, tokenizer, dp_rank: int = 0, *, record_routing: bool = False):
-    """The rollout engine's settings for a TrainConfig (the same in both modes) and its EOS ids;
-    ``record_routing``: the completions carry their routes (routing replay)."""
-    from areno.engine.build import eos_ids_from_checkpoint
-    from areno.engine.engine import EngineConfig
+def engine_config(cfg, model, tokenizer, dp_rank: int = 0, *, record_routing: bool = False):
+    """The rollout engine's settings for a TrainConfig (the same in both modes) and its EOS ids, through
+    ``areno.engine.build`` (serve's path too); ``record_routing``: the completions carry their routes (routing
+    replay)."""
+    from areno.engine import build
 
-    eos = None
-    if cfg.ckpt and Path(cfg.ckpt).is_dir():
-        eos = sorted(set(eos_ids_from_checkpoint(cfg.ckpt)) | {tokenizer.eos_token_id})
-    econf = EngineConfig(
-        max_running=cfg.max_running_prompts or max(1, cfg.batch_size * cfg.n_samples),
+    econf = build.engine_config(
+        model, max_running=cfg.max_running_prompts or max(1, cfg.batch_size * cfg.n_samples),
         max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens, eager_decode=cfg.eager_decode,
         decode_steps=cfg.decode_steps, seed=cfg.seed + 7919 * dp_rank,
         kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
         decode_progress_interval_s=cfg.decode_progress_interval_s or None, record_routing=record_routing,
     )
-    return econf, eos
+    return econf, build.eos_token_ids(cfg.ckpt, tokenizer)
 
 
 def gather_objects(obj, group):
@@ -45,7 +40,7 @@ class ColocatedRollout:
         from areno.engine.engine import Engine
 
         self.loop = loop
-        econf, eos = engine_config(loop.cfg, loop.tokenizer, loop.dp_rank,
+        econf, eos = engine_config(loop.cfg, loop.model, loop.tokenizer, loop.dp_rank,
                                    record_routing=loop.trainer.routing_replay)
         self.engine = Engine(loop.model, loop.tokenizer, econf, eos_token_ids=eos)
         self._version = self._policy_version()

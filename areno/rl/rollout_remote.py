@@ -226,6 +226,7 @@ class RemoteRollout:
 def serve(cfg) -> int:
     """A rollout rank's whole life: join the split world, load the policy, build the engine, run commands."""
     from areno.distributed import parallel
+    from areno.engine.build import device_and_dtype
     from areno.engine.engine import Engine
     from areno.models import load_model, load_tokenizer
     from areno.models.saver import iter_hf_tensors
@@ -235,15 +236,14 @@ def serve(cfg) -> int:
     rank = int(os.environ.get("RANK", "0"))
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
     layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
-    torch_device = torch.device("cuda", device) if device is not None else torch.device("cpu")
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device is not None else torch.float32)
+    torch_device, dtype = device_and_dtype(cfg.dtype, torch.device("cuda", device) if device is not None else "cpu")
     model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     tokenizer = load_tokenizer(cfg.ckpt)
-    econf, eos = engine_config(cfg, tokenizer, record_routing=routing_replay_enabled(cfg, model))
+    econf, eos = engine_config(cfg, model, tokenizer, record_routing=routing_replay_enabled(cfg, model))
     engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
     receiver = PolicyReceiver(model, layout)
     index = layout.engine_index

@@ -22,7 +22,7 @@ RL_ALGOS = ("grpo", "gspo", "ppo")
 def routing_replay_enabled(cfg, model) -> bool:
     """Whether this run replays routing (``--routing-replay``: auto/on/off) for the policy ``model``; "on" with a
     dense policy is a ``ConfigError`` naming the flag."""
-    sparse = getattr(model, "num_moe_layers", 0) > 0
+    sparse = model.is_moe
     mode = getattr(cfg, "routing_replay", "off")
     if mode == "on" and not sparse:
         raise ConfigError("--routing-replay", f"on needs a sparse-MoE policy; {cfg.ckpt!r} is a dense model (no "

@@ -83,7 +83,7 @@ def prompt_logprobs(engine, prompts: list[list[int]], k: int, ranks: bool = Fals
     parallelism the followers run the same forward on their shards."""
     job = PromptForward([list(p) for p in prompts], k, ranks)
     runner = getattr(engine, "runner", None)
-    group = getattr(engine.model, "tp_group", None)
+    group = engine.model.tp_group
     if group is not None:
         if runner is None:
             raise ValueError("prompt log-probs need the engine's runner under --tp-size > 1")

@@ -1,4 +1,5 @@
-"""Helpers for tests and demos: tiny random Hugging Face checkpoints and the tiny byte-level BPE tokenizer.
+"""Tiny random Hugging Face checkpoints and the tiny byte-level BPE tokenizer, for the quickstart preset, benches,
+examples and tests (helpers only tests use live in ``tests/helpers``).
 
 Offline by construction: the tokenizer is trained on text generated here (``corpus``) and committed as
 ``tokenizer.json``; the weights are drawn from a seeded generator. transformers, tokenizers and safetensors are

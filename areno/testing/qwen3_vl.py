@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from areno.testing import tokenizer as tiny_tokenizer
+import areno.testing.tokenizer as tiny_tokenizer
+from areno.testing.shapes import weight_shapes
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 VL_VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE + len(VISION_TOKENS)
@@ -98,8 +99,6 @@ def tiny_vl_config(*, dtype: str = "float32", **overrides) -> dict:
 
 def vl_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Hub tensor name -> shape: the vision tower, then the Qwen3 text decoder under ``model.language_model``."""
-    from areno.testing.checkpoints import weight_shapes
-
     v = config["vision_config"]
     d, inter, m = v["hidden_size"], v["intermediate_size"], v["spatial_merge_size"]
     merged = d * m * m

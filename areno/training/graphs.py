@@ -107,9 +107,9 @@ def unsupported(model, *, tp_group=None) -> str | None:
 
     if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
         return "needs a CUDA device"
-    if getattr(model, "is_value_model", False):
+    if model.is_value_model:
         return "a value model (the PPO critic) trains eagerly"
-    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    kind = model.config.model_type
     if not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward:
         return f"the {kind} forward is not graphed (dense text decoders only)"
     if model.num_moe_layers or model.recurrent_state_shapes() is not None or any(
@@ -117,7 +117,7 @@ def unsupported(model, *, tp_group=None) -> str | None:
         return f"the {kind} model has MoE or recurrent layers (dense attention decoders only)"
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         return "tensor parallelism (--tp-size > 1) is not graphed"
-    if getattr(model, "attn_backend", "flash") == "native" or kernel_mode() == "native":
+    if model.attn_backend == "native" or kernel_mode() == "native":
         return "the native attention path (--attn-backend native or ARENO_KERNELS=native) reads cu_seqlens on the host"
     return None
 
@@ -211,7 +211,7 @@ class TrainGraphs:
     # ---- when graphs apply -------------------------------------------------------------------------------------
     def applies(self, packed, routes=False) -> bool:
         """Whether this microbatch can replay a graph now (the per-microbatch eager cases of the module doc)."""
-        checkpointing = any(getattr(layer, "checkpointing", False) for layer in self.model.layers)
+        checkpointing = self.model.activation_checkpointing
         return not (checkpointing or routes or packed.positions.dim() != 1 or packed.pixel_values is not None)
 
     def bucket(self, packed, entropy=False, routes=False, weighted=False) -> Bucket | None:

@@ -41,17 +41,17 @@ def media_limits(cfg):
 
 def media_model(model):
     """The model holding the tower: the policy itself, or a PPO critic's backbone."""
-    return model.backbone if getattr(model, "is_value_model", False) else model
+    return model.backbone if model.is_value_model else model
 
 
 def check_flags(cfg, model) -> None:
     """Exit 2 (``ConfigError``) naming the first multimodal flag given for a model without a tower."""
-    if hasattr(media_model(model), "freeze_media"):
+    if media_model(model).is_multimodal:
         return
     defaults = {f.name: f.default for f in fields(cfg)}
     for name in FLAGS:
         if getattr(cfg, name) != defaults[name]:
-            kind = getattr(getattr(model, "config", None), "model_type", "this")
+            kind = model.config.model_type
             raise ConfigError(flag_name(name), f"applies to multimodal models only (a vision or audio tower); the "
                               f"{kind} checkpoint {cfg.ckpt!r} has none")
 
@@ -59,7 +59,7 @@ def check_flags(cfg, model) -> None:
 def freeze(model, cfg) -> None:
     """Freeze the tower and the projector unless ``--unfreeze-mm-tower`` / ``--unfreeze-mm-projector``."""
     inner = media_model(model)
-    if hasattr(inner, "freeze_media"):
+    if inner.is_multimodal:
         inner.freeze_media(tower=not cfg.unfreeze_mm_tower, projector=not cfg.unfreeze_mm_projector)
 
 
@@ -67,7 +67,7 @@ def optimizer_params(model) -> list:
     """The trainable parameters for ``MasterAdamW``: the unfrozen tower and projector as named groups."""
     inner = media_model(model)
     named = {}
-    if hasattr(inner, "tower_parameters"):
+    if inner.is_multimodal:
         named = {"mm_tower": inner.tower_parameters(), "mm_projector": inner.projector_parameters()}
     grouped = {id(p): name for name, ps in named.items() for p in ps}
     out = [p for p in model.parameters() if p.requires_grad and id(p) not in grouped]

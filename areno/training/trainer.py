@@ -94,9 +94,9 @@ class PolicyTrainer:
         self.chunk_size = logprob_chunk_size
         self.router_bias_update_rate = router_bias_update_rate
         self.routing_replay = False  # the loop turns it on (--routing-replay): rows' routes go to the policy forward
-        if router_bias_update_rate and not hasattr(model, "update_routing_bias"):
+        if router_bias_update_rate and not model.has_routing_bias:
             raise ValueError(f"--router-bias-update-rate {router_bias_update_rate}: the "
-                             f"{getattr(getattr(model, 'config', None), 'model_type', 'model')} has no MoE selection "
+                             f"{model.config.model_type} has no MoE selection "
                              "bias to update (Ling 3 / bailing_hybrid has one)")
         self.device = next(model.parameters()).device
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
@@ -120,7 +120,7 @@ class PolicyTrainer:
         the experts the rollout chose (areno.rl.routing_replay). ``token_loss`` (weights [T] or a token function): also
         its loss through ``linear_logprobs_loss`` (no entropy, no TP group)."""
         p = packed.to(self.device) if packed.input_ids.device != self.device else packed
-        if getattr(self.model, "is_value_model", False):
+        if self.model.is_value_model:
             values = self.model.values(p.input_ids, p.positions, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
                                        **media_inputs(self.model.backbone, p))
             return ForwardOut(None, None, values=values)
@@ -199,7 +199,7 @@ class PolicyTrainer:
         packs = [pack(rows) for rows in micro]
         weights_of = getattr(loss_fn, "token_weights", None)  # linear: graphed too
         function_of = getattr(loss_fn, "token_loss", None)  # a token function: eager microbatches
-        if entropy or self.tp_group is not None or getattr(self.model, "is_value_model", False):
+        if entropy or self.tp_group is not None or self.model.is_value_model:
             weights_of = function_of = None
         buckets, mode = self._plan(packs, entropy, weighted=weights_of is not None)
         stats: dict[str, float] = {}
@@ -243,7 +243,7 @@ class PolicyTrainer:
             keys = sorted(stats)
             summed = _all_sum([stats[k] for k in keys], self.dp_group)
             stats = dict(zip(keys, summed))
-        if hasattr(self.model, "update_routing_bias"):
+        if self.model.has_routing_bias:
             # once per optimizer step, from this step's expert loads (a skipped step moves nothing); counters reset
             rate = self.router_bias_update_rate if math.isfinite(float(grad_norm)) else 0.0
             self.model.update_routing_bias(rate, self.dp_group)

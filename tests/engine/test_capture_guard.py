@@ -9,8 +9,8 @@ native decode paths of the kernels a decode step calls, then the body the engine
 import pytest
 import torch
 
+from areno.engine.decode_graphs import graph_key
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.model_runner import _graph_key
 from areno.engine.sequence import SamplingOptions
 from areno.kernels.attention.paged import store_kvcache_native
 from areno.kernels.linear_attn.delta_rule import gated_delta_rule_step_native
@@ -18,7 +18,7 @@ from areno.kernels.linear_attn.short_conv import causal_conv1d_update_native
 from areno.kernels.moe.fused import fused_moe_native, fused_moe_reference
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
-from areno.testing.capture_guard import CaptureBreak, capture_guard
+from tests.helpers.capture_guard import CaptureBreak, capture_guard
 
 X = torch.arange(6.0)
 BREAKS = {
@@ -140,7 +140,7 @@ def test_decode_graph_body_is_capturable(family, k, record_routing, adjust):
     def capture(bsz, k, width=0, rope_off=False):
         buf = runner._graph_buffers(bsz, width, rope_off)
         graph = _GuardedGraph(runner, buf, k)
-        runner.graphs[_graph_key(bsz, k, width, rope_off)] = (graph, buf, graph.out)
+        runner.graphs[graph_key(bsz, k, width, rope_off)] = (graph, buf, graph.out)
 
     runner._capture = capture
     got = eng.generate(prompts, opts)

@@ -7,12 +7,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.model_runner import kv_bytes_per_block, state_bytes
+from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
 from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
-from areno.testing.cpu_graph import CpuGraph
+from tests.helpers.cpu_graph import CpuGraph
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 

@@ -14,7 +14,7 @@ from areno.engine.sequence import SamplingOptions
 from areno.models import load_model
 from areno.models.multimodal import MultimodalProcessor, MultimodalPrompt, data_url
 from areno.testing import make_tiny_checkpoint
-from areno.testing.cpu_graph import CpuGraph
+from tests.helpers.cpu_graph import CpuGraph
 
 NEW = 8
 GREEDY = SamplingOptions(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)

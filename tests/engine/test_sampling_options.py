@@ -8,7 +8,7 @@ from areno.engine.engine import Engine, EngineConfig
 from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
-from areno.testing.cpu_graph import CpuGraph
+from tests.helpers.cpu_graph import CpuGraph
 
 
 @pytest.fixture(scope="module")

@@ -280,7 +280,8 @@ def test_trainer_moves_the_bias_once_per_optimizer_step(tiny_checkpoint):
     torch.testing.assert_close(final - steps[0][2], moved, rtol=0, atol=1e-6)
     assert model.expert_load().sum() == 0
     with pytest.raises(ValueError, match="no MoE selection bias"):
-        PolicyTrainer(torch.nn.Linear(2, 2), opt, LRSchedule(1e-3), router_bias_update_rate=1e-2)
+        PolicyTrainer(load_model(tiny_checkpoint("qwen3"), device="cpu"), opt, LRSchedule(1e-3),
+                      router_bias_update_rate=1e-2)  # a dense model: has_routing_bias is False
 
 
 

@@ -15,12 +15,12 @@ from areno.models import load_model
 from areno.rl.algorithms import grpo_loss_fn, sft_loss_fn
 from areno.rl.losses import sft_loss
 from areno.testing import make_tiny_checkpoint
-from areno.testing.capture_guard import capture_guard
 from areno.training.batch import Row, pack
 from areno.training.graphs import Bucket, TrainGraphs, bucket_of, bucket_up, pad_inputs, unsupported
 from areno.training.optimizer import MasterAdamW
 from areno.training.schedule import LRSchedule
 from areno.training.trainer import PolicyTrainer
+from tests.helpers.capture_guard import capture_guard
 
 
 class CpuReplay:

@@ -1,0 +1,71 @@
+"""The records a step travels as: ``StepInputs`` (plain lists, what TP rank 0 broadcasts and every rank executes),
+its ``LogitAdjust`` rows, and ``DecodeLaunch``, a queued k-step decode group (see ``model_runner``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from areno.engine.images import ImageStep
+
+
+@dataclass
+class LogitAdjust:
+    """A step's per-row logit adjustments (see the module docstring), one entry per sampled row."""
+
+    slots: list[int]  # the row's token-count slot, -1: no penalties
+    repetition: list[float]
+    presence: list[float]
+    frequency: list[float]
+    min_p: list[float]
+    min_left: list[int]  # output tokens still to sample before EOS and stop ids may be (min_tokens)
+    sparse: list[list[tuple[int, float, bool]]]  # (token id, bias, banned while min_left > 0); distinct ids
+    init: list[tuple[int, list[int], list[int]]]  # slots to fill before the step: (slot, prompt ids, output ids)
+
+    @property
+    def width(self) -> int:
+        return max(map(len, self.sparse), default=0)
+
+
+@dataclass
+class StepInputs:
+    """One step as plain lists: what TP rank 0 broadcasts and every rank executes."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_q: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    is_decode: bool
+    row_index: list[int]  # hidden row sampled by each output row
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    seeds: list[int]
+    offsets: list[int]
+    top_logprobs: int
+    copies: list[tuple[int, int]]
+    decode_steps: int = 1  # > 1: multi-step decode (see the module docstring)
+    adjust: LogitAdjust | None = None  # per-row logit adjustments, None when no row has any
+    token_mask: tuple | None = None  # structured outputs: (rows, int32 bitmask), see areno.engine.grammar
+    # prompts with images (areno.engine.images), None for text: the model's positions where they differ from the
+    # cache positions ([T], or [3][T] when the step holds image tokens), decode's per-row offsets, the image work
+    rope_positions: list | None = None
+    rope_offsets: list[int] | None = None
+    images: ImageStep | None = None
+    # hybrid models: each sequence's (chunk's) recurrent-state slot, and the (src, dst) slot copies of forks
+    state_slots: list[int] | None = None
+    state_copies: list[tuple[int, int]] | None = None
+
+
+@dataclass
+class DecodeLaunch:
+    """A k-step decode group queued on the device and not yet read (``ModelRunner.launch_decode_steps``)."""
+
+    k: int
+    n: int  # rows
+    device_tokens: torch.Tensor | None  # [k, >= n] on the device: a later group's input ids come from its last step
+    host: tuple  # (tokens int64, logprobs) [k, >= n] on the host: pinned copies in flight, or the results
+    event: object = None  # a CUDA event after the copies to ``host``; None when ``host`` is ready
