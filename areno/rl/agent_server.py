@@ -5,6 +5,11 @@ request's ``user`` field) appends the request's new messages to its token sequen
 colocated engine and returns it as an OpenAI chat completion, tool calls parsed from ``<tool_call>`` blocks. A
 conversation past ``--max-context-len`` gets HTTP 400 ``context_length_exceeded``; an answer cut by the limit ends
 with ``finish_reason: "length"``. ``GET /v1/models`` names the policy.
+
+Bodies are validated as ``areno serve`` validates them (``areno.serve.protocol.ChatCompletionRequest``; ``model``
+may be left out) and every error has its OpenAI body (``areno.serve.errors``). The endpoint samples with the
+request's ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p`` and ``stop`` over the run's
+settings; other sampling fields are accepted and ignored (logged once each).
 """
 
 from __future__ import annotations
@@ -13,62 +18,86 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
-from areno.rl.agentic import SESSION_HEADER, AgentError
+from areno.serve.bodies import load_json, request_body, validate
+from areno.serve.errors import APIError, add_error_handlers
+from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.state import Notes
 
 MODEL = "policy"
+SESSION_HEADER = "X-Areno-Session"
+# the request fields the endpoint reads (the others are validated, then ignored)
+USED_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
+                         "temperature", "top_p", "stop", "stream", "n", "user"})
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": code}}, status_code=status)
+class AgentError(APIError):
+    """A call the session refuses (HTTP 400); ``code`` is the OpenAI error code."""
+
+    def __init__(self, message: str, code: str, param: str | None = None):
+        super().__init__(400, message, param=param, code=code)
+
+
+class AgentChatRequest(ChatCompletionRequest):
+    """``ChatCompletionRequest`` with ``model`` optional: the endpoint serves one model, the policy."""
+
+    model: str = MODEL
+
+
+def check_request(req: AgentChatRequest, note: Notes) -> None:
+    """What the endpoint refuses beyond the schema (streaming, n > 1), and a note on each field it ignores."""
+    if req.stream:
+        raise APIError(400, "streaming is not supported by the agent endpoint", param="stream", code="unsupported")
+    if req.n != 1:
+        raise APIError(400, "n must be 1 (one session is one trajectory)", param="n", code="unsupported")
+    fields = AgentChatRequest.model_fields
+    for name in sorted(req.model_fields_set - USED_FIELDS):
+        if getattr(req, name) != fields[name].default:
+            note(name, "it samples with the run's settings")
 
 
 def create_app(rollout) -> FastAPI:
+    """The endpoint over ``rollout`` (an ``AgentRollout``: ``api_key``, ``sessions``, ``sample``)."""
     app = FastAPI(title="areno agent endpoint")
+    add_error_handlers(app)
+    note = Notes(" by the agent endpoint")
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "areno"}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(AgentChatRequest))
     async def chat(request: Request):
         if request.headers.get("authorization", "") != f"Bearer {rollout.api_key}":
-            return _error(401, "wrong or missing API key (use ctx.api_key)", "invalid_api_key")
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the body is not JSON", "invalid_json")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-            return _error(400, "messages must be a non-empty list", "invalid_value", "messages")
-        if body.get("stream"):
-            return _error(400, "streaming is not supported by the agent endpoint", "unsupported", "stream")
-        if body.get("n", 1) != 1:
-            return _error(400, "n must be 1 (one session is one trajectory)", "unsupported", "n")
-        name = request.headers.get(SESSION_HEADER) or body.get("user")
+            raise APIError(401, "wrong or missing API key (use ctx.api_key)", type="authentication_error",
+                           code="invalid_api_key")
+        body = load_json(await request.body())
+        req = validate(body, AgentChatRequest)
+        check_request(req, note)
+        name = request.headers.get(SESSION_HEADER) or req.user
         session = rollout.sessions.get(name)
         if session is None:
-            return _error(400, f"no agent session {name!r}: use ctx.client(item), or send the {SESSION_HEADER} "
-                          "header (or `user`) with item.id", "unknown_session", "user")
-        tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        async with session.lock:
-            try:
-                session.extend_messages(body["messages"], tools)
-            except AgentError as e:
-                return _error(400, str(e), e.code, e.param)
+            raise APIError(400, f"no agent session {name!r}: use ctx.client(item), or send the {SESSION_HEADER} "
+                           "header (or `user`) with item.id", param="user", code="unknown_session")
+        tools = body.get("tools") if req.tool_choice != "none" else None
+        async with session.lock:  # the messages and tools as sent (validated above) go to the chat template
+            session.extend_messages(body["messages"], tools)
             message = await rollout.sample(
-                session, max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
-                temperature=body.get("temperature"), top_p=body.get("top_p"), stop=body.get("stop"),
-                assistant_message=True)
-        finish = session.finish_reason
-        if message.get("tool_calls") and finish == "stop":
-            finish = "tool_calls"
-        prompt_tokens = len(session.tokens) - session.mask.count(1)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": MODEL,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": session.mask.count(1),
-                          "total_tokens": len(session.tokens)}}
+                session, max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
+                top_p=req.top_p, stop=req.stop, assistant_message=True)
+        return completion(session, message)
 
     return app
+
+
+def completion(session, message: dict) -> dict:
+    """The chat completion of ``session``'s last answer ``message``."""
+    finish = session.finish_reason
+    if message.get("tool_calls") and finish == "stop":
+        finish = "tool_calls"
+    prompt_tokens = len(session.tokens) - session.mask.count(1)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": MODEL,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": session.mask.count(1),
+                      "total_tokens": len(session.tokens)}}

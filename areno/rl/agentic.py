@@ -33,18 +33,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from areno.engine.token_service import RemoteTokens, sample_local
+from areno.rl.agent_server import SESSION_HEADER, AgentError
 from areno.training.batch import Row
 
 log = logging.getLogger("areno.agent")
-SESSION_HEADER = "X-Areno-Session"
-
-
-class AgentError(Exception):
-    """A call the session refuses; ``code`` is the OpenAI error code (HTTP 400)."""
-
-    def __init__(self, message: str, code: str, param: str | None = None):
-        super().__init__(message)
-        self.code, self.param = code, param
 
 
 # ---- what the agent sees -----------------------------------------------------------------------------------------

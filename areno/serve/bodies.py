@@ -8,7 +8,8 @@ import re
 
 from pydantic import ValidationError
 
-from areno.serve.protocol import APIError, FieldError
+from areno.serve.errors import APIError
+from areno.serve.protocol import FieldError
 
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a valid UTF-8 body can yield a lone surrogate
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

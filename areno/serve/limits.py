@@ -2,7 +2,7 @@
 context refused without building its token list (by its length in characters, where the tokenizer bounds the bytes
 a token covers); and the memory a large request used handed back to the OS afterwards.
 
-Parsing and tokenisation themselves run on a small thread pool (``areno.serve.app``), so the event loop keeps
+Parsing and tokenisation themselves run on a small thread pool (``areno.serve.state``), so the event loop keeps
 answering other requests (``/health`` too) while a large body is being handled.
 """
 
@@ -12,9 +12,7 @@ import ctypes
 import json
 import sys
 
-from fastapi.responses import JSONResponse
-
-from areno.serve.protocol import APIError
+from areno.serve.errors import APIError, error_response
 
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # ~8M tokens of JSON text: far above any context a served model has
 TRIM_AFTER_BYTES = 256 << 10  # after a body this large, hand the freed memory back to the OS (a trim takes < 1 ms)
@@ -42,7 +40,7 @@ class RequestBodyLimit:
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if length is not None and length.strip().isdigit() and int(length) > self.limit:
             exc = body_too_large(self.limit)
-            await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+            await error_response(exc)(scope, receive, send)
             return
         received = 0
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 
-from areno.serve.protocol import APIError
-from areno.serve.tokenizer_api import chat_messages, template_kwargs
+from areno.serve.errors import APIError
+from areno.serve.render import chat_messages, template_kwargs
 
 
 class ChatMedia:

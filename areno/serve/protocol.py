@@ -1,4 +1,4 @@
-"""The OpenAI request bodies areno serves, as pydantic models, and OpenAI-style errors.
+"""The OpenAI request bodies areno serves, as pydantic models (their errors: ``areno.serve.errors``).
 
 Unknown fields are refused (``extra="forbid"``), so a feature the server lacks gets a 400 naming the field instead
 of being ignored. Fields that clients send to every OpenAI-compatible server are accepted where they change nothing
@@ -30,15 +30,6 @@ MAX_STOP_TOKEN_IDS = 128  # checked against every sampled token: a long list wou
 MAX_LOGIT_BIAS = 300  # token ids in one logit_bias (OpenAI's own limit)
 
 TokenId = Annotated[int, Field(ge=0)]
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class FieldError(ValueError):

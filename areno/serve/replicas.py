@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from areno.config import ConfigError
 from areno.engine.async_engine import RequestStream, TokenEvent, deliver
-from areno.serve.protocol import APIError
+from areno.serve.errors import APIError
 
 log = logging.getLogger("areno.serve")
 

@@ -16,7 +16,7 @@ import torch
 
 from areno.engine.async_engine import AsyncEngine
 from areno.engine.model_runner import broadcast_step
-from areno.serve.protocol import APIError
+from areno.serve.errors import APIError
 
 SCORE_TOKENS_PER_FORWARD = 8192  # prompts packed into one forward up to this many tokens
 LOGITS_ROWS_PER_CHUNK = 512  # fp32 [rows, vocab] log-softmax at a time

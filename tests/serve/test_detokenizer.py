@@ -4,7 +4,7 @@
 import random
 
 from areno.models import load_tokenizer
-from areno.serve.app import Detokenizer
+from areno.serve.text import Detokenizer
 from areno.testing import make_tiny_checkpoint
 
 

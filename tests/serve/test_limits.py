@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from areno.models import load_tokenizer
-from areno.serve.app import _parse
+from areno.serve.bodies import parse as _parse
+from areno.serve.errors import APIError
 from areno.serve.limits import PromptEncoder, max_bytes_per_token
-from areno.serve.protocol import APIError, CompletionRequest
+from areno.serve.protocol import CompletionRequest
 from tests.serve.conftest import RunningServer
 
 LIMIT = 64 * 1024

@@ -1,0 +1,164 @@
+"""``POST /v1/chat/completions``: the messages rendered through the chat template (media parts through the model's
+processor), sampled ``n`` times and answered whole or streamed as ``chat.completion.chunk`` events, with log-probs,
+vLLM's ``prompt_logprobs`` and tool calls parsed from the text."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from areno.engine.tool_calls import parse_tool_calls
+from areno.serve.bodies import parse, request_body
+from areno.serve.chunks import ChunkWriter, json_str, usage
+from areno.serve.errors import APIError
+from areno.serve.generation import check_request, collect, sampling_options, score_prompts, submit
+from areno.serve.logprobs import chat_logprobs
+from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.render import render_chat
+from areno.serve.scoring import vllm_prompt_logprobs
+from areno.serve.state import ServeState
+
+
+def prepare_chat(state: ServeState, raw: bytes):
+    """Body -> (request, prompt ids, sampling options, top log-probs, images or None): on the prep pool."""
+    req = parse(raw, ChatCompletionRequest)
+    state.check_model(req.model)
+    check_request(state, req)
+    mm = None
+    if req.has_media():  # image parts: the model's processor (expanded placeholders, pixel rows)
+        if state.media is None:
+            raise APIError(400, "this server takes no image, audio or video parts", param="messages")
+        if req.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported yet for prompts with images",
+                           param="prompt_logprobs")
+        mm = state.media.encode(req)
+        prompt_ids = mm.input_ids
+    else:
+        prompt_ids = state.prompt_encoder(render_chat(state.tokenizer, req), "messages")
+    k = (req.top_logprobs or 0) if req.logprobs else 0
+    return req, prompt_ids, sampling_options(state, req, len(prompt_ids), req.token_limit(), k), k, mm
+
+
+async def chat(request: Request):
+    state: ServeState = request.app.state.serve
+    arrival = time.perf_counter()
+    req, prompt_ids, opts, k, mm = await state.prep(prepare_chat, state, await request.body())
+    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    stream = await submit(state, prompt_ids, opts, arrival, mm)
+    plp = None
+    if req.prompt_logprobs is not None:  # vLLM's extension (never streamed): a forward while it decodes
+        try:
+            (score,) = await score_prompts(state, [prompt_ids], req.prompt_logprobs, ranks=True,
+                                           param="prompt_logprobs")
+        except BaseException:
+            stream.abort()
+            raise
+        plp = vllm_prompt_logprobs(prompt_ids, score, req.prompt_logprobs, state.token_namer(req))
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+        writer = ChunkWriter(rid, "chat.completion.chunk", created, state.model_name, len(prompt_ids),
+                             req.stream_options)
+        chunks = ChatStream(state, req, writer, parse_tools, k).chunks(stream)
+        return StreamingResponse(writer.stream(chunks, [stream]), media_type="text/event-stream")
+    try:
+        out = await collect(request, stream)
+    finally:
+        stream.abort()
+    body = chat_response(state, req, out, parse_tools, k)
+    completion_tokens = sum(len(o["ids"]) for o in out)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": body, "usage": usage(len(prompt_ids), completion_tokens),
+            **({"prompt_logprobs": plp} if plp is not None else {})}
+
+
+def chat_response(state: ServeState, req, out: list[dict], parse_tools: bool, k: int) -> list[dict]:
+    """The choices of a whole (non-streamed) answer from each sample's tokens."""
+    choices = []
+    name = state.token_namer(req)
+    for idx, o in enumerate(out):
+        d = state.detokenizer(req)
+        d.ids = o["ids"]
+        text = d.final_text(o["stop_text"], o["finish"])
+        message = {"role": "assistant", "content": text}
+        finish = o["finish"] or "abort"
+        if parse_tools:
+            content, calls = parse_tool_calls(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+                finish = "tool_calls"
+        choices.append({"index": idx, "message": message, "finish_reason": finish,
+                        "logprobs": chat_logprobs(o, k, name) if req.logprobs else None})
+    return choices
+
+
+def _no_logprobs() -> dict:
+    return {"ids": [], "logprobs": [], "top": []}
+
+
+class ChatStream:
+    """One streamed chat answer: per sample, its detokenizer and the log-probs of tokens whose text is not sent."""
+
+    def __init__(self, state: ServeState, req, writer: ChunkWriter, parse_tools: bool, k: int):
+        self.req, self.writer, self.parse_tools, self.k = req, writer, parse_tools, k
+        self.name = state.token_namer(req)
+        self.detoks = [state.detokenizer(req) for _ in range(req.n)]
+        self.held = [_no_logprobs() for _ in range(req.n)]
+
+    async def chunks(self, stream):
+        for i in range(self.req.n):
+            yield self.writer.chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None, "logprobs": None})
+        async for first in stream:
+            # every event already queued goes out with this one: one chunk per sample however far behind
+            by_index: dict[int, list] = {}
+            for ev in [first, *stream.pending()]:
+                by_index.setdefault(ev.index, []).append(ev)
+            for index, evs in by_index.items():
+                text = self.sample_chunk(index, evs)
+                if text is not None:
+                    yield text
+
+    def sample_chunk(self, index: int, evs: list) -> str | None:
+        """Sample ``index``'s events of one batch as its chunk (None: nothing to show yet)."""
+        req, writer = self.req, self.writer
+        d, h, last = self.detoks[index], self.held[index], evs[-1]
+        got = [ev for ev in evs if ev.token_id is not None]
+        ids = [ev.token_id for ev in got]
+        writer.completion_tokens += len(ids)
+        if last.finish_reason is None:
+            delta_text = d.push_many(ids)
+        else:  # the last token's text goes out through flush, once the stop string is known
+            d.ids.extend(ids)
+            delta_text = ""
+        if req.logprobs:
+            h["ids"] += ids
+            h["logprobs"] += [ev.logprob for ev in got]
+            h["top"] += [ev.top for ev in got]
+        if last.finish_reason is None and not (delta_text and not self.parse_tools):
+            return None  # nothing to show yet (held-back text, or tool calls parsed at the end)
+        lp = chat_logprobs(h, self.k, self.name) if req.logprobs and h["ids"] else None
+        self.held[index] = _no_logprobs()
+        if last.finish_reason is None:
+            if lp is None and not writer.every:  # the hot path: a template, no dict, no json.dumps
+                return writer.plain(index, f'"delta":{{"content":{json_str(delta_text)}}},'
+                                           f'"finish_reason":null,"logprobs":null')
+            return writer.chunk({"index": index, "delta": {"content": delta_text}, "finish_reason": None,
+                                 "logprobs": lp})
+        finish = last.finish_reason
+        if self.parse_tools:
+            content, calls = parse_tool_calls(d.final_text(last.stop_text, finish))
+            delta = {"content": content}
+            if calls:
+                delta["tool_calls"] = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
+                finish = "tool_calls"
+        else:
+            delta = {"content": delta_text + d.flush(last.stop_text, finish)}
+        return writer.chunk({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp})
+
+
+def add_chat_routes(app, state: ServeState) -> None:
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"],
+                      openapi_extra=request_body(ChatCompletionRequest))
