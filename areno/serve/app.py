@@ -19,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from areno.config import SamplingParams
 from areno.engine.async_engine import AsyncEngine
-from areno.engine.sequence import SamplingOptions
 from areno.engine.tool_calls import parse_tool_calls
 from areno.serve.bodies import parse, request_body
 from areno.serve.limits import (
@@ -33,6 +33,7 @@ from areno.serve.limits import (
 from areno.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from areno.serve.metrics import ServeMetrics
 from areno.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from areno.serve.sampling import request_sampling_params
 from areno.serve.scoring import prompt_logprobs, score_groups, vllm_prompt_logprobs
 from areno.serve.text import Detokenizer, token_offsets
 from areno.serve.tokenizer_api import add_tokenizer_routes, render_chat
@@ -202,7 +203,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
         if effort is not None and "reasoning_effort" not in template_text:
             note("reasoning_effort", "passed to the chat template, which does not use it")
 
-    def options(req, prompt_len: int, max_tokens: int | None, top_logprobs: int) -> SamplingOptions:
+    def options(req, prompt_len: int, max_tokens: int | None, top_logprobs: int) -> SamplingParams:
         if prompt_len >= max_model_len:
             raise context_exceeded(f"{prompt_len} tokens", max_model_len,
                                    "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
@@ -213,19 +214,7 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
                            f"({max_model_len})", param=name, code="context_length_exceeded")
         if req.n > max_running:
             raise APIError(400, f"n ({req.n}) exceeds --max-running-prompts ({max_running})", param="n")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        # any k beyond the vocabulary means no cut; bounded so it fits the sampler's int64 (an engine-step error
-        # would fail every request in the batch, not just this one)
-        top_k = min(req.top_k, 1 << 30) if req.top_k and req.top_k > 0 else 0
-        return SamplingOptions(
-            temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-            max_new_tokens=max_tokens or room, min_new_tokens=min(req.min_tokens, max_tokens or room),
-            stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            min_p=req.min_p or 0.0, logit_bias=req.logit_bias_ids(),
-            seed=req.seed, n=req.n, top_logprobs=top_logprobs, grammar=req.grammar(),
-        )
+        return request_sampling_params(req, max_new_tokens=max_tokens or room, top_logprobs=top_logprobs)
 
     async def run(prompt_ids, opts, arrival: float, mm=None):
         try:
