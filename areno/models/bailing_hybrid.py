@@ -49,7 +49,6 @@ the same memory (long contexts, many sequences).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from areno.config.env import env_value
 from areno.kernels.attention import attention
 from areno.kernels.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
 from areno.kernels.mla_decode import mla_decode, store_latent
@@ -510,7 +510,7 @@ class BailingHybridForCausalLM(CausalLM):
                          mlp_factory=lambda cfg, i: SigmoidMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg))
         self.mtp = nn.Module()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
         self.mtp_names: list[str] = []
-        self.set_mla_cache(os.environ.get("ARENO_MLA_CACHE", "expanded").strip().lower() or "expanded")
+        self.set_mla_cache((env_value("ARENO_MLA_CACHE") or "expanded").strip().lower() or "expanded")
 
     # ---- the engine's sizes (see the module docstring) ---------------------------------------------------------
     @property
