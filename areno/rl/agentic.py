@@ -288,7 +288,8 @@ class AgentRollout:
         asked = {"temperature": temperature} if temperature is not None and not self._greedy else {}
         options = SamplingParams.from_train_config(
             cfg, n=1, greedy=self._greedy, **asked, top_p=cfg.top_p if top_p is None else top_p,
-            max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)), min_new_tokens=0, stop=stop or cfg.stop)
+            max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)), min_new_tokens=0,
+            stop=stop if isinstance(stop, str) else stop or cfg.stop)
         if self._remote is not None:  # split mode: the session's engine, always the same one (its prefix cache)
             out = await self._remote.sample(session.tokens, options, session.key)
         else:
