@@ -12,16 +12,15 @@ import platform
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from areno.config import (
-    ATTN_BACKENDS,
-    DTYPES,
-    ConfigError,
+from areno.config import ConfigError, SamplingParams
+from areno.config.constants import ATTN_BACKENDS, DTYPES
+from areno.config.fields import (
     check_choice,
     check_memory,
     check_non_negative,
+    check_number,
     check_offload,
     check_positive,
-    check_range,
     device_list,
 )
 
@@ -43,16 +42,6 @@ def _check_bool(name, value):
         raise ConfigError(name, f"must be True or False, got {value!r}")
 
 
-def _check_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(name, f"must be a number, got {value!r}")
-
-
-def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
-
-
 def _check_folder(name, value):
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise ConfigError(name, f"must be a folder path, got {value!r}")
@@ -68,7 +57,7 @@ RUNTIME_KEYS = {
     "optimizer_state_offload_dir": _check_folder,
     "optimizer_state_offload_batch_size": check_positive,
     "decode_progress_interval_s": check_non_negative,
-    "kv_cache_memory": lambda n, v: _check_number(n, v) or check_memory(n, v),
+    "kv_cache_memory": lambda n, v: check_number(n, v) or check_memory(n, v),
     "dtype": lambda n, v: check_choice(n, v, DTYPES),
 }
 
@@ -195,93 +184,6 @@ def resolve_backend(backend_type=None, custom_config=None):
     return selected, custom_config if custom_config is not None else BACKEND_CONFIGS[selected]()
 
 
-@dataclass
-class SamplingParams:
-    """Generation settings of one request (n samples of one prompt)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0  # in [0, 1]; 0 = off
-    repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and completion tokens; vLLM's rule)
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-    max_new_tokens: int = 256
-    min_new_tokens: int = 0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    n: int = 1
-    logprobs: bool = True
-    json_schema: dict | bool | None = None  # structured output: every completion is JSON valid against this schema
-
-    def __post_init__(self):
-        _check_number("temperature", self.temperature)
-        check_non_negative("temperature", self.temperature)
-        _check_number("top_p", self.top_p)
-        check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_int("top_k", self.top_k, 0)
-        for name, low, high, low_open in (("min_p", 0.0, 1.0, False), ("repetition_penalty", 0.0, 3.4e38, True),
-                                          ("presence_penalty", -2.0, 2.0, False),
-                                          ("frequency_penalty", -2.0, 2.0, False)):
-            _check_number(name, getattr(self, name))
-            check_range(name, getattr(self, name), low, high, low_open=low_open)
-        if self.logit_bias is not None:
-            self.logit_bias = dict(self.logit_bias)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
-                       and not isinstance(b, bool) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
-                raise ConfigError("logit_bias", f"must map token ids >= 0 to biases in [-100, 100], got "
-                                  f"{self.logit_bias!r}")
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_int("min_new_tokens", self.min_new_tokens, 0)
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ConfigError("min_new_tokens", f"({self.min_new_tokens}) must not exceed max_new_tokens "
-                              f"({self.max_new_tokens})")
-        _check_int("n", self.n, 1)
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0)
-        _check_bool("logprobs", self.logprobs)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None:
-            self.stop = list(self.stop)
-            if not all(isinstance(s, str) and s for s in self.stop):
-                raise ConfigError("stop", f"must be a list of non-empty strings, got {self.stop!r}")
-        if self.stop_token_ids is not None:
-            self.stop_token_ids = list(self.stop_token_ids)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-                raise ConfigError("stop_token_ids", f"must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        if self.json_schema is not None:
-            from areno.engine.grammar import GrammarError, check
-
-            try:
-                check({"type": "json_schema", "schema": self.json_schema})
-            except GrammarError as exc:
-                raise ConfigError("json_schema", str(exc)) from exc
-
-    def to_options(self):
-        """The engine's per-request settings."""
-        from areno.engine.sequence import SamplingOptions
-
-        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias or {},
-                               max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens,
-                               stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], seed=self.seed,
-                               n=self.n, grammar=None if self.json_schema is None else {
-                                   "type": "json_schema", "schema": self.json_schema})
-
-    @classmethod
-    def from_train_config(cls, config) -> "SamplingParams":
-        """The rollout sampling settings of a `TrainConfig` (n = --n-samples)."""
-        return cls(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-                   repetition_penalty=config.repetition_penalty, presence_penalty=config.presence_penalty,
-                   frequency_penalty=config.frequency_penalty,
-                   max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, stop=config.stop,
-                   seed=config.seed, n=config.n_samples)
-
-
 class Trainer:
     """The training SDK: `Trainer(world_size, model_path, backend_type, custom_config)`, then `init()`.
 
@@ -391,7 +293,7 @@ class Trainer:
         sp = sampling_params or SamplingParams()
         ids = [p if isinstance(p, list) and (not p or isinstance(p[0], int)) or hasattr(p, "input_ids")
                else self._media_prompt(p) or loop.prompt_ids(p) for p in prompts]  # fmt: skip
-        out = loop.generate(ids, sp.to_options())
+        out = loop.generate(ids, sp)
         for group in out:
             for c in group:
                 if c.text is None:  # the engine sets it only when a stop string cut the output; decode the rest

@@ -18,8 +18,8 @@ import argparse_dataclass
 
 from areno import __version__
 from areno.config import GROUPS, ConfigError, RunError, ServeConfig, TrainConfig, flag_name, format_config
+from areno.config.constants import RL_ALGOS
 
-EXIT_NOT_BUILT = 3
 _METAVARS = {int: "N", float: "X", str: "STR"}
 
 
@@ -124,7 +124,7 @@ def _check_models(config) -> None:
             check_model_source(flag_name(name), value)
     # the models the rollout engine runs: the served one, the policy of an online algorithm
     engine_model = getattr(config, "model_path", None) or (
-        getattr(config, "ckpt", None) if getattr(config, "algo", None) in ("grpo", "gspo", "ppo") else None)
+        getattr(config, "ckpt", None) if getattr(config, "algo", None) in RL_ALGOS else None)
     if engine_model:
         from areno.models.loader import check_engine_support
 
@@ -160,28 +160,13 @@ def _summary(command: str, config) -> str:
             f"{'' if config.verbose else ' (--verbose prints it)'}")
 
 
-def _load_runtime(command: str, module: str, name: str, what: str):
-    """The runtime entry point, or None (with a message) while its module is not part of the build yet."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as e:
-        if e.name != module:  # the module exists but something it needs is missing: a real error
-            raise
-    except AttributeError:
-        pass
-    print(f"areno {command}: the {what} is not built yet", file=sys.stderr)
-    return None
-
-
-def _run_config_command(command, options_class, argv, module, name, what) -> int:
+def _run_config_command(command, options_class, argv, module, name) -> int:
     parser = make_parser(command, options_class)
     config = parse_config(parser, options_class, argv)
     print(_summary(command, config), flush=True)
     if config.verbose:
         print(f"areno {command}: resolved configuration\n{format_config(config)}", flush=True)
-    run = _load_runtime(command, module, name, what)
-    if run is None:
-        return EXIT_NOT_BUILT
+    run = getattr(importlib.import_module(module), name)  # the runtime, imported only now (--help stays fast)
     try:
         rc = run(config)
     except ConfigError as e:  # found by the runtime before any work: a bad plugin file, dataset, ...
@@ -194,17 +179,16 @@ def _run_config_command(command, options_class, argv, module, name, what) -> int
 
 
 def run_train(argv) -> int:
-    return _run_config_command("train", TrainConfig, argv, "areno.rl.runner", "run_train", "RL training runtime")
+    return _run_config_command("train", TrainConfig, argv, "areno.rl.runner", "run_train")
 
 
 def run_serve(argv) -> int:
-    return _run_config_command("serve", ServeConfig, argv, "areno.serve.server", "run_server", "server runtime")
+    return _run_config_command("serve", ServeConfig, argv, "areno.serve.server", "run_server")
 
 
-def _platform_command(command, name):
+def _platform_command(name):
     def run(argv) -> int:
-        fn = _load_runtime(command, "areno.platform", name, "platform report")
-        return EXIT_NOT_BUILT if fn is None else fn(list(argv))
+        return getattr(importlib.import_module("areno.platform"), name)(list(argv))
 
     return run
 
@@ -212,8 +196,8 @@ def _platform_command(command, name):
 COMMANDS = {
     "train": (run_train, "train a policy: SFT, DPO, GRPO, GSPO or PPO"),
     "serve": (run_serve, "serve a model behind an OpenAI-compatible HTTP API"),
-    "check": (_platform_command("check", "run_check"), "readiness checks, one OK/WARN/FAIL line each"),
-    "env": (_platform_command("env", "run_env"), "environment report for support (--json for JSON)"),
+    "check": (_platform_command("run_check"), "readiness checks, one OK/WARN/FAIL line each"),
+    "env": (_platform_command("run_env"), "environment report for support (--json for JSON)"),
 }
 
 

@@ -28,10 +28,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from areno.config.constants import ATTN_BACKENDS  # areno.config imports the standard library only, as this module
+from areno.config.env import current_values, env_value
+
 MIN_PYTHON = (3, 10)
 MIN_TORCH = (2, 6)
 FLASH_MIN_CAPABILITY = (8, 0)  # the Triton flash-attention kernels target Ampere and newer
-ATTN_BACKENDS = ("flash", "native")
 CPU_WARNING = "no CUDA device: the native PyTorch path runs on the CPU (tests, the quickstart and tiny models)"
 # The gpu check's next step on a CPU host: the CPU really trains and serves the quickstart, a GPU is for real sizes.
 CPU_NEXT_STEP = "for real model sizes, use a Linux host with an NVIDIA GPU"
@@ -53,7 +55,7 @@ OPTIONAL_DEPS = {
 }
 ENV_VARS = (
     "CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TRITON_INTERPRET",
-    "TRITON_CACHE_DIR", "ARENO_KERNELS", "ARENO_HOME", "ARENO_LOG_DIR", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
+    "TRITON_CACHE_DIR", "ARENO_KERNELS", "ARENO_HOME", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS",
 )
 
 
@@ -105,8 +107,9 @@ def select_backend(system: str | None = None, machine: str | None = None, proc_v
 
 def areno_home() -> Path:
     """$ARENO_HOME, else $XDG_CACHE_HOME/areno, else ~/.cache/areno."""
-    if os.environ.get("ARENO_HOME"):
-        return Path(os.environ["ARENO_HOME"]).expanduser()
+    home = env_value("ARENO_HOME")
+    if home:
+        return Path(home).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "areno"
 
@@ -115,8 +118,9 @@ def setup_path() -> Path:
     return areno_home() / "setup.json"
 
 
-def log_dir() -> Path:
-    return Path(os.environ.get("ARENO_LOG_DIR") or "runs")
+def runs_dir() -> Path:
+    """The folder of the default metrics folder (runs/latest, without --metrics-dir or --save-path)."""
+    return Path("runs")
 
 
 def read_setup() -> dict | None:
@@ -437,12 +441,11 @@ def _check_optional_deps() -> list[Check]:
     return out
 
 
-def _check_folder(name: str, path: Path, env_var: str) -> Check:
+def _check_folder(name: str, path: Path, step: str) -> Check:
     """Create and remove a temp file in `path` (or, if it does not exist yet, in its nearest existing parent)."""
     target = path
     while not target.exists() and target != target.parent:
         target = target.parent
-    step = f"set {env_var} to a writable folder"
     if not target.is_dir():
         return Check("FAIL", name, f"{path}: {target} is not a folder", step)
     try:
@@ -465,8 +468,8 @@ def collect_checks() -> list[Check]:
     steps = [
         _check_python, _check_platform, lambda: _check_torch(torch, nvidia), lambda: _check_gpus(torch, gpus, nvidia),
         lambda: _check_triton(gpus), _check_attention, _check_core_deps, _check_optional_deps,
-        lambda: _check_folder("cache", areno_home(), "ARENO_HOME"),
-        lambda: _check_folder("logs", log_dir(), "ARENO_LOG_DIR"),
+        lambda: _check_folder("cache", areno_home(), "set ARENO_HOME to a writable folder"),
+        lambda: _check_folder("logs", runs_dir(), "run from a writable folder, or pass --metrics-dir / --save-path"),
     ]
     checks = []
     for step in steps:
@@ -538,6 +541,7 @@ def env_report() -> dict:
         "env": env,
         "setup": setup,
         "setup_path": str(setup_path()),
+        "areno_variables": current_values(),  # every ARENO_* variable: value here, default, meaning
     }
 
 
@@ -567,7 +571,11 @@ def run_env(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_text(report)
+        _print_text({k: v for k, v in report.items() if k != "areno_variables"})
+        print("areno_variables:")  # the table of areno.config.env, with the values here
+        for v in report["areno_variables"]:
+            print(f"  {v['name']}: {'unset' if v['value'] is None else v['value']} (default: {v['default']}): "
+                  f"{v['meaning']}")
     return 0
 
 

@@ -92,9 +92,9 @@ def agentic(loop, prompts, s) -> tuple[int, float, dict]:
 
 
 def single_turn(loop, prompts, s) -> tuple[int, float]:
-    from areno.engine.sequence import SamplingOptions
+    from areno.config import SamplingParams
 
-    options = SamplingOptions(temperature=1.0, max_new_tokens=s["turns"] * s["turn_tokens"], n=1)
+    options = SamplingParams(temperature=1.0, max_new_tokens=s["turns"] * s["turn_tokens"], n=1)
     loop.model.eval()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

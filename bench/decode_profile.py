@@ -41,8 +41,8 @@ def main():
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = models.checkpoint(args.smoke)
+    from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig
-    from areno.engine.sequence import SamplingOptions
     from areno.models import load_model, load_tokenizer
 
     model = load_model(path, device=device)
@@ -51,7 +51,7 @@ def main():
                     eos_token_ids=[models.EOS_ID])
     vocab = model.config.vocab_size
     n, new = (8, 16) if args.smoke else (args.seqs, args.new)
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=new, ignore_eos=True)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, vocab, seed=1), opts)  # capture + compile
 
     runner = engine.runner

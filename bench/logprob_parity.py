@@ -18,8 +18,8 @@ from common import append_jsonl, print_table  # noqa: E402
 from models import QWEN3_06B, random_prompts  # noqa: E402
 from rollout import logprob_diff  # noqa: E402
 
+from areno.config import SamplingParams  # noqa: E402
 from areno.engine.engine import Engine, EngineConfig  # noqa: E402
-from areno.engine.sequence import SamplingOptions  # noqa: E402
 from areno.models import load_model  # noqa: E402
 from areno.testing import make_tiny_checkpoint  # noqa: E402
 
@@ -43,7 +43,7 @@ def main():
                 engine = Engine(model, None, EngineConfig(max_running=args.prompts, max_model_len=64 + args.new + 16,
                                                           eager_decode=eager, kv_cache_memory=0.2),
                                 eos_token_ids=[])
-                out = engine.generate(prompts, SamplingOptions(temperature=1.0, max_new_tokens=args.new,
+                out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=args.new,
                                                                ignore_eos=True, seed=3))
                 with torch.no_grad():
                     d = logprob_diff(model, out, device)

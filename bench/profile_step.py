@@ -115,8 +115,8 @@ def train(args, device):
 
 
 def decode(args, device):
+    from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig
-    from areno.engine.sequence import SamplingOptions
     from areno.models import load_model, load_tokenizer
 
     path = models.checkpoint(args.smoke)
@@ -125,7 +125,7 @@ def decode(args, device):
                                                               eager_decode=args.eager),
                     eos_token_ids=[models.EOS_ID])
     n = 8 if args.smoke else 256
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=64, ignore_eos=True)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
     for p in models.random_prompts(n, 128, model.config.vocab_size, seed=2):
         engine.add_request(p, opts)

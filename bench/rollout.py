@@ -90,9 +90,9 @@ def make_engine(path, device, args):
 
 
 def areno_generate(engine, prompts, new_tokens, device):
-    from areno.engine.sequence import SamplingOptions
+    from areno.config import SamplingParams
 
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in new_tokens]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in new_tokens]
     sync(device)
     t0 = time.perf_counter()
     out = engine.generate(prompts, opts)

@@ -115,9 +115,9 @@ def decode_limit_tok_s(model, rows: int, context: float, kv_bytes_per_token: flo
 
 
 def generate(engine, prompts, new, device):
-    from areno.engine.sequence import SamplingOptions
+    from areno.config import SamplingParams
 
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in new]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in new]
     sync(device)
     t0 = time.perf_counter()
     out = engine.generate(prompts, opts)

@@ -118,11 +118,11 @@ def sync(device):
 
 
 def timed_generate(engine, prompts, new, device):
-    from areno.engine.sequence import SamplingOptions
+    from areno.config import SamplingParams
 
     sync(device)
     t0 = time.perf_counter()
-    out = engine.generate(prompts, SamplingOptions(temperature=1.0, max_new_tokens=new, ignore_eos=True))
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
     sync(device)
     return out, time.perf_counter() - t0
 

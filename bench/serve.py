@@ -207,12 +207,12 @@ def engine_only_main(path, prompts_warm, prompts, max_tokens, args_dict, results
     try:
         import torch
 
+        from areno.config import SamplingParams
         from areno.engine.build import build_engine
-        from areno.engine.sequence import SamplingOptions
 
         engine, _ = build_engine(path, max_running=args_dict["max_running_prompts"],
                                  eager_decode=args_dict["eager"], seed=0)
-        opts = SamplingOptions(temperature=1.0, max_new_tokens=max_tokens, ignore_eos=True)
+        opts = SamplingParams(temperature=1.0, max_new_tokens=max_tokens, ignore_eos=True)
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         engine.generate(prompts_warm, opts)
         sync()

@@ -139,17 +139,19 @@ def test_trainer_constructor_validates_topology(monkeypatch):
 def test_sampling_params_defaults_and_validation():
     p = SamplingParams()
     assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.min_new_tokens) == (1.0, 1.0, 0, 256, 0)
-    assert (p.stop, p.stop_token_ids, p.seed, p.n, p.logprobs) == (None, None, None, 1, True)
+    assert (p.stop, p.stop_token_ids, p.seed, p.n, p.logprobs) == ([], [], None, 1, True)
     assert SamplingParams(stop="\n\n", stop_token_ids=(2, 7)).stop == ["\n\n"]
     assert SamplingParams(stop_token_ids=(2, 7)).stop_token_ids == [2, 7]
     assert SamplingParams(temperature=0, seed=0).temperature == 0
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    assert SamplingParams(json_schema=schema).to_options().grammar == {"type": "json_schema", "schema": schema}
+    grammar = {"type": "json_schema", "schema": schema}
+    assert SamplingParams(grammar=grammar).grammar == grammar
+    assert SamplingParams(seed=-1).seed == -1  # any integer (the OpenAI server passes a request's seed as it is)
     bad = [("temperature", -0.1), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
            ("top_k", 2.5), ("max_new_tokens", 0), ("min_new_tokens", 300), ("min_new_tokens", -1), ("n", 0),
-           ("seed", -1), ("seed", 1.5), ("logprobs", 1), ("stop", ["ok", ""]), ("stop", [3]),
-           ("stop_token_ids", [-1]), ("stop_token_ids", ["eos"]), ("json_schema", {"type": "nonsense"}),
-           ("json_schema", [1])]
+           ("seed", 1.5), ("logprobs", 1), ("stop", ["ok", ""]), ("stop", [3]),
+           ("stop_token_ids", [-1]), ("stop_token_ids", ["eos"]), ("grammar", {"type": "nonsense"}),
+           ("grammar", {"type": "json_schema", "schema": [1]}), ("grammar", [1]), ("top_logprobs", -1)]
     for name, value in bad:
         with pytest.raises(ValueError) as info:
             SamplingParams(**{name: value})
@@ -162,7 +164,9 @@ def test_sampling_params_from_train_config(tmp_path):
     cfg = TrainConfig(ckpt="m", dataset_path="d", reward_fn_path=str(reward), temperature=0.7, top_k=20,
                       max_new_tokens=64, stop=["</answer>"], n_samples=4, seed=3)
     p = SamplingParams.from_train_config(cfg)
-    assert (p.temperature, p.top_k, p.max_new_tokens, p.stop, p.n, p.seed) == (0.7, 20, 64, ["</answer>"], 4, 3)
+    assert (p.temperature, p.top_k, p.max_new_tokens, p.stop, p.n, p.seed) == (0.7, 20, 64, ["</answer>"], 4, None)
+    greedy = SamplingParams.from_train_config(cfg, n=1, greedy=True)  # the evaluation's settings
+    assert (greedy.temperature, greedy.n, greedy.top_k) == (0.0, 1, 20)
 
 
 def test_api_import_stays_light():

@@ -285,14 +285,16 @@ def test_serve_hands_the_config_to_the_server_and_masks_the_key(capsys, runners)
     assert cfg.api_key == "sk-secret" and "sk-secret" not in out
 
 
-def test_missing_runtime_exits_3_after_printing_the_config(capsys, base, monkeypatch):
-    monkeypatch.setitem(sys.modules, "areno.rl.runner", None)
+def test_the_runtime_is_imported_only_after_the_config_is_checked(capsys, base, monkeypatch):
+    monkeypatch.setitem(sys.modules, "areno.rl.runner", None)  # importing the runtime fails from here on
     monkeypatch.setitem(sys.modules, "areno.serve.server", None)
-    code, out, err = run(capsys, "train", *base)
-    assert code == 3 and "areno train: grpo on tiny-model" in out
-    assert "areno train: the RL training runtime is not built yet" in err
-    code, _, err = run(capsys, "serve", "--model-path", "m")
-    assert code == 3 and "areno serve: the server runtime is not built yet" in err
+    code, _, err = run(capsys, "train", *base, "--max-new-tokens", "0")
+    assert code == 2 and "areno train: error: --max-new-tokens " in err
+    with pytest.raises(ImportError):
+        run(capsys, "train", *base)
+    assert "areno train: grpo on tiny-model" in capsys.readouterr().out
+    code, _, err = run(capsys, "serve", "--model-path", "m", "--port", "70000")
+    assert code == 2 and "areno serve: error: --port " in err
 
 
 def test_preset_is_the_base_and_explicit_flags_override_it(capsys, plugin_files, runners, monkeypatch):

@@ -24,7 +24,6 @@ CHECK_NAMES = ["python", "platform", "torch", "gpu", "triton", "attention", "dep
 def home(tmp_path, monkeypatch):
     """A private ARENO_HOME and working folder, so checks never touch the user's cache or ./runs."""
     monkeypatch.setenv("ARENO_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("ARENO_LOG_DIR", raising=False)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)

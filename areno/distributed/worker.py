@@ -7,6 +7,7 @@ import signal
 import sys
 
 from areno.config import TrainConfig
+from areno.config.env import env_value
 from areno.rl.runner import CONFIG_ENV, run_train
 
 
@@ -24,7 +25,7 @@ def _die_with_launcher() -> None:
 
 def main() -> int:
     _die_with_launcher()
-    raw = os.environ.get(CONFIG_ENV)
+    raw = env_value(CONFIG_ENV)
     if not raw:
         print(f"areno.distributed.worker: {CONFIG_ENV} is not set; start runs with `areno train`", file=sys.stderr)
         return 2

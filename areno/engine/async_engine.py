@@ -17,8 +17,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from areno.config import SamplingParams
 from areno.engine.engine import Engine
-from areno.engine.sequence import SamplingOptions
 
 log = logging.getLogger("areno.engine")
 
@@ -140,7 +140,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="areno-engine", daemon=True)
         self._thread.start()
 
-    async def submit(self, prompt_ids: list[int], options: SamplingOptions, *, mm=None,
+    async def submit(self, prompt_ids: list[int], options: SamplingParams, *, mm=None,
                      final_only: bool = False) -> RequestStream:
         """Queue a request (``mm``: its images, as for :meth:`Engine.add_request`); a refusal ends the stream.
         ``final_only``: a sample's events arrive together when it finishes (a caller that wants whole outputs, such as

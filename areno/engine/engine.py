@@ -23,13 +23,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import token_mask
 from areno.engine.images import PromptImages
 from areno.engine.kv_cache import plan_num_blocks
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
-from areno.engine.sequence import SamplingOptions, Sequence
+from areno.engine.sequence import Sequence
 from areno.engine.stopping import StopChecker
 
 log = logging.getLogger("areno.engine")
@@ -182,7 +183,7 @@ class Engine:
             return {"variants": 0, "prefills": 0}
         variants = self.runner.warm_kernels()
         vocab = self.runner.vocab_size
-        opts = SamplingOptions(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=0)
+        opts = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=0)
         limit, n, prefills = min(self.max_model_len - opts.max_new_tokens, self.config.max_batched_tokens), 64, 0
         while n <= limit:
             self.add_request([(7 * j + n) % vocab for j in range(n - 1)], opts)
@@ -196,7 +197,7 @@ class Engine:
         return {"variants": variants, "prefills": prefills}
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int] | None, options: SamplingOptions | None = None, request_id=None, *,
+    def add_request(self, prompt_ids: list[int] | None, options: SamplingParams | None = None, request_id=None, *,
                     mm=None):  # fmt: skip
         """Queue one prompt for ``options.n`` samples; returns the samples' Sequence objects.
 
@@ -210,7 +211,7 @@ class Engine:
                 raise ValueError("add_request needs prompt_ids or mm")
             prompt_ids = list(mm.input_ids)
         images = PromptImages.from_prompt(mm, prompt_ids, self.model) if mm is not None else None
-        options = options or SamplingOptions()
+        options = options or SamplingParams()
         if options.logit_bias and max(options.logit_bias) >= self.runner.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
         base = options.seed if options.seed is not None else self._rng.getrandbits(62)
@@ -227,7 +228,7 @@ class Engine:
         self.scheduler.add(group)
         return group
 
-    def _attach_grammar(self, group: list[Sequence], options: SamplingOptions) -> None:
+    def _attach_grammar(self, group: list[Sequence], options: SamplingParams) -> None:
         """One grammar matcher per sample (compiled once per spec); the stop tokens end the output."""
         from areno.engine.grammar import GrammarError, Grammars
 
@@ -421,7 +422,7 @@ class Engine:
         return dist.get_rank(group) if group is not None else 0
 
     def generate(self, prompts: list, options=None, *, on_finished=None) -> list[list[Completion]]:
-        """Generate for every prompt (``options``: one SamplingOptions or one per prompt); blocks until done.
+        """Generate for every prompt (``options``: one SamplingParams or one per prompt); blocks until done.
 
         A prompt is a list of token ids, or a prompt with images (a ``MultimodalPrompt``: anything with
         ``input_ids``, see :meth:`add_request`).
@@ -440,8 +441,8 @@ class Engine:
             box = [None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             return box[0]
-        if options is None or isinstance(options, SamplingOptions):
-            options = [options or SamplingOptions()] * len(prompts)
+        if options is None or isinstance(options, SamplingParams):
+            options = [options or SamplingParams()] * len(prompts)
         groups = [self.add_request(None, o, request_id=i, mm=p) if hasattr(p, "input_ids") else
                   self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]  # fmt: skip
         done: dict[int, list[Completion]] = {}

@@ -1,7 +1,7 @@
 """Structured outputs by constrained decoding: a grammar masks the logits of the rows that carry one, so every
 sampled token keeps the output inside the grammar's language.
 
-Spec (plain data in ``SamplingOptions.grammar``, so it travels to replicas and remote rollout as it is):
+Spec (plain data in ``SamplingParams.grammar``, so it travels to replicas and remote rollout as it is):
 
     {"type": "json_object"}                     any JSON object
     {"type": "json_schema", "schema": {...}}    a JSON value that validates against the schema (the OpenAI subset
@@ -32,13 +32,10 @@ from collections import OrderedDict
 
 import torch
 
-TYPES = ("json_object", "json_schema")
+from areno.config.sampling import GrammarError, normalize_grammar
+
 _LAYOUT = {"any_whitespace": False}  # separators (", ", ": "), no free whitespace
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before the message
-
-
-class GrammarError(ValueError):
-    """A grammar spec that cannot be used (malformed, or a schema the converter refuses)."""
 
 
 def _xgrammar():
@@ -53,28 +50,6 @@ def _message(exc: Exception) -> str:
     return _XGR_PREFIX.sub("", str(exc).strip()).strip()
 
 
-def normalize(spec) -> dict:
-    """The canonical form of a spec: ``{"type": "json_object"}`` or ``{"type": "json_schema", "schema": <dict or
-    bool>}`` (a schema given as JSON text is parsed)."""
-    if not isinstance(spec, dict) or spec.get("type") not in TYPES:
-        raise GrammarError(f"a grammar is a dict with type one of {list(TYPES)}, got {spec!r}"[:300])
-    if spec["type"] == "json_object":
-        if set(spec) != {"type"}:
-            raise GrammarError(f"a json_object grammar takes no other keys, got {sorted(set(spec) - {'type'})}")
-        return {"type": "json_object"}
-    if set(spec) != {"type", "schema"}:
-        raise GrammarError(f"a json_schema grammar has exactly the keys type and schema, got {sorted(spec)}")
-    schema = spec["schema"]
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the schema is not valid JSON: {exc}") from exc
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")
-    return {"type": "json_schema", "schema": schema}
-
-
 def _schema_text(spec: dict) -> tuple[str, bool]:
     """(schema JSON, strict mode) of a normalised spec: json_object is the schema ``{"type": "object"}`` with
     additional properties allowed."""
@@ -86,7 +61,7 @@ def _schema_text(spec: dict) -> tuple[str, bool]:
 def check(spec) -> dict:
     """Normalise and convert ``spec`` to a grammar without a tokenizer (the server's validation); returns the
     normalised spec or raises GrammarError with the converter's reason."""
-    spec = normalize(spec)
+    spec = normalize_grammar(spec)
     xgr = _xgrammar()
     text, strict = _schema_text(spec)
     try:
@@ -134,7 +109,7 @@ class Grammars:
         self._lock = threading.Lock()
 
     def compile(self, spec):
-        spec = normalize(spec)
+        spec = normalize_grammar(spec)
         key = json.dumps(spec, sort_keys=True)
         with self._lock:
             if key in self._cache:

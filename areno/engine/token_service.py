@@ -20,10 +20,10 @@ import uuid
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' annotations here
 
-from areno.engine.sequence import SamplingOptions
+from areno.config import SamplingParams
 
 
-async def sample_local(async_engine, prompt_ids: list[int], options: SamplingOptions) -> dict:
+async def sample_local(async_engine, prompt_ids: list[int], options: SamplingParams) -> dict:
     stream = await async_engine.submit(list(prompt_ids), options, final_only=True)
     ids, lps, finish, stop_text = [], [], None, None
     async for first in stream:  # final_only: a sample's events come in one go, when it finishes
@@ -59,7 +59,7 @@ class TokenServer:
             if not authorised(request):
                 return JSONResponse({"error": "unauthorised"}, status_code=401)
             body = await request.json()
-            options = SamplingOptions(**body["options"])
+            options = SamplingParams(**body["options"])
             return await sample_local(self.async_engine, body["prompt_ids"], options)
 
         @app.post("/shutdown")
@@ -121,7 +121,7 @@ class RemoteTokens:
         self.addresses = addresses
         self._client = httpx.AsyncClient(timeout=None, headers={"authorization": f"Bearer {token}"})
 
-    async def sample(self, prompt_ids: list[int], options: SamplingOptions, key: int) -> dict:
+    async def sample(self, prompt_ids: list[int], options: SamplingParams, key: int) -> dict:
         url = self.addresses[key % len(self.addresses)] + "/generate"
         reply = await self._client.post(url, json={"prompt_ids": list(prompt_ids),
                                                    "options": dataclasses.asdict(options)})

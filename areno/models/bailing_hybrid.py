@@ -33,12 +33,11 @@ the same memory (long contexts, many sequences).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from areno.config.env import env_value
 from areno.models.bailing_hybrid_layers import (
     BailingHybridConfig,
     KimiDeltaAttention,
@@ -67,7 +66,7 @@ class BailingHybridForCausalLM(CausalLM):
                          mlp_factory=lambda cfg, i: SigmoidMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg))
         self.mtp = nn.Module()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
         self.mtp_names: list[str] = []
-        self.set_mla_cache(os.environ.get("ARENO_MLA_CACHE", "expanded").strip().lower() or "expanded")
+        self.set_mla_cache((env_value("ARENO_MLA_CACHE") or "expanded").strip().lower() or "expanded")
 
     # ---- the engine's sizes (see the module docstring) ---------------------------------------------------------
     @property

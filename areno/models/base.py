@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from areno.config.constants import ATTN_BACKENDS
 from areno.kernels.activation import silu_and_mul
 from areno.kernels.attention import attention
 from areno.kernels.attention.norm_rope import qk_norm_rope
@@ -218,7 +219,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None, attn_factory=None):
         super().__init__()
-        if attn_backend not in ("flash", "native"):
+        if attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"--attn-backend must be 'flash' or 'native', got {attn_backend!r}")
         self.config, self.attn_backend = cfg, attn_backend
         mlp_factory = mlp_factory or (lambda cfg, i: MLP(cfg))

@@ -195,8 +195,12 @@ def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = resolve_dtype(dtype, raw, device)
+    if attn_backend is None:  # --attn-backend not given: on a GPU, what scripts/install.sh recorded (else detected)
+        from areno.platform import default_attn_backend
+
+        attn_backend = default_attn_backend() if device.type == "cuda" else "flash"  # CPU: kernel dispatch decides
     with torch.device("meta"):
-        model = adapter.model_class(cfg, attn_backend=attn_backend or "flash")
+        model = adapter.model_class(cfg, attn_backend=attn_backend)
     apply_tp_plan(model, tp_group)
     materialize(model, dtype, device)
     with ExitStack() as stack:

@@ -273,16 +273,15 @@ class AgentRollout:
     # sampling (called from the endpoint's loop or the agent's loop)
     async def sample(self, session: Session, *, max_tokens=None, temperature=None, top_p=None, stop=None,
                      assistant_message=False):
-        from areno.engine.sequence import SamplingOptions
-        from areno.rl.loop import sampling_adjustments
+        from areno.config import SamplingParams
 
         cfg = self.cfg
         room = self.cfg_max_context() - len(session.tokens)
-        options = SamplingOptions(
-            temperature=0.0 if self._greedy else (cfg.temperature if temperature is None else temperature),
-            top_p=cfg.top_p if top_p is None else top_p, top_k=max(0, cfg.top_k),
-            max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)),
-            stop=[stop] if isinstance(stop, str) else list(stop or cfg.stop or []), n=1, **sampling_adjustments(cfg))
+        asked = {"temperature": temperature} if temperature is not None and not self._greedy else {}
+        options = SamplingParams.from_train_config(
+            cfg, n=1, greedy=self._greedy, **asked, top_p=cfg.top_p if top_p is None else top_p,
+            max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)), min_new_tokens=0,
+            stop=stop if isinstance(stop, str) else stop or cfg.stop)
         if self._remote is not None:  # split mode: the session's engine, always the same one (its prefix cache)
             out = await self._remote.sample(session.tokens, options, session.key)
         else:

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areno.config import ConfigError, RunError
+from areno.config import ConfigError, RunError, SamplingParams
+from areno.config.constants import RL_ALGOS
 from areno.rl import algorithms
 from areno.rl.advantages import gae, group_advantages
 from areno.rl.losses import value_loss
@@ -33,13 +34,8 @@ from areno.training.multimodal import DatasetMedia, media_limits
 from areno.training.trainer import PolicyTrainer
 
 log = logging.getLogger("areno.train")
-RL_ALGOS = ("grpo", "gspo", "ppo")
 
 
-def sampling_adjustments(cfg) -> dict:
-    """The rollout's --min-p and penalties as SamplingOptions fields (rollout and agentic sampling alike)."""
-    return {"min_p": cfg.min_p, "repetition_penalty": cfg.repetition_penalty,
-            "presence_penalty": cfg.presence_penalty, "frequency_penalty": cfg.frequency_penalty}
 
 
 class TrainLoop:
@@ -81,8 +77,6 @@ class TrainLoop:
         rows = [r for r in rows if r.get("split") not in ("eval", "test")]
         if rows or not self.sdk:
             check_rows(rows, cfg.algo)
-        if self.reward_fn is None and self.agent_fn is None and cfg.algo in RL_ALGOS and not self.sdk:
-            raise ConfigError("--reward-fn-path", f"is required for --algo {cfg.algo}")
 
         device = self._pinned_device()
         if device is not None:
@@ -179,21 +173,12 @@ class TrainLoop:
         sched = LRSchedule(lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=total * updates_per_step,
                            style=cfg.lr_decay_style)
         bias_rate = 0.0 if model.is_value_model else cfg.router_bias_update_rate
-        if bias_rate and not model.has_routing_bias:
-            raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE "
-                              "selection bias to update (Ling 3, bailing_hybrid, has one)")
         groups = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates_per_step)
         graphs = "off" if model.is_value_model else cfg.train_cuda_graphs  # the critic: eager
         if graphs == "auto" and rl and not cfg.split:
             # colocated RL: the rollout engine's KV cache shares the GPU, and a graphed step reserves more than the
             # eager one (its memory pool stays between updates); eager until measured at G1 (--train-cuda-graphs on)
             graphs = "off"
-        if graphs == "on":
-            from areno.training.graphs import unsupported
-
-            why = unsupported(model, tp_group=self.tp_group)
-            if why:
-                raise ConfigError("--train-cuda-graphs", f"on does not apply to this run: {why}")
         trainer = PolicyTrainer(model, opt, sched, temperature=self._logprob_temperature(), grad_clip=cfg.grad_clip,
                                 dp_group=self.dp_group, tp_group=self.tp_group, router_bias_update_rate=bias_rate,
                                 group_schedules=groups, train_cuda_graphs=graphs)
@@ -375,14 +360,7 @@ class TrainLoop:
 
     # ---- rollout -------------------------------------------------------------------------------------------
     def sampling_options(self, n=None, greedy=False):
-        from areno.engine.sequence import SamplingOptions
-
-        cfg = self.cfg
-        return SamplingOptions(
-            temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=max(0, cfg.top_k),
-            max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens, stop=cfg.stop or [],
-            n=n or cfg.n_samples, **sampling_adjustments(cfg),
-        )
+        return SamplingParams.from_train_config(self.cfg, n=n, greedy=greedy)
 
     def rollout(self, batch: list[dict], upcoming: list[dict] | None = None) -> tuple[list[Row], dict]:
         """Generate n samples per prompt of this rank's share, score them, gather all ranks' rows (``upcoming``:

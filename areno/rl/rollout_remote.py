@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from areno.config.env import env_value
 from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
 
 log = logging.getLogger("areno.engine")
@@ -139,7 +140,7 @@ class RemoteRollout:
         self.synced, self.version = now, self.loop.step_index
         stats = {"policy_sync_time_s": seconds, "policy_sync_bytes": float(nbytes),
                  "policy_sync_gbps": nbytes / max(seconds, 1e-9) / 1e9}
-        if os.environ.get(VERIFY_ENV) == "1":
+        if env_value(VERIFY_ENV) == "1":
             self._verify()
             stats["policy_sync_verified"] = 1.0
         self._sync_stats = stats

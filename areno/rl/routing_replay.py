@@ -15,8 +15,7 @@ model and the critic route by themselves.
 from __future__ import annotations
 
 from areno.config import ConfigError
-
-RL_ALGOS = ("grpo", "gspo", "ppo")
+from areno.config.constants import RL_ALGOS
 
 
 def routing_replay_enabled(cfg, model) -> bool:

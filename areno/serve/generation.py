@@ -1,15 +1,16 @@
 """What both generation routes (chat and text completions) do with a parsed request: check its fields against the
-vocabulary, turn it into the engine's ``SamplingOptions``, submit it, gather its events (aborting when the client
+vocabulary, turn it into the engine's ``SamplingParams``, submit it, gather its events (aborting when the client
 goes away), and score prompts for their log-probs."""
 
 from __future__ import annotations
 
 import asyncio
 
-from areno.engine.sequence import SamplingOptions
+from areno.config import SamplingParams
 from areno.serve.errors import APIError
 from areno.serve.limits import context_exceeded
 from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.sampling import request_sampling_params
 from areno.serve.scoring import prompt_logprobs, score_groups
 from areno.serve.state import ServeState
 
@@ -36,7 +37,7 @@ def check_request(state: ServeState, req) -> None:
 
 
 def sampling_options(state: ServeState, req, prompt_len: int, max_tokens: int | None,
-                     top_logprobs: int) -> SamplingOptions:
+                     top_logprobs: int) -> SamplingParams:
     """The engine's options for a request whose prompt has ``prompt_len`` tokens; a 400 when the prompt and
     ``max_tokens`` do not fit the context or ``n`` exceeds --max-running-prompts."""
     max_model_len = state.max_model_len
@@ -50,22 +51,10 @@ def sampling_options(state: ServeState, req, prompt_len: int, max_tokens: int | 
                        f"({max_model_len})", param=name, code="context_length_exceeded")
     if req.n > state.max_running:
         raise APIError(400, f"n ({req.n}) exceeds --max-running-prompts ({state.max_running})", param="n")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    # any k beyond the vocabulary means no cut; bounded so it fits the sampler's int64 (an engine-step error
-    # would fail every request in the batch, not just this one)
-    top_k = min(req.top_k, 1 << 30) if req.top_k and req.top_k > 0 else 0
-    return SamplingOptions(
-        temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-        max_new_tokens=max_tokens or room, min_new_tokens=min(req.min_tokens, max_tokens or room),
-        stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        min_p=req.min_p or 0.0, logit_bias=req.logit_bias_ids(),
-        seed=req.seed, n=req.n, top_logprobs=top_logprobs, grammar=req.grammar(),
-    )
+    return request_sampling_params(req, max_new_tokens=max_tokens or room, top_logprobs=top_logprobs)
 
 
-async def submit(state: ServeState, prompt_ids, opts: SamplingOptions, arrival: float, mm=None):
+async def submit(state: ServeState, prompt_ids, opts: SamplingParams, arrival: float, mm=None):
     """The request on the engine, as a metered stream of events; what the engine refuses is a 400."""
     engine = state.engine
     try:

@@ -13,7 +13,7 @@ under (``areno.engine.grammar``); the output always follows the schema, so ``str
 ``description`` is not shown to the model. A schema the grammar converter refuses is a 400 naming
 ``response_format``.
 
-Sampling options beyond OpenAI's few (vLLM's semantics, ``SamplingOptions``): ``repetition_penalty`` > 0,
+Sampling options beyond OpenAI's few (vLLM's semantics, ``SamplingParams``): ``repetition_penalty`` > 0,
 ``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``min_p`` in [0, 1], ``logit_bias`` (at most
 ``MAX_LOGIT_BIAS`` token ids, biases in [-100, 100]), ``min_tokens`` (EOS and stop ids masked until reached).
 """

@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 
 from areno.config import ConfigError
+from areno.config.env import env_value
 from areno.engine.async_engine import RequestStream, TokenEvent, deliver
 from areno.serve.errors import APIError
 
@@ -124,7 +125,7 @@ def tp_follower_main(engine_kwargs: dict, threads: int, dist_env: dict) -> None:
 def _trace_stalls() -> float | None:
     """``ARENO_TRACE_STEPS_MS=N``: log every engine step slower than N ms and every Triton kernel compiled while
     serving (a stall's usual causes); None when unset."""
-    value = os.environ.get("ARENO_TRACE_STEPS_MS")
+    value = env_value("ARENO_TRACE_STEPS_MS")
     if not value:
         return None
     import triton

@@ -17,6 +17,8 @@ import signal
 import socket
 import threading
 
+from areno.config.env import env_value
+
 log = logging.getLogger("areno.serve")
 
 GRACEFUL_SHUTDOWN_S = 30.0
@@ -84,7 +86,7 @@ def build_app(config, *, model=None, tokenizer=None):
 
 
 def graceful_shutdown_s() -> float:
-    raw = os.environ.get("ARENO_SERVE_GRACEFUL_SHUTDOWN_S")
+    raw = env_value("ARENO_SERVE_GRACEFUL_SHUTDOWN_S")
     if raw is None:
         return GRACEFUL_SHUTDOWN_S
     try:

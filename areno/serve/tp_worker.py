@@ -3,16 +3,16 @@ launcher: rank 0 runs the HTTP server and the scheduler; every other rank loads 
 rank 0 broadcasts until the server closes the session."""
 
 import json
-import os
 import sys
 from datetime import timedelta
 
 from areno.config import ServeConfig
+from areno.config.env import env_value
 from areno.serve.server import TP_CONFIG_ENV, run_server
 
 
 def main() -> int:
-    raw = os.environ.get(TP_CONFIG_ENV)
+    raw = env_value(TP_CONFIG_ENV)
     if not raw:
         print(f"areno.serve.tp_worker: {TP_CONFIG_ENV} is not set; start servers with `areno serve`", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areno.config.constants import OFFLOAD_MODES
 from areno.kernels.adamw import AdamwPlan, SumsqPlan, bias_corrections, grad_sumsq, master_adamw_multi_
 
 _OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
@@ -116,7 +117,7 @@ class MasterAdamW:
         self.groups = sorted(set(self.group_of.values()))
         if not params:
             raise ValueError("MasterAdamW: no parameters to optimize")
-        if offload not in ("none", "cpu", "disk"):
+        if offload not in OFFLOAD_MODES:
             raise ValueError(f"--optimizer-state-offload must be none, cpu or disk, not {offload!r}")
         if offload == "disk" and offload_dir is None:
             raise ValueError("--optimizer-state-offload disk needs --optimizer-state-offload-dir")

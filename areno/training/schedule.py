@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 
-STYLES = ("constant", "linear", "cosine")
+from areno.config.constants import LR_STYLES
 
 
 class LRSchedule:
     def __init__(self, lr: float, *, min_lr: float = 0.0, warmup_steps: int = 0, total_steps: int | None = None,
                  style: str = "constant"):
-        if style not in STYLES:
-            raise ValueError(f"--lr-decay-style must be one of {', '.join(STYLES)}, not {style!r}")
+        if style not in LR_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {', '.join(LR_STYLES)}, not {style!r}")
         if lr < 0 or min_lr < 0:
             raise ValueError(f"--lr ({lr}) and --min-lr ({min_lr}) must be >= 0")
         if warmup_steps < 0:

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from areno.config import ConfigError
+from areno.config.constants import TRAIN_CUDA_GRAPHS
+from areno.config.fields import check_choice
 from areno.kernels.logprobs import linear_logprobs
 from areno.kernels.logprobs.loss import linear_logprobs_loss
 from areno.training.batch import Packed, Row, pack
@@ -34,7 +37,6 @@ from areno.training.graphs import TrainGraphs, unsupported
 from areno.training.multimodal import media_inputs
 
 log = logging.getLogger("areno.train")
-TRAIN_CUDA_GRAPHS = ("auto", "on", "off")
 
 
 @dataclass
@@ -95,20 +97,18 @@ class PolicyTrainer:
         self.router_bias_update_rate = router_bias_update_rate
         self.routing_replay = False  # the loop turns it on (--routing-replay): rows' routes go to the policy forward
         if router_bias_update_rate and not model.has_routing_bias:
-            raise ValueError(f"--router-bias-update-rate {router_bias_update_rate}: the "
-                             f"{model.config.model_type} has no MoE selection "
-                             "bias to update (Ling 3 / bailing_hybrid has one)")
+            raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE selection "
+                              "bias to update (Ling 3, bailing_hybrid, has one)")
         self.device = next(model.parameters()).device
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.num_updates = 0
-        if train_cuda_graphs not in TRAIN_CUDA_GRAPHS:
-            raise ValueError(f"--train-cuda-graphs must be one of {TRAIN_CUDA_GRAPHS}, not {train_cuda_graphs!r}")
+        check_choice("--train-cuda-graphs", train_cuda_graphs, TRAIN_CUDA_GRAPHS)
         self.graphs: TrainGraphs | None = None
         self.graphs_required = train_cuda_graphs == "on"
         why = None if train_cuda_graphs == "off" else unsupported(model, tp_group=tp_group)
         if train_cuda_graphs == "on" and why:
-            raise ValueError(f"--train-cuda-graphs on: {why}")
+            raise ConfigError("--train-cuda-graphs", f"on does not apply to this run: {why}")
         if train_cuda_graphs != "off" and why is None:
             self.graphs = TrainGraphs(model, optimizer, temperature=temperature, chunk_size=logprob_chunk_size,
                                       grad_clip=grad_clip)

@@ -1,11 +1,12 @@
 """Block bookkeeping: allocation, prefix-cache reuse and eviction, fork with copy-on-write, full release."""
 
+from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
-from areno.engine.sequence import SamplingOptions, Sequence
+from areno.engine.sequence import Sequence
 
 
 def seq(tokens):
-    return Sequence(list(tokens), SamplingOptions(max_new_tokens=8))
+    return Sequence(list(tokens), SamplingParams(max_new_tokens=8))
 
 
 def computed(bm, s):

@@ -9,9 +9,9 @@ native decode paths of the kernels a decode step calls, then the body the engine
 import pytest
 import torch
 
+from areno.config import SamplingParams
 from areno.engine.decode_graphs import graph_key
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.kernels.attention.paged import store_kvcache_native
 from areno.kernels.linear_attn.delta_rule import gated_delta_rule_step_native
 from areno.kernels.linear_attn.short_conv import causal_conv1d_update_native
@@ -129,7 +129,7 @@ def test_decode_graph_body_is_capturable(family, k, record_routing, adjust):
     model, tok = family
     prompts = [tok.encode(p) for p in PROMPTS]
     extra = dict(repetition_penalty=1.3, frequency_penalty=0.2, logit_bias={5: 2.0}, min_new_tokens=3) if adjust else {}
-    opts = [SamplingOptions(temperature=t, max_new_tokens=6, ignore_eos=True, n=2, seed=i, **extra)
+    opts = [SamplingParams(temperature=t, max_new_tokens=6, ignore_eos=True, n=2, seed=i, **extra)
             for i, t in enumerate((1.0, 0.0, 0.7))]
     cfg = dict(block_size=4, max_running=8, decode_steps=k, record_routing=record_routing)
     ref = Engine(model, tok, EngineConfig(**cfg)).generate(prompts, opts)

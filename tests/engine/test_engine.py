@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from areno.config import SamplingParams
 from areno.engine.async_engine import AsyncEngine
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
 
-GREEDY = SamplingOptions(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "llama"])
@@ -63,7 +63,7 @@ def test_output_does_not_depend_on_the_batch(qwen3):
 def test_logprobs_match_a_full_forward(qwen3):
     _, model, tok = qwen3
     p = tok.encode(PROMPTS[0])
-    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.7, max_new_tokens=8, ignore_eos=True,
+    c = engine(model, tok).generate([p], SamplingParams(temperature=0.7, max_new_tokens=8, ignore_eos=True,
                                                          seed=3))[0][0]
     ids = torch.tensor([p + c.token_ids])
     logits = model.logits(ids)[0, len(p) - 1 : -1].double() / 0.7
@@ -78,13 +78,13 @@ def test_blocks_return_after_finish_abort_and_preemption(qwen3):
                * model.head_dim * 4, max_running=8)
     assert e.blocks.num_blocks == 80
     prompts = [tok.encode(p) for p in PROMPTS] * 2
-    opts = SamplingOptions(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    opts = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
     out = e.generate(prompts, opts)
     assert e.scheduler.num_preemptions > 0
     assert e.blocks.num_free == e.blocks.num_blocks
     ref = engine(model, tok).generate(prompts, opts)
     assert [g[0].token_ids for g in out] == [g[0].token_ids for g in ref]
-    seqs = e.add_request(prompts[0], SamplingOptions(max_new_tokens=30, n=3))
+    seqs = e.add_request(prompts[0], SamplingParams(max_new_tokens=30, n=3))
     e.step()
     e.step()
     e.abort(seqs)
@@ -96,7 +96,7 @@ def test_n_samples_share_the_prompt_blocks(qwen3):
     _, model, tok = qwen3
     prompt = tok.encode(PROMPTS[3] * 3)
     e = engine(model, tok)
-    seqs = e.add_request(prompt, SamplingOptions(temperature=1.0, max_new_tokens=6, n=4, seed=0))
+    seqs = e.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=6, n=4, seed=0))
     e.step()  # the prefill, and every sample's first token
     shared = len(prompt) // 4  # full prompt blocks, one copy for all four samples
     assert e.blocks.num_used < 4 * (shared + 1)
@@ -108,7 +108,7 @@ def test_n_samples_share_the_prompt_blocks(qwen3):
     # each sample equals the same seed's sample generated without sharing
     for s in seqs:
         solo = engine(model, tok, prefix_caching=False)
-        (one,) = solo.add_request(prompt, SamplingOptions(temperature=1.0, max_new_tokens=6, n=1))
+        (one,) = solo.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=6, n=1))
         one.seed = s.seed
         while solo.has_work():
             solo.step()
@@ -133,16 +133,16 @@ def test_stop_ids_and_stop_strings(qwen3):
     p = tok.encode(PROMPTS[1])
     free = engine(model, tok).generate([p], GREEDY)[0][0]
     stop_id = free.token_ids[3]
-    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=10, stop_token_ids=[stop_id],
+    c = engine(model, tok).generate([p], SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[stop_id],
                                                          ignore_eos=True))[0][0]
     assert c.finish_reason == "stop" and c.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
     text = tok.decode(free.token_ids, skip_special_tokens=True)
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=10, stop=[stop],
+    c = engine(model, tok).generate([p], SamplingParams(temperature=0.0, max_new_tokens=10, stop=[stop],
                                                          ignore_eos=True))[0][0]
     assert c.finish_reason == "stop" and c.stop_text == stop
     assert c.text == text[: text.index(stop)]
-    c = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=3, min_new_tokens=3,
+    c = engine(model, tok).generate([p], SamplingParams(temperature=0.0, max_new_tokens=3, min_new_tokens=3,
                                                          stop_token_ids=[free.token_ids[0]], ignore_eos=True))[0][0]
     assert c.finish_reason == "length" and len(c.token_ids) == 3
 
@@ -153,7 +153,7 @@ def test_short_request_finishes_while_long_ones_decode(qwen3):
     ae = AsyncEngine(e)
 
     async def main():
-        long = [await ae.submit(tok.encode(p), SamplingOptions(max_new_tokens=120, ignore_eos=True))
+        long = [await ae.submit(tok.encode(p), SamplingParams(max_new_tokens=120, ignore_eos=True))
                 for p in PROMPTS[:3]]
         order, started = [], asyncio.Event()
 
@@ -165,7 +165,7 @@ def test_short_request_finishes_while_long_ones_decode(qwen3):
 
         tasks = [asyncio.create_task(drain("long", s)) for s in long]
         await started.wait()  # the long ones are decoding now
-        probe = await ae.submit(tok.encode("x"), SamplingOptions(max_new_tokens=2, ignore_eos=True))
+        probe = await ae.submit(tok.encode("x"), SamplingParams(max_new_tokens=2, ignore_eos=True))
         await drain("probe", probe)
         await asyncio.gather(*tasks)
         return order
@@ -183,20 +183,20 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
     current one: rows that stop meanwhile drop the queued tokens) and without it."""
     _, model, tok = qwen3
     prompts = [tok.encode(p) for p in PROMPTS]
-    sampled = [SamplingOptions(temperature=1.0, max_new_tokens=m, ignore_eos=True, n=3, seed=11 + i)
+    sampled = [SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True, n=3, seed=11 + i)
                for i, m in enumerate((13, 6, 1, 9))]
     ref = engine(model, tok).generate(prompts, sampled)
     # stop on a token that one sample draws at its 3rd position, another stop string, a min_new_tokens
     stop_id = ref[0][1].token_ids[2]
     stop_text = tok.decode(ref[3][0].token_ids[4:6])
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=13, ignore_eos=True, n=3, seed=11,
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=13, ignore_eos=True, n=3, seed=11,
                             stop_token_ids=[stop_id]),
             sampled[1], sampled[2],
-            SamplingOptions(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text], min_new_tokens=2)]
+            SamplingParams(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text], min_new_tokens=2)]
     # min_new_tokens adjusts the logits per chain on the host, so ``opts`` never looks ahead; without it a sample
     # stops on its stop id inside the first chain while the next one is already queued
     ahead = [opts[0], sampled[1], sampled[2],
-             SamplingOptions(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text])]
+             SamplingParams(temperature=1.0, max_new_tokens=9, n=3, seed=14, stop=[stop_text])]
     looked = {True: [], False: [], None: []}  # None (the default): on CUDA devices only
     for case in (sampled, opts, ahead):
         single = engine(model, tok).generate(prompts, case)
@@ -220,9 +220,9 @@ def test_multi_step_decode_gives_the_single_step_tokens(qwen3):
     assert any(c.finish_reason == "stop" for g in single for c in g)
     # near the end of the context the chain falls back to single steps
     ctx = engine(model, tok, decode_steps=8, max_model_len=len(prompts[0]) + 5)
-    out = ctx.generate([prompts[0]], SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))
+    out = ctx.generate([prompts[0]], SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))
     assert out[0][0].token_ids == engine(model, tok, max_model_len=len(prompts[0]) + 5).generate(
-        [prompts[0]], SamplingOptions(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))[0][0].token_ids
+        [prompts[0]], SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3))[0][0].token_ids
 
 
 def test_lookahead_under_preemption_with_forks_and_a_reused_prefix(qwen3):
@@ -232,7 +232,7 @@ def test_lookahead_under_preemption_with_forks_and_a_reused_prefix(qwen3):
     _, model, tok = qwen3
     small = 80 * model.num_layers * 2 * 4 * model.num_kv_heads_local * model.head_dim * 4  # 80 blocks of 4
     prompts = [tok.encode(p) for p in PROMPTS] * 2
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=30, n=2, seed=60 + i) for i in range(len(prompts))]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=30, n=2, seed=60 + i) for i in range(len(prompts))]
     ref = [[c.token_ids for c in g] for g in engine(model, tok).generate(prompts, opts)]
     e = engine(model, tok, kv_cache_memory=small, decode_steps=4, lookahead=True)  # (auto: CUDA only)
     queued = []
@@ -256,7 +256,7 @@ def test_multi_step_cuda_graph_matches_single_step_graphs(tmp_path):
     model = load_model(path, dtype=torch.bfloat16, device="cuda")
     tok = load_tokenizer(path)
     prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode("more text " * i) for i in range(1, 8)]
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=20 + 7 * i, n=2, seed=i, ignore_eos=i % 2 == 0)
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=20 + 7 * i, n=2, seed=i, ignore_eos=i % 2 == 0)
             for i in range(len(prompts))]
     outs = []
     for k in (1, 8):
@@ -276,7 +276,7 @@ def test_requests_arriving_during_decode_wait_one_chain_at_most(qwen3):
     (noise keyed by seed and position)."""
     _, model, tok = qwen3
     prompts = [tok.encode(p) for p in PROMPTS] * 2
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=40 + i) for i in range(8)]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=40 + i) for i in range(8)]
     alone = [engine(model, tok).generate([p], o)[0][0].token_ids for p, o in zip(prompts, opts)]
     eng = engine(model, tok, decode_steps=4)
     log = []
@@ -300,7 +300,7 @@ def test_requests_arriving_during_decode_wait_one_chain_at_most(qwen3):
 def test_final_only_stream_delivers_a_sample_once_with_the_streamed_tokens(qwen3):
     _, model, tok = qwen3
     ae = AsyncEngine(engine(model, tok), decode_steps=4)
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=5, n=2)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=9, ignore_eos=True, seed=5, n=2)
 
     async def collect(final_only):
         stream = await ae.submit(tok.encode(PROMPTS[0]), opts, final_only=final_only)
@@ -331,7 +331,7 @@ def test_capture_graphs_captures_every_bucket_before_the_first_request(tmp_path)
     assert n == len(eng.runner.graph_buckets) and eng.capture_graphs((1,)) == 0
     before = set(eng.runner.graphs)
     tok = load_tokenizer(path)
-    eng.generate([tok.encode(p) for p in PROMPTS * 5], SamplingOptions(temperature=1.0, max_new_tokens=6, seed=1))
+    eng.generate([tok.encode(p) for p in PROMPTS * 5], SamplingParams(temperature=1.0, max_new_tokens=6, seed=1))
     assert set(eng.runner.graphs) == before
 
 
@@ -340,7 +340,7 @@ def test_warm_up_runs_prefills_per_bucket_and_leaves_the_engine_as_it_was(qwen3)
     work, no cached prefix and the engine's seed stream untouched: later output equals a fresh engine's."""
     _, model, tok = qwen3
     prompts = [tok.encode(p) for p in PROMPTS]
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=6)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=6)
     assert engine(model, tok).warm_up() == {"variants": 0, "prefills": 0}  # CPU: nothing compiles
     warm = engine(model, tok, max_model_len=160, max_batched_tokens=140)
     assert warm.warm_up(on_cpu=True) == {"variants": 0, "prefills": 4}  # buckets 64 and 128, two requests each
@@ -365,7 +365,7 @@ def test_nothing_compiles_while_serving_after_warm_up(tmp_path):
     hook = triton.knobs.runtime.jit_post_compile_hook
     triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(str(kw.get("repr", ""))[:80])
     try:
-        opts = SamplingOptions(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+        opts = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
         for wave in (1, 3, 7, 2, 11, 5, 17, 1, 13):  # arrivals while the earlier waves decode
             for i in range(wave):
                 eng.add_request(tok.encode(PROMPTS[i % len(PROMPTS)] + " x" * (wave + i)), opts)

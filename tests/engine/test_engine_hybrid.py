@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
@@ -45,7 +45,7 @@ def test_greedy_n_samples_match_transformers_generate(hybrid):
     prompts = [tok.encode(p) for p in PROMPTS]
     e = engine(model, tok, max_batched_tokens=7)
     assert e.runner.states is not None and not e.blocks.prefix_caching  # prefix caching is off for hybrids
-    out = e.generate(prompts, SamplingOptions(temperature=0.0, max_new_tokens=8, ignore_eos=True, n=3))
+    out = e.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, n=3))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for p, group in zip(prompts, out):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
@@ -60,7 +60,7 @@ def test_sampled_forks_and_multi_step_decode_match_the_forward(hybrid):
     cache small enough to preempt give the same tokens."""
     _, model, tok = hybrid
     prompts = [tok.encode(p) for p in PROMPTS]
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=9, ignore_eos=True, n=3, seed=5)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=9, ignore_eos=True, n=3, seed=5)
     out = engine(model, tok).generate(prompts, opts)
     for group in out:
         assert len({tuple(c.token_ids) for c in group}) > 1
@@ -83,7 +83,7 @@ def test_latent_mla_cache_equals_the_expanded_cache_and_fits_more_blocks(hybrid,
     and forked samples; one budget holds as many more blocks as the rows are narrower."""
     path, _, tok = hybrid
     prompts = [tok.encode(p) for p in PROMPTS]
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=11)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=11)
     monkeypatch.setenv("ARENO_MLA_CACHE", "latent")
     model = load_model(path, dtype=torch.float32, device="cpu")
     cfg = model.config
@@ -115,7 +115,7 @@ def test_routing_capture_equals_the_forwards_routing(hybrid):
     _, model, tok = hybrid
     prompts = [tok.encode(p) for p in PROMPTS]
     e = engine(model, tok, max_batched_tokens=7, record_routing=True)
-    out = e.generate(prompts, SamplingOptions(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=3))
+    out = e.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=3))
     for c in [c for g in out for c in g]:
         ids = c.prompt_ids + c.token_ids
         t = len(ids)
@@ -136,7 +136,7 @@ def test_graph_inputs_give_the_eager_tokens_and_routes(hybrid, monkeypatch):
     routing buffer), one step and three chained steps per graph: the tokens, log-probs and routes of eager steps."""
     _, model, tok = hybrid
     prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode("x")]
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=7, ignore_eos=True, n=2, seed=9)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=7, ignore_eos=True, n=2, seed=9)
     ref = engine(model, tok, record_routing=True).generate(prompts, opts)
     for k in (1, 3):
         eng = engine(model, tok, decode_steps=k, record_routing=True)
@@ -166,7 +166,7 @@ def test_cuda_graphs_with_state_slots_on_gpu(tmp_path):
     path = make_tiny_checkpoint(tmp_path, family="bailing_hybrid", seed=4)
     tok = load_tokenizer(path)
     prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode("more text " * i) for i in range(1, 4)]
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=12 + 5 * i, n=2, seed=i, ignore_eos=i % 2 == 0)
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=12 + 5 * i, n=2, seed=i, ignore_eos=i % 2 == 0)
             for i in range(len(prompts))]
     model = load_model(path, dtype=torch.float32, device="cuda")
     eng = engine(model, tok, block_size=16, max_running=16, record_routing=True)

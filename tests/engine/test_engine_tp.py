@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from areno.config import SamplingParams
 from areno.distributed.launch import free_port
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
 
@@ -34,8 +34,8 @@ def _worker(rank, path, port, out):
     tok = load_tokenizer(path)
     # multi-step decode on the TP ranks (the followers run rank 0's chained steps) vs one step at a time on one
     engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8, max_batched_tokens=5, decode_steps=3))
-    sampled = engine.generate(_prompts(tok), SamplingOptions(**SAMPLED))
-    greedy = engine.generate(_prompts(tok), SamplingOptions(**OPTS))
+    sampled = engine.generate(_prompts(tok), SamplingParams(**SAMPLED))
+    greedy = engine.generate(_prompts(tok), SamplingParams(**OPTS))
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"greedy": [g[0].token_ids for g in greedy], "sampled": [g[0].token_ids for g in sampled]}, f)
     dist.destroy_process_group()
@@ -51,7 +51,7 @@ def test_tp2_equals_tp1(tmp_path, family):
     model = load_model(path, dtype=torch.float32, device="cpu")
     tok = load_tokenizer(path)
     engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8))
-    ref = engine.generate(_prompts(tok), SamplingOptions(**OPTS))
+    ref = engine.generate(_prompts(tok), SamplingParams(**OPTS))
     assert r0["greedy"] == [g[0].token_ids for g in ref]
-    sampled = engine.generate(_prompts(tok), SamplingOptions(**SAMPLED))
+    sampled = engine.generate(_prompts(tok), SamplingParams(**SAMPLED))
     assert r0["sampled"] == [g[0].token_ids for g in sampled]

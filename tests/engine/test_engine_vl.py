@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model
 from areno.models.multimodal import MultimodalProcessor, MultimodalPrompt, data_url
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.cpu_graph import CpuGraph
 
 NEW = 8
-GREEDY = SamplingOptions(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_batch_with_images_and_samples_matches_transformers(vl, want, monkeypatc
     alone = _engine(model).generate([text.input_ids], GREEDY)[0][0].token_ids
     tower = TowerCalls(model, monkeypatch)
     eng = _engine(model, max_batched_tokens=13)
-    opts = SamplingOptions(temperature=0.0, max_new_tokens=NEW, ignore_eos=True, n=3)
+    opts = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True, n=3)
     out = eng.generate([prompts[0], text, prompts[1], prompts[2]], opts)
     for group, ref in zip(out, [want[0], alone, want[1], want[2]]):
         assert [c.token_ids for c in group] == [ref] * 3
@@ -130,7 +130,7 @@ def test_preempted_image_prompts_are_recomputed(vl, want):
     blocks may still be cached; without it, the tower runs again) and still give transformers' tokens."""
     model, _, _, prompts, *_ = vl
     per_block = model.num_layers * 2 * 4 * model.num_kv_heads_local * model.head_dim * 4
-    opts = SamplingOptions(temperature=0.0, max_new_tokens=NEW, ignore_eos=True, n=2)
+    opts = SamplingParams(temperature=0.0, max_new_tokens=NEW, ignore_eos=True, n=2)
     for caching in (True, False):
         eng = _engine(model, kv_cache_memory=24 * per_block, max_running=6, prefix_caching=caching)
         out = eng.generate(prompts, opts)
@@ -214,7 +214,7 @@ def test_gpu_cuda_graph_decode_with_images_matches_transformers(tmp_path):
     prompts.append(proc.encode(_user("only text, and a long answer please " * 3)))
     new = [12, 20, 12, 30, 16, 40]  # the text prompt decodes last, alone
     want = [_reference(ref, p, n) if p.pixel_values is not None else None for p, n in zip(prompts, new)]
-    opts = [SamplingOptions(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2) for n in new]
+    opts = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2) for n in new]
     for k in (1, 8):
         eng = Engine(model, None, EngineConfig(block_size=16, max_running=32, decode_steps=k), eos_token_ids=[])
         out = eng.generate(prompts, opts)

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
+from areno.config import SamplingParams
+from areno.config.sampling import normalize_grammar
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.grammar import GrammarError, Grammars, apply_token_mask, check, normalize, token_mask
-from areno.engine.sequence import SamplingOptions
+from areno.engine.grammar import GrammarError, Grammars, apply_token_mask, check, token_mask
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
 
@@ -97,10 +98,10 @@ def test_bad_specs():
         check({"type": "json_schema", "schema": {"type": "integer", "minimum": 3, "maximum": 1}})
     for spec in ({"type": "regex"}, {"type": "json_object", "schema": {}}, {"type": "json_schema"}, "json"):
         with pytest.raises(GrammarError):
-            normalize(spec)
+            normalize_grammar(spec)
     with pytest.raises(ValueError):
-        SamplingOptions(grammar={"type": "json_schema", "schema": [1]})
-    assert normalize({"type": "json_schema", "schema": json.dumps(SCHEMA)}) == PICK
+        SamplingParams(grammar={"type": "json_schema", "schema": [1]})
+    assert normalize_grammar({"type": "json_schema", "schema": json.dumps(SCHEMA)}) == PICK
 
 
 def test_engine_mixed_batch(ckpt, tok):
@@ -109,9 +110,9 @@ def test_engine_mixed_batch(ckpt, tok):
     model = load_model(ckpt, dtype=torch.float32, device="cpu")
     engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8, decode_steps=4))
     prompts = [tok.encode("the cat sat"), tok.encode("hello world")]
-    free = SamplingOptions(max_new_tokens=12, seed=5, ignore_eos=True)
+    free = SamplingParams(max_new_tokens=12, seed=5, ignore_eos=True)
     alone = engine.generate([prompts[1]], free)[0][0]
-    guided, mixed = engine.generate(prompts, [SamplingOptions(max_new_tokens=40, seed=1, n=3, grammar=PICK), free])
+    guided, mixed = engine.generate(prompts, [SamplingParams(max_new_tokens=40, seed=1, n=3, grammar=PICK), free])
     assert mixed[0].token_ids == alone.token_ids
     for c in guided:
         assert c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id
@@ -128,8 +129,8 @@ def test_engine_grammar_cuda(ckpt, tok):
     model = load_model(ckpt, dtype=torch.bfloat16, device="cuda")
     engine = Engine(model, tok, EngineConfig(block_size=16, max_running=16, decode_steps=4))
     prompts = [tok.encode("the cat sat"), tok.encode("hello world " * 3)]
-    opts = [SamplingOptions(max_new_tokens=40, seed=1, n=6, grammar=PICK),
-            SamplingOptions(max_new_tokens=80, seed=2, n=2, ignore_eos=True)]
+    opts = [SamplingParams(max_new_tokens=40, seed=1, n=6, grammar=PICK),
+            SamplingParams(max_new_tokens=80, seed=2, n=2, ignore_eos=True)]
     guided, free = engine.generate(prompts, opts)
     for c in guided:
         assert c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id
@@ -137,5 +138,5 @@ def test_engine_grammar_cuda(ckpt, tok):
         assert set(obj) == {"n", "color"} and 0 <= obj["n"] <= 100 and obj["color"] in ("red", "green")
     assert all(len(c.token_ids) == 80 and c.finish_reason == "length" for c in free)
     assert engine.runner.last_step_used_graph  # the last steps held only free rows
-    engine.generate([prompts[0]], SamplingOptions(max_new_tokens=20, seed=3, grammar={"type": "json_object"}))
+    engine.generate([prompts[0]], SamplingParams(max_new_tokens=20, seed=3, grammar={"type": "json_object"}))
     assert not engine.runner.last_step_used_graph  # a grammar row: eager

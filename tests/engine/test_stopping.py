@@ -2,7 +2,8 @@
 
 import random
 
-from areno.engine.sequence import SamplingOptions, Sequence
+from areno.config import SamplingParams
+from areno.engine.sequence import Sequence
 from areno.engine.stopping import StopChecker
 
 
@@ -18,7 +19,7 @@ def one_by_one(checker, seq, tokens, logprobs):
 def test_extend_matches_per_token_checks():
     rng = random.Random(0)
     for case in range(3000):
-        opts = SamplingOptions(max_new_tokens=rng.randint(1, 12), min_new_tokens=0, ignore_eos=rng.random() < 0.3,
+        opts = SamplingParams(max_new_tokens=rng.randint(1, 12), min_new_tokens=0, ignore_eos=rng.random() < 0.3,
                                stop_token_ids=rng.sample(range(6), rng.randint(0, 2)))
         opts.min_new_tokens = rng.randint(0, opts.max_new_tokens)
         checker = StopChecker(None, eos_token_ids=[rng.randrange(6)], max_model_len=rng.choice([None, 9, 14]))

@@ -209,14 +209,14 @@ def tiny_models(tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_engine_greedy_tokens_match_the_unfused_prologue(family, tiny_models, count_launches, monkeypatch):
+    from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig
-    from areno.engine.sequence import SamplingOptions
     from areno.models.base import Attention
 
     model, tok = tiny_models[family]
     assert (model.layers[0].self_attn.q_norm is not None) == (family == "qwen3")
     prompts = [tok.encode(p) for p in ["hello world, 12 + 3 =", "the cat", "a b c d e f g h i j k"]]
-    greedy = SamplingOptions(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
     def run():
         out = Engine(model, tok, EngineConfig(block_size=4, max_running=8)).generate(prompts, greedy)

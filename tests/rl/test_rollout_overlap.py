@@ -13,9 +13,8 @@ import types
 import pytest
 import torch
 
-from areno.config import TrainConfig
+from areno.config import SamplingParams, TrainConfig
 from areno.engine.engine import Completion, Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.rl.finished_groups import SWITCH_INTERVAL_S, FinishedGroups
 from areno.rl.loop import TrainLoop
@@ -137,7 +136,7 @@ def engine(setup_files):
 
 def test_engine_reports_each_group_once_as_soon_as_it_finishes(engine):
     lengths = [7, 2, 5, 3]  # per prompt: every sample runs to its max_new_tokens, so prompt 1 finishes first
-    options = [SamplingOptions(temperature=1.0, max_new_tokens=m, n=3, ignore_eos=True) for m in lengths]
+    options = [SamplingParams(temperature=1.0, max_new_tokens=m, n=3, ignore_eos=True) for m in lengths]
     reported = []
     out = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], options,
                           on_finished=lambda i, comps: reported.append((i, comps, engine.has_work())))
@@ -171,7 +170,7 @@ def test_finished_groups_overlap_slow_rewards_with_the_decode(engine, monkeypatc
 
     rows = [{"_prompt_ids": [5 + i, 6], "answer": str(i)} for i in range(4)]
     lengths = [12, 2, 3, 4]
-    options = [SamplingOptions(temperature=1.0, max_new_tokens=m, n=2, ignore_eos=True) for m in lengths]
+    options = [SamplingParams(temperature=1.0, max_new_tokens=m, n=2, ignore_eos=True) for m in lengths]
     finished = FinishedGroups(rows, 2, engine.tokenizer, slow_reward)
     try:
         out = engine.generate([r["_prompt_ids"] for r in rows], options,

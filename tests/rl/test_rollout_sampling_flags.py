@@ -42,7 +42,7 @@ def test_penalty_flags_reach_the_engine_and_the_logprobs(tmp_path, monkeypatch, 
 
 def test_sdk_sampling_params_carry_the_options():
     o = SamplingParams(min_p=0.1, repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=0.4,
-                       logit_bias={7: -100.0}, min_new_tokens=2).to_options()
+                       logit_bias={7: -100.0}, min_new_tokens=2)
     assert (o.min_p, o.repetition_penalty, o.presence_penalty, o.frequency_penalty, o.logit_bias, o.min_new_tokens) \
         == (0.1, 1.2, -0.5, 0.4, {7: -100.0}, 2)
     cfg = TrainConfig(ckpt="m", dataset_path="d", min_p=0.2, repetition_penalty=1.1, frequency_penalty=1.0)

@@ -33,7 +33,8 @@ def test_sdk_generate_train_save(tmp_path):
         # structured output: a JSON schema the completions follow (constrained decoding), EOS dropped from the text
         schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
                                                    "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
-        shaped = trainer.generate(["12 + 3 ="], SamplingParams(max_new_tokens=40, n=2, seed=1, json_schema=schema))
+        shaped = trainer.generate(["12 + 3 ="], SamplingParams(max_new_tokens=40, n=2, seed=1, grammar={
+            "type": "json_schema", "schema": schema}))
         for c in shaped[0]:
             obj = json.loads(c.text)
             assert c.finish_reason == "stop" and set(obj) == {"n", "ok"} and 0 <= obj["n"] <= 9

@@ -275,8 +275,8 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, tiny_ckpt, tok
     """Through the openai client: the tokens and log-probs are those of the engine given the same options."""
     import torch
 
+    from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig
-    from areno.engine.sequence import SamplingOptions
     from areno.models import load_model
 
     kw = dict(temperature=0.9, seed=7, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"17": 3.0})
@@ -284,7 +284,7 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampler(client, tiny_ckpt, tok
     out = client.completions.create(model="tiny", prompt="a b a b a b", max_tokens=8, logprobs=0, extra_body=extra,
                                     **kw).choices[0]  # fmt: skip
     engine = Engine(load_model(tiny_ckpt, dtype=torch.float32, device="cpu"), tok, EngineConfig(block_size=4))
-    ref = engine.generate([tok.encode("a b a b a b")], SamplingOptions(
+    ref = engine.generate([tok.encode("a b a b a b")], SamplingParams(
         temperature=0.9, seed=7, frequency_penalty=1.0, presence_penalty=0.5, logit_bias={17: 3.0},
         repetition_penalty=1.3, min_p=0.05, ignore_eos=True, max_new_tokens=8))[0][0]
     assert token_ids(out) == ref.token_ids

@@ -14,8 +14,9 @@ import openai
 import pytest
 
 import areno
+from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
-from areno.engine.sequence import SamplingOptions, Sequence
+from areno.engine.sequence import Sequence
 from areno.models import load_tokenizer
 from areno.serve.metrics import ServeMetrics, engine_kv_stats
 from tests.serve.conftest import RunningServer
@@ -199,7 +200,7 @@ def test_metrics_registries_of_two_apps_do_not_clash():
 def test_metrics_read_the_engine_in_this_process():
     """--engine-thread: the KV and prefix-cache series come straight from the engine's BlockManager (engine 0)."""
     blocks = BlockManager(8, 4)
-    seq = Sequence(list(range(9)), SamplingOptions(max_new_tokens=2))
+    seq = Sequence(list(range(9)), SamplingParams(max_new_tokens=2))
     blocks.allocate(seq)
     front = SimpleNamespace(engine=SimpleNamespace(blocks=blocks))  # what ServeEngine holds: .engine, an Engine
     s = parse_exposition(asyncio.run(ServeMetrics("t").render(front)).decode())

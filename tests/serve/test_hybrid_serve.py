@@ -5,8 +5,8 @@ greedy text."""
 import openai
 import torch
 
+from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.models.loader import check_engine_support
 from areno.testing import make_tiny_checkpoint
@@ -25,7 +25,7 @@ def test_one_request_through_the_openai_client(tmp_path):
         server.stop()
     tok = load_tokenizer(ckpt)
     engine = Engine(load_model(ckpt, dtype=torch.float32, device="cpu"), tok, EngineConfig(max_running=2))
-    (want,) = engine.generate([tok.encode("hello world, 12 + 3 =")], SamplingOptions(temperature=0.0,
+    (want,) = engine.generate([tok.encode("hello world, 12 + 3 =")], SamplingParams(temperature=0.0,
                                                                                         max_new_tokens=8))
     text = tok.decode(want[0].token_ids, skip_special_tokens=True)
     assert [c.text for c in out.choices] == [text, text] and out.usage.completion_tokens == 16

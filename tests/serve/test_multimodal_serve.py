@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
+from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model
 from areno.models.multimodal import MultimodalProcessor, data_url
 from areno.testing import make_tiny_checkpoint
@@ -57,7 +57,7 @@ def test_chat_with_a_data_url_image_matches_the_engine_streamed_or_not(vl_server
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     prompt = MultimodalProcessor.from_pretrained(vl_ckpt).encode(_messages(url))
     engine = Engine(load_model(vl_ckpt, dtype=torch.float32, device="cpu"), None, EngineConfig(max_running=2))
-    (want,) = engine.generate([prompt], SamplingOptions(temperature=0.0, max_new_tokens=8))
+    (want,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8))
     assert out.usage.prompt_tokens == len(prompt.input_ids) == chunks[-1].usage.prompt_tokens
     counted = httpx.post(vl_server.base_url + "/tokenize", json={"messages": _messages(url)}, timeout=60).json()
     assert counted["tokens"] == prompt.input_ids  # /tokenize expands the image placeholders as the chat route does

@@ -120,11 +120,11 @@ def test_a_server_that_falls_behind_sends_several_tokens_per_chunk(server):
 
 
 def test_request_stream_pending_keeps_order_and_defers_errors():
+    from areno.config import SamplingParams
     from areno.engine.async_engine import RequestStream, TokenEvent
-    from areno.engine.sequence import SamplingOptions
 
     async def main():
-        stream = RequestStream(owner=None, prompt_ids=[1], options=SamplingOptions(n=2))
+        stream = RequestStream(owner=None, prompt_ids=[1], options=SamplingParams(n=2))
         for ev in (TokenEvent(0, 5, -0.1), TokenEvent(1, 6, -0.2, "stop"), ValueError("boom"), TokenEvent(0, 7, -1)):
             stream.put(ev)
         got = stream.pending()

@@ -275,7 +275,7 @@ def test_unsupported_on_cpu_and_the_flag_refused(ckpt, tmp_path, capsys, monkeyp
     model = load_model(ckpt, dtype=torch.float32)
     assert unsupported(model) == "needs a CUDA device"
     opt = MasterAdamW(list(model.parameters()))
-    with pytest.raises(ValueError, match="--train-cuda-graphs on: needs a CUDA device"):
+    with pytest.raises(ValueError, match="--train-cuda-graphs on does not apply to this run: needs a CUDA device"):
         PolicyTrainer(model, opt, LRSchedule(1e-3), train_cuda_graphs="on")
     assert PolicyTrainer(model, opt, LRSchedule(1e-3)).graphs is None  # auto: eager here
     g = TrainGraphs(model, opt, graph_class=CpuReplay)  # a bucket is captured the second time it is seen

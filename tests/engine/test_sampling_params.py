@@ -4,8 +4,8 @@ repetition/presence/frequency penalties against a float64 reference loop, min-p,
 import pytest
 import torch
 
+from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.sequence import SamplingOptions
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.cpu_graph import CpuGraph
@@ -24,16 +24,16 @@ def engine(model, tok, **kw):
 def test_logit_bias_forces_and_forbids_tokens(qwen3):
     model, tok = qwen3
     p = tok.encode("the cat")
-    free = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    free = engine(model, tok).generate([p], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
     free = free[0][0].token_ids
-    forced = engine(model, tok).generate([p], SamplingOptions(temperature=1.0, max_new_tokens=6, ignore_eos=True,
+    forced = engine(model, tok).generate([p], SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True,
                                                               seed=1, logit_bias={17: 100.0}))[0][0]
     assert forced.token_ids == [17] * 6 and max(forced.logprobs) > -1e-3  # the biased distribution's log-prob
-    banned = engine(model, tok).generate([p], SamplingOptions(temperature=0.0, max_new_tokens=6, ignore_eos=True,
+    banned = engine(model, tok).generate([p], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True,
                                                               logit_bias={free[0]: -100.0}))[0][0]
     assert banned.token_ids[0] != free[0] and free[0] not in banned.token_ids
     with pytest.raises(ValueError, match="logit_bias"):
-        engine(model, tok).add_request(p, SamplingOptions(logit_bias={10**6: 1.0}))
+        engine(model, tok).add_request(p, SamplingParams(logit_bias={10**6: 1.0}))
 
 
 def test_min_tokens_masks_eos_and_stop_ids(qwen3):
@@ -44,9 +44,9 @@ def test_min_tokens_masks_eos_and_stop_ids(qwen3):
     p = tok.encode("the cat")
     for decode_steps in (1, 4):
         e = engine(model, tok, decode_steps=decode_steps)
-        out = e.generate([p, p], [SamplingOptions(temperature=1.0, max_new_tokens=12, min_new_tokens=5, seed=3,
+        out = e.generate([p, p], [SamplingParams(temperature=1.0, max_new_tokens=12, min_new_tokens=5, seed=3,
                                                   logit_bias={eos: 30.0}),
-                                  SamplingOptions(temperature=0.0, max_new_tokens=12, min_new_tokens=4, ignore_eos=True,
+                                  SamplingParams(temperature=0.0, max_new_tokens=12, min_new_tokens=4, ignore_eos=True,
                                                   stop_token_ids=[21], logit_bias={21: 30.0})])  # fmt: skip
         a, b = out[0][0], out[1][0]
         assert a.token_ids[-1] == eos and len(a.token_ids) == 6 and a.finish_reason == "stop", decode_steps
@@ -70,9 +70,9 @@ def test_penalties_change_greedy_output_as_the_reference_says(qwen3):
     model, tok = qwen3
     prompts = [tok.encode(t) for t in ("the cat sat on the mat", "a b a b a b")]
     cases = [(1.3, 0.5, 0.0), (0.8, -0.5, 1.5)]
-    opts = [SamplingOptions(temperature=0.0, max_new_tokens=6, ignore_eos=True, repetition_penalty=r,
+    opts = [SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, repetition_penalty=r,
                             presence_penalty=pp, frequency_penalty=f) for r, pp, f in cases]
-    plain = engine(model, tok).generate(prompts, SamplingOptions(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    plain = engine(model, tok).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
     for (r, pp, f), o in zip(cases, opts):
         out = engine(model, tok, max_running=1).generate(prompts, o)  # one slot, given back and reused
         for prompt, group in zip(prompts, out):
@@ -90,8 +90,8 @@ def test_penalties_change_greedy_output_as_the_reference_says(qwen3):
 def test_min_p_one_is_greedy(qwen3):
     model, tok = qwen3
     prompts = [tok.encode(t) for t in ("the cat", "hello world, 12 + 3 =")]
-    greedy = engine(model, tok).generate(prompts, SamplingOptions(temperature=0.0, max_new_tokens=6, ignore_eos=True))
-    top = engine(model, tok).generate(prompts, SamplingOptions(temperature=1.5, max_new_tokens=6, ignore_eos=True,
+    greedy = engine(model, tok).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    top = engine(model, tok).generate(prompts, SamplingParams(temperature=1.5, max_new_tokens=6, ignore_eos=True,
                                                                min_p=1.0, seed=4))  # fmt: skip
     assert [g[0].token_ids for g in greedy] == [g[0].token_ids for g in top]
 
@@ -102,10 +102,10 @@ def test_graph_inputs_give_the_eager_tokens(qwen3, monkeypatch):
     tokens and log-probs of eager single steps, and the adjusted graphs kept apart from the plain ones."""
     model, tok = qwen3
     prompts = [tok.encode(t) for t in ("the cat", "hello world, 12 + 3 =", "x")]
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=7, ignore_eos=True, n=2, seed=5, frequency_penalty=1.0,
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=7, ignore_eos=True, n=2, seed=5, frequency_penalty=1.0,
                             repetition_penalty=1.2, min_p=0.05, logit_bias={3: 2.0}),
-            SamplingOptions(temperature=1.0, max_new_tokens=10, ignore_eos=True, n=2, seed=6),
-            SamplingOptions(temperature=0.8, max_new_tokens=5, n=2, seed=7, presence_penalty=1.0, min_new_tokens=3)]
+            SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, n=2, seed=6),
+            SamplingParams(temperature=0.8, max_new_tokens=5, n=2, seed=7, presence_penalty=1.0, min_new_tokens=3)]
     ref = engine(model, tok, max_model_len=40).generate(prompts, opts)
     for k in (1, 3):
         eng = engine(model, tok, decode_steps=k, max_model_len=40)
@@ -138,7 +138,7 @@ def test_gpu_graphs_with_sampling_options(tmp_path):
     prompts = [tok.encode("more text " * i) for i in range(1, 9)]
     kinds = [{}, {"frequency_penalty": 1.0, "repetition_penalty": 1.3}, {"min_p": 0.1},
              {"logit_bias": {5: 4.0, eos: 6.0}, "min_new_tokens": 10}, {"presence_penalty": -1.0}]
-    opts = [SamplingOptions(temperature=1.0, max_new_tokens=60 if i % 5 == 0 else 24 + 3 * i, n=2, seed=i,
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=60 if i % 5 == 0 else 24 + 3 * i, n=2, seed=i,
                             ignore_eos=i % 5 == 0 or i == 6, **kinds[i % 5]) for i in range(len(prompts))]
     outs = []
     for k in (1, 8):

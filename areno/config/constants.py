@@ -1,0 +1,13 @@
+"""The vocabularies of the configuration, written once: algorithms, schedules, backends and modes."""
+
+ALGOS = ("sft", "dpo", "grpo", "gspo", "ppo")
+RL_ALGOS = ("grpo", "gspo", "ppo")  # online RL: a rollout engine samples the batch
+GROUP_ALGOS = ("grpo", "gspo")  # group advantages over several samples of one prompt (agentic rollout too)
+LR_STYLES = ("constant", "linear", "cosine")
+OFFLOAD_MODES = ("none", "cpu", "disk")
+ATTN_BACKENDS = ("flash", "native")
+DTYPES = ("bfloat16", "float16", "float32")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+ROUTING_REPLAY = ("auto", "on", "off")
+TRAIN_CUDA_GRAPHS = ("auto", "on", "off")

@@ -1,0 +1,32 @@
+"""The `memory` section of `areno train`: rollout state, activation checkpointing, offload, KV budget."""
+
+# argparse-dataclass maps typing.Optional[X] to an X-typed flag, but not PEP 604 unions (X | None): keep Optional.
+# ruff: noqa: UP007, UP045
+
+from dataclasses import dataclass
+from typing import Optional
+
+from areno.config.constants import OFFLOAD_MODES
+from areno.config.fields import check_memory, check_offload, flag_name, memory_amount, opt
+
+
+@dataclass
+class MemorySection:
+    """`--help` group memory."""
+
+    drop_rollout_state: bool = opt(False, "release KV cache and graphs at each rollout session boundary", "memory")
+    activation_checkpointing: bool = opt(True, "recompute decoder activations during backward", "memory")
+    optimizer_state_offload: str = opt("none", "where optimizer state lives between train calls", "memory",
+                                       choices=OFFLOAD_MODES)
+    optimizer_state_offload_dir: Optional[str] = opt(
+        None, "folder for --optimizer-state-offload disk (scratch files, not a checkpoint)", "memory", metavar="DIR")
+    optimizer_state_offload_batch_size: int = opt(1, "mmap files grouped per flush for disk offload", "memory")
+    kv_cache_memory: Optional[float] = opt(
+        None, "KV-cache budget: a fraction of free GPU memory (0.9) or a size (40GiB)", "memory",
+        type=memory_amount, metavar="AMOUNT", default_help="the runtime decides")
+
+
+    def check_memory_section(self):
+        check_offload(flag_name, self.optimizer_state_offload, self.optimizer_state_offload_dir,
+                      self.optimizer_state_offload_batch_size)
+        check_memory("--kv-cache-memory", self.kv_cache_memory)

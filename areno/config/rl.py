@@ -1,0 +1,62 @@
+"""The RL part of `areno train`'s `train` group: DPO, policy losses, KL, advantages, critic, rewards."""
+
+# argparse-dataclass maps typing.Optional[X] to an X-typed flag, but not PEP 604 unions (X | None): keep Optional.
+# ruff: noqa: UP007, UP045
+
+from dataclasses import dataclass
+from typing import Optional
+
+from areno.config.constants import KL_ESTIMATORS, LOSS_AGGS
+from areno.config.fields import ConfigError, check_choice, check_non_negative, check_range, check_sizes, flag_name, opt
+
+
+@dataclass
+class RLSection:
+    """`--help` group train, second part."""
+
+    ppo_epochs: int = opt(1, "optimizer passes over each rollout batch (grpo, gspo, ppo)", "train")
+    dpo_beta: float = opt(0.1, "DPO inverse temperature", "train")
+    dpo_label_smoothing: float = opt(0.0, "DPO label smoothing (conservative DPO), in [0, 0.5)", "train")
+    clip_eps_low: float = opt(0.2, "lower clip of the token importance ratio: 1 - eps", "train")
+    clip_eps_high: float = opt(0.28, "upper clip of the token importance ratio: 1 + eps", "train")
+    gspo_clip_eps: float = opt(3e-4, "GSPO sequence-level ratio clip", "train")
+    kl_coef: float = opt(0.0, "KL penalty to the reference policy (0 = no reference model)", "train")
+    kl_estimator: str = opt("k3", "KL estimator", "train", choices=KL_ESTIMATORS)
+    entropy_coef: float = opt(0.0, "entropy bonus", "train")
+    advantage_std_norm: bool = opt(True, "divide group advantages by the group reward std", "train")
+    tis_cap: float = opt(2.0, "truncated importance sampling cap on rollout/trainer mismatch (0 = off)", "train")
+    loss_agg: str = opt("token-mean", "how token losses are aggregated over the global batch", "train",
+                        choices=LOSS_AGGS)
+    filter_zero_variance_groups: bool = opt(False, "drop groups whose rewards are all equal", "train")
+    critic_lr: Optional[float] = opt(None, "PPO critic learning rate", "train", default_help="--lr")
+    gamma: float = opt(1.0, "PPO discount", "train")
+    gae_lambda: float = opt(0.95, "PPO GAE lambda", "train")
+    value_clip: float = opt(0.2, "PPO value-loss clip (0 = off)", "train")
+    dual_clip: float = opt(3.0, "PPO dual-clip constant c > 1 for negative advantages (0 = off)", "train")
+    critic_warmup_steps: int = opt(0, "PPO steps that train only the critic", "train")
+    sft_warmup_steps: int = opt(0, "SFT steps on the rows' `response` before RL starts (grpo, gspo, ppo)", "train")
+    sft_warmup_lr: float = opt(0.0, "peak learning rate of the SFT warm-up steps (0 = --lr); the RL schedule starts "
+                               "fresh after them", "train")
+    reward_timeout_s: float = opt(60.0, "seconds one reward_fn call may run before its sample is scored 0.0 as a "
+                                  "failure (0 = no limit)", "train")
+    max_reward_failure_steps: int = opt(3, "stop the run (exit 1, after saving) once every reward of this many steps "
+                                        "in a row failed (0 = never)", "train")
+
+    def check_rl(self):
+        check_sizes(self, ("ppo_epochs",))
+        for name, choices in (("kl_estimator", KL_ESTIMATORS), ("loss_agg", LOSS_AGGS)):
+            check_choice(flag_name(name), getattr(self, name), choices, optional=True)
+        for name in ("critic_warmup_steps", "sft_warmup_steps", "sft_warmup_lr", "kl_coef", "entropy_coef", "tis_cap",
+                     "value_clip", "clip_eps_high", "reward_timeout_s", "max_reward_failure_steps"):
+            check_non_negative(flag_name(name), getattr(self, name))
+        if self.critic_lr is not None:
+            check_non_negative("--critic-lr", self.critic_lr)
+        check_range("--clip-eps-low", self.clip_eps_low, 0.0, 1.0, high_open=True)
+        check_range("--gspo-clip-eps", self.gspo_clip_eps, 0.0, 1.0, low_open=True)
+        if not self.dpo_beta > 0:
+            raise ConfigError("--dpo-beta", f"must be > 0, got {self.dpo_beta}")
+        check_range("--dpo-label-smoothing", self.dpo_label_smoothing, 0.0, 0.5, high_open=True)
+        check_range("--gamma", self.gamma, 0.0, 1.0)
+        check_range("--gae-lambda", self.gae_lambda, 0.0, 1.0)
+        if self.dual_clip != 0 and not self.dual_clip > 1:
+            raise ConfigError("--dual-clip", f"must be > 1 (or 0 to turn it off), got {self.dual_clip}")

@@ -1,0 +1,78 @@
+"""`ServeConfig`: the flags of `areno serve` (the OpenAI-compatible server over one rollout session)."""
+
+# argparse-dataclass maps typing.Optional[X] to an X-typed flag, but not PEP 604 unions (X | None): keep Optional.
+# ruff: noqa: UP007, UP045
+
+from dataclasses import dataclass
+from typing import Optional
+
+from areno.config.constants import ATTN_BACKENDS, DTYPES
+from areno.config.fields import (
+    ConfigError,
+    check_choice,
+    check_media_limits,
+    check_memory,
+    check_non_negative,
+    check_sizes,
+    memory_amount,
+    opt,
+)
+from areno.config.multimodal import IMAGE_BYTES_HELP, IMAGE_PIXELS_HELP, IMAGES_HELP
+
+
+@dataclass
+class ServeConfig:
+    """`areno serve`: the OpenAI-compatible server over one rollout session."""
+
+    model_path: Optional[str] = opt(None, "model: a Hugging Face repo id or a local folder (required)", "basic",
+                                    metavar="PATH")
+    world_size: int = opt(1, "worker ranks (one process per GPU)", "basic")
+    tp_size: int = opt(1, "tensor-parallel size; --world-size must be divisible by it", "basic")
+    dtype: Optional[str] = opt(None, "parameter/compute dtype", "basic", choices=DTYPES,
+                               default_help="bfloat16 on GPU; float32 on a CPU without bfloat16 support")
+    seed: int = opt(0, "base seed for requests that give none", "basic")
+    host: str = opt("127.0.0.1", "address to listen on", "server", metavar="ADDR")
+    port: int = opt(8000, "port to listen on (0 = any free port)", "server")
+    api_key: Optional[str] = opt(None, "require this bearer token on every request", "server", metavar="KEY",
+                                secret=True)
+    served_model_name: Optional[str] = opt(None, "model name reported by /v1/models and accepted in requests",
+                                           "server", metavar="NAME", default_help="the --model-path")
+    max_model_len: Optional[int] = opt(None, "maximum prompt + completion tokens per request", "server",
+                                       default_help="the model's context length")
+    max_request_bytes: int = opt(32 << 20, "largest request body accepted, in bytes (a larger one gets HTTP 413)",
+                                 "server")
+    max_running_prompts: int = opt(32, "cap on active sequences in the continuous batch", "rollout")
+    attn_backend: Optional[str] = opt(
+        None, "attention implementation: flash where the model and GPU support it, native for compatibility",
+        "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
+    eager_decode: bool = opt(False, "disable CUDA-graph replay for decode", "rollout")
+    engine_thread: bool = opt(
+        False, "run the engine in a thread of the HTTP process instead of its own engine-core process (slower under "
+        "load: the HTTP path and the engine share one interpreter lock; a --world-size == --tp-size > 1 server "
+        "always runs its engine on TP rank 0)", "server")
+    kv_cache_memory: Optional[float] = opt(
+        None, "KV-cache budget: a fraction of free GPU memory (0.9) or a size (40GiB)", "memory",
+        type=memory_amount, metavar="AMOUNT", default_help="the runtime decides")
+    max_image_bytes: int = opt(20 << 20, IMAGE_BYTES_HELP, "multimodal")
+    max_image_pixels: int = opt(50_000_000, IMAGE_PIXELS_HELP, "multimodal")
+    max_images_per_prompt: int = opt(64, IMAGES_HELP, "multimodal")
+    decode_progress_interval_s: float = opt(
+        0.0, "report decode throughput, active sequences and graph replay every N seconds (0 = off)",
+        "observability")
+    verbose: bool = opt(False, "print the resolved configuration to stdout before serving", "observability")
+
+    def __post_init__(self):
+        if not self.model_path:
+            raise ConfigError("--model-path", "is required (a Hugging Face repo id or a local folder)")
+        check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len", "max_request_bytes"))
+        if self.world_size % self.tp_size:
+            raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
+        check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
+        check_choice("--dtype", self.dtype, DTYPES, optional=True)
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError("--port", f"must be in [0, 65535], got {self.port!r}")
+        if not self.host:
+            raise ConfigError("--host", "must not be empty")
+        check_memory("--kv-cache-memory", self.kv_cache_memory)
+        check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
+        check_media_limits(self)
