@@ -146,6 +146,7 @@ def test_sampling_params_defaults_and_validation():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     grammar = {"type": "json_schema", "schema": schema}
     assert SamplingParams(grammar=grammar).grammar == grammar
+    assert SamplingParams(json_schema=schema).grammar == grammar  # the SDK's shorthand
     assert SamplingParams(seed=-1).seed == -1  # any integer (the OpenAI server passes a request's seed as it is)
     bad = [("temperature", -0.1), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
            ("top_k", 2.5), ("max_new_tokens", 0), ("min_new_tokens", 300), ("min_new_tokens", -1), ("n", 0),

@@ -19,23 +19,9 @@ VARIABLES = (
            "quickstart checkpoints and data", "platform (quickstart through it)"),
     EnvVar("ARENO_KERNELS", "auto", "native forces the PyTorch path of every kernel, triton forces Triton; auto: "
            "Triton for CUDA tensors (and CPU ones under TRITON_INTERPRET=1), native otherwise",
-           "kernels/dispatch (platform's warm-up sets it)"),
+           "kernels/dispatch (kernels/warmup sets it)"),
     EnvVar("ARENO_AUTOTUNE", "on", "off gives every autotuned kernel only the first (measured best) config of its "
            "list: nothing is benchmarked, for correctness runs on a fresh machine", "kernels/dispatch"),
-    EnvVar("ARENO_ATTN_FWD", "auto", "packed attention forward variant (kernels/attention.py's docstring lists them)",
-           "kernels/attention, attention_tma, attention_gluon"),
-    EnvVar("ARENO_ATTN_BWD", "auto", "packed attention backward variant (kernels/attention.py's docstring lists "
-           "them)", "kernels/attention, attention_tma, attention_gluon"),
-    EnvVar("ARENO_ATTN_SWEEP", "unset", "1 or 2: wide candidate lists for the TMA attention kernels' autotuners "
-           "(bench/attention.py --variants; benchmarking only)", "kernels/attention_tma"),
-    EnvVar("ARENO_LOGPROB_LOADS", "auto", "auto, tma or pointer: how the linear log-prob kernels load their tiles "
-           "(auto: TMA descriptors where the GPU and the tensors' alignment allow)", "kernels/linear_logprobs"),
-    EnvVar("ARENO_LOGPROB_BWD_STREAMS", "1", "2 recomputes the next chunk on a second stream during the log-prob "
-           "backward (measured slower); 1 runs in order", "kernels/linear_logprobs"),
-    EnvVar("ARENO_LOGPROB_BWD_CHUNK", "268435456 (2^28)", "elements per logit-gradient chunk of the Triton log-prob "
-           "backward (an integer >= 65536)", "kernels/linear_logprobs, linear_logprobs_loss"),
-    EnvVar("ARENO_LOGPROB_Q_STORE", "tma", "tma or pointer: how q's tiles leave the statistics kernel of "
-           "linear_logprobs_loss", "kernels/linear_logprobs"),
     EnvVar("ARENO_MLA_CACHE", "expanded", "Ling 3 (bailing_hybrid) MLA KV-cache layout: expanded, or latent (21x "
            "less cache memory a token), read when the model is built", "models/bailing_hybrid"),
     EnvVar("ARENO_SERVE_GRACEFUL_SHUTDOWN_S", "30", "seconds `areno serve` lets in-flight requests finish after "

@@ -87,6 +87,7 @@ class SamplingParams:
     logprobs: bool = True
     top_logprobs: int = 0  # also return the k most likely tokens' log-probs at each step
     grammar: dict | None = None  # structured output spec (see the module docstring): {"type": "json_object"}, ...
+    json_schema: dict | bool | None = None  # the SDK's shorthand: grammar {"type": "json_schema", "schema": it}
 
     def __post_init__(self):
         check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -100,6 +101,10 @@ class SamplingParams:
         for name in ("logprobs", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
+        if self.json_schema is not None:
+            if self.grammar is not None and self.grammar != {"type": "json_schema", "schema": self.json_schema}:
+                raise ConfigError("json_schema", "give either json_schema or grammar, not both")
+            self.grammar = {"type": "json_schema", "schema": self.json_schema}
         if self.grammar is not None:
             try:
                 self.grammar = normalize_grammar(self.grammar)

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from areno.config.env import env_value
+
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
@@ -38,7 +40,7 @@ def interpreting() -> bool:
 
 
 def kernel_mode() -> str:
-    mode = os.environ.get("ARENO_KERNELS", "auto").strip().lower() or "auto"
+    mode = (env_value("ARENO_KERNELS") or "auto").strip().lower() or "auto"
     if mode not in ("auto", "native", "triton"):
         raise ValueError(f"ARENO_KERNELS must be 'native', 'triton' or unset, got {mode!r}")
     return mode
@@ -65,7 +67,7 @@ def use_triton(*tensors: torch.Tensor, supported: bool = True) -> bool:
 
 def autotune_candidates(configs) -> list:
     """The configs an autotuner gets (``ARENO_AUTOTUNE``, module docstring)."""
-    mode = os.environ.get("ARENO_AUTOTUNE", "on").strip().lower() or "on"
+    mode = (env_value("ARENO_AUTOTUNE") or "on").strip().lower() or "on"
     if mode not in ("on", "off"):
         raise ValueError(f"ARENO_AUTOTUNE must be 'on', 'off' or unset, got {mode!r}")
     configs = list(configs)
