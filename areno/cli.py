@@ -6,7 +6,7 @@ which `--preset` needs). They validate (flags, then the model folder or hub id t
 (the whole resolved configuration with `--verbose`; `areno train` always writes it to config.json in its metrics
 folder), then hand it to the runtime, imported only then. Errors come last, as one line: a bad flag or input exits 2,
 a run that had to stop (`RunError`: every reward failing, a full disk) exits 1. `check` and `env` belong to
-`areno.platform`.
+`areno.platform.checks`.
 """
 
 import argparse
@@ -188,7 +188,7 @@ def run_serve(argv) -> int:
 
 def _platform_command(name):
     def run(argv) -> int:
-        return getattr(importlib.import_module("areno.platform"), name)(list(argv))
+        return getattr(importlib.import_module("areno.platform.checks"), name)(list(argv))
 
     return run
 

@@ -328,7 +328,7 @@ def test_top_level_version_help_and_platform_dispatch(capsys, monkeypatch):
     calls = []
     fake = types.SimpleNamespace(run_check=lambda argv: calls.append(("check", argv)) or 1,
                                  run_env=lambda argv: calls.append(("env", argv)) or 0)
-    monkeypatch.setitem(sys.modules, "areno.platform", fake)
+    monkeypatch.setitem(sys.modules, "areno.platform.checks", fake)
     assert run(capsys, "check")[0] == 1
     assert run(capsys, "env", "--json")[0] == 0
     assert calls == [("check", []), ("env", ["--json"])]

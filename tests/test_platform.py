@@ -13,6 +13,8 @@ import torch
 
 from areno import platform as P
 from areno.kernels.warmup import WARMUP
+from areno.platform import checks as C
+from areno.platform import commands as M
 
 REPO = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^(OK  |WARN|FAIL) ([a-z ]+): (.+)$")
@@ -115,7 +117,7 @@ def test_record_setup_writes_only_on_change(home):
 
 
 def test_check_on_this_host(home, capsys):
-    assert P.run_check([]) == 0
+    assert C.run_check([]) == 0
     checks = parse(capsys.readouterr().out)
     assert list(checks) == CHECK_NAMES
     assert checks["python"][0] == "OK" and sys.executable in checks["python"][1]
@@ -128,7 +130,7 @@ def test_check_on_this_host(home, capsys):
         status, detail = checks["gpu"]
         assert status == "WARN" and detail.startswith(P.CPU_WARNING)
         # conftest sets TRITON_INTERPRET=1 on CPU, so the check runs its probe kernel in the interpreter
-        assert checks["triton"] == ("OK", f"{P._triton_version()}: no CUDA device; a test kernel ran in the "
+        assert checks["triton"] == ("OK", f"{P.triton_version()}: no CUDA device; a test kernel ran in the "
                                           "interpreter (TRITON_INTERPRET=1)")
     assert checks["attention"][0] == "WARN" and "no setup record" in checks["attention"][1]
     assert checks["dependencies"][0] == "OK"
@@ -142,37 +144,37 @@ def test_check_on_this_host(home, capsys):
 def test_check_says_what_a_cpu_host_is_for():
     """No CUDA device: a warning (never silent) that says the truth: the CPU runs the tests and trains and serves the
     quickstart and tiny models; a GPU is for real model sizes (not "train and serve on a GPU host")."""
-    gpu = P._check_gpus(torch, [], nvidia=False)
+    gpu = C._check_gpus(torch, [], nvidia=False)
     assert (gpu.status, gpu.name) == ("WARN", "gpu")
     assert gpu.detail == ("no CUDA device: the native PyTorch path runs on the CPU (tests, the quickstart and tiny "
                           "models)")
     assert gpu.next_step == "for real model sizes, use a Linux host with an NVIDIA GPU"
     cpu_torch = type("FakeTorch", (), {"__version__": "2.9.0+cpu", "version": type("V", (), {"cuda": None})})
-    assert P._check_torch(cpu_torch, nvidia=False).detail == (
+    assert C._check_torch(cpu_torch, nvidia=False).detail == (
         "2.9.0+cpu (CPU build: the native path for tests, the quickstart and tiny models)")
 
 
 def test_check_reads_the_record(home, capsys):
     P.record_setup()
-    assert P.run_check([]) == 0
+    assert C.run_check([]) == 0
     assert parse(capsys.readouterr().out)["attention"][0] == "OK"
     P.write_setup({**P.read_setup(), "attn_backend": "flash"})
     if not torch.cuda.is_available():
-        assert P.run_check([]) == 0
+        assert C.run_check([]) == 0
         status, detail = parse(capsys.readouterr().out)["attention"]
         assert status == "WARN" and "recorded in" in detail and "--attn-backend native" in detail
 
 
 def test_check_fails_on_missing_core_dependency(home, capsys, monkeypatch):
     monkeypatch.setitem(P.CORE_DEPS, "areno-no-such-dep", "areno_no_such_dep")
-    assert P.run_check([]) == 1
+    assert C.run_check([]) == 1
     status, detail = parse(capsys.readouterr().out)["dependencies"]
     assert status == "FAIL" and detail.startswith("missing areno-no-such-dep ->")
 
 
 def test_check_warns_on_missing_extra(home, capsys, monkeypatch):
     monkeypatch.setitem(P.OPTIONAL_DEPS, "serve", ({"areno-no-server": "areno_no_server"}, "serving cannot start"))
-    assert P.run_check([]) == 0
+    assert C.run_check([]) == 0
     status, detail = parse(capsys.readouterr().out)["serve extra"]
     assert status == "WARN" and detail.endswith("-> pip install 'areno[serve]'")
 
@@ -180,7 +182,7 @@ def test_check_warns_on_missing_extra(home, capsys, monkeypatch):
 def test_check_fails_on_unwritable_cache(home, capsys, monkeypatch, tmp_path):
     (tmp_path / "a-file").write_text("x")
     monkeypatch.setenv("ARENO_HOME", str(tmp_path / "a-file" / "areno"))
-    assert P.run_check([]) == 1
+    assert C.run_check([]) == 1
     status, detail = parse(capsys.readouterr().out)["cache"]
     assert status == "FAIL" and "not a folder" in detail and detail.endswith("-> set ARENO_HOME to a writable folder")
 
@@ -189,13 +191,13 @@ def test_warmup_runs_every_kernel_recipe():
     """On a GPU: the install-time warm-up compiles every kernel. On CPU: the same recipes run in the interpreter
     (conftest sets TRITON_INTERPRET=1), which keeps them in step with the kernels' signatures."""
     if torch.cuda.is_available():
-        results = P.warmup()
+        results = M.warmup()
     else:
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
-            P.warmup()
-        assert P.run_warmup([]) == 1
+            M.warmup()
+        assert M.run_warmup([]) == 1
         before = os.environ.get("ARENO_KERNELS")
-        results = P.warmup("cpu")
+        results = M.warmup("cpu")
         assert os.environ.get("ARENO_KERNELS") == before
     assert list(results) == list(WARMUP)
     assert all(r.startswith("ok (") for r in results.values()), results
@@ -208,7 +210,7 @@ def test_env_report_json(home, capsys, monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     P.record_setup()
-    assert P.run_env(["--json"]) == 0
+    assert C.run_env(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     for key in ("areno", "python", "platform", "torch", "cuda_available", "driver", "triton", "transformers",
                 "safetensors", "accelerate", "datasets", "gpus", "dependencies", "env", "setup"):
@@ -233,7 +235,7 @@ def test_env_report_json(home, capsys, monkeypatch):
     assert report["env"]["ARENO_HOME"] == str(home) and "HF_HOME" in report["env"]
     assert report["setup"] == P.read_setup()
 
-    assert P.run_env([]) == 0
+    assert C.run_env([]) == 0
     text = capsys.readouterr().out
     assert f"  version: {torch.__version__}" in text and "NCCL_DEBUG: INFO" in text
 
@@ -248,13 +250,13 @@ def test_command_line(home):
 
 
 def test_unmet_requirements(tmp_path):
-    assert P.unmet_requirements(REPO) == []  # this venv: areno from this checkout, setup.cfg met
+    assert M.unmet_requirements(REPO) == []  # this venv: areno from this checkout, setup.cfg met
     (tmp_path / "setup.cfg").write_text(
         "[options]\ninstall_requires =\n    torch>=99  # comment\n    areno-no-such-dep\n    tqdm\n"
         "    some-windows-dep; platform_system == \"Windows\"\n"
         "[options.extras_require]\ntest =\n    pytest\n"
     )
-    problems = P.unmet_requirements(tmp_path)
+    problems = M.unmet_requirements(tmp_path)
     assert problems[0] == f"areno is imported from {REPO}, not {tmp_path}"
     assert problems[1:] == [f"torch {importlib.metadata.version('torch')} does not satisfy >=99",
                             "areno-no-such-dep is not installed"]

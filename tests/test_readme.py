@@ -79,7 +79,7 @@ def test_readme_quickstart_describes_the_preset(monkeypatch):
     from areno.quickstart import preset, task
 
     monkeypatch.setattr(preset, "model_path", lambda: Path("model"))  # no model creation
-    monkeypatch.setattr(preset, "_cpu_threads", lambda: None)  # leave this process's thread count alone
+    monkeypatch.setattr(preset, "cpu_threads", lambda: None)  # leave this process's thread count alone
     cfg = presets.get_preset("quickstart")
     section = quickstart_section()
     assert f"SFT warm-up ({cfg.sft_warmup_steps} steps)" in section

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from areno.config import TrainConfig
 from areno.presets import register_preset
-from areno.quickstart.preset import MODEL, _cpu_threads, cached_model
+from areno.quickstart.preset import MODEL, cpu_threads, cached_model
 
 NAME = "agentic-quickstart"
 TASK = Path(__file__).resolve().with_name("agentic_task.py")
@@ -44,7 +44,7 @@ def model_path() -> Path:
 
 @register_preset(NAME)
 def agentic_quickstart() -> TrainConfig:
-    _cpu_threads()
+    cpu_threads()
     return TrainConfig(
         preset=NAME,
         ckpt=str(model_path()),

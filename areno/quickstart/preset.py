@@ -67,7 +67,7 @@ def cached_model(path: Path, model: dict) -> Path:
     return path
 
 
-def _cpu_threads():
+def cpu_threads():
     """The quickstart's matrices are tiny: on a CPU, extra intra-op threads only add synchronisation (and on a busy
     machine spin-waiting), so use one unless the user chose with OMP_NUM_THREADS."""
     import torch
@@ -78,7 +78,7 @@ def _cpu_threads():
 
 @register_preset("quickstart")
 def quickstart() -> TrainConfig:
-    _cpu_threads()
+    cpu_threads()
     return TrainConfig(
         preset="quickstart",
         ckpt=str(model_path()),

@@ -135,7 +135,7 @@ def test_the_preset(areno_home):
 def test_the_readme_quotes_the_preset(monkeypatch):
     """The README's paragraph names the command and the preset's numbers (SFT steps, RL steps, held-out problems)."""
     monkeypatch.setattr(agentic, "model_path", lambda: Path("model"))  # no model creation
-    monkeypatch.setattr(agentic, "_cpu_threads", lambda: None)  # leave this process's thread count alone
+    monkeypatch.setattr(agentic, "cpu_threads", lambda: None)  # leave this process's thread count alone
     cfg = presets.get_preset("agentic-quickstart")
     text = (ROOT / "README.md").read_text()
     start = text.index("## Quickstart")
