@@ -22,7 +22,7 @@ from pathlib import Path
 
 from areno.config import TrainConfig
 from areno.presets import register_preset
-from areno.quickstart.preset import MODEL, cpu_threads, cached_model
+from areno.quickstart.preset import MODEL, cached_model, cpu_threads
 
 NAME = "agentic-quickstart"
 TASK = Path(__file__).resolve().with_name("agentic_task.py")
