@@ -19,10 +19,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from areno.serve.bodies import load_json, request_body, validate
+from areno.serve.bodies import Notes, load_json, request_body, validate
 from areno.serve.errors import APIError, add_error_handlers
 from areno.serve.protocol import ChatCompletionRequest
-from areno.serve.state import Notes
 
 MODEL = "policy"
 SESSION_HEADER = "X-Areno-Session"

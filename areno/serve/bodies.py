@@ -4,12 +4,15 @@ route's body schema for the OpenAPI document (the routes parse bodies themselves
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 from pydantic import ValidationError
 
 from areno.serve.errors import APIError
 from areno.serve.protocol import FieldError
+
+log = logging.getLogger("areno.serve")
 
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a valid UTF-8 body can yield a lone surrogate
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -103,3 +106,16 @@ def request_body(*model_classes, vocab: int | None = None) -> dict:
     schemas = [_schema(cls, vocab) for cls in model_classes]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+class Notes:
+    """Accepted request fields that change nothing here but would elsewhere: logged once per field."""
+
+    def __init__(self, where: str = ""):
+        self.seen: set[str] = set()
+        self.where = where
+
+    def __call__(self, field: str, why: str) -> None:
+        if field not in self.seen:
+            self.seen.add(field)
+            log.info("request field %s accepted and ignored%s: %s (logged once)", field, self.where, why)
