@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from areno.config import ConfigError, RunError
+from areno.distributed.collectives import gather_objects, group_rank, group_size
 from areno.rl import algorithms
 from areno.rl.advantages import gae, group_advantages
 from areno.rl.losses import value_loss
-from areno.rl.rollout_colocated import gather_objects as _gather_objects
 from areno.rl.routing_replay import routing_replay_enabled
 from areno.training import multimodal
 from areno.training.batch import Row
@@ -105,8 +105,7 @@ class TrainLoop:
             parallel.init_distributed(tp_size=cfg.tp_size, device=device)
         self.tp_group = parallel.get_tp_group() if cfg.tp_size > 1 else None
         self.dp_group = parallel.get_dp_group() if cfg.world_size // cfg.tp_size > 1 else None
-        self.dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
-        self.dp_size = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        self.dp_rank, self.dp_size = group_rank(self.dp_group), group_size(self.dp_group)
         self.is_main = parallel.is_main_process()
         self.train_group = self.layout.train_group if self.layout is not None else None  # None: the whole world
         if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
@@ -547,8 +546,8 @@ class TrainLoop:
                                    epochs=cfg.ppo_epochs, entropy=cfg.entropy_coef > 0, shuffle_seed=cfg.seed)
             if inline:
                 m["logprob_diff"] = s.pop("logprob_diff_total") / max(1.0, s.pop("logprob_diff_count"))
-                top = float(loss_fn.max_diff) if loss_fn.max_diff is not None else 0.0
-                m["logprob_diff_max"] = max(_gather_objects(top, self.dp_group))
+                top = float(loss_fn.fn.max_diff) if loss_fn.fn.max_diff is not None else 0.0
+                m["logprob_diff_max"] = max(gather_objects(top, self.dp_group))
             m.update(_normalise(s))
         if cfg.algo == "ppo":
             m.update(self._ppo_critic_update(rows))

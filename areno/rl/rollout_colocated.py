@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
+from areno.distributed.collectives import gather_objects
 
 
 def engine_config(cfg, tokenizer, dp_rank: int = 0, *, record_routing: bool = False):
@@ -28,14 +28,6 @@ def engine_config(cfg, tokenizer, dp_rank: int = 0, *, record_routing: bool = Fa
         decode_progress_interval_s=cfg.decode_progress_interval_s or None, record_routing=record_routing,
     )
     return econf, eos
-
-
-def gather_objects(obj, group):
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 class ColocatedRollout:

@@ -27,16 +27,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from areno.distributed.collectives import broadcast_object
 from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
 
 log = logging.getLogger("areno.engine")
 VERIFY_ENV = "ARENO_VERIFY_POLICY_SYNC"  # 1: after every sync, fetch the engines' weights and compare them exactly
-
-
-def _broadcast(obj, group, src=0):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def _shares(n: int, engines: int) -> list[range]:
@@ -74,7 +69,7 @@ class RemoteRollout:
         return list(rows) if self.rank0 else []
 
     def gather(self, obj) -> list:
-        return [_broadcast(obj, self.layout.train_group)]
+        return [broadcast_object(obj, self.layout.train_group)]
 
     def policy_changed(self) -> None:
         """The trainer's weights were replaced (a resume): the next rollout syncs whatever the optimizer says, every
@@ -92,7 +87,7 @@ class RemoteRollout:
         if self.rank0:
             self._dispatch(prompt_ids, options)
             results = self._collect()[0]
-        return _broadcast(results, self.layout.train_group)
+        return broadcast_object(results, self.layout.train_group)
 
     def rollout(self, prompt_ids, options, upcoming=None):
         """This step's completions (rank 0) and the split-mode stats; with ``upcoming`` (async), the next step's
@@ -181,7 +176,7 @@ class RemoteRollout:
 
     # ---- rank 0 ----------------------------------------------------------------------------------------------
     def _command(self, cmd) -> None:
-        _broadcast(cmd, self.layout.control)
+        broadcast_object(cmd, self.layout.control)
 
     def _dispatch(self, prompt_ids, options) -> None:
         opts = [dataclasses.replace(options, seed=self._rng.getrandbits(62)) for _ in prompt_ids]
@@ -251,7 +246,7 @@ def serve(cfg) -> int:
     idle, waiting = 0.0, time.perf_counter()
     log.info("rollout rank %d: engine %d of %d on %s", rank, index, len(layout.engines), torch_device)
     while True:
-        cmd = _broadcast(None, layout.control)
+        cmd = broadcast_object(None, layout.control)
         idle += time.perf_counter() - waiting
         op = cmd["op"]
         if op == "stop":
