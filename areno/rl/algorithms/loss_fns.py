@@ -1,4 +1,4 @@
-"""Per-algorithm loss functions in the trainer's ``loss_fn(out, packed, norms) -> (loss, stats)`` form."""
+"""Per-algorithm loss functions (LossFn) in the trainer's ``loss_fn(out, packed, norms) -> (loss, stats)`` form."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from areno.rl.agentic import SESSION_HEADER, AgentError
+from areno.rl.agentic.session import SESSION_HEADER, AgentError
 
 MODEL = "policy"
 
