@@ -272,8 +272,8 @@ def test_calculator_agent_runs_every_call_and_the_reward_reads_the_final_answer(
                      max_context_len=2048, batch_size=4)
     script(monkeypatch, loop, policy)
     try:
-        batch = loop.rows[:4]
-        rows, stats = loop.rollout(batch)
+        batch = [p.row for p in loop.rows[:4]]
+        rows, stats = loop.rollout(loop.rows[:4])
         assert stats["reward_failures"] == 0 and stats["agent_forks"] == 0 and len(rows) == 8
         for row in rows:
             src = next(r for r in batch if r["prompt"] == [m for m in row.meta["messages"] if m["role"] == "user"][:1])
