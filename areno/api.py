@@ -206,29 +206,9 @@ class Trainer:
         self.options = dict(kwargs)
 
     # ---- running -----------------------------------------------------------------------------------------
-    @classmethod
-    def from_config(cls, config, **kwargs) -> "Trainer":
-        """The Trainer `areno train` runs: every field of a `TrainConfig` carried over."""
-        runtime = {"attn_backend": config.attn_backend, "eager_decode": config.eager_decode,
-                   "drop_rollout_state": config.drop_rollout_state,
-                   "activation_checkpointing": config.activation_checkpointing,
-                   "optimizer_state_offload": config.optimizer_state_offload,
-                   "optimizer_state_offload_dir": config.optimizer_state_offload_dir,
-                   "optimizer_state_offload_batch_size": config.optimizer_state_offload_batch_size}
-        runtime = {k: v for k, v in runtime.items() if v is not None}
-        cuda = CudaConfig(tp_size=config.tp_size, devices=config.train_devices,
-                          max_running_prompts=config.max_running_prompts, runtime=runtime,
-                          rollout_devices=config.rollout_devices, rollout_tp_size=config.rollout_tp_size)
-        trainer = cls(world_size=config.world_size, model_path=config.ckpt, custom_config=cuda, **kwargs)
-        trainer.train_config = config
-        return trainer
-
     def _train_config(self):
         from areno.config import TrainConfig
 
-        base = getattr(self, "train_config", None)
-        if base is not None:
-            return base
         opts = dict(self.options)
         rt = dict(self.config.runtime)
         fields = {"ckpt": self.model_path, "world_size": self.world_size, "tp_size": self.config.tp_size,
@@ -245,6 +225,7 @@ class Trainer:
         """Load the model, tokenizer, optimizer (and the dataset, reward and engine when configured)."""
         from areno.distributed.launch import launched
         from areno.rl.loop import TrainLoop
+        from areno.rl.runner import is_rollout_rank, serve_rollout_rank
 
         config = self._train_config()
         ranks = self.world_size + (len(config.rollout_devices) if config.split else 0)
@@ -259,14 +240,12 @@ class Trainer:
         # gloo's threads were sometimes destroyed unjoined ("terminate called without an active exception", a
         # SIGABRT after the script's last line).
         self._owns_group = not dist.is_initialized()
-        if config.split and int(os.environ.get("RANK", "0")) >= config.world_size:
-            from areno.rl.rollout_remote import serve
-
-            rc = serve(config)  # a rollout rank serves until the train side closes, then leaves
+        if is_rollout_rank(config):
+            rc = serve_rollout_rank(config)  # a rollout rank serves until the train side closes, then leaves
             if self._owns_group:
                 parallel.destroy_distributed()
             raise SystemExit(rc)
-        self.loop = TrainLoop(config, sdk=getattr(self, "train_config", None) is None)
+        self.loop = TrainLoop(config, sdk=True)  # the loop `areno train` runs (areno.rl.runner.train)
         self.loop.setup()
         return self
 

@@ -61,6 +61,7 @@ def make_loop(path, s, smoke: bool, tmp: str):
 def agentic(loop, prompts, s) -> tuple[int, float, dict]:
     """All sessions at once through the agent layer; returns (sampled tokens, seconds, stats)."""
     from areno.rl.agentic import AgentRollout
+    from areno.training.data import Prompt
 
     rng = random.Random(1)
     vocab = len(loop.tokenizer)
@@ -75,10 +76,10 @@ def agentic(loop, prompts, s) -> tuple[int, float, dict]:
                 ids = ids + out.token_ids + tools[item.prompt_index]
         return 0.0
 
-    rollout = AgentRollout(loop, run_agent)
+    rollout = AgentRollout(loop.engine, run_agent, loop.tokenizer, loop.cfg)
     counts = dict(loop.engine.engine.step_counts)
     try:
-        rows = [{"prompt": "x", "_prompt_ids": p} for p in prompts]
+        rows = [Prompt({"prompt": "x"}, i, list(p)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         out_rows, _, _, stats = rollout.run(rows, 1)
         seconds = time.perf_counter() - t0

@@ -12,7 +12,7 @@ gradient checkpointing (TRL's setting; areno's default is on, ``--checkpointing 
 
 - areno: ``TrainLoop(TrainConfig(algo="grpo", ...))`` from the cached checkpoint and a jsonl of the prompts (as
   text ``"t5 t77 ..."``, which the checkpoint's word-level tokenizer maps back to the same 128 ids); ``setup()``
-  then ``step_rl(batch)`` per step, the loop's own phases: rollout (the decode, CUDA graphs), reward (the wait for
+  then ``step(batch)`` per step, the loop's own phases: rollout (the decode, CUDA graphs), reward (the wait for
   the scores after the decode: groups that finished earlier were scored, and their rows tensorised, on a background
   thread while the rest decoded; ``overlap_saved_s`` is that hidden work, ``reward_work_s`` all of it), pack (rows,
   advantages and filters before the update), log-probs (the trainer's recomputation of the rollout tokens when it
@@ -109,7 +109,7 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto") -> dict:
     t0 = time.perf_counter()
     loop.setup()
     rec["setup_s"] = time.perf_counter() - t0
-    assert len(loop.rows[0]["_prompt_ids"]) == s["prompt_len"], "the word-level tokenizer did not round-trip"
+    assert len(loop.rows[0].ids) == s["prompt_len"], "the word-level tokenizer did not round-trip"
     steps = []
     try:
         batches = iter(loop.data)
@@ -119,7 +119,7 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto") -> dict:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
-            m = loop.step_rl(batch)
+            m = loop.step(batch)
             sync()
             m["step_s"] = time.perf_counter() - t0
             if torch.cuda.is_available():

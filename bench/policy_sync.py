@@ -83,7 +83,7 @@ def sync_time(fn, device, iters: int) -> float:
 @torch.no_grad()
 def round_trip(model, plan, where, buffer, targets) -> None:
     """Pack every tensor into its bucket; each full bucket is unpacked into the receiving model at once."""
-    from areno.rl.policy_sync import pack, policy_tensors, unpack
+    from areno.rl.rollout.policy_sync import pack, policy_tensors, unpack
 
     filled = [0] * len(plan)
     for hf_name, tensor in policy_tensors(model):
@@ -99,7 +99,7 @@ def round_trip(model, plan, where, buffer, targets) -> None:
 
 def pack_only(args, device, dtype) -> list[dict]:
     from areno.models.tp import pieces
-    from areno.rl.policy_sync import bucket_size, hf_specs, plan_buckets
+    from areno.rl.rollout.policy_sync import bucket_size, hf_specs, plan_buckets
 
     rows = []
     for name in args.shapes:
@@ -146,7 +146,7 @@ def receive_and_wait(receiver, group) -> None:
 
 def two_ranks(args, dtype) -> list[dict] | None:
     from areno.distributed import parallel
-    from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
+    from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver
 
     rank = int(os.environ["RANK"])
     device_index = rank if torch.cuda.is_available() else None

@@ -244,7 +244,7 @@ def test_calculator_agent_trains_two_steps_on_the_tiny_checkpoint(ckpt, tmp_path
     try:
         batches = iter(loop.data)
         for _ in range(2):
-            m = loop.step_rl(next(batches))
+            m = loop.step(next(batches))
             assert m["samples"] == 4 and m["reward_failures"] == 0 and m["agent_turns_mean"] >= 1
             assert 0.0 <= m["reward_mean"] <= 1.0
         assert "loss" in m or m.get("skipped")
@@ -272,8 +272,8 @@ def test_calculator_agent_runs_every_call_and_the_reward_reads_the_final_answer(
                      max_context_len=2048, batch_size=4)
     script(monkeypatch, loop, policy)
     try:
-        batch = loop.rows[:4]
-        rows, stats = loop.rollout(batch)
+        batch = [p.row for p in loop.rows[:4]]
+        rows, stats = loop.rollout(loop.rows[:4])
         assert stats["reward_failures"] == 0 and stats["agent_forks"] == 0 and len(rows) == 8
         for row in rows:
             src = next(r for r in batch if r["prompt"] == [m for m in row.meta["messages"] if m["role"] == "user"][:1])
@@ -302,7 +302,7 @@ def test_tictactoe_agent_trains_two_steps_on_the_tiny_checkpoint(ckpt, tmp_path)
         batches = iter(loop.data)
         ttt = load_module(TTT / "agent.py", flag="--agent-fn")
         for _ in range(2):
-            m = loop.step_rl(next(batches))
+            m = loop.step(next(batches))
             assert m["samples"] == 4 and m["reward_failures"] == 0
             assert ttt.FORFEIT <= m["reward_min"] <= m["reward_max"] <= ttt.WIN
     finally:
@@ -325,11 +325,11 @@ def test_tictactoe_agent_plays_the_moves_and_scores_the_result(ckpt, tmp_path, m
                      max_context_len=2048, batch_size=4)
     script(monkeypatch, loop, policy)
     try:
-        batch = [r for r in loop.rows if r["opening"] in GAMES]
+        batch = [p for p in loop.rows if p.row["opening"] in GAMES]
         rows, stats = loop.rollout(batch)
         assert stats["reward_failures"] == 0 and len(rows) == 8
         for row in rows:
-            opening = next(r["opening"] for r in batch if r["prompt"][0] == row.meta["messages"][0])
+            opening = next(p.row["opening"] for p in batch if p.row["prompt"][0] == row.meta["messages"][0])
             cells, how, outcome = GAMES[opening]
             assert row.reward == getattr(ttt, outcome), opening
             replies = [m for m in row.meta["messages"] if m["role"] == "assistant"]

@@ -54,7 +54,7 @@ def run(tmp_path_factory):
         loop.warmup()
         warm = loop.evaluate()
         batches = iter(loop.data)
-        rewards = [loop.step_rl(next(batches))["reward_mean"] for _ in range(cfg.max_steps)]
+        rewards = [loop.step(next(batches))["reward_mean"] for _ in range(cfg.max_steps)]
         yield untrained, warm, rewards
     finally:
         loop.close()

@@ -11,15 +11,15 @@ PACKAGE = ROOT / "areno"
 # Layers from the bottom up: a module may import its own layer and the ones below. A module named here sits in that
 # layer whatever its package's layer (the serve protocol and errors are plain types the agent endpoint reuses).
 LAYERS = [
-    ["areno.config", "areno.kernels"],
+    ["areno", "areno.config", "areno.kernels", "areno.platform"],  # "areno" is the package's __init__ alone
     ["areno.distributed.parallel", "areno.distributed.collectives"],
     ["areno.models", "areno.testing"],
-    ["areno.engine", "areno.serve.protocol", "areno.serve.errors"],
+    ["areno.engine", "areno.serve.protocol", "areno.serve.errors", "areno.serve.bodies"],
     ["areno.training", "areno.distributed"],
     ["areno.rl"],
     ["areno.serve", "areno.quickstart", "areno.presets"],
-    ["areno.api", "areno.platform"],
-    ["areno.cli", "areno.train", "areno.__main__"],
+    ["areno.api", "areno.platform.checks", "areno.platform.commands", "areno.platform.__main__"],
+    ["areno.cli", "areno.train", "areno.__main__", "areno.distributed.worker"],
 ]
 ALLOWED_UPWARD = {("areno", "areno.api")}  # the lazy SDK import in areno/__init__.py
 LONG_FILES_OK = "areno/kernels/"  # a kernel file may hold several kernels of one family
@@ -74,7 +74,7 @@ def layer(module: str) -> int:
     best, rank = -1, None
     for i, names in enumerate(LAYERS):
         for name in names:
-            if (module == name or module.startswith(name + ".")) and len(name) > best:
+            if (module == name or (name != "areno" and module.startswith(name + "."))) and len(name) > best:
                 best, rank = len(name), i
     return rank if rank is not None else len(LAYERS)
 

@@ -83,10 +83,6 @@ class SplitLayout:
         return dist.get_rank()
 
     @property
-    def is_rollout(self) -> bool:
-        return self.rank >= self.n_train
-
-    @property
     def engine_index(self) -> int:
         return next(i for i, ranks in enumerate(self.engines) if self.rank in ranks)
 
@@ -132,10 +128,6 @@ def rank_device(devices: list[int] | None, index: int, flag: str = "--train-devi
         raise ConfigError(flag, f"names GPU {device}, but this process sees {torch.cuda.device_count()} (after "
                           "CUDA_VISIBLE_DEVICES)")
     return device
-
-
-def get_world_group():
-    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def get_tp_group():

@@ -2,8 +2,8 @@
 
 With ``--world-size N`` > 1 (or split mode: N train ranks plus one per ``--rollout-devices`` entry) outside a
 torchrun worker, the resolved config travels to the ranks started by torch's elastic launcher
-(``areno.distributed.worker``); inside a worker (or with one rank) the loop runs here, or, on a split-mode rollout
-rank, the rollout engine.
+(``areno.distributed.worker``); inside a worker (or with one rank) the loop runs here (``train``), or, on a
+split-mode rollout rank, the rollout engine (``serve_rollout_rank``). The SDK's ``Trainer`` runs the same loop.
 """
 
 from __future__ import annotations
@@ -29,6 +29,31 @@ def describe_rank(config, rank: int) -> str:
             f"{config.rollout_devices[j]}")
 
 
+def is_rollout_rank(config) -> bool:
+    """Whether this process is one of split mode's rollout ranks (they serve engines, not the loop)."""
+    return bool(config.split) and int(os.environ.get("RANK", "0")) >= config.world_size
+
+
+def serve_rollout_rank(config) -> int:
+    """A rollout rank's whole run: engines until the train side closes them."""
+    from areno.rl.rollout.remote import serve
+
+    return serve(config)
+
+
+def train(config) -> dict:
+    """The whole run on this (train) rank: set-up, SFT warm-up, held-out accuracy before, the steps, accuracy after,
+    the final save (``TrainLoop.fit``'s results)."""
+    from areno.rl.loop import TrainLoop
+
+    loop = TrainLoop(config)
+    try:
+        loop.setup()
+        return loop.fit()  # ends with the last step's metrics, held-out accuracy before -> after, the checkpoint
+    finally:
+        loop.close()
+
+
 def run_train(config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ranks = config.world_size + (len(config.rollout_devices) if config.split else 0)
@@ -40,19 +65,10 @@ def run_train(config) -> int:
     from areno.distributed import parallel
 
     owned = not dist.is_initialized()  # a group this run makes is this run's to end (not a caller's)
-    if config.split and int(os.environ.get("RANK", "0")) >= config.world_size:
-        from areno.rl.rollout_remote import serve
-
-        rc = serve(config)  # a rollout rank: engines, not the loop
+    if is_rollout_rank(config):
+        rc = serve_rollout_rank(config)  # a rollout rank: engines, not the loop
     else:
-        from areno.api import Trainer
-
-        trainer = Trainer.from_config(config)  # the CLI runs on the SDK
-        try:
-            trainer.init()
-            trainer.fit()  # ends with the last step's metrics, held-out accuracy before -> after, the checkpoint
-        finally:
-            trainer.close()
+        train(config)
         rc = 0
     # An orderly end of a finished rank's process group (an error leaves it to the exit, where a pending NCCL
     # collective cannot hold it): left to the interpreter's exit, gloo's threads were sometimes destroyed unjoined

@@ -1,5 +1,5 @@
 """OpenAI-style errors: ``APIError``, the one JSON error response every route (and the agent endpoint,
-``areno.rl.agent_server``) answers with, and the exception handlers that give unknown routes, wrong methods, failed
+``areno.rl.agentic.endpoint``) answers with, and the exception handlers that give unknown routes, wrong methods, failed
 validation and unexpected exceptions that same body."""
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from areno.config import RunError
+from areno.distributed.collectives import broadcast_object
 
 STATE_DIR = "training_state"
 MARKER = "COMPLETE"
@@ -181,11 +182,11 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
         except DiskFullError as e:
             problem = e
     if world > 1:
-        box = [(str(tmp) if tmp is not None else None, str(problem) if problem else None)]
-        dist.broadcast_object_list(box, src=0, group=group)
-        tmp = Path(box[0][0]) if box[0][0] else None
-        if box[0][1] and problem is None:
-            problem = DiskFullError(errno.ENOSPC, box[0][1])
+        where, why = broadcast_object((str(tmp) if tmp is not None else None, str(problem) if problem else None),
+                                      group)
+        tmp = Path(where) if where else None
+        if why and problem is None:
+            problem = DiskFullError(errno.ENOSPC, why)
     if problem is not None:
         raise problem
     try:

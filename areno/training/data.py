@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -353,3 +354,58 @@ class PromptIterator:
                             "uninterrupted run", key, mine, key, state[key])
         self.epoch = int(state["epoch"])
         self.position = min(int(state["position"]), self.batches_per_epoch)
+
+
+@dataclass
+class Prompt:
+    """One dataset row as the loop uses it: the user's ``row`` untouched, beside what was derived from it."""
+
+    row: dict  # the user's row, never mutated (reward records and agents see exactly it)
+    index: int | None  # its place in the dataset (errors name it; the media cache's key)
+    ids: list[int]  # the prompt's token ids (an image prompt: the processor's, placeholders expanded)
+    has_media: bool = False  # the prompt shows images (``DatasetMedia.encode`` gives its ``MultimodalPrompt``)
+    responses: dict[str, list[int]] = field(default_factory=dict)  # e.g. "response" / "chosen" -> ids + EOS
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """A prompt's token ids: chat messages through the chat template (generation prompt added), text as it is."""
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompt
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def response_ids(tokenizer, response, eos: int | None) -> list[int]:
+    """A response's token ids and EOS (chat messages: the assistant text)."""
+    if isinstance(response, list):
+        response = "".join(m.get("content", "") for m in response if m.get("role") == "assistant")
+    ids = tokenizer.encode(response, add_special_tokens=False)
+    return ids + ([eos] if eos is not None else [])
+
+
+def tokenize_prompts(rows, tokenizer, media, *, max_prompt_tokens: int, responses=(), prompt_optional=False,
+                     first_index: int = 0, indices=None) -> list[Prompt]:
+    """``rows`` as Prompts: prompt ids (images through ``media``, a ``DatasetMedia``) and the ``responses`` fields'
+    ids; a row whose prompt is empty (unless ``prompt_optional``) or longer than ``max_prompt_tokens`` is dropped
+    with one warning. ``indices``: each row's place in the dataset (default ``first_index`` + position)."""
+    out, dropped = [], 0
+    eos = tokenizer.eos_token_id
+    for k, r in enumerate(rows):
+        index = indices[k] if indices is not None else first_index + k
+        has_media = media.has_media(r.get("prompt"))
+        if has_media:  # images: the processor's ids (placeholders expanded)
+            ids = media.encode(r["prompt"], index).input_ids
+        elif r.get("prompt") is not None or not prompt_optional:
+            ids = prompt_ids(tokenizer, r["prompt"])
+        else:
+            ids = []
+        if len(ids) > max_prompt_tokens or (not prompt_optional and not ids):
+            dropped += 1
+            media.forget(index)
+            continue
+        out.append(Prompt(r, index, ids, has_media, {k: response_ids(tokenizer, r[k], eos) for k in responses}))
+    if dropped:
+        logging.getLogger("areno.train").warning(
+            "dropped %d rows whose prompt is empty or longer than --max-prompt-tokens %d", dropped, max_prompt_tokens)
+    return out

@@ -46,6 +46,7 @@ import torch
 
 from areno.kernels.logprobs import linear_logprobs
 from areno.kernels.logprobs.loss import linear_logprobs_loss
+from areno.training.loss import ForwardOut
 
 MAX_GRAPHS = 8
 MIN_TOKENS = 64  # the smallest token bucket: tiny microbatches share one graph
@@ -259,8 +260,6 @@ class TrainGraphs:
         """Replay ``packed`` (host or device) through its bucket's forward graph: a ForwardOut over its own T tokens,
         differentiable (the backward replays the backward graph). A weighted bucket takes ``token_weights`` [T]
         and returns the loss (``ForwardOut.loss``) beside log-probs without gradient."""
-        from areno.training.trainer import ForwardOut
-
         entry = self.entries[(bucket, mode)]
         t = packed.input_ids.numel()
         for buf, src in zip(entry.inputs, pad_inputs(packed, bucket)):

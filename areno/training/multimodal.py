@@ -156,27 +156,28 @@ class DatasetMedia:
             self._processor = MultimodalProcessor.from_pretrained(self.ckpt, limits=self.limits)
         return self._processor
 
-    def encode(self, row: dict):
-        """The ``MultimodalPrompt`` of ``row["prompt"]`` (``row["_row"]``: its index in the dataset, for errors)."""
-        key = row.get("_row")
+    def encode(self, prompt, index: int | None = None):
+        """The ``MultimodalPrompt`` of a row's ``prompt`` (chat messages); ``index``: the row's place in the dataset
+        (errors name it; the cache's key)."""
+        key = index
         if key is not None and key in self._cache:
             return self._cache[key]
         from areno.models.multimodal import MediaError
         from areno.training.data import FLAG, DatasetError
 
         try:
-            out = self.processor.encode(row["prompt"], add_generation_prompt=True, allow_paths=True,
+            out = self.processor.encode(prompt, add_generation_prompt=True, allow_paths=True,
                                         base_dir=self.base_dir)
         except MediaError as e:
-            raise DatasetError(FLAG, f"{self.where} row {row.get('_row', '?')}: {e}") from None
+            raise DatasetError(FLAG, f"{self.where} row {'?' if index is None else index}: {e}") from None
         size = 0 if out.pixel_values is None else out.pixel_values.numel() * out.pixel_values.element_size()
         if key is not None and size <= self._cache_left:
             self._cache[key] = out
             self._cache_left -= size
         return out
 
-    def forget(self, row: dict) -> None:
-        """Drop ``row``'s cached encoding (a row the loop does not keep)."""
-        out = self._cache.pop(row.get("_row"), None)
+    def forget(self, index: int | None) -> None:
+        """Drop the cached encoding of the row at ``index`` (a row the loop does not keep)."""
+        out = self._cache.pop(index, None)
         if out is not None and out.pixel_values is not None:
             self._cache_left += out.pixel_values.numel() * out.pixel_values.element_size()

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from areno.config.constants import OFFLOAD_MODES
+from areno.distributed.collectives import group_rank, group_size
 from areno.kernels.adamw import AdamwPlan, SumsqPlan, bias_corrections, grad_sumsq, master_adamw_multi_
 
 _OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
@@ -55,25 +56,17 @@ def _remove_offload_dirs() -> None:
         _OFFLOAD_DIRS.discard(d)
 
 
-def _size(group) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
-
-
 def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
     if dist.get_backend(group) == "gloo":  # older gloo builds lack reduce_scatter: all-reduce and keep the shard
         dist.all_reduce(flat, group=group)
-        out.copy_(flat[_rank(group) * out.numel() : (_rank(group) + 1) * out.numel()])
+        out.copy_(flat[group_rank(group) * out.numel() : (group_rank(group) + 1) * out.numel()])
     else:
         dist.reduce_scatter_tensor(out, flat, group=group)
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
     if dist.get_backend(group) == "gloo":
-        dist.all_gather(list(out.chunk(_size(group))), shard, group=group)
+        dist.all_gather(list(out.chunk(group_size(group))), shard, group=group)
     else:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, shard, group=group)
@@ -129,9 +122,9 @@ class MasterAdamW:
                 raise ValueError("MasterAdamW: parameters must be contiguous floating tensors on one device")
         self.params = params
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.dp_group = dp_group if _size(dp_group) > 1 else None
-        self.tp_group = tp_group if _size(tp_group) > 1 else None
-        self.dp_size, self.dp_rank = _size(self.dp_group), _rank(self.dp_group)
+        self.dp_group = dp_group if group_size(dp_group) > 1 else None
+        self.tp_group = tp_group if group_size(tp_group) > 1 else None
+        self.dp_size, self.dp_rank = group_size(self.dp_group), group_rank(self.dp_group)
         self.offload, self.offload_batch_size = offload, offload_batch_size
         self.num_steps = 0
         self._step_tensor: tuple[float, torch.Tensor] | None = None  # (step, its device tensor) for fused AdamW
@@ -159,7 +152,7 @@ class MasterAdamW:
                     cur = []
                 if p is not None:
                     cur.append(p)
-        tp_rank = _rank(self.tp_group)
+        tp_rank = group_rank(self.tp_group)
         for b in buckets:  # shard-local ranges of the parameters this rank counts in the grad norm
             lo = self.dp_rank * b.shard
             for p, off in zip(b.params, b.offsets):

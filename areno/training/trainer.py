@@ -11,57 +11,32 @@ distinct image of a microbatch is encoded once (no gradient) and its embeddings 
 ``train_cuda_graphs`` (auto/on/off, ``--train-cuda-graphs``): replay each text microbatch's forward/backward and the
 optimizer step as CUDA graphs per shape bucket (areno.training.graphs: which models and runs it applies to, and the
 per-microbatch eager cases); "auto" graphs where it applies, "on" refuses a model or run where it cannot.
-A ``loss_fn`` with a ``token_weights(packed, norms)`` attribute is linear in the log-probs (SFT), one with a
-``token_loss(packed, norms)`` attribute (a ``linear_logprobs_loss`` token function: GRPO/PPO) a function of each
-token's own log-prob: their microbatches run the head as ``linear_logprobs_loss`` (gradient taken in the forward, one
-GEMM-equivalent fewer; a token function eagerly only, weights in graphs too) and hand the loss to ``loss_fn`` as
-``ForwardOut.loss``, which it must return as its own; not with entropy or a TP group.
+A ``loss_fn`` is a ``LossFn`` (areno.training.loss) or a plain callable: one with ``token_weights`` (linear in the
+log-probs: SFT) or ``token_loss`` (a ``linear_logprobs_loss`` token function: GRPO/PPO) runs the head as
+``linear_logprobs_loss`` (gradient taken in the forward, one GEMM-equivalent fewer; a token function eagerly only,
+weights in graphs too) and gets the loss as ``ForwardOut.loss``, which it must return as its own; not with entropy or
+a TP group.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from areno.config import ConfigError
 from areno.config.constants import TRAIN_CUDA_GRAPHS
 from areno.config.fields import check_choice
+from areno.distributed.collectives import all_sum, group_rank, group_size
 from areno.kernels.logprobs import linear_logprobs
 from areno.kernels.logprobs.loss import linear_logprobs_loss
 from areno.training.batch import Packed, Row, pack
 from areno.training.graphs import TrainGraphs, unsupported
+from areno.training.loss import ForwardOut, LossFn, Norms
 from areno.training.multimodal import media_inputs
 
 log = logging.getLogger("areno.train")
-
-
-@dataclass
-class ForwardOut:
-    logprobs: torch.Tensor | None  # fp32 [T], 0 where targets == -100
-    entropy: torch.Tensor | None
-    hidden: torch.Tensor | None = None
-    values: torch.Tensor | None = None  # a value model's V(s_t), fp32 [T]
-    loss: torch.Tensor | None = None  # linear_logprobs_loss's loss, its gradient already taken (logprobs carry none)
-
-
-@dataclass
-class Norms:
-    """Counts over the whole optimizer update (all microbatches, all data-parallel ranks)."""
-
-    num_tokens: float
-    num_seqs: float
-
-
-def _all_sum(values: list[float], group) -> list[float]:
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, group=group)
-    return t.tolist()
 
 
 def _read_back(values: torch.Tensor, then=None) -> list[float]:
@@ -100,8 +75,7 @@ class PolicyTrainer:
             raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE selection "
                               "bias to update (Ling 3, bailing_hybrid, has one)")
         self.device = next(model.parameters()).device
-        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
-        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank, self.dp_size = group_rank(dp_group), group_size(dp_group)
         self.num_updates = 0
         check_choice("--train-cuda-graphs", train_cuda_graphs, TRAIN_CUDA_GRAPHS)
         self.graphs: TrainGraphs | None = None
@@ -197,8 +171,9 @@ class PolicyTrainer:
         norms = Norms(num_tokens=max(1.0, float(n_tokens)), num_seqs=float(max(1, len(all_rows))))
         micro = [[r for u in mine[i : i + mini_bs] for r in u] for i in range(0, len(mine), mini_bs)]
         packs = [pack(rows) for rows in micro]
-        weights_of = getattr(loss_fn, "token_weights", None)  # linear: graphed too
-        function_of = getattr(loss_fn, "token_loss", None)  # a token function: eager microbatches
+        loss_fn = LossFn.of(loss_fn)
+        weights_of = loss_fn.token_weights  # linear: graphed too
+        function_of = loss_fn.token_loss  # a token function: eager microbatches
         if entropy or self.tp_group is not None or self.model.is_value_model:
             weights_of = function_of = None
         buckets, mode = self._plan(packs, entropy, weighted=weights_of is not None)
@@ -241,7 +216,7 @@ class PolicyTrainer:
         # ranks with fewer microbatches still joined the collectives inside the optimizer
         if self.dp_size > 1:
             keys = sorted(stats)
-            summed = _all_sum([stats[k] for k in keys], self.dp_group)
+            summed = all_sum([stats[k] for k in keys], self.dp_group)
             stats = dict(zip(keys, summed))
         if self.model.has_routing_bias:
             # once per optimizer step, from this step's expert loads (a skipped step moves nothing); counters reset

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from areno.rl.agent_server import SESSION_HEADER, AgentError, create_app
+from areno.rl.agentic.endpoint import create_app
+from areno.rl.agentic.session import SESSION_HEADER, AgentError
 from areno.serve.bodies import validate
 from areno.serve.errors import APIError
 from areno.serve.protocol import ChatCompletionRequest

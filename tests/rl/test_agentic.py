@@ -97,7 +97,7 @@ def test_three_turns_train_on_the_sampled_tokens_plus_rendered_deltas(files):
             assert row.prompt_ids == first
             assert len(row.rollout_logprobs) == len(row.response_ids)
         assert lossy > 0, "no sample with a lossy decode/encode round trip: the test proves less than it should"
-        m = loop.step_rl(batch)
+        m = loop.step(batch)
         assert m["logprob_diff_max"] < 1e-4  # the trainer scores exactly the sampled tokens
     finally:
         loop.close()
@@ -147,7 +147,7 @@ def test_a_rewritten_history_forks_without_duplicating_tokens(files):
             sampled = [[t for t, m in zip(r.response_ids, r.loss_mask) if m] for r in ids]
             assert sampled == s.samples  # each turn's tokens once, in its own row
         assert all(r.reward == 4.0 for r in rows)  # the reward function saw the trajectory's messages
-        m = loop.step_rl(batch)
+        m = loop.step(batch)
         assert m["groups"] == 2 and m["samples"] == 4
     finally:
         loop.close()
@@ -178,7 +178,7 @@ def test_a_raising_hanging_or_overflowing_agent_costs_one_sample(files, caplog):
     loop = make_loop(files, agent_file(root, FAILING, "failing"), agent_timeout_s=2.0, max_context_len=200)
     try:
         with caplog.at_level(logging.WARNING, logger="areno.agent"):
-            m = loop.step_rl(next(iter(loop.data)))
+            m = loop.step(next(iter(loop.data)))
         assert m["reward_failures"] == 3  # raised, timed out, overflow re-raised; the fourth handled its 400
         assert m["samples"] == 4 and "loss" in m or m.get("skipped")
         text = caplog.text
@@ -191,7 +191,7 @@ def test_the_dump_holds_every_rows_tokens_mask_and_messages(files, tmp_path):
     ckpt, data, root = files
     loop = make_loop(files, agent_file(root, THREE_TURNS, "three_c"), rollout_dump_dir=str(tmp_path / "dump"))
     try:
-        loop.step_rl(next(iter(loop.data)))
+        loop.step(next(iter(loop.data)))
     finally:
         loop.close()
     lines = [json.loads(x) for x in (tmp_path / "dump" / "step-1.jsonl").read_text().splitlines()]

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from areno.cli import main
 from areno.config import TrainConfig
 from areno.models import load_model
+from areno.rl.algorithms import grpo
 from areno.rl.loop import TrainLoop
 from areno.testing import make_tiny_checkpoint
 
@@ -69,7 +70,7 @@ def loop_config(setup_files, **kw):
 def test_first_on_policy_step_has_ratio_one_and_zero_kl(setup_files):
     loop = TrainLoop(loop_config(setup_files, kl_coef=0.1, max_steps=1))
     loop.setup()
-    m = loop.step_rl(next(iter(loop.data)))
+    m = loop.step(next(iter(loop.data)))
     loop.close()
     assert m["logprob_diff_max"] < 1e-4  # trainer log-probs == rollout log-probs (fp32 native kernels)
     if "ratio" in m:  # absent only when every group had equal rewards and was skipped
@@ -86,11 +87,11 @@ def test_single_update_step_skips_the_logprob_pass_with_the_same_result(setup_fi
         loop = TrainLoop(loop_config(setup_files, algo=algo, gradient_accumulation_steps=4, max_steps=1,
                                      temperature=0.7, tis_cap=2.0))
         loop.setup()
-        monkeypatch.setattr(loop, "_single_update", lambda rows: inline)
+        monkeypatch.setattr(grpo, "makes_one_update", lambda ctx, rows: inline)
         calls = []
         orig = loop.trainer.compute_logprobs
         monkeypatch.setattr(loop.trainer, "compute_logprobs", lambda *a, **k: calls.append(1) or orig(*a, **k))
-        m = loop.step_rl(next(iter(loop.data)))
+        m = loop.step(next(iter(loop.data)))
         loop.close()
         return m, [p.detach().clone() for p in loop.model.parameters()], calls
 
@@ -108,7 +109,7 @@ def _weights_after_one_update(setup_files, mini_bs, accum):
                       max_steps=1)
     loop = TrainLoop(cfg)
     loop.setup()
-    m = loop.step_sft(next(iter(loop.data)))
+    m = loop.step(next(iter(loop.data)))
     loop.close()
     assert m["num_updates"] == 1
     return [p.detach().clone() for p in loop.model.parameters()]
@@ -211,7 +212,7 @@ def test_fit_without_matplotlib_warns_and_still_finishes(setup_files, tmp_path, 
 def test_prefixes_cached_under_an_older_policy_are_not_reused_after_an_update(setup_files, tmp_path, monkeypatch):
     """Prompts sharing a long system prompt: step 2's rollout must not read K/V that step 1's policy computed (the
     prefix cache is dropped when the weights change), so the rollout and the trainer agree on every log-prob."""
-    from areno.rl.rollout_colocated import ColocatedRollout
+    from areno.rl.rollout.colocated import ColocatedRollout
 
     system = {"role": "system", "content": "You are a careful calculator. " * 12}
     data = tmp_path / "system.jsonl"
@@ -225,9 +226,9 @@ def test_prefixes_cached_under_an_older_policy_are_not_reused_after_an_update(se
         loop.setup()
         try:
             batches = iter(loop.data)
-            loop.step_rl(next(batches))
+            loop.step(next(batches))
             assert loop.engine.engine.blocks.cached  # the shared prefix was registered for reuse
-            return loop.step_rl(next(batches))["logprob_diff_max"]
+            return loop.step(next(batches))["logprob_diff_max"]
         finally:
             loop.close()
 

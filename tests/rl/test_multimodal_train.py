@@ -92,7 +92,7 @@ def test_online_algorithms_roll_out_and_train_on_image_rows(files, algo):
 
 
 def test_split_mode_streams_only_the_trainable_tensors(files):
-    from areno.rl.policy_sync import hf_specs
+    from areno.rl.rollout.policy_sync import hf_specs
 
     _, vl, _, _ = files
     model = load_model(vl, device="cpu")
@@ -124,7 +124,7 @@ def test_unfrozen_projector_trains_as_its_own_group_on_its_own_schedule(files):
     for batch in iter(loop.data):
         if len(lrs) == 3:
             break
-        m = loop.step_sft(batch)
+        m = loop.step(batch)
         lrs.append((m["lr"], m["lr_mm_projector"]))
     loop.close()
     # one update per step: the projector decays linearly from 8e-3 over 4 updates, the decoder stays at --lr

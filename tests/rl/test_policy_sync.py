@@ -6,7 +6,7 @@ import torch
 from areno.models import load_model
 from areno.models.saver import iter_hf_tensors
 from areno.models.tp import pieces
-from areno.rl.policy_sync import ALIGN, bucket_size, hf_specs, pack, plan_buckets, unpack
+from areno.rl.rollout.policy_sync import ALIGN, bucket_size, hf_specs, pack, plan_buckets, unpack
 from areno.testing import make_tiny_checkpoint
 
 

@@ -1,8 +1,8 @@
-"""Scoring and tensorising prompt groups while the rest decode (areno.rl.finished_groups) changes nothing: two GRPO
-steps on a tiny quickstart-style model (a short SFT warm-up so that samples stop at EOS at different steps) give the
-same rollouts, rewards (failures included), advantages, metrics and updated weights, bit for bit, as the previous
-sequential order (decode everything, then decode the texts, then score every record in one call). Also the engine's
-``on_finished`` callback, the batched text decode and the worker's error handling."""
+"""Scoring and tensorising prompt groups while the rest decode (areno.rl.rollout.finished_groups) changes nothing:
+two GRPO steps on a tiny quickstart-style model (a short SFT warm-up so that samples stop at EOS at different steps)
+give the same rollouts, rewards (failures included), advantages, metrics and updated weights, bit for bit, as the
+previous sequential order (decode everything, then decode the texts, then score every record in one call). Also the
+engine's ``on_finished`` callback, the batched text decode and the worker's error handling."""
 
 import json
 import random
@@ -16,11 +16,12 @@ import torch
 from areno.config import SamplingParams, TrainConfig
 from areno.engine.engine import Completion, Engine, EngineConfig
 from areno.models import load_model, load_tokenizer
-from areno.rl.finished_groups import SWITCH_INTERVAL_S, FinishedGroups
 from areno.rl.loop import TrainLoop
 from areno.rl.rewards import completion_texts, record_from, score
+from areno.rl.rollout.finished_groups import SWITCH_INTERVAL_S, FinishedGroups
 from areno.testing import make_tiny_checkpoint
 from areno.training.batch import Row
+from areno.training.data import Prompt
 
 REWARD = '''
 def reward_fn(record):
@@ -51,20 +52,21 @@ def setup_files(tmp_path_factory):
 
 
 def sequential_rollout(self, batch, upcoming=None):
-    """TrainLoop.rollout as it was before the overlap: the whole rollout, then every text, then one score call."""
-    mine = self.engine.share(batch)
-    results, split_stats = self.engine.rollout([self.engine_prompt(r) for r in mine], self.sampling_options())
+    """StepRollout as it was before the overlap: the whole rollout, then every text, then one score call."""
+    mine = self.rollout.share(batch)
+    results, split_stats = self.rollout.rollout([self.engine_prompt(p) for p in mine],
+                                                SamplingParams.from_train_config(self.cfg))
     records, flat = [], []
-    for row, group in zip(mine, results):
+    for p, group in zip(mine, results):
         for c in group:
             text = c.text if c.text is not None else self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            records.append(record_from(row, text, c.token_ids, len(records)))
-            flat.append((row, c))
+            records.append(record_from(p.row, text, c.token_ids, len(records)))
+            flat.append((p, c))
     rewards, failures = score(self.reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
-    where = {id(r): i for i, r in enumerate(batch)}
-    rows = [Row(row["_prompt_ids"], list(c.token_ids), list(c.logprobs), reward=float(rew),
-                meta={"finish_reason": c.finish_reason}, media=self.row_media(batch[where[id(row)]]))
-            for (row, c), rew in zip(flat, rewards)]
+    where = {id(p): i for i, p in enumerate(batch)}
+    rows = [Row(p.ids, list(c.token_ids), list(c.logprobs), reward=float(rew),
+                meta={"finish_reason": c.finish_reason}, media=self.media_of(batch[where[id(p)]]))
+            for (p, c), rew in zip(flat, rewards)]
     n_tok = sum(len(r.response_ids) for r in rows)
     return rows, {"reward_failures": failures, "samples": len(rows), "response_len_mean": n_tok / len(rows),
                   "response_len_max": max(len(r.response_ids) for r in rows),
@@ -88,7 +90,7 @@ def two_steps(setup_files, sequential: bool, monkeypatch):
     loop.setup()
     loop.warmup()
     if sequential:
-        loop.rollout = types.MethodType(sequential_rollout, loop)
+        loop.ctx.rollout = types.MethodType(sequential_rollout, loop.step_rollout)
     else:
         add = FinishedGroups.add
         monkeypatch.setattr(FinishedGroups, "add", lambda self, i, c: (add(self, i, c), wait_until_scored(self, i)))
@@ -102,7 +104,7 @@ def two_steps(setup_files, sequential: bool, monkeypatch):
     loop.trainer.train = recording_train
     metrics, batches = [], iter(loop.data)
     for _ in range(2):
-        metrics.append(loop.step_rl(next(batches)))
+        metrics.append(loop.step(next(batches)))
         loop.step_index += 1
     loop.close()
     return metrics, seen, [p.detach().clone() for p in loop.model.parameters()]
@@ -168,12 +170,12 @@ def test_finished_groups_overlap_slow_rewards_with_the_decode(engine, monkeypatc
         time.sleep(0.03)
         return float(len(record.tokens))
 
-    rows = [{"_prompt_ids": [5 + i, 6], "answer": str(i)} for i in range(4)]
+    rows = [Prompt({"answer": str(i)}, i, [5 + i, 6]) for i in range(4)]
     lengths = [12, 2, 3, 4]
     options = [SamplingParams(temperature=1.0, max_new_tokens=m, n=2, ignore_eos=True) for m in lengths]
     finished = FinishedGroups(rows, 2, engine.tokenizer, slow_reward)
     try:
-        out = engine.generate([r["_prompt_ids"] for r in rows], options,
+        out = engine.generate([p.ids for p in rows], options,
                               on_finished=lambda i, c: (finished.add(i, c), i and wait_until_scored(finished, i)))
         rewards, failures, tensors = finished.finish(out)
     finally:
@@ -192,13 +194,13 @@ def test_a_failing_worker_raises_on_the_loop_thread_and_the_switch_interval_come
             raise RuntimeError("tokenizer broke")
 
     before = sys.getswitchinterval()
-    finished = FinishedGroups([{"_prompt_ids": [5]}], 1, Broken(), lambda r: 1.0)
+    finished = FinishedGroups([Prompt({}, 0, [5])], 1, Broken(), lambda r: 1.0)
     assert sys.getswitchinterval() == pytest.approx(min(before, SWITCH_INTERVAL_S))
     comps = [[Completion(0, 0, [5], [6, 7], [0.0, 0.0], "length")]]
     with pytest.raises(RuntimeError, match="tokenizer broke"):
         finished.finish(comps)
     finished.close()
     assert sys.getswitchinterval() == before
-    idle = FinishedGroups([{"_prompt_ids": [5]}], 1, Broken(), lambda r: 1.0)
+    idle = FinishedGroups([Prompt({}, 0, [5])], 1, Broken(), lambda r: 1.0)
     idle.close()  # the rollout failed before finish(): the worker stops all the same
     assert not idle._thread.is_alive() and sys.getswitchinterval() == before

@@ -32,7 +32,7 @@ def test_penalty_flags_reach_the_engine_and_the_logprobs(tmp_path, monkeypatch, 
     caplog.set_level(logging.WARNING, logger="areno")
     loop = TrainLoop(cfg)
     loop.setup()
-    m = loop.step_rl(next(iter(loop.data)))
+    m = loop.step(next(iter(loop.data)))
     loop.close()
     assert seen and all((o.repetition_penalty, o.presence_penalty, o.frequency_penalty, o.min_p)
                         == (1.5, 1.0, 2.0, 0.05) for o in seen)

@@ -206,3 +206,36 @@ def test_iterator_unbounded_and_empty():
     assert [next(it) for _ in range(5)] == [[{"i": 0}]] * 5
     with pytest.raises(DatasetError, match="no rows left"):
         PromptIterator([], 2, seed=0, epochs=1)
+
+
+class _WordTokenizer:
+    eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        return [len(w) for w in text.split()]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return " ".join(m["content"] for m in messages) + " go"
+
+
+class _NoMedia:
+    has_media = staticmethod(lambda prompt: False)
+    forgotten: list = []
+
+    def forget(self, index):
+        self.forgotten.append(index)
+
+
+def test_tokenize_prompts_wraps_rows_without_mutating_them():
+    rows = [{"prompt": "aa bbb", "response": "c", "answer": "5"},
+            {"prompt": [{"role": "user", "content": "dddd"}], "response": "ee ff"},
+            {"prompt": "x " * 9, "response": "g"}]
+    before = json.loads(json.dumps(rows))
+    media = _NoMedia()
+    prompts = data.tokenize_prompts(rows, _WordTokenizer(), media, max_prompt_tokens=4, responses=("response",),
+                                    indices=[3, 4, 5])
+    assert rows == before  # the user's rows, untouched
+    assert [p.row for p in prompts] == rows[:2] and [p.index for p in prompts] == [3, 4]
+    assert [p.ids for p in prompts] == [[2, 3], [4, 2]]
+    assert [p.responses for p in prompts] == [{"response": [1, 0]}, {"response": [2, 2, 0]}]
+    assert media.forgotten == [5]  # the too-long row was dropped

@@ -17,6 +17,7 @@ from areno.rl.losses import sft_loss
 from areno.testing import make_tiny_checkpoint
 from areno.training.batch import Row, pack
 from areno.training.graphs import Bucket, TrainGraphs, bucket_of, bucket_up, pad_inputs, unsupported
+from areno.training.loss import LossFn
 from areno.training.optimizer import MasterAdamW
 from areno.training.schedule import LRSchedule
 from areno.training.trainer import PolicyTrainer
@@ -207,7 +208,7 @@ def test_policy_loss_takes_the_head_gradient_in_the_forward(ckpt, case):
     def plain_fn():
         inner = grpo_loss_fn(cfg, dual_clip=dual)
 
-        def fn(out, packed, norms):  # no token_loss attribute: linear_logprobs and its backward
+        def fn(out, packed, norms):  # a plain callable (no token_loss): linear_logprobs and its backward
             assert out.loss is None
             return inner(out, packed, norms)
         return inline_proximal(fn, 2.0) if case == "inline-tis" else fn
@@ -225,8 +226,7 @@ def test_policy_loss_takes_the_head_gradient_in_the_forward(ckpt, case):
                 def spy(out, packed, norms, real=real):
                     seen.append(out.loss is not None)
                     return real(out, packed, norms)
-                spy.token_loss = fn.token_loss
-                fn = spy
+                fn = LossFn(spy, token_loss=fn.token_loss)
             got = t.train(rows, fn, mini_bs, accum)
             for k, v in ref.items():
                 assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (case, i, k)

@@ -47,14 +47,14 @@ def _restore_switch_interval() -> None:
 
 
 class FinishedGroups:
-    """Score and tensorise this rank's prompt groups (``rows``: the dataset rows given to the engine, in order;
+    """Score and tensorise this rank's prompt groups (``prompts``: the Prompts given to the engine, in order;
     ``group_size``: samples per prompt) as they finish. ``add`` is the engine's callback, ``finish`` collects."""
 
-    def __init__(self, rows: list[dict], group_size: int, tokenizer, reward_fn, *, timeout_s: float | None = None):
-        self.rows, self.n = rows, group_size
+    def __init__(self, prompts: list, group_size: int, tokenizer, reward_fn, *, timeout_s: float | None = None):
+        self.prompts, self.n = prompts, group_size  # areno.training.data.Prompt
         self.tokenizer, self.reward_fn, self.timeout_s = tokenizer, reward_fn, timeout_s
-        self.rewards: list[list[float] | None] = [None] * len(rows)
-        self.tensors: list[list | None] = [None] * len(rows)  # per group: (ids_tensor, logprobs_tensor) per sample
+        self.rewards: list[list[float] | None] = [None] * len(prompts)
+        self.tensors: list[list | None] = [None] * len(prompts)  # per group: (ids_tensor, logprobs_tensor) per sample
         self.failures = 0
         self.early_groups = 0  # groups scored while the engine still decoded
         self.spans: list[tuple[float, float]] = []  # the worker's busy intervals (perf_counter)
@@ -130,7 +130,7 @@ class FinishedGroups:
         early = self.decode_end is None
         completions = [c for _, group in batch for c in group]
         texts = iter(completion_texts(self.tokenizer, completions))
-        records = [record_from(self.rows[i], next(texts), c.token_ids, i * self.n + j)
+        records = [record_from(self.prompts[i].row, next(texts), c.token_ids, i * self.n + j)
                    for i, group in batch for j, c in enumerate(group)]
         rewards, failures = score(self.reward_fn, records, timeout_s=self.timeout_s)
         at = 0
@@ -138,7 +138,7 @@ class FinishedGroups:
             self.rewards[i] = rewards[at : at + len(group)]
             at += len(group)
             if early:
-                self.tensors[i] = [row_tensors(self.rows[i]["_prompt_ids"], c.token_ids, c.logprobs) for c in group]
+                self.tensors[i] = [row_tensors(self.prompts[i].ids, c.token_ids, c.logprobs) for c in group]
         self.failures += failures
         self.early_groups += len(batch) if early else 0
         self.spans.append((t0, time.perf_counter()))

@@ -18,6 +18,7 @@ new policy and the run equals a colocated one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,16 +29,12 @@ import torch
 import torch.distributed as dist
 
 from areno.config.env import env_value
-from areno.rl.policy_sync import PolicyPublisher, PolicyReceiver
+from areno.distributed.collectives import broadcast_object
+from areno.engine.build import device_and_dtype
+from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver
 
 log = logging.getLogger("areno.engine")
 VERIFY_ENV = "ARENO_VERIFY_POLICY_SYNC"  # 1: after every sync, fetch the engines' weights and compare them exactly
-
-
-def _broadcast(obj, group, src=0):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def _shares(n: int, engines: int) -> list[range]:
@@ -52,16 +49,18 @@ def _shares(n: int, engines: int) -> list[range]:
 
 
 class RemoteRollout:
-    split = True
+    """The ``Rollout`` of split mode (train ranks' side): ``model`` and ``optimizer`` are the trainer's (the
+    optimizer's ``num_steps`` says whether the policy moved), ``step_index()`` the loop's step count (the policy
+    version the completions are tagged with)."""
 
-    def __init__(self, loop, layout):
-        cfg = loop.cfg
-        self.loop, self.layout = loop, layout
+    def __init__(self, model, optimizer, cfg, layout, *, step_index):
+        self.model, self.optimizer, self.layout, self.step_index = model, optimizer, layout, step_index
+        self.drop_state = cfg.drop_rollout_state
         self.rank0 = dist.get_rank() == 0
         self._rng = random.Random(cfg.seed)  # the seeds the colocated engine (DP rank 0) would draw
-        self.publisher = PolicyPublisher(loop.model, layout, int(cfg.policy_sync_bucket_mb * 2**20))
-        self.synced = loop.trainer.optimizer.num_steps  # the engines hold the checkpoint the trainer started from
-        self.version = loop.step_index
+        self.publisher = PolicyPublisher(model, layout, int(cfg.policy_sync_bucket_mb * 2**20))
+        self.synced = optimizer.num_steps  # the engines hold the checkpoint the trainer started from
+        self.version = step_index()
         self._plan_sent = None  # the plan the engines hold: False (trainable tensors), True (every tensor)
         self._full_next = False  # after a resume the first sync streams the frozen tensors too
         self._pending = None  # async: (prompt count, policy version, dispatch time) of the rollout in flight
@@ -75,7 +74,7 @@ class RemoteRollout:
         return list(rows) if self.rank0 else []
 
     def gather(self, obj) -> list:
-        return [_broadcast(obj, self.layout.train_group)]
+        return [broadcast_object(obj, self.layout.train_group)]
 
     def policy_changed(self) -> None:
         """The trainer's weights were replaced (a resume): the next rollout syncs whatever the optimizer says, every
@@ -93,11 +92,12 @@ class RemoteRollout:
         if self.rank0:
             self._dispatch(prompt_ids, options)
             results = self._collect()[0]
-        return _broadcast(results, self.layout.train_group)
+        return broadcast_object(results, self.layout.train_group)
 
-    def rollout(self, prompt_ids, options, upcoming=None):
+    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None):
         """This step's completions (rank 0) and the split-mode stats; with ``upcoming`` (async), the next step's
-        prompts are sent before returning, to run while this step trains. Every train rank calls it."""
+        prompts are sent before returning, to run while this step trains. Every train rank calls it. ``on_group``
+        is never called: the completions arrive together."""
         stats = {}
         results, version, idle = None, self.version, {}
         if self._prefetched:  # the previous step sent this step's prompts (every train rank knows)
@@ -119,13 +119,13 @@ class RemoteRollout:
             self._prefetched = True
         stats.update(self._sync_stats)
         self._sync_stats = {}
-        staleness = self.loop.step_index - version
+        staleness = self.step_index() - version
         stats.update(policy_version=version, staleness_mean=staleness, staleness_max=staleness)
         return (results or []), stats
 
     def sync(self) -> dict:
         """Stream the policy if the optimizer moved since the last sync (every train rank takes part)."""
-        now = self.loop.trainer.optimizer.num_steps
+        now = self.optimizer.num_steps
         if now == self.synced:
             return {}
         full = self._full_next
@@ -137,7 +137,7 @@ class RemoteRollout:
             self._plan_sent = full
         nbytes, seconds = self.publisher.publish(full)
         self._full_next = False
-        self.synced, self.version = now, self.loop.step_index
+        self.synced, self.version = now, self.step_index()
         stats = {"policy_sync_time_s": seconds, "policy_sync_bytes": float(nbytes),
                  "policy_sync_gbps": nbytes / max(seconds, 1e-9) / 1e9}
         if env_value(VERIFY_ENV) == "1":
@@ -164,6 +164,22 @@ class RemoteRollout:
             httpx.post(address + "/shutdown", headers={"authorization": f"Bearer {token}"},
                        timeout=60).raise_for_status()
 
+    @contextlib.contextmanager
+    def token_sampler(self):
+        """The agents' token-level sampling for the length of the block: every engine serves tokens over HTTP
+        (``agent_begin``/``agent_end``); yields a factory of ``RemoteTokens`` clients (made inside the agents'
+        event loop)."""
+        from areno.engine.token_service import RemoteTokens
+
+        addresses, token = self.agent_begin()
+        try:
+            yield lambda: RemoteTokens(addresses, token)
+        finally:
+            self.agent_end(addresses, token)
+
+    def refresh(self) -> None:
+        pass  # the engines drop their stale prefixes when a new policy arrives (sync)
+
     def rng_state(self):
         return self._rng.getstate()
 
@@ -182,13 +198,13 @@ class RemoteRollout:
 
     # ---- rank 0 ----------------------------------------------------------------------------------------------
     def _command(self, cmd) -> None:
-        _broadcast(cmd, self.layout.control)
+        broadcast_object(cmd, self.layout.control)
 
     def _dispatch(self, prompt_ids, options) -> None:
         opts = [dataclasses.replace(options, seed=self._rng.getrandbits(62)) for _ in prompt_ids]
         shares = [([prompt_ids[i] for i in r], [opts[i] for i in r])
                   for r in _shares(len(prompt_ids), len(self.layout.engines))]
-        self._command({"op": "generate", "shares": shares, "drop": self.loop.cfg.drop_rollout_state})
+        self._command({"op": "generate", "shares": shares, "drop": self.drop_state})
         self._pending = (len(prompt_ids), self.version, time.perf_counter())
 
     def _collect(self):
@@ -210,7 +226,7 @@ class RemoteRollout:
         """Fetch every engine's weights and compare them with the trainer's, tensor by tensor, exactly."""
         from areno.models.saver import iter_hf_tensors
 
-        mine = {k: v.cpu() for k, v in iter_hf_tensors(self.loop.model)}
+        mine = {k: v.cpu() for k, v in iter_hf_tensors(self.model)}
         if not self.rank0:
             return
         self._command({"op": "weights"})
@@ -227,11 +243,10 @@ class RemoteRollout:
 def serve(cfg) -> int:
     """A rollout rank's whole life: join the split world, load the policy, build the engine, run commands."""
     from areno.distributed import parallel
-    from areno.engine.build import device_and_dtype
     from areno.engine.engine import Engine
     from areno.models import load_model, load_tokenizer
     from areno.models.saver import iter_hf_tensors
-    from areno.rl.rollout_colocated import engine_config
+    from areno.rl.rollout.colocated import engine_config
     from areno.rl.routing_replay import routing_replay_enabled
 
     rank = int(os.environ.get("RANK", "0"))
@@ -252,7 +267,7 @@ def serve(cfg) -> int:
     idle, waiting = 0.0, time.perf_counter()
     log.info("rollout rank %d: engine %d of %d on %s", rank, index, len(layout.engines), torch_device)
     while True:
-        cmd = _broadcast(None, layout.control)
+        cmd = broadcast_object(None, layout.control)
         idle += time.perf_counter() - waiting
         op = cmd["op"]
         if op == "stop":

@@ -1,12 +1,15 @@
 """Colocated rollout: the engine lives in the trainer's process and decodes with the very parameter tensors the
-optimizer updates in place, so a new policy costs no copy. One of the two rollout implementations the loop talks to
-(``rollout_remote`` is the other); both answer ``share``, ``gather``, ``rollout``, ``generate``, the RNG state
-(checkpoints) and ``close``.
+optimizer updates in place, so a new policy costs no copy. One of the two implementations of the ``Rollout``
+protocol (protocol.py; ``remote`` is the other).
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import contextlib
+import gc
+import sys
+
+from areno.distributed.collectives import gather_objects
 
 
 def engine_config(cfg, model, tokenizer, dp_rank: int = 0, *, record_routing: bool = False):
@@ -25,28 +28,23 @@ def engine_config(cfg, model, tokenizer, dp_rank: int = 0, *, record_routing: bo
     return econf, build.eos_token_ids(cfg.ckpt, tokenizer)
 
 
-def gather_objects(obj, group):
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 class ColocatedRollout:
-    split = False
+    """The ``Rollout`` of one process: an ``Engine`` over the trainer's own ``model``; ``optimizer.num_steps`` says
+    whether the weights moved since the last rollout. ``dp_rank``/``dp_size``/``dp_group``: this rank's share."""
 
-    def __init__(self, loop):
+    def __init__(self, model, tokenizer, optimizer, cfg, *, dp_rank=0, dp_size=1, dp_group=None,
+                 record_routing=False):
         from areno.engine.engine import Engine
 
-        self.loop = loop
-        econf, eos = engine_config(loop.cfg, loop.model, loop.tokenizer, loop.dp_rank,
-                                   record_routing=loop.trainer.routing_replay)
-        self.engine = Engine(loop.model, loop.tokenizer, econf, eos_token_ids=eos)
+        self.model, self.optimizer = model, optimizer
+        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.decode_steps = cfg.decode_steps
+        econf, eos = engine_config(cfg, model, tokenizer, dp_rank, record_routing=record_routing)
+        self.engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
         self._version = self._policy_version()
 
     def _policy_version(self) -> int:
-        return self.loop.trainer.optimizer.num_steps
+        return self.optimizer.num_steps
 
     def refresh(self) -> None:
         """Before sampling: if the optimizer moved the weights since the last rollout, the prefix cache's K/V were
@@ -58,15 +56,15 @@ class ColocatedRollout:
 
     def share(self, rows: list) -> list:
         """This rank's part of a rollout batch (its data-parallel slice)."""
-        return rows[self.loop.dp_rank :: self.loop.dp_size]
+        return rows[self.dp_rank :: self.dp_size]
 
     def gather(self, obj) -> list:
         """Every data-parallel rank's ``obj``, on every rank."""
-        return gather_objects(obj, self.loop.dp_group)
+        return gather_objects(obj, self.dp_group)
 
     def generate(self, prompt_ids, options, *, on_finished=None):
         self.refresh()
-        model = self.loop.model
+        model = self.model
         model.eval()
         try:
             return self.engine.generate(prompt_ids, options, on_finished=on_finished)
@@ -82,6 +80,30 @@ class ColocatedRollout:
     def sync(self) -> dict:
         return {}  # the engine decodes with the trainer's own tensors
 
+    @contextlib.contextmanager
+    def token_sampler(self):
+        """The agents' token-level sampling for the length of the block: an ``AsyncEngine`` over this engine (the
+        model in eval mode); yields a factory of ``LocalTokens`` clients."""
+        from areno.engine.async_engine import AsyncEngine
+
+        self.refresh()  # stale prefixes from the previous policy go
+        self.model.eval()
+        async_engine = AsyncEngine(self.engine, decode_steps=self.decode_steps)
+        # the engine thread and the agents' event loop share the GIL: with the default 5 ms switch interval a
+        # turn boundary's hundreds of resubmissions queue behind engine steps 5 ms at a time
+        # and no cyclic-GC pass during the rollout: a full collection over its many small objects stalls both
+        interval, collecting = sys.getswitchinterval(), gc.isenabled()
+        sys.setswitchinterval(min(interval, 0.0005))
+        gc.disable()
+        try:
+            yield lambda: LocalTokens(async_engine)
+        finally:
+            sys.setswitchinterval(interval)
+            if collecting:
+                gc.enable()
+            async_engine.shutdown(drain=False)
+            self.model.train()
+
     def rng_state(self):
         return self.engine.rng_state()
 
@@ -95,4 +117,19 @@ class ColocatedRollout:
         self.engine.drop_rollout_state()
 
     def close(self) -> None:
+        pass
+
+
+class LocalTokens:
+    """Token-level sampling on the colocated ``AsyncEngine`` (the same calls as ``RemoteTokens``)."""
+
+    def __init__(self, async_engine):
+        self.async_engine = async_engine
+
+    async def sample(self, prompt_ids, options, key) -> dict:
+        from areno.engine.token_service import sample_local
+
+        return await sample_local(self.async_engine, prompt_ids, options)
+
+    async def aclose(self) -> None:
         pass

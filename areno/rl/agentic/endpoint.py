@@ -19,22 +19,15 @@ import uuid
 
 from fastapi import FastAPI, Request
 
+from areno.rl.agentic.session import SESSION_HEADER
 from areno.serve.bodies import Notes, load_json, request_body, validate
 from areno.serve.errors import APIError, add_error_handlers
 from areno.serve.protocol import ChatCompletionRequest
 
 MODEL = "policy"
-SESSION_HEADER = "X-Areno-Session"
 # the request fields the endpoint reads (the others are validated, then ignored)
 USED_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
                          "temperature", "top_p", "stop", "stream", "n", "user"})
-
-
-class AgentError(APIError):
-    """A call the session refuses (HTTP 400); ``code`` is the OpenAI error code."""
-
-    def __init__(self, message: str, code: str, param: str | None = None):
-        super().__init__(400, message, param=param, code=code)
 
 
 class AgentChatRequest(ChatCompletionRequest):

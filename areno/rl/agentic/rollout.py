@@ -1,0 +1,192 @@
+"""The agentic rollout: every (prompt, sample) of a batch run by the user's agent on the rollout's token sampler, its
+sessions turned into rows (one per trajectory) and scored (areno.rl.agentic describes the whole)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+import uuid
+
+from areno.config import SamplingParams
+from areno.rl.agentic.session import AgentBatch, AgentContext, AgentItem, Generation, Session
+from areno.training.batch import Row
+
+log = logging.getLogger("areno.agent")
+
+
+# ---- the rollout ---------------------------------------------------------------------------------------------------
+class AgentRollout:
+    """Runs the agent over a rollout batch on ``rollout``'s token sampler (a ``Rollout``: colocated or remote);
+    returns one row per trajectory. ``cfg``: the TrainConfig (sampling, limits, timeouts)."""
+
+    def __init__(self, rollout, agent_fn, tokenizer, cfg):
+        self.rollout, self.agent_fn, self.tokenizer, self.cfg = rollout, agent_fn, tokenizer, cfg
+        for name in ("httpx", "httpx2"):  # one INFO line per local request would drown the step lines
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.api_key = "areno-agent-" + uuid.uuid4().hex[:8]
+        self.sessions: dict[str, Session] = {}
+        self._tokens = None  # the token sampler's client, while a batch runs
+        self._greedy = False
+        self._server = None
+        self.base_url = self._start_server()
+
+    # the local endpoint
+    def _start_server(self) -> str:
+        from areno.engine.token_service import serve_in_thread
+        from areno.rl.agentic.endpoint import create_app
+
+        self._server, self._thread, address = serve_in_thread(create_app(self), "127.0.0.1", "areno-agent-http")
+        return address + "/v1"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(10)
+            self._server = None
+
+    # sampling (called from the endpoint's loop or the agent's loop)
+    async def sample(self, session: Session, *, max_tokens=None, temperature=None, top_p=None, stop=None,
+                     assistant_message=False):
+        cfg = self.cfg
+        room = self.cfg_max_context() - len(session.tokens)
+        asked = {"temperature": temperature} if temperature is not None and not self._greedy else {}
+        options = SamplingParams.from_train_config(
+            cfg, n=1, greedy=self._greedy, **asked, top_p=cfg.top_p if top_p is None else top_p,
+            max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)), min_new_tokens=0,
+            stop=stop if isinstance(stop, str) else stop or cfg.stop)
+        # split mode: the session's engine (by its key), always the same one (its prefix cache)
+        out = await self._tokens.sample(session.tokens, options, session.key)
+        ids, lps, finish, stop_text = out["ids"], out["logprobs"], out["finish_reason"], out["stop_text"]
+        session.prefilled.append(len(session.tokens) - out["prefix_cached"])
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if stop_text:
+            cut = text.find(stop_text)
+            text = text[:cut] if cut >= 0 else text
+        message = None
+        if assistant_message:
+            from areno.engine.tool_calls import parse_tool_calls
+
+            content, calls = parse_tool_calls(text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+        session.add_sample(ids, lps, finish, message)
+        return message if assistant_message else Generation(ids, lps, finish, text)
+
+    def cfg_max_context(self) -> int:
+        return self.cfg.max_context_len or (self.cfg.max_prompt_tokens + self.cfg.max_new_tokens)
+
+    # one rollout batch
+    def collect(self, batch: list[dict], n: int, reward_fn, *, greedy: bool = False):
+        """``run``, then every sample the agent left unscored scored by ``reward_fn`` on its last trajectory (the
+        record carries the messages); returns (rows, each row's sample, each sample's reward, failures, stats)."""
+        from areno.rl.rewards import record_from, score
+
+        rows, owner, rewards, stats = self.run(batch, n, greedy=greedy)
+        t0 = time.perf_counter()
+        last = dict(zip(owner, rows))  # sample -> its last trajectory
+        failures = stats.pop("agent_failures") + sum(r is None and i not in last for i, r in enumerate(rewards))
+        todo = [i for i, r in enumerate(rewards) if r is None and i in last]
+        if todo and reward_fn is not None:
+            records = []
+            for i in todo:
+                row = last[i]
+                sampled = [t for t, m in zip(row.response_ids, row.loss_mask) if m]
+                msgs = row.meta.get("messages") or []
+                text = next((m.get("content") or "" for m in reversed(msgs) if m.get("role") == "assistant"),
+                            self.tokenizer.decode(sampled, skip_special_tokens=True))
+                records.append(record_from({**batch[i // n].row, "messages": msgs}, text, sampled, len(records)))
+            scored, bad = score(reward_fn, records, timeout_s=self.cfg.reward_timeout_s or None)
+            for i, value in zip(todo, scored):
+                rewards[i] = value
+            failures += bad
+        stats["reward_s"] = time.perf_counter() - t0
+        return rows, owner, [0.0 if r is None else r for r in rewards], failures, stats
+
+    def run(self, batch: list[dict], n: int, *, greedy: bool = False):
+        """Rows (one per trajectory), each row's sample index, each sample's agent reward (None: score with
+        --reward-fn-path) and stats, for this rank's ``batch`` with ``n`` samples per prompt (``greedy``: every
+        answer at temperature 0, for evaluation)."""
+        if not batch:  # nothing to run here (split mode: train rank 0 runs every agent)
+            return [], [], [], {"agent_s": 0.0, "agent_failures": 0, "agent_forks": 0, "agent_turns_mean": 0.0,
+                                "agent_prefill_tokens_mean": 0.0}
+        items = [AgentItem({k: v for k, v in p.row.items() if not (isinstance(k, str) and k.startswith("_"))},
+                           _messages(p.row["prompt"]), i, s) for i, p in enumerate(batch) for s in range(n)]
+        eos = self.tokenizer.eos_token_id
+        self._greedy = greedy
+        self.sessions = {it.id: Session(it, self.tokenizer, eos_id=eos, max_context_len=self.cfg_max_context(),
+                                        train_tool_results=self.cfg.train_tool_results) for it in items}
+        for k, it in enumerate(items):
+            self.sessions[it.id].key = k
+        t0 = time.perf_counter()
+        with self.rollout.token_sampler() as tokens:
+            rewards, failures = asyncio.run(self._run_all(items, tokens))
+        rows, owner, stats = [], [], {"agent_s": time.perf_counter() - t0, "agent_failures": failures}
+        forks = turns = 0
+        prefilled = []
+        for i, it in enumerate(items):
+            s = self.sessions[it.id]
+            forks, turns = forks + s.forks, turns + s.turns
+            prefilled += s.prefilled
+            for traj in s.finish():
+                P = traj["prompt_len"]
+                row = Row(traj["tokens"][:P], traj["tokens"][P:], [x if x is not None else 0.0
+                                                                     for x in traj["logprobs"][P:]])
+                row.loss_mask = traj["mask"][P:]
+                row.meta.update(messages=traj["messages"], finish_reason=traj["finish_reason"], item=it.id)
+                rows.append(row)
+                owner.append(i)
+        stats.update(agent_forks=forks, agent_turns_mean=turns / max(1, len(items)),
+                     agent_prefill_tokens_mean=sum(prefilled) / max(1, len(prefilled)))
+        return rows, owner, rewards, stats
+
+    async def _run_all(self, items, tokens):
+        ctx = AgentContext(self)
+        self._tokens = tokens()  # made inside this event loop (an HTTP client in split mode)
+        try:
+            results = await asyncio.gather(*(self._run_one(ctx, it) for it in items))
+        finally:
+            await ctx.aclose()
+            await self._tokens.aclose()
+            self._tokens = None
+        return [r for r, _ in results], sum(not ok for _, ok in results)
+
+    async def _run_one(self, ctx, item) -> tuple[float | None, bool]:
+        timeout = self.cfg.agent_timeout_s or None
+        try:
+            out = await asyncio.wait_for(self.agent_fn(ctx, AgentBatch([item])), timeout)
+        except asyncio.TimeoutError:
+            _warn_once(("timeout",), f"agent timed out after --agent-timeout-s {timeout:g}s on prompt "
+                       f"{item.prompt_index} sample {item.sample_index}: scored 0.0 (later timeouts counted, not "
+                       "logged)")
+            return 0.0, False
+        except (Exception, SystemExit) as e:  # a broken agent costs the sample, not the run
+            frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+            _warn_once((type(e).__name__, frame and frame.filename, frame and frame.lineno),
+                       f"agent raised on prompt {item.prompt_index} sample {item.sample_index}: scored 0.0 "
+                       f"(later ones counted, not logged)\n{''.join(traceback.format_exception(e)).rstrip()}")
+            return 0.0, False
+        return _reward_of(out, item), True
+
+
+def _reward_of(out, item) -> float | None:
+    if isinstance(out, dict):
+        out = out.get(item.id, out.get((item.prompt_index, item.sample_index)))
+    elif isinstance(out, (list, tuple)):
+        out = out[0] if out else None
+    return None if out is None else float(out)
+
+
+def _messages(prompt) -> list:
+    return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+
+
+_warned: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)

@@ -1,0 +1,176 @@
+"""The set-up of a training run: user files, process groups, the policy, reference and critic, their trainers.
+
+Each function takes the inputs it needs and returns what it built; ``TrainLoop.setup`` calls them in order (user
+files first, so a bad plugin fails before any GPU work).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from areno.config import ConfigError
+from areno.distributed.collectives import group_rank, group_size
+from areno.rl.algorithms import ALGORITHMS, updates_per_step
+from areno.training import multimodal
+from areno.training.trainer import PolicyTrainer
+
+log = logging.getLogger("areno.train")
+
+
+@dataclass
+class UserInputs:
+    reward_fn: object  # --reward-fn-path's function, or None
+    agent_fn: object  # --agent-fn's run_agent, or None
+    rows: list  # (dataset index, row) of the training rows
+    eval_rows: list  # (dataset index, row) of the held-out rows (``split`` eval/test)
+
+
+def load_user_inputs(cfg, *, sdk: bool) -> UserInputs:
+    """The reward and agent functions and the dataset rows, checked for ``cfg.algo``."""
+    from areno.training.data import check_rows, load_rows
+    from areno.training.plugins import load_agent, load_dataset_loader, load_reward_fn
+
+    if not sdk:
+        cfg.require_run_inputs()
+    reward_fn = load_reward_fn(cfg.reward_fn_path) if cfg.reward_fn_path else None
+    agent_fn = load_agent(cfg.agent_fn) if cfg.agent_fn else None
+    loader = load_dataset_loader(cfg.dataset_loader_fn) if cfg.dataset_loader_fn else None
+    rows = load_rows(cfg.dataset_path, loader_fn=loader) if (cfg.dataset_path or loader) else []
+    indexed = list(enumerate(rows))  # the dataset row index, named by errors (and the media cache's key)
+    held_out = [(i, r) for i, r in indexed if r.get("split") in ("eval", "test")]
+    train = [(i, r) for i, r in indexed if r.get("split") not in ("eval", "test")]
+    if train or not sdk:
+        check_rows([r for _, r in train], cfg.algo)
+    return UserInputs(reward_fn, agent_fn, train, held_out)
+
+
+@dataclass
+class Groups:
+    """This rank's process groups (None: no such group) and where it stands in them."""
+
+    layout: object  # split mode's parallel.SplitLayout
+    tp_group: object
+    dp_group: object
+    dp_rank: int
+    dp_size: int
+    is_main: bool
+    train_group: object  # split mode: the train ranks; None: the whole world
+
+
+def init_groups(cfg) -> Groups:
+    """Pin this rank's GPU (--train-devices) and make the run's process groups."""
+    from areno.distributed import parallel
+
+    device = parallel.rank_device(cfg.train_devices, int(os.environ.get("RANK", "0"))) if cfg.train_devices \
+        else None  # on a CPU host the indices name process slots, so the flag changes nothing there
+    if device is not None:
+        torch.cuda.set_device(device)
+    layout = None
+    if cfg.split:
+        layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
+    elif cfg.world_size > 1:
+        parallel.init_distributed(tp_size=cfg.tp_size, device=device)
+    tp_group = parallel.get_tp_group() if cfg.tp_size > 1 else None
+    dp_group = parallel.get_dp_group() if cfg.world_size // cfg.tp_size > 1 else None
+    return Groups(layout, tp_group, dp_group, group_rank(dp_group), group_size(dp_group), parallel.is_main_process(),
+                  layout.train_group if layout is not None else None)
+
+
+def load_policy(cfg, device, dtype, tp_group, *, model=None, tokenizer=None):
+    """The policy (in train mode, frozen parts frozen) and its tokenizer; ``model``/``tokenizer``: the SDK's own."""
+    from areno.models import load_model, load_tokenizer
+
+    try:
+        model = model or load_model(cfg.ckpt, dtype=dtype, device=device, tp_group=tp_group,
+                                    attn_backend=cfg.attn_backend)
+        tok = tokenizer or load_tokenizer(cfg.ckpt)
+    except (OSError, KeyError, ValueError) as e:  # missing folder, unresolvable hub id, foreign checkpoint
+        raise ConfigError("--ckpt", f"{cfg.ckpt!r} cannot be loaded: {e}") from e
+    multimodal.check_flags(cfg, model)
+    multimodal.freeze(model, cfg)  # the tower and projector stay frozen (and in eval mode) unless unfrozen
+    model.train()
+    model.set_activation_checkpointing(cfg.activation_checkpointing)
+    return model, tok
+
+
+def load_ref(cfg, policy, device, dtype, tp_group):
+    """The frozen reference: --ref-ckpt, else --ckpt, else a copy of the policy (an SDK model)."""
+    import copy
+
+    from areno.models import load_model
+
+    ref = load_model(cfg.ref_ckpt or cfg.ckpt, dtype=dtype, device=device, tp_group=tp_group,
+                     attn_backend=cfg.attn_backend) if (cfg.ref_ckpt or cfg.ckpt) else copy.deepcopy(policy)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def logprob_temperature(cfg) -> float:
+    """The temperature the trainer's log-probs are taken at: the rollout's for RL, else 1."""
+    t = cfg.temperature
+    return t if t and t > 0 and ALGORITHMS[cfg.algo].needs_reward else 1.0
+
+
+def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
+    """``model``'s optimizer, schedules (over ``total`` steps' updates) and trainer."""
+    from areno.training.optimizer import MasterAdamW
+    from areno.training.schedule import LRSchedule
+
+    params = multimodal.optimizer_params(model)  # frozen parts have no optimizer state
+    opt = MasterAdamW(params, lr=lr, weight_decay=cfg.weight_decay, dp_group=groups.dp_group,
+                      tp_group=groups.tp_group, offload=cfg.optimizer_state_offload,
+                      offload_dir=cfg.optimizer_state_offload_dir,
+                      offload_batch_size=cfg.optimizer_state_offload_batch_size)
+    rl = ALGORITHMS[cfg.algo].needs_reward
+    updates = updates_per_step(cfg, cfg.batch_size * (cfg.n_samples if rl else 1), groups.dp_size) * max(
+        1, cfg.ppo_epochs if rl else 1)
+    sched = LRSchedule(lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=total * updates,
+                       style=cfg.lr_decay_style)
+    bias_rate = 0.0 if model.is_value_model else cfg.router_bias_update_rate  # the trainer refuses a dense model's
+    group_schedules = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates)
+    graphs = "off" if model.is_value_model else cfg.train_cuda_graphs  # the critic: eager
+    if graphs == "auto" and rl and not cfg.split:
+        # colocated RL: the rollout engine's KV cache shares the GPU, and a graphed step reserves more than the
+        # eager one (its memory pool stays between updates); eager until measured at G1 (--train-cuda-graphs on)
+        graphs = "off"
+    return PolicyTrainer(model, opt, sched, temperature=logprob_temperature(cfg), grad_clip=cfg.grad_clip,
+                         dp_group=groups.dp_group, tp_group=groups.tp_group, router_bias_update_rate=bias_rate,
+                         group_schedules=group_schedules, train_cuda_graphs=graphs)
+
+
+def make_critic_trainer(cfg, policy, total, device, dtype, groups: Groups) -> PolicyTrainer:
+    """PPO's value model (--critic-ckpt, else the policy's checkpoint with a value head) and its trainer."""
+    from areno.rl.critic import ValueModel
+
+    critic = ValueModel.from_policy(cfg.critic_ckpt or cfg.ckpt, policy, dtype=dtype, device=device,
+                                    tp_group=groups.tp_group)
+    multimodal.freeze(critic, cfg)
+    critic.backbone.set_activation_checkpointing(cfg.activation_checkpointing)
+    return make_trainer(cfg, critic, cfg.critic_lr or cfg.lr, total, groups)
+
+
+def make_logger(cfg, is_main: bool):
+    """The metrics logger; rank 0 also writes the whole resolved configuration beside metrics.jsonl."""
+    import json
+    from dataclasses import asdict
+
+    from areno.training.metrics import MetricsLogger
+
+    logger = MetricsLogger(cfg.metrics_folder, tensorboard=cfg.tensorboard, rank=0 if is_main else 1)
+    if is_main:  # the whole resolved configuration lives with the run (stdout shows it with --verbose)
+        (logger.metrics_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+    return logger
+
+
+def warn_penalised_rollout(cfg) -> None:
+    if cfg.repetition_penalty != 1.0 or cfg.presence_penalty or cfg.frequency_penalty:
+        log.warning("rollout with --repetition-penalty/--presence-penalty/--frequency-penalty: the rollout "
+                    "log-probs are those of the penalised distribution the tokens were drawn from, the trainer's "
+                    "those of the plain policy, so logprob_diff includes the penalty and --tis-cap's importance "
+                    "weights correct for it as off-policy sampling")
