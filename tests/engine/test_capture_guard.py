@@ -51,7 +51,7 @@ def test_guard_passes_sync_free_code_and_names_the_areno_line():
     assert y.shape == (12,) and y[:3].eq(0).all()
     ids = torch.tensor([[1, 0]], dtype=torch.int32)
     w = torch.ones(1, 2, requires_grad=True)
-    with pytest.raises(CaptureBreak, match=r"capture, at areno/kernels/moe\.py:\d+"):
+    with pytest.raises(CaptureBreak, match=r"capture, at areno/kernels/moe/fused\.py:\d+"):
         with capture_guard():  # with gradients, the native routed experts loop over the hit experts (a host sync)
             fused_moe_native(torch.randn(1, 8), torch.randn(2, 6, 8), torch.randn(2, 8, 3), w, ids)
 
