@@ -19,10 +19,8 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from areno.serve.bodies import load_json, request_body, validate
 from areno.serve.errors import APIError, add_error_handlers
-from areno.serve.protocol import ChatCompletionRequest
-from areno.serve.state import Notes
+from areno.serve.protocol import ChatCompletionRequest, Notes, load_json, validate
 
 MODEL = "policy"
 SESSION_HEADER = "X-Areno-Session"
@@ -66,7 +64,7 @@ def create_app(rollout) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "areno"}]}
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(AgentChatRequest))
+    @app.post("/v1/chat/completions")
     async def chat(request: Request):
         if request.headers.get("authorization", "") != f"Bearer {rollout.api_key}":
             raise APIError(401, "wrong or missing API key (use ctx.api_key)", type="authentication_error",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,23 +14,10 @@ from typing import Any
 from areno.serve.errors import APIError
 from areno.serve.limits import PromptEncoder, release_memory
 from areno.serve.metrics import ServeMetrics
+from areno.serve.protocol import Notes
 from areno.serve.text import Detokenizer
 
-log = logging.getLogger("areno.serve")
 PREP_THREADS = max(2, min(4, os.cpu_count() or 1))  # request parsing and tokenisation, off the event loop
-
-
-class Notes:
-    """Accepted request fields that change nothing here but would elsewhere: logged once per field."""
-
-    def __init__(self, where: str = ""):
-        self.seen: set[str] = set()
-        self.where = where
-
-    def __call__(self, field: str, why: str) -> None:
-        if field not in self.seen:
-            self.seen.add(field)
-            log.info("request field %s accepted and ignored%s: %s (logged once)", field, self.where, why)
 
 
 @dataclass

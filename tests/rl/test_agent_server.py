@@ -8,9 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from areno.rl.agent_server import SESSION_HEADER, AgentError, create_app
-from areno.serve.bodies import validate
 from areno.serve.errors import APIError
-from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.protocol import ChatCompletionRequest, validate
 
 KEY = "areno-agent-test"
 MESSAGES = [{"role": "user", "content": "1+1="}]
