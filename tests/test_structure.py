@@ -14,7 +14,7 @@ LAYERS = [
     ["areno", "areno.config", "areno.kernels", "areno.platform"],  # "areno" is the package's __init__ alone
     ["areno.distributed.parallel", "areno.distributed.collectives"],
     ["areno.models", "areno.testing"],
-    ["areno.engine", "areno.serve.protocol", "areno.serve.errors", "areno.serve.bodies"],
+    ["areno.engine", "areno.serve.protocol", "areno.serve.errors"],
     ["areno.training", "areno.distributed"],
     ["areno.rl"],
     ["areno.serve", "areno.quickstart", "areno.presets"],

@@ -1,4 +1,5 @@
-"""The OpenAI request bodies areno serves, as pydantic models (their errors: ``areno.serve.errors``).
+"""The OpenAI request bodies areno serves, as pydantic models, and their parsing from JSON (``parse``: a 400 from
+``areno.serve.errors`` naming the field).
 
 Unknown fields are refused (``extra="forbid"``), so a feature the server lacks gets a 400 naming the field instead
 of being ignored. Fields that clients send to every OpenAI-compatible server are accepted where they change nothing
@@ -20,10 +21,16 @@ Sampling options beyond OpenAI's few (vLLM's semantics, ``SamplingParams``): ``r
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from areno.serve.errors import APIError
+
+log = logging.getLogger("areno.serve")
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 128  # checked against every sampled token: a long list would slow every engine step
@@ -425,3 +432,71 @@ class TokenizeChatRequest(_ChatRendering):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[TokenId]
+
+
+# ---- request bodies: JSON text -> a validated request, or an OpenAI-style 400 naming the field -------------------
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): the only way a valid UTF-8 body can yield a lone surrogate
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def load_json(raw: bytes) -> dict:
+    """A request body as a JSON object, or an APIError saying what is wrong with it. CPU work proportional to the
+    body: runs on the prep pool, never on the event loop."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, "the request body is not valid UTF-8") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON in the request body: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError(400, "the request body is nested too deeply") from exc
+    del text
+    if not isinstance(obj, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:  # a \ud800-style escape decodes to a lone surrogate: not text the tokenizer (or UTF-8) can hold
+        if SURROGATE_ESCAPE.search(raw):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (not valid Unicode text)") from exc
+    except RecursionError as exc:
+        raise APIError(400, "the request body is nested too deeply") from exc
+    return obj
+
+
+def validate(obj: dict, model_cls):
+    """``obj`` as ``model_cls``; the first problem as a 400 whose ``param`` names the field (for a check across
+    fields too: its FieldError says which) and whose message has no "Value error," prefix."""
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        msg = err.get("msg", "invalid request")
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):
+            param = f"{param}.{cause.field}" if param else cause.field
+            raise APIError(400, str(cause), param=param) from exc
+        if err.get("type") == "extra_forbidden":
+            msg = f"unsupported field: {param} (this server does not implement it)"
+        elif err.get("type") == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from exc
+
+
+def parse(raw: bytes, model_cls):
+    return validate(load_json(raw), model_cls)
+
+
+class Notes:
+    """Accepted request fields that change nothing here but would elsewhere: logged once per field."""
+
+    def __init__(self, where: str = ""):
+        self.seen: set[str] = set()
+        self.where = where
+
+    def __call__(self, field: str, why: str) -> None:
+        if field not in self.seen:
+            self.seen.add(field)
+            log.info("request field %s accepted and ignored%s: %s (logged once)", field, self.where, why)

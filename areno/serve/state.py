@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from areno.serve.bodies import Notes
 from areno.serve.errors import APIError
 from areno.serve.limits import PromptEncoder, release_memory
 from areno.serve.metrics import ServeMetrics
+from areno.serve.protocol import Notes
 from areno.serve.text import Detokenizer
 
-log = logging.getLogger("areno.serve")
 PREP_THREADS = max(2, min(4, os.cpu_count() or 1))  # request parsing and tokenisation, off the event loop
 
 

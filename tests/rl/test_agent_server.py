@@ -9,9 +9,8 @@ from fastapi.testclient import TestClient
 
 from areno.rl.agentic.endpoint import create_app
 from areno.rl.agentic.session import SESSION_HEADER, AgentError
-from areno.serve.bodies import validate
 from areno.serve.errors import APIError
-from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.protocol import ChatCompletionRequest, validate
 
 KEY = "areno-agent-test"
 MESSAGES = [{"role": "user", "content": "1+1="}]

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from areno.models import load_tokenizer
-from areno.serve.bodies import parse as _parse
 from areno.serve.errors import APIError
 from areno.serve.limits import PromptEncoder, max_bytes_per_token
 from areno.serve.protocol import CompletionRequest
+from areno.serve.protocol import parse as _parse
 from tests.serve.conftest import RunningServer
 
 LIMIT = 64 * 1024

@@ -20,9 +20,8 @@ import uuid
 from fastapi import FastAPI, Request
 
 from areno.rl.agentic.session import SESSION_HEADER
-from areno.serve.bodies import Notes, load_json, request_body, validate
 from areno.serve.errors import APIError, add_error_handlers
-from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.protocol import ChatCompletionRequest, Notes, load_json, validate
 
 MODEL = "policy"
 # the request fields the endpoint reads (the others are validated, then ignored)
@@ -58,7 +57,7 @@ def create_app(rollout) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "areno"}]}
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(AgentChatRequest))
+    @app.post("/v1/chat/completions")
     async def chat(request: Request):
         if request.headers.get("authorization", "") != f"Bearer {rollout.api_key}":
             raise APIError(401, "wrong or missing API key (use ctx.api_key)", type="authentication_error",

@@ -11,12 +11,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from areno.engine.tool_calls import parse_tool_calls
-from areno.serve.bodies import parse, request_body
+from areno.serve.bodies import request_body
 from areno.serve.chunks import ChunkWriter, json_str, usage
 from areno.serve.errors import APIError
 from areno.serve.generation import check_request, collect, sampling_options, score_prompts, submit
 from areno.serve.logprobs import chat_logprobs
-from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.protocol import ChatCompletionRequest, parse
 from areno.serve.render import render_chat
 from areno.serve.scoring import vllm_prompt_logprobs
 from areno.serve.state import ServeState

@@ -11,13 +11,13 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from areno.serve.bodies import parse, request_body
+from areno.serve.bodies import request_body
 from areno.serve.chunks import ChunkWriter, EventBatches, json_str, usage
 from areno.serve.errors import APIError
 from areno.serve.generation import check_request, collect, empty_sample, sampling_options, score_prompts, submit
 from areno.serve.limits import context_exceeded
 from areno.serve.logprobs import completion_part, joined, prompt_part
-from areno.serve.protocol import CompletionRequest
+from areno.serve.protocol import CompletionRequest, parse
 from areno.serve.scoring import vllm_prompt_logprobs
 from areno.serve.state import ServeState
 from areno.serve.text import token_offsets

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from areno.serve.bodies import load_json, parse, request_body, validate
+from areno.serve.bodies import request_body
 from areno.serve.errors import APIError
-from areno.serve.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from areno.serve.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    load_json,
+    parse,
+    validate,
+)
 from areno.serve.render import render_chat
 from areno.serve.state import ServeState
 
