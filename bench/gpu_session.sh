@@ -74,7 +74,7 @@ for stage in "$@"; do
       step moe 150 python3 bench/moe.py ;;
     kernel-variants)
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
-      step k1-sweep 300 env ARENO_ATTN_SWEEP=${SWEEP:-2} python3 bench/attention.py --variants --seqs 4096
+      step k1-sweep 300 python3 bench/attention.py --variants --seqs 4096 --sweep ${SWEEP:-near}
       step k2-no-liger 120 python3 bench/logprob.py --impls torch areno areno_loss --no-liger ;;
     rollout) step rollout 190 python3 bench/rollout.py ${ROLLOUT_ARGS:-} ;;
     rollout-fallback)  # a tiny run first: if CUDA-graph decode fails there, measure eager decode rather than nothing
