@@ -4,6 +4,7 @@ with transformers' generate and with the model's own forward; routing capture (t
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from areno.config import SamplingParams
@@ -15,6 +16,10 @@ from areno.testing import make_tiny_checkpoint
 from tests.helpers.cpu_graph import CpuGraph
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
+
+
+pytestmark = pytest.mark.skipif(not hasattr(transformers, "BailingHybridConfig"),  # the tiny checkpoint's config
+                                reason=f"transformers {transformers.__version__} has no bailing_hybrid")
 
 
 @pytest.fixture(scope="module")
