@@ -22,8 +22,7 @@ import torch
 from areno.config import ConfigError, RunError
 from areno.engine.build import device_and_dtype
 from areno.rl import resume, setup
-from areno.rl.algorithms import ALGORITHMS, StepContext, normalise, updates_per_step
-from areno.rl.algorithms.loss_fns import grpo_loss_fn, gspo_loss_fn, sft_loss_fn
+from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
 from areno.training import multimodal
@@ -355,11 +354,9 @@ class TrainLoop:
                                                  b.get("rollout_logprobs"), float(b.get("advantage", 0.0)),
                                                  float(b.get("reward", 0.0))) for b in batch]
         if isinstance(loss_fn, str):
-            cfg = self.cfg
-            builders = {"sft": sft_loss_fn, "grpo": lambda: grpo_loss_fn(cfg), "gspo": lambda: gspo_loss_fn(cfg)}
-            if loss_fn not in builders:
-                raise ConfigError("loss_fn", f"names an unknown loss {loss_fn!r}; known: {', '.join(builders)}")
-            loss_fn = builders[loss_fn]()
+            if loss_fn not in LOSSES:
+                raise ConfigError("loss_fn", f"names an unknown loss {loss_fn!r}; known: {', '.join(LOSSES)}")
+            loss_fn = LOSSES[loss_fn](self.cfg)
         return normalise(self.trainer.train(rows, loss_fn, mini_bs, grad_accum, epochs=epochs, entropy=entropy))
 
     def close(self):

@@ -50,5 +50,8 @@ ALGORITHMS: dict[str, Algorithm] = {
     "ppo": ppo.STEP,
 }
 
-__all__ = ["ALGORITHMS", "Algorithm", "InlineProximal", "StepContext", "dpo_loss_fn", "grpo_loss_fn", "gspo_loss_fn",
-           "inline_proximal", "normalise", "sft_loss_fn", "updates_per_step"]
+# the losses the SDK's ``Trainer.train(loss_fn=NAME)`` names, each built from the TrainConfig
+LOSSES = {"sft": lambda cfg: sft_loss_fn(), "grpo": grpo_loss_fn, "gspo": gspo_loss_fn}
+
+__all__ = ["ALGORITHMS", "LOSSES", "Algorithm", "InlineProximal", "StepContext", "dpo_loss_fn", "grpo_loss_fn",
+           "gspo_loss_fn", "inline_proximal", "normalise", "sft_loss_fn", "updates_per_step"]
