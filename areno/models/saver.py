@@ -28,6 +28,18 @@ PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
 
 
 @torch.no_grad()
+def swap_in(tmp: Path, final: Path) -> None:
+    """Replace the folder ``final`` by the finished folder ``tmp`` by renames: a reader sees the old folder or the new
+    one, never a mix (the old one is renamed aside, then deleted)."""
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+
+
 def iter_hf_tensors(model, *, grads: bool = False):
     """Yield ``(hf_name, full tensor)`` for every Hugging Face tensor of the model (with ``grads``: the gradients of
     its trainable parameters), gathered over TP (a collective: every rank of the group must iterate to the end)."""
@@ -133,13 +145,7 @@ def save_model(model, dir, tokenizer=None, *, max_shard_size="5GB") -> Path:
         _write_weights(model, tmp, parse_size(max_shard_size))
         if writer:
             _write_config_and_tokenizer(model, tmp, tokenizer)
-            if final.exists():
-                old = final.parent / f"{final.name}.old-{uuid.uuid4().hex[:8]}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.rename(tmp, final)
+            swap_in(tmp, final)
     except BaseException:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -360,12 +360,16 @@ class ReplicaPool:
         return min(ready.values())
 
     # ---- the AsyncEngine interface ---------------------------------------------------------------------------
+    def _least_loaded(self):
+        """The live replica with the fewest active sequences (then requests); a 503 when none serves. Hold the lock."""
+        live = [r for r in self.replicas if r.alive]
+        if self._closed or not live:
+            raise APIError(503, "no engine replica is serving", type="server_error")
+        return min(live, key=lambda r: (r.active, r.requests, r.rank))
+
     async def submit(self, prompt_ids: list[int], options, *, mm=None) -> ReplicaStream:
         with self._lock:
-            live = [r for r in self.replicas if r.alive]
-            if self._closed or not live:
-                raise APIError(503, "no engine replica is serving", type="server_error")
-            replica = min(live, key=lambda r: (r.active, r.requests, r.rank))
+            replica = self._least_loaded()
             rid = next(self._rids)
             stream = ReplicaStream(self, replica, rid, list(prompt_ids), options)
             self._streams[rid] = (stream, options.n)
@@ -385,10 +389,7 @@ class ReplicaPool:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
-            live = [r for r in self.replicas if r.alive]
-            if self._closed or not live:
-                raise APIError(503, "no engine replica is serving", type="server_error")
-            replica = min(live, key=lambda r: (r.active, r.requests, r.rank))
+            replica = self._least_loaded()
             cid = next(self._rids)
             self._calls[cid] = (replica, loop, future)
         replica.commands.put(("call", cid, fn, args))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from areno.config import RunError
 from areno.distributed.collectives import broadcast_object
+from areno.models.saver import swap_in
 
 STATE_DIR = "training_state"
 MARKER = "COMPLETE"
@@ -210,13 +211,7 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
             (tmp / MARKER).write_text(json.dumps({"world_size": world}) + "\n")
             _fsync(tmp / MARKER)
             _fsync(tmp)
-            if path.exists():
-                old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                os.rename(path, old)
-                os.rename(tmp, path)
-                shutil.rmtree(old)
-            else:
-                os.rename(tmp, path)
+            swap_in(tmp, path)
             _fsync(path.parent)
     except BaseException as e:
         if rank == 0 and tmp.exists():

@@ -1,7 +1,7 @@
 """The algorithms ``--algo`` names: one module per step, and the registry the loop and the set-up read.
 
 Each entry is an ``Algorithm`` (base.py): its ``step(ctx, batch, upcoming=None) -> metrics`` and its capabilities
-(needs_reward, needs_ref, uses_critic, single_update, responses, prompt_optional). The loop calls
+(needs_reward, needs_ref, uses_critic, responses, prompt_optional). The loop calls
 ``ALGORITHMS[cfg.algo].step`` and branches on nothing else.
 
 Adding an algorithm is one new module and one registry line. For example REINFORCE with a batch-mean baseline,

@@ -19,7 +19,6 @@ class Algorithm:
     needs_reward: bool = False  # learns from scored rollouts: an engine, --n-samples, --reward-fn-path or --agent-fn
     needs_ref: bool = False  # a reference model whatever --kl-coef (with --kl-coef > 0 every algorithm gets one)
     uses_critic: bool = False  # a value model and its own trainer (ctx.critic_trainer)
-    single_update: bool = True  # may fold the proximal log-prob pass into the update when it makes exactly one
     responses: tuple[str, ...] = ()  # the row fields tokenised as responses (Prompt.responses)
     prompt_optional: bool = False  # a row may have no prompt (DPO pairs)
 

@@ -55,4 +55,4 @@ def step(ctx, batch, upcoming=None) -> dict:
                        train_policy=ctx.step_index >= cfg.critic_warmup_steps)
 
 
-STEP = Algorithm(step, needs_reward=True, uses_critic=True, single_update=False)
+STEP = Algorithm(step, needs_reward=True, uses_critic=True)
