@@ -21,11 +21,16 @@ in-place writes are fine: a graph's memory pool serves them.
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import areno
+
+PACKAGE = os.path.dirname(os.path.realpath(areno.__file__))  # the package's real location
 
 aten = torch.ops.aten
 
@@ -48,8 +53,9 @@ _FACTORIES = {torch.tensor: "torch.tensor(host data)", torch.as_tensor: "torch.a
 def _where() -> str:
     """The innermost areno source line of the current stack (the caller that issued the operation)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/areno/" in frame.filename and not frame.filename.endswith("capture_guard.py"):
-            return f"areno/{frame.filename.split('/areno/', 1)[1]}:{frame.lineno} ({frame.line})"
+        path = os.path.realpath(frame.filename)
+        if path.startswith(PACKAGE + os.sep):  # areno's own code, wherever the checkout and its .venv lie
+            return f"areno/{path[len(PACKAGE) + 1:]}:{frame.lineno} ({frame.line})"
     return "outside areno"
 
 
