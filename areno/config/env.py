@@ -16,7 +16,7 @@ class EnvVar:
 VARIABLES = (
     EnvVar("ARENO_HOME", "$XDG_CACHE_HOME/areno, else ~/.cache/areno",
            "areno's cache folder: the attention-setup record scripts/install.sh writes (setup.json) and the "
-           "quickstart checkpoints and data", "platform (quickstart through it)"),
+           "quickstart checkpoints and data", "platform, quickstart"),
     EnvVar("ARENO_KERNELS", "auto", "native forces the PyTorch path of every kernel, triton forces Triton; auto: "
            "Triton for CUDA tensors (and CPU ones under TRITON_INTERPRET=1), native otherwise",
            "kernels/dispatch (kernels/warmup sets it)"),
@@ -29,7 +29,7 @@ VARIABLES = (
     EnvVar("ARENO_TRACE_STEPS_MS", "unset", "N: `areno serve` logs every engine step slower than N ms and every "
            "Triton kernel compiled while serving", "serve/replicas"),
     EnvVar("ARENO_VERIFY_POLICY_SYNC", "unset", "1: split mode fetches the rollout engines' weights after every "
-           "policy sync and compares them exactly (debugging)", "rl/rollout_remote"),
+           "policy sync and compares them exactly (debugging)", "rl/rollout/remote"),
     EnvVar("ARENO_TRAIN_CONFIG", "set by areno train", "internal: the resolved TrainConfig as JSON, handed to the "
            "worker processes `areno train` launches", "rl/runner, distributed/worker"),
     EnvVar("ARENO_SERVE_CONFIG", "set by areno serve", "internal: the resolved ServeConfig as JSON, handed to the "
