@@ -88,8 +88,9 @@ def _help_text(f: dataclasses.Field) -> str:
 
 def make_parser(command: str, options_class) -> ConfigParser:
     # A short usage line: errors stay two lines, and `--help` lists every flag in its group anyway.
+    # allow_abbrev off: `--max-step 2` is an unknown flag, not silently --max-steps
     return ConfigParser(options_class, prog=f"areno {command}", usage="%(prog)s [-h] [flags]",
-                        description=options_class.__doc__)
+                        description=options_class.__doc__, allow_abbrev=False)
 
 
 def parse_config(parser: ConfigParser, options_class, argv):
@@ -99,13 +100,13 @@ def parse_config(parser: ConfigParser, options_class, argv):
         if explicit.get("preset"):
             from areno.presets import get_preset
 
+            if "resume" in explicit and "overwrite" not in explicit:
+                explicit = {**explicit, "overwrite": False}  # a preset's overwrite gives way to an explicit --resume
             config = dataclasses.replace(get_preset(explicit["preset"]), **explicit)
         else:
             config = options_class(**explicit)
         if hasattr(config, "require_run_inputs"):  # a command-line run needs its data (the SDK may not)
             config.require_run_inputs()
-        if explicit.get("preset") and "resume" in explicit and "overwrite" not in explicit:
-            config.overwrite = False  # a preset's --overwrite gives way to an explicit --resume
         _check_models(config)
         _check_device_indices(config)
         return config

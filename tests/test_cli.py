@@ -318,6 +318,28 @@ def test_preset_is_the_base_and_explicit_flags_override_it(capsys, plugin_files,
     assert code == 2 and {"quickstart", "unit"} <= set(known) and known == sorted(known)
 
 
+def test_a_preset_that_overwrites_gives_way_to_resume(capsys, plugin_files, runners, monkeypatch, tmp_path):
+    """The documented way to continue a quickstart run: the preset's overwrite meets an explicit --resume."""
+    def demo():
+        return TrainConfig(ckpt="preset-model", dataset_path="preset.jsonl", reward_fn_path=plugin_files[1],
+                           save_path=str(tmp_path / "run"), overwrite=True)
+
+    monkeypatch.setitem(presets.PRESETS, "demo", demo)
+    code, _, err = run(capsys, "train", "--preset", "demo", "--resume")
+    assert code == 0, err
+    assert runners["train"].resume and not runners["train"].overwrite
+    assert run(capsys, "train", "--preset", "demo")[0] == 0 and runners["train"].overwrite
+    code, _, err = run(capsys, "train", "--preset", "demo", "--resume", "--overwrite")
+    assert code == 2 and "--overwrite" in err  # both given explicitly still contradict
+
+
+def test_abbreviated_flags_are_unknown_not_guessed(capsys, base):
+    code, _, err = run(capsys, "train", *base, "--max-step", "2")
+    assert code == 2 and "unrecognized arguments: --max-step" in err
+    code, _, err = run(capsys, "serve", "--model-path", "m", "--po", "8001")
+    assert code == 2 and "unrecognized arguments: --po" in err
+
+
 def test_top_level_version_help_and_platform_dispatch(capsys, monkeypatch):
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.strip() == f"areno {__version__}"
