@@ -12,6 +12,7 @@ a run that had to stop (`RunError`: every reward failing, a full disk) exits 1. 
 import argparse
 import dataclasses
 import importlib
+import re
 import sys
 
 import argparse_dataclass
@@ -36,6 +37,9 @@ class ConfigParser(argparse_dataclass.ArgumentParser):
         self._fields = {f.name: f for f in dataclasses.fields(options_class)}
         self._sections = None
         super().__init__(options_class, **kwargs)
+        # argparse takes "-1e-4" for a flag (its negative-number pattern has no exponent): `--lr -1e-4` must reach
+        # the flag's own check ("must be > 0"), not fail as "expected one argument"
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def _section(self, group: str):
         if self._sections is None:  # create every section up front so `--help` follows GROUPS' order
@@ -154,7 +158,8 @@ def _summary(command: str, config) -> str:
     if command == "serve":
         return (f"areno serve: {config.model_path} on {config.host}:{config.port}, world size {config.world_size}, "
                 f"TP {config.tp_size} (--verbose prints the whole configuration)")
-    steps = f"{config.max_steps} steps" if config.max_steps else f"{config.epochs} epoch(s)"
+    steps = (f"{config.max_steps} step{'s' * (config.max_steps != 1)}" if config.max_steps
+             else f"{config.epochs} epoch{'s' * (config.epochs != 1)}")
     saved = f", saved to {config.save_path}" if config.save_path else ", nothing saved (no --save-path)"
     where = f"{config.metrics_folder}/config.json"
     return (f"areno train: {config.algo} on {config.ckpt}, {steps}{saved}; resolved configuration in {where}"

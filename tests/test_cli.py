@@ -188,6 +188,7 @@ BAD_TRAIN = [
     (["--world-size", "3", "--tp-size", "2"], "--world-size"),
     (["--world-size", "0"], "--world-size"),
     (["--tp-size", "-1"], "--tp-size"),
+    (["--lr", "-1e-4"], "--lr"),  # a negative number in exponent form is the flag's value, not another flag
     (["--batch-size", "0"], "--batch-size"),
     (["--n-samples", "0"], "--n-samples"),
     (["--n-samples", "1"], "--n-samples"),  # grpo needs a group
@@ -309,6 +310,7 @@ def test_preset_is_the_base_and_explicit_flags_override_it(capsys, plugin_files,
     assert (cfg.preset, cfg.ckpt, cfg.n_samples, cfg.activation_checkpointing) == ("unit", "preset-model", 4, False)
     assert (cfg.lr, cfg.max_steps) == (1e-5, 3)
     assert "grpo on preset-model, 3 steps" in out
+    assert "grpo on preset-model, 1 step," in run(capsys, "train", "--preset", "unit", "--max-steps", "1")[1]
     run(capsys, "train", "--preset", "unit", "--activation-checkpointing")
     assert runners["train"].activation_checkpointing is True and runners["train"].lr == 5e-6
     code, _, err = run(capsys, "train", "--preset", "unit", "--world-size", "3", "--tp-size", "2")
