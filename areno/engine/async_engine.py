@@ -165,6 +165,11 @@ class AsyncEngine:
         self.engine.close()
 
     @property
+    def serving(self) -> bool:
+        """Whether the engine thread runs (it ends on shutdown or when a step fails for good)."""
+        return self._thread.is_alive()
+
+    @property
     def num_active(self) -> int:
         return len(self._streams)
 

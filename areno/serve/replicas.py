@@ -422,6 +422,12 @@ class ReplicaPool:
         with self._lock:
             return {"replicas": [r.info() for r in self.replicas]}
 
+    @property
+    def serving(self) -> bool:
+        """Whether a request can be served: the pool is open and a replica is alive."""
+        with self._lock:
+            return not self._closed and any(r.alive for r in self.replicas)
+
     def shutdown(self, *, drain: bool = False, timeout: float = 30.0) -> None:
         """Stop every replica (aborting in-flight requests unless ``drain``) and wait for the processes."""
         with self._lock:

@@ -144,3 +144,23 @@ def test_two_replicas_of_tp2_serve_and_match_one_process(tiny_ckpt, server):
         assert s.proc.wait(60) == 0, s.output()
     finally:
         s.kill()
+
+
+def test_health_is_503_once_the_engine_process_is_gone(tiny_ckpt):
+    """An engine-core process that dies leaves the HTTP front end up; /health must stop saying "ok" (every request
+    now gets 503), so a supervisor or load balancer sees it."""
+    s = ServeProcess(tiny_ckpt, "--max-running-prompts", "4", "--max-model-len", "256")
+    try:
+        h = health(s)
+        assert h["status"] == "ok" and h["replicas"][0]["alive"]
+        os.kill(h["replicas"][0]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(s.base_url + "/health", timeout=10)).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["status"] == "unavailable", r.text
+        assert not r.json()["replicas"][0]["alive"]
+        with pytest.raises(openai.APIStatusError) as e:
+            completions(s.base_url, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        s.kill()

@@ -4,17 +4,21 @@ Prometheus ``/metrics``."""
 from __future__ import annotations
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from areno.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from areno.serve.state import ServeState
 
 
 async def health(request: Request):
+    """200 "ok" while the engine can serve; 503 "unavailable" once it cannot (every replica dead, engine stopped),
+    so a load balancer or supervisor stops sending requests that would all get 503."""
     engine = request.app.state.serve.engine
     body = {"status": "ok", "active_requests": engine.num_active}
     if hasattr(engine, "health"):  # the data-parallel front end adds per-replica counters
         body.update(engine.health())
+    if not engine.serving:
+        return JSONResponse({**body, "status": "unavailable"}, status_code=503)
     return body
 
 
