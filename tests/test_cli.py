@@ -368,3 +368,14 @@ def test_a_gpu_index_the_machine_lacks_exits_2_naming_the_flag(capsys, base, run
     code, _, err = run(capsys, "train", *base, "--train-devices", "5")
     assert code == 2 and "--train-devices names GPU 5" in err
     assert run(capsys, "train", *base, "--train-devices", "0", "--rollout-devices", "1")[0] == 0
+
+
+def test_serve_api_key_from_the_environment(capsys, monkeypatch, runners):
+    """--api-key on the command line shows in `ps`; ARENO_API_KEY (vLLM's VLLM_API_KEY) does not. The flag wins."""
+    monkeypatch.setenv("ARENO_API_KEY", "from-env")
+    assert ServeConfig(model_path="m").api_key == "from-env"
+    assert ServeConfig(model_path="m", api_key="from-flag").api_key == "from-flag"
+    code, out, _ = run(capsys, "serve", "--model-path", "m", "--verbose")
+    assert code == 0 and runners["serve"].api_key == "from-env" and "from-env" not in out and "'***'" in out
+    monkeypatch.delenv("ARENO_API_KEY")
+    assert ServeConfig(model_path="m").api_key is None

@@ -24,6 +24,8 @@ VARIABLES = (
            "list: nothing is benchmarked, for correctness runs on a fresh machine", "kernels/dispatch"),
     EnvVar("ARENO_MLA_CACHE", "expanded", "Ling 3 (bailing_hybrid) MLA KV-cache layout: expanded, or latent (21x "
            "less cache memory a token), read when the model is built", "models/bailing_hybrid"),
+    EnvVar("ARENO_API_KEY", "unset", "the bearer token `areno serve` requires when --api-key is not given (vLLM's "
+           "VLLM_API_KEY; unlike the flag it does not show in the process list)", "config/serve"),
     EnvVar("ARENO_SERVE_GRACEFUL_SHUTDOWN_S", "30", "seconds `areno serve` lets in-flight requests finish after "
            "SIGTERM/SIGINT before it aborts the rest (>= 0)", "serve/server"),
     EnvVar("ARENO_TRACE_STEPS_MS", "unset", "N: `areno serve` logs every engine step slower than N ms and every "

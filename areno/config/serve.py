@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from areno.config.constants import ATTN_BACKENDS, DTYPES
+from areno.config.env import env_value
 from areno.config.fields import (
     ConfigError,
     check_choice,
@@ -33,8 +34,8 @@ class ServeConfig:
     seed: int = opt(0, "base seed for requests that give none", "basic")
     host: str = opt("127.0.0.1", "address to listen on", "server", metavar="ADDR")
     port: int = opt(8000, "port to listen on (0 = any free port)", "server")
-    api_key: Optional[str] = opt(None, "require this bearer token on every request", "server", metavar="KEY",
-                                secret=True)
+    api_key: Optional[str] = opt(None, "require this bearer token on every request (also read from ARENO_API_KEY, "
+                                 "which keeps it out of the process list)", "server", metavar="KEY", secret=True)
     served_model_name: Optional[str] = opt(None, "model name reported by /v1/models and accepted in requests",
                                            "server", metavar="NAME", default_help="the --model-path")
     max_model_len: Optional[int] = opt(None, "maximum prompt + completion tokens per request", "server",
@@ -62,6 +63,8 @@ class ServeConfig:
     verbose: bool = opt(False, "print the resolved configuration to stdout before serving", "observability")
 
     def __post_init__(self):
+        if self.api_key is None:
+            self.api_key = env_value("ARENO_API_KEY") or None  # the flag wins; the variable stays out of `ps`
         if not self.model_path:
             raise ConfigError("--model-path", "is required (a Hugging Face repo id or a local folder)")
         check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len", "max_request_bytes"))
