@@ -80,11 +80,15 @@ def _write_weights(model, out: Path | None, max_bytes: int) -> None:
     from safetensors.torch import save_file
 
     shards, current, current_bytes, total = [], {}, 0, 0
+    umask = os.umask(0)
+    os.umask(umask)
+    file_mode = 0o666 & ~umask
 
     def flush():
         nonlocal current, current_bytes
         name = f"shard-{len(shards):05d}.safetensors"
         save_file(current, str(out / name), metadata={"format": "pt"})
+        os.chmod(out / name, file_mode)  # safetensors creates its files 0600; the rest of the folder follows the umask
         shards.append((name, list(current)))
         current, current_bytes = {}, 0
 

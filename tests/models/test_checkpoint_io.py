@@ -132,3 +132,12 @@ def test_load_tokenizer_reads_the_folder(tiny_checkpoint):
     tok = load_tokenizer(tiny_checkpoint("qwen3"))
     ids = tok("hello world")["input_ids"]
     assert ids and tok.decode(ids) == "hello world"
+
+
+def test_saved_weights_have_the_folders_file_mode(tiny_checkpoint, tmp_path):
+    """safetensors writes 0600; a checkpoint's weights must be as readable as its config (a served or shared folder)."""
+    out = save_model(load_model(tiny_checkpoint("qwen3"), device="cpu"), tmp_path / "out", max_shard_size=200_000)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert len([n for n in modes if n.endswith(".safetensors")]) > 1
+    assert len(set(modes.values())) == 1, modes
+
