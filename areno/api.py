@@ -15,6 +15,7 @@ from typing import ClassVar
 from areno.config import ConfigError, SamplingParams
 from areno.config.constants import ATTN_BACKENDS, DTYPES
 from areno.config.fields import (
+    check_bool,
     check_choice,
     check_memory,
     check_non_negative,
@@ -37,11 +38,6 @@ MLX_NOT_BUILT = ("The MLX backend is not part of this build (macOS on arm64 sele
                  "areno here runs the CUDA backend on Linux")
 
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise ConfigError(name, f"must be True or False, got {value!r}")
-
-
 def _check_folder(name, value):
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise ConfigError(name, f"must be a folder path, got {value!r}")
@@ -50,9 +46,9 @@ def _check_folder(name, value):
 # CudaConfig.runtime: key -> check(name, value). The keys mirror the CLI's runtime flags.
 RUNTIME_KEYS = {
     "attn_backend": lambda n, v: check_choice(n, v, ATTN_BACKENDS),
-    "eager_decode": _check_bool,
-    "drop_rollout_state": _check_bool,
-    "activation_checkpointing": _check_bool,
+    "eager_decode": check_bool,
+    "drop_rollout_state": check_bool,
+    "activation_checkpointing": check_bool,
     "optimizer_state_offload": lambda n, v: None,  # checked with its two companions below
     "optimizer_state_offload_dir": _check_folder,
     "optimizer_state_offload_batch_size": check_positive,

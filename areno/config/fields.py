@@ -93,6 +93,11 @@ memory_amount.__name__ = "memory amount"
 # ---- checks shared by the configs here and the SDK configs in areno.api ----
 
 
+def check_bool(name, value):
+    if not isinstance(value, bool):
+        raise ConfigError(name, f"must be True or False, got {value!r}")
+
+
 def check_positive(name, value, *, optional=False):
     if value is None and optional:
         return

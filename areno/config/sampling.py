@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from areno.config.fields import ConfigError, check_int, check_number, check_range, is_int
+from areno.config.fields import ConfigError, check_bool, check_int, check_number, check_range, is_int
 
 FP32_MAX = 3.4028234663852886e38  # penalties are applied in fp32: an overflow would make inf * 0
 GRAMMAR_TYPES = ("json_object", "json_schema")
@@ -99,8 +99,7 @@ class SamplingParams:
         if self.seed is not None and not is_int(self.seed):
             raise ConfigError("seed", f"must be an integer, got {self.seed!r}")
         for name in ("logprobs", "ignore_eos"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, f"must be True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if self.json_schema is not None:
             if self.grammar is not None and self.grammar != {"type": "json_schema", "schema": self.json_schema}:
                 raise ConfigError("json_schema", "give either json_schema or grammar, not both")

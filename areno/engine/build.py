@@ -1,7 +1,7 @@
 """The one build path of a rollout engine for train and serve: device/dtype, EOS ids, EngineConfig, and the engine
 session from a checkpoint (model + tokenizer + KV cache) the way serve opens one.
 
-``areno train`` (``rl/rollout_colocated.engine_config``, both rollout modes) and ``areno serve``
+``areno train`` (``rl/rollout/colocated.engine_config``, both rollout modes) and ``areno serve``
 (``serve/server.build_app`` through ``build_engine``) build their engines through these functions; only the values
 they pass differ (the flags of each command).
 """

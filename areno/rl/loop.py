@@ -93,15 +93,17 @@ class TrainLoop:
         if cfg.resume:
             self._resume()
 
-    @property
-    def ref(self):
-        return self.ctx.ref
-
     def _tokenize(self, indexed_rows) -> list[Prompt]:
         return tokenize_prompts([r for _, r in indexed_rows], self.tokenizer, self.media,
                                 max_prompt_tokens=self.cfg.max_prompt_tokens, responses=self.algorithm.responses,
                                 prompt_optional=self.algorithm.prompt_optional,
                                 indices=[i for i, _ in indexed_rows])
+
+    def _ensure_engine(self):
+        """The rollout interface, built on first use (SDK runs and SFT/DPO need none until they sample)."""
+        if self.engine is None:
+            self._build_engine()
+        return self.engine
 
     def _build_engine(self):
         from areno.rl.rollout import build_rollout
@@ -126,15 +128,14 @@ class TrainLoop:
     # ---- steps ---------------------------------------------------------------------------------------------
     def step(self, batch: list[Prompt], upcoming: list[Prompt] | None = None) -> dict:
         """One step of ``--algo`` on ``batch`` (``upcoming``: the next step's Prompts, async split mode)."""
-        if self.algorithm.needs_reward and self.engine is None:
-            self._build_engine()
+        if self.algorithm.needs_reward:
+            self._ensure_engine()
         self.ctx.step_index = self.step_index
         return self.algorithm.step(self.ctx, batch, upcoming)
 
     def rollout(self, batch: list[Prompt], upcoming: list[Prompt] | None = None) -> tuple[list[Row], dict]:
         """This step's scored rollout rows and stats (what an RL step gets from ``ctx.rollout``)."""
-        if self.engine is None:
-            self._build_engine()
+        self._ensure_engine()
         return self.step_rollout(batch, upcoming)
 
     def warmup(self) -> dict:
@@ -307,10 +308,8 @@ class TrainLoop:
         prompts = self.eval_data if prompts is None else prompts
         if not prompts or (self.reward_fn is None and self.agent_fn is None):
             return None
-        if self.engine is None:
-            self._build_engine()
-        return evaluate(prompts, self.engine, tokenizer=self.tokenizer, reward_fn=self.reward_fn, cfg=self.cfg,
-                        media_of=self.media_of, agent=self.agent)
+        return evaluate(prompts, self._ensure_engine(), tokenizer=self.tokenizer, reward_fn=self.reward_fn,
+                        cfg=self.cfg, media_of=self.media_of, agent=self.agent)
 
     def save(self, path=None):
         data = self._data_state or (self.data.state_dict() if self.data is not None else None)
@@ -330,8 +329,8 @@ class TrainLoop:
         self.accuracy_before = state.get("accuracy_before")
         self.failed_reward_steps = state.get("failed_reward_steps", 0)
         self.started_at = state.get("started_at") or self.started_at
-        if self.engine is None and self.algorithm.needs_reward:
-            self._build_engine()
+        if self.algorithm.needs_reward:
+            self._ensure_engine()
         if self.engine is not None:
             self.engine.policy_changed()  # split mode: the engines still hold --ckpt's weights
         engine_rng = (state.get("rank_state") or {}).get("engine_rng")
@@ -345,9 +344,7 @@ class TrainLoop:
         return prompt_ids(self.tokenizer, prompt)
 
     def generate(self, prompt_ids: list[list[int]], options):
-        if self.engine is None:
-            self._build_engine()
-        return self.engine.generate(prompt_ids, options)
+        return self._ensure_engine().generate(prompt_ids, options)
 
     def train_rows(self, batch, loss_fn, mini_bs, grad_accum, *, epochs=1, entropy=False) -> dict:
         rows = [b if isinstance(b, Row) else Row(list(b["prompt_ids"]), list(b["response_ids"]),

@@ -132,7 +132,8 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
         1, cfg.ppo_epochs if rl else 1)
     sched = LRSchedule(lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=total * updates,
                        style=cfg.lr_decay_style)
-    bias_rate = 0.0 if model.is_value_model else cfg.router_bias_update_rate  # the trainer refuses a dense model's
+    # the trainer refuses a rate for a model without a selection bias
+    bias_rate = 0.0 if model.is_value_model else cfg.router_bias_update_rate
     group_schedules = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates)
     graphs = "off" if model.is_value_model else cfg.train_cuda_graphs  # the critic: eager
     if graphs == "auto" and rl and not cfg.split:

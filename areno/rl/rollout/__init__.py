@@ -1,6 +1,7 @@
 """The RL rollout: the ``Rollout`` protocol (protocol.py), its colocated and remote implementations, the policy
-stream to remote engines (policy_sync.py), a step's scored rows (collect.py, finished_groups.py) and the sampling
-settings (sampling.py). ``build_rollout`` picks the implementation of a TrainConfig."""
+stream to remote engines (policy_sync.py) and a step's scored rows (collect.py, finished_groups.py); the sampling
+settings are ``config.SamplingParams.from_train_config``. ``build_rollout`` picks the implementation of a
+TrainConfig."""
 
 from __future__ import annotations
 
