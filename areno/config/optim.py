@@ -33,8 +33,8 @@ class OptimSection:
     train_cuda_graphs: str = opt(
         "auto", "replay each text microbatch's forward/backward and the optimizer step as CUDA graphs per shape "
         "bucket (no Python launch gaps). auto = on for a dense text policy on CUDA without activation checkpointing, "
-        "TP or routing replay, outside colocated RL (whose rollout engine shares the GPU's memory: eager there, as "
-        "are other policies and the PPO critic); on = required (refused where it cannot "
+        "TP or routing replay, outside colocated RL (eager there: measured slower at G1, whose large microbatches "
+        "are compute-bound; other policies and the PPO critic are eager too); on = required (refused where it cannot "
         "apply); off", "train", choices=TRAIN_CUDA_GRAPHS)
     max_steps: Optional[int] = opt(None, "stop after this many steps", "train", default_help="--epochs over the data")
     epochs: int = opt(1, "passes over the dataset", "train")

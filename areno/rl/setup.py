@@ -137,8 +137,10 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
     group_schedules = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates)
     graphs = "off" if model.is_value_model else cfg.train_cuda_graphs  # the critic: eager
     if graphs == "auto" and rl and not cfg.split:
-        # colocated RL: the rollout engine's KV cache shares the GPU, and a graphed step reserves more than the
-        # eager one (its memory pool stays between updates); eager until measured at G1 (--train-cuda-graphs on)
+        # colocated RL: eager. Measured at G1 on one H200 (bench/grpo_step.py --impls areno --steps 5
+        # --train-cuda-graphs off,on,on,off): the graphed update is slower there (1.41 s vs 1.27 s; step 3.57 s vs
+        # 3.44 s): its large microbatches are compute-bound, bucket padding costs more than launch gaps save, and a
+        # new shape bucket is captured mid-run. Same peak memory both ways. `on` still graphs it.
         graphs = "off"
     return PolicyTrainer(model, opt, sched, temperature=logprob_temperature(cfg), grad_clip=cfg.grad_clip,
                          dp_group=groups.dp_group, tp_group=groups.tp_group, router_bias_update_rate=bias_rate,
