@@ -161,14 +161,23 @@ def _rows():
     return [dict(row, prompt=f"{i} a b") for i in range(2)] + [dict(row, split="eval")]
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_a_run_of_each_algorithm_reads_every_flag_that_applies_to_it(algo, tmp_path, files):
-    from areno.rl.loop import TrainLoop
+@pytest.fixture(scope="module")
+def tiny_run_inputs(tmp_path_factory):
     from areno.testing import make_tiny_checkpoint
 
-    ckpt = make_tiny_checkpoint(tmp_path / "model", family="qwen3", seed=0)
-    data = tmp_path / "data.jsonl"
+    root = tmp_path_factory.mktemp("applies")
+    data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    return make_tiny_checkpoint(root / "model", family="qwen3", seed=0), data
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_run_of_each_algorithm_reads_every_flag_that_applies_to_it(algo, tmp_path, files, tiny_run_inputs):
+    """One step (after one SFT warm-up step for RL) with held-out evaluation, a save, KL for RL: every flag that
+    applies to ``algo`` in this run's mode is read by it (the mode conditions it does not meet are other runs)."""
+    from areno.rl.loop import TrainLoop
+
+    ckpt, data = tiny_run_inputs
     rl = algo in RL_ALGOS
     config = RecordingConfig(
         ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=files["reward"], algo=algo, batch_size=2,
