@@ -19,7 +19,7 @@ import argparse_dataclass
 
 from areno import __version__
 from areno.config import GROUPS, ConfigError, RunError, ServeConfig, TrainConfig, flag_name, format_config
-from areno.config.applies import check_given, drop_inapplicable
+from areno.config.applies import check_given, drop_inapplicable, help_note
 from areno.config.constants import RL_ALGOS
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -87,7 +87,7 @@ def _help_text(f: dataclasses.Field) -> str:
         default = "on" if f.default else "off"
     else:
         default = None if f.default is None else f.default
-    text = meta["help"] + ("" if default is None else f" (default: {default})")
+    text = meta["help"] + help_note(f) + ("" if default is None else f" (default: {default})")
     return text.replace("%", "%%")
 
 

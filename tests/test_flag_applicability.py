@@ -199,7 +199,7 @@ def test_a_run_of_each_algorithm_reads_every_flag_that_applies_to_it(algo, tmp_p
         algos, needs = declared(f)
         if algo not in algos or f.name in NOT_READ_HERE or f.name in read:
             continue
-        holds = needs is None or CONDITIONS[needs][0](values)
+        holds = needs is None or CONDITIONS[needs].holds(values)
         if holds:
             missing.append(f.name)
     assert not missing, f"declared as applying to {algo} but not read by its run: {missing}"

@@ -1,7 +1,9 @@
 """Where each `areno train` flag applies: the algorithms and conditions its `opt(algos=..., needs=...)` declares, and
 the checks that refuse a flag given where it does not apply (a `ConfigError` naming it)."""
 
+from collections.abc import Callable
 from dataclasses import MISSING, fields
+from typing import NamedTuple
 
 from areno.config.constants import ALGOS, RL_ALGOS
 from areno.config.fields import ConfigError, flag_name
@@ -19,24 +21,40 @@ def _reference(v):
     return v["algo"] == "dpo" or v["kl_coef"] > 0
 
 
-# needs=KEY -> (holds(values), the refusal). A mode condition (True) is a setting of the run: TrainConfig refuses any
-# value other than the default without it; the others are checked on the flags given (the CLI's, the SDK's keywords).
+class Condition(NamedTuple):
+    """A ``needs=`` condition: whether it holds for the run's values, the refusal (after the flag) and the phrase
+    `--help` adds ("applies ..."). A mode condition is a setting of the run: TrainConfig refuses a value other than the
+    default without it; the others are checked on the flags given (the CLI's, the SDK's keyword arguments)."""
+
+    holds: Callable[[dict], bool]
+    refusal: str
+    help: str
+    mode: bool = False
+
+
 CONDITIONS = {
-    "split": (_split, "applies to split mode only (--train-devices and --rollout-devices)", True),
-    "agent": (lambda v: bool(v["agent_fn"]), "applies to agentic rollout only (--agent-fn)", True),
-    "tower": (lambda v: bool(v["unfreeze_mm_tower"]), "applies only with --unfreeze-mm-tower (the tower is frozen "
-              "otherwise)", True),
-    "projector": (lambda v: bool(v["unfreeze_mm_projector"]), "applies only with --unfreeze-mm-projector (the "
-                  "projector is frozen otherwise)", True),
-    "disk": (lambda v: v["optimizer_state_offload"] == "disk", "applies only to --optimizer-state-offload disk", True),
-    "saved": (lambda v: bool(v["save_path"]), "needs --save-path", True),
-    "rollout": (_rollout, "does not apply to --algo {algo} without --reward-fn-path: it sets the rollout of grpo, "
-                "gspo and ppo and the greedy held-out evaluation that --reward-fn-path scores", False),
-    "reference": (_reference, "applies only with a reference model (--algo dpo, or --kl-coef > 0)", False),
-    "kl": (lambda v: v["kl_coef"] > 0, "applies only with --kl-coef > 0 (no KL term otherwise)", False),
-    "warmup": (lambda v: v["sft_warmup_steps"] > 0, "applies only with --sft-warmup-steps > 0", False),
-    "epochs": (lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's length; "
-               "--epochs counts passes over the data otherwise)", False),
+    "split": Condition(_split, "applies to split mode only (--train-devices and --rollout-devices)", "in split mode",
+                       True),
+    "agent": Condition(lambda v: bool(v["agent_fn"]), "applies to agentic rollout only (--agent-fn)", "with --agent-fn",
+                       True),
+    "tower": Condition(lambda v: bool(v["unfreeze_mm_tower"]), "applies only with --unfreeze-mm-tower (the tower is "
+                       "frozen otherwise)", "with --unfreeze-mm-tower", True),
+    "projector": Condition(lambda v: bool(v["unfreeze_mm_projector"]), "applies only with --unfreeze-mm-projector "
+                           "(the projector is frozen otherwise)", "with --unfreeze-mm-projector", True),
+    "disk": Condition(lambda v: v["optimizer_state_offload"] == "disk", "applies only to --optimizer-state-offload "
+                      "disk", "with --optimizer-state-offload disk", True),
+    "saved": Condition(lambda v: bool(v["save_path"]), "needs --save-path", "with --save-path", True),
+    "rollout": Condition(_rollout, "does not apply to --algo {algo} without --reward-fn-path: it sets the rollout of "
+                         "grpo, gspo and ppo and the greedy held-out evaluation that --reward-fn-path scores",
+                         "to grpo, gspo, ppo, and to sft, dpo with --reward-fn-path (held-out evaluation)"),
+    "reference": Condition(_reference, "applies only with a reference model (--algo dpo, or --kl-coef > 0)",
+                           "with a reference model (dpo, or --kl-coef > 0)"),
+    "kl": Condition(lambda v: v["kl_coef"] > 0, "applies only with --kl-coef > 0 (no KL term otherwise)",
+                    "with --kl-coef > 0"),
+    "warmup": Condition(lambda v: v["sft_warmup_steps"] > 0, "applies only with --sft-warmup-steps > 0",
+                        "with --sft-warmup-steps > 0"),
+    "epochs": Condition(lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's "
+                        "length; --epochs counts passes over the data otherwise)", "without --max-steps"),
 }
 
 
@@ -54,15 +72,22 @@ def refusal(f, values: dict, *, by_algo=True, mode_only=False) -> str | None:
         return f"does not apply to --algo {algo} (it is used by: {', '.join(algos)})"
     if needs is None:
         return None
-    holds, why, mode = CONDITIONS[needs]
-    if mode_only and not mode:
+    condition = CONDITIONS[needs]
+    if mode_only and not condition.mode:
         return None
     try:
-        if holds(values):
+        if condition.holds(values):
             return None
     except TypeError:  # a value of the wrong type: the field's own check says so
         return None
-    return why.format(algo=algo)
+    return condition.refusal.format(algo=algo)
+
+
+def help_note(f) -> str:
+    """What `--help` says of where ``f`` applies: '' for everywhere, else e.g. ' [applies to ppo]'."""
+    algos, needs = declared(f)
+    parts = ([f"to {', '.join(algos)}"] if algos != ALGOS else []) + ([CONDITIONS[needs].help] if needs else [])
+    return f" [applies {' '.join(parts)}]" if parts else ""
 
 
 def config_fields(cls) -> dict:
@@ -90,7 +115,7 @@ def check_set(config) -> None:
         if f.default is MISSING or values[f.name] == f.default:
             continue
         needs = declared(f)[1]
-        moded = needs is not None and CONDITIONS[needs][2]
+        moded = needs is not None and CONDITIONS[needs].mode
         reason = refusal(f, values, by_algo=f.default is None or moded, mode_only=True)
         if reason:
             raise ConfigError(flag_name(f.name), reason)

@@ -27,7 +27,7 @@ class BasicSection:
         None, "Python file defining reward_fn(record) -> float (required for grpo, gspo and ppo; with sft and dpo it "
         "scores the greedy held-out evaluation)", "basic", metavar="FILE")
     agent_fn: Optional[str] = opt(
-        None, "Python file defining async run_agent(ctx, batch): multi-turn agentic rollout (grpo, gspo)", "basic",
+        None, "Python file defining async run_agent(ctx, batch): multi-turn agentic rollout", "basic",
         metavar="FILE", algos=GROUP_ALGOS)
     algo: str = opt("grpo", "training algorithm", "basic", choices=ALGOS)
     world_size: int = opt(1, "total training ranks (one process per GPU); with --train-devices, its length", "basic")

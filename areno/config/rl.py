@@ -14,7 +14,7 @@ from areno.config.fields import ConfigError, check_choice, check_non_negative, c
 class RLSection:
     """`--help` group train, second part."""
 
-    ppo_epochs: int = opt(1, "optimizer passes over each rollout batch (grpo, gspo, ppo)", "train", algos=RL_ALGOS)
+    ppo_epochs: int = opt(1, "optimizer passes over each rollout batch", "train", algos=RL_ALGOS)
     dpo_beta: float = opt(0.1, "DPO inverse temperature", "train", algos=("dpo",))
     dpo_label_smoothing: float = opt(0.0, "DPO label smoothing (conservative DPO), in [0, 0.5)", "train",
                                        algos=("dpo",))
@@ -44,7 +44,7 @@ class RLSection:
     dual_clip: float = opt(3.0, "PPO dual-clip constant c > 1 for negative advantages (0 = off)", "train",
                            algos=("ppo",))
     critic_warmup_steps: int = opt(0, "PPO steps that train only the critic", "train", algos=("ppo",))
-    sft_warmup_steps: int = opt(0, "SFT steps on the rows' `response` before RL starts (grpo, gspo, ppo)", "train",
+    sft_warmup_steps: int = opt(0, "SFT steps on the rows' `response` before RL starts", "train",
                                  algos=RL_ALGOS)
     sft_warmup_lr: float = opt(0.0, "peak learning rate of the SFT warm-up steps (0 = --lr); the RL schedule starts "
                                "fresh after them", "train", algos=RL_ALGOS, needs="warmup")

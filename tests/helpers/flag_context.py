@@ -11,7 +11,8 @@ from areno.config.constants import RL_ALGOS
 VALUES = {
     "min_lr": "1e-7", "mm_tower_min_lr": "1e-7", "mm_projector_min_lr": "1e-7", "clip_eps_low": "0.1",
     "gspo_clip_eps": "0.001", "dpo_label_smoothing": "0.1", "gamma": "0.9", "gae_lambda": "0.9", "top_p": "0.9",
-    "min_p": "0.1", "tis_cap": "3", "kv_cache_memory": "0.5", "train_devices": "0", "rollout_devices": "1", "rollout_tp_size": "1",
+    "min_p": "0.1", "tis_cap": "3", "kv_cache_memory": "0.5", "train_devices": "0", "rollout_devices": "1",
+    "rollout_tp_size": "1",
     "stop": "END", "resume": "some/step-1", "routing_replay": "off", "train_cuda_graphs": "off", "world_size": "2",
     "ckpt": "other-model", "ref_ckpt": "ref-model", "critic_ckpt": "critic-model", "dataset_path": "other.jsonl",
 }
