@@ -171,10 +171,11 @@ def tiny_run_inputs(tmp_path_factory):
     return make_tiny_checkpoint(root / "model", family="qwen3", seed=0), data
 
 
+@pytest.mark.slow  # a real one-step run per algorithm: 5-10 s each on 2 cores (the first pays the warm-up)
 @pytest.mark.parametrize("algo", ALGOS)
 def test_a_run_of_each_algorithm_reads_every_flag_that_applies_to_it(algo, tmp_path, files, tiny_run_inputs):
-    """One step (after one SFT warm-up step for RL) with held-out evaluation, a save, KL for RL: every flag that
-    applies to ``algo`` in this run's mode is read by it (the mode conditions it does not meet are other runs)."""
+    """One step with held-out evaluation before and after, a save, KL for RL: every flag that applies to ``algo`` in
+    this run's mode is read by it (the conditions it does not meet, split mode, an agent, ..., are other runs')."""
     from areno.rl.loop import TrainLoop
 
     ckpt, data = tiny_run_inputs
@@ -182,9 +183,8 @@ def test_a_run_of_each_algorithm_reads_every_flag_that_applies_to_it(algo, tmp_p
     config = RecordingConfig(
         ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=files["reward"], algo=algo, batch_size=2,
         n_samples=2 if rl else 8, mini_bs=2, max_new_tokens=2, dtype="float32", lr=1e-3, tensorboard=False,
-        save_path=str(tmp_path / "out"), save_interval=1, eval_interval=1, kl_coef=0.1 if rl else 0.0,
-        sft_warmup_steps=1 if rl else 0, sft_warmup_lr=1e-3 if rl else 0.0,
-        rollout_dump_dir=str(tmp_path / "dump") if rl else None, stop=["zz"])
+        save_path=str(tmp_path / "out"), save_interval=1, kl_coef=0.1 if rl else 0.0, stop=["zz"],
+        rollout_dump_dir=str(tmp_path / "dump") if rl else None)
     READS.clear()
     loop = TrainLoop(config)
     try:
