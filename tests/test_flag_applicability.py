@@ -123,6 +123,16 @@ def test_a_preset_switched_to_another_algorithm_keeps_only_what_applies(files, c
     code, err, config = cli(["train", "--preset", "rl", "--algo", "ppo"])  # all of it applies to PPO
     assert code == 0 and err == "" and (config.n_samples, config.kl_estimator) == (4, "k1")
 
+    def agentic_preset():  # a dropped --agent-fn takes the agentic settings with it
+        return TrainConfig(preset="agentic", ckpt="m", dataset_path="d.jsonl", agent_fn=files["agent"],
+                           agent_timeout_s=30.0, max_context_len=512, n_samples=4)
+
+    monkeypatch.setitem(PRESETS, "agentic", agentic_preset)
+    code, err, config = cli(["train", "--preset", "agentic", "--algo", "sft"])
+    assert code == 0, err
+    assert (config.agent_fn, config.agent_timeout_s, config.max_context_len) == (None, 300.0, None)
+    assert all(flag in err for flag in ("--agent-fn", "--agent-timeout-s", "--max-context-len", "--n-samples"))
+
 
 def test_the_sdk_refuses_a_keyword_that_does_not_apply(monkeypatch):
     from areno.api import Trainer
