@@ -204,6 +204,7 @@ class Trainer:
     # ---- running -----------------------------------------------------------------------------------------
     def _train_config(self):
         from areno.config import TrainConfig
+        from areno.config.applies import check_given
 
         opts = dict(self.options)
         rt = dict(self.config.runtime)
@@ -215,7 +216,10 @@ class Trainer:
         unknown = sorted(set(opts) - set(TrainConfig.__dataclass_fields__))
         if unknown:
             raise ConfigError(unknown[0], "is not a training option (see `areno train --help` for the names)")
-        return TrainConfig(**{k: v for k, v in fields.items() if k in TrainConfig.__dataclass_fields__})
+        config = TrainConfig(**{k: v for k, v in fields.items() if k in TrainConfig.__dataclass_fields__})
+        # a keyword given where it does not apply (n_samples=4 with algo="sft", ...) is refused as on the command line
+        check_given(TrainConfig, vars(config), opts)
+        return config
 
     def init(self):
         """Load the model, tokenizer, optimizer (and the dataset, reward and engine when configured)."""

@@ -19,6 +19,7 @@ import argparse_dataclass
 
 from areno import __version__
 from areno.config import GROUPS, ConfigError, RunError, ServeConfig, TrainConfig, flag_name, format_config
+from areno.config.applies import check_given, drop_inapplicable, help_note
 from areno.config.constants import RL_ALGOS
 
 _METAVARS = {int: "N", float: "X", str: "STR"}
@@ -86,7 +87,7 @@ def _help_text(f: dataclasses.Field) -> str:
         default = "on" if f.default else "off"
     else:
         default = None if f.default is None else f.default
-    text = meta["help"] + ("" if default is None else f" (default: {default})")
+    text = meta["help"] + help_note(f) + ("" if default is None else f" (default: {default})")
     return text.replace("%", "%%")
 
 
@@ -101,14 +102,9 @@ def parse_config(parser: ConfigParser, options_class, argv):
     """Parse and validate; a bad value or combination exits 2 with `areno <cmd>: error: --flag ...`."""
     explicit = parser.parse_explicit(argv)
     try:
-        if explicit.get("preset"):
-            from areno.presets import get_preset
-
-            if "resume" in explicit and "overwrite" not in explicit:
-                explicit = {**explicit, "overwrite": False}  # a preset's overwrite gives way to an explicit --resume
-            config = dataclasses.replace(get_preset(explicit["preset"]), **explicit)
-        else:
-            config = options_class(**explicit)
+        config = _preset_config(options_class, explicit) if explicit.get("preset") else options_class(**explicit)
+        # a flag given where it does not apply (the algorithm, split mode, ...: areno.config.applies) is refused
+        check_given(options_class, _values(config), explicit)
         if hasattr(config, "require_run_inputs"):  # a command-line run needs its data (the SDK may not)
             config.require_run_inputs()
         _check_models(config)
@@ -116,6 +112,27 @@ def parse_config(parser: ConfigParser, options_class, argv):
         return config
     except ConfigError as e:
         parser.error(str(e))
+
+
+def _values(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _preset_config(options_class, explicit: dict):
+    """``--preset``'s config with the flags given on top. A preset's own setting that does not apply to the run the
+    flags make of it (``--algo sft`` on an RL preset: its --n-samples, --temperature, ...) goes back to its default,
+    with one line saying so; a preset's overwrite gives way to an explicit --resume."""
+    from areno.presets import get_preset
+
+    preset = get_preset(explicit["preset"])
+    values = {**_values(preset), **explicit}
+    if "resume" in explicit and "overwrite" not in explicit:
+        values["overwrite"] = False
+    dropped = drop_inapplicable(options_class, values, keep=explicit)
+    if dropped:
+        print(f"areno train: --preset {explicit['preset']} sets {', '.join(dropped)}, which do not apply to this run: "
+              "left at their defaults", file=sys.stderr)
+    return options_class(**values)
 
 
 def _check_models(config) -> None:

@@ -1,6 +1,7 @@
 """No silent flags: every `areno train` / `areno serve` option is read by the run (outside the config and CLI modules
 that only parse and validate it), and a flag given on the command line reaches the run (nothing is parsed and then
-dropped or refused as "not built")."""
+dropped or refused as "not built"). Whether it matters for the algorithm and mode chosen is each flag's declaration,
+checked algorithm x flag by tests/test_flag_applicability.py."""
 
 import dataclasses
 import re
@@ -10,6 +11,8 @@ import pytest
 
 from areno.cli import main
 from areno.config import ServeConfig, TrainConfig, flag_name
+from areno.config.applies import declared
+from tests.helpers.flag_context import Files, base_argv, condition_argv, flag_argv
 
 PACKAGE = Path(__file__).resolve().parents[1] / "areno"
 # where a flag is parsed, validated and printed: not where it takes effect (config/sampling.py is runtime: the rollout
@@ -40,28 +43,19 @@ def test_every_option_is_used_by_the_run(cls):
     assert not silent, f"parsed and validated but never used by the run: {silent}"
 
 
-def non_default_value(f: dataclasses.Field) -> list[str]:
-    if f.type is bool:
-        return [flag_name(f.name)]
-    choices = f.metadata.get("choices")
-    if choices:
-        return [flag_name(f.name), next(c for c in choices if c != f.default)]
-    return [flag_name(f.name), "2"]
-
-
-STAND_IN = ("eager_decode", "decode_steps", "kl_estimator")  # a bool, a number and a choice
+STAND_IN = ("eager_decode", "decode_steps", "kl_estimator")  # a bool, a number and a choice (that needs --kl-coef)
 
 
 @pytest.mark.parametrize("name", STAND_IN)
 def test_a_flag_given_reaches_the_run(name, tmp_path, monkeypatch):
+    """Every flag, for every algorithm and in the mode its declaration names: tests/test_flag_applicability.py."""
     monkeypatch.setattr("areno.models.loader.check_model_source", lambda flag, value: None)
     monkeypatch.setattr("areno.models.loader.check_engine_support", lambda flag, value: None)
     seen = []
     monkeypatch.setattr("areno.rl.runner.run_train", lambda config: seen.append(config) or 0)
-    reward = tmp_path / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return 0.0\n")
+    files = Files(tmp_path)
     field = TrainConfig.__dataclass_fields__[name]
-    argv = ["train", "--ckpt", "m", "--dataset-path", "d.jsonl", "--reward-fn-path", str(reward),
-            "--metrics-dir", str(tmp_path), *non_default_value(field)]
+    argv = [*base_argv("grpo", files), "--metrics-dir", str(tmp_path),
+            *condition_argv(declared(field)[1], "grpo", files), *flag_argv(field, files)]
     assert main(argv) == 0
     assert getattr(seen[0], name) != field.default

@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ALGOS, DTYPES, RL_ALGOS
+from areno.config.constants import ALGOS, DTYPES, GROUP_ALGOS, RL_ALGOS
 from areno.config.fields import ConfigError, check_choice, check_file, check_sizes, opt
 
 
@@ -24,16 +24,16 @@ class BasicSection:
     dataset_loader_fn: Optional[str] = opt(
         None, "Python file defining load_training_dataset(path, *, default_loader, **kwargs)", "basic", metavar="FILE")
     reward_fn_path: Optional[str] = opt(
-        None, "Python file defining reward_fn(record) -> float (required for grpo, gspo and ppo)", "basic",
-        metavar="FILE")
+        None, "Python file defining reward_fn(record) -> float (required for grpo, gspo and ppo; with sft and dpo it "
+        "scores the greedy held-out evaluation)", "basic", metavar="FILE")
     agent_fn: Optional[str] = opt(
-        None, "Python file defining async run_agent(ctx, batch): multi-turn agentic rollout (grpo, gspo)", "basic",
-        metavar="FILE")
+        None, "Python file defining async run_agent(ctx, batch): multi-turn agentic rollout", "basic",
+        metavar="FILE", algos=GROUP_ALGOS)
     algo: str = opt("grpo", "training algorithm", "basic", choices=ALGOS)
     world_size: int = opt(1, "total training ranks (one process per GPU); with --train-devices, its length", "basic")
     tp_size: int = opt(1, "training tensor-parallel size; --world-size must be divisible by it", "basic")
     batch_size: int = opt(8, "prompts per step (the logical rollout batch)", "basic")
-    n_samples: int = opt(8, "completions sampled per prompt", "basic")
+    n_samples: int = opt(8, "completions sampled per prompt", "basic", algos=RL_ALGOS)
     seed: int = opt(0, "random seed (data order, sampling, initialisation)", "basic")
     dtype: Optional[str] = opt(None, "parameter/compute dtype", "basic", choices=DTYPES,
                                default_help="bfloat16 on GPU; float32 on a CPU without bfloat16 support")

@@ -15,16 +15,16 @@ class CheckpointSection:
 
     save_path: Optional[str] = opt(None, "folder for checkpoints (Hugging Face layout plus training state)",
                                    "checkpoint", metavar="DIR")
-    save_interval: int = opt(0, "save every N steps (0 = only at the end)", "checkpoint")
+    save_interval: int = opt(0, "save every N steps (0 = only at the end)", "checkpoint", needs="saved")
     overwrite: bool = opt(False, "start a new run in a --save-path that already holds files: its checkpoints and "
                           "metrics are removed first (without it such a folder is refused unless --resume)",
-                          "checkpoint")
+                          "checkpoint", needs="saved")
     resume: Optional[str] = opt(None, "resume from a checkpoint folder, or with no value from the latest under "
                                 "--save-path", "checkpoint", nargs="?", const="latest", metavar="PATH")
     ref_ckpt: Optional[str] = opt(None, "reference model for KL and DPO", "checkpoint", metavar="PATH",
-                                  default_help="--ckpt")
+                                  default_help="--ckpt", algos=("dpo", "grpo", "gspo", "ppo"), needs="reference")
     critic_ckpt: Optional[str] = opt(None, "PPO critic checkpoint", "checkpoint", metavar="PATH",
-                                     default_help="a value head on a copy of --ckpt")
+                                     default_help="a value head on a copy of --ckpt", algos=("ppo",))
 
 
     def check_checkpoint(self):
@@ -32,8 +32,6 @@ class CheckpointSection:
         if self.resume and self.overwrite:
             raise ConfigError("--overwrite", "and --resume contradict each other: resume continues the run in "
                               "--save-path, overwrite removes it")
-        if self.overwrite and not self.save_path:
-            raise ConfigError("--overwrite", "needs --save-path (the folder whose previous run it replaces)")
         if self.resume == "latest" and not self.save_path:
             raise ConfigError("--resume", "without a folder resumes the latest checkpoint under --save-path; "
                               "set --save-path or give the checkpoint folder")

@@ -3,6 +3,7 @@
 ALGOS = ("sft", "dpo", "grpo", "gspo", "ppo")
 RL_ALGOS = ("grpo", "gspo", "ppo")  # online RL: a rollout engine samples the batch
 GROUP_ALGOS = ("grpo", "gspo")  # group advantages over several samples of one prompt (agentic rollout too)
+TOKEN_CLIP_ALGOS = ("grpo", "ppo")  # the token-level clipped surrogate (GSPO clips whole sequences)
 LR_STYLES = ("constant", "linear", "cosine")
 OFFLOAD_MODES = ("none", "cpu", "disk")
 ATTN_BACKENDS = ("flash", "native")

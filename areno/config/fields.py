@@ -39,7 +39,9 @@ def flag_name(name: str) -> str:
 
 
 def opt(default, help: str, group: str, **meta):
-    """A config field: default, help text, `--help` group and any extra argparse metadata."""
+    """A config field: default, help text, `--help` group and any extra argparse metadata; ``algos=`` (the
+    algorithms it applies to; all if absent) and ``needs=`` (a condition of ``areno.config.applies.CONDITIONS``)
+    declare where it applies."""
     assert group in GROUPS, group
     return field(default=default, metadata={"help": help, "group": group, **meta})
 

@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import OFFLOAD_MODES
+from areno.config.constants import OFFLOAD_MODES, RL_ALGOS
 from areno.config.fields import check_memory, check_offload, flag_name, memory_amount, opt
 
 
@@ -14,16 +14,19 @@ from areno.config.fields import check_memory, check_offload, flag_name, memory_a
 class MemorySection:
     """`--help` group memory."""
 
-    drop_rollout_state: bool = opt(False, "release KV cache and graphs at each rollout session boundary", "memory")
+    drop_rollout_state: bool = opt(False, "release KV cache and graphs at each rollout session boundary", "memory",
+                                   algos=RL_ALGOS)
     activation_checkpointing: bool = opt(True, "recompute decoder activations during backward", "memory")
     optimizer_state_offload: str = opt("none", "where optimizer state lives between train calls", "memory",
                                        choices=OFFLOAD_MODES)
     optimizer_state_offload_dir: Optional[str] = opt(
-        None, "folder for --optimizer-state-offload disk (scratch files, not a checkpoint)", "memory", metavar="DIR")
-    optimizer_state_offload_batch_size: int = opt(1, "mmap files grouped per flush for disk offload", "memory")
+        None, "folder for --optimizer-state-offload disk (scratch files, not a checkpoint)", "memory", metavar="DIR",
+        needs="disk")
+    optimizer_state_offload_batch_size: int = opt(1, "mmap files grouped per flush for disk offload", "memory",
+                                                  needs="disk")
     kv_cache_memory: Optional[float] = opt(
         None, "KV-cache budget: a fraction of free GPU memory (0.9) or a size (40GiB)", "memory",
-        type=memory_amount, metavar="AMOUNT", default_help="the runtime decides")
+        type=memory_amount, metavar="AMOUNT", default_help="the runtime decides", needs="rollout")
 
 
     def check_memory_section(self):

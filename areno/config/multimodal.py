@@ -30,27 +30,32 @@ class MultimodalSection:
                              "schedule (--mm-tower-*; frozen unless given)", "multimodal")
     unfreeze_mm_projector: bool = opt(False, "train the projector/merger as its own optimizer group with its own "
                                  "schedule (--mm-projector-*; frozen unless given)", "multimodal")
-    mm_tower_lr: Optional[float] = opt(None, "tower peak learning rate", "multimodal", default_help="--lr")
-    mm_tower_min_lr: Optional[float] = opt(None, "tower final learning rate", "multimodal", default_help="--min-lr")
+    mm_tower_lr: Optional[float] = opt(None, "tower peak learning rate", "multimodal", default_help="--lr",
+                                       needs="tower")
+    mm_tower_min_lr: Optional[float] = opt(None, "tower final learning rate", "multimodal", default_help="--min-lr",
+                                           needs="tower")
     mm_tower_lr_steps: Optional[int] = opt(None, "tower schedule length in optimizer updates (as --warmup-steps)",
-                                           "multimodal", default_help="the run length")
+                                           "multimodal", default_help="the run length", needs="tower")
     mm_tower_lr_style: Optional[str] = opt(None, "tower schedule", "multimodal", choices=LR_STYLES,
-                                           default_help="--lr-decay-style")
-    mm_projector_lr: Optional[float] = opt(None, "projector peak learning rate", "multimodal", default_help="--lr")
+                                           default_help="--lr-decay-style", needs="tower")
+    mm_projector_lr: Optional[float] = opt(None, "projector peak learning rate", "multimodal", default_help="--lr",
+                                           needs="projector")
     mm_projector_min_lr: Optional[float] = opt(None, "projector final learning rate", "multimodal",
-                                               default_help="--min-lr")
+                                               default_help="--min-lr", needs="projector")
     mm_projector_lr_steps: Optional[int] = opt(None, "projector schedule length in optimizer updates (as "
-                                               "--warmup-steps)", "multimodal", default_help="the run length")
+                                               "--warmup-steps)", "multimodal", default_help="the run length",
+                                               needs="projector")
     mm_projector_lr_style: Optional[str] = opt(None, "projector schedule", "multimodal", choices=LR_STYLES,
-                                               default_help="--lr-decay-style")
+                                               default_help="--lr-decay-style", needs="projector")
     max_image_bytes: int = opt(20 << 20, IMAGE_BYTES_HELP, "multimodal")
     max_image_pixels: int = opt(50_000_000, IMAGE_PIXELS_HELP, "multimodal")
     max_images_per_prompt: int = opt(64, IMAGES_HELP, "multimodal")
 
 
     def check_multimodal(self):
-        """A tower/projector schedule flag needs its part unfrozen; a final rate may not exceed its peak (whether
-        the model has a tower at all is checked once it is loaded: areno.training.multimodal.check_flags)."""
+        """A final rate may not exceed its peak (a tower/projector schedule flag needs its part unfrozen:
+        areno.config.applies; whether the model has a tower at all is checked once it is loaded:
+        areno.training.multimodal.check_flags)."""
         check_sizes(self, ("mm_tower_lr_steps", "mm_projector_lr_steps"))
         for part in ("tower", "projector"):
             check_choice(f"--mm-{part}-lr-style", getattr(self, f"mm_{part}_lr_style"), LR_STYLES, optional=True)
@@ -59,11 +64,6 @@ class MultimodalSection:
                     check_non_negative(flag_name(name), getattr(self, name))
         check_media_limits(self)
         for part in ("tower", "projector"):
-            names = [f"mm_{part}_{x}" for x in ("lr", "min_lr", "lr_steps", "lr_style")]
-            given = [n for n in names if getattr(self, n) is not None]
-            if given and not getattr(self, f"unfreeze_mm_{part}"):
-                raise ConfigError(flag_name(given[0]), f"applies only with --unfreeze-mm-{part} (the {part} is frozen "
-                                  "otherwise)")
             peak, low = getattr(self, f"mm_{part}_lr"), getattr(self, f"mm_{part}_min_lr")
             if low is not None and low > (self.lr if peak is None else peak):
                 raise ConfigError(f"--mm-{part}-min-lr", f"({low}) must not exceed the {part}'s peak rate "

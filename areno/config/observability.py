@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from areno.config.constants import RL_ALGOS
 from areno.config.fields import check_non_negative, check_sizes, opt
 
 
@@ -19,13 +20,15 @@ class ObservabilitySection:
     log_interval: int = opt(1, "print a metrics line every N steps", "observability")
     verbose: bool = opt(False, "also print the resolved configuration to stdout (it is always written to "
                         "config.json in the metrics folder)", "observability")
-    eval_interval: int = opt(0, "evaluate held-out prompts every N steps (0 = off)", "observability")
+    eval_interval: int = opt(0, "evaluate held-out prompts every N steps (0 = off)", "observability",
+                            needs="rollout")
     tensorboard: bool = opt(True, "write TensorBoard events beside the JSON lines", "observability")
     rollout_dump_dir: Optional[str] = opt(
         None, "write every RL step's rows as JSON lines (token ids, loss mask, rollout log-probs, policy version, "
-        "reward, finish reason; an agent's messages) to DIR/step-N.jsonl", "observability", metavar="DIR")
+        "reward, finish reason; an agent's messages) to DIR/step-N.jsonl", "observability", metavar="DIR",
+        algos=RL_ALGOS)
     decode_progress_interval_s: float = opt(0.0, "report decode throughput every N seconds (0 = off)",
-                                            "observability")
+                                            "observability", needs="rollout")
 
     @property
     def metrics_folder(self) -> str:

@@ -29,7 +29,8 @@ class OptimSection:
     routing_replay: str = opt(
         "auto", "routing replay: the training forward uses the experts the rollout chose for each token (per MoE "
         "layer; weights from the current router). auto = on for grpo/gspo/ppo with a sparse-MoE policy; on = "
-        "required (refused for a dense policy or a non-RL --algo); off", "train", choices=ROUTING_REPLAY)
+        "required (refused for a dense policy or a non-RL --algo); off", "train", choices=ROUTING_REPLAY,
+        algos=RL_ALGOS)
     train_cuda_graphs: str = opt(
         "auto", "replay each text microbatch's forward/backward and the optimizer step as CUDA graphs per shape "
         "bucket (no Python launch gaps). auto = on for a dense text policy on CUDA without activation checkpointing, "
@@ -37,7 +38,7 @@ class OptimSection:
         "are compute-bound; other policies and the PPO critic are eager too); on = required (refused where it cannot "
         "apply); off", "train", choices=TRAIN_CUDA_GRAPHS)
     max_steps: Optional[int] = opt(None, "stop after this many steps", "train", default_help="--epochs over the data")
-    epochs: int = opt(1, "passes over the dataset", "train")
+    epochs: int = opt(1, "passes over the dataset", "train", needs="epochs")
 
     def check_optim(self):
         check_sizes(self, ("mini_bs", "gradient_accumulation_steps", "max_steps", "epochs"))

@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import KL_ESTIMATORS, LOSS_AGGS
+from areno.config.constants import GROUP_ALGOS, KL_ESTIMATORS, LOSS_AGGS, RL_ALGOS, TOKEN_CLIP_ALGOS
 from areno.config.fields import ConfigError, check_choice, check_non_negative, check_range, check_sizes, flag_name, opt
 
 
@@ -14,33 +14,44 @@ from areno.config.fields import ConfigError, check_choice, check_non_negative, c
 class RLSection:
     """`--help` group train, second part."""
 
-    ppo_epochs: int = opt(1, "optimizer passes over each rollout batch (grpo, gspo, ppo)", "train")
-    dpo_beta: float = opt(0.1, "DPO inverse temperature", "train")
-    dpo_label_smoothing: float = opt(0.0, "DPO label smoothing (conservative DPO), in [0, 0.5)", "train")
-    clip_eps_low: float = opt(0.2, "lower clip of the token importance ratio: 1 - eps", "train")
-    clip_eps_high: float = opt(0.28, "upper clip of the token importance ratio: 1 + eps", "train")
-    gspo_clip_eps: float = opt(3e-4, "GSPO sequence-level ratio clip", "train")
-    kl_coef: float = opt(0.0, "KL penalty to the reference policy (0 = no reference model)", "train")
-    kl_estimator: str = opt("k3", "KL estimator", "train", choices=KL_ESTIMATORS)
-    entropy_coef: float = opt(0.0, "entropy bonus", "train")
-    advantage_std_norm: bool = opt(True, "divide group advantages by the group reward std", "train")
-    tis_cap: float = opt(2.0, "truncated importance sampling cap on rollout/trainer mismatch (0 = off)", "train")
+    ppo_epochs: int = opt(1, "optimizer passes over each rollout batch", "train", algos=RL_ALGOS)
+    dpo_beta: float = opt(0.1, "DPO inverse temperature", "train", algos=("dpo",))
+    dpo_label_smoothing: float = opt(0.0, "DPO label smoothing (conservative DPO), in [0, 0.5)", "train",
+                                       algos=("dpo",))
+    clip_eps_low: float = opt(0.2, "lower clip of the token importance ratio: 1 - eps", "train",
+                               algos=TOKEN_CLIP_ALGOS)
+    clip_eps_high: float = opt(0.28, "upper clip of the token importance ratio: 1 + eps", "train",
+                                algos=TOKEN_CLIP_ALGOS)
+    gspo_clip_eps: float = opt(3e-4, "GSPO sequence-level ratio clip", "train", algos=("gspo",))
+    kl_coef: float = opt(0.0, "KL penalty to the reference policy (0 = no reference model)", "train",
+                           algos=RL_ALGOS)
+    kl_estimator: str = opt("k3", "KL estimator", "train", choices=KL_ESTIMATORS, algos=RL_ALGOS,
+                            needs="kl")
+    entropy_coef: float = opt(0.0, "entropy bonus", "train", algos=TOKEN_CLIP_ALGOS)
+    advantage_std_norm: bool = opt(True, "divide group advantages by the group reward std", "train",
+                                   algos=GROUP_ALGOS)
+    tis_cap: float = opt(2.0, "truncated importance sampling cap on rollout/trainer mismatch (0 = off)", "train",
+                          algos=TOKEN_CLIP_ALGOS)
     loss_agg: str = opt("token-mean", "how token losses are aggregated over the global batch", "train",
-                        choices=LOSS_AGGS)
-    filter_zero_variance_groups: bool = opt(False, "drop groups whose rewards are all equal", "train")
-    critic_lr: Optional[float] = opt(None, "PPO critic learning rate", "train", default_help="--lr")
-    gamma: float = opt(1.0, "PPO discount", "train")
-    gae_lambda: float = opt(0.95, "PPO GAE lambda", "train")
-    value_clip: float = opt(0.2, "PPO value-loss clip (0 = off)", "train")
-    dual_clip: float = opt(3.0, "PPO dual-clip constant c > 1 for negative advantages (0 = off)", "train")
-    critic_warmup_steps: int = opt(0, "PPO steps that train only the critic", "train")
-    sft_warmup_steps: int = opt(0, "SFT steps on the rows' `response` before RL starts (grpo, gspo, ppo)", "train")
+                        choices=LOSS_AGGS, algos=TOKEN_CLIP_ALGOS)
+    filter_zero_variance_groups: bool = opt(False, "drop groups whose rewards are all equal", "train",
+                                              algos=GROUP_ALGOS)
+    critic_lr: Optional[float] = opt(None, "PPO critic learning rate", "train", default_help="--lr",
+                                     algos=("ppo",))
+    gamma: float = opt(1.0, "PPO discount", "train", algos=("ppo",))
+    gae_lambda: float = opt(0.95, "PPO GAE lambda", "train", algos=("ppo",))
+    value_clip: float = opt(0.2, "PPO value-loss clip (0 = off)", "train", algos=("ppo",))
+    dual_clip: float = opt(3.0, "PPO dual-clip constant c > 1 for negative advantages (0 = off)", "train",
+                           algos=("ppo",))
+    critic_warmup_steps: int = opt(0, "PPO steps that train only the critic", "train", algos=("ppo",))
+    sft_warmup_steps: int = opt(0, "SFT steps on the rows' `response` before RL starts", "train",
+                                 algos=RL_ALGOS)
     sft_warmup_lr: float = opt(0.0, "peak learning rate of the SFT warm-up steps (0 = --lr); the RL schedule starts "
-                               "fresh after them", "train")
+                               "fresh after them", "train", algos=RL_ALGOS, needs="warmup")
     reward_timeout_s: float = opt(60.0, "seconds one reward_fn call may run before its sample is scored 0.0 as a "
-                                  "failure (0 = no limit)", "train")
+                                  "failure (0 = no limit)", "train", needs="rollout")
     max_reward_failure_steps: int = opt(3, "stop the run (exit 1, after saving) once every reward of this many steps "
-                                        "in a row failed (0 = never)", "train")
+                                        "in a row failed (0 = never)", "train", algos=RL_ALGOS)
 
     def check_rl(self):
         check_sizes(self, ("ppo_epochs",))

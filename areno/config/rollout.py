@@ -30,49 +30,52 @@ class RolloutSection:
     rollout_devices: Optional[list[int]] = opt(
         None, "GPU indices of a separate rollout partition, e.g. 4..7 (split mode: rollout engines run there and the "
         "policy is streamed to them after each optimizer step; needs --train-devices)", "rollout", type=device_list,
-        metavar="IDS", default_help="off: rollout is colocated on the training ranks")
+        metavar="IDS", default_help="off: rollout is colocated on the training ranks", algos=RL_ALGOS)
     rollout_tp_size: Optional[int] = opt(None, "tensor-parallel size of each rollout engine in split mode", "rollout",
-                                         default_help="--tp-size")
+                                         default_help="--tp-size", algos=RL_ALGOS, needs="split")
     max_context_len: Optional[int] = opt(
         None, "agentic rollout: tokens of a whole trajectory (prompt, turns, tool results)", "rollout",
-        default_help="--max-prompt-tokens + --max-new-tokens")
+        default_help="--max-prompt-tokens + --max-new-tokens", algos=GROUP_ALGOS, needs="agent")
     agent_timeout_s: float = opt(300.0, "agentic rollout: seconds one sample's agent may run before it is scored 0.0 "
-                                 "as a failure (0 = no limit)", "rollout")
+                                 "as a failure (0 = no limit)", "rollout", algos=GROUP_ALGOS, needs="agent")
     train_tool_results: bool = opt(False, "agentic rollout: train on tool-result tokens too (by default only the "
-                                   "sampled tokens are trained)", "rollout")
+                                   "sampled tokens are trained)", "rollout", algos=GROUP_ALGOS,
+                                   needs="agent")
     policy_sync_bucket_mb: float = opt(64.0, "split mode: MiB per bucket of the policy streamed to the rollout "
-                                       "engines", "rollout")
+                                       "engines", "rollout", algos=RL_ALGOS, needs="split")
     max_staleness: int = opt(0, "split mode: 0 = on-policy (the rollout waits for the new policy); 1 = one-step-off "
-                             "async (the next rollout runs while this step trains)", "rollout", choices=(0, 1))
+                             "async (the next rollout runs while this step trains)", "rollout", choices=(0, 1),
+                             algos=RL_ALGOS, needs="split")
     max_running_prompts: Optional[int] = opt(
         None, "cap on active rollout sequences (and their KV-cache demand)", "rollout",
-        default_help="the whole rollout batch")
+        default_help="the whole rollout batch", needs="rollout")
     max_prompt_tokens: int = opt(1024, "prompts longer than this are truncated from the left", "rollout")
-    max_new_tokens: int = opt(1024, "maximum generated tokens per completion", "rollout")
-    min_new_tokens: int = opt(0, "minimum generated tokens before EOS/stop may end a completion", "rollout")
-    temperature: float = opt(1.0, "sampling temperature (0 = greedy)", "rollout")
-    top_p: float = opt(1.0, "nucleus sampling threshold in (0, 1]", "rollout")
-    top_k: int = opt(0, "top-k sampling (0 = off)", "rollout")
+    max_new_tokens: int = opt(1024, "maximum generated tokens per completion", "rollout", needs="rollout")
+    min_new_tokens: int = opt(0, "minimum generated tokens before EOS/stop may end a completion", "rollout",
+                             needs="rollout")
+    temperature: float = opt(1.0, "sampling temperature (0 = greedy)", "rollout", algos=RL_ALGOS)
+    top_p: float = opt(1.0, "nucleus sampling threshold in (0, 1]", "rollout", algos=RL_ALGOS)
+    top_k: int = opt(0, "top-k sampling (0 = off)", "rollout", algos=RL_ALGOS)
     min_p: float = opt(0.0, "min-p sampling in [0, 1]: drop tokens less likely than this times the most likely one "
-                       "(after temperature; 0 = off)", "rollout")
+                       "(after temperature; 0 = off)", "rollout", algos=RL_ALGOS)
     repetition_penalty: float = opt(
         1.0, "divide the positive logits (multiply the negative ones) of tokens already in the prompt or completion by "
         "this, before temperature (> 0; 1 = off); rollout log-probs are then those of the penalised distribution",
-        "rollout")
+        "rollout", needs="rollout")
     presence_penalty: float = opt(0.0, "subtract this from the logits of tokens already in the completion, in [-2, 2]"
-                                  " (0 = off)", "rollout")
+                                  " (0 = off)", "rollout", needs="rollout")
     frequency_penalty: float = opt(0.0, "subtract this times a token's count in the completion from its logit, in "
-                                   "[-2, 2] (0 = off)", "rollout")
+                                   "[-2, 2] (0 = off)", "rollout", needs="rollout")
     stop: Optional[list[str]] = opt(None, "stop string (repeat the flag for several)", "rollout", action="append",
-                                    type=str, metavar="TEXT")
+                                    type=str, metavar="TEXT", needs="rollout")
     attn_backend: Optional[str] = opt(
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
-    eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout")
+    eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout", needs="rollout")
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
                             "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "
                             "chain is queued before the current one's tokens are read); 1 = every token",
-                            "rollout")
+                            "rollout", needs="rollout")
 
     @property
     def rollout_tp(self) -> int:
@@ -85,26 +88,16 @@ class RolloutSection:
         return self.rollout_devices is not None
 
     def check_rollout(self):
+        """The values and their combinations (where a flag applies at all is areno.config.applies' check)."""
         check_sizes(self, ("rollout_tp_size", "max_running_prompts", "max_prompt_tokens", "max_new_tokens"))
-        if self.rollout_devices is None and self.rollout_tp_size not in (None, self.tp_size):
-            raise ConfigError("--rollout-tp-size", "applies to split mode only (--rollout-devices); colocated rollout "
-                              "uses --tp-size")
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
         self._check_devices()
         self._check_agent()
         self._check_sampling()
 
-    def _changed(self, name) -> bool:
-        return getattr(self, name) != RolloutSection.__dataclass_fields__[name].default
-
     def _check_agent(self):
         if self.agent_fn is None:
-            for name in ("max_context_len", "agent_timeout_s", "train_tool_results"):
-                if self._changed(name):
-                    raise ConfigError(flag_name(name), "applies to agentic rollout only (--agent-fn)")
             return
-        if self.algo not in GROUP_ALGOS:
-            raise ConfigError("--agent-fn", f"agentic rollout trains with grpo or gspo, not --algo {self.algo}")
         if self.max_staleness:
             raise ConfigError("--max-staleness", "agentic rollout is on-policy: --max-staleness 1 does not apply to "
                               "--agent-fn runs yet")
@@ -116,10 +109,6 @@ class RolloutSection:
         if rollout is not None and train is None:
             raise ConfigError("--rollout-devices", "needs --train-devices too (split mode places both partitions)")
         if train is None:
-            for name in ("policy_sync_bucket_mb", "max_staleness"):
-                if self._changed(name):
-                    raise ConfigError(flag_name(name), "applies to split mode only (--train-devices and "
-                                      "--rollout-devices)")
             return
         for name, devices in (("--train-devices", train), ("--rollout-devices", rollout or [])):
             if len(set(devices)) != len(devices):
@@ -129,9 +118,6 @@ class RolloutSection:
                               f"{len(train)} GPUs (the world size is its length)")
         if rollout is None:
             return
-        if self.algo not in RL_ALGOS:
-            raise ConfigError("--rollout-devices", f"split mode is for online algorithms (grpo, gspo, ppo), not "
-                              f"--algo {self.algo}")
         overlap = sorted(set(train) & set(rollout))
         if overlap:
             raise ConfigError("--rollout-devices", f"overlaps --train-devices on GPU {overlap} (the partitions must "

@@ -5,12 +5,14 @@ needed, `choices`, `type`, `action`, `nargs`/`const` and `default_help`. `areno.
 fields with argparse-dataclass, so this package is the single source of truth for flag names, defaults and checks.
 Each section (one module per `--help` group: basic, rollout, train = optim + rl, memory, checkpoint, multimodal,
 observability) holds its fields and its check method; `__post_init__` runs them all before any work starts and
-raises `ConfigError` naming the flag. Imports nothing heavy: the CLI, `--help` and the SDK's argument checks must
-stay fast.
+raises `ConfigError` naming the flag. Where a field applies (its algorithms, split mode, agentic rollout, ...) is
+declared in its metadata (`algos=`, `needs=`) and checked by `areno.config.applies`. Imports nothing heavy: the
+CLI, `--help` and the SDK's argument checks must stay fast.
 """
 
 from dataclasses import dataclass
 
+from areno.config.applies import check_set
 from areno.config.basic import BasicSection
 from areno.config.checkpoint import CheckpointSection
 from areno.config.memory import MemorySection
@@ -35,6 +37,7 @@ class TrainConfig(ObservabilitySection, MultimodalSection, CheckpointSection, Me
         if self.train_devices is not None and self.world_size == 1:
             self.world_size = len(self.train_devices)  # the world size is the train list's length
         self.check_basic()
+        check_set(self)  # a setting where it does not apply (the algorithms and modes each field declares)
         self.check_rollout()
         self.check_optim()
         self.check_rl()

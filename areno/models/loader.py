@@ -39,7 +39,7 @@ def resolve_model_path(path_or_repo_id: str | os.PathLike) -> Path:
             f"could not resolve model {text!r}: it is not a local folder, and the Hugging Face Hub repo id could not "
             f"be resolved{' (HF_HUB_OFFLINE is set: only ids already in the local cache resolve)' if offline else ''}"
             f" [{type(e).__name__}: {' '.join(str(e).split())}]. Pass a local folder holding config.json and "
-            f"*.safetensors instead, e.g. --model-path /path/to/model (or --ckpt /path/to/model)."
+            f"*.safetensors instead."
         ) from e
 
 
@@ -50,7 +50,10 @@ def check_model_source(flag: str, value) -> Path:
     try:
         path = resolve_model_path(value)
     except FileNotFoundError as e:
-        raise ConfigError(flag, str(e).replace(f"model path {str(value)!r}", f"{str(value)!r}")) from None
+        message = str(e).replace(f"model path {str(value)!r}", f"{str(value)!r}")
+        if message.endswith(" instead."):  # the example names the flag at fault (--ckpt, --ref-ckpt, --model-path)
+            message = f"{message[:-1]}, e.g. {flag} /path/to/model"
+        raise ConfigError(flag, message) from None
     if not (path / "config.json").is_file():
         raise ConfigError(flag, f"{value!r} is a folder without config.json: not a Hugging Face model folder")
     return path
