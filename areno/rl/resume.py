@@ -55,11 +55,6 @@ def checkpoints_to_resume(cfg) -> list[Path]:
     return [path]
 
 
-def checkpoint_to_resume(cfg) -> Path:
-    """The folder --resume names: the latest complete step-N of --save-path, or the given folder (checked)."""
-    return checkpoints_to_resume(cfg)[0]
-
-
 def _load(path: Path, *, model, trainer, device, dtype, tp_group) -> dict:
     """Read one checkpoint into ``model`` and ``trainer``; raises on anything unreadable and on weights that are
     not finite (checked before anything is changed)."""
