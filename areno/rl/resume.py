@@ -44,7 +44,8 @@ def checkpoints_to_resume(cfg) -> list[Path]:
         found = complete_checkpoints(cfg.save_path)
         if not found:
             raise ConfigError("--resume", f"found no complete checkpoint (a step-N folder with its {MARKER} "
-                              f"marker) in {Path(cfg.save_path).expanduser().absolute()}")
+                              f"marker) in {Path(cfg.save_path).expanduser().absolute()}; a run stopped before its "
+                              "first checkpoint starts over when rerun without --resume")
         return found[::-1]
     path = Path(cfg.resume).expanduser()
     if not path.exists() and cfg.save_path and (Path(cfg.save_path).expanduser() / cfg.resume).exists():

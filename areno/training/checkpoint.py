@@ -294,7 +294,9 @@ def recover(save_path) -> list[Path]:
         target = root / f"step-{m.group(1)}"
         if is_complete(target):
             continue
-        if target.exists():  # an incomplete folder under the final name (not written by this module): set aside
+        if target.is_symlink():  # a link under the final name: removed, never followed
+            target.unlink()
+        elif target.exists():  # an incomplete folder under the final name (not written by this module): set aside
             shutil.rmtree(target)
         os.rename(d, target)
         restored.append(target)

@@ -143,3 +143,17 @@ def test_each_run_without_a_save_path_gets_its_own_folder_and_latest_points_at_t
     assert os.readlink("runs/latest") == Path(b).name
     earlier = list(Path("runs").glob("earlier-*/metrics.jsonl"))
     assert len(earlier) == 1  # the old folder kept, not mixed into
+
+
+def test_recover_replaces_a_link_under_the_final_name_without_following_it(tmp_path):
+    from areno.training.checkpoint import recover
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    out = tmp_path / "out"
+    old = checkpoint(out, 1).rename(out / ".step-1.old-999999999-abcd1234")  # a save killed between its renames
+    (out / "step-1").symlink_to(outside, target_is_directory=True)
+    assert recover(out) == [out / "step-1"]
+    assert not (out / "step-1").is_symlink() and (out / "step-1" / "COMPLETE").is_file() and not old.exists()
+    assert (outside / "precious.txt").read_text() == "keep me"
