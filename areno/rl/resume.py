@@ -78,7 +78,7 @@ def restore(cfg, *, model, trainer, device, dtype, tp_group, train_group) -> tup
     folder and its training state. A checkpoint that cannot be read (cut, garbage) or whose weights are not finite
     is refused with a warning and the previous complete one is loaded instead; none left is a ``ConfigError``.
     Checkpoints (and metrics rows) past the loaded step are moved aside (``run_dir.retire_after``)."""
-    from areno.distributed.collectives import gather_objects, group_rank
+    from areno.distributed.collectives import gather_objects
     from areno.training.run_dir import retire_after
 
     if dist.is_initialized():
@@ -99,6 +99,6 @@ def restore(cfg, *, model, trainer, device, dtype, tp_group, train_group) -> tup
     if refused:
         log.warning("resuming from %s, the latest intact checkpoint", path)
     trainer.num_updates = state.get("num_updates", 0)
-    if cfg.save_path and group_rank(train_group) == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+    if cfg.save_path and (dist.get_rank() if dist.is_initialized() else 0) == 0:  # rank 0 owns the save folder
         retire_after(cfg.save_path, state["step"], Path(cfg.metrics_folder) / "metrics.jsonl")
     return path, state
