@@ -177,15 +177,35 @@ def _summary(command: str, config) -> str:
                 f"TP {config.tp_size} (--verbose prints the whole configuration)")
     steps = (f"{config.max_steps} step{'s' * (config.max_steps != 1)}" if config.max_steps
              else f"{config.epochs} epoch{'s' * (config.epochs != 1)}")
-    saved = f", saved to {config.save_path}" if config.save_path else ", nothing saved (no --save-path)"
+    saved = f", checkpoints go to {config.save_path}" if config.save_path else ", nothing saved (no --save-path)"
     where = f"{config.metrics_folder}/config.json"
-    return (f"areno train: {config.algo} on {config.ckpt}, {steps}{saved}; resolved configuration in {where}"
-            f"{'' if config.verbose else ' (--verbose prints it)'}")
+    return (f"areno train: {config.algo} on {config.ckpt}, {steps}{saved}; the resolved configuration goes to "
+            f"{where}{'' if config.verbose else ' (--verbose prints it)'}")
+
+
+def _claimable(parser: ConfigParser, config, argv):
+    """A train run's folders, checked before the summary says where the run goes: a --save-path in use or holding
+    what the run may not replace is refused here, with nothing created (``run_dir.check``; the run claims it under
+    its lock again); a preset's own ``overwrite`` replaces only that preset's previous run. A run naming neither
+    --save-path nor --metrics-dir gets its own runs/<date>-<time>-<pid>."""
+    if not isinstance(config, TrainConfig):
+        return config
+    from areno.training import run_dir
+
+    try:
+        if config.save_path:
+            preset_only = config.preset if config.overwrite and "overwrite" not in parser.parse_explicit(argv) \
+                else None
+            run_dir.check(config.save_path, resume=bool(config.resume), overwrite=config.overwrite,
+                          preset_only=preset_only)
+        return run_dir.default_metrics_folder(config)
+    except ConfigError as e:
+        parser.error(str(e))
 
 
 def _run_config_command(command, options_class, argv, module, name) -> int:
     parser = make_parser(command, options_class)
-    config = parse_config(parser, options_class, argv)
+    config = _claimable(parser, parse_config(parser, options_class, argv), argv)
     print(_summary(command, config), flush=True)
     if config.verbose:
         print(f"areno {command}: resolved configuration\n{format_config(config)}", flush=True)

@@ -16,7 +16,8 @@ class ObservabilitySection:
     """`--help` group observability."""
 
     metrics_dir: Optional[str] = opt(None, "folder for metrics JSON lines and TensorBoard events", "observability",
-                                     metavar="DIR", default_help="<save-path>/metrics, else ./runs/latest")
+                                     metavar="DIR", default_help="<save-path>/metrics, else a new "
+                                     "./runs/<date>-<time>-<pid> per run; runs/latest links the newest")
     log_interval: int = opt(1, "print a metrics line every N steps", "observability")
     verbose: bool = opt(False, "also print the resolved configuration to stdout (it is always written to "
                         "config.json in the metrics folder)", "observability")

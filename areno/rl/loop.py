@@ -62,7 +62,8 @@ class TrainLoop:
         if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
             from areno.training.run_dir import claim
 
-            self.run_dir = claim(cfg.save_path, resume=bool(cfg.resume), overwrite=cfg.overwrite)
+            self.run_dir = claim(cfg.save_path, resume=bool(cfg.resume), overwrite=cfg.overwrite,
+                                 preset=cfg.preset)
         torch.manual_seed(cfg.seed)
         self.device, self.dtype = device_and_dtype(cfg.dtype)
         self.model, self.tokenizer = setup.load_policy(cfg, self.device, self.dtype, g.tp_group, model=self._model,

@@ -3,6 +3,7 @@ policy's weights read back into the live model."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from areno.config import ConfigError
+
+log = logging.getLogger("areno.train")
 
 
 def jsonable(d: dict) -> dict:
@@ -31,37 +34,71 @@ def save(path, *, cfg, model, tokenizer, trainer, state: dict, rollout=None, gro
     return path
 
 
-def checkpoint_to_resume(cfg) -> Path:
-    """The folder --resume names: the latest complete step-N of --save-path, or the given folder (checked)."""
-    from areno.training.checkpoint import MARKER, is_complete, latest_checkpoint
+def checkpoints_to_resume(cfg) -> list[Path]:
+    """The folders --resume may load, best first: with ``latest``, every complete step-N of --save-path, newest
+    first (an unreadable one gives way to the one before); else the one folder it names (checked; a bare name such
+    as ``step-3`` is also looked up in --save-path)."""
+    from areno.training.checkpoint import MARKER, complete_checkpoints, is_complete
 
     if cfg.resume in ("latest", "auto", ""):
-        path = latest_checkpoint(cfg.save_path)
-        if path is None:
+        found = complete_checkpoints(cfg.save_path)
+        if not found:
             raise ConfigError("--resume", f"found no complete checkpoint (a step-N folder with its {MARKER} "
-                              f"marker) in {Path(cfg.save_path).expanduser().absolute()}")
-        return path
+                              f"marker) in {Path(cfg.save_path).expanduser().absolute()}; a run stopped before its "
+                              "first checkpoint starts over when rerun without --resume")
+        return found[::-1]
     path = Path(cfg.resume).expanduser()
+    if not path.exists() and cfg.save_path and (Path(cfg.save_path).expanduser() / cfg.resume).exists():
+        path = Path(cfg.save_path).expanduser() / cfg.resume
     if not is_complete(path):
         why = "does not exist" if not path.exists() else f"is not a complete areno checkpoint (no {MARKER})"
         raise ConfigError("--resume", f"{path.absolute()} {why}")
-    return path
+    return [path]
+
+
+def _load(path: Path, *, model, trainer, device, dtype, tp_group) -> dict:
+    """Read one checkpoint into ``model`` and ``trainer``; raises on anything unreadable and on weights that are
+    not finite (checked before anything is changed)."""
+    from areno.models import load_model
+    from areno.training.checkpoint import load_checkpoint
+
+    fresh = load_model(path, dtype=dtype, device=device, tp_group=tp_group)
+    bad = [name for name, q in fresh.named_parameters() if not torch.isfinite(q).all()]
+    if bad:
+        raise ValueError(f"its weights hold NaN or inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+    state = load_checkpoint(path, optimizer=trainer.optimizer, rank=dist.get_rank() if dist.is_initialized() else 0)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            p.copy_(q)
+    return state
 
 
 def restore(cfg, *, model, trainer, device, dtype, tp_group, train_group) -> tuple[Path, dict]:
     """Load --resume's checkpoint into ``model`` and ``trainer`` (optimizer state, update count); returns the
-    folder and its training state."""
-    from areno.models import load_model
-    from areno.training.checkpoint import load_checkpoint
+    folder and its training state. A checkpoint that cannot be read (cut, garbage) or whose weights are not finite
+    is refused with a warning and the previous complete one is loaded instead; none left is a ``ConfigError``.
+    Checkpoints (and metrics rows) past the loaded step are moved aside (``run_dir.retire_after``)."""
+    from areno.distributed.collectives import gather_objects
+    from areno.training.run_dir import retire_after
 
     if dist.is_initialized():
         dist.barrier(group=train_group)  # rank 0 has recovered the save folder (run_dir.claim) first
-    path = checkpoint_to_resume(cfg)
-    state = load_checkpoint(path, optimizer=trainer.optimizer, rank=dist.get_rank() if dist.is_initialized() else 0)
-    fresh = load_model(path, dtype=dtype, device=device, tp_group=tp_group)
-    with torch.no_grad():
-        for p, q in zip(model.parameters(), fresh.parameters()):
-            p.copy_(q)
-    del fresh
+    refused = []
+    for path in checkpoints_to_resume(cfg):
+        try:
+            state, why = _load(path, model=model, trainer=trainer, device=device, dtype=dtype, tp_group=tp_group), None
+        except Exception as e:  # noqa: BLE001 - any unreadable file: cut, garbage, wrong pickle, NaN
+            state, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        whys = [w for w in gather_objects(why, train_group) if w]  # every rank loads the same step
+        if not whys:
+            break
+        refused.append(f"{path} ({whys[0]})")
+        log.warning("cannot resume from %s: %s", path, whys[0])
+    else:
+        raise ConfigError("--resume", f"found no intact checkpoint to resume from: {'; '.join(refused)}")
+    if refused:
+        log.warning("resuming from %s, the latest intact checkpoint", path)
     trainer.num_updates = state.get("num_updates", 0)
+    if cfg.save_path and (dist.get_rank() if dist.is_initialized() else 0) == 0:  # rank 0 owns the save folder
+        retire_after(cfg.save_path, state["step"], Path(cfg.metrics_folder) / "metrics.jsonl")
     return path, state

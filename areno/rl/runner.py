@@ -57,6 +57,10 @@ def train(config) -> dict:
 def run_train(config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ranks = config.world_size + (len(config.rollout_devices) if config.split else 0)
+    if not launched():  # a run without --save-path / --metrics-dir: its own runs/<time> folder, runs/latest -> it
+        from areno.training.run_dir import link_latest
+
+        link_latest(config)
     if ranks > 1 and not launched():
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
         return launch("areno.distributed.worker", [], ranks, describe=lambda rank: describe_rank(config, rank))

@@ -265,13 +265,19 @@ def load_checkpoint(path, *, optimizer=None, rank: int | None = None, rng: bool 
     return out
 
 
-def latest_checkpoint(save_path) -> Path | None:
-    """The complete ``save_path/step-{N}`` with the highest N (None if there is none)."""
+def complete_checkpoints(save_path) -> list[Path]:
+    """The complete ``save_path/step-{N}`` folders, by N (oldest first)."""
     root = Path(save_path).expanduser()
     if not root.is_dir():
-        return None
+        return []
     found = {int(m.group(1)): d for d in root.iterdir() if (m := _STEP.fullmatch(d.name)) and is_complete(d)}
-    return found[max(found)] if found else None
+    return [found[n] for n in sorted(found)]
+
+
+def latest_checkpoint(save_path) -> Path | None:
+    """The complete ``save_path/step-{N}`` with the highest N (None if there is none)."""
+    found = complete_checkpoints(save_path)
+    return found[-1] if found else None
 
 
 def recover(save_path) -> list[Path]:
@@ -288,7 +294,9 @@ def recover(save_path) -> list[Path]:
         target = root / f"step-{m.group(1)}"
         if is_complete(target):
             continue
-        if target.exists():  # an incomplete folder under the final name (not written by this module): set aside
+        if target.is_symlink():  # a link under the final name: removed, never followed
+            target.unlink()
+        elif target.exists():  # an incomplete folder under the final name (not written by this module): set aside
             shutil.rmtree(target)
         os.rename(d, target)
         restored.append(target)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -71,7 +72,9 @@ class MetricsLogger:
         self._purge_step = None
         if self.active:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.metrics_dir / "metrics.jsonl", "a", encoding="utf-8")
+            _end_whole(self.jsonl_path)
+            self._file = open(self.jsonl_path, "ab")
+            self._write_failed = False
 
     @property
     def jsonl_path(self) -> Path:
@@ -82,8 +85,8 @@ class MetricsLogger:
         if not self.active or self._file is None:
             return
         clean = {k: _clean(v) for k, v in metrics.items() if k not in ("step", "time")}
-        self._file.write(json.dumps({"step": int(step), "time": time.time(), **clean}, allow_nan=False) + "\n")
-        self._file.flush()
+        self._append(int(step), (json.dumps({"step": int(step), "time": time.time(), **clean}, allow_nan=False)
+                                 + "\n").encode())
         writer = self._tb()
         if writer is not None:
             for k, v in clean.items():
@@ -102,13 +105,29 @@ class MetricsLogger:
             return
         self._file.close()
         path = self.jsonl_path
-        keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [line for line, rec in read_lines(path) if rec.get("step", 0) <= step]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(keep), encoding="utf-8")
         tmp.replace(path)
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "ab")
         self._purge_step = step + 1
+
+    def _append(self, step: int, line: bytes) -> None:
+        """Write one whole line or none: a write the disk cannot take (full, quota) is cut back to the last whole
+        line and reported once; the run goes on (its checkpoint save reports a full disk on its own terms)."""
+        end = self._file.seek(0, 2)
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as e:
+            try:
+                self._file = _reopen_cut(self._file, end)
+            except OSError:
+                pass
+            if not self._write_failed:
+                log.warning("could not write step %d's metrics line to %s (%s): the file keeps its whole lines up "
+                            "to there; later lines are tried again", step, self.jsonl_path, e.strerror or e)
+            self._write_failed = True
 
     def _tb(self):
         if not self.tensorboard:
@@ -139,9 +158,59 @@ class MetricsLogger:
         self.close()
 
 
+def _end_whole(path: Path) -> None:
+    """Cut a last line left unfinished (a kill or a full disk mid-write) off ``path``, with a warning, so the next
+    line appended starts a line of its own."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size == 0 or (f.seek(size - 1), f.read(1))[1] == b"\n":
+                return
+            f.seek(0)
+            keep = f.read().rfind(b"\n") + 1
+    except FileNotFoundError:
+        return
+    os.truncate(path, keep)
+    log.warning("%s: dropped its last line, cut short at %d bytes by a kill or a full disk", path, size - keep)
+
+
+def _reopen_cut(f, end: int):
+    """``f`` (binary, append) cut back to ``end`` bytes; the buffered part of a failed write is dropped, not
+    retried at the next flush."""
+    name = f.name
+    try:
+        f.close()
+    except OSError:
+        pass  # closing flushes the failed buffer again: it fails again and is discarded
+    os.truncate(name, end)
+    return open(name, "ab")
+
+
+def read_lines(jsonl_path) -> list[tuple[str, dict]]:
+    """The (line, record) pairs of a metrics.jsonl. A line that is not a JSON object (a write cut by a full disk or
+    a kill) is dropped with a warning naming the file and line, so a resume or a plot never fails on it."""
+    out, bad = [], []
+    with open(jsonl_path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict):
+                out.append((line if line.endswith("\n") else line + "\n", rec))
+            else:
+                bad.append(n)
+    if bad:
+        log.warning("%s: dropped %d line%s that %s not whole JSON records (line %s; a write cut short by a full "
+                    "disk or a kill)", jsonl_path, len(bad), "s" * (len(bad) > 1), "are" if len(bad) > 1 else "is",
+                    ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else ""))
+    return out
+
+
 def read_metrics(jsonl_path) -> list[dict]:
-    with open(jsonl_path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [rec for _, rec in read_lines(jsonl_path)]
 
 
 def reward_band(records: list[dict], key: str = "reward_mean") -> tuple[list, list, list] | None:

@@ -123,7 +123,7 @@ def test_a_folder_with_another_runs_files_needs_resume_or_overwrite(files, tmp_p
     out = tmp_path / "out"
     assert run(capsys, args(files, reward, out, "--save-interval", "1", steps=3))[0] == 0
     code, _, err = run(capsys, args(files, reward, out, steps=1))
-    assert code == 2 and "already holds another run's files" in err and "--overwrite" in err
+    assert code == 2 and "already holds an earlier run" in err and "--overwrite" in err
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["metrics", "step-1", "step-2",
                                                                                    "step-3"]
     code, _, _ = run(capsys, args(files, reward, out, "--overwrite", steps=1))

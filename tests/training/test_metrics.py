@@ -127,3 +127,51 @@ def test_reward_band_uses_logged_per_step_extremes():
     assert lower == pytest.approx([0.0, 0.6, -0.3]) and upper == pytest.approx([1.0, 1.0, -0.1])
     assert _band_of(reward_curve_figure(records)) == (pytest.approx(-0.3), pytest.approx(1.0))
     assert reward_band([{"step": 1, "reward_mean": 0.5}]) is None  # no std logged: no band
+
+
+def test_a_cut_last_line_is_dropped_with_a_warning_on_resume_and_when_read(tmp_path, caplog):
+    folder = tmp_path / "m"
+    with MetricsLogger(folder, tensorboard=False, stdout=False) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"loss": 0.5})
+    path = folder / "metrics.jsonl"
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"step": 4, "loss": 0.')  # a disk that filled mid-line
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert "dropped 1 line that is not" in caplog.text and "line 4" in caplog.text
+    with MetricsLogger(folder, tensorboard=False, stdout=False) as logger:  # the resume: no JSONDecodeError
+        assert "dropped its last line, cut short at 22 bytes" in caplog.text
+        logger.truncate_after(2)
+        logger.log(3, {"loss": 0.25})
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 0.5), (2, 0.5), (3, 0.25)]
+
+
+def test_a_metrics_write_the_disk_cannot_take_leaves_only_whole_lines(tmp_path, caplog):
+    import errno
+
+    folder = tmp_path / "m"
+    logger = MetricsLogger(folder, tensorboard=False, stdout=False)
+    logger.log(1, {"loss": 0.5})
+    real = logger._file
+
+    class Full:  # writes half the line, then the disk is full
+        name = real.name
+
+        def seek(self, *a):
+            return real.seek(*a)
+
+        def write(self, data):
+            real.write(data[: len(data) // 2])
+            real.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            real.close()
+
+    logger._file = Full()
+    logger.log(2, {"loss": 0.25, "note": "x" * 100})
+    assert "could not write step 2's metrics line" in caplog.text and "No space left" in caplog.text
+    logger.log(3, {"loss": 0.125})  # the disk has room again
+    logger.close()
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 3]
