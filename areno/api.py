@@ -228,6 +228,11 @@ class Trainer:
         from areno.rl.runner import is_rollout_rank, serve_rollout_rank
 
         config = self._train_config()
+        if not launched():  # no folder named: the run's own runs/<time> metrics folder, runs/latest -> it (as the CLI)
+            from areno.training.run_dir import default_metrics_folder, link_latest
+
+            config = default_metrics_folder(config)
+            link_latest(config)
         ranks = self.world_size + (len(config.rollout_devices) if config.split else 0)
         if ranks > 1 and not launched():
             raise RuntimeError(f"{ranks} ranks from the SDK need one process each: start the script with "

@@ -53,3 +53,18 @@ def trainer_logits(path, ids):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+
+
+def test_sdk_without_a_metrics_dir_gets_its_own_run_folder(tmp_path, monkeypatch):
+    """Like `areno train`, a Trainer given no metrics_dir / save_path writes to its own runs/<date>-<time>-<pid> and
+    points runs/latest at it (two scripts never interleave their rows in one folder)."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3", seed=0)
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(world_size=1, model_path=ckpt, backend_type=CUDA, dtype="float32", lr=1e-3, tensorboard=False,
+                      custom_config=CudaConfig(tp_size=1, max_running_prompts=8, runtime={"attn_backend": "native"}))
+    with trainer:
+        trainer.init()
+        folder = trainer.loop.cfg.metrics_dir
+    latest = tmp_path / "runs" / "latest"
+    assert folder and folder.startswith("runs/") and folder != "runs/latest"
+    assert latest.is_symlink() and latest.resolve() == (tmp_path / folder).resolve()
