@@ -226,7 +226,8 @@ def collect_checks() -> list[Check]:
     nvidia = nvidia_driver_present()
     gpus = gpu_list(torch)
     steps = [
-        _check_python, lambda: _check_platform(gpus), lambda: _check_torch(torch, nvidia), lambda: _check_gpus(torch, gpus, nvidia),
+        _check_python, lambda: _check_platform(gpus), lambda: _check_torch(torch, nvidia),
+        lambda: _check_gpus(torch, gpus, nvidia),
         lambda: _check_triton(gpus), _check_attention, _check_core_deps, _check_optional_deps,
         lambda: _check_folder("cache", areno_home(), "set ARENO_HOME to a writable folder"),
         lambda: _check_folder("logs", runs_dir(), "run from a writable folder, or pass --metrics-dir / --save-path"),
