@@ -12,7 +12,7 @@ from areno.training import metrics
 from areno.training.metrics import MetricsLogger, read_metrics, reward_curve_figure
 
 ROOT = Path(__file__).resolve().parents[2]
-pytest.importorskip("matplotlib")
+pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the train extra: bash scripts/install.sh)")
 
 
 def _quickstart_like_metrics(folder):
