@@ -113,9 +113,10 @@ if [ -n "${VIRTUAL_ENV:-}" ]; then
   VENV=$VIRTUAL_ENV
   [ -x "$VENV/bin/python" ] || die "VIRTUAL_ENV=$VENV has no bin/python"
   say "reusing the active virtual environment $VENV"
-  # .venv/bin/... is how the README reaches the environment: point .venv at the active one if it is free
+  # .venv/bin/... is how the README reaches the environment: point .venv at the active one if it is free (absent,
+  # or a link to an environment that no longer exists)
   if [ ! -e "$REPO/.venv" ] && [ "$(cd "$VENV" && pwd -P)" != "$(cd "$REPO" && pwd -P)/.venv" ]; then
-    act ln -s "$VENV" "$REPO/.venv"
+    act ln -sfn "$VENV" "$REPO/.venv"
   fi
 elif [ -x "$REPO/.venv/bin/python" ]; then
   VENV=$REPO/.venv
