@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install areno into a virtual environment and check that it is ready.
 #
-#   bash scripts/install.sh            install; a second run is a fast no-op
+#   bash scripts/install.sh            install what training and serving need; a second run is a fast no-op
+#   bash scripts/install.sh --test     the same plus the test extras (pytest, lm-eval, schemathesis, ruff, ...)
 #   bash scripts/install.sh --dry-run  print the plan, change nothing
 #
 # Steps: platform, Python, venv, torch, areno, kernels, attention setup, `areno check`.
@@ -14,15 +15,17 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 STEPS=8
 DRY_RUN=0
+TEST_EXTRAS=0
 
 usage() {
   cat <<EOF
-usage: bash scripts/install.sh [--dry-run] [--help]
+usage: bash scripts/install.sh [--test] [--dry-run] [--help]
 
-Installs areno (editable, with the test extras) into the active virtual environment, or into .venv in the
-repository (created when missing), then compiles the Triton kernels on a GPU, records the attention setup
-and runs \`areno check\`. Running it again is a fast no-op.
+Installs areno (editable, with what training and serving need) into the active virtual environment, or into
+.venv in the repository (created when missing), then compiles the Triton kernels on a GPU, records the
+attention setup and runs \`areno check\`. Running it again is a fast no-op.
 
+  --test      also install the test extras (pytest, lm-eval, schemathesis, ruff, ...) to run the test suite
   --dry-run   print every step of the plan and change nothing
   --help      show this help
 
@@ -37,10 +40,16 @@ EOF
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
+    --test) TEST_EXTRAS=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "install.sh: unknown option: $arg" >&2; usage >&2; exit 2 ;;
   esac
 done
+
+# setup.cfg's extras: `train` (the reward-curve plot, TensorBoard, the math example's reward) and `serve` are what
+# training and serving need; `test` (pytest, lm-eval, schemathesis, ruff, ...) only the test suite.
+EXTRAS=train,serve
+[ "$TEST_EXTRAS" = 1 ] && EXTRAS=$EXTRAS,test
 
 step() { echo "[$1/$STEPS] $2"; }
 say() { echo "      $*"; }
@@ -55,6 +64,9 @@ probe() { (cd / && "$@"); }
 
 # ---------------------------------------------------------------------------------------------- 1. platform
 step 1 "platform"
+gpu=0
+nvidia_proc=${ARENO_NVIDIA_PROC:-/proc/driver/nvidia}  # overridable so tests can fake a host without the driver
+if nvidia-smi -L >/dev/null 2>&1 || [ -d "$nvidia_proc" ]; then gpu=1; fi
 os_name=$(uname -s)
 arch=$(uname -m)
 proc_version=${ARENO_PROC_VERSION:-/proc/version}  # overridable so tests can fake WSL
@@ -70,7 +82,9 @@ case "$os_name" in
         || die "unsupported platform: WSL1; areno needs WSL2 or native Linux (wsl --set-version <distro> 2)"
       wsl=" (WSL2)"
     fi
-    say "Linux $arch$wsl: CUDA backend" ;;
+    if [ "$gpu" = 1 ]; then say "Linux $arch$wsl: CUDA backend"
+    else say "Linux $arch$wsl: no NVIDIA GPU: the native PyTorch path on the CPU (the CUDA backend needs an NVIDIA GPU)"
+    fi ;;
   Darwin)
     [ "$arch" = arm64 ] && die "macOS arm64 selects the MLX backend: the MLX backend is not part of this build; use Linux with an NVIDIA GPU"
     die "unsupported platform: macOS $arch; areno supports Linux x86_64/aarch64 (WSL2 included)" ;;
@@ -99,9 +113,10 @@ if [ -n "${VIRTUAL_ENV:-}" ]; then
   VENV=$VIRTUAL_ENV
   [ -x "$VENV/bin/python" ] || die "VIRTUAL_ENV=$VENV has no bin/python"
   say "reusing the active virtual environment $VENV"
-  # .venv/bin/... is how the README reaches the environment: point .venv at the active one if it is free
+  # .venv/bin/... is how the README reaches the environment: point .venv at the active one if it is free (absent,
+  # or a link to an environment that no longer exists)
   if [ ! -e "$REPO/.venv" ] && [ "$(cd "$VENV" && pwd -P)" != "$(cd "$REPO" && pwd -P)/.venv" ]; then
-    act ln -s "$VENV" "$REPO/.venv"
+    act ln -sfn "$VENV" "$REPO/.venv"
   fi
 elif [ -x "$REPO/.venv/bin/python" ]; then
   VENV=$REPO/.venv
@@ -120,9 +135,6 @@ fi
 
 # ------------------------------------------------------------------------------------------------ 4. torch
 step 4 "PyTorch"
-gpu=0
-nvidia_proc=${ARENO_NVIDIA_PROC:-/proc/driver/nvidia}  # overridable so tests can fake a host without the driver
-if nvidia-smi -L >/dev/null 2>&1 || [ -d "$nvidia_proc" ]; then gpu=1; fi
 # What the CPU path is for, said the same way wherever the installer mentions it.
 cpu_path="the CPU runs the native PyTorch path: the tests, and training and serving the quickstart and tiny models; real model sizes need an NVIDIA GPU"
 # torch's version and CUDA build, read from torch/version.py without importing torch (that takes seconds).
@@ -182,18 +194,18 @@ else
 fi
 
 # ------------------------------------------------------------------------------------------------ 5. areno
-step 5 "areno (editable, with the test extras)"
+step 5 "areno (editable, extras $EXTRAS)"
 stamp_file=$VENV/.areno-install-stamp
-stamp=$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" <(echo "$REPO") | sha256sum | cut -d' ' -f1)
+stamp=$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" <(echo "$REPO $EXTRAS") | sha256sum | cut -d' ' -f1)
 installed_from=""
 if [ -x "$VPY" ]; then
   installed_from=$(probe "$VPY" -c 'import areno, os; print(os.path.dirname(os.path.dirname(os.path.realpath(areno.__file__))))' 2>/dev/null || true)
 fi
 if [ "$(cat "$stamp_file" 2>/dev/null || true)" = "$stamp" ] && [ "$installed_from" = "$REPO" ]; then
   say "already installed from $REPO and up to date: nothing to do"
-elif [ -n "$installed_from" ] && probe "$VPY" -m areno.platform installed "$REPO" >/dev/null 2>&1; then
+elif [ -n "$installed_from" ] && probe "$VPY" -m areno.platform installed "$REPO" --extras "$EXTRAS" >/dev/null 2>&1; then
   # Installed from this checkout by other means, every requirement met: no pip (which may need the network).
-  say "already installed from $REPO with every requirement of setup.cfg met: nothing to do"
+  say "already installed from $REPO with every requirement of setup.cfg (extras $EXTRAS) met: nothing to do"
   if [ "$DRY_RUN" = 1 ]; then say "would write $stamp_file"; else echo "$stamp" > "$stamp_file"; fi
 else
   pip_args=(install --upgrade-strategy only-if-needed)
@@ -222,7 +234,7 @@ v = tuple(int(x) for x in s.__version__.split(".")[:2])
 sys.exit(not (v >= (70, 1) or (v >= (64, 0) and u.find_spec("wheel"))))' 2>/dev/null; then
     pip_args+=(--no-build-isolation)
   fi
-  act "$VPY" -m pip "${pip_args[@]}" -e "$REPO[test]"
+  act "$VPY" -m pip "${pip_args[@]}" -e "$REPO[$EXTRAS]"
   if [ "$DRY_RUN" = 1 ]; then say "would write $stamp_file"; else echo "$stamp" > "$stamp_file"; fi
 fi
 

@@ -91,7 +91,7 @@ def test_dry_run_changes_nothing(tmp_path):
     assert not home.exists()  # no setup record either
     for n in range(1, 9):
         assert f"[{n}/8] " in out.stdout
-    assert "(WSL2): CUDA backend" in out.stdout
+    assert "Linux x86_64 (WSL2): " in out.stdout or "Linux aarch64 (WSL2): " in out.stdout
     assert "would record it in" in out.stdout or "unchanged in" in out.stdout
     assert out.stdout.rstrip().endswith("check")  # the last step is planned, not run
 
@@ -212,3 +212,43 @@ def test_help():
     assert "the CPU trains and serves the quickstart and tiny models" in " ".join(out.stdout.split())
     out = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown option: --bogus" in out.stderr
+
+
+@pytest.mark.parametrize("flags, extras", [((), "train,serve"), (("--test",), "train,serve,test")])
+def test_main_install_leaves_out_the_test_extras(tmp_path, torchless_venv, flags, extras):
+    """The README's first command installs what training and serving need; only `--test` (its second command) adds
+    the test extras (lm-eval, schemathesis, ruff, ...)."""
+    bin_dir = tmp_path / "bin"
+    shim(bin_dir, "nvidia-smi", "exit 1\n")
+    shim(bin_dir, "curl", "exit 0\n")
+    env, _ = venv_env(PATH=f"{bin_dir}:{os.environ['PATH']}", VIRTUAL_ENV=str(torchless_venv),
+                      ARENO_NVIDIA_PROC=str(tmp_path / "no-driver"), ARENO_HOME=str(tmp_path / "home"))
+    out = install("--dry-run", *flags, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"[5/8] areno (editable, extras {extras})" in out.stdout
+    plan = [line for line in out.stdout.splitlines() if "would run:" in line and " -e " in line]
+    assert len(plan) == 1 and plan[0].endswith(f" -e {REPO}[{extras}]"), plan
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    main = {r.split("#")[0].split(">")[0].split("<")[0].split("=")[0].strip() for extra in ("train", "serve")
+            for r in cfg.get("options.extras_require", extra).splitlines()} - {""}
+    assert {"matplotlib", "tensorboard", "fastapi", "uvicorn"} <= main
+    assert not main & {"pytest", "lm-eval", "schemathesis", "ruff", "hypothesis"}
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_platform_step_names_the_cuda_backend_only_with_a_gpu(tmp_path, gpu):
+    bin_dir = tmp_path / "bin"
+    shim(bin_dir, "nvidia-smi", 'echo "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n' if gpu else "exit 1\n")
+    env, _ = venv_env(PATH=f"{bin_dir}:{os.environ['PATH']}", ARENO_NVIDIA_PROC=str(tmp_path / "no-driver"),
+                      ARENO_HOME=str(tmp_path / "home"))
+    out = install("--dry-run", env=env, timeout=120)
+    step1 = out.stdout.split("[1/8] platform\n")[1].split("[2/8]")[0].strip()
+    arch = os.uname().machine
+    if gpu:
+        assert step1 == f"Linux {arch}: CUDA backend", out.stdout
+    else:
+        assert step1 == (f"Linux {arch}: no NVIDIA GPU: the native PyTorch path on the CPU (the CUDA backend "
+                         "needs an NVIDIA GPU)"), out.stdout

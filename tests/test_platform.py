@@ -154,6 +154,18 @@ def test_check_says_what_a_cpu_host_is_for():
         "2.9.0+cpu (CPU build: the native path for tests, the quickstart and tiny models)")
 
 
+def test_platform_line_names_the_cuda_backend_only_with_a_gpu(monkeypatch):
+    """A host without a CUDA device runs the native PyTorch path: its platform line must not read "CUDA backend"."""
+    monkeypatch.setattr(C._platform, "system", lambda: "Linux")
+    monkeypatch.setattr(C._platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(C, "wsl_version", lambda: None)
+    cpu = C._check_platform([])
+    assert cpu.status == "OK" and cpu.detail == (
+        "Linux x86_64: CPU, the native PyTorch path (the CUDA backend needs an NVIDIA GPU)")
+    gpu = C._check_platform([{"index": 0, "name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139}])
+    assert gpu.status == "OK" and gpu.detail == "Linux x86_64: CUDA backend"
+
+
 def test_check_reads_the_record(home, capsys):
     P.record_setup()
     assert C.run_check([]) == 0

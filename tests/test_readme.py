@@ -1,8 +1,11 @@
-"""The README's test command is what CI runs: keep .ci/run and the README in step; the quickstart's figures are the
-measured seeds' and the story's numbers are the preset's."""
+"""README claims: its test command is what CI runs; the quickstart's ranges are the ones tests/quickstart checks and
+the story's numbers are the preset's; every flag it names exists; its commands parse; the bring-your-own-data example
+runs (on a tiny checkpoint); the reward record's fields are the record's."""
 
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,19 +24,18 @@ def _bash_blocks(text):
 
 
 def test_readme_opens_with_two_setup_commands_and_ci_runs_the_test_one():
+    """The first command installs what training and serving need and runs the quickstart; the second adds the test
+    extras and runs the suite, exactly as CI does."""
     blocks = _bash_blocks((ROOT / "README.md").read_text())
     install, tests = blocks[0], blocks[1]
-    assert install.startswith("bash scripts/install.sh") and "\n" not in install
-    assert "pytest" in tests and "\n" not in tests
+    assert install.startswith("bash scripts/install.sh && ") and "--test" not in install and "\n" not in install
+    assert tests.startswith("bash scripts/install.sh --test && ") and "pytest" in tests and "\n" not in tests
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci.splitlines(), "the README's test command must be the one .ci/run runs"
 
 
 # ------------------------------------------------------------------------------------- the quickstart's figures
-# "seed 0 (the default) 66.5% -> 99.5%": one figure per measured seed; "before RL 64.0% to 69.0%": a stated range.
-SEED_FIGURE = re.compile(r"seed (\d+)( \(the default\))? (\d+(?:\.\d)?)% -> (\d+(?:\.\d)?)%")
-RANGE = re.compile(r"(before|after) RL (\d+(?:\.\d)?)% to (\d+(?:\.\d)?)%")
-COMMAND = "areno train --preset quickstart --seed N"
+RANGES = re.compile(r"checks before RL (\d+\.\d)% to (\d+\.\d)%, after RL (\d+\.\d)% to (\d+\.\d)%")
 
 
 def quickstart_section(text=None) -> str:
@@ -42,34 +44,17 @@ def quickstart_section(text=None) -> str:
     return " ".join(text[start : text.index("\n## ", start + 1)].split())
 
 
-def quickstart_figures(text=None) -> dict:
-    """The held-out accuracy figures the README quotes for the quickstart: per seed (seed, before, after) with the
-    default seed first, and the stated before/after ranges over them."""
-    section = quickstart_section(text)
-    seeds = [(int(s), float(b), float(a), bool(d)) for s, d, b, a in SEED_FIGURE.findall(section)]
-    ranges = {f"{which}_range": (float(lo), float(hi)) for which, lo, hi in RANGE.findall(section)}
-    assert seeds and set(ranges) == {"before_range", "after_range"}, "the README's quickstart figures are missing"
-    default = [s for s, _, _, d in seeds if d]
-    return {"seeds": [s for s, _, _, _ in seeds], "default": default, "figures": {s: (b, a) for s, b, a, _ in seeds},
-            **ranges}
-
-
-def test_readme_quickstart_figures_are_the_measured_seeds_and_their_range():
-    """Each measured seed is quoted with the command that measures it, the default seed is the config's default,
-    and the stated ranges are exactly those of the per-seed figures (tests/quickstart runs the default seed and
-    checks it lies in them)."""
+def test_readme_quotes_the_ranges_the_quickstart_test_checks():
+    """Per-seed figures differ between CPUs (66.5%, 68.5% and 76.0% for seed 0 on three machines): the README quotes
+    the ranges tests/quickstart checks, for the seed it runs, the config's default."""
     from areno.config import TrainConfig
+    from tests.quickstart.test_quickstart import AFTER_RL, BEFORE_RL
 
-    q = quickstart_figures()
     section = quickstart_section()
-    assert COMMAND in section
-    assert q["seeds"] == list(range(len(q["seeds"]))) and len(q["seeds"]) >= 3, q["seeds"]
-    assert q["default"] == [TrainConfig.__dataclass_fields__["seed"].default] == [q["seeds"][0]]
-    befores = [b for b, _ in q["figures"].values()]
-    afters = [a for _, a in q["figures"].values()]
-    assert q["before_range"] == (min(befores), max(befores)) and q["after_range"] == (min(afters), max(afters))
-    # 200 held-out problems: every figure is a multiple of 0.5%
-    assert all((2 * x) == int(2 * x) for x in befores + afters)
+    found = RANGES.findall(section)
+    assert len(found) == 1, "the README must quote the quickstart test's before/after ranges once"
+    assert tuple(map(float, found[0])) == (*BEFORE_RL, *AFTER_RL)
+    assert f"seed {TrainConfig.__dataclass_fields__['seed'].default}, the default" in section
 
 
 def test_readme_quickstart_describes_the_preset(monkeypatch):
@@ -88,3 +73,112 @@ def test_readme_quickstart_describes_the_preset(monkeypatch):
     assert f"carry in {round(100 * task.DEFAULTS['teacher_error'])}% of them" in section
     assert cfg.metrics_dir is None and "runs/quickstart/metrics/metrics.jsonl" in section
     assert cfg.save_path == "runs/quickstart"
+
+
+# --------------------------------------------------------------------------------------------- flags and commands
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?:-\*)?")
+OTHER_TOOLS = {"--index-url"}  # pip's, in the GPU install command
+
+
+def _areno_flags() -> set[str]:
+    from areno.cli import make_parser
+    from areno.config import ServeConfig, TrainConfig
+
+    flags = set()
+    for command, options in (("train", TrainConfig), ("serve", ServeConfig)):
+        for action in make_parser(command, options)._actions:
+            flags.update(action.option_strings)
+    usage = (ROOT / "scripts" / "install.sh").read_text()
+    flags.update(re.findall(r"^\s+(--[a-z-]+)\)", usage, re.M))  # the installer's options
+    return flags
+
+
+def test_every_flag_the_readme_names_exists():
+    known = _areno_flags() | OTHER_TOOLS
+    assert {"--test", "--dry-run", "--world-size", "--port"} <= known
+    missing = set()
+    for flag in FLAG.findall((ROOT / "README.md").read_text()):
+        if flag.endswith("-*"):  # a family, e.g. --unfreeze-mm-*
+            if not any(k.startswith(flag[:-1]) for k in known):
+                missing.add(flag)
+        elif flag not in known:
+            missing.add(flag)
+    assert not missing, f"the README names flags no command has: {sorted(missing)}"
+
+
+def _commands(text: str, prefix: str) -> list[list[str]]:
+    """The README's bash commands that start with ``prefix``, continuation lines joined, as argv lists."""
+    import shlex
+
+    joined = (" ".join(block.replace("\\\n", " ").split()) for block in _bash_blocks(text))
+    return [shlex.split(command) for command in joined if command.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from areno.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("readme") / "ckpt", family="qwen3", seed=0)
+
+
+def test_the_readmes_train_commands_parse(tiny_ckpt, tmp_path, monkeypatch):
+    """Every `areno train` command of the README is a valid configuration (the hub checkpoint swapped for a tiny
+    local one; the data files of the own-data example written first)."""
+    from areno.cli import make_parser, parse_config
+    from areno.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text(_own_data()[0])
+    (tmp_path / "reward.py").write_text(_own_data()[1])
+    for name in ("dataset_loader.py", "math_verify_reward.py"):
+        (tmp_path / "examples" / "math").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "examples" / "math" / name).write_text((ROOT / "examples" / "math" / name).read_text())
+    commands = _commands((ROOT / "README.md").read_text(), "areno train --ckpt")
+    assert len(commands) >= 3, commands  # GSM8K on one GPU, on a node, the own-data example
+    for argv in commands:
+        argv = [str(tiny_ckpt) if a == "Qwen/Qwen3-0.6B" else a for a in argv[2:]]
+        cfg = parse_config(make_parser("train", TrainConfig), TrainConfig, argv)
+        assert cfg.ckpt == str(tiny_ckpt)
+
+
+# ------------------------------------------------------------------------------------------------ your own data
+def _own_data() -> tuple[str, str, list[str]]:
+    """The README's own-data example: the data.jsonl rows, reward.py, and the command's argv."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Your own data")
+    section = text[start : text.index("\n## ", start + 1)]
+    rows = section.split("```json\n", 1)[1].split("```", 1)[0]
+    reward = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (argv,) = _commands(section, "areno train")
+    return rows, reward, argv
+
+
+def test_the_own_data_example_runs(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """The README's rows, reward and command, as written, on a tiny checkpoint for one short step."""
+    from areno.cli import main
+
+    rows, reward, argv = _own_data()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text(rows)
+    (tmp_path / "reward.py").write_text(reward)
+    assert argv[:2] == ["areno", "train"] and "Qwen/Qwen3-0.6B" in argv
+    argv = [str(tiny_ckpt) if a == "Qwen/Qwen3-0.6B" else a for a in argv[1:]]
+    small = ["--max-steps", "1", "--n-samples", "2", "--mini-bs", "4", "--max-new-tokens", "4", "--dtype", "float32"]
+    assert main([*argv, *small, "--no-tensorboard"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy: before RL" in out  # the "split": "eval" row is held out
+    assert (tmp_path / "runs" / "mine" / "step-1" / "config.json").exists()
+
+
+def test_the_readme_explains_prompts_and_the_reward_record():
+    from dataclasses import fields
+
+    from areno.rl.rewards import RewardRecord
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "a list of chat messages goes through the checkpoint's chat template" in text
+    assert "a string is raw text, tokenized as it is, with no template" in text
+    record = text[text.index("The reward record:") :].split(". It returns")[0]
+    for f in fields(RewardRecord):
+        assert f"`{f.name}`" in record, f"the README's reward record misses {f.name}"
+    assert "`source .venv/bin/activate`" in text

@@ -37,6 +37,11 @@ def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = 
         "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--module", module, *argv,
     ])
+    # torchrun's own default for its ranks (one OpenMP thread each), set here so it does not print its banner
+    # about it; a value the user set is kept.
+    omp_default = "OMP_NUM_THREADS" not in os.environ and nproc > 1
+    if omp_default:
+        os.environ["OMP_NUM_THREADS"] = "1"
     try:
         run(args)
     except SignalException as exc:
@@ -52,4 +57,7 @@ def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = 
         if not failures:
             print(f"areno: a rank failed: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if omp_default:
+            os.environ.pop("OMP_NUM_THREADS", None)
     return 0

@@ -88,17 +88,20 @@ def _check_python() -> Check:
     return Check("OK", "python", detail)
 
 
-def _check_platform() -> Check:
+def _check_platform(gpus: list[dict]) -> Check:
+    """The platform and what runs on it: the CUDA backend with a CUDA device, the native PyTorch path without."""
     system, machine = _platform.system(), _platform.machine()
     try:
         backend = select_backend()
     except BackendUnavailable as e:
         return Check("FAIL", "platform", str(e), "run areno on Linux x86_64/aarch64 with an NVIDIA GPU")
     wsl = " (WSL2)" if system == "Linux" and wsl_version() == 2 else ""
+    runs = (f"{backend.upper()} backend" if gpus else
+            f"CPU, the native PyTorch path (the {backend.upper()} backend needs an NVIDIA GPU)")
     if machine not in ("x86_64", "aarch64"):
-        return Check("WARN", "platform", f"{system} {machine}: {backend.upper()} backend on an untested architecture",
+        return Check("WARN", "platform", f"{system} {machine}: {runs} on an untested architecture",
                      "areno is tested on Linux x86_64 and aarch64")
-    return Check("OK", "platform", f"{system} {machine}{wsl}: {backend.upper()} backend")
+    return Check("OK", "platform", f"{system} {machine}{wsl}: {runs}")
 
 
 def _check_torch(torch, nvidia: bool) -> Check:
@@ -223,7 +226,8 @@ def collect_checks() -> list[Check]:
     nvidia = nvidia_driver_present()
     gpus = gpu_list(torch)
     steps = [
-        _check_python, _check_platform, lambda: _check_torch(torch, nvidia), lambda: _check_gpus(torch, gpus, nvidia),
+        _check_python, lambda: _check_platform(gpus), lambda: _check_torch(torch, nvidia),
+        lambda: _check_gpus(torch, gpus, nvidia),
         lambda: _check_triton(gpus), _check_attention, _check_core_deps, _check_optional_deps,
         lambda: _check_folder("cache", areno_home(), "set ARENO_HOME to a writable folder"),
         lambda: _check_folder("logs", runs_dir(), "run from a writable folder, or pass --metrics-dir / --save-path"),

@@ -248,16 +248,20 @@ def plot_reward_curve(jsonl_path, png_path, key: str = "reward_mean", title: str
 
 def reward_curve_figure(records: list[dict], key: str = "reward_mean", *, title: str | None = None,
                         since: float | None = None, source=None):
-    """The matplotlib figure ``plot_reward_curve`` saves."""
+    """The matplotlib figure ``plot_reward_curve`` saves: ``key`` per step, for reward_mean its ±std band and the
+    held-out accuracy the run prints (before RL at step 0, each evaluation, after RL); the legend below the plot."""
+    if logging.getLogger("matplotlib").level == logging.NOTSET:  # no INFO lines (font cache) in the run's output
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    records = [r for r in records if r.get(key) is not None and (since is None or r.get("time", since) >= since)]
+    everything = [r for r in records if since is None or r.get("time", since) >= since]
+    records = [r for r in everything if r.get(key) is not None]
     if not records:
         raise ValueError(f"{source or 'the metrics'} has no {key!r} values to plot")
     records.sort(key=lambda r: r["step"])
     steps, values = [r["step"] for r in records], [r[key] for r in records]
-    fig = Figure(figsize=(7, 4), dpi=120)
+    fig = Figure(figsize=(7, 4.6), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.plot(steps, values, marker="o" if len(records) < 40 else None, lw=1, alpha=0.6, label=key)
@@ -269,10 +273,30 @@ def reward_curve_figure(records: list[dict], key: str = "reward_mean", *, title:
         avg = [sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1])
                for i in range(len(values))]
         ax.plot(steps, avg, lw=2, label=f"moving average ({w})")
+    held_out = eval_points(everything) if key == "reward_mean" else []
+    if held_out:
+        xs, ys = zip(*held_out)
+        ax.plot(xs, ys, marker="s", ls="--", lw=1.5, color="C3", label="held-out accuracy (greedy)")
+        labels = [(held_out[0], (4, -12))] + ([(held_out[-1], (-34, 7))] if len(held_out) > 1 else [])
+        for (x, y), offset in labels:  # the headline's figures: before RL, and the last evaluation
+            ax.annotate(f"{y:.1%}", (x, y), textcoords="offset points", xytext=offset, color="C3", fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(key)
     ax.set_title(title or f"{key} over training")
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", ncols=2, frameon=False, fontsize=9)  # below the axes, off the data
     return fig
+
+
+def eval_points(records: list[dict]) -> list[tuple[int, float]]:
+    """The held-out accuracy a run logged, as (step, accuracy) in step order: before RL at step 0
+    (``eval_accuracy_before``), each ``eval_accuracy`` and the final ``eval_accuracy_after`` (at its step)."""
+    points = {}
+    for r in sorted(records, key=lambda r: r["step"]):
+        if r.get("eval_accuracy_before") is not None:
+            points[0] = r["eval_accuracy_before"]
+        if r.get("eval_accuracy") is not None:
+            points[r["step"]] = r["eval_accuracy"]
+        if r.get("eval_accuracy_after") is not None:
+            points[r["step"]] = r["eval_accuracy_after"]
+    return sorted(points.items())

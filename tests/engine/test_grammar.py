@@ -126,7 +126,7 @@ def test_engine_mixed_batch(ckpt, tok):
 def test_engine_grammar_cuda(ckpt, tok):
     """On the GPU (bf16, CUDA graphs for the free batches, xgrammar's Triton mask kernel): grammar rows beside free
     rows give schema-valid JSON; once the grammar rows finish, the free rows go back to graph replay."""
-    pytest.importorskip("xgrammar", reason="structured outputs need the xgrammar package")
+    pytest.importorskip("xgrammar", reason="needs xgrammar (the serve extra: bash scripts/install.sh)")
     model = load_model(ckpt, dtype=torch.bfloat16, device="cuda")
     engine = Engine(model, tok, EngineConfig(block_size=16, max_running=16, decode_steps=4))
     prompts = [tok.encode("the cat sat"), tok.encode("hello world " * 3)]

@@ -1,10 +1,11 @@
 """`areno train --preset quickstart` through the real command: the reward rises, held-out accuracy rises into the
-range the README quotes, metrics.jsonl and the reward-curve PNG are written under --save-path, and the checkpoint
-loads in areno, transformers and the server.
+ranges below (the README quotes them: tests/test_readme.py), metrics.jsonl and the reward-curve PNG are written under
+--save-path, and the checkpoint loads in areno, transformers and the server.
 
-The end-to-end test runs the README's own command (only --save-path added), so the README's figures cannot drift
-silently: its held-out accuracy before and after RL must lie in the ranges the README states over its measured seeds
-(tests/test_readme.py checks that those ranges are the per-seed figures'). 3 to 3.5 minutes of CPU on one core.
+The end-to-end test runs the README's own command (only --save-path added) on the default seed. The exact accuracy
+varies with the CPU (the SFT stage's float rounding follows its math library: seed 0 has printed 66.5%, 68.5% and
+76.0% before RL on three machines, 100.0% after), so the README quotes these ranges, not one machine's figures.
+3 to 3.5 minutes of CPU on one core.
 """
 
 import json
@@ -20,9 +21,12 @@ from areno import presets
 from areno.cli import make_parser, parse_config
 from areno.config import TrainConfig
 from areno.quickstart import task
-from tests.test_readme import quickstart_figures
+from areno.training.metrics import eval_points
 
 ROOT = Path(__file__).resolve().parents[2]
+# Held-out accuracy (%) of the default seed that the end-to-end test accepts: before RL, after RL.
+BEFORE_RL = (55.0, 85.0)
+AFTER_RL = (90.0, 100.0)
 
 
 @pytest.fixture
@@ -101,14 +105,16 @@ def test_quickstart_end_to_end(areno_home, tmp_path):
     assert last > first and after >= before + 5, (rewards, before, after)
     png = metrics / "reward_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the README's figures: this run (the default seed) lies within the ranges it quotes over the measured seeds
-    readme = quickstart_figures()
-    lo_b, hi_b = readme["before_range"]
-    lo_a, hi_a = readme["after_range"]
-    assert lo_b <= before <= hi_b and lo_a <= after <= hi_a, (
-        f"the quickstart now prints {before:.1f}% -> {after:.1f}%, outside the README's ranges "
-        f"({lo_b}%-{hi_b}% -> {lo_a}%-{hi_a}%, default seed {readme['seeds'][0]}): measure the seeds again and "
-        "update the README")
+    # the plot carries the headline: before RL at step 0, every evaluation, after RL at the last step
+    points = eval_points(records)
+    every = presets.get_preset("quickstart").eval_interval
+    assert points[0] == (0, final["eval_accuracy_before"]) and points[-1] == (rl_steps, final["eval_accuracy_after"])
+    assert [x for x, _ in points[1:-1]] == list(range(every, rl_steps, every))
+    assert "matplotlib" not in out, out[-2000:]
+    # the ranges the README quotes
+    assert BEFORE_RL[0] <= before <= BEFORE_RL[1] and AFTER_RL[0] <= after <= AFTER_RL[1], (
+        f"the quickstart now prints {before:.1f}% -> {after:.1f}%, outside {BEFORE_RL} -> {AFTER_RL}: if the change "
+        "is intended, measure again and update these ranges and the README's")
 
     ckpt = save / f"step-{rl_steps}"
     from areno.models import load_model

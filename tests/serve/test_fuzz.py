@@ -12,7 +12,7 @@ import os
 import httpx
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")
+schemathesis = pytest.importorskip("schemathesis", reason="a test extra: bash scripts/install.sh --test")
 # hypothesis comes with schemathesis; schemathesis' own pytest plugin (lazy schemas) does not run under pytest 9, so
 # each operation's strategy is driven by a plain @given
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -127,7 +127,7 @@ def write_tasks(folder, targets: list[str]) -> None:
 
 @pytest.mark.slow
 def test_lm_eval_run_scores_like_the_training_forward(server, model, tok, eos, tmp_path, monkeypatch):
-    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a test extra: bash scripts/install.sh --test")
     from lm_eval.tasks import TaskManager
 
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
