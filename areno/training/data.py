@@ -457,7 +457,7 @@ class Dropped:
     over_context: int = 0
     longest: int = 0  # the longest prompt measured (tokens), or 0 when only the cheap bound was applied
 
-    def log(self, total: int, max_prompt_tokens: int, max_tokens: int | None) -> None:
+    def log(self, total: int, max_prompt_tokens: int, max_tokens: int | None, label: str = "rows") -> None:
         parts = [f"{self.long_prompt} whose prompt is longer than --max-prompt-tokens {max_prompt_tokens}"
                  + (f" (longest {self.longest} tokens)" if self.longest else "")] if self.long_prompt else []
         if self.over_context:
@@ -467,18 +467,20 @@ class Dropped:
             parts.append(f"{self.empty} with an empty prompt")
         if parts:
             logging.getLogger("areno.train").warning(
-                "dropped %d of %d rows (not truncated): %s", self.empty + self.long_prompt + self.over_context,
-                total, "; ".join(parts))
+                "dropped %d of %d %s (not truncated): %s", self.empty + self.long_prompt + self.over_context,
+                total, label, "; ".join(parts))
 
 
 def tokenize_prompts(rows, tokenizer, media, *, max_prompt_tokens: int, responses=(), prompt_optional=False,
-                     first_index: int = 0, indices=None, max_tokens: int | None = None) -> list[Prompt]:
+                     first_index: int = 0, indices=None, max_tokens: int | None = None,
+                     label: str = "rows") -> list[Prompt]:
     """``rows`` as Prompts: prompt ids (images through ``media``, a ``DatasetMedia``) and the ``responses`` fields'
     ids. A row is dropped, never truncated, and counted in one warning line when its prompt is empty (unless
     ``prompt_optional``) or longer than ``max_prompt_tokens``, or its prompt + a response is longer than
     ``max_tokens`` (the model's context). A text too long to fit at any tokenization (more characters than the
     limit times the longest token) is dropped before it is tokenized, so one huge row costs no time or memory.
-    ``indices``: each row's place in the dataset (default ``first_index`` + position)."""
+    ``indices``: each row's place in the dataset (default ``first_index`` + position); ``label``: what the warning
+    calls the rows."""
     out, dropped = [], Dropped()
     eos = tokenizer.eos_token_id
     per_token = max_token_chars(tokenizer)
@@ -511,5 +513,5 @@ def tokenize_prompts(rows, tokenizer, media, *, max_prompt_tokens: int, response
             media.forget(index)
             continue
         out.append(Prompt(r, index, ids, has_media, answers))
-    dropped.log(len(rows), max_prompt_tokens, max_tokens)
+    dropped.log(len(rows), max_prompt_tokens, max_tokens, label)
     return out
