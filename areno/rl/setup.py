@@ -103,6 +103,8 @@ def checkpoint_flag(flag: str, value):
     naming ``flag``, not a traceback."""
     try:
         yield
+    except ConfigError:  # already names its flag
+        raise
     except (OSError, KeyError, ValueError) as e:
         why = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() quotes its message
         raise ConfigError(flag, f"{str(value)!r} cannot be loaded: {why}") from e
