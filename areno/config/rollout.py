@@ -49,7 +49,9 @@ class RolloutSection:
     max_running_prompts: Optional[int] = opt(
         None, "cap on active rollout sequences (and their KV-cache demand)", "rollout",
         default_help="the whole rollout batch", needs="rollout")
-    max_prompt_tokens: int = opt(1024, "prompts longer than this are truncated from the left", "rollout")
+    max_prompt_tokens: int = opt(1024, "a row whose prompt has more tokens is dropped, not truncated (counted in "
+                                 "one warning at start); prompt + --max-new-tokens must fit the model's context",
+                                 "rollout")
     max_new_tokens: int = opt(1024, "maximum generated tokens per completion", "rollout", needs="rollout")
     min_new_tokens: int = opt(0, "minimum generated tokens before EOS/stop may end a completion", "rollout",
                              needs="rollout")

@@ -56,6 +56,7 @@ def check_model_source(flag: str, value) -> Path:
         raise ConfigError(flag, message) from None
     if not (path / "config.json").is_file():
         raise ConfigError(flag, f"{value!r} is a folder without config.json: not a Hugging Face model folder")
+    check_model_config(flag, path)
     return path
 
 
@@ -64,23 +65,46 @@ def check_engine_support(flag: str, value) -> None:
     (``model_class.engine_support``: the reason). Hub ids are checked when the engine loads them."""
     from areno.config import ConfigError
 
-    file = Path(str(value)).expanduser() / "config.json"
-    if not file.is_file():
+    folder = Path(str(value)).expanduser()
+    if not (folder / "config.json").is_file():
         return
-    model_type = json.loads(file.read_text()).get("model_type")
-    try:
-        reason = get_adapter(model_type).model_class.engine_support
-    except ValueError:
-        return  # unsupported model_type: the loader says so
+    model_type = check_model_config(flag, folder).get("model_type")
+    reason = get_adapter(model_type).model_class.engine_support
     if reason:
         raise ConfigError(flag, f"{str(value)!r} is a {model_type} checkpoint: {reason}")
+
+
+def check_model_config(flag: str, folder) -> dict:
+    """The checkpoint's config.json, or a ``ConfigError`` naming ``flag`` and the file in one line: not JSON, not
+    an object, no ``model_type``, or an architecture no adapter knows. Cheap: nothing but the file is read."""
+    from areno.config import ConfigError
+
+    try:
+        raw = read_config(Path(folder))
+        if "model_type" not in raw:
+            raise CheckpointError(f"{Path(folder) / 'config.json'} has no model_type")
+        get_adapter(raw["model_type"])
+    except (OSError, ValueError) as e:
+        raise ConfigError(flag, f"{str(folder)!r} cannot be loaded: {e}") from None
+    return raw
+
+
+class CheckpointError(ValueError):
+    """A model folder that cannot be loaded as it is (config.json unreadable, weights cut short or corrupt, weights
+    that do not match the config); the message names the file and says what is wrong, in one line."""
 
 
 def read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.json; is it a Hugging Face model folder?")
-    return json.loads(file.read_text())
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(raw).__name__}, not an object")
+    return raw
 
 
 def resolve_dtype(dtype, raw_config: dict, device: torch.device) -> torch.dtype:
@@ -103,14 +127,26 @@ class SafetensorsFiles:
 
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
             weight_map = None
         if not files:
             raise FileNotFoundError(f"{path} holds no *.safetensors files")
-        self.handles = {f: stack.enter_context(safe_open(str(path / f), framework="pt", device="cpu")) for f in files}
+        self.handles = {}
+        for f in files:
+            try:
+                self.handles[f] = stack.enter_context(safe_open(str(path / f), framework="pt", device="cpu"))
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{path / f} is missing (named by {index.name})") from None
+            except Exception as e:  # noqa: BLE001 - safetensors' own error type: a cut or corrupt file
+                raise CheckpointError(f"{path / f} is not a readable safetensors file (cut short or corrupt?): "
+                                      f"{' '.join(str(e).split())}") from None
+        self.path = path
         if weight_map is None:
             weight_map = {k: f for f, h in self.handles.items() for k in h.keys()}
         self.weight_map = weight_map
@@ -120,6 +156,9 @@ class SafetensorsFiles:
 
     def read(self, name: str, index: tuple) -> torch.Tensor:
         return self.handles[self.weight_map[name]].get_slice(name)[index]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.handles[self.weight_map[name]].get_slice(name).get_shape())
 
 
 class TensorDict:
@@ -133,6 +172,9 @@ class TensorDict:
 
     def read(self, name: str, index: tuple) -> torch.Tensor:
         return self.tensors[name][index]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.tensors[name].shape)
 
 
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -163,9 +205,10 @@ def load_hf_weights(model: nn.Module, source) -> None:
             if pc.hf_name not in available:
                 missing.append(pc.hf_name)
                 continue
-            param[pc.dst].copy_(source.read(pc.hf_name, pc.src))
+            _copy_piece(param[pc.dst], source, pc)
     if missing:
-        raise KeyError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]} (does "
+                       "config.json match the weights?)")
     for name in sorted(available - expected):  # tensors an adapter holds untouched (e.g. MTP layers)
         if model.keep_hf_tensor(name):
             tensor = source.read(name, (...,)).to(model.embed_tokens.weight.device)
@@ -182,18 +225,39 @@ def load_hf_weights(model: nn.Module, source) -> None:
                        f"{sorted(extra)[:5]}")  # fmt: skip
 
 
+def _copy_piece(dst: torch.Tensor, source, pc) -> None:
+    """One slice of a checkpoint tensor into its parameter; a slice of the wrong shape (weights made for another
+    config) or an unreadable one is a ``CheckpointError`` naming the tensor."""
+    where = getattr(source, "path", None) or "the checkpoint"
+    try:
+        full = tuple(source.shape(pc.hf_name)) if hasattr(source, "shape") else None
+        src = source.read(pc.hf_name, pc.src)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type: a truncated file reads short here
+        raise CheckpointError(f"tensor {pc.hf_name} of {where} cannot be read (cut short or corrupt?): "
+                              f"{' '.join(str(e).split())}") from None
+    have, need = (full, tuple(pc.hf_shape)) if full is not None else (tuple(src.shape), tuple(dst.shape))
+    if have != need:  # the whole tensor: a slice of a larger one would fit and load silently wrong
+        raise CheckpointError(f"tensor {pc.hf_name} of {where} has shape {list(have)} where the model built from "
+                              f"config.json needs {list(need)}: config.json does not match the weights")
+    dst.copy_(src)
+
+
 def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_backend=None):
     """Build an areno model from a Hugging Face folder or repo id (see the module docstring); returned in eval mode."""
     path = resolve_model_path(path_or_repo_id)
     raw = read_config(path)
     if "model_type" not in raw:
-        raise ValueError(f"{path / 'config.json'} has no model_type")
+        raise CheckpointError(f"{path / 'config.json'} has no model_type")
     adapter = get_adapter(raw["model_type"])
     if adapter.check_config is not None:
         adapter.check_config(raw)
     from transformers import AutoConfig
 
-    cfg = adapter.config_from_hf(AutoConfig.from_pretrained(str(path)))
+    try:
+        cfg = adapter.config_from_hf(AutoConfig.from_pretrained(str(path)))
+    except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub validation: a field missing or mistyped
+        raise CheckpointError(f"{path / 'config.json'} cannot be read as a {raw['model_type']} config: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -27,7 +27,7 @@ from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
 from areno.training import multimodal
 from areno.training.batch import Row
-from areno.training.data import Prompt, prompt_ids, response_ids, tokenize_prompts
+from areno.training.data import Prompt, prompt_ids, tokenize_prompts
 from areno.training.multimodal import DatasetMedia, media_limits
 
 log = logging.getLogger("areno.train")
@@ -68,6 +68,7 @@ class TrainLoop:
         self.device, self.dtype = device_and_dtype(cfg.dtype)
         self.model, self.tokenizer = setup.load_policy(cfg, self.device, self.dtype, g.tp_group, model=self._model,
                                                        tokenizer=self._tokenizer)
+        self.context = setup.check_context(cfg, self.model, inputs)  # before any row is tokenized or step run
         self.media = DatasetMedia(cfg.ckpt, cfg.dataset_path, limits=media_limits(cfg))
         self.rows = self._tokenize(inputs.rows)
         self.eval_data = self._tokenize(inputs.eval_rows)
@@ -94,11 +95,12 @@ class TrainLoop:
         if cfg.resume:
             self._resume()
 
-    def _tokenize(self, indexed_rows) -> list[Prompt]:
+    def _tokenize(self, indexed_rows, responses=None, label="rows") -> list[Prompt]:
         return tokenize_prompts([r for _, r in indexed_rows], self.tokenizer, self.media,
-                                max_prompt_tokens=self.cfg.max_prompt_tokens, responses=self.algorithm.responses,
+                                max_prompt_tokens=self.cfg.max_prompt_tokens,
+                                responses=self.algorithm.responses if responses is None else responses,
                                 prompt_optional=self.algorithm.prompt_optional,
-                                indices=[i for i, _ in indexed_rows])
+                                indices=[i for i, _ in indexed_rows], max_tokens=self.context, label=label)
 
     def _ensure_engine(self):
         """The rollout interface, built on first use (SDK runs and SFT/DPO need none until they sample)."""
@@ -146,12 +148,10 @@ class TrainLoop:
         cfg = self.cfg
         if not cfg.sft_warmup_steps or not self.algorithm.needs_reward or self.step_index > 0:
             return {}
-        eos = self.tokenizer.eos_token_id
-        rows = [Prompt(p.row, p.index, p.ids, p.has_media,
-                       {**p.responses, "response": response_ids(self.tokenizer, p.row["response"], eos)})
-                for p in self.rows if p.row.get("response") is not None]
+        rows = self._tokenize([(p.index, p.row) for p in self.rows if p.row.get("response") is not None],
+                              responses=("response",), label="--sft-warmup-steps rows")  # none past the context
         if not rows:
-            raise ConfigError("--sft-warmup-steps", "needs rows with a `response`")
+            raise ConfigError("--sft-warmup-steps", "needs rows with a `response` (that fits the model's context)")
         from areno.training.data import PromptIterator
         from areno.training.schedule import LRSchedule
 

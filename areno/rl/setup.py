@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -84,17 +85,46 @@ def load_policy(cfg, device, dtype, tp_group, *, model=None, tokenizer=None):
     """The policy (in train mode, frozen parts frozen) and its tokenizer; ``model``/``tokenizer``: the SDK's own."""
     from areno.models import load_model, load_tokenizer
 
-    try:
+    with checkpoint_flag("--ckpt", cfg.ckpt):
         model = model or load_model(cfg.ckpt, dtype=dtype, device=device, tp_group=tp_group,
                                     attn_backend=cfg.attn_backend)
         tok = tokenizer or load_tokenizer(cfg.ckpt)
-    except (OSError, KeyError, ValueError) as e:  # missing folder, unresolvable hub id, foreign checkpoint
-        raise ConfigError("--ckpt", f"{cfg.ckpt!r} cannot be loaded: {e}") from e
     multimodal.check_flags(cfg, model)
     multimodal.freeze(model, cfg)  # the tower and projector stay frozen (and in eval mode) unless unfrozen
     model.train()
     model.set_activation_checkpointing(cfg.activation_checkpointing)
     return model, tok
+
+
+@contextmanager
+def checkpoint_flag(flag: str, value):
+    """A checkpoint that cannot be loaded (a missing folder, an unresolvable hub id, a config.json that is not JSON
+    or names an unknown architecture, weights cut short or made for another config) as one ``ConfigError`` line
+    naming ``flag``, not a traceback."""
+    try:
+        yield
+    except ConfigError:  # already names its flag
+        raise
+    except (OSError, KeyError, ValueError) as e:
+        why = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() quotes its message
+        raise ConfigError(flag, f"{str(value)!r} cannot be loaded: {why}") from e
+
+
+def check_context(cfg, model, inputs: UserInputs) -> int:
+    """The model's context (``max_position_embeddings``: the most tokens one sequence may hold), checked at start
+    against what the run will ask of it: a rollout's --max-prompt-tokens + --max-new-tokens and an agent's
+    --max-context-len must fit, or the run stops here with one line instead of an IndexError mid-run."""
+    context = int(model.config.max_position_embeddings)
+    samples = ALGORITHMS[cfg.algo].needs_reward or cfg.split or bool(
+        inputs.eval_rows and (inputs.reward_fn or inputs.agent_fn))  # held-out accuracy is sampled too
+    where = f"the model's context ({context} tokens: max_position_embeddings of {cfg.ckpt or 'the model'})"
+    need = cfg.max_prompt_tokens + cfg.max_new_tokens
+    if samples and need > context:
+        raise ConfigError("--max-new-tokens", f"{cfg.max_new_tokens} + --max-prompt-tokens {cfg.max_prompt_tokens} "
+                                              f"= {need} tokens is more than {where}; lower one of them")
+    if samples and inputs.agent_fn and cfg.max_context_len and cfg.max_context_len > context:
+        raise ConfigError("--max-context-len", f"{cfg.max_context_len} is more than {where}")
+    return context
 
 
 def load_ref(cfg, policy, device, dtype, tp_group):
@@ -103,8 +133,12 @@ def load_ref(cfg, policy, device, dtype, tp_group):
 
     from areno.models import load_model
 
-    ref = load_model(cfg.ref_ckpt or cfg.ckpt, dtype=dtype, device=device, tp_group=tp_group,
-                     attn_backend=cfg.attn_backend) if (cfg.ref_ckpt or cfg.ckpt) else copy.deepcopy(policy)
+    if cfg.ref_ckpt or cfg.ckpt:
+        with checkpoint_flag("--ref-ckpt" if cfg.ref_ckpt else "--ckpt", cfg.ref_ckpt or cfg.ckpt):
+            ref = load_model(cfg.ref_ckpt or cfg.ckpt, dtype=dtype, device=device, tp_group=tp_group,
+                             attn_backend=cfg.attn_backend)
+    else:
+        ref = copy.deepcopy(policy)
     ref.eval()
     for p in ref.parameters():
         p.requires_grad_(False)
@@ -151,8 +185,9 @@ def make_critic_trainer(cfg, policy, total, device, dtype, groups: Groups) -> Po
     """PPO's value model (--critic-ckpt, else the policy's checkpoint with a value head) and its trainer."""
     from areno.rl.critic import ValueModel
 
-    critic = ValueModel.from_policy(cfg.critic_ckpt or cfg.ckpt, policy, dtype=dtype, device=device,
-                                    tp_group=groups.tp_group)
+    with checkpoint_flag("--critic-ckpt" if cfg.critic_ckpt else "--ckpt", cfg.critic_ckpt or cfg.ckpt):
+        critic = ValueModel.from_policy(cfg.critic_ckpt or cfg.ckpt, policy, dtype=dtype, device=device,
+                                        tp_group=groups.tp_group)
     multimodal.freeze(critic, cfg)
     critic.backbone.set_activation_checkpointing(cfg.activation_checkpointing)
     return make_trainer(cfg, critic, cfg.critic_lr or cfg.lr, total, groups)

@@ -18,6 +18,7 @@ import logging
 import os
 import random
 import socket
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -52,10 +53,26 @@ def load_rows(dataset_path, *, loader_fn=None, split="train", **kwargs) -> list[
         except Exception as e:  # noqa: BLE001 - the user's loader failed: one line naming the flag and where
             raise DatasetError("--dataset-loader-fn", f"load_training_dataset raised {type(e).__name__}: {e}"
                                f"{_user_line(e, loader_fn)}") from e
-        return _as_rows(rows, "--dataset-loader-fn", "load_training_dataset returned")
+        rows = _as_rows(rows, "--dataset-loader-fn", "load_training_dataset returned")
+        return _objects(rows, "--dataset-loader-fn", "load_training_dataset returned row")
     if not dataset_path:
         raise DatasetError(FLAG, "is required (or pass --dataset-loader-fn to build the rows yourself)")
-    return default_loader(dataset_path, split=split, **kwargs)
+    return _objects(default_loader(dataset_path, split=split, **kwargs), FLAG, f"{dataset_path} row")
+
+
+JSON_KINDS = {str: "a JSON string", list: "a JSON array", int: "a JSON number", float: "a JSON number",
+              bool: "a JSON boolean", type(None): "JSON null"}
+
+
+def _objects(rows: list, flag: str, where: str) -> list[dict]:
+    """``rows`` when every one is a dict (an object {"prompt": ...}); else a ``DatasetError`` naming the first that
+    is not, so a stray string or array never reaches the loop as a traceback."""
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            kind = f"a {type(row).__name__}" if flag != FLAG else JSON_KINDS.get(type(row), "not an object")
+            raise DatasetError(flag, f"{where} {i} is {kind} ({str(row)[:60]!r}), not an object like "
+                                     '{"prompt": ..., "answer": ...}')
+    return rows
 
 
 def _user_line(e: BaseException, fn) -> str:
@@ -141,15 +158,28 @@ def _load_file(path: Path) -> list[dict]:
                                              f"(found keys: {', '.join(list(data)[:10])})")
             return _as_rows(data, FLAG, str(path))
         if name.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            return pq.read_table(path).to_pylist()
+            return _parquet_rows(path)
         if name.endswith((".csv", ".csv.gz")):
             with opener(path, "rt", encoding="utf-8", newline="") as f:
                 return [dict(r) for r in csv.DictReader(f)]
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(FLAG, f"cannot read {path}: {type(e).__name__}: {e}") from e
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error, csv.Error) as e:  # cut, corrupt or not text
+        raise DatasetError(FLAG, f"cannot read {path}: {type(e).__name__}: {_first_line(e)}") from e
     raise DatasetError(FLAG, f"{path}: unsupported file type (use {', '.join(DATA_SUFFIXES)})")
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except pyarrow.ArrowException as e:  # a cut or corrupt file, or not parquet at all
+        raise DatasetError(FLAG, f"cannot read {path}: not a readable parquet file ({type(e).__name__}: "
+                                 f"{_first_line(e)})") from e
 
 
 def _json_lines(lines, path) -> list[dict]:
@@ -158,16 +188,24 @@ def _json_lines(lines, path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DatasetError(FLAG, f"{path} line {n} is not valid JSON: {e}") from e
-    return _as_rows(rows, FLAG, str(path))
+        if not isinstance(row, dict):
+            raise DatasetError(FLAG, f"{path} line {n} is {JSON_KINDS.get(type(row), 'not an object')} "
+                                     f"({line.strip()[:60]!r}), not an object like " '{"prompt": ..., "answer": ...}')
+        rows.append(row)
+    return rows
 
 
 def _load_saved(path: Path, split: str) -> list[dict]:
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many types for a cut or corrupt folder
+        raise DatasetError(FLAG, f"cannot read the `datasets` folder {path}: {type(e).__name__}: "
+                                 f"{_first_line(e)}") from e
     if isinstance(ds, datasets.DatasetDict):
         if split in ds:
             ds = ds[split]
@@ -384,28 +422,96 @@ def response_ids(tokenizer, response, eos: int | None) -> list[int]:
     return ids + ([eos] if eos is not None else [])
 
 
+def text_chars(value) -> int:
+    """Characters of text in a prompt or response: a string, or chat messages' text contents (image parts: none)."""
+    if isinstance(value, str):
+        return len(value.strip())
+    if isinstance(value, list):
+        total = 0
+        for m in value:
+            content = m.get("content") if isinstance(m, dict) else m
+            if isinstance(content, list):  # parts: {"type": "text", "text": ...} / images
+                total += sum(len(str(p.get("text") or "")) for p in content if isinstance(p, dict))
+            elif content is not None:
+                total += len(str(content).strip())
+        return total
+    return 0
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters one token of ``tokenizer`` can stand for (its longest vocabulary entry), None when the
+    tokenizer does not list its vocabulary. A text of n characters needs at least n / this many tokens."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return max((len(t) for t in vocab if isinstance(t, str)), default=0) or None
+
+
+@dataclass
+class Dropped:
+    """Rows ``tokenize_prompts`` left out, by reason (one warning line names them all)."""
+
+    empty: int = 0
+    long_prompt: int = 0
+    over_context: int = 0
+    longest: int = 0  # the longest prompt measured (tokens), or 0 when only the cheap bound was applied
+
+    def log(self, total: int, max_prompt_tokens: int, max_tokens: int | None, label: str = "rows") -> None:
+        parts = [f"{self.long_prompt} whose prompt is longer than --max-prompt-tokens {max_prompt_tokens}"
+                 + (f" (longest {self.longest} tokens)" if self.longest else "")] if self.long_prompt else []
+        if self.over_context:
+            parts.append(f"{self.over_context} whose prompt + response is longer than the model's context "
+                         f"({max_tokens} tokens)")
+        if self.empty:
+            parts.append(f"{self.empty} with an empty prompt")
+        if parts:
+            logging.getLogger("areno.train").warning(
+                "dropped %d of %d %s (not truncated): %s", self.empty + self.long_prompt + self.over_context,
+                total, label, "; ".join(parts))
+
+
 def tokenize_prompts(rows, tokenizer, media, *, max_prompt_tokens: int, responses=(), prompt_optional=False,
-                     first_index: int = 0, indices=None) -> list[Prompt]:
+                     first_index: int = 0, indices=None, max_tokens: int | None = None,
+                     label: str = "rows") -> list[Prompt]:
     """``rows`` as Prompts: prompt ids (images through ``media``, a ``DatasetMedia``) and the ``responses`` fields'
-    ids; a row whose prompt is empty (unless ``prompt_optional``) or longer than ``max_prompt_tokens`` is dropped
-    with one warning. ``indices``: each row's place in the dataset (default ``first_index`` + position)."""
-    out, dropped = [], 0
+    ids. A row is dropped, never truncated, and counted in one warning line when its prompt is empty (unless
+    ``prompt_optional``) or longer than ``max_prompt_tokens``, or its prompt + a response is longer than
+    ``max_tokens`` (the model's context). A text too long to fit at any tokenization (more characters than the
+    limit times the longest token) is dropped before it is tokenized, so one huge row costs no time or memory.
+    ``indices``: each row's place in the dataset (default ``first_index`` + position); ``label``: what the warning
+    calls the rows."""
+    out, dropped = [], Dropped()
     eos = tokenizer.eos_token_id
+    per_token = max_token_chars(tokenizer)
+    room = max_tokens if max_tokens is not None else float("inf")
+
+    def too_long(value, limit) -> bool:  # certainly more than ``limit`` tokens (4x slack for normalisers)
+        return per_token is not None and text_chars(value) > 4 * per_token * limit
+
     for k, r in enumerate(rows):
         index = indices[k] if indices is not None else first_index + k
-        has_media = media.has_media(r.get("prompt"))
-        if has_media:  # images: the processor's ids (placeholders expanded)
+        ids, has_media = None, media.has_media(r.get("prompt"))
+        if too_long(r.get("prompt"), max_prompt_tokens):
+            dropped.long_prompt += 1
+        elif has_media:  # images: the processor's ids (placeholders expanded)
             ids = media.encode(r["prompt"], index).input_ids
         elif r.get("prompt") is not None or not prompt_optional:
             ids = prompt_ids(tokenizer, r["prompt"])
         else:
             ids = []
-        if len(ids) > max_prompt_tokens or (not prompt_optional and not ids):
-            dropped += 1
+        if ids is not None and len(ids) > max_prompt_tokens:
+            dropped.long_prompt, dropped.longest, ids = dropped.long_prompt + 1, max(dropped.longest, len(ids)), None
+        elif ids is not None and not prompt_optional and not ids:
+            dropped.empty, ids = dropped.empty + 1, None
+        answers = {}
+        if ids is not None:
+            answers = {f: None if too_long(r[f], room) else response_ids(tokenizer, r[f], eos) for f in responses}
+            if any(a is None or len(ids) + len(a) > room for a in answers.values()):
+                dropped.over_context, ids = dropped.over_context + 1, None
+        if ids is None:
             media.forget(index)
             continue
-        out.append(Prompt(r, index, ids, has_media, {k: response_ids(tokenizer, r[k], eos) for k in responses}))
-    if dropped:
-        logging.getLogger("areno.train").warning(
-            "dropped %d rows whose prompt is empty or longer than --max-prompt-tokens %d", dropped, max_prompt_tokens)
+        out.append(Prompt(r, index, ids, has_media, answers))
+    dropped.log(len(rows), max_prompt_tokens, max_tokens, label)
     return out

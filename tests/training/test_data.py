@@ -88,6 +88,37 @@ def test_bad_json_line_is_located(tmp_path):
         load_rows(str(p))
 
 
+def test_a_row_that_is_not_an_object_is_one_line_naming_where(tmp_path):
+    # a .jsonl line that is a JSON string (or array, number, null): before, it reached the loop and crashed there
+    for line, kind in (('"just text"', "a JSON string"), ("[1, 2]", "a JSON array"), ("7", "a JSON number"),
+                       ("null", "JSON null")):
+        p = tmp_path / "rows.jsonl"
+        p.write_text('{"prompt": "a"}\n\n' + line + '\n{"prompt": "b"}\n')
+        with pytest.raises(DatasetError, match=rf"^--dataset-path: \S*rows.jsonl line 3 is {kind} ") as e:
+            load_rows(str(p))
+        assert "\n" not in str(e.value)
+    (tmp_path / "rows.json").write_text('[{"prompt": "a"}, "b"]')  # a JSON array of rows
+    with pytest.raises(DatasetError, match=r"rows.json row 1 is a JSON string \('b'\), not an object"):
+        load_rows(str(tmp_path / "rows.json"))
+    with pytest.raises(DatasetError, match=r"^--dataset-loader-fn: load_training_dataset returned row 0 is a str "):
+        load_rows(None, loader_fn=lambda path, *, default_loader: ["a prompt"])
+
+
+def test_cut_or_corrupt_data_files_are_one_line_naming_the_file(tmp_path):
+    good = _write(tmp_path / "good.parquet", ROWS, "parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(good[: len(good) // 2])
+    (tmp_path / "noise.parquet").write_bytes(bytes(range(256)) * 8)
+    gz = tmp_path / "cut.jsonl.gz"
+    import gzip
+
+    whole = gzip.compress(("".join(json.dumps(r) + "\n" for r in ROWS) * 50).encode())
+    gz.write_bytes(whole[: len(whole) // 2])
+    for name in ("cut.parquet", "noise.parquet", "cut.jsonl.gz"):
+        with pytest.raises(DatasetError, match=rf"^--dataset-path: cannot read \S*{name}: ") as e:
+            load_rows(str(tmp_path / name))
+        assert "\n" not in str(e.value)
+
+
 def test_hub_reference_offline_fails_fast_and_clearly(monkeypatch):
     monkeypatch.setattr(data, "_hub_reachable", lambda timeout=0: False)
     t0 = time.perf_counter()
@@ -239,3 +270,51 @@ def test_tokenize_prompts_wraps_rows_without_mutating_them():
     assert [p.ids for p in prompts] == [[2, 3], [4, 2]]
     assert [p.responses for p in prompts] == [{"response": [1, 0]}, {"response": [2, 2, 0]}]
     assert media.forgotten == [5]  # the too-long row was dropped
+
+
+class _VocabTokenizer(_WordTokenizer):
+    """Word tokenizer whose longest vocabulary entry is 5 characters; records the length of every text encoded."""
+
+    def __init__(self):
+        self.seen = []
+
+    def get_vocab(self):
+        return {"hello": 0, "a": 1}
+
+    def encode(self, text, add_special_tokens=False):
+        self.seen.append(len(text))
+        return super().encode(text)
+
+
+def test_a_huge_row_is_dropped_before_it_is_tokenized(caplog):
+    # one 50 MB dataset line cost 75 s and 9.9 GB in the tokenizer before it was dropped: a text with more characters
+    # than (limit x the longest token) cannot fit and is dropped without being tokenized
+    huge = "a " * 20_000_000
+    rows = [{"prompt": huge, "response": "b"}, {"prompt": "aa bb", "response": "b"}, {"prompt": "x", "response": huge},
+            {"prompt": [{"role": "user", "content": huge}], "response": "b"}]
+    tok, media = _VocabTokenizer(), _NoMedia()
+    with caplog.at_level("WARNING", logger="areno.train"):
+        prompts = data.tokenize_prompts(rows, tok, media, max_prompt_tokens=64, responses=("response",),
+                                        prompt_optional=True, max_tokens=2048)
+    assert [p.index for p in prompts] == [1]
+    assert max(tok.seen) < 1000  # the huge texts never reached the tokenizer
+    assert "dropped 3 of 4 rows (not truncated): 2 whose prompt is longer than --max-prompt-tokens 64; 1 whose " \
+           "prompt + response is longer than the model's context (2048 tokens)" in caplog.text
+
+
+def test_rows_longer_than_the_context_are_dropped_and_counted_not_truncated(caplog):
+    # SFT/DPO rows: prompt + response past the model's context crashed the step (IndexError in the rotary table)
+    from areno.config.rollout import RolloutSection
+
+    rows = [{"prompt": "a b", "response": "c d e"}, {"prompt": "a", "response": "b " * 9},
+            {"prompt": "a " * 7, "response": "b"}, {"prompt": "", "response": "c"}, {"prompt": "a", "response": "b"}]
+    with caplog.at_level("WARNING", logger="areno.train"):
+        prompts = data.tokenize_prompts(rows, _WordTokenizer(), _NoMedia(), max_prompt_tokens=6,
+                                        responses=("response",), max_tokens=8)
+    assert [p.index for p in prompts] == [0, 4]
+    assert [len(p.ids) + len(p.responses["response"]) for p in prompts] == [6, 3]  # ids + EOS, untruncated
+    assert ("dropped 3 of 5 rows (not truncated): 1 whose prompt is longer than --max-prompt-tokens 6 (longest 7 "
+            "tokens); 1 whose prompt + response is longer than the model's context (8 tokens); 1 with an empty "
+            "prompt") in caplog.text
+    help_text = RolloutSection.__dataclass_fields__["max_prompt_tokens"].metadata["help"]
+    assert "dropped, not truncated" in help_text and "truncated from the left" not in help_text
