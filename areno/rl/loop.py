@@ -25,7 +25,7 @@ from areno.rl import resume, setup
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
-from areno.training import multimodal
+from areno.training import multimodal, plugins
 from areno.training.batch import Row
 from areno.training.data import Prompt, prompt_ids, response_ids, tokenize_prompts
 from areno.training.multimodal import DatasetMedia, media_limits
@@ -270,6 +270,8 @@ class TrainLoop:
     def _check_reward_failures(self, m: dict, saved: bool) -> None:
         """Stop (after saving) once every reward of ``--max-reward-failure-steps`` steps in a row failed."""
         cfg = self.cfg
+        if m.get("stuck_calls", 0) >= plugins.STUCK_CALL_LIMIT:  # hung plugin calls: stop before more threads leak
+            self._stop_stuck(m["stuck_calls"], saved)
         if "samples" not in m or not cfg.max_reward_failure_steps:
             return
         all_failed = m["samples"] > 0 and m["reward_failures"] >= m["samples"]
@@ -285,6 +287,19 @@ class TrainLoop:
                        f"{self.step_index}): --reward-fn-path {cfg.reward_fn_path} raised, timed out (> "
                        f"--reward-timeout-s {cfg.reward_timeout_s:g}) or returned no number on every sample (its "
                        f"first traceback is logged above){kept}")
+
+    def _stop_stuck(self, stuck: int, saved: bool) -> None:
+        cfg = self.cfg
+        if cfg.save_path and not saved:
+            self.save()
+        which = f"--agent-fn {cfg.agent_fn} (> --agent-timeout-s {cfg.agent_timeout_s:g})" if cfg.agent_fn else ""
+        if cfg.reward_fn_path:
+            which += (" or " if which else "") + (f"--reward-fn-path {cfg.reward_fn_path} (> --reward-timeout-s "
+                                                  f"{cfg.reward_timeout_s:g})")
+        kept = f"; the run is saved at {self.last_save} (fix the hang, then --resume)" if cfg.save_path else ""
+        raise RunError(f"stopping after step {self.step_index}: {stuck} calls of {which or 'the plugins'} are stuck "
+                       "past their timeout, each holding a thread (a blocking call with no timeout of its own?)"
+                       f"{kept}")
 
     def _dump(self, rows: list[Row], m: dict) -> None:
         """``--rollout-dump-dir``: this step's rows as JSON lines (rank 0)."""
