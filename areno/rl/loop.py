@@ -284,22 +284,16 @@ class TrainLoop:
         kept = f"; the run is saved at {self.last_save} (fix the reward function, then --resume)" if cfg.save_path \
             else ""
         raise RunError(f"stopping: every reward failed in the last {n} steps (steps {self.step_index - n + 1}-"
-                       f"{self.step_index}): --reward-fn-path {cfg.reward_fn_path} raised, timed out (> "
-                       f"--reward-timeout-s {cfg.reward_timeout_s:g}) or returned no number on every sample (its "
-                       f"first traceback is logged above){kept}")
+                       f"{self.step_index}): {_plugins(cfg)} raised, timed out or returned no number on every "
+                       f"sample (its first traceback is logged above){kept}")
 
     def _stop_stuck(self, stuck: int, saved: bool) -> None:
         cfg = self.cfg
         if cfg.save_path and not saved:
             self.save()
-        which = f"--agent-fn {cfg.agent_fn} (> --agent-timeout-s {cfg.agent_timeout_s:g})" if cfg.agent_fn else ""
-        if cfg.reward_fn_path:
-            which += (" or " if which else "") + (f"--reward-fn-path {cfg.reward_fn_path} (> --reward-timeout-s "
-                                                  f"{cfg.reward_timeout_s:g})")
         kept = f"; the run is saved at {self.last_save} (fix the hang, then --resume)" if cfg.save_path else ""
-        raise RunError(f"stopping after step {self.step_index}: {stuck} calls of {which or 'the plugins'} are stuck "
-                       "past their timeout, each holding a thread (a blocking call with no timeout of its own?)"
-                       f"{kept}")
+        raise RunError(f"stopping after step {self.step_index}: {stuck} calls of {_plugins(cfg)} are stuck past "
+                       f"their timeout, each holding a thread (a blocking call with no timeout of its own?){kept}")
 
     def _dump(self, rows: list[Row], m: dict) -> None:
         """``--rollout-dump-dir``: this step's rows as JSON lines (rank 0)."""
@@ -386,3 +380,11 @@ class TrainLoop:
         if self.run_dir is not None:
             self.run_dir.release()
             self.run_dir = None
+
+
+def _plugins(cfg) -> str:
+    """The user code that scores samples, for a stop line: the agent and/or the reward function, with timeouts."""
+    named = [f"--agent-fn {cfg.agent_fn} (> --agent-timeout-s {cfg.agent_timeout_s:g})"] if cfg.agent_fn else []
+    if cfg.reward_fn_path or not named:
+        named.append(f"--reward-fn-path {cfg.reward_fn_path} (> --reward-timeout-s {cfg.reward_timeout_s:g})")
+    return " or ".join(named)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from areno.config import TrainConfig
+from areno.config import RunError, TrainConfig
 from areno.rl.loop import TrainLoop
 from areno.testing import make_tiny_checkpoint
 from areno.training.plugins import stuck_calls
@@ -333,3 +333,25 @@ def test_a_turn_past_the_context_ends_its_sample_and_the_run_goes_on(files):
         assert m["samples"] == 4 and m["agent_context_overflows"] == 4 and "loss" in m
     finally:
         loop.close()
+
+
+NAN_ALWAYS = """
+async def run_agent(ctx, batch):
+    for item in batch.iter_samples():
+        await ctx.client(item).chat.completions.create(model="policy", messages=item.messages, max_tokens=2)
+        return float("nan")
+"""
+
+
+def test_an_agent_whose_rewards_are_always_nan_stops_the_run_with_a_line_naming_it_and_a_checkpoint(files, tmp_path):
+    ckpt, data, root = files
+    agent = agent_file(root, NAN_ALWAYS, "nan_always")
+    loop = make_loop(files, agent, max_reward_failure_steps=1, max_steps=3, save_path=str(tmp_path / "out"))
+    try:
+        with pytest.raises(RunError) as stop:  # before: every update skipped, exit 0
+            loop.run()
+    finally:
+        loop.close()
+    assert f"--agent-fn {agent}" in str(stop.value) and "--reward-fn-path" not in str(stop.value)
+    assert "every reward failed in the last 1 steps" in str(stop.value)
+    assert (tmp_path / "out" / "step-1" / "COMPLETE").is_file()
