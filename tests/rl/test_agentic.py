@@ -258,6 +258,7 @@ def test_nan_inf_string_and_huge_agent_rewards_are_failures_and_the_rest_still_t
 
 BLOCKING = """
 import os, time
+import httpx
 
 async def run_agent(ctx, batch):
     for item in batch.iter_samples():
@@ -265,6 +266,11 @@ async def run_agent(ctx, batch):
         if item.prompt_index == 0 and item.sample_index == 0:
             while not os.path.exists(FLAG):  # a blocking call: time.sleep inside the coroutine
                 time.sleep(0.05)
+            # woken after its timeout (a synchronous call: its task's cancellation waits for the next await)
+            reply = httpx.post(ctx.base_url + "/chat/completions", json={"messages": item.messages},
+                               headers={"authorization": f"Bearer {ctx.api_key}", "X-Areno-Session": item.id})
+            with open(FLAG + ".code", "w") as f:
+                f.write(f"{reply.status_code} {reply.json()['error']['code']}")
         return 1.0
 """
 
@@ -292,6 +298,7 @@ def test_a_blocking_agent_times_out_and_its_thread_is_counted_until_it_ends(file
         while stuck_calls.count() and time.monotonic() < deadline:  # released: its thread ends and leaves the count
             time.sleep(0.05)
         assert stuck_calls.count() == 0
+        assert (tmp_path / "release.code").read_text() == "400 sample_ended"  # its later call is refused
     finally:
         flag.touch()
         loop.close()

@@ -10,7 +10,15 @@ import traceback
 import uuid
 
 from areno.config import SamplingParams
-from areno.rl.agentic.session import AgentBatch, AgentContext, AgentItem, Generation, Session, max_token_bytes
+from areno.rl.agentic.session import (
+           AgentBatch,
+           AgentContext,
+           AgentError,
+           AgentItem,
+           Generation,
+           Session,
+           max_token_bytes,
+)
 from areno.rl.agentic.threads import AgentThread
 from areno.rl.rewards import record_from, reward_value, score, shown
 from areno.training.batch import Row
@@ -62,6 +70,8 @@ class AgentRollout:
             max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)), min_new_tokens=0,
             stop=stop if isinstance(stop, str) else stop or cfg.stop)
         # split mode: the session's engine (by its key), always the same one (its prefix cache)
+        if self._tokens is None:
+            raise _no_batch()
         out = await self._tokens.sample(session.tokens, options, session.key)
         ids, lps, finish, stop_text = out["ids"], out["logprobs"], out["finish_reason"], out["stop_text"]
         session.prefilled.append(len(session.tokens) - out["prefix_cached"])
@@ -167,9 +177,13 @@ class AgentRollout:
 
     async def on_loop(self, coro):
         """Await ``coro`` on the rollout's own event loop (the token sampler's), from an agent's thread."""
-        if asyncio.get_running_loop() is self._loop:
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise _no_batch()
+        if asyncio.get_running_loop() is loop:
             return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
     async def _run_one(self, item) -> tuple[float | None, bool]:
         """One sample's agent call on its own thread (a blocking call in it stalls nothing else and the timeout
@@ -180,6 +194,8 @@ class AgentRollout:
             kind, out = await asyncio.wait_for(call.outcome, timeout)
         except asyncio.TimeoutError:
             call.abandon()
+            self.sessions[item.id].end(AgentError(f"this sample has ended: its agent ran past --agent-timeout-s "
+                                                  f"{timeout:g}", "sample_ended"))
             _warn_once(("timeout",), f"agent timed out after --agent-timeout-s {timeout:g}s on prompt "
                        f"{item.prompt_index} sample {item.sample_index}: scored 0.0 (later timeouts counted, not "
                        "logged)")
@@ -191,6 +207,12 @@ class AgentRollout:
                        f"(later ones counted, not logged)\n{''.join(traceback.format_exception(out)).rstrip()}")
             return 0.0, False
         return _reward_of(out, item)
+
+
+def _no_batch() -> AgentError:
+    """The answer to a call that comes after its batch has ended (an abandoned agent that woke up)."""
+    return AgentError("this sample has ended: its rollout batch is over (the agent ran past --agent-timeout-s?)",
+                      "sample_ended")
 
 
 def _reward_of(out, item) -> tuple[float | None, bool]:

@@ -125,6 +125,7 @@ class Session:
         self.samples: list[list[int]] = []  # per turn: the token ids the engine sampled
         self.key = 0  # which split-mode engine serves it
         self.overflowed = False  # a turn passed the context: the sample has ended
+        self.ended: AgentError | None = None  # what every later call of an ended sample is answered with
         self._reset()
 
     def _reset(self):
@@ -215,9 +216,8 @@ class Session:
 
     def _before_turn(self) -> tuple:
         """What a refused turn goes back to; refuses any turn once the sample has ended."""
-        if self.overflowed:
-            raise AgentError(f"this sample has ended: a turn passed --max-context-len {self.max_context_len} (it was "
-                             "refused and nothing of it kept)", "context_length_exceeded", "messages")
+        if self.ended is not None:
+            raise self.ended
         return self.tokens, len(self.tokens), self.history, self.tools
 
     def _check_size(self, messages) -> None:
@@ -235,9 +235,15 @@ class Session:
     def _end(self, needs: str):
         self.finish_reason = "length"
         self.overflowed = True
+        self.end(AgentError(f"this sample has ended: a turn passed --max-context-len {self.max_context_len} (it was "
+                            "refused and nothing of it kept)", "context_length_exceeded", "messages"))
         raise AgentError(f"{needs} before the answer, but the context is limited to --max-context-len "
                          f"{self.max_context_len}; this sample has ended (its trajectory so far is kept, cut)",
                          "context_length_exceeded", "messages")
+
+    def end(self, answer: AgentError) -> None:
+        """No further turn: every later call is refused with ``answer``."""
+        self.ended = answer
 
     def _check_room(self, before: tuple) -> None:
         """A sequence past the context: the turn is undone (the trajectory stays as it was, cut: ``length``), the
