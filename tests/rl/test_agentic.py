@@ -362,3 +362,22 @@ def test_an_agent_whose_rewards_are_always_nan_stops_the_run_with_a_line_naming_
     assert f"--agent-fn {agent}" in str(stop.value) and "--reward-fn-path" not in str(stop.value)
     assert "every reward failed in the last 1 steps" in str(stop.value)
     assert (tmp_path / "out" / "step-1" / "COMPLETE").is_file()
+
+
+def test_a_token_level_turn_past_the_context_is_undone_and_ends_the_session(files):
+    from transformers import AutoTokenizer
+
+    from areno.rl.agentic import AgentError, AgentItem, Session
+
+    tok = AutoTokenizer.from_pretrained(files[0])
+    s = Session(AgentItem({}, [], 0, 0), tok, eos_id=tok.eos_token_id, max_context_len=50, train_tool_results=False)
+    s.extend_tokens([1, 2, 3])
+    s.add_sample([4, 5], [-0.1, -0.2], "stop", None)
+    with pytest.raises(AgentError) as refused:
+        s.extend_tokens([1, 2, 3, 4, 5] + [6] * 100)  # ctx.generate with a context past the limit
+    assert refused.value.code == "context_length_exceeded"
+    assert s.tokens == [1, 2, 3, 4, 5] and s.mask == [0, 0, 0, 1, 1] and s.finish_reason == "length"
+    with pytest.raises(AgentError, match="this sample has ended"):
+        s.extend_tokens([1, 2, 3, 4, 5, 6])
+    (row,) = s.finish()
+    assert row["tokens"] == [1, 2, 3, 4, 5] and row["finish_reason"] == "length"
