@@ -231,13 +231,14 @@ def test_held_out_rows_are_evaluated_through_the_agent_greedily(files):
 
 
 # ---- issue 37: user code that takes the run down costs its sample ------------------------------------------------
-BAD_REWARDS = """
-BAD = {(0, 0): float("nan"), (0, 1): 1.0, (0, 2): float("inf"), (1, 0): "abc", (1, 1): 10**400, (1, 2): 0.5}
-
+ONE_TURN = """
 async def run_agent(ctx, batch):
     for item in batch.iter_samples():
         await ctx.client(item).chat.completions.create(model="policy", messages=item.messages, max_tokens=4)
-        return BAD[item.prompt_index, item.sample_index]
+"""
+BAD_REWARDS = """
+BAD = {(0, 0): float("nan"), (0, 1): 1.0, (0, 2): float("inf"), (1, 0): "abc", (1, 1): 10**400, (1, 2): 0.5}
+""" + ONE_TURN + """        return BAD[item.prompt_index, item.sample_index]
 """
 
 
@@ -259,11 +260,7 @@ def test_nan_inf_string_and_huge_agent_rewards_are_failures_and_the_rest_still_t
 BLOCKING = """
 import os, time
 import httpx
-
-async def run_agent(ctx, batch):
-    for item in batch.iter_samples():
-        await ctx.client(item).chat.completions.create(model="policy", messages=item.messages, max_tokens=4)
-        if item.prompt_index == 0 and item.sample_index == 0:
+""" + ONE_TURN + """        if item.prompt_index == 0 and item.sample_index == 0:
             while not os.path.exists(FLAG):  # a blocking call: time.sleep inside the coroutine
                 time.sleep(0.05)
             # woken after its timeout (a synchronous call: its task's cancellation waits for the next await)
@@ -342,11 +339,7 @@ def test_a_turn_past_the_context_ends_its_sample_and_the_run_goes_on(files):
         loop.close()
 
 
-NAN_ALWAYS = """
-async def run_agent(ctx, batch):
-    for item in batch.iter_samples():
-        await ctx.client(item).chat.completions.create(model="policy", messages=item.messages, max_tokens=2)
-        return float("nan")
+NAN_ALWAYS = ONE_TURN + """        return float("nan")
 """
 
 

@@ -10,15 +10,8 @@ import traceback
 import uuid
 
 from areno.config import SamplingParams
-from areno.rl.agentic.session import (
-           AgentBatch,
-           AgentContext,
-           AgentError,
-           AgentItem,
-           Generation,
-           Session,
-           max_token_bytes,
-)
+from areno.rl.agentic import session as session_module
+from areno.rl.agentic.session import AgentBatch, AgentContext, AgentItem, Generation, Session
 from areno.rl.agentic.threads import AgentThread
 from areno.rl.rewards import record_from, reward_value, score, shown
 from areno.training.batch import Row
@@ -71,7 +64,7 @@ class AgentRollout:
             stop=stop if isinstance(stop, str) else stop or cfg.stop)
         # split mode: the session's engine (by its key), always the same one (its prefix cache)
         if self._tokens is None:
-            raise _no_batch()
+            raise session_module.batch_over()
         out = await self._tokens.sample(session.tokens, options, session.key)
         ids, lps, finish, stop_text = out["ids"], out["logprobs"], out["finish_reason"], out["stop_text"]
         session.prefilled.append(len(session.tokens) - out["prefix_cached"])
@@ -130,7 +123,7 @@ class AgentRollout:
         eos = self.tokenizer.eos_token_id
         self._greedy = greedy
         if self._token_bytes is None:
-            self._token_bytes = max_token_bytes(self.tokenizer)
+            self._token_bytes = session_module.max_token_bytes(self.tokenizer)
         self.sessions = {it.id: Session(it, self.tokenizer, eos_id=eos, max_context_len=self.cfg_max_context(),
                                         train_tool_results=self.cfg.train_tool_results,
                                         max_token_bytes=self._token_bytes) for it in items}
@@ -180,7 +173,7 @@ class AgentRollout:
         loop = self._loop
         if loop is None:
             coro.close()
-            raise _no_batch()
+            raise session_module.batch_over()
         if asyncio.get_running_loop() is loop:
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
@@ -194,8 +187,7 @@ class AgentRollout:
             kind, out = await asyncio.wait_for(call.outcome, timeout)
         except asyncio.TimeoutError:
             call.abandon()
-            self.sessions[item.id].end(AgentError(f"this sample has ended: its agent ran past --agent-timeout-s "
-                                                  f"{timeout:g}", "sample_ended"))
+            self.sessions[item.id].end_timed_out(timeout)
             _warn_once(("timeout",), f"agent timed out after --agent-timeout-s {timeout:g}s on prompt "
                        f"{item.prompt_index} sample {item.sample_index}: scored 0.0 (later timeouts counted, not "
                        "logged)")
@@ -207,12 +199,6 @@ class AgentRollout:
                        f"(later ones counted, not logged)\n{''.join(traceback.format_exception(out)).rstrip()}")
             return 0.0, False
         return _reward_of(out, item)
-
-
-def _no_batch() -> AgentError:
-    """The answer to a call that comes after its batch has ended (an abandoned agent that woke up)."""
-    return AgentError("this sample has ended: its rollout batch is over (the agent ran past --agent-timeout-s?)",
-                      "sample_ended")
 
 
 def _reward_of(out, item) -> tuple[float | None, bool]:

@@ -245,6 +245,11 @@ class Session:
         """No further turn: every later call is refused with ``answer``."""
         self.ended = answer
 
+    def end_timed_out(self, timeout: float) -> None:
+        """Its agent ran past ``--agent-timeout-s``: a call it still makes is refused."""
+        self.end(AgentError(f"this sample has ended: its agent ran past --agent-timeout-s {timeout:g}",
+                            "sample_ended"))
+
     def _check_room(self, before: tuple) -> None:
         """A sequence past the context: the turn is undone (the trajectory stays as it was, cut: ``length``), the
         sample ends and the agent gets a 400."""
@@ -270,6 +275,12 @@ class Session:
     def finish(self) -> list[dict]:
         self._close()
         return self.rows
+
+
+def batch_over() -> AgentError:
+    """The answer to a call that comes after its batch has ended (an abandoned agent that woke up)."""
+    return AgentError("this sample has ended: its rollout batch is over (the agent ran past --agent-timeout-s?)",
+                      "sample_ended")
 
 
 def _text(content) -> str:
