@@ -25,7 +25,7 @@ from areno.rl import resume, setup
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
-from areno.training import multimodal
+from areno.training import multimodal, plugins
 from areno.training.batch import Row
 from areno.training.data import Prompt, prompt_ids, tokenize_prompts
 from areno.training.multimodal import DatasetMedia, media_limits
@@ -271,6 +271,8 @@ class TrainLoop:
     def _check_reward_failures(self, m: dict, saved: bool) -> None:
         """Stop (after saving) once every reward of ``--max-reward-failure-steps`` steps in a row failed."""
         cfg = self.cfg
+        if m.get("stuck_calls", 0) >= plugins.STUCK_CALL_LIMIT:  # hung plugin calls: stop before more threads leak
+            self._stop_stuck(m["stuck_calls"], saved)
         if "samples" not in m or not cfg.max_reward_failure_steps:
             return
         all_failed = m["samples"] > 0 and m["reward_failures"] >= m["samples"]
@@ -283,9 +285,16 @@ class TrainLoop:
         kept = f"; the run is saved at {self.last_save} (fix the reward function, then --resume)" if cfg.save_path \
             else ""
         raise RunError(f"stopping: every reward failed in the last {n} steps (steps {self.step_index - n + 1}-"
-                       f"{self.step_index}): --reward-fn-path {cfg.reward_fn_path} raised, timed out (> "
-                       f"--reward-timeout-s {cfg.reward_timeout_s:g}) or returned no number on every sample (its "
-                       f"first traceback is logged above){kept}")
+                       f"{self.step_index}): {_plugins(cfg)} raised, timed out or returned no number on every "
+                       f"sample (its first traceback is logged above){kept}")
+
+    def _stop_stuck(self, stuck: int, saved: bool) -> None:
+        cfg = self.cfg
+        if cfg.save_path and not saved:
+            self.save()
+        kept = f"; the run is saved at {self.last_save} (fix the hang, then --resume)" if cfg.save_path else ""
+        raise RunError(f"stopping after step {self.step_index}: {stuck} calls of {_plugins(cfg)} are stuck past "
+                       f"their timeout, each holding a thread (a blocking call with no timeout of its own?){kept}")
 
     def _dump(self, rows: list[Row], m: dict) -> None:
         """``--rollout-dump-dir``: this step's rows as JSON lines (rank 0)."""
@@ -372,3 +381,11 @@ class TrainLoop:
         if self.run_dir is not None:
             self.run_dir.release()
             self.run_dir = None
+
+
+def _plugins(cfg) -> str:
+    """The user code that scores samples, for a stop line: the agent and/or the reward function, with timeouts."""
+    named = [f"--agent-fn {cfg.agent_fn} (> --agent-timeout-s {cfg.agent_timeout_s:g})"] if cfg.agent_fn else []
+    if cfg.reward_fn_path or not named:
+        named.append(f"--reward-fn-path {cfg.reward_fn_path} (> --reward-timeout-s {cfg.reward_timeout_s:g})")
+    return " or ".join(named)

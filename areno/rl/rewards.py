@@ -1,14 +1,17 @@
 """Scoring completions with the user's ``reward_fn(record) -> float``.
 
 A reward function that raises (``SystemExit`` and ``KeyboardInterrupt`` included: user code cannot end the run), runs
-longer than ``timeout_s``, or returns something that is not a finite number costs that one sample (reward 0.0), is
+longer than ``timeout_s``, or returns something that is not a finite float (a string, NaN, inf, ``10**400``) costs
+that one sample (reward 0.0), is
 counted in ``failures`` (logged by the loop as ``reward_failures``) and logs its traceback once per distinct exception
 type and location, at WARNING; it never stops the run by itself (the loop stops a run whose rewards all fail for
 ``--max-reward-failure-steps`` steps in a row).
 
 Calls run on daemon worker threads, so a real Ctrl-C still reaches the main thread and a hung call can be abandoned:
 its sample is scored as a failure at the deadline, its thread is left to finish (or not) on its own and a fresh
-worker takes its place; a late result is discarded.
+worker takes its place; a late result is discarded. Abandoned threads are counted while they live
+(``areno.training.plugins.stuck_calls``): with ``STUCK_CALL_LIMIT`` of them no further call starts (those samples
+fail) and the loop stops the run, so a hanging reward cannot leak threads without bound.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import time
 import traceback
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from areno.training.plugins import stuck_calls
 
 log = logging.getLogger("areno.rewards")
 
@@ -126,7 +131,9 @@ def _first(d: dict, *keys):
 
 def score(reward_fn, records, *, workers: int = 1, timeout_s: float | None = None) -> tuple[list[float], int]:
     """Rewards for ``records`` (in order) and how many samples failed (raised, timed out after ``timeout_s`` seconds
-    of one call, or returned a non-finite/non-number), scored by ``workers`` threads."""
+    of one call, or returned a non-finite/non-number), scored by ``workers`` threads. A timed-out call's thread is
+    abandoned (counted in ``stuck_calls`` while it lives); with ``STUCK_CALL_LIMIT`` of them stuck the samples not
+    yet started fail without a call."""
     records = list(records)
     n = len(records)
     rewards, ok = [0.0] * n, [False] * n
@@ -134,7 +141,7 @@ def score(reward_fn, records, *, workers: int = 1, timeout_s: float | None = Non
     done: queue.SimpleQueue = queue.SimpleQueue()
     for i in range(n):
         todo.put(i)
-    running: dict[int, float] = {}  # sample index -> when its call started
+    running: dict[int, tuple[float, threading.Thread]] = {}  # sample index -> when its call started, on which thread
     lock = threading.Lock()
 
     def work():
@@ -144,18 +151,24 @@ def score(reward_fn, records, *, workers: int = 1, timeout_s: float | None = Non
             except queue.Empty:
                 return
             with lock:
-                running[i] = time.monotonic()
+                running[i] = (time.monotonic(), threading.current_thread())
             done.put((i, _score_one(reward_fn, records[i])))
+            with lock:
+                if i in abandoned:  # its call came back late: this thread ends with it
+                    return
+
+    abandoned: set[int] = set()
 
     def start_worker():
         threading.Thread(target=work, name="reward", daemon=True).start()
 
-    for _ in range(min(max(1, workers), n)):
+    blocked = stuck_calls.full()
+    for _ in range(0 if blocked else min(max(1, workers), n)):
         start_worker()
-    finished = 0
+    finished = _give_up(todo, reward_fn) if blocked else 0
     while finished < n:
         with lock:
-            oldest = min(running.values(), default=None)
+            oldest = min((t0 for t0, _ in running.values()), default=None)
         wait = 0.5 if timeout_s is None or oldest is None else oldest + timeout_s - time.monotonic()
         try:
             i, (value, good) = done.get(timeout=max(0.01, wait))
@@ -166,27 +179,54 @@ def score(reward_fn, records, *, workers: int = 1, timeout_s: float | None = Non
                 finished += 1
         except queue.Empty:
             pass
-        if timeout_s is None:
-            continue
-        now = time.monotonic()
-        with lock:
-            expired = [i for i, t0 in running.items() if now - t0 > timeout_s]
-            for i in expired:
-                del running[i]
-        for i in expired:  # abandoned: the thread keeps the call, a new worker takes the rest of the queue
-            finished += 1
-            if _first_time(("timeout", getattr(reward_fn, "__module__", None),
-                            getattr(reward_fn, "__qualname__", None))):
-                log.warning("reward function did not return within --reward-timeout-s %gs on sample %s: scored 0.0 "
-                            "and counted as a failure; the call is left running on a background thread (later "
-                            "timeouts are counted, not logged)", timeout_s, getattr(records[i], "index", i))
-            start_worker()
+        if timeout_s is not None:
+            finished += _expire(running, abandoned, lock, timeout_s, reward_fn, records, start_worker, todo)
     return rewards, sum(not x for x in ok)
+
+
+def _expire(running, abandoned, lock, timeout_s, reward_fn, records, start_worker, todo) -> int:
+    """Abandon the calls running past ``timeout_s`` (their samples fail) and start a worker in each one's place (or,
+    with too many stuck, fail the samples not started yet); returns how many samples that finished."""
+    now = time.monotonic()
+    with lock:
+        expired = [(i, thread) for i, (t0, thread) in running.items() if now - t0 > timeout_s]
+        for i, _ in expired:
+            del running[i]
+            abandoned.add(i)
+    finished = 0
+    for i, thread in expired:  # the thread keeps the call; a new worker takes the rest of the queue
+        finished += 1
+        stuck_calls.add(thread)
+        if _first_time(("timeout", getattr(reward_fn, "__module__", None), getattr(reward_fn, "__qualname__", None))):
+            log.warning("reward function did not return within --reward-timeout-s %gs on sample %s: scored 0.0 and "
+                        "counted as a failure; the call is left running on a background thread (later timeouts are "
+                        "counted, not logged)", timeout_s, getattr(records[i], "index", i))
+        if stuck_calls.full():
+            finished += _give_up(todo, reward_fn)
+        else:
+            start_worker()
+    return finished
+
+
+def _give_up(todo, reward_fn) -> int:
+    """Fail the samples still queued (too many calls stuck); returns how many."""
+    count = 0
+    while True:
+        try:
+            todo.get_nowait()
+        except queue.Empty:
+            break
+        count += 1
+    if count and _first_time(("stuck", getattr(reward_fn, "__module__", None))):
+        log.warning("%d reward calls are stuck past --reward-timeout-s (the limit): the remaining %d samples are "
+                    "scored 0.0 without a call and the run stops after this step", stuck_calls.count(), count)
+    return count
 
 
 def _score_one(reward_fn, record) -> tuple[float, bool]:
     try:
         value = reward_fn(record)
+        reward = reward_value(value)
     except BaseException as e:  # noqa: BLE001 - a user's bug (even sys.exit()) costs the sample, not the run
         frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
         where = (frame.filename, frame.lineno) if frame else ("?", 0)
@@ -195,12 +235,11 @@ def _score_one(reward_fn, record) -> tuple[float, bool]:
                         "\n%s", getattr(record, "index", "?"), type(e).__name__, *where,
                         "".join(traceback.format_exception(e)).rstrip())
         return 0.0, False
-    reward = _as_float(value)
     if reward is None:
         kind = "non-number" if not _numeric(value) else "non-finite"
         if _first_time((kind, getattr(reward_fn, "__module__", None), getattr(reward_fn, "__qualname__", None))):
-            log.warning("reward function returned %r (%s) on sample %s: scored 0.0 and counted as a failure "
-                        "(later %s returns are counted, not logged)", value, type(value).__name__,
+            log.warning("reward function returned %s (%s) on sample %s: scored 0.0 and counted as a failure "
+                        "(later %s returns are counted, not logged)", shown(value), type(value).__name__,
                         getattr(record, "index", "?"), kind)
         return 0.0, False
     return reward, True
@@ -210,14 +249,25 @@ def _numeric(value) -> bool:
     return not isinstance(value, (str, bytes)) and hasattr(value, "__float__")
 
 
-def _as_float(value) -> float | None:
+def reward_value(value) -> float | None:
+    """``value`` as a reward: a finite float, or None for anything else (a string, NaN, inf, an int too large for a
+    float such as ``10**400``, a tensor of several elements, an object whose ``__float__`` raises)."""
     if not _numeric(value):
         return None
     try:
         x = float(value)
-    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor with several elements
+    except Exception:  # noqa: BLE001 - OverflowError, a tensor's RuntimeError, a user type's own error
         return None
     return x if math.isfinite(x) else None
+
+
+def shown(value, limit: int = 80) -> str:
+    """``repr(value)`` for a log line: cut to ``limit`` characters, and never raising."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a user object whose __repr__ fails
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _first_time(key) -> bool:

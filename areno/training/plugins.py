@@ -6,6 +6,10 @@
 
 Every problem (missing file, import failure, missing function, not callable, wrong signature) raises ``PluginError``
 whose message starts with the flag, so the CLI can exit 2 with a line that names what to fix.
+
+A reward or agent call that outlives its timeout is abandoned on its thread (Python cannot stop a thread);
+``stuck_calls`` counts those threads while they live, and once ``STUCK_CALL_LIMIT`` are stuck no further call is
+started (its sample fails) and the loop stops the run, so a hanging plugin cannot leak threads without bound.
 """
 
 from __future__ import annotations
@@ -15,12 +19,39 @@ import importlib.util
 import inspect
 import itertools
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from areno.config import ConfigError
 
 _counter = itertools.count()
+
+STUCK_CALL_LIMIT = 32  # plugin calls left running past their timeout before the run stops
+
+
+class StuckCalls:
+    """The threads of abandoned plugin calls that still run (a thread leaves the count when it ends)."""
+
+    def __init__(self):
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def add(self, thread: threading.Thread) -> None:
+        with self._lock:
+            self._threads.add(thread)
+
+    def count(self) -> int:
+        with self._lock:
+            self._threads = {t for t in self._threads if t.is_alive()}
+            return len(self._threads)
+
+    def full(self) -> bool:
+        """Whether no further call may be started: ``STUCK_CALL_LIMIT`` calls are stuck."""
+        return self.count() >= STUCK_CALL_LIMIT
+
+
+stuck_calls = StuckCalls()
 
 
 class PluginError(ConfigError):

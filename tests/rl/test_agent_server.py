@@ -1,12 +1,15 @@
 """The agent endpoint's HTTP behaviour with a stand-in rollout: bodies validated as ``areno serve`` validates them,
 errors in its OpenAI body (the same JSON for the same mistake), the endpoint's own refusals (streaming, n > 1, an
-unknown session, a session's AgentError), and a completion built from the session."""
+unknown session, a session's AgentError, media parts), a template or sampling setting that fails as a 400 naming the
+parameter, and a completion built from the session."""
 
 import asyncio
 
 import pytest
 from fastapi.testclient import TestClient
+from jinja2 import TemplateError
 
+from areno.config import ConfigError
 from areno.rl.agentic.endpoint import create_app
 from areno.rl.agentic.session import SESSION_HEADER, AgentError
 from areno.serve.errors import APIError
@@ -120,3 +123,37 @@ def test_fields_the_endpoint_does_not_use_are_logged_once(client, caplog):
     lines = [r.getMessage() for r in caplog.records if "accepted and ignored" in r.getMessage()]
     assert lines == ["request field seed accepted and ignored by the agent endpoint: it samples "
                      "with the run's settings (logged once)"]
+
+
+# ---- issue 37: bad parameters are 400s naming them, never a 500 --------------------------------------------------
+class PickyRollout(Rollout):
+    """A template that raises (as Qwen3's does for a conversation with no user message) and an engine that refuses a
+    sampling setting."""
+
+    def __init__(self):
+        super().__init__()
+        self.sessions["template"] = Session(TemplateError("No user query found in messages."))
+
+    async def sample(self, session, **kwargs):
+        if kwargs.get("stop") == "\x00":
+            raise ConfigError("stop", "must be a list of non-empty strings")
+        return await super().sample(session, **kwargs)
+
+
+@pytest.fixture
+def picky():
+    with TestClient(create_app(PickyRollout()), raise_server_exceptions=False) as c:  # a 500 is an answer too
+        yield c
+
+
+def test_bad_parameters_are_400s_naming_the_parameter(picky):
+    e = error(post(picky, {"messages": [{"role": "system", "content": "only a system prompt"}]}, session="template"),
+              400)
+    assert e["param"] == "messages" and "chat template" in e["message"] and "No user query" in e["message"]
+    e = error(post(picky, {"messages": MESSAGES, "stop": "\x00"}), 400)
+    assert e["param"] == "stop" and "non-empty strings" in e["message"]
+    image = {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    e = error(post(picky, {"messages": [image]}), 400)  # before: the image part was dropped without a word
+    assert (e["param"], e["code"]) == ("messages", "unsupported") and "text messages only" in e["message"]
+    assert picky.get("/v1/models").status_code == 200

@@ -1,16 +1,21 @@
 """Agentic rollout on a tiny checkpoint: token-in/token-out sessions through an unchanged openai client, loss masks,
-forks, the delta-only prefill, failures that cost one sample, and the trajectory dump."""
+forks, the delta-only prefill, failures that cost one sample (raising, hanging or blocking agents, non-number
+rewards, turns past the context), and the trajectory dump."""
 
 import json
 import logging
 import random
+import threading
+import time
 from dataclasses import replace
 
 import pytest
+import torch
 
-from areno.config import TrainConfig
+from areno.config import RunError, TrainConfig
 from areno.rl.loop import TrainLoop
 from areno.testing import make_tiny_checkpoint
+from areno.training.plugins import stuck_calls
 
 TOOLS = '''TOOLS = [{"type": "function", "function": {"name": "add", "description": "add two integers",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
@@ -223,3 +228,149 @@ def test_held_out_rows_are_evaluated_through_the_agent_greedily(files):
         assert [s.samples for s in loop.agent.sessions.values()] == first  # greedy: the same answers again
     finally:
         loop.close()
+
+
+# ---- issue 37: user code that takes the run down costs its sample ------------------------------------------------
+ONE_TURN = """
+async def run_agent(ctx, batch):
+    for item in batch.iter_samples():
+        await ctx.client(item).chat.completions.create(model="policy", messages=item.messages, max_tokens=4)
+"""
+BAD_REWARDS = """
+BAD = {(0, 0): float("nan"), (0, 1): 1.0, (0, 2): float("inf"), (1, 0): "abc", (1, 1): 10**400, (1, 2): 0.5}
+""" + ONE_TURN + """        return BAD[item.prompt_index, item.sample_index]
+"""
+
+
+def test_nan_inf_string_and_huge_agent_rewards_are_failures_and_the_rest_still_trains(files, caplog):
+    ckpt, data, root = files
+    loop = make_loop(files, agent_file(root, BAD_REWARDS, "bad_rewards"), n_samples=3, mini_bs=6)
+    try:
+        before = [p.detach().clone() for p in loop.model.parameters()]
+        with caplog.at_level(logging.WARNING, logger="areno.agent"):
+            m = loop.step(next(iter(loop.data)))
+        assert m["samples"] == 6 and m["reward_failures"] == 4 and not m.get("skipped")
+        assert m["reward_mean"] == pytest.approx(1.5 / 6)  # the failures score 0.0, the rest as returned
+        assert any(not torch.equal(a, b) for a, b in zip(before, loop.model.parameters()))  # an update happened
+        assert "not a finite number" in caplog.text
+    finally:
+        loop.close()
+
+
+BLOCKING = """
+import os, time
+import httpx
+""" + ONE_TURN + """        if item.prompt_index == 0 and item.sample_index == 0:
+            while not os.path.exists(FLAG):  # a blocking call: time.sleep inside the coroutine
+                time.sleep(0.05)
+            # woken after its timeout (a synchronous call: its task's cancellation waits for the next await)
+            reply = httpx.post(ctx.base_url + "/chat/completions", json={"messages": item.messages},
+                               headers={"authorization": f"Bearer {ctx.api_key}", "X-Areno-Session": item.id})
+            with open(FLAG + ".code", "w") as f:
+                f.write(f"{reply.status_code} {reply.json()['error']['code']}")
+        return 1.0
+"""
+
+
+def test_a_blocking_agent_times_out_and_its_thread_is_counted_until_it_ends(files, tmp_path):
+    ckpt, data, root = files
+    flag = tmp_path / "release"
+    agent = agent_file(root, f"FLAG = {str(flag)!r}\n" + BLOCKING, "blocking")
+    loop = make_loop(files, agent, agent_timeout_s=1.0)
+    out = {}
+    try:
+        worker = threading.Thread(target=lambda: out.update(m=loop.step(next(iter(loop.data)))), daemon=True)
+        t0 = time.monotonic()
+        worker.start()
+        worker.join(90)
+        hung = worker.is_alive()
+        stuck = stuck_calls.count()
+        flag.touch()  # let the blocked call (and, before the fix, the whole rollout) go
+        worker.join(30)
+        assert not hung, "--agent-timeout-s never fired on a blocking agent"
+        assert time.monotonic() - t0 < 90
+        m = out["m"]
+        assert m["samples"] == 4 and m["reward_failures"] == 1 and m["stuck_calls"] == 1 and stuck == 1
+        deadline = time.monotonic() + 10
+        while stuck_calls.count() and time.monotonic() < deadline:  # released: its thread ends and leaves the count
+            time.sleep(0.05)
+        assert stuck_calls.count() == 0
+        assert (tmp_path / "release.code").read_text() == "400 sample_ended"  # its later call is refused
+    finally:
+        flag.touch()
+        loop.close()
+
+
+OVERLONG = """
+async def run_agent(ctx, batch):
+    for item in batch.iter_samples():
+        client = ctx.client(item)
+        reply = await client.chat.completions.create(model="policy", messages=item.messages, max_tokens=4)
+        messages = list(item.messages) + [reply.choices[0].message.model_dump(exclude_none=True)]
+        if item.prompt_index == 0:  # a 3,000-token turn
+            messages.append({"role": "user", "content": "x " * 3000})
+        else:  # a 10 MB tool result
+            messages.append({"role": "tool", "tool_call_id": "call_1", "content": "ab1 " * (10 * 2**18)})
+        for attempt in range(2):  # the turn is refused, and so is any later one: the sample has ended
+            try:
+                await client.chat.completions.create(model="policy", messages=messages[: len(messages) - attempt],
+                                                     max_tokens=4)
+                return -1.0
+            except openai.BadRequestError as e:
+                assert e.code == "context_length_exceeded", e
+        return 1.0 if item.sample_index == 0 else 0.0
+"""
+
+
+def test_a_turn_past_the_context_ends_its_sample_and_the_run_goes_on(files):
+    ckpt, data, root = files
+    loop = make_loop(files, agent_file(root, OVERLONG, "overlong"))
+    try:
+        t0 = time.monotonic()
+        rows, stats = loop.rollout(next(iter(loop.data)))
+        assert time.monotonic() - t0 < 60  # the 10 MB result is refused without encoding it (a minute per sample)
+        assert stats["agent_context_overflows"] == 4 and stats["reward_failures"] == 0
+        assert len(rows) == 4 and all(r.meta["finish_reason"] == "length" for r in rows)
+        limit = loop.agent.cfg_max_context()
+        assert all(len(r.prompt_ids) + len(r.response_ids) < limit for r in rows)  # nothing of the refused turn
+        m = loop.step(next(iter(loop.data)))  # before: IndexError (index 2048) in the update
+        assert m["samples"] == 4 and m["agent_context_overflows"] == 4 and "loss" in m
+    finally:
+        loop.close()
+
+
+NAN_ALWAYS = ONE_TURN + """        return float("nan")
+"""
+
+
+def test_an_agent_whose_rewards_are_always_nan_stops_the_run_with_a_line_naming_it_and_a_checkpoint(files, tmp_path):
+    ckpt, data, root = files
+    agent = agent_file(root, NAN_ALWAYS, "nan_always")
+    loop = make_loop(files, agent, max_reward_failure_steps=1, max_steps=3, save_path=str(tmp_path / "out"))
+    try:
+        with pytest.raises(RunError) as stop:  # before: every update skipped, exit 0
+            loop.run()
+    finally:
+        loop.close()
+    assert f"--agent-fn {agent}" in str(stop.value) and "--reward-fn-path" not in str(stop.value)
+    assert "every reward failed in the last 1 steps" in str(stop.value)
+    assert (tmp_path / "out" / "step-1" / "COMPLETE").is_file()
+
+
+def test_a_token_level_turn_past_the_context_is_undone_and_ends_the_session(files):
+    from transformers import AutoTokenizer
+
+    from areno.rl.agentic import AgentError, AgentItem, Session
+
+    tok = AutoTokenizer.from_pretrained(files[0])
+    s = Session(AgentItem({}, [], 0, 0), tok, eos_id=tok.eos_token_id, max_context_len=50, train_tool_results=False)
+    s.extend_tokens([1, 2, 3])
+    s.add_sample([4, 5], [-0.1, -0.2], "stop", None)
+    with pytest.raises(AgentError) as refused:
+        s.extend_tokens([1, 2, 3, 4, 5] + [6] * 100)  # ctx.generate with a context past the limit
+    assert refused.value.code == "context_length_exceeded"
+    assert s.tokens == [1, 2, 3, 4, 5] and s.mask == [0, 0, 0, 1, 1] and s.finish_reason == "length"
+    with pytest.raises(AgentError, match="this sample has ended"):
+        s.extend_tokens([1, 2, 3, 4, 5, 6])
+    (row,) = s.finish()
+    assert row["tokens"] == [1, 2, 3, 4, 5] and row["finish_reason"] == "length"

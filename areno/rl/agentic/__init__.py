@@ -1,9 +1,10 @@
 """Agentic rollout: multi-turn agents with tools, trained on exactly the tokens the engine sampled.
 
 ``--agent-fn FILE`` defines ``async def run_agent(ctx, batch)``. Each (prompt, sample) runs as its own call with a
-batch of one item (``batch.iter_samples()``), so an agent that raises, hangs past ``--agent-timeout-s`` or overflows
-``--max-context-len`` costs that sample (reward 0, logged once, counted), not the run. The agent talks to the
-rollout engine through ``ctx``:
+batch of one item (``batch.iter_samples()``) and its own ``ctx``, on its own thread and event loop (``AgentThread``),
+so an agent that raises, hangs past ``--agent-timeout-s`` (in a blocking call too) or returns a reward that is not a
+finite number costs that sample (reward 0, logged once, counted), not the run; a turn past ``--max-context-len``
+gets a 400 and ends its sample (the turn is not kept). The agent talks to the rollout engine through ``ctx``:
 
 - ``ctx.base_url`` / ``ctx.api_key`` / ``ctx.client(item)``: a local OpenAI-compatible ``/v1/chat/completions``
   endpoint (tools, ``tool_choice``, ``stop``, ``max_tokens``, sampling settings; ``n=1``; non-streaming) on the

@@ -3,8 +3,9 @@
 ``POST /v1/chat/completions`` (non-streaming, ``n=1``): the session named by the ``X-Areno-Session`` header (or the
 request's ``user`` field) appends the request's new messages to its token sequence, samples one answer on the
 colocated engine and returns it as an OpenAI chat completion, tool calls parsed from ``<tool_call>`` blocks. A
-conversation past ``--max-context-len`` gets HTTP 400 ``context_length_exceeded``; an answer cut by the limit ends
-with ``finish_reason: "length"``. ``GET /v1/models`` names the policy.
+conversation past ``--max-context-len`` gets HTTP 400 ``context_length_exceeded`` (and ends its sample); an answer
+cut by the limit ends with ``finish_reason: "length"``. Messages the chat template cannot render, media parts and
+sampling settings the engine refuses are 400s naming the parameter, never a 500. ``GET /v1/models`` names the policy.
 
 Bodies are validated as ``areno serve`` validates them (``areno.serve.protocol.ChatCompletionRequest``; ``model``
 may be left out) and every error has its OpenAI body (``areno.serve.errors``). The endpoint samples with the
@@ -19,6 +20,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 
+from areno.config import ConfigError
 from areno.rl.agentic.session import SESSION_HEADER
 from areno.serve.errors import APIError, add_error_handlers
 from areno.serve.protocol import ChatCompletionRequest, Notes, load_json, validate
@@ -41,6 +43,9 @@ def check_request(req: AgentChatRequest, note: Notes) -> None:
         raise APIError(400, "streaming is not supported by the agent endpoint", param="stream", code="unsupported")
     if req.n != 1:
         raise APIError(400, "n must be 1 (one session is one trajectory)", param="n", code="unsupported")
+    if req.has_media():
+        raise APIError(400, "the agent endpoint takes text messages only (this request has an image, audio or video "
+                       "part)", param="messages", code="unsupported")
     fields = AgentChatRequest.model_fields
     for name in sorted(req.model_fields_set - USED_FIELDS):
         if getattr(req, name) != fields[name].default:
@@ -72,13 +77,27 @@ def create_app(rollout) -> FastAPI:
                            "header (or `user`) with item.id", param="user", code="unknown_session")
         tools = body.get("tools") if req.tool_choice != "none" else None
         async with session.lock:  # the messages and tools as sent (validated above) go to the chat template
-            session.extend_messages(body["messages"], tools)
-            message = await rollout.sample(
-                session, max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                top_p=req.top_p, stop=req.stop, assistant_message=True)
+            extend(session, body["messages"], tools)
+            try:
+                message = await rollout.sample(
+                    session, max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
+                    top_p=req.top_p, stop=req.stop, assistant_message=True)
+            except ConfigError as exc:  # a sampling setting the engine refuses: the request's mistake
+                raise APIError(400, str(exc), param=exc.flag) from exc
         return completion(session, message)
 
     return app
+
+
+def extend(session, messages, tools) -> None:
+    """The session's turn with ``messages``; a history the chat template cannot render (it raised) is a 400."""
+    try:
+        session.extend_messages(messages, tools)
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, a TypeError
+        raise APIError(400, f"messages could not be rendered with the chat template: {type(exc).__name__}: {exc}",
+                       param="messages") from exc
 
 
 def completion(session, message: dict) -> dict:

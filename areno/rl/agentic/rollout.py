@@ -10,8 +10,12 @@ import traceback
 import uuid
 
 from areno.config import SamplingParams
+from areno.rl.agentic import session as session_module
 from areno.rl.agentic.session import AgentBatch, AgentContext, AgentItem, Generation, Session
+from areno.rl.agentic.threads import AgentThread
+from areno.rl.rewards import record_from, reward_value, score, shown
 from areno.training.batch import Row
+from areno.training.plugins import stuck_calls
 
 log = logging.getLogger("areno.agent")
 
@@ -30,6 +34,8 @@ class AgentRollout:
         self._tokens = None  # the token sampler's client, while a batch runs
         self._greedy = False
         self._server = None
+        self._loop = None  # the event loop of the running batch (its token sampler's)
+        self._token_bytes = None  # session.max_token_bytes, found on the first batch
         self.base_url = self._start_server()
 
     # the local endpoint
@@ -57,6 +63,8 @@ class AgentRollout:
             max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)), min_new_tokens=0,
             stop=stop if isinstance(stop, str) else stop or cfg.stop)
         # split mode: the session's engine (by its key), always the same one (its prefix cache)
+        if self._tokens is None:
+            raise session_module.batch_over()
         out = await self._tokens.sample(session.tokens, options, session.key)
         ids, lps, finish, stop_text = out["ids"], out["logprobs"], out["finish_reason"], out["stop_text"]
         session.prefilled.append(len(session.tokens) - out["prefix_cached"])
@@ -82,8 +90,6 @@ class AgentRollout:
     def collect(self, batch: list[dict], n: int, reward_fn, *, greedy: bool = False):
         """``run``, then every sample the agent left unscored scored by ``reward_fn`` on its last trajectory (the
         record carries the messages); returns (rows, each row's sample, each sample's reward, failures, stats)."""
-        from areno.rl.rewards import record_from, score
-
         rows, owner, rewards, stats = self.run(batch, n, greedy=greedy)
         t0 = time.perf_counter()
         last = dict(zip(owner, rows))  # sample -> its last trajectory
@@ -111,13 +117,16 @@ class AgentRollout:
         answer at temperature 0, for evaluation)."""
         if not batch:  # nothing to run here (split mode: train rank 0 runs every agent)
             return [], [], [], {"agent_s": 0.0, "agent_failures": 0, "agent_forks": 0, "agent_turns_mean": 0.0,
-                                "agent_prefill_tokens_mean": 0.0}
+                                "agent_prefill_tokens_mean": 0.0, "agent_context_overflows": 0}
         items = [AgentItem({k: v for k, v in p.row.items() if not (isinstance(k, str) and k.startswith("_"))},
                            _messages(p.row["prompt"]), i, s) for i, p in enumerate(batch) for s in range(n)]
         eos = self.tokenizer.eos_token_id
         self._greedy = greedy
+        if self._token_bytes is None:
+            self._token_bytes = session_module.max_token_bytes(self.tokenizer)
         self.sessions = {it.id: Session(it, self.tokenizer, eos_id=eos, max_context_len=self.cfg_max_context(),
-                                        train_tool_results=self.cfg.train_tool_results) for it in items}
+                                        train_tool_results=self.cfg.train_tool_results,
+                                        max_token_bytes=self._token_bytes) for it in items}
         for k, it in enumerate(items):
             self.sessions[it.id].key = k
         t0 = time.perf_counter()
@@ -139,44 +148,75 @@ class AgentRollout:
                 rows.append(row)
                 owner.append(i)
         stats.update(agent_forks=forks, agent_turns_mean=turns / max(1, len(items)),
+                     agent_context_overflows=sum(self.sessions[it.id].overflowed for it in items),
                      agent_prefill_tokens_mean=sum(prefilled) / max(1, len(prefilled)))
         return rows, owner, rewards, stats
 
     async def _run_all(self, items, tokens):
-        ctx = AgentContext(self)
+        self._loop = asyncio.get_running_loop()
         self._tokens = tokens()  # made inside this event loop (an HTTP client in split mode)
         try:
-            results = await asyncio.gather(*(self._run_one(ctx, it) for it in items))
+            if stuck_calls.full():
+                _warn_once(("stuck",), f"{stuck_calls.count()} agent or reward calls are stuck past their timeout "
+                           "(the limit): this batch's samples are scored 0.0 without running the agent and the run "
+                           "stops after this step")
+                results = [(0.0, False)] * len(items)
+            else:
+                results = await asyncio.gather(*(self._run_one(it) for it in items))
         finally:
-            await ctx.aclose()
             await self._tokens.aclose()
-            self._tokens = None
+            self._tokens = self._loop = None
         return [r for r, _ in results], sum(not ok for _, ok in results)
 
-    async def _run_one(self, ctx, item) -> tuple[float | None, bool]:
+    async def on_loop(self, coro):
+        """Await ``coro`` on the rollout's own event loop (the token sampler's), from an agent's thread."""
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise session_module.batch_over()
+        if asyncio.get_running_loop() is loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    async def _run_one(self, item) -> tuple[float | None, bool]:
+        """One sample's agent call on its own thread (a blocking call in it stalls nothing else and the timeout
+        still fires); its reward, or 0.0 and a failure."""
         timeout = self.cfg.agent_timeout_s or None
+        call = AgentThread(self.agent_fn, AgentContext(self), AgentBatch([item]))
         try:
-            out = await asyncio.wait_for(self.agent_fn(ctx, AgentBatch([item])), timeout)
+            kind, out = await asyncio.wait_for(call.outcome, timeout)
         except asyncio.TimeoutError:
+            call.abandon()
+            self.sessions[item.id].end_timed_out(timeout)
             _warn_once(("timeout",), f"agent timed out after --agent-timeout-s {timeout:g}s on prompt "
                        f"{item.prompt_index} sample {item.sample_index}: scored 0.0 (later timeouts counted, not "
                        "logged)")
             return 0.0, False
-        except (Exception, SystemExit) as e:  # a broken agent costs the sample, not the run
-            frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-            _warn_once((type(e).__name__, frame and frame.filename, frame and frame.lineno),
+        if kind == "raised":  # a broken agent costs the sample, not the run
+            frame = traceback.extract_tb(out.__traceback__)[-1] if out.__traceback__ else None
+            _warn_once((type(out).__name__, frame and frame.filename, frame and frame.lineno),
                        f"agent raised on prompt {item.prompt_index} sample {item.sample_index}: scored 0.0 "
-                       f"(later ones counted, not logged)\n{''.join(traceback.format_exception(e)).rstrip()}")
+                       f"(later ones counted, not logged)\n{''.join(traceback.format_exception(out)).rstrip()}")
             return 0.0, False
-        return _reward_of(out, item), True
+        return _reward_of(out, item)
 
 
-def _reward_of(out, item) -> float | None:
+def _reward_of(out, item) -> tuple[float | None, bool]:
+    """The agent's reward for ``item`` from what ``run_agent`` returned (None: left to --reward-fn-path) and whether
+    it is one: a string, NaN, inf or ``10**400`` is 0.0 and a failure."""
     if isinstance(out, dict):
         out = out.get(item.id, out.get((item.prompt_index, item.sample_index)))
     elif isinstance(out, (list, tuple)):
         out = out[0] if out else None
-    return None if out is None else float(out)
+    if out is None:
+        return None, True
+    reward = reward_value(out)
+    if reward is None:
+        _warn_once(("reward", type(out).__name__), f"agent returned {shown(out)} ({type(out).__name__}) as the reward "
+                   f"of prompt {item.prompt_index} sample {item.sample_index}: not a finite number, scored 0.0 and "
+                   "counted as a failure (later ones counted, not logged)")
+        return 0.0, False
+    return reward, True
 
 
 def _messages(prompt) -> list:

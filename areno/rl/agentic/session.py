@@ -57,15 +57,16 @@ class AgentContext:
         self._rollout = rollout
         self.base_url = rollout.base_url
         self.api_key = rollout.api_key
-        self._pool = None  # one HTTP connection pool per rollout, shared by the samples' clients
+        self._pool = None  # one HTTP connection pool per sample (per event loop), shared by its clients
 
     def get_base_url(self) -> str:
         return self.base_url
 
     def client(self, item: AgentItem, **kwargs):
         """An ``openai.AsyncOpenAI`` client whose calls belong to ``item``'s session (``kwargs`` go to
-        ``AsyncOpenAI``). Every sample's client shares one connection pool, which closing a client leaves open (the
-        rollout closes it): a client with its own pool costs 30-100 ms to build, paid by every sample of a rollout."""
+        ``AsyncOpenAI``). The sample's clients share one connection pool, which closing a client leaves open (the
+        rollout closes it when the sample ends); pools share one SSL context and ignore proxy settings (the endpoint
+        is local), which makes one cost about a millisecond instead of 30-100."""
         import openai
 
         if self._pool is None:
@@ -83,10 +84,13 @@ class AgentContext:
                        top_p=None, stop=None) -> Generation:
         """Sample a continuation of ``prompt_ids`` (the whole context so far, as the agent keeps it)."""
         session = self._rollout.sessions[item.id]
+        return await self._rollout.on_loop(self._generate(session, list(prompt_ids), max_tokens=max_tokens,
+                                                          temperature=temperature, top_p=top_p, stop=stop))
+
+    async def _generate(self, session, prompt_ids, **options) -> Generation:  # on the rollout's loop
         async with session.lock:
-            session.extend_tokens(list(prompt_ids))
-            return await self._rollout.sample(session, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                              stop=stop)
+            session.extend_tokens(prompt_ids)
+            return await self._rollout.sample(session, **options)
 
 
 # ---- one sample's token sequence -----------------------------------------------------------------------------------
@@ -108,9 +112,11 @@ def _normal(messages) -> list:
 
 
 class Session:
-    def __init__(self, item: AgentItem, tokenizer, *, eos_id: int, max_context_len: int, train_tool_results: bool):
+    def __init__(self, item: AgentItem, tokenizer, *, eos_id: int, max_context_len: int, train_tool_results: bool,
+                 max_token_bytes: int = 0):
         self.item, self.tok, self.eos_id = item, tokenizer, eos_id
         self.max_context_len, self.train_tool_results = max_context_len, train_tool_results
+        self.max_token_bytes = max_token_bytes  # the longest vocabulary entry in UTF-8 bytes (0: no early check)
         self.lock = asyncio.Lock()
         self.rows: list[dict] = []  # closed trajectories (forks)
         self.forks = 0
@@ -118,6 +124,8 @@ class Session:
         self.prefilled: list[int] = []  # per turn: prompt tokens the engine computed (not from the prefix cache)
         self.samples: list[list[int]] = []  # per turn: the token ids the engine sampled
         self.key = 0  # which split-mode engine serves it
+        self.overflowed = False  # a turn passed the context: the sample has ended
+        self.ended: AgentError | None = None  # what every later call of an ended sample is answered with
         self._reset()
 
     def _reset(self):
@@ -157,7 +165,9 @@ class Session:
 
     def extend_messages(self, messages, tools) -> None:
         """Make the sequence end with ``messages`` rendered and the generation prompt: a delta, or a fork."""
+        before = self._before_turn()
         messages = [dict(m) for m in messages]
+        self._check_size(messages)
         if self.history is None:
             self._start(messages, tools)
         elif (len(messages) > len(self.history) and tools == self.tools
@@ -172,7 +182,7 @@ class Session:
                 self.history = list(messages)
         else:
             self._fork(messages, tools)
-        self._check_room()
+        self._check_room(before)
 
     def _delta(self, messages, tools) -> list[int] | None:
         """The tokens the template puts after the last sampled token: the text of the new messages' rendering past
@@ -193,6 +203,7 @@ class Session:
 
     def extend_tokens(self, prompt_ids: list[int]) -> None:
         """Token-level agents: ``prompt_ids`` extends the sequence (the rest is context) or forks it."""
+        before = self._before_turn()
         if self.tokens and prompt_ids[: len(self.tokens)] == self.tokens and len(prompt_ids) >= len(self.tokens):
             self._append(prompt_ids[len(self.tokens):], 0)
         else:
@@ -201,13 +212,57 @@ class Session:
                 self._close()
             self._append(list(prompt_ids), 0)
             self.prompt_len = len(self.tokens)
-        self._check_room()
+        self._check_room(before)
 
-    def _check_room(self) -> None:
-        if len(self.tokens) >= self.max_context_len:
-            raise AgentError(f"this conversation needs {len(self.tokens)} tokens before the answer, but the context "
-                             f"is limited to --max-context-len {self.max_context_len}", "context_length_exceeded",
-                             "messages")
+    def _before_turn(self) -> tuple:
+        """What a refused turn goes back to; refuses any turn once the sample has ended."""
+        if self.ended is not None:
+            raise self.ended
+        return self.tokens, len(self.tokens), self.history, self.tools
+
+    def _check_size(self, messages) -> None:
+        """Refuse, before rendering it, a conversation whose user, system and tool text alone needs more tokens than
+        the context (each token holds at most ``max_token_bytes`` bytes): encoding a 10 MB tool result would stall
+        the endpoint for a minute."""
+        if not self.max_token_bytes:
+            return
+        size = sum(len(_text(m.get("content")).encode("utf-8", "replace")) for m in messages
+                   if m.get("role") != "assistant")  # a template may drop parts of earlier answers (thinking)
+        if size // self.max_token_bytes >= self.max_context_len:
+            self._end(f"this conversation needs at least {size // self.max_token_bytes} tokens ({size} bytes of "
+                      "text)")
+
+    def _end(self, needs: str):
+        self.finish_reason = "length"
+        self.overflowed = True
+        self.end(AgentError(f"this sample has ended: a turn passed --max-context-len {self.max_context_len} (it was "
+                            "refused and nothing of it kept)", "context_length_exceeded", "messages"))
+        raise AgentError(f"{needs} before the answer, but the context is limited to --max-context-len "
+                         f"{self.max_context_len}; this sample has ended (its trajectory so far is kept, cut)",
+                         "context_length_exceeded", "messages")
+
+    def end(self, answer: AgentError) -> None:
+        """No further turn: every later call is refused with ``answer``."""
+        self.ended = answer
+
+    def end_timed_out(self, timeout: float) -> None:
+        """Its agent ran past ``--agent-timeout-s``: a call it still makes is refused."""
+        self.end(AgentError(f"this sample has ended: its agent ran past --agent-timeout-s {timeout:g}",
+                            "sample_ended"))
+
+    def _check_room(self, before: tuple) -> None:
+        """A sequence past the context: the turn is undone (the trajectory stays as it was, cut: ``length``), the
+        sample ends and the agent gets a 400."""
+        needed = len(self.tokens)
+        if needed < self.max_context_len:
+            return
+        tokens, n, history, tools = before
+        if self.tokens is tokens:  # a delta (or the first turn): cut it off again
+            del self.tokens[n:], self.mask[n:], self.logprobs[n:]
+            self.history, self.tools = history, tools
+        else:  # a fork: the earlier trajectory is closed already, the new one goes
+            self._reset()
+        self._end(f"this conversation needs {needed} tokens")
 
     def add_sample(self, ids, logprobs, finish_reason, assistant: dict | None) -> None:
         self._append(list(ids), 1, list(logprobs))
@@ -222,7 +277,39 @@ class Session:
         return self.rows
 
 
+def batch_over() -> AgentError:
+    """The answer to a call that comes after its batch has ended (an abandoned agent that woke up)."""
+    return AgentError("this sample has ended: its rollout batch is over (the agent ran past --agent-timeout-s?)",
+                      "sample_ended")
+
+
+def _text(content) -> str:
+    """A message's text: its string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one vocabulary entry spells (each token of an encoding stands for at most that many
+    bytes of the text: a byte-level entry's characters are one byte each, which UTF-8 spells in one or two)."""
+    try:
+        return max((len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no early check
+        return 0
+
+
+_ssl: list = []  # one SSL context for every pool: building one is most of a pool's cost
+
+
 def _shared_pool(openai):
+    if not _ssl:
+        import ssl
+
+        _ssl.append(ssl.create_default_context())
+
     class SharedPool(openai.DefaultAsyncHttpxClient):
         async def aclose(self) -> None:  # a sample's client closing (``async with``) leaves the pool to the rollout
             pass
@@ -230,4 +317,4 @@ def _shared_pool(openai):
         async def close_pool(self) -> None:
             await super().aclose()
 
-    return SharedPool()
+    return SharedPool(verify=_ssl[0], trust_env=False)

@@ -12,6 +12,7 @@ import time
 from areno.config import SamplingParams
 from areno.rl.rollout.finished_groups import FinishedGroups
 from areno.training.batch import Row
+from areno.training.plugins import stuck_calls
 
 
 class StepRollout:
@@ -33,7 +34,8 @@ class StepRollout:
         finished, while the colocated engine decodes the rest (``FinishedGroups``); the stats time the phases:
         ``rollout_s`` the decode, ``reward_s`` the wait for the scores after it, ``reward_work_s`` the whole
         scoring work and ``overlap_saved_s`` the part of it hidden under the decode, ``pack_s`` turning the
-        results into rows."""
+        results into rows; ``stuck_calls`` counts the reward calls left running past their timeout (the most of any
+        rank)."""
         if self.agent is not None:
             return self.agent_rows(batch)
         engine = self.rollout
@@ -56,9 +58,9 @@ class StepRollout:
         flat = [(p, c) for p, group in zip(mine, results) for c in group]
         local = [(p.ids, c.token_ids, c.logprobs, rew, c.finish_reason, where[id(p)], c.routed_experts)
                  for (p, c), rew in zip(flat, (r for group in rewards for r in group))]
-        parts = engine.gather((local, failures))
-        gathered = [x for part, _ in parts for x in part]
-        failures = sum(f for _, f in parts)
+        parts = engine.gather((local, failures, stuck_calls.count()))
+        gathered = [x for part, _, _ in parts for x in part]
+        failures = sum(f for _, f, _ in parts)
         n_tok = sum(len(x[1]) for x in gathered)
         rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin},
                     media=self.media_of(batch[i]), routed_experts=routes)
@@ -72,6 +74,7 @@ class StepRollout:
             "rollout_s": t1 - t0, "reward_s": t2 - t1, "reward_work_s": finished.busy_s,
             "overlap_saved_s": finished.overlap_s, "overlap_groups": finished.early_groups,
             "pack_s": time.perf_counter() - t2, "reward_failures": failures, "samples": len(gathered),
+            "stuck_calls": max(s for _, _, s in parts),
             "rollout_tok_s": sum(len(c.token_ids) for _, c in flat) / max(t1 - t0, 1e-9) * self.dp_size,
             "response_len_mean": n_tok / max(1, len(rows)),
             "response_len_max": max((len(r.response_ids) for r in rows), default=0),
@@ -92,9 +95,9 @@ class StepRollout:
         t_roll = time.perf_counter() - t0 - stats["reward_s"]
         local = [(row.prompt_ids, row.response_ids, row.rollout_logprobs, rewards[i], row.loss_mask, row.meta, i)
                  for row, i in zip(rows, owner)]
-        parts = self.rollout.gather((local, failures, rewards))
+        parts = self.rollout.gather((local, failures, rewards, stuck_calls.count()))
         out, offset, all_rewards = [], 0, []
-        for part, _, part_rewards in parts:  # sample indices made global: rank after rank, as the prompts are
+        for part, _, part_rewards, _ in parts:  # sample indices made global: rank after rank, as the prompts are
             for p, ids, lps, rew, mask, meta, i in part:
                 row = Row(p, list(ids), list(lps), reward=float(rew), loss_mask=list(mask), meta=dict(meta))
                 row.extras["sample"] = offset + i
@@ -103,7 +106,8 @@ class StepRollout:
             all_rewards += part_rewards
         stats.update(rollout_s=t_roll, samples=offset,
                      sample_rewards=all_rewards,
-                     reward_failures=sum(f for _, f, _ in parts),
+                     reward_failures=sum(f for _, f, _, _ in parts),
+                     stuck_calls=max(s for *_, s in parts),
                      response_len_mean=sum(len(r.response_ids) for r in out) / max(1, len(out)),
                      response_len_max=max((len(r.response_ids) for r in out), default=0),
                      truncated_frac=sum(r.meta.get("finish_reason") == "length" for r in out) / max(1, len(out)),
