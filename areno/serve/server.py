@@ -85,6 +85,31 @@ def build_app(config, *, model=None, tokenizer=None):
     return app, aengine
 
 
+def load_failure(config, exc: BaseException) -> Exception:
+    """The one-line error for a model that would not load (a bad folder, a wrong config, corrupt weights: a
+    ConfigError naming --model-path, exit 2), or a RunError (exit 1) where the machine ran out of memory."""
+    from areno.config import ConfigError, RunError
+
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())  # tokenizer and replica errors span several lines
+    text = text if len(text) <= 400 else text[:397] + "..."
+    if isinstance(exc, MemoryError) or "OutOfMemoryError" in text:
+        return RunError(f"--model-path {config.model_path} did not fit in memory: {text}")
+    return ConfigError("--model-path", f"{config.model_path} could not be loaded: {text}")
+
+
+def load_app(config):
+    """``build_app``, with any failure to load the model as one line (``load_failure``) instead of a traceback."""
+    from areno.config import ConfigError, RunError
+
+    try:
+        return build_app(config)
+    except (ConfigError, RunError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - every load failure becomes one line naming the flag
+        log.debug("load failure", exc_info=True)
+        raise load_failure(config, exc) from None
+
+
 def graceful_shutdown_s() -> float:
     raw = env_value("ARENO_SERVE_GRACEFUL_SHUTDOWN_S")
     if raw is None:
@@ -166,7 +191,7 @@ def run_server(config) -> int:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     config.host)
     window = graceful_shutdown_s()
-    app, engine = build_app(config)
+    app, engine = load_app(config)
     server = _make_server(app, engine, config, window)
     # uvicorn re-raises the signal that stopped it once it is done, under the handlers it found: make those only
     # ask the server to stop, so a graceful stop exits 0 instead of dying by that signal
