@@ -4,7 +4,10 @@ lm-evaluation-harness's remote tokenizer reads: special tokens, the chat templat
 
 from __future__ import annotations
 
+import json
+
 from fastapi import Request
+from fastapi.responses import Response
 
 from areno.serve.bodies import request_body
 from areno.serve.errors import APIError
@@ -42,7 +45,8 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
 
 def tokenize(state: ServeState, raw: bytes) -> dict:
     """Messages are counted as the chat route counts them: media parts through the model's processor (their
-    placeholders expanded to the image tokens) when the server has one. On the prep pool."""
+    placeholders expanded to the image tokens) when the server has one. A text of more than ``tokenize_cap``
+    tokens (a few contexts) is a 400, refused before its id list is built. On the prep pool."""
     tokenizer = state.tokenizer
     obj = load_json(raw)
     chat = "messages" in obj
@@ -53,7 +57,8 @@ def tokenize(state: ServeState, raw: bytes) -> dict:
         ids = state.media.encode(req).input_ids
     else:
         text = render_chat(tokenizer, req) if chat else req.prompt
-        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        ids = state.tokenize_encoder(text, "messages" if chat else "prompt",
+                                     add_special_tokens=req.add_special_tokens)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
@@ -67,9 +72,19 @@ def detokenize(state: ServeState, raw: bytes) -> dict:
     return {"prompt": state.tokenizer.decode(req.tokens)}
 
 
+def json_bytes(obj) -> bytes:
+    """``obj`` as the JSON a route's dict becomes (Starlette's layout), built on the prep pool: FastAPI would
+    encode a returned dict on the event loop, where a long token list stalls every other request."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def tokenize_response(state: ServeState, raw: bytes) -> Response:
+    return Response(json_bytes(tokenize(state, raw)), media_type="application/json")
+
+
 async def tokenize_route(request: Request):
     state: ServeState = request.app.state.serve
-    return await state.prep(tokenize, state, await request.body())
+    return await state.prep(tokenize_response, state, await request.body())
 
 
 async def detokenize_route(request: Request):
