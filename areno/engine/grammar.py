@@ -10,7 +10,9 @@ Spec (plain data in ``SamplingParams.grammar``, so it travels to replicas and re
 JSON is written compact: ``", "`` and ``": "`` separators and no other whitespace between tokens (``json.dumps``'s
 layout), so a model cannot loop on whitespace. Under a json_schema, objects take no properties the schema does not
 name (as OpenAI's strict mode). Compilation (xgrammar, against the tokenizer and the model's vocabulary, padding ids
-included) happens once per spec per engine (``Grammars``, an LRU cache); each sequence gets its own matcher
+included) happens once per spec per engine (``Grammars``, an LRU cache bounded by the compiled grammars' bytes,
+``CACHE_BYTES``, and their count); a server's engine compiles on a worker thread (``compile_async``: a large enum
+takes seconds, which other requests spend decoding, not waiting); each sequence gets its own matcher
 (``Matcher``), advanced with every accepted token. The matcher keeps the mask of its next token:
 
     bitmask int32 [ceil(V / 32)]:  token t allowed  <=>  bit t % 32 of word t // 32 is set
@@ -29,11 +31,13 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from areno.config.sampling import GrammarError, normalize_grammar
 
+CACHE_BYTES = 256 << 20  # compiled grammars kept per engine (a 30,000-value enum alone is ~80 MB)
 _LAYOUT = {"any_whitespace": False}  # separators (", ", ": "), no free whitespace
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before the message
 
@@ -95,41 +99,76 @@ class Matcher:
 
 class Grammars:
     """Compiled grammars of one tokenizer and vocabulary (``vocab_size``: the logits' width, >= the tokenizer's),
-    cached per spec (LRU, ``capacity`` entries)."""
+    cached per spec: least recently used first out once they hold more than ``capacity_bytes`` (xgrammar's own
+    count of each one's memory) or ``capacity`` entries; a grammar larger than the whole budget is used, not kept."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=(), capacity: int = 64):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=(), capacity: int = 64,
+                 capacity_bytes: int = CACHE_BYTES):  # fmt: skip
         self.xgr = _xgrammar()
         self.vocab_size = max(int(vocab_size), len(tokenizer))
         self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
         info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                        stop_token_ids=self.stop_token_ids or None)
         self.compiler = self.xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        self.capacity = capacity
-        self._cache: OrderedDict[str, object] = OrderedDict()
+        self.capacity, self.capacity_bytes = capacity, capacity_bytes
+        self._cache: OrderedDict[str, tuple[object, int]] = OrderedDict()  # key -> (compiled, bytes)
+        self._pending: dict[str, Future] = {}  # key -> its compile on the worker thread
+        self._worker: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def compile(self, spec):
-        spec = normalize_grammar(spec)
-        key = json.dumps(spec, sort_keys=True)
+    @property
+    def cached_bytes(self) -> int:
+        return sum(size for _, size in self._cache.values())
+
+    def _cached(self, key: str):
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                return self._cache[key][0]
+        return None
+
+    def _compile(self, spec: dict, key: str):
         text, strict = _schema_text(spec)
         try:
             compiled = self.compiler.compile_json_schema(text, strict_mode=strict, **_LAYOUT)
         except Exception as exc:
             raise GrammarError(f"unsupported JSON schema: {_message(exc)}") from exc
+        size = int(compiled.memory_size_bytes)
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.capacity:
+            if size <= self.capacity_bytes:
+                self._cache[key] = (compiled, size)
+            while self._cache and (len(self._cache) > self.capacity or self.cached_bytes > self.capacity_bytes):
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, spec, stop_token_ids=None) -> Matcher:
-        """A fresh matcher for one sequence; ``stop_token_ids`` (default: the engine's) end the output."""
+    def compile(self, spec):
+        """The compiled grammar of ``spec``, compiled here unless cached."""
+        spec = normalize_grammar(spec)
+        key = json.dumps(spec, sort_keys=True)
+        compiled = self._cached(key)
+        return compiled if compiled is not None else self._compile(spec, key)
+
+    def compile_async(self, spec) -> Future | None:
+        """None when ``spec`` is compiled already; else the Future of its compile on this cache's worker thread
+        (one per spec however many requests wait for it), whose result is the compiled grammar (or GrammarError)."""
+        spec = normalize_grammar(spec)
+        key = json.dumps(spec, sort_keys=True)
+        if self._cached(key) is not None:
+            return None
+        with self._lock:
+            if key not in self._pending:
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areno-grammar")
+                future = self._worker.submit(self._compile, spec, key)
+                self._pending[key] = future
+                future.add_done_callback(lambda _: self._pending.pop(key, None))
+            return self._pending[key]
+
+    def matcher(self, spec, stop_token_ids=None, *, compiled=None) -> Matcher:
+        """A fresh matcher for one sequence (of ``compiled``, else of ``spec`` compiled); ``stop_token_ids``
+        (default: the engine's) end the output."""
         stops = self.stop_token_ids if stop_token_ids is None else sorted(set(int(t) for t in stop_token_ids))
-        return Matcher(self.xgr, self.compile(spec), stops, self.vocab_size)
+        return Matcher(self.xgr, compiled if compiled is not None else self.compile(spec), stops, self.vocab_size)
 
 
 def token_mask(matchers: list) -> tuple[list[int], torch.Tensor] | None:
