@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
-from areno.engine.grammar import token_mask
+from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
 from areno.engine.kv_cache import plan_num_blocks
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
@@ -90,11 +90,7 @@ class Engine:
             eos_token_ids = tokenizer_eos_ids(tokenizer)
         self.stopper = StopChecker(tokenizer, eos_token_ids, self.max_model_len)
         self._rng = random.Random(cfg.seed)
-        self.grammars = None  # compiled structured-output grammars (areno.engine.grammar), built on first use
-        # a server's engine compiles a new grammar on the grammar thread while the other requests decode; its
-        # request waits in _compiling ([(future, group, options)]) until then
-        self.grammar_off_loop = False
-        self._compiling: list = []
+        self.grammars = EngineGrammars(self)  # structured outputs: compiled grammars, matchers, compiles off the loop
         self.runner = None
         self._build()
         self._progress_t = time.perf_counter()
@@ -227,68 +223,18 @@ class Engine:
         if images is not None:
             for seq in group:
                 seq.mm = images
-        if options.grammar is not None:
-            self.scheduler.check(group)  # refused now, not once its grammar is compiled
-            if not self._attach_grammar(group, options):
-                return group  # waits for its grammar in _compiling
+        if options.grammar is not None and not self.grammars.attach(group, options):
+            return group  # it waits for its grammar's compile (EngineGrammars.admit)
         self.scheduler.add(group)
         return group
 
-    def _attach_grammar(self, group: list[Sequence], options: SamplingParams, compiled=None) -> bool:
-        """One grammar matcher per sample (compiled once per spec); the stop tokens end the output. False when,
-        under ``grammar_off_loop``, the grammar is being compiled: the group then waits in ``_compiling``."""
-        from areno.engine.grammar import GrammarError, Grammars
-
-        if self.grammars is None:
-            if self.tokenizer is None:
-                raise GrammarError("structured outputs need the engine's tokenizer")
-            vocab = self.model.config.vocab_size or len(self.tokenizer)
-            self.grammars = Grammars(self.tokenizer, vocab, self.stopper.eos)
-        if compiled is None and self.grammar_off_loop:
-            future = self.grammars.compile_async(options.grammar)
-            if future is not None:
-                self._compiling.append((future, group, options))
-                return False
-        stops = set(options.stop_token_ids) if options.ignore_eos else self.stopper.eos.union(options.stop_token_ids)
-        for seq in group:
-            seq.grammar = self.grammars.matcher(options.grammar, stops, compiled=compiled)
-        return True
-
-    def _admit_compiled(self) -> list[Sequence]:
-        """Requests whose grammar is compiled join the scheduler; those whose compile failed finish ("abort", the
-        reason logged) and are returned. With nothing else to run, waits up to 10 ms for a compile (no spinning)."""
-        from concurrent.futures import FIRST_COMPLETED, wait
-
-        if not self.scheduler.has_work():
-            wait([future for future, _, _ in self._compiling], timeout=0.01, return_when=FIRST_COMPLETED)
-        waiting, failed = [], []
-        for future, group, options in self._compiling:
-            if all(seq.is_finished for seq in group):  # aborted while it waited
-                continue
-            if not future.done():
-                waiting.append((future, group, options))
-            elif future.exception() is not None:
-                log.warning("structured output request failed: %s", future.exception())
-                for seq in group:
-                    seq.finish("abort")
-                failed += group
-            else:
-                self._attach_grammar(group, options, compiled=future.result())
-                self.scheduler.add(group)
-        self._compiling = waiting
-        return failed
-
     def abort(self, seqs) -> None:
-        compiling = {id(seq) for _, group, _ in self._compiling for seq in group}
         for seq in seqs:
-            if not seq.is_finished:
-                if id(seq) in compiling:
-                    seq.finish("abort")
-                else:
-                    self.scheduler.abort(seq)
+            if not seq.is_finished and not self.grammars.abort(seq):
+                self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self._ahead is not None or self.scheduler.has_work() or bool(self._compiling)
+        return self._ahead is not None or self.scheduler.has_work() or bool(self.grammars.waiting)
 
     def step(self, decode_steps: int = 1) -> list[Sequence]:
         """One forward step; returns the sequences that received a token (finished ones included).
@@ -311,8 +257,8 @@ class Engine:
         nothing else: the tokens and log-probs kept are those of the plain chain)."""
         if self._ahead is not None:
             return self._step_ahead()
-        if self._compiling and (failed := self._admit_compiled()):
-            return failed
+        if self.grammars.waiting and (failed := self.grammars.admit()):
+            return failed  # their compile failed: finished
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         hold = decode_steps > 1 and self._hold_waiting and 0 < 4 * waiting <= running
         waited = bool(self.scheduler.waiting)
@@ -333,7 +279,7 @@ class Engine:
         if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps, hold):
             return self._multi_step(step, rows, decode_steps, copies, state_copies)
         self._hold_waiting = waited and not hold  # a held step is followed by an admitting one
-        mask = token_mask([s.grammar for s in rows]) if self.grammars is not None else None
+        mask = token_mask([s.grammar for s in rows]) if self.grammars.cache is not None else None
         self.step_counts["single"] += 1
         tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask,
                                                 state_copies=state_copies)

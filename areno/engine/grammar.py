@@ -28,14 +28,17 @@ xgrammar is imported only when a grammar is used.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from areno.config.sampling import GrammarError, normalize_grammar
+
+log = logging.getLogger("areno.engine")
 
 CACHE_BYTES = 256 << 20  # compiled grammars kept per engine (a 30,000-value enum alone is ~80 MB)
 _LAYOUT = {"any_whitespace": False}  # separators (", ", ": "), no free whitespace
@@ -169,6 +172,68 @@ class Grammars:
         (default: the engine's) end the output."""
         stops = self.stop_token_ids if stop_token_ids is None else sorted(set(int(t) for t in stop_token_ids))
         return Matcher(self.xgr, compiled if compiled is not None else self.compile(spec), stops, self.vocab_size)
+
+
+class EngineGrammars:
+    """An engine's structured outputs: the compiled-grammar cache (``cache``, built on first use), a matcher per
+    sample, and, with ``off_loop`` (a server's engine), the requests waiting while their new grammar compiles on
+    the cache's worker thread (``waiting``: [(future, group, options)]); they join the scheduler on a later step
+    (``admit``), so a compile never stalls the decode loop."""
+
+    def __init__(self, engine):
+        self.engine, self.cache, self.off_loop = engine, None, False
+        self.waiting: list = []
+
+    def attach(self, group: list, options, compiled=None) -> bool:
+        """One matcher per sample (the stop tokens end the output); False when the group waits for a compile
+        (refused first if the scheduler would refuse it: the caller hears now, not once it is compiled)."""
+        engine = self.engine
+        if self.cache is None:
+            if engine.tokenizer is None:
+                raise GrammarError("structured outputs need the engine's tokenizer")
+            vocab = engine.model.config.vocab_size or len(engine.tokenizer)
+            self.cache = Grammars(engine.tokenizer, vocab, engine.stopper.eos)
+        if compiled is None and self.off_loop:
+            future = self.cache.compile_async(options.grammar)
+            if future is not None:
+                engine.scheduler.check(group)
+                self.waiting.append((future, group, options))
+                return False
+        eos = engine.stopper.eos
+        stops = set(options.stop_token_ids) if options.ignore_eos else eos.union(options.stop_token_ids)
+        for seq in group:
+            seq.grammar = self.cache.matcher(options.grammar, stops, compiled=compiled)
+        return True
+
+    def abort(self, seq) -> bool:
+        """Finish ``seq`` ("abort") if it waits for a compile; False if it does not."""
+        if any(seq is s for _, group, _ in self.waiting for s in group):
+            seq.finish("abort")
+            return True
+        return False
+
+    def admit(self) -> list:
+        """Groups whose grammar is compiled join the scheduler; those whose compile failed finish ("abort", the
+        reason logged) and are returned. With nothing else to run, waits up to 10 ms for a compile (no spinning)."""
+        scheduler = self.engine.scheduler
+        if not scheduler.has_work():
+            wait([future for future, _, _ in self.waiting], timeout=0.01, return_when=FIRST_COMPLETED)
+        waiting, failed = [], []
+        for future, group, options in self.waiting:
+            if all(seq.is_finished for seq in group):  # aborted while it waited
+                continue
+            if not future.done():
+                waiting.append((future, group, options))
+            elif future.exception() is not None:
+                log.warning("structured output request failed: %s", future.exception())
+                for seq in group:
+                    seq.finish("abort")
+                failed += group
+            else:
+                self.attach(group, options, compiled=future.result())
+                scheduler.add(group)
+        self.waiting = waiting
+        return failed
 
 
 def token_mask(matchers: list) -> tuple[list[int], torch.Tensor] | None:

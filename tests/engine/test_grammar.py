@@ -119,7 +119,7 @@ def test_engine_mixed_batch(ckpt, tok):
         obj = json.loads(tok.decode(c.token_ids[:-1]))
         assert set(obj) == {"n", "color"} and 0 <= obj["n"] <= 100 and obj["color"] in ("red", "green")
         assert all(-50 < lp <= 0 for lp in c.logprobs)
-    assert engine.grammars is not None and len(engine.grammars._cache) == 1  # compiled once for three samples
+    assert engine.grammars.cache is not None and len(engine.grammars.cache._cache) == 1  # compiled once for three samples
 
 
 @pytest.mark.gpu
@@ -188,7 +188,7 @@ def test_a_slow_grammar_compile_does_not_stall_other_requests(ckpt, tok):
     model = load_model(ckpt, dtype=torch.float32, device="cpu")
     engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8))
     engine.generate([tok.encode("warm")], SamplingParams(max_new_tokens=4, grammar={"type": "json_object"}))
-    engine.grammars.compiler = SlowCompiler(engine.grammars.compiler, delay=3.0)
+    engine.grammars.cache.compiler = SlowCompiler(engine.grammars.cache.compiler, delay=3.0)
     ae = AsyncEngine(engine)
     guided = SamplingParams(max_new_tokens=40, seed=1, grammar=PICK)
 
@@ -213,4 +213,4 @@ def test_a_slow_grammar_compile_does_not_stall_other_requests(ckpt, tok):
     ids = [ev.token_id for ev in slow_events if ev.token_id is not None]
     assert set(json.loads(tok.decode(ids[:-1]))) == {"n", "color"}
     assert [ev.finish_reason for ev in dropped_events] == ["abort"]
-    assert not engine.has_work() and not engine._compiling
+    assert not engine.has_work() and not engine.grammars.waiting
