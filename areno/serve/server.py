@@ -170,7 +170,15 @@ def _make_server(app, engine, config, window: float):
             self.force_exit = True
 
     return Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                 timeout_graceful_shutdown=window + ABORT_FLUSH_S))
+                                 timeout_graceful_shutdown=window + ABORT_FLUSH_S, **connection_options(config)))
+
+
+def connection_options(config) -> dict:
+    """uvicorn settings for --read-timeout-s and --max-connections (``areno.serve.connections``)."""
+    from areno.serve.connections import default_max_connections, guarded_protocol
+
+    cap = config.max_connections or default_max_connections()
+    return {"http": guarded_protocol(config.read_timeout_s, cap), "backlog": min(2048, cap)}
 
 
 TP_CONFIG_ENV = "ARENO_SERVE_CONFIG"
