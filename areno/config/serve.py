@@ -61,6 +61,9 @@ class ServeConfig:
     max_image_bytes: int = opt(20 << 20, IMAGE_BYTES_HELP, "multimodal")
     max_image_pixels: int = opt(50_000_000, IMAGE_PIXELS_HELP, "multimodal")
     max_images_per_prompt: int = opt(64, IMAGES_HELP, "multimodal")
+    max_request_pixels: int = opt(
+        50_000_000, "decoded pixels one request's images may hold in all (a larger request gets HTTP 400); the "
+        "server also decodes at most this many at once and twice this many a second", "multimodal")
     decode_progress_interval_s: float = opt(
         0.0, "report decode throughput, active sequences and graph replay every N seconds (0 = off)",
         "observability")
@@ -72,7 +75,7 @@ class ServeConfig:
         if not self.model_path:
             raise ConfigError("--model-path", "is required (a Hugging Face repo id or a local folder)")
         check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len", "max_request_bytes",
-                           "max_connections"))
+                           "max_connections", "max_request_pixels"))
         if self.world_size % self.tp_size:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)

@@ -51,7 +51,8 @@ def build_app(config, *, model=None, tokenizer=None):
     name = config.served_model_name or str(config.model_path).rstrip("/")
     media = ChatMedia(config.model_path, MediaLimits(max_image_bytes=config.max_image_bytes,
                                                      max_image_pixels=config.max_image_pixels,
-                                                     max_images=config.max_images_per_prompt))
+                                                     max_images=config.max_images_per_prompt),
+                      max_request_pixels=config.max_request_pixels)
     replicas = check_topology(config.world_size, config.tp_size, len(visible_gpus()))
     if config.engine_thread and replicas > 1:
         from areno.config import ConfigError
