@@ -44,7 +44,7 @@ def closed_within(socks, seconds: float) -> tuple[int, list[bytes]]:
             while chunk := s.recv(4096):
                 data += chunk
             closed += 1
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             pass
         except ConnectionResetError:
             closed += 1
