@@ -14,6 +14,7 @@ from areno.config.fields import (
     check_media_limits,
     check_memory,
     check_non_negative,
+    check_range,
     check_sizes,
     memory_amount,
     opt,
@@ -87,4 +88,5 @@ class ServeConfig:
         check_memory("--kv-cache-memory", self.kv_cache_memory)
         check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
         check_non_negative("--read-timeout-s", self.read_timeout_s)
+        check_range("--read-timeout-s", self.read_timeout_s, 0, 86400)  # a number of seconds (not nan or inf)
         check_media_limits(self)

@@ -100,3 +100,14 @@ def test_default_cap_leaves_room_under_the_fd_limit():
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert 16 <= default_max_connections() < soft
+
+
+@pytest.mark.parametrize("field, value, flag", [("read_timeout_s", float("nan"), "--read-timeout-s"),
+                                                ("read_timeout_s", -1.0, "--read-timeout-s"),
+                                                ("max_connections", 0, "--max-connections"),
+                                                ("max_request_pixels", 0, "--max-request-pixels")])
+def test_bad_limits_are_refused_by_name(field, value, flag):
+    from areno.config import ConfigError, ServeConfig
+
+    with pytest.raises(ConfigError, match=flag):
+        ServeConfig(model_path="m", **{field: value})
