@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -116,7 +117,7 @@ class Grammars:
         self.capacity, self.capacity_bytes = capacity, capacity_bytes
         self._cache: OrderedDict[str, tuple[object, int]] = OrderedDict()  # key -> (compiled, bytes)
         self._pending: dict[str, Future] = {}  # key -> its compile on the worker thread
-        self._worker: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue | None = None  # (future, spec, key) for the compile thread
         self._lock = threading.Lock()
 
     @property
@@ -160,12 +161,25 @@ class Grammars:
             return None
         with self._lock:
             if key not in self._pending:
-                if self._worker is None:
-                    self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areno-grammar")
-                future = self._worker.submit(self._compile, spec, key)
+                if self._jobs is None:
+                    self._jobs = queue.SimpleQueue()
+                    # a daemon thread: a compile in progress never holds up the process's exit
+                    threading.Thread(target=self._compile_jobs, name="areno-grammar", daemon=True).start()
+                future = Future()
                 self._pending[key] = future
                 future.add_done_callback(lambda _: self._pending.pop(key, None))
+                self._jobs.put((future, spec, key))
             return self._pending[key]
+
+    def _compile_jobs(self) -> None:
+        while True:
+            future, spec, key = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._compile(spec, key))
+            except Exception as exc:  # GrammarError, or xgrammar's own: the waiting request fails with it
+                future.set_exception(exc)
 
     def matcher(self, spec, stop_token_ids=None, *, compiled=None) -> Matcher:
         """A fresh matcher for one sequence (of ``compiled``, else of ``spec`` compiled); ``stop_token_ids``
