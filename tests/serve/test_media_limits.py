@@ -83,3 +83,22 @@ def test_pixel_budget_bounds_pixels_at_once_and_per_second():
         assert 0.3 < waited < 2, waited
 
     asyncio.run(main())
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+
+def test_the_issues_ten_7000_pixel_pngs_are_refused_from_their_headers(vl_capped):
+    """The issue's request (ten small PNGs of 7000 x 7000 pixels, 490M pixels once decoded) is refused within a
+    second, and the server (in this process) grows by a few MB, not the gigabytes a decode takes."""
+    big = png(7000, 7000)
+    assert len(big) < 200_000
+    body = {"model": "tiny", "max_tokens": 2, "messages": images_message(*[big] * 10)}
+    before = rss()
+    t = time.perf_counter()
+    r = httpx.post(vl_capped.base_url + "/v1/chat/completions", json=body, timeout=60)
+    took = time.perf_counter() - t
+    assert r.status_code == 400 and "490000000 pixels" in r.json()["error"]["message"], r.text[:300]
+    assert took < 5 and rss() - before < 200 << 20, (took, (rss() - before) >> 20)
