@@ -14,6 +14,7 @@ from areno.config.fields import (
     check_media_limits,
     check_memory,
     check_non_negative,
+    check_range,
     check_sizes,
     memory_amount,
     opt,
@@ -42,6 +43,10 @@ class ServeConfig:
                                        default_help="the model's context length")
     max_request_bytes: int = opt(32 << 20, "largest request body accepted, in bytes (a larger one gets HTTP 413)",
                                  "server")
+    read_timeout_s: float = opt(30.0, "seconds a client has to send a request's headers, then its body, from their "
+                                "first byte (0 = no limit); a slower connection is closed", "server")
+    max_connections: Optional[int] = opt(None, "connections open at once; the next one gets HTTP 503 and is closed",
+                                         "server", default_help="three quarters of the file-descriptor limit")
     max_running_prompts: int = opt(32, "cap on active sequences in the continuous batch", "rollout")
     attn_backend: Optional[str] = opt(
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
@@ -57,6 +62,9 @@ class ServeConfig:
     max_image_bytes: int = opt(20 << 20, IMAGE_BYTES_HELP, "multimodal")
     max_image_pixels: int = opt(50_000_000, IMAGE_PIXELS_HELP, "multimodal")
     max_images_per_prompt: int = opt(64, IMAGES_HELP, "multimodal")
+    max_request_pixels: int = opt(
+        50_000_000, "decoded pixels one request's images may hold in all (a larger request gets HTTP 400); the "
+        "server also decodes at most this many at once and twice this many a second", "multimodal")
     decode_progress_interval_s: float = opt(
         0.0, "report decode throughput, active sequences and graph replay every N seconds (0 = off)",
         "observability")
@@ -67,7 +75,8 @@ class ServeConfig:
             self.api_key = env_value("ARENO_API_KEY") or None  # the flag wins; the variable stays out of `ps`
         if not self.model_path:
             raise ConfigError("--model-path", "is required (a Hugging Face repo id or a local folder)")
-        check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len", "max_request_bytes"))
+        check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len", "max_request_bytes",
+                           "max_connections", "max_request_pixels"))
         if self.world_size % self.tp_size:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
@@ -78,4 +87,6 @@ class ServeConfig:
             raise ConfigError("--host", "must not be empty")
         check_memory("--kv-cache-memory", self.kv_cache_memory)
         check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
+        check_non_negative("--read-timeout-s", self.read_timeout_s)
+        check_range("--read-timeout-s", self.read_timeout_s, 0, 86400)  # a number of seconds (not nan or inf)
         check_media_limits(self)

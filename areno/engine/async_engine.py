@@ -131,6 +131,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, decode_steps: int = 1):
         self.engine = engine
+        engine.grammars.off_loop = True  # a new grammar compiles while the other requests decode
         self.decode_steps = decode_steps
         self._emitted: dict[int, int] = {}  # seq_id -> output tokens already sent
         self._commands: queue.Queue = queue.Queue()

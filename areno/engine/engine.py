@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
-from areno.engine.grammar import token_mask
+from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
 from areno.engine.kv_cache import plan_num_blocks
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
@@ -90,7 +90,7 @@ class Engine:
             eos_token_ids = tokenizer_eos_ids(tokenizer)
         self.stopper = StopChecker(tokenizer, eos_token_ids, self.max_model_len)
         self._rng = random.Random(cfg.seed)
-        self.grammars = None  # compiled structured-output grammars (areno.engine.grammar), built on first use
+        self.grammars = EngineGrammars(self)  # structured outputs: compiled grammars, matchers, compiles off the loop
         self.runner = None
         self._build()
         self._progress_t = time.perf_counter()
@@ -223,31 +223,18 @@ class Engine:
         if images is not None:
             for seq in group:
                 seq.mm = images
-        if options.grammar is not None:
-            self._attach_grammar(group, options)
+        if options.grammar is not None and not self.grammars.attach(group, options):
+            return group  # it waits for its grammar's compile (EngineGrammars.admit)
         self.scheduler.add(group)
         return group
 
-    def _attach_grammar(self, group: list[Sequence], options: SamplingParams) -> None:
-        """One grammar matcher per sample (compiled once per spec); the stop tokens end the output."""
-        from areno.engine.grammar import GrammarError, Grammars
-
-        if self.grammars is None:
-            if self.tokenizer is None:
-                raise GrammarError("structured outputs need the engine's tokenizer")
-            vocab = self.model.config.vocab_size or len(self.tokenizer)
-            self.grammars = Grammars(self.tokenizer, vocab, self.stopper.eos)
-        stops = set(options.stop_token_ids) if options.ignore_eos else self.stopper.eos.union(options.stop_token_ids)
-        for seq in group:
-            seq.grammar = self.grammars.matcher(options.grammar, stops)
-
     def abort(self, seqs) -> None:
         for seq in seqs:
-            if not seq.is_finished:
+            if not seq.is_finished and not self.grammars.abort(seq):
                 self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self._ahead is not None or self.scheduler.has_work()
+        return self._ahead is not None or self.scheduler.has_work() or bool(self.grammars.waiting)
 
     def step(self, decode_steps: int = 1) -> list[Sequence]:
         """One forward step; returns the sequences that received a token (finished ones included).
@@ -270,6 +257,8 @@ class Engine:
         nothing else: the tokens and log-probs kept are those of the plain chain)."""
         if self._ahead is not None:
             return self._step_ahead()
+        if self.grammars.waiting and (failed := self.grammars.admit()):
+            return failed  # their compile failed: finished
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         hold = decode_steps > 1 and self._hold_waiting and 0 < 4 * waiting <= running
         waited = bool(self.scheduler.waiting)
@@ -290,7 +279,7 @@ class Engine:
         if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps, hold):
             return self._multi_step(step, rows, decode_steps, copies, state_copies)
         self._hold_waiting = waited and not hold  # a held step is followed by an admitting one
-        mask = token_mask([s.grammar for s in rows]) if self.grammars is not None else None
+        mask = token_mask([s.grammar for s in rows]) if self.grammars.cache is not None else None
         self.step_counts["single"] += 1
         tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask,
                                                 state_copies=state_copies)

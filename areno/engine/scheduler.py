@@ -53,6 +53,15 @@ class Scheduler:
     # ---- requests ------------------------------------------------------------------------------------------
     def add(self, group: list[Sequence]) -> None:
         """A request's samples; samples 1..n-1 fork from sample 0 once its prompt is computed."""
+        self.check(group)
+        head = group[0]
+        head.children = group[1:]
+        for child in head.children:
+            child.fork_parent = head
+        self.waiting.append(head)
+
+    def check(self, group: list[Sequence]) -> None:
+        """A ValueError if the request can never run: too many samples, past the context or the KV cache."""
         head = group[0]
         if len(group) > self.max_running:
             raise ValueError(f"n={len(group)} samples exceed the cap of {self.max_running} running sequences")
@@ -63,10 +72,6 @@ class Scheduler:
             raise ValueError(
                 f"a sequence of {total} tokens needs more KV blocks than the cache holds ({self.blocks.num_blocks})"
             )
-        head.children = group[1:]
-        for child in head.children:
-            child.fork_parent = head
-        self.waiting.append(head)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,6 +1,7 @@
 """What one request may cost the server: a cap on the body's size, checked as it arrives; a prompt too long for the
 context refused without building its token list (by its length in characters, where the tokenizer bounds the bytes
-a token covers); and the memory a large request used handed back to the OS afterwards.
+a token covers); /tokenize's cap of a few contexts (``tokenize_cap``), refused the same way; and the memory a large
+request used handed back to the OS afterwards.
 
 Parsing and tokenisation themselves run on a small thread pool (``areno.serve.state``), so the event loop keeps
 answering other requests (``/health`` too) while a large body is being handled.
@@ -121,32 +122,49 @@ def context_exceeded(what: str, max_model_len: int, param: str) -> APIError:
                     code="context_length_exceeded")
 
 
-class PromptEncoder:
-    """``tokenizer.encode(text, add_special_tokens=False)`` for prompts, refusing one of ``max_model_len`` tokens or
-    more cheaply: by its length in characters where :func:`max_bytes_per_token` gives a bound (no tokenisation at
-    all), else by the length of the fast tokenizer's encoding before its id list is built (a Python list of
-    millions of ids takes the GIL, and so the event loop, for a noticeable time). Runs on a worker thread."""
+TOKENIZE_CONTEXTS = 4  # /tokenize counts texts up to this many contexts long (a client measuring what to cut)
 
-    def __init__(self, tokenizer, max_model_len: int):
+
+def tokenize_cap(max_model_len: int) -> int:
+    """The most tokens ``/tokenize`` counts: a few contexts, so a client can measure a text it has to cut, while a
+    30 MB body (millions of ids, a response three times its size) is refused before its id list is built."""
+    return TOKENIZE_CONTEXTS * max_model_len
+
+
+def over_tokenize_cap(what: str, max_model_len: int, param: str) -> APIError:
+    return APIError(400, f"the text has {what}; /tokenize counts at most {tokenize_cap(max_model_len)} tokens "
+                    f"({TOKENIZE_CONTEXTS} x this model's context of {max_model_len})", param=param,
+                    code="context_length_exceeded")
+
+
+class PromptEncoder:
+    """``tokenizer.encode(text, add_special_tokens=False)`` for prompts, refusing one of ``limit`` tokens or more
+    (default ``max_model_len``; ``refuse(what, max_model_len, param)`` builds the error) cheaply: by its length in
+    characters where :func:`max_bytes_per_token` gives a bound (no tokenisation at all), else by the length of the
+    fast tokenizer's encoding before its id list is built (a Python list of millions of ids takes the GIL, and so
+    the event loop, for a noticeable time). Runs on a worker thread."""
+
+    def __init__(self, tokenizer, max_model_len: int, *, limit: int | None = None, refuse=context_exceeded):
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.limit, self.refuse = limit or max_model_len, refuse
         self.bytes_per_token = max_bytes_per_token(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         # encode_batch_fast: the same ids without character offsets (less to build and to free)
         self.encode_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
 
-    def __call__(self, text: str, param: str) -> list[int]:
-        limit = self.max_model_len
+    def __call__(self, text: str, param: str, *, add_special_tokens: bool = False) -> list[int]:
+        limit = self.limit
         if self.bytes_per_token and len(text) > (limit - 1) * self.bytes_per_token:
             at_least = -(-len(text) // self.bytes_per_token)
-            raise context_exceeded(f"at least {at_least} tokens ({len(text)} characters)", limit, param)
+            raise self.refuse(f"at least {at_least} tokens ({len(text)} characters)", self.max_model_len, param)
         if self.encode_batch is None:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:  # what a fast tokenizer's encode() runs (encode_batch: unlike encode, it lets go of the GIL while it
             # works), with the length looked at before the ids become a list
-            encoding = self.encode_batch([text], add_special_tokens=False)[0]
+            encoding = self.encode_batch([text], add_special_tokens=add_special_tokens)[0]
             if len(encoding) >= limit:
-                raise context_exceeded(f"{len(encoding)} tokens", limit, param)
+                raise self.refuse(f"{len(encoding)} tokens", self.max_model_len, param)
             ids = encoding.ids
         if len(ids) >= limit:
-            raise context_exceeded(f"{len(ids)} tokens", limit, param)
+            raise self.refuse(f"{len(ids)} tokens", self.max_model_len, param)
         return ids

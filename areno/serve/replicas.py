@@ -141,6 +141,7 @@ def _trace_stalls() -> float | None:
 class ReplicaWorker:
     def __init__(self, rank, engine, commands, events):
         self.rank, self.engine, self.commands, self.events = rank, engine, commands, events
+        engine.grammars.off_loop = True  # a new grammar compiles while the other requests decode
         self.seqs: dict[int, list] = {}  # rid -> its sequences
         self.rid_of: dict[int, int] = {}  # seq_id -> rid
         self.stopping = False

@@ -51,7 +51,8 @@ def build_app(config, *, model=None, tokenizer=None):
     name = config.served_model_name or str(config.model_path).rstrip("/")
     media = ChatMedia(config.model_path, MediaLimits(max_image_bytes=config.max_image_bytes,
                                                      max_image_pixels=config.max_image_pixels,
-                                                     max_images=config.max_images_per_prompt))
+                                                     max_images=config.max_images_per_prompt),
+                      max_request_pixels=config.max_request_pixels)
     replicas = check_topology(config.world_size, config.tp_size, len(visible_gpus()))
     if config.engine_thread and replicas > 1:
         from areno.config import ConfigError
@@ -83,6 +84,31 @@ def build_app(config, *, model=None, tokenizer=None):
                      api_key=config.api_key, max_running=config.max_running_prompts,
                      max_request_bytes=config.max_request_bytes, media=media)
     return app, aengine
+
+
+def load_failure(config, exc: BaseException) -> Exception:
+    """The one-line error for a model that would not load (a bad folder, a wrong config, corrupt weights: a
+    ConfigError naming --model-path, exit 2), or a RunError (exit 1) where the machine ran out of memory."""
+    from areno.config import ConfigError, RunError
+
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())  # tokenizer and replica errors span several lines
+    text = text if len(text) <= 400 else text[:397] + "..."
+    if isinstance(exc, MemoryError) or "OutOfMemoryError" in text:
+        return RunError(f"--model-path {config.model_path} did not fit in memory: {text}")
+    return ConfigError("--model-path", f"{config.model_path} could not be loaded: {text}")
+
+
+def load_app(config):
+    """``build_app``, with any failure to load the model as one line (``load_failure``) instead of a traceback."""
+    from areno.config import ConfigError, RunError
+
+    try:
+        return build_app(config)
+    except (ConfigError, RunError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - every load failure becomes one line naming the flag
+        log.debug("load failure", exc_info=True)
+        raise load_failure(config, exc) from None
 
 
 def graceful_shutdown_s() -> float:
@@ -145,7 +171,15 @@ def _make_server(app, engine, config, window: float):
             self.force_exit = True
 
     return Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                 timeout_graceful_shutdown=window + ABORT_FLUSH_S))
+                                 timeout_graceful_shutdown=window + ABORT_FLUSH_S, **connection_options(config)))
+
+
+def connection_options(config) -> dict:
+    """uvicorn settings for --read-timeout-s and --max-connections (``areno.serve.connections``)."""
+    from areno.serve.connections import default_max_connections, guarded_protocol
+
+    cap = config.max_connections or default_max_connections()
+    return {"http": guarded_protocol(config.read_timeout_s, cap), "backlog": min(2048, cap)}
 
 
 TP_CONFIG_ENV = "ARENO_SERVE_CONFIG"
@@ -166,7 +200,7 @@ def run_server(config) -> int:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     config.host)
     window = graceful_shutdown_s()
-    app, engine = build_app(config)
+    app, engine = load_app(config)
     server = _make_server(app, engine, config, window)
     # uvicorn re-raises the signal that stopped it once it is done, under the handlers it found: make those only
     # ask the server to stop, so a graceful stop exits 0 instead of dying by that signal

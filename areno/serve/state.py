@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areno.serve.errors import APIError
-from areno.serve.limits import PromptEncoder, release_memory
+from areno.serve.limits import PromptEncoder, over_tokenize_cap, release_memory, tokenize_cap
 from areno.serve.metrics import ServeMetrics
 from areno.serve.protocol import Notes
 from areno.serve.text import Detokenizer
@@ -29,6 +29,7 @@ class ServeState:
     max_running: int  # --max-running-prompts: the most samples (n) one request may ask for
     media: Any = None  # a ChatMedia for chat messages with image/audio/video parts (without one they get a 400)
     prompt_encoder: PromptEncoder = field(init=False)
+    tokenize_encoder: PromptEncoder = field(init=False)  # /tokenize: up to tokenize_cap tokens
     metrics: ServeMetrics = field(init=False)
     notes: Notes = field(init=False, default_factory=Notes)
     prep_pool: ThreadPoolExecutor = field(init=False)
@@ -37,6 +38,8 @@ class ServeState:
 
     def __post_init__(self):
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.max_model_len)
+        self.tokenize_encoder = PromptEncoder(self.tokenizer, self.max_model_len,
+                                              limit=tokenize_cap(self.max_model_len) + 1, refuse=over_tokenize_cap)
         self.metrics = ServeMetrics(self.model_name)
         # parsing, chat-template rendering and tokenisation: a few threads, so a large body never stalls the loop
         self.prep_pool = ThreadPoolExecutor(max_workers=PREP_THREADS, thread_name_prefix="areno-prep")

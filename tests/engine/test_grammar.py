@@ -119,7 +119,7 @@ def test_engine_mixed_batch(ckpt, tok):
         obj = json.loads(tok.decode(c.token_ids[:-1]))
         assert set(obj) == {"n", "color"} and 0 <= obj["n"] <= 100 and obj["color"] in ("red", "green")
         assert all(-50 < lp <= 0 for lp in c.logprobs)
-    assert engine.grammars is not None and len(engine.grammars._cache) == 1  # compiled once for three samples
+    assert len(engine.grammars.cache._cache) == 1  # compiled once for three samples
 
 
 @pytest.mark.gpu
@@ -141,3 +141,76 @@ def test_engine_grammar_cuda(ckpt, tok):
     assert engine.runner.last_step_used_graph  # the last steps held only free rows
     engine.generate([prompts[0]], SamplingParams(max_new_tokens=20, seed=3, grammar={"type": "json_object"}))
     assert not engine.runner.last_step_used_graph  # a grammar row: eager
+
+
+def enum_spec(values: int, tag: str) -> dict:
+    return {"type": "json_schema", "schema": {"enum": [f"{tag}-{i}" for i in range(values)]}}
+
+
+def test_cache_is_bounded_by_bytes_not_count(tok):
+    """Issue 37, point 21: 64 cached grammars of ~77 MB each is 5 GB. The cache keeps what fits its byte budget
+    (least recently used out first); a grammar larger than the whole budget is used, never kept."""
+    probe = Grammars(tok, 1024, [tok.eos_token_id])
+    size = probe.compile(enum_spec(200, "a")).memory_size_bytes
+    g = Grammars(tok, 1024, [tok.eos_token_id], capacity_bytes=int(2.5 * size))
+    for tag in "abcd":
+        g.compile(enum_spec(200, tag))
+        assert g.cached_bytes <= int(2.5 * size)
+    assert len(g._cache) == 2 and set(g._cache) == {json.dumps(normalize_grammar(enum_spec(200, t)), sort_keys=True)
+                                                   for t in "cd"}
+    big = g.matcher(enum_spec(2000, "big"))  # more bytes than the budget: compiled and used, not cached
+    assert not big.finished and g.cached_bytes <= int(2.5 * size) and len(g._cache) <= 2
+
+
+class SlowCompiler:
+    """The grammar compiler with a blocking delay before each compile: a huge schema's seconds, injected."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def compile_json_schema(self, *args, **kwargs):
+        import time
+
+        time.sleep(self.delay)
+        return self.inner.compile_json_schema(*args, **kwargs)
+
+
+def test_a_slow_grammar_compile_does_not_stall_other_requests(ckpt, tok):
+    """Issue 37, point 21 (a normal request took 6.1 s instead of 0.07 s during a large enum's compile): a server's
+    engine compiles a new grammar off its decode loop; a plain request submitted after it finishes while it
+    compiles, and the grammar request then decodes to schema-valid JSON. Aborting a request that waits for its
+    grammar frees it."""
+    import asyncio
+    import time
+
+    from areno.engine.async_engine import AsyncEngine
+
+    model = load_model(ckpt, dtype=torch.float32, device="cpu")
+    engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8))
+    engine.generate([tok.encode("warm")], SamplingParams(max_new_tokens=4, grammar={"type": "json_object"}))
+    engine.grammars.cache.compiler = SlowCompiler(engine.grammars.cache.compiler, delay=3.0)
+    ae = AsyncEngine(engine)
+    guided = SamplingParams(max_new_tokens=40, seed=1, grammar=PICK)
+
+    async def main():
+        t0 = time.perf_counter()
+        slow = await ae.submit(tok.encode("the cat sat"), guided)
+        dropped = await ae.submit(tok.encode("a dog"), SamplingParams(max_new_tokens=8, grammar=enum_spec(5, "x")))
+        dropped.abort()
+        plain = await ae.submit(tok.encode("hello"), SamplingParams(max_new_tokens=8, ignore_eos=True))
+        plain_events = [ev async for ev in plain]
+        plain_s = time.perf_counter() - t0
+        slow_events = [ev async for ev in slow]
+        dropped_events = [ev async for ev in dropped]
+        return plain_s, plain_events, slow_events, dropped_events
+
+    try:
+        plain_s, plain_events, slow_events, dropped_events = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert plain_s < 1.5 and plain_events[-1].finish_reason == "length", plain_s  # not behind the 3 s compile
+    assert slow_events[-1].finish_reason == "stop"
+    ids = [ev.token_id for ev in slow_events if ev.token_id is not None]
+    assert set(json.loads(tok.decode(ids[:-1]))) == {"n", "color"}
+    assert [ev.finish_reason for ev in dropped_events] == ["abort"]
+    assert not engine.has_work() and not engine.grammars.waiting

@@ -29,11 +29,12 @@ class RunningServer:
         self.port = free_port()
         settings = {"max_running_prompts": 8, "max_model_len": 512, **overrides}
         cfg = ServeConfig(model_path=str(path), port=self.port, dtype="float32", served_model_name="tiny", **settings)
-        from areno.serve.server import build_app
+        from areno.serve.server import build_app, connection_options
 
         torch.manual_seed(0)
         self.app, self.engine = build_app(cfg)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    **connection_options(cfg)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 60

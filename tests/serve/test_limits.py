@@ -253,3 +253,25 @@ def test_8mb_prompt_is_refused_without_blocking_health_and_memory_returns(serve)
     after = server.rss()
     assert abs(after - before) <= 0.2 * before, (before >> 20, after >> 20)
     assert httpx.get(server.base_url + "/health", timeout=5).json()["status"] == "ok"
+
+
+def test_tokenize_counts_past_the_context_but_refuses_past_its_cap_without_blocking_health(server):
+    """/tokenize (issue 37, point 18: a 30 MB prompt came back as 94 MB after 66 s while /health timed out) counts a
+    text of a few contexts (a client measuring what to cut) and refuses a longer one with a 400 naming the cap,
+    before its id list is built; /health answers meanwhile."""
+    cap = 4 * 512  # four contexts of the server fixture's --max-model-len
+    longer_than_context = "hello world " * 200  # 1,400 tokens: past the context of 512, under the cap
+    r = httpx.post(server.base_url + "/tokenize", json={"prompt": longer_than_context}, timeout=30)
+    assert r.status_code == 200 and 512 < r.json()["count"] <= cap, r.text
+    for body in ({"prompt": "a b c d " * 250_000}, {"messages": [{"role": "user", "content": "a b c " * 300_000}]}):
+        raw = json.dumps(body).encode()
+        with HealthPoller(server.base_url) as poller:
+            t = time.perf_counter()
+            r = httpx.post(server.base_url + "/tokenize", content=raw, headers={"content-type": "application/json"},
+                           timeout=120)
+            t1 = time.perf_counter()
+        assert r.status_code == 400, r.text[:200]
+        error = r.json()["error"]
+        assert error["param"] == ("messages" if "messages" in body else "prompt")
+        assert f"/tokenize counts at most {cap} tokens" in error["message"], error
+        assert_health_kept_answering(poller.during(t, t1), t1 - t)

@@ -23,29 +23,32 @@ from areno.serve.state import ServeState
 
 
 def prepare_chat(state: ServeState, raw: bytes):
-    """Body -> (request, prompt ids, sampling options, top log-probs, images or None): on the prep pool."""
+    """Body -> (request, prompt ids, sampling options, top log-probs): on the prep pool. A request with media parts
+    comes back with None for the ids and options: its images are decoded next, within the pixel budget."""
     req = parse(raw, ChatCompletionRequest)
     state.check_model(req.model)
     check_request(state, req)
-    mm = None
+    k = (req.top_logprobs or 0) if req.logprobs else 0
     if req.has_media():  # image parts: the model's processor (expanded placeholders, pixel rows)
         if state.media is None:
             raise APIError(400, "this server takes no image, audio or video parts", param="messages")
         if req.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported yet for prompts with images",
                            param="prompt_logprobs")
-        mm = state.media.encode(req)
-        prompt_ids = mm.input_ids
-    else:
-        prompt_ids = state.prompt_encoder(render_chat(state.tokenizer, req), "messages")
-    k = (req.top_logprobs or 0) if req.logprobs else 0
-    return req, prompt_ids, sampling_options(state, req, len(prompt_ids), req.token_limit(), k), k, mm
+        return req, None, None, k
+    prompt_ids = state.prompt_encoder(render_chat(state.tokenizer, req), "messages")
+    return req, prompt_ids, sampling_options(state, req, len(prompt_ids), req.token_limit(), k), k
 
 
 async def chat(request: Request):
     state: ServeState = request.app.state.serve
     arrival = time.perf_counter()
-    req, prompt_ids, opts, k, mm = await state.prep(prepare_chat, state, await request.body())
+    req, prompt_ids, opts, k = await state.prep(prepare_chat, state, await request.body())
+    mm = None
+    if prompt_ids is None:  # image parts: the model's processor (expanded placeholders, pixel rows)
+        mm = await state.media.encode(req, state.prep)
+        prompt_ids = mm.input_ids
+        opts = sampling_options(state, req, len(prompt_ids), req.token_limit(), k)
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     stream = await submit(state, prompt_ids, opts, arrival, mm)
     plp = None

@@ -4,7 +4,10 @@ lm-evaluation-harness's remote tokenizer reads: special tokens, the chat templat
 
 from __future__ import annotations
 
+import json
+
 from fastapi import Request
+from fastapi.responses import Response
 
 from areno.serve.bodies import request_body
 from areno.serve.errors import APIError
@@ -40,9 +43,11 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     return info
 
 
-def tokenize(state: ServeState, raw: bytes) -> dict:
+def tokenize(state: ServeState, raw: bytes) -> dict | TokenizeChatRequest:
     """Messages are counted as the chat route counts them: media parts through the model's processor (their
-    placeholders expanded to the image tokens) when the server has one. On the prep pool."""
+    placeholders expanded to the image tokens) when the server has one. A text of more than ``tokenize_cap``
+    tokens (a few contexts) is a 400, refused before its id list is built. On the prep pool. A request with media
+parts comes back as it is: ``tokenize_route`` decodes its images within the pixel budget."""
     tokenizer = state.tokenizer
     obj = load_json(raw)
     chat = "messages" in obj
@@ -50,12 +55,15 @@ def tokenize(state: ServeState, raw: bytes) -> dict:
     if req.model is not None:
         state.check_model(req.model)
     if chat and req.has_media() and state.media is not None:
-        ids = state.media.encode(req).input_ids
-    else:
-        text = render_chat(tokenizer, req) if chat else req.prompt
-        ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return req
+    text = render_chat(tokenizer, req) if chat else req.prompt
+    ids = state.tokenize_encoder(text, "messages" if chat else "prompt", add_special_tokens=req.add_special_tokens)
+    return tokenized(state, req, ids)
+
+
+def tokenized(state: ServeState, req, ids: list[int]) -> dict:
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-            "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+            "token_strs": state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
 
 def detokenize(state: ServeState, raw: bytes) -> dict:
@@ -67,9 +75,32 @@ def detokenize(state: ServeState, raw: bytes) -> dict:
     return {"prompt": state.tokenizer.decode(req.tokens)}
 
 
+def json_bytes(obj) -> bytes:
+    """``obj`` as the JSON a route's dict becomes (Starlette's layout), built on the prep pool: FastAPI would
+    encode a returned dict on the event loop, where a long token list stalls every other request."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def json_response(obj) -> Response:
+    return Response(json_bytes(obj), media_type="application/json")
+
+
+def tokenize_response(state: ServeState, raw: bytes) -> Response | TokenizeChatRequest:
+    out = tokenize(state, raw)
+    return out if isinstance(out, TokenizeChatRequest) else json_response(out)
+
+
+def tokenized_response(state: ServeState, req, ids: list[int]) -> Response:
+    return json_response(tokenized(state, req, ids))
+
+
 async def tokenize_route(request: Request):
     state: ServeState = request.app.state.serve
-    return await state.prep(tokenize, state, await request.body())
+    out = await state.prep(tokenize_response, state, await request.body())
+    if isinstance(out, Response):
+        return out
+    mm = await state.media.encode(out, state.prep)  # images: within the pixel budget
+    return await state.prep(tokenized_response, state, out, mm.input_ids)
 
 
 async def detokenize_route(request: Request):
