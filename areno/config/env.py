@@ -34,6 +34,9 @@ VARIABLES = (
            "policy sync and compares them exactly (debugging)", "rl/rollout/remote"),
     EnvVar("ARENO_TRAIN_CONFIG", "set by areno train", "internal: the resolved TrainConfig as JSON, handed to the "
            "worker processes `areno train` launches", "rl/runner, distributed/worker"),
+    EnvVar("ARENO_RUN_STATUS", "set by areno train", "internal: the folder where each process of a run records its "
+           "orderly exit, so a run ended by os._exit or a signal is reported as unfinished", "distributed/supervise, "
+           "distributed/launch"),
     EnvVar("ARENO_SERVE_CONFIG", "set by areno serve", "internal: the resolved ServeConfig as JSON, handed to the "
            "TP worker processes `areno serve` launches", "serve/server, serve/tp_worker"),
 )

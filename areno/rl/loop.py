@@ -51,6 +51,7 @@ class TrainLoop:
         self.run_dir = None  # the claimed --save-path (rank 0)
         self.accuracy_before = None  # held-out accuracy of the pre-RL model (kept in checkpoints across resumes)
         self.failed_reward_steps = 0  # consecutive steps in which every reward failed
+        self.stop = None  # areno.distributed.stop.StopRequest (areno train): SIGTERM/SIGINT save and stop the run
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
@@ -179,6 +180,7 @@ class TrainLoop:
                 if bar is not None:
                     bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}", refresh=False)
                     bar.update(1)
+                self._check_stop(saved=True)  # no step to save during the warm-up
         finally:
             if bar is not None:
                 bar.close()
@@ -265,7 +267,27 @@ class TrainLoop:
             bar.update(1)
             last = m
             self._check_reward_failures(m, saved)
+            self._check_stop(saved)
         return last
+
+    def _check_stop(self, saved: bool) -> None:
+        """At a step boundary: once SIGTERM/SIGINT reached any train rank, save (unless this step just did) and stop
+        with one line (every train rank agrees on the step)."""
+        signum = self.stop.agreed(self.groups.train_group) if self.stop is not None else 0
+        if not signum:
+            return
+        from areno.distributed.stop import Stopped
+
+        if self.cfg.save_path and self.step_index > 0 and not saved:
+            self.save()
+        name = __import__("signal").Signals(signum).name
+        if self.step_index == 0:
+            kept = "before the first step: nothing to save yet"
+        elif self.cfg.save_path:
+            kept = f"after step {self.step_index}: saved at {self.last_save} (--resume continues from there)"
+        else:
+            kept = f"after step {self.step_index}: nothing saved (no --save-path)"
+        raise Stopped(signum, f"stopped by {name} {kept}")
 
     def _check_reward_failures(self, m: dict, saved: bool) -> None:
         """Stop (after saving) once every reward of ``--max-reward-failure-steps`` steps in a row failed."""

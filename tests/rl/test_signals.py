@@ -1,0 +1,141 @@
+"""Stopping and vanishing (issue 37, points 8 and 9): a scheduler's SIGTERM or a Ctrl-C saves a checkpoint at the next
+step boundary and exits non-zero with one line (colocated, split mode, launched ranks), and --resume continues; a run
+process that ends through os._exit in a reward function or agent exits non-zero with one line, never 0."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areno.testing import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("signals")
+    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(32):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = root / "reward.py"
+    reward.write_text("import os\ncalls = [0]\n"
+                      "def reward_fn(record):\n"
+                      "    calls[0] += 1\n"
+                      "    if os.environ.get('EXIT_AT_CALL') and calls[0] == int(os.environ['EXIT_AT_CALL']):\n"
+                      "        os._exit(0)\n"
+                      "    return float(len(record.completion) % 3 == 0)\n")
+    return ckpt, data, reward
+
+
+def argv(files, out, *extra, steps=200):
+    ckpt, data, reward = files
+    return [sys.executable, "-m", "areno", "train", "--ckpt", str(ckpt), "--dataset-path", str(data),
+            "--reward-fn-path", str(reward), "--batch-size", "2", "--n-samples", "2", "--mini-bs", "2", "--max-steps",
+            str(steps), "--max-new-tokens", "4", "--save-path", str(out), "--save-interval", "1000", "--lr", "1e-3",
+            "--no-tensorboard", "--dtype", "float32", *extra]
+
+
+def env(**extra):
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+
+
+def steps_logged(out: Path) -> int:
+    path = out / "metrics" / "metrics.jsonl"
+    return len([x for x in path.read_text().splitlines() if '"step"' in x]) if path.is_file() else 0
+
+
+def signal_after_first_step(files, out, send, *extra, timeout=240):
+    """Start a long run, wait for its first logged step, ``send(proc)``; returns (exit code, stderr)."""
+    proc = subprocess.Popen(argv(files, out, *extra), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while steps_logged(out) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        send(proc)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, err
+
+
+def assert_saved_and_stopped(out: Path, code: int, err: str, signame: str):
+    assert code == 128 + signal.Signals[signame].value, err[-3000:]
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("step-*"))
+    n = steps_logged(out)
+    assert saved == [n] and 1 <= n < 200, (saved, n)  # the step it stopped at, saved (--save-interval is 1000)
+    last = err.strip().splitlines()[-1]
+    assert last == f"areno train: stopped by {signame} after step {n}: saved at {out / f'step-{n}'} (--resume " \
+                   "continues from there)", err[-3000:]
+    assert "Traceback" not in err
+    return n
+
+
+def test_sigterm_to_areno_train_saves_at_the_step_boundary_and_resume_continues(files, tmp_path):
+    out = tmp_path / "run"
+    code, err = signal_after_first_step(files, out, lambda p: os.kill(p.pid, signal.SIGTERM))  # as Kubernetes does
+    n = assert_saved_and_stopped(out, code, err, "SIGTERM")
+    proc = subprocess.run(argv(files, out, "--resume", steps=n + 1), env=env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert steps_logged(out) == n + 1
+
+
+def test_ctrl_c_saves_and_a_second_one_stops_at_once(files, tmp_path):
+    out = tmp_path / "run"
+    code, err = signal_after_first_step(files, out, lambda p: os.killpg(p.pid, signal.SIGINT))  # the terminal's
+    assert_saved_and_stopped(out, code, err, "SIGINT")
+
+    def twice(p):
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGINT)
+
+    out = tmp_path / "twice"
+    code, err = signal_after_first_step(files, out, twice)
+    assert code == 130 and err.strip().splitlines()[-1].startswith("areno train: stopped at once by a second Ctrl-C")
+
+
+@pytest.mark.parametrize("extra", [[], ["--train-devices", "0", "--rollout-devices", "1"], ["--world-size", "2"]],
+                         ids=["colocated", "split", "two-ranks"])
+def test_a_scheduler_sigterm_to_every_process_saves_once(files, tmp_path, extra):
+    """Slurm signals every process of the job: the launcher, the train ranks, the rollout ranks."""
+    out = tmp_path / "run"
+    code, err = signal_after_first_step(files, out, lambda p: os.killpg(p.pid, signal.SIGTERM), *extra)
+    assert_saved_and_stopped(out, code, err, "SIGTERM")
+
+
+AGENT = """
+import os
+async def run_agent(ctx, batch):
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("plugin", ["reward", "agent", "reward-two-ranks"])
+def test_os_exit_in_user_code_is_not_a_successful_run(files, tmp_path, plugin):
+    out = tmp_path / "run"
+    extra = ["--world-size", "2"] if plugin == "reward-two-ranks" else []
+    if plugin == "agent":
+        agent = tmp_path / "agent.py"
+        agent.write_text(AGENT)
+        extra = ["--agent-fn", str(agent)]
+    proc = subprocess.run(argv(files, out, *extra, steps=3), env=env(EXIT_AT_CALL="3"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "exited with code 0 before" in last and "run finished" in last, proc.stderr[-3000:]
