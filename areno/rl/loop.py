@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from areno.config import ConfigError, RunError
+from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
 from areno.rl import resume, setup
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
@@ -51,7 +52,8 @@ class TrainLoop:
         self.run_dir = None  # the claimed --save-path (rank 0)
         self.accuracy_before = None  # held-out accuracy of the pre-RL model (kept in checkpoints across resumes)
         self.failed_reward_steps = 0  # consecutive steps in which every reward failed
-        self.stop = None  # areno.distributed.stop.StopRequest (areno train): SIGTERM/SIGINT save and stop the run
+        self.watchdog = None  # areno.distributed.watchdog.Watchdog of a multi-process run
+        self.stop_request = None  # areno.distributed.stop.StopRequest (areno train): a signal saves and stops the run
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
@@ -60,6 +62,7 @@ class TrainLoop:
         self.reward_fn, self.agent_fn = inputs.reward_fn, inputs.agent_fn
         self.groups = g = setup.init_groups(cfg)
         self.layout, self.dp_group, self.dp_size, self.is_main = g.layout, g.dp_group, g.dp_size, g.is_main
+        self.watchdog = watch_ranks(cfg)  # several ranks: a silent one ends the run after --rank-timeout-s
         if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
             from areno.training.run_dir import claim
 
@@ -273,7 +276,7 @@ class TrainLoop:
     def _check_stop(self, saved: bool) -> None:
         """At a step boundary: once SIGTERM/SIGINT reached any train rank, save (unless this step just did) and stop
         with one line (every train rank agrees on the step)."""
-        signum = self.stop.agreed(self.groups.train_group) if self.stop is not None else 0
+        signum = self.stop_request.agreed(self.groups.train_group) if self.stop_request is not None else 0
         if not signum:
             return
         from areno.distributed.stop import Stopped
@@ -380,6 +383,8 @@ class TrainLoop:
 
     def close(self):
         """Release what setup() built so far (it may have stopped part-way on a bad input)."""
+        if self.watchdog is not None:
+            self.watchdog.close()  # before the rollout ranks are told to stop: their exit is no silence
         if self.engine is not None:
             self.engine.close()  # split mode: the rollout ranks leave their loop
         if self.agent is not None:

@@ -15,19 +15,9 @@ import sys
 from dataclasses import asdict
 
 from areno.distributed.launch import launch, launched
+from areno.distributed.watchdog import describe_rank
 
 CONFIG_ENV = "ARENO_TRAIN_CONFIG"
-
-
-def describe_rank(config, rank: int) -> str:
-    """``train rank 0 on GPU 2`` / ``rollout engine 1 rank 0 on GPU 5`` (process slots on a CPU host)."""
-    where = "GPU" if __import__("torch").cuda.is_available() else "CPU slot"
-    if rank < config.world_size:
-        device = config.train_devices[rank] if config.train_devices else rank
-        return f"train rank {rank} on {where} {device}"
-    j = rank - config.world_size
-    return (f"rollout engine {j // config.rollout_tp} rank {j % config.rollout_tp} on {where} "
-            f"{config.rollout_devices[j]}")
 
 
 def is_rollout_rank(config) -> bool:
@@ -54,13 +44,13 @@ def train(config) -> dict:
     from areno.rl.loop import TrainLoop
 
     loop = TrainLoop(config)
-    loop.stop = StopRequest(hard=not launched(), quiet=not is_rank_zero()).install()
+    loop.stop_request = StopRequest(hard=not launched(), quiet=not is_rank_zero()).install()
     try:
         loop.setup()
         return loop.fit()  # ends with the last step's metrics, held-out accuracy before -> after, the checkpoint
     finally:
         loop.close()
-        loop.stop.uninstall()
+        loop.stop_request.uninstall()
 
 
 def run_train(config) -> int:

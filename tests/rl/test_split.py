@@ -3,6 +3,7 @@ streamed after each optimizer step. On-policy split runs equal the colocated run
 trainer's after every sync; async keeps staleness at 1; a dead rollout rank ends the run naming it; two "nodes" under
 torchrun on loopback equal one."""
 
+import contextlib
 import json
 import os
 import random
@@ -168,6 +169,36 @@ def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
         proc.kill()
     assert proc.returncode == 1
     assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) was killed by SIGKILL" in err
+    children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not children, "orphan processes"
+
+
+def test_a_stopped_rollout_rank_ends_the_run_naming_it_after_the_rank_timeout(files, tmp_path):
+    """SIGSTOP leaves the process alive but silent: the run's own timeout (not torch's 30 minutes) names it."""
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "areno", *train_args(
+        files, out, "--train-devices", "0", "--rollout-devices", "1", "--rank-timeout-s", "4", steps=500)],
+        env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    victim = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics" / "metrics.jsonl").is_file() or not metrics(out):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        victim = _rollout_worker_pid(proc.pid)
+        assert victim is not None
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        assert time.monotonic() - t0 < 40
+    finally:
+        proc.kill()
+        if victim is not None:
+            with contextlib.suppress(OSError):
+                os.kill(victim, signal.SIGKILL)
+    assert proc.returncode == 1
+    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) has not answered for" in err, err[-3000:]
+    assert "--rank-timeout-s 4" in err
     children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not children, "orphan processes"
 

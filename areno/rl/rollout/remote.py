@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from areno.config.env import env_value
 from areno.distributed.collectives import broadcast_object
+from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
 from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver
 
@@ -252,6 +253,7 @@ def serve(cfg) -> int:
     rank = int(os.environ.get("RANK", "0"))
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
     layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
+    watchdog = watch_ranks(cfg)  # a silent train rank 0 ends the run after --rank-timeout-s
     torch_device, dtype = device_and_dtype(cfg.dtype, torch.device("cuda", device) if device is not None else "cpu")
     model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
@@ -271,6 +273,8 @@ def serve(cfg) -> int:
         idle += time.perf_counter() - waiting
         op = cmd["op"]
         if op == "stop":
+            if watchdog is not None:
+                watchdog.close()
             break
         if op == "sync":
             plan = cmd.get("plan")
