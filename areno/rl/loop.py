@@ -358,9 +358,11 @@ class TrainLoop:
             self._ensure_engine()
         if self.engine is not None:
             self.engine.policy_changed()  # split mode: the engines still hold --ckpt's weights
-        engine_rng = (state.get("rank_state") or {}).get("engine_rng")
-        if engine_rng is not None and self.engine is not None:
-            self.engine.set_rng_state(engine_rng)
+        rank_state = state.get("rank_state") or {}
+        if rank_state.get("engine_rng") is not None and self.engine is not None:
+            self.engine.set_rng_state(rank_state["engine_rng"])
+        if self.engine is not None:  # async split: the rollout the checkpoint's step had sent ahead
+            self.engine.restore_in_flight(rank_state.get("in_flight"))
         self.logger.truncate_after(self.step_index)  # the interrupted run's lines after this checkpoint go
         log.info("resumed from %s at step %d", path, self.step_index)
 

@@ -301,6 +301,39 @@ def test_resume_in_split_mode_continues_exactly(files, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+KILLING_REWARD = """import os, signal
+calls = [0]
+def reward_fn(record):
+    calls[0] += 1
+    if os.environ.get("KILL_AT_CALL") and calls[0] == int(os.environ["KILL_AT_CALL"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(len(record.completion) % 3 == 0) + 0.1 * record.completion.count('1')
+"""
+
+
+def test_async_split_resume_repeats_the_uninterrupted_run(files, tmp_path):
+    """--max-staleness 1: the checkpoint holds the rollout in flight (sampled with the previous policy), so the step
+    after a resume trains on the very samples the uninterrupted run did, not on new ones from the newer policy."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(KILLING_REWARD)
+    files = (files[0], files[1], reward)
+    split = ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--save-interval", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    areno(files, full, *split, steps=4)
+    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, part, *split, steps=4)],
+                          env=env(KILL_AT_CALL=str(2 * 8 + 1)), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode != 0  # killed while scoring step 3, after step-2's save
+    assert sorted(p.name for p in part.glob("step-*")) == ["step-1", "step-2"]
+    areno(files, part, *split, "--resume", steps=4)
+    a, b = metrics(full), metrics(part)
+    assert [m["step"] for m in b] == [m["step"] for m in a] == [1, 2, 3, 4]
+    for key in ("loss", "reward_mean", "reward_std", "grad_norm", "policy_version", "staleness_max"):
+        assert [m.get(key) for m in b] == [m.get(key) for m in a], key
+    wa = load_file(str(full / "step-4" / "model.safetensors"))
+    wb = load_file(str(part / "step-4" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def _ranks_of(out) -> list[int]:
     pids = []
     for pid in os.listdir("/proc"):

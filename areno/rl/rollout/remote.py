@@ -49,6 +49,20 @@ def _shares(n: int, engines: int) -> list[range]:
     return out
 
 
+def _plain(c) -> dict:
+    """A Completion as plain values a checkpoint loads with ``weights_only`` (arrays as tensors)."""
+    d = dataclasses.asdict(c)
+    if d.get("routed_experts") is not None:
+        d["routed_experts"] = torch.from_numpy(d["routed_experts"])
+    return d
+
+
+def _unplain(d: dict) -> dict:
+    if d.get("routed_experts") is not None:
+        d = {**d, "routed_experts": d["routed_experts"].numpy()}
+    return d
+
+
 class RemoteRollout:
     """The ``Rollout`` of split mode (train ranks' side): ``model`` and ``optimizer`` are the trainer's (the
     optimizer's ``num_steps`` says whether the policy moved), ``step_index()`` the loop's step count (the policy
@@ -187,6 +201,30 @@ class RemoteRollout:
     def set_rng_state(self, state) -> None:
         version, internal, gauss = state
         self._rng.setstate((version, tuple(internal), gauss))
+
+    def in_flight_state(self) -> dict | None:
+        """Async: the rollout sent ahead for the next step (collected now, on rank 0), for a checkpoint: its
+        completions were sampled with the previous policy, which the checkpoint no longer holds, so a resumed run
+        takes them from here instead of sampling anew with the newer one. None when nothing is in flight."""
+        if not self._prefetched:
+            return None
+        if self.rank0 and self._ready is None:
+            self._ready = self._collect()  # the step that would have collected it takes it from _ready
+        if not self.rank0:
+            return {"version": None, "results": None}
+        results, version, _ = self._ready
+        return {"version": version, "results": [[_plain(c) for c in group] for group in results]}
+
+    def restore_in_flight(self, state: dict | None) -> None:
+        """Take a checkpoint's ``in_flight_state`` as the rollout sent ahead (every train rank)."""
+        if state is None:
+            return
+        self._prefetched = True
+        if self.rank0:
+            from areno.engine.engine import Completion
+
+            results = [[Completion(**_unplain(c)) for c in group] for group in state["results"]]
+            self._ready = results, state["version"], {"train_idle_s": 0.0, "rollout_idle_s": 0.0}
 
     def drop_rollout_state(self) -> None:
         pass  # the rollout ranks drop theirs after each generate (the flag travels with the command)
