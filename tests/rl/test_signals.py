@@ -2,9 +2,7 @@
 step boundary and exits non-zero with one line (colocated, split mode, launched ranks), and --resume continues; a run
 process that ends through os._exit in a reward function or agent exits non-zero with one line, never 0."""
 
-import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -13,42 +11,28 @@ from pathlib import Path
 
 import pytest
 
-from areno.testing import make_tiny_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.rl.test_split import ROOT, env, files  # noqa: F401  (the split tests' tiny checkpoint and data)
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("signals")
-    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(32):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
+def plugins(files, tmp_path_factory):  # noqa: F811
+    """The split tests' checkpoint and data, with a reward function that calls os._exit(0) at call EXIT_AT_CALL."""
+    reward = tmp_path_factory.mktemp("signals") / "reward.py"
     reward.write_text("import os\ncalls = [0]\n"
                       "def reward_fn(record):\n"
                       "    calls[0] += 1\n"
                       "    if os.environ.get('EXIT_AT_CALL') and calls[0] == int(os.environ['EXIT_AT_CALL']):\n"
                       "        os._exit(0)\n"
                       "    return float(len(record.completion) % 3 == 0)\n")
-    return ckpt, data, reward
+    return files[0], files[1], reward
 
 
-def argv(files, out, *extra, steps=200):
-    ckpt, data, reward = files
+def argv(plugins, out, *extra, steps=200):
+    ckpt, data, reward = plugins
     return [sys.executable, "-m", "areno", "train", "--ckpt", str(ckpt), "--dataset-path", str(data),
             "--reward-fn-path", str(reward), "--batch-size", "2", "--n-samples", "2", "--mini-bs", "2", "--max-steps",
             str(steps), "--max-new-tokens", "4", "--save-path", str(out), "--save-interval", "1000", "--lr", "1e-3",
             "--no-tensorboard", "--dtype", "float32", *extra]
-
-
-def env(**extra):
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
 
 
 def steps_logged(out: Path) -> int:
@@ -56,9 +40,9 @@ def steps_logged(out: Path) -> int:
     return len([x for x in path.read_text().splitlines() if '"step"' in x]) if path.is_file() else 0
 
 
-def signal_after_first_step(files, out, send, *extra, timeout=240):
+def signal_after_first_step(plugins, out, send, *extra, timeout=240):
     """Start a long run, wait for its first logged step, ``send(proc)``; returns (exit code, stderr)."""
-    proc = subprocess.Popen(argv(files, out, *extra), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(argv(plugins, out, *extra), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
@@ -85,19 +69,21 @@ def assert_saved_and_stopped(out: Path, code: int, err: str, signame: str):
     return n
 
 
-def test_sigterm_to_areno_train_saves_at_the_step_boundary_and_resume_continues(files, tmp_path):
+@pytest.mark.slow  # two runs
+def test_sigterm_to_areno_train_saves_at_the_step_boundary_and_resume_continues(plugins, tmp_path):
     out = tmp_path / "run"
-    code, err = signal_after_first_step(files, out, lambda p: os.kill(p.pid, signal.SIGTERM))  # as Kubernetes does
+    code, err = signal_after_first_step(plugins, out, lambda p: os.kill(p.pid, signal.SIGTERM))  # as Kubernetes does
     n = assert_saved_and_stopped(out, code, err, "SIGTERM")
-    proc = subprocess.run(argv(files, out, "--resume", steps=n + 1), env=env(), cwd=ROOT, capture_output=True,
+    proc = subprocess.run(argv(plugins, out, "--resume", steps=n + 1), env=env(), cwd=ROOT, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert steps_logged(out) == n + 1
 
 
-def test_ctrl_c_saves_and_a_second_one_stops_at_once(files, tmp_path):
+@pytest.mark.slow  # two runs
+def test_ctrl_c_saves_and_a_second_one_stops_at_once(plugins, tmp_path):
     out = tmp_path / "run"
-    code, err = signal_after_first_step(files, out, lambda p: os.killpg(p.pid, signal.SIGINT))  # the terminal's
+    code, err = signal_after_first_step(plugins, out, lambda p: os.killpg(p.pid, signal.SIGINT))  # the terminal's
     assert_saved_and_stopped(out, code, err, "SIGINT")
 
     def twice(p):
@@ -106,16 +92,16 @@ def test_ctrl_c_saves_and_a_second_one_stops_at_once(files, tmp_path):
         os.killpg(p.pid, signal.SIGINT)
 
     out = tmp_path / "twice"
-    code, err = signal_after_first_step(files, out, twice)
+    code, err = signal_after_first_step(plugins, out, twice)
     assert code == 130 and err.strip().splitlines()[-1].startswith("areno train: stopped at once by a second Ctrl-C")
 
 
 @pytest.mark.parametrize("extra", [[], ["--train-devices", "0", "--rollout-devices", "1"], ["--world-size", "2"]],
                          ids=["colocated", "split", "two-ranks"])
-def test_a_scheduler_sigterm_to_every_process_saves_once(files, tmp_path, extra):
+def test_a_scheduler_sigterm_to_every_process_saves_once(plugins, tmp_path, extra):
     """Slurm signals every process of the job: the launcher, the train ranks, the rollout ranks."""
     out = tmp_path / "run"
-    code, err = signal_after_first_step(files, out, lambda p: os.killpg(p.pid, signal.SIGTERM), *extra)
+    code, err = signal_after_first_step(plugins, out, lambda p: os.killpg(p.pid, signal.SIGTERM), *extra)
     assert_saved_and_stopped(out, code, err, "SIGTERM")
 
 
@@ -127,14 +113,14 @@ async def run_agent(ctx, batch):
 
 
 @pytest.mark.parametrize("plugin", ["reward", "agent", "reward-two-ranks"])
-def test_os_exit_in_user_code_is_not_a_successful_run(files, tmp_path, plugin):
+def test_os_exit_in_user_code_is_not_a_successful_run(plugins, tmp_path, plugin):
     out = tmp_path / "run"
     extra = ["--world-size", "2"] if plugin == "reward-two-ranks" else []
     if plugin == "agent":
         agent = tmp_path / "agent.py"
         agent.write_text(AGENT)
         extra = ["--agent-fn", str(agent)]
-    proc = subprocess.run(argv(files, out, *extra, steps=3), env=env(EXIT_AT_CALL="3"), cwd=ROOT,
+    proc = subprocess.run(argv(plugins, out, *extra, steps=3), env=env(EXIT_AT_CALL="3"), cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]

@@ -149,35 +149,11 @@ def _rollout_worker_pid(parent: int) -> int | None:
     return None
 
 
-def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
-    out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "areno",
-                             *train_args(files, out, "--train-devices", "0", "--rollout-devices", "1", steps=500)],
-                            env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (out / "metrics" / "metrics.jsonl").is_file() or not metrics(out):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.5)
-        victim = _rollout_worker_pid(proc.pid)
-        assert victim is not None
-        os.kill(victim, signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=90)
-        assert time.monotonic() - t0 < 60
-    finally:
-        proc.kill()
-    assert proc.returncode == 1
-    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) was killed by SIGKILL" in err
-    children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
-    assert not children, "orphan processes"
-
-
-def test_a_stopped_rollout_rank_ends_the_run_naming_it_after_the_rank_timeout(files, tmp_path):
-    """SIGSTOP leaves the process alive but silent: the run's own timeout (not torch's 30 minutes) names it."""
-    out = tmp_path / "stopped"
+def signal_the_rollout_rank(files, out, sig, *extra, within: float) -> tuple[int, str]:
+    """A long split run; after its first step, ``sig`` to the rollout rank; the run must end ``within`` seconds,
+    leaving no process behind. Returns (exit code, stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "areno", *train_args(
-        files, out, "--train-devices", "0", "--rollout-devices", "1", "--rank-timeout-s", "4", steps=500)],
+        files, out, "--train-devices", "0", "--rollout-devices", "1", *extra, steps=500)],
         env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     victim = None
     try:
@@ -187,20 +163,33 @@ def test_a_stopped_rollout_rank_ends_the_run_naming_it_after_the_rank_timeout(fi
             time.sleep(0.5)
         victim = _rollout_worker_pid(proc.pid)
         assert victim is not None
-        os.kill(victim, signal.SIGSTOP)
+        os.kill(victim, sig)
         t0 = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        assert time.monotonic() - t0 < 40
+        _, err = proc.communicate(timeout=within + 60)
+        assert time.monotonic() - t0 < within
     finally:
         proc.kill()
         if victim is not None:
             with contextlib.suppress(OSError):
                 os.kill(victim, signal.SIGKILL)
-    assert proc.returncode == 1
-    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) has not answered for" in err, err[-3000:]
-    assert "--rank-timeout-s 4" in err
     children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not children, "orphan processes"
+    return proc.returncode, err
+
+
+def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
+    code, err = signal_the_rollout_rank(files, tmp_path / "killed", signal.SIGKILL, within=60)
+    assert code == 1
+    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) was killed by SIGKILL" in err
+
+
+def test_a_stopped_rollout_rank_ends_the_run_naming_it_after_the_rank_timeout(files, tmp_path):
+    """SIGSTOP leaves the process alive but silent: the run's own timeout (not torch's 30 minutes) names it."""
+    code, err = signal_the_rollout_rank(files, tmp_path / "stopped", signal.SIGSTOP, "--rank-timeout-s", "4",
+                                        within=40)
+    assert code == 1
+    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) has not answered for" in err, err[-3000:]
+    assert "--rank-timeout-s 4" in err
 
 
 SDK_SCRIPT = """
@@ -311,6 +300,7 @@ def reward_fn(record):
 """
 
 
+@pytest.mark.slow  # three split runs
 def test_async_split_resume_repeats_the_uninterrupted_run(files, tmp_path):
     """--max-staleness 1: the checkpoint holds the rollout in flight (sampled with the previous policy), so the step
     after a resume trains on the very samples the uninterrupted run did, not on new ones from the newer policy."""
