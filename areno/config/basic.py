@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from areno.config.constants import ALGOS, DTYPES, RL_ALGOS
-from areno.config.fields import ConfigError, check_choice, check_file, check_non_negative, check_sizes, opt
+from areno.config.fields import ConfigError, check_choice, check_file, check_sizes, opt
 
 
 @dataclass
@@ -32,8 +32,6 @@ class BasicSection:
     algo: str = opt("grpo", "training algorithm", "basic", choices=ALGOS)
     world_size: int = opt(1, "total training ranks (one process per GPU); with --train-devices, its length", "basic")
     tp_size: int = opt(1, "training tensor-parallel size; --world-size must be divisible by it", "basic")
-    rank_timeout_s: float = opt(300.0, "runs of several ranks (--world-size > 1, split mode): seconds a rank may go "
-                                "silent (stopped, hung) before the run ends naming it; 0 waits for ever", "basic")
     batch_size: int = opt(8, "prompts per step (the logical rollout batch)", "basic")
     n_samples: int = opt(8, "completions sampled per prompt", "basic")
     seed: int = opt(0, "random seed (data order, sampling, initialisation)", "basic")
@@ -50,9 +48,6 @@ class BasicSection:
         if self.world_size % self.tp_size:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         check_choice("--algo", self.algo, ALGOS)
-        check_non_negative("--rank-timeout-s", self.rank_timeout_s)
-        if self.rank_timeout_s != 300.0 and self.world_size == 1 and not getattr(self, "rollout_devices", None):
-            raise ConfigError("--rank-timeout-s", "applies to runs of several ranks (--world-size > 1 or split mode)")
         check_choice("--dtype", self.dtype, DTYPES, optional=True)
 
     def require_run_inputs(self):

@@ -32,6 +32,9 @@ VARIABLES = (
            "Triton kernel compiled while serving", "serve/replicas"),
     EnvVar("ARENO_VERIFY_POLICY_SYNC", "unset", "1: split mode fetches the rollout engines' weights after every "
            "policy sync and compares them exactly (debugging)", "rl/rollout/remote"),
+    EnvVar("ARENO_RANK_TIMEOUT_S", "300", "seconds a rank of a multi-process `areno train` run (--world-size > 1, "
+           "split mode) may go silent (stopped, hung) before the run ends naming it; 0 waits for ever",
+           "distributed/watchdog"),
     EnvVar("ARENO_TRAIN_CONFIG", "set by areno train", "internal: the resolved TrainConfig as JSON, handed to the "
            "worker processes `areno train` launches", "rl/runner, distributed/worker"),
     EnvVar("ARENO_RUN_STATUS", "set by areno train", "internal: the folder where each process of a run records its "

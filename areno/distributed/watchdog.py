@@ -1,6 +1,6 @@
 """A run's own timeout for a silent rank: each rank of a multi-process run beats in the run's store once a second;
 train rank 0 watches every other rank and the others watch rank 0, so a stopped (SIGSTOP) or hung process ends the
-run after ``--rank-timeout-s`` with one line naming it, instead of torch's 30-minute collective timeout.
+run after ``ARENO_RANK_TIMEOUT_S`` seconds (300) with one line naming it, not torch's 30-minute collective timeout.
 
 The beats come from a thread, so a rank busy in a long step (kernels, a collective) still beats; only a process
 that no longer runs at all falls silent. A rank that ends in order says so first (``close``), so the others do not
@@ -19,7 +19,26 @@ import time
 import torch
 import torch.distributed as dist
 
+from areno.config import ConfigError
+from areno.config.env import env_value
+
 PREFIX = "areno/rank-watch/"
+TIMEOUT_ENV = "ARENO_RANK_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def rank_timeout_s() -> float:
+    """``ARENO_RANK_TIMEOUT_S`` (seconds >= 0; 0: no timeout), 300 when unset."""
+    raw = env_value(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(TIMEOUT_ENV, f"must be seconds >= 0 (0: no timeout), got {raw!r}")
+    return value
 
 
 def describe_rank(config, rank: int) -> str:
@@ -70,7 +89,7 @@ class Watchdog:
         and end this process: the launcher then stops the others."""
         if self.rank in (0, 1):  # one line: rank 0 names any silent rank, rank 1 a silent rank 0
             print(f"areno train: error: rank {silent} ({self.describe(silent)}) has not answered for {seconds:.0f} s "
-                  f"(stopped or hung; --rank-timeout-s {self.timeout_s:g}): ending the run", file=sys.stderr,
+                  f"(stopped or hung; {TIMEOUT_ENV}={self.timeout_s:g}): ending the run", file=sys.stderr,
                   flush=True)
         try:
             host, pid = self.store.get(f"pid/{silent}").decode().split()
@@ -82,7 +101,9 @@ class Watchdog:
 
 
 def watch_ranks(cfg):
-    """A ``Watchdog`` for this rank of a multi-process run with ``--rank-timeout-s`` > 0; None otherwise."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not getattr(cfg, "rank_timeout_s", 0):
+    """A ``Watchdog`` for this rank of a multi-process run (``cfg``: its TrainConfig, to name ranks); None with one
+    process or ``ARENO_RANK_TIMEOUT_S=0``."""
+    timeout = rank_timeout_s()
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not timeout:
         return None
-    return Watchdog(cfg.rank_timeout_s, lambda rank: describe_rank(cfg, rank))
+    return Watchdog(timeout, lambda rank: describe_rank(cfg, rank))

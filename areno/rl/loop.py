@@ -62,7 +62,7 @@ class TrainLoop:
         self.reward_fn, self.agent_fn = inputs.reward_fn, inputs.agent_fn
         self.groups = g = setup.init_groups(cfg)
         self.layout, self.dp_group, self.dp_size, self.is_main = g.layout, g.dp_group, g.dp_size, g.is_main
-        self.watchdog = watch_ranks(cfg)  # several ranks: a silent one ends the run after --rank-timeout-s
+        self.watchdog = watch_ranks(cfg)  # several ranks: a silent one ends the run after ARENO_RANK_TIMEOUT_S
         if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
             from areno.training.run_dir import claim
 

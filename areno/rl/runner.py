@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict
 
 from areno.distributed.launch import launch, launched
-from areno.distributed.watchdog import describe_rank
+from areno.distributed.watchdog import describe_rank, rank_timeout_s
 
 CONFIG_ENV = "ARENO_TRAIN_CONFIG"
 
@@ -57,6 +57,7 @@ def run_train(config) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ranks = config.world_size + (len(config.rollout_devices) if config.split else 0)
     if ranks > 1 and not launched():
+        rank_timeout_s()  # a bad ARENO_RANK_TIMEOUT_S: one line here, not one per rank
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
         return launch("areno.distributed.worker", [], ranks, describe=lambda rank: describe_rank(config, rank),
                       recorded=True)

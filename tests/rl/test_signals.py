@@ -125,3 +125,12 @@ def test_os_exit_in_user_code_is_not_a_successful_run(plugins, tmp_path, plugin)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert "exited with code 0 before" in last and "run finished" in last, proc.stderr[-3000:]
+
+
+def test_a_bad_rank_timeout_is_one_line_exit_2(plugins, tmp_path, monkeypatch, capsys):
+    from areno.cli import main
+
+    monkeypatch.setenv("ARENO_RANK_TIMEOUT_S", "soon")
+    assert main(argv(plugins, tmp_path / "run", "--world-size", "2")[3:]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["areno train: error: ARENO_RANK_TIMEOUT_S must be seconds >= 0 (0: no timeout), got 'soon'"]

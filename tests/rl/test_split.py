@@ -149,12 +149,12 @@ def _rollout_worker_pid(parent: int) -> int | None:
     return None
 
 
-def signal_the_rollout_rank(files, out, sig, *extra, within: float) -> tuple[int, str]:
+def signal_the_rollout_rank(files, out, sig, *, within: float, **env_extra) -> tuple[int, str]:
     """A long split run; after its first step, ``sig`` to the rollout rank; the run must end ``within`` seconds,
     leaving no process behind. Returns (exit code, stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "areno", *train_args(
-        files, out, "--train-devices", "0", "--rollout-devices", "1", *extra, steps=500)],
-        env=env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        files, out, "--train-devices", "0", "--rollout-devices", "1", steps=500)],
+        env=env(**env_extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     victim = None
     try:
         deadline = time.monotonic() + 300
@@ -185,11 +185,11 @@ def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
 
 def test_a_stopped_rollout_rank_ends_the_run_naming_it_after_the_rank_timeout(files, tmp_path):
     """SIGSTOP leaves the process alive but silent: the run's own timeout (not torch's 30 minutes) names it."""
-    code, err = signal_the_rollout_rank(files, tmp_path / "stopped", signal.SIGSTOP, "--rank-timeout-s", "4",
-                                        within=40)
+    code, err = signal_the_rollout_rank(files, tmp_path / "stopped", signal.SIGSTOP, within=40,
+                                        ARENO_RANK_TIMEOUT_S="4")
     assert code == 1
     assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) has not answered for" in err, err[-3000:]
-    assert "--rank-timeout-s 4" in err
+    assert "ARENO_RANK_TIMEOUT_S=4" in err
 
 
 SDK_SCRIPT = """

@@ -291,7 +291,7 @@ def serve(cfg) -> int:
     rank = int(os.environ.get("RANK", "0"))
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
     layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
-    watchdog = watch_ranks(cfg)  # a silent train rank 0 ends the run after --rank-timeout-s
+    watchdog = watch_ranks(cfg)  # a silent train rank 0 ends the run after ARENO_RANK_TIMEOUT_S
     torch_device, dtype = device_and_dtype(cfg.dtype, torch.device("cuda", device) if device is not None else "cpu")
     model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
