@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import tempfile
 
 
 def launched() -> bool:
@@ -24,38 +23,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False, describe=None,
-           recorded: bool = False) -> int:
+def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False, describe=None) -> int:
     """Run ``python -m module argv`` on ``nproc`` local ranks with torch.distributed.run; returns the exit code.
 
     A SIGTERM/SIGINT reaches the ranks through the launcher; with ``stop_is_success`` (a server) that is a normal
     stop (exit 0), otherwise the exit code says which signal ended the run. A rank that dies takes the others down
     with it (the launcher stops them); the message names it, with ``describe(rank)`` (its role and device).
-    ``recorded``: every rank records its orderly exit (``supervise.record_exit``); one that ends with code 0 but no
-    record (``os._exit`` in user code) fails the run.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    from areno.distributed.supervise import STATUS_ENV, describe_exit, exited_in_order
-
-    own = None
-    if not os.environ.get(STATUS_ENV):  # where the ranks record their orderly exit (the supervisor's, if any)
-        own = tempfile.TemporaryDirectory(prefix="areno-ranks-")
-        os.environ[STATUS_ENV] = own.name
     args = get_args_parser().parse_args([
         "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--module", module, *argv,
     ])
     try:
         run(args)
-        vanished = [rank for rank in range(nproc) if recorded and not exited_in_order(f"rank-{rank}")]
-        for rank in vanished:  # exit 0 without finishing: os._exit in user code
-            who = f" ({describe(rank)})" if describe is not None else ""
-            print(f"areno: rank {rank}{who} {describe_exit(0)} before its run finished (os._exit in --reward-fn-path "
-                  "/ --agent-fn code?)", file=sys.stderr)
-        if vanished:
-            return 1
     except SignalException as exc:
         return 0 if stop_is_success else 128 + int(exc.sigval)
     except Exception as exc:  # ChildFailedError: the failing rank's error is already printed
@@ -69,8 +52,4 @@ def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = 
         if not failures:
             print(f"areno: a rank failed: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if own is not None:
-            os.environ.pop(STATUS_ENV, None)
-            own.cleanup()
     return 0

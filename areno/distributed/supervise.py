@@ -91,6 +91,28 @@ def supervise(argv: list[str]) -> int:
     return code or 1
 
 
+def launch_recorded(module: str, nproc: int, describe) -> int:
+    """``launch.launch`` of ranks that record their orderly exit (``record_exit("rank-N")``): one that ended with
+    code 0 but no record (``os._exit`` in user code) fails the run with a line naming it."""
+    from areno.distributed.launch import launch
+
+    own = None
+    if not env_value(STATUS_ENV):  # where the ranks record their exit (the supervisor's folder, if any)
+        own = tempfile.TemporaryDirectory(prefix="areno-ranks-")
+        os.environ[STATUS_ENV] = own.name
+    try:
+        rc = launch(module, [], nproc, describe=describe)
+        vanished = [rank for rank in range(nproc) if not exited_in_order(f"rank-{rank}")] if rc == 0 else []
+        for rank in vanished:
+            print(f"areno: rank {rank} ({describe(rank)}) {describe_exit(0)} before its run finished (os._exit in "
+                  "--reward-fn-path / --agent-fn code?)", file=sys.stderr, flush=True)
+        return 1 if vanished else rc
+    finally:
+        if own is not None:
+            os.environ.pop(STATUS_ENV, None)
+            own.cleanup()
+
+
 def as_supervised(argv: list[str]) -> int | None:
     """The ``areno train`` program's entry: in the first process, supervise the run in a child (its exit status);
     in that child, record the orderly exit, end with the supervisor, and return None (run here)."""

@@ -14,7 +14,8 @@ import os
 import sys
 from dataclasses import asdict
 
-from areno.distributed.launch import launch, launched
+from areno.distributed.launch import launched
+from areno.distributed.supervise import launch_recorded
 from areno.distributed.watchdog import describe_rank, rank_timeout_s
 
 CONFIG_ENV = "ARENO_TRAIN_CONFIG"
@@ -59,8 +60,7 @@ def run_train(config) -> int:
     if ranks > 1 and not launched():
         rank_timeout_s()  # a bad ARENO_RANK_TIMEOUT_S: one line here, not one per rank
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
-        return launch("areno.distributed.worker", [], ranks, describe=lambda rank: describe_rank(config, rank),
-                      recorded=True)
+        return launch_recorded("areno.distributed.worker", ranks, lambda rank: describe_rank(config, rank))
     import torch.distributed as dist
 
     from areno.distributed import parallel
