@@ -74,15 +74,18 @@ class Watchdog:
     def _run(self) -> None:
         seen = {r: (None, time.monotonic()) for r in self.watched}
         while not self._done.wait(self.interval_s):
-            self.store.add(f"beat/{self.rank}", 1)
-            now = time.monotonic()
-            for r in self.watched:
-                beats = self.store.add(f"beat/{r}", 0)
-                if beats != seen[r][0]:
-                    seen[r] = (beats, now)
-                elif now - seen[r][1] > self.timeout_s and not self.store.check([f"done/{r}"]):
-                    if not self._done.is_set():
-                        self._end_run(r, now - seen[r][1])
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                now = time.monotonic()
+                for r in self.watched:
+                    beats = self.store.add(f"beat/{r}", 0)
+                    if beats != seen[r][0]:
+                        seen[r] = (beats, now)
+                    elif now - seen[r][1] > self.timeout_s and not self.store.check([f"done/{r}"]):
+                        if not self._done.is_set():
+                            self._end_run(r, now - seen[r][1])
+            except (RuntimeError, OSError):  # the store went away: the launcher is ending the run anyway
+                return
 
     def _end_run(self, silent: int, seconds: float) -> None:
         """Name the silent rank, stop it if it runs on this host (a stopped process ignores the launcher's SIGTERM),
