@@ -9,6 +9,7 @@ mistake its exit for silence.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -69,7 +70,8 @@ class Watchdog:
         """This rank ends in order: stop beating and tell the watchers."""
         if not self._done.is_set():
             self._done.set()
-            self.store.set(f"done/{self.rank}", "1")
+            with contextlib.suppress(RuntimeError, OSError):  # no store left: no watcher left either
+                self.store.set(f"done/{self.rank}", "1")
 
     def _run(self) -> None:
         seen = {r: (None, time.monotonic()) for r in self.watched}
