@@ -16,11 +16,13 @@ from tests.rl.test_split import ROOT, env, files  # noqa: F401  (the split tests
 
 @pytest.fixture(scope="module")
 def plugins(files, tmp_path_factory):  # noqa: F811
-    """The split tests' checkpoint and data, with a reward function that calls os._exit(0) at call EXIT_AT_CALL."""
+    """The split tests' checkpoint and data, with a reward function that calls os._exit(0) at call EXIT_AT_CALL and
+    takes REWARD_SLEEP_S seconds a call."""
     reward = tmp_path_factory.mktemp("signals") / "reward.py"
-    reward.write_text("import os\ncalls = [0]\n"
+    reward.write_text("import os, time\ncalls = [0]\n"
                       "def reward_fn(record):\n"
                       "    calls[0] += 1\n"
+                      "    time.sleep(float(os.environ.get('REWARD_SLEEP_S', '0')))\n"
                       "    if os.environ.get('EXIT_AT_CALL') and calls[0] == int(os.environ['EXIT_AT_CALL']):\n"
                       "        os._exit(0)\n"
                       "    return float(len(record.completion) % 3 == 0)\n")
@@ -40,9 +42,9 @@ def steps_logged(out: Path) -> int:
     return len([x for x in path.read_text().splitlines() if '"step"' in x]) if path.is_file() else 0
 
 
-def signal_after_first_step(plugins, out, send, *extra, timeout=240):
+def signal_after_first_step(plugins, out, send, *extra, timeout=240, **env_extra):
     """Start a long run, wait for its first logged step, ``send(proc)``; returns (exit code, stderr)."""
-    proc = subprocess.Popen(argv(plugins, out, *extra), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(argv(plugins, out, *extra), env=env(**env_extra), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
@@ -86,14 +88,15 @@ def test_ctrl_c_saves_and_a_second_one_stops_at_once(plugins, tmp_path):
     code, err = signal_after_first_step(plugins, out, lambda p: os.killpg(p.pid, signal.SIGINT))  # the terminal's
     assert_saved_and_stopped(out, code, err, "SIGINT")
 
-    def twice(p):
+    def twice(p):  # as a person presses it: the second well after the first, within the same (slowed) step
         os.killpg(p.pid, signal.SIGINT)
-        time.sleep(0.05)
+        time.sleep(0.5)
         os.killpg(p.pid, signal.SIGINT)
 
     out = tmp_path / "twice"
-    code, err = signal_after_first_step(plugins, out, twice)
+    code, err = signal_after_first_step(plugins, out, twice, REWARD_SLEEP_S="0.5")  # a step takes >= 2 s
     assert code == 130 and err.strip().splitlines()[-1].startswith("areno train: stopped at once by a second Ctrl-C")
+    assert not list(out.glob("step-*"))
 
 
 @pytest.mark.parametrize("extra", [[], ["--train-devices", "0", "--rollout-devices", "1"], ["--world-size", "2"]],
