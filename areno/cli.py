@@ -254,6 +254,12 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["train"]:  # the program: the run in a child that reports whether it finished
+        from areno.distributed.supervise import as_supervised
+
+        rc = as_supervised(sys.argv[1:])
+        if rc is not None:
+            return rc
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]][0](argv[1:])

@@ -32,8 +32,14 @@ VARIABLES = (
            "Triton kernel compiled while serving", "serve/replicas"),
     EnvVar("ARENO_VERIFY_POLICY_SYNC", "unset", "1: split mode fetches the rollout engines' weights after every "
            "policy sync and compares them exactly (debugging)", "rl/rollout/remote"),
+    EnvVar("ARENO_RANK_TIMEOUT_S", "300", "seconds a rank of a multi-process `areno train` run (--world-size > 1, "
+           "split mode) may go silent (stopped, hung) before the run ends naming it; 0 waits for ever",
+           "distributed/watchdog"),
     EnvVar("ARENO_TRAIN_CONFIG", "set by areno train", "internal: the resolved TrainConfig as JSON, handed to the "
            "worker processes `areno train` launches", "rl/runner, distributed/worker"),
+    EnvVar("ARENO_RUN_STATUS", "set by areno train", "internal: the folder where each process of a run records its "
+           "orderly exit, so a run ended by os._exit or a signal is reported as unfinished", "distributed/supervise, "
+           "distributed/launch"),
     EnvVar("ARENO_SERVE_CONFIG", "set by areno serve", "internal: the resolved ServeConfig as JSON, handed to the "
            "TP worker processes `areno serve` launches", "serve/server, serve/tp_worker"),
 )

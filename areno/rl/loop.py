@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from areno.config import ConfigError, RunError
+from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
 from areno.rl import resume, setup
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
@@ -51,6 +52,8 @@ class TrainLoop:
         self.run_dir = None  # the claimed --save-path (rank 0)
         self.accuracy_before = None  # held-out accuracy of the pre-RL model (kept in checkpoints across resumes)
         self.failed_reward_steps = 0  # consecutive steps in which every reward failed
+        self.watchdog = None  # areno.distributed.watchdog.Watchdog of a multi-process run
+        self.stop_request = None  # areno.distributed.stop.StopRequest (areno train): a signal saves and stops the run
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def setup(self):
@@ -59,6 +62,7 @@ class TrainLoop:
         self.reward_fn, self.agent_fn = inputs.reward_fn, inputs.agent_fn
         self.groups = g = setup.init_groups(cfg)
         self.layout, self.dp_group, self.dp_size, self.is_main = g.layout, g.dp_group, g.dp_size, g.is_main
+        self.watchdog = watch_ranks(cfg)  # several ranks: a silent one ends the run after ARENO_RANK_TIMEOUT_S
         if cfg.save_path and self.is_main:  # before any work: one run per folder, writable, no other run's files
             from areno.training.run_dir import claim
 
@@ -180,6 +184,7 @@ class TrainLoop:
                 if bar is not None:
                     bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}", refresh=False)
                     bar.update(1)
+                self._check_stop(saved=True)  # no step to save during the warm-up
         finally:
             if bar is not None:
                 bar.close()
@@ -266,7 +271,27 @@ class TrainLoop:
             bar.update(1)
             last = m
             self._check_reward_failures(m, saved)
+            self._check_stop(saved)
         return last
+
+    def _check_stop(self, saved: bool) -> None:
+        """At a step boundary: once SIGTERM/SIGINT reached any train rank, save (unless this step just did) and stop
+        with one line (every train rank agrees on the step)."""
+        signum = self.stop_request.agreed(self.groups.train_group) if self.stop_request is not None else 0
+        if not signum:
+            return
+        from areno.distributed.stop import Stopped
+
+        if self.cfg.save_path and self.step_index > 0 and not saved:
+            self.save()
+        name = __import__("signal").Signals(signum).name
+        if self.step_index == 0:
+            kept = "before the first step: nothing to save yet"
+        elif self.cfg.save_path:
+            kept = f"after step {self.step_index}: saved at {self.last_save} (--resume continues from there)"
+        else:
+            kept = f"after step {self.step_index}: nothing saved (no --save-path)"
+        raise Stopped(signum, f"stopped by {name} {kept}")
 
     def _check_reward_failures(self, m: dict, saved: bool) -> None:
         """Stop (after saving) once every reward of ``--max-reward-failure-steps`` steps in a row failed."""
@@ -343,9 +368,11 @@ class TrainLoop:
             self._ensure_engine()
         if self.engine is not None:
             self.engine.policy_changed()  # split mode: the engines still hold --ckpt's weights
-        engine_rng = (state.get("rank_state") or {}).get("engine_rng")
-        if engine_rng is not None and self.engine is not None:
-            self.engine.set_rng_state(engine_rng)
+        rank_state = state.get("rank_state") or {}
+        if rank_state.get("engine_rng") is not None and self.engine is not None:
+            self.engine.set_rng_state(rank_state["engine_rng"])
+        if self.engine is not None:  # async split: the rollout the checkpoint's step had sent ahead
+            self.engine.restore_in_flight(rank_state.get("in_flight"))
         self.logger.truncate_after(self.step_index)  # the interrupted run's lines after this checkpoint go
         log.info("resumed from %s at step %d", path, self.step_index)
 
@@ -368,6 +395,8 @@ class TrainLoop:
 
     def close(self):
         """Release what setup() built so far (it may have stopped part-way on a bad input)."""
+        if self.watchdog is not None:
+            self.watchdog.close()  # before the rollout ranks are told to stop: their exit is no silence
         if self.engine is not None:
             self.engine.close()  # split mode: the rollout ranks leave their loop
         if self.agent is not None:

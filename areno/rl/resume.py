@@ -21,7 +21,7 @@ def jsonable(d: dict) -> dict:
 
 def save(path, *, cfg, model, tokenizer, trainer, state: dict, rollout=None, group=None) -> Path:
     """Write a checkpoint of the policy, its optimizer and ``state`` (step, data, accuracy_before, ...) to ``path``;
-    ``rollout``: its engine RNG goes into this rank's state."""
+    ``rollout``: its engine RNG and any rollout in flight (async split mode) go into this rank's state."""
     from areno.training.checkpoint import save_checkpoint
 
     path = Path(path)
@@ -30,7 +30,8 @@ def save(path, *, cfg, model, tokenizer, trainer, state: dict, rollout=None, gro
                                    "num_updates": trainer.num_updates, "config": jsonable(asdict(cfg)),
                                    "accuracy_before": state["accuracy_before"], "started_at": state["started_at"],
                                    "failed_reward_steps": state["failed_reward_steps"]},
-                    rank_state={"engine_rng": rollout.rng_state()} if rollout is not None else None, group=group)
+                    rank_state={"engine_rng": rollout.rng_state(), "in_flight": rollout.in_flight_state()}
+                    if rollout is not None else None, group=group)
     return path
 
 

@@ -11,22 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import asdict
 
-from areno.distributed.launch import launch, launched
+from areno.distributed.launch import launched
+from areno.distributed.supervise import launch_recorded
+from areno.distributed.watchdog import describe_rank, rank_timeout_s
 
 CONFIG_ENV = "ARENO_TRAIN_CONFIG"
-
-
-def describe_rank(config, rank: int) -> str:
-    """``train rank 0 on GPU 2`` / ``rollout engine 1 rank 0 on GPU 5`` (process slots on a CPU host)."""
-    where = "GPU" if __import__("torch").cuda.is_available() else "CPU slot"
-    if rank < config.world_size:
-        device = config.train_devices[rank] if config.train_devices else rank
-        return f"train rank {rank} on {where} {device}"
-    j = rank - config.world_size
-    return (f"rollout engine {j // config.rollout_tp} rank {j % config.rollout_tp} on {where} "
-            f"{config.rollout_devices[j]}")
 
 
 def is_rollout_rank(config) -> bool:
@@ -36,22 +28,30 @@ def is_rollout_rank(config) -> bool:
 
 def serve_rollout_rank(config) -> int:
     """A rollout rank's whole run: engines until the train side closes them."""
+    from areno.distributed.stop import StopRequest
     from areno.rl.rollout.remote import serve
 
-    return serve(config)
+    ignore = StopRequest(hard=False, quiet=True).install()  # a signal stops the train ranks, which then stop this one
+    try:
+        return serve(config)
+    finally:
+        ignore.uninstall()
 
 
 def train(config) -> dict:
     """The whole run on this (train) rank: set-up, SFT warm-up, held-out accuracy before, the steps, accuracy after,
     the final save (``TrainLoop.fit``'s results)."""
+    from areno.distributed.stop import StopRequest, is_rank_zero
     from areno.rl.loop import TrainLoop
 
     loop = TrainLoop(config)
+    loop.stop_request = StopRequest(hard=not launched(), quiet=not is_rank_zero()).install()
     try:
         loop.setup()
         return loop.fit()  # ends with the last step's metrics, held-out accuracy before -> after, the checkpoint
     finally:
         loop.close()
+        loop.stop_request.uninstall()
 
 
 def run_train(config) -> int:
@@ -62,18 +62,29 @@ def run_train(config) -> int:
 
         link_latest(config)
     if ranks > 1 and not launched():
+        rank_timeout_s()  # a bad ARENO_RANK_TIMEOUT_S: one line here, not one per rank
         os.environ[CONFIG_ENV] = json.dumps(asdict(config))
-        return launch("areno.distributed.worker", [], ranks, describe=lambda rank: describe_rank(config, rank))
+        return launch_recorded("areno.distributed.worker", ranks, lambda rank: describe_rank(config, rank))
     import torch.distributed as dist
 
     from areno.distributed import parallel
+    from areno.distributed.stop import Stopped, is_rank_zero
 
     owned = not dist.is_initialized()  # a group this run makes is this run's to end (not a caller's)
-    if is_rollout_rank(config):
-        rc = serve_rollout_rank(config)  # a rollout rank: engines, not the loop
-    else:
-        train(config)
-        rc = 0
+    try:
+        if is_rollout_rank(config):
+            rc = serve_rollout_rank(config)  # a rollout rank: engines, not the loop
+        else:
+            train(config)
+            rc = 0
+    except Stopped as e:  # SIGTERM/SIGINT: saved at a step boundary, every rank at the same one
+        if is_rank_zero():
+            print(f"areno train: {e}", file=sys.stderr, flush=True)
+        rc = e.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, without saving
+        print("areno train: stopped at once by a second Ctrl-C (SIGINT): the steps since the last checkpoint are "
+              "lost", file=sys.stderr, flush=True)
+        return 130
     # An orderly end of a finished rank's process group (an error leaves it to the exit, where a pending NCCL
     # collective cannot hold it): left to the interpreter's exit, gloo's threads were sometimes destroyed unjoined
     # ("terminate called without an active exception", a SIGABRT after the run's last step).

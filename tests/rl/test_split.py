@@ -3,6 +3,7 @@ streamed after each optimizer step. On-policy split runs equal the colocated run
 trainer's after every sync; async keeps staleness at 1; a dead rollout rank ends the run naming it; two "nodes" under
 torchrun on loopback equal one."""
 
+import contextlib
 import json
 import os
 import random
@@ -148,11 +149,13 @@ def _rollout_worker_pid(parent: int) -> int | None:
     return None
 
 
-def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
-    out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "areno",
-                             *train_args(files, out, "--train-devices", "0", "--rollout-devices", "1", steps=500)],
-                            env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def signal_the_rollout_rank(files, out, sig, *, within: float, **env_extra) -> tuple[int, str]:
+    """A long split run; after its first step, ``sig`` to the rollout rank; the run must end ``within`` seconds,
+    leaving no process behind. Returns (exit code, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "areno", *train_args(
+        files, out, "--train-devices", "0", "--rollout-devices", "1", steps=500)],
+        env=env(**env_extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    victim = None
     try:
         deadline = time.monotonic() + 300
         while not (out / "metrics" / "metrics.jsonl").is_file() or not metrics(out):
@@ -160,16 +163,33 @@ def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
             time.sleep(0.5)
         victim = _rollout_worker_pid(proc.pid)
         assert victim is not None
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         t0 = time.monotonic()
-        _, err = proc.communicate(timeout=90)
-        assert time.monotonic() - t0 < 60
+        _, err = proc.communicate(timeout=within + 60)
+        assert time.monotonic() - t0 < within
     finally:
         proc.kill()
-    assert proc.returncode == 1
-    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) was killed by SIGKILL" in err
+        if victim is not None:
+            with contextlib.suppress(OSError):
+                os.kill(victim, signal.SIGKILL)
     children = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not children, "orphan processes"
+    return proc.returncode, err
+
+
+def test_a_killed_rollout_rank_ends_the_run_naming_it(files, tmp_path):
+    code, err = signal_the_rollout_rank(files, tmp_path / "killed", signal.SIGKILL, within=60)
+    assert code == 1
+    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) was killed by SIGKILL" in err
+
+
+def test_a_stopped_rollout_rank_ends_the_run_naming_it_after_the_rank_timeout(files, tmp_path):
+    """SIGSTOP leaves the process alive but silent: the run's own timeout (not torch's 30 minutes) names it."""
+    code, err = signal_the_rollout_rank(files, tmp_path / "stopped", signal.SIGSTOP, within=40,
+                                        ARENO_RANK_TIMEOUT_S="4")
+    assert code == 1
+    assert "rank 1 (rollout engine 0 rank 0 on CPU slot 1) has not answered for" in err, err[-3000:]
+    assert "ARENO_RANK_TIMEOUT_S=4" in err
 
 
 SDK_SCRIPT = """
@@ -267,6 +287,40 @@ def test_resume_in_split_mode_continues_exactly(files, tmp_path):
     assert b[2]["policy_sync_bytes"] > 0
     wa = load_file(str(full / "step-3" / "model.safetensors"))
     wb = load_file(str(part / "step-3" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+KILLING_REWARD = """import os, signal
+calls = [0]
+def reward_fn(record):
+    calls[0] += 1
+    if os.environ.get("KILL_AT_CALL") and calls[0] == int(os.environ["KILL_AT_CALL"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(len(record.completion) % 3 == 0) + 0.1 * record.completion.count('1')
+"""
+
+
+@pytest.mark.slow  # three split runs
+def test_async_split_resume_repeats_the_uninterrupted_run(files, tmp_path):
+    """--max-staleness 1: the checkpoint holds the rollout in flight (sampled with the previous policy), so the step
+    after a resume trains on the very samples the uninterrupted run did, not on new ones from the newer policy."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(KILLING_REWARD)
+    files = (files[0], files[1], reward)
+    split = ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--save-interval", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    areno(files, full, *split, steps=4)
+    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, part, *split, steps=4)],
+                          env=env(KILL_AT_CALL=str(2 * 8 + 1)), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode != 0  # killed while scoring step 3, after step-2's save
+    assert sorted(p.name for p in part.glob("step-*")) == ["step-1", "step-2"]
+    areno(files, part, *split, "--resume", steps=4)
+    a, b = metrics(full), metrics(part)
+    assert [m["step"] for m in b] == [m["step"] for m in a] == [1, 2, 3, 4]
+    for key in ("loss", "reward_mean", "reward_std", "grad_norm", "policy_version", "staleness_max"):
+        assert [m.get(key) for m in b] == [m.get(key) for m in a], key
+    wa = load_file(str(full / "step-4" / "model.safetensors"))
+    wb = load_file(str(part / "step-4" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 

@@ -113,6 +113,12 @@ class ColocatedRollout:
     def policy_changed(self) -> None:
         pass
 
+    def in_flight_state(self) -> None:
+        return None  # nothing is ever sampled ahead of its step here
+
+    def restore_in_flight(self, state) -> None:
+        pass
+
     def drop_rollout_state(self) -> None:
         self.engine.drop_rollout_state()
 

@@ -45,6 +45,12 @@ class Rollout(Protocol):
 
     def set_rng_state(self, state) -> None: ...
 
+    def in_flight_state(self) -> dict | None:
+        """What a checkpoint must hold of a rollout already sampled for the next step (None: nothing)."""
+
+    def restore_in_flight(self, state: dict | None) -> None:
+        """Take a checkpoint's ``in_flight_state`` back (a resume)."""
+
     def drop_rollout_state(self) -> None:
         """Free the engine's rollout state (KV cache, graphs) until the next rollout (--drop-rollout-state)."""
 

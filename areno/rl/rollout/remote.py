@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from areno.config.env import env_value
 from areno.distributed.collectives import broadcast_object
+from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
 from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver
 
@@ -46,6 +47,20 @@ def _shares(n: int, engines: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def _plain(c) -> dict:
+    """A Completion as plain values a checkpoint loads with ``weights_only`` (arrays as tensors)."""
+    d = dataclasses.asdict(c)
+    if d.get("routed_experts") is not None:
+        d["routed_experts"] = torch.from_numpy(d["routed_experts"])
+    return d
+
+
+def _unplain(d: dict) -> dict:
+    if d.get("routed_experts") is not None:
+        d = {**d, "routed_experts": d["routed_experts"].numpy()}
+    return d
 
 
 class RemoteRollout:
@@ -187,6 +202,30 @@ class RemoteRollout:
         version, internal, gauss = state
         self._rng.setstate((version, tuple(internal), gauss))
 
+    def in_flight_state(self) -> dict | None:
+        """Async: the rollout sent ahead for the next step (collected now, on rank 0), for a checkpoint: its
+        completions were sampled with the previous policy, which the checkpoint no longer holds, so a resumed run
+        takes them from here instead of sampling anew with the newer one. None when nothing is in flight."""
+        if not self._prefetched:
+            return None
+        if self.rank0 and self._ready is None:
+            self._ready = self._collect()  # the step that would have collected it takes it from _ready
+        if not self.rank0:
+            return {"version": None, "results": None}
+        results, version, _ = self._ready
+        return {"version": version, "results": [[_plain(c) for c in group] for group in results]}
+
+    def restore_in_flight(self, state: dict | None) -> None:
+        """Take a checkpoint's ``in_flight_state`` as the rollout sent ahead (every train rank)."""
+        if state is None:
+            return
+        self._prefetched = True
+        if self.rank0:
+            from areno.engine.engine import Completion
+
+            results = [[Completion(**_unplain(c)) for c in group] for group in state["results"]]
+            self._ready = results, state["version"], {"train_idle_s": 0.0, "rollout_idle_s": 0.0}
+
     def drop_rollout_state(self) -> None:
         pass  # the rollout ranks drop theirs after each generate (the flag travels with the command)
 
@@ -252,6 +291,7 @@ def serve(cfg) -> int:
     rank = int(os.environ.get("RANK", "0"))
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
     layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
+    watchdog = watch_ranks(cfg)  # a silent train rank 0 ends the run after ARENO_RANK_TIMEOUT_S
     torch_device, dtype = device_and_dtype(cfg.dtype, torch.device("cuda", device) if device is not None else "cpu")
     model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
@@ -271,6 +311,8 @@ def serve(cfg) -> int:
         idle += time.perf_counter() - waiting
         op = cmd["op"]
         if op == "stop":
+            if watchdog is not None:
+                watchdog.close()
             break
         if op == "sync":
             plan = cmd.get("plan")
