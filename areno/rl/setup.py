@@ -174,7 +174,9 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
         # colocated RL: eager. Measured at G1 on one H200 (bench/grpo_step.py --impls areno --steps 5
         # --train-cuda-graphs off,on,on,off): the graphed update is slower there (1.41 s vs 1.27 s; step 3.57 s vs
         # 3.44 s): its large microbatches are compute-bound, bucket padding costs more than launch gaps save, and a
-        # new shape bucket is captured mid-run. Same peak memory both ways. `on` still graphs it.
+        # new shape bucket is captured mid-run. Peak allocated memory was the same both ways there, but the graphed
+        # step's pool stays reserved between updates (1.15-1.67x the eager step's reservation, tests/training/
+        # test_train_graphs_gpu.py), memory the rollout's KV cache then lacks. `on` still graphs it.
         graphs = "off"
     return PolicyTrainer(model, opt, sched, temperature=logprob_temperature(cfg), grad_clip=cfg.grad_clip,
                          dp_group=groups.dp_group, tp_group=groups.tp_group, router_bias_update_rate=bias_rate,
