@@ -2,8 +2,9 @@
 
 Each layer is ``h = h + post_attention_layernorm(attn(h))`` then ``h = h + post_feedforward_layernorm(mlp(h))`` (no
 input norm); the final ``model.norm`` is as in Llama. The QK-norm spans all heads (``num_heads * head_dim`` and
-``num_kv_heads * head_dim`` wide), so a TP shard would need the sum of squares of every rank: tensor parallelism is
-refused for olmo2 at load (one line) rather than approximated per shard.
+``num_kv_heads * head_dim`` wide): under TP each rank holds its heads' slice of the norm weight and the per-token sum
+of squares is all-reduced over the group (forward and backward). TP wider than the KV heads (replicated KV heads) is
+refused at load in one line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from areno.models.base import Attention, CausalLM, DecoderLayer
 from areno.models.layers import RMSNorm
 from areno.models.model_config import ModelConfig, dense_config, get
 from areno.models.registry import register
-from areno.models.tp import layout
+from areno.models.tp import copy_to_tp, layout, reduce_from_tp
 
 
 def olmo2_config(hf) -> ModelConfig:
@@ -27,18 +28,37 @@ def olmo2_config(hf) -> ModelConfig:
     return dense_config(hf, "olmo2")
 
 
+class ProjectionNorm(RMSNorm):
+    """RMSNorm over a projection split by heads under TP: this rank's columns, the mean square of all of them."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.full_dim = dim
+
+    def forward(self, x):
+        if self.tp_group is None:
+            return super().forward(x)
+        xf = x.float()
+        square_sum = xf.square().sum(-1, keepdim=True)  # all-reduce forward and backward: every shard uses the sum
+        square_sum = reduce_from_tp(copy_to_tp(square_sum, self.tp_group), self.tp_group)
+        return (self.weight * (xf * torch.rsqrt(square_sum / self.full_dim + self.eps))).to(x.dtype)
+
+
 class Olmo2Attention(Attention):
     """GQA attention whose q and k projections are RMS-normed over their full width before RoPE."""
 
     def __init__(self, cfg: ModelConfig, attn_backend: str = "flash"):
         super().__init__(cfg, attn_backend)
-        self.q_proj_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
-        self.k_proj_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
+        self.q_proj_norm = ProjectionNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
+        self.k_proj_norm = ProjectionNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
 
     def shard_heads(self, rank: int, size: int) -> None:
-        raise ValueError(
-            f"--tp-size {size}: olmo2 does not support tensor parallelism (its QK-norm spans all heads); use --tp-size 1"
-        )
+        if size > self.num_kv_heads:
+            raise ValueError(
+                f"--tp-size {size}: olmo2 needs the TP size to divide num_key_value_heads="
+                f"{self.num_kv_heads} (its k norm spans the KV heads, which cannot be replicated)"
+            )
+        super().shard_heads(rank, size)
 
     def project_qkv(self, x):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -26,8 +26,10 @@ def test_variant_tied_biased_one_kv_head_matches_transformers_and_round_trips(ti
     with torch.no_grad():
         got, want = model.logits(ids), ref(ids).logits
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    a, b = load_file(str(path / "model.safetensors")), load_file(str(save_model(model, tmp_path / "o") /
-                                                                     "model.safetensors"))
+    a, b = (
+        load_file(str(path / "model.safetensors")),
+        load_file(str(save_model(model, tmp_path / "o") / "model.safetensors")),
+    )
     assert sorted(a) == sorted(b) and "lm_head.weight" not in b
     assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
@@ -42,15 +44,17 @@ def test_an_unimplemented_option_is_refused_at_load_in_one_line(tiny_checkpoint,
     assert "\n" not in str(e.value)
 
 
-def test_tensor_parallelism_is_refused_in_one_line(tiny_checkpoint, monkeypatch):
-    """The QK-norm spans every head, so a shard cannot normalise its heads alone: TP > 1 is refused, not approximated."""
+def test_tp_wider_than_the_kv_heads_is_refused_in_one_line(tiny_checkpoint, monkeypatch):
+    """The k norm spans every KV head, so replicated KV heads would count some twice: refused, not approximated (TP
+    that splits the KV heads is checked against TP=1 in test_tp.py)."""
     adapter = get_adapter("olmo2")
     with torch.device("meta"):
-        model = adapter.model_class(adapter.config_from_hf(json.loads((tiny_checkpoint("olmo2") /
-                                                                        "config.json").read_text())))
-    monkeypatch.setattr("areno.models.tp.dist.get_world_size", lambda group: 2)
+        model = adapter.model_class(
+            adapter.config_from_hf(json.loads((tiny_checkpoint("olmo2") / "config.json").read_text()))
+        )
+    monkeypatch.setattr("areno.models.tp.dist.get_world_size", lambda group: 4)  # 2 KV heads
     monkeypatch.setattr("areno.models.tp.dist.get_rank", lambda group: 0)
-    with pytest.raises(ValueError, match=r"^--tp-size 2: olmo2 does not support tensor parallelism") as e:
+    with pytest.raises(ValueError, match=r"^--tp-size 4: olmo2 needs the TP size to divide num_key_value_heads=2") as e:
         apply_tp_plan(model, object())
     assert "\n" not in str(e.value)
 
@@ -62,16 +66,36 @@ def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo):
     rows = []
     for _ in range(8):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b)})
+        rows.append(
+            {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b), "answer": str(a + b)}
+        )
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     reward = tmp_path / "reward.py"
     reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
     out = tmp_path / "out"
-    args = ["train", "--algo", algo, "--ckpt", str(ckpt), "--dataset-path", str(data), "--batch-size", "4",
-            "--mini-bs", "2", "--max-steps", "1", "--save-path", str(out), "--lr", "1e-3", "--no-tensorboard",
-            "--dtype", "float32"]
+    args = [
+        "train",
+        "--algo",
+        algo,
+        "--ckpt",
+        str(ckpt),
+        "--dataset-path",
+        str(data),
+        "--batch-size",
+        "4",
+        "--mini-bs",
+        "2",
+        "--max-steps",
+        "1",
+        "--save-path",
+        str(out),
+        "--lr",
+        "1e-3",
+        "--no-tensorboard",
+        "--dtype",
+        "float32",
+    ]
     if algo == "grpo":
         args += ["--reward-fn-path", str(reward), "--n-samples", "2", "--max-new-tokens", "6"]
     assert main(args) == 0
