@@ -55,9 +55,13 @@ class Attention(nn.Module):
         self.num_heads //= size
         self.num_kv_heads = max(1, self.num_kv_heads // size)
 
+    def project_qkv(self, x):
+        """The fused q/k/v projection ``[T, (Hq + 2 Hkv) D]`` (OLMo 2 also norms the whole q and k here)."""
+        return self.qkv_proj(x)
+
     def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache=None):
         t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = self.project_qkv(x)
         qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         eps = 1e-6 if self.q_norm is None else self.q_norm.eps
         if kv_cache is not None and self.fused_prologue and not torch.is_grad_enabled():
@@ -216,6 +220,7 @@ class CausalLM(nn.Module):
     kv_cache_layout: tuple | None = None  # None: K and V [num_kv_heads_local, kv_head_dim] a token
     hf_config: dict | None = None  # set by the loader
     source_dir = None  # set by the loader
+    layer_class = DecoderLayer  # OLMo 2: its post-norm layer
 
     def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None, attn_factory=None):
         super().__init__()
@@ -225,7 +230,7 @@ class CausalLM(nn.Module):
         mlp_factory = mlp_factory or (lambda cfg, i: MLP(cfg))
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, mlp_factory(cfg, i), attn_backend, attn_factory(cfg, i) if attn_factory else None)
+            self.layer_class(cfg, mlp_factory(cfg, i), attn_backend, attn_factory(cfg, i) if attn_factory else None)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

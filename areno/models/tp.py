@@ -194,6 +194,9 @@ PLAN = {
     "self_attn.kv_b_proj": "column",
     "shared_experts.gate_up_proj": "column",
     "shared_experts.down_proj": "row",
+    # olmo2: the QK-norm over the whole projection, its weight split with the heads (sums of squares all-reduced)
+    "self_attn.q_proj_norm": "column",
+    "self_attn.k_proj_norm": "column",
 }
 
 

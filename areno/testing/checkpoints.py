@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid) for tests and demos; nothing is
+"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2) for tests and demos; nothing is
 downloaded.
 
 ``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
@@ -37,6 +37,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "bailing_hybrid": ("BailingHybridConfig", "BailingMoeV3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 BAILING_FP32 = ("mlp.gate.weight", "expert_bias", "_conv1d.weight", "dt_bias", "A_log")
 # Init std, written to config.json as initializer_range. Larger than HF's 0.02 on purpose: at 0.02 the residual
@@ -96,6 +97,8 @@ def _defaults(family: str) -> dict:
         )
     elif family == "llama":
         cfg.update(tie_word_embeddings=False, mlp_bias=False, rope_scaling=dict(LLAMA3_ROPE_SCALING))
+    elif family == "olmo2":  # untied like the Hub checkpoints
+        cfg.update(tie_word_embeddings=False)
     elif family == "bailing_hybrid":
         # [KDA, MLA, KDA, MLA], dense MLP first then 8 experts in 4 groups; qk head dim 24 != v head dim 16
         cfg.update(

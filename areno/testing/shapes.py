@@ -1,5 +1,5 @@
-"""Hugging Face tensor names and shapes of the tiny text families (qwen3, qwen3_moe, llama, bailing_hybrid), in Hub
-(unfused) layout: what ``checkpoints.random_weights`` draws and what ``qwen3_vl`` puts under its language model."""
+"""Hugging Face tensor names and shapes of the tiny text families (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2), in
+Hub (unfused) layout: what ``checkpoints.random_weights`` draws and what ``qwen3_vl`` puts under its language model."""
 
 from __future__ import annotations
 
@@ -73,13 +73,14 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    qwen = config["model_type"] in ("qwen3", "qwen3_moe")
+    qwen, olmo2 = config["model_type"] in ("qwen3", "qwen3_moe"), config["model_type"] == "olmo2"
     attn_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
+        if not olmo2:  # OLMo 2 norms after attention and after the MLP instead
+            shapes[p + "input_layernorm.weight"] = (hidden,)
         for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim),
                            ("v_proj", kv_heads * head_dim)):
             shapes[p + f"self_attn.{name}.weight"] = (rows, hidden)
@@ -91,7 +92,12 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if qwen:
             shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        if olmo2:  # QK-norm over the whole projection
+            shapes[p + "self_attn.q_norm.weight"] = (heads * head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv_heads * head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if olmo2:
+            shapes[p + "post_feedforward_layernorm.weight"] = (hidden,)
         sparse = (
             config["model_type"] == "qwen3_moe"
             and i not in (config.get("mlp_only_layers") or [])

@@ -2,7 +2,7 @@
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "llama")
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2")
 
 
 def load_reference(path, dtype=torch.float32):

@@ -17,10 +17,15 @@ QWEN3_MOE_SMALL = dict(  # Qwen3-30B-A3B's attention and expert shapes, 4 layers
     head_dim=128, vocab_size=32768, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
     norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960,
 )  # fmt: skip
+OLMO2_1B_SMALL = dict(  # OLMo-2-0425-1B's widths (QK-norm over 2048 rows), 4 of its 16 layers
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+    head_dim=128, vocab_size=100352, tie_word_embeddings=False, rope_theta=5e5, max_position_embeddings=4096,
+)  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("family", "shape"), [("qwen3", QWEN3_06B), ("qwen3_moe", QWEN3_MOE_SMALL)])
+@pytest.mark.parametrize(("family", "shape"),
+                         [("qwen3", QWEN3_06B), ("qwen3_moe", QWEN3_MOE_SMALL), ("olmo2", OLMO2_1B_SMALL)])
 def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
     """Tolerance: areno's bf16 error against transformers' fp32 logits is at most 2x transformers' own bf16 error plus
     2% of the logit scale; the losses agree to 1%."""
@@ -49,7 +54,7 @@ def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama", "olmo2"])
 def test_fp32_gradients_on_gpu_match_transformers(tmp_path, family):
     path = make_tiny_checkpoint(tmp_path, family)
     model, ref = load_model(path, device="cuda").train(), load_reference(path).cuda().train()

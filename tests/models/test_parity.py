@@ -65,7 +65,7 @@ def test_gradients_match_transformers_fp32(tiny_checkpoint, family):
         assert (got[name] - g).abs().max() <= 1e-4 * scale, name
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "olmo2"])
 def test_packed_varlen_equals_per_sequence(tiny_checkpoint, family):
     model = load_model(tiny_checkpoint(family), device="cpu")
     lens = [5, 11, 1, 7]

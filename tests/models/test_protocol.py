@@ -14,6 +14,7 @@ CAPABILITIES = {
     "llama": (False, False, False, False, True),
     "bailing_hybrid": (True, True, False, True, False),
     "qwen3_vl": (False, False, True, False, True),
+    "olmo2": (False, False, False, False, True),
 }
 
 

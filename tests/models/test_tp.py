@@ -3,7 +3,7 @@
 Covers qwen3 (KV heads split), qwen3_moe (experts' intermediate dim split, with activation checkpointing, routing
 replicated), llama with one KV head and biases (KV head replicated: its gradient summed over the two ranks) and
 qwen3_vl with two images (decoder sharded, vision tower and mergers replicated: every rank runs them and holds the
-same gradient without a collective).
+same gradient without a collective) and olmo2 (its QK-norm weight split with the heads, sums of squares all-reduced).
 """
 
 import os
@@ -23,8 +23,9 @@ CASES = {
     "qwen3_moe": dict(),
     "llama": dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True),
     "qwen3_vl": dict(),
+    "olmo2": dict(attention_bias=True),
 }
-CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False, "qwen3_vl": True}
+CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False, "qwen3_vl": True, "olmo2": True}
 VL_GRID = torch.tensor([[1, 8, 8], [1, 6, 10]])  # two images: 16 and 15 tokens
 
 
