@@ -69,9 +69,14 @@ class RewardRecord:
 _FIELDS = tuple(f.name for f in fields(RewardRecord))
 
 
+def user_fields(row: dict) -> dict:
+    """The dataset row as the user wrote it: internal ``_``-keys left out (what a reward or agent sees)."""
+    return {k: v for k, v in row.items() if not (isinstance(k, str) and k.startswith("_"))}
+
+
 def record_from(row: dict, completion: str, tokens, index: int) -> RewardRecord:
     """A record for ``completion`` sampled from ``row``'s prompt; internal ``_``-keys of the row are left out."""
-    source = {k: v for k, v in row.items() if not (isinstance(k, str) and k.startswith("_"))}
+    source = user_fields(row)
     answer = _first(source, "answer", "ground_truth")
     solutions = None
     for key in ("solutions", "solution", "ground_truth"):

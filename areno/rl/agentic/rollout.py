@@ -13,7 +13,7 @@ from areno.config import SamplingParams
 from areno.rl.agentic import session as session_module
 from areno.rl.agentic.session import AgentBatch, AgentContext, AgentItem, Generation, Session
 from areno.rl.agentic.threads import AgentThread
-from areno.rl.rewards import record_from, reward_value, score, shown
+from areno.rl.rewards import record_from, reward_value, score, shown, user_fields
 from areno.training.batch import Row
 from areno.training.plugins import stuck_calls
 
@@ -118,7 +118,7 @@ class AgentRollout:
         if not batch:  # nothing to run here (split mode: train rank 0 runs every agent)
             return [], [], [], {"agent_s": 0.0, "agent_failures": 0, "agent_forks": 0, "agent_turns_mean": 0.0,
                                 "agent_prefill_tokens_mean": 0.0, "agent_context_overflows": 0}
-        items = [AgentItem({k: v for k, v in p.row.items() if not (isinstance(k, str) and k.startswith("_"))},
+        items = [AgentItem(user_fields(p.row),
                            _messages(p.row["prompt"]), i, s) for i, p in enumerate(batch) for s in range(n)]
         eos = self.tokenizer.eos_token_id
         self._greedy = greedy
