@@ -8,8 +8,10 @@ process that already sees ``RANK``/``WORLD_SIZE`` never launches again.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+from contextlib import contextmanager
 
 
 def launched() -> bool:
@@ -23,6 +25,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def stop_once():
+    """The launcher stops once however many SIGTERM/SIGINT reach it.
+
+    A scheduler signals the whole process group and ``areno train``'s supervisor forwards the same SIGTERM, so the
+    launcher gets it twice; torch's own handler raises on each, and the second lands inside the agent's shutdown
+    (its logging prints a traceback). Here the first raises torch's ``SignalException`` (the agent stops the ranks,
+    which save and stop themselves) and later ones are ignored. torchrun's ``--signals-to-handle`` (``launch``
+    passes it) keeps torch from installing its handler over this one for these two signals.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    got: list[int] = []
+
+    def handler(signum, frame):
+        if not got:
+            got.append(signum)
+            raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum)}",
+                                  sigval=signal.Signals(signum))
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False, describe=None) -> int:
     """Run ``python -m module argv`` on ``nproc`` local ranks with torch.distributed.run; returns the exit code.
 
@@ -33,8 +63,11 @@ def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args([
-        "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+    parser = get_args_parser()
+    # SIGTERM/SIGINT are stop_once's (torch still handles SIGHUP/SIGQUIT); a torch without the option keeps its own
+    own = ["--signals-to-handle", "SIGHUP,SIGQUIT"] if hasattr(parser.parse_args(["x"]), "signals_to_handle") else []
+    args = parser.parse_args([
+        *own, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--module", module, *argv,
     ])
     # torchrun's own default for its ranks (one OpenMP thread each), set here so it does not print its banner
@@ -43,7 +76,8 @@ def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = 
     if omp_default:
         os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        run(args)
+        with stop_once():
+            run(args)
     except SignalException as exc:
         return 0 if stop_is_success else 128 + int(exc.sigval)
     except Exception as exc:  # ChildFailedError: the failing rank's error is already printed
