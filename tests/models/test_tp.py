@@ -3,8 +3,8 @@
 Covers qwen3 (KV heads split), qwen3_moe (experts' intermediate dim split, with activation checkpointing, routing
 replicated), llama with one KV head and biases (KV head replicated: its gradient summed over the two ranks) and
 qwen3_vl with two images (decoder sharded, vision tower and mergers replicated: every rank runs them and holds the
-same gradient without a collective) and olmo2 (its QK-norm weight split with the heads, sums of squares all-reduced), and olmo3 (olmo2 plus a sliding
-window shorter than the sequences).
+same gradient without a collective), olmo2 (its QK-norm weight split with the heads, sums of squares all-reduced)
+and olmo3 (olmo2 plus a sliding window shorter than the sequences).
 """
 
 import os
