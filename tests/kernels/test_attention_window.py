@@ -86,3 +86,33 @@ def test_window_is_refused_where_it_cannot_apply():
         attention(q, k, v, cu_q, cu_k, 4, 4, causal=False, window=2)
     with pytest.raises(ValueError, match="window"):
         attention(q, k, v, cu_q, cu_k, 4, 4, window=0)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [3, 21])
+def test_paged_triton_window_matches_float64_reference(num_splits, window, block_n):
+    """The paged kernel (interpreted on the CPU) with a window: decode and several queries per sequence (chunked
+    prefill over a cached prefix), windows smaller and larger than a key block (whole blocks left of the window
+    skipped), split-K on and off."""
+    from areno.kernels.attention.paged import paged_attention_triton
+
+    torch.manual_seed(3)
+    page, hkv, hq, d = 4, 2, 4, 16
+    lens, nq = [37, 5, 22], [3, 1, 6]
+    need = [-(-n // page) for n in lens]
+    blocks = torch.randperm(sum(need) + 2)
+    table = torch.full((3, max(need)), -1, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = blocks[at:at + n].to(torch.int32)
+        at += n
+    kc, vc = (torch.randn(sum(need) + 2, page, hkv, d) for _ in range(2))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    for cu_q, q in ((None, torch.randn(3, hq, d)),
+                    (torch.tensor([0] + nq).cumsum(0).to(torch.int32), torch.randn(sum(nq), hq, d))):
+        want = paged_attention_reference(q.double(), kc.double(), vc.double(), table, seq_lens, cu_seqlens_q=cu_q,
+                                         window=window)
+        got = paged_attention_triton(q, kc, vc, table, seq_lens, d ** -0.5, cu_q, 6 if cu_q is not None else 3,
+                                     num_splits=num_splits, window=window, config=(64, block_n, 4, 1))
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
