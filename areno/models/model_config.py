@@ -33,6 +33,7 @@ class ModelConfig:
     # sliding-window attention (OLMo 3): these layers see only the last ``sliding_window`` keys
     sliding_window: int | None = None
     sliding_layers: list[int] = field(default_factory=list)
+    sliding_rope: tuple[float, dict | None] | None = None  # (theta, scaling) of those layers when it differs
     # MoE (num_experts == 0: dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0

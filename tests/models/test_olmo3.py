@@ -69,11 +69,22 @@ def test_save_round_trips_bit_identically(tiny_checkpoint, tmp_path):
     assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
 
 
+def test_a_rope_per_layer_type_matches_transformers(tiny_checkpoint):
+    """transformers 5 keys rope_parameters by layer type: the sliding layers here rotate with their own theta."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+    path = tiny_checkpoint("olmo3", rope_parameters=rope)
+    model, ref = load_model(path, device="cpu"), load_reference(path)
+    assert model.config.rope_theta == 500000.0 and model.config.sliding_rope == (10000.0, None)
+    ids = _ids(2, 13, seed=4)
+    with torch.no_grad():
+        got, want = model.logits(ids), ref(ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                          "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}},
-     "olmo3: rope_parameters differ between layer types"),
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "olmo3: layer_types must list 2 of"),
+    ({"sliding_window": 0}, "olmo3: sliding_window=0 must be a positive int"),
 ])
 def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, tmp_path, change, message):
     folder = tmp_path / "changed"
