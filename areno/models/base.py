@@ -49,6 +49,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = d**-0.5
         self.backend = "native" if attn_backend == "native" else None
+        self.window = None  # sliding-window size in keys (OLMo 3's sliding layers); None: full causal attention
 
     def shard_heads(self, rank: int, size: int) -> None:
         """Local head counts under TP (KV heads replicated when TP exceeds them)."""
@@ -84,21 +85,22 @@ class Attention(nn.Module):
         if kv_cache is None:
             o = attention(
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                causal=True, softmax_scale=self.scale, backend=self.backend,
+                causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window,
             )  # fmt: skip
         else:
             k_cache, v_cache = kv_cache
             if not meta.is_prefill:
-                o = paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale)
+                o = paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
+                                    window=self.window)
             elif meta.has_prefix:
                 o = paged_attention(
                     q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                    cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
+                    cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, window=self.window,
                 )  # fmt: skip
             else:
                 o = attention(
                     q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                    causal=True, softmax_scale=self.scale, backend=self.backend,
+                    causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window,
                 )  # fmt: skip
         return self.o_proj(o.reshape(t, -1))
 

@@ -30,6 +30,10 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # sliding-window attention (OLMo 3): these layers see only the last ``sliding_window`` keys
+    sliding_window: int | None = None
+    sliding_layers: list[int] = field(default_factory=list)
+    sliding_rope: tuple[float, dict | None] | None = None  # (theta, scaling) of those layers when it differs
     # MoE (num_experts == 0: dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0

@@ -94,9 +94,11 @@ class Olmo2DecoderLayer(DecoderLayer):
 
 class Olmo2ForCausalLM(CausalLM):
     layer_class = Olmo2DecoderLayer
+    attention_class = Olmo2Attention  # OLMo 3: with its per-layer window and RoPE
 
     def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash"):
-        super().__init__(cfg, attn_backend=attn_backend, attn_factory=lambda cfg, i: Olmo2Attention(cfg, attn_backend))
+        super().__init__(cfg, attn_backend=attn_backend,
+                         attn_factory=lambda cfg, i: self.attention_class(cfg, attn_backend))
 
     def hf_layouts(self) -> dict:
         out = super().hf_layouts()

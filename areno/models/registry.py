@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-BUILTIN = ("qwen3", "qwen3_moe", "llama", "bailing_hybrid", "qwen3_vl", "olmo2")
+BUILTIN = ("qwen3", "qwen3_moe", "llama", "bailing_hybrid", "qwen3_vl", "olmo2", "olmo3")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2) for tests and demos; nothing is
-downloaded.
+"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2, olmo3) for tests and demos;
+nothing is downloaded.
 
 ``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
 (through the transformers config class, so ``AutoConfig`` reads it), ``model.safetensors`` (random weights under HF's
@@ -38,6 +38,7 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "bailing_hybrid": ("BailingHybridConfig", "BailingMoeV3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
 }
 BAILING_FP32 = ("mlp.gate.weight", "expert_bias", "_conv1d.weight", "dt_bias", "A_log")
 # Init std, written to config.json as initializer_range. Larger than HF's 0.02 on purpose: at 0.02 the residual
@@ -99,6 +100,11 @@ def _defaults(family: str) -> dict:
         cfg.update(tie_word_embeddings=False, mlp_bias=False, rope_scaling=dict(LLAMA3_ROPE_SCALING))
     elif family == "olmo2":  # untied like the Hub checkpoints
         cfg.update(tie_word_embeddings=False)
+    elif family == "olmo3":  # a window shorter than the test sequences, a sliding layer then a full one
+        # (a legacy rope_theta would set the full layers' RoPE only: give both layer types the same one)
+        rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        cfg.update(tie_word_embeddings=False, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": dict(rope), "full_attention": dict(rope)})
     elif family == "bailing_hybrid":
         # [KDA, MLA, KDA, MLA], dense MLP first then 8 experts in 4 groups; qk head dim 24 != v head dim 16
         cfg.update(
@@ -162,6 +168,8 @@ def tiny_config(family: str = "qwen3", *, dtype=torch.float32, **overrides) -> d
         if key in full:
             out[key] = full[key]
     rope = out.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # OLMo 3: a RoPE per layer type
+        rope = rope["full_attention"]
     if isinstance(rope, dict):
         out.setdefault("rope_theta", rope.get("rope_theta"))
         if rope.get("rope_type", "default") != "default":

@@ -73,7 +73,7 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    qwen, olmo2 = config["model_type"] in ("qwen3", "qwen3_moe"), config["model_type"] == "olmo2"
+    qwen, olmo2 = config["model_type"] in ("qwen3", "qwen3_moe"), config["model_type"] in ("olmo2", "olmo3")
     attn_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}

@@ -1,5 +1,6 @@
 """OLMo 2 beyond the family-parametrized parity tests: tied head / biases / one KV head variant, the option the adapter
-refuses at load, tensor parallelism refused in one line, and SFT + GRPO through `areno train` on a tiny checkpoint."""
+refuses at load, tensor parallelism refused in one line, and SFT + GRPO through `areno train` on a tiny checkpoint
+(OLMo 3's too)."""
 
 import json
 import random
@@ -59,9 +60,10 @@ def test_tp_wider_than_the_kv_heads_is_refused_in_one_line(tiny_checkpoint, monk
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
 @pytest.mark.parametrize("algo", ["sft", "grpo"])
-def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo):
-    ckpt = tiny_checkpoint("olmo2")
+def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo, family):
+    ckpt = tiny_checkpoint(family)
     rng = random.Random(0)
     rows = []
     for _ in range(8):

@@ -15,6 +15,7 @@ CAPABILITIES = {
     "bailing_hybrid": (True, True, False, True, False),
     "qwen3_vl": (False, False, True, False, True),
     "olmo2": (False, False, False, False, True),
+    "olmo3": (False, False, False, False, True),
 }
 
 

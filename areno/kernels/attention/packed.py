@@ -519,17 +519,22 @@ class _TritonAttention(torch.autograd.Function):
 # Reference and native paths
 
 
-def _visible(Lq: int, Lk: int, causal: bool, device) -> torch.Tensor | None:
-    """[Lq, Lk] bool mask of the keys each query sees (end-aligned causal), or None when it sees all of them."""
+def _visible(Lq: int, Lk: int, causal: bool, device, window: int | None = None) -> torch.Tensor | None:
+    """[Lq, Lk] bool mask of the keys each query sees (end-aligned causal; with a ``window`` only the last
+    ``window`` keys up to and including its own position), or None when it sees all of them."""
     if not causal:
         return None
     i = torch.arange(Lq, device=device)[:, None]
     j = torch.arange(Lk, device=device)[None, :]
-    return j <= i + (Lk - Lq)
+    keep = j <= i + (Lk - Lq)
+    return keep if window is None else keep & (j > i + (Lk - Lq) - window)
 
 
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None):
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None, window=None):
     """Plain per-sequence softmax(scale * q k^T) v in the inputs' own dtype (pass float64 for an oracle).
+
+    ``window`` (causal only): a query at (end-aligned) key position p sees keys p - window < j <= p, as
+    transformers' ``sliding_window`` (the window counts the query's own key).
 
     Differentiable; rows that see no key output 0. Host-syncs on cu_seqlens (a test/CPU path).
     """
@@ -542,7 +547,7 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sof
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        mask = _visible(qs.shape[0], ks.shape[0], causal, q.device)
+        mask = _visible(qs.shape[0], ks.shape[0], causal, q.device, window)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         p = torch.softmax(s, dim=-1)
@@ -555,7 +560,7 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sof
     return out
 
 
-def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale):
+def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window=None):
     """CUDA native path: torch SDPA per sequence (flash/cuDNN/efficient as torch picks), differentiable."""
     import torch.nn.functional as F
 
@@ -569,10 +574,11 @@ def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale):
         if causal and Lq > Lk:  # some rows see nothing: SDPA would give NaN there
             outs.append(attention_reference(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
                                             cu_q.new_tensor([0, Lq]), cu_k.new_tensor([0, Lk]), causal=True,
-                                            softmax_scale=scale))
+                                            softmax_scale=scale, window=window))
             continue
-        mask = _visible(Lq, Lk, causal, q.device) if causal and Lq != Lk else None
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and Lq == Lk, scale=scale,
+        plain = causal and Lq == Lk and window is None
+        mask = _visible(Lq, Lk, causal, q.device, window) if causal and not plain else None
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=plain, scale=scale,
                                            enable_gqa=ks.shape[1] != qs.shape[1])
         outs.append(o[0].transpose(0, 1))
     out = torch.cat(outs) if outs else q[:0]
@@ -596,7 +602,7 @@ def length_groups(lq: list[int], lk: list[int], slack: float = 2.0) -> list[list
     return groups + ([cur] if cur else [])
 
 
-def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale):
+def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
     """CPU native path: sequences of similar length padded into batches, one SDPA call per batch (instead of one
     einsum pair per sequence), differentiable. Rows that see no key output 0; rows outside every sequence too."""
     import torch.nn.functional as F
@@ -605,7 +611,7 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale):
     lq = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
     lk = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
     if k.shape[0] == 0:  # no keys at all: the reference's zeros (and its empty gradients)
-        return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale)
+        return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, window=window)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     rows_all, vals_all = [], []
     for group in length_groups(lq, lk):
@@ -618,7 +624,10 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale):
         idx_k = (sk + torch.minimum(j, (gk - 1).clamp(min=0))).clamp(max=k.shape[0] - 1)
         visible = (j < gk)[:, None, :].expand(-1, n_q, -1)  # [n, n_q, n_k]
         if causal:
-            visible = visible & (j[:, None, :] <= i[:, :, None] + (gk - gq)[:, :, None])
+            pos = i[:, :, None] + (gk - gq)[:, :, None]  # each query's end-aligned key position
+            visible = visible & (j[:, None, :] <= pos)
+            if window is not None:
+                visible = visible & (j[:, None, :] > pos - window)
         has_key = visible.any(-1)
         mask = visible | ((~has_key)[:, :, None] & (j == 0)[:, None, :])  # a row with no key reads key 0, then 0
         qp, kp, vp = (t[idx].transpose(1, 2) for t, idx in ((q, idx_q), (k, idx_k), (v, idx_k)))
@@ -630,11 +639,11 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale):
     return out.index_copy(0, torch.cat(rows_all), torch.cat(vals_all)) if rows_all else out
 
 
-def _attention_native(q, k, v, cu_q, cu_k, causal, scale):
+def _attention_native(q, k, v, cu_q, cu_k, causal, scale, window=None):
     if q.is_cuda:
-        return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale)
+        return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    out = _attention_cpu_padded(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal, scale)
+    out = _attention_cpu_padded(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal, scale, window)
     return out.to(q.dtype)
 
 
@@ -657,6 +666,17 @@ def _check(q, k, v, cu_q, cu_k):
         raise ValueError(f"attention: cu_seqlens_q/k must be 1-D of equal length [B+1], got {cu_q.shape}, {cu_k.shape}")
 
 
+def check_window(window, causal: bool) -> int | None:
+    """The sliding window as an int >= 1, or None; a window on non-causal attention is refused."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"attention: window must be a positive int or None, got {window!r}")
+    if not causal:
+        raise ValueError("attention: window (sliding window) needs causal=True")
+    return window
+
+
 def _triton_supported(q: torch.Tensor) -> bool:
     # fp32 is for the interpreter tests: on a GPU it would run on CUDA cores (no tensor cores) and spill, so the
     # dispatcher sends it to SDPA instead.
@@ -665,7 +685,7 @@ def _triton_supported(q: torch.Tensor) -> bool:
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True, softmax_scale=None,
-              backend=None, _fwd=None, _bwd=None):
+              backend=None, window=None, _fwd=None, _bwd=None):
     """Packed varlen attention; ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_*`` int32 ``[B+1]``.
 
     Causal masks align to the end of each key sequence (query i sees keys j <= i + Lk - Lq). ``max_seqlen_*`` are
@@ -676,13 +696,16 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. ``_fwd`` / ``_bwd``: the Triton
     path's forward ("default", "tma", "gluon") and backward ("split", "tma_merged", "gluon") for a benchmark or a
     test to compare; None (or "auto") picks the measured default for the GPU (see the module docstring).
+    ``window``: sliding-window (left) size in keys, as ``attention_reference``; native path only for now (the
+    Triton kernels refuse it until they take a window).
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    window = check_window(window, causal)
     # an invalid value fails on every path, not only where it would take effect
     fwd_variant, bwd_variant = forward_variant(_fwd), backward_variant(_bwd)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if backend is None:
-        run_triton = use_triton(q, k, v, supported=_triton_supported(q))
+        run_triton = window is None and use_triton(q, k, v, supported=_triton_supported(q))
     elif backend == "native":
         run_triton = False
     elif backend in ("triton", "flash"):
@@ -691,11 +714,14 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
                              f"{MAX_HEAD_DIM}, got {q.dtype}, head_dim {q.shape[-1]}")
         if not (q.is_cuda or interpreting()):
             raise RuntimeError("attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
+        if window is not None:
+            raise NotImplementedError("attention: window= (sliding window) is not in the Triton kernels yet; use "
+                                      "backend='native'")
         run_triton = True
     else:
         raise ValueError(f"attention: backend must be None, 'native' or 'triton', got {backend!r}")
     if not run_triton:
-        return _attention_native(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        return _attention_native(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_seqlens_k.to(torch.int32)

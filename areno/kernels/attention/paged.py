@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from areno.kernels._device import sm_count
-from areno.kernels.attention.packed import attention_reference
+from areno.kernels.attention.packed import attention_reference, check_window
 from areno.kernels.dispatch import interpreting, use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,10 +36,10 @@ MAX_SPLITS = 32
 def _paged_attn_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_ot, stride_oh, GROUP,
+    stride_ot, stride_oh, GROUP, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CU: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     hk = tl.program_id(1) // NUM_SPLITS
@@ -68,10 +68,16 @@ def _paged_attn_kernel(
     q = tl.load(Q + tok[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Keys this tile needs, cut into NUM_SPLITS chunks of whole BLOCK_N blocks; this program takes one.
+    # Keys this tile needs, cut into NUM_SPLITS chunks of whole BLOCK_N blocks; this program takes one. With a
+    # sliding window, whole blocks left of the tile's first query's window are skipped (query t sees keys
+    # t + diag - WINDOW < j <= t + diag).
     kv_hi = tl.minimum(tl.maximum(tl.minimum(t0 + TOKENS, Lq) + diag, 0), seq_len)
-    chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    if HAS_WINDOW:
+        kv_lo = tl.minimum(tl.maximum(t0 + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N, kv_hi)
+    else:
+        kv_lo = 0
+    chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_lo + split * chunk
     hi = tl.minimum(lo + chunk, kv_hi)
 
     offs_n = tl.arange(0, BLOCK_N)
@@ -88,6 +94,8 @@ def _paged_attn_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         keep = col_ok[None, :] & (cols[None, :] <= t[:, None] + diag)
+        if HAS_WINDOW:
+            keep = keep & (cols[None, :] > t[:, None] + diag - WINDOW)
         qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -179,7 +187,7 @@ def _tile_config(group_pad: int, multi_token: bool, head_dim: int):
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
-                            config=None):
+                            config=None, window=None):
     T, Hq, D = q.shape
     B = block_table.shape[0]
     _, page_size, Hkv, _ = k_cache.shape
@@ -190,7 +198,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     block_m = max(block_m, group_pad)
     q_tiles = triton.cdiv(max_q, block_m // group_pad) if multi else 1
     if num_splits is None:
-        num_splits = num_splits_for(q, B * Hkv * q_tiles, block_table.shape[1] * page_size)
+        keys = block_table.shape[1] * page_size  # a window bounds the keys a query tile reads
+        keys = keys if window is None else min(keys, window + max_q + block_n)
+        num_splits = num_splits_for(q, B * Hkv * q_tiles, keys)
     out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
@@ -204,9 +214,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
         q, k_cache, v_cache, block_table, seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
-        group, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        group, window or 0, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=window is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if num_splits > 1:
         split_pad = triton.next_power_of_2(num_splits)
@@ -222,9 +232,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
 # Native paths and the reference
 
 
-def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None):
+def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
+                              window=None):
     """Obviously-correct oracle: gather each sequence's keys through the block table, then plain attention in the
-    inputs' dtype (pass float64). Host-syncs; for tests."""
+    inputs' dtype (pass float64); ``window`` as in ``attention_reference``. Host-syncs; for tests."""
     B = block_table.shape[0]
     page = k_cache.shape[1]
     lens = seq_lens.tolist()
@@ -237,10 +248,10 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, sof
         vs.append(v_cache[blocks, j % page])
     cu_k = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
     return attention_reference(q[: cu_q[-1]], torch.cat(ks), torch.cat(vs), torch.tensor(cu_q), cu_k, causal=True,
-                               softmax_scale=softmax_scale)
+                               softmax_scale=softmax_scale, window=window)
 
 
-def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q):
+def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, window=None):
     """Tensorised PyTorch path, no host sync (graph-capturable): gather the whole block table, mask, softmax.
     Memory is O(B * max_blocks * block_size), fine for tests and small batches. Assumes cu_seqlens_q[-1] == Tq."""
     T, Hq, D = q.shape
@@ -265,6 +276,8 @@ def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     j = torch.arange(cap, device=q.device)
     limit = torch.arange(Lmax, device=q.device)[None, :] + (seq_lens.long() - lq)[:, None]  # [B, Lmax]
     keep = (j[None, None, :] <= limit[:, :, None]) & (j[None, None, :] < seq_lens.long()[:, None, None])
+    if window is not None:
+        keep = keep & (j[None, None, :] > limit[:, :, None] - window)
     keep = keep[:, None, None]  # [B, 1, 1, Lmax, cap]
     p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
     p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p)).to(compute)
@@ -309,25 +322,27 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
-                    max_seqlen_q=None, num_splits=None):
+                    max_seqlen_q=None, num_splits=None, window=None):
     """Attention of new queries against a paged KV cache; returns ``[Tq, Hq, D]`` in q's dtype (no gradients).
 
     ``q [B, Hq, D]`` (decode) or, with ``cu_seqlens_q`` int32 ``[B+1]``, ``[Tq, Hq, D]`` (each sequence's last
     tokens; ``max_seqlen_q``, a host int, bounds the per-sequence query count and defaults to Tq).
-    ``num_splits`` overrides the split-K factor (default: chosen from shapes).
+    ``num_splits`` overrides the split-K factor (default: chosen from shapes). ``window``: sliding-window size in
+    keys (as ``attention_reference``); the kernel skips key blocks left of it.
     """
     _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    window = check_window(window, True)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     max_q = q.shape[0] if max_seqlen_q is None else int(max_seqlen_q)
     supported = q.dtype in _FLOATS and q.shape[-1] <= MAX_HEAD_DIM
     if not use_triton(q, k_cache, v_cache, supported=supported):
-        return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q)
+        return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q, window)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention: k_cache/v_cache need a unit stride on head_dim")
     cu_q = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32)
     return paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
-                                   scale, cu_q, max_q, num_splits)
+                                   scale, cu_q, max_q, num_splits, window=window)
 
 
 def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
