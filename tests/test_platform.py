@@ -272,3 +272,12 @@ def test_unmet_requirements(tmp_path):
     assert problems[0] == f"areno is imported from {REPO}, not {tmp_path}"
     assert problems[1:] == [f"torch {importlib.metadata.version('torch')} does not satisfy >=99",
                             "areno-no-such-dep is not installed"]
+
+
+def test_check_models_prints_the_registry_table(capsys):
+    from areno.models.registry import supported_models_table
+    from areno.platform.checks import run_check
+
+    assert run_check(["--models"]) == 0
+    out = capsys.readouterr().out
+    assert out == supported_models_table() and "| OLMo 3 | `olmo3` |" in out and "OK" not in out.split("\n")[0]

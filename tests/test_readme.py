@@ -88,6 +88,9 @@ def _areno_flags() -> set[str]:
     for command, options in (("train", TrainConfig), ("serve", ServeConfig)):
         for action in make_parser(command, options)._actions:
             flags.update(action.option_strings)
+    from areno.platform.checks import check_parser
+
+    flags.update(o for a in check_parser()._actions for o in a.option_strings)
     usage = (ROOT / "scripts" / "install.sh").read_text()
     flags.update(re.findall(r"^\s+(--[a-z-]+)\)", usage, re.M))  # the installer's options
     return flags
@@ -182,3 +185,16 @@ def test_the_readme_explains_prompts_and_the_reward_record():
     for f in fields(RewardRecord):
         assert f"`{f.name}`" in record, f"the README's reward record misses {f.name}"
     assert "`source .venv/bin/activate`" in text
+
+
+def test_the_supported_models_table_is_the_registrys():
+    """The README's table is `areno check --models` (generated from each adapter's ModelCard): it lists every
+    registered model type and cannot drift from the code."""
+    from areno.models.registry import load_builtin, supported_models_table
+
+    text = (ROOT / "README.md").read_text()
+    start, end = "<!-- generated: areno check --models -->\n", "<!-- end generated -->"
+    assert start in text and end in text
+    table = text[text.index(start) + len(start): text.index(end)]
+    assert table == supported_models_table(), "regenerate the README's table with `areno check --models`"
+    assert all(f"`{t}`" in table for t in load_builtin())

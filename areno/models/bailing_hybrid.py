@@ -48,7 +48,7 @@ from areno.models.bailing_hybrid_layers import (
     one_layout,
 )
 from areno.models.base import MLP, CausalLM
-from areno.models.registry import register
+from areno.models.registry import ModelCard, register
 from areno.models.tp import layout
 
 MLA_CACHES = ("latent", "expanded")  # the engine's paged cache of the MLA layers (see the module docstring)
@@ -171,4 +171,7 @@ class BailingHybridForCausalLM(CausalLM):
         return out
 
 
-register("bailing_hybrid", bailing_hybrid_config, BailingHybridForCausalLM, check_config=check_bailing_hybrid)
+register("bailing_hybrid", bailing_hybrid_config, BailingHybridForCausalLM, check_config=check_bailing_hybrid,
+         card=ModelCard("Ling 3 (Bailing V3, e.g. Ling-3.0-Flash)", ("hybrid", "moe"),
+                        routing_replay=True, mtp_kept=True,
+                        notes="KDA linear attention + MLA, sigmoid-routed sparse MoE"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from areno.models.base import CausalLM
 from areno.models.model_config import ModelConfig, dense_config
-from areno.models.registry import register
+from areno.models.registry import ModelCard, register
 
 
 def llama_config(hf) -> ModelConfig:
@@ -15,4 +15,5 @@ class LlamaForCausalLM(CausalLM):
     pass
 
 
-register("llama", llama_config, LlamaForCausalLM)
+register("llama", llama_config, LlamaForCausalLM,
+         card=ModelCard("Llama 1 to 3.x", notes="Llama 3 RoPE scaling"))

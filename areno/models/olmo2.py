@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from areno.models.base import Attention, CausalLM, DecoderLayer
 from areno.models.layers import RMSNorm
 from areno.models.model_config import ModelConfig, dense_config, get
-from areno.models.registry import register
+from areno.models.registry import ModelCard, register
 from areno.models.tp import copy_to_tp, layout, reduce_from_tp
 
 
@@ -111,4 +111,6 @@ class Olmo2ForCausalLM(CausalLM):
         return out
 
 
-register("olmo2", olmo2_config, Olmo2ForCausalLM)
+register("olmo2", olmo2_config, Olmo2ForCausalLM,
+         card=ModelCard("OLMo 2", tp="must divide the KV heads",
+                        notes="post-norm layers, QK-norm over the whole q/k projection"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from areno.kernels.rope import rope_cos_sin, rope_params_from_config
 from areno.models.model_config import ModelConfig, get
 from areno.models.olmo2 import Olmo2Attention, Olmo2ForCausalLM, olmo2_config
-from areno.models.registry import register
+from areno.models.registry import ModelCard, register
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -79,4 +79,7 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
             self.layers[i].self_attn.rope_table = table
 
 
-register("olmo3", olmo3_config, Olmo3ForCausalLM)
+register("olmo3", olmo3_config, Olmo3ForCausalLM,
+         card=ModelCard("OLMo 3", tp="must divide the KV heads",
+                        notes="OLMo 2 + sliding-window layers (training/prefill attention on the native path for now), "
+                              "a RoPE per layer type"))

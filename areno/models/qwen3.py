@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from areno.models.base import CausalLM
 from areno.models.model_config import ModelConfig, dense_config, get
-from areno.models.registry import register
+from areno.models.registry import ModelCard, register
 
 
 def qwen3_config(hf) -> ModelConfig:
@@ -17,4 +17,5 @@ class Qwen3ForCausalLM(CausalLM):
     pass
 
 
-register("qwen3", qwen3_config, Qwen3ForCausalLM)
+register("qwen3", qwen3_config, Qwen3ForCausalLM,
+         card=ModelCard("Qwen3", notes="per-head QK norm, GQA"))

@@ -20,7 +20,7 @@ from areno.kernels.moe.routing import expert_counts, route_softmax_topk
 from areno.models.base import MLP, CausalLM
 from areno.models.layers import Linear
 from areno.models.model_config import ModelConfig, dense_config, get
-from areno.models.registry import register
+from areno.models.registry import ModelCard, register
 from areno.models.tp import copy_to_tp, layout, reduce_from_tp
 
 
@@ -125,4 +125,5 @@ class Qwen3MoeForCausalLM(CausalLM):
             m.expert_load.zero_()
 
 
-register("qwen3_moe", qwen3_moe_config, Qwen3MoeForCausalLM)
+register("qwen3_moe", qwen3_moe_config, Qwen3MoeForCausalLM,
+         card=ModelCard("Qwen3-MoE", ("moe",), routing_replay=True, notes="routed experts on areno's grouped GEMMs"))

@@ -36,7 +36,7 @@ from areno.kernels.rope import apply_rope
 from areno.models.base import CausalLM, training_metadata
 from areno.models.layers import Linear
 from areno.models.model_config import ModelConfig, dense_config, get
-from areno.models.registry import register
+from areno.models.registry import ModelCard, register
 from areno.models.tp import layout
 
 GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -448,4 +448,6 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         return out
 
 
-register("qwen3_vl", qwen3_vl_config, Qwen3VLForConditionalGeneration)
+register("qwen3_vl", qwen3_vl_config, Qwen3VLForConditionalGeneration,
+         card=ModelCard("Qwen3-VL", ("dense", "vision"),
+                        notes="images in prompts and requests; tower/projector frozen unless `--unfreeze-mm-*`"))

@@ -243,10 +243,20 @@ def collect_checks() -> list[Check]:
     return checks
 
 
-def run_check(argv: list[str]) -> int:
-    """`areno check`: print one line per check; exit code 1 on any FAIL, else 0."""
+def check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areno check", description="Readiness checks, one OK/WARN/FAIL line each.")
-    parser.parse_args(argv)
+    parser.add_argument("--models", action="store_true",
+                        help="print the supported-models table (family, model types, TP, routing replay, MTP) instead")
+    return parser
+
+
+def run_check(argv: list[str]) -> int:
+    """`areno check`: print one line per check; exit code 1 on any FAIL, else 0 (``--models``: the models table)."""
+    if check_parser().parse_args(argv).models:
+        from areno.models.registry import supported_models_table
+
+        print(supported_models_table(), end="")
+        return 0
     checks = collect_checks()
     for c in checks:
         print(c.line(), flush=True)
