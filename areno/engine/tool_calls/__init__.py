@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from areno.config.constants import TOOL_CALL_FORMATS
 from areno.engine.tool_calls.base import Parsed, ToolCall, ToolFormat
 from areno.engine.tool_calls.gemma4 import parse_gemma4
 from areno.engine.tool_calls.harmony import parse_harmony
@@ -22,7 +23,7 @@ from areno.engine.tool_calls.json_calls import parse_deepseek_v3, parse_llama3_j
 from areno.engine.tool_calls.qwen3_coder import parse_qwen3_coder
 
 __all__ = ["FORMATS", "MODEL_FORMATS", "Parsed", "ToolCall", "ToolFormat", "format_for", "parse_tool_calls",
-           "strip_tokens"]
+           "read_answer", "special_tokens", "strip_tokens"]
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     ToolFormat("qwen3", parse_qwen3, False, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'),
@@ -36,6 +37,8 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
                "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
     ToolFormat("llama3_json", parse_llama3_json, True, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}'),
 )}
+
+assert tuple(FORMATS) == TOOL_CALL_FORMATS[1:], "config.constants.TOOL_CALL_FORMATS names these formats"
 
 DEFAULT_FORMAT = "qwen3"  # a model_type not listed below: what areno parsed before formats were per family
 MODEL_FORMATS: dict[str, str] = {
@@ -64,6 +67,25 @@ def parse_tool_calls(text: str, fmt: ToolFormat | None = None,
     default); ``tools`` (OpenAI's) type the arguments of formats that write them as text."""
     parsed = (fmt or FORMATS[DEFAULT_FORMAT]).parse(text, tools)
     return parsed.content, parsed.calls
+
+
+def read_answer(fmt: ToolFormat, text: str, tools: Sequence[dict] | None = None,
+                specials: Sequence[str] = ()) -> Parsed:
+    """``fmt.parse(text, tools)``; where the format's text was decoded with the special tokens kept, those
+    (``specials``: ``special_tokens(tokenizer)``) are stripped from the content and the reasoning it returns."""
+    parsed = fmt.parse(text, tools)
+    if fmt.special_markup:
+        parsed.content, parsed.reasoning = strip_tokens(parsed.content, specials), strip_tokens(parsed.reasoning,
+                                                                                                specials)
+    return parsed
+
+
+def special_tokens(tokenizer) -> tuple[str, ...]:
+    """The texts ``skip_special_tokens`` drops from ``tokenizer``'s output, longest first (for ``strip_tokens``)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {t.content for t in added.values() if getattr(t, "special", False)}
+    found |= set(getattr(tokenizer, "all_special_tokens", ()))
+    return tuple(sorted(found, key=len, reverse=True))
 
 
 def strip_tokens(text: str | None, tokens: Sequence[str]) -> str | None:

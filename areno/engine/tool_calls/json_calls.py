@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from areno.engine.tool_calls.base import Parsed, joined, json_object, make_call, name_and_arguments
 
-_QWEN_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_QWEN_BLOCK = re.compile(r"<tool_call>\s*((?:(?!<tool_call>).)*?)\s*</tool_call>", re.DOTALL)  # an unclosed block
+# never swallows the next one
 
 
 def parse_qwen3(text: str, tools: Sequence[dict] | None = None) -> Parsed:

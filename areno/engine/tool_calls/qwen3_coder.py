@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from areno.engine.tool_calls.base import Parsed, joined, make_call, tool_schemas
 
-_BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>((?:(?!<tool_call>).)*?)</function>\s*</tool_call>",
+                    re.DOTALL)  # an unclosed block never swallows the next one
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
 _ORDER = ("null", "integer", "number", "boolean", "object", "array", "string")

@@ -10,7 +10,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from areno.engine.tool_calls import parse_tool_calls
+from areno.engine.tool_calls import read_answer
 from areno.serve.bodies import request_body
 from areno.serve.chunks import ChunkWriter, json_str, usage
 from areno.serve.errors import APIError
@@ -88,13 +88,24 @@ def chat_response(state: ServeState, req, out: list[dict], parse_tools: bool, k:
         message = {"role": "assistant", "content": text}
         finish = o["finish"] or "abort"
         if parse_tools:
-            content, calls = parse_tool_calls(text)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-                finish = "tool_calls"
+            message, finish = tool_answer(state, req, o["ids"], o["stop_text"], finish)
         choices.append({"index": idx, "message": message, "finish_reason": finish,
                         "logprobs": chat_logprobs(o, k, name) if req.logprobs else None})
     return choices
+
+
+def tool_answer(state: ServeState, req, ids: list[int], stop_text: str | None, finish: str) -> tuple[dict, str]:
+    """An answer read in the served model's tool-call format: (the assistant message with its ``tool_calls`` and
+    ``reasoning_content`` where the format found some, the finish reason: ``tool_calls`` when it found calls)."""
+    parsed = read_answer(state.tool_format, state.tool_text(req, ids, stop_text, finish),
+                         [t.model_dump(exclude_none=True) for t in req.tools or ()], state.special_tokens)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+        finish = "tool_calls"
+    return message, finish
 
 
 def _no_logprobs() -> dict:
@@ -105,7 +116,7 @@ class ChatStream:
     """One streamed chat answer: per sample, its detokenizer and the log-probs of tokens whose text is not sent."""
 
     def __init__(self, state: ServeState, req, writer: ChunkWriter, parse_tools: bool, k: int):
-        self.req, self.writer, self.parse_tools, self.k = req, writer, parse_tools, k
+        self.state, self.req, self.writer, self.parse_tools, self.k = state, req, writer, parse_tools, k
         self.name = state.token_namer(req)
         self.detoks = [state.detokenizer(req) for _ in range(req.n)]
         self.held = [_no_logprobs() for _ in range(req.n)]
@@ -152,11 +163,10 @@ class ChatStream:
                                  "logprobs": lp})
         finish = last.finish_reason
         if self.parse_tools:
-            content, calls = parse_tool_calls(d.final_text(last.stop_text, finish))
-            delta = {"content": content}
-            if calls:
-                delta["tool_calls"] = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
-                finish = "tool_calls"
+            message, finish = tool_answer(self.state, req, d.ids, last.stop_text, finish)
+            delta = {key: v for key, v in message.items() if key != "role"}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(delta["tool_calls"])]
         else:
             delta = {"content": delta_text + d.flush(last.stop_text, finish)}
         return writer.chunk({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp})
