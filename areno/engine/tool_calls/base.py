@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,3 +85,20 @@ def tool_schemas(tools: Sequence[dict] | None) -> dict[str, dict]:
             params = fn.get("parameters")
             out[fn["name"]] = params if isinstance(params, dict) else {}
     return out
+
+
+def read_blocks(text: str, block: re.Pattern, read: Callable[[re.Match], ToolCall | None]) -> Parsed:
+    """Each match of ``block`` that ``read`` makes a call of is cut from the content; one it cannot (None) stays
+    there as written. No call: the text is returned untouched."""
+    calls, kept, last = [], [], 0
+    for m in block.finditer(text):
+        call = read(m)
+        if call is None:
+            continue
+        calls.append(call)
+        kept.append(text[last : m.start()])
+        last = m.end()
+    if not calls:
+        return Parsed(text)
+    kept.append(text[last:])
+    return Parsed(joined(kept), calls)

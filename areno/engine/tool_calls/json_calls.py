@@ -9,26 +9,20 @@ import json
 import re
 from collections.abc import Sequence
 
-from areno.engine.tool_calls.base import Parsed, joined, json_object, make_call, name_and_arguments
+from areno.engine.tool_calls.base import Parsed, joined, json_object, make_call, name_and_arguments, read_blocks
 
 _QWEN_BLOCK = re.compile(r"<tool_call>\s*((?:(?!<tool_call>).)*?)\s*</tool_call>", re.DOTALL)  # an unclosed block
 # never swallows the next one
 
 
+def _qwen3_call(m: re.Match):
+    obj = json_object(m.group(1))
+    call = name_and_arguments(obj) if obj is not None else None
+    return make_call(*call) if call is not None else None
+
+
 def parse_qwen3(text: str, tools: Sequence[dict] | None = None) -> Parsed:
-    calls, kept, last = [], [], 0
-    for m in _QWEN_BLOCK.finditer(text):
-        obj = json_object(m.group(1))
-        call = name_and_arguments(obj) if obj is not None else None
-        if call is None:
-            continue  # stays in the content, as written
-        calls.append(make_call(*call))
-        kept.append(text[last : m.start()])
-        last = m.end()
-    if not calls:
-        return Parsed(text)
-    kept.append(text[last:])
-    return Parsed(joined(kept), calls)
+    return read_blocks(text, _QWEN_BLOCK, _qwen3_call)
 
 
 PYTHON_TAG = "<|python_tag|>"

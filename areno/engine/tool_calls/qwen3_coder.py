@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from areno.engine.tool_calls.base import Parsed, joined, make_call, tool_schemas
+from areno.engine.tool_calls.base import Parsed, make_call, read_blocks, tool_schemas
 
 _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>((?:(?!<tool_call>).)*?)</function>\s*</tool_call>",
                     re.DOTALL)  # an unclosed block never swallows the next one
@@ -88,17 +88,11 @@ def _arguments(body: str, props: dict) -> dict | None:
 
 def parse_qwen3_coder(text: str, tools: Sequence[dict] | None = None) -> Parsed:
     schemas = tool_schemas(tools)
-    calls, kept, last = [], [], 0
-    for m in _BLOCK.finditer(text):
+
+    def call(m: re.Match):
         name = m.group(1).strip()
         props = schemas.get(name, {}).get("properties")
         args = _arguments(m.group(2), props if isinstance(props, dict) else {}) if name else None
-        if args is None:
-            continue  # stays in the content, as written
-        calls.append(make_call(name, args))
-        kept.append(text[last : m.start()])
-        last = m.end()
-    if not calls:
-        return Parsed(text)
-    kept.append(text[last:])
-    return Parsed(joined(kept), calls)
+        return make_call(name, args) if args is not None else None
+
+    return read_blocks(text, _BLOCK, call)
