@@ -108,3 +108,23 @@ def test_without_tools_the_answer_is_left_as_text(tokenizer):
     (choice,) = chat_response(state, req, out, False, 0)  # no tools in the request: nothing is read as a call
     assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
     assert choice["finish_reason"] == "length"
+
+
+def test_the_agentic_rollout_reads_the_policys_format_as_the_server_does(tokenizer):
+    from types import SimpleNamespace
+
+    from areno.engine.tool_calls import special_tokens
+    from areno.rl.agentic.rollout import AgentRollout
+
+    text = ("<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Lima"}')
+    ids = tokenizer.encode(text, add_special_tokens=False) + tokenizer.convert_tokens_to_ids(["<|call|>"])
+    agent = SimpleNamespace(tool_format=FORMATS["harmony"], tokenizer=tokenizer,
+                            special_tokens=special_tokens(tokenizer))
+    message = AgentRollout.assistant_message(agent, ids, None, tokenizer.decode(ids, skip_special_tokens=True), TOOLS)
+    served, _ = answer(tokenizer, "harmony", text, {"tools": TOOLS})
+    strip = [{k: v for k, v in c.items() if k != "id"} for c in message["tool_calls"]]
+    assert strip == [{k: v for k, v in c.items() if k != "id"} for c in served["message"]["tool_calls"]]
+    assert {k: v for k, v in message.items() if k != "tool_calls"} == \
+        {k: v for k, v in served["message"].items() if k != "tool_calls"}
+    assert message["reasoning_content"] == "Use the tool."

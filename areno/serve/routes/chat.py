@@ -98,7 +98,8 @@ def tool_answer(state: ServeState, req, ids: list[int], stop_text: str | None, f
     """An answer read in the served model's tool-call format: (the assistant message with its ``tool_calls`` and
     ``reasoning_content`` where the format found some, the finish reason: ``tool_calls`` when it found calls)."""
     parsed = read_answer(state.tool_format, state.tool_text(req, ids, stop_text, finish),
-                         [t.model_dump(exclude_none=True) for t in req.tools or ()], state.special_tokens)
+                         [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                         state.special_tokens if req.skip_special_tokens else ())
     message = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
