@@ -161,6 +161,11 @@ def test_harmony_final_answer_preamble_and_several_calls():
            '<|start|>assistant<|channel|>commentary to=functions.b<|message|>{}')
     p = parse("harmony", two)
     assert calls_of(p) == [("a", {"x": 1}), ("b", {})] and p.content == "Checking both." and p.reasoning is None
+    on_analysis = '<|channel|>analysis to=functions.a <|constrain|>json<|message|>{"x": [1]}'
+    assert calls_of(parse("harmony", on_analysis)) == [("a", {"x": [1]})]  # the recipient names the function
+    other_role = '<|channel|>final<|message|>ok<|end|><|start|>user<|channel|>final<|message|>hi'
+    p = parse("harmony", other_role)  # a message of another role is not the assistant's: content as written
+    assert p.content == "ok\n<|start|>user<|channel|>final<|message|>hi"
 
 
 def test_harmony_malformed_and_foreign_messages_stay_content():

@@ -1,8 +1,9 @@
 """GPT-OSS's harmony format: the answer is a run of messages, ``[<|start|>assistant]<|channel|>CHANNEL[ to=RECIPIENT]
 [<|constrain|>json]<|message|>BODY`` each ended by ``<|end|>``, ``<|call|>`` or ``<|return|>`` (the last one's end is
 the stop token, cut off). ``analysis`` is the reasoning, ``final`` (and a ``commentary`` preamble with no recipient)
-the content, and a ``commentary`` message to ``functions.NAME`` whose body is a JSON object a call. Text outside that
-grammar, a call to another recipient (a built-in tool) or with a body that is not a JSON object stays content."""
+the content, and a message to ``functions.NAME`` (on ``commentary``, or ``analysis`` where a model puts it) whose body
+is a JSON object a call. Text outside that grammar, a call to another recipient (a built-in tool) or with a body that
+is not a JSON object stays content."""
 
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def _messages(text: str) -> list[tuple[str, str, str]] | None:
 def _header(header: str) -> tuple[str, str | None] | None:
     """(channel, recipient or None) of a message header, or None when it names no channel or another role."""
     role, sep, rest = header.partition(CHANNEL)
-    if not sep or not (role.strip() == _ROLE or role.strip().startswith(_ROLE + " ") or not role.strip()):
+    words = role.split()
+    channel = rest.split(CONSTRAIN)[0].split()
+    if not sep or not channel or (words and words[0] != _ROLE):
         return None
     recipient = _RECIPIENT.search(role) or _RECIPIENT.search(rest)
-    channel = rest.split(CONSTRAIN)[0].split()
-    return (channel[0] if channel else "", recipient.group(1) if recipient else None) if channel else None
+    return channel[0], recipient.group(1) if recipient else None
 
 
 def parse_harmony(text: str, tools: Sequence[dict] | None = None) -> Parsed:
@@ -60,9 +62,9 @@ def parse_harmony(text: str, tools: Sequence[dict] | None = None) -> Parsed:
         if recipient is None:
             (reasoning if channel == "analysis" else content).append(body)
             continue
-        args = json_object(body) if channel == "commentary" and recipient.startswith("functions.") else None
-        name = recipient[len("functions."):]
-        if args is None or not name:
+        name = recipient.removeprefix("functions.") if recipient.startswith("functions.") else ""
+        args = json_object(body) if name else None  # a function's call on whichever channel it came
+        if args is None:
             content.append(raw)
             continue
         calls.append(make_call(name, args))
