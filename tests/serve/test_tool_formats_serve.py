@@ -11,7 +11,7 @@ from areno.engine.async_engine import TokenEvent
 from areno.engine.tool_calls import FORMATS
 from areno.serve.chunks import ChunkWriter
 from areno.serve.protocol import ChatCompletionRequest, parse
-from areno.serve.routes.chat import ChatStream, chat_response
+from areno.serve.routes.chat import ChatStream, chat_response, wants_calls
 from areno.serve.server import serve_tool_format
 from areno.serve.state import ServeState
 
@@ -55,8 +55,10 @@ def answer(tokenizer, fmt: str, text: str, body: dict):
                 ChatCompletionRequest)
     ids = tokenizer.encode(text, add_special_tokens=False) + tokenizer.convert_tokens_to_ids(["<|call|>"])
     out = [{"ids": ids, "logprobs": [0.0] * len(ids), "top": [None] * len(ids), "finish": "stop", "stop_text": None}]
-    (choice,) = chat_response(state, req, out, True, 0)
-    stream = ChatStream(state, req, ChunkWriter("id", "chat.completion.chunk", 0, "tiny", 3, None), True, 0)
+    read = wants_calls(req) or state.tool_format.always_read  # as the route decides
+    assert read
+    (choice,) = chat_response(state, req, out, read, 0)
+    stream = ChatStream(state, req, ChunkWriter("id", "chat.completion.chunk", 0, "tiny", 3, None), read, 0)
     events = [TokenEvent(0, t, 0.0) for t in ids]
     events[-1].finish_reason = "stop"
     assert all(stream.sample_chunk(0, [ev]) is None for ev in events[:-1])  # calls are read once, at the end
@@ -78,9 +80,10 @@ def test_a_harmony_answer_whole_and_streamed(tokenizer):
         [{k: v for k, v in call.items() if k != "id"}] and last["delta"]["tool_calls"][0]["index"] == 0
 
 
-def test_a_harmony_final_answer_is_content_without_markup(tokenizer):
+@pytest.mark.parametrize("body", [{"tools": TOOLS}, {}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_a_harmony_final_answer_is_content_without_markup(tokenizer, body):
     text = "<|channel|>analysis<|message|>No tool needed.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
-    choice, last = answer(tokenizer, "harmony", text, {"tools": TOOLS})
+    choice, last = answer(tokenizer, "harmony", text, body)  # harmony is read with tools or without
     assert choice["message"] == {"role": "assistant", "content": "Hello!", "reasoning_content": "No tool needed."}
     assert choice["finish_reason"] == last["finish_reason"] == "stop"
     assert last["delta"] == {"content": "Hello!", "reasoning_content": "No tool needed."}
@@ -96,18 +99,15 @@ def test_qwen3_coder_arguments_are_typed_by_the_requests_tools(tokenizer):
     assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Sevilla", "days": 3}
 
 
-def test_without_tools_the_answer_is_left_as_text(tokenizer):
-    state = ServeState(None, tokenizer, model_name="tiny", max_model_len=512, max_running=4)
-    assert state.tool_format.name == "qwen3"  # the default: what areno read before formats were per family
-    state.tool_format = FORMATS["harmony"]
-    req = parse(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-                ChatCompletionRequest)
+@pytest.mark.parametrize("body", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_a_call_where_the_request_wants_none_stays_text(tokenizer, body):
+    assert ServeState(None, tokenizer, model_name="tiny", max_model_len=512, max_running=4).tool_format.name == \
+        "qwen3"  # the default: what areno read before formats were per family
     text = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}'
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    out = [{"ids": ids, "logprobs": [0.0] * len(ids), "top": [None] * len(ids), "finish": "length", "stop_text": None}]
-    (choice,) = chat_response(state, req, out, False, 0)  # no tools in the request: nothing is read as a call
-    assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
-    assert choice["finish_reason"] == "length"
+    choice, last = answer(tokenizer, "harmony", text, body)
+    plain = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False), skip_special_tokens=True)
+    assert choice["message"] == {"role": "assistant", "content": plain} and choice["finish_reason"] == "stop"
+    assert last["delta"] == {"content": plain} and last["finish_reason"] == "stop"
 
 
 def test_the_agentic_rollout_reads_the_policys_format_as_the_server_does(tokenizer):

@@ -31,7 +31,7 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
                "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
     ToolFormat("gemma4", parse_gemma4, True, '<|tool_call>call:f{a:1,b:<|"|>text<|"|>}<tool_call|>'),
     ToolFormat("harmony", parse_harmony, True,
-               '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>'),
+               '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', always_read=True),
     ToolFormat("deepseek_v3", parse_deepseek_v3, True,
                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```"
                "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),

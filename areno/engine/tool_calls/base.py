@@ -37,12 +37,14 @@ Parser = Callable[[str, Sequence[dict] | None], Parsed]
 class ToolFormat:
     """One family's tool-call format. ``parse(text, tools)`` never guesses: a block it cannot read whole stays in the
     content. ``special_markup``: the format's markers are special tokens, so the text it parses is decoded with
-    them kept (and the caller strips the other special tokens from what comes back)."""
+    them kept (and the caller strips the other special tokens from what comes back). ``always_read``: answers are read
+in the format even when the request has no tools (its calls are then not returned)."""
 
     name: str
     parse: Parser
     special_markup: bool
     example: str  # one call in the format, for the docs and --help
+    always_read: bool = False  # every answer is in the format's markup (harmony's channels): read it without tools
 
 
 def make_call(name: str, arguments: dict) -> ToolCall:
