@@ -43,11 +43,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from areno.kernels.attention.common import (
+    add_sink,
     dq_inner,
     fwd_inner,
     key_tile,
     kv_bounds,
     kv_inner,
+    kv_window_bounds,
     q_bounds,
     query_tile,
     seq_span,
@@ -91,10 +93,10 @@ def descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 @triton.jit(do_not_specialize=["stride_lh"])
 def _attn_fwd_tma_kernel(
-    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh,
-    GROUP, SEQ_BUCKET,
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, SINKS, qk_scale, stride_ot, stride_oh, stride_lh,
+    GROUP, SEQ_BUCKET, WINDOW,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
@@ -109,10 +111,18 @@ def _attn_fwd_tma_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
     col = (h // GROUP) * BLOCK_D
-    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, 0, full, diag,
-                              Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+    lo_full = 0
+    if HAS_WINDOW:  # as the pointer kernel: blocks left of the window skipped, its left edge masked
+        lo, lo_full = kv_window_bounds(start_m, diag, full, WINDOW, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, lo,
+                                  lo_full, diag, Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC,
+                                  True, True)
+    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, lo_full, full,
+                              diag, Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True, False)
     acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, full, hi, diag,
-                              Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
+                              Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True, HAS_WINDOW)
+    if HAS_SINKS:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
@@ -172,11 +182,11 @@ def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV
             lse_ptr = LSE + h * stride_lh + q_start
             delta_ptr = DELTA + h * stride_lh + q_start
             dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, 0, 0, q_start, h * BLOCK_D, offs_m,
-                              cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC, True,
-                              True)
+                              cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, 0, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC,
+                              True, True, False)
             dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, 0, 0, q_start, h * BLOCK_D, offs_m,
-                              cols, 0, a1, end, Lq, Lk, diag, qk_scale, BLOCK_D, BLOCK_M, True, False, DOT_PREC, True,
-                              True)
+                              cols, 0, a1, end, Lq, Lk, diag, qk_scale, 0, BLOCK_D, BLOCK_M, True, False, DOT_PREC,
+                              True, True, False)
         _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, t, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
                         BLOCK_N, BLOCK_D)
 
@@ -201,9 +211,9 @@ def _merged_dq_phase(desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, t
             delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0, 0,
-                          full, diag, Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+                          full, diag, Lk, qk_scale, 0, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True, False)
             dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0,
-                          full, hi, diag, Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
+                          full, hi, diag, Lk, qk_scale, 0, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True, False)
             _store_rows(desc_dq, DQ, (dq * sm_scale).to(DQ.dtype.element_ty), q_start + t * BLOCK_M, h * BLOCK_D,
                         Lq - t * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
 
