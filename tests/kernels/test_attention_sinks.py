@@ -252,3 +252,13 @@ def test_gpu_bf16_paged_window_and_sinks(cu):
     assert torch.isfinite(got).all()
     err = (got.double() - want).abs().max().item()
     assert err <= 2 * (native.double() - want).abs().max().item() + 2e-3, err
+
+
+@pytest.mark.gpu
+def test_gpu_warm_paged_attention_compiles_window_and_sink_variants():
+    from areno.kernels.attention.paged import MAX_SPLITS, warm_paged_attention
+
+    kc = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    per_feature = 2 * MAX_SPLITS.bit_length()  # every power-of-two split count, decode and multi-token
+    features = ((False, None), (True, torch.bfloat16), (False, torch.float32))
+    assert warm_paged_attention(kc, kc.clone(), 16, features=features) == 3 * per_feature

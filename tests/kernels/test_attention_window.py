@@ -1,5 +1,6 @@
-"""Sliding-window attention on the native paths: float64 oracle (a brute-force loop), packed native forward and
-backward, and the paged native path, all against each other on sequences longer than the window."""
+"""Sliding-window attention: float64 oracle (a brute-force loop), packed native forward and backward, the paged
+native path, and the Triton kernels (packed forward/backward variants and paged, interpreted on the CPU), all on
+sequences longer than the window."""
 
 from __future__ import annotations
 
@@ -152,25 +153,29 @@ def test_packed_triton_window_matches_float64_reference(window, blocks, monkeypa
     _triton_vs_float64([9, 40, 1, 12], [9, 47, 6, 5], window)
 
 
-def test_packed_triton_window_skips_key_blocks_left_of_it(monkeypatch):
+@pytest.mark.parametrize(("fwd", "bwd"), [("default", "split"), ("tma", "tma_merged")])
+def test_packed_triton_window_skips_key_blocks_left_of_it(fwd, bwd, monkeypatch):
     """A chunk of 16 queries over 64 keys, window 4, 16 x 16 tiles: keys 0..31 are left of every query's window; the
-    forward, dQ and dK/dV kernels must not read them (they are NaN), and their dK/dV are exactly 0."""
+    forward, dQ and dK/dV kernels (pointer and TMA) must not read them (they are NaN), and their dK/dV are 0."""
     from areno.kernels.attention import packed as attention_module
 
-    monkeypatch.setattr(attention_module, "INTERPRET_BLOCKS", {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)})
-    _triton_vs_float64([16], [64], 4, hq=2, hkv=1, poison=slice(0, 32))
+    monkeypatch.setattr(attention_module, "INTERPRET_BLOCKS", {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16),
+                                                               "bwd_merged_tma": (16, 16, 16, 16, True)})
+    _triton_vs_float64([16], [64], 4, fwd=fwd, bwd=bwd, hq=2, hkv=1, poison=slice(0, 32))
 
 
-def test_packed_triton_window_tma_forward_and_dispatch(triton_kernels, monkeypatch):
-    """_fwd="tma" takes the window; the TMA/Gluon backwards run as "split"; backend None with a window goes to
-    Triton (not the native path) when Triton is selected."""
+@pytest.mark.parametrize("dq_first", [True, False])
+def test_packed_triton_window_tma_and_dispatch(dq_first, triton_kernels, monkeypatch):
+    """_fwd="tma" and _bwd="tma_merged" (both phase orders) take the window, "gluon" runs as "tma_merged"; backend
+    None with a window goes to Triton (not the native path) when Triton is selected."""
     from areno.kernels.attention import packed as attention_module
 
     launched, real = [], attention_module.launch_kernel
     monkeypatch.setattr(attention_module, "launch_kernel", lambda kind, *a, **kw: (launched.append(kind),
                                                                                     real(kind, *a, **kw))[1])
-    _triton_vs_float64([9, 30], [20, 30], 5, fwd="tma", bwd="tma_merged", hkv=1)
-    assert launched == ["fwd_tma", "dkdv", "dq"], launched
+    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "bwd_merged_tma", (16, 32, 32, 16, dq_first))
+    _triton_vs_float64([9, 30, 3], [20, 30, 1], 5, fwd="tma", bwd="gluon", hkv=1)
+    assert launched == ["fwd_tma", "bwd_merged_tma"], launched
 
     def no_native(*args):
         raise AssertionError("the native path ran")

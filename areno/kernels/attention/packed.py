@@ -19,8 +19,8 @@ Sliding window (``window=W``, causal only): query i also needs j > i + (Lk - Lq)
 runtime int plus a constexpr HAS_WINDOW (False compiles the full-attention code unchanged: sm_90 PTX compared):
 whole key blocks left of a query tile's window are skipped (cost O(L * W), not O(L^2)), the blocks the window's
 left edge cuts are masked, those every row sees fully run unmasked; the dK/dV kernel skips the query blocks past a
-key tile's last window. Forward "default" and "tma", backward "split" (window calls run "gluon" as "tma", and the
-TMA/Gluon backwards as "split").
+key tile's last window. Forward "default" and "tma", backward "split" and "tma_merged" (window calls run the Gluon
+forward as "tma" and the Gluon backward as "tma_merged").
 Attention sinks (``sinks [Hq]``, GPT-OSS): one more logit per head in every row's softmax, with no value. The
 forward adds 2^(sink - m) to the row's denominator at the end, so O and LSE count it; the backward kernels are
 then unchanged, and d sinks[h] = -sum_rows 2^(sink log2 e - LSE) * delta is computed outside them (``sink_grad``).
@@ -468,9 +468,9 @@ def attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="def
 
 def attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, variant="split", window=None):
     """dQ, dK, dV of the Triton backward ``variant`` given the forward's O and LSE (which counts the sinks: the
-    kernels need nothing else for them); a window runs the pointer "split" pair (the TMA/Gluon ones take none)."""
-    if window is not None:
-        variant = "split"
+    kernels need nothing else for them); a window runs "gluon" as "tma_merged" (the Gluon kernel takes none)."""
+    if window is not None and variant == "gluon":
+        variant = "tma_merged"
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
@@ -505,7 +505,7 @@ def attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, 
     windowed = dict(common, WINDOW=window or 0, HAS_WINDOW=window is not None)
     if use_tma:
         _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale,
-                                  bucket)
+                                  bucket, window)
         return dq.to(q.dtype), dk, dv
     if max_k > 0:
         launch_kernel(
@@ -524,13 +524,14 @@ def attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, 
     return dq, dk, dv
 
 
-def _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket):
+def _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
+                              window=None):
     """The split pair through TMA descriptors in one launch, into packed (contiguous [T, H, D]) dq, dk, dv; grid dim
     0 covers both phases' tiles (BLOCK_M2 == BLOCK_N1)."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
-    common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), WINDOW=window or 0, HAS_WINDOW=window is not None)
     if max(max_q, max_k) > 0:
         # each phase has its own descriptors (block rows per phase): q, k, v, do again for phase 2
         q2, k2, v2, do2 = (tma.descriptor(t) for t in (q, k, v, do))
@@ -800,8 +801,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     the Triton path's forward ("default", "tma", "gluon") and backward ("split", "tma_merged", "gluon") for a
     benchmark or a test to compare; None (or "auto") picks the measured default for the GPU (module docstring).
     ``window``: sliding-window (left) size in keys, causal only, as ``attention_reference``; the Triton kernels skip
-    whole key blocks left of it (forward "default"/"tma", backward "split"; window calls run "gluon" as "tma" and
-    the TMA/Gluon backwards as "split").
+    whole key blocks left of it (forward "default"/"tma", backward "split"/"tma_merged"; window calls run the
+    Gluon forward as "tma" and the Gluon backward as "tma_merged").
     ``sinks``: ``[Hq]`` per-head sink logits (fp32 or the model's dtype, e.g. a trainable parameter), as
     ``attention_reference``; on the Triton path the forward's LSE counts the sink (forward "default"/"tma"; Gluon
     runs as "tma"; every backward variant) and d sinks is computed from it (``sink_grad``).

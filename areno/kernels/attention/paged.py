@@ -371,10 +371,12 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                                    scale, cu_q, max_q, num_splits, window=window, sinks=sinks)
 
 
-def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
+def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),)) -> int:
     """Compile every kernel variant ``paged_attention`` can pick for this cache and query head count (each split-K
     factor, one query per sequence and several), so that no serving step stalls on a JIT compile (hundreds of ms
-    each). Reads block 0 of the caches, writes nothing to them; returns how many variants ran (0 off the GPU)."""
+    each). ``features``: the (sliding window?, sinks dtype or None) pairs the model's layers call with (each is its
+    own variant; default: full attention without sinks). Reads block 0 of the caches, writes nothing to them;
+    returns how many variants ran (0 off the GPU)."""
     if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=k_cache.dtype in _FLOATS)):
         return 0
     _, page_size, hkv, d = k_cache.shape
@@ -384,14 +386,17 @@ def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
     table = torch.zeros((1, 3), dtype=torch.int32, device=dev)
     seq_lens = torch.full((1,), min(2, page_size), dtype=torch.int32, device=dev)
     cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
-    runs, splits = 0, 1
-    while splits <= MAX_SPLITS:
-        for multi in (False, True):
-            q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
-            paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
-                                    splits)
-            runs += 1
-        splits *= 2
+    runs = 0
+    for windowed, sinks_dtype in features:
+        sinks = None if sinks_dtype is None else torch.zeros(num_q_heads, dtype=sinks_dtype, device=dev)
+        splits = 1
+        while splits <= MAX_SPLITS:
+            for multi in (False, True):
+                q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
+                paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
+                                        splits, window=1 if windowed else None, sinks=sinks)
+                runs += 1
+            splits *= 2
     return runs
 
 
