@@ -201,17 +201,23 @@ def test_bad_sinks_are_refused_in_one_line(bad):
 # GPU (bf16, real widths; H200): window + sinks within a small factor of the native (SDPA) path's own bf16 error
 
 
-def _bf16_errors(lq, lk, hq, hkv, d, window, fwd=None, bwd=None):
+def _bf16_errors(lq, lk, hq, hkv, d, window, fwd=None, bwd=None, with_sinks=True):
     q, k, v, sinks, cu_q, cu_k = packed(lq, lk, hq, hkv, d, dtype=torch.float32, seed=11)
     q, k, v, do = (t.cuda().to(torch.bfloat16) for t in (q, k, v, torch.randn_like(q)))
     sinks, cu_q, cu_k = sinks.float().cuda(), cu_q.cuda(), cu_k.cuda()
-    want = grads(lambda *t: attention_reference(*t[:3], cu_q, cu_k, window=window, sinks=t[3]),
-                 [t.double() for t in (q, k, v, sinks)], do.double())
-    runs = {backend: grads(lambda *t, b=backend: attention(*t[:3], cu_q, cu_k, max(lq), max(lk), backend=b,
-                                                           window=window, sinks=t[3], _fwd=fwd, _bwd=bwd),
-                           (q, k, v, sinks), do)
+    n_in = 3 + with_sinks  # q, k, v (and sinks)
+
+    def call(fn):
+        return lambda *t: fn(*t[:3], sinks=t[3] if with_sinks else None)
+
+    want = grads(call(lambda *t, sinks: attention_reference(*t, cu_q, cu_k, window=window, sinks=sinks)),
+                 [t.double() for t in (q, k, v, sinks)][:n_in], do.double())
+    runs = {backend: grads(call(lambda *t, sinks, b=backend: attention(*t, cu_q, cu_k, max(lq), max(lk), backend=b,
+                                                                       window=window, sinks=sinks, _fwd=fwd,
+                                                                       _bwd=bwd)),
+                           (q, k, v, sinks)[:n_in], do)
             for backend in ("triton", "native")}
-    for i, name in enumerate(("out", "dq", "dk", "dv", "dsinks")):
+    for i, name in enumerate(("out", "dq", "dk", "dv", "dsinks")[:n_in + 1]):
         got, base, w = runs["triton"][i], runs["native"][i], want[i]
         assert torch.isfinite(got).all(), name
         err, base_err = ((t.double() - w).abs().max().item() for t in (got, base))
@@ -222,8 +228,9 @@ def _bf16_errors(lq, lk, hq, hkv, d, window, fwd=None, bwd=None):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(("lq", "lk"), [([4096], [4096]), ([1000, 3096], [1000, 3096]), ([1, 512], [700, 4096])],
                          ids=["4k", "varlen", "chunked"])
-def test_gpu_bf16_window_and_sinks(lq, lk, d):
-    _bf16_errors(lq, lk, 16, 4, d, 128)
+@pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no_sinks"])
+def test_gpu_bf16_window_and_sinks(lq, lk, d, with_sinks):
+    _bf16_errors(lq, lk, 16, 4, d, 128, with_sinks=with_sinks)
 
 
 @pytest.mark.gpu
