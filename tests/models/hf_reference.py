@@ -2,7 +2,9 @@
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3")
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gpt_oss")
+
+HUB_FUSED_EXPERTS = ("gpt_oss",)  # families whose checkpoints store the experts fused, as transformers holds them
 
 
 def load_reference(path, dtype=torch.float32):
@@ -13,11 +15,15 @@ def load_reference(path, dtype=torch.float32):
 
 
 def reference_grads(ref) -> dict:
-    """transformers' parameter gradients under checkpoint (Hub) names: fused experts split back per expert."""
+    """transformers' parameter gradients under checkpoint (Hub) names: fused experts split back per expert
+    (unless the Hub stores them fused too)."""
     out = {}
+    hub_fused = ref.config.model_type in HUB_FUSED_EXPERTS
     for name, p in ref.named_parameters():
         g = p.grad
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if hub_fused:
+            out[name] = g
+        elif name.endswith("mlp.experts.gate_up_proj"):
             base, inter = name[: -len("gate_up_proj")], g.shape[1] // 2
             for e in range(g.shape[0]):
                 out[f"{base}{e}.gate_proj.weight"] = g[e, :inter]

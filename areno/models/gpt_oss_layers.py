@@ -1,0 +1,170 @@
+"""GPT-OSS's layers: attention with per-head sinks, and the MoE with biases and the clamped SwiGLU.
+
+Attention: Llama GQA with q/k/v/o biases and a learned logit per query head (``sinks``, Hub ``self_attn.sinks``) that
+joins every query's softmax denominator and adds no value. ``GptOssAttention.attend`` is the one place the sinks reach
+the attention kernels (``sinks=``); until areno's kernels take them, packed attention runs ``sink_attention_native``
+below (the softmax with the sink column, as transformers' eager attention) and the paged path is refused.
+
+MoE (every layer): router ``logits = x W^T + b``, the top-k logits, softmax over those k (= the top-k softmax
+probabilities renormalised, so Qwen3-MoE's router with ``renormalize=True`` computes it); each expert
+``gate_up = x Wgu + bgu`` (Hub layout ``gate_up_proj [E, H, 2I]`` with gate and up INTERLEAVED in the columns:
+gate = ``[..., ::2]``, up = ``[..., 1::2]``), ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+``h = (up + 1) * gate * sigmoid(alpha * gate)``, ``y = h Wd + bd`` (``down_proj [E, I, H]``); output
+``sum_k w_k y_k``. The expert weights keep the Hub layout (the loader copies slices, it does not transpose); the experts
+run on the native PyTorch path for now (a per-expert loop; the dense masked form without gradients at decode size),
+not on areno's grouped GEMMs, which take neither biases nor this activation yet. Under TP each rank holds every
+expert's slice of the intermediate dim (an even slice of the interleaved columns keeps gate/up pairs together); the
+down bias is applied after the all-reduce.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from areno.kernels.attention import attention
+from areno.models.base import Attention
+from areno.models.layers import Linear
+from areno.models.model_config import ModelConfig
+from areno.models.qwen3_moe import SparseMoE
+from areno.models.tp import copy_to_tp, layout, reduce_from_tp
+
+# Whether areno's attention kernels take ``sinks=`` yet (the attention-features work); until then: the native path.
+KERNEL_SINKS = "sinks" in inspect.signature(attention).parameters
+
+
+def sink_attention_native(q, k, v, cu_seqlens, scale: float, window: int | None, sinks) -> torch.Tensor:
+    """Causal attention of packed sequences (``cu_seqlens``; queries and keys the same tokens) with per-head sinks:
+    ``softmax([q k^T * scale, sink])`` without the sink column, times ``v``; a ``window`` keeps keys
+    ``p - window < j <= p``. Interim, differentiable PyTorch (fp32 math); replaced by ``attention(..., sinks=)``."""
+    group = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    out = []
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (x[s:e].float().transpose(0, 1) for x in (q, k, v))  # [heads, L, D]
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        scores = qs @ ks.transpose(1, 2) * scale
+        i = torch.arange(e - s, device=q.device)
+        visible = i[None, :] <= i[:, None]
+        if window is not None:
+            visible = visible & (i[None, :] > i[:, None] - window)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sink = sinks.float().view(-1, 1, 1).expand(-1, e - s, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out.append((probs @ vs).transpose(0, 1).to(q.dtype))
+    return torch.cat(out) if out else q.new_zeros(q.shape)
+
+
+class Sinks(nn.Module):
+    """The attention sinks ``[Hq]`` (its own module so the TP plan splits them with the query heads)."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads))
+
+
+class GptOssAttention(Attention):
+    def __init__(self, cfg: ModelConfig, attn_backend: str = "flash"):
+        super().__init__(cfg, attn_backend)
+        self.sink = Sinks(cfg.num_heads)
+
+    def attend(self, q, k, v, meta, kv_cache=None):
+        # ---- THE place GPT-OSS's sinks reach the attention kernels ----------------------------------------------
+        if KERNEL_SINKS:
+            return super().attend(q, k, v, meta, kv_cache, sinks=self.sink.weight)
+        if kv_cache is not None and (meta.has_prefix or not meta.is_prefill):
+            raise NotImplementedError("gpt_oss: paged attention with sinks is not in areno's kernels yet")
+        return sink_attention_native(q, k, v, meta.cu_seqlens_q, self.scale, self.window, self.sink.weight)
+
+    def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
+        out = super().layouts(name, hf, cfg)
+        out[f"{name}.sink.weight"] = [layout((cfg.num_heads,), 0, [(f"{hf}.sinks", cfg.num_heads)])]
+        return out
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``; gate/up interleaved."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+# decode-size bound (pairs per expert) under which the no-grad path runs every expert densely, without host syncs
+DENSE_PAIRS_PER_EXPERT = 16
+
+
+def biased_experts_native(x, gate_up, gate_up_bias, down, weights, ids, alpha: float, limit: float):
+    """``sum_k w_k * (clamped_swiglu(x Wgu[e_k] + bgu[e_k]) Wd[e_k])`` ``[T, H]`` (the down bias is the caller's):
+    a per-expert loop over the hit experts (host syncs), or, without gradients at decode size, every expert over
+    every token masked (fixed shapes, graph-capturable)."""
+    E = gate_up.shape[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate_up, gate_up_bias, down, weights))
+    out = torch.zeros_like(x)
+    if not grad and ids.numel() <= DENSE_PAIRS_PER_EXPERT * E:
+        for e in range(E):
+            hit = ids == e
+            y = clamped_swiglu(x @ gate_up[e] + gate_up_bias[e], alpha, limit) @ down[e]
+            y = y * (weights * hit).sum(dim=1, keepdim=True).to(y.dtype)
+            out += torch.where(hit.any(dim=1, keepdim=True), y, 0).to(out.dtype)
+        return out
+    mask = F.one_hot(ids.long(), num_classes=E).permute(2, 1, 0)  # [E, k, T]
+    for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        y = clamped_swiglu(x[tok] @ gate_up[e] + gate_up_bias[e], alpha, limit) @ down[e]
+        out = out.index_add(0, tok, (y * weights[tok, slot, None].to(y.dtype)).to(out.dtype))
+    return out
+
+
+class GptOssExperts(nn.Module):
+    """The experts in the Hub layout (``gate_up_proj [E, H, 2I]`` interleaved, ``down_proj [E, I, H]``)."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+
+
+class GptOssMoE(SparseMoE):
+    """Qwen3-MoE's routing (renormalised top-k softmax == softmax over the top-k logits; replay, load counters) with
+    a biased router and GPT-OSS's experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.top_k, self.renormalize = e, cfg.num_experts_per_tok, True
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate = Linear(h, e, bias=True)  # the router (Hub ``mlp.router``), replicated under TP
+        self.experts = GptOssExperts(e, h, i)
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h))  # replicated: added after the TP all-reduce
+        self.register_buffer("expert_load", None, persistent=False)
+
+    def compute(self, x, weights, ids):
+        ex = self.experts
+        group = ex.tp_group
+        xs, ws = copy_to_tp(x, group), copy_to_tp(weights, group)
+        out = biased_experts_native(xs, ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ws, ids, self.alpha,
+                                    self.limit)
+        out = reduce_from_tp(out, group)
+        bias = (weights.unsqueeze(-1) * self.down_proj_bias[ids.long()].float()).sum(dim=1)
+        return out + bias.to(out.dtype)
+
+    def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        exp = f"{hf}.experts"
+        return {
+            f"{name}.gate.weight": [layout((e, h), 0, [(f"{hf}.router.weight", e)])],
+            f"{name}.gate.bias": [layout((e,), 0, [(f"{hf}.router.bias", e)])],
+            f"{name}.experts.gate_up_proj": [layout((e, h, 2 * i), 2, [(f"{exp}.gate_up_proj", 2 * i)])],
+            f"{name}.experts.gate_up_proj_bias": [layout((e, 2 * i), 1, [(f"{exp}.gate_up_proj_bias", 2 * i)])],
+            f"{name}.experts.down_proj": [layout((e, i, h), 1, [(f"{exp}.down_proj", i)])],
+            f"{name}.down_proj_bias": [layout((e, h), 0, [(f"{exp}.down_proj_bias", e)])],
+        }

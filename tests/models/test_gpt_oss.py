@@ -1,0 +1,124 @@
+"""GPT-OSS: fp32 logits and every parameter gradient (sinks, biases, router, experts) against transformers with the
+clamped SwiGLU active and sequences longer than the sliding window (packed varlen included), YaRN, the experts'
+native path against a float64 oracle, bit-identical save, and the options refused at load in one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from hf_reference import load_reference, next_token_targets, reference_grads
+
+from areno.models import iter_hf_tensors, load_model
+from areno.models.gpt_oss_layers import biased_experts_native, clamped_swiglu
+from areno.models.loader import CheckpointError
+
+
+def _ids(b, t, seed):
+    return torch.randint(0, 1000, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_config_windows_sinks_and_yarn(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("gpt_oss"), device="cpu")
+    cfg = model.config
+    assert [layer.self_attn.window for layer in model.layers] == [4, None]
+    assert cfg.rope_scaling["rope_type"] == "yarn" and (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 1.0)
+    assert model.is_moe and model.num_moe_layers == 2 and model.moe_top_k == 2
+    assert all(layer.self_attn.sink.weight.shape == (4,) for layer in model.layers)
+
+
+@pytest.mark.parametrize("limit", [1.0, 7.0])  # 1.0: both clamps bite on the tiny weights; 7.0: GPT-OSS's own
+def test_logits_and_every_gradient_match_transformers(tiny_checkpoint, limit):
+    path = tiny_checkpoint("gpt_oss", swiglu_limit=limit)
+    model = load_model(path, device="cpu").train()
+    ref = load_reference(path).train()
+    ids = _ids(2, 13, seed=1)  # 13 tokens, window 4
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
+    out = ref(ids, labels=ids)
+    logits = model.compute_logits(hidden).view(b, t, -1)
+    assert (logits - out.logits).abs().max() <= 1e-5 * out.logits.abs().max()
+    targets = next_token_targets(ids)
+    loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
+    got, grads = dict(iter_hf_tensors(model, grads=True)), reference_grads(ref)
+    assert set(got) == set(grads) and any(n.endswith("self_attn.sinks") for n in got)
+    for name, g in grads.items():
+        assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+
+
+def test_packed_varlen_equals_per_sequence_and_sinks_and_window_matter(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("gpt_oss"), device="cpu")
+    lens = [9, 3, 12]
+    seqs = [_ids(1, n, seed=10 + i)[0] for i, n in enumerate(lens)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lens])
+
+    def packed():
+        return model.compute_logits(model(torch.cat(seqs), positions, cu, max(lens)))
+
+    with torch.no_grad():
+        base = packed()
+        single = torch.cat([model.logits(s[None])[0] for s in seqs])
+        model.layers[0].self_attn.window = None
+        no_window = packed()
+        model.layers[0].self_attn.window = 4
+        for layer in model.layers:
+            layer.self_attn.sink.weight.fill_(-1e4)  # a sink that takes no mass: plain softmax
+        no_sinks = packed()
+    assert (base - single).abs().max() <= 1e-5 * single.abs().max()
+    assert (no_window - base).abs().max() > 1e-3 * single.abs().max()
+    assert (no_sinks - base).abs().max() > 1e-3 * single.abs().max()
+
+
+def test_expert_paths_match_a_float64_oracle_forward_and_backward():
+    """The loop (gradients) and the dense masked (no-grad decode) forms against a float64 dense oracle."""
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, k = 7, 8, 6, 5, 2
+    x, gu, gub, down = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((T, H), (E, H, 2 * I),
+                                                                                   (E, 2 * I), (E, I, H)))
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    w = torch.softmax(torch.randn(T, k, generator=g, dtype=torch.float64), -1)
+
+    def oracle(x, gu, gub, down, w):
+        e = ids.long()
+        h = clamped_swiglu(torch.einsum("th,tkhi->tki", x, gu[e]) + gub[e], 1.702, 0.9)
+        return (torch.einsum("tki,tkih->tkh", h, down[e]) * w[..., None]).sum(1)
+
+    inputs = [t.requires_grad_() for t in (x, gu, gub, down, w)]
+    want = oracle(*inputs)
+    got = biased_experts_native(*inputs[:4], inputs[4], ids, 1.702, 0.9)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, inputs, dy), torch.autograd.grad(want, inputs, dy), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # T*k = 14 pairs: the dense masked path
+        torch.testing.assert_close(biased_experts_native(x, gu, gub, down, w, ids, 1.702, 0.9), want.detach())
+
+
+def test_activation_clamps_gate_above_and_up_both_sides():
+    gate_up = torch.tensor([[10.0, 10.0, -10.0, -10.0, 0.5, 0.25]])  # (gate, up) pairs
+    out = clamped_swiglu(gate_up, 1.702, 7.0)
+    glu = lambda g: g * torch.sigmoid(torch.tensor(1.702 * g))  # noqa: E731
+    torch.testing.assert_close(out[0], torch.stack([(7 + 1) * glu(7.0), (-7 + 1) * glu(-10.0), 1.25 * glu(0.5)]))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []}},
+     "gpt_oss: quantization_config .*mxfp4.* load a dequantized"),
+    ({"attention_dropout": 0.1}, "gpt_oss: attention_dropout=0.1 is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "gpt_oss: layer_types must list 2 of"),
+    ({"sliding_window": 0}, "gpt_oss: sliding_window=0 must be a positive int"),
+    ({"num_experts_per_tok": 5}, r"gpt_oss: num_experts_per_tok=5 must be in \[1, num_local_experts=4\]"),
+])
+def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, tmp_path, change, message):
+    folder = tmp_path / "changed"
+    shutil.copytree(tiny_checkpoint("gpt_oss"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_model(folder, device="cpu")
+    assert "\n" not in str(e.value)
