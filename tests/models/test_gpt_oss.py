@@ -122,3 +122,33 @@ def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, 
     with pytest.raises(CheckpointError, match=message) as e:
         load_model(folder, device="cpu")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo", "gspo", "ppo"])
+def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo):
+    from areno.cli import main
+    from areno.models.gpt_oss import GptOssForCausalLM
+
+    if algo in ("grpo", "gspo", "ppo") and GptOssForCausalLM.engine_support:
+        pytest.skip(GptOssForCausalLM.engine_support)
+    ckpt = tiny_checkpoint("gpt_oss")
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "response": str(2 * a), "answer": str(2 * a),
+             "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(8)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
+    out = tmp_path / "out"
+    args = ["train", "--algo", algo, "--ckpt", str(ckpt), "--dataset-path", str(data), "--batch-size", "4",
+            "--mini-bs", "2", "--max-steps", "1", "--save-path", str(out), "--lr", "1e-3", "--no-tensorboard",
+            "--dtype", "float32"]
+    if algo in ("grpo", "gspo", "ppo"):
+        args += ["--reward-fn-path", str(reward), "--n-samples", "2", "--max-new-tokens", "6"]
+    assert main(args) == 0
+    saved = out / "step-1"
+    line = json.loads((out / "metrics" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (saved / "COMPLETE").exists() and line["step"] == 1 and torch.isfinite(torch.tensor(line["loss"]))
+    mine, ref = load_model(saved, device="cpu"), load_reference(saved)
+    ids = _ids(1, 9, seed=3)
+    with torch.no_grad():
+        assert (mine.logits(ids) - ref(ids).logits).abs().max() <= 1e-4 * ref(ids).logits.abs().max()
