@@ -308,6 +308,10 @@ class CausalLM(nn.Module):
     def projector_parameters(self) -> list[nn.Parameter]:
         return []
 
+    def checkpoint_source(self, source):
+        """The checkpoint's tensors as the layouts name them (GPT-OSS: MXFP4 experts dequantized); here as stored."""
+        return source
+
     def keep_hf_tensor(self, hf_name: str) -> bool:
         """Whether a checkpoint tensor the layouts do not name is held opaque (``add_hf_tensor``): none here."""
         return False

@@ -4,8 +4,10 @@ YaRN RoPE (layers in ``gpt_oss_layers``).
 ``config.layer_types`` names each layer ``sliding_attention`` (the last ``sliding_window`` keys, as OLMo 3:
 ``self_attn.window``) or ``full_attention``; every layer is MoE (``num_local_experts``, ``num_experts_per_tok``,
 experts of ``intermediate_size``, ``swiglu_alpha`` / ``swiglu_limit``). Options the adapter does not implement are
-refused at load in one line: a quantized checkpoint (``quantization_config``: the Hub's MXFP4 ``*_blocks`` /
-``*_scales`` experts; load a dequantized bf16 checkpoint instead), attention dropout, unknown layer types.
+refused at load in one line: a quantization other than the Hub's MXFP4 experts, attention dropout, unknown layer
+types. MXFP4 checkpoints (``quantization_config.quant_method == "mxfp4"``: ``*_blocks`` / ``*_scales`` experts) are
+dequantized at load (``mxfp4.py``) into the model dtype, as transformers' ``Mxfp4Config(dequantize=True)`` does; the
+model then is a plain one, and saves as a dequantized checkpoint (``quantization_config`` dropped from config.json).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from areno.kernels.rope import rope_inv_freq
 from areno.models.base import CausalLM
 from areno.models.gpt_oss_layers import KERNEL_SINKS, GptOssAttention, GptOssMoE
 from areno.models.model_config import ModelConfig, dense_config, get
+from areno.models.mxfp4 import Mxfp4Source
 from areno.models.qwen3_moe import Qwen3MoeForCausalLM
 from areno.models.registry import ModelCard, register
 
@@ -26,14 +29,15 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 class GptOssModelConfig(ModelConfig):
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mxfp4: bool = False  # the checkpoint's experts are MXFP4 blocks/scales, dequantized at load
 
 
 def _refuse(raw: dict) -> None:
     """One-line refusals of the options the adapter does not implement."""
-    if get(raw, "quantization_config", None):
-        method = (get(raw, "quantization_config") or {}).get("quant_method", "?")
-        raise NotImplementedError(f"gpt_oss: quantization_config (quant_method={method!r}: MXFP4 experts as "
-                                  "*_blocks/*_scales) is not supported; load a dequantized (bf16) checkpoint")
+    method = (get(raw, "quantization_config", None) or {}).get("quant_method", None)
+    if method not in (None, "mxfp4"):
+        raise NotImplementedError(f"gpt_oss: quantization_config with quant_method={method!r} is not supported (mxfp4 "
+                                  "is, dequantized at load); load a dequantized (bf16) checkpoint")
     dropout = float(get(raw, "attention_dropout", 0.0))
     if dropout != 0.0:
         raise NotImplementedError(f"gpt_oss: attention_dropout={dropout} is not supported (0.0 is)")
@@ -65,10 +69,12 @@ def gpt_oss_config(hf) -> GptOssModelConfig:
         raise NotImplementedError(f"gpt_oss: rope_parameters {cfg.rope_scaling}: {e}") from None
     cfg.sliding_window, cfg.sliding_layers = (window, sliding) if sliding else (None, [])
     return GptOssModelConfig(**asdict(cfg), swiglu_alpha=float(get(raw, "swiglu_alpha", 1.702)),
-                             swiglu_limit=float(get(raw, "swiglu_limit", 7.0)))
+                             swiglu_limit=float(get(raw, "swiglu_limit", 7.0)),
+                             mxfp4=(get(raw, "quantization_config", None) or {}).get("quant_method") == "mxfp4")
 
 
 class GptOssForCausalLM(Qwen3MoeForCausalLM):
+    _hf_config: dict | None = None
     engine_support = None if KERNEL_SINKS else ("the rollout engine needs attention sinks in areno's paged attention "
                                                 "kernel (pending)")
 
@@ -78,8 +84,20 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
         for i in cfg.sliding_layers:
             self.layers[i].self_attn.window = cfg.sliding_window
 
+    def checkpoint_source(self, source):
+        return Mxfp4Source(source) if self.config.mxfp4 else source
+
+    @property
+    def hf_config(self) -> dict | None:
+        return self._hf_config
+
+    @hf_config.setter
+    def hf_config(self, raw: dict | None) -> None:
+        """Loaded MXFP4 experts are dequantized: the config saved with the model says so by having no quantization."""
+        self._hf_config = None if raw is None else {k: v for k, v in raw.items() if k != "quantization_config"}
+
 
 register("gpt_oss", gpt_oss_config, GptOssForCausalLM,
          card=ModelCard("GPT-OSS", ("moe",), routing_replay=True,
                         notes="attention sinks, sliding windows on alternate layers, YaRN, biased MoE with the clamped "
-                              "SwiGLU (experts on the native path for now); MXFP4 checkpoints refused"))
+                              "SwiGLU (experts on the native path for now); MXFP4 checkpoints dequantized at load"))

@@ -8,10 +8,12 @@ import shutil
 import pytest
 import torch
 from hf_reference import load_reference, next_token_targets, reference_grads
+from safetensors.torch import load_file, save_file
 
-from areno.models import iter_hf_tensors, load_model
+from areno.models import iter_hf_tensors, load_model, save_model
 from areno.models.gpt_oss_layers import biased_experts_native, clamped_swiglu
 from areno.models.loader import CheckpointError
+from areno.models.mxfp4 import dequantize_mxfp4
 
 
 def _ids(b, t, seed):
@@ -107,8 +109,8 @@ def test_activation_clamps_gate_above_and_up_both_sides():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []}},
-     "gpt_oss: quantization_config .*mxfp4.* load a dequantized"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "gpt_oss: quantization_config with quant_method='fp8' is not supported .* load a dequantized"),
     ({"attention_dropout": 0.1}, "gpt_oss: attention_dropout=0.1 is not supported"),
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "gpt_oss: layer_types must list 2 of"),
     ({"sliding_window": 0}, "gpt_oss: sliding_window=0 must be a positive int"),
@@ -152,3 +154,54 @@ def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo):
     ids = _ids(1, 9, seed=3)
     with torch.no_grad():
         assert (mine.logits(ids) - ref(ids).logits).abs().max() <= 1e-4 * ref(ids).logits.abs().max()
+
+
+def _mxfp4_checkpoint(source, folder):
+    """``source`` (a tiny gpt_oss) with its experts as random MXFP4 blocks/scales, as the Hub ships them."""
+    shutil.copytree(source, folder)
+    weights, gen = load_file(str(folder / "model.safetensors")), torch.Generator().manual_seed(5)
+    for name in [k for k in weights if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, rows_out = weights.pop(name).shape
+        weights[name + "_blocks"] = torch.randint(0, 256, (e, rows_out, rows_in // 32, 16), generator=gen,
+                                                  dtype=torch.uint8)
+        weights[name + "_scales"] = torch.randint(119, 125, (e, rows_out, rows_in // 32), generator=gen,
+                                                  dtype=torch.uint8)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_mxfp4_checkpoint_loads_dequantized_as_transformers_does_and_saves_plain(tiny_checkpoint, tmp_path):
+    import transformers
+
+    path = _mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4")
+    model = load_model(path, device="cpu")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True))
+    for name, p in ref.named_parameters():  # the dequantized experts, bit for bit
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            i, proj = int(name.split(".")[2]), name.rsplit(".", 1)[1]
+            assert torch.equal(getattr(model.layers[i].mlp.experts, proj), p), name
+    ids = _ids(2, 11, seed=2)
+    with torch.no_grad():
+        got, want = model.logits(ids), ref(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    saved = save_model(model, tmp_path / "plain")
+    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
+    assert not any(k.endswith(("_blocks", "_scales")) for k in load_file(str(saved / "model.safetensors")))
+    with torch.no_grad():
+        again = load_reference(saved)(ids).logits
+    assert (again - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_mxfp4_values_are_e2m1_codes_times_a_power_of_two():
+    blocks = torch.tensor([[[[0x21] + [0] * 15]]], dtype=torch.uint8)  # codes 1 (0.5) then 2 (1.0)
+    scales = torch.tensor([[[128]]], dtype=torch.uint8)  # 2 ** 1
+    out = dequantize_mxfp4(blocks, scales)
+    assert out.shape == (1, 32, 1) and out[0, :3, 0].tolist() == [1.0, 2.0, 0.0]
+    with pytest.raises(ValueError, match="mxfp4: blocks uint8"):
+        dequantize_mxfp4(blocks.int(), scales)
