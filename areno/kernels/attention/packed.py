@@ -530,13 +530,16 @@ def _visible(Lq: int, Lk: int, causal: bool, device, window: int | None = None) 
     return keep if window is None else keep & (j > i + (Lk - Lq) - window)
 
 
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None, window=None):
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None, window=None,
+                        sinks=None):
     """Plain per-sequence softmax(scale * q k^T) v in the inputs' own dtype (pass float64 for an oracle).
 
     ``window`` (causal only): a query at (end-aligned) key position p sees keys p - window < j <= p, as
-    transformers' ``sliding_window`` (the window counts the query's own key).
+    transformers' ``sliding_window`` (the window counts the query's own key). ``sinks [Hq]``: a per-head logit
+    joined to every query's softmax as one more column that carries no value (GPT-OSS; transformers' gpt_oss eager
+    attention: concatenate, softmax, drop the column).
 
-    Differentiable; rows that see no key output 0. Host-syncs on cu_seqlens (a test/CPU path).
+    Differentiable (in ``sinks`` too); rows that see no key output 0. Host-syncs on cu_seqlens (a test/CPU path).
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     group = q.shape[1] // k.shape[1]
@@ -550,8 +553,12 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sof
         mask = _visible(qs.shape[0], ks.shape[0], causal, q.device, window)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            s = torch.cat([s, sinks.to(s.dtype)[:, None, None].expand(-1, s.shape[1], 1)], -1)
         p = torch.softmax(s, dim=-1)
-        if mask is not None:
+        if sinks is not None:
+            p = p[..., :-1]
+        elif mask is not None:
             p = torch.where(mask.any(-1, keepdim=True), p, torch.zeros_like(p))  # empty rows: 0, not NaN
         outs.append(torch.einsum("hqk,khd->qhd", p, vs))
     out = torch.cat(outs) if outs else q[:0]
@@ -560,7 +567,28 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sof
     return out
 
 
-def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window=None):
+def with_sink_key(qp, kp, vp, mask, sinks, scale):
+    """SDPA inputs ``[n, H, L, D]`` (and a bool ``mask`` broadcastable to ``[n, 1, Lq, Lk]``, or None) with the
+    sinks as one more key that every query sees, scores ``sinks[h]`` and carries a zero value: q gains the column
+    ``sinks[h] / scale`` (padded to 8 more dims, as the fused SDPA kernels like), k zeros there, and the extra key is
+    ``e_D`` (so SDPA's own scale gives back ``sinks[h]``). Exact, differentiable in every input, GQA kept."""
+    n, hq, lq, d = qp.shape
+    hkv, lk = kp.shape[1], kp.shape[2]
+    pad = 8
+    col = (sinks.to(qp.dtype) / scale).view(1, hq, 1, 1).expand(n, hq, lq, 1)
+    qp = torch.cat([qp, col, qp.new_zeros(n, hq, lq, pad - 1)], -1)
+    sink_key = torch.zeros(pad, dtype=kp.dtype, device=kp.device)
+    sink_key[0] = 1
+    sink_key = torch.cat([kp.new_zeros(d), sink_key]).expand(n, hkv, 1, d + pad)
+    kp = torch.cat([torch.cat([kp, kp.new_zeros(n, hkv, lk, pad)], -1), sink_key], 2)
+    vp = torch.cat([vp, vp.new_zeros(n, hkv, 1, vp.shape[-1])], 2)
+    if mask is None:
+        mask = torch.ones(1, 1, lq, lk, dtype=torch.bool, device=qp.device)
+    mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], -1)
+    return qp, kp, vp, mask
+
+
+def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window=None, sinks=None):
     """CUDA native path: torch SDPA per sequence (flash/cuDNN/efficient as torch picks), differentiable."""
     import torch.nn.functional as F
 
@@ -571,13 +599,15 @@ def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window=None):
         ks = k[ck[b]:ck[b + 1]].transpose(0, 1)[None]
         vs = v[ck[b]:ck[b + 1]].transpose(0, 1)[None]
         Lq, Lk = qs.shape[2], ks.shape[2]
-        if causal and Lq > Lk:  # some rows see nothing: SDPA would give NaN there
+        if causal and Lq > Lk and sinks is None:  # some rows see nothing: SDPA would give NaN there
             outs.append(attention_reference(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
                                             cu_q.new_tensor([0, Lq]), cu_k.new_tensor([0, Lk]), causal=True,
                                             softmax_scale=scale, window=window))
             continue
-        plain = causal and Lq == Lk and window is None
+        plain = causal and Lq == Lk and window is None and sinks is None
         mask = _visible(Lq, Lk, causal, q.device, window) if causal and not plain else None
+        if sinks is not None:  # the sink key keeps every row non-empty
+            qs, ks, vs, mask = with_sink_key(qs, ks, vs, mask, sinks, scale)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=plain, scale=scale,
                                            enable_gqa=ks.shape[1] != qs.shape[1])
         outs.append(o[0].transpose(0, 1))
@@ -602,7 +632,7 @@ def length_groups(lq: list[int], lk: list[int], slack: float = 2.0) -> list[list
     return groups + ([cur] if cur else [])
 
 
-def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
+def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None, sinks=None):
     """CPU native path: sequences of similar length padded into batches, one SDPA call per batch (instead of one
     einsum pair per sequence), differentiable. Rows that see no key output 0; rows outside every sequence too."""
     import torch.nn.functional as F
@@ -611,7 +641,8 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
     lq = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
     lk = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
     if k.shape[0] == 0:  # no keys at all: the reference's zeros (and its empty gradients)
-        return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, window=window)
+        return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, window=window,
+                                   sinks=sinks)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     rows_all, vals_all = [], []
     for group in length_groups(lq, lk):
@@ -631,7 +662,10 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
         has_key = visible.any(-1)
         mask = visible | ((~has_key)[:, :, None] & (j == 0)[:, None, :])  # a row with no key reads key 0, then 0
         qp, kp, vp = (t[idx].transpose(1, 2) for t, idx in ((q, idx_q), (k, idx_k), (v, idx_k)))
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale,
+        mask = mask[:, None]
+        if sinks is not None:
+            qp, kp, vp, mask = with_sink_key(qp, kp, vp, mask, sinks, scale)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                            enable_gqa=kp.shape[1] != qp.shape[1]).transpose(1, 2)
         o = torch.where(has_key[:, :, None, None], o, torch.zeros((), dtype=o.dtype))
         rows_all.append(idx_q[valid_q])
@@ -639,11 +673,13 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
     return out.index_copy(0, torch.cat(rows_all), torch.cat(vals_all)) if rows_all else out
 
 
-def _attention_native(q, k, v, cu_q, cu_k, causal, scale, window=None):
+def _attention_native(q, k, v, cu_q, cu_k, causal, scale, window=None, sinks=None):
     if q.is_cuda:
-        return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window)
+        return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window, sinks)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    out = _attention_cpu_padded(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal, scale, window)
+    sinks = None if sinks is None else sinks.to(compute)
+    out = _attention_cpu_padded(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal, scale, window,
+                                sinks)
     return out.to(q.dtype)
 
 
@@ -677,6 +713,16 @@ def check_window(window, causal: bool) -> int | None:
     return window
 
 
+def check_sinks(sinks, num_heads: int) -> torch.Tensor | None:
+    """The attention sinks as a floating ``[num_heads]`` tensor, or None; anything else is refused in one line."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.shape != (num_heads,):
+        what = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"attention: sinks must be a floating tensor [Hq={num_heads}], got {what}")
+    return sinks
+
+
 def _triton_supported(q: torch.Tensor) -> bool:
     # fp32 is for the interpreter tests: on a GPU it would run on CUDA cores (no tensor cores) and spill, so the
     # dispatcher sends it to SDPA instead.
@@ -685,7 +731,7 @@ def _triton_supported(q: torch.Tensor) -> bool:
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True, softmax_scale=None,
-              backend=None, window=None, _fwd=None, _bwd=None):
+              backend=None, window=None, sinks=None, _fwd=None, _bwd=None):
     """Packed varlen attention; ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_*`` int32 ``[B+1]``.
 
     Causal masks align to the end of each key sequence (query i sees keys j <= i + Lk - Lq). ``max_seqlen_*`` are
@@ -693,19 +739,22 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     ``use_triton`` (``ARENO_KERNELS``; what ``--attn-backend flash`` gives); "native" forces PyTorch (SDPA per
     sequence on CUDA, per group of similar-length sequences padded together on the CPU; ``--attn-backend
     native``); "triton" (alias "flash") forces Triton.
-    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. ``_fwd`` / ``_bwd``: the Triton
-    path's forward ("default", "tma", "gluon") and backward ("split", "tma_merged", "gluon") for a benchmark or a
-    test to compare; None (or "auto") picks the measured default for the GPU (see the module docstring).
+    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v (and sinks) on both paths. ``_fwd`` / ``_bwd``:
+    the Triton path's forward ("default", "tma", "gluon") and backward ("split", "tma_merged", "gluon") for a
+    benchmark or a test to compare; None (or "auto") picks the measured default for the GPU (module docstring).
     ``window``: sliding-window (left) size in keys, as ``attention_reference``; native path only for now (the
     Triton kernels refuse it until they take a window).
+    ``sinks``: ``[Hq]`` per-head sink logits (fp32 or the model's dtype, e.g. a trainable parameter), as
+    ``attention_reference``; native path only for now (the Triton kernels refuse them).
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     window = check_window(window, causal)
+    sinks = check_sinks(sinks, q.shape[1])
     # an invalid value fails on every path, not only where it would take effect
     fwd_variant, bwd_variant = forward_variant(_fwd), backward_variant(_bwd)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if backend is None:
-        run_triton = window is None and use_triton(q, k, v, supported=_triton_supported(q))
+        run_triton = window is None and sinks is None and use_triton(q, k, v, supported=_triton_supported(q))
     elif backend == "native":
         run_triton = False
     elif backend in ("triton", "flash"):
@@ -717,11 +766,14 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
         if window is not None:
             raise NotImplementedError("attention: window= (sliding window) is not in the Triton kernels yet; use "
                                       "backend='native'")
+        if sinks is not None:
+            raise NotImplementedError("attention: sinks= (attention sinks) are not in the Triton kernels yet; use "
+                                      "backend='native'")
         run_triton = True
     else:
         raise ValueError(f"attention: backend must be None, 'native' or 'triton', got {backend!r}")
     if not run_triton:
-        return _attention_native(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window)
+        return _attention_native(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, sinks)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_seqlens_k.to(torch.int32)

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from areno.kernels._device import sm_count
-from areno.kernels.attention.packed import attention_reference, check_window
-from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.attention.packed import attention_reference, check_sinks, check_window
+from areno.kernels.dispatch import interpreting, kernel_mode, use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -187,7 +187,9 @@ def _tile_config(group_pad: int, multi_token: bool, head_dim: int):
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
-                            config=None, window=None):
+                            config=None, window=None, sinks=None):
+    if sinks is not None:
+        raise NotImplementedError("paged_attention: sinks= (attention sinks) are not in the Triton kernel yet")
     T, Hq, D = q.shape
     B = block_table.shape[0]
     _, page_size, Hkv, _ = k_cache.shape
@@ -233,9 +235,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
-                              window=None):
+                              window=None, sinks=None):
     """Obviously-correct oracle: gather each sequence's keys through the block table, then plain attention in the
-    inputs' dtype (pass float64); ``window`` as in ``attention_reference``. Host-syncs; for tests."""
+    inputs' dtype (pass float64); ``window`` and ``sinks`` as in ``attention_reference``. Host-syncs; for tests."""
     B = block_table.shape[0]
     page = k_cache.shape[1]
     lens = seq_lens.tolist()
@@ -248,10 +250,11 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, sof
         vs.append(v_cache[blocks, j % page])
     cu_k = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
     return attention_reference(q[: cu_q[-1]], torch.cat(ks), torch.cat(vs), torch.tensor(cu_q), cu_k, causal=True,
-                               softmax_scale=softmax_scale, window=window)
+                               softmax_scale=softmax_scale, window=window, sinks=sinks)
 
 
-def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, window=None):
+def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, window=None,
+                           sinks=None):
     """Tensorised PyTorch path, no host sync (graph-capturable): gather the whole block table, mask, softmax.
     Memory is O(B * max_blocks * block_size), fine for tests and small batches. Assumes cu_seqlens_q[-1] == Tq."""
     T, Hq, D = q.shape
@@ -272,15 +275,21 @@ def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     qb = q.new_zeros((B, Lmax, Hq, D), dtype=compute)
     qb[seq, pos] = q.to(compute)
     qb = qb.view(B, Lmax, Hkv, Hq // Hkv, D)
-    s = torch.einsum("btkgd,bjkd->bkgtj", qb, kg).float() * scale
+    score = torch.float64 if compute == torch.float64 else torch.float32
+    s = torch.einsum("btkgd,bjkd->bkgtj", qb, kg).to(score) * scale
     j = torch.arange(cap, device=q.device)
     limit = torch.arange(Lmax, device=q.device)[None, :] + (seq_lens.long() - lq)[:, None]  # [B, Lmax]
     keep = (j[None, None, :] <= limit[:, :, None]) & (j[None, None, :] < seq_lens.long()[:, None, None])
     if window is not None:
         keep = keep & (j[None, None, :] > limit[:, :, None] - window)
     keep = keep[:, None, None]  # [B, 1, 1, Lmax, cap]
-    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
-    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p)).to(compute)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+        p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p)).to(compute)
+    else:  # one more column per head (its value 0), dropped after the softmax
+        sink = sinks.to(score).view(1, Hkv, Hq // Hkv, 1, 1).expand(B, -1, -1, Lmax, 1)
+        p = torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1].to(compute)
     out = torch.einsum("bkgtj,bjkd->btkgd", p, vg).reshape(B, Lmax, Hq, D)
     return out[seq, pos].to(q.dtype)
 
@@ -322,21 +331,26 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
-                    max_seqlen_q=None, num_splits=None, window=None):
+                    max_seqlen_q=None, num_splits=None, window=None, sinks=None):
     """Attention of new queries against a paged KV cache; returns ``[Tq, Hq, D]`` in q's dtype (no gradients).
 
     ``q [B, Hq, D]`` (decode) or, with ``cu_seqlens_q`` int32 ``[B+1]``, ``[Tq, Hq, D]`` (each sequence's last
     tokens; ``max_seqlen_q``, a host int, bounds the per-sequence query count and defaults to Tq).
     ``num_splits`` overrides the split-K factor (default: chosen from shapes). ``window``: sliding-window size in
-    keys (as ``attention_reference``); the kernel skips key blocks left of it.
+    keys (as ``attention_reference``); the kernel skips key blocks left of it. ``sinks``: ``[Hq]`` per-head sink
+    logits (as ``attention_reference``); the native path only for now (``ARENO_KERNELS=triton`` refuses them).
     """
     _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
     window = check_window(window, True)
+    sinks = check_sinks(sinks, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     max_q = q.shape[0] if max_seqlen_q is None else int(max_seqlen_q)
     supported = q.dtype in _FLOATS and q.shape[-1] <= MAX_HEAD_DIM
-    if not use_triton(q, k_cache, v_cache, supported=supported):
-        return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q, window)
+    if sinks is not None and kernel_mode() == "triton":
+        raise NotImplementedError("paged_attention: sinks= (attention sinks) are not in the Triton kernel yet")
+    if sinks is not None or not use_triton(q, k_cache, v_cache, supported=supported):
+        return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q, window,
+                                      sinks)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention: k_cache/v_cache need a unit stride on head_dim")
