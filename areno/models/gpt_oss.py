@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from areno.kernels.rope import rope_inv_freq
 from areno.models.base import CausalLM
-from areno.models.gpt_oss_layers import KERNEL_SINKS, GptOssAttention, GptOssMoE
+from areno.models.gpt_oss_layers import GptOssAttention, GptOssMoE
 from areno.models.model_config import ModelConfig, dense_config, get
 from areno.models.mxfp4 import Mxfp4Source
 from areno.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -75,8 +75,6 @@ def gpt_oss_config(hf) -> GptOssModelConfig:
 
 class GptOssForCausalLM(Qwen3MoeForCausalLM):
     _hf_config: dict | None = None
-    engine_support = None if KERNEL_SINKS else ("the rollout engine needs attention sinks in areno's paged attention "
-                                                "kernel (pending)")
 
     def __init__(self, cfg: GptOssModelConfig, *, attn_backend: str = "flash"):
         CausalLM.__init__(self, cfg, attn_backend=attn_backend, mlp_factory=lambda cfg, i: GptOssMoE(cfg),

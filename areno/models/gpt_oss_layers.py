@@ -2,8 +2,8 @@
 
 Attention: Llama GQA with q/k/v/o biases and a learned logit per query head (``sinks``, Hub ``self_attn.sinks``) that
 joins every query's softmax denominator and adds no value. ``GptOssAttention.attend`` is the one place the sinks reach
-the attention kernels (``sinks=``); until areno's kernels take them, packed attention runs ``sink_attention_native``
-below (the softmax with the sink column, as transformers' eager attention) and the paged path is refused.
+the attention kernels (``attention`` / ``paged_attention`` ``sinks=``: on their native paths until the Triton kernels
+take them).
 
 MoE (every layer): router ``logits = x W^T + b``, the top-k logits, softmax over those k (= the top-k softmax
 probabilities renormalised, so Qwen3-MoE's router with ``renormalize=True`` computes it); each expert
@@ -19,43 +19,15 @@ down bias is applied after the all-reduce.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.kernels.attention import attention
 from areno.models.base import Attention
 from areno.models.layers import Linear
 from areno.models.model_config import ModelConfig
 from areno.models.qwen3_moe import SparseMoE
 from areno.models.tp import copy_to_tp, layout, reduce_from_tp
-
-# Whether areno's attention kernels take ``sinks=`` yet (the attention-features work); until then: the native path.
-KERNEL_SINKS = "sinks" in inspect.signature(attention).parameters
-
-
-def sink_attention_native(q, k, v, cu_seqlens, scale: float, window: int | None, sinks) -> torch.Tensor:
-    """Causal attention of packed sequences (``cu_seqlens``; queries and keys the same tokens) with per-head sinks:
-    ``softmax([q k^T * scale, sink])`` without the sink column, times ``v``; a ``window`` keeps keys
-    ``p - window < j <= p``. Interim, differentiable PyTorch (fp32 math); replaced by ``attention(..., sinks=)``."""
-    group = q.shape[1] // k.shape[1]
-    bounds = cu_seqlens.tolist()
-    out = []
-    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-        qs, ks, vs = (x[s:e].float().transpose(0, 1) for x in (q, k, v))  # [heads, L, D]
-        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-        scores = qs @ ks.transpose(1, 2) * scale
-        i = torch.arange(e - s, device=q.device)
-        visible = i[None, :] <= i[:, None]
-        if window is not None:
-            visible = visible & (i[None, :] > i[:, None] - window)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        sink = sinks.float().view(-1, 1, 1).expand(-1, e - s, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        out.append((probs @ vs).transpose(0, 1).to(q.dtype))
-    return torch.cat(out) if out else q.new_zeros(q.shape)
 
 
 class Sinks(nn.Module):
@@ -75,12 +47,8 @@ class GptOssAttention(Attention):
         self.sink = Sinks(cfg.num_heads)
 
     def attend(self, q, k, v, meta, kv_cache=None):
-        # ---- THE place GPT-OSS's sinks reach the attention kernels ----------------------------------------------
-        if KERNEL_SINKS:
-            return super().attend(q, k, v, meta, kv_cache, sinks=self.sink.weight)
-        if kv_cache is not None and (meta.has_prefix or not meta.is_prefill):
-            raise NotImplementedError("gpt_oss: paged attention with sinks is not in areno's kernels yet")
-        return sink_attention_native(q, k, v, meta.cu_seqlens_q, self.scale, self.window, self.sink.weight)
+        # ---- THE place GPT-OSS's sinks reach the attention kernels (packed and paged) ----------------------------
+        return super().attend(q, k, v, meta, kv_cache, sinks=self.sink.weight)
 
     def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
         out = super().layouts(name, hf, cfg)
