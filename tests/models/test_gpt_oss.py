@@ -202,3 +202,31 @@ def test_mxfp4_values_are_e2m1_codes_times_a_power_of_two():
     assert out.shape == (1, 32, 1) and out[0, :3, 0].tolist() == [1.0, 2.0, 0.0]
     with pytest.raises(ValueError, match="mxfp4: blocks uint8"):
         dequantize_mxfp4(blocks.int(), scales)
+
+
+def test_engine_greedy_equals_generate_with_n_prefix_hits_preemption_and_chunked_prefill(tiny_checkpoint):
+    """Prompts longer than the window (4) so the paged path reads the window and the sinks: n=2 greedy samples,
+    prefill chunked by a 7-token budget, a cache small enough to preempt, then a second round hitting the prefix
+    cache; every sample equals transformers' generate."""
+    from areno.config import SamplingParams
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.engine.kv_cache import kv_bytes_per_block
+    from areno.models import load_tokenizer
+
+    path = tiny_checkpoint("gpt_oss", seed=1)
+    model, tok = load_model(path, dtype=torch.float32, device="cpu"), load_tokenizer(path)
+    ref = load_reference(path)
+    prefix = tok.encode("tool call: {\"name\": \"add\"} and some longer text")
+    prompts = [prefix + tok.encode(s) for s in (" one", " two =", " three")] + [tok.encode("a b")]
+    opts = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, n=2)
+    e = Engine(model, tok, EngineConfig(block_size=4, max_running=8, max_batched_tokens=7,
+                                        kv_cache_memory=14 * kv_bytes_per_block(model, 4, torch.float32)))
+    first = e.generate(prompts[:2], opts)
+    hits = e.blocks.prefix_hits
+    second = e.generate(prompts[2:], opts)
+    assert e.scheduler.num_preemptions > 0 and e.blocks.prefix_hits - hits >= 4
+    for p, group in zip(prompts, first + second, strict=True):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist()
+        assert [c.token_ids for c in group] == [want, want]
+    assert e.blocks.num_free == e.blocks.num_blocks
