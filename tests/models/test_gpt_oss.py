@@ -230,3 +230,45 @@ def test_engine_greedy_equals_generate_with_n_prefix_hits_preemption_and_chunked
                             pad_token_id=0)[0, len(p):].tolist()
         assert [c.token_ids for c in group] == [want, want]
     assert e.blocks.num_free == e.blocks.num_blocks
+
+
+GPT_OSS_20B_SMALL = dict(  # gpt-oss-20b's attention, window, RoPE and expert shapes; 2 of its 24 layers, less vocab
+    hidden_size=2880, intermediate_size=2880, num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, vocab_size=32768, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    swiglu_limit=7.0, max_position_embeddings=131072,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_bf16_parity_with_transformers_at_gpt_oss_20b_width(tmp_path):
+    """bf16 at a real width (2 x 1024 tokens, window 128): areno's error against transformers' fp32 logits is at most
+    2x transformers' own bf16 error plus 2% of the logit scale; the losses agree to 1%."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("transformers.models.gpt_oss", reason="this transformers has no gpt_oss")
+    from areno.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "gpt_oss", dtype=torch.bfloat16, **GPT_OSS_20B_SMALL)
+    ids = torch.randint(0, 32768, (2, 1024), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        ref32 = load_reference(path, torch.float32).cuda()
+        exact = ref32(ids).logits
+        del ref32
+        ref = load_reference(path, torch.bfloat16).cuda()
+        out = ref(ids, labels=ids)
+        ref_logits, ref_loss = out.logits.float(), out.loss.float()
+        del ref, out
+        model = load_model(path, device="cuda")
+        got = model.logits(ids).float()
+        b, t = ids.shape
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device="cuda")
+        hidden = model(ids.reshape(-1), torch.arange(t, device="cuda").repeat(b), cu, t)
+        targets = next_token_targets(ids)
+        loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    scale = exact.abs().max()
+    ref_err, our_err = (ref_logits - exact).abs().max(), (got - exact).abs().max()
+    assert our_err <= 2 * ref_err + 2e-2 * scale, (our_err.item(), ref_err.item(), scale.item())
+    assert abs(loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
