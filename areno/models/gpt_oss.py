@@ -97,5 +97,6 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
 
 register("gpt_oss", gpt_oss_config, GptOssForCausalLM,
          card=ModelCard("GPT-OSS", ("moe",), routing_replay=True,
-                        notes="attention sinks, sliding windows on alternate layers, YaRN, biased MoE with the clamped "
-                              "SwiGLU (experts on the native path for now); MXFP4 checkpoints dequantized at load"))
+                        notes="attention sinks (native attention path for now), sliding windows on alternate layers, "
+                              "YaRN, biased experts with the clamped SwiGLU on areno's grouped GEMMs; MXFP4 checkpoints "
+                              "dequantized at load"))

@@ -11,18 +11,17 @@ probabilities renormalised, so Qwen3-MoE's router with ``renormalize=True`` comp
 gate = ``[..., ::2]``, up = ``[..., 1::2]``), ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
 ``h = (up + 1) * gate * sigmoid(alpha * gate)``, ``y = h Wd + bd`` (``down_proj [E, I, H]``); output
 ``sum_k w_k y_k``. The expert weights keep the Hub layout (the loader copies slices, it does not transpose); the experts
-run on the native PyTorch path for now (a per-expert loop; the dense masked form without gradients at decode size),
-not on areno's grouped GEMMs, which take neither biases nor this activation yet. Under TP each rank holds every
-expert's slice of the intermediate dim (an even slice of the interleaved columns keeps gate/up pairs together); the
-down bias is applied after the all-reduce.
+run on ``kernels/moe/biased.py`` (areno's grouped GEMMs with the bias and activation between them). Under TP each rank
+holds every expert's slice of the intermediate dim (an even slice of the interleaved columns keeps gate/up pairs
+together); the down bias is applied after the all-reduce.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from areno.kernels.moe.biased import biased_moe
 from areno.models.base import Attention
 from areno.models.layers import Linear
 from areno.models.model_config import ModelConfig
@@ -56,38 +55,6 @@ class GptOssAttention(Attention):
         return out
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``; gate/up interleaved."""
-    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
-    return (up + 1) * gate * torch.sigmoid(gate * alpha)
-
-
-# decode-size bound (pairs per expert) under which the no-grad path runs every expert densely, without host syncs
-DENSE_PAIRS_PER_EXPERT = 16
-
-
-def biased_experts_native(x, gate_up, gate_up_bias, down, weights, ids, alpha: float, limit: float):
-    """``sum_k w_k * (clamped_swiglu(x Wgu[e_k] + bgu[e_k]) Wd[e_k])`` ``[T, H]`` (the down bias is the caller's):
-    a per-expert loop over the hit experts (host syncs), or, without gradients at decode size, every expert over
-    every token masked (fixed shapes, graph-capturable)."""
-    E = gate_up.shape[0]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate_up, gate_up_bias, down, weights))
-    out = torch.zeros_like(x)
-    if not grad and ids.numel() <= DENSE_PAIRS_PER_EXPERT * E:
-        for e in range(E):
-            hit = ids == e
-            y = clamped_swiglu(x @ gate_up[e] + gate_up_bias[e], alpha, limit) @ down[e]
-            y = y * (weights * hit).sum(dim=1, keepdim=True).to(y.dtype)
-            out += torch.where(hit.any(dim=1, keepdim=True), y, 0).to(out.dtype)
-        return out
-    mask = F.one_hot(ids.long(), num_classes=E).permute(2, 1, 0)  # [E, k, T]
-    for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
-        slot, tok = torch.where(mask[e])
-        y = clamped_swiglu(x[tok] @ gate_up[e] + gate_up_bias[e], alpha, limit) @ down[e]
-        out = out.index_add(0, tok, (y * weights[tok, slot, None].to(y.dtype)).to(out.dtype))
-    return out
-
-
 class GptOssExperts(nn.Module):
     """The experts in the Hub layout (``gate_up_proj [E, H, 2I]`` interleaved, ``down_proj [E, I, H]``)."""
 
@@ -119,8 +86,7 @@ class GptOssMoE(SparseMoE):
         ex = self.experts
         group = ex.tp_group
         xs, ws = copy_to_tp(x, group), copy_to_tp(weights, group)
-        out = biased_experts_native(xs, ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ws, ids, self.alpha,
-                                    self.limit)
+        out = biased_moe(xs, ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ws, ids, self.alpha, self.limit)
         out = reduce_from_tp(out, group)
         bias = (weights.unsqueeze(-1) * self.down_proj_bias[ids.long()].float()).sum(dim=1)
         return out + bias.to(out.dtype)
