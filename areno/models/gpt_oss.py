@@ -98,5 +98,5 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
 register("gpt_oss", gpt_oss_config, GptOssForCausalLM,
          card=ModelCard("GPT-OSS", ("moe",), routing_replay=True,
                         notes="attention sinks (native attention path for now), sliding windows on alternate layers, "
-                              "YaRN, biased experts with the clamped SwiGLU on areno's grouped GEMMs; MXFP4 checkpoints "
-                              "dequantized at load"))
+                              "YaRN, biased experts with the clamped SwiGLU on areno's grouped GEMMs; MXFP4 "
+                              "checkpoints dequantized at load"))
