@@ -84,7 +84,7 @@ def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, 
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo", "gspo", "ppo"])
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo", "gspo", "ppo", "grpo-replay"])
 def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo):
     from areno.cli import main
 
@@ -96,11 +96,14 @@ def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo):
     reward = tmp_path / "reward.py"
     reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
     out = tmp_path / "out"
+    algo, replay = algo.removesuffix("-replay"), algo.endswith("-replay")
     args = ["train", "--algo", algo, "--ckpt", str(ckpt), "--dataset-path", str(data), "--batch-size", "4",
             "--mini-bs", "2", "--max-steps", "1", "--save-path", str(out), "--lr", "1e-3", "--no-tensorboard",
             "--dtype", "float32"]
     if algo in ("grpo", "gspo", "ppo"):
         args += ["--reward-fn-path", str(reward), "--n-samples", "2", "--max-new-tokens", "6"]
+    if replay:  # the rollout's experts recorded by the engine and replayed by the training forward
+        args += ["--routing-replay", "on"]
     assert main(args) == 0
     saved = out / "step-1"
     line = json.loads((out / "metrics" / "metrics.jsonl").read_text().splitlines()[0])
@@ -187,3 +190,40 @@ def test_engine_greedy_equals_generate_with_n_prefix_hits_preemption_and_chunked
         assert [c.token_ids for c in group] == [want, want]
     assert e.blocks.num_free == e.blocks.num_blocks
 
+
+
+GPT_OSS_20B_CONFIG = {  # the Hub's openai/gpt-oss-20b config.json (legacy rope spelling, MXFP4 experts)
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 199999, "rms_norm_eps": 1e-05, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}  # fmt: skip
+
+
+def test_the_hub_config_reads_as_transformers_reads_it():
+    """gpt-oss-20b's config.json through transformers' config class: shapes, windows, MXFP4, and the YaRN tables
+    (attention factor included) equal transformers' rotary embedding."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from areno.kernels.rope import rope_cos_sin
+    from areno.models.gpt_oss import gpt_oss_config
+
+    hf = transformers.GptOssConfig(**{k: v for k, v in GPT_OSS_20B_CONFIG.items() if k != "model_type"})
+    cfg = gpt_oss_config(hf)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (24, 64, 8, 64)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.sliding_window == 128 and cfg.sliding_layers == list(range(0, 24, 2)) and cfg.mxfp4
+    assert cfg.attention_bias and cfg.rms_norm_eps == 1e-5 and cfg.swiglu_limit == 7.0
+    positions = torch.tensor([0, 1, 4095, 4096, 70000, 131071])
+    cos, sin = rope_cos_sin(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, rope_scaling=cfg.rope_scaling)
+    want_cos, want_sin = GptOssRotaryEmbedding(hf)(torch.zeros(1, 1, 64), positions[None])
+    torch.testing.assert_close(cos[positions], want_cos[0], rtol=0, atol=2e-7)
+    torch.testing.assert_close(sin[positions], want_sin[0], rtol=0, atol=2e-7)
