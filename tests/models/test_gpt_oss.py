@@ -77,6 +77,8 @@ def test_packed_varlen_equals_per_sequence_and_sinks_and_window_matter(tiny_chec
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "gpt_oss: layer_types must list 2 of"),
     ({"sliding_window": 0}, "gpt_oss: sliding_window=0 must be a positive int"),
     ({"num_experts_per_tok": 5}, r"gpt_oss: num_experts_per_tok=5 must be in \[1, num_local_experts=4\]"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, "rope_scaling": None},
+     "gpt_oss: rope_parameters .*'dynamic'.* is not supported"),
 ])
 def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, tmp_path, change, message):
     with pytest.raises(CheckpointError, match=message) as e:
