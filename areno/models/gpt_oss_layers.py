@@ -88,8 +88,9 @@ class GptOssMoE(SparseMoE):
         xs, ws = copy_to_tp(x, group), copy_to_tp(weights, group)
         out = biased_moe(xs, ex.gate_up_proj, ex.gate_up_proj_bias, ex.down_proj, ws, ids, self.alpha, self.limit)
         out = reduce_from_tp(out, group)
-        bias = (weights.unsqueeze(-1) * self.down_proj_bias[ids.long()].float()).sum(dim=1)
-        return out + bias.to(out.dtype)
+        # sum_j w_j * bd[e_j] as (the dense [T, E] routing weights) @ bd: no [T, k, H] temporary
+        dense = weights.new_zeros(weights.shape[0], self.num_experts).scatter_add(1, ids.long(), weights)
+        return out + (dense @ self.down_proj_bias.float()).to(out.dtype)
 
     def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
