@@ -30,6 +30,16 @@ GPT_OSS_20B_SMALL = dict(  # gpt-oss-20b's attention, window, RoPE and expert sh
 )  # fmt: skip
 
 
+def _needs_transformers_family(family: str) -> None:
+    """Skip where the installed transformers lacks the family (the GPU image may run an older one)."""
+    import transformers
+
+    from areno.testing.checkpoints import FAMILIES
+
+    if not hasattr(transformers, FAMILIES[family][0]):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("family", "shape"),
                          [("qwen3", QWEN3_06B), ("qwen3_moe", QWEN3_MOE_SMALL), ("olmo2", OLMO2_1B_SMALL),
@@ -37,8 +47,7 @@ GPT_OSS_20B_SMALL = dict(  # gpt-oss-20b's attention, window, RoPE and expert sh
 def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
     """Tolerance: areno's bf16 error against transformers' fp32 logits is at most 2x transformers' own bf16 error plus
     2% of the logit scale; the losses agree to 1%. gpt_oss: 2 x 512 tokens past its window of 128, with sinks."""
-    if family == "gpt_oss":
-        pytest.importorskip("transformers.models.gpt_oss", reason="this transformers has no gpt_oss")
+    _needs_transformers_family(family)
     path = make_tiny_checkpoint(tmp_path, family, dtype=torch.bfloat16, **shape)
     ids = torch.randint(0, shape["vocab_size"], (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
@@ -64,8 +73,9 @@ def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama", "olmo2", "gpt_oss"])
 def test_fp32_gradients_on_gpu_match_transformers(tmp_path, family):
+    _needs_transformers_family(family)
     path = make_tiny_checkpoint(tmp_path, family)
     model, ref = load_model(path, device="cuda").train(), load_reference(path).cuda().train()
     model.set_activation_checkpointing(True)
@@ -85,9 +95,10 @@ def test_fp32_gradients_on_gpu_match_transformers(tmp_path, family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
 def test_decode_replays_in_a_cuda_graph(tmp_path, family):
     """The decode step has no host syncs: captured once, replayed with new tokens, it equals the eager step."""
+    _needs_transformers_family(family)
     model = load_model(make_tiny_checkpoint(tmp_path, family), device="cuda", dtype=torch.bfloat16)
     dev, bs, blocks, batch = "cuda", 16, 64, 4
     zeros = lambda: torch.zeros(model.kv_cache_shape(blocks, bs), dtype=torch.bfloat16, device=dev)  # noqa: E731
