@@ -3,7 +3,8 @@
 Layout (OCP microscaling, as the Hub's gpt-oss checkpoints store ``mlp.experts.{gate_up,down}_proj``):
 ``X_blocks`` uint8 ``[E, rows, G, 16]`` holds two 4-bit e2m1 codes a byte (low nibble first) for 32 values a group,
 ``X_scales`` uint8 ``[E, rows, G]`` a power-of-two exponent a group (bias 127); the dequantized ``X`` is
-``[E, G * 32, rows]`` (the bf16 Hub layout, ``x @ X[e]``). The values are exact in bf16 and fp32.
+``[E, G * 32, rows]`` (the bf16 Hub layout, ``x @ X[e]``).
+The values are exact in bf16 and fp32; a read dequantizes one expert at a time into bf16.
 """
 
 from __future__ import annotations
@@ -36,19 +37,20 @@ class Mxfp4Source:
         self.packed = {k[: -len("_blocks")] for k in keys if k.endswith("_blocks") and
                        k[: -len("_blocks")] + "_scales" in keys}
         self._keys = (keys - {f"{k}_{p}" for k in self.packed for p in ("blocks", "scales")}) | self.packed
-        self._cache: tuple[str, torch.Tensor] | None = None
 
     def keys(self):
         return self._keys
 
-    def _full(self, name: str) -> torch.Tensor:
-        if self._cache is None or self._cache[0] != name:
-            blocks, scales = (self.source.read(f"{name}_{p}", (...,)) for p in ("blocks", "scales"))
-            self._cache = (name, dequantize_mxfp4(blocks, scales))
-        return self._cache[1]
-
     def read(self, name: str, index: tuple) -> torch.Tensor:
-        return self._full(name)[index] if name in self.packed else self.source.read(name, index)
+        """``index`` of the dequantized tensor (bf16: exact), one expert at a time: the host holds the packed codes
+        and the requested slice, never the whole dequantized stack in fp32."""
+        if name not in self.packed:
+            return self.source.read(name, index)
+        blocks, scales = (self.source.read(f"{name}_{p}", (...,)) for p in ("blocks", "scales"))
+        index = (slice(None),) if index in ((...,), ()) else index
+        experts, rest = index[0], index[1:]
+        return torch.stack([dequantize_mxfp4(b[None], s[None], torch.bfloat16)[0][rest]
+                            for b, s in zip(blocks[experts], scales[experts], strict=True)])
 
     def shape(self, name: str) -> tuple:
         if name not in self.packed:

@@ -11,8 +11,8 @@ from hf_reference import check_logits_and_grads, load_reference, with_config_cha
 from safetensors.torch import load_file, save_file
 
 from areno.models import load_model, save_model
-from areno.models.loader import CheckpointError
-from areno.models.mxfp4 import dequantize_mxfp4
+from areno.models.loader import CheckpointError, TensorDict
+from areno.models.mxfp4 import Mxfp4Source, dequantize_mxfp4
 
 
 def _ids(b, t, seed):
@@ -163,6 +163,14 @@ def test_mxfp4_values_are_e2m1_codes_times_a_power_of_two():
     assert out.shape == (1, 32, 1) and out[0, :3, 0].tolist() == [1.0, 2.0, 0.0]
     with pytest.raises(ValueError, match="mxfp4: blocks uint8"):
         dequantize_mxfp4(blocks.int(), scales)
+    gen = torch.Generator().manual_seed(0)  # a TP rank's slice reads as that slice of the whole
+    packed = {"w_blocks": torch.randint(0, 256, (3, 8, 2, 16), generator=gen, dtype=torch.uint8),
+              "w_scales": torch.randint(120, 130, (3, 8, 2), generator=gen, dtype=torch.uint8), "b": torch.ones(2)}
+    source = Mxfp4Source(TensorDict(packed))
+    whole = dequantize_mxfp4(packed["w_blocks"], packed["w_scales"])
+    assert set(source.keys()) == {"w", "b"} and source.shape("w") == (3, 64, 8) == whole.shape
+    assert torch.equal(source.read("w", (slice(None), slice(None), slice(2, 6))).float(), whole[:, :, 2:6])
+    assert torch.equal(source.read("w", (...,)).float(), whole) and torch.equal(source.read("b", (...,)), packed["b"])
 
 
 def test_engine_greedy_equals_generate_with_n_prefix_hits_preemption_and_chunked_prefill(tiny_checkpoint):
