@@ -187,7 +187,7 @@ def test_engine_greedy_equals_generate_with_n_prefix_hits_preemption_and_chunked
     ref = load_reference(path)
     prefix = tok.encode("tool call: {\"name\": \"add\"} and some longer text")
     prompts = [prefix + tok.encode(s) for s in (" one", " two =", " three")] + [tok.encode("a b")]
-    opts = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, n=2)
+    opts = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, n=2)
     e = Engine(model, tok, EngineConfig(block_size=4, max_running=8, max_batched_tokens=7,
                                         kv_cache_memory=14 * kv_bytes_per_block(model, 4, torch.float32)))
     first = e.generate(prompts[:2], opts)
@@ -195,7 +195,7 @@ def test_engine_greedy_equals_generate_with_n_prefix_hits_preemption_and_chunked
     second = e.generate(prompts[2:], opts)
     assert e.scheduler.num_preemptions > 0 and e.blocks.prefix_hits - hits >= 4
     for p, group in zip(prompts, first + second, strict=True):
-        want = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+        want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, len(p):].tolist()
         assert [c.token_ids for c in group] == [want, want]
     assert e.blocks.num_free == e.blocks.num_blocks
