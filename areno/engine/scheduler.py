@@ -68,7 +68,7 @@ class Scheduler:
         total = len(head) + head.options.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(head)} tokens) + max_new_tokens exceeds the context ({self.max_model_len})")
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+        if self.blocks.peak_blocks(len(head), total) > self.blocks.num_blocks:
             raise ValueError(
                 f"a sequence of {total} tokens needs more KV blocks than the cache holds ({self.blocks.num_blocks})"
             )
@@ -157,6 +157,8 @@ class Scheduler:
         """After a multi-step decode appended tokens: every token but the newest has its K/V in the cache."""
         seq.num_computed = len(seq) - 1
         self.blocks.commit(seq)
+        if self.blocks.sliding:
+            self.blocks.trim(seq)
 
     def after_step(self, step: Step) -> list[Sequence]:
         """Advance computed counts and fork siblings whose head finished its prompt; returns the forked ones."""
@@ -167,6 +169,8 @@ class Scheduler:
             seq.num_computed = chunk.end
             if chunk.end - chunk.start > 1 or chunk.end % bs == 0:  # a decode fills a block only every bs tokens
                 self.blocks.commit(seq)
+            if self.blocks.sliding:  # after the commit: a dropped block keeps its hash
+                self.blocks.trim(seq)
             if chunk.samples:
                 for child in getattr(seq, "children", []):
                     if child.is_finished:
