@@ -77,12 +77,16 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def peak_blocks(self, prompt_len: int, total: int) -> int:
-        """Blocks a sequence of ``prompt_len`` prompt tokens growing to ``total`` holds at most, all groups: a
-        sliding group holds the whole prompt while it is prefilled, then its window."""
-        full, held = self.blocks_for(total), self.blocks_for(prompt_len)
-        return sum(full if w is None else min(full, max(held, window_blocks(w, self.block_size)))
-                   for w in self.windows)
+    def _sliding_need(self, window: int, num_tokens: int, chunk: int) -> int:
+        """Blocks a sliding group needs for a prefill chunk of ``chunk`` tokens (its keys and the window before)."""
+        return min(self.blocks_for(num_tokens), self.blocks_for(min(num_tokens, chunk) + window - 1) + 1)
+
+    def peak_blocks(self, prompt_len: int, total: int, chunk: int) -> int:
+        """Blocks a sequence of ``prompt_len`` prompt tokens growing to ``total`` holds at most, all groups, with
+        prefill chunks of at most ``chunk`` tokens: a sliding group holds a chunk and its window, then its window."""
+        full = self.blocks_for(total)
+        return sum(full if w is None else min(full, max(self._sliding_need(w, prompt_len, chunk),
+                                                        window_blocks(w, self.block_size))) for w in self.windows)
 
     def held(self, seq: Sequence, group: int = 0) -> int:
         """Blocks ``seq`` holds in ``group``."""
@@ -121,9 +125,15 @@ class BlockManager:
             if self.block_hash[block] is None:  # nothing to keep: reuse it first
                 self.free.move_to_end(block, last=False)
 
-    def can_allocate(self, num_tokens: int, reserve: int = 0) -> bool:
-        """Room for a prompt of ``num_tokens`` in every group, plus ``reserve`` blocks per group."""
-        return (self.blocks_for(num_tokens) + reserve) * len(self.windows) <= self.num_free
+    def can_allocate(self, num_tokens: int, reserve: int = 0, chunk: int | None = None) -> bool:
+        """Room for a prompt of ``num_tokens`` (a sliding group: its first ``chunk`` tokens) in every group, plus
+        ``reserve`` blocks per group."""
+        if not self.sliding:
+            return (self.blocks_for(num_tokens) + reserve) * len(self.windows) <= self.num_free
+        chunk = num_tokens if chunk is None else chunk
+        need = sum(self.blocks_for(num_tokens) if w is None else self._sliding_need(w, num_tokens, chunk)
+                   for w in self.windows)
+        return need + reserve * len(self.windows) <= self.num_free
 
     def _prefix_chain(self, seq: Sequence) -> list[int]:
         """Chain hashes of the prompt's full blocks a prefix hit may serve (never the block of the last token)."""
@@ -148,7 +158,8 @@ class BlockManager:
         return n
 
     def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens in every group, reusing cached full blocks of its prefix.
+        """Give ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix; a sliding group only
+        the cached blocks it resumes from (``reserve_tokens`` gives each prefill chunk its blocks).
 
         At least the last token is always left to compute, since its logits give the next token.
         """
@@ -162,7 +173,8 @@ class BlockManager:
             skip = self._first_needed(g, hit * self.block_size)
             table = [0] * skip
             table += [self._ref(self.cached[self._key(g, chain[i])]) for i in range(skip, hit)]
-            table += [self._take_free() for _ in range(hit, n_blocks)]
+            if self.windows[g] is None:
+                table += [self._take_free() for _ in range(hit, n_blocks)]
             seq.tables.append(table)
             seq.dropped.append(skip)
         seq.num_computed = seq.num_cached = seq.prefix_cached = hit * self.block_size
