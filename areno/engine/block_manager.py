@@ -51,6 +51,7 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self.windows = list(windows)  # per KV-cache group: its sliding window, None for full attention
         self.sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        self.full = [g for g, w in enumerate(self.windows) if w is None]
         self.ref_count = [0] * num_blocks
         self.block_hash: list = [None] * num_blocks  # its key in ``cached``
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
@@ -135,23 +136,23 @@ class BlockManager:
                    for w in self.windows)
         return need + reserve * len(self.windows) <= self.num_free
 
-    def _prefix_chain(self, seq: Sequence) -> list[int]:
-        """Chain hashes of the prompt's full blocks a prefix hit may serve (never the block of the last token)."""
+    def _cached_chain(self, seq: Sequence) -> list[int]:
+        """Chain hashes of the prompt's leading full blocks that every full-attention group holds, up to the first
+        miss (never the block of the last token: its logits are needed)."""
         bs, tokens, mm = self.block_size, seq.tokens, seq.mm
         out, prev = [], 0
         for i in range((len(tokens) - 1) // bs):
             chunk = tokens[i * bs : (i + 1) * bs]
             prev = _chain_hash(prev, chunk if mm is None else _with_images(seq, chunk, i * bs))
+            if not all(self._key(g, prev) in self.cached for g in self.full):
+                break
             out.append(prev)
         return out
 
     def _longest_hit(self, chain: list[int]) -> int:
-        """Blocks of ``chain`` every group can resume from: full groups hold all of them, sliding groups the ones
-        the first recomputed query still sees."""
-        n = 0
-        while n < len(chain) and all(self._key(g, chain[n]) in self.cached
-                                     for g, w in enumerate(self.windows) if w is None):
-            n += 1
+        """Blocks of ``chain`` every group can resume from: the sliding groups hold the ones the first recomputed
+        query still sees."""
+        n = len(chain)
         while n and not all(self._key(g, chain[i]) in self.cached for g in self.sliding
                             for i in range(self._first_needed(g, n * self.block_size), n)):
             n -= 1
@@ -165,8 +166,8 @@ class BlockManager:
         """
         assert not seq.block_table, "sequence already holds blocks"
         self._take_state_slot(seq)
-        chain = self._prefix_chain(seq) if self.prefix_caching else []
-        hit = self._longest_hit(chain) if chain else 0
+        chain = self._cached_chain(seq) if self.prefix_caching else []
+        hit = self._longest_hit(chain) if self.sliding else len(chain)
         n_blocks = self.blocks_for(len(seq.tokens))
         seq.tables, seq.dropped = [], []
         for g in range(len(self.windows)):
