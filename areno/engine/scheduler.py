@@ -138,7 +138,7 @@ class Scheduler:
         step.chunks = [Chunk(s, len(s) - 1, len(s)) for s in decodes]
         budget = self.max_batched_tokens - len(decodes)
         # 2. sequences mid-prefill continue (sliding-window groups take each chunk's blocks now)
-        for seq in list(self.running):
+        for seq in list(self.running) if self.blocks.sliding else self.running:  # _grow may preempt
             if budget <= 0:
                 break
             if seq.status is Status.RUNNING and seq.num_computed < len(seq) - 1:
