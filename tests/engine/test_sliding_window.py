@@ -149,6 +149,18 @@ def reference(hf, prompt, n):
 LONG = ["the quick brown fox jumps over the lazy dog " * 3, "a", "numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "hi there"]
 
 
+def test_a_model_without_windows_keeps_one_group_and_the_layout_of_before(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, family="qwen3", seed=1)
+    model, tok = load_model(path, dtype=torch.float32, device="cpu"), load_tokenizer(path)
+    e = engine(model, tok)
+    assert model.layer_windows == [None] * model.num_layers and e.blocks.windows == [None] and not e.blocks.sliding
+    assert e.runner.layer_groups is None and e.runner.kv_cache.shape[0] == model.num_layers
+    (s,) = e.add_request(tok.encode("hello there"), SamplingParams(max_new_tokens=3))
+    step = e.scheduler.schedule()
+    inp = e.runner.prepare(step, [s], [len(s) - 1], [])
+    assert inp.group_tables is None and inp.group_slots is None and len(s.tables) == 1
+
+
 def test_greedy_equals_transformers_with_chunks_preemption_and_samples(olmo3):
     model, tok, hf = olmo3
     prompts = [tok.encode(p) for p in LONG]
