@@ -124,6 +124,42 @@ def test_fork_shares_both_groups_and_copies_on_write():
     assert bm.num_free == 32
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "triton-interpreted"])
+def test_paged_attention_reads_nothing_from_dropped_table_entries(native):
+    """Table entries left of the window point at block 0 (garbage here): the paged paths, native and the Triton
+    kernel (interpreted; it may load a block left of the window and mask it), give the intact table's result."""
+    from areno.kernels.attention.paged import (
+        paged_attention_native,
+        paged_attention_reference,
+        paged_attention_triton,
+    )
+
+    torch.manual_seed(4)
+    page, hkv, hq, d, window = 4, 2, 4, 16, 6
+    lens, nq = [37, 22], [3, 5]
+    need = [-(-n // page) for n in lens]
+    kc, vc = (torch.randn(1 + sum(need), page, hkv, d) for _ in range(2))
+    kc[0], vc[0] = 1e4, -1e4  # block 0: what dropped entries read
+    table = torch.zeros(2, max(need), dtype=torch.int32)
+    table[0, : need[0]] = torch.arange(1, 1 + need[0])
+    table[1, : need[1]] = torch.arange(1 + need[0], 1 + sum(need))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    for cu_q, q in ((None, torch.randn(2, hq, d)),
+                    (torch.tensor([0] + nq).cumsum(0).to(torch.int32), torch.randn(sum(nq), hq, d))):
+        first = [n - (1 if cu_q is None else k) for n, k in zip(lens, nq)]  # each sequence's first query position
+        dropped = table.clone()
+        for b, pos in enumerate(first):
+            dropped[b, : max(0, pos - window + 1) // page] = 0
+        assert (dropped == 0).sum() > 4
+        want = paged_attention_reference(q.double(), kc.double(), vc.double(), table, seq_lens, cu_seqlens_q=cu_q,
+                                         window=window)
+        max_q = 5 if cu_q is not None else 1
+        got = (paged_attention_native(q, kc, vc, dropped, seq_lens, d ** -0.5, cu_q, max_q, window) if native else
+               paged_attention_triton(q, kc, vc, dropped, seq_lens, d ** -0.5, cu_q, max_q, num_splits=2,
+                                      window=window, config=(64, 16, 4, 1)))
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+
+
 # ---- the engine on OLMo 3 ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def olmo3(tmp_path_factory):
