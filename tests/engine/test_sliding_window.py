@@ -226,6 +226,15 @@ def test_prefix_hits_resume_from_the_blocks_every_group_holds(olmo3):
         assert g[0].token_ids == reference(hf, prompt, 12), tail
         if tail != " one":
             assert e.blocks.prefix_hits - hits >= (len(prefix) - 1) // 4 * 4 - 4
+    # the sliding groups' cached blocks evicted, the full group's kept: no prefix every group can resume from, so
+    # the prompt is recomputed (not resumed over blocks the sliding layers lost)
+    bm = e.blocks
+    for key in [key for key in bm.cached if isinstance(key, tuple)]:
+        bm.block_hash[bm.cached.pop(key)] = None
+    assert bm.cached
+    prompt, hits = prefix + tok.encode(" three"), bm.prefix_hits
+    (g,) = e.generate([prompt], opts)
+    assert bm.prefix_hits == hits and g[0].token_ids == reference(hf, prompt, 12)
 
 
 def test_more_sequences_fit_in_the_same_cache(olmo3, monkeypatch):
