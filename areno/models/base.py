@@ -271,6 +271,15 @@ class CausalLM(nn.Module):
         """The layers that keep K/V in the paged cache (all of them here; attention layers of a hybrid)."""
         return list(range(self.num_layers))
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window in keys (``config.sliding_window`` on ``config.sliding_layers``), None for
+        full attention: the engine gives windowed layers their own KV-cache groups, which drop the blocks left of
+        the window (``areno.engine.kv_cache.kv_groups``)."""
+        cfg = self.config
+        sliding = set(cfg.sliding_layers) if cfg.sliding_window is not None else set()
+        return [cfg.sliding_window if i in sliding else None for i in range(self.num_layers)]
+
     def recurrent_state_shapes(self) -> dict | None:
         """Per-sequence state of recurrent layers for the engine (None: the model has none); see bailing_hybrid."""
         return None
@@ -355,8 +364,10 @@ class CausalLM(nn.Module):
                                  f"{self.moe_top_k}], got {tuple(routed_experts.shape)}")
             meta.routing_in = routed_experts
         h, residual = self.embed_tokens(input_ids), None
+        grouped = meta.layer_groups is not None  # KV-cache groups (sliding-window layers): each its own blocks
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, self.rope, meta, None if kv_caches is None else kv_caches[i])
+            h, residual = layer(h, residual, positions, self.rope, meta.for_layer(i) if grouped else meta,
+                                None if kv_caches is None else kv_caches[i])
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
