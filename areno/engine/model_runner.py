@@ -340,6 +340,7 @@ class ModelRunner(DecodeGraphs):
 
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         heads = self.model.config.num_heads // tp
+        features = self.attention_features()
         seen, runs = set(), 0
         for entry in self.kv_caches:
             if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0].dim() == 4):
@@ -347,8 +348,16 @@ class ModelRunner(DecodeGraphs):
             key = (tuple(entry[0].shape[1:]), entry[0].dtype)
             if key not in seen:
                 seen.add(key)
-                runs += warm_paged_attention(entry[0], entry[1], heads)
+                runs += warm_paged_attention(entry[0], entry[1], heads, features)
         return runs
+
+    def attention_features(self) -> tuple:
+        """The (sliding window?, sinks dtype or None) kernel variants the model's attention layers call with (a layer
+        with sinks holds them as ``sink.weight``, GPT-OSS)."""
+        found = {(getattr(m, "window", None) is not None, getattr(getattr(m, "sink", None), "weight", None))
+                 for m in self.model.modules() if hasattr(m, "window")}
+        found = {(w, None if s is None else s.dtype) for w, s in found}
+        return tuple(sorted(found, key=str)) or ((False, None),)
 
 
 # ---- tensor parallelism: rank 0 schedules, the others follow -------------------------------------------------
