@@ -129,6 +129,11 @@ def layout(param_shape, dim, parts, expert=None):
     return Layout(dim, out, expert)
 
 
+def one_layout(name: str, size: int, *shape) -> list:
+    """The layout of a parameter that is exactly one Hugging Face tensor (split along dim 0 when sharded)."""
+    return [layout((size, *shape), 0, [(name, size)])]
+
+
 def part_range(part: Part, sharded: bool, rank: int, size: int) -> tuple[int, int]:
     """(start, length) of ``part`` held by ``rank`` of ``size``."""
     if not sharded or size == 1:

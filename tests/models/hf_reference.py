@@ -36,3 +36,47 @@ def next_token_targets(ids: torch.Tensor) -> torch.Tensor:
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     return targets.reshape(-1)
+
+
+def areno_hub_grads(model) -> dict:
+    """areno's parameter gradients under Hub names (this process's full model)."""
+    from areno.models.tp import pieces
+
+    params, out = dict(model.named_parameters()), {}
+    for pname, lays in model._tp_layouts.items():
+        g = params[pname].grad
+        if g is None:
+            continue
+        for pc in pieces(lays, 0, 1):
+            out.setdefault(pc.hf_name, torch.empty(pc.hf_shape))[pc.src] = g[pc.dst]
+    return out
+
+
+def hub_tensors(folder) -> dict:
+    """Every tensor of the safetensors files in ``folder``."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def packed_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL of the ``[B, T]`` rows, run as one packed varlen batch through areno's forward."""
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
+    targets = next_token_targets(ids)
+    return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+
+
+def varlen_logits(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """areno's logits of sequences of different lengths packed into one varlen forward, split back per sequence."""
+    lens = [len(s) for s in seqs]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.cat(seqs), pos, cu, max(lens)))
+    return list(logits.split(lens))

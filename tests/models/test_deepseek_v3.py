@@ -1,0 +1,143 @@
+"""DeepSeek-V3 (deepseek_v3: MLA + sigmoid group-limited MoE with shared experts, dense first layers, MTP kept)
+against transformers' own model: fp32 logits (packed varlen too) and every gradient, q_lora / NeoX-rope / YaRN
+variants, the Hub-name round trip with the MTP layer untouched, transformers loading what areno saves, routing replay,
+and the refusals (FP8 weights, other routers). Needs a transformers with deepseek_v3 (5.x)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from hf_reference import (
+    areno_hub_grads,
+    hub_tensors,
+    load_reference,
+    packed_loss,
+    reference_grads,
+    varlen_logits,
+)
+
+from areno.models import load_model, save_model
+
+pytestmark = pytest.mark.skipif(not hasattr(transformers, "DeepseekV3Config"),
+                                reason=f"transformers {transformers.__version__} has no deepseek_v3")
+
+YARN = dict(type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=0.8, original_max_position_embeddings=8,
+            beta_fast=32, beta_slow=1)
+VARIANTS = {
+    "mtp": {},  # 3 layers (dense, MoE, MoE), q_proj directly, interleaved RoPE, one MTP layer
+    "q_lora_yarn": dict(q_lora_rank=24, v_head_dim=32, rope_scaling=YARN, num_nextn_predict_layers=0),
+    "neox": dict(rope_interleave=False, first_k_dense_replace=0, n_group=1, topk_group=1),
+}
+
+
+def _ids(vocab=1000, b=2, t=19, seed=0):
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, variant):
+    path = tiny_checkpoint("deepseek_v3", **VARIANTS[variant])
+    model, ref = load_model(path, device="cpu"), load_reference(path)
+    cfg = model.config
+    assert cfg.num_mtp_layers == VARIANTS[variant].get("num_nextn_predict_layers", 1)
+    assert len(model.mtp_names) == 42 * cfg.num_mtp_layers  # the MTP layer's tensors, held untouched
+    seqs = [_ids(t=n, b=1, seed=n)[0] for n in (7, 19, 12)]
+    for got, seq in zip(varlen_logits(model, seqs), seqs):  # packed varlen == each sequence alone in transformers
+        with torch.no_grad():
+            want = ref(seq[None]).logits[0]
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    model.train(), ref.train()
+    ids = _ids(cfg.vocab_size, seed=2)
+    loss = packed_loss(model, ids)
+    loss.backward()
+    ref_loss = ref(ids, labels=ids).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    got, want = areno_hub_grads(model), reference_grads(ref)
+    want = {k: g for k, g in want.items() if g is not None}
+    assert set(got) == set(want)
+    for name, g in want.items():
+        assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_areno_hf_is_bit_identical_with_mtp_layers(tmp_path, dtype):
+    from areno.testing import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path / "src", "deepseek_v3", dtype=dtype)
+    model = load_model(src, device="cpu")
+    assert model.layers[1].mlp.gate.weight.dtype == model.layers[1].mlp.gate.expert_bias.dtype == torch.float32
+    out = save_model(model, tmp_path / "out")
+    a, b = hub_tensors(src), hub_tensors(out)
+    assert sorted(a) == sorted(b) and any(k.startswith("model.layers.3.eh_proj") for k in a)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_transformers_loads_what_areno_saves(tiny_checkpoint, tmp_path):
+    model = load_model(tiny_checkpoint("deepseek_v3", **VARIANTS["q_lora_yarn"]), device="cpu")
+    with torch.no_grad():  # change the weights so the test sees what was saved
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = save_model(model, tmp_path / "trained")
+    ids = _ids(t=11, seed=3)
+    with torch.no_grad():
+        want = model.logits(ids)
+        assert (load_reference(out)(ids).logits - want).abs().max() <= 1e-4 * want.abs().max()
+        assert torch.equal(load_model(out, device="cpu").logits(ids), want)
+
+
+def test_routing_replay_and_activation_checkpointing(tiny_checkpoint):
+    """Replaying the experts a forward recorded gives its loss and gradients; checkpointing changes nothing."""
+    from areno.models.attention_metadata import AttentionMetadata
+
+    model = load_model(tiny_checkpoint("deepseek_v3"), device="cpu").train()
+    ids = _ids(b=1, t=17, seed=5)
+    t = ids.shape[1]
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    routes = torch.full((model.num_moe_layers, t, model.moe_top_k), -1, dtype=torch.int32)
+    runs = []
+    for replay, ckpt in ((False, False), (True, True)):
+        model.zero_grad(set_to_none=True)
+        model.set_activation_checkpointing(ckpt)
+        if replay:
+            hidden = model(ids[0], torch.arange(t), cu, t, routed_experts=routes.permute(1, 0, 2).contiguous())
+        else:
+            hidden = model(ids[0], torch.arange(t), attn_metadata=AttentionMetadata(None, True, cu, cu, t, t,
+                                                                                    routing_out=routes))
+        loss = -model.token_logprobs(hidden, torch.cat([ids[0, 1:], torch.tensor([-100])])).mean()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert model.num_moe_layers == 2 and (routes >= 0).all()
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=1e-6)
+    for name, g in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _edited(src, tmp_path, **fields):
+    dst = tmp_path / "edited"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(fields)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     "quantization_config \\(fp8.*dequantize"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported"),
+    (dict(topk_method="greedy"), "topk_method='greedy' is not supported"),
+    (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 != num_attention_heads=4"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}, rope_parameters=None), "rope_type 'dynamic'"),
+])  # fmt: skip
+def test_refuses_what_it_does_not_implement(tiny_checkpoint, tmp_path, fields, message):
+    from areno.models.loader import CheckpointError
+
+    with pytest.raises((ValueError, NotImplementedError, CheckpointError), match=message):
+        load_model(_edited(tiny_checkpoint("deepseek_v3"), tmp_path, **fields), device="cpu")
