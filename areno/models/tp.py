@@ -191,6 +191,8 @@ PLAN = {
     "self_attn.conv": "column",
     "self_attn.decay": "column",
     "self_attn.f_proj": "column",
+    "self_attn.f_b_proj": "column",  # kimi_linear: the low-rank gates' second factor (the first replicated)
+    "self_attn.g_b_proj": "column",
     "self_attn.b_proj": "column",
     "self_attn.g_proj": "column",
     "self_attn.o_norm": "partial_grad",
@@ -217,6 +219,8 @@ def check_divisible(cfg, size: int) -> None:
     problems = []
     if cfg.num_heads % size:
         problems.append(f"num_attention_heads={cfg.num_heads}")
+    if getattr(cfg, "linear_num_heads", 0) % size:  # kimi_linear's KDA heads
+        problems.append(f"linear_num_heads={cfg.linear_num_heads}")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         problems.append(f"num_key_value_heads={cfg.num_kv_heads} (must divide or be divided by the TP size)")
     if cfg.intermediate_size % size:
