@@ -80,3 +80,20 @@ def varlen_logits(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
         logits = model.compute_logits(model(torch.cat(seqs), pos, cu, max(lens)))
     return list(logits.split(lens))
+
+
+def bf16_logits_errors(path, ids, load_model) -> tuple[float, float, float]:
+    """On the GPU: (areno bf16's max logit error, transformers bf16's, the logit scale), both errors against
+    transformers fp32 on ``ids [B, T]``; one model on the device at a time."""
+    with torch.no_grad():
+        ref = load_reference(path, torch.float32).cuda()
+        exact = ref(ids).logits
+        del ref
+        ref = load_reference(path, torch.bfloat16).cuda()
+        ref_err = (ref(ids).logits.float() - exact).abs().max()
+        del ref
+        model = load_model(path, device="cuda")
+        assert model.embed_tokens.weight.dtype == torch.bfloat16
+        our_err = (model.logits(ids).float() - exact).abs().max()
+        del model
+    return float(our_err), float(ref_err), float(exact.abs().max())

@@ -141,3 +141,34 @@ def test_refuses_what_it_does_not_implement(tiny_checkpoint, tmp_path, fields, m
 
     with pytest.raises((ValueError, NotImplementedError, CheckpointError), match=message):
         load_model(_edited(tiny_checkpoint("deepseek_v3"), tmp_path, **fields), device="cpu")
+
+
+# ---- GPU (bf16, Triton kernels): python -m pytest -q tests/models/test_deepseek_v3.py -m gpu -----------------------
+
+DEEPSEEK_V3_SMALL = dict(  # DeepSeek-V3's attention (YaRN as on the Hub), dense-MLP and expert shapes; 2 layers
+    hidden_size=7168, intermediate_size=18432, num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=128,
+    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4, moe_intermediate_size=2048,
+    vocab_size=32768, max_position_embeddings=16384, num_nextn_predict_layers=0,
+    rope_scaling=dict(type="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                      beta_fast=32, beta_slow=1),
+)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_bf16_parity_on_gpu(tmp_path):
+    """bf16 logits at DeepSeek-V3's widths: areno's error against transformers' fp32 is at most 2x transformers' own
+    bf16 error plus 2% of the logit scale; a training step's loss and gradients are finite."""
+    from hf_reference import bf16_logits_errors
+
+    from areno.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "deepseek_v3", dtype=torch.bfloat16, **DEEPSEEK_V3_SMALL)
+    ids = torch.randint(0, 32768, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    ours, theirs, scale = bf16_logits_errors(path, ids, load_model)
+    assert ours <= 2 * theirs + 2e-2 * scale, (ours, theirs, scale)
+    model = load_model(path, device="cuda").train()
+    model.set_activation_checkpointing(True)
+    loss = packed_loss(model, ids[:, :257])
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

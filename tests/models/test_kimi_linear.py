@@ -145,3 +145,34 @@ def test_refuses_what_it_does_not_implement(tiny_checkpoint, tmp_path, fields, m
 
     with pytest.raises((ValueError, NotImplementedError, CheckpointError), match=message):
         load_model(_edited(tiny_checkpoint("kimi_linear"), tmp_path, **fields), device="cpu")
+
+
+# ---- GPU (bf16, Triton kernels): python -m pytest -q tests/models/test_kimi_linear.py -m gpu -----------------------
+
+KIMI_LINEAR_SMALL = dict(  # Kimi-Linear-48B-A3B's KDA, MLA and expert shapes; 3 layers (KDA, KDA, MLA), 64 experts
+    hidden_size=2304, intermediate_size=9216, num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=32,
+    linear_num_heads=32, linear_head_dim=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, num_local_experts=64, num_experts_per_tok=8, n_group=1, topk_group=1, moe_intermediate_size=1024,
+    routed_scaling_factor=2.446, vocab_size=32768, max_position_embeddings=8192,
+    layer_types=["linear_attention", "linear_attention", "full_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse"],
+)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_bf16_parity_on_gpu(tmp_path):
+    """bf16 logits at Kimi-Linear's widths: areno's error against transformers' fp32 is at most 2x transformers' own
+    bf16 error plus 2% of the logit scale; a training step's loss and gradients are finite."""
+    from hf_reference import bf16_logits_errors
+
+    from areno.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "kimi_linear", dtype=torch.bfloat16, **KIMI_LINEAR_SMALL)
+    ids = torch.randint(0, 32768, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    ours, theirs, scale = bf16_logits_errors(path, ids, load_model)
+    assert ours <= 2 * theirs + 2e-2 * scale, (ours, theirs, scale)
+    model = load_model(path, device="cuda").train()
+    model.set_activation_checkpointing(True)
+    loss = packed_loss(model, ids[:, :257])
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -15,6 +15,7 @@ from areno.cli import main
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
 
+
 def hub_tensors(folder) -> dict:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
