@@ -52,6 +52,7 @@ __all__ = ["BailingHybridForCausalLM", "SigmoidMoE"]
 
 class BailingHybridForCausalLM(LatentCacheLM, SigmoidMoELM, KeptMTP, CausalLM):
     delta_attention = KimiDeltaAttention  # Kimi-Linear: its low-rank gates
+    hf_embed, hf_attn = "model.word_embeddings.weight", "attention"  # Hub names (Kimi-Linear: Llama's)
 
     def __init__(self, cfg: BailingHybridConfig, *, attn_backend: str = "flash"):
         def attn(cfg, i):
@@ -74,14 +75,18 @@ class BailingHybridForCausalLM(LatentCacheLM, SigmoidMoELM, KeptMTP, CausalLM):
         return {"layers": kda, "conv": (3 * hh * d, self.config.conv_kernel - 1), "recurrent": (hh, d, d)}
 
     # ---- weights ----------------------------------------------------------------------------------------------
+    def hf_mlp(self, i: int) -> str:
+        """The Hub name of layer ``i``'s MLP module."""
+        return "mlp"
+
     def hf_layouts(self) -> dict:
         cfg = self.config
         h, v = cfg.hidden_size, cfg.vocab_size
-        out = {"embed_tokens.weight": one_layout("model.word_embeddings.weight", v, h)}
+        out = {"embed_tokens.weight": one_layout(self.hf_embed, v, h)}
         for i, layer in enumerate(self.layers):
             name, hf = f"layers.{i}", f"model.layers.{i}"
-            out.update(layer.self_attn.layouts(f"{name}.self_attn", f"{hf}.attention", cfg))
-            out.update(layer.mlp.layouts(f"{name}.mlp", f"{hf}.mlp", cfg))
+            out.update(layer.self_attn.layouts(f"{name}.self_attn", f"{hf}.{self.hf_attn}", cfg))
+            out.update(layer.mlp.layouts(f"{name}.mlp", f"{hf}.{self.hf_mlp(i)}", cfg))
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 out[f"{name}.{norm}.weight"] = one_layout(f"{hf}.{norm}.weight", h)
         out["norm.weight"] = one_layout("model.norm.weight", h)

@@ -169,6 +169,8 @@ class ForgetGate(nn.Module):
 class KimiDeltaAttention(nn.Module):
     """KDA with full-rank forget and output-gate projections (Ling 3); Kimi-Linear's low-rank ones subclass it."""
 
+    hf_o_proj = "dense"  # the Hub name of the output projection
+
     def __init__(self, cfg: BailingHybridConfig):
         super().__init__()
         heads = cfg.linear_num_heads or cfg.num_heads
@@ -241,16 +243,23 @@ class KimiDeltaAttention(nn.Module):
     def layouts(self, name: str, hf: str, cfg: BailingHybridConfig) -> dict:
         h, hh, d, w = cfg.hidden_size, cfg.linear_num_heads or cfg.num_heads, cfg.head_dim, cfg.conv_kernel
         hd = hh * d
-        return {
+        out = {
             f"{name}.qkv_proj.weight": [layout((3 * hd, h), 0, [(f"{hf}.{p}_proj.weight", hd) for p in "qkv"])],
             f"{name}.conv.weight": [layout((3 * hd, 1, w), 0, [(f"{hf}.{p}_conv1d.weight", hd) for p in "qkv"])],
-            f"{name}.f_proj.weight": one_layout(f"{hf}.f_proj.weight", hd, h),
-            f"{name}.decay.A_log": one_layout(f"{hf}.A_log", hh),
             f"{name}.decay.dt_bias": one_layout(f"{hf}.dt_bias", hd),
             f"{name}.b_proj.weight": one_layout(f"{hf}.b_proj.weight", hh, h),
-            f"{name}.g_proj.weight": one_layout(f"{hf}.g_proj.weight", hd, h),
             f"{name}.o_norm.weight": one_layout(f"{hf}.o_norm.weight", d),
-            f"{name}.o_proj.weight": [layout((h, hd), 1, [(f"{hf}.dense.weight", hd)])],
+            f"{name}.o_proj.weight": [layout((h, hd), 1, [(f"{hf}.{self.hf_o_proj}.weight", hd)])],
+        }
+        out.update(self.gate_layouts(name, hf, h, hh, d))
+        return out
+
+    def gate_layouts(self, name: str, hf: str, h: int, hh: int, d: int) -> dict:
+        """The layouts of the forget / output-gate projections and ``A_log``."""
+        return {
+            f"{name}.f_proj.weight": one_layout(f"{hf}.f_proj.weight", hh * d, h),
+            f"{name}.g_proj.weight": one_layout(f"{hf}.g_proj.weight", hh * d, h),
+            f"{name}.decay.A_log": one_layout(f"{hf}.A_log", hh),
         }
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from areno.kernels.rope import rope_params_from_config, yarn_mscale
 from areno.models.base import MLP, CausalLM
 from areno.models.mla import LatentAttention, LatentCacheLM, MLAConfig
-from areno.models.model_config import get
+from areno.models.model_config import decoder_fields, get
 from areno.models.moe_layers import SigmoidMoE, SigmoidMoELM
 from areno.models.mtp import KeptMTP
 from areno.models.registry import ModelCard, register
@@ -44,26 +44,14 @@ def check_deepseek_v3(raw: dict) -> None:
 
 def mla_fields(hf, model_type: str) -> dict:
     """The ``MLAConfig`` fields DeepSeek-V3 and Kimi-Linear read the same way (the MLA dims, the sigmoid router)."""
-    act = get(hf, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise NotImplementedError(f"{model_type}: hidden_act {act!r} is not supported (silu is)")
-    heads = get(hf, "num_attention_heads")
-    kv_heads = get(hf, "num_key_value_heads", heads)
+    fields = decoder_fields(hf, model_type)
+    heads, kv_heads = fields["num_heads"], fields["num_kv_heads"]
     if kv_heads != heads:
         raise NotImplementedError(f"{model_type}: MLA expands the latent to every head; num_key_value_heads="
                                   f"{kv_heads} != num_attention_heads={heads} is not supported")
     return dict(
-        model_type=model_type,
-        vocab_size=get(hf, "vocab_size"),
-        hidden_size=get(hf, "hidden_size"),
-        intermediate_size=get(hf, "intermediate_size"),
-        num_layers=get(hf, "num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=heads,
-        rms_norm_eps=get(hf, "rms_norm_eps", 1e-6),
+        fields,
         rotary_dim=get(hf, "qk_rope_head_dim", 64),
-        tie_word_embeddings=bool(get(hf, "tie_word_embeddings", False)),
-        attention_bias=bool(get(hf, "attention_bias", False)),
         num_experts_per_tok=get(hf, "num_experts_per_tok", 8),
         moe_intermediate_size=get(hf, "moe_intermediate_size"),
         norm_topk_prob=bool(get(hf, "norm_topk_prob", True)),

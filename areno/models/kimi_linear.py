@@ -110,6 +110,8 @@ class KimiForgetGate(ForgetGate):
 class KimiLinearDeltaAttention(KimiDeltaAttention):
     """KDA with low-rank forget and output-gate projections (rank = the head dim)."""
 
+    hf_o_proj = "o_proj"
+
     def __init__(self, cfg: BailingHybridConfig):
         super().__init__(cfg)
         heads, d = cfg.linear_num_heads, cfg.head_dim
@@ -127,45 +129,23 @@ class KimiLinearDeltaAttention(KimiDeltaAttention):
     def gate_input(self, x):
         return self.g_b_proj(self.g_a_proj(x))
 
-    def layouts(self, name: str, hf: str, cfg: BailingHybridConfig) -> dict:
-        h, hh, d, w = cfg.hidden_size, cfg.linear_num_heads, cfg.head_dim, cfg.conv_kernel
-        hd = hh * d
-        out = {
-            f"{name}.qkv_proj.weight": [layout((3 * hd, h), 0, [(f"{hf}.{p}_proj.weight", hd) for p in "qkv"])],
-            f"{name}.conv.weight": [layout((3 * hd, 1, w), 0, [(f"{hf}.{p}_conv1d.weight", hd) for p in "qkv"])],
-            f"{name}.decay.A_log": [layout((1, 1, hh, 1), 2, [(f"{hf}.A_log", hh)])],
-            f"{name}.decay.dt_bias": one_layout(f"{hf}.dt_bias", hd),
-            f"{name}.b_proj.weight": one_layout(f"{hf}.b_proj.weight", hh, h),
-            f"{name}.o_norm.weight": one_layout(f"{hf}.o_norm.weight", d),
-            f"{name}.o_proj.weight": [layout((h, hd), 1, [(f"{hf}.o_proj.weight", hd)])],
-        }
+    def gate_layouts(self, name: str, hf: str, h: int, hh: int, d: int) -> dict:
+        out = {f"{name}.decay.A_log": [layout((1, 1, hh, 1), 2, [(f"{hf}.A_log", hh)])]}
         for g in "fg":
             out[f"{name}.{g}_a_proj.weight"] = one_layout(f"{hf}.{g}_a_proj.weight", d, h)
-            out[f"{name}.{g}_b_proj.weight"] = one_layout(f"{hf}.{g}_b_proj.weight", hd, d)
+            out[f"{name}.{g}_b_proj.weight"] = one_layout(f"{hf}.{g}_b_proj.weight", hh * d, d)
         return out
 
 
 class KimiLinearForCausalLM(BailingHybridForCausalLM):
     delta_attention = KimiLinearDeltaAttention
+    hf_embed, hf_attn = "model.embed_tokens.weight", "self_attn"
 
     def keep_hf_tensor(self, hf_name: str) -> bool:
         return False  # no MTP layers
 
-    def hf_layouts(self) -> dict:
-        cfg = self.config
-        h, v = cfg.hidden_size, cfg.vocab_size
-        out = {"embed_tokens.weight": one_layout("model.embed_tokens.weight", v, h)}
-        for i, layer in enumerate(self.layers):
-            name, hf = f"layers.{i}", f"model.layers.{i}"
-            out.update(layer.self_attn.layouts(f"{name}.self_attn", f"{hf}.self_attn", cfg))
-            moe = "block_sparse_moe" if cfg.is_moe_layer(i) else "mlp"
-            out.update(layer.mlp.layouts(f"{name}.mlp", f"{hf}.{moe}", cfg))
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                out[f"{name}.{norm}.weight"] = one_layout(f"{hf}.{norm}.weight", h)
-        out["norm.weight"] = one_layout("model.norm.weight", h)
-        if self.lm_head is not None:
-            out["lm_head.weight"] = one_layout("lm_head.weight", v, h)
-        return out
+    def hf_mlp(self, i: int) -> str:
+        return "block_sparse_moe" if self.config.is_moe_layer(i) else "mlp"
 
 
 register("kimi_linear", kimi_linear_config, KimiLinearForCausalLM, check_config=check_kimi_linear,

@@ -61,9 +61,14 @@ def _bailing_hybrid_shapes(config: dict) -> dict[str, tuple[int, ...]]:
                        p + "eh_proj.weight": (hidden, 2 * hidden)})
         shapes.update(_bailing_hybrid_layer(config, p, True, True))
         shapes[p + "final_layernorm.weight"] = (hidden,)
-    shapes["model.norm.weight"] = (hidden,)
+    return _with_head(config, shapes)
+
+
+def _with_head(config: dict, shapes: dict) -> dict:
+    """``shapes`` plus the final norm and the LM head (unless tied)."""
+    shapes["model.norm.weight"] = (config["hidden_size"],)
     if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (vocab, hidden)
+        shapes["lm_head.weight"] = (config["vocab_size"], config["hidden_size"])
     return shapes
 
 
@@ -118,10 +123,7 @@ def _deepseek_v3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             shapes.update(_sigmoid_moe(config, p + "mlp."))
         else:
             shapes.update(_swiglu(config, p + "mlp.", config["intermediate_size"]))
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
+    return _with_head(config, shapes)
 
 
 def _kimi_delta_attention(config: dict, a: str) -> dict:
@@ -151,9 +153,7 @@ def _kimi_linear_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             shapes.update(_sigmoid_moe(config, p + "block_sparse_moe.", ("w1", "w3", "w2")))
         else:
             shapes.update(_swiglu(config, p + "mlp.", config["intermediate_size"]))
-    shapes["model.norm.weight"] = (hidden,)
-    shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
+    return _with_head(config, shapes)
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:

@@ -10,10 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
 from areno.models import load_model, load_tokenizer
-from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
+from tests.helpers.families import assert_preemption_keeps_tokens, assert_routes_match_forward
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 CONFIG_CLASS = {"deepseek_v3": "DeepseekV3Config", "kimi_linear": "KimiLinearConfig"}
@@ -60,13 +59,7 @@ def test_preemption_gives_the_same_tokens(family, cache):
     prompts = [tok.encode(p) for p in PROMPTS]
     opts = SamplingParams(temperature=1.0, max_new_tokens=9, ignore_eos=True, n=3, seed=5)
     ref = engine(model, tok).generate(prompts, opts)
-    budget = 12 * kv_bytes_per_block(model, 4, torch.float32) + state_bytes(model, 6, torch.float32)
-    small = engine(model, tok, max_running=6, kv_cache_memory=budget)
-    assert small.blocks.num_blocks == 12
-    tight = small.generate(prompts, opts)
-    assert small.scheduler.num_preemptions > 0
-    assert [[c.token_ids for c in g] for g in tight] == [[c.token_ids for c in g] for g in ref]
-    assert small.blocks.num_free == small.blocks.num_blocks
+    assert_preemption_keeps_tokens(model, tok, prompts, opts, engine, ref)
 
 
 @pytest.mark.parametrize("cache", ["expanded", "latent"])
@@ -93,16 +86,4 @@ def test_routing_capture_equals_the_forwards_routing(family):
     prompts = [tok.encode(p) for p in PROMPTS]
     e = engine(model, tok, max_batched_tokens=7, record_routing=True)
     out = e.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=3))
-    for c in [c for g in out for c in g]:
-        ids = c.prompt_ids + c.token_ids
-        t = len(ids)
-        cu = torch.tensor([0, t], dtype=torch.int32)
-        meta = AttentionMetadata(None, True, cu, cu, t, t)
-        meta.routing_out = torch.full((model.num_moe_layers, t, model.moe_top_k), -1, dtype=torch.int32)
-        with torch.no_grad():
-            model(torch.tensor(ids), torch.arange(t), attn_metadata=meta)
-        got = torch.from_numpy(c.routed_experts).long()
-        assert got.shape == (t, model.num_moe_layers, model.moe_top_k)
-        assert (got[-1] == -1).all() and (got[:-1] >= 0).all()
-        want = meta.routing_out.permute(1, 0, 2).long()[:-1]
-        assert torch.equal(got[:-1].sort(-1).values, want.sort(-1).values)
+    assert_routes_match_forward(model, [c for g in out for c in g])

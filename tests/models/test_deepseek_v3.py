@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 from hf_reference import (
-    areno_hub_grads,
-    hub_tensors,
+    assert_bf16_parity_on_gpu,
+    assert_fp32_parity,
+    assert_same_checkpoint,
+    assert_transformers_loads_saved,
     load_reference,
-    packed_loss,
     reference_grads,
-    varlen_logits,
 )
 
 from areno.models import load_model, save_model
@@ -43,23 +43,7 @@ def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, variant):
     cfg = model.config
     assert cfg.num_mtp_layers == VARIANTS[variant].get("num_nextn_predict_layers", 1)
     assert len(model.mtp_names) == 42 * cfg.num_mtp_layers  # the MTP layer's tensors, held untouched
-    seqs = [_ids(t=n, b=1, seed=n)[0] for n in (7, 19, 12)]
-    for got, seq in zip(varlen_logits(model, seqs), seqs):  # packed varlen == each sequence alone in transformers
-        with torch.no_grad():
-            want = ref(seq[None]).logits[0]
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    model.train(), ref.train()
-    ids = _ids(cfg.vocab_size, seed=2)
-    loss = packed_loss(model, ids)
-    loss.backward()
-    ref_loss = ref(ids, labels=ids).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    got, want = areno_hub_grads(model), reference_grads(ref)
-    want = {k: g for k, g in want.items() if g is not None}
-    assert set(got) == set(want)
-    for name, g in want.items():
-        assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+    assert_fp32_parity(model, ref, reference_grads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,25 +54,13 @@ def test_hf_areno_hf_is_bit_identical_with_mtp_layers(tmp_path, dtype):
     model = load_model(src, device="cpu")
     assert model.layers[1].mlp.gate.weight.dtype == model.layers[1].mlp.gate.expert_bias.dtype == torch.float32
     out = save_model(model, tmp_path / "out")
-    a, b = hub_tensors(src), hub_tensors(out)
-    assert sorted(a) == sorted(b) and any(k.startswith("model.layers.3.eh_proj") for k in a)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
-    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    a = assert_same_checkpoint(src, out)
+    assert any(k.startswith("model.layers.3.eh_proj") for k in a)
 
 
 def test_transformers_loads_what_areno_saves(tiny_checkpoint, tmp_path):
     model = load_model(tiny_checkpoint("deepseek_v3", **VARIANTS["q_lora_yarn"]), device="cpu")
-    with torch.no_grad():  # change the weights so the test sees what was saved
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    out = save_model(model, tmp_path / "trained")
-    ids = _ids(t=11, seed=3)
-    with torch.no_grad():
-        want = model.logits(ids)
-        assert (load_reference(out)(ids).logits - want).abs().max() <= 1e-4 * want.abs().max()
-        assert torch.equal(load_model(out, device="cpu").logits(ids), want)
+    assert_transformers_loads_saved(model, tmp_path / "trained", load_model, save_model)
 
 
 def test_routing_replay_and_activation_checkpointing(tiny_checkpoint):
@@ -157,18 +129,8 @@ DEEPSEEK_V3_SMALL = dict(  # DeepSeek-V3's attention (YaRN as on the Hub), dense
 
 @pytest.mark.gpu
 def test_bf16_parity_on_gpu(tmp_path):
-    """bf16 logits at DeepSeek-V3's widths: areno's error against transformers' fp32 is at most 2x transformers' own
-    bf16 error plus 2% of the logit scale; a training step's loss and gradients are finite."""
-    from hf_reference import bf16_logits_errors
-
+    """bf16 logits at DeepSeek-V3's widths (see assert_bf16_parity_on_gpu)."""
     from areno.testing import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path, "deepseek_v3", dtype=torch.bfloat16, **DEEPSEEK_V3_SMALL)
-    ids = torch.randint(0, 32768, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    ours, theirs, scale = bf16_logits_errors(path, ids, load_model)
-    assert ours <= 2 * theirs + 2e-2 * scale, (ours, theirs, scale)
-    model = load_model(path, device="cuda").train()
-    model.set_activation_checkpointing(True)
-    loss = packed_loss(model, ids[:, :257])
-    loss.backward()
-    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert_bf16_parity_on_gpu(path, load_model)

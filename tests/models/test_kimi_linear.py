@@ -9,7 +9,14 @@ import shutil
 import pytest
 import torch
 import transformers
-from hf_reference import areno_hub_grads, hub_tensors, load_reference, packed_loss, varlen_logits
+from hf_reference import (
+    assert_bf16_parity_on_gpu,
+    assert_fp32_parity,
+    assert_same_checkpoint,
+    assert_transformers_loads_saved,
+    load_reference,
+    renamed_grads,
+)
 
 from areno.models import load_model, save_model
 
@@ -27,28 +34,17 @@ def _ids(vocab=1000, b=2, t=19, seed=0):
 
 
 def _hub_grads(ref) -> dict:
-    """transformers' gradients under the Hub names it renamed at load (conv kernels split back, MoE under
-    block_sparse_moe with per-expert w1/w3/w2, the forget gate's tensors back on the attention)."""
-    out, sparse = {}, ref.config.mlp_layer_types
-    for name, p in ref.named_parameters():
-        g = p.grad
-        if g is None:
-            continue
-        name = name.replace(".forget_gate.", ".")
-        parts = name.split(".")
+    """transformers' gradients under the Hub names it renamed at load: the MoE under block_sparse_moe with per-expert
+    w1/w3/w2, the forget gate's tensors back on the attention, conv kernels split back."""
+    sparse = ref.config.mlp_layer_types
+
+    def rename(name):
+        name, parts = name.replace(".forget_gate.", "."), name.split(".")
         if len(parts) > 3 and parts[3] == "mlp" and sparse[int(parts[2])] == "sparse":
             name = name.replace(".mlp.", ".block_sparse_moe.")
-        if name.endswith("self_attn.conv1d.weight"):
-            out.update({name.replace("conv1d", f"{x}_conv1d"): c for x, c in zip("qkv", g.chunk(3))})
-        elif name.endswith("experts.gate_up_proj"):
-            base, i = name[: -len("gate_up_proj")], g.shape[1] // 2
-            for e in range(g.shape[0]):
-                out[f"{base}{e}.w1.weight"], out[f"{base}{e}.w3.weight"] = g[e, :i], g[e, i:]
-        elif name.endswith("experts.down_proj"):
-            out.update({f"{name[: -len('down_proj')]}{e}.w2.weight": g[e] for e in range(g.shape[0])})
-        else:
-            out[name] = g
-    return out
+        return name
+
+    return renamed_grads(ref, rename, ("w1", "w3", "w2"))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -59,22 +55,7 @@ def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, variant):
     assert cfg.layer_types == ["linear_attention", "full_attention"] * 2 and cfg.num_experts == 8
     assert model.layers[0].self_attn.num_heads == 2 and model.layers[1].self_attn.num_heads == 4
     assert model.recurrent_state_shapes() == {"layers": [0, 2], "conv": (96, 3), "recurrent": (2, 16, 16)}
-    seqs = [_ids(t=n, b=1, seed=n)[0] for n in (7, 19, 12)]
-    for got, seq in zip(varlen_logits(model, seqs), seqs):  # packed varlen == each sequence alone in transformers
-        with torch.no_grad():
-            want = ref(seq[None]).logits[0]
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    model.train(), ref.train()
-    ids = _ids(cfg.vocab_size, seed=2)
-    loss = packed_loss(model, ids)
-    loss.backward()
-    ref_loss = ref(ids, labels=ids).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    got, want = areno_hub_grads(model), _hub_grads(ref)
-    assert set(got) == set(want)
-    for name, g in want.items():
-        assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+    assert_fp32_parity(model, ref, _hub_grads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,25 +68,13 @@ def test_hf_areno_hf_is_bit_identical(tmp_path, dtype):
     assert kda.decay.dt_bias.dtype == model.layers[1].mlp.gate.weight.dtype == torch.float32
     assert kda.decay.A_log.dtype == kda.conv.weight.dtype == dtype  # as transformers keeps them
     out = save_model(model, tmp_path / "out")
-    a, b = hub_tensors(src), hub_tensors(out)
-    assert sorted(a) == sorted(b) and "model.layers.1.block_sparse_moe.experts.7.w3.weight" in a
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
-    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    a = assert_same_checkpoint(src, out)
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in a
 
 
 def test_transformers_loads_what_areno_saves(tiny_checkpoint, tmp_path):
     model = load_model(tiny_checkpoint("kimi_linear", **VARIANTS["q_lora"]), device="cpu")
-    with torch.no_grad():  # change the weights so the test sees what was saved
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    out = save_model(model, tmp_path / "trained")
-    ids = _ids(t=11, seed=3)
-    with torch.no_grad():
-        want = model.logits(ids)
-        assert (load_reference(out)(ids).logits - want).abs().max() <= 1e-4 * want.abs().max()
-        assert torch.equal(load_model(out, device="cpu").logits(ids), want)
+    assert_transformers_loads_saved(model, tmp_path / "trained", load_model, save_model)
 
 
 def _edited(src, tmp_path, drop=(), **fields):
@@ -161,18 +130,8 @@ KIMI_LINEAR_SMALL = dict(  # Kimi-Linear-48B-A3B's KDA, MLA and expert shapes; 3
 
 @pytest.mark.gpu
 def test_bf16_parity_on_gpu(tmp_path):
-    """bf16 logits at Kimi-Linear's widths: areno's error against transformers' fp32 is at most 2x transformers' own
-    bf16 error plus 2% of the logit scale; a training step's loss and gradients are finite."""
-    from hf_reference import bf16_logits_errors
-
+    """bf16 logits at Kimi-Linear's widths (see assert_bf16_parity_on_gpu)."""
     from areno.testing import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path, "kimi_linear", dtype=torch.bfloat16, **KIMI_LINEAR_SMALL)
-    ids = torch.randint(0, 32768, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    ours, theirs, scale = bf16_logits_errors(path, ids, load_model)
-    assert ours <= 2 * theirs + 2e-2 * scale, (ours, theirs, scale)
-    model = load_model(path, device="cuda").train()
-    model.set_activation_checkpointing(True)
-    loss = packed_loss(model, ids[:, :257])
-    loss.backward()
-    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert_bf16_parity_on_gpu(path, load_model)

@@ -1,24 +1,24 @@
-"""Tensor parallel on two gloo processes equals one process for DeepSeek-V3 (MLA heads split, latent projections
-replicated, experts' and shared experts' intermediate dims split, MTP tensors replicated) and Kimi-Linear (KDA heads
-split with their conv channels, decay and low-rank gates' second factor): logits, loss, every gradient with
-activation checkpointing, the routing counters, and the checkpoint saved from two shards bit for bit."""
+"""Tensor parallel on two gloo processes equals one process for the MLA families: DeepSeek-V3 (MLA heads split, latent
+projections replicated, experts' and shared experts' intermediate dims split, MTP tensors replicated), Ling 3 and
+Kimi-Linear (KDA heads split with their conv channels, decay and gates; Kimi's low-rank gates' second factor): logits,
+loss, every gradient with activation checkpointing, the routing counters, and the checkpoint saved from two shards
+bit for bit."""
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
-from hf_reference import hub_tensors, next_token_targets
+from hf_reference import hub_tensors, packed_loss
 
 from areno.models import iter_hf_tensors, load_model, save_model
+from tests.helpers.families import spawn_tp
 
-FAMILIES = [f for f, cls in (("deepseek_v3", "DeepseekV3Config"), ("kimi_linear", "KimiLinearConfig"))
-            if hasattr(transformers, cls)]
-CASES = {"deepseek_v3": dict(q_lora_rank=24), "kimi_linear": dict()}
+CONFIG_CLASS = {"deepseek_v3": "DeepseekV3Config", "bailing_hybrid": "BailingHybridConfig",
+                "kimi_linear": "KimiLinearConfig"}
+FAMILIES = [f for f, cls in CONFIG_CLASS.items() if hasattr(transformers, cls)]
+CASES = {"deepseek_v3": dict(q_lora_rank=24), "bailing_hybrid": dict(), "kimi_linear": dict()}
 
 
 def _run(model):
@@ -27,11 +27,7 @@ def _run(model):
         logits = model.logits(ids)
     model.train()
     model.set_activation_checkpointing(True)
-    b, t = ids.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
-    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
-    targets = next_token_targets(ids)
-    loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    loss = packed_loss(model, ids)
     loss.backward()
     return logits, loss.detach(), dict(iter_hf_tensors(model, grads=True)), model.expert_load()
 
@@ -47,6 +43,8 @@ def _worker(rank, world, port, paths, out_dir):
         model = load_model(path, device="cpu", tp_group=parallel.get_tp_group())
         mla = model.layers[model.kv_cache_layers[0]].self_attn
         assert mla.num_heads == model.num_kv_heads_local == 4 // world
+        states, cfg = model.recurrent_state_shapes(), model.config
+        assert states is None or states["recurrent"][0] == (cfg.linear_num_heads or cfg.num_heads) // world
         results[family] = _run(model)
         save_model(model, os.path.join(out_dir, family))
     if rank == 0:
@@ -54,19 +52,10 @@ def _worker(rank, world, port, paths, out_dir):
     parallel.destroy_distributed()
 
 
-@pytest.mark.skipif(not FAMILIES, reason=f"transformers {transformers.__version__} has neither family")
+@pytest.mark.skipif(not FAMILIES, reason=f"transformers {transformers.__version__} has none of the families")
 def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
     paths = {f: str(tiny_checkpoint(f, **CASES[f])) for f in FAMILIES}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.spawn(_worker, args=(2, port, paths, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.time() + 480
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("TP workers did not finish")
+    spawn_tp(_worker, (paths, str(tmp_path)), timeout=480)
     assert not dist.is_initialized()
     results = torch.load(tmp_path / "results.pt")
     for family, path in paths.items():

@@ -3,7 +3,6 @@ checkpoints, RL with routing replay on: a saved checkpoint areno and transformer
 tensors bit-identical to the source."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from areno.cli import main
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
+from tests.helpers.families import write_arith_data
 
 
 def hub_tensors(folder) -> dict:
@@ -29,16 +29,7 @@ def setup_files(request, tmp_path_factory):
         pytest.skip(f"transformers {transformers.__version__} has no {request.param}")
     root = tmp_path_factory.mktemp(request.param)
     ckpt = make_tiny_checkpoint(root / "ckpt", family=request.param, seed=0)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(8):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b), "chosen": str(a + b), "rejected": str(a + b + 1)})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
+    data, reward = write_arith_data(root, 8)
     return ckpt, data, reward, root
 
 
