@@ -19,7 +19,8 @@ Where it differs from Ling 3:
 - Names: Llama's (``model.embed_tokens``, ``layers.i.self_attn``), never tied embeddings.
 
 Refused at load (one line naming the option): ``mla_use_nope: false`` (RoPE in the MLA layers),
-``moe_router_activation_func`` other than sigmoid, ``moe_layer_freq != 1``, an activation other than silu,
+``moe_router_activation_func`` other than sigmoid, ``moe_layer_freq != 1``, ``use_grouped_topk: false`` with expert
+groups, an activation other than silu,
 ``num_key_value_heads != num_attention_heads``, layer types other than KDA / MLA.
 """
 
@@ -44,6 +45,9 @@ def check_kimi_linear(raw: dict) -> None:
     for key, supported in refusals:
         if raw.get(key, supported) != supported:
             raise ValueError(f"kimi_linear: {key}={raw[key]!r} is not supported ({supported!r} is)")
+    if raw.get("use_grouped_topk") is False and (raw.get("num_expert_group") or raw.get("n_group") or 1) > 1:
+        raise ValueError("kimi_linear: use_grouped_topk=false with num_expert_group > 1 is not supported (areno "
+                         "routes group-limited whenever there are groups)")
     unknown = sorted(set(raw.get("layer_types") or []) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"kimi_linear: layer_types {unknown} are not supported (linear_attention = KDA, "

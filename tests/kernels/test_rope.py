@@ -1,4 +1,5 @@
-"""RoPE: tables and config parsing vs Hugging Face; apply_rope Triton (interpreted) vs native vs float64, fwd+bwd."""
+"""RoPE: tables (default, linear, llama3, yarn) and config parsing vs Hugging Face; apply_rope Triton (interpreted)
+vs native vs float64, fwd+bwd."""
 
 import pytest
 import torch
@@ -17,6 +18,16 @@ LLAMA3 = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
+}
+YARN = {  # DeepSeek-V3's rope_scaling
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
 }
 
 
@@ -63,6 +74,10 @@ def _hf_tables(head_dim, rope_parameters, positions, max_position=4096):
         (80, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, 4096),
         (128, LLAMA3, 131072),
         (64, {**LLAMA3, "original_max_position_embeddings": 2048, "factor": 4.0}, 16384),
+        (64, YARN, 163840),  # DeepSeek-V3's: attention factor 1
+        (64, {**YARN, "mscale": 0.707, "factor": 8.0}, 32768),  # cos and sin scaled by the attention factor
+        (32, {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024,
+              "truncate": False}, 4096),
     ],
 )
 def test_tables_match_hugging_face(head_dim, params, max_position):

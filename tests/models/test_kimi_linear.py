@@ -106,6 +106,7 @@ def test_reads_the_hub_linear_attn_config(tiny_checkpoint, tmp_path):
     (dict(mla_use_nope=False), "mla_use_nope=False is not supported"),
     (dict(moe_router_activation_func="softmax"), "moe_router_activation_func='softmax' is not supported"),
     (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+    (dict(use_grouped_topk=False), "use_grouped_topk=false with num_expert_group > 1"),
     (dict(quantization_config={"quant_method": "compressed-tensors"}), "quantization_config"),
     (dict(num_key_value_heads=2), "num_key_value_heads=2 != num_attention_heads=4"),
 ])  # fmt: skip
