@@ -165,3 +165,32 @@ def assert_bf16_parity_on_gpu(path, load_model) -> None:
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
+
+
+def assert_replay_and_checkpointing_agree(model) -> None:
+    """A training forward records its experts (``routing_out``); replaying them (``routed_experts``) with activation
+    checkpointing on gives the same loss and gradients."""
+    from areno.models.attention_metadata import AttentionMetadata
+
+    ids = torch.randint(0, 1000, (17,), generator=torch.Generator().manual_seed(5))
+    t = ids.shape[0]
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    targets = torch.cat([ids[1:], torch.tensor([-100])])
+    routes = torch.full((model.num_moe_layers, t, model.moe_top_k), -1, dtype=torch.int32)
+    runs = []
+    for replay in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.set_activation_checkpointing(replay)
+        if replay:
+            hidden = model(ids, torch.arange(t), cu, t, routed_experts=routes.permute(1, 0, 2).contiguous())
+        else:
+            meta = AttentionMetadata(None, True, cu, cu, t, t, routing_out=routes)
+            hidden = model(ids, torch.arange(t), attn_metadata=meta)
+        loss = -model.token_logprobs(hidden, targets).mean()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert (routes >= 0).all()
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=1e-6)
+    assert set(runs[1][1]) == set(runs[0][1])
+    for name, g in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], g, rtol=1e-5, atol=1e-6, msg=name)

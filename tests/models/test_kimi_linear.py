@@ -12,6 +12,7 @@ import transformers
 from hf_reference import (
     assert_bf16_parity_on_gpu,
     assert_fp32_parity,
+    assert_replay_and_checkpointing_agree,
     assert_same_checkpoint,
     assert_transformers_loads_saved,
     load_reference,
@@ -75,6 +76,12 @@ def test_hf_areno_hf_is_bit_identical(tmp_path, dtype):
 def test_transformers_loads_what_areno_saves(tiny_checkpoint, tmp_path):
     model = load_model(tiny_checkpoint("kimi_linear", **VARIANTS["q_lora"]), device="cpu")
     assert_transformers_loads_saved(model, tmp_path / "trained", load_model, save_model)
+
+
+def test_routing_replay_and_activation_checkpointing(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("kimi_linear"), device="cpu").train()
+    assert model.num_moe_layers == 3
+    assert_replay_and_checkpointing_agree(model)
 
 
 def _edited(src, tmp_path, drop=(), **fields):
