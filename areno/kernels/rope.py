@@ -7,7 +7,8 @@ With r = rotary_dim and theta_i = position * inv_freq_i (i < r/2), for every hea
     out2 = x2 * cos + x1 * sin       out[..., r:] = x[..., r:]
 
 The backward applies the transposed rotation (sin -> -sin). Math in fp32, output in x's dtype. Tables are fp32
-[max_position, r/2], built exactly as Hugging Face builds inv_freq (default, "linear" and Llama 3 scaling).
+[max_position, r/2], built exactly as Hugging Face builds inv_freq (default, "linear", Llama 3 and YaRN scaling; YaRN's
+attention factor multiplies the tables, as transformers multiplies its cos/sin).
 One program rotates a block of heads of one token; it reads its cos/sin row once: 2 * T * H * D * bytes moved.
 """
 
@@ -169,42 +170,42 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None
 
 
 def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> torch.Tensor:
-    """YaRN (DeepSeek-V3): frequencies interpolated by ``factor`` below the ``beta_slow`` rotations, kept above
-    ``beta_fast``, a linear ramp between (over the original context ``original_max_position_embeddings``)."""
+    """YaRN: interpolated (``/ factor``) low frequencies, extrapolated high ones, a linear ramp between the
+    correction dims of ``beta_fast`` / ``beta_slow`` rotations (floored/ceiled unless ``truncate`` is false)."""
     missing = [key for key in ("factor", "original_max_position_embeddings") if scaling.get(key) is None]
     if missing:
         raise ValueError(f"rope: yarn rope_scaling is missing {missing}; got {scaling}")
     factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
-    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
-    def rotations_dim(rotations):
-        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = rotations_dim(fast), rotations_dim(slow)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / ((high + 0.001 if low == high else high) - low)
-    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)  # transformers' exact ops, so the tables agree
-    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    high = high + 0.001 if low == high else high
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def rope_attention_factor(rope_scaling: dict | None) -> float:
-    """The factor YaRN multiplies cos and sin by (1.0 for every other rope_type): ``attention_factor`` when given,
-    else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` with ``mscale(s, m) = 0.1 m ln s + 1``."""
+    """The factor transformers multiplies cos/sin by: YaRN's ``attention_factor`` (given, or from ``factor`` and
+    ``mscale``/``mscale_all_dim``); 1 for the other scalings."""
     if _scaling_type(rope_scaling) != "yarn":
         return 1.0
     if rope_scaling.get("attention_factor") is not None:
         return float(rope_scaling["attention_factor"])
-    factor, mscale, mscale_all = rope_scaling["factor"], rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
-    if mscale and mscale_all:
-        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
-    return yarn_mscale(factor)
+    factor, m, m_all = rope_scaling["factor"], rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    return float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all else yarn_mscale(factor)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    """YaRN's ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``); DeepSeek-V3 also folds its square into the
+    softmax scale."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -212,10 +213,10 @@ def rope_cos_sin(rotary_dim, max_position, base, *, rope_scaling=None, device=No
     """fp32 ``(cos, sin)`` tables of shape ``[max_position, rotary_dim // 2]`` for :func:`apply_rope`."""
     inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling).to(device)
     angles = torch.arange(max_position, device=device, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    factor = rope_attention_factor(rope_scaling)
-    if factor != 1.0:  # YaRN scales the rotated values (as transformers scales its cos/sin)
-        return angles.cos() * factor, angles.sin() * factor
-    return angles.cos(), angles.sin()
+    scale = rope_attention_factor(rope_scaling)
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def rope_params_from_config(config) -> tuple[float, dict | None, int]:

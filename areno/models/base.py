@@ -82,27 +82,29 @@ class Attention(nn.Module):
             q, k = apply_rope(q, positions, *rope), apply_rope(k, positions, *rope)
             if kv_cache is not None:
                 store_kvcache(k, v, *kv_cache, meta.slot_mapping)
+        return self.o_proj(self.attend(q, k, v, meta, kv_cache).reshape(t, -1))
+
+    def attend(self, q, k, v, meta: AttentionMetadata, kv_cache=None, **extra):
+        """Attention of the projected ``q/k/v [T, heads, D]``: packed (training, cache-free prefill) or against the
+        paged cache (decode, prefill with a cached prefix). ``extra`` goes to the kernels (GPT-OSS: ``sinks``)."""
         if kv_cache is None:
-            o = attention(
+            return attention(
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window,
+                causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window, **extra,
             )  # fmt: skip
-        else:
-            k_cache, v_cache = kv_cache
-            if not meta.is_prefill:
-                o = paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                                    window=self.window)
-            elif meta.has_prefix:
-                o = paged_attention(
-                    q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                    cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, window=self.window,
-                )  # fmt: skip
-            else:
-                o = attention(
-                    q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                    causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window,
-                )  # fmt: skip
-        return self.o_proj(o.reshape(t, -1))
+        k_cache, v_cache = kv_cache
+        if not meta.is_prefill:
+            return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
+                                   window=self.window, **extra)
+        if meta.has_prefix:
+            return paged_attention(
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
+                cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, window=self.window, **extra,
+            )  # fmt: skip
+        return attention(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window, **extra,
+        )  # fmt: skip
 
     def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -305,6 +307,10 @@ class CausalLM(nn.Module):
 
     def projector_parameters(self) -> list[nn.Parameter]:
         return []
+
+    def checkpoint_source(self, source):
+        """The checkpoint's tensors as the layouts name them (GPT-OSS: MXFP4 experts dequantized); here as stored."""
+        return source
 
     def keep_hf_tensor(self, hf_name: str) -> bool:
         """Whether a checkpoint tensor the layouts do not name is held opaque (``add_hf_tensor``): none here."""

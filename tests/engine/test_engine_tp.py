@@ -41,9 +41,10 @@ def _worker(rank, path, port, out):
     dist.destroy_process_group()
 
 
-# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; deepseek_v3: MLA
-# heads split, latent projections replicated; kimi_linear: KDA heads split, NoPE MLA
-@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "deepseek_v3", "kimi_linear"])
+# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; gpt_oss: + sinks;
+# deepseek_v3: MLA heads split, latent projections replicated; kimi_linear: KDA heads split, NoPE MLA
+@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gpt_oss", "deepseek_v3",
+                                    "kimi_linear"])
 def test_tp2_equals_tp1(tmp_path, family):
     import transformers
 

@@ -1,8 +1,13 @@
 """Reference helpers for the model tests: transformers' model, its gradients under Hub names, next-token targets."""
 
+import json
+import shutil
+
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3")
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gpt_oss")
+
+HUB_FUSED_EXPERTS = ("gpt_oss",)  # families whose checkpoints store the experts fused, as transformers holds them
 
 
 def load_reference(path, dtype=torch.float32):
@@ -13,11 +18,13 @@ def load_reference(path, dtype=torch.float32):
 
 
 def reference_grads(ref) -> dict:
-    """transformers' parameter gradients under checkpoint (Hub) names: fused experts split back per expert."""
-    return renamed_grads(ref)
+    """transformers' parameter gradients under checkpoint (Hub) names: fused experts split back per expert
+    (unless the Hub stores them fused too)."""
+    return renamed_grads(ref, split_experts=ref.config.model_type not in HUB_FUSED_EXPERTS)
 
 
-def renamed_grads(ref, rename=lambda name: name, experts=("gate_proj", "up_proj", "down_proj")) -> dict:
+def renamed_grads(ref, rename=lambda name: name, experts=("gate_proj", "up_proj", "down_proj"),
+                  split_experts: bool = True) -> dict:
     """transformers' gradients under Hub names: ``rename(name)`` first (undoing its load-time renames), then fused
     experts split back per expert (Hub names ``experts``: gate, up, down) and a fused ``conv1d`` back into
     ``q/k/v_conv1d``; parameters without a gradient left out."""
@@ -29,12 +36,12 @@ def renamed_grads(ref, rename=lambda name: name, experts=("gate_proj", "up_proj"
         name = rename(name)
         if name.endswith("attention.conv1d.weight") or name.endswith("self_attn.conv1d.weight"):
             out.update({name.replace("conv1d", f"{x}_conv1d"): c for x, c in zip("qkv", g.chunk(3))})
-        elif name.endswith("experts.gate_up_proj"):
+        elif split_experts and name.endswith("experts.gate_up_proj"):
             base, inter = name[: -len("gate_up_proj")], g.shape[1] // 2
             for e in range(g.shape[0]):
                 out[f"{base}{e}.{experts[0]}.weight"] = g[e, :inter]
                 out[f"{base}{e}.{experts[1]}.weight"] = g[e, inter:]
-        elif name.endswith("experts.down_proj"):
+        elif split_experts and name.endswith("experts.down_proj"):
             out.update({f"{name[: -len('down_proj')]}{e}.{experts[2]}.weight": g[e] for e in range(g.shape[0])})
         else:
             out[name] = g
@@ -194,3 +201,35 @@ def assert_replay_and_checkpointing_agree(model) -> None:
     assert set(runs[1][1]) == set(runs[0][1])
     for name, g in runs[0][1].items():
         torch.testing.assert_close(runs[1][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def with_config_change(source, folder, change: dict):
+    """A copy of the checkpoint folder ``source`` at ``folder`` whose config.json has ``change`` applied."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    return folder
+
+
+def check_logits_and_grads(model, ref, ids, *, logits_rtol: float = 1e-5) -> dict:
+    """One packed fwd+bwd of ``ids [B, T]`` through the areno ``model`` and transformers' ``ref`` (both in train
+    mode): logits within ``logits_rtol`` of the scale, equal losses, every gradient within 1e-4 of its scale;
+    returns areno's gradients by Hub name."""
+    from areno.models import iter_hf_tensors
+
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
+    out = ref(ids, labels=ids)
+    logits = model.compute_logits(hidden).view(b, t, -1)
+    assert (logits - out.logits).abs().max() <= logits_rtol * out.logits.abs().max()
+    targets = next_token_targets(ids)
+    loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
+    got, grads = dict(iter_hf_tensors(model, grads=True)), reference_grads(ref)
+    assert set(got) == set(grads)
+    for name, g in grads.items():
+        assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+    return got
