@@ -3,8 +3,6 @@ against transformers' own model: fp32 logits (packed varlen too) and every gradi
 variants, the Hub-name round trip with the MTP layer untouched, transformers loading what areno saves, routing replay,
 and the refusals (FP8 weights, other routers). Needs a transformers with deepseek_v3 (5.x)."""
 
-import json
-import shutil
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from hf_reference import (
     assert_transformers_loads_saved,
     load_reference,
     reference_grads,
+    with_config_change,
 )
 
 from areno.models import load_model, save_model
@@ -70,15 +69,6 @@ def test_routing_replay_and_activation_checkpointing(tiny_checkpoint):
     assert_replay_and_checkpointing_agree(model)
 
 
-def _edited(src, tmp_path, **fields):
-    dst = tmp_path / "edited"
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(fields)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 @pytest.mark.parametrize("fields, message", [
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
      "quantization_config \\(fp8.*dequantize"),
@@ -92,7 +82,7 @@ def test_refuses_what_it_does_not_implement(tiny_checkpoint, tmp_path, fields, m
     from areno.models.loader import CheckpointError
 
     with pytest.raises((ValueError, NotImplementedError, CheckpointError), match=message):
-        load_model(_edited(tiny_checkpoint("deepseek_v3"), tmp_path, **fields), device="cpu")
+        load_model(with_config_change(tiny_checkpoint("deepseek_v3"), tmp_path / "edited", fields), device="cpu")
 
 
 # ---- GPU (bf16, Triton kernels): python -m pytest -q tests/models/test_deepseek_v3.py -m gpu -----------------------

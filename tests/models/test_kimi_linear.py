@@ -17,6 +17,7 @@ from hf_reference import (
     assert_transformers_loads_saved,
     load_reference,
     renamed_grads,
+    with_config_change,
 )
 
 from areno.models import load_model, save_model
@@ -84,7 +85,7 @@ def test_routing_replay_and_activation_checkpointing(tiny_checkpoint):
     assert_replay_and_checkpointing_agree(model)
 
 
-def _edited(src, tmp_path, drop=(), **fields):
+def _hub_style(src, tmp_path, drop, **fields):
     dst = tmp_path / "edited"
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
@@ -101,7 +102,7 @@ def test_reads_the_hub_linear_attn_config(tiny_checkpoint, tmp_path):
     hub = dict(linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
                                    "kda_layers": [1, 3], "full_attn_layers": [2, 4]}, first_k_dense_replace=1)
     drop = ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")
-    model = load_model(_edited(src, tmp_path, drop=drop, **hub), device="cpu")
+    model = load_model(_hub_style(src, tmp_path, drop, **hub), device="cpu")
     assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
     assert model.config.mlp_layer_types == ["dense"] + ["sparse"] * 3
     ids = _ids(t=9, seed=4)
@@ -121,7 +122,7 @@ def test_refuses_what_it_does_not_implement(tiny_checkpoint, tmp_path, fields, m
     from areno.models.loader import CheckpointError
 
     with pytest.raises((ValueError, NotImplementedError, CheckpointError), match=message):
-        load_model(_edited(tiny_checkpoint("kimi_linear"), tmp_path, **fields), device="cpu")
+        load_model(with_config_change(tiny_checkpoint("kimi_linear"), tmp_path / "edited", fields), device="cpu")
 
 
 # ---- GPU (bf16, Triton kernels): python -m pytest -q tests/models/test_kimi_linear.py -m gpu -----------------------
