@@ -199,12 +199,14 @@ def rope_attention_factor(rope_scaling: dict | None) -> float:
         return 1.0
     if rope_scaling.get("attention_factor") is not None:
         return float(rope_scaling["attention_factor"])
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     factor, m, m_all = rope_scaling["factor"], rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
-    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    return float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all else yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``); DeepSeek-V3 also folds its square into the
+    softmax scale."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_cos_sin(rotary_dim, max_position, base, *, rope_scaling=None, device=None):

@@ -53,14 +53,14 @@ def get(hf, key, default=None):
     return default if value is None else value
 
 
-def dense_config(hf, model_type: str, **overrides) -> ModelConfig:
-    """The fields shared by Llama-like decoders, read from a transformers config object (or dict)."""
+def decoder_fields(hf, model_type: str) -> dict:
+    """The ``ModelConfig`` fields every decoder reads the same way (sizes, norm eps, tied head, biases), from a
+    transformers config object (or dict); a non-SiLU activation is refused."""
     act = get(hf, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise NotImplementedError(f"{model_type}: hidden_act {act!r} is not supported (silu is)")
     heads = get(hf, "num_attention_heads")
-    base, scaling, rotary_dim = rope_params_from_config(hf)
-    fields = dict(
+    return dict(
         model_type=model_type,
         vocab_size=get(hf, "vocab_size"),
         hidden_size=get(hf, "hidden_size"),
@@ -68,14 +68,22 @@ def dense_config(hf, model_type: str, **overrides) -> ModelConfig:
         num_layers=get(hf, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=get(hf, "num_key_value_heads", heads),
-        head_dim=get(hf, "head_dim", None) or get(hf, "hidden_size") // heads,
         rms_norm_eps=get(hf, "rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(get(hf, "tie_word_embeddings", False)),
+        attention_bias=bool(get(hf, "attention_bias", False)),
+    )
+
+
+def dense_config(hf, model_type: str, **overrides) -> ModelConfig:
+    """The fields shared by Llama-like decoders, read from a transformers config object (or dict)."""
+    fields = decoder_fields(hf, model_type)
+    base, scaling, rotary_dim = rope_params_from_config(hf)
+    fields.update(
+        head_dim=get(hf, "head_dim", None) or fields["hidden_size"] // fields["num_heads"],
         rope_theta=base,
         rope_scaling=scaling,
         rotary_dim=rotary_dim,
         max_position_embeddings=get(hf, "max_position_embeddings", 4096),
-        tie_word_embeddings=bool(get(hf, "tie_word_embeddings", False)),
-        attention_bias=bool(get(hf, "attention_bias", False)),
         mlp_bias=bool(get(hf, "mlp_bias", False)),
     )
     fields.update(overrides)

@@ -11,7 +11,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-BUILTIN = ("qwen3", "qwen3_moe", "llama", "bailing_hybrid", "qwen3_vl", "olmo2", "olmo3", "gpt_oss")
+BUILTIN = ("qwen3", "qwen3_moe", "llama", "bailing_hybrid", "qwen3_vl", "olmo2", "olmo3", "gpt_oss", "deepseek_v3",
+           "kimi_linear")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,10 @@ def _yes(value: bool | None) -> str:
 def supported_models_table() -> str:
     """The supported-models table (markdown), one row per registered family (model types of one family joined)."""
     rows: dict[ModelCard, list[str]] = {}
-    for model_type, adapter in load_builtin().items():
+    adapters = load_builtin()
+    order = {t: i for i, t in enumerate(BUILTIN)}  # BUILTIN's order, whatever order the modules were imported in
+    for model_type in sorted(adapters, key=lambda t: (order.get(t, len(order)), t)):
+        adapter = adapters[model_type]
         rows.setdefault(adapter.card, []).append(f"`{model_type}`")
     lines = ["| family | Hugging Face `model_type` | kind | TP | routing replay | MTP layers kept | notes |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -129,6 +129,11 @@ def layout(param_shape, dim, parts, expert=None):
     return Layout(dim, out, expert)
 
 
+def one_layout(name: str, size: int, *shape) -> list:
+    """The layout of a parameter that is exactly one Hugging Face tensor (split along dim 0 when sharded)."""
+    return [layout((size, *shape), 0, [(name, size)])]
+
+
 def part_range(part: Part, sharded: bool, rank: int, size: int) -> tuple[int, int]:
     """(start, length) of ``part`` held by ``rank`` of ``size``."""
     if not sharded or size == 1:
@@ -186,6 +191,8 @@ PLAN = {
     "self_attn.conv": "column",
     "self_attn.decay": "column",
     "self_attn.f_proj": "column",
+    "self_attn.f_b_proj": "column",  # kimi_linear: the low-rank gates' second factor (the first replicated)
+    "self_attn.g_b_proj": "column",
     "self_attn.b_proj": "column",
     "self_attn.g_proj": "column",
     "self_attn.o_norm": "partial_grad",
@@ -214,6 +221,8 @@ def check_divisible(cfg, size: int) -> None:
     problems = []
     if cfg.num_heads % size:
         problems.append(f"num_attention_heads={cfg.num_heads}")
+    if getattr(cfg, "linear_num_heads", 0) % size:  # kimi_linear's KDA heads
+        problems.append(f"linear_num_heads={cfg.linear_num_heads}")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         problems.append(f"num_key_value_heads={cfg.num_kv_heads} (must divide or be divided by the TP size)")
     if cfg.intermediate_size % size:

@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2, olmo3, gpt_oss) for tests
-and demos; nothing is downloaded.
+"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2, olmo3, gpt_oss,
+deepseek_v3, kimi_linear) for tests and demos; nothing is downloaded.
 
 ``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
 (through the transformers config class, so ``AutoConfig`` reads it), ``model.safetensors`` (random weights under HF's
@@ -40,8 +40,15 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
 }
 BAILING_FP32 = ("mlp.gate.weight", "expert_bias", "_conv1d.weight", "dt_bias", "A_log")
+FP32_TENSORS = {  # the tensors transformers keeps fp32 in any dtype (_keep_in_fp32_modules_strict), per family
+    "bailing_hybrid": BAILING_FP32,
+    "deepseek_v3": ("mlp.gate.weight", "e_score_correction_bias"),
+    "kimi_linear": ("block_sparse_moe.gate.weight", "e_score_correction_bias", "dt_bias"),
+}
 # Init std, written to config.json as initializer_range. Larger than HF's 0.02 on purpose: at 0.02 the residual
 # stream is all embedding, and the tied qwen3 model predicts its own input token 98% of the time, so generation tests
 # could not see a position or KV-cache bug. At 0.1 the layers matter (changing the first token changes ~80% of the
@@ -106,14 +113,6 @@ def _defaults(family: str) -> dict:
         rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
         cfg.update(tie_word_embeddings=False, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": dict(rope), "full_attention": dict(rope)})
-    elif family == "gpt_oss":  # a sliding layer then a full one, YaRN, a SwiGLU limit the tiny weights reach
-        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "truncate": False, "original_max_position_embeddings": 256}
-        cfg.pop("rope_theta")
-        cfg.update(tie_word_embeddings=False, attention_bias=True, sliding_window=4, rope_parameters=rope,
-                   layer_types=["sliding_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
-                   intermediate_size=32, swiglu_alpha=1.702, swiglu_limit=1.0, router_aux_loss_coef=0.001,
-                   output_router_logits=False)
     elif family == "bailing_hybrid":
         # [KDA, MLA, KDA, MLA], dense MLP first then 8 experts in 4 groups; qk head dim 24 != v head dim 16
         cfg.update(
@@ -123,7 +122,32 @@ def _defaults(family: str) -> dict:
             v_head_dim=16, num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
             n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1,
         )
+    elif family == "gpt_oss":  # a sliding layer then a full one, YaRN, a SwiGLU limit the tiny weights reach
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 256}
+        cfg.pop("rope_theta")
+        cfg.update(tie_word_embeddings=False, attention_bias=True, sliding_window=4, rope_parameters=rope,
+                   layer_types=["sliding_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=32, swiglu_alpha=1.702, swiglu_limit=1.0, router_aux_loss_coef=0.001,
+                   output_router_logits=False)
+    cfg.update(_mla_defaults(family))
     return cfg
+
+
+def _mla_defaults(family: str) -> dict:
+    """DeepSeek-V3: 3 MLA layers, dense then 8 experts in 4 groups, one MTP layer. Kimi-Linear: [KDA, MLA, KDA,
+    MLA] with 2 KDA heads of 16 (4 MLA heads), dense then sparse. qk head dim 24 != v head dim 16 in both."""
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               q_lora_rank=None, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+               n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)
+    if family == "deepseek_v3":
+        return dict(mla, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_nextn_predict_layers=1,
+                    rope_interleave=True)
+    if family == "kimi_linear":
+        return dict(mla, num_hidden_layers=4, num_local_experts=8, linear_num_heads=2, linear_head_dim=16,
+                    linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2,
+                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    return {}
 
 
 def _dtype_name(dtype) -> str:
@@ -186,6 +210,8 @@ def tiny_config(family: str = "qwen3", *, dtype=torch.float32, **overrides) -> d
     if family == "bailing_hybrid":
         out.pop("head_dim", None)  # transformers writes the RoPE dim there; the Hub config has the KDA head dim
         out["head_dim"] = out["linear_head_dim"]
+    if family in ("deepseek_v3", "kimi_linear"):
+        out.pop("head_dim", None)  # transformers writes the RoPE dim there; Hub MLA configs have none
     if family == "qwen3_moe":
         experts = out.get("num_experts", out.get("num_local_experts"))
         out["num_experts"] = out["num_local_experts"] = experts
@@ -206,7 +232,7 @@ def random_weights(config: dict, *, seed: int = 0, dtype=torch.float32) -> dict[
     for name, shape in weight_shapes(config).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
         w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
-        fp32 = config["model_type"] == "bailing_hybrid" and name.endswith(BAILING_FP32)
+        fp32 = name.endswith(FP32_TENSORS.get(config["model_type"], ()))
         out[name] = w.to(torch.float32 if fp32 else dtype).contiguous()
     return out
 

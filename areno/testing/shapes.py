@@ -1,6 +1,6 @@
 """Hugging Face tensor names and shapes of the tiny text families (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2,
-gpt_oss), in Hub layout: what ``checkpoints.random_weights`` draws and what ``qwen3_vl`` puts under its language
-model."""
+gpt_oss, deepseek_v3, kimi_linear), in Hub layout: what ``checkpoints.random_weights`` draws and what ``qwen3_vl``
+puts under its language model."""
 
 from __future__ import annotations
 
@@ -91,12 +91,104 @@ def _gpt_oss_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _with_head(config: dict, shapes: dict) -> dict:
+    """``shapes`` plus the final norm and the LM head (unless tied)."""
+    shapes["model.norm.weight"] = (config["hidden_size"],)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], config["hidden_size"])
+    return shapes
+
+
+def _mla_attention(config: dict, a: str) -> dict:
+    """DeepSeek-style MLA tensors under prefix ``a`` (``model.layers.{i}.self_attn.``), output projection o_proj."""
+    hidden, heads, rank = config["hidden_size"], config["num_attention_heads"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    if config.get("q_lora_rank"):
+        q = config["q_lora_rank"]
+        shapes = {a + "q_a_proj.weight": (q, hidden), a + "q_a_layernorm.weight": (q,),
+                  a + "q_b_proj.weight": (heads * (nope + rope), q)}
+    else:
+        shapes = {a + "q_proj.weight": (heads * (nope + rope), hidden)}
+    shapes.update({a + "kv_a_proj_with_mqa.weight": (rank + rope, hidden), a + "kv_a_layernorm.weight": (rank,),
+                   a + "kv_b_proj.weight": (heads * (nope + v), rank), a + "o_proj.weight": (hidden, heads * v)})
+    return shapes
+
+
+def _sigmoid_moe(config: dict, m: str, names=("gate_proj", "up_proj", "down_proj")) -> dict:
+    """The router (with its selection bias), per-expert and shared-expert tensors under prefix ``m``."""
+    hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+    experts = config.get("n_routed_experts") or config.get("num_local_experts") or config["num_experts"]
+    shared = inter * (config.get("n_shared_experts") or config.get("num_shared_experts") or 1)
+    shapes = {m + "gate.weight": (experts, hidden), m + "gate.e_score_correction_bias": (experts,)}
+    for e in range(experts):
+        shapes.update({m + f"experts.{e}.{names[0]}.weight": (inter, hidden),
+                       m + f"experts.{e}.{names[1]}.weight": (inter, hidden),
+                       m + f"experts.{e}.{names[2]}.weight": (hidden, inter)})
+    shapes.update(_swiglu(config, m + "shared_experts.", shared))
+    return shapes
+
+
+def _swiglu(config: dict, m: str, inter: int) -> dict:
+    hidden = config["hidden_size"]
+    return {m + "gate_proj.weight": (inter, hidden), m + "up_proj.weight": (inter, hidden),
+            m + "down_proj.weight": (hidden, inter)}
+
+
+def _deepseek_v3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    hidden, vocab, n = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(n + config.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{i}."
+        if i >= n:  # an MTP layer: its own embedding, input norms and projection, head, then an MLA + MoE block
+            shapes.update({p + "embed_tokens.weight": (vocab, hidden), p + "enorm.weight": (hidden,),
+                           p + "hnorm.weight": (hidden,), p + "eh_proj.weight": (hidden, 2 * hidden),
+                           p + "shared_head.norm.weight": (hidden,), p + "shared_head.head.weight": (vocab, hidden)})
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes.update(_mla_attention(config, p + "self_attn."))
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if i >= config["first_k_dense_replace"]:
+            shapes.update(_sigmoid_moe(config, p + "mlp."))
+        else:
+            shapes.update(_swiglu(config, p + "mlp.", config["intermediate_size"]))
+    return _with_head(config, shapes)
+
+
+def _kimi_delta_attention(config: dict, a: str) -> dict:
+    hidden, heads, d = config["hidden_size"], config["linear_num_heads"], config["linear_head_dim"]
+    hd, width = heads * d, config["linear_conv_kernel_dim"]
+    shapes = {a + f"{x}_proj.weight": (hd, hidden) for x in "qkv"}
+    shapes.update({a + f"{x}_conv1d.weight": (hd, 1, width) for x in "qkv"})
+    shapes.update({a + "f_a_proj.weight": (d, hidden), a + "f_b_proj.weight": (hd, d), a + "dt_bias": (hd,),
+                   a + "A_log": (1, 1, heads, 1), a + "b_proj.weight": (heads, hidden),
+                   a + "g_a_proj.weight": (d, hidden), a + "g_b_proj.weight": (hd, d), a + "o_norm.weight": (d,),
+                   a + "o_proj.weight": (hidden, hd)})
+    return shapes
+
+
+def _kimi_linear_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        if config["layer_types"][i] == "full_attention":
+            shapes.update(_mla_attention(config, p + "self_attn."))
+        else:
+            shapes.update(_kimi_delta_attention(config, p + "self_attn."))
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if config["mlp_layer_types"][i] == "sparse":
+            shapes.update(_sigmoid_moe(config, p + "block_sparse_moe.", ("w1", "w3", "w2")))
+        else:
+            shapes.update(_swiglu(config, p + "mlp.", config["intermediate_size"]))
+    return _with_head(config, shapes)
+
+
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a ``config.json`` dict of one of the tiny families, in Hub (unfused) layout."""
-    if config["model_type"] == "bailing_hybrid":
-        return _bailing_hybrid_shapes(config)
-    if config["model_type"] == "gpt_oss":
-        return _gpt_oss_shapes(config)
+    special = {"bailing_hybrid": _bailing_hybrid_shapes, "gpt_oss": _gpt_oss_shapes,
+               "deepseek_v3": _deepseek_v3_shapes, "kimi_linear": _kimi_linear_shapes}
+    if config["model_type"] in special:
+        return special[config["model_type"]](config)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads

@@ -14,6 +14,7 @@ from areno.models import load_model, load_tokenizer
 from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.cpu_graph import CpuGraph
+from tests.helpers.families import assert_preemption_keeps_tokens, assert_routes_match_forward
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 
@@ -74,12 +75,7 @@ def test_sampled_forks_and_multi_step_decode_match_the_forward(hybrid):
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=2e-4, rtol=0)
     multi = engine(model, tok, decode_steps=3).generate(prompts, opts)
     assert [[c.token_ids for c in g] for g in multi] == [[c.token_ids for c in g] for g in out]
-    budget = 12 * kv_bytes_per_block(model, 4, torch.float32) + state_bytes(model, 6, torch.float32)
-    small = engine(model, tok, max_running=6, kv_cache_memory=budget)
-    assert small.blocks.num_blocks == 12
-    tight = small.generate(prompts, opts)
-    assert small.scheduler.num_preemptions > 0
-    assert [[c.token_ids for c in g] for g in tight] == [[c.token_ids for c in g] for g in out]
+    assert_preemption_keeps_tokens(model, tok, prompts, opts, engine, out)
 
 
 def test_latent_mla_cache_equals_the_expanded_cache_and_fits_more_blocks(hybrid, monkeypatch):
@@ -121,19 +117,7 @@ def test_routing_capture_equals_the_forwards_routing(hybrid):
     prompts = [tok.encode(p) for p in PROMPTS]
     e = engine(model, tok, max_batched_tokens=7, record_routing=True)
     out = e.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=3))
-    for c in [c for g in out for c in g]:
-        ids = c.prompt_ids + c.token_ids
-        t = len(ids)
-        meta = AttentionMetadata(None, True, torch.tensor([0, t], dtype=torch.int32),
-                                 torch.tensor([0, t], dtype=torch.int32), t, t)
-        meta.routing_out = torch.full((model.num_moe_layers, t, model.moe_top_k), -1, dtype=torch.int32)
-        with torch.no_grad():
-            model(torch.tensor(ids), torch.arange(t), attn_metadata=meta)
-        got = torch.from_numpy(c.routed_experts).long()
-        assert got.shape == (t, model.num_moe_layers, model.moe_top_k)
-        assert (got[-1] == -1).all() and (got[:-1] >= 0).all()
-        want = meta.routing_out.permute(1, 0, 2).long()[:-1]
-        assert torch.equal(got[:-1].sort(-1).values, want.sort(-1).values)
+    assert_routes_match_forward(model, [c for g in out for c in g])
 
 
 def test_graph_inputs_give_the_eager_tokens_and_routes(hybrid, monkeypatch):

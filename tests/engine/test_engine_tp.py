@@ -41,9 +41,16 @@ def _worker(rank, path, port, out):
     dist.destroy_process_group()
 
 
-# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; gpt_oss: + sinks
-@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gpt_oss"])
+# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; gpt_oss: + sinks;
+# deepseek_v3: MLA heads split, latent projections replicated; kimi_linear: KDA heads split, NoPE MLA
+@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gpt_oss", "deepseek_v3",
+                                    "kimi_linear"])
 def test_tp2_equals_tp1(tmp_path, family):
+    import transformers
+
+    needs = {"deepseek_v3": "DeepseekV3Config", "kimi_linear": "KimiLinearConfig"}.get(family)
+    if needs and not hasattr(transformers, needs):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
     path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=4)
     out = str(tmp_path / "res")
     mp.spawn(_worker, args=(path, free_port(), out), nprocs=2, join=True)

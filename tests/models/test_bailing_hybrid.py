@@ -3,19 +3,21 @@ model: logits and gradients in fp32, the Hub-name round trip (MTP layers kept un
 checkpointing with routing counted once, the selection-bias update, and the refusal of the Ling 2.x hybrid."""
 
 import json
-import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from hf_reference import load_reference, next_token_targets
-from safetensors import safe_open
+from hf_reference import (
+    assert_fp32_parity,
+    assert_same_checkpoint,
+    assert_transformers_loads_saved,
+    hub_tensors,
+    load_reference,
+    next_token_targets,
+    packed_loss,
+    renamed_grads,
+)
 
 from areno.models import load_model, save_model
-from areno.models.tp import pieces
 
 # the default tiny config: [KDA, MLA, KDA, MLA], dense then sparse MLPs, qk head dim 24 > v head dim 16, one MTP
 # layer; the second: q_lora_rank, v head dim 32 > qk 24 (q and k padded), the softplus forget gate, no MTP
@@ -26,54 +28,10 @@ def _ids(vocab, b=2, t=19, seed=0):
     return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _loss(model, ids):
-    b, t = ids.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
-    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
-    targets = next_token_targets(ids)
-    return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
-
-
-def _grads(model) -> dict:
-    """Gradients under Hub names (this process's full model)."""
-    params, out = dict(model.named_parameters()), {}
-    for pname, lays in model._tp_layouts.items():
-        g = params[pname].grad
-        if g is None:
-            continue
-        for pc in pieces(lays, 0, 1):
-            out.setdefault(pc.hf_name, torch.empty(pc.hf_shape))[pc.src] = g[pc.dst]
-    return out
-
-
-def _hub_grads(ref) -> dict:
-    """transformers' gradients under the Hub names it renamed at load (conv kernels split back, experts unfused)."""
-    out = {}
-    for name, p in ref.named_parameters():
-        g = p.grad
-        if g is None:
-            continue
-        name = name.replace("model.embed_tokens.", "model.word_embeddings.").replace(".self_attn.", ".attention.")
-        name = name.replace(".attention.o_proj.", ".attention.dense.").replace(".forget_gate.", ".")
-        if name.endswith("attention.conv1d.weight"):
-            out.update({name.replace("conv1d", f"{x}_conv1d"): c for x, c in zip("qkv", g.chunk(3))})
-        elif name.endswith("mlp.experts.gate_up_proj"):
-            base, i = name[: -len("gate_up_proj")], g.shape[1] // 2
-            for e in range(g.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = g[e, :i], g[e, i:]
-        elif name.endswith("mlp.experts.down_proj"):
-            out.update({f"{name[: -len('down_proj')]}{e}.down_proj.weight": g[e] for e in range(g.shape[0])})
-        else:
-            out[name] = g
-    return out
-
-
-def _tensors(folder):
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+def _hub_name(name: str) -> str:
+    """The Hub name of a transformers parameter of Ling 3 (transformers renames them at load)."""
+    name = name.replace("model.embed_tokens.", "model.word_embeddings.").replace(".self_attn.", ".attention.")
+    return name.replace(".attention.o_proj.", ".attention.dense.").replace(".forget_gate.", ".")
 
 
 @pytest.mark.parametrize("overrides", [{}, VARIANT], ids=["mtp", "q_lora"])
@@ -83,21 +41,7 @@ def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, overrides
     cfg = model.config
     assert cfg.layer_types == ["linear_attention", "full_attention"] * 2 and cfg.num_experts == 8
     assert len(model.mtp_names) == (0 if overrides else 41)  # the MTP layer's tensors, held untouched
-    ids = _ids(cfg.vocab_size)
-    with torch.no_grad():
-        got, want = model.logits(ids), ref(ids).logits
-    assert got.shape == want.shape == (*ids.shape, cfg.vocab_size)
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    model.train(), ref.train()
-    loss = _loss(model, _ids(cfg.vocab_size, seed=2))
-    loss.backward()
-    ref_loss = ref(_ids(cfg.vocab_size, seed=2), labels=_ids(cfg.vocab_size, seed=2)).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    got, want = _grads(model), _hub_grads(ref)
-    assert set(got) == set(want)
-    for name, g in want.items():
-        assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
+    assert_fp32_parity(model, ref, lambda ref: renamed_grads(ref, _hub_name))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -108,25 +52,13 @@ def test_hf_areno_hf_is_bit_identical_with_mtp_layers(tmp_path, dtype):
     model = load_model(src, device="cpu")
     assert model.layers[1].mlp.gate.weight.dtype == model.layers[0].self_attn.decay.A_log.dtype == torch.float32
     out = save_model(model, tmp_path / "out")
-    a, b = _tensors(src), _tensors(out)
-    assert sorted(a) == sorted(b) and any(k.startswith("model.layers.4.eh_proj") for k in a)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
-    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    a = assert_same_checkpoint(src, out)
+    assert any(k.startswith("model.layers.4.eh_proj") for k in a)
 
 
 def test_transformers_loads_what_areno_saves(tiny_checkpoint, tmp_path):
     model = load_model(tiny_checkpoint("bailing_hybrid", **VARIANT), device="cpu")
-    with torch.no_grad():  # change the weights so the test sees what was saved
-        for p in model.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    out = save_model(model, tmp_path / "trained")
-    ids = _ids(model.config.vocab_size, t=11, seed=3)
-    with torch.no_grad():
-        want = model.logits(ids)
-        assert (load_reference(out)(ids).logits - want).abs().max() <= 1e-4 * want.abs().max()
-        assert torch.equal(load_model(out, device="cpu").logits(ids), want)
+    assert_transformers_loads_saved(model, tmp_path / "trained", load_model, save_model)
 
 
 def test_checkpointing_counts_routing_once_and_bias_moves_once_per_step(tiny_checkpoint):
@@ -136,7 +68,7 @@ def test_checkpointing_counts_routing_once_and_bias_moves_once_per_step(tiny_che
     for enabled in (False, True):
         model = load_model(path, device="cpu").train()
         model.set_activation_checkpointing(enabled)
-        loss = _loss(model, ids)
+        loss = packed_loss(model, ids)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
                         model.expert_load().clone()))
@@ -189,62 +121,7 @@ def test_refuses_the_ling2_hybrid(tiny_checkpoint, tmp_path):
         load_model(old, device="cpu")
 
 
-# ---- tensor parallel -----------------------------------------------------------------------------------------------
-
-
-def _run(model):
-    ids = _ids(1000, t=13, seed=7)
-    with torch.no_grad():
-        logits = model.logits(ids)
-    model.train()
-    model.set_activation_checkpointing(True)
-    loss = _loss(model, ids)
-    loss.backward()
-    from areno.models import iter_hf_tensors
-
-    return logits, loss.detach(), dict(iter_hf_tensors(model, grads=True)), model.expert_load()
-
-
-def _worker(rank, world, port, path, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    from areno.distributed import parallel
-
-    parallel.init_distributed("gloo", tp_size=world)
-    model = load_model(path, device="cpu", tp_group=parallel.get_tp_group())
-    assert model.layers[0].self_attn.num_heads == model.layers[1].self_attn.num_heads == 4 // world
-    result = _run(model)
-    save_model(model, os.path.join(out_dir, "saved"))
-    if rank == 0:
-        torch.save(result, os.path.join(out_dir, "results.pt"))
-    parallel.destroy_distributed()
-
-
-def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
-    path = str(tiny_checkpoint("bailing_hybrid"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.spawn(_worker, args=(2, port, path, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.time() + 240
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("TP workers did not finish")
-    assert not dist.is_initialized()
-    logits2, loss2, grads2, load2 = torch.load(tmp_path / "results.pt")
-    logits1, loss1, grads1, load1 = _run(load_model(path, device="cpu"))
-    assert (logits2 - logits1).abs().max() <= 1e-5 * logits1.abs().max()
-    torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=1e-6)
-    assert torch.equal(load2, load1)  # routing is replicated: the same counts on every rank
-    assert set(grads2) == set(grads1)
-    for name, g in grads1.items():
-        assert (grads2[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
-    a, b = _tensors(tmp_path / "saved"), _tensors(tiny_checkpoint("bailing_hybrid"))
-    assert sorted(a) == sorted(b)
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
+# (TP=2 == TP=1: tests/models/test_tp_mla.py)
 
 
 def test_trainer_moves_the_bias_once_per_optimizer_step(tiny_checkpoint):
@@ -299,7 +176,7 @@ def test_sft_run_trains_moves_the_bias_and_keeps_mtp_untouched(tiny_checkpoint, 
     assert main(["train", "--algo", "sft", "--ckpt", str(src), "--dataset-path", str(data), "--batch-size", "4",
                  "--mini-bs", "2", "--max-steps", "2", "--lr", "1e-3", "--save-path", str(out), "--no-tensorboard",
                  "--dtype", "float32", "--router-bias-update-rate", "0.01"]) == 0
-    before, after = _tensors(src), _tensors(out / "step-2")
+    before, after = hub_tensors(src), hub_tensors(out / "step-2")
     assert sorted(before) == sorted(after)
     for name in before:  # MTP untouched; everything else trained (an expert no token reached keeps its weights)
         same = torch.equal(before[name], after[name])

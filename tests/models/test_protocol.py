@@ -17,6 +17,8 @@ CAPABILITIES = {
     "olmo2": (False, False, False, False, True),
     "olmo3": (False, False, False, False, True),
     "gpt_oss": (True, False, False, False, True),
+    "deepseek_v3": (True, False, False, True, False),
+    "kimi_linear": (True, True, False, True, False),
 }
 
 

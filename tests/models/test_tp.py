@@ -9,16 +9,14 @@ experts' interleaved gate/up columns split in whole pairs, the down bias added a
 """
 
 import os
-import socket
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hf_reference import next_token_targets
 from safetensors import safe_open
 
 from areno.models import iter_hf_tensors, load_model, save_model
+from tests.helpers.families import spawn_tp
 
 CASES = {
     "qwen3": dict(),
@@ -97,21 +95,9 @@ def _worker(rank, world, port, paths, out_dir):
     parallel.destroy_distributed()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
     paths = {family: str(tiny_checkpoint(family, **overrides)) for family, overrides in CASES.items()}
-    ctx = mp.spawn(_worker, args=(2, _free_port(), paths, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.time() + 240
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("TP workers did not finish")
+    spawn_tp(_worker, (paths, str(tmp_path)))
     results = torch.load(tmp_path / "results.pt")
     assert not dist.is_initialized()
     for family, path in paths.items():
