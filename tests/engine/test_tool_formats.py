@@ -17,9 +17,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def calls_of(parsed):
-    """The calls as (name, arguments object): the id is random, the arguments a JSON string."""
+    """The calls as (name, arguments object): the id is random (Kimi's: its own), the arguments a JSON string."""
     for c in parsed.calls:
-        assert c.id.startswith("call_") and len(c.id) == 29
+        assert (c.id.startswith("call_") and len(c.id) == 29) or c.id == f"functions.{c.name}:{c.id.split(':')[-1]}"
         assert c.to_openai() == {"id": c.id, "type": "function",
                                  "function": {"name": c.name, "arguments": c.arguments}}
     return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
@@ -39,7 +39,7 @@ def test_the_registry_and_the_config_vocabulary_agree():
     ("qwen3", "qwen3"), ("qwen3_moe", "qwen3"), ("qwen3_vl", "qwen3"), ("qwen3_5", "qwen3_coder"),
     ("qwen3_5_moe", "qwen3_coder"), ("qwen3_5_text", "qwen3_coder"), ("gemma4", "gemma4"),
     ("gemma4_text", "gemma4"), ("gpt_oss", "harmony"), ("deepseek_v3", "deepseek_v3"), ("llama", "llama3_json"),
-    ("olmo3", "qwen3"), ("bailing_hybrid", "qwen3"), (None, "qwen3")])
+    ("kimi_linear", "kimi_k2"), ("olmo3", "qwen3"), ("bailing_hybrid", "qwen3"), (None, "qwen3")])
 def test_model_type_picks_the_family_format(model_type, name):
     assert format_for(model_type).name == name
     assert MODEL_FORMATS.get(model_type or "", "qwen3") == name
@@ -235,3 +235,30 @@ def test_read_answer_strips_other_special_tokens_for_special_markup_formats():
     assert strip_tokens(" <|x|> ", ("<|x|>",)) is None
     p = read_answer(FORMATS["llama3_json"], text.replace("<|eom_id|>", ""), None, ("<|python_tag|>",))
     assert calls_of(p) == [("a", {})]
+
+
+# ---- kimi_k2 --------------------------------------------------------------------------------------------------------
+KB, KE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+
+def kimi_call(header, args):
+    return f"<|tool_call_begin|>{header}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+
+
+def test_kimi_section_with_several_calls_keeps_kimis_ids():
+    text = ("I'll look.\n" + KB + kimi_call("functions.get_weather:0", json.dumps({"city": "東京", "n": [1, {"a": 2}]},
+                                                                                  ensure_ascii=False))
+            + "\n" + kimi_call("functions.get_time:1", "{}") + KE)
+    p = parse("kimi_k2", text)
+    assert p.content == "I'll look."
+    assert calls_of(p) == [("get_weather", {"city": "東京", "n": [1, {"a": 2}]}), ("get_time", {})]
+    assert [c.id for c in p.calls] == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+def test_kimi_malformed_calls_stay_content():
+    bad_args, bad_header = kimi_call("functions.f:0", "{oops"), kimi_call("functions.f", "{}")  # no :N index
+    text = KB + bad_args + kimi_call("functions.g:1", '{"x": 1}') + bad_header + KE
+    p = parse("kimi_k2", text)
+    assert calls_of(p) == [("g", {"x": 1})] and p.content == bad_args + bad_header
+    only_bad = "hi " + KB + bad_args + KE
+    assert parse("kimi_k2", only_bad).content == only_bad and parse("kimi_k2", only_bad).calls == []

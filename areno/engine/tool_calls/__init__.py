@@ -9,6 +9,7 @@ agentic rollout. A parser never guesses: a block it cannot read whole stays in t
 | harmony       | GPT-OSS                            | ``<|channel|>commentary to=functions.f ...<|message|>{...}`` |
 | deepseek_v3   | DeepSeek-V3 / R1 / V3.1            | ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>f ...``          |
 | llama3_json   | Llama 3.x                          | ``<|python_tag|>{"name": "f", "parameters": {...}}``         |
+| kimi_k2       | Kimi K2, Kimi-Linear               | ``<|tool_call_begin|>functions.f:0<|tool_call_argument_...`` |
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from areno.config.constants import TOOL_CALL_FORMATS
 from areno.engine.tool_calls.base import Parsed, ToolCall, ToolFormat
 from areno.engine.tool_calls.gemma4 import parse_gemma4
 from areno.engine.tool_calls.harmony import parse_harmony
-from areno.engine.tool_calls.json_calls import parse_deepseek_v3, parse_llama3_json, parse_qwen3
+from areno.engine.tool_calls.json_calls import parse_deepseek_v3, parse_kimi_k2, parse_llama3_json, parse_qwen3
 from areno.engine.tool_calls.qwen3_coder import parse_qwen3_coder
 
 __all__ = ["FORMATS", "MODEL_FORMATS", "Parsed", "ToolCall", "ToolFormat", "format_for", "parse_tool_calls",
@@ -36,6 +37,9 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```"
                "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
     ToolFormat("llama3_json", parse_llama3_json, True, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}'),
+    ToolFormat("kimi_k2", parse_kimi_k2, True,
+               '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
+               "<|tool_call_end|><|tool_calls_section_end|>"),
 )}
 
 assert tuple(FORMATS) == TOOL_CALL_FORMATS[1:], "config.constants.TOOL_CALL_FORMATS names these formats"
@@ -48,6 +52,7 @@ MODEL_FORMATS: dict[str, str] = {
     "gpt_oss": "harmony",
     "deepseek_v3": "deepseek_v3",
     "llama": "llama3_json",
+    **dict.fromkeys(("kimi_linear", "kimi_k2"), "kimi_k2"),
 }
 
 

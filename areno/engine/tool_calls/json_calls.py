@@ -1,7 +1,10 @@
 """The formats whose call bodies are JSON. Qwen3's (Qwen2.5's, Hermes'): ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`` blocks; Llama 3's JSON form (``{"name": ..., "parameters": {...}}``, after ``<|python_tag|>`` or
 as the whole answer, several separated by ``;``); DeepSeek-V3's ``<｜tool▁calls▁begin｜>`` section (the V3 form with
-``function`` and a fenced JSON block, and the V3.1 form with the name before ``<｜tool▁sep｜>``)."""
+``function`` and a fenced JSON block, and the V3.1 form with the name before ``<｜tool▁sep｜>``); Kimi's
+``<|tool_calls_section_begin|>`` section (Kimi K2 and Kimi-Linear: ``<|tool_call_begin|>functions.NAME:N
+<|tool_call_argument_begin|>{...}<|tool_call_end|>``, the header kept as the call's id, as Kimi's template reads it
+back)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,15 @@ import json
 import re
 from collections.abc import Sequence
 
-from areno.engine.tool_calls.base import Parsed, joined, json_object, make_call, name_and_arguments, read_blocks
+from areno.engine.tool_calls.base import (
+    Parsed,
+    ToolCall,
+    joined,
+    json_object,
+    make_call,
+    name_and_arguments,
+    read_blocks,
+)
 
 _QWEN_BLOCK = re.compile(r"<tool_call>\s*((?:(?!<tool_call>).)*?)\s*</tool_call>", re.DOTALL)  # an unclosed block
 # never swallows the next one
@@ -69,18 +80,18 @@ def _deepseek_call(inner: str):
     return make_call(m.group(1).strip(), obj) if obj is not None and m.group(1).strip() else None
 
 
-def parse_deepseek_v3(text: str, tools: Sequence[dict] | None = None) -> Parsed:
-    """One section of calls; a call block that does not parse stays in the content, and a section where none parses
-    stays whole."""
-    start = text.find(DS_BEGIN)
+def read_section(text: str, begin: str, end: str, block: re.Pattern, read) -> Parsed:
+    """One ``begin``...``end`` section of call blocks (``read(match)`` -> a call or None); a block that does not parse
+    stays in the content, and a section where none parses stays whole."""
+    start = text.find(begin)
     if start < 0:
         return Parsed(text)
-    end = text.find(DS_END, start)
-    section = text[start + len(DS_BEGIN) : end if end >= 0 else len(text)]
-    after = text[end + len(DS_END) :] if end >= 0 else ""
+    stop = text.find(end, start)
+    section = text[start + len(begin) : stop if stop >= 0 else len(text)]
+    after = text[stop + len(end) :] if stop >= 0 else ""
     calls, kept, last = [], [text[:start]], 0
-    for m in _DS_CALL.finditer(section):
-        call = _deepseek_call(m.group(1))
+    for m in block.finditer(section):
+        call = read(m)
         if call is not None:
             calls.append(call)
             kept.append(section[last : m.start()])
@@ -89,3 +100,26 @@ def parse_deepseek_v3(text: str, tools: Sequence[dict] | None = None) -> Parsed:
         return Parsed(text)
     kept += [section[last:], after]
     return Parsed(joined(kept), calls)
+
+
+def parse_deepseek_v3(text: str, tools: Sequence[dict] | None = None) -> Parsed:
+    return read_section(text, DS_BEGIN, DS_END, _DS_CALL, lambda m: _deepseek_call(m.group(1)))
+
+
+KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>\s*"
+                        r"((?:(?!<\|tool_call_begin\|>).)*?)\s*<\|tool_call_end\|>", re.DOTALL)
+_KIMI_HEADER = re.compile(r"(?:functions\.)?([^\s:]+):\d+")
+
+
+def _kimi_call(m: re.Match) -> ToolCall | None:
+    header, obj = _KIMI_HEADER.fullmatch(m.group(1)), json_object(m.group(2))
+    if header is None or obj is None:
+        return None
+    call = make_call(header.group(1), obj)
+    call.id = m.group(1)  # Kimi's own id (functions.NAME:N): its chat template matches tool results by it
+    return call
+
+
+def parse_kimi_k2(text: str, tools: Sequence[dict] | None = None) -> Parsed:
+    return read_section(text, KIMI_BEGIN, KIMI_END, _KIMI_CALL, _kimi_call)
