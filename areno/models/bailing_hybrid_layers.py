@@ -153,7 +153,7 @@ def one_layout(name: str, size: int, *shape) -> list:
     return [layout((size, *shape), 0, [(name, size)])]
 
 
-def _carried(pool, meta):
+def carried_state(pool, meta):
     """The state each prefill sequence starts from: its slot's, when tokens precede its chunk, else zeros."""
     idx = meta.state_indices.long()
     q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
@@ -225,7 +225,7 @@ class KimiDeltaAttention(nn.Module):
         elif decode:
             qkv = causal_conv1d_update(mixed, kv_cache[0], w, activation="silu", state_indices=meta.state_indices)
         else:
-            idx, s0 = _carried(kv_cache[0], meta)
+            idx, s0 = carried_state(kv_cache[0], meta)
             qkv, final = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu, initial_state=s0,
                                        output_final_state=True)
             kv_cache[0].index_copy_(0, idx, final)
@@ -240,7 +240,7 @@ class KimiDeltaAttention(nn.Module):
             o = fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, kv_cache[1], scale=d**-0.5,
                                                       state_indices=meta.state_indices)
         else:
-            idx, s0 = _carried(kv_cache[1], meta)
+            idx, s0 = carried_state(kv_cache[1], meta)
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu, initial_state=s0,
                                               output_final_state=True)
             kv_cache[1].index_copy_(0, idx, final)

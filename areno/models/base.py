@@ -60,10 +60,18 @@ class Attention(nn.Module):
         """The fused q/k/v projection ``[T, (Hq + 2 Hkv) D]`` (OLMo 2 also norms the whole q and k here)."""
         return self.qkv_proj(x)
 
+    def qk_norm_weights(self, dtype):
+        """The per-head q/k RMSNorm weights the fused kernels scale by (None, None without QK norm)."""
+        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+
     def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache=None):
-        t, d = x.shape[0], self.head_dim
-        qkv = self.project_qkv(x)
-        qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        o = self.attend(self.project_qkv(x), positions, rope, meta, kv_cache)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+    def attend(self, qkv, positions, rope, meta: AttentionMetadata, kv_cache=None):
+        """``[T, Hq, D]`` attention output of the fused projection ``qkv`` (q/k norm, RoPE, cache write, attention)."""
+        t, d = qkv.shape[0], self.head_dim
+        qn, kn = self.qk_norm_weights(qkv.dtype)
         eps = 1e-6 if self.q_norm is None else self.q_norm.eps
         if kv_cache is not None and self.fused_prologue and not torch.is_grad_enabled():
             # inference: q/k norm, RoPE and the cache write in one launch (local head counts under TP)
@@ -102,7 +110,7 @@ class Attention(nn.Module):
                     q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
                     causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window,
                 )  # fmt: skip
-        return self.o_proj(o.reshape(t, -1))
+        return o
 
     def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import areno.testing.tokenizer as tiny_tokenizer
+from areno.testing import qwen3_5
 from areno.testing.qwen3_vl import make_tiny_vl_checkpoint
 from areno.testing.shapes import weight_shapes
 
@@ -39,6 +40,7 @@ FAMILIES = {
     "bailing_hybrid": ("BailingHybridConfig", "BailingMoeV3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    **qwen3_5.FAMILIES,
 }
 BAILING_FP32 = ("mlp.gate.weight", "expert_bias", "_conv1d.weight", "dt_bias", "A_log")
 # Init std, written to config.json as initializer_range. Larger than HF's 0.02 on purpose: at 0.02 the residual
@@ -114,6 +116,11 @@ def _defaults(family: str) -> dict:
             v_head_dim=16, num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
             n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=1,
         )
+    elif family in qwen3_5.FAMILIES:
+        cfg.update(qwen3_5.defaults(family))
+        cfg.pop("rope_theta")
+        if family == "qwen3_5_moe":
+            cfg.pop("intermediate_size")
     return cfg
 
 
@@ -196,7 +203,10 @@ def random_weights(config: dict, *, seed: int = 0, dtype=torch.float32) -> dict[
     out = {}
     for name, shape in weight_shapes(config).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
-        w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
+        if config["model_type"] in qwen3_5.MODEL_TYPES and qwen3_5.zero_centered(name):
+            w = NORM_NOISE_STD * w  # the model scales by 1 + weight
+        else:
+            w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
         fp32 = config["model_type"] == "bailing_hybrid" and name.endswith(BAILING_FP32)
         out[name] = w.to(torch.float32 if fp32 else dtype).contiguous()
     return out

@@ -3,6 +3,8 @@ Hub (unfused) layout: what ``checkpoints.random_weights`` draws and what ``qwen3
 
 from __future__ import annotations
 
+from areno.testing.qwen3_5 import weight_shapes as qwen3_5_shapes
+
 
 def _bailing_hybrid_layer(config: dict, p: str, full: bool, sparse: bool) -> dict:
     """Hub tensor shapes of one Ling 3 decoder layer with prefix ``p`` (``model.layers.{i}.``)."""
@@ -70,6 +72,8 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a ``config.json`` dict of one of the tiny families, in Hub (unfused) layout."""
     if config["model_type"] == "bailing_hybrid":
         return _bailing_hybrid_shapes(config)
+    if config["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
+        return qwen3_5_shapes(config)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads

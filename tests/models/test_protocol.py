@@ -16,6 +16,7 @@ CAPABILITIES = {
     "qwen3_vl": (False, False, True, False, True),
     "olmo2": (False, False, False, False, True),
     "olmo3": (False, False, False, False, True),
+    "qwen3_5": (False, True, False, False, True),
 }
 
 
@@ -35,7 +36,7 @@ def test_adapter_satisfies_protocol(tiny_checkpoint, family):
     assert model.is_value_model is False and model.tp_group is None and model.engine_support is None
     assert model.is_moe == (model.num_moe_layers > 0) and (model.moe_top_k > 0) == model.is_moe
     assert model.tie_word_embeddings == model.config.tie_word_embeddings
-    assert model.hf_config["model_type"] == family and model.source_dir is not None
+    assert model.hf_config["model_type"].removesuffix("_text") == family and model.source_dir is not None
     assert model.activation_checkpointing is False
     model.set_activation_checkpointing(True)
     assert model.activation_checkpointing and all(layer.checkpointing for layer in model.layers)
