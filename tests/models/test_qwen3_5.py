@@ -25,8 +25,8 @@ def _ids(vocab, b=2, t=19, seed=0):
 
 def _loss(model, ids):
     b, t = ids.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
-    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
+    hidden = model(ids.reshape(-1), torch.arange(t, device=ids.device).repeat(b), cu, t)
     targets = next_token_targets(ids)
     return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
 
@@ -206,3 +206,99 @@ def test_the_moe_refuses_fused_expert_tensors(tiny_checkpoint, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(KeyError, match="lacks 16 tensors"):
         load_model(folder, device="cpu")
+
+
+def _vl_checkpoint(folder, family):
+    """A tiny composite (vision-language) checkpoint as the Hub ships Qwen3.5, written by transformers itself."""
+    from areno.testing import tiny_config
+
+    text = tiny_config(family)
+    for key in ("architectures", "dtype", "torch_dtype", "transformers_version", "mtp_num_hidden_layers"):
+        text.pop(key, None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    moe = family == "qwen3_5_moe"
+    cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    config = cls(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+                 vision_start_token_id=252, vision_end_token_id=253)
+    torch.manual_seed(0)
+    model_cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1 if p.dim() > 1 else 0.05)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_vision_language_checkpoint_loads_as_its_decoder(tmp_path, family):
+    """The Hub's composite layout (``model.language_model.*``): the text logits equal transformers' composite model,
+    and the vision tower's tensors are kept and saved back bit-identically."""
+    ref = _vl_checkpoint(tmp_path / "vl", family)
+    model = load_model(tmp_path / "vl", device="cpu")
+    assert model.config.hf_prefix == "model.language_model." and model.hf_config["model_type"] == family
+    assert model.mtp_names and all(n.startswith("model.visual.") for n in model.mtp_names)
+    ids = _ids(240, t=13, seed=5)
+    with torch.no_grad():
+        got, want = model.logits(ids), ref(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    out = save_model(model, tmp_path / "out")
+    a, b = _tensors(tmp_path / "vl"), _tensors(out)
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- GPU (the next H200 session) -----------------------------------------------------------------------------------
+
+QWEN3_5_9B_SMALL = dict(  # Qwen3.5-9B's widths, one [GDN, GDN, GDN, attention] group, a smaller vocabulary
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, vocab_size=32768, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)  # fmt: skip
+QWEN3_5_35B_A3B_SMALL = dict(  # Qwen3.5-35B-A3B's widths and experts, 4 layers
+    hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, vocab_size=32768, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("family", "shape"), [("qwen3_5", QWEN3_5_9B_SMALL), ("qwen3_5_moe", QWEN3_5_35B_A3B_SMALL)])
+def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
+    """As test_gpu's: areno's bf16 error against transformers' fp32 logits is at most 2x transformers' own bf16 error
+    plus 2% of the logit scale (Triton delta rule, conv and norms), packed batches of two 512-token sequences."""
+    from areno.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, family, dtype=torch.bfloat16, **shape)
+    ids = torch.randint(0, shape["vocab_size"], (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        ref32 = load_reference(path, torch.float32).cuda()
+        exact = ref32(ids).logits
+        del ref32
+        ref = load_reference(path, torch.bfloat16).cuda()
+        ref_logits = ref(ids).logits.float()
+        del ref
+        got = load_model(path, device="cuda").logits(ids).float()
+    scale = exact.abs().max()
+    ref_err, our_err = (ref_logits - exact).abs().max(), (got - exact).abs().max()
+    assert our_err <= 2 * ref_err + 2e-2 * scale, (our_err.item(), ref_err.item(), scale.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_gradients_on_gpu_match_transformers(tiny_checkpoint, family):
+    """The Triton kernels' backward (delta rule, short conv, norms, experts) against transformers in fp32."""
+    path = tiny_checkpoint(family)
+    model, ref = load_model(path, device="cuda").train(), load_reference(path).cuda().train()
+    ids = _ids(model.config.vocab_size, seed=2).cuda()
+    _loss(model, ids).backward()
+    ref(ids, labels=ids).loss.backward()
+    got, want = _grads(model), reference_grads(ref)
+    for name, g in want.items():
+        assert (got[name].cuda() - g).abs().max() <= 2e-3 * g.abs().max().clamp_min(1e-8), name
