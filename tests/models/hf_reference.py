@@ -1,6 +1,7 @@
 """Reference helpers for the model tests: transformers' model, its gradients under Hub names, next-token targets."""
 
 import torch
+from safetensors import safe_open
 
 FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3")
 
@@ -36,3 +37,21 @@ def next_token_targets(ids: torch.Tensor) -> torch.Tensor:
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     return targets.reshape(-1)
+
+
+def packed_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL of ``[B, T]`` ids through areno's packed varlen forward and fused log-probs."""
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
+    hidden = model(ids.reshape(-1), torch.arange(t, device=ids.device).repeat(b), cu, t)
+    targets = next_token_targets(ids)
+    return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+
+
+def safetensors_tensors(folder) -> dict:
+    """Every tensor of a folder's ``*.safetensors`` files, by name."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out

@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hf_reference import load_reference, next_token_targets
-from safetensors import safe_open
+from hf_reference import load_reference, next_token_targets, packed_loss, safetensors_tensors
 
 from areno.models import load_model, save_model
 from areno.models.tp import pieces
@@ -24,14 +23,6 @@ VARIANT = dict(q_lora_rank=24, v_head_dim=32, kda_safe_gate=False, num_mtp_layer
 
 def _ids(vocab, b=2, t=19, seed=0):
     return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-def _loss(model, ids):
-    b, t = ids.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
-    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
-    targets = next_token_targets(ids)
-    return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
 
 
 def _grads(model) -> dict:
@@ -68,14 +59,6 @@ def _hub_grads(ref) -> dict:
     return out
 
 
-def _tensors(folder):
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
 @pytest.mark.parametrize("overrides", [{}, VARIANT], ids=["mtp", "q_lora"])
 def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, overrides):
     path = tiny_checkpoint("bailing_hybrid", **overrides)
@@ -89,7 +72,7 @@ def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, overrides
     assert got.shape == want.shape == (*ids.shape, cfg.vocab_size)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     model.train(), ref.train()
-    loss = _loss(model, _ids(cfg.vocab_size, seed=2))
+    loss = packed_loss(model, _ids(cfg.vocab_size, seed=2))
     loss.backward()
     ref_loss = ref(_ids(cfg.vocab_size, seed=2), labels=_ids(cfg.vocab_size, seed=2)).loss
     ref_loss.backward()
@@ -108,7 +91,7 @@ def test_hf_areno_hf_is_bit_identical_with_mtp_layers(tmp_path, dtype):
     model = load_model(src, device="cpu")
     assert model.layers[1].mlp.gate.weight.dtype == model.layers[0].self_attn.decay.A_log.dtype == torch.float32
     out = save_model(model, tmp_path / "out")
-    a, b = _tensors(src), _tensors(out)
+    a, b = safetensors_tensors(src), safetensors_tensors(out)
     assert sorted(a) == sorted(b) and any(k.startswith("model.layers.4.eh_proj") for k in a)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
@@ -136,7 +119,7 @@ def test_checkpointing_counts_routing_once_and_bias_moves_once_per_step(tiny_che
     for enabled in (False, True):
         model = load_model(path, device="cpu").train()
         model.set_activation_checkpointing(enabled)
-        loss = _loss(model, ids)
+        loss = packed_loss(model, ids)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
                         model.expert_load().clone()))
@@ -198,7 +181,7 @@ def _run(model):
         logits = model.logits(ids)
     model.train()
     model.set_activation_checkpointing(True)
-    loss = _loss(model, ids)
+    loss = packed_loss(model, ids)
     loss.backward()
     from areno.models import iter_hf_tensors
 
@@ -241,7 +224,7 @@ def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
     assert set(grads2) == set(grads1)
     for name, g in grads1.items():
         assert (grads2[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
-    a, b = _tensors(tmp_path / "saved"), _tensors(tiny_checkpoint("bailing_hybrid"))
+    a, b = safetensors_tensors(tmp_path / "saved"), safetensors_tensors(tiny_checkpoint("bailing_hybrid"))
     assert sorted(a) == sorted(b)
     for k in b:
         assert torch.equal(a[k], b[k]), k
@@ -299,7 +282,7 @@ def test_sft_run_trains_moves_the_bias_and_keeps_mtp_untouched(tiny_checkpoint, 
     assert main(["train", "--algo", "sft", "--ckpt", str(src), "--dataset-path", str(data), "--batch-size", "4",
                  "--mini-bs", "2", "--max-steps", "2", "--lr", "1e-3", "--save-path", str(out), "--no-tensorboard",
                  "--dtype", "float32", "--router-bias-update-rate", "0.01"]) == 0
-    before, after = _tensors(src), _tensors(out / "step-2")
+    before, after = safetensors_tensors(src), safetensors_tensors(out / "step-2")
     assert sorted(before) == sorted(after)
     for name in before:  # MTP untouched; everything else trained (an expert no token reached keeps its weights)
         same = torch.equal(before[name], after[name])

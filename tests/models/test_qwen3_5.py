@@ -8,11 +8,9 @@ import shutil
 import pytest
 import torch
 import transformers
-from hf_reference import load_reference, next_token_targets, reference_grads
-from safetensors import safe_open
+from hf_reference import load_reference, packed_loss, reference_grads, safetensors_tensors
 
-from areno.models import AttentionMetadata, load_model, save_model
-from areno.models.tp import pieces
+from areno.models import AttentionMetadata, iter_hf_tensors, load_model, save_model
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen3_5TextConfig"),
@@ -21,34 +19,6 @@ pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen3_5TextConfig"),
 
 def _ids(vocab, b=2, t=19, seed=0):
     return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-def _loss(model, ids):
-    b, t = ids.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
-    hidden = model(ids.reshape(-1), torch.arange(t, device=ids.device).repeat(b), cu, t)
-    targets = next_token_targets(ids)
-    return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
-
-
-def _grads(model) -> dict:
-    """Gradients under Hub names."""
-    params, out = dict(model.named_parameters()), {}
-    for pname, lays in model._tp_layouts.items():
-        g = params[pname].grad
-        if g is None:
-            continue
-        for pc in pieces(lays, 0, 1):
-            out.setdefault(pc.hf_name, torch.empty(pc.hf_shape))[pc.src] = g[pc.dst]
-    return out
-
-
-def _tensors(folder):
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,12 +36,12 @@ def test_logits_and_gradients_match_transformers_fp32(tiny_checkpoint, family):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     model.train(), ref.train()
     ids = _ids(cfg.vocab_size, seed=2)
-    loss = _loss(model, ids)
+    loss = packed_loss(model, ids)
     loss.backward()
     ref_loss = ref(ids, labels=ids).loss
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    got, want = _grads(model), reference_grads(ref)
+    got, want = dict(iter_hf_tensors(model, grads=True)), reference_grads(ref)
     assert set(got) == set(want)
     for name, g in want.items():
         assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
@@ -100,7 +70,7 @@ def test_hf_areno_hf_is_bit_identical_with_mtp_tensors(tmp_path, family, dtype):
     src = make_tiny_checkpoint(tmp_path / "src", family, dtype=dtype)
     out = save_model(load_model(src, device="cpu"), tmp_path / "out", max_shard_size="40KB")
     assert (out / "model.safetensors.index.json").is_file()  # sharded
-    a, b = _tensors(src), _tensors(out)
+    a, b = safetensors_tensors(src), safetensors_tensors(out)
     assert sorted(a) == sorted(b) and any(k.startswith("mtp.layers.0.") for k in a)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
@@ -131,7 +101,7 @@ def test_checkpointing_and_routing_replay(tiny_checkpoint):
     for enabled in (False, True):
         model = load_model(path, device="cpu").train()
         model.set_activation_checkpointing(enabled)
-        loss = _loss(model, ids)
+        loss = packed_loss(model, ids)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
                         model.expert_load().clone()))
@@ -217,7 +187,7 @@ def test_the_moe_refuses_fused_expert_tensors(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("qwen3_5_moe")
     folder = tmp_path / "fused"
     shutil.copytree(src, folder)
-    tensors = _tensors(folder)
+    tensors = safetensors_tensors(folder)
     p = "model.layers.0.mlp.experts."
     gate_up = torch.stack([torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")])
                            for e in range(8)])
@@ -263,7 +233,7 @@ def test_the_vision_language_checkpoint_loads_as_its_decoder(tmp_path, family):
         got, want = model.logits(ids), ref(input_ids=ids).logits
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     out = save_model(model, tmp_path / "out")
-    a, b = _tensors(tmp_path / "vl"), _tensors(out)
+    a, b = safetensors_tensors(tmp_path / "vl"), safetensors_tensors(out)
     assert sorted(a) == sorted(b)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -316,8 +286,8 @@ def test_fp32_gradients_on_gpu_match_transformers(tiny_checkpoint, family):
     path = tiny_checkpoint(family)
     model, ref = load_model(path, device="cuda").train(), load_reference(path).cuda().train()
     ids = _ids(model.config.vocab_size, seed=2).cuda()
-    _loss(model, ids).backward()
+    packed_loss(model, ids).backward()
     ref(ids, labels=ids).loss.backward()
-    got, want = _grads(model), reference_grads(ref)
+    got, want = dict(iter_hf_tensors(model, grads=True)), reference_grads(ref)
     for name, g in want.items():
         assert (got[name].cuda() - g).abs().max() <= 2e-3 * g.abs().max().clamp_min(1e-8), name
