@@ -20,7 +20,8 @@ full attention, the others linear attention):
 - MLP: dense SwiGLU, or (``qwen3_5_moe``) softmax top-k routed experts, always renormalised, plus a shared expert
   scaled by ``sigmoid(x W_shared_gate)``.
 
-The model (engine sizes, Hub layouts, the kept MTP / vision tensors) is ``qwen3_5.py``.
+The text model (``Qwen35ForCausalLM``: engine sizes, Hub layouts, the kept MTP tensors) is at the end; the
+registration and the checkpoint formats are in ``qwen3_5.py``, the vision-language model in ``qwen3_5_vl.py``.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule, fused_r
 from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_update
 from areno.kernels.norm import rms_norm
 from areno.models.bailing_hybrid_layers import carried_state, one_layout
-from areno.models.base import MLP, Attention
+from areno.models.base import MLP, Attention, CausalLM, DecoderLayer
+from areno.models.kept import KeptTensors
 from areno.models.layers import Linear, RMSNorm
 from areno.models.model_config import ModelConfig, dense_config, get
-from areno.models.qwen3_moe import SparseMoE
+from areno.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
 from areno.models.tp import layout
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -266,4 +268,74 @@ class SharedExpertMoE(SparseMoE):
         out = super().layouts(name, hf, cfg)
         out.update(self.shared_expert.layouts(f"{name}.shared_expert", f"{hf}.shared_expert", cfg))
         out[f"{name}.shared_expert_gate.weight"] = one_layout(f"{hf}.shared_expert_gate.weight", 1, cfg.hidden_size)
+        return out
+
+
+# ---- the text model -------------------------------------------------------------------------------------------------
+
+
+KEPT_PREFIXES = ("mtp.", "model.visual.")
+
+
+class Qwen35DecoderLayer(DecoderLayer):
+    """The pre-norm block with zero-centred norms."""
+
+    def __init__(self, cfg: Qwen35Config, mlp, attn_backend: str = "flash", attn=None):
+        super().__init__(cfg, mlp, attn_backend, attn)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen35ForCausalLM(KeptTensors, Qwen3MoeForCausalLM):
+    layer_class = Qwen35DecoderLayer
+
+    def __init__(self, cfg: Qwen35Config, *, attn_backend: str = "flash"):
+        def attn(cfg, i):
+            return GatedAttention(cfg, attn_backend) if cfg.layer_types[i] == "full_attention" else GatedDeltaNet(cfg)
+
+        CausalLM.__init__(self, cfg, attn_backend=attn_backend, attn_factory=attn,
+                          mlp_factory=lambda cfg, i: SharedExpertMoE(cfg) if cfg.num_experts else MLP(cfg))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.init_kept()
+
+    # ---- the engine's sizes --------------------------------------------------------------------------------------
+    @property
+    def kv_cache_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.config.layer_types) if t == "full_attention"]
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        full = self.kv_cache_layers
+        return self.layers[full[0]].self_attn.num_kv_heads if full else 1
+
+    def recurrent_state_shapes(self) -> dict | None:
+        """Per gated-delta-net layer and sequence: ``{"layers": [i, ...], "conv": (C, W-1), "recurrent":
+        (nv, dk, dv)}``; the conv state in the model dtype, the recurrent state fp32."""
+        linear = [i for i, t in enumerate(self.config.layer_types) if t == "linear_attention"]
+        if not linear:
+            return None
+        mixer = self.layers[linear[0]].self_attn
+        return {"layers": linear, "conv": (mixer.conv_dim, self.config.conv_kernel - 1),
+                "recurrent": (mixer.nv, mixer.dk, mixer.dv)}
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+    def keep_hf_tensor(self, hf_name: str) -> bool:
+        """True for the tensors held opaque: the MTP layers, and the composite checkpoint's vision tower."""
+        return hf_name.startswith(KEPT_PREFIXES)
+
+    def hf_layouts(self) -> dict:
+        cfg, p = self.config, self.config.hf_prefix
+        h, v = cfg.hidden_size, cfg.vocab_size
+        out = {"embed_tokens.weight": one_layout(f"{p}embed_tokens.weight", v, h)}
+        for i, layer in enumerate(self.layers):
+            name, hf = f"layers.{i}", f"{p}layers.{i}"
+            mixer = "self_attn" if cfg.layer_types[i] == "full_attention" else "linear_attn"
+            out.update(layer.self_attn.layouts(f"{name}.self_attn", f"{hf}.{mixer}", cfg))
+            out.update(layer.mlp.layouts(f"{name}.mlp", f"{hf}.mlp", cfg))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                out[f"{name}.{norm}.weight"] = one_layout(f"{hf}.{norm}.weight", h)
+        out["norm.weight"] = one_layout(f"{p}norm.weight", h)
+        if self.lm_head is not None:
+            out["lm_head.weight"] = one_layout("lm_head.weight", v, h)
+        out.update(self.kept_layouts())
         return out

@@ -197,47 +197,6 @@ def test_the_moe_refuses_fused_expert_tensors(tiny_checkpoint, tmp_path):
         load_model(folder, device="cpu")
 
 
-def _vl_checkpoint(folder, family):
-    """A tiny composite (vision-language) checkpoint as the Hub ships Qwen3.5, written by transformers itself."""
-    from areno.testing import tiny_config
-
-    text = tiny_config(family)
-    for key in ("architectures", "dtype", "torch_dtype", "transformers_version", "mtp_num_hidden_layers"):
-        text.pop(key, None)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
-                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
-    moe = family == "qwen3_5_moe"
-    cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
-    config = cls(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
-                 vision_start_token_id=252, vision_end_token_id=253)
-    torch.manual_seed(0)
-    model_cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1 if p.dim() > 1 else 0.05)
-    model.save_pretrained(folder)
-    return model
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_vision_language_checkpoint_loads_as_its_decoder(tmp_path, family):
-    """The Hub's composite layout (``model.language_model.*``): the text logits equal transformers' composite model,
-    and the vision tower's tensors are kept and saved back bit-identically."""
-    ref = _vl_checkpoint(tmp_path / "vl", family)
-    model = load_model(tmp_path / "vl", device="cpu")
-    assert model.config.hf_prefix == "model.language_model." and model.hf_config["model_type"] == family
-    assert model.mtp_names and all(n.startswith("model.visual.") for n in model.mtp_names)
-    ids = _ids(240, t=13, seed=5)
-    with torch.no_grad():
-        got, want = model.logits(ids), ref(input_ids=ids).logits
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    out = save_model(model, tmp_path / "out")
-    a, b = safetensors_tensors(tmp_path / "vl"), safetensors_tensors(out)
-    assert sorted(a) == sorted(b)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 # ---- GPU (the next H200 session) -----------------------------------------------------------------------------------
 
 QWEN3_5_9B_SMALL = dict(  # Qwen3.5-9B's widths, one [GDN, GDN, GDN, attention] group, a smaller vocabulary
