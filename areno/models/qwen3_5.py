@@ -11,9 +11,10 @@ replicated, and saved untouched. MoE experts load from the per-expert names
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers writes); a checkpoint with fused expert tensors
 (``mlp.experts.gate_up_proj``) is refused at load by the loader's missing/unknown-tensor check (not supported yet).
 
-Tensor parallelism is refused at load (``GatedDeltaNet.shard_heads``). In the rollout engine the linear-attention
-layers keep a state slot per sequence (``recurrent_state_shapes``, ``areno/engine/state_cache.py``), the full
-attention layers the paged K/V cache.
+Tensor parallelism splits the gated delta net by heads (``in_proj_qkv`` and ``conv1d`` as three head-split slices
+each: see ``GatedDeltaNet``); a TP size not dividing ``linear_num_key_heads`` is refused at load. In the rollout
+engine the linear-attention layers keep a state slot per sequence (``recurrent_state_shapes``,
+``areno/engine/state_cache.py``), the full attention layers the paged K/V cache.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from areno.models.qwen3_5_layers import Qwen35ForCausalLM, check_qwen3_5, qwen3_
 from areno.models.qwen3_5_vl import Qwen35VLForConditionalGeneration, qwen3_5_vl_config
 from areno.models.registry import ModelCard, register
 
-DENSE_CARD = ModelCard("Qwen3.5", ("hybrid", "vision"), tp="no", mtp_kept=True,
+TP = "must divide the linear (key) heads"
+DENSE_CARD = ModelCard("Qwen3.5", ("hybrid", "vision"), tp=TP, mtp_kept=True,
                        notes="gated DeltaNet + gated attention; images through Qwen3-VL's tower (no DeepStack)")
-MOE_CARD = ModelCard("Qwen3.5-MoE", ("hybrid", "moe", "vision"), tp="no", routing_replay=True, mtp_kept=True,
+MOE_CARD = ModelCard("Qwen3.5-MoE", ("hybrid", "moe", "vision"), tp=TP, routing_replay=True, mtp_kept=True,
                      notes="gated DeltaNet + gated attention, softmax top-k experts + gated shared expert; images")
 register("qwen3_5", qwen3_5_vl_config, Qwen35VLForConditionalGeneration, check_config=check_qwen3_5, card=DENSE_CARD)
 register("qwen3_5_text", qwen3_5_config, Qwen35ForCausalLM, card=DENSE_CARD)

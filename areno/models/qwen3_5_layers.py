@@ -180,9 +180,34 @@ def gated_rms_norm_silu(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
     return (weight * n * F.silu(z.float())).to(o.dtype)
 
 
+class ShortConv(nn.Module):
+    """Depthwise causal conv kernels ``[C, 1, W]`` over the q|k|v channels (split by heads under TP)."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+
+
+class Decay(nn.Module):
+    """``A_log [nv]`` and ``dt_bias [nv]`` of the per-head log-decay (split by value heads under TP)."""
+
+    tp_style: str | None = None
+    tp_group = None
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(heads))
+
+
 class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer (equations in the module docstring). In the engine its cache entry is the
-    pair of per-sequence state pools ``(conv [S, C, W-1], recurrent [S, nv, dk, dv])`` (see bailing_hybrid)."""
+    pair of per-sequence state pools ``(conv [S, C, W-1], recurrent [S, nv, dk, dv])`` (see bailing_hybrid). Under
+    TP each rank holds ``nk / tp`` key heads and ``nv / tp`` value heads: every projection row, conv channel and
+    decay parameter of its heads, and the rows of ``out_proj`` (row parallel)."""
 
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
@@ -191,21 +216,23 @@ class GatedDeltaNet(nn.Module):
         h, kd, vd = cfg.hidden_size, self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * kd + vd
         self.in_proj = Linear(h, self.conv_dim + vd + 2 * self.nv)
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, 1, cfg.conv_kernel))
-        self.A_log = nn.Parameter(torch.empty(self.nv))
-        self.dt_bias = nn.Parameter(torch.empty(self.nv))
+        self.conv = ShortConv(self.conv_dim, cfg.conv_kernel)
+        self.decay = Decay(self.nv)
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(vd, h)
 
     def shard_heads(self, rank: int, size: int) -> None:
-        raise ValueError(f"--tp-size {size}: qwen3_5 runs without tensor parallelism (its gated delta net's "
-                         "in_proj_qkv and conv1d are single Hub tensors that areno's TP layouts cannot split by head)")
+        if self.nk % size:
+            raise ValueError(f"--tp-size {size} does not divide linear_num_key_heads={self.nk} (qwen3_5 splits the "
+                             "gated delta net by heads)")
+        self.nk, self.nv = self.nk // size, self.nv // size
+        self.conv_dim = 2 * self.nk * self.dk + self.nv * self.dv
 
     def forward(self, x, positions, rope, meta, kv_cache=None):
         t, nk, nv, dk, dv = x.shape[0], self.nk, self.nv, self.dk, self.dv
         kd, vd = nk * dk, nv * dv
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, vd, nv, nv], dim=-1)
-        w, cu = self.conv_weight.squeeze(1), meta.cu_seqlens_q
+        w, cu = self.conv.weight.squeeze(1), meta.cu_seqlens_q
         decode = kv_cache is not None and not meta.is_prefill
         if kv_cache is None:
             qkv, _ = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu)
@@ -222,7 +249,7 @@ class GatedDeltaNet(nn.Module):
         if nv != nk:
             q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
         v = v.reshape(t, nv, dv)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = -self.decay.A_log.float().exp() * F.softplus(a.float() + self.decay.dt_bias.float())
         beta = torch.sigmoid(b).float()
         scale = dk**-0.5
         if kv_cache is None:
@@ -239,15 +266,23 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(t, vd))
 
     def layouts(self, name: str, hf: str, cfg: Qwen35Config) -> dict:
-        h, nv, vd = cfg.hidden_size, self.nv, self.nv * self.dv
-        parts = [(f"{hf}.in_proj_qkv.weight", self.conv_dim), (f"{hf}.in_proj_z.weight", vd),
-                 (f"{hf}.in_proj_b.weight", nv), (f"{hf}.in_proj_a.weight", nv)]
+        h, nk, nv, dk, dv = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                             cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        kd, vd, w = nk * dk, nv * dv, cfg.conv_kernel
+        c = 2 * kd + vd
+
+        def qkv(tensor):  # q, k and v rows of one Hub tensor, each split by heads under TP
+            return [(tensor, kd, "plain", dk, 0, c), (tensor, kd, "plain", dk, kd, c),
+                    (tensor, vd, "plain", dv, 2 * kd, c)]
+
+        parts = qkv(f"{hf}.in_proj_qkv.weight") + [(f"{hf}.in_proj_z.weight", vd), (f"{hf}.in_proj_b.weight", nv),
+                                                  (f"{hf}.in_proj_a.weight", nv)]
         return {
-            f"{name}.in_proj.weight": [layout((self.conv_dim + vd + 2 * nv, h), 0, parts)],
-            f"{name}.conv_weight": one_layout(f"{hf}.conv1d.weight", self.conv_dim, 1, cfg.conv_kernel),
-            f"{name}.A_log": one_layout(f"{hf}.A_log", nv),
-            f"{name}.dt_bias": one_layout(f"{hf}.dt_bias", nv),
-            f"{name}.norm.weight": one_layout(f"{hf}.norm.weight", self.dv),
+            f"{name}.in_proj.weight": [layout((c + vd + 2 * nv, h), 0, parts)],
+            f"{name}.conv.weight": [layout((c, 1, w), 0, qkv(f"{hf}.conv1d.weight"))],
+            f"{name}.decay.A_log": one_layout(f"{hf}.A_log", nv),
+            f"{name}.decay.dt_bias": one_layout(f"{hf}.dt_bias", nv),
+            f"{name}.norm.weight": one_layout(f"{hf}.norm.weight", dv),
             f"{name}.out_proj.weight": [layout((h, vd), 1, [(f"{hf}.out_proj.weight", vd)])],
         }
 

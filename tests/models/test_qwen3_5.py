@@ -174,12 +174,6 @@ def test_unimplemented_options_are_refused_at_load(tiny_checkpoint, tmp_path, ch
     assert "\n" not in str(info.value)
 
 
-def test_tensor_parallelism_is_refused_in_one_line(tiny_checkpoint):
-    model = load_model(tiny_checkpoint("qwen3_5"), device="cpu")
-    with pytest.raises(ValueError, match="--tp-size 2: qwen3_5 runs without tensor parallelism"):
-        model.layers[0].self_attn.shard_heads(0, 2)
-
-
 def test_the_moe_refuses_fused_expert_tensors(tiny_checkpoint, tmp_path):
     """A checkpoint whose experts are fused 3D tensors is refused in one line naming them (not supported yet)."""
     from safetensors.torch import save_file
