@@ -84,3 +84,35 @@ def test_sampled_forks_preemption_and_routes(hybrid):
     tight = small.generate(prompts, opts)
     assert small.scheduler.num_preemptions > 0
     assert [[c.token_ids for c in g] for g in tight] == [[c.token_ids for c in g] for g in out]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_cuda_graphs_with_state_slots_on_gpu(tmp_path, family):
+    """On the GPU with CUDA graphs (Triton delta-rule step with the scalar gate, conv update at state_indices, padding
+    rows at slot -1): fp32 sampled forks' log-probs equal a plain forward; in bf16, 8 decode steps in one graph give
+    the tokens and log-probs of one-step graphs."""
+    path = make_tiny_checkpoint(tmp_path, family=family, seed=4)
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode("more text " * i) for i in range(1, 4)]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=12 + 5 * i, n=2, seed=i, ignore_eos=i % 2 == 0)
+            for i in range(len(prompts))]
+    model = load_model(path, dtype=torch.float32, device="cuda")
+    eng = engine(model, tok, block_size=16, max_running=16)
+    out = eng.generate(prompts, opts)
+    assert eng.runner.last_step_used_graph
+    for c in [c for g in out for c in g]:
+        ids = c.prompt_ids + c.token_ids
+        with torch.no_grad():
+            logits = model.logits(torch.tensor([ids], device="cuda"))[0].float()
+        ref = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref[len(c.prompt_ids) - 1:].cpu(), atol=2e-3, rtol=0)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    outs = []
+    for k in (1, 8):
+        eng = engine(model, tok, block_size=16, max_running=16, decode_steps=k)
+        outs.append(eng.generate(prompts, opts))
+        assert eng.runner.last_step_used_graph and sorted(eng.blocks.free_state_slots) == list(range(16))
+    for g1, g2 in zip(*outs):
+        for a, b in zip(g1, g2):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

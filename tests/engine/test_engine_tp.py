@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 
 from areno.config import SamplingParams
 from areno.distributed.launch import free_port
@@ -41,8 +42,11 @@ def _worker(rank, path, port, out):
     dist.destroy_process_group()
 
 
-# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts
-@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3"])
+# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; qwen3_5: the gated
+# delta net's state slots split by heads
+@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3",
+                                    pytest.param("qwen3_5", marks=pytest.mark.skipif(
+                                        not hasattr(transformers, "Qwen3_5TextConfig"), reason="no qwen3_5"))])
 def test_tp2_equals_tp1(tmp_path, family):
     path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=4)
     out = str(tmp_path / "res")
