@@ -35,6 +35,7 @@ from torch import nn
 from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
 from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_update
 from areno.kernels.norm import rms_norm
+from areno.models import bailing_hybrid_layers
 from areno.models.bailing_hybrid_layers import carried_state, one_layout
 from areno.models.base import MLP, Attention, CausalLM, DecoderLayer
 from areno.models.kept import KeptTensors
@@ -182,15 +183,10 @@ def gated_rms_norm_silu(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
     return (weight * n * F.silu(z.float())).to(o.dtype)
 
 
-class ShortConv(nn.Module):
-    """Depthwise causal conv kernels ``[C, 1, W]`` over the q|k|v channels (split by heads under TP)."""
+class ShortConv(bailing_hybrid_layers.ShortConv):
+    """Ling 3's conv kernels ``[C, 1, W]`` (split by heads under TP), in the model dtype as transformers keeps them."""
 
-    tp_style: str | None = None
-    tp_group = None
-
-    def __init__(self, channels: int, width: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+    fp32_params = ()
 
 
 class Decay(nn.Module):
