@@ -156,7 +156,8 @@ class GatedAttention(Attention):
         y = self.qkv_proj(x)
         qg = y[:, : 2 * hq * d].view(t, hq, 2 * d)
         qkv = torch.cat([qg[..., :d].reshape(t, hq * d), y[:, 2 * hq * d:]], dim=-1)
-        o = self.attend(qkv, positions, rope, meta, kv_cache).reshape(t, hq * d)
+        q, k, v = self.prologue(qkv, positions, rope, meta, kv_cache)
+        o = self.attend(q, k, v, meta, kv_cache).reshape(t, hq * d)
         return self.o_proj(o * torch.sigmoid(qg[..., d:].reshape(t, hq * d)))
 
     def layouts(self, name: str, hf: str, cfg: Qwen35Config) -> dict:

@@ -42,9 +42,9 @@ def _worker(rank, path, port, out):
     dist.destroy_process_group()
 
 
-# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; qwen3_5: the gated
-# delta net's state slots split by heads
-@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3",
+# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; gpt_oss: + sinks;
+# qwen3_5: the gated delta net's state slots split by heads
+@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gpt_oss",
                                     pytest.param("qwen3_5", marks=pytest.mark.skipif(
                                         not hasattr(transformers, "Qwen3_5TextConfig"), reason="no qwen3_5"))])
 def test_tp2_equals_tp1(tmp_path, family):
