@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from hf_reference import load_reference, packed_loss, reference_grads, safetensors_tensors
+from hf_reference import load_reference, packed_loss, reference_grads, safetensors_tensors, with_config_change
 
 from areno.models import AttentionMetadata, iter_hf_tensors, load_model, save_model
 
@@ -163,15 +163,6 @@ def test_triton_kernels_match_the_native_path(tiny_checkpoint, monkeypatch):
         assert (g1[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
 
 
-def _edited(src, tmp_path, **changes):
-    folder = tmp_path / "edited"
-    shutil.copytree(src, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(changes)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 @pytest.mark.parametrize("changes, message", [
     (dict(attention_bias=True), "attention_bias=true is not supported"),
     (dict(attn_output_gate=False), "attn_output_gate=false is not supported"),
@@ -183,7 +174,7 @@ def _edited(src, tmp_path, **changes):
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
 ], ids=["attention_bias", "no_output_gate", "value_heads", "rope_type", "layer_types", "hidden_act"])
 def test_unimplemented_options_are_refused_at_load(tiny_checkpoint, tmp_path, changes, message):
-    folder = _edited(tiny_checkpoint("qwen3_5"), tmp_path, **changes)
+    folder = with_config_change(tiny_checkpoint("qwen3_5"), tmp_path / "edited", changes)
     with pytest.raises(Exception, match=message) as info:
         load_model(folder, device="cpu")
     assert "\n" not in str(info.value)
