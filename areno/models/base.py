@@ -60,10 +60,18 @@ class Attention(nn.Module):
         """The fused q/k/v projection ``[T, (Hq + 2 Hkv) D]`` (OLMo 2 also norms the whole q and k here)."""
         return self.qkv_proj(x)
 
+    def qk_norm_weights(self, dtype):
+        """The per-head q/k RMSNorm weights the fused kernels scale by (None, None without QK norm)."""
+        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+
     def forward(self, x, positions, rope, meta: AttentionMetadata, kv_cache=None):
-        t, d = x.shape[0], self.head_dim
-        qkv = self.project_qkv(x)
-        qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q, k, v = self.prologue(self.project_qkv(x), positions, rope, meta, kv_cache)
+        return self.o_proj(self.attend(q, k, v, meta, kv_cache).reshape(x.shape[0], -1))
+
+    def prologue(self, qkv, positions, rope, meta: AttentionMetadata, kv_cache=None):
+        """q/k norm, RoPE and the cache write of the fused projection ``qkv``: ``(q [T, Hq, D], k, v [T, Hkv, D])``."""
+        t, d = qkv.shape[0], self.head_dim
+        qn, kn = self.qk_norm_weights(qkv.dtype)
         eps = 1e-6 if self.q_norm is None else self.q_norm.eps
         if kv_cache is not None and self.fused_prologue and not torch.is_grad_enabled():
             # inference: q/k norm, RoPE and the cache write in one launch (local head counts under TP)
@@ -82,7 +90,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, positions, *rope), apply_rope(k, positions, *rope)
             if kv_cache is not None:
                 store_kvcache(k, v, *kv_cache, meta.slot_mapping)
-        return self.o_proj(self.attend(q, k, v, meta, kv_cache).reshape(t, -1))
+        return q, k, v
 
     def attend(self, q, k, v, meta: AttentionMetadata, kv_cache=None, **extra):
         """Attention of the projected ``q/k/v [T, heads, D]``: packed (training, cache-free prefill) or against the

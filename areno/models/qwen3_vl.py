@@ -77,6 +77,34 @@ class Qwen3VLConfig(ModelConfig):
     vision_end_token_id: int = -1
 
 
+def vision_config(vis, model_type: str, deepstack: bool = True) -> VisionConfig:
+    """The tower's settings from a ``vision_config`` (Qwen3.5's tower has no DeepStack mergers: ``deepstack``
+    False)."""
+    act = get(vis, "hidden_act", "gelu_pytorch_tanh")
+    if act not in GELU:
+        raise NotImplementedError(f"{model_type}: vision hidden_act {act!r} is not supported ({sorted(GELU)} are)")
+    vrope = dict(get(vis, "rope_parameters", None) or {})
+    patch, temporal = get(vis, "patch_size", 16), get(vis, "temporal_patch_size", 2)
+    if not isinstance(patch, int) or not isinstance(temporal, int):
+        raise NotImplementedError(f"{model_type}: non-square patch sizes are not supported")
+    vision = VisionConfig(
+        depth=get(vis, "depth"),
+        hidden_size=get(vis, "hidden_size"),
+        intermediate_size=get(vis, "intermediate_size"),
+        num_heads=get(vis, "num_heads"),
+        out_hidden_size=get(vis, "out_hidden_size"),
+        in_channels=get(vis, "in_channels", 3),
+        patch_size=patch,
+        temporal_patch_size=temporal,
+        spatial_merge_size=get(vis, "spatial_merge_size", 2),
+        num_position_embeddings=get(vis, "num_position_embeddings", 2304),
+        deepstack_visual_indexes=list(get(vis, "deepstack_visual_indexes", [8, 16, 24])) if deepstack else [],
+        hidden_act=act,
+        rope_theta=float(vrope.get("rope_theta", 10000.0)),
+    )
+    return vision
+
+
 def qwen3_vl_config(hf) -> Qwen3VLConfig:
     text, vis = get(hf, "text_config"), get(hf, "vision_config")
     if text is None or vis is None:
@@ -90,28 +118,7 @@ def qwen3_vl_config(hf) -> Qwen3VLConfig:
     section = list(rope.get("mrope_section", [24, 20, 20]))
     if sum(section) != base.rotary_dim // 2 or len(section) != 3:
         raise ValueError(f"qwen3_vl: mrope_section {section} must be 3 numbers summing to head_dim/2")
-    act = get(vis, "hidden_act", "gelu_pytorch_tanh")
-    if act not in GELU:
-        raise NotImplementedError(f"qwen3_vl: vision hidden_act {act!r} is not supported ({sorted(GELU)} are)")
-    vrope = dict(get(vis, "rope_parameters", None) or {})
-    patch, temporal = get(vis, "patch_size", 16), get(vis, "temporal_patch_size", 2)
-    if not isinstance(patch, int) or not isinstance(temporal, int):
-        raise NotImplementedError("qwen3_vl: non-square patch sizes are not supported")
-    vision = VisionConfig(
-        depth=get(vis, "depth"),
-        hidden_size=get(vis, "hidden_size"),
-        intermediate_size=get(vis, "intermediate_size"),
-        num_heads=get(vis, "num_heads"),
-        out_hidden_size=get(vis, "out_hidden_size"),
-        in_channels=get(vis, "in_channels", 3),
-        patch_size=patch,
-        temporal_patch_size=temporal,
-        spatial_merge_size=get(vis, "spatial_merge_size", 2),
-        num_position_embeddings=get(vis, "num_position_embeddings", 2304),
-        deepstack_visual_indexes=list(get(vis, "deepstack_visual_indexes", [8, 16, 24])),
-        hidden_act=act,
-        rope_theta=float(vrope.get("rope_theta", 10000.0)),
-    )
+    vision = vision_config(vis, "qwen3_vl")
     if vision.out_hidden_size != base.hidden_size:
         raise ValueError(f"qwen3_vl: vision out_hidden_size {vision.out_hidden_size} != text hidden_size")
     if len(vision.deepstack_visual_indexes) > base.num_layers:

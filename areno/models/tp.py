@@ -100,6 +100,7 @@ class Part:
     shape: tuple  # full Hugging Face shape
     kind: str = "plain"  # "plain" (even split) or "kv" (KV heads of ``unit`` rows: split or replicated)
     unit: int = 1
+    offset: int = 0  # where the part starts along ``dim`` in the Hugging Face tensor (several parts of one tensor)
 
 
 @dataclass
@@ -119,13 +120,14 @@ class Piece:
 
 
 def layout(param_shape, dim, parts, expert=None):
-    """A Layout for a parameter of full shape ``param_shape`` built from ``[(hf_name, size, kind, unit), ...]``."""
+    """A Layout for a parameter of full shape ``param_shape`` built from ``[(hf_name, size, kind, unit), ...]``; a
+    part that is a slice of a larger Hugging Face tensor is ``(hf_name, size, kind, unit, offset, hf_extent)``."""
     hf_shape = list(param_shape[1:] if expert is not None else param_shape)
     out = []
     for name, size, *rest in parts:
         shape = list(hf_shape)
-        shape[dim] = size
-        out.append(Part(name, size, tuple(shape), *rest))
+        shape[dim] = rest[3] if len(rest) > 3 else size
+        out.append(Part(name, size, tuple(shape), *rest[:3]))
     return Layout(dim, out, expert)
 
 
@@ -157,7 +159,7 @@ def pieces(layouts: list[Layout], rank: int, size: int) -> list[Piece]:
             dst = [slice(None)] * len(part.shape)
             src = [slice(None)] * len(part.shape)
             dst[lay.dim] = slice(offset, offset + length)
-            src[lay.dim] = slice(start, start + length)
+            src[lay.dim] = slice(part.offset + start, part.offset + start + length)
             if lay.expert is not None:
                 dst = [lay.expert, *dst]
             out.append(Piece(part.hf_name, part.shape, tuple(dst), tuple(src)))
@@ -201,6 +203,13 @@ PLAN = {
     "self_attn.kv_b_proj": "column",
     "shared_experts.gate_up_proj": "column",
     "shared_experts.down_proj": "row",
+    # qwen3_5: the gated delta net (q/k/v/z/b/a projections, conv channels and decay split by heads; the output
+    # norm replicated over local heads), the shared expert
+    "self_attn.in_proj": "column",
+    "self_attn.out_proj": "row",
+    "self_attn.norm": "partial_grad",
+    "shared_expert.gate_up_proj": "column",
+    "shared_expert.down_proj": "row",
     # olmo2: the QK-norm over the whole projection, its weight split with the heads (sums of squares all-reduced)
     "self_attn.q_proj_norm": "column",
     "self_attn.k_proj_norm": "column",

@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2, olmo3, gpt_oss,
-deepseek_v3, kimi_linear) for tests and demos; nothing is downloaded.
+deepseek_v3, kimi_linear, qwen3_5) for tests and demos; nothing is downloaded.
 
 ``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
 (through the transformers config class, so ``AutoConfig`` reads it), ``model.safetensors`` (random weights under HF's
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import areno.testing.tokenizer as tiny_tokenizer
+from areno.testing import qwen3_5
 from areno.testing.qwen3_vl import make_tiny_vl_checkpoint
 from areno.testing.shapes import weight_shapes
 
@@ -42,6 +43,7 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    **qwen3_5.FAMILIES,
 }
 BAILING_FP32 = ("mlp.gate.weight", "expert_bias", "_conv1d.weight", "dt_bias", "A_log")
 FP32_TENSORS = {  # the tensors transformers keeps fp32 in any dtype (_keep_in_fp32_modules_strict), per family
@@ -130,6 +132,11 @@ def _defaults(family: str) -> dict:
                    layer_types=["sliding_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
                    intermediate_size=32, swiglu_alpha=1.702, swiglu_limit=1.0, router_aux_loss_coef=0.001,
                    output_router_logits=False)
+    elif family in qwen3_5.FAMILIES:
+        cfg.update(qwen3_5.defaults(family))
+        cfg.pop("rope_theta")
+        if family == "qwen3_5_moe":
+            cfg.pop("intermediate_size")
     cfg.update(_mla_defaults(family))
     return cfg
 
@@ -231,7 +238,10 @@ def random_weights(config: dict, *, seed: int = 0, dtype=torch.float32) -> dict[
     out = {}
     for name, shape in weight_shapes(config).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
-        w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
+        if config["model_type"] in qwen3_5.MODEL_TYPES and qwen3_5.zero_centered(name):
+            w = NORM_NOISE_STD * w  # the model scales by 1 + weight
+        else:
+            w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
         fp32 = name.endswith(FP32_TENSORS.get(config["model_type"], ()))
         out[name] = w.to(torch.float32 if fp32 else dtype).contiguous()
     return out

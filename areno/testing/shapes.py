@@ -4,6 +4,8 @@ puts under its language model."""
 
 from __future__ import annotations
 
+from areno.testing.qwen3_5 import weight_shapes as qwen3_5_shapes
+
 
 def _bailing_hybrid_layer(config: dict, p: str, full: bool, sparse: bool) -> dict:
     """Hub tensor shapes of one Ling 3 decoder layer with prefix ``p`` (``model.layers.{i}.``)."""
@@ -186,7 +188,8 @@ def _kimi_linear_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a ``config.json`` dict of one of the tiny families, in Hub (unfused) layout."""
     special = {"bailing_hybrid": _bailing_hybrid_shapes, "gpt_oss": _gpt_oss_shapes,
-               "deepseek_v3": _deepseek_v3_shapes, "kimi_linear": _kimi_linear_shapes}
+               "deepseek_v3": _deepseek_v3_shapes, "kimi_linear": _kimi_linear_shapes,
+               "qwen3_5_text": qwen3_5_shapes, "qwen3_5_moe_text": qwen3_5_shapes}
     if config["model_type"] in special:
         return special[config["model_type"]](config)
     hidden, vocab = config["hidden_size"], config["vocab_size"]

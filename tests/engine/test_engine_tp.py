@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 
 from areno.config import SamplingParams
 from areno.distributed.launch import free_port
@@ -42,13 +43,14 @@ def _worker(rank, path, port, out):
 
 
 # hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; gpt_oss: + sinks;
-# deepseek_v3: MLA heads split, latent projections replicated; kimi_linear: KDA heads split, NoPE MLA
+# deepseek_v3: MLA heads split, latent projections replicated; kimi_linear: KDA heads split, NoPE MLA;
+# qwen3_5: the gated delta net's state slots split by heads
 @pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gpt_oss", "deepseek_v3",
-                                    "kimi_linear"])
+                                    "kimi_linear", "qwen3_5"])
 def test_tp2_equals_tp1(tmp_path, family):
-    import transformers
 
-    needs = {"deepseek_v3": "DeepseekV3Config", "kimi_linear": "KimiLinearConfig"}.get(family)
+    needs = {"deepseek_v3": "DeepseekV3Config", "kimi_linear": "KimiLinearConfig",
+             "qwen3_5": "Qwen3_5TextConfig"}.get(family)
     if needs and not hasattr(transformers, needs):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=4)

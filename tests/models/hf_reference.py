@@ -4,6 +4,7 @@ import json
 import shutil
 
 import torch
+from safetensors import safe_open
 
 FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gpt_oss")
 
@@ -71,8 +72,6 @@ def areno_hub_grads(model) -> dict:
 
 def hub_tensors(folder) -> dict:
     """Every tensor of the safetensors files in ``folder``."""
-    from safetensors import safe_open
-
     out = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:

@@ -4,25 +4,17 @@ import json
 
 import pytest
 import torch
-from hf_reference import FAMILIES, load_reference
+from hf_reference import FAMILIES, hub_tensors, load_reference
 from safetensors import safe_open
 
 from areno.models import load_model, load_tokenizer, save_model
-
-
-def _tensors(folder):
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_areno_hf_is_bit_identical(tiny_checkpoint, tmp_path, family):
     src = tiny_checkpoint(family)
     out = save_model(load_model(src, device="cpu"), tmp_path / "out")
-    a, b = _tensors(src), _tensors(out)
+    a, b = hub_tensors(src), hub_tensors(out)
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
@@ -58,7 +50,8 @@ def test_sharded_save_writes_index_and_reloads(tiny_checkpoint, tmp_path, family
     files = sorted(out.glob("model-*-of-*.safetensors"))
     assert len(files) > 2 and not (out / "model.safetensors").exists()
     assert set(index["weight_map"].values()) == {f.name for f in files}
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in _tensors(src).values())
+    total = sum(t.numel() * t.element_size() for t in hub_tensors(src).values())
+    assert index["metadata"]["total_size"] == total
     for f in files:  # no shard exceeds the limit unless one tensor alone does
         with safe_open(str(f), framework="pt") as h:
             sizes = [h.get_tensor(k).numel() * h.get_tensor(k).element_size() for k in h.keys()]
@@ -78,7 +71,7 @@ def test_dtype_choice_and_saved_config_dtype(tiny_checkpoint, tmp_path):
     out = save_model(model, tmp_path / "bf16")
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
-    assert all(t.dtype == torch.bfloat16 for t in _tensors(out).values())
+    assert all(t.dtype == torch.bfloat16 for t in hub_tensors(out).values())
     assert load_model(out, device="cpu").embed_tokens.weight.dtype == torch.bfloat16  # the config's dtype by default
 
 
@@ -86,7 +79,7 @@ def test_tied_embeddings_have_no_lm_head(tiny_checkpoint):
     model = load_model(tiny_checkpoint("qwen3"), device="cpu")
     assert model.config.tie_word_embeddings and model.lm_head is None
     assert model.lm_head_weight is model.embed_tokens.weight
-    assert "lm_head.weight" not in _tensors(tiny_checkpoint("qwen3"))
+    assert "lm_head.weight" not in hub_tensors(tiny_checkpoint("qwen3"))
 
 
 def test_save_replaces_existing_folder(tiny_checkpoint, tmp_path):
@@ -117,7 +110,7 @@ def test_missing_and_unexpected_tensors_are_errors(tiny_checkpoint, tmp_path):
     from safetensors.torch import save_file
 
     src = tiny_checkpoint("llama")
-    tensors = _tensors(src)
+    tensors = hub_tensors(src)
     folder = tmp_path / "broken"
     folder.mkdir()
     (folder / "config.json").write_text((src / "config.json").read_text())
