@@ -223,6 +223,7 @@ class CausalLM(nn.Module):
     hf_config: dict | None = None  # set by the loader
     source_dir = None  # set by the loader
     layer_class = DecoderLayer  # OLMo 2: its post-norm layer
+    logit_softcap: float | None = None  # Gemma 4: logits are cap * tanh(logits / cap) (sampling and log-probs)
 
     def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None, attn_factory=None):
         super().__init__()
@@ -342,16 +343,21 @@ class CausalLM(nn.Module):
 
         ``routed_experts`` int ``[T, num_moe_layers, k]`` (routing replay): the experts each token uses in each MoE
         layer (rows of -1 route as usual); the weights still come from the current router."""
+        meta = self.step_metadata(input_ids, cu_seqlens, max_seqlen, attn_metadata, routed_experts)
+        h, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, positions, self.rope, meta, None if kv_caches is None else kv_caches[i])
+        return self.norm(h, residual)[0]
+
+    def step_metadata(self, input_ids, cu_seqlens, max_seqlen, attn_metadata, routed_experts) -> AttentionMetadata:
+        """The engine's metadata, or a packed batch's; with the replayed routes checked and attached."""
         meta = attn_metadata if attn_metadata is not None else training_metadata(input_ids, cu_seqlens, max_seqlen)
         if routed_experts is not None:
             if tuple(routed_experts.shape) != (input_ids.shape[0], self.num_moe_layers, self.moe_top_k):
                 raise ValueError(f"routed_experts must be [T, num_moe_layers={self.num_moe_layers}, k="
                                  f"{self.moe_top_k}], got {tuple(routed_experts.shape)}")
             meta.routing_in = routed_experts
-        h, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, self.rope, meta, None if kv_caches is None else kv_caches[i])
-        return self.norm(h, residual)[0]
+        return meta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, V]`` logits in the model dtype (all-gathered over the vocab under TP)."""

@@ -2,7 +2,7 @@
 
 import torch
 
-FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3")
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gemma4_text")
 
 
 def load_reference(path, dtype=torch.float32):

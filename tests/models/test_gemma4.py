@@ -1,0 +1,203 @@
+"""Gemma 4 against transformers (fp32, native attention): logits and every parameter gradient on sequences longer than
+the sliding window for the dense, the KV-shared + PLE + k=v + double-wide and the MoE variants; packed varlen
+batches; activation checkpointing; routing replay; bit-identical save; the multimodal ``gemma4`` checkpoint's language
+model (towers kept opaque); and the options refused at load."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from hf_reference import load_reference, next_token_targets, reference_grads
+from safetensors.torch import load_file
+
+from areno.models import iter_hf_tensors, load_model, save_model
+from areno.models.loader import CheckpointError
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Gemma4TextConfig"):
+    pytest.skip(f"transformers {transformers.__version__} has no Gemma 4", allow_module_level=True)
+
+VARIANTS = {
+    "dense": {},
+    "shared_ple": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
+                       use_double_wide_mlp=True),
+    "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+}
+
+
+def _ids(b, t, seed):
+    return torch.randint(0, 1000, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _close(got, want, tol=1e-4):
+    return (got - want).abs().max() <= tol * want.abs().max().clamp_min(1e-8)
+
+
+def test_layers_get_their_window_head_dims_and_kv_sources(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("gemma4_text", **VARIANTS["shared_ple"]), device="cpu")
+    attn = [layer.self_attn for layer in model.layers]
+    assert [a.window for a in attn] == [4, None, 4, None]
+    assert [a.head_dim for a in attn] == [16, 32, 16, 32]
+    assert [a.num_kv_heads for a in attn] == [2, 1, 2, 1]
+    assert model.config.kv_source == [0, 1, 0, 1] and model.kv_cache_layers == [0, 1]
+    assert [a.k_eq_v for a in attn] == [False, True, False, False]
+    assert [layer.mlp.intermediate_size for layer in model.layers] == [128, 128, 256, 256]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_and_gradients_match_transformers_past_the_window(tiny_checkpoint, variant):
+    path = tiny_checkpoint("gemma4_text", **VARIANTS[variant])
+    model = load_model(path, device="cpu", attn_backend="native").train()
+    ref = load_reference(path).train()
+    ids = _ids(2, 13, seed=1)  # 13 tokens, window 4
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
+    out = ref(ids, labels=ids)
+    assert _close(model.compute_logits(hidden).view(b, t, -1), out.logits)
+    targets = next_token_targets(ids)
+    loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
+    got, grads = dict(iter_hf_tensors(model, grads=True)), reference_grads(ref)
+    assert set(got) == set(grads)
+    for name, g in grads.items():
+        assert _close(got[name], g), name
+
+
+def test_soft_capping_reaches_logits_and_logprobs(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("gemma4_text"), device="cpu")
+    ids = _ids(1, 9, seed=2)
+    with torch.no_grad():
+        hidden = model(ids[0], torch.arange(9))
+        logits = model.compute_logits(hidden)
+        assert logits.abs().max() < 3.0
+        lp, ent = model.token_logprobs(hidden, ids[0], temperature=0.7, return_entropy=True)
+    want = torch.log_softmax(logits / 0.7, dim=-1)
+    torch.testing.assert_close(lp, want.gather(1, ids[0, :, None])[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, -(want.exp() * want).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["shared_ple", "moe"])
+def test_packed_varlen_equals_per_sequence(tiny_checkpoint, variant):
+    model = load_model(tiny_checkpoint("gemma4_text", **VARIANTS[variant]), device="cpu", attn_backend="native")
+    lens = [9, 3, 12]
+    seqs = [_ids(1, n, seed=10 + i)[0] for i, n in enumerate(lens)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        packed = model.compute_logits(model(torch.cat(seqs), positions, cu, max(lens)))
+        single = torch.cat([model.logits(s[None])[0] for s in seqs])
+    assert _close(packed, single, 1e-5)
+
+
+@pytest.mark.parametrize("variant", ["shared_ple", "moe"])
+def test_activation_checkpointing_gives_the_same_gradients(tiny_checkpoint, variant):
+    path = tiny_checkpoint("gemma4_text", **VARIANTS[variant])
+    ids = _ids(2, 11, seed=3)
+    grads = []
+    for ckpt in (False, True):
+        model = load_model(path, device="cpu", attn_backend="native").train()
+        model.set_activation_checkpointing(ckpt)
+        hidden = model(ids.reshape(-1), torch.arange(11).repeat(2), torch.tensor([0, 11, 22], dtype=torch.int32), 11)
+        model.token_logprobs(hidden, next_token_targets(ids)).sum().backward()
+        grads.append(dict(iter_hf_tensors(model, grads=True)))
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_routing_replay_runs_the_given_experts(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("gemma4_text", **VARIANTS["moe"]), device="cpu")
+    assert model.is_moe and model.num_moe_layers == 4 and model.moe_top_k == 2
+    ids = _ids(1, 10, seed=5)[0]
+    positions = torch.arange(10)
+    with torch.no_grad():
+        base = model(ids, positions)
+        routes = torch.stack([layer.moe.route(torch.randn(10, 64), None)[1] for layer in model.layers], dim=1)
+        replayed = model(ids, positions, routed_experts=routes.int())
+        same = model(ids, positions, routed_experts=torch.full_like(routes, -1).int())
+    assert not torch.allclose(base, replayed)
+    torch.testing.assert_close(same, base)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_save_round_trips_bit_identically(tiny_checkpoint, tmp_path, variant):
+    path = tiny_checkpoint("gemma4_text", **VARIANTS[variant])
+    model = load_model(path, device="cpu")
+    a = load_file(str(path / "model.safetensors"))
+    b = load_file(str(save_model(model, tmp_path / "o") / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def test_kv_shared_layers_kv_tensors_in_a_checkpoint_are_kept_untouched(tiny_checkpoint, tmp_path):
+    """Hub checkpoints may hold k/v weights for KV-shared layers (transformers ignores them): kept, saved back."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "extra"
+    shutil.copytree(tiny_checkpoint("gemma4_text", **VARIANTS["shared_ple"]), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.3.self_attn.k_proj.weight"] = torch.randn(32, 64)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(folder, device="cpu")
+    saved = load_file(str(save_model(model, tmp_path / "o") / "model.safetensors"))
+    name = "model.layers.3.self_attn.k_proj.weight"
+    assert torch.equal(saved[name], tensors[name])
+
+
+def _multimodal_checkpoint(tiny_checkpoint, tmp_path):
+    """A tiny ``gemma4`` checkpoint (text + vision tower) written by transformers itself."""
+    text = json.loads((tiny_checkpoint("gemma4_text", **VARIANTS["shared_ple"]) / "config.json").read_text())
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision.to_dict(), audio_config=None)
+    torch.manual_seed(0)
+    ref = transformers.Gemma4ForConditionalGeneration(config).eval()
+    ref.save_pretrained(str(tmp_path / "mm"))
+    return tmp_path / "mm", ref
+
+
+def test_multimodal_checkpoint_loads_its_language_model_and_saves_the_towers_untouched(tiny_checkpoint, tmp_path):
+    path, ref = _multimodal_checkpoint(tiny_checkpoint, tmp_path)
+    model = load_model(path, device="cpu", attn_backend="native")
+    assert model.config.model_type == "gemma4" and model.kept_names
+    ids = _ids(2, 13, seed=6)
+    with torch.no_grad():
+        assert _close(model.logits(ids), ref(input_ids=ids).logits)
+    out = save_model(model, tmp_path / "saved")
+    a, b = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _close(again(input_ids=ids).logits, ref(input_ids=ids).logits, 1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_activation": "silu"}, "gemma4: hidden_activation='silu' is not supported"),
+    ({"attention_dropout": 0.1}, "gemma4: attention_dropout=0.1 is not supported"),
+    ({"use_bidirectional_attention": "all"}, "gemma4: use_bidirectional_attention='all' is not supported"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     r"gemma4: rope_parameters\[sliding_attention\].rope_type='linear'"),
+    ({"per_layer_config": {"1": {"head_dim": 32, "intermediate_size": 64}}}, r"gemma4: per_layer_config\[1\]="),
+])
+def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, tmp_path, change, message):
+    folder = tmp_path / "changed"
+    shutil.copytree(tiny_checkpoint("gemma4_text"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_model(folder, device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_tensor_parallelism_is_refused_in_one_line(tiny_checkpoint):
+    from areno.models.gemma4_layers import tp_refusal
+
+    model = load_model(tiny_checkpoint("gemma4_text"), device="cpu")
+    with pytest.raises(ValueError, match="gemma4 is not tensor parallel yet") as e:
+        model.layers[0].self_attn.shard_heads(0, 2)
+    assert "\n" not in str(e.value) and "--tp-size 2" in tp_refusal(2)
