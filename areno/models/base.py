@@ -176,13 +176,18 @@ class DecoderLayer(nn.Module):
         h, residual = self.attn_block(h, residual, positions, rope, meta)
         return self.mlp.compute(h), residual
 
+    def routed_block(self):
+        """The layer's sparse-MoE block (``route``/``compute``, ``moe_index``), or None: the MLP when it routes."""
+        return self.mlp if self.mlp.has_router else None
+
     def route(self, h, meta: AttentionMetadata):
         """A MoE layer's (weights, ids): replayed from ``meta.routing_in`` when given (weights from the current
         router), recorded into ``meta.routing_out`` when asked (see attention_metadata)."""
-        if not self.mlp.has_router:
+        moe = self.routed_block()
+        if moe is None:
             return ()
-        j = self.mlp.moe_index
-        weights, ids = self.mlp.route(h, None if meta.routing_in is None else meta.routing_in[:, j])
+        j = moe.moe_index
+        weights, ids = moe.route(h, None if meta.routing_in is None else meta.routing_in[:, j])
         if meta.routing_out is not None:
             meta.routing_out[j, : ids.shape[0]].copy_(ids)
         return weights, ids

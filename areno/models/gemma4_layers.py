@@ -188,14 +188,8 @@ class Gemma4DecoderLayer(DecoderLayer):
             h = h + self.post_per_layer_input_norm(g)
         return h * self.layer_scalar
 
-    def route(self, h, meta):
-        if self.moe is None:
-            return ()
-        j = self.moe.moe_index
-        weights, ids = self.moe.route(h, None if meta.routing_in is None else meta.routing_in[:, j])
-        if meta.routing_out is not None:
-            meta.routing_out[j, : ids.shape[0]].copy_(ids)
-        return weights, ids
+    def routed_block(self):
+        return self.moe
 
     def forward(self, h, ple, positions, rope, meta, kv_cache=None, shared_kv=None):
         """``(h, (k, v))`` (see ``Gemma4Attention.forward``)."""

@@ -12,8 +12,8 @@ from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block
 from areno.models import load_model, load_tokenizer
-from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
+from tests.helpers.routing import assert_recorded_routes_are_the_forwards
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
                                 reason=f"transformers {transformers.__version__} has no Gemma 4")
@@ -80,14 +80,4 @@ def test_routing_capture_equals_the_forwards_routing(gemma4):
     e = engine(model, tok, max_batched_tokens=7, record_routing=True)
     out = e.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, n=2, seed=3))
     for c in [c for g in out for c in g]:
-        ids = c.prompt_ids + c.token_ids
-        t = len(ids)
-        cu = torch.tensor([0, t], dtype=torch.int32)
-        meta = AttentionMetadata(None, True, cu, cu, t, t)
-        meta.routing_out = torch.full((model.num_moe_layers, t, model.moe_top_k), -1, dtype=torch.int32)
-        with torch.no_grad():
-            model(torch.tensor(ids), torch.arange(t), attn_metadata=meta)
-        got = torch.from_numpy(c.routed_experts).long()
-        assert (got[-1] == -1).all() and (got[:-1] >= 0).all()
-        want = meta.routing_out.permute(1, 0, 2).long()[:-1]
-        assert torch.equal(got[:-1].sort(-1).values, want.sort(-1).values)
+        assert_recorded_routes_are_the_forwards(model, c)

@@ -14,6 +14,7 @@ from areno.models import load_model, load_tokenizer
 from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.cpu_graph import CpuGraph
+from tests.helpers.routing import assert_recorded_routes_are_the_forwards
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 
@@ -122,18 +123,7 @@ def test_routing_capture_equals_the_forwards_routing(hybrid):
     e = engine(model, tok, max_batched_tokens=7, record_routing=True)
     out = e.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, n=2, seed=3))
     for c in [c for g in out for c in g]:
-        ids = c.prompt_ids + c.token_ids
-        t = len(ids)
-        meta = AttentionMetadata(None, True, torch.tensor([0, t], dtype=torch.int32),
-                                 torch.tensor([0, t], dtype=torch.int32), t, t)
-        meta.routing_out = torch.full((model.num_moe_layers, t, model.moe_top_k), -1, dtype=torch.int32)
-        with torch.no_grad():
-            model(torch.tensor(ids), torch.arange(t), attn_metadata=meta)
-        got = torch.from_numpy(c.routed_experts).long()
-        assert got.shape == (t, model.num_moe_layers, model.moe_top_k)
-        assert (got[-1] == -1).all() and (got[:-1] >= 0).all()
-        want = meta.routing_out.permute(1, 0, 2).long()[:-1]
-        assert torch.equal(got[:-1].sort(-1).values, want.sort(-1).values)
+        assert_recorded_routes_are_the_forwards(model, c)
 
 
 def test_graph_inputs_give_the_eager_tokens_and_routes(hybrid, monkeypatch):

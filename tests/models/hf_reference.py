@@ -36,3 +36,77 @@ def next_token_targets(ids: torch.Tensor) -> torch.Tensor:
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     return targets.reshape(-1)
+
+
+def assert_logits_and_grads_match(model, ref, ids: torch.Tensor, tol: float = 1e-4) -> None:
+    """areno's packed fp32 forward of ``ids [B, T]`` and its next-token loss's gradients against transformers': the
+    logits within ``tol`` of their scale, the loss to 1e-5, every parameter gradient (Hub names) within ``tol``."""
+    from areno.models import iter_hf_tensors
+
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
+    out = ref(ids, labels=ids)
+    logits, want = model.compute_logits(hidden).view(b, t, -1), out.logits
+    assert (logits - want).abs().max() <= tol * want.abs().max()
+    targets = next_token_targets(ids)
+    loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
+    got, grads = dict(iter_hf_tensors(model, grads=True)), reference_grads(ref)
+    assert set(got) == set(grads)
+    for name, g in grads.items():
+        assert (got[name] - g).abs().max() <= tol * g.abs().max().clamp_min(1e-8), name
+
+
+def bf16_parity_on_gpu(path, ids: torch.Tensor):
+    """On CUDA, for ``ids [B, T]``: transformers' fp32 logits, its bf16 logits and loss, areno's bf16 logits and packed
+    loss. Returns ``(areno error, transformers' bf16 error, logit scale, areno loss, transformers' loss)``."""
+    from areno.models import load_model
+
+    with torch.no_grad():
+        ref32 = load_reference(path, torch.float32).cuda()
+        exact = ref32(ids).logits
+        del ref32
+        ref = load_reference(path, torch.bfloat16).cuda()
+        out = ref(ids, labels=ids)
+        ref_logits, ref_loss = out.logits.float(), out.loss.float()
+        del ref, out
+        model = load_model(path, device="cuda")
+        assert model.embed_tokens.weight.dtype == torch.bfloat16
+        got = model.logits(ids).float()
+        b, t = ids.shape
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device="cuda")
+        hidden = model(ids.reshape(-1), torch.arange(t, device="cuda").repeat(b), cu, t)
+        targets = next_token_targets(ids)
+        loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    scale = exact.abs().max()
+    return (got - exact).abs().max(), (ref_logits - exact).abs().max(), scale, loss, ref_loss
+
+
+def assert_refused_at_load(checkpoint, tmp_path, change: dict, message: str) -> None:
+    """A copy of ``checkpoint`` with ``change`` merged into its config.json fails to load with a one-line
+    ``CheckpointError`` matching ``message``."""
+    import json
+    import shutil
+
+    import pytest
+
+    from areno.models import load_model
+    from areno.models.loader import CheckpointError
+
+    folder = tmp_path / "changed"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_model(folder, device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def packed_batch(lens: list[int], seed: int = 10):
+    """Random sequences of ``lens`` packed: ``(seqs, input_ids [T], positions [T], cu_seqlens [B+1], max_seqlen)``."""
+    seqs = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed + i)) for i, n in enumerate(lens)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return seqs, torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), cu, max(lens)

@@ -3,7 +3,6 @@ layers, PLE, k = v, double-wide MLP, the MoE block, soft-capping); the saved che
 the same logits, and on the first on-policy GRPO step the trainer's soft-capped log-probs equal the rollout's."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from areno.cli import main
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
+from tests.helpers.train_files import write_train_files
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
                                 reason=f"transformers {transformers.__version__} has no Gemma 4")
@@ -26,16 +26,7 @@ EVERYTHING = dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attenti
 def setup_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma4-train")
     ckpt = make_tiny_checkpoint(root / "ckpt", family="gemma4_text", seed=0, **EVERYTHING)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(8):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b), "chosen": str(a + b), "rejected": str(a + b + 1)})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
+    data, reward = write_train_files(root, 8)
     return ckpt, data, reward, root
 
 

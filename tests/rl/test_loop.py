@@ -2,7 +2,6 @@
 invariants, gradient accumulation, checkpoint + resume, and clear errors for bad plugins."""
 
 import json
-import random
 from dataclasses import replace
 
 import pytest
@@ -15,22 +14,14 @@ from areno.models import load_model
 from areno.rl.algorithms import grpo
 from areno.rl.loop import TrainLoop
 from areno.testing import make_tiny_checkpoint
+from tests.helpers.train_files import write_train_files
 
 
 @pytest.fixture(scope="module")
 def setup_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("loop")
     ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(32):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b), "chosen": str(a + b), "rejected": str(a + b + 1)})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
+    data, reward = write_train_files(root, 32)
     return ckpt, data, reward, root
 
 
