@@ -18,7 +18,11 @@ KV-shared layers' k/v tensors, when a checkpoint holds them (transformers ignore
 
 Refused at load in one line, naming the field: an activation other than gelu tanh, attention dropout, attention
 bias, ``use_bidirectional_attention="all"``, layer types other than sliding/full, other RoPE types, per-layer
-overrides other than head dim and KV heads. Tensor parallelism is refused at load (see ``gemma4_layers.tp_refusal``).
+overrides other than head dim and KV heads.
+
+Tensor parallel: query heads split, each layer's KV heads split or replicated (a full layer's one KV head is held by
+every rank), dense MLPs split, vocab-parallel embedding and head (the soft-capped log-probs gather the logits); the
+per-layer-input projections, the router and the MoE experts are replicated (every rank runs the whole MoE block).
 """
 
 from __future__ import annotations
@@ -186,8 +190,6 @@ class Gemma4ForCausalLM(CausalLM):
             self.per_layer_model_projection = Linear(cfg.hidden_size, n * p)
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
         self.producers = {s for i, s in enumerate(cfg.kv_source) if s != i}
-        self.kv_width = max(cfg.layer_kv_heads[i] * cfg.layer_head_dims[i] for i in self.kv_cache_layers)
-        self.kv_cache_layout = (2, (self.kv_width,))
         self.kept = nn.Module()  # opaque tensors (towers, shared layers' k/v), see keep_hf_tensor
         self.kept_names: list[str] = []
         self.ropes = None
@@ -199,6 +201,16 @@ class Gemma4ForCausalLM(CausalLM):
         return [i for i, s in enumerate(self.config.kv_source) if s == i]
 
     @property
+    def kv_width(self) -> int:
+        """Elements of one token's K (or V) row in the paged cache: the widest layer's local ``Hkv * head_dim``."""
+        return max(self.layers[i].self_attn.num_kv_heads * self.layers[i].self_attn.head_dim
+                   for i in self.kv_cache_layers)
+
+    @property
+    def kv_cache_layout(self) -> tuple:
+        return 2, (self.kv_width,)
+
+    @property
     def kv_head_dim(self) -> int:
         return self.kv_width
 
@@ -207,9 +219,9 @@ class Gemma4ForCausalLM(CausalLM):
 
     def layer_cache(self, kv_caches, i: int):
         """Layer i's ``(k_cache, v_cache)`` ``[blocks, block_size, Hkv_i, D_i]``: its K/V source's flat rows."""
-        src, cfg = self.config.kv_source[i], self.config
-        hkv, d = cfg.layer_kv_heads[i], cfg.layer_head_dims[i]
-        return tuple(c[..., : hkv * d].unflatten(-1, (hkv, d)) for c in kv_caches[src])
+        attn = self.layers[i].self_attn
+        hkv, d = attn.num_kv_heads, attn.head_dim
+        return tuple(c[..., : hkv * d].unflatten(-1, (hkv, d)) for c in kv_caches[self.config.kv_source[i]])
 
     def init_buffers(self, device=None) -> None:
         cfg = self.config
@@ -262,7 +274,7 @@ class Gemma4ForCausalLM(CausalLM):
             return super().token_logprobs(hidden, targets, temperature=temperature, return_entropy=return_entropy,
                                           chunk_size=chunk_size)
         return softcapped_logprobs(hidden, self.lm_head_weight, targets, self.logit_softcap, temperature=temperature,
-                                   return_entropy=return_entropy, chunk_size=chunk_size)
+                                   return_entropy=return_entropy, chunk_size=chunk_size, tp_group=self.tp_group)
 
     # ---- weights -------------------------------------------------------------------------------------------------
     def keep_hf_tensor(self, hf_name: str) -> bool:
@@ -313,4 +325,5 @@ NOTES = ("sliding + global layers (own head dims, proportional partial RoPE), KV
          "logit soft-capping; gemma4: text only (vision/audio towers kept opaque, saved untouched)")
 for _type in ("gemma4_text", "gemma4"):
     register(_type, gemma4_config, Gemma4ForCausalLM,
-             card=ModelCard("Gemma 4", ("dense", "moe"), tp="no", routing_replay=True, notes=NOTES))
+             card=ModelCard("Gemma 4", ("dense", "moe"), tp="yes (MoE experts replicated)", routing_replay=True,
+                           notes=NOTES))

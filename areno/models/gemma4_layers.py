@@ -23,15 +23,10 @@ from areno.kernels.moe.fused import fused_moe
 from areno.kernels.norm import rms_norm
 from areno.kernels.rope import apply_rope
 from areno.models.base import MLP, DecoderLayer
-from areno.models.layers import Linear, RMSNorm
+from areno.models.layers import Linear, RMSNorm, vocab_parallel_logits
 from areno.models.model_config import ModelConfig
 from areno.models.qwen3_moe import Experts, SparseMoE
 from areno.models.tp import copy_to_tp, layout, reduce_from_tp
-
-
-def tp_refusal(size: int) -> str:
-    return (f"--tp-size {size}: gemma4 is not tensor parallel yet (per-layer head dims and KV heads, KV-shared layers "
-            "and per-layer embeddings are not sharded); use --tp-size 1")
 
 
 class Gemma4Attention(nn.Module):
@@ -56,7 +51,12 @@ class Gemma4Attention(nn.Module):
         self.v_scale = torch.ones(self.head_dim, dtype=self.o_proj.weight.dtype, device=device)
 
     def shard_heads(self, rank: int, size: int) -> None:
-        raise ValueError(tp_refusal(size))
+        """Local head counts under TP: query heads split, this layer's KV heads split or replicated."""
+        if self.num_heads % size or (self.num_kv_heads % size and size % self.num_kv_heads):
+            raise ValueError(f"--tp-size {size} must divide num_attention_heads={self.num_heads} and divide or be "
+                             f"divided by this layer's {self.num_kv_heads} KV heads (head dim {self.head_dim})")
+        self.num_heads //= size
+        self.num_kv_heads = max(1, self.num_kv_heads // size)
 
     def forward(self, x, positions, rope, meta, kv_cache=None, shared_kv=None):
         """``(out [T, H], (k, v))``: the K/V this layer attended to (its own, or ``shared_kv``)."""
@@ -217,26 +217,27 @@ class Gemma4DecoderLayer(DecoderLayer):
 
 
 def softcapped_logprobs(hidden, weight, targets, cap: float, *, temperature=1.0, return_entropy=False,
-                        chunk_size=None):
+                        chunk_size=None, tp_group=None):
     """fp32 ``log softmax(cap * tanh(hidden @ weight.T / cap) / temperature)[targets]`` (``-100`` -> 0), and the
     entropy with ``return_entropy``; plain PyTorch ops over row chunks, each recomputed in backward (no ``[T, V]``
-    kept). The logits come from a GEMM in the weights' dtype (no fused soft-capping log-prob kernel yet)."""
+    kept). The logits come from a GEMM in the weights' dtype (no fused soft-capping log-prob kernel yet); under TP
+    ``weight`` is this rank's vocab shard and the logits are gathered."""
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat = targets.reshape(-1)
     step = chunk_size or max(1, 2**26 // max(1, weight.shape[0]))
     lps, ents = [], []
     for s in range(0, rows.shape[0], step):
-        lp, ent = checkpoint(_capped_chunk, rows[s : s + step], weight, flat[s : s + step], cap, temperature,
-                             use_reentrant=False) if torch.is_grad_enabled() else \
-            _capped_chunk(rows[s : s + step], weight, flat[s : s + step], cap, temperature)  # fmt: skip
+        args = (rows[s : s + step], weight, flat[s : s + step], cap, temperature, tp_group)
+        lp, ent = checkpoint(_capped_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else \
+            _capped_chunk(*args)  # fmt: skip
         lps.append(lp)
         ents.append(ent)
     lp, ent = torch.cat(lps).reshape(targets.shape), torch.cat(ents).reshape(targets.shape)
     return (lp, ent) if return_entropy else lp
 
 
-def _capped_chunk(h, weight, targets, cap, temperature):
-    logits = F.linear(h, weight).float()
+def _capped_chunk(h, weight, targets, cap, temperature, tp_group):
+    logits = vocab_parallel_logits(h, weight, tp_group).float()
     logp = torch.log_softmax(torch.tanh(logits / cap) * (cap / temperature), dim=-1)
     lp = logp.gather(-1, targets.clamp(min=0).long().unsqueeze(-1)).squeeze(-1)
     return torch.where(targets < 0, torch.zeros_like(lp), lp), -(logp.exp() * logp).sum(-1)

@@ -267,10 +267,11 @@ def register_grad_hooks(model: nn.Module) -> None:
         style = getattr(module, "tp_style", None)
         if style == "partial_grad":
             module.weight.register_hook(_all_reduce_hook(group))
-        elif style == "column" and mname.endswith("qkv_proj") and size > model.config.num_kv_heads:
+        elif style == "column" and mname.endswith("qkv_proj"):
             for pname, param in module.named_parameters(recurse=False):
                 lay = model._tp_layouts[f"{mname}.{pname}"][0]
-                param.register_hook(_kv_replica_hook(lay, group, rank, size))
+                if any(p.kind == "kv" and p.size // p.unit < size for p in lay.parts):  # replicated KV heads
+                    param.register_hook(_kv_replica_hook(lay, group, rank, size))
 
 
 def _all_reduce_hook(group):

@@ -176,17 +176,19 @@ def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, 
     assert_refused_at_load(tiny_checkpoint("gemma4_text"), tmp_path, change, message)
 
 
-def test_tensor_parallelism_is_refused_at_load_in_one_line(tiny_checkpoint, monkeypatch):
+def test_tp_that_cannot_split_a_layers_kv_heads_is_refused_at_load_in_one_line(tiny_checkpoint, monkeypatch):
+    """Each layer shards its own KV heads (TP=2 == TP=1 is in test_tp.py): 3 global KV heads under TP=2 cannot."""
     from areno.models.registry import get_adapter
     from areno.models.tp import apply_tp_plan
 
     adapter = get_adapter("gemma4_text")
     config = json.loads((tiny_checkpoint("gemma4_text") / "config.json").read_text())
+    config["per_layer_config"] = {str(i): {"head_dim": 32, "num_key_value_heads": 3} for i in (1, 3)}
     with torch.device("meta"):
         model = adapter.model_class(adapter.config_from_hf(config))
     monkeypatch.setattr("areno.models.tp.dist.get_world_size", lambda group: 2)
     monkeypatch.setattr("areno.models.tp.dist.get_rank", lambda group: 0)
-    with pytest.raises(ValueError, match=r"^--tp-size 2: gemma4 is not tensor parallel yet") as e:
+    with pytest.raises(ValueError, match=r"^--tp-size 2 must divide .* this layer's 3 KV heads") as e:
         apply_tp_plan(model, object())
     assert "\n" not in str(e.value)
 

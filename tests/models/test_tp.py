@@ -4,7 +4,8 @@ Covers qwen3 (KV heads split), qwen3_moe (experts' intermediate dim split, with 
 replicated), llama with one KV head and biases (KV head replicated: its gradient summed over the two ranks) and
 qwen3_vl with two images (decoder sharded, vision tower and mergers replicated: every rank runs them and holds the
 same gradient without a collective), olmo2 (its QK-norm weight split with the heads, sums of squares all-reduced)
-and olmo3 (olmo2 plus a sliding window shorter than the sequences).
+and olmo3 (olmo2 plus a sliding window shorter than the sequences), gemma4_text (KV-shared layers, per-layer inputs,
+global layers' single KV head replicated, the MoE block's experts replicated).
 """
 
 import os
@@ -26,8 +27,12 @@ CASES = {
     "qwen3_vl": dict(),
     "olmo2": dict(attention_bias=True),
     "olmo3": dict(),  # 13 tokens past its window of 4
+    "gemma4_text": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
+                        use_double_wide_mlp=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32),  # global layers' one KV head replicated; experts replicated
 }
-CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False, "qwen3_vl": True, "olmo2": True, "olmo3": False}
+CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False, "qwen3_vl": True, "olmo2": True, "olmo3": False,
+                 "gemma4_text": True}
 VL_GRID = torch.tensor([[1, 8, 8], [1, 6, 10]])  # two images: 16 and 15 tokens
 
 
