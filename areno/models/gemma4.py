@@ -13,7 +13,8 @@ soft-capped model). The paged cache holds one flat row of the widest layer's ``H
 views its own ``[Hkv, head_dim]`` part of it.
 
 ``gemma4`` checkpoints: the language model's tensors load by their Hub names (``model.language_model.*``); the
-vision and audio towers and their embedders are kept opaque (frozen, saved untouched), so the model is text-only.
+vision and audio towers and their embedders are kept opaque (frozen, saved untouched), so the model is text-only; a
+tower with clipped linears (0-d bound tensors: the audio tower's default) is refused at load for now.
 KV-shared layers' k/v tensors, when a checkpoint holds them (transformers ignores them), are kept the same way.
 
 Refused at load in one line, naming the field: an activation other than gelu tanh, attention dropout, attention
@@ -322,7 +323,8 @@ class Gemma4ForCausalLM(CausalLM):
 
 
 NOTES = ("sliding + global layers (own head dims, proportional partial RoPE), KV-shared layers, per-layer embeddings, "
-         "logit soft-capping; gemma4: text only (vision/audio towers kept opaque, saved untouched)")
+         "logit soft-capping; gemma4: text only (towers kept opaque, saved untouched; clipped-linear towers, e.g. "
+         "audio, refused)")
 for _type in ("gemma4_text", "gemma4"):
     register(_type, gemma4_config, Gemma4ForCausalLM,
              card=ModelCard("Gemma 4", ("dense", "moe"), tp="yes (MoE experts replicated)", routing_replay=True,

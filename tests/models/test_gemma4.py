@@ -19,6 +19,7 @@ from hf_reference import (
 from safetensors.torch import load_file
 
 from areno.models import iter_hf_tensors, load_model, save_model
+from areno.models.loader import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4TextConfig"):
@@ -26,6 +27,7 @@ if not hasattr(transformers, "Gemma4TextConfig"):
 
 VARIANTS = {
     "dense": {},
+    "uncapped": dict(final_logit_softcapping=None),
     "shared_ple": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
                        use_double_wide_mlp=True),
     "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
@@ -135,11 +137,12 @@ def test_kv_shared_layers_kv_tensors_in_a_checkpoint_are_kept_untouched(tiny_che
     assert torch.equal(saved[name], tensors[name])
 
 
-def _multimodal_checkpoint(tiny_checkpoint, tmp_path):
+def _multimodal_checkpoint(tiny_checkpoint, tmp_path, clipped=False):
     """A tiny ``gemma4`` checkpoint (text + vision tower) written by transformers itself."""
     text = json.loads((tiny_checkpoint("gemma4_text", **VARIANTS["shared_ple"]) / "config.json").read_text())
     vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                             use_clipped_linears=clipped)
     config = transformers.Gemma4Config(text_config=text, vision_config=vision.to_dict(), audio_config=None)
     torch.manual_seed(0)
     ref = transformers.Gemma4ForConditionalGeneration(config).eval()
@@ -161,6 +164,14 @@ def test_multimodal_checkpoint_loads_its_language_model_and_saves_the_towers_unt
     again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
         assert _close(again(input_ids=ids).logits, ref(input_ids=ids).logits, 1e-6)
+
+
+def test_a_tower_with_scalar_tensors_is_refused_at_load_in_one_line(tiny_checkpoint, tmp_path):
+    """Clipped linears (the audio tower's default) hold 0-d bounds, which the opaque keeping cannot hold yet."""
+    path, _ = _multimodal_checkpoint(tiny_checkpoint, tmp_path, clipped=True)
+    with pytest.raises(CheckpointError, match=r"gemma4: tensor model\.vision_tower\..* is a scalar") as e:
+        load_model(path, device="cpu")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("change, message", [
