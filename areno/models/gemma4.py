@@ -13,8 +13,8 @@ soft-capped model). The paged cache holds one flat row of the widest layer's ``H
 views its own ``[Hkv, head_dim]`` part of it.
 
 ``gemma4`` checkpoints: the language model's tensors load by their Hub names (``model.language_model.*``); the
-vision and audio towers and their embedders are kept opaque (frozen, saved untouched), so the model is text-only; a
-tower with clipped linears (0-d bound tensors: the audio tower's default) is refused at load for now.
+vision and audio towers and their embedders are kept opaque (frozen, saved untouched, 0-d clipped-linear bounds
+included), so the model is text-only.
 KV-shared layers' k/v tensors, when a checkpoint holds them (transformers ignores them), are kept the same way.
 
 Refused at load in one line, naming the field: an activation other than gelu tanh, attention dropout, attention
@@ -37,7 +37,6 @@ from areno.kernels.rope import rope_cos_sin
 from areno.models.base import CausalLM
 from areno.models.gemma4_layers import Gemma4Attention, Gemma4DecoderLayer, Gemma4MLP, softcapped_logprobs
 from areno.models.layers import Linear, RMSNorm, VocabEmbedding
-from areno.models.loader import CheckpointError
 from areno.models.model_config import ModelConfig, get
 from areno.models.registry import ModelCard, register
 from areno.models.tp import layout
@@ -291,9 +290,6 @@ class Gemma4ForCausalLM(CausalLM):
 
     def add_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> str:
         """Hold ``tensor`` as a frozen parameter saved back under ``hf_name``; returns its name."""
-        if tensor.dim() == 0:
-            raise CheckpointError(f"gemma4: tensor {hf_name} is a scalar (a tower's clipped-linear bound): scalar "
-                                  "tensors are not kept yet")
         pname = f"t{len(self.kept_names)}"
         self.kept.register_parameter(pname, nn.Parameter(tensor.clone(), requires_grad=False))
         self.kept_names.append(hf_name)
@@ -318,13 +314,12 @@ class Gemma4ForCausalLM(CausalLM):
             out["lm_head.weight"] = [layout((v, h), 0, [("lm_head.weight", v)])]
         for j, hf_name in enumerate(self.kept_names):
             p = getattr(self.kept, f"t{j}")
-            out[f"kept.t{j}"] = [layout(tuple(p.shape), 0, [(hf_name, p.shape[0])])]
+            out[f"kept.t{j}"] = [layout(tuple(p.shape), 0, [(hf_name, p.shape[0] if p.dim() else 1)])]
         return out
 
 
 NOTES = ("sliding + global layers (own head dims, proportional partial RoPE), KV-shared layers, per-layer embeddings, "
-         "logit soft-capping; gemma4: text only (towers kept opaque, saved untouched; clipped-linear towers, e.g. "
-         "audio, refused)")
+         "logit soft-capping; gemma4: text only (vision/audio towers kept opaque, saved untouched)")
 for _type in ("gemma4_text", "gemma4"):
     register(_type, gemma4_config, Gemma4ForCausalLM,
              card=ModelCard("Gemma 4", ("dense", "moe"), tp="yes (MoE experts replicated)", routing_replay=True,

@@ -124,7 +124,8 @@ def layout(param_shape, dim, parts, expert=None):
     out = []
     for name, size, *rest in parts:
         shape = list(hf_shape)
-        shape[dim] = size
+        if shape:  # a 0-d tensor (a kept scalar) is one part of shape ()
+            shape[dim] = size
         out.append(Part(name, size, tuple(shape), *rest))
     return Layout(dim, out, expert)
 
@@ -151,8 +152,9 @@ def pieces(layouts: list[Layout], rank: int, size: int) -> list[Piece]:
             start, length = part_range(part, lay.sharded, rank, size)
             dst = [slice(None)] * len(part.shape)
             src = [slice(None)] * len(part.shape)
-            dst[lay.dim] = slice(offset, offset + length)
-            src[lay.dim] = slice(start, start + length)
+            if part.shape:
+                dst[lay.dim] = slice(offset, offset + length)
+                src[lay.dim] = slice(start, start + length)
             if lay.expert is not None:
                 dst = [lay.expert, *dst]
             out.append(Piece(part.hf_name, part.shape, tuple(dst), tuple(src)))
