@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from areno.config.env import env_value
 from areno.models.bailing_hybrid_layers import (
@@ -48,8 +47,8 @@ from areno.models.bailing_hybrid_layers import (
     one_layout,
 )
 from areno.models.base import MLP, CausalLM
+from areno.models.layers import KeptTensors
 from areno.models.registry import ModelCard, register
-from areno.models.tp import layout
 
 MLA_CACHES = ("latent", "expanded")  # the engine's paged cache of the MLA layers (see the module docstring)
 
@@ -64,8 +63,7 @@ class BailingHybridForCausalLM(CausalLM):
 
         super().__init__(cfg, attn_backend=attn_backend, attn_factory=attn,
                          mlp_factory=lambda cfg, i: SigmoidMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg))
-        self.mtp = nn.Module()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
-        self.mtp_names: list[str] = []
+        self.mtp = KeptTensors()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
         self.set_mla_cache((env_value("ARENO_MLA_CACHE") or "expanded").strip().lower() or "expanded")
 
     # ---- the engine's sizes (see the module docstring) ---------------------------------------------------------
@@ -145,12 +143,13 @@ class BailingHybridForCausalLM(CausalLM):
         index = hf_name.split(".")[2]
         return index.isdigit() and int(index) >= self.config.num_layers
 
+    @property
+    def mtp_names(self) -> list[str]:
+        return self.mtp.names
+
     def add_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> str:
         """Hold ``tensor`` as a frozen, replicated parameter saved back under ``hf_name``; returns its name."""
-        pname = f"t{len(self.mtp_names)}"
-        self.mtp.register_parameter(pname, nn.Parameter(tensor.clone(), requires_grad=False))
-        self.mtp_names.append(hf_name)
-        return f"mtp.{pname}"
+        return f"mtp.{self.mtp.add(hf_name, tensor)}"
 
     def hf_layouts(self) -> dict:
         cfg = self.config
@@ -165,9 +164,7 @@ class BailingHybridForCausalLM(CausalLM):
         out["norm.weight"] = one_layout("model.norm.weight", h)
         if self.lm_head is not None:
             out["lm_head.weight"] = one_layout("lm_head.weight", v, h)
-        for j, hf_name in enumerate(self.mtp_names):
-            p = getattr(self.mtp, f"t{j}")
-            out[f"mtp.t{j}"] = [layout(tuple(p.shape), 0, [(hf_name, p.shape[0])])]
+        out.update(self.mtp.layouts("mtp"))
         return out
 
 

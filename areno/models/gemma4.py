@@ -31,12 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from areno.kernels.rope import rope_cos_sin
 from areno.models.base import CausalLM
 from areno.models.gemma4_layers import Gemma4Attention, Gemma4DecoderLayer, Gemma4MLP, softcapped_logprobs
-from areno.models.layers import Linear, RMSNorm, VocabEmbedding
+from areno.models.layers import KeptTensors, Linear, RMSNorm, VocabEmbedding
 from areno.models.model_config import ModelConfig, get
 from areno.models.registry import ModelCard, register
 from areno.models.tp import layout
@@ -190,8 +189,7 @@ class Gemma4ForCausalLM(CausalLM):
             self.per_layer_model_projection = Linear(cfg.hidden_size, n * p)
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
         self.producers = {s for i, s in enumerate(cfg.kv_source) if s != i}
-        self.kept = nn.Module()  # opaque tensors (towers, shared layers' k/v), see keep_hf_tensor
-        self.kept_names: list[str] = []
+        self.kept = KeptTensors()  # opaque tensors (towers, shared layers' k/v), see keep_hf_tensor
         self.ropes = None
 
     # ---- sizes and capabilities ------------------------------------------------------------------------------
@@ -290,10 +288,7 @@ class Gemma4ForCausalLM(CausalLM):
 
     def add_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> str:
         """Hold ``tensor`` as a frozen parameter saved back under ``hf_name``; returns its name."""
-        pname = f"t{len(self.kept_names)}"
-        self.kept.register_parameter(pname, nn.Parameter(tensor.clone(), requires_grad=False))
-        self.kept_names.append(hf_name)
-        return f"kept.{pname}"
+        return f"kept.{self.kept.add(hf_name, tensor)}"
 
     def hf_layouts(self) -> dict:
         cfg, pre = self.config, self.config.hf_prefix
@@ -312,9 +307,7 @@ class Gemma4ForCausalLM(CausalLM):
         out["norm.weight"] = [layout((h,), 0, [(f"{pre}norm.weight", h)])]
         if self.lm_head is not None:
             out["lm_head.weight"] = [layout((v, h), 0, [("lm_head.weight", v)])]
-        for j, hf_name in enumerate(self.kept_names):
-            p = getattr(self.kept, f"t{j}")
-            out[f"kept.t{j}"] = [layout(tuple(p.shape), 0, [(hf_name, p.shape[0] if p.dim() else 1)])]
+        out.update(self.kept.layouts("kept"))
         return out
 
 

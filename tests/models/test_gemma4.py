@@ -154,7 +154,7 @@ def test_multimodal_checkpoint_loads_its_language_model_and_saves_the_towers_unt
                                                                                        clipped):
     path, ref = _multimodal_checkpoint(tiny_checkpoint, tmp_path, clipped)
     model = load_model(path, device="cpu", attn_backend="native")
-    assert model.config.model_type == "gemma4" and model.kept_names
+    assert model.config.model_type == "gemma4" and model.kept.names
     ids = _ids(2, 13, seed=6)
     with torch.no_grad():
         assert _close(model.logits(ids), ref(input_ids=ids).logits)
