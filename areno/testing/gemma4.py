@@ -7,6 +7,12 @@ k/v tensors, the MoE block beside the dense MLP, per-layer inputs (PLE), a ``lay
 
 from __future__ import annotations
 
+# Tiny-config variants the tests share: KV-shared layers + per-layer inputs + k = v + double-wide MLPs; the MoE block
+SHARED_PLE = dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
+                  use_double_wide_mlp=True)
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+EVERY_FEATURE = {**SHARED_PLE, **MOE}
+
 # Init values near 1 (norm scales, the layer scalar, the router's scales): drawn as 1 + N(0, 0.05) like norms.
 ONE_LIKE = ("norm.weight", "layernorm_1.weight", "layernorm_2.weight", "layer_scalar", "router.scale",
             "per_expert_scale")

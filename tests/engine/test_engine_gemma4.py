@@ -13,6 +13,7 @@ from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
+from areno.testing.gemma4 import MOE, SHARED_PLE
 from tests.helpers.routing import assert_recorded_routes_are_the_forwards
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
@@ -20,9 +21,8 @@ pytestmark = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 VARIANTS = {
-    "shared_ple": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
-                       use_double_wide_mlp=True),
-    "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    "shared_ple": SHARED_PLE,
+    "moe": MOE,
 }
 
 

@@ -19,6 +19,7 @@ from hf_reference import (
 from safetensors.torch import load_file
 
 from areno.models import iter_hf_tensors, load_model, save_model
+from areno.testing.gemma4 import MOE, SHARED_PLE
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4TextConfig"):
@@ -27,9 +28,8 @@ if not hasattr(transformers, "Gemma4TextConfig"):
 VARIANTS = {
     "dense": {},
     "uncapped": dict(final_logit_softcapping=None),
-    "shared_ple": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
-                       use_double_wide_mlp=True),
-    "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    "shared_ple": SHARED_PLE,
+    "moe": MOE,
 }
 
 

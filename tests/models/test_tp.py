@@ -19,6 +19,7 @@ from hf_reference import next_token_targets
 from safetensors import safe_open
 
 from areno.models import iter_hf_tensors, load_model, save_model
+from areno.testing.gemma4 import EVERY_FEATURE
 
 CASES = {
     "qwen3": dict(),
@@ -27,9 +28,7 @@ CASES = {
     "qwen3_vl": dict(),
     "olmo2": dict(attention_bias=True),
     "olmo3": dict(),  # 13 tokens past its window of 4
-    "gemma4_text": dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
-                        use_double_wide_mlp=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
-                        moe_intermediate_size=32),  # global layers' one KV head replicated; experts replicated
+    "gemma4_text": EVERY_FEATURE,  # global layers' one KV head replicated; experts replicated
 }
 CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False, "qwen3_vl": True, "olmo2": True, "olmo3": False,
                  "gemma4_text": True}

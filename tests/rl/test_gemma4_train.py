@@ -12,20 +12,18 @@ from transformers import AutoModelForCausalLM
 from areno.cli import main
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
+from areno.testing.gemma4 import EVERY_FEATURE
 from tests.helpers.train_files import write_train_files
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
                                 reason=f"transformers {transformers.__version__} has no Gemma 4")
 
-EVERYTHING = dict(num_kv_shared_layers=2, hidden_size_per_layer_input=8, attention_k_eq_v=True,
-                  use_double_wide_mlp=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
-                  moe_intermediate_size=32)
 
 
 @pytest.fixture(scope="module")
 def setup_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma4-train")
-    ckpt = make_tiny_checkpoint(root / "ckpt", family="gemma4_text", seed=0, **EVERYTHING)
+    ckpt = make_tiny_checkpoint(root / "ckpt", family="gemma4_text", seed=0, **EVERY_FEATURE)
     data, reward = write_train_files(root, 8)
     return ckpt, data, reward, root
 
