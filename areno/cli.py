@@ -100,7 +100,11 @@ def make_parser(command: str, options_class) -> ConfigParser:
 
 def parse_config(parser: ConfigParser, options_class, argv):
     """Parse and validate; a bad value or combination exits 2 with `areno <cmd>: error: --flag ...`."""
-    explicit = parser.parse_explicit(argv)
+    return config_from_explicit(parser, options_class, parser.parse_explicit(argv))
+
+
+def config_from_explicit(parser: ConfigParser, options_class, explicit: dict):
+    """The validated config of the flags given (``parser.parse_explicit``); errors exit 2 through ``parser``."""
     try:
         config = _preset_config(options_class, explicit) if explicit.get("preset") else options_class(**explicit)
         # a flag given where it does not apply (the algorithm, split mode, ...: areno.config.applies) is refused
@@ -183,7 +187,7 @@ def _summary(command: str, config) -> str:
             f"{where}{'' if config.verbose else ' (--verbose prints it)'}")
 
 
-def _claimable(parser: ConfigParser, config, argv):
+def _claimable(parser: ConfigParser, config, explicit: dict):
     """A train run's folders, checked before the summary says where the run goes: a --save-path in use or holding
     what the run may not replace is refused here, with nothing created (``run_dir.check``; the run claims it under
     its lock again); a preset's own ``overwrite`` replaces only that preset's previous run. A run naming neither
@@ -194,7 +198,7 @@ def _claimable(parser: ConfigParser, config, argv):
 
     try:
         if config.save_path:
-            preset_only = config.preset if config.overwrite and "overwrite" not in parser.parse_explicit(argv) \
+            preset_only = config.preset if config.overwrite and "overwrite" not in explicit \
                 else None
             run_dir.check(config.save_path, resume=bool(config.resume), overwrite=config.overwrite,
                           preset_only=preset_only)
@@ -205,7 +209,8 @@ def _claimable(parser: ConfigParser, config, argv):
 
 def _run_config_command(command, options_class, argv, module, name) -> int:
     parser = make_parser(command, options_class)
-    config = _claimable(parser, parse_config(parser, options_class, argv), argv)
+    explicit = parser.parse_explicit(argv)
+    config = _claimable(parser, config_from_explicit(parser, options_class, explicit), explicit)
     print(_summary(command, config), flush=True)
     if config.verbose:
         print(f"areno {command}: resolved configuration\n{format_config(config)}", flush=True)

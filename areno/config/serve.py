@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, DTYPES
+from areno.config.constants import ATTN_BACKENDS, DTYPES, TOOL_CALL_FORMATS
 from areno.config.env import env_value
 from areno.config.fields import (
     ConfigError,
@@ -47,6 +47,9 @@ class ServeConfig:
                                 "first byte (0 = no limit); a slower connection is closed", "server")
     max_connections: Optional[int] = opt(None, "connections open at once; the next one gets HTTP 503 and is closed",
                                          "server", default_help="three quarters of the file-descriptor limit")
+    tool_call_format: str = opt(
+        "auto", "how tool calls are read from the model's answers (OpenAI tool_calls): auto picks the checkpoint's "
+        "family's own format by its model_type (qwen3 where it has none)", "server", choices=TOOL_CALL_FORMATS)
     max_running_prompts: int = opt(32, "cap on active sequences in the continuous batch", "rollout")
     attn_backend: Optional[str] = opt(
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
@@ -81,6 +84,7 @@ class ServeConfig:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
         check_choice("--dtype", self.dtype, DTYPES, optional=True)
+        check_choice("--tool-call-format", self.tool_call_format, TOOL_CALL_FORMATS)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError("--port", f"must be in [0, 65535], got {self.port!r}")
         if not self.host:

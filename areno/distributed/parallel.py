@@ -19,6 +19,20 @@ _DP_GROUP = None
 _TP_SIZE = 1
 
 
+def env_rank(name: str = "RANK") -> int:
+    """This process's place in torchrun's launch (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``),
+    read before any process group exists; a process that was not launched is rank 0 of 1."""
+    default = "1" if name.endswith("WORLD_SIZE") else "0"
+    if name == "LOCAL_WORLD_SIZE":
+        return int(os.environ.get(name, os.environ.get("WORLD_SIZE", default)))
+    return int(os.environ.get(name, default))
+
+
+def single_node() -> bool:
+    """Every rank of the launch runs on this machine."""
+    return env_rank("LOCAL_WORLD_SIZE") == env_rank("WORLD_SIZE")
+
+
 def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None, device: int | None = None) -> None:
     """Initialise the default group from torchrun env vars (once) and build the TP/DP groups for ``tp_size``.
 
@@ -28,11 +42,11 @@ def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None,
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(device if device is not None else int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device if device is not None else env_rank("LOCAL_RANK"))
         dist.init_process_group(
             backend=backend,
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            rank=env_rank("RANK"),
+            world_size=env_rank("WORLD_SIZE"),
             **({"timeout": timeout} if timeout is not None else {}),
         )
     if tp_size:
@@ -118,9 +132,8 @@ def rank_device(devices: list[int] | None, index: int, flag: str = "--train-devi
     None without CUDA. Across several nodes the lists cannot name another node's GPUs: torchrun's LOCAL_RANK does."""
     if not torch.cuda.is_available():
         return None
-    if int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) != int(os.environ.get(
-            "WORLD_SIZE", "1")):
-        return int(os.environ.get("LOCAL_RANK", "0"))
+    if not single_node():
+        return env_rank("LOCAL_RANK")
     device = devices[index] if devices else index
     if device >= torch.cuda.device_count():
         from areno.config import ConfigError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from areno.config import RunError
+from areno.distributed.parallel import env_rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -66,4 +66,4 @@ class StopRequest:
 
 
 def is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    return env_rank() == 0

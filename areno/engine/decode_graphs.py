@@ -40,6 +40,7 @@ class DecodeGraphs:
             buf["routing"] = torch.empty(k, self.model.num_moe_layers, ids.shape[0], self.model.moe_top_k,
                                          dtype=torch.int32, device=ids.device)
         live = (slots >= 0).long()
+        gslots = list(buf["gslots"]) if "gslots" in buf else None  # KV-cache groups 1.. (sliding-window layers)
         adjust, min_left = "sp_ids" in buf, buf.get("min_left")
         tokens, logprobs = [], []
         for i in range(k):
@@ -48,11 +49,17 @@ class DecodeGraphs:
                 min_left = min_left - live.int() if adjust else None
                 block = table.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long()
                 slots = torch.where(live.bool(), block * bs + pos % bs, torch.full_like(slots, -1))
+                if gslots is not None:
+                    blocks = [tb.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long() for tb in buf["gtables"]]
+                    gslots = [torch.where(live.bool(), b * bs + pos % bs, slots) for b in blocks]
             meta = AttentionMetadata(
                 slot_mapping=slots, is_prefill=False, cu_seqlens_q=buf["cu"], cu_seqlens_k=None, max_seqlen_q=1,
                 max_seqlen_k=table.shape[1] * bs, block_table=table, seq_lens=lens, has_prefix=False,
                 state_indices=buf.get("state_idx"), routing_out=buf["routing"][i] if "routing" in buf else None,
             )
+            if gslots is not None:
+                meta.layer_groups, meta.group_slot_mappings = self.layer_groups, gslots
+                meta.group_block_tables = list(buf["gtables"])
             rope = pos + buf["rope_off"] if "rope_off" in buf else pos
             hidden = self.model(ids, rope, kv_caches=self.kv_caches, attn_metadata=meta)
             logits = self.logits(hidden)
@@ -85,6 +92,10 @@ class DecodeGraphs:
         }
         if rope_off:
             buf["rope_off"] = torch.zeros(bsz, dtype=torch.int64, device=dev)
+        if self.layer_groups is not None:  # the other KV-cache groups' tables and first slots
+            groups = len(self.group_windows) - 1
+            buf["gtables"] = torch.zeros(groups, bsz, mb, dtype=torch.int32, device=dev)
+            buf["gslots"] = torch.full((groups, bsz), -1, dtype=torch.int64, device=dev)
         if self.states is not None:
             buf["state_idx"] = torch.full((bsz,), -1, dtype=torch.int32, device=dev)
         if width:  # logit adjustments: neutral values until a step copies its own in
@@ -171,7 +182,8 @@ class DecodeGraphs:
     def _launch_eager(self, inp: StepInputs, ids_from: tuple | None) -> DecodeLaunch:
         """Multi-step decode without graphs (CPU, ``--eager-decode``): the same device loop, unpadded."""
         n = len(inp.seq_lens)
-        host = self._graph_host(inp, n, width=max(len(tb) for tb in inp.tables))
+        host = self._graph_host(inp, n, width=max(len(tb) for tables in [inp.tables, *(inp.group_tables or [])]
+                                                  for tb in tables))
         buf = {name: val.to(self.device) for name, val in host.items()}
         buf["cu"] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         if ids_from is not None:
@@ -196,6 +208,13 @@ class DecodeGraphs:
             "top_k": torch.tensor(inp.top_k + [0] * pad), "top_p": torch.tensor(inp.top_p + [1.0] * pad),
             "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
         }
+        if inp.group_tables is not None:
+            gtables = np.zeros((len(inp.group_tables), bsz, table.shape[1]), dtype=np.int32)
+            for g, tables in enumerate(inp.group_tables):
+                for i, tb in enumerate(tables):
+                    gtables[g, i, : len(tb)] = tb
+            host["gtables"] = torch.from_numpy(gtables)
+            host["gslots"] = torch.tensor([x + [-1] * pad for x in inp.group_slots])
         if inp.rope_offsets is not None:
             host["rope_off"] = torch.tensor(inp.rope_offsets + [0] * pad)
         if inp.state_slots is not None:

@@ -27,7 +27,7 @@ from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
-from areno.engine.kv_cache import plan_num_blocks
+from areno.engine.kv_cache import kv_groups, plan_num_blocks
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import Sequence
@@ -114,7 +114,8 @@ class Engine:
             log.info("prefix caching across requests is off: %s", "the model has recurrent state" if hybrid else
                      "routing is recorded for replay")
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching and not (
-            hybrid or record), state_slots=cfg.max_running if hybrid else 0)
+            hybrid or record), state_slots=cfg.max_running if hybrid else 0,
+            windows=[g.window for g in kv_groups(self.model, self.max_model_len)])
         self.scheduler = Scheduler(
             self.blocks, max_running=cfg.max_running, max_batched_tokens=cfg.max_batched_tokens,
             max_model_len=self.max_model_len,

@@ -21,7 +21,10 @@ broadcasts that record, and every rank of the TP group executes it in lockstep (
 
 KV cache layout: one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer i gets the views
 ``cache[i, 0]`` and ``cache[i, 1]`` (a model's ``kv_cache_layout`` may say otherwise: bailing_hybrid's latent MLA
-cache is ``[num_layers, 1, num_blocks, block_size, r + d_rope]``, layer i gets ``(cache[i, 0],)``).
+cache is ``[num_layers, 1, num_blocks, block_size, r + d_rope]``, layer i gets ``(cache[i, 0],)``). With sliding-window
+layers (several KV-cache groups, ``kv_cache.kv_groups``) the first dimension is the group size instead: the j-th
+layer of every group gets ``cache[j, ...]``, and each group addresses its own blocks through its own block table
+and slots (``AttentionMetadata.for_layer``).
 Its size comes from a memory budget (a fraction of free GPU memory, or bytes)
 capped by what ``max_running`` sequences of ``max_model_len`` tokens can use. Hybrid models: only the attention
 layers (``model.kv_cache_layers``) have K/V blocks; the recurrent layers get ``max_running`` state slots
@@ -48,7 +51,7 @@ import torch.distributed as dist
 from areno.engine.decode_graphs import GRAPH_BUCKETS, DecodeGraphs
 from areno.engine.grammar import apply_token_mask
 from areno.engine.images import ImageEmbeddings
-from areno.engine.kv_cache import kv_cache_layout
+from areno.engine.kv_cache import kv_cache_layout, kv_groups
 from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.scheduler import Step
 from areno.engine.state_cache import RecurrentStates
@@ -67,13 +70,18 @@ class ModelRunner(DecodeGraphs):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        kv_layers = model.kv_cache_layers
         n, shape = kv_cache_layout(model)
-        self.kv_cache = torch.zeros(len(kv_layers), n, num_blocks, block_size, *shape, dtype=self.dtype,
-                                    device=self.device)
+        groups = kv_groups(model, max_model_len)
+        self.group_windows = [g.window for g in groups]
+        self.kv_cache = torch.zeros(max(len(g.layers) for g in groups), n, num_blocks, block_size, *shape,
+                                    dtype=self.dtype, device=self.device)
         self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache), or a recurrent layer's pools
-        for j, i in enumerate(kv_layers):
-            self.kv_caches[i] = tuple(self.kv_cache[j, e] for e in range(n))
+        self.layer_groups = [0] * model.num_layers if len(groups) > 1 else None  # per layer: its KV-cache group
+        for g, group in enumerate(groups):
+            for j, i in enumerate(group.layers):
+                self.kv_caches[i] = tuple(self.kv_cache[j, e] for e in range(n))
+                if self.layer_groups is not None:
+                    self.layer_groups[i] = g
         shapes = model.recurrent_state_shapes()
         self.states = RecurrentStates(shapes, max_running, dtype=self.dtype, device=self.device) if shapes else None
         if self.states is not None:
@@ -118,7 +126,7 @@ class ModelRunner(DecodeGraphs):
             if self.images is not None:  # M-RoPE: a token after the prompt sits at n + rope_delta
                 offsets = [0 if s.mm is None else s.mm.rope_delta for s in seqs]
                 offsets = offsets if any(offsets) else None
-            return StepInputs(
+            inp = StepInputs(
                 ids=[s.tokens[-1] for s in seqs], positions=pos,
                 slots=[s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
                 cu_q=list(range(len(seqs) + 1)), seq_lens=[p + 1 for p in pos], tables=[s.block_table for s in seqs],
@@ -128,6 +136,9 @@ class ModelRunner(DecodeGraphs):
                 top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
                 rope_offsets=offsets, state_slots=[s.state_slot for s in seqs] if self.states is not None else None,
             )
+            if self.layer_groups is not None:
+                self._group_inputs(inp, seqs, [(p, p + 1) for p in pos])
+            return inp
         ids, pos, slots, cu_q, seq_lens, tables = [], [], [], [0], [], []
         for c in step.chunks:
             seq, table = c.seq, c.seq.block_table
@@ -145,9 +156,18 @@ class ModelRunner(DecodeGraphs):
             top_logprobs=max((s.options.top_logprobs for s in rows), default=0), copies=list(copies),
             state_slots=[c.seq.state_slot for c in step.chunks] if self.states is not None else None,
         )
+        if self.layer_groups is not None:
+            self._group_inputs(inp, [c.seq for c in step.chunks], [(c.start, c.end) for c in step.chunks])
         if self.images is not None and (self.images.readers or any(c.seq.mm is not None for c in step.chunks)):
             self._prepare_images(inp, step.chunks)
         return inp
+
+    def _group_inputs(self, inp: StepInputs, seqs: list, spans: list[tuple[int, int]]) -> None:
+        """The block tables and slots of KV-cache groups 1.. (sliding-window layers): each group's own blocks."""
+        bs = self.block_size
+        inp.group_tables = [[s.tables[g] for s in seqs] for g in range(1, len(self.group_windows))]
+        inp.group_slots = [[tb[p // bs] * bs + p % bs for tb, (a, b) in zip(tables, spans) for p in range(a, b)]
+                           for tables in inp.group_tables]
 
     def _prepare_images(self, inp: StepInputs, chunks) -> None:
         """A prefill step with prompts that hold images: the image work, and the model's positions ([3][T] when
@@ -284,7 +304,7 @@ class ModelRunner(DecodeGraphs):
     def _tensors(self, inp: StepInputs):
         dev = self.device
         t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
-        width = max(len(tb) for tb in inp.tables)  # eager steps: only as wide as needed
+        width = max(len(tb) for tables in [inp.tables, *(inp.group_tables or [])] for tb in tables)  # as needed
         tables = [tb + [0] * (width - len(tb)) for tb in inp.tables]
         cu_k = [0]
         for n in inp.seq_lens:
@@ -297,6 +317,10 @@ class ModelRunner(DecodeGraphs):
             seq_lens=t(inp.seq_lens), has_prefix=has_prefix,
             state_indices=None if inp.state_slots is None else t(inp.state_slots),
         )
+        if inp.group_tables is not None:
+            meta.layer_groups = self.layer_groups
+            meta.group_slot_mappings = [t(x, torch.int64) for x in inp.group_slots]
+            meta.group_block_tables = [t([tb + [0] * (width - len(tb)) for tb in x]) for x in inp.group_tables]
         if inp.rope_positions is not None:
             pos = inp.rope_positions
         elif inp.rope_offsets is not None:
@@ -319,6 +343,7 @@ class ModelRunner(DecodeGraphs):
 
         tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         heads = self.model.config.num_heads // tp
+        features = self.attention_features()
         seen, runs = set(), 0
         for entry in self.kv_caches:
             if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0].dim() == 4):
@@ -326,8 +351,16 @@ class ModelRunner(DecodeGraphs):
             key = (tuple(entry[0].shape[1:]), entry[0].dtype)
             if key not in seen:
                 seen.add(key)
-                runs += warm_paged_attention(entry[0], entry[1], heads)
+                runs += warm_paged_attention(entry[0], entry[1], heads, features)
         return runs
+
+    def attention_features(self) -> tuple:
+        """The (sliding window?, sinks dtype or None) kernel variants the model's attention layers call with (a layer
+        with sinks holds them as ``sink.weight``, GPT-OSS)."""
+        found = {(getattr(m, "window", None) is not None, getattr(getattr(m, "sink", None), "weight", None))
+                 for m in self.model.modules() if hasattr(m, "window")}
+        found = {(w, None if s is None else s.dtype) for w, s in found}
+        return tuple(sorted(found, key=str)) or ((False, None),)
 
 
 # ---- tensor parallelism: rank 0 schedules, the others follow -------------------------------------------------

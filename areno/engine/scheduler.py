@@ -68,7 +68,7 @@ class Scheduler:
         total = len(head) + head.options.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(head)} tokens) + max_new_tokens exceeds the context ({self.max_model_len})")
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+        if self.blocks.peak_blocks(len(head), total, self.max_batched_tokens) > self.blocks.num_blocks:
             raise ValueError(
                 f"a sequence of {total} tokens needs more KV blocks than the cache holds ({self.blocks.num_blocks})"
             )
@@ -106,6 +106,19 @@ class Scheduler:
         self.num_preemptions += 1
         step.preempted.append(seq)
 
+    def _grow(self, seq: Sequence, end: int, step: Step) -> bool:
+        """Blocks for ``seq``'s next prefill chunk (up to ``end``) in its sliding-window groups. When none are free
+        and nothing else runs this step, the youngest sequences are preempted (``seq`` last), so the oldest always
+        progresses; else ``seq`` waits for the next step."""
+        while not self.blocks.reserve_tokens(seq, end):
+            if step.chunks:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
     def schedule(self, admit: bool = True) -> Step:
         """The next step; ``admit=False`` leaves waiting requests waiting (the engine holds them for one multi-step
         decode group at most)."""
@@ -124,12 +137,14 @@ class Scheduler:
                 decodes.append(seq)
         step.chunks = [Chunk(s, len(s) - 1, len(s)) for s in decodes]
         budget = self.max_batched_tokens - len(decodes)
-        # 2. sequences mid-prefill continue
-        for seq in self.running:
+        # 2. sequences mid-prefill continue (sliding-window groups take each chunk's blocks now)
+        for seq in list(self.running) if self.blocks.sliding else self.running:  # _grow may preempt
             if budget <= 0:
                 break
-            if seq.num_computed < len(seq) - 1:
+            if seq.status is Status.RUNNING and seq.num_computed < len(seq) - 1:
                 end = min(len(seq), seq.num_computed + budget)
+                if self.blocks.sliding and not self._grow(seq, end, step):
+                    break
                 step.chunks.append(Chunk(seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
         # 3. admit waiting requests while a slot, blocks and budget allow
@@ -138,7 +153,7 @@ class Scheduler:
             if len(self.running) + self._group_size(seq) > self.max_running:
                 break
             # keep one free block per running sequence so admitted work does not immediately preempt decodes
-            if not self.blocks.can_allocate(len(seq), reserve=len(self.running)):
+            if not self.blocks.can_allocate(len(seq), reserve=len(self.running), chunk=budget):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)
@@ -148,15 +163,22 @@ class Scheduler:
             if start >= len(seq):  # fully cached cannot happen (the last token is always recomputed)
                 start = len(seq) - 1
             end = min(len(seq), start + budget)
+            if self.blocks.sliding:  # can_allocate counted these blocks
+                assert self.blocks.reserve_tokens(seq, end)
             step.chunks.append(Chunk(seq, start, end))
             budget -= end - start
-        step.is_decode = bool(decodes) and len(step.chunks) == len(decodes)
+        # a head whose last prefill chunk stopped one token short "decodes" its last prompt token, and samples its
+        # unforked siblings too: more rows than sequences, so not the one-row-per-sequence decode path
+        step.is_decode = (bool(decodes) and len(step.chunks) == len(decodes)
+                          and not any(getattr(s, "children", None) for s in decodes))
         return step
 
     def after_decode(self, seq: Sequence) -> None:
         """After a multi-step decode appended tokens: every token but the newest has its K/V in the cache."""
         seq.num_computed = len(seq) - 1
         self.blocks.commit(seq)
+        if self.blocks.sliding:
+            self.blocks.trim(seq)
 
     def after_step(self, step: Step) -> list[Sequence]:
         """Advance computed counts and fork siblings whose head finished its prompt; returns the forked ones."""
@@ -167,6 +189,8 @@ class Scheduler:
             seq.num_computed = chunk.end
             if chunk.end - chunk.start > 1 or chunk.end % bs == 0:  # a decode fills a block only every bs tokens
                 self.blocks.commit(seq)
+            if self.blocks.sliding:  # after the commit: a dropped block keeps its hash
+                self.blocks.trim(seq)
             if chunk.samples:
                 for child in getattr(seq, "children", []):
                     if child.is_finished:

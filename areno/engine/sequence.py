@@ -19,7 +19,12 @@ _ids = itertools.count()
 
 
 class Sequence:
-    """One sample. Its KV covers ``tokens[:num_computed]``; ``block_table`` maps token i to block i // block_size."""
+    """One sample. Its KV covers ``tokens[:num_computed]``; ``block_table`` maps token i to block i // block_size.
+
+    A model with sliding-window layers has several KV-cache groups (``areno.engine.kv_cache.kv_groups``): ``tables``
+    holds one block table per group (``block_table`` is group 0's), and ``dropped[g]`` counts the leading entries of
+    group g's table that no longer hold a block (left of its window; they read 0, a block the kernels may touch but
+    mask out)."""
 
     def __init__(self, prompt_ids: list[int], options: SamplingParams, *, request_id=None, sample_index=0, seed=0):
         if not prompt_ids:
@@ -33,7 +38,8 @@ class Sequence:
         self.tokens: list[int] = list(prompt_ids)
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.block_table: list[int] = []
+        self.tables: list[list[int]] = [[]]  # one block table per KV-cache group (set by the BlockManager)
+        self.dropped: list[int] = [0]  # per group: leading table entries released (left of the group's window)
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache
         self.state_slot = -1  # hybrid models: the slot of its recurrent state (areno.engine.state_cache), -1: none
@@ -49,6 +55,14 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.tables[0] = table
 
     def __len__(self):
         return len(self.tokens)

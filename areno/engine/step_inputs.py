@@ -58,6 +58,10 @@ class StepInputs:
     # hybrid models: each sequence's (chunk's) recurrent-state slot, and the (src, dst) slot copies of forks
     state_slots: list[int] | None = None
     state_copies: list[tuple[int, int]] | None = None
+    # several KV-cache groups (sliding-window layers, see areno.engine.kv_cache): groups 1.. own tables and slots,
+    # [group - 1][sequence] (``tables`` and ``slots`` are group 0's); None with one group
+    group_tables: list[list[list[int]]] | None = None
+    group_slots: list[list[int]] | None = None
 
 
 @dataclass

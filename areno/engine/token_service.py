@@ -100,10 +100,9 @@ def serve_in_thread(app, host: str, name: str):
 
 def reachable_host() -> str:
     """This rank's address for the train side: loopback on one node, the host's address across nodes."""
-    import os
+    from areno.distributed.parallel import single_node
 
-    if int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) == int(
-            os.environ.get("WORLD_SIZE", "1")):
+    if single_node():
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
 

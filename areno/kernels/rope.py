@@ -7,7 +7,8 @@ With r = rotary_dim and theta_i = position * inv_freq_i (i < r/2), for every hea
     out2 = x2 * cos + x1 * sin       out[..., r:] = x[..., r:]
 
 The backward applies the transposed rotation (sin -> -sin). Math in fp32, output in x's dtype. Tables are fp32
-[max_position, r/2], built exactly as Hugging Face builds inv_freq (default, "linear" and Llama 3 scaling).
+[max_position, r/2], built exactly as Hugging Face builds inv_freq (default, "linear", Llama 3 and YaRN scaling; YaRN's
+attention factor multiplies the tables, as transformers multiplies its cos/sin).
 One program rotates a block of heads of one token; it reads its cos/sin row once: 2 * T * H * D * bytes moved.
 """
 
@@ -169,15 +170,58 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None
         rotated = 1.0 / (float(base) ** exponents)
         inv = torch.cat([rotated, torch.zeros(rotary_dim // 2 - angles, dtype=torch.float32)])
         return inv / rope_scaling.get("factor", 1.0)
-    raise NotImplementedError(f"rope: rope_type {kind!r} is not supported (default, linear, llama3 and proportional "
-                              "are)")
+    if kind == "yarn":
+        return _yarn_inv_freq(rotary_dim, float(base), rope_scaling)
+    raise NotImplementedError(f"rope: rope_type {kind!r} is not supported (default, linear, llama3, yarn and "
+                              "proportional are)")
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN: interpolated (``/ factor``) low frequencies, extrapolated high ones, a linear ramp between the
+    correction dims of ``beta_fast`` / ``beta_slow`` rotations (floored/ceiled unless ``truncate`` is false)."""
+    missing = [key for key in ("factor", "original_max_position_embeddings") if scaling.get(key) is None]
+    if missing:
+        raise ValueError(f"rope: yarn rope_scaling is missing {missing}; got {scaling}")
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope_scaling: dict | None) -> float:
+    """The factor transformers multiplies cos/sin by: YaRN's ``attention_factor`` (given, or from ``factor`` and
+    ``mscale``/``mscale_all_dim``); 1 for the other scalings."""
+    if _scaling_type(rope_scaling) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = rope_scaling["factor"], rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 def rope_cos_sin(rotary_dim, max_position, base, *, rope_scaling=None, device=None):
     """fp32 ``(cos, sin)`` tables of shape ``[max_position, rotary_dim // 2]`` for :func:`apply_rope`."""
     inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling).to(device)
     angles = torch.arange(max_position, device=device, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    scale = rope_attention_factor(rope_scaling)
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def rope_params_from_config(config) -> tuple[float, dict | None, int]:

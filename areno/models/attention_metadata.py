@@ -18,6 +18,11 @@ Its MLA layers' entry is ``(latent_cache,)``, one tensor ``[num_blocks, block_si
 (the latent row of each token, same block tables and slots; see ``areno.kernels.attention.mla``), unless the model was
 set to the expanded ``(k_cache, v_cache)`` layout.
 
+Sliding-window layers (several KV-cache groups, see ``areno.engine.kv_cache``): ``layer_groups`` names each
+layer's group; group 0's blocks are ``slot_mapping`` / ``block_table``, group g's (g >= 1)
+``group_slot_mappings[g - 1]`` / ``group_block_tables[g - 1]``. A model's layer loop passes ``meta.for_layer(i)``
+to layer i (``self`` when there is one group: no extra work).
+
 Routing (sparse-MoE models): ``routing_out`` ``[num_moe_layers, T, k]`` takes each MoE layer's chosen expert ids
 (routing capture, written by the layer; a static buffer under CUDA graphs); ``routing_in`` ``[T, num_moe_layers, k]``
 gives the ids to use instead of choosing (routing replay; a row of -1 chooses as usual).
@@ -25,6 +30,7 @@ gives the ids to use instead of choosing (routing replay; a row of -1 chooses as
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,3 +50,21 @@ class AttentionMetadata:
     state_indices: torch.Tensor | None = None  # int32 [B]: recurrent-state slot of each sequence (hybrid models)
     routing_out: torch.Tensor | None = None  # int [num_moe_layers, >= T, k]: chosen expert ids are written here
     routing_in: torch.Tensor | None = None  # int [T, num_moe_layers, k]: expert ids to use (-1 rows: choose)
+    layer_groups: list[int] | None = None  # per model layer: its KV-cache group (None: one group)
+    group_slot_mappings: list[torch.Tensor] | None = None  # groups 1..: slot_mapping of each
+    group_block_tables: list[torch.Tensor] | None = None  # groups 1..: block_table of each
+    _group_views: list | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def for_layer(self, i: int) -> AttentionMetadata:
+        """The metadata layer ``i`` attends with: its KV-cache group's slots and block table (made on the first
+        call, so fields set before the forward, e.g. ``routing_out``, are shared)."""
+        g = 0 if self.layer_groups is None else self.layer_groups[i]
+        if g == 0:
+            return self
+        if self._group_views is None:
+            self._group_views = [
+                dataclasses.replace(self, slot_mapping=slots, block_table=table, layer_groups=None,
+                                    group_slot_mappings=None, group_block_tables=None)
+                for slots, table in zip(self.group_slot_mappings, self.group_block_tables)
+            ]
+        return self._group_views[g - 1]

@@ -82,27 +82,29 @@ class Attention(nn.Module):
             q, k = apply_rope(q, positions, *rope), apply_rope(k, positions, *rope)
             if kv_cache is not None:
                 store_kvcache(k, v, *kv_cache, meta.slot_mapping)
+        return self.o_proj(self.attend(q, k, v, meta, kv_cache).reshape(t, -1))
+
+    def attend(self, q, k, v, meta: AttentionMetadata, kv_cache=None, **extra):
+        """Attention of the projected ``q/k/v [T, heads, D]``: packed (training, cache-free prefill) or against the
+        paged cache (decode, prefill with a cached prefix). ``extra`` goes to the kernels (GPT-OSS: ``sinks``)."""
         if kv_cache is None:
-            o = attention(
+            return attention(
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window,
+                causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window, **extra,
             )  # fmt: skip
-        else:
-            k_cache, v_cache = kv_cache
-            if not meta.is_prefill:
-                o = paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                                    window=self.window)
-            elif meta.has_prefix:
-                o = paged_attention(
-                    q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                    cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, window=self.window,
-                )  # fmt: skip
-            else:
-                o = attention(
-                    q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                    causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window,
-                )  # fmt: skip
-        return self.o_proj(o.reshape(t, -1))
+        k_cache, v_cache = kv_cache
+        if not meta.is_prefill:
+            return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
+                                   window=self.window, **extra)
+        if meta.has_prefix:
+            return paged_attention(
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
+                cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, window=self.window, **extra,
+            )  # fmt: skip
+        return attention(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window, **extra,
+        )  # fmt: skip
 
     def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -275,6 +277,15 @@ class CausalLM(nn.Module):
         """The layers that keep K/V in the paged cache (all of them here; attention layers of a hybrid)."""
         return list(range(self.num_layers))
 
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window in keys (``config.sliding_window`` on ``config.sliding_layers``), None for
+        full attention: the engine gives windowed layers their own KV-cache groups, which drop the blocks left of
+        the window (``areno.engine.kv_cache.kv_groups``)."""
+        cfg = self.config
+        sliding = set(cfg.sliding_layers) if cfg.sliding_window is not None else set()
+        return [cfg.sliding_window if i in sliding else None for i in range(self.num_layers)]
+
     def recurrent_state_shapes(self) -> dict | None:
         """Per-sequence state of recurrent layers for the engine (None: the model has none); see bailing_hybrid."""
         return None
@@ -311,6 +322,10 @@ class CausalLM(nn.Module):
 
     def projector_parameters(self) -> list[nn.Parameter]:
         return []
+
+    def checkpoint_source(self, source):
+        """The checkpoint's tensors as the layouts name them (GPT-OSS: MXFP4 experts dequantized); here as stored."""
+        return source
 
     def keep_hf_tensor(self, hf_name: str) -> bool:
         """Whether a checkpoint tensor the layouts do not name is held opaque (``add_hf_tensor``): none here."""
@@ -350,8 +365,10 @@ class CausalLM(nn.Module):
         layer (rows of -1 route as usual); the weights still come from the current router."""
         meta = self.step_metadata(input_ids, cu_seqlens, max_seqlen, attn_metadata, routed_experts)
         h, residual = self.embed_tokens(input_ids), None
+        grouped = meta.layer_groups is not None  # KV-cache groups (sliding-window layers): each its own blocks
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, positions, self.rope, meta, None if kv_caches is None else kv_caches[i])
+            h, residual = layer(h, residual, positions, self.rope, meta.for_layer(i) if grouped else meta,
+                                None if kv_caches is None else kv_caches[i])
         return self.norm(h, residual)[0]
 
     def step_metadata(self, input_ids, cu_seqlens, max_seqlen, attn_metadata, routed_experts) -> AttentionMetadata:

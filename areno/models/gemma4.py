@@ -252,12 +252,12 @@ class Gemma4ForCausalLM(CausalLM):
         meta = self.step_metadata(input_ids, cu_seqlens, max_seqlen, attn_metadata, routed_experts)
         h = self.embed_tokens(input_ids) * self.embed_scale
         ple = self.per_layer_inputs(input_ids, h) if self.config.ple_dim else None
-        kept = {}
+        kept, grouped = {}, meta.layer_groups is not None  # KV-cache groups: a shared layer reads its source's
         for i, layer in enumerate(self.layers):
             cache = None if kv_caches is None else self.layer_cache(kv_caches, i)
             src = self.config.kv_source[i]
-            h, kv = layer(h, None if ple is None else ple[:, i], positions, self.ropes[i], meta, cache,
-                          kept.get(src) if src != i else None)
+            h, kv = layer(h, None if ple is None else ple[:, i], positions, self.ropes[i],
+                          meta.for_layer(src) if grouped else meta, cache, kept.get(src) if src != i else None)
             if i in self.producers:
                 kept[i] = kv
         return self.norm(h)

@@ -272,7 +272,7 @@ def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_
     apply_tp_plan(model, tp_group)
     materialize(model, dtype, device)
     with ExitStack() as stack:
-        load_hf_weights(model, SafetensorsFiles(path, stack))
+        load_hf_weights(model, model.checkpoint_source(SafetensorsFiles(path, stack)))
     model.init_buffers(device)
     register_grad_hooks(model)
     model.hf_config, model.source_dir, model.name_or_path = raw, path, str(path_or_repo_id)

@@ -1,8 +1,8 @@
 """OLMo 3: OLMo 2's post-norm, full-projection QK-norm decoder with sliding-window attention on some layers.
 
 ``config.layer_types`` names each layer ``sliding_attention`` (its queries see the last ``sliding_window`` keys,
-their own included, as transformers' mask) or ``full_attention``. In training/prefill the window runs on the native
-attention path for now (the packed Triton kernels take no window yet). transformers gives each layer type its own
+their own included, as transformers' mask) or ``full_attention``; the attention kernels take the window (``window=``)
+on every path, skipping key blocks left of it. transformers gives each layer type its own
 RoPE (a legacy ``rope_scaling`` lands on the full layers only): the sliding layers get their own table when it
 differs. Unknown layer types are refused at load in one line.
 """
@@ -81,5 +81,4 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
 
 register("olmo3", olmo3_config, Olmo3ForCausalLM,
          card=ModelCard("OLMo 3", tp="must divide the KV heads",
-                        notes="OLMo 2 + sliding-window layers (training/prefill attention on the native path for now), "
-                              "a RoPE per layer type"))
+                        notes="OLMo 2 + sliding-window layers, a RoPE per layer type"))

@@ -199,6 +199,8 @@ PLAN = {
     # olmo2: the QK-norm over the whole projection, its weight split with the heads (sums of squares all-reduced)
     "self_attn.q_proj_norm": "column",
     "self_attn.k_proj_norm": "column",
+    # gpt_oss: the attention sinks, one per query head
+    "self_attn.sink": "column",
 }
 
 

@@ -120,9 +120,11 @@ class TrainLoop:
         self.engine = build_rollout(self.cfg, self.model, self.tokenizer, self.trainer, self.groups,
                                     step_index=lambda: self.step_index)
         if self.agent_fn is not None:
+            from areno.engine.tool_calls import format_for
             from areno.rl.agentic import AgentRollout
 
-            self.agent = AgentRollout(self.engine, self.agent_fn, self.tokenizer, self.cfg)
+            self.agent = AgentRollout(self.engine, self.agent_fn, self.tokenizer, self.cfg,
+                                      tool_format=format_for(self.model.config.model_type))
         self.step_rollout = StepRollout(self.engine, self.tokenizer, self.reward_fn, self.cfg,
                                         media_of=self.media_of, dp_size=self.dp_size, agent=self.agent)
         self.ctx.rollout = self.step_rollout

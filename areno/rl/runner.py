@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict
 
 from areno.distributed.launch import launched
+from areno.distributed.parallel import env_rank
 from areno.distributed.supervise import launch_recorded
 from areno.distributed.watchdog import describe_rank, rank_timeout_s
 
@@ -23,7 +24,7 @@ CONFIG_ENV = "ARENO_TRAIN_CONFIG"
 
 def is_rollout_rank(config) -> bool:
     """Whether this process is one of split mode's rollout ranks (they serve engines, not the loop)."""
-    return bool(config.split) and int(os.environ.get("RANK", "0")) >= config.world_size
+    return bool(config.split) and env_rank() >= config.world_size
 
 
 def serve_rollout_rank(config) -> int:

@@ -7,7 +7,6 @@ files first, so a bad plugin fails before any GPU work).
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -66,7 +65,7 @@ def init_groups(cfg) -> Groups:
     """Pin this rank's GPU (--train-devices) and make the run's process groups."""
     from areno.distributed import parallel
 
-    device = parallel.rank_device(cfg.train_devices, int(os.environ.get("RANK", "0"))) if cfg.train_devices \
+    device = parallel.rank_device(cfg.train_devices, parallel.env_rank()) if cfg.train_devices \
         else None  # on a CPU host the indices name process slots, so the flag changes nothing there
     if device is not None:
         torch.cuda.set_device(device)

@@ -35,6 +35,16 @@ def _is_loopback(host: str) -> bool:
             return False
 
 
+def serve_tool_format(config):
+    """The ``ToolFormat`` of --tool-call-format, or (auto) of the checkpoint's model_type."""
+    from areno.engine.tool_calls import format_for
+    from areno.models.loader import read_config, resolve_model_path
+
+    if config.tool_call_format != "auto":
+        return format_for(None, config.tool_call_format)
+    return format_for(read_config(resolve_model_path(config.model_path)).get("model_type"))
+
+
 def build_app(config, *, model=None, tokenizer=None):
     """The FastAPI app and its engine front end for a ServeConfig: a ReplicaPool of --world-size / --tp-size
     engine-core processes (one by default: the engine never shares this process's interpreter lock with HTTP,
@@ -53,6 +63,7 @@ def build_app(config, *, model=None, tokenizer=None):
                                                      max_image_pixels=config.max_image_pixels,
                                                      max_images=config.max_images_per_prompt),
                       max_request_pixels=config.max_request_pixels)
+    tool_format = serve_tool_format(config)
     replicas = check_topology(config.world_size, config.tp_size, len(visible_gpus()))
     if config.engine_thread and replicas > 1:
         from areno.config import ConfigError
@@ -67,7 +78,8 @@ def build_app(config, *, model=None, tokenizer=None):
         pool = build_pool(config, replicas)
         app = create_app(pool, tokenizer, model_name=name, max_model_len=pool.max_model_len,
                          api_key=config.api_key, max_running=config.max_running_prompts,
-                         max_request_bytes=config.max_request_bytes, media=media)
+                         max_request_bytes=config.max_request_bytes, media=media,
+                         tool_format=tool_format)
         return app, pool
 
     engine, tokenizer = build_engine(
@@ -82,7 +94,8 @@ def build_app(config, *, model=None, tokenizer=None):
     aengine = ServeEngine(engine)
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
                      api_key=config.api_key, max_running=config.max_running_prompts,
-                     max_request_bytes=config.max_request_bytes, media=media)
+                     max_request_bytes=config.max_request_bytes, media=media,
+                         tool_format=tool_format)
     return app, aengine
 
 

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from areno.engine.tool_calls import DEFAULT_FORMAT, FORMATS, ToolFormat, special_tokens
 from areno.serve.errors import APIError
 from areno.serve.limits import PromptEncoder, over_tokenize_cap, release_memory, tokenize_cap
 from areno.serve.metrics import ServeMetrics
@@ -28,6 +29,7 @@ class ServeState:
     max_model_len: int
     max_running: int  # --max-running-prompts: the most samples (n) one request may ask for
     media: Any = None  # a ChatMedia for chat messages with image/audio/video parts (without one they get a 400)
+    tool_format: ToolFormat | None = None  # how tool calls are read from answers (--tool-call-format; None: qwen3)
     prompt_encoder: PromptEncoder = field(init=False)
     tokenize_encoder: PromptEncoder = field(init=False)  # /tokenize: up to tokenize_cap tokens
     metrics: ServeMetrics = field(init=False)
@@ -35,8 +37,10 @@ class ServeState:
     prep_pool: ThreadPoolExecutor = field(init=False)
     vocab: int = field(init=False)
     template_text: str = field(init=False)  # the chat template as text (which variables it reads)
+    special_tokens: tuple[str, ...] = field(init=False)  # what skip_special_tokens drops (a format's text keeps them)
 
     def __post_init__(self):
+        self.tool_format = self.tool_format or FORMATS[DEFAULT_FORMAT]
         self.prompt_encoder = PromptEncoder(self.tokenizer, self.max_model_len)
         self.tokenize_encoder = PromptEncoder(self.tokenizer, self.max_model_len,
                                               limit=tokenize_cap(self.max_model_len) + 1, refuse=over_tokenize_cap)
@@ -46,6 +50,7 @@ class ServeState:
         self.vocab = len(self.tokenizer)
         template = getattr(self.tokenizer, "chat_template", None)
         self.template_text = template if isinstance(template, str) else json.dumps(template)
+        self.special_tokens = special_tokens(self.tokenizer)
 
     async def prep(self, fn, *args):
         """``fn(*args)`` on the prep pool."""
@@ -79,6 +84,16 @@ class ServeState:
             return lambda i: f"token_id:{i}"
         decode = self.tokenizer.decode
         return lambda i: decode([i])
+
+    def tool_text(self, req, ids: list[int], stop_text: str | None, finish: str | None) -> str:
+        """An answer's text as the tool-call format reads it: with the special tokens when its markers are some."""
+        if not self.tool_format.special_markup:
+            d = self.detokenizer(req)
+        else:
+            d = Detokenizer(self.tokenizer, req.stop_list(), skip_special_tokens=False,
+                            include_stop=req.include_stop_str_in_output)
+        d.ids = ids
+        return d.final_text(stop_text, finish)
 
     def detokenizer(self, req) -> Detokenizer:
         return Detokenizer(self.tokenizer, req.stop_list(), skip_special_tokens=req.skip_special_tokens,

@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2, olmo3, gemma4_text) for tests
-and demos; nothing is downloaded.
+"""Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2, olmo3, gpt_oss, gemma4_text,
+gemma4) for tests and demos; nothing is downloaded.
 
 ``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
 (through the transformers config class, so ``AutoConfig`` reads it), ``model.safetensors`` (random weights under HF's
@@ -40,6 +40,7 @@ FAMILIES = {
     "bailing_hybrid": ("BailingHybridConfig", "BailingMoeV3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
 }
@@ -108,6 +109,14 @@ def _defaults(family: str) -> dict:
         rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
         cfg.update(tie_word_embeddings=False, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": dict(rope), "full_attention": dict(rope)})
+    elif family == "gpt_oss":  # a sliding layer then a full one, YaRN, a SwiGLU limit the tiny weights reach
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 256}
+        cfg.pop("rope_theta")
+        cfg.update(tie_word_embeddings=False, attention_bias=True, sliding_window=4, rope_parameters=rope,
+                   layer_types=["sliding_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=32, swiglu_alpha=1.702, swiglu_limit=1.0, router_aux_loss_coef=0.001,
+                   output_router_logits=False)
     elif family == "gemma4_text":
         gemma4_defaults(cfg)
     elif family == "bailing_hybrid":

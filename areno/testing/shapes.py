@@ -1,5 +1,6 @@
-"""Hugging Face tensor names and shapes of the tiny text families (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2), in
-Hub (unfused) layout: what ``checkpoints.random_weights`` draws and what ``qwen3_vl`` puts under its language model."""
+"""Hugging Face tensor names and shapes of the tiny text families (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2,
+gpt_oss), in Hub layout: what ``checkpoints.random_weights`` draws and what ``qwen3_vl`` puts under its language
+model."""
 
 from __future__ import annotations
 
@@ -66,10 +67,36 @@ def _bailing_hybrid_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _gpt_oss_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """GPT-OSS in its bf16 Hub layout: q/k/v/o with biases, sinks, a biased router, experts fused per layer."""
+    hidden, vocab, heads = config["hidden_size"], config["vocab_size"], config["num_attention_heads"]
+    d, kv, experts, inter = config["head_dim"], config["num_key_value_heads"], config["num_local_experts"], \
+        config["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        for name, rows in (("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)):
+            shapes.update({p + f"self_attn.{name}.weight": (rows, hidden), p + f"self_attn.{name}.bias": (rows,)})
+        shapes.update({p + "self_attn.o_proj.weight": (hidden, heads * d), p + "self_attn.o_proj.bias": (hidden,),
+                       p + "self_attn.sinks": (heads,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "mlp.router.weight": (experts, hidden), p + "mlp.router.bias": (experts,),
+                       p + "mlp.experts.gate_up_proj": (experts, hidden, 2 * inter),
+                       p + "mlp.experts.gate_up_proj_bias": (experts, 2 * inter),
+                       p + "mlp.experts.down_proj": (experts, inter, hidden),
+                       p + "mlp.experts.down_proj_bias": (experts, hidden)})
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for a ``config.json`` dict of one of the tiny families, in Hub (unfused) layout."""
     if config["model_type"] == "bailing_hybrid":
         return _bailing_hybrid_shapes(config)
+    if config["model_type"] == "gpt_oss":
+        return _gpt_oss_shapes(config)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads

@@ -46,8 +46,8 @@ def _worker(rank, path, port, out):
     dist.destroy_process_group()
 
 
-# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts
-@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gemma4_text"])
+# hybrid: local heads, replicated latent cache; olmo3: a sliding window shorter than the prompts; gpt_oss: + sinks
+@pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gpt_oss", "gemma4_text"])
 def test_tp2_equals_tp1(tmp_path, family):
     path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=4, **OVERRIDES.get(family, {}))
     out = str(tmp_path / "res")

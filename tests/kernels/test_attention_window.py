@@ -1,5 +1,6 @@
-"""Sliding-window attention on the native paths: float64 oracle (a brute-force loop), packed native forward and
-backward, and the paged native path, all against each other on sequences longer than the window."""
+"""Sliding-window attention: float64 oracle (a brute-force loop), packed native forward and backward, the paged
+native path, and the Triton kernels (packed forward/backward variants and paged, interpreted on the CPU), all on
+sequences longer than the window."""
 
 from __future__ import annotations
 
@@ -116,3 +117,70 @@ def test_paged_triton_window_matches_float64_reference(num_splits, window, block
         got = paged_attention_triton(q, kc, vc, table, seq_lens, d ** -0.5, cu_q, 6 if cu_q is not None else 3,
                                      num_splits=num_splits, window=window, config=(64, block_n, 4, 1))
         torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The packed Triton kernels with a window (interpreted on the CPU; tiny shapes, fp32)
+
+
+def _triton_vs_float64(lq, lk, window, fwd="default", bwd="split", hq=4, hkv=2, d=16, seed=0, poison=None):
+    """Triton fwd + dq/dk/dv against the float64 reference; ``poison`` (key rows no query's window reaches) turns
+    those K/V rows into NaN for the kernels (zeros for the reference): a kernel that reads them returns NaNs."""
+    q, k, v, cu_q, cu_k = _packed(lq, lk, hq, hkv, d, dtype=torch.float32, seed=seed)
+    if poison is not None:
+        k[poison], v[poison] = 0.0, 0.0
+    do = torch.randn_like(q)
+    ins64 = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*ins64, cu_q, cu_k, causal=True, window=window)
+    ref.backward(do.double())
+    if poison is not None:
+        k[poison], v[poison] = float("nan"), float("nan")
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*ins, cu_q, cu_k, max(lq), max(lk), backend="triton", window=window, _fwd=fwd, _bwd=bwd)
+    out.backward(do)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in ins)),
+                               (ref, *(t.grad for t in ins64))):
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5, msg=f"window {window} {name}")
+
+
+@pytest.mark.parametrize(("window", "blocks"), [(3, (32, 16)), (21, (16, 32)), (100, (32, 16))])
+def test_packed_triton_window_matches_float64_reference(window, blocks, monkeypatch):
+    """Forward "default" and backward "split", varlen: prefill, chunked prefill (Lk > Lq), decode, rows that see no
+    key (Lq > Lk); windows smaller and larger than a key block, and larger than every sequence (= causal)."""
+    from areno.kernels.attention import packed as attention_module
+
+    monkeypatch.setattr(attention_module, "INTERPRET_BLOCKS", {"fwd": blocks, "dq": blocks, "dkdv": blocks[::-1]})
+    _triton_vs_float64([9, 40, 1, 12], [9, 47, 6, 5], window)
+
+
+@pytest.mark.parametrize(("fwd", "bwd"), [("default", "split"), ("tma", "tma_merged")])
+def test_packed_triton_window_skips_key_blocks_left_of_it(fwd, bwd, monkeypatch):
+    """A chunk of 16 queries over 64 keys, window 4, 16 x 16 tiles: keys 0..31 are left of every query's window; the
+    forward, dQ and dK/dV kernels (pointer and TMA) must not read them (they are NaN), and their dK/dV are 0."""
+    from areno.kernels.attention import packed as attention_module
+
+    monkeypatch.setattr(attention_module, "INTERPRET_BLOCKS", {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16),
+                                                               "bwd_merged_tma": (16, 16, 16, 16, True)})
+    _triton_vs_float64([16], [64], 4, fwd=fwd, bwd=bwd, hq=2, hkv=1, poison=slice(0, 32))
+
+
+@pytest.mark.parametrize("dq_first", [True, False])
+def test_packed_triton_window_tma_and_dispatch(dq_first, triton_kernels, monkeypatch):
+    """_fwd="tma" and _bwd="tma_merged" (both phase orders) take the window, "gluon" runs as "tma_merged"; backend
+    None with a window goes to Triton (not the native path) when Triton is selected."""
+    from areno.kernels.attention import packed as attention_module
+
+    launched, real = [], attention_module.launch_kernel
+    monkeypatch.setattr(attention_module, "launch_kernel", lambda kind, *a, **kw: (launched.append(kind),
+                                                                                    real(kind, *a, **kw))[1])
+    monkeypatch.setitem(attention_module.INTERPRET_BLOCKS, "bwd_merged_tma", (16, 32, 32, 16, dq_first))
+    _triton_vs_float64([9, 30, 3], [20, 30, 1], 5, fwd="tma", bwd="gluon", hkv=1)
+    assert launched == ["fwd_tma", "bwd_merged_tma"], launched
+
+    def no_native(*args):
+        raise AssertionError("the native path ran")
+
+    monkeypatch.setattr(attention_module, "_attention_native", no_native)
+    q, k, v, cu_q, cu_k = _packed([7], [7], dtype=torch.float32)
+    out = attention(q, k, v, cu_q, cu_k, 7, 7, window=3)
+    torch.testing.assert_close(out, attention_reference(q, k, v, cu_q, cu_k, window=3), rtol=1e-5, atol=1e-5)

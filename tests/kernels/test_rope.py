@@ -18,6 +18,8 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096}
 
 
 @pytest.fixture
@@ -63,6 +65,10 @@ def _hf_tables(head_dim, rope_parameters, positions, max_position=4096):
         (80, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, 4096),
         (128, LLAMA3, 131072),
         (64, {**LLAMA3, "original_max_position_embeddings": 2048, "factor": 4.0}, 16384),
+        (64, YARN, 8192),  # GPT-OSS: no truncation of the correction range
+        (64, {**YARN, "truncate": True, "beta_fast": None}, 8192),
+        (128, {**YARN, "mscale": 1.0, "mscale_all_dim": 0.707}, 8192),  # DeepSeek-style attention factor
+        (64, {**YARN, "attention_factor": 1.25}, 4096),
     ],
 )
 def test_tables_match_hugging_face(head_dim, params, max_position):
@@ -85,7 +91,9 @@ def test_llama3_scaling_touches_all_three_bands():
     same = mod.rope_inv_freq(128, 500000.0, {**{k: v for k, v in LLAMA3.items() if k != "rope_type"}, "type": "llama3"})
     assert torch.equal(same, scaled)
     assert torch.equal(mod.rope_inv_freq(64, 1e4, None), mod.rope_inv_freq(64, 1e4, {"rope_type": "default"}))
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(NotImplementedError, match="dynamic"):
+        mod.rope_inv_freq(64, 1e4, {"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         mod.rope_inv_freq(64, 1e4, {"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="missing"):
         mod.rope_inv_freq(64, 1e4, {"rope_type": "llama3", "factor": 8.0})

@@ -49,8 +49,9 @@ def test_transformers_loads_saved_model_with_same_logits(tiny_checkpoint, tmp_pa
     assert torch.equal(again, want)
 
 
-def test_sharded_save_writes_index_and_reloads(tiny_checkpoint, tmp_path):
-    src = tiny_checkpoint("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # experts per expert / fused per layer on the Hub
+def test_sharded_save_writes_index_and_reloads(tiny_checkpoint, tmp_path, family):
+    src = tiny_checkpoint(family)
     model = load_model(src, device="cpu")
     out = save_model(model, tmp_path / "sharded", max_shard_size=200_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -21,14 +21,33 @@ OLMO2_1B_SMALL = dict(  # OLMo-2-0425-1B's widths (QK-norm over 2048 rows), 4 of
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
     head_dim=128, vocab_size=100352, tie_word_embeddings=False, rope_theta=5e5, max_position_embeddings=4096,
 )  # fmt: skip
+GPT_OSS_20B_SMALL = dict(  # gpt-oss-20b's attention, window, RoPE and expert shapes; 2 of its 24 layers, less vocab
+    hidden_size=2880, intermediate_size=2880, num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, vocab_size=32768, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    swiglu_limit=7.0, max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+)  # fmt: skip
+
+
+def _needs_transformers_family(family: str) -> None:
+    """Skip where the installed transformers lacks the family (the GPU image may run an older one)."""
+    import transformers
+
+    from areno.testing.checkpoints import FAMILIES
+
+    if not hasattr(transformers, FAMILIES[family][0]):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("family", "shape"),
-                         [("qwen3", QWEN3_06B), ("qwen3_moe", QWEN3_MOE_SMALL), ("olmo2", OLMO2_1B_SMALL)])
+                         [("qwen3", QWEN3_06B), ("qwen3_moe", QWEN3_MOE_SMALL), ("olmo2", OLMO2_1B_SMALL),
+                          ("gpt_oss", GPT_OSS_20B_SMALL)])
 def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
     """Tolerance: areno's bf16 error against transformers' fp32 logits is at most 2x transformers' own bf16 error plus
-    2% of the logit scale; the losses agree to 1%."""
+    2% of the logit scale; the losses agree to 1%. gpt_oss: 2 x 512 tokens past its window of 128, with sinks."""
+    _needs_transformers_family(family)
     path = make_tiny_checkpoint(tmp_path, family, dtype=torch.bfloat16, **shape)
     ids = torch.randint(0, shape["vocab_size"], (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
     our_err, ref_err, scale, loss, ref_loss = bf16_parity_on_gpu(path, ids)
@@ -37,8 +56,9 @@ def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama", "olmo2", "gpt_oss"])
 def test_fp32_gradients_on_gpu_match_transformers(tmp_path, family):
+    _needs_transformers_family(family)
     path = make_tiny_checkpoint(tmp_path, family)
     model, ref = load_model(path, device="cuda").train(), load_reference(path).cuda().train()
     model.set_activation_checkpointing(True)
@@ -58,9 +78,10 @@ def test_fp32_gradients_on_gpu_match_transformers(tmp_path, family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gpt_oss"])
 def test_decode_replays_in_a_cuda_graph(tmp_path, family):
     """The decode step has no host syncs: captured once, replayed with new tokens, it equals the eager step."""
+    _needs_transformers_family(family)
     model = load_model(make_tiny_checkpoint(tmp_path, family), device="cuda", dtype=torch.bfloat16)
     dev, bs, blocks, batch = "cuda", 16, 64, 4
     zeros = lambda: torch.zeros(model.kv_cache_shape(blocks, bs), dtype=torch.bfloat16, device=dev)  # noqa: E731

@@ -4,7 +4,7 @@ longer than the sliding window (packed varlen batch included), bit-identical sav
 
 import pytest
 import torch
-from hf_reference import assert_logits_and_grads_match, assert_refused_at_load, load_reference, packed_batch
+from hf_reference import assert_refused_at_load, check_logits_and_grads, load_reference, packed_batch
 from safetensors.torch import load_file
 
 from areno.models import load_model, save_model
@@ -22,8 +22,8 @@ def test_sliding_layers_get_the_window(tiny_checkpoint):
 def test_logits_and_gradients_match_transformers_past_the_window(tiny_checkpoint):
     path = tiny_checkpoint("olmo3")
     model = load_model(path, device="cpu", attn_backend="native").train()
-    assert_logits_and_grads_match(model, load_reference(path).train(), _ids(2, 13, seed=1))  # 13 tokens, window 4
-
+    ref = load_reference(path).train()
+    check_logits_and_grads(model, ref, _ids(2, 13, seed=1), logits_rtol=1e-4)  # 13 tokens, window 4
 
 def test_packed_varlen_equals_per_sequence_and_differs_from_full_attention(tiny_checkpoint):
     model = load_model(tiny_checkpoint("olmo3"), device="cpu", attn_backend="native")

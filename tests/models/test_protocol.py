@@ -16,6 +16,7 @@ CAPABILITIES = {
     "qwen3_vl": (False, False, True, False, True),
     "olmo2": (False, False, False, False, True),
     "olmo3": (False, False, False, False, True),
+    "gpt_oss": (True, False, False, False, True),
     "gemma4": (False, False, False, False, False),
 }
 

@@ -78,7 +78,8 @@ def test_a_completion_from_the_session_with_the_request_sampling_fields(client):
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert client.rollout.calls == [{"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "stop": "x",
-                                     "assistant_message": True}]
+                                     "assistant_message": True,  # the tools type the answer's call arguments
+                                     "tools": [{"type": "function", "function": {"name": "add"}}]}]
     (messages, tools), = client.rollout.sessions["s1"].extended
     assert messages == MESSAGES and tools == [{"type": "function", "function": {"name": "add"}}]  # as sent
 

@@ -104,7 +104,7 @@ def test_routing_replay_is_refused_where_it_cannot_apply(files, tmp_path, capsys
     assert e.value.code == 2 and "--routing-replay on applies to RL" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "bailing_hybrid"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "bailing_hybrid", "gpt_oss"])
 def test_replayed_experts_are_used_and_the_router_still_learns(family, tmp_path):
     """``model(..., routed_experts=ids)``: every MoE layer runs the given experts (rows of -1 route themselves),
     which changes the output when they differ from the router's own choice, and the router weights still get a

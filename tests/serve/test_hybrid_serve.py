@@ -1,8 +1,9 @@
 """``areno serve`` with the hybrid Ling 3 (bailing_hybrid: recurrent KDA layers with per-sequence state slots, MLA,
-sparse MoE): the command accepts it, and a request through the official ``openai`` client returns the engine's own
-greedy text."""
+sparse MoE) and GPT-OSS (sinks, sliding windows, biased MoE): the command accepts them, and a request through the
+official ``openai`` client returns the engine's own greedy text."""
 
 import openai
+import pytest
 import torch
 
 from areno.config import SamplingParams
@@ -13,8 +14,9 @@ from areno.testing import make_tiny_checkpoint
 from tests.serve.conftest import RunningServer
 
 
-def test_one_request_through_the_openai_client(tmp_path):
-    ckpt = make_tiny_checkpoint(tmp_path / "ling3", "bailing_hybrid", seed=2)
+@pytest.mark.parametrize("family", ["bailing_hybrid", "gpt_oss"])
+def test_one_request_through_the_openai_client(tmp_path, family):
+    ckpt = make_tiny_checkpoint(tmp_path / family, family, seed=2)
     check_engine_support("--model-path", ckpt)  # `areno serve --model-path` no longer refuses it
     server = RunningServer(ckpt)
     try:

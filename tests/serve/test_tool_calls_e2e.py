@@ -52,12 +52,16 @@ def overfit_tool_caller(src, dst, *, margin=4.0, max_steps=300):
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
+def tool_ckpt(tmp_path_factory):
     from areno.testing import make_tiny_checkpoint
 
     src = make_tiny_checkpoint(tmp_path_factory.mktemp("tool_src"), family="qwen3", seed=5, num_hidden_layers=1)
-    ckpt = overfit_tool_caller(src, tmp_path_factory.mktemp("tool_ckpt") / "model")
-    s = RunningServer(ckpt)
+    return overfit_tool_caller(src, tmp_path_factory.mktemp("tool_ckpt") / "model")
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_ckpt):
+    s = RunningServer(tool_ckpt)
     yield s
     s.stop()
 
@@ -113,3 +117,16 @@ def test_no_tools_no_tool_calls(client):
     """Without ``tools`` the server does not parse calls, whatever the model says."""
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=8)
     assert not out.choices[0].message.tool_calls and out.choices[0].finish_reason != "tool_calls"
+
+
+def test_another_tool_call_format_changes_what_is_read(tool_ckpt):
+    """``--tool-call-format llama3_json`` on this qwen3 checkpoint: its Qwen-style block is not a Llama 3 call, so it
+    comes back as content (the qwen3 default, by model_type, read it as a call above)."""
+    s = RunningServer(tool_ckpt, tool_call_format="llama3_json")
+    try:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        choice = c.chat.completions.create(model="tiny", messages=MESSAGES, tools=[TOOL], temperature=0,
+                                           max_tokens=64).choices[0]
+        assert choice.message.content == CALL and not choice.message.tool_calls and choice.finish_reason == "stop"
+    finally:
+        s.stop()

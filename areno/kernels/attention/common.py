@@ -2,7 +2,10 @@
 attention; the math, tiling and causal block split are in ``packed.py``'s docstring.
 
 - ``query_tile``, ``key_tile``, ``seq_span``: a program's tile, sequence and head, and a sequence's rows;
-- ``kv_bounds``, ``q_bounds``: the block ranges of the causal split;
+- ``kv_bounds``, ``q_bounds``: the block ranges of the causal split; ``kv_window_bounds``, ``q_window_bounds``: the
+  extra ranges of a sliding window (``WINDOW`` a runtime int, ``HAS_WINDOW`` constexpr: full attention compiles as
+  before);
+- ``add_sink``: the attention sink's term in a row's softmax denominator (end of the forward);
 - ``fwd_inner``: the forward's online softmax over a range of key blocks;
 - ``dq_inner``: the dQ kernel's loop over key blocks (P recomputed from LSE, dS = P (dP - delta));
 - ``kv_inner``: the loop over query blocks of a key tile, accumulating dK and dV;
@@ -60,6 +63,37 @@ def kv_bounds(start_m, Lk, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C
 
 
 @triton.jit
+def kv_window_bounds(start_m, diag, full, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """With a sliding window (query row r sees keys r + diag - WINDOW < j <= r + diag): key blocks left of ``lo``
+    are skipped (no row of the tile sees them) and [lo, lo_full) needs the window mask; [lo_full, full) is then the
+    unmasked middle (every row sees every key of it), [full, hi) the masked diagonal band as without a window."""
+    lo = tl.maximum(start_m * BLOCK_M + diag - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    lo_full = tl.cdiv(tl.maximum((start_m + 1) * BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
+    lo_full = tl.minimum(lo_full, full)
+    return tl.minimum(lo, lo_full), lo_full
+
+
+@triton.jit
+def q_window_bounds(start_n, diag, a1, end, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """With a sliding window, the query blocks of a key tile after ``a1`` (``q_bounds``): [a1, u) see every key of
+    the tile, [u, e) need the window mask (rows whose window starts inside the tile), blocks from e on see none of
+    it and are skipped."""
+    e = tl.cdiv(tl.maximum(start_n * BLOCK_N + BLOCK_N - 1 - diag + WINDOW, 0), BLOCK_M) * BLOCK_M
+    e = tl.maximum(tl.minimum(e, end), a1)
+    u = tl.maximum(start_n * BLOCK_N - diag + WINDOW, 0) // BLOCK_M * BLOCK_M
+    return tl.minimum(tl.maximum(u, a1), e), e
+
+
+@triton.jit
+def add_sink(acc, l_i, m_i, sink):
+    """The sink (a logit in log2 units, no value) joins the rows' softmax: l += 2^(sink - m), rescaled to the new
+    running max. Rows that saw no key end with l = 1 and acc = 0 (output 0, LSE = the sink)."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink - m_new), m_new
+
+
+@triton.jit
 def q_bounds(start_n, Lq, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Query blocks a key tile needs: [m_lo, a1) cross the diagonal (causal mask), [a1, end) see every key of it."""
     if CAUSAL:
@@ -73,11 +107,14 @@ def q_bounds(start_n, Lq, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CA
 
 
 @triton.jit
-def keep_mask(cols, offs_m, diag, Lk, CAUSAL: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] keys a query row may see: inside the sequence and, if causal, j <= i + diag."""
+def keep_mask(cols, offs_m, diag, Lk, WINDOW, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] keys a query row may see: inside the sequence and, if causal, j <= i + diag (with a
+    window also j > i + diag - WINDOW)."""
     keep = cols[None, :] < Lk
     if CAUSAL:
         keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+    if HAS_WINDOW:
+        keep = keep & (cols[None, :] > offs_m[:, None] + diag - WINDOW)
     return keep
 
 
@@ -119,11 +156,13 @@ def load_tile(src, start, offs, n_rows, stride, row0, col, offs_d, D: tl.constex
 
 @triton.jit
 def fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, k_row0, col, offs_m, offs_n, offs_d, lo, hi,
-              diag, Lk, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
-              MASKED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+              diag, Lk, qk_scale, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+              CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+              HAS_WINDOW: tl.constexpr):
     """Key blocks [lo, hi) of the online softmax (base 2, fp32 m_i, l_i, acc) for one query tile.
 
-    MASKED: keys past Lk and (causal) right of the diagonal score -inf, and rows that have seen no key yet keep
+    MASKED: keys past Lk, (causal) right of the diagonal and (HAS_WINDOW) left of the window score -inf, and rows
+    that have seen no key yet keep
     m = -inf without NaNs. The pointer kernel scales the scores first; the TMA kernel keeps the raw dot product and
     folds the scale into the masked select, or (unmasked blocks) into the row max and one FMA per score.
     """
@@ -134,7 +173,7 @@ def fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, k_row0, col,
         if not TMA:
             qk = qk * qk_scale
         if MASKED:
-            keep = keep_mask(start_n + offs_n, offs_m, diag, Lk, CAUSAL)
+            keep = keep_mask(start_n + offs_n, offs_m, diag, Lk, WINDOW, CAUSAL, HAS_WINDOW)
             if TMA:
                 qk = qk * qk_scale
             qk = tl.where(keep, qk, float("-inf"))
@@ -158,8 +197,9 @@ def fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kt, stride_vt, k_row0, col,
 
 @triton.jit
 def dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, k_row0, col, offs_m, offs_n, offs_d, lo, hi,
-             diag, Lk, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr,
-             MASKED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+             diag, Lk, qk_scale, WINDOW, D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+             CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+             HAS_WINDOW: tl.constexpr):
     """dQ (unscaled, fp32) of one query tile over key blocks [lo, hi): dQ += dS K, dS = P (dO V^T - delta)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -167,8 +207,8 @@ def dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, k_row0, 
         v = load_tile(v_src, start_n, offs_n, Lk, stride_vt, k_row0, col, offs_d, D, MASKED, EVEN_D, TMA, False)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         p = tl.exp2(qk * qk_scale - lse[:, None])
-        if MASKED:  # keys past Lk (TMA: the next sequence's) and, if causal, keys right of the diagonal
-            p = tl.where(keep_mask(start_n + offs_n, offs_m, diag, Lk, CAUSAL), p, 0.0)
+        if MASKED:  # keys past Lk (TMA: the next sequence's), if causal right of the diagonal, left of a window
+            p = tl.where(keep_mask(start_n + offs_n, offs_m, diag, Lk, WINDOW, CAUSAL, HAS_WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -177,11 +217,13 @@ def dq_inner(dq, q, do, lse, delta, k_src, v_src, stride_kt, stride_vt, k_row0, 
 
 @triton.jit
 def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_dot, q_row0, col, offs_m, cols,
-             offs_d, lo, hi, Lq, Lk, diag, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
-             CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, ROW_ADDR: tl.constexpr):
+             offs_d, lo, hi, Lq, Lk, diag, qk_scale, WINDOW, D: tl.constexpr, BLOCK_M: tl.constexpr,
+             EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+             ROW_ADDR: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Query blocks [lo, hi) of one key tile: dV += P^T dO, dK += dS^T Q (unscaled, fp32, [BLOCK_N, BLOCK_D]).
 
-    Rows past Lq load LSE = +inf and delta = 0, so their P and dS are exactly 0. ROW_ADDR: Q/dO/LSE/delta addresses
+    CAUSAL / HAS_WINDOW: mask keys right of the diagonal / left of the window. Rows past Lq load LSE = +inf and
+    delta = 0, so their P and dS are exactly 0. ROW_ADDR: Q/dO/LSE/delta addresses
     are formed from the row index each step (``lse_src``/``delta_src`` at the sequence's row 0); else they are kept
     as pointer tensors across the loop (at the tile's row 0).
     """
@@ -201,6 +243,8 @@ def kv_inner(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qt, stride_
         p_t = tl.exp2(qk_t * qk_scale - lse[None, :])
         if CAUSAL:
             p_t = tl.where(rows[None, :] + diag >= cols[:, None], p_t, 0.0)
+        if HAS_WINDOW:
+            p_t = tl.where(rows[None, :] + diag - WINDOW < cols[:, None], p_t, 0.0)
         do = load_tile(do_src, start_m, offs_m, Lq, stride_dot, q_row0, col, offs_d, D, True, EVEN_D, TMA, ROW_ADDR)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         if ROW_ADDR:

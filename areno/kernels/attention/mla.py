@@ -155,8 +155,8 @@ def mla_decode_triton(q, cache, block_table, seq_lens, rank, scale, num_splits=N
         block_r = max(triton.next_power_of_2(rank), 16)
         block_hr = min(triton.next_power_of_2(H), max(16384 // (split_pad * block_r), 1))
         paged_reduce_kernel[(B, triton.cdiv(H, block_hr))](
-            part_o, part_lse, out, H, out.stride(0), out.stride(1), D=rank, BLOCK_D=block_r, NUM_SPLITS=num_splits,
-            SPLIT_PAD=split_pad, BLOCK_H=block_hr,
+            part_o, part_lse, out, out, H, out.stride(0), out.stride(1), D=rank, BLOCK_D=block_r,
+            NUM_SPLITS=num_splits, SPLIT_PAD=split_pad, BLOCK_H=block_hr, HAS_SINKS=False,
         )  # fmt: skip
     return out
 

@@ -15,6 +15,17 @@ delta = rowsum(dO * O) first, then dK/dV with one program per (BLOCK_N keys, seq
 query blocks of every query head of its group (no atomics), then dQ with one program per query block.
 FLOPs (causal, Lq == Lk = L): forward 4 * H * L^2 * D / 2, backward 2.5x that.
 
+Sliding window (``window=W``, causal only): query i also needs j > i + (Lk - Lq) - W. The kernels take W as a
+runtime int plus a constexpr HAS_WINDOW (False compiles the full-attention code unchanged: sm_90 PTX compared):
+whole key blocks left of a query tile's window are skipped (cost O(L * W), not O(L^2)), the blocks the window's
+left edge cuts are masked, those every row sees fully run unmasked; the dK/dV kernel skips the query blocks past a
+key tile's last window. Forward "default" and "tma", backward "split" and "tma_merged" (window calls run the Gluon
+forward as "tma" and the Gluon backward as "tma_merged").
+Attention sinks (``sinks [Hq]``, GPT-OSS): one more logit per head in every row's softmax, with no value. The
+forward adds 2^(sink - m) to the row's denominator at the end, so O and LSE count it; the backward kernels are
+then unchanged, and d sinks[h] = -sum_rows 2^(sink log2 e - LSE) * delta is computed outside them (``sink_grad``).
+Forward "default" / "tma" (Gluon runs as "tma"), every backward variant.
+
 Backward variants ("auto", the default, is "gluon" on sm_90 where the installed Triton has Gluon, "tma_merged" on
 other sm_90+ and "split" elsewhere, the interpreter included; a benchmark picks one with ``attention(..., _bwd=)``):
 - "split": the dK/dV kernel above, then a dQ kernel that recomputes S and dP per query block: seven
@@ -57,13 +68,16 @@ from areno.kernels._device import has_tma
 from areno.kernels.attention import gluon as attention_gluon
 from areno.kernels.attention import tma
 from areno.kernels.attention.common import (
+    add_sink,
     dq_inner,
     fwd_inner,
     key_tile,
     kv_bounds,
     kv_inner,
+    kv_window_bounds,
     load_rows,
     q_bounds,
+    q_window_bounds,
     query_tile,
     seq_span,
     tile_config,
@@ -130,11 +144,11 @@ def _use_tma(*tensors: torch.Tensor) -> bool:
 
 @triton.jit(do_not_specialize=["stride_lh"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, qk_scale,
+    Q, K, V, O, LSE, CU_Q, CU_K, SINKS, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-    GROUP, SEQ_BUCKET,
+    GROUP, SEQ_BUCKET, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
@@ -155,10 +169,20 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    lo_full = 0
+    if HAS_WINDOW:  # blocks left of the window skipped, its left edge masked
+        lo, lo_full = kv_window_bounds(start_m, diag, full, WINDOW, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n,
+                                  offs_d, lo, lo_full, diag, Lk, qk_scale, WINDOW, D, BLOCK_N, EVEN_D, CAUSAL, True,
+                                  DOT_PREC, False, True)
     acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d,
-                              0, full, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC, False)
+                              lo_full, full, diag, Lk, qk_scale, WINDOW, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC,
+                              False, False)
     acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d,
-                              full, hi, diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC, False)
+                              full, hi, diag, Lk, qk_scale, WINDOW, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC, False,
+                              HAS_WINDOW)
+    if HAS_SINKS:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -223,9 +247,9 @@ def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    GROUP, SEQ_BUCKET,
+    GROUP, SEQ_BUCKET, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     start_n, b, hk, k_start, Lk = key_tile(CU_K)
     if start_n * BLOCK_N >= Lk:
@@ -243,6 +267,9 @@ def _attn_bwd_dkdv_kernel(
     # the rows past Lq through their loads (LSE +inf there), which costs no extra ALU work per element. A third,
     # load-mask-free loop for the interior blocks measured as more spills (sm_90, ptxas) for no gain in work.
     m_lo, a1, end = q_bounds(start_n, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    u = end
+    if HAS_WINDOW:  # [a1, u) unmasked, [u, end) the window's masked edge, later blocks see none of the tile
+        u, end = q_window_bounds(start_n, diag, a1, end, WINDOW, BLOCK_M, BLOCK_N)
     q_base = Q + q_start.to(tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_d[None, :]
     do_base = DO + q_start.to(tl.int64) * stride_dot + offs_m[:, None] * stride_dot + offs_d[None, :]
     for g in range(GROUP):
@@ -252,11 +279,15 @@ def _attn_bwd_dkdv_kernel(
         lse_ptrs = LSE + h * stride_lh + q_start + offs_m
         delta_ptrs = DELTA + h * stride_lh + q_start + offs_m
         dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, 0, 0, offs_m,
-                          cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, D, BLOCK_M, EVEN_D, CAUSAL, DOT_PREC, False,
-                          False)
+                          cols, offs_d, m_lo, a1, Lq, Lk, diag, qk_scale, WINDOW, D, BLOCK_M, EVEN_D, CAUSAL,
+                          DOT_PREC, False, False, HAS_WINDOW)
         dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, 0, 0, offs_m,
-                          cols, offs_d, a1, end, Lq, Lk, diag, qk_scale, D, BLOCK_M, EVEN_D, False, DOT_PREC, False,
-                          False)
+                          cols, offs_d, a1, u, Lq, Lk, diag, qk_scale, WINDOW, D, BLOCK_M, EVEN_D, False, DOT_PREC,
+                          False, False, False)
+        if HAS_WINDOW:
+            dk, dv = kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qt, stride_dot, 0, 0,
+                              offs_m, cols, offs_d, u, end, Lq, Lk, diag, qk_scale, WINDOW, D, BLOCK_M, EVEN_D, False,
+                              DOT_PREC, False, False, True)
     _store_kv_grads(DK, DV, dk, dv, k_start, hk, cols, offs_d, Lk, sm_scale, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, D, EVEN_D)
 
@@ -266,9 +297,9 @@ def _attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
-    GROUP, SEQ_BUCKET,
+    GROUP, SEQ_BUCKET, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
@@ -290,10 +321,15 @@ def _attn_bwd_dq_kernel(
     v_ptrs = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d, 0, full,
-                  diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC, False)
+    lo_full = 0
+    if HAS_WINDOW:  # as in the forward: blocks left of the window skipped, its left edge masked
+        lo, lo_full = kv_window_bounds(start_m, diag, full, WINDOW, BLOCK_M, BLOCK_N)
+        dq = dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d, lo,
+                      lo_full, diag, Lk, qk_scale, WINDOW, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC, False, True)
+    dq = dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d, lo_full,
+                  full, diag, Lk, qk_scale, WINDOW, D, BLOCK_N, EVEN_D, CAUSAL, False, DOT_PREC, False, False)
     dq = dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, 0, 0, offs_m, offs_n, offs_d, full, hi,
-                  diag, Lk, qk_scale, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC, False)
+                  diag, Lk, qk_scale, WINDOW, D, BLOCK_N, EVEN_D, CAUSAL, True, DOT_PREC, False, HAS_WINDOW)
     dq = dq * sm_scale
     mask = row_ok[:, None]
     if not EVEN_D:
@@ -397,34 +433,44 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs stay exact; half inputs ignore it
 
 
-def attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="default"):
+def attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, variant="default", window=None, sinks=None):
+    """O and LSE (log2 units, ``[Hq, Tq]`` fp32; with sinks it counts the sink) of the Triton forward ``variant``; a
+    window or sinks run "gluon" as "tma" (the Gluon kernels take neither)."""
     Tq, Hq, D = q.shape
     B = cu_q.numel() - 1
     o = torch.empty_like(q)
     lse = torch.empty((Hq, Tq), device=q.device, dtype=torch.float32)
     block_d = max(triton.next_power_of_2(D), 16)
+    extras = dict(WINDOW=window or 0, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None)
+    sinks = lse if sinks is None else sinks  # (a pointer the kernels do not read)
+    if variant == "gluon" and (extras["HAS_WINDOW"] or extras["HAS_SINKS"]):
+        variant = "tma"
     if max_q > 0 and B > 0 and variant == "gluon" and attention_gluon.applies(q, k, v) is None:
         attention_gluon.forward(q, k, v, o, lse, cu_q, cu_k, max_q, _seq_bucket(max(max_q, max_k)), causal,
                                 scale * _LOG2E)
     elif max_q > 0 and B > 0 and variant in ("tma", "gluon") and _use_tma(q, k, v, o):
         launch_kernel(
             "fwd_tma", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
-            tma.descriptor(q), tma.descriptor(k), tma.descriptor(v), tma.descriptor(o), o, lse, cu_q, cu_k,
+            tma.descriptor(q), tma.descriptor(k), tma.descriptor(v), tma.descriptor(o), o, lse, cu_q, cu_k, sinks,
             scale * _LOG2E, o.stride(0), o.stride(1), lse.stride(0), Hq // k.shape[1],
-            CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
+            CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), **extras,
         )  # fmt: skip
     elif max_q > 0 and B > 0:
         launch_kernel(
             "fwd", max_q, (B, Hq), block_d, _seq_bucket(max(max_q, max_k)),
-            q, k, v, o, lse, cu_q, cu_k, scale * _LOG2E,
+            q, k, v, o, lse, cu_q, cu_k, sinks, scale * _LOG2E,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
             lse.stride(0), Hq // k.shape[1],
-            D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype),
+            D=D, EVEN_D=block_d == D, CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), **extras,
         )  # fmt: skip
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, variant="split"):
+def attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, variant="split", window=None):
+    """dQ, dK, dV of the Triton backward ``variant`` given the forward's O and LSE (which counts the sinks: the
+    kernels need nothing else for them); a window runs "gluon" as "tma_merged" (the Gluon kernel takes none)."""
+    if window is not None and variant == "gluon":
+        variant = "tma_merged"
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
     B = cu_q.numel() - 1
@@ -456,34 +502,36 @@ def attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, 
         else:
             dk.zero_(), dv.zero_()
         return dq.to(q.dtype), dk, dv
+    windowed = dict(common, WINDOW=window or 0, HAS_WINDOW=window is not None)
     if use_tma:
         _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale,
-                                  bucket)
+                                  bucket, window)
         return dq.to(q.dtype), dk, dv
     if max_k > 0:
         launch_kernel(
             "dkdv", max_k, (B, Hkv), block_d, bucket,
             q, k, v, do, dk, dv, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), Hq // Hkv, **common,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), Hq // Hkv, **windowed,
         )  # fmt: skip
     if max_q > 0:
         launch_kernel(
             "dq", max_q, (B, Hq), block_d, bucket,
             q, k, v, do, dq, lse, delta, cu_q, cu_k, scale * _LOG2E, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dq.stride(0), dq.stride(1), lse.stride(0), Hq // Hkv, **common,
+            dq.stride(0), dq.stride(1), lse.stride(0), Hq // Hkv, **windowed,
         )  # fmt: skip
     return dq, dk, dv
 
 
-def _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket):
+def _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, max_q, max_k, causal, scale, bucket,
+                              window=None):
     """The split pair through TMA descriptors in one launch, into packed (contiguous [T, H, D]) dq, dk, dv; grid dim
     0 covers both phases' tiles (BLOCK_M2 == BLOCK_N1)."""
     B, Hq, Hkv, D = cu_q.numel() - 1, q.shape[1], k.shape[1], q.shape[2]
     dq_, dk_, dv_ = (tma.descriptor(t) for t in (dq, dk, dv))
     q_, k_, v_, do_ = (tma.descriptor(t) for t in (q, k, v, do))
-    common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype))
+    common = dict(CAUSAL=causal, DOT_PREC=_dot_precision(q.dtype), WINDOW=window or 0, HAS_WINDOW=window is not None)
     if max(max_q, max_k) > 0:
         # each phase has its own descriptors (block rows per phase): q, k, v, do again for phase 2
         q2, k2, v2, do2 = (tma.descriptor(t) for t in (q, k, v, do))
@@ -497,22 +545,32 @@ def _attention_bwd_merged_tma(do, q, k, v, dq, dk, dv, lse, delta, cu_q, cu_k, m
         dq.zero_()
 
 
+def sink_grad(sinks, o, do, lse, cu_q):
+    """d sinks[h] = -sum over h's query rows of p_sink * delta, p_sink = 2^(sink log2(e) - LSE) (the sink's softmax
+    weight, LSE counting it), delta = rowsum(dO * O); rows past cu_q[-1] belong to no sequence."""
+    delta = (o.float() * do.float()).sum(-1).t()  # [Hq, Tq]
+    p_sink = torch.exp2(sinks.float()[:, None] * _LOG2E - lse)
+    rows = torch.arange(lse.shape[1], device=lse.device) < cu_q[-1]
+    return -torch.where(rows, p_sink * delta, 0.0).sum(1).to(sinks.dtype)
+
+
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant, bwd_variant):
-        o, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant)
-        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale, bwd_variant)
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, max_q, max_k, causal, scale, window, fwd_variant, bwd_variant):
+        o, lse = attention_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, fwd_variant, window, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, sinks)
+        ctx.args = (max_q, max_k, causal, scale, bwd_variant, window)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, o, lse, cu_q, cu_k, sinks = ctx.saved_tensors
         do = do if do.stride(-1) == 1 else do.contiguous()
-        if ctx.args[-1] in ("tma_merged", "gluon") and not tma.tma_layout_ok(do):
+        if ctx.args[-2] in ("tma_merged", "gluon") and not tma.tma_layout_ok(do):
             do = do.contiguous()  # e.g. an expanded gradient: pack it for the descriptors
         dq, dk, dv = attention_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dsinks = sink_grad(sinks, o, do, lse, cu_q) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, *([None] * 9)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -530,13 +588,16 @@ def _visible(Lq: int, Lk: int, causal: bool, device, window: int | None = None) 
     return keep if window is None else keep & (j > i + (Lk - Lq) - window)
 
 
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None, window=None):
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None, window=None,
+                        sinks=None):
     """Plain per-sequence softmax(scale * q k^T) v in the inputs' own dtype (pass float64 for an oracle).
 
     ``window`` (causal only): a query at (end-aligned) key position p sees keys p - window < j <= p, as
-    transformers' ``sliding_window`` (the window counts the query's own key).
+    transformers' ``sliding_window`` (the window counts the query's own key). ``sinks [Hq]``: a per-head logit
+    joined to every query's softmax as one more column that carries no value (GPT-OSS; transformers' gpt_oss eager
+    attention: concatenate, softmax, drop the column).
 
-    Differentiable; rows that see no key output 0. Host-syncs on cu_seqlens (a test/CPU path).
+    Differentiable (in ``sinks`` too); rows that see no key output 0. Host-syncs on cu_seqlens (a test/CPU path).
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     group = q.shape[1] // k.shape[1]
@@ -550,8 +611,12 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sof
         mask = _visible(qs.shape[0], ks.shape[0], causal, q.device, window)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            s = torch.cat([s, sinks.to(s.dtype)[:, None, None].expand(-1, s.shape[1], 1)], -1)
         p = torch.softmax(s, dim=-1)
-        if mask is not None:
+        if sinks is not None:
+            p = p[..., :-1]
+        elif mask is not None:
             p = torch.where(mask.any(-1, keepdim=True), p, torch.zeros_like(p))  # empty rows: 0, not NaN
         outs.append(torch.einsum("hqk,khd->qhd", p, vs))
     out = torch.cat(outs) if outs else q[:0]
@@ -560,7 +625,28 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, sof
     return out
 
 
-def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window=None):
+def with_sink_key(qp, kp, vp, mask, sinks, scale):
+    """SDPA inputs ``[n, H, L, D]`` (and a bool ``mask`` broadcastable to ``[n, 1, Lq, Lk]``, or None) with the
+    sinks as one more key that every query sees, scores ``sinks[h]`` and carries a zero value: q gains the column
+    ``sinks[h] / scale`` (padded to 8 more dims, as the fused SDPA kernels like), k zeros there, and the extra key is
+    ``e_D`` (so SDPA's own scale gives back ``sinks[h]``). Exact, differentiable in every input, GQA kept."""
+    n, hq, lq, d = qp.shape
+    hkv, lk = kp.shape[1], kp.shape[2]
+    pad = 8
+    col = (sinks.to(qp.dtype) / scale).view(1, hq, 1, 1).expand(n, hq, lq, 1)
+    qp = torch.cat([qp, col, qp.new_zeros(n, hq, lq, pad - 1)], -1)
+    sink_key = torch.zeros(pad, dtype=kp.dtype, device=kp.device)
+    sink_key[0] = 1
+    sink_key = torch.cat([kp.new_zeros(d), sink_key]).expand(n, hkv, 1, d + pad)
+    kp = torch.cat([torch.cat([kp, kp.new_zeros(n, hkv, lk, pad)], -1), sink_key], 2)
+    vp = torch.cat([vp, vp.new_zeros(n, hkv, 1, vp.shape[-1])], 2)
+    if mask is None:
+        mask = torch.ones(1, 1, lq, lk, dtype=torch.bool, device=qp.device)
+    mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], -1)
+    return qp, kp, vp, mask
+
+
+def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window=None, sinks=None):
     """CUDA native path: torch SDPA per sequence (flash/cuDNN/efficient as torch picks), differentiable."""
     import torch.nn.functional as F
 
@@ -571,13 +657,15 @@ def _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window=None):
         ks = k[ck[b]:ck[b + 1]].transpose(0, 1)[None]
         vs = v[ck[b]:ck[b + 1]].transpose(0, 1)[None]
         Lq, Lk = qs.shape[2], ks.shape[2]
-        if causal and Lq > Lk:  # some rows see nothing: SDPA would give NaN there
+        if causal and Lq > Lk and sinks is None:  # some rows see nothing: SDPA would give NaN there
             outs.append(attention_reference(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]],
                                             cu_q.new_tensor([0, Lq]), cu_k.new_tensor([0, Lk]), causal=True,
                                             softmax_scale=scale, window=window))
             continue
-        plain = causal and Lq == Lk and window is None
+        plain = causal and Lq == Lk and window is None and sinks is None
         mask = _visible(Lq, Lk, causal, q.device, window) if causal and not plain else None
+        if sinks is not None:  # the sink key keeps every row non-empty
+            qs, ks, vs, mask = with_sink_key(qs, ks, vs, mask, sinks, scale)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=plain, scale=scale,
                                            enable_gqa=ks.shape[1] != qs.shape[1])
         outs.append(o[0].transpose(0, 1))
@@ -602,7 +690,7 @@ def length_groups(lq: list[int], lk: list[int], slack: float = 2.0) -> list[list
     return groups + ([cur] if cur else [])
 
 
-def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
+def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None, sinks=None):
     """CPU native path: sequences of similar length padded into batches, one SDPA call per batch (instead of one
     einsum pair per sequence), differentiable. Rows that see no key output 0; rows outside every sequence too."""
     import torch.nn.functional as F
@@ -611,7 +699,8 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
     lq = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
     lk = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
     if k.shape[0] == 0:  # no keys at all: the reference's zeros (and its empty gradients)
-        return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, window=window)
+        return attention_reference(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, window=window,
+                                   sinks=sinks)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     rows_all, vals_all = [], []
     for group in length_groups(lq, lk):
@@ -631,7 +720,10 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
         has_key = visible.any(-1)
         mask = visible | ((~has_key)[:, :, None] & (j == 0)[:, None, :])  # a row with no key reads key 0, then 0
         qp, kp, vp = (t[idx].transpose(1, 2) for t, idx in ((q, idx_q), (k, idx_k), (v, idx_k)))
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale,
+        mask = mask[:, None]
+        if sinks is not None:
+            qp, kp, vp, mask = with_sink_key(qp, kp, vp, mask, sinks, scale)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                            enable_gqa=kp.shape[1] != qp.shape[1]).transpose(1, 2)
         o = torch.where(has_key[:, :, None, None], o, torch.zeros((), dtype=o.dtype))
         rows_all.append(idx_q[valid_q])
@@ -639,11 +731,13 @@ def _attention_cpu_padded(q, k, v, cu_q, cu_k, causal, scale, window=None):
     return out.index_copy(0, torch.cat(rows_all), torch.cat(vals_all)) if rows_all else out
 
 
-def _attention_native(q, k, v, cu_q, cu_k, causal, scale, window=None):
+def _attention_native(q, k, v, cu_q, cu_k, causal, scale, window=None, sinks=None):
     if q.is_cuda:
-        return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window)
+        return _attention_sdpa(q, k, v, cu_q, cu_k, causal, scale, window, sinks)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    out = _attention_cpu_padded(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal, scale, window)
+    sinks = None if sinks is None else sinks.to(compute)
+    out = _attention_cpu_padded(q.to(compute), k.to(compute), v.to(compute), cu_q, cu_k, causal, scale, window,
+                                sinks)
     return out.to(q.dtype)
 
 
@@ -677,6 +771,16 @@ def check_window(window, causal: bool) -> int | None:
     return window
 
 
+def check_sinks(sinks, num_heads: int) -> torch.Tensor | None:
+    """The attention sinks as a floating ``[num_heads]`` tensor, or None; anything else is refused in one line."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.shape != (num_heads,):
+        what = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"attention: sinks must be a floating tensor [Hq={num_heads}], got {what}")
+    return sinks
+
+
 def _triton_supported(q: torch.Tensor) -> bool:
     # fp32 is for the interpreter tests: on a GPU it would run on CUDA cores (no tensor cores) and spill, so the
     # dispatcher sends it to SDPA instead.
@@ -685,7 +789,7 @@ def _triton_supported(q: torch.Tensor) -> bool:
 
 
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True, softmax_scale=None,
-              backend=None, window=None, _fwd=None, _bwd=None):
+              backend=None, window=None, sinks=None, _fwd=None, _bwd=None):
     """Packed varlen attention; ``q [Tq, Hq, D]``, ``k/v [Tk, Hkv, D]``, ``cu_seqlens_*`` int32 ``[B+1]``.
 
     Causal masks align to the end of each key sequence (query i sees keys j <= i + Lk - Lq). ``max_seqlen_*`` are
@@ -693,19 +797,24 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
     ``use_triton`` (``ARENO_KERNELS``; what ``--attn-backend flash`` gives); "native" forces PyTorch (SDPA per
     sequence on CUDA, per group of similar-length sequences padded together on the CPU; ``--attn-backend
     native``); "triton" (alias "flash") forces Triton.
-    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v on both paths. ``_fwd`` / ``_bwd``: the Triton
-    path's forward ("default", "tma", "gluon") and backward ("split", "tma_merged", "gluon") for a benchmark or a
-    test to compare; None (or "auto") picks the measured default for the GPU (see the module docstring).
-    ``window``: sliding-window (left) size in keys, as ``attention_reference``; native path only for now (the
-    Triton kernels refuse it until they take a window).
+    Returns ``[Tq, Hq, D]`` in q's dtype; differentiable in q, k, v (and sinks) on both paths. ``_fwd`` / ``_bwd``:
+    the Triton path's forward ("default", "tma", "gluon") and backward ("split", "tma_merged", "gluon") for a
+    benchmark or a test to compare; None (or "auto") picks the measured default for the GPU (module docstring).
+    ``window``: sliding-window (left) size in keys, causal only, as ``attention_reference``; the Triton kernels skip
+    whole key blocks left of it (forward "default"/"tma", backward "split"/"tma_merged"; window calls run the
+    Gluon forward as "tma" and the Gluon backward as "tma_merged").
+    ``sinks``: ``[Hq]`` per-head sink logits (fp32 or the model's dtype, e.g. a trainable parameter), as
+    ``attention_reference``; on the Triton path the forward's LSE counts the sink (forward "default"/"tma"; Gluon
+    runs as "tma"; every backward variant) and d sinks is computed from it (``sink_grad``).
     """
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     window = check_window(window, causal)
+    sinks = check_sinks(sinks, q.shape[1])
     # an invalid value fails on every path, not only where it would take effect
     fwd_variant, bwd_variant = forward_variant(_fwd), backward_variant(_bwd)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if backend is None:
-        run_triton = window is None and use_triton(q, k, v, supported=_triton_supported(q))
+        run_triton = use_triton(q, k, v, supported=_triton_supported(q))
     elif backend == "native":
         run_triton = False
     elif backend in ("triton", "flash"):
@@ -714,16 +823,14 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *
                              f"{MAX_HEAD_DIM}, got {q.dtype}, head_dim {q.shape[-1]}")
         if not (q.is_cuda or interpreting()):
             raise RuntimeError("attention: backend='triton' needs CUDA tensors or TRITON_INTERPRET=1")
-        if window is not None:
-            raise NotImplementedError("attention: window= (sliding window) is not in the Triton kernels yet; use "
-                                      "backend='native'")
         run_triton = True
     else:
         raise ValueError(f"attention: backend must be None, 'native' or 'triton', got {backend!r}")
     if not run_triton:
-        return _attention_native(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window)
+        return _attention_native(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, sinks)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    sinks = None if sinks is None else sinks.contiguous()
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_seqlens_k.to(torch.int32)
-    return _TritonAttention.apply(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale,
-                                  fwd_variant, bwd_variant)
+    return _TritonAttention.apply(q, k, v, sinks, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
+                                  scale, window, fwd_variant, bwd_variant)

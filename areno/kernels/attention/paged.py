@@ -12,6 +12,9 @@ too few (sequence, head) programs to fill the GPU, the keys are split over NUM_S
 partial (O, LSE) a second kernel merges. The split count comes from shapes only (never seq_lens values), no host
 sync happens and every buffer has a static shape, so the call can be captured in a CUDA graph.
 Decode bytes (the bound): sum_b seq_lens[b] * Hkv * D * 2 (K and V) * element size, plus q and o.
+``window`` (sliding window, as ``attention``): key blocks left of a tile's window are skipped, so decode reads
+O(W) keys. ``sinks [Hq]`` (as ``attention``): added to each row's softmax denominator at the end of the kernel, or
+once in the split-K combine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import triton
 import triton.language as tl
 
 from areno.kernels._device import sm_count
-from areno.kernels.attention.packed import attention_reference, check_window
+from areno.kernels.attention.common import add_sink
+from areno.kernels.attention.packed import attention_reference, check_sinks, check_window
 from areno.kernels.dispatch import interpreting, use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -34,12 +38,12 @@ MAX_SPLITS = 32
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per eager step: one variant for all
 def _paged_attn_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, qk_scale,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, SINKS, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_ot, stride_oh, GROUP, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CU: tl.constexpr,
-    DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     hk = tl.program_id(1) // NUM_SPLITS
@@ -107,6 +111,9 @@ def _paged_attn_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
+    if HAS_SINKS and NUM_SPLITS == 1:  # (split-K: the combine adds the sink once)
+        sink = tl.load(SINKS + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, sink)
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -123,9 +130,11 @@ def _paged_attn_kernel(
 
 
 @triton.jit
-def paged_reduce_kernel(PART_O, PART_LSE, O, Hq, stride_ot, stride_oh, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLIT_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
-    # per (token, head): o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); BLOCK_H heads per program
+def paged_reduce_kernel(PART_O, PART_LSE, O, SINKS, Hq, stride_ot, stride_oh, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                        BLOCK_H: tl.constexpr, HAS_SINKS: tl.constexpr):
+    # per (token, head): o = sum_s 2^(lse_s - max) o_s / (sum_s 2^(lse_s - max) [+ 2^(sink - max)]); BLOCK_H heads
+    # per program
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     s = tl.arange(0, SPLIT_PAD)
@@ -134,8 +143,13 @@ def paged_reduce_kernel(PART_O, PART_LSE, O, Hq, stride_ot, stride_oh, D: tl.con
     ok = (offs_h[:, None] < Hq) & (s[None, :] < NUM_SPLITS)
     lse = tl.load(PART_LSE + part, mask=ok, other=float("-inf"))
     m = tl.max(lse, 1)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + offs_h, mask=offs_h < Hq, other=0.0).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
     w_sum = tl.sum(w, 1)
+    if HAS_SINKS:
+        w_sum += tl.exp2(sink - m)
     o_part = tl.load(PART_O + part[:, :, None] * D + offs_d[None, None, :],
                      mask=ok[:, :, None] & (offs_d[None, None, :] < D), other=0.0)
     o = tl.sum(o_part * w[:, :, None], 1) / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]
@@ -187,7 +201,7 @@ def _tile_config(group_pad: int, multi_token: bool, head_dim: int):
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
-                            config=None, window=None):
+                            config=None, window=None, sinks=None):
     T, Hq, D = q.shape
     B = block_table.shape[0]
     _, page_size, Hkv, _ = k_cache.shape
@@ -210,20 +224,21 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     else:
         part_o = part_lse = out  # unused
     block_d = max(triton.next_power_of_2(D), 16)
+    sink_ptr = out if sinks is None else sinks.contiguous()  # (not read without sinks)
     _paged_attn_kernel[(B, Hkv * num_splits, q_tiles)](
-        q, k_cache, v_cache, block_table, seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse,
+        q, k_cache, v_cache, block_table, seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse, sink_ptr,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
         group, window or 0, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=window is not None, num_warps=warps, num_stages=stages,
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if num_splits > 1:
         split_pad = triton.next_power_of_2(num_splits)
         block_h = min(triton.next_power_of_2(Hq), max(16384 // (split_pad * block_d), 1))
         paged_reduce_kernel[(T, triton.cdiv(Hq, block_h))](
-            part_o, part_lse, out, Hq, out.stride(0), out.stride(1), D=D, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            SPLIT_PAD=split_pad, BLOCK_H=block_h,
+            part_o, part_lse, out, sink_ptr, Hq, out.stride(0), out.stride(1), D=D, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, SPLIT_PAD=split_pad, BLOCK_H=block_h, HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out
 
@@ -233,9 +248,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
-                              window=None):
+                              window=None, sinks=None):
     """Obviously-correct oracle: gather each sequence's keys through the block table, then plain attention in the
-    inputs' dtype (pass float64); ``window`` as in ``attention_reference``. Host-syncs; for tests."""
+    inputs' dtype (pass float64); ``window`` and ``sinks`` as in ``attention_reference``. Host-syncs; for tests."""
     B = block_table.shape[0]
     page = k_cache.shape[1]
     lens = seq_lens.tolist()
@@ -248,10 +263,11 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, sof
         vs.append(v_cache[blocks, j % page])
     cu_k = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
     return attention_reference(q[: cu_q[-1]], torch.cat(ks), torch.cat(vs), torch.tensor(cu_q), cu_k, causal=True,
-                               softmax_scale=softmax_scale, window=window)
+                               softmax_scale=softmax_scale, window=window, sinks=sinks)
 
 
-def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, window=None):
+def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, window=None,
+                           sinks=None):
     """Tensorised PyTorch path, no host sync (graph-capturable): gather the whole block table, mask, softmax.
     Memory is O(B * max_blocks * block_size), fine for tests and small batches. Assumes cu_seqlens_q[-1] == Tq."""
     T, Hq, D = q.shape
@@ -272,15 +288,21 @@ def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     qb = q.new_zeros((B, Lmax, Hq, D), dtype=compute)
     qb[seq, pos] = q.to(compute)
     qb = qb.view(B, Lmax, Hkv, Hq // Hkv, D)
-    s = torch.einsum("btkgd,bjkd->bkgtj", qb, kg).float() * scale
+    score = torch.float64 if compute == torch.float64 else torch.float32
+    s = torch.einsum("btkgd,bjkd->bkgtj", qb, kg).to(score) * scale
     j = torch.arange(cap, device=q.device)
     limit = torch.arange(Lmax, device=q.device)[None, :] + (seq_lens.long() - lq)[:, None]  # [B, Lmax]
     keep = (j[None, None, :] <= limit[:, :, None]) & (j[None, None, :] < seq_lens.long()[:, None, None])
     if window is not None:
         keep = keep & (j[None, None, :] > limit[:, :, None] - window)
     keep = keep[:, None, None]  # [B, 1, 1, Lmax, cap]
-    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
-    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p)).to(compute)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+        p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p)).to(compute)
+    else:  # one more column per head (its value 0), dropped after the softmax
+        sink = sinks.to(score).view(1, Hkv, Hq // Hkv, 1, 1).expand(B, -1, -1, Lmax, 1)
+        p = torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1].to(compute)
     out = torch.einsum("bkgtj,bjkd->btkgd", p, vg).reshape(B, Lmax, Hq, D)
     return out[seq, pos].to(q.dtype)
 
@@ -322,33 +344,39 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
-                    max_seqlen_q=None, num_splits=None, window=None):
+                    max_seqlen_q=None, num_splits=None, window=None, sinks=None):
     """Attention of new queries against a paged KV cache; returns ``[Tq, Hq, D]`` in q's dtype (no gradients).
 
     ``q [B, Hq, D]`` (decode) or, with ``cu_seqlens_q`` int32 ``[B+1]``, ``[Tq, Hq, D]`` (each sequence's last
     tokens; ``max_seqlen_q``, a host int, bounds the per-sequence query count and defaults to Tq).
     ``num_splits`` overrides the split-K factor (default: chosen from shapes). ``window``: sliding-window size in
-    keys (as ``attention_reference``); the kernel skips key blocks left of it.
+    keys (as ``attention_reference``); the kernel skips key blocks left of it. ``sinks``: ``[Hq]`` per-head sink
+    logits (as ``attention_reference``): the kernel adds the sink to each row's softmax denominator (split-K: once,
+    in the combine).
     """
     _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
     window = check_window(window, True)
+    sinks = check_sinks(sinks, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     max_q = q.shape[0] if max_seqlen_q is None else int(max_seqlen_q)
     supported = q.dtype in _FLOATS and q.shape[-1] <= MAX_HEAD_DIM
     if not use_triton(q, k_cache, v_cache, supported=supported):
-        return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q, window)
+        return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q, window,
+                                      sinks)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention: k_cache/v_cache need a unit stride on head_dim")
     cu_q = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32)
     return paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
-                                   scale, cu_q, max_q, num_splits, window=window)
+                                   scale, cu_q, max_q, num_splits, window=window, sinks=sinks)
 
 
-def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
+def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),)) -> int:
     """Compile every kernel variant ``paged_attention`` can pick for this cache and query head count (each split-K
     factor, one query per sequence and several), so that no serving step stalls on a JIT compile (hundreds of ms
-    each). Reads block 0 of the caches, writes nothing to them; returns how many variants ran (0 off the GPU)."""
+    each). ``features``: the (sliding window?, sinks dtype or None) pairs the model's layers call with (each is its
+    own variant; default: full attention without sinks). Reads block 0 of the caches, writes nothing to them;
+    returns how many variants ran (0 off the GPU)."""
     if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=k_cache.dtype in _FLOATS)):
         return 0
     _, page_size, hkv, d = k_cache.shape
@@ -358,14 +386,17 @@ def warm_paged_attention(k_cache, v_cache, num_q_heads: int) -> int:
     table = torch.zeros((1, 3), dtype=torch.int32, device=dev)
     seq_lens = torch.full((1,), min(2, page_size), dtype=torch.int32, device=dev)
     cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
-    runs, splits = 0, 1
-    while splits <= MAX_SPLITS:
-        for multi in (False, True):
-            q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
-            paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
-                                    splits)
-            runs += 1
-        splits *= 2
+    runs = 0
+    for windowed, sinks_dtype in features:
+        sinks = None if sinks_dtype is None else torch.zeros(num_q_heads, dtype=sinks_dtype, device=dev)
+        splits = 1
+        while splits <= MAX_SPLITS:
+            for multi in (False, True):
+                q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
+                paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
+                                        splits, window=1 if windowed else None, sinks=sinks)
+                runs += 1
+            splits *= 2
     return runs
 
 

@@ -43,12 +43,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from areno.kernels.attention.common import (
+    add_sink,
     dq_inner,
     fwd_inner,
     key_tile,
     kv_bounds,
     kv_inner,
+    kv_window_bounds,
     q_bounds,
+    q_window_bounds,
     query_tile,
     seq_span,
     tile_config,
@@ -91,10 +94,10 @@ def descriptor(t: torch.Tensor) -> TensorDescriptor:
 
 @triton.jit(do_not_specialize=["stride_lh"])
 def _attn_fwd_tma_kernel(
-    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, qk_scale, stride_ot, stride_oh, stride_lh,
-    GROUP, SEQ_BUCKET,
+    desc_q, desc_k, desc_v, desc_o, O, LSE, CU_Q, CU_K, SINKS, qk_scale, stride_ot, stride_oh, stride_lh,
+    GROUP, SEQ_BUCKET, WINDOW,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     start_m, b, h, q_start, Lq = query_tile(CU_Q)
     if start_m * BLOCK_M >= Lq:
@@ -109,10 +112,18 @@ def _attn_fwd_tma_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi, full = kv_bounds(start_m, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
     col = (h // GROUP) * BLOCK_D
-    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, 0, full, diag,
-                              Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+    lo_full = 0
+    if HAS_WINDOW:  # as the pointer kernel: blocks left of the window skipped, its left edge masked
+        lo, lo_full = kv_window_bounds(start_m, diag, full, WINDOW, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, lo,
+                                  lo_full, diag, Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC,
+                                  True, True)
+    acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, lo_full, full,
+                              diag, Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True, False)
     acc, l_i, m_i = fwd_inner(acc, l_i, m_i, q, desc_k, desc_v, 0, 0, k_start, col, offs_m, offs_n, 0, full, hi, diag,
-                              Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
+                              Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True, HAS_WINDOW)
+    if HAS_SINKS:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
@@ -152,8 +163,9 @@ def _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, start_n, Lk, col,
 
 @triton.jit
 def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV, LSE, DELTA, t, hk, k_start, Lk,
-                       q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D: tl.constexpr,
-                       CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, WINDOW, BLOCK_D: tl.constexpr,
+                       CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_WINDOW: tl.constexpr):
     """The merged backward's phase 1: the dK/dV program for key tile t (nothing past Lk). One program per (key tile,
     sequence, KV head): K/V tile resident, dK/dV in fp32 registers, Q/dO streamed by TMA for every query head of the
     GQA group; query blocks above the diagonal are skipped, the band masked. Key rows past Lk (the next sequence's)
@@ -167,24 +179,32 @@ def _merged_dkdv_phase(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, DK, DV
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         m_lo, a1, end = q_bounds(t, Lq, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        u = end
+        if HAS_WINDOW:  # as the pointer kernel: [u, end) the window's masked edge, later blocks skipped
+            u, end = q_window_bounds(t, diag, a1, end, WINDOW, BLOCK_M, BLOCK_N)
         for g in range(GROUP):
             h = hk * GROUP + g
             lse_ptr = LSE + h * stride_lh + q_start
             delta_ptr = DELTA + h * stride_lh + q_start
             dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, 0, 0, q_start, h * BLOCK_D, offs_m,
-                              cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, BLOCK_D, BLOCK_M, True, CAUSAL, DOT_PREC, True,
-                              True)
+                              cols, 0, m_lo, a1, Lq, Lk, diag, qk_scale, WINDOW, BLOCK_D, BLOCK_M, True, CAUSAL,
+                              DOT_PREC, True, True, HAS_WINDOW)
             dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, 0, 0, q_start, h * BLOCK_D, offs_m,
-                              cols, 0, a1, end, Lq, Lk, diag, qk_scale, BLOCK_D, BLOCK_M, True, False, DOT_PREC, True,
-                              True)
+                              cols, 0, a1, u, Lq, Lk, diag, qk_scale, WINDOW, BLOCK_D, BLOCK_M, True, False, DOT_PREC,
+                              True, True, False)
+            if HAS_WINDOW:
+                dk, dv = kv_inner(dk, dv, k, v, desc_q, desc_do, lse_ptr, delta_ptr, 0, 0, q_start, h * BLOCK_D,
+                                  offs_m, cols, 0, u, end, Lq, Lk, diag, qk_scale, WINDOW, BLOCK_D, BLOCK_M, True,
+                                  False, DOT_PREC, True, True, True)
         _store_kv_grads(desc_dk, desc_dv, DK, DV, dk, dv, k_start, t, Lk, hk * BLOCK_D, sm_scale, stride_dkt,
                         BLOCK_N, BLOCK_D)
 
 
 @triton.jit
 def _merged_dq_phase(desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, t, hk, k_start, Lk, q_start, Lq,
-                     qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, WINDOW, BLOCK_D: tl.constexpr,
+                     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr):
     """The merged backward's phase 2: the dQ kernel's program for query tile t (nothing past Lq), once per query
     head h = hk * GROUP + g of the group."""
     if t * BLOCK_M < Lq:
@@ -193,6 +213,10 @@ def _merged_dq_phase(desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, t
         offs_n = tl.arange(0, BLOCK_N)
         row_ok = offs_m < Lq
         hi, full = kv_bounds(t, Lk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+        lo = 0
+        lo_full = 0
+        if HAS_WINDOW:  # as the pointer kernel: blocks left of the window skipped, its left edge masked
+            lo, lo_full = kv_window_bounds(t, diag, full, WINDOW, BLOCK_M, BLOCK_N)
         for g in range(GROUP):
             h = hk * GROUP + g
             q = desc_q.load([q_start + t * BLOCK_M, h * BLOCK_D])
@@ -200,10 +224,16 @@ def _merged_dq_phase(desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, t
             lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0, 0,
-                          full, diag, Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC, True)
+            if HAS_WINDOW:
+                dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0,
+                              lo, lo_full, diag, Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC,
+                              True, True)
             dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0,
-                          full, hi, diag, Lk, qk_scale, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True)
+                          lo_full, full, diag, Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, False, DOT_PREC,
+                          True, False)
+            dq = dq_inner(dq, q, do, lse, delta, desc_k, desc_v, 0, 0, k_start, hk * BLOCK_D, offs_m, offs_n, 0,
+                          full, hi, diag, Lk, qk_scale, WINDOW, BLOCK_D, BLOCK_N, True, CAUSAL, True, DOT_PREC, True,
+                          HAS_WINDOW)
             _store_rows(desc_dq, DQ, (dq * sm_scale).to(DQ.dtype.element_ty), q_start + t * BLOCK_M, h * BLOCK_D,
                         Lq - t * BLOCK_M, stride_dqt, BLOCK_M, BLOCK_D)
 
@@ -212,9 +242,10 @@ def _merged_dq_phase(desc_q, desc_k, desc_v, desc_do, desc_dq, DQ, LSE, DELTA, t
 def _attn_bwd_merged_tma_kernel(
     desc_q1, desc_k1, desc_v1, desc_do1, desc_dk1, desc_dv1, desc_q2, desc_k2, desc_v2, desc_do2, desc_dq2,
     DQ, DK, DV, LSE, DELTA, CU_Q, CU_K, qk_scale, sm_scale, stride_dqt, stride_dkt, stride_lh, GROUP, SEQ_BUCKET,
+    WINDOW,
     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-    DQ_FIRST: tl.constexpr,
+    DQ_FIRST: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     # The split pair in one launch: program (t, b, hk) runs the dK/dV kernel's key tile t (phase 1, BLOCK_M1 query
     # steps over a BLOCK_N1 key tile) and the dQ kernel's query tile t (phase 2, BLOCK_M2 == BLOCK_N1 rows, BLOCK_N2
@@ -227,15 +258,15 @@ def _attn_bwd_merged_tma_kernel(
     q_start, Lq = seq_span(CU_Q, b)
     if DQ_FIRST:
         _merged_dq_phase(desc_q2, desc_k2, desc_v2, desc_do2, desc_dq2, DQ, LSE, DELTA, t, hk, k_start, Lk, q_start,
-                         Lq, qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC, BLOCK_M2,
-                         BLOCK_N2)
+                         Lq, qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, WINDOW, BLOCK_D, CAUSAL, DOT_PREC,
+                         BLOCK_M2, BLOCK_N2, HAS_WINDOW)
     _merged_dkdv_phase(desc_q1, desc_k1, desc_v1, desc_do1, desc_dk1, desc_dv1, DK, DV, LSE, DELTA, t, hk, k_start,
-                       Lk, q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC,
-                       BLOCK_M1, BLOCK_N1)
+                       Lk, q_start, Lq, qk_scale, sm_scale, stride_dkt, stride_lh, GROUP, WINDOW, BLOCK_D, CAUSAL,
+                       DOT_PREC, BLOCK_M1, BLOCK_N1, HAS_WINDOW)
     if not DQ_FIRST:
         _merged_dq_phase(desc_q2, desc_k2, desc_v2, desc_do2, desc_dq2, DQ, LSE, DELTA, t, hk, k_start, Lk, q_start,
-                         Lq, qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, BLOCK_D, CAUSAL, DOT_PREC, BLOCK_M2,
-                         BLOCK_N2)
+                         Lq, qk_scale, sm_scale, stride_dqt, stride_lh, GROUP, WINDOW, BLOCK_D, CAUSAL, DOT_PREC,
+                         BLOCK_M2, BLOCK_N2, HAS_WINDOW)
 
 
 def _cfg(bm, bn, warps, stages, maxnreg=None):

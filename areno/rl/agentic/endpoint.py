@@ -81,7 +81,7 @@ def create_app(rollout) -> FastAPI:
             try:
                 message = await rollout.sample(
                     session, max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                    top_p=req.top_p, stop=req.stop, assistant_message=True)
+                    top_p=req.top_p, stop=req.stop, assistant_message=True, tools=tools)
             except ConfigError as exc:  # a sampling setting the engine refuses: the request's mistake
                 raise APIError(400, str(exc), param=exc.flag) from exc
         return completion(session, message)

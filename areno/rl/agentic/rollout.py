@@ -25,8 +25,12 @@ class AgentRollout:
     """Runs the agent over a rollout batch on ``rollout``'s token sampler (a ``Rollout``: colocated or remote);
     returns one row per trajectory. ``cfg``: the TrainConfig (sampling, limits, timeouts)."""
 
-    def __init__(self, rollout, agent_fn, tokenizer, cfg):
+    def __init__(self, rollout, agent_fn, tokenizer, cfg, tool_format=None):
+        from areno.engine.tool_calls import format_for, special_tokens
+
         self.rollout, self.agent_fn, self.tokenizer, self.cfg = rollout, agent_fn, tokenizer, cfg
+        self.tool_format = tool_format or format_for(None)  # the policy's family's (areno serve reads the same)
+        self.special_tokens = special_tokens(tokenizer)
         for name in ("httpx", "httpx2"):  # one INFO line per local request would drown the step lines
             logging.getLogger(name).setLevel(logging.WARNING)
         self.api_key = "areno-agent-" + uuid.uuid4().hex[:8]
@@ -54,7 +58,7 @@ class AgentRollout:
 
     # sampling (called from the endpoint's loop or the agent's loop)
     async def sample(self, session: Session, *, max_tokens=None, temperature=None, top_p=None, stop=None,
-                     assistant_message=False):
+                     assistant_message=False, tools=None):
         cfg = self.cfg
         room = self.cfg_max_context() - len(session.tokens)
         asked = {"temperature": temperature} if temperature is not None and not self._greedy else {}
@@ -74,14 +78,27 @@ class AgentRollout:
             text = text[:cut] if cut >= 0 else text
         message = None
         if assistant_message:
-            from areno.engine.tool_calls import parse_tool_calls
-
-            content, calls = parse_tool_calls(text)
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [c.to_openai() for c in calls]
+            message = self.assistant_message(ids, stop_text, text, tools)
         session.add_sample(ids, lps, finish, message)
         return message if assistant_message else Generation(ids, lps, finish, text)
+
+    def assistant_message(self, ids: list[int], stop_text: str | None, text: str, tools=None) -> dict:
+        """A sample as the assistant message the agent gets: its tool calls (and reasoning) read in the policy's
+        tool-call format, as ``areno serve`` reads them (``tools``: the request's, which type XML arguments)."""
+        from areno.engine.tool_calls import read_answer
+
+        fmt = self.tool_format
+        if fmt.special_markup:  # its markers are special tokens: read the text with them
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            cut = text.find(stop_text) if stop_text else -1
+            text = text[:cut] if cut >= 0 else text
+        parsed = read_answer(fmt, text, tools, self.special_tokens)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.calls:
+            message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+        return message
 
     def cfg_max_context(self) -> int:
         return self.cfg.max_context_len or (self.cfg.max_prompt_tokens + self.cfg.max_new_tokens)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import random
 import time
 
@@ -288,7 +287,7 @@ def serve(cfg) -> int:
     from areno.rl.rollout.colocated import engine_config
     from areno.rl.routing_replay import routing_replay_enabled
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = parallel.env_rank()
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
     layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
     watchdog = watch_ranks(cfg)  # a silent train rank 0 ends the run after ARENO_RANK_TIMEOUT_S

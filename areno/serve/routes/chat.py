@@ -10,7 +10,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from areno.engine.tool_calls import parse_tool_calls
+from areno.engine.tool_calls import read_answer
 from areno.serve.bodies import request_body
 from areno.serve.chunks import ChunkWriter, json_str, usage
 from areno.serve.errors import APIError
@@ -49,7 +49,7 @@ async def chat(request: Request):
         mm = await state.media.encode(req, state.prep)
         prompt_ids = mm.input_ids
         opts = sampling_options(state, req, len(prompt_ids), req.token_limit(), k)
-    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    read = wants_calls(req) or state.tool_format.always_read  # the answer read whole, in the format, at its end
     stream = await submit(state, prompt_ids, opts, arrival, mm)
     plp = None
     if req.prompt_logprobs is not None:  # vLLM's extension (never streamed): a forward while it decodes
@@ -64,21 +64,21 @@ async def chat(request: Request):
     if req.stream:
         writer = ChunkWriter(rid, "chat.completion.chunk", created, state.model_name, len(prompt_ids),
                              req.stream_options)
-        chunks = ChatStream(state, req, writer, parse_tools, k).chunks(stream)
+        chunks = ChatStream(state, req, writer, read, k).chunks(stream)
         return StreamingResponse(writer.stream(chunks, [stream]), media_type="text/event-stream")
     try:
         out = await collect(request, stream)
     finally:
         stream.abort()
-    body = chat_response(state, req, out, parse_tools, k)
+    body = chat_response(state, req, out, read, k)
     completion_tokens = sum(len(o["ids"]) for o in out)
     return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": body, "usage": usage(len(prompt_ids), completion_tokens),
             **({"prompt_logprobs": plp} if plp is not None else {})}
 
 
-def chat_response(state: ServeState, req, out: list[dict], parse_tools: bool, k: int) -> list[dict]:
-    """The choices of a whole (non-streamed) answer from each sample's tokens."""
+def chat_response(state: ServeState, req, out: list[dict], read: bool, k: int) -> list[dict]:
+    """The choices of a whole (non-streamed) answer from each sample's tokens (``read``: in the tool-call format)."""
     choices = []
     name = state.token_namer(req)
     for idx, o in enumerate(out):
@@ -87,14 +87,36 @@ def chat_response(state: ServeState, req, out: list[dict], parse_tools: bool, k:
         text = d.final_text(o["stop_text"], o["finish"])
         message = {"role": "assistant", "content": text}
         finish = o["finish"] or "abort"
-        if parse_tools:
-            content, calls = parse_tool_calls(text)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-                finish = "tool_calls"
+        if read:
+            message, finish = tool_answer(state, req, o["ids"], o["stop_text"], finish)
         choices.append({"index": idx, "message": message, "finish_reason": finish,
                         "logprobs": chat_logprobs(o, k, name) if req.logprobs else None})
     return choices
+
+
+def wants_calls(req) -> bool:
+    """Whether the answer's tool calls are returned as ``tool_calls``: the request has tools and allows them."""
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def tool_answer(state: ServeState, req, ids: list[int], stop_text: str | None, finish: str) -> tuple[dict, str]:
+    """An answer read in the served model's tool-call format: (the assistant message with its ``tool_calls`` and
+    ``reasoning_content`` where the format found some, the finish reason: ``tool_calls`` when it found calls). A
+    call where the request wants none (no tools, ``tool_choice`` "none") leaves the whole text as content."""
+    parsed = read_answer(state.tool_format, state.tool_text(req, ids, stop_text, finish),
+                         [t.model_dump(exclude_none=True) for t in req.tools or ()],
+                         state.special_tokens if req.skip_special_tokens else ())
+    if parsed.calls and not wants_calls(req):
+        d = state.detokenizer(req)
+        d.ids = ids
+        return {"role": "assistant", "content": d.final_text(stop_text, finish)}, finish
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+        finish = "tool_calls"
+    return message, finish
 
 
 def _no_logprobs() -> dict:
@@ -104,8 +126,8 @@ def _no_logprobs() -> dict:
 class ChatStream:
     """One streamed chat answer: per sample, its detokenizer and the log-probs of tokens whose text is not sent."""
 
-    def __init__(self, state: ServeState, req, writer: ChunkWriter, parse_tools: bool, k: int):
-        self.req, self.writer, self.parse_tools, self.k = req, writer, parse_tools, k
+    def __init__(self, state: ServeState, req, writer: ChunkWriter, read: bool, k: int):
+        self.state, self.req, self.writer, self.read, self.k = state, req, writer, read, k
         self.name = state.token_namer(req)
         self.detoks = [state.detokenizer(req) for _ in range(req.n)]
         self.held = [_no_logprobs() for _ in range(req.n)]
@@ -140,8 +162,8 @@ class ChatStream:
             h["ids"] += ids
             h["logprobs"] += [ev.logprob for ev in got]
             h["top"] += [ev.top for ev in got]
-        if last.finish_reason is None and not (delta_text and not self.parse_tools):
-            return None  # nothing to show yet (held-back text, or tool calls parsed at the end)
+        if last.finish_reason is None and not (delta_text and not self.read):
+            return None  # nothing to show yet (held-back text, or an answer read whole at its end)
         lp = chat_logprobs(h, self.k, self.name) if req.logprobs and h["ids"] else None
         self.held[index] = _no_logprobs()
         if last.finish_reason is None:
@@ -151,12 +173,11 @@ class ChatStream:
             return writer.chunk({"index": index, "delta": {"content": delta_text}, "finish_reason": None,
                                  "logprobs": lp})
         finish = last.finish_reason
-        if self.parse_tools:
-            content, calls = parse_tool_calls(d.final_text(last.stop_text, finish))
-            delta = {"content": content}
-            if calls:
-                delta["tool_calls"] = [{"index": j, **c.to_openai()} for j, c in enumerate(calls)]
-                finish = "tool_calls"
+        if self.read:
+            message, finish = tool_answer(self.state, req, d.ids, last.stop_text, finish)
+            delta = {key: v for key, v in message.items() if key != "role"}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(delta["tool_calls"])]
         else:
             delta = {"content": delta_text + d.flush(last.stop_text, finish)}
         return writer.chunk({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp})

@@ -1,0 +1,130 @@
+"""``areno serve`` reads tool calls in the served family's format: the format chosen by the checkpoint's model_type
+(or ``--tool-call-format``), and a chat answer in it, whole and streamed, as OpenAI ``tool_calls`` (with
+``reasoning_content`` where the format marks reasoning), through the same code the routes run."""
+
+import json
+
+import pytest
+
+from areno.config import ConfigError, ServeConfig
+from areno.engine.async_engine import TokenEvent
+from areno.engine.tool_calls import FORMATS
+from areno.serve.chunks import ChunkWriter
+from areno.serve.protocol import ChatCompletionRequest, parse
+from areno.serve.routes.chat import ChatStream, chat_response, wants_calls
+from areno.serve.server import serve_tool_format
+from areno.serve.state import ServeState
+
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("model_type, flag, name", [
+    ("gpt_oss", "auto", "harmony"), ("qwen3_5_moe", "auto", "qwen3_coder"), ("gemma4", "auto", "gemma4"),
+    ("deepseek_v3", "auto", "deepseek_v3"), ("qwen3", "auto", "qwen3"), ("olmo2", "auto", "qwen3"),
+    ("qwen3", "harmony", "harmony")])
+def test_the_served_format_is_the_model_types_or_the_flags(tmp_path, model_type, flag, name):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert serve_tool_format(ServeConfig(model_path=str(tmp_path), tool_call_format=flag)).name == name
+
+
+def test_an_unknown_format_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="--tool-call-format.*must be one of auto, qwen3, qwen3_coder"):
+        ServeConfig(model_path="x", tool_call_format="hermes")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from areno.models import load_tokenizer
+    from areno.testing.tokenizer import write_tokenizer_files
+
+    folder = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(folder)
+    tok = load_tokenizer(folder)
+    tok.add_special_tokens({"additional_special_tokens": HARMONY})  # the harmony markers are special tokens
+    return tok
+
+
+def answer(tokenizer, fmt: str, text: str, body: dict):
+    """(whole message, finish) and (final streamed delta, finish) of ``text`` (ended by the stop token <|call|>)
+    served in format ``fmt``."""
+    state = ServeState(None, tokenizer, model_name="tiny", max_model_len=512, max_running=4,
+                       tool_format=FORMATS[fmt])
+    req = parse(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body}).encode(),
+                ChatCompletionRequest)
+    ids = tokenizer.encode(text, add_special_tokens=False) + tokenizer.convert_tokens_to_ids(["<|call|>"])
+    out = [{"ids": ids, "logprobs": [0.0] * len(ids), "top": [None] * len(ids), "finish": "stop", "stop_text": None}]
+    read = wants_calls(req) or state.tool_format.always_read  # as the route decides
+    assert read
+    (choice,) = chat_response(state, req, out, read, 0)
+    stream = ChatStream(state, req, ChunkWriter("id", "chat.completion.chunk", 0, "tiny", 3, None), read, 0)
+    events = [TokenEvent(0, t, 0.0) for t in ids]
+    events[-1].finish_reason = "stop"
+    assert all(stream.sample_chunk(0, [ev]) is None for ev in events[:-1])  # calls are read once, at the end
+    last = json.loads(stream.sample_chunk(0, [events[-1]]).removeprefix("data: "))["choices"][0]
+    return choice, last
+
+
+def test_a_harmony_answer_whole_and_streamed(tokenizer):
+    text = ("<|channel|>analysis<|message|>Weather needs the tool.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Kyiv", "days": 2}')
+    choice, last = answer(tokenizer, "harmony", text, {"tools": TOOLS})
+    msg = choice["message"]
+    assert choice["finish_reason"] == last["finish_reason"] == "tool_calls"
+    assert msg["content"] is None and msg["reasoning_content"] == "Weather needs the tool."
+    (call,) = msg["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Kyiv", "days": 2}'}
+    assert last["delta"]["reasoning_content"] == msg["reasoning_content"] and last["delta"]["content"] is None
+    assert [{k: v for k, v in c.items() if k not in ("id", "index")} for c in last["delta"]["tool_calls"]] == \
+        [{k: v for k, v in call.items() if k != "id"}] and last["delta"]["tool_calls"][0]["index"] == 0
+
+
+@pytest.mark.parametrize("body", [{"tools": TOOLS}, {}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_a_harmony_final_answer_is_content_without_markup(tokenizer, body):
+    text = "<|channel|>analysis<|message|>No tool needed.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    choice, last = answer(tokenizer, "harmony", text, body)  # harmony is read with tools or without
+    assert choice["message"] == {"role": "assistant", "content": "Hello!", "reasoning_content": "No tool needed."}
+    assert choice["finish_reason"] == last["finish_reason"] == "stop"
+    assert last["delta"] == {"content": "Hello!", "reasoning_content": "No tool needed."}
+
+
+def test_qwen3_coder_arguments_are_typed_by_the_requests_tools(tokenizer):
+    text = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSevilla\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    choice, last = answer(tokenizer, "qwen3_coder", text, {"tools": TOOLS})
+    msg = choice["message"]
+    assert msg["content"] == "Checking." and choice["finish_reason"] == "tool_calls"
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Sevilla", "days": 3}
+    assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Sevilla", "days": 3}
+
+
+@pytest.mark.parametrize("body", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_a_call_where_the_request_wants_none_stays_text(tokenizer, body):
+    assert ServeState(None, tokenizer, model_name="tiny", max_model_len=512, max_running=4).tool_format.name == \
+        "qwen3"  # the default: what areno read before formats were per family
+    text = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}'
+    choice, last = answer(tokenizer, "harmony", text, body)
+    plain = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False), skip_special_tokens=True)
+    assert choice["message"] == {"role": "assistant", "content": plain} and choice["finish_reason"] == "stop"
+    assert last["delta"] == {"content": plain} and last["finish_reason"] == "stop"
+
+
+def test_the_agentic_rollout_reads_the_policys_format_as_the_server_does(tokenizer):
+    from types import SimpleNamespace
+
+    from areno.engine.tool_calls import special_tokens
+    from areno.rl.agentic.rollout import AgentRollout
+
+    text = ("<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Lima"}')
+    ids = tokenizer.encode(text, add_special_tokens=False) + tokenizer.convert_tokens_to_ids(["<|call|>"])
+    agent = SimpleNamespace(tool_format=FORMATS["harmony"], tokenizer=tokenizer,
+                            special_tokens=special_tokens(tokenizer))
+    message = AgentRollout.assistant_message(agent, ids, None, tokenizer.decode(ids, skip_special_tokens=True), TOOLS)
+    served, _ = answer(tokenizer, "harmony", text, {"tools": TOOLS})
+    strip = [{k: v for k, v in c.items() if k != "id"} for c in message["tool_calls"]]
+    assert strip == [{k: v for k, v in c.items() if k != "id"} for c in served["message"]["tool_calls"]]
+    assert {k: v for k, v in message.items() if k != "tool_calls"} == \
+        {k: v for k, v in served["message"].items() if k != "tool_calls"}
+    assert message["reasoning_content"] == "Use the tool."
