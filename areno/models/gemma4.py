@@ -5,7 +5,8 @@ head dim and KV heads (``per_layer_config``, or the Hub's ``global_head_dim`` / 
 its RoPE (``rope_parameters`` per layer type: default on the sliding layers, proportional partial RoPE on the full
 ones: the first ``partial_rotary_factor * head_dim / 2`` frequencies of the full head dim, the rest unrotated);
 ``attention_k_eq_v`` (v is the raw k on full layers); KV-shared layers (the last ``num_kv_shared_layers`` reuse the
-K/V of the last earlier layer of their type: in training and in the engine's paged cache, where they own no blocks);
+K/V of the last earlier layer of their type: in training and in the engine's paged cache, where they own no blocks
+and attend with their source layer's KV-cache group, so sliding layers drop the blocks left of the window);
 per-layer input embeddings (PLE); the MoE block beside the dense MLP (``enable_moe_block``); ``use_double_wide_mlp``;
 embeddings scaled by sqrt(hidden) (rounded to the weights' dtype, as transformers does); final logit soft-capping in
 ``compute_logits``, ``token_logprobs`` and the engine's sampling (the trainer takes ``token_logprobs`` for a
