@@ -289,6 +289,9 @@ class ModelRunner(DecodeGraphs):
         """fp32 logits (an fp32-output GEMM: bf16 logits would round the log-probs by up to ~0.1 nats), gathered
         over the vocab shards under TP."""
         local = logits_f32(hidden, self.model.lm_head_weight)
+        cap = self.model.logit_softcap  # Gemma 4: cap * tanh(logits / cap), elementwise (any vocab shard)
+        if cap is not None:
+            local = torch.tanh(local / cap) * cap
         return gather_from_tp(local, self.tp_group) if self.tp_group is not None else local
 
     def _copy_blocks(self, pairs) -> None:

@@ -1,4 +1,5 @@
-"""SwiGLU activation: ``silu(gate) * up`` on a fused [..., 2I] gate/up projection (gate first, up second).
+"""SwiGLU activation: ``silu(gate) * up`` on a fused [..., 2I] gate/up projection (gate first, up second); GeGLU
+(``gelu_tanh(gate) * up``, Gemma 4) on the native path only, ``gelu_tanh_and_mul``.
 
     a = silu(g).to(dtype)          silu(g) = g / (1 + exp(-g)), rounded as Hugging Face's act_fn output is
     y = (a * u).to(dtype)
@@ -106,3 +107,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x, supported=supported):
         return SiluAndMulFunction.apply(x)
     return silu_and_mul_native(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[..., :I]) * x[..., I:]`` (transformers' ``gelu_pytorch_tanh``), plain PyTorch ops: no Triton
+    kernel yet; differentiable through autograd."""
+    g, u = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(g, approximate="tanh") * u

@@ -164,9 +164,16 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if kind == "proportional":  # Gemma 4's global layers: rotary_dim is the head dim; the rest rotate by angle 0
+        angles = int(rope_scaling.get("partial_rotary_factor", 1.0) * rotary_dim // 2)
+        exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / rotary_dim
+        rotated = 1.0 / (float(base) ** exponents)
+        inv = torch.cat([rotated, torch.zeros(rotary_dim // 2 - angles, dtype=torch.float32)])
+        return inv / rope_scaling.get("factor", 1.0)
     if kind == "yarn":
         return _yarn_inv_freq(rotary_dim, float(base), rope_scaling)
-    raise NotImplementedError(f"rope: rope_type {kind!r} is not supported (default, linear, llama3 and yarn are)")
+    raise NotImplementedError(f"rope: rope_type {kind!r} is not supported (default, linear, llama3, yarn and "
+                              "proportional are)")
 
 
 def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> torch.Tensor:

@@ -186,13 +186,18 @@ class DecoderLayer(nn.Module):
         h, residual = self.attn_block(h, residual, positions, rope, meta)
         return self.mlp.compute(h), residual
 
+    def routed_block(self):
+        """The layer's sparse-MoE block (``route``/``compute``, ``moe_index``), or None: the MLP when it routes."""
+        return self.mlp if self.mlp.has_router else None
+
     def route(self, h, meta: AttentionMetadata):
         """A MoE layer's (weights, ids): replayed from ``meta.routing_in`` when given (weights from the current
         router), recorded into ``meta.routing_out`` when asked (see attention_metadata)."""
-        if not self.mlp.has_router:
+        moe = self.routed_block()
+        if moe is None:
             return ()
-        j = self.mlp.moe_index
-        weights, ids = self.mlp.route(h, None if meta.routing_in is None else meta.routing_in[:, j])
+        j = moe.moe_index
+        weights, ids = moe.route(h, None if meta.routing_in is None else meta.routing_in[:, j])
         if meta.routing_out is not None:
             meta.routing_out[j, : ids.shape[0]].copy_(ids)
         return weights, ids
@@ -233,6 +238,7 @@ class CausalLM(nn.Module):
     hf_config: dict | None = None  # set by the loader
     source_dir = None  # set by the loader
     layer_class = DecoderLayer  # OLMo 2: its post-norm layer
+    logit_softcap: float | None = None  # Gemma 4: logits are cap * tanh(logits / cap) (sampling and log-probs)
 
     def __init__(self, cfg: ModelConfig, *, attn_backend: str = "flash", mlp_factory=None, attn_factory=None):
         super().__init__()
@@ -365,18 +371,23 @@ class CausalLM(nn.Module):
 
         ``routed_experts`` int ``[T, num_moe_layers, k]`` (routing replay): the experts each token uses in each MoE
         layer (rows of -1 route as usual); the weights still come from the current router."""
-        meta = attn_metadata if attn_metadata is not None else training_metadata(input_ids, cu_seqlens, max_seqlen)
-        if routed_experts is not None:
-            if tuple(routed_experts.shape) != (input_ids.shape[0], self.num_moe_layers, self.moe_top_k):
-                raise ValueError(f"routed_experts must be [T, num_moe_layers={self.num_moe_layers}, k="
-                                 f"{self.moe_top_k}], got {tuple(routed_experts.shape)}")
-            meta.routing_in = routed_experts
+        meta = self.step_metadata(input_ids, cu_seqlens, max_seqlen, attn_metadata, routed_experts)
         h, residual = self.embed_tokens(input_ids), None
         grouped = meta.layer_groups is not None  # KV-cache groups (sliding-window layers): each its own blocks
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, positions, self.rope, meta.for_layer(i) if grouped else meta,
                                 None if kv_caches is None else kv_caches[i])
         return self.norm(h, residual)[0]
+
+    def step_metadata(self, input_ids, cu_seqlens, max_seqlen, attn_metadata, routed_experts) -> AttentionMetadata:
+        """The engine's metadata, or a packed batch's; with the replayed routes checked and attached."""
+        meta = attn_metadata if attn_metadata is not None else training_metadata(input_ids, cu_seqlens, max_seqlen)
+        if routed_experts is not None:
+            if tuple(routed_experts.shape) != (input_ids.shape[0], self.num_moe_layers, self.moe_top_k):
+                raise ValueError(f"routed_experts must be [T, num_moe_layers={self.num_moe_layers}, k="
+                                 f"{self.moe_top_k}], got {tuple(routed_experts.shape)}")
+            meta.routing_in = routed_experts
+        return meta
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, V]`` logits in the model dtype (all-gathered over the vocab under TP)."""

@@ -1,4 +1,4 @@
-"""The leaf modules of every adapter: linear, vocab embedding, RMSNorm.
+"""The leaf modules of every adapter: linear, vocab embedding, RMSNorm, and the opaque kept checkpoint tensors.
 
 Plain parameters and areno kernels. Each holds ``tp_style``/``tp_group`` (``None`` unless the TP plan in
 ``tp.py`` set them) and runs the matching collective; without TP they are the plain single-device ops.
@@ -12,7 +12,7 @@ from torch import nn
 
 from areno.kernels.gemm import linear
 from areno.kernels.norm import rms_norm
-from areno.models.tp import copy_to_tp, gather_from_tp, reduce_from_tp
+from areno.models.tp import copy_to_tp, gather_from_tp, layout, reduce_from_tp
 
 
 class Linear(nn.Module):
@@ -74,3 +74,27 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return rms_norm(x, self.weight, self.eps, residual=residual)
+
+
+class KeptTensors(nn.Module):
+    """Checkpoint tensors an adapter holds untouched (Ling 3's MTP layers, Gemma 4's towers): frozen, replicated
+    parameters ``t0, t1, ...`` saved back under their Hub names (``names``); 0-d tensors included."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def add(self, hf_name: str, tensor: torch.Tensor) -> str:
+        """Hold a copy of ``tensor``; returns its parameter name inside this module."""
+        pname = f"t{len(self.names)}"
+        self.register_parameter(pname, nn.Parameter(tensor.clone(), requires_grad=False))
+        self.names.append(hf_name)
+        return pname
+
+    def layouts(self, prefix: str) -> dict:
+        """``{f"{prefix}.t{j}": [Layout]}`` of every kept tensor (one part: the whole Hub tensor)."""
+        out = {}
+        for j, hf_name in enumerate(self.names):
+            p = getattr(self, f"t{j}")
+            out[f"{prefix}.t{j}"] = [layout(tuple(p.shape), 0, [(hf_name, p.shape[0] if p.dim() else 1)])]
+        return out

@@ -213,7 +213,8 @@ def load_hf_weights(model: nn.Module, source) -> None:
         if model.keep_hf_tensor(name):
             tensor = source.read(name, (...,)).to(model.embed_tokens.weight.device)
             pname = model.add_hf_tensor(name, tensor)
-            model._tp_layouts[pname] = [layout(tuple(tensor.shape), 0, [(name, tensor.shape[0])])]
+            rows = tensor.shape[0] if tensor.dim() else 1  # a 0-d tensor: one part of shape ()
+            model._tp_layouts[pname] = [layout(tuple(tensor.shape), 0, [(name, rows)])]
             expected.add(name)
     extra = [
         k

@@ -5,17 +5,19 @@ untouched under their Hub names (they are the drafts of speculative decoding; ar
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from areno.models.tp import layout
+from areno.models.layers import KeptTensors
 
 
 class KeptMTP:
     """Mixin for a ``CausalLM``: call ``init_mtp()`` in ``__init__`` and add ``mtp_layouts()`` to ``hf_layouts``."""
 
     def init_mtp(self) -> None:
-        self.mtp = nn.Module()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
-        self.mtp_names: list[str] = []
+        self.mtp = KeptTensors()  # frozen, opaque tensors of the MTP layers, filled at load (see keep_hf_tensor)
+
+    @property
+    def mtp_names(self) -> list[str]:
+        return self.mtp.names
 
     def keep_hf_tensor(self, hf_name: str) -> bool:
         """True for checkpoint tensors kept opaque: those of the MTP layers after the decoder."""
@@ -26,14 +28,7 @@ class KeptMTP:
 
     def add_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> str:
         """Hold ``tensor`` as a frozen, replicated parameter saved back under ``hf_name``; returns its name."""
-        pname = f"t{len(self.mtp_names)}"
-        self.mtp.register_parameter(pname, nn.Parameter(tensor.clone(), requires_grad=False))
-        self.mtp_names.append(hf_name)
-        return f"mtp.{pname}"
+        return f"mtp.{self.mtp.add(hf_name, tensor)}"
 
     def mtp_layouts(self) -> dict:
-        out = {}
-        for j, hf_name in enumerate(self.mtp_names):
-            p = getattr(self.mtp, f"t{j}")
-            out[f"mtp.t{j}"] = [layout(tuple(p.shape), 0, [(hf_name, p.shape[0])])]
-        return out
+        return self.mtp.layouts("mtp")

@@ -52,6 +52,7 @@ class ModelProtocol(TrainedModel, Protocol):
     kv_cache_layers: list[int]
     kv_cache_layout: tuple | None  # (tensors per layer, per-token shape); None: K and V [Hkv_local, kv_head_dim]
     layer_windows: list  # per layer: its sliding window in keys, None for full attention (KV-cache groups)
+    logit_softcap: float | None  # logits are cap * tanh(logits / cap) (Gemma 4); None: plain
 
     def forward(self, input_ids, positions, cu_seqlens=None, max_seqlen=None, *, kv_caches=None,
                 attn_metadata=None, routed_experts=None) -> torch.Tensor: ...

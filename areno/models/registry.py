@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BUILTIN = ("qwen3", "qwen3_moe", "llama", "bailing_hybrid", "qwen3_vl", "olmo2", "olmo3", "gpt_oss", "deepseek_v3",
-           "kimi_linear", "qwen3_5")
+           "kimi_linear", "qwen3_5", "gemma4")
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,8 @@ def layout(param_shape, dim, parts, expert=None):
     out = []
     for name, size, *rest in parts:
         shape = list(hf_shape)
-        shape[dim] = rest[3] if len(rest) > 3 else size
+        if shape:  # a 0-d tensor (a kept scalar) is one part of shape ()
+            shape[dim] = rest[3] if len(rest) > 3 else size
         out.append(Part(name, size, tuple(shape), *rest[:3]))
     return Layout(dim, out, expert)
 
@@ -158,8 +159,9 @@ def pieces(layouts: list[Layout], rank: int, size: int) -> list[Piece]:
             start, length = part_range(part, lay.sharded, rank, size)
             dst = [slice(None)] * len(part.shape)
             src = [slice(None)] * len(part.shape)
-            dst[lay.dim] = slice(offset, offset + length)
-            src[lay.dim] = slice(part.offset + start, part.offset + start + length)
+            if part.shape:
+                dst[lay.dim] = slice(offset, offset + length)
+                src[lay.dim] = slice(part.offset + start, part.offset + start + length)
             if lay.expert is not None:
                 dst = [lay.expert, *dst]
             out.append(Piece(part.hf_name, part.shape, tuple(dst), tuple(src)))
@@ -287,10 +289,11 @@ def register_grad_hooks(model: nn.Module) -> None:
         style = getattr(module, "tp_style", None)
         if style == "partial_grad":
             module.weight.register_hook(_all_reduce_hook(group))
-        elif style == "column" and mname.endswith("qkv_proj") and size > model.config.num_kv_heads:
+        elif style == "column" and mname.endswith("qkv_proj"):
             for pname, param in module.named_parameters(recurse=False):
                 lay = model._tp_layouts[f"{mname}.{pname}"][0]
-                param.register_hook(_kv_replica_hook(lay, group, rank, size))
+                if any(p.kind == "kv" and p.size // p.unit < size for p in lay.parts):  # replicated KV heads
+                    param.register_hook(_kv_replica_hook(lay, group, rank, size))
 
 
 def _all_reduce_hook(group):

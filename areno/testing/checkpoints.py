@@ -1,5 +1,5 @@
 """Tiny random Hugging Face checkpoints (qwen3, qwen3_moe, llama, bailing_hybrid, olmo2, olmo3, gpt_oss,
-deepseek_v3, kimi_linear, qwen3_5) for tests and demos; nothing is downloaded.
+deepseek_v3, kimi_linear, qwen3_5, gemma4_text, gemma4) for tests and demos; nothing is downloaded.
 
 ``make_tiny_checkpoint(path, family, seed, **overrides)`` writes the layout a Hub checkpoint has: ``config.json``
 (through the transformers config class, so ``AutoConfig`` reads it), ``model.safetensors`` (random weights under HF's
@@ -30,6 +30,7 @@ import torch
 
 import areno.testing.tokenizer as tiny_tokenizer
 from areno.testing import qwen3_5
+from areno.testing.gemma4 import ONE_LIKE, gemma4_config, gemma4_defaults, gemma4_shapes
 from areno.testing.qwen3_vl import make_tiny_vl_checkpoint
 from areno.testing.shapes import weight_shapes
 
@@ -44,6 +45,8 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
     **qwen3_5.FAMILIES,
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
 }
 BAILING_FP32 = ("mlp.gate.weight", "expert_bias", "_conv1d.weight", "dt_bias", "A_log")
 FP32_TENSORS = {  # the tensors transformers keeps fp32 in any dtype (_keep_in_fp32_modules_strict), per family
@@ -115,6 +118,8 @@ def _defaults(family: str) -> dict:
         rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
         cfg.update(tie_word_embeddings=False, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": dict(rope), "full_attention": dict(rope)})
+    elif family == "gemma4_text":
+        gemma4_defaults(cfg)
     elif family == "bailing_hybrid":
         # [KDA, MLA, KDA, MLA], dense MLP first then 8 experts in 4 groups; qk head dim 24 != v head dim 16
         cfg.update(
@@ -201,6 +206,8 @@ def tiny_config(family: str = "qwen3", *, dtype=torch.float32, **overrides) -> d
     Written through the installed transformers config class (``to_diff_dict``, what ``save_pretrained`` writes), with
     every field set here kept explicit and both spellings of the rope and expert-count fields (see module doc).
     """
+    if family == "gemma4":  # the multimodal checkpoint, towers left out: its language model is a gemma4_text
+        return gemma4_config(tiny_config("gemma4_text", dtype=dtype, **overrides))
     config, kwargs = _config_object(family, dtype, overrides)
     full = config.to_dict()
     out = config.to_diff_dict()
@@ -208,7 +215,9 @@ def tiny_config(family: str = "qwen3", *, dtype=torch.float32, **overrides) -> d
         if key in full:
             out[key] = full[key]
     rope = out.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # OLMo 3: a RoPE per layer type
+    if family == "gemma4_text":  # no legacy spelling: transformers reads Gemma 4's rope_parameters only
+        rope = None
+    elif isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # OLMo 3: a RoPE per layer type
         rope = rope["full_attention"]
     if isinstance(rope, dict):
         out.setdefault("rope_theta", rope.get("rope_theta"))
@@ -236,12 +245,13 @@ def random_weights(config: dict, *, seed: int = 0, dtype=torch.float32) -> dict[
     std = float(config.get("initializer_range", WEIGHT_STD))
     dtype = getattr(torch, _dtype_name(dtype))
     out = {}
-    for name, shape in weight_shapes(config).items():
+    shapes = gemma4_shapes(config) if config["model_type"].startswith("gemma4") else weight_shapes(config)
+    for name, shape in shapes.items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
         if config["model_type"] in qwen3_5.MODEL_TYPES and qwen3_5.zero_centered(name):
             w = NORM_NOISE_STD * w  # the model scales by 1 + weight
         else:
-            w = 1.0 + NORM_NOISE_STD * w if name.endswith("norm.weight") else std * w
+            w = 1.0 + NORM_NOISE_STD * w if name.endswith(ONE_LIKE) else std * w
         fp32 = name.endswith(FP32_TENSORS.get(config["model_type"], ()))
         out[name] = w.to(torch.float32 if fp32 else dtype).contiguous()
     return out
@@ -264,12 +274,13 @@ def make_tiny_checkpoint(path, family: str = "qwen3", seed: int = 0, *, dtype=to
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weights = random_weights(config, seed=seed, dtype=dtype)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    text = config.get("text_config", config)
     generation = {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": [config["eos_token_id"], tiny_tokenizer.token_id(tiny_tokenizer.PAD_TOKEN)],
-        "pad_token_id": config["pad_token_id"],
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": [text["eos_token_id"], tiny_tokenizer.token_id(tiny_tokenizer.PAD_TOKEN)],
+        "pad_token_id": text["pad_token_id"],
     }
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    max_len = config.get("max_position_embeddings", config.get("model_max_length"))
+    max_len = text.get("max_position_embeddings", text.get("model_max_length"))
     tiny_tokenizer.write_tokenizer_files(path, model_max_length=max_len)
     return path

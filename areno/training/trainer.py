@@ -109,8 +109,12 @@ class PolicyTrainer:
             loss, lp = linear_logprobs_loss(hidden, self.model.lm_head_weight, p.targets, token_loss,
                                             temperature=self.temperature, chunk_size=self.chunk_size)
             return ForwardOut(lp, None, hidden if keep_hidden else None, loss=loss)
-        out = linear_logprobs(hidden, self.model.lm_head_weight, p.targets, temperature=self.temperature,
-                              return_entropy=entropy, chunk_size=self.chunk_size, tp_group=self.tp_group)
+        if self.model.logit_softcap is not None:  # Gemma 4: soft-capped logits, the model's own log-probs
+            out = self.model.token_logprobs(hidden, p.targets, temperature=self.temperature, return_entropy=entropy,
+                                            chunk_size=self.chunk_size)
+        else:
+            out = linear_logprobs(hidden, self.model.lm_head_weight, p.targets, temperature=self.temperature,
+                                  return_entropy=entropy, chunk_size=self.chunk_size, tp_group=self.tp_group)
         lp, ent = out if entropy else (out, None)
         return ForwardOut(lp, ent, hidden if keep_hidden else None)
 
@@ -174,7 +178,7 @@ class PolicyTrainer:
         loss_fn = LossFn.of(loss_fn)
         weights_of = loss_fn.token_weights  # linear: graphed too
         function_of = loss_fn.token_loss  # a token function: eager microbatches
-        if entropy or self.tp_group is not None or self.model.is_value_model:
+        if entropy or self.tp_group is not None or self.model.is_value_model or self.model.logit_softcap is not None:
             weights_of = function_of = None
         buckets, mode = self._plan(packs, entropy, weighted=weights_of is not None)
         stats: dict[str, float] = {}

@@ -16,7 +16,7 @@ from areno.testing import make_tiny_checkpoint
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gpt_oss", "gemma4_text"])
 def family_ckpt(request, tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param, seed=1)
     return request.param, path

@@ -14,11 +14,16 @@ from areno.distributed.launch import free_port
 from areno.engine.engine import Engine, EngineConfig
 from areno.models import load_model, load_tokenizer
 from areno.testing import make_tiny_checkpoint
+from areno.testing.gemma4 import EVERY_FEATURE
 
 OPTS = dict(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 # sampled, with penalties (their token-count slots filled and counted on every rank), a bias, min-p and min_tokens
 SAMPLED = dict(temperature=1.0, max_new_tokens=6, seed=5, frequency_penalty=1.0, repetition_penalty=1.2, min_p=0.02,
                logit_bias={5: 1.5}, min_new_tokens=2)
+
+
+# gemma4: KV-shared layers reading their producer's local blocks, PLE, k = v, the MoE block (experts replicated)
+OVERRIDES = {"gemma4_text": EVERY_FEATURE}
 
 
 def _prompts(tok):
@@ -46,14 +51,14 @@ def _worker(rank, path, port, out):
 # deepseek_v3: MLA heads split, latent projections replicated; kimi_linear: KDA heads split, NoPE MLA;
 # qwen3_5: the gated delta net's state slots split by heads
 @pytest.mark.parametrize("family", ["qwen3", "bailing_hybrid", "olmo2", "olmo3", "gpt_oss", "deepseek_v3",
-                                    "kimi_linear", "qwen3_5"])
+                                    "kimi_linear", "qwen3_5", "gemma4_text"])
 def test_tp2_equals_tp1(tmp_path, family):
 
     needs = {"deepseek_v3": "DeepseekV3Config", "kimi_linear": "KimiLinearConfig",
              "qwen3_5": "Qwen3_5TextConfig"}.get(family)
     if needs and not hasattr(transformers, needs):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
-    path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=4)
+    path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=4, **OVERRIDES.get(family, {}))
     out = str(tmp_path / "res")
     mp.spawn(_worker, args=(path, free_port(), out), nprocs=2, join=True)
     r0, r1 = (json.load(open(f"{out}.{r}")) for r in (0, 1))

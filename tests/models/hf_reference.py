@@ -6,9 +6,10 @@ import shutil
 import torch
 from safetensors import safe_open
 
-FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gpt_oss")
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "olmo2", "olmo3", "gpt_oss", "gemma4_text")
 
-HUB_FUSED_EXPERTS = ("gpt_oss",)  # families whose checkpoints store the experts fused, as transformers holds them
+# families whose checkpoints store the experts fused, as transformers holds them
+HUB_FUSED_EXPERTS = ("gpt_oss", "gemma4_text", "gemma4")
 
 
 def load_reference(path, dtype=torch.float32):
@@ -232,3 +233,49 @@ def check_logits_and_grads(model, ref, ids, *, logits_rtol: float = 1e-5) -> dic
     for name, g in grads.items():
         assert (got[name] - g).abs().max() <= 1e-4 * g.abs().max().clamp_min(1e-8), name
     return got
+
+
+def assert_refused_at_load(checkpoint, tmp_path, change: dict, message: str) -> None:
+    """A copy of ``checkpoint`` with ``change`` merged into its config.json fails to load with a one-line
+    ``CheckpointError`` matching ``message``."""
+    import pytest
+
+    from areno.models import load_model
+    from areno.models.loader import CheckpointError
+
+    folder = with_config_change(checkpoint, tmp_path / "changed", change)
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_model(folder, device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def packed_batch(lens: list[int], seed: int = 10):
+    """Random sequences of ``lens`` packed: ``(seqs, input_ids [T], positions [T], cu_seqlens [B+1], max_seqlen)``."""
+    seqs = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed + i)) for i, n in enumerate(lens)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return seqs, torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), cu, max(lens)
+
+
+def bf16_parity_on_gpu(path, ids: torch.Tensor):
+    """On CUDA, for ``ids [B, T]``: transformers' fp32 logits, its bf16 logits and loss, areno's bf16 logits and packed
+    loss. Returns ``(areno error, transformers' bf16 error, logit scale, areno loss, transformers' loss)``."""
+    from areno.models import load_model
+
+    with torch.no_grad():
+        ref32 = load_reference(path, torch.float32).cuda()
+        exact = ref32(ids).logits
+        del ref32
+        ref = load_reference(path, torch.bfloat16).cuda()
+        out = ref(ids, labels=ids)
+        ref_logits, ref_loss = out.logits.float(), out.loss.float()
+        del ref, out
+        model = load_model(path, device="cuda")
+        assert model.embed_tokens.weight.dtype == torch.bfloat16
+        got = model.logits(ids).float()
+        b, t = ids.shape
+        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device="cuda")
+        hidden = model(ids.reshape(-1), torch.arange(t, device="cuda").repeat(b), cu, t)
+        targets = next_token_targets(ids)
+        loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
+    scale = exact.abs().max()
+    return (got - exact).abs().max(), (ref_logits - exact).abs().max(), scale, loss, ref_loss

@@ -3,7 +3,7 @@ captured in a CUDA graph. Skipped without CUDA."""
 
 import pytest
 import torch
-from hf_reference import load_reference, next_token_targets, reference_grads
+from hf_reference import bf16_parity_on_gpu, load_reference, next_token_targets, reference_grads
 
 from areno.models import AttentionMetadata, iter_hf_tensors, load_model
 from areno.testing import make_tiny_checkpoint
@@ -50,24 +50,7 @@ def test_bf16_parity_with_transformers_on_gpu(tmp_path, family, shape):
     _needs_transformers_family(family)
     path = make_tiny_checkpoint(tmp_path, family, dtype=torch.bfloat16, **shape)
     ids = torch.randint(0, shape["vocab_size"], (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
-    with torch.no_grad():
-        ref32 = load_reference(path, torch.float32).cuda()
-        exact = ref32(ids).logits
-        del ref32
-        ref = load_reference(path, torch.bfloat16).cuda()
-        out = ref(ids, labels=ids)
-        ref_logits, ref_loss = out.logits.float(), out.loss.float()
-        del ref, out
-        model = load_model(path, device="cuda")
-        assert model.embed_tokens.weight.dtype == torch.bfloat16
-        got = model.logits(ids).float()
-        b, t = ids.shape
-        cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device="cuda")
-        hidden = model(ids.reshape(-1), torch.arange(t, device="cuda").repeat(b), cu, t)
-        targets = next_token_targets(ids)
-        loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
-    scale = exact.abs().max()
-    ref_err, our_err = (ref_logits - exact).abs().max(), (got - exact).abs().max()
+    our_err, ref_err, scale, loss, ref_loss = bf16_parity_on_gpu(path, ids)
     assert our_err <= 2 * ref_err + 2e-2 * scale, (our_err.item(), ref_err.item(), scale.item())
     assert abs(loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
 

@@ -20,6 +20,7 @@ CAPABILITIES = {
     "deepseek_v3": (True, False, False, True, False),
     "kimi_linear": (True, True, False, True, False),
     "qwen3_5": (False, True, False, False, True),
+    "gemma4": (False, False, False, False, False),
 }
 
 

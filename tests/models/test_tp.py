@@ -4,8 +4,10 @@ Covers qwen3 (KV heads split), qwen3_moe (experts' intermediate dim split, with 
 replicated), llama with one KV head and biases (KV head replicated: its gradient summed over the two ranks) and
 qwen3_vl with two images (decoder sharded, vision tower and mergers replicated: every rank runs them and holds the
 same gradient without a collective), olmo2 (its QK-norm weight split with the heads, sums of squares all-reduced)
-olmo3 (olmo2 plus a sliding window shorter than the sequences) and gpt_oss (sinks split with the query heads, the
-experts' interleaved gate/up columns split in whole pairs, the down bias added after the all-reduce).
+olmo3 (olmo2 plus a sliding window shorter than the sequences), gpt_oss (sinks split with the query heads, the
+experts' interleaved gate/up columns split in whole pairs, the down bias added after the all-reduce) and
+gemma4_text (KV-shared layers, per-layer inputs, global layers' single KV head replicated, the MoE block's
+experts replicated).
 """
 
 import os
@@ -16,6 +18,7 @@ from hf_reference import next_token_targets
 from safetensors import safe_open
 
 from areno.models import iter_hf_tensors, load_model, save_model
+from areno.testing.gemma4 import EVERY_FEATURE
 from tests.helpers.families import spawn_tp
 
 CASES = {
@@ -26,9 +29,10 @@ CASES = {
     "olmo2": dict(attention_bias=True),
     "olmo3": dict(),  # 13 tokens past its window of 4
     "gpt_oss": dict(),  # sinks split with the heads, interleaved gate/up columns split in pairs, window 4
+    "gemma4_text": EVERY_FEATURE,  # global layers' one KV head replicated; experts replicated
 }
 CHECKPOINTING = {"qwen3": False, "qwen3_moe": True, "llama": False, "qwen3_vl": True, "olmo2": True, "olmo3": False,
-                 "gpt_oss": True}
+                 "gpt_oss": True, "gemma4_text": True}
 VL_GRID = torch.tensor([[1, 8, 8], [1, 6, 10]])  # two images: 16 and 15 tokens
 
 

@@ -19,6 +19,7 @@ Native path: the per-expert loop as transformers' Qwen3MoeExperts runs it (CPU a
 hit experts, so without gradients at decode size it runs ``fused_moe_dense`` instead (every expert over every token,
 masked: no host sync, graph-capturable; the GPU's path for fp32, which the Triton path leaves to native);
 ``fused_moe_reference`` is a dense float64-capable oracle for tests. ``fused_moe`` dispatches through ``use_triton``.
+``activation="gelu_tanh"`` (GeGLU experts, Gemma 4) runs the native path only for now.
 Ids must lie in [0, E): they are not checked on device (that would need a sync).
 """
 
@@ -35,6 +36,7 @@ __all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fus
            "fused_moe_reference", "sort_by_expert"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}  # the experts' gate activation
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,16 +95,16 @@ def fused_moe_native(x, w13, w2, topk_weights, topk_ids, *, activation: str = "s
     """The per-expert loop, as transformers' Qwen3MoeExperts.forward runs it (host syncs on the hit experts); without
     gradients at decode size (at most ``DENSE_PAIRS_PER_EXPERT`` pairs per expert) :func:`fused_moe_dense`."""
     _check_activation(activation)
-    E = w13.shape[0]
+    E, act = w13.shape[0], ACTIVATIONS[activation]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
     if not grad and topk_ids.numel() <= DENSE_PAIRS_PER_EXPERT * E:
-        return fused_moe_dense(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_dense(x, w13, w2, topk_weights, topk_ids, activation=activation)
     out = torch.zeros_like(x)
     mask = F.one_hot(topk_ids.long(), num_classes=E).permute(2, 1, 0)  # [E, k, T]
     for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
         slot, tok = torch.where(mask[e])
         gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        o = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[tok, slot, None]
+        o = F.linear(act(gate) * up, w2[e]) * topk_weights[tok, slot, None]
         out.index_add_(0, tok, o.to(out.dtype))
     return out
 
@@ -111,7 +113,7 @@ def fused_moe_native(x, w13, w2, topk_weights, topk_ids, *, activation: str = "s
 DENSE_PAIRS_PER_EXPERT = 16
 
 
-def fused_moe_dense(x, w13, w2, topk_weights, topk_ids):
+def fused_moe_dense(x, w13, w2, topk_weights, topk_ids, *, activation: str = "silu"):
     """Every expert over every token, kept where the token routes to it: fixed shapes and no host sync, so a CUDA graph
     can hold it (the native path's decode step: fp32 on a GPU, which the Triton path leaves to native). E/k times the
     routed FLOPs. Experts accumulate in id order, as the per-expert loop does. No gradients."""
@@ -119,7 +121,7 @@ def fused_moe_dense(x, w13, w2, topk_weights, topk_ids):
     for e in range(w13.shape[0]):
         hit = topk_ids == e  # [T, k]
         gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
-        o = F.linear(F.silu(gate) * up, w2[e]) * (topk_weights * hit).sum(dim=1, keepdim=True)
+        o = F.linear(ACTIVATIONS[activation](gate) * up, w2[e]) * (topk_weights * hit).sum(dim=1, keepdim=True)
         out += torch.where(hit.any(dim=1, keepdim=True), o, 0).to(out.dtype)  # never 0 * inf for unrouted tokens
     return out
 
@@ -134,8 +136,8 @@ def fused_moe_reference(x, w13, w2, topk_weights, topk_ids):
 
 
 def _check_activation(activation: str):
-    if activation != "silu":
-        raise ValueError(f"fused_moe: only activation='silu' is implemented, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
 def _check(x, w13, w2, topk_weights, topk_ids):
@@ -156,6 +158,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """Routed experts: ``sum_k w_k * (silu(x Wg^T) * (x Wu^T)) W2^T`` as [T, H]; grads for x, w13, w2, weights."""
     _check_activation(activation)
     _check(x, w13, w2, topk_weights, topk_ids)
+    if activation != "silu":  # the Triton kernels fuse SiLU-and-mul only
+        return fused_moe_native(x, w13, w2, topk_weights, topk_ids, activation=activation)
     # fp32 only under the interpreter: on a GPU an IEEE-fp32 grouped GEMM is slow to compile and to run
     supported = ((x.dtype in _FLOATS[:2] or interpreting()) and w13.dtype == x.dtype and w2.dtype == x.dtype
                  and topk_weights.dtype in _FLOATS)
