@@ -11,8 +11,8 @@ from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
 from areno.models import load_model, load_tokenizer
-from areno.models.attention_metadata import AttentionMetadata
 from areno.testing import make_tiny_checkpoint
+from tests.helpers.families import assert_routes_match_forward
 
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and some longer text here"]
 
@@ -67,16 +67,8 @@ def test_sampled_forks_preemption_and_routes(hybrid):
             ids = c.prompt_ids + c.token_ids
             ref = _forward_logprobs(model, ids)[len(c.prompt_ids) - 1:]
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=2e-4, rtol=0)
-            if model.is_moe:
-                t = len(ids)
-                cu = torch.tensor([0, t], dtype=torch.int32)
-                meta = AttentionMetadata(None, True, cu, cu, t, t)
-                meta.routing_out = torch.full((model.num_moe_layers, t, model.moe_top_k), -1, dtype=torch.int32)
-                with torch.no_grad():
-                    model(torch.tensor(ids), torch.arange(t), attn_metadata=meta)
-                got = torch.from_numpy(c.routed_experts).long()
-                want = meta.routing_out.permute(1, 0, 2).long()[:-1]
-                assert (got[-1] == -1).all() and torch.equal(got[:-1].sort(-1).values, want.sort(-1).values)
+        if model.is_moe:
+            assert_routes_match_forward(model, group)
     multi = engine(model, tok, decode_steps=3).generate(prompts, opts)
     assert [[c.token_ids for c in g] for g in multi] == [[c.token_ids for c in g] for g in out]
     budget = 12 * kv_bytes_per_block(model, 4, torch.float32) + state_bytes(model, 6, torch.float32)

@@ -3,7 +3,6 @@ state slots for the RL algorithms), and GRPO on the MoE with routing replay: the
 with the same logits, and the MTP tensors come out untouched."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from safetensors import safe_open
 from areno.cli import main
 from areno.models import load_model
 from areno.models.qwen3_5_layers import SharedExpertMoE
+from tests.helpers.families import write_arith_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(transformers, "Qwen3_5TextConfig"),
                                                    reason=f"transformers {transformers.__version__} has no qwen3_5")]
@@ -28,16 +28,7 @@ def _mtp(folder) -> dict:
 
 
 def _run(ckpt, tmp_path, algo, *extra):
-    rng = random.Random(0)
-    rows = []
-    for _ in range(8):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b), "chosen": str(a + b), "rejected": str(a + b + 1)})
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = tmp_path / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
+    data, reward = write_arith_data(tmp_path, 8)
     out = tmp_path / "out"
     args = ["train", "--algo", algo, "--ckpt", str(ckpt), "--dataset-path", str(data), "--batch-size", "4",
             "--mini-bs", "2", "--max-steps", "1", "--save-path", str(out), "--lr", "1e-3", "--no-tensorboard",
