@@ -26,7 +26,7 @@ from areno.rl import resume, setup
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
-from areno.training import multimodal, plugins
+from areno.training import lora, multimodal, plugins
 from areno.training.batch import Row
 from areno.training.data import Prompt, prompt_ids, tokenize_prompts
 from areno.training.multimodal import DatasetMedia, media_limits
@@ -222,7 +222,8 @@ class TrainLoop:
         if self.is_main and self.algorithm.needs_reward:
             self.results["reward_curve"] = plot_reward_curve(self.logger, cfg, self.started_at)
         if self.is_main and self.last_save:
-            print(f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
+            print(lora.describe(self.last_save) if cfg.lora_rank else
+                  f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
         return self.results
 
     def run(self) -> dict:
