@@ -14,7 +14,9 @@ class LoraSection:
     """`--help` group train, LoRA part (its checks read the basic, rollout and optim sections)."""
 
     lora_rank: int = opt(0, "LoRA rank: train a PEFT-compatible low-rank adapter on the frozen base, the reference "
-                         "model being the base with the adapter off (0 = full-parameter training)", "train")
+                         "model being the base with the adapter off (an --sft-warmup-steps warm-up trains the base "
+                         "itself first, the adapter off; checkpoints then hold that base too) (0 = full-parameter "
+                         "training)", "train")
     lora_alpha: Optional[float] = opt(None, "LoRA alpha (the adapter's output is scaled by alpha / rank)", "train",
                                       default_help="2 x --lora-rank", needs="lora")
     lora_dropout: float = opt(0.0, "dropout on the LoRA input (PEFT's lora_dropout)", "train", needs="lora")

@@ -61,10 +61,25 @@ class Site:
     """One Hugging Face linear module inside an areno ``Linear``: its output rows ``[offset, offset + rows)``."""
 
     module: str  # areno module name (``layers.0.self_attn.qkv_proj``)
-    hf_module: str  # Hugging Face module name (``model.layers.0.self_attn.q_proj``)
+    hf_module: str  # transformers' (PEFT's) module name (``model.layers.0.self_attn.q_proj``)
     offset: int
     rows: int
     in_features: int
+
+
+# transformers' module names where they differ from the checkpoint's tensor names (PEFT names modules): Ling 3's
+# (BailingMoeV3 in transformers 5) attention.* is self_attn.*, its dense is o_proj, its KDA f_proj sits in forget_gate
+PEFT_RENAMES = {"bailing_hybrid": ((".attention.dense", ".self_attn.o_proj"),
+                                   (".attention.f_proj", ".self_attn.forget_gate.f_proj"),
+                                   (".attention.", ".self_attn."))}
+
+
+def peft_module(model, checkpoint_module: str) -> str:
+    """The module name PEFT gives a checkpoint tensor's module (``model.layers.0.self_attn.q_proj``)."""
+    for old, new in PEFT_RENAMES.get(model.config.model_type, ()):
+        if old in checkpoint_module:
+            return checkpoint_module.replace(old, new, 1)
+    return checkpoint_module
 
 
 def linear_sites(model) -> list[Site]:
@@ -87,7 +102,7 @@ def linear_sites(model) -> list[Site]:
             if not part.hf_name.endswith(".weight"):
                 continue
             rows = part.size if lay.dim == 0 else module.weight.shape[0]
-            out.append(Site(name, part.hf_name[: -len(".weight")], offset, rows, in_features))
+            out.append(Site(name, peft_module(model, part.hf_name[: -len(".weight")]), offset, rows, in_features))
             offset += rows if lay.dim == 0 else 0
     return out
 
@@ -155,6 +170,8 @@ class LoraAdapter(nn.Module):
             _key(s.hf_module): LoraPair(s.in_features, s.rows, spec, dtype, device) for s in sites})
         self.enabled = True
         self._handles = []
+        self.base_trainable: list = []  # the base parameters that trained before the adapter froze them
+        self.base_changed = False  # the base trained in this run (a LoRA run's SFT warm-up): checkpoints hold it
 
     def pair(self, hf_module: str) -> LoraPair:
         return self.pairs[_key(hf_module)]
@@ -250,17 +267,6 @@ class LoraAdapter(nn.Module):
                                            f"{tuple(mine.shape)}")
                 mine.copy_(theirs)
 
-    def merged_weights(self, model) -> dict[str, torch.Tensor]:
-        """``{hf weight name: W + B A * scaling}`` of every adapted module (what ``--merge-lora`` writes)."""
-        modules = dict(model.named_modules())
-        out = {}
-        for s in self.sites:
-            w = modules[s.module].weight.detach()
-            base = w[s.offset : s.offset + s.rows]
-            delta = self.pair(s.hf_module).delta_weight().detach()
-            out[f"{s.hf_module}.weight"] = (base.float() + delta.float()).to(w.dtype)
-        return out
-
 
 def _key(hf_module: str) -> str:
     return hf_module.replace(".", "--")
@@ -298,6 +304,7 @@ def attach(model, spec: LoraSpec) -> LoraAdapter:
     sites = select_sites(model, spec)
     w = next(model.parameters())
     adapter = LoraAdapter(spec, sites, dtype=w.dtype, device=w.device)
+    adapter.base_trainable = [p for p in model.parameters() if p.requires_grad]
     for p in model.parameters():
         p.requires_grad_(False)
     adapter.hook(model)

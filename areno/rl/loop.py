@@ -165,6 +165,9 @@ class TrainLoop:
         # the warm-up has a schedule of its own (same shape, peak --sft-warmup-lr or --lr, over its own updates) and
         # trains at temperature 1: the RL schedule and the rollout temperature apply to the RL steps only
         lr, t = cfg.sft_warmup_lr or cfg.lr, self.trainer
+        full = lora.train_base(self.model)  # LoRA: the warm-up trains the base (its optimizer, adapter off)
+        if full:
+            self.ctx.trainer = t = setup.make_trainer(cfg, self.model, lr, 1, self.groups)
         saved = t.schedule, t.temperature, t.group_schedules
         updates = cfg.sft_warmup_steps * updates_per_step(cfg, cfg.batch_size, self.dp_size)
         t.schedule = LRSchedule(lr, min_lr=min(cfg.min_lr, lr), warmup_steps=cfg.warmup_steps, total_steps=updates,
@@ -192,6 +195,9 @@ class TrainLoop:
                 bar.close()
             t.schedule, t.temperature, t.group_schedules = saved
             t.num_updates = 0  # the RL schedule starts fresh
+            if full:
+                lora.end_train_base(self.model)
+                self.ctx.trainer = self.trainer
         return m
 
     # ---- the run -------------------------------------------------------------------------------------------

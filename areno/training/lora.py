@@ -5,7 +5,9 @@ The rollout engine of a colocated run decodes with the policy module itself, so 
 (the same hooks as training: rollout and trainer log-probs come from one path). A LoRA checkpoint holds the adapter in
 PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``, base: ``--ckpt``), the tokenizer and the
 training state; ``--merge-lora`` adds the merged full weights in ``<checkpoint>/merged``. Resume reads the adapter
-back into the live one (the base is ``--ckpt``'s, never changed).
+back into the live one. An --sft-warmup-steps warm-up trains the base itself, the adapter off (it stands in for the
+base's own training: LoRA adapts a trained base; the quickstart's is random); from then on checkpoints also hold that
+base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from areno.config import ConfigError
 from areno.models.lora import ALL_LINEAR, LoraError, LoraSpec, adapter_of, attach, read_peft_config
 
-MERGED_DIR = "merged"
+MERGED_DIR, BASE_DIR = "merged", "base"
 
 
 def spec_of(cfg) -> LoraSpec:
@@ -55,9 +57,32 @@ def apply(cfg, model):
 
 
 def optimizer_params(model) -> list | None:
-    """The adapter's parameters (the only trainable ones), or None for a run without LoRA."""
+    """The adapter's parameters (the only trainable ones), or None for a run without LoRA (or while its base
+    trains: ``train_base``)."""
     adapter = adapter_of(model)
-    return None if adapter is None else list(adapter.parameters())
+    return None if adapter is None or not adapter.enabled else list(adapter.parameters())
+
+
+def train_base(model) -> bool:
+    """A LoRA run's --sft-warmup-steps: the base itself trains (the warm-up stands in for the base's own training,
+    as a real base has had), the adapter off. True if ``model`` has an adapter (then ``end_train_base`` after)."""
+    adapter = adapter_of(model)
+    if adapter is None:
+        return False
+    adapter.enabled = False
+    for p in adapter.base_trainable:
+        p.requires_grad_(True)
+    return True
+
+
+def end_train_base(model) -> None:
+    """After the warm-up: the base frozen again (and saved with each checkpoint: it is no longer --ckpt's), the
+    adapter on."""
+    adapter = adapter_of(model)
+    for p in model.parameters():
+        p.grad = None
+        p.requires_grad_(False)
+    adapter.enabled, adapter.base_changed = True, True
 
 
 class BaseModel:
@@ -90,11 +115,16 @@ def save_fn(cfg):
     def write(model, folder, tokenizer=None):
         import torch.distributed as dist
 
+        from areno.models import save_model
+
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         folder = Path(folder)
         adapter = adapter_of(model)
-        adapter.save(folder, base=cfg.ckpt)
+        adapter.save(folder, base=BASE_DIR if adapter.base_changed else cfg.ckpt)
+        if adapter.base_changed:  # trained by the warm-up: the adapter's base is the checkpoint's own
+            with adapter.disabled():
+                save_model(model, folder / BASE_DIR, tokenizer)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder))
         if cfg.merge_lora:
@@ -134,15 +164,30 @@ def load(path, model) -> None:
 
     tensors = load_file(str(Path(path) / WEIGHTS_FILE))
     bad = [k for k, v in tensors.items() if not torch.isfinite(v).all()]
+    base = Path(path) / BASE_DIR
+    fresh = None
+    if base.is_dir():  # the base the warm-up trained
+        from areno.models import load_model
+
+        p = next(model.parameters())
+        fresh = load_model(base, dtype=p.dtype, device=p.device)
+        bad += [n for n, q in fresh.named_parameters() if not torch.isfinite(q).all()]
     if bad:
-        raise ValueError(f"its adapter holds NaN or inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
-    adapter_of(model).load_weights(path, field="--resume")
+        raise ValueError(f"its weights hold NaN or inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+    adapter = adapter_of(model)
+    adapter.load_weights(path, field="--resume")
+    if fresh is not None:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), fresh.parameters()):
+                p.copy_(q)
+        adapter.base_changed = True
 
 
 def describe(path) -> str:
     """How the final message names a LoRA checkpoint."""
-    merged = Path(path) / MERGED_DIR
+    merged, base = Path(path) / MERGED_DIR, Path(path) / BASE_DIR
+    on = f"on {base} (the warm-up's base)" if base.is_dir() else "on --ckpt"
     if merged.is_dir():
-        return f"checkpoint: {path} (a PEFT adapter; merged weights: areno serve --model-path {merged})"
-    return (f"checkpoint: {path} (a PEFT adapter on --ckpt: peft.PeftModel.from_pretrained reads it; --merge-lora "
-            "also writes servable merged weights)")
+        return f"checkpoint: {path} (a PEFT adapter {on}; merged weights: areno serve --model-path {merged})"
+    return (f"checkpoint: {path} (a PEFT adapter {on}: peft.PeftModel.from_pretrained reads it; --merge-lora also "
+            "writes servable merged weights)")

@@ -20,8 +20,13 @@ def _randomise(adapter, seed=0):
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
+# Ling 3 (bailing_hybrid): KDA linear attention (q/k/v, f, b, g, o), MLA's kv_a, a shared expert; PEFT's names are
+# transformers' module names (self_attn.o_proj for the checkpoint's attention.dense)
+LING = ("q_proj", "v_proj", "f_proj", "b_proj", "g_proj", "o_proj", "kv_a_proj_with_mqa", "shared_experts.up_proj")
+
+
 @pytest.mark.parametrize("family,targets", [("qwen3", "all-linear"), ("llama", ("q_proj", "v_proj", "down_proj")),
-                                            ("olmo2", ("k_proj", "up_proj", "o_proj"))])
+                                            ("olmo2", ("k_proj", "up_proj", "o_proj")), ("bailing_hybrid", LING)])
 def test_the_saved_adapter_gives_peft_the_same_logits(tiny_checkpoint, tmp_path, family, targets):
     path = tiny_checkpoint(family)
     model = load_model(path, dtype=torch.float32, device="cpu", attn_backend="native")
@@ -84,5 +89,8 @@ def test_names_that_match_nothing_and_moe_experts_are_refused(tiny_checkpoint):
     moe = load_model(tiny_checkpoint("qwen3_moe"), dtype=torch.float32, device="cpu")
     with pytest.raises(LoraError, match="MoE experts is not built yet"):
         attach(moe, LoraSpec(rank=2, alpha=4.0, target_modules=("down_proj",)))
+    ling = load_model(tiny_checkpoint("bailing_hybrid"), dtype=torch.float32, device="cpu")
+    with pytest.raises(LoraError, match="all-linear on an MLA model includes kv_b_proj"):
+        attach(ling, LoraSpec(rank=2, alpha=4.0))
     adapter = attach(moe, LoraSpec(rank=2, alpha=4.0))  # all-linear: attention (HF routers are no nn.Linear)
     assert {s.hf_module.rsplit(".", 1)[-1] for s in adapter.sites} == {"q_proj", "k_proj", "v_proj", "o_proj"}

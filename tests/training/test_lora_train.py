@@ -81,14 +81,25 @@ def test_one_lora_step_of_each_algorithm_saves_a_peft_adapter(inputs, tmp_path, 
 
 @pytest.mark.slow
 def test_resume_continues_exactly(inputs, tmp_path):
-    assert main(_argv(inputs, tmp_path / "straight", "grpo", "--save-interval", "1", steps=2)) == 0
-    assert main(_argv(inputs, tmp_path / "cut", "grpo", "--save-interval", "1", steps=1)) == 0
-    assert main(_argv(inputs, tmp_path / "cut", "grpo", "--save-interval", "1", "--resume", steps=2)) == 0
+    """With an SFT warm-up, which trains the base itself (adapter off): checkpoints hold that base, resume reads it."""
+    run = ("grpo", "--save-interval", "1", "--sft-warmup-steps", "2")
+    assert main(_argv(inputs, tmp_path / "straight", *run, steps=2)) == 0
+    assert main(_argv(inputs, tmp_path / "cut", *run, steps=1)) == 0
+    assert (tmp_path / "cut" / "step-1" / "base" / "model.safetensors").exists()
+    assert main(_argv(inputs, tmp_path / "cut", *run, "--resume", steps=2)) == 0
+    lines = [json.loads(x) for x in (tmp_path / "straight" / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    step2 = [m for m in lines if m.get("step") == 2 and "logprob_diff" in m][0]
+    assert step2["logprob_diff"] < 1e-4  # step 2's rollout ran the moved adapter unmerged, as the trainer does
     a = load_file(str(tmp_path / "straight" / "step-2" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "cut" / "step-2" / "adapter_model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    base_a = load_file(str(tmp_path / "straight" / "step-2" / "base" / "model.safetensors"))
+    base_b = load_file(str(tmp_path / "cut" / "step-2" / "base" / "model.safetensors"))
+    start = load_file(str(inputs[0] / "model.safetensors"))
+    assert all(torch.equal(base_a[k], base_b[k]) for k in base_a)
+    assert any(not torch.equal(base_a[k], start[k]) for k in start)  # the warm-up trained the base
 
 
 def test_lora_path_starts_from_a_peft_adapter(inputs, tmp_path):
