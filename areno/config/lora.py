@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.fields import ConfigError, check_non_negative, check_range, opt
+from areno.config.fields import ConfigError, check_non_negative, check_range, flag_name, opt
 
 
 @dataclass
@@ -48,5 +48,9 @@ class LoraSection:
         if self.train_cuda_graphs == "on":
             raise ConfigError("--train-cuda-graphs", "on with --lora-rank is not built yet (the adapter's update is "
                               "not graphed); use auto or off")
+        for name in ("unfreeze_mm_tower", "unfreeze_mm_projector"):
+            if getattr(self, name):
+                raise ConfigError(flag_name(name), "with --lora-rank is not built yet (the adapter trains the "
+                                  "language model's projections; the tower and projector stay frozen)")
         if self.merge_lora and not self.save_path:
             raise ConfigError("--merge-lora", "writes merged weights into each checkpoint: set --save-path")

@@ -12,7 +12,8 @@ TP plans are unchanged; ``attach`` freezes the base and hooks the projections; `
 (the reference for KL, no second copy of the weights). Files are PEFT's (``adapter_config.json`` +
 ``adapter_model.safetensors``, tensors ``base_model.model.<module>.lora_A.weight``), read by
 ``peft.PeftModel.from_pretrained``. Not built yet, refused in one line: MoE experts (stacked expert tensors), MLA's
-``kv_b_proj`` (absorbed into the decode kernel), tensor parallelism.
+``kv_b_proj`` (absorbed into the decode kernel), a vision tower or projector (``all-linear`` adapts the language
+model only), tensor parallelism.
 """
 
 from __future__ import annotations
@@ -84,12 +85,14 @@ def peft_module(model, checkpoint_module: str) -> str:
 
 def linear_sites(model) -> list[Site]:
     """Every Hugging Face linear module areno's ``Linear`` projections hold, MoE routers and ``lm_head`` excepted
-    (PEFT's ``all-linear``: HF routers are not ``nn.Linear``; the output layer is never adapted)."""
+    (PEFT's ``all-linear``: HF routers are not ``nn.Linear``; the output layer is never adapted); a vision tower and
+    projector too (not built yet: their frozen path encodes without gradients)."""
     layouts = model.hf_layouts()
     routers = {id(m.gate) for m in model.modules() if getattr(m, "has_router", False) and hasattr(m, "gate")}
+    media = {id(p) for p in [*model.tower_parameters(), *model.projector_parameters()]}
     out = []
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or id(module) in routers or name == "lm_head":
+        if not isinstance(module, Linear) or id(module) in routers or name == "lm_head" or id(module.weight) in media:
             continue
         lays = layouts.get(f"{name}.weight")
         if not lays or len(lays) != 1 or lays[0].expert is not None:
@@ -105,6 +108,14 @@ def linear_sites(model) -> list[Site]:
             out.append(Site(name, peft_module(model, part.hf_name[: -len(".weight")]), offset, rows, in_features))
             offset += rows if lay.dim == 0 else 0
     return out
+
+
+def media_modules(model) -> list[str]:
+    """The PEFT names of the vision tower's and projector's linear modules."""
+    media = {id(p) for p in [*model.tower_parameters(), *model.projector_parameters()]}
+    layouts = model.hf_layouts()
+    return [peft_module(model, lay.parts[0].hf_name.rsplit(".", 1)[0]) for name, m in model.named_modules()
+            if isinstance(m, Linear) and id(m.weight) in media for lay in layouts.get(f"{name}.weight", [])[:1]]
 
 
 def _matches(hf_module: str, target: str) -> bool:
@@ -125,6 +136,9 @@ def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") ->
         for t in targets:
             if any(_matches(s.hf_module, t) for s in sites):
                 continue
+            if model.is_multimodal and any(_matches(n, t) for n in media_modules(model)):
+                raise LoraError(field, f"{t!r}: LoRA on the vision tower or projector is not built yet (the language "
+                                       "model's projections are)")
             if getattr(model, "num_moe_layers", 0) and t in EXPERT_NAMES:
                 raise LoraError(field, f"{t!r}: LoRA on MoE experts is not built yet (attention projections are)")
             raise LoraError(field, f"{t!r} names no linear module of the {model.config.model_type} model")

@@ -94,3 +94,20 @@ def test_names_that_match_nothing_and_moe_experts_are_refused(tiny_checkpoint):
         attach(ling, LoraSpec(rank=2, alpha=4.0))
     adapter = attach(moe, LoraSpec(rank=2, alpha=4.0))  # all-linear: attention (HF routers are no nn.Linear)
     assert {s.hf_module.rsplit(".", 1)[-1] for s in adapter.sites} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_qwen3_vl_adapts_the_language_model_and_peft_agrees(tiny_checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = tiny_checkpoint("qwen3_vl")
+    model = load_model(path, dtype=torch.float32, device="cpu", attn_backend="native")
+    adapter = attach(model, LoraSpec(rank=2, alpha=4.0))  # all-linear: the language model's projections
+    assert adapter.sites and all(".visual." not in s.hf_module for s in adapter.sites)
+    with pytest.raises(LoraError, match="vision tower or projector is not built yet"):
+        attach(load_model(path, dtype=torch.float32, device="cpu"), LoraSpec(2, 4.0, target_modules=("linear_fc1",)))
+    _randomise(adapter)
+    adapter.save(tmp_path / "a", base=str(path))
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32,
+                                                                  attn_implementation="eager")
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "a"))(input_ids=IDS).logits
+        torch.testing.assert_close(model.logits(IDS), theirs, atol=2e-5, rtol=2e-5)
