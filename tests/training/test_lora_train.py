@@ -102,6 +102,21 @@ def test_resume_continues_exactly(inputs, tmp_path):
     assert any(not torch.equal(base_a[k], start[k]) for k in start)  # the warm-up trained the base
 
 
+@pytest.mark.slow  # two processes on gloo
+def test_data_parallel_2_gives_the_single_process_adapter(inputs, tmp_path):
+    """ZeRO-1 data parallelism over the adapter: 2 ranks x 1 row x 2 microbatches = 1 process x 1 row x 4."""
+    one = _argv(inputs, tmp_path / "one", "sft", "--batch-size", "4", "--mini-bs", "1",
+                "--gradient-accumulation-steps", "4")
+    two = _argv(inputs, tmp_path / "two", "sft", "--batch-size", "4", "--mini-bs", "1",
+                "--gradient-accumulation-steps", "2", "--world-size", "2")
+    assert main(one) == 0 and main(two) == 0
+    a = load_file(str(tmp_path / "one" / "step-1" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "step-1" / "adapter_model.safetensors"))
+    assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+
 def test_lora_path_starts_from_a_peft_adapter(inputs, tmp_path):
     ckpt = inputs[0]
     model = load_model(ckpt, device="cpu", dtype=torch.float32)
