@@ -166,3 +166,26 @@ def test_bf16_lora_rollout_matches_the_trainer_at_width(inputs, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics" / "metrics.jsonl").read_text().splitlines()]
     diffs = [m["logprob_diff"] for m in lines if "logprob_diff" in m]
     assert len(diffs) == 3 and max(diffs) <= 0.01, diffs
+
+
+def test_the_reference_is_the_base_with_the_adapter_off_unless_ref_ckpt(inputs):
+    from types import SimpleNamespace
+
+    from areno.training.lora import BaseModel, reference
+
+    ckpt = inputs[0]
+    policy = load_model(ckpt, device="cpu", dtype=torch.float32, attn_backend="native")
+    adapter = attach(policy, LoraSpec(4, 8.0))
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.normal_(0, 0.1)
+    ref = reference(SimpleNamespace(ref_ckpt=None), policy)
+    assert isinstance(ref, BaseModel) and reference(SimpleNamespace(ref_ckpt=str(ckpt)), policy) is None
+    base = load_model(ckpt, device="cpu", dtype=torch.float32, attn_backend="native")
+    ids, pos, cu = IDS[0], torch.arange(IDS.shape[1]), torch.tensor([0, IDS.shape[1]], dtype=torch.int32)
+    with torch.no_grad():
+        torch.testing.assert_close(ref(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]),
+                                   base(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]))
+        assert not torch.allclose(policy(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]),
+                                  base(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]))
+    assert ref.lm_head_weight is policy.lm_head_weight and adapter.enabled
