@@ -162,12 +162,15 @@ class LoraPair(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(spec.rank, in_features, dtype=dtype, device=device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, spec.rank, dtype=dtype, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default, as PEFT's init_lora_weights
-        self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        self.dropout = spec.dropout
         self.scaling = spec.scaling
 
-    def forward(self, x):
+    def forward(self, x, training: bool = False):
+        """``training``: the adapted model's mode (dropout only while it trains: never in rollout or eval)."""
         x = x.to(self.lora_A.dtype)
-        return (self.dropout(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
+        if self.dropout > 0 and training:
+            x = torch.nn.functional.dropout(x, self.dropout, training=True)
+        return (x @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
         """``B A * scaling``: what merging adds to the module's weight ``[out, in]``."""
@@ -209,12 +212,12 @@ class LoraAdapter(nn.Module):
                 return out
             x = args[0]
             if len(sites) == 1 and sites[0].rows == out_features:
-                return out + pairs[0](x).to(out.dtype)
+                return out + pairs[0](x, module.training).to(out.dtype)
             pieces, cursor = [], 0
             for s, p in zip(sites, pairs):
                 if s.offset > cursor:
                     pieces.append(out.new_zeros(*out.shape[:-1], s.offset - cursor))
-                pieces.append(p(x).to(out.dtype))
+                pieces.append(p(x, module.training).to(out.dtype))
                 cursor = s.offset + s.rows
             if cursor < out_features:
                 pieces.append(out.new_zeros(*out.shape[:-1], out_features - cursor))

@@ -52,7 +52,6 @@ def apply(cfg, model):
             adapter.load_weights(Path(cfg.lora_path).expanduser())
     except LoraError as e:
         raise ConfigError(e.field, str(e).split(": ", 1)[1]) from e
-    adapter.train()
     return adapter
 
 

@@ -111,3 +111,17 @@ def test_qwen3_vl_adapts_the_language_model_and_peft_agrees(tiny_checkpoint, tmp
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "a"))(input_ids=IDS).logits
         torch.testing.assert_close(model.logits(IDS), theirs, atol=2e-5, rtol=2e-5)
+
+
+def test_dropout_follows_the_model_s_mode(tiny_checkpoint):
+    """--lora-dropout drops the adapter's input while the model trains, never in eval (rollout, evaluation)."""
+    model = load_model(tiny_checkpoint("qwen3"), dtype=torch.float32, device="cpu", attn_backend="native")
+    adapter = attach(model, LoraSpec(rank=4, alpha=8.0, dropout=0.5))
+    _randomise(adapter)
+    model.eval()
+    with torch.no_grad():
+        a, b = model.logits(IDS), model.logits(IDS)
+        torch.testing.assert_close(a, b)
+        model.train()
+        c, d = model.logits(IDS), model.logits(IDS)
+    assert not torch.allclose(c, d) and not torch.allclose(a, c)
