@@ -7,6 +7,7 @@ from hf_reference import load_reference
 
 from areno.models import load_model
 from areno.models.lora import LoraError, LoraSpec, adapter_of, attach, read_peft_config
+from areno.testing.checkpoints import FAMILIES
 
 peft = pytest.importorskip("peft")
 
@@ -125,3 +126,23 @@ def test_dropout_follows_the_model_s_mode(tiny_checkpoint):
         model.train()
         c, d = model.logits(IDS), model.logits(IDS)
     assert not torch.allclose(c, d) and not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_s_adapter_is_peft_s(tiny_checkpoint, tmp_path, family):
+    """all-linear (named projections where MLA's absorbed kv_b_proj refuses it) against PEFT on transformers' model."""
+    transformers = pytest.importorskip("transformers")
+    path = tiny_checkpoint(family)
+    model = load_model(path, dtype=torch.float32, device="cpu", attn_backend="native")
+    try:
+        adapter = attach(model, LoraSpec(rank=2, alpha=4.0))
+    except LoraError as e:
+        assert "kv_b_proj" in str(e)
+        adapter = attach(model, LoraSpec(rank=2, alpha=4.0, target_modules=("q_proj", "o_proj")))
+    _randomise(adapter)
+    adapter.save(tmp_path / "a", base=str(path))
+    auto = transformers.AutoModelForImageTextToText if model.is_multimodal else transformers.AutoModelForCausalLM
+    hf = auto.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "a"))(input_ids=IDS).logits
+        torch.testing.assert_close(model.logits(IDS), theirs, atol=5e-5, rtol=5e-5)
