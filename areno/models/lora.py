@@ -324,13 +324,16 @@ def read_peft_config(folder, field: str = "--lora-path") -> LoraSpec:
 
 
 def attach(model, spec: LoraSpec) -> LoraAdapter:
-    """Freeze ``model``'s parameters, build ``spec``'s adapter (model dtype and device) and hook it in; the model
-    keeps it as ``model.lora_adapter`` (not a submodule: its parameters are the adapter's own)."""
+    """Freeze ``model``'s parameters, build ``spec``'s adapter (fp32 on a half-precision base, as PEFT; the model's
+    device) and hook it in; the model keeps it as ``model.lora_adapter`` (not a submodule: its parameters are the
+    adapter's own)."""
     if spec.rank <= 0:
         raise LoraError("--lora-rank", f"must be > 0 to build an adapter, got {spec.rank}")
     sites = select_sites(model, spec)
     w = next(model.parameters())
-    adapter = LoraAdapter(spec, sites, dtype=w.dtype, device=w.device)
+    # PEFT's autocast_adapter_dtype: a bf16/fp16 base gets fp32 adapter weights (their own optimizer master)
+    dtype = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+    adapter = LoraAdapter(spec, sites, dtype=dtype, device=w.device)
     adapter.base_trainable = [p for p in model.parameters() if p.requires_grad]
     for p in model.parameters():
         p.requires_grad_(False)

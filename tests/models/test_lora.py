@@ -146,3 +146,11 @@ def test_every_family_s_adapter_is_peft_s(tiny_checkpoint, tmp_path, family):
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "a"))(input_ids=IDS).logits
         torch.testing.assert_close(model.logits(IDS), theirs, atol=5e-5, rtol=5e-5)
+
+
+def test_a_bf16_base_gets_fp32_adapter_weights_as_peft(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen3"), dtype=torch.bfloat16, device="cpu", attn_backend="native")
+    adapter = attach(model, LoraSpec(rank=2, alpha=4.0))
+    assert all(p.dtype == torch.float32 for p in adapter.parameters())
+    _randomise(adapter)
+    assert model.logits(IDS).dtype == torch.bfloat16
