@@ -53,6 +53,8 @@ CONDITIONS = {
                     "with --kl-coef > 0"),
     "warmup": Condition(lambda v: v["sft_warmup_steps"] > 0, "applies only with --sft-warmup-steps > 0",
                         "with --sft-warmup-steps > 0"),
+    "lora": Condition(lambda v: v["lora_rank"] > 0, "applies only with --lora-rank > 0 (no adapter otherwise)",
+                      "with --lora-rank > 0", True),
     "epochs": Condition(lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's "
                         "length; --epochs counts passes over the data otherwise)", "without --max-steps"),
 }

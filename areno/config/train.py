@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from areno.config.applies import check_set
 from areno.config.basic import BasicSection
 from areno.config.checkpoint import CheckpointSection
+from areno.config.lora import LoraSection
 from areno.config.memory import MemorySection
 from areno.config.multimodal import MultimodalSection
 from areno.config.observability import ObservabilitySection
@@ -26,8 +27,8 @@ from areno.config.rollout import RolloutSection, normalize_devices
 # dataclass fields come base-last-first: this order of bases keeps the fields (and config.json's keys) in --help's
 # group order, basic first
 @dataclass
-class TrainConfig(ObservabilitySection, MultimodalSection, CheckpointSection, MemorySection, RLSection, OptimSection,
-                  RolloutSection, BasicSection):
+class TrainConfig(ObservabilitySection, MultimodalSection, CheckpointSection, MemorySection, LoraSection, RLSection,
+                  OptimSection, RolloutSection, BasicSection):
     """`areno train`: one RL/SFT/DPO run."""
 
     def __post_init__(self):
@@ -40,6 +41,7 @@ class TrainConfig(ObservabilitySection, MultimodalSection, CheckpointSection, Me
         check_set(self)  # a setting where it does not apply (the algorithms and modes each field declares)
         self.check_rollout()
         self.check_optim()
+        self.check_lora()
         self.check_rl()
         self.check_memory_section()
         self.check_checkpoint()

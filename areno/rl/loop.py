@@ -26,7 +26,7 @@ from areno.rl import resume, setup
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
-from areno.training import multimodal, plugins
+from areno.training import lora, multimodal, plugins
 from areno.training.batch import Row
 from areno.training.data import Prompt, prompt_ids, tokenize_prompts
 from areno.training.multimodal import DatasetMedia, media_limits
@@ -165,6 +165,9 @@ class TrainLoop:
         # the warm-up has a schedule of its own (same shape, peak --sft-warmup-lr or --lr, over its own updates) and
         # trains at temperature 1: the RL schedule and the rollout temperature apply to the RL steps only
         lr, t = cfg.sft_warmup_lr or cfg.lr, self.trainer
+        full = lora.train_base(self.model)  # LoRA: the warm-up trains the base (its optimizer, adapter off)
+        if full:
+            self.ctx.trainer = t = setup.make_trainer(cfg, self.model, lr, 1, self.groups)
         saved = t.schedule, t.temperature, t.group_schedules
         updates = cfg.sft_warmup_steps * updates_per_step(cfg, cfg.batch_size, self.dp_size)
         t.schedule = LRSchedule(lr, min_lr=min(cfg.min_lr, lr), warmup_steps=cfg.warmup_steps, total_steps=updates,
@@ -192,6 +195,9 @@ class TrainLoop:
                 bar.close()
             t.schedule, t.temperature, t.group_schedules = saved
             t.num_updates = 0  # the RL schedule starts fresh
+            if full:
+                lora.end_train_base(self.model)
+                self.ctx.trainer = self.trainer
         return m
 
     # ---- the run -------------------------------------------------------------------------------------------
@@ -222,7 +228,8 @@ class TrainLoop:
         if self.is_main and self.algorithm.needs_reward:
             self.results["reward_curve"] = plot_reward_curve(self.logger, cfg, self.started_at)
         if self.is_main and self.last_save:
-            print(f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
+            print(lora.describe(self.last_save) if cfg.lora_rank else
+                  f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
         return self.results
 
     def run(self) -> dict:

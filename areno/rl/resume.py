@@ -22,10 +22,12 @@ def jsonable(d: dict) -> dict:
 def save(path, *, cfg, model, tokenizer, trainer, state: dict, rollout=None, group=None) -> Path:
     """Write a checkpoint of the policy, its optimizer and ``state`` (step, data, accuracy_before, ...) to ``path``;
     ``rollout``: its engine RNG and any rollout in flight (async split mode) go into this rank's state."""
+    from areno.training import lora
     from areno.training.checkpoint import save_checkpoint
 
     path = Path(path)
     save_checkpoint(path, model=model, tokenizer=tokenizer, optimizer=trainer.optimizer,
+                    save_model_fn=lora.save_fn(cfg),  # LoRA: the adapter in PEFT's files
                     trainer_state={"step": state["step"], "data": state["data"],
                                    "num_updates": trainer.num_updates, "config": jsonable(asdict(cfg)),
                                    "accuracy_before": state["accuracy_before"], "started_at": state["started_at"],
@@ -61,8 +63,13 @@ def _load(path: Path, *, model, trainer, device, dtype, tp_group) -> dict:
     """Read one checkpoint into ``model`` and ``trainer``; raises on anything unreadable and on weights that are
     not finite (checked before anything is changed)."""
     from areno.models import load_model
+    from areno.models.lora import adapter_of
+    from areno.training import lora
     from areno.training.checkpoint import load_checkpoint
 
+    if adapter_of(model) is not None:  # a LoRA checkpoint: the adapter (the base is --ckpt's, unchanged)
+        lora.load(path, model)
+        return load_checkpoint(path, optimizer=trainer.optimizer, rank=dist.get_rank() if dist.is_initialized() else 0)
     fresh = load_model(path, dtype=dtype, device=device, tp_group=tp_group)
     bad = [name for name, q in fresh.named_parameters() if not torch.isfinite(q).all()]
     if bad:

@@ -15,7 +15,7 @@ import torch
 from areno.config import ConfigError
 from areno.distributed.collectives import group_rank, group_size
 from areno.rl.algorithms import ALGORITHMS, updates_per_step
-from areno.training import multimodal
+from areno.training import lora, multimodal
 from areno.training.trainer import PolicyTrainer
 
 log = logging.getLogger("areno.train")
@@ -92,6 +92,7 @@ def load_policy(cfg, device, dtype, tp_group, *, model=None, tokenizer=None):
     multimodal.freeze(model, cfg)  # the tower and projector stay frozen (and in eval mode) unless unfrozen
     model.train()
     model.set_activation_checkpointing(cfg.activation_checkpointing)
+    lora.apply(cfg, model)  # --lora-rank: the base frozen, the adapter hooked in (rollout applies it too)
     return model, tok
 
 
@@ -127,11 +128,15 @@ def check_context(cfg, model, inputs: UserInputs) -> int:
 
 
 def load_ref(cfg, policy, device, dtype, tp_group):
-    """The frozen reference: --ref-ckpt, else --ckpt, else a copy of the policy (an SDK model)."""
+    """The frozen reference: --ref-ckpt, else (LoRA) the policy with its adapter off, else --ckpt, else a copy of the
+    policy (an SDK model)."""
     import copy
 
     from areno.models import load_model
 
+    base = lora.reference(cfg, policy)
+    if base is not None:  # LoRA: the base with the adapter off, no second copy of the weights
+        return base
     if cfg.ref_ckpt or cfg.ckpt:
         with checkpoint_flag("--ref-ckpt" if cfg.ref_ckpt else "--ckpt", cfg.ref_ckpt or cfg.ckpt):
             ref = load_model(cfg.ref_ckpt or cfg.ckpt, dtype=dtype, device=device, tp_group=tp_group,
@@ -155,7 +160,8 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
     from areno.training.optimizer import MasterAdamW
     from areno.training.schedule import LRSchedule
 
-    params = multimodal.optimizer_params(model)  # frozen parts have no optimizer state
+    # frozen parts have no optimizer state (LoRA: only the adapter's parameters have one)
+    params = lora.optimizer_params(model) or multimodal.optimizer_params(model)
     opt = MasterAdamW(params, lr=lr, weight_decay=cfg.weight_decay, dp_group=groups.dp_group,
                       tp_group=groups.tp_group, offload=cfg.optimizer_state_offload,
                       offload_dir=cfg.optimizer_state_offload_dir,
@@ -168,7 +174,8 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
     # the trainer refuses a rate for a model without a selection bias
     bias_rate = 0.0 if model.is_value_model else cfg.router_bias_update_rate
     group_schedules = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates)
-    graphs = "off" if model.is_value_model else cfg.train_cuda_graphs  # the critic: eager
+    # the critic: eager; LoRA: eager (the adapter's update is not graphed; --train-cuda-graphs on is refused)
+    graphs = "off" if model.is_value_model or lora.optimizer_params(model) else cfg.train_cuda_graphs
     if graphs == "auto" and rl and not cfg.split:
         # colocated RL: eager. Measured at G1 on one H200 (bench/grpo_step.py --impls areno --steps 5
         # --train-cuda-graphs off,on,on,off): the graphed update is slower there (1.41 s vs 1.27 s; step 3.57 s vs

@@ -15,11 +15,13 @@ VALUES = {
     "rollout_tp_size": "1",
     "stop": "END", "resume": "some/step-1", "routing_replay": "off", "train_cuda_graphs": "off", "world_size": "2",
     "ckpt": "other-model", "ref_ckpt": "ref-model", "critic_ckpt": "critic-model", "dataset_path": "other.jsonl",
+    "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj",
 }
 FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent"}
 FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offload_dir")
 # flags that take other flags to be valid at all (not where they apply: what their own value check asks)
-COMPANIONS = {"tp_size": ["--world-size", "2"], "rollout_devices": ["--train-devices", "0"]}
+COMPANIONS = {"tp_size": ["--world-size", "2"], "rollout_devices": ["--train-devices", "0"],
+              "merge_lora": ["--save-path", "lora-out"]}
 
 
 @dataclasses.dataclass
@@ -46,7 +48,7 @@ def flag_argv(f: dataclasses.Field, files: Files) -> list[str]:
     """``f``'s flag with a valid value other than its default (and what that value itself needs)."""
     name = f.name
     if f.type is bool:
-        return [flag_name(name) if not f.default else f"--no-{name.replace('_', '-')}"]
+        return [*COMPANIONS.get(name, []), flag_name(name) if not f.default else f"--no-{name.replace('_', '-')}"]
     if name in FILES:
         value = files[FILES[name]]
     elif name in FOLDERS:
@@ -70,7 +72,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "disk": ["--optimizer-state-offload", "disk", "--optimizer-state-offload-dir", str(files.root / "offload")],
         "saved": ["--save-path", str(files.root / "save_path")],
         "reference": [] if algo == "dpo" else ["--kl-coef", "0.1"], "kl": ["--kl-coef", "0.1"],
-        "warmup": ["--sft-warmup-steps", "2"],
+        "warmup": ["--sft-warmup-steps", "2"], "lora": ["--lora-rank", "4"],
     }[needs]
 
 

@@ -1,0 +1,56 @@
+"""The LoRA part of `areno train`'s `train` group: a low-rank adapter trained on the frozen base (PEFT's format)."""
+
+# argparse-dataclass maps typing.Optional[X] to an X-typed flag, but not PEP 604 unions (X | None): keep Optional.
+# ruff: noqa: UP007, UP045
+
+from dataclasses import dataclass
+from typing import Optional
+
+from areno.config.fields import ConfigError, check_non_negative, check_range, flag_name, opt
+
+
+@dataclass
+class LoraSection:
+    """`--help` group train, LoRA part (its checks read the basic, rollout and optim sections)."""
+
+    lora_rank: int = opt(0, "LoRA rank: train a PEFT-compatible low-rank adapter on the frozen base, the reference "
+                         "model being the base with the adapter off (an --sft-warmup-steps warm-up trains the base "
+                         "itself first, the adapter off; checkpoints then hold that base too) (0 = full-parameter "
+                         "training)", "train")
+    lora_alpha: Optional[float] = opt(None, "LoRA alpha (the adapter's output is scaled by alpha / rank)", "train",
+                                      default_help="2 x --lora-rank", needs="lora")
+    lora_dropout: float = opt(0.0, "dropout on the LoRA input (PEFT's lora_dropout)", "train", needs="lora")
+    lora_target_modules: str = opt(
+        "all-linear", "comma-separated PEFT module names to adapt (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+        "down_proj, ...; a name matches a module or its dotted suffix), or all-linear (every linear layer but "
+        "lm_head)", "train", needs="lora")
+    lora_path: Optional[str] = opt(None, "start from this PEFT LoRA adapter folder (adapter_config.json + "
+                                   "adapter_model.safetensors; its rank, alpha and target modules are the run's)",
+                                   "train", metavar="DIR", needs="lora")
+    merge_lora: bool = opt(False, "each checkpoint also holds the merged full weights in <checkpoint>/merged "
+                           "(loadable by transformers and areno serve) beside the adapter", "train", needs="lora")
+
+    def check_lora(self):
+        check_non_negative("--lora-rank", self.lora_rank)
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError("--lora-alpha", f"must be > 0, got {self.lora_alpha}")
+        check_range("--lora-dropout", self.lora_dropout, 0.0, 1.0, high_open=True)
+        if not [t for t in str(self.lora_target_modules).split(",") if t.strip()]:
+            raise ConfigError("--lora-target-modules", "names no module")
+        if not self.lora_rank:
+            return
+        if self.rollout_devices is not None:
+            raise ConfigError("--lora-rank", "split mode (--rollout-devices) with LoRA is not built yet (its "
+                              "adapter-only policy sync); train colocated")
+        if self.tp_size > 1:
+            raise ConfigError("--lora-rank", "--tp-size > 1 with LoRA is not built yet (adapters sharded with their "
+                              "layers)")
+        if self.train_cuda_graphs == "on":
+            raise ConfigError("--train-cuda-graphs", "on with --lora-rank is not built yet (the adapter's update is "
+                              "not graphed); use auto or off")
+        for name in ("unfreeze_mm_tower", "unfreeze_mm_projector"):
+            if getattr(self, name):
+                raise ConfigError(flag_name(name), "with --lora-rank is not built yet (the adapter trains the "
+                                  "language model's projections; the tower and projector stay frozen)")
+        if self.merge_lora and not self.save_path:
+            raise ConfigError("--merge-lora", "writes merged weights into each checkpoint: set --save-path")

@@ -1,0 +1,346 @@
+"""LoRA adapters on areno's linear projections: PEFT's math, module names and files; the base frozen; an "adapter off"
+switch that gives back the base policy.
+
+An adapter is a set of (A, B) pairs, one per Hugging Face linear module it targets (``model.layers.0.self_attn.q_proj``
+...), named and initialised as PEFT does: ``A [r, in]`` kaiming-uniform (a = sqrt 5), ``B [out, r]`` zeros, the delta
+``B(A(dropout(x))) * alpha / r`` added to the base projection's output. areno fuses some projections (``qkv_proj`` is
+q, k and v; ``gate_up_proj`` is gate and up): ``hf_layouts`` says which output rows each Hugging Face module owns, so
+one forward hook on the fused ``Linear`` adds each targeted module's delta to its own rows (zeros elsewhere).
+
+The adapter is not a submodule of the model: the model's parameters, their Hugging Face names, loading, saving and
+TP plans are unchanged; ``attach`` freezes the base and hooks the projections; ``disabled()`` runs the base policy
+(the reference for KL, no second copy of the weights). Files are PEFT's (``adapter_config.json`` +
+``adapter_model.safetensors``, tensors ``base_model.model.<module>.lora_A.weight``), read by
+``peft.PeftModel.from_pretrained``. Not built yet, refused in one line: MoE experts (stacked expert tensors), MLA's
+``kv_b_proj`` (absorbed into the decode kernel), a vision tower or projector (``all-linear`` adapts the language
+model only), tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from areno.models.layers import Linear
+
+ALL_LINEAR = "all-linear"
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj", "experts", "gate_up_proj")
+UNSUPPORTED_PEFT = {"use_dora": False, "use_rslora": False, "bias": "none", "modules_to_save": None,
+                    "layers_to_transform": None, "fan_in_fan_out": False}
+
+
+class LoraError(ValueError):
+    """A LoRA setting or adapter file areno cannot apply; ``field`` names the flag or file field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class LoraSpec:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple | str = ALL_LINEAR  # PEFT module names (suffix match) or "all-linear"
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass
+class Site:
+    """One Hugging Face linear module inside an areno ``Linear``: its output rows ``[offset, offset + rows)``."""
+
+    module: str  # areno module name (``layers.0.self_attn.qkv_proj``)
+    hf_module: str  # transformers' (PEFT's) module name (``model.layers.0.self_attn.q_proj``)
+    offset: int
+    rows: int
+    in_features: int
+
+
+# transformers' module names where they differ from the checkpoint's tensor names (PEFT names modules): Ling 3's
+# (BailingMoeV3 in transformers 5) attention.* is self_attn.*, its dense is o_proj, its KDA f_proj sits in forget_gate
+PEFT_RENAMES = {"bailing_hybrid": ((".attention.dense", ".self_attn.o_proj"),
+                                   (".attention.f_proj", ".self_attn.forget_gate.f_proj"),
+                                   (".attention.", ".self_attn."))}
+
+
+def peft_module(model, checkpoint_module: str) -> str:
+    """The module name PEFT gives a checkpoint tensor's module (``model.layers.0.self_attn.q_proj``)."""
+    for old, new in PEFT_RENAMES.get(model.config.model_type, ()):
+        if old in checkpoint_module:
+            return checkpoint_module.replace(old, new, 1)
+    return checkpoint_module
+
+
+def linear_sites(model) -> list[Site]:
+    """Every Hugging Face linear module areno's ``Linear`` projections hold, MoE routers and ``lm_head`` excepted
+    (PEFT's ``all-linear``: HF routers are not ``nn.Linear``; the output layer is never adapted); a vision tower and
+    projector too (not built yet: their frozen path encodes without gradients)."""
+    layouts = model.hf_layouts()
+    routers = {id(m.gate) for m in model.modules() if getattr(m, "has_router", False) and hasattr(m, "gate")}
+    media = {id(p) for p in [*model.tower_parameters(), *model.projector_parameters()]}
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or id(module) in routers or name == "lm_head" or id(module.weight) in media:
+            continue
+        lays = layouts.get(f"{name}.weight")
+        if not lays or len(lays) != 1 or lays[0].expert is not None:
+            continue
+        lay, in_features = lays[0], module.weight.shape[1]
+        if lay.dim == 1 and len(lay.parts) != 1:
+            continue  # a row-concatenation of several modules' inputs: never one PEFT module
+        offset = 0
+        for part in lay.parts:
+            rows = part.size if lay.dim == 0 else module.weight.shape[0]
+            hf = peft_module(model, part.hf_name.removesuffix(".weight"))
+            last = out[-1] if out else None
+            if last is not None and (last.module, last.hf_module, last.offset + last.rows) == (name, hf, offset):
+                last.rows += rows  # one Hugging Face tensor held in consecutive parts (Qwen3.5's in_proj_qkv)
+            elif part.hf_name.endswith(".weight"):
+                out.append(Site(name, hf, offset, rows, in_features))
+            offset += rows if lay.dim == 0 else 0
+    return out
+
+
+def media_modules(model) -> list[str]:
+    """The PEFT names of the vision tower's and projector's linear modules."""
+    media = {id(p) for p in [*model.tower_parameters(), *model.projector_parameters()]}
+    layouts = model.hf_layouts()
+    return [peft_module(model, lay.parts[0].hf_name.rsplit(".", 1)[0]) for name, m in model.named_modules()
+            if isinstance(m, Linear) and id(m.weight) in media for lay in layouts.get(f"{name}.weight", [])[:1]]
+
+
+def _matches(hf_module: str, target: str) -> bool:
+    return hf_module == target or hf_module.endswith("." + target)
+
+
+def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") -> list[Site]:
+    """The sites ``spec.target_modules`` names (PEFT's rule: the module name or its dotted suffix); a name that
+    matches nothing, MoE experts and MLA's ``kv_b_proj`` are refused in one line."""
+    if getattr(model, "tp_size", 1) > 1:
+        raise LoraError("--lora-rank", "LoRA with --tp-size > 1 is not built yet (adapters sharded with their layers)")
+    sites = linear_sites(model)
+    if spec.target_modules == ALL_LINEAR:
+        chosen = sites
+    else:
+        targets = list(spec.target_modules)
+        chosen = [s for s in sites if any(_matches(s.hf_module, t) for t in targets)]
+        for t in targets:
+            if any(_matches(s.hf_module, t) for s in sites):
+                continue
+            if model.is_multimodal and any(_matches(n, t) for n in media_modules(model)):
+                raise LoraError(field, f"{t!r}: LoRA on the vision tower or projector is not built yet (the language "
+                                       "model's projections are)")
+            if getattr(model, "num_moe_layers", 0) and t in EXPERT_NAMES:
+                raise LoraError(field, f"{t!r}: LoRA on MoE experts is not built yet (attention projections are)")
+            raise LoraError(field, f"{t!r} names no linear module of the {model.config.model_type} model")
+    seen, split = set(), None
+    for s in chosen:
+        split = split or (s.hf_module if s.hf_module in seen else None)
+        seen.add(s.hf_module)
+    if split:
+        raise LoraError(field, f"{split}: a module areno holds in rows apart (interleaved with another) is not built "
+                               "yet; name the modules to adapt")
+    absorbed = [s.hf_module for s in chosen if s.hf_module.endswith("kv_b_proj")]
+    if absorbed:
+        if spec.target_modules != ALL_LINEAR:
+            raise LoraError(field, f"{absorbed[0]}: LoRA on MLA's kv_b_proj (absorbed into the decode kernel) is "
+                                   "not built yet")
+        raise LoraError(field, "all-linear on an MLA model includes kv_b_proj (absorbed into the decode kernel), "
+                               "not built yet; name the modules to adapt")
+    if not chosen:
+        raise LoraError(field, f"no linear module to adapt in the {model.config.model_type} model")
+    return chosen
+
+
+class LoraPair(nn.Module):
+    """PEFT's ``lora_A``/``lora_B`` of one module: ``B(A(dropout(x))) * scaling``."""
+
+    def __init__(self, in_features: int, out_features: int, spec: LoraSpec, dtype=None, device=None):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(spec.rank, in_features, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, spec.rank, dtype=dtype, device=device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default, as PEFT's init_lora_weights
+        self.dropout = spec.dropout
+        self.scaling = spec.scaling
+
+    def forward(self, x, training: bool = False):
+        """``training``: the adapted model's mode (dropout only while it trains: never in rollout or eval)."""
+        x = x.to(self.lora_A.dtype)
+        if self.dropout > 0 and training:
+            x = torch.nn.functional.dropout(x, self.dropout, training=True)
+        return (x @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """``B A * scaling``: what merging adds to the module's weight ``[out, in]``."""
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+
+class LoraAdapter(nn.Module):
+    """The adapter's pairs (keyed by Hugging Face module name, dots as ``--``) and the hooks that apply them."""
+
+    def __init__(self, spec: LoraSpec, sites: list[Site], *, dtype=None, device=None):
+        super().__init__()
+        self.spec, self.sites = spec, sites
+        self.pairs = nn.ModuleDict({
+            _key(s.hf_module): LoraPair(s.in_features, s.rows, spec, dtype, device) for s in sites})
+        self.enabled = True
+        self._handles = []
+        self.base_trainable: list = []  # the base parameters that trained before the adapter froze them
+        self.base_changed = False  # the base trained in this run (a LoRA run's SFT warm-up): checkpoints hold it
+
+    def pair(self, hf_module: str) -> LoraPair:
+        return self.pairs[_key(hf_module)]
+
+    def hook(self, model) -> None:
+        """Add the deltas to the targeted projections' outputs (one forward hook per areno ``Linear``)."""
+        by_module: dict[str, list[Site]] = {}
+        for s in self.sites:
+            by_module.setdefault(s.module, []).append(s)
+        modules = dict(model.named_modules())
+        for name, sites in by_module.items():
+            linear = modules[name]
+            self._handles.append(linear.register_forward_hook(self._hook_for(sorted(sites, key=lambda s: s.offset),
+                                                                             linear.weight.shape[0])))
+
+    def _hook_for(self, sites: list[Site], out_features: int):
+        pairs = [self.pair(s.hf_module) for s in sites]
+
+        def add_delta(module, args, out):
+            if not self.enabled:
+                return out
+            x = args[0]
+            if len(sites) == 1 and sites[0].rows == out_features:
+                return out + pairs[0](x, module.training).to(out.dtype)
+            pieces, cursor = [], 0
+            for s, p in zip(sites, pairs):
+                if s.offset > cursor:
+                    pieces.append(out.new_zeros(*out.shape[:-1], s.offset - cursor))
+                pieces.append(p(x, module.training).to(out.dtype))
+                cursor = s.offset + s.rows
+            if cursor < out_features:
+                pieces.append(out.new_zeros(*out.shape[:-1], out_features - cursor))
+            return out + torch.cat(pieces, dim=-1)
+
+        return add_delta
+
+    def unhook(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """The base model for the length of the block (the reference policy)."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
+
+    # ---- PEFT's files ------------------------------------------------------------------------------------------
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for s in self.sites:
+            p = self.pair(s.hf_module)
+            out[f"{PREFIX}{s.hf_module}.lora_A.weight"] = p.lora_A.detach()
+            out[f"{PREFIX}{s.hf_module}.lora_B.weight"] = p.lora_B.detach()
+        return out
+
+    def peft_config(self, base: str | None = None) -> dict:
+        leaves = sorted({s.hf_module.rsplit(".", 1)[-1] for s in self.sites})
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": self.spec.rank,
+                "lora_alpha": self.spec.alpha, "lora_dropout": self.spec.dropout, "target_modules": leaves,
+                "inference_mode": True, "init_lora_weights": True, "rank_pattern": {}, "alpha_pattern": {},
+                **UNSUPPORTED_PEFT}
+
+    def save(self, folder, base: str | None = None) -> Path:
+        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's format) into ``folder``."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.contiguous().cpu() for k, v in self.peft_state_dict().items()}
+        save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        (folder / CONFIG_FILE).write_text(json.dumps(self.peft_config(base), indent=2) + "\n")
+        return folder
+
+    def load_weights(self, folder, field: str = "--lora-path") -> None:
+        """Copy ``folder``'s PEFT tensors into this adapter (every pair must be there, shapes equal)."""
+        from safetensors.torch import load_file
+
+        path = Path(folder) / WEIGHTS_FILE
+        if not path.is_file():
+            raise LoraError(field, f"{path} does not exist")
+        tensors = load_file(str(path))
+        with torch.no_grad():
+            for key, mine in self.peft_state_dict().items():
+                theirs = tensors.get(key, tensors.get(key.replace(".weight", ".default.weight")))
+                if theirs is None:
+                    raise LoraError(field, f"{path} has no tensor {key}")
+                if tuple(theirs.shape) != tuple(mine.shape):
+                    raise LoraError(field, f"{key} is {tuple(theirs.shape)} in {path}, this model needs "
+                                           f"{tuple(mine.shape)}")
+                mine.copy_(theirs)
+
+
+def _key(hf_module: str) -> str:
+    return hf_module.replace(".", "--")
+
+
+def read_peft_config(folder, field: str = "--lora-path") -> LoraSpec:
+    """A PEFT LoRA adapter folder's spec; options areno does not implement are refused in one line."""
+    path = Path(folder).expanduser() / CONFIG_FILE
+    if not path.is_file():
+        raise LoraError(field, f"{path} does not exist (a PEFT adapter folder holds {CONFIG_FILE})")
+    try:
+        conf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LoraError(field, f"{path} is not JSON: {e}") from e
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise LoraError(field, f"{path}: peft_type {conf.get('peft_type')!r} is not LORA")
+    for key, default in UNSUPPORTED_PEFT.items():
+        if conf.get(key, default) not in (default, [], {}):
+            raise LoraError(field, f"{path}: {key}={conf[key]!r} is not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if conf.get(key):
+            raise LoraError(field, f"{path}: {key} (per-module ranks/alphas) is not supported")
+    targets = conf.get("target_modules")
+    if isinstance(targets, str) and targets != ALL_LINEAR:
+        raise LoraError(field, f"{path}: a regular-expression target_modules ({targets!r}) is not supported")
+    return LoraSpec(int(conf["r"]), float(conf["lora_alpha"]), float(conf.get("lora_dropout") or 0.0),
+                    targets if targets == ALL_LINEAR else tuple(targets))
+
+
+def attach(model, spec: LoraSpec) -> LoraAdapter:
+    """Freeze ``model``'s parameters, build ``spec``'s adapter (fp32 on a half-precision base, as PEFT; the model's
+    device) and hook it in; the model keeps it as ``model.lora_adapter`` (not a submodule: its parameters are the
+    adapter's own)."""
+    if spec.rank <= 0:
+        raise LoraError("--lora-rank", f"must be > 0 to build an adapter, got {spec.rank}")
+    sites = select_sites(model, spec)
+    w = next(model.parameters())
+    # PEFT's autocast_adapter_dtype: a bf16/fp16 base gets fp32 adapter weights (their own optimizer master)
+    dtype = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+    adapter = LoraAdapter(spec, sites, dtype=dtype, device=w.device)
+    adapter.base_trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapter.hook(model)
+    object.__setattr__(model, "lora_adapter", adapter)
+    return adapter
+
+
+def adapter_of(model) -> LoraAdapter | None:
+    return model.__dict__.get("lora_adapter")

@@ -1,0 +1,43 @@
+"""Issue 39's CPU acceptance figure: `areno train --preset quickstart --lora-rank 16` gains >= 20 held-out points.
+Its SFT warm-up trains the base itself (the quickstart's model is random: LoRA adapts a trained base), then GRPO
+trains only the rank-16 adapter (alpha 32, all-linear). Measured on a shared two-core machine (load 3-8 from other
+jobs): at the preset's --lr 5e-4, 68.5% -> 98.5% in 87 s of wall-clock time (72 s of CPU); at --lr 5e-3 (10x, the
+usual LoRA advice), 68.5% -> 100.0% in 116 s (72 s of CPU). The checkpoint is a PEFT adapter on its base/ and
+--merge-lora's merged/ gives transformers the same function."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # about 2 minutes of CPU
+def test_quickstart_with_lora_gains_20_points(tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    save, work = tmp_path / "run", tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "ARENO_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-m", "areno", "train", "--preset", "quickstart", "--lora-rank", "16", "--merge-lora",
+           "--save-path", str(save)]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    final = [json.loads(x) for x in (save / "metrics" / "metrics.jsonl").read_text().splitlines()][-1]
+    before, after = 100 * final["eval_accuracy_before"], 100 * final["eval_accuracy_after"]
+    assert after >= before + 20, (before, after)
+
+    ckpt = save / "step-40"
+    assert (ckpt / "adapter_model.safetensors").exists() and (ckpt / "base" / "model.safetensors").exists()
+    ids = torch.tensor([[1, 20, 30, 40, 50, 2]])
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt / "base"), dtype=torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, str(ckpt))(ids).logits
+        torch.testing.assert_close(merged(ids).logits, theirs, atol=1e-4, rtol=1e-4)
