@@ -279,3 +279,23 @@ def bf16_parity_on_gpu(path, ids: torch.Tensor):
         loss = -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
     scale = exact.abs().max()
     return (got - exact).abs().max(), (ref_logits - exact).abs().max(), scale, loss, ref_loss
+
+
+def assert_checkpointing_keeps_loss_and_grads(path, ids):
+    """One packed fwd+bwd of ``ids`` on the MoE checkpoint at ``path`` without and with activation checkpointing: the
+    same loss and gradients; returns the last model and both runs' expert-load counters."""
+    from areno.models import load_model
+
+    results = []
+    for enabled in (False, True):
+        model = load_model(path, device="cpu").train()
+        model.set_activation_checkpointing(enabled)
+        loss = packed_loss(model, ids)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
+                        model.expert_load().clone()))
+    (loss0, grads0, counts0), (loss1, grads1, counts1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=name)
+    return model, counts0, counts1

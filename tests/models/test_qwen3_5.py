@@ -8,7 +8,14 @@ import shutil
 import pytest
 import torch
 import transformers
-from hf_reference import hub_tensors, load_reference, packed_loss, reference_grads, with_config_change
+from hf_reference import (
+    assert_checkpointing_keeps_loss_and_grads,
+    hub_tensors,
+    load_reference,
+    packed_loss,
+    reference_grads,
+    with_config_change,
+)
 
 from areno.models import AttentionMetadata, iter_hf_tensors, load_model, save_model
 
@@ -112,18 +119,7 @@ def test_checkpointing_and_routing_replay(tiny_checkpoint):
     the routes a forward captured reproduces it, and replayed routes are the ones used."""
     path = tiny_checkpoint("qwen3_5_moe")
     ids = _ids(1000, b=2, t=9, seed=4)
-    results = []
-    for enabled in (False, True):
-        model = load_model(path, device="cpu").train()
-        model.set_activation_checkpointing(enabled)
-        loss = packed_loss(model, ids)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad},
-                        model.expert_load().clone()))
-    (loss0, grads0, counts0), (loss1, grads1, counts1) = results
-    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
-    for name in grads0:
-        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=name)
+    model, counts0, counts1 = assert_checkpointing_keeps_loss_and_grads(path, ids)
     assert torch.equal(counts1, counts0) and (counts1.sum(1) == ids.numel() * 2).all()
 
     model.eval()

@@ -2,18 +2,16 @@
 shared expert; activation checkpointing): logits, loss, every gradient, and the saved checkpoint bit-identical."""
 
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from hf_reference import hub_tensors, packed_loss
 
 from areno.models import iter_hf_tensors, load_model, save_model
+from tests.helpers.families import spawn_tp
 
 CASES = {"qwen3_5": dict(num_key_value_heads=1), "qwen3_5_moe": dict()}
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen3_5TextConfig"),
@@ -50,16 +48,7 @@ def _worker(rank, world, port, paths, out_dir):
 
 def test_tp2_equals_tp1(tiny_checkpoint, tmp_path):
     paths = {family: str(tiny_checkpoint(family, **overrides)) for family, overrides in CASES.items()}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.spawn(_worker, args=(2, port, paths, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.time() + 300
-    while not ctx.join(timeout=5):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("TP workers did not finish")
+    spawn_tp(_worker, (paths, str(tmp_path)), timeout=300)
     assert not dist.is_initialized()
     results = torch.load(tmp_path / "results.pt")
     for family, path in paths.items():
