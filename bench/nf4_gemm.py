@@ -45,6 +45,30 @@ def _time(fn, cuda: bool) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
+    """One (shape, M): forward and input gradient, each path, timed and checked against the baseline."""
+    n, k = w.shape
+    x = torch.randn(m, k, device=w.device, dtype=w.dtype)
+    dy = torch.randn(m, n, device=w.device, dtype=w.dtype)
+    ops = {
+        ("fwd", "triton"): lambda: nf4_matmul(x, q),
+        ("fwd", "dequant+linear"): lambda: F.linear(x, dequantize_nf4(q, w.dtype)),
+        ("fwd", "bf16 linear"): lambda: F.linear(x, w),
+        ("dx", "triton"): lambda: nf4_matmul(dy, q, trans=True),
+        ("dx", "dequant+linear"): lambda: dy @ dequantize_nf4(q, w.dtype),
+        ("dx", "bf16 linear"): lambda: dy @ w,
+    }
+    ref = {op: ops[(op, "dequant+linear")]().float() for op in ("fwd", "dx")}
+    rows = []
+    for (op, path), fn in ops.items():
+        err = (fn().float() - ref[op]).abs().max().item()
+        ms = _time(fn, cuda)
+        rows.append({"shape": name, "K": k, "N": n, "M": m, "op": op, "path": path, "ms": round(ms, 4),
+                     "tflops": round(2 * m * n * k / ms / 1e9, 2), "max_abs_err": err,
+                     "weight_mb": round((q.nbytes() if path != "bf16 linear" else w.numel() * 2) / 2**20, 2)})
+    return rows
+
+
 def run(shapes, ms, device, dtype) -> list[dict]:
     cuda = device == "cuda"
     rows = []
@@ -52,26 +76,7 @@ def run(shapes, ms, device, dtype) -> list[dict]:
         w = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
         q = quantize_nf4(w)
         for m in ms:
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            dy = torch.randn(m, n, device=device, dtype=dtype)
-            ops = {
-                ("fwd", "triton"): lambda: nf4_matmul(x, q),
-                ("fwd", "dequant+linear"): lambda: F.linear(x, dequantize_nf4(q, dtype)),
-                ("fwd", "bf16 linear"): lambda: F.linear(x, w),
-                ("dx", "triton"): lambda: nf4_matmul(dy, q, trans=True),
-                ("dx", "dequant+linear"): lambda: dy @ dequantize_nf4(q, dtype),
-                ("dx", "bf16 linear"): lambda: dy @ w,
-            }
-            ref = {op: ops[(op, "dequant+linear")]().float() for op in ("fwd", "dx")}
-            for (op, path), fn in ops.items():
-                err = (fn().float() - ref[op]).abs().max().item()
-                ms_ = _time(fn, cuda)
-                flops = 2 * m * n * k
-                rows.append({"shape": name, "K": k, "N": n, "M": m, "op": op, "path": path, "ms": round(ms_, 4),
-                             "tflops": round(flops / ms_ / 1e9, 2), "max_abs_err": err,
-                             "weight_mb": round((q.nbytes() if path != "bf16 linear" else w.numel() * 2) / 2**20, 2)})
-            del x, dy
-        del w, q
+            rows += measure(name, w, q, m, cuda)
         if cuda:
             torch.cuda.empty_cache()
     return rows
