@@ -71,11 +71,10 @@ class LoraSection:
 
     def check_qlora(self):
         """--quantize-base nf4: the combinations not built yet, refused in one line."""
-        if self.rollout_devices is not None:
-            raise ConfigError("--quantize-base", "nf4 with split mode (--rollout-devices) is not built yet (the "
-                              "rollout engine holds its own bf16 copy of the base); train colocated")
-        if self.tp_size > 1:
-            raise ConfigError("--quantize-base", "nf4 with --tp-size > 1 is not built yet (NF4 weights sharded with "
-                              "their layers)")
-        if self.train_cuda_graphs == "on":
-            raise ConfigError("--quantize-base", "nf4 with --train-cuda-graphs on is not built yet; use auto or off")
+        unbuilt = {"split mode (--rollout-devices)": (self.rollout_devices is not None, "the rollout engine holds "
+                                                      "its own copy of the base; train colocated"),
+                   "--tp-size > 1": (self.tp_size > 1, "NF4 weights sharded with their layers"),
+                   "--train-cuda-graphs on": (self.train_cuda_graphs == "on", "use auto or off")}
+        for what, (given, why) in unbuilt.items():
+            if given:
+                raise ConfigError("--quantize-base", f"nf4 with {what} is not built yet ({why})")
