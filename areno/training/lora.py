@@ -8,6 +8,11 @@ training state; ``--merge-lora`` adds the merged full weights in ``<checkpoint>/
 back into the live one. An --sft-warmup-steps warm-up trains the base itself, the adapter off (it stands in for the
 base's own training: LoRA adapts a trained base; the quickstart's is random); from then on checkpoints also hold that
 base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back.
+
+QLoRA (--quantize-base nf4, ``models/qlora.py``): the base's projections are quantised once the adapter is attached,
+or at the end of the warm-up when one trains the base (the warm-up stands in for the base's own training); a
+checkpoint's ``base/`` then holds the dequantised base (what the adapter saw) and ``base_nf4.safetensors`` its NF4
+bytes, which resume reads back; without a warm-up, resume quantises --ckpt again (deterministic: the same bytes).
 """
 
 from __future__ import annotations
