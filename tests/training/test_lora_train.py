@@ -131,8 +131,7 @@ def test_lora_path_starts_from_a_peft_adapter(inputs, tmp_path):
 
 @pytest.mark.parametrize("extra,flag", [
     (["--lora-alpha", "8"], "--lora-alpha"),  # without --lora-rank
-    (["--lora-rank", "4", "--train-devices", "0", "--rollout-devices", "1"], "--lora-rank"),
-    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2"], "--lora-rank"),
+    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2", "--lora-dropout", "0.1"], "--lora-dropout"),
     (["--lora-rank", "4", "--train-cuda-graphs", "on", "--no-activation-checkpointing"], "--train-cuda-graphs"),
     (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout"),
     (["--lora-rank", "4", "--merge-lora"], "--merge-lora"),
