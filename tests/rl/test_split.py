@@ -395,3 +395,22 @@ def test_async_lora_split_streams_the_adapter_one_step_behind(files, tmp_path):
     assert [m["staleness_max"] for m in ms] == [0, 1, 1, 1]
     synced = [m for m in ms if "policy_sync_bytes" in m]
     assert synced and all(m["policy_sync_bytes"] == _adapter_bytes(out / "step-4") for m in synced)
+
+
+@pytest.mark.slow  # three ranks each
+@pytest.mark.parametrize("topology", [
+    pytest.param(["--train-devices", "0,1", "--tp-size", "2", "--rollout-devices", "2", "--rollout-tp-size", "1"],
+                 marks=needs_gpus(3)),
+    pytest.param(["--train-devices", "0", "--rollout-devices", "1..2", "--rollout-tp-size", "2"], marks=needs_gpus(3)),
+], ids=["tp2+1", "1+tp2"])
+def test_lora_split_with_tensor_parallel_sides(files, tmp_path, topology):
+    """The adapter gathered from the train-TP shards, sliced into the rollout-TP shards: the engines' copy equals the
+    trainer's after every sync, only its bytes are streamed, and the rollout log-probs equal the trainer's."""
+    out = tmp_path / "lora-tp"
+    areno(files, out, "--lora-rank", "4", "--lr", "5e-2", *topology, ARENO_VERIFY_POLICY_SYNC="1")
+    ms = metrics(out)
+    synced = [m for m in ms if "policy_sync_bytes" in m]
+    assert [m["step"] for m in synced] == [2, 3]
+    assert all(m["policy_sync_bytes"] == _adapter_bytes(out / "step-3") and m["policy_sync_verified"] == 1
+               for m in synced)
+    assert all(m["logprob_diff_max"] < 1e-4 for m in ms)
