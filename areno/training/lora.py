@@ -7,7 +7,8 @@ PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``, base: ``
 training state; ``--merge-lora`` adds the merged full weights in ``<checkpoint>/merged``. Resume reads the adapter
 back into the live one. An --sft-warmup-steps warm-up trains the base itself, the adapter off (it stands in for the
 base's own training: LoRA adapts a trained base; the quickstart's is random); from then on checkpoints also hold that
-base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back.
+base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back. Under TP the adapter is sharded with its
+layers (models/lora.py): every rank takes part in a save (the shards are gathered), rank 0 writes whole files.
 """
 
 from __future__ import annotations

@@ -414,3 +414,20 @@ def test_lora_split_with_tensor_parallel_sides(files, tmp_path, topology):
     assert all(m["policy_sync_bytes"] == _adapter_bytes(out / "step-3") and m["policy_sync_verified"] == 1
                for m in synced)
     assert all(m["logprob_diff_max"] < 1e-4 for m in ms)
+
+
+def test_lora_split_streams_the_warm_up_s_base_once(files, tmp_path):
+    """An --sft-warmup-steps warm-up trains the base itself: the first sync after it streams base and adapter, the
+    later ones the adapter alone; the engine samples with the trained base throughout."""
+    rows = [json.loads(x) for x in files[1].read_text().splitlines()]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({**r, "response": r["answer"]}) + "\n" for r in rows))
+    out = tmp_path / "warm"
+    areno((files[0], data, files[2]), out, "--lora-rank", "4", "--sft-warmup-steps", "2", "--train-devices", "0",
+          "--rollout-devices", "1", ARENO_VERIFY_POLICY_SYNC="1")
+    ms = [m for m in metrics(out) if m["step"] > 0]
+    adapter = _adapter_bytes(out / "step-3")
+    base = sum(t.numel() * t.element_size() for t in load_file(str(out / "step-3" / "base" / "model.safetensors")
+                                                                ).values())
+    assert [m["policy_sync_bytes"] for m in ms] == [base + adapter, adapter, adapter]
+    assert all(m["policy_sync_verified"] == 1 and m["logprob_diff_max"] < 1e-4 for m in ms)
