@@ -21,9 +21,11 @@ through ``copy_to_tp``; on a row-parallel one ``lora_A`` holds the input columns
 partial activation is all-reduced (``[tokens, rank]``: the base's all-reduce happens inside ``Linear``, whose forward
 the adapter leaves alone) and ``lora_B`` is replicated. Files are always whole (gathered).
 
-Not built yet, refused in one line: MoE experts (stacked expert tensors), MLA's ``kv_b_proj`` (absorbed into the
-decode kernel), a vision tower or projector (``all-linear`` adapts the language model only), ``--lora-dropout`` with
-tensor parallelism.
+Not built yet, refused in one line: MoE experts (stacked expert tensors: PEFT adapts them through
+``target_parameters`` on transformers' fused ``experts.gate_up_proj``/``down_proj``, one (A, B) per expert, and merges
+the ``[E, out, in]`` delta into the weight every forward; areno's would belong inside the grouped GEMM), MLA's
+``kv_b_proj`` (absorbed into the decode kernel), a vision tower or projector (``all-linear`` adapts the language
+model only), ``--lora-dropout`` with tensor parallelism.
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") ->
                 raise LoraError(field, f"{t!r}: LoRA on the vision tower or projector is not built yet (the language "
                                        "model's projections are)")
             if getattr(model, "num_moe_layers", 0) and t in EXPERT_NAMES:
-                raise LoraError(field, f"{t!r}: LoRA on MoE experts is not built yet (attention projections are)")
+                raise LoraError(field, f"{t!r}: LoRA on MoE experts is not built yet (attention projections and "
+                                       "dense or shared-expert MLPs are)")
             raise LoraError(field, f"{t!r} names no linear module of the {model.config.model_type} model")
     seen, split = set(), None
     for s in chosen:
