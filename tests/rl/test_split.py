@@ -431,3 +431,21 @@ def test_lora_split_streams_the_warm_up_s_base_once(files, tmp_path):
                                                                 ).values())
     assert [m["policy_sync_bytes"] for m in ms] == [base + adapter, adapter, adapter]
     assert all(m["policy_sync_verified"] == 1 and m["logprob_diff_max"] < 1e-4 for m in ms)
+
+
+@pytest.mark.slow  # three split runs
+def test_lora_split_resume_continues_exactly(files, tmp_path):
+    """After a resume the engines hold --ckpt's base and a zero adapter: the first sync streams base and adapter (the
+    resumed one), and step 3 repeats the uninterrupted run's."""
+    split = ["--lora-rank", "4", "--train-devices", "0", "--rollout-devices", "1", "--save-interval", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    areno(files, full, *split, steps=3)
+    areno(files, part, *split, steps=2)
+    areno(files, part, *split, "--resume", steps=3)
+    a, b = metrics(full), metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3]
+    assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=1e-6) and b[2]["reward_mean"] == a[2]["reward_mean"]
+    assert b[2]["policy_sync_bytes"] > a[2]["policy_sync_bytes"] == _adapter_bytes(full / "step-3")  # base too
+    wa = load_file(str(full / "step-3" / "adapter_model.safetensors"))
+    wb = load_file(str(part / "step-3" / "adapter_model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
