@@ -53,12 +53,9 @@ class LoraSection:
             return
         if self.quantize_base == "nf4":
             self.check_qlora()
-        if self.rollout_devices is not None:
-            raise ConfigError("--lora-rank", "split mode (--rollout-devices) with LoRA is not built yet (its "
-                              "adapter-only policy sync); train colocated")
-        if self.tp_size > 1:
-            raise ConfigError("--lora-rank", "--tp-size > 1 with LoRA is not built yet (adapters sharded with their "
-                              "layers)")
+        if self.tp_size > 1 and self.lora_dropout > 0:
+            raise ConfigError("--lora-dropout", "with --tp-size > 1 is not built yet (each rank would draw its own "
+                              "mask over the replicated input); use 0")
         if self.train_cuda_graphs == "on":
             raise ConfigError("--train-cuda-graphs", "on with --lora-rank is not built yet (the adapter's update is "
                               "not graphed); use auto or off")

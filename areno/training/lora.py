@@ -7,7 +7,8 @@ PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``, base: ``
 training state; ``--merge-lora`` adds the merged full weights in ``<checkpoint>/merged``. Resume reads the adapter
 back into the live one. An --sft-warmup-steps warm-up trains the base itself, the adapter off (it stands in for the
 base's own training: LoRA adapts a trained base; the quickstart's is random); from then on checkpoints also hold that
-base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back.
+base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back. Under TP the adapter is sharded with its
+layers (models/lora.py): every rank takes part in a save (the shards are gathered), rank 0 writes whole files.
 
 QLoRA (--quantize-base nf4, ``models/qlora.py``): the base's projections are quantised once the adapter is attached,
 or at the end of the warm-up when one trains the base (the warm-up stands in for the base's own training); a
@@ -140,17 +141,17 @@ def save_fn(cfg):
 
         from areno.models import save_model
 
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
+        writer = not dist.is_initialized() or dist.get_rank() == 0
         folder = Path(folder)
         adapter = adapter_of(model)
-        adapter.save(folder, base=BASE_DIR if adapter.base_changed else cfg.ckpt)
+        # every rank: under TP the adapter's shards and the base's are gathered (a collective); rank 0 writes
+        adapter.save(folder, base=BASE_DIR if adapter.base_changed else cfg.ckpt, write=writer)
         if adapter.base_changed:  # trained by the warm-up: the adapter's base is the checkpoint's own
             with adapter.disabled(), qlora.dequantized(model):  # QLoRA: the base as the adapter saw it
                 save_model(model, folder / BASE_DIR, tokenizer)
-            if qlora.is_quantized(model):  # and its NF4 bytes, so resume gets them back exactly
+            if writer and qlora.is_quantized(model):  # and its NF4 bytes, so resume gets them back exactly
                 save_file(qlora.nf4_state(model), str(folder / NF4_BASE_FILE), metadata={"format": "pt"})
-        if tokenizer is not None:
+        if tokenizer is not None and writer:
             tokenizer.save_pretrained(str(folder))
         if cfg.merge_lora:
             save_merged(model, folder / MERGED_DIR, tokenizer)
@@ -160,7 +161,8 @@ def save_fn(cfg):
 
 def save_merged(model, folder, tokenizer=None) -> Path:
     """Write ``model`` with its adapter merged (``W + B A * alpha / r``) as a full checkpoint loadable by transformers
-    and areno (a QLoRA base: ``W`` dequantised); the live weights are restored after."""
+    and areno (a QLoRA base: ``W`` dequantised); the live weights are restored after. Under TP each rank merges its
+    own shard (every rank calls it)."""
     from areno.models import save_model
 
     adapter = adapter_of(model)
@@ -170,7 +172,8 @@ def save_merged(model, folder, tokenizer=None) -> Path:
         for s in adapter.sites:
             w = modules[s.module].weight
             kept.setdefault(s.module, w.detach().clone())
-            rows = w[s.offset : s.offset + s.rows]
+            offset, count = s.span(adapter.tp_rank, adapter.tp_size)
+            rows = w[offset : offset + count]
             rows.copy_((rows.float() + adapter.pair(s.hf_module).delta_weight().float()).to(w.dtype))
         try:
             with adapter.disabled():

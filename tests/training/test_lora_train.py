@@ -131,8 +131,7 @@ def test_lora_path_starts_from_a_peft_adapter(inputs, tmp_path):
 
 @pytest.mark.parametrize("extra,flag", [
     (["--lora-alpha", "8"], "--lora-alpha"),  # without --lora-rank
-    (["--lora-rank", "4", "--train-devices", "0", "--rollout-devices", "1"], "--lora-rank"),
-    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2"], "--lora-rank"),
+    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2", "--lora-dropout", "0.1"], "--lora-dropout"),
     (["--lora-rank", "4", "--train-cuda-graphs", "on", "--no-activation-checkpointing"], "--train-cuda-graphs"),
     (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout"),
     (["--lora-rank", "4", "--merge-lora"], "--merge-lora"),
@@ -189,3 +188,27 @@ def test_the_reference_is_the_base_with_the_adapter_off_unless_ref_ckpt(inputs):
         assert not torch.allclose(policy(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]),
                                   base(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]))
     assert ref.lm_head_weight is policy.lm_head_weight and adapter.enabled
+
+
+@pytest.mark.slow  # four runs, two of them on two gloo ranks
+def test_tensor_parallel_2_gives_the_single_process_adapter(inputs, tmp_path):
+    """--tp-size 2: the adapter sharded with its layers trains to the single process's adapter; the checkpoint's PEFT
+    file and --merge-lora's weights are whole. A GRPO step under TP samples with the sharded adapter unmerged: the
+    rollout log-probs equal the trainer's."""
+    one = _argv(inputs, tmp_path / "one", "sft", "--merge-lora", steps=2)
+    two = _argv(inputs, tmp_path / "two", "sft", "--merge-lora", "--world-size", "2", "--tp-size", "2", steps=2)
+    assert main(one) == 0 and main(two) == 0
+    a = load_file(str(tmp_path / "one" / "step-2" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "step-2" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+    ma = load_file(str(tmp_path / "one" / "step-2" / "merged" / "model.safetensors"))
+    mb = load_file(str(tmp_path / "two" / "step-2" / "merged" / "model.safetensors"))
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], atol=1e-5, rtol=1e-4)
+    assert main(_argv(inputs, tmp_path / "grpo", "grpo", "--world-size", "2", "--tp-size", "2", steps=2)) == 0
+    lines = [json.loads(x) for x in (tmp_path / "grpo" / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    diffs = [m["logprob_diff_max"] for m in lines if "logprob_diff_max" in m]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
