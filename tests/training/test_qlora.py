@@ -4,7 +4,6 @@ quantised base with the adapter off; through `areno train`: PEFT files, --merge-
 resume of a warm-up-trained quantised base, and what is not built exits 2 naming the flag."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -18,24 +17,6 @@ from areno.models.qlora import dequantized, nf4_state, quantize_base, quantized_
 from areno.training.lora import BaseModel
 
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6]])
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    from areno.testing import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("qlora-run")
-    rng = random.Random(0)
-    rows = []
-    for i in range(8):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b), **({"split": "eval"} if i == 7 else {})})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(sum(map(ord, record.completion)) % 2)\n")
-    return make_tiny_checkpoint(root / "model", "qwen3", seed=0), data, reward
 
 
 def _forward(model):
@@ -168,19 +149,3 @@ def _exit_code(argv) -> int:
     except SystemExit as e:
         return e.code
 
-
-@pytest.mark.gpu
-def test_bf16_qlora_rollout_matches_the_trainer_at_width(inputs, tmp_path):
-    """H200: a bf16 QLoRA GRPO run at the Qwen3-0.6B layer width (4 layers): the colocated engine (CUDA-graphed decode)
-    runs the same NF4 GEMM and unmerged adapter as the trainer; rollout-vs-trainer log-prob mean |diff| <= 0.01."""
-    from areno.testing import make_tiny_checkpoint
-
-    ckpt = make_tiny_checkpoint(tmp_path / "model", "qwen3", seed=0, dtype=torch.bfloat16, hidden_size=1024,
-                                intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
-                                num_key_value_heads=8, head_dim=128)
-    argv = _argv((ckpt, *inputs[1:]), tmp_path / "out", "grpo", "--lora-rank", "32", "--dtype", "bfloat16",
-                 "--lr", "1e-3", steps=3)
-    assert main(argv) == 0
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics" / "metrics.jsonl").read_text().splitlines()]
-    diffs = [m["logprob_diff"] for m in lines if "logprob_diff" in m]
-    assert len(diffs) == 3 and max(diffs) <= 0.01, diffs
