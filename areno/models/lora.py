@@ -271,6 +271,7 @@ class LoraAdapter(nn.Module):
         self._handles = []
         self.base_trainable: list = []  # the base parameters that trained before the adapter froze them
         self.base_changed = False  # the base trained in this run (a LoRA run's SFT warm-up): checkpoints hold it
+        self.quantize_pending = False  # --quantize-base nf4 waits for the warm-up that trains the base
 
     def pair(self, hf_module: str) -> LoraPair:
         return self.pairs[_key(hf_module)]

@@ -3,7 +3,6 @@ adapter moves, the checkpoint is PEFT's (same logits through ``peft``), --merge-
 resume is exact, and what is not built yet exits 2 naming the flag."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -16,25 +15,6 @@ from areno.models.lora import LoraSpec, attach, read_peft_config
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6]])
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    from areno.testing import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("lora-run")
-    rng = random.Random(0)
-    rows = []
-    for i in range(8):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b), "chosen": str(a + b), "rejected": str(a + b + 1),
-                     **({"split": "eval"} if i == 7 else {})})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(sum(map(ord, record.completion)) % 2)\n")
-    return make_tiny_checkpoint(root / "model", "qwen3", seed=0), data, reward
 
 
 def _argv(inputs, out, algo, *extra, steps=1):
@@ -151,16 +131,18 @@ def _exit_code(argv) -> int:
 
 
 @pytest.mark.gpu
-def test_bf16_lora_rollout_matches_the_trainer_at_width(inputs, tmp_path):
+@pytest.mark.parametrize("quantize", [[], ["--quantize-base", "nf4"]], ids=["lora", "qlora"])
+def test_bf16_lora_rollout_matches_the_trainer_at_width(inputs, tmp_path, quantize):
     """H200: a bf16 LoRA GRPO run at the Qwen3-0.6B layer width (4 layers), the colocated engine (CUDA-graphed decode)
-    applying the moved adapter unmerged: rollout-vs-trainer log-prob mean |diff| within the issue's 0.01 bar."""
+    applying the moved adapter unmerged: rollout-vs-trainer log-prob mean |diff| within the issue's 0.01 bar. QLoRA:
+    the engine runs the same NF4 GEMM on the same quantised base as the trainer."""
     from areno.testing import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "model", "qwen3", seed=0, dtype=torch.bfloat16, hidden_size=1024,
                                 intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
                                 num_key_value_heads=8, head_dim=128)
     argv = _argv((ckpt, *inputs[1:]), tmp_path / "out", "grpo", "--lora-rank", "32", "--dtype", "bfloat16",
-                 "--lr", "1e-3", steps=3)
+                 "--lr", "1e-3", *quantize, steps=3)
     assert main(argv) == 0
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics" / "metrics.jsonl").read_text().splitlines()]
     diffs = [m["logprob_diff"] for m in lines if "logprob_diff" in m]
