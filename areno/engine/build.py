@@ -90,7 +90,7 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
     engine = Engine(model, tokenizer, config, eos_token_ids=eos_token_ids(model_path, tokenizer))
     for name, path in (lora_modules or {}).items():
         try:
-            engine.load_lora(name, path)
+            engine.lora.load(name, path)
         except ValueError as exc:
             from areno.config import ConfigError
 

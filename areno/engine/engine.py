@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +28,7 @@ from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
 from areno.engine.kv_cache import kv_groups, plan_num_blocks
-from areno.engine.lora_slots import LoraSlots
+from areno.engine.lora_slots import LoraSlots, slots_of
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import Sequence
@@ -96,10 +95,8 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self.grammars = EngineGrammars(self)  # structured outputs: compiled grammars, matchers, compiles off the loop
         self.runner = None
-        # LoRA serving: the adapter slots (built once: they outlive drop_rollout_state) and the live sequences that
-        # use one (a load never takes the slot of a sequence still running with an unloaded adapter)
+        # LoRA serving: the adapter slots (built once: they outlive drop_rollout_state); load with lora_slots.load
         self.lora = LoraSlots(model, cfg.max_loras, cfg.max_lora_rank) if cfg.max_loras else None
-        self._lora_seqs: weakref.WeakSet = weakref.WeakSet()
         self._build()
         self._progress_t = time.perf_counter()
         self._progress_tokens = 0
@@ -223,7 +220,8 @@ class Engine:
         options = options or SamplingParams()
         if options.logit_bias and max(options.logit_bias) >= self.runner.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
-        lora_slot, lora_key = self._lora_of(options)
+        if options.lora is not None:
+            slots_of(self, options.lora).slot_of(options.lora)  # an unknown adapter is refused before any work
         base = options.seed if options.seed is not None else self._rng.getrandbits(62)
         group = [
             Sequence(list(prompt_ids), options, request_id=request_id, sample_index=i,
@@ -233,35 +231,12 @@ class Engine:
         if images is not None:
             for seq in group:
                 seq.mm = images
-        if lora_slot >= 0:
-            for seq in group:
-                seq.lora_slot, seq.lora_key = lora_slot, lora_key
-                self._lora_seqs.add(seq)
+        if options.lora is not None:
+            self.lora.attach(group, options.lora)
         if options.grammar is not None and not self.grammars.attach(group, options):
             return group  # it waits for its grammar's compile (EngineGrammars.admit)
         self.scheduler.add(group)
         return group
-
-    def load_lora(self, name: str, path) -> int:
-        """Load a PEFT adapter folder as ``name`` (``LoraSlots.load``); requests then pick it by name
-        (``SamplingParams.lora``). A ``LoraError`` (a ValueError) naming the adapter when it cannot be served."""
-        if self.lora is None:
-            raise ValueError(f"{name}: this engine has no LoRA slots (max_loras 0)")
-        return self.lora.load(name, path, in_use={s.lora_slot for s in self._lora_seqs if not s.is_finished})
-
-    def unload_lora(self, name: str) -> None:
-        if self.lora is None:
-            raise ValueError(f"the LoRA adapter {name!r} is not loaded")
-        self.lora.unload(name)
-
-    def _lora_of(self, options: SamplingParams) -> tuple[int, int]:
-        """(slot, prefix-cache key) of the request's adapter; (-1, 0) for the base model."""
-        if options.lora is None:
-            return -1, 0
-        if self.lora is None:
-            raise ValueError(f"the LoRA adapter {options.lora!r} is not loaded (this engine has no LoRA slots)")
-        slot = self.lora.slot_of(options.lora)
-        return slot, self.lora.keys[slot]
 
     def abort(self, seqs) -> None:
         for seq in seqs:

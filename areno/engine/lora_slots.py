@@ -13,6 +13,7 @@ one). Not built: tensor parallelism (adapters sharded with their layers), MoE ex
 from __future__ import annotations
 
 import itertools
+import weakref
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ class LoraSlots:
         self.names: dict[str, int] = {}  # loaded adapter -> its slot
         self.keys = [0] * max_loras  # the slot's current load key (prefix-cache salt)
         self.index: torch.Tensor | None = None  # this step's slot per token row; None: no row has an adapter
+        # the sequences that use a slot: a load never takes the slot of one still running with an unloaded adapter
+        self._seqs: weakref.WeakSet = weakref.WeakSet()
         self._handles = []
         self._hook(model)
 
@@ -79,16 +82,24 @@ class LoraSlots:
             raise ValueError(f"the LoRA adapter {name!r} is not loaded")
         return self.names[name]
 
-    def load(self, name: str, path, in_use=()) -> int:
-        """Load the PEFT adapter folder ``path`` as ``name`` into a free slot (none that ``in_use``, the slots of
-        live sequences, holds); a ``LoraError`` naming the adapter when it cannot be served."""
+    def attach(self, seqs, name: str) -> None:
+        """A request's samples generate with adapter ``name``: its slot, and its load's prefix-cache key."""
+        slot = self.slot_of(name)
+        for seq in seqs:
+            seq.lora_slot, seq.lora_key = slot, self.keys[slot]
+            self._seqs.add(seq)
+
+    def load(self, name: str, path) -> int:
+        """Load the PEFT adapter folder ``path`` as ``name`` into a free slot (none that a live sequence uses);
+        requests then pick it by name (``SamplingParams.lora``). A ``LoraError`` (a ValueError) naming the adapter
+        when it cannot be served."""
         if name in self.names:
             raise LoraError(name, "an adapter of this name is already loaded")
         spec = read_peft_config(path, field=name)
         if spec.rank > self.max_rank:
             raise LoraError(name, f"rank {spec.rank} is over --max-lora-rank {self.max_rank}")
         pairs = self._read_pairs(name, Path(path).expanduser(), spec.rank)
-        taken = set(self.names.values()) | set(in_use)
+        taken = set(self.names.values()) | {s.lora_slot for s in self._seqs if not s.is_finished}
         free = [s for s in range(self.max_loras) if s not in taken]
         if not free:
             raise LoraError(name, f"all {self.max_loras} --max-loras slots hold adapters (or requests still use "
@@ -147,3 +158,9 @@ class LoraSlots:
         self.slot_of(name)
         del self.names[name]
 
+
+def slots_of(engine, adapter: str) -> LoraSlots:
+    """The engine's LoRA slots; a ValueError naming ``adapter`` when it has none (max_loras 0)."""
+    if engine.lora is None:
+        raise ValueError(f"the LoRA adapter {adapter!r} is not loaded (this engine has no LoRA slots)")
+    return engine.lora

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from areno.engine.lora_slots import slots_of
 from areno.serve.bodies import request_body
 from areno.serve.errors import APIError
 from areno.serve.protocol import parse
@@ -83,11 +84,11 @@ def check_adapter_request(req, adapter: str | None) -> None:
 
 # ---- on the engine thread (module-level: they travel to engine-core replicas) ----------------------------------
 def engine_load(engine, name: str, path: str) -> int:
-    return engine.load_lora(name, path)
+    return slots_of(engine, name).load(name, path)
 
 
 def engine_unload(engine, name: str) -> None:
-    engine.unload_lora(name)
+    slots_of(engine, name).unload(name)
 
 
 async def _on_engines(state, fn, *args) -> list:

@@ -38,7 +38,7 @@ def engine(model, tok, adapters, names=("a", "b", "c"), **kw):
     kw.setdefault("max_model_len", 128)
     eng = Engine(model, tok, EngineConfig(max_loras=3, max_lora_rank=8, **kw))
     for n in names:
-        eng.load_lora(n, adapters[n])
+        eng.lora.load(n, adapters[n])
     return eng
 
 
@@ -109,8 +109,8 @@ def test_prefix_cache_is_keyed_by_adapter(setup):
     assert eng.blocks.prefix_hits == hits
     again = eng.generate([prompt], greedy("a"))[0][0].token_ids
     assert eng.blocks.prefix_hits > hits and again == first  # the same adapter reuses its own
-    eng.unload_lora("a")
-    eng.load_lora("a", adapters["c"])  # the name reloaded with other weights: a fresh key, no stale prefix
+    eng.lora.unload("a")
+    eng.lora.load("a", adapters["c"])  # the name reloaded with other weights: a fresh key, no stale prefix
     hits = eng.blocks.prefix_hits
     eng.generate([prompt], greedy("a"))
     assert eng.blocks.prefix_hits == hits
@@ -122,30 +122,30 @@ def test_load_refusals_name_the_adapter(setup, tmp_path):
     base, adapters, model, tok = setup
     eng = Engine(model, tok, EngineConfig(block_size=4, max_running=4, max_loras=2, max_lora_rank=4))
     with pytest.raises(LoraError, match="^b: rank 8 is over --max-lora-rank 4"):
-        eng.load_lora("b", adapters["b"])
+        eng.lora.load("b", adapters["b"])
     with pytest.raises(LoraError, match="^nope: .*adapter_config.json does not exist"):
-        eng.load_lora("nope", tmp_path / "missing")
+        eng.lora.load("nope", tmp_path / "missing")
     other = make_tiny_checkpoint(tmp_path / "other", family="qwen3", seed=1, hidden_size=48)
     wrong = make_adapter(other, tmp_path / "wrong", rank=2, alpha=2, targets=["q_proj"], seed=4)
     with pytest.raises(LoraError, match="^wrong: .*q_proj.*another base model"):
-        eng.load_lora("wrong", wrong)
-    eng.load_lora("a", adapters["a"])
+        eng.lora.load("wrong", wrong)
+    eng.lora.load("a", adapters["a"])
     with pytest.raises(LoraError, match="^a: an adapter of this name is already loaded"):
-        eng.load_lora("a", adapters["c"])
-    eng.load_lora("c", adapters["c"])
+        eng.lora.load("a", adapters["c"])
+    eng.lora.load("c", adapters["c"])
     with pytest.raises(LoraError, match="^a2: all 2 --max-loras slots"):
-        eng.load_lora("a2", adapters["a"])
+        eng.lora.load("a2", adapters["a"])
     with pytest.raises(ValueError, match="'zz' is not loaded"):
         eng.add_request(tok.encode("x"), greedy("zz"))
     with pytest.raises(ValueError, match="'zz' is not loaded"):
-        eng.unload_lora("zz")
+        eng.lora.unload("zz")
     # a slot whose adapter is unloaded stays taken while a request still runs with it
     (seq,) = eng.add_request(tok.encode("hello"), greedy("c"))
-    eng.unload_lora("c")
+    eng.lora.unload("c")
     with pytest.raises(LoraError, match="slots"):
-        eng.load_lora("c2", adapters["c"])
+        eng.lora.load("c2", adapters["c"])
     while eng.has_work():
         eng.step()
     assert seq.is_finished
-    eng.load_lora("c2", adapters["c"])
+    eng.lora.load("c2", adapters["c"])
     eng.lora.remove()
