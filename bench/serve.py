@@ -175,7 +175,8 @@ def client_main(host, port, bodies, starts, origin, results) -> None:
 
 
 def run_load(base, model, prompts, max_tokens, rate, clients, seed=0) -> tuple[list[dict], float]:
-    """Send every prompt (all at once when ``rate`` is None, else Poisson at ``rate``/s) from ``clients`` processes
+    """``model``: the served name, or a list of names taken in turn (LoRA adapters, ``bench/serve_lora.py``). Send every
+    prompt (all at once when ``rate`` is None, else Poisson at ``rate``/s) from ``clients`` processes
     (round robin); returns the results and the origin time (perf_counter: one clock for every process on Linux)."""
     import multiprocessing as mp
 
@@ -185,8 +186,10 @@ def run_load(base, model, prompts, max_tokens, rate, clients, seed=0) -> tuple[l
         starts.append(t if rate else 0.0)
         if rate:
             t += rng.expovariate(rate)
-    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 1.0, "stream": True,
-                          "ignore_eos": True, "stream_options": {"include_usage": True}}).encode() for p in prompts]
+    names = [model] if isinstance(model, str) else list(model)  # several: request i asks for names[i % len(names)]
+    bodies = [json.dumps({"model": names[i % len(names)], "prompt": p, "max_tokens": max_tokens, "temperature": 1.0,
+                          "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+              for i, p in enumerate(prompts)]
     host, port = base.split("//")[1].rsplit(":", 1)
     ctx = mp.get_context("fork")  # nothing here has touched CUDA; the children only speak HTTP
     results = ctx.Queue()

@@ -30,19 +30,24 @@ BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
 
 
 @triton.jit
+def _slot_rows(IDX, M, slot, BLOCK_M: tl.constexpr):
+    """This program's block of rows (int64), which of them use ``slot``, and whether any does."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    hit = rmask & (tl.load(IDX + rows, mask=rmask, other=-1) == slot)
+    return rows.to(tl.int64), hit, tl.max(hit.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _lora_shrink_kernel(
     X, A, IDX, T, M, K, R, sxm, sa0, sa1,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    idx = tl.load(IDX + rows, mask=rmask, other=-1)
-    hit = rmask & (idx == slot)
-    if tl.max(hit.to(tl.int32), axis=0) > 0:
+    rows64, hit, any_hit = _slot_rows(IDX, M, slot, BLOCK_M)
+    if any_hit:
         rr = tl.arange(0, BLOCK_R)
         kk = tl.arange(0, BLOCK_K)
-        rows64 = rows.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kmask = (k0 + kk) < K
@@ -62,15 +67,11 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    idx = tl.load(IDX + rows, mask=rmask, other=-1)
-    hit = rmask & (idx == slot)
-    if tl.max(hit.to(tl.int32), axis=0) > 0:
+    rows64, hit, any_hit = _slot_rows(IDX, M, slot, BLOCK_M)
+    if any_hit:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         rr = tl.arange(0, BLOCK_R)
-        rows64 = rows.to(tl.int64)
         t = tl.load(T + rows64[:, None] * R + rr[None, :], mask=hit[:, None] & (rr < R)[None, :], other=0.0)
         b = tl.load(B + slot * sb0 + cols[None, :] * sb1 + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :],
                     other=0.0)
