@@ -54,7 +54,7 @@ class ServeConfig:
         None, "LoRA adapters to serve (vLLM's flag): name=path (a PEFT adapter folder) or JSON "
         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}', several after one flag; a request's model "
         "picks one (the base stays servable by its own name); POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
-        "change them at run time", "server", nargs="+", metavar="NAME=PATH")
+        "change them at run time", "server", nargs="+", type=str, metavar="NAME=PATH")
     max_loras: Optional[int] = opt(None, "LoRA adapter slots (adapters loaded at once; requests for different "
                                    "adapters share each engine step); set alone, the slots wait for "
                                    "/v1/load_lora_adapter", "server", default_help="the number of --lora-modules")

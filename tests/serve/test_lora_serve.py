@@ -140,6 +140,11 @@ def test_the_flags(tiny_ckpt):
                                    {"name": "y", "path": "/q", "base_model_name": "tiny"}]
     assert cfg.lora_engine_kwargs() == {"max_loras": 2, "max_lora_rank": 16, "lora_modules": {"x": "/p", "y": "/q"}}
     assert ServeConfig(**base).lora_engine_kwargs() == {}
+    from areno.cli import make_parser
+
+    argv = ["--model-path", "m", "--lora-modules", "x=/p", '{"name": "y", "path": "/q"}', "--max-loras", "3"]
+    assert make_parser("serve", ServeConfig).parse_explicit(argv) == {
+        "model_path": "m", "lora_modules": ["x=/p", '{"name": "y", "path": "/q"}'], "max_loras": 3}
     for kw, flag, words in [
         ({"lora_modules": ["x"]}, "--lora-modules", "not name=path"),
         ({"lora_modules": ['{"name": "y"}']}, "--lora-modules", "JSON form"),
