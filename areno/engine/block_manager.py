@@ -5,7 +5,9 @@ The cache holds ``num_blocks`` blocks of ``block_size`` token slots. A block is 
   partly filled block is copied (copy-on-write) by whichever sample writes into it first while it is shared;
 - a full block whose K/V are computed is registered under a hash chained over all tokens up to its end (and the
   content hashes of the images whose tokens it holds), so a later request with the same prefix reuses it. Freed
-  blocks keep their hash and sit in an LRU free list until a new allocation evicts them.
+  blocks keep their hash and sit in an LRU free list until a new allocation evicts them. A sequence served with a
+  LoRA adapter starts its chain from that adapter load's key (``seq.lora_key``; 0 for the base model), so K/V
+  computed under one adapter never serve another.
 No device memory is touched here; copies are queued in ``pending_copies`` for the model runner.
 
 Sliding-window layers (``windows``, one entry per KV-cache group, see ``kv_cache.kv_groups``): every group keeps

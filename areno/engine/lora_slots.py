@@ -63,6 +63,7 @@ class LoraSlots:
             if idx is None:
                 return out
             x = args[0].reshape(-1, args[0].shape[-1])
+            x = x if x.stride(-1) == 1 else x.contiguous()  # the kernel's layout (never the host-syncing fallback)
             y = out.view(-1, out.shape[-1])
             for i in sites:
                 s = self.sites[i]
