@@ -80,20 +80,10 @@ def measure(path, args, server_args: str, names, prompts, warm) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shape, few short requests (checks the script)")
-    ap.add_argument("--requests", type=int, default=None, help="500 (20 with --smoke)")
-    ap.add_argument("--prompt-tokens", type=int, default=None, help="512 (32 with --smoke)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="128 (8 with --smoke)")
-    ap.add_argument("--max-running-prompts", type=int, default=256)
-    ap.add_argument("--eager", action="store_true", help="servers with --eager-decode")
-    ap.add_argument("--clients", type=int, default=None, help="client processes (4; 1 with --smoke)")
-    ap.add_argument("--startup-timeout-s", type=float, default=300)
+    serve_bench.add_load_args(ap)
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/serve_lora.jsonl")
     args = ap.parse_args()
-    for name, full, smoke in (("requests", 500, 20), ("prompt_tokens", 512, 32), ("max_tokens", 128, 8),
-                              ("clients", 4, 1)):
-        if getattr(args, name) is None:
-            setattr(args, name, smoke if args.smoke else full)
+    serve_bench.fill_load_defaults(args)
     t_start = time.perf_counter()
     path = models.checkpoint(args.smoke)
     folders = make_adapters(path, args.smoke)

@@ -10,7 +10,7 @@ from areno.engine.engine import Engine, EngineConfig
 from areno.models import load_model, load_tokenizer
 from areno.models.lora import LoraError
 from areno.testing import make_tiny_checkpoint
-from tests.helpers.cpu_graph import CpuGraph
+from tests.helpers.cpu_graph import use_cpu_graphs
 from tests.helpers.lora_adapters import make_adapter, peft_greedy
 
 pytest.importorskip("peft")
@@ -82,18 +82,10 @@ def test_graph_path_gives_the_eager_tokens(setup, monkeypatch):
     close(eng)
     for k in (1, 3):
         eng = engine(model, tok, adapters, decode_steps=k)
-        runner = eng.runner
-        runner.use_graphs, runner.graph_buckets = True, [4, 8]
-
-        def capture(bsz, k, width=0, rope_off=False, runner=runner):
-            buf = runner._graph_buffers(bsz, width)
-            graph = CpuGraph(runner, buf, k)
-            runner.graphs[(bsz, k, width)] = (graph, buf, graph.out)
-
-        monkeypatch.setattr(runner, "_capture", capture)
+        use_cpu_graphs(eng.runner, monkeypatch)
         got = eng.generate(prompts[:3], opts)
         close(eng)
-        assert (8, k, 0) in runner.graphs
+        assert (8, k, 0) in eng.runner.graphs
         assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in ref]
 
 
