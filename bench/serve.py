@@ -175,7 +175,8 @@ def client_main(host, port, bodies, starts, origin, results) -> None:
 
 
 def run_load(base, model, prompts, max_tokens, rate, clients, seed=0) -> tuple[list[dict], float]:
-    """Send every prompt (all at once when ``rate`` is None, else Poisson at ``rate``/s) from ``clients`` processes
+    """``model``: the served name, or a list of names taken in turn (LoRA adapters, ``bench/serve_lora.py``). Send every
+    prompt (all at once when ``rate`` is None, else Poisson at ``rate``/s) from ``clients`` processes
     (round robin); returns the results and the origin time (perf_counter: one clock for every process on Linux)."""
     import multiprocessing as mp
 
@@ -185,8 +186,10 @@ def run_load(base, model, prompts, max_tokens, rate, clients, seed=0) -> tuple[l
         starts.append(t if rate else 0.0)
         if rate:
             t += rng.expovariate(rate)
-    bodies = [json.dumps({"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 1.0, "stream": True,
-                          "ignore_eos": True, "stream_options": {"include_usage": True}}).encode() for p in prompts]
+    names = [model] if isinstance(model, str) else list(model)  # several: request i asks for names[i % len(names)]
+    bodies = [json.dumps({"model": names[i % len(names)], "prompt": p, "max_tokens": max_tokens, "temperature": 1.0,
+                          "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+              for i, p in enumerate(prompts)]
     host, port = base.split("//")[1].rsplit(":", 1)
     ctx = mp.get_context("fork")  # nothing here has touched CUDA; the children only speak HTTP
     results = ctx.Queue()
@@ -278,29 +281,38 @@ def summarize(load, results, origin, max_tokens) -> dict:
     return rec
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_load_args(ap) -> None:
+    """The load's flags (bench/serve.py and bench/serve_lora.py); ``fill_load_defaults`` after parsing."""
     ap.add_argument("--smoke", action="store_true", help="tiny shape, few short requests (checks the script)")
     ap.add_argument("--requests", type=int, default=None, help="500 (20 with --smoke)")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="512 (32 with --smoke)")
     ap.add_argument("--max-tokens", type=int, default=None, help="128 (8 with --smoke)")
-    ap.add_argument("--rates", default="inf,16", help="comma list of requests/s; inf = all at once")
     ap.add_argument("--max-running-prompts", type=int, default=256)
     ap.add_argument("--eager", action="store_true", help="server with --eager-decode")
     ap.add_argument("--startup-timeout-s", type=float, default=300)
+    ap.add_argument("--clients", type=int, default=None, help="client processes (4; 1 with --smoke)")
+
+
+def fill_load_defaults(args) -> None:
+    for name, full, smoke in (("requests", 500, 20), ("prompt_tokens", 512, 32), ("max_tokens", 128, 8),
+                              ("clients", 4, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_load_args(ap)
+    ap.add_argument("--rates", default="inf,16", help="comma list of requests/s; inf = all at once")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/serve.jsonl")
     ap.add_argument("--server-args", default="", help="more areno serve flags, e.g. '--world-size 2 --tp-size 2'")
-    ap.add_argument("--clients", type=int, default=None, help="client processes (4; 1 with --smoke)")
     ap.add_argument("--no-engine-only", action="store_true",
                     help="skip the engine-only run of the same batch (engine_tok_s, vs_engine)")
     ap.add_argument("--greedy-out", default=None,
                     help="after the loads, write the greedy completions of 32 fixed prompts (64 tokens) here (JSON)")
     args = ap.parse_args()
-    for name, full, smoke in (("requests", 500, 20), ("prompt_tokens", 512, 32), ("max_tokens", 128, 8),
-                              ("clients", 4, 1)):
-        if getattr(args, name) is None:
-            setattr(args, name, smoke if args.smoke else full)
+    fill_load_defaults(args)
     shape = models.shape_of(args.smoke)
     t_start = time.perf_counter()
     path = models.checkpoint(args.smoke)

@@ -88,6 +88,7 @@ class SamplingParams:
     top_logprobs: int = 0  # also return the k most likely tokens' log-probs at each step
     grammar: dict | None = None  # structured output spec (see the module docstring): {"type": "json_object"}, ...
     json_schema: dict | bool | None = None  # the SDK's shorthand: grammar {"type": "json_schema", "schema": it}
+    lora: str | None = None  # serving: a loaded LoRA adapter's name (LoraSlots.load) to generate with; None: base
 
     def __post_init__(self):
         check_int("max_new_tokens", self.max_new_tokens, 1)

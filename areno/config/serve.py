@@ -50,6 +50,15 @@ class ServeConfig:
     tool_call_format: str = opt(
         "auto", "how tool calls are read from the model's answers (OpenAI tool_calls): auto picks the checkpoint's "
         "family's own format by its model_type (qwen3 where it has none)", "server", choices=TOOL_CALL_FORMATS)
+    lora_modules: Optional[list[str]] = opt(
+        None, "LoRA adapters to serve (vLLM's flag): name=path (a PEFT adapter folder) or JSON "
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}', several after one flag; a request's model "
+        "picks one (the base stays servable by its own name); POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "change them at run time", "server", nargs="+", type=str, metavar="NAME=PATH")
+    max_loras: Optional[int] = opt(None, "LoRA adapter slots (adapters loaded at once; requests for different "
+                                   "adapters share each engine step); set alone, the slots wait for "
+                                   "/v1/load_lora_adapter", "server", default_help="the number of --lora-modules")
+    max_lora_rank: int = opt(16, "highest LoRA rank a slot holds (lower ranks zero-padded)", "server")
     max_running_prompts: int = opt(32, "cap on active sequences in the continuous batch", "rollout")
     attn_backend: Optional[str] = opt(
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
@@ -94,3 +103,66 @@ class ServeConfig:
         check_non_negative("--read-timeout-s", self.read_timeout_s)
         check_range("--read-timeout-s", self.read_timeout_s, 0, 86400)  # a number of seconds (not nan or inf)
         check_media_limits(self)
+        self._check_lora()
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_modules) or bool(self.max_loras)
+
+    def lora_engine_kwargs(self) -> dict:
+        """``build_engine``'s LoRA arguments: the slots and the adapters to load at start ({} without LoRA)."""
+        if not self.lora_enabled:
+            return {}
+        modules = {a["name"]: a["path"] for a in self.lora_adapters()}
+        return {"max_loras": self.max_loras or len(modules), "max_lora_rank": self.max_lora_rank,
+                "lora_modules": modules}
+
+    def lora_adapters(self) -> list[dict]:
+        """--lora-modules as ``[{"name", "path", "base_model_name"}]`` (``ConfigError`` naming the flag)."""
+        return [lora_module(v, self.served_model_name or str(self.model_path).rstrip("/"))
+                for v in self.lora_modules or ()]
+
+    def _check_lora(self) -> None:
+        check_sizes(self, ("max_loras", "max_lora_rank"))
+        if not self.lora_enabled:
+            if self.max_lora_rank != 16:
+                raise ConfigError("--max-lora-rank", "applies only with --lora-modules or --max-loras (no LoRA slots "
+                                  "otherwise)")
+            return
+        if self.tp_size > 1:
+            raise ConfigError("--lora-modules" if self.lora_modules else "--max-loras",
+                              "serving LoRA adapters with --tp-size > 1 is not built yet (adapters sharded with "
+                              "their layers)")
+        adapters = self.lora_adapters()
+        names = [a["name"] for a in adapters]
+        if len(set(names)) != len(names):
+            raise ConfigError("--lora-modules", f"an adapter name is given twice: {names}")
+        if self.max_loras is not None and len(names) > self.max_loras:
+            raise ConfigError("--max-loras", f"{self.max_loras} slots cannot hold the {len(names)} --lora-modules")
+
+
+def lora_module(value, base: str) -> dict:
+    """One --lora-modules entry: ``name=path`` or vLLM's JSON form."""
+    import json
+
+    text = str(value).strip()
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("--lora-modules", f"{text!r} is not JSON: {exc}") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(
+                entry.get("path"), str) or set(entry) - {"name", "path", "base_model_name"}:
+            raise ConfigError("--lora-modules", f"{text!r}: the JSON form has the string keys name, path and "
+                              "optionally base_model_name")
+        name, path, parent = entry["name"], entry["path"], entry.get("base_model_name") or base
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ConfigError("--lora-modules", f"{text!r} is not name=path")
+        parent = base
+    if not name.strip() or not path.strip():
+        raise ConfigError("--lora-modules", f"{text!r}: the name and the path must not be empty")
+    if name == base:
+        raise ConfigError("--lora-modules", f"{name!r} is the base model's name (the base stays servable by it)")
+    return {"name": name, "path": path, "base_model_name": parent}

@@ -5,7 +5,9 @@ The cache holds ``num_blocks`` blocks of ``block_size`` token slots. A block is 
   partly filled block is copied (copy-on-write) by whichever sample writes into it first while it is shared;
 - a full block whose K/V are computed is registered under a hash chained over all tokens up to its end (and the
   content hashes of the images whose tokens it holds), so a later request with the same prefix reuses it. Freed
-  blocks keep their hash and sit in an LRU free list until a new allocation evicts them.
+  blocks keep their hash and sit in an LRU free list until a new allocation evicts them. A sequence served with a
+  LoRA adapter starts its chain from that adapter load's key (``seq.lora_key``; 0 for the base model), so K/V
+  computed under one adapter never serve another.
 No device memory is touched here; copies are queued in ``pending_copies`` for the model runner.
 
 Sliding-window layers (``windows``, one entry per KV-cache group, see ``kv_cache.kv_groups``): every group keeps
@@ -140,7 +142,7 @@ class BlockManager:
         """Chain hashes of the prompt's leading full blocks that every full-attention group holds, up to the first
         miss (never the block of the last token: its logits are needed)."""
         bs, tokens, mm = self.block_size, seq.tokens, seq.mm
-        out, prev = [], 0
+        out, prev = [], seq.lora_key  # a LoRA adapter's K/V differ from the base's: its own chain
         for i in range((len(tokens) - 1) // bs):
             chunk = tokens[i * bs : (i + 1) * bs]
             prev = _chain_hash(prev, chunk if mm is None else _with_images(seq, chunk, i * bs))
@@ -182,7 +184,7 @@ class BlockManager:
         if self.prefix_caching:
             self.prefix_queries += len(seq.tokens)
         self.prefix_hits += seq.num_cached
-        self._hashed[seq.seq_id] = (hit, chain[hit - 1] if hit else 0)
+        self._hashed[seq.seq_id] = (hit, chain[hit - 1] if hit else seq.lora_key)
 
     def free_seq(self, seq: Sequence) -> None:
         for table, dropped in zip(seq.tables, seq.dropped):
@@ -226,7 +228,7 @@ class BlockManager:
         if parent.state_slot >= 0:
             self._take_state_slot(child)
             self.pending_state_copies.append((parent.state_slot, child.state_slot))
-        self._hashed[child.seq_id] = self._hashed.get(parent.seq_id, (0, 0))
+        self._hashed[child.seq_id] = self._hashed.get(parent.seq_id, (0, parent.lora_key))
 
     def prepare_append(self, seq: Sequence) -> bool:
         """Make the slot of ``seq``'s last token writable in every group: a new block, or a private copy of a
@@ -261,7 +263,7 @@ class BlockManager:
         """Forget every cached prefix: the weights changed, so their K/V are stale (call it between requests)."""
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
-        self._hashed = {seq_id: (0, 0) for seq_id in self._hashed}
+        self._hashed = {}  # each live sequence hashes again from its first block (and its adapter's salt)
 
     # ---- prefix cache registration -------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
@@ -270,7 +272,7 @@ class BlockManager:
         if not self.prefix_caching:
             return
         bs = self.block_size
-        done, prev = self._hashed.get(seq.seq_id, (0, 0))
+        done, prev = self._hashed.get(seq.seq_id, (0, seq.lora_key))
         full = min(seq.num_computed // bs, len(seq.block_table))
         for i in range(done, full):
             chunk = seq.tokens[i * bs : (i + 1) * bs]

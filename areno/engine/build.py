@@ -69,8 +69,10 @@ def engine_config(model, *, max_running: int = 256, max_model_len: int | None = 
 
 def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_running=256, max_model_len=None,
                  eager_decode=False, attn_backend=None, decode_progress_interval_s=None, dtype=None, seed=0,
-                 kv_cache_memory=None, block_size=16, device=None):
-    """(Engine, tokenizer) for ``model_path`` (a local folder or a Hugging Face repo id)."""
+                 kv_cache_memory=None, block_size=16, device=None, max_loras=0, max_lora_rank=16, lora_modules=None):
+    """(Engine, tokenizer) for ``model_path`` (a local folder or a Hugging Face repo id); ``max_loras`` > 0: LoRA
+    adapter slots of ``max_lora_rank``, ``lora_modules`` ({name: PEFT folder}) loaded into them (a ``ConfigError``
+    naming --lora-modules for one that cannot be served)."""
     from areno.distributed.parallel import get_tp_group
     from areno.models import load_model, load_tokenizer
 
@@ -84,4 +86,13 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
     config = engine_config(model, block_size=block_size, max_running=max_running, max_model_len=max_model_len,
                            eager_decode=eager_decode, decode_progress_interval_s=decode_progress_interval_s,
                            seed=seed, kv_cache_memory=kv_cache_memory)
-    return Engine(model, tokenizer, config, eos_token_ids=eos_token_ids(model_path, tokenizer)), tokenizer
+    config.max_loras, config.max_lora_rank = max_loras, max_lora_rank
+    engine = Engine(model, tokenizer, config, eos_token_ids=eos_token_ids(model_path, tokenizer))
+    for name, path in (lora_modules or {}).items():
+        try:
+            engine.lora.load(name, path)
+        except ValueError as exc:
+            from areno.config import ConfigError
+
+            raise ConfigError("--lora-modules", str(exc)) from None
+    return engine, tokenizer

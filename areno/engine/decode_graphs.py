@@ -43,6 +43,8 @@ class DecodeGraphs:
         gslots = list(buf["gslots"]) if "gslots" in buf else None  # KV-cache groups 1.. (sliding-window layers)
         adjust, min_left = "sp_ids" in buf, buf.get("min_left")
         tokens, logprobs = [], []
+        if self.lora is not None:  # LoRA serving: each row's adapter slot (a static graph input; padding rows -1)
+            self.lora.index = buf["lora"]
         for i in range(k):
             if i:  # the next position of every live row, its slot from the (reserved) block table
                 ids, pos, offsets, lens = tokens[-1], pos + live, offsets + live, lens + live.int()
@@ -71,6 +73,8 @@ class DecodeGraphs:
                 self.adjuster.record(buf, tok)
             tokens.append(tok)
             logprobs.append(lp)
+        if self.lora is not None:
+            self.lora.index = None
         return torch.stack(tokens), torch.stack(logprobs)
 
     def _graph_buffers(self, bsz: int, width: int = 0, rope_off: bool = False) -> dict:
@@ -98,6 +102,8 @@ class DecodeGraphs:
             buf["gslots"] = torch.full((groups, bsz), -1, dtype=torch.int64, device=dev)
         if self.states is not None:
             buf["state_idx"] = torch.full((bsz,), -1, dtype=torch.int32, device=dev)
+        if self.lora is not None:
+            buf["lora"] = torch.full((bsz,), -1, dtype=torch.int32, device=dev)
         if width:  # logit adjustments: neutral values until a step copies its own in
             self.adjuster.counts()
             buf.update({name: val.to(dev) for name, val in adjust_host(
@@ -219,6 +225,8 @@ class DecodeGraphs:
             host["rope_off"] = torch.tensor(inp.rope_offsets + [0] * pad)
         if inp.state_slots is not None:
             host["state_idx"] = torch.tensor(inp.state_slots + [-1] * pad, dtype=torch.int32)
+        if self.lora is not None:
+            host["lora"] = torch.tensor((inp.lora or [-1] * len(inp.seq_lens)) + [-1] * pad, dtype=torch.int32)
         if inp.adjust is not None:
             graph = sparse_width is not None
             host.update(adjust_host(inp.adjust, bsz, sparse_width if graph else inp.adjust.width,

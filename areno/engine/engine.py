@@ -28,6 +28,7 @@ from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
 from areno.engine.kv_cache import kv_groups, plan_num_blocks
+from areno.engine.lora_slots import LoraSlots, slots_of
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import Sequence
@@ -53,6 +54,8 @@ class EngineConfig:
     # (on the CPU the groups run one after the other anyway: it would only add the dropped tokens' work)
     lookahead: bool | None = None
     record_routing: bool = False  # sparse-MoE models: completions carry their tokens' expert ids (routing replay)
+    max_loras: int = 0  # > 0: that many LoRA adapter slots (areno.engine.lora_slots); requests pick one by name
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_batched_tokens", "decode_steps"):
@@ -92,6 +95,8 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self.grammars = EngineGrammars(self)  # structured outputs: compiled grammars, matchers, compiles off the loop
         self.runner = None
+        # LoRA serving: the adapter slots (built once: they outlive drop_rollout_state); load with lora_slots.load
+        self.lora = LoraSlots(model, cfg.max_loras, cfg.max_lora_rank) if cfg.max_loras else None
         self._build()
         self._progress_t = time.perf_counter()
         self._progress_tokens = 0
@@ -123,7 +128,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len,
             max_running=cfg.max_running, eager=cfg.eager_decode, device=device, eos_token_ids=self.stopper.eos,
-            record_routing=record,
+            record_routing=record, lora=self.lora,
         )
 
     # ---- session state -------------------------------------------------------------------------------------
@@ -215,6 +220,8 @@ class Engine:
         options = options or SamplingParams()
         if options.logit_bias and max(options.logit_bias) >= self.runner.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
+        if options.lora is not None:
+            slots_of(self, options.lora).slot_of(options.lora)  # an unknown adapter is refused before any work
         base = options.seed if options.seed is not None else self._rng.getrandbits(62)
         group = [
             Sequence(list(prompt_ids), options, request_id=request_id, sample_index=i,
@@ -224,6 +231,8 @@ class Engine:
         if images is not None:
             for seq in group:
                 seq.mm = images
+        if options.lora is not None:
+            self.lora.attach(group, options.lora)
         if options.grammar is not None and not self.grammars.attach(group, options):
             return group  # it waits for its grammar's compile (EngineGrammars.admit)
         self.scheduler.add(group)

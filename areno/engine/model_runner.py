@@ -63,8 +63,9 @@ from areno.models.layers import gather_from_tp
 
 class ModelRunner(DecodeGraphs):
     def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None,
-                 eos_token_ids=(), record_routing=False):
+                 eos_token_ids=(), record_routing=False, lora=None):
         self.model = model
+        self.lora = lora  # LoraSlots, or None: no adapters served
         self.device = device or next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
@@ -138,6 +139,8 @@ class ModelRunner(DecodeGraphs):
             )
             if self.layer_groups is not None:
                 self._group_inputs(inp, seqs, [(p, p + 1) for p in pos])
+            if self.lora is not None and any(s.lora_slot >= 0 for s in seqs):
+                inp.lora = [s.lora_slot for s in seqs]
             return inp
         ids, pos, slots, cu_q, seq_lens, tables = [], [], [], [0], [], []
         for c in step.chunks:
@@ -158,6 +161,8 @@ class ModelRunner(DecodeGraphs):
         )
         if self.layer_groups is not None:
             self._group_inputs(inp, [c.seq for c in step.chunks], [(c.start, c.end) for c in step.chunks])
+        if self.lora is not None and any(c.seq.lora_slot >= 0 for c in step.chunks):
+            inp.lora = [c.seq.lora_slot for c in step.chunks for _ in range(c.start, c.end)]
         if self.images is not None and (self.images.readers or any(c.seq.mm is not None for c in step.chunks)):
             self._prepare_images(inp, step.chunks)
         return inp
@@ -254,12 +259,18 @@ class ModelRunner(DecodeGraphs):
         if self.record_routing:
             meta.routing_out = torch.empty(self.model.num_moe_layers, len(inp.ids), self.model.moe_top_k,
                                            dtype=torch.int32, device=self.device)
-        if inp.images is None:
-            hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
-        else:  # the tower runs here for new images; each chunk takes its rows of the embeddings
-            hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta,
-                                **self.images.inputs(inp.images, self.device))
-            self.images.release(inp.images)
+        if self.lora is not None and inp.lora is not None:
+            self.lora.index = torch.tensor(inp.lora, dtype=torch.int32, device=self.device)
+        try:
+            if inp.images is None:
+                hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta)
+            else:  # the tower runs here for new images; each chunk takes its rows of the embeddings
+                hidden = self.model(ids, pos, kv_caches=self.kv_caches, attn_metadata=meta,
+                                    **self.images.inputs(inp.images, self.device))
+                self.images.release(inp.images)
+        finally:
+            if self.lora is not None:
+                self.lora.index = None
         self.last_routing = meta.routing_out.cpu() if self.record_routing else None
         if not inp.row_index:  # a prefill chunk that does not reach the end of its prompt: K/V only
             return torch.empty(0, dtype=torch.int64), torch.empty(0), None

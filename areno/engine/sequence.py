@@ -42,6 +42,8 @@ class Sequence:
         self.dropped: list[int] = [0]  # per group: leading table entries released (left of the group's window)
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.num_cached = 0  # of those, how many came from the prefix cache
+        self.lora_slot = -1  # LoRA serving: its adapter's slot (areno.engine.lora_slots), -1: the base model
+        self.lora_key = 0  # that adapter load's prefix-cache salt (0: the base model)
         self.state_slot = -1  # hybrid models: the slot of its recurrent state (areno.engine.state_cache), -1: none
         self.routing: list = []  # routing capture: (first position, int16 [n, num_moe_layers, k] expert ids) pieces
         self.prefix_cached = 0  # prompt tokens the prefix cache served at the last allocation (kept after freeing)

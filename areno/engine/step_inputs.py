@@ -62,6 +62,8 @@ class StepInputs:
     # [group - 1][sequence] (``tables`` and ``slots`` are group 0's); None with one group
     group_tables: list[list[list[int]]] | None = None
     group_slots: list[list[int]] | None = None
+    # LoRA serving (areno.engine.lora_slots): the adapter slot of each token row (-1: the base); None when none has one
+    lora: list[int] | None = None
 
 
 @dataclass

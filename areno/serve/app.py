@@ -51,11 +51,12 @@ async def lifespan(app):
 
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
                max_running: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, media=None,
-               tool_format=None) -> FastAPI:
+               tool_format=None, loras=None) -> FastAPI:
     """``media``: a ``ChatMedia`` for chat messages with image/audio/video parts (without one they get a 400);
-    ``tool_format``: the ``ToolFormat`` tool calls are read in (Qwen3's when None)."""
+    ``tool_format``: the ``ToolFormat`` tool calls are read in (Qwen3's when None); ``loras``: the LoRA adapters the
+    engine serves (``areno.serve.lora.ServedAdapters``), None without LoRA slots."""
     state = ServeState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
-                       max_running=max_running, media=media, tool_format=tool_format)
+                       max_running=max_running, media=media, tool_format=tool_format, loras=loras)
 
     app = FastAPI(title="areno", version="1", lifespan=lifespan)
     app.state.serve = state

@@ -9,6 +9,7 @@ import asyncio
 from areno.config import SamplingParams
 from areno.serve.errors import APIError
 from areno.serve.limits import context_exceeded
+from areno.serve.lora import adapter_for, check_adapter_request
 from areno.serve.protocol import ChatCompletionRequest
 from areno.serve.sampling import request_sampling_params
 from areno.serve.scoring import prompt_logprobs, score_groups
@@ -51,7 +52,11 @@ def sampling_options(state: ServeState, req, prompt_len: int, max_tokens: int | 
                        f"({max_model_len})", param=name, code="context_length_exceeded")
     if req.n > state.max_running:
         raise APIError(400, f"n ({req.n}) exceeds --max-running-prompts ({state.max_running})", param="n")
-    return request_sampling_params(req, max_new_tokens=max_tokens or room, top_logprobs=top_logprobs)
+    params = request_sampling_params(req, max_new_tokens=max_tokens or room, top_logprobs=top_logprobs)
+    if state.loras is not None:  # the request's model may name a LoRA adapter (areno.serve.lora)
+        params.lora = adapter_for(state, req.model)
+        check_adapter_request(req, params.lora)
+    return params
 
 
 async def submit(state: ServeState, prompt_ids, opts: SamplingParams, arrival: float, mm=None):

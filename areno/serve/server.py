@@ -54,6 +54,7 @@ def build_app(config, *, model=None, tokenizer=None):
     from areno.engine.build import build_engine
     from areno.models.multimodal import MediaLimits
     from areno.serve.app import create_app
+    from areno.serve.lora import served_adapters
     from areno.serve.media import ChatMedia
     from areno.serve.replicas import build_pool, check_topology, visible_gpus
     from areno.serve.scoring import ServeEngine
@@ -71,6 +72,7 @@ def build_app(config, *, model=None, tokenizer=None):
         raise ConfigError("--engine-thread", f"puts one engine in the HTTP process; {replicas} replicas "
                           "(--world-size / --tp-size) each run in their own process")
     in_process = config.engine_thread or config.tp_size > 1 or model is not None
+    loras = served_adapters(config)  # --lora-modules: each engine loads them as it starts
     if replicas > 1 or not in_process:
         from areno.models import load_tokenizer
 
@@ -79,7 +81,7 @@ def build_app(config, *, model=None, tokenizer=None):
         app = create_app(pool, tokenizer, model_name=name, max_model_len=pool.max_model_len,
                          api_key=config.api_key, max_running=config.max_running_prompts,
                          max_request_bytes=config.max_request_bytes, media=media,
-                         tool_format=tool_format)
+                         tool_format=tool_format, loras=loras)
         return app, pool
 
     engine, tokenizer = build_engine(
@@ -87,7 +89,7 @@ def build_app(config, *, model=None, tokenizer=None):
         max_running=config.max_running_prompts, max_model_len=config.max_model_len,
         eager_decode=config.eager_decode, attn_backend=config.attn_backend,
         decode_progress_interval_s=config.decode_progress_interval_s or None, dtype=config.dtype,
-        seed=config.seed, kv_cache_memory=config.kv_cache_memory,
+        seed=config.seed, kv_cache_memory=config.kv_cache_memory, **config.lora_engine_kwargs(),
     )
     engine.capture_graphs((1,))  # every decode bucket before the first request: no capture stalls a request later
     engine.warm_up()  # nor a JIT compile or an autotune of an eager (prefill or mixed) step
@@ -95,7 +97,7 @@ def build_app(config, *, model=None, tokenizer=None):
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
                      api_key=config.api_key, max_running=config.max_running_prompts,
                      max_request_bytes=config.max_request_bytes, media=media,
-                         tool_format=tool_format)
+                     tool_format=tool_format, loras=loras)
     return app, aengine
 
 

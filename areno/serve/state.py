@@ -14,6 +14,7 @@ from typing import Any
 from areno.engine.tool_calls import DEFAULT_FORMAT, FORMATS, ToolFormat, special_tokens
 from areno.serve.errors import APIError
 from areno.serve.limits import PromptEncoder, over_tokenize_cap, release_memory, tokenize_cap
+from areno.serve.lora import adapter_for
 from areno.serve.metrics import ServeMetrics
 from areno.serve.protocol import Notes
 from areno.serve.text import Detokenizer
@@ -30,6 +31,7 @@ class ServeState:
     max_running: int  # --max-running-prompts: the most samples (n) one request may ask for
     media: Any = None  # a ChatMedia for chat messages with image/audio/video parts (without one they get a 400)
     tool_format: ToolFormat | None = None  # how tool calls are read from answers (--tool-call-format; None: qwen3)
+    loras: Any = None  # the LoRA adapters served (areno.serve.lora.ServedAdapters); None: no LoRA slots
     prompt_encoder: PromptEncoder = field(init=False)
     tokenize_encoder: PromptEncoder = field(init=False)  # /tokenize: up to tokenize_cap tokens
     metrics: ServeMetrics = field(init=False)
@@ -70,13 +72,19 @@ class ServeState:
         self.prep_pool.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str) -> None:
-        if name != self.model_name:
+        if self.loras is not None:
+            adapter_for(self, name)
+        elif name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "areno", "root": self.model_name,
                 "parent": None, "max_model_len": self.max_model_len}
+
+    def model_cards(self) -> list[dict]:
+        """The base model's card, then each LoRA adapter's (``parent``: its base, as vLLM)."""
+        return [self.model_card(), *(self.loras.cards(self.max_model_len) if self.loras is not None else [])]
 
     def token_namer(self, req):
         """How log-probs name a token: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""

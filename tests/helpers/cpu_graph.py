@@ -16,3 +16,15 @@ class CpuGraph:
     def replay(self):
         for dst, src in zip(self.out, self.run()):
             dst.copy_(src)
+
+
+def use_cpu_graphs(runner, monkeypatch, buckets=(4, 8)) -> None:
+    """Route ``runner``'s decode through the graph path with these buckets, each "captured" as a ``CpuGraph``."""
+    runner.use_graphs, runner.graph_buckets = True, list(buckets)
+
+    def capture(bsz, k, width=0, rope_off=False):
+        buf = runner._graph_buffers(bsz, width)
+        graph = CpuGraph(runner, buf, k)
+        runner.graphs[(bsz, k, width)] = (graph, buf, graph.out)
+
+    monkeypatch.setattr(runner, "_capture", capture)

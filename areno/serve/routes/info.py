@@ -29,13 +29,13 @@ async def version():
 
 
 async def models(request: Request):
-    return {"object": "list", "data": [request.app.state.serve.model_card()]}
+    return {"object": "list", "data": request.app.state.serve.model_cards()}
 
 
 async def model(model_id: str, request: Request):
     state: ServeState = request.app.state.serve
     state.check_model(model_id)
-    return state.model_card()
+    return next(card for card in state.model_cards() if card["id"] == model_id)
 
 
 async def metrics_route(request: Request):
