@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from areno.serve.protocol import FieldError, not_supported
 
@@ -194,9 +194,9 @@ class ResponsesRequest(_Strict):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict | None = None  # include_obfuscation: nothing to obfuscate here
-    store: bool = True
+    store: StrictBool = True
     metadata: dict[str, str] | None = None
     include: list[str] | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
