@@ -122,3 +122,10 @@ def thinking_tool_ckpt(tmp_path_factory):
     src = make_tiny_checkpoint(tmp_path_factory.mktemp("think_src"), family="qwen3", seed=5, num_hidden_layers=1)
     return overfit_tool_caller(src, tmp_path_factory.mktemp("think_ckpt") / "model",
                                target=THINKING + CALL + "<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_tool_ckpt):
+    s = RunningServer(thinking_tool_ckpt)
+    yield s
+    s.stop()

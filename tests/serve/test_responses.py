@@ -31,15 +31,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def tool_server(thinking_tool_ckpt):
-    s = RunningServer(thinking_tool_ckpt)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def tclient(tool_server):
-    return make_client(tool_server)
+def tclient(thinking_server):
+    return make_client(thinking_server)
 
 
 def chat(client, messages, **kw):

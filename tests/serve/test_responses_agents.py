@@ -13,15 +13,7 @@ agents = pytest.importorskip("agents", reason="openai-agents is a test extra: ba
 
 from openai import AsyncOpenAI  # noqa: E402
 
-from tests.serve.conftest import RunningServer  # noqa: E402
 from tests.serve.test_tool_calls_e2e import MESSAGES, TOOL  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tool_server(thinking_tool_ckpt):
-    s = RunningServer(thinking_tool_ckpt)
-    yield s
-    s.stop()
 
 
 def weather_agent(base_url: str, calls: list):
@@ -42,9 +34,9 @@ def weather_agent(base_url: str, calls: list):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_agent_calls_the_tool_and_finishes(tool_server, stream):
+def test_agent_calls_the_tool_and_finishes(thinking_server, stream):
     calls: list = []
-    agent = weather_agent(tool_server.base_url, calls)
+    agent = weather_agent(thinking_server.base_url, calls)
     assert isinstance(agent.model if not isinstance(agent.model, str) else
                       agents.models.openai_provider.OpenAIProvider().get_model(agent.model),
                       agents.OpenAIResponsesModel)

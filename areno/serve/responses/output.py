@@ -10,10 +10,18 @@ Gemma 4) come with it already split by the chat path."""
 
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 
 OPEN, CLOSE = "<think>", "</think>"
+# an output item of text: (its id's prefix, its fields, its one content part)
+NEW_ITEMS = {
+    "reasoning": ("rs", {"type": "reasoning", "summary": [], "status": "in_progress"},
+                  {"type": "reasoning_text", "text": ""}),
+    "message": ("msg", {"type": "message", "role": "assistant", "status": "in_progress"},
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
+}
 
 
 def new_id(prefix: str) -> str:
@@ -110,29 +118,24 @@ class OutputBuilder:
         self.event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                    content_index=0, part=part)
 
-    def reasoning(self, delta: str) -> None:
+    def _delta(self, kind: str, delta: str, event: str, **extra) -> None:
+        """``delta`` onto the open item of ``kind`` (a new one opened first when none or another kind is open)."""
         if not delta:
             return
         item = self.open
-        if item is None or item["type"] != "reasoning":
-            item = self._start({"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
-                                "status": "in_progress"})
-            self._part(item, {"type": "reasoning_text", "text": ""})
+        if item is None or item["type"] != kind:
+            prefix, fields, part = NEW_ITEMS[kind]
+            item = self._start({"id": new_id(prefix), **copy.deepcopy(fields), "content": []})
+            self._part(item, copy.deepcopy(part))
         item["content"][0]["text"] += delta
-        self.event("response.reasoning_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
-                   content_index=0, delta=delta)
+        self.event(event, item_id=item["id"], output_index=len(self.items) - 1, content_index=0, delta=delta,
+                   **extra)
+
+    def reasoning(self, delta: str) -> None:
+        self._delta("reasoning", delta, "response.reasoning_text.delta")
 
     def text(self, delta: str) -> None:
-        if not delta:
-            return
-        item = self.open
-        if item is None or item["type"] != "message":
-            item = self._start({"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                                "content": []})
-            self._part(item, {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        item["content"][0]["text"] += delta
-        self.event("response.output_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
-                   content_index=0, delta=delta, logprobs=[])
+        self._delta("message", delta, "response.output_text.delta", logprobs=[])
 
     def call(self, index: int, call_id: str | None, name: str | None, arguments: str | None) -> None:
         """A piece of the chat answer's tool call ``index``: its id and name first, then its arguments."""
