@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from areno.serve.protocol import FieldError, not_supported
 
@@ -20,6 +29,18 @@ BUILT_IN_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_0
                   "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom", "namespace",
                   "tool_search")
 IGNORED_INCLUDES = ("reasoning.encrypted_content", "message.input_image.image_url")  # nothing more to send back
+# the OpenAPI schema of a field refused when set (validation itself names it)
+_NOT_BUILT = {"json_schema_extra": {"anyOf": [{"type": "null"}]}}
+
+
+def first_error(exc: ValidationError, head: str) -> ValueError:
+    """The first problem of a union member's validation, named by ``head`` and the field (the union's tag and
+    branch names dropped): a string-or-list field would otherwise report "should be a valid string"."""
+    err = exc.errors()[0]
+    where = ".".join(str(x) for x in err.get("loc", ())[1:] if not str(x)[:1].isupper() and x != "str")
+    cause = (err.get("ctx") or {}).get("error")
+    msg = str(cause) if isinstance(cause, FieldError) else err.get("msg", "invalid").removeprefix("Value error, ")
+    return ValueError(f"{head}{' ' + where if where else ''}: {msg}")
 
 
 class _Strict(BaseModel):
@@ -34,9 +55,11 @@ class InputText(_Strict):
 
 
 class InputImage(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"required": ["type", "image_url"]})
+
     type: Literal["input_image"]
-    image_url: str | None = None
-    file_id: str | None = None
+    image_url: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "string"}]})
+    file_id: str | None = Field(default=None, **_NOT_BUILT)
     detail: Literal["low", "high", "auto", "original"] | None = None  # the model's processor decides: ignored
 
     @model_validator(mode="after")
@@ -52,6 +75,7 @@ class Refusal(_Strict):
 
 
 Part = Annotated[InputText | InputImage | Refusal, Field(discriminator="type")]
+_PART = TypeAdapter(Part)
 
 
 class MessageItem(_Strict):
@@ -61,6 +85,20 @@ class MessageItem(_Strict):
     id: str | None = None
     status: str | None = None
     phase: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        if not isinstance(v, list):
+            return v
+        parts = []
+        for i, part in enumerate(v):
+            try:
+                parts.append(_PART.validate_python(part))
+            except ValidationError as exc:
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise first_error(exc, f"part {i} ({kind})") from None
+        return parts
 
     def chat_content(self) -> str | list[dict]:
         """The content as a chat message's: a string, or text and image_url parts when there are images."""
@@ -112,6 +150,12 @@ class ReasoningItem(_Strict):
 
 Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Field(discriminator="type")]
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_ITEM = TypeAdapter(Item)
+
+
+def _non_empty(schema: dict) -> None:
+    for branch in schema.get("anyOf", ()):
+        branch.update({"minLength": 1} if branch.get("type") == "string" else {"minItems": 1})
 
 
 class FunctionTool(_Strict):
@@ -171,23 +215,30 @@ def _tool(value):
     raise ValueError(f"tool type {kind!r} is not supported (only function tools)")
 
 
-def _item(value):
-    """A bare ``{"role", "content"}`` is a message item; an item type not built is named."""
+def _item(index: int, value):
+    """One input item validated (a bare ``{"role", "content"}`` is a message item); its first problem named by
+    index, type and field, and an item type not built by its name."""
     if isinstance(value, dict) and "type" not in value and "role" in value:
-        return {"type": "message", **value}
+        value = {"type": "message", **value}
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in ITEM_TYPES:
-        raise ValueError(f"input item type {kind!r} is not supported (only {', '.join(ITEM_TYPES)})")
-    return value
+        raise ValueError(f"item {index}: input item type {kind!r} is not supported (only {', '.join(ITEM_TYPES)})")
+    try:
+        return _ITEM.validate_python(value)
+    except ValidationError as exc:
+        raise first_error(exc, f"item {index} ({kind})") from None
 
 
 class ResponsesRequest(_Strict):
     model: str
-    input: str | list[Item]
+    input: str | list[Item] = Field(json_schema_extra=_non_empty)
     instructions: str | None = None
     previous_response_id: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"enum": ["none", "auto", "required"]}, {"type": "null"},
+        {"type": "object", "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+         "required": ["type", "name"], "additionalProperties": False}]})
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     reasoning: Reasoning | None = None
@@ -198,8 +249,9 @@ class ResponsesRequest(_Strict):
     stream_options: dict | None = None  # include_obfuscation: nothing to obfuscate here
     store: StrictBool = True
     metadata: dict[str, str] | None = None
-    include: list[str] | None = None
-    max_tool_calls: int | None = Field(default=None, ge=1)
+    include: list[str] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "array", "items": {"enum": list(IGNORED_INCLUDES)}}, {"type": "null"}]})
+    max_tool_calls: int | None = Field(default=None, **_NOT_BUILT)
     # accepted, change nothing here
     user: str | None = None
     service_tier: str | None = None
@@ -208,10 +260,10 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # refused by name when set: they would change the answer and are not built
-    background: bool | None = None
-    conversation: str | dict | None = None
-    prompt: dict | None = None
-    top_logprobs: int | None = None
+    background: bool | None = Field(default=None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
+    conversation: str | dict | None = Field(default=None, **_NOT_BUILT)
+    prompt: dict | None = Field(default=None, **_NOT_BUILT)
+    top_logprobs: int | None = Field(default=None, json_schema_extra={"anyOf": [{"const": 0}, {"type": "null"}]})
 
     @model_validator(mode="before")
     @classmethod
@@ -223,7 +275,7 @@ class ResponsesRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _items(cls, v):
-        return [_item(x) for x in v] if isinstance(v, list) else v
+        return [_item(i, x) for i, x in enumerate(v)] if isinstance(v, list) else v
 
     @field_validator("tools", mode="before")
     @classmethod
