@@ -10,8 +10,13 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from areno.config import ConfigError, ServeConfig
+from areno.serve.protocol import ChatCompletionRequest
+from areno.serve.responses.output import ThinkSplitter
+from areno.serve.responses.protocol import ResponsesRequest, chat_body
 from areno.serve.responses.store import ResponseStore
 from tests.serve.conftest import THINKING, RunningServer
 from tests.serve.test_structured_outputs import SCHEMA, Pick, valid
@@ -254,3 +259,60 @@ def test_store_max_flag_reaches_the_server(tiny_ckpt):
             c.responses.retrieve(a.id)
     finally:
         s.stop()
+
+
+def split_all(text: str, cuts: list[int]) -> list[tuple[str, str]]:
+    """``text`` through a ThinkSplitter in pieces cut at ``cuts``, the output merged by kind."""
+    splitter, out = ThinkSplitter(True), []
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        out += splitter.push(text[a:b])
+    out += splitter.finish()
+    merged: list[tuple[str, str]] = []
+    for kind, piece in out:
+        assert piece
+        if merged and merged[-1][0] == kind:
+            merged[-1] = (kind, merged[-1][1] + piece)
+        else:
+            merged.append((kind, piece))
+    return merged
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.sampled_from(["<think>\nplan it\n</think>\n\nThe answer.", "  <think>a</think>b", "<think>unfinished",
+                        "<thinking is not a tag", "no think at all", "<think>\n\n</think>\n\nonly text", "<thi",
+                        "text <think>late</think> stays text", "<think>x < y </thin k></think>z"]),
+       st.lists(st.integers(0, 60), max_size=8))
+def test_think_splitter_reads_a_leading_block_however_it_is_cut(text, cuts):
+    cuts = [c for c in cuts if c <= len(text)]
+    expected = {
+        "<think>\nplan it\n</think>\n\nThe answer.": [("reasoning", "plan it"), ("text", "The answer.")],
+        "  <think>a</think>b": [("reasoning", "a"), ("text", "b")],
+        "<think>unfinished": [("reasoning", "unfinished")],
+        "<think>\n\n</think>\n\nonly text": [("text", "only text")],
+        "<think>x < y </thin k></think>z": [("reasoning", "x < y </thin k>"), ("text", "z")],
+    }.get(text, [("text", text)])
+    assert split_all(text, cuts) == expected
+    assert ThinkSplitter(False).push(text) == [("text", text)]  # a template without </think>: all text
+
+
+def test_items_become_chat_messages():
+    req = ResponsesRequest.model_validate({"model": "m", "instructions": "sys", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me look"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "2"}]},
+        {"role": "assistant", "content": "done"},
+        {"role": "assistant", "content": "again"}]})
+    body = chat_body(req, [{"role": "user", "content": "earlier"}])
+    assert body["messages"] == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "earlier"}, {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "let me look", "reasoning_content": "r", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        {"role": "assistant", "content": "done"}, {"role": "assistant", "content": "again"}]
+    assert ChatCompletionRequest.model_validate(body).messages[3].tool_calls[1].function.name == "g"

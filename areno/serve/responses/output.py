@@ -56,7 +56,12 @@ class ThinkSplitter:
             if not lead.startswith(OPEN):
                 self.mode = "text"
                 return self._release("text")
-            self.mode, self.held = "reasoning", lead[len(OPEN):].lstrip()
+            self.mode, self.held = "open", lead[len(OPEN):]
+        if self.mode == "open":  # blank lines after the tag are not reasoning
+            self.held = self.held.lstrip()
+            if not self.held:
+                return out
+            self.mode = "reasoning"
         if self.mode == "reasoning":
             end = self.held.find(CLOSE)
             if end < 0:
