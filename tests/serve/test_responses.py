@@ -160,6 +160,23 @@ def test_reasoning_and_function_call_items(tclient):
     assert [(o.type, o.status) for o in final.output] == [("reasoning", "completed"), ("function_call", "completed")]
 
 
+def test_streamed_and_whole_items_are_equal_token_by_token(tclient):
+    """With calls not read (``tool_choice: "none"``) the chat route streams the text token by token: the reasoning
+    block and the text are split as they stream, into the same items as the whole answer."""
+    kw = dict(model="tiny", input=QUESTION, tools=[FUNCTION_TOOL], tool_choice="none", temperature=0,
+              max_output_tokens=64)
+    whole = tclient.responses.create(**kw)
+    events = list(tclient.responses.create(stream=True, **kw))
+    final = events[-1].response
+    assert events[-1].type == f"response.{whole.status}" and whole.status == "completed"
+    assert [o.model_dump(exclude={"id"}) for o in final.output] == [o.model_dump(exclude={"id"}) for o in whole.output]
+    for kind, item in (("reasoning_text", "reasoning"), ("output_text", "message")):
+        deltas = [e.delta for e in events if e.type == f"response.{kind}.delta"]
+        texts = [o.content[0].text for o in whole.output if o.type == item]
+        assert "".join(deltas) == "".join(texts)
+    assert len([e for e in events if e.type.endswith(".delta")]) > len(whole.output)  # not one delta per item
+
+
 def test_function_call_round_trip(tclient):
     first = tclient.responses.create(model="tiny", input=QUESTION, tools=[FUNCTION_TOOL], temperature=0,
                                      max_output_tokens=64)
