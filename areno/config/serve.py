@@ -59,6 +59,9 @@ class ServeConfig:
                                    "adapters share each engine step); set alone, the slots wait for "
                                    "/v1/load_lora_adapter", "server", default_help="the number of --lora-modules")
     max_lora_rank: int = opt(16, "highest LoRA rank a slot holds (lower ranks zero-padded)", "server")
+    responses_store_max: int = opt(
+        1000, "responses /v1/responses keeps for GET and previous_response_id (store: true); the oldest are dropped "
+        "first, and each after an hour", "server")
     max_running_prompts: int = opt(32, "cap on active sequences in the continuous batch", "rollout")
     attn_backend: Optional[str] = opt(
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
@@ -88,7 +91,7 @@ class ServeConfig:
         if not self.model_path:
             raise ConfigError("--model-path", "is required (a Hugging Face repo id or a local folder)")
         check_sizes(self, ("world_size", "tp_size", "max_running_prompts", "max_model_len", "max_request_bytes",
-                           "max_connections", "max_request_pixels"))
+                           "max_connections", "max_request_pixels", "responses_store_max"))
         if self.world_size % self.tp_size:
             raise ConfigError("--world-size", f"{self.world_size} is not divisible by --tp-size {self.tp_size}")
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)

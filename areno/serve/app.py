@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine session: /health, /v1/models, /v1/chat/completions,
-/v1/completions (with ``echo`` and prompt log-probs), vLLM's /tokenize, /detokenize and /tokenizer_info, /version
-and Prometheus /metrics, with server-sent-event streaming, log-probs, tool calls and OpenAI-style errors (unknown
-routes and methods included).
+/v1/completions (with ``echo`` and prompt log-probs), /v1/responses (``areno.serve.responses``), vLLM's /tokenize,
+/detokenize and /tokenizer_info, /version and Prometheus /metrics, with server-sent-event streaming, log-probs, tool
+calls and OpenAI-style errors (unknown routes and methods included).
 
 This module builds the app: its shared state (``areno.serve.state``), the middleware (API key, body size), the
 error handlers (``areno.serve.errors``) and the routes (``areno.serve.routes``)."""
@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from areno.engine.async_engine import AsyncEngine
 from areno.serve.errors import APIError, add_error_handlers, error_response
 from areno.serve.limits import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
+from areno.serve.responses.route import add_responses_routes
+from areno.serve.responses.store import DEFAULT_MAX as DEFAULT_RESPONSES_STORE_MAX
 from areno.serve.routes import add_routes
 from areno.serve.state import ServeState
 
@@ -51,10 +53,11 @@ async def lifespan(app):
 
 def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len: int, api_key: str | None = None,
                max_running: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, media=None,
-               tool_format=None, loras=None) -> FastAPI:
+               tool_format=None, loras=None, responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX) -> FastAPI:
     """``media``: a ``ChatMedia`` for chat messages with image/audio/video parts (without one they get a 400);
     ``tool_format``: the ``ToolFormat`` tool calls are read in (Qwen3's when None); ``loras``: the LoRA adapters the
-    engine serves (``areno.serve.lora.ServedAdapters``), None without LoRA slots."""
+    engine serves (``areno.serve.lora.ServedAdapters``), None without LoRA slots; ``responses_store_max``: how many
+    responses /v1/responses keeps (--responses-store-max)."""
     state = ServeState(engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
                        max_running=max_running, media=media, tool_format=tool_format, loras=loras)
 
@@ -66,4 +69,5 @@ def create_app(engine: AsyncEngine, tokenizer, *, model_name: str, max_model_len
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     add_routes(app, state)
+    add_responses_routes(app, responses_store_max)
     return app

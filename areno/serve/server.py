@@ -81,7 +81,7 @@ def build_app(config, *, model=None, tokenizer=None):
         app = create_app(pool, tokenizer, model_name=name, max_model_len=pool.max_model_len,
                          api_key=config.api_key, max_running=config.max_running_prompts,
                          max_request_bytes=config.max_request_bytes, media=media,
-                         tool_format=tool_format, loras=loras)
+                         tool_format=tool_format, loras=loras, responses_store_max=config.responses_store_max)
         return app, pool
 
     engine, tokenizer = build_engine(
@@ -97,7 +97,7 @@ def build_app(config, *, model=None, tokenizer=None):
     app = create_app(aengine, tokenizer, model_name=name, max_model_len=engine.max_model_len,
                      api_key=config.api_key, max_running=config.max_running_prompts,
                      max_request_bytes=config.max_request_bytes, media=media,
-                     tool_format=tool_format, loras=loras)
+                     tool_format=tool_format, loras=loras, responses_store_max=config.responses_store_max)
     return app, aengine
 
 

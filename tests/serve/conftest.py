@@ -108,3 +108,24 @@ def serve(tiny_ckpt):
     yield start
     for p in started:
         p.kill()
+
+
+THINKING = "<think>\nweather\n</think>\n\n"  # the reasoning the thinking tool caller writes before its call
+
+
+@pytest.fixture(scope="session")
+def thinking_tool_ckpt(tmp_path_factory):
+    """A tiny qwen3 checkpoint overfit to answer test_tool_calls_e2e's conversation with a ``<think>`` block and then
+    its get_weather call (the Responses API's reasoning and function_call items)."""
+    from tests.serve.test_tool_calls_e2e import CALL, overfit_tool_caller
+
+    src = make_tiny_checkpoint(tmp_path_factory.mktemp("think_src"), family="qwen3", seed=5, num_hidden_layers=1)
+    return overfit_tool_caller(src, tmp_path_factory.mktemp("think_ckpt") / "model",
+                               target=THINKING + CALL + "<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_tool_ckpt):
+    s = RunningServer(thinking_tool_ckpt)
+    yield s
+    s.stop()

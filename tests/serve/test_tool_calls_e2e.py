@@ -18,8 +18,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 TARGET = CALL + "<|im_end|>"
 
 
-def overfit_tool_caller(src, dst, *, margin=4.0, max_steps=300):
-    """Train ``src`` until greedy decoding of the rendered conversation gives TARGET by a logit margin; save to
+def overfit_tool_caller(src, dst, *, margin=4.0, max_steps=300, target=TARGET):
+    """Train ``src`` until greedy decoding of the rendered conversation gives ``target`` by a logit margin; save to
     ``dst``. The prompt is rendered exactly as the server renders it (tools through the protocol model)."""
     from areno.models import load_model, load_tokenizer, save_model
 
@@ -27,7 +27,7 @@ def overfit_tool_caller(src, dst, *, margin=4.0, max_steps=300):
     tools = [Tool.model_validate(TOOL).model_dump(exclude_none=True)]
     prompt = tok.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True, tokenize=False)
     p = tok.encode(prompt, add_special_tokens=False)
-    labels = torch.tensor(tok.encode(TARGET, add_special_tokens=False))
+    labels = torch.tensor(tok.encode(target, add_special_tokens=False))
     ids = torch.tensor([p + labels.tolist()])
     torch.manual_seed(0)
     model = load_model(src, dtype=torch.float32, device="cpu")
