@@ -95,4 +95,4 @@ def parse_qwen3_coder(text: str, tools: Sequence[dict] | None = None) -> Parsed:
         args = _arguments(m.group(2), props if isinstance(props, dict) else {}) if name else None
         return make_call(name, args) if args is not None else None
 
-    return read_blocks(text, _BLOCK, call)
+    return read_blocks(text, _BLOCK, call, tools)
