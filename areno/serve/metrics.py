@@ -192,7 +192,7 @@ class MeteredStream:
         """Abort the request; samples not finished yet count as ``finished_reason="abort"`` (a client gone, a
         failure), once."""
         self._inner.abort()
-        if not self._done and not self._aborted:
+        if not self._aborted and self._finished < self._inner.options.n:  # (a cancelled read has ended it)
             self._aborted = True
             for _ in range(self._inner.options.n - self._finished):
                 self._m.finish("abort")

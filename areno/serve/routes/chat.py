@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from areno.engine.tool_calls import read_answer, read_calls
-from areno.serve.bodies import request_body
+from areno.serve.bodies import json_body, request_body
 from areno.serve.chunks import ChunkWriter, json_str, usage
 from areno.serve.errors import APIError
 from areno.serve.generation import check_request, collect, sampling_options, score_prompts, submit
@@ -47,7 +47,7 @@ def prepare_chat(state: ServeState, raw: bytes):
 async def chat(request: Request):
     state: ServeState = request.app.state.serve
     arrival = time.perf_counter()
-    req, prompt_ids, opts, k = await state.prep(prepare_chat, state, await request.body())
+    req, prompt_ids, opts, k = await state.prep(prepare_chat, state, await json_body(request))
     mm = None
     if prompt_ids is None:  # image parts: the model's processor (expanded placeholders, pixel rows)
         mm = await state.media.encode(req, state.prep)
