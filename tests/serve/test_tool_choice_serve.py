@@ -12,8 +12,6 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import RunningServer
-
 jsonschema = pytest.importorskip("jsonschema")
 
 USER = [{"role": "user", "content": "Plan a trip."}]
@@ -26,13 +24,8 @@ TOOLS = [{"type": "function", "function": {"name": "book", "parameters": SCHEMA}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from areno.testing import make_tiny_checkpoint
-
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tc_ckpt"), family="qwen3", seed=4, num_hidden_layers=1)
-    s = RunningServer(ckpt, max_model_len=2048)  # the tools rendered in the prompt take ~460 tokens
-    yield s
-    s.stop()
+def server(tools_server):
+    return tools_server
 
 
 @pytest.fixture(scope="module")
