@@ -73,17 +73,25 @@ def _literal(xgr, text: str):
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
 
 
+def _arguments(xgr, call: dict):
+    """A call's arguments under its schema: compact JSON, or (``arguments`` "xml") qwen3_coder's parameter blocks."""
+    if call.get("arguments", "json") == "xml":
+        from areno.engine.tool_calls.qwen3_coder import xml_arguments_grammar
+
+        return xml_arguments_grammar(xgr, call["schema"], _LAYOUT)
+    return xgr.Grammar.from_json_schema(json.dumps(call["schema"]), strict_mode=True, **_LAYOUT)
+
+
 def _call_grammar(xgr, call: dict):
-    """One call: its markup around JSON arguments that validate against its schema (compact layout)."""
-    arguments = xgr.Grammar.from_json_schema(json.dumps(call["schema"]), strict_mode=True, **_LAYOUT)
-    return xgr.Grammar.concat(_literal(xgr, call["begin"]), arguments, _literal(xgr, call["end"]))
+    """One call: its markup around arguments that validate against its schema."""
+    return xgr.Grammar.concat(_literal(xgr, call["begin"]), _arguments(xgr, call), _literal(xgr, call["end"]))
 
 
 def _triggered(xgr, spec: dict):
     """Free text where each trigger starts one of the calls (xgrammar's structural tag, triggered tags)."""
     tags = []
     for call in spec["calls"]:
-        arguments = str(xgr.Grammar.from_json_schema(json.dumps(call["schema"]), strict_mode=True, **_LAYOUT))
+        arguments = str(_arguments(xgr, call))
         tags.append({"type": "tag", "begin": call["begin"], "content": {"type": "grammar", "grammar": arguments},
                      "end": call["end"]})
     return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {

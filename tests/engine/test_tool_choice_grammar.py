@@ -92,7 +92,7 @@ def tools_of(schemas: list[dict], strict: bool = False) -> list[dict]:
                                               **({"strict": True} if strict else {})}} for i, s in enumerate(schemas)]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(schemas=st.lists(SCHEMAS, min_size=1, max_size=3), fmt=st.sampled_from(GRAMMAR_FORMATS),
        named=st.booleans(), seed=st.integers(0, 2**16))
@@ -150,3 +150,24 @@ def test_the_choice_kinds_and_formats_without_a_call_grammar():
         plan_tools(FORMATS["qwen3"], tools_of([{"type": "object", "properties": {"a": {"type": "wat"}}}]),
                    "required")
     assert err.value.field == "tools"
+
+
+def test_qwen3_coder_calls_write_strings_as_text_and_the_rest_as_json(grammars):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["city"]}
+    plan = plan_tools(FORMATS["qwen3_coder"], tools_of([schema]), "required")
+    tok, cache = grammars
+    text = ("<tool_call>\n<function=fn_0>\n<parameter=city>\nNew York\n</parameter>\n<parameter=tags>\n"
+            '["a", "b"]\n</parameter>\n</function>\n</tool_call>')  # days left out: optional
+    m = cache.matcher(plan.grammar)
+    assert all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+    assert m.accept(tok.eos_token_id) and m.finished
+    (call,) = read_calls(FORMATS["qwen3_coder"], text, plan).calls
+    assert json.loads(call.arguments) == {"city": "New York", "tags": ["a", "b"]}
+    m = cache.matcher(plan.grammar)
+    assert not all(m.accept(t) for t in tok.encode(text.replace("<parameter=city>", "<parameter=town>"),
+                                                   add_special_tokens=False))  # an undeclared parameter
+    mixed = {"type": "object", "properties": {"a": {"type": ["string", "integer"]}}}
+    with pytest.raises(ToolChoiceError, match="parameter 'a'"):
+        plan_tools(FORMATS["qwen3_coder"], tools_of([mixed]), "required")

@@ -34,7 +34,7 @@ from areno.engine.tool_calls.json_calls import (
     parse_qwen3,
     qwen3_markup,
 )
-from areno.engine.tool_calls.qwen3_coder import parse_qwen3_coder
+from areno.engine.tool_calls.qwen3_coder import parse_qwen3_coder, qwen3_coder_markup
 
 __all__ = ["FORMATS", "MODEL_FORMATS", "Parsed", "ToolCall", "ToolChoiceError", "ToolFormat", "ToolPlan",
            "check_tool_choice", "format_for", "parse_tool_calls", "plan_tools", "read_answer", "read_calls",
@@ -44,7 +44,8 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     ToolFormat("qwen3", parse_qwen3, False, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
                call_markup=qwen3_markup, trigger="<tool_call>"),
     ToolFormat("qwen3_coder", parse_qwen3_coder, False,
-               "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
+               "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+               call_markup=qwen3_coder_markup, trigger="<tool_call>", arguments="xml"),
     ToolFormat("gemma4", parse_gemma4, True, '<|tool_call>call:f{a:1,b:<|"|>text<|"|>}<tool_call|>'),
     ToolFormat("harmony", parse_harmony, True,
                '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', always_read=True,

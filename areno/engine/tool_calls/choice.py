@@ -89,7 +89,8 @@ def call_grammar(fmt: ToolFormat, schemas: dict[str, dict], triggered: bool) -> 
     calls = []
     for name, params in schemas.items():
         begin, end = fmt.call_markup(name)
-        calls.append({"begin": begin, "schema": arguments_schema(params), "end": end})
+        calls.append({"begin": begin, "schema": arguments_schema(params), "end": end,
+                      **({"arguments": fmt.arguments} if fmt.arguments != "json" else {})})
     return {"type": "tool_calls", "calls": calls, "triggers": [fmt.trigger] if triggered else None}
 
 
