@@ -2,8 +2,9 @@
 HTTP server, and read by the rollout engine for every sequence; validated here once (`ConfigError` naming the field).
 
 The grammar spec (structured outputs, ``grammar``) is plain data, so it travels to replicas and remote rollout as
-it is: ``{"type": "json_object"}`` or ``{"type": "json_schema", "schema": {...}}``; `normalize_grammar` checks its
-form here, `areno.engine.grammar` compiles it against the tokenizer.
+it is: ``{"type": "json_object"}``, ``{"type": "json_schema", "schema": {...}}`` or ``{"type": "tool_calls", "calls":
+[{"begin", "schema", "end"}, ...], "triggers": [...] | None}`` (tool calls: ``areno.engine.tool_calls.choice``);
+`normalize_grammar` checks its form here, `areno.engine.grammar` compiles it against the tokenizer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 from areno.config.fields import ConfigError, check_bool, check_int, check_number, check_range, is_int
 
 FP32_MAX = 3.4028234663852886e38  # penalties are applied in fp32: an overflow would make inf * 0
-GRAMMAR_TYPES = ("json_object", "json_schema")
+GRAMMAR_TYPES = ("json_object", "json_schema", "tool_calls")
+CALL_KEYS = {"begin", "schema", "end", "arguments"}  # a tool call's grammar; arguments: "json" (default) or "xml"
 
 
 class GrammarError(ValueError):
@@ -30,6 +32,8 @@ def normalize_grammar(spec) -> dict:
         if set(spec) != {"type"}:
             raise GrammarError(f"a json_object grammar takes no other keys, got {sorted(set(spec) - {'type'})}")
         return {"type": "json_object"}
+    if spec["type"] == "tool_calls":
+        return normalize_tool_calls(spec)
     if set(spec) != {"type", "schema"}:
         raise GrammarError(f"a json_schema grammar has exactly the keys type and schema, got {sorted(spec)}")
     schema = spec["schema"]
@@ -41,6 +45,23 @@ def normalize_grammar(spec) -> dict:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")
     return {"type": "json_schema", "schema": schema}
+
+
+def normalize_tool_calls(spec: dict) -> dict:
+    """A tool-call grammar: one of ``calls`` (each its markup ``begin``, JSON arguments under ``schema``, ``end``)
+    when ``triggers`` is None; else free text where each trigger starts one of the calls."""
+    calls, triggers = spec.get("calls"), spec.get("triggers")
+    if set(spec) != {"type", "calls", "triggers"} or not isinstance(calls, list) or not calls:
+        raise GrammarError("a tool_calls grammar has exactly the keys type, calls (a non-empty list) and triggers")
+    for call in calls:
+        if (not isinstance(call, dict) or not {"begin", "schema", "end"} <= set(call) <= CALL_KEYS
+                or not isinstance(call["begin"], str) or not isinstance(call["end"], str)
+                or not isinstance(call["schema"], dict) or call.get("arguments", "json") not in ("json", "xml")):
+            raise GrammarError("each tool_calls call is {begin: str, schema: dict, end: str, arguments?: json|xml}")
+    if triggers is not None and (not isinstance(triggers, list) or not triggers
+                                 or not all(isinstance(t, str) and t for t in triggers)):
+        raise GrammarError("tool_calls triggers is null or a non-empty list of strings")
+    return {"type": "tool_calls", "calls": calls, "triggers": triggers}
 
 
 def check_sampling(values, name=lambda field_name: field_name) -> None:

@@ -6,6 +6,9 @@ Spec (plain data in ``SamplingParams.grammar``, so it travels to replicas and re
     {"type": "json_object"}                     any JSON object
     {"type": "json_schema", "schema": {...}}    a JSON value that validates against the schema (the OpenAI subset
                                                 and more: xgrammar's converter; unknown keys -> GrammarError)
+    {"type": "tool_calls", "calls": [...],      one call (``triggers`` None): one of ``calls``, each ``begin`` +
+     "triggers": [...] | None}                  JSON arguments under ``schema`` + ``end``; with ``triggers``: free
+                                                text, a call (under its grammar) wherever a trigger starts one
 
 JSON is written compact: ``", "`` and ``": "`` separators and no other whitespace between tokens (``json.dumps``'s
 layout), so a model cannot loop on whitespace. Under a json_schema, objects take no properties the schema does not
@@ -66,16 +69,54 @@ def _schema_text(spec: dict) -> tuple[str, bool]:
     return json.dumps(spec["schema"]), True
 
 
+def _literal(xgr, text: str):
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
+
+
+def _arguments(xgr, call: dict):
+    """A call's arguments under its schema: compact JSON, or (``arguments`` "xml") qwen3_coder's parameter blocks."""
+    if call.get("arguments", "json") == "xml":
+        from areno.engine.tool_calls.qwen3_coder import xml_arguments_grammar
+
+        return xml_arguments_grammar(xgr, call["schema"], _LAYOUT)
+    return xgr.Grammar.from_json_schema(json.dumps(call["schema"]), strict_mode=True, **_LAYOUT)
+
+
+def _call_grammar(xgr, call: dict):
+    """One call: its markup around arguments that validate against its schema."""
+    return xgr.Grammar.concat(_literal(xgr, call["begin"]), _arguments(xgr, call), _literal(xgr, call["end"]))
+
+
+def _triggered(xgr, spec: dict):
+    """Free text where each trigger starts one of the calls (xgrammar's structural tag, triggered tags)."""
+    tags = []
+    for call in spec["calls"]:
+        arguments = str(_arguments(xgr, call))
+        tags.append({"type": "tag", "begin": call["begin"], "content": {"type": "grammar", "grammar": arguments},
+                     "end": call["end"]})
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}}))
+
+
+def build(xgr, spec: dict):
+    """The xgrammar Grammar of a normalised spec (GrammarError with the converter's reason)."""
+    try:
+        if spec["type"] != "tool_calls":
+            text, strict = _schema_text(spec)
+            return xgr.Grammar.from_json_schema(text, strict_mode=strict, **_LAYOUT)
+        if spec["triggers"] is not None:
+            return _triggered(xgr, spec)
+        calls = [_call_grammar(xgr, call) for call in spec["calls"]]
+        return xgr.Grammar.union(*calls) if len(calls) > 1 else calls[0]
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the converter's message
+        raise GrammarError(f"unsupported JSON schema: {_message(exc)}") from exc
+
+
 def check(spec) -> dict:
     """Normalise and convert ``spec`` to a grammar without a tokenizer (the server's validation); returns the
     normalised spec or raises GrammarError with the converter's reason."""
     spec = normalize_grammar(spec)
-    xgr = _xgrammar()
-    text, strict = _schema_text(spec)
-    try:
-        xgr.Grammar.from_json_schema(text, strict_mode=strict, **_LAYOUT)
-    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the converter's message
-        raise GrammarError(f"unsupported JSON schema: {_message(exc)}") from exc
+    build(_xgrammar(), spec)
     return spec
 
 
@@ -132,9 +173,14 @@ class Grammars:
         return None
 
     def _compile(self, spec: dict, key: str):
-        text, strict = _schema_text(spec)
         try:
-            compiled = self.compiler.compile_json_schema(text, strict_mode=strict, **_LAYOUT)
+            if spec["type"] == "tool_calls":
+                compiled = self.compiler.compile_grammar(build(self.xgr, spec))
+            else:
+                text, strict = _schema_text(spec)
+                compiled = self.compiler.compile_json_schema(text, strict_mode=strict, **_LAYOUT)
+        except GrammarError:
+            raise
         except Exception as exc:
             raise GrammarError(f"unsupported JSON schema: {_message(exc)}") from exc
         size = int(compiled.memory_size_bytes)

@@ -1,7 +1,28 @@
 """Each route's body schema for the OpenAPI document, from its pydantic request model(s): the routes parse bodies
-themselves (``areno.serve.protocol.parse``), so FastAPI cannot infer it."""
+themselves (``areno.serve.protocol.parse``), so FastAPI cannot infer it; and ``json_body``, a request's body once
+its Content-Type says JSON (415 otherwise)."""
 
 from __future__ import annotations
+
+from areno.serve.errors import APIError
+
+
+def is_json_type(content_type: str | None) -> bool:
+    """Whether a Content-Type header names JSON (``application/json``, ``*/*+json``, parameters allowed); a request
+    without one is taken as JSON, as FastAPI takes it."""
+    if not content_type:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+async def json_body(request) -> bytes:
+    """The body of a JSON POST; another Content-Type (``text/plain``, a form) is a 415 naming it."""
+    content_type = request.headers.get("content-type")
+    if not is_json_type(content_type):
+        raise APIError(415, f"Content-Type must be application/json, got {content_type!r}",
+                       type="invalid_request_error", param="Content-Type")
+    return await request.body()
 
 TOKEN_ID_FIELDS = ("prompt", "tokens", "stop_token_ids")  # integers >= 0 there are token ids (< the vocabulary)
 

@@ -145,6 +145,7 @@ class MeteredStream:
         self._samples: dict[int, list] = {}  # index -> [first token time, last token time, tokens]
         self._finished = 0
         self._done = False
+        self._aborted = False  # its unfinished samples were counted as "abort" when it was aborted
         metrics.waiting.add(self)
 
     def __getattr__(self, name):
@@ -171,7 +172,8 @@ class MeteredStream:
             s[1] = now
             s[2] += 1
         if ev.finish_reason is not None:
-            m.finish(ev.finish_reason)
+            if not self._aborted:
+                m.finish(ev.finish_reason)
             s = self._samples.get(ev.index)
             if s is not None and s[2] > 1:
                 m.tpot.observe((s[1] - s[0]) / (s[2] - 1))
@@ -187,7 +189,13 @@ class MeteredStream:
         return events
 
     def abort(self) -> None:
+        """Abort the request; samples not finished yet count as ``finished_reason="abort"`` (a client gone, a
+        failure), once."""
         self._inner.abort()
+        if not self._aborted and self._finished < self._inner.options.n:  # (a cancelled read has ended it)
+            self._aborted = True
+            for _ in range(self._inner.options.n - self._finished):
+                self._m.finish("abort")
         self._end()
 
     def __aiter__(self):

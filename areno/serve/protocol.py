@@ -26,8 +26,20 @@ import logging
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from areno.engine.tool_calls import ToolChoiceError, ToolPlan, check_tool_choice, plan_tools
+from areno.engine.tool_calls.choice import choice_kind
 from areno.serve.errors import APIError
 
 log = logging.getLogger("areno.serve")
@@ -69,15 +81,8 @@ class TextPart(_Strict):
 
 class ImageURL(_Strict):
     url: str  # a data:image/...;base64 URL (remote URLs are refused: the server never fetches)
-    detail: str | None = None
-
-    @field_validator("detail")
-    @classmethod
-    def _detail(cls, v):
-        if v not in (None, "auto"):
-            raise ValueError(f"{v!r} is not served: only 'auto' (the checkpoint's image processor decides the "
-                             "resolution)")
-        return v
+    # accepted, changes nothing: the checkpoint's image processor decides the resolution (as vLLM)
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class ImagePart(_Strict):
@@ -258,7 +263,7 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
-    stream: bool = False
+    stream: StrictBool = False  # a JSON boolean: "yes" or 1 is a 400, not true
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -268,6 +273,12 @@ class _Sampling(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching here is automatic
+    safety_identifier: str | None = None
+    # refused by name: each would change the answer and is not built (None or, for modalities, ["text"] passes)
+    prediction: dict | None = Field(default=None, **_schema_only(type="null"))
+    modalities: list[str] | None = Field(default=None, **_schema_only(items={"const": "text"}))
+    web_search_options: dict | None = Field(default=None, **_schema_only(type="null"))
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=3.4028234663852886e38)  # a finite fp32
@@ -303,6 +314,12 @@ class _Sampling(_Strict):
     @model_validator(mode="after")
     def _unsupported(self):
         response_format_grammar(self.response_format, check=True)
+        if self.prediction is not None:
+            raise not_supported("prediction", " (predicted outputs)")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise not_supported("modalities", f": only ['text'] is generated, got {self.modalities}")
+        if self.web_search_options is not None:
+            raise not_supported("web_search_options", " (no web search)")
         if self.prompt_logprobs is not None and self.stream:
             raise FieldError("prompt_logprobs", "prompt_logprobs is not available with stream=true")
         if self.stream_options is not None and not self.stream:
@@ -371,18 +388,47 @@ class ChatCompletionRequest(_ChatRendering, _Sampling):
 
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None  # areno.engine.tool_calls.choice
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # a template variable
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, changes nothing (no model here reads it)
+    _plan: ToolPlan | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs=true")
-        if isinstance(self.tool_choice, dict):
-            raise FieldError("tool_choice", "tool_choice naming a function is not supported yet; use 'auto', "
-                             "'none' or 'required'")
+        try:
+            check_tool_choice(self.tool_dicts(), self.tool_choice)
+        except ToolChoiceError as exc:
+            raise FieldError(exc.field, str(exc)) from exc
         return self
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def plan_tools(self, fmt) -> ToolPlan:
+        """The tools and tool_choice in the served tool-call format ``fmt`` (kept: ``tool_plan``); a 400 naming
+        the field where they cannot be served."""
+        try:
+            self._plan = plan_tools(fmt, self.tool_dicts(), self.tool_choice)
+        except ToolChoiceError as exc:
+            raise APIError(400, str(exc), param=exc.field) from exc
+        if self._plan.grammar is not None and super().grammar() is not None:
+            raise APIError(400, "response_format and a constrained tool call (tool_choice required or a function, "
+                           "strict tools) cannot both be given", param="response_format")
+        return self._plan
+
+    @property
+    def tool_plan(self) -> ToolPlan:
+        """The plan ``plan_tools`` made, or (not planned in a format yet) the tools and choice without a grammar."""
+        return self._plan if self._plan is not None else ToolPlan(self.tool_dicts(), *choice_kind(self.tool_choice))
+
+    def grammar(self) -> dict | None:
+        """The tool-call grammar of the plan where it has one, else ``response_format``'s."""
+        if self._plan is not None and self._plan.grammar is not None:
+            return self._plan.grammar
+        return super().grammar()
 
 
 class CompletionRequest(_Sampling):

@@ -41,11 +41,14 @@ def chat_messages(req, *, media: bool = False) -> list[dict]:
 
 
 def template_kwargs(req) -> dict:
-    """The chat template's arguments besides the messages and ``add_generation_prompt``."""
+    """The chat template's arguments besides the messages and ``add_generation_prompt`` (no tools with
+    ``tool_choice`` "none")."""
     kwargs = dict(req.chat_template_kwargs or {})
     if getattr(req, "reasoning_effort", None) is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if getattr(req, "tool_choice", None) == "none":  # tools hidden: the model is not to call any
+        tools = None
     return dict(tools=tools, continue_final_message=req.continue_final_message, **kwargs)
 
 

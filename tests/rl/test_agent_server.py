@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from jinja2 import TemplateError
 
 from areno.config import ConfigError
+from areno.engine.tool_calls import FORMATS
 from areno.rl.agentic.endpoint import create_app
 from areno.rl.agentic.session import SESSION_HEADER, AgentError
 from areno.serve.errors import APIError
@@ -34,6 +35,7 @@ class Session:
 
 class Rollout:
     api_key = KEY
+    tool_format = FORMATS["qwen3"]
 
     def __init__(self):
         self.sessions = {"s1": Session(), "full": Session(AgentError("too long", "context_length_exceeded",
@@ -77,9 +79,11 @@ def test_a_completion_from_the_session_with_the_request_sampling_fields(client):
     assert body["object"] == "chat.completion" and body["model"] == "policy"
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    (plan,) = [c.pop("plan") for c in client.rollout.calls]
     assert client.rollout.calls == [{"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "stop": "x",
                                      "assistant_message": True,  # the tools type the answer's call arguments
                                      "tools": [{"type": "function", "function": {"name": "add"}}]}]
+    assert (plan.kind, plan.grammar) == ("auto", None)
     (messages, tools), = client.rollout.sessions["s1"].extended
     assert messages == MESSAGES and tools == [{"type": "function", "function": {"name": "add"}}]  # as sent
 
@@ -97,6 +101,23 @@ def test_the_endpoints_own_refusals(client):
     assert e == {"message": "too long", "type": "invalid_request_error", "param": "messages",
                  "code": "context_length_exceeded"}
     assert client.rollout.calls == []
+
+
+def test_tool_choice_is_planned_as_areno_serve_plans_it(client):
+    """The served tool-call code: a named function samples under its call grammar; "none" hides the tools from the
+    template; "required" with no tools is the same 400 as areno serve's."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    choice = {"type": "function", "function": {"name": "add"}}
+    assert post(client, {"messages": MESSAGES, "tools": tools, "tool_choice": choice}).status_code == 200
+    plan = client.rollout.calls[-1]["plan"]
+    assert plan.grammar["calls"][0]["begin"].startswith('<tool_call>\n{"name": "add"')
+    assert post(client, {"messages": MESSAGES, "tools": tools, "tool_choice": "none"}).status_code == 200
+    assert client.rollout.calls[-1]["tools"] is None and client.rollout.sessions["s1"].extended[-1][1] is None
+    e = error(post(client, {"messages": MESSAGES, "tool_choice": "required"}), 400)
+    with pytest.raises(APIError) as serve_error:
+        validate({"model": "policy", "messages": MESSAGES, "tool_choice": "required"}, ChatCompletionRequest)
+    assert e == serve_error.value.body()["error"] and e["param"] == "tool_choice"
 
 
 @pytest.mark.parametrize("body", [

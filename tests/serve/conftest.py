@@ -54,6 +54,16 @@ def tiny_ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("serve_ckpt"), family="qwen3", seed=3)
 
 
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory):
+    """A 1-layer random checkpoint served with room for tools in the prompt (their rendering takes ~460 tokens):
+    the server the tool_choice and agent-framework client tests share (forced calls need no trained model)."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tools_ckpt"), family="qwen3", seed=4, num_hidden_layers=1)
+    s = RunningServer(ckpt, max_model_len=2048)
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
     s = RunningServer(tiny_ckpt)

@@ -333,3 +333,12 @@ def test_items_become_chat_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
         {"role": "assistant", "content": "done"}, {"role": "assistant", "content": "again"}]
     assert ChatCompletionRequest.model_validate(body).messages[3].tool_calls[1].function.name == "g"
+
+
+def test_the_body_must_be_declared_json(server):
+    raw = json.dumps({"model": "tiny", "input": "hi", "max_output_tokens": 2})
+    r = httpx.post(server.base_url + "/v1/responses", content=raw, headers={"content-type": "text/plain"}, timeout=60)
+    assert r.status_code == 415 and r.json()["error"]["param"] == "Content-Type", r.text
+    ok = httpx.post(server.base_url + "/v1/responses", content=raw, headers={"content-type": "application/json"},
+                    timeout=120)
+    assert ok.status_code == 200 and ok.json()["object"] == "response", ok.text

@@ -93,24 +93,51 @@ def test_tool_call_streaming(client):
                                                  max_tokens=64, stream=True))
     deltas = [c.choices[0] for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
-    _check_call(calls)
-    assert calls[0].index == 0
+    assert {tc.index for tc in calls} == {0} and [tc.id for tc in calls if tc.id] == [calls[0].id]
+    calls[0].function.arguments = "".join(tc.function.arguments or "" for tc in calls)  # joined as the SDKs join
+    _check_call(calls[:1])
     assert "".join(d.delta.content or "" for d in deltas) == ""  # the call text never leaks out as content
     assert [d.finish_reason for d in deltas if d.finish_reason] == ["tool_calls"]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_none_returns_the_raw_text(client, stream):
-    kw = dict(model="tiny", messages=MESSAGES, tools=[TOOL], tool_choice="none", temperature=0, max_tokens=64)
-    if stream:
-        deltas = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
-        assert "".join(d.delta.content or "" for d in deltas) == CALL
-        assert not any(d.delta.tool_calls for d in deltas)
-        assert [d.finish_reason for d in deltas if d.finish_reason] == ["stop"]
-    else:
-        choice = client.chat.completions.create(**kw).choices[0]
-        assert choice.message.content == CALL and not choice.message.tool_calls
-        assert choice.finish_reason == "stop"
+def test_tool_choice_none_hides_the_tools_and_cuts_call_markup(client):
+    """"none": the template renders no tools (another prompt: the overfit call is not what comes back) and any call
+    markup is cut from the content, streamed or not alike."""
+    kw = dict(model="tiny", messages=MESSAGES, tools=[TOOL], tool_choice="none", temperature=0, max_tokens=32)
+    choice = client.chat.completions.create(**kw).choices[0]
+    deltas = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == (choice.message.content or "")
+    assert "<tool_call>" not in (choice.message.content or "") and not choice.message.tool_calls
+    assert not any(d.delta.tool_calls for d in deltas) and choice.finish_reason != "tool_calls"
+    assert [d.finish_reason for d in deltas if d.finish_reason] == [choice.finish_reason]
+
+
+def test_the_sdk_stream_helper_sees_argument_deltas_and_done(client):
+    """OpenAI's shape: the first tool-call delta has id, type and name with arguments ""; the arguments follow in
+    pieces as generated; finish_reason comes in a chunk of its own; the stream helper's events join to the
+    non-streamed call (greedy)."""
+    kw = dict(model="tiny", messages=MESSAGES, tools=[TOOL], temperature=0, max_tokens=64)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    first = next(c.delta.tool_calls[0] for c in chunks if c.delta.tool_calls)
+    assert first.id and first.type == "function" and first.function.name == "get_weather"
+    assert first.function.arguments == ""
+    pieces = [tc.function.arguments for c in chunks for tc in c.delta.tool_calls or () if tc.function.arguments]
+    assert len(pieces) > 1 and "".join(pieces) == whole.function.arguments  # in pieces, as generated
+    assert chunks[-1].finish_reason == "tool_calls" and not chunks[-1].delta.tool_calls
+    with client.chat.completions.stream(**kw) as stream:
+        events = list(stream)
+    deltas = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
+    (done,) = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert "".join(deltas) == done.arguments == whole.function.arguments and done.name == "get_weather"
+
+
+def test_an_undeclared_function_stays_content(client):
+    """The model calls get_weather; a request declaring only another function gets that text as content."""
+    other = {"type": "function", "function": {**TOOL["function"], "name": "get_time"}}
+    choice = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[other], temperature=0,
+                                            max_tokens=64).choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
 
 
 def test_no_tools_no_tool_calls(client):

@@ -61,9 +61,33 @@ def answer(tokenizer, fmt: str, text: str, body: dict):
     stream = ChatStream(state, req, ChunkWriter("id", "chat.completion.chunk", 0, "tiny", 3, None), read, 0)
     events = [TokenEvent(0, t, 0.0) for t in ids]
     events[-1].finish_reason = "stop"
-    assert all(stream.sample_chunk(0, [ev]) is None for ev in events[:-1])  # calls are read once, at the end
-    last = json.loads(stream.sample_chunk(0, [events[-1]]).removeprefix("data: "))["choices"][0]
-    return choice, last
+    sent = [stream.sample_chunk(0, [ev]) for ev in events]
+    if fmt != "qwen3":
+        assert all(text is None for text in sent[:-1])  # calls are read once, at the end
+    return choice, merged("".join(text for text in sent if text))
+
+
+def merged(sse: str) -> dict:
+    """The streamed choice of SSE chunks joined as the SDKs join them: content pieces concatenated, tool calls by
+    index (id, name from the first delta, arguments pieces joined); the finish reason comes in an empty chunk of
+    its own."""
+    choices = [json.loads(line.removeprefix("data: "))["choices"][0] for line in sse.split("\n\n") if line]
+    *body, end = choices
+    assert end["delta"] == {} and end["finish_reason"] and all(c["finish_reason"] is None for c in body)
+    delta, calls = {}, {}
+    for c in body:
+        for key in ("content", "reasoning_content"):
+            if key in c["delta"]:
+                delta[key] = delta.get(key, "") + c["delta"][key]
+        for tc in c["delta"].get("tool_calls", ()):
+            call = calls.setdefault(tc["index"], {"index": tc["index"], "function": {"arguments": ""}})
+            assert "id" not in tc or ("id" not in call and tc["function"]["arguments"] == "")  # id once, first
+            call.update({k: tc[k] for k in ("id", "type") if k in tc})
+            call["function"].setdefault("name", tc["function"].get("name"))
+            call["function"]["arguments"] += tc["function"].get("arguments", "")
+    if calls:
+        delta["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return {"delta": delta, "finish_reason": end["finish_reason"]}
 
 
 def test_a_harmony_answer_whole_and_streamed(tokenizer):
@@ -75,7 +99,7 @@ def test_a_harmony_answer_whole_and_streamed(tokenizer):
     assert msg["content"] is None and msg["reasoning_content"] == "Weather needs the tool."
     (call,) = msg["tool_calls"]
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Kyiv", "days": 2}'}
-    assert last["delta"]["reasoning_content"] == msg["reasoning_content"] and last["delta"]["content"] is None
+    assert last["delta"]["reasoning_content"] == msg["reasoning_content"] and last["delta"].get("content") is None
     assert [{k: v for k, v in c.items() if k not in ("id", "index")} for c in last["delta"]["tool_calls"]] == \
         [{k: v for k, v in call.items() if k != "id"}] and last["delta"]["tool_calls"][0]["index"] == 0
 
@@ -99,15 +123,33 @@ def test_qwen3_coder_arguments_are_typed_by_the_requests_tools(tokenizer):
     assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Sevilla", "days": 3}
 
 
-@pytest.mark.parametrize("body", [{}, {"tools": TOOLS, "tool_choice": "none"}])
-def test_a_call_where_the_request_wants_none_stays_text(tokenizer, body):
+def test_a_call_where_the_request_has_no_tools_stays_text(tokenizer):
     assert ServeState(None, tokenizer, model_name="tiny", max_model_len=512, max_running=4).tool_format.name == \
         "qwen3"  # the default: what areno read before formats were per family
     text = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}'
-    choice, last = answer(tokenizer, "harmony", text, body)
+    choice, last = answer(tokenizer, "harmony", text, {})
     plain = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False), skip_special_tokens=True)
     assert choice["message"] == {"role": "assistant", "content": plain} and choice["finish_reason"] == "stop"
     assert last["delta"] == {"content": plain} and last["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("harmony", '<|channel|>final<|message|>Sure.<|end|><|start|>assistant<|channel|>commentary to=functions.f '
+                '<|constrain|>json<|message|>{"a": 1}'),
+    ("qwen3", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')])
+def test_tool_choice_none_cuts_the_call_markup(tokenizer, fmt, text):
+    choice, last = answer(tokenizer, fmt, text, {"tools": TOOLS, "tool_choice": "none"})
+    assert choice["message"] == {"role": "assistant", "content": "Sure."} and choice["finish_reason"] == "stop"
+    assert last == {"delta": {"content": "Sure."}, "finish_reason": "stop"}
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("harmony", '<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{"a": 1}'),
+    ("qwen3", '<tool_call>\n{"name": "rm_rf", "arguments": {"a": 1}}\n</tool_call>')])
+def test_a_call_to_an_undeclared_function_stays_content(tokenizer, fmt, text):
+    choice, last = answer(tokenizer, fmt, text, {"tools": TOOLS})
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
+    assert "rm_rf" in choice["message"]["content"] and last["delta"]["content"] == choice["message"]["content"]
 
 
 def test_the_agentic_rollout_reads_the_policys_format_as_the_server_does(tokenizer):

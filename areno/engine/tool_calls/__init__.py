@@ -17,29 +17,47 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from areno.config.constants import TOOL_CALL_FORMATS
-from areno.engine.tool_calls.base import Parsed, ToolCall, ToolFormat
+from areno.engine.tool_calls.base import Parsed, ToolCall, ToolFormat, read_answer, strip_tokens
+from areno.engine.tool_calls.choice import ToolChoiceError, ToolPlan, check_tool_choice, plan_tools, read_calls
 from areno.engine.tool_calls.gemma4 import parse_gemma4
-from areno.engine.tool_calls.harmony import parse_harmony
-from areno.engine.tool_calls.json_calls import parse_deepseek_v3, parse_kimi_k2, parse_llama3_json, parse_qwen3
-from areno.engine.tool_calls.qwen3_coder import parse_qwen3_coder
+from areno.engine.tool_calls.harmony import harmony_markup, parse_harmony
+from areno.engine.tool_calls.json_calls import (
+    DS_BEGIN,
+    KIMI_BEGIN,
+    PYTHON_TAG,
+    deepseek_v3_markup,
+    kimi_k2_markup,
+    llama3_markup,
+    parse_deepseek_v3,
+    parse_kimi_k2,
+    parse_llama3_json,
+    parse_qwen3,
+    qwen3_markup,
+)
+from areno.engine.tool_calls.qwen3_coder import parse_qwen3_coder, qwen3_coder_markup
 
-__all__ = ["FORMATS", "MODEL_FORMATS", "Parsed", "ToolCall", "ToolFormat", "format_for", "parse_tool_calls",
-           "read_answer", "special_tokens", "strip_tokens"]
+__all__ = ["FORMATS", "MODEL_FORMATS", "Parsed", "ToolCall", "ToolChoiceError", "ToolFormat", "ToolPlan",
+           "check_tool_choice", "format_for", "parse_tool_calls", "plan_tools", "read_answer", "read_calls",
+           "special_tokens", "strip_tokens"]
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    ToolFormat("qwen3", parse_qwen3, False, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'),
+    ToolFormat("qwen3", parse_qwen3, False, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+               call_markup=qwen3_markup, trigger="<tool_call>"),
     ToolFormat("qwen3_coder", parse_qwen3_coder, False,
-               "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
+               "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+               call_markup=qwen3_coder_markup, trigger="<tool_call>", arguments="xml"),
     ToolFormat("gemma4", parse_gemma4, True, '<|tool_call>call:f{a:1,b:<|"|>text<|"|>}<tool_call|>'),
     ToolFormat("harmony", parse_harmony, True,
-               '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', always_read=True),
+               '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', always_read=True,
+               call_markup=harmony_markup, trigger="<|channel|>commentary to=functions."),
     ToolFormat("deepseek_v3", parse_deepseek_v3, True,
                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```"
-               "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
-    ToolFormat("llama3_json", parse_llama3_json, True, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}'),
+               "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", call_markup=deepseek_v3_markup, trigger=DS_BEGIN),
+    ToolFormat("llama3_json", parse_llama3_json, True, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}',
+               call_markup=llama3_markup, trigger=PYTHON_TAG),
     ToolFormat("kimi_k2", parse_kimi_k2, True,
                '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
-               "<|tool_call_end|><|tool_calls_section_end|>"),
+               "<|tool_call_end|><|tool_calls_section_end|>", call_markup=kimi_k2_markup, trigger=KIMI_BEGIN),
 )}
 
 assert tuple(FORMATS) == TOOL_CALL_FORMATS[1:], "config.constants.TOOL_CALL_FORMATS names these formats"
@@ -74,31 +92,9 @@ def parse_tool_calls(text: str, fmt: ToolFormat | None = None,
     return parsed.content, parsed.calls
 
 
-def read_answer(fmt: ToolFormat, text: str, tools: Sequence[dict] | None = None,
-                specials: Sequence[str] = ()) -> Parsed:
-    """``fmt.parse(text, tools)``; where the format's text was decoded with the special tokens kept, those
-    (``specials``: ``special_tokens(tokenizer)``) are stripped from the content and the reasoning it returns."""
-    parsed = fmt.parse(text, tools)
-    if fmt.special_markup:
-        parsed.content, parsed.reasoning = strip_tokens(parsed.content, specials), strip_tokens(parsed.reasoning,
-                                                                                                specials)
-    return parsed
-
-
 def special_tokens(tokenizer) -> tuple[str, ...]:
     """The texts ``skip_special_tokens`` drops from ``tokenizer``'s output, longest first (for ``strip_tokens``)."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     found = {t.content for t in added.values() if getattr(t, "special", False)}
     found |= set(getattr(tokenizer, "all_special_tokens", ()))
     return tuple(sorted(found, key=len, reverse=True))
-
-
-def strip_tokens(text: str | None, tokens: Sequence[str]) -> str | None:
-    """``text`` without any of ``tokens`` (the special tokens a format's text was decoded with), trimmed; None when
-    nothing is left."""
-    if text is None:
-        return None
-    for token in tokens:
-        if token in text:
-            text = text.replace(token, "")
-    return text.strip() or None

@@ -45,6 +45,11 @@ in the format even when the request has no tools (its calls are then not returne
     special_markup: bool
     example: str  # one call in the format, for the docs and --help
     always_read: bool = False  # every answer is in the format's markup (harmony's channels): read it without tools
+    # function name -> (the call's markup before its JSON arguments, after them), for the grammar of a call;
+    # None: the format's arguments are not one JSON object (no grammar built for its calls yet)
+    call_markup: Callable[[str], tuple[str, str]] | None = None
+    trigger: str = ""  # the text every call starts with (where a grammar for "auto" + strict tools takes over)
+    arguments: str = "json"  # how the call writes its arguments: one JSON object, or "xml" (qwen3_coder's blocks)
 
 
 def make_call(name: str, arguments: dict) -> ToolCall:
@@ -89,12 +94,26 @@ def tool_schemas(tools: Sequence[dict] | None) -> dict[str, dict]:
     return out
 
 
-def read_blocks(text: str, block: re.Pattern, read: Callable[[re.Match], ToolCall | None]) -> Parsed:
-    """Each match of ``block`` that ``read`` makes a call of is cut from the content; one it cannot (None) stays
-    there as written. No call: the text is returned untouched."""
+def declared(tools: Sequence[dict] | None) -> frozenset[str] | None:
+    """The function names ``tools`` declares (a call to another one stays content), or None when there are no tools
+    (nothing to check calls against)."""
+    return frozenset(tool_schemas(tools)) if tools else None
+
+
+def known(call: ToolCall | None, names: frozenset[str] | None) -> ToolCall | None:
+    """``call`` if it calls a declared function (``names``; None: any), else None."""
+    return call if call is not None and (names is None or call.name in names) else None
+
+
+def read_blocks(text: str, block: re.Pattern, read: Callable[[re.Match], ToolCall | None],
+                tools: Sequence[dict] | None = None) -> Parsed:
+    """Each match of ``block`` that ``read`` makes a call of a declared function (``tools``) is cut from the
+    content; one it cannot (None) or of another function stays there as written. No call: the text is returned
+    untouched."""
     calls, kept, last = [], [], 0
+    names = declared(tools)
     for m in block.finditer(text):
-        call = read(m)
+        call = known(read(m), names)
         if call is None:
             continue
         calls.append(call)
@@ -104,3 +123,25 @@ def read_blocks(text: str, block: re.Pattern, read: Callable[[re.Match], ToolCal
         return Parsed(text)
     kept.append(text[last:])
     return Parsed(joined(kept), calls)
+
+
+def read_answer(fmt: ToolFormat, text: str, tools: Sequence[dict] | None = None,
+                specials: Sequence[str] = ()) -> Parsed:
+    """``fmt.parse(text, tools)``; where the format's text was decoded with the special tokens kept, those
+    (``specials``: ``special_tokens(tokenizer)``) are stripped from the content and the reasoning it returns."""
+    parsed = fmt.parse(text, tools)
+    if fmt.special_markup:
+        parsed.content, parsed.reasoning = strip_tokens(parsed.content, specials), strip_tokens(parsed.reasoning,
+                                                                                                specials)
+    return parsed
+
+
+def strip_tokens(text: str | None, tokens: Sequence[str]) -> str | None:
+    """``text`` without any of ``tokens`` (the special tokens a format's text was decoded with), trimmed; None when
+    nothing is left."""
+    if text is None:
+        return None
+    for token in tokens:
+        if token in text:
+            text = text.replace(token, "")
+    return text.strip() or None

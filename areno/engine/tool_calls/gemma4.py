@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from areno.engine.tool_calls.base import Parsed, joined, make_call
+from areno.engine.tool_calls.base import Parsed, declared, joined, known, make_call
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>thought\n", "<channel|>"
@@ -124,11 +124,12 @@ def parse_gemma4(text: str, tools: Sequence[dict] | None = None) -> Parsed:
         end = text.index(THOUGHT_CLOSE)
         reasoning, text = text[lead + len(THOUGHT_OPEN) : end].strip() or None, text[end + len(THOUGHT_CLOSE) :]
     calls, kept, i = [], [], 0
+    names = declared(tools)
     while (start := text.find(OPEN, i)) >= 0:
         end = text.find(CLOSE, start)
         if end < 0:
             break
-        call = _call(text[start + len(OPEN) : end])
+        call = known(_call(text[start + len(OPEN) : end]), names)
         if call is not None:
             calls.append(call)
             kept.append(text[i:start])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from areno.engine.tool_calls.base import Parsed, joined, json_object, make_call
+from areno.engine.tool_calls.base import Parsed, declared, joined, json_object, make_call
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 _ENDS = re.compile(r"<\|end\|>|<\|call\|>|<\|return\|>")
@@ -53,6 +53,7 @@ def parse_harmony(text: str, tools: Sequence[dict] | None = None) -> Parsed:
     if not msgs:
         return Parsed(text)
     reasoning, content, calls = [], [], []
+    names = declared(tools)
     for header, body, raw in msgs:
         head = _header(header)
         if head is None:
@@ -64,7 +65,7 @@ def parse_harmony(text: str, tools: Sequence[dict] | None = None) -> Parsed:
             continue
         name = recipient.removeprefix("functions.") if recipient.startswith("functions.") else ""
         args = json_object(body) if name else None  # a function's call on whichever channel it came
-        if args is None:
+        if args is None or (names is not None and name not in names):
             content.append(raw)
             continue
         calls.append(make_call(name, args))
@@ -73,3 +74,7 @@ def parse_harmony(text: str, tools: Sequence[dict] | None = None) -> Parsed:
 
 def _lines(pieces: list[str]) -> str | None:
     return joined(["\n".join(p.strip() for p in pieces if p.strip())])
+
+
+def harmony_markup(name: str) -> tuple[str, str]:
+    return f"{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}", "<|call|>"

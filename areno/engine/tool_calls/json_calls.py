@@ -15,29 +15,58 @@ from collections.abc import Sequence
 from areno.engine.tool_calls.base import (
     Parsed,
     ToolCall,
+    declared,
     joined,
     json_object,
+    known,
     make_call,
     name_and_arguments,
     read_blocks,
 )
 
+_DECODER = json.JSONDecoder()
 _QWEN_BLOCK = re.compile(r"<tool_call>\s*((?:(?!<tool_call>).)*?)\s*</tool_call>", re.DOTALL)  # an unclosed block
 # never swallows the next one
+
+
+def member_spans(text: str) -> dict[str, tuple[int, int]]:
+    """Key -> (start, end) of its value's text, for each member of the JSON object ``text`` (already known to be
+    one) at the top level."""
+    spans, i, ws = {}, text.index("{") + 1, " \t\r\n"
+    while True:
+        while i < len(text) and text[i] in ws + ",":
+            i += 1
+        if i >= len(text) or text[i] == "}":
+            return spans
+        key, i = _DECODER.raw_decode(text, i)
+        while text[i] in ws + ":":
+            i += 1
+        start = i
+        _, i = _DECODER.raw_decode(text, i)
+        spans[key] = (start, i)
 
 
 def _qwen3_call(m: re.Match):
     obj = json_object(m.group(1))
     call = name_and_arguments(obj) if obj is not None else None
-    return make_call(*call) if call is not None else None
+    if call is None:
+        return None
+    made = make_call(*call)
+    if isinstance(obj.get("arguments"), dict):  # the arguments as the model wrote them (as they are streamed)
+        start, end = member_spans(m.group(1))["arguments"]
+        made.arguments = m.group(1)[start:end]
+    return made
 
 
 def parse_qwen3(text: str, tools: Sequence[dict] | None = None) -> Parsed:
-    return read_blocks(text, _QWEN_BLOCK, _qwen3_call)
+    return read_blocks(text, _QWEN_BLOCK, _qwen3_call, tools)
+
+
+def qwen3_markup(name: str) -> tuple[str, str]:
+    return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ', "}\n</tool_call>"
 
 
 PYTHON_TAG = "<|python_tag|>"
-_DECODER = json.JSONDecoder()
 
 
 def _json_calls(text: str) -> list | None:
@@ -63,9 +92,14 @@ def parse_llama3_json(text: str, tools: Sequence[dict] | None = None) -> Parsed:
     must be calls; anything else is content."""
     head, tag, body = text.partition(PYTHON_TAG)
     calls = _json_calls(body if tag else head)
-    if calls is None:
+    names = declared(tools)
+    if calls is None or (names is not None and any(c.name not in names for c in calls)):
         return Parsed(text)
     return Parsed(joined([head]) if tag else None, calls)
+
+
+def llama3_markup(name: str) -> tuple[str, str]:
+    return f'{PYTHON_TAG}{{"name": {json.dumps(name, ensure_ascii=False)}, "parameters": ', "}"
 
 
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -80,9 +114,11 @@ def _deepseek_call(inner: str):
     return make_call(m.group(1).strip(), obj) if obj is not None and m.group(1).strip() else None
 
 
-def read_section(text: str, begin: str, end: str, block: re.Pattern, read) -> Parsed:
+def read_section(text: str, begin: str, end: str, block: re.Pattern, read, tools=None) -> Parsed:
     """One ``begin``...``end`` section of call blocks (``read(match)`` -> a call or None); a block that does not parse
-    stays in the content, and a section where none parses stays whole."""
+    (or calls a function ``tools`` does not declare) stays in the content, and a section where none parses stays
+    whole."""
+    names = declared(tools)
     start = text.find(begin)
     if start < 0:
         return Parsed(text)
@@ -91,7 +127,7 @@ def read_section(text: str, begin: str, end: str, block: re.Pattern, read) -> Pa
     after = text[stop + len(end) :] if stop >= 0 else ""
     calls, kept, last = [], [text[:start]], 0
     for m in block.finditer(section):
-        call = read(m)
+        call = known(read(m), names)
         if call is not None:
             calls.append(call)
             kept.append(section[last : m.start()])
@@ -103,7 +139,12 @@ def read_section(text: str, begin: str, end: str, block: re.Pattern, read) -> Pa
 
 
 def parse_deepseek_v3(text: str, tools: Sequence[dict] | None = None) -> Parsed:
-    return read_section(text, DS_BEGIN, DS_END, _DS_CALL, lambda m: _deepseek_call(m.group(1)))
+    return read_section(text, DS_BEGIN, DS_END, _DS_CALL, lambda m: _deepseek_call(m.group(1)), tools)
+
+
+def deepseek_v3_markup(name: str) -> tuple[str, str]:
+    return (f"{DS_BEGIN}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
+            f"\n```<｜tool▁call▁end｜>{DS_END}")
 
 
 KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -122,4 +163,9 @@ def _kimi_call(m: re.Match) -> ToolCall | None:
 
 
 def parse_kimi_k2(text: str, tools: Sequence[dict] | None = None) -> Parsed:
-    return read_section(text, KIMI_BEGIN, KIMI_END, _KIMI_CALL, _kimi_call)
+    return read_section(text, KIMI_BEGIN, KIMI_END, _KIMI_CALL, _kimi_call, tools)
+
+
+def kimi_k2_markup(name: str) -> tuple[str, str]:
+    return (f"{KIMI_BEGIN}<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+            f"<|tool_call_end|>{KIMI_END}")

@@ -2,7 +2,9 @@
 
 ``POST /v1/chat/completions`` (non-streaming, ``n=1``): the session named by the ``X-Areno-Session`` header (or the
 request's ``user`` field) appends the request's new messages to its token sequence, samples one answer on the
-colocated engine and returns it as an OpenAI chat completion, tool calls parsed from ``<tool_call>`` blocks. A
+colocated engine and returns it as an OpenAI chat completion, tool calls read in the policy's format under the
+request's ``tool_choice`` exactly as ``areno serve`` does (``areno.engine.tool_calls.choice``: "required" and a named
+function run under the call grammar, "none" hides the tools and cuts call markup, only declared functions return). A
 conversation past ``--max-context-len`` gets HTTP 400 ``context_length_exceeded`` (and ends its sample); an answer
 cut by the limit ends with ``finish_reason: "length"``. Messages the chat template cannot render, media parts and
 sampling settings the engine refuses are 400s naming the parameter, never a 500. ``GET /v1/models`` names the policy.
@@ -75,13 +77,15 @@ def create_app(rollout) -> FastAPI:
         if session is None:
             raise APIError(400, f"no agent session {name!r}: use ctx.client(item), or send the {SESSION_HEADER} "
                            "header (or `user`) with item.id", param="user", code="unknown_session")
-        tools = body.get("tools") if req.tool_choice != "none" else None
+        plan = req.plan_tools(rollout.tool_format)  # tool_choice as areno serve runs it (a grammar where forced)
+        tools = body.get("tools") if plan.shown else None
         async with session.lock:  # the messages and tools as sent (validated above) go to the chat template
             extend(session, body["messages"], tools)
             try:
                 message = await rollout.sample(
                     session, max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
-                    top_p=req.top_p, stop=req.stop, assistant_message=True, tools=tools)
+                    top_p=req.top_p, stop=req.stop, assistant_message=True, tools=tools,
+                    plan=plan)
             except ConfigError as exc:  # a sampling setting the engine refuses: the request's mistake
                 raise APIError(400, str(exc), param=exc.flag) from exc
         return completion(session, message)

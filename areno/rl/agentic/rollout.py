@@ -58,10 +58,12 @@ class AgentRollout:
 
     # sampling (called from the endpoint's loop or the agent's loop)
     async def sample(self, session: Session, *, max_tokens=None, temperature=None, top_p=None, stop=None,
-                     assistant_message=False, tools=None):
+                     assistant_message=False, tools=None, plan=None):
         cfg = self.cfg
         room = self.cfg_max_context() - len(session.tokens)
         asked = {"temperature": temperature} if temperature is not None and not self._greedy else {}
+        if plan is not None and plan.grammar is not None:  # a forced or strict tool call, as areno serve runs it
+            asked["grammar"] = plan.grammar
         options = SamplingParams.from_train_config(
             cfg, n=1, greedy=self._greedy, **asked, top_p=cfg.top_p if top_p is None else top_p,
             max_new_tokens=max(1, min(max_tokens or cfg.max_new_tokens, room)), min_new_tokens=0,
@@ -78,21 +80,25 @@ class AgentRollout:
             text = text[:cut] if cut >= 0 else text
         message = None
         if assistant_message:
-            message = self.assistant_message(ids, stop_text, text, tools)
+            message = self.assistant_message(ids, stop_text, text, tools, plan)
         session.add_sample(ids, lps, finish, message)
         return message if assistant_message else Generation(ids, lps, finish, text)
 
-    def assistant_message(self, ids: list[int], stop_text: str | None, text: str, tools=None) -> dict:
+    def assistant_message(self, ids: list[int], stop_text: str | None, text: str, tools=None, plan=None) -> dict:
         """A sample as the assistant message the agent gets: its tool calls (and reasoning) read in the policy's
-        tool-call format, as ``areno serve`` reads them (``tools``: the request's, which type XML arguments)."""
-        from areno.engine.tool_calls import read_answer
+        tool-call format, as ``areno serve`` reads them (``tools``: the request's, which type XML arguments;
+        ``plan``: its tool_choice's ``ToolPlan``, read with ``read_calls`` as the server reads it)."""
+        from areno.engine.tool_calls import read_answer, read_calls
 
         fmt = self.tool_format
         if fmt.special_markup:  # its markers are special tokens: read the text with them
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
             cut = text.find(stop_text) if stop_text else -1
             text = text[:cut] if cut >= 0 else text
-        parsed = read_answer(fmt, text, tools, self.special_tokens)
+        if plan is not None:
+            parsed = read_calls(fmt, text, plan, self.special_tokens)
+        else:
+            parsed = read_answer(fmt, text, tools, self.special_tokens)
         message = {"role": "assistant", "content": parsed.content}
         if parsed.reasoning is not None:
             message["reasoning_content"] = parsed.reasoning

@@ -12,7 +12,7 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from areno.serve.bodies import request_body
+from areno.serve.bodies import json_body, request_body
 from areno.serve.errors import APIError
 from areno.serve.protocol import parse
 from areno.serve.responses.output import OutputBuilder, ThinkSplitter, new_id, response_object, response_usage
@@ -30,7 +30,8 @@ class ChatCall:
     """The incoming request as the chat route sees it: the same app and connection, the translated body."""
 
     def __init__(self, request: Request, body: dict):
-        self.request, self.app, self.raw = request, request.app, json.dumps(body, ensure_ascii=False).encode()
+        self.request, self.app, self.headers = request, request.app, request.headers
+        self.raw = json.dumps(body, ensure_ascii=False).encode()
 
     async def body(self) -> bytes:
         return self.raw
@@ -169,7 +170,7 @@ class Responder:
 
 async def create(request: Request):
     state = request.app.state.serve
-    req = await state.prep(parse, await request.body(), ResponsesRequest)
+    req = await state.prep(parse, await json_body(request), ResponsesRequest)
     state.check_model(req.model)
     responder = Responder(state, request.app.state.responses, req)
     try:

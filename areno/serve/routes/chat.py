@@ -1,6 +1,8 @@
 """``POST /v1/chat/completions``: the messages rendered through the chat template (media parts through the model's
 processor), sampled ``n`` times and answered whole or streamed as ``chat.completion.chunk`` events, with log-probs,
-vLLM's ``prompt_logprobs`` and tool calls parsed from the text."""
+vLLM's ``prompt_logprobs`` and tool calls: ``tools`` and ``tool_choice`` planned in the served tool-call format
+(``areno.engine.tool_calls.choice``: the grammar of a forced or strict call), calls read from the text and streamed
+as OpenAI streams them (``areno.serve.tool_stream``)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from areno.engine.tool_calls import read_answer
-from areno.serve.bodies import request_body
+from areno.engine.tool_calls import read_answer, read_calls
+from areno.serve.bodies import json_body, request_body
 from areno.serve.chunks import ChunkWriter, json_str, usage
 from areno.serve.errors import APIError
 from areno.serve.generation import check_request, collect, sampling_options, score_prompts, submit
@@ -20,6 +22,7 @@ from areno.serve.protocol import ChatCompletionRequest, parse
 from areno.serve.render import render_chat
 from areno.serve.scoring import vllm_prompt_logprobs
 from areno.serve.state import ServeState
+from areno.serve.tool_stream import ToolDeltas
 
 
 def prepare_chat(state: ServeState, raw: bytes):
@@ -28,6 +31,7 @@ def prepare_chat(state: ServeState, raw: bytes):
     req = parse(raw, ChatCompletionRequest)
     state.check_model(req.model)
     check_request(state, req)
+    req.plan_tools(state.tool_format)
     k = (req.top_logprobs or 0) if req.logprobs else 0
     if req.has_media():  # image parts: the model's processor (expanded placeholders, pixel rows)
         if state.media is None:
@@ -43,7 +47,7 @@ def prepare_chat(state: ServeState, raw: bytes):
 async def chat(request: Request):
     state: ServeState = request.app.state.serve
     arrival = time.perf_counter()
-    req, prompt_ids, opts, k = await state.prep(prepare_chat, state, await request.body())
+    req, prompt_ids, opts, k = await state.prep(prepare_chat, state, await json_body(request))
     mm = None
     if prompt_ids is None:  # image parts: the model's processor (expanded placeholders, pixel rows)
         mm = await state.media.encode(req, state.prep)
@@ -95,18 +99,23 @@ def chat_response(state: ServeState, req, out: list[dict], read: bool, k: int) -
 
 
 def wants_calls(req) -> bool:
-    """Whether the answer's tool calls are returned as ``tool_calls``: the request has tools and allows them."""
-    return bool(req.tools) and req.tool_choice != "none"
+    """Whether the answer is read for tool calls: the request has tools (with ``tool_choice`` "none", to cut their
+    markup)."""
+    return bool(req.tools)
 
 
 def tool_answer(state: ServeState, req, ids: list[int], stop_text: str | None, finish: str) -> tuple[dict, str]:
     """An answer read in the served model's tool-call format: (the assistant message with its ``tool_calls`` and
-    ``reasoning_content`` where the format found some, the finish reason: ``tool_calls`` when it found calls). A
-    call where the request wants none (no tools, ``tool_choice`` "none") leaves the whole text as content."""
-    parsed = read_answer(state.tool_format, state.tool_text(req, ids, stop_text, finish),
-                         [t.model_dump(exclude_none=True) for t in req.tools or ()],
-                         state.special_tokens if req.skip_special_tokens else ())
-    if parsed.calls and not wants_calls(req):
+    ``reasoning_content`` where the format found some, the finish reason: ``tool_calls`` when it found calls).
+    Only calls to declared functions come back (another stays content); with ``tool_choice`` "none" the call
+    markup is cut; with no tools a call leaves the whole text as content."""
+    specials = state.special_tokens if req.skip_special_tokens else ()
+    text = state.tool_text(req, ids, stop_text, finish)
+    if req.tools:
+        parsed = read_calls(state.tool_format, text, req.tool_plan, specials)
+    else:
+        parsed = read_answer(state.tool_format, text, (), specials)
+    if parsed.calls and not req.tools:
         d = state.detokenizer(req)
         d.ids = ids
         return {"role": "assistant", "content": d.final_text(stop_text, finish)}, finish
@@ -131,6 +140,7 @@ class ChatStream:
         self.name = state.token_namer(req)
         self.detoks = [state.detokenizer(req) for _ in range(req.n)]
         self.held = [_no_logprobs() for _ in range(req.n)]
+        self.tools = [ToolDeltas(state.tool_format, req.tool_plan) for _ in range(req.n)] if read else None
 
     async def chunks(self, stream):
         for i in range(self.req.n):
@@ -162,8 +172,10 @@ class ChatStream:
             h["ids"] += ids
             h["logprobs"] += [ev.logprob for ev in got]
             h["top"] += [ev.top for ev in got]
-        if last.finish_reason is None and not (delta_text and not self.read):
-            return None  # nothing to show yet (held-back text, or an answer read whole at its end)
+        if self.read:
+            return self.tool_chunk(index, delta_text, last)
+        if last.finish_reason is None and not delta_text:
+            return None  # nothing to show yet (held-back text)
         lp = chat_logprobs(h, self.k, self.name) if req.logprobs and h["ids"] else None
         self.held[index] = _no_logprobs()
         if last.finish_reason is None:
@@ -173,14 +185,29 @@ class ChatStream:
             return writer.chunk({"index": index, "delta": {"content": delta_text}, "finish_reason": None,
                                  "logprobs": lp})
         finish = last.finish_reason
-        if self.read:
-            message, finish = tool_answer(self.state, req, d.ids, last.stop_text, finish)
-            delta = {key: v for key, v in message.items() if key != "role"}
-            if "tool_calls" in delta:
-                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(delta["tool_calls"])]
-        else:
-            delta = {"content": delta_text + d.flush(last.stop_text, finish)}
+        delta = {"content": delta_text + d.flush(last.stop_text, finish)}
         return writer.chunk({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp})
+
+    def tool_chunk(self, index: int, delta_text: str, last) -> str | None:
+        """Sample ``index``'s chunks when its answer is read for tool calls (``ToolDeltas``): the deltas ready
+        now, and at its end the rest and then ``finish_reason`` in a chunk of its own."""
+        tools, writer = self.tools[index], self.writer
+        deltas = tools.step(delta_text) if delta_text else []
+        lp = None
+        if self.req.logprobs and self.held[index]["ids"] and (deltas or last.finish_reason is not None):
+            lp = chat_logprobs(self.held[index], self.k, self.name)
+            self.held[index] = _no_logprobs()
+        if last.finish_reason is not None:
+            message, finish = tool_answer(self.state, self.req, self.detoks[index].ids, last.stop_text,
+                                          last.finish_reason)
+            deltas += tools.finish(message)
+            deltas.append(None)  # the finish reason's own chunk
+        out = []
+        for j, delta in enumerate(deltas):
+            choice = {"index": index, "delta": delta if delta is not None else {},
+                      "finish_reason": finish if delta is None else None, "logprobs": lp if j == 0 else None}
+            out.append(writer.chunk(choice))
+        return "".join(out) or None
 
 
 def add_chat_routes(app, state: ServeState) -> None:

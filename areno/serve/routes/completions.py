@@ -11,7 +11,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from areno.serve.bodies import request_body
+from areno.serve.bodies import json_body, request_body
 from areno.serve.chunks import ChunkWriter, EventBatches, json_str, usage
 from areno.serve.errors import APIError
 from areno.serve.generation import check_request, collect, empty_sample, sampling_options, score_prompts, submit
@@ -102,7 +102,7 @@ async def start(state: ServeState, req, prompts, echo, opts, k: int, arrival: fl
 async def completions(request: Request):
     state: ServeState = request.app.state.serve
     arrival = time.perf_counter()
-    req, prompts, echo, opts, k = await state.prep(prepare_completions, state, await request.body())
+    req, prompts, echo, opts, k = await state.prep(prepare_completions, state, await json_body(request))
     streams, echo_lp, plp = await start(state, req, prompts, echo, opts, k, arrival)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(x) for x in prompts)
