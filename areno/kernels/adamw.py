@@ -39,7 +39,7 @@ _SQ_BLOCK = 4096  # of the multi-tensor sum of squares
 
 
 @triton.jit
-def _adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_decay):
+def adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_decay):
     w = w * (1.0 - lr * weight_decay)
     m = m + (g - m) * (1.0 - beta1)
     v = v * beta2 + (1.0 - beta2) * g * g
@@ -62,8 +62,8 @@ def master_adamw_kernel(
             g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
         else:
             g = tl.zeros([BLOCK], dtype=tl.float32)
-        w, m, v = _adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
-                              weight_decay)
+        w, m, v = adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
+                             weight_decay)
         tl.store(W + offs, w, mask=mask)
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)
@@ -91,19 +91,19 @@ def multi_adamw_kernel(
         offs = start + tl.arange(0, BLOCK)
         lr, step_size, bc2_sqrt, scale = tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), tl.load(SCALE)
         if start + BLOCK <= n:  # a full block: no mask
-            w, m, v = _adamw_math(tl.load(W + offs), tl.load(M + offs), tl.load(V + offs),
-                                  tl.load(G + offs).to(tl.float32) / scale, lr, step_size, bc2_sqrt, beta1, beta2,
-                                  eps, weight_decay)
+            w, m, v = adamw_math(tl.load(W + offs), tl.load(M + offs), tl.load(V + offs),
+                                 tl.load(G + offs).to(tl.float32) / scale, lr, step_size, bc2_sqrt, beta1, beta2,
+                                 eps, weight_decay)
             tl.store(W + offs, w)
             tl.store(M + offs, m)
             tl.store(V + offs, v)
             tl.store(P + offs, w.to(P.dtype.element_ty))
         else:
             mask = offs < n
-            w, m, v = _adamw_math(tl.load(W + offs, mask=mask, other=0.0), tl.load(M + offs, mask=mask, other=0.0),
-                                  tl.load(V + offs, mask=mask, other=0.0),
-                                  tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / scale, lr, step_size,
-                                  bc2_sqrt, beta1, beta2, eps, weight_decay)
+            w, m, v = adamw_math(tl.load(W + offs, mask=mask, other=0.0), tl.load(M + offs, mask=mask, other=0.0),
+                                 tl.load(V + offs, mask=mask, other=0.0),
+                                 tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / scale, lr, step_size,
+                                 bc2_sqrt, beta1, beta2, eps, weight_decay)
             tl.store(W + offs, w, mask=mask)
             tl.store(M + offs, m, mask=mask)
             tl.store(V + offs, v, mask=mask)
