@@ -84,9 +84,9 @@ def test_unknown_runtime_keys_list_the_valid_ones():
     assert "'flash_attn'" in message
     assert all(key in message for key in RUNTIME_KEYS)
     assert set(RUNTIME_KEYS) == {
-        "attn_backend", "eager_decode", "drop_rollout_state", "activation_checkpointing", "optimizer_state_offload",
-        "optimizer_state_offload_dir", "optimizer_state_offload_batch_size", "decode_progress_interval_s",
-        "kv_cache_memory", "dtype"}
+        "attn_backend", "eager_decode", "drop_rollout_state", "activation_checkpointing", "optimizer_states",
+        "optimizer_state_offload", "optimizer_state_offload_dir", "optimizer_state_offload_batch_size",
+        "decode_progress_interval_s", "kv_cache_memory", "dtype"}
 
 
 def test_runtime_values_are_checked(tmp_path):

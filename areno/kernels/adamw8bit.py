@@ -1,4 +1,4 @@
-"""AdamW with 8-bit moments: blockwise dynamic quantisation of ``exp_avg`` / ``exp_avg_sq`` (``--optimizer-states 8bit``).
+"""AdamW with 8-bit moments (``--optimizer-states 8bit``): blockwise dynamic quantisation of exp_avg / exp_avg_sq.
 
 The moments live as one byte per element plus one fp32 absolute maximum per block of ``QBLOCK`` = 256 elements
 (2.03 bytes per element for both moments, against 8 in fp32). A byte is an index into a 256-entry code book of
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.adamw import adamw_math
+from areno.kernels.adamw import adamw_math, bias_corrections
 from areno.kernels.dispatch import use_triton
 
 QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimizers)
@@ -166,3 +166,44 @@ def adamw8bit_(w, grad, mq, vq, ma, va, lr, step_size, bc2_sqrt, scale, skip, *,
         w, grad if grad is not None else w, mq, vq, ma, va, smap, umap, n, *scalars, beta1, beta2, eps, weight_decay,
         HAS_GRAD=grad is not None, BLOCK=QBLOCK, num_warps=4,
     )  # fmt: skip
+
+
+class Moments8bit:
+    """The 8-bit ``exp_avg`` and ``exp_avg_sq`` of a flat fp32 slice of ``n`` elements (what ``MasterAdamW`` keeps
+    per bucket shard under ``--optimizer-states 8bit``): ``codes`` [2, n] uint8 and ``absmax`` [2, n_blocks(n)]
+    fp32; all zeros is both moments 0."""
+
+    def __init__(self, n: int, device):
+        self.codes = torch.zeros(2, n, dtype=torch.uint8, device=device)
+        self.absmax = torch.zeros(2, n_blocks(n), dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.absmax.nbytes
+
+    def step_(self, w: torch.Tensor, grad: torch.Tensor | None, *, lr: float, step: int, beta1: float, beta2: float,
+              eps: float, weight_decay: float) -> None:
+        """One AdamW step of the fp32 master ``w`` (in place) at the host rate ``lr`` and step count ``step``
+        (after this step's increment); ``grad`` is already clipped."""
+        dev = w.device
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=dev)
+        step_size, bc2_sqrt = bias_corrections(lr_t, torch.tensor(float(step), device=dev), beta1, beta2)
+        one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
+        (mq, vq), (ma, va) = self.codes.unbind(0), self.absmax.unbind(0)
+        adamw8bit_(w, grad, mq, vq, ma, va, lr_t, step_size, bc2_sqrt, one, zero, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay)
+
+    def state(self) -> dict:
+        """The saved form: ``exp_avg`` / ``exp_avg_sq`` codes and their ``*_absmax`` (views of the live state)."""
+        return {"exp_avg": self.codes[0], "exp_avg_sq": self.codes[1], "exp_avg_absmax": self.absmax[0],
+                "exp_avg_sq_absmax": self.absmax[1]}
+
+    def load_(self, state: dict) -> None:
+        """Restore ``state()``'s tensors (exactly: codes and absmax are copied, not requantised)."""
+        for i, key in enumerate(("exp_avg", "exp_avg_sq")):
+            code, absmax = state[key], state[f"{key}_absmax"]
+            if code.dtype != torch.uint8 or code.shape != self.codes[i].shape or absmax.shape != self.absmax[i].shape:
+                raise ValueError(f"8-bit optimizer state {key}: saved {tuple(code.shape)} {code.dtype}, this "
+                                 f"optimizer has {tuple(self.codes[i].shape)} uint8")
+            self.codes[i].copy_(code)
+            self.absmax[i].copy_(absmax)

@@ -8,8 +8,15 @@ import torch
 
 from areno.kernels import adamw8bit as mod
 from areno.kernels.adamw import bias_corrections, master_adamw_native
-from areno.kernels.adamw8bit import (QBLOCK, adamw8bit_, adamw8bit_native, dequantise_native, dynamic_map, n_blocks,
-                                     quantise_native)
+from areno.kernels.adamw8bit import (
+    QBLOCK,
+    adamw8bit_,
+    adamw8bit_native,
+    dequantise_native,
+    dynamic_map,
+    n_blocks,
+    quantise_native,
+)
 
 HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
