@@ -9,9 +9,10 @@ Rows: ``part=memory``: ``state_gib`` (``MasterAdamW.state_bytes()``: fp32 master
 (without the master) and the CUDA allocation the optimizer's construction added (``alloc_gib``); ``vs_fp32`` is
 the 8-bit run's ``moments_gib`` over fp32's (the acceptance bar: <= 0.3) and ``state_vs_fp32`` the same with the
 master. ``part=step``: median ms of one eager step (gradient flatten, norm, update, parameters written).
-``part=loss``: 200 SFT steps of a 2-layer Qwen3-layout model on random token rows at lr 1e-3, the mean loss of the
-last 20 steps per run and the largest per-step difference; ``noise`` is the same fp32 run's spread over two seeds
-(the 8-bit curve is within noise when its difference is of that order).
+``part=loss``: ``--steps`` (200) next-token steps of a tiny Qwen3 (``areno.testing.make_tiny_checkpoint``) on 64
+fixed random batches at lr 1e-3: the mean loss of the last 20 steps per run and the largest per-step difference
+from fp32 seed 0; ``noise`` is fp32's spread between two data seeds (the 8-bit curve is within noise when its
+difference is of that order).
 One JSON line per measurement goes to bench/results/optimizer_8bit.jsonl.
 """
 
@@ -92,8 +93,7 @@ def loss_curve(states: str, seed: int, steps: int, dev: torch.device) -> list[fl
     return losses
 
 
-def loss_rows(smoke: bool, dev: torch.device) -> list[dict]:
-    steps = 10 if smoke else 200
+def loss_rows(steps: int, dev: torch.device) -> list[dict]:
     curves = {(s, seed): loss_curve(s, seed, steps, dev) for s, seed in (("fp32", 0), ("fp32", 1), ("8bit", 0))}
     tail = lambda c: sum(c[-20:]) / len(c[-20:])  # noqa: E731
     noise = abs(tail(curves["fp32", 0]) - tail(curves["fp32", 1]))
@@ -108,10 +108,12 @@ def loss_rows(smoke: bool, dev: torch.device) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny parameter list and few steps (checks the script)")
+    ap.add_argument("--steps", type=int, default=200, help="SFT steps of each loss curve (--smoke: 10)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/optimizer_8bit.jsonl")
     args = ap.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    rows = memory_and_step(args.smoke, dev) + loss_rows(args.smoke, dev)
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    rows = memory_and_step(args.smoke, dev) + loss_rows(10 if args.smoke else args.steps, dev)
     print_table(rows, ["part", "states", "seed", "elements", "state_gib", "moments_gib", "alloc_gib", "vs_fp32",
                        "state_vs_fp32", "ms", "first_loss", "final_loss", "max_step_diff_vs_fp32", "noise"])
     if not args.no_save and not args.smoke:

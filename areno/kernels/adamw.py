@@ -39,12 +39,26 @@ _SQ_BLOCK = 4096  # of the multi-tensor sum of squares
 
 
 @triton.jit
-def adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_decay):
+def _adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_decay):
     w = w * (1.0 - lr * weight_decay)
     m = m + (g - m) * (1.0 - beta1)
     v = v * beta2 + (1.0 - beta2) * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps  # IEEE-rounded, as torch's ops
     return w - step_size * tl.div_rn(m, denom), m, v
+
+
+@triton.jit
+def masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
+                 HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """The AdamW update (``_adamw_math``) of one masked block, the gradient read at ``G + offs`` and divided by the
+    clip divisor (zeros without a gradient), the scalars read from their device pointers (also
+    ``areno.kernels.adamw8bit``'s)."""
+    if HAS_GRAD:
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
+    else:
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+    return _adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
+                       weight_decay)
 
 
 @triton.jit
@@ -58,12 +72,8 @@ def master_adamw_kernel(
         w = tl.load(W + offs, mask=mask, other=0.0)
         m = tl.load(M + offs, mask=mask, other=0.0)
         v = tl.load(V + offs, mask=mask, other=0.0)
-        if HAS_GRAD:
-            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
-        else:
-            g = tl.zeros([BLOCK], dtype=tl.float32)
-        w, m, v = adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
-                             weight_decay)
+        w, m, v = masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
+                               HAS_GRAD, BLOCK)
         tl.store(W + offs, w, mask=mask)
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)
@@ -91,19 +101,19 @@ def multi_adamw_kernel(
         offs = start + tl.arange(0, BLOCK)
         lr, step_size, bc2_sqrt, scale = tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), tl.load(SCALE)
         if start + BLOCK <= n:  # a full block: no mask
-            w, m, v = adamw_math(tl.load(W + offs), tl.load(M + offs), tl.load(V + offs),
-                                 tl.load(G + offs).to(tl.float32) / scale, lr, step_size, bc2_sqrt, beta1, beta2,
-                                 eps, weight_decay)
+            w, m, v = _adamw_math(tl.load(W + offs), tl.load(M + offs), tl.load(V + offs),
+                                  tl.load(G + offs).to(tl.float32) / scale, lr, step_size, bc2_sqrt, beta1, beta2,
+                                  eps, weight_decay)
             tl.store(W + offs, w)
             tl.store(M + offs, m)
             tl.store(V + offs, v)
             tl.store(P + offs, w.to(P.dtype.element_ty))
         else:
             mask = offs < n
-            w, m, v = adamw_math(tl.load(W + offs, mask=mask, other=0.0), tl.load(M + offs, mask=mask, other=0.0),
-                                 tl.load(V + offs, mask=mask, other=0.0),
-                                 tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / scale, lr, step_size,
-                                 bc2_sqrt, beta1, beta2, eps, weight_decay)
+            w, m, v = _adamw_math(tl.load(W + offs, mask=mask, other=0.0), tl.load(M + offs, mask=mask, other=0.0),
+                                  tl.load(V + offs, mask=mask, other=0.0),
+                                  tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / scale, lr, step_size,
+                                  bc2_sqrt, beta1, beta2, eps, weight_decay)
             tl.store(W + offs, w, mask=mask)
             tl.store(M + offs, m, mask=mask)
             tl.store(V + offs, v, mask=mask)

@@ -13,7 +13,7 @@ whose fraction gets the bits the exponent leaves, so small values keep their rel
 
 Quantising a block: ``absmax = max |x|`` over the block, each ``x / absmax`` (0 where ``absmax`` is 0) rounded to the
 nearest code (ties to the lower one); dequantising: ``code_value * absmax``. One step per element, in one kernel
-(one program per block): dequantise ``m`` and ``v``, the AdamW update of ``areno.kernels.adamw`` (``adamw_math``) on
+(one program per block): dequantise ``m`` and ``v``, the AdamW update of ``areno.kernels.adamw`` (``masked_adamw``) on
 the fp32 master ``w`` with the fp32 moments, then requantise the new moments with the block's new absmax. The master
 stays fp32 (updated in place); the caller rounds it into the parameter, as for the fp32 states.
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.adamw import adamw_math, bias_corrections
+from areno.kernels.adamw import bias_corrections, masked_adamw
 from areno.kernels.dispatch import use_triton
 
 QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimizers)
@@ -85,12 +85,8 @@ def adamw8bit_kernel(
         w = tl.load(W + offs, mask=mask, other=0.0)
         m = tl.load(SMAP + tl.load(MQ + offs, mask=mask, other=0).to(tl.int32)) * tl.load(MA + b)
         v = tl.load(UMAP + tl.load(VQ + offs, mask=mask, other=0).to(tl.int32)) * tl.load(VA + b)
-        if HAS_GRAD:
-            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
-        else:
-            g = tl.zeros([BLOCK], dtype=tl.float32)
-        w, m, v = adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
-                             weight_decay)
+        w, m, v = masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
+                               HAS_GRAD, BLOCK)
         mq, ma = _quantise(tl.where(mask, m, 0.0), SMAP)
         vq, va = _quantise(tl.where(mask, v, 0.0), UMAP)
         tl.store(W + offs, w, mask=mask)
@@ -147,16 +143,15 @@ def adamw8bit_(w, grad, mq, vq, ma, va, lr, step_size, bc2_sqrt, scale, skip, *,
     ``grad`` (flat, any float dtype, or None: zero). Triton on CUDA (and interpreted), the native reference
     elsewhere."""
     n = w.numel()
-    if n == 0:
-        return
-    if grad is not None and not grad.is_contiguous():
-        grad = grad.contiguous()
-    scalars = (lr, step_size, bc2_sqrt, scale, skip)
     ok = (w.dtype == torch.float32 and w.is_contiguous() and mq.dtype == vq.dtype == torch.uint8
           and mq.numel() == vq.numel() == n and ma.numel() == va.numel() == n_blocks(n)
           and all(t.is_contiguous() for t in (mq, vq, ma, va)) and (grad is None or grad.numel() == n))
     if not ok:
         raise ValueError("adamw8bit_: w fp32 [n], mq/vq uint8 [n], ma/va fp32 [ceil(n / 256)], grad [n] or None")
+    if n == 0:
+        return
+    grad = None if grad is None else grad.contiguous()
+    scalars = (lr, step_size, bc2_sqrt, scale, skip)
     hp = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if not use_triton(w, mq, vq, ma, va, *scalars):
         adamw8bit_native(w, grad, mq, vq, ma, va, *scalars, **hp)

@@ -2,14 +2,12 @@
 and LoRA (the adapter's states) runs checkpoint the 8-bit moments with their absmax, a run cut and resumed equals
 the uninterrupted one bit for bit, and what is not built exits 2 naming the flag."""
 
-import json
-import random
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from areno.cli import main
+from tests.helpers.families import write_arith_data
 
 
 @pytest.fixture(scope="module")
@@ -17,16 +15,7 @@ def inputs(tmp_path_factory):
     from areno.testing import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("optim8bit-run")
-    rng = random.Random(0)
-    rows = []
-    for _ in range(8):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b)})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(sum(map(ord, record.completion)) % 2)\n")
+    data, reward = write_arith_data(root, 8)
     return make_tiny_checkpoint(root / "model", "qwen3", seed=0), data, reward
 
 
@@ -37,12 +26,12 @@ RUNS = {  # SFT: full-parameter on bf16 weights (an fp32 master beside 8-bit mom
 
 
 def _argv(inputs, out, run, *extra, steps):
-    ckpt, data, reward = inputs
+    ckpt, data, _ = inputs
     algo, *flags = RUNS[run]
     argv = ["train", "--algo", algo, "--ckpt", str(ckpt), "--dataset-path", str(data), "--batch-size", "2",
             "--mini-bs", "2", "--max-steps", str(steps), "--save-path", str(out), "--lr", "1e-2", "--no-tensorboard",
             "--seed", "3", "--save-interval", "1", "--optimizer-states", "8bit", *flags, *extra]
-    return argv + (["--reward-fn-path", str(reward)] if algo == "grpo" else [])
+    return argv
 
 
 def _weights(step_dir):
