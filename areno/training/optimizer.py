@@ -459,8 +459,10 @@ class MasterAdamW:
 
     def state_dict(self) -> dict:
         """This rank's state: step count, layout and per-bucket fp32 shards (``master``, ``exp_avg``,
-        ``exp_avg_sq``). Offloaded state is returned as host tensors that alias the live state (as with
-        ``torch.optim``): save or clone them before the next step."""
+        ``exp_avg_sq``; with 8-bit states the moments are uint8 codes, with ``exp_avg_absmax`` and
+        ``exp_avg_sq_absmax`` beside them, and the layout says ``"states": "8bit"``). Offloaded state is returned
+        as host tensors that alias the live state (as with ``torch.optim``): save or clone them before the next
+        step."""
         if self.offload == "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()
         out: dict = {"master": [], "exp_avg": [], "exp_avg_sq": []}
