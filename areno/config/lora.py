@@ -8,6 +8,8 @@ from typing import Optional
 
 from areno.config.fields import ConfigError, check_non_negative, check_range, flag_name, opt
 
+QUANTIZE_BASE = ("none", "nf4")
+
 
 @dataclass
 class LoraSection:
@@ -28,7 +30,14 @@ class LoraSection:
                                    "adapter_model.safetensors; its rank, alpha and target modules are the run's)",
                                    "train", metavar="DIR", needs="lora")
     merge_lora: bool = opt(False, "each checkpoint also holds the merged full weights in <checkpoint>/merged "
-                           "(loadable by transformers and areno serve) beside the adapter", "train", needs="lora")
+                           "(loadable by transformers and areno serve) beside the adapter; with --quantize-base nf4 "
+                           "the adapter is merged into the dequantised base weights", "train", needs="lora")
+    quantize_base: str = opt("none", "QLoRA: nf4 holds the frozen base's linear layers (all of the language model's "
+                             "but lm_head; embeddings and norms stay) in 4-bit NormalFloat with double-quantised "
+                             "scales (bitsandbytes' format, block 64), quantised at load (after an --sft-warmup-steps "
+                             "warm-up, which trains the base itself), the forward through an NF4 GEMM; training, "
+                             "rollout and the reference (the adapter off) share it; none keeps the base in --dtype",
+                             "train", choices=QUANTIZE_BASE, needs="lora")
 
     def check_lora(self):
         check_non_negative("--lora-rank", self.lora_rank)
@@ -37,14 +46,16 @@ class LoraSection:
         check_range("--lora-dropout", self.lora_dropout, 0.0, 1.0, high_open=True)
         if not [t for t in str(self.lora_target_modules).split(",") if t.strip()]:
             raise ConfigError("--lora-target-modules", "names no module")
+        if self.quantize_base not in QUANTIZE_BASE:
+            raise ConfigError("--quantize-base", f"must be one of {', '.join(QUANTIZE_BASE)}, got "
+                              f"{self.quantize_base!r}")
         if not self.lora_rank:
             return
-        if self.rollout_devices is not None:
-            raise ConfigError("--lora-rank", "split mode (--rollout-devices) with LoRA is not built yet (its "
-                              "adapter-only policy sync); train colocated")
-        if self.tp_size > 1:
-            raise ConfigError("--lora-rank", "--tp-size > 1 with LoRA is not built yet (adapters sharded with their "
-                              "layers)")
+        if self.quantize_base == "nf4":
+            self.check_qlora()
+        if self.tp_size > 1 and self.lora_dropout > 0:
+            raise ConfigError("--lora-dropout", "with --tp-size > 1 is not built yet (each rank would draw its own "
+                              "mask over the replicated input); use 0")
         if self.train_cuda_graphs == "on":
             raise ConfigError("--train-cuda-graphs", "on with --lora-rank is not built yet (the adapter's update is "
                               "not graphed); use auto or off")
@@ -54,3 +65,13 @@ class LoraSection:
                                   "language model's projections; the tower and projector stay frozen)")
         if self.merge_lora and not self.save_path:
             raise ConfigError("--merge-lora", "writes merged weights into each checkpoint: set --save-path")
+
+    def check_qlora(self):
+        """--quantize-base nf4: the combinations not built yet, refused in one line."""
+        unbuilt = {"split mode (--rollout-devices)": (self.rollout_devices is not None, "the rollout engine holds "
+                                                      "its own copy of the base; train colocated"),
+                   "--tp-size > 1": (self.tp_size > 1, "NF4 weights sharded with their layers"),
+                   "--train-cuda-graphs on": (self.train_cuda_graphs == "on", "use auto or off")}
+        for what, (given, why) in unbuilt.items():
+            if given:
+                raise ConfigError("--quantize-base", f"nf4 with {what} is not built yet ({why})")

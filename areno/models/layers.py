@@ -11,16 +11,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.kernels.gemm import linear
+from areno.kernels.nf4 import Nf4Weight, dequantize_nf4, nf4_linear, quantize_nf4
 from areno.kernels.norm import rms_norm
 from areno.models.tp import copy_to_tp, gather_from_tp, layout, reduce_from_tp
 
 
 class Linear(nn.Module):
     """``y = x W^T + b`` with ``W [out, in]``; column/row parallel when the TP plan says so. ``linear`` is cuBLAS
-    except for small inference batches (decode), where a tuned split-K Triton GEMM is faster."""
+    except for small inference batches (decode), where a tuned split-K Triton GEMM is faster.
+
+    ``quantize_nf4_()`` (QLoRA's frozen base, never under TP) replaces the weight parameter by its NF4 buffers
+    (``nf4_packed``, ``nf4_qabs``, ``nf4_absmax2``, ``nf4_offset``: bitsandbytes' format); the forward then runs the
+    NF4 GEMM, and ``weight`` reads as the dequantised tensor (a fresh one each time, for saving and merging)."""
 
     tp_style: str | None = None
     tp_group = None
+    nf4_shape: tuple | None = None  # set by quantize_nf4_
+    nf4_dtype: torch.dtype | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()
@@ -28,12 +35,43 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nf4_shape is not None:
+            return nf4_linear(x, self.nf4(), self.bias)
         if self.tp_style == "row":
             y = reduce_from_tp(linear(x, self.weight), self.tp_group)
             return y if self.bias is None else y + self.bias
         if self.tp_style == "column":
             x = copy_to_tp(x, self.tp_group)
         return linear(x, self.weight, self.bias)
+
+    def quantize_nf4_(self, q: Nf4Weight | None = None) -> None:
+        """Hold the weight as NF4 (``q``, else quantised from the weight) and free the full-precision one."""
+        if self.tp_style is not None:
+            raise ValueError("NF4 weights under tensor parallelism are not built")
+        dtype = self.nf4_dtype or self.weight.dtype
+        if q is None:
+            q = quantize_nf4(self.weight)
+        elif tuple(q.shape) != tuple(self.nf4_shape or self.weight.shape):
+            raise ValueError(f"an NF4 weight {tuple(q.shape)} for a {tuple(self.nf4_shape or self.weight.shape)} one")
+        if "weight" in self._parameters:
+            del self.weight
+        for name, t in zip(NF4_BUFFERS, q[:4]):
+            self.register_buffer(name, t, persistent=False)
+        self.nf4_shape, self.nf4_dtype = tuple(q.shape), dtype
+
+    def nf4(self) -> Nf4Weight:
+        return Nf4Weight(*(self._buffers[n] for n in NF4_BUFFERS), self.nf4_shape)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "weight" and self.nf4_shape is not None:
+                return dequantize_nf4(self.nf4(), self.nf4_dtype)
+            raise
+
+
+NF4_BUFFERS = ("nf4_packed", "nf4_qabs", "nf4_absmax2", "nf4_offset")
 
 
 class VocabEmbedding(nn.Module):

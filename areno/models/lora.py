@@ -11,9 +11,21 @@ The adapter is not a submodule of the model: the model's parameters, their Huggi
 TP plans are unchanged; ``attach`` freezes the base and hooks the projections; ``disabled()`` runs the base policy
 (the reference for KL, no second copy of the weights). Files are PEFT's (``adapter_config.json`` +
 ``adapter_model.safetensors``, tensors ``base_model.model.<module>.lora_A.weight``), read by
-``peft.PeftModel.from_pretrained``. Not built yet, refused in one line: MoE experts (stacked expert tensors), MLA's
+``peft.PeftModel.from_pretrained``.
+
+Under tensor parallelism the adapter is sharded with its layer (``tp_layouts``: its tensors' layouts in
+models/tp.py's terms, so the loader's, saver's and policy sync's piece math applies to it unchanged): on a
+column-parallel projection ``lora_B`` holds the rows the base weight holds (KV heads replicated as theirs, their
+gradients summed the same way), ``lora_A`` is replicated and its rank-wide activation enters the sharded region
+through ``copy_to_tp``; on a row-parallel one ``lora_A`` holds the input columns the base weight holds, its rank-wide
+partial activation is all-reduced (``[tokens, rank]``: the base's all-reduce happens inside ``Linear``, whose forward
+the adapter leaves alone) and ``lora_B`` is replicated. Files are always whole (gathered).
+
+Not built yet, refused in one line: MoE experts (stacked expert tensors: PEFT adapts them through
+``target_parameters`` on transformers' fused ``experts.gate_up_proj``/``down_proj``, one (A, B) per expert, and merges
+the ``[E, out, in]`` delta into the weight every forward; areno's would belong inside the grouped GEMM), MLA's
 ``kv_b_proj`` (absorbed into the decode kernel), a vision tower or projector (``all-linear`` adapts the language
-model only), tensor parallelism.
+model only), ``--lora-dropout`` with tensor parallelism.
 """
 
 from __future__ import annotations
@@ -25,9 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from areno.models.layers import Linear
+from areno.models.saver import iter_hf_tensors
+from areno.models.tp import Layout, Part, copy_to_tp, kv_replica_hook, local_shape, part_range, pieces, reduce_from_tp
 
 ALL_LINEAR = "all-linear"
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -65,7 +80,34 @@ class Site:
     hf_module: str  # transformers' (PEFT's) module name (``model.layers.0.self_attn.q_proj``)
     offset: int
     rows: int
-    in_features: int
+    in_features: int  # the full (unsharded) input width
+    layout: Layout | None = None  # the base weight's layout (its ``sharded`` flag says whether TP splits it)
+    first: int = 0  # the site's parts in ``layout``: ``parts[first : first + count]`` (its rows, or its input)
+    count: int = 1
+
+    def span(self, rank: int, size: int) -> tuple[int, int]:
+        """(offset, rows) of the site's output rows in ``rank``'s shard of the projection (all rows when the
+        projection is row-parallel: its input is what is split)."""
+        if self.layout is None or self.layout.dim == 1:
+            return self.offset, self.rows
+        held = [part_range(p, self.layout.sharded, rank, size)[1] for p in self.layout.parts]
+        return sum(held[: self.first]), sum(held[self.first : self.first + self.count])
+
+    def tp_layouts(self, r: int) -> tuple[list[Layout], list[Layout]]:
+        """The layouts of its ``lora_A [r, in]`` and ``lora_B [rows, r]`` (PEFT's tensor names)."""
+        a_name = f"{PREFIX}{self.hf_module}.lora_A.weight"
+        b_name = f"{PREFIX}{self.hf_module}.lora_B.weight"
+        lay = self.layout or Layout(0, [Part(self.hf_module, self.rows, (self.rows, self.in_features))])
+        if lay.dim == 1:  # row-parallel: A's columns split as the base weight's, B replicated
+            p = lay.parts[0]
+            a = Layout(1, [Part(a_name, p.size, (r, p.size), p.kind, p.unit)], sharded=lay.sharded)
+            return [a], [Layout(0, [Part(b_name, self.rows, (self.rows, r))])]
+        parts, start = [], sum(p.size for p in lay.parts[: self.first])
+        for p in lay.parts[self.first : self.first + self.count]:
+            parts.append(Part(b_name, p.size, (self.rows, r), p.kind, p.unit, start - self.offset))
+            start += p.size
+        a = Layout(0, [Part(a_name, r, (r, self.in_features))])
+        return [a], [Layout(0, parts, sharded=lay.sharded)]
 
 
 # transformers' module names where they differ from the checkpoint's tensor names (PEFT names modules): Ling 3's
@@ -87,7 +129,7 @@ def linear_sites(model) -> list[Site]:
     """Every Hugging Face linear module areno's ``Linear`` projections hold, MoE routers and ``lm_head`` excepted
     (PEFT's ``all-linear``: HF routers are not ``nn.Linear``; the output layer is never adapted); a vision tower and
     projector too (not built yet: their frozen path encodes without gradients)."""
-    layouts = model.hf_layouts()
+    layouts = getattr(model, "_tp_layouts", None) or model.hf_layouts()  # the loaded model's: sharded flags set
     routers = {id(m.gate) for m in model.modules() if getattr(m, "has_router", False) and hasattr(m, "gate")}
     media = {id(p) for p in [*model.tower_parameters(), *model.projector_parameters()]}
     out = []
@@ -97,18 +139,20 @@ def linear_sites(model) -> list[Site]:
         lays = layouts.get(f"{name}.weight")
         if not lays or len(lays) != 1 or lays[0].expert is not None:
             continue
-        lay, in_features = lays[0], module.weight.shape[1]
+        lay = lays[0]
         if lay.dim == 1 and len(lay.parts) != 1:
             continue  # a row-concatenation of several modules' inputs: never one PEFT module
+        in_features = lay.parts[0].size if lay.dim == 1 else module.weight.shape[1]
         offset = 0
-        for part in lay.parts:
+        for i, part in enumerate(lay.parts):
             rows = part.size if lay.dim == 0 else module.weight.shape[0]
             hf = peft_module(model, part.hf_name.removesuffix(".weight"))
             last = out[-1] if out else None
             if last is not None and (last.module, last.hf_module, last.offset + last.rows) == (name, hf, offset):
                 last.rows += rows  # one Hugging Face tensor held in consecutive parts (Qwen3.5's in_proj_qkv)
+                last.count += 1
             elif part.hf_name.endswith(".weight"):
-                out.append(Site(name, hf, offset, rows, in_features))
+                out.append(Site(name, hf, offset, rows, in_features, lay, i))
             offset += rows if lay.dim == 0 else 0
     return out
 
@@ -128,8 +172,6 @@ def _matches(hf_module: str, target: str) -> bool:
 def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") -> list[Site]:
     """The sites ``spec.target_modules`` names (PEFT's rule: the module name or its dotted suffix); a name that
     matches nothing, MoE experts and MLA's ``kv_b_proj`` are refused in one line."""
-    if getattr(model, "tp_size", 1) > 1:
-        raise LoraError("--lora-rank", "LoRA with --tp-size > 1 is not built yet (adapters sharded with their layers)")
     sites = linear_sites(model)
     if spec.target_modules == ALL_LINEAR:
         chosen = sites
@@ -143,7 +185,8 @@ def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") ->
                 raise LoraError(field, f"{t!r}: LoRA on the vision tower or projector is not built yet (the language "
                                        "model's projections are)")
             if getattr(model, "num_moe_layers", 0) and t in EXPERT_NAMES:
-                raise LoraError(field, f"{t!r}: LoRA on MoE experts is not built yet (attention projections are)")
+                raise LoraError(field, f"{t!r}: LoRA on MoE experts is not built yet (attention projections and "
+                                       "dense or shared-expert MLPs are)")
             raise LoraError(field, f"{t!r} names no linear module of the {model.config.model_type} model")
     seen, split = set(), None
     for s in chosen:
@@ -165,7 +208,8 @@ def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") ->
 
 
 class LoraPair(nn.Module):
-    """PEFT's ``lora_A``/``lora_B`` of one module: ``B(A(dropout(x))) * scaling``."""
+    """PEFT's ``lora_A``/``lora_B`` of one module: ``B(A(dropout(x))) * scaling``; under TP each holds its shard
+    (``style``: the projection's, ``group``: its TP group)."""
 
     def __init__(self, in_features: int, out_features: int, spec: LoraSpec, dtype=None, device=None):
         super().__init__()
@@ -174,34 +218,72 @@ class LoraPair(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default, as PEFT's init_lora_weights
         self.dropout = spec.dropout
         self.scaling = spec.scaling
+        self.style, self.group = None, None
 
     def forward(self, x, training: bool = False):
         """``training``: the adapted model's mode (dropout only while it trains: never in rollout or eval)."""
         x = x.to(self.lora_A.dtype)
         if self.dropout > 0 and training:
             x = torch.nn.functional.dropout(x, self.dropout, training=True)
-        return (x @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
+        h = x @ self.lora_A.t()
+        if self.style == "row":  # partial sums over this rank's input columns
+            h = reduce_from_tp(h, self.group)
+        elif self.style == "column":  # replicated, entering this rank's rows (its gradient summed backward)
+            h = copy_to_tp(h, self.group)
+        return h @ self.lora_B.t() * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
-        """``B A * scaling``: what merging adds to the module's weight ``[out, in]``."""
+        """``B A * scaling``: what merging adds to the module's weight ``[out, in]`` (this rank's shard of it)."""
         return (self.lora_B @ self.lora_A) * self.scaling
+
+    def shard(self, a_lay: Layout, b_lay: Layout, rank: int, size: int, group, style: str | None) -> None:
+        """Keep ``rank``'s shard of A and B (A drawn whole and made equal over the group first, as one device draws
+        it); gradient hooks where B replicates KV heads."""
+        self.style, self.group = style, group
+        full = self.lora_A.detach()
+        if group is not None:
+            dist.broadcast(full, src=dist.get_global_rank(group, 0), group=group)
+        for name, lay, src in (("lora_A", a_lay, full), ("lora_B", b_lay, self.lora_B.detach())):
+            local = src.new_empty(local_shape(src.shape, [lay], rank, size))
+            for pc in pieces([lay], rank, size):
+                local[pc.dst] = src[pc.src]
+            setattr(self, name, nn.Parameter(local))
+        if group is not None and any(p.kind == "kv" and p.size // p.unit < size for p in b_lay.parts):
+            self.lora_B.register_hook(kv_replica_hook(b_lay, group, rank, size))
 
 
 class LoraAdapter(nn.Module):
-    """The adapter's pairs (keyed by Hugging Face module name, dots as ``--``) and the hooks that apply them."""
+    """The adapter's pairs (keyed by Hugging Face module name, dots as ``--``) and the hooks that apply them; its
+    ``tp_layouts``/``tp_size``/``tp_group`` are a model's, so ``iter_hf_tensors`` and ``pieces`` read it as one."""
 
-    def __init__(self, spec: LoraSpec, sites: list[Site], *, dtype=None, device=None):
+    def __init__(self, spec: LoraSpec, sites: list[Site], *, dtype=None, device=None, tp=(0, 1, None)):
         super().__init__()
         self.spec, self.sites = spec, sites
         self.pairs = nn.ModuleDict({
             _key(s.hf_module): LoraPair(s.in_features, s.rows, spec, dtype, device) for s in sites})
+        self.tp_rank, self.tp_size, self.tp_group = tp
+        self._tp_layouts = {}
+        for s in sites:
+            (a,), (b,) = s.tp_layouts(spec.rank)
+            self._tp_layouts[f"pairs.{_key(s.hf_module)}.lora_A"] = [a]
+            self._tp_layouts[f"pairs.{_key(s.hf_module)}.lora_B"] = [b]
         self.enabled = True
         self._handles = []
         self.base_trainable: list = []  # the base parameters that trained before the adapter froze them
         self.base_changed = False  # the base trained in this run (a LoRA run's SFT warm-up): checkpoints hold it
+        self.quantize_pending = False  # --quantize-base nf4 waits for the warm-up that trains the base
 
     def pair(self, hf_module: str) -> LoraPair:
         return self.pairs[_key(hf_module)]
+
+    def shard(self, styles: dict) -> None:
+        """Under TP: every pair keeps this rank's shard (``styles``: areno module name -> its TP style)."""
+        for s in self.sites:
+            lays = self._tp_layouts[f"pairs.{_key(s.hf_module)}.lora_A"] + self._tp_layouts[
+                f"pairs.{_key(s.hf_module)}.lora_B"]
+            self.pair(s.hf_module).shard(*lays, self.tp_rank, self.tp_size, self.tp_group, styles[s.module])
+        for pname, param in self.named_parameters():  # the optimizer counts these once in the grad norm
+            param.tp_replicated = not any(lay.sharded for lay in self._tp_layouts[pname])
 
     def hook(self, model) -> None:
         """Add the deltas to the targeted projections' outputs (one forward hook per areno ``Linear``)."""
@@ -216,22 +298,23 @@ class LoraAdapter(nn.Module):
 
     def _hook_for(self, sites: list[Site], out_features: int):
         pairs = [self.pair(s.hf_module) for s in sites]
+        spans = [s.span(self.tp_rank, self.tp_size) for s in sites]
 
         def add_delta(module, args, out):
             if not self.enabled:
                 return out
             x = args[0]
-            if len(sites) == 1 and sites[0].rows == out_features:
+            if len(sites) == 1 and spans[0][1] == out_features:
                 return out + pairs[0](x, module.training).to(out.dtype)
-            pieces, cursor = [], 0
-            for s, p in zip(sites, pairs):
-                if s.offset > cursor:
-                    pieces.append(out.new_zeros(*out.shape[:-1], s.offset - cursor))
-                pieces.append(p(x, module.training).to(out.dtype))
-                cursor = s.offset + s.rows
+            pieces_, cursor = [], 0
+            for (offset, rows), p in zip(spans, pairs):
+                if offset > cursor:
+                    pieces_.append(out.new_zeros(*out.shape[:-1], offset - cursor))
+                pieces_.append(p(x, module.training).to(out.dtype))
+                cursor = offset + rows
             if cursor < out_features:
-                pieces.append(out.new_zeros(*out.shape[:-1], out_features - cursor))
-            return out + torch.cat(pieces, dim=-1)
+                pieces_.append(out.new_zeros(*out.shape[:-1], out_features - cursor))
+            return out + torch.cat(pieces_, dim=-1)
 
         return add_delta
 
@@ -251,12 +334,8 @@ class LoraAdapter(nn.Module):
 
     # ---- PEFT's files ------------------------------------------------------------------------------------------
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for s in self.sites:
-            p = self.pair(s.hf_module)
-            out[f"{PREFIX}{s.hf_module}.lora_A.weight"] = p.lora_A.detach()
-            out[f"{PREFIX}{s.hf_module}.lora_B.weight"] = p.lora_B.detach()
-        return out
+        """PEFT's tensors, whole (gathered over TP: every rank of the group must call it)."""
+        return dict(iter_hf_tensors(self))
 
     def peft_config(self, base: str | None = None) -> dict:
         leaves = sorted({s.hf_module.rsplit(".", 1)[-1] for s in self.sites})
@@ -265,34 +344,40 @@ class LoraAdapter(nn.Module):
                 "inference_mode": True, "init_lora_weights": True, "rank_pattern": {}, "alpha_pattern": {},
                 **UNSUPPORTED_PEFT}
 
-    def save(self, folder, base: str | None = None) -> Path:
-        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's format) into ``folder``."""
+    def save(self, folder, base: str | None = None, *, write: bool = True) -> Path:
+        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's format) into ``folder``; under TP
+        every rank of the group calls it (the shards are gathered) and ``write`` says which one writes."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous().cpu() for k, v in self.peft_state_dict().items()}
-        save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-        (folder / CONFIG_FILE).write_text(json.dumps(self.peft_config(base), indent=2) + "\n")
+        if write:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+            (folder / CONFIG_FILE).write_text(json.dumps(self.peft_config(base), indent=2) + "\n")
         return folder
 
     def load_weights(self, folder, field: str = "--lora-path") -> None:
-        """Copy ``folder``'s PEFT tensors into this adapter (every pair must be there, shapes equal)."""
+        """Copy ``folder``'s PEFT tensors into this adapter, this rank's shard of each (every pair must be there,
+        shapes equal)."""
         from safetensors.torch import load_file
 
         path = Path(folder) / WEIGHTS_FILE
         if not path.is_file():
             raise LoraError(field, f"{path} does not exist")
         tensors = load_file(str(path))
+        params = dict(self.named_parameters())
         with torch.no_grad():
-            for key, mine in self.peft_state_dict().items():
-                theirs = tensors.get(key, tensors.get(key.replace(".weight", ".default.weight")))
-                if theirs is None:
-                    raise LoraError(field, f"{path} has no tensor {key}")
-                if tuple(theirs.shape) != tuple(mine.shape):
-                    raise LoraError(field, f"{key} is {tuple(theirs.shape)} in {path}, this model needs "
-                                           f"{tuple(mine.shape)}")
-                mine.copy_(theirs)
+            for pname, lays in self._tp_layouts.items():
+                for pc in pieces(lays, self.tp_rank, self.tp_size):
+                    key = pc.hf_name
+                    theirs = tensors.get(key, tensors.get(key.replace(".weight", ".default.weight")))
+                    if theirs is None:
+                        raise LoraError(field, f"{path} has no tensor {key}")
+                    if tuple(theirs.shape) != tuple(pc.hf_shape):
+                        raise LoraError(field, f"{key} is {tuple(theirs.shape)} in {path}, this model needs "
+                                               f"{tuple(pc.hf_shape)}")
+                    params[pname][pc.dst].copy_(theirs[pc.src])
 
 
 def _key(hf_module: str) -> str:
@@ -330,10 +415,22 @@ def attach(model, spec: LoraSpec) -> LoraAdapter:
     if spec.rank <= 0:
         raise LoraError("--lora-rank", f"must be > 0 to build an adapter, got {spec.rank}")
     sites = select_sites(model, spec)
+    tp = (getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1), getattr(model, "tp_group", None))
+    modules = dict(model.named_modules())
+    styles = {s.module: getattr(modules[s.module], "tp_style", None) for s in sites}
+    if tp[1] > 1:
+        if spec.dropout > 0:
+            raise LoraError("--lora-dropout", "with --tp-size > 1 is not built yet (each rank would draw its own "
+                                              "mask over the replicated input)")
+        odd = next((m for m, style in styles.items() if style not in (None, "row", "column")), None)
+        if odd:
+            raise LoraError("--lora-target-modules", f"{odd}: LoRA on a {styles[odd]!r} TP projection is not built")
     w = next(model.parameters())
     # PEFT's autocast_adapter_dtype: a bf16/fp16 base gets fp32 adapter weights (their own optimizer master)
     dtype = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
-    adapter = LoraAdapter(spec, sites, dtype=dtype, device=w.device)
+    adapter = LoraAdapter(spec, sites, dtype=dtype, device=w.device, tp=tp)
+    if tp[1] > 1:
+        adapter.shard(styles)
     adapter.base_trainable = [p for p in model.parameters() if p.requires_grad]
     for p in model.parameters():
         p.requires_grad_(False)

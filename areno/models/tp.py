@@ -293,7 +293,7 @@ def register_grad_hooks(model: nn.Module) -> None:
             for pname, param in module.named_parameters(recurse=False):
                 lay = model._tp_layouts[f"{mname}.{pname}"][0]
                 if any(p.kind == "kv" and p.size // p.unit < size for p in lay.parts):  # replicated KV heads
-                    param.register_hook(_kv_replica_hook(lay, group, rank, size))
+                    param.register_hook(kv_replica_hook(lay, group, rank, size))
 
 
 def _all_reduce_hook(group):
@@ -305,7 +305,7 @@ def _all_reduce_hook(group):
     return hook
 
 
-def _kv_replica_hook(lay: Layout, group, rank: int, size: int):
+def kv_replica_hook(lay: Layout, group, rank: int, size: int):
     """Sum the gradient of replicated KV-head rows over the ranks sharing them (scatter into a full buffer)."""
 
     def hook(grad):

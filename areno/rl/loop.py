@@ -153,6 +153,7 @@ class TrainLoop:
 
         cfg = self.cfg
         if not cfg.sft_warmup_steps or not self.algorithm.needs_reward or self.step_index > 0:
+            lora.quantize_pending(self.model)  # --quantize-base nf4 waited for a warm-up that does not run
             return {}
         rows = self._tokenize([(p.index, p.row) for p in self.rows if p.row.get("response") is not None],
                               responses=("response",), label="--sft-warmup-steps rows")  # none past the context

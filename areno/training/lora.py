@@ -7,7 +7,13 @@ PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``, base: ``
 training state; ``--merge-lora`` adds the merged full weights in ``<checkpoint>/merged``. Resume reads the adapter
 back into the live one. An --sft-warmup-steps warm-up trains the base itself, the adapter off (it stands in for the
 base's own training: LoRA adapts a trained base; the quickstart's is random); from then on checkpoints also hold that
-base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back.
+base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back. Under TP the adapter is sharded with its
+layers (models/lora.py): every rank takes part in a save (the shards are gathered), rank 0 writes whole files.
+
+QLoRA (--quantize-base nf4, ``models/qlora.py``): the base's projections are quantised once the adapter is attached,
+or at the end of the warm-up when one trains the base (the warm-up stands in for the base's own training); a
+checkpoint's ``base/`` then holds the dequantised base (what the adapter saw) and ``base_nf4.safetensors`` its NF4
+bytes, which resume reads back; without a warm-up, resume quantises --ckpt again (deterministic: the same bytes).
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from pathlib import Path
 import torch
 
 from areno.config import ConfigError
+from areno.models import qlora
 from areno.models.lora import ALL_LINEAR, LoraError, LoraSpec, adapter_of, attach, read_peft_config
 
 MERGED_DIR, BASE_DIR = "merged", "base"
+NF4_BASE_FILE = "base_nf4.safetensors"  # a QLoRA checkpoint's warm-up-trained base, quantised (resume reads it)
 
 
 def spec_of(cfg) -> LoraSpec:
@@ -43,16 +51,31 @@ def spec_of(cfg) -> LoraSpec:
 
 
 def apply(cfg, model):
-    """With --lora-rank > 0: freeze ``model``, hook in the adapter (from --lora-path if given); returns it or None."""
+    """With --lora-rank > 0: freeze ``model``, hook in the adapter (from --lora-path if given) and with
+    --quantize-base nf4 quantise the base (after the warm-up when --sft-warmup-steps trains it); returns the adapter
+    or None."""
     if not cfg.lora_rank:
         return None
     try:
         adapter = attach(model, spec_of(cfg))
         if cfg.lora_path:
             adapter.load_weights(Path(cfg.lora_path).expanduser())
+        if cfg.quantize_base == "nf4":
+            qlora.quantizable(model)  # refused here if not built, before any step
+            adapter.quantize_pending = True
+            if not cfg.sft_warmup_steps:
+                quantize_pending(model)
     except LoraError as e:
         raise ConfigError(e.field, str(e).split(": ", 1)[1]) from e
     return adapter
+
+
+def quantize_pending(model) -> None:
+    """Quantise the base if --quantize-base nf4 waits for it (after the warm-up, or when none runs)."""
+    adapter = adapter_of(model)
+    if adapter is not None and adapter.quantize_pending:
+        qlora.quantize_base(model)
+        adapter.quantize_pending = False
 
 
 def optimizer_params(model) -> list | None:
@@ -82,6 +105,7 @@ def end_train_base(model) -> None:
         p.grad = None
         p.requires_grad_(False)
     adapter.enabled, adapter.base_changed = True, True
+    quantize_pending(model)  # QLoRA quantises the base the warm-up trained
 
 
 class BaseModel:
@@ -113,18 +137,21 @@ def save_fn(cfg):
 
     def write(model, folder, tokenizer=None):
         import torch.distributed as dist
+        from safetensors.torch import save_file
 
         from areno.models import save_model
 
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
+        writer = not dist.is_initialized() or dist.get_rank() == 0
         folder = Path(folder)
         adapter = adapter_of(model)
-        adapter.save(folder, base=BASE_DIR if adapter.base_changed else cfg.ckpt)
+        # every rank: under TP the adapter's shards and the base's are gathered (a collective); rank 0 writes
+        adapter.save(folder, base=BASE_DIR if adapter.base_changed else cfg.ckpt, write=writer)
         if adapter.base_changed:  # trained by the warm-up: the adapter's base is the checkpoint's own
-            with adapter.disabled():
+            with adapter.disabled(), qlora.dequantized(model):  # QLoRA: the base as the adapter saw it
                 save_model(model, folder / BASE_DIR, tokenizer)
-        if tokenizer is not None:
+            if writer and qlora.is_quantized(model):  # and its NF4 bytes, so resume gets them back exactly
+                save_file(qlora.nf4_state(model), str(folder / NF4_BASE_FILE), metadata={"format": "pt"})
+        if tokenizer is not None and writer:
             tokenizer.save_pretrained(str(folder))
         if cfg.merge_lora:
             save_merged(model, folder / MERGED_DIR, tokenizer)
@@ -134,17 +161,19 @@ def save_fn(cfg):
 
 def save_merged(model, folder, tokenizer=None) -> Path:
     """Write ``model`` with its adapter merged (``W + B A * alpha / r``) as a full checkpoint loadable by transformers
-    and areno; the live weights are restored after."""
+    and areno (a QLoRA base: ``W`` dequantised); the live weights are restored after. Under TP each rank merges its
+    own shard (every rank calls it)."""
     from areno.models import save_model
 
     adapter = adapter_of(model)
     modules = dict(model.named_modules())
     kept = {}
-    with torch.no_grad():
+    with torch.no_grad(), qlora.dequantized(model):  # QLoRA: merged into the dequantised base
         for s in adapter.sites:
             w = modules[s.module].weight
             kept.setdefault(s.module, w.detach().clone())
-            rows = w[s.offset : s.offset + s.rows]
+            offset, count = s.span(adapter.tp_rank, adapter.tp_size)
+            rows = w[offset : offset + count]
             rows.copy_((rows.float() + adapter.pair(s.hf_module).delta_weight().float()).to(w.dtype))
         try:
             with adapter.disabled():
@@ -176,10 +205,18 @@ def load(path, model) -> None:
     adapter = adapter_of(model)
     adapter.load_weights(path, field="--resume")
     if fresh is not None:
+        theirs = dict(fresh.named_parameters())
         with torch.no_grad():
-            for p, q in zip(model.parameters(), fresh.parameters()):
-                p.copy_(q)
+            for name, p in model.named_parameters():  # a QLoRA base's quantised weights are not parameters
+                p.copy_(theirs[name])
         adapter.base_changed = True
+    nf4 = Path(path) / NF4_BASE_FILE
+    if nf4.is_file():
+        try:
+            qlora.load_nf4_state(model, load_file(str(nf4)))
+        except LoraError as e:
+            raise ValueError(str(e)) from e
+        adapter.quantize_pending = False
 
 
 def describe(path) -> str:

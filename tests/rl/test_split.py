@@ -356,3 +356,96 @@ def test_no_rank_outlives_a_killed_launcher(files, tmp_path):
         proc.kill()
         for pid in _ranks_of(out):
             os.kill(pid, signal.SIGKILL)
+
+
+def _adapter_bytes(folder) -> int:
+    return sum(t.numel() * t.element_size() for t in load_file(str(folder / "adapter_model.safetensors")).values())
+
+
+def test_lora_split_streams_only_the_adapter_and_equals_the_colocated_lora_run(files, tmp_path):
+    """A LoRA run in split mode: the rollout rank holds the same base with the same adapter structure, each sync
+    streams the adapter's tensors alone (its bytes exactly), the engine's copy equals the trainer's after every sync
+    (verified), the rollout log-probs equal the trainer's adapted model's, and the whole run (sampled tokens through
+    rewards, losses, the saved adapter) equals the colocated LoRA run's."""
+    lora = ["--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj,down_proj", "--lr", "5e-2"]
+    colo, split = tmp_path / "colo", tmp_path / "split"
+    areno(files, colo, *lora)
+    areno(files, split, *lora, "--train-devices", "0", "--rollout-devices", "1", ARENO_VERIFY_POLICY_SYNC="1")
+    ms = metrics(split)
+    adapter = _adapter_bytes(split / "step-3")
+    assert not (split / "step-3" / "model.safetensors").exists()
+    synced = [m for m in ms if "policy_sync_bytes" in m]
+    assert [m["step"] for m in synced] == [2, 3]
+    assert all(m["policy_sync_bytes"] == adapter and m["policy_sync_verified"] == 1 for m in synced)
+    assert all(m["logprob_diff_max"] < 1e-4 for m in ms)  # the engine sampled with the trainer's adapted policy
+    mc = metrics(colo)
+    for key in ("reward_mean", "reward_std", "loss", "grad_norm"):
+        assert [m[key] for m in ms] == pytest.approx([m[key] for m in mc], abs=1e-5, rel=1e-5), key
+    a = load_file(str(colo / "step-3" / "adapter_model.safetensors"))
+    b = load_file(str(split / "step-3" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_async_lora_split_streams_the_adapter_one_step_behind(files, tmp_path):
+    out = tmp_path / "async"
+    areno(files, out, "--lora-rank", "4", "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1",
+          ARENO_VERIFY_POLICY_SYNC="1", steps=4)
+    ms = metrics(out)
+    assert [m["staleness_max"] for m in ms] == [0, 1, 1, 1]
+    synced = [m for m in ms if "policy_sync_bytes" in m]
+    assert synced and all(m["policy_sync_bytes"] == _adapter_bytes(out / "step-4") for m in synced)
+
+
+@pytest.mark.slow  # three ranks each
+@pytest.mark.parametrize("topology", [
+    pytest.param(["--train-devices", "0,1", "--tp-size", "2", "--rollout-devices", "2", "--rollout-tp-size", "1"],
+                 marks=needs_gpus(3)),
+    pytest.param(["--train-devices", "0", "--rollout-devices", "1..2", "--rollout-tp-size", "2"], marks=needs_gpus(3)),
+], ids=["tp2+1", "1+tp2"])
+def test_lora_split_with_tensor_parallel_sides(files, tmp_path, topology):
+    """The adapter gathered from the train-TP shards, sliced into the rollout-TP shards: the engines' copy equals the
+    trainer's after every sync, only its bytes are streamed, and the rollout log-probs equal the trainer's."""
+    out = tmp_path / "lora-tp"
+    areno(files, out, "--lora-rank", "4", "--lr", "5e-2", *topology, ARENO_VERIFY_POLICY_SYNC="1")
+    ms = metrics(out)
+    synced = [m for m in ms if "policy_sync_bytes" in m]
+    assert [m["step"] for m in synced] == [2, 3]
+    assert all(m["policy_sync_bytes"] == _adapter_bytes(out / "step-3") and m["policy_sync_verified"] == 1
+               for m in synced)
+    assert all(m["logprob_diff_max"] < 1e-4 for m in ms)
+
+
+def test_lora_split_streams_the_warm_up_s_base_once(files, tmp_path):
+    """An --sft-warmup-steps warm-up trains the base itself: the first sync after it streams base and adapter, the
+    later ones the adapter alone; the engine samples with the trained base throughout."""
+    rows = [json.loads(x) for x in files[1].read_text().splitlines()]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({**r, "response": r["answer"]}) + "\n" for r in rows))
+    out = tmp_path / "warm"
+    areno((files[0], data, files[2]), out, "--lora-rank", "4", "--sft-warmup-steps", "2", "--train-devices", "0",
+          "--rollout-devices", "1", ARENO_VERIFY_POLICY_SYNC="1")
+    ms = [m for m in metrics(out) if m["step"] > 0]
+    adapter = _adapter_bytes(out / "step-3")
+    base = sum(t.numel() * t.element_size() for t in load_file(str(out / "step-3" / "base" / "model.safetensors")
+                                                                ).values())
+    assert [m["policy_sync_bytes"] for m in ms] == [base + adapter, adapter, adapter]
+    assert all(m["policy_sync_verified"] == 1 and m["logprob_diff_max"] < 1e-4 for m in ms)
+
+
+@pytest.mark.slow  # three split runs
+def test_lora_split_resume_continues_exactly(files, tmp_path):
+    """After a resume the engines hold --ckpt's base and a zero adapter: the first sync streams base and adapter (the
+    resumed one), and step 3 repeats the uninterrupted run's."""
+    split = ["--lora-rank", "4", "--train-devices", "0", "--rollout-devices", "1", "--save-interval", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    areno(files, full, *split, steps=3)
+    areno(files, part, *split, steps=2)
+    areno(files, part, *split, "--resume", steps=3)
+    a, b = metrics(full), metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3]
+    assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=1e-6) and b[2]["reward_mean"] == a[2]["reward_mean"]
+    assert b[2]["policy_sync_bytes"] > a[2]["policy_sync_bytes"] == _adapter_bytes(full / "step-3")  # base too
+    wa = load_file(str(full / "step-3" / "adapter_model.safetensors"))
+    wb = load_file(str(part / "step-3" / "adapter_model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -3,7 +3,6 @@ adapter moves, the checkpoint is PEFT's (same logits through ``peft``), --merge-
 resume is exact, and what is not built yet exits 2 naming the flag."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -16,25 +15,6 @@ from areno.models.lora import LoraSpec, attach, read_peft_config
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6]])
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    from areno.testing import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("lora-run")
-    rng = random.Random(0)
-    rows = []
-    for i in range(8):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b),
-                     "answer": str(a + b), "chosen": str(a + b), "rejected": str(a + b + 1),
-                     **({"split": "eval"} if i == 7 else {})})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(sum(map(ord, record.completion)) % 2)\n")
-    return make_tiny_checkpoint(root / "model", "qwen3", seed=0), data, reward
 
 
 def _argv(inputs, out, algo, *extra, steps=1):
@@ -131,8 +111,7 @@ def test_lora_path_starts_from_a_peft_adapter(inputs, tmp_path):
 
 @pytest.mark.parametrize("extra,flag", [
     (["--lora-alpha", "8"], "--lora-alpha"),  # without --lora-rank
-    (["--lora-rank", "4", "--train-devices", "0", "--rollout-devices", "1"], "--lora-rank"),
-    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2"], "--lora-rank"),
+    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2", "--lora-dropout", "0.1"], "--lora-dropout"),
     (["--lora-rank", "4", "--train-cuda-graphs", "on", "--no-activation-checkpointing"], "--train-cuda-graphs"),
     (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout"),
     (["--lora-rank", "4", "--merge-lora"], "--merge-lora"),
@@ -152,16 +131,18 @@ def _exit_code(argv) -> int:
 
 
 @pytest.mark.gpu
-def test_bf16_lora_rollout_matches_the_trainer_at_width(inputs, tmp_path):
+@pytest.mark.parametrize("quantize", [[], ["--quantize-base", "nf4"]], ids=["lora", "qlora"])
+def test_bf16_lora_rollout_matches_the_trainer_at_width(inputs, tmp_path, quantize):
     """H200: a bf16 LoRA GRPO run at the Qwen3-0.6B layer width (4 layers), the colocated engine (CUDA-graphed decode)
-    applying the moved adapter unmerged: rollout-vs-trainer log-prob mean |diff| within the issue's 0.01 bar."""
+    applying the moved adapter unmerged: rollout-vs-trainer log-prob mean |diff| within the issue's 0.01 bar. QLoRA:
+    the engine runs the same NF4 GEMM on the same quantised base as the trainer."""
     from areno.testing import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "model", "qwen3", seed=0, dtype=torch.bfloat16, hidden_size=1024,
                                 intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
                                 num_key_value_heads=8, head_dim=128)
     argv = _argv((ckpt, *inputs[1:]), tmp_path / "out", "grpo", "--lora-rank", "32", "--dtype", "bfloat16",
-                 "--lr", "1e-3", steps=3)
+                 "--lr", "1e-3", *quantize, steps=3)
     assert main(argv) == 0
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics" / "metrics.jsonl").read_text().splitlines()]
     diffs = [m["logprob_diff"] for m in lines if "logprob_diff" in m]
@@ -189,3 +170,27 @@ def test_the_reference_is_the_base_with_the_adapter_off_unless_ref_ckpt(inputs):
         assert not torch.allclose(policy(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]),
                                   base(ids, pos, cu_seqlens=cu, max_seqlen=IDS.shape[1]))
     assert ref.lm_head_weight is policy.lm_head_weight and adapter.enabled
+
+
+@pytest.mark.slow  # four runs, two of them on two gloo ranks
+def test_tensor_parallel_2_gives_the_single_process_adapter(inputs, tmp_path):
+    """--tp-size 2: the adapter sharded with its layers trains to the single process's adapter; the checkpoint's PEFT
+    file and --merge-lora's weights are whole. A GRPO step under TP samples with the sharded adapter unmerged: the
+    rollout log-probs equal the trainer's."""
+    one = _argv(inputs, tmp_path / "one", "sft", "--merge-lora", steps=2)
+    two = _argv(inputs, tmp_path / "two", "sft", "--merge-lora", "--world-size", "2", "--tp-size", "2", steps=2)
+    assert main(one) == 0 and main(two) == 0
+    a = load_file(str(tmp_path / "one" / "step-2" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "step-2" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+    ma = load_file(str(tmp_path / "one" / "step-2" / "merged" / "model.safetensors"))
+    mb = load_file(str(tmp_path / "two" / "step-2" / "merged" / "model.safetensors"))
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], atol=1e-5, rtol=1e-4)
+    assert main(_argv(inputs, tmp_path / "grpo", "grpo", "--world-size", "2", "--tp-size", "2", steps=2)) == 0
+    lines = [json.loads(x) for x in (tmp_path / "grpo" / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    diffs = [m["logprob_diff_max"] for m in lines if "logprob_diff_max" in m]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs

@@ -1,23 +1,12 @@
 """`areno train --optimizer-states 8bit` end to end on a tiny checkpoint: full-parameter (bf16 weights, fp32 master)
 and LoRA (the adapter's states) runs checkpoint the 8-bit moments with their absmax, a run cut and resumed equals
-the uninterrupted one bit for bit, and what is not built exits 2 naming the flag."""
+the uninterrupted one bit for bit, and what is not built exits 2 naming the flag (``inputs``: conftest.py)."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from areno.cli import main
-from tests.helpers.families import write_arith_data
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    from areno.testing import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("optim8bit-run")
-    data, reward = write_arith_data(root, 8)
-    return make_tiny_checkpoint(root / "model", "qwen3", seed=0), data, reward
-
 
 RUNS = {  # SFT: full-parameter on bf16 weights (an fp32 master beside 8-bit moments); LoRA (the fp32 adapter)
     "full": ("sft", "--dtype", "bfloat16"),

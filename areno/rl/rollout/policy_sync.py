@@ -11,6 +11,10 @@ bucket plan (names, shapes, dtypes, byte offsets) goes to the rollout ranks once
 Frozen parameters (``requires_grad=False``: a multimodal tower or projector left frozen, Ling's MTP layers) never
 change, so the plan leaves them out; the engines hold them from the checkpoint. After a resume the first sync
 streams every tensor once (``publish(full=True)``, the full plan), since the resumed weights may differ there.
+
+A LoRA run (models/lora.py) streams only its adapter: the rollout ranks load the same base and attach the same
+adapter, and the plan holds the adapter's tensors under their PEFT names (whole, sharded like the base on either
+side: the adapter has TP layouts of its own); the full plan is the base's tensors and the adapter's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from areno.models.lora import adapter_of
+from areno.models.saver import iter_hf_tensors
 from areno.models.tp import pieces
 
 ALIGN = 16  # byte offset alignment of every tensor inside a bucket (any dtype view is aligned)
@@ -49,6 +55,14 @@ def hf_specs(model, *, trainable_only: bool = False) -> list[tuple[str, tuple, t
                     seen.add(pc.hf_name)
                     specs.append((pc.hf_name, tuple(pc.hf_shape), params[pname].dtype))
     return specs
+
+
+def sync_specs(model, full: bool) -> list[tuple[str, tuple, torch.dtype]]:
+    """What a sync streams: ``full``, every tensor; else the trainable ones, or a LoRA run's adapter alone."""
+    adapter = adapter_of(model)
+    if adapter is None:
+        return hf_specs(model, trainable_only=not full)
+    return (hf_specs(model) if full else []) + hf_specs(adapter)
 
 
 def plan_buckets(specs, bucket_bytes: int) -> list[list[Entry]]:
@@ -81,18 +95,34 @@ def unpack(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return buffer[entry.offset : entry.offset + entry.nbytes].view(getattr(torch, entry.dtype)).view(entry.shape)
 
 
-def policy_tensors(model):
-    """``(hf_name, tensor)`` of the whole policy: without TP each piece is a view of its slice of the parameter
-    (packed with one copy); with TP, ``iter_hf_tensors`` assembles the shards (a collective over the TP group)."""
-    from areno.models.saver import iter_hf_tensors
-
-    if model.tp_size > 1:
-        yield from iter_hf_tensors(model)
+def _tensors(owner):
+    """``(hf_name, tensor)`` of a model's (or an adapter's) own tensors: without TP each piece is a view of its slice
+    of the parameter (packed with one copy); with TP, ``iter_hf_tensors`` assembles the shards (a collective over
+    the TP group)."""
+    if owner.tp_size > 1:
+        yield from iter_hf_tensors(owner)
         return
-    params = dict(model.named_parameters())
-    for pname, lays in model._tp_layouts.items():
+    params = dict(owner.named_parameters())
+    for pname, lays in owner._tp_layouts.items():
         for pc in pieces(lays, 0, 1):
             yield pc.hf_name, params[pname].detach()[pc.dst]
+
+
+def policy_tensors(model, full: bool = True):
+    """``(hf_name, tensor)`` of the whole policy, a LoRA adapter's last; a LoRA run's adapter alone unless ``full``
+    (the base does not change)."""
+    adapter = adapter_of(model)
+    if adapter is None or full:
+        yield from _tensors(model)
+    if adapter is not None:
+        yield from _tensors(adapter)
+
+
+def synced_tensors(model) -> dict[str, torch.Tensor]:
+    """Every tensor a sync may stream, whole, on the CPU (the verification's; a collective under TP)."""
+    adapter = adapter_of(model)
+    owners = [model] if adapter is None else [model, adapter]
+    return {k: v.cpu() for owner in owners for k, v in iter_hf_tensors(owner)}
 
 
 class PolicyPublisher:
@@ -102,7 +132,7 @@ class PolicyPublisher:
         self.model, self.layout = model, layout
         self.plans = {}  # full -> (plan, owners, where, bytes): every tensor, or only the trainable ones
         for full in (False, True):
-            plan = plan_buckets(hf_specs(model, trainable_only=not full), bucket_bytes)
+            plan = plan_buckets(sync_specs(model, full), bucket_bytes)
             owner = [layout.publishers[b % len(layout.publishers)] for b in range(len(plan))]
             where = {e.name: (b, e) for b, bucket in enumerate(plan) for e in bucket}
             self.plans[full] = (plan, owner, where, sum(bucket_size(b) for b in plan))
@@ -119,7 +149,7 @@ class PolicyPublisher:
             device = next(self.model.parameters()).device
             self._buffer = torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8, device=device)
         filled = [0] * len(plan)
-        for name, tensor in policy_tensors(self.model):  # every rank walks every tensor (TP gathers inside)
+        for name, tensor in policy_tensors(self.model, full):  # every rank walks them all (TP gathers inside)
             b, entry = where.get(name, (None, None))
             if b is None or owner[b] != rank:
                 continue
@@ -137,11 +167,13 @@ class PolicyReceiver:
 
     def __init__(self, model, layout):
         self.model, self.layout = model, layout
-        params = dict(model.named_parameters())
         self.targets: dict[str, list] = {}
-        for pname, lays in model._tp_layouts.items():
-            for pc in pieces(lays, model.tp_rank, model.tp_size):
-                self.targets.setdefault(pc.hf_name, []).append((params[pname], pc.dst, pc.src))
+        adapter = adapter_of(model)
+        for owner in [model] if adapter is None else [model, adapter]:
+            params = dict(owner.named_parameters())
+            for pname, lays in owner._tp_layouts.items():
+                for pc in pieces(lays, owner.tp_rank, owner.tp_size):
+                    self.targets.setdefault(pc.hf_name, []).append((params[pname], pc.dst, pc.src))
         self.plan = self.owner = None
         self._buffer = None
 

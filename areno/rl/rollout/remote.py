@@ -8,7 +8,9 @@ engine would have drawn for it, so the samples do not depend on how prompts are 
 The completions come back to rank 0 by a gather on the same group and are broadcast to the other train ranks.
 
 Rollout side (``serve``): each rollout rank loads the policy, builds the same engine as colocated mode (KV cache,
-CUDA graphs, prefix sharing, its TP workers on the engine group) and executes commands until ``stop``.
+CUDA graphs, prefix sharing, its TP workers on the engine group) and executes commands until ``stop``. In a LoRA run
+it attaches the same adapter to the same base (``--ckpt``, ``--lora-path``), applied unmerged as the trainer applies
+it, and each sync streams only the adapter; a base the SFT warm-up trained is streamed once, with the next sync.
 
 With ``--max-staleness 1`` the rollout of the next step is sent before this step trains and collected at the next
 step: it was sampled with the policy one step older than the one it trains (rows record the policy version), and
@@ -31,7 +33,8 @@ from areno.config.env import env_value
 from areno.distributed.collectives import broadcast_object
 from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
-from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver
+from areno.models.lora import adapter_of
+from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver, synced_tensors
 
 log = logging.getLogger("areno.engine")
 VERIFY_ENV = "ARENO_VERIFY_POLICY_SYNC"  # 1: after every sync, fetch the engines' weights and compare them exactly
@@ -77,6 +80,7 @@ class RemoteRollout:
         self.version = step_index()
         self._plan_sent = None  # the plan the engines hold: False (trainable tensors), True (every tensor)
         self._full_next = False  # after a resume the first sync streams the frozen tensors too
+        self._base_sent = False  # LoRA: a base the warm-up trained has reached the engines
         self._pending = None  # async: (prompt count, policy version, dispatch time) of the rollout in flight
         self._ready = None  # completions collected early (a generate() while a rollout was in flight)
         self._prefetched = False  # async: the next step's prompts are already on the engines
@@ -140,9 +144,12 @@ class RemoteRollout:
     def sync(self) -> dict:
         """Stream the policy if the optimizer moved since the last sync (every train rank takes part)."""
         now = self.optimizer.num_steps
-        if now == self.synced:
+        adapter = adapter_of(self.model)
+        base_moved = adapter is not None and adapter.base_changed and not self._base_sent  # the warm-up's base
+        if now == self.synced and not base_moved:
             return {}
-        full = self._full_next
+        full = self._full_next or base_moved
+        self._base_sent = self._base_sent or (full and adapter is not None and adapter.base_changed)
         if self.rank0:
             if self._pending:  # commands are executed in order: the rollout in flight is collected first
                 self._ready = self._collect()
@@ -262,9 +269,7 @@ class RemoteRollout:
 
     def _verify(self) -> None:
         """Fetch every engine's weights and compare them with the trainer's, tensor by tensor, exactly."""
-        from areno.models.saver import iter_hf_tensors
-
-        mine = {k: v.cpu() for k, v in iter_hf_tensors(self.model)}
+        mine = synced_tensors(self.model)
         if not self.rank0:
             return
         self._command({"op": "weights"})
@@ -283,9 +288,9 @@ def serve(cfg) -> int:
     from areno.distributed import parallel
     from areno.engine.engine import Engine
     from areno.models import load_model, load_tokenizer
-    from areno.models.saver import iter_hf_tensors
     from areno.rl.rollout.colocated import engine_config
     from areno.rl.routing_replay import routing_replay_enabled
+    from areno.training import lora
 
     rank = parallel.env_rank()
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
@@ -294,6 +299,7 @@ def serve(cfg) -> int:
     torch_device, dtype = device_and_dtype(cfg.dtype, torch.device("cuda", device) if device is not None else "cpu")
     model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
+    lora.apply(cfg, model)  # a LoRA run: the trainer's adapter (zero B, or --lora-path's), filled by each sync
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -341,7 +347,7 @@ def serve(cfg) -> int:
                 engine._ensure_built()
                 TPWorker(engine.runner).loop()
         elif op == "weights":
-            tensors = {k: v.cpu() for k, v in iter_hf_tensors(model)}
+            tensors = synced_tensors(model)
             dist.gather_object(tensors if leader else None, None, dst=0, group=layout.control)
         else:
             raise RuntimeError(f"rollout rank {rank}: unknown command {op!r}")

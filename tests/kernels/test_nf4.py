@@ -1,0 +1,141 @@
+"""NF4 weights: bitsandbytes' bytes, the quantisation error against a float64 round trip, and the Triton GEMM with
+its NF4 prologue (forward and input gradient, interpreted) against float64 on odd shapes; bf16 at 4096 on a GPU."""
+
+import pytest
+import torch
+
+from areno.kernels import nf4
+from areno.kernels.nf4 import NF4, Nf4LinearFunction, dequantize_nf4, nf4_linear, quantize_nf4
+
+SHAPES = [(37, 70), (64, 128), (33, 200), (300, 257)]  # flat blocks crossing rows, a short last block, odd counts
+
+
+def _weight(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 3
+
+
+def _ref(q):
+    """Float64 dequantisation from the format's definition (element i = n K + k; high nibble first)."""
+    n = q.shape[0] * q.shape[1]
+    bytes_ = q.packed.long().tolist()
+    codes = [(bytes_[i // 2] >> (4 if i % 2 == 0 else 0)) & 15 for i in range(n)]
+    dyn = nf4.dynamic_map().double()
+    scale = [dyn[q.qabs[i // 64].item()].item() * q.absmax2[i // 64 // 256].item() + q.offset.item()
+             for i in range(n)]
+    return torch.tensor([NF4[c] * s for c, s in zip(codes, scale)], dtype=torch.float64).view(q.shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantisation_error_bounded_against_float64_round_trip(shape):
+    w = _weight(shape)
+    q = quantize_nf4(w)
+    assert q.packed.dtype == torch.uint8 and q.packed.numel() == (w.numel() + 1) // 2
+    assert q.qabs.numel() == -(-w.numel() // 64) and q.absmax2.numel() == -(-q.qabs.numel() // 256)
+    deq = dequantize_nf4(q)
+    torch.testing.assert_close(deq.double(), _ref(q), rtol=1e-6, atol=1e-7)
+    flat = w.double().reshape(-1)
+    absmax = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 64)).view(-1, 64).abs().amax(1)
+    # the doubly quantised scale: within half a dynamic-map step (<= 0.0071 relative in the top decade) of absmax2
+    second = q.absmax2.double().repeat_interleave(256)[: absmax.numel()]
+    scales = nf4.block_scales(q).double()
+    assert ((scales - absmax).abs() <= 0.0071 * second + 1e-6).all()
+    # every code is the nearest NF4 level to w / absmax (float64), up to float32 rounding at a midpoint
+    per = absmax.repeat_interleave(64)[: flat.numel()]
+    levels = torch.tensor(NF4, dtype=torch.float64)
+    dist = ((flat / per)[:, None] - levels[None, :]).abs()
+    chosen = torch.stack([q.packed >> 4, q.packed & 15], 1).reshape(-1)[: flat.numel()].long()
+    assert (dist.gather(1, chosen[:, None])[:, 0] - dist.min(1).values <= 1e-6).all()
+    # so the round-trip error is at most half the widest NF4 gap times the scale, plus the scale's own error
+    half_gap = max(b - a for a, b in zip(NF4, NF4[1:])) / 2
+    err = (deq.double().reshape(-1) - flat).abs()
+    assert (err <= half_gap * per + (scales - absmax).abs().repeat_interleave(64)[: flat.numel()] + 1e-6).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_quantize_gives_bitsandbytes_bytes(shape):
+    bnb = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is not installed")
+    w = _weight(shape, seed=1).to(torch.bfloat16)
+    q = quantize_nf4(w)
+    packed, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    assert torch.equal(packed.view(-1), q.packed)  # the 4-bit codes: byte for byte
+    assert torch.equal(state.state2.absmax, q.absmax2) and state.offset.item() == q.offset.item()
+    code = nf4.dynamic_map()
+    assert torch.equal(state.state2.code, code)
+    # the 8-bit scale codes: areno takes the nearest dynamic-map entry (as bitsandbytes' PyTorch and CUDA paths);
+    # its CPU C path searches approximately, and picks the other neighbour a value near a midpoint
+    differ = (state.absmax != q.qabs).nonzero()[:, 0]
+    assert len(differ) <= max(1, q.qabs.numel() // 50)
+    scaled = ((nf4.block_scales(q) - q.offset) / q.absmax2.repeat_interleave(256)[: q.qabs.numel()])
+    for i in differ.tolist():
+        theirs, mine = code[state.absmax[i].long()], code[q.qabs[i].long()]
+        assert abs(int(state.absmax[i]) - int(q.qabs[i])) == 1
+        assert (scaled[i] - mine).abs() <= (scaled[i] - theirs).abs() + 1e-7
+    same = torch.ones(w.numel(), dtype=torch.bool)
+    for i in differ.tolist():
+        same[i * 64 : (i + 1) * 64] = False
+    theirs = bnb.dequantize_4bit(packed, state).float().reshape(-1)
+    assert torch.equal(theirs[same], dequantize_nf4(q, torch.bfloat16).float().reshape(-1)[same])
+
+
+def test_single_block_dequantises_as_bitsandbytes():
+    # one absmax block: bitsandbytes' C CPU path stores the 0 second-level scale as (code 0, absmax2 0), the Python
+    # path (and areno) as (code of 0.0, 1e-38); both dequantise to the offset
+    bnb = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is not installed")
+    w = _weight((5, 3), seed=2)
+    packed, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    assert torch.equal(packed.view(-1), quantize_nf4(w).packed)
+    torch.testing.assert_close(bnb.dequantize_4bit(packed, state), dequantize_nf4(quantize_nf4(w)), rtol=0, atol=0)
+
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(7, 37, 70), (1, 65, 130), (20, 48, 33)])
+def test_triton_forward_and_input_grad_against_float64(triton_kernels, M, N, K, dtype):
+    q = quantize_nf4(_weight((N, K), seed=M))
+    w64 = _ref(q)
+    x = torch.randn(M, K).to(dtype).requires_grad_(True)
+    y = nf4_linear(x, q)
+    assert y.dtype == dtype and y.shape == (M, N)
+    rtol, atol = TOL[dtype]
+    wd = w64.to(dtype).double()  # the prologue rounds W' to x's dtype, as the native path does
+    torch.testing.assert_close(y.double(), x.detach().double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
+    dy = torch.randn(M, N).to(dtype)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad.double(), dy.double() @ wd, rtol=rtol, atol=atol * N**0.5)
+
+
+def test_triton_matches_native_on_3d_input_with_bias(triton_kernels, monkeypatch):
+    q = quantize_nf4(_weight((40, 96), seed=3))
+    x = torch.randn(2, 5, 96)
+    b = torch.randn(40)
+    got = nf4_linear(x, q, b)
+    monkeypatch.setenv("ARENO_KERNELS", "native")
+    torch.testing.assert_close(got, nf4_linear(x, q, b), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="last dim"):
+        nf4_linear(torch.randn(3, 95), q)
+
+
+def test_no_weight_gradient():
+    q = quantize_nf4(_weight((16, 64)))
+    x = torch.randn(3, 64, requires_grad=True)
+    nf4_linear(x, q).sum().backward()  # native: autograd through the dequantised (constant) weight
+    assert x.grad is not None and not q.packed.requires_grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 64, 512])
+def test_triton_bf16_at_4096_against_native(M):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    q = quantize_nf4(w)
+    x = torch.randn(M, 4096, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
+    y = Nf4LinearFunction.apply(x, q.packed, q.qabs, q.absmax2, q.offset, q.shape)
+    wd = dequantize_nf4(q, torch.bfloat16)
+    ref = (x.detach().float() @ wd.float().T)
+    torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad.float(), dy.float() @ wd.float(), rtol=1.6e-2, atol=2e-2)
