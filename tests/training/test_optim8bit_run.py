@@ -1,5 +1,5 @@
-"""`areno train --optimizer-states 8bit` end to end on a tiny checkpoint: full-parameter (bf16 weights, fp32 master)
-and LoRA (the adapter's states) runs checkpoint the 8-bit moments with their absmax, a run cut and resumed equals
+"""`areno train --optimizer-states 8bit` end to end on a tiny checkpoint: full-parameter (bf16 weights, fp32 master),
+LoRA and QLoRA (the adapter's states) runs checkpoint the 8-bit moments with their absmax, a run cut and resumed equals
 the uninterrupted one bit for bit, and what is not built exits 2 naming the flag (``inputs``: conftest.py)."""
 
 import pytest
@@ -11,6 +11,7 @@ from areno.cli import main
 RUNS = {  # SFT: full-parameter on bf16 weights (an fp32 master beside 8-bit moments); LoRA (the fp32 adapter)
     "full": ("sft", "--dtype", "bfloat16"),
     "lora": ("sft", "--dtype", "float32", "--lora-rank", "4"),
+    "qlora": ("sft", "--lora-rank", "4", "--quantize-base", "nf4"),  # the adapter on an NF4 base
 }
 
 
@@ -29,7 +30,7 @@ def _weights(step_dir):
 
 
 @pytest.mark.slow  # three short runs of 1-2 steps
-@pytest.mark.parametrize("run", ["full", "lora"])
+@pytest.mark.parametrize("run", ["full", "lora", "qlora"])
 def test_cut_and_resumed_run_equals_the_uninterrupted_one(inputs, tmp_path, run):
     assert main(_argv(inputs, tmp_path / "straight", run, steps=2)) == 0
     assert main(_argv(inputs, tmp_path / "cut", run, steps=1)) == 0
