@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from areno.config import ConfigError, SamplingParams
-from areno.config.constants import ATTN_BACKENDS, DTYPES
+from areno.config.constants import ATTN_BACKENDS, DTYPES, OPTIMIZER_STATES
 from areno.config.fields import (
     check_bool,
     check_choice,
@@ -49,6 +49,7 @@ RUNTIME_KEYS = {
     "eager_decode": check_bool,
     "drop_rollout_state": check_bool,
     "activation_checkpointing": check_bool,
+    "optimizer_states": lambda n, v: check_choice(n, v, OPTIMIZER_STATES),
     "optimizer_state_offload": lambda n, v: None,  # checked with its two companions below
     "optimizer_state_offload_dir": _check_folder,
     "optimizer_state_offload_batch_size": check_positive,

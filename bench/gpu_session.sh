@@ -88,7 +88,8 @@ for stage in "$@"; do
       step model_step 100 python3 bench/model_step.py
       step train_step 150 python3 bench/train_step.py
       step train_step_graphs 240 python3 bench/train_step.py --workloads T1,T2 --checkpointing off --graphs on
-      step optimizer 60 python3 bench/optimizer_step.py ;;
+      step optimizer 60 python3 bench/optimizer_step.py
+      step optimizer_8bit 120 python3 bench/optimizer_8bit.py ;;
     train-profile)
       step prof_train 90 python3 bench/profile_step.py train
       step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45

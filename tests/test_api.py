@@ -84,15 +84,15 @@ def test_unknown_runtime_keys_list_the_valid_ones():
     assert "'flash_attn'" in message
     assert all(key in message for key in RUNTIME_KEYS)
     assert set(RUNTIME_KEYS) == {
-        "attn_backend", "eager_decode", "drop_rollout_state", "activation_checkpointing", "optimizer_state_offload",
-        "optimizer_state_offload_dir", "optimizer_state_offload_batch_size", "decode_progress_interval_s",
-        "kv_cache_memory", "dtype"}
+        "attn_backend", "eager_decode", "drop_rollout_state", "activation_checkpointing", "optimizer_states",
+        "optimizer_state_offload", "optimizer_state_offload_dir", "optimizer_state_offload_batch_size",
+        "decode_progress_interval_s", "kv_cache_memory", "dtype"}
 
 
 def test_runtime_values_are_checked(tmp_path):
     full = CudaConfig(tp_size=2, devices="0,1", max_running_prompts=8, runtime={
         "attn_backend": "native", "eager_decode": True, "drop_rollout_state": False,
-        "activation_checkpointing": False, "optimizer_state_offload": "disk",
+        "activation_checkpointing": False, "optimizer_states": "fp32", "optimizer_state_offload": "disk",
         "optimizer_state_offload_dir": str(tmp_path), "optimizer_state_offload_batch_size": 4,
         "decode_progress_interval_s": 5.0, "kv_cache_memory": 0.5, "dtype": "float32"})
     assert full.devices == [0, 1]
@@ -101,7 +101,8 @@ def test_runtime_values_are_checked(tmp_path):
            ({"optimizer_state_offload": "disk"}, "optimizer_state_offload_dir"),
            ({"optimizer_state_offload_batch_size": 0}, "optimizer_state_offload_batch_size"),
            ({"kv_cache_memory": "lots"}, "kv_cache_memory"), ({"kv_cache_memory": 0}, "kv_cache_memory"),
-           ({"dtype": "fp8"}, "dtype"), ({"decode_progress_interval_s": -1}, "decode_progress_interval_s")]
+           ({"dtype": "fp8"}, "dtype"), ({"decode_progress_interval_s": -1}, "decode_progress_interval_s"),
+           ({"optimizer_states": "4bit"}, "optimizer_states")]
     for runtime, key in bad:
         with pytest.raises(ConfigError) as info:
             CudaConfig(runtime=runtime)

@@ -6,6 +6,7 @@ GROUP_ALGOS = ("grpo", "gspo")  # group advantages over several samples of one p
 TOKEN_CLIP_ALGOS = ("grpo", "ppo")  # the token-level clipped surrogate (GSPO clips whole sequences)
 LR_STYLES = ("constant", "linear", "cosine")
 OFFLOAD_MODES = ("none", "cpu", "disk")
+OPTIMIZER_STATES = ("fp32", "8bit")  # --optimizer-states: AdamW moments in fp32, or blockwise-quantised to 8 bits
 ATTN_BACKENDS = ("flash", "native")
 DTYPES = ("bfloat16", "float16", "float32")
 KL_ESTIMATORS = ("k1", "k2", "k3")

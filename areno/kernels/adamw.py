@@ -48,6 +48,20 @@ def _adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_d
 
 
 @triton.jit
+def masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
+                 HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """The AdamW update (``_adamw_math``) of one masked block, the gradient read at ``G + offs`` and divided by the
+    clip divisor (zeros without a gradient), the scalars read from their device pointers (also
+    ``areno.kernels.adamw8bit``'s)."""
+    if HAS_GRAD:
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
+    else:
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+    return _adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
+                       weight_decay)
+
+
+@triton.jit
 def master_adamw_kernel(
     W, M, V, G, P, n, LR, STEP_SIZE, BC2_SQRT, SCALE, SKIP, beta1, beta2, eps, weight_decay,
     HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -58,12 +72,8 @@ def master_adamw_kernel(
         w = tl.load(W + offs, mask=mask, other=0.0)
         m = tl.load(M + offs, mask=mask, other=0.0)
         v = tl.load(V + offs, mask=mask, other=0.0)
-        if HAS_GRAD:
-            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
-        else:
-            g = tl.zeros([BLOCK], dtype=tl.float32)
-        w, m, v = _adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
-                              weight_decay)
+        w, m, v = masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
+                               HAS_GRAD, BLOCK)
         tl.store(W + offs, w, mask=mask)
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)

@@ -165,7 +165,7 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
     opt = MasterAdamW(params, lr=lr, weight_decay=cfg.weight_decay, dp_group=groups.dp_group,
                       tp_group=groups.tp_group, offload=cfg.optimizer_state_offload,
                       offload_dir=cfg.optimizer_state_offload_dir,
-                      offload_batch_size=cfg.optimizer_state_offload_batch_size)
+                      offload_batch_size=cfg.optimizer_state_offload_batch_size, states=cfg.optimizer_states)
     rl = ALGORITHMS[cfg.algo].needs_reward
     updates = updates_per_step(cfg, cfg.batch_size * (cfg.n_samples if rl else 1), groups.dp_size) * max(
         1, cfg.ppo_epochs if rl else 1)

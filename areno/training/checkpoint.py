@@ -107,8 +107,8 @@ def estimate_bytes(path: Path, model=None, optimizer=None, world: int = 1) -> in
                 seen.add(id(t))
                 total += t.numel() * t.element_size() * (model.tp_group.size() if getattr(model, "tp_group", None)
                                                          is not None else 1)
-    buckets = getattr(optimizer, "buckets", None) or []
-    total += 4 * sum(b.state_numel for b in buckets) * world
+    if hasattr(optimizer, "state_bytes"):  # MasterAdamW: fp32 masters and moments, or 8-bit moments
+        total += optimizer.state_bytes() * world
     return total
 
 

@@ -197,7 +197,8 @@ class TrainGraphs:
         self.pool = torch.cuda.graph_pool_handle() if on_cuda else None
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
         self.device_optimizer = (isinstance(optimizer, MasterAdamW) and optimizer.dp_group is None
-                                 and optimizer.tp_group is None and optimizer.offload == "none")
+                                 and optimizer.tp_group is None and optimizer.offload == "none"
+                                 and optimizer.states == "fp32")  # 8-bit moments: the eager step
         self.entries: OrderedDict[tuple[Bucket, str], _Entry] = OrderedDict()
         self.anchor = torch.zeros(0, device=self.device, requires_grad=True)  # gives _Replay a backward
         scalar = lambda: torch.zeros((), dtype=torch.float32, device=self.device)  # noqa: E731

@@ -23,7 +23,10 @@ fp32 parameters are their own master (no copy is kept; their shard is read from 
 Offload moves the state off the device between steps: ``"cpu"`` keeps it in host memory (pinned when CUDA is
 available), ``"disk"`` in process-private raw ``numpy.memmap`` files (``offload_batch_size`` buckets per file, read
 to the device one file at a time, written back and flushed per file, removed by ``close()`` or at interpreter exit;
-runtime scratch, never a checkpoint). A step whose grad norm is not finite is skipped (no state or weight change).
+runtime scratch, never a checkpoint). ``states="8bit"`` (``--optimizer-states 8bit``) keeps each shard's moments
+blockwise-quantised to 8 bits (``areno.kernels.adamw8bit``: ~2 bytes per element instead of 8; the fp32 master
+stays), saved and restored exactly (codes and absmax); it has no offload and no ``device_step``. A step whose grad
+norm is not finite is skipped (no state or weight change).
 ``device_step`` is the same update without a host sync (norm, clip factor and skip on the device) for CUDA-graph
 capture of a single-rank step; a step it skips writes the unchanged master back (the parameters are its rounding).
 """
@@ -42,9 +45,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areno.config.constants import OFFLOAD_MODES
+from areno.config.constants import OFFLOAD_MODES, OPTIMIZER_STATES
 from areno.distributed.collectives import group_rank, group_size
 from areno.kernels.adamw import AdamwPlan, SumsqPlan, bias_corrections, grad_sumsq, master_adamw_multi_
+from areno.kernels.adamw8bit import Moments8bit
 
 _OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
 
@@ -82,6 +86,7 @@ class _Bucket:
     group: str | None = None  # a named parameter group (its own learning rate); None: the main group
     counted: list[tuple[int, int]] = field(default_factory=list)  # shard-local ranges counted in the grad norm
     storage: torch.Tensor | None = None  # [k * shard] fp32: (master,) exp_avg, exp_avg_sq; None for disk offload
+    moments8: Moments8bit | None = None  # --optimizer-states 8bit: the moments (storage then holds the master only)
     file: int = -1  # disk offload: file index and element offset in it
     file_offset: int = 0
 
@@ -91,12 +96,53 @@ class _Bucket:
 
     @property
     def state_numel(self) -> int:
-        return (3 if self.has_master else 2) * self.shard
+        """fp32 elements of ``storage``: the master (for a low-precision dtype) and, without ``moments8``, the
+        moments."""
+        return (int(self.has_master) + (0 if self.moments8 is not None else 2)) * self.shard
+
+    def moments(self, s: torch.Tensor):
+        """The fp32 ``exp_avg``, ``exp_avg_sq`` views of the state ``s`` (the moments of the fp32 states)."""
+        return s[self.shard if self.has_master else 0 :].view(2, self.shard).unbind(0)
+
+
+def _make_buckets(params, group_of: dict, bucket_bytes: int, dp_size: int, dp_rank: int,
+                  tp_rank: int) -> list[_Bucket]:
+    """``params`` cut, per (named group, dtype) in order, into buckets of about ``bucket_bytes`` fp32 bytes, each
+    padded to ``dp_size`` shards, with the shard-local ranges rank ``dp_rank`` counts in the grad norm."""
+    by_dtype: dict[tuple, list] = {}
+    for p in params:
+        by_dtype.setdefault((group_of.get(id(p)), p.dtype), []).append(p)
+    cap = max(1, bucket_bytes // 4)
+    buckets = []
+    for (name, dtype), group in by_dtype.items():
+        cur: list = []
+        for p in group + [None]:
+            full = cur and (p is None or sum(q.numel() for q in cur) + p.numel() > cap)
+            if full:
+                offsets = np.cumsum([0] + [q.numel() for q in cur])
+                n = int(offsets[-1])
+                buckets.append(_Bucket(cur, [int(o) for o in offsets[:-1]], n, -(-n // dp_size), dtype, name))
+                cur = []
+            if p is not None:
+                cur.append(p)
+    for b in buckets:  # shard-local ranges of the parameters this rank counts in the grad norm
+        lo = dp_rank * b.shard
+        for p, off in zip(b.params, b.offsets):
+            if getattr(p, "tp_replicated", False) and tp_rank != 0:
+                continue
+            a, e = max(off, lo) - lo, min(off + p.numel(), lo + b.shard) - lo
+            if a < e:
+                if b.counted and b.counted[-1][1] == a:
+                    b.counted[-1] = (b.counted[-1][0], e)
+                else:
+                    b.counted.append((a, e))
+    return buckets
 
 
 class MasterAdamW:
     def __init__(self, params, *, lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, dp_group=None,
-                 tp_group=None, offload="none", offload_dir=None, offload_batch_size=1, bucket_bytes=25 * 2**20):
+                 tp_group=None, offload="none", offload_dir=None, offload_batch_size=1, bucket_bytes=25 * 2**20,
+                 states="fp32"):
         self.group_of: dict[int, str] = {}  # id(param) -> its named group
         flat = []
         for item in params:
@@ -114,6 +160,9 @@ class MasterAdamW:
             raise ValueError(f"--optimizer-state-offload must be none, cpu or disk, not {offload!r}")
         if offload == "disk" and offload_dir is None:
             raise ValueError("--optimizer-state-offload disk needs --optimizer-state-offload-dir")
+        if states not in OPTIMIZER_STATES or (states == "8bit" and offload != "none"):
+            raise ValueError(f"--optimizer-states {states!r}: fp32, or 8bit without --optimizer-state-offload")
+        self.states = states
         if offload_batch_size < 1:
             raise ValueError(f"--optimizer-state-offload-batch-size must be >= 1, not {offload_batch_size}")
         self.device = params[0].device
@@ -128,44 +177,13 @@ class MasterAdamW:
         self.offload, self.offload_batch_size = offload, offload_batch_size
         self.num_steps = 0
         self._step_tensor: tuple[float, torch.Tensor] | None = None  # (step, its device tensor) for fused AdamW
-        self.buckets = self._make_buckets(params, bucket_bytes)
+        self.buckets = _make_buckets(params, self.group_of, bucket_bytes, self.dp_size, self.dp_rank,
+                                     group_rank(self.tp_group))
         self.offload_path: Path | None = None
         self._files: list[np.memmap] = []
         self._init_state(offload_dir)
 
     # ---- layout --------------------------------------------------------------------------------------------
-    def _make_buckets(self, params, bucket_bytes) -> list[_Bucket]:
-        by_dtype: dict[tuple, list] = {}
-        for p in params:
-            by_dtype.setdefault((self.group_of.get(id(p)), p.dtype), []).append(p)
-        cap = max(1, bucket_bytes // 4)
-        buckets = []
-        for (name, dtype), group in by_dtype.items():
-            cur: list = []
-            for p in group + [None]:
-                full = cur and (p is None or sum(q.numel() for q in cur) + p.numel() > cap)
-                if full:
-                    offsets = np.cumsum([0] + [q.numel() for q in cur])
-                    n = int(offsets[-1])
-                    buckets.append(_Bucket(cur, [int(o) for o in offsets[:-1]], n, -(-n // self.dp_size), dtype,
-                                           name))
-                    cur = []
-                if p is not None:
-                    cur.append(p)
-        tp_rank = group_rank(self.tp_group)
-        for b in buckets:  # shard-local ranges of the parameters this rank counts in the grad norm
-            lo = self.dp_rank * b.shard
-            for p, off in zip(b.params, b.offsets):
-                if getattr(p, "tp_replicated", False) and tp_rank != 0:
-                    continue
-                a, e = max(off, lo) - lo, min(off + p.numel(), lo + b.shard) - lo
-                if a < e:
-                    if b.counted and b.counted[-1][1] == a:
-                        b.counted[-1] = (b.counted[-1][0], e)
-                    else:
-                        b.counted.append((a, e))
-        return buckets
-
     def _read_params(self, b: _Bucket) -> torch.Tensor:
         """This rank's shard of the bucket's parameters as fp32 (zeros in the padding)."""
         lo, hi = self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
@@ -205,6 +223,7 @@ class MasterAdamW:
         pin = self.offload == "cpu" and torch.cuda.is_available()
         where = "cpu" if self.offload == "cpu" else self.device
         for b in self.buckets:
+            b.moments8 = Moments8bit(b.shard, where) if self.states == "8bit" else None
             b.storage = torch.zeros(b.state_numel, dtype=torch.float32, device=where, pin_memory=pin)
             if b.has_master:
                 b.storage[: b.shard].copy_(self._read_params(b))
@@ -289,12 +308,13 @@ class MasterAdamW:
                     g.mul_(coef)
                 start = b.file_offset if self.offload == "disk" else 0
                 s = dev[start : start + b.state_numel]
-                if b.has_master:
-                    w, m, v = s.view(3, b.shard).unbind(0)
+                w = s[: b.shard] if b.has_master else self._read_params(b)
+                b_lr = lr if b.group is None else group_lrs[b.group]
+                if b.moments8 is not None:
+                    b.moments8.step_(w, g, lr=b_lr, step=self.num_steps, beta1=self.betas[0], beta2=self.betas[1],
+                                     eps=self.eps, weight_decay=self.weight_decay)
                 else:
-                    w = self._read_params(b)
-                    m, v = s.view(2, b.shard).unbind(0)
-                self._adamw(w, g, m, v, lr if b.group is None else group_lrs[b.group])
+                    self._adamw(w, g, *b.moments(s), b_lr)
                 self._publish(b, w)
                 shards[index[id(b)]] = None
         if self.offload == "cpu" and torch.cuda.is_available():
@@ -349,8 +369,8 @@ class MasterAdamW:
         """The first half of ``device_step``: ``(norm fp64, bad, scale)`` device tensors from the gradients
         (``bad`` 1 skips the update: a non-finite norm or ``skip``; ``scale`` divides the gradient). ``plan``:
         ``device_plan()``'s tables, built ahead (needed under a CUDA graph capture)."""
-        if self.dp_group is not None or self.tp_group is not None or self.offload != "none":
-            raise RuntimeError("MasterAdamW.device_step: one rank without --optimizer-state-offload only")
+        if self.dp_group is not None or self.tp_group is not None or self.offload != "none" or self.states != "fp32":
+            raise RuntimeError("MasterAdamW.device_step: one rank, fp32 states, no --optimizer-state-offload only")
         grads = [p.grad for p in self.params if p.grad is not None]
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
@@ -435,33 +455,35 @@ class MasterAdamW:
     def _layout(self) -> dict:
         return {"dp_size": self.dp_size, "dp_rank": self.dp_rank,
                 "buckets": [[b.numel, str(b.dtype).removeprefix("torch.")] + ([b.group] if b.group else [])
-                            for b in self.buckets]}
+                            for b in self.buckets]} | ({"states": self.states} if self.states != "fp32" else {})
 
     def state_dict(self) -> dict:
         """This rank's state: step count, layout and per-bucket fp32 shards (``master``, ``exp_avg``,
-        ``exp_avg_sq``). Offloaded state is returned as host tensors that alias the live state (as with
-        ``torch.optim``): save or clone them before the next step."""
+        ``exp_avg_sq``; with 8-bit states the moments are uint8 codes, with ``exp_avg_absmax`` and
+        ``exp_avg_sq_absmax`` beside them, and the layout says ``"states": "8bit"``). Offloaded state is returned
+        as host tensors that alias the live state (as with ``torch.optim``): save or clone them before the next
+        step."""
         if self.offload == "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()
-        master, exp_avg, exp_avg_sq = [], [], []
+        out: dict = {"master": [], "exp_avg": [], "exp_avg_sq": []}
         for b in self.buckets:
             s = self._host_view(b)
-            if b.has_master:
-                w, m, v = s.view(3, b.shard).unbind(0)
-            else:
-                w = self._read_params(b).cpu()  # fp32 params are their own master: a host copy of this shard
-                m, v = s.view(2, b.shard).unbind(0)
-            master.append(w)
-            exp_avg.append(m)
-            exp_avg_sq.append(v)
-        return {"step": self.num_steps, "layout": self._layout(), "master": master, "exp_avg": exp_avg,
-                "exp_avg_sq": exp_avg_sq,
+            # fp32 params are their own master: a host copy of this shard
+            out["master"].append(s[: b.shard] if b.has_master else self._read_params(b).cpu())
+            moments = b.moments8.state() if b.moments8 else dict(zip(("exp_avg", "exp_avg_sq"), b.moments(s)))
+            for key, t in moments.items():
+                out.setdefault(key, []).append(t)
+        return {"step": self.num_steps, "layout": self._layout(), **out,
                 "hparams": {"betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """Restore the state saved by ``state_dict()`` on the same rank of the same layout, and write the master
         weights back into the parameters (a collective over the DP group)."""
+        saved = sd["layout"].get("states", "fp32")
+        if saved != self.states:
+            raise ValueError(f"optimizer state does not fit: saved with --optimizer-states {saved}, this run has "
+                             f"{self.states}; resume with the same --optimizer-states")
         if sd["layout"] != self._layout():
             raise ValueError(
                 f"optimizer state does not fit: saved layout {sd['layout']['dp_size']} DP ranks / "
@@ -472,11 +494,19 @@ class MasterAdamW:
         for i, b in enumerate(self.buckets):
             s = self._host_view(b)
             parts = [sd["master"][i]] if b.has_master else []
-            s.copy_(torch.cat([t.reshape(-1).to(s.device, torch.float32) for t in parts + [sd["exp_avg"][i],
-                                                                                         sd["exp_avg_sq"][i]]]))
+            if b.moments8 is not None:
+                b.moments8.load_({k: sd[k][i] for k in b.moments8.state()})
+            else:
+                parts += [sd["exp_avg"][i], sd["exp_avg_sq"][i]]
+            if parts:
+                s.copy_(torch.cat([t.reshape(-1).to(s.device, torch.float32) for t in parts]))
             self._publish(b, sd["master"][i].to(self.device, torch.float32))
         for mm in self._files:
             mm.flush()
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state: fp32 master copies, moments (fp32, or 8-bit codes and absmax)."""
+        return sum(4 * b.state_numel + (b.moments8.nbytes if b.moments8 else 0) for b in self.buckets)
 
     def close(self) -> None:
         """Remove the disk-offload files (the optimizer cannot step afterwards)."""

@@ -106,7 +106,8 @@ def trainer_pair(ckpt, **kw):
     graph_model = copy.deepcopy(eager_model)
     trainers = []
     for model in (eager_model, graph_model):
-        opt = MasterAdamW(list(model.parameters()), lr=1e-3, weight_decay=0.01, bucket_bytes=64 << 10)
+        opt = MasterAdamW(list(model.parameters()), lr=1e-3, weight_decay=0.01, bucket_bytes=64 << 10,
+                          states=kw.get("states", "fp32"))
         trainers.append(PolicyTrainer(model, opt, LRSchedule(1e-3), grad_clip=kw.get("grad_clip", 1.0),
                                       train_cuda_graphs="off"))
     trainers[1].graphs = TrainGraphs(graph_model, trainers[1].optimizer, grad_clip=kw.get("grad_clip", 1.0),
@@ -153,6 +154,21 @@ def test_graph_path_matches_eager_over_updates_buckets_and_accumulation(ckpt):
     for key in ("exp_avg", "exp_avg_sq"):
         for x, y in zip(state_a[key], state_b[key]):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-8)
+
+
+def test_8bit_states_step_eagerly_after_graphed_microbatches(ckpt):
+    """--optimizer-states 8bit: the microbatches replay their graphs ("acc" mode, persistent gradients) and the
+    8-bit optimizer steps eagerly on them: the same updates as the eager trainer's."""
+    eager, graphed = trainer_pair(ckpt, states="8bit")
+    assert not graphed.graphs.device_optimizer
+    for i, lengths in enumerate(([12, 9, 7], [11, 10, 7])):
+        rows = rows_of(lengths, seed=20 + i)
+        a, b = eager.train(rows, sft_loss_fn(), 3, 1), graphed.train(rows, sft_loss_fn(), 3, 1)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        for (n, p), q in zip(eager.model.named_parameters(), graphed.model.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=f"update {i}: {n}")
+    assert graphed.graphs.replays == 2 and graphed.optimizer.num_steps == 2
+    assert all(b.moments8 is not None and b.moments8.codes.any() for b in graphed.optimizer.buckets)
 
 
 def test_sft_takes_the_head_gradient_in_the_forward(ckpt):

@@ -1,0 +1,204 @@
+"""AdamW with 8-bit moments (``--optimizer-states 8bit``): blockwise dynamic quantisation of exp_avg / exp_avg_sq.
+
+The moments live as one byte per element plus one fp32 absolute maximum per block of ``QBLOCK`` = 256 elements
+(2.03 bytes per element for both moments, against 8 in fp32). A byte is an index into a 256-entry code book of
+values in [-1, 1]: the *dynamic* map of Dettmers et al. (8-bit optimizers via block-wise quantization, 2022;
+bitsandbytes' ``create_dynamic_map``), a floating-point-like code whose exponent runs over 7 decades (1e-6 .. 1) and
+whose fraction gets the bits the exponent leaves, so small values keep their relative precision:
+
+    signed map (exp_avg):      for decade i = 0..6, the 2^i midpoints of ``linspace(0.1, 1, 2^i + 1)`` times
+                               10^(i - 6), with both signs; plus 0 and 1 (256 values)
+    unsigned map (exp_avg_sq): for decade i = 0..6, the 2^(i+1) midpoints of ``linspace(0.1, 1, 2^(i+1) + 1)`` times
+                               10^(i - 6); plus 0 and 1 (256 values)
+
+Quantising a block: ``absmax = max |x|`` over the block, each ``x / absmax`` (0 where ``absmax`` is 0) rounded to the
+nearest code (ties to the lower one); dequantising: ``code_value * absmax``. One step per element, in one kernel
+(one program per block): dequantise ``m`` and ``v``, the AdamW update of ``areno.kernels.adamw`` (``masked_adamw``) on
+the fp32 master ``w`` with the fp32 moments, then requantise the new moments with the block's new absmax. The master
+stays fp32 (updated in place); the caller rounds it into the parameter, as for the fp32 states.
+
+The scalars follow ``master_adamw_``: ``lr``, ``step_size``, ``bc2_sqrt`` (``bias_corrections``), ``scale`` (the
+gradient's divisor) and ``skip`` (1 leaves everything as it is) are 0-dim fp32 tensors on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from areno.kernels.adamw import bias_corrections, masked_adamw
+from areno.kernels.dispatch import use_triton
+
+QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimizers)
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 sorted fp32 values of the dynamic quantisation map (see the module docstring), computed in float64."""
+    values = [0.0, 1.0]
+    for i in range(7):
+        k = 2**i if signed else 2 ** (i + 1)
+        edges = torch.linspace(0.1, 1.0, k + 1, dtype=torch.float64)
+        mids = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)).tolist()
+        values += mids + ([-x for x in mids] if signed else [])
+    assert len(values) == 256 and len(set(values)) == 256
+    return torch.tensor(sorted(values), dtype=torch.float64).float()
+
+
+@functools.lru_cache(maxsize=8)
+def code_books(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(signed map, unsigned map)`` on ``device`` (cached)."""
+    return dynamic_map(True).to(device), dynamic_map(False).to(device)
+
+
+def n_blocks(n: int) -> int:
+    """Absmax entries for ``n`` elements."""
+    return -(-n // QBLOCK)
+
+
+# ---- Triton ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _quantise(x, QMAP):
+    """``x`` (a block) to its nearest codes of the map at ``QMAP``, and the block's absmax."""
+    absmax = tl.max(tl.abs(x), axis=0)
+    xn = tl.where(absmax > 0, tl.div_rn(x, tl.where(absmax > 0, absmax, 1.0)), 0.0)
+    lo = tl.zeros(x.shape, dtype=tl.int32)  # binary search: the last code <= xn (code 0 below the map)
+    for s in tl.static_range(7, -1, -1):
+        cand = lo + (1 << s)
+        lo = tl.where(tl.load(QMAP + cand) <= xn, cand, lo)
+    hi = tl.minimum(lo + 1, 255)
+    code = tl.where(tl.load(QMAP + hi) - xn < xn - tl.load(QMAP + lo), hi, lo)
+    return code.to(tl.uint8), absmax
+
+
+@triton.jit
+def adamw8bit_kernel(
+    W, G, MQ, VQ, MA, VA, SMAP, UMAP, n, LR, STEP_SIZE, BC2_SQRT, SCALE, SKIP, beta1, beta2, eps, weight_decay,
+    HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    if tl.load(SKIP) == 0.0:
+        b = tl.program_id(0)
+        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        w = tl.load(W + offs, mask=mask, other=0.0)
+        m = tl.load(SMAP + tl.load(MQ + offs, mask=mask, other=0).to(tl.int32)) * tl.load(MA + b)
+        v = tl.load(UMAP + tl.load(VQ + offs, mask=mask, other=0).to(tl.int32)) * tl.load(VA + b)
+        w, m, v = masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
+                               HAS_GRAD, BLOCK)
+        mq, ma = _quantise(tl.where(mask, m, 0.0), SMAP)
+        vq, va = _quantise(tl.where(mask, v, 0.0), UMAP)
+        tl.store(W + offs, w, mask=mask)
+        tl.store(MQ + offs, mq, mask=mask)
+        tl.store(VQ + offs, vq, mask=mask)
+        tl.store(MA + b, ma)
+        tl.store(VA + b, va)
+
+
+# ---- native reference ------------------------------------------------------------------------------------------
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` zero-padded to whole blocks, as [blocks, QBLOCK]."""
+    pad = n_blocks(x.numel()) * QBLOCK - x.numel()
+    return torch.nn.functional.pad(x, (0, pad)).view(-1, QBLOCK)
+
+
+def quantise_native(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes uint8 [n], absmax fp32 [blocks])`` of the flat fp32 ``x`` on ``qmap`` (the kernel's rounding)."""
+    xb = _blocks(x)
+    absmax = xb.abs().amax(dim=1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
+    xn = torch.where(absmax[:, None] > 0, xb / safe, torch.zeros_like(xb)).reshape(-1)[: x.numel()]
+    lo = (torch.searchsorted(qmap, xn, right=True) - 1).clamp(0, 255)
+    hi = (lo + 1).clamp(max=255)
+    code = torch.where(qmap[hi] - xn < xn - qmap[lo], hi, lo)
+    return code.to(torch.uint8), absmax
+
+
+def dequantise_native(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``codes`` (flat) with their blocks' ``absmax``."""
+    return qmap[codes.long()] * absmax.repeat_interleave(QBLOCK)[: codes.numel()]
+
+
+def adamw8bit_native(w, grad, mq, vq, ma, va, lr, step_size, bc2_sqrt, scale, skip, *, beta1, beta2, eps,
+                     weight_decay) -> None:
+    """Plain PyTorch reference of the kernel (the test oracle), in place, without a host sync."""
+    smap, umap = code_books(w.device)
+    g = torch.zeros_like(w) if grad is None else grad.reshape(-1).to(w.dtype) / scale
+    m, v = dequantise_native(mq, ma, smap), dequantise_native(vq, va, umap)
+    w1 = w * (1.0 - lr * weight_decay)
+    m1 = m + (g - m) * (1.0 - beta1)
+    v1 = v * beta2 + (1.0 - beta2) * g * g
+    w1 = w1 - step_size * (m1 / (v1.sqrt() / bc2_sqrt + eps))
+    (mq1, ma1), (vq1, va1) = quantise_native(m1, smap), quantise_native(v1, umap)
+    keep = skip != 0
+    for old, new in ((w, w1), (mq, mq1), (vq, vq1), (ma, ma1), (va, va1)):
+        old.copy_(torch.where(keep, old, new))
+
+
+def adamw8bit_(w, grad, mq, vq, ma, va, lr, step_size, bc2_sqrt, scale, skip, *, beta1, beta2, eps,
+               weight_decay) -> None:
+    """One AdamW step on the flat fp32 master ``w`` (in place) with the 8-bit moments ``mq``, ``vq`` (uint8, as
+    many elements) and their block absmax ``ma``, ``va`` (fp32, ``n_blocks(n)``), all updated in place, from
+    ``grad`` (flat, any float dtype, or None: zero). Triton on CUDA (and interpreted), the native reference
+    elsewhere."""
+    n = w.numel()
+    ok = (w.dtype == torch.float32 and w.is_contiguous() and mq.dtype == vq.dtype == torch.uint8
+          and mq.numel() == vq.numel() == n and ma.numel() == va.numel() == n_blocks(n)
+          and all(t.is_contiguous() for t in (mq, vq, ma, va)) and (grad is None or grad.numel() == n))
+    if not ok:
+        raise ValueError("adamw8bit_: w fp32 [n], mq/vq uint8 [n], ma/va fp32 [ceil(n / 256)], grad [n] or None")
+    if n == 0:
+        return
+    grad = None if grad is None else grad.contiguous()
+    scalars = (lr, step_size, bc2_sqrt, scale, skip)
+    hp = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if not use_triton(w, mq, vq, ma, va, *scalars):
+        adamw8bit_native(w, grad, mq, vq, ma, va, *scalars, **hp)
+        return
+    smap, umap = code_books(w.device)
+    adamw8bit_kernel[(n_blocks(n),)](
+        w, grad if grad is not None else w, mq, vq, ma, va, smap, umap, n, *scalars, beta1, beta2, eps, weight_decay,
+        HAS_GRAD=grad is not None, BLOCK=QBLOCK, num_warps=4,
+    )  # fmt: skip
+
+
+class Moments8bit:
+    """The 8-bit ``exp_avg`` and ``exp_avg_sq`` of a flat fp32 slice of ``n`` elements (what ``MasterAdamW`` keeps
+    per bucket shard under ``--optimizer-states 8bit``): ``codes`` [2, n] uint8 and ``absmax`` [2, n_blocks(n)]
+    fp32; all zeros is both moments 0."""
+
+    def __init__(self, n: int, device):
+        self.codes = torch.zeros(2, n, dtype=torch.uint8, device=device)
+        self.absmax = torch.zeros(2, n_blocks(n), dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.absmax.nbytes
+
+    def step_(self, w: torch.Tensor, grad: torch.Tensor | None, *, lr: float, step: int, beta1: float, beta2: float,
+              eps: float, weight_decay: float) -> None:
+        """One AdamW step of the fp32 master ``w`` (in place) at the host rate ``lr`` and step count ``step``
+        (after this step's increment); ``grad`` is already clipped."""
+        dev = w.device
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=dev)
+        step_size, bc2_sqrt = bias_corrections(lr_t, torch.tensor(float(step), device=dev), beta1, beta2)
+        one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
+        (mq, vq), (ma, va) = self.codes.unbind(0), self.absmax.unbind(0)
+        adamw8bit_(w, grad, mq, vq, ma, va, lr_t, step_size, bc2_sqrt, one, zero, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay)
+
+    def state(self) -> dict:
+        """The saved form: ``exp_avg`` / ``exp_avg_sq`` codes and their ``*_absmax`` (views of the live state)."""
+        return {"exp_avg": self.codes[0], "exp_avg_sq": self.codes[1], "exp_avg_absmax": self.absmax[0],
+                "exp_avg_sq_absmax": self.absmax[1]}
+
+    def load_(self, state: dict) -> None:
+        """Restore ``state()``'s tensors (exactly: codes and absmax are copied, not requantised)."""
+        for i, key in enumerate(("exp_avg", "exp_avg_sq")):
+            code, absmax = state[key], state[f"{key}_absmax"]
+            if code.dtype != torch.uint8 or code.shape != self.codes[i].shape or absmax.shape != self.absmax[i].shape:
+                raise ValueError(f"8-bit optimizer state {key}: saved {tuple(code.shape)} {code.dtype}, this "
+                                 f"optimizer has {tuple(self.codes[i].shape)} uint8")
+            self.codes[i].copy_(code)
+            self.absmax[i].copy_(absmax)
