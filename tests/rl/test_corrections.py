@@ -178,3 +178,81 @@ def test_policy_version_lag():
     assert version_lag([Row({}), Row({})], 5, 4) == {"policy_version_lag_mean": 1.0, "policy_version_lag_max": 1.0}
     rows = [Row({"policy_version": 2}), Row({"policy_version": 5}), Row({})]
     assert version_lag(rows, 5, 4) == {"policy_version_lag_mean": 4 / 3, "policy_version_lag_max": 3.0}
+
+
+# ---- inside a real training step (tiny checkpoint, CPU) ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from areno.testing import make_tiny_checkpoint
+    from tests.helpers.families import write_arith_data
+
+    root = tmp_path_factory.mktemp("corrections")
+    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
+    data, reward = write_arith_data(root, 32)
+    return ckpt, data, reward, root
+
+
+def one_step(tiny_run, monkeypatch, inline, **kw):
+    """One step of a tiny run (``inline``: the update's own forward gives the trainer's view of the rollout tokens;
+    else the separate no-grad pass): its metrics and the weights after it."""
+    from areno.config import TrainConfig
+    from areno.rl.algorithms import grpo
+    from areno.rl.loop import TrainLoop
+
+    ckpt, data, reward, root = tiny_run
+    cfg = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), batch_size=4, n_samples=2,
+                      mini_bs=2, max_new_tokens=6, dtype="float32", lr=1e-3, tensorboard=False, seed=0,
+                      metrics_dir=str(root / "m"), gradient_accumulation_steps=4, max_steps=1, temperature=0.7, **kw)
+    loop = TrainLoop(cfg)
+    loop.setup()
+    monkeypatch.setattr(grpo, "makes_one_update", lambda ctx, rows: inline)
+    m = loop.step(next(iter(loop.data)))
+    loop.close()
+    return m, [p.detach().clone() for p in loop.model.parameters()]
+
+
+METRICS = ("is_ratio_mean", "is_ratio_max", "masked_frac", "mismatch_kl", "policy_version_lag_mean",
+           "policy_version_lag_max")
+
+
+@pytest.mark.parametrize("algo,kind", [("grpo", "mask"), ("grpo", "cispo"), ("gspo", "seq-tis")])
+def test_each_correction_inline_equals_the_separate_pass(tiny_run, monkeypatch, algo, kind):
+    """The inline proximal update and the separate log-prob pass give the same weights and metrics; the metrics
+    are there every step (colocated: no lag; fp32 native kernels: the trainer agrees with the rollout)."""
+    kw = dict(algo=algo, off_policy_correction=kind)
+    if kind in ("mask", "icepop"):  # bounds tight enough to drop some tokens of the fp32 rollout/trainer mismatch
+        kw.update(is_mask_low=0.999999, is_mask_high=1.000001)
+    m1, w1 = one_step(tiny_run, monkeypatch, True, **kw)
+    m0, w0 = one_step(tiny_run, monkeypatch, False, **kw)
+    assert m1["num_updates"] == m0["num_updates"] == 1
+    for k in ("loss", "logprob_diff", "is_ratio_mean", "is_ratio_max", "mismatch_kl"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-4, abs=1e-6), k
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-5) for a, b in zip(w1, w0))
+    for m in (m0, m1):
+        assert set(METRICS) <= set(m)
+        assert m["policy_version_lag_mean"] == m["policy_version_lag_max"] == 0.0
+        assert m["is_ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["mismatch_kl"] < 1e-8
+        assert 0.0 <= m["masked_frac"] <= 1.0
+    if kind not in ("mask", "icepop"):
+        assert m0["masked_frac"] == m1["masked_frac"] == 0.0
+
+
+def _main_tis(self, log_ratio, mask, seq_index=None, num_rows=1):
+    """main's --tis-cap weights, as it wrote them: python's math.exp per token in the separate pass (float64 here),
+    ``torch.exp(delta).clamp(max=cap) * (mask > 0)`` inline."""
+    if self.cap <= 0:
+        return None
+    if log_ratio.dtype == torch.float64:
+        return torch.tensor([min(math.exp(x), self.cap) for x in log_ratio.tolist()], dtype=torch.float64)
+    return torch.exp(log_ratio.detach()).clamp(max=self.cap) * (mask > 0)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_the_default_run_is_main_s_token_tis_bit_for_bit(tiny_run, monkeypatch, inline):
+    """The default (--off-policy-correction tis, --tis-cap 2) trains exactly as main's token-level TIS did."""
+    m_new, w_new = one_step(tiny_run, monkeypatch, inline)
+    monkeypatch.setattr(Correction, "weights", _main_tis)
+    m_old, w_old = one_step(tiny_run, monkeypatch, inline)
+    assert all(torch.equal(a, b) for a, b in zip(w_new, w_old))
+    assert m_new["loss"] == m_old["loss"]
