@@ -81,7 +81,8 @@ class RLSection:
         check_range("--clip-eps-low", self.clip_eps_low, 0.0, 1.0, high_open=True)
         check_non_negative("--is-mask-low", self.is_mask_low)
         if not self.is_mask_high > self.is_mask_low:
-            raise ConfigError("--is-mask-high", f"must be > --is-mask-low ({self.is_mask_low}), got {self.is_mask_high}")
+            raise ConfigError("--is-mask-high",
+                              f"must be > --is-mask-low ({self.is_mask_low}), got {self.is_mask_high}")
         check_range("--gspo-clip-eps", self.gspo_clip_eps, 0.0, 1.0, low_open=True)
         if not self.dpo_beta > 0:
             raise ConfigError("--dpo-beta", f"must be > 0, got {self.dpo_beta}")

@@ -22,9 +22,10 @@ def sft_loss_fn() -> LossFn:
 
 def grpo_loss_fn(cfg, *, dual_clip=None) -> LossFn:
     """Token-level clipped surrogate (CISPO's term with --off-policy-correction cispo); old log-probs are the
-    rollout's. Rows may carry per-token ``tis`` weights (the correction's) and ``ref`` log-probs in their extras. A function of each token's own log-prob: its ``token_loss(packed, norms)``
-    (policy_token_loss) lets the trainer take the head's gradient in the forward (``ForwardOut.loss``, the same
-    value) where no entropy term is asked for."""
+    rollout's. Rows may carry per-token ``tis`` weights (the correction's) and ``ref`` log-probs in their extras.
+    A function of each token's own log-prob: its ``token_loss(packed, norms)`` (policy_token_loss) lets the
+    trainer take the head's gradient in the forward (``ForwardOut.loss``, the same value) where no entropy term is
+    asked for."""
 
     cispo = cfg.off_policy_correction == "cispo"
 
