@@ -38,8 +38,8 @@ class RLSection:
     advantage_std_norm: bool = opt(True, "divide group advantages by the group reward std", "train",
                                    algos=GROUP_ALGOS)
     off_policy_correction: str = opt(
-        "tis", "correction of the rollout/trainer mismatch (r_t = trainer / rollout probability of a sampled token): "
-        + "; ".join(f"{k} = {v}" for k, v in OFF_POLICY_CORRECTIONS.items()), "train",
+        "tis", "correction of the rollout/trainer mismatch (r_t = trainer / rollout probability of a sampled token):"
+        + "".join(f"\n{k}: {v}" for k, v in OFF_POLICY_CORRECTIONS.items()) + "\n", "train",
         choices=tuple(OFF_POLICY_CORRECTIONS), algos=RL_ALGOS, needs="correction")
     tis_cap: float = opt(2.0, "truncated importance sampling cap on rollout/trainer mismatch (0 = off)", "train",
                           algos=RL_ALGOS, needs="tis")
