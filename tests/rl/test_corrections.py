@@ -184,13 +184,10 @@ def test_policy_version_lag():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from areno.testing import make_tiny_checkpoint
-    from tests.helpers.families import write_arith_data
+    from tests.helpers.families import tiny_rl_files
 
     root = tmp_path_factory.mktemp("corrections")
-    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
-    data, reward = write_arith_data(root, 32)
-    return ckpt, data, reward, root
+    return (*tiny_rl_files(root), root)
 
 
 def one_step(tiny_run, monkeypatch, inline, **kw):
