@@ -79,6 +79,9 @@ class RLSection:
         if self.critic_lr is not None:
             check_non_negative("--critic-lr", self.critic_lr)
         check_range("--clip-eps-low", self.clip_eps_low, 0.0, 1.0, high_open=True)
+        if getattr(self, "algo", None) == "gspo" and self.off_policy_correction in ("mask", "icepop", "cispo"):
+            raise ConfigError("--off-policy-correction", f"{self.off_policy_correction} is not built for --algo gspo "
+                              "(its ratio is sequence-level): use seq-tis")
         check_non_negative("--is-mask-low", self.is_mask_low)
         if not self.is_mask_high > self.is_mask_low:
             raise ConfigError("--is-mask-high",

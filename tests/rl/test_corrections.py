@@ -253,3 +253,14 @@ def test_the_default_run_is_main_s_token_tis_bit_for_bit(tiny_run, monkeypatch, 
     m_old, w_old = one_step(tiny_run, monkeypatch, inline)
     assert all(torch.equal(a, b) for a, b in zip(w_new, w_old))
     assert m_new["loss"] == m_old["loss"]
+
+
+def test_a_config_refuses_a_token_level_correction_for_gspo():
+    from areno.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match="--off-policy-correction icepop is not built for --algo gspo"):
+        TrainConfig(ckpt="m", dataset_path="d.jsonl", algo="gspo", off_policy_correction="icepop")
+    with pytest.raises(ConfigError, match="--is-mask-high must be > --is-mask-low"):
+        TrainConfig(ckpt="m", dataset_path="d.jsonl", algo="grpo", off_policy_correction="mask", is_mask_low=2.0)
+    cfg = TrainConfig(ckpt="m", dataset_path="d.jsonl", algo="gspo", off_policy_correction="seq-tis")
+    assert Correction.of(cfg) == Correction("seq-tis", cap=2.0, low=0.5, high=2.0)
