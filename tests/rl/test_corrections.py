@@ -264,3 +264,18 @@ def test_a_config_refuses_a_token_level_correction_for_gspo():
         TrainConfig(ckpt="m", dataset_path="d.jsonl", algo="grpo", off_policy_correction="mask", is_mask_low=2.0)
     cfg = TrainConfig(ckpt="m", dataset_path="d.jsonl", algo="gspo", off_policy_correction="seq-tis")
     assert Correction.of(cfg) == Correction("seq-tis", cap=2.0, low=0.5, high=2.0)
+
+
+def test_split_async_run_reports_the_policy_version_lag(tiny_run, tmp_path):
+    """Split mode with --max-staleness 1 (gloo on a CPU): the lag metrics follow the rows' policy version, and a
+    correction (icepop) trains on the stale rows."""
+    from tests.rl.test_split import areno, metrics
+
+    out = tmp_path / "async"
+    areno(tiny_run[:3], out, "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1",
+          "--off-policy-correction", "icepop", steps=3)
+    ms = metrics(out)
+    assert [m["policy_version_lag_max"] for m in ms] == [m["staleness_max"] for m in ms] == [0, 1, 1]
+    assert [m["policy_version_lag_mean"] for m in ms] == [0, 1, 1]
+    assert all(m["is_ratio_max"] >= m["is_ratio_mean"] > 0 and m["mismatch_kl"] >= 0 for m in ms)
+    assert all(0.0 <= m["masked_frac"] <= 1.0 and m["loss"] is not None for m in ms)
