@@ -91,11 +91,21 @@ def _help_text(f: dataclasses.Field) -> str:
     return text.replace("%", "%%")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, with a flag's help lines kept where it writes a newline (one line per choice)."""
+
+    def _split_lines(self, text, width):
+        lines = []
+        for part in text.split("\n"):
+            lines += super()._split_lines(part, width)
+        return lines
+
+
 def make_parser(command: str, options_class) -> ConfigParser:
     # A short usage line: errors stay two lines, and `--help` lists every flag in its group anyway.
     # allow_abbrev off: `--max-step 2` is an unknown flag, not silently --max-steps
     return ConfigParser(options_class, prog=f"areno {command}", usage="%(prog)s [-h] [flags]",
-                        description=options_class.__doc__, allow_abbrev=False)
+                        description=options_class.__doc__, allow_abbrev=False, formatter_class=_HelpFormatter)
 
 
 def parse_config(parser: ConfigParser, options_class, argv):

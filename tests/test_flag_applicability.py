@@ -17,7 +17,9 @@ from areno.presets import PRESETS
 from tests.helpers.flag_context import Files, base_argv, condition_argv, flag_argv, merged, train_fields
 
 # conditions that hold for an algorithm with nothing added (its base command line)
-HOLDS_BY_ITSELF = {("rollout", a) for a in RL_ALGOS} | {("reference", "dpo")}
+# (--off-policy-correction's own value, seq-tis, is the one gspo takes)
+HOLDS_BY_ITSELF = ({("rollout", a) for a in RL_ALGOS} | {("correction", a) for a in RL_ALGOS} | {("reference", "dpo")}
+                   | {("tis", "grpo"), ("tis", "ppo"), ("surrogate", "ppo")})
 # what breaks a condition that the base command line meets
 BREAKS = {"epochs": ["--max-steps", "3"]}
 
@@ -91,6 +93,12 @@ def test_every_flag_is_accepted_where_it_applies_and_refused_where_not(algo, fil
     (["--algo", "grpo", "--kl-estimator", "k1"], "--kl-estimator"),  # no --kl-coef: no KL term
     (["--algo", "grpo", "--train-devices", "0", "--max-staleness", "1"], "--max-staleness"),  # colocated
     (["--algo", "grpo", "--max-steps", "3", "--epochs", "2"], "--epochs"),
+    (["--algo", "sft", "--off-policy-correction", "icepop"], "--off-policy-correction"),
+    (["--algo", "dpo", "--off-policy-correction", "cispo"], "--off-policy-correction"),
+    (["--algo", "gspo", "--off-policy-correction", "icepop"], "--off-policy-correction"),  # not built for gspo
+    (["--algo", "grpo", "--is-mask-low", "0.3"], "--is-mask-low"),  # tis: no mask
+    (["--algo", "grpo", "--off-policy-correction", "cispo", "--tis-cap", "3"], "--tis-cap"),
+    (["--algo", "ppo", "--off-policy-correction", "cispo", "--dual-clip", "2"], "--dual-clip"),
 ])
 def test_the_issue_s_silent_flags_exit_2_naming_the_flag(argv, flag, files, cli):
     command = ["train", "--ckpt", "m", "--dataset-path", "d.jsonl", *argv]

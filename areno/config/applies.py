@@ -21,6 +21,15 @@ def _reference(v):
     return v["algo"] == "dpo" or v["kl_coef"] > 0
 
 
+def _correction(v):
+    return v["algo"] != "gspo" or v["off_policy_correction"] == "seq-tis"
+
+
+def _tis(v):
+    kind = v["off_policy_correction"]
+    return kind == "seq-tis" or (kind == "tis" and v["algo"] != "gspo")
+
+
 class Condition(NamedTuple):
     """A ``needs=`` condition: whether it holds for the run's values, the refusal (after the flag) and the phrase
     `--help` adds ("applies ..."). A mode condition is a setting of the run: TrainConfig refuses a value other than the
@@ -55,6 +64,15 @@ CONDITIONS = {
                         "with --sft-warmup-steps > 0"),
     "lora": Condition(lambda v: v["lora_rank"] > 0, "applies only with --lora-rank > 0 (no adapter otherwise)",
                       "with --lora-rank > 0", True),
+    "correction": Condition(_correction, "with --algo gspo only seq-tis is built (GSPO's ratio is sequence-level; the "
+                            "token-level corrections are not built for it)", "(gspo: seq-tis only)"),
+    "tis": Condition(_tis, "applies only with --off-policy-correction tis or seq-tis (seq-tis with --algo gspo)",
+                     "with --off-policy-correction tis or seq-tis"),
+    "is_mask": Condition(lambda v: v["off_policy_correction"] in ("mask", "icepop"), "applies only with "
+                         "--off-policy-correction mask or icepop", "with --off-policy-correction mask or icepop"),
+    "surrogate": Condition(lambda v: v["off_policy_correction"] != "cispo", "does not apply with "
+                           "--off-policy-correction cispo (its clipped IS weight bounds every token already)",
+                           "without --off-policy-correction cispo"),
     "epochs": Condition(lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's "
                         "length; --epochs counts passes over the data otherwise)", "without --max-steps"),
 }

@@ -4,6 +4,16 @@ ALGOS = ("sft", "dpo", "grpo", "gspo", "ppo")
 RL_ALGOS = ("grpo", "gspo", "ppo")  # online RL: a rollout engine samples the batch
 GROUP_ALGOS = ("grpo", "gspo")  # group advantages over several samples of one prompt (agentic rollout too)
 TOKEN_CLIP_ALGOS = ("grpo", "ppo")  # the token-level clipped surrogate (GSPO clips whole sequences)
+# --off-policy-correction: name -> its one line in --help (areno.rl.corrections defines them)
+OFF_POLICY_CORRECTIONS = {
+    "tis": "token-level truncated IS, weight min(r_t, --tis-cap)",
+    "seq-tis": "sequence-level truncated IS, weight min(prod_t r_t, --tis-cap) on every token of the sequence",
+    "mask": "masked IS, weight 1 or 0: tokens whose ratio, and sequences whose geometric-mean ratio, fall outside "
+            "[--is-mask-low, --is-mask-high] are dropped",
+    "icepop": "IcePop two-sided token masking, weight r_t inside [--is-mask-low, --is-mask-high], 0 outside",
+    "cispo": "CISPO's objective, -sg(clip(r_t, 1 - --clip-eps-low, 1 + --clip-eps-high)) A log pi (MiniMax-M1)",
+}
+SEQUENCE_CORRECTIONS = ("seq-tis", "mask")  # a token's weight depends on its whole sequence
 LR_STYLES = ("constant", "linear", "cosine")
 OFFLOAD_MODES = ("none", "cpu", "disk")
 OPTIMIZER_STATES = ("fp32", "8bit")  # --optimizer-states: AdamW moments in fp32, or blockwise-quantised to 8 bits

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from areno.rl.corrections import cispo_terms
+
 
 def _seq_sum(x: torch.Tensor, seq_index: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.zeros(num_rows, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
@@ -82,16 +84,18 @@ def dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, 
 
 def policy_loss(logp, old_logp, advantages, mask, seq_index, *, num_rows, norm, clip_low=0.2, clip_high=0.28,
                 dual_clip=None, loss_agg="token-mean", tis_weight=None, ref_logp=None, kl_coef=0.0,
-                kl_estimator="k3", entropy=None, entropy_coef=0.0):
+                kl_estimator="k3", entropy=None, entropy_coef=0.0, cispo=False):
     """GRPO/PPO token-level clipped surrogate.
 
     ratio = exp(logp - old_logp) with ``old_logp`` the rollout log-probs; -min(r A, clip(r, 1-low, 1+high) A);
     with ``dual_clip`` c, negative-advantage tokens are also bounded by -c A. ``tis_weight`` (detached, already
     truncated at the cap) multiplies each token's policy term: truncated importance sampling against the
-    rollout/trainer mismatch. Optional KL to a reference and entropy bonus.
+    rollout/trainer mismatch (or the weight of another --off-policy-correction). ``cispo``: CISPO's term instead of
+    the clipped surrogate (areno.rl.corrections.cispo_terms; the clip bounds clip its IS weight). Optional KL to a
+    reference and entropy bonus.
     """
     pg, ratio, clip_frac, per_token, kl = _policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip,
-                                                        tis_weight, ref_logp, kl_coef, kl_estimator)
+                                                        tis_weight, ref_logp, kl_coef, kl_estimator, cispo)
     stats = {}
     if kl is not None:
         stats["kl_sum"] = (kl * mask).sum().detach()
@@ -110,14 +114,17 @@ def policy_loss(logp, old_logp, advantages, mask, seq_index, *, num_rows, norm, 
 
 
 def _policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip, tis_weight, ref_logp, kl_coef,
-                  kl_estimator):
+                  kl_estimator, cispo=False):
     """policy_loss's per-token terms: (pg, ratio, clip_frac, per_token = pg [+ kl_coef kl], kl or None)."""
-    ratio = torch.exp(logp - old_logp)
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg1, pg2 = -advantages * ratio, -advantages * clipped
-    pg = torch.maximum(pg1, pg2)
-    clip_frac = (pg2 > pg1).float()
-    if dual_clip is not None:
+    if cispo:
+        pg, ratio, clip_frac = cispo_terms(logp, old_logp, advantages, clip_low, clip_high)
+    else:
+        ratio = torch.exp(logp - old_logp)
+        clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+        pg1, pg2 = -advantages * ratio, -advantages * clipped
+        pg = torch.maximum(pg1, pg2)
+        clip_frac = (pg2 > pg1).float()
+    if dual_clip is not None and not cispo:  # CISPO's weight is bounded already (--dual-clip is refused with it)
         bound = -advantages * dual_clip
         pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
     if tis_weight is not None:
@@ -130,30 +137,32 @@ def _policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip, ti
 
 
 def policy_token_loss(old_logp, advantages, mask, seq_index, *, num_rows, norm, clip_low=0.2, clip_high=0.28,
-                      dual_clip=None, loss_agg="token-mean", tis_weight=None, tis_cap=None, ref_logp=None,
-                      kl_coef=0.0, kl_estimator="k3"):
+                      dual_clip=None, loss_agg="token-mean", tis_weight=None, inline_weights=None, ref_logp=None,
+                      kl_coef=0.0, kl_estimator="k3", cispo=False):
     """policy_loss's loss (without entropy) as a token function for ``linear_logprobs_loss``: ``f(logp, start,
     end)`` gives tokens ``[start, end)`` their aggregate weight times their per-token term, so its sum over every
-    token is policy_loss's loss. ``tis_cap``: the truncated importance weight is taken from the log-probs being
-    computed, ``min(exp(logp - old_logp), tis_cap)`` (detached), as ``inline_proximal`` takes it."""
+    token is policy_loss's loss. ``inline_weights(log_ratio, mask) -> weights``: a token-level correction's weights
+    are taken from the log-probs being computed (detached), ``log_ratio = logp - old_logp``, as ``inline_proximal``
+    takes them (e.g. ``min(exp(log_ratio), --tis-cap)``)."""
     weights = aggregate_weights(mask, seq_index, num_rows, loss_agg, norm)
 
     def f(logp, start, end):
         sl = slice(start, end)
         tis = None if tis_weight is None else tis_weight[sl]
-        if tis_cap:
-            tis = torch.exp(logp.detach() - old_logp[sl]).clamp(max=tis_cap) * mask[sl]
+        if inline_weights is not None:
+            tis = inline_weights(logp.detach() - old_logp[sl], mask[sl])
         per_token = _policy_terms(logp, old_logp[sl], advantages[sl], clip_low, clip_high, dual_clip, tis,
-                                  None if ref_logp is None else ref_logp[sl], kl_coef, kl_estimator)[3]
+                                  None if ref_logp is None else ref_logp[sl], kl_coef, kl_estimator, cispo)[3]
         return weights[sl] * per_token
 
     return f
 
 
 def gspo_loss(logp, old_logp, seq_advantages, mask, seq_index, *, num_rows, num_seqs, clip_low=3e-4,
-              clip_high=4e-4, ref_logp=None, kl_coef=0.0, kl_estimator="k3", num_tokens=None):
+              clip_high=4e-4, ref_logp=None, kl_coef=0.0, kl_estimator="k3", num_tokens=None, seq_weight=None):
     """GSPO: sequence-level ratio s = exp(mean_t(logp - old_logp)) over each row's response tokens, clipped at
-    [1 - low, 1 + high]; -min(s A, clip(s) A) averaged over the sequences of the global batch."""
+    [1 - low, 1 + high]; -min(s A, clip(s) A) averaged over the sequences of the global batch. ``seq_weight``
+    ``[num_rows]`` (detached): a sequence-level correction's weight on each sequence's term (seq-tis)."""
     counts = _seq_sum(mask.float(), seq_index, num_rows).clamp(min=1)
     mean_log_ratio = _seq_sum((logp - old_logp) * mask, seq_index, num_rows) / counts
     s = torch.exp(mean_log_ratio)
@@ -161,6 +170,8 @@ def gspo_loss(logp, old_logp, seq_advantages, mask, seq_index, *, num_rows, num_
     pg1, pg2 = -seq_advantages * s, -seq_advantages * clipped
     valid = (_seq_sum(mask.float(), seq_index, num_rows) > 0).float()
     pg = torch.maximum(pg1, pg2) * valid
+    if seq_weight is not None:
+        pg = pg * seq_weight
     loss = pg.sum() / num_seqs
     stats = {
         "pg_sum": pg.detach().sum(),

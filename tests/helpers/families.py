@@ -75,3 +75,11 @@ def assert_preemption_keeps_tokens(model, tok, prompts, opts, engine, ref) -> No
     assert small.scheduler.num_preemptions > 0
     assert [[c.token_ids for c in g] for g in tight] == [[c.token_ids for c in g] for g in ref]
     assert small.blocks.num_free == small.blocks.num_blocks
+
+
+def tiny_rl_files(root, rows: int = 32):
+    """A tiny qwen3 checkpoint and the arithmetic data set under ``root``: (ckpt, data, reward) paths."""
+    from areno.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
+    return (ckpt, *write_arith_data(root, rows))

@@ -13,16 +13,13 @@ from areno.config import TrainConfig
 from areno.models import load_model
 from areno.rl.algorithms import grpo
 from areno.rl.loop import TrainLoop
-from areno.testing import make_tiny_checkpoint
-from tests.helpers.families import write_arith_data
+from tests.helpers.families import tiny_rl_files
 
 
 @pytest.fixture(scope="module")
 def setup_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("loop")
-    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0)
-    data, reward = write_arith_data(root, 32)
-    return ckpt, data, reward, root
+    return (*tiny_rl_files(root), root)
 
 
 def base_args(ckpt, data, reward, out):

@@ -149,5 +149,8 @@ def test_policy_token_loss_sums_to_policy_loss(agg):
     # tis_cap: the weights come from the log-probs themselves (detached), as inline_proximal takes them
     capped = [min(math.exp(a - b), 1.2) * m for a, b, m in zip(LOGP, OLD, MASK)]
     ref2, _ = policy_loss(t(LOGP), t(OLD), t(ADV), t(MASK), torch.tensor(SEQ), tis_weight=t(capped), **kw)
-    g = policy_token_loss(t(OLD), t(ADV), t(MASK), torch.tensor(SEQ), tis_cap=1.2, **kw)
+    from areno.rl.corrections import token_tis
+
+    g = policy_token_loss(t(OLD), t(ADV), t(MASK), torch.tensor(SEQ),
+                          inline_weights=lambda lr, m: token_tis(lr, m, 1.2), **kw)
     assert g(t(LOGP), 0, 5).sum().item() == pytest.approx(ref2.item())

@@ -118,6 +118,7 @@ def trainer_pair(ckpt, **kw):
 class _Cfg:
     loss_agg, clip_eps_low, clip_eps_high = "token-mean", 0.2, 0.28
     kl_coef, kl_estimator, entropy_coef = 0.0, "k3", 0.01
+    off_policy_correction = "tis"
 
 
 def test_graph_path_matches_eager_over_updates_buckets_and_accumulation(ckpt):

@@ -30,6 +30,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
 class _Cfg:
     loss_agg, clip_eps_low, clip_eps_high = "token-mean", 0.2, 0.28
     kl_coef, kl_estimator, entropy_coef = 0.0, "k3", 0.01
+    off_policy_correction = "tis"
 
 
 def rows_of(lengths, seed):

@@ -8,7 +8,6 @@ one) and the reference's -> the updates. GSPO is this step with its sequence-lev
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -16,7 +15,8 @@ import torch
 from areno.distributed.collectives import gather_objects
 from areno.rl.advantages import group_advantages
 from areno.rl.algorithms.base import Algorithm, normalise, updates_per_step
-from areno.rl.algorithms.loss_fns import grpo_loss_fn, gspo_loss_fn, inline_proximal
+from areno.rl.algorithms.loss_fns import correction_of, grpo_loss_fn, gspo_loss_fn, inline_proximal
+from areno.rl.corrections import mismatch_metrics, mismatch_sums, version_lag
 
 
 def scored_rows(ctx, batch, upcoming=None, *, filter_zero_variance: bool = True):
@@ -47,19 +47,29 @@ def scored_rows(ctx, batch, upcoming=None, *, filter_zero_variance: bool = True)
     return rows, m, t_rows
 
 
-def reference_logprobs(ctx, rows, m, *, inline: bool) -> None:
-    """The trainer's view of the rollout tokens (logprob_diff, --tis-cap weights) unless the update gives it inline,
-    and the reference's log-probs (KL) when there is a reference."""
+def reference_logprobs(ctx, rows, m, *, inline: bool, correction=None) -> None:
+    """The trainer's view of the rollout tokens (logprob_diff, the mismatch metrics and the weights of
+    ``correction``, an areno.rl.corrections.Correction, as each row's ``tis`` extras) unless the update gives it
+    inline, and the reference's log-probs (KL) when there is a reference."""
     cfg = ctx.cfg
     if not inline:
         prox = ctx.trainer.compute_logprobs(rows, cfg.mini_bs)  # the trainer's view of the rollout tokens
         diffs = [abs(a - b) for r, p in zip(rows, prox) for a, b in zip(p, r.scored(r.rollout_logprobs))]
         m["logprob_diff"] = sum(diffs) / max(1, len(diffs))
         m["logprob_diff_max"] = max(diffs, default=0.0)
-        for r, p in zip(rows, prox):
-            if cfg.tis_cap > 0:
-                r.extras["tis"] = r.spread([min(math.exp(a - b), cfg.tis_cap)
-                                            for a, b in zip(p, r.scored(r.rollout_logprobs))])
+        totals, top = {}, 0.0
+        for r, p in zip(rows, prox):  # one row is one sequence
+            log_ratio = torch.tensor(p, dtype=torch.float64) - torch.tensor(r.scored(r.rollout_logprobs),
+                                                                             dtype=torch.float64)
+            mask = torch.ones_like(log_ratio)
+            weights = correction.weights(log_ratio, mask) if correction is not None else None
+            if weights is not None:
+                r.extras["tis"] = r.spread(weights.tolist())
+            sums = mismatch_sums(log_ratio, mask, weights)
+            top = max(top, float(sums.pop("is_ratio_max")))
+            totals = {k: totals.get(k, 0.0) + float(v) for k, v in sums.items()}
+        if totals:
+            m.update(mismatch_metrics(totals, top))
     if ctx.ref is not None:
         for r, p in zip(rows, ctx.trainer.compute_logprobs(rows, cfg.mini_bs, model=ctx.ref)):
             r.extras["ref"] = r.spread(p)
@@ -70,26 +80,28 @@ def makes_one_update(ctx, rows) -> bool:
     return ctx.cfg.ppo_epochs == 1 and updates_per_step(ctx.cfg, len(rows), ctx.dp_size) == 1
 
 
-def policy_step(ctx, batch, upcoming=None, *, loss_fn, inline_tis: float = 0.0, filter_zero_variance=True,
-                single_update=True, values=None, critic_update=None, train_policy=True) -> dict:
-    """One RL step with ``loss_fn`` (a LossFn); ``values(ctx, rows) -> metrics`` runs before the update and
-    ``critic_update(ctx, rows) -> metrics`` after it (PPO); ``inline_tis``: --tis-cap inside an inline update."""
+def policy_step(ctx, batch, upcoming=None, *, loss_fn, filter_zero_variance=True, single_update=True, values=None,
+                critic_update=None, train_policy=True) -> dict:
+    """One RL step with ``loss_fn`` (a LossFn) and the run's --off-policy-correction; ``values(ctx, rows) ->
+    metrics`` runs before the update and ``critic_update(ctx, rows) -> metrics`` after it (PPO)."""
     cfg = ctx.cfg
     rows, m, t_rows = scored_rows(ctx, batch, upcoming, filter_zero_variance=filter_zero_variance)
     if not rows:
         m["skipped"] = 1
         return m
+    m.update(version_lag(rows, ctx.step_index, m.get("policy_version")))
+    correction = correction_of(cfg)
     t0 = time.perf_counter()
     m["pack_s"] = m.get("pack_s", 0.0) + t0 - t_rows  # rows, advantages, filters: host time before the update
     # One optimizer update per rollout batch: the update's own forward (detached) is the trainer's view of the
     # rollout tokens, so the separate no-grad pass is skipped (same weights, same kernels, same numbers).
     inline = single_update and makes_one_update(ctx, rows)
-    reference_logprobs(ctx, rows, m, inline=inline)
+    reference_logprobs(ctx, rows, m, inline=inline, correction=correction)
     m["logprob_s"] = time.perf_counter() - t0
     if values is not None:
         m.update(values(ctx, rows))
     if inline:
-        loss_fn = inline_proximal(loss_fn, inline_tis)
+        loss_fn = inline_proximal(loss_fn, correction)
     t1 = time.perf_counter()
     if train_policy:
         s = ctx.trainer.train(rows, loss_fn, cfg.mini_bs, cfg.gradient_accumulation_steps, epochs=cfg.ppo_epochs,
@@ -98,6 +110,9 @@ def policy_step(ctx, batch, upcoming=None, *, loss_fn, inline_tis: float = 0.0, 
             m["logprob_diff"] = s.pop("logprob_diff_total") / max(1.0, s.pop("logprob_diff_count"))
             top = float(loss_fn.fn.max_diff) if loss_fn.fn.max_diff is not None else 0.0
             m["logprob_diff_max"] = max(gather_objects(top, ctx.dp_group))
+            ratio = float(loss_fn.fn.max_ratio) if loss_fn.fn.max_ratio is not None else 0.0
+            totals = {k: s.pop(k) for k in ("is_ratio_total", "masked_total", "mismatch_kl_total", "mismatch_tokens")}
+            m.update(mismatch_metrics(totals, max(gather_objects(ratio, ctx.dp_group))))
         m.update(normalise(s))
     if critic_update is not None:
         m.update(critic_update(ctx, rows))
@@ -110,7 +125,7 @@ def policy_step(ctx, batch, upcoming=None, *, loss_fn, inline_tis: float = 0.0, 
 
 
 def grpo_step(ctx, batch, upcoming=None) -> dict:
-    return policy_step(ctx, batch, upcoming, loss_fn=grpo_loss_fn(ctx.cfg), inline_tis=ctx.cfg.tis_cap)
+    return policy_step(ctx, batch, upcoming, loss_fn=grpo_loss_fn(ctx.cfg))
 
 
 def gspo_step(ctx, batch, upcoming=None) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from areno.rl.corrections import Correction, mismatch_sums
 from areno.rl.losses import dpo_loss, gspo_loss, policy_loss, policy_token_loss, sft_loss
 from areno.training.loss import LossFn
 
@@ -20,10 +21,13 @@ def sft_loss_fn() -> LossFn:
 
 
 def grpo_loss_fn(cfg, *, dual_clip=None) -> LossFn:
-    """Token-level clipped surrogate; old log-probs are the rollout's. Rows may carry per-token ``tis`` weights and
-    ``ref`` log-probs in their extras. A function of each token's own log-prob: its ``token_loss(packed, norms)``
-    (policy_token_loss) lets the trainer take the head's gradient in the forward (``ForwardOut.loss``, the same
-    value) where no entropy term is asked for."""
+    """Token-level clipped surrogate (CISPO's term with --off-policy-correction cispo); old log-probs are the
+    rollout's. Rows may carry per-token ``tis`` weights (the correction's) and ``ref`` log-probs in their extras.
+    A function of each token's own log-prob: its ``token_loss(packed, norms)`` (policy_token_loss) lets the
+    trainer take the head's gradient in the forward (``ForwardOut.loss``, the same value) where no entropy term is
+    asked for."""
+
+    cispo = cfg.off_policy_correction == "cispo"
 
     def norm_of(norms):
         return norms.num_tokens if cfg.loss_agg == "token-mean" else norms.num_seqs
@@ -34,16 +38,16 @@ def grpo_loss_fn(cfg, *, dual_clip=None) -> LossFn:
             num_rows=packed.num_rows, norm=norm_of(norms), clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high,
             dual_clip=dual_clip, loss_agg=cfg.loss_agg, tis_weight=packed.tok.get("tis"),
             ref_logp=packed.tok.get("ref"), kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-            entropy=out.entropy, entropy_coef=cfg.entropy_coef,
+            entropy=out.entropy, entropy_coef=cfg.entropy_coef, cispo=cispo,
         )
         return (loss if out.loss is None else out.loss), stats
 
-    def token_loss(packed, norms, tis_cap=None):
+    def token_loss(packed, norms, inline_weights=None):
         return policy_token_loss(
             packed.old_logprobs, packed.advantages, packed.mask, packed.seq_index, num_rows=packed.num_rows,
             norm=norm_of(norms), clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high, dual_clip=dual_clip,
-            loss_agg=cfg.loss_agg, tis_weight=packed.tok.get("tis"), tis_cap=tis_cap, ref_logp=packed.tok.get("ref"),
-            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+            loss_agg=cfg.loss_agg, tis_weight=packed.tok.get("tis"), inline_weights=inline_weights,
+            ref_logp=packed.tok.get("ref"), kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, cispo=cispo,
         )
 
     return LossFn(fn, token_loss=token_loss)
@@ -51,44 +55,71 @@ def grpo_loss_fn(cfg, *, dual_clip=None) -> LossFn:
 
 class InlineProximal:
     """A policy loss for one update per rollout batch: the update's forward, detached, gives the trainer's log-probs
-    of the rollout tokens (the weights have not moved yet), from which the truncated importance weights (``tis_cap``
-    > 0) and the rollout-vs-trainer difference are taken, saving a separate no-grad pass. Adds the stats
-    ``logprob_diff_total``/``logprob_diff_count`` (summed over microbatches and ranks); this rank's largest difference
-    is kept in ``max_diff`` (a device scalar, None before the first microbatch)."""
+    of the rollout tokens (the weights have not moved yet), from which the correction's weights (``correction``, an
+    areno.rl.corrections.Correction; ``packed.tok['tis']``) and the rollout-vs-trainer difference are taken, saving a
+    separate no-grad pass. Adds the stats ``logprob_diff_total``/``logprob_diff_count`` and mismatch_sums' totals
+    (summed over microbatches and ranks); this rank's largest difference and ratio are kept in ``max_diff`` and
+    ``max_ratio`` (device scalars, None before the first microbatch)."""
 
-    def __init__(self, loss_fn, tis_cap: float):
-        self.loss_fn, self.tis_cap, self.max_diff = loss_fn, tis_cap, None
+    def __init__(self, loss_fn, correction: Correction):
+        self.loss_fn, self.correction, self.max_diff, self.max_ratio = loss_fn, correction, None, None
 
     def __call__(self, out, packed, norms):
         lp = out.logprobs.detach()
         mask = packed.mask > 0
         delta = lp - packed.old_logprobs
-        if self.tis_cap > 0:
-            packed.tok["tis"] = torch.exp(delta).clamp(max=self.tis_cap) * mask
+        weights = self.correction.weights(delta, packed.mask, packed.seq_index, packed.num_rows)
+        if weights is not None:
+            packed.tok["tis"] = weights
         loss, stats = self.loss_fn(out, packed, norms)
         diff = delta.abs() * mask  # device scalars only: no host sync per microbatch
         top = diff.max() if diff.numel() else diff.new_zeros(())
         self.max_diff = top if self.max_diff is None else torch.maximum(self.max_diff, top)
-        return loss, dict(stats, logprob_diff_total=diff.sum(), logprob_diff_count=mask.sum())
+        sums = mismatch_sums(delta, packed.mask, weights)
+        ratio = sums.pop("is_ratio_max")
+        self.max_ratio = ratio if self.max_ratio is None else torch.maximum(self.max_ratio, ratio)
+        return loss, dict(stats, logprob_diff_total=diff.sum(), logprob_diff_count=mask.sum(), **sums)
 
 
-def inline_proximal(loss_fn, tis_cap: float) -> LossFn:
-    """``loss_fn`` (a LossFn or a plain callable) as an ``InlineProximal`` loss; its ``fn`` keeps ``max_diff``."""
+def inline_proximal(loss_fn, correction) -> LossFn:
+    """``loss_fn`` (a LossFn or a plain callable) as an ``InlineProximal`` loss; its ``fn`` keeps ``max_diff`` and
+    ``max_ratio``. ``correction``: a Correction, or a number: token-level TIS with that cap (0 = no weights). The
+    head's token function is kept for token-level corrections (their weights come from its own log-probs); a
+    sequence-level one needs the whole microbatch's log-probs, so the trainer computes the loss from them."""
     loss_fn = LossFn.of(loss_fn)
+    if not isinstance(correction, Correction):
+        correction = Correction("tis", cap=float(correction))
     token_loss = None
-    if loss_fn.token_loss is not None:  # the truncated weights come from the head's own log-probs there too
-        cap = tis_cap if tis_cap > 0 else None
-        token_loss = lambda packed, norms: loss_fn.token_loss(packed, norms, tis_cap=cap)  # noqa: E731
-    return LossFn(InlineProximal(loss_fn, tis_cap), token_loss=token_loss)
+    if loss_fn.token_loss is not None and not correction.sequence_level:
+        inline_weights = correction.weights if correction.weighs else None
+        token_loss = lambda packed, norms: loss_fn.token_loss(packed, norms, inline_weights=inline_weights)  # noqa: E731
+    return LossFn(InlineProximal(loss_fn, correction), token_loss=token_loss)
+
+
+def correction_of(cfg) -> Correction:
+    """The run's correction for ``cfg.algo``: GSPO takes seq-tis only (its default, tis, leaves it unweighted)."""
+    correction = Correction.of(cfg)
+    if cfg.algo == "gspo" and correction.kind != "seq-tis":
+        return Correction("tis", cap=0.0)
+    return correction
 
 
 def gspo_loss_fn(cfg) -> LossFn:
+    """GSPO's sequence-level loss; with --off-policy-correction seq-tis each sequence's term is weighted by its rows'
+    ``tis`` extras (one value per sequence)."""
+    seq_tis = cfg.off_policy_correction == "seq-tis"
+
     def fn(out, packed, norms):
+        seq_weight = None
+        if seq_tis and "tis" in packed.tok:
+            keep = packed.mask > 0
+            seq_weight = packed.tok["tis"].new_zeros(packed.num_rows).index_put_(
+                (packed.seq_index[keep],), packed.tok["tis"][keep])
         return gspo_loss(
             out.logprobs, packed.old_logprobs, packed.seq_advantages, packed.mask, packed.seq_index,
             num_rows=packed.num_rows, num_seqs=norms.num_seqs, clip_low=cfg.gspo_clip_eps,
             clip_high=cfg.gspo_clip_eps * 4 / 3, ref_logp=packed.tok.get("ref"), kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator, num_tokens=norms.num_tokens,
+            kl_estimator=cfg.kl_estimator, num_tokens=norms.num_tokens, seq_weight=seq_weight,
         )
 
     return LossFn(fn)
