@@ -55,6 +55,8 @@ CONDITIONS = {
                         "with --sft-warmup-steps > 0"),
     "lora": Condition(lambda v: v["lora_rank"] > 0, "applies only with --lora-rank > 0 (no adapter otherwise)",
                       "with --lora-rank > 0", True),
+    "evalsets": Condition(lambda v: bool(v["eval_dataset_path"]), "applies only with --eval-dataset-path",
+                          "with --eval-dataset-path"),
     "epochs": Condition(lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's "
                         "length; --epochs counts passes over the data otherwise)", "without --max-steps"),
 }

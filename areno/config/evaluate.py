@@ -44,12 +44,14 @@ def dataset_specs(flag: str, specs) -> list[tuple[str, str]]:
 
 
 def check_prompt_options(config, flag_prefix: str = "--") -> None:
-    """The checks of --prompt-field / --answer-field / --prompt-format / --system-prompt."""
+    """The checks of --prompt-field / --answer-field / --prompt-format / --system-prompt (``--eval-``: the
+    ``eval_``-prefixed fields of areno train)."""
+    attr = flag_prefix[2:].replace("-", "_")
     for name in ("prompt_field", "answer_field"):
-        if not getattr(config, name):
+        if not getattr(config, attr + name):
             raise ConfigError(f"{flag_prefix}{name.replace('_', '-')}", "must not be empty")
-    check_choice(f"{flag_prefix}prompt-format", config.prompt_format, PROMPT_FORMATS)
-    if config.system_prompt and config.prompt_format == "plain":
+    check_choice(f"{flag_prefix}prompt-format", getattr(config, attr + "prompt_format"), PROMPT_FORMATS)
+    if getattr(config, attr + "system_prompt") and getattr(config, attr + "prompt_format") == "plain":
         raise ConfigError(f"{flag_prefix}system-prompt", "needs chat prompts (--prompt-format auto or chat): a plain "
                                                          "prompt has no system message")
 

@@ -61,7 +61,8 @@ def run_eval(cfg) -> int:
     from areno.training.plugins import load_answer_extractor, load_reward_fn
 
     reward_fn, extract = load_reward_fn(cfg.reward_fn_path), load_answer_extractor(cfg.reward_fn_path)
-    sets = [load_eval_set(name, path, PromptOptions.of(cfg)) for name, path in cfg.datasets]  # before the model
+    options = PromptOptions(cfg.prompt_field, cfg.answer_field, cfg.prompt_format, cfg.system_prompt)
+    sets = [load_eval_set(name, path, options) for name, path in cfg.datasets]  # before the model
     engine, tokenizer = build(cfg)
     params = decoding(cfg)
     results, started = [], time.perf_counter()

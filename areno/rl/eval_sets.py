@@ -21,12 +21,6 @@ class PromptOptions:
     prompt_format: str = "auto"  # auto | chat | plain
     system_prompt: str | None = None
 
-    @classmethod
-    def of(cls, config, prefix: str = "") -> PromptOptions:
-        """The options of a config whose fields are ``<prefix>prompt_field`` ... (``eval_`` for areno train)."""
-        return cls(*(getattr(config, prefix + n) for n in ("prompt_field", "answer_field", "prompt_format",
-                                                           "system_prompt")))
-
 
 @dataclass
 class EvalSet:

@@ -23,7 +23,8 @@ def evaluate(prompts, rollout, *, tokenizer, reward_fn, cfg, media_of, agent=Non
         rewards = agent.collect(rollout.share(prompts), 1, reward_fn, greedy=True)[2]
         flat = [r for part in rollout.gather(rewards) for r in part]
         return sum(flat) / max(1, len(flat))
-    greedy = SamplingParams.from_train_config(cfg, n=1, greedy=True)
+    # a seed of its own (greedy ignores it): the engine draws none from the stream the training rollouts use
+    greedy = SamplingParams.from_train_config(cfg, n=1, greedy=True, seed=0)
     out = rollout.generate([media_of(p) or p.ids for p in prompts], greedy)
     texts = completion_texts(tokenizer, [group[0] for group in out])
     records = [record_from(p.row, text, group[0].token_ids, i)

@@ -17,7 +17,7 @@ VALUES = {
     "ckpt": "other-model", "ref_ckpt": "ref-model", "critic_ckpt": "critic-model", "dataset_path": "other.jsonl",
     "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj",
 }
-FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent"}
+FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent", "eval_dataset_path": "reward"}
 FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offload_dir")
 # flags that take other flags to be valid at all (not where they apply: what their own value check asks)
 COMPANIONS = {"tp_size": ["--world-size", "2"], "rollout_devices": ["--train-devices", "0"],
@@ -73,6 +73,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "saved": ["--save-path", str(files.root / "save_path")],
         "reference": [] if algo == "dpo" else ["--kl-coef", "0.1"], "kl": ["--kl-coef", "0.1"],
         "warmup": ["--sft-warmup-steps", "2"], "lora": ["--lora-rank", "4"],
+        "evalsets": ["--eval-dataset-path", files["reward"]],
     }[needs]
 
 
