@@ -57,6 +57,7 @@ CONDITIONS = {
                       "with --lora-rank > 0", True),
     "evalsets": Condition(lambda v: bool(v["eval_dataset_path"]), "applies only with --eval-dataset-path",
                           "with --eval-dataset-path"),
+    "wandb": Condition(lambda v: bool(v["wandb_project"]), "applies only with --wandb-project", "with --wandb-project"),
     "epochs": Condition(lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's "
                         "length; --epochs counts passes over the data otherwise)", "without --max-steps"),
 }

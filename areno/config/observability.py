@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import RL_ALGOS
+from areno.config.constants import RL_ALGOS, WANDB_MODES
 from areno.config.evaluate import DATASET_HELP, PROMPT_FORMAT_HELP, PROMPT_FORMATS, check_prompt_options, dataset_specs
-from areno.config.fields import ConfigError, check_non_negative, check_number, check_sizes, opt
+from areno.config.fields import ConfigError, check_choice, check_non_negative, check_number, check_sizes, opt
 
 
 @dataclass
@@ -43,6 +43,14 @@ class ObservabilitySection:
     eval_system_prompt: Optional[str] = opt(None, "a system message put before every --eval-dataset-path chat prompt",
                                             "observability", metavar="TEXT", needs="evalsets")
     tensorboard: bool = opt(True, "write TensorBoard events beside the JSON lines", "observability")
+    wandb_project: Optional[str] = opt(None, "also log to this Weights & Biases project: every metric, the resolved "
+                                       "configuration, the reward-curve picture and evaluation sample tables (needs "
+                                       "pip install wandb)", "observability", metavar="NAME")
+    wandb_run_name: Optional[str] = opt(None, "the W&B run's name", "observability", metavar="NAME", needs="wandb",
+                                        default_help="W&B's generated name")
+    wandb_mode: str = opt("online", "online: stream to W&B (log in first: wandb login); offline: write the run "
+                          "under <metrics folder>/wandb for a later `wandb sync`", "observability",
+                          choices=WANDB_MODES, needs="wandb")
     rollout_dump_dir: Optional[str] = opt(
         None, "write every RL step's rows as JSON lines (token ids, loss mask, rollout log-probs, policy version, "
         "reward, finish reason; an agent's messages) to DIR/step-N.jsonl", "observability", metavar="DIR",
@@ -59,6 +67,9 @@ class ObservabilitySection:
         check_sizes(self, ("log_interval",))
         check_non_negative("--eval-interval", self.eval_interval)
         self.check_eval_sets()
+        check_choice("--wandb-mode", self.wandb_mode, WANDB_MODES)
+        if self.wandb_project is not None and not self.wandb_project.strip():
+            raise ConfigError("--wandb-project", "must not be empty")
         check_non_negative("--decode-progress-interval-s", self.decode_progress_interval_s)
 
     def check_eval_sets(self):

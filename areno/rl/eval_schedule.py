@@ -13,6 +13,8 @@ from areno.rl.eval_metrics import metric_names
 from areno.rl.eval_sets import PromptOptions, load_eval_set, tokenize_set
 from areno.rl.evaluate import sample_set
 
+TABLE_ROWS = 256  # samples per set and evaluation in a W&B table
+
 
 def eval_line(step: int, metrics: dict) -> str:
     """``eval step 10: gsm8k avg@4 61.2% [58.1,64.0] pass@4 ...`` for the sets in ``metrics``."""
@@ -55,10 +57,11 @@ class SetEvaluator:
             return bool(cfg.eval_interval) and step % cfg.eval_interval == 0
         return True  # after the last step, unless that step was just evaluated
 
-    def maybe(self, step: int, rollout, main: bool, logger=None, *, when: str) -> dict:
+    def maybe(self, step: int, rollout, main: bool, logger, *, when: str) -> dict:
         """The sets' metrics if an evaluation is ``due`` at ``step`` (else {}); ``rollout()`` gives the ``Rollout``
-        (every rank samples every prompt, as the held-out evaluation); ``main``: this rank prints (and logs to
-        ``logger`` at ``step`` when given; without it the caller logs them with its step's metrics)."""
+        (every rank samples every prompt, as the held-out evaluation); ``main``: this rank prints and logs them to
+        ``logger`` at ``step`` (``interval``: the caller logs them with its step's metrics), and with W&B the first
+        ``TABLE_ROWS`` samples of each set as a table ``eval/<name>/samples``."""
         if not self.due(step, when):
             return {}
         self.last_step = step
@@ -71,7 +74,10 @@ class SetEvaluator:
                                 tokenizer=self.tokenizer, reward_fn=self.reward_fn, extract=self.extract,
                                 params=params, seed=cfg.seed, timeout_s=cfg.reward_timeout_s or None)
             metrics.update({f"eval/{data.name}/{k}": v for k, v in result.metrics.items()})
-        if main and logger is not None:
+            if main and logger.wandb is not None:
+                logger.wandb.table(f"eval/{data.name}/samples", [{"step": step, **r} for r in
+                                                                  result.samples[:TABLE_ROWS]], step)
+        if main and when != "interval":
             logger.log(step, metrics, stdout=False)
         if main:
             print(eval_line(step, metrics), flush=True)

@@ -91,8 +91,9 @@ def sample_set(data, generate, *, tokenizer, reward_fn, extract, params: Samplin
     return SetResult(data.name, summarize(values, seed=seed), samples, sum(len(c.token_ids) for c in flat))
 
 
-def plot_reward_curve(logger, cfg, since) -> str | None:
-    """reward_curve.png beside metrics.jsonl (RL runs); without matplotlib, a warning and no plot."""
+def plot_reward_curve(logger, cfg, since, step: int = 0) -> str | None:
+    """reward_curve.png beside metrics.jsonl (RL runs; with W&B also logged there at ``step``); without matplotlib,
+    a warning and no plot."""
     from areno.training.metrics import plot_reward_curve as plot
 
     png = logger.metrics_dir / "reward_curve.png"
@@ -105,6 +106,8 @@ def plot_reward_curve(logger, cfg, since) -> str | None:
         log.warning("no reward-curve plot: %s", e)
         return None
     print(f"reward curve: {png}", flush=True)
+    if logger.wandb is not None:
+        logger.wandb.image("reward_curve", png, step)
     return str(png)
 
 

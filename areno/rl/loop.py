@@ -230,7 +230,7 @@ class TrainLoop:
             print(f"held-out accuracy: before {stage} {before:.1%} -> after {stage} {after:.1%} "
                   f"({(after - before) * 100:+.1f} points)", flush=True)
         if self.is_main and self.algorithm.needs_reward:
-            self.results["reward_curve"] = plot_reward_curve(self.logger, cfg, self.started_at)
+            self.results["reward_curve"] = plot_reward_curve(self.logger, cfg, self.started_at, self.step_index)
         if self.is_main and self.last_save:
             print(lora.describe(self.last_save) if cfg.lora_rank else
                   f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
@@ -276,7 +276,8 @@ class TrainLoop:
                 acc = self.evaluate()
                 if acc is not None:
                     m["eval_accuracy"] = acc
-            m.update(self.eval_sets.maybe(self.step_index, self._ensure_engine, self.is_main, when="interval"))
+            m.update(self.eval_sets.maybe(self.step_index, self._ensure_engine, self.is_main, self.logger,
+                                          when="interval"))
             if self.step_index % max(1, cfg.log_interval) == 0:
                 self.logger.log(self.step_index, m)
             saved = bool(cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0)

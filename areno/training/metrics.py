@@ -70,6 +70,7 @@ class MetricsLogger:
         self._writer = None
         self._file = None
         self._purge_step = None
+        self.wandb = None  # a WandbRun (--wandb-project): every line logged goes there too
         if self.active:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
             _end_whole(self.jsonl_path)
@@ -93,6 +94,8 @@ class MetricsLogger:
                 if isinstance(v, float):
                     writer.add_scalar(k, v, int(step))
             writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(int(step), {k: v for k, v in clean.items() if isinstance(v, float)})
         if self.stdout and stdout:
             from tqdm import tqdm
 
@@ -144,6 +147,9 @@ class MetricsLogger:
         return self._writer
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

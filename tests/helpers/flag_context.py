@@ -15,7 +15,7 @@ VALUES = {
     "rollout_tp_size": "1",
     "stop": "END", "resume": "some/step-1", "routing_replay": "off", "train_cuda_graphs": "off", "world_size": "2",
     "ckpt": "other-model", "ref_ckpt": "ref-model", "critic_ckpt": "critic-model", "dataset_path": "other.jsonl",
-    "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj",
+    "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj", "wandb_mode": "offline",
 }
 FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent", "eval_dataset_path": "reward"}
 FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offload_dir")
@@ -73,7 +73,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "saved": ["--save-path", str(files.root / "save_path")],
         "reference": [] if algo == "dpo" else ["--kl-coef", "0.1"], "kl": ["--kl-coef", "0.1"],
         "warmup": ["--sft-warmup-steps", "2"], "lora": ["--lora-rank", "4"],
-        "evalsets": ["--eval-dataset-path", files["reward"]],
+        "evalsets": ["--eval-dataset-path", files["reward"]], "wandb": ["--wandb-project", "p"],
     }[needs]
 
 

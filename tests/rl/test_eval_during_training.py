@@ -35,8 +35,8 @@ def train(inputs, out, **extra):
     root, model = inputs
     cfg = TrainConfig(ckpt=str(model), dataset_loader_fn=str(TASK), dataset_path="n_eval=4",
                       reward_fn_path=str(root / "reward.py"), algo="grpo", batch_size=4, n_samples=2, mini_bs=8,
-                      max_new_tokens=4, max_steps=3, lr=1e-2,
-                      dtype="float32", tensorboard=False, metrics_dir=str(root / out), **extra)
+                      max_new_tokens=4, lr=1e-2, dtype="float32", tensorboard=False, metrics_dir=str(root / out),
+                      **{"max_steps": 3, **extra})
     loop = TrainLoop(cfg)
     try:
         loop.setup()
@@ -101,3 +101,34 @@ def test_bad_settings_name_the_flag(inputs, extra, flag):
     with pytest.raises(ConfigError) as e:
         TrainConfig(ckpt=str(model), dataset_path="d.jsonl", reward_fn_path=str(TASK), **extra)
     assert e.value.flag == flag
+
+
+def test_wandb_offline_run_holds_the_metrics_config_pictures_and_samples(inputs, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("matplotlib")
+    from tests.helpers.wandb_offline import history, run_info
+
+    root, _ = inputs
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(root / "wandb-home"))
+    records, _ = train(inputs, "wb", eval_dataset_path=[f"add={root / 'add.jsonl'}"], eval_n_samples=2,
+                       eval_prompt_field="question", eval_answer_field="sum", max_steps=2,
+                       wandb_project="areno-test", wandb_run_name="tiny", wandb_mode="offline")
+    files = list((root / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    rows = history(files[0])
+    info = run_info(files[0])
+    assert info["project"] == "areno-test" and info["name"] == "tiny"
+    assert info["config"]["lr"] == 1e-2 and info["config"]["eval_n_samples"] == 2
+    logged = {}  # every metric metrics.jsonl holds, at its step, is in the W&B history with the same value
+    for r in rows:
+        for k, v in r.items():
+            if not k.startswith("_") and isinstance(v, (int, float)):
+                logged[(r["train_step"], k)] = v
+    for rec in records:
+        for k, v in rec.items():
+            if k not in ("step", "time") and isinstance(v, float):
+                assert logged[(rec["step"], k)] == pytest.approx(v), k
+    assert logged[(0, "eval/add/avg@2")] == next(r["eval/add/avg@2"] for r in records if r["step"] == 0)
+    kinds = {k.rsplit("/", 1)[0]: r[k] for r in rows for k in r if k.endswith("/_type")}
+    assert kinds["reward_curve"] == "image-file" and kinds["eval/add/samples"] == "table-file"
