@@ -276,9 +276,10 @@ class TrainLoop:
                 acc = self.evaluate()
                 if acc is not None:
                     m["eval_accuracy"] = acc
-            m.update(self.eval_sets.maybe(self.step_index, self._ensure_engine, self.is_main, self.logger,
-                                          when="interval"))
-            if self.step_index % max(1, cfg.log_interval) == 0:
+            evals = self.eval_sets.maybe(self.step_index, self._ensure_engine, self.is_main, self.logger,
+                                         when="interval")
+            m.update(evals)
+            if self.step_index % max(1, cfg.log_interval) == 0 or evals:  # an evaluation's step is always logged
                 self.logger.log(self.step_index, m)
             saved = bool(cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0)
             if saved:

@@ -34,6 +34,23 @@ def records(path):
     return out
 
 
+def finished(path, timeout_s: float = 120.0) -> Path:
+    """``path`` once its run's exit record is written (W&B's service process may still be flushing the offline file
+    when ``run.finish()`` returns)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if any(r.WhichOneof("record_type") == "exit" for r in records(path)):
+                return Path(path)
+        except Exception:  # noqa: BLE001 - a half-written file: read it again
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: no exit record after {timeout_s} s")
+        time.sleep(0.5)
+
+
 def history(path) -> list[dict]:
     """Every ``run.log`` row: {key: value} (values JSON-decoded; ``_step`` the step)."""
     rows = []

@@ -106,7 +106,7 @@ def test_bad_settings_name_the_flag(inputs, extra, flag):
 def test_wandb_offline_run_holds_the_metrics_config_pictures_and_samples(inputs, monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("matplotlib")
-    from tests.helpers.wandb_offline import history, run_info
+    from tests.helpers.wandb_offline import finished, history, run_info
 
     root, _ = inputs
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
@@ -116,6 +116,7 @@ def test_wandb_offline_run_holds_the_metrics_config_pictures_and_samples(inputs,
                        wandb_project="areno-test", wandb_run_name="tiny", wandb_mode="offline")
     files = list((root / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
+    finished(files[0])
     rows = history(files[0])
     info = run_info(files[0])
     assert info["project"] == "areno-test" and info["name"] == "tiny"
