@@ -261,7 +261,7 @@ def _platform_command(name):
 COMMANDS = {
     "train": (run_train, "train a policy: SFT, DPO, GRPO, GSPO or PPO"),
     "serve": (run_serve, "serve a model behind an OpenAI-compatible HTTP API"),
-    "eval": (run_eval, "evaluate a model: avg@K, pass@k, maj@K with 95% intervals on datasets"),
+    "eval": (run_eval, "evaluate a model: avg@K, pass@k, maj@K with 95%% intervals on datasets"),
     "check": (_platform_command("run_check"), "readiness checks, one OK/WARN/FAIL line each"),
     "env": (_platform_command("run_env"), "environment report for support (--json for JSON)"),
 }

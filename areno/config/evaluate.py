@@ -100,6 +100,11 @@ class EvalConfig:
     presence_penalty = 0.0
     frequency_penalty = 0.0
 
+    @property
+    def datasets(self) -> list[tuple[str, str]]:
+        """--dataset-path as (name, path) pairs."""
+        return dataset_specs("--dataset-path", self.dataset_path)
+
     def __post_init__(self):
         if not self.model_path:
             raise ConfigError("--model-path", "is required (a Hugging Face repo id or a local folder)")
@@ -107,7 +112,7 @@ class EvalConfig:
             raise ConfigError("--dataset-path", "is required (NAME=FILE; repeat the flag for several datasets)")
         if isinstance(self.dataset_path, str):
             self.dataset_path = [self.dataset_path]
-        self.datasets = dataset_specs("--dataset-path", self.dataset_path)
+        dataset_specs("--dataset-path", self.dataset_path)
         if not self.reward_fn_path:
             raise ConfigError("--reward-fn-path", "is required (a Python file defining reward_fn(record))")
         check_file("--reward-fn-path", self.reward_fn_path)

@@ -63,6 +63,11 @@ class ObservabilitySection:
         """Where metrics.jsonl, TensorBoard events and config.json go."""
         return self.metrics_dir or (os.path.join(self.save_path, "metrics") if self.save_path else "runs/latest")
 
+    @property
+    def eval_sets(self) -> list[tuple[str, str]]:
+        """--eval-dataset-path as (name, path) pairs."""
+        return dataset_specs("--eval-dataset-path", self.eval_dataset_path)
+
     def check_observability(self):
         check_sizes(self, ("log_interval",))
         check_non_negative("--eval-interval", self.eval_interval)
@@ -75,13 +80,13 @@ class ObservabilitySection:
     def check_eval_sets(self):
         if isinstance(self.eval_dataset_path, str):
             self.eval_dataset_path = [self.eval_dataset_path]
-        self.eval_sets = dataset_specs("--eval-dataset-path", self.eval_dataset_path)
+        sets = self.eval_sets  # each NAME=FILE checked
         check_sizes(self, ("eval_n_samples",))
         check_number("--eval-temperature", self.eval_temperature)
         if self.eval_temperature < 0:
             raise ConfigError("--eval-temperature", f"must be >= 0, got {self.eval_temperature!r}")
         check_prompt_options(self, "--eval-")
-        if not self.eval_sets:
+        if not sets:
             return
         if not self.reward_fn_path:
             raise ConfigError("--eval-dataset-path", "needs --reward-fn-path (it scores the samples)")
