@@ -170,3 +170,17 @@ def test_a_lora_adapter_is_applied(files, baseline, tmp_path):
     assert [s["completion"] for s in b] == [s["completion"] for s in a]
     assert [s["completion"] for s in c] != [s["completion"] for s in a]
     assert len(moved["lora_sha256"]) == 64 and moved["lora_path"] == str(tmp_path / "moved")
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_same_seed_gives_the_same_samples_and_greedy_samples_agree(files):
+    """On the GPU (bf16, CUDA-graph decode, the Triton sampler): a rerun with the same seed repeats every sample, and
+    at temperature 0 a prompt's K samples are one answer (all right or all wrong: pass@K == avg@K)."""
+    _, first, a = run(files, "--dtype", "bfloat16", out="g1")
+    _, _, b = run(files, "--dtype", "bfloat16", out="g2")
+    assert [s["completion"] for s in a] == [s["completion"] for s in b]
+    _, greedy, g = run(files, "--dtype", "bfloat16", "--temperature", "0", out="g3")
+    for i in range(12):
+        assert len({s["completion"] for s in g if s["index"] == i}) == 1
+    m = greedy["datasets"]["add"]["metrics"]
+    assert m["avg@4"] == m["pass@4"] == m["pass@1"] and first["tokens_per_s"] > 0
