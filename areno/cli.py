@@ -1,7 +1,7 @@
-"""The `areno` command: `train`, `serve`, `check`, `env` (also `python -m areno`).
+"""The `areno` command: `train`, `serve`, `eval`, `check`, `env` (also `python -m areno`).
 
-`train` and `serve` build their parser from the config dataclasses in `areno.config` (argparse-dataclass, plus the
-few things it lacks: `--help` groups, `--x/--no-x` for every bool, and knowing which flags were given explicitly,
+`train`, `serve` and `eval` build their parser from the config dataclasses in `areno.config` (argparse-dataclass, plus
+the few things it lacks: `--help` groups, `--x/--no-x` for every bool, and knowing which flags were given explicitly,
 which `--preset` needs). They validate (flags, then the model folder or hub id they name), print one summary line
 (the whole resolved configuration with `--verbose`; `areno train` always writes it to config.json in its metrics
 folder), then hand it to the runtime, imported only then. Errors come last, as one line: a bad flag or input exits 2,
@@ -18,7 +18,16 @@ import sys
 import argparse_dataclass
 
 from areno import __version__
-from areno.config import GROUPS, ConfigError, RunError, ServeConfig, TrainConfig, flag_name, format_config
+from areno.config import (
+    GROUPS,
+    ConfigError,
+    EvalConfig,
+    RunError,
+    ServeConfig,
+    TrainConfig,
+    flag_name,
+    format_config,
+)
 from areno.config.applies import check_given, drop_inapplicable, help_note
 from areno.config.constants import RL_ALGOS
 
@@ -186,6 +195,10 @@ def _check_device_indices(config) -> None:
 
 
 def _summary(command: str, config) -> str:
+    if command == "eval":
+        names = ", ".join(name for name, _ in config.datasets)
+        return (f"areno eval: {config.model_path} on {names}, {config.n_samples} samples per prompt at temperature "
+                f"{config.temperature}, seed {config.seed}")
     if command == "serve":
         return (f"areno serve: {config.model_path} on {config.host}:{config.port}, world size {config.world_size}, "
                 f"TP {config.tp_size} (--verbose prints the whole configuration)")
@@ -244,6 +257,10 @@ def run_serve(argv) -> int:
     return _run_config_command("serve", ServeConfig, argv, "areno.serve.server", "run_server")
 
 
+def run_eval(argv) -> int:
+    return _run_config_command("eval", EvalConfig, argv, "areno.rl.eval_command", "run_eval")
+
+
 def _platform_command(name):
     def run(argv) -> int:
         return getattr(importlib.import_module("areno.platform.checks"), name)(list(argv))
@@ -254,6 +271,7 @@ def _platform_command(name):
 COMMANDS = {
     "train": (run_train, "train a policy: SFT, DPO, GRPO, GSPO or PPO"),
     "serve": (run_serve, "serve a model behind an OpenAI-compatible HTTP API"),
+    "eval": (run_eval, "evaluate a model: avg@K, pass@k, maj@K with 95%% intervals on datasets"),
     "check": (_platform_command("run_check"), "readiness checks, one OK/WARN/FAIL line each"),
     "env": (_platform_command("run_env"), "environment report for support (--json for JSON)"),
 }

@@ -1,6 +1,6 @@
-"""`areno train --help` and `areno serve --help` list the same options, metavars and defaults as the committed snapshot
-(tests/data/cli_snapshot.json, taken before the package was restructured). A deliberate change of the CLI surface
-regenerates it: `python tests/test_cli_snapshot.py` and review the diff."""
+"""`areno train --help`, `areno serve --help` and `areno eval --help` list the same options, metavars and defaults as
+the committed snapshot (tests/data/cli_snapshot.json, taken before the package was restructured). A deliberate change
+of the CLI surface regenerates it: `python tests/test_cli_snapshot.py` and review the diff."""
 
 import contextlib
 import io
@@ -44,10 +44,10 @@ def options(command: str) -> dict[str, dict]:
 
 
 def current() -> dict:
-    return {command: options(command) for command in ("train", "serve")}
+    return {command: options(command) for command in ("train", "serve", "eval")}
 
 
-@pytest.mark.parametrize("command", ["train", "serve"])
+@pytest.mark.parametrize("command", ["train", "serve", "eval"])
 def test_help_lists_the_snapshot_options_and_defaults(command):
     want = json.loads(SNAPSHOT.read_text())[command]
     got = options(command)

@@ -131,3 +131,13 @@ def test_hub_default_fails_fast_offline(loader, monkeypatch, tmp_path):
     with pytest.raises(DatasetError, match="could not fetch the hub dataset 'gsm8k' \\(config main"):
         # no --dataset-path: the example asks for gsm8k:main; kwargs reach datasets.load_dataset (an empty cache)
         load_rows(None, loader_fn=loader, cache_dir=str(tmp_path))
+
+
+def test_extract_answer_votes_equal_values_together():
+    """maj@K's votes (`areno eval`): the final answer, plain numbers written one way, None when there is none."""
+    from areno.training.plugins import load_answer_extractor
+
+    extract = load_answer_extractor(str(EXAMPLES / "math_verify_reward.py"))
+    assert extract("so \\boxed{1,234.0}") == extract("#### 1234") == extract("it is 1234") == "1234"
+    assert extract("5 then 7.5") == "7.5" and extract("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert extract("no answer here") is None

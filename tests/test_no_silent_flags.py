@@ -1,7 +1,7 @@
-"""No silent flags: every `areno train` / `areno serve` option is read by the run (outside the config and CLI modules
-that only parse and validate it), and a flag given on the command line reaches the run (nothing is parsed and then
-dropped or refused as "not built"). Whether it matters for the algorithm and mode chosen is each flag's declaration,
-checked algorithm x flag by tests/test_flag_applicability.py."""
+"""No silent flags: every `areno train` / `areno serve` / `areno eval` option is read by the run (outside the config
+and CLI modules that only parse and validate it), and a flag given on the command line reaches the run (nothing is
+parsed and then dropped or refused as "not built"). Whether it matters for the algorithm and mode chosen is each flag's
+declaration, checked algorithm x flag by tests/test_flag_applicability.py."""
 
 import dataclasses
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from areno.cli import main
-from areno.config import ServeConfig, TrainConfig, flag_name
+from areno.config import EvalConfig, ServeConfig, TrainConfig, flag_name
 from areno.config.applies import declared
 from tests.helpers.flag_context import Files, base_argv, condition_argv, flag_argv
 
@@ -33,7 +33,7 @@ def readers(name: str, sources: dict[str, str]) -> list[str]:
     return [path for path, text in sources.items() if pattern.search(text)]
 
 
-@pytest.mark.parametrize("cls", [TrainConfig, ServeConfig], ids=["train", "serve"])
+@pytest.mark.parametrize("cls", [TrainConfig, ServeConfig, EvalConfig], ids=["train", "serve", "eval"])
 def test_every_option_is_used_by_the_run(cls):
     sources = runtime_sources()
     silent = [flag_name(f.name) for f in dataclasses.fields(cls)

@@ -73,6 +73,9 @@ CONDITIONS = {
     "surrogate": Condition(lambda v: v["off_policy_correction"] != "cispo", "does not apply with "
                            "--off-policy-correction cispo (its clipped IS weight bounds every token already)",
                            "without --off-policy-correction cispo"),
+    "evalsets": Condition(lambda v: bool(v["eval_dataset_path"]), "applies only with --eval-dataset-path",
+                          "with --eval-dataset-path"),
+    "wandb": Condition(lambda v: bool(v["wandb_project"]), "applies only with --wandb-project", "with --wandb-project"),
     "epochs": Condition(lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's "
                         "length; --epochs counts passes over the data otherwise)", "without --max-steps"),
 }

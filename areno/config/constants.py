@@ -23,5 +23,6 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ROUTING_REPLAY = ("auto", "on", "off")
 TRAIN_CUDA_GRAPHS = ("auto", "on", "off")
+WANDB_MODES = ("online", "offline")
 # areno serve --tool-call-format: "auto" (by the checkpoint's model_type) or a format of areno.engine.tool_calls
 TOOL_CALL_FORMATS = ("auto", "qwen3", "qwen3_coder", "gemma4", "harmony", "deepseek_v3", "llama3_json", "kimi_k2")

@@ -24,6 +24,7 @@ from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
 from areno.rl import resume, setup
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
+from areno.rl.eval_schedule import SetEvaluator
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
 from areno.training import lora, multimodal, plugins
@@ -76,6 +77,7 @@ class TrainLoop:
         self.media = DatasetMedia(cfg.ckpt, cfg.dataset_path, limits=media_limits(cfg))
         self.rows = self._tokenize(inputs.rows)
         self.eval_data = self._tokenize(inputs.eval_rows)
+        self.eval_sets = SetEvaluator(cfg, self.tokenizer, self.reward_fn)  # --eval-dataset-path
         from areno.training.data import PromptIterator
 
         # with --max-steps the data repeats as needed; otherwise --epochs passes over it
@@ -214,7 +216,9 @@ class TrainLoop:
         if self.is_main:
             report_before(stage, self.accuracy_before, measured, len(self.eval_data), self.reward_fn is not None)
         before = self.accuracy_before
+        self.eval_sets.maybe(self.step_index, self._ensure_engine, self.is_main, self.logger, when="before")
         last = self.run()
+        self.eval_sets.maybe(self.step_index, self._ensure_engine, self.is_main, self.logger, when="after")
         after = self.evaluate() if self.eval_data else None
         self.results = {"accuracy_before": before, "accuracy_after": after, "last": last,
                         "checkpoint": str(self.last_save) if self.last_save else None, "reward_curve": None}
@@ -227,7 +231,7 @@ class TrainLoop:
             print(f"held-out accuracy: before {stage} {before:.1%} -> after {stage} {after:.1%} "
                   f"({(after - before) * 100:+.1f} points)", flush=True)
         if self.is_main and self.algorithm.needs_reward:
-            self.results["reward_curve"] = plot_reward_curve(self.logger, cfg, self.started_at)
+            self.results["reward_curve"] = plot_reward_curve(self.logger, cfg, self.started_at, self.step_index)
         if self.is_main and self.last_save:
             print(lora.describe(self.last_save) if cfg.lora_rank else
                   f"checkpoint: {self.last_save} (areno serve --model-path {self.last_save})", flush=True)
@@ -273,7 +277,10 @@ class TrainLoop:
                 acc = self.evaluate()
                 if acc is not None:
                     m["eval_accuracy"] = acc
-            if self.step_index % max(1, cfg.log_interval) == 0:
+            evals = self.eval_sets.maybe(self.step_index, self._ensure_engine, self.is_main, self.logger,
+                                         when="interval")
+            m.update(evals)
+            if self.step_index % max(1, cfg.log_interval) == 0 or evals:  # an evaluation's step is always logged
                 self.logger.log(self.step_index, m)
             saved = bool(cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0)
             if saved:

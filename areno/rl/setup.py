@@ -211,6 +211,10 @@ def make_logger(cfg, is_main: bool):
     logger = MetricsLogger(cfg.metrics_folder, tensorboard=cfg.tensorboard, rank=0 if is_main else 1)
     if is_main:  # the whole resolved configuration lives with the run (stdout shows it with --verbose)
         (logger.metrics_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+    if is_main and cfg.wandb_project:
+        from areno.training.wandb_log import WandbRun
+
+        logger.wandb = WandbRun(cfg, logger.metrics_dir)
     return logger
 
 

@@ -70,6 +70,7 @@ class MetricsLogger:
         self._writer = None
         self._file = None
         self._purge_step = None
+        self.wandb = None  # a WandbRun (--wandb-project): every line logged goes there too
         if self.active:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
             _end_whole(self.jsonl_path)
@@ -93,6 +94,8 @@ class MetricsLogger:
                 if isinstance(v, float):
                     writer.add_scalar(k, v, int(step))
             writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(int(step), {k: v for k, v in clean.items() if isinstance(v, float)})
         if self.stdout and stdout:
             from tqdm import tqdm
 
@@ -144,6 +147,9 @@ class MetricsLogger:
         return self._writer
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -261,9 +267,10 @@ def reward_curve_figure(records: list[dict], key: str = "reward_mean", *, title:
         raise ValueError(f"{source or 'the metrics'} has no {key!r} values to plot")
     records.sort(key=lambda r: r["step"])
     steps, values = [r["step"] for r in records], [r[key] for r in records]
-    fig = Figure(figsize=(7, 4.6), dpi=120, layout="constrained")
+    sets = eval_series(everything)
+    fig = Figure(figsize=(7, 4.6 + 2.6 * len(sets)), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax, *panels = fig.subplots(1 + len(sets), 1, squeeze=False)[:, 0]
     ax.plot(steps, values, marker="o" if len(records) < 40 else None, lw=1, alpha=0.6, label=key)
     band = reward_band(records, key) if key == "reward_mean" else None
     if band is not None:
@@ -284,8 +291,42 @@ def reward_curve_figure(records: list[dict], key: str = "reward_mean", *, title:
     ax.set_ylabel(key)
     ax.set_title(title or f"{key} over training")
     ax.grid(alpha=0.3)
-    fig.legend(loc="outside lower center", ncols=2, frameon=False, fontsize=9)  # below the axes, off the data
+    for panel, (name, series) in zip(panels, sets.items()):
+        eval_panel(panel, name, series)
+    # below the axes, off the data (the reward panel's; each evaluation panel has its own)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False, fontsize=9)
     return fig
+
+
+def eval_series(records: list[dict]) -> dict[str, dict[str, list[tuple]]]:
+    """The --eval-dataset-path metrics a run logged: {set: {metric: [(step, value, low, high), ...]}} for avg@K,
+    the largest pass@k and maj@K (keys ``eval/<set>/<metric>`` with ``_lo`` / ``_hi`` bounds)."""
+    sets: dict[str, dict[str, list[tuple]]] = {}
+    for r in sorted(records, key=lambda r: r["step"]):
+        for k, v in r.items():
+            if not k.startswith("eval/") or k.endswith(("_lo", "_hi")) or v is None:
+                continue
+            _, name, metric = k.split("/", 2)
+            sets.setdefault(name, {}).setdefault(metric, []).append((r["step"], v, r.get(k + "_lo", v),
+                                                                     r.get(k + "_hi", v)))
+    for series in sets.values():
+        passes = sorted((m for m in series if m.startswith("pass@")), key=lambda m: int(m[5:]))
+        for m in passes[:-1]:
+            del series[m]
+    return sets
+
+
+def eval_panel(ax, name: str, series: dict[str, list[tuple]]) -> None:
+    """One evaluation set over steps: each metric's line and its 95% interval band."""
+    for i, (metric, points) in enumerate(sorted(series.items())):
+        steps, values, low, high = zip(*points)
+        ax.plot(steps, values, marker="o", lw=1.5, color=f"C{i}", label=metric)
+        ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.15)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_title(f"{name} (bands: bootstrap 95% intervals)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
 
 
 def eval_points(records: list[dict]) -> list[tuple[int, float]]:

@@ -158,6 +158,18 @@ def load_reward_fn(path):
     return load_function(path, "reward_fn", flag="--reward-fn-path", check=_check_reward)
 
 
+def load_answer_extractor(path):
+    """The reward file's optional ``extract_answer(completion) -> str | None`` (the answer maj@K votes on), or
+    None when the file defines none."""
+    fn = getattr(load_module(path, flag="--reward-fn-path"), "extract_answer", None)
+    if fn is None:
+        return None
+    if not callable(fn) or _is_async(fn) or not _accepts(fn, "completion"):
+        raise PluginError("--reward-fn-path", f"{path}: extract_answer must be a plain function of one argument, "
+                                              "extract_answer(completion) -> str | None")
+    return fn
+
+
 def load_dataset_loader(path):
     return load_function(path, "load_training_dataset", flag="--dataset-loader-fn", check=_check_loader)
 

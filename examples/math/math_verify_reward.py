@@ -5,7 +5,8 @@ numerically ("1,234" = "1234", "5.00" = "5", "-3"), anything else goes through `
 fractions, LaTeX, units). With no marked answer, math_verify's own extraction over the whole completion decides, and
 when it finds nothing the last number in the text does. Ordinary strings never make it raise.
 
-Use with ``areno train --reward-fn-path examples/math/math_verify_reward.py``.
+Use with ``areno train --reward-fn-path examples/math/math_verify_reward.py``; ``areno eval`` also reads its
+``extract_answer`` (the answer maj@K votes on).
 """
 
 import re
@@ -25,6 +26,22 @@ def reward_fn(record) -> float:
     if gold is None or not isinstance(completion, str):
         return 0.0
     return 1.0 if is_correct(completion, reference(str(gold))) else 0.0
+
+
+def extract_answer(completion: str):
+    """The answer `areno eval`'s maj@K votes on: the final answer (last ``\\boxed{}``, else after ``####``, else the
+    last number), a plain number written canonically ("1,234.0" -> "1234") so equal values vote together; None if
+    there is none."""
+    pred = final_answer(completion)
+    if pred is None:
+        numbers = NUMBER.findall(completion)
+        pred = numbers[-1] if numbers else None
+    if pred is None:
+        return None
+    value = to_number(pred)
+    if value is None:
+        return pred.strip() or None
+    return str(int(value)) if value == int(value) else repr(value)
 
 
 def reference(answer: str) -> str:

@@ -16,8 +16,9 @@ VALUES = {
     "stop": "END", "resume": "some/step-1", "routing_replay": "off", "train_cuda_graphs": "off", "world_size": "2",
     "ckpt": "other-model", "ref_ckpt": "ref-model", "critic_ckpt": "critic-model", "dataset_path": "other.jsonl",
     "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj", "is_mask_low": "0.2", "is_mask_high": "3",
+    "wandb_mode": "offline",
 }
-FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent"}
+FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent", "eval_dataset_path": "reward"}
 FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offload_dir")
 # flags that take other flags to be valid at all (not where they apply: what their own value check asks)
 COMPANIONS = {"tp_size": ["--world-size", "2"], "rollout_devices": ["--train-devices", "0"],
@@ -75,6 +76,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "warmup": ["--sft-warmup-steps", "2"], "lora": ["--lora-rank", "4"],
         "correction": [], "surrogate": [], "is_mask": ["--off-policy-correction", "mask"],
         "tis": ["--off-policy-correction", "seq-tis"] if algo == "gspo" else [],
+        "evalsets": ["--eval-dataset-path", files["reward"]], "wandb": ["--wandb-project", "p"],
     }[needs]
 
 
