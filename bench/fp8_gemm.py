@@ -1,0 +1,102 @@
+"""FP8 block GEMM (FP8 rollout's projections, issue 41): areno's Triton path vs bf16 ``torch.matmul`` on the
+unquantised weight vs the baseline that dequantises the whole fp8 weight then multiplies, in the same process.
+
+    python bench/fp8_gemm.py                              # H200: the shapes below
+    TRITON_INTERPRET=1 python bench/fp8_gemm.py --smoke   # CPU: tiny shapes, checks the script (times meaningless)
+
+Shapes: y = x @ W'^T, W [N, K] as E4M3 with 128 x 128 block scales, x [M, K] bf16. An 8B dense model (Qwen3-8B:
+hidden 4096, qkv 4096 + 2 x 1024, intermediate 12288) and one expert of a 30B-A3B MoE (Qwen3-30B-A3B: hidden 2048,
+expert intermediate 768); M in 1, 16, 64, 256, 1024, 8192 (decode batches to prefill chunks).
+Paths: ``triton`` (``fp8_linear``: the activation quantised per token and 128 columns by its kernel, then the fp8 x
+fp8 GEMM), ``triton gemm`` (the GEMM alone on pre-quantised x), ``dequant+matmul`` (``dequantize_weight_fp8`` to bf16,
+then ``torch.matmul``), ``bf16 matmul`` (cuBLAS on the bf16 weight: what FP8 rollout must beat).
+Timing: ``common.gpu_time_ms`` (CUDA events, median, L2 flushed); each row records the max abs error against the
+native reference (``fp8_matmul_native``, dequantise then fp32 matmul; the two torch paths multiply the unquantised
+x, so theirs includes the activation's quantisation) and the weight bytes read.
+One JSON line per (shape, M, path) to bench/results/fp8_gemm.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("ARENO_KERNELS", "triton")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
+
+from areno.kernels.fp8 import (  # noqa: E402
+    dequantize_weight_fp8,
+    fp8_linear,
+    fp8_matmul,
+    fp8_matmul_native,
+    quantize_act_fp8,
+    quantize_weight_fp8,
+)
+
+SHAPES = [  # (name, K, N)
+    ("8b_qkv", 4096, 6144), ("8b_o", 4096, 4096), ("8b_gate_up", 4096, 24576), ("8b_down", 12288, 4096),
+    ("30b_a3b_expert_gate_up", 2048, 1536), ("30b_a3b_expert_down", 768, 2048),
+]  # fmt: skip
+MS = [1, 16, 64, 256, 1024, 8192]
+SMOKE_SHAPES, SMOKE_MS = [("smoke", 200, 96)], [3, 17]
+
+
+def measure(name: str, w: torch.Tensor, m: int, cuda: bool) -> list[dict]:
+    """One (shape, M): every path timed and checked against the native reference."""
+    n, k = w.shape
+    q = quantize_weight_fp8(w)
+    x = torch.randn(m, k, device=w.device, dtype=w.dtype)
+    xq, xs = quantize_act_fp8(x)
+    paths = {
+        "triton": (lambda: fp8_linear(x, q), q.nbytes()),
+        "triton gemm": (lambda: fp8_matmul(xq, xs, q, out_dtype=w.dtype), q.nbytes()),
+        "dequant+matmul": (lambda: torch.matmul(x, dequantize_weight_fp8(q, w.dtype).T), q.nbytes()),
+        "bf16 matmul": (lambda: torch.matmul(x, w.T), w.numel() * w.element_size()),
+    }
+    ref = fp8_matmul_native(xq, xs, q)
+    rows = []
+    for path, (fn, nbytes) in paths.items():
+        err = (fn().float() - ref).abs().max().item()
+        ms = gpu_time_ms(fn) if cuda else gpu_time_ms(fn, warmup=0, iters=1)
+        rows.append({"shape": name, "K": k, "N": n, "M": m, "path": path, "ms": round(ms, 4),
+                     "tflops": round(2 * m * n * k / ms / 1e9, 2), "weight_gb_s": round(nbytes / ms / 1e6, 1),
+                     "max_abs_err": err, "weight_mb": round(nbytes / 2**20, 2)})  # fmt: skip
+    return rows
+
+
+def run(shapes, ms, device, dtype) -> list[dict]:
+    cuda = device == "cuda"
+    rows = []
+    for name, k, n in shapes:
+        w = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
+        for m in ms:
+            rows += measure(name, w, m, cuda)
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script)")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        sys.exit("bench/fp8_gemm.py needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    with torch.no_grad():
+        rows = run(SMOKE_SHAPES if args.smoke else SHAPES, SMOKE_MS if args.smoke else MS, device, dtype)
+    print_table(rows, ["shape", "M", "path", "ms", "tflops", "weight_gb_s", "max_abs_err", "weight_mb"])
+    if not args.smoke:
+        print(append_jsonl("fp8_gemm", rows, env_info()))
+
+
+if __name__ == "__main__":
+    main()
