@@ -18,10 +18,12 @@ kernel (one memory-bound pass over x, M K), then the GEMM reads fp8 x fp8. This 
 (``act_quant`` + ``fp8_gemm``) and vLLM (``per_token_group_quant_fp8`` + ``w8a8_block_fp8_matmul``) use: the main loop
 is an fp8 x fp8 tensor-core dot (sm_90 wgmma at twice bf16's rate) instead of re-quantising the same x tile once per
 output column tile (N / BLOCK_N times), and the quantised x can be shared by every projection that reads it.
-Program (i, j) owns a [BLOCK_M, BLOCK_N] tile of y and walks K in BLOCK_K steps (BLOCK_K divides 128, so a step lies
-in one scale group): ``acc += dot(xq, Wq^T) * s_x[:, g] s_w[n / 128, g]`` in fp32. The partial dot covers at most 128
-K, then is promoted to the fp32 accumulator with its scales: DeepSeek-V3's fix for Hopper's limited fp8 accumulator
-precision. Bytes read: N K (weight) + N K / 16384 * 4 (scales) + M K (xq), half of bf16's weight read.
+Program (t, s) owns a [BLOCK_M, BLOCK_N] tile t of y and slice s of K (split-K for decode's small M, as
+kernels/gemm.py: fp32 partials summed in split order by ``gemm.splitk_reduce``), walked in BLOCK_K steps (BLOCK_K
+divides 128, so a step lies in one scale group): ``acc += dot(xq, Wq^T) * s_x[:, g] s_w[n / 128, g]`` in fp32. The
+partial dot covers at most 128 K, then is promoted to the fp32 accumulator with its scales: DeepSeek-V3's fix for
+Hopper's limited fp8 accumulator precision. Bytes read: N K (weight) + N K / 16384 * 4 (scales) + M K (xq), half of
+bf16's weight read.
 
 The E4M3 rounding is done in fp32 before the cast (:func:`_round_e4m3`), so the value cast is exact: the Triton
 interpreter's fp32 -> fp8 conversion rounds ties away and drops the carry into the exponent (1.9375001 -> 1.0), and
@@ -37,7 +39,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from areno.kernels._device import sm_count
 from areno.kernels.dispatch import as_rows, interpreting, use_triton
+from areno.kernels.gemm import GemmConfig, heuristic_config, splitk_reduce
 
 BLOCK = 128  # weight block edge and activation group width
 FP8 = torch.float8_e4m3fn
@@ -148,11 +152,14 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, EPS: tl.constexpr
 
 
 @triton.jit
-def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, G,
-                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr, GROUP_M: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # c [M, N] = (a [M, K] * as [M, G]) @ (b [N, K] * bs [cdiv(N, GROUP), G])^T; a, b fp8 contiguous. Programs are
-    # ordered GROUP_M row tiles at a time, so consecutive programs share weight tiles in L2.
+def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, ws_ptr, M, N, K, G, k_split,
+                     HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr,
+                     GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):  # fmt: skip
+    # c [M, N] = (a [M, K] * as [M, G]) @ (b [N, K] * bs [cdiv(N, GROUP), G])^T; a, b fp8 contiguous. Program
+    # (t, s): output tile t over K in [s k_split, (s + 1) k_split) (k_split % BLOCK_K == 0); DIRECT (one split): c
+    # written here, else the fp32 partial to ws [SPLIT_K, M, N] (gemm.splitk_reduce sums it). Tiles are ordered
+    # GROUP_M row tiles at a time, so consecutive programs share weight tiles in L2.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -165,30 +172,35 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, G,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # past the edge: reread valid rows/cols (the store masks)
     cols = (offs_n % N).to(tl.int64)
+    k0 = tl.program_id(1) * k_split
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * K + ks[None, :]
-    b_ptrs = b_ptr + cols[None, :] * K + ks[:, None]  # [BLOCK_K, BLOCK_N] view of b^T (K contiguous)
+    a_ptrs = a_ptr + rows[:, None] * K + (k0 + ks)[None, :]
+    b_ptrs = b_ptr + cols[None, :] * K + (k0 + ks)[:, None]  # [BLOCK_K, BLOCK_N] view of b^T (K contiguous)
     as_ptrs = as_ptr + rows * G
     bs_ptrs = bs_ptr + (cols // GROUP) * G
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for kk in range(k0, tl.minimum(k0 + k_split, K), BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
-            k_ok = ks < K - k0
+            k_ok = ks < K - kk
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        g = k0 // GROUP
+        g = kk // GROUP
         sa = tl.load(as_ptrs + g)
         sb = tl.load(bs_ptrs + g)
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        tl.store(c_ptr + out_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + out_offs, acc, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -209,22 +221,19 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, s
 
 
-def _config(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): small tiles in the interpreter (speed), else by M (to be
-    swept on the H200 by bench/fp8_gemm.py)."""
+def fp8_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """The tile config: small tiles in the interpreter (speed); on a GPU the small-M GEMM's heuristic (16-row tiles to
+    M = 16, columns widened while tiles outnumber SMs, K split to about one program per SM) with 128-wide K steps
+    (one scale group; an fp8 step of 128 is a bf16 step of 64 in bytes). To be swept by bench/fp8_gemm.py."""
     if interpreting():
-        return 16, 32, 64, 1, 1
-    if m <= 16:
-        return 16, 64, 128, 4, 4
-    if m <= 64:
-        return 64, 64, 128, 4, 4
-    return 128, 128, 128, 8, 3
+        return GemmConfig(16, 32, 64, 1, 1, 1)
+    return heuristic_config(m, n, k, sm_count(device.index or 0))._replace(block_k=BLOCK)
 
 
 def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, q: Fp8Weight, out_dtype=torch.bfloat16,
-               bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:  # fmt: skip
     """Triton: ``x' [M, K] @ W'^T (+ bias) -> [M, N]`` in ``out_dtype`` from fp8 ``xq`` with per-group scales
-    ``xs``, fp32 accumulation."""
+    ``xs``, fp32 accumulation; ``config`` pins the tiles (tests, benchmarks; BLOCK_K must divide 128)."""
     n, k = q.shape
     m = xq.shape[0]
     assert xq.shape == (m, k) and xq.dtype == FP8 and xq.is_contiguous(), f"fp8: xq [M, {k}] fp8 expected"
@@ -235,13 +244,19 @@ def fp8_matmul(xq: torch.Tensor, xs: torch.Tensor, q: Fp8Weight, out_dtype=torch
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    bm, bn, bk, warps, stages = _config(m)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    bm, bn, bk, split, warps, stages = config or fp8_config(m, n, k, xq.device)
+    assert BLOCK % bk == 0 and split >= 1, f"fp8: BLOCK_K must divide {BLOCK}: {config}"
+    k_split = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BLOCK_K steps per split
+    split = triton.cdiv(k, k_split)  # no empty splits
+    direct = split == 1
+    ws = out if direct else torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     scale = q.scale.contiguous()
-    _fp8_gemm_kernel[grid](xq, xs, q.qweight, scale, bias if bias is not None else out, out, m, n, k, scale.shape[1],
-                           HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, GROUP=BLOCK, GROUP_M=8, BLOCK_M=bm,
-                           BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)  # fmt: skip
-    return out
+    _fp8_gemm_kernel[grid](xq, xs, q.qweight, scale, bias if bias is not None else out, out, ws, m, n, k,
+                           scale.shape[1], k_split, HAS_BIAS=bias is not None, DIRECT=direct, EVEN_K=k % bk == 0,
+                           GROUP=BLOCK, GROUP_M=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                           num_stages=stages)  # fmt: skip
+    return out if direct else splitk_reduce(ws, out, bias)
 
 
 def fp8_linear_native(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

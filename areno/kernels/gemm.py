@@ -157,8 +157,17 @@ def gemm_launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, bias:
                        DOT_PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                        num_warps=warps, num_stages=stages)  # fmt: skip
     if not direct:
-        _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
-            ws, b, y, M * N, N, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, num_warps=4)
+        splitk_reduce(ws, y, bias)
+    return y
+
+
+def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [M, N] = sum_s ws[s] (+ bias)`` over the fp32 split-K partials ``ws [SPLIT_K, M, N]``, summed in split
+    order (deterministic), rounded to y's dtype; y and bias contiguous. Also the FP8 GEMM's (kernels/fp8.py)."""
+    split, M, N = ws.shape
+    _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+        ws, bias if bias is not None else y, y, M * N, N, HAS_BIAS=bias is not None, SPLIT_K=split,
+        BLOCK=_REDUCE_BLOCK, num_warps=4)
     return y
 
 

@@ -19,6 +19,7 @@ from areno.kernels.fp8 import (
     quantize_act_fp8_native,
     quantize_weight_fp8,
 )
+from areno.kernels.gemm import GemmConfig
 
 SHAPES = [(37, 70), (128, 128), (130, 300), (300, 257), (1, 1)]  # partial blocks in either dim, whole ones, one
 GRID = torch.arange(256, dtype=torch.uint8).view(FP8).double()
@@ -160,6 +161,17 @@ def test_triton_gemm_against_native(triton_kernels, M, N, K, dtype):
     xq, xs = quantize_act_fp8(x)
     torch.testing.assert_close(fp8_matmul(xq, xs, q, out_dtype=torch.float32), ref - b.float(), rtol=1e-5,
                                atol=1e-5 * K**0.5)  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 4, 1, 1), GemmConfig(32, 16, 128, 2, 1, 1)])
+def test_triton_gemm_split_k_and_tiles(triton_kernels, config):
+    # K = 300: three 128-groups, the last partial; splits of 96 K (cutting across groups) or 256 K (a short last one)
+    M, N, K = 9, 70, 300
+    x, q = _weight((M, K), seed=5), quantize_weight_fp8(_weight((N, K), seed=6))
+    xq, xs = quantize_act_fp8(x)
+    b = torch.randn(N)
+    y = fp8_matmul(xq, xs, q, out_dtype=torch.float32, bias=b, config=config)
+    torch.testing.assert_close(y, fp8_matmul_native(xq, xs, q) + b, rtol=1e-5, atol=1e-4)
 
 
 def test_triton_matches_native_on_3d_input(triton_kernels, monkeypatch):
