@@ -18,7 +18,6 @@ One JSON line per (shape, M, path) to bench/results/fp8_gemm.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
+from common import gemm_row, weight_gemm_bench  # noqa: E402
 
 from areno.kernels.fp8 import (  # noqa: E402
     dequantize_weight_fp8,
@@ -48,10 +47,9 @@ MS = [1, 16, 64, 256, 1024, 8192]
 SMOKE_SHAPES, SMOKE_MS = [("smoke", 200, 96)], [3, 17]
 
 
-def measure(name: str, w: torch.Tensor, m: int, cuda: bool) -> list[dict]:
+def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     """One (shape, M): every path timed and checked against the native reference."""
     n, k = w.shape
-    q = quantize_weight_fp8(w)
     x = torch.randn(m, k, device=w.device, dtype=w.dtype)
     xq, xs = quantize_act_fp8(x)
     paths = {
@@ -63,39 +61,14 @@ def measure(name: str, w: torch.Tensor, m: int, cuda: bool) -> list[dict]:
     ref = fp8_matmul_native(xq, xs, q)
     rows = []
     for path, (fn, nbytes) in paths.items():
-        err = (fn().float() - ref).abs().max().item()
-        ms = gpu_time_ms(fn) if cuda else gpu_time_ms(fn, warmup=0, iters=1)
-        rows.append({"shape": name, "K": k, "N": n, "M": m, "path": path, "ms": round(ms, 4),
-                     "tflops": round(2 * m * n * k / ms / 1e9, 2), "weight_gb_s": round(nbytes / ms / 1e6, 1),
-                     "max_abs_err": err, "weight_mb": round(nbytes / 2**20, 2)})  # fmt: skip
-    return rows
-
-
-def run(shapes, ms, device, dtype) -> list[dict]:
-    cuda = device == "cuda"
-    rows = []
-    for name, k, n in shapes:
-        w = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
-        for m in ms:
-            rows += measure(name, w, m, cuda)
-        if cuda:
-            torch.cuda.empty_cache()
+        row = gemm_row(fn, ref, cuda, m, n, k, shape=name, path=path, weight_mb=round(nbytes / 2**20, 2))
+        rows.append({**row, "weight_gb_s": round(nbytes / row["ms"] / 1e6, 1)})
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script)")
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        sys.exit("bench/fp8_gemm.py needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    with torch.no_grad():
-        rows = run(SMOKE_SHAPES if args.smoke else SHAPES, SMOKE_MS if args.smoke else MS, device, dtype)
-    print_table(rows, ["shape", "M", "path", "ms", "tflops", "weight_gb_s", "max_abs_err", "weight_mb"])
-    if not args.smoke:
-        print(append_jsonl("fp8_gemm", rows, env_info()))
+    weight_gemm_bench("fp8_gemm", __doc__, SHAPES, MS, SMOKE_SHAPES, SMOKE_MS, quantize_weight_fp8, measure,
+                      ["shape", "M", "path", "ms", "tflops", "weight_gb_s", "max_abs_err", "weight_mb"])
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from areno.kernels._device import sm_count
 from areno.kernels.dispatch import as_rows, interpreting, use_triton
-from areno.kernels.gemm import GemmConfig, heuristic_config, splitk_reduce
+from areno.kernels.gemm import GemmConfig, heuristic_config, splitk_reduce, store_gemm_tile
 
 BLOCK = 128  # weight block edge and activation group width
 FP8 = torch.float8_e4m3fn
@@ -159,15 +159,10 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, ws_ptr, M, N
     # c [M, N] = (a [M, K] * as [M, G]) @ (b [N, K] * bs [cdiv(N, GROUP), G])^T; a, b fp8 contiguous. Program
     # (t, s): output tile t over K in [s k_split, (s + 1) k_split) (k_split % BLOCK_K == 0); DIRECT (one split): c
     # written here, else the fp32 partial to ws [SPLIT_K, M, N] (gemm.splitk_reduce sums it). Tiles are ordered
-    # GROUP_M row tiles at a time, so consecutive programs share weight tiles in L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
+    # GROUP_M row tiles at a time (tl.swizzle2d), so consecutive programs share weight tiles in L2.
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid = tl.program_id(0)
+    pid_m, pid_n = tl.swizzle2d(pid // tiles_n, pid % tiles_n, tl.cdiv(M, BLOCK_M), tiles_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # past the edge: reread valid rows/cols (the store masks)
@@ -193,14 +188,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, ws_ptr, M, N
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-        tl.store(c_ptr + out_offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * M * N + out_offs, acc, mask=mask)
+    store_gemm_tile(acc, c_ptr, ws_ptr, bias_ptr, offs_m, offs_n, cols, M, N, tl.program_id(1), HAS_BIAS, DIRECT)
 
 
 # ---------------------------------------------------------------------------------------------- launchers

@@ -95,6 +95,14 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+    store_gemm_tile(acc, y_ptr, ws_ptr, b_ptr, offs_m, offs_n, cols, M, N, pid_k, HAS_BIAS, DIRECT)
+
+
+@triton.jit
+def store_gemm_tile(acc, y_ptr, ws_ptr, b_ptr, offs_m, offs_n, cols, M, N, pid_k, HAS_BIAS: tl.constexpr,
+                    DIRECT: tl.constexpr):  # fmt: skip
+    # The split-K GEMMs' epilogue (this file's and kernels/fp8.py's): DIRECT writes the fp32 tile acc (+ bias[cols])
+    # to y [M, N] in y's dtype, else the partial to ws[pid_k] (ws [SPLIT_K, M, N] fp32, summed by splitk_reduce).
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if DIRECT:
