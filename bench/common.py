@@ -146,3 +146,44 @@ def append_jsonl(name: str, records: list[dict], env: dict | None = None) -> Pat
         for rec in records:
             f.write(json.dumps({"bench": name, **env, **rec}) + "\n")
     return path
+
+
+def weight_gemm_bench(name: str, doc: str, shapes, ms, smoke_shapes, smoke_ms, prepare, measure,
+                      columns: list[str]) -> None:  # fmt: skip
+    """The driver of the quantised-weight GEMM benches (nf4_gemm, fp8_gemm): ``--smoke`` (tiny shapes, CPU, fp32)
+    or the GPU (bf16); for each ``(shape name, K, N)`` a weight ``W [N, K] ~ N(0, 1/K)``, ``q = prepare(W)``, then
+    ``measure(shape name, W, q, M, cuda)`` rows for every M; a table, and the rows to ``bench/results/<name>.jsonl``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script)")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        sys.exit(f"bench/{name}.py needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    rows = []
+    for shape, k, n in smoke_shapes if args.smoke else shapes:
+        w = (torch.randn(n, k, device=device) * k**-0.5).to(dtype)
+        q = prepare(w)
+        for m in smoke_ms if args.smoke else ms:
+            rows += measure(shape, w, q, m, cuda)
+        if cuda:
+            torch.cuda.empty_cache()
+    print_table(rows, columns)
+    if not args.smoke:
+        print(append_jsonl(name, rows, env_info()))
+
+
+def time_ms(fn, cuda: bool) -> float:
+    """``gpu_time_ms(fn)`` on a GPU; one call without warm-up on the CPU (smoke runs: the time means nothing)."""
+    return gpu_time_ms(fn) if cuda else gpu_time_ms(fn, warmup=0, iters=1)
+
+
+def gemm_row(fn, ref: torch.Tensor, cuda: bool, m: int, n: int, k: int, **fields) -> dict:
+    """One GEMM bench row: ``fields``, then ``fn``'s time, its TFLOP/s (2 M N K) and its max abs error against
+    ``ref``."""
+    err = (fn().float() - ref.float()).abs().max().item()
+    ms = time_ms(fn, cuda)
+    return {**fields, "M": m, "N": n, "K": k, "ms": round(ms, 4), "tflops": round(2 * m * n * k / ms / 1e9, 2),
+            "max_abs_err": err}

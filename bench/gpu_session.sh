@@ -10,6 +10,7 @@
 #   attention-tests   tests/kernels/test_attention.py -m gpu (every candidate config)
 #   parity            rollout-vs-trainer log-prob parity (bench/logprob_parity.py)
 #   kernels           K1 attention, K2 log-probs, sampler, small ops, K3 MoE
+#   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep)
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS)
@@ -72,6 +73,8 @@ for stage in "$@"; do
       step sampler 90 python3 bench/sampler.py
       step small_ops 90 python3 bench/small_ops.py
       step moe 150 python3 bench/moe.py ;;
+    fp8-gemm) gpu_pytest fp8-gemm-tests 300 tests/kernels/test_fp8.py ;;
+    fp8-gemm-bench) step fp8_gemm 560 python3 bench/fp8_gemm.py ;;
     kernel-variants)
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
       step k1-sweep 300 python3 bench/attention.py --variants --seqs 4096 --sweep ${SWEEP:-near}

@@ -163,3 +163,14 @@ def test_files_classes_and_functions_are_short():
                     and not _is_kernel(node):
                 long.append(f"{rel}:{node.lineno} {node.name}(): {size} lines")
     assert not long, "over the limits (file 600, class 400, function 80 lines):\n" + "\n".join(long)
+
+
+def test_test_modules_outside_packages_have_unique_names():
+    """pytest imports a test file outside a package by its basename: two of one name break collection on a fresh
+    clone (no __pycache__ to hide it)."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if (path.parent / "__init__.py").exists():
+            continue
+        other = seen.setdefault(path.name, path)
+        assert other == path, f"{path.relative_to(ROOT)} and {other.relative_to(ROOT)} share a module name"

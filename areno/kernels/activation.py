@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.dispatch import use_triton
+from areno.kernels.dispatch import as_rows, use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -47,11 +47,6 @@ def _silu_and_mul_bwd_kernel(DY, X, DX, I, sx, BLOCK: tl.constexpr):
     tl.store(DX + row * 2 * I + I + cols, du.to(DX.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def _launch_shape(i: int):
     block = min(triton.next_power_of_2(i), 1024)
     return block, triton.cdiv(i, block)
@@ -64,7 +59,7 @@ def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((*x.shape[:-1], i), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x2 = _rows(x)
+    x2 = as_rows(x)
     block, col_blocks = _launch_shape(i)
     _silu_and_mul_fwd_kernel[(x2.shape[0], col_blocks)](x2, y, i, x2.stride(0), BLOCK=block, num_warps=4)
     return y
@@ -76,7 +71,7 @@ def silu_and_mul_bwd(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx
-    x2 = _rows(x)
+    x2 = as_rows(x)
     dy = dy.contiguous()
     block, col_blocks = _launch_shape(i)
     _silu_and_mul_bwd_kernel[(x2.shape[0], col_blocks)](dy, x2, dx, i, x2.stride(0), BLOCK=block, num_warps=4)

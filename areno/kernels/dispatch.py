@@ -72,3 +72,10 @@ def autotune_candidates(configs) -> list:
         raise ValueError(f"ARENO_AUTOTUNE must be 'on', 'off' or unset, got {mode!r}")
     configs = list(configs)
     return configs if mode == "on" else configs[:1]
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as a 2-D ``[rows, K]`` tensor with unit last stride (a view where it can be), for the kernels
+    that take row-major 2-D inputs."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()

@@ -95,6 +95,14 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, stride_xm, stride_
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+    store_gemm_tile(acc, y_ptr, ws_ptr, b_ptr, offs_m, offs_n, cols, M, N, pid_k, HAS_BIAS, DIRECT)
+
+
+@triton.jit
+def store_gemm_tile(acc, y_ptr, ws_ptr, b_ptr, offs_m, offs_n, cols, M, N, pid_k, HAS_BIAS: tl.constexpr,
+                    DIRECT: tl.constexpr):  # fmt: skip
+    # The split-K GEMMs' epilogue (this file's and kernels/fp8.py's): DIRECT writes the fp32 tile acc (+ bias[cols])
+    # to y [M, N] in y's dtype, else the partial to ws[pid_k] (ws [SPLIT_K, M, N] fp32, summed by splitk_reduce).
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     if DIRECT:
@@ -157,8 +165,17 @@ def gemm_launch(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, bias:
                        DOT_PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                        num_warps=warps, num_stages=stages)  # fmt: skip
     if not direct:
-        _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
-            ws, b, y, M * N, N, HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, num_warps=4)
+        splitk_reduce(ws, y, bias)
+    return y
+
+
+def splitk_reduce(ws: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [M, N] = sum_s ws[s] (+ bias)`` over the fp32 split-K partials ``ws [SPLIT_K, M, N]``, summed in split
+    order (deterministic), rounded to y's dtype; y and bias contiguous. Also the FP8 GEMM's (kernels/fp8.py)."""
+    split, M, N = ws.shape
+    _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+        ws, bias if bias is not None else y, y, M * N, N, HAS_BIAS=bias is not None, SPLIT_K=split,
+        BLOCK=_REDUCE_BLOCK, num_warps=4)
     return y
 
 

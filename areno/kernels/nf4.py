@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.dispatch import as_rows, interpreting, use_triton
 
 BLOCKSIZE = 64  # elements per absmax
 BLOCKSIZE2 = 256  # absmax values per second-level scale
@@ -224,7 +224,6 @@ def nf4_linear(x: torch.Tensor, q: Nf4Weight, bias: torch.Tensor | None = None) 
         raise ValueError(f"nf4_linear: x's last dim is {x.shape[-1]}, the weight is {tuple(q.shape)}")
     if not use_triton(x, q.packed, supported=x.dtype in _FLOATS):
         return nf4_linear_native(x, q, bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = as_rows(x)
     y = Nf4LinearFunction.apply(x2, q.packed, q.qabs, q.absmax2, q.offset, q.shape).view(*x.shape[:-1], q.shape[0])
     return y if bias is None else y + bias

@@ -1,0 +1,227 @@
+"""FP8 block quantisation (128 x 128 weight blocks, 1 x 128 activation groups, E4M3): round-trip error against
+float64, the Triton activation quantiser byte for byte against the native one (every E4M3 value and tie), the native
+GEMM against float64, the Triton GEMM (interpreted) against the native on odd shapes; bf16 at real widths on a GPU."""
+
+import pytest
+import torch
+
+from areno.kernels import fp8
+from areno.kernels.fp8 import (
+    EPS,
+    FP8,
+    dequantize_act_fp8,
+    dequantize_weight_fp8,
+    fp8_linear,
+    fp8_linear_native,
+    fp8_matmul,
+    fp8_matmul_native,
+    quantize_act_fp8,
+    quantize_act_fp8_native,
+    quantize_weight_fp8,
+)
+from areno.kernels.gemm import GemmConfig
+
+SHAPES = [(37, 70), (128, 128), (130, 300), (300, 257), (1, 1)]  # partial blocks in either dim, whole ones, one
+GRID = torch.arange(256, dtype=torch.uint8).view(FP8).double()
+GRID = GRID[~GRID.isnan()].unique()  # the 253 finite E4M3 values (one zero), sorted
+
+
+def _weight(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 3
+    w[w.abs() < 0.05] = 0.0  # exact zeros
+    return w
+
+
+def _block_scales64(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Float64 scales, block by block from the definition: max(amax, EPS) / 448."""
+    n, k = t.shape
+    out = torch.empty(-(-n // rows), -(-k // cols), dtype=torch.float64)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = max(t[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols].abs().max().item(), EPS) / 448
+    return out
+
+
+def _expand(s: torch.Tensor, rows: int, cols: int, shape) -> torch.Tensor:
+    return s.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
+
+
+def _check_round_trip(t, q, s, rows, cols):
+    """Scales as float64 gives them (rounded once to fp32), every code the nearest E4M3 value to t / s, and the
+    error bounds of 3 mantissa bits: 2^-4 |t| per element above E4M3's normals, 2^-10 s below, 2^-4 per block."""
+    t64 = t.double()
+    s64 = _block_scales64(t64, rows, cols)
+    assert q.dtype == FP8 and q.shape == t.shape and s.dtype == torch.float32
+    assert torch.equal(s, s64.float())  # amax / 448 in float64, then fp32: the same single rounding
+    per = _expand(s.double(), rows, cols, t.shape)
+    v = t64 / per
+    got = q.double()
+    idx = torch.searchsorted(GRID, v.clamp(-448, 448)).clamp(1, GRID.numel() - 1)
+    nearest = torch.minimum((GRID[idx] - v).abs(), (GRID[idx - 1] - v).abs())
+    assert ((got - v).abs() <= nearest + 1e-6 * v.abs()).all()  # (up to fp32's rounding of t / s)
+    assert torch.equal(got[t == 0], torch.zeros_like(got[t == 0]))  # zeros stay exact
+    deq = got * per
+    err = (deq - t64).abs()
+    assert (err <= 2**-4 * t64.abs() * (1 + 2**-20) + 2**-10 * per).all()
+    n, k = t.shape
+    for i in range(0, n, rows):  # per block: relative error <= 2^-4, and the amax maps to +-448 (scale 448 = amax)
+        for j in range(0, k, cols):
+            blk, e = t64[i : i + rows, j : j + cols], err[i : i + rows, j : j + cols]
+            assert e.norm() <= 2**-4 * blk.norm() + 1e-30
+            if blk.abs().max() > 0:
+                assert got[i : i + rows, j : j + cols].abs().max() == 448
+    return deq
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_weight_round_trip_against_float64(shape):
+    w = _weight(shape)
+    q = quantize_weight_fp8(w)
+    assert q.scale.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    deq = _check_round_trip(w, q.qweight, q.scale, 128, 128)
+    assert torch.equal(dequantize_weight_fp8(q), deq.float())  # one fp32 product: exact
+    assert dequantize_weight_fp8(q, torch.bfloat16).dtype == torch.bfloat16
+    assert q.nbytes() == w.numel() + q.scale.numel() * 4
+
+
+def test_all_zero_block_and_bf16_weight():
+    w = _weight((200, 260), seed=3).to(torch.bfloat16)
+    w[:128, 128:256] = 0  # a whole zero block
+    q = quantize_weight_fp8(w)
+    assert q.scale[0, 1].item() == pytest.approx(EPS / 448, rel=1e-6)
+    assert (dequantize_weight_fp8(q)[:128, 128:256] == 0).all()
+    _check_round_trip(w.float(), q.qweight, q.scale, 128, 128)
+
+
+@pytest.mark.parametrize("shape", [(5, 70), (3, 300), (17, 128)])
+def test_activation_round_trip_against_float64(shape):
+    x = _weight(shape, seed=1)
+    x[1] = 0  # a zero token
+    xq, s = quantize_act_fp8_native(x)
+    assert s.shape == (shape[0], -(-shape[1] // 128))
+    deq = _check_round_trip(x, xq, s, 1, 128)
+    assert torch.equal(dequantize_act_fp8(xq, s), deq.float())
+
+
+def _every_e4m3_value_and_tie() -> torch.Tensor:
+    """Every finite E4M3 value, every midpoint and its fp32 neighbours, in rows of 128 whose amax is 448 (scale 1)."""
+    grid = GRID.float()
+    mids = (grid[1:] + grid[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    x = torch.cat([grid, -grid, mids, mids.nextafter(inf), mids.nextafter(-inf), torch.tensor([-1e-45, 1e-45])])
+    x = torch.nn.functional.pad(x[x.abs() <= 448], (0, (-x.numel()) % 127))
+    x = x.view(-1, 127)
+    return torch.cat([x, torch.full((x.shape[0], 1), 448.0)], 1)
+
+
+@pytest.mark.parametrize("case", ["ties", "odd", "fp16"])
+def test_triton_activation_quant_matches_native_bytes(triton_kernels, case):
+    if case == "ties":
+        x = _every_e4m3_value_and_tie()
+    else:
+        x = _weight((9, 300), seed=2) * 5
+        x[4] = 0
+        x = x.half() if case == "fp16" else x
+    xq, s = quantize_act_fp8(x)
+    rq, rs = quantize_act_fp8_native(x)
+    assert torch.equal(s, rs)
+    assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))  # ties to even, signed zeros, subnormals
+
+
+@pytest.mark.parametrize("M,N,K", [(5, 37, 70), (3, 130, 300), (1, 1, 1)])
+def test_native_gemm_against_float64(M, N, K):
+    x, w = _weight((M, K), seed=M), _weight((N, K), seed=N)
+    q = quantize_weight_fp8(w)
+    xq, xs = quantize_act_fp8_native(x)
+    y = fp8_matmul_native(xq, xs, q)
+    ref = (xq.double() * _expand(xs.double(), 1, 128, (M, K))) @ (q.qweight.double() * _expand(
+        q.scale.double(), 128, 128, (N, K))).T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # against the unquantised product: each operand within 2^-4 (+ subnormal slack), so the product within ~2^-3
+    exact = x.double() @ w.double().T
+    bound = (2**-3 + 2**-8) * (x.double().abs() @ w.double().abs().T) + 1e-4
+    assert ((fp8_linear_native(x, q).double() - exact).abs() <= bound).all()
+
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(7, 37, 70), (20, 130, 256), (1, 65, 300)])
+def test_triton_gemm_against_native(triton_kernels, M, N, K, dtype):
+    x = _weight((M, K), seed=M).to(dtype)
+    q = quantize_weight_fp8(_weight((N, K), seed=K))
+    b = torch.randn(N).to(dtype)
+    y = fp8_linear(x, q, b)
+    assert y.dtype == dtype and y.shape == (M, N)
+    ref = fp8_matmul_native(*quantize_act_fp8_native(x), q) + b.float()
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(y.double(), ref.double(), rtol=rtol, atol=atol * K**0.5)
+    xq, xs = quantize_act_fp8(x)
+    torch.testing.assert_close(fp8_matmul(xq, xs, q, out_dtype=torch.float32), ref - b.float(), rtol=1e-5,
+                               atol=1e-5 * K**0.5)  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 4, 1, 1), GemmConfig(32, 16, 128, 2, 1, 1)])
+def test_triton_gemm_split_k_and_tiles(triton_kernels, config):
+    # K = 300: three 128-groups, the last partial; splits of 96 K (cutting across groups) or 256 K (a short last one)
+    M, N, K = 9, 70, 300
+    x, q = _weight((M, K), seed=5), quantize_weight_fp8(_weight((N, K), seed=6))
+    xq, xs = quantize_act_fp8(x)
+    b = torch.randn(N)
+    y = fp8_matmul(xq, xs, q, out_dtype=torch.float32, bias=b, config=config)
+    torch.testing.assert_close(y, fp8_matmul_native(xq, xs, q) + b, rtol=1e-5, atol=1e-4)
+
+
+def test_triton_matches_native_on_3d_input(triton_kernels, monkeypatch):
+    q = quantize_weight_fp8(_weight((40, 96), seed=3))
+    x = torch.randn(2, 5, 96)
+    got = fp8_linear(x.transpose(0, 1), q)  # strided rows
+    monkeypatch.setenv("ARENO_KERNELS", "native")
+    torch.testing.assert_close(got, fp8_linear(x.transpose(0, 1), q), rtol=1e-5, atol=1e-5)
+    assert got.shape == (5, 2, 40)
+
+
+def test_bad_inputs_are_refused():
+    q = quantize_weight_fp8(_weight((16, 64)))
+    with pytest.raises(ValueError, match="last dim"):
+        fp8_linear(torch.randn(3, 63), q)
+    with pytest.raises(ValueError, match="inference-only"):
+        fp8_linear(torch.randn(3, 64, requires_grad=True), q)
+    with torch.no_grad():
+        assert fp8_linear(torch.randn(3, 64, requires_grad=True), q).shape == (3, 16)
+    with pytest.raises(ValueError, match="2-D float"):
+        quantize_weight_fp8(torch.randn(4))
+    with pytest.raises(ValueError, match="float tensor"):
+        fp8_linear(q.qweight, q)
+
+
+# ---------------------------------------------------------------------------------------------- GPU (H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64, 512, 4096])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (768, 2048), (14336, 4096)])
+def test_triton_bf16_at_real_widths_against_native(M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    q = quantize_weight_fp8(w)
+    xq, xs = quantize_act_fp8(x)
+    rq, rs = quantize_act_fp8_native(x)
+    assert torch.equal(xs, rs) and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+    y = fp8_matmul(xq, xs, q, out_dtype=torch.bfloat16)
+    ref = fp8_matmul_native(rq, rs, q)
+    torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
+    # and the quantised product stays near the bf16 one (the rollout's log-prob mismatch starts here)
+    exact = x.float() @ w.float().T
+    assert (y.float() - exact).norm() <= 0.08 * exact.norm()
+
+
+@pytest.mark.gpu
+def test_triton_activation_quant_ties_on_gpu():
+    x = _every_e4m3_value_and_tie().cuda()
+    xq, s = fp8.quantize_act_fp8(x)
+    rq, rs = quantize_act_fp8_native(x)
+    assert torch.equal(s, rs) and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
