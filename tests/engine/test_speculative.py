@@ -231,6 +231,18 @@ def test_bad_input_is_refused():
                      offsets=0)  # fmt: skip
 
 
+def test_triton_kernels_give_the_native_result(monkeypatch):
+    """The Triton penalty, bias and sampler kernels (interpreted here) inside the verify step: the same tokens."""
+    opts = SamplingParams(temperature=0.9, top_k=5, top_p=0.95, repetition_penalty=1.2, presence_penalty=0.4,
+                          logit_bias={4: -0.5}, min_new_tokens=1, min_p=0.01)  # fmt: skip
+    out = {}
+    for kernels in ("native", "triton"):
+        monkeypatch.setenv("ARENO_KERNELS", kernels)
+        seqs, accepted = _run(opts, 24, K=3, steps=2, seed=4)
+        out[kernels] = ([s.tokens for s in seqs], accepted.tolist())
+    assert out["triton"] == out["native"]
+
+
 @pytest.mark.gpu
 def test_verify_on_cuda_matches_cpu_greedy():
     g = torch.Generator().manual_seed(11)
