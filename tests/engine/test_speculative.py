@@ -10,7 +10,7 @@ from areno.config.sampling import SamplingParams
 from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.sequence import Sequence, Status
 from areno.engine.speculative import residual_probs, verify_draft
-from areno.kernels.sampler import sample
+from areno.kernels.sampler import sample, sampling_probs
 
 V, EOS = 6, 5
 PROMPT = [1, 3, 3]
@@ -172,6 +172,15 @@ def test_greedy_accepts_exactly_the_agreeing_prefix():
         assert lps[b] == pytest.approx([ref[b, i, t].item() for i, t in enumerate(row)], abs=1e-5)
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.6, top_k=3), dict(temperature=1.3, top_p=0.7),
+                                dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1), dict(temperature=0.0, top_k=2)])
+def test_sampling_probs_is_the_float64_processed_distribution(kw):
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(2)) * 2
+    probs = sampling_probs(logits, **kw)
+    for row, got in zip(logits, probs):
+        assert torch.allclose(got.double(), _oracle(row, PROMPT, SamplingParams(**kw)), atol=1e-6)
+
+
 def test_residual_in_float64():
     g = torch.Generator().manual_seed(5)
     p = torch.softmax(torch.randn(4, 7, generator=g, dtype=torch.float64), -1)
@@ -198,10 +207,11 @@ def test_k0_and_all_accepted_match_plain_sampling():
                        offsets=20, **kw)  # fmt: skip
     plain, plain_lp = sample(logits[:, 0], seeds=seeds, offsets=20, **kw)
     assert torch.equal(ver.tokens[:, 0], plain) and torch.allclose(ver.logprobs[:, 0], plain_lp, atol=1e-5)
+    again = verify_draft(logits[:, :1], torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0, 11), 0, seeds=seeds + 1,
+                         offsets=20, **kw)  # fmt: skip
+    assert not torch.equal(again.tokens, ver.tokens)  # another seed, other draws
     # a draft that is the target's own processed distribution, drawn with q = p: all accepted, then the bonus token
     # is the plain sample at offset + K
-    from areno.kernels.sampler import sampling_probs
-
     p = sampling_probs(logits.view(-1, 11), temperature=0.7, top_k=6, top_p=0.9).view(B, K + 1, 11)
     draft = torch.multinomial(p[:, :K].reshape(-1, 11), 1, generator=g).view(B, K)
     ver = verify_draft(logits, draft, p[:, :K], K, seeds=seeds, offsets=20, **kw)
