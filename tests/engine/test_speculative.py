@@ -220,6 +220,21 @@ def test_k0_and_all_accepted_match_plain_sampling():
     assert torch.equal(ver.tokens[:, K], sample(logits[:, K], seeds=seeds, offsets=20 + K, **kw)[0])
 
 
+def test_mixed_batch_equals_each_sequence_alone():
+    """Different K and settings per sequence in one batch: each row's result is the one it gets alone."""
+    g = torch.Generator().manual_seed(13)
+    B, K, W = 4, 3, 10
+    logits = torch.randn(B, K + 1, W, generator=g) * 2
+    q = torch.softmax(torch.randn(B, K, W, generator=g), -1)
+    draft = torch.multinomial(q.view(-1, W), 1, generator=g).view(B, K)
+    per = dict(num_draft=[3, 0, 2, 1], temperature=[1.0, 0.0, 0.7, 1.2], top_k=[0, 3, 4, 0], top_p=[1.0, 1.0, 0.8, 0.9],
+               seeds=[11, 12, 13, 14], offsets=[5, 9, 7, 30])  # fmt: skip
+    batch = verify_draft(logits, draft, q, **per)
+    for b in range(B):
+        one = verify_draft(logits[b : b + 1], draft[b : b + 1], q[b : b + 1], **{k: v[b] for k, v in per.items()})
+        assert one.lists() == tuple(x[b : b + 1] for x in batch.lists())
+
+
 def test_draft_token_outside_draft_support_is_accepted_where_target_has_mass():
     logits = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]]])
     q = torch.tensor([[[1.0, 0.0, 0.0]]])
