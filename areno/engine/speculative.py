@@ -101,6 +101,39 @@ def residual_probs(p, q):
     return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
 
 
+def _accepted(p, draft, draft_probs, live, seeds, offsets):
+    """Per row, the leading run of accepted proposals: u_i * q_i(d_i) < p_i(d_i), u_i on the accept stream."""
+    B, K = draft.shape
+    if not K:
+        return torch.zeros(B, dtype=torch.int64, device=p.device)
+    u_off = (offsets[:, None] + torch.arange(K, device=p.device)[None, :] + ACCEPT_STREAM).reshape(-1)
+    u = (philox_bits(seeds.repeat_interleave(K), u_off, 1)[:, 0].double() + 0.5) * 2.0**-32
+    pd = p[:, :K].gather(2, draft[:, :, None])[:, :, 0].double()
+    qd = draft_probs.gather(2, draft[:, :, None])[:, :, 0].double()
+    ok = (u.view(B, K) * qd < pd) & live
+    return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def _last_token(z, p, draft_probs, n_acc, num_draft, temperature, seeds, offsets, top_k, top_p, min_p):
+    """The last emitted token of each row, one ``sample`` call: the residual draw at the first rejection (temperature
+    1, no filters, the residual stream), or the bonus draw after all K_b acceptances (the plain sampling there)."""
+    B, K1, _ = z.shape
+    rows = torch.arange(B, device=z.device)
+    bonus = n_acc == num_draft
+    at = p[rows, n_acc]
+    if K1 > 1:
+        res = torch.log(residual_probs(at, draft_probs[rows, n_acc.clamp(max=K1 - 2)].float()))
+    else:
+        res = torch.log(at)  # K = 0: every row draws its bonus token
+    one = torch.ones_like(temperature)
+    last, _ = sample(torch.where(bonus[:, None], z[rows, n_acc], res), temperature=torch.where(bonus, temperature, one),
+                     seeds=seeds, offsets=offsets + n_acc + torch.where(bonus, 0, RESIDUAL_STREAM),
+                     top_k=None if top_k is None else torch.where(bonus, top_k, 0),
+                     top_p=None if top_p is None else torch.where(bonus, top_p, one),
+                     min_p=None if min_p is None else torch.where(bonus, min_p.to(one), 0 * one))  # fmt: skip
+    return last
+
+
 def verify_draft(logits, draft_tokens, draft_probs, num_draft, *, temperature, seeds, offsets, top_k=None,
                  top_p=None, adjust=None, token_state=None) -> Verified:  # fmt: skip
     """Exact speculative sampling of a batch (see the module docstring).
@@ -135,44 +168,21 @@ def verify_draft(logits, draft_tokens, draft_probs, num_draft, *, temperature, s
     z = logits.float().clone()
     if adjust is not None:
         _adjust(z, draft, adjust, token_state)
-    rep = (lambda t: None if t is None else t.repeat_interleave(K1))  # noqa: E731  per sequence -> per position
     flat = z.view(B * K1, V)
-    p = sampling_probs(flat, temperature=rep(temperature), top_k=rep(top_k), top_p=rep(top_p),
-                       min_p=rep(min_p)).view(B, K1, V)  # fmt: skip
+    per_pos = [None if t is None else t.repeat_interleave(K1) for t in (temperature, top_k, top_p, min_p)]
+    p = sampling_probs(flat, temperature=per_pos[0], top_k=per_pos[1], top_p=per_pos[2],
+                       min_p=per_pos[3]).view(B, K1, V)  # fmt: skip
 
-    # acceptance: the leading run of u_i * q_i(d_i) < p_i(d_i)
-    n_acc = torch.zeros(B, dtype=torch.int64, device=dev)
-    if K:
-        u_off = (offsets[:, None] + steps[None, :K] + ACCEPT_STREAM).reshape(-1)
-        u = (philox_bits(seeds.repeat_interleave(K), u_off, 1)[:, 0].double() + 0.5) * 2.0**-32
-        pd = p[:, :K].gather(2, draft[:, :, None])[:, :, 0].double()
-        qd = draft_probs.gather(2, draft[:, :, None])[:, :, 0].double()
-        ok = (u.view(B, K) * qd < pd) & live
-        n_acc = ok.long().cumprod(dim=1).sum(dim=1)
-
-    # the last emitted token: residual draw at the first rejection, or the bonus draw after K_b acceptances
-    rows = torch.arange(B, device=dev)
-    bonus = n_acc == num_draft
-    at = p[rows, n_acc]  # [B, V]
-    if K:
-        q_at = draft_probs[rows, n_acc.clamp(max=K - 1)].float()
-        res = torch.log(residual_probs(at, q_at))
-    else:
-        res = torch.log(at)
-    last_logits = torch.where(bonus[:, None], flat.view(B, K1, V)[rows, n_acc], res)
-    one = torch.ones_like(temperature)
-    last, _ = sample(last_logits, temperature=torch.where(bonus, temperature, one),
-                     seeds=seeds, offsets=offsets + n_acc + torch.where(bonus, 0, RESIDUAL_STREAM),
-                     top_k=None if top_k is None else torch.where(bonus, top_k, 0),
-                     top_p=None if top_p is None else torch.where(bonus, top_p, one),
-                     min_p=None if min_p is None else torch.where(bonus, min_p.to(one), 0 * one))  # fmt: skip
+    n_acc = _accepted(p, draft, draft_probs, live, seeds, offsets)
+    last = _last_token(z, p, draft_probs, n_acc, num_draft, temperature, seeds, offsets, top_k,
+                       top_p, min_p)  # fmt: skip
 
     tokens = torch.full((B, K1), -1, dtype=torch.int64, device=dev)
     if K:
         tokens[:, :K] = torch.where(steps[None, :K] < n_acc[:, None], draft, -1)
-    tokens[rows, n_acc] = last
+    tokens[torch.arange(B, device=dev), n_acc] = last
     emitted = steps[None, :] <= n_acc[:, None]
-    inv_t = 1.0 / torch.where(temperature > 0, temperature, one)
+    inv_t = 1.0 / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     lp_all = torch.log_softmax(z * inv_t[:, None, None], dim=-1)
     logprobs = torch.where(emitted, lp_all.gather(2, tokens.clamp(min=0)[:, :, None])[:, :, 0], 0.0)
     if adjust is not None and "pen_slot" in adjust:
