@@ -2,7 +2,7 @@
 
     python bench/spec_verify.py
     python bench/spec_verify.py --batch 1 64 256 --k 1 2 4
-    python bench/spec_verify.py --device cpu   (a smoke run at tiny shapes)
+    python bench/spec_verify.py --smoke   (a CPU run of the script at tiny shapes)
 
 Per (batch B, draft length K): verify_draft of B sequences over K + 1 positions (fp32 logits [B, K+1, V], a draft
 distribution [B, K, V]) at temperature 1, with top-k 50 / top-p 0.9, and with penalties (repetition, presence,
@@ -67,17 +67,18 @@ def main():
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script at tiny shapes")
+    ap.add_argument("--smoke", action="store_true", help="a CPU run at tiny shapes (checks the script)")
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/spec_verify.py needs a CUDA GPU (or --device cpu for a smoke run)")
-    if args.device == "cpu":
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
         args.batch, args.k, args.vocab, args.iters = [2], [2], 64, 2
+    elif not torch.cuda.is_available():
+        sys.exit("bench/spec_verify.py needs a CUDA GPU (or --smoke for a CPU run of the script)")
     env = env_info()
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}", flush=True)
-    rows = [r for B in args.batch for K in args.k for r in bench(B, K, args.vocab, args.iters, args.device)]
+    rows = [r for B in args.batch for K in args.k for r in bench(B, K, args.vocab, args.iters, device)]
     print_table(rows, ["workload", "B", "K", "V", "verify_ms", "plain_sample_ms", "overhead_ms"])
-    if args.device == "cuda":
+    if not args.smoke:
         print(f"results appended to {append_jsonl('spec_verify', rows, env)}")
 
 
