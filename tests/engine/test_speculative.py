@@ -10,6 +10,7 @@ from areno.config.sampling import SamplingParams
 from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.sequence import Sequence, Status
 from areno.engine.speculative import residual_probs, verify_draft
+from areno.kernels.penalties import reset_token_state
 from areno.kernels.sampler import sample, sampling_probs
 
 V, EOS = 6, 5
@@ -77,7 +78,7 @@ def _tables(seed=0):
     return target.float(), (q / q.sum(1, keepdim=True)).float()
 
 
-def _run(opts, n, K, steps=2, seed=0, draft_from_target=False):
+def _run(opts, n, K, steps=2, seed=0, draft_from_target=False, device="cpu", adjuster=None):
     """``steps`` speculative steps of ``n`` sequences (seeds as the engine draws them from a request's seed); the
     sequences and the first step's accepted counts."""
     target, q = _tables()
@@ -85,14 +86,14 @@ def _run(opts, n, K, steps=2, seed=0, draft_from_target=False):
     seqs = [Sequence(PROMPT, opts, seed=(seed * 1_000_003 + i) % 2**62) for i in range(n)]
     for s in seqs:
         s.status = Status.RUNNING
-    adjuster = LogitAdjuster(n, V, "cpu", eos_token_ids=[EOS])
+    adjuster = adjuster if adjuster is not None else LogitAdjuster(n, V, device, eos_token_ids=[EOS])
     accepted = None
     for _ in range(steps):
         plan = adjuster.plan(seqs)
         host = None
         if plan is not None:
             adjuster.fill(plan)
-            host = adjust_host(plan, n, plan.width)
+            host = {k: v.to(device) for k, v in adjust_host(plan, n, plan.width).items()}
         last = torch.tensor([s.tokens[-1] for s in seqs])
         drafts, dprobs, ctx = [], [], [last]
         for _ in range(K):
@@ -102,14 +103,14 @@ def _run(opts, n, K, steps=2, seed=0, draft_from_target=False):
             dprobs.append(dist)
             ctx.append(d)
         logits = target[torch.stack(ctx, 1)]  # [n, K+1, V]: position i follows draft token i-1
-        ver = verify_draft(logits, torch.stack(drafts, 1) if K else torch.zeros(n, 0, dtype=torch.long),
-                           torch.stack(dprobs, 1) if K else torch.zeros(n, 0, V), K,
+        ver = verify_draft(logits.to(device), (torch.stack(drafts, 1) if K else torch.zeros(n, 0, dtype=torch.long)).to(
+                           device), (torch.stack(dprobs, 1) if K else torch.zeros(n, 0, V)).to(device), K,
                            temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p,
                            seeds=[s.seed for s in seqs], offsets=[len(s) for s in seqs], adjust=host,
                            token_state=adjuster.token_state)  # fmt: skip
         for s, toks in zip(seqs, ver.lists()[0]):
             s.tokens.extend(toks)
-        accepted = ver.accepted if accepted is None else accepted
+        accepted = ver.accepted.cpu() if accepted is None else accepted
     return seqs, accepted
 
 
@@ -154,6 +155,16 @@ def test_greedy_is_the_argmax_chain(good_draft):
     for s in seqs:
         assert s.tokens == chain[: len(s.tokens)]
         assert len(s.tokens) >= len(PROMPT) + 3
+
+
+def test_accepted_tokens_are_counted_for_the_penalties():
+    opts = CASES["penalties"]
+    adjuster = LogitAdjuster(50, V, "cpu", eos_token_ids=[EOS])
+    seqs, _ = _run(opts, 50, K=3, steps=2, adjuster=adjuster)
+    fresh = LogitAdjuster(50, V, "cpu")
+    for i, s in enumerate(seqs):  # slot i held by sequence i since its first step
+        reset_token_state(fresh.counts(), i, s.tokens[: s.prompt_len], s.tokens[s.prompt_len :])
+    assert torch.equal(adjuster.token_state, fresh.token_state)
 
 
 def test_greedy_accepts_exactly_the_agreeing_prefix():
@@ -278,3 +289,13 @@ def test_verify_on_cuda_matches_cpu_greedy():
     cpu = verify_draft(logits, draft, q, 3, temperature=0.0, seeds=1, offsets=5)
     gpu = verify_draft(logits.cuda(), draft.cuda(), q.cuda(), 3, temperature=0.0, seeds=1, offsets=5)
     assert torch.equal(gpu.tokens.cpu(), cpu.tokens) and torch.equal(gpu.accepted.cpu(), cpu.accepted)
+
+
+@pytest.mark.gpu
+def test_distribution_on_cuda():
+    """The Triton kernels on the GPU inside the verify step: the first token's chi-square, top-k/top-p, penalties."""
+    opts = SamplingParams(temperature=0.8, top_k=4, top_p=0.85, presence_penalty=0.5, min_new_tokens=1)
+    seqs, _ = _run(opts, 20000, K=3, steps=1, device="cuda")
+    first = torch.tensor([s.tokens[len(PROMPT)] for s in seqs])
+    p0 = _oracle(_tables()[0][PROMPT[-1]], PROMPT, opts)
+    assert _chi2_pvalue(torch.bincount(first, minlength=V).double(), p0) > 1e-3
