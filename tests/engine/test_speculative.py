@@ -294,7 +294,7 @@ def test_verify_on_cuda_matches_cpu_greedy():
 @pytest.mark.gpu
 def test_distribution_on_cuda():
     """The Triton kernels on the GPU inside the verify step: the first token's chi-square, top-k/top-p, penalties."""
-    opts = SamplingParams(temperature=0.8, top_k=4, top_p=0.85, presence_penalty=0.5, min_new_tokens=1)
+    opts = SamplingParams(temperature=1.5, top_k=4, top_p=0.95, presence_penalty=0.5, repetition_penalty=1.2)
     seqs, _ = _run(opts, 20000, K=3, steps=1, device="cuda")
     first = torch.tensor([s.tokens[len(PROMPT)] for s in seqs])
     p0 = _oracle(_tables()[0][PROMPT[-1]], PROMPT, opts)
