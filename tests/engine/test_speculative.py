@@ -53,6 +53,7 @@ def _chi2_pvalue(counts, probs):
     assert exp.min() >= 5, "too few draws for the chi-square approximation"
     stat = ((counts[on] - exp) ** 2 / exp).sum()
     df = int(on.sum()) - 1
+    assert df >= 1, "a one-token distribution: nothing to test"
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
 
 
