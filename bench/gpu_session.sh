@@ -9,7 +9,7 @@
 #   gpu-tests-hybrid  Ling 3 (bailing_hybrid) engine and model, MLA decode (transformers from $WHEELS_TF if present)
 #   attention-tests   tests/kernels/test_attention.py -m gpu (every candidate config)
 #   parity            rollout-vs-trainer log-prob parity (bench/logprob_parity.py)
-#   kernels           K1 attention, K2 log-probs, sampler, small ops, K3 MoE
+#   kernels           K1 attention, K2 log-probs, sampler, speculative verify, small ops, K3 MoE
 #   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep)
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS); rollout-fallback: a smoke run first, eager decode if graphs fail
@@ -71,6 +71,7 @@ for stage in "$@"; do
       step attention 150 python3 bench/attention.py
       step logprob 100 python3 bench/logprob.py
       step sampler 90 python3 bench/sampler.py
+      step spec_verify 90 python3 bench/spec_verify.py
       step small_ops 90 python3 bench/small_ops.py
       step moe 150 python3 bench/moe.py ;;
     fp8-gemm) gpu_pytest fp8-gemm-tests 300 tests/kernels/test_fp8.py ;;

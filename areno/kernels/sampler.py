@@ -363,6 +363,32 @@ def _per_row(value, B, dtype, device, name):
     return value.to(device=device, dtype=dtype).reshape(-1).expand(B).contiguous()
 
 
+def _filters(logits, name, temperature, top_k, top_p, min_p):
+    """Per-row tensors of the settings both public functions take; log(min_p) for min_p (0 -> -inf: off)."""
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: logits must be [B, V], got {tuple(logits.shape)}")
+    B, dev = logits.shape[0], logits.device
+    min_p = _per_row(min_p, B, torch.float32, dev, "min_p")
+    return (_per_row(temperature, B, torch.float32, dev, "temperature"), _per_row(top_k, B, torch.int32, dev, "top_k"),
+            _per_row(top_p, B, torch.float32, dev, "top_p"), torch.log(min_p) if min_p is not None else None)
+
+
+def sampling_probs(logits, *, temperature, top_k=None, top_p=None, min_p=None):
+    """The distribution ``sample`` draws each row's token from, fp32 ``[B, V]`` (native, by sorting): softmax of
+    the tempered logits over the kept set (min-p, top-k, top-p as in the module docstring); a greedy row
+    (temperature <= 0) is one-hot at its argmax (lowest index among ties). Per-row arguments as ``sample``'s."""
+    temperature, top_k, top_p, log_min_p = _filters(logits, "sampling_probs", temperature, top_k, top_p, min_p)
+    greedy = temperature <= 0
+    z = logits.float() * (1.0 / torch.where(greedy, torch.ones_like(temperature), temperature))[:, None]
+    if top_k is not None or top_p is not None or log_min_p is not None:
+        key = _key_torch(z)
+        thr = _native_threshold(z, key, top_k, top_p, log_min_p)
+        z = z.masked_fill(key < thr[:, None], float("-inf"))
+    probs = torch.softmax(z, dim=1)
+    one_hot = torch.zeros_like(probs).scatter_(1, z.argmax(dim=1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
 def logits_f32(hidden, weight):
     if hidden.dtype == torch.float32:
         return hidden @ weight.T
@@ -392,16 +418,10 @@ def sample(logits=None, *, hidden=None, weight=None, temperature, seeds, offsets
             raise ValueError(f"sample: hidden [B, H] and weight [V, H], got {tuple(hidden.shape)}, "
                              f"{tuple(weight.shape)}")  # fmt: skip
         logits = logits_f32(hidden, weight)
-    if logits.dim() != 2:
-        raise ValueError(f"sample: logits must be [B, V], got {tuple(logits.shape)}")
+    temperature, top_k, top_p, log_min_p = _filters(logits, "sample", temperature, top_k, top_p, min_p)
     B, dev = logits.shape[0], logits.device
-    temperature = _per_row(temperature, B, torch.float32, dev, "temperature")
     seeds = _per_row(seeds, B, torch.int64, dev, "seeds")
     offsets = _per_row(offsets, B, torch.int64, dev, "offsets")
-    top_k = _per_row(top_k, B, torch.int32, dev, "top_k")
-    top_p = _per_row(top_p, B, torch.float32, dev, "top_p")
-    min_p = _per_row(min_p, B, torch.float32, dev, "min_p")
-    log_min_p = torch.log(min_p) if min_p is not None else None  # 0 -> -inf: off
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if use_triton(logits, supported=logits.dtype in _FLOATS):
