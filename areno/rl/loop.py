@@ -48,6 +48,8 @@ class TrainLoop:
         self.critic_trainer = None
         self.eval_data: list[Prompt] = []
         self.last_save = None
+        self.saved_step = self.saved_at = None  # the step and time (monotonic) of the last save
+        self.resumed = None  # after a resume: the steps it repeats and the restart count, logged with the next step
         self.started_at = None  # set by setup(): where this run's records start in an appended metrics.jsonl
         self.run_dir = None  # the claimed --save-path (rank 0)
         self.accuracy_before = None  # held-out accuracy of the pre-RL model (kept in checkpoints across resumes)
@@ -95,6 +97,7 @@ class TrainLoop:
         if (algo.needs_reward and not self.sdk) or cfg.split:  # split: the rollout ranks wait for commands
             self._build_engine()
         self.logger = setup.make_logger(cfg, self.is_main)
+        self.setup_at = time.monotonic()  # --save-interval-minutes counts from here until the first save
         self.started_at = time.time()  # metrics.jsonl appends: this run's records are those logged from here on
         if cfg.resume:
             self._resume()
@@ -244,7 +247,7 @@ class TrainLoop:
             last = self._steps(bar)
         finally:
             bar.close()  # before any error message, so the message is the last line
-        if cfg.save_path and not (cfg.save_interval and self.step_index % cfg.save_interval == 0):
+        if cfg.save_path and self.saved_step != self.step_index:
             self.save()
         return last
 
@@ -273,8 +276,10 @@ class TrainLoop:
                 if acc is not None:
                     m["eval_accuracy"] = acc
             if self.step_index % max(1, cfg.log_interval) == 0:
-                self.logger.log(self.step_index, m)
-            saved = bool(cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0)
+                self.logger.log(self.step_index, {**m, **(self.resumed or {})})
+                self.resumed = None  # logged once
+            saved = bool(cfg.save_path and (cfg.save_interval and self.step_index % cfg.save_interval == 0
+                                            or self._save_due()))
             if saved:
                 self.save()
             bar.update(1)
@@ -355,6 +360,21 @@ class TrainLoop:
         return evaluate(prompts, self._ensure_engine(), tokenizer=self.tokenizer, reward_fn=self.reward_fn,
                         cfg=self.cfg, media_of=self.media_of, agent=self.agent)
 
+    def _save_due(self) -> bool:
+        """--save-interval-minutes: rank 0's clock says whether that long has passed since the last save (or the
+        start); every train rank gets its answer, so they all save at the same step."""
+        minutes = self.cfg.save_interval_minutes
+        if not minutes:
+            return False
+        due = time.monotonic() - (self.saved_at or self.setup_at) >= 60 * minutes
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from areno.distributed.collectives import broadcast_object
+
+            due = broadcast_object(due, self.groups.train_group)
+        return due
+
     def save(self, path=None):
         data = self._data_state or (self.data.state_dict() if self.data is not None else None)
         state = {"step": self.step_index, "data": data, "accuracy_before": self.accuracy_before,
@@ -362,6 +382,7 @@ class TrainLoop:
         self.last_save = resume.save(path or Path(self.cfg.save_path) / f"step-{self.step_index}", cfg=self.cfg,
                                       model=self.model, tokenizer=self.tokenizer, trainer=self.trainer, state=state,
                                       rollout=self.engine, group=self.groups.train_group)
+        self.saved_step, self.saved_at = self.step_index, time.monotonic()
         return self.last_save
 
     def _resume(self):
@@ -382,7 +403,9 @@ class TrainLoop:
             self.engine.set_rng_state(rank_state["engine_rng"])
         if self.engine is not None:  # async split: the rollout the checkpoint's step had sent ahead
             self.engine.restore_in_flight(rank_state.get("in_flight"))
-        self.logger.truncate_after(self.step_index)  # the interrupted run's lines after this checkpoint go
+        # the interrupted run's lines after this checkpoint go; the first step logged from here says how many
+        self.resumed = {"repeated_steps": self.logger.truncate_after(self.step_index),
+                        "restarts": resume.restart_count()}
         log.info("resumed from %s at step %d", path, self.step_index)
 
     # ---- SDK entry points ----------------------------------------------------------------------------------
