@@ -278,8 +278,8 @@ class TrainLoop:
             if self.step_index % max(1, cfg.log_interval) == 0:
                 self.logger.log(self.step_index, {**m, **(self.resumed or {})})
                 self.resumed = None  # logged once
-            saved = bool(cfg.save_path and (cfg.save_interval and self.step_index % cfg.save_interval == 0
-                                            or self._save_due()))
+            due = resume.save_due(cfg, self.saved_at or self.setup_at, self.groups.train_group)  # every rank
+            saved = bool(cfg.save_path and (due or cfg.save_interval and self.step_index % cfg.save_interval == 0))
             if saved:
                 self.save()
             bar.update(1)
@@ -359,21 +359,6 @@ class TrainLoop:
             return None
         return evaluate(prompts, self._ensure_engine(), tokenizer=self.tokenizer, reward_fn=self.reward_fn,
                         cfg=self.cfg, media_of=self.media_of, agent=self.agent)
-
-    def _save_due(self) -> bool:
-        """--save-interval-minutes: rank 0's clock says whether that long has passed since the last save (or the
-        start); every train rank gets its answer, so they all save at the same step."""
-        minutes = self.cfg.save_interval_minutes
-        if not minutes:
-            return False
-        due = time.monotonic() - (self.saved_at or self.setup_at) >= 60 * minutes
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            from areno.distributed.collectives import broadcast_object
-
-            due = broadcast_object(due, self.groups.train_group)
-        return due
 
     def save(self, path=None):
         data = self._data_state or (self.data.state_dict() if self.data is not None else None)

@@ -59,6 +59,21 @@ def after_restart(cfg):
     return cfg if cfg.resume else replace(cfg, overwrite=True)
 
 
+def save_due(cfg, since: float, group) -> bool:
+    """--save-interval-minutes: whether that long has passed since ``since`` (``time.monotonic()`` of the last save
+    or the start), by rank 0's clock, so every rank of ``group`` saves at the same step."""
+    import time
+
+    if not cfg.save_interval_minutes:
+        return False
+    due = time.monotonic() - since >= 60 * cfg.save_interval_minutes
+    if dist.is_initialized():
+        from areno.distributed.collectives import broadcast_object
+
+        due = broadcast_object(due, group)
+    return due
+
+
 def checkpoints_to_resume(cfg) -> list[Path]:
     """The folders --resume may load, best first: with ``latest``, every complete step-N of --save-path, newest
     first (an unreadable one gives way to the one before); else the one folder it names (checked; a bare name such

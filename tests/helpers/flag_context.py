@@ -15,7 +15,7 @@ VALUES = {
     "rollout_tp_size": "1",
     "stop": "END", "resume": "some/step-1", "routing_replay": "off", "train_cuda_graphs": "off", "world_size": "2",
     "ckpt": "other-model", "ref_ckpt": "ref-model", "critic_ckpt": "critic-model", "dataset_path": "other.jsonl",
-    "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj",
+    "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj", "node_rank": "1", "master_addr": "node0",
 }
 FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent"}
 FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offload_dir")
@@ -72,7 +72,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "disk": ["--optimizer-state-offload", "disk", "--optimizer-state-offload-dir", str(files.root / "offload")],
         "saved": ["--save-path", str(files.root / "save_path")],
         "reference": [] if algo == "dpo" else ["--kl-coef", "0.1"], "kl": ["--kl-coef", "0.1"],
-        "warmup": ["--sft-warmup-steps", "2"], "lora": ["--lora-rank", "4"],
+        "warmup": ["--sft-warmup-steps", "2"], "lora": ["--lora-rank", "4"], "nodes": ["--nnodes", "2"],
     }[needs]
 
 
