@@ -17,10 +17,11 @@ class ClusterSection:
                                 "its --node-rank); under Slurm's srun, Kubeflow's PyTorchJob or SkyPilot the "
                                 "launcher's own value (a different one is refused)", "basic",
                                 default_help="the launcher's, else 1")
-    node_rank: Optional[int] = opt(None, "this node's index in [0, --nnodes); node 0 hosts the rendezvous (under a launcher, its own)", "basic",
-                                   default_help="0", needs="nodes")
-    master_addr: Optional[str] = opt(None, "host of node 0 (the c10d rendezvous), as the other nodes reach it (under a launcher, MASTER_ADDR or its own)",
-                                     "basic", metavar="HOST", default_help="127.0.0.1", needs="nodes")
+    node_rank: Optional[int] = opt(None, "this node's index in [0, --nnodes); node 0 hosts the rendezvous",
+                                   "basic", default_help="0", needs="nodes")
+    master_addr: Optional[str] = opt(None, "host of node 0 (the c10d rendezvous), as the other nodes reach it "
+                                     "(under Slurm: instead of the first host of the step)", "basic",
+                                     metavar="HOST", default_help="127.0.0.1", needs="nodes")
     master_port: Optional[int] = opt(None, "port of the c10d rendezvous on --master-addr", "basic",
                                      default_help="the launcher's, else 29500 (a free one on one node)")
     max_restarts: int = opt(0, "when a rank or node dies, stop the others, re-form the group and resume from the "
