@@ -158,6 +158,8 @@ def place(config, ranks: int, env=None) -> Placement:
                           config.master_port or DEFAULT_PORT)
     else:
         return Placement("local", master_port=config.master_port)
+    if found.nnodes == 1 and not found.task_level:  # a one-node step or pod: this node alone, on a free port
+        return Placement("local", master_port=config.master_port)
     if found.task_level:
         if int(found.task_env["WORLD_SIZE"]) != ranks:
             raise ConfigError("--world-size", f"the run has {ranks} ranks (train plus rollout), but srun started "

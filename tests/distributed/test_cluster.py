@@ -57,6 +57,12 @@ def test_slurm_one_task_per_rank_sets_the_process_group_env():
     assert place(flags(master_addr="10.1.1.1"), 8, SLURM_TASK).task_env["MASTER_ADDR"] == "10.1.1.1"
 
 
+def test_a_one_node_step_runs_as_one_node():
+    one = dict(SLURM_NODE, SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1", SLURM_NNODES="1", SLURM_STEP_NUM_NODES="1",
+               SLURM_NODEID="0", SLURM_PROCID="0")
+    assert place(flags(), 4, one).launcher == "local"
+
+
 def test_a_batch_scripts_own_shell_is_no_srun_step():
     assert detect({k: v for k, v in SLURM_NODE.items() if k not in ("SLURM_STEP_ID",)}) is None
 
