@@ -103,24 +103,13 @@ def test_save_interval_minutes_saves_at_the_next_step_boundary(files, tmp_path):
     """--save-interval-minutes (here a few milliseconds): every step boundary past the interval saves, without
     --save-interval; the run's end adds no second save of the last step."""
     from areno.config import TrainConfig
-    from areno.rl.loop import TrainLoop
+    from areno.rl.runner import train
 
     ckpt, data, reward = files
-    config = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), batch_size=2,
-                         n_samples=2, mini_bs=2, max_steps=3, max_new_tokens=2, dtype="float32", lr=1e-3, tensorboard=False, save_path=str(tmp_path / "out"),
-                         save_interval_minutes=1e-5)
-    loop = TrainLoop(config)
-    try:
-        loop.setup()
-        loop.fit()
-    finally:
-        loop.close()
-    assert sorted(p.name for p in (tmp_path / "out").glob("step-*")) == ["step-1", "step-2", "step-3"]
-    config = TrainConfig(**{**config.__dict__, "save_path": str(tmp_path / "plain"), "save_interval_minutes": 60})
-    loop = TrainLoop(config)
-    try:
-        loop.setup()
-        loop.fit()
-    finally:
-        loop.close()
-    assert sorted(p.name for p in (tmp_path / "plain").glob("step-*")) == ["step-3"]  # only the end's
+    run = {"ckpt": str(ckpt), "dataset_path": str(data), "reward_fn_path": str(reward), "batch_size": 2,
+           "n_samples": 2, "mini_bs": 2, "max_steps": 3, "max_new_tokens": 2, "dtype": "float32", "lr": 1e-3,
+           "tensorboard": False}
+    train(TrainConfig(**run, save_path=str(tmp_path / "often"), save_interval_minutes=1e-5))
+    assert sorted(p.name for p in (tmp_path / "often").glob("step-*")) == ["step-1", "step-2", "step-3"]
+    train(TrainConfig(**run, save_path=str(tmp_path / "hourly"), save_interval_minutes=60))
+    assert sorted(p.name for p in (tmp_path / "hourly").glob("step-*")) == ["step-3"]  # only the end's
