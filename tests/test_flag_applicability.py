@@ -171,6 +171,9 @@ NOT_READ_HERE = {
     "preset": "the CLI's base config", "verbose": "printed by the CLI",
     "resume": "read only by a resumed run (tests/rl/test_loop.py resumes)",
     "overwrite": "a new run reads it when it claims --save-path (tests/training/test_run_dir.py)",
+    "nnodes": "read where the ranks are launched (areno.rl.runner; tests/distributed/test_cluster.py)",
+    "master_port": "read where the ranks are launched (tests/distributed/test_cluster.py)",
+    "max_restarts": "read where the ranks are launched (tests/distributed/test_restart.py)",
 }
 
 

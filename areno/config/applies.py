@@ -52,6 +52,8 @@ CONDITIONS = {
                            "(the projector is frozen otherwise)", "with --unfreeze-mm-projector", True),
     "disk": Condition(lambda v: v["optimizer_state_offload"] == "disk", "applies only to --optimizer-state-offload "
                       "disk", "with --optimizer-state-offload disk", True),
+    "nodes": Condition(lambda v: (v["nnodes"] or 1) > 1, "applies only with --nnodes > 1 (a run started by hand on "
+                       "several nodes)", "with --nnodes > 1", True),
     "saved": Condition(lambda v: bool(v["save_path"]), "needs --save-path", "with --save-path", True),
     "rollout": Condition(_rollout, "does not apply to --algo {algo} without --reward-fn-path: it sets the rollout of "
                          "grpo, gspo and ppo and the greedy held-out evaluation that --reward-fn-path scores",

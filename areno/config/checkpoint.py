@@ -16,6 +16,9 @@ class CheckpointSection:
     save_path: Optional[str] = opt(None, "folder for checkpoints (Hugging Face layout plus training state)",
                                    "checkpoint", metavar="DIR")
     save_interval: int = opt(0, "save every N steps (0 = only at the end)", "checkpoint", needs="saved")
+    save_interval_minutes: float = opt(0.0, "also save at the first step boundary N minutes after the last save (0 = "
+                                       "off): a long step schedule still checkpoints often", "checkpoint",
+                                       needs="saved")
     overwrite: bool = opt(False, "start a new run in a --save-path that already holds files: its checkpoints and "
                           "metrics are removed first (without it such a folder is refused unless --resume)",
                           "checkpoint", needs="saved")
@@ -29,6 +32,7 @@ class CheckpointSection:
 
     def check_checkpoint(self):
         check_non_negative("--save-interval", self.save_interval)
+        check_non_negative("--save-interval-minutes", self.save_interval_minutes)
         if self.resume and self.overwrite:
             raise ConfigError("--overwrite", "and --resume contradict each other: resume continues the run in "
                               "--save-path, overwrite removes it")

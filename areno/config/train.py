@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from areno.config.applies import check_set
 from areno.config.basic import BasicSection
 from areno.config.checkpoint import CheckpointSection
+from areno.config.cluster import ClusterSection
 from areno.config.lora import LoraSection
 from areno.config.memory import MemorySection
 from areno.config.multimodal import MultimodalSection
@@ -28,7 +29,7 @@ from areno.config.rollout import RolloutSection, normalize_devices
 # group order, basic first
 @dataclass
 class TrainConfig(ObservabilitySection, MultimodalSection, CheckpointSection, MemorySection, LoraSection, RLSection,
-                  OptimSection, RolloutSection, BasicSection):
+                  OptimSection, RolloutSection, ClusterSection, BasicSection):
     """`areno train`: one RL/SFT/DPO run."""
 
     def __post_init__(self):
@@ -45,5 +46,6 @@ class TrainConfig(ObservabilitySection, MultimodalSection, CheckpointSection, Me
         self.check_rl()
         self.check_memory_section()
         self.check_checkpoint()
+        self.check_cluster()
         self.check_multimodal()
         self.check_observability()

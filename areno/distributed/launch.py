@@ -1,8 +1,9 @@
 """Launch ``--world-size`` ranks through torch's own elastic launcher (``torch.distributed.run``).
 
 ``areno train --world-size N`` on one node re-runs the same module under the launcher with N processes; on several
-nodes, run ``torchrun --nnodes ... --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m areno.train ...`` yourself: a
-process that already sees ``RANK``/``WORLD_SIZE`` never launches again.
+nodes (Slurm, Kubeflow's PyTorchJob, SkyPilot or ``--nnodes``: see cluster.py) each node's launcher joins the c10d
+rendezvous on node 0, and ``--max-restarts`` lets the agent re-form the group when a rank dies. A process that
+already sees ``RANK``/``WORLD_SIZE`` from torch's agent (or a task-level launcher) never launches again.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from contextlib import contextmanager
 
 
 def launched() -> bool:
-    """True inside a torchrun/elastic worker (or a single process that needs no launch)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True inside a torchrun/elastic worker or a rank a launcher started (a node-level launcher's own RANK, as
+    Kubeflow's PyTorchJob sets it, names the node: not launched yet)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    from areno.distributed.cluster import detect
+
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and detect() is None
 
 
 def free_port() -> int:
@@ -53,22 +59,31 @@ def stop_once():
             signal.signal(s, h)
 
 
-def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False, describe=None) -> int:
+def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = False, describe=None,
+           placement=None, max_restarts: int = 0) -> int:
     """Run ``python -m module argv`` on ``nproc`` local ranks with torch.distributed.run; returns the exit code.
+
+    ``placement`` (cluster.Placement): this node among several (default: the only one); ``max_restarts``: how
+    often the agent restarts the ranks after one dies (they resume from the last checkpoint themselves).
 
     A SIGTERM/SIGINT reaches the ranks through the launcher; with ``stop_is_success`` (a server) that is a normal
     stop (exit 0), otherwise the exit code says which signal ended the run. A rank that dies takes the others down
     with it (the launcher stops them); the message names it, with ``describe(rank)`` (its role and device).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
+
+    from areno.distributed.cluster import Placement, agent_args
+
+    placement = placement or Placement("local")
 
     parser = get_args_parser()
     # SIGTERM/SIGINT are stop_once's (torch still handles SIGHUP/SIGQUIT); a torch without the option keeps its own
     own = ["--signals-to-handle", "SIGHUP,SIGQUIT"] if hasattr(parser.parse_args(["x"]), "signals_to_handle") else []
     args = parser.parse_args([
-        *own, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--module", module, *argv,
+        *own, *agent_args(placement, nproc, max_restarts, placement.master_port or free_port()),
+        "--module", module, *argv,
     ])
     # torchrun's own default for its ranks (one OpenMP thread each), set here so it does not print its banner
     # about it; a value the user set is kept.
@@ -80,6 +95,10 @@ def launch(module: str, argv: list[str], nproc: int, *, stop_is_success: bool = 
             run(args)
     except SignalException as exc:
         return 0 if stop_is_success else 128 + int(exc.sigval)
+    except RendezvousError as exc:  # a node that did not (re)join in time, or a rendezvous host out of reach
+        print(f"areno: {placement.describe()}: the nodes did not all join the rendezvous ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else 'timed out'}); the run ends here", file=sys.stderr)
+        return 1
     except Exception as exc:  # ChildFailedError: the failing rank's error is already printed
         failures = getattr(exc, "failures", None) or {}
         for rank, failure in sorted(failures.items()):

@@ -33,6 +33,17 @@ def single_node() -> bool:
     return env_rank("LOCAL_WORLD_SIZE") == env_rank("WORLD_SIZE")
 
 
+def restart_store() -> dict:
+    """After torch's agent restarted the ranks (``--max-restarts``): the agent's store, under a prefix of this
+    attempt. The agent keeps one store across attempts, and gloo would otherwise read the dead attempt's rank
+    addresses from it (connection refused). Empty (the default env:// store) on the first attempt."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return {"store": dist.PrefixStore(f"areno/attempt-{attempt}", store)}
+
+
 def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None, device: int | None = None) -> None:
     """Initialise the default group from torchrun env vars (once) and build the TP/DP groups for ``tp_size``.
 
@@ -48,6 +59,7 @@ def init_distributed(backend: str | None = None, tp_size: int = 1, timeout=None,
             rank=env_rank("RANK"),
             world_size=env_rank("WORLD_SIZE"),
             **({"timeout": timeout} if timeout is not None else {}),
+            **restart_store(),
         )
     if tp_size:
         new_groups(tp_size)

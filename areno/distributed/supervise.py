@@ -91,9 +91,10 @@ def supervise(argv: list[str]) -> int:
     return code or 1
 
 
-def launch_recorded(module: str, nproc: int, describe) -> int:
+def launch_recorded(module: str, nproc: int, describe, **launch_kw) -> int:
     """``launch.launch`` of ranks that record their orderly exit (``record_exit("rank-N")``): one that ended with
-    code 0 but no record (``os._exit`` in user code) fails the run with a line naming it."""
+    code 0 but no record (``os._exit`` in user code) fails the run with a line naming it. ``launch_kw``: this node's
+    placement and restarts (on several nodes, this node's ranks are whichever the rendezvous gave it)."""
     from areno.distributed.launch import launch
 
     own = None
@@ -101,7 +102,14 @@ def launch_recorded(module: str, nproc: int, describe) -> int:
         own = tempfile.TemporaryDirectory(prefix="areno-ranks-")
         os.environ[STATUS_ENV] = own.name
     try:
-        rc = launch(module, [], nproc, describe=describe)
+        rc = launch(module, [], nproc, describe=describe, **launch_kw)
+        placement = launch_kw.get("placement")
+        if placement is not None and placement.nnodes > 1:  # this node's ranks are those the rendezvous gave it
+            missing = nproc - len(list(Path(env_value(STATUS_ENV)).glob("rank-*"))) if rc == 0 else 0
+            if missing > 0:
+                print(f"areno: {missing} rank(s) of {placement.describe()} {describe_exit(0)} before the run "
+                      "finished (os._exit in --reward-fn-path / --agent-fn code?)", file=sys.stderr, flush=True)
+            return 1 if missing > 0 else rc
         vanished = [rank for rank in range(nproc) if not exited_in_order(f"rank-{rank}")] if rc == 0 else []
         for rank in vanished:
             print(f"areno: rank {rank} ({describe(rank)}) {describe_exit(0)} before its run finished (os._exit in "

@@ -7,6 +7,7 @@ import sys
 from areno.config import ConfigError, RunError, TrainConfig
 from areno.config.env import env_value
 from areno.distributed.supervise import die_with_parent, record_exit
+from areno.rl.resume import after_restart
 from areno.rl.runner import CONFIG_ENV, run_train
 
 
@@ -18,7 +19,7 @@ def main() -> int:
         print(f"areno.distributed.worker: {CONFIG_ENV} is not set; start runs with `areno train`", file=sys.stderr)
         return 2
     try:
-        return run_train(TrainConfig(**json.loads(raw)))
+        return run_train(after_restart(TrainConfig(**json.loads(raw))))
     except (ConfigError, RunError) as e:  # one line, as `areno train` prints it, from the rank that saw it
         print(f"areno train: error: {e}", file=sys.stderr, flush=True)
         return 2 if isinstance(e, ConfigError) else 1

@@ -49,6 +49,8 @@ class TrainLoop:
         self.critic_trainer = None
         self.eval_data: list[Prompt] = []
         self.last_save = None
+        self.saved_step = self.saved_at = None  # the step and time (monotonic) of the last save
+        self.resumed = None  # after a resume: the steps it repeats and the restart count, logged with the next step
         self.started_at = None  # set by setup(): where this run's records start in an appended metrics.jsonl
         self.run_dir = None  # the claimed --save-path (rank 0)
         self.accuracy_before = None  # held-out accuracy of the pre-RL model (kept in checkpoints across resumes)
@@ -97,6 +99,7 @@ class TrainLoop:
         if (algo.needs_reward and not self.sdk) or cfg.split:  # split: the rollout ranks wait for commands
             self._build_engine()
         self.logger = setup.make_logger(cfg, self.is_main)
+        self.setup_at = time.monotonic()  # --save-interval-minutes counts from here until the first save
         self.started_at = time.time()  # metrics.jsonl appends: this run's records are those logged from here on
         if cfg.resume:
             self._resume()
@@ -249,7 +252,7 @@ class TrainLoop:
             last = self._steps(bar)
         finally:
             bar.close()  # before any error message, so the message is the last line
-        if cfg.save_path and not (cfg.save_interval and self.step_index % cfg.save_interval == 0):
+        if cfg.save_path and self.saved_step != self.step_index:
             self.save()
         return last
 
@@ -281,8 +284,10 @@ class TrainLoop:
                                          when="interval")
             m.update(evals)
             if self.step_index % max(1, cfg.log_interval) == 0 or evals:  # an evaluation's step is always logged
-                self.logger.log(self.step_index, m)
-            saved = bool(cfg.save_path and cfg.save_interval and self.step_index % cfg.save_interval == 0)
+                self.logger.log(self.step_index, {**m, **(self.resumed or {})})
+                self.resumed = None  # logged once
+            due = resume.save_due(cfg, self.saved_at or self.setup_at, self.groups.train_group)  # every rank
+            saved = bool(cfg.save_path and (due or cfg.save_interval and self.step_index % cfg.save_interval == 0))
             if saved:
                 self.save()
             bar.update(1)
@@ -370,6 +375,7 @@ class TrainLoop:
         self.last_save = resume.save(path or Path(self.cfg.save_path) / f"step-{self.step_index}", cfg=self.cfg,
                                       model=self.model, tokenizer=self.tokenizer, trainer=self.trainer, state=state,
                                       rollout=self.engine, group=self.groups.train_group)
+        self.saved_step, self.saved_at = self.step_index, time.monotonic()
         return self.last_save
 
     def _resume(self):
@@ -390,7 +396,9 @@ class TrainLoop:
             self.engine.set_rng_state(rank_state["engine_rng"])
         if self.engine is not None:  # async split: the rollout the checkpoint's step had sent ahead
             self.engine.restore_in_flight(rank_state.get("in_flight"))
-        self.logger.truncate_after(self.step_index)  # the interrupted run's lines after this checkpoint go
+        # the interrupted run's lines after this checkpoint go; the first step logged from here says how many
+        self.resumed = {"repeated_steps": self.logger.truncate_after(self.step_index),
+                        "restarts": resume.restart_count()}
         log.info("resumed from %s at step %d", path, self.step_index)
 
     # ---- SDK entry points ----------------------------------------------------------------------------------

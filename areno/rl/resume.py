@@ -37,6 +37,43 @@ def save(path, *, cfg, model, tokenizer, trainer, state: dict, rollout=None, gro
     return path
 
 
+def restart_count() -> int:
+    """How often torch's elastic agent has restarted this run's ranks (``--max-restarts``); 0 on the first try."""
+    import os
+
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def after_restart(cfg):
+    """The config a restarted rank runs: resume from the latest complete checkpoint under --save-path (exactly, as
+    --resume does); none yet: the run's own first try left only its folder, so it starts over in it (or resumes
+    --resume's checkpoint again). Unchanged on the first try."""
+    from dataclasses import replace
+
+    from areno.training.checkpoint import complete_checkpoints
+
+    if not restart_count() or not cfg.save_path:
+        return cfg
+    if complete_checkpoints(cfg.save_path):
+        return replace(cfg, resume="latest", overwrite=False)
+    return cfg if cfg.resume else replace(cfg, overwrite=True)
+
+
+def save_due(cfg, since: float, group) -> bool:
+    """--save-interval-minutes: whether that long has passed since ``since`` (``time.monotonic()`` of the last save
+    or the start), by rank 0's clock, so every rank of ``group`` saves at the same step."""
+    import time
+
+    if not cfg.save_interval_minutes:
+        return False
+    due = time.monotonic() - since >= 60 * cfg.save_interval_minutes
+    if dist.is_initialized():
+        from areno.distributed.collectives import broadcast_object
+
+        due = broadcast_object(due, group)
+    return due
+
+
 def checkpoints_to_resume(cfg) -> list[Path]:
     """The folders --resume may load, best first: with ``latest``, every complete step-N of --save-path, newest
     first (an unreadable one gives way to the one before); else the one folder it names (checked; a bare name such

@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import asdict
 
+from areno.distributed.cluster import place
 from areno.distributed.launch import launched
 from areno.distributed.parallel import env_rank
 from areno.distributed.supervise import launch_recorded
@@ -62,10 +63,16 @@ def run_train(config) -> int:
         from areno.training.run_dir import link_latest
 
         link_latest(config)
-    if ranks > 1 and not launched():
-        rank_timeout_s()  # a bad ARENO_RANK_TIMEOUT_S: one line here, not one per rank
-        os.environ[CONFIG_ENV] = json.dumps(asdict(config))
-        return launch_recorded("areno.distributed.worker", ranks, lambda rank: describe_rank(config, rank))
+    if not launched():
+        placement = place(config, ranks)  # Slurm, a PyTorchJob, SkyPilot, --nnodes, or this node alone
+        if placement.task_level:  # srun started one task per rank: this process is one
+            os.environ.update(placement.task_env)
+        elif ranks > 1 or placement.nnodes > 1 or config.max_restarts:
+            rank_timeout_s()  # a bad ARENO_RANK_TIMEOUT_S: one line here, not one per rank
+            os.environ[CONFIG_ENV] = json.dumps(asdict(config))
+            return launch_recorded("areno.distributed.worker", ranks // placement.nnodes,
+                                   lambda rank: describe_rank(config, rank), placement=placement,
+                                   max_restarts=config.max_restarts)
     import torch.distributed as dist
 
     from areno.distributed import parallel

@@ -101,19 +101,23 @@ class MetricsLogger:
 
             tqdm.write(format_line(int(step), {k: v for k, v in clean.items() if isinstance(v, float)}))
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int) -> int:
         """Forget what was logged after ``step`` (a resumed run redoes those steps): metrics.jsonl keeps its lines
-        up to ``step`` (rewritten atomically) and TensorBoard purges the later events on its next write."""
+        up to ``step`` (rewritten atomically) and TensorBoard purges the later events on its next write. Returns
+        how many steps past ``step`` had been logged (the steps the resumed run repeats; 0 off the main rank)."""
         if not self.active or self._file is None:
-            return
+            return 0
         self._file.close()
         path = self.jsonl_path
-        keep = [line for line, rec in read_lines(path) if rec.get("step", 0) <= step]
+        lines = read_lines(path)
+        keep = [line for line, rec in lines if rec.get("step", 0) <= step]
+        repeated = len({rec.get("step") for _, rec in lines if rec.get("step", 0) > step})
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(keep), encoding="utf-8")
         tmp.replace(path)
         self._file = open(path, "ab")
         self._purge_step = step + 1
+        return repeated
 
     def _append(self, step: int, line: bytes) -> None:
         """Write one whole line or none: a write the disk cannot take (full, quota) is cut back to the last whole

@@ -16,7 +16,7 @@ VALUES = {
     "stop": "END", "resume": "some/step-1", "routing_replay": "off", "train_cuda_graphs": "off", "world_size": "2",
     "ckpt": "other-model", "ref_ckpt": "ref-model", "critic_ckpt": "critic-model", "dataset_path": "other.jsonl",
     "lora_dropout": "0.1", "lora_target_modules": "q_proj,v_proj", "is_mask_low": "0.2", "is_mask_high": "3",
-    "wandb_mode": "offline",
+    "wandb_mode": "offline", "node_rank": "1", "master_addr": "node0",
 }
 FILES = {"dataset_loader_fn": "loader", "reward_fn_path": "reward", "agent_fn": "agent", "eval_dataset_path": "reward"}
 FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offload_dir")
@@ -77,6 +77,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "correction": [], "surrogate": [], "is_mask": ["--off-policy-correction", "mask"],
         "tis": ["--off-policy-correction", "seq-tis"] if algo == "gspo" else [],
         "evalsets": ["--eval-dataset-path", files["reward"]], "wandb": ["--wandb-project", "p"],
+        "nodes": ["--nnodes", "2"],
     }[needs]
 
 
