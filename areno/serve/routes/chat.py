@@ -66,8 +66,8 @@ async def chat(request: Request):
         plp = vllm_prompt_logprobs(prompt_ids, score, req.prompt_logprobs, state.token_namer(req))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
-        writer = ChunkWriter(rid, "chat.completion.chunk", created, state.model_name, len(prompt_ids),
-                             req.stream_options)
+        writer = ChunkWriter(rid, "chat.completion.chunk", created, state.served_name(req.model),
+                             len(prompt_ids), req.stream_options)
         chunks = ChatStream(state, req, writer, read, k).chunks(stream)
         return StreamingResponse(writer.stream(chunks, [stream]), media_type="text/event-stream")
     try:
@@ -76,7 +76,7 @@ async def chat(request: Request):
         stream.abort()
     body = chat_response(state, req, out, read, k)
     completion_tokens = sum(len(o["ids"]) for o in out)
-    return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+    return {"id": rid, "object": "chat.completion", "created": created, "model": state.served_name(req.model),
             "choices": body, "usage": usage(len(prompt_ids), completion_tokens),
             **({"prompt_logprobs": plp} if plp is not None else {})}
 
