@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from areno.testing import make_tiny_checkpoint
+from tests.serve.test_tool_choice_serve import assert_streamed_alike
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -48,13 +49,7 @@ def test_a_forced_call_is_valid_whole_and_streamed_alike(client, choice, names):
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     (call,) = whole.message.tool_calls
     _valid(call, names)
-    with client.chat.completions.stream(**kw) as stream:
-        events = list(stream)
-        final = stream.get_final_completion().choices[0]
-    (streamed,) = final.message.tool_calls
-    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
-    deltas = "".join(e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta")
-    assert deltas == call.function.arguments and final.finish_reason == "tool_calls"
+    assert_streamed_alike(client, kw, call)
 
 
 def test_a_schema_the_call_grammar_cannot_express_is_a_400_naming_the_parameter(client):
