@@ -5,9 +5,10 @@ own. ``ToolDeltas`` turns one sample's text, as it grows, into those deltas.
 In the formats whose arguments are one JSON object (``HEADS``: qwen3, llama3_json, deepseek_v3 in both its forms,
 kimi_k2) a call's id and name go out once its header is read, then its arguments text as it is generated (a complete
 object found by a JSON decode, else the text so far without trailing whitespace); in qwen3's plain-text format the
-content before the first call streams too (the text that could still be a ``<tool_call>`` held back). A format whose
-markers are special tokens is read from its own decode with them kept. Other formats (gemma4, qwen3_coder, harmony:
-their arguments are not the JSON sent) are read whole at the answer's end and sent in the same shape. The parsers
+content before the first call streams too (the text that could still be a ``<tool_call>`` held back). In gemma4 and
+qwen3_coder (``BLOCK_ENDS``: their arguments are not the JSON sent) each call goes out whole once its block closes.
+A format whose markers are special tokens is read from its own decode with them kept. Harmony's answer is read whole
+at its end and sent in the same shape. The parsers
 return the arguments as the model wrote them, so whatever is sent is a prefix of the answer read whole
 (``tool_answer``), and the end sends the rest: the streamed answer joined equals the non-streamed one."""
 
@@ -17,6 +18,8 @@ import json
 import re
 
 from areno.engine.tool_calls import ToolFormat, ToolPlan
+from areno.engine.tool_calls.gemma4 import CLOSE as GEMMA4_CLOSE
+from areno.engine.tool_calls.gemma4 import THOUGHT_CLOSE, THOUGHT_OPEN
 from areno.engine.tool_calls.json_calls import DS_BEGIN, KIMI_BEGIN, PYTHON_TAG
 from areno.serve.text import Detokenizer
 
@@ -31,6 +34,9 @@ HEADS: dict[str, tuple[re.Pattern, str]] = {
     "kimi_k2": (re.compile(r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+):\d+)\s*"
                            r"<\|tool_call_argument_begin\|>"), KIMI_BEGIN),
 }
+# format -> the end of a call block: each call goes out whole once its block is closed (its arguments are not the
+# JSON sent: read by the format's parser from the text so far), as OpenAI's shape
+BLOCK_ENDS = {"gemma4": GEMMA4_CLOSE, "qwen3_coder": "</tool_call>"}
 _DECODER = json.JSONDecoder()
 
 
@@ -67,11 +73,15 @@ class ToolDeltas:
     format's markers are special), ``finish(message)`` at its end (the rest, from the answer read whole)."""
 
     def __init__(self, fmt: ToolFormat, plan: ToolPlan, tokenizer=None):
+        self.fmt, self.plan = fmt, plan
         self.head, self.marker = HEADS.get(fmt.name, (None, ""))
+        self.block_end = BLOCK_ENDS.get(fmt.name) if plan.returns_calls else None
+        streams = self.head is not None or self.block_end is not None
         self.own = Detokenizer(tokenizer, [], skip_special_tokens=False) if (
-            self.head is not None and fmt.special_markup and tokenizer is not None) else None
+            streams and fmt.special_markup and tokenizer is not None) else None
         if fmt.special_markup and self.own is None:
-            self.head = None  # the markers are not in the text sent: read at the end
+            self.head = self.block_end = None  # the markers are not in the text sent: read at the end
+        self.checked = 0  # how far the text was searched for a block's end
         self.stream_content = self.head is not None and not fmt.special_markup
         self.names = {t.get("function", t).get("name") for t in plan.tools} if plan.returns_calls else set()
         self.text, self.content = "", ""
@@ -80,6 +90,8 @@ class ToolDeltas:
 
     def step(self, piece: str, ids=()) -> list[dict]:
         self.text += self.own.push_many(list(ids)) if self.own is not None else piece
+        if self.block_end is not None:
+            return self._closed_calls()
         if self.head is None:
             return []
         out = []
@@ -110,6 +122,20 @@ class ToolDeltas:
             if not whole:
                 break
             self.done.append(j)
+        return out
+
+    def _closed_calls(self) -> list[dict]:
+        """The calls of the blocks closed since the last step, each whole (head, then its arguments)."""
+        text, end = self.text, self.block_end
+        found = text.find(end, max(self.checked - len(end), 0))
+        self.checked = len(text)
+        lead = text.lstrip()
+        if found < 0 or (lead.startswith(THOUGHT_OPEN) and THOUGHT_CLOSE not in lead):
+            return []  # no block closed, or still in Gemma 4's thought (its calls are not calls)
+        out = []
+        for call in self.fmt.parse(text, self.plan.tools).calls[len(self.calls) :]:
+            self.calls.append([call.id, call.name, call.arguments])
+            out += [self._call_head(len(self.calls) - 1), self._arguments(len(self.calls) - 1, call.arguments)]
         return out
 
     def _call_head(self, j: int) -> dict:

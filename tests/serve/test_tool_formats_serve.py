@@ -14,7 +14,7 @@ from areno.serve.protocol import ChatCompletionRequest, parse
 from areno.serve.routes.chat import ChatStream, chat_response, wants_calls
 from areno.serve.server import serve_tool_format
 from areno.serve.state import ServeState
-from areno.serve.tool_stream import HEADS
+from areno.serve.tool_stream import BLOCK_ENDS, HEADS
 
 HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
 MARKERS = ["<|python_tag|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
@@ -66,7 +66,7 @@ def answer(tokenizer, fmt: str, text: str, body: dict):
     events = [TokenEvent(0, t, 0.0) for t in ids]
     events[-1].finish_reason = "stop"
     sent = [stream.sample_chunk(0, [ev]) for ev in events]
-    if fmt not in HEADS:
+    if fmt not in HEADS and fmt not in BLOCK_ENDS:
         assert all(text is None for text in sent[:-1])  # calls are read once, at the end
     answer.early = merged("".join(text for text in sent[:-1] if text), ended=False)  # what went out before the end
     return choice, merged("".join(text for text in sent if text))
@@ -207,3 +207,27 @@ def test_json_arguments_stream_as_generated_and_equal_the_whole_answer(tokenizer
     if fmt == "kimi_k2":  # Kimi's own ids, streamed too
         assert [c["id"] for c in streamed] == [c["id"] for c in msg["tool_calls"]] == ["functions.get_weather:0",
                                                                                        "functions.get_weather:1"]
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("gemma4", '<|channel>thought\nA call? <|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|><channel|>'
+               'Checking.<|tool_call>call:get_weather{city:<|"|>Kyiv<|"|>,days:2}<tool_call|>'
+               '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'),
+    ("qwen3_coder", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nKyiv\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")])
+def test_calls_in_other_markup_go_out_whole_as_each_block_closes(tokenizer, fmt, text):
+    """gemma4 and qwen3_coder: each call (its arguments converted to JSON) once its block is closed; a call inside
+    Gemma 4's thought is not one; streamed == whole."""
+    choice, last = answer(tokenizer, fmt, text, {"tools": TOOLS})
+    msg = choice["message"]
+    assert choice["finish_reason"] == last["finish_reason"] == "tool_calls" and msg["content"] == "Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"city": "Kyiv", "days": 2},
+                                                                                   {"city": "Oslo"}]
+    assert [c["function"] for c in last["delta"]["tool_calls"]] == [c["function"] for c in msg["tool_calls"]]
+    assert last["delta"]["content"] == "Checking."
+    early = answer.early["delta"]["tool_calls"]  # before the stop token: both calls, whole
+    assert [c["function"] for c in early] == [c["function"] for c in msg["tool_calls"]]
+    cut = text.rindex("<")  # the last block not closed yet: only the first call has gone out
+    answer(tokenizer, fmt, text[:cut], {"tools": TOOLS})
+    assert [c["function"] for c in answer.early["delta"]["tool_calls"]] == [msg["tool_calls"][0]["function"]]
