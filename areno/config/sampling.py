@@ -16,7 +16,8 @@ from areno.config.fields import ConfigError, check_bool, check_int, check_number
 
 FP32_MAX = 3.4028234663852886e38  # penalties are applied in fp32: an overflow would make inf * 0
 GRAMMAR_TYPES = ("json_object", "json_schema", "tool_calls")
-CALL_KEYS = {"begin", "schema", "end", "arguments"}  # a tool call's grammar; arguments: "json" (default) or "xml"
+CALL_KEYS = {"begin", "schema", "end", "arguments"}  # a tool call's grammar; arguments: one of ARGUMENT_SYNTAXES
+ARGUMENT_SYNTAXES = ("json", "xml", "gemma4")  # JSON (the default), qwen3_coder's blocks, Gemma 4's object
 
 
 class GrammarError(ValueError):
@@ -56,8 +57,9 @@ def normalize_tool_calls(spec: dict) -> dict:
     for call in calls:
         if (not isinstance(call, dict) or not {"begin", "schema", "end"} <= set(call) <= CALL_KEYS
                 or not isinstance(call["begin"], str) or not isinstance(call["end"], str)
-                or not isinstance(call["schema"], dict) or call.get("arguments", "json") not in ("json", "xml")):
-            raise GrammarError("each tool_calls call is {begin: str, schema: dict, end: str, arguments?: json|xml}")
+                or not isinstance(call["schema"], dict) or call.get("arguments", "json") not in ARGUMENT_SYNTAXES):
+            raise GrammarError("each tool_calls call is {begin: str, schema: dict, end: str, "
+                               "arguments?: json|xml|gemma4}")
     if triggers is not None and (not isinstance(triggers, list) or not triggers
                                  or not all(isinstance(t, str) and t for t in triggers)):
         raise GrammarError("tool_calls triggers is null or a non-empty list of strings")

@@ -74,7 +74,12 @@ def _literal(xgr, text: str):
 
 
 def _arguments(xgr, call: dict):
-    """A call's arguments under its schema: compact JSON, or (``arguments`` "xml") qwen3_coder's parameter blocks."""
+    """A call's arguments under its schema: compact JSON, (``arguments`` "xml") qwen3_coder's parameter blocks or
+    ("gemma4") Gemma 4's argument object."""
+    if call.get("arguments") == "gemma4":
+        from areno.engine.tool_calls.gemma4_grammar import gemma4_arguments_grammar
+
+        return gemma4_arguments_grammar(xgr, call["schema"], _LAYOUT)
     if call.get("arguments", "json") == "xml":
         from areno.engine.tool_calls.qwen3_coder import xml_arguments_grammar
 

@@ -78,6 +78,11 @@ class ServeState:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
+    def served_name(self, name: str) -> str:
+        """The name a response echoes in ``model`` for a request's (checked) ``model``: the LoRA adapter's name when
+        it names one (as vLLM), else the served model's."""
+        return name if self.loras is not None and name in self.loras.adapters else self.model_name
+
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "areno", "root": self.model_name,
                 "parent": None, "max_model_len": self.max_model_len}

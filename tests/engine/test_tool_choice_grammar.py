@@ -87,6 +87,14 @@ def sample(grammars, spec: dict, seed: int, max_steps: int = 600) -> str:
     raise AssertionError(f"no end in {max_steps} tokens: {tok.decode(ids)!r}")
 
 
+def accepts(grammars, spec: dict, text: str) -> bool:
+    """Whether ``spec``'s grammar takes ``text`` whole, then the stop token ending it."""
+    tok, cache = grammars
+    m = cache.matcher(spec)
+    return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False)) and m.accept(tok.eos_token_id) \
+        and m.finished
+
+
 def tools_of(schemas: list[dict], strict: bool = False) -> list[dict]:
     return [{"type": "function", "function": {"name": f"fn_{i}", "parameters": s,
                                               **({"strict": True} if strict else {})}} for i, s in enumerate(schemas)]
@@ -139,13 +147,11 @@ def test_a_choice_no_tool_can_satisfy_is_refused(tools, choice, field, message):
     assert err.value.field == field
 
 
-def test_the_choice_kinds_and_formats_without_a_call_grammar():
+def test_the_choice_kinds_and_refusals():
     assert choice_kind(None) == ("auto", None) and choice_kind("none") == ("none", None)
     assert choice_kind({"type": "function", "name": "f"}) == ("function", "f")  # the Responses API's form
     assert plan_tools(FORMATS["qwen3"], tools_of([{}]), "auto").grammar is None  # free unless a tool is strict
     assert plan_tools(FORMATS["qwen3"], tools_of([{}]), "none").shown is None  # hidden from the template
-    with pytest.raises(ToolChoiceError, match="not built yet for the gemma4"):
-        plan_tools(FORMATS["gemma4"], tools_of([{}]), "required")
     with pytest.raises(ToolChoiceError, match="tools: .*cannot be enforced") as err:
         plan_tools(FORMATS["qwen3"], tools_of([{"type": "object", "properties": {"a": {"type": "wat"}}}]),
                    "required")
@@ -157,17 +163,39 @@ def test_qwen3_coder_calls_write_strings_as_text_and_the_rest_as_json(grammars):
                                                "tags": {"type": "array", "items": {"type": "string"}}},
               "required": ["city"]}
     plan = plan_tools(FORMATS["qwen3_coder"], tools_of([schema]), "required")
-    tok, cache = grammars
     text = ("<tool_call>\n<function=fn_0>\n<parameter=city>\nNew York\n</parameter>\n<parameter=tags>\n"
             '["a", "b"]\n</parameter>\n</function>\n</tool_call>')  # days left out: optional
-    m = cache.matcher(plan.grammar)
-    assert all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
-    assert m.accept(tok.eos_token_id) and m.finished
+    assert accepts(grammars, plan.grammar, text)
     (call,) = read_calls(FORMATS["qwen3_coder"], text, plan).calls
     assert json.loads(call.arguments) == {"city": "New York", "tags": ["a", "b"]}
-    m = cache.matcher(plan.grammar)
-    assert not all(m.accept(t) for t in tok.encode(text.replace("<parameter=city>", "<parameter=town>"),
-                                                   add_special_tokens=False))  # an undeclared parameter
+    assert not accepts(grammars, plan.grammar, text.replace("<parameter=city>", "<parameter=town>"))  # undeclared
     mixed = {"type": "object", "properties": {"a": {"type": ["string", "integer"]}}}
     with pytest.raises(ToolChoiceError, match="parameter 'a'"):
         plan_tools(FORMATS["qwen3_coder"], tools_of([mixed]), "required")
+
+
+def test_gemma4_calls_write_its_own_syntax_and_refuse_what_it_cannot(grammars):
+    item = {"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "number"}}, "required": ["k"]}
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "mode": {"enum": ["rail", "air"]}, "rail": {"type": "boolean"}, "stops": {"type": "array", "items": item},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}, "required": ["city", "days"]}
+    plan = plan_tools(FORMATS["gemma4"], tools_of([schema]), {"type": "function", "function": {"name": "fn_0"}})
+    text = ('<|tool_call>call:fn_0{city:<|"|>New York, <NY><|"|>,days:3,mode:<|"|>air<|"|>,'
+            'stops:[{k:<|"|>a<|"|>,v:1.5},{k:<|"|><|"|>}],note:null}<tool_call|>')  # rail left out: optional
+    assert accepts(grammars, plan.grammar, text)
+    (call,) = read_calls(FORMATS["gemma4"], text, plan).calls
+    assert json.loads(call.arguments) == {"city": "New York, <NY>", "days": 3, "mode": "air", "note": None,
+                                          "stops": [{"k": "a", "v": 1.5}, {"k": ""}]}
+    for bad in (text.replace("days:3", "days:10"), text.replace("city:", "town:"),  # out of range; undeclared
+                text.replace("city:<|\"|>New", "city:<|\"|><|New"),  # a string may not hold "<|"
+                text.replace(",days:3", "")):  # a required parameter left out
+        assert not accepts(grammars, plan.grammar, bad), bad
+    for params, where in [({"properties": {"a": {"type": "string", "pattern": "x+"}}}, "parameter 'a'.*'pattern'"),
+                          ({"properties": {"o": {"properties": {"b": {"allOf": [{}]}}}}}, "parameter 'o.b'"),
+                          ({"properties": {"a": {"enum": ['x<|"|>']}}}, "parameter 'a'.*marker")]:
+        with pytest.raises(ToolChoiceError, match=where) as err:
+            plan_tools(FORMATS["gemma4"], tools_of([{"type": "object", **params}]), "required")
+        assert err.value.field == "tools"
+    with pytest.raises(ToolChoiceError, match="function name 'a b'"):
+        plan_tools(FORMATS["gemma4"], [{"type": "function", "function": {"name": "a b"}}], "required")

@@ -69,6 +69,19 @@ def test_models_list_the_adapters_with_their_parent(client):
         client.completions.create(model="zz", prompt="hi", max_tokens=2)
 
 
+def test_responses_echo_the_adapters_name_as_vllm(client):
+    """``model`` in chat, completions (whole and each streamed chunk) and /v1/responses: the adapter asked for."""
+    for model in ("a", "tiny"):
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+        text = client.completions.create(model=model, prompt="hi", max_tokens=2)
+        chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2, stream=True))
+        chunks += list(client.completions.create(model=model, prompt="hi", max_tokens=2, stream=True))
+        resp = client.responses.create(model=model, input="hi", max_output_tokens=2)
+        assert chat.model == text.model == resp.model == model and {c.model for c in chunks} == {model}
+
+
 def test_adapters_at_once_equal_each_alone_and_peft(client, tiny_ckpt, adapters):
     tok = load_tokenizer(tiny_ckpt)
     prompts = [tok.encode("hello world, 12 + 3 ="), tok.encode("the cat sat on")]

@@ -61,6 +61,12 @@ def test_a_required_call_is_a_valid_call_whole_and_streamed_alike(client):
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     (call,) = whole.message.tool_calls
     _valid(call)
+    assert_streamed_alike(client, kw, call)
+
+
+def assert_streamed_alike(client, kw: dict, call) -> None:
+    """The answer to ``kw`` streamed through the SDK's stream helper is ``call`` (whole, greedy): its argument-delta
+    events join to the arguments, one done event, finish_reason tool_calls."""
     with client.chat.completions.stream(**kw) as stream:
         events = list(stream)
         final = stream.get_final_completion().choices[0]

@@ -14,8 +14,12 @@ from areno.serve.protocol import ChatCompletionRequest, parse
 from areno.serve.routes.chat import ChatStream, chat_response, wants_calls
 from areno.serve.server import serve_tool_format
 from areno.serve.state import ServeState
+from areno.serve.tool_stream import BLOCK_ENDS, HEADS
 
 HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+MARKERS = ["<|python_tag|>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+           "<｜tool▁calls▁end｜>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>"]  # special tokens
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
 
@@ -42,7 +46,7 @@ def tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
     write_tokenizer_files(folder)
     tok = load_tokenizer(folder)
-    tok.add_special_tokens({"additional_special_tokens": HARMONY})  # the harmony markers are special tokens
+    tok.add_special_tokens({"additional_special_tokens": HARMONY + MARKERS})  # the markers are special tokens
     return tok
 
 
@@ -62,18 +66,20 @@ def answer(tokenizer, fmt: str, text: str, body: dict):
     events = [TokenEvent(0, t, 0.0) for t in ids]
     events[-1].finish_reason = "stop"
     sent = [stream.sample_chunk(0, [ev]) for ev in events]
-    if fmt != "qwen3":
+    if fmt not in HEADS and fmt not in BLOCK_ENDS:
         assert all(text is None for text in sent[:-1])  # calls are read once, at the end
+    answer.early = merged("".join(text for text in sent[:-1] if text), ended=False)  # what went out before the end
     return choice, merged("".join(text for text in sent if text))
 
 
-def merged(sse: str) -> dict:
+def merged(sse: str, ended: bool = True) -> dict:
     """The streamed choice of SSE chunks joined as the SDKs join them: content pieces concatenated, tool calls by
     index (id, name from the first delta, arguments pieces joined); the finish reason comes in an empty chunk of
-    its own."""
+    its own (``ended``)."""
     choices = [json.loads(line.removeprefix("data: "))["choices"][0] for line in sse.split("\n\n") if line]
-    *body, end = choices
-    assert end["delta"] == {} and end["finish_reason"] and all(c["finish_reason"] is None for c in body)
+    *body, end = choices if ended else [*choices, {"delta": {}, "finish_reason": None}]
+    assert not ended or end["delta"] == {} and end["finish_reason"]
+    assert all(c["finish_reason"] is None for c in body)
     delta, calls = {}, {}
     for c in body:
         for key in ("content", "reasoning_content"):
@@ -170,3 +176,58 @@ def test_the_agentic_rollout_reads_the_policys_format_as_the_server_does(tokeniz
     assert {k: v for k, v in message.items() if k != "tool_calls"} == \
         {k: v for k, v in served["message"].items() if k != "tool_calls"}
     assert message["reasoning_content"] == "Use the tool."
+
+
+CALL_ARGS = '{"city": "Kyiv",  "days": 2}'  # as written: two spaces, kept (the arguments are sent as generated)
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("qwen3", f'Let me check.\n<tool_call>\n{{"name": "get_weather", "arguments": {CALL_ARGS}}}\n</tool_call>\n'
+              f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "Oslo"}}}}\n</tool_call>'),
+    ("llama3_json", f'<|python_tag|>{{"name": "get_weather", "parameters": {CALL_ARGS}}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ("deepseek_v3", f"Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                    f"```json\n{CALL_ARGS}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                    '{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("kimi_k2", f"Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                f"<|tool_call_argument_begin|>{CALL_ARGS}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1"
+                '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')])
+def test_json_arguments_stream_as_generated_and_equal_the_whole_answer(tokenizer, fmt, text):
+    choice, last = answer(tokenizer, fmt, text, {"tools": TOOLS})
+    msg = choice["message"]
+    assert choice["finish_reason"] == last["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in msg["tool_calls"]] == [
+        {"name": "get_weather", "arguments": CALL_ARGS}, {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert last["delta"].get("content") == msg.get("content") == (None if fmt == "llama3_json" else "Let me check.")
+    streamed = last["delta"]["tool_calls"]
+    assert [c["function"] for c in streamed] == [c["function"] for c in msg["tool_calls"]]
+    early = answer.early["delta"]["tool_calls"]  # before the last token: the calls' heads, the first's arguments
+    assert len(early) == (1 if fmt == "llama3_json" else 2) and early[0]["function"]["arguments"] == CALL_ARGS
+    # (llama3's later calls, after ";" without a header of their own, go out at the end)
+    if fmt == "kimi_k2":  # Kimi's own ids, streamed too
+        assert [c["id"] for c in streamed] == [c["id"] for c in msg["tool_calls"]] == ["functions.get_weather:0",
+                                                                                       "functions.get_weather:1"]
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("gemma4", '<|channel>thought\nA call? <|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|><channel|>'
+               'Checking.<|tool_call>call:get_weather{city:<|"|>Kyiv<|"|>,days:2}<tool_call|>'
+               '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'),
+    ("qwen3_coder", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nKyiv\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")])
+def test_calls_in_other_markup_go_out_whole_as_each_block_closes(tokenizer, fmt, text):
+    """gemma4 and qwen3_coder: each call (its arguments converted to JSON) once its block is closed; a call inside
+    Gemma 4's thought is not one; streamed == whole."""
+    choice, last = answer(tokenizer, fmt, text, {"tools": TOOLS})
+    msg = choice["message"]
+    assert choice["finish_reason"] == last["finish_reason"] == "tool_calls" and msg["content"] == "Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"city": "Kyiv", "days": 2},
+                                                                                   {"city": "Oslo"}]
+    assert [c["function"] for c in last["delta"]["tool_calls"]] == [c["function"] for c in msg["tool_calls"]]
+    assert last["delta"]["content"] == "Checking."
+    early = answer.early["delta"]["tool_calls"]  # before the stop token: both calls, whole
+    assert [c["function"] for c in early] == [c["function"] for c in msg["tool_calls"]]
+    cut = text.rindex("<")  # the last block not closed yet: only the first call has gone out
+    answer(tokenizer, fmt, text[:cut], {"tools": TOOLS})
+    assert [c["function"] for c in answer.early["delta"]["tool_calls"]] == [msg["tool_calls"][0]["function"]]

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from areno.config.constants import TOOL_CALL_FORMATS
 from areno.engine.tool_calls.base import Parsed, ToolCall, ToolFormat, read_answer, strip_tokens
 from areno.engine.tool_calls.choice import ToolChoiceError, ToolPlan, check_tool_choice, plan_tools, read_calls
-from areno.engine.tool_calls.gemma4 import parse_gemma4
+from areno.engine.tool_calls.gemma4 import OPEN as GEMMA4_OPEN
+from areno.engine.tool_calls.gemma4 import gemma4_markup, parse_gemma4
 from areno.engine.tool_calls.harmony import harmony_markup, parse_harmony
 from areno.engine.tool_calls.json_calls import (
     DS_BEGIN,
@@ -46,7 +47,8 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     ToolFormat("qwen3_coder", parse_qwen3_coder, False,
                "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
                call_markup=qwen3_coder_markup, trigger="<tool_call>", arguments="xml"),
-    ToolFormat("gemma4", parse_gemma4, True, '<|tool_call>call:f{a:1,b:<|"|>text<|"|>}<tool_call|>'),
+    ToolFormat("gemma4", parse_gemma4, True, '<|tool_call>call:f{a:1,b:<|"|>text<|"|>}<tool_call|>',
+               call_markup=gemma4_markup, trigger=GEMMA4_OPEN, arguments="gemma4"),
     ToolFormat("harmony", parse_harmony, True,
                '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', always_read=True,
                call_markup=harmony_markup, trigger="<|channel|>commentary to=functions."),

@@ -49,7 +49,8 @@ in the format even when the request has no tools (its calls are then not returne
     # None: the format's arguments are not one JSON object (no grammar built for its calls yet)
     call_markup: Callable[[str], tuple[str, str]] | None = None
     trigger: str = ""  # the text every call starts with (where a grammar for "auto" + strict tools takes over)
-    arguments: str = "json"  # how the call writes its arguments: one JSON object, or "xml" (qwen3_coder's blocks)
+    arguments: str = "json"  # how the call writes its arguments: one JSON object, "xml" (qwen3_coder's blocks) or
+    # "gemma4" (Gemma 4's object syntax)
 
 
 def make_call(name: str, arguments: dict) -> ToolCall:

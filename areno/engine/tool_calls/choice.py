@@ -88,7 +88,10 @@ def call_grammar(fmt: ToolFormat, schemas: dict[str, dict], triggered: bool) -> 
                               f"tools) are not built yet for the {fmt.name} tool-call format")
     calls = []
     for name, params in schemas.items():
-        begin, end = fmt.call_markup(name)
+        try:
+            begin, end = fmt.call_markup(name)
+        except ValueError as exc:
+            raise ToolChoiceError("tools", f"tools: {exc}") from exc
         calls.append({"begin": begin, "schema": arguments_schema(params), "end": end,
                       **({"arguments": fmt.arguments} if fmt.arguments != "json" else {})})
     return {"type": "tool_calls", "calls": calls, "triggers": [fmt.trigger] if triggered else None}

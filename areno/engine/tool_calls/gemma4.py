@@ -14,7 +14,7 @@ from areno.engine.tool_calls.base import Parsed, declared, joined, known, make_c
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>thought\n", "<channel|>"
 _NAME = re.compile(r"call:([A-Za-z_][\w.\-]*)")
-_KEY = re.compile(r"[A-Za-z_][\w.\-]*")
+KEY = re.compile(r"[A-Za-z_][\w.\-]*")
 _ATOM = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
 _SPACE = re.compile(r"\s*")
 MAX_DEPTH = 64
@@ -74,7 +74,7 @@ class _Reader:
             if self.eat(QUOTE):
                 key = self.string()
             else:
-                m = _KEY.match(self.text, self.i)
+                m = KEY.match(self.text, self.i)
                 if m is None:
                     raise _Bad(f"no key at {self.i}")
                 key, self.i = m.group(0), m.end()
@@ -138,3 +138,11 @@ def parse_gemma4(text: str, tools: Sequence[dict] | None = None) -> Parsed:
         i = end + len(CLOSE)
     kept.append(text[i:])
     return Parsed(joined(kept) if calls or reasoning else text, calls, reasoning)
+
+
+def gemma4_markup(name: str) -> tuple[str, str]:
+    """A call's markup before its arguments object and after it (the name as the parser reads it back)."""
+    if not KEY.fullmatch(name):
+        raise ValueError(f"function name {name!r} cannot be written in the gemma4 format (call:NAME)")
+    return f"{OPEN}call:{name}", CLOSE
+

@@ -46,16 +46,30 @@ def member_spans(text: str) -> dict[str, tuple[int, int]]:
         spans[key] = (start, i)
 
 
-def _qwen3_call(m: re.Match):
-    obj = json_object(m.group(1))
-    call = name_and_arguments(obj) if obj is not None else None
+def written_call(text: str, obj: dict, keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
+    """The call of a ``{"name", "arguments" | "parameters"}`` object ``obj`` decoded from ``text``, its arguments as
+    the model wrote them (as they are streamed) where they are an object; None when it is not that shape."""
+    call = name_and_arguments(obj, keys)
     if call is None:
         return None
     made = make_call(*call)
-    if isinstance(obj.get("arguments"), dict):  # the arguments as the model wrote them (as they are streamed)
-        start, end = member_spans(m.group(1))["arguments"]
-        made.arguments = m.group(1)[start:end]
+    key = next((k for k in keys if k in obj), None)
+    if key is not None and isinstance(obj[key], dict):
+        start, end = member_spans(text)[key]
+        made.arguments = text[start:end]
     return made
+
+
+def written(call: ToolCall | None, text: str) -> ToolCall | None:
+    """``call`` with its arguments as the model wrote them (``text``, one JSON object, trimmed)."""
+    if call is not None:
+        call.arguments = text.strip()
+    return call
+
+
+def _qwen3_call(m: re.Match):
+    obj = json_object(m.group(1))
+    return written_call(m.group(1), obj) if obj is not None else None
 
 
 def parse_qwen3(text: str, tools: Sequence[dict] | None = None) -> Parsed:
@@ -78,13 +92,14 @@ def _json_calls(text: str) -> list | None:
         if i == len(text):
             return calls or None
         try:
+            begin = i
             obj, i = _DECODER.raw_decode(text, i)
         except (json.JSONDecodeError, RecursionError):
             return None
-        call = name_and_arguments(obj, ("parameters", "arguments")) if isinstance(obj, dict) else None
+        call = written_call(text[begin:i], obj, ("parameters", "arguments")) if isinstance(obj, dict) else None
         if call is None:
             return None
-        calls.append(make_call(*call))
+        calls.append(call)
 
 
 def parse_llama3_json(text: str, tools: Sequence[dict] | None = None) -> Parsed:
@@ -111,7 +126,7 @@ _DS_V31 = re.compile(r"([^<\n]+)<｜tool▁sep｜>(.*)", re.DOTALL)  # V3.1 / V3
 def _deepseek_call(inner: str):
     m = _DS_V3.fullmatch(inner.strip()) or _DS_V31.fullmatch(inner.strip())
     obj = json_object(m.group(2)) if m else None
-    return make_call(m.group(1).strip(), obj) if obj is not None and m.group(1).strip() else None
+    return written(make_call(m.group(1).strip(), obj), m.group(2)) if obj is not None and m.group(1).strip() else None
 
 
 def read_section(text: str, begin: str, end: str, block: re.Pattern, read, tools=None) -> Parsed:
@@ -157,7 +172,7 @@ def _kimi_call(m: re.Match) -> ToolCall | None:
     header, obj = _KIMI_HEADER.fullmatch(m.group(1)), json_object(m.group(2))
     if header is None or obj is None:
         return None
-    call = make_call(header.group(1), obj)
+    call = written(make_call(header.group(1), obj), m.group(2))
     call.id = m.group(1)  # Kimi's own id (functions.NAME:N): its chat template matches tool results by it
     return call
 

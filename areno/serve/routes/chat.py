@@ -66,8 +66,8 @@ async def chat(request: Request):
         plp = vllm_prompt_logprobs(prompt_ids, score, req.prompt_logprobs, state.token_namer(req))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
-        writer = ChunkWriter(rid, "chat.completion.chunk", created, state.model_name, len(prompt_ids),
-                             req.stream_options)
+        writer = ChunkWriter(rid, "chat.completion.chunk", created, state.served_name(req.model),
+                             len(prompt_ids), req.stream_options)
         chunks = ChatStream(state, req, writer, read, k).chunks(stream)
         return StreamingResponse(writer.stream(chunks, [stream]), media_type="text/event-stream")
     try:
@@ -76,7 +76,7 @@ async def chat(request: Request):
         stream.abort()
     body = chat_response(state, req, out, read, k)
     completion_tokens = sum(len(o["ids"]) for o in out)
-    return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+    return {"id": rid, "object": "chat.completion", "created": created, "model": state.served_name(req.model),
             "choices": body, "usage": usage(len(prompt_ids), completion_tokens),
             **({"prompt_logprobs": plp} if plp is not None else {})}
 
@@ -140,7 +140,8 @@ class ChatStream:
         self.name = state.token_namer(req)
         self.detoks = [state.detokenizer(req) for _ in range(req.n)]
         self.held = [_no_logprobs() for _ in range(req.n)]
-        self.tools = [ToolDeltas(state.tool_format, req.tool_plan) for _ in range(req.n)] if read else None
+        self.tools = [ToolDeltas(state.tool_format, req.tool_plan, state.tokenizer) for _ in range(req.n)] \
+            if read else None
 
     async def chunks(self, stream):
         for i in range(self.req.n):
@@ -173,7 +174,7 @@ class ChatStream:
             h["logprobs"] += [ev.logprob for ev in got]
             h["top"] += [ev.top for ev in got]
         if self.read:
-            return self.tool_chunk(index, delta_text, last)
+            return self.tool_chunk(index, delta_text, ids if last.finish_reason is None else [], last)
         if last.finish_reason is None and not delta_text:
             return None  # nothing to show yet (held-back text)
         lp = chat_logprobs(h, self.k, self.name) if req.logprobs and h["ids"] else None
@@ -188,11 +189,12 @@ class ChatStream:
         delta = {"content": delta_text + d.flush(last.stop_text, finish)}
         return writer.chunk({"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp})
 
-    def tool_chunk(self, index: int, delta_text: str, last) -> str | None:
+    def tool_chunk(self, index: int, delta_text: str, ids: list[int], last) -> str | None:
         """Sample ``index``'s chunks when its answer is read for tool calls (``ToolDeltas``): the deltas ready
-        now, and at its end the rest and then ``finish_reason`` in a chunk of its own."""
+        now (of the text and tokens, ``ids``, of these events), and at its end the rest and then ``finish_reason``
+        in a chunk of its own."""
         tools, writer = self.tools[index], self.writer
-        deltas = tools.step(delta_text) if delta_text else []
+        deltas = tools.step(delta_text, ids) if delta_text or ids else []
         lp = None
         if self.req.logprobs and self.held[index]["ids"] and (deltas or last.finish_reason is not None):
             lp = chat_logprobs(self.held[index], self.k, self.name)

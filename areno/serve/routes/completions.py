@@ -107,7 +107,8 @@ async def completions(request: Request):
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(x) for x in prompts)
     if req.stream:
-        writer = ChunkWriter(rid, "text_completion", created, state.model_name, prompt_tokens, req.stream_options)
+        writer = ChunkWriter(rid, "text_completion", created, state.served_name(req.model), prompt_tokens,
+                             req.stream_options)
         chunks = CompletionStream(state, req, writer, echo, echo_lp, k).chunks(streams, len(prompts))
         return StreamingResponse(writer.stream(chunks, streams), media_type="text/event-stream")
     try:
@@ -119,7 +120,7 @@ async def completions(request: Request):
         outs = [[empty_sample("length")] * req.n for _ in prompts]
     choices = completion_choices(state, req, outs, echo, echo_lp, plp, k)
     completion_tokens = sum(len(o["ids"]) for out in outs for o in out)
-    return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+    return {"id": rid, "object": "text_completion", "created": created, "model": state.served_name(req.model),
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
