@@ -24,6 +24,43 @@ class GrammarError(ValueError):
     """A grammar spec that cannot be used (malformed, or a schema the converter refuses)."""
 
 
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "contains", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def json_safe(schema):
+    """``schema`` (for xgrammar) with each length-bounded string as a pattern of printable ASCII but the quote and the
+    backslash.
+
+    xgrammar 0.2.9 writes a string with ``minLength``/``maxLength`` as a character class that leaves out only the
+    quote, the backslash, CR and LF, so the other control characters get through unescaped (the text is not JSON),
+    and its character classes let token pieces of a multi-byte character through that never complete it (each bad
+    byte then decodes to one more character than the length allows). Printable ASCII without escapes is a subset of
+    the valid strings where both hold: a length-bounded string in a forced tool call or a strict json_schema is
+    ASCII. Unbounded strings, and strings with their own pattern, format, enum or const, keep xgrammar's rules."""
+    if isinstance(schema, list):
+        return [json_safe(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = json_safe(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [json_safe(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: json_safe(v) for k, v in out[key].items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & set(out):
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        upper = "" if high is None else int(high)
+        out["pattern"] = rf'^[ !#-\[\]-~]{{{low},{upper}}}$'
+    return out
+
+
 def normalize_grammar(spec) -> dict:
     """The canonical form of a spec: ``{"type": "json_object"}`` or ``{"type": "json_schema", "schema": <dict or
     bool>}`` (a schema given as JSON text is parsed)."""

@@ -40,7 +40,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
-from areno.config.sampling import GrammarError, normalize_grammar
+from areno.config.sampling import GrammarError, json_safe, normalize_grammar
 
 log = logging.getLogger("areno.engine")
 
@@ -66,7 +66,7 @@ def _schema_text(spec: dict) -> tuple[str, bool]:
     additional properties allowed."""
     if spec["type"] == "json_object":
         return '{"type": "object"}', False
-    return json.dumps(spec["schema"]), True
+    return json.dumps(json_safe(spec["schema"])), True
 
 
 def _literal(xgr, text: str):
@@ -84,7 +84,7 @@ def _arguments(xgr, call: dict):
         from areno.engine.tool_calls.qwen3_coder import xml_arguments_grammar
 
         return xml_arguments_grammar(xgr, call["schema"], _LAYOUT)
-    return xgr.Grammar.from_json_schema(json.dumps(call["schema"]), strict_mode=True, **_LAYOUT)
+    return xgr.Grammar.from_json_schema(json.dumps(json_safe(call["schema"])), strict_mode=True, **_LAYOUT)
 
 
 def _call_grammar(xgr, call: dict):

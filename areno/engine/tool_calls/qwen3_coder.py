@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Sequence
 
+from areno.config.sampling import json_safe
 from areno.engine.tool_calls.base import Parsed, make_call, read_blocks, tool_schemas
 
 _BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>((?:(?!<tool_call>).)*?)</function>\s*</tool_call>",
@@ -137,7 +138,7 @@ def xml_arguments_grammar(xgr, schema: dict, layout: dict):
             raise ValueError(f"parameter {name!r}: a value that may be text is not enforced in the qwen3_coder "
                              "format yet (give it a non-string type, or a plain/enum string)")
         else:
-            value = xgr.Grammar.from_json_schema(json.dumps(prop), strict_mode=True, **layout)
+            value = xgr.Grammar.from_json_schema(json.dumps(json_safe(prop)), strict_mode=True, **layout)
         block = xgr.Grammar.concat(lit(f"<parameter={name}>\n"), value, lit("\n</parameter>\n"))
         parts.append(block if name in required else xgr.Grammar.union(block, lit("")))
     return xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0] if parts else lit("")
