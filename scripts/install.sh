@@ -235,6 +235,10 @@ sys.exit(not (v >= (70, 1) or (v >= (64, 0) and u.find_spec("wheel"))))' 2>/dev/
     pip_args+=(--no-build-isolation)
   fi
   act "$VPY" -m pip "${pip_args[@]}" -e "$REPO[$EXTRAS]"
+  # tests/serve/test_client_instructor.py's client, without its dependencies: instructor pins jiter<0.15, which
+  # rules out the openai >= 3.4 that inspect-ai needs; it runs on the newer jiter (setup.cfg's test extra lists what
+  # else it imports)
+  [ "$TEST_EXTRAS" = 1 ] && act "$VPY" -m pip install -q --no-deps "instructor>=1.17"
   if [ "$DRY_RUN" = 1 ]; then say "would write $stamp_file"; else echo "$stamp" > "$stamp_file"; fi
 fi
 

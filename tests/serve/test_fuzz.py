@@ -41,6 +41,11 @@ def bounded(body, path="/v1/completions"):
         v = body.get("max_output_tokens")
         body["max_output_tokens"] = 4 if v is None or (isinstance(v, int) and 4 < v < 10_000) else v
         return body
+    if path == "/v1/chat/completions":  # fields the schema shows so their refusal can name them (a 400 by design)
+        for key in ("prediction", "web_search_options", "modalities"):
+            body.pop(key, None)
+        if not body.get("tools"):
+            body.pop("tool_choice", None)
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and 4 < v < 10_000:

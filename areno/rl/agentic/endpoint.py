@@ -4,7 +4,9 @@
 request's ``user`` field) appends the request's new messages to its token sequence, samples one answer on the
 colocated engine and returns it as an OpenAI chat completion, tool calls read in the policy's format under the
 request's ``tool_choice`` exactly as ``areno serve`` does (``areno.engine.tool_calls.choice``: "required" and a named
-function run under the call grammar, "none" hides the tools and cuts call markup, only declared functions return). A
+function run under the call grammar, "none" hides the tools and cuts call markup, only declared functions return;
+a request that declares no tools gets every call the policy writes, as before: an agent may name its tools in the
+prompt instead, as the agentic quickstart does). A
 conversation past ``--max-context-len`` gets HTTP 400 ``context_length_exceeded`` (and ends its sample); an answer
 cut by the limit ends with ``finish_reason: "length"``. Messages the chat template cannot render, media parts and
 sampling settings the engine refuses are 400s naming the parameter, never a 500. ``GET /v1/models`` names the policy.
@@ -85,7 +87,7 @@ def create_app(rollout) -> FastAPI:
                 message = await rollout.sample(
                     session, max_tokens=req.max_completion_tokens or req.max_tokens, temperature=req.temperature,
                     top_p=req.top_p, stop=req.stop, assistant_message=True, tools=tools,
-                    plan=plan)
+                    plan=plan if body.get("tools") or req.tool_choice == "none" else None)
             except ConfigError as exc:  # a sampling setting the engine refuses: the request's mistake
                 raise APIError(400, str(exc), param=exc.flag) from exc
         return completion(session, message)
