@@ -32,6 +32,7 @@ from areno.engine.lora_slots import LoraSlots, slots_of
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import Sequence
+from areno.engine.spec_decode import check_request, spec_decoder
 from areno.engine.stopping import StopChecker
 
 log = logging.getLogger("areno.engine")
@@ -56,11 +57,14 @@ class EngineConfig:
     record_routing: bool = False  # sparse-MoE models: completions carry their tokens' expert ids (routing replay)
     max_loras: int = 0  # > 0: that many LoRA adapter slots (areno.engine.lora_slots); requests pick one by name
     max_lora_rank: int = 16
+    speculative_tokens: int = 0  # > 0: MTP speculative decoding with up to that many draft tokens (spec_decode.py)
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_batched_tokens", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"--speculative-tokens must be >= 0, got {self.speculative_tokens}")
 
 
 @dataclass
@@ -130,6 +134,7 @@ class Engine:
             max_running=cfg.max_running, eager=cfg.eager_decode, device=device, eos_token_ids=self.stopper.eos,
             record_routing=record, lora=self.lora,
         )
+        self.spec = spec_decoder(self)  # a SpecDecoder with --speculative-tokens, else None
 
     # ---- session state -------------------------------------------------------------------------------------
     def rng_state(self):
@@ -218,6 +223,7 @@ class Engine:
             prompt_ids = list(mm.input_ids)
         images = PromptImages.from_prompt(mm, prompt_ids, self.model) if mm is not None else None
         options = options or SamplingParams()
+        check_request(self.spec, options)
         if options.logit_bias and max(options.logit_bias) >= self.runner.vocab_size:
             raise ValueError(f"logit_bias token ids must be in [0, {self.runner.vocab_size})")
         if options.lora is not None:
@@ -265,6 +271,8 @@ class Engine:
         packing overlap the device's decoding instead of leaving it idle between groups. A row that stops in a
         group has already been queued for the next one: those tokens are dropped (the device work is wasted,
         nothing else: the tokens and log-probs kept are those of the plain chain)."""
+        if self.spec is not None:
+            return self.spec.step()
         if self._ahead is not None:
             return self._step_ahead()
         if self.grammars.waiting and (failed := self.grammars.admit()):

@@ -226,7 +226,7 @@ class ModelRunner(DecodeGraphs):
         return tokens[:, : launch.n].clone(), logprobs[:, : launch.n].to(torch.float32, copy=True)
 
     # ---- execution (every TP rank) -------------------------------------------------------------------------
-    def _prologue(self, inp: StepInputs) -> None:
+    def prologue(self, inp: StepInputs) -> None:
         """What every step does before its forward: block and state copies, penalty slots."""
         self._copy_blocks(inp.copies)
         if inp.state_copies:
@@ -240,7 +240,7 @@ class ModelRunner(DecodeGraphs):
 
     @torch.inference_mode()
     def _launch(self, inp: StepInputs, ids_from: tuple | None) -> DecodeLaunch:
-        self._prologue(inp)
+        self.prologue(inp)
         self.last_step_used_graph = self._graphable(inp)
         if self.last_step_used_graph:
             return self._launch_graph(inp, ids_from)
@@ -248,14 +248,14 @@ class ModelRunner(DecodeGraphs):
 
     @torch.inference_mode()
     def execute(self, inp: StepInputs):
-        self._prologue(inp)
+        self.prologue(inp)
         if self._graphable(inp):
             self.last_step_used_graph = True
             return self._run_graph(inp)
         self.last_step_used_graph = False
         if inp.decode_steps > 1:
             return self.wait_decode(self._launch_eager(inp, None))
-        ids, pos, meta = self._tensors(inp)
+        ids, pos, meta = self.step_tensors(inp)
         if self.record_routing:
             meta.routing_out = torch.empty(self.model.num_moe_layers, len(inp.ids), self.model.moe_top_k,
                                            dtype=torch.int32, device=self.device)
@@ -312,7 +312,7 @@ class ModelRunner(DecodeGraphs):
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def _tensors(self, inp: StepInputs):
+    def step_tensors(self, inp: StepInputs):
         dev = self.device
         t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
         width = max(len(tb) for tables in [inp.tables, *(inp.group_tables or [])] for tb in tables)  # as needed

@@ -43,7 +43,7 @@ from areno.models.bailing_hybrid_layers import (
 from areno.models.base import MLP, CausalLM
 from areno.models.mla import LatentAttention, LatentCacheLM
 from areno.models.moe_layers import SigmoidMoE, SigmoidMoELM
-from areno.models.mtp import KeptMTP
+from areno.models.mtp import KeptMTP, deepseek_mtp_parts
 from areno.models.registry import ModelCard, register
 from areno.models.tp import one_layout
 
@@ -73,6 +73,13 @@ class BailingHybridForCausalLM(LatentCacheLM, SigmoidMoELM, KeptMTP, CausalLM):
         attn = self.layers[kda[0]].self_attn
         hh, d = attn.num_heads, attn.head_dim
         return {"layers": kda, "conv": (3 * hh * d, self.config.conv_kernel - 1), "recurrent": (hh, d, d)}
+
+    def mtp_draft_parts(self) -> dict:
+        """Ling 3's MTP layers: an MLA + MoE block each, ``final_layernorm``, the model's embedding and head."""
+        cfg, backend = self.config, self.attn_backend
+        return deepseek_mtp_parts(self, lambda: self.layer_class(cfg, SigmoidMoE(cfg), backend,
+                                                                 LatentAttention(cfg, backend)),
+                                  attn=self.hf_attn, final_norm="final_layernorm", own_embed_head=False)
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def hf_mlp(self, i: int) -> str:

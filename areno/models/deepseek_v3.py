@@ -25,7 +25,7 @@ from areno.models.base import MLP, CausalLM
 from areno.models.mla import LatentAttention, LatentCacheLM, MLAConfig
 from areno.models.model_config import decoder_fields, get
 from areno.models.moe_layers import SigmoidMoE, SigmoidMoELM
-from areno.models.mtp import KeptMTP
+from areno.models.mtp import KeptMTP, deepseek_mtp_parts
 from areno.models.registry import ModelCard, register
 
 
@@ -102,6 +102,13 @@ class DeepseekV3ForCausalLM(LatentCacheLM, SigmoidMoELM, KeptMTP, CausalLM):
                          mlp_factory=lambda cfg, i: SigmoidMoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg))
         self.init_mtp()
         self.init_mla_cache()
+
+    def mtp_draft_parts(self) -> dict:
+        """DeepSeek-V3's MTP layers: an MLA + MoE block each, their own embedding and head (areno.models.mtp)."""
+        cfg, backend = self.config, self.attn_backend
+        return deepseek_mtp_parts(self, lambda: self.layer_class(cfg, SigmoidMoE(cfg), backend,
+                                                                 LatentAttention(cfg, backend)),
+                                  attn="self_attn", final_norm="shared_head.norm", own_embed_head=True)
 
     def hf_layouts(self) -> dict:
         out = super().hf_layouts()  # the Llama names: model.embed_tokens, layers.i.self_attn / mlp, norms

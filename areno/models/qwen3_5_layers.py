@@ -40,7 +40,7 @@ from areno.models.bailing_hybrid_layers import carried_state
 from areno.models.base import MLP, Attention, CausalLM, DecoderLayer
 from areno.models.layers import Linear, RMSNorm
 from areno.models.model_config import ModelConfig, dense_config, get
-from areno.models.mtp import KeptMTP
+from areno.models.mtp import KeptMTP, block_layouts, mtp_layer_indices
 from areno.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
 from areno.models.tp import layout, one_layout
 
@@ -351,6 +351,27 @@ class Qwen35ForCausalLM(KeptMTP, Qwen3MoeForCausalLM):
         mixer = self.layers[linear[0]].self_attn
         return {"layers": linear, "conv": (mixer.conv_dim, self.config.conv_kernel - 1),
                 "recurrent": (mixer.nv, mixer.dk, mixer.dv)}
+
+    # ---- the MTP draft (areno.models.mtp) -------------------------------------------------------------------------
+    mtp_layer_prefix = "mtp.layers."
+
+    def mtp_draft_parts(self) -> dict:
+        """Qwen3.5's MTP: zero-centred pre-fc norms, ``fc`` and final ``norm`` shared by its ``mtp.layers.{j}``
+        full-attention blocks (MoE like the decoder's in the MoE family); the chained hidden state is the normed one."""
+        cfg, h = self.config, self.config.hidden_size
+        backend = self.attn_backend
+        blocks = [Qwen35DecoderLayer(cfg, SharedExpertMoE(cfg) if cfg.num_experts else MLP(cfg), backend,
+                                     GatedAttention(cfg, backend))
+                  for _ in mtp_layer_indices(self.mtp_names, self.mtp_layer_prefix)]
+        layouts = {"enorm.0.weight": one_layout("mtp.pre_fc_norm_embedding.weight", h),
+                   "hnorm.0.weight": one_layout("mtp.pre_fc_norm_hidden.weight", h),
+                   "proj.0.weight": one_layout("mtp.fc.weight", h, 2 * h),
+                   "norm.0.weight": one_layout("mtp.norm.weight", h)}
+        for j, block in enumerate(blocks):
+            layouts.update(block_layouts(block, f"blocks.{j}", f"mtp.layers.{j}", cfg))
+        norm = lambda: [ZeroCenteredRMSNorm(h, cfg.rms_norm_eps)]  # noqa: E731
+        return dict(enorm=norm(), hnorm=norm(), proj=[Linear(2 * h, h)], norm=norm(), blocks=blocks, layouts=layouts,
+                    chain_normed=True)
 
     # ---- weights -------------------------------------------------------------------------------------------------
     def keep_hf_tensor(self, hf_name: str) -> bool:
