@@ -20,6 +20,20 @@ from areno.config.fields import (
 from areno.config.sampling import check_sampling
 
 
+SPECULATIVE_HELP = ("MTP speculative decoding: draft tokens per sequence and step from the model's multi-token-"
+                    "prediction layers (Qwen3.5, DeepSeek-V3, Ling 3), verified in one forward by exact rejection "
+                    "sampling, so the tokens are distributed as without it (0 = off; needs a model with MTP layers "
+                    "and --eager-decode)")
+
+
+def check_speculative(tokens: int, refused: dict) -> None:
+    """``--speculative-tokens`` >= 0, and not with a setting it is not built for yet (``refused``: {setting: on?})."""
+    check_non_negative("--speculative-tokens", tokens)
+    for setting, on in refused.items():
+        if tokens and on:
+            raise ConfigError("--speculative-tokens", f"with {setting} is not built yet")
+
+
 @dataclass
 class RolloutSection:
     """`--help` group rollout (its checks read the basic section's algorithm and sizes)."""
@@ -73,6 +87,7 @@ class RolloutSection:
     attn_backend: Optional[str] = opt(
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
+    speculative_tokens: int = opt(0, SPECULATIVE_HELP + "; with --decode-steps 1", "rollout", needs="rollout")
     eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout", needs="rollout")
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
                             "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "
@@ -133,6 +148,10 @@ class RolloutSection:
     def _check_sampling(self):
         check_sampling(self, flag_name)
         check_positive("--decode-steps", self.decode_steps)
+        check_speculative(self.speculative_tokens, {"--decode-steps > 1": self.decode_steps > 1,
+                                                    "CUDA graphs (add --eager-decode)": not self.eager_decode,
+                                                    "tensor parallelism (--tp-size / --rollout-tp-size > 1)":
+                                                    self.rollout_tp > 1})
         if self.algo in GROUP_ALGOS and self.n_samples < 2:
             raise ConfigError("--n-samples", f"must be >= 2 for --algo {self.algo} (group advantages compare "
                               "several samples of one prompt)")

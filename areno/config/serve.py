@@ -20,6 +20,7 @@ from areno.config.fields import (
     opt,
 )
 from areno.config.multimodal import IMAGE_BYTES_HELP, IMAGE_PIXELS_HELP, IMAGES_HELP
+from areno.config.rollout import SPECULATIVE_HELP, check_speculative
 
 
 @dataclass
@@ -67,6 +68,7 @@ class ServeConfig:
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
     eager_decode: bool = opt(False, "disable CUDA-graph replay for decode", "rollout")
+    speculative_tokens: int = opt(0, SPECULATIVE_HELP, "rollout")
     engine_thread: bool = opt(
         False, "run the engine in a thread of the HTTP process instead of its own engine-core process (slower under "
         "load: the HTTP path and the engine share one interpreter lock; a --world-size == --tp-size > 1 server "
@@ -107,15 +109,19 @@ class ServeConfig:
         check_range("--read-timeout-s", self.read_timeout_s, 0, 86400)  # a number of seconds (not nan or inf)
         check_media_limits(self)
         self._check_lora()
+        check_speculative(self.speculative_tokens, {"CUDA graphs (add --eager-decode)": not self.eager_decode,
+                                                    "--tp-size > 1": self.tp_size > 1,
+                                                    "LoRA slots (--lora-modules / --max-loras)": self.lora_enabled})
 
     @property
     def lora_enabled(self) -> bool:
         return bool(self.lora_modules) or bool(self.max_loras)
 
     def lora_engine_kwargs(self) -> dict:
-        """``build_engine``'s LoRA arguments: the slots and the adapters to load at start ({} without LoRA)."""
+        """``build_engine``'s LoRA arguments: the slots and the adapters to load at start ({} without LoRA); and
+        ``speculative_tokens`` when it is on."""
         if not self.lora_enabled:
-            return {}
+            return {"speculative_tokens": self.speculative_tokens} if self.speculative_tokens else {}
         modules = {a["name"]: a["path"] for a in self.lora_adapters()}
         return {"max_loras": self.max_loras or len(modules), "max_lora_rank": self.max_lora_rank,
                 "lora_modules": modules}

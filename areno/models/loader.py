@@ -74,6 +74,26 @@ def check_engine_support(flag: str, value) -> None:
         raise ConfigError(flag, f"{str(value)!r} is a {model_type} checkpoint: {reason}")
 
 
+MTP_COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
+
+
+def check_mtp_support(flag: str, value) -> None:
+    """A ``ConfigError`` naming ``flag`` (``--speculative-tokens``) when the local checkpoint has no MTP layers the
+    engine can draft with (its config.json counts none, or its family runs none). Hub ids are checked at load."""
+    from areno.config import ConfigError
+
+    folder = Path(str(value)).expanduser()
+    if not (folder / "config.json").is_file():
+        return
+    raw = check_model_config(flag, folder)
+    model_type = raw.get("model_type")
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    count = max(int(c.get(k) or 0) for c in (raw, text) for k in MTP_COUNT_KEYS)
+    if not count or not hasattr(get_adapter(model_type).model_class, "mtp_draft_parts"):
+        raise ConfigError(flag, f"needs a model with MTP (multi-token-prediction) layers: {str(value)!r} is a "
+                          f"{model_type} checkpoint without them")
+
+
 def check_model_config(flag: str, folder) -> dict:
     """The checkpoint's config.json, or a ``ConfigError`` naming ``flag`` and the file in one line: not JSON, not
     an object, no ``model_type``, or an architecture no adapter knows. Cheap: nothing but the file is read."""

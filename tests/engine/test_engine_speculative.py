@@ -86,3 +86,18 @@ def test_refused_for_a_model_without_mtp_layers(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "q", family="qwen3", seed=1)
     with pytest.raises(ValueError, match="--speculative-tokens needs a model with MTP layers"):
         _engine(load_model(path, dtype=torch.float32, device="cpu"), 2)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "--speculative-tokens with CUDA graphs (add --eager-decode) is not built yet"),
+    (["--eager-decode", "--tp-size", "2", "--world-size", "2"], "--speculative-tokens with --tp-size > 1 is not built"),
+    (["--eager-decode"], "--speculative-tokens needs a model with MTP (multi-token-prediction) layers"),
+])
+def test_serve_refuses_the_flag_with_exit_2(tmp_path, capsys, extra, message):
+    """`areno serve`: the combinations not built yet, and a checkpoint without MTP layers (qwen3), exit 2 naming it."""
+    from areno.cli import main
+
+    path = make_tiny_checkpoint(tmp_path / "q", family="qwen3", seed=1)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model-path", str(path), "--speculative-tokens", "2", *extra])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -23,6 +23,8 @@ FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offl
 # flags that take other flags to be valid at all (not where they apply: what their own value check asks)
 COMPANIONS = {"tp_size": ["--world-size", "2"], "rollout_devices": ["--train-devices", "0"],
               "merge_lora": ["--save-path", "lora-out"]}
+# companions given after the flag (where they do not apply either, the refusal names the flag first)
+AFTER = {"speculative_tokens": ["--decode-steps", "1", "--eager-decode"]}
 
 
 @dataclasses.dataclass
@@ -60,7 +62,7 @@ def flag_argv(f: dataclasses.Field, files: Files) -> list[str]:
         value = str(next(c for c in f.metadata["choices"] if c != f.default))
     else:
         value = "2"
-    return [*COMPANIONS.get(name, []), flag_name(name), value]
+    return [*COMPANIONS.get(name, []), flag_name(name), value, *AFTER.get(name, [])]
 
 
 def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
