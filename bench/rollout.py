@@ -2,6 +2,7 @@
 
     python bench/rollout.py             # H200: Qwen3-0.6B shape, random bf16 weights (about 4 minutes)
     python bench/rollout.py --smoke     # CPU: a tiny shape, checks the script (times meaningless)
+    python bench/rollout.py --speculative-tokens 2 --workloads R3,R2 --mtp-train-steps 300   # MTP speculation
 
 Workloads (BENCH.md), sampling at temperature 1.0, no early stop (``ignore_eos``), log-probs returned:
 - R1: 256 prompts of 128 random tokens, 256 new tokens each. Limit: per decode step the weights (1.19 GB) + the KV
@@ -23,6 +24,10 @@ first ``--hf-r2-seqs`` sequences as one left-padded batch (generating to the bat
 each sequence's own output length counts as useful tokens) with ``max_time`` as a cap, and R3 generates
 ``--hf-r3-new`` tokens (tok/s is per token either way).
 One JSON line per measurement goes to bench/results/rollout.jsonl.
+
+``--speculative-tokens K``: MTP speculative decoding instead, each workload with and without it on an MTP family's
+random checkpoint (``--mtp-family``; ``--mtp-train-steps`` trains its MTP layer on its own greedy outputs first):
+tok/s, the speed-up and the mean accept length (bench/spec.py).
 """
 
 from __future__ import annotations
@@ -280,11 +285,17 @@ def main():
     ap.add_argument("--hf-r3-new", type=int, default=64)
     ap.add_argument("--hf-max-time-s", type=float, default=90.0, help="cap on one transformers generate call")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/rollout.jsonl")
+    ap.add_argument("--speculative-tokens", type=int, default=0, help="MTP speculation with K draft tokens vs none")
+    ap.add_argument("--mtp-family", default="qwen3_5", choices=("qwen3_5", "bailing_hybrid"))
+    ap.add_argument("--mtp-train-steps", type=int, default=0, help="train the MTP layer first (own greedy outputs)")
+    ap.add_argument("--spec-greedy", action="store_true", help="speculation runs: greedy sampling (temperature 0)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.max_model_len = 128
     names = args.workloads.split(",")
+    if args.speculative_tokens:
+        return run_speculative(args, device, names)
     shape = models.shape_of(args.smoke)
     t_start = time.perf_counter()
     path = models.checkpoint(args.smoke)
@@ -329,6 +340,18 @@ def main():
     if not args.no_save and not args.smoke:
         env = env_info()
         env["shape"] = "qwen3-0.6b"
+        print("results:", append_jsonl("rollout", records, env))
+
+
+def run_speculative(args, device, names):
+    import spec
+
+    records = spec.run_spec(args, device, names, workload)
+    print_table(records, ["workload", "call", "family", "speculative_tokens", "sequences", "output_tokens", "wall_s",
+                          "tok_s", "spec_accept_len", "speedup_vs_plain", "mtp_loss_last"])
+    if not args.no_save and not args.smoke:
+        env = env_info()
+        env["shape"] = f"{args.mtp_family}-bench"
         print("results:", append_jsonl("rollout", records, env))
 
 

@@ -19,7 +19,6 @@ from areno.config.fields import (
 )
 from areno.config.sampling import check_sampling
 
-
 SPECULATIVE_HELP = ("MTP speculative decoding: draft tokens per sequence and step from the model's multi-token-"
                     "prediction layers (Qwen3.5, DeepSeek-V3, Ling 3), verified in one forward by exact rejection "
                     "sampling, so the tokens are distributed as without it (0 = off; needs a model with MTP layers "

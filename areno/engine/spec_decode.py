@@ -104,8 +104,16 @@ class SpecDecoder:
         self.counts = {"verify_rows": 0, "emitted": 0, "drafted": 0}
 
     def stats(self) -> dict:
+        """Since the engine started: ``spec_accept_len`` (tokens emitted per drafting sequence and verify step),
+        ``verify_rows``, ``emitted``, ``drafted``."""
         n = self.counts["verify_rows"]
         return {"spec_accept_len": self.counts["emitted"] / n if n else 0.0, **self.counts}
+
+    def take_stats(self) -> dict:
+        """``{"spec_accept_len": ...}`` since the last call (a rollout's), the counts restarted."""
+        out = {"spec_accept_len": self.stats()["spec_accept_len"]}
+        self.counts = dict.fromkeys(self.counts, 0)
+        return out
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list:

@@ -29,6 +29,7 @@ LINE = (
     ("lr", "lr", "{:.2e}"),
     ("zero_variance_groups", "zero_var", "{:.0f}"),
     ("rollout_tok_s", "rollout", "{:.0f} tok/s"),
+    ("spec_accept_len", "accept", "{:.2f}"),
     ("train_tok_s", "train", "{:.0f} tok/s"),
 )
 

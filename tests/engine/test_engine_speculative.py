@@ -48,6 +48,9 @@ def test_greedy_equals_plain_decoding(echo, k):
             np.testing.assert_allclose(a, b, atol=1e-4)
     stats = e.spec.stats()
     assert 1.1 < stats["spec_accept_len"] < k + 1  # drafts were accepted and rejected
+    assert stats["spec_accept_len"] == stats["emitted"] / stats["verify_rows"]
+    assert e.spec.take_stats() == {"spec_accept_len": stats["spec_accept_len"]}  # the train metric, per rollout
+    assert e.spec.take_stats() == {"spec_accept_len": 0.0}
     if family != "deepseek_v3":  # the hybrids: rejections rolled their recurrent states back
         assert e.runner.states is not None
 
@@ -101,3 +104,19 @@ def test_serve_refuses_the_flag_with_exit_2(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model-path", str(path), "--speculative-tokens", "2", *extra])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "bailing_hybrid"])
+def test_greedy_equals_plain_decoding_on_the_gpu(tmp_path, family):
+    """The CPU test's check on the GPU's kernels (fp32 weights, eager decode for both engines)."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
+    model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0)
+    opts = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, n=2)
+    out = {}
+    for k in (0, 2):
+        e = _engine(model, k, eager_decode=True)
+        out[k] = [[c.token_ids for c in g] for g in e.generate(PROMPTS, opts)]
+    assert out[2] == out[0]
+    assert e.spec.stats()["spec_accept_len"] > 1.1

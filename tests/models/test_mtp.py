@@ -50,8 +50,8 @@ class Reference:
 
     def step(self, hidden, next_ids):
         """Outputs (normed) and chained hidden states at every position of ``hidden [T, H]``, ``next_ids [T]``."""
-        z = torch.cat([_rms(self.embed[next_ids], self.en, self.eps, self.zc), _rms(hidden, self.hn, self.eps, self.zc)],
-                      dim=-1) @ self.proj.T  # fmt: skip
+        e = _rms(self.embed[next_ids], self.en, self.eps, self.zc)
+        z = torch.cat([e, _rms(hidden, self.hn, self.eps, self.zc)], dim=-1) @ self.proj.T  # the embedding first
         pos = torch.arange(len(next_ids))
         h, res = self.draft.blocks[0](z, None, pos, self.model.rope, training_metadata(next_ids))
         out = _rms(h + res, self.fn, self.eps, self.zc)

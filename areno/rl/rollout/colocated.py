@@ -73,10 +73,12 @@ class ColocatedRollout:
             model.train()
 
     def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None):
-        """This step's completions and the rollout's own stats (none here: the weights are the trainer's).
-        ``on_group(i, completions)``: called as soon as every sample of prompt ``i`` has finished, while the others
-        still decode (``Engine.generate``'s ``on_finished``)."""
-        return self.generate(prompt_ids, options, on_finished=on_group), {}
+        """This step's completions and the rollout's own stats (with --speculative-tokens: ``spec_accept_len`` of
+        this rollout; nothing else, the weights are the trainer's). ``on_group(i, completions)``: called as soon as
+        every sample of prompt ``i`` has finished, while the others still decode (``Engine.generate``'s
+        ``on_finished``)."""
+        out = self.generate(prompt_ids, options, on_finished=on_group)
+        return out, ({} if self.engine.spec is None else self.engine.spec.take_stats())
 
     def sync(self) -> dict:
         return {}  # the engine decodes with the trainer's own tensors

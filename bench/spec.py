@@ -1,0 +1,153 @@
+"""MTP speculative decoding in bench/rollout.py (``--speculative-tokens K``): the same workload with and without
+speculation on a random-weight checkpoint of an MTP family, side by side (tok/s, speed-up, mean accept length).
+
+    python bench/rollout.py --speculative-tokens 2 --workloads R3,R2 --mtp-family qwen3_5 --mtp-train-steps 300
+    python bench/rollout.py --speculative-tokens 2 --workloads R3 --mtp-family bailing_hybrid --mtp-train-steps 300
+    python bench/rollout.py --speculative-tokens 2 --smoke                          # CPU: checks the script
+
+Shapes (random bf16 weights, made once under the bench cache): ``qwen3_5`` a Qwen3.5-9B shape (32 layers, 3 gated
+DeltaNet : 1 gated attention, hidden 4096, one MTP layer); ``bailing_hybrid`` a Ling-3-Flash-width shape (hidden
+4096, MLA + KDA, 256 experts of 1024, top 8, one MTP layer) cut to 8 decoder layers so it fits one H200 in bf16.
+Random MTP layers never agree with the model, so ``--mtp-train-steps N`` first trains the MTP layer for N Adam
+steps on the model's own greedy outputs (teacher forcing: step 0 of the draft predicts token t + 2 from the target's
+hidden state at t and token t + 1), which makes acceptance realistic; the accept length is reported either way.
+Both engines run eager (speculation is not built with CUDA graphs yet), sampling at temperature 1 as R1-R3 do, and
+``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import models
+import torch
+
+SHAPES = {
+    "qwen3_5": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=256, vocab_size=151936, full_attention_interval=4,
+                    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, mtp_num_hidden_layers=1, max_position_embeddings=8192),
+    "bailing_hybrid": dict(hidden_size=4096, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32,
+                           vocab_size=157184, layer_group_size=4, first_k_dense_replace=1, intermediate_size=9216,
+                           kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                           num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+                           moe_intermediate_size=1024, num_mtp_layers=1, max_position_embeddings=8192),
+}
+SMOKE = {"qwen3_5": {}, "bailing_hybrid": {}}  # the test families' own tiny defaults
+
+
+def mtp_checkpoint(family: str, smoke: bool) -> Path:
+    """The cached random checkpoint of ``family`` at its bench shape (tiny with ``smoke``), made if absent."""
+    from areno.testing import make_tiny_checkpoint
+
+    shape = (SMOKE if smoke else SHAPES)[family]
+    path = models.cache_root() / f"{family}-{'smoke' if smoke else 'bench'}-mtp-seed0"
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    try:
+        make_tiny_checkpoint(tmp, family, seed=0, dtype=torch.float32 if smoke else torch.bfloat16,
+                             initializer_range=0.02, **shape)  # fmt: skip
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def greedy_outputs(engine, vocab: int, n: int, prompt_len: int, new: int) -> list[list[int]]:
+    """``n`` random prompts with their greedy continuations (the sequences the MTP layer is trained on)."""
+    from areno.config import SamplingParams
+
+    prompts = models.random_prompts(n, prompt_len, vocab, seed=11)
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True))
+    return [p + g[0].token_ids for p, g in zip(prompts, out)]
+
+
+def train_mtp(model, sequences: list[list[int]], steps: int, lr: float = 1e-3) -> dict:
+    """``steps`` Adam steps of the model's MTP draft on ``sequences`` (one sequence a step, in turn), teacher
+    forced; the trained weights written back into the kept MTP tensors. Returns the first and last losses."""
+    from areno.models.base import training_metadata
+    from areno.models.mtp import build_mtp_draft
+
+    model.requires_grad_(False)  # only the draft's own weights train
+    draft = build_mtp_draft(model)
+    params = [p for p in draft.parameters() if p.is_floating_point()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    dev = model.embed_tokens.weight.device
+    losses = []
+    for step in range(steps):
+        ids = torch.tensor(sequences[step % len(sequences)], device=dev)
+        t = ids.shape[0]
+        with torch.no_grad():
+            hidden = model(ids, torch.arange(t, device=dev))
+        out, _ = draft(model, 0, hidden[:-2], ids[1:-1], torch.arange(t - 2, device=dev),
+                       training_metadata(ids[1:-1]))  # fmt: skip
+        logits = out.float() @ draft.head_weight(model, 0).float().T
+        loss = torch.nn.functional.cross_entropy(logits, ids[2:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    draft.store_kept(model)
+    return {"mtp_loss_first": losses[0] if losses else None, "mtp_loss_last": losses[-1] if losses else None}
+
+
+def run_spec(args, device, names: list[str], workload) -> list[dict]:
+    """Each workload with the plain engine and with ``--speculative-tokens``, warm calls, on fresh prompts."""
+    from areno.config import SamplingParams
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.models import load_model
+
+    path = mtp_checkpoint(args.mtp_family, args.smoke)
+    model = load_model(path, device=device)
+    vocab = model.config.vocab_size
+    base = dict(block_size=16, max_running=256, max_batched_tokens=args.max_batched_tokens,
+                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, eager_decode=True)
+    train = {}
+    if args.mtp_train_steps:
+        plain = Engine(model, None, EngineConfig(**base), eos_token_ids=[])
+        seqs = greedy_outputs(plain, vocab, 16 if args.smoke else 64, 16 if args.smoke else 128,
+                              16 if args.smoke else 256)  # fmt: skip
+        plain.drop_rollout_state()
+        del plain
+        t0 = time.perf_counter()
+        train = train_mtp(model, seqs, args.mtp_train_steps)
+        train["mtp_train_s"] = time.perf_counter() - t0
+        print("MTP training:", train, flush=True)
+    records = []
+    for k in (0, args.speculative_tokens):
+        engine = Engine(model, None, EngineConfig(speculative_tokens=k, **base), eos_token_ids=[])
+        for name in names:
+            for call, seed in (("first", 1), ("warm", 2)):
+                prompts, new = workload(name, args.smoke, vocab, seed)
+                temp = 0.0 if args.spec_greedy else 1.0
+                opts = [SamplingParams(temperature=temp, max_new_tokens=n, ignore_eos=True) for n in new]
+                if engine.spec is not None:
+                    engine.spec.take_stats()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = engine.generate(prompts, opts)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                tokens = sum(len(c.token_ids) for g in out for c in g)
+                rec = dict(impl="areno", workload=name, call=call, family=args.mtp_family, speculative_tokens=k,
+                           sequences=len(prompts), output_tokens=tokens, wall_s=dt, tok_s=tokens / dt, **train)
+                if engine.spec is not None:
+                    rec.update(engine.spec.take_stats())
+                print({a: round(b, 4) if isinstance(b, float) else b for a, b in rec.items()}, flush=True)
+                records.append(rec)
+        engine.drop_rollout_state()
+        del engine
+    plain = {r["workload"]: r for r in records if r["call"] == "warm" and not r["speculative_tokens"]}
+    for r in records:
+        if r["call"] == "warm" and r["speculative_tokens"] and r["workload"] in plain:
+            r["speedup_vs_plain"] = r["tok_s"] / plain[r["workload"]]["tok_s"]
+    return records
