@@ -115,7 +115,7 @@ class Engine:
         dtype = next(self.model.parameters()).dtype
         num_blocks = plan_num_blocks(
             self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
-            max_running=cfg.max_running, max_model_len=self.max_model_len,
+            max_running=cfg.max_running, max_model_len=self.max_model_len, extra_layers=int(cfg.speculative_tokens > 0),
         )
         hybrid = self.model.is_hybrid
         record = cfg.record_routing and self.model.is_moe

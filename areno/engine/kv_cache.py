@@ -58,9 +58,11 @@ def window_blocks(window: int, block_size: int) -> int:
     return -(-window // block_size) + 1
 
 
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, max_model_len: int | None = None) -> int:
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, max_model_len: int | None = None,
+                       extra_layers: int = 0) -> int:
+    """Bytes of one block of the paged cache, ``extra_layers`` cache layers more (the MTP draft's, speculation)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    layers = max(len(g.layers) for g in kv_groups(model, max_model_len))
+    layers = max(len(g.layers) for g in kv_groups(model, max_model_len)) + extra_layers
     n, shape = kv_cache_layout(model)
     return layers * n * block_size * math.prod(shape) * elem
 
@@ -71,11 +73,13 @@ def state_bytes(model, max_running: int, dtype: torch.dtype) -> int:
     return max_running * RecurrentStates.bytes_per_slot(shapes, dtype) if shapes else 0
 
 
-def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_running, max_model_len) -> int:
+def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_running, max_model_len,
+                    extra_layers: int = 0) -> int:
     """Blocks for the KV cache: the memory budget, capped by what max_running full-length sequences hold (a
-    sliding group: its window's blocks; at least one whole full-length sequence in every group)."""
+    sliding group: its window's blocks; at least one whole full-length sequence in every group). ``extra_layers``:
+    cache layers beside the model's that share the blocks (the MTP draft's with --speculative-tokens)."""
     groups = kv_groups(model, max_model_len)
-    per_block = kv_bytes_per_block(model, block_size, dtype, max_model_len)
+    per_block = kv_bytes_per_block(model, block_size, dtype, max_model_len, extra_layers)
     full = math.ceil(max_model_len / block_size)
     held = sum(full if g.window is None else min(full, window_blocks(g.window, block_size)) for g in groups)
     cap = max(max_running * held, len(groups) * full) + max_running  # + one spare per sequence

@@ -97,11 +97,18 @@ class SpecDecoder:
         runner = engine.runner
         if runner.use_graphs:
             raise ValueError("--speculative-tokens with CUDA graphs is not built yet: add --eager-decode")
-        cache = torch.zeros_like(runner.kv_cache[0])  # the MTP layer's own paged K/V: one cache layer
-        self.mtp_kv = tuple(cache[e] for e in range(cache.shape[0]))
-        self.mtp_cache = cache
+        # the MTP layer's own paged K/V: one cache layer on the runner (released with it)
+        runner.mtp_cache = torch.zeros_like(runner.kv_cache[0])
         self.drafts: dict[int, Draft] = {}
         self.counts = {"verify_rows": 0, "emitted": 0, "drafted": 0}
+
+    @property
+    def mtp_cache(self) -> torch.Tensor:
+        return self.engine.runner.mtp_cache
+
+    @property
+    def mtp_kv(self) -> tuple:
+        return tuple(self.mtp_cache[e] for e in range(self.mtp_cache.shape[0]))
 
     def stats(self) -> dict:
         """Since the engine started: ``spec_accept_len`` (tokens emitted per drafting sequence and verify step),
@@ -123,6 +130,9 @@ class SpecDecoder:
         step = e.scheduler.schedule(admit=True)
         if not step.chunks:
             return []
+        if len(self.drafts) > len(e.scheduler.running):  # those of finished, aborted or preempted sequences
+            running = {s.seq_id for s in e.scheduler.running}
+            self.drafts = {i: d for i, d in self.drafts.items() if i in running}
         copies, state_copies = list(e.blocks.pending_copies), list(e.blocks.pending_state_copies)
         e.blocks.pending_copies.clear()
         e.blocks.pending_state_copies.clear()

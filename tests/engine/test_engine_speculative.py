@@ -11,11 +11,14 @@ import torch
 
 from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
+from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.mtp import make_echo_model
 
 PROMPTS = [[5, 9, 13, 200, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [42] * 5]
+pytestmark = pytest.mark.slow
+
 SHARED = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 99, 98]  # a prefix hit on the second prompt
 
 
@@ -53,6 +56,17 @@ def test_greedy_equals_plain_decoding(echo, k):
     assert e.spec.take_stats() == {"spec_accept_len": 0.0}
     if family != "deepseek_v3":  # the hybrids: rejections rolled their recurrent states back
         assert e.runner.states is not None
+
+
+def test_preemption_keeps_greedy_tokens(echo):
+    """A cache small enough to preempt: recomputed sequences draft again from their new prefill, same tokens."""
+    family, model, (plain, _) = echo
+    budget = 10 * kv_bytes_per_block(model, 4, torch.float32, extra_layers=1) + state_bytes(model, 6, torch.float32)
+    e = _engine(model, 2, max_running=6, kv_cache_memory=budget)
+    out = e.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, n=2))
+    assert e.scheduler.num_preemptions > 0
+    assert [[c.token_ids for c in g] for g in out] == [[t for t, _ in g] for g in plain[: len(PROMPTS)]]
+    assert len(e.spec.drafts) == 0  # none left behind by finished sequences
 
 
 def _pit(probs: torch.Tensor, token: int, u: float) -> float:
