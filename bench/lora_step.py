@@ -2,7 +2,7 @@
 
     python bench/lora_step.py                       # H200: 0.6B (areno, TRL + PEFT) and 8B shapes (about 8 minutes)
     python bench/lora_step.py --shapes none --qlora # H200: the 32B shape with --quantize-base nf4 only
-    python bench/lora_step.py --smoke               # CPU: tiny shapes, tiny batch (checks the script; times meaningless)
+    python bench/lora_step.py --smoke               # CPU: tiny shapes and batch (checks the script; times meaningless)
 
 The areno side is ``bench/grpo_step.py``'s ``run_areno`` (``TrainLoop(TrainConfig(algo="grpo", ...))``, ``setup()``
 then ``step(batch)``: what ``areno train --algo grpo --lora-rank 32 --lora-alpha 64 --lora-target-modules
@@ -20,9 +20,9 @@ all-linear`` runs) with the LoRA fields added. Shapes:
 
 Per row: step_s (mean of the steps after the first), the split (rollout_s, logprob_s: reference + old log-probs,
 train_s: the update; reward_s, pack_s, other_s) as G1 rows give it, peak_gib / reserved_gib
-(torch.cuda.max_memory_allocated / max_memory_reserved over the measured steps) and for areno on 0.6B the
-TRL + PEFT row's areno_speedup (its step over areno's; issue 39's bar: >= 5x). Each row is printed and appended to bench/results/lora_step.jsonl
-as soon as it is measured (a timeout keeps the rows done).
+(torch.cuda.max_memory_allocated / max_memory_reserved over the measured steps), and on the TRL + PEFT row
+areno_speedup (its step over areno's on 0.6B; issue 39's bar: >= 5x). Each row is printed and appended to
+bench/results/lora_step.jsonl as soon as it is measured (a timeout keeps the rows done).
 """
 
 from __future__ import annotations
