@@ -15,14 +15,15 @@ all-linear`` runs) with the LoRA fields added. Shapes:
   weights drawn on the GPU (no checkpoint is written: areno's loader builds the model, the weights are filled in
   place); 64 prompts x 8 samples x 512 new tokens, 16 microbatches of 32, activation checkpointing on.
 - ``--qlora`` (G32B-qlora): Qwen3-32B's config (hidden 5120, 64 layers, 64/8 heads, intermediate 25600), random
-  weights on the GPU (the build time is printed and recorded as ``build_s``), ``--quantize-base nf4``; 8 prompts x 4
-  samples x 256 new tokens, one microbatch, checkpointing on.
+  weights on the GPU (the build time is printed and recorded as ``build_s``, the bf16 base's memory as
+  ``load_peak_gib``), ``--quantize-base nf4``; 8 prompts x 4 samples x 256 new tokens, one microbatch, checkpointing
+  on.
 
-Per row: step_s (mean of the steps after the first), the split (rollout_s, logprob_s: reference + old log-probs,
-train_s: the update; reward_s, pack_s, other_s) as G1 rows give it, peak_gib / reserved_gib
-(torch.cuda.max_memory_allocated / max_memory_reserved over the measured steps), and on the TRL + PEFT row
-areno_speedup (its step over areno's on 0.6B; issue 39's bar: >= 5x). Each row is printed and appended to
-bench/results/lora_step.jsonl as soon as it is measured (a timeout keeps the rows done).
+Per row: step_s (mean of the steps after the first), the split as G1 rows give it (rollout_s; logprob_s: the
+reference and old log-probs, none at beta 0 when the rollout's own log-probs serve; train_s: the update; reward_s,
+pack_s, other_s), peak_gib / reserved_gib (torch.cuda.max_memory_allocated / max_memory_reserved over the measured
+steps), and on the TRL + PEFT row areno_speedup (its step over areno's on 0.6B; issue 39's bar: >= 5x). Each row is
+printed and appended to bench/results/lora_step.jsonl as soon as it is measured (a timeout keeps the rows done).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def write_config(folder: Path, shape: dict, dtype) -> Path:
 @contextlib.contextmanager
 def random_weights(timing: dict):
     """While open, areno's loader fills each model's parameters in place on their device (std 0.02, norms 1)
-    instead of reading a checkpoint; ``timing["build_s"]`` is the time spent filling."""
+    instead of reading a checkpoint; ``timing["build_s"]`` is the time spent filling, ``timing["load_peak_gib"]``
+    the GPU memory peak then (the bf16 base before --quantize-base nf4 shrinks it)."""
     from areno.models import loader
 
     real = loader.load_hf_weights
@@ -102,6 +104,10 @@ def random_weights(timing: dict):
                 p.normal_(0.0, 0.02, generator=gen)
         grpo_step.sync()
         timing["build_s"] = timing.get("build_s", 0.0) + time.perf_counter() - t0
+        if torch.cuda.is_available():  # the base in bf16 before any quantisation: the load's peak
+            timing["load_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"random weights: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters drawn in "
+              f"{timing['build_s']:.1f}s", flush=True)
 
     loader.load_hf_weights = fill
     try:
@@ -135,12 +141,13 @@ def run_case(name: str, args, tmp: str, impl: str) -> dict:
             with random_weights(timing) if shape is not None else contextlib.nullcontext():
                 out = grpo_step.run_areno(path, texts, s, ckpt, args, tmp, "auto", lora_fields(extra))
         else:
+            import peft
             from peft import LoraConfig
 
             peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0,
                                      task_type="CAUSAL_LM")
             out = grpo_step.run_trl(path, texts, s, args, tmp, peft_config)
-            out["impl"] = out["impl"].replace("trl", "trl+peft")
+            out["impl"] = f"{out['impl']} + peft {peft.__version__}"
         rec.update({k: v for k, v in out.items() if k != "impl"}, impl=out["impl"], **timing)
     except Exception as e:  # one failing case is reported, the others still run
         traceback.print_exc()
@@ -167,7 +174,7 @@ def emit(rec: dict, records: list, args, env: dict) -> None:
         rec["areno_speedup"] = rec["step_s"] / areno["step_s"]
     records.append(rec)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}, flush=True)
-    if rec.get("step_s"):
+    if rec["impl"] == "areno" and rec.get("step_s"):
         print(grpo_step.breakdown({**rec, "impl": f"{rec['workload']} {rec['impl']}"}), flush=True)
     if not args.no_save and not args.smoke:
         append_jsonl("lora_step", [rec], env)
