@@ -19,6 +19,7 @@
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
 #   train-profile     kernel tables of T1 and T2 steps, graph gaps, graphed-step memory
 #   grpo              G1 vs TRL (TRL from $WHEELS_TRL if present), graphs off and on; grpo-default: the default command
+#   lora              G1-lora / G8B-lora LoRA GRPO steps vs TRL + PEFT (bench/lora_step.py); lora-qlora: G32B-qlora
 #   grpo-split        G1 colocated vs split sync/async vs TRL (nvidia-h200-x2)
 #   sync              S1 policy sync and the split-mode tests (nvidia-h200-x2)
 #   tp                serve/train TP vs TP=1 on every GPU of the machine (nvidia-h200-x2 or -x4)
@@ -113,6 +114,10 @@ for stage in "$@"; do
       wheels "$WHEELS_TRL" /tmp/trl
       step grpo_step ${G1_LIMIT:-420} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py \
         --train-cuda-graphs off,on ;;
+    lora)
+      wheels "$WHEELS_TRL" /tmp/trl
+      step lora_step ${LORA_LIMIT:-560} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/lora_step.py ${LORA_ARGS:-} ;;
+    lora-qlora) step lora_qlora ${LORA_LIMIT:-560} python3 bench/lora_step.py --shapes none --qlora ;;
     grpo-default) step grpo_step ${G1_LIMIT:-300} python3 bench/grpo_step.py ;;
     grpo-split)
       wheels "$WHEELS_TRL" /tmp/trl
