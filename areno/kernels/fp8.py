@@ -71,8 +71,10 @@ def _check_float(t: torch.Tensor, what: str, dims: int | None = None) -> None:
 
 
 def block_scales_of(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scales (``amax / 448``, amax floored at EPS) of fp32 block absmaxes."""
-    return amax.clamp(min=EPS) / FP8_MAX
+    """fp32 scales (``amax / 448``, amax floored at EPS) of fp32 block absmaxes, correctly rounded on every device:
+    torch's CUDA division by a Python scalar multiplies by its rounded reciprocal (one ulp off ``amax / 448`` for
+    some amax, which the Triton quantiser's ``div_rn`` is not), so the divisor is a tensor on amax's device."""
+    return amax.clamp(min=EPS) / torch.full_like(amax, FP8_MAX)
 
 
 def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
