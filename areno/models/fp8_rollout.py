@@ -84,12 +84,14 @@ def enable(model) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def fp8_forward(model, on: bool = True):
-    """The quantised modules run FP8 inside the block (``on``), their weights after it."""
+    """The quantised modules run FP8 inside the block (``on``; else their weights), as before after it."""
+    before = [(m, m.fp8_on) for m in fp8_modules(model).values()]
     set_active(model, on)
     try:
         yield
     finally:
-        set_active(model, False)
+        for m, was in before:
+            m.fp8_on = was
 
 
 # ---- split mode's wire format ------------------------------------------------------------------------------------
