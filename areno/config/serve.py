@@ -69,8 +69,8 @@ class ServeConfig:
     eager_decode: bool = opt(False, "disable CUDA-graph replay for decode", "rollout")
     rollout_dtype: str = opt(
         "bf16", "the served linear weights (attention, MLP; not embeddings, lm_head, norms, routers, MoE experts): "
-        "bf16 as loaded, or fp8: quantised blockwise at load (E4M3, 128x128 blocks, DeepSeek-V3's layout; vLLM's "
-        "--quantization fp8) and run by the FP8 GEMM", "rollout", choices=ROLLOUT_DTYPES)
+        "bf16 as loaded, or fp8: quantised blockwise at load (E4M3, 128x128 blocks, DeepSeek-V3's layout; vLLM's fp8 "
+        "quantization) and run by the FP8 GEMM", "rollout", choices=ROLLOUT_DTYPES)
     engine_thread: bool = opt(
         False, "run the engine in a thread of the HTTP process instead of its own engine-core process (slower under "
         "load: the HTTP path and the engine share one interpreter lock; a --world-size == --tp-size > 1 server "
