@@ -6,7 +6,6 @@ the verified sync comparing them byte for byte, gloo ranks); what is not built e
 import json
 import logging
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -32,14 +31,10 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8r")
     ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0, **WIDTHS)
-    rng = random.Random(0)
-    rows = [{"prompt": [{"role": "user", "content": f"{rng.randint(0, 9)}+{rng.randint(0, 9)}="}], "answer": "1"}
-            for _ in range(16)]
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
-    return ckpt, data, reward
+    (root / "data.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}],
+                                                         "answer": str(2 * i)}) + "\n" for i in range(16)))
+    (root / "reward.py").write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
+    return ckpt, root / "data.jsonl", root / "reward.py"
 
 
 def train_argv(files, out, *extra, steps=2):
