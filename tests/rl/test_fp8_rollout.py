@@ -143,7 +143,7 @@ def test_split_mode_streams_the_fp8_copies_at_about_half_the_bytes(files, tmp_pa
 def test_a_bf16_gpu_run_with_fp8_rollout_logs_a_small_mismatch(files, tmp_path):
     """On a GPU (Triton FP8 GEMMs, CUDA graphs): a bf16 run trains, the mismatch stays that of the tiny model."""
     out = tmp_path / "gpu"
-    argv = [a if a != "float32" else "bfloat16" for a in train_argv(files, out, "--max-new-tokens", "16")]
+    argv = [a if a != "float32" else "bfloat16" for a in train_argv(files, out)]
     assert main(argv) == 0
     ms = metrics(out)
     assert len(ms) == 2 and all(0 < m["logprob_diff"] < 0.5 and m["mismatch_kl"] < 0.1 for m in ms)
