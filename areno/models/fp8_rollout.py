@@ -98,7 +98,14 @@ def fp8_forward(model, on: bool = True):
 def wire_hf_names(model) -> set[str]:
     """The Hugging Face tensors the FP8 entries replace in the stream: those of the quantised modules' weights."""
     layouts = model._tp_layouts
-    return {part.hf_name for name in fp8_modules(model) for lay in layouts[f"{name}.weight"] for part in lay.parts}
+    mine = {f"{name}.weight" for name in fp8_modules(model)}
+    names = {part.hf_name for p in mine for lay in layouts[p] for part in lay.parts}
+    shared = [part.hf_name for p, lays in layouts.items() if p not in mine for lay in lays for part in lay.parts
+              if part.hf_name in names]  # fmt: skip
+    if shared:  # a tensor split between a quantised module and another parameter: the stream cannot carry it
+        raise ConfigError(FIELD, f"fp8 in split mode is not built for {model.config.model_type}: {shared[0]} feeds "
+                                 "a quantised projection and another parameter")
+    return names
 
 
 def wire_specs(model, *, trainable_only: bool = False) -> list[tuple[str, tuple, torch.dtype]]:
