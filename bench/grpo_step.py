@@ -74,7 +74,8 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto") -> dict:
+def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto", extra: dict | None = None) -> dict:
+    """``extra``: more TrainConfig fields (bench/lora_step.py's LoRA and QLoRA settings)."""
     from areno.config import TrainConfig
     from areno.rl.loop import TrainLoop
 
@@ -103,6 +104,7 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto") -> dict:
         metrics_dir=os.path.join(tmp, "metrics"),
         kv_cache_memory=args.kv_cache_memory,
         train_cuda_graphs=graphs,
+        **(extra or {}),
     )
     rec = dict(impl="areno", checkpointing=ckpt, train_cuda_graphs=graphs)
     loop = TrainLoop(cfg)
@@ -124,6 +126,7 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto") -> dict:
             m["step_s"] = time.perf_counter() - t0
             if torch.cuda.is_available():
                 m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                m["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
             loop.step_index += 1
             steps.append(m)
             print(f"areno step {i + 1}: " + ", ".join(
@@ -148,6 +151,7 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto") -> dict:
     rec["other_s"] = rec["step_s"] - sum(rec.get(k, 0.0) for k in PHASES)
     if any("peak_gib" in m for m in later):
         rec["peak_gib"] = max(m.get("peak_gib", 0.0) for m in later)
+        rec["reserved_gib"] = max(m.get("reserved_gib", 0.0) for m in later)
     return rec
 
 
@@ -189,7 +193,8 @@ def run_areno_split(path, texts, s, ckpt, args, tmp, staleness: int) -> dict:
     return rec
 
 
-def run_trl(path, texts, s, args, tmp) -> dict:
+def run_trl(path, texts, s, args, tmp, peft_config=None) -> dict:
+    """``peft_config``: a ``peft.LoraConfig`` for GRPOTrainer (bench/lora_step.py's TRL + PEFT baseline)."""
     import transformers
     import trl
     from datasets import Dataset
@@ -233,7 +238,8 @@ def run_trl(path, texts, s, args, tmp) -> dict:
             print(f"trl step {len(stamps)}: {stamps[-1] - (stamps[-2] if len(stamps) > 1 else t0):.2f}s", flush=True)
 
     tr = GRPOTrainer(
-        model=model, reward_funcs=reward, args=targs, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+        model=model, reward_funcs=reward, args=targs, train_dataset=ds, processing_class=tok, callbacks=[Clock()],
+        **({} if peft_config is None else dict(peft_config=peft_config)),
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -251,6 +257,7 @@ def run_trl(path, texts, s, args, tmp) -> dict:
     )
     if torch.cuda.is_available():
         rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        rec["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     lens = [h[k] for h in tr.state.log_history for k in h if k in ("completions/mean_length", "completion_length")]
     if lens:
         rec["response_len_mean"] = lens[-1]

@@ -27,9 +27,14 @@ class ClusterSection:
     max_restarts: int = opt(0, "when a rank or node dies, stop the others, re-form the group and resume from the "
                             "last complete checkpoint up to N times (torch's elastic agent)", "basic",
                             needs="saved")
+    rdzv_timeout: int = opt(600, "seconds the nodes have to join the rendezvous (at the start and after a restart); a "
+                            "node still missing then ends the run on the others with one line naming the "
+                            "rendezvous (torchrun's join_timeout)", "basic", metavar="SECONDS", needs="nodes")
 
     def check_cluster(self):
         check_non_negative("--max-restarts", self.max_restarts)
+        if self.rdzv_timeout < 1:
+            raise ConfigError("--rdzv-timeout", f"must be at least 1 second, got {self.rdzv_timeout}")
         if self.nnodes is not None and self.nnodes < 1:
             raise ConfigError("--nnodes", f"must be at least 1, got {self.nnodes}")
         if self.node_rank is not None and (self.node_rank < 0 or self.node_rank >= (self.nnodes or 1)):

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from areno.config.fields import ConfigError
 
@@ -31,6 +31,7 @@ class Placement:
     master_port: int | None = None  # None on one node: a free port
     nproc_per_node: int | None = None  # the launcher's ranks per node, where it says
     task_env: dict = field(default_factory=dict)  # task-level: the process-group env of this rank
+    join_timeout: int = 600  # seconds the nodes have to (re)join the rendezvous (--rdzv-timeout)
 
     @property
     def task_level(self) -> bool:
@@ -174,7 +175,7 @@ def place(config, ranks: int, env=None) -> Placement:
     if found.nproc_per_node and found.nproc_per_node != ranks // found.nnodes and found.launcher == "pytorchjob":
         raise ConfigError("--world-size", f"the run has {ranks // found.nnodes} ranks per node, but the PyTorchJob "
                           f"sets nprocPerNode {found.nproc_per_node}")
-    return found
+    return replace(found, join_timeout=config.rdzv_timeout)
 
 
 def agent_args(placement: Placement, nproc: int, max_restarts: int, port: int) -> list[str]:
@@ -183,5 +184,6 @@ def agent_args(placement: Placement, nproc: int, max_restarts: int, port: int) -
     args = ["--nnodes", str(placement.nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{host}:{port}", "--max-restarts", str(max_restarts)]
     if placement.nnodes > 1:
-        args += ["--node-rank", str(placement.node_rank), "--rdzv-id", f"areno-{host}-{port}"]
+        args += ["--node-rank", str(placement.node_rank), "--rdzv-id", f"areno-{host}-{port}",
+                 "--rdzv-conf", f"join_timeout={placement.join_timeout}"]
     return args

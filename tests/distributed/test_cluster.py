@@ -11,7 +11,7 @@ from areno.distributed.cluster import agent_args, detect, expand_hostlist, place
 
 def flags(**kw):
     return SimpleNamespace(**{"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None,
-                              "max_restarts": 0, **kw})
+                              "max_restarts": 0, "rdzv_timeout": 600, **kw})
 
 
 # srun --nodes 2 --ntasks-per-node 1 on node 1 of job 4242 (scontrol is not on this PATH: the list is parsed here)
@@ -79,8 +79,10 @@ def test_pytorchjob_and_skypilot_place_the_same_node():
 
 
 def test_flags_by_hand_and_conflicts_with_a_launcher():
-    p = place(flags(nnodes=2, node_rank=1, master_addr="node0", master_port=29600), 4, {})
+    p = place(flags(nnodes=2, node_rank=1, master_addr="node0", master_port=29600, rdzv_timeout=45), 4, {})
     assert (p.launcher, p.nnodes, p.node_rank) == ("flags", 2, 1)
+    args = agent_args(p, 2, 0, 29600)
+    assert args[args.index("--rdzv-conf") + 1] == "join_timeout=45"  # --rdzv-timeout reaches torch's rendezvous
     assert agent_args(p, 2, 0, p.master_port)[agent_args(p, 2, 0, 1).index("--rdzv-endpoint") + 1] == "node0:29600"
     assert place(flags(), 2, {}).launcher == "local"
     with pytest.raises(ConfigError, match="--nnodes 3 conflicts with slurm's 2"):
