@@ -58,6 +58,11 @@ class Row:
     fresh_fork: bool = False  # a sample forked from its head in this step: no draft yet
 
 
+def filters(top_k: list[int], top_p: list[float]) -> tuple:
+    """Per-row top-k / top-p, each None when no row filters (the samplers then skip sorting the vocabulary)."""
+    return (top_k if any(k > 0 for k in top_k) else None), (top_p if any(p < 1.0 for p in top_p) else None)
+
+
 def check_speculative(engine) -> None:
     """Refuse what speculative decoding does not cover yet (a ValueError naming the setting)."""
     cfg, model = engine.config, engine.model
@@ -220,8 +225,9 @@ class SpecDecoder:
         adj = None
         if inp.adjust is not None:
             adj = {k: v.to(dev) for k, v in adjust_host(inp.adjust, B, inp.adjust.width).items()}
+        top_k, top_p = filters(inp.top_k, inp.top_p)
         out = verify_draft(logits, tokens, probs, torch.tensor(nd, device=dev), temperature=inp.temperature,
-                           seeds=inp.seeds, offsets=inp.offsets, top_k=inp.top_k, top_p=inp.top_p, adjust=adj,
+                           seeds=inp.seeds, offsets=inp.offsets, top_k=top_k, top_p=top_p, adjust=adj,
                            token_state=r.adjuster.token_state if adj is not None and "pen_slot" in adj else None)
         toks, lps = out.lists()
         self._rollback(rows, out.accepted.tolist(), nd)
@@ -328,9 +334,10 @@ class SpecDecoder:
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         opts = [s.options for s in seqs]
+        top_k, top_p = filters([p.top_k for p in opts], [p.top_p for p in opts])
         q = sampling_probs(logits, temperature=torch.tensor([p.temperature for p in opts], device=dev),
-                           top_k=torch.tensor([p.top_k for p in opts], device=dev),
-                           top_p=torch.tensor([p.top_p for p in opts], device=dev))
+                           top_k=None if top_k is None else torch.tensor(top_k, device=dev),
+                           top_p=None if top_p is None else torch.tensor(top_p, device=dev))
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
         offsets = torch.tensor([len(s) + j + DRAFT_STREAM for s in seqs], dtype=torch.int64, device=dev)
         u = (philox_bits(seeds, offsets, q.shape[1]).double() + 0.5) * 2.0**-32

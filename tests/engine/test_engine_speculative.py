@@ -58,6 +58,15 @@ def test_greedy_equals_plain_decoding(echo, k):
         assert e.runner.states is not None
 
 
+def test_a_copying_mtp_layer_drafts_the_last_token(echo):
+    """The echo model's MTP layer copies its input token: after the prefill every greedy draft is the last token."""
+    _, model, _ = echo
+    e = _engine(model, 3)
+    (seq,) = e.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    e.step()
+    assert e.spec.drafts[seq.seq_id].tokens == [seq.tokens[-1]] * 3
+
+
 def test_preemption_keeps_greedy_tokens(echo):
     """A cache small enough to preempt: recomputed sequences draft again from their new prefill, same tokens."""
     family, model, (plain, _) = echo
