@@ -69,7 +69,6 @@ def check_speculative(engine) -> None:
     if not getattr(model, "num_mtp_layers", 0) or getattr(model, "mtp_draft_parts", None) is None:
         raise ValueError(f"--speculative-tokens needs a model with MTP layers ({model.config.model_type}: none loaded)")
     refused = [(cfg.decode_steps > 1, "--decode-steps > 1"), (model.tp_group is not None, "--tp-size > 1"),
-               (cfg.record_routing and model.is_moe, "routing replay (record_routing)"),
                (cfg.max_loras > 0, "--max-loras"), (model.is_multimodal, "a vision-language model")]
     for bad, name in refused:
         if bad:
@@ -151,6 +150,7 @@ class SpecDecoder:
         with torch.inference_mode():
             hidden, meta, ids, pos = self._target(inp, rows)
             verified = self._verify(inp, rows, hidden)
+        self._keep_routing(chunks, rows, meta, verified)
         e.scheduler.after_step(step)
         emitted = self._append(rows, verified)
         with torch.inference_mode():
@@ -203,8 +203,29 @@ class SpecDecoder:
             slots = torch.tensor(drafting, device=r.device)
             self._saved = (slots, r.states.conv[:, slots].clone(), r.states.recurrent[:, slots].clone())
         ids, pos, meta = r.step_tensors(inp)
+        if r.record_routing:
+            meta.routing_out = torch.empty(self.engine.model.num_moe_layers, len(inp.ids), self.engine.model.moe_top_k,
+                                           dtype=torch.int32, device=r.device)  # fmt: skip
         hidden = self.engine.model(ids, pos, kv_caches=r.kv_caches, attn_metadata=meta)
         return hidden, meta, ids, pos
+
+    def _keep_routing(self, chunks, rows, meta, verified) -> None:
+        """Routing capture: each chunk's sequence keeps the experts of the tokens it computed (a drafting sequence:
+        its accepted inputs only); samples not yet forked take their head's (as ``Engine`` does)."""
+        if meta.routing_out is None:
+            return
+        routes = meta.routing_out.permute(1, 0, 2).to(torch.int16).cpu().numpy()  # [T, layers, k]
+        meta.routing_out = None  # the draft's MoE block must not write there
+        emitted = {row.seq.seq_id: len(t) for row, t in zip(rows, verified[0]) if row.draft is not None}
+        off = 0
+        for c in chunks:
+            n = c.end - c.start
+            take = emitted[c.seq.seq_id] if getattr(c, "draft", None) is not None else n  # 1 + accepted drafts
+            c.seq.routing.append((c.start, routes[off : off + take]))
+            off += n
+            if c.samples:
+                for child in getattr(c.seq, "children", []):
+                    child.routing = list(c.seq.routing)
 
     def _verify(self, inp: StepInputs, rows: list[Row], hidden):
         r, dev = self.engine.runner, self.engine.runner.device

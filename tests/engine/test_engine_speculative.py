@@ -14,6 +14,7 @@ from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
+from tests.helpers.families import assert_routes_match_forward
 from tests.helpers.mtp import make_echo_model
 
 PROMPTS = [[5, 9, 13, 200, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [42] * 5]
@@ -65,6 +66,20 @@ def test_a_copying_mtp_layer_drafts_the_last_token(echo):
     (seq,) = e.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
     e.step()
     assert e.spec.drafts[seq.seq_id].tokens == [seq.tokens[-1]] * 3
+
+
+def test_routing_capture_keeps_the_accepted_tokens_routes(echo):
+    """Routing replay (sparse-MoE models): every token's recorded experts are a plain forward's, the verify step's
+    rejected positions dropped; n = 2 forks take their head's prompt routes."""
+    family, model, _ = echo
+    if not model.is_moe:
+        pytest.skip(f"{family}: dense, no routes")
+    e = _engine(model, 2, record_routing=True)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, n=2, seed=3)
+    out = e.generate(PROMPTS[:2], opts)
+    assert e.spec.stats()["spec_accept_len"] > 1.0
+    for group in out:
+        assert_routes_match_forward(model, group)
 
 
 def test_preemption_keeps_greedy_tokens(echo):
