@@ -16,15 +16,17 @@ One engine step (``SpecDecoder.step``, in place of ``Engine.step``):
 4. The MTP catch-up: the draft's step 0 over every position the step computed, each with its next token (the prompt's,
    or the tokens just emitted), which writes the MTP layer's own K/V (a paged cache of one layer beside the target's,
    the same block tables and slots) and gives, at each sequence's last accepted position, the first draft token.
-   Then K-1 chained decode steps of the MTP layers (layer ``j mod n``) draft the rest, each token drawn from the
-   draft's distribution at the request's temperature/top-k/top-p (Gumbel-max on its own Philox stream).
+   Then K-1 chained decode steps of the MTP layer draft the rest (the first MTP layer at every step: the families'
+   checkpoints hold one; further ones are not run yet), each token drawn from the draft's distribution at the
+   request's temperature/top-k/top-p (Gumbel-max on its own Philox stream).
 
 A sample forked from a prompt drafts from its second step (its first position's MTP entry is its head's). With prefix
 caching, the MTP entry at the last position of a cached prefix was computed with the next token of the sequence that
 cached it: drafts may differ there, the output distribution never does. ``stats()``: ``spec_accept_len``, the mean
 tokens emitted per drafting sequence and verify step (accepted drafts + 1).
-Not built (refused at start): CUDA graphs, multi-step decode, tensor parallelism, routing capture, LoRA slots; per
-request: images, grammars, top log-probs.
+Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
+graphs, multi-step decode, tensor parallelism, LoRA slots, vision-language models; per request: grammars, top
+log-probs.
 """
 
 from __future__ import annotations
