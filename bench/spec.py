@@ -93,7 +93,7 @@ def train_mtp(model, sequences: list[list[int]], steps: int, lr: float = 1e-3) -
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     draft.store_kept(model)
     return {"mtp_loss_first": losses[0] if losses else None, "mtp_loss_last": losses[-1] if losses else None}
 
