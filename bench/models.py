@@ -116,6 +116,38 @@ def num_params(shape: dict) -> int:
     return layers * per_layer + h + v * h
 
 
+@torch.no_grad()
+def random_model(raw: dict, dtype, device, *, seed: int = 0, std: float = 0.02, attn_backend: str = "flash"):
+    """The areno model of the config.json dict ``raw`` (any registered ``model_type``) with random weights drawn on
+    ``device``, built as ``load_model`` builds one but with no checkpoint: N(0, ``std``) matrices, norm scales 1 (a
+    zero-centred norm's weight 0), expert biases 0."""
+    from areno.models.layers import RMSNorm
+    from areno.models.loader import materialize
+    from areno.models.registry import get_adapter
+    from areno.models.tp import apply_tp_plan
+
+    adapter = get_adapter(raw["model_type"])
+    with torch.device("meta"):
+        model = adapter.model_class(adapter.config_from_hf(raw), attn_backend=attn_backend)
+    apply_tp_plan(model, None)
+    materialize(model, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("expert_bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and hasattr(module, "scale"):  # scales by an offset weight (1 + w)
+            module.weight.zero_()
+            module.weight.fill_(1.0 - module.scale().float().mean().item())
+    model.init_buffers(device)
+    model.hf_config = raw
+    return model.eval()
+
+
 def random_prompts(n: int, length: int | list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of random token ids in [3, vocab) (``length``: one length, or one per prompt)."""
     rng = random.Random(seed)
