@@ -295,7 +295,8 @@ def run_train(name: str, args, device, dtype) -> list[dict]:
 
 
 def compare(records: list[dict]) -> None:
-    """areno's rows get ``speedup_vs_hf`` (and ``memory_vs_hf`` for T1) against transformers' row of the shape."""
+    """areno's rows get ``speedup_vs_hf`` (and ``memory_vs_hf`` for T1) against transformers' row of the shape and
+    workload (within one part's rows)."""
     hf = {(r["workload"], r["shape"]): r for r in records if r.get("impl") == "transformers" and "error" not in r}
     for r in records:
         ref = hf.get((r.get("workload"), r.get("shape")))
@@ -344,7 +345,7 @@ def parse(argv=None):
     ap.add_argument("--impls", default="areno,transformers", help="areno always runs; transformers: the baseline")
     ap.add_argument("--layers-rollout", type=layer_counts, default={}, help="SHAPE=LAYERS,... (defaults: 32 and 8)")
     ap.add_argument("--layers-train", type=layer_counts, default={}, help="SHAPE=LAYERS,... (defaults: 8 and 4)")
-    ap.add_argument("--attn-backend", default="flash", choices=["flash", "native"])
+    ap.add_argument("--attn-backend", default=None, help="areno's attention backend (default: load_model's choice)")
     ap.add_argument("--eager", action="store_true", help="areno's rollout without CUDA graphs")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps chained per scheduling round")
     ap.add_argument("--max-running", type=int, default=256)
@@ -375,22 +376,31 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":  # tiny matmuls: extra threads only spin against the other processes of a busy host
         torch.set_num_threads(1)
+    if args.attn_backend is None:  # as load_model picks it
+        from areno.platform import default_attn_backend
+
+        args.attn_backend = default_attn_backend() if device.type == "cuda" else "flash"
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    t_start = time.perf_counter()
+    t_start, env = time.perf_counter(), env_info()
     records = []
     for name in args.shapes.split(","):
         for part in args.parts.split(","):
             t0 = time.perf_counter()
-            records += (run_rollout if part == "rollout" else run_train)(name, args, device, dtype)
+            try:
+                rows = (run_rollout if part == "rollout" else run_train)(name, args, device, dtype)
+            except Exception as e:  # e.g. the model does not fit: report it, run the other parts
+                rows = [failed(dict(workload="R1" if part == "rollout" else "T1", shape=name, impl="areno"), e)]
+                free(device)
+            compare(rows)
             print(f"{name} {part} done in {time.perf_counter() - t0:.1f}s", flush=True)
-    compare(records)
+            if not args.no_save and not args.smoke:  # each part's rows kept at once (a run cut short keeps them)
+                print("results:", append_jsonl("families", rows, env), flush=True)
+            records += rows
     cols = ["shape", "workload", "impl", "layers", "call", "sequences", "tok_s", "wall_s", "step_ms", "mfu",
             "peak_gib", "speedup_vs_hf", "memory_vs_hf", "logprob_diff_mean", "note", "error"]  # fmt: skip
     print_table(records, cols)
     verdicts(records)
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
-    if not args.no_save and not args.smoke:
-        print("results:", append_jsonl("families", records, env_info()))
     return records
 
 
