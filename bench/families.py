@@ -10,7 +10,8 @@ conv 4, MLP 12288, vocab 248,320, untied head. Qwen3.5-35B-A3B: hidden 2048, 40 
 heads of 256, the same delta net, 256 experts of width 512 top-8 plus a gated shared expert of 512, vocab 248,320.
 No MTP layers (decode and the train step do not use them). The weights are drawn on the GPU (``models.random_model``:
 N(0, 0.02), zero-centred norms 0); no checkpoint is written. transformers' model is built from the same config
-(sdpa attention, bf16, its default experts implementation) and gets areno's weights copied in (its fused
+(sdpa attention, bf16, its default experts implementation; its rows say whether flash-linear-attention and
+causal-conv1d were installed or it ran its PyTorch reference delta rule) and gets areno's weights copied in (its fused
 ``gate_up_proj`` / ``down_proj`` experts stacked from the per-expert tensors), so both run the same model.
 
 Layers (flags): the rollout runs the whole 9B (32 layers) and 8 layers (two groups) of the 35B-A3B (the whole is
@@ -142,6 +143,21 @@ def hf_model(raw: dict, model, dtype, device):
     return hf
 
 
+def hf_fields(hf) -> dict:
+    """What transformers ran on: its version, experts implementation, and whether its delta-rule and short-conv
+    kernels were there (flash-linear-attention, causal-conv1d) or it fell back to its PyTorch reference code."""
+    import importlib.util
+
+    import transformers
+
+    have = {name: importlib.util.find_spec(mod) is not None for name, mod in
+            (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}  # fmt: skip
+    return dict(transformers=transformers.__version__,
+                experts_implementation=getattr(hf.config, "_experts_implementation", None),
+                hf_linear_attention=", ".join(k for k, v in have.items() if v) or "PyTorch reference (no fla, "
+                "no causal-conv1d)")
+
+
 def free(device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -189,10 +205,7 @@ def rollout_areno(model, args, device, base: dict) -> list[dict]:
 
 def rollout_hf(hf, args, device, base: dict) -> dict:
     """transformers' ``generate`` on the first ``--hf-prompts`` of the warm call's prompts."""
-    import transformers
-
-    rec = dict(base, impl="transformers", call="warm", transformers=transformers.__version__,
-               experts_implementation=getattr(hf.config, "_experts_implementation", None))
+    rec = dict(base, impl="transformers", call="warm", **hf_fields(hf))
     try:
         prompts, new = rollout.workload("R1", args.smoke, hf.config.vocab_size, seed=2)
         prompts, new = prompts[: args.hf_prompts], new[: args.hf_prompts]
@@ -260,13 +273,10 @@ def train_areno(model, args, device, base: dict, n_active: int) -> dict:
 
 
 def train_hf(hf, args, device, base: dict, n_active: int) -> dict:
-    import transformers
-
     state = (hf.train(), torch.optim.AdamW(hf.parameters(), lr=1e-6))
     rec = train_step.measure("transformers", state, "T1", base["batch"], base["seqlen"], False, device, args,
                              hf.config.vocab_size, n_active)
-    return show({**base, **rec, "transformers": transformers.__version__,
-                 "experts_implementation": getattr(hf.config, "_experts_implementation", None)})
+    return show({**base, **rec, **hf_fields(hf)})
 
 
 def run_train(name: str, args, device, dtype) -> list[dict]:
