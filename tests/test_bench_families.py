@@ -1,7 +1,7 @@
 """bench/families.py --smoke on the CPU: R1 and T1 rows of both Qwen3.5 shapes with their transformers baselines,
 transformers' copy of the GPU-drawn weights computing areno's logits, and bench/report.py rendering the rows."""
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -14,11 +14,10 @@ HAS_QWEN3_5 = hasattr(transformers, "Qwen3_5TextConfig")
 
 
 def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """A bench script as a module (it puts bench/ on sys.path for its own imports)."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    return importlib.import_module(name)
 
 
 @pytest.mark.skipif(not HAS_QWEN3_5, reason=f"transformers {transformers.__version__} has no qwen3_5")

@@ -8,8 +8,7 @@ import shutil
 
 import pytest
 import torch
-import transformers
-from hf_reference import assert_bf16_parity_on_gpu, load_reference
+from hf_reference import load_reference
 from safetensors.torch import load_file
 
 from areno.cli import main
@@ -113,21 +112,3 @@ def test_one_training_step_end_to_end(tiny_checkpoint, tmp_path, algo, family):
     if algo == "sft":
         start = load_model(ckpt, device="cpu")
         assert any(not torch.equal(a, b) for a, b in zip(mine.parameters(), start.parameters()))
-
-
-# ---- GPU (bf16, Triton kernels): python -m pytest -q tests/models/test_olmo2.py -m gpu ------------------------------
-
-OLMO2_7B_SMALL = dict(  # OLMo-2-1124-7B's widths (32 heads of 128, no GQA, QK-norm over the projections), 2 layers
-    hidden_size=4096, intermediate_size=11008, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=32,
-    head_dim=128, rope_theta=500000.0, max_position_embeddings=4096, vocab_size=32768,  # a smaller vocabulary
-)  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not hasattr(transformers, "Olmo2Config"), reason="transformers has no olmo2")
-def test_bf16_parity_on_gpu(tmp_path):
-    """bf16 logits at OLMo 2 7B's widths (see assert_bf16_parity_on_gpu)."""
-    from areno.testing import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(tmp_path, "olmo2", dtype=torch.bfloat16, **OLMO2_7B_SMALL)
-    assert_bf16_parity_on_gpu(path, load_model)

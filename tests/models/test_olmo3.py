@@ -4,14 +4,7 @@ longer than the sliding window (packed varlen batch included), bit-identical sav
 
 import pytest
 import torch
-import transformers
-from hf_reference import (
-    assert_bf16_parity_on_gpu,
-    assert_refused_at_load,
-    check_logits_and_grads,
-    load_reference,
-    packed_batch,
-)
+from hf_reference import assert_refused_at_load, check_logits_and_grads, load_reference, packed_batch
 from safetensors.torch import load_file
 
 from areno.models import load_model, save_model
@@ -72,27 +65,3 @@ def test_a_rope_per_layer_type_matches_transformers(tiny_checkpoint):
 ])
 def test_unimplemented_options_are_refused_at_load_in_one_line(tiny_checkpoint, tmp_path, change, message):
     assert_refused_at_load(tiny_checkpoint("olmo3"), tmp_path, change, message)
-
-
-# ---- GPU (bf16, Triton kernels): python -m pytest -q tests/models/test_olmo3.py -m gpu ------------------------------
-
-OLMO3_YARN = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
-              "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.2079441541679836}
-OLMO3_7B_SMALL = dict(  # Olmo-3-7B's widths and RoPE (YaRN on the full layers only), one [S, S, S, full] group
-    hidden_size=4096, intermediate_size=11008, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32,
-    head_dim=128, max_position_embeddings=65536, vocab_size=32768,  # a smaller vocabulary
-    sliding_window=128,  # (4096 on the Hub) shorter than the test's 300 tokens, so the window bites
-    layer_types=["sliding_attention"] * 3 + ["full_attention"],
-    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
-                     "full_attention": OLMO3_YARN},
-)  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not hasattr(transformers, "Olmo3Config"), reason="transformers has no olmo3")
-def test_bf16_parity_on_gpu(tmp_path):
-    """bf16 logits at Olmo 3 7B's widths past the sliding window (see assert_bf16_parity_on_gpu)."""
-    from areno.testing import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(tmp_path, "olmo3", dtype=torch.bfloat16, **OLMO3_7B_SMALL)
-    assert_bf16_parity_on_gpu(path, load_model)
