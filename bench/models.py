@@ -1,4 +1,5 @@
-"""The benchmark model: a Qwen3-0.6B-shape random checkpoint (made once, cached), its tokenizer and random prompts.
+"""The benchmark model: a Qwen3-0.6B-shape random checkpoint (made once, cached), its tokenizer and random prompts;
+larger shapes (8B dense, 30B-A3B MoE) as random models built on the device (``random_model``: no checkpoint).
 
 No weights can be downloaded, so every end-to-end benchmark (rollout, train step, serve, GRPO step) builds the same
 checkpoint with ``areno.testing.make_tiny_checkpoint`` at the BENCH.md shape (596,049,920 parameters, bf16) and
@@ -30,6 +31,16 @@ QWEN3_06B = dict(
 SMOKE = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096,
+)  # fmt: skip
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
+)  # fmt: skip
+QWEN3_30B_A3B = dict(
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+    mlp_only_layers=[],
 )  # fmt: skip
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 FIRST_TOKEN = 3  # random prompts draw from [3, vocab): no pad/eos/unk inside a prompt
@@ -102,6 +113,33 @@ def checkpoint(smoke: bool = False, *, seed: int = 0) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def random_model(shape: dict, dtype, device, seed: int = 0, *, family: str = "qwen3", unit_norms: bool = False):
+    """An areno ``family`` (qwen3, qwen3_moe) model of ``shape`` with random N(0, 0.02) weights, built on the device
+    (no checkpoint on disk); ``unit_norms``: the norms' weights 1 (a realistic next-token distribution)."""
+    import transformers
+
+    from areno.models.loader import materialize
+    from areno.models.registry import get_adapter
+    from areno.models.tp import apply_tp_plan
+
+    adapter = get_adapter(family)
+    hf_class = {"qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    cfg = adapter.config_from_hf(hf_class(**{k: v for k, v in shape.items() if k != "initializer_range"}))
+    with torch.device("meta"):
+        model = adapter.model_class(cfg)
+    apply_tp_plan(model, None)
+    materialize(model, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if unit_norms and "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.init_buffers(device)
+    return model.eval()
 
 
 def shape_of(smoke: bool) -> dict:

@@ -34,36 +34,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import append_jsonl, env_info, print_table  # noqa: E402
-from bench.models import QWEN3_06B, SMOKE  # noqa: E402
+from bench.models import QWEN3_06B, QWEN3_8B, SMOKE, random_model  # noqa: E402
 
-QWEN3_8B = dict(
-    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=40960,
-)  # fmt: skip
 SHAPES = {"0.6b": QWEN3_06B, "8b": QWEN3_8B, "smoke": SMOKE}
 BUCKETS_MIB = (16, 64, 256, 1024)
-
-
-def random_model(shape: dict, dtype, device, seed: int = 0):
-    """An areno qwen3 model of ``shape`` with random weights, built on the device (no checkpoint on disk)."""
-    from transformers import Qwen3Config
-
-    from areno.models.loader import materialize
-    from areno.models.registry import get_adapter
-    from areno.models.tp import apply_tp_plan
-
-    adapter = get_adapter("qwen3")
-    cfg = adapter.config_from_hf(Qwen3Config(**{k: v for k, v in shape.items() if k != "initializer_range"}))
-    with torch.device("meta"):
-        model = adapter.model_class(cfg)
-    apply_tp_plan(model, None)
-    materialize(model, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02, generator=gen)
-    model.init_buffers(device)
-    return model.eval()
 
 
 def sync_time(fn, device, iters: int) -> float:

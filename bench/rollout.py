@@ -2,6 +2,8 @@
 
     python bench/rollout.py             # H200: Qwen3-0.6B shape, random bf16 weights (about 4 minutes)
     python bench/rollout.py --smoke     # CPU: a tiny shape, checks the script (times meaningless)
+    python bench/rollout.py --impls areno --workloads R1 --rollout-dtype bf16,fp8 --shape 8b       # FP8 rollout
+    python bench/rollout.py --impls areno --workloads R1 --rollout-dtype bf16,fp8 --shape 30b-a3b  # (issue 41)
 
 Workloads (BENCH.md), sampling at temperature 1.0, no early stop (``ignore_eos``), log-probs returned:
 - R1: 256 prompts of 128 random tokens, 256 new tokens each. Limit: per decode step the weights (1.19 GB) + the KV
@@ -22,6 +24,11 @@ temperature=1, top_p=1, top_k=0, min_new_tokens=max_new_tokens)`` as in
 first ``--hf-r2-seqs`` sequences as one left-padded batch (generating to the batch's longest output; only
 each sequence's own output length counts as useful tokens) with ``max_time`` as a cap, and R3 generates
 ``--hf-r3-new`` tokens (tok/s is per token either way).
+``--rollout-dtype bf16,fp8`` runs areno once per dtype in the same run, on the same prompts (fp8: the linear weights
+as blockwise FP8 copies, ``areno.models.fp8_rollout``, the log-prob check then against the bf16 forward: the
+rollout-vs-trainer mismatch an FP8 rollout brings) and prints fp8's tok/s over bf16's per workload. ``--shape 8b``
+(Qwen3-8B dense) and ``30b-a3b`` (Qwen3-30B-A3B MoE) are random bf16 models built on the GPU (N(0, 0.02) weights,
+unit norms; areno only).
 One JSON line per measurement goes to bench/results/rollout.jsonl.
 """
 
@@ -43,7 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 from common import append_jsonl, env_info, print_table  # noqa: E402
 
-LIMIT_TOK_S = {"R1": 127e3, "R2": 40e3, "R3": 3.6e3}  # BENCH.md hardware limits (H200)
+LIMIT_TOK_S = {"R1": 127e3, "R2": 40e3, "R3": 3.6e3}  # BENCH.md hardware limits (H200), the 0.6B shape
+SHAPES = {"8b": ("qwen3", models.QWEN3_8B), "30b-a3b": ("qwen3_moe", models.QWEN3_30B_A3B)}
+FP8_BARS = {"8b": 1.25, "30b-a3b": 1.35}  # issue 41: R1 fp8 over bf16
 
 
 def workload(name: str, smoke: bool, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -70,12 +79,19 @@ def sync(device):
 # ---------------------------------------------------------------------------------------------------- areno
 
 
-def make_engine(path, device, args):
+def make_engine(path, device, args, rollout_dtype="bf16"):
     from areno.engine.engine import Engine, EngineConfig
-    from areno.models import load_model, load_tokenizer
+    from areno.models import fp8_rollout, load_model, load_tokenizer
 
-    model = load_model(path, device=device)
-    tok = load_tokenizer(path)
+    if args.shape in SHAPES and not args.smoke:
+        family, shape = SHAPES[args.shape]
+        model = models.random_model(shape, torch.bfloat16, device, family=family, unit_norms=True)
+        tok = models.word_tokenizer(shape["vocab_size"])
+    else:
+        model = load_model(path, device=device)
+        tok = load_tokenizer(path)
+    if rollout_dtype == "fp8":
+        fp8_rollout.enable(model)
     cfg = EngineConfig(
         block_size=16,
         max_running=256,
@@ -127,11 +143,14 @@ def logprob_diff(model, completions, device, max_tokens=16384) -> dict:
     }
 
 
-def run_areno(path, device, args, names, vocab) -> list[dict]:
+def run_areno(path, device, args, names, vocab, rollout_dtype="bf16") -> list[dict]:
+    from areno.models.fp8_rollout import fp8_forward
+
     records = []
-    engine, model = make_engine(path, device, args)
+    engine, model = make_engine(path, device, args, rollout_dtype)
     print(
-        f"areno engine: {engine.blocks.num_blocks} KV blocks of 16, max_model_len {engine.max_model_len}, "
+        f"areno engine ({rollout_dtype}): {engine.blocks.num_blocks} KV blocks of 16, max_model_len "
+        f"{engine.max_model_len}, "
         f"cuda graphs {'off' if args.eager else 'on'}, decode steps per round {args.decode_steps}, "
         f"lookahead {'off' if args.no_lookahead else 'on'}",
         flush=True,
@@ -139,7 +158,7 @@ def run_areno(path, device, args, names, vocab) -> list[dict]:
     for name in names:
         for call, seed in (("first", 1), ("warm", 2)):
             rec = dict(impl="areno", workload=name, call=call, decode_steps=args.decode_steps,
-                       lookahead=not args.no_lookahead)
+                       lookahead=not args.no_lookahead, rollout_dtype=rollout_dtype)
             try:
                 prompts, new = workload(name, args.smoke, vocab, seed)
                 out, dt = areno_generate(engine, prompts, new, device)
@@ -156,7 +175,8 @@ def run_areno(path, device, args, names, vocab) -> list[dict]:
                     rec["ms_per_token"] = dt / tokens * 1e3
                 if call == "warm":
                     t0 = time.perf_counter()
-                    rec.update(logprob_diff(model, out, device))
+                    with fp8_forward(model, on=False):  # the trainer's forward is bf16
+                        rec.update(logprob_diff(model, out, device))
                     rec["logprob_check_s"] = time.perf_counter() - t0
             except Exception as e:  # a failing workload is reported, the others still run
                 traceback.print_exc()
@@ -253,6 +273,19 @@ def run_hf(path, device, args, names, vocab) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- main
 
 
+def fp8_speedups(records, shape) -> None:
+    """fp8's warm tok/s over bf16's per workload (``fp8_speedup`` on the fp8 record), with the issue's R1 bar."""
+    warm = {(r["workload"], r.get("rollout_dtype")): r for r in records
+            if r.get("impl") == "areno" and r.get("call") == "warm" and "tok_s" in r}  # fmt: skip
+    for (name, dtype), r in warm.items():
+        base = warm.get((name, "bf16"))
+        if dtype == "fp8" and base is not None:
+            r["fp8_speedup"] = r["tok_s"] / base["tok_s"]
+            bar = f" (bar >= {FP8_BARS[shape]}x)" if name == "R1" and shape in FP8_BARS else ""
+            print(f"{name} fp8 / bf16: {r['fp8_speedup']:.2f}x{bar}; log-prob |diff| vs the bf16 forward "
+                  f"{r.get('logprob_diff_mean', float('nan')):.4f} (bf16 {base.get('logprob_diff_mean', 0):.4f})")
+
+
 def fmt(rec):
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}
 
@@ -280,22 +313,32 @@ def main():
     ap.add_argument("--hf-r3-new", type=int, default=64)
     ap.add_argument("--hf-max-time-s", type=float, default=90.0, help="cap on one transformers generate call")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/rollout.jsonl")
+    ap.add_argument("--rollout-dtype", default="bf16", help="areno's linear weights, comma-separated runs: bf16, fp8")
+    ap.add_argument("--shape", default="0.6b", choices=("0.6b", *SHAPES), help="8b / 30b-a3b: random models, areno")
     args = ap.parse_args()
+    dtypes = args.rollout_dtype.split(",")
+    if not set(dtypes) <= {"bf16", "fp8"} or (args.shape in SHAPES and "transformers" in args.impls.split(",")):
+        ap.error("--rollout-dtype takes bf16 and/or fp8; --shape 8b / 30b-a3b runs --impls areno only")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.max_model_len = 128
     names = args.workloads.split(",")
-    shape = models.shape_of(args.smoke)
+    big = args.shape in SHAPES and not args.smoke
+    shape = SHAPES[args.shape][1] if big else models.shape_of(args.smoke)
     t_start = time.perf_counter()
-    path = models.checkpoint(args.smoke)
-    print(f"checkpoint {path} ({time.perf_counter() - t_start:.1f}s)", flush=True)
+    path = None if big else models.checkpoint(args.smoke)
+    print(f"checkpoint {path or args.shape + ' (random, on the device)'} ({time.perf_counter() - t_start:.1f}s)",
+          flush=True)
 
     records = []
-    for impl in args.impls.split(","):
+    runs = [(impl, d) for impl in args.impls.split(",") for d in (dtypes if impl == "areno" else ["bf16"])]
+    for impl, dtype in runs:
         t0 = time.perf_counter()
         try:
-            run = {"areno": run_areno, "transformers": run_hf}[impl]
-            records += run(path, device, args, names, shape["vocab_size"])
+            if impl == "areno":
+                records += run_areno(path, device, args, names, shape["vocab_size"], dtype)
+            else:
+                records += run_hf(path, device, args, names, shape["vocab_size"])
         except Exception as e:  # e.g. the model fails to load: report it, keep the other implementation
             traceback.print_exc()
             records.append(dict(impl=impl, error=f"{type(e).__name__}: {e}"[:300]))
@@ -306,15 +349,18 @@ def main():
     for r in records:
         if "tok_s" not in r:
             continue
-        if not args.smoke:
+        if not args.smoke and not big:
             r["limit_tok_s"] = LIMIT_TOK_S[r["workload"]]
             r["frac_limit"] = r["tok_s"] / r["limit_tok_s"]
         if r["impl"] == "areno" and r["workload"] in hf:
             r["speedup_vs_hf"] = r["tok_s"] / hf[r["workload"]]["tok_s"]
-    cols = ["impl", "workload", "call", "sequences", "output_tokens", "wall_s", "tok_s", "ms_per_token", "frac_limit",
-            "speedup_vs_hf", "logprob_diff_mean", "logprob_diff_max", "note", "error"]  # fmt: skip
+    fp8_speedups(records, None if args.smoke else args.shape)
+    cols = ["impl", "rollout_dtype", "workload", "call", "sequences", "output_tokens", "wall_s", "tok_s",
+            "ms_per_token", "frac_limit", "speedup_vs_hf", "fp8_speedup", "logprob_diff_mean", "logprob_diff_max",
+            "note", "error"]  # fmt: skip
     print_table(records, cols)
-    warm = {r["workload"]: r for r in records if r.get("impl") == "areno" and r.get("call") == "warm"}
+    warm = {r["workload"]: r for r in records if r.get("impl") == "areno" and r.get("call") == "warm"
+            and r.get("rollout_dtype") == dtypes[0]}
     if "R1" in warm and "speedup_vs_hf" in warm["R1"]:
         print(
             f"R1 bar (>= 10x transformers): {warm['R1']['speedup_vs_hf']:.1f}x; goal 60% of the limit: "
@@ -328,7 +374,7 @@ def main():
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if not args.no_save and not args.smoke:
         env = env_info()
-        env["shape"] = "qwen3-0.6b"
+        env["shape"] = "qwen3-0.6b" if not big else {"8b": "qwen3-8b", "30b-a3b": "qwen3-30b-a3b"}[args.shape]
         print("results:", append_jsonl("rollout", records, env))
 
 

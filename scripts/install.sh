@@ -2,7 +2,7 @@
 # Install areno into a virtual environment and check that it is ready.
 #
 #   bash scripts/install.sh            install what training and serving need; a second run is a fast no-op
-#   bash scripts/install.sh --test     the same plus the test extras (pytest, lm-eval, schemathesis, ruff, ...)
+#   bash scripts/install.sh --test     the same plus the test extras (pytest, lm-eval, schemathesis, ruff, skypilot, ...)
 #   bash scripts/install.sh --dry-run  print the plan, change nothing
 #
 # Steps: platform, Python, venv, torch, areno, kernels, attention setup, `areno check`.
@@ -239,6 +239,9 @@ sys.exit(not (v >= (70, 1) or (v >= (64, 0) and u.find_spec("wheel"))))' 2>/dev/
   # rules out the openai >= 3.4 that inspect-ai needs; it runs on the newer jiter (setup.cfg's test extra lists what
   # else it imports)
   [ "$TEST_EXTRAS" = 1 ] && act "$VPY" -m pip install -q --no-deps "instructor>=1.17"
+  # tests/distributed/test_templates.py's SkyPilot task loader, without its dependencies: they would downgrade
+  # uvicorn (<0.36) and click (<8.2) and add its API server's; setup.cfg's test extra lists the ones it imports
+  [ "$TEST_EXTRAS" = 1 ] && act "$VPY" -m pip install -q --no-deps "skypilot>=0.14.1,<0.15"
   if [ "$DRY_RUN" = 1 ]; then say "would write $stamp_file"; else echo "$stamp" > "$stamp_file"; fi
 fi
 

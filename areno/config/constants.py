@@ -19,6 +19,7 @@ OFFLOAD_MODES = ("none", "cpu", "disk")
 OPTIMIZER_STATES = ("fp32", "8bit")  # --optimizer-states: AdamW moments in fp32, or blockwise-quantised to 8 bits
 ATTN_BACKENDS = ("flash", "native")
 DTYPES = ("bfloat16", "float16", "float32")
+ROLLOUT_DTYPES = ("bf16", "fp8")  # --rollout-dtype: the rollout engine's linear weights as trained, or blockwise FP8
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ROUTING_REPLAY = ("auto", "on", "off")

@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, GROUP_ALGOS, RL_ALGOS
+from areno.config.constants import ATTN_BACKENDS, GROUP_ALGOS, RL_ALGOS, ROLLOUT_DTYPES
 from areno.config.fields import (
     ConfigError,
     check_choice,
@@ -74,6 +74,12 @@ class RolloutSection:
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
     eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout", needs="rollout")
+    rollout_dtype: str = opt(
+        "bf16", "the rollout engine's linear weights (attention, MLP; not embeddings, lm_head, norms, routers, MoE "
+        "experts): bf16 as trained, or fp8: blockwise E4M3 copies (128x128 blocks, DeepSeek-V3's layout) quantised "
+        "after each optimizer step and run by the FP8 GEMM, the trainer staying bf16 (split mode streams the copies: "
+        "about half the bytes); pair with --off-policy-correction tis", "rollout", choices=ROLLOUT_DTYPES,
+        algos=RL_ALGOS)
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
                             "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "
                             "chain is queued before the current one's tokens are read); 1 = every token",
@@ -95,6 +101,7 @@ class RolloutSection:
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
         self._check_devices()
         self._check_agent()
+        self._check_rollout_dtype()
         self._check_sampling()
 
     def _check_agent(self):
@@ -105,6 +112,17 @@ class RolloutSection:
                               "--agent-fn runs yet")
         check_positive("--max-context-len", self.max_context_len, optional=True)
         check_non_negative("--agent-timeout-s", self.agent_timeout_s)
+
+    def _check_rollout_dtype(self):
+        check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
+        if self.rollout_dtype != "fp8":
+            return
+        for given, what, why in ((self.lora_rank > 0, "--lora-rank > 0", "the adapter's forward reads the bf16 base"),
+                                 (self.tp_size > 1, "--tp-size > 1", "FP8 blocks sharded with their layers"),
+                                 (self.split and self.rollout_tp > 1, "--rollout-tp-size > 1",
+                                  "FP8 blocks sharded with their layers")):  # fmt: skip
+            if given:
+                raise ConfigError("--rollout-dtype", f"fp8 with {what} is not built yet ({why})")
 
     def _check_devices(self):
         train, rollout = self.train_devices, self.rollout_devices

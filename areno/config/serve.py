@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, DTYPES, TOOL_CALL_FORMATS
+from areno.config.constants import ATTN_BACKENDS, DTYPES, ROLLOUT_DTYPES, TOOL_CALL_FORMATS
 from areno.config.env import env_value
 from areno.config.fields import (
     ConfigError,
@@ -67,6 +67,10 @@ class ServeConfig:
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
     eager_decode: bool = opt(False, "disable CUDA-graph replay for decode", "rollout")
+    rollout_dtype: str = opt(
+        "bf16", "the served linear weights (attention, MLP; not embeddings, lm_head, norms, routers, MoE experts): "
+        "bf16 as loaded, or fp8: quantised blockwise at load (E4M3, 128x128 blocks, DeepSeek-V3's layout; vLLM's fp8 "
+        "quantization) and run by the FP8 GEMM", "rollout", choices=ROLLOUT_DTYPES)
     engine_thread: bool = opt(
         False, "run the engine in a thread of the HTTP process instead of its own engine-core process (slower under "
         "load: the HTTP path and the engine share one interpreter lock; a --world-size == --tp-size > 1 server "
@@ -97,6 +101,10 @@ class ServeConfig:
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
         check_choice("--dtype", self.dtype, DTYPES, optional=True)
         check_choice("--tool-call-format", self.tool_call_format, TOOL_CALL_FORMATS)
+        check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
+        if self.rollout_dtype == "fp8" and (self.tp_size > 1 or self.lora_enabled):
+            what = "--tp-size > 1" if self.tp_size > 1 else "LoRA adapters (--lora-modules, --max-loras)"
+            raise ConfigError("--rollout-dtype", f"fp8 with {what} is not built yet")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError("--port", f"must be in [0, 65535], got {self.port!r}")
         if not self.host:

@@ -69,10 +69,12 @@ def engine_config(model, *, max_running: int = 256, max_model_len: int | None = 
 
 def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_running=256, max_model_len=None,
                  eager_decode=False, attn_backend=None, decode_progress_interval_s=None, dtype=None, seed=0,
-                 kv_cache_memory=None, block_size=16, device=None, max_loras=0, max_lora_rank=16, lora_modules=None):
+                 kv_cache_memory=None, block_size=16, device=None, max_loras=0, max_lora_rank=16, lora_modules=None,
+                 rollout_dtype="bf16"):
     """(Engine, tokenizer) for ``model_path`` (a local folder or a Hugging Face repo id); ``max_loras`` > 0: LoRA
     adapter slots of ``max_lora_rank``, ``lora_modules`` ({name: PEFT folder}) loaded into them (a ``ConfigError``
-    naming --lora-modules for one that cannot be served)."""
+    naming --lora-modules for one that cannot be served); ``rollout_dtype`` fp8: the linear weights quantised to
+    blockwise FP8 and run by the FP8 GEMM (models/fp8_rollout.py)."""
     from areno.distributed.parallel import get_tp_group
     from areno.models import load_model, load_tokenizer
 
@@ -81,6 +83,10 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
         model = load_model(model_path, dtype=dtype, device=device, tp_group=get_tp_group() if tp_size > 1 else None,
                            attn_backend=attn_backend)
     model.eval()
+    if rollout_dtype == "fp8":
+        from areno.models import fp8_rollout
+
+        fp8_rollout.enable(model)
     if tokenizer is None:
         tokenizer = load_tokenizer(model_path)
     config = engine_config(model, block_size=block_size, max_running=max_running, max_model_len=max_model_len,

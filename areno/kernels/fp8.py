@@ -25,7 +25,7 @@ partial dot covers at most 128 K, then is promoted to the fp32 accumulator with 
 Hopper's limited fp8 accumulator precision. Bytes read: N K (weight) + N K / 16384 * 4 (scales) + M K (xq), half of
 bf16's weight read.
 
-The E4M3 rounding is done in fp32 before the cast (:func:`_round_e4m3`), so the value cast is exact: the Triton
+The E4M3 rounding is done in fp32 before the cast (:func:`round_e4m3`), so the value cast is exact: the Triton
 interpreter's fp32 -> fp8 conversion rounds ties away and drops the carry into the exponent (1.9375001 -> 1.0), and
 the same code then runs bit for bit on the CPU and the GPU (where the cast is ``cvt.rn.satfinite``).
 """
@@ -109,6 +109,13 @@ def quantize_act_fp8_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return _to_fp8(groups / s[:, :, None]).view(m, k + pk)[:, :k].contiguous(), s
 
 
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> (fp8 ``[..., D]``, fp32 scales ``[...]``): one scale per row (the FP8 KV cache's per token
+    and head: ``s = max(amax, EPS) / 448``)."""
+    s = block_scales_of(x.float().abs().amax(dim=-1))
+    return _to_fp8(x.float() / s[..., None]), s
+
+
 def dequantize_act_fp8(xq: torch.Tensor, s: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """``xq [M, K]`` with per-group scales ``s [M, ceil(K/128)]`` as ``[M, K]`` in ``dtype``."""
     return (xq.float() * s.repeat_interleave(BLOCK, 1)[:, : xq.shape[1]]).to(dtype)
@@ -123,7 +130,7 @@ def fp8_matmul_native(xq: torch.Tensor, xs: torch.Tensor, q: Fp8Weight, out_dtyp
 
 
 @triton.jit
-def _round_e4m3(v):
+def round_e4m3(v):
     # v (fp32, |v| <= 448) rounded to the nearest E4M3 value (ties to even), still fp32: adding then subtracting
     # 1.5 * 2^23 ulp rounds |v| to a multiple of ulp in fp32's round-to-nearest-even, where ulp = 2^(e - 3) is E4M3's
     # spacing at |v|'s binade e (2^-9 below the smallest normal 2^-6).
@@ -148,7 +155,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, EPS: tl.constexpr
     x = x.to(tl.float32)
     s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), EPS), FP8_MAX)
     v = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], _round_e4m3(v).to(q_ptr.dtype.element_ty),
+    tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], round_e4m3(v).to(q_ptr.dtype.element_ty),
              mask=mask)
     tl.store(s_ptr + offs_m.to(tl.int64) * G + g, s, mask=m_ok)
 

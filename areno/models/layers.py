@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areno.kernels.fp8 import Fp8Weight, fp8_linear, quantize_weight_fp8
 from areno.kernels.gemm import linear
 from areno.kernels.nf4 import Nf4Weight, dequantize_nf4, nf4_linear, quantize_nf4
 from areno.kernels.norm import rms_norm
@@ -22,12 +23,17 @@ class Linear(nn.Module):
 
     ``quantize_nf4_()`` (QLoRA's frozen base, never under TP) replaces the weight parameter by its NF4 buffers
     (``nf4_packed``, ``nf4_qabs``, ``nf4_absmax2``, ``nf4_offset``: bitsandbytes' format); the forward then runs the
-    NF4 GEMM, and ``weight`` reads as the dequantised tensor (a fresh one each time, for saving and merging)."""
+    NF4 GEMM, and ``weight`` reads as the dequantised tensor (a fresh one each time, for saving and merging).
+
+    ``set_fp8_()`` (FP8 rollout, ``models/fp8_rollout.py``) holds a blockwise E4M3 copy of the weight beside it
+    (buffers ``fp8_qweight``, ``fp8_scale``); while ``fp8_on`` the forward runs the FP8 GEMM on that copy (the
+    rollout engine's forward), otherwise the weight as usual (the trainer's)."""
 
     tp_style: str | None = None
     tp_group = None
     nf4_shape: tuple | None = None  # set by quantize_nf4_
     nf4_dtype: torch.dtype | None = None
+    fp8_on: bool = False  # forward through the FP8 copy (set by fp8_rollout.fp8_forward)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()
@@ -35,6 +41,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_on:
+            return fp8_linear(x, self.fp8(), self.bias)
         if self.nf4_shape is not None:
             return nf4_linear(x, self.nf4(), self.bias)
         if self.tp_style == "row":
@@ -58,6 +66,26 @@ class Linear(nn.Module):
         for name, t in zip(NF4_BUFFERS, q[:4]):
             self.register_buffer(name, t, persistent=False)
         self.nf4_shape, self.nf4_dtype = tuple(q.shape), dtype
+
+    def set_fp8_(self, q: Fp8Weight | None = None) -> None:
+        """Hold ``q`` (else the weight quantised blockwise) as the FP8 copy; an existing copy of the same shape is
+        overwritten in place (captured CUDA graphs keep reading the same memory)."""
+        if self.tp_style is not None:
+            raise ValueError("FP8 weights under tensor parallelism are not built")
+        q = quantize_weight_fp8(self.weight) if q is None else q
+        if tuple(q.shape) != tuple(self.weight.shape):
+            raise ValueError(f"an FP8 weight {tuple(q.shape)} for a {tuple(self.weight.shape)} one")
+        old = self._buffers.get("fp8_qweight")
+        if old is not None and old.shape == q.qweight.shape:
+            old.copy_(q.qweight)
+            self._buffers["fp8_scale"].copy_(q.scale)
+            return
+        self.register_buffer("fp8_qweight", q.qweight.to(self.weight.device).contiguous(), persistent=False)
+        self.register_buffer("fp8_scale", q.scale.to(self.weight.device, torch.float32).contiguous(),
+                             persistent=False)
+
+    def fp8(self) -> Fp8Weight:
+        return Fp8Weight(self._buffers["fp8_qweight"], self._buffers["fp8_scale"])
 
     def nf4(self) -> Nf4Weight:
         return Nf4Weight(*(self._buffers[n] for n in NF4_BUFFERS), self.nf4_shape)

@@ -219,6 +219,10 @@ def make_logger(cfg, is_main: bool):
 
 
 def warn_penalised_rollout(cfg) -> None:
+    """One-line hints on a rollout that samples from another distribution than the trainer's."""
+    if cfg.rollout_dtype == "fp8" and cfg.off_policy_correction in ("tis", "seq-tis") and not cfg.tis_cap > 0:
+        log.warning("hint: --rollout-dtype fp8 samples from a slightly different policy than the bf16 trainer's; "
+                    "pair it with --off-policy-correction tis (and --tis-cap > 0) to correct for it")
     if cfg.repetition_penalty != 1.0 or cfg.presence_penalty or cfg.frequency_penalty:
         log.warning("rollout with --repetition-penalty/--presence-penalty/--frequency-penalty: the rollout "
                     "log-probs are those of the penalised distribution the tokens were drawn from, the trainer's "

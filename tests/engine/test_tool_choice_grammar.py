@@ -4,6 +4,7 @@ its schema, in each format that has a call grammar, read back by that format's o
 random JSON schemas; the "model" draws random logits each step, masked by the grammar as the engine masks them)."""
 
 import json
+import os
 import random
 
 import pytest
@@ -74,7 +75,8 @@ def sample(grammars, spec: dict, seed: int, max_steps: int = 600) -> str:
     ids = []
     for step in range(max_steps):
         bits = m.mask[0]
-        allowed = torch.nonzero(((bits[:, None] >> torch.arange(32)) & 1).flatten()).flatten()[:cache.vocab_size]
+        allowed = torch.nonzero(((bits[:, None] >> torch.arange(32)) & 1).flatten()).flatten()
+        allowed = allowed[allowed < cache.vocab_size]  # the last word's bits past the vocabulary are padding
         allowed = [int(t) for t in allowed]
         if step > max_steps // 3:
             allowed.sort(key=lambda t: LENGTHS.setdefault(t, len(tok.decode([t]))))
@@ -100,10 +102,9 @@ def tools_of(schemas: list[dict], strict: bool = False) -> list[dict]:
                                               **({"strict": True} if strict else {})}} for i, s in enumerate(schemas)]
 
 
-# derandomize: CI draws the same 20 cases every run (vary them by hand with --hypothesis-seed and
-# derandomize off): the Gemma 4 syntax's length-bounded strings still let about 1% of random-token samples through as
-# invalid UTF-8 (xgrammar's character classes; the JSON formats avoid it with config.sampling.json_safe).
-@settings(max_examples=20, deadline=None, derandomize=True,
+# CI draws the same 20 cases every run; PROP_RANDOM=1 PROP_N=500 draws fresh ones (1,500 passed for every format
+# once the sampler stopped drawing the bitmask's padding bits past the vocabulary, which xgrammar may leave set).
+@settings(max_examples=int(os.environ.get("PROP_N", "20")), deadline=None, derandomize="PROP_RANDOM" not in os.environ,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schemas=st.lists(SCHEMAS, min_size=1, max_size=3), fmt=st.sampled_from(GRAMMAR_FORMATS),
        named=st.booleans(), seed=st.integers(0, 2**16))

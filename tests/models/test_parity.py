@@ -2,7 +2,13 @@
 
 import pytest
 import torch
-from hf_reference import FAMILIES, load_reference, next_token_targets, reference_grads
+from hf_reference import (
+    FAMILIES,
+    assert_checkpointing_keeps_loss_and_grads,
+    load_reference,
+    packed_loss,
+    reference_grads,
+)
 
 from areno.models import AttentionMetadata, iter_hf_tensors, load_model
 
@@ -39,20 +45,12 @@ def test_logits_match_transformers_bf16(tiny_checkpoint, family):
     assert (got - ref).abs().max() <= 3 * ref_err + 1e-2 * scale
 
 
-def _areno_loss(model, ids):
-    b, t = ids.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
-    hidden = model(ids.reshape(-1), torch.arange(t).repeat(b), cu, t)
-    targets = next_token_targets(ids)
-    return -model.token_logprobs(hidden, targets).sum() / (targets >= 0).sum()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_match_transformers_fp32(tiny_checkpoint, family):
     path = tiny_checkpoint(family)
     model, ref = load_model(path, device="cpu").train(), load_reference(path).train()
     ids = _ids(model.config.vocab_size, seed=2)
-    loss = _areno_loss(model, ids)
+    loss = packed_loss(model, ids)
     loss.backward()
     ref_loss = ref(ids, labels=ids).loss
     ref_loss.backward()
@@ -80,21 +78,8 @@ def test_packed_varlen_equals_per_sequence(tiny_checkpoint, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_activation_checkpointing_changes_neither_loss_nor_grads(tiny_checkpoint, family):
-    path = tiny_checkpoint(family)
     ids = _ids(1000, b=3, t=13, seed=3)
-    results = []
-    for enabled in (False, True):
-        model = load_model(path, device="cpu").train()
-        model.set_activation_checkpointing(enabled)
-        loss = _areno_loss(model, ids)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}  # not frozen tensors
-        counts = model.expert_load().clone() if family == "qwen3_moe" else None
-        results.append((loss.detach(), grads, counts))
-    (loss0, grads0, counts0), (loss1, grads1, counts1) = results
-    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
-    for name in grads0:
-        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=name)
+    model, counts0, counts1 = assert_checkpointing_keeps_loss_and_grads(tiny_checkpoint(family), ids)
     if family == "qwen3_moe":
         # routing ran once per layer per step with checkpointing too: every token counted top_k times per layer
         k, layers = model.config.num_experts_per_tok, len(model.moe_layers())
@@ -111,8 +96,8 @@ def test_moe_counters_only_count_training_forwards(tiny_checkpoint):
     assert model.expert_load().sum() == 0
     model.train()
     model.set_activation_checkpointing(True)
-    _areno_loss(model, ids).backward()
-    _areno_loss(model, ids).backward()
+    packed_loss(model, ids).backward()
+    packed_loss(model, ids).backward()
     assert (model.expert_load().sum(1) == 2 * ids.numel() * model.config.num_experts_per_tok).all()
     model.reset_expert_load()
     assert model.expert_load().sum() == 0
@@ -149,7 +134,7 @@ def test_triton_kernel_path_matches_native(tiny_checkpoint, monkeypatch):
     for mode in ("native", "triton"):
         monkeypatch.setenv("ARENO_KERNELS", mode)
         model = load_model(tiny_checkpoint("qwen3_moe", num_hidden_layers=1), device=device).train()
-        loss = _areno_loss(model, ids)
+        loss = packed_loss(model, ids)
         loss.backward()
         dense = load_model(tiny_checkpoint("qwen3", num_hidden_layers=1), device=device)
         with torch.no_grad():

@@ -3,7 +3,7 @@ the declared properties in order, the required ones always, no others), strings 
 and integers (their bounds: xgrammar's own JSON-schema rules), booleans, null, arrays (item counts), enums, consts,
 anyOf / oneOf, local ``$ref`` (recursive ones too). What the syntax or this builder cannot express is a ValueError
 naming the parameter. Strings never hold ``<|`` or ``<<`` (so no string can end early at a marker) and a string with
-length bounds holds no ``<``."""
+length bounds is printable ASCII without ``<``."""
 
 from __future__ import annotations
 
@@ -125,7 +125,10 @@ class ArgumentsEbnf:
         if low == 0 and high is None:
             body = '([^<] | "<" [^|<])*'
         else:
-            body = f"[^<]{{{low},{'' if high is None else high}}}"
+            # printable ASCII but "<": xgrammar 0.2.9's negated classes let token pieces of a multi-byte character
+            # through that never complete it (each bad byte one more character than the bound allows), as
+            # config.sampling.json_safe says for the JSON formats
+            body = f"[ -;=-~]{{{low},{'' if high is None else high}}}"
         return f"({_Q} {body} {_Q})"
 
     def boolean(self, schema: dict, path: str, where: str) -> str:

@@ -15,6 +15,12 @@ Decode bytes (the bound): sum_b seq_lens[b] * Hkv * D * 2 (K and V) * element si
 ``window`` (sliding window, as ``attention``): key blocks left of a tile's window are skipped, so decode reads
 O(W) keys. ``sinks [Hq]`` (as ``attention``): added to each row's softmax denominator at the end of the kernel, or
 once in the split-K combine.
+
+FP8 cache (``k_scale``/``v_scale`` given; not wired to an engine flag yet): the caches hold float8_e4m3fn and each
+token's head vector has its own fp32 scale, ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``; ``store_kvcache``
+quantises on write (``s = max(amax over D, EPS) / 448``, E4M3 round to nearest even, kernels/fp8.py's rounding) and
+the attention kernel dequantises each K/V tile on load (``x' = q s``, in q's dtype): half a bf16 cache's bytes (plus
+4 per D). Round trip per element: within 2^-4 |x| (2^-10 s below E4M3's smallest normal).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from areno.kernels._device import sm_count
 from areno.kernels.attention.common import add_sink
 from areno.kernels.attention.packed import attention_reference, check_sinks, check_window
 from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.fp8 import EPS, FP8, FP8_MAX, quantize_rows_fp8, round_e4m3
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -38,12 +45,12 @@ MAX_SPLITS = 32
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per eager step: one variant for all
 def _paged_attn_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, SINKS, qk_scale,
+    Q, K_CACHE, V_CACHE, K_SCALE, V_SCALE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, SINKS, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_ot, stride_oh, GROUP, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CU: tl.constexpr,
-    DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     hk = tl.program_id(1) // NUM_SPLITS
@@ -96,6 +103,9 @@ def _paged_attn_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(K_CACHE + page[:, None] * stride_kb + within[:, None] * stride_ks + hk * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        if HAS_SCALE:  # FP8 cache: one scale per (slot, KV head), scales [num_blocks, PAGE_SIZE, Hkv] contiguous
+            scale_at = (page * PAGE_SIZE + within) * (tl.num_programs(1) // NUM_SPLITS) + hk
+            k = (k.to(tl.float32) * tl.load(K_SCALE + scale_at, mask=col_ok, other=0.0)[:, None]).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         keep = col_ok[None, :] & (cols[None, :] <= t[:, None] + diag)
         if HAS_WINDOW:
@@ -108,6 +118,8 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_CACHE + page[:, None] * stride_vb + within[:, None] * stride_vs + hk * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
+        if HAS_SCALE:
+            v = (v.to(tl.float32) * tl.load(V_SCALE + scale_at, mask=col_ok, other=0.0)[:, None]).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
@@ -158,9 +170,20 @@ def paged_reduce_kernel(PART_O, PART_LSE, O, SINKS, Hq, stride_ot, stride_oh, D:
 
 
 @triton.jit
-def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, HKV,
-                          D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _quantize_heads(x, scale_ptrs, h_ok, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    # x [BLOCK_H, BLOCK_D] (zeros outside): per row s = max(amax, EPS) / 448 stored at scale_ptrs, x / s rounded to
+    # E4M3 (still fp32: the cast to fp8 is then exact)
+    x = x.to(tl.float32)
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), EPS), FP8_MAX)
+    tl.store(scale_ptrs, s, mask=h_ok)
+    return round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
+def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, K_SCALE, V_SCALE, SLOTS, stride_kt, stride_kh, stride_vt,
+                          stride_vh, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, HKV,
+                          D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                          QUANT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot < 0:  # padding token: nothing to write
@@ -170,10 +193,15 @@ def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, s
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
-    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(K_CACHE + blk * stride_kb + off * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
-    tl.store(V_CACHE + blk * stride_vb + off * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+    k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
+    if QUANT:
+        k = _quantize_heads(k, K_SCALE + slot * HKV + offs_h, offs_h < HKV, EPS, FP8_MAX)
+        v = _quantize_heads(v, V_SCALE + slot * HKV + offs_h, offs_h < HKV, EPS, FP8_MAX)
+    tl.store(K_CACHE + blk * stride_kb + off * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :],
+             k.to(K_CACHE.dtype.element_ty), mask=mask)
+    tl.store(V_CACHE + blk * stride_vb + off * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :],
+             v.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -201,7 +229,7 @@ def _tile_config(group_pad: int, multi_token: bool, head_dim: int):
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
-                            config=None, window=None, sinks=None):
+                            config=None, window=None, sinks=None, k_scale=None, v_scale=None):
     T, Hq, D = q.shape
     B = block_table.shape[0]
     _, page_size, Hkv, _ = k_cache.shape
@@ -226,12 +254,14 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     block_d = max(triton.next_power_of_2(D), 16)
     sink_ptr = out if sinks is None else sinks.contiguous()  # (not read without sinks)
     _paged_attn_kernel[(B, Hkv * num_splits, q_tiles)](
-        q, k_cache, v_cache, block_table, seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse, sink_ptr,
+        q, k_cache, v_cache, out if k_scale is None else k_scale, out if v_scale is None else v_scale, block_table,
+        seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse, sink_ptr,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
         group, window or 0, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, num_warps=warps, num_stages=stages,
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_SCALE=k_scale is not None, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     if num_splits > 1:
         split_pad = triton.next_power_of_2(num_splits)
@@ -267,7 +297,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, *, sof
 
 
 def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, window=None,
-                           sinks=None):
+                           sinks=None, k_scale=None, v_scale=None):
     """Tensorised PyTorch path, no host sync (graph-capturable): gather the whole block table, mask, softmax.
     Memory is O(B * max_blocks * block_size), fine for tests and small batches. Assumes cu_seqlens_q[-1] == Tq."""
     T, Hq, D = q.shape
@@ -275,8 +305,12 @@ def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     _, page, Hkv, _ = k_cache.shape
     cap = max_blocks * page
     compute = torch.float32 if (q.dtype != torch.float64 and not q.is_cuda) else q.dtype
-    kg = k_cache[block_table.long().clamp(min=0)].reshape(B, cap, Hkv, D).to(compute)
-    vg = v_cache[block_table.long().clamp(min=0)].reshape(B, cap, Hkv, D).to(compute)
+    blocks = block_table.long().clamp(min=0)
+    kg = k_cache[blocks].reshape(B, cap, Hkv, D).to(compute)
+    vg = v_cache[blocks].reshape(B, cap, Hkv, D).to(compute)
+    if k_scale is not None:  # FP8 cache: dequantised in fp32, then the compute dtype (as the kernel)
+        kg = (kg.float() * k_scale[blocks].reshape(B, cap, Hkv, 1)).to(q.dtype).to(compute)
+        vg = (vg.float() * v_scale[blocks].reshape(B, cap, Hkv, 1)).to(q.dtype).to(compute)
     if cu_q is None:
         seq, pos, Lmax = torch.arange(B, device=q.device), torch.zeros(B, dtype=torch.long, device=q.device), 1
         lq = torch.ones(B, dtype=torch.long, device=q.device)
@@ -307,31 +341,48 @@ def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     return out[seq, pos].to(q.dtype)
 
 
-def store_kvcache_native(k, v, k_cache, v_cache, slot_mapping):
+def store_kvcache_native(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """No host sync (graph-capturable): a row at slot -1 rewrites the first valid row's slot with that row's K/V (slot 0
-    with what it holds when no row is valid), so every slot written gets one value however many rows write it."""
+    with what it holds when no row is valid), so every slot written gets one value however many rows write it.
+    With scales (FP8 cache): each (token, head) row quantised, its scale written beside it."""
     ok = slot_mapping >= 0
     first = torch.argmax(ok.to(torch.int32)).view(1)
     slots = torch.where(ok, slot_mapping, slot_mapping.index_select(0, first)).long().clamp(min=0)
     blk, off = slots // k_cache.shape[1], slots % k_cache.shape[1]
     keep, any_ok = ok[:, None, None], ok.any()
-    for new, cache in ((k, k_cache), (v, v_cache)):
-        val = torch.where(keep, new, new.index_select(0, first)).to(cache.dtype)
-        cache[blk, off] = torch.where(any_ok, val, cache[blk, off])
+    for new, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        val = torch.where(keep, new, new.index_select(0, first))
+        if scales is not None:
+            val, s = quantize_rows_fp8(val)
+            scales[blk, off] = torch.where(any_ok, s, scales[blk, off])
+            val, cache = val.view(torch.uint8), cache.view(torch.uint8)  # torch.where has no fp8 kernel on the CPU
+        cache[blk, off] = torch.where(any_ok, val.to(cache.dtype), cache[blk, off])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public entry points
 
 
-def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q):
+def check_fp8_cache(k_cache, v_cache, k_scale, v_scale, what: str) -> None:
+    """Scales given together, with float8_e4m3fn caches, as fp32 contiguous ``[num_blocks, block_size, Hkv]``."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"{what}: k_scale and v_scale go together (an FP8 cache has both)")
+    if k_scale is None:
+        return
+    for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)):
+        if cache.dtype != FP8 or sc.dtype != torch.float32 or sc.shape != cache.shape[:3] or not sc.is_contiguous():
+            raise ValueError(f"{what}: an FP8 cache is float8_e4m3fn with contiguous fp32 scales [num_blocks, "
+                             f"block_size, Hkv], got {cache.dtype} {tuple(cache.shape)}, {sc.dtype} {tuple(sc.shape)}")
+
+
+def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q, fp8=False):
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"paged_attention: k_cache/v_cache must both be [num_blocks, block_size, Hkv, D], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"paged_attention: q must be [tokens, Hq, D] with Hq a multiple of Hkv and D matching the "
                          f"cache, got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+    if not fp8 and (q.dtype != k_cache.dtype or q.dtype != v_cache.dtype):
         raise ValueError(f"paged_attention: q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}")
     if block_table.dim() != 2 or seq_lens.shape != (block_table.shape[0],):
         raise ValueError(f"paged_attention: block_table [B, max_blocks] and seq_lens [B] expected, got "
@@ -344,7 +395,7 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
-                    max_seqlen_q=None, num_splits=None, window=None, sinks=None):
+                    max_seqlen_q=None, num_splits=None, window=None, sinks=None, k_scale=None, v_scale=None):
     """Attention of new queries against a paged KV cache; returns ``[Tq, Hq, D]`` in q's dtype (no gradients).
 
     ``q [B, Hq, D]`` (decode) or, with ``cu_seqlens_q`` int32 ``[B+1]``, ``[Tq, Hq, D]`` (each sequence's last
@@ -352,9 +403,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     ``num_splits`` overrides the split-K factor (default: chosen from shapes). ``window``: sliding-window size in
     keys (as ``attention_reference``); the kernel skips key blocks left of it. ``sinks``: ``[Hq]`` per-head sink
     logits (as ``attention_reference``): the kernel adds the sink to each row's softmax denominator (split-K: once,
-    in the combine).
+    in the combine). ``k_scale``/``v_scale``: an FP8 cache's scales (module docstring).
     """
-    _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    check_fp8_cache(k_cache, v_cache, k_scale, v_scale, "paged_attention")
+    _check(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, fp8=k_scale is not None)
     window = check_window(window, True)
     sinks = check_sinks(sinks, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -362,13 +414,14 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     supported = q.dtype in _FLOATS and q.shape[-1] <= MAX_HEAD_DIM
     if not use_triton(q, k_cache, v_cache, supported=supported):
         return paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu_seqlens_q, max_q, window,
-                                      sinks)
+                                      sinks, k_scale, v_scale)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention: k_cache/v_cache need a unit stride on head_dim")
     cu_q = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32)
     return paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
-                                   scale, cu_q, max_q, num_splits, window=window, sinks=sinks)
+                                   scale, cu_q, max_q, num_splits, window=window, sinks=sinks, k_scale=k_scale,
+                                   v_scale=v_scale)
 
 
 def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),)) -> int:
@@ -400,26 +453,30 @@ def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, N
     return runs
 
 
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
-    """Write ``k/v [T, Hkv, D]`` into the caches at flat slots ``block * block_size + offset``; slot -1 skips."""
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Write ``k/v [T, Hkv, D]`` into the caches at flat slots ``block * block_size + offset``; slot -1 skips.
+    ``k_scale``/``v_scale``: an FP8 cache's scales, each (token, head) row quantised on write."""
+    check_fp8_cache(k_cache, v_cache, k_scale, v_scale, "store_kvcache")
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
         raise ValueError(f"store_kvcache: k/v [T, Hkv, D] must match the caches' [.., .., Hkv, D], got "
                          f"{tuple(k.shape)}, {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"store_kvcache: slot_mapping must be [T={k.shape[0]}], got {tuple(slot_mapping.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    if k_scale is None and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):
         raise ValueError(f"store_kvcache: k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}")
     if not use_triton(k, v, k_cache, v_cache, supported=k_cache.stride(-1) == 1):
-        store_kvcache_native(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_native(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     T, Hkv, D = k.shape
     if T == 0:
         return
+    quant = k_scale is not None
     _store_kvcache_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, k_scale if quant else k, v_scale if quant else v, slot_mapping, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), Hkv, D=D, PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=triton.next_power_of_2(D), QUANT=quant, EPS=EPS, FP8_MAX=FP8_MAX,
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """Colocated rollout: the engine lives in the trainer's process and decodes with the very parameter tensors the
 optimizer updates in place, so a new policy costs no copy. One of the two implementations of the ``Rollout``
-protocol (protocol.py; ``remote`` is the other).
+protocol (protocol.py; ``remote`` is the other). With --rollout-dtype fp8 the engine decodes with FP8 copies of the
+linear weights (models/fp8_rollout.py), quantised again in place before the first rollout after each optimizer step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class ColocatedRollout:
         self.decode_steps = cfg.decode_steps
         econf, eos = engine_config(cfg, model, tokenizer, dp_rank, record_routing=record_routing)
         self.engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
+        self.fp8 = cfg.rollout_dtype == "fp8"
+        if self.fp8:
+            from areno.models import fp8_rollout
+
+            fp8_rollout.quantize(model)
         self._version = self._policy_version()
 
     def _policy_version(self) -> int:
@@ -48,11 +54,25 @@ class ColocatedRollout:
 
     def refresh(self) -> None:
         """Before sampling: if the optimizer moved the weights since the last rollout, the prefix cache's K/V were
-        computed by an older policy and are dropped (the weights themselves are shared: nothing to copy)."""
+        computed by an older policy and are dropped (the weights themselves are shared: nothing to copy but the FP8
+        copies, quantised again)."""
         version = self._policy_version()
         if version != self._version:
             self.engine.reset_prefix_cache()
             self._version = version
+            if self.fp8:
+                self._requantize()
+
+    def _requantize(self) -> None:
+        from areno.models import fp8_rollout
+
+        fp8_rollout.quantize(self.model)
+
+    def _forward(self):
+        """The engine's forward for the length of the block: the FP8 copies with --rollout-dtype fp8."""
+        from areno.models.fp8_rollout import fp8_forward
+
+        return fp8_forward(self.model, self.fp8)
 
     def share(self, rows: list) -> list:
         """This rank's part of a rollout batch (its data-parallel slice)."""
@@ -67,7 +87,8 @@ class ColocatedRollout:
         model = self.model
         model.eval()
         try:
-            return self.engine.generate(prompt_ids, options, on_finished=on_finished)
+            with self._forward():
+                return self.engine.generate(prompt_ids, options, on_finished=on_finished)
         finally:
             model.train()
 
@@ -96,7 +117,8 @@ class ColocatedRollout:
         sys.setswitchinterval(min(interval, 0.0005))
         gc.disable()
         try:
-            yield lambda: LocalTokens(async_engine)
+            with self._forward():
+                yield lambda: LocalTokens(async_engine)
         finally:
             sys.setswitchinterval(interval)
             if collecting:
@@ -111,7 +133,8 @@ class ColocatedRollout:
         self.engine.set_rng_state(state)
 
     def policy_changed(self) -> None:
-        pass
+        if self.fp8:  # the trainer's weights were replaced (a resume)
+            self._requantize()
 
     def in_flight_state(self) -> None:
         return None  # nothing is ever sampled ahead of its step here

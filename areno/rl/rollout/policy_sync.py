@@ -15,16 +15,22 @@ streams every tensor once (``publish(full=True)``, the full plan), since the res
 A LoRA run (models/lora.py) streams only its adapter: the rollout ranks load the same base and attach the same
 adapter, and the plan holds the adapter's tensors under their PEFT names (whole, sharded like the base on either
 side: the adapter has TP layouts of its own); the full plan is the base's tensors and the adapter's.
+
+With --rollout-dtype fp8 the quantised modules' weights travel as their FP8 copies instead (``fp8`` here;
+``models/fp8_rollout.py`` holds the entries' format): the publisher quantises, the rollout ranks copy the bytes into
+their copies, the verified sync compares the copies byte for byte.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from areno.models import fp8_rollout
 from areno.models.lora import adapter_of
 from areno.models.saver import iter_hf_tensors
 from areno.models.tp import pieces
@@ -57,11 +63,16 @@ def hf_specs(model, *, trainable_only: bool = False) -> list[tuple[str, tuple, t
     return specs
 
 
-def sync_specs(model, full: bool) -> list[tuple[str, tuple, torch.dtype]]:
-    """What a sync streams: ``full``, every tensor; else the trainable ones, or a LoRA run's adapter alone."""
+def sync_specs(model, full: bool, fp8: bool = False) -> list[tuple[str, tuple, torch.dtype]]:
+    """What a sync streams: ``full``, every tensor; else the trainable ones, or a LoRA run's adapter alone;
+    ``fp8``: the quantised modules' FP8 entries in place of their weights."""
     adapter = adapter_of(model)
     if adapter is None:
-        return hf_specs(model, trainable_only=not full)
+        specs = hf_specs(model, trainable_only=not full)
+        if fp8:
+            drop = fp8_rollout.wire_hf_names(model)
+            specs = [s for s in specs if s[0] not in drop] + fp8_rollout.wire_specs(model, trainable_only=not full)
+        return specs
     return (hf_specs(model) if full else []) + hf_specs(adapter)
 
 
@@ -118,21 +129,30 @@ def policy_tensors(model, full: bool = True):
         yield from _tensors(adapter)
 
 
-def synced_tensors(model) -> dict[str, torch.Tensor]:
-    """Every tensor a sync may stream, whole, on the CPU (the verification's; a collective under TP)."""
+def synced_tensors(model, fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor a sync may stream, whole, on the CPU (the verification's; a collective under TP); ``fp8``: the
+    FP8 entries (as bytes) in place of the quantised modules' weights: the copies a rollout rank holds, else
+    quantised here from the weights."""
     adapter = adapter_of(model)
     owners = [model] if adapter is None else [model, adapter]
-    return {k: v.cpu() for owner in owners for k, v in iter_hf_tensors(owner)}
+    out = {k: v.cpu() for owner in owners for k, v in iter_hf_tensors(owner)}
+    if fp8:
+        for name in fp8_rollout.wire_hf_names(model):
+            out.pop(name, None)
+        held = fp8_rollout.is_fp8(model)
+        entries = fp8_rollout.held_wire_tensors(model) if held else fp8_rollout.wire_tensors(model)
+        out.update((k, v.cpu().view(torch.uint8)) for k, v in entries)
+    return out
 
 
 class PolicyPublisher:
     """The train side: every train rank calls ``publish`` (it takes part in the train-TP gathers)."""
 
-    def __init__(self, model, layout, bucket_bytes: int):
-        self.model, self.layout = model, layout
+    def __init__(self, model, layout, bucket_bytes: int, fp8: bool = False):
+        self.model, self.layout, self.fp8 = model, layout, fp8
         self.plans = {}  # full -> (plan, owners, where, bytes): every tensor, or only the trainable ones
         for full in (False, True):
-            plan = plan_buckets(sync_specs(model, full), bucket_bytes)
+            plan = plan_buckets(sync_specs(model, full, fp8), bucket_bytes)
             owner = [layout.publishers[b % len(layout.publishers)] for b in range(len(plan))]
             where = {e.name: (b, e) for b, bucket in enumerate(plan) for e in bucket}
             self.plans[full] = (plan, owner, where, sum(bucket_size(b) for b in plan))
@@ -149,7 +169,10 @@ class PolicyPublisher:
             device = next(self.model.parameters()).device
             self._buffer = torch.empty(max(bucket_size(b) for b in plan), dtype=torch.uint8, device=device)
         filled = [0] * len(plan)
-        for name, tensor in policy_tensors(self.model, full):  # every rank walks them all (TP gathers inside)
+        tensors = policy_tensors(self.model, full)
+        if self.fp8:
+            tensors = itertools.chain(tensors, fp8_rollout.wire_tensors(self.model))
+        for name, tensor in tensors:  # every rank walks them all (TP gathers inside)
             b, entry = where.get(name, (None, None))
             if b is None or owner[b] != rank:
                 continue
@@ -174,6 +197,7 @@ class PolicyReceiver:
             for pname, lays in owner._tp_layouts.items():
                 for pc in pieces(lays, owner.tp_rank, owner.tp_size):
                     self.targets.setdefault(pc.hf_name, []).append((params[pname], pc.dst, pc.src))
+        self.fp8 = fp8_rollout.fp8_modules(model) if fp8_rollout.is_fp8(model) else {}
         self.plan = self.owner = None
         self._buffer = None
 
@@ -190,6 +214,8 @@ class PolicyReceiver:
             dist.broadcast(view, src=src, group=self.layout.publish[src])
             for entry in bucket:
                 full = unpack(view, entry)
+                if entry.name.startswith(fp8_rollout.PREFIX):
+                    fp8_rollout.receive(self.fp8, entry.name, full)
                 for param, dst, index in self.targets.get(entry.name, ()):
                     param[dst].copy_(full[index])
         self.model.after_weight_update()  # whatever the engine derives from the weights

@@ -33,6 +33,7 @@ from areno.config.env import env_value
 from areno.distributed.collectives import broadcast_object
 from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
+from areno.models import fp8_rollout
 from areno.models.lora import adapter_of
 from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver, synced_tensors
 
@@ -75,7 +76,8 @@ class RemoteRollout:
         self.drop_state = cfg.drop_rollout_state
         self.rank0 = dist.get_rank() == 0
         self._rng = random.Random(cfg.seed)  # the seeds the colocated engine (DP rank 0) would draw
-        self.publisher = PolicyPublisher(model, layout, int(cfg.policy_sync_bucket_mb * 2**20))
+        self.fp8 = cfg.rollout_dtype == "fp8"  # the stream carries the FP8 copies of the linear weights
+        self.publisher = PolicyPublisher(model, layout, int(cfg.policy_sync_bucket_mb * 2**20), fp8=self.fp8)
         self.synced = optimizer.num_steps  # the engines hold the checkpoint the trainer started from
         self.version = step_index()
         self._plan_sent = None  # the plan the engines hold: False (trainable tensors), True (every tensor)
@@ -269,7 +271,7 @@ class RemoteRollout:
 
     def _verify(self) -> None:
         """Fetch every engine's weights and compare them with the trainer's, tensor by tensor, exactly."""
-        mine = synced_tensors(self.model)
+        mine = synced_tensors(self.model, fp8=self.fp8)
         if not self.rank0:
             return
         self._command({"op": "weights"})
@@ -300,6 +302,8 @@ def serve(cfg) -> int:
     model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
     lora.apply(cfg, model)  # a LoRA run: the trainer's adapter (zero B, or --lora-path's), filled by each sync
+    if cfg.rollout_dtype == "fp8":
+        fp8_rollout.enable(model)  # every forward FP8; each sync streams the copies
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -347,7 +351,7 @@ def serve(cfg) -> int:
                 engine._ensure_built()
                 TPWorker(engine.runner).loop()
         elif op == "weights":
-            tensors = synced_tensors(model)
+            tensors = synced_tensors(model, fp8=fp8_rollout.is_fp8(model))
             dist.gather_object(tensors if leader else None, None, dst=0, group=layout.control)
         else:
             raise RuntimeError(f"rollout rank {rank}: unknown command {op!r}")

@@ -1,0 +1,157 @@
+"""FP8 rollout in the engine (models/fp8_rollout.py, --rollout-dtype fp8) on a tiny checkpoint whose widths are
+multiples of 128: which modules are quantised, every FP8 GEMM inside the quantisation bound of the exact product,
+the engine's log-probs are the FP8 model's and stay near the fp32 model's, greedy mostly agrees, serving refusals.
+
+The bound: E4M3 keeps 3 mantissa bits, so a rounded weight or activation is within 2^-4 of itself relatively (above
+its block's smallest normal, 2^-6 s; within 2^-10 s absolutely below it, s the block's scale). A product of two
+rounded operands is then within (2 * 2^-4 + 2^-8) |x w| (+ the absolute terms), and a dot product within that of
+sum |x_k| |w_k|: what ``test_every_fp8_gemm_is_inside_the_rounding_bound`` checks on every projection, at every step
+of a real generate. End to end the errors add up over the layers; on this random tiny model (nearly flat next-token
+distributions, the worst case for greedy agreement) the mean |log p_fp8 - log p_fp32| over the sampled tokens is
+about 0.1 and the k3 KL about 0.01 (bf16 weights and activations vs fp32: 0.014).
+"""
+
+import pytest
+import torch
+
+from areno.config import ConfigError, SamplingParams
+from areno.engine.build import build_engine
+from areno.engine.engine import Engine, EngineConfig
+from areno.kernels.fp8 import BLOCK, FP8, quantize_weight_fp8
+from areno.models import fp8_rollout, load_model, load_tokenizer
+from areno.testing import make_tiny_checkpoint
+
+WIDTHS = dict(hidden_size=128, intermediate_size=256, head_dim=32)  # q 128, k and v 64 rows each: qkv 256
+PROMPTS = ["hello world, 12 + 3 =", "the cat", "a longer prompt about tools", "1 2 3 4", "x"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+MEAN_BOUND, KL_BOUND = 0.25, 0.05  # measured about 0.1 and 0.01 (module docstring)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("fp8"), family="qwen3", seed=2, **WIDTHS)
+    return path, load_model(path, dtype=torch.float32, device="cpu"), load_tokenizer(path)
+
+
+def _engine(model, tok):
+    return Engine(model, tok, EngineConfig(block_size=4, max_running=8))
+
+
+def _teacher_logprobs(model, ids: list[int], start: int, fp8: bool) -> torch.Tensor:
+    """fp64 log-probs of ``ids[start:]`` given their prefixes (one plain forward)."""
+    with torch.no_grad(), fp8_rollout.fp8_forward(model, fp8):
+        logits = model.logits(torch.tensor([ids], device=model.embed_tokens.weight.device)).double()[0]
+    lp = torch.log_softmax(logits, -1)[start - 1 : -1]
+    return lp.gather(-1, torch.tensor(ids[start:], device=lp.device)[:, None])[:, 0].cpu()
+
+
+def test_the_projections_are_quantised_and_the_rest_is_not(tiny):
+    _, model, _ = tiny
+    before, after = fp8_rollout.quantize(model)
+    names = fp8_rollout.fp8_modules(model)
+    assert sorted({n.rsplit(".", 1)[1] for n in names}) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert len(names) == 4 * model.num_layers and "lm_head" not in names
+    n_k = sum(m.weight.numel() for m in names.values())
+    blocks = sum(-(-m.weight.shape[0] // BLOCK) * -(-m.weight.shape[1] // BLOCK) for m in names.values())
+    assert (before, after) == (4 * n_k, n_k + 4 * blocks)  # fp32 weights here: a quarter (bf16's half) + scales
+    m = names["layers.0.mlp.down_proj"]
+    assert m.fp8_qweight.dtype == FP8 and m.fp8_scale.shape == (1, 2)
+    q = quantize_weight_fp8(m.weight)
+    assert torch.equal(m.fp8_qweight.view(torch.uint8), q.qweight.view(torch.uint8))
+    assert all(not m.fp8_on for m in names.values())  # the model's own forward stays full precision
+
+
+def test_every_fp8_gemm_is_inside_the_rounding_bound(tiny):
+    _, model, tok = tiny
+    fp8_rollout.quantize(model)
+    worst = []
+
+    def check(module, args, out):
+        x = args[0].double().reshape(-1, args[0].shape[-1])
+        w = module.weight.double()
+        exact = x @ w.T
+        s_x = x.abs().view(x.shape[0], -1, BLOCK).amax(-1).repeat_interleave(BLOCK, 1) / 448
+        s_w = module.fp8_scale.double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+        bound = (2**-3 + 2**-8) * (x.abs() @ w.abs().T) + 2**-9 * (s_x @ w.abs().T + x.abs() @ s_w.T) + 1e-6
+        err = (out.double().reshape(exact.shape) - exact).abs()
+        worst.append(float((err / bound).max()))
+
+    hooks = [m.register_forward_hook(check) for m in fp8_rollout.fp8_modules(model).values()]
+    try:
+        with fp8_rollout.fp8_forward(model):
+            _engine(model, tok).generate([tok.encode(p) for p in PROMPTS[:2]], GREEDY)
+    finally:
+        for h in hooks:
+            h.remove()
+    print(f"largest error / bound over every fp8 GEMM: {max(worst):.3f}")
+    assert worst and max(worst) <= 1.0, max(worst)
+    assert max(worst) > 0.01  # the copies really ran (an fp32 forward would be far inside the bound)
+
+
+def test_engine_logprobs_are_the_fp8_models_and_near_the_fp32_ones(tiny):
+    _, model, tok = tiny
+    fp8_rollout.quantize(model)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    with fp8_rollout.fp8_forward(model):
+        fp8_out = [g[0] for g in _engine(model, tok).generate(prompts, GREEDY)]
+    ref_out = [g[0] for g in _engine(model, tok).generate(prompts, GREEDY)]
+    diffs, kls, same, first = [], [], 0, 0
+    for p, c, r in zip(prompts, fp8_out, ref_out):
+        ids = p + c.token_ids
+        mine = _teacher_logprobs(model, ids, len(p), fp8=True)
+        assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), mine, atol=1e-4)  # the engine ran FP8
+        log_ratio = _teacher_logprobs(model, ids, len(p), fp8=False) - mine  # trainer (fp32) minus rollout (fp8)
+        diffs.append(log_ratio.abs())
+        kls.append(torch.expm1(log_ratio) - log_ratio)  # k3, as rl/corrections.mismatch_sums
+        same += sum(a == b for a, b in zip(c.token_ids, r.token_ids))
+        first += c.token_ids[0] == r.token_ids[0]
+    mean, kl = float(torch.cat(diffs).mean()), float(torch.cat(kls).mean())
+    print(f"fp8 vs fp32: mean |dlogp| {mean:.4f}, k3 KL {kl:.4f}, greedy tokens equal {same}/{len(prompts) * 8}, "
+          f"first tokens equal {first}/{len(prompts)}")
+    assert 0 < mean <= MEAN_BOUND and 0 <= kl <= KL_BOUND
+    assert first >= len(prompts) // 2 + 1  # greedy mostly agrees where it has not diverged yet
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "bailing_hybrid"])
+def test_other_families_decode_through_the_copies(family, tmp_path):
+    """MoE (experts stay bf16: only attention is quantised) and a hybrid with MLA and linear attention."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
+    model, tok = load_model(path, dtype=torch.float32, device="cpu"), load_tokenizer(path)
+    prompts = [tok.encode("hello there"), tok.encode("a")]
+    ref = [g[0] for g in _engine(model, tok).generate(prompts, GREEDY)]
+    fp8_rollout.enable(model)
+    assert not any(".experts" in n for n in fp8_rollout.fp8_modules(model))
+    out = [g[0] for g in _engine(model, tok).generate(prompts, GREEDY)]
+    first = torch.tensor([c.logprobs[0] for c in out]) - torch.tensor([c.logprobs[0] for c in ref])
+    assert all(len(c.token_ids) == 8 for c in out) and 0 < first.abs().max() < 0.5
+
+
+def test_serving_fp8_and_its_refusals(tiny):
+    path, _, tok = tiny
+    engine, _ = build_engine(str(path), dtype="float32", device="cpu", rollout_dtype="fp8", max_running=4)
+    mods = fp8_rollout.fp8_modules(engine.model)
+    assert mods and all(m.fp8_on for m in mods.values())
+    out = engine.generate([tok.encode("hello")], GREEDY)[0][0]
+    assert len(out.token_ids) == 8
+    from areno.config.serve import ServeConfig
+
+    for kw, words in [({"tp_size": 2, "world_size": 2}, "--tp-size > 1 is not built yet"),
+                      ({"max_loras": 2}, "LoRA adapters"), ({"rollout_dtype": "fp4"}, "")]:
+        with pytest.raises(ConfigError, match=f"^--rollout-dtype.*{words}"):
+            ServeConfig(model_path=str(path), **{"rollout_dtype": "fp8", **kw})
+
+
+@pytest.mark.gpu
+def test_fp8_rollout_on_the_gpu_matches_the_native_reference(tmp_path, monkeypatch):
+    """bf16 on a GPU: the engine's Triton FP8 GEMMs (CUDA graphs included) give the native path's log-probs."""
+    path = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3", seed=2, **WIDTHS)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    tok = load_tokenizer(path)
+    fp8_rollout.quantize(model)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    with fp8_rollout.fp8_forward(model):
+        out = [g[0] for g in _engine(model, tok).generate(prompts, GREEDY)]
+    monkeypatch.setenv("ARENO_KERNELS", "native")
+    for p, c in zip(prompts, out):
+        ref = _teacher_logprobs(model, p + c.token_ids, len(p), fp8=True).cpu()
+        assert (torch.tensor(c.logprobs, dtype=torch.float64) - ref).abs().mean() < 0.05
