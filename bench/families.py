@@ -229,7 +229,7 @@ def run_rollout(name: str, args, device, dtype) -> list[dict]:
     layers = args.layers_rollout.get(name, 4 if args.smoke else SHAPES[name][1])
     raw = config_of(name, layers, args.smoke)
     t0 = time.perf_counter()
-    model = models.random_model(raw, dtype, device, attn_backend=args.attn_backend)
+    model = models.random_model(raw, dtype, device, unit_norms=True, attn_backend=args.attn_backend)
     base = dict(workload="R1", shape=name, layers=layers, parameters=sum(p.numel() for p in model.parameters()))
     print(f"{name}: {layers} layers, {base['parameters'] / 1e9:.2f}B parameters, built in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
@@ -283,7 +283,7 @@ def run_train(name: str, args, device, dtype) -> list[dict]:
     layers = args.layers_train.get(name, 4 if args.smoke else SHAPES[name][2])
     raw = config_of(name, layers, args.smoke)
     batch, seqlen = (train_step.SMOKE_WORKLOADS if args.smoke else train_step.WORKLOADS)["T1"]
-    model = models.random_model(raw, dtype, device, attn_backend=args.attn_backend)
+    model = models.random_model(raw, dtype, device, unit_norms=True, attn_backend=args.attn_backend)
     n_active = active_params(model)
     base = dict(workload="T1", shape=name, layers=layers, batch=batch, seqlen=seqlen,
                 parameters=sum(p.numel() for p in model.parameters()), active_parameters=n_active)

@@ -72,7 +72,7 @@ def sync(device):
 def build_model(shape: dict, layers: int, experts: int, dtype, device, seed: int = 0, std: float = 0.02):
     """The areno model of ``shape`` with random weights drawn on ``device`` (built as ``load_model`` builds one)."""
     raw = dict(shape, num_hidden_layers=layers, num_local_experts=experts)
-    return models.random_model(raw, dtype, device, seed=seed, std=std)
+    return models.random_model(raw, dtype, device, seed=seed, unit_norms=True, std=std)
 
 
 def decode_limit_tok_s(model, rows: int, context: float, kv_bytes_per_token: float) -> float:

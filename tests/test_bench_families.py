@@ -25,7 +25,7 @@ def _module(name: str):
 def test_transformers_copy_computes_the_same_logits(shape):
     families = _module("families")
     raw = families.config_of(shape, 4, smoke=True)
-    model = families.models.random_model(raw, torch.float32, torch.device("cpu"), std=0.1)
+    model = families.models.random_model(raw, torch.float32, torch.device("cpu"), unit_norms=True, std=0.1)
     hf = families.hf_model(raw, model, torch.float32, torch.device("cpu")).eval()
     ids = torch.randint(3, raw["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
