@@ -115,18 +115,6 @@ def checkpoint(smoke: bool = False, *, seed: int = 0) -> Path:
     return path
 
 
-def shape_of(smoke: bool) -> dict:
-    return SMOKE if smoke else QWEN3_06B
-
-
-def num_params(shape: dict) -> int:
-    """Parameters of the tied Qwen3 shape (596,049,920 at the BENCH.md shape): every matrix, norms included."""
-    h, i, v, layers = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
-    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i + 2 * h + 2 * d
-    return layers * per_layer + h + v * h
-
-
 @torch.no_grad()
 def random_model(shape: dict, dtype, device, seed: int = 0, *, family: str = "qwen3", unit_norms: bool = False,
                  std: float = 0.02, attn_backend: str = "flash"):
@@ -166,6 +154,18 @@ def random_model(shape: dict, dtype, device, seed: int = 0, *, family: str = "qw
     if hf is shape:
         model.hf_config = shape
     return model.eval()
+
+
+def shape_of(smoke: bool) -> dict:
+    return SMOKE if smoke else QWEN3_06B
+
+
+def num_params(shape: dict) -> int:
+    """Parameters of the tied Qwen3 shape (596,049,920 at the BENCH.md shape): every matrix, norms included."""
+    h, i, v, layers = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i + 2 * h + 2 * d
+    return layers * per_layer + h + v * h
 
 
 def random_prompts(n: int, length: int | list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
