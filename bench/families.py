@@ -27,7 +27,8 @@ it runs 8 layers of the 9B and 4 layers of the 35B-A3B (one group), at full widt
   same prompts (all 256 by default) as one batch after a short warm-up, capped by ``--hf-max-time-s`` (its tok/s
   counts the tokens it made; a note says when it stopped early or ran fewer prompts). Target: >= 10x.
 - T1 (``bench/train_step.py``'s T1: 8 x 1024 tokens, every next token a target): areno's ``PolicyTrainer.train``
-  with ``MasterAdamW`` (grad clip 1.0, no activation checkpointing, eager by default) against transformers'
+  with ``MasterAdamW`` (grad clip 1.0, no activation checkpointing, eager by default; fp32 master weights, its
+  moments fp32 and, in a second row, 8-bit: ``--optimizer-states``) against transformers'
   ``model(ids, labels=ids).loss.backward(); torch.optim.AdamW.step()`` on the bf16 parameters, timed by
   ``train_step.measure`` (median step, back-to-back loop, peak allocated memory with one model resident). MFU:
   6 x active parameters x tokens / step time / 790 TFLOP/s, the active parameters being every matrix but the
@@ -253,10 +254,11 @@ def run_rollout(name: str, args, device, dtype) -> list[dict]:
     return records
 
 
-def train_areno(model, args, device, base: dict, n_active: int) -> dict:
+def train_areno(model, args, device, base: dict, n_active: int, states: str) -> dict:
+    """One T1 row of areno's trainer with ``MasterAdamW`` keeping its moments in ``states`` (fp32 or 8bit)."""
     from areno.training.optimizer import MasterAdamW
 
-    opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, states=states)
     state = (model.train(), opt, {})
     batch, seqlen = base["batch"], base["seqlen"]
     try:
@@ -269,7 +271,7 @@ def train_areno(model, args, device, base: dict, n_active: int) -> dict:
         opt.close()
         for p in model.parameters():
             p.grad = None
-    return show({**base, **rec})
+    return show({**base, **rec, "optimizer_states": states})
 
 
 def train_hf(hf, args, device, base: dict, n_active: int) -> dict:
@@ -287,7 +289,10 @@ def run_train(name: str, args, device, dtype) -> list[dict]:
     n_active = active_params(model)
     base = dict(workload="T1", shape=name, layers=layers, batch=batch, seqlen=seqlen,
                 parameters=sum(p.numel() for p in model.parameters()), active_parameters=n_active)
-    records = [train_areno(model, args, device, base, n_active)]
+    records = []
+    for states in args.optimizer_states.split(","):
+        records.append(train_areno(model, args, device, base, n_active, states))
+        free(device)
     why = hf_missing(raw) if "transformers" in args.impls else "not asked (--impls)"
     if why is None:
         try:
@@ -332,7 +337,8 @@ def verdicts(records: list[dict]) -> None:
         elif r["workload"] == "T1":
             mem = r.get("memory_vs_hf", float("nan"))
             ok = r["speedup_vs_hf"] >= 1.5 and mem <= 1.0
-            print(f"{r['shape']} T1 target (>= 1.5x transformers + AdamW, no more memory): "
+            print(f"{r['shape']} T1 ({r['optimizer_states']} moments) target (>= 1.5x transformers + AdamW, no more "
+                  "memory): "
                   f"{'PASS' if ok else 'FAIL'} ({r['speedup_vs_hf']:.2f}x, {mem:.2f}x peak memory, MFU {r['mfu']:.1%})")
 
 
@@ -365,6 +371,8 @@ def parse(argv=None):
     ap.add_argument("--hf-prompts", type=int, default=256, help="R1 prompts transformers generates for")
     ap.add_argument("--hf-max-time-s", type=float, default=60.0, help="cap on transformers' generate call")
     ap.add_argument("--graphs", default="off", choices=["off", "on"], help="areno's train step as CUDA graphs")
+    ap.add_argument("--optimizer-states", default="fp32,8bit",
+                    help="areno's AdamW moments, one T1 row each: fp32, 8bit or fp32,8bit (--optimizer-states)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--hf-warmup", type=int, default=1)
@@ -373,6 +381,7 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     bad = sorted(set(args.shapes.split(",")) - set(SHAPES)) + sorted(set(args.parts.split(",")) - {"rollout", "train"})
     bad += sorted(set(args.impls.split(",")) - {"areno", "transformers"})
+    bad += sorted(set(args.optimizer_states.split(",")) - {"fp32", "8bit"})
     if bad:
         ap.error(f"unknown --shapes / --parts / --impls entries {bad}")
     if args.smoke:
@@ -406,8 +415,9 @@ def main(argv=None) -> list[dict]:
             if not args.no_save and not args.smoke:  # each part's rows kept at once (a run cut short keeps them)
                 print("results:", append_jsonl("families", rows, env), flush=True)
             records += rows
-    cols = ["shape", "workload", "impl", "layers", "call", "sequences", "tok_s", "wall_s", "step_ms", "mfu",
-            "peak_gib", "speedup_vs_hf", "memory_vs_hf", "logprob_diff_mean", "note", "error"]  # fmt: skip
+    cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "sequences", "tok_s", "wall_s",
+            "step_ms", "mfu", "peak_gib", "speedup_vs_hf", "memory_vs_hf", "logprob_diff_mean", "note",
+            "error"]  # fmt: skip
     print_table(records, cols)
     verdicts(records)
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)

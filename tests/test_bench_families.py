@@ -40,10 +40,12 @@ def test_smoke_rows_and_report():
     records = _module("families").main(["--smoke", "--no-save"])
     for r in records:
         assert "error" not in r, r
-    impls = ["areno", "areno"] + (["transformers"] if HAS_QWEN3_5 else [])
-    want = [(s, w, i) for s in ("qwen3_5-9b", "qwen3_5-35b-a3b") for w, i in
-            [("R1", i) for i in impls] + [("T1", i) for i in impls[1:]]]  # fmt: skip
-    assert [(r["shape"], r["workload"], r["impl"]) for r in records] == want
+    hf = HAS_QWEN3_5
+    part = {"R1": [("areno", "first"), ("areno", "warm")] + [("transformers", "warm")] * hf,
+            "T1": [("areno", "fp32"), ("areno", "8bit")] + [("transformers", None)] * hf}  # fmt: skip
+    want = [(s, w, *i) for s in ("qwen3_5-9b", "qwen3_5-35b-a3b") for w in ("R1", "T1") for i in part[w]]
+    got = [(r["shape"], r["workload"], r["impl"], r.get("call") or r.get("optimizer_states")) for r in records]
+    assert got == want
     for r in records:
         if r["workload"] == "R1":
             assert r["sequences"] == 8 and r["output_tokens"] == 8 * 16 and r["complete"] and r["tok_s"] > 0
