@@ -44,6 +44,8 @@ class Condition(NamedTuple):
 CONDITIONS = {
     "split": Condition(_split, "applies to split mode only (--train-devices and --rollout-devices)", "in split mode",
                        True),
+    "partial": Condition(lambda v: _split(v) and bool(v["partial_rollout"]), "applies only with --partial-rollout "
+                         "(split mode)", "with --partial-rollout", True),
     "agent": Condition(lambda v: bool(v["agent_fn"]), "applies to agentic rollout only (--agent-fn)", "with --agent-fn",
                        True),
     "tower": Condition(lambda v: bool(v["unfreeze_mm_tower"]), "applies only with --unfreeze-mm-tower (the tower is "

@@ -79,6 +79,7 @@ class Completion:
     # record_routing: int16 [prompt + output tokens, num_moe_layers, k] expert ids per token (-1: not computed, the
     # last output token), else None
     routed_experts: np.ndarray | None = None
+    versions: list[int] | None = None  # partial rollout: the policy version that sampled each output token
 
 
 class Engine:
@@ -144,6 +145,22 @@ class Engine:
         """The model's weights changed: cached prefixes hold stale K/V (an RL step, a policy sync)."""
         if self.runner is not None:
             self.blocks.reset_prefix_cache()
+
+    def swap_weights(self, load, *, recompute: bool = False) -> None:
+        """Partial rollout (areno.rl.rollout.partial): take new weights between two steps while sequences are in
+        flight. The decode group queued ahead is read first (its tokens are the old weights'), then ``load()`` copies
+        the new weights in place (the CUDA graphs keep their pointers), the prefix cache is dropped and, with
+        ``recompute``, every running sequence goes back to the queue to have its K/V computed again under the new
+        weights (its tokens are kept); else their K/V, computed under the old weights, stay."""
+        lookahead, self._lookahead = self._lookahead, False
+        while self._ahead is not None:
+            self.step()
+        self._lookahead = lookahead
+        load()
+        self.reset_prefix_cache()
+        if recompute and self.runner is not None:
+            for seq in list(reversed(self.scheduler.running)):  # youngest first: the oldest ends up first in line
+                self.scheduler._preempt(seq, Step())
 
     def drop_rollout_state(self) -> None:
         """Free the KV cache and CUDA graphs; the next request rebuilds them."""
