@@ -51,7 +51,7 @@ class RolloutSection:
     partial_rollout: bool = opt(
         False, "split mode, --max-staleness >= 1: a generation in flight when new weights arrive continues under the "
         "new policy (the engine swaps the weights in place at a step boundary and drops its prefix cache); each token "
-        "records the policy version that sampled it", "rollout", algos=RL_ALGOS, needs="split")
+        "records the policy version that sampled it", "rollout", algos=RL_ALGOS, needs="async")
     partial_rollout_kv: str = opt(
         "keep", "--partial-rollout: the running sequences' K/V when the weights change: keep (computed under the old "
         "policy) or recompute (under the new one)", "rollout", choices=("keep", "recompute"), algos=RL_ALGOS,
@@ -126,9 +126,6 @@ class RolloutSection:
         check_non_negative("--max-staleness", self.max_staleness)
         check_non_negative("--max-tail-steps", self.max_tail_steps)
         check_choice("--partial-rollout-kv", self.partial_rollout_kv, ("keep", "recompute"))
-        if self.partial_rollout and not self.max_staleness:
-            raise ConfigError("--partial-rollout", "needs --max-staleness >= 1 (with 0 every rollout waits for the "
-                              "new policy: no generation is in flight when it arrives)")
         if self.partial_rollout and self.drop_rollout_state:
             raise ConfigError("--partial-rollout", "keeps sequences in the engines across steps: it does not combine "
                               "with --drop-rollout-state, which frees the engines' KV cache after every rollout")

@@ -146,22 +146,6 @@ class Engine:
         if self.runner is not None:
             self.blocks.reset_prefix_cache()
 
-    def swap_weights(self, load, *, recompute: bool = False) -> None:
-        """Partial rollout (areno.rl.rollout.partial): take new weights between two steps while sequences are in
-        flight. The decode group queued ahead is read first (its tokens are the old weights'), then ``load()`` copies
-        the new weights in place (the CUDA graphs keep their pointers), the prefix cache is dropped and, with
-        ``recompute``, every running sequence goes back to the queue to have its K/V computed again under the new
-        weights (its tokens are kept); else their K/V, computed under the old weights, stay."""
-        lookahead, self._lookahead = self._lookahead, False
-        while self._ahead is not None:
-            self.step()
-        self._lookahead = lookahead
-        load()
-        self.reset_prefix_cache()
-        if recompute and self.runner is not None:
-            for seq in list(reversed(self.scheduler.running)):  # youngest first: the oldest ends up first in line
-                self.scheduler._preempt(seq, Step())
-
     def drop_rollout_state(self) -> None:
         """Free the KV cache and CUDA graphs; the next request rebuilds them."""
         if self.has_work():
@@ -493,6 +477,23 @@ class Engine:
             token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",
             text=text, stop_text=seq.stop_text, timings=seq.timings(), routed_experts=_routed_experts(seq),
         )
+
+
+def swap_weights(engine: Engine, load, *, recompute: bool = False) -> None:
+    """Partial rollout (areno.rl.rollout.partial): ``engine`` takes new weights between two steps while sequences are
+    in flight. The decode group queued ahead is read first (its tokens are the old weights'), then ``load()`` copies
+    the new weights in place (the CUDA graphs keep their pointers), the prefix cache is dropped and, with
+    ``recompute``, every running sequence goes back to the queue to have its K/V computed again under the new weights
+    (its tokens are kept); else their K/V, computed under the old weights, stay."""
+    lookahead, engine._lookahead = engine._lookahead, False
+    while engine._ahead is not None:
+        engine.step()
+    engine._lookahead = lookahead
+    load()
+    engine.reset_prefix_cache()
+    if recompute and engine.runner is not None:
+        for seq in list(reversed(engine.scheduler.running)):  # youngest first: the oldest ends up first in line
+            engine.scheduler._preempt(seq, Step())
 
 
 def _routed_experts(seq: Sequence) -> np.ndarray | None:

@@ -143,8 +143,7 @@ class TrainLoop:
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def step(self, batch: list[Prompt], upcoming: list[list[Prompt]] | None = None) -> dict:
-        """One step of ``--algo`` on ``batch`` (``upcoming``: the batches of the next steps to send ahead now, async
-        split mode)."""
+        """One step of ``--algo`` on ``batch`` (``upcoming``: the next steps' batches to send ahead, async split)."""
         if self.algorithm.needs_reward:
             self._ensure_engine()
         self.ctx.step_index = self.step_index
@@ -263,25 +262,15 @@ class TrainLoop:
         cfg = self.cfg
         last = {}
         batches = iter(self.data)
-        # async split mode (--max-staleness K): the batches of the next K steps, already sent to the rollout engines,
-        # each with the data position before it (a checkpoint resumes at the first batch still ahead)
-        ahead = collections.deque()
-        depth = cfg.max_staleness if cfg.split and self.algorithm.needs_reward else 0
-        for _ in range(self.engine.in_flight_count() if self.engine is not None else 0):  # a resume's rollouts
-            ahead.append((self.data.state_dict(), next(batches)))
+        # async split (--max-staleness K): the next K steps' batches sent ahead, each after its data position
+        ahead, depth = collections.deque(), cfg.max_staleness if cfg.split and self.algorithm.needs_reward else 0
+        read_ahead(ahead, batches, self.data, self.engine.in_flight_count() if self.engine is not None else 0)
         while self.step_index < self.total_steps:  # test first: a batch taken is a batch consumed
             batch = ahead.popleft()[1] if ahead else next(batches, None)
             if batch is None:
                 break
-            upcoming = []
-            while len(ahead) < depth and self.step_index + 1 + len(ahead) < self.total_steps:
-                state = self.data.state_dict()
-                nxt = next(batches, None)
-                if nxt is None:
-                    break
-                ahead.append((state, nxt))
-                upcoming.append(nxt)
-            self._data_state = ahead[0][0] if ahead else None  # a checkpoint after this step resumes there
+            upcoming = read_ahead(ahead, batches, self.data, min(depth, self.total_steps - self.step_index - 1))
+            self._data_state = ahead[0][0] if ahead else None
             t0 = time.perf_counter()
             m = self.step(batch, upcoming or None)
             self.step_index += 1
@@ -447,6 +436,20 @@ class TrainLoop:
         if self.run_dir is not None:
             self.run_dir.release()
             self.run_dir = None
+
+
+def read_ahead(ahead, batches, data, depth: int) -> list:
+    """Fill ``ahead`` (the batches sent ahead, each after the data position before it) up to ``depth`` batches from
+    ``batches``; returns the batches added."""
+    upcoming = []
+    while len(ahead) < depth:
+        state = data.state_dict()
+        nxt = next(batches, None)
+        if nxt is None:
+            break
+        ahead.append((state, nxt))
+        upcoming.append(nxt)
+    return upcoming
 
 
 def _plugins(cfg) -> str:

@@ -75,7 +75,8 @@ class StepRollout:
         gathered = [x for part, _, _ in parts for x in part]
         failures = sum(f for _, f, _ in parts)
         n_tok = sum(len(x[1]) for x in gathered)
-        rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin},
+        rows = [Row(p, list(ids), list(lps), reward=float(rew),
+                    meta={"finish_reason": fin, **({"versions": versions} if versions else {})},  # dumps show them
                     media=self.media_of(prompt_at(i)), routed_experts=routes, versions=versions)
                 for p, ids, lps, rew, fin, i, routes, versions in gathered]
         if len(parts) == 1:  # this rank's rows only: the tensors made while the rest decoded apply as they are

@@ -7,7 +7,7 @@ ahead, each batch tagged with the step that trains it and each prompt with its k
 the batch to finish (``until``). The rank adds the prompts as requests and steps the engine until every prompt group
 of that batch has finished (the other batches' sequences decode alongside), and answers with those groups, each
 completion carrying ``versions``. Between commands the engine sits at a step boundary: a ``sync`` then swaps the
-weights in place (``Engine.swap_weights``: prefix cache dropped, the running sequences' K/V kept or recomputed as
+weights in place (``engine.swap_weights``: prefix cache dropped, the running sequences' K/V kept or recomputed as
 --partial-rollout-kv says) and the sequences still running continue under the new policy.
 
 Cut tail (--max-tail-steps N): once half of the batch's groups have finished, the groups still decoding N decode
@@ -18,6 +18,7 @@ rollouts in flight whole: a resumed run and the run that saved continue alike).
 
 from __future__ import annotations
 
+from areno.engine.engine import swap_weights
 from areno.engine.model_runner import broadcast_step
 
 
@@ -69,7 +70,7 @@ class PartialRollout:
     def swap(self, load, version: int) -> None:
         """New weights (``load()`` copies them in place) between two steps, sequences in flight."""
         self._stamp()
-        self.engine.swap_weights(load, recompute=self.recompute)
+        swap_weights(self.engine, load, recompute=self.recompute)
         self.version = version
 
     def run(self, until: int | None) -> list:
