@@ -490,10 +490,10 @@ def swap_weights(engine: Engine, load, *, recompute: bool = False) -> None:
         engine.step()
     engine._lookahead = lookahead
     load()
-    engine.reset_prefix_cache()
     if recompute and engine.runner is not None:
         for seq in list(reversed(engine.scheduler.running)):  # youngest first: the oldest ends up first in line
             engine.scheduler._preempt(seq, Step())
+    engine.reset_prefix_cache()  # after the preemptions: their freed blocks hold the old weights' K/V too
 
 
 def _routed_experts(seq: Sequence) -> np.ndarray | None:

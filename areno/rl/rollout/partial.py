@@ -59,9 +59,10 @@ class PartialRollout:
             for s in seqs:
                 self.versions[id(s)] = []
 
-    def _stamp(self) -> None:
-        """Every token sampled since the last stamp was sampled under ``self.version``."""
-        for groups in self.batches.values():
+    def _stamp(self, batches=None) -> None:
+        """Every token sampled since the last stamp (of ``batches``, default all) was sampled under
+        ``self.version``."""
+        for groups in self.batches.values() if batches is None else batches:
             for _, seqs in groups:
                 for s in seqs:
                     v = self.versions[id(s)]
@@ -91,7 +92,7 @@ class PartialRollout:
                 break
             self.engine.step(self.decode_steps)
             rounds += 1
-        self._stamp()
+        self._stamp([target])
         return [(key, [self._completion(s) for s in seqs]) for key, seqs in target]
 
     def drain(self) -> dict[int, list]:
