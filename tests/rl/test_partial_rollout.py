@@ -6,6 +6,7 @@ killed async partial run resumes exactly, the rollouts in flight (and their toke
 
 import copy
 import json
+import os
 import subprocess
 import sys
 
@@ -147,3 +148,25 @@ def test_partial_rollout_resumes_exactly(files, tmp_path):
         assert va == vb
     wa, wb = (load_file(str(d / "step-5" / "model.safetensors")) for d in (full, part))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _quickstart(tmp_path, name, *extra) -> dict:
+    save = tmp_path / name
+    cmd = [sys.executable, "-m", "areno", "train", "--preset", "quickstart", "--save-path", str(save), *SPLIT,
+           "--max-steps", "12", *extra]
+    proc = subprocess.run(cmd, env=env(ARENO_HOME=str(tmp_path / "home")), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(x) for x in (save / "metrics" / "metrics.jsonl").read_text().splitlines()][-1]
+
+
+@pytest.mark.skipif(not os.environ.get("ARENO_FIGURES"), reason="the async learning figure (two quickstart runs, "
+                    "about 4 min of CPU): ARENO_FIGURES=1 runs it")
+def test_async_partial_quickstart_learns_like_the_synchronous_run(tmp_path):
+    """The quickstart with --max-staleness 2 --partial-rollout reaches the synchronous split run's held-out accuracy
+    within 2 points after the same 12 optimizer steps (issue 42's CPU learning figure)."""
+    sync = _quickstart(tmp_path, "sync", "--max-staleness", "0")
+    part = _quickstart(tmp_path, "partial", "--max-staleness", "2", "--partial-rollout")
+    print(f"held-out accuracy after 12 steps: synchronous {sync['eval_accuracy_after']:.1%}, K=2 + partial rollout "
+          f"{part['eval_accuracy_after']:.1%} (before: {sync['eval_accuracy_before']:.1%})")
+    assert part["eval_accuracy_after"] >= sync["eval_accuracy_after"] - 0.02
