@@ -113,6 +113,15 @@ def test_partial_rollout_with_staleness_3_keeps_samples_within_k(files, tmp_path
     assert mixed > 0  # some generations continued under a newer policy
 
 
+def test_staleness_2_sends_two_rollouts_ahead(files, tmp_path):
+    """Without partial rollout every sample of a rollout sent K steps ahead is K versions old (none dropped)."""
+    out = tmp_path / "k2"
+    areno(files, out, *SPLIT, "--max-staleness", "2", steps=5)
+    ms = metrics(out)
+    assert [m["staleness_max"] for m in ms] == [m["policy_version_lag_max"] for m in ms] == [0, 1, 2, 2, 2]
+    assert [m["policy_version"] for m in ms] == [0, 0, 0, 1, 2] and all(m["stale_dropped"] == 0 for m in ms)
+
+
 def test_staleness_0_equals_the_synchronous_run_bit_for_bit(files, tmp_path):
     sync, split = tmp_path / "colocated", tmp_path / "split"
     areno(files, sync)

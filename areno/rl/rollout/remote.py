@@ -112,7 +112,7 @@ class RemoteRollout:
         if self.rank0:
             self._collect_all()
             self._dispatch(None, prompt_ids, options)
-            results = self._collect()[1]
+            results = self._collect()
         return broadcast_object(results, self.layout.train_group)
 
     def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None, keys=None):
@@ -154,8 +154,7 @@ class RemoteRollout:
         """Rank 0: the upcoming batches (tags ``tag``, ``tag + 1``, ...) go to the engines; with partial rollout one
         command adds them and runs the engines until the next step's batch is done (unless already held)."""
         if not self.partial:
-            for i, prompts in enumerate(upcoming):
-                self._dispatch(tag + i, prompts, options)
+            self._generate(list(range(tag, tag + len(upcoming))), upcoming, options)
             return
         add = [(tag + i, prompts, ks) for i, (prompts, ks) in enumerate(zip(upcoming, keys or [None] * len(upcoming)))]
         nxt = self.step_index() + 1
@@ -243,7 +242,7 @@ class RemoteRollout:
         self._collect_all()
         if self.partial:
             self._command({"op": "drain"})
-            self._pending.append(("drain", self.version))
+            self._pending.append(("drain", self.version, None))
             self._collect()
         tags = sorted(self._done)
         return {"ahead": self._ahead, "cut": self._cut, "rollouts": [
@@ -283,12 +282,21 @@ class RemoteRollout:
         """Rank 0: a rollout of ``prompt_ids`` for the step ``tag`` (None: an evaluation), answered later."""
         if self.partial and tag is not None:
             self._partial_command([(tag, prompt_ids, keys)], options, tag)
-            return
-        opts = self._seeded(options, len(prompt_ids))
-        shares = [([prompt_ids[i] for i in r], opts[r.start:r.stop])
-                  for r in _shares(len(prompt_ids), len(self.layout.engines))]
+        else:
+            self._generate([tag], [prompt_ids], options)
+
+    def _generate(self, tags, batches, options) -> None:
+        """Rank 0: one ``generate`` command for the steps ``tags``' batches (one engine call each, the batches' shares
+        end to end: a second command in flight would cross its answer's gather on the control group)."""
+        shares, sizes = [([], []) for _ in self.layout.engines], []
+        for prompts in batches:
+            opts, ranges = self._seeded(options, len(prompts)), _shares(len(prompts), len(self.layout.engines))
+            for (ids, o), r in zip(shares, ranges):
+                ids += [prompts[i] for i in r]
+                o += opts[r.start:r.stop]
+            sizes.append([len(r) for r in ranges])
         self._command({"op": "generate", "shares": shares, "drop": self.drop_state})
-        self._pending.append((tag, self.version))
+        self._pending.append((tags, self.version, sizes))
 
     def _seeded(self, options, n: int) -> list:
         return [dataclasses.replace(options, seed=self._rng.getrandbits(62)) for _ in range(n)]
@@ -303,38 +311,45 @@ class RemoteRollout:
             adds.append((tag, [([prompts[i] for i in r], opts[r.start:r.stop], keys[r.start:r.stop])
                                for r in _shares(len(prompts), len(self.layout.engines))]))
         self._command({"op": "partial", "add": adds, "until": until})
-        self._pending.append((until, self.version))
+        self._pending.append((until, self.version, None))
 
     def _answers(self):
         """Wait for the oldest command in flight: its tag and version, every engine leader's answer (in engine order)
         and the idle times."""
-        tag, version = self._pending.popleft()
+        tag, version, sizes = self._pending.popleft()
         t0 = time.perf_counter()
         parts = [None] * dist.get_world_size(self.layout.control)
         dist.gather_object(None, parts, dst=0, group=self.layout.control)
         waited = time.perf_counter() - t0
         answers = [parts[self.layout.rollout_ranks.index(ranks[0]) + 1] for ranks in self.layout.engines]
         idle = {"train_idle_s": waited, "rollout_idle_s": max((i for _, i in answers), default=0.0)}
-        return tag, version, [a for a, _ in answers], idle
+        return tag, version, sizes, [a for a, _ in answers], idle
 
     def _collect(self):
         """Rank 0: collect the oldest command in flight into ``_done`` (a partial one: under each tag it finished);
-        returns (its tag, its completions in prompt order)."""
-        tag, version, answers, idle = self._answers()
+        returns its completions in prompt order (of its last batch)."""
+        tag, version, sizes, answers, idle = self._answers()
         if answers and isinstance(answers[0], dict):  # partial rollout: {"groups": [(key, completions)], "cut": n}
             self._cut += sum(a["cut"] for a in answers)
             if tag == "drain":  # every batch in flight: {"groups": {tag: [(key, completions)]}}
                 for t in sorted({t for a in answers for t in a["groups"]}):
                     groups = [g for a in answers for g in a["groups"].get(t, [])]
                     self._done[t] = (version, [c for _, c in groups], idle, [k for k, _ in groups])
-                return tag, None
+                return None
             groups = [g for a in answers for g in a["groups"]]
-            results, keys = [c for _, c in groups], [k for k, _ in groups]
-        else:
-            results, keys = [c for a in answers for c in a], None
-        if tag is not None:
-            self._done[tag] = (version, results, idle, keys)
-        return tag, results
+            results = [c for _, c in groups]
+            if tag is not None:
+                self._done[tag] = (version, results, idle, [k for k, _ in groups])
+            return results
+        offsets = [0] * len(answers)
+        for t, per_engine in zip(tag, sizes):  # each batch: its share of every engine's answer, in engine order
+            results = []
+            for e, n in enumerate(per_engine):
+                results += answers[e][offsets[e] : offsets[e] + n]
+                offsets[e] += n
+            if t is not None:
+                self._done[t] = (version, results, idle, None)
+        return results
 
     def _collect_all(self) -> None:
         while self._pending:
