@@ -43,9 +43,23 @@ class RolloutSection:
                                    needs="agent")
     policy_sync_bucket_mb: float = opt(64.0, "split mode: MiB per bucket of the policy streamed to the rollout "
                                        "engines", "rollout", algos=RL_ALGOS, needs="split")
-    max_staleness: int = opt(0, "split mode: 0 = on-policy (the rollout waits for the new policy); 1 = one-step-off "
-                             "async (the next rollout runs while this step trains)", "rollout", choices=(0, 1),
-                             algos=RL_ALGOS, needs="split")
+    max_staleness: int = opt(
+        0, "split mode: K >= 0 policy versions of lag allowed: 0 = on-policy (the rollout waits for the new policy); "
+        "K > 0 = the rollouts of the next K steps run while this step trains, and a sample whose oldest token is more "
+        "than K versions older than the trained policy is dropped (counted as stale_dropped)", "rollout",
+        algos=RL_ALGOS, needs="split")
+    partial_rollout: bool = opt(
+        False, "split mode, --max-staleness >= 1: a generation in flight when new weights arrive continues under the "
+        "new policy (the engine swaps the weights in place at a step boundary and drops its prefix cache); each token "
+        "records the policy version that sampled it", "rollout", algos=RL_ALGOS, needs="async")
+    partial_rollout_kv: str = opt(
+        "keep", "--partial-rollout: the running sequences' K/V when the weights change: keep (computed under the old "
+        "policy) or recompute (under the new one)", "rollout", choices=("keep", "recompute"), algos=RL_ALGOS,
+        needs="partial")
+    max_tail_steps: int = opt(
+        0, "--partial-rollout: once half of a batch's prompt groups are done, the groups still decoding this many "
+        "decode rounds later are cut into the next batch (they finish there) instead of stalling this step (0 = off)",
+        "rollout", algos=RL_ALGOS, needs="partial")
     max_running_prompts: Optional[int] = opt(
         None, "cap on active rollout sequences (and their KV-cache demand)", "rollout",
         default_help="the whole rollout batch", needs="rollout")
@@ -100,6 +114,7 @@ class RolloutSection:
         check_sizes(self, ("rollout_tp_size", "max_running_prompts", "max_prompt_tokens", "max_new_tokens"))
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
         self._check_devices()
+        self._check_staleness()
         self._check_agent()
         self._check_rollout_dtype()
         self._check_sampling()
@@ -108,8 +123,9 @@ class RolloutSection:
         if self.agent_fn is None:
             return
         if self.max_staleness:
-            raise ConfigError("--max-staleness", "agentic rollout is on-policy: --max-staleness 1 does not apply to "
-                              "--agent-fn runs yet")
+            raise ConfigError("--max-staleness", "agentic rollout is on-policy: the agents sample through the "
+                              "engines' token service, which has no rollout sent ahead to carry policy versions, so "
+                              "--max-staleness > 0 does not apply to --agent-fn runs yet")
         check_positive("--max-context-len", self.max_context_len, optional=True)
         check_non_negative("--agent-timeout-s", self.agent_timeout_s)
 
@@ -123,6 +139,14 @@ class RolloutSection:
                                   "FP8 blocks sharded with their layers")):  # fmt: skip
             if given:
                 raise ConfigError("--rollout-dtype", f"fp8 with {what} is not built yet ({why})")
+
+    def _check_staleness(self):
+        check_non_negative("--max-staleness", self.max_staleness)
+        check_non_negative("--max-tail-steps", self.max_tail_steps)
+        check_choice("--partial-rollout-kv", self.partial_rollout_kv, ("keep", "recompute"))
+        if self.partial_rollout and self.drop_rollout_state:
+            raise ConfigError("--partial-rollout", "keeps sequences in the engines across steps: it does not combine "
+                              "with --drop-rollout-state, which frees the engines' KV cache after every rollout")
 
     def _check_devices(self):
         train, rollout = self.train_devices, self.rollout_devices

@@ -79,6 +79,7 @@ class Completion:
     # record_routing: int16 [prompt + output tokens, num_moe_layers, k] expert ids per token (-1: not computed, the
     # last output token), else None
     routed_experts: np.ndarray | None = None
+    versions: list[int] | None = None  # partial rollout: the policy version that sampled each output token
 
 
 class Engine:
@@ -476,6 +477,23 @@ class Engine:
             token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",
             text=text, stop_text=seq.stop_text, timings=seq.timings(), routed_experts=_routed_experts(seq),
         )
+
+
+def swap_weights(engine: Engine, load, *, recompute: bool = False) -> None:
+    """Partial rollout (areno.rl.rollout.partial): ``engine`` takes new weights between two steps while sequences are
+    in flight. The decode group queued ahead is read first (its tokens are the old weights'), then ``load()`` copies
+    the new weights in place (the CUDA graphs keep their pointers), the prefix cache is dropped and, with
+    ``recompute``, every running sequence goes back to the queue to have its K/V computed again under the new weights
+    (its tokens are kept); else their K/V, computed under the old weights, stay."""
+    lookahead, engine._lookahead = engine._lookahead, False
+    while engine._ahead is not None:
+        engine.step()
+    engine._lookahead = lookahead
+    load()
+    if recompute and engine.runner is not None:
+        for seq in list(reversed(engine.scheduler.running)):  # youngest first: the oldest ends up first in line
+            engine.scheduler._preempt(seq, Step())
+    engine.reset_prefix_cache()  # after the preemptions: their freed blocks hold the old weights' K/V too
 
 
 def _routed_experts(seq: Sequence) -> np.ndarray | None:

@@ -92,7 +92,7 @@ class ColocatedRollout:
         finally:
             model.train()
 
-    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None):
+    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None, keys=None):
         """This step's completions and the rollout's own stats (none here: the weights are the trainer's).
         ``on_group(i, completions)``: called as soon as every sample of prompt ``i`` has finished, while the others
         still decode (``Engine.generate``'s ``on_finished``)."""
@@ -135,6 +135,9 @@ class ColocatedRollout:
     def policy_changed(self) -> None:
         if self.fp8:  # the trainer's weights were replaced (a resume)
             self._requantize()
+
+    def in_flight_count(self) -> int:
+        return 0
 
     def in_flight_state(self) -> None:
         return None  # nothing is ever sampled ahead of its step here
