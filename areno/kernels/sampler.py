@@ -338,20 +338,7 @@ def _native_threshold(z, key, top_k, top_p, log_min_p=None):
     return thr
 
 
-def _used_filters(V, top_k, top_p, log_min_p):
-    """On the CPU, None for each filter no row uses (top_k <= 0 or >= V, top_p >= 1, min_p 0): their thresholds would
-    keep every token, and the sort they need costs more than the rest of sampling. Elsewhere (CUDA graphs) as given."""
-    if top_k is not None and top_k.device.type == "cpu" and not ((top_k > 0) & (top_k < V)).any():
-        top_k = None
-    if top_p is not None and top_p.device.type == "cpu" and not (top_p < 1.0).any():
-        top_p = None
-    if log_min_p is not None and log_min_p.device.type == "cpu" and not (log_min_p > float("-inf")).any():
-        log_min_p = None
-    return top_k, top_p, log_min_p
-
-
 def _native_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets):
-    top_k, top_p, log_min_p = _used_filters(logits.shape[1], top_k, top_p, log_min_p)
     greedy = temperature <= 0
     inv_t = 1.0 / torch.where(greedy, torch.ones_like(temperature), temperature)
     z = logits.float() * inv_t[:, None]

@@ -197,8 +197,8 @@ def test_native_and_triton_draw_the_same_tokens(monkeypatch):
 
 
 def test_filters_no_row_uses_draw_what_no_filters_draw(monkeypatch):
-    """top_k 0 or V, top_p 1 and min_p 0 in every row: the CPU path skips their sort; the tokens are those of no
-    filters at all, and those of the Triton path (which always applies the thresholds)."""
+    """top_k 0 or V, top_p 1 and min_p 0 in every row draw the tokens of no filters at all (what the engine passes
+    when no row uses one: ``unused_filters``), on both paths."""
     B, V = 48, 333
     logits = torch.randn(B, V) * 2
     temp = torch.where(torch.rand(B) < 0.2, 0.0, torch.rand(B) + 0.2)
