@@ -55,7 +55,7 @@ from areno.engine.kv_cache import kv_cache_layout, kv_groups
 from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.scheduler import Step
 from areno.engine.state_cache import RecurrentStates
-from areno.engine.step_inputs import DecodeLaunch, StepInputs
+from areno.engine.step_inputs import DecodeLaunch, StepInputs, unused_filters
 from areno.kernels.sampler import logits_f32, sample
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import gather_from_tp
@@ -342,11 +342,14 @@ class ModelRunner(DecodeGraphs):
 
     @staticmethod
     def _sampling(inp: StepInputs, device):
-        """Per-row sampling settings; the offset (the token's position) makes each step draw fresh noise."""
-        out = (torch.tensor(inp.temperature, dtype=torch.float32), torch.tensor(inp.top_k, dtype=torch.int64),
-               torch.tensor(inp.top_p, dtype=torch.float32), torch.tensor(inp.seeds, dtype=torch.int64),
-               torch.tensor(inp.offsets, dtype=torch.int64))
-        return [x.to(device, non_blocking=True) for x in out]
+        """Per-row sampling settings; the offset (the token's position) makes each step draw fresh noise. top_k and
+        top_p are None when no row uses them (``unused_filters``): the sampler then skips their thresholds."""
+        top_k, top_p = unused_filters(inp.top_k, inp.top_p)
+        out = (torch.tensor(inp.temperature, dtype=torch.float32),
+               None if top_k else torch.tensor(inp.top_k, dtype=torch.int64),
+               None if top_p else torch.tensor(inp.top_p, dtype=torch.float32),
+               torch.tensor(inp.seeds, dtype=torch.int64), torch.tensor(inp.offsets, dtype=torch.int64))
+        return [None if x is None else x.to(device, non_blocking=True) for x in out]
     def warm_kernels(self) -> int:
         """Compile every paged-attention variant each distinct KV-cache layout can pick (``warm_paged_attention``);
         returns how many ran."""
