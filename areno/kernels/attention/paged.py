@@ -16,7 +16,8 @@ Decode bytes (the bound): sum_b seq_lens[b] * Hkv * D * 2 (K and V) * element si
 O(W) keys. ``sinks [Hq]`` (as ``attention``): added to each row's softmax denominator at the end of the kernel, or
 once in the split-K combine.
 
-FP8 cache (``k_scale``/``v_scale`` given; not wired to an engine flag yet): the caches hold float8_e4m3fn and each
+FP8 cache (``k_scale``/``v_scale`` given; the engine's ``--kv-cache-dtype fp8``, whose cache entries are
+``(k_cache, v_cache, k_scale, v_scale)``: ``paged_kv`` splits one): the caches hold float8_e4m3fn and each
 token's head vector has its own fp32 scale, ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``; ``store_kvcache``
 quantises on write (``s = max(amax over D, EPS) / 448``, E4M3 round to nearest even, kernels/fp8.py's rounding) and
 the attention kernel dequantises each K/V tile on load (``x' = q s``, in q's dtype): half a bf16 cache's bytes (plus
@@ -363,6 +364,15 @@ def store_kvcache_native(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_s
 # Public entry points
 
 
+def paged_kv(kv_cache) -> tuple:
+    """An engine cache entry, ``(k_cache, v_cache)`` or FP8's ``(k_cache, v_cache, k_scale, v_scale)``, as
+    ``(k_cache, v_cache, scales)``: ``scales`` the keyword arguments ``store_kvcache``/``paged_attention`` take."""
+    if len(kv_cache) == 2:
+        return kv_cache[0], kv_cache[1], {}
+    k_cache, v_cache, k_scale, v_scale = kv_cache
+    return k_cache, v_cache, {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def check_fp8_cache(k_cache, v_cache, k_scale, v_scale, what: str) -> None:
     """Scales given together, with float8_e4m3fn caches, as fp32 contiguous ``[num_blocks, block_size, Hkv]``."""
     if (k_scale is None) != (v_scale is None):
@@ -424,13 +434,17 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                                    v_scale=v_scale)
 
 
-def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),)) -> int:
+def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),), k_scale=None, v_scale=None,
+                         q_dtype=None) -> int:
     """Compile every kernel variant ``paged_attention`` can pick for this cache and query head count (each split-K
     factor, one query per sequence and several), so that no serving step stalls on a JIT compile (hundreds of ms
     each). ``features``: the (sliding window?, sinks dtype or None) pairs the model's layers call with (each is its
-    own variant; default: full attention without sinks). Reads block 0 of the caches, writes nothing to them;
-    returns how many variants ran (0 off the GPU)."""
-    if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=k_cache.dtype in _FLOATS)):
+    own variant; default: full attention without sinks). An FP8 cache: its scales and the queries' ``q_dtype`` (the
+    model's), for the dequantising variants. Reads block 0 of the caches, writes nothing to them; returns how many
+    variants ran (0 off the GPU)."""
+    check_fp8_cache(k_cache, v_cache, k_scale, v_scale, "warm_paged_attention")
+    q_dtype = q_dtype or k_cache.dtype
+    if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=q_dtype in _FLOATS)):
         return 0
     _, page_size, hkv, d = k_cache.shape
     if num_q_heads < hkv or num_q_heads % hkv or d > MAX_HEAD_DIM:
@@ -445,9 +459,10 @@ def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, N
         splits = 1
         while splits <= MAX_SPLITS:
             for multi in (False, True):
-                q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
+                q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=q_dtype, device=dev)
                 paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
-                                        splits, window=1 if windowed else None, sinks=sinks)
+                                        splits, window=1 if windowed else None, sinks=sinks,
+                                        k_scale=k_scale, v_scale=v_scale)
                 runs += 1
             splits *= 2
     return runs
