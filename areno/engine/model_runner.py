@@ -22,8 +22,9 @@ broadcasts that record, and every rank of the TP group executes it in lockstep (
 KV cache layout: one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer i gets the views
 ``cache[i, 0]`` and ``cache[i, 1]`` (``--kv-cache-dtype fp8``: the tensor is float8_e4m3fn and ``kv_scales``
 ``[num_layers, 2, num_blocks, block_size, kv_heads]`` fp32 lies beside it, layer i getting
-``(cache[i, 0], cache[i, 1], scales[i, 0], scales[i, 1])``; block copies copy the scales too) (a model's ``kv_cache_layout`` may say otherwise: bailing_hybrid's latent MLA
-cache is ``[num_layers, 1, num_blocks, block_size, r + d_rope]``, layer i gets ``(cache[i, 0],)``). With sliding-window
+``(cache[i, 0], cache[i, 1], scales[i, 0], scales[i, 1])``; block copies copy the scales too; a model's
+``kv_cache_layout`` may say otherwise: bailing_hybrid's latent MLA cache is
+``[num_layers, 1, num_blocks, block_size, r + d_rope]``, layer i gets ``(cache[i, 0],)``). With sliding-window
 layers (several KV-cache groups, ``kv_cache.kv_groups``) the first dimension is the group size instead: the j-th
 layer of every group gets ``cache[j, ...]``, and each group addresses its own blocks through its own block table
 and slots (``AttentionMetadata.for_layer``).
@@ -81,7 +82,7 @@ class ModelRunner(DecodeGraphs):
         self.kv_cache = torch.zeros(*dims, *shape, dtype=kv_dtype or self.dtype, device=self.device)
         fp8 = self.kv_cache.dtype == FP8  # --kv-cache-dtype fp8: a scale per (slot, KV head) beside each tensor
         self.kv_scales = torch.zeros(*dims, *shape[:-1], device=self.device) if fp8 else None
-        self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache[, scales]) or a recurrent layer's pools
+        self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache[, scales]), or recurrent pools
         self.layer_groups = [0] * model.num_layers if len(groups) > 1 else None  # per layer: its KV-cache group
         for g, group in enumerate(groups):
             for j, i in enumerate(group.layers):
