@@ -22,6 +22,8 @@ PROMPTS = ["hello world, 12 + 3 =", "the cat", "tool call: {\"name\": \"add\"} a
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 MEAN_BOUND = 0.06
 
+pytestmark = pytest.mark.slow  # 5-19 s a test on 2 shared cores (engine generate on CPU; one under the interpreter)
+
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
@@ -122,6 +124,21 @@ def test_forks_prefix_hits_and_preemption(qwen3):
     assert small.scheduler.num_preemptions > 0
     assert mean_logprob_diff(model, out) < MEAN_BOUND
     assert small.blocks.num_free == small.blocks.num_blocks
+
+
+def test_triton_path_equals_the_native_one(qwen3, monkeypatch):
+    """The GPU's path, interpreted: qk_norm_rope then the quantising store_kvcache kernel (the fused qkv_prologue
+    writes only the model's dtype), and the dequantising paged-attention kernel in decode and in chunked prefill over
+    cached blocks, give the native path's tokens and log-probs (fp32)."""
+    model, tok = qwen3
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    opts = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    native = engine(model, tok, kv_cache_dtype="fp8", max_batched_tokens=8).generate(prompts, opts)
+    monkeypatch.setenv("ARENO_KERNELS", "triton")
+    triton = engine(model, tok, kv_cache_dtype="fp8", max_batched_tokens=8).generate(prompts, opts)
+    for a, b in zip(native, triton):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(torch.tensor(b[0].logprobs), torch.tensor(a[0].logprobs), atol=1e-5, rtol=0)
 
 
 def test_refusals(tmp_path):
