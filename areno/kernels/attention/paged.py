@@ -48,7 +48,7 @@ MAX_SPLITS = 32
 def _paged_attn_kernel(
     Q, K_CACHE, V_CACHE, K_SCALE, V_SCALE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, SINKS, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_ot, stride_oh, GROUP, WINDOW,
+    stride_ot, stride_oh, stride_sb, stride_ss, GROUP, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CU: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -104,8 +104,8 @@ def _paged_attn_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(K_CACHE + page[:, None] * stride_kb + within[:, None] * stride_ks + hk * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        if HAS_SCALE:  # FP8 cache: one scale per (slot, KV head), scales [num_blocks, PAGE_SIZE, Hkv] contiguous
-            scale_at = (page * PAGE_SIZE + within) * (tl.num_programs(1) // NUM_SPLITS) + hk
+        if HAS_SCALE:  # FP8 cache: one scale per (slot, KV head), scales [num_blocks, PAGE_SIZE, Hkv], unit head stride
+            scale_at = page * stride_sb + within * stride_ss + hk
             k = (k.to(tl.float32) * tl.load(K_SCALE + scale_at, mask=col_ok, other=0.0)[:, None]).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         keep = col_ok[None, :] & (cols[None, :] <= t[:, None] + diag)
@@ -182,7 +182,8 @@ def _quantize_heads(x, scale_ptrs, h_ok, EPS: tl.constexpr, FP8_MAX: tl.constexp
 
 @triton.jit
 def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, K_SCALE, V_SCALE, SLOTS, stride_kt, stride_kh, stride_vt,
-                          stride_vh, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, HKV,
+                          stride_vh, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_sb,
+                          stride_ss, HKV,
                           D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                           QUANT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -197,8 +198,9 @@ def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, K_SCALE, V_SCALE, SLOTS, strid
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
     if QUANT:
-        k = _quantize_heads(k, K_SCALE + slot * HKV + offs_h, offs_h < HKV, EPS, FP8_MAX)
-        v = _quantize_heads(v, V_SCALE + slot * HKV + offs_h, offs_h < HKV, EPS, FP8_MAX)
+        at = blk * stride_sb + off * stride_ss + offs_h
+        k = _quantize_heads(k, K_SCALE + at, offs_h < HKV, EPS, FP8_MAX)
+        v = _quantize_heads(v, V_SCALE + at, offs_h < HKV, EPS, FP8_MAX)
     tl.store(K_CACHE + blk * stride_kb + off * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :],
              k.to(K_CACHE.dtype.element_ty), mask=mask)
     tl.store(V_CACHE + blk * stride_vb + off * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :],
@@ -259,7 +261,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
         seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse, sink_ptr,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
-        group, window or 0, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
+        *((0, 0) if k_scale is None else k_scale.stride()[:2]), group, window or 0, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_SCALE=k_scale is not None, num_warps=warps,
         num_stages=stages,
@@ -374,15 +376,18 @@ def paged_kv(kv_cache) -> tuple:
 
 
 def check_fp8_cache(k_cache, v_cache, k_scale, v_scale, what: str) -> None:
-    """Scales given together, with float8_e4m3fn caches, as fp32 contiguous ``[num_blocks, block_size, Hkv]``."""
+    """Scales given together, with float8_e4m3fn caches, as fp32 ``[num_blocks, block_size, Hkv]`` with a unit head
+    stride and the same strides for K and V (a prefix of wider rows' heads may be a view: Gemma 4's per-layer Hkv)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError(f"{what}: k_scale and v_scale go together (an FP8 cache has both)")
     if k_scale is None:
         return
     for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)):
-        if cache.dtype != FP8 or sc.dtype != torch.float32 or sc.shape != cache.shape[:3] or not sc.is_contiguous():
-            raise ValueError(f"{what}: an FP8 cache is float8_e4m3fn with contiguous fp32 scales [num_blocks, "
-                             f"block_size, Hkv], got {cache.dtype} {tuple(cache.shape)}, {sc.dtype} {tuple(sc.shape)}")
+        if (cache.dtype != FP8 or sc.dtype != torch.float32 or sc.shape != cache.shape[:3] or sc.stride(-1) != 1
+                or sc.stride() != k_scale.stride()):
+            raise ValueError(f"{what}: an FP8 cache is float8_e4m3fn with fp32 scales [num_blocks, block_size, Hkv] "
+                             f"(unit head stride, K's strides = V's), got {cache.dtype} {tuple(cache.shape)}, "
+                             f"{sc.dtype} {tuple(sc.shape)} strides {sc.stride()}")
 
 
 def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q, fp8=False):
@@ -492,6 +497,6 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=No
         k, v, k_cache, v_cache, k_scale if quant else k, v_scale if quant else v, slot_mapping, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), Hkv, D=D, PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
+        v_cache.stride(2), *((0, 0) if not quant else k_scale.stride()[:2]), Hkv, D=D, PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
         BLOCK_D=triton.next_power_of_2(D), QUANT=quant, EPS=EPS, FP8_MAX=FP8_MAX,
     )  # fmt: skip
