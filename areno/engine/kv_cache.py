@@ -13,7 +13,8 @@ FP8 cache (``--kv-cache-dtype fp8``, ``cache_dtype`` here): K and V held as floa
 vector with its own fp32 scale (``k_scale``/``v_scale`` of kernels/attention/paged.py), so a token of a layer takes
 ``2 * Hkv * (D + 4)`` bytes instead of ``2 * Hkv * D * 2`` in bf16: 1.94x the tokens at D = 128 in one budget.
 The hybrids' recurrent states keep the model's dtype; ``check_kv_cache_dtype`` refuses fp8 for a model with a
-latent-attention layer (MLA) or a cache layout of its own (Gemma 4's flat per-layer rows).
+latent-attention layer (MLA) or a cache layout of its own without ``kv_scale_heads`` (Gemma 4 has them: its flat
+per-layer rows get ``[.., kv_scale_heads]`` scales, each layer viewing its first Hkv).
 """
 
 from __future__ import annotations
@@ -49,9 +50,19 @@ def check_kv_cache_dtype(model, kv_cache_dtype: str) -> None:
     if any(isinstance(m, LatentAttention) for m in model.modules()):
         raise ConfigError(FIELD, f"fp8 with an MLA model ({type(model).__name__}: latent attention) is not built yet "
                           "(its latent cache and the mla_decode kernel read the model's dtype)")
-    if model.kv_cache_layout is not None:
+    if kv_scale_shape(model) is None:
         raise ConfigError(FIELD, f"fp8 with {type(model).__name__}'s own cache layout {model.kv_cache_layout} is not "
-                          "built yet (per-layer head counts in one flat row: no per-head scale layout)")
+                          "built yet (the model names no per-head scale layout, kv_scale_heads)")
+
+
+def kv_scale_shape(model) -> tuple[int, ...] | None:
+    """Per-token shape of an FP8 cache tensor's scales: ``(Hkv,)`` for the K/V layout; a model with a layout of its
+    own says ``kv_scale_heads`` (Gemma 4: its widest layer's Hkv, each layer viewing the first of them); None
+    where no scale layout is built."""
+    if model.kv_cache_layout is None:
+        return (model.num_kv_heads_local,)
+    heads = getattr(model, "kv_scale_heads", None)
+    return None if heads is None else (heads,)
 
 
 def kv_cache_layout(model) -> tuple[int, tuple[int, ...]]:
@@ -96,7 +107,7 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, max_model_len
     elem = torch.tensor([], dtype=dtype).element_size()
     layers = max(len(g.layers) for g in kv_groups(model, max_model_len))
     n, shape = kv_cache_layout(model)
-    scales = 4 * math.prod(shape[:-1]) if dtype == FP8 else 0
+    scales = 4 * math.prod(kv_scale_shape(model)) if dtype == FP8 else 0
     return layers * n * block_size * (math.prod(shape) * elem + scales)
 
 

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from areno.engine.decode_graphs import GRAPH_BUCKETS, DecodeGraphs
 from areno.engine.grammar import apply_token_mask
 from areno.engine.images import ImageEmbeddings
-from areno.engine.kv_cache import kv_cache_layout, kv_groups
+from areno.engine.kv_cache import kv_cache_layout, kv_groups, kv_scale_shape
 from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.scheduler import Step
 from areno.engine.state_cache import RecurrentStates
@@ -81,7 +81,7 @@ class ModelRunner(DecodeGraphs):
         dims = (max(len(g.layers) for g in groups), n, num_blocks, block_size)
         self.kv_cache = torch.zeros(*dims, *shape, dtype=kv_dtype or self.dtype, device=self.device)
         fp8 = self.kv_cache.dtype == FP8  # --kv-cache-dtype fp8: a scale per (slot, KV head) beside each tensor
-        self.kv_scales = torch.zeros(*dims, *shape[:-1], device=self.device) if fp8 else None
+        self.kv_scales = torch.zeros(*dims, *kv_scale_shape(model), device=self.device) if fp8 else None
         self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache[, scales]), or recurrent pools
         self.layer_groups = [0] * model.num_layers if len(groups) > 1 else None  # per layer: its KV-cache group
         for g, group in enumerate(groups):

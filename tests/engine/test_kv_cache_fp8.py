@@ -1,6 +1,7 @@
 """The engine's FP8 paged KV cache (--kv-cache-dtype fp8; engine/kv_cache.py, model_runner.py): its layout and the
 token capacity a budget buys, teacher-forced log-probs and greedy tokens near the model's-dtype cache, chunked
-prefill and prefix hits reading the quantised cache, block copies carrying their scales, preemption, refusals.
+prefill and prefix hits reading the quantised cache, block copies carrying their scales, preemption, the Triton path
+(interpreted) equal to the native one, Gemma 4's own layout, refusals.
 
 The bound: each cached K/V element is within 2^-4 of itself relatively (E4M3, per-token-per-head scale; 2^-10 s
 below the smallest normal), so every attention score and output moves by a few percent of its magnitude at most; on
@@ -141,8 +142,20 @@ def test_triton_path_equals_the_native_one(qwen3, monkeypatch):
         torch.testing.assert_close(torch.tensor(b[0].logprobs), torch.tensor(a[0].logprobs), atol=1e-5, rtol=0)
 
 
+def test_gemma4_flat_rows_with_per_layer_heads(tmp_path):
+    """Gemma 4 (its own flat K/V rows, per-layer Hkv and head dims, KV-shared layers, sliding groups): the scales are
+    ``[.., kv_scale_heads]`` rows each layer views the first Hkv of; log-probs within the bound, blocks come back."""
+    path = make_tiny_checkpoint(tmp_path / "g4", family="gemma4_text", seed=1)
+    model, tok = load_model(path, dtype=torch.float32, device="cpu"), load_tokenizer(path)
+    e = engine(model, tok, kv_cache_dtype="fp8", max_batched_tokens=6)
+    assert e.runner.kv_scales.shape[-1] == model.kv_scale_heads
+    out = e.generate([tok.encode(p) for p in PROMPTS[2:]], GREEDY)
+    assert mean_logprob_diff(model, out) < MEAN_BOUND  # measured 0.03
+    assert e.blocks.num_free == e.blocks.num_blocks
+
+
 def test_refusals(tmp_path):
-    """An MLA model's latent cache and a layout of the model's own are refused naming the flag; a bad value too."""
+    """An MLA model (its latent cache; DeepSeek-V3 here) is refused naming the flag; a bad value too."""
     import transformers
 
     with pytest.raises(ConfigError, match="--kv-cache-dtype"):

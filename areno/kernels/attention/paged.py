@@ -261,7 +261,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
         seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse, sink_ptr,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
-        *((0, 0) if k_scale is None else k_scale.stride()[:2]), group, window or 0, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
+        *((0, 0) if k_scale is None else k_scale.stride()[:2]), group, window or 0, D=D, BLOCK_D=block_d,
+        PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_SCALE=k_scale is not None, num_warps=warps,
         num_stages=stages,
@@ -497,6 +498,7 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=No
         k, v, k_cache, v_cache, k_scale if quant else k, v_scale if quant else v, slot_mapping, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), *((0, 0) if not quant else k_scale.stride()[:2]), Hkv, D=D, PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
+        v_cache.stride(2), *((0, 0) if not quant else k_scale.stride()[:2]), Hkv, D=D, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(Hkv),
         BLOCK_D=triton.next_power_of_2(D), QUANT=quant, EPS=EPS, FP8_MAX=FP8_MAX,
     )  # fmt: skip
