@@ -41,7 +41,7 @@ def engine(model, tok, **kw):
 def teacher_logprobs(model, ids: list[int], start: int) -> torch.Tensor:
     """float64 log-probs of ``ids[start:]`` given their prefixes (one plain forward, no cache)."""
     with torch.no_grad():
-        logits = model.logits(torch.tensor([ids])).double()[0]
+        logits = model.logits(torch.tensor([ids], device=model.embed_tokens.weight.device)).double()[0].cpu()
     lp = torch.log_softmax(logits, -1)[start - 1 : -1]
     return lp.gather(-1, torch.tensor(ids[start:])[:, None])[:, 0]
 
@@ -184,5 +184,4 @@ def test_gpu_bf16_fp8_cache_with_graphs(tmp_path):
     ref = bf16.generate(prompts, GREEDY)
     out = fp8.generate(prompts, GREEDY)
     assert fp8.runner.last_step_used_graph
-    lp = lambda res: torch.tensor([x for g in res for x in g[0].logprobs])  # noqa: E731
-    assert (lp(out) - lp(ref)).abs().mean().item() < 0.1 or mean_logprob_diff(model.float(), out) < 0.1
+    assert mean_logprob_diff(model, out) < mean_logprob_diff(model, ref) + MEAN_BOUND  # teacher-forced, bf16 forward
