@@ -26,6 +26,8 @@
 #   tp                serve/train TP vs TP=1 on every GPU of the machine (nvidia-h200-x2 or -x4)
 #   serve             V1: the engine alone, then the server under 500 streams and 16 req/s
 #   learn             proof of learning (SFT then GRPO/GSPO from scratch, $LEARN_ARGS)
+#   families          issue 38's speed bench: Qwen3.5-9B / 35B-A3B shapes, R1 rollout and T1 train step vs
+#                     transformers (>= 5.24 from $WHEELS_TF; older: areno's rows only), $FAMILIES_ARGS
 # Wheels for Python 3.12 that the GPU machine lacks, carried with the tree (bench/README.md says how to fetch them):
 #   $WHEELS (default .whl: serving/CLI dependencies, liger-kernel), $WHEELS_TF (.whl_tf: transformers >= 5.2x),
 #   $WHEELS_TRL (.whl_trl: trl 1.16.0, datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19).
@@ -130,6 +132,10 @@ for stage in "$@"; do
     tp) step tp ${TP_LIMIT:-500} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
     serve) step serve 480 python3 bench/serve.py ;;  # the engine alone on the same batch first, then the server
     learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
+    families)
+      wheels "$WHEELS_TF" /tmp/tf
+      step families ${FAMILIES_LIMIT:-560} env PYTHONPATH=/tmp/tf:$PYTHONPATH python3 bench/families.py \
+        ${FAMILIES_ARGS:-} ;;
     *) echo "unknown stage $stage" >>"$LOG" ;;
   esac
 done

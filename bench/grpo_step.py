@@ -3,6 +3,7 @@
     python bench/grpo_step.py           # H200: Qwen3-0.6B shape, random bf16 weights (about 4 minutes)
     python bench/grpo_step.py --smoke   # CPU: a tiny shape, 4 prompts x 4 samples (times meaningless)
     python bench/grpo_step.py --split   # also split mode, sync and async: train on GPU 0, rollout on GPU 1
+    python bench/grpo_step.py --split --tail --impls none   # G2: long-tailed lengths, sync split vs partial rollout
 
 The batch (BENCH.md G1): 32 prompts of 128 random tokens, 8 samples each (256 completions), up to 512 new tokens at
 temperature 1 (EOS may stop a completion; with random weights almost none stops early: see response_len), bf16,
@@ -24,6 +25,11 @@ gradient checkpointing (TRL's setting; areno's default is on, ``--checkpointing 
   HF generate, no vLLM; it measured 30-32 s per step (61 s for the first), 52 GiB peak. Here it loads the same
   checkpoint (the baseline drew its own random weights). TRL is not installed by areno: its wheel (with datasets,
   dill, multiprocess) must be on PYTHONPATH; without it only areno is measured.
+G2 (``--split --tail``, issue 42): the split runs stop a completion at the stop string ``TAIL_STOP`` (about 0.7% of
+the full vocabulary's word tokens start with it: completion lengths are geometric, median about 95 tokens, and about
+2% of the 256 reach the 512 cap, so every synchronous step waits for its longest few); measured are the synchronous
+split step (``--max-staleness 0``) and the partial-rollout one (``--max-staleness 2 --partial-rollout
+--max-tail-steps`` ``--tail-steps``); the bar is partial >= 1.5x the synchronous step.
 Steady state = mean of the steps after the first (``--steps``, default 3). Peak memory: torch.cuda.max_memory_allocated
 over the measured steps (areno's includes its KV cache, sized to the batch: 256 x 640 tokens, about 19 GB).
 One JSON line per implementation goes to bench/results/grpo_step.jsonl.
@@ -50,6 +56,9 @@ import models  # noqa: E402
 from common import append_jsonl, env_info, print_table  # noqa: E402
 
 REWARD_FILE = os.path.join(BENCH, "grpo_reward.py")
+TAIL_STOP = " t99"  # --tail: a stop string that about 0.7% of the word tokens "t<id>" (ids below 151,936) start with
+SPLIT_MODES = {"sync": ["--max-staleness", "0"], "async": ["--max-staleness", "1"],
+               "partial": ["--max-staleness", "2", "--partial-rollout"]}
 PHASES = ("rollout_s", "reward_s", "pack_s", "logprob_s", "train_s")
 OVERLAP = ("overlap_saved_s", "reward_work_s")  # work hidden under the decode, all scoring work
 
@@ -155,17 +164,19 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto", extra: dict | None
     return rec
 
 
-def run_areno_split(path, texts, s, ckpt, args, tmp, staleness: int) -> dict:
+def run_areno_split(path, texts, s, ckpt, args, tmp, mode: str) -> dict:
     """The same steps through ``areno train`` in split mode (train rank on device 0, a rollout engine on device 1),
-    ``--max-staleness`` 0 (on-policy) or 1 (the next rollout runs while this step trains); per-step times and
-    phases from its metrics.jsonl (step_s there is the loop's wall time per step, idle waits included)."""
+    ``mode`` a key of SPLIT_MODES: sync (``--max-staleness 0``), async (1: the next rollout runs while this step
+    trains) or partial (2, partial rollout, its tail cut after ``--tail-steps`` rounds); ``--tail``: long-tailed
+    lengths (TAIL_STOP). Per-step times and phases from its metrics.jsonl (step_s there is the loop's wall time per
+    step, idle waits included)."""
     import subprocess
 
     data = os.path.join(tmp, "prompts.jsonl")
     with open(data, "w") as f:
         for t in texts:
             f.write(json.dumps({"prompt": t}) + "\n")
-    out = os.path.join(tmp, f"split-{staleness}")
+    out = os.path.join(tmp, f"split-{mode}")
     cmd = [sys.executable, "-m", "areno", "train", "--ckpt", str(path), "--dataset-path", data, "--reward-fn-path",
            REWARD_FILE, "--algo", "grpo", "--batch-size", str(s["prompts"]), "--n-samples", str(s["samples"]),
            "--max-prompt-tokens", str(s["prompt_len"]), "--max-new-tokens", str(s["new"]), "--temperature", "1.0",
@@ -173,20 +184,24 @@ def run_areno_split(path, texts, s, ckpt, args, tmp, staleness: int) -> dict:
            "--activation-checkpointing" if ckpt else "--no-activation-checkpointing",
            "--dtype", "float32" if args.smoke else "bfloat16", "--max-steps", str(args.steps), "--seed", "0",
            "--no-tensorboard", "--metrics-dir", out, "--train-devices", "0", "--rollout-devices", "1",
-           "--max-staleness", str(staleness)]
+           *SPLIT_MODES[mode]]
+    if mode == "partial":
+        cmd += ["--max-tail-steps", str(args.tail_steps)]
+    if args.tail:
+        cmd += ["--stop", TAIL_STOP]
     if args.kv_cache_memory is not None:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=os.path.dirname(BENCH)), capture_output=True,
                           text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"areno train (split, staleness {staleness}) failed: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"areno train (split, {mode}) failed: {proc.stderr[-2000:]}")
     steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"step_s"' in x]
     later = steps[1:] or steps
-    rec = dict(impl=f"areno-split-{'async' if staleness else 'sync'}", checkpointing=ckpt, steps=len(steps),
+    rec = dict(impl=f"areno-split-{mode}" + ("-tail" if args.tail else ""), checkpointing=ckpt, steps=len(steps),
                step_s_all=[round(m["step_s"], 3) for m in steps], step_s=mean([m["step_s"] for m in later]))
     for k in PHASES + OVERLAP + ("logprob_diff", "response_len_mean", "rollout_tok_s", "train_tok_s", "reward_mean",
                                  "policy_sync_time_s", "policy_sync_gbps", "train_idle_s", "rollout_idle_s",
-                                 "staleness_max"):
+                                 "staleness_max", "response_len_max", "tail_cut", "stale_dropped", "samples"):
         vals = [m[k] for m in later if isinstance(m.get(k), (int, float))]
         if vals:
             rec[k] = mean(vals)
@@ -288,6 +303,9 @@ def main():
     ap.add_argument("--train-cuda-graphs", default="auto", help="areno's --train-cuda-graphs: auto (eager in "
                     "colocated RL), on, off, or a comma list measured in turn (e.g. off,on)")
     ap.add_argument("--split", action="store_true", help="also areno in split mode, sync and async (2 devices)")
+    ap.add_argument("--tail", action="store_true", help="with --split: long-tailed completion lengths, the sync "
+                    "split step vs partial rollout (G2, issue 42)")
+    ap.add_argument("--tail-steps", type=int, default=16, help="--tail: the partial run's --max-tail-steps")
     args = ap.parse_args()
     s = sizes(args.smoke)
     shape = models.shape_of(args.smoke)
@@ -298,9 +316,11 @@ def main():
 
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        impls = args.impls.split(",")
+        impls = [i for i in args.impls.split(",") if i != "none"]
+        if args.tail and not args.split:
+            ap.error("--tail needs --split")
         if args.split:
-            impls[1:1] = ["areno-split-sync", "areno-split-async"]
+            impls[1:1] = [f"areno-split-{m}" for m in (("sync", "partial") if args.tail else ("sync", "async"))]
         for impl in impls:
             variants = [c == "on" for c in args.checkpointing.split(",")] if impl.startswith("areno") else [False]
             graph_modes = args.train_cuda_graphs.split(",") if impl == "areno" else [None]
@@ -310,7 +330,7 @@ def main():
                     if impl == "areno":
                         rec = run_areno(path, texts, s, ckpt, args, tmp, graphs)
                     elif impl.startswith("areno-split"):
-                        rec = run_areno_split(path, texts, s, ckpt, args, tmp, int(impl.endswith("async")))
+                        rec = run_areno_split(path, texts, s, ckpt, args, tmp, impl.removeprefix("areno-split-"))
                     else:
                         try:
                             import trl  # noqa: F401
@@ -339,7 +359,8 @@ def main():
             r["speedup_vs_trl"] = trl_rec["step_s"] / r["step_s"]
     cols = ["impl", "checkpointing", "train_cuda_graphs", "step_s", "rollout_s", "reward_s", "pack_s", "logprob_s",
             "train_s", "other_s", "overlap_saved_s", "response_len_mean", "logprob_diff", "policy_sync_time_s",
-            "train_idle_s", "staleness_max", "peak_gib", "speedup_vs_trl", "step_s_all", "error"]  # fmt: skip
+            "train_idle_s", "staleness_max", "tail_cut", "peak_gib", "speedup_vs_trl", "speedup_vs_sync_split",
+            "step_s_all", "error"]  # fmt: skip
     print_table(records, cols)
     for r in records:
         if r["impl"].startswith("areno") and r.get("step_s"):
@@ -351,6 +372,12 @@ def main():
                 f"{'on' if r['checkpointing'] else 'off'}: "
                 f"{r['speedup_vs_trl']:.1f}x ({r['step_s']:.2f} s vs {trl_rec['step_s']:.2f} s)"
             )
+    sync_rec = next((r for r in records if r["impl"].startswith("areno-split-sync") and r.get("step_s")), None)
+    for r in records:
+        if r["impl"].startswith("areno-split-partial") and r.get("step_s") and sync_rec:
+            r["speedup_vs_sync_split"] = sync_rec["step_s"] / r["step_s"]
+            print(f"G2 bar (partial rollout + K = 2 >= 1.5x the synchronous split step{', long tail' * args.tail}): "
+                  f"{r['speedup_vs_sync_split']:.2f}x ({r['step_s']:.2f} s vs {sync_rec['step_s']:.2f} s)")
     print(f"total {time.perf_counter() - t_start:.0f}s", flush=True)
     if not args.no_save and not args.smoke:
         env = env_info()

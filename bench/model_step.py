@@ -33,16 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
+from models import QWEN3_06B, SMOKE  # noqa: E402
 
 PEAK_FLOPS = 790e12
-QWEN3_06B = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
-)  # fmt: skip
-SMOKE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, vocab_size=1024, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096,
-)  # fmt: skip
 WORKLOADS = {"T1": (8, 1024), "T2": (4, 4096)}
 SMOKE_WORKLOADS = {"T1": (2, 64), "T2": (1, 128)}
 

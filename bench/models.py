@@ -115,30 +115,44 @@ def checkpoint(smoke: bool = False, *, seed: int = 0) -> Path:
     return path
 
 
-def random_model(shape: dict, dtype, device, seed: int = 0, *, family: str = "qwen3", unit_norms: bool = False):
-    """An areno ``family`` (qwen3, qwen3_moe) model of ``shape`` with random N(0, 0.02) weights, built on the device
-    (no checkpoint on disk); ``unit_norms``: the norms' weights 1 (a realistic next-token distribution)."""
-    import transformers
-
+@torch.no_grad()
+def random_model(shape: dict, dtype, device, seed: int = 0, *, family: str = "qwen3", unit_norms: bool = False,
+                 std: float = 0.02, attn_backend: str = "flash"):
+    """An areno model with random N(0, ``std``) weights drawn on the device, built as ``load_model`` builds one but
+    with no checkpoint on disk. ``shape``: a config.json dict naming its ``model_type`` (any registered adapter, read
+    as is), else a ``family`` (qwen3, qwen3_moe) shape completed by transformers' config class. ``unit_norms``: norm
+    scales 1 (a zero-centred norm's weight 0) and expert biases 0 (a realistic next-token distribution)."""
+    from areno.models.layers import RMSNorm
     from areno.models.loader import materialize
     from areno.models.registry import get_adapter
     from areno.models.tp import apply_tp_plan
 
-    adapter = get_adapter(family)
-    hf_class = {"qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
-    cfg = adapter.config_from_hf(hf_class(**{k: v for k, v in shape.items() if k != "initializer_range"}))
+    hf = shape
+    if "model_type" not in shape:
+        import transformers
+
+        family_class = {"qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+        hf = family_class(**{k: v for k, v in shape.items() if k != "initializer_range"})
+    adapter = get_adapter(shape.get("model_type", family))
     with torch.device("meta"):
-        model = adapter.model_class(cfg)
+        model = adapter.model_class(adapter.config_from_hf(hf), attn_backend=attn_backend)
     apply_tp_plan(model, None)
     materialize(model, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if unit_norms and "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    for name, p in model.named_parameters():
+        if unit_norms and name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif unit_norms and name.endswith("expert_bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+    for module in model.modules():
+        if unit_norms and isinstance(module, RMSNorm) and hasattr(module, "scale"):  # scales by 1 + weight
+            module.weight.zero_()
+            module.weight.fill_(1.0 - module.scale().float().mean().item())
     model.init_buffers(device)
+    if hf is shape:
+        model.hf_config = shape
     return model.eval()
 
 

@@ -69,29 +69,10 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-@torch.no_grad()
 def build_model(shape: dict, layers: int, experts: int, dtype, device, seed: int = 0, std: float = 0.02):
     """The areno model of ``shape`` with random weights drawn on ``device`` (built as ``load_model`` builds one)."""
-    from areno.models.bailing_hybrid import BailingHybridForCausalLM, bailing_hybrid_config
-    from areno.models.loader import materialize
-    from areno.models.tp import apply_tp_plan
-
     raw = dict(shape, num_hidden_layers=layers, num_local_experts=experts)
-    with torch.device("meta"):
-        model = BailingHybridForCausalLM(bailing_hybrid_config(raw))
-    apply_tp_plan(model, None)
-    materialize(model, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith("expert_bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, std, generator=gen)
-    model.init_buffers(device)
-    model.hf_config = raw
-    return model.eval()
+    return models.random_model(raw, dtype, device, seed=seed, unit_norms=True, std=std)
 
 
 def decode_limit_tok_s(model, rows: int, context: float, kv_bytes_per_token: float) -> float:

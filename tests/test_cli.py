@@ -176,6 +176,11 @@ def test_flag_values_reach_the_config(capsys, base, runners):
     cfg = runners["train"]
     assert (cfg.train_devices, cfg.world_size, cfg.rollout_devices) == ([0, 1, 2, 5], 4, [6, 7])
     assert (cfg.rollout_tp, cfg.max_staleness, cfg.policy_sync_bucket_mb, cfg.split) == (2, 1, 16.0, True)
+    run(capsys, "train", *base, "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "3",
+        "--partial-rollout", "--partial-rollout-kv", "recompute", "--max-tail-steps", "4")
+    cfg = runners["train"]
+    assert (cfg.max_staleness, cfg.partial_rollout, cfg.partial_rollout_kv, cfg.max_tail_steps) == (3, True,
+                                                                                                    "recompute", 4)
 
 
 def test_argparse_dataclass_parse_args_still_builds_the_config(base):
@@ -219,6 +224,16 @@ BAD_TRAIN = [
     (["--agent-fn", "{reward}", "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1"],
      "--max-staleness"),
     (["--agent-fn", "/no/such/agent.py"], "--agent-fn"),
+    # partial rollout: split mode and --max-staleness >= 1 only; its settings only with it
+    (["--partial-rollout"], "--partial-rollout"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--partial-rollout"], "--partial-rollout"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--partial-rollout",
+      "--drop-rollout-state"], "--partial-rollout"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "-1"], "--max-staleness"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--partial-rollout-kv", "recompute"], "--partial-rollout-kv"),
+    (["--max-tail-steps", "4"], "--max-tail-steps"),
+    (["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--partial-rollout",
+      "--max-tail-steps", "-1"], "--max-tail-steps"),
     # a frozen part has no schedule; a final rate above its peak; the image caps (a model without a tower refuses
     # the multimodal flags once it is loaded: tests/rl/test_multimodal_train.py)
     (["--mm-projector-lr-style", "cosine"], "--mm-projector-lr-style"),
@@ -257,7 +272,7 @@ def test_required_train_flags(capsys, plugin_files, runners, argv, flag):
     (["--world-size", "two"], "--world-size"),
     (["--train-devices", "a,b"], "--train-devices"),
     (["--train-devices", "3..1"], "--train-devices"),
-    (["--max-staleness", "2"], "--max-staleness"),
+    (["--max-staleness", "two"], "--max-staleness"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["--attn-backend", "sdpa"], "--attn-backend"),
 ])

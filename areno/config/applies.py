@@ -44,6 +44,11 @@ class Condition(NamedTuple):
 CONDITIONS = {
     "split": Condition(_split, "applies to split mode only (--train-devices and --rollout-devices)", "in split mode",
                        True),
+    "async": Condition(lambda v: _split(v) and v["max_staleness"] > 0, "applies only in split mode with "
+                       "--max-staleness >= 1 (with 0 every rollout waits for the new policy: no generation is in "
+                       "flight when it arrives)", "in split mode with --max-staleness >= 1", True),
+    "partial": Condition(lambda v: _split(v) and bool(v["partial_rollout"]), "applies only with --partial-rollout "
+                         "(split mode)", "with --partial-rollout", True),
     "agent": Condition(lambda v: bool(v["agent_fn"]), "applies to agentic rollout only (--agent-fn)", "with --agent-fn",
                        True),
     "tower": Condition(lambda v: bool(v["unfreeze_mm_tower"]), "applies only with --unfreeze-mm-tower (the tower is "

@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, GROUP_ALGOS, RL_ALGOS, ROLLOUT_DTYPES
+from areno.config.constants import ATTN_BACKENDS, GROUP_ALGOS, KV_CACHE_DTYPES, RL_ALGOS, ROLLOUT_DTYPES
 from areno.config.fields import (
     ConfigError,
     check_choice,
@@ -56,9 +56,23 @@ class RolloutSection:
                                    needs="agent")
     policy_sync_bucket_mb: float = opt(64.0, "split mode: MiB per bucket of the policy streamed to the rollout "
                                        "engines", "rollout", algos=RL_ALGOS, needs="split")
-    max_staleness: int = opt(0, "split mode: 0 = on-policy (the rollout waits for the new policy); 1 = one-step-off "
-                             "async (the next rollout runs while this step trains)", "rollout", choices=(0, 1),
-                             algos=RL_ALGOS, needs="split")
+    max_staleness: int = opt(
+        0, "split mode: K >= 0 policy versions of lag allowed: 0 = on-policy (the rollout waits for the new policy); "
+        "K > 0 = the rollouts of the next K steps run while this step trains, and a sample whose oldest token is more "
+        "than K versions older than the trained policy is dropped (counted as stale_dropped)", "rollout",
+        algos=RL_ALGOS, needs="split")
+    partial_rollout: bool = opt(
+        False, "split mode, --max-staleness >= 1: a generation in flight when new weights arrive continues under the "
+        "new policy (the engine swaps the weights in place at a step boundary and drops its prefix cache); each token "
+        "records the policy version that sampled it", "rollout", algos=RL_ALGOS, needs="async")
+    partial_rollout_kv: str = opt(
+        "keep", "--partial-rollout: the running sequences' K/V when the weights change: keep (computed under the old "
+        "policy) or recompute (under the new one)", "rollout", choices=("keep", "recompute"), algos=RL_ALGOS,
+        needs="partial")
+    max_tail_steps: int = opt(
+        0, "--partial-rollout: once half of a batch's prompt groups are done, the groups still decoding this many "
+        "decode rounds later are cut into the next batch (they finish there) instead of stalling this step (0 = off)",
+        "rollout", algos=RL_ALGOS, needs="partial")
     max_running_prompts: Optional[int] = opt(
         None, "cap on active rollout sequences (and their KV-cache demand)", "rollout",
         default_help="the whole rollout batch", needs="rollout")
@@ -94,6 +108,11 @@ class RolloutSection:
         "after each optimizer step and run by the FP8 GEMM, the trainer staying bf16 (split mode streams the copies: "
         "about half the bytes); pair with --off-policy-correction tis", "rollout", choices=ROLLOUT_DTYPES,
         algos=RL_ALGOS)
+    kv_cache_dtype: str = opt(
+        "auto", "the rollout engine's paged KV cache: auto, the model's dtype; or fp8: E4M3 with one fp32 scale per "
+        "token and KV head, quantised on write and dequantised by the attention kernel (about twice the tokens in "
+        "the same --kv-cache-memory; not for MLA latent caches)", "rollout", choices=KV_CACHE_DTYPES,
+        algos=RL_ALGOS)
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
                             "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "
                             "chain is queued before the current one's tokens are read); 1 = every token",
@@ -114,6 +133,7 @@ class RolloutSection:
         check_sizes(self, ("rollout_tp_size", "max_running_prompts", "max_prompt_tokens", "max_new_tokens"))
         check_choice("--attn-backend", self.attn_backend, ATTN_BACKENDS, optional=True)
         self._check_devices()
+        self._check_staleness()
         self._check_agent()
         self._check_rollout_dtype()
         self._check_sampling()
@@ -122,13 +142,15 @@ class RolloutSection:
         if self.agent_fn is None:
             return
         if self.max_staleness:
-            raise ConfigError("--max-staleness", "agentic rollout is on-policy: --max-staleness 1 does not apply to "
-                              "--agent-fn runs yet")
+            raise ConfigError("--max-staleness", "agentic rollout is on-policy: the agents sample through the "
+                              "engines' token service, which has no rollout sent ahead to carry policy versions, so "
+                              "--max-staleness > 0 does not apply to --agent-fn runs yet")
         check_positive("--max-context-len", self.max_context_len, optional=True)
         check_non_negative("--agent-timeout-s", self.agent_timeout_s)
 
     def _check_rollout_dtype(self):
         check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
+        check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.rollout_dtype != "fp8":
             return
         for given, what, why in ((self.lora_rank > 0, "--lora-rank > 0", "the adapter's forward reads the bf16 base"),
@@ -137,6 +159,14 @@ class RolloutSection:
                                   "FP8 blocks sharded with their layers")):  # fmt: skip
             if given:
                 raise ConfigError("--rollout-dtype", f"fp8 with {what} is not built yet ({why})")
+
+    def _check_staleness(self):
+        check_non_negative("--max-staleness", self.max_staleness)
+        check_non_negative("--max-tail-steps", self.max_tail_steps)
+        check_choice("--partial-rollout-kv", self.partial_rollout_kv, ("keep", "recompute"))
+        if self.partial_rollout and self.drop_rollout_state:
+            raise ConfigError("--partial-rollout", "keeps sequences in the engines across steps: it does not combine "
+                              "with --drop-rollout-state, which frees the engines' KV cache after every rollout")
 
     def _check_devices(self):
         train, rollout = self.train_devices, self.rollout_devices
@@ -167,6 +197,7 @@ class RolloutSection:
         check_positive("--decode-steps", self.decode_steps)
         check_speculative(self.speculative_tokens, {"--decode-steps > 1": self.decode_steps > 1,
                                                     "CUDA graphs (add --eager-decode)": not self.eager_decode,
+                                                    "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8",
                                                     "tensor parallelism (--tp-size / --rollout-tp-size > 1)":
                                                     self.rollout_tp > 1})
         if self.algo in GROUP_ALGOS and self.n_samples < 2:

@@ -27,7 +27,7 @@ from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
-from areno.engine.kv_cache import kv_groups, plan_num_blocks
+from areno.engine.kv_cache import cache_dtype, check_kv_cache_dtype, kv_groups, plan_num_blocks
 from areno.engine.lora_slots import LoraSlots, slots_of
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
@@ -57,6 +57,7 @@ class EngineConfig:
     record_routing: bool = False  # sparse-MoE models: completions carry their tokens' expert ids (routing replay)
     max_loras: int = 0  # > 0: that many LoRA adapter slots (areno.engine.lora_slots); requests pick one by name
     max_lora_rank: int = 16
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the paged cache in the model's dtype, or fp8 (E4M3 + scales)
     speculative_tokens: int = 0  # > 0: MTP speculative decoding with up to that many draft tokens (spec_decode.py)
 
     def __post_init__(self):
@@ -83,6 +84,7 @@ class Completion:
     # record_routing: int16 [prompt + output tokens, num_moe_layers, k] expert ids per token (-1: not computed, the
     # last output token), else None
     routed_experts: np.ndarray | None = None
+    versions: list[int] | None = None  # partial rollout: the policy version that sampled each output token
 
 
 class Engine:
@@ -111,12 +113,13 @@ class Engine:
 
     def _build(self):
         cfg = self.config
-        device = next(self.model.parameters()).device
-        dtype = next(self.model.parameters()).dtype
+        device, dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
+        check_kv_cache_dtype(self.model, cfg.kv_cache_dtype)
+        kv_dtype = cache_dtype(cfg.kv_cache_dtype, dtype)
         num_blocks = plan_num_blocks(
             self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
-            max_running=cfg.max_running, max_model_len=self.max_model_len, extra_layers=int(cfg.speculative_tokens > 0),
-        )
+            max_running=cfg.max_running, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
+            extra_layers=int(cfg.speculative_tokens > 0))  # the MTP draft's cache layer
         hybrid = self.model.is_hybrid
         record = cfg.record_routing and self.model.is_moe
         if cfg.prefix_caching and (hybrid or record):
@@ -132,7 +135,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len,
             max_running=cfg.max_running, eager=cfg.eager_decode, device=device, eos_token_ids=self.stopper.eos,
-            record_routing=record, lora=self.lora,
+            record_routing=record, lora=self.lora, kv_dtype=kv_dtype,
         )
         self.spec = spec_decoder(self)  # a SpecDecoder with --speculative-tokens, else None
 
@@ -484,6 +487,23 @@ class Engine:
             token_ids=seq.output_ids, logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "abort",
             text=text, stop_text=seq.stop_text, timings=seq.timings(), routed_experts=_routed_experts(seq),
         )
+
+
+def swap_weights(engine: Engine, load, *, recompute: bool = False) -> None:
+    """Partial rollout (areno.rl.rollout.partial): ``engine`` takes new weights between two steps while sequences are
+    in flight. The decode group queued ahead is read first (its tokens are the old weights'), then ``load()`` copies
+    the new weights in place (the CUDA graphs keep their pointers), the prefix cache is dropped and, with
+    ``recompute``, every running sequence goes back to the queue to have its K/V computed again under the new weights
+    (its tokens are kept); else their K/V, computed under the old weights, stay."""
+    lookahead, engine._lookahead = engine._lookahead, False
+    while engine._ahead is not None:
+        engine.step()
+    engine._lookahead = lookahead
+    load()
+    if recompute and engine.runner is not None:
+        for seq in list(reversed(engine.scheduler.running)):  # youngest first: the oldest ends up first in line
+            engine.scheduler._preempt(seq, Step())
+    engine.reset_prefix_cache()  # after the preemptions: their freed blocks hold the old weights' K/V too
 
 
 def _routed_experts(seq: Sequence) -> np.ndarray | None:

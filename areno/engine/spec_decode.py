@@ -71,7 +71,8 @@ def check_speculative(engine) -> None:
     if not getattr(model, "num_mtp_layers", 0) or getattr(model, "mtp_draft_parts", None) is None:
         raise ValueError(f"--speculative-tokens needs a model with MTP layers ({model.config.model_type}: none loaded)")
     refused = [(cfg.decode_steps > 1, "--decode-steps > 1"), (model.tp_group is not None, "--tp-size > 1"),
-               (cfg.max_loras > 0, "--max-loras"), (model.is_multimodal, "a vision-language model")]
+               (cfg.max_loras > 0, "--max-loras"), (model.is_multimodal, "a vision-language model"),
+               (getattr(cfg, "kv_cache_dtype", "auto") == "fp8", "--kv-cache-dtype fp8")]
     for bad, name in refused:
         if bad:
             raise ValueError(f"--speculative-tokens with {name} is not built yet")

@@ -135,14 +135,26 @@ def mismatch_metrics(totals: dict, ratio_max: float) -> dict:
             "masked_frac": float(totals["masked_total"]) / n, "mismatch_kl": float(totals["mismatch_kl_total"]) / n}
 
 
+def row_version(row, batch_version: int | None) -> int | None:
+    """The policy version of a row's oldest token: the least of its per-token ``versions`` (partial rollout), else its
+    own ``meta['policy_version']``, else the batch's; None: sampled with the current weights (colocated)."""
+    if row.versions:
+        return min(row.versions)
+    version = row.meta.get("policy_version", batch_version)
+    return None if version is None else int(version)
+
+
 def version_lag(rows, step_index: int, batch_version: int | None) -> dict:
     """``policy_version_lag_mean/max``: how many optimizer steps older than the trained policy the policy that sampled
-    each row was. A row's own ``meta['policy_version']`` counts where it has one, else the batch's (split mode's
-    ``policy_version`` stat); colocated rollout samples with the current weights: lag 0."""
-    lags = []
-    for r in rows:
-        version = r.meta.get("policy_version", batch_version)
-        lags.append(0 if version is None else step_index - int(version))
+    each row (its oldest token) was (``row_version``); colocated rollout samples with the current weights: lag 0."""
+    lags = [0 if (v := row_version(r, batch_version)) is None else step_index - v for r in rows]
     if not lags:
         return {"policy_version_lag_mean": 0.0, "policy_version_lag_max": 0.0}
     return {"policy_version_lag_mean": sum(lags) / len(lags), "policy_version_lag_max": float(max(lags))}
+
+
+def drop_stale(rows, step_index: int, batch_version: int | None, max_staleness: int) -> tuple[list, int]:
+    """--max-staleness K, per sample: the rows whose oldest token is at most K versions older than the trained policy,
+    and how many were dropped."""
+    kept = [r for r in rows if (v := row_version(r, batch_version)) is None or step_index - v <= max_staleness]
+    return kept, len(rows) - len(kept)

@@ -12,6 +12,7 @@ sampling uses the same numbers.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -131,7 +132,8 @@ class TrainLoop:
             self.agent = AgentRollout(self.engine, self.agent_fn, self.tokenizer, self.cfg,
                                       tool_format=format_for(self.model.config.model_type))
         self.step_rollout = StepRollout(self.engine, self.tokenizer, self.reward_fn, self.cfg,
-                                        media_of=self.media_of, dp_size=self.dp_size, agent=self.agent)
+                                        media_of=self.media_of, dp_size=self.dp_size, agent=self.agent,
+                                        prompts={p.index: p for p in self.rows})
         self.ctx.rollout = self.step_rollout
         self.ctx.drop_rollout_state = self.engine.drop_rollout_state
 
@@ -140,14 +142,14 @@ class TrainLoop:
         return self.media.encode(prompt.row["prompt"], prompt.index) if prompt.has_media else None
 
     # ---- steps ---------------------------------------------------------------------------------------------
-    def step(self, batch: list[Prompt], upcoming: list[Prompt] | None = None) -> dict:
-        """One step of ``--algo`` on ``batch`` (``upcoming``: the next step's Prompts, async split mode)."""
+    def step(self, batch: list[Prompt], upcoming: list[list[Prompt]] | None = None) -> dict:
+        """One step of ``--algo`` on ``batch`` (``upcoming``: the next steps' batches to send ahead, async split)."""
         if self.algorithm.needs_reward:
             self._ensure_engine()
         self.ctx.step_index = self.step_index
         return self.algorithm.step(self.ctx, batch, upcoming)
 
-    def rollout(self, batch: list[Prompt], upcoming: list[Prompt] | None = None) -> tuple[list[Row], dict]:
+    def rollout(self, batch: list[Prompt], upcoming: list[list[Prompt]] | None = None) -> tuple[list[Row], dict]:
         """This step's scored rollout rows and stats (what an RL step gets from ``ctx.rollout``)."""
         self._ensure_engine()
         return self.step_rollout(batch, upcoming)
@@ -260,18 +262,17 @@ class TrainLoop:
         cfg = self.cfg
         last = {}
         batches = iter(self.data)
-        ahead = None  # async split mode: the next step's batch, already sent to the rollout engines
-        read_ahead = cfg.split and cfg.max_staleness > 0 and self.algorithm.needs_reward
+        # async split (--max-staleness K): the next K steps' batches sent ahead, each after its data position
+        ahead, depth = collections.deque(), cfg.max_staleness if cfg.split and self.algorithm.needs_reward else 0
+        read_ahead(ahead, batches, self.data, self.engine.in_flight_count() if self.engine is not None else 0)
         while self.step_index < self.total_steps:  # test first: a batch taken is a batch consumed
-            batch = ahead if ahead is not None else next(batches, None)
-            ahead = self._data_state = None
+            batch = ahead.popleft()[1] if ahead else next(batches, None)
             if batch is None:
                 break
-            if read_ahead and self.step_index + 1 < self.total_steps:
-                self._data_state = self.data.state_dict()  # a checkpoint after this step resumes at the next batch
-                ahead = next(batches, None)
+            upcoming = read_ahead(ahead, batches, self.data, min(depth, self.total_steps - self.step_index - 1))
+            self._data_state = ahead[0][0] if ahead else None
             t0 = time.perf_counter()
-            m = self.step(batch, ahead)
+            m = self.step(batch, upcoming or None)
             self.step_index += 1
             m["step_s"] = time.perf_counter() - t0
             if torch.cuda.is_available():
@@ -435,6 +436,20 @@ class TrainLoop:
         if self.run_dir is not None:
             self.run_dir.release()
             self.run_dir = None
+
+
+def read_ahead(ahead, batches, data, depth: int) -> list:
+    """Fill ``ahead`` (the batches sent ahead, each after the data position before it) up to ``depth`` batches from
+    ``batches``; returns the batches added."""
+    upcoming = []
+    while len(ahead) < depth:
+        state = data.state_dict()
+        nxt = next(batches, None)
+        if nxt is None:
+            break
+        ahead.append((state, nxt))
+        upcoming.append(nxt)
+    return upcoming
 
 
 def _plugins(cfg) -> str:

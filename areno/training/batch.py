@@ -40,6 +40,7 @@ class Row:
     meta: dict = field(default_factory=dict)  # not packed: messages, finish reason, policy version (dumps)
     media: object = None  # the prompt's images: an areno.models.multimodal.MultimodalPrompt, None for text
     routed_experts: object = None  # routing replay: int [len(row), num_moe_layers, k] rollout expert ids (-1: none)
+    versions: list[int] | None = None  # per response token: the policy version that sampled it (--partial-rollout)
     # Optional tensor copies of prompt_ids + response_ids (int64 [len(row)]) and rollout_logprobs (float32 [R]), made
     # ahead of the update (the rollout tensorises finished prompt groups while the rest decode); they must hold the
     # same values as the lists, pack() checks their lengths only.

@@ -70,6 +70,8 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
     return {
         None: [], "epochs": [], "rollout": [],  # the base command line already gives --reward-fn-path
         "split": ["--train-devices", "0", "--rollout-devices", "1"],
+        "async": ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1"],
+        "partial": ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--partial-rollout"],
         "agent": ["--agent-fn", files["agent"]],
         "tower": ["--unfreeze-mm-tower"], "projector": ["--unfreeze-mm-projector"],
         "disk": ["--optimizer-state-offload", "disk", "--optimizer-state-offload-dir", str(files.root / "offload")],

@@ -10,6 +10,7 @@ import torch
 from areno.rl.corrections import (
     Correction,
     cispo_terms,
+    drop_stale,
     icepop,
     masked_is,
     mismatch_metrics,
@@ -19,6 +20,7 @@ from areno.rl.corrections import (
     version_lag,
 )
 from areno.rl.losses import policy_loss, policy_token_loss
+from areno.training.batch import Row
 
 # two sequences (3 + 4 tokens), the last token of each not counted; log pi - log mu spans ratios 0.3 .. 3.3
 TRAINER = [-1.0, -0.5, -2.0, -0.2, -1.5, -0.7, -3.0]
@@ -169,15 +171,20 @@ def test_mismatch_metrics_by_hand():
 
 
 def test_policy_version_lag():
-    class Row:
-        def __init__(self, meta):
-            self.meta = meta
+    def row(meta=None, versions=None):
+        return Row([1], [2, 3], meta=meta or {}, versions=versions)
 
-    assert version_lag([Row({}), Row({})], 5, None) == {"policy_version_lag_mean": 0.0,
-                                                         "policy_version_lag_max": 0.0}  # colocated
-    assert version_lag([Row({}), Row({})], 5, 4) == {"policy_version_lag_mean": 1.0, "policy_version_lag_max": 1.0}
-    rows = [Row({"policy_version": 2}), Row({"policy_version": 5}), Row({})]
+    assert version_lag([row(), row()], 5, None) == {"policy_version_lag_mean": 0.0,
+                                                   "policy_version_lag_max": 0.0}  # colocated
+    assert version_lag([row(), row()], 5, 4) == {"policy_version_lag_mean": 1.0, "policy_version_lag_max": 1.0}
+    rows = [row({"policy_version": 2}), row({"policy_version": 5}), row()]
     assert version_lag(rows, 5, 4) == {"policy_version_lag_mean": 4 / 3, "policy_version_lag_max": 3.0}
+    # partial rollout: a row's oldest token counts, over its meta and the batch's version
+    rows = [row({"policy_version": 4}, versions=[1, 3]), row(versions=[4, 5]), row()]
+    assert version_lag(rows, 5, 4) == {"policy_version_lag_mean": 2.0, "policy_version_lag_max": 4.0}
+    kept, dropped = drop_stale(rows, 5, 4, 3)
+    assert kept == rows[1:] and dropped == 1  # lag 4 > K = 3
+    assert drop_stale(rows, 5, 4, 4) == (rows, 0) and drop_stale([row()], 5, None, 0) == ([row()], 0)
 
 
 # ---- inside a real training step (tiny checkpoint, CPU) ---------------------------------------------------------

@@ -16,7 +16,7 @@ from areno.distributed.collectives import gather_objects
 from areno.rl.advantages import group_advantages
 from areno.rl.algorithms.base import Algorithm, normalise, updates_per_step
 from areno.rl.algorithms.loss_fns import correction_of, grpo_loss_fn, gspo_loss_fn, inline_proximal
-from areno.rl.corrections import mismatch_metrics, mismatch_sums, version_lag
+from areno.rl.corrections import drop_stale, mismatch_metrics, mismatch_sums, version_lag
 
 
 def scored_rows(ctx, batch, upcoming=None, *, filter_zero_variance: bool = True):
@@ -43,6 +43,8 @@ def scored_rows(ctx, batch, upcoming=None, *, filter_zero_variance: bool = True)
         rows = [r for r, s in zip(rows, sample) if not zero[s // cfg.n_samples]]
     if ctx.dump is not None:
         ctx.dump(rows, m)
+    if cfg.split:  # --max-staleness K, per sample (after the group advantages: the others keep theirs)
+        rows, m["stale_dropped"] = drop_stale(rows, ctx.step_index, m.get("policy_version"), cfg.max_staleness)
     rows = [r for r in rows if r.response_ids and (r.loss_mask is None or any(r.loss_mask))]
     return rows, m, t_rows
 

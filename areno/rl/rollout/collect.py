@@ -18,9 +18,11 @@ from areno.training.plugins import stuck_calls
 class StepRollout:
     """Turns a step's Prompts into scored rows through a ``Rollout`` (and an ``AgentRollout`` when there is one)."""
 
-    def __init__(self, rollout, tokenizer, reward_fn, cfg, *, media_of, dp_size: int = 1, agent=None):
+    def __init__(self, rollout, tokenizer, reward_fn, cfg, *, media_of, dp_size: int = 1, agent=None, prompts=None):
         self.rollout, self.tokenizer, self.reward_fn, self.cfg = rollout, tokenizer, reward_fn, cfg
         self.media_of, self.dp_size, self.agent = media_of, dp_size, agent
+        self.partial = getattr(cfg, "partial_rollout", False)
+        self.prompts = prompts or {}  # partial rollout: every Prompt by its dataset index (a group's key)
 
     def engine_prompt(self, prompt):
         """What the rollout engine takes for a Prompt: its token ids, or its ``MultimodalPrompt``."""
@@ -28,7 +30,7 @@ class StepRollout:
 
     def __call__(self, batch: list, upcoming: list | None = None) -> tuple[list[Row], dict]:
         """Generate n samples per prompt of this rank's share, score them, gather all ranks' rows (``upcoming``:
-        the next step's prompts, sent ahead in async split mode).
+        the batches of the next steps to send ahead now, async split mode).
 
         Each prompt group is scored (and its rows tensorised) on a background thread as soon as its samples have
         finished, while the colocated engine decodes the rest (``FinishedGroups``); the stats time the phases:
@@ -40,31 +42,43 @@ class StepRollout:
             return self.agent_rows(batch)
         engine = self.rollout
         mine = engine.share(batch)
-        ahead = [self.engine_prompt(p) for p in engine.share(upcoming)] if upcoming is not None else None
+        ahead = [[self.engine_prompt(p) for p in engine.share(b)] for b in upcoming] if upcoming else None
+        kw = {"keys": {"batch": [p.index for p in mine], "upcoming": [[p.index for p in engine.share(b)]
+                                                                      for b in upcoming or []]}} if self.partial else {}
         options = SamplingParams.from_train_config(self.cfg)
         finished = FinishedGroups(mine, options.n, self.tokenizer, self.reward_fn,
                                   timeout_s=self.cfg.reward_timeout_s or None)
         try:
             t0 = time.perf_counter()
             results, split_stats = engine.rollout([self.engine_prompt(p) for p in mine], options, upcoming=ahead,
-                                                  on_group=finished.add)
+                                                  on_group=finished.add, **kw)
             t1 = time.perf_counter()
+            delivered = split_stats.pop("delivered", None)
+            if delivered is not None:  # partial rollout: the groups done now, this batch's and earlier ones' cut tails
+                finished.close()
+                mine = [self.prompts[k] for k in delivered]
+                finished = FinishedGroups(mine, options.n, self.tokenizer, self.reward_fn,
+                                          timeout_s=self.cfg.reward_timeout_s or None)
             rewards, failures, tensors = finished.finish(results)
         finally:
             finished.close()
         t2 = time.perf_counter()
-        # rows travel as token ids; a prompt's images are found again by its place in the (global) batch
+        # rows travel as token ids; a prompt's images are found again by its place in the (global) batch (partial
+        # rollout: by its dataset index, a group may come from an earlier batch)
         where = {id(p): i for i, p in enumerate(batch)}
+        place, prompt_at = ((lambda p: p.index), self.prompts.__getitem__) if self.partial else (
+            (lambda p: where[id(p)]), batch.__getitem__)
         flat = [(p, c) for p, group in zip(mine, results) for c in group]
-        local = [(p.ids, c.token_ids, c.logprobs, rew, c.finish_reason, where[id(p)], c.routed_experts)
+        local = [(p.ids, c.token_ids, c.logprobs, rew, c.finish_reason, place(p), c.routed_experts, c.versions)
                  for (p, c), rew in zip(flat, (r for group in rewards for r in group))]
         parts = engine.gather((local, failures, stuck_calls.count()))
         gathered = [x for part, _, _ in parts for x in part]
         failures = sum(f for _, f, _ in parts)
         n_tok = sum(len(x[1]) for x in gathered)
-        rows = [Row(p, list(ids), list(lps), reward=float(rew), meta={"finish_reason": fin},
-                    media=self.media_of(batch[i]), routed_experts=routes)
-                for p, ids, lps, rew, fin, i, routes in gathered]
+        rows = [Row(p, list(ids), list(lps), reward=float(rew),
+                    meta={"finish_reason": fin, **({"versions": versions} if versions else {})},  # dumps show them
+                    media=self.media_of(prompt_at(i)), routed_experts=routes, versions=versions)
+                for p, ids, lps, rew, fin, i, routes, versions in gathered]
         if len(parts) == 1:  # this rank's rows only: the tensors made while the rest decoded apply as they are
             made = [t for group, ts in zip(results, tensors) for t in (ts or [None] * len(group))]
             for row, t in zip(rows, made):

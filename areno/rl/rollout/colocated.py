@@ -25,6 +25,7 @@ def engine_config(cfg, model, tokenizer, dp_rank: int = 0, *, record_routing: bo
         decode_steps=cfg.decode_steps, seed=cfg.seed + 7919 * dp_rank,
         kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
         decode_progress_interval_s=cfg.decode_progress_interval_s or None, record_routing=record_routing,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         speculative_tokens=cfg.speculative_tokens,
     )
     return econf, build.eos_token_ids(cfg.ckpt, tokenizer)
@@ -93,7 +94,7 @@ class ColocatedRollout:
         finally:
             model.train()
 
-    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None):
+    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None, keys=None):
         """This step's completions and the rollout's own stats (with --speculative-tokens: ``spec_accept_len`` of
         this rollout; nothing else, the weights are the trainer's). ``on_group(i, completions)``: called as soon as
         every sample of prompt ``i`` has finished, while the others still decode (``Engine.generate``'s
@@ -138,6 +139,9 @@ class ColocatedRollout:
     def policy_changed(self) -> None:
         if self.fp8:  # the trainer's weights were replaced (a resume)
             self._requantize()
+
+    def in_flight_count(self) -> int:
+        return 0
 
     def in_flight_state(self) -> None:
         return None  # nothing is ever sampled ahead of its step here

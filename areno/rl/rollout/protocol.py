@@ -19,10 +19,12 @@ class Rollout(Protocol):
         """Every rank's ``obj`` whose completions this rank holds (for the rows of the whole batch)."""
 
     def rollout(self, prompt_ids: list, options, upcoming: list | None = None, *,
-                on_group: Callable | None = None) -> tuple[list, dict]:
-        """Completions per prompt and the rollout's stats; ``upcoming``: the next step's prompts, sent ahead where
-        the implementation can; ``on_group(i, completions)``: called as prompt ``i``'s group finishes, where the
-        implementation sees groups finish (the others are handed over when it returns)."""
+                on_group: Callable | None = None, keys: dict | None = None) -> tuple[list, dict]:
+        """Completions per prompt and the rollout's stats; ``upcoming``: the next steps' batches of prompts (a list
+        of lists), sent ahead where the implementation can; ``on_group(i, completions)``: called as prompt ``i``'s
+        group finishes, where the implementation sees groups finish (the others are handed over when it returns);
+        ``keys`` (partial rollout): the prompts' keys ({"batch": [...], "upcoming": [[...], ...]}), and the stats
+        then hold ``delivered``, the key of each group returned (cut tails of earlier batches among them)."""
 
     def generate(self, prompt_ids: list, options) -> list:
         """Completions per prompt with the current policy (evaluation, the SDK)."""
@@ -44,6 +46,10 @@ class Rollout(Protocol):
         """The sampling RNG's state (checkpoints)."""
 
     def set_rng_state(self, state) -> None: ...
+
+    def in_flight_count(self) -> int:
+        """How many of the next steps' rollouts are already on their way (async split mode; after a resume, those
+        its checkpoint held)."""
 
     def in_flight_state(self) -> dict | None:
         """What a checkpoint must hold of a rollout already sampled for the next step (None: nothing)."""

@@ -20,8 +20,10 @@ new policy and the run equals a colocated one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -35,6 +37,7 @@ from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
 from areno.models import fp8_rollout
 from areno.models.lora import adapter_of
+from areno.rl.rollout.partial import PartialRollout
 from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver, synced_tensors
 
 log = logging.getLogger("areno.engine")
@@ -83,9 +86,11 @@ class RemoteRollout:
         self._plan_sent = None  # the plan the engines hold: False (trainable tensors), True (every tensor)
         self._full_next = False  # after a resume the first sync streams the frozen tensors too
         self._base_sent = False  # LoRA: a base the warm-up trained has reached the engines
-        self._pending = None  # async: (prompt count, policy version, dispatch time) of the rollout in flight
-        self._ready = None  # completions collected early (a generate() while a rollout was in flight)
-        self._prefetched = False  # async: the next step's prompts are already on the engines
+        self.partial = cfg.partial_rollout
+        self._pending = collections.deque()  # rank 0: (tag, policy version) of each command the engines answer later
+        self._done = {}  # rank 0: tag -> (version, results, idle stats, keys) collected before its step took it
+        self._ahead = 0  # async: how many of the next steps' batches are already on the engines (every train rank)
+        self._cut = 0  # partial rollout: prompt groups cut into a later batch so far (--max-tail-steps)
         self._sync_stats: dict = {}
 
     # ---- the loop's interface ------------------------------------------------------------------------------
@@ -105,43 +110,58 @@ class RemoteRollout:
     def generate(self, prompt_ids, options):
         """Completions for rank 0's ``prompt_ids`` with the current policy, on every train rank (evaluation)."""
         self.sync()
-        out = self._collect() if self._pending else None
-        if out is not None:
-            self._ready = out
         results = None
         if self.rank0:
-            self._dispatch(prompt_ids, options)
-            results = self._collect()[0]
+            self._collect_all()
+            self._dispatch(None, prompt_ids, options)
+            results = self._collect()
         return broadcast_object(results, self.layout.train_group)
 
-    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None):
-        """This step's completions (rank 0) and the split-mode stats; with ``upcoming`` (async), the next step's
-        prompts are sent before returning, to run while this step trains. Every train rank calls it. ``on_group``
-        is never called: the completions arrive together."""
-        stats = {}
-        results, version, idle = None, self.version, {}
-        if self._prefetched:  # the previous step sent this step's prompts (every train rank knows)
-            self._prefetched = False
-            if self.rank0:
-                results, version, idle = self._ready or self._collect()
-                self._ready = None
+    def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None, keys=None):
+        """This step's completions (rank 0) and the split-mode stats; ``upcoming`` (async: the batches of the steps
+        to send ahead, oldest first) are sent before returning, to run while this step trains. Every train rank calls
+        it. ``on_group`` is never called: the completions arrive together. ``keys`` (partial rollout): each prompt's
+        key, and each upcoming batch's; the stats then name the key of each group returned (``delivered``: groups
+        cut from an earlier batch come with a later one)."""
+        keys = keys or {}
+        stats, tag = {}, self.step_index()
+        if self._ahead:  # an earlier step sent this step's prompts (every train rank knows)
+            self._ahead -= 1
         else:
             stats.update(self.sync())
-            version = self.version
             if self.rank0:
-                self._dispatch(prompt_ids, options)
-                results, version, idle = self._collect()
+                self._dispatch(tag, prompt_ids, options, keys.get("batch"))
+        version, results, idle, delivered = self._take(tag) if self.rank0 else (self.version, [], {}, None)
         stats.update(idle)
-        if upcoming is not None:
+        upcoming = list(upcoming or [])
+        if upcoming or (self.partial and self._ahead):
             stats.update(self.sync())
             if self.rank0:
-                self._dispatch(upcoming, options)
-            self._prefetched = True
+                self._send_ahead(tag + 1 + self._ahead, upcoming, options, keys.get("upcoming"))
+            self._ahead += len(upcoming)
         stats.update(self._sync_stats)
         self._sync_stats = {}
-        staleness = self.step_index() - version
-        stats.update(policy_version=version, staleness_mean=staleness, staleness_max=staleness)
-        return (results or []), stats
+        if delivered is not None:
+            stats["delivered"] = delivered
+        if self.partial and results:  # per sample: its oldest token's version
+            lags = [tag - min(c.versions or [version]) for group in results for c in group]
+            stats.update(policy_version=tag - max(lags), staleness_mean=sum(lags) / len(lags),
+                         staleness_max=max(lags), tail_cut=self._cut)
+        else:
+            staleness = tag - version
+            stats.update(policy_version=version, staleness_mean=staleness, staleness_max=staleness)
+        return results, stats
+
+    def _send_ahead(self, tag, upcoming, options, keys) -> None:
+        """Rank 0: the upcoming batches (tags ``tag``, ``tag + 1``, ...) go to the engines; with partial rollout one
+        command adds them and runs the engines until the next step's batch is done (unless already held)."""
+        if not self.partial:
+            self._generate(list(range(tag, tag + len(upcoming))), upcoming, options)
+            return
+        add = [(tag + i, prompts, ks) for i, (prompts, ks) in enumerate(zip(upcoming, keys or [None] * len(upcoming)))]
+        nxt = self.step_index() + 1
+        until = nxt if (self._ahead or upcoming) and nxt not in self._done else None
+        self._partial_command(add, options, until)
 
     def sync(self) -> dict:
         """Stream the policy if the optimizer moved since the last sync (every train rank takes part)."""
@@ -153,10 +173,9 @@ class RemoteRollout:
         full = self._full_next or base_moved
         self._base_sent = self._base_sent or (full and adapter is not None and adapter.base_changed)
         if self.rank0:
-            if self._pending:  # commands are executed in order: the rollout in flight is collected first
-                self._ready = self._collect()
+            self._collect_all()  # commands are executed in order: the rollouts in flight are collected first
             plan = None if self._plan_sent is full else self.publisher.plans[full][:2]
-            self._command({"op": "sync", "plan": plan})
+            self._command({"op": "sync", "plan": plan, "version": self.step_index()})
             self._plan_sent = full
         nbytes, seconds = self.publisher.publish(full)
         self._full_next = False
@@ -210,64 +229,139 @@ class RemoteRollout:
         version, internal, gauss = state
         self._rng.setstate((version, tuple(internal), gauss))
 
+    def in_flight_count(self) -> int:
+        return self._ahead
+
     def in_flight_state(self) -> dict | None:
-        """Async: the rollout sent ahead for the next step (collected now, on rank 0), for a checkpoint: its
-        completions were sampled with the previous policy, which the checkpoint no longer holds, so a resumed run
-        takes them from here instead of sampling anew with the newer one. None when nothing is in flight."""
-        if not self._prefetched:
+        """Async: the rollouts sent ahead for the next steps (collected now, on rank 0; partial rollout: finished now,
+        under the current policy, each token's version kept), for a checkpoint: they were sampled with older policies,
+        which the checkpoint no longer holds, so a resumed run takes them from here instead of sampling anew. None
+        when nothing is in flight."""
+        if not self._ahead:
             return None
-        if self.rank0 and self._ready is None:
-            self._ready = self._collect()  # the step that would have collected it takes it from _ready
         if not self.rank0:
-            return {"version": None, "results": None}
-        results, version, _ = self._ready
-        return {"version": version, "results": [[_plain(c) for c in group] for group in results]}
+            return {"ahead": self._ahead, "rollouts": None, "cut": None}
+        self._collect_all()
+        if self.partial:
+            self._command({"op": "drain"})
+            self._pending.append(("drain", self.version, None))
+            self._collect()
+        tags = sorted(self._done)
+        return {"ahead": self._ahead, "cut": self._cut, "rollouts": [
+            {"tag": t, "version": self._done[t][0], "keys": self._done[t][3],
+             "results": [[_plain(c) for c in group] for group in self._done[t][1]]} for t in tags]}
 
     def restore_in_flight(self, state: dict | None) -> None:
-        """Take a checkpoint's ``in_flight_state`` as the rollout sent ahead (every train rank)."""
+        """Take a checkpoint's ``in_flight_state`` as the rollouts sent ahead (every train rank)."""
         if state is None:
             return
-        self._prefetched = True
+        if "rollouts" not in state:  # a checkpoint of one rollout in flight (before K > 1): the next step's
+            state = {"ahead": 1, "cut": 0, "rollouts": state["results"] and [
+                {"tag": self.step_index(), "version": state["version"], "keys": None, "results": state["results"]}]}
+        self._ahead = state["ahead"]
         if self.rank0:
             from areno.engine.engine import Completion
 
-            results = [[Completion(**_unplain(c)) for c in group] for group in state["results"]]
-            self._ready = results, state["version"], {"train_idle_s": 0.0, "rollout_idle_s": 0.0}
+            self._cut = state["cut"]
+            idle = {"train_idle_s": 0.0, "rollout_idle_s": 0.0}
+            for r in state["rollouts"]:
+                results = [[Completion(**_unplain(c)) for c in group] for group in r["results"]]
+                self._done[r["tag"]] = (r["version"], results, idle, r["keys"])
 
     def drop_rollout_state(self) -> None:
         pass  # the rollout ranks drop theirs after each generate (the flag travels with the command)
 
     def close(self) -> None:
         if self.rank0:
-            if self._pending:
-                self._collect()
+            self._collect_all()
             self._command({"op": "stop"})
 
     # ---- rank 0 ----------------------------------------------------------------------------------------------
     def _command(self, cmd) -> None:
         broadcast_object(cmd, self.layout.control)
 
-    def _dispatch(self, prompt_ids, options) -> None:
-        opts = [dataclasses.replace(options, seed=self._rng.getrandbits(62)) for _ in prompt_ids]
-        shares = [([prompt_ids[i] for i in r], [opts[i] for i in r])
-                  for r in _shares(len(prompt_ids), len(self.layout.engines))]
-        self._command({"op": "generate", "shares": shares, "drop": self.drop_state})
-        self._pending = (len(prompt_ids), self.version, time.perf_counter())
+    def _dispatch(self, tag, prompt_ids, options, keys=None) -> None:
+        """Rank 0: a rollout of ``prompt_ids`` for the step ``tag`` (None: an evaluation), answered later."""
+        if self.partial and tag is not None:
+            self._partial_command([(tag, prompt_ids, keys)], options, tag)
+        else:
+            self._generate([tag], [prompt_ids], options)
 
-    def _collect(self):
-        """Wait for the rollout in flight: (completions in prompt order, its policy version, idle times)."""
-        _, version, _ = self._pending
+    def _generate(self, tags, batches, options) -> None:
+        """Rank 0: one ``generate`` command for the steps ``tags``' batches (one engine call each, the batches' shares
+        end to end: a second command in flight would cross its answer's gather on the control group)."""
+        shares, sizes = [([], []) for _ in self.layout.engines], []
+        for prompts in batches:
+            opts, ranges = self._seeded(options, len(prompts)), _shares(len(prompts), len(self.layout.engines))
+            for (ids, o), r in zip(shares, ranges):
+                ids += [prompts[i] for i in r]
+                o += opts[r.start:r.stop]
+            sizes.append([len(r) for r in ranges])
+        self._command({"op": "generate", "shares": shares, "drop": self.drop_state})
+        self._pending.append((tags, self.version, sizes))
+
+    def _seeded(self, options, n: int) -> list:
+        return [dataclasses.replace(options, seed=self._rng.getrandbits(62)) for _ in range(n)]
+
+    def _partial_command(self, add, options, until) -> None:
+        """Rank 0: add the batches ``add`` ([(tag, prompts, keys)]) to the engines, then run them until batch
+        ``until`` is done (None: answer at once)."""
+        adds = []
+        for tag, prompts, keys in add:
+            opts = self._seeded(options, len(prompts))
+            keys = list(keys) if keys is not None else list(range(len(prompts)))
+            adds.append((tag, [([prompts[i] for i in r], opts[r.start:r.stop], keys[r.start:r.stop])
+                               for r in _shares(len(prompts), len(self.layout.engines))]))
+        self._command({"op": "partial", "add": adds, "until": until})
+        self._pending.append((until, self.version, None))
+
+    def _answers(self):
+        """Wait for the oldest command in flight: its tag and version, every engine leader's answer (in engine order)
+        and the idle times."""
+        tag, version, sizes = self._pending.popleft()
         t0 = time.perf_counter()
         parts = [None] * dist.get_world_size(self.layout.control)
         dist.gather_object(None, parts, dst=0, group=self.layout.control)
         waited = time.perf_counter() - t0
-        self._pending = None
-        results, idle = [], 0.0
-        for ranks in self.layout.engines:  # leaders' answers, in engine (= prompt) order
-            out, rollout_idle = parts[self.layout.rollout_ranks.index(ranks[0]) + 1]
-            results += out
-            idle = max(idle, rollout_idle)
-        return results, version, {"train_idle_s": waited, "rollout_idle_s": idle}
+        answers = [parts[self.layout.rollout_ranks.index(ranks[0]) + 1] for ranks in self.layout.engines]
+        idle = {"train_idle_s": waited, "rollout_idle_s": max((i for _, i in answers), default=0.0)}
+        return tag, version, sizes, [a for a, _ in answers], idle
+
+    def _collect(self):
+        """Rank 0: collect the oldest command in flight into ``_done`` (a partial one: under each tag it finished);
+        returns its completions in prompt order (of its last batch)."""
+        tag, version, sizes, answers, idle = self._answers()
+        if answers and isinstance(answers[0], dict):  # partial rollout: {"groups": [(key, completions)], "cut": n}
+            self._cut += sum(a["cut"] for a in answers)
+            if tag == "drain":  # every batch in flight: {"groups": {tag: [(key, completions)]}}
+                for t in sorted({t for a in answers for t in a["groups"]}):
+                    groups = [g for a in answers for g in a["groups"].get(t, [])]
+                    self._done[t] = (version, [c for _, c in groups], idle, [k for k, _ in groups])
+                return None
+            groups = [g for a in answers for g in a["groups"]]
+            results = [c for _, c in groups]
+            if tag is not None:
+                self._done[tag] = (version, results, idle, [k for k, _ in groups])
+            return results
+        offsets = [0] * len(answers)
+        for t, per_engine in zip(tag, sizes):  # each batch: its share of every engine's answer, in engine order
+            results = []
+            for e, n in enumerate(per_engine):
+                results += answers[e][offsets[e] : offsets[e] + n]
+                offsets[e] += n
+            if t is not None:
+                self._done[t] = (version, results, idle, None)
+        return results
+
+    def _collect_all(self) -> None:
+        while self._pending:
+            self._collect()
+
+    def _take(self, tag):
+        """Rank 0: step ``tag``'s rollout (version, completions, idle stats, keys), waiting for it if needed."""
+        while tag not in self._done:
+            self._collect()
+        return self._done.pop(tag)
 
     def _verify(self) -> None:
         """Fetch every engine's weights and compare them with the trainer's, tensor by tensor, exactly."""
@@ -285,32 +379,43 @@ class RemoteRollout:
 
 
 # ---- the rollout ranks -----------------------------------------------------------------------------------------
+def rollout_policy(cfg, layout, device, dtype):
+    """The rollout rank's frozen policy: the checkpoint (sharded over the engine's TP group), the run's LoRA adapter
+    (zero B, or --lora-path's; each sync fills it), FP8 copies under --rollout-dtype fp8 (each sync streams them)."""
+    from areno.models import load_model
+    from areno.training import lora
+
+    model = load_model(cfg.ckpt, dtype=dtype, device=device, tp_group=layout.engine_group,
+                       attn_backend=cfg.attn_backend)
+    lora.apply(cfg, model)
+    if cfg.rollout_dtype == "fp8":
+        fp8_rollout.enable(model)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def serve(cfg) -> int:
     """A rollout rank's whole life: join the split world, load the policy, build the engine, run commands."""
     from areno.distributed import parallel
     from areno.engine.engine import Engine
-    from areno.models import load_model, load_tokenizer
+    from areno.models import load_tokenizer
     from areno.rl.rollout.colocated import engine_config
     from areno.rl.routing_replay import routing_replay_enabled
-    from areno.training import lora
 
     rank = parallel.env_rank()
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
     layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
     watchdog = watch_ranks(cfg)  # a silent train rank 0 ends the run after ARENO_RANK_TIMEOUT_S
     torch_device, dtype = device_and_dtype(cfg.dtype, torch.device("cuda", device) if device is not None else "cpu")
-    model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
-                       attn_backend=cfg.attn_backend)
-    lora.apply(cfg, model)  # a LoRA run: the trainer's adapter (zero B, or --lora-path's), filled by each sync
-    if cfg.rollout_dtype == "fp8":
-        fp8_rollout.enable(model)  # every forward FP8; each sync streams the copies
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = rollout_policy(cfg, layout, torch_device, dtype)
     tokenizer = load_tokenizer(cfg.ckpt)
     econf, eos = engine_config(cfg, model, tokenizer, record_routing=routing_replay_enabled(cfg, model))
     engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
     receiver = PolicyReceiver(model, layout)
+    partial = PartialRollout(engine, decode_steps=cfg.decode_steps, recompute=cfg.partial_rollout_kv == "recompute",
+                             tail_steps=cfg.max_tail_steps, leader=rank == layout.engines[layout.engine_index][0])
     index = layout.engine_index
     leader = rank == layout.engines[index][0]
     idle, waiting = 0.0, time.perf_counter()
@@ -324,9 +429,16 @@ def serve(cfg) -> int:
                 watchdog.close()
             break
         if op == "sync":
-            plan = cmd.get("plan")
-            receiver.receive(*(plan if plan is not None else (None, None)))
-            engine.reset_prefix_cache()  # K/V cached under the old policy are stale
+            load = functools.partial(receiver.receive, *(cmd.get("plan") or (None, None)))
+            if cfg.partial_rollout:  # in place, between two steps, sequences in flight
+                partial.swap(load, cmd["version"])
+            else:
+                load()
+                engine.reset_prefix_cache()  # K/V cached under the old policy are stale
+        elif op in ("partial", "drain"):
+            answer = partial.command(cmd, index, layout.engine_group)
+            dist.gather_object((answer, idle) if leader else None, None, dst=0, group=layout.control)
+            idle = 0.0
         elif op == "generate":
             prompts, options = cmd["shares"][index]
             out = engine.generate(prompts, options) if prompts else []

@@ -1,0 +1,67 @@
+"""bench/families.py --smoke on the CPU: R1 and T1 rows of both Qwen3.5 shapes with their transformers baselines,
+transformers' copy of the GPU-drawn weights computing areno's logits, and bench/report.py rendering the rows."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_QWEN3_5 = hasattr(transformers, "Qwen3_5TextConfig")
+
+
+def _module(name: str):
+    """A bench script as a module (it puts bench/ on sys.path for its own imports)."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    return importlib.import_module(name)
+
+
+@pytest.mark.skipif(not HAS_QWEN3_5, reason=f"transformers {transformers.__version__} has no qwen3_5")
+@pytest.mark.parametrize("shape", ["qwen3_5-9b", "qwen3_5-35b-a3b"])
+def test_transformers_copy_computes_the_same_logits(shape):
+    families = _module("families")
+    raw = families.config_of(shape, 4, smoke=True)
+    model = families.models.random_model(raw, torch.float32, torch.device("cpu"), unit_norms=True, std=0.1)
+    hf = families.hf_model(raw, model, torch.float32, torch.device("cpu")).eval()
+    ids = torch.randint(3, raw["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = model.logits(ids)
+    assert want.abs().max() > 0.1  # the weights matter
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.slow
+def test_smoke_rows_and_report():
+    records = _module("families").main(["--smoke", "--no-save"])
+    for r in records:
+        assert "error" not in r, r
+    hf = HAS_QWEN3_5
+    part = {"R1": [("areno", "first"), ("areno", "warm")] + [("transformers", "warm")] * hf,
+            "T1": [("areno", "fp32"), ("areno", "8bit")] + [("transformers", None)] * hf}  # fmt: skip
+    want = [(s, w, *i) for s in ("qwen3_5-9b", "qwen3_5-35b-a3b") for w in ("R1", "T1") for i in part[w]]
+    got = [(r["shape"], r["workload"], r["impl"], r.get("call") or r.get("optimizer_states")) for r in records]
+    assert got == want
+    for r in records:
+        if r["workload"] == "R1":
+            assert r["sequences"] == 8 and r["output_tokens"] == 8 * 16 and r["complete"] and r["tok_s"] > 0
+        else:
+            assert (r["batch"], r["seqlen"]) == (2, 64) and r["step_ms"] > 0
+            assert 0 < r["active_parameters"] <= r["parameters"]
+        if r["impl"] == "areno" and r.get("call") != "first" and HAS_QWEN3_5:
+            assert r["speedup_vs_hf"] > 0, r
+        if r.get("call") == "warm" and r["impl"] == "areno":
+            assert r["logprob_diff_mean"] < 1e-3  # fp32: the engine's log-probs are the training forward's
+    moe = [r for r in records if r["shape"] == "qwen3_5-35b-a3b" and r["workload"] == "T1"][0]
+    assert moe["active_parameters"] < moe["parameters"] * 0.75  # routed experts counted at top-k / experts
+
+    report = _module("report")
+    env = dict(bench="families", git_sha="abc", time="2026-12-05T06:00:00+00:00", gpu="cpu")
+    text = report.render([{**env, **r} for r in records])
+    r1 = text[text.index("## R1: `bench/families.py`"):]
+    t1 = text[text.index("## T1: `bench/families.py`"):]
+    assert "| areno | qwen3_5-35b-a3b | 4 | 8 |" in r1 and "| areno | qwen3_5-9b | 4 |" in t1
