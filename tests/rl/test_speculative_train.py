@@ -12,13 +12,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_grpo_run_logs_the_accept_length(tmp_path):
+    records = [{"prompt": [{"role": "user", "content": f"{i} * 3 ="}], "answer": str(3 * i)} for i in range(8)]
+    files = {"data.jsonl": "\n".join(map(json.dumps, records)) + "\n",
+             "reward.py": "def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family="deepseek_v3", seed=0)
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)})
-                            + "\n" for i in range(8)))
-    reward = tmp_path / "reward.py"
-    reward.write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
-    out = tmp_path / "out"
+    data, reward, out = tmp_path / "data.jsonl", tmp_path / "reward.py", tmp_path / "out"
     rc = main(["train", "--ckpt", str(ckpt), "--dataset-path", str(data), "--reward-fn-path", str(reward),
                "--batch-size", "2", "--n-samples", "2", "--mini-bs", "2", "--max-steps", "1", "--max-new-tokens", "6",
                "--save-path", str(out), "--lr", "1e-3", "--no-tensorboard", "--dtype", "float32",
