@@ -13,6 +13,7 @@ from tests.rl.test_split import areno, metrics, needs_gpus
 
 files = test_split.files  # the tiny checkpoint, the sums dataset and the reward (a module fixture)
 pytestmark = needs_gpus(2)
+three_gpus = needs_gpus(3)
 SPLIT = ["--train-devices", "0", "--rollout-devices", "1"]
 TRAINING = ("loss", "reward_mean", "reward_std", "grad_norm", "policy_version", "staleness_max")
 
@@ -81,16 +82,38 @@ def test_async_split_run_with_evaluation_trains_exactly_as_one_without(files, ev
     check_evals(evald, proc, versions=True)
 
 
-def test_split_evaluation_samples_as_the_colocated_one(files, eval_set, sync_eval, tmp_path):
-    """On-policy split trains as colocated, and the same per-prompt seeds give the same samples: every evaluation's
-    metrics agree with the colocated run's (a set is the same evaluation wherever it runs)."""
-    co = tmp_path / "colocated"
-    areno(files, co, *with_eval(eval_set))
-    a, b = evals(co), evals(sync_eval[0])
+@pytest.fixture(scope="module")
+def colocated_eval(files, eval_set, tmp_path_factory):
+    out = tmp_path_factory.mktemp("coloeval") / "run"
+    areno(files, out, *with_eval(eval_set))
+    return out
+
+
+def same_evals(a, b):
+    a, b = evals(a), evals(b)
     assert sorted(a) == sorted(b) == [0, 2, 3]
     for step in a:
         assert {k: v for k, v in a[step].items() if k.startswith("eval/")} == {
             k: v for k, v in b[step].items() if k.startswith("eval/")}, step
+
+
+def test_split_evaluation_samples_as_the_colocated_one(colocated_eval, sync_eval):
+    """On-policy split trains as colocated, and the same per-prompt seeds give the same samples: every evaluation's
+    metrics agree with the colocated run's (a set is the same evaluation wherever it runs)."""
+    same_evals(colocated_eval, sync_eval[0])
+
+
+@pytest.mark.slow  # three ranks each
+@three_gpus
+@pytest.mark.parametrize("rollout", [["1..2", "--rollout-tp-size", "2"], ["1,2", "--rollout-tp-size", "1"]],
+                         ids=["tp2-engine", "two-engines"])
+def test_split_evaluation_over_tp_or_several_engines_equals_the_colocated_one(files, eval_set, colocated_eval,
+                                                                              tmp_path, rollout):
+    """One command per rollout group, each engine its share of the prompts (a TP engine's ranks run it together):
+    each prompt's own seed makes the result independent of the spread."""
+    out = tmp_path / "run"
+    areno(files, out, "--train-devices", "0", "--rollout-devices", *rollout, *with_eval(eval_set))
+    same_evals(colocated_eval, out)
 
 
 @pytest.mark.parametrize("extra", [dict(partial_rollout=True, max_staleness=1), dict(agent_fn="{reward}")],

@@ -398,6 +398,18 @@ class RemoteRollout:
 
 
 # ---- the rollout ranks -----------------------------------------------------------------------------------------
+def generate_share(engine, cmd: dict, index: int) -> list:
+    """A ``generate`` command on a rollout rank of engine ``index``: that engine's share of the prompts. ``fresh`` (an
+    evaluation): the prefixes it cached are dropped, so the next rollout finds the cache as the sync left it."""
+    prompts, options = cmd["shares"][index]
+    out = engine.generate(prompts, options) if prompts else []
+    if cmd.get("fresh"):
+        engine.reset_prefix_cache()
+    if cmd.get("drop") and engine.runner is not None:
+        engine.drop_rollout_state()
+    return out
+
+
 def serve(cfg) -> int:
     """A rollout rank's whole life: join the split world, load the policy, build the engine, run commands."""
     from areno.distributed import parallel
@@ -450,12 +462,7 @@ def serve(cfg) -> int:
             dist.gather_object((answer, idle) if leader else None, None, dst=0, group=layout.control)
             idle = 0.0
         elif op == "generate":
-            prompts, options = cmd["shares"][index]
-            out = engine.generate(prompts, options) if prompts else []
-            if cmd.get("fresh"):  # an evaluation: the next rollout finds the prefix cache as the sync left it
-                engine.reset_prefix_cache()
-            if cmd.get("drop") and engine.runner is not None:
-                engine.drop_rollout_state()
+            out = generate_share(engine, cmd, index)
             dist.gather_object((out, idle) if leader else None, None, dst=0, group=layout.control)
             idle = 0.0
         elif op == "agent":  # agentic rollout: serve tokens over HTTP until the train side is done
