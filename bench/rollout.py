@@ -4,12 +4,16 @@
     python bench/rollout.py --smoke     # CPU: a tiny shape, checks the script (times meaningless)
     python bench/rollout.py --impls areno --workloads R1 --rollout-dtype bf16,fp8 --shape 8b       # FP8 rollout
     python bench/rollout.py --impls areno --workloads R1 --rollout-dtype bf16,fp8 --shape 30b-a3b  # (issue 41)
+    python bench/rollout.py --impls areno --workloads R1,RL --kv-cache-dtype auto,fp8 --shape 8b   # FP8 KV cache
 
 Workloads (BENCH.md), sampling at temperature 1.0, no early stop (``ignore_eos``), log-probs returned:
 - R1: 256 prompts of 128 random tokens, 256 new tokens each. Limit: per decode step the weights (1.19 GB) + the KV
   of 256 sequences at mean context 256 (7.5 GB) at 4.3 TB/s = 2.0 ms, about 127k tok/s.
 - R2: 256 sequences, prompt and output lengths uniform in [100, 1024] (seed 0). Limit: KV-bound, about 40k tok/s.
 - R3: 1 prompt of 128 tokens, 512 new tokens. Limit: 1.19 GB of weights per token at 4.3 TB/s, about 3.6k tok/s.
+- RL (long context, for ``--kv-cache-dtype``): 128 prompts of 4,096 random tokens, 512 new tokens each
+  (``--max-model-len`` raised to fit): 590k tokens of KV, more than a bf16 cache of half the free memory holds at
+  the 8B shape (144 KiB a token), so bf16 preempts and recomputes where fp8's ~1.9x tokens fit more of the batch.
 
 areno: one ``Engine`` (block 16, 256 running, 8192 batched tokens, CUDA graphs on) serves the three workloads in
 turn. The first call of each workload includes graph capture and kernel compilation; a second, warm call on fresh
@@ -29,6 +33,9 @@ as blockwise FP8 copies, ``areno.models.fp8_rollout``, the log-prob check then a
 rollout-vs-trainer mismatch an FP8 rollout brings) and prints fp8's tok/s over bf16's per workload. ``--shape 8b``
 (Qwen3-8B dense) and ``30b-a3b`` (Qwen3-30B-A3B MoE) are random bf16 models built on the GPU (N(0, 0.02) weights,
 unit norms; areno only).
+``--kv-cache-dtype auto,fp8`` runs areno once per cache dtype too (fp8: E4M3 K/V with per-token-per-head scales,
+``areno.engine.kv_cache``); each record carries the cache's token capacity (``kv_tokens``) and preemptions, and
+fp8's tok/s over auto's is printed per workload with both capacities.
 One JSON line per measurement goes to bench/results/rollout.jsonl.
 """
 
@@ -68,6 +75,9 @@ def workload(name: str, smoke: bool, vocab: int, seed: int) -> tuple[list[list[i
     if name == "R3":
         plen, new = (16, 32) if smoke else (128, 512)
         return models.random_prompts(1, plen, vocab, seed), [new]
+    if name == "RL":
+        n, plen, new = (4, 64, 16) if smoke else (128, 4096, 512)
+        return models.random_prompts(n, plen, vocab, seed), [new] * n
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -79,7 +89,7 @@ def sync(device):
 # ---------------------------------------------------------------------------------------------------- areno
 
 
-def make_engine(path, device, args, rollout_dtype="bf16"):
+def make_engine(path, device, args, rollout_dtype="bf16", kv_cache_dtype="auto"):
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import fp8_rollout, load_model, load_tokenizer
 
@@ -101,6 +111,7 @@ def make_engine(path, device, args, rollout_dtype="bf16"):
         eager_decode=args.eager,
         decode_steps=args.decode_steps,
         lookahead=not args.no_lookahead,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return Engine(model, tok, cfg, eos_token_ids=[models.EOS_ID]), model
 
@@ -143,13 +154,14 @@ def logprob_diff(model, completions, device, max_tokens=16384) -> dict:
     }
 
 
-def run_areno(path, device, args, names, vocab, rollout_dtype="bf16") -> list[dict]:
+def run_areno(path, device, args, names, vocab, rollout_dtype="bf16", kv_cache_dtype="auto") -> list[dict]:
     from areno.models.fp8_rollout import fp8_forward
 
     records = []
-    engine, model = make_engine(path, device, args, rollout_dtype)
+    engine, model = make_engine(path, device, args, rollout_dtype, kv_cache_dtype)
     print(
-        f"areno engine ({rollout_dtype}): {engine.blocks.num_blocks} KV blocks of 16, max_model_len "
+        f"areno engine ({rollout_dtype}, KV cache {kv_cache_dtype}): {engine.blocks.num_blocks} KV blocks of 16, "
+        f"max_model_len "
         f"{engine.max_model_len}, "
         f"cuda graphs {'off' if args.eager else 'on'}, decode steps per round {args.decode_steps}, "
         f"lookahead {'off' if args.no_lookahead else 'on'}",
@@ -158,7 +170,9 @@ def run_areno(path, device, args, names, vocab, rollout_dtype="bf16") -> list[di
     for name in names:
         for call, seed in (("first", 1), ("warm", 2)):
             rec = dict(impl="areno", workload=name, call=call, decode_steps=args.decode_steps,
-                       lookahead=not args.no_lookahead, rollout_dtype=rollout_dtype)
+                       lookahead=not args.no_lookahead, rollout_dtype=rollout_dtype, kv_cache_dtype=kv_cache_dtype,
+                       kv_tokens=engine.blocks.num_blocks * engine.config.block_size)
+            preempted = engine.scheduler.num_preemptions
             try:
                 prompts, new = workload(name, args.smoke, vocab, seed)
                 out, dt = areno_generate(engine, prompts, new, device)
@@ -170,6 +184,7 @@ def run_areno(path, device, args, names, vocab, rollout_dtype="bf16") -> list[di
                     tok_s=tokens / dt,
                     complete=tokens == sum(new),
                     graphs=len(engine.runner.graphs),
+                    preemptions=engine.scheduler.num_preemptions - preempted,
                 )
                 if name == "R3":
                     rec["ms_per_token"] = dt / tokens * 1e3
@@ -276,7 +291,8 @@ def run_hf(path, device, args, names, vocab) -> list[dict]:
 def fp8_speedups(records, shape) -> None:
     """fp8's warm tok/s over bf16's per workload (``fp8_speedup`` on the fp8 record), with the issue's R1 bar."""
     warm = {(r["workload"], r.get("rollout_dtype")): r for r in records
-            if r.get("impl") == "areno" and r.get("call") == "warm" and "tok_s" in r}  # fmt: skip
+            if r.get("impl") == "areno" and r.get("call") == "warm" and "tok_s" in r
+            and r.get("kv_cache_dtype", "auto") == "auto"}  # fmt: skip
     for (name, dtype), r in warm.items():
         base = warm.get((name, "bf16"))
         if dtype == "fp8" and base is not None:
@@ -284,6 +300,21 @@ def fp8_speedups(records, shape) -> None:
             bar = f" (bar >= {FP8_BARS[shape]}x)" if name == "R1" and shape in FP8_BARS else ""
             print(f"{name} fp8 / bf16: {r['fp8_speedup']:.2f}x{bar}; log-prob |diff| vs the bf16 forward "
                   f"{r.get('logprob_diff_mean', float('nan')):.4f} (bf16 {base.get('logprob_diff_mean', 0):.4f})")
+
+
+def kv_speedups(records) -> None:
+    """The fp8 cache's warm tok/s over the auto cache's per (workload, weights), ``kv_fp8_speedup``, with the token
+    capacities of both."""
+    warm = {(r["workload"], r.get("rollout_dtype"), r.get("kv_cache_dtype")): r for r in records
+            if r.get("impl") == "areno" and r.get("call") == "warm" and "tok_s" in r}  # fmt: skip
+    for (name, weights, kv), r in warm.items():
+        base = warm.get((name, weights, "auto"))
+        if kv == "fp8" and base is not None:
+            r["kv_fp8_speedup"] = r["tok_s"] / base["tok_s"]
+            print(f"{name} ({weights} weights) KV fp8 / auto: {r['kv_fp8_speedup']:.2f}x; capacity "
+                  f"{r['kv_tokens']} tokens vs {base['kv_tokens']} ({r['kv_tokens'] / base['kv_tokens']:.2f}x); "
+                  f"preemptions {r['preemptions']} vs {base['preemptions']}; log-prob |diff| "
+                  f"{r.get('logprob_diff_mean', float('nan')):.4f} (auto {base.get('logprob_diff_mean', 0):.4f})")
 
 
 def fmt(rec):
@@ -314,15 +345,22 @@ def main():
     ap.add_argument("--hf-max-time-s", type=float, default=90.0, help="cap on one transformers generate call")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/rollout.jsonl")
     ap.add_argument("--rollout-dtype", default="bf16", help="areno's linear weights, comma-separated runs: bf16, fp8")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="areno's KV cache, comma-separated runs: auto, fp8")
     ap.add_argument("--shape", default="0.6b", choices=("0.6b", *SHAPES), help="8b / 30b-a3b: random models, areno")
     args = ap.parse_args()
-    dtypes = args.rollout_dtype.split(",")
+    dtypes, kv_dtypes = args.rollout_dtype.split(","), args.kv_cache_dtype.split(",")
+    if not set(kv_dtypes) <= {"auto", "fp8"}:
+        ap.error("--kv-cache-dtype takes auto and/or fp8")
     if not set(dtypes) <= {"bf16", "fp8"} or (args.shape in SHAPES and "transformers" in args.impls.split(",")):
         ap.error("--rollout-dtype takes bf16 and/or fp8; --shape 8b / 30b-a3b runs --impls areno only")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.max_model_len = 128
     names = args.workloads.split(",")
+    if "RL" in names and not args.smoke:  # the long-context workload's prompts and outputs must fit
+        args.max_model_len = max(args.max_model_len, 4096 + 512 + 16)
+    if "RL" in names and "transformers" in args.impls.split(","):
+        ap.error("--workloads RL (long context) runs --impls areno only")
     big = args.shape in SHAPES and not args.smoke
     shape = SHAPES[args.shape][1] if big else models.shape_of(args.smoke)
     t_start = time.perf_counter()
@@ -331,12 +369,13 @@ def main():
           flush=True)
 
     records = []
-    runs = [(impl, d) for impl in args.impls.split(",") for d in (dtypes if impl == "areno" else ["bf16"])]
-    for impl, dtype in runs:
+    runs = [(impl, d, kv) for impl in args.impls.split(",") for d in (dtypes if impl == "areno" else ["bf16"])
+            for kv in (kv_dtypes if impl == "areno" else ["auto"])]  # fmt: skip
+    for impl, dtype, kv in runs:
         t0 = time.perf_counter()
         try:
             if impl == "areno":
-                records += run_areno(path, device, args, names, shape["vocab_size"], dtype)
+                records += run_areno(path, device, args, names, shape["vocab_size"], dtype, kv)
             else:
                 records += run_hf(path, device, args, names, shape["vocab_size"])
         except Exception as e:  # e.g. the model fails to load: report it, keep the other implementation
@@ -349,18 +388,19 @@ def main():
     for r in records:
         if "tok_s" not in r:
             continue
-        if not args.smoke and not big:
+        if not args.smoke and not big and r["workload"] in LIMIT_TOK_S:
             r["limit_tok_s"] = LIMIT_TOK_S[r["workload"]]
             r["frac_limit"] = r["tok_s"] / r["limit_tok_s"]
         if r["impl"] == "areno" and r["workload"] in hf:
             r["speedup_vs_hf"] = r["tok_s"] / hf[r["workload"]]["tok_s"]
     fp8_speedups(records, None if args.smoke else args.shape)
-    cols = ["impl", "rollout_dtype", "workload", "call", "sequences", "output_tokens", "wall_s", "tok_s",
-            "ms_per_token", "frac_limit", "speedup_vs_hf", "fp8_speedup", "logprob_diff_mean", "logprob_diff_max",
-            "note", "error"]  # fmt: skip
+    kv_speedups(records)
+    cols = ["impl", "rollout_dtype", "kv_cache_dtype", "workload", "call", "sequences", "output_tokens", "wall_s",
+            "tok_s", "ms_per_token", "frac_limit", "speedup_vs_hf", "fp8_speedup", "kv_tokens", "preemptions",
+            "kv_fp8_speedup", "logprob_diff_mean", "logprob_diff_max", "note", "error"]  # fmt: skip
     print_table(records, cols)
     warm = {r["workload"]: r for r in records if r.get("impl") == "areno" and r.get("call") == "warm"
-            and r.get("rollout_dtype") == dtypes[0]}
+            and r.get("rollout_dtype") == dtypes[0] and r.get("kv_cache_dtype") == kv_dtypes[0]}
     if "R1" in warm and "speedup_vs_hf" in warm["R1"]:
         print(
             f"R1 bar (>= 10x transformers): {warm['R1']['speedup_vs_hf']:.1f}x; goal 60% of the limit: "

@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, GROUP_ALGOS, RL_ALGOS, ROLLOUT_DTYPES
+from areno.config.constants import ATTN_BACKENDS, GROUP_ALGOS, KV_CACHE_DTYPES, RL_ALGOS, ROLLOUT_DTYPES
 from areno.config.fields import (
     ConfigError,
     check_choice,
@@ -94,6 +94,11 @@ class RolloutSection:
         "after each optimizer step and run by the FP8 GEMM, the trainer staying bf16 (split mode streams the copies: "
         "about half the bytes); pair with --off-policy-correction tis", "rollout", choices=ROLLOUT_DTYPES,
         algos=RL_ALGOS)
+    kv_cache_dtype: str = opt(
+        "auto", "the rollout engine's paged KV cache: auto, the model's dtype; or fp8: E4M3 with one fp32 scale per "
+        "token and KV head, quantised on write and dequantised by the attention kernel (about twice the tokens in "
+        "the same --kv-cache-memory; not for MLA latent caches)", "rollout", choices=KV_CACHE_DTYPES,
+        algos=RL_ALGOS)
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
                             "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "
                             "chain is queued before the current one's tokens are read); 1 = every token",
@@ -131,6 +136,7 @@ class RolloutSection:
 
     def _check_rollout_dtype(self):
         check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
+        check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.rollout_dtype != "fp8":
             return
         for given, what, why in ((self.lora_rank > 0, "--lora-rank > 0", "the adapter's forward reads the bf16 base"),

@@ -6,7 +6,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, DTYPES, ROLLOUT_DTYPES, TOOL_CALL_FORMATS
+from areno.config.constants import ATTN_BACKENDS, DTYPES, KV_CACHE_DTYPES, ROLLOUT_DTYPES, TOOL_CALL_FORMATS
 from areno.config.env import env_value
 from areno.config.fields import (
     ConfigError,
@@ -71,6 +71,11 @@ class ServeConfig:
         "bf16", "the served linear weights (attention, MLP; not embeddings, lm_head, norms, routers, MoE experts): "
         "bf16 as loaded, or fp8: quantised blockwise at load (E4M3, 128x128 blocks, DeepSeek-V3's layout; vLLM's fp8 "
         "quantization) and run by the FP8 GEMM", "rollout", choices=ROLLOUT_DTYPES)
+    kv_cache_dtype: str = opt(
+        "auto", "the paged KV cache: auto, the model's dtype; or fp8: E4M3 with one fp32 scale per token and KV head, "
+        "quantised on write and dequantised by the attention kernel (about twice the tokens in the same "
+        "--kv-cache-memory; vLLM's --kv-cache-dtype fp8; not for MLA latent caches)", "rollout",
+        choices=KV_CACHE_DTYPES)
     engine_thread: bool = opt(
         False, "run the engine in a thread of the HTTP process instead of its own engine-core process (slower under "
         "load: the HTTP path and the engine share one interpreter lock; a --world-size == --tp-size > 1 server "
@@ -102,6 +107,7 @@ class ServeConfig:
         check_choice("--dtype", self.dtype, DTYPES, optional=True)
         check_choice("--tool-call-format", self.tool_call_format, TOOL_CALL_FORMATS)
         check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
+        check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.rollout_dtype == "fp8" and (self.tp_size > 1 or self.lora_enabled):
             what = "--tp-size > 1" if self.tp_size > 1 else "LoRA adapters (--lora-modules, --max-loras)"
             raise ConfigError("--rollout-dtype", f"fp8 with {what} is not built yet")

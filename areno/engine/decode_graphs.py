@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from areno.engine.logit_adjust import adjust_host
-from areno.engine.step_inputs import DecodeLaunch, LogitAdjust, StepInputs
+from areno.engine.step_inputs import DecodeLaunch, LogitAdjust, StepInputs, unused_filters
 from areno.kernels.sampler import sample
 from areno.models.attention_metadata import AttentionMetadata
 
@@ -192,6 +192,9 @@ class DecodeGraphs:
                                                   for tb in tables))
         buf = {name: val.to(self.device) for name, val in host.items()}
         buf["cu"] = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        for name, unused in zip(("top_k", "top_p"), unused_filters(inp.top_k, inp.top_p)):
+            if unused:  # no row filters: the sampler skips the threshold (graphs keep their static buffers)
+                buf[name] = None
         if ids_from is not None:
             buf["ids"] = self._ids_from(ids_from)
         tokens, logprobs = self.decode_steps(buf, inp.decode_steps)

@@ -27,7 +27,7 @@ from areno.config import SamplingParams
 from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
-from areno.engine.kv_cache import kv_groups, plan_num_blocks
+from areno.engine.kv_cache import cache_dtype, check_kv_cache_dtype, kv_groups, plan_num_blocks
 from areno.engine.lora_slots import LoraSlots, slots_of
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
@@ -56,6 +56,7 @@ class EngineConfig:
     record_routing: bool = False  # sparse-MoE models: completions carry their tokens' expert ids (routing replay)
     max_loras: int = 0  # > 0: that many LoRA adapter slots (areno.engine.lora_slots); requests pick one by name
     max_lora_rank: int = 16
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the paged cache in the model's dtype, or fp8 (E4M3 + scales)
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_batched_tokens", "decode_steps"):
@@ -110,9 +111,11 @@ class Engine:
         cfg = self.config
         device = next(self.model.parameters()).device
         dtype = next(self.model.parameters()).dtype
+        check_kv_cache_dtype(self.model, cfg.kv_cache_dtype)
+        kv_dtype = cache_dtype(cfg.kv_cache_dtype, dtype)
         num_blocks = plan_num_blocks(
             self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
-            max_running=cfg.max_running, max_model_len=self.max_model_len,
+            max_running=cfg.max_running, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
         )
         hybrid = self.model.is_hybrid
         record = cfg.record_routing and self.model.is_moe
@@ -129,7 +132,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len,
             max_running=cfg.max_running, eager=cfg.eager_decode, device=device, eos_token_ids=self.stopper.eos,
-            record_routing=record, lora=self.lora,
+            record_routing=record, lora=self.lora, kv_dtype=kv_dtype,
         )
 
     # ---- session state -------------------------------------------------------------------------------------

@@ -20,8 +20,11 @@ A step is first flattened into :class:`StepInputs` (plain lists): under tensor p
 broadcasts that record, and every rank of the TP group executes it in lockstep (``TPWorker`` on the others).
 
 KV cache layout: one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer i gets the views
-``cache[i, 0]`` and ``cache[i, 1]`` (a model's ``kv_cache_layout`` may say otherwise: bailing_hybrid's latent MLA
-cache is ``[num_layers, 1, num_blocks, block_size, r + d_rope]``, layer i gets ``(cache[i, 0],)``). With sliding-window
+``cache[i, 0]`` and ``cache[i, 1]`` (``--kv-cache-dtype fp8``: the tensor is float8_e4m3fn and ``kv_scales``
+``[num_layers, 2, num_blocks, block_size, kv_heads]`` fp32 lies beside it, layer i getting
+``(cache[i, 0], cache[i, 1], scales[i, 0], scales[i, 1])``; block copies copy the scales too; a model's
+``kv_cache_layout`` may say otherwise: bailing_hybrid's latent MLA cache is
+``[num_layers, 1, num_blocks, block_size, r + d_rope]``, layer i gets ``(cache[i, 0],)``). With sliding-window
 layers (several KV-cache groups, ``kv_cache.kv_groups``) the first dimension is the group size instead: the j-th
 layer of every group gets ``cache[j, ...]``, and each group addresses its own blocks through its own block table
 and slots (``AttentionMetadata.for_layer``).
@@ -51,11 +54,12 @@ import torch.distributed as dist
 from areno.engine.decode_graphs import GRAPH_BUCKETS, DecodeGraphs
 from areno.engine.grammar import apply_token_mask
 from areno.engine.images import ImageEmbeddings
-from areno.engine.kv_cache import kv_cache_layout, kv_groups
+from areno.engine.kv_cache import kv_cache_layout, kv_groups, kv_scale_shape
 from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.scheduler import Step
 from areno.engine.state_cache import RecurrentStates
-from areno.engine.step_inputs import DecodeLaunch, StepInputs
+from areno.engine.step_inputs import DecodeLaunch, StepInputs, unused_filters
+from areno.kernels.fp8 import FP8
 from areno.kernels.sampler import logits_f32, sample
 from areno.models.attention_metadata import AttentionMetadata
 from areno.models.layers import gather_from_tp
@@ -63,7 +67,7 @@ from areno.models.layers import gather_from_tp
 
 class ModelRunner(DecodeGraphs):
     def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None,
-                 eos_token_ids=(), record_routing=False, lora=None):
+                 eos_token_ids=(), record_routing=False, lora=None, kv_dtype=None):
         self.model = model
         self.lora = lora  # LoraSlots, or None: no adapters served
         self.device = device or next(model.parameters()).device
@@ -74,13 +78,16 @@ class ModelRunner(DecodeGraphs):
         n, shape = kv_cache_layout(model)
         groups = kv_groups(model, max_model_len)
         self.group_windows = [g.window for g in groups]
-        self.kv_cache = torch.zeros(max(len(g.layers) for g in groups), n, num_blocks, block_size, *shape,
-                                    dtype=self.dtype, device=self.device)
-        self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache), or a recurrent layer's pools
+        dims = (max(len(g.layers) for g in groups), n, num_blocks, block_size)
+        self.kv_cache = torch.zeros(*dims, *shape, dtype=kv_dtype or self.dtype, device=self.device)
+        fp8 = self.kv_cache.dtype == FP8  # --kv-cache-dtype fp8: a scale per (slot, KV head) beside each tensor
+        self.kv_scales = torch.zeros(*dims, *kv_scale_shape(model), device=self.device) if fp8 else None
+        self.kv_caches = [None] * model.num_layers  # per layer: (k_cache, v_cache[, scales]), or recurrent pools
         self.layer_groups = [0] * model.num_layers if len(groups) > 1 else None  # per layer: its KV-cache group
         for g, group in enumerate(groups):
             for j, i in enumerate(group.layers):
-                self.kv_caches[i] = tuple(self.kv_cache[j, e] for e in range(n))
+                scales = tuple(self.kv_scales[j, e] for e in range(n)) if fp8 else ()
+                self.kv_caches[i] = tuple(self.kv_cache[j, e] for e in range(n)) + scales
                 if self.layer_groups is not None:
                     self.layer_groups[i] = g
         shapes = model.recurrent_state_shapes()
@@ -113,7 +120,7 @@ class ModelRunner(DecodeGraphs):
         self.adjuster.reset()
         if self.images is not None:
             self.images.clear()
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         self.kv_caches = []
         self.states = None
 
@@ -310,7 +317,10 @@ class ModelRunner(DecodeGraphs):
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        cache = self.kv_cache.view(torch.uint8) if self.kv_scales is not None else self.kv_cache  # (no fp8 index_put)
+        cache[:, :, dst] = cache[:, :, src]
+        if self.kv_scales is not None:  # an FP8 cache's blocks carry their scales
+            self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     def _tensors(self, inp: StepInputs):
         dev = self.device
@@ -342,11 +352,14 @@ class ModelRunner(DecodeGraphs):
 
     @staticmethod
     def _sampling(inp: StepInputs, device):
-        """Per-row sampling settings; the offset (the token's position) makes each step draw fresh noise."""
-        out = (torch.tensor(inp.temperature, dtype=torch.float32), torch.tensor(inp.top_k, dtype=torch.int64),
-               torch.tensor(inp.top_p, dtype=torch.float32), torch.tensor(inp.seeds, dtype=torch.int64),
-               torch.tensor(inp.offsets, dtype=torch.int64))
-        return [x.to(device, non_blocking=True) for x in out]
+        """Per-row sampling settings; the offset (the token's position) makes each step draw fresh noise. top_k and
+        top_p are None when no row uses them (``unused_filters``): the sampler then skips their thresholds."""
+        top_k, top_p = unused_filters(inp.top_k, inp.top_p)
+        out = (torch.tensor(inp.temperature, dtype=torch.float32),
+               None if top_k else torch.tensor(inp.top_k, dtype=torch.int64),
+               None if top_p else torch.tensor(inp.top_p, dtype=torch.float32),
+               torch.tensor(inp.seeds, dtype=torch.int64), torch.tensor(inp.offsets, dtype=torch.int64))
+        return [None if x is None else x.to(device, non_blocking=True) for x in out]
     def warm_kernels(self) -> int:
         """Compile every paged-attention variant each distinct KV-cache layout can pick (``warm_paged_attention``);
         returns how many ran."""
@@ -357,12 +370,12 @@ class ModelRunner(DecodeGraphs):
         features = self.attention_features()
         seen, runs = set(), 0
         for entry in self.kv_caches:
-            if not (isinstance(entry, tuple) and len(entry) == 2 and entry[0].dim() == 4):
+            if not (isinstance(entry, tuple) and len(entry) in (2, 4) and entry[0].dim() == 4):
                 continue  # a recurrent layer's state pools
             key = (tuple(entry[0].shape[1:]), entry[0].dtype)
-            if key not in seen:
+            if key not in seen:  # an FP8 cache: the dequantising variants, queries in the model's dtype
                 seen.add(key)
-                runs += warm_paged_attention(entry[0], entry[1], heads, features)
+                runs += warm_paged_attention(entry[0], entry[1], heads, features, *entry[2:], q_dtype=self.dtype)
         return runs
 
     def attention_features(self) -> tuple:

@@ -75,3 +75,10 @@ class DecodeLaunch:
     device_tokens: torch.Tensor | None  # [k, >= n] on the device: a later group's input ids come from its last step
     host: tuple  # (tokens int64, logprobs) [k, >= n] on the host: pinned copies in flight, or the results
     event: object = None  # a CUDA event after the copies to ``host``; None when ``host`` is ready
+
+
+def unused_filters(top_k: list[int], top_p: list[float]) -> tuple[bool, bool]:
+    """Whether no row uses top-k (every k <= 0) and whether none uses top-p (every p >= 1), read from the host lists:
+    the sampler is then given None for that filter and skips its threshold (on the native path a sort of every row),
+    drawing the same tokens."""
+    return all(k <= 0 for k in top_k), all(p >= 1.0 for p in top_p)

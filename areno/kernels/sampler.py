@@ -278,10 +278,10 @@ def _triton_sample(logits, temperature, top_k, top_p, log_min_p, seeds, offsets)
 
 
 def _mulhilo(a, mult):
-    """(hi, lo) 32-bit halves of a * mult for uint32 values held in int64 (split in 16 bits: no overflow)."""
-    p_hi = (a >> 16) * mult
-    p_lo = (a & 0xFFFF) * mult
-    return (p_hi + (p_lo >> 16)) >> 16, (((p_hi & 0xFFFF) << 16) + p_lo) & _M32
+    """(hi, lo) 32-bit halves of a * mult for uint32 values held in int64: the 64-bit product wraps in int64 (two's
+    complement, as torch's integer arithmetic does), which keeps all 64 bits; the shift's sign bits are masked off."""
+    p = a * mult
+    return (p >> 32) & _M32, p & _M32
 
 
 def philox_bits(seeds, offsets, vocab):

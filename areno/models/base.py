@@ -23,7 +23,7 @@ from areno.config.constants import ATTN_BACKENDS
 from areno.kernels.activation import silu_and_mul
 from areno.kernels.attention import attention
 from areno.kernels.attention.norm_rope import qk_norm_rope
-from areno.kernels.attention.paged import paged_attention, store_kvcache
+from areno.kernels.attention.paged import paged_attention, paged_kv, store_kvcache
 from areno.kernels.attention.prologue import qkv_prologue
 from areno.kernels.logprobs.forward import linear_logprobs
 from areno.kernels.rope import apply_rope, rope_cos_sin
@@ -73,14 +73,20 @@ class Attention(nn.Module):
         t, d = qkv.shape[0], self.head_dim
         qn, kn = self.qk_norm_weights(qkv.dtype)
         eps = 1e-6 if self.q_norm is None else self.q_norm.eps
-        if kv_cache is not None and self.fused_prologue and not torch.is_grad_enabled():
+        fp8 = kv_cache is not None and len(kv_cache) == 4  # --kv-cache-dtype fp8: (k, v, k_scale, v_scale)
+        if kv_cache is not None and self.fused_prologue and not torch.is_grad_enabled() and not fp8:
             # inference: q/k norm, RoPE and the cache write in one launch (local head counts under TP)
             q, k, v = qkv_prologue(
                 qkv, positions, *rope, self.num_heads, self.num_kv_heads, d, qn, kn, eps, *kv_cache, meta.slot_mapping
             )
-        elif kv_cache is None and self.fused_prologue and torch.is_grad_enabled():
-            # training: q/k norm and RoPE in one launch, their backward (and the split's) in one more
+        elif self.fused_prologue and (fp8 and not torch.is_grad_enabled() or kv_cache is None and
+                                      torch.is_grad_enabled()):
+            # training: q/k norm and RoPE in one launch, their backward (and the split's) in one more; an FP8 cache:
+            # that launch, then store_kvcache quantising on write (two launches instead of qkv_prologue's one)
             q, k, v = qk_norm_rope(qkv, positions, *rope, self.num_heads, self.num_kv_heads, d, qn, kn, eps)
+            if fp8:
+                k_cache, v_cache, scales = paged_kv(kv_cache)
+                store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         else:
             q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -89,7 +95,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, positions, *rope), apply_rope(k, positions, *rope)
             if kv_cache is not None:
-                store_kvcache(k, v, *kv_cache, meta.slot_mapping)
+                k_cache, v_cache, scales = paged_kv(kv_cache)
+                store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         return q, k, v
 
     def attend(self, q, k, v, meta: AttentionMetadata, kv_cache=None, **extra):
@@ -100,14 +107,14 @@ class Attention(nn.Module):
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
                 causal=True, softmax_scale=self.scale, backend=self.backend, window=self.window, **extra,
             )  # fmt: skip
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, scales = paged_kv(kv_cache)  # an FP8 cache: the kernel dequantises with its scales
         if not meta.is_prefill:
             return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                                   window=self.window, **extra)
-        if meta.has_prefix:
+                                   window=self.window, **scales, **extra)
+        if meta.has_prefix:  # the cached prefix (and this chunk, just written) read back from the cache
             return paged_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, window=self.window, **extra,
+                cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q, window=self.window, **scales, **extra,
             )  # fmt: skip
         return attention(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,

@@ -213,14 +213,22 @@ class Gemma4ForCausalLM(CausalLM):
     def kv_head_dim(self) -> int:
         return self.kv_width
 
+    @property
+    def kv_scale_heads(self) -> int:
+        """An FP8 cache's scales per token and tensor (--kv-cache-dtype fp8): the most local KV heads of a layer."""
+        return max(self.layers[i].self_attn.num_kv_heads for i in self.kv_cache_layers)
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple:
         return (num_blocks, block_size, self.kv_width)
 
     def layer_cache(self, kv_caches, i: int):
-        """Layer i's ``(k_cache, v_cache)`` ``[blocks, block_size, Hkv_i, D_i]``: its K/V source's flat rows."""
+        """Layer i's ``(k_cache, v_cache)`` ``[blocks, block_size, Hkv_i, D_i]``: its K/V source's flat rows (an FP8
+        cache: then its ``(k_scale, v_scale)`` ``[blocks, block_size, Hkv_i]``, the first heads of the scale rows)."""
         attn = self.layers[i].self_attn
         hkv, d = attn.num_kv_heads, attn.head_dim
-        return tuple(c[..., : hkv * d].unflatten(-1, (hkv, d)) for c in kv_caches[self.config.kv_source[i]])
+        entry = kv_caches[self.config.kv_source[i]]
+        return tuple(c[..., : hkv * d].unflatten(-1, (hkv, d)) for c in entry[:2]) + tuple(s[..., :hkv]
+                                                                                         for s in entry[2:])
 
     def init_buffers(self, device=None) -> None:
         cfg = self.config

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from areno.kernels.activation import gelu_tanh_and_mul
 from areno.kernels.attention import attention
-from areno.kernels.attention.paged import paged_attention, store_kvcache
+from areno.kernels.attention.paged import paged_attention, paged_kv, store_kvcache
 from areno.kernels.moe.fused import fused_moe
 from areno.kernels.norm import rms_norm
 from areno.kernels.rope import apply_rope
@@ -70,11 +70,13 @@ class Gemma4Attention(nn.Module):
             k, v = (kv, kv) if self.k_eq_v else kv.chunk(2, dim=1)
             v = rms_norm(v, self.v_scale, self.eps)
             k = apply_rope(self.k_norm(k), positions, *rope)
-            if kv_cache is not None:
-                store_kvcache(k, v, *kv_cache, meta.slot_mapping)
+            if kv_cache is not None:  # an FP8 cache (paged_kv): quantised on write, dequantised by the kernel
+                k_cache, v_cache, scales = paged_kv(kv_cache)
+                store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         if kv_cache is not None and (not meta.is_prefill or meta.has_prefix):
+            k_cache, v_cache, scales = paged_kv(kv_cache)
             o = paged_attention(
-                q, *kv_cache, meta.block_table, meta.seq_lens, softmax_scale=1.0, window=self.window,
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=1.0, window=self.window, **scales,
                 **({"cu_seqlens_q": meta.cu_seqlens_q, "max_seqlen_q": meta.max_seqlen_q} if meta.is_prefill else {}),
             )  # fmt: skip
         else:

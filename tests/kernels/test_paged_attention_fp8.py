@@ -1,7 +1,8 @@
 """The FP8 paged KV cache at the kernel level (kernels/attention/paged.py with k_scale/v_scale): the quantising cache
 write (Triton, interpreted, byte for byte the native one; the round trip within E4M3's bound of the float64 values)
 and paged attention reading FP8 K/V (Triton and native against the float64 oracle on the dequantised cache, and
-near the unquantised cache's answer). Not wired to an engine flag yet."""
+near the unquantised cache's answer), with scales that are a head-prefix view of wider rows (Gemma 4's layers) too.
+The engine's --kv-cache-dtype fp8: tests/engine/test_kv_cache_fp8.py."""
 
 from __future__ import annotations
 
@@ -112,10 +113,37 @@ def test_fp8_cache_arguments_are_checked():
     table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="k_scale and v_scale go together"):
         paged_attention(q, kc, vc, table, lens, k_scale=ks)
-    with pytest.raises(ValueError, match="float8_e4m3fn with contiguous fp32 scales"):
+    with pytest.raises(ValueError, match="float8_e4m3fn with fp32 scales"):
         store_kvcache(q, q, kc.float(), vc.float(), torch.zeros(1, dtype=torch.int32), ks, vs)
     with pytest.raises(ValueError, match="share a dtype"):
         paged_attention(q, kc, vc, table, lens)  # an FP8 cache without its scales
+
+
+def test_strided_scales_a_head_prefix_of_wider_rows(monkeypatch):
+    """Scales viewed as the first HKV heads of [blocks, PAGE, HKV + 3] rows (and the cache as the first HKV * D of
+    wider flat rows, as Gemma 4's layers view theirs): Triton's write and attention equal the native path's on
+    contiguous tensors, and nothing past the prefix is touched."""
+    g = torch.Generator().manual_seed(1)
+    lens, n = [7, 21], 4
+    slots = torch.cat([torch.arange(7), 32 + torch.arange(21)]).to(torch.int32)
+    table, seq_lens = torch.tensor([[0, 3], [2, 3]], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    k, v = torch.randn(28, HKV, D, generator=g), torch.randn(28, HKV, D, generator=g)
+    q = torch.randn(2, HKV * 2, D, generator=g)
+    monkeypatch.setenv("ARENO_KERNELS", "native")
+    (kc, vc), (ks, vs) = fp8_cache(n)
+    store_kvcache(k, v, kc, vc, slots, ks, vs)
+    want = paged_attention(q, kc, vc, table, seq_lens, k_scale=ks, v_scale=vs)
+    monkeypatch.setenv("ARENO_KERNELS", "triton")
+    wide = [torch.zeros(n, PAGE, (HKV + 1) * D, dtype=FP8) for _ in range(2)]
+    wide_s = torch.zeros(2, n, PAGE, HKV + 3)
+    wide_s[..., HKV:] = 7.0  # the other heads' scales: left alone
+    wk, wv = (w[..., : HKV * D].unflatten(-1, (HKV, D)) for w in wide)
+    sk, sv = wide_s[0, ..., :HKV], wide_s[1, ..., :HKV]
+    store_kvcache(k, v, wk, wv, slots, sk, sv)
+    assert torch.equal(wk.view(torch.uint8), kc.view(torch.uint8)) and torch.equal(sk, ks) and torch.equal(sv, vs)
+    assert (wide_s[..., HKV:] == 7.0).all() and (wide[0][..., HKV * D :].view(torch.uint8) == 0).all()
+    got = paged_attention(q, wk, wv, table, seq_lens, k_scale=sk, v_scale=sv)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
 @pytest.mark.gpu

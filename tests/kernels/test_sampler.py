@@ -196,6 +196,24 @@ def test_native_and_triton_draw_the_same_tokens(monkeypatch):
     torch.testing.assert_close(out["native"][1], out["triton"][1], rtol=0, atol=1e-5)
 
 
+def test_filters_no_row_uses_draw_what_no_filters_draw(monkeypatch):
+    """top_k 0 or V, top_p 1 and min_p 0 in every row draw the tokens of no filters at all (what the engine passes
+    when no row uses one: ``unused_filters``), on both paths."""
+    B, V = 48, 333
+    logits = torch.randn(B, V) * 2
+    temp = torch.where(torch.rand(B) < 0.2, 0.0, torch.rand(B) + 0.2)
+    seeds, offsets = _seeds(B)
+    off = dict(top_k=torch.where(torch.rand(B) < 0.5, 0, V), top_p=torch.ones(B), min_p=torch.zeros(B))
+    out = {}
+    for mode in ("native", "triton"):
+        monkeypatch.setenv("ARENO_KERNELS", mode)
+        out[mode] = sample(logits, temperature=temp, seeds=seeds, offsets=offsets, **off)
+    monkeypatch.setenv("ARENO_KERNELS", "native")
+    plain = sample(logits, temperature=temp, seeds=seeds, offsets=offsets)
+    assert torch.equal(out["native"][0], plain[0]) and torch.equal(out["native"][0], out["triton"][0])
+    torch.testing.assert_close(out["native"][1], plain[1], rtol=0, atol=0)
+
+
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="logits"):
         sample(temperature=1.0, seeds=0, offsets=0)

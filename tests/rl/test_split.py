@@ -23,6 +23,16 @@ from areno.testing import make_tiny_checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 
 
+KILLING_REWARD = """import os, signal
+calls = [0]
+def reward_fn(record):
+    calls[0] += 1
+    if os.environ.get("KILL_AT_CALL") and calls[0] == int(os.environ["KILL_AT_CALL"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return float(len(record.completion) % 3 == 0) + 0.1 * record.completion.count('1')
+"""
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("split")
@@ -35,8 +45,7 @@ def files(tmp_path_factory):
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     reward = root / "reward.py"
-    reward.write_text("def reward_fn(record):\n"
-                      "    return float(len(record.completion) % 3 == 0) + 0.1 * record.completion.count('1')\n")
+    reward.write_text(KILLING_REWARD)  # without KILL_AT_CALL: length % 3 == 0, plus 0.1 per "1"
     return ckpt, data, reward
 
 
@@ -82,6 +91,36 @@ def colocated(files, tmp_path_factory):
     return out
 
 
+# Runs that several tests assert different things on (each saves every step, so a resume test can use it as its
+# uninterrupted run): on-policy split 1+1, async split (staleness 1) and on-policy LoRA split, each on 1+1 slots.
+ON_POLICY = ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "0", "--save-interval", "1",
+             "--policy-sync-bucket-mb", "0.05"]
+ASYNC = ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--save-interval", "1"]
+LORA = ["--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj,down_proj", "--lr", "5e-2"]
+LORA_SPLIT = [*LORA, "--train-devices", "0", "--rollout-devices", "1", "--save-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def on_policy_split(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("on-policy") / "split"
+    areno(files, out, *ON_POLICY, ARENO_VERIFY_POLICY_SYNC="1")
+    return out
+
+
+@pytest.fixture(scope="module")
+def async_split(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("async") / "async"
+    areno(files, out, *ASYNC, steps=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_split(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora") / "split"
+    areno(files, out, *LORA_SPLIT, ARENO_VERIFY_POLICY_SYNC="1")
+    return out
+
+
 def needs_gpus(n: int):
     """On a CUDA host the indices are GPUs: skip where there are too few (the CPU runs every topology on gloo)."""
     return pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < n,
@@ -92,15 +131,18 @@ pytestmark = needs_gpus(2)
 
 
 @pytest.mark.parametrize("topology", [
-    ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "0"],
+    None,  # 1+1: the module's on-policy split run
     pytest.param(["--train-devices", "0,1", "--tp-size", "2", "--rollout-devices", "2,3", "--rollout-tp-size", "1"],
                  marks=needs_gpus(4)),
     pytest.param(["--train-devices", "0", "--rollout-devices", "1..2", "--rollout-tp-size", "2"], marks=needs_gpus(3)),
 ], ids=["1+1", "tp2+2x1", "1+tp2"])
 def test_on_policy_split_equals_colocated_and_engines_hold_the_trainers_weights(files, colocated, tmp_path,
-                                                                                 topology):
-    out = tmp_path / "split"
-    areno(files, out, *topology, "--policy-sync-bucket-mb", "0.05", ARENO_VERIFY_POLICY_SYNC="1")
+                                                                                 topology, request):
+    if topology is None:
+        out = request.getfixturevalue("on_policy_split")
+    else:
+        out = tmp_path / "split"
+        areno(files, out, *topology, "--policy-sync-bucket-mb", "0.05", ARENO_VERIFY_POLICY_SYNC="1")
     same_run(colocated, out, steps=3)
     ms = metrics(out)
     assert all(m["staleness_max"] == 0 for m in ms)
@@ -110,10 +152,8 @@ def test_on_policy_split_equals_colocated_and_engines_hold_the_trainers_weights(
     assert [m["policy_version"] for m in ms] == [0, 1, 2]
 
 
-def test_async_split_keeps_staleness_at_one(files, tmp_path):
-    out = tmp_path / "async"
-    areno(files, out, "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", steps=4)
-    ms = metrics(out)
+def test_async_split_keeps_staleness_at_one(async_split):
+    ms = metrics(async_split)
     assert [m["staleness_max"] for m in ms] == [0, 1, 1, 1]
     assert [m["policy_version"] for m in ms] == [0, 0, 1, 2]
     assert all(m["loss"] is not None for m in ms)
@@ -275,12 +315,10 @@ def test_agentic_rollout_in_split_mode(files, tmp_path, topology):
     assert [m.get("policy_sync_verified") for m in ms] == [None, 1.0, 1.0]
 
 
-def test_resume_in_split_mode_continues_exactly(files, tmp_path):
-    split = ["--train-devices", "0", "--rollout-devices", "1", "--save-interval", "1"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    areno(files, full, *split, steps=3)
-    areno(files, part, *split, steps=2)
-    areno(files, part, *split, "--resume", steps=3)  # the engines start from --ckpt: the resumed policy is synced
+def test_resume_in_split_mode_continues_exactly(files, on_policy_split, tmp_path):
+    full, part = on_policy_split, tmp_path / "part"
+    areno(files, part, *ON_POLICY, steps=2)
+    areno(files, part, *ON_POLICY, "--resume", steps=3)  # the engines start from --ckpt: the resumed policy is synced
     a, b = metrics(full), metrics(part)
     assert [m["step"] for m in b] == [1, 2, 3]
     assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=1e-6) and b[2]["reward_mean"] == a[2]["reward_mean"]
@@ -290,31 +328,16 @@ def test_resume_in_split_mode_continues_exactly(files, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-KILLING_REWARD = """import os, signal
-calls = [0]
-def reward_fn(record):
-    calls[0] += 1
-    if os.environ.get("KILL_AT_CALL") and calls[0] == int(os.environ["KILL_AT_CALL"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return float(len(record.completion) % 3 == 0) + 0.1 * record.completion.count('1')
-"""
-
-
 @pytest.mark.slow  # three split runs
-def test_async_split_resume_repeats_the_uninterrupted_run(files, tmp_path):
+def test_async_split_resume_repeats_the_uninterrupted_run(files, async_split, tmp_path):
     """--max-staleness 1: the checkpoint holds the rollout in flight (sampled with the previous policy), so the step
     after a resume trains on the very samples the uninterrupted run did, not on new ones from the newer policy."""
-    reward = tmp_path / "reward.py"
-    reward.write_text(KILLING_REWARD)
-    files = (files[0], files[1], reward)
-    split = ["--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--save-interval", "1"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    areno(files, full, *split, steps=4)
-    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, part, *split, steps=4)],
+    full, part = async_split, tmp_path / "part"
+    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, part, *ASYNC, steps=4)],
                           env=env(KILL_AT_CALL=str(2 * 8 + 1)), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode != 0  # killed while scoring step 3, after step-2's save
     assert sorted(p.name for p in part.glob("step-*")) == ["step-1", "step-2"]
-    areno(files, part, *split, "--resume", steps=4)
+    areno(files, part, *ASYNC, "--resume", steps=4)
     a, b = metrics(full), metrics(part)
     assert [m["step"] for m in b] == [m["step"] for m in a] == [1, 2, 3, 4]
     for key in ("loss", "reward_mean", "reward_std", "grad_norm", "policy_version", "staleness_max"):
@@ -362,15 +385,13 @@ def _adapter_bytes(folder) -> int:
     return sum(t.numel() * t.element_size() for t in load_file(str(folder / "adapter_model.safetensors")).values())
 
 
-def test_lora_split_streams_only_the_adapter_and_equals_the_colocated_lora_run(files, tmp_path):
+def test_lora_split_streams_only_the_adapter_and_equals_the_colocated_lora_run(files, lora_split, tmp_path):
     """A LoRA run in split mode: the rollout rank holds the same base with the same adapter structure, each sync
     streams the adapter's tensors alone (its bytes exactly), the engine's copy equals the trainer's after every sync
     (verified), the rollout log-probs equal the trainer's adapted model's, and the whole run (sampled tokens through
     rewards, losses, the saved adapter) equals the colocated LoRA run's."""
-    lora = ["--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj,down_proj", "--lr", "5e-2"]
-    colo, split = tmp_path / "colo", tmp_path / "split"
-    areno(files, colo, *lora)
-    areno(files, split, *lora, "--train-devices", "0", "--rollout-devices", "1", ARENO_VERIFY_POLICY_SYNC="1")
+    colo, split = tmp_path / "colo", lora_split
+    areno(files, colo, *LORA)
     ms = metrics(split)
     adapter = _adapter_bytes(split / "step-3")
     assert not (split / "step-3" / "model.safetensors").exists()
@@ -434,14 +455,12 @@ def test_lora_split_streams_the_warm_up_s_base_once(files, tmp_path):
 
 
 @pytest.mark.slow  # three split runs
-def test_lora_split_resume_continues_exactly(files, tmp_path):
+def test_lora_split_resume_continues_exactly(files, lora_split, tmp_path):
     """After a resume the engines hold --ckpt's base and a zero adapter: the first sync streams base and adapter (the
     resumed one), and step 3 repeats the uninterrupted run's."""
-    split = ["--lora-rank", "4", "--train-devices", "0", "--rollout-devices", "1", "--save-interval", "1"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    areno(files, full, *split, steps=3)
-    areno(files, part, *split, steps=2)
-    areno(files, part, *split, "--resume", steps=3)
+    full, part = lora_split, tmp_path / "part"
+    areno(files, part, *LORA_SPLIT, steps=2)
+    areno(files, part, *LORA_SPLIT, "--resume", steps=3)
     a, b = metrics(full), metrics(part)
     assert [m["step"] for m in b] == [1, 2, 3]
     assert b[2]["loss"] == pytest.approx(a[2]["loss"], abs=1e-6) and b[2]["reward_mean"] == a[2]["reward_mean"]

@@ -16,7 +16,8 @@ Decode bytes (the bound): sum_b seq_lens[b] * Hkv * D * 2 (K and V) * element si
 O(W) keys. ``sinks [Hq]`` (as ``attention``): added to each row's softmax denominator at the end of the kernel, or
 once in the split-K combine.
 
-FP8 cache (``k_scale``/``v_scale`` given; not wired to an engine flag yet): the caches hold float8_e4m3fn and each
+FP8 cache (``k_scale``/``v_scale`` given; the engine's ``--kv-cache-dtype fp8``, whose cache entries are
+``(k_cache, v_cache, k_scale, v_scale)``: ``paged_kv`` splits one): the caches hold float8_e4m3fn and each
 token's head vector has its own fp32 scale, ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``; ``store_kvcache``
 quantises on write (``s = max(amax over D, EPS) / 448``, E4M3 round to nearest even, kernels/fp8.py's rounding) and
 the attention kernel dequantises each K/V tile on load (``x' = q s``, in q's dtype): half a bf16 cache's bytes (plus
@@ -47,7 +48,7 @@ MAX_SPLITS = 32
 def _paged_attn_kernel(
     Q, K_CACHE, V_CACHE, K_SCALE, V_SCALE, BLOCK_TABLE, SEQ_LENS, CU_Q, O, PART_O, PART_LSE, SINKS, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    stride_ot, stride_oh, GROUP, WINDOW,
+    stride_ot, stride_oh, stride_sb, stride_ss, GROUP, WINDOW,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CU: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -103,8 +104,8 @@ def _paged_attn_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(K_CACHE + page[:, None] * stride_kb + within[:, None] * stride_ks + hk * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        if HAS_SCALE:  # FP8 cache: one scale per (slot, KV head), scales [num_blocks, PAGE_SIZE, Hkv] contiguous
-            scale_at = (page * PAGE_SIZE + within) * (tl.num_programs(1) // NUM_SPLITS) + hk
+        if HAS_SCALE:  # FP8 cache: one scale per (slot, KV head), scales [num_blocks, PAGE_SIZE, Hkv], unit head stride
+            scale_at = page * stride_sb + within * stride_ss + hk
             k = (k.to(tl.float32) * tl.load(K_SCALE + scale_at, mask=col_ok, other=0.0)[:, None]).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         keep = col_ok[None, :] & (cols[None, :] <= t[:, None] + diag)
@@ -181,7 +182,8 @@ def _quantize_heads(x, scale_ptrs, h_ok, EPS: tl.constexpr, FP8_MAX: tl.constexp
 
 @triton.jit
 def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, K_SCALE, V_SCALE, SLOTS, stride_kt, stride_kh, stride_vt,
-                          stride_vh, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, HKV,
+                          stride_vh, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_sb,
+                          stride_ss, HKV,
                           D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                           QUANT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -196,8 +198,9 @@ def _store_kvcache_kernel(K, V, K_CACHE, V_CACHE, K_SCALE, V_SCALE, SLOTS, strid
     k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask, other=0.0)
     v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
     if QUANT:
-        k = _quantize_heads(k, K_SCALE + slot * HKV + offs_h, offs_h < HKV, EPS, FP8_MAX)
-        v = _quantize_heads(v, V_SCALE + slot * HKV + offs_h, offs_h < HKV, EPS, FP8_MAX)
+        at = blk * stride_sb + off * stride_ss + offs_h
+        k = _quantize_heads(k, K_SCALE + at, offs_h < HKV, EPS, FP8_MAX)
+        v = _quantize_heads(v, V_SCALE + at, offs_h < HKV, EPS, FP8_MAX)
     tl.store(K_CACHE + blk * stride_kb + off * stride_ks + offs_h[:, None] * stride_kch + offs_d[None, :],
              k.to(K_CACHE.dtype.element_ty), mask=mask)
     tl.store(V_CACHE + blk * stride_vb + off * stride_vs + offs_h[:, None] * stride_vch + offs_d[None, :],
@@ -258,7 +261,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
         seq_lens, cu_q if multi else seq_lens, out, part_o, part_lse, sink_ptr,
         scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
-        group, window or 0, D=D, BLOCK_D=block_d, PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
+        *((0, 0) if k_scale is None else k_scale.stride()[:2]), group, window or 0, D=D, BLOCK_D=block_d,
+        PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_SCALE=k_scale is not None, num_warps=warps,
         num_stages=stages,
@@ -363,16 +367,28 @@ def store_kvcache_native(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_s
 # Public entry points
 
 
+def paged_kv(kv_cache) -> tuple:
+    """An engine cache entry, ``(k_cache, v_cache)`` or FP8's ``(k_cache, v_cache, k_scale, v_scale)``, as
+    ``(k_cache, v_cache, scales)``: ``scales`` the keyword arguments ``store_kvcache``/``paged_attention`` take."""
+    if len(kv_cache) == 2:
+        return kv_cache[0], kv_cache[1], {}
+    k_cache, v_cache, k_scale, v_scale = kv_cache
+    return k_cache, v_cache, {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def check_fp8_cache(k_cache, v_cache, k_scale, v_scale, what: str) -> None:
-    """Scales given together, with float8_e4m3fn caches, as fp32 contiguous ``[num_blocks, block_size, Hkv]``."""
+    """Scales given together, with float8_e4m3fn caches, as fp32 ``[num_blocks, block_size, Hkv]`` with a unit head
+    stride and the same strides for K and V (a prefix of wider rows' heads may be a view: Gemma 4's per-layer Hkv)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError(f"{what}: k_scale and v_scale go together (an FP8 cache has both)")
     if k_scale is None:
         return
     for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)):
-        if cache.dtype != FP8 or sc.dtype != torch.float32 or sc.shape != cache.shape[:3] or not sc.is_contiguous():
-            raise ValueError(f"{what}: an FP8 cache is float8_e4m3fn with contiguous fp32 scales [num_blocks, "
-                             f"block_size, Hkv], got {cache.dtype} {tuple(cache.shape)}, {sc.dtype} {tuple(sc.shape)}")
+        if (cache.dtype != FP8 or sc.dtype != torch.float32 or sc.shape != cache.shape[:3] or sc.stride(-1) != 1
+                or sc.stride() != k_scale.stride()):
+            raise ValueError(f"{what}: an FP8 cache is float8_e4m3fn with fp32 scales [num_blocks, block_size, Hkv] "
+                             f"(unit head stride, K's strides = V's), got {cache.dtype} {tuple(cache.shape)}, "
+                             f"{sc.dtype} {tuple(sc.shape)} strides {sc.stride()}")
 
 
 def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q, fp8=False):
@@ -424,13 +440,17 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
                                    v_scale=v_scale)
 
 
-def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),)) -> int:
+def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),), k_scale=None, v_scale=None,
+                         q_dtype=None) -> int:
     """Compile every kernel variant ``paged_attention`` can pick for this cache and query head count (each split-K
     factor, one query per sequence and several), so that no serving step stalls on a JIT compile (hundreds of ms
     each). ``features``: the (sliding window?, sinks dtype or None) pairs the model's layers call with (each is its
-    own variant; default: full attention without sinks). Reads block 0 of the caches, writes nothing to them;
-    returns how many variants ran (0 off the GPU)."""
-    if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=k_cache.dtype in _FLOATS)):
+    own variant; default: full attention without sinks). An FP8 cache: its scales and the queries' ``q_dtype`` (the
+    model's), for the dequantising variants. Reads block 0 of the caches, writes nothing to them; returns how many
+    variants ran (0 off the GPU)."""
+    check_fp8_cache(k_cache, v_cache, k_scale, v_scale, "warm_paged_attention")
+    q_dtype = q_dtype or k_cache.dtype
+    if not (k_cache.is_cuda and use_triton(k_cache, v_cache, supported=q_dtype in _FLOATS)):
         return 0
     _, page_size, hkv, d = k_cache.shape
     if num_q_heads < hkv or num_q_heads % hkv or d > MAX_HEAD_DIM:
@@ -445,9 +465,10 @@ def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, N
         splits = 1
         while splits <= MAX_SPLITS:
             for multi in (False, True):
-                q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=k_cache.dtype, device=dev)
+                q = torch.zeros((2 if multi else 1, num_q_heads, d), dtype=q_dtype, device=dev)
                 paged_attention_triton(q, k_cache, v_cache, table, seq_lens, 1.0, cu if multi else None, q.shape[0],
-                                        splits, window=1 if windowed else None, sinks=sinks)
+                                        splits, window=1 if windowed else None, sinks=sinks,
+                                        k_scale=k_scale, v_scale=v_scale)
                 runs += 1
             splits *= 2
     return runs
@@ -477,6 +498,7 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=No
         k, v, k_cache, v_cache, k_scale if quant else k, v_scale if quant else v, slot_mapping, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), Hkv, D=D, PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hkv),
+        v_cache.stride(2), *((0, 0) if not quant else k_scale.stride()[:2]), Hkv, D=D, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(Hkv),
         BLOCK_D=triton.next_power_of_2(D), QUANT=quant, EPS=EPS, FP8_MAX=FP8_MAX,
     )  # fmt: skip

@@ -410,28 +410,37 @@ def generate_share(engine, cmd: dict, index: int) -> list:
     return out
 
 
+def rollout_policy(cfg, layout, device, dtype):
+    """The rollout rank's frozen policy: the checkpoint (sharded over the engine's TP group), the run's LoRA adapter
+    (zero B, or --lora-path's; each sync fills it), FP8 copies under --rollout-dtype fp8 (each sync streams them)."""
+    from areno.models import load_model
+    from areno.training import lora
+
+    model = load_model(cfg.ckpt, dtype=dtype, device=device, tp_group=layout.engine_group,
+                       attn_backend=cfg.attn_backend)
+    lora.apply(cfg, model)
+    if cfg.rollout_dtype == "fp8":
+        fp8_rollout.enable(model)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def serve(cfg) -> int:
     """A rollout rank's whole life: join the split world, load the policy, build the engine, run commands."""
     from areno.distributed import parallel
     from areno.engine.engine import Engine
-    from areno.models import load_model, load_tokenizer
+    from areno.models import load_tokenizer
     from areno.rl.rollout.colocated import engine_config
     from areno.rl.routing_replay import routing_replay_enabled
-    from areno.training import lora
 
     rank = parallel.env_rank()
     device = parallel.rank_device(cfg.rollout_devices, rank - cfg.world_size, "--rollout-devices")
     layout = parallel.init_split(cfg.world_size, cfg.tp_size, cfg.rollout_tp, device=device)
     watchdog = watch_ranks(cfg)  # a silent train rank 0 ends the run after ARENO_RANK_TIMEOUT_S
     torch_device, dtype = device_and_dtype(cfg.dtype, torch.device("cuda", device) if device is not None else "cpu")
-    model = load_model(cfg.ckpt, dtype=dtype, device=torch_device, tp_group=layout.engine_group,
-                       attn_backend=cfg.attn_backend)
-    lora.apply(cfg, model)  # a LoRA run: the trainer's adapter (zero B, or --lora-path's), filled by each sync
-    if cfg.rollout_dtype == "fp8":
-        fp8_rollout.enable(model)  # every forward FP8; each sync streams the copies
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = rollout_policy(cfg, layout, torch_device, dtype)
     tokenizer = load_tokenizer(cfg.ckpt)
     econf, eos = engine_config(cfg, model, tokenizer, record_routing=routing_replay_enabled(cfg, model))
     engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
