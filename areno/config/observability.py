@@ -90,6 +90,10 @@ class ObservabilitySection:
             return
         if not self.reward_fn_path:
             raise ConfigError("--eval-dataset-path", "needs --reward-fn-path (it scores the samples)")
-        if self.rollout_devices is not None:
-            raise ConfigError("--eval-dataset-path", "is not built for split mode yet (the rollout ranks draw their "
-                              "seeds from the training stream); evaluate the saved checkpoints with `areno eval`")
+        if self.rollout_devices is not None and self.partial_rollout:
+            raise ConfigError("--eval-dataset-path", "is not built with --partial-rollout yet (an evaluation on the "
+                              "rollout ranks would decode the sequences kept in flight there); evaluate the saved "
+                              "checkpoints with `areno eval`")
+        if self.rollout_devices is not None and self.agent_fn:
+            raise ConfigError("--eval-dataset-path", "is not built for agentic rollout in split mode yet (--agent-fn "
+                              "with --rollout-devices); evaluate the saved checkpoints with `areno eval`")

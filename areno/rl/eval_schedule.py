@@ -3,7 +3,10 @@
 ``_lo`` / ``_hi`` interval bounds) to metrics.jsonl, TensorBoard and the reward-curve picture.
 
 Every prompt is sampled with its own seed (``evaluate.eval_seed`` of --seed, the set's name and the prompt's index),
-so evaluation never draws from the engine's seed stream: a run with evaluation trains exactly as one without.
+so evaluation never draws from the engine's seed stream: a run with evaluation trains exactly as one without. In
+split mode the rollout ranks sample the sets (``RemoteRollout.generate``: this step's weights synced first, the
+batches already in flight left as they are) and rank 0 scores them; with --max-staleness K > 0 the policy version
+the sets were sampled with is logged too, as ``eval/<name>/policy_version``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from areno.rl.eval_sets import PromptOptions, load_eval_set, tokenize_set
 from areno.rl.evaluate import sample_set
 
 TABLE_ROWS = 256  # samples per set and evaluation in a W&B table
+VERSION = "policy_version"  # eval/<name>/policy_version: the policy an async split run's evaluation sampled with
 
 
 def eval_line(step: int, metrics: dict) -> str:
@@ -22,6 +26,7 @@ def eval_line(step: int, metrics: dict) -> str:
     for key, value in metrics.items():
         _, name, metric = key.split("/", 2)
         sets.setdefault(name, {})[metric] = value
+    versions = {m.pop(VERSION) for m in sets.values() if VERSION in m}
     parts = []
     for name, m in sets.items():
         names = metric_names(m)
@@ -29,7 +34,8 @@ def eval_line(step: int, metrics: dict) -> str:
         shown = [f"{n} {100 * m[n]:.1f}% [{100 * m[n + '_lo']:.1f},{100 * m[n + '_hi']:.1f}]"
                  for n in names if not n.startswith("pass@") or n in top_pass]
         parts.append(f"{name} " + " ".join(shown))
-    return f"eval step {step}: " + "; ".join(parts)
+    policy = f" (policy version {versions.pop()})" if len(versions) == 1 else ""
+    return f"eval step {step}{policy}: " + "; ".join(parts)
 
 
 class SetEvaluator:
@@ -74,6 +80,8 @@ class SetEvaluator:
                                 tokenizer=self.tokenizer, reward_fn=self.reward_fn, extract=self.extract,
                                 params=params, seed=cfg.seed, timeout_s=cfg.reward_timeout_s or None)
             metrics.update({f"eval/{data.name}/{k}": v for k, v in result.metrics.items()})
+            if cfg.split and cfg.max_staleness:  # the engines may lag the trainer between steps: say which policy
+                metrics[f"eval/{data.name}/{VERSION}"] = engine.policy_version
             if main and logger.wandb is not None:
                 logger.wandb.table(f"eval/{data.name}/samples", [{"step": step, **r} for r in
                                                                   result.samples[:TABLE_ROWS]], step)

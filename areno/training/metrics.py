@@ -309,7 +309,7 @@ def eval_series(records: list[dict]) -> dict[str, dict[str, list[tuple]]]:
     sets: dict[str, dict[str, list[tuple]]] = {}
     for r in sorted(records, key=lambda r: r["step"]):
         for k, v in r.items():
-            if not k.startswith("eval/") or k.endswith(("_lo", "_hi")) or v is None:
+            if not k.startswith("eval/") or k.endswith(("_lo", "_hi", "/policy_version")) or v is None:
                 continue
             _, name, metric = k.split("/", 2)
             sets.setdefault(name, {}).setdefault(metric, []).append((r["step"], v, r.get(k + "_lo", v),

@@ -93,7 +93,8 @@ def test_a_run_with_evaluation_trains_exactly_as_one_without(inputs):
     (dict(eval_dataset_path=["add=/no/such.jsonl"]), "--eval-dataset-path"),
     (dict(eval_n_samples=0, eval_dataset_path=["x"]), "--eval-dataset-path"),
     (dict(eval_temperature=-1.0), "--eval-temperature"),
-    (dict(eval_dataset_path=["{add}"], train_devices=[0], rollout_devices=[1]), "--eval-dataset-path"),
+    (dict(eval_dataset_path=["{add}"], train_devices=[0], rollout_devices=[1], partial_rollout=True,
+          max_staleness=1), "--eval-dataset-path"),
 ])
 def test_bad_settings_name_the_flag(inputs, extra, flag):
     root, model = inputs

@@ -26,8 +26,10 @@ class Rollout(Protocol):
         ``keys`` (partial rollout): the prompts' keys ({"batch": [...], "upcoming": [[...], ...]}), and the stats
         then hold ``delivered``, the key of each group returned (cut tails of earlier batches among them)."""
 
-    def generate(self, prompt_ids: list, options) -> list:
-        """Completions per prompt with the current policy (evaluation, the SDK)."""
+    def generate(self, prompt_ids: list, options, *, on_finished: Callable | None = None) -> list:
+        """Completions per prompt with the current policy (evaluation, the SDK); ``options``: one SamplingParams or
+        one per prompt (an evaluation set's, each with its own seed: the training seed stream is not drawn from);
+        ``on_finished(i, completions)``: called once per prompt as its group is done (``Engine.generate``'s)."""
 
     def sync(self) -> dict:
         """Bring the engines up to the trainer's weights (no-op when they share them); stats of the transfer."""

@@ -107,15 +107,32 @@ class RemoteRollout:
         self.synced = None
         self._full_next = True
 
-    def generate(self, prompt_ids, options):
-        """Completions for rank 0's ``prompt_ids`` with the current policy, on every train rank (evaluation)."""
+    def generate(self, prompt_ids, options, *, on_finished=None):
+        """Completions for rank 0's ``prompt_ids`` with the current policy (the sync of this step's weights first),
+        on every train rank (evaluation). ``options``: one SamplingParams, each prompt then seeded from the training
+        stream unless it names a seed; or one per prompt, each with its own seed (an evaluation set: the stream is
+        not drawn from). Seeded options leave the engines as they found them (their prefix cache dropped again), so
+        an evaluation changes no later rollout. ``on_finished(i, completions)``: called for every prompt once the
+        completions are back. ``policy_version`` then names the policy they were sampled with."""
         self.sync()
         results = None
         if self.rank0:
-            self._collect_all()
-            self._dispatch(None, prompt_ids, options)
+            self._collect_all()  # the batches in flight finish first (every command runs in order)
+            if isinstance(options, list) or options.seed is not None:
+                opts = options if isinstance(options, list) else [options] * len(prompt_ids)
+                self._generate([None], [prompt_ids], None, per_prompt=opts)
+            else:
+                self._dispatch(None, prompt_ids, options)
             results = self._collect()
-        return broadcast_object(results, self.layout.train_group)
+        results = broadcast_object(results, self.layout.train_group)
+        for i, group in enumerate(results if on_finished is not None else []):
+            on_finished(i, group)
+        return results
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version the engines hold (the step count at their last sync)."""
+        return self.version
 
     def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None, keys=None):
         """This step's completions (rank 0) and the split-mode stats; ``upcoming`` (async: the batches of the steps
@@ -287,17 +304,19 @@ class RemoteRollout:
         else:
             self._generate([tag], [prompt_ids], options)
 
-    def _generate(self, tags, batches, options) -> None:
+    def _generate(self, tags, batches, options, per_prompt=None) -> None:
         """Rank 0: one ``generate`` command for the steps ``tags``' batches (one engine call each, the batches' shares
-        end to end: a second command in flight would cross its answer's gather on the control group)."""
+        end to end: a second command in flight would cross its answer's gather on the control group). ``per_prompt``
+        (one batch): its prompts' own seeded options, and the engines drop the prefixes it cached."""
         shares, sizes = [([], []) for _ in self.layout.engines], []
         for prompts in batches:
-            opts, ranges = self._seeded(options, len(prompts)), _shares(len(prompts), len(self.layout.engines))
+            opts = per_prompt if per_prompt is not None else self._seeded(options, len(prompts))
+            ranges = _shares(len(prompts), len(self.layout.engines))
             for (ids, o), r in zip(shares, ranges):
                 ids += [prompts[i] for i in r]
                 o += opts[r.start:r.stop]
             sizes.append([len(r) for r in ranges])
-        self._command({"op": "generate", "shares": shares, "drop": self.drop_state})
+        self._command({"op": "generate", "shares": shares, "drop": self.drop_state, "fresh": per_prompt is not None})
         self._pending.append((tags, self.version, sizes))
 
     def _seeded(self, options, n: int) -> list:
@@ -379,6 +398,18 @@ class RemoteRollout:
 
 
 # ---- the rollout ranks -----------------------------------------------------------------------------------------
+def generate_share(engine, cmd: dict, index: int) -> list:
+    """A ``generate`` command on a rollout rank of engine ``index``: that engine's share of the prompts. ``fresh`` (an
+    evaluation): the prefixes it cached are dropped, so the next rollout finds the cache as the sync left it."""
+    prompts, options = cmd["shares"][index]
+    out = engine.generate(prompts, options) if prompts else []
+    if cmd.get("fresh"):
+        engine.reset_prefix_cache()
+    if cmd.get("drop") and engine.runner is not None:
+        engine.drop_rollout_state()
+    return out
+
+
 def rollout_policy(cfg, layout, device, dtype):
     """The rollout rank's frozen policy: the checkpoint (sharded over the engine's TP group), the run's LoRA adapter
     (zero B, or --lora-path's; each sync fills it), FP8 copies under --rollout-dtype fp8 (each sync streams them)."""
@@ -440,10 +471,7 @@ def serve(cfg) -> int:
             dist.gather_object((answer, idle) if leader else None, None, dst=0, group=layout.control)
             idle = 0.0
         elif op == "generate":
-            prompts, options = cmd["shares"][index]
-            out = engine.generate(prompts, options) if prompts else []
-            if cmd.get("drop") and engine.runner is not None:
-                engine.drop_rollout_state()
+            out = generate_share(engine, cmd, index)
             dist.gather_object((out, idle) if leader else None, None, dst=0, group=layout.control)
             idle = 0.0
         elif op == "agent":  # agentic rollout: serve tokens over HTTP until the train side is done
