@@ -1,0 +1,58 @@
+"""Agentic rollout with --max-staleness K > 0 in split mode (issue 42): the batches of agent episodes run ahead on a
+background thread while the trainer steps, every sampled token stamped with the policy version of the engine that
+sampled it (the token service answers with it); what trains stays within K versions; K = 0 stays on-policy. Split
+runs on gloo (CPU), the tiny checkpoint and the three-turn agent of test_split."""
+
+import json
+
+import pytest
+
+from areno.rl.agentic.session import token_versions
+from tests.rl import test_split
+from tests.rl.test_split import AGENT, areno, metrics, needs_gpus
+
+files = test_split.files  # the tiny checkpoint, the sums dataset and the reward (a module fixture)
+SPLIT = ["--train-devices", "0", "--rollout-devices", "1", "--max-context-len", "400"]
+
+
+def test_token_versions_fill_the_added_tokens_from_the_sampled_ones():
+    assert token_versions([None, None]) is None  # colocated: nothing sampled carries a version
+    assert token_versions([3, 3, None, None, 4, None]) == [3, 3, 3, 3, 4, 4]
+    assert token_versions([None, 2, None]) == [2, 2, 2]  # before any sampled token: the first sampled one's
+
+
+def _agent_run(files, tmp_path, k: int, steps: int):
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    out, dump = tmp_path / f"k{k}", tmp_path / f"dump{k}"
+    areno(files, out, "--agent-fn", str(agent), *SPLIT, "--max-staleness", str(k), "--rollout-dump-dir", str(dump),
+          steps=steps)
+    return metrics(out), dump
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@needs_gpus(2)
+def test_agent_batches_run_ahead_within_k_and_tokens_carry_versions(files, tmp_path, k):
+    steps = 4
+    ms, dump = _agent_run(files, tmp_path, k, steps)
+    assert [m["step"] for m in ms] == list(range(1, steps + 1))
+    lag = [min(s, k) for s in range(steps)]  # the first K steps catch up: step s trains a batch sent at max(0, s-K)
+    assert [m["staleness_max"] for m in ms] == [m["policy_version_lag_max"] for m in ms] == lag
+    assert [m["policy_version"] for m in ms] == [s - min(s, k) for s in range(steps)]
+    assert all(m["stale_dropped"] == 0 and m["agent_turns_mean"] == 3 and m["agent_forks"] == 0 for m in ms)
+    for step in range(1, steps + 1):
+        rows = [json.loads(x) for x in (dump / f"step-{step}.jsonl").read_text().splitlines()]
+        assert rows
+        for r in rows:  # one version per response token: the engine's at the step that sent the batch
+            assert r["versions"] == [step - 1 - lag[step - 1]] * len(r["response_ids"])
+            assert r["policy_version"] == step - 1 - lag[step - 1]
+
+
+@needs_gpus(2)
+def test_staleness_0_agent_run_stays_on_policy(files, tmp_path):
+    ms, dump = _agent_run(files, tmp_path, 0, 3)
+    assert [m["staleness_max"] for m in ms] == [m["policy_version_lag_max"] for m in ms] == [0, 0, 0]
+    assert all(m["logprob_diff_max"] < 1e-4 and m["stale_dropped"] == 0 for m in ms)  # the trainer's policy sampled
+    for step in (1, 2, 3):
+        for r in map(json.loads, (dump / f"step-{step}.jsonl").read_text().splitlines()):
+            assert r["versions"] == [step - 1] * len(r["response_ids"])
