@@ -4,6 +4,8 @@ sampled it (the token service answers with it); what trains stays within K versi
 runs on gloo (CPU), the tiny checkpoint and the three-turn agent of test_split."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from safetensors.torch import load_file
 
 from areno.rl.agentic.session import token_versions
 from tests.rl import test_split
-from tests.rl.test_split import AGENT, areno, metrics, needs_gpus
+from tests.rl.test_split import AGENT, ROOT, areno, env, metrics, needs_gpus, train_args
 
 files = test_split.files  # the tiny checkpoint, the sums dataset and the reward (a module fixture)
 SPLIT = ["--train-devices", "0", "--rollout-devices", "1", "--max-context-len", "400"]
@@ -23,22 +25,10 @@ def test_token_versions_fill_the_added_tokens_from_the_sampled_ones():
     assert token_versions([None, 2, None]) == [2, 2, 2]  # before any sampled token: the first sampled one's
 
 
-def _agent_run(files, tmp_path, k: int, steps: int):
-    agent = tmp_path / "agent.py"
-    agent.write_text(AGENT)
-    out, dump = tmp_path / f"k{k}", tmp_path / f"dump{k}"
-    areno(files, out, "--agent-fn", str(agent), *SPLIT, "--max-staleness", str(k), "--rollout-dump-dir", str(dump),
-          steps=steps)
-    return metrics(out), dump
-
-
-@pytest.mark.parametrize("k", [1, 2])
-@needs_gpus(2)
-def test_agent_batches_run_ahead_within_k_and_tokens_carry_versions(files, tmp_path, k):
-    steps = 3
-    ms, dump = _agent_run(files, tmp_path, k, steps)
+def check_ran_ahead(ms, dump, k: int, steps: int):
+    """Step s trained a batch sent at step max(0, s - K): its tokens' versions, the lag and the staleness say so."""
     assert [m["step"] for m in ms] == list(range(1, steps + 1))
-    lag = [min(s, k) for s in range(steps)]  # the first K steps catch up: step s trains a batch sent at max(0, s-K)
+    lag = [min(s, k) for s in range(steps)]
     assert [m["staleness_max"] for m in ms] == [m["policy_version_lag_max"] for m in ms] == lag
     assert [m["policy_version"] for m in ms] == [s - min(s, k) for s in range(steps)]
     assert all(m["stale_dropped"] == 0 and m["agent_turns_mean"] == 3 and m["agent_forks"] == 0 for m in ms)
@@ -48,6 +38,16 @@ def test_agent_batches_run_ahead_within_k_and_tokens_carry_versions(files, tmp_p
         for r in rows:  # one version per response token: the engine's at the step that sent the batch
             assert r["versions"] == [step - 1 - lag[step - 1]] * len(r["response_ids"])
             assert r["policy_version"] == step - 1 - lag[step - 1]
+
+
+@pytest.mark.slow  # one split run (K = 1 runs in the resume test, as its uninterrupted run)
+@needs_gpus(2)
+def test_agent_batches_run_two_steps_ahead_and_tokens_carry_versions(files, tmp_path):
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    out, dump = tmp_path / "k2", tmp_path / "dump"
+    areno(files, out, "--agent-fn", str(agent), *SPLIT, "--max-staleness", "2", "--rollout-dump-dir", str(dump))
+    check_ran_ahead(metrics(out), dump, 2, 3)
 
 
 # the three-turn agent with its samples run one after another (a sample waits for the one before it to end): the
@@ -95,3 +95,43 @@ def test_staleness_0_agent_run_equals_the_colocated_agent_run_bit_for_bit(files,
     for step in (1, 2, 3):
         for r in map(json.loads, (dump / f"step-{step}.jsonl").read_text().splitlines()):
             assert r["versions"] == [step - 1] * len(r["response_ids"])
+
+
+# the three-turn agent, killing the run on the third batch's first sample once the step-2 checkpoint is complete (that
+# batch was sent ahead at step 2: its episodes are in flight while step 2 trains and saves)
+KILLING = AGENT.replace("async def run_agent(ctx, batch):", """import os, signal, time
+from pathlib import Path
+from areno.training.checkpoint import is_complete
+calls = [0]
+
+async def run_agent(ctx, batch):
+    calls[0] += 1
+    if os.environ.get("KILL_AFTER") and calls[0] > 16:
+        while not is_complete(Path(os.environ["KILL_AFTER"])):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)""")
+
+
+@pytest.mark.slow  # three split runs
+@needs_gpus(2)
+def test_agent_batches_run_one_step_ahead_and_a_killed_run_resumes_at_the_batch_sent_ahead(files, tmp_path):
+    """K = 1: each step trains the batch sent one step before (tokens of version step - 1). The checkpoint does not hold
+    the episodes in flight: its data position is the batch sent ahead, which the
+    resumed run samples again with the resumed policy (lag 0), so the run trains the same prompts at every step."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(KILLING)
+    args = ["--agent-fn", str(agent), *SPLIT, "--max-staleness", "1", "--save-interval", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    areno(files, full, *args, "--rollout-dump-dir", str(tmp_path / "dump-full"))
+    check_ran_ahead(metrics(full), tmp_path / "dump-full", 1, 3)  # K = 1: one batch ahead
+    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, part, *args)], cwd=ROOT, timeout=600,
+                          env=env(KILL_AFTER=str(part / "step-2")), capture_output=True, text=True)
+    assert proc.returncode != 0 and (part / "step-2").is_dir() and not (part / "step-3").exists()
+    areno(files, part, *args, "--resume", "--rollout-dump-dir", str(tmp_path / "dump-part"))
+    a, b = metrics(full), metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3] and a[2]["staleness_max"] == 1 and b[2]["staleness_max"] == 0
+    prompts = [sorted({tuple(json.loads(x)["prompt_ids"]) for x in (tmp_path / d / "step-3.jsonl").read_text()
+                       .splitlines()}) for d in ("dump-full", "dump-part")]
+    assert prompts[0] == prompts[1]
+    for r in map(json.loads, (tmp_path / "dump-part" / "step-3.jsonl").read_text().splitlines()):
+        assert r["versions"] == [2] * len(r["response_ids"])
