@@ -52,28 +52,23 @@ def test_agent_batches_run_two_steps_ahead_and_tokens_carry_versions(files, tmp_
 
 # the three-turn agent with its samples run one after another (a sample waits for the one before it to end): the
 # engines draw each request's seed in arrival order, so this order makes a run reproducible to the bit
-SERIAL = """
+SERIAL = AGENT.replace("async def run_agent(", "async def episode(") + """
 import asyncio, threading
 done = [0]
-turn = threading.Condition()
+lock = threading.Lock()
 
 async def run_agent(ctx, batch):
-    for item in batch.iter_samples():
-        me = item.prompt_index * 2 + item.sample_index
-        while True:
-            with turn:
-                if done[0] % 8 == me:
-                    break
-            await asyncio.sleep(0.002)
-        client = ctx.client(item)
-        messages = list(item.messages)
-        for t in range(3):
-            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-            messages.append({"role": "user", "content": f"again {t}"})
-        with turn:
+    item = next(batch.iter_samples())
+    while True:
+        with lock:
+            if done[0] % 8 == item.prompt_index * 2 + item.sample_index:
+                break
+        await asyncio.sleep(0.002)
+    try:
+        return await episode(ctx, batch)
+    finally:
+        with lock:
             done[0] += 1
-        return float(len(messages[-2].get("content") or "") % 2)
 """
 
 
@@ -83,16 +78,17 @@ def test_staleness_0_agent_run_equals_the_colocated_agent_run_bit_for_bit(files,
     agent.write_text(SERIAL)
     common = ["--agent-fn", str(agent), "--max-context-len", "400"]
     colocated, split, dump = tmp_path / "colocated", tmp_path / "split", tmp_path / "dump"
-    areno(files, colocated, *common)
-    areno(files, split, *common, *SPLIT[:4], "--max-staleness", "0", "--rollout-dump-dir", str(dump))
+    areno(files, colocated, *common, steps=2)
+    areno(files, split, *common, *SPLIT[:4], "--max-staleness", "0", "--rollout-dump-dir", str(dump), steps=2)
     a, b = metrics(colocated), metrics(split)
     for key in ("loss", "reward_mean", "grad_norm", "logprob_diff", "agent_turns_mean"):
         assert [m[key] for m in a] == [m[key] for m in b], key
-    assert [m["staleness_max"] for m in b] == [m["policy_version_lag_max"] for m in b] == [0, 0, 0]
+    assert any(m["grad_norm"] > 0 for m in a)  # the runs learned something to compare
+    assert [m["staleness_max"] for m in b] == [m["policy_version_lag_max"] for m in b] == [0, 0]
     assert all(m["stale_dropped"] == 0 for m in b)
-    wa, wb = (load_file(str(d / "step-3" / "model.safetensors")) for d in (colocated, split))
+    wa, wb = (load_file(str(d / "step-2" / "model.safetensors")) for d in (colocated, split))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    for step in (1, 2, 3):
+    for step in (1, 2):
         for r in map(json.loads, (dump / f"step-{step}.jsonl").read_text().splitlines()):
             assert r["versions"] == [step - 1] * len(r["response_ids"])
 
