@@ -221,8 +221,8 @@ BAD_TRAIN = [
     (["--agent-timeout-s", "5"], "--agent-timeout-s"),
     (["--agent-fn", "{reward}", "--algo", "sft"], "--agent-fn"),
     (["--agent-fn", "{reward}", "--algo", "ppo"], "--agent-fn"),
-    (["--agent-fn", "{reward}", "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1"],
-     "--max-staleness"),
+    (["--agent-fn", "{reward}", "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1",
+      "--partial-rollout"], "--partial-rollout"),  # agents sent ahead, but no turn swapped mid-generation yet
     (["--agent-fn", "/no/such/agent.py"], "--agent-fn"),
     # partial rollout: split mode and --max-staleness >= 1 only; its settings only with it
     (["--partial-rollout"], "--partial-rollout"),

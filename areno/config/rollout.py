@@ -141,10 +141,10 @@ class RolloutSection:
     def _check_agent(self):
         if self.agent_fn is None:
             return
-        if self.max_staleness:
-            raise ConfigError("--max-staleness", "agentic rollout is on-policy: the agents sample through the "
-                              "engines' token service, which has no rollout sent ahead to carry policy versions, so "
-                              "--max-staleness > 0 does not apply to --agent-fn runs yet")
+        if self.partial_rollout:
+            raise ConfigError("--partial-rollout", "with --agent-fn is not built yet: the agents sample through the "
+                              "engines' token service, which finishes every turn under one policy (a sync waits for "
+                              "the episodes in flight); --max-staleness K alone sends agent batches ahead")
         check_positive("--max-context-len", self.max_context_len, optional=True)
         check_non_negative("--agent-timeout-s", self.agent_timeout_s)
 

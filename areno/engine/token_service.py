@@ -6,7 +6,8 @@
 engine, so the sessions of every agent share one continuous batch per engine. ``RemoteTokens`` is the train side's
 client: a session always goes to the same engine (its earlier turns are in that engine's prefix cache). Requests
 carry a bearer token made for the run; the answer is the sampled ids, their log-probs, the finish reason, the stop
-string and how many prompt tokens the prefix cache served.
+string, how many prompt tokens the prefix cache served and the policy version of the engine's weights (``version``:
+the train side's step count at its last sync, None on the local engine), which stamps every token of the answer.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ async def sample_local(async_engine, prompt_ids: list[int], options: SamplingPar
 class TokenServer:
     """An engine leader's endpoint for one agentic rollout; ``wait()`` returns after ``/shutdown``."""
 
-    def __init__(self, engine, *, decode_steps: int, host: str, token: str):
+    def __init__(self, engine, *, decode_steps: int, host: str, token: str, version: int | None = None):
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse
 
@@ -60,7 +61,7 @@ class TokenServer:
                 return JSONResponse({"error": "unauthorised"}, status_code=401)
             body = await request.json()
             options = SamplingParams(**body["options"])
-            return await sample_local(self.async_engine, body["prompt_ids"], options)
+            return {**await sample_local(self.async_engine, body["prompt_ids"], options), "version": version}
 
         @app.post("/shutdown")
         async def shutdown(request: Request):

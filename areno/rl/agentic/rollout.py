@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import traceback
 import uuid
@@ -40,6 +41,8 @@ class AgentRollout:
         self._server = None
         self._loop = None  # the event loop of the running batch (its token sampler's)
         self._token_bytes = None  # session.max_token_bytes, found on the first batch
+        self._running = threading.Lock()  # one batch at a time (the sessions, the loop): batches sent ahead run on
+        # a thread of their own (areno.rl.agentic.ahead) while evaluation may run one on the loop's thread
         self.base_url = self._start_server()
 
     # the local endpoint
@@ -81,7 +84,7 @@ class AgentRollout:
         message = None
         if assistant_message:
             message = self.assistant_message(ids, stop_text, text, tools, plan)
-        session.add_sample(ids, lps, finish, message)
+        session.add_sample(ids, lps, finish, message, out.get("version"))
         return message if assistant_message else Generation(ids, lps, finish, text)
 
     def assistant_message(self, ids: list[int], stop_text: str | None, text: str, tools=None, plan=None) -> dict:
@@ -141,6 +144,10 @@ class AgentRollout:
         if not batch:  # nothing to run here (split mode: train rank 0 runs every agent)
             return [], [], [], {"agent_s": 0.0, "agent_failures": 0, "agent_forks": 0, "agent_turns_mean": 0.0,
                                 "agent_prefill_tokens_mean": 0.0, "agent_context_overflows": 0}
+        with self._running:
+            return self._run(batch, n, greedy)
+
+    def _run(self, batch: list[dict], n: int, greedy: bool):
         items = [AgentItem(user_fields(p.row),
                            _messages(p.row["prompt"]), i, s) for i, p in enumerate(batch) for s in range(n)]
         eos = self.tokenizer.eos_token_id
@@ -167,7 +174,9 @@ class AgentRollout:
                 row = Row(traj["tokens"][:P], traj["tokens"][P:], [x if x is not None else 0.0
                                                                      for x in traj["logprobs"][P:]])
                 row.loss_mask = traj["mask"][P:]
-                row.meta.update(messages=traj["messages"], finish_reason=traj["finish_reason"], item=it.id)
+                row.versions = session_module.token_versions(traj["versions"][P:])
+                row.meta.update(messages=traj["messages"], finish_reason=traj["finish_reason"], item=it.id,
+                                **({"versions": row.versions} if row.versions else {}))  # dumps show them
                 rows.append(row)
                 owner.append(i)
         stats.update(agent_forks=forks, agent_turns_mean=turns / max(1, len(items)),

@@ -132,6 +132,7 @@ class Session:
         self.tokens: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float | None] = []
+        self.versions: list[int | None] = []  # per token: the policy version that sampled it (None: not sampled)
         self.prompt_len = 0  # the first rendering: the row's prompt
         self.history: list | None = None  # the messages this sequence renders, the last assistant turn included
         self.tools = None
@@ -148,7 +149,7 @@ class Session:
     def _close(self):
         if len(self.tokens) > self.prompt_len:
             self.rows.append({"tokens": self.tokens, "mask": self.mask, "logprobs": self.logprobs,
-                              "prompt_len": self.prompt_len, "messages": self.history,
+                              "versions": self.versions, "prompt_len": self.prompt_len, "messages": self.history,
                               "finish_reason": self.finish_reason})
         self._reset()
 
@@ -158,10 +159,11 @@ class Session:
         self.prompt_len = len(self.tokens)
         self.history, self.tools = list(messages), tools
 
-    def _append(self, ids, train: int, logprobs=None) -> None:
+    def _append(self, ids, train: int, logprobs=None, version=None) -> None:
         self.tokens += ids
         self.mask += [train] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [None] * len(ids)
+        self.versions += [version] * len(ids)
 
     def extend_messages(self, messages, tools) -> None:
         """Make the sequence end with ``messages`` rendered and the generation prompt: a delta, or a fork."""
@@ -258,14 +260,15 @@ class Session:
             return
         tokens, n, history, tools = before
         if self.tokens is tokens:  # a delta (or the first turn): cut it off again
-            del self.tokens[n:], self.mask[n:], self.logprobs[n:]
+            del self.tokens[n:], self.mask[n:], self.logprobs[n:], self.versions[n:]
             self.history, self.tools = history, tools
         else:  # a fork: the earlier trajectory is closed already, the new one goes
             self._reset()
         self._end(f"this conversation needs {needed} tokens")
 
-    def add_sample(self, ids, logprobs, finish_reason, assistant: dict | None) -> None:
-        self._append(list(ids), 1, list(logprobs))
+    def add_sample(self, ids, logprobs, finish_reason, assistant: dict | None, version: int | None = None) -> None:
+        """A turn the engine sampled (``version``: the policy version of the engine's weights, split mode)."""
+        self._append(list(ids), 1, list(logprobs), version)
         self.samples.append(list(ids))
         self.finish_reason = finish_reason
         self.turns += 1
@@ -275,6 +278,20 @@ class Session:
     def finish(self) -> list[dict]:
         self._close()
         return self.rows
+
+
+def token_versions(versions: list) -> list[int] | None:
+    """Every token's version from the sampled tokens' (``versions``: None where not sampled): a token the agent or
+    the template added takes the version of the sampled token before it (the first sampled one's before any); None when
+    no token carries one (a colocated rollout samples with the trainer's own weights)."""
+    known = [v for v in versions if v is not None]
+    if not known:
+        return None
+    out, last = [], known[0]
+    for v in versions:
+        last = last if v is None else v
+        out.append(last)
+    return out
 
 
 def batch_over() -> AgentError:

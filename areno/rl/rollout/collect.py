@@ -23,6 +23,12 @@ class StepRollout:
         self.media_of, self.dp_size, self.agent = media_of, dp_size, agent
         self.partial = getattr(cfg, "partial_rollout", False)
         self.prompts = prompts or {}  # partial rollout: every Prompt by its dataset index (a group's key)
+        self.ahead = None  # agentic rollout sent ahead (split mode, --max-staleness > 0)
+        if agent is not None and getattr(cfg, "split", False) and cfg.max_staleness > 0:
+            from areno.rl.agentic.ahead import AgentsAhead
+
+            self.ahead = AgentsAhead(agent, cfg.n_samples, reward_fn)
+            rollout.background.append(self.ahead.wait)
 
     def engine_prompt(self, prompt):
         """What the rollout engine takes for a Prompt: its token ids, or its ``MultimodalPrompt``."""
@@ -39,7 +45,7 @@ class StepRollout:
         results into rows; ``stuck_calls`` counts the reward calls left running past their timeout (the most of any
         rank)."""
         if self.agent is not None:
-            return self.agent_rows(batch)
+            return self.agent_rows(batch, upcoming)
         engine = self.rollout
         mine = engine.share(batch)
         ahead = [[self.engine_prompt(p) for p in engine.share(b)] for b in upcoming] if upcoming else None
@@ -97,27 +103,38 @@ class StepRollout:
         }
         return rows, stats
 
-    def agent_rows(self, batch: list) -> tuple[list[Row], dict]:
+    def agent_rows(self, batch: list, upcoming: list | None = None) -> tuple[list[Row], dict]:
         """Agentic rollout of this rank's share: one row per trajectory (a fork adds one), each tagged with its
         sample (``extras["sample"]``) so the group advantages stay per sample; the agent's reward, else
-        --reward-fn-path on the finished trajectory (its record carries the messages)."""
-        sync = self.rollout.sync()  # split mode: the engines get the policy first (every train rank takes part)
-        mine = self.rollout.share(batch)
-        t0 = time.perf_counter()
-        rows, owner, rewards, failures, stats = self.agent.collect(mine, self.cfg.n_samples, self.reward_fn)
+        --reward-fn-path on the finished trajectory (its record carries the messages). ``upcoming`` (split mode,
+        --max-staleness > 0): the next steps' batches, whose episodes start now on a background thread (``ahead``)
+        under the policy just synced; a batch sent ahead earlier is taken from there."""
+        if self.ahead is not None and self.ahead.count:  # an earlier step sent this batch (every train rank knows)
+            (rows, owner, rewards, failures, stats), waited = self.ahead.take()
+            t_roll, sync = stats["agent_s"], {"train_idle_s": waited}
+        else:
+            sync = self.rollout.sync()  # split mode: the engines get the policy first (every train rank takes part)
+            mine = self.rollout.share(batch)
+            t0 = time.perf_counter()
+            rows, owner, rewards, failures, stats = self.agent.collect(mine, self.cfg.n_samples, self.reward_fn)
+            t_roll = time.perf_counter() - t0 - stats["reward_s"]
+        if upcoming and self.ahead is not None:  # the new policy first (it waits for the episodes in flight)
+            sync.update(self.rollout.sync())
+            self.ahead.send([self.rollout.share(b) for b in upcoming])
         stats.update(sync)
-        t_roll = time.perf_counter() - t0 - stats["reward_s"]
-        local = [(row.prompt_ids, row.response_ids, row.rollout_logprobs, rewards[i], row.loss_mask, row.meta, i)
-                 for row, i in zip(rows, owner)]
+        local = [(row.prompt_ids, row.response_ids, row.rollout_logprobs, rewards[i], row.loss_mask, row.meta, i,
+                  row.versions) for row, i in zip(rows, owner)]
         parts = self.rollout.gather((local, failures, rewards, stuck_calls.count()))
         out, offset, all_rewards = [], 0, []
         for part, _, part_rewards, _ in parts:  # sample indices made global: rank after rank, as the prompts are
-            for p, ids, lps, rew, mask, meta, i in part:
-                row = Row(p, list(ids), list(lps), reward=float(rew), loss_mask=list(mask), meta=dict(meta))
+            for p, ids, lps, rew, mask, meta, i, versions in part:
+                row = Row(p, list(ids), list(lps), reward=float(rew), loss_mask=list(mask), meta=dict(meta),
+                          versions=versions)
                 row.extras["sample"] = offset + i
                 out.append(row)
             offset += len(part_rewards)
             all_rewards += part_rewards
+        stats.update(staleness_of(out, getattr(self.rollout, "step_index", None)))
         stats.update(rollout_s=t_roll, samples=offset,
                      sample_rewards=all_rewards,
                      reward_failures=sum(f for _, f, _, _ in parts),
@@ -127,3 +144,15 @@ class StepRollout:
                      truncated_frac=sum(r.meta.get("finish_reason") == "length" for r in out) / max(1, len(out)),
                      rollout_tok_s=sum(sum(r.loss_mask) for r in out) / max(t_roll, 1e-9))
         return out, stats
+
+
+def staleness_of(rows: list[Row], step_index) -> dict:
+    """Split mode's ``policy_version`` (the oldest token's) and ``staleness_mean/max`` (per row: how many versions
+    its oldest token is older than the step ``step_index()`` trains) of agent rows whose tokens carry versions; {}
+    where none do (colocated rollout)."""
+    versions = [min(r.versions) for r in rows if r.versions]
+    if not versions or step_index is None:
+        return {}
+    tag = step_index()
+    lags = [tag - v for v in versions]
+    return {"policy_version": min(versions), "staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags)}

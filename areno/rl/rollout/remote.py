@@ -92,6 +92,8 @@ class RemoteRollout:
         self._ahead = 0  # async: how many of the next steps' batches are already on the engines (every train rank)
         self._cut = 0  # partial rollout: prompt groups cut into a later batch so far (--max-tail-steps)
         self._sync_stats: dict = {}
+        self.background: list = []  # rank 0: waits for work that reaches the engines from another thread (agents sent
+        # ahead, areno.rl.agentic.ahead), run before any command of this thread
 
     # ---- the loop's interface ------------------------------------------------------------------------------
     def share(self, rows: list) -> list:
@@ -211,7 +213,7 @@ class RemoteRollout:
         from areno.engine.token_service import new_token
 
         token = new_token()
-        self._command({"op": "agent", "token": token})
+        self._command({"op": "agent", "token": token, "version": self.version})
         parts = [None] * dist.get_world_size(self.layout.control)
         dist.gather_object(None, parts, dst=0, group=self.layout.control)
         return [parts[self.layout.rollout_ranks.index(r[0]) + 1] for r in self.layout.engines], token
@@ -373,6 +375,8 @@ class RemoteRollout:
         return results
 
     def _collect_all(self) -> None:
+        for wait in self.background:
+            wait()
         while self._pending:
             self._collect()
 
@@ -481,7 +485,7 @@ def serve(cfg) -> int:
             server = None
             if leader:
                 server = TokenServer(engine, decode_steps=cfg.decode_steps, host=reachable_host(),
-                                     token=cmd["token"])
+                                     token=cmd["token"], version=cmd.get("version"))
             dist.gather_object(server.address if server else None, None, dst=0, group=layout.control)
             if server is not None:
                 server.wait()
