@@ -33,7 +33,7 @@ from areno.kernels.moe import gemm as moe_gemm
 from areno.kernels.moe.routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
 
 __all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native", "fused_moe_dense",
-           "fused_moe_reference", "sort_by_expert"]
+           "fused_moe_reference", "sort_by_expert", "fused_moe_lora"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}  # the experts' gate activation
@@ -123,6 +123,47 @@ def fused_moe_dense(x, w13, w2, topk_weights, topk_ids, *, activation: str = "si
         gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
         o = F.linear(ACTIVATIONS[activation](gate) * up, w2[e]) * (topk_weights * hit).sum(dim=1, keepdim=True)
         out += torch.where(hit.any(dim=1, keepdim=True), o, 0).to(out.dtype)  # never 0 * inf for unrouted tokens
+    return out
+
+
+def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, gate_up=None, down=None, *, activation: str = "silu"):
+    """Routed experts with per-expert LoRA on the gate_up and down GEMMs, unmerged:
+    ``gu = x W13_e^T + x A_e^T B_e^T * s``, ``y = h W2_e^T + h A'_e^T B'_e^T * s`` (``gate_up``/``down``: None or
+    ``(A [E*r, in], B [out, r*E], scaling)``, PEFT's ``target_parameters`` tensors). Native: the per-expert loop with
+    gradients or at training size, else every expert over every token masked (no host sync: graph-capturable).
+    Gradients reach x, the routing weights and the LoRA factors (and the base weights if they require them)."""
+    _check_activation(activation)
+    _check(x, w13, w2, topk_weights, topk_ids)
+    E, act = w13.shape[0], ACTIVATIONS[activation]
+    tensors = (x, w13, w2, topk_weights, *(gate_up or ())[:2], *(down or ())[:2])
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    dense = not grad and topk_ids.numel() <= DENSE_PAIRS_PER_EXPERT * E
+
+    def delta(h, factors, e):
+        if factors is None:
+            return 0
+        a, b, scaling = factors
+        r = a.shape[0] // E
+        d = (h.to(a.dtype) @ a[e * r : (e + 1) * r].t()) @ b[:, e::E].t()
+        return (d * scaling).to(h.dtype)
+
+    def expert(h, e):
+        gate, up = (F.linear(h, w13[e]) + delta(h, gate_up, e)).chunk(2, dim=-1)
+        g = act(gate) * up
+        return F.linear(g, w2[e]) + delta(g, down, e)
+
+    out = torch.zeros_like(x)
+    if dense:
+        for e in range(E):
+            hit = topk_ids == e  # [T, k]
+            o = expert(x, e) * (topk_weights * hit).sum(dim=1, keepdim=True)
+            out += torch.where(hit.any(dim=1, keepdim=True), o, 0).to(out.dtype)
+        return out
+    mask = F.one_hot(topk_ids.long(), num_classes=E).permute(2, 1, 0)  # [E, k, T]
+    for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        o = expert(x[tok], e) * topk_weights[tok, slot, None]
+        out = out.index_add(0, tok, o.to(out.dtype))
     return out
 
 
