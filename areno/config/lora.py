@@ -53,6 +53,11 @@ class LoraSection:
             return
         if self.quantize_base == "nf4":
             self.check_qlora()
+        experts = [t.strip() for t in str(self.lora_target_modules).split(",") if "experts" in t.strip().split(".")]
+        if experts and (self.rollout_devices is not None or self.tp_size > 1):
+            what = "split mode (--rollout-devices)" if self.rollout_devices is not None else "--tp-size > 1"
+            raise ConfigError("--lora-target-modules", f"{experts[0]}: LoRA on MoE experts with {what} is not built "
+                              "yet; train colocated without tensor parallelism")
         if self.tp_size > 1 and self.lora_dropout > 0:
             raise ConfigError("--lora-dropout", "with --tp-size > 1 is not built yet (each rank would draw its own "
                               "mask over the replicated input); use 0")
