@@ -75,7 +75,8 @@ def matches(site: ExpertSite, target: str) -> bool:
     """PEFT's rule for ``target_parameters`` (the parameter's full name or a dotted suffix) where the name holds
     ``experts`` (a bare ``down_proj`` stays a linear module's name); ``experts`` (or a dotted name ending in it) names
     both of a module's parameters."""
-    return "experts" in target.split(".") and any(full == target or full.endswith("." + target) for full in (site.target, site.hf_module))
+    names = (site.target, site.hf_module)
+    return "experts" in target.split(".") and any(n == target or n.endswith("." + target) for n in names)
 
 
 def select(model, targets, peft_module) -> list[ExpertSite]:
