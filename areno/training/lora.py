@@ -165,8 +165,8 @@ def save_fn(cfg):
 
 def save_merged(model, folder, tokenizer=None) -> Path:
     """Write ``model`` with its adapter merged (``W + B A * alpha / r``; MoE experts' per expert) as a full
-    checkpoint loadable by transformers and areno (a QLoRA base: ``W`` dequantised); the live weights are restored after. Under TP each rank merges its
-    own shard (every rank calls it)."""
+    checkpoint loadable by transformers and areno (a QLoRA base: ``W`` dequantised); the live weights are restored
+    after. Under TP each rank merges its own shard (every rank calls it)."""
     from areno.models import save_model
 
     adapter = adapter_of(model)
