@@ -195,6 +195,9 @@ def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") ->
             if model.is_multimodal and any(_matches(n, t) for n in media_modules(model)):
                 raise LoraError(field, f"{t!r}: LoRA on the vision tower or projector is not built yet (the language "
                                        "model's projections are)")
+            if not experts and getattr(model, "num_moe_layers", 0) and "experts" in t.split("."):
+                raise LoraError(field, f"{t!r}: LoRA on the {model.config.model_type} model's experts is not built "
+                                       "yet (its biased, interleaved gate/up experts; qwen3_moe's layout is)")
             if experts and t in EXPERT_NAMES:
                 raise LoraError(field, f"{t!r} names no linear module of the {model.config.model_type} model: its "
                                        "routed experts are PEFT's target_parameters experts.gate_up_proj and "

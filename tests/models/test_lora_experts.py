@@ -50,6 +50,25 @@ def test_the_saved_expert_adapter_gives_peft_the_same_logits(tiny_checkpoint, tm
         adapter.peft_config()["target_parameters"])
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "bailing_hybrid", "kimi_linear", "qwen3_5_moe", "gemma4_text"])
+def test_every_family_s_expert_adapter_is_peft_s(tiny_checkpoint, tmp_path, family):
+    """The other families whose routed experts are ``qwen3_moe.Experts`` (sigmoid-routed, Qwen3.5's with a shared
+    expert, Gemma 4's GeGLU experts)."""
+    from areno.testing.gemma4 import MOE
+
+    path = tiny_checkpoint(family, **(MOE if family == "gemma4_text" else {}))
+    model = _areno(path)
+    adapter = attach(model, LoraSpec(rank=2, alpha=4.0, target_modules=("experts",)))
+    assert adapter.expert_sites and not adapter.sites
+    _randomise(adapter)
+    ours = model.logits(IDS).detach()
+    adapter.save(tmp_path / "a", base=str(path))
+    ref = peft.PeftModel.from_pretrained(load_reference(path), str(tmp_path / "a"))
+    with torch.no_grad():
+        theirs = ref(IDS).logits
+    torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=3e-5)
+
+
 def test_a_peft_expert_adapter_loads_into_areno(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("qwen3_moe")
     conf = peft.LoraConfig(r=2, lora_alpha=8, target_modules=["k_proj"], target_parameters=list(BOTH),
@@ -127,3 +146,6 @@ def test_refusals_name_the_flag(tiny_checkpoint):
         attach(model, LoraSpec(rank=2, alpha=4.0, dropout=0.1, target_modules=BOTH))
     adapter = attach(model, LoraSpec(rank=2, alpha=4.0))  # all-linear: the linear modules, experts only when named
     assert not adapter.expert_sites
+    oss = _areno(tiny_checkpoint("gpt_oss"))
+    with pytest.raises(LoraError, match="--lora-target-modules: 'experts': LoRA on the gpt_oss model's experts is not"):
+        attach(oss, LoraSpec(rank=2, alpha=4.0, target_modules=("experts",)))
