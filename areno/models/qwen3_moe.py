@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from areno.kernels.moe.fused import fused_moe, fused_moe_lora
+from areno.kernels.moe.fused import fused_moe
+from areno.kernels.moe.lora import fused_moe_lora
 from areno.kernels.moe.routing import expert_counts, route_softmax_topk
 from areno.models.base import MLP, CausalLM
 from areno.models.layers import Linear

@@ -5,7 +5,8 @@ reference and PEFT's, the decode path against the training one, merging, refusal
 import pytest
 import torch
 
-from areno.kernels.moe.fused import fused_moe_lora, fused_moe_reference
+from areno.kernels.moe.fused import fused_moe_reference
+from areno.kernels.moe.lora import fused_moe_lora
 from areno.models import load_model
 from areno.models.lora import LoraError, LoraSpec, attach, read_peft_config
 from areno.models.lora_experts import ExpertPair, ExpertSite

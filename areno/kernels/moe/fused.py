@@ -33,7 +33,7 @@ from areno.kernels.moe import gemm as moe_gemm
 from areno.kernels.moe.routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
 
 __all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native", "fused_moe_dense",
-           "fused_moe_reference", "sort_by_expert", "fused_moe_lora"]
+           "fused_moe_reference", "sort_by_expert"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}  # the experts' gate activation
@@ -94,7 +94,7 @@ class FusedMoEFunction(torch.autograd.Function):
 def fused_moe_native(x, w13, w2, topk_weights, topk_ids, *, activation: str = "silu"):
     """The per-expert loop, as transformers' Qwen3MoeExperts.forward runs it (host syncs on the hit experts); without
     gradients at decode size (at most ``DENSE_PAIRS_PER_EXPERT`` pairs per expert) :func:`fused_moe_dense`."""
-    _check_activation(activation)
+    check_activation(activation)
     E, act = w13.shape[0], ACTIVATIONS[activation]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
     if not grad and topk_ids.numel() <= DENSE_PAIRS_PER_EXPERT * E:
@@ -126,47 +126,6 @@ def fused_moe_dense(x, w13, w2, topk_weights, topk_ids, *, activation: str = "si
     return out
 
 
-def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, gate_up=None, down=None, *, activation: str = "silu"):
-    """Routed experts with per-expert LoRA on the gate_up and down GEMMs, unmerged:
-    ``gu = x W13_e^T + x A_e^T B_e^T * s``, ``y = h W2_e^T + h A'_e^T B'_e^T * s`` (``gate_up``/``down``: None or
-    ``(A [E*r, in], B [out, r*E], scaling)``, PEFT's ``target_parameters`` tensors). Native: the per-expert loop with
-    gradients or at training size, else every expert over every token masked (no host sync: graph-capturable).
-    Gradients reach x, the routing weights and the LoRA factors (and the base weights if they require them)."""
-    _check_activation(activation)
-    _check(x, w13, w2, topk_weights, topk_ids)
-    E, act = w13.shape[0], ACTIVATIONS[activation]
-    tensors = (x, w13, w2, topk_weights, *(gate_up or ())[:2], *(down or ())[:2])
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    dense = not grad and topk_ids.numel() <= DENSE_PAIRS_PER_EXPERT * E
-
-    def delta(h, factors, e):
-        if factors is None:
-            return 0
-        a, b, scaling = factors
-        r = a.shape[0] // E
-        d = (h.to(a.dtype) @ a[e * r : (e + 1) * r].t()) @ b[:, e::E].t()
-        return (d * scaling).to(h.dtype)
-
-    def expert(h, e):
-        gate, up = (F.linear(h, w13[e]) + delta(h, gate_up, e)).chunk(2, dim=-1)
-        g = act(gate) * up
-        return F.linear(g, w2[e]) + delta(g, down, e)
-
-    out = torch.zeros_like(x)
-    if dense:
-        for e in range(E):
-            hit = topk_ids == e  # [T, k]
-            o = expert(x, e) * (topk_weights * hit).sum(dim=1, keepdim=True)
-            out += torch.where(hit.any(dim=1, keepdim=True), o, 0).to(out.dtype)
-        return out
-    mask = F.one_hot(topk_ids.long(), num_classes=E).permute(2, 1, 0)  # [E, k, T]
-    for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
-        slot, tok = torch.where(mask[e])
-        o = expert(x[tok], e) * topk_weights[tok, slot, None]
-        out = out.index_add(0, tok, o.to(out.dtype))
-    return out
-
-
 def fused_moe_reference(x, w13, w2, topk_weights, topk_ids):
     """Dense oracle in the inputs' dtype (pass float64 tensors): gathers each slot's expert weights."""
     ids = topk_ids.long()
@@ -176,12 +135,12 @@ def fused_moe_reference(x, w13, w2, topk_weights, topk_ids):
     return (o * topk_weights[..., None].to(o.dtype)).sum(dim=1)
 
 
-def _check_activation(activation: str):
+def check_activation(activation: str):
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
-def _check(x, w13, w2, topk_weights, topk_ids):
+def check_inputs(x, w13, w2, topk_weights, topk_ids):
     assert x.dim() == 2, f"fused_moe: x must be [T, H], got {tuple(x.shape)}"
     T, H = x.shape
     assert w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0, \
@@ -197,8 +156,8 @@ def _check(x, w13, w2, topk_weights, topk_ids):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
     """Routed experts: ``sum_k w_k * (silu(x Wg^T) * (x Wu^T)) W2^T`` as [T, H]; grads for x, w13, w2, weights."""
-    _check_activation(activation)
-    _check(x, w13, w2, topk_weights, topk_ids)
+    check_activation(activation)
+    check_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation != "silu":  # the Triton kernels fuse SiLU-and-mul only
         return fused_moe_native(x, w13, w2, topk_weights, topk_ids, activation=activation)
     # fp32 only under the interpreter: on a GPU an IEEE-fp32 grouped GEMM is slow to compile and to run
