@@ -51,11 +51,12 @@ def adapted(tmp_path_factory):
     return path, model, adapter, load_tokenizer(path), root / "adapter"
 
 
-def test_sampled_logprobs_equal_the_trainer_s_and_peft_s(adapted):
+def check_sampled(adapted, **hf_kwargs):
+    """The engine's sampled log-probs equal the trainer's and PEFT's (float64 transformers, ``hf_kwargs``)."""
     path, model, adapter, tok, folder = adapted
     prompts = [tok.encode(p) for p in PROMPTS]
     out = Engine(model, tok, EngineConfig(block_size=4, max_running=8)).generate(prompts, SAMPLED)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64, **hf_kwargs)
     ref = peft.PeftModel.from_pretrained(hf, str(folder)).eval()
     for p, group in zip(prompts, out):
         c = group[0]
@@ -70,7 +71,12 @@ def test_sampled_logprobs_equal_the_trainer_s_and_peft_s(adapted):
         assert (base - engine).abs().max() > 1e-2
 
 
-def test_greedy_tokens_are_peft_s_and_the_adapter_off_is_the_base(adapted):
+def test_sampled_logprobs_equal_the_trainer_s_and_peft_s(adapted):
+    check_sampled(adapted)
+
+
+def check_greedy(adapted):
+    """Greedy tokens are PEFT's on transformers' model (float32); the adapter off gives the base engine's."""
     path, model, adapter, tok, folder = adapted
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -86,6 +92,10 @@ def test_greedy_tokens_are_peft_s_and_the_adapter_off_is_the_base(adapted):
     base = load_model(path, dtype=torch.float32, device="cpu")
     assert off == [g[0].token_ids for g in Engine(base, tok, EngineConfig(block_size=4)).generate(prompts, greedy)]
     assert off != ours
+
+
+def test_greedy_tokens_are_peft_s_and_the_adapter_off_is_the_base(adapted):
+    check_greedy(adapted)
 
 
 @pytest.mark.gpu

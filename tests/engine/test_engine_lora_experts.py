@@ -4,7 +4,7 @@ log-probs equal the trainer's and PEFT's (float64 reference); the adapter off gi
 
 import pytest
 import torch
-from test_engine_lora import PROMPTS, SAMPLED, _trainer_logprobs
+from test_engine_lora import PROMPTS, _trainer_logprobs, check_greedy, check_sampled
 
 from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
@@ -32,32 +32,8 @@ def adapted(tmp_path_factory):
 
 
 def test_greedy_tokens_are_peft_s_and_logprobs_the_trainer_s(adapted):
-    path, model, adapter, tok, folder = adapted
-    prompts = [tok.encode(p) for p in PROMPTS]
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-    ours = [g[0].token_ids for g in Engine(model, tok, EngineConfig(block_size=4)).generate(prompts, greedy)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    ref = peft.PeftModel.from_pretrained(hf, str(folder)).eval()
-    for p, tokens in zip(prompts, ours):
-        theirs = ref.generate(input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(p) :].tolist()
-        assert tokens == theirs
-    out = Engine(model, tok, EngineConfig(block_size=4, max_running=8)).generate(prompts, SAMPLED)
-    ref64 = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float64, experts_implementation="eager"), str(folder)).eval()
-    for p, group in zip(prompts, out):
-        c = group[0]
-        engine = torch.tensor(c.logprobs, dtype=torch.float64)
-        torch.testing.assert_close(engine, _trainer_logprobs(model, p, c.token_ids, 0.7), atol=1e-4, rtol=0)
-        with torch.no_grad():
-            logits = ref64(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1 : -1] / 0.7
-        theirs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-        torch.testing.assert_close(engine, theirs, atol=1e-4, rtol=0)
-    with adapter.disabled():
-        off = [g[0].token_ids for g in Engine(model, tok, EngineConfig(block_size=4)).generate(prompts, greedy)]
-    base = load_model(path, dtype=torch.float32, device="cpu")
-    assert off == [g[0].token_ids for g in Engine(base, tok, EngineConfig(block_size=4)).generate(prompts, greedy)]
-    assert off != ours
+    check_greedy(adapted)
+    check_sampled(adapted, experts_implementation="eager")  # transformers' grouped_mm experts take no float64
 
 
 @pytest.mark.gpu

@@ -86,18 +86,20 @@ class GatherGEMM(torch.autograd.Function):
 
 
 class ScatterGEMM(torch.autograd.Function):
-    """``out[pair(r)] = a[r] @ W[e(r)]`` (``a`` by sorted row, ``out`` by pair, ``W [E, K, N]``)."""
+    """``out[pair(r)] = a[r] @ W[e(r)]`` (``a`` by sorted row, ``out`` by pair, or by sorted row with
+    ``out_sorted``; ``W [E, K, N]``)."""
 
     @staticmethod
-    def forward(ctx, a, w, order, counts, top_k):
+    def forward(ctx, a, w, order, counts, top_k, out_sorted=False):
         ctx.save_for_backward(a, w, order, counts)
-        ctx.top_k = top_k
-        return moe_gemm.expert_rows(a, w, operand_strides(w, False), w.shape[2], order, counts, top_k)
+        ctx.top_k, ctx.out_sorted = top_k, out_sorted
+        return moe_gemm.expert_rows(a, w, operand_strides(w, False), w.shape[2], order, counts, top_k,
+                                    out_sorted=out_sorted)
 
     @staticmethod
     def backward(ctx, dout):
         a, w, order, counts = ctx.saved_tensors
-        dout_sorted = dout[order.long()].contiguous()
+        dout_sorted = (dout if ctx.out_sorted else dout[order.long()]).contiguous()
         da = dw = None
         if ctx.needs_input_grad[0]:
             da = moe_gemm.expert_rows(dout_sorted, w, operand_strides(w, True), w.shape[1], order, counts, ctx.top_k,
@@ -105,7 +107,7 @@ class ScatterGEMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = moe_gemm.expert_weight_grad(a, dout_sorted, order, counts, ctx.top_k, gather_a=False,
                                              gather_b=False)
-        return da, dw, None, None, None
+        return da, dw, None, None, None, None
 
 
 def _biased_moe_triton(x, gate_up, gate_up_bias, down, weights, ids, alpha, limit):

@@ -21,34 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from areno.kernels.dispatch import interpreting, use_triton
-from areno.kernels.moe import gemm as moe_gemm
-from areno.kernels.moe.biased import GatherGEMM, ScatterGEMM, operand_strides
+from areno.kernels.moe.biased import GatherGEMM, ScatterGEMM
 from areno.kernels.moe.fused import ACTIVATIONS, DENSE_PAIRS_PER_EXPERT, check_activation, check_inputs, sort_by_expert
 
 __all__ = ["fused_moe_lora", "fused_moe_lora_native"]
-
-
-class SortedGEMM(torch.autograd.Function):
-    """``out[r] = a[r] @ W[e(r)]`` (``a`` and ``out`` by sorted row, ``W [E, K, N]``)."""
-
-    @staticmethod
-    def forward(ctx, a, w, order, counts, top_k):
-        ctx.save_for_backward(a, w, order, counts)
-        ctx.top_k = top_k
-        return moe_gemm.expert_rows(a, w, operand_strides(w, False), w.shape[2], order, counts, top_k,
-                                    out_sorted=True)
-
-    @staticmethod
-    def backward(ctx, dout):
-        a, w, order, counts = ctx.saved_tensors
-        dout, k = dout.contiguous(), ctx.top_k
-        da = dw = None
-        if ctx.needs_input_grad[0]:
-            da = moe_gemm.expert_rows(dout, w, operand_strides(w, True), w.shape[1], order, counts, k,
-                                      out_sorted=True)
-        if ctx.needs_input_grad[1]:
-            dw = moe_gemm.expert_weight_grad(a, dout, order, counts, k, gather_a=False, gather_b=False)
-        return da, dw, None, None, None
 
 
 def _operands(factors, E: int, dtype):
@@ -67,13 +43,13 @@ def _fused_moe_lora_triton(x, w13, w2, weights, ids, gate_up, down, activation):
     gu = GatherGEMM.apply(x, w13.transpose(1, 2), order, counts, k)  # sorted rows [M, 2I]
     if gate_up is not None:
         a_t, b_t, s = _operands(gate_up, E, x.dtype)
-        gu = gu + SortedGEMM.apply(GatherGEMM.apply(x, a_t, order, counts, k), b_t, order, counts, k) * s
+        gu = gu + ScatterGEMM.apply(GatherGEMM.apply(x, a_t, order, counts, k), b_t, order, counts, k, True) * s
     gate, up = gu.chunk(2, dim=-1)
     h = (ACTIVATIONS[activation](gate) * up).contiguous()
     y = ScatterGEMM.apply(h, w2.transpose(1, 2), order, counts, k)  # pair order [T*k, H]
     if down is not None:
         a_t, b_t, s = _operands(down, E, x.dtype)
-        y = y + ScatterGEMM.apply(SortedGEMM.apply(h, a_t, order, counts, k), b_t, order, counts, k) * s
+        y = y + ScatterGEMM.apply(ScatterGEMM.apply(h, a_t, order, counts, k, True), b_t, order, counts, k) * s
     return (y.view(T, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1).to(x.dtype)
 
 
