@@ -24,8 +24,9 @@ class LoraSection:
     lora_dropout: float = opt(0.0, "dropout on the LoRA input (PEFT's lora_dropout)", "train", needs="lora")
     lora_target_modules: str = opt(
         "all-linear", "comma-separated PEFT module names to adapt (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-        "down_proj, ...; a name matches a module or its dotted suffix), or all-linear (every linear layer but "
-        "lm_head)", "train", needs="lora")
+        "down_proj, ...; a name matches a module or its dotted suffix; MoE routed experts as PEFT's "
+        "target_parameters experts.gate_up_proj,experts.down_proj, or experts for both), or all-linear (every linear "
+        "layer but lm_head; not the routed experts)", "train", needs="lora")
     lora_path: Optional[str] = opt(None, "start from this PEFT LoRA adapter folder (adapter_config.json + "
                                    "adapter_model.safetensors; its rank, alpha and target modules are the run's)",
                                    "train", metavar="DIR", needs="lora")

@@ -106,10 +106,17 @@ def test_bf16_sampled_logprobs_match_the_trainer_at_width(tmp_path):
                                 intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
                                 num_key_value_heads=8, head_dim=128)
     model, _ = _adapted(path, torch.bfloat16, "cuda", rank=32, scale=0.02)
+    gap = mean_logprob_gap(model, path)
+    assert gap <= 0.01, gap
+
+
+def mean_logprob_gap(model, path) -> float:
+    """Mean |engine - trainer| sampled log-prob over 12 prompts x 64 tokens (temperature 1, the default engine:
+    CUDA-graphed decode on a GPU)."""
     tok = load_tokenizer(path)
     prompts = [tok.encode(p) for p in PROMPTS * 4]
     out = Engine(model, tok, EngineConfig()).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64,
                                                                                 ignore_eos=True, seed=1))
     diffs = torch.cat([(torch.tensor(g[0].logprobs, dtype=torch.float64)
                         - _trainer_logprobs(model, p, g[0].token_ids, 1.0)).abs() for p, g in zip(prompts, out)])
-    assert diffs.mean() <= 0.01, diffs.mean()
+    return diffs.mean().item()

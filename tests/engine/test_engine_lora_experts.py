@@ -4,10 +4,8 @@ log-probs equal the trainer's and PEFT's (float64 reference); the adapter off gi
 
 import pytest
 import torch
-from test_engine_lora import PROMPTS, _trainer_logprobs, check_greedy, check_sampled
+from test_engine_lora import check_greedy, check_sampled, mean_logprob_gap
 
-from areno.config import SamplingParams
-from areno.engine.engine import Engine, EngineConfig
 from areno.models import load_model, load_tokenizer
 from areno.models.lora import LoraSpec, attach
 from areno.testing import make_tiny_checkpoint
@@ -51,10 +49,5 @@ def test_bf16_expert_lora_logprobs_match_the_trainer_with_cuda_graphs(tmp_path):
         for p in adapter.parameters():
             p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.02)
     model.eval()
-    tok = load_tokenizer(path)
-    prompts = [tok.encode(p) for p in PROMPTS * 4]
-    out = Engine(model, tok, EngineConfig()).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64,
-                                                                                ignore_eos=True, seed=1))
-    diffs = torch.cat([(torch.tensor(g[0].logprobs, dtype=torch.float64)
-                        - _trainer_logprobs(model, p, g[0].token_ids, 1.0)).abs() for p, g in zip(prompts, out)])
-    assert diffs.mean() <= 0.01, diffs.mean()
+    gap = mean_logprob_gap(model, path)
+    assert gap <= 0.01, gap

@@ -25,6 +25,14 @@ def _randomise(adapter, seed=0, scale=0.1):
             p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
+def _assert_peft_agrees(adapter, path, folder, ours, tol):
+    """Save ``adapter`` into ``folder``: PEFT on transformers' model gives ``ours`` (the adapted areno logits)."""
+    adapter.save(folder, base=str(path))
+    ref = peft.PeftModel.from_pretrained(load_reference(path), str(folder))
+    with torch.no_grad():
+        torch.testing.assert_close(ours, ref(IDS).logits, atol=tol, rtol=tol)
+
+
 def _areno(path):
     return load_model(path, dtype=torch.float32, device="cpu", attn_backend="native")
 
@@ -40,11 +48,7 @@ def test_the_saved_expert_adapter_gives_peft_the_same_logits(tiny_checkpoint, tm
     _randomise(adapter)
     ours = model.logits(IDS).detach()
     assert (ours - base).abs().max() > 1e-2
-    adapter.save(tmp_path / "a", base=str(path))
-    ref = peft.PeftModel.from_pretrained(load_reference(path), str(tmp_path / "a"))
-    with torch.no_grad():
-        theirs = ref(IDS).logits
-    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
+    _assert_peft_agrees(adapter, path, tmp_path / "a", ours, 2e-5)
     with adapter.disabled():
         torch.testing.assert_close(model.logits(IDS), base)
     assert read_peft_config(tmp_path / "a").target_modules == tuple(adapter.peft_config()["target_modules"]) + tuple(
@@ -63,11 +67,7 @@ def test_every_family_s_expert_adapter_is_peft_s(tiny_checkpoint, tmp_path, fami
     assert adapter.expert_sites and not adapter.sites
     _randomise(adapter)
     ours = model.logits(IDS).detach()
-    adapter.save(tmp_path / "a", base=str(path))
-    ref = peft.PeftModel.from_pretrained(load_reference(path), str(tmp_path / "a"))
-    with torch.no_grad():
-        theirs = ref(IDS).logits
-    torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=3e-5)
+    _assert_peft_agrees(adapter, path, tmp_path / "a", ours, 3e-5)
 
 
 def test_a_peft_expert_adapter_loads_into_areno(tiny_checkpoint, tmp_path):

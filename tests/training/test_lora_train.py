@@ -46,17 +46,23 @@ def test_one_lora_step_of_each_algorithm_saves_a_peft_adapter(inputs, tmp_path, 
     tensors = load_file(str(saved / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in tensors.items())  # B moved
+    _check_saved(ckpt, saved, merged=algo == "sft")
+
+
+def _check_saved(ckpt, saved, merged: bool):
+    """The saved adapter gives areno and PEFT the same logits; with ``merged`` (--merge-lora) transformers loads
+    ``merged/`` to the same function."""
     ours = load_model(ckpt, device="cpu", dtype=torch.float32, attn_backend="native")
     adapter = attach(ours, read_peft_config(saved))
     adapter.load_weights(saved)
     with torch.no_grad():
         mine = ours.logits(IDS)
     torch.testing.assert_close(mine, _peft_logits(ckpt, saved), atol=2e-5, rtol=2e-5)
-    if algo == "sft":  # --merge-lora: full weights transformers loads, the same function
-        merged = transformers.AutoModelForCausalLM.from_pretrained(str(saved / "merged"), dtype=torch.float32,
-                                                                   attn_implementation="eager")
+    if merged:
+        full = transformers.AutoModelForCausalLM.from_pretrained(str(saved / "merged"), dtype=torch.float32,
+                                                                 attn_implementation="eager")
         with torch.no_grad():
-            torch.testing.assert_close(merged(IDS).logits, mine, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(full(IDS).logits, mine, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.slow
@@ -213,16 +219,7 @@ def test_a_grpo_step_with_moe_expert_lora_saves_peft_s_adapter_and_merged_weight
     assert any(k.endswith("experts.lora_B.weight") and tensors[k].abs().max() > 0 for k in experts)  # down's B moved
     conf = json.loads((saved / "adapter_config.json").read_text())
     assert conf["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
-    ours = load_model(ckpt, device="cpu", dtype=torch.float32, attn_backend="native")
-    adapter = attach(ours, read_peft_config(saved))
-    adapter.load_weights(saved)
-    with torch.no_grad():
-        mine = ours.logits(IDS)
-    torch.testing.assert_close(mine, _peft_logits(ckpt, saved), atol=2e-5, rtol=2e-5)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(str(saved / "merged"), dtype=torch.float32,
-                                                               attn_implementation="eager")
-    with torch.no_grad():
-        torch.testing.assert_close(merged(IDS).logits, mine, atol=2e-5, rtol=2e-5)
+    _check_saved(ckpt, saved, merged=True)
     split = _argv(moe, tmp_path / "split", "grpo", *targets, "--train-devices", "0",
                   "--rollout-devices", "1")
     capsys.readouterr()
