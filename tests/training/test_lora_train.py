@@ -121,6 +121,8 @@ def test_lora_path_starts_from_a_peft_adapter(inputs, tmp_path):
     (["--lora-rank", "4", "--train-cuda-graphs", "on", "--no-activation-checkpointing"], "--train-cuda-graphs"),
     (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout"),
     (["--lora-rank", "4", "--merge-lora"], "--merge-lora"),
+    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2", "--lora-target-modules", "experts"],
+     "--lora-target-modules"),  # expert LoRA under TP
     (["--lora-rank", "4", "--unfreeze-mm-tower"], "--unfreeze-mm-tower"),
 ])
 def test_what_is_not_built_or_not_applicable_exits_2_naming_the_flag(inputs, extra, flag, capsys):
