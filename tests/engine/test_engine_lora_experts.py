@@ -29,6 +29,7 @@ def adapted(tmp_path_factory):
     return path, model, adapter, load_tokenizer(path), root / "adapter"
 
 
+@pytest.mark.slow  # greedy, sampled and adapter-off engines plus PEFT's: ~30 s on 2 cores
 def test_greedy_tokens_are_peft_s_and_logprobs_the_trainer_s(adapted):
     check_greedy(adapted)
     check_sampled(adapted, experts_implementation="eager")  # transformers' grouped_mm experts take no float64

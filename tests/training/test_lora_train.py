@@ -204,6 +204,7 @@ def test_tensor_parallel_2_gives_the_single_process_adapter(inputs, tmp_path):
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
 
 
+@pytest.mark.slow  # one GRPO step on a tiny MoE and a refused split run: ~40 s on 2 cores
 def test_a_grpo_step_with_moe_expert_lora_saves_peft_s_adapter_and_merged_weights(inputs, tmp_path, capsys):
     """`--lora-target-modules experts.gate_up_proj,experts.down_proj,q_proj` on a tiny Qwen3-MoE: one GRPO step moves
     the expert adapters; the checkpoint gives PEFT (transformers' fused experts) and --merge-lora's weights our logits;
