@@ -24,8 +24,9 @@ class LoraSection:
     lora_dropout: float = opt(0.0, "dropout on the LoRA input (PEFT's lora_dropout)", "train", needs="lora")
     lora_target_modules: str = opt(
         "all-linear", "comma-separated PEFT module names to adapt (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-        "down_proj, ...; a name matches a module or its dotted suffix), or all-linear (every linear layer but "
-        "lm_head)", "train", needs="lora")
+        "down_proj, ...; a name matches a module or its dotted suffix; MoE routed experts as PEFT's "
+        "target_parameters experts.gate_up_proj,experts.down_proj, or experts for both), or all-linear (every linear "
+        "layer but lm_head; not the routed experts)", "train", needs="lora")
     lora_path: Optional[str] = opt(None, "start from this PEFT LoRA adapter folder (adapter_config.json + "
                                    "adapter_model.safetensors; its rank, alpha and target modules are the run's)",
                                    "train", metavar="DIR", needs="lora")
@@ -53,6 +54,11 @@ class LoraSection:
             return
         if self.quantize_base == "nf4":
             self.check_qlora()
+        experts = [t.strip() for t in str(self.lora_target_modules).split(",") if "experts" in t.strip().split(".")]
+        if experts and (self.rollout_devices is not None or self.tp_size > 1):
+            what = "split mode (--rollout-devices)" if self.rollout_devices is not None else "--tp-size > 1"
+            raise ConfigError("--lora-target-modules", f"{experts[0]}: LoRA on MoE experts with {what} is not built "
+                              "yet; train colocated without tensor parallelism")
         if self.tp_size > 1 and self.lora_dropout > 0:
             raise ConfigError("--lora-dropout", "with --tp-size > 1 is not built yet (each rank would draw its own "
                               "mask over the replicated input); use 0")

@@ -137,7 +137,7 @@ class LoraSlots:
                 raise LoraError(name, f"{path}: tensor {key} is not a LoRA A/B weight")
         pairs = {}
         for module, ab in found.items():
-            if module not in self.site_of and (".experts." in module or module.endswith("kv_b_proj")):
+            if module not in self.site_of and (".experts." in module + "." or module.endswith("kv_b_proj")):
                 raise LoraError(name, f"{module}: serving LoRA on MoE experts or MLA's kv_b_proj (absorbed into the "
                                       "decode kernel) is not built yet")
             if module not in self.site_of:

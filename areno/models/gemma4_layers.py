@@ -19,7 +19,6 @@ from torch.utils.checkpoint import checkpoint
 from areno.kernels.activation import gelu_tanh_and_mul
 from areno.kernels.attention import attention
 from areno.kernels.attention.paged import paged_attention, paged_kv, store_kvcache
-from areno.kernels.moe.fused import fused_moe
 from areno.kernels.norm import rms_norm
 from areno.kernels.rope import apply_rope
 from areno.models.base import MLP, DecoderLayer
@@ -137,7 +136,7 @@ class Gemma4MoE(SparseMoE):
     def compute(self, x, weights, ids):
         group = self.experts.tp_group
         x, weights = copy_to_tp(x, group), copy_to_tp(weights, group)
-        out = fused_moe(x, self.experts.w13, self.experts.w2, weights, ids, activation="gelu_tanh")
+        out = self.experts.routed(x, weights, ids, activation="gelu_tanh")
         return reduce_from_tp(out, group)
 
     def layouts(self, name: str, hf: str, cfg: ModelConfig) -> dict:

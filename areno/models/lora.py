@@ -21,11 +21,12 @@ through ``copy_to_tp``; on a row-parallel one ``lora_A`` holds the input columns
 partial activation is all-reduced (``[tokens, rank]``: the base's all-reduce happens inside ``Linear``, whose forward
 the adapter leaves alone) and ``lora_B`` is replicated. Files are always whole (gathered).
 
-Not built yet, refused in one line: MoE experts (stacked expert tensors: PEFT adapts them through
-``target_parameters`` on transformers' fused ``experts.gate_up_proj``/``down_proj``, one (A, B) per expert, and merges
-the ``[E, out, in]`` delta into the weight every forward; areno's would belong inside the grouped GEMM), MLA's
-``kv_b_proj`` (absorbed into the decode kernel), a vision tower or projector (``all-linear`` adapts the language
-model only), ``--lora-dropout`` with tensor parallelism.
+MoE routed experts are PEFT's ``target_parameters`` (``experts.gate_up_proj`` / ``experts.down_proj``, one (A, B) per
+expert): models/lora_experts.py; the adapter holds their pairs beside the linear ones (``expert_pairs``).
+
+Not built yet, refused in one line: MLA's ``kv_b_proj`` (absorbed into the decode kernel), a vision tower or
+projector (``all-linear`` adapts the language model only), ``--lora-dropout`` with tensor parallelism, expert LoRA
+with tensor parallelism or dropout (PEFT's expert adapters have none).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from areno.models import lora_experts
 from areno.models.layers import Linear
 from areno.models.saver import iter_hf_tensors
 from areno.models.tp import Layout, Part, copy_to_tp, kv_replica_hook, local_shape, part_range, pieces, reduce_from_tp
@@ -47,7 +49,7 @@ from areno.models.tp import Layout, Part, copy_to_tp, kv_replica_hook, local_sha
 ALL_LINEAR = "all-linear"
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
-EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj", "experts", "gate_up_proj")
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")  # the experts' without "experts."
 UNSUPPORTED_PEFT = {"use_dora": False, "use_rslora": False, "bias": "none", "modules_to_save": None,
                     "layers_to_transform": None, "fan_in_fan_out": False}
 
@@ -169,24 +171,37 @@ def _matches(hf_module: str, target: str) -> bool:
     return hf_module == target or hf_module.endswith("." + target)
 
 
+def select_experts(model, spec: LoraSpec) -> list:
+    """The MoE expert parameters ``spec.target_modules`` names (none for ``all-linear``)."""
+    if spec.target_modules == ALL_LINEAR:
+        return []
+    return lora_experts.select(model, spec.target_modules, peft_module)
+
+
 def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") -> list[Site]:
     """The sites ``spec.target_modules`` names (PEFT's rule: the module name or its dotted suffix); a name that
-    matches nothing, MoE experts and MLA's ``kv_b_proj`` are refused in one line."""
+    matches nothing (nor an MoE expert parameter: ``select_experts``) and MLA's ``kv_b_proj`` are refused in one
+    line."""
     sites = linear_sites(model)
+    experts = lora_experts.expert_sites(model, peft_module)
     if spec.target_modules == ALL_LINEAR:
         chosen = sites
     else:
         targets = list(spec.target_modules)
         chosen = [s for s in sites if any(_matches(s.hf_module, t) for t in targets)]
         for t in targets:
-            if any(_matches(s.hf_module, t) for s in sites):
+            if any(_matches(s.hf_module, t) for s in sites) or any(lora_experts.matches(s, t) for s in experts):
                 continue
             if model.is_multimodal and any(_matches(n, t) for n in media_modules(model)):
                 raise LoraError(field, f"{t!r}: LoRA on the vision tower or projector is not built yet (the language "
                                        "model's projections are)")
-            if getattr(model, "num_moe_layers", 0) and t in EXPERT_NAMES:
-                raise LoraError(field, f"{t!r}: LoRA on MoE experts is not built yet (attention projections and "
-                                       "dense or shared-expert MLPs are)")
+            if not experts and getattr(model, "num_moe_layers", 0) and "experts" in t.split("."):
+                raise LoraError(field, f"{t!r}: LoRA on the {model.config.model_type} model's experts is not built "
+                                       "yet (its biased, interleaved gate/up experts; qwen3_moe's layout is)")
+            if experts and t in EXPERT_NAMES:
+                raise LoraError(field, f"{t!r} names no linear module of the {model.config.model_type} model: its "
+                                       "routed experts are PEFT's target_parameters experts.gate_up_proj and "
+                                       "experts.down_proj; name those")
             raise LoraError(field, f"{t!r} names no linear module of the {model.config.model_type} model")
     seen, split = set(), None
     for s in chosen:
@@ -202,7 +217,7 @@ def select_sites(model, spec: LoraSpec, field: str = "--lora-target-modules") ->
                                    "not built yet")
         raise LoraError(field, "all-linear on an MLA model includes kv_b_proj (absorbed into the decode kernel), "
                                "not built yet; name the modules to adapt")
-    if not chosen:
+    if not chosen and not select_experts(model, spec):
         raise LoraError(field, f"no linear module to adapt in the {model.config.model_type} model")
     return chosen
 
@@ -256,17 +271,24 @@ class LoraAdapter(nn.Module):
     """The adapter's pairs (keyed by Hugging Face module name, dots as ``--``) and the hooks that apply them; its
     ``tp_layouts``/``tp_size``/``tp_group`` are a model's, so ``iter_hf_tensors`` and ``pieces`` read it as one."""
 
-    def __init__(self, spec: LoraSpec, sites: list[Site], *, dtype=None, device=None, tp=(0, 1, None)):
+    def __init__(self, spec: LoraSpec, sites: list[Site], *, dtype=None, device=None, tp=(0, 1, None),
+                 experts=()):
         super().__init__()
-        self.spec, self.sites = spec, sites
+        self.spec, self.sites, self.expert_sites = spec, sites, list(experts)
         self.pairs = nn.ModuleDict({
             _key(s.hf_module): LoraPair(s.in_features, s.rows, spec, dtype, device) for s in sites})
+        self.expert_pairs = nn.ModuleDict({
+            _key(s.target): lora_experts.ExpertPair(s, spec.rank, spec.scaling, dtype, device) for s in experts})
         self.tp_rank, self.tp_size, self.tp_group = tp
         self._tp_layouts = {}
         for s in sites:
             (a,), (b,) = s.tp_layouts(spec.rank)
             self._tp_layouts[f"pairs.{_key(s.hf_module)}.lora_A"] = [a]
             self._tp_layouts[f"pairs.{_key(s.hf_module)}.lora_B"] = [b]
+        for s in self.expert_sites:  # whole (expert LoRA under TP is refused)
+            a, b = s.layouts(spec.rank)
+            self._tp_layouts[f"expert_pairs.{_key(s.target)}.lora_A"] = a
+            self._tp_layouts[f"expert_pairs.{_key(s.target)}.lora_B"] = b
         self.enabled = True
         self._handles = []
         self.base_trainable: list = []  # the base parameters that trained before the adapter froze them
@@ -275,6 +297,10 @@ class LoraAdapter(nn.Module):
 
     def pair(self, hf_module: str) -> LoraPair:
         return self.pairs[_key(hf_module)]
+
+    def expert_pair_list(self) -> list:
+        """``(ExpertSite, ExpertPair)`` of every adapted expert parameter."""
+        return [(s, self.expert_pairs[_key(s.target)]) for s in self.expert_sites]
 
     def shard(self, styles: dict) -> None:
         """Under TP: every pair keeps this rank's shard (``styles``: areno module name -> its TP style)."""
@@ -295,6 +321,7 @@ class LoraAdapter(nn.Module):
             linear = modules[name]
             self._handles.append(linear.register_forward_hook(self._hook_for(sorted(sites, key=lambda s: s.offset),
                                                                              linear.weight.shape[0])))
+        lora_experts.hook(model, self, self.expert_pair_list())
 
     def _hook_for(self, sites: list[Site], out_features: int):
         pairs = [self.pair(s.hf_module) for s in sites]
@@ -318,10 +345,12 @@ class LoraAdapter(nn.Module):
 
         return add_delta
 
-    def unhook(self) -> None:
+    def unhook(self, model=None) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if model is not None:
+            lora_experts.unhook(model)
 
     @contextlib.contextmanager
     def disabled(self):
@@ -339,8 +368,10 @@ class LoraAdapter(nn.Module):
 
     def peft_config(self, base: str | None = None) -> dict:
         leaves = sorted({s.hf_module.rsplit(".", 1)[-1] for s in self.sites})
+        params = sorted({f"experts.{s.param}" for s in self.expert_sites})
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": self.spec.rank,
                 "lora_alpha": self.spec.alpha, "lora_dropout": self.spec.dropout, "target_modules": leaves,
+                **({"target_parameters": params} if params else {}),
                 "inference_mode": True, "init_lora_weights": True, "rank_pattern": {}, "alpha_pattern": {},
                 **UNSUPPORTED_PEFT}
 
@@ -404,8 +435,15 @@ def read_peft_config(folder, field: str = "--lora-path") -> LoraSpec:
     targets = conf.get("target_modules")
     if isinstance(targets, str) and targets != ALL_LINEAR:
         raise LoraError(field, f"{path}: a regular-expression target_modules ({targets!r}) is not supported")
+    params = list(conf.get("target_parameters") or [])
+    odd = [p for p in params if p.rsplit(".", 1)[-1] not in lora_experts.EXPERT_PARAMS]
+    if odd:
+        raise LoraError(field, f"{path}: target_parameters {odd[0]!r} is not supported (MoE experts' gate_up_proj and "
+                               "down_proj are)")
+    if params and targets == ALL_LINEAR:
+        raise LoraError(field, f"{path}: all-linear with target_parameters is not supported; list the modules")
     return LoraSpec(int(conf["r"]), float(conf["lora_alpha"]), float(conf.get("lora_dropout") or 0.0),
-                    targets if targets == ALL_LINEAR else tuple(targets))
+                    targets if targets == ALL_LINEAR else tuple(targets or ()) + tuple(params))
 
 
 def attach(model, spec: LoraSpec) -> LoraAdapter:
@@ -414,8 +452,14 @@ def attach(model, spec: LoraSpec) -> LoraAdapter:
     adapter's own)."""
     if spec.rank <= 0:
         raise LoraError("--lora-rank", f"must be > 0 to build an adapter, got {spec.rank}")
-    sites = select_sites(model, spec)
+    sites, experts = select_sites(model, spec), select_experts(model, spec)
     tp = (getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1), getattr(model, "tp_group", None))
+    if experts and tp[1] > 1:
+        raise LoraError("--lora-target-modules", f"{experts[0].target}: LoRA on MoE experts with --tp-size > 1 is "
+                                                 "not built yet (the expert adapters are not sharded)")
+    if experts and spec.dropout > 0:
+        raise LoraError("--lora-dropout", f"{experts[0].target}: LoRA on MoE experts takes no dropout (PEFT's "
+                                          "target_parameters adapters have none); use 0")
     modules = dict(model.named_modules())
     styles = {s.module: getattr(modules[s.module], "tp_style", None) for s in sites}
     if tp[1] > 1:
@@ -428,7 +472,7 @@ def attach(model, spec: LoraSpec) -> LoraAdapter:
     w = next(model.parameters())
     # PEFT's autocast_adapter_dtype: a bf16/fp16 base gets fp32 adapter weights (their own optimizer master)
     dtype = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
-    adapter = LoraAdapter(spec, sites, dtype=dtype, device=w.device, tp=tp)
+    adapter = LoraAdapter(spec, sites, dtype=dtype, device=w.device, tp=tp, experts=experts)
     if tp[1] > 1:
         adapter.shard(styles)
     adapter.base_trainable = [p for p in model.parameters() if p.requires_grad]

@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from areno.kernels.moe import fused_moe
 from areno.kernels.moe.routing import route_sigmoid_grouped_topk
 from areno.models.base import MLP
 from areno.models.qwen3_moe import Experts, replay_routes
@@ -72,7 +71,7 @@ class SigmoidMoE(nn.Module):
     def compute(self, x, weights, ids):
         group = self.experts.tp_group
         xs, weights = copy_to_tp(x, group), copy_to_tp(weights, group)
-        routed = reduce_from_tp(fused_moe(xs, self.experts.w13, self.experts.w2, weights, ids), group)
+        routed = reduce_from_tp(self.experts.routed(xs, weights, ids), group)
         return routed + self.shared_experts(x)
 
     def forward(self, x):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from areno.kernels.moe.fused import fused_moe
+from areno.kernels.moe.lora import fused_moe_lora
 from areno.kernels.moe.routing import expert_counts, route_softmax_topk
 from areno.models.base import MLP, CausalLM
 from areno.models.layers import Linear
@@ -48,15 +49,24 @@ def replay_routes(ids, given, num_experts: int):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights; under TP every rank holds every expert's slice of the intermediate dim."""
+    """Stacked expert weights; under TP every rank holds every expert's slice of the intermediate dim. ``lora``
+    (models/lora_experts.py, not a submodule) adds a LoRA adapter's per-expert pairs while its adapter is on."""
 
     tp_style: str | None = None
     tp_group = None
+    lora = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def routed(self, x, weights, ids, activation: str = "silu"):
+        """The routed experts' output ``[T, H]`` (``fused_moe``; with an active LoRA, ``fused_moe_lora``)."""
+        factors = self.lora.factors() if self.lora is not None else None
+        if factors is not None:
+            return fused_moe_lora(x, self.w13, self.w2, weights, ids, *factors, activation=activation)
+        return fused_moe(x, self.w13, self.w2, weights, ids, activation=activation)
 
 
 class SparseMoE(nn.Module):
@@ -89,7 +99,7 @@ class SparseMoE(nn.Module):
     def compute(self, x, weights, ids):
         group = self.experts.tp_group
         x, weights = copy_to_tp(x, group), copy_to_tp(weights, group)
-        out = fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        out = self.experts.routed(x, weights, ids)
         return reduce_from_tp(out, group)
 
     def forward(self, x):

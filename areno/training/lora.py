@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from areno.config import ConfigError
-from areno.models import qlora
+from areno.models import lora_experts, qlora
 from areno.models.lora import ALL_LINEAR, LoraError, LoraSpec, adapter_of, attach, read_peft_config
 
 MERGED_DIR, BASE_DIR = "merged", "base"
@@ -58,6 +58,10 @@ def apply(cfg, model):
         return None
     try:
         adapter = attach(model, spec_of(cfg))
+        if adapter.expert_sites and getattr(cfg, "rollout_devices", None) is not None:
+            raise LoraError("--lora-target-modules", f"{adapter.expert_sites[0].target}: LoRA on MoE experts in split "
+                                                     "mode (--rollout-devices) is not built yet (the expert adapters' "
+                                                     "sync is untested); train colocated")
         if cfg.lora_path:
             adapter.load_weights(Path(cfg.lora_path).expanduser())
         if cfg.quantize_base == "nf4":
@@ -160,9 +164,9 @@ def save_fn(cfg):
 
 
 def save_merged(model, folder, tokenizer=None) -> Path:
-    """Write ``model`` with its adapter merged (``W + B A * alpha / r``) as a full checkpoint loadable by transformers
-    and areno (a QLoRA base: ``W`` dequantised); the live weights are restored after. Under TP each rank merges its
-    own shard (every rank calls it)."""
+    """Write ``model`` with its adapter merged (``W + B A * alpha / r``; MoE experts' per expert) as a full
+    checkpoint loadable by transformers and areno (a QLoRA base: ``W`` dequantised); the live weights are restored
+    after. Under TP each rank merges its own shard (every rank calls it)."""
     from areno.models import save_model
 
     adapter = adapter_of(model)
@@ -175,12 +179,14 @@ def save_merged(model, folder, tokenizer=None) -> Path:
             offset, count = s.span(adapter.tp_rank, adapter.tp_size)
             rows = w[offset : offset + count]
             rows.copy_((rows.float() + adapter.pair(s.hf_module).delta_weight().float()).to(w.dtype))
+        kept_experts = lora_experts.merge(model, adapter.expert_pair_list())
         try:
             with adapter.disabled():
                 save_model(model, folder, tokenizer)
         finally:
             for name, w in kept.items():
                 modules[name].weight.copy_(w)
+            lora_experts.restore(model, kept_experts)
     return Path(folder)
 
 

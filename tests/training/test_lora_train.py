@@ -46,17 +46,23 @@ def test_one_lora_step_of_each_algorithm_saves_a_peft_adapter(inputs, tmp_path, 
     tensors = load_file(str(saved / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in tensors.items())  # B moved
+    _check_saved(ckpt, saved, merged=algo == "sft")
+
+
+def _check_saved(ckpt, saved, merged: bool):
+    """The saved adapter gives areno and PEFT the same logits; with ``merged`` (--merge-lora) transformers loads
+    ``merged/`` to the same function."""
     ours = load_model(ckpt, device="cpu", dtype=torch.float32, attn_backend="native")
     adapter = attach(ours, read_peft_config(saved))
     adapter.load_weights(saved)
     with torch.no_grad():
         mine = ours.logits(IDS)
     torch.testing.assert_close(mine, _peft_logits(ckpt, saved), atol=2e-5, rtol=2e-5)
-    if algo == "sft":  # --merge-lora: full weights transformers loads, the same function
-        merged = transformers.AutoModelForCausalLM.from_pretrained(str(saved / "merged"), dtype=torch.float32,
-                                                                   attn_implementation="eager")
+    if merged:
+        full = transformers.AutoModelForCausalLM.from_pretrained(str(saved / "merged"), dtype=torch.float32,
+                                                                 attn_implementation="eager")
         with torch.no_grad():
-            torch.testing.assert_close(merged(IDS).logits, mine, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(full(IDS).logits, mine, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.slow
@@ -115,6 +121,8 @@ def test_lora_path_starts_from_a_peft_adapter(inputs, tmp_path):
     (["--lora-rank", "4", "--train-cuda-graphs", "on", "--no-activation-checkpointing"], "--train-cuda-graphs"),
     (["--lora-rank", "4", "--lora-dropout", "1.5"], "--lora-dropout"),
     (["--lora-rank", "4", "--merge-lora"], "--merge-lora"),
+    (["--lora-rank", "4", "--world-size", "2", "--tp-size", "2", "--lora-target-modules", "experts"],
+     "--lora-target-modules"),  # expert LoRA under TP
     (["--lora-rank", "4", "--unfreeze-mm-tower"], "--unfreeze-mm-tower"),
 ])
 def test_what_is_not_built_or_not_applicable_exits_2_naming_the_flag(inputs, extra, flag, capsys):
@@ -194,3 +202,30 @@ def test_tensor_parallel_2_gives_the_single_process_adapter(inputs, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "grpo" / "metrics" / "metrics.jsonl").read_text().splitlines()]
     diffs = [m["logprob_diff_max"] for m in lines if "logprob_diff_max" in m]
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.slow  # one GRPO step on a tiny MoE and a refused split run: ~40 s on 2 cores
+def test_a_grpo_step_with_moe_expert_lora_saves_peft_s_adapter_and_merged_weights(inputs, tmp_path, capsys):
+    """`--lora-target-modules experts.gate_up_proj,experts.down_proj,q_proj` on a tiny Qwen3-MoE: one GRPO step moves
+    the expert adapters; the checkpoint gives PEFT (transformers' fused experts) and --merge-lora's weights our logits;
+    split mode is refused naming the flag."""
+    from areno.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=1)
+    moe = (ckpt, *inputs[1:])
+    targets = ["--lora-target-modules", "experts.gate_up_proj,experts.down_proj,q_proj"]
+    assert main(_argv(moe, tmp_path / "out", "grpo", *targets, "--merge-lora", "--lr", "5e-2")) == 0
+    saved = tmp_path / "out" / "step-1"
+    tensors = load_file(str(saved / "adapter_model.safetensors"))
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in experts  # gate_up, nested
+    assert any(k.endswith("experts.lora_B.weight") and tensors[k].abs().max() > 0 for k in experts)  # down's B moved
+    conf = json.loads((saved / "adapter_config.json").read_text())
+    assert conf["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    _check_saved(ckpt, saved, merged=True)
+    split = _argv(moe, tmp_path / "split", "grpo", *targets, "--train-devices", "0",
+                  "--rollout-devices", "1")
+    capsys.readouterr()
+    assert _exit_code(split) == 2
+    out = capsys.readouterr()
+    assert "--lora-target-modules" in out.err + out.out and "split mode" in out.err + out.out

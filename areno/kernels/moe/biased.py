@@ -57,19 +57,19 @@ def biased_moe_native(x, gate_up, gate_up_bias, down, weights, ids, alpha: float
     return out
 
 
-def _strides(w, transposed: bool) -> tuple:
+def operand_strides(w, transposed: bool) -> tuple:
     """(expert, k, n) strides of ``w[e]`` as the GEMM's [K, N] operand (``transposed``: of ``w[e]^T``)."""
     return (w.stride(0), w.stride(2), w.stride(1)) if transposed else (w.stride(0), w.stride(1), w.stride(2))
 
 
-class _GatherGEMM(torch.autograd.Function):
+class GatherGEMM(torch.autograd.Function):
     """``out[r] = x[tok(r)] @ W[e(r)]`` by sorted row r (``W [E, K, N]``)."""
 
     @staticmethod
     def forward(ctx, x, w, order, counts, top_k):
         ctx.save_for_backward(x, w, order, counts)
         ctx.top_k = top_k
-        return moe_gemm.expert_rows(x, w, _strides(w, False), w.shape[2], order, counts, top_k, gather_a=True,
+        return moe_gemm.expert_rows(x, w, operand_strides(w, False), w.shape[2], order, counts, top_k, gather_a=True,
                                     out_sorted=True)
 
     @staticmethod
@@ -78,43 +78,45 @@ class _GatherGEMM(torch.autograd.Function):
         dout, k = dout.contiguous(), ctx.top_k
         dx = dw = None
         if ctx.needs_input_grad[0]:  # by pair, then each token's k slots summed
-            dx = moe_gemm.expert_rows(dout, w, _strides(w, True), w.shape[1], order, counts, k)
+            dx = moe_gemm.expert_rows(dout, w, operand_strides(w, True), w.shape[1], order, counts, k)
             dx = dx.view(x.shape[0], k, -1).sum(1)
         if ctx.needs_input_grad[1]:
             dw = moe_gemm.expert_weight_grad(x, dout, order, counts, k, gather_a=True, gather_b=False)
         return dx, dw, None, None, None
 
 
-class _ScatterGEMM(torch.autograd.Function):
-    """``out[pair(r)] = a[r] @ W[e(r)]`` (``a`` by sorted row, ``out`` by pair, ``W [E, K, N]``)."""
+class ScatterGEMM(torch.autograd.Function):
+    """``out[pair(r)] = a[r] @ W[e(r)]`` (``a`` by sorted row, ``out`` by pair, or by sorted row with
+    ``out_sorted``; ``W [E, K, N]``)."""
 
     @staticmethod
-    def forward(ctx, a, w, order, counts, top_k):
+    def forward(ctx, a, w, order, counts, top_k, out_sorted=False):
         ctx.save_for_backward(a, w, order, counts)
-        ctx.top_k = top_k
-        return moe_gemm.expert_rows(a, w, _strides(w, False), w.shape[2], order, counts, top_k)
+        ctx.top_k, ctx.out_sorted = top_k, out_sorted
+        return moe_gemm.expert_rows(a, w, operand_strides(w, False), w.shape[2], order, counts, top_k,
+                                    out_sorted=out_sorted)
 
     @staticmethod
     def backward(ctx, dout):
         a, w, order, counts = ctx.saved_tensors
-        dout_sorted = dout[order.long()].contiguous()
+        dout_sorted = (dout if ctx.out_sorted else dout[order.long()]).contiguous()
         da = dw = None
         if ctx.needs_input_grad[0]:
-            da = moe_gemm.expert_rows(dout_sorted, w, _strides(w, True), w.shape[1], order, counts, ctx.top_k,
+            da = moe_gemm.expert_rows(dout_sorted, w, operand_strides(w, True), w.shape[1], order, counts, ctx.top_k,
                                       out_sorted=True)
         if ctx.needs_input_grad[1]:
             dw = moe_gemm.expert_weight_grad(a, dout_sorted, order, counts, ctx.top_k, gather_a=False,
                                              gather_b=False)
-        return da, dw, None, None, None
+        return da, dw, None, None, None, None
 
 
 def _biased_moe_triton(x, gate_up, gate_up_bias, down, weights, ids, alpha, limit):
     T, k = ids.shape
     order, counts = sort_by_expert(ids, gate_up.shape[0])
     expert = ids.reshape(-1)[order.long()].long()  # each sorted row's expert
-    gu = _GatherGEMM.apply(x, gate_up, order, counts, k) + gate_up_bias[expert]
+    gu = GatherGEMM.apply(x, gate_up, order, counts, k) + gate_up_bias[expert]
     h = clamped_swiglu(gu, alpha, limit).contiguous()
-    y = _ScatterGEMM.apply(h, down, order, counts, k).view(T, k, -1)
+    y = ScatterGEMM.apply(h, down, order, counts, k).view(T, k, -1)
     return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 

@@ -94,7 +94,7 @@ class FusedMoEFunction(torch.autograd.Function):
 def fused_moe_native(x, w13, w2, topk_weights, topk_ids, *, activation: str = "silu"):
     """The per-expert loop, as transformers' Qwen3MoeExperts.forward runs it (host syncs on the hit experts); without
     gradients at decode size (at most ``DENSE_PAIRS_PER_EXPERT`` pairs per expert) :func:`fused_moe_dense`."""
-    _check_activation(activation)
+    check_activation(activation)
     E, act = w13.shape[0], ACTIVATIONS[activation]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights))
     if not grad and topk_ids.numel() <= DENSE_PAIRS_PER_EXPERT * E:
@@ -135,12 +135,12 @@ def fused_moe_reference(x, w13, w2, topk_weights, topk_ids):
     return (o * topk_weights[..., None].to(o.dtype)).sum(dim=1)
 
 
-def _check_activation(activation: str):
+def check_activation(activation: str):
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
-def _check(x, w13, w2, topk_weights, topk_ids):
+def check_inputs(x, w13, w2, topk_weights, topk_ids):
     assert x.dim() == 2, f"fused_moe: x must be [T, H], got {tuple(x.shape)}"
     T, H = x.shape
     assert w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0, \
@@ -156,8 +156,8 @@ def _check(x, w13, w2, topk_weights, topk_ids):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
     """Routed experts: ``sum_k w_k * (silu(x Wg^T) * (x Wu^T)) W2^T`` as [T, H]; grads for x, w13, w2, weights."""
-    _check_activation(activation)
-    _check(x, w13, w2, topk_weights, topk_ids)
+    check_activation(activation)
+    check_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation != "silu":  # the Triton kernels fuse SiLU-and-mul only
         return fused_moe_native(x, w13, w2, topk_weights, topk_ids, activation=activation)
     # fp32 only under the interpreter: on a GPU an IEEE-fp32 grouped GEMM is slow to compile and to run
