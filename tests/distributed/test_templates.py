@@ -13,6 +13,7 @@ import os
 import shlex
 import string
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,7 +172,14 @@ def skypilot_task(config: dict, envs: dict | None = None):
         pytest.skip("skypilot is not installed (bash scripts/install.sh --test adds it, without its dependencies)")
     import sky
 
-    return sky.Task.from_yaml_config(copy.deepcopy(config), env_overrides=list((envs or {}).items()))
+    had, limit = hasattr(sys, "tracebacklimit"), getattr(sys, "tracebacklimit", None)
+    try:
+        return sky.Task.from_yaml_config(copy.deepcopy(config), env_overrides=list((envs or {}).items()))
+    finally:  # SkyPilot's error printer sets sys.tracebacklimit = 0 and leaves it when its error propagates, which
+        if had:  # empties traceback.extract_stack() for every later test of the session
+            sys.tracebacklimit = limit
+        elif hasattr(sys, "tracebacklimit"):
+            del sys.tracebacklimit
 
 
 def test_skypilot_task_is_valid_for_skypilot():

@@ -52,7 +52,7 @@ _FACTORIES = {torch.tensor: "torch.tensor(host data)", torch.as_tensor: "torch.a
 
 def _where() -> str:
     """The innermost areno source line of the current stack (the caller that issued the operation)."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
+    for frame in reversed(traceback.extract_stack(limit=10_000)[:-2]):  # its own limit: sys.tracebacklimit may be 0
         path = os.path.realpath(frame.filename)
         if path.startswith(PACKAGE + os.sep):  # areno's own code, wherever the checkout and its .venv lie
             return f"areno/{path[len(PACKAGE) + 1:]}:{frame.lineno} ({frame.line})"
