@@ -233,7 +233,7 @@ def _score_one(reward_fn, record) -> tuple[float, bool]:
         value = reward_fn(record)
         reward = reward_value(value)
     except BaseException as e:  # noqa: BLE001 - a user's bug (even sys.exit()) costs the sample, not the run
-        frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        frame = traceback.extract_tb(e.__traceback__, limit=10_000)[-1] if e.__traceback__ else None
         where = (frame.filename, frame.lineno) if frame else ("?", 0)
         if _first_time((type(e).__qualname__, *where)):
             log.warning("reward function raised on sample %s (scored 0.0; later %s at %s:%d are counted, not logged)"

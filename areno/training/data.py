@@ -80,7 +80,7 @@ def _user_line(e: BaseException, fn) -> str:
     import traceback
 
     file = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == file]
+    frames = [f for f in traceback.extract_tb(e.__traceback__, limit=10_000) if f.filename == file]
     return f" ({Path(file).name}, line {frames[-1].lineno})" if frames else ""
 
 

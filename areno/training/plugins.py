@@ -193,5 +193,5 @@ def _where(e: BaseException, path: Path) -> str:
     """`` (line N)``: where in the user's file the import failed, when it did fail there."""
     if isinstance(e, SyntaxError) and e.lineno:  # its message already says "(file, line N)"
         return "" if f"line {e.lineno}" in str(e) else f" (line {e.lineno})"
-    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__, limit=10_000) if Path(f.filename) == path]
     return f" (line {lines[-1]})" if lines else ""

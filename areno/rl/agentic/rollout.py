@@ -225,7 +225,7 @@ class AgentRollout:
                        "logged)")
             return 0.0, False
         if kind == "raised":  # a broken agent costs the sample, not the run
-            frame = traceback.extract_tb(out.__traceback__)[-1] if out.__traceback__ else None
+            frame = traceback.extract_tb(out.__traceback__, limit=10_000)[-1] if out.__traceback__ else None
             _warn_once((type(out).__name__, frame and frame.filename, frame and frame.lineno),
                        f"agent raised on prompt {item.prompt_index} sample {item.sample_index}: scored 0.0 "
                        f"(later ones counted, not logged)\n{''.join(traceback.format_exception(out)).rstrip()}")
