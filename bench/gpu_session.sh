@@ -25,6 +25,7 @@
 #   sync              S1 policy sync and the split-mode tests (nvidia-h200-x2)
 #   tp                serve/train TP vs TP=1 on every GPU of the machine (nvidia-h200-x2 or -x4)
 #   serve             V1: the engine alone, then the server under 500 streams and 16 req/s
+#   eval              `areno eval` throughput (bench/eval.py, $EVAL_ARGS); optimizer-8bit: bench/optimizer_8bit.py
 #   learn             proof of learning (SFT then GRPO/GSPO from scratch, $LEARN_ARGS)
 #   families          issue 38's speed bench: Qwen3.5-9B / 35B-A3B shapes, R1 rollout and T1 train step vs
 #                     transformers (>= 5.24 from $WHEELS_TF; older: areno's rows only), $FAMILIES_ARGS
@@ -130,7 +131,9 @@ for stage in "$@"; do
       step gpu2-tests 280 python3 -m pytest -q --timeout 240 --tb=short -p no:cacheprovider tests/rl/test_split.py \
         tests/training/test_train_graphs_gpu.py -k "not quickstart and not memory" ;;
     tp) step tp ${TP_LIMIT:-500} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
-    serve) step serve 480 python3 bench/serve.py ;;  # the engine alone on the same batch first, then the server
+    serve) step serve 480 python3 bench/serve.py ;;
+    eval) step eval ${EVAL_LIMIT:-240} python3 bench/eval.py ${EVAL_ARGS:-} ;;
+    optimizer-8bit) step optimizer_8bit ${OPT_LIMIT:-200} python3 bench/optimizer_8bit.py ;;  # the engine alone on the same batch first, then the server
     learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
     families)
       wheels "$WHEELS_TF" /tmp/tf
