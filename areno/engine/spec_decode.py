@@ -22,8 +22,13 @@ One engine step (``SpecDecoder.step``, in place of ``Engine.step``):
 
 A sample forked from a prompt drafts from its second step (its first position's MTP entry is its head's). With prefix
 caching, the MTP entry at the last position of a cached prefix was computed with the next token of the sequence that
-cached it: drafts may differ there, the output distribution never does. ``stats()``: ``spec_accept_len``, the mean
-tokens emitted per drafting sequence and verify step (accepted drafts + 1).
+cached it: drafts may differ there, the output distribution never does.
+
+The gate (``spec_gate.py``, ``--speculative-disable-by-batch-size``): a step where more than N sequences decode is a
+plain step (its drafts dropped, decode-mode metadata when it only decodes), the MTP catch-up still runs over its
+positions, and the chain drafts only when the next step will speculate. ``stats()``: ``spec_accept_len``, the mean
+tokens emitted per drafting sequence and verify step (accepted drafts + 1); ``spec_gated_steps``, the steps the gate
+made plain.
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
 graphs, multi-step decode, tensor parallelism, LoRA slots, vision-language models; per request: grammars, top
 log-probs.
@@ -37,6 +42,7 @@ import torch
 
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.scheduler import Chunk, Step
+from areno.engine.spec_gate import resolve_gate
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
 from areno.kernels.sampler import logits_f32, philox_bits, sampling_probs
@@ -107,7 +113,9 @@ class SpecDecoder:
         # the MTP layer's own paged K/V: one cache layer on the runner (released with it)
         runner.mtp_cache = torch.zeros_like(runner.kv_cache[0])
         self.drafts: dict[int, Draft] = {}
-        self.counts = {"verify_rows": 0, "emitted": 0, "drafted": 0}
+        # the largest batch that speculates (None: every step does)
+        self.limit = resolve_gate(engine.config.speculative_disable_by_batch_size, engine.model, k, runner.device)
+        self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
 
     @property
     def mtp_cache(self) -> torch.Tensor:
@@ -119,12 +127,13 @@ class SpecDecoder:
 
     def stats(self) -> dict:
         """Since the engine started: ``spec_accept_len`` (tokens emitted per drafting sequence and verify step),
-        ``verify_rows``, ``emitted``, ``drafted``."""
+        ``verify_rows``, ``emitted``, ``proposed`` (draft tokens verified), ``drafted`` (drafts made),
+        ``spec_gated_steps`` (steps run plain: too many sequences decoding)."""
         n = self.counts["verify_rows"]
         return {"spec_accept_len": self.counts["emitted"] / n if n else 0.0, **self.counts}
 
     def take_stats(self) -> dict:
-        """``{"spec_accept_len": ...}`` since the last call (a rollout's), the counts restarted."""
+        """``{"spec_accept_len": ...}`` since the last call (a rollout's), every count restarted."""
         out = {"spec_accept_len": self.stats()["spec_accept_len"]}
         self.counts = dict.fromkeys(self.counts, 0)
         return out
@@ -143,9 +152,10 @@ class SpecDecoder:
         copies, state_copies = list(e.blocks.pending_copies), list(e.blocks.pending_state_copies)
         e.blocks.pending_copies.clear()
         e.blocks.pending_state_copies.clear()
-        chunks, rows, next_known = self._plan(step)
-        inp = e.runner.prepare(Step(chunks, is_decode=False), [r.seq for r in rows], [r.index[0] for r in rows],
-                               copies)
+        gated = self._gated(step)
+        chunks, rows, next_known = self._plan(step, gated)
+        inp = e.runner.prepare(Step(chunks, is_decode=gated and step.is_decode), [r.seq for r in rows],
+                               [r.index[0] for r in rows], copies)
         inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
@@ -160,14 +170,28 @@ class SpecDecoder:
             self._catch_up_and_draft(chunks, rows, emitted, hidden, meta, pos, next_known)
         return [r.seq for r in rows]
 
-    def _plan(self, step: Step):
-        """The step's chunks extended by each drafting sequence's K_b tokens, its sampled rows, and for every
-        computed position the next token when it is known before sampling (else None)."""
+    def _gated(self, step: Step) -> bool:
+        """Whether the gate makes ``step`` plain: more sequences decode in it than the limit (counted)."""
+        decoding = sum(1 for c in step.chunks if c.samples and c.start == len(c.seq) - 1)
+        gated = self.limit is not None and decoding > self.limit
+        self.counts["spec_gated_steps"] += gated
+        return gated
+
+    def _speculates_next(self) -> bool:
+        """Whether the next step will speculate: the sequences that will decode in it (the running ones with their
+        prompt computed; preemption can only lower that) are within the limit."""
+        if self.limit is None:
+            return True
+        return sum(1 for s in self.engine.scheduler.running if s.num_computed >= len(s) - 1) <= self.limit
+
+    def _plan(self, step: Step, gated: bool = False):
+        """The step's chunks extended by each drafting sequence's K_b tokens (none when ``gated``), its sampled rows,
+        and for every computed position the next token when it is known before sampling (else None)."""
         e, rows, chunks, next_known, off = self.engine, [], [], [], 0
         for c in step.chunks:
             seq, kb = c.seq, 0
             d = self.drafts.pop(seq.seq_id, None) if c.samples else None
-            if d is not None and d.length == len(seq) and c.start == len(seq) - 1:
+            if d is not None and not gated and d.length == len(seq) and c.start == len(seq) - 1:
                 kb = len(d.tokens)
                 if not e.blocks.reserve_tokens(seq, len(seq) + kb):
                     kb, d = 0, None
@@ -290,6 +314,7 @@ class SpecDecoder:
             if k:
                 self.counts["verify_rows"] += 1
                 self.counts["emitted"] += len(t)
+                self.counts["proposed"] += k
             reason = e.stopper.extend(row.seq, t, lp)
             if k or len(t) > 1:
                 e.scheduler.after_decode(row.seq)
@@ -311,7 +336,7 @@ class SpecDecoder:
         nxt = torch.tensor([0 if t is None else t for t in nxt], dtype=torch.int64, device=dev)
         out, chain = self.draft(e.model, 0, hidden, nxt, pos, meta, self.mtp_kv)
         live = []  # (row, K_b, hidden row of its last accepted position)
-        for row, toks in zip(rows, emitted):
+        for row, toks in zip(rows, emitted) if self._speculates_next() else ():
             seq = row.seq
             kb = min(self.k, e.max_model_len - len(seq), seq.options.max_new_tokens - seq.num_output - 1)
             if row.fresh_fork or seq.is_finished or kb < 1 or not e.blocks.reserve_tokens(seq, len(seq) + kb):
