@@ -85,14 +85,14 @@ def check_speculative(engine) -> None:
 
 
 def spec_decoder(engine) -> SpecDecoder | None:
-    """The engine's ``SpecDecoder`` for its (new) runner with ``--speculative-tokens`` (the draft built once), else
-    None."""
+    """The engine's ``SpecDecoder`` for its (new) runner with ``--speculative-tokens`` (the draft built and the gate
+    resolved once), else None."""
     k = engine.config.speculative_tokens
     if not k:
         return None
     check_speculative(engine)
     old = getattr(engine, "spec", None)
-    return SpecDecoder(engine, k, None if old is None else old.draft)
+    return SpecDecoder(engine, k, old)
 
 
 def check_request(spec, options) -> None:
@@ -104,9 +104,10 @@ def check_request(spec, options) -> None:
 class SpecDecoder:
     """The engine's speculative steps (see the module docstring); built with the engine's runner."""
 
-    def __init__(self, engine, k: int, draft=None):
+    def __init__(self, engine, k: int, old: SpecDecoder | None = None):
+        """``old``: the decoder of the engine's previous runner, whose draft and gate this one keeps."""
         self.engine, self.k = engine, k
-        self.draft = draft if draft is not None else build_mtp_draft(engine.model)
+        self.draft = old.draft if old is not None else build_mtp_draft(engine.model)
         runner = engine.runner
         if runner.use_graphs:
             raise ValueError("--speculative-tokens with CUDA graphs is not built yet: add --eager-decode")
@@ -114,7 +115,8 @@ class SpecDecoder:
         runner.mtp_cache = torch.zeros_like(runner.kv_cache[0])
         self.drafts: dict[int, Draft] = {}
         # the largest batch that speculates (None: every step does)
-        self.limit = resolve_gate(engine.config.speculative_disable_by_batch_size, engine.model, k, runner.device)
+        self.limit = old.limit if old is not None else resolve_gate(engine.config.speculative_disable_by_batch_size,
+                                                                    engine.model, k, runner.device)
         self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
 
     @property
