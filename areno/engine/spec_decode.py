@@ -6,7 +6,8 @@ One engine step (``SpecDecoder.step``, in place of ``Engine.step``):
 
 1. Schedule as usual. A sequence whose last step left a draft of K_b tokens (made for its current length) decodes
    ``[last token, d_0 .. d_{K_b-1}]`` at positions n-1 .. n-1+K_b (its blocks reserved up to there); prefill chunks
-   and the n samples forked from a prompt run as usual (K_b = 0: ``verify_draft`` then is plain sampling).
+   and the n samples forked from a prompt run as usual (K_b = 0: ``verify_draft`` then is plain sampling; a step
+   where no row drafts samples through the runner's own ``sample_rows``, as a plain step does).
 2. One target forward of the whole step (prefill-mode metadata: every row a query run), the target's logits at each
    row's K_b + 1 positions, ``verify_draft`` (the engine's logit adjustments, penalties, seeds); the log-probs
    returned are the target's.
@@ -263,6 +264,9 @@ class SpecDecoder:
             return [], [], []
         nd = [len(row.index) - 1 for row in rows]
         K = max(nd)
+        if not K:  # no draft to verify (a gated step, prefills): the plain step's sampling
+            toks, lps, _ = r.sample_rows(inp, hidden)
+            return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd
         V = r.vocab_size
         index = torch.tensor([row.index + [row.index[-1]] * (K - len(row.index) + 1) for row in rows], device=dev)
         logits = r.logits(hidden[index.view(-1)]).view(B, K + 1, V)
