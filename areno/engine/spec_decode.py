@@ -26,8 +26,13 @@ caching, the MTP entry at the last position of a cached prefix was computed with
 cached it: drafts may differ there, the output distribution never does.
 
 The gate (``spec_gate.py``, ``--speculative-disable-by-batch-size``): a step where more than N sequences decode is a
-plain step (its drafts dropped, decode-mode metadata when it only decodes), the MTP catch-up still runs over its
-positions, and the chain drafts only when the next step will speculate. ``stats()``: ``spec_accept_len``, the mean
+plain step (its drafts dropped, decode-mode metadata and the runner's sampling when it only decodes), and the chain
+drafts only when the next step will speculate. The MTP layer's K/V must still cover every position such a step
+computes (the first draft after the gate lifts attends to them): a gated step of decodes that another gated step
+follows keeps its hidden rows instead (``_defer``), and their catch-up runs in one prefill-mode pass (``_flush``) before
+the next step that runs a catch-up, or once more than ``DEFER_BYTES`` of rows are held; a sequence that finishes while
+gated never pays for it. (A prefix-cache hit on a decoded block whose catch-up is still held reads stale draft K/V
+there: drafts may differ, the output distribution never does.) ``stats()``: ``spec_accept_len``, the mean
 tokens emitted per drafting sequence and verify step (accepted drafts + 1); ``spec_gated_steps``, the steps the gate
 made plain.
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
@@ -43,6 +48,7 @@ import torch
 
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.scheduler import Chunk, Step
+from areno.engine.sequence import Status
 from areno.engine.spec_gate import resolve_gate
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
@@ -50,6 +56,7 @@ from areno.kernels.sampler import logits_f32, philox_bits, sampling_probs
 from areno.models.mtp import build_mtp_draft
 
 DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
+DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gated steps before it runs anyway
 
 
 @dataclass
@@ -115,6 +122,9 @@ class SpecDecoder:
         # the MTP layer's own paged K/V: one cache layer on the runner (released with it)
         runner.mtp_cache = torch.zeros_like(runner.kv_cache[0])
         self.drafts: dict[int, Draft] = {}
+        # the deferred MTP catch-up of gated steps: seq_id -> (seq, first position, hidden rows), at most defer_rows
+        self.deferred: dict[int, tuple] = {}
+        self.defer_rows = max(1, DEFER_BYTES // (engine.model.config.hidden_size * runner.dtype.itemsize))
         # the largest batch that speculates (None: every step does)
         self.limit = old.limit if old is not None else resolve_gate(engine.config.speculative_disable_by_batch_size,
                                                                     engine.model, k, runner.device)
@@ -149,6 +159,8 @@ class SpecDecoder:
         step = e.scheduler.schedule(admit=True)
         if not step.chunks:
             return []
+        for seq in step.preempted:  # recomputed from their prompt: what they held is gone with their blocks
+            self.deferred.pop(seq.seq_id, None)
         if len(self.drafts) > len(e.scheduler.running):  # those of finished, aborted or preempted sequences
             running = {s.seq_id for s in e.scheduler.running}
             self.drafts = {i: d for i, d in self.drafts.items() if i in running}
@@ -170,7 +182,11 @@ class SpecDecoder:
         e.scheduler.after_step(step)
         emitted = self._append(rows, verified)
         with torch.inference_mode():
-            self._catch_up_and_draft(chunks, rows, emitted, hidden, meta, pos, next_known)
+            if gated and step.is_decode and not self._speculates_next():
+                self._defer(chunks, hidden)
+            else:
+                self._flush()
+                self._catch_up_and_draft(chunks, rows, emitted, hidden, meta, pos, next_known)
         return [r.seq for r in rows]
 
     def _gated(self, step: Step) -> bool:
@@ -330,6 +346,37 @@ class SpecDecoder:
         return toks
 
     # ---- drafting ------------------------------------------------------------------------------------------
+    def _defer(self, chunks, hidden) -> None:
+        """A gated step of decodes only that another gated step follows: its MTP catch-up waits, each sequence's hidden
+        row kept, until a step needs the draft's K/V whole (``_flush``) or more than ``defer_rows`` rows are held."""
+        for i, c in enumerate(chunks):
+            held = self.deferred.get(c.seq.seq_id)
+            if held is not None and held[1] + len(held[2]) != c.start:  # not the position after them: keep both
+                self._flush()
+                held = None
+            if held is None:
+                held = self.deferred[c.seq.seq_id] = (c.seq, c.start, [])
+            held[2].append(hidden[i])
+        self.deferred = {i: d for i, d in self.deferred.items() if not d[0].is_finished}
+        if sum(len(d[2]) for d in self.deferred.values()) > self.defer_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The deferred MTP catch-up: step 0 of the draft over every held position of the running sequences in one
+        prefill-mode pass, which writes the draft's K/V there (no draft is made from them: a later step's catch-up
+        does that). Finished and preempted sequences' rows are dropped."""
+        held = [d for d in self.deferred.values() if d[0].status is Status.RUNNING]
+        self.deferred = {}
+        if not held:
+            return
+        r = self.engine.runner
+        inp = r.prepare(Step([Chunk(seq, p, p + len(h)) for seq, p, h in held], is_decode=False), [], [], [])
+        _, pos, meta = r.step_tensors(inp)
+        nxt = torch.tensor([seq.tokens[q + 1] for seq, p, h in held for q in range(p, p + len(h))],
+                           dtype=torch.int64, device=r.device)
+        hidden = torch.stack([row for _, _, h in held for row in h])
+        self.draft(self.engine.model, 0, hidden, nxt, pos, meta, self.mtp_kv)
+
     def _catch_up_and_draft(self, chunks, rows, emitted, hidden, meta, pos, next_known) -> None:
         """MTP step 0 over every computed position (its K/V written), then the chain for live rows."""
         e, dev = self.engine, self.engine.runner.device

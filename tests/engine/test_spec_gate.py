@@ -4,7 +4,7 @@ greedy tokens and log-probs equal the plain engine's and the gated steps are the
 step samples at temperature 1 exactly what a plain step does; the MTP layer's paged K/V covers the positions gated
 steps computed (a fresh prefill of the same tokens is the oracle); with a draft that predicts the target exactly every
 draft after the gate lifts is accepted; ``auto`` resolves from the roofline (a number on the CPU); bad values and the
-flag without --speculative-tokens are refused naming it."""
+flag without --speculative-tokens are refused naming it; preemption under the gate keeps greedy tokens."""
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ import torch
 
 from areno.config import ConfigError, SamplingParams, ServeConfig
 from areno.engine.engine import Engine, EngineConfig
+from areno.engine.kv_cache import kv_bytes_per_block
 from areno.engine.spec_gate import AUTO_FALLBACK, auto_threshold, decode_counts
 from areno.models import load_model
 from areno.platform.roofline import H100, H200, roofline_of
@@ -85,6 +86,18 @@ def test_the_gated_steps_are_those_the_threshold_implies(echo, limit):
     assert _engine(echo, 2, gate="off").spec.limit is None and _engine(echo, 2, gate=0).spec.limit is None
 
 
+def test_preemption_under_the_gate_keeps_greedy_tokens(echo):
+    """A cache small enough to preempt (n = 2 samples of three prompts, ten blocks): the preempted sequences' held
+    catch-up is dropped and recomputed with them; greedy tokens equal the plain engine's."""
+    opts = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, n=2)
+    plain = [[c.token_ids for c in g] for g in _engine(echo, 0, max_running=6).generate(PROMPTS[:3], opts)]
+    budget = 10 * kv_bytes_per_block(echo, 4, torch.float32, extra_layers=1)
+    e = _engine(echo, 2, gate=2, max_running=6, max_batched_tokens=12, kv_cache_memory=budget)
+    assert [[c.token_ids for c in g] for g in e.generate(PROMPTS[:3], opts)] == plain
+    stats = e.spec.stats()
+    assert e.scheduler.num_preemptions > 0 and stats["spec_gated_steps"] > 0 and stats["verify_rows"] > 0
+
+
 def test_a_gated_step_samples_what_a_plain_step_does(echo):
     """Temperature 1, seeded: every step gated (N = 1, four sequences of equal length) gives the plain engine's tokens
     token for token (the verify step's bonus draw is plain sampling's noise); so does the engine's rebuilt runner."""
@@ -106,14 +119,20 @@ def _mtp_kv(engine, seq, n):
     return engine.spec.mtp_cache[:, blocks, offs]
 
 
-def test_gated_steps_keep_the_mtp_cache_whole(checkpoint):
-    """The random MTP layer (its attention reads its own K/V): after gated steps and speculating ones, the MTP K/V at
-    every computed position of a running sequence equals a fresh engine's after prefilling the same tokens."""
+@pytest.mark.parametrize("defer_rows", [None, 2])
+def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
+    """The random MTP layer (its attention reads its own K/V): after gated steps (their catch-up deferred, run when
+    the gate lifts, or every time more than 2 rows are held) and speculating ones, the MTP K/V at every computed
+    position of a running sequence equals a fresh engine's after prefilling the same tokens."""
     model = load_model(checkpoint, dtype=torch.float32, device="cpu")
     e = _engine(model, 2, gate=1)
+    e.spec.defer_rows = defer_rows or e.spec.defer_rows
     seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS[:3], (4, 6, 30))]
+    held = 0
     while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
         e.step()
+        held = max(held, sum(len(d[2]) for d in e.spec.deferred.values()))
+    assert held == (2 if defer_rows else 8) and not e.spec.deferred  # deferred, then run
     seq = seqs[2]
     assert e.spec.counts["spec_gated_steps"] >= 4 and not seq.is_finished
     n = seq.num_computed
