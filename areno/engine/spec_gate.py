@@ -6,10 +6,11 @@ B is small the step is memory-bound and verifying K + 1 positions per sequence c
 so the accepted drafts are nearly free tokens; once B (K + 1) tokens pass the device's ridge point the step is
 compute-bound and the verify costs (K + 1)x a plain step, which the accepted drafts no longer pay for (verl measured
 a 50% loss there). Above N a step is a plain decode step: no drafts verified, one token per sequence, decode-mode
-attention when nothing else shares the step; the MTP layer still runs its catch-up (step 0 of the draft, one layer)
-over every position the step computes, so its paged K/V covers every position and drafting resumes exactly when the
-batch shrinks again. Drafts are made at the end of a step only when the next step speculates: when the sequences that
-will decode in it (every running sequence with its prompt computed) are at most N.
+attention and the runner's own sampling when nothing else shares the step. The MTP layer's paged K/V must still cover
+every position (its catch-up, step 0 of the draft, one layer): ``spec_decode`` defers it for gated decode steps and
+runs it in one pass when the gate lifts (see there), so drafting resumes exactly when the batch shrinks again. Drafts
+are made at the end of a step only when the next step speculates: when the sequences that will decode in it (every
+running sequence with its prompt computed) are at most N.
 
 ``auto``: the verify step's tokens per step where it turns compute-bound, T = ridge x (weight bytes a step reads) /
 (FLOPs per token), with ridge = peak dense bf16 FLOP/s / memory bandwidth of the device
