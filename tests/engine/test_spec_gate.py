@@ -204,3 +204,19 @@ def test_refused_without_speculative_tokens(tmp_path, capsys):
         err = capsys.readouterr().err
         assert exc.value.code == 2 and "--speculative-disable-by-batch-size applies only with --speculative-tokens" \
             in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "bailing_hybrid"])
+def test_gate_transitions_keep_greedy_tokens_on_the_gpu(tmp_path, family):
+    """The CPU test's transitions on the GPU's kernels (fp32 weights, eager decode for both engines), and ``auto``
+    resolving from the GPU's roofline (H100 / H200: a number of its own, else the fixed value)."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
+    model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0)
+    plain = _run_with_arrivals(_engine(model, 0, eager_decode=True))
+    e = _engine(model, 2, gate=2, eager_decode=True)
+    assert [t for t, _ in _run_with_arrivals(e)] == [t for t, _ in plain]
+    assert e.spec.stats()["spec_gated_steps"] > 0 and e.spec.stats()["verify_rows"] > 0
+    roof = roofline_of(torch.cuda.get_device_name())
+    assert _engine(model, 2, eager_decode=True).spec.limit == auto_threshold(model, 2, roof)[0]
