@@ -224,10 +224,15 @@ def run_batch_sweep(args, device) -> list[dict]:
 
 
 def crossover(records: list[dict]) -> str:
-    """One line: the batches where speculation (never gated) beats the plain engine and where it does not."""
+    """One line: the batches where speculation (never gated) beats the plain engine, and the batch from which on it
+    loses at every size measured (the crossover), next to the N that auto resolves to."""
     spec = sorted((r for r in records if r.get("speedup_vs_plain") is not None), key=lambda r: r["batch"])
     wins = [r["batch"] for r in spec if r["speedup_vs_plain"] >= 1.0]
-    losses = [r["batch"] for r in spec if r["speedup_vs_plain"] < 1.0]
+    stop = None
+    for r in reversed(spec):
+        if r["speedup_vs_plain"] >= 1.0:
+            break
+        stop = r["batch"]
     limit = spec[0]["auto_limit"] if spec else None
-    return (f"speculation pays at batch {wins or 'none'}, loses at {losses or 'none'}; the crossover lies between "
-            f"{max(wins) if wins else '-'} and {min(losses) if losses else '-'}; auto gates above {limit}")
+    tail = f"it loses from batch {stop} on" if stop is not None else "it pays at every batch measured"
+    return f"speculation pays at batch {wins or 'none'}; {tail}; auto speculates up to batch {limit}"
