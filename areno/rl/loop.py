@@ -431,6 +431,8 @@ class TrainLoop:
             self.logger.close()
         if hasattr(self, "trainer"):
             self.trainer.optimizer.close()
+            if self.trainer.mtp is not None:
+                self.trainer.mtp.close()
         if self.critic_trainer is not None:
             self.critic_trainer.optimizer.close()
         if self.run_dir is not None:
