@@ -235,6 +235,12 @@ class PolicyTrainer:
         self.num_updates += 1
         return stats, float(grad_norm), lr, group_lrs
 
+    def close(self) -> None:
+        """Release the optimizers' state (disk offload files)."""
+        self.optimizer.close()
+        if self.mtp is not None:
+            self.mtp.close()
+
     def _plan(self, packs: list[Packed], entropy: bool, weighted: bool = False):
         """Each microbatch's graph bucket (None: eager) and the update's gradient mode (None: all eager), with
         the update's graphs captured and its gradients zeroed (areno.training.graphs)."""
