@@ -6,11 +6,11 @@ policy's AdamW settings and learning rate, a separate ``MasterAdamW``: clipping 
 sharing one would let the draft's gradient change the policy's update). Each training microbatch adds
 ``W * mtp_loss`` (the draft's next-next-token cross-entropy on the microbatch's rows, teacher forced from the
 target's detached final hidden states; labels are the scored tokens, normalised by the update's token count as the
-policy losses are); nothing of it reaches the policy's gradient. After each optimizer update the draft's weights are
-written into the model's kept MTP tensors (``store_kept``): checkpoints save them under their Hub names, the
-colocated engine's draft reloads them, split mode's sync streams them (``KeptMTP.stream_mtp``). Metrics per step:
-``mtp_loss`` (mean cross-entropy per labelled token), ``mtp_accuracy`` (the draft's top-1 agreement),
-``mtp_grad_norm``.
+policy losses are; the --sft-warmup-steps updates train it too, on their responses); nothing of it reaches the
+policy's gradient. After each optimizer update the draft's weights are written into the model's kept MTP tensors
+(``store_kept``): checkpoints save them under their Hub names, the colocated engine's draft reloads them, split mode's
+sync streams them (``KeptMTP.stream_mtp``). Metrics per step: ``mtp_loss`` (mean cross-entropy per labelled token),
+``mtp_accuracy`` (the draft's top-1 agreement), ``mtp_grad_norm``.
 """
 
 from __future__ import annotations

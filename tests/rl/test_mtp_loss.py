@@ -83,6 +83,11 @@ def test_a_resumed_run_continues_exactly(files, runs, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def engine_drafts_with_the_trainers_weights(loop) -> bool:
+    mine, theirs = (dict(d.named_parameters()) for d in (loop.trainer.mtp.draft, loop.engine.engine.spec.draft))
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_the_colocated_engine_drafts_with_the_trained_weights(family, files, tmp_path):
     _, data, reward = files
@@ -94,13 +99,12 @@ def test_the_colocated_engine_drafts_with_the_trained_weights(family, files, tmp
     loop = TrainLoop(cfg)
     try:
         loop.setup()
-        engine, trainer = loop.engine.engine, loop.trainer.mtp.draft
+        engine = loop.engine.engine
         first = {k: v.clone() for k, v in engine.spec.draft.named_parameters()}
         steps = [loop.step(batch) for batch, _ in zip(loop.data, range(2))]
         loop.engine.refresh()  # before the next rollout: the engine's draft reloads the last update's weights
-        mine, theirs = dict(trainer.named_parameters()), dict(engine.spec.draft.named_parameters())
-        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-        assert any(not torch.equal(first[k], theirs[k]) for k in first)
+        assert engine_drafts_with_the_trainers_weights(loop)
+        assert any(not torch.equal(first[k], v) for k, v in engine.spec.draft.named_parameters())
         kept = engine.spec.draft.hub_tensors(engine.model)  # and the kept tensors a checkpoint saves hold them
         assert all(torch.equal(v, getattr(engine.model.mtp, f"t{j}"))
                    for j, (k, v) in enumerate(kept.items()))
@@ -159,3 +163,26 @@ def test_a_model_without_mtp_layers_or_a_negative_weight_exits_2(files, tmp_path
     assert "--mtp-loss-weight needs a model with MTP" in capsys.readouterr().err
     assert exit_code(train_args(files, tmp_path / "o", "--mtp-loss-weight", "-1")) == 2
     assert "--mtp-loss-weight must be" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5", "bailing_hybrid"])
+def test_bf16_gpu_run_trains_the_draft_the_engine_drafts_with(family, files, tmp_path):
+    """On the GPU in bf16 (Triton kernels, the hybrids' recurrent states, speculation on): the MTP loss falls, the
+    accept length is logged every step and the engine's draft equals the trainer's after the last update."""
+    _, data, reward = files
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=0, dtype=torch.bfloat16)
+    cfg = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), batch_size=2, n_samples=2,
+                      mini_bs=1, max_steps=4, max_new_tokens=8, dtype="bfloat16", lr=1e-2, temperature=0.7,
+                      tensorboard=False, metrics_dir=str(tmp_path / "m"), speculative_tokens=2, eager_decode=True,
+                      decode_steps=1, mtp_loss_weight=1.0)
+    loop = TrainLoop(cfg)
+    try:
+        loop.setup()
+        steps = [loop.step(batch) for batch, _ in zip(loop.data, range(4))]
+        loop.engine.refresh()
+        assert engine_drafts_with_the_trainers_weights(loop) and loop.trainer.mtp.draft.proj[0].weight.is_cuda
+    finally:
+        loop.close()
+    assert steps[-1]["mtp_loss"] < steps[0]["mtp_loss"]
+    assert all(1.0 <= m["spec_accept_len"] <= 3.0 for m in steps)

@@ -348,7 +348,7 @@ class RemoteRollout:
         waited = time.perf_counter() - t0
         answers = [parts[self.layout.rollout_ranks.index(ranks[0]) + 1] for ranks in self.layout.engines]
         idle = {"train_idle_s": waited, "rollout_idle_s": max((i for _, i, _ in answers), default=0.0)}
-        accept = [s["spec_accept_len"] for _, _, s in answers if s.get("spec_accept_len")]
+        accept = [s["spec_accept_len"] for _, _, s in answers if "spec_accept_len" in s]
         if accept:  # --speculative-tokens: the engines' mean accept length over this command
             idle["spec_accept_len"] = sum(accept) / len(accept)
         return tag, version, sizes, [a for a, _, _ in answers], idle
