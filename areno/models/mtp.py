@@ -61,8 +61,13 @@ class KeptMTP:
 
     def stream_mtp(self) -> None:
         """The kept MTP tensors train (``--mtp-loss-weight``: written by the trainer's draft, outside the policy's
-        optimizer): each is marked ``streamed``, so split mode's policy sync carries them with the trainable ones."""
+        optimizer): each is held in the model's dtype, as the policy's own tensors (a checkpoint's other dtype would
+        round every update's write), and marked ``streamed``, so split mode's policy sync carries them with the
+        trainable ones. Called on the train ranks and on split mode's rollout ranks alike."""
+        dtype = self.embed_tokens.weight.dtype
         for p in self.mtp.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
             p.streamed = True
 
     @property

@@ -41,10 +41,10 @@ class MTPTrainer:
     def __init__(self, model, weight: float, make_optimizer):
         check_model(model)
         self.model, self.weight = model, float(weight)
+        model.stream_mtp()  # before the engine and the split-mode sync plan are built
         self.draft = build_mtp_draft(model, trainable=True)
         self.draft.train()
         self.optimizer = make_optimizer([p for p in self.draft.parameters() if p.requires_grad])
-        model.stream_mtp()
         self.grad_norms: list[float] = []
 
     def backward(self, hidden, packed, norms) -> dict:

@@ -421,13 +421,16 @@ def generate_share(engine, cmd: dict, index: int) -> list:
 
 def rollout_policy(cfg, layout, device, dtype):
     """The rollout rank's frozen policy: the checkpoint (sharded over the engine's TP group), the run's LoRA adapter
-    (zero B, or --lora-path's; each sync fills it), FP8 copies under --rollout-dtype fp8 (each sync streams them)."""
+    (zero B, or --lora-path's; each sync fills it), FP8 copies under --rollout-dtype fp8 (each sync streams them), the
+    MTP tensors in the model's dtype under --mtp-loss-weight (each sync streams them)."""
     from areno.models import load_model
     from areno.training import lora
 
     model = load_model(cfg.ckpt, dtype=dtype, device=device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
     lora.apply(cfg, model)
+    if cfg.mtp_loss_weight > 0:  # the trainer's MTP tensors arrive in the model's dtype
+        model.stream_mtp()
     if cfg.rollout_dtype == "fp8":
         fp8_rollout.enable(model)
     model.eval()
