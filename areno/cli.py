@@ -174,10 +174,11 @@ def _check_models(config) -> None:
         from areno.models.loader import check_engine_support
 
         check_engine_support("--model-path" if getattr(config, "model_path", None) else "--ckpt", engine_model)
-        if getattr(config, "speculative_tokens", 0):
-            from areno.models.loader import check_mtp_support
+        from areno.models.loader import check_mtp_support
 
-            check_mtp_support("--speculative-tokens", engine_model)
+        for name in ("speculative_tokens", "mtp_loss_weight"):  # the draft these run or train
+            if getattr(config, name, 0):
+                check_mtp_support(flag_name(name), engine_model)
 
 
 def _check_device_indices(config) -> None:

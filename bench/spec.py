@@ -78,15 +78,11 @@ def greedy_outputs(engine, vocab: int, n: int, prompt_len: int, new: int) -> lis
 def train_mtp(model, sequences: list[list[int]], steps: int, lr: float = 1e-3) -> dict:
     """``steps`` Adam steps of the model's MTP draft on ``sequences`` (one sequence a step, in turn), teacher
     forced; the trained weights written back into the kept MTP tensors. Returns the first and last losses."""
-    from areno.models.base import training_metadata
-    from areno.models.mtp import build_mtp_draft
+    from areno.models.mtp import build_mtp_draft, mtp_loss
 
     model.requires_grad_(False)  # only the draft's own weights train
-    draft = build_mtp_draft(model)
-    params = [p for p in draft.parameters() if p.is_floating_point()]
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
+    draft = build_mtp_draft(model, trainable=True)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
     dev = model.embed_tokens.weight.device
     losses = []
     for step in range(steps):
@@ -94,10 +90,11 @@ def train_mtp(model, sequences: list[list[int]], steps: int, lr: float = 1e-3) -
         t = ids.shape[0]
         with torch.no_grad():
             hidden = model(ids, torch.arange(t, device=dev))
-        out, _ = draft(model, 0, hidden[:-2], ids[1:-1], torch.arange(t - 2, device=dev),
-                       training_metadata(ids[1:-1]))  # fmt: skip
-        logits = out.float() @ draft.head_weight(model, 0).float().T
-        loss = torch.nn.functional.cross_entropy(logits, ids[2:])
+        # every position scored: the label of position t is token t + 2 (areno.models.mtp.teacher_forced)
+        targets = torch.cat([ids[1:], torch.full((1,), -100, device=dev)])
+        ce, _, count = mtp_loss(model, draft, hidden, ids, torch.arange(t, device=dev),
+                                torch.tensor([0, t], dtype=torch.int32, device=dev), targets)
+        loss = ce / count
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -125,6 +125,13 @@ class RolloutSection:
     speculative_tokens: int = opt(0, SPECULATIVE_HELP + "; with --decode-steps 1", "rollout", needs="rollout")
     speculative_disable_by_batch_size: Optional[str] = opt(None, SPEC_GATE_HELP, "rollout", metavar="auto|N|off",
                                                            default_help="auto", needs="speculative")
+    mtp_loss_weight: float = opt(
+        0.0, "train the model's MTP (multi-token-prediction) layers, the --speculative-tokens draft, alongside the RL "
+        "loss so they stay aligned with the moving policy: each microbatch adds W x their next-next-token "
+        "cross-entropy on the policy's own sampled sequences (teacher forced from the detached hidden states: the "
+        "policy's gradient and update are unchanged; same lr and AdamW, its own grad-norm clip); the trained layers "
+        "reach the rollout engine with every policy sync and are saved under their Hub names (logs mtp_loss, "
+        "mtp_accuracy; 0 = off; needs a model with MTP layers)", "rollout", algos=RL_ALGOS)
     eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout", needs="rollout")
     rollout_dtype: str = opt(
         "bf16", "the rollout engine's linear weights (attention, MLP; not embeddings, lm_head, norms, routers, MoE "
@@ -161,6 +168,19 @@ class RolloutSection:
         self._check_agent()
         self._check_rollout_dtype()
         self._check_sampling()
+        self._check_mtp()
+
+    def _check_mtp(self):
+        w = self.mtp_loss_weight
+        if not (isinstance(w, (int, float)) and 0 <= w < float("inf")):
+            raise ConfigError("--mtp-loss-weight", f"must be a finite number >= 0, got {w!r}")
+        for given, what, why in ((self.lora_rank > 0, "--lora-rank > 0", "LoRA and QLoRA train an adapter, not the "
+                                  "MTP layers"), (self.tp_size > 1, "--tp-size > 1", "the MTP layers train on one "
+                                  "rank"), (self.rollout_dtype == "fp8", "--rollout-dtype fp8", "the draft's FP8 "
+                                  "rollout is not built"), (self.train_cuda_graphs == "on", "--train-cuda-graphs on",
+                                  "the MTP loss reads the eager forward's hidden states")):  # fmt: skip
+            if w and given:
+                raise ConfigError("--mtp-loss-weight", f"with {what} is not built yet ({why})")
 
     def _check_agent(self):
         if self.agent_fn is None:

@@ -15,7 +15,9 @@ and the next token ``x`` (token t + 1):
 
 and the hidden state handed to step j + 1 is ``norm(z)`` (Qwen3.5) or ``z`` (DeepSeek-V3, Ling 3), as the public
 implementations do. The draft's modules are copies of the kept tensors (``MTPDraft.load_kept``); ``store_kept`` writes
-trained draft weights back into them.
+trained draft weights back into them. ``mtp_loss`` is the draft's teacher-forced training loss (bench/spec.py's
+training, ``--mtp-loss-weight``'s during RL: areno.training.mtp); the draft never trains the target's tensors (its
+shared embedding and head are read detached).
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class KeptMTP:
 
     def mtp_layouts(self) -> dict:
         return self.mtp.layouts("mtp")
+
+    def stream_mtp(self) -> None:
+        """The kept MTP tensors train (``--mtp-loss-weight``: written by the trainer's draft, outside the policy's
+        optimizer): each is held in the model's dtype, as the policy's own tensors (a checkpoint's other dtype would
+        round every update's write), and marked ``streamed``, so split mode's policy sync carries them with the
+        trainable ones. Called on the train ranks and on split mode's rollout ranks alike."""
+        dtype = self.embed_tokens.weight.dtype
+        for p in self.mtp.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+            p.streamed = True
 
     @property
     def mtp_layer_prefix(self) -> str:
@@ -136,15 +149,16 @@ class MTPDraft(nn.Module):
         return modules[j % len(modules)]
 
     def head_weight(self, model, j: int) -> torch.Tensor:
-        return model.lm_head_weight if self.head is None else self._pick(self.head, j).weight
+        """The head of step ``j``: the layer's own, or the target's (detached: the draft never trains the target)."""
+        return model.lm_head_weight.detach() if self.head is None else self._pick(self.head, j).weight
 
     def forward(self, model, j: int, hidden, next_ids, positions, meta, kv_cache=None):
         """Draft step ``j``: ``hidden [T, H]`` (the previous hidden state at each position), ``next_ids [T]`` (the
         token after it) -> (the hidden state of this step's output ``[T, H]``, normed for the head; the hidden state
         handed to step j + 1)."""
         pick = self._pick
-        embed = model.embed_tokens if self.embed is None else pick(self.embed, j)
-        e = pick(self.enorm, j)(embed(next_ids))
+        x = model.embed_tokens(next_ids).detach() if self.embed is None else pick(self.embed, j)(next_ids)
+        e = pick(self.enorm, j)(x)
         z = pick(self.proj, j)(torch.cat([e, pick(self.hnorm, j)(hidden.to(e.dtype))], dim=-1))
         h, residual = pick(self.blocks, j)(z, None, positions, model.rope, meta, kv_cache)
         out, pre = pick(self.norm, j)(h, residual)
@@ -166,15 +180,26 @@ class MTPDraft(nn.Module):
     @torch.no_grad()
     def store_kept(self, model) -> None:
         """Write the draft's parameters back into the kept Hub tensors (after training the draft)."""
-        kept, params = self.kept_tensors(model), dict(self.named_parameters())
+        self._write(self.kept_tensors(model))
+
+    @torch.no_grad()
+    def hub_tensors(self, model) -> dict[str, torch.Tensor]:
+        """The draft's parameters as the kept Hub tensors they came from (new tensors; the kept ones untouched)."""
+        out = {name: t.clone() for name, t in self.kept_tensors(model).items()}
+        self._write(out)
+        return out
+
+    def _write(self, hub: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
         for pname, lays in self.layouts.items():
             for pc in pieces(lays, 0, 1):
-                kept[pc.hf_name][pc.src].copy_(params[pname][pc.dst])
+                hub[pc.hf_name][pc.src].copy_(params[pname][pc.dst])
 
 
-def build_mtp_draft(model) -> MTPDraft | None:
+def build_mtp_draft(model, *, trainable: bool = False) -> MTPDraft | None:
     """The model's MTP layers as an ``MTPDraft`` on its device and dtype, loaded from the kept tensors; None when the
-    family cannot run them or the checkpoint has none. Needs the whole model on this rank (no TP)."""
+    family cannot run them or the checkpoint has none. Needs the whole model on this rank (no TP). ``trainable``: the
+    parameters its modules train (all but a router's selection bias) require gradients; otherwise none does."""
     parts = getattr(model, "mtp_draft_parts", None)
     if parts is None or not getattr(model, "num_mtp_layers", 0):
         return None
@@ -188,9 +213,43 @@ def build_mtp_draft(model) -> MTPDraft | None:
         for name, p in list(module.named_parameters(recurse=False)):
             dtype = torch.float32 if name in fp32 else ref.dtype
             setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=ref.device),
-                                               requires_grad=False))  # fmt: skip
+                                               requires_grad=trainable and p.requires_grad))  # fmt: skip
     draft.load_kept(model)
     for module in draft.modules():
         if module is not draft and hasattr(module, "init_buffers"):
             module.init_buffers(ref.device)
     return draft
+
+
+def teacher_forced(input_ids, positions, cu_seqlens, targets):
+    """Draft step 0 inputs over packed rows (``cu_seqlens`` int32 ``[B+1]``, ``targets`` the packed batch's: the next
+    token where it is scored, -100 elsewhere): every position t but a row's last, with its next token t + 1 and the
+    label ``targets[t + 1]`` (the token t + 2 where it is scored). Returns (indices of t, next ids, labels, positions,
+    the rows' cu_seqlens, each row one shorter)."""
+    t = input_ids.shape[0]
+    keep = torch.ones(t, dtype=torch.bool, device=input_ids.device)
+    keep[cu_seqlens[1:].long() - 1] = False
+    idx = keep.nonzero().squeeze(1)
+    cu = cu_seqlens - torch.arange(cu_seqlens.shape[0], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return idx, input_ids[idx + 1], targets[idx + 1], positions[idx], cu
+
+
+def mtp_loss(model, draft: MTPDraft, hidden, input_ids, positions, cu_seqlens, targets, *, chunk: int = 4096):
+    """The draft's next-next-token cross-entropy, teacher forced (``teacher_forced``): its step 0 at each position t
+    from the target's final normed hidden state at t (``hidden [T, H]``, detached) and the embedding of token t + 1,
+    scored against token t + 2. Returns (the summed cross-entropy over the labelled positions, fp32, its gradient
+    reaching the draft's parameters only; how many of them the draft's argmax gets right; how many there are)."""
+    from areno.kernels.logprobs import linear_logprobs
+    from areno.models.base import training_metadata
+
+    idx, nxt, labels, pos, cu = teacher_forced(input_ids, positions, cu_seqlens, targets)
+    out, _ = draft(model, 0, hidden.detach()[idx], nxt, pos, training_metadata(nxt, cu))
+    weight = draft.head_weight(model, 0)
+    ce = -linear_logprobs(out, weight, labels).sum()
+    valid = labels != -100
+    with torch.no_grad():
+        o, w = out.detach(), weight.detach()
+        top = torch.cat([(o[i : i + chunk] @ w.T).argmax(-1) for i in range(0, o.shape[0], chunk)]) if o.shape[0] \
+            else labels
+        correct = ((top == labels) & valid).sum()
+    return ce, correct, valid.sum()

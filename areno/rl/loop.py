@@ -430,9 +430,9 @@ class TrainLoop:
         if hasattr(self, "logger"):
             self.logger.close()
         if hasattr(self, "trainer"):
-            self.trainer.optimizer.close()
+            self.trainer.close()
         if self.critic_trainer is not None:
-            self.critic_trainer.optimizer.close()
+            self.critic_trainer.close()
         if self.run_dir is not None:
             self.run_dir.release()
             self.run_dir = None

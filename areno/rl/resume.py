@@ -24,9 +24,11 @@ def save(path, *, cfg, model, tokenizer, trainer, state: dict, rollout=None, gro
     ``rollout``: its engine RNG and any rollout in flight (async split mode) go into this rank's state."""
     from areno.training import lora
     from areno.training.checkpoint import save_checkpoint
+    from areno.training.mtp import draft_state
 
     path = Path(path)
     save_checkpoint(path, model=model, tokenizer=tokenizer, optimizer=trainer.optimizer,
+                    extra_optimizers=draft_state(trainer),  # --mtp-loss-weight: the MTP draft's optimizer
                     save_model_fn=lora.save_fn(cfg),  # LoRA: the adapter in PEFT's files
                     trainer_state={"step": state["step"], "data": state["data"],
                                    "num_updates": trainer.num_updates, "config": jsonable(asdict(cfg)),
@@ -103,6 +105,7 @@ def _load(path: Path, *, model, trainer, device, dtype, tp_group) -> dict:
     from areno.models.lora import adapter_of
     from areno.training import lora
     from areno.training.checkpoint import load_checkpoint
+    from areno.training.mtp import draft_state
 
     if adapter_of(model) is not None:  # a LoRA checkpoint: the adapter (the base is --ckpt's, unchanged)
         lora.load(path, model)
@@ -111,10 +114,13 @@ def _load(path: Path, *, model, trainer, device, dtype, tp_group) -> dict:
     bad = [name for name, q in fresh.named_parameters() if not torch.isfinite(q).all()]
     if bad:
         raise ValueError(f"its weights hold NaN or inf ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
-    state = load_checkpoint(path, optimizer=trainer.optimizer, rank=dist.get_rank() if dist.is_initialized() else 0)
+    state = load_checkpoint(path, optimizer=trainer.optimizer, rank=dist.get_rank() if dist.is_initialized() else 0,
+                            extra_optimizers=draft_state(trainer))
     with torch.no_grad():
         for p, q in zip(model.parameters(), fresh.parameters()):
             p.copy_(q)
+    if getattr(trainer, "mtp", None) is not None:  # the draft from the checkpoint's MTP tensors
+        trainer.mtp.reload()
     return state
 
 

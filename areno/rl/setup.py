@@ -160,12 +160,15 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
     from areno.training.optimizer import MasterAdamW
     from areno.training.schedule import LRSchedule
 
+    def make_optimizer(params):
+        return MasterAdamW(params, lr=lr, weight_decay=cfg.weight_decay, dp_group=groups.dp_group,
+                           tp_group=groups.tp_group, offload=cfg.optimizer_state_offload,
+                           offload_dir=cfg.optimizer_state_offload_dir,
+                           offload_batch_size=cfg.optimizer_state_offload_batch_size, states=cfg.optimizer_states)
+
     # frozen parts have no optimizer state (LoRA: only the adapter's parameters have one)
-    params = lora.optimizer_params(model) or multimodal.optimizer_params(model)
-    opt = MasterAdamW(params, lr=lr, weight_decay=cfg.weight_decay, dp_group=groups.dp_group,
-                      tp_group=groups.tp_group, offload=cfg.optimizer_state_offload,
-                      offload_dir=cfg.optimizer_state_offload_dir,
-                      offload_batch_size=cfg.optimizer_state_offload_batch_size, states=cfg.optimizer_states)
+    opt = make_optimizer(lora.optimizer_params(model) or multimodal.optimizer_params(model))
+    mtp = cfg.mtp_loss_weight > 0 and not model.is_value_model  # the policy's MTP draft trains beside it
     rl = ALGORITHMS[cfg.algo].needs_reward
     updates = updates_per_step(cfg, cfg.batch_size * (cfg.n_samples if rl else 1), groups.dp_size) * max(
         1, cfg.ppo_epochs if rl else 1)
@@ -175,7 +178,8 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
     bias_rate = 0.0 if model.is_value_model else cfg.router_bias_update_rate
     group_schedules = multimodal.group_schedules(cfg, opt.groups, lr=lr, total_updates=total * updates)
     # the critic: eager; LoRA: eager (the adapter's update is not graphed; --train-cuda-graphs on is refused)
-    graphs = "off" if model.is_value_model or lora.optimizer_params(model) else cfg.train_cuda_graphs
+    # and the MTP draft's training (its loss reads the eager forward's hidden states)
+    graphs = "off" if model.is_value_model or lora.optimizer_params(model) or mtp else cfg.train_cuda_graphs
     if graphs == "auto" and rl and not cfg.split:
         # colocated RL: eager. Measured at G1 on one H200 (bench/grpo_step.py --impls areno --steps 5
         # --train-cuda-graphs off,on,on,off): the graphed update is slower there (1.41 s vs 1.27 s; step 3.57 s vs
@@ -184,9 +188,14 @@ def make_trainer(cfg, model, lr, total, groups: Groups) -> PolicyTrainer:
         # step's pool stays reserved between updates (1.15-1.67x the eager step's reservation, tests/training/
         # test_train_graphs_gpu.py), memory the rollout's KV cache then lacks. `on` still graphs it.
         graphs = "off"
-    return PolicyTrainer(model, opt, sched, temperature=logprob_temperature(cfg), grad_clip=cfg.grad_clip,
-                         dp_group=groups.dp_group, tp_group=groups.tp_group, router_bias_update_rate=bias_rate,
-                         group_schedules=group_schedules, train_cuda_graphs=graphs)
+    trainer = PolicyTrainer(model, opt, sched, temperature=logprob_temperature(cfg), grad_clip=cfg.grad_clip,
+                            dp_group=groups.dp_group, tp_group=groups.tp_group, router_bias_update_rate=bias_rate,
+                            group_schedules=group_schedules, train_cuda_graphs=graphs)
+    if mtp:
+        from areno.training.mtp import MTPTrainer
+
+        trainer.mtp = MTPTrainer(model, cfg.mtp_loss_weight, make_optimizer)
+    return trainer
 
 
 def make_critic_trainer(cfg, policy, total, device, dtype, groups: Groups) -> PolicyTrainer:

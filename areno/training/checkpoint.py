@@ -4,6 +4,7 @@ Layout of ``save_path/step-{N}`` (reloadable as a model with ``--ckpt`` or ``--m
 
     config.json, *.safetensors, tokenizer files     the policy, written by ``areno.models.save_model``
     training_state/optimizer-rank{r}.pt             each rank's optimizer shard (MasterAdamW.state_dict())
+    training_state/optimizer-{name}-rank{r}.pt      each further optimizer's (``extra_optimizers``: the MTP draft's)
     training_state/rng-rank{r}.pt                   each rank's python / numpy / torch / CUDA RNG states
     training_state/trainer.json                     step, data position, config, scheduler, world size
     COMPLETE                                        written last: a folder without it is never loaded
@@ -159,14 +160,16 @@ def _remove_stale(parent: Path) -> None:
 
 
 def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_state=None, trainer_state: dict,
-                    rng: bool = True, save_model_fn=None, rank_state=None, group=None) -> Path:
+                    rng: bool = True, save_model_fn=None, rank_state=None, group=None,
+                    extra_optimizers: dict | None = None) -> Path:
     """Write a checkpoint at ``path`` (every rank calls this: a collective). ``save_model_fn(model, dir, tokenizer)``
     runs on every rank (areno's ``save_model`` gathers TP shards and writes on global rank 0); each rank writes its
     optimizer and RNG files (with ``rank_state``, this rank's extra state such as its rollout engine's generator);
     rank 0 writes ``trainer.json`` (``trainer_state`` must be JSON-able; ``Path`` and other objects are written as
     strings) and the marker, then renames the folder into place. Returns ``path``; raises ``DiskFullError`` when the
     disk cannot hold it (checked before writing, and caught during the write). ``group``: the ranks that save (split
-    mode's train ranks; default all, whose rank 0 must be the global rank 0)."""
+    mode's train ranks; default all, whose rank 0 must be the global rank 0). ``extra_optimizers``: {name: optimizer}
+    of further trained parameters (the MTP draft's), each rank's state in its own file."""
     if save_model_fn is None:
         from areno.models import save_model as save_model_fn
     path = Path(path).expanduser().absolute()
@@ -198,6 +201,8 @@ def save_checkpoint(path, *, model, tokenizer=None, optimizer=None, scheduler_st
         _barrier(world, group)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), state / f"optimizer-rank{rank}.pt")
+        for name, extra in (extra_optimizers or {}).items():
+            torch.save(extra.state_dict(), state / f"optimizer-{name}-rank{rank}.pt")
         if rng or rank_state is not None:
             torch.save({**(rng_state() if rng else {}), "rank_state": rank_state}, state / f"rng-rank{rank}.pt")
         _barrier(world, group)
@@ -231,10 +236,12 @@ def is_complete(path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def load_checkpoint(path, *, optimizer=None, rank: int | None = None, rng: bool = True) -> dict:
-    """Read a checkpoint's training state: restores ``optimizer`` (this rank's shard) and the RNG states, and
-    returns the saved ``trainer_state`` dict (plus ``"scheduler_state"`` when one was saved, and ``"rank_state"``,
-    this rank's extra state, when one was saved). ``rank`` defaults to the global rank."""
+def load_checkpoint(path, *, optimizer=None, rank: int | None = None, rng: bool = True,
+                    extra_optimizers: dict | None = None) -> dict:
+    """Read a checkpoint's training state: restores ``optimizer`` (this rank's shard; ``extra_optimizers``, {name:
+    optimizer}, theirs) and the RNG states, and returns the saved ``trainer_state`` dict (plus ``"scheduler_state"``
+    when one was saved, and ``"rank_state"``, this rank's extra state, when one was saved). ``rank`` defaults to the
+    global rank."""
     path = Path(path).expanduser()
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete areno checkpoint (no {MARKER} marker): the save was "
@@ -249,6 +256,11 @@ def load_checkpoint(path, *, optimizer=None, rank: int | None = None, rng: bool 
             raise FileNotFoundError(f"{f} is missing: {path} was saved by {meta['world_size']} ranks "
                                     f"{'with' if meta['optimizer'] else 'without'} optimizer state")
         optimizer.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+    for name, extra in (extra_optimizers or {}).items():
+        f = state / f"optimizer-{name}-rank{rank}.pt"
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: {path} was saved without the {name} optimizer's state")
+        extra.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
     out = dict(meta["trainer"])
     f = state / f"rng-rank{rank}.pt"
     if f.is_file():

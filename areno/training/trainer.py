@@ -15,7 +15,8 @@ A ``loss_fn`` is a ``LossFn`` (areno.training.loss) or a plain callable: one wit
 log-probs: SFT) or ``token_loss`` (a ``linear_logprobs_loss`` token function: GRPO/PPO) runs the head as
 ``linear_logprobs_loss`` (gradient taken in the forward, one GEMM-equivalent fewer; a token function eagerly only,
 weights in graphs too) and gets the loss as ``ForwardOut.loss``, which it must return as its own; not with entropy or
-a TP group.
+a TP group. ``mtp`` (``--mtp-loss-weight``, areno.training.mtp): each eager microbatch also trains the MTP draft on the
+forward's detached hidden states, its optimizer stepping after the policy's.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class PolicyTrainer:
         self.chunk_size = logprob_chunk_size
         self.router_bias_update_rate = router_bias_update_rate
         self.routing_replay = False  # the loop turns it on (--routing-replay): rows' routes go to the policy forward
+        self.mtp = None  # an areno.training.mtp.MTPTrainer (--mtp-loss-weight): the MTP draft trains beside the policy
         if router_bias_update_rate and not model.has_routing_bias:
             raise ConfigError("--router-bias-update-rate", f"the {model.config.model_type} policy has no MoE selection "
                               "bias to update (Ling 3, bailing_hybrid, has one)")
@@ -166,7 +168,7 @@ class PolicyTrainer:
         for name, s in self.group_schedules.items():
             totals[f"lr_{name}"] = group_lrs[name] if lrs else s.lr(self.num_updates)
         totals["num_updates"] = len(grad_norms)
-        return totals
+        return totals if self.mtp is None else self.mtp.metrics(totals)
 
     def _update(self, group: list[list[Row]], loss_fn, mini_bs: int, entropy: bool):
         mine = group[self.dp_rank :: self.dp_size]
@@ -188,11 +190,13 @@ class PolicyTrainer:
             weights = None if weights_of is None else weights_of(packed, norms).float()
             if bucket is None:
                 token_loss = function_of(packed, norms) if weights is None and function_of is not None else weights
-                out = self.forward(packed, entropy=entropy, token_loss=token_loss)
+                out = self.forward(packed, entropy=entropy, token_loss=token_loss, keep_hidden=self.mtp is not None)
             else:
                 out = self.graphs.forward(packed, bucket, mode, weights)  # padded on the device, no host copy
             loss, s = loss_fn(out, packed, norms)
             loss.backward()
+            if self.mtp is not None:  # the draft's loss on the target's detached hidden states: its own gradient
+                s = {**s, **self.mtp.backward(out.hidden, packed, norms)}
             for k, v in [*s.items(), ("loss", loss)]:
                 if torch.is_tensor(v):
                     pending.append((k, v.detach().float().reshape(())))
@@ -207,6 +211,8 @@ class PolicyTrainer:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip, group_lrs=group_lrs)
         else:
             grad_norm = self.optimizer.step(lr=lr, grad_clip=self.grad_clip)
+        if self.mtp is not None:
+            self.mtp.step(lr, self.grad_clip)
         reads = [v for _, v in pending] + ([device_norm] if device_norm is not None else [])
         if reads:  # the stats and the device norm read back together: one host sync per update
             values = _read_back(torch.stack([v.to(self.device, torch.float64) for v in reads]),
@@ -229,11 +235,19 @@ class PolicyTrainer:
         self.num_updates += 1
         return stats, float(grad_norm), lr, group_lrs
 
+    def close(self) -> None:
+        """Release the optimizers' state (disk offload files)."""
+        self.optimizer.close()
+        if self.mtp is not None:
+            self.mtp.close()
+
     def _plan(self, packs: list[Packed], entropy: bool, weighted: bool = False):
         """Each microbatch's graph bucket (None: eager) and the update's gradient mode (None: all eager), with
         the update's graphs captured and its gradients zeroed (areno.training.graphs)."""
         self.optimizer.zero_grad()
-        graphs = self.graphs
+        if self.mtp is not None:
+            self.mtp.zero_grad()
+        graphs = self.graphs if self.mtp is None else None  # the draft reads the eager forward's hidden states
         if graphs is None:
             return [None] * len(packs), None
         buckets = [graphs.bucket(p, entropy, routes=self.routing_replay and p.routed_experts is not None,

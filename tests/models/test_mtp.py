@@ -11,7 +11,7 @@ from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
 from areno.models import load_model, save_model
 from areno.models.base import training_metadata
-from areno.models.mtp import build_mtp_draft
+from areno.models.mtp import build_mtp_draft, mtp_loss
 from areno.testing import make_tiny_checkpoint
 
 # family: (Hub prefix of MTP layer 0, its parts: enorm, hnorm, proj, final norm; zero-centred norms; own head)
@@ -111,3 +111,36 @@ def test_kept_tensors_still_save_bit_identical_after_drafting(family, tmp_path):
     a, b = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
     mtp = [k for k in a if k in set(model.mtp.names)]
     assert mtp and all(torch.equal(a[k], b[k]) for k in mtp)
+
+
+def test_mtp_loss_is_the_teacher_forced_cross_entropy_and_trains_the_draft_only(family):
+    """``mtp_loss`` over two packed rows (labels: the scored tokens t + 2, prompt of 3) equals the float64 reference's
+    summed cross-entropy and argmax hits per row; its gradient reaches the draft and never the target."""
+    name, path = family
+    model = load_model(path, dtype=torch.float32, device="cpu")  # training runs the fp32 kernels (no fp64 there)
+    draft, ref = build_mtp_draft(model, trainable=True), Reference(load_model(path, dtype=torch.float64, device="cpu"))
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (9, 6)]
+    ids, positions = torch.cat(rows), torch.cat([torch.arange(len(r)) for r in rows])
+    cu = torch.tensor([0, 9, 15], dtype=torch.int32)
+    targets = torch.full_like(ids, -100)
+    for r, start in zip(rows, (0, 9)):
+        targets[start + 2 : start + len(r) - 1] = r[3:]  # position P - 1 + k scores response token k
+    with torch.no_grad():
+        hidden = model(ids, positions, cu_seqlens=cu, max_seqlen=9).requires_grad_(True)
+    ce, correct, count = mtp_loss(model, draft, hidden, ids, positions, cu, targets)
+    want = torch.zeros(3, dtype=torch.float64)
+    for r, start in zip(rows, (0, 9)):
+        with torch.no_grad():
+            out, _ = ref.step(ref.model(r, torch.arange(len(r)))[:-1], r[1:])
+        logits, labels = out @ ref.head.T, targets[start + 1 : start + len(r)]  # position t: label targets[t + 1]
+        ok = labels != -100
+        want += torch.stack([torch.nn.functional.cross_entropy(logits[ok], labels[ok], reduction="sum"),
+                             (logits[ok].argmax(-1) == labels[ok]).sum(), ok.sum()]).double()
+    torch.testing.assert_close(ce.detach().double(), want[0], rtol=1e-5, atol=1e-4)
+    # the labels: each row's response tokens but its first (6 and 3)
+    assert (int(correct), int(count)) == (int(want[1]), int(want[2])) == (int(want[1]), 6 + 3)
+    ce.backward()
+    assert hidden.grad is None and all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in draft.parameters() if p.requires_grad)
+    assert draft.proj[0].weight.grad.abs().sum() > 0

@@ -2,6 +2,8 @@
 optimizer updates in place, so a new policy costs no copy. One of the two implementations of the ``Rollout``
 protocol (protocol.py; ``remote`` is the other). With --rollout-dtype fp8 the engine decodes with FP8 copies of the
 linear weights (models/fp8_rollout.py), quantised again in place before the first rollout after each optimizer step.
+With --mtp-loss-weight the trainer writes the MTP layers' kept tensors after each update; the engine's draft (a copy,
+--speculative-tokens) reloads them before the first rollout after it (``reload_draft``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def engine_config(cfg, model, tokenizer, dp_rank: int = 0, *, record_routing: bo
     return econf, build.eos_token_ids(cfg.ckpt, tokenizer)
 
 
+def reload_draft(engine) -> None:
+    """With --speculative-tokens: the engine's MTP draft reloads the model's kept MTP tensors (trained by
+    --mtp-loss-weight, or replaced by a resume or a sync)."""
+    spec = getattr(engine, "spec", None)
+    if spec is not None:
+        spec.draft.load_kept(engine.model)
+
+
 class ColocatedRollout:
     """The ``Rollout`` of one process: an ``Engine`` over the trainer's own ``model``; ``optimizer.num_steps`` says
     whether the weights moved since the last rollout. ``dp_rank``/``dp_size``/``dp_group``: this rank's share."""
@@ -46,6 +56,7 @@ class ColocatedRollout:
         econf, eos = engine_config(cfg, model, tokenizer, dp_rank, record_routing=record_routing)
         self.engine = Engine(model, tokenizer, econf, eos_token_ids=eos)
         self.fp8 = cfg.rollout_dtype == "fp8"
+        self.mtp_trains = cfg.mtp_loss_weight > 0  # the trainer writes the MTP layers: the engine's draft reloads
         if self.fp8:
             from areno.models import fp8_rollout
 
@@ -65,6 +76,8 @@ class ColocatedRollout:
             self._version = version
             if self.fp8:
                 self._requantize()
+            if self.mtp_trains:
+                reload_draft(self.engine)
 
     def _requantize(self) -> None:
         from areno.models import fp8_rollout
@@ -140,6 +153,7 @@ class ColocatedRollout:
     def policy_changed(self) -> None:
         if self.fp8:  # the trainer's weights were replaced (a resume)
             self._requantize()
+        reload_draft(self.engine)
 
     def in_flight_count(self) -> int:
         return 0

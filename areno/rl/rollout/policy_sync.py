@@ -9,8 +9,10 @@ engine's parameters (no per-tensor allocation; the engine's CUDA graphs keep poi
 bucket plan (names, shapes, dtypes, byte offsets) goes to the rollout ranks once, with the first sync.
 
 Frozen parameters (``requires_grad=False``: a multimodal tower or projector left frozen, Ling's MTP layers) never
-change, so the plan leaves them out; the engines hold them from the checkpoint. After a resume the first sync
-streams every tensor once (``publish(full=True)``, the full plan), since the resumed weights may differ there.
+change, so the plan leaves them out; the engines hold them from the checkpoint. Those marked ``streamed`` (the MTP
+layers under ``--mtp-loss-weight``, trained outside the policy's optimizer) are streamed with the trainable ones.
+After a resume the first sync streams every tensor once (``publish(full=True)``, the full plan), since the resumed
+weights may differ there.
 
 A LoRA run (models/lora.py) streams only its adapter: the rollout ranks load the same base and attach the same
 adapter, and the plan holds the adapter's tensors under their PEFT names (whole, sharded like the base on either
@@ -53,7 +55,7 @@ def hf_specs(model, *, trainable_only: bool = False) -> list[tuple[str, tuple, t
     params = dict(model.named_parameters())
     specs, seen = [], set()
     for pname, lays in model._tp_layouts.items():
-        if trainable_only and not params[pname].requires_grad:
+        if trainable_only and not (params[pname].requires_grad or getattr(params[pname], "streamed", False)):
             continue
         for rank in range(model.tp_size):
             for pc in pieces(lays, rank, model.tp_size):
@@ -107,16 +109,27 @@ def unpack(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 
 def _tensors(owner):
-    """``(hf_name, tensor)`` of a model's (or an adapter's) own tensors: without TP each piece is a view of its slice
-    of the parameter (packed with one copy); with TP, ``iter_hf_tensors`` assembles the shards (a collective over
-    the TP group)."""
+    """``(hf_name, tensor)`` of a model's (or an adapter's) own tensors: without TP a tensor held whole by one piece
+    of a parameter is a view of that slice (packed with one copy), one a parameter holds in several pieces (Qwen3.5's
+    fused ``in_proj_qkv``, cut per head group for TP) is assembled; with TP, ``iter_hf_tensors`` assembles the shards
+    (a collective over the TP group)."""
     if owner.tp_size > 1:
         yield from iter_hf_tensors(owner)
         return
     params = dict(owner.named_parameters())
     for pname, lays in owner._tp_layouts.items():
+        parts: dict[str, list] = {}
         for pc in pieces(lays, 0, 1):
-            yield pc.hf_name, params[pname].detach()[pc.dst]
+            parts.setdefault(pc.hf_name, []).append(pc)
+        p = params[pname].detach()
+        for name, pcs in parts.items():
+            if len(pcs) == 1:
+                yield name, p[pcs[0].dst]
+                continue
+            full = torch.empty(pcs[0].hf_shape, dtype=p.dtype, device=p.device)
+            for pc in pcs:
+                full[pc.src] = p[pc.dst]
+            yield name, full
 
 
 def policy_tensors(model, full: bool = True):

@@ -11,6 +11,7 @@ Rollout side (``serve``): each rollout rank loads the policy, builds the same en
 CUDA graphs, prefix sharing, its TP workers on the engine group) and executes commands until ``stop``. In a LoRA run
 it attaches the same adapter to the same base (``--ckpt``, ``--lora-path``), applied unmerged as the trainer applies
 it, and each sync streams only the adapter; a base the SFT warm-up trained is streamed once, with the next sync.
+With --mtp-loss-weight each sync also streams the MTP layers' kept tensors, and the engine's draft reloads them.
 
 With ``--max-staleness 1`` the rollout of the next step is sent before this step trains and collected at the next
 step: it was sampled with the policy one step older than the one it trains (rows record the policy version), and
@@ -37,6 +38,7 @@ from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
 from areno.models import fp8_rollout
 from areno.models.lora import adapter_of
+from areno.rl.rollout.colocated import reload_draft
 from areno.rl.rollout.partial import PartialRollout
 from areno.rl.rollout.policy_sync import PolicyPublisher, PolicyReceiver, synced_tensors
 
@@ -338,15 +340,18 @@ class RemoteRollout:
 
     def _answers(self):
         """Wait for the oldest command in flight: its tag and version, every engine leader's answer (in engine order)
-        and the idle times."""
+        and the idle times (with the engines' ``spec_accept_len`` under --speculative-tokens)."""
         tag, version, sizes = self._pending.popleft()
         t0 = time.perf_counter()
         parts = [None] * dist.get_world_size(self.layout.control)
         dist.gather_object(None, parts, dst=0, group=self.layout.control)
         waited = time.perf_counter() - t0
         answers = [parts[self.layout.rollout_ranks.index(ranks[0]) + 1] for ranks in self.layout.engines]
-        idle = {"train_idle_s": waited, "rollout_idle_s": max((i for _, i in answers), default=0.0)}
-        return tag, version, sizes, [a for a, _ in answers], idle
+        idle = {"train_idle_s": waited, "rollout_idle_s": max((i for _, i, _ in answers), default=0.0)}
+        accept = [s["spec_accept_len"] for _, _, s in answers if "spec_accept_len" in s]
+        if accept:  # --speculative-tokens: the engines' mean accept length over this command
+            idle["spec_accept_len"] = sum(accept) / len(accept)
+        return tag, version, sizes, [a for a, _, _ in answers], idle
 
     def _collect(self):
         """Rank 0: collect the oldest command in flight into ``_done`` (a partial one: under each tag it finished);
@@ -416,19 +421,33 @@ def generate_share(engine, cmd: dict, index: int) -> list:
 
 def rollout_policy(cfg, layout, device, dtype):
     """The rollout rank's frozen policy: the checkpoint (sharded over the engine's TP group), the run's LoRA adapter
-    (zero B, or --lora-path's; each sync fills it), FP8 copies under --rollout-dtype fp8 (each sync streams them)."""
+    (zero B, or --lora-path's; each sync fills it), FP8 copies under --rollout-dtype fp8 (each sync streams them), the
+    MTP tensors in the model's dtype under --mtp-loss-weight (each sync streams them)."""
     from areno.models import load_model
     from areno.training import lora
 
     model = load_model(cfg.ckpt, dtype=dtype, device=device, tp_group=layout.engine_group,
                        attn_backend=cfg.attn_backend)
     lora.apply(cfg, model)
+    if cfg.mtp_loss_weight > 0:  # the trainer's MTP tensors arrive in the model's dtype
+        model.stream_mtp()
     if cfg.rollout_dtype == "fp8":
         fp8_rollout.enable(model)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def spec_stats(engine) -> dict:
+    """What a rollout rank reports of a command besides its answer: ``spec_accept_len`` with --speculative-tokens."""
+    return {} if engine.spec is None else engine.spec.take_stats()
+
+
+def receive(receiver, engine, plan) -> None:
+    """A sync on a rollout rank: the policy's buckets into the engine's weights, then the MTP draft's reload."""
+    receiver.receive(*plan)
+    reload_draft(engine)
 
 
 def serve(cfg) -> int:
@@ -464,7 +483,7 @@ def serve(cfg) -> int:
                 watchdog.close()
             break
         if op == "sync":
-            load = functools.partial(receiver.receive, *(cmd.get("plan") or (None, None)))
+            load = functools.partial(receive, receiver, engine, cmd.get("plan") or (None, None))
             if cfg.partial_rollout:  # in place, between two steps, sequences in flight
                 partial.swap(load, cmd["version"])
             else:
@@ -472,11 +491,13 @@ def serve(cfg) -> int:
                 engine.reset_prefix_cache()  # K/V cached under the old policy are stale
         elif op in ("partial", "drain"):
             answer = partial.command(cmd, index, layout.engine_group)
-            dist.gather_object((answer, idle) if leader else None, None, dst=0, group=layout.control)
+            dist.gather_object((answer, idle, spec_stats(engine)) if leader else None, None, dst=0,
+                               group=layout.control)
             idle = 0.0
         elif op == "generate":
             out = generate_share(engine, cmd, index)
-            dist.gather_object((out, idle) if leader else None, None, dst=0, group=layout.control)
+            dist.gather_object((out, idle, spec_stats(engine)) if leader else None, None, dst=0,
+                               group=layout.control)
             idle = 0.0
         elif op == "agent":  # agentic rollout: serve tokens over HTTP until the train side is done
             from areno.engine.model_runner import TPWorker, broadcast_step
@@ -496,6 +517,8 @@ def serve(cfg) -> int:
                 TPWorker(engine.runner).loop()
         elif op == "weights":
             tensors = synced_tensors(model, fp8=fp8_rollout.is_fp8(model))
+            if engine.spec is not None:  # the MTP tensors as the draft holds them (it reloads them after a sync)
+                tensors.update((k, v.cpu()) for k, v in engine.spec.draft.hub_tensors(model).items())
             dist.gather_object(tensors if leader else None, None, dst=0, group=layout.control)
         else:
             raise RuntimeError(f"rollout rank {rank}: unknown command {op!r}")
