@@ -231,5 +231,7 @@ def crossover(records: list[dict]) -> str:
             break
         stop = r["batch"]
     limit = spec[0]["auto_limit"] if spec else None
-    tail = f"it loses from batch {stop} on" if stop is not None else "it pays at every batch measured"
-    return f"speculation pays at batch {wins or 'none'}; {tail}; auto speculates up to batch {limit}"
+    losses = [r["batch"] for r in spec if r["speedup_vs_plain"] < 1.0]
+    tail = f"it loses from batch {stop} on" if stop is not None else "it pays at the largest batch measured"
+    return (f"speculation pays at batch {wins or 'none'}, loses at {losses or 'none'}; {tail}; auto speculates up to "
+            f"batch {limit}")
