@@ -17,6 +17,8 @@
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS)
+#   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate auto,off vs plain; spec-sweep: the
+#                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
 #   train-profile     kernel tables of T1 and T2 steps, graph gaps, graphed-step memory
 #   grpo              G1 vs TRL (TRL from $WHEELS_TRL if present), graphs off and on; grpo-default: the default command
@@ -100,6 +102,10 @@ for stage in "$@"; do
       if timeout 120 python3 bench/rollout.py --smoke >"$OUT/smoke.txt" 2>&1 && ! grep -q "Traceback" "$OUT/smoke.txt"
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
+    spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
+        --spec-gate auto,off ${SPEC_ARGS:-} ;;
+    spec-sweep) step spec-sweep ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --spec-batch-sweep \
+        ${SPEC_ARGS:-} ;;
     rollout-profile)
       step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-}
       step prof_decode 60 python3 bench/profile_step.py decode ;;

@@ -33,9 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
-from models import QWEN3_06B, SMOKE  # noqa: E402
+from models import PEAK_FLOPS, QWEN3_06B, SMOKE  # noqa: E402
 
-PEAK_FLOPS = 790e12
 WORKLOADS = {"T1": (8, 1024), "T2": (4, 4096)}
 SMOKE_WORKLOADS = {"T1": (2, 64), "T2": (1, 128)}
 

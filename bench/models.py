@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from areno.platform.roofline import H200
+
 QWEN3_06B = dict(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
     head_dim=128, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
@@ -44,8 +46,8 @@ QWEN3_30B_A3B = dict(
 )  # fmt: skip
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 FIRST_TOKEN = 3  # random prompts draw from [3, vocab): no pad/eos/unk inside a prompt
-PEAK_FLOPS = 790e12  # H200 bf16 dense (BENCH.md)
-HBM_BYTES_PER_S = 4.3e12
+PEAK_FLOPS = H200.flops  # H200 bf16 dense, 790 TFLOP/s (BENCH.md; areno.platform.roofline)
+HBM_BYTES_PER_S = H200.bytes_per_s  # 4.3 TB/s
 
 
 def cache_root() -> Path:

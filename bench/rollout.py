@@ -41,7 +41,8 @@ One JSON line per measurement goes to bench/results/rollout.jsonl.
 
 ``--speculative-tokens K``: MTP speculative decoding instead, each workload with and without it on an MTP family's
 random checkpoint (``--mtp-family``; ``--mtp-train-steps`` trains its MTP layer on its own greedy outputs first):
-tok/s, the speed-up and the mean accept length (bench/spec.py).
+tok/s, the speed-up and the mean accept length (bench/spec.py); ``--spec-gate auto,off`` compares the gate's settings
+(R1's bar: auto >= 0.98x plain), ``--spec-batch-sweep`` measures the crossover table (batch 1 to 256).
 """
 
 from __future__ import annotations
@@ -356,6 +357,10 @@ def main():
     ap.add_argument("--mtp-family", default="qwen3_5", choices=("qwen3_5", "bailing_hybrid"))
     ap.add_argument("--mtp-train-steps", type=int, default=0, help="train the MTP layer first (own greedy outputs)")
     ap.add_argument("--spec-greedy", action="store_true", help="speculation runs: greedy sampling (temperature 0)")
+    ap.add_argument("--spec-gate", default="auto", help="speculation runs: --speculative-disable-by-batch-size "
+                    "settings, comma-separated runs: auto, off, N")
+    ap.add_argument("--spec-batch-sweep", action="store_true", help="speculation: tok/s with and without it at "
+                    "batch 1, 4, 16, 64, 256 (the crossover table) instead of the workloads")
     args = ap.parse_args()
     dtypes, kv_dtypes = args.rollout_dtype.split(","), args.kv_cache_dtype.split(",")
     if not set(kv_dtypes) <= {"auto", "fp8"}:
@@ -432,9 +437,21 @@ def main():
 def run_speculative(args, device, names):
     import spec
 
-    records = spec.run_spec(args, device, names, workload)
-    print_table(records, ["workload", "call", "family", "speculative_tokens", "sequences", "output_tokens", "wall_s",
-                          "tok_s", "spec_accept_len", "speedup_vs_plain", "mtp_loss_last"])
+    if args.spec_batch_sweep:
+        records = spec.run_batch_sweep(args, device)
+        print_table(records, ["workload", "family", "speculative_tokens", "batch", "output_tokens", "wall_s", "tok_s",
+                              "spec_accept_len", "speedup_vs_plain", "auto_limit", "mtp_loss_last"])
+        print(spec.crossover(records))
+    else:
+        records = spec.run_spec(args, device, names, workload)
+        print_table(records, ["workload", "call", "family", "speculative_tokens", "spec_gate", "spec_limit",
+                              "sequences", "output_tokens", "wall_s", "tok_s", "spec_accept_len", "spec_gated_steps",
+                              "speedup_vs_plain", "mtp_loss_last"])
+        r1 = [r for r in records if r["workload"] == "R1" and r.get("spec_gate") == "auto" and r["call"] == "warm"]
+        if r1 and "speedup_vs_plain" in r1[0]:
+            print(f"R1 bar (speculation with the gate auto never slower than 0.98x plain): "
+                  f"{r1[0]['speedup_vs_plain']:.3f}x ({r1[0]['spec_gated_steps']} steps gated, N = "
+                  f"{r1[0]['spec_limit']})")
     if not args.no_save and not args.smoke:
         env = env_info()
         env["shape"] = f"{args.mtp_family}-bench"

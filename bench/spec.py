@@ -3,6 +3,8 @@ speculation on a random-weight checkpoint of an MTP family, side by side (tok/s,
 
     python bench/rollout.py --speculative-tokens 2 --workloads R3,R2 --mtp-family qwen3_5 --mtp-train-steps 300
     python bench/rollout.py --speculative-tokens 2 --workloads R3 --mtp-family bailing_hybrid --mtp-train-steps 300
+    python bench/rollout.py --speculative-tokens 2 --workloads R1 --spec-gate auto,off --mtp-train-steps 300
+    python bench/rollout.py --speculative-tokens 2 --spec-batch-sweep --mtp-train-steps 300   # the crossover table
     python bench/rollout.py --speculative-tokens 2 --smoke                          # CPU: checks the script
 
 Shapes (random bf16 weights, made once under the bench cache): ``qwen3_5`` a Qwen3.5-9B shape (32 layers, 3 gated
@@ -13,6 +15,12 @@ steps on the model's own greedy outputs (teacher forcing: step 0 of the draft pr
 hidden state at t and token t + 1), which makes acceptance realistic; the accept length is reported either way.
 Both engines run eager (speculation is not built with CUDA graphs yet), sampling at temperature 1 as R1-R3 do, and
 ``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement).
+
+The gate (``--speculative-disable-by-batch-size``, areno/engine/spec_gate.py): ``--spec-gate auto,off`` runs the
+speculative engine once per setting (default auto), each record with the N it resolved to (``spec_limit``) and the
+steps it ran plain (``spec_gated_steps``); the bar is R1 (256 streams) with auto never below 0.98x the plain engine.
+``--spec-batch-sweep`` measures instead the plain engine and speculation never gated at batch sizes 1, 4, 16, 64 and
+256 (128-token prompts, 128 new tokens) and prints where speculation stops paying next to auto's N.
 """
 
 from __future__ import annotations
@@ -95,21 +103,19 @@ def train_mtp(model, sequences: list[list[int]], steps: int, lr: float = 1e-3) -
     return {"mtp_loss_first": losses[0] if losses else None, "mtp_loss_last": losses[-1] if losses else None}
 
 
-def run_spec(args, device, names: list[str], workload) -> list[dict]:
-    """Each workload with the plain engine and with ``--speculative-tokens``, warm calls, on fresh prompts."""
-    from areno.config import SamplingParams
+def load_draft_model(args, device):
+    """The family's model on ``device`` with its MTP layer trained first when ``--mtp-train-steps`` asks, the
+    engines' shared settings, and the training record."""
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model
 
-    path = mtp_checkpoint(args.mtp_family, args.smoke)
-    model = load_model(path, device=device)
-    vocab = model.config.vocab_size
+    model = load_model(mtp_checkpoint(args.mtp_family, args.smoke), device=device)
     base = dict(block_size=16, max_running=256, max_batched_tokens=args.max_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, eager_decode=True)
     train = {}
     if args.mtp_train_steps:
         plain = Engine(model, None, EngineConfig(**base), eos_token_ids=[])
-        seqs = greedy_outputs(plain, vocab, 16 if args.smoke else 64, 16 if args.smoke else 128,
+        seqs = greedy_outputs(plain, model.config.vocab_size, 16 if args.smoke else 64, 16 if args.smoke else 128,
                               16 if args.smoke else 256)  # fmt: skip
         plain.drop_rollout_state()
         del plain
@@ -117,28 +123,54 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
         train = train_mtp(model, seqs, args.mtp_train_steps)
         train["mtp_train_s"] = time.perf_counter() - t0
         print("MTP training:", train, flush=True)
+    return model, base, train
+
+
+def gates(args) -> list:
+    """``--spec-gate``'s settings (auto, off, N), as EngineConfig takes them."""
+    return [g if g in ("auto", "off") else int(g) for g in args.spec_gate.split(",")]
+
+
+def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
+    """One ``generate`` call timed: ({output_tokens, wall_s, tok_s, and with speculation the engine's accept length
+    and gated steps over the call}, completions)."""
+    if engine.spec is not None:
+        engine.spec.take_stats()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, opts)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for g in out for c in g)
+    rec = dict(output_tokens=tokens, wall_s=dt, tok_s=tokens / dt)
+    if engine.spec is not None:
+        rec.update(spec_limit=engine.spec.limit, spec_gated_steps=engine.spec.stats()["spec_gated_steps"],
+                   **engine.spec.take_stats())
+    return rec, out
+
+
+def run_spec(args, device, names: list[str], workload) -> list[dict]:
+    """Each workload with the plain engine and with ``--speculative-tokens`` under each ``--spec-gate`` setting, warm
+    calls, on fresh prompts."""
+    from areno.config import SamplingParams
+    from areno.engine.engine import Engine, EngineConfig
+
+    model, base, train = load_draft_model(args, device)
+    vocab = model.config.vocab_size
     records = []
-    for k in (0, args.speculative_tokens):
-        engine = Engine(model, None, EngineConfig(speculative_tokens=k, **base), eos_token_ids=[])
+    for k, gate in [(0, "auto")] + [(args.speculative_tokens, g) for g in gates(args)]:
+        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate, **base),
+                        eos_token_ids=[])
         for name in names:
             for call, seed in (("first", 1), ("warm", 2)):
                 prompts, new = workload(name, args.smoke, vocab, seed)
                 temp = 0.0 if args.spec_greedy else 1.0
                 opts = [SamplingParams(temperature=temp, max_new_tokens=n, ignore_eos=True) for n in new]
-                if engine.spec is not None:
-                    engine.spec.take_stats()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = engine.generate(prompts, opts)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                tokens = sum(len(c.token_ids) for g in out for c in g)
+                rec, _ = timed_generate(engine, prompts, opts, device)
                 rec = dict(impl="areno", workload=name, call=call, family=args.mtp_family, speculative_tokens=k,
-                           sequences=len(prompts), output_tokens=tokens, wall_s=dt, tok_s=tokens / dt, **train)
-                if engine.spec is not None:
-                    rec.update(engine.spec.take_stats())
+                           spec_gate=str(gate) if k else None, sequences=len(prompts), **rec, **train)
                 print({a: round(b, 4) if isinstance(b, float) else b for a, b in rec.items()}, flush=True)
                 records.append(rec)
         engine.drop_rollout_state()
@@ -148,3 +180,58 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
         if r["call"] == "warm" and r["speculative_tokens"] and r["workload"] in plain:
             r["speedup_vs_plain"] = r["tok_s"] / plain[r["workload"]]["tok_s"]
     return records
+
+
+SWEEP_BATCHES = (1, 4, 16, 64, 256)
+
+
+def run_batch_sweep(args, device) -> list[dict]:
+    """``--spec-batch-sweep``: tok/s of the plain engine and of speculation never gated (``off``) at batch sizes 1, 4,
+    16, 64, 256 (prompts of 128 random tokens, 128 new tokens each; smoke: 16 and 16, batches up to 16), warm calls
+    after one warm-up call of each engine; the crossover is where speculation stops paying, to set against the N that
+    ``auto`` resolves to (``auto_limit``)."""
+    from areno.config import SamplingParams
+    from areno.engine.engine import Engine, EngineConfig
+
+    model, base, train = load_draft_model(args, device)
+    vocab, plen, new = model.config.vocab_size, (16 if args.smoke else 128), (16 if args.smoke else 128)
+    batches = [b for b in SWEEP_BATCHES if b <= 16] if args.smoke else SWEEP_BATCHES
+    temp = 0.0 if args.spec_greedy else 1.0
+    records = []
+    for k, gate in ((0, "auto"), (args.speculative_tokens, "off")):
+        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate, **base),
+                        eos_token_ids=[])
+        opts = SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True)
+        engine.generate(models.random_prompts(4, plen, vocab, seed=99), opts)  # compile and warm the kernels
+        for b in batches:
+            rec, _ = timed_generate(engine, models.random_prompts(b, plen, vocab, seed=b), opts, device)
+            rec = dict(impl="areno", workload="spec-sweep", family=args.mtp_family, speculative_tokens=k, batch=b,
+                       **rec, **train)
+            print({a: round(v, 4) if isinstance(v, float) else v for a, v in rec.items()}, flush=True)
+            records.append(rec)
+        engine.drop_rollout_state()
+        del engine
+    auto = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens, **base), eos_token_ids=[])
+    plain = {r["batch"]: r["tok_s"] for r in records if not r["speculative_tokens"]}
+    for r in records:
+        if r["speculative_tokens"]:
+            r["speedup_vs_plain"], r["auto_limit"] = r["tok_s"] / plain[r["batch"]], auto.spec.limit
+    auto.drop_rollout_state()
+    return records
+
+
+def crossover(records: list[dict]) -> str:
+    """One line: the batches where speculation (never gated) beats the plain engine, and the batch from which on it
+    loses at every size measured (the crossover), next to the N that auto resolves to."""
+    spec = sorted((r for r in records if r.get("speedup_vs_plain") is not None), key=lambda r: r["batch"])
+    wins = [r["batch"] for r in spec if r["speedup_vs_plain"] >= 1.0]
+    stop = None
+    for r in reversed(spec):
+        if r["speedup_vs_plain"] >= 1.0:
+            break
+        stop = r["batch"]
+    limit = spec[0]["auto_limit"] if spec else None
+    losses = [r["batch"] for r in spec if r["speedup_vs_plain"] < 1.0]
+    tail = f"it loses from batch {stop} on" if stop is not None else "it pays at the largest batch measured"
+    return (f"speculation pays at batch {wins or 'none'}, loses at {losses or 'none'}; {tail}; auto speculates up to "
+            f"batch {limit}")

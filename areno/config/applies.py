@@ -83,6 +83,8 @@ CONDITIONS = {
     "evalsets": Condition(lambda v: bool(v["eval_dataset_path"]), "applies only with --eval-dataset-path",
                           "with --eval-dataset-path"),
     "wandb": Condition(lambda v: bool(v["wandb_project"]), "applies only with --wandb-project", "with --wandb-project"),
+    "speculative": Condition(lambda v: _rollout(v) and v["speculative_tokens"] > 0, "applies only with "
+                             "--speculative-tokens > 0", "with --speculative-tokens > 0", True),
     "epochs": Condition(lambda v: v["max_steps"] is None, "does not apply with --max-steps (which sets the run's "
                         "length; --epochs counts passes over the data otherwise)", "without --max-steps"),
 }

@@ -25,6 +25,28 @@ SPECULATIVE_HELP = ("MTP speculative decoding: draft tokens per sequence and ste
                     "and --eager-decode)")
 
 
+SPEC_GATE_HELP = ("speculative decoding's automatic gate (vLLM's speculative disable_by_batch_size): a step "
+                  "speculates only while at most N sequences decode in it, and above that is a plain decode step "
+                  "(verifying K + 1 positions a sequence costs (K + 1)x the FLOPs once the step is compute-bound); "
+                  "auto: N where the verify step turns compute-bound on the device's roofline (dense bf16 FLOP/s "
+                  "over memory bandwidth, times the model's weight bytes per FLOP of a token, over K + 1; 32 on a "
+                  "device without one, e.g. the CPU); off or 0: never gated")
+
+
+def spec_gate(value) -> str | int:
+    """``--speculative-disable-by-batch-size`` as the engine takes it: "auto" (also for None, not given) or N >= 0
+    (0: never gated; "off" too); a ``ConfigError`` naming the flag otherwise."""
+    if value is None or value == "auto":
+        return "auto"
+    if value == "off":
+        return 0
+    if not isinstance(value, bool) and isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise ConfigError("--speculative-disable-by-batch-size", f"takes auto, off or an integer N >= 0, got {value!r}")
+
+
 def check_speculative(tokens: int, refused: dict) -> None:
     """``--speculative-tokens`` >= 0, and not with a setting it is not built for yet (``refused``: {setting: on?})."""
     check_non_negative("--speculative-tokens", tokens)
@@ -101,6 +123,8 @@ class RolloutSection:
         None, "attention implementation: flash where the model and GPU support it, native for compatibility",
         "rollout", choices=ATTN_BACKENDS, default_help="the setup recorded by scripts/install.sh")
     speculative_tokens: int = opt(0, SPECULATIVE_HELP + "; with --decode-steps 1", "rollout", needs="rollout")
+    speculative_disable_by_batch_size: Optional[str] = opt(None, SPEC_GATE_HELP, "rollout", metavar="auto|N|off",
+                                                           default_help="auto", needs="speculative")
     mtp_loss_weight: float = opt(
         0.0, "train the model's MTP (multi-token-prediction) layers, the --speculative-tokens draft, alongside the RL "
         "loss so they stay aligned with the moving policy: each microbatch adds W x their next-next-token "
@@ -220,6 +244,7 @@ class RolloutSection:
                                                     "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8",
                                                     "tensor parallelism (--tp-size / --rollout-tp-size > 1)":
                                                     self.rollout_tp > 1})
+        spec_gate(self.speculative_disable_by_batch_size)
         if self.algo in GROUP_ALGOS and self.n_samples < 2:
             raise ConfigError("--n-samples", f"must be >= 2 for --algo {self.algo} (group advantages compare "
                               "several samples of one prompt)")

@@ -20,7 +20,7 @@ from areno.config.fields import (
     opt,
 )
 from areno.config.multimodal import IMAGE_BYTES_HELP, IMAGE_PIXELS_HELP, IMAGES_HELP
-from areno.config.rollout import SPECULATIVE_HELP, check_speculative
+from areno.config.rollout import SPEC_GATE_HELP, SPECULATIVE_HELP, check_speculative, spec_gate
 
 
 @dataclass
@@ -78,6 +78,8 @@ class ServeConfig:
         "--kv-cache-memory; vLLM's --kv-cache-dtype fp8; not for MLA latent caches)", "rollout",
         choices=KV_CACHE_DTYPES)
     speculative_tokens: int = opt(0, SPECULATIVE_HELP, "rollout")
+    speculative_disable_by_batch_size: Optional[str] = opt(None, SPEC_GATE_HELP, "rollout", metavar="auto|N|off",
+                                                           default_help="auto")
     engine_thread: bool = opt(
         False, "run the engine in a thread of the HTTP process instead of its own engine-core process (slower under "
         "load: the HTTP path and the engine share one interpreter lock; a --world-size == --tp-size > 1 server "
@@ -127,6 +129,9 @@ class ServeConfig:
                                                     "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8",
                                                     "--tp-size > 1": self.tp_size > 1,
                                                     "LoRA slots (--lora-modules / --max-loras)": self.lora_enabled})
+        spec_gate(self.speculative_disable_by_batch_size)
+        if self.speculative_disable_by_batch_size is not None and not self.speculative_tokens:
+            raise ConfigError("--speculative-disable-by-batch-size", "applies only with --speculative-tokens > 0")
 
     @property
     def lora_enabled(self) -> bool:
@@ -134,9 +139,12 @@ class ServeConfig:
 
     def lora_engine_kwargs(self) -> dict:
         """``build_engine``'s LoRA arguments: the slots and the adapters to load at start ({} without LoRA); and
-        ``speculative_tokens`` when it is on."""
+        ``speculative_tokens`` and its gate when it is on."""
         if not self.lora_enabled:
-            return {"speculative_tokens": self.speculative_tokens} if self.speculative_tokens else {}
+            if not self.speculative_tokens:
+                return {}
+            return {"speculative_tokens": self.speculative_tokens,
+                    "speculative_disable_by_batch_size": self.speculative_disable_by_batch_size}
         modules = {a["name"]: a["path"] for a in self.lora_adapters()}
         return {"max_loras": self.max_loras or len(modules), "max_lora_rank": self.max_lora_rank,
                 "lora_modules": modules}

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from areno.config import SamplingParams
+from areno.config.rollout import spec_gate
 from areno.engine.block_manager import BlockManager
 from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
@@ -59,6 +60,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the paged cache in the model's dtype, or fp8 (E4M3 + scales)
     speculative_tokens: int = 0  # > 0: MTP speculative decoding with up to that many draft tokens (spec_decode.py)
+    # the gate (spec_gate.py): speculate while at most N sequences decode in a step; "auto" (None too): N from the
+    # device's roofline; 0 or "off": never gated
+    speculative_disable_by_batch_size: str | int | None = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "max_running", "max_batched_tokens", "decode_steps"):
@@ -66,6 +70,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.speculative_tokens < 0:
             raise ValueError(f"--speculative-tokens must be >= 0, got {self.speculative_tokens}")
+        self.speculative_disable_by_batch_size = spec_gate(self.speculative_disable_by_batch_size)
 
 
 @dataclass

@@ -279,6 +279,11 @@ class ModelRunner(DecodeGraphs):
             if self.lora is not None:
                 self.lora.index = None
         self.last_routing = meta.routing_out.cpu() if self.record_routing else None
+        return self.sample_rows(inp, hidden)
+
+    def sample_rows(self, inp: StepInputs, hidden):
+        """The step's sampling after its forward: one token for each row of ``inp`` from hidden row
+        ``inp.row_index[i]`` (logit adjustments, grammar mask, top log-probs), as :meth:`execute` returns them."""
         if not inp.row_index:  # a prefill chunk that does not reach the end of its prompt: K/V only
             return torch.empty(0, dtype=torch.int64), torch.empty(0), None
         idx = torch.tensor(inp.row_index, dtype=torch.int64, device=self.device)

@@ -6,7 +6,8 @@ One engine step (``SpecDecoder.step``, in place of ``Engine.step``):
 
 1. Schedule as usual. A sequence whose last step left a draft of K_b tokens (made for its current length) decodes
    ``[last token, d_0 .. d_{K_b-1}]`` at positions n-1 .. n-1+K_b (its blocks reserved up to there); prefill chunks
-   and the n samples forked from a prompt run as usual (K_b = 0: ``verify_draft`` then is plain sampling).
+   and the n samples forked from a prompt run as usual (K_b = 0: ``verify_draft`` then is plain sampling; a step
+   where no row drafts samples through the runner's own ``sample_rows``, as a plain step does).
 2. One target forward of the whole step (prefill-mode metadata: every row a query run), the target's logits at each
    row's K_b + 1 positions, ``verify_draft`` (the engine's logit adjustments, penalties, seeds); the log-probs
    returned are the target's.
@@ -22,8 +23,18 @@ One engine step (``SpecDecoder.step``, in place of ``Engine.step``):
 
 A sample forked from a prompt drafts from its second step (its first position's MTP entry is its head's). With prefix
 caching, the MTP entry at the last position of a cached prefix was computed with the next token of the sequence that
-cached it: drafts may differ there, the output distribution never does. ``stats()``: ``spec_accept_len``, the mean
-tokens emitted per drafting sequence and verify step (accepted drafts + 1).
+cached it: drafts may differ there, the output distribution never does.
+
+The gate (``spec_gate.py``, ``--speculative-disable-by-batch-size``): a step where more than N sequences decode is a
+plain step (its drafts dropped, decode-mode metadata and the runner's sampling when it only decodes), and the chain
+drafts only when the next step will speculate. The MTP layer's K/V must still cover every position such a step
+computes (the first draft after the gate lifts attends to them): a gated step of decodes that another gated step
+follows keeps its hidden rows instead (``_defer``), and their catch-up runs in one prefill-mode pass (``_flush``) before
+the next step that runs a catch-up, or once more than ``DEFER_BYTES`` of rows are held; a sequence that finishes while
+gated never pays for it. (A prefix-cache hit on a decoded block whose catch-up is still held reads stale draft K/V
+there: drafts may differ, the output distribution never does.) ``stats()``: ``spec_accept_len``, the mean
+tokens emitted per drafting sequence and verify step (accepted drafts + 1); ``spec_gated_steps``, the steps the gate
+made plain.
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
 graphs, multi-step decode, tensor parallelism, LoRA slots, vision-language models; per request: grammars, top
 log-probs.
@@ -37,12 +48,15 @@ import torch
 
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.scheduler import Chunk, Step
+from areno.engine.sequence import Status
+from areno.engine.spec_gate import resolve_gate
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
 from areno.kernels.sampler import logits_f32, philox_bits, sampling_probs
 from areno.models.mtp import build_mtp_draft
 
 DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
+DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gated steps before it runs anyway
 
 
 @dataclass
@@ -79,14 +93,14 @@ def check_speculative(engine) -> None:
 
 
 def spec_decoder(engine) -> SpecDecoder | None:
-    """The engine's ``SpecDecoder`` for its (new) runner with ``--speculative-tokens`` (the draft built once), else
-    None."""
+    """The engine's ``SpecDecoder`` for its (new) runner with ``--speculative-tokens`` (the draft built and the gate
+    resolved once), else None."""
     k = engine.config.speculative_tokens
     if not k:
         return None
     check_speculative(engine)
     old = getattr(engine, "spec", None)
-    return SpecDecoder(engine, k, None if old is None else old.draft)
+    return SpecDecoder(engine, k, old)
 
 
 def check_request(spec, options) -> None:
@@ -98,16 +112,23 @@ def check_request(spec, options) -> None:
 class SpecDecoder:
     """The engine's speculative steps (see the module docstring); built with the engine's runner."""
 
-    def __init__(self, engine, k: int, draft=None):
+    def __init__(self, engine, k: int, old: SpecDecoder | None = None):
+        """``old``: the decoder of the engine's previous runner, whose draft and gate this one keeps."""
         self.engine, self.k = engine, k
-        self.draft = draft if draft is not None else build_mtp_draft(engine.model)
+        self.draft = old.draft if old is not None else build_mtp_draft(engine.model)
         runner = engine.runner
         if runner.use_graphs:
             raise ValueError("--speculative-tokens with CUDA graphs is not built yet: add --eager-decode")
         # the MTP layer's own paged K/V: one cache layer on the runner (released with it)
         runner.mtp_cache = torch.zeros_like(runner.kv_cache[0])
         self.drafts: dict[int, Draft] = {}
-        self.counts = {"verify_rows": 0, "emitted": 0, "drafted": 0}
+        # the deferred MTP catch-up of gated steps: seq_id -> (seq, first position, hidden rows), at most defer_rows
+        self.deferred: dict[int, tuple] = {}
+        self.defer_rows = max(1, DEFER_BYTES // (engine.model.config.hidden_size * runner.dtype.itemsize))
+        # the largest batch that speculates (None: every step does)
+        self.limit = old.limit if old is not None else resolve_gate(engine.config.speculative_disable_by_batch_size,
+                                                                    engine.model, k, runner.device)
+        self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
 
     @property
     def mtp_cache(self) -> torch.Tensor:
@@ -119,12 +140,13 @@ class SpecDecoder:
 
     def stats(self) -> dict:
         """Since the engine started: ``spec_accept_len`` (tokens emitted per drafting sequence and verify step),
-        ``verify_rows``, ``emitted``, ``drafted``."""
+        ``verify_rows``, ``emitted``, ``proposed`` (draft tokens verified), ``drafted`` (drafts made),
+        ``spec_gated_steps`` (steps run plain: too many sequences decoding)."""
         n = self.counts["verify_rows"]
         return {"spec_accept_len": self.counts["emitted"] / n if n else 0.0, **self.counts}
 
     def take_stats(self) -> dict:
-        """``{"spec_accept_len": ...}`` since the last call (a rollout's), the counts restarted."""
+        """``{"spec_accept_len": ...}`` since the last call (a rollout's), every count restarted."""
         out = {"spec_accept_len": self.stats()["spec_accept_len"]}
         self.counts = dict.fromkeys(self.counts, 0)
         return out
@@ -137,15 +159,18 @@ class SpecDecoder:
         step = e.scheduler.schedule(admit=True)
         if not step.chunks:
             return []
+        for seq in step.preempted:  # recomputed from their prompt: what they held is gone with their blocks
+            self.deferred.pop(seq.seq_id, None)
         if len(self.drafts) > len(e.scheduler.running):  # those of finished, aborted or preempted sequences
             running = {s.seq_id for s in e.scheduler.running}
             self.drafts = {i: d for i, d in self.drafts.items() if i in running}
         copies, state_copies = list(e.blocks.pending_copies), list(e.blocks.pending_state_copies)
         e.blocks.pending_copies.clear()
         e.blocks.pending_state_copies.clear()
-        chunks, rows, next_known = self._plan(step)
-        inp = e.runner.prepare(Step(chunks, is_decode=False), [r.seq for r in rows], [r.index[0] for r in rows],
-                               copies)
+        gated = self._gated(step)
+        chunks, rows, next_known = self._plan(step, gated)
+        inp = e.runner.prepare(Step(chunks, is_decode=gated and step.is_decode), [r.seq for r in rows],
+                               [r.index[0] for r in rows], copies)
         inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
@@ -157,17 +182,35 @@ class SpecDecoder:
         e.scheduler.after_step(step)
         emitted = self._append(rows, verified)
         with torch.inference_mode():
-            self._catch_up_and_draft(chunks, rows, emitted, hidden, meta, pos, next_known)
+            if gated and step.is_decode and not self._speculates_next():
+                self._defer(chunks, hidden)
+            else:
+                self._flush()
+                self._catch_up_and_draft(chunks, rows, emitted, hidden, meta, pos, next_known)
         return [r.seq for r in rows]
 
-    def _plan(self, step: Step):
-        """The step's chunks extended by each drafting sequence's K_b tokens, its sampled rows, and for every
-        computed position the next token when it is known before sampling (else None)."""
+    def _gated(self, step: Step) -> bool:
+        """Whether the gate makes ``step`` plain: more sequences decode in it than the limit (counted)."""
+        decoding = sum(1 for c in step.chunks if c.samples and c.start == len(c.seq) - 1)
+        gated = self.limit is not None and decoding > self.limit
+        self.counts["spec_gated_steps"] += gated
+        return gated
+
+    def _speculates_next(self) -> bool:
+        """Whether the next step will speculate: the sequences that will decode in it (the running ones with their
+        prompt computed; preemption can only lower that) are within the limit."""
+        if self.limit is None:
+            return True
+        return sum(1 for s in self.engine.scheduler.running if s.num_computed >= len(s) - 1) <= self.limit
+
+    def _plan(self, step: Step, gated: bool = False):
+        """The step's chunks extended by each drafting sequence's K_b tokens (none when ``gated``), its sampled rows,
+        and for every computed position the next token when it is known before sampling (else None)."""
         e, rows, chunks, next_known, off = self.engine, [], [], [], 0
         for c in step.chunks:
             seq, kb = c.seq, 0
             d = self.drafts.pop(seq.seq_id, None) if c.samples else None
-            if d is not None and d.length == len(seq) and c.start == len(seq) - 1:
+            if d is not None and not gated and d.length == len(seq) and c.start == len(seq) - 1:
                 kb = len(d.tokens)
                 if not e.blocks.reserve_tokens(seq, len(seq) + kb):
                     kb, d = 0, None
@@ -237,6 +280,9 @@ class SpecDecoder:
             return [], [], []
         nd = [len(row.index) - 1 for row in rows]
         K = max(nd)
+        if not K:  # no draft to verify (a gated step, prefills): the plain step's sampling
+            toks, lps, _ = r.sample_rows(inp, hidden)
+            return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd
         V = r.vocab_size
         index = torch.tensor([row.index + [row.index[-1]] * (K - len(row.index) + 1) for row in rows], device=dev)
         logits = r.logits(hidden[index.view(-1)]).view(B, K + 1, V)
@@ -290,6 +336,7 @@ class SpecDecoder:
             if k:
                 self.counts["verify_rows"] += 1
                 self.counts["emitted"] += len(t)
+                self.counts["proposed"] += k
             reason = e.stopper.extend(row.seq, t, lp)
             if k or len(t) > 1:
                 e.scheduler.after_decode(row.seq)
@@ -299,6 +346,37 @@ class SpecDecoder:
         return toks
 
     # ---- drafting ------------------------------------------------------------------------------------------
+    def _defer(self, chunks, hidden) -> None:
+        """A gated step of decodes only that another gated step follows: its MTP catch-up waits, each sequence's hidden
+        row kept, until a step needs the draft's K/V whole (``_flush``) or more than ``defer_rows`` rows are held."""
+        for i, c in enumerate(chunks):
+            held = self.deferred.get(c.seq.seq_id)
+            if held is not None and held[1] + len(held[2]) != c.start:  # not the position after them: keep both
+                self._flush()
+                held = None
+            if held is None:
+                held = self.deferred[c.seq.seq_id] = (c.seq, c.start, [])
+            held[2].append(hidden[i])
+        self.deferred = {i: d for i, d in self.deferred.items() if not d[0].is_finished}
+        if sum(len(d[2]) for d in self.deferred.values()) > self.defer_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The deferred MTP catch-up: step 0 of the draft over every held position of the running sequences in one
+        prefill-mode pass, which writes the draft's K/V there (no draft is made from them: a later step's catch-up
+        does that). Finished and preempted sequences' rows are dropped."""
+        held = [d for d in self.deferred.values() if d[0].status is Status.RUNNING]
+        self.deferred = {}
+        if not held:
+            return
+        r = self.engine.runner
+        inp = r.prepare(Step([Chunk(seq, p, p + len(h)) for seq, p, h in held], is_decode=False), [], [], [])
+        _, pos, meta = r.step_tensors(inp)
+        nxt = torch.tensor([seq.tokens[q + 1] for seq, p, h in held for q in range(p, p + len(h))],
+                           dtype=torch.int64, device=r.device)
+        hidden = torch.stack([row for _, _, h in held for row in h])
+        self.draft(self.engine.model, 0, hidden, nxt, pos, meta, self.mtp_kv)
+
     def _catch_up_and_draft(self, chunks, rows, emitted, hidden, meta, pos, next_known) -> None:
         """MTP step 0 over every computed position (its K/V written), then the chain for live rows."""
         e, dev = self.engine, self.engine.runner.device
@@ -311,7 +389,7 @@ class SpecDecoder:
         nxt = torch.tensor([0 if t is None else t for t in nxt], dtype=torch.int64, device=dev)
         out, chain = self.draft(e.model, 0, hidden, nxt, pos, meta, self.mtp_kv)
         live = []  # (row, K_b, hidden row of its last accepted position)
-        for row, toks in zip(rows, emitted):
+        for row, toks in zip(rows, emitted) if self._speculates_next() else ():
             seq = row.seq
             kb = min(self.k, e.max_model_len - len(seq), seq.options.max_new_tokens - seq.num_output - 1)
             if row.fresh_fork or seq.is_finished or kb < 1 or not e.blocks.reserve_tokens(seq, len(seq) + kb):

@@ -82,6 +82,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "tis": ["--off-policy-correction", "seq-tis"] if algo == "gspo" else [],
         "evalsets": ["--eval-dataset-path", files["reward"]], "wandb": ["--wandb-project", "p"],
         "nodes": ["--nnodes", "2"],
+        "speculative": ["--speculative-tokens", "2", "--decode-steps", "1", "--eager-decode"],
     }[needs]
 
 

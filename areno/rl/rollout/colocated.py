@@ -29,6 +29,7 @@ def engine_config(cfg, model, tokenizer, dp_rank: int = 0, *, record_routing: bo
         decode_progress_interval_s=cfg.decode_progress_interval_s or None, record_routing=record_routing,
         kv_cache_dtype=cfg.kv_cache_dtype,
         speculative_tokens=cfg.speculative_tokens,
+        speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,
     )
     return econf, build.eos_token_ids(cfg.ckpt, tokenizer)
 

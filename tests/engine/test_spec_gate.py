@@ -1,0 +1,222 @@
+"""The speculative-decoding gate (``--speculative-disable-by-batch-size``, areno.engine.spec_gate) on tiny
+DeepSeek-V3 checkpoints: across gate transitions (sequences finishing at different lengths, requests added mid-run)
+greedy tokens and log-probs equal the plain engine's and the gated steps are the ones the threshold implies; a gated
+step samples at temperature 1 exactly what a plain step does; the MTP layer's paged K/V covers the positions gated
+steps computed (a fresh prefill of the same tokens is the oracle); with a draft that predicts the target exactly every
+draft after the gate lifts is accepted; ``auto`` resolves from the roofline (a number on the CPU); bad values and the
+flag without --speculative-tokens are refused naming it; preemption under the gate keeps greedy tokens."""
+
+import numpy as np
+import pytest
+import torch
+
+from areno.config import ConfigError, SamplingParams, ServeConfig
+from areno.engine.engine import Engine, EngineConfig
+from areno.engine.kv_cache import kv_bytes_per_block
+from areno.engine.spec_gate import AUTO_FALLBACK, auto_threshold, decode_counts
+from areno.models import load_model
+from areno.platform.roofline import H100, H200, roofline_of
+from areno.testing import make_tiny_checkpoint
+from tests.helpers.mtp import make_echo_model
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[5, 9, 13, 200, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11], [42] * 5, [17, 18, 19, 20]]
+LATE = [[60, 61, 62], [70, 71, 72, 73, 74]]  # added while the first batch decodes
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ds"), family="deepseek_v3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def echo(checkpoint):
+    return make_echo_model(load_model(checkpoint, dtype=torch.float32, device="cpu"), scale=2.0)
+
+
+def _engine(model, k, gate="auto", **kw):
+    kw = {"block_size": 4, "max_running": 8, "max_batched_tokens": 64, **kw}
+    return Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate, **kw),
+                  eos_token_ids=[])
+
+
+def _greedy(n):
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def _run_with_arrivals(e, news=(3, 6, 10, 20), late=(8, 6), after=8):
+    """PROMPTS with ``news`` new tokens each; after ``after`` steps LATE join (greedy): the batch shrinks below a
+    threshold of 2, grows past it again and shrinks. Returns every sequence's (tokens, log-probs)."""
+    seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS, news)]
+    for _ in range(after):
+        e.step()
+    seqs += [e.add_request(p, _greedy(n))[0] for p, n in zip(LATE, late)]
+    while e.has_work():
+        e.step()
+    return [(s.output_ids, list(s.logprobs)) for s in seqs]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_greedy_equals_plain_decoding_across_gate_transitions(echo, family, tmp_path):
+    """DeepSeek-V3 (MLA, MoE) and Qwen3.5 (gated DeltaNet: recurrent states rolled back after rejections)."""
+    if family != "deepseek_v3":
+        path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
+        echo = make_echo_model(load_model(path, dtype=torch.float32, device="cpu"), scale=2.0)
+    plain = _run_with_arrivals(_engine(echo, 0))
+    e = _engine(echo, 2, gate=2)
+    gated = _run_with_arrivals(e)
+    assert [t for t, _ in gated] == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(gated, plain):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    stats = e.spec.stats()
+    assert stats["spec_gated_steps"] > 0 and stats["verify_rows"] > 0 and stats["spec_accept_len"] > 1.05
+    assert stats["drafted"] == stats["verify_rows"]  # drafts are made only for a step that speculates
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_the_gated_steps_are_those_the_threshold_implies(echo, limit):
+    """Four sequences prefilled in one step, then decoding with no arrivals: the steps where more than N decode are
+    plain, one token a sequence each, so they last until the (4 - N)-th shortest output is complete: its length - 1
+    steps (its first token came from the prefill)."""
+    news = [3, 6, 12, 20]
+    e = _engine(echo, 2, gate=limit)
+    out = e.generate(PROMPTS, [_greedy(n) for n in news])
+    assert [len(g[0].token_ids) for g in out] == news
+    assert e.spec.stats()["spec_gated_steps"] == sorted(news)[len(news) - limit - 1] - 1
+    assert _engine(echo, 2, gate="off").spec.limit is None and _engine(echo, 2, gate=0).spec.limit is None
+
+
+def test_preemption_under_the_gate_keeps_greedy_tokens(echo):
+    """A cache small enough to preempt (n = 2 samples of three prompts, ten blocks): the preempted sequences' held
+    catch-up is dropped and recomputed with them; greedy tokens equal the plain engine's."""
+    opts = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, n=2)
+    plain = [[c.token_ids for c in g] for g in _engine(echo, 0, max_running=6).generate(PROMPTS[:3], opts)]
+    budget = 10 * kv_bytes_per_block(echo, 4, torch.float32, extra_layers=1)
+    e = _engine(echo, 2, gate=2, max_running=6, max_batched_tokens=12, kv_cache_memory=budget)
+    assert [[c.token_ids for c in g] for g in e.generate(PROMPTS[:3], opts)] == plain
+    stats = e.spec.stats()
+    assert e.scheduler.num_preemptions > 0 and stats["spec_gated_steps"] > 0 and stats["verify_rows"] > 0
+
+
+def test_a_gated_step_samples_what_a_plain_step_does(echo):
+    """Temperature 1, seeded: every step gated (N = 1, four sequences of equal length) gives the plain engine's tokens
+    token for token (the verify step's bonus draw is plain sampling's noise); so does the engine's rebuilt runner."""
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=40 + i) for i in range(4)]
+    plain = [g[0].token_ids for g in _engine(echo, 0).generate(PROMPTS, opts)]
+    e = _engine(echo, 2, gate=1)
+    assert [g[0].token_ids for g in e.generate(PROMPTS, opts)] == plain
+    assert e.spec.stats()["verify_rows"] == 0 and e.spec.stats()["spec_gated_steps"] == 7
+    e.drop_rollout_state()  # a rebuilt runner keeps the draft and the gate
+    assert [g[0].token_ids for g in e.generate(PROMPTS, opts)] == plain
+    assert e.spec.limit == 1 and e.spec.stats()["spec_gated_steps"] == 7
+
+
+def _mtp_kv(engine, seq, n):
+    """The MTP layer's cached entries of ``seq``'s positions 0..n-1 ([n, ...] per cache tensor)."""
+    bs, table = engine.config.block_size, seq.block_table
+    blocks = torch.tensor([table[p // bs] for p in range(n)])
+    offs = torch.tensor([p % bs for p in range(n)])
+    return engine.spec.mtp_cache[:, blocks, offs]
+
+
+@pytest.mark.parametrize("defer_rows", [None, 2])
+def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
+    """The random MTP layer (its attention reads its own K/V): after gated steps (their catch-up deferred, run when
+    the gate lifts, or every time more than 2 rows are held) and speculating ones, the MTP K/V at every computed
+    position of a running sequence equals a fresh engine's after prefilling the same tokens."""
+    model = load_model(checkpoint, dtype=torch.float32, device="cpu")
+    e = _engine(model, 2, gate=1)
+    e.spec.defer_rows = defer_rows or e.spec.defer_rows
+    seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS[:3], (4, 6, 30))]
+    held = 0
+    while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
+        e.step()
+        held = max(held, sum(len(d[2]) for d in e.spec.deferred.values()))
+    assert held == (2 if defer_rows else 8) and not e.spec.deferred  # deferred, then run
+    seq = seqs[2]
+    assert e.spec.counts["spec_gated_steps"] >= 4 and not seq.is_finished
+    n = seq.num_computed
+    fresh = _engine(model, 2, gate="off")
+    (ref,) = fresh.add_request(list(seq.tokens[: n + 1]), _greedy(2))
+    fresh.step()
+    torch.testing.assert_close(_mtp_kv(e, seq, n), _mtp_kv(fresh, ref, n), atol=1e-4, rtol=1e-4)
+
+
+def test_every_draft_after_the_gate_is_accepted_when_the_draft_is_exact(checkpoint):
+    """A target that always repeats its input token and a draft that proposes it: once the batch shrinks to N, the
+    next step already verifies drafts and accepts every one of them, as an ungated engine does."""
+    model = make_echo_model(load_model(checkpoint, dtype=torch.float32, device="cpu"), scale=30.0)
+    news = [3, 5, 16, 16]
+    for gate in ("off", 2):
+        e = _engine(model, 3, gate=gate)
+        out = e.generate(PROMPTS, [_greedy(n) for n in news])
+        assert all(set(g[0].token_ids) == {p[-1]} for g, p in zip(out, PROMPTS))  # the target echoes
+        s = e.spec.stats()
+        assert s["proposed"] > 0 and s["emitted"] - s["verify_rows"] == s["proposed"], (gate, s)
+    assert s["spec_gated_steps"] == news[1] - 1  # plain while three or four decode, then speculating at once
+
+
+def test_auto_is_the_roofline_threshold(checkpoint, echo):
+    """Weight bytes over FLOPs a token against the ridge, over K + 1; a fixed value without a roofline (the CPU)."""
+    assert _engine(echo, 2).spec.limit == AUTO_FALLBACK  # auto, on the CPU
+    assert roofline_of("NVIDIA H200") is H200 and roofline_of("NVIDIA H100 80GB HBM3") is H100
+    assert roofline_of("NVIDIA A10G") is None and auto_threshold(echo, 2, None)[0] == AUTO_FALLBACK
+    nbytes, flops = decode_counts(echo)
+    # the oracle: fp32 parameters (4 bytes) read once; 2 FLOPs each a token, a routed expert's at top-k / experts
+    params = {n: p for n, p in echo.named_parameters() if not n.startswith("mtp.")}
+    if not echo.config.tie_word_embeddings:
+        params.pop("embed_tokens.weight")
+    share = echo.moe_top_k / echo.config.num_experts
+    assert nbytes == 4 * sum(p.numel() for p in params.values())
+    expected = sum(2 * p.numel() * (share if ".experts." in n else 1.0) for n, p in params.items())
+    assert flops == pytest.approx(expected)
+    assert flops < nbytes / 2  # an MoE: fewer FLOPs than parameters
+    for k in (1, 3):
+        n, why = auto_threshold(echo, k, H200)
+        assert n == int(790 / 4.3 * nbytes / flops // (k + 1)) and "H200" in why
+
+
+@pytest.mark.parametrize("value,ok", [("auto", "auto"), ("off", 0), ("0", 0), ("12", 12), (5, 5), ("-1", None),
+                                      ("fast", None), (True, None), (-2, None)])
+def test_serve_flag_values(value, ok, tmp_path):
+    kw = dict(model_path=str(tmp_path), speculative_tokens=2, eager_decode=True)
+    if ok is None:
+        with pytest.raises(ConfigError, match="--speculative-disable-by-batch-size takes auto, off or an integer"):
+            ServeConfig(speculative_disable_by_batch_size=value, **kw)
+        return
+    cfg = ServeConfig(speculative_disable_by_batch_size=value, **kw)
+    engine = EngineConfig(speculative_tokens=2, **{k: v for k, v in cfg.lora_engine_kwargs().items()
+                                                    if k == "speculative_disable_by_batch_size"})
+    assert engine.speculative_disable_by_batch_size == ok
+
+
+def test_refused_without_speculative_tokens(tmp_path, capsys):
+    """`areno serve` and `areno train`: the gate without --speculative-tokens exits 2 naming it."""
+    from areno.cli import main
+
+    path = make_tiny_checkpoint(tmp_path / "q", family="qwen3", seed=1)
+    (tmp_path / "r.py").write_text("def reward_fn(record):\n    return 0.0\n")
+    for argv in (["serve", "--model-path", str(path)],
+                 ["train", "--ckpt", str(path), "--dataset-path", "d.jsonl", "--algo", "grpo", "--reward-fn-path",
+                  str(tmp_path / "r.py")]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--speculative-disable-by-batch-size", "8"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--speculative-disable-by-batch-size applies only with --speculative-tokens" \
+            in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "bailing_hybrid"])
+def test_gate_transitions_keep_greedy_tokens_on_the_gpu(tmp_path, family):
+    """The CPU test's transitions on the GPU's kernels (fp32 weights, eager decode for both engines), and ``auto``
+    resolving from the GPU's roofline (H100 / H200: a number of its own, else the fixed value)."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
+    model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0)
+    plain = _run_with_arrivals(_engine(model, 0, eager_decode=True))
+    e = _engine(model, 2, gate=2, eager_decode=True)
+    assert [t for t, _ in _run_with_arrivals(e)] == [t for t, _ in plain]
+    assert e.spec.stats()["spec_gated_steps"] > 0 and e.spec.stats()["verify_rows"] > 0
+    roof = roofline_of(torch.cuda.get_device_name())
+    assert _engine(model, 2, eager_decode=True).spec.limit == auto_threshold(model, 2, roof)[0]
