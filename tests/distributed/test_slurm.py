@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from areno.distributed.launch import free_port
-from tests.rl.test_split import files  # noqa: F401 - the tiny checkpoint, data and reward of the split tests
+from tests.helpers.split_runs import make_files
 
 ROOT = Path(__file__).resolve().parents[2]
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
@@ -110,8 +110,8 @@ def losses(out: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sbatch_runs_the_split_template_on_two_nodes(slurm, files, tmp_path):  # noqa: F811
-    ckpt, data, reward = files
+def test_sbatch_runs_the_split_template_on_two_nodes(slurm, tmp_path):
+    ckpt, data, reward = make_files(tmp_path)  # the split tests' tiny checkpoint, data and reward
     run = dict(slurm, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MODEL=str(ckpt), DATA=str(data),
                REWARD=str(reward), SAVE=str(tmp_path / "slurm"), GPUS_PER_NODE="1", TRAIN_NODES="1",
                ARENO=f"{sys.executable} -m areno", ARENO_ARGS=RUN_FLAGS,

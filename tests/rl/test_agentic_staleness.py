@@ -1,7 +1,7 @@
 """Agentic rollout with --max-staleness K > 0 in split mode (issue 42): the batches of agent episodes run ahead on a
 background thread while the trainer steps, every sampled token stamped with the policy version of the engine that
 sampled it (the token service answers with it); what trains stays within K versions; K = 0 stays on-policy. Split
-runs on gloo (CPU), the tiny checkpoint and the three-turn agent of test_split."""
+runs on gloo (CPU), the tiny checkpoint and the three-turn agent of the split tests (tests/helpers/split_runs.py)."""
 
 import json
 import subprocess
@@ -12,10 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from areno.rl.agentic.session import token_versions
-from tests.rl import test_split
-from tests.rl.test_split import AGENT, ROOT, areno, env, metrics, needs_gpus, train_args
+from tests.helpers.split_runs import AGENT, ROOT, areno, env, metrics, needs_gpus, train_args
 
-files = test_split.files  # the tiny checkpoint, the sums dataset and the reward (a module fixture)
 SPLIT = ["--train-devices", "0", "--rollout-devices", "1", "--max-context-len", "400"]
 
 

@@ -276,7 +276,7 @@ def test_a_config_refuses_a_token_level_correction_for_gspo():
 def test_split_async_run_reports_the_policy_version_lag(tiny_run, tmp_path):
     """Split mode with --max-staleness 1 (gloo on a CPU): the lag metrics follow the rows' policy version, and a
     correction (icepop) trains on the stale rows."""
-    from tests.rl.test_split import areno, metrics
+    from tests.helpers.split_runs import areno, metrics
 
     out = tmp_path / "async"
     areno(tiny_run[:3], out, "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1",

@@ -117,7 +117,7 @@ def test_the_colocated_engine_drafts_with_the_trained_weights(family, files, tmp
 def test_split_mode_streams_the_trained_draft(files, tmp_path):
     """One on-policy split run with speculation: every sync is verified (the engine's kept MTP tensors and its
     draft's parameters equal the trainer's), and the accept length is logged every step."""
-    from tests.rl.test_split import areno
+    from tests.helpers.split_runs import areno
 
     out = tmp_path / "split"
     areno(files, out, "--train-devices", "0", "--rollout-devices", "1", "--mtp-loss-weight", "1",

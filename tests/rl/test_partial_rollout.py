@@ -19,10 +19,7 @@ from areno.engine.engine import Engine, EngineConfig
 from areno.models import load_model, load_tokenizer
 from areno.rl.rollout.partial import PartialRollout
 from areno.testing import make_tiny_checkpoint
-from tests.rl import test_split
-from tests.rl.test_split import KILLING_REWARD, ROOT, areno, env, metrics, needs_gpus, train_args
-
-files = test_split.files  # the tiny checkpoint, the sums dataset and the reward (a module fixture)
+from tests.helpers.split_runs import KILLING_REWARD, ROOT, areno, env, metrics, needs_gpus, train_args
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +119,8 @@ def test_staleness_2_sends_two_rollouts_ahead(files, tmp_path):
     assert [m["policy_version"] for m in ms] == [0, 0, 0, 1, 2] and all(m["stale_dropped"] == 0 for m in ms)
 
 
-def test_staleness_0_equals_the_synchronous_run_bit_for_bit(files, tmp_path):
-    sync, split = tmp_path / "colocated", tmp_path / "split"
-    areno(files, sync)
-    areno(files, split, *SPLIT, "--max-staleness", "0")
+def test_staleness_0_equals_the_synchronous_run_bit_for_bit(colocated, on_policy_split):
+    sync, split = colocated, on_policy_split  # the session's runs (tests/rl/conftest.py): --max-staleness 0
     a, b = metrics(sync), metrics(split)
     for key in ("loss", "reward_mean", "grad_norm", "logprob_diff"):
         assert [m[key] for m in a] == [m[key] for m in b], key

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rl.test_split import ROOT, env, files  # noqa: F401  (the split tests' tiny checkpoint and data)
+from tests.helpers.split_runs import ROOT, env  # the split tests' `files` (tiny checkpoint, data): tests/rl/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from areno.config import ConfigError, TrainConfig
-from tests.rl import test_split
-from tests.rl.test_split import areno, metrics, needs_gpus
+from tests.helpers.split_runs import areno, metrics, needs_gpus
 
-files = test_split.files  # the tiny checkpoint, the sums dataset and the reward (a module fixture)
 pytestmark = needs_gpus(2)
 three_gpus = needs_gpus(3)
 SPLIT = ["--train-devices", "0", "--rollout-devices", "1"]
@@ -31,8 +29,9 @@ def with_eval(eval_set):
 
 
 def same_training(a, b, *, steps):
-    """Every training metric at every step, and the last checkpoint's weights, bit for bit."""
-    ta = {m["step"]: m for m in metrics(a) if "loss" in m}
+    """Every training metric at every step of ``b``'s ``steps`` (``a`` may run longer), and the weights at the last
+    of them, bit for bit."""
+    ta = {m["step"]: m for m in metrics(a) if "loss" in m and m["step"] <= steps}
     tb = {m["step"]: m for m in metrics(b) if "loss" in m}
     assert sorted(ta) == sorted(tb) == list(range(1, steps + 1))
     for step in ta:
@@ -65,20 +64,18 @@ def check_evals(out, proc, *, versions: bool):
     assert "eval step 2" in proc.stdout
 
 
-def test_on_policy_split_run_with_evaluation_trains_exactly_as_one_without(files, sync_eval, tmp_path):
-    plain = tmp_path / "plain"
-    areno(files, plain, *SPLIT, "--max-staleness", "0")
+def test_on_policy_split_run_with_evaluation_trains_exactly_as_one_without(on_policy_split, sync_eval):
+    plain = on_policy_split  # the session's on-policy split run (tests/rl/conftest.py)
     same_training(plain, sync_eval[0], steps=3)
     check_evals(*sync_eval, versions=False)
     assert not any(k.startswith("eval/") for m in metrics(plain) for k in m)
 
 
-def test_async_split_run_with_evaluation_trains_exactly_as_one_without(files, eval_set, tmp_path):
-    plain, evald = tmp_path / "plain", tmp_path / "evald"
-    areno(files, plain, *SPLIT, "--max-staleness", "1")
+def test_async_split_run_with_evaluation_trains_exactly_as_one_without(files, eval_set, async_split, tmp_path):
+    plain, evald = async_split, tmp_path / "evald"  # the session's async split run: its first 3 of 4 steps
     proc = areno(files, evald, *SPLIT, "--max-staleness", "1", *with_eval(eval_set))
     same_training(plain, evald, steps=3)
-    assert [m["staleness_max"] for m in metrics(plain)] == [0, 1, 1]  # a batch was in flight at each evaluation
+    assert [m["staleness_max"] for m in metrics(plain)][:3] == [0, 1, 1]  # a batch was in flight at each evaluation
     check_evals(evald, proc, versions=True)
 
 

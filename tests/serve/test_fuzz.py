@@ -17,7 +17,7 @@ schemathesis = pytest.importorskip("schemathesis", reason="a test extra: bash sc
 # each operation's strategy is driven by a plain @given
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-MAX_EXAMPLES = int(os.environ.get("ARENO_FUZZ_EXAMPLES", 100))  # per route and generation mode
+MAX_EXAMPLES = int(os.environ.get("ARENO_FUZZ_EXAMPLES", 50))  # per route and generation mode
 DERANDOMIZE = "ARENO_FUZZ_EXAMPLES" not in os.environ
 
 
