@@ -66,14 +66,19 @@ def _exit_code(argv) -> int:
         return e.code
 
 
-def test_colocated_copies_are_quantised_again_after_an_optimizer_step(files):
+def _colocated(files):
+    """(model, tokenizer, optimizer, colocated rollout with --rollout-dtype fp8) on the fp32 checkpoint."""
     ckpt, data, reward = files
     model = load_model(ckpt, dtype=torch.float32, device="cpu")
     tok = load_tokenizer(ckpt)
     cfg = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), rollout_dtype="fp8",
                       n_samples=2, max_new_tokens=4, max_prompt_tokens=32)
     optimizer = MasterAdamW(list(model.parameters()), lr=1e-2)
-    rollout = ColocatedRollout(model, tok, optimizer, cfg)
+    return model, tok, optimizer, ColocatedRollout(model, tok, optimizer, cfg)
+
+
+def test_colocated_copies_are_quantised_again_after_an_optimizer_step(files):
+    model, tok, optimizer, rollout = _colocated(files)
     mod = fp8_rollout.fp8_modules(model)["layers.0.mlp.down_proj"]
     prompts = [tok.encode("1+2=")]
     first = rollout.generate(prompts, GREEDY)[0][0]
@@ -124,13 +129,7 @@ def test_what_is_not_built_exits_2_naming_the_flag(files, tmp_path, extra, words
 def test_colocated_expert_copies_follow_the_optimizer(moe_files):
     """MoE: the experts' FP8 stacks are remade in place before the first rollout after a step, and the rollout reads
     them (the trainer's forward stays full precision)."""
-    ckpt, data, reward = moe_files
-    model = load_model(ckpt, dtype=torch.float32, device="cpu")
-    tok = load_tokenizer(ckpt)
-    cfg = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), rollout_dtype="fp8",
-                      n_samples=2, max_new_tokens=4, max_prompt_tokens=32)
-    optimizer = MasterAdamW(list(model.parameters()), lr=1e-2)
-    rollout = ColocatedRollout(model, tok, optimizer, cfg)
+    model, tok, optimizer, rollout = _colocated(moe_files)
     experts = fp8_rollout.fp8_modules(model)["layers.0.mlp.experts"]
     prompts = [tok.encode("1+2=")]
     rollout.generate(prompts, GREEDY)

@@ -57,6 +57,15 @@ def _scaled_dot(acc, a, b, sa, sb):
     return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
 
 
+@triton.jit
+def _load_b(b_ptrs, ks, k_left, EVEN_K: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] weight tile, zero past K (``k_left``: K less the step's start) unless EVEN_K."""
+    if EVEN_K:
+        return tl.load(b_ptrs)
+    else:
+        return tl.load(b_ptrs, mask=(ks < k_left)[:, None], other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_experts_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, order_ptr, counts_ptr, scale_ptr, out_ptr,
                         M, E, N, K, G, NW, NB, TOP_K,
@@ -89,21 +98,15 @@ def _fp8_experts_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, order_ptr, counts_ptr, sca
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         g = (kb * BLOCK_K) // GROUP
+        k_left = K - kb * BLOCK_K
         sa = tl.load(as_ptrs + g)
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(g_ptrs)
         else:
-            k_ok = ks < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _scaled_dot(acc, a, b, sa, tl.load(gs_ptrs + g))
+            a = tl.load(a_ptrs, mask=(ks < k_left)[None, :], other=0.0)
+        acc = _scaled_dot(acc, a, _load_b(g_ptrs, ks, k_left, EVEN_K), sa, tl.load(gs_ptrs + g))
         if GATE_UP:
-            if EVEN_K:
-                bu = tl.load(u_ptrs)
-            else:
-                bu = tl.load(u_ptrs, mask=(ks < K - kb * BLOCK_K)[:, None], other=0.0)
-            acc_u = _scaled_dot(acc_u, a, bu, sa, tl.load(us_ptrs + g))
+            acc_u = _scaled_dot(acc_u, a, _load_b(u_ptrs, ks, k_left, EVEN_K), sa, tl.load(us_ptrs + g))
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
