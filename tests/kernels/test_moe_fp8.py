@@ -123,7 +123,7 @@ def test_fused_moe_dispatches_on_fp8_weights_and_refuses_gradients(native_kernel
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 16, 256, 2048])
+@pytest.mark.parametrize("T", [1, 16, 256, 1024])  # 256: 2048 pairs, the decode config's edge; 1024: the large one
 def test_triton_bf16_at_30b_a3b_expert_widths(T):
     """Qwen3-30B-A3B's experts (E=128, I=768: gate_up N = 2 x 768, K = 2048; down N = 2048, K = 768), top-8,
     bf16 activations, decode and prefill batch sizes: the Triton kernels against the native reference, and the
@@ -142,4 +142,4 @@ def test_triton_bf16_at_30b_a3b_expert_widths(T):
         bf16 = fused_moe(x, w13, w2, w, ids)
     assert y.dtype == torch.bfloat16 and y.shape == (T, H)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
-    assert (y.float() - bf16.float()).norm() <= 0.1 * bf16.float().norm()
+    assert (y.float() - bf16.float()).norm() <= 0.1 * bf16.float().norm()  # 0.064 measured in fp32 on CPU (E=16)
