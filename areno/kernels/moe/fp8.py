@@ -49,7 +49,6 @@ __all__ = ["fused_moe_fp8", "fused_moe_fp8_native", "fp8_gate_up", "fp8_down"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _ACT = {"silu": 0, "gelu_tanh": 1}
-SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit
@@ -117,7 +116,7 @@ def _fp8_experts_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, order_ptr, counts_ptr, sca
         if ACT == 0:
             act = gf * tl.sigmoid(gf)
         else:  # tanh-approximated GELU, tanh(z) = 2 sigmoid(2z) - 1
-            z = SQRT_2_OVER_PI * (gf + 0.044715 * gf * gf * gf)
+            z = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)  # sqrt(2 / pi)
             act = gf * tl.sigmoid(2.0 * z)
         act = act.to(dt).to(tl.float32)  # rounded like the activation's output in x's dtype
         h = act * acc_u.to(dt).to(tl.float32)
