@@ -1,7 +1,8 @@
-"""--rollout-dtype fp8 in RL runs: the colocated engine's FP8 copies are quantised again after an optimizer step (in
-place, the trainer's forward staying full precision); a colocated run logs the rollout-vs-trainer mismatch and hints
-at --off-policy-correction tis when it is off; split mode streams the FP8 copies (about half a bf16 stream's bytes,
-the verified sync comparing them byte for byte, gloo ranks); what is not built exits 2 naming the flag."""
+"""--rollout-dtype fp8 in RL runs: the colocated engine's FP8 copies (a MoE's expert stacks too) are quantised again
+after an optimizer step (in place, the trainer's forward staying full precision); a colocated run logs the
+rollout-vs-trainer mismatch and hints at --off-policy-correction tis when it is off; split mode streams the FP8
+copies of a tiny MoE's projections and experts (about half a bf16 stream's bytes, the verified sync comparing them
+byte for byte, gloo ranks); what is not built exits 2 naming the flag."""
 
 import json
 import logging
@@ -154,19 +155,19 @@ def test_colocated_expert_copies_follow_the_optimizer(moe_files):
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs on a CUDA host")
-@pytest.mark.parametrize("which", ["files", "moe_files"])
-def test_split_mode_streams_the_fp8_copies_at_about_half_the_bytes(which, request, tmp_path):
-    """Split mode (gloo ranks on CPU): the stream carries the FP8 entries, the MoE's expert stacks among them, at
-    about half the bytes of their bf16 tensors; the verified sync compares the rollout rank's copies byte for byte."""
-    files = request.getfixturevalue(which)
+def test_split_mode_streams_the_fp8_copies_at_about_half_the_bytes(moe_files, tmp_path):
+    """Split mode (gloo ranks on CPU), on the MoE: the stream carries the FP8 entries of the projections and of the
+    expert stacks at about half the bytes of their bf16 tensors; the verified sync compares the rollout rank's copies
+    byte for byte."""
+    files = moe_files
     ckpt = files[0]
     bf16 = load_model(ckpt, dtype=torch.bfloat16, device="cpu")
     replaced = fp8_rollout.wire_hf_names(bf16)
     specs, fp8_specs = sync_specs(bf16, False), sync_specs(bf16, False, fp8=True)
-    if which == "moe_files":
-        names = {s[0] for s in fp8_specs}
-        assert {"fp8:layers.0.mlp.experts.w13.q", "fp8:layers.0.mlp.experts.w2.s"} <= names
-        assert "model.layers.0.mlp.experts.3.down_proj.weight" in replaced
+    names = {s[0] for s in fp8_specs}
+    assert {"fp8:layers.0.self_attn.o_proj.weight.q", "fp8:layers.0.mlp.experts.w13.q",
+            "fp8:layers.0.mlp.experts.w2.s"} <= names  # fmt: skip
+    assert {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight"} <= replaced
 
     def nbytes(specs):
         return sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, s, d in specs)
