@@ -1,11 +1,15 @@
 """K3: routed experts (MoE) forward+backward: areno's Triton grouped GEMMs vs the per-expert loop and torch._grouped_mm.
 
     python bench/moe.py            # H200: 128 experts, top-8, hidden 2048, intermediate 768, bf16; 1k/8k/32k tokens
+    python bench/moe.py --tokens --no-profile    # decode sizes only: bf16 vs FP8 experts (issue 41's 30B-A3B shape)
     TRITON_INTERPRET=1 python bench/moe.py --smoke     # CPU: tiny shapes, checks the script (times meaningless)
 
 Workload: x [T, H] bf16, routing from softmax top-k of random logits (near-uniform expert loads), weights
 w13 [E, 2I, H] and w2 [E, H, I]. Training sizes time forward+backward (autograd.grad of all four inputs: x, w13, w2,
-topk_weights) and forward alone; decode sizes time the forward under no_grad, eager and (areno) CUDA-graph replayed.
+topk_weights) and forward alone; decode sizes time the forward under no_grad, eager and (areno) CUDA-graph
+replayed, on the bf16 experts and on their FP8 copies (FP8 rollout: ``quantize_weight_fp8`` stacks, ``fused_moe``'s
+FP8 path; ``x_bf16`` = areno bf16 ms / areno fp8 ms, the decode step's expert weight bytes halved; 1 to 256 tokens:
+R1's 256 streams decode 256 tokens a step).
 FLOPs: forward 2*T*k*(H*2I + I*H), backward twice that; TFLOP/s against the H200's bf16 dense peak (790).
 Baselines in the same process: the per-expert loop as transformers runs it (``fused_moe_native``) and, where the
 installed torch has it, ``torch._grouped_mm`` over expert-sorted tokens (two grouped GEMMs, SiLU-and-mul between).
@@ -29,7 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
+from areno.kernels.fp8 import quantize_weight_fp8  # noqa: E402
 from areno.kernels.moe import gemm as moe_gemm  # noqa: E402
+from areno.kernels.moe.fp8 import fused_moe_fp8_native  # noqa: E402
 from areno.kernels.moe.fused import fused_moe, fused_moe_native, route_softmax_topk  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # H200 bf16 dense (BENCH.md)
@@ -124,16 +130,38 @@ def _ratios(rows, err=None):
             r["x_loop"] = same["loop"] / r["ms"] if "loop" in same else None
             r["x_grouped_mm"] = same["grouped_mm"] / r["ms"] if "grouped_mm" in same else None
             r["rel_err"] = err
+        elif r["impl"].startswith("areno fp8"):  # the bf16 grouped GEMM's time over the FP8 one's (same capture)
+            base = same.get(r["impl"].replace("areno fp8", "areno"))
+            r["x_bf16"] = base / r["ms"] if base else None
+
+
+def _graph_ms(fn):
+    """CUDA time of ``fn`` captured once in a CUDA graph and replayed (after three warm-up calls on a side stream)."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    return gpu_time_ms(graph.replay, warmup=3, iters=50)
 
 
 def bench_decode(T, args, device, dtype, env):
+    """Decode-size forwards: the bf16 paths, and areno on the FP8 expert stacks (``--rollout-dtype fp8``: 128 x 128
+    block scales per expert, activations per token) against areno bf16 (``x_bf16``: bf16 ms over fp8 ms), with its
+    error against the native FP8 reference (``rel_err``) and against the bf16 experts (``rel_err_bf16``)."""
     x, w13, w2, w, ids = make_problem(T, args.experts, args.top_k, args.hidden, args.intermediate, dtype, device)
+    q13, q2 = quantize_weight_fp8(w13), quantize_weight_fp8(w2)
     flops = fwd_flops(T, args.top_k, args.hidden, args.intermediate)
     rows = []
 
-    def add(impl, ms):
+    def add(impl, ms, **extra):
         rows.append(dict(tokens=T, phase="decode fwd", impl=impl, ms=ms, tflops=flops / ms / 1e9,
-                         pct_peak=100 * flops / ms / 1e9 / PEAK_TFLOPS))
+                         pct_peak=100 * flops / ms / 1e9 / PEAK_TFLOPS, **extra))
 
     for name, fn in IMPLS.items():
         try:
@@ -141,21 +169,21 @@ def bench_decode(T, args, device, dtype, env):
                 add(name, _timing(lambda fn=fn: fn(x, w13, w2, w, ids), name == "loop", args.smoke))
         except Exception as exc:
             print(f"[moe bench] {name} decode T={T} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    fp8 = lambda: fused_moe(x, q13, q2, w, ids)  # noqa: E731
+    try:
+        with torch.no_grad():
+            y8, y16 = fp8(), fused_moe(x, w13, w2, w, ids)
+            errs = dict(rel_err=_rel_err(y8, fused_moe_fp8_native(x, q13, q2, w, ids)), rel_err_bf16=_rel_err(y8, y16))
+            add("areno fp8", _timing(fp8, False, args.smoke), **errs)
+    except Exception as exc:
+        print(f"[moe bench] areno fp8 decode T={T} failed: {type(exc).__name__}: {str(exc)[:200]}")
     if device == "cuda":
-        try:
-            with torch.no_grad():
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        fused_moe(x, w13, w2, w, ids)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fused_moe(x, w13, w2, w, ids)
-            add("areno (cuda graph)", gpu_time_ms(graph.replay, warmup=3, iters=50))
-        except Exception as exc:
-            print(f"[moe bench] areno CUDA-graph capture at T={T} failed: {type(exc).__name__}: {str(exc)[:200]}")
+        bf16 = lambda: fused_moe(x, w13, w2, w, ids)  # noqa: E731
+        for name, fn in (("areno (cuda graph)", bf16), ("areno fp8 (cuda graph)", fp8)):
+            try:
+                add(name, _graph_ms(fn))
+            except Exception as exc:
+                print(f"[moe bench] {name} capture at T={T} failed: {type(exc).__name__}: {str(exc)[:200]}")
     _ratios(rows)
     append_jsonl("moe", [dict(workload="K3-decode", experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                               intermediate=args.intermediate, dtype=str(dtype), **r) for r in rows], env)
@@ -188,8 +216,8 @@ def tuned_configs():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
-    p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 16, 256])
+    p.add_argument("--tokens", type=int, nargs="*", default=[1024, 8192, 32768])
+    p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
@@ -214,13 +242,14 @@ def main():
     for T in args.decode_tokens:
         rows += bench_decode(T, args, device, dtype, env)
     print()
-    print_table(rows, ["tokens", "phase", "impl", "ms", "tflops", "pct_peak", "x_loop", "x_grouped_mm", "rel_err"])
+    print_table(rows, ["tokens", "phase", "impl", "ms", "tflops", "pct_peak", "x_loop", "x_grouped_mm", "x_bf16",
+                       "rel_err", "rel_err_bf16"])
     if device == "cuda":
         try:
             print("\nautotuned configs:", tuned_configs())
         except AttributeError as e:  # a renamed tuner: the numbers above are what matter
             print(f"\nautotuned configs unavailable: {e}")
-        if not args.no_profile:
+        if not args.no_profile and args.tokens:
             mid = sorted(args.tokens)[len(args.tokens) // 2]
             try:
                 profile_areno(mid, args, device, dtype)

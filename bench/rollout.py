@@ -30,10 +30,12 @@ first ``--hf-r2-seqs`` sequences as one left-padded batch (generating to the bat
 each sequence's own output length counts as useful tokens) with ``max_time`` as a cap, and R3 generates
 ``--hf-r3-new`` tokens (tok/s is per token either way).
 ``--rollout-dtype bf16,fp8`` runs areno once per dtype in the same run, on the same prompts (fp8: the linear weights
-as blockwise FP8 copies, ``areno.models.fp8_rollout``, the log-prob check then against the bf16 forward: the
+and the MoE's routed experts as blockwise FP8 copies, ``areno.models.fp8_rollout``, the experts on
+``fused_moe``'s FP8 grouped GEMMs; the log-prob check then against the bf16 forward: the
 rollout-vs-trainer mismatch an FP8 rollout brings) and prints fp8's tok/s over bf16's per workload. ``--shape 8b``
 (Qwen3-8B dense) and ``30b-a3b`` (Qwen3-30B-A3B MoE) are random bf16 models built on the GPU (N(0, 0.02) weights,
-unit norms; areno only).
+unit norms; areno only; with ``--smoke`` the same family at a tiny fp32 shape, e.g. ``--smoke --shape 30b-a3b
+--impls areno --rollout-dtype bf16,fp8`` runs FP8 experts on CPU).
 ``--kv-cache-dtype auto,fp8`` runs areno once per cache dtype too (fp8: E4M3 K/V with per-token-per-head scales,
 ``areno.engine.kv_cache``); each record carries the cache's token capacity (``kv_tokens``) and preemptions, and
 fp8's tok/s over auto's is printed per workload with both capacities.
@@ -66,6 +68,9 @@ from common import append_jsonl, env_info, print_table  # noqa: E402
 LIMIT_TOK_S = {"R1": 127e3, "R2": 40e3, "R3": 3.6e3}  # BENCH.md hardware limits (H200), the 0.6B shape
 SHAPES = {"8b": ("qwen3", models.QWEN3_8B), "30b-a3b": ("qwen3_moe", models.QWEN3_30B_A3B)}
 FP8_BARS = {"8b": 1.25, "30b-a3b": 1.35}  # issue 41: R1 fp8 over bf16
+SMOKE_MOE = dict(models.SMOKE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+SMOKE_SHAPES = {"8b": models.SMOKE, "30b-a3b": SMOKE_MOE}  # --smoke --shape: the family at a tiny shape, on CPU
 
 
 def workload(name: str, smoke: bool, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -99,15 +104,19 @@ def make_engine(path, device, args, rollout_dtype="bf16", kv_cache_dtype="auto")
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import fp8_rollout, load_model, load_tokenizer
 
-    if args.shape in SHAPES and not args.smoke:
+    if args.shape in SHAPES:  # --smoke: the family at a tiny shape, fp32 (the 30b-a3b one runs FP8 experts on CPU)
         family, shape = SHAPES[args.shape]
-        model = models.random_model(shape, torch.bfloat16, device, family=family, unit_norms=True)
+        shape = SMOKE_SHAPES[args.shape] if args.smoke else shape
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        model = models.random_model(shape, dtype, device, family=family, unit_norms=True)
         tok = models.word_tokenizer(shape["vocab_size"])
     else:
         model = load_model(path, device=device)
         tok = load_tokenizer(path)
-    if rollout_dtype == "fp8":
-        fp8_rollout.enable(model)
+    if rollout_dtype == "fp8":  # every projection but lm_head, and the routed experts (models/fp8_rollout.py)
+        before, after = fp8_rollout.enable(model)
+        experts = sum(".experts" in n for n in fp8_rollout.fp8_modules(model))
+        print(f"fp8 copies: {before / 1e6:,.1f} MB of weights as {after / 1e6:,.1f} MB ({experts} expert stacks)")
     cfg = EngineConfig(
         block_size=16,
         max_running=256,

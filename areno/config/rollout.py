@@ -134,9 +134,9 @@ class RolloutSection:
         "mtp_accuracy; 0 = off; needs a model with MTP layers)", "rollout", algos=RL_ALGOS)
     eager_decode: bool = opt(False, "disable CUDA-graph replay for rollout decode", "rollout", needs="rollout")
     rollout_dtype: str = opt(
-        "bf16", "the rollout engine's linear weights (attention, MLP; not embeddings, lm_head, norms, routers, MoE "
-        "experts): bf16 as trained, or fp8: blockwise E4M3 copies (128x128 blocks, DeepSeek-V3's layout) quantised "
-        "after each optimizer step and run by the FP8 GEMM, the trainer staying bf16 (split mode streams the copies: "
+        "bf16", "the rollout engine's linear weights (attention, MLP, MoE experts; not embeddings, lm_head, norms, "
+        "routers): bf16 as trained, or fp8: blockwise E4M3 copies (128x128 blocks, DeepSeek-V3's layout) quantised "
+        "after each optimizer step and run by the FP8 GEMMs, the trainer staying bf16 (split mode streams the copies: "
         "about half the bytes); pair with --off-policy-correction tis", "rollout", choices=ROLLOUT_DTYPES,
         algos=RL_ALGOS)
     kv_cache_dtype: str = opt(

@@ -17,6 +17,37 @@ from areno.kernels.norm import rms_norm
 from areno.models.tp import copy_to_tp, gather_from_tp, layout, reduce_from_tp
 
 
+def fp8_buffer_names(param: str) -> tuple[str, str]:
+    """The buffers that hold parameter ``param``'s FP8 copy (codes, scales): a Linear's ``fp8_qweight`` and
+    ``fp8_scale``, stacked experts' ``fp8_w13_qweight``, ``fp8_w13_scale`` and so on."""
+    stem = "fp8" if param == "weight" else f"fp8_{param}"
+    return f"{stem}_qweight", f"{stem}_scale"
+
+
+def held_fp8(module: nn.Module, param: str) -> Fp8Weight:
+    q, s = fp8_buffer_names(param)
+    return Fp8Weight(module._buffers[q], module._buffers[s])
+
+
+@torch.no_grad()
+def hold_fp8_(module: nn.Module, param: str, q: Fp8Weight | None = None) -> None:
+    """Hold ``q`` (else ``module.<param>`` quantised blockwise: ``[N, K]``, or ``[E, N, K]`` expert by expert) as
+    the parameter's FP8 copy, in non-persistent buffers; an existing copy of the same shape is overwritten in place
+    (captured CUDA graphs keep reading the same memory)."""
+    w = getattr(module, param)
+    q = quantize_weight_fp8(w) if q is None else q
+    if tuple(q.shape) != tuple(w.shape):
+        raise ValueError(f"an FP8 weight {tuple(q.shape)} for a {tuple(w.shape)} one")
+    qname, sname = fp8_buffer_names(param)
+    old = module._buffers.get(qname)
+    if old is not None and old.shape == q.qweight.shape:
+        old.copy_(q.qweight)
+        module._buffers[sname].copy_(q.scale)
+        return
+    module.register_buffer(qname, q.qweight.to(w.device).contiguous(), persistent=False)
+    module.register_buffer(sname, q.scale.to(w.device, torch.float32).contiguous(), persistent=False)
+
+
 class Linear(nn.Module):
     """``y = x W^T + b`` with ``W [out, in]``; column/row parallel when the TP plan says so. ``linear`` is cuBLAS
     except for small inference batches (decode), where a tuned split-K Triton GEMM is faster.
@@ -31,6 +62,7 @@ class Linear(nn.Module):
 
     tp_style: str | None = None
     tp_group = None
+    fp8_params = ("weight",)  # what FP8 rollout quantises (models/fp8_rollout.py)
     nf4_shape: tuple | None = None  # set by quantize_nf4_
     nf4_dtype: torch.dtype | None = None
     fp8_on: bool = False  # forward through the FP8 copy (set by fp8_rollout.fp8_forward)
@@ -68,24 +100,13 @@ class Linear(nn.Module):
         self.nf4_shape, self.nf4_dtype = tuple(q.shape), dtype
 
     def set_fp8_(self, q: Fp8Weight | None = None) -> None:
-        """Hold ``q`` (else the weight quantised blockwise) as the FP8 copy; an existing copy of the same shape is
-        overwritten in place (captured CUDA graphs keep reading the same memory)."""
+        """Hold ``q`` (else the weight quantised blockwise) as the FP8 copy (``hold_fp8_``)."""
         if self.tp_style is not None:
             raise ValueError("FP8 weights under tensor parallelism are not built")
-        q = quantize_weight_fp8(self.weight) if q is None else q
-        if tuple(q.shape) != tuple(self.weight.shape):
-            raise ValueError(f"an FP8 weight {tuple(q.shape)} for a {tuple(self.weight.shape)} one")
-        old = self._buffers.get("fp8_qweight")
-        if old is not None and old.shape == q.qweight.shape:
-            old.copy_(q.qweight)
-            self._buffers["fp8_scale"].copy_(q.scale)
-            return
-        self.register_buffer("fp8_qweight", q.qweight.to(self.weight.device).contiguous(), persistent=False)
-        self.register_buffer("fp8_scale", q.scale.to(self.weight.device, torch.float32).contiguous(),
-                             persistent=False)
+        hold_fp8_(self, "weight", q)
 
     def fp8(self) -> Fp8Weight:
-        return Fp8Weight(self._buffers["fp8_qweight"], self._buffers["fp8_scale"])
+        return held_fp8(self, "weight")
 
     def nf4(self) -> Nf4Weight:
         return Nf4Weight(*(self._buffers[n] for n in NF4_BUFFERS), self.nf4_shape)

@@ -19,7 +19,7 @@ from areno.kernels.moe.fused import fused_moe
 from areno.kernels.moe.lora import fused_moe_lora
 from areno.kernels.moe.routing import expert_counts, route_softmax_topk
 from areno.models.base import MLP, CausalLM
-from areno.models.layers import Linear
+from areno.models.layers import Linear, held_fp8, hold_fp8_
 from areno.models.model_config import ModelConfig, dense_config, get
 from areno.models.registry import ModelCard, register
 from areno.models.tp import copy_to_tp, layout, reduce_from_tp
@@ -50,11 +50,15 @@ def replay_routes(ids, given, num_experts: int):
 
 class Experts(nn.Module):
     """Stacked expert weights; under TP every rank holds every expert's slice of the intermediate dim. ``lora``
-    (models/lora_experts.py, not a submodule) adds a LoRA adapter's per-expert pairs while its adapter is on."""
+    (models/lora_experts.py, not a submodule) adds a LoRA adapter's per-expert pairs while its adapter is on.
+    ``set_fp8_()`` (FP8 rollout, models/fp8_rollout.py) holds blockwise E4M3 copies of both stacks beside them;
+    while ``fp8_on`` the experts run on those (``fused_moe``'s FP8 path), otherwise on the weights."""
 
     tp_style: str | None = None
     tp_group = None
     lora = None
+    fp8_params = ("w13", "w2")  # what FP8 rollout quantises
+    fp8_on: bool = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -66,7 +70,16 @@ class Experts(nn.Module):
         factors = self.lora.factors() if self.lora is not None else None
         if factors is not None:
             return fused_moe_lora(x, self.w13, self.w2, weights, ids, *factors, activation=activation)
+        if self.fp8_on:
+            return fused_moe(x, held_fp8(self, "w13"), held_fp8(self, "w2"), weights, ids, activation=activation)
         return fused_moe(x, self.w13, self.w2, weights, ids, activation=activation)
+
+    def set_fp8_(self) -> None:
+        """(Re)make the FP8 copies of ``w13`` and ``w2`` from the weights (in place after the first time)."""
+        if self.tp_style is not None:
+            raise ValueError("FP8 experts under tensor parallelism are not built")
+        for param in self.fp8_params:
+            hold_fp8_(self, param)
 
 
 class SparseMoE(nn.Module):

@@ -1,7 +1,8 @@
-"""--rollout-dtype fp8 in RL runs: the colocated engine's FP8 copies are quantised again after an optimizer step (in
-place, the trainer's forward staying full precision); a colocated run logs the rollout-vs-trainer mismatch and hints
-at --off-policy-correction tis when it is off; split mode streams the FP8 copies (about half a bf16 stream's bytes,
-the verified sync comparing them byte for byte, gloo ranks); what is not built exits 2 naming the flag."""
+"""--rollout-dtype fp8 in RL runs: the colocated engine's FP8 copies (a MoE's expert stacks too) are quantised again
+after an optimizer step (in place, the trainer's forward staying full precision); a colocated run logs the
+rollout-vs-trainer mismatch and hints at --off-policy-correction tis when it is off; split mode streams the FP8
+copies of a tiny MoE's projections and experts (about half a bf16 stream's bytes, the verified sync comparing them
+byte for byte, gloo ranks); what is not built exits 2 naming the flag."""
 
 import json
 import logging
@@ -17,6 +18,7 @@ from areno.cli import main
 from areno.config import SamplingParams, TrainConfig
 from areno.kernels.fp8 import quantize_weight_fp8
 from areno.models import fp8_rollout, load_model, load_tokenizer
+from areno.models.layers import held_fp8
 from areno.rl.rollout.colocated import ColocatedRollout
 from areno.rl.rollout.policy_sync import bucket_size, plan_buckets, sync_specs
 from areno.testing import make_tiny_checkpoint
@@ -29,8 +31,17 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8r")
-    ckpt = make_tiny_checkpoint(root / "ckpt", family="qwen3", seed=0, **WIDTHS)
+    return _files(tmp_path_factory.mktemp("fp8r"), family="qwen3", **WIDTHS)
+
+
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts of intermediate 32: one partial block each)."""
+    return _files(tmp_path_factory.mktemp("fp8moe"), family="qwen3_moe")
+
+
+def _files(root, **ckpt):
+    ckpt = make_tiny_checkpoint(root / "ckpt", seed=0, **ckpt)
     (root / "data.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}],
                                                          "answer": str(2 * i)}) + "\n" for i in range(16)))
     (root / "reward.py").write_text("def reward_fn(record):\n    return float(len(record.completion) % 3 == 0)\n")
@@ -56,14 +67,19 @@ def _exit_code(argv) -> int:
         return e.code
 
 
-def test_colocated_copies_are_quantised_again_after_an_optimizer_step(files):
+def _colocated(files):
+    """(model, tokenizer, optimizer, colocated rollout with --rollout-dtype fp8) on the fp32 checkpoint."""
     ckpt, data, reward = files
     model = load_model(ckpt, dtype=torch.float32, device="cpu")
     tok = load_tokenizer(ckpt)
     cfg = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), rollout_dtype="fp8",
                       n_samples=2, max_new_tokens=4, max_prompt_tokens=32)
     optimizer = MasterAdamW(list(model.parameters()), lr=1e-2)
-    rollout = ColocatedRollout(model, tok, optimizer, cfg)
+    return model, tok, optimizer, ColocatedRollout(model, tok, optimizer, cfg)
+
+
+def test_colocated_copies_are_quantised_again_after_an_optimizer_step(files):
+    model, tok, optimizer, rollout = _colocated(files)
     mod = fp8_rollout.fp8_modules(model)["layers.0.mlp.down_proj"]
     prompts = [tok.encode("1+2=")]
     first = rollout.generate(prompts, GREEDY)[0][0]
@@ -111,12 +127,47 @@ def test_what_is_not_built_exits_2_naming_the_flag(files, tmp_path, extra, words
     assert "--rollout-dtype does not apply to --algo sft" in capsys.readouterr().err
 
 
+def test_colocated_expert_copies_follow_the_optimizer(moe_files):
+    """MoE: the experts' FP8 stacks are remade in place before the first rollout after a step, and the rollout reads
+    them (the trainer's forward stays full precision)."""
+    model, tok, optimizer, rollout = _colocated(moe_files)
+    experts = fp8_rollout.fp8_modules(model)["layers.0.mlp.experts"]
+    prompts = [tok.encode("1+2=")]
+    rollout.generate(prompts, GREEDY)
+    held = held_fp8(experts, "w13")
+    codes, where = held.qweight.clone(), held.qweight.data_ptr()
+    ids = torch.tensor([prompts[0] + tok.encode(" 3")])
+    model.logits(ids).float().pow(2).mean().backward()
+    assert experts.w13.grad is not None and not experts.fp8_on
+    optimizer.step(lr=1e-2)
+    assert torch.equal(held_fp8(experts, "w13").qweight.view(torch.uint8), codes.view(torch.uint8))
+    second = rollout.generate(prompts, GREEDY)[0][0]
+    now = held_fp8(experts, "w13")
+    assert now.qweight.data_ptr() == where and not torch.equal(now.qweight.view(torch.uint8), codes.view(torch.uint8))
+    want = quantize_weight_fp8(experts.w13)
+    assert torch.equal(now.qweight.view(torch.uint8), want.qweight.view(torch.uint8)) and torch.equal(now.scale,
+                                                                                                      want.scale)
+    with torch.no_grad(), fp8_rollout.fp8_forward(model):
+        lp = torch.log_softmax(model.logits(torch.tensor([prompts[0] + second.token_ids])).double()[0], -1)
+    start = len(prompts[0])
+    want_lp = lp[start - 1 : -1].gather(-1, torch.tensor(second.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(second.logprobs, dtype=torch.float64), want_lp, atol=1e-4)
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs on a CUDA host")
-def test_split_mode_streams_the_fp8_copies_at_about_half_the_bytes(files, tmp_path):
+def test_split_mode_streams_the_fp8_copies_at_about_half_the_bytes(moe_files, tmp_path):
+    """Split mode (gloo ranks on CPU), on the MoE: the stream carries the FP8 entries of the projections and of the
+    expert stacks at about half the bytes of their bf16 tensors; the verified sync compares the rollout rank's copies
+    byte for byte."""
+    files = moe_files
     ckpt = files[0]
     bf16 = load_model(ckpt, dtype=torch.bfloat16, device="cpu")
     replaced = fp8_rollout.wire_hf_names(bf16)
     specs, fp8_specs = sync_specs(bf16, False), sync_specs(bf16, False, fp8=True)
+    names = {s[0] for s in fp8_specs}
+    assert {"fp8:layers.0.self_attn.o_proj.weight.q", "fp8:layers.0.mlp.experts.w13.q",
+            "fp8:layers.0.mlp.experts.w2.s"} <= names  # fmt: skip
+    assert {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight"} <= replaced
 
     def nbytes(specs):
         return sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, s, d in specs)

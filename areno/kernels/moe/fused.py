@@ -19,7 +19,8 @@ Native path: the per-expert loop as transformers' Qwen3MoeExperts runs it (CPU a
 hit experts, so without gradients at decode size it runs ``fused_moe_dense`` instead (every expert over every token,
 masked: no host sync, graph-capturable; the GPU's path for fp32, which the Triton path leaves to native);
 ``fused_moe_reference`` is a dense float64-capable oracle for tests. ``fused_moe`` dispatches through ``use_triton``.
-``activation="gelu_tanh"`` (GeGLU experts, Gemma 4) runs the native path only for now.
+``activation="gelu_tanh"`` (GeGLU experts, Gemma 4) runs the native path only for now (on FP8 weights
+the Triton path fuses it too). FP8 weights (``Fp8Weight`` stacks: ``--rollout-dtype fp8``) go to moe/fp8.py.
 Ids must lie in [0, E): they are not checked on device (that would need a sync).
 """
 
@@ -29,21 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.fp8 import Fp8Weight
 from areno.kernels.moe import gemm as moe_gemm
-from areno.kernels.moe.routing import expert_counts, route_sigmoid_grouped_topk, route_softmax_topk
+from areno.kernels.moe.common import ACTIVATIONS, check_activation, check_inputs, sort_by_expert
+from areno.kernels.moe.fp8 import fused_moe_fp8
+from areno.kernels.moe.routing import route_sigmoid_grouped_topk, route_softmax_topk
 
 __all__ = ["fused_moe", "route_softmax_topk", "route_sigmoid_grouped_topk", "fused_moe_native", "fused_moe_dense",
            "fused_moe_reference", "sort_by_expert"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}  # the experts' gate activation
-
-
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order int32 [T*k]: pair ids t*k + j sorted stably by expert, counts int32 [E]); no host sync."""
-    ids = topk_ids.reshape(-1)
-    order = torch.argsort(ids, stable=True).to(torch.int32)
-    return order, expert_counts(ids, num_experts)
 
 
 def _forward(x, w13, w2, topk_weights, topk_ids, save: bool):
@@ -135,27 +131,12 @@ def fused_moe_reference(x, w13, w2, topk_weights, topk_ids):
     return (o * topk_weights[..., None].to(o.dtype)).sum(dim=1)
 
 
-def check_activation(activation: str):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-
-
-def check_inputs(x, w13, w2, topk_weights, topk_ids):
-    assert x.dim() == 2, f"fused_moe: x must be [T, H], got {tuple(x.shape)}"
-    T, H = x.shape
-    assert w13.dim() == 3 and w13.shape[2] == H and w13.shape[1] % 2 == 0, \
-        f"fused_moe: w13 must be [E, 2I, H={H}], got {tuple(w13.shape)}"
-    E, I = w13.shape[0], w13.shape[1] // 2
-    assert w2.shape == (E, H, I), f"fused_moe: w2 must be [E={E}, H={H}, I={I}], got {tuple(w2.shape)}"
-    assert topk_ids.dim() == 2 and topk_ids.shape[0] == T, f"fused_moe: topk_ids must be [T={T}, k]"
-    assert not topk_ids.is_floating_point(), f"fused_moe: topk_ids must be integer, got {topk_ids.dtype}"
-    assert topk_weights.shape == topk_ids.shape, \
-        f"fused_moe: topk_weights {tuple(topk_weights.shape)} vs topk_ids {tuple(topk_ids.shape)}"
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
-    """Routed experts: ``sum_k w_k * (silu(x Wg^T) * (x Wu^T)) W2^T`` as [T, H]; grads for x, w13, w2, weights."""
+    """Routed experts: ``sum_k w_k * (silu(x Wg^T) * (x Wu^T)) W2^T`` as [T, H]; grads for x, w13, w2, weights.
+    FP8 weights (``Fp8Weight`` stacks, FP8 rollout) run ``moe/fp8.py``'s ``fused_moe_fp8`` (inference only)."""
+    if isinstance(w13, Fp8Weight) or isinstance(w2, Fp8Weight):
+        return fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, activation=activation)
     check_activation(activation)
     check_inputs(x, w13, w2, topk_weights, topk_ids)
     if activation != "silu":  # the Triton kernels fuse SiLU-and-mul only

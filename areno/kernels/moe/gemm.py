@@ -72,8 +72,10 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(order_ptr, counts_ptr, M, num_n, E, TOP_K,
+def block_rows(order_ptr, counts_ptr, M, num_n, E, TOP_K,
                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (expert, column tile, sorted rows int64 [BLOCK_M], their pair ids, their token ids, row mask);
+    expert >= E: no block (return at once). Shared with the FP8 grouped GEMMs (moe/fp8.py)."""
     num_m = tl.cdiv(M, BLOCK_M) + tl.minimum(E, M)  # worst case: every used expert ends in a partial block
     pid_m, pid_n = _tile(tl.program_id(0), num_m, num_n, GROUP_M)
     expert, row0, left = _expert_block(counts_ptr, pid_m, E, BLOCK_M, BLOCK_E)
@@ -91,7 +93,7 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, h_ptr, gu_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
     # N = I, K = H; w13[e] is [2N, K]: gate rows [0, N), up rows [N, 2N)
-    expert, pid_n, rows, pair, tok, mask_m = _block_rows(
+    expert, pid_n, rows, pair, tok, mask_m = block_rows(
         order_ptr, counts_ptr, M, tl.cdiv(N, BLOCK_N), E, TOP_K, BLOCK_M, BLOCK_E, GROUP_M)
     if expert >= E:
         return
@@ -139,7 +141,7 @@ def _expert_rows_kernel(a_ptr, w_ptr, order_ptr, counts_ptr, scale_ptr, out_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
     # out[(r or pair(r)), :N] = (scale[pair] *) a[(tok(r) or r), :K] @ B_e;  out is [M, N] contiguous
-    expert, pid_n, rows, pair, tok, mask_m = _block_rows(
+    expert, pid_n, rows, pair, tok, mask_m = block_rows(
         order_ptr, counts_ptr, M, tl.cdiv(N, BLOCK_N), E, TOP_K, BLOCK_M, BLOCK_E, GROUP_M)
     if expert >= E:
         return
