@@ -112,9 +112,9 @@ class ServeConfig:
         check_choice("--tool-call-format", self.tool_call_format, TOOL_CALL_FORMATS)
         check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
         check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.rollout_dtype == "fp8" and (self.tp_size > 1 or self.lora_enabled):
-            what = "--tp-size > 1" if self.tp_size > 1 else "LoRA adapters (--lora-modules, --max-loras)"
-            raise ConfigError("--rollout-dtype", f"fp8 with {what} is not built yet")
+        if self.rollout_dtype == "fp8" and self.lora_enabled:
+            raise ConfigError("--rollout-dtype", "fp8 with LoRA adapters (--lora-modules, --max-loras) is not built "
+                                                 "yet")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError("--port", f"must be in [0, 65535], got {self.port!r}")
         if not self.host:

@@ -58,7 +58,8 @@ class Linear(nn.Module):
 
     ``set_fp8_()`` (FP8 rollout, ``models/fp8_rollout.py``) holds a blockwise E4M3 copy of the weight beside it
     (buffers ``fp8_qweight``, ``fp8_scale``); while ``fp8_on`` the forward runs the FP8 GEMM on that copy (the
-    rollout engine's forward), otherwise the weight as usual (the trainer's)."""
+    rollout engine's forward), otherwise the weight as usual (the trainer's); under TP the same collectives run
+    around either."""
 
     tp_style: str | None = None
     tp_group = None
@@ -73,16 +74,20 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_on:
-            return fp8_linear(x, self.fp8(), self.bias)
-        if self.nf4_shape is not None:
-            return nf4_linear(x, self.nf4(), self.bias)
         if self.tp_style == "row":
-            y = reduce_from_tp(linear(x, self.weight), self.tp_group)
+            y = reduce_from_tp(self._product(x, None), self.tp_group)
             return y if self.bias is None else y + self.bias
         if self.tp_style == "column":
             x = copy_to_tp(x, self.tp_group)
-        return linear(x, self.weight, self.bias)
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` on this rank's weight: the FP8 copy while ``fp8_on``, the NF4 one, or the weight."""
+        if self.fp8_on:
+            return fp8_linear(x, self.fp8(), bias)
+        if self.nf4_shape is not None:
+            return nf4_linear(x, self.nf4(), bias)
+        return linear(x, self.weight, bias)
 
     def quantize_nf4_(self, q: Nf4Weight | None = None) -> None:
         """Hold the weight as NF4 (``q``, else quantised from the weight) and free the full-precision one."""
@@ -100,9 +105,8 @@ class Linear(nn.Module):
         self.nf4_shape, self.nf4_dtype = tuple(q.shape), dtype
 
     def set_fp8_(self, q: Fp8Weight | None = None) -> None:
-        """Hold ``q`` (else the weight quantised blockwise) as the FP8 copy (``hold_fp8_``)."""
-        if self.tp_style is not None:
-            raise ValueError("FP8 weights under tensor parallelism are not built")
+        """Hold ``q`` (else the weight quantised blockwise) as the FP8 copy (``hold_fp8_``); under TP this rank's
+        shard (models/fp8_rollout.py keeps the shards on the full weight's block grid)."""
         hold_fp8_(self, "weight", q)
 
     def fp8(self) -> Fp8Weight:
