@@ -1,6 +1,6 @@
 """`areno serve --world-size 2 --tp-size 2` on gloo: rank 0 serves and schedules, rank 1 follows; greedy output equals
 the single-process server's, and so do prompt log-probs (echo and prompt_logprobs: a forward every rank runs), and
-SIGTERM stops both ranks with exit 0."""
+SIGTERM stops both ranks with exit 0; with --rollout-dtype fp8 too."""
 
 import os
 import signal
@@ -11,15 +11,29 @@ import time
 import httpx
 import pytest
 
+from areno.testing import make_tiny_checkpoint
 from tests.serve.conftest import RunningServer, free_port
 
 
 def test_tp2_server_matches_tp1(tiny_ckpt):
+    _tp2_matches_tp1(tiny_ckpt)
+
+
+def test_tp2_fp8_server_matches_tp1_fp8(tmp_path):
+    """--rollout-dtype fp8 on both ranks (each quantises its shard, on the full weight's block grid: heads of 128,
+    intermediate 256) gives the single-process FP8 server's tokens and log-probs."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3", seed=3, hidden_size=128, intermediate_size=256,
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=128)
+    _tp2_matches_tp1(ckpt, rollout_dtype="fp8")
+
+
+def _tp2_matches_tp1(tiny_ckpt, rollout_dtype="bf16"):
     port = free_port()
     env = dict(os.environ, ARENO_KERNELS="native")
     proc = subprocess.Popen([sys.executable, "-m", "areno", "serve", "--model-path", str(tiny_ckpt), "--port",
                              str(port), "--world-size", "2", "--tp-size", "2", "--dtype", "float32",
-                             "--served-model-name", "tiny", "--max-running-prompts", "8", "--max-model-len", "512"],
+                             "--served-model-name", "tiny", "--max-running-prompts", "8", "--max-model-len", "512",
+                             "--rollout-dtype", rollout_dtype],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -46,7 +60,7 @@ def test_tp2_server_matches_tp1(tiny_ckpt):
             return [c["text"] for c in gen], scored.json()["choices"]
 
         tp2, tp2_scored = ask(base)
-        single = RunningServer(tiny_ckpt)
+        single = RunningServer(tiny_ckpt, rollout_dtype=rollout_dtype)
         try:
             tp1, tp1_scored = ask(single.base_url)
         finally:
