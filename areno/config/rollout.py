@@ -137,7 +137,8 @@ class RolloutSection:
         "bf16", "the rollout engine's linear weights (attention, MLP, MoE experts; not embeddings, lm_head, norms, "
         "routers): bf16 as trained, or fp8: blockwise E4M3 copies (128x128 blocks, DeepSeek-V3's layout) quantised "
         "after each optimizer step and run by the FP8 GEMMs, the trainer staying bf16 (split mode streams the copies: "
-        "about half the bytes); pair with --off-policy-correction tis", "rollout", choices=ROLLOUT_DTYPES,
+        "about half the bytes; under TP each rank quantises its shard, which must lie on the 128-block grid); pair "
+        "with --off-policy-correction tis", "rollout", choices=ROLLOUT_DTYPES,
         algos=RL_ALGOS)
     kv_cache_dtype: str = opt(
         "auto", "the rollout engine's paged KV cache: auto, the model's dtype; or fp8: E4M3 with one fp32 scale per "

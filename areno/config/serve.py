@@ -71,7 +71,8 @@ class ServeConfig:
     rollout_dtype: str = opt(
         "bf16", "the served linear weights (attention, MLP, MoE experts; not embeddings, lm_head, norms, routers): "
         "bf16 as loaded, or fp8: quantised blockwise at load (E4M3, 128x128 blocks, DeepSeek-V3's layout; vLLM's fp8 "
-        "quantization) and run by the FP8 GEMMs", "rollout", choices=ROLLOUT_DTYPES)
+        "quantization) and run by the FP8 GEMMs; with --tp-size each rank quantises its shard, which must lie on the "
+        "128-block grid", "rollout", choices=ROLLOUT_DTYPES)
     kv_cache_dtype: str = opt(
         "auto", "the paged KV cache: auto, the model's dtype; or fp8: E4M3 with one fp32 scale per token and KV head, "
         "quantised on write and dequantised by the attention kernel (about twice the tokens in the same "

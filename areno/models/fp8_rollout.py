@@ -24,11 +24,27 @@ parameter's shape, and ``fp8:<parameter>.s``, fp32 ``[(E,) ceil(N/128), ceil(K/1
 tensors: about half the bytes, ``wire_bytes``). A split-mode rollout rank's weights become the dequantised copies,
 so whatever reads them there sees what the FP8 forward computes with.
 
+Tensor parallelism (``--tp-size``, ``--rollout-tp-size``, serve's ``--tp-size``): each rank quantises its own shard
+(column-parallel q/k/v and gate/up: output rows; row-parallel o/down: input columns, whose FP8 partial products
+``Linear`` all-reduces as the bf16 ones; experts: their intermediate slice, w13 rows and w2 columns). The shards must
+lie on the full weight's block grid (``check_grid``): every part a rank holds starts and ends on a multiple of 128
+rows (columns) of the full parameter, the last partial block of both excepted, so a shard's blocks are exactly the
+full weight's, its activations' 128-column groups too, and TP=N computes TP=1's numbers up to the all-reduce's
+summation order (tests/engine/test_engine_fp8_tp.py checks it against a TP=1 engine on the dequantised shards).
+Chosen over blocks aligned to each shard (which would fit any width but differ from TP=1 and need the trainer to
+quantise per rollout rank): the copies are one thing at any TP size, like Hub FP8 checkpoints, whose shards vLLM and
+SGLang refuse off the grid too. Off the grid (``moe_intermediate_size`` 768 at TP 4, heads of 64 with a KV head per
+rank, ...) is refused before launch (``check_checkpoint``, cli) naming the dimension. Split mode's entries are always
+the full parameters' (``gather_full`` on a trainer with TP: each rank quantises its shard, an all-gather assembles
+them; bytes halved as without TP); each rollout rank copies its shard's codes and block scales out of them
+(``receive``), so no rollout rank quantises; the verified sync gathers the rollout ranks' copies the same way.
+
 Bytes (``wire_bytes``; the whole policy stream in parentheses): Qwen3-30B-A3B's experts 57.98 GB bf16 -> 29.00 GB
 fp8 (stream 61.06 GB -> 31.17 GB, 0.51x; with bf16 experts it was 60.16 GB); the tiny test Qwen3-MoE's experts
 196,608 -> 98,432 bytes (stream 504,576 -> 381,840).
 
-Not built, refused (``ConfigError`` naming --rollout-dtype): tensor parallelism, LoRA adapters, QLoRA's NF4 base.
+Not built, refused (``ConfigError`` naming --rollout-dtype): LoRA adapters, QLoRA's NF4 base; TP shards off the
+block grid.
 """
 
 from __future__ import annotations
