@@ -37,49 +37,59 @@ def _bytes(t):
     return t.view(torch.uint8) if t.dtype != torch.float32 else t
 
 
-def _worker(rank, path, port, out):
+def _worker(rank, paths, port, root):
+    """Both checkpoints on one gloo group (one spawn): rank 0 saves the tokens, log-probs and gathered copies."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       ARENO_KERNELS="native")
     from areno.distributed import parallel
 
     parallel.init_distributed(backend="gloo", tp_size=2)
-    model = load_model(path, dtype=torch.float32, device="cpu", tp_group=parallel.get_tp_group())
-    fp8_rollout.enable(model)
-    out_ = _generate(model, load_tokenizer(path), decode_steps=3)
-    copies = {k: _bytes(v).clone() for k, v in fp8_rollout.held_wire_tensors(model)}  # gathered (a collective)
-    if rank == 0:
-        torch.save({"tokens": [c.token_ids for c in out_], "logprobs": [c.logprobs for c in out_],
-                    "copies": copies}, out)
+    for family, path in paths.items():
+        model = load_model(path, dtype=torch.float32, device="cpu", tp_group=parallel.get_tp_group())
+        fp8_rollout.enable(model)
+        out = _generate(model, load_tokenizer(path), decode_steps=3)
+        copies = {k: _bytes(v).clone() for k, v in fp8_rollout.held_wire_tensors(model)}  # gathered (a collective)
+        if rank == 0:
+            torch.save({"tokens": [c.token_ids for c in out], "logprobs": [c.logprobs for c in out],
+                        "copies": copies}, f"{root}/{family}.pt")
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family,widths", [("qwen3", DENSE), ("qwen3_moe", MOE)])
-def test_tp2_fp8_engine_equals_tp1_on_the_same_dequantised_weights(tmp_path, family, widths):
-    path = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=5, **widths)
-    out = str(tmp_path / "tp2.pt")
-    mp.spawn(_worker, args=(path, free_port(), out), nprocs=2, join=True)
-    tp2 = torch.load(out)
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """``{family: (checkpoint, what the TP=2 engine gave)}`` for the dense and the MoE checkpoint."""
+    root = tmp_path_factory.mktemp("fp8tp")
+    paths = {family: make_tiny_checkpoint(root / family, family=family, seed=5, **widths)
+             for family, widths in (("qwen3", DENSE), ("qwen3_moe", MOE))}
+    mp.spawn(_worker, args=(paths, free_port(), str(root)), nprocs=2, join=True)
+    return {family: (path, torch.load(root / f"{family}.pt")) for family, path in paths.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_tp2_fp8_engine_equals_tp1_on_the_same_dequantised_weights(tp2, family):
+    path, got = tp2[family]
     ref = load_model(path, dtype=torch.float32, device="cpu")
     full = {k: _bytes(v) for k, v in fp8_rollout.wire_tensors(ref)}  # TP=1 quantises the full weights
-    assert tp2["copies"].keys() == full.keys() and len(full) >= 8
+    assert got["copies"].keys() == full.keys() and len(full) >= 8
     assert any(".experts.w13" in k for k in full) == (family == "qwen3_moe")
     for name, t in full.items():
-        assert torch.equal(tp2["copies"][name], t), name  # the shards' blocks are the full weight's
+        assert torch.equal(got["copies"][name], t), name  # the shards' blocks are the full weight's
     fp8_rollout.enable(ref)
     modules = fp8_rollout.fp8_modules(ref)
-    for name, t in tp2["copies"].items():  # the oracle holds the dequantised shard values (and their copies)
+    for name, t in got["copies"].items():  # the oracle holds the dequantised shard values (and their copies)
         fp8_rollout.receive(ref, modules, name, t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t)
     fp8_rollout.quantize(ref)  # re-quantised from the dequantised weights: the same codes and scales
-    assert all(torch.equal(_bytes(v), tp2["copies"][k]) for k, v in fp8_rollout.held_wire_tensors(ref))
+    assert all(torch.equal(_bytes(v), got["copies"][k]) for k, v in fp8_rollout.held_wire_tensors(ref))
     oracle = _generate(ref, load_tokenizer(path))
-    assert tp2["tokens"] == [c.token_ids for c in oracle]
-    diff = max(abs(a - b) for c, lps in zip(oracle, tp2["logprobs"]) for a, b in zip(c.logprobs, lps))
+    assert got["tokens"] == [c.token_ids for c in oracle]
+    diff = max(abs(a - b) for c, lps in zip(oracle, got["logprobs"]) for a, b in zip(c.logprobs, lps))
     print(f"{family}: TP=2 fp8 vs the TP=1 oracle, largest |dlogp| {diff:.2e}")
     assert diff < 1e-4
 
 
 def test_a_shard_off_the_block_grid_is_refused_naming_the_dimension(tmp_path, capsys):
-    """The default tiny MoE: 8 experts of intermediate 32 (16 a rank at TP 2); heads of 16: the q shard 32 rows."""
+    """A tiny MoE with 8 experts of intermediate 32 (16 a rank at TP 2: refused before launch, `areno serve` exits
+    2); a dense model with heads of 32 (q: 64 rows a rank)."""
     path = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3_moe", seed=0, head_dim=128, num_attention_heads=2,
                                 num_key_value_heads=2)
     with pytest.raises(ConfigError, match="^--rollout-dtype fp8 with TP 2 .*moe_intermediate_size 32 / TP 2 = 16"):
