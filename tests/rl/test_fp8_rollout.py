@@ -1,7 +1,8 @@
 """--rollout-dtype fp8 in RL runs: the colocated engine's FP8 copies (a MoE's expert stacks too) are quantised again
 after an optimizer step (in place, the trainer's forward staying full precision); a colocated run logs the
 rollout-vs-trainer mismatch and hints at --off-policy-correction tis when it is off; split mode streams the FP8
-copies of a tiny MoE's projections and experts to a rollout engine of TP 2 (about half a bf16 stream's bytes, each
+copies of a tiny MoE's projections and experts to a rollout engine of TP 2, and a colocated --tp-size 2 run
+samples from each rank's FP8 shards (about half a bf16 stream's bytes, each
 rollout rank taking its shard, the verified sync comparing them byte for byte, gloo ranks); what is not built (and
 a TP shard off the 128-block grid) exits 2 naming the flag."""
 
@@ -164,6 +165,17 @@ def test_colocated_expert_copies_follow_the_optimizer(moe_files):
     start = len(prompts[0])
     want_lp = lp[start - 1 : -1].gather(-1, torch.tensor(second.token_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(second.logprobs, dtype=torch.float64), want_lp, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs on a CUDA host")
+def test_a_colocated_tp2_run_samples_from_each_ranks_fp8_shards(tp_moe_files, tmp_path):
+    """--tp-size 2 colocated (gloo ranks): each rank quantises its shards (attention, experts) again after every
+    step; the rollout's log-probs differ from the fp32 trainer's by FP8's rounding only (a row-parallel FP8 GEMM not
+    all-reduced, or a stale copy, would put them far apart)."""
+    out = tmp_path / "colo"
+    assert main(train_argv(tp_moe_files, out, "--world-size", "2", "--tp-size", "2", steps=2)) == 0
+    ms = metrics(out)
+    assert len(ms) == 2 and all(1e-3 < m["logprob_diff"] < 0.5 and m["mismatch_kl"] < 0.05 for m in ms), ms
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 3, reason="needs 3 GPUs on a CUDA host")
