@@ -1,10 +1,10 @@
 """--rollout-dtype fp8 in RL runs: the colocated engine's FP8 copies (a MoE's expert stacks too) are quantised again
 after an optimizer step (in place, the trainer's forward staying full precision); a colocated run logs the
-rollout-vs-trainer mismatch and hints at --off-policy-correction tis when it is off; split mode streams the FP8
-copies of a tiny MoE's projections and experts to a rollout engine of TP 2, and a colocated --tp-size 2 run
-samples from each rank's FP8 shards (about half a bf16 stream's bytes, each
-rollout rank taking its shard, the verified sync comparing them byte for byte, gloo ranks); what is not built (and
-a TP shard off the 128-block grid) exits 2 naming the flag."""
+rollout-vs-trainer mismatch and hints at --off-policy-correction tis when it is off; a colocated --tp-size 2 run
+samples from each rank's FP8 shards; split mode streams the FP8 copies of a tiny MoE's projections and experts to a
+rollout engine of TP 2 (about half a bf16 stream's bytes, each rollout rank taking its shard, the verified sync
+comparing them byte for byte, gloo ranks); what is not built (and a TP shard off the 128-block grid) exits 2 naming
+the flag."""
 
 import json
 import logging
