@@ -33,8 +33,9 @@ full weight's, its activations' 128-column groups too, and TP=N computes TP=1's 
 summation order (tests/engine/test_engine_fp8_tp.py checks it against a TP=1 engine on the dequantised shards).
 Chosen over blocks aligned to each shard (which would fit any width but differ from TP=1 and need the trainer to
 quantise per rollout rank): the copies are one thing at any TP size, like Hub FP8 checkpoints, whose shards vLLM and
-SGLang refuse off the grid too. Off the grid (``moe_intermediate_size`` 768 at TP 4, heads of 64 with a KV head per
-rank, ...) is refused before launch (``check_checkpoint``, cli) naming the dimension. Split mode's entries are always
+SGLang refuse off the grid too. Off the grid (Qwen3-30B-A3B's ``moe_intermediate_size`` 768 at TP 4, heads of 64
+with a KV head per rank, Qwen3.5's fused ``in_proj`` whose b/a rows are one per value head at any TP, ...) is refused
+before launch (``check_checkpoint``, cli) naming the dimension. Split mode's entries are always
 the full parameters' (``gather_full`` on a trainer with TP: each rank quantises its shard, an all-gather assembles
 them; bytes halved as without TP); each rollout rank copies its shard's codes and block scales out of them
 (``receive``), so no rollout rank quantises; the verified sync gathers the rollout ranks' copies the same way.
