@@ -164,8 +164,8 @@ def _sharding(model, pname: str, size: int):
 
 
 def _dimension(cfg, part, size: int, length: int) -> str:
-    """The model dimension a shard of ``part`` comes from, for the refusal: ``moe_intermediate_size 768 / 4 =
-    192``, ``num_key_value_heads 4 x head_dim 64 / 2 = 128``."""
+    """The model dimension a shard of ``part`` comes from, for the refusal: ``moe_intermediate_size 768 / TP 4 =
+    192``, ``4 heads x head_dim 32 / TP 2 = 64``."""
     named = [k for k, v in sorted(vars(cfg).items()) if type(v) is int and v == part.size and k.endswith("_size")
              and k not in ("hidden_size", "vocab_size")]  # (never split)
     if part.unit > 1 or part.size == cfg.num_heads * cfg.head_dim:
@@ -197,7 +197,8 @@ def check_grid(model, size: int, field: str = FIELD) -> None:
                 if local % BLOCK or full % BLOCK or (n % BLOCK and not tail):
                     raise ConfigError(field, f"fp8 with TP {size} needs every shard on the 128 x 128 block grid of "
                                              f"the full weight: {pname}'s shard of {part.hf_name} is "
-                                             f"{_dimension(model.config, part, size, n)} rows/columns, not a "
+                                             f"{_dimension(model.config, part, size, n)} "
+                                             f"{'rows' if dim == (lay.expert is not None) else 'columns'}, not a "
                                              "multiple of 128 (use a TP size that keeps it one, or bf16)")
 
 
