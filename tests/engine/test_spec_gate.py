@@ -131,7 +131,7 @@ def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
     held = 0
     while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
         e.step()
-        held = max(held, sum(len(d[2]) for d in e.spec.deferred.values()))
+        held = max(held, sum(d[2] for d in e.spec.deferred.values()))
     assert held == (2 if defer_rows else 8) and not e.spec.deferred  # deferred, then run
     seq = seqs[2]
     assert e.spec.counts["spec_gated_steps"] >= 4 and not seq.is_finished
