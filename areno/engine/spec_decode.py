@@ -35,9 +35,14 @@ gated never pays for it. (A prefix-cache hit on a decoded block whose catch-up i
 there: drafts may differ, the output distribution never does.) ``stats()``: ``spec_accept_len``, the mean
 tokens emitted per drafting sequence and verify step (accepted drafts + 1); ``spec_gated_steps``, the steps the gate
 made plain.
+Tensor parallelism: this class runs on rank 0 (the leader) and plans; the device work of a step (the target forward,
+the rollback, the MTP catch-up and chain) lives in ``spec_exec.SpecExec``, which every rank runs in the same order
+from the records the leader broadcasts (see there). The MTP draft is sharded like a decoder block
+(``build_mtp_draft``): sharding costs no collective beyond those a decoder block already runs, while replicating it
+would hold the whole MTP layer (its own embedding and head too, for DeepSeek-V3) on every rank and need a whole-head
+K/V cache of its own. Every token, verified or drafted, is the leader's.
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
-graphs, multi-step decode, tensor parallelism, LoRA slots, vision-language models; per request: grammars, top
-log-probs.
+graphs, multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
 """
 
 from __future__ import annotations
