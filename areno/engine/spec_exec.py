@@ -44,6 +44,7 @@ class TargetWork:
     save: list[int]
     logit_rows: list[int]
 
+    @torch.inference_mode()
     def __call__(self, runner) -> None:  # a follower: the forward, then its part of the leader's logits gather
         hidden = runner.spec_exec.target(runner, self)
         if self.logit_rows:
@@ -73,6 +74,7 @@ class FinishWork:
     redo: tuple | None
     ops: list
 
+    @torch.inference_mode()
     def __call__(self, runner) -> list | None:
         return runner.spec_exec.finish(runner, self)
 
