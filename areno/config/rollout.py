@@ -239,9 +239,7 @@ class RolloutSection:
         check_positive("--decode-steps", self.decode_steps)
         check_speculative(self.speculative_tokens, {"--decode-steps > 1": self.decode_steps > 1,
                                                     "CUDA graphs (add --eager-decode)": not self.eager_decode,
-                                                    "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8",
-                                                    "tensor parallelism (--tp-size / --rollout-tp-size > 1)":
-                                                    self.rollout_tp > 1})
+                                                    "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8"})
         spec_gate(self.speculative_disable_by_batch_size)
         if self.algo in GROUP_ALGOS and self.n_samples < 2:
             raise ConfigError("--n-samples", f"must be >= 2 for --algo {self.algo} (group advantages compare "

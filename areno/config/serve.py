@@ -128,7 +128,6 @@ class ServeConfig:
         self._check_lora()
         check_speculative(self.speculative_tokens, {"CUDA graphs (add --eager-decode)": not self.eager_decode,
                                                     "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8",
-                                                    "--tp-size > 1": self.tp_size > 1,
                                                     "LoRA slots (--lora-modules / --max-loras)": self.lora_enabled})
         spec_gate(self.speculative_disable_by_batch_size)
         if self.speculative_disable_by_batch_size is not None and not self.speculative_tokens:

@@ -308,10 +308,10 @@ class ModelRunner(DecodeGraphs):
             top = (ids_.cpu(), vals.cpu())
         return tokens.cpu(), logprobs.float().cpu(), top
 
-    def logits(self, hidden):
+    def logits(self, hidden, weight=None):
         """fp32 logits (an fp32-output GEMM: bf16 logits would round the log-probs by up to ~0.1 nats), gathered
-        over the vocab shards under TP."""
-        local = logits_f32(hidden, self.model.lm_head_weight)
+        over the vocab shards under TP; ``weight``: another head sharded like the model's (the MTP draft's)."""
+        local = logits_f32(hidden, self.model.lm_head_weight if weight is None else weight)
         cap = self.model.logit_softcap  # Gemma 4: cap * tanh(logits / cap), elementwise (any vocab shard)
         if cap is not None:
             local = torch.tanh(local / cap) * cap

@@ -35,9 +35,14 @@ gated never pays for it. (A prefix-cache hit on a decoded block whose catch-up i
 there: drafts may differ, the output distribution never does.) ``stats()``: ``spec_accept_len``, the mean
 tokens emitted per drafting sequence and verify step (accepted drafts + 1); ``spec_gated_steps``, the steps the gate
 made plain.
+Tensor parallelism: this class runs on rank 0 (the leader) and plans; the device work of a step (the target forward,
+the rollback, the MTP catch-up and chain) lives in ``spec_exec.SpecExec``, which every rank runs in the same order
+from the records the leader broadcasts (see there). The MTP draft is sharded like a decoder block
+(``build_mtp_draft``): sharding costs no collective beyond those a decoder block already runs, while replicating it
+would hold the whole MTP layer (its own embedding and head too, for DeepSeek-V3) on every rank and need a whole-head
+K/V cache of its own. Every token, verified or drafted, is the leader's.
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
-graphs, multi-step decode, tensor parallelism, LoRA slots, vision-language models; per request: grammars, top
-log-probs.
+graphs, multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
 """
 
 from __future__ import annotations
@@ -47,15 +52,15 @@ from dataclasses import dataclass
 import torch
 
 from areno.engine.logit_adjust import adjust_host
+from areno.engine.model_runner import broadcast_step
 from areno.engine.scheduler import Chunk, Step
 from areno.engine.sequence import Status
+from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
 from areno.engine.spec_gate import resolve_gate
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
-from areno.kernels.sampler import logits_f32, philox_bits, sampling_probs
 from areno.models.mtp import build_mtp_draft
 
-DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
 DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gated steps before it runs anyway
 
 
@@ -74,18 +79,13 @@ class Row:
     fresh_fork: bool = False  # a sample forked from its head in this step: no draft yet
 
 
-def filters(top_k: list[int], top_p: list[float]) -> tuple:
-    """Per-row top-k / top-p, each None when no row filters (the samplers then skip sorting the vocabulary)."""
-    return (top_k if any(k > 0 for k in top_k) else None), (top_p if any(p < 1.0 for p in top_p) else None)
-
-
 def check_speculative(engine) -> None:
     """Refuse what speculative decoding does not cover yet (a ValueError naming the setting)."""
     cfg, model = engine.config, engine.model
     if not getattr(model, "num_mtp_layers", 0) or getattr(model, "mtp_draft_parts", None) is None:
         raise ValueError(f"--speculative-tokens needs a model with MTP layers ({model.config.model_type}: none loaded)")
-    refused = [(cfg.decode_steps > 1, "--decode-steps > 1"), (model.tp_group is not None, "--tp-size > 1"),
-               (cfg.max_loras > 0, "--max-loras"), (model.is_multimodal, "a vision-language model"),
+    refused = [(cfg.decode_steps > 1, "--decode-steps > 1"), (cfg.max_loras > 0, "--max-loras"),
+               (model.is_multimodal, "a vision-language model"),
                (getattr(cfg, "kv_cache_dtype", "auto") == "fp8", "--kv-cache-dtype fp8")]
     for bad, name in refused:
         if bad:
@@ -110,7 +110,8 @@ def check_request(spec, options) -> None:
 
 
 class SpecDecoder:
-    """The engine's speculative steps (see the module docstring); built with the engine's runner."""
+    """The engine's speculative steps (see the module docstring); built with the engine's runner, on every TP rank
+    (a follower only runs the ``SpecExec`` it attaches to the runner)."""
 
     def __init__(self, engine, k: int, old: SpecDecoder | None = None):
         """``old``: the decoder of the engine's previous runner, whose draft and gate this one keeps."""
@@ -119,11 +120,11 @@ class SpecDecoder:
         runner = engine.runner
         if runner.use_graphs:
             raise ValueError("--speculative-tokens with CUDA graphs is not built yet: add --eager-decode")
-        # the MTP layer's own paged K/V: one cache layer on the runner (released with it)
-        runner.mtp_cache = torch.zeros_like(runner.kv_cache[0])
+        runner.spec_exec = SpecExec(runner, self.draft)  # the device side (released with the runner)
         self.drafts: dict[int, Draft] = {}
-        # the deferred MTP catch-up of gated steps: seq_id -> (seq, first position, hidden rows), at most defer_rows
-        self.deferred: dict[int, tuple] = {}
+        # the deferred MTP catch-up of gated steps: seq_id -> [seq, first position, rows held], at most defer_rows
+        self.deferred: dict[int, list] = {}
+        self._dropped: list[int] = []  # seq_ids whose held rows the device side drops at the next FinishWork
         self.defer_rows = max(1, DEFER_BYTES // (engine.model.config.hidden_size * runner.dtype.itemsize))
         # the largest batch that speculates (None: every step does)
         self.limit = old.limit if old is not None else resolve_gate(engine.config.speculative_disable_by_batch_size,
@@ -132,11 +133,7 @@ class SpecDecoder:
 
     @property
     def mtp_cache(self) -> torch.Tensor:
-        return self.engine.runner.mtp_cache
-
-    @property
-    def mtp_kv(self) -> tuple:
-        return tuple(self.mtp_cache[e] for e in range(self.mtp_cache.shape[0]))
+        return self.engine.runner.spec_exec.mtp_cache
 
     def stats(self) -> dict:
         """Since the engine started: ``spec_accept_len`` (tokens emitted per drafting sequence and verify step),
@@ -151,6 +148,13 @@ class SpecDecoder:
         self.counts = dict.fromkeys(self.counts, 0)
         return out
 
+    def _run(self, work):
+        """Device work on every rank: broadcast to the TP followers first, then run here."""
+        r = self.engine.runner
+        if r.tp_group is not None:
+            broadcast_step(work, r.tp_group)
+        return work(r) if isinstance(work, FinishWork) else r.spec_exec.target(r, work)
+
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list:
         e = self.engine
@@ -160,7 +164,8 @@ class SpecDecoder:
         if not step.chunks:
             return []
         for seq in step.preempted:  # recomputed from their prompt: what they held is gone with their blocks
-            self.deferred.pop(seq.seq_id, None)
+            if self.deferred.pop(seq.seq_id, None) is not None:
+                self._dropped.append(seq.seq_id)
         if len(self.drafts) > len(e.scheduler.running):  # those of finished, aborted or preempted sequences
             running = {s.seq_id for s in e.scheduler.running}
             self.drafts = {i: d for i, d in self.drafts.items() if i in running}
@@ -175,18 +180,30 @@ class SpecDecoder:
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
+        drafting = any(row.draft is not None for row in rows)
+        logit_rows = [i for row in rows for i in self._padded(row, rows)] if drafting else list(inp.row_index)
+        save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
         with torch.inference_mode():
-            hidden, meta, ids, pos = self._target(inp, rows)
-            verified = self._verify(inp, rows, hidden)
+            hidden = self._run(TargetWork(inp, save, logit_rows))
+            verified = self._verify(inp, rows, hidden, logit_rows)
+        redo = self._redo(rows, verified)
+        meta = e.runner.spec_exec.last[1]
         self._keep_routing(chunks, rows, meta, verified)
         e.scheduler.after_step(step)
         emitted = self._append(rows, verified)
+        ops = [("drop", self._dropped)] if self._dropped else []
+        self._dropped = []
+        chain = None
+        if gated and step.is_decode and not self._speculates_next():
+            self._defer(chunks, ops)
+        else:
+            self._flush(ops)
+            chain = self._catch_up(rows, emitted, next_known, ops)
         with torch.inference_mode():
-            if gated and step.is_decode and not self._speculates_next():
-                self._defer(chunks, hidden)
-            else:
-                self._flush()
-                self._catch_up_and_draft(chunks, rows, emitted, hidden, meta, pos, next_known)
+            drafts = self._run(FinishWork(redo, ops))
+        for row, (toks, probs) in zip(chain or (), drafts or ()):
+            self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, probs)
+            self.counts["drafted"] += 1
         return [r.seq for r in rows]
 
     def _gated(self, step: Step) -> bool:
@@ -235,25 +252,11 @@ class SpecDecoder:
         head = c.seq.tokens[c.start : c.end - (len(d.tokens) if d else 0)]
         return head + (list(d.tokens) if d else [])
 
-    def _target(self, inp: StepInputs, rows: list[Row]):
-        """The target forward of the step (states of drafting hybrid rows saved first)."""
-        r = self.engine.runner
-        r.prologue(inp)
-        if inp.copies:
-            src = torch.tensor([p[0] for p in inp.copies], device=r.device)
-            dst = torch.tensor([p[1] for p in inp.copies], device=r.device)
-            self.mtp_cache[:, dst] = self.mtp_cache[:, src]
-        self._saved = None
-        drafting = [row.seq.state_slot for row in rows if row.draft is not None]
-        if r.states is not None and drafting:
-            slots = torch.tensor(drafting, device=r.device)
-            self._saved = (slots, r.states.conv[:, slots].clone(), r.states.recurrent[:, slots].clone())
-        ids, pos, meta = r.step_tensors(inp)
-        if r.record_routing:
-            meta.routing_out = torch.empty(self.engine.model.num_moe_layers, len(inp.ids), self.engine.model.moe_top_k,
-                                           dtype=torch.int32, device=r.device)  # fmt: skip
-        hidden = self.engine.model(ids, pos, kv_caches=r.kv_caches, attn_metadata=meta)
-        return hidden, meta, ids, pos
+    @staticmethod
+    def _padded(row: Row, rows: list[Row]) -> list[int]:
+        """A row's K_b + 1 hidden rows padded to the step's K + 1 (its last one repeated): the verify's logits."""
+        k = max(len(r.index) for r in rows)
+        return row.index + [row.index[-1]] * (k - len(row.index))
 
     def _keep_routing(self, chunks, rows, meta, verified) -> None:
         """Routing capture: each chunk's sequence keeps the experts of the tokens it computed (a drafting sequence:
@@ -273,19 +276,20 @@ class SpecDecoder:
                 for child in getattr(c.seq, "children", []):
                     child.routing = list(c.seq.routing)
 
-    def _verify(self, inp: StepInputs, rows: list[Row], hidden):
+    def _verify(self, inp: StepInputs, rows: list[Row], hidden, logit_rows: list[int]):
+        """The rows' tokens and log-probs (verify_draft, or the plain step's sampling when no row drafts), each
+        row's draft length, and its accepted draft tokens."""
         r, dev = self.engine.runner, self.engine.runner.device
         B = len(rows)
         if not B:  # prefill chunks that do not reach the end of their prompts: K/V (and the MTP's) only
-            return [], [], []
+            return [], [], [], []
         nd = [len(row.index) - 1 for row in rows]
         K = max(nd)
         if not K:  # no draft to verify (a gated step, prefills): the plain step's sampling
             toks, lps, _ = r.sample_rows(inp, hidden)
-            return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd
+            return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd, nd
         V = r.vocab_size
-        index = torch.tensor([row.index + [row.index[-1]] * (K - len(row.index) + 1) for row in rows], device=dev)
-        logits = r.logits(hidden[index.view(-1)]).view(B, K + 1, V)
+        logits = r.logits(hidden[torch.tensor(logit_rows, device=dev)]).view(B, K + 1, V)
         tokens = torch.zeros(B, K, dtype=torch.int64, device=dev)
         probs = torch.zeros(B, K, V, dtype=torch.float32, device=dev)
         for b, row in enumerate(rows):
@@ -300,23 +304,20 @@ class SpecDecoder:
                            seeds=inp.seeds, offsets=inp.offsets, top_k=top_k, top_p=top_p, adjust=adj,
                            token_state=r.adjuster.token_state if adj is not None and "pen_slot" in adj else None)
         toks, lps = out.lists()
-        self._rollback(rows, out.accepted.tolist(), nd)
-        return toks, lps, nd
+        return toks, lps, nd, out.accepted.tolist()
 
-    def _rollback(self, rows: list[Row], accepted: list[int], nd: list[int]) -> None:
-        """Hybrid models: restore the saved recurrent states of the rows that rejected a draft token and run the
-        target again over their accepted inputs (their K/V rewritten with the same values)."""
-        if self._saved is None:
-            return
+    def _redo(self, rows: list[Row], verified) -> tuple | None:
+        """Hybrid models: (which saved states to restore, the inputs of their accepted tokens) for the drafting rows
+        that rejected a draft token, whose target forward runs again over the accepted inputs (K/V rewritten with
+        the same values); None when none did (planned before the rows' tokens are appended)."""
         r = self.engine.runner
-        slots, conv, rec = self._saved
+        if r.states is None:
+            return None
+        _, _, nd, accepted = verified
         drafting = [b for b, row in enumerate(rows) if row.draft is not None]
         redo = [(n, b) for n, b in enumerate(drafting) if accepted[b] < nd[b]]
         if not redo:
-            return
-        which = torch.tensor([n for n, _ in redo], device=r.device)
-        r.states.conv[:, slots[which]] = conv[:, which]
-        r.states.recurrent[:, slots[which]] = rec[:, which]
+            return None
         chunks = []
         for _, b in redo:
             seq, a = rows[b].seq, accepted[b]
@@ -325,13 +326,12 @@ class SpecDecoder:
             chunks.append(c)
         inp = r.prepare(Step(chunks, is_decode=False), [], [], [])
         inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
-        ids, pos, meta = r.step_tensors(inp)
-        self.engine.model(ids, pos, kv_caches=r.kv_caches, attn_metadata=meta)
+        return [n for n, _ in redo], inp
 
     def _append(self, rows: list[Row], verified) -> list[list[int]]:
         """Each row's emitted tokens appended up to its stop; returns them (all of them, for the MTP catch-up)."""
         e = self.engine
-        toks, lps, nd = verified
+        toks, lps, nd, _ = verified
         for row, t, lp, k in zip(rows, toks, lps, nd):
             if k:
                 self.counts["verify_rows"] += 1
@@ -346,48 +346,51 @@ class SpecDecoder:
         return toks
 
     # ---- drafting ------------------------------------------------------------------------------------------
-    def _defer(self, chunks, hidden) -> None:
+    def _defer(self, chunks, ops: list) -> None:
         """A gated step of decodes only that another gated step follows: its MTP catch-up waits, each sequence's hidden
-        row kept, until a step needs the draft's K/V whole (``_flush``) or more than ``defer_rows`` rows are held."""
+        row held, until a step needs the draft's K/V whole (``_flush``) or more than ``defer_rows`` rows are held."""
         for i, c in enumerate(chunks):
             held = self.deferred.get(c.seq.seq_id)
-            if held is not None and held[1] + len(held[2]) != c.start:  # not the position after them: keep both
-                self._flush()
+            if held is not None and held[1] + held[2] != c.start:  # not the position after them: keep both
+                self._flush(ops)
                 held = None
             if held is None:
-                held = self.deferred[c.seq.seq_id] = (c.seq, c.start, [])
-            held[2].append(hidden[i])
-        self.deferred = {i: d for i, d in self.deferred.items() if not d[0].is_finished}
-        if sum(len(d[2]) for d in self.deferred.values()) > self.defer_rows:
-            self._flush()
+                held = self.deferred[c.seq.seq_id] = [c.seq, c.start, 0]
+            held[2] += 1
+            ops.append(("hold", i, c.seq.seq_id))
+        finished = [i for i, d in self.deferred.items() if d[0].is_finished]
+        if finished:
+            self.deferred = {i: d for i, d in self.deferred.items() if i not in finished}
+            ops.append(("drop", finished))
+        if sum(d[2] for d in self.deferred.values()) > self.defer_rows:
+            self._flush(ops)
 
-    def _flush(self) -> None:
+    def _flush(self, ops: list) -> None:
         """The deferred MTP catch-up: step 0 of the draft over every held position of the running sequences in one
         prefill-mode pass, which writes the draft's K/V there (no draft is made from them: a later step's catch-up
         does that). Finished and preempted sequences' rows are dropped."""
+        if not self.deferred:
+            return
         held = [d for d in self.deferred.values() if d[0].status is Status.RUNNING]
         self.deferred = {}
         if not held:
+            ops.append(("flush", [], None, None))
             return
-        r = self.engine.runner
-        inp = r.prepare(Step([Chunk(seq, p, p + len(h)) for seq, p, h in held], is_decode=False), [], [], [])
-        _, pos, meta = r.step_tensors(inp)
-        nxt = torch.tensor([seq.tokens[q + 1] for seq, p, h in held for q in range(p, p + len(h))],
-                           dtype=torch.int64, device=r.device)
-        hidden = torch.stack([row for _, _, h in held for row in h])
-        self.draft(self.engine.model, 0, hidden, nxt, pos, meta, self.mtp_kv)
+        inp = self.engine.runner.prepare(Step([Chunk(seq, p, p + n) for seq, p, n in held], is_decode=False), [], [],
+                                         [])  # fmt: skip
+        nxt = [seq.tokens[q + 1] for seq, p, n in held for q in range(p, p + n)]
+        ops.append(("flush", [seq.seq_id for seq, _, _ in held], inp, nxt))
 
-    def _catch_up_and_draft(self, chunks, rows, emitted, hidden, meta, pos, next_known) -> None:
-        """MTP step 0 over every computed position (its K/V written), then the chain for live rows."""
-        e, dev = self.engine, self.engine.runner.device
+    def _catch_up(self, rows, emitted, next_known, ops: list) -> list | None:
+        """The catch-up op (MTP step 0 over every computed position, its K/V written) and the chain for live rows;
+        returns the rows the chain drafts for (None: no chain)."""
+        e = self.engine
         nxt = list(next_known)
         for row, toks in zip(rows, emitted):
             if row.fresh_fork:
                 continue
             for i, t in enumerate(toks):  # the last input position's next token is the first emitted one
                 nxt[row.index[i]] = t
-        nxt = torch.tensor([0 if t is None else t for t in nxt], dtype=torch.int64, device=dev)
-        out, chain = self.draft(e.model, 0, hidden, nxt, pos, meta, self.mtp_kv)
         live = []  # (row, K_b, hidden row of its last accepted position)
         for row, toks in zip(rows, emitted) if self._speculates_next() else ():
             seq = row.seq
@@ -395,52 +398,22 @@ class SpecDecoder:
             if row.fresh_fork or seq.is_finished or kb < 1 or not e.blocks.reserve_tokens(seq, len(seq) + kb):
                 continue
             live.append((row, kb, row.index[len(toks) - 1]))
-        if live:
-            self._chain(live, out, chain)
+        chain = self._chain(live) if live else None
+        ops.append(("catch_up", [0 if t is None else t for t in nxt], chain))
+        return [row for row, _, _ in live] if live else None
 
-    def _chain(self, live, out, chain) -> None:
-        """Draft tokens for each live (row, K_b, hidden row of its last accepted position): step 0's output there,
-        then decode steps of the MTP layer for the rows still drafting."""
-        seqs, kbs = [row.seq for row, _, _ in live], [kb for _, kb, _ in live]
-        pick = torch.tensor([i for _, _, i in live], device=out.device)
-        o, g = out[pick], chain[pick]
-        active = list(range(len(live)))  # indices into live, aligned with the rows of o and g
-        toks, probs = [[] for _ in live], [[] for _ in live]
-        for j in range(max(kbs)):
-            if j:
-                keep = [a for a, i in enumerate(active) if kbs[i] > j]
-                active = [active[a] for a in keep]
-                o, g = self._mtp_decode(j, [seqs[i] for i in active], g[keep], [toks[i][-1] for i in active])
-            t, q = self._draw(j, [seqs[i] for i in active], o)
-            for a, i in enumerate(active):
-                toks[i].append(t[a])
-                probs[i].append(q[a])
-        for (row, _, _), tk, pr in zip(live, toks, probs):
-            self.drafts[row.seq.seq_id] = Draft(len(row.seq), tk, torch.stack(pr))
-            self.counts["drafted"] += 1
-
-    def _mtp_decode(self, j: int, seqs: list, g, ids: list[int]):
-        """MTP decode step j: each sequence's previous draft token at position len(seq) - 2 + j."""
+    def _chain(self, live) -> Chain:
+        """The draft steps for each live (row, K_b, hidden row): step 0's output there, then MTP decode step j at
+        each sequence's position len - 2 + j for the rows with K_b > j (their inputs prepared here)."""
         r = self.engine.runner
-        chunks = [Chunk(s, len(s) - 2 + j, len(s) - 1 + j) for s in seqs]
-        inp = r.prepare(Step(chunks, is_decode=True), [], [], [])
-        inp.ids = ids
-        tid, pos, meta = r.step_tensors(inp)
-        return self.draft(self.engine.model, 0, g, tid, pos, meta, self.mtp_kv)
-
-    def _draw(self, j: int, seqs: list, o):
-        """Draft tokens from the draft logits at each sequence's request settings: (tokens [R], probs [R, V])."""
-        dev = o.device
-        logits = logits_f32(o, self.draft.head_weight(self.engine.model, j))
-        cap = self.engine.model.logit_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        seqs, kbs = [row.seq for row, _, _ in live], [kb for _, kb, _ in live]
+        decode = []
+        for j in range(1, max(kbs)):
+            active = [s for s, kb in zip(seqs, kbs) if kb > j]
+            inp = r.prepare(Step([Chunk(s, len(s) - 2 + j, len(s) - 1 + j) for s in active], is_decode=True), [],
+                            [], [])  # fmt: skip
+            inp.ids = [0] * len(active)  # the previous step's draft tokens, on the device
+            decode.append(inp)
         opts = [s.options for s in seqs]
-        top_k, top_p = filters([p.top_k for p in opts], [p.top_p for p in opts])
-        q = sampling_probs(logits, temperature=torch.tensor([p.temperature for p in opts], device=dev),
-                           top_k=None if top_k is None else torch.tensor(top_k, device=dev),
-                           top_p=None if top_p is None else torch.tensor(top_p, device=dev))
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
-        offsets = torch.tensor([len(s) + j + DRAFT_STREAM for s in seqs], dtype=torch.int64, device=dev)
-        u = (philox_bits(seeds, offsets, q.shape[1]).double() + 0.5) * 2.0**-32
-        return (torch.log(q.double()) - torch.log(-torch.log(u))).argmax(dim=1).tolist(), q
+        return Chain([i for _, _, i in live], kbs, [o.temperature for o in opts], [o.top_k for o in opts],
+                     [o.top_p for o in opts], [s.seed for s in seqs], [len(s) for s in seqs], decode)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from areno.models.layers import KeptTensors, Linear, RMSNorm, VocabEmbedding
-from areno.models.tp import one_layout, pieces
+from areno.models.tp import one_layout, pieces, shard_modules
 
 
 class KeptMTP:
@@ -136,6 +136,7 @@ class MTPDraft(nn.Module):
         self.head = None if head is None else nn.ModuleList(head)
         self.layouts = layouts
         self.chain_normed = chain_normed
+        self.tp_rank, self.tp_size = 0, 1  # its shard of the kept tensors (``build_mtp_draft`` under TP)
         for block in self.blocks:  # no routing capture/replay for the draft's MoE
             if getattr(block.mlp, "has_router", False):
                 block.mlp.moe_index = 0
@@ -172,7 +173,7 @@ class MTPDraft(nn.Module):
         """Copy the kept Hub tensors into the draft's parameters (each parameter covered, or a KeyError naming it)."""
         kept, params = self.kept_tensors(model), dict(self.named_parameters())
         for pname, lays in self.layouts.items():
-            for pc in pieces(lays, 0, 1):
+            for pc in pieces(lays, self.tp_rank, self.tp_size):
                 if pc.hf_name not in kept:
                     raise KeyError(f"MTP draft: the checkpoint has no {pc.hf_name} (for {pname})")
                 params[pname][pc.dst].copy_(kept[pc.hf_name][pc.src])
@@ -190,24 +191,34 @@ class MTPDraft(nn.Module):
         return out
 
     def _write(self, hub: dict[str, torch.Tensor]) -> None:
+        """Under TP: this rank's shard of each tensor (the rest of ``hub`` left as it is)."""
         params = dict(self.named_parameters())
         for pname, lays in self.layouts.items():
-            for pc in pieces(lays, 0, 1):
+            for pc in pieces(lays, self.tp_rank, self.tp_size):
                 hub[pc.hf_name][pc.src].copy_(params[pname][pc.dst])
 
 
 def build_mtp_draft(model, *, trainable: bool = False) -> MTPDraft | None:
     """The model's MTP layers as an ``MTPDraft`` on its device and dtype, loaded from the kept tensors; None when the
-    family cannot run them or the checkpoint has none. Needs the whole model on this rank (no TP). ``trainable``: the
-    parameters its modules train (all but a router's selection bias) require gradients; otherwise none does."""
+    family cannot run them or the checkpoint has none. ``trainable``: the parameters its modules train (all but a
+    router's selection bias) require gradients; otherwise none does.
+
+    Under tensor parallelism (the engine's draft; training one is refused) the draft is sharded like the decoder:
+    its blocks by the model's plan, a layer's own embedding and head by vocabulary rows like the model's, so each
+    rank holds 1/TP of it and runs the same collectives as a decoder block (the kept tensors stay whole on every
+    rank: each rank loads its shard from them)."""
     parts = getattr(model, "mtp_draft_parts", None)
     if parts is None or not getattr(model, "num_mtp_layers", 0):
         return None
-    if model.tp_group is not None:
-        raise ValueError("MTP draft: the MTP layers run on one rank only (no tensor parallelism)")
+    if model.tp_group is not None and trainable:
+        raise ValueError("MTP draft: the MTP layers train on one rank only (no tensor parallelism)")
     ref = model.embed_tokens.weight
     with torch.device("meta"):
         draft = MTPDraft(**parts())
+    if model.tp_group is not None:
+        vocab = {f"{kind}.{j}": "vocab" for kind in ("embed", "head") for j in range(draft.num_layers)}
+        shard_modules(draft, draft.layouts, model.tp_group, model.config.vocab_size, styles=vocab)
+        draft.tp_rank, draft.tp_size = model.tp_rank, model.tp_size
     for module in draft.modules():  # the model's fp32 parameters (routers, biases) stay fp32
         fp32 = getattr(module, "fp32_params", ())
         for name, p in list(module.named_parameters(recurse=False)):

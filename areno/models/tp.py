@@ -277,10 +277,17 @@ def apply_tp_plan(model: nn.Module, group) -> None:
     layouts = model.hf_layouts()
     model.tp_group, model.tp_rank, model.tp_size = (group if size > 1 else None), rank, size
     model._tp_layouts = layouts
-    if size == 1:
-        return
-    for mname, module in model.named_modules():
-        style = _style(mname)
+    if size > 1:
+        shard_modules(model, layouts, group, model.config.vocab_size)
+
+
+def shard_modules(root: nn.Module, layouts: dict, group, vocab_size: int, styles: dict | None = None) -> None:
+    """Shard the meta-device modules of ``root`` for this rank of ``group`` by the plan (``styles``: module name ->
+    style, beside ``PLAN``'s suffixes): parameter shapes (their ``layouts`` marked sharded), module styles and
+    groups, vocab ranges, head counts. The model's own plan, and the MTP draft's (``areno.models.mtp``)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    for mname, module in root.named_modules():
+        style = (styles or {}).get(mname) or _style(mname)
         if style is None:
             continue
         module.tp_group, module.tp_style = group, style
@@ -293,9 +300,9 @@ def apply_tp_plan(model: nn.Module, group) -> None:
             new = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=param.device), param.requires_grad)
             setattr(module, pname, new)
         if style == "vocab":
-            n = model.config.vocab_size // size
+            n = vocab_size // size
             module.vocab_start, module.vocab_end = rank * n, (rank + 1) * n
-    for module in model.modules():
+    for module in root.modules():
         if hasattr(module, "shard_heads"):
             module.shard_heads(rank, size)
 

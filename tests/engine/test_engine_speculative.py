@@ -131,7 +131,7 @@ def test_refused_for_a_model_without_mtp_layers(tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     ([], "--speculative-tokens with CUDA graphs (add --eager-decode) is not built yet"),
-    (["--eager-decode", "--tp-size", "2", "--world-size", "2"], "--speculative-tokens with --tp-size > 1 is not built"),
+    (["--eager-decode", "--kv-cache-dtype", "fp8"], "--speculative-tokens with --kv-cache-dtype fp8 is not built"),
     (["--eager-decode"], "--speculative-tokens needs a model with MTP (multi-token-prediction) layers"),
 ])
 def test_serve_refuses_the_flag_with_exit_2(tmp_path, capsys, extra, message):

@@ -17,11 +17,10 @@ from areno.engine.spec_gate import AUTO_FALLBACK, auto_threshold, decode_counts
 from areno.models import load_model
 from areno.platform.roofline import H100, H200, roofline_of
 from areno.testing import make_tiny_checkpoint
-from tests.helpers.mtp import make_echo_model
+from tests.helpers.mtp import GATE_PROMPTS as PROMPTS
+from tests.helpers.mtp import make_echo_model, run_with_arrivals
 
 pytestmark = pytest.mark.slow
-PROMPTS = [[5, 9, 13, 200, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11], [42] * 5, [17, 18, 19, 20]]
-LATE = [[60, 61, 62], [70, 71, 72, 73, 74]]  # added while the first batch decodes
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +43,15 @@ def _greedy(n):
     return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
 
 
-def _run_with_arrivals(e, news=(3, 6, 10, 20), late=(8, 6), after=8):
-    """PROMPTS with ``news`` new tokens each; after ``after`` steps LATE join (greedy): the batch shrinks below a
-    threshold of 2, grows past it again and shrinks. Returns every sequence's (tokens, log-probs)."""
-    seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS, news)]
-    for _ in range(after):
-        e.step()
-    seqs += [e.add_request(p, _greedy(n))[0] for p, n in zip(LATE, late)]
-    while e.has_work():
-        e.step()
-    return [(s.output_ids, list(s.logprobs)) for s in seqs]
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
 def test_greedy_equals_plain_decoding_across_gate_transitions(echo, family, tmp_path):
     """DeepSeek-V3 (MLA, MoE) and Qwen3.5 (gated DeltaNet: recurrent states rolled back after rejections)."""
     if family != "deepseek_v3":
         path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
         echo = make_echo_model(load_model(path, dtype=torch.float32, device="cpu"), scale=2.0)
-    plain = _run_with_arrivals(_engine(echo, 0))
+    plain = run_with_arrivals(_engine(echo, 0))
     e = _engine(echo, 2, gate=2)
-    gated = _run_with_arrivals(e)
+    gated = run_with_arrivals(e)
     assert [t for t, _ in gated] == [t for t, _ in plain]
     for (_, a), (_, b) in zip(gated, plain):
         np.testing.assert_allclose(a, b, atol=1e-4)
@@ -131,7 +118,7 @@ def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
     held = 0
     while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
         e.step()
-        held = max(held, sum(len(d[2]) for d in e.spec.deferred.values()))
+        held = max(held, sum(d[2] for d in e.spec.deferred.values()))
     assert held == (2 if defer_rows else 8) and not e.spec.deferred  # deferred, then run
     seq = seqs[2]
     assert e.spec.counts["spec_gated_steps"] >= 4 and not seq.is_finished
@@ -214,9 +201,9 @@ def test_gate_transitions_keep_greedy_tokens_on_the_gpu(tmp_path, family):
     resolving from the GPU's roofline (H100 / H200: a number of its own, else the fixed value)."""
     path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
     model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0)
-    plain = _run_with_arrivals(_engine(model, 0, eager_decode=True))
+    plain = run_with_arrivals(_engine(model, 0, eager_decode=True))
     e = _engine(model, 2, gate=2, eager_decode=True)
-    assert [t for t, _ in _run_with_arrivals(e)] == [t for t, _ in plain]
+    assert [t for t, _ in run_with_arrivals(e)] == [t for t, _ in plain]
     assert e.spec.stats()["spec_gated_steps"] > 0 and e.spec.stats()["verify_rows"] > 0
     roof = roofline_of(torch.cuda.get_device_name())
     assert _engine(model, 2, eager_decode=True).spec.limit == auto_threshold(model, 2, roof)[0]

@@ -5,14 +5,21 @@ a zero block, the head = the embedding)."""
 
 import torch
 
+from areno.config import SamplingParams
 from areno.models.mtp import build_mtp_draft
+
+GATE_PROMPTS = [[5, 9, 13, 200, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11], [42] * 5, [17, 18, 19, 20]]
+LATE = [[60, 61, 62], [70, 71, 72, 73, 74]]  # added while the first batch decodes
 
 
 @torch.no_grad()
-def make_echo_model(model, scale: float = 4.0, sharpness: float = 1.0, target_sharpness: float = 1.0):
+def make_echo_model(model, scale: float = 4.0, sharpness: float = 1.0, target_sharpness: float = 1.0,
+                    block_scale: float = 0.0):
     """In place: the target echoes its input token often, the MTP draft always proposes it (kept tensors rewritten);
     ``sharpness`` scales the draft's logits (its final norm), so its sampling distribution concentrates on the echo,
-    ``target_sharpness`` the target's (temperature-1 tests need both peaked to separate them)."""
+    ``target_sharpness`` the target's (temperature-1 tests need both peaked to separate them). ``block_scale`` > 0
+    keeps the MTP block's random weights scaled by it (its norms whole) instead of zeroing them: its attention then
+    writes and reads real K/V while the draft still mostly echoes."""
     embed = model.embed_tokens.weight
     if model.lm_head is not None:
         model.lm_head.weight.copy_(embed)
@@ -20,7 +27,10 @@ def make_echo_model(model, scale: float = 4.0, sharpness: float = 1.0, target_sh
     h = embed.shape[1]
     for block in draft.blocks:
         for p in block.parameters():
-            p.zero_()
+            if not block_scale:
+                p.zero_()
+            elif p.dim() > 1:
+                p.mul_(block_scale)
     for proj in draft.proj:
         proj.weight.zero_()
         proj.weight[:, :h] = torch.eye(h)
@@ -42,3 +52,16 @@ def _scale_norm(norm, factor: float) -> None:
         norm.weight.copy_((1.0 + norm.weight) * factor - 1.0)
     else:
         norm.weight.mul_(factor)
+
+
+def run_with_arrivals(e, news=(3, 6, 10, 20), late=(8, 6), after=8):
+    """GATE_PROMPTS with ``news`` new tokens each; after ``after`` steps LATE join (greedy): the batch shrinks below a
+    gate of 2, grows past it again and shrinks. Returns every sequence's (tokens, log-probs)."""
+    greedy = lambda n: SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    seqs = [e.add_request(p, greedy(n))[0] for p, n in zip(GATE_PROMPTS, news)]
+    for _ in range(after):
+        e.step()
+    seqs += [e.add_request(p, greedy(n))[0] for p, n in zip(LATE, late)]
+    while e.has_work():
+        e.step()
+    return [(s.output_ids, list(s.logprobs)) for s in seqs]

@@ -1,0 +1,207 @@
+"""The device work of a speculative step (``spec_decode``), the same on every rank of a tensor-parallel group.
+
+``SpecDecoder`` (on TP rank 0, the leader, or alone) plans a step on the host and hands its device work to
+``SpecExec`` (one per runner: the MTP draft's paged K/V, the recurrent states saved before a verify, the hidden rows
+of deferred catch-ups) as two records, each first sent through the engine's step broadcast
+(``model_runner.broadcast_step``; a follower's ``TPWorker`` calls the record with its runner):
+
+- ``TargetWork``: block copies (the MTP cache's too), the states of drafting hybrid rows saved, the target forward,
+  and the logits of the rows the leader verifies or samples (gathered over the vocab shards, a collective).
+- ``FinishWork``, after the leader verified, appended and decided: the rollback of rejecting hybrid rows (states
+  restored, a forward over their accepted inputs) and the MTP ops in the leader's order: ``hold`` a hidden row of a
+  gated step (its catch-up deferred), ``drop`` held rows, ``flush`` the held rows' catch-up, ``catch_up`` over the
+  step's positions and then the ``Chain`` of draft steps. The chain's tokens are drawn on the leader (its
+  Philox streams, the requests' settings) and broadcast to the followers before the next draft step needs them.
+
+The followers never sample: every token is the leader's; they run the same forwards in the same order on their shard
+of the weights, so their K/V, MTP K/V and recurrent states stay those of the leader's shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areno.engine.step_inputs import StepInputs
+from areno.kernels.sampler import philox_bits, sampling_probs
+
+DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
+
+
+def filters(top_k: list[int], top_p: list[float]) -> tuple:
+    """Per-row top-k / top-p, each None when no row filters (the samplers then skip sorting the vocabulary)."""
+    return (top_k if any(k > 0 for k in top_k) else None), (top_p if any(p < 1.0 for p in top_p) else None)
+
+
+@dataclass
+class TargetWork:
+    """A step's target forward: ``inp`` (its ids with the drafts), the recurrent-state slots to save first, and the
+    hidden rows whose logits the leader gathers (to verify or sample)."""
+
+    inp: StepInputs
+    save: list[int]
+    logit_rows: list[int]
+
+    @torch.inference_mode()
+    def __call__(self, runner) -> None:  # a follower: the forward, then its part of the leader's logits gather
+        hidden = runner.spec_exec.target(runner, self)
+        if self.logit_rows:
+            runner.logits(hidden[torch.tensor(self.logit_rows, device=runner.device)])
+
+
+@dataclass
+class Chain:
+    """The draft steps after a catch-up: each drafting sequence's hidden row (its last accepted position), K_b,
+    sampling settings and length; ``decode[j - 1]``: MTP decode step j's inputs (the rows with K_b > j)."""
+
+    pick: list[int]
+    kbs: list[int]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    seeds: list[int]
+    lengths: list[int]
+    decode: list[StepInputs]
+
+
+@dataclass
+class FinishWork:
+    """After the verify: ``redo`` (indices into the saved states, the inputs of the accepted tokens) or None, then
+    the MTP ``ops`` in order (see the module docstring)."""
+
+    redo: tuple | None
+    ops: list
+
+    @torch.inference_mode()
+    def __call__(self, runner) -> list | None:
+        return runner.spec_exec.finish(runner, self)
+
+
+class SpecExec:
+    """One runner's device state and work for speculative decoding (see the module docstring)."""
+
+    def __init__(self, runner, draft):
+        self.draft = draft
+        self.mtp_cache = torch.zeros_like(runner.kv_cache[0])  # the MTP layer's paged K/V: one more cache layer
+        self.group = runner.tp_group
+        self.leader = self.group is None or dist.get_rank(self.group) == 0
+        self.held: dict[int, list] = {}  # seq_id -> hidden rows whose catch-up is deferred
+        self.saved = None  # (slots, conv, recurrent) of the drafting hybrid rows before the target forward
+        self.last = None  # (hidden, meta, positions) of the step's target forward
+
+    @property
+    def mtp_kv(self) -> tuple:
+        return tuple(self.mtp_cache[e] for e in range(self.mtp_cache.shape[0]))
+
+    def target(self, r, work: TargetWork):
+        inp = work.inp
+        r.prologue(inp)
+        if inp.copies:
+            src = torch.tensor([p[0] for p in inp.copies], device=r.device)
+            dst = torch.tensor([p[1] for p in inp.copies], device=r.device)
+            self.mtp_cache[:, dst] = self.mtp_cache[:, src]
+        self.saved = None
+        if r.states is not None and work.save:
+            slots = torch.tensor(work.save, device=r.device)
+            self.saved = (slots, r.states.conv[:, slots].clone(), r.states.recurrent[:, slots].clone())
+        ids, pos, meta = r.step_tensors(inp)
+        if r.record_routing and self.leader:
+            meta.routing_out = torch.empty(r.model.num_moe_layers, len(inp.ids), r.model.moe_top_k,
+                                           dtype=torch.int32, device=r.device)  # fmt: skip
+        hidden = r.model(ids, pos, kv_caches=r.kv_caches, attn_metadata=meta)
+        self.last = (hidden, meta, pos)
+        return hidden
+
+    def finish(self, r, work: FinishWork) -> list | None:
+        """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, probs [K_b, V])] per
+        drafting sequence), else None."""
+        if work.redo is not None:
+            self._rollback(r, *work.redo)
+        drafts = None
+        for op in work.ops:
+            if op[0] == "hold":
+                self.held.setdefault(op[2], []).append(self.last[0][op[1]])
+            elif op[0] == "drop":
+                for i in op[1]:
+                    self.held.pop(i, None)
+            elif op[0] == "flush":
+                self._flush(r, *op[1:])
+            else:
+                drafts = self._catch_up(r, *op[1:])
+        self.last = self.saved = None
+        return drafts
+
+    def _rollback(self, r, which: list[int], inp: StepInputs) -> None:
+        """Restore the saved states ``which`` and run the target over the accepted inputs (K/V rewritten alike)."""
+        slots, conv, rec = self.saved
+        idx = torch.tensor(which, device=r.device)
+        r.states.conv[:, slots[idx]] = conv[:, idx]
+        r.states.recurrent[:, slots[idx]] = rec[:, idx]
+        ids, pos, meta = r.step_tensors(inp)
+        r.model(ids, pos, kv_caches=r.kv_caches, attn_metadata=meta)
+
+    def _flush(self, r, seq_ids: list[int], inp: StepInputs | None, nxt: list[int] | None) -> None:
+        """The deferred catch-up of the held rows of ``seq_ids`` (in order, each contiguous from its first held
+        position) in one prefill-mode pass; every held row is dropped."""
+        rows = [h for i in seq_ids for h in self.held[i]]
+        self.held = {}
+        if not rows:
+            return
+        _, pos, meta = r.step_tensors(inp)
+        ids = torch.tensor(nxt, dtype=torch.int64, device=r.device)
+        self.draft(r.model, 0, torch.stack(rows), ids, pos, meta, self.mtp_kv)
+
+    def _catch_up(self, r, nxt: list[int], chain: Chain | None):
+        """Draft step 0 over every position of the target forward (each with its next token), then the chain."""
+        hidden, meta, pos = self.last
+        meta.routing_out = None  # the draft's MoE block must not write the target's routes
+        ids = torch.tensor(nxt, dtype=torch.int64, device=r.device)
+        out, g = self.draft(r.model, 0, hidden, ids, pos, meta, self.mtp_kv)
+        return None if chain is None else self._chain(r, chain, out, g)
+
+    def _chain(self, r, c: Chain, out, g) -> list | None:
+        """Draft tokens for each row of ``c``: step 0's output at its pick, then decode steps of the MTP layer for
+        the rows still drafting, each step's tokens drawn on the leader and broadcast before the next step."""
+        pick = torch.tensor(c.pick, device=r.device)
+        o, g = out[pick], g[pick]
+        active, steps, t = list(range(len(c.pick))), max(c.kbs), None
+        drawn = []  # (active rows, tokens, probs) per step, on the leader
+        for j in range(steps):
+            if j:
+                keep = [a for a, i in enumerate(active) if c.kbs[i] > j]
+                active = [active[a] for a in keep]
+                keep = torch.tensor(keep, device=r.device)
+                _, pos, meta = r.step_tensors(c.decode[j - 1])
+                o, g = self.draft(r.model, 0, g[keep], t[keep], pos, meta, self.mtp_kv)
+            logits = r.logits(o, self.draft.head_weight(r.model, j))
+            if self.leader:
+                t, q = self._draw(c, active, j, logits)
+                drawn.append((active, t, q))
+            else:
+                t = torch.empty(len(active), dtype=torch.int64, device=r.device)
+            if self.group is not None and j + 1 < steps:
+                dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if not self.leader:
+            return None
+        toks, probs = [[] for _ in c.pick], [[] for _ in c.pick]
+        for rows, t, q in drawn:
+            for a, (i, tok) in enumerate(zip(rows, t.tolist())):
+                toks[i].append(tok)
+                probs[i].append(q[a])
+        return [(tk, torch.stack(pr)) for tk, pr in zip(toks, probs)]
+
+    @staticmethod
+    def _draw(c: Chain, rows: list[int], j: int, logits):
+        """Draft tokens from the draft's logits at each row's request settings (Gumbel-max on the draft's own Philox
+        stream): (tokens [R] int64, probs [R, V])."""
+        dev = logits.device
+        top_k, top_p = filters([c.top_k[i] for i in rows], [c.top_p[i] for i in rows])
+        q = sampling_probs(logits, temperature=torch.tensor([c.temperature[i] for i in rows], device=dev),
+                           top_k=None if top_k is None else torch.tensor(top_k, device=dev),
+                           top_p=None if top_p is None else torch.tensor(top_p, device=dev))
+        seeds = torch.tensor([c.seeds[i] for i in rows], dtype=torch.int64, device=dev)
+        offsets = torch.tensor([c.lengths[i] + j + DRAFT_STREAM for i in rows], dtype=torch.int64, device=dev)
+        u = (philox_bits(seeds, offsets, q.shape[1]).double() + 0.5) * 2.0**-32
+        return (torch.log(q.double()) - torch.log(-torch.log(u))).argmax(dim=1), q
