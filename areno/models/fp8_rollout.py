@@ -112,10 +112,12 @@ def quantize(model) -> tuple[int, int]:
     weights, bytes of the copies)."""
     check(model)
     before = after = 0
-    for m in fp8_modules(model).values():
+    for name, m in fp8_modules(model).items():
+        if isinstance(m, Linear):
+            m.fp8_rows = _rows(model, f"{name}.weight")
         m.set_fp8_()
         for p in m.fp8_params:
-            w = getattr(m, p)
+            w = _region(model, f"{name}.{p}")
             before += w.numel() * w.element_size()
             after += held_fp8(m, p).nbytes()
     return before, after
@@ -148,7 +150,7 @@ def fp8_forward(model, on: bool = True):
 def wire_bytes(model) -> tuple[int, int]:
     """(bf16 bytes, FP8-entry bytes) of the quantised parameters: what split mode's stream carries for them
     without and with FP8 (no quantisation, shapes only: any model, meta tensors included)."""
-    bf16 = sum(torch.Size(_full_shape(model, n, getattr(m, p))).numel() * 2 for n, (m, p) in fp8_params(model).items())
+    bf16 = sum(torch.Size(_full_shape(model, n, _region(model, n))).numel() * 2 for n in fp8_params(model))
     fp8 = sum(torch.Size(shape).numel() * (4 if dtype == torch.float32 else 1) for _, shape, dtype in wire_specs(model))
     return bf16, fp8
 
@@ -163,11 +165,44 @@ def _sharding(model, pname: str, size: int):
     return lays[0].dim + (lays[0].expert is not None), lays[0]
 
 
+def _quantised(model, pname: str) -> int:
+    """How many of the parameter's layout parts the FP8 copy covers: all but a ``Linear``'s ``fp8_kept_parts``
+    (trailing rows left in the model's dtype: Qwen3.5's b and a, a scalar per value head, which no TP size would
+    keep on the block grid; vLLM leaves its ``in_proj_ba`` unquantised too)."""
+    module, _, p = pname.rpartition(".")
+    kept = getattr(model.get_submodule(module), "fp8_kept_parts", 0) if p == "weight" else 0
+    return len(model._tp_layouts[pname][0].parts) - kept
+
+
+def _runs(model, pname: str, lay, rank: int, size: int) -> list:
+    """``tp.runs`` of the quantised parts."""
+    return tp.runs(lay, rank, size)[: _quantised(model, pname)]
+
+
+def _rows(model, pname: str) -> int | None:
+    """The leading rows of this rank's parameter the FP8 copy covers; None: all of it."""
+    n = _quantised(model, pname)
+    lay = model._tp_layouts[pname][0]
+    if n == len(lay.parts):
+        return None
+    if _sharding(model, pname, model.tp_size) is None:
+        return sum(part.size for part in lay.parts[:n])
+    return sum(length for _, _, length in _runs(model, pname, lay, model.tp_rank, model.tp_size))
+
+
+def _region(model, pname: str) -> torch.Tensor:
+    """The part of this rank's parameter the FP8 copy covers (all of it, or its leading ``_rows``)."""
+    module, _, p = pname.rpartition(".")
+    w, rows = getattr(model.get_submodule(module), p), _rows(model, pname)
+    return w if rows is None else w[:rows]
+
+
 def _dimension(cfg, part, size: int, length: int) -> str:
     """The model dimension a shard of ``part`` comes from, for the refusal: ``moe_intermediate_size 768 / TP 4 =
     192``, ``4 heads x head_dim 32 / TP 2 = 64``."""
     named = [k for k, v in sorted(vars(cfg).items()) if type(v) is int and v == part.size and k.endswith("_size")
              and k not in ("hidden_size", "vocab_size")]  # (never split)
+    named.sort(key=lambda k: ("moe" in k) != (".experts." in part.hf_name))  # an expert's: moe_intermediate_size
     if part.unit > 1 or part.size == cfg.num_heads * cfg.head_dim:
         unit = part.unit if part.unit > 1 else cfg.head_dim
         what = f"{part.size // unit} heads x head_dim {unit}"
@@ -188,9 +223,9 @@ def check_grid(model, size: int, field: str = FIELD) -> None:
         if sharding is None:
             continue
         dim, lay = sharding
-        extent = sum(p.size for p in lay.parts)
+        extent = sum(p.size for p in lay.parts[: _quantised(model, pname)])
         for rank in range(size):
-            mine = tp.runs(lay, rank, size)
+            mine = _runs(model, pname, lay, rank, size)
             held = sum(n for _, _, n in mine)
             for (local, full, n), part in zip(mine, lay.parts):
                 tail = full + n == extent and local + n == held  # the last, partial block of both
@@ -212,11 +247,12 @@ def check_checkpoint(value, size: int, field: str = FIELD) -> None:
         check_grid(meta_model(folder)[0], size, field)
 
 
-def _full_shape(model, pname: str, w: torch.Tensor) -> tuple:
+def _full_shape(model, pname: str, region: torch.Tensor) -> tuple:
+    """The shape of the full parameter's quantised region, from this rank's (``_region``)."""
     sharding = _sharding(model, pname, model.tp_size)
-    shape = list(w.shape)
+    shape = list(region.shape)
     if sharding is not None:
-        shape[sharding[0]] = sum(p.size for p in sharding[1].parts)
+        shape[sharding[0]] = sum(p.size for p in sharding[1].parts[: _quantised(model, pname)])
     return tuple(shape)
 
 
@@ -224,7 +260,7 @@ def _spans(model, pname: str, rank: int):
     """``(dim, [(local start, full start, length)])`` of this parameter's shard at ``rank``, in weight rows or
     columns; None when replicated."""
     sharding = _sharding(model, pname, model.tp_size)
-    return None if sharding is None else (sharding[0], tp.runs(sharding[1], rank, model.tp_size))
+    return None if sharding is None else (sharding[0], _runs(model, pname, sharding[1], rank, model.tp_size))
 
 
 def _blocks(span: tuple) -> tuple:
@@ -269,10 +305,11 @@ def _copy_shard(model, pname: str, dst: torch.Tensor, full: torch.Tensor, scale:
 
 # ---- split mode's wire format ------------------------------------------------------------------------------------
 def wire_hf_names(model) -> set[str]:
-    """The Hugging Face tensors the FP8 entries replace in the stream: those of the quantised parameters."""
+    """The Hugging Face tensors the FP8 entries replace in the stream: those of the quantised parameters (kept
+    trailing parts, ``fp8_kept_parts``, stream as they are)."""
     layouts = model._tp_layouts
     mine = set(fp8_params(model))
-    names = {part.hf_name for p in mine for lay in layouts[p] for part in lay.parts}
+    names = {part.hf_name for p in mine for lay in layouts[p] for part in lay.parts[: _quantised(model, p)]}
     shared = [part.hf_name for p, lays in layouts.items() if p not in mine for lay in lays for part in lay.parts
               if part.hf_name in names]  # fmt: skip
     if shared:  # a tensor split between a quantised module and another parameter: the stream cannot carry it
@@ -290,10 +327,9 @@ def wire_specs(model, *, trainable_only: bool = False) -> list[tuple[str, tuple,
     weight is streamed)."""
     out = []
     for name, (m, p) in fp8_params(model).items():
-        w = getattr(m, p)
-        if trainable_only and not _streamed(w):
+        if trainable_only and not _streamed(getattr(m, p)):
             continue
-        shape = _full_shape(model, name, w)
+        shape = _full_shape(model, name, _region(model, name))
         *lead, n, k = shape
         out += [(f"{PREFIX}{name}.q", shape, FP8),
                 (f"{PREFIX}{name}.s", (*lead, -(-n // BLOCK), -(-k // BLOCK)), torch.float32)]  # fmt: skip
@@ -304,8 +340,8 @@ def wire_specs(model, *, trainable_only: bool = False) -> list[tuple[str, tuple,
 def wire_tensors(model):
     """``(name, tensor)`` of every FP8 entry, quantised from the current weights (the trainer's side; under TP each
     rank quantises its shard and the full copies are gathered: a collective over the TP group)."""
-    for name, (m, p) in fp8_params(model).items():
-        q = gather_full(model, name, quantize_weight_fp8(getattr(m, p)))
+    for name in fp8_params(model):
+        q = gather_full(model, name, quantize_weight_fp8(_region(model, name)))
         yield f"{PREFIX}{name}.q", q.qweight
         yield f"{PREFIX}{name}.s", q.scale
 
@@ -332,7 +368,7 @@ def receive(model, modules: dict[str, nn.Module], name: str, tensor: torch.Tenso
         _copy_shard(model, param_name, m._buffers[qname].view(torch.uint8), tensor.view(torch.uint8), False)
         return
     _copy_shard(model, param_name, m._buffers[sname], tensor, True)
-    w, q = getattr(m, param), held_fp8(m, param)
+    w, q = _region(model, param_name), held_fp8(m, param)
     if w.dim() == 2:
         w.copy_(dequantize_weight_fp8(q, w.dtype))
         return

@@ -1,10 +1,11 @@
 """FP8 rollout under tensor parallelism (--rollout-dtype fp8 with TP 2, gloo ranks; models/fp8_rollout.py): on tiny
 checkpoints whose shards lie on the 128 x 128 block grid (a dense Qwen3 with one replicated KV head, a Qwen3-MoE
-whose experts' intermediate slices are 128 wide), each rank quantises its own shard, the shards gathered are byte for
-byte what TP=1 quantises from the full weights, and the TP=2 engine's greedy tokens equal those of a TP=1 engine
-holding the same dequantised values (the exact oracle: re-quantised they give the same codes and scales, so the two
-engines differ only in the row-parallel all-reduce's summation order), log-probs within 1e-4. A checkpoint whose
-shards are off the grid is refused before launch, naming the model dimension."""
+whose experts' intermediate slices are 128 wide, a Qwen3.5 whose in_proj ends in per-head b/a rows left in the
+model's dtype), each rank quantises its own shard, the shards gathered are byte for byte what TP=1 quantises from the
+full weights, and the TP=2 engine's greedy tokens equal those of a TP=1 engine holding the same dequantised values
+(the exact oracle: re-quantised they give the same codes and scales, so the two engines differ only in the
+row-parallel all-reduce's summation order), log-probs within 1e-4. A checkpoint whose shards are off the grid is
+refused before launch, naming the model dimension."""
 
 import os
 
@@ -24,6 +25,11 @@ ATTN = dict(hidden_size=128, num_attention_heads=2, head_dim=128, num_hidden_lay
 # qkv: q 256 rows (128 a rank), k and v one head of 128 (replicated: both ranks hold it); gate/up and down: 128 a rank
 DENSE = dict(ATTN, num_key_value_heads=1, intermediate_size=256)
 MOE = dict(ATTN, num_key_value_heads=2, num_experts=4, moe_intermediate_size=256)  # w13 [4, 2 x 128, 128] a rank
+# Qwen3.5: the gated delta net's in_proj (q, k 128 rows a rank, v, z 256, then b and a: 2 rows each a rank, kept in
+# the model's dtype) and its full-attention layers
+QWEN3_5 = dict(ATTN, num_key_value_heads=2, intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=128, linear_value_head_dim=128)
+FAMILIES = {"qwen3": DENSE, "qwen3_moe": MOE, "qwen3_5": QWEN3_5}
 PROMPTS = ["hello world, 12 + 3 =", "the cat", "1 2 3 4"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
@@ -60,12 +66,12 @@ def tp2(tmp_path_factory):
     """``{family: (checkpoint, what the TP=2 engine gave)}`` for the dense and the MoE checkpoint."""
     root = tmp_path_factory.mktemp("fp8tp")
     paths = {family: make_tiny_checkpoint(root / family, family=family, seed=5, **widths)
-             for family, widths in (("qwen3", DENSE), ("qwen3_moe", MOE))}
+             for family, widths in FAMILIES.items()}
     mp.spawn(_worker, args=(paths, free_port(), str(root)), nprocs=2, join=True)
     return {family: (path, torch.load(root / f"{family}.pt")) for family, path in paths.items()}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_tp2_fp8_engine_equals_tp1_on_the_same_dequantised_weights(tp2, family):
     path, got = tp2[family]
     ref = load_model(path, dtype=torch.float32, device="cpu")
@@ -76,6 +82,11 @@ def test_tp2_fp8_engine_equals_tp1_on_the_same_dequantised_weights(tp2, family):
         assert torch.equal(got["copies"][name], t), name  # the shards' blocks are the full weight's
     fp8_rollout.enable(ref)
     modules = fp8_rollout.fp8_modules(ref)
+    if family == "qwen3_5":  # b and a (4 rows each) stream and run in the model's dtype, the rest of in_proj in FP8
+        in_proj = next(m for n, m in modules.items() if n.endswith("in_proj"))
+        assert in_proj.fp8_rows == in_proj.weight.shape[0] - 8 and in_proj.fp8_qweight.shape[0] == in_proj.fp8_rows
+        kept = {n for n in fp8_rollout.wire_hf_names(ref) if n.endswith(("in_proj_b.weight", "in_proj_a.weight"))}
+        assert not kept
     for name, t in got["copies"].items():  # the oracle holds the dequantised shard values (and their copies)
         fp8_rollout.receive(ref, modules, name, t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t)
     fp8_rollout.quantize(ref)  # re-quantised from the dequantised weights: the same codes and scales
