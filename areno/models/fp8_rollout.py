@@ -34,8 +34,10 @@ summation order (tests/engine/test_engine_fp8_tp.py checks it against a TP=1 eng
 Chosen over blocks aligned to each shard (which would fit any width but differ from TP=1 and need the trainer to
 quantise per rollout rank): the copies are one thing at any TP size, like Hub FP8 checkpoints, whose shards vLLM and
 SGLang refuse off the grid too. Off the grid (Qwen3-30B-A3B's ``moe_intermediate_size`` 768 at TP 4, heads of 64
-with a KV head per rank, Qwen3.5's fused ``in_proj`` whose b/a rows are one per value head at any TP, ...) is refused
-before launch (``check_checkpoint``, cli) naming the dimension. Split mode's entries are always
+with a KV head per rank, ...) is refused before launch (``check_checkpoint``, cli) naming the dimension. A ``Linear``
+whose layout ends in per-head scalars names them in ``fp8_kept_parts`` (Qwen3.5's ``in_proj``: its b and a rows, off
+the grid at any TP size): at every TP size those rows stay in the model's dtype (``fp8_rows``: the copy covers the
+rows before them; their own GEMM beside the FP8 one) and stream as their Hub tensors. Split mode's entries are always
 the full parameters' (``gather_full`` on a trainer with TP: each rank quantises its shard, an all-gather assembles
 them; bytes halved as without TP); each rollout rank copies its shard's codes and block scales out of them
 (``receive``), so no rollout rank quantises; the verified sync gathers the rollout ranks' copies the same way.
