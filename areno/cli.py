@@ -179,6 +179,10 @@ def _check_models(config) -> None:
         for name in ("speculative_tokens", "mtp_loss_weight"):  # the draft these run or train
             if getattr(config, name, 0):
                 check_mtp_support(flag_name(name), engine_model)
+        if getattr(config, "rollout_dtype", "bf16") == "fp8":  # FP8 shards on the block grid at the engine's TP
+            from areno.models.fp8_rollout import check_checkpoint
+
+            check_checkpoint(engine_model, getattr(config, "rollout_tp", None) or config.tp_size)
 
 
 def _check_device_indices(config) -> None:

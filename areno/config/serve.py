@@ -71,7 +71,8 @@ class ServeConfig:
     rollout_dtype: str = opt(
         "bf16", "the served linear weights (attention, MLP, MoE experts; not embeddings, lm_head, norms, routers): "
         "bf16 as loaded, or fp8: quantised blockwise at load (E4M3, 128x128 blocks, DeepSeek-V3's layout; vLLM's fp8 "
-        "quantization) and run by the FP8 GEMMs", "rollout", choices=ROLLOUT_DTYPES)
+        "quantization) and run by the FP8 GEMMs; with --tp-size each rank quantises its shard, which must lie on the "
+        "128-block grid", "rollout", choices=ROLLOUT_DTYPES)
     kv_cache_dtype: str = opt(
         "auto", "the paged KV cache: auto, the model's dtype; or fp8: E4M3 with one fp32 scale per token and KV head, "
         "quantised on write and dequantised by the attention kernel (about twice the tokens in the same "
@@ -112,9 +113,9 @@ class ServeConfig:
         check_choice("--tool-call-format", self.tool_call_format, TOOL_CALL_FORMATS)
         check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
         check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.rollout_dtype == "fp8" and (self.tp_size > 1 or self.lora_enabled):
-            what = "--tp-size > 1" if self.tp_size > 1 else "LoRA adapters (--lora-modules, --max-loras)"
-            raise ConfigError("--rollout-dtype", f"fp8 with {what} is not built yet")
+        if self.rollout_dtype == "fp8" and self.lora_enabled:
+            raise ConfigError("--rollout-dtype", "fp8 with LoRA adapters (--lora-modules, --max-loras) is not built "
+                                                 "yet")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError("--port", f"must be in [0, 65535], got {self.port!r}")
         if not self.host:

@@ -30,11 +30,12 @@ def held_fp8(module: nn.Module, param: str) -> Fp8Weight:
 
 
 @torch.no_grad()
-def hold_fp8_(module: nn.Module, param: str, q: Fp8Weight | None = None) -> None:
-    """Hold ``q`` (else ``module.<param>`` quantised blockwise: ``[N, K]``, or ``[E, N, K]`` expert by expert) as
-    the parameter's FP8 copy, in non-persistent buffers; an existing copy of the same shape is overwritten in place
-    (captured CUDA graphs keep reading the same memory)."""
+def hold_fp8_(module: nn.Module, param: str, q: Fp8Weight | None = None, rows: int | None = None) -> None:
+    """Hold ``q`` (else ``module.<param>`` quantised blockwise: ``[N, K]``, or ``[E, N, K]`` expert by expert; its
+    first ``rows`` rows if given) as the parameter's FP8 copy, in non-persistent buffers; an existing copy of the
+    same shape is overwritten in place (captured CUDA graphs keep reading the same memory)."""
     w = getattr(module, param)
+    w = w if rows is None else w[:rows]
     q = quantize_weight_fp8(w) if q is None else q
     if tuple(q.shape) != tuple(w.shape):
         raise ValueError(f"an FP8 weight {tuple(q.shape)} for a {tuple(w.shape)} one")
@@ -58,7 +59,8 @@ class Linear(nn.Module):
 
     ``set_fp8_()`` (FP8 rollout, ``models/fp8_rollout.py``) holds a blockwise E4M3 copy of the weight beside it
     (buffers ``fp8_qweight``, ``fp8_scale``); while ``fp8_on`` the forward runs the FP8 GEMM on that copy (the
-    rollout engine's forward), otherwise the weight as usual (the trainer's)."""
+    rollout engine's forward), otherwise the weight as usual (the trainer's); under TP the same collectives run
+    around either."""
 
     tp_style: str | None = None
     tp_group = None
@@ -66,6 +68,8 @@ class Linear(nn.Module):
     nf4_shape: tuple | None = None  # set by quantize_nf4_
     nf4_dtype: torch.dtype | None = None
     fp8_on: bool = False  # forward through the FP8 copy (set by fp8_rollout.fp8_forward)
+    fp8_kept_parts: int = 0  # trailing parts of the weight's layout FP8 rollout leaves in its dtype (per-head scalars)
+    fp8_rows: int | None = None  # the leading rows the FP8 copy covers (None: all; set by fp8_rollout)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()
@@ -73,16 +77,24 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_on:
-            return fp8_linear(x, self.fp8(), self.bias)
-        if self.nf4_shape is not None:
-            return nf4_linear(x, self.nf4(), self.bias)
         if self.tp_style == "row":
-            y = reduce_from_tp(linear(x, self.weight), self.tp_group)
+            y = reduce_from_tp(self._product(x, None), self.tp_group)
             return y if self.bias is None else y + self.bias
         if self.tp_style == "column":
             x = copy_to_tp(x, self.tp_group)
-        return linear(x, self.weight, self.bias)
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` on this rank's weight: the FP8 copy while ``fp8_on``, the NF4 one, or the weight."""
+        if self.fp8_on:
+            r = self.fp8_rows
+            if r is None:
+                return fp8_linear(x, self.fp8(), bias)
+            head = fp8_linear(x, self.fp8(), None if bias is None else bias[:r])  # the rest: rows kept in its dtype
+            return torch.cat([head, linear(x, self.weight[r:], None if bias is None else bias[r:])], dim=-1)
+        if self.nf4_shape is not None:
+            return nf4_linear(x, self.nf4(), bias)
+        return linear(x, self.weight, bias)
 
     def quantize_nf4_(self, q: Nf4Weight | None = None) -> None:
         """Hold the weight as NF4 (``q``, else quantised from the weight) and free the full-precision one."""
@@ -100,10 +112,10 @@ class Linear(nn.Module):
         self.nf4_shape, self.nf4_dtype = tuple(q.shape), dtype
 
     def set_fp8_(self, q: Fp8Weight | None = None) -> None:
-        """Hold ``q`` (else the weight quantised blockwise) as the FP8 copy (``hold_fp8_``)."""
-        if self.tp_style is not None:
-            raise ValueError("FP8 weights under tensor parallelism are not built")
-        hold_fp8_(self, "weight", q)
+        """Hold ``q`` (else the weight quantised blockwise) as the FP8 copy (``hold_fp8_``); under TP this rank's
+        shard (models/fp8_rollout.py keeps the shards on the full weight's block grid); with ``fp8_rows`` of the
+        leading rows only."""
+        hold_fp8_(self, "weight", q, self.fp8_rows)
 
     def fp8(self) -> Fp8Weight:
         return held_fp8(self, "weight")

@@ -263,8 +263,9 @@ def _copy_piece(dst: torch.Tensor, source, pc) -> None:
     dst.copy_(src)
 
 
-def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_backend=None):
-    """Build an areno model from a Hugging Face folder or repo id (see the module docstring); returned in eval mode."""
+def meta_model(path_or_repo_id, *, attn_backend: str = "flash", tp_group=None):
+    """``(model on the meta device, TP plan applied; config.json's dict, its folder)``: the structure without the
+    weights (cheap at any size)."""
     path = resolve_model_path(path_or_repo_id)
     raw = read_config(path)
     if "model_type" not in raw:
@@ -279,17 +280,23 @@ def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_
     except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub validation: a field missing or mistyped
         raise CheckpointError(f"{path / 'config.json'} cannot be read as a {raw['model_type']} config: "
                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    with torch.device("meta"):
+        model = adapter.model_class(cfg, attn_backend=attn_backend)
+    apply_tp_plan(model, tp_group)
+    return model, raw, path
+
+
+def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_backend=None):
+    """Build an areno model from a Hugging Face folder or repo id (see the module docstring); returned in eval mode."""
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype = resolve_dtype(dtype, raw, device)
     if attn_backend is None:  # --attn-backend not given: on a GPU, what scripts/install.sh recorded (else detected)
         from areno.platform import default_attn_backend
 
         attn_backend = default_attn_backend() if device.type == "cuda" else "flash"  # CPU: kernel dispatch decides
-    with torch.device("meta"):
-        model = adapter.model_class(cfg, attn_backend=attn_backend)
-    apply_tp_plan(model, tp_group)
+    model, raw, path = meta_model(path_or_repo_id, attn_backend=attn_backend, tp_group=tp_group)
+    dtype = resolve_dtype(dtype, raw, device)
     materialize(model, dtype, device)
     with ExitStack() as stack:
         load_hf_weights(model, model.checkpoint_source(SafetensorsFiles(path, stack)))

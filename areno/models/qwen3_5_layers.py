@@ -215,6 +215,7 @@ class GatedDeltaNet(nn.Module):
         h, kd, vd = cfg.hidden_size, self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * kd + vd
         self.in_proj = Linear(h, self.conv_dim + vd + 2 * self.nv)
+        self.in_proj.fp8_kept_parts = 2  # b and a, a scalar per value head: FP8 rollout keeps them (vLLM's in_proj_ba)
         self.conv = ShortConv(self.conv_dim, cfg.conv_kernel)
         self.decay = Decay(self.nv)
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps)

@@ -75,9 +75,8 @@ class Experts(nn.Module):
         return fused_moe(x, self.w13, self.w2, weights, ids, activation=activation)
 
     def set_fp8_(self) -> None:
-        """(Re)make the FP8 copies of ``w13`` and ``w2`` from the weights (in place after the first time)."""
-        if self.tp_style is not None:
-            raise ValueError("FP8 experts under tensor parallelism are not built")
+        """(Re)make the FP8 copies of ``w13`` and ``w2`` from the weights (in place after the first time); under TP
+        of this rank's intermediate slice."""
         for param in self.fp8_params:
             hold_fp8_(self, param)
 

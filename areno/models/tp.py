@@ -227,6 +227,29 @@ def _style(module_name: str) -> str | None:
     return None
 
 
+def is_sharded(style: str | None, pname: str) -> bool:
+    """Whether parameter ``pname`` of a module of TP style ``style`` is split over the ranks (a row-parallel
+    module's bias is replicated)."""
+    return style in ("column", "vocab", "experts") or (style == "row" and pname == "weight")
+
+
+def param_is_sharded(param_name: str) -> bool:
+    """``is_sharded`` for a model parameter's full name (``layers.0.mlp.down_proj.weight``), TP applied or not."""
+    module, _, pname = param_name.rpartition(".")
+    return is_sharded(_style(module), pname)
+
+
+def runs(lay: Layout, rank: int, size: int) -> list[tuple[int, int, int]]:
+    """``(local start, full start, length)`` along ``lay.dim`` of each part a rank holds of a sharded parameter:
+    where its rows (or columns) sit in the full, unsharded parameter (the parts concatenated whole)."""
+    out, local, full = [], 0, 0
+    for part in lay.parts:
+        start, length = part_range(part, True, rank, size)
+        out.append((local, full + start, length))
+        local, full = local + length, full + part.size
+    return out
+
+
 def check_divisible(cfg, size: int) -> None:
     """TP must divide query heads, intermediate sizes and the vocabulary; KV heads divide or are divided by it."""
     problems = []
@@ -270,7 +293,7 @@ def shard_modules(root: nn.Module, layouts: dict, group, vocab_size: int, styles
         module.tp_group, module.tp_style = group, style
         for pname, param in list(module.named_parameters(recurse=False)):
             lays = layouts[f"{mname}.{pname}"]
-            sharded = style in ("column", "vocab", "experts") or (style == "row" and pname == "weight")
+            sharded = is_sharded(style, pname)
             for lay in lays:
                 lay.sharded = sharded
             shape = local_shape(param.shape, lays, rank, size)

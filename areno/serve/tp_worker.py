@@ -35,7 +35,7 @@ def main() -> int:
         config.model_path, tp_size=config.tp_size, max_running=config.max_running_prompts,
         max_model_len=config.max_model_len, eager_decode=config.eager_decode, attn_backend=config.attn_backend,
         dtype=config.dtype, seed=config.seed, kv_cache_memory=config.kv_cache_memory,
-        kv_cache_dtype=config.kv_cache_dtype,  # the same cache as rank 0's
+        kv_cache_dtype=config.kv_cache_dtype, rollout_dtype=config.rollout_dtype,  # rank 0's cache and weights
         # the MTP draft's shard and cache layer, for the speculative steps rank 0 plans
         speculative_tokens=config.speculative_tokens,
         speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,

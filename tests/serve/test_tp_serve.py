@@ -1,8 +1,8 @@
 """`areno serve --world-size 2 --tp-size 2` on gloo: rank 0 serves and schedules, rank 1 follows; greedy output equals
 the single-process server's, and so do prompt log-probs (echo and prompt_logprobs: a forward every rank runs), and
-SIGTERM stops both ranks with exit 0. With ``--speculative-tokens 2 --eager-decode`` (a tiny DeepSeek-V3 whose MTP
-layer agrees with it in part: the MTP layer sharded too) a greedy request returns the plain engine's tokens and
-log-probs."""
+SIGTERM stops both ranks with exit 0 (with --rollout-dtype fp8 too: each rank quantises its shard). With
+``--speculative-tokens 2 --eager-decode`` (a tiny DeepSeek-V3 whose MTP layer agrees with it in part: the MTP layer
+sharded too) a greedy request returns the plain engine's tokens and log-probs."""
 
 import contextlib
 import os
@@ -54,6 +54,20 @@ def tp2_server(path, *extra):
 
 
 def test_tp2_server_matches_tp1(tiny_ckpt):
+    _tp2_matches_tp1(tiny_ckpt)
+
+
+def test_tp2_fp8_server_matches_tp1_fp8(tmp_path):
+    """--rollout-dtype fp8 on both ranks (each quantises its shard, on the full weight's block grid: heads of 128,
+    intermediate 256) gives the single-process FP8 server's tokens and log-probs."""
+    from areno.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family="qwen3", seed=3, hidden_size=128, intermediate_size=256,
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=128)
+    _tp2_matches_tp1(ckpt, "--rollout-dtype", "fp8")
+
+
+def _tp2_matches_tp1(tiny_ckpt, *extra):
     body = {"model": "tiny", "prompt": ["12 + 7 =", "the cat"], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}
     # prompt log-probs (echo, vLLM's prompt_logprobs): every TP rank runs the scoring forward on its shard
@@ -66,9 +80,9 @@ def test_tp2_server_matches_tp1(tiny_ckpt):
         assert scored.status_code == 200, scored.text
         return [c["text"] for c in gen], scored.json()["choices"]
 
-    with tp2_server(tiny_ckpt) as server:
+    with tp2_server(tiny_ckpt, *extra) as server:
         tp2, tp2_scored = ask(server["url"])
-    single = RunningServer(tiny_ckpt)
+    single = RunningServer(tiny_ckpt, rollout_dtype=extra[-1] if extra else "bf16")
     try:
         tp1, tp1_scored = ask(single.base_url)
     finally:

@@ -228,7 +228,7 @@ class PolicyReceiver:
             for entry in bucket:
                 full = unpack(view, entry)
                 if entry.name.startswith(fp8_rollout.PREFIX):
-                    fp8_rollout.receive(self.fp8, entry.name, full)
+                    fp8_rollout.receive(self.model, self.fp8, entry.name, full)
                 for param, dst, index in self.targets.get(entry.name, ()):
                     param[dst].copy_(full[index])
         self.model.after_weight_update()  # whatever the engine derives from the weights
