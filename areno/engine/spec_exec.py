@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areno.engine.step_inputs import StepInputs
+from areno.engine.step_inputs import StepInputs, unused_filters
 from areno.kernels.sampler import philox_bits, sampling_probs
 
 DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
@@ -32,7 +32,8 @@ DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above
 
 def filters(top_k: list[int], top_p: list[float]) -> tuple:
     """Per-row top-k / top-p, each None when no row filters (the samplers then skip sorting the vocabulary)."""
-    return (top_k if any(k > 0 for k in top_k) else None), (top_p if any(p < 1.0 for p in top_p) else None)
+    no_k, no_p = unused_filters(top_k, top_p)
+    return (None if no_k else top_k), (None if no_p else top_p)
 
 
 @dataclass

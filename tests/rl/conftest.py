@@ -12,29 +12,27 @@ def files(tmp_path_factory):
     return make_files(tmp_path_factory.mktemp("split"))
 
 
+def run(tmp_path_factory, files, name, *extra, **kw):
+    out = tmp_path_factory.mktemp(name) / "run"
+    areno(files, out, *extra, **kw)
+    return out
+
+
 @pytest.fixture(scope="session")
 def colocated(files, tmp_path_factory):
-    out = tmp_path_factory.mktemp("colocated") / "run"
-    areno(files, out)
-    return out
+    return run(tmp_path_factory, files, "colocated")
 
 
 @pytest.fixture(scope="session")
 def on_policy_split(files, tmp_path_factory):
-    out = tmp_path_factory.mktemp("on-policy") / "split"
-    areno(files, out, *ON_POLICY, ARENO_VERIFY_POLICY_SYNC="1")
-    return out
+    return run(tmp_path_factory, files, "on-policy", *ON_POLICY, ARENO_VERIFY_POLICY_SYNC="1")
 
 
 @pytest.fixture(scope="session")
 def async_split(files, tmp_path_factory):
-    out = tmp_path_factory.mktemp("async") / "async"
-    areno(files, out, *ASYNC, steps=4)
-    return out
+    return run(tmp_path_factory, files, "async", *ASYNC, steps=4)
 
 
 @pytest.fixture(scope="session")
 def lora_split(files, tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora") / "split"
-    areno(files, out, *LORA_SPLIT, ARENO_VERIFY_POLICY_SYNC="1")
-    return out
+    return run(tmp_path_factory, files, "lora", *LORA_SPLIT, ARENO_VERIFY_POLICY_SYNC="1")
