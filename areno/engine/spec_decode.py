@@ -118,8 +118,6 @@ class SpecDecoder:
         self.engine, self.k = engine, k
         self.draft = old.draft if old is not None else build_mtp_draft(engine.model)
         runner = engine.runner
-        if runner.use_graphs:
-            raise ValueError("--speculative-tokens with CUDA graphs is not built yet: add --eager-decode")
         runner.spec_exec = SpecExec(runner, self.draft)  # the device side (released with the runner)
         self.drafts: dict[int, Draft] = {}
         # the deferred MTP catch-up of gated steps: seq_id -> [seq, first position, rows held], at most defer_rows
@@ -174,9 +172,8 @@ class SpecDecoder:
         e.blocks.pending_state_copies.clear()
         gated = self._gated(step)
         chunks, rows, next_known = self._plan(step, gated)
-        inp = e.runner.prepare(Step(chunks, is_decode=gated and step.is_decode), [r.seq for r in rows],
-                               [r.index[0] for r in rows], copies)
-        inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
+        width = self.k + 1 if self._steady(chunks, rows) else 1
+        inp = self._prepare(chunks, rows, copies, gated and step.is_decode, width)
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
@@ -184,7 +181,7 @@ class SpecDecoder:
         logit_rows = [i for row in rows for i in self._padded(row, rows)] if drafting else list(inp.row_index)
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
         with torch.inference_mode():
-            hidden = self._run(TargetWork(inp, save, logit_rows))
+            hidden = self._run(TargetWork(inp, save, logit_rows, width))
             verified = self._verify(inp, rows, hidden, logit_rows)
         redo = self._redo(rows, verified)
         meta = e.runner.spec_exec.last[1]
@@ -205,6 +202,28 @@ class SpecDecoder:
             self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, probs)
             self.counts["drafted"] += 1
         return [r.seq for r in rows]
+
+    def _steady(self, chunks, rows) -> bool:
+        """A steady step (its verify replayed from a graph under CUDA graphs, ``spec_graphs``): every chunk a decode
+        row verifying a full draft of K tokens (no prefill chunk, no fresh fork, no shorter draft)."""
+        return bool(rows) and len(rows) == len(chunks) and all(
+            row.draft is not None and len(row.draft.tokens) == self.k for row in rows)
+
+    def _prepare(self, chunks, rows, copies, decode: bool, width: int) -> StepInputs:
+        """The step's inputs: prefill-mode (each chunk a query run), decode-mode for a gated step of decodes, or a
+        steady step's ``width`` decode rows per sequence (its positions n - 1 .. n - 1 + K; sampling settings and
+        recurrent-state slots per sequence)."""
+        r, seqs = self.engine.runner, [row.seq for row in rows]
+        if width > 1:
+            flat = [Chunk(s, len(s) - 1 + j, len(s) + j) for s in seqs for j in range(width)]
+            inp = r.prepare(Step(flat, is_decode=True), seqs, [row.index[0] for row in rows], copies)
+            inp.offsets = [len(s) for s in seqs]
+            if inp.state_slots is not None:
+                inp.state_slots = [s.state_slot for s in seqs]
+        else:
+            inp = r.prepare(Step(chunks, is_decode=decode), seqs, [row.index[0] for row in rows], copies)
+        inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
+        return inp
 
     def _gated(self, step: Step) -> bool:
         """Whether the gate makes ``step`` plain: more sequences decode in it than the limit (counted)."""
@@ -289,7 +308,10 @@ class SpecDecoder:
             toks, lps, _ = r.sample_rows(inp, hidden)
             return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd, nd
         V = r.vocab_size
-        logits = r.logits(hidden[torch.tensor(logit_rows, device=dev)]).view(B, K + 1, V)
+        logits = r.spec_exec.logits  # a steady step's, every row (padding rows after them)
+        if logits is None:
+            logits = r.logits(hidden[torch.tensor(logit_rows, device=dev)])
+        logits = logits[: B * (K + 1)].view(B, K + 1, V)
         tokens = torch.zeros(B, K, dtype=torch.int64, device=dev)
         probs = torch.zeros(B, K, V, dtype=torch.float32, device=dev)
         for b, row in enumerate(rows):

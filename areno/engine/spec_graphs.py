@@ -1,0 +1,139 @@
+"""The steady speculative step's target verify forward, eager or replayed from a CUDA graph (``spec_exec``).
+
+A steady step: every row decodes and verifies a full draft of K tokens (no prefill chunk, no fresh fork, no shorter
+draft, not gated). Its forward runs in decode mode over B x (K + 1) rows (``AttentionMetadata.tokens_per_seq`` =
+K + 1: each row a query token over its ``seq_lens`` keys, the step's K/V all stored first, so causal within the step;
+the hybrids' recurrent layers step through each sequence's K + 1 rows in order, as K + 1 decode steps do), then the
+logits of every row. Without graphs it runs on the step's own tensors; with graphs a graph per (batch-size bucket, K)
+replays it on static buffers (``verify_buffers``), padding rows at slot -1 and state slot -1 writing nothing, as the
+plain decode graphs do (``decode_graphs``), captured on first use into the runner's graph pool. Both call the same
+body (``verify_body``), so a replay gives the eager step's hidden rows and logits.
+
+Eager after the forward (host work and variable shapes): the rejection-sampling verify (``verify_draft``, its result
+read once), the hybrids' rollback (restore + a forward over the accepted inputs), the MTP catch-up and its chain.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from areno.engine.step_inputs import StepInputs
+from areno.models.attention_metadata import AttentionMetadata
+
+
+def verify_meta(r, buf: dict, width: int) -> AttentionMetadata:
+    """The decode-mode metadata of a verify over ``buf`` (static graph buffers or the step's own tensors)."""
+    meta = AttentionMetadata(
+        slot_mapping=buf["slots"], is_prefill=False, cu_seqlens_q=buf["cu"], max_seqlen_q=1,
+        max_seqlen_k=buf["table"].shape[1] * r.block_size, block_table=buf["table"], seq_lens=buf["lens"],
+        state_indices=buf.get("state_idx"), routing_out=buf.get("routing"), tokens_per_seq=width,
+    )  # fmt: skip
+    if "gslots" in buf:  # KV-cache groups 1.. (sliding-window layers)
+        meta.layer_groups, meta.group_slot_mappings = r.layer_groups, list(buf["gslots"])
+        meta.group_block_tables = list(buf["gtables"])
+    return meta
+
+
+def verify_body(r, buf: dict, width: int):
+    """The verify forward and the logits of every row: (hidden [R, H], logits [R, V]); no host sync."""
+    hidden = r.model(buf["ids"], buf["pos"], kv_caches=r.kv_caches, attn_metadata=verify_meta(r, buf, width))
+    return hidden, r.logits(hidden)
+
+
+def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int) -> dict:
+    """The verify's inputs on the host, padded to ``rows`` token rows and ``seqs`` sequences (padding rows at slot
+    -1, state slot -1), the block tables ``table_width`` blocks wide."""
+    pad = rows - len(inp.ids)
+    table = np.zeros((rows, table_width), dtype=np.int32)
+    for i, tb in enumerate(inp.tables):
+        table[i, : len(tb)] = tb
+    host = {"ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
+            "slots": torch.tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
+            "lens": torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32)}
+    if inp.group_tables is not None:
+        gtables = np.zeros((len(inp.group_tables), rows, table_width), dtype=np.int32)
+        for g, tables in enumerate(inp.group_tables):
+            for i, tb in enumerate(tables):
+                gtables[g, i, : len(tb)] = tb
+        host["gtables"] = torch.from_numpy(gtables)
+        host["gslots"] = torch.tensor([x + [-1] * pad for x in inp.group_slots])
+    if inp.state_slots is not None:
+        host["state_idx"] = torch.tensor(inp.state_slots + [-1] * (seqs - len(inp.state_slots)), dtype=torch.int32)
+    return host
+
+
+def verify_buffers(r, bsz: int, width: int) -> dict:
+    """The static inputs of the verify graph of ``bsz`` sequences x ``width`` rows (routes recorded when the runner
+    records them)."""
+    dev, rows = r.device, bsz * width
+    buf = {name: val.to(dev) for name, val in verify_host(r, _empty(r), rows, bsz, r.max_blocks_per_seq).items()}
+    buf["cu"] = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+    if r.record_routing:
+        buf["routing"] = torch.zeros(r.model.num_moe_layers, rows, r.model.moe_top_k, dtype=torch.int32, device=dev)
+    return buf
+
+
+def _empty(r) -> StepInputs:
+    groups = None if r.layer_groups is None else [[] for _ in range(len(r.group_windows) - 1)]
+    return StepInputs([], [], [], [0], [], [], True, [], [], [], [], [], [], 0, [], group_tables=groups,
+                      group_slots=groups, state_slots=[] if r.states is not None else None)
+
+
+class VerifyGraphs:
+    """One runner's verify graphs, keyed ("verify", bucket, K + 1) in the runner's ``graphs`` (dropped with them)."""
+
+    def run(self, r, inp: StepInputs, width: int, routes: bool):
+        """The verify of ``inp`` (B x ``width`` rows): (hidden, logits, metadata, positions), each covering at least
+        the step's rows in order (a replay's: its bucket's, padding rows after them). ``routes``: keep the routes
+        (eager: only then recorded)."""
+        n = len(inp.ids) // width
+        if not self.graphable(r, n, width):
+            buf = self._eager_buffers(r, inp, width, routes)
+            hidden, logits = verify_body(r, buf, width)
+            return hidden, logits, verify_meta(r, buf, width), buf["pos"]
+        bsz = r._bucket(n)
+        key = ("verify", bsz, width)
+        if key not in r.graphs:
+            r.graphs[key] = self.capture(r, bsz, width)
+        graph, buf, (hidden, logits) = r.graphs[key]
+        for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq).items():
+            buf[name].copy_(val, non_blocking=True)
+        graph.replay()
+        meta = verify_meta(r, buf, width)
+        meta.routing_out = buf["routing"] if routes else None
+        return hidden, logits, meta, buf["pos"]
+
+    @staticmethod
+    def graphable(r, n: int, width: int) -> bool:
+        """Replayed when the runner uses graphs and the bucket's rows stay within the largest decode bucket."""
+        return r.use_graphs and n <= r.graph_buckets[-1] and r._bucket(n) * width <= r.graph_buckets[-1]
+
+    @staticmethod
+    def _eager_buffers(r, inp: StepInputs, width: int, routes: bool) -> dict:
+        rows = len(inp.ids)
+        width_blocks = max(len(tb) for tables in [inp.tables, *(inp.group_tables or [])] for tb in tables)
+        buf = {name: val.to(r.device) for name, val in verify_host(r, inp, rows, rows // width, width_blocks).items()}
+        buf["cu"] = torch.arange(rows + 1, dtype=torch.int32, device=r.device)
+        if routes:
+            buf["routing"] = torch.empty(r.model.num_moe_layers, rows, r.model.moe_top_k, dtype=torch.int32,
+                                         device=r.device)  # fmt: skip
+        return buf
+
+    @staticmethod
+    def capture(r, bsz: int, width: int) -> tuple:
+        """Capture the verify graph of ``bsz`` sequences (two warm-ups on a side stream first, as ``_capture``):
+        (graph, static buffers, (hidden, logits))."""
+        buf = verify_buffers(r, bsz, width)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                verify_body(r, buf, width)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=r.graph_pool):
+            out = verify_body(r, buf, width)
+        if r.graph_pool is None:
+            r.graph_pool = graph.pool()
+        return graph, buf, out
