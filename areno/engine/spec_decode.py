@@ -41,8 +41,12 @@ from the records the leader broadcasts (see there). The MTP draft is sharded lik
 (``build_mtp_draft``): sharding costs no collective beyond those a decoder block already runs, while replicating it
 would hold the whole MTP layer (its own embedding and head too, for DeepSeek-V3) on every rank and need a whole-head
 K/V cache of its own. Every token, verified or drafted, is the leader's.
-Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
-graphs, multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
+CUDA graphs: a steady step (every row verifying a full draft of K tokens: no prefill chunk, fresh fork, shorter draft
+or gate) verifies in decode mode over B x (K + 1) rows, replayed from a graph per (batch bucket, K) (``spec_graphs``;
+without graphs the same body runs eagerly, so both give the same tokens); every other step, and the verify, rollback
+and MTP work after the forward, run eagerly.
+Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start):
+multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
 """
 
 from __future__ import annotations
@@ -141,8 +145,8 @@ class SpecDecoder:
         return {"spec_accept_len": self.counts["emitted"] / n if n else 0.0, **self.counts}
 
     def take_stats(self) -> dict:
-        """``{"spec_accept_len": ...}`` since the last call (a rollout's), every count restarted."""
-        out = {"spec_accept_len": self.stats()["spec_accept_len"]}
+        """``spec_accept_len`` and ``spec_gated_steps`` since the last call (a rollout's), every count restarted."""
+        out = {"spec_accept_len": self.stats()["spec_accept_len"], "spec_gated_steps": self.counts["spec_gated_steps"]}
         self.counts = dict.fromkeys(self.counts, 0)
         return out
 

@@ -246,7 +246,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.to(x.dtype).split([kd, kd, vd], dim=-1)
         q, k = l2norm(q.reshape(t, nk, dk)).to(x.dtype), l2norm(k.reshape(t, nk, dk)).to(x.dtype)
         if nv != nk:
-            q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+            rep = nv // nk  # each key head's value heads (repeat_interleave's values, no host read under capture)
+            q, k = (x.unsqueeze(2).expand(t, nk, rep, dk).reshape(t, nv, dk) for x in (q, k))
         v = v.reshape(t, nv, dv)
         g = -self.decay.A_log.float().exp() * F.softplus(a.float() + self.decay.dt_bias.float())
         beta = torch.sigmoid(b).float()

@@ -1,0 +1,131 @@
+"""Speculative decoding under CUDA graphs (``areno.engine.spec_graphs``), checked on the CPU as
+``test_capture_guard`` checks the decode graphs: each steady step's verify graph is "captured" under ``capture_guard``
+(any host sync fails it) and replayed under it on the static, padded buffers, and the engine gives exactly the eager
+speculative engine's tokens (log-probs to float tolerance: padded rows change no real row's math, but the CPU's GEMM
+may block differently), greedy and seeded temperature-1 sampling with penalties, for the hybrid Qwen3.5 and Ling
+(recurrent states stepped through the K + 1 rows, rolled back eagerly), DeepSeek-V3 (MLA); with requests arriving
+mid-run (prefill chunks and forks: eager steps between replays) and the gate turning speculation off and on. One GPU
+test replays the real graphs against eager speculation."""
+
+import pytest
+import torch
+
+from areno.config import SamplingParams
+from areno.engine.engine import Engine, EngineConfig
+from areno.engine.spec_graphs import verify_body, verify_buffers
+from areno.models import load_model
+from areno.testing import make_tiny_checkpoint
+from tests.helpers.capture_guard import capture_guard
+from tests.helpers.mtp import GATE_PROMPTS, LATE, make_echo_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "deepseek_v3", "bailing_hybrid"])
+def echo(request, tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param, seed=1)
+    return make_echo_model(load_model(path, dtype=torch.float32, device="cpu"), scale=2.0, block_scale=0.5)
+
+
+class _GuardedGraph:
+    """``torch.cuda.CUDAGraph`` on the CPU as ``VerifyGraphs.capture`` drives it: two warm-ups, the "capture" under the
+    guard; a replay reruns the body on the same static buffers under the guard, into the captured outputs."""
+
+    def __init__(self, body):
+        self.body, self.replays = body, 0
+        for _ in range(2):
+            body()
+        with capture_guard():
+            self.out = body()
+
+    def replay(self):
+        self.replays += 1
+        with capture_guard():
+            for dst, src in zip(self.out, self.body()):
+                dst.copy_(src)
+
+
+def _engine(model, k, graphs, **kw):
+    kw = {"block_size": 4, "max_running": 8, "max_batched_tokens": 16, "speculative_tokens": k, **kw}
+    e = Engine(model, None, EngineConfig(**kw), eos_token_ids=[])
+    if graphs:
+        r = e.runner
+        r.use_graphs, r.graph_buckets = True, [1, 2, 4, 8, 16, 32]
+
+        def capture(r, bsz, width):
+            buf = verify_buffers(r, bsz, width)
+            graph = _GuardedGraph(lambda: verify_body(r, buf, width))
+            return graph, buf, graph.out
+
+        r.spec_exec.graphs.capture = capture
+    return e
+
+
+def _run(e, options, late_after=None):
+    """GATE_PROMPTS (each with its options), LATE joining after ``late_after`` steps; every sequence's output."""
+    seqs = [s for p, o in zip(GATE_PROMPTS, options) for s in e.add_request(p, o)]
+    steps = 0
+    while e.has_work():
+        e.step()
+        steps += 1
+        if steps == late_after:
+            seqs += [s for p, o in zip(LATE, options) for s in e.add_request(p, o)]
+    return [(s.output_ids, list(s.logprobs)) for s in seqs]
+
+
+def _options(sampled: bool):
+    if not sampled:
+        return [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2) for n in (4, 12, 20, 30)]
+    return [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, n=2, seed=i, repetition_penalty=1.3,
+                           frequency_penalty=0.2, presence_penalty=0.1) for i, n in enumerate((4, 12, 20, 30))]
+
+
+def _assert_same(got, want):
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
+
+
+def _replays(e) -> dict:
+    return {key: g[0].replays for key, g in e.runner.graphs.items() if key[0] == "verify"}
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-penalties"])
+def test_graphed_speculation_equals_eager(echo, sampled):
+    """K = 3, requests arriving after 4 steps: replays of the steady steps between eager prefill/fork steps."""
+    opts = _options(sampled)
+    want = _run(_engine(echo, 3, graphs=False), opts, late_after=4)
+    e = _engine(echo, 3, graphs=True)
+    got = _run(e, opts, late_after=4)
+    _assert_same(got, want)
+    replays = _replays(e)
+    assert replays and sum(replays.values()) >= 3 and all(key[2] == 4 for key in replays)  # (bucket, K + 1)
+    assert len(replays) > 1  # several buckets as sequences finish
+    assert e.spec.stats()["spec_accept_len"] > 1.1  # drafts accepted and rejected
+
+
+def test_gate_turns_speculation_off_and_on_under_graphs(echo):
+    """--speculative-disable-by-batch-size 3: gated (eager plain) steps while more than 3 decode, replays after."""
+    opts = _options(False)
+    want = _run(_engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3), opts, late_after=6)
+    e = _engine(echo, 2, graphs=True, speculative_disable_by_batch_size=3)
+    got = _run(e, opts, late_after=6)
+    _assert_same(got, want)
+    assert e.spec.stats()["spec_gated_steps"] > 0 and sum(_replays(e).values()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "bailing_hybrid"])
+def test_real_graphs_equal_eager_speculation_on_the_gpu(tmp_path, family):
+    """The real CUDA graphs (captured per bucket and K on first use) against eager speculation: greedy equal."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
+    model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0, block_scale=0.5)
+    opts = _options(False)
+    out = {}
+    for eager in (True, False):
+        e = Engine(model, None, EngineConfig(block_size=16, max_running=8, speculative_tokens=2, eager_decode=eager),
+                   eos_token_ids=[])
+        out[eager] = _run(e, opts, late_after=4)
+    assert [t for t, _ in out[False]] == [t for t, _ in out[True]]
+    assert any(key[0] == "verify" for key in e.runner.graphs)
