@@ -184,10 +184,11 @@ class SpecDecoder:
         drafting = any(row.draft is not None for row in rows)
         logit_rows = [i for row in rows for i in self._padded(row, rows)] if drafting else list(inp.row_index)
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
+        save = save if width == 1 else []  # a steady step's verify keeps the states after each token itself
         with torch.inference_mode():
             hidden = self._run(TargetWork(inp, save, logit_rows, width))
             verified = self._verify(inp, rows, hidden, logit_rows)
-        redo = self._redo(rows, verified)
+        redo = self._redo(rows, verified, width > 1)
         meta = e.runner.spec_exec.last[1]
         self._keep_routing(chunks, rows, meta, verified)
         e.scheduler.after_step(step)
@@ -332,7 +333,7 @@ class SpecDecoder:
         toks, lps = out.lists()
         return toks, lps, nd, out.accepted.tolist()
 
-    def _redo(self, rows: list[Row], verified) -> tuple | None:
+    def _redo(self, rows: list[Row], verified, steady: bool = False) -> tuple | None:
         """Hybrid models: (which saved states to restore, the inputs of their accepted tokens) for the drafting rows
         that rejected a draft token, whose target forward runs again over the accepted inputs (K/V rewritten with
         the same values); None when none did (planned before the rows' tokens are appended)."""
@@ -344,6 +345,9 @@ class SpecDecoder:
         redo = [(n, b) for n, b in enumerate(drafting) if accepted[b] < nd[b]]
         if not redo:
             return None
+        if steady:  # the verify kept each row's states after each input (spec_graphs.roll_back)
+            rej = [b for _, b in redo]
+            return "steps", rej, [rows[b].seq.state_slot for b in rej], [accepted[b] for b in rej]
         chunks = []
         for _, b in redo:
             seq, a = rows[b].seq, accepted[b]

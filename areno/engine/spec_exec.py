@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areno.engine.spec_graphs import VerifyGraphs
+from areno.engine.spec_graphs import VerifyGraphs, roll_back
 from areno.engine.step_inputs import StepInputs, unused_filters
 from areno.kernels.sampler import philox_bits, sampling_probs
 
@@ -73,8 +73,9 @@ class Chain:
 
 @dataclass
 class FinishWork:
-    """After the verify: ``redo`` (indices into the saved states, the inputs of the accepted tokens) or None, then
-    the MTP ``ops`` in order (see the module docstring)."""
+    """After the verify: ``redo`` (indices into the saved states, the inputs of the accepted tokens; a steady step's:
+    ("steps", rows, state slots, accepted drafts) of its rejecting rows) or None, then the MTP ``ops`` in order (see
+    the module docstring)."""
 
     redo: tuple | None
     ops: list
@@ -129,7 +130,9 @@ class SpecExec:
     def finish(self, r, work: FinishWork) -> list | None:
         """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, probs [K_b, V])] per
         drafting sequence), else None."""
-        if work.redo is not None:
+        if work.redo is not None and work.redo[0] == "steps":  # a steady step's: the verify kept the states
+            roll_back(r, self.graphs.stash, *work.redo[1:])
+        elif work.redo is not None:
             self._rollback(r, *work.redo)
         drafts = None
         for op in work.ops:

@@ -9,8 +9,11 @@ replays it on static buffers (``verify_buffers``), padding rows at slot -1 and s
 plain decode graphs do (``decode_graphs``), captured on first use into the runner's graph pool. Both call the same
 body (``verify_body``), so a replay gives the eager step's hidden rows and logits.
 
+The hybrids' rollback needs no second forward here: the recurrent layers keep the states after each of the first K
+tokens (``StateSteps``, written inside the graph), and a rejecting row's slot takes the one after its last accepted
+input (``roll_back``: two indexed copies; the K/V and hidden rows of accepted positions are already right).
 Eager after the forward (host work and variable shapes): the rejection-sampling verify (``verify_draft``, its result
-read once), the hybrids' rollback (restore + a forward over the accepted inputs), the MTP catch-up and its chain.
+read once), the rollback's two copies, the MTP catch-up and its chain.
 """
 
 from __future__ import annotations
@@ -35,10 +38,36 @@ def verify_meta(r, buf: dict, width: int) -> AttentionMetadata:
     return meta
 
 
-def verify_body(r, buf: dict, width: int):
-    """The verify forward and the logits of every row: (hidden [R, H], logits [R, V]); no host sync."""
-    hidden = r.model(buf["ids"], buf["pos"], kv_caches=r.kv_caches, attn_metadata=verify_meta(r, buf, width))
+class StateSteps:
+    """The hybrids' recurrent states after each of a verify's first K tokens: ``conv [L, K, rows, ...]`` and
+    ``recurrent [L, K, rows, ...]`` (the pools' layouts, ``state_cache``); each recurrent layer takes its own with
+    ``next(kind)``, in layer order."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.bufs, self.used = {"conv": conv, "recurrent": recurrent}, {"conv": 0, "recurrent": 0}
+
+    def next(self, kind: str) -> torch.Tensor:
+        j = self.used[kind]
+        self.used[kind] = j + 1
+        return self.bufs[kind][j]
+
+
+def verify_body(r, buf: dict, width: int, stash: tuple | None = None):
+    """The verify forward and the logits of every row: (hidden [R, H], logits [R, V]); no host sync. ``stash``: the
+    hybrids' (conv, recurrent) buffers the states after each token go to."""
+    meta = verify_meta(r, buf, width)
+    meta.state_steps = None if stash is None else StateSteps(*stash)
+    hidden = r.model(buf["ids"], buf["pos"], kv_caches=r.kv_caches, attn_metadata=meta)
     return hidden, r.logits(hidden)
+
+
+def roll_back(r, stash: tuple, rows: list[int], slots: list[int], accepted: list[int]) -> None:
+    """A hybrid's rollback after a steady step: each rejecting row's state slot takes the states after its last
+    accepted input (the verify's ``stash``, index = accepted drafts); the K/V there are already the right ones."""
+    dev = r.device
+    b, s, a = (torch.tensor(x, device=dev) for x in (rows, slots, accepted))
+    for pool, kept in zip((r.states.conv, r.states.recurrent), stash):
+        pool[:, s] = kept[:, a, b]
 
 
 def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int) -> dict:
@@ -81,7 +110,23 @@ def _empty(r) -> StepInputs:
 
 
 class VerifyGraphs:
-    """One runner's verify graphs, keyed ("verify", bucket, K + 1) in the runner's ``graphs`` (dropped with them)."""
+    """One runner's verify graphs, keyed ("verify", bucket, K + 1) in the runner's ``graphs`` (dropped with them),
+    and the hybrids' state stash they write (``StateSteps``): grown to the largest batch that verified so far (its
+    graphs then dropped and captured again): K x rows x a slot's state bytes."""
+
+    def __init__(self):
+        self.stash = None
+
+    def _stash(self, r, rows: int, width: int) -> tuple | None:
+        if r.states is None:
+            return None
+        if self.stash is None or self.stash[0].shape[1] != width - 1 or self.stash[0].shape[2] < rows:
+            for key in [key for key in r.graphs if key[0] == "verify"]:
+                del r.graphs[key]
+            self.stash = None  # freed before the larger one is made
+            self.stash = tuple(torch.empty(pool.shape[0], width - 1, rows, *pool.shape[2:], dtype=pool.dtype,
+                                           device=pool.device) for pool in (r.states.conv, r.states.recurrent))
+        return self.stash
 
     def run(self, r, inp: StepInputs, width: int, routes: bool):
         """The verify of ``inp`` (B x ``width`` rows): (hidden, logits, metadata, positions), each covering at least
@@ -90,12 +135,12 @@ class VerifyGraphs:
         n = len(inp.ids) // width
         if not self.graphable(r, n, width):
             buf = self._eager_buffers(r, inp, width, routes)
-            hidden, logits = verify_body(r, buf, width)
+            hidden, logits = verify_body(r, buf, width, self._stash(r, n, width))
             return hidden, logits, verify_meta(r, buf, width), buf["pos"]
         bsz = r._bucket(n)
-        key = ("verify", bsz, width)
+        key, stash = ("verify", bsz, width), self._stash(r, bsz, width)
         if key not in r.graphs:
-            r.graphs[key] = self.capture(r, bsz, width)
+            r.graphs[key] = self.capture(r, bsz, width, stash)
         graph, buf, (hidden, logits) = r.graphs[key]
         for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq).items():
             buf[name].copy_(val, non_blocking=True)
@@ -121,7 +166,7 @@ class VerifyGraphs:
         return buf
 
     @staticmethod
-    def capture(r, bsz: int, width: int) -> tuple:
+    def capture(r, bsz: int, width: int, stash: tuple | None) -> tuple:
         """Capture the verify graph of ``bsz`` sequences (two warm-ups on a side stream first, as ``_capture``):
         (graph, static buffers, (hidden, logits))."""
         buf = verify_buffers(r, bsz, width)
@@ -129,11 +174,11 @@ class VerifyGraphs:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                verify_body(r, buf, width)
+                verify_body(r, buf, width, stash)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=r.graph_pool):
-            out = verify_body(r, buf, width)
+            out = verify_body(r, buf, width, stash)
         if r.graph_pool is None:
             r.graph_pool = graph.pool()
         return graph, buf, out

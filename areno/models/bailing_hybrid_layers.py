@@ -139,13 +139,19 @@ def carried_state(pool, meta):
 
 def conv_decode(x, state, w, meta):
     """The short-conv decode update; ``meta.tokens_per_seq`` n > 1 (a speculative verify: each sequence's n tokens
-    in consecutive rows, ``state_indices`` one per sequence) steps through them in order, as n decode steps do."""
+    in consecutive rows, ``state_indices`` one per sequence) steps through them in order, as n decode steps do, the
+    state after each of the first n - 1 kept in ``meta.state_steps`` (the verify's rollback picks one)."""
     n = meta.tokens_per_seq
     if n == 1:
         return causal_conv1d_update(x.contiguous(), state, w, activation="silu", state_indices=meta.state_indices)
-    xs = x.view(-1, n, x.shape[-1])
-    return torch.stack([causal_conv1d_update(xs[:, i].contiguous(), state, w, activation="silu",
-                                             state_indices=meta.state_indices) for i in range(n)], 1).flatten(0, 1)
+    xs, out = x.view(-1, n, x.shape[-1]), []
+    stash = None if meta.state_steps is None else meta.state_steps.next("conv")
+    for i in range(n):
+        out.append(causal_conv1d_update(xs[:, i].contiguous(), state, w, activation="silu",
+                                        state_indices=meta.state_indices))
+        if stash is not None and i < n - 1:
+            stash[i, : xs.shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
+    return torch.stack(out, 1).flatten(0, 1)
 
 
 def delta_decode(q, k, v, g, beta, state, scale, meta):
@@ -155,10 +161,14 @@ def delta_decode(q, k, v, g, beta, state, scale, meta):
     if n == 1:
         return fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale=scale,
                                                      state_indices=meta.state_indices)
-    per = [x.view(-1, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
-    return torch.stack([fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), state, scale=scale,
-                                                              state_indices=meta.state_indices)
-                        for i in range(n)], 1).flatten(0, 1)
+    per, out = [x.view(-1, n, *x.shape[1:]) for x in (q, k, v, g, beta)], []
+    stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
+    for i in range(n):
+        out.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), state, scale=scale,
+                                                         state_indices=meta.state_indices))
+        if stash is not None and i < n - 1:
+            stash[i, : per[0].shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
+    return torch.stack(out, 1).flatten(0, 1)
 
 
 # ---- KDA -----------------------------------------------------------------------------------------------------------

@@ -52,9 +52,9 @@ def _engine(model, k, graphs, **kw):
         r = e.runner
         r.use_graphs, r.graph_buckets = True, [1, 2, 4, 8, 16, 32]
 
-        def capture(r, bsz, width):
+        def capture(r, bsz, width, stash):
             buf = verify_buffers(r, bsz, width)
-            graph = _GuardedGraph(lambda: verify_body(r, buf, width))
+            graph = _GuardedGraph(lambda: verify_body(r, buf, width, stash))
             return graph, buf, graph.out
 
         r.spec_exec.graphs.capture = capture
@@ -102,6 +102,7 @@ def test_graphed_speculation_equals_eager(echo, sampled):
     assert replays and sum(replays.values()) >= 3 and all(key[2] == 4 for key in replays)  # (bucket, K + 1)
     assert len(replays) > 1  # several buckets as sequences finish
     assert e.spec.stats()["spec_accept_len"] > 1.1  # drafts accepted and rejected
+    assert (e.runner.states is None) == (e.runner.spec_exec.graphs.stash is None)  # hybrids: states kept per token
 
 
 def test_gate_turns_speculation_off_and_on_under_graphs(echo):
