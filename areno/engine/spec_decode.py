@@ -61,6 +61,7 @@ from areno.engine.scheduler import Chunk, Step
 from areno.engine.sequence import Status
 from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
 from areno.engine.spec_gate import resolve_gate
+from areno.engine.spec_sample import draw
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
 from areno.models.mtp import build_mtp_draft
@@ -312,11 +313,13 @@ class SpecDecoder:
         if not K:  # no draft to verify (a gated step, prefills): the plain step's sampling
             toks, lps, _ = r.sample_rows(inp, hidden)
             return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd, nd
+        ex = r.spec_exec
+        if ex.logits is not None:  # a steady step: its rejection sampling eager or replayed (spec_sample)
+            toks, lps, accepted = draw(r, inp, [(row.draft.tokens, row.draft.probs) for row in rows], self.k,
+                                       ex.logits, ex.graphs.bucket)
+            return toks, lps, nd, accepted
         V = r.vocab_size
-        logits = r.spec_exec.logits  # a steady step's, every row (padding rows after them)
-        if logits is None:
-            logits = r.logits(hidden[torch.tensor(logit_rows, device=dev)])
-        logits = logits[: B * (K + 1)].view(B, K + 1, V)
+        logits = r.logits(hidden[torch.tensor(logit_rows, device=dev)]).view(B, K + 1, V)
         tokens = torch.zeros(B, K, dtype=torch.int64, device=dev)
         probs = torch.zeros(B, K, V, dtype=torch.float32, device=dev)
         for b, row in enumerate(rows):

@@ -115,13 +115,13 @@ class VerifyGraphs:
     graphs then dropped and captured again): K x rows x a slot's state bytes."""
 
     def __init__(self):
-        self.stash = None
+        self.stash, self.bucket = None, None
 
     def _stash(self, r, rows: int, width: int) -> tuple | None:
         if r.states is None:
             return None
         if self.stash is None or self.stash[0].shape[1] != width - 1 or self.stash[0].shape[2] < rows:
-            for key in [key for key in r.graphs if key[0] == "verify"]:
+            for key in [key for key in r.graphs if key[0] in ("verify", "spec_draw")]:  # their inputs go too
                 del r.graphs[key]
             self.stash = None  # freed before the larger one is made
             self.stash = tuple(torch.empty(pool.shape[0], width - 1, rows, *pool.shape[2:], dtype=pool.dtype,
@@ -131,7 +131,8 @@ class VerifyGraphs:
     def run(self, r, inp: StepInputs, width: int, routes: bool):
         """The verify of ``inp`` (B x ``width`` rows): (hidden, logits, metadata, positions), each covering at least
         the step's rows in order (a replay's: its bucket's, padding rows after them). ``routes``: keep the routes
-        (eager: only then recorded)."""
+        (eager: only then recorded). ``self.bucket``: the replayed graph's bucket (None: eager)."""
+        self.bucket = None
         n = len(inp.ids) // width
         if not self.graphable(r, n, width):
             buf = self._eager_buffers(r, inp, width, routes)
@@ -145,6 +146,7 @@ class VerifyGraphs:
         for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq).items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
+        self.bucket = bsz
         meta = verify_meta(r, buf, width)
         meta.routing_out = buf["routing"] if routes else None
         return hidden, logits, meta, buf["pos"]

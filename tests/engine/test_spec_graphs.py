@@ -12,7 +12,9 @@ import torch
 
 from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
+from areno.engine import spec_sample
 from areno.engine.spec_graphs import verify_body, verify_buffers
+from areno.engine.spec_sample import sample_body
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.capture_guard import capture_guard
@@ -45,7 +47,7 @@ class _GuardedGraph:
                 dst.copy_(src)
 
 
-def _engine(model, k, graphs, **kw):
+def _engine(model, k, graphs, monkeypatch=None, **kw):
     kw = {"block_size": 4, "max_running": 8, "max_batched_tokens": 16, "speculative_tokens": k, **kw}
     e = Engine(model, None, EngineConfig(**kw), eos_token_ids=[])
     if graphs:
@@ -57,7 +59,12 @@ def _engine(model, k, graphs, **kw):
             graph = _GuardedGraph(lambda: verify_body(r, buf, width, stash))
             return graph, buf, graph.out
 
+        def capture_draw(r, buf):
+            graph = _GuardedGraph(lambda: (sample_body(r, buf),))
+            return graph, buf, graph.out[0]
+
         r.spec_exec.graphs.capture = capture
+        monkeypatch.setattr(spec_sample, "capture_draw", capture_draw)
     return e
 
 
@@ -86,30 +93,33 @@ def _assert_same(got, want):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
 
 
-def _replays(e) -> dict:
-    return {key: g[0].replays for key, g in e.runner.graphs.items() if key[0] == "verify"}
+def _replays(e, kind="verify") -> dict:
+    return {key: g[0].replays for key, g in e.runner.graphs.items() if key[0] == kind}
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-penalties"])
-def test_graphed_speculation_equals_eager(echo, sampled):
+def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
     """K = 3, requests arriving after 4 steps: replays of the steady steps between eager prefill/fork steps."""
     opts = _options(sampled)
     want = _run(_engine(echo, 3, graphs=False), opts, late_after=4)
-    e = _engine(echo, 3, graphs=True)
+    e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch)
     got = _run(e, opts, late_after=4)
     _assert_same(got, want)
     replays = _replays(e)
     assert replays and sum(replays.values()) >= 3 and all(key[2] == 4 for key in replays)  # (bucket, K + 1)
     assert len(replays) > 1  # several buckets as sequences finish
+    draws = _replays(e, "spec_draw")  # the rejection sampling replayed after each verify replay
+    assert sum(draws.values()) == sum(replays.values())
+    assert all(key[3:] == ((16, False, False) if sampled else (0, False, False)) for key in draws)
     assert e.spec.stats()["spec_accept_len"] > 1.1  # drafts accepted and rejected
     assert (e.runner.states is None) == (e.runner.spec_exec.graphs.stash is None)  # hybrids: states kept per token
 
 
-def test_gate_turns_speculation_off_and_on_under_graphs(echo):
+def test_gate_turns_speculation_off_and_on_under_graphs(echo, monkeypatch):
     """--speculative-disable-by-batch-size 3: gated (eager plain) steps while more than 3 decode, replays after."""
     opts = _options(False)
     want = _run(_engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3), opts, late_after=6)
-    e = _engine(echo, 2, graphs=True, speculative_disable_by_batch_size=3)
+    e = _engine(echo, 2, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
     got = _run(e, opts, late_after=6)
     _assert_same(got, want)
     assert e.spec.stats()["spec_gated_steps"] > 0 and sum(_replays(e).values()) > 0
