@@ -449,4 +449,5 @@ class SpecDecoder:
             decode.append(inp)
         opts = [s.options for s in seqs]
         return Chain([i for _, _, i in live], kbs, [o.temperature for o in opts], [o.top_k for o in opts],
-                     [o.top_p for o in opts], [s.seed for s in seqs], [len(s) for s in seqs], decode)
+                     [o.top_p for o in opts], [s.seed for s in seqs], [len(s) for s in seqs], decode,
+                     [list(s.block_table) for s in seqs])

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from areno.engine.spec_chain import DRAFT_STREAM, run_chain
 from areno.engine.spec_graphs import VerifyGraphs, roll_back
 from areno.engine.step_inputs import StepInputs, unused_filters
 from areno.kernels.sampler import philox_bits, sampling_probs
-
-DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
 
 
 def filters(top_k: list[int], top_p: list[float]) -> tuple:
@@ -69,6 +68,7 @@ class Chain:
     seeds: list[int]
     lengths: list[int]
     decode: list[StepInputs]
+    tables: list[list[int]] | None = None  # the rows' block tables (a steady step's chain, ``spec_chain``)
 
 
 @dataclass
@@ -169,7 +169,10 @@ class SpecExec:
         self.draft(r.model, 0, torch.stack(rows), ids, pos, meta, self.mtp_kv)
 
     def _catch_up(self, r, nxt: list[int], chain: Chain | None):
-        """Draft step 0 over every position of the target forward (each with its next token), then the chain."""
+        """Draft step 0 over every position of the target forward (each with its next token), then the chain (a
+        steady step's: ``spec_chain``, on static shapes)."""
+        if self.logits is not None and chain is not None:
+            return run_chain(r, self, chain, nxt)
         hidden, meta, pos = self.last
         meta.routing_out = None  # the draft's MoE block must not write the target's routes
         nxt = nxt + [0] * (hidden.shape[0] - len(nxt))  # a replayed verify's padding rows (slot -1: no write)

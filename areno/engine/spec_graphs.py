@@ -116,12 +116,13 @@ class VerifyGraphs:
 
     def __init__(self):
         self.stash, self.bucket = None, None
+        self.vbuf, self.width = None, 1  # the last verify's inputs (a graph's static buffers, or the step's own)
 
     def _stash(self, r, rows: int, width: int) -> tuple | None:
         if r.states is None:
             return None
         if self.stash is None or self.stash[0].shape[1] != width - 1 or self.stash[0].shape[2] < rows:
-            for key in [key for key in r.graphs if key[0] in ("verify", "spec_draw")]:  # their inputs go too
+            for key in [key for key in r.graphs if key[0] in ("verify", "spec_draw", "spec_chain")]:  # theirs too
                 del r.graphs[key]
             self.stash = None  # freed before the larger one is made
             self.stash = tuple(torch.empty(pool.shape[0], width - 1, rows, *pool.shape[2:], dtype=pool.dtype,
@@ -135,7 +136,8 @@ class VerifyGraphs:
         self.bucket = None
         n = len(inp.ids) // width
         if not self.graphable(r, n, width):
-            buf = self._eager_buffers(r, inp, width, routes)
+            buf = self.vbuf = self._eager_buffers(r, inp, width, routes)
+            self.width = width
             hidden, logits = verify_body(r, buf, width, self._stash(r, n, width))
             return hidden, logits, verify_meta(r, buf, width), buf["pos"]
         bsz = r._bucket(n)
@@ -146,7 +148,7 @@ class VerifyGraphs:
         for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq).items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
-        self.bucket = bsz
+        self.bucket, self.vbuf, self.width = bsz, buf, width
         meta = verify_meta(r, buf, width)
         meta.routing_out = buf["routing"] if routes else None
         return hidden, logits, meta, buf["pos"]

@@ -12,7 +12,8 @@ import torch
 
 from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
-from areno.engine import spec_sample
+from areno.engine import spec_chain, spec_sample
+from areno.engine.spec_chain import chain_body
 from areno.engine.spec_graphs import verify_body, verify_buffers
 from areno.engine.spec_sample import sample_body
 from areno.models import load_model
@@ -63,8 +64,14 @@ def _engine(model, k, graphs, monkeypatch=None, **kw):
             graph = _GuardedGraph(lambda: (sample_body(r, buf),))
             return graph, buf, graph.out[0]
 
+        def capture_chain(r, ex, vbuf, hidden, host, width, k):
+            buf = {name: v.clone() for name, v in host.items()}
+            graph = _GuardedGraph(lambda: chain_body(r, ex, vbuf, hidden, buf, width, k))
+            return graph, buf, graph.out
+
         r.spec_exec.graphs.capture = capture
         monkeypatch.setattr(spec_sample, "capture_draw", capture_draw)
+        monkeypatch.setattr(spec_chain, "capture_chain", capture_chain)
     return e
 
 
@@ -111,6 +118,7 @@ def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
     draws = _replays(e, "spec_draw")  # the rejection sampling replayed after each verify replay
     assert sum(draws.values()) == sum(replays.values())
     assert all(key[3:] == ((16, False, False) if sampled else (0, False, False)) for key in draws)
+    assert 0 < sum(_replays(e, "spec_chain").values()) <= sum(replays.values())  # the drafts after them
     assert e.spec.stats()["spec_accept_len"] > 1.1  # drafts accepted and rejected
     assert (e.runner.states is None) == (e.runner.spec_exec.graphs.stash is None)  # hybrids: states kept per token
 
