@@ -42,9 +42,11 @@ from the records the leader broadcasts (see there). The MTP draft is sharded lik
 would hold the whole MTP layer (its own embedding and head too, for DeepSeek-V3) on every rank and need a whole-head
 K/V cache of its own. Every token, verified or drafted, is the leader's.
 CUDA graphs: a steady step (every row verifying a full draft of K tokens: no prefill chunk, fresh fork, shorter draft
-or gate) verifies in decode mode over B x (K + 1) rows, replayed from a graph per (batch bucket, K) (``spec_graphs``;
-without graphs the same body runs eagerly, so both give the same tokens); every other step, and the verify, rollback
-and MTP work after the forward, run eagerly.
+or gate) runs on static shapes, each part replayed from a graph per (batch bucket, K) under graphs and run eagerly
+as the same body without (so both give the same tokens): the verify forward in decode mode over B x (K + 1) rows
+with the hybrids' per-token states kept (``spec_graphs``; the rollback then two copies, no second forward), the
+rejection sampling (``spec_sample``) and the MTP catch-up and chain (``spec_chain``). Every other step (prefill
+chunks, fresh forks, shorter drafts, gated steps) runs eagerly as described above.
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start):
 multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
 """

@@ -8,7 +8,7 @@ of deferred catch-ups) as two records, each first sent through the engine's step
 - ``TargetWork``: block copies (the MTP cache's too), the states of drafting hybrid rows saved, the target forward,
   and the logits of the rows the leader verifies or samples (gathered over the vocab shards, a collective). A steady
   step's (``width`` > 1) is the verify of ``spec_graphs``, the logits inside it, replayed from a CUDA graph on every
-  rank when the runner uses graphs.
+  rank when the runner uses graphs (and its catch-up and chain those of ``spec_chain``).
 - ``FinishWork``, after the leader verified, appended and decided: the rollback of rejecting hybrid rows (states
   restored, a forward over their accepted inputs) and the MTP ops in the leader's order: ``hold`` a hidden row of a
   gated step (its catch-up deferred), ``drop`` held rows, ``flush`` the held rows' catch-up, ``catch_up`` over the

@@ -12,8 +12,11 @@ body (``verify_body``), so a replay gives the eager step's hidden rows and logit
 The hybrids' rollback needs no second forward here: the recurrent layers keep the states after each of the first K
 tokens (``StateSteps``, written inside the graph), and a rejecting row's slot takes the one after its last accepted
 input (``roll_back``: two indexed copies; the K/V and hidden rows of accepted positions are already right).
-Eager after the forward (host work and variable shapes): the rejection-sampling verify (``verify_draft``, its result
-read once), the rollback's two copies, the MTP catch-up and its chain.
+After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
+once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
+rollback's two copies and the host's planning. Graphs are captured on first use (not at server start), the verify's
+keep their logits ``[bucket x (K + 1), V]`` fp32, and a bucket is replayed only while bucket x (K + 1) is within the
+largest decode bucket (larger steady steps run the same bodies eagerly).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from areno.config import SamplingParams
-from areno.engine.engine import Engine, EngineConfig
 from areno.engine import spec_chain, spec_sample
+from areno.engine.engine import Engine, EngineConfig
 from areno.engine.spec_chain import chain_body
 from areno.engine.spec_graphs import verify_body, verify_buffers
 from areno.engine.spec_sample import sample_body
