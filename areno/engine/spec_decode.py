@@ -203,7 +203,7 @@ class SpecDecoder:
             self._defer(chunks, ops)
         else:
             self._flush(ops)
-            chain = self._catch_up(rows, emitted, next_known, ops)
+            chain = self._catch_up(rows, emitted, next_known, ops, width > 1)
         with torch.inference_mode():
             drafts = self._run(FinishWork(redo, ops))
         for row, (toks, probs) in zip(chain or (), drafts or ()):
@@ -416,7 +416,7 @@ class SpecDecoder:
         nxt = [seq.tokens[q + 1] for seq, p, n in held for q in range(p, p + n)]
         ops.append(("flush", [seq.seq_id for seq, _, _ in held], inp, nxt))
 
-    def _catch_up(self, rows, emitted, next_known, ops: list) -> list | None:
+    def _catch_up(self, rows, emitted, next_known, ops: list, steady: bool = False) -> list | None:
         """The catch-up op (MTP step 0 over every computed position, its K/V written) and the chain for live rows;
         returns the rows the chain drafts for (None: no chain)."""
         e = self.engine
@@ -433,17 +433,17 @@ class SpecDecoder:
             if row.fresh_fork or seq.is_finished or kb < 1 or not e.blocks.reserve_tokens(seq, len(seq) + kb):
                 continue
             live.append((row, kb, row.index[len(toks) - 1]))
-        chain = self._chain(live) if live else None
+        chain = self._chain(live, steady) if live else None
         ops.append(("catch_up", [0 if t is None else t for t in nxt], chain))
         return [row for row, _, _ in live] if live else None
 
-    def _chain(self, live) -> Chain:
+    def _chain(self, live, steady: bool = False) -> Chain:
         """The draft steps for each live (row, K_b, hidden row): step 0's output there, then MTP decode step j at
         each sequence's position len - 2 + j for the rows with K_b > j (their inputs prepared here)."""
         r = self.engine.runner
         seqs, kbs = [row.seq for row, _, _ in live], [kb for _, kb, _ in live]
         decode = []
-        for j in range(1, max(kbs)):
+        for j in range(1, 1 if steady else max(kbs)):  # a steady step's chain computes its positions itself
             active = [s for s, kb in zip(seqs, kbs) if kb > j]
             inp = r.prepare(Step([Chunk(s, len(s) - 2 + j, len(s) - 1 + j) for s in active], is_decode=True), [],
                             [], [])  # fmt: skip
@@ -452,4 +452,4 @@ class SpecDecoder:
         opts = [s.options for s in seqs]
         return Chain([i for _, _, i in live], kbs, [o.temperature for o in opts], [o.top_k for o in opts],
                      [o.top_p for o in opts], [s.seed for s in seqs], [len(s) for s in seqs], decode,
-                     [list(s.block_table) for s in seqs])
+                     [list(s.block_table) for s in seqs] if steady else None)
