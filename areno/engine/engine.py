@@ -184,9 +184,11 @@ class Engine:
 
     def capture_graphs(self, decode_steps=(1,)) -> int:
         """Capture every batch bucket's decode graph now instead of on first use (``ModelRunner.capture_graphs``);
-        under tensor parallelism the ranks capture together on first use, so nothing happens here."""
+        under tensor parallelism the ranks capture together on first use, so nothing happens here; nor with
+        --speculative-tokens (every step is the SpecDecoder's: its graphs, ``spec_graphs``, are captured on first use
+        and the plain decode graphs would never replay)."""
         self._ensure_built()
-        if self.model.tp_group is not None:
+        if self.model.tp_group is not None or self.spec is not None:
             return 0
         return self.runner.capture_graphs(decode_steps)
 

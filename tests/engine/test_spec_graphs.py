@@ -7,6 +7,8 @@ may block differently), greedy and seeded temperature-1 sampling with penalties,
 mid-run (prefill chunks and forks: eager steps between replays) and the gate turning speculation off and on. One GPU
 test replays the real graphs against eager speculation."""
 
+import re
+
 import pytest
 import torch
 
@@ -75,14 +77,21 @@ def _engine(model, k, graphs, monkeypatch=None, **kw):
     return e
 
 
-def _run(e, options, late_after=None):
-    """GATE_PROMPTS (each with its options), LATE joining after ``late_after`` steps; every sequence's output."""
+def _run(e, options, late_after=None, trace=None):
+    """GATE_PROMPTS (each with its options), LATE joining after ``late_after`` steps; every sequence's output.
+    ``trace``: gets each step's kind ("gated", "replayed" or "eager"); ``late_after`` "replayed": LATE join after the
+    first replay."""
     seqs = [s for p, o in zip(GATE_PROMPTS, options) for s in e.add_request(p, o)]
     steps = 0
     while e.has_work():
+        before = (e.spec.counts["spec_gated_steps"], sum(_replays(e).values()))
         e.step()
+        if trace is not None:
+            after = (e.spec.counts["spec_gated_steps"], sum(_replays(e).values()))
+            trace.append("gated" if after[0] > before[0] else "replayed" if after[1] > before[1] else "eager")
         steps += 1
-        if steps == late_after:
+        first_replay = late_after == "replayed" and trace[-1:] == ["replayed"] and trace.count("replayed") == 1
+        if steps == late_after or first_replay:
             seqs += [s for p, o in zip(LATE, options) for s in e.add_request(p, o)]
     return [(s.output_ids, list(s.logprobs)) for s in seqs]
 
@@ -124,13 +133,17 @@ def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
 
 
 def test_gate_turns_speculation_off_and_on_under_graphs(echo, monkeypatch):
-    """--speculative-disable-by-batch-size 3: gated (eager plain) steps while more than 3 decode, replays after."""
+    """--speculative-disable-by-batch-size 3: gated (eager plain) steps while more than 3 decode, replays once fewer
+    do, gated again when LATE join (after the first replay), replays again at the end."""
     opts = _options(False)
-    want = _run(_engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3), opts, late_after=6)
     e = _engine(echo, 2, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
-    got = _run(e, opts, late_after=6)
+    trace = []
+    got = _run(e, opts, late_after="replayed", trace=trace)
+    want = _run(_engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3), opts,
+                late_after=trace.index("replayed") + 1)
     _assert_same(got, want)
-    assert e.spec.stats()["spec_gated_steps"] > 0 and sum(_replays(e).values()) > 0
+    kinds = "".join(k[0] for k in trace)  # g(ated), r(eplayed), e(ager)
+    assert re.search("g.*r.*g.*r", kinds), kinds  # off, on (replayed), off, on
 
 
 @pytest.mark.gpu
