@@ -184,9 +184,7 @@ class Engine:
 
     def capture_graphs(self, decode_steps=(1,)) -> int:
         """Capture every batch bucket's decode graph now instead of on first use (``ModelRunner.capture_graphs``);
-        under tensor parallelism the ranks capture together on first use, so nothing happens here; nor with
-        --speculative-tokens (every step is the SpecDecoder's: its graphs, ``spec_graphs``, are captured on first use
-        and the plain decode graphs would never replay)."""
+        nothing under TP (the ranks capture together on first use) or speculation (``spec_graphs``: on first use)."""
         self._ensure_built()
         if self.model.tp_group is not None or self.spec is not None:
             return 0
