@@ -21,8 +21,8 @@ from areno.config.sampling import check_sampling
 
 SPECULATIVE_HELP = ("MTP speculative decoding: draft tokens per sequence and step from the model's multi-token-"
                     "prediction layers (Qwen3.5, DeepSeek-V3, Ling 3), verified in one forward by exact rejection "
-                    "sampling, so the tokens are distributed as without it (0 = off; needs a model with MTP layers "
-                    "and --eager-decode)")
+                    "sampling, so the tokens are distributed as without it (0 = off; needs a model with MTP layers; "
+                    "under CUDA graphs a step verifying K drafts per sequence replays a graph per batch bucket)")
 
 
 SPEC_GATE_HELP = ("speculative decoding's automatic gate (vLLM's speculative disable_by_batch_size): a step "
@@ -238,7 +238,6 @@ class RolloutSection:
         check_sampling(self, flag_name)
         check_positive("--decode-steps", self.decode_steps)
         check_speculative(self.speculative_tokens, {"--decode-steps > 1": self.decode_steps > 1,
-                                                    "CUDA graphs (add --eager-decode)": not self.eager_decode,
                                                     "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8"})
         spec_gate(self.speculative_disable_by_batch_size)
         if self.algo in GROUP_ALGOS and self.n_samples < 2:

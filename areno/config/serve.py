@@ -126,8 +126,7 @@ class ServeConfig:
         check_range("--read-timeout-s", self.read_timeout_s, 0, 86400)  # a number of seconds (not nan or inf)
         check_media_limits(self)
         self._check_lora()
-        check_speculative(self.speculative_tokens, {"CUDA graphs (add --eager-decode)": not self.eager_decode,
-                                                    "--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8",
+        check_speculative(self.speculative_tokens, {"--kv-cache-dtype fp8": self.kv_cache_dtype == "fp8",
                                                     "LoRA slots (--lora-modules / --max-loras)": self.lora_enabled})
         spec_gate(self.speculative_disable_by_batch_size)
         if self.speculative_disable_by_batch_size is not None and not self.speculative_tokens:

@@ -184,9 +184,9 @@ class Engine:
 
     def capture_graphs(self, decode_steps=(1,)) -> int:
         """Capture every batch bucket's decode graph now instead of on first use (``ModelRunner.capture_graphs``);
-        under tensor parallelism the ranks capture together on first use, so nothing happens here."""
+        nothing under TP (the ranks capture together on first use) or speculation (``spec_graphs``: on first use)."""
         self._ensure_built()
-        if self.model.tp_group is not None:
+        if self.model.tp_group is not None or self.spec is not None:
             return 0
         return self.runner.capture_graphs(decode_steps)
 

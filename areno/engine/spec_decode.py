@@ -41,8 +41,14 @@ from the records the leader broadcasts (see there). The MTP draft is sharded lik
 (``build_mtp_draft``): sharding costs no collective beyond those a decoder block already runs, while replicating it
 would hold the whole MTP layer (its own embedding and head too, for DeepSeek-V3) on every rank and need a whole-head
 K/V cache of its own. Every token, verified or drafted, is the leader's.
-Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start): CUDA
-graphs, multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
+CUDA graphs: a steady step (every row verifying a full draft of K tokens: no prefill chunk, fresh fork, shorter draft
+or gate) runs on static shapes, each part replayed from a graph per (batch bucket, K) under graphs and run eagerly
+as the same body without (so both give the same tokens): the verify forward in decode mode over B x (K + 1) rows
+with the hybrids' per-token states kept (``spec_graphs``; the rollback then two copies, no second forward), the
+rejection sampling (``spec_sample``) and the MTP catch-up and chain (``spec_chain``). Every other step (prefill
+chunks, fresh forks, shorter drafts, gated steps) runs eagerly as described above.
+Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start):
+multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from areno.engine.scheduler import Chunk, Step
 from areno.engine.sequence import Status
 from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
 from areno.engine.spec_gate import resolve_gate
+from areno.engine.spec_sample import draw
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
 from areno.models.mtp import build_mtp_draft
@@ -118,8 +125,6 @@ class SpecDecoder:
         self.engine, self.k = engine, k
         self.draft = old.draft if old is not None else build_mtp_draft(engine.model)
         runner = engine.runner
-        if runner.use_graphs:
-            raise ValueError("--speculative-tokens with CUDA graphs is not built yet: add --eager-decode")
         runner.spec_exec = SpecExec(runner, self.draft)  # the device side (released with the runner)
         self.drafts: dict[int, Draft] = {}
         # the deferred MTP catch-up of gated steps: seq_id -> [seq, first position, rows held], at most defer_rows
@@ -143,8 +148,8 @@ class SpecDecoder:
         return {"spec_accept_len": self.counts["emitted"] / n if n else 0.0, **self.counts}
 
     def take_stats(self) -> dict:
-        """``{"spec_accept_len": ...}`` since the last call (a rollout's), every count restarted."""
-        out = {"spec_accept_len": self.stats()["spec_accept_len"]}
+        """``spec_accept_len`` and ``spec_gated_steps`` since the last call (a rollout's), every count restarted."""
+        out = {"spec_accept_len": self.stats()["spec_accept_len"], "spec_gated_steps": self.counts["spec_gated_steps"]}
         self.counts = dict.fromkeys(self.counts, 0)
         return out
 
@@ -174,19 +179,20 @@ class SpecDecoder:
         e.blocks.pending_state_copies.clear()
         gated = self._gated(step)
         chunks, rows, next_known = self._plan(step, gated)
-        inp = e.runner.prepare(Step(chunks, is_decode=gated and step.is_decode), [r.seq for r in rows],
-                               [r.index[0] for r in rows], copies)
-        inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
+        width = self.k + 1 if self._steady(chunks, rows) else 1
+        inp = self._prepare(chunks, rows, copies, gated and step.is_decode, width)
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
         drafting = any(row.draft is not None for row in rows)
         logit_rows = [i for row in rows for i in self._padded(row, rows)] if drafting else list(inp.row_index)
+        logit_rows = logit_rows if width == 1 else []  # a steady step's verify takes the logits of every row itself
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
+        save = save if width == 1 else []  # a steady step's verify keeps the states after each token itself
         with torch.inference_mode():
-            hidden = self._run(TargetWork(inp, save, logit_rows))
+            hidden = self._run(TargetWork(inp, save, logit_rows, width))
             verified = self._verify(inp, rows, hidden, logit_rows)
-        redo = self._redo(rows, verified)
+        redo = self._redo(rows, verified, width > 1)
         meta = e.runner.spec_exec.last[1]
         self._keep_routing(chunks, rows, meta, verified)
         e.scheduler.after_step(step)
@@ -198,13 +204,35 @@ class SpecDecoder:
             self._defer(chunks, ops)
         else:
             self._flush(ops)
-            chain = self._catch_up(rows, emitted, next_known, ops)
+            chain = self._catch_up(rows, emitted, next_known, ops, width > 1)
         with torch.inference_mode():
             drafts = self._run(FinishWork(redo, ops))
         for row, (toks, probs) in zip(chain or (), drafts or ()):
             self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, probs)
             self.counts["drafted"] += 1
         return [r.seq for r in rows]
+
+    def _steady(self, chunks, rows) -> bool:
+        """A steady step (its verify replayed from a graph under CUDA graphs, ``spec_graphs``): every chunk a decode
+        row verifying a full draft of K tokens (no prefill chunk, no fresh fork, no shorter draft)."""
+        return bool(rows) and len(rows) == len(chunks) and all(
+            row.draft is not None and len(row.draft.tokens) == self.k for row in rows)
+
+    def _prepare(self, chunks, rows, copies, decode: bool, width: int) -> StepInputs:
+        """The step's inputs: prefill-mode (each chunk a query run), decode-mode for a gated step of decodes, or a
+        steady step's ``width`` decode rows per sequence (its positions n - 1 .. n - 1 + K; sampling settings and
+        recurrent-state slots per sequence)."""
+        r, seqs = self.engine.runner, [row.seq for row in rows]
+        if width > 1:
+            flat = [Chunk(s, len(s) - 1 + j, len(s) + j) for s in seqs for j in range(width)]
+            inp = r.prepare(Step(flat, is_decode=True), seqs, [row.index[0] for row in rows], copies)
+            inp.offsets = [len(s) for s in seqs]
+            if inp.state_slots is not None:
+                inp.state_slots = [s.state_slot for s in seqs]
+        else:
+            inp = r.prepare(Step(chunks, is_decode=decode), seqs, [row.index[0] for row in rows], copies)
+        inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
+        return inp
 
     def _gated(self, step: Step) -> bool:
         """Whether the gate makes ``step`` plain: more sequences decode in it than the limit (counted)."""
@@ -288,6 +316,11 @@ class SpecDecoder:
         if not K:  # no draft to verify (a gated step, prefills): the plain step's sampling
             toks, lps, _ = r.sample_rows(inp, hidden)
             return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd, nd
+        ex = r.spec_exec
+        if ex.logits is not None:  # a steady step: its rejection sampling eager or replayed (spec_sample)
+            toks, lps, accepted = draw(r, inp, [(row.draft.tokens, row.draft.probs) for row in rows], self.k,
+                                       ex.logits, ex.graphs.bucket)
+            return toks, lps, nd, accepted
         V = r.vocab_size
         logits = r.logits(hidden[torch.tensor(logit_rows, device=dev)]).view(B, K + 1, V)
         tokens = torch.zeros(B, K, dtype=torch.int64, device=dev)
@@ -306,7 +339,7 @@ class SpecDecoder:
         toks, lps = out.lists()
         return toks, lps, nd, out.accepted.tolist()
 
-    def _redo(self, rows: list[Row], verified) -> tuple | None:
+    def _redo(self, rows: list[Row], verified, steady: bool = False) -> tuple | None:
         """Hybrid models: (which saved states to restore, the inputs of their accepted tokens) for the drafting rows
         that rejected a draft token, whose target forward runs again over the accepted inputs (K/V rewritten with
         the same values); None when none did (planned before the rows' tokens are appended)."""
@@ -318,6 +351,9 @@ class SpecDecoder:
         redo = [(n, b) for n, b in enumerate(drafting) if accepted[b] < nd[b]]
         if not redo:
             return None
+        if steady:  # the verify kept each row's states after each input (spec_graphs.roll_back)
+            rej = [b for _, b in redo]
+            return "steps", rej, [rows[b].seq.state_slot for b in rej], [accepted[b] for b in rej]
         chunks = []
         for _, b in redo:
             seq, a = rows[b].seq, accepted[b]
@@ -381,7 +417,7 @@ class SpecDecoder:
         nxt = [seq.tokens[q + 1] for seq, p, n in held for q in range(p, p + n)]
         ops.append(("flush", [seq.seq_id for seq, _, _ in held], inp, nxt))
 
-    def _catch_up(self, rows, emitted, next_known, ops: list) -> list | None:
+    def _catch_up(self, rows, emitted, next_known, ops: list, steady: bool = False) -> list | None:
         """The catch-up op (MTP step 0 over every computed position, its K/V written) and the chain for live rows;
         returns the rows the chain drafts for (None: no chain)."""
         e = self.engine
@@ -398,17 +434,17 @@ class SpecDecoder:
             if row.fresh_fork or seq.is_finished or kb < 1 or not e.blocks.reserve_tokens(seq, len(seq) + kb):
                 continue
             live.append((row, kb, row.index[len(toks) - 1]))
-        chain = self._chain(live) if live else None
+        chain = self._chain(live, steady) if live else None
         ops.append(("catch_up", [0 if t is None else t for t in nxt], chain))
         return [row for row, _, _ in live] if live else None
 
-    def _chain(self, live) -> Chain:
+    def _chain(self, live, steady: bool = False) -> Chain:
         """The draft steps for each live (row, K_b, hidden row): step 0's output there, then MTP decode step j at
         each sequence's position len - 2 + j for the rows with K_b > j (their inputs prepared here)."""
         r = self.engine.runner
         seqs, kbs = [row.seq for row, _, _ in live], [kb for _, kb, _ in live]
         decode = []
-        for j in range(1, max(kbs)):
+        for j in range(1, 1 if steady else max(kbs)):  # a steady step's chain computes its positions itself
             active = [s for s, kb in zip(seqs, kbs) if kb > j]
             inp = r.prepare(Step([Chunk(s, len(s) - 2 + j, len(s) - 1 + j) for s in active], is_decode=True), [],
                             [], [])  # fmt: skip
@@ -416,4 +452,5 @@ class SpecDecoder:
             decode.append(inp)
         opts = [s.options for s in seqs]
         return Chain([i for _, _, i in live], kbs, [o.temperature for o in opts], [o.top_k for o in opts],
-                     [o.top_p for o in opts], [s.seed for s in seqs], [len(s) for s in seqs], decode)
+                     [o.top_p for o in opts], [s.seed for s in seqs], [len(s) for s in seqs], decode,
+                     [list(s.block_table) for s in seqs] if steady else None)

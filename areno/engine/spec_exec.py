@@ -6,7 +6,9 @@ of deferred catch-ups) as two records, each first sent through the engine's step
 (``model_runner.broadcast_step``; a follower's ``TPWorker`` calls the record with its runner):
 
 - ``TargetWork``: block copies (the MTP cache's too), the states of drafting hybrid rows saved, the target forward,
-  and the logits of the rows the leader verifies or samples (gathered over the vocab shards, a collective).
+  and the logits of the rows the leader verifies or samples (gathered over the vocab shards, a collective). A steady
+  step's (``width`` > 1) is the verify of ``spec_graphs``, the logits inside it, replayed from a CUDA graph on every
+  rank when the runner uses graphs (and its catch-up and chain those of ``spec_chain``).
 - ``FinishWork``, after the leader verified, appended and decided: the rollback of rejecting hybrid rows (states
   restored, a forward over their accepted inputs) and the MTP ops in the leader's order: ``hold`` a hidden row of a
   gated step (its catch-up deferred), ``drop`` held rows, ``flush`` the held rows' catch-up, ``catch_up`` over the
@@ -24,10 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from areno.engine.spec_chain import DRAFT_STREAM, run_chain
+from areno.engine.spec_graphs import VerifyGraphs, roll_back
 from areno.engine.step_inputs import StepInputs, unused_filters
 from areno.kernels.sampler import philox_bits, sampling_probs
-
-DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
 
 
 def filters(top_k: list[int], top_p: list[float]) -> tuple:
@@ -44,11 +46,12 @@ class TargetWork:
     inp: StepInputs
     save: list[int]
     logit_rows: list[int]
+    width: int = 1  # > 1: a steady step's verify (``spec_graphs``), B x width decode rows, logits of every row
 
     @torch.inference_mode()
     def __call__(self, runner) -> None:  # a follower: the forward, then its part of the leader's logits gather
         hidden = runner.spec_exec.target(runner, self)
-        if self.logit_rows:
+        if self.logit_rows and self.width == 1:
             runner.logits(hidden[torch.tensor(self.logit_rows, device=runner.device)])
 
 
@@ -65,12 +68,14 @@ class Chain:
     seeds: list[int]
     lengths: list[int]
     decode: list[StepInputs]
+    tables: list[list[int]] | None = None  # the rows' block tables (a steady step's chain, ``spec_chain``)
 
 
 @dataclass
 class FinishWork:
-    """After the verify: ``redo`` (indices into the saved states, the inputs of the accepted tokens) or None, then
-    the MTP ``ops`` in order (see the module docstring)."""
+    """After the verify: ``redo`` (indices into the saved states, the inputs of the accepted tokens; a steady step's:
+    ("steps", rows, state slots, accepted drafts) of its rejecting rows) or None, then the MTP ``ops`` in order (see
+    the module docstring)."""
 
     redo: tuple | None
     ops: list
@@ -91,6 +96,8 @@ class SpecExec:
         self.held: dict[int, list] = {}  # seq_id -> hidden rows whose catch-up is deferred
         self.saved = None  # (slots, conv, recurrent) of the drafting hybrid rows before the target forward
         self.last = None  # (hidden, meta, positions) of the step's target forward
+        self.logits = None  # a steady step's verify logits (every row), else None
+        self.graphs = VerifyGraphs()
 
     @property
     def mtp_kv(self) -> tuple:
@@ -107,6 +114,11 @@ class SpecExec:
         if r.states is not None and work.save:
             slots = torch.tensor(work.save, device=r.device)
             self.saved = (slots, r.states.conv[:, slots].clone(), r.states.recurrent[:, slots].clone())
+        if work.width > 1:
+            hidden, self.logits, meta, pos = self.graphs.run(r, inp, work.width, r.record_routing and self.leader)
+            self.last = (hidden, meta, pos)
+            return hidden
+        self.logits = None
         ids, pos, meta = r.step_tensors(inp)
         if r.record_routing and self.leader:
             meta.routing_out = torch.empty(r.model.num_moe_layers, len(inp.ids), r.model.moe_top_k,
@@ -118,7 +130,9 @@ class SpecExec:
     def finish(self, r, work: FinishWork) -> list | None:
         """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, probs [K_b, V])] per
         drafting sequence), else None."""
-        if work.redo is not None:
+        if work.redo is not None and work.redo[0] == "steps":  # a steady step's: the verify kept the states
+            roll_back(r, self.graphs.stash, *work.redo[1:])
+        elif work.redo is not None:
             self._rollback(r, *work.redo)
         drafts = None
         for op in work.ops:
@@ -131,7 +145,7 @@ class SpecExec:
                 self._flush(r, *op[1:])
             else:
                 drafts = self._catch_up(r, *op[1:])
-        self.last = self.saved = None
+        self.last = self.saved = self.logits = None
         return drafts
 
     def _rollback(self, r, which: list[int], inp: StepInputs) -> None:
@@ -155,9 +169,13 @@ class SpecExec:
         self.draft(r.model, 0, torch.stack(rows), ids, pos, meta, self.mtp_kv)
 
     def _catch_up(self, r, nxt: list[int], chain: Chain | None):
-        """Draft step 0 over every position of the target forward (each with its next token), then the chain."""
+        """Draft step 0 over every position of the target forward (each with its next token), then the chain (a
+        steady step's: ``spec_chain``, on static shapes)."""
+        if self.logits is not None and chain is not None:
+            return run_chain(r, self, chain, nxt)
         hidden, meta, pos = self.last
         meta.routing_out = None  # the draft's MoE block must not write the target's routes
+        nxt = nxt + [0] * (hidden.shape[0] - len(nxt))  # a replayed verify's padding rows (slot -1: no write)
         ids = torch.tensor(nxt, dtype=torch.int64, device=r.device)
         out, g = self.draft(r.model, 0, hidden, ids, pos, meta, self.mtp_kv)
         return None if chain is None else self._chain(r, chain, out, g)

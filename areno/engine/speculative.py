@@ -79,8 +79,8 @@ def _adjust(logits, draft_tokens, adjust, token_state):
     steps = torch.arange(K1, device=logits.device)
     if adjust["sp_ids"].shape[1]:
         left = (adjust["min_left"].to(torch.int64)[:, None] - steps[None, :]).clamp(min=0).reshape(-1)
-        apply_logit_bias(flat, adjust["sp_ids"].repeat_interleave(K1, 0), adjust["sp_bias"].repeat_interleave(K1, 0),
-                         adjust["sp_ban"].repeat_interleave(K1, 0), left)  # fmt: skip
+        apply_logit_bias(flat, *(adjust[n].repeat_interleave(K1, 0, output_size=B * K1)
+                                 for n in ("sp_ids", "sp_bias", "sp_ban")), left)  # fmt: skip
     if "pen_slot" in adjust:
         slots = adjust["pen_slot"].to(torch.int64)
         on = slots >= 0
@@ -90,7 +90,7 @@ def _adjust(logits, draft_tokens, adjust, token_state):
             drafted.scatter_(2, draft_tokens[:, :, None], 1)
             state[:, 1:] += drafted.cumsum(dim=1, dtype=torch.int32)
         rows = torch.where(on[:, None], torch.arange(B * K1, device=logits.device).view(B, K1), -1).reshape(-1)
-        rep, pres, freq = (adjust[n].repeat_interleave(K1, 0) for n in ("rep", "pres", "freq"))
+        rep, pres, freq = (adjust[n].repeat_interleave(K1, 0, output_size=B * K1) for n in ("rep", "pres", "freq"))
         apply_penalties(flat, rows, state.view(B * K1, V), rep, pres, freq)
 
 
@@ -107,7 +107,7 @@ def _accepted(p, draft, draft_probs, live, seeds, offsets):
     if not K:
         return torch.zeros(B, dtype=torch.int64, device=p.device)
     u_off = (offsets[:, None] + torch.arange(K, device=p.device)[None, :] + ACCEPT_STREAM).reshape(-1)
-    u = (philox_bits(seeds.repeat_interleave(K), u_off, 1)[:, 0].double() + 0.5) * 2.0**-32
+    u = (philox_bits(seeds.repeat_interleave(K, output_size=B * K), u_off, 1)[:, 0].double() + 0.5) * 2.0**-32
     pd = p[:, :K].gather(2, draft[:, :, None])[:, :, 0].double()
     qd = draft_probs.gather(2, draft[:, :, None])[:, :, 0].double()
     ok = (u.view(B, K) * qd < pd) & live
@@ -135,7 +135,7 @@ def _last_token(z, p, draft_probs, n_acc, num_draft, temperature, seeds, offsets
 
 
 def verify_draft(logits, draft_tokens, draft_probs, num_draft, *, temperature, seeds, offsets, top_k=None,
-                 top_p=None, adjust=None, token_state=None) -> Verified:  # fmt: skip
+                 top_p=None, adjust=None, token_state=None, check: bool = True) -> Verified:  # fmt: skip
     """Exact speculative sampling of a batch (see the module docstring).
 
     ``logits [B, K+1, V]``: the target's logits (any float dtype; not modified); ``draft_tokens`` int ``[B, K]``
@@ -144,6 +144,7 @@ def verify_draft(logits, draft_tokens, draft_probs, num_draft, *, temperature, s
     (<= 0: greedy), ``seeds``, ``offsets`` (the sequence index of the first token the step emits), ``top_k``,
     ``top_p``. ``adjust``: the step's logit adjustments as ``areno.engine.logit_adjust.adjust_host`` makes them
     (on the logits' device; min-p comes from it), ``token_state``: the ``LogitAdjuster``'s slots, counted into.
+    ``check=False`` skips the one host read (``num_draft``'s range): the call then holds no host sync (a CUDA graph).
     """
     if logits.dim() != 3:
         raise ValueError(f"verify_draft: logits must be [B, K+1, V], got {tuple(logits.shape)}")
@@ -153,7 +154,7 @@ def verify_draft(logits, draft_tokens, draft_probs, num_draft, *, temperature, s
         raise ValueError(f"verify_draft: draft_tokens [B, K] and draft_probs [B, K, V] for logits {(B, K1, V)}, "
                          f"got {tuple(draft_tokens.shape)}, {tuple(draft_probs.shape)}")  # fmt: skip
     num_draft = _rows(num_draft, B, torch.int64, dev, "num_draft")
-    if bool(((num_draft < 0) | (num_draft > K)).any()):
+    if check and bool(((num_draft < 0) | (num_draft > K)).any()):
         raise ValueError(f"verify_draft: num_draft must be in [0, {K}], got {num_draft.tolist()}")
     if adjust is not None and "pen_slot" in adjust and token_state is None:
         raise ValueError("verify_draft: adjust has penalties but no token_state was given")
@@ -169,7 +170,8 @@ def verify_draft(logits, draft_tokens, draft_probs, num_draft, *, temperature, s
     if adjust is not None:
         _adjust(z, draft, adjust, token_state)
     flat = z.view(B * K1, V)
-    per_pos = [None if t is None else t.repeat_interleave(K1) for t in (temperature, top_k, top_p, min_p)]
+    per_pos = [None if t is None else t.repeat_interleave(K1, output_size=B * K1)
+               for t in (temperature, top_k, top_p, min_p)]
     p = sampling_probs(flat, temperature=per_pos[0], top_k=per_pos[1], top_p=per_pos[2],
                        min_p=per_pos[3]).view(B, K1, V)  # fmt: skip
 

@@ -18,6 +18,12 @@ Its MLA layers' entry is ``(latent_cache,)``, one tensor ``[num_blocks, block_si
 (the latent row of each token, same block tables and slots; see ``areno.kernels.attention.mla``), unless the model was
 set to the expanded ``(k_cache, v_cache)`` layout.
 
+A speculative verify runs in decode mode over ``tokens_per_seq`` n > 1 consecutive rows per sequence (each row a
+query token attending over its ``seq_lens`` keys, all of the step's K/V stored first, so causal within the step);
+recurrent layers step through each sequence's n rows in order, ``state_indices`` then one per sequence, and keep the
+state after each of the first n - 1 tokens in ``state_steps`` (``areno.engine.spec_graphs.StateSteps``: layer j's
+``next(kind)`` is its ``[n - 1, rows, ...]`` buffer, in layer order).
+
 Sliding-window layers (several KV-cache groups, see ``areno.engine.kv_cache``): ``layer_groups`` names each
 layer's group; group 0's blocks are ``slot_mapping`` / ``block_table``, group g's (g >= 1)
 ``group_slot_mappings[g - 1]`` / ``group_block_tables[g - 1]``. A model's layer loop passes ``meta.for_layer(i)``
@@ -53,6 +59,8 @@ class AttentionMetadata:
     layer_groups: list[int] | None = None  # per model layer: its KV-cache group (None: one group)
     group_slot_mappings: list[torch.Tensor] | None = None  # groups 1..: slot_mapping of each
     group_block_tables: list[torch.Tensor] | None = None  # groups 1..: block_table of each
+    tokens_per_seq: int = 1  # decode: each sequence's new tokens in consecutive rows (a speculative verify)
+    state_steps: object = None  # with tokens_per_seq > 1 (hybrids): where the states after each token go
     _group_views: list | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def for_layer(self, i: int) -> AttentionMetadata:

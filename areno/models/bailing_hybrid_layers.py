@@ -137,6 +137,40 @@ def carried_state(pool, meta):
     return idx, torch.where(carry, pool.index_select(0, idx), torch.zeros((), dtype=pool.dtype, device=pool.device))
 
 
+def conv_decode(x, state, w, meta):
+    """The short-conv decode update; ``meta.tokens_per_seq`` n > 1 (a speculative verify: each sequence's n tokens
+    in consecutive rows, ``state_indices`` one per sequence) steps through them in order, as n decode steps do, the
+    state after each of the first n - 1 kept in ``meta.state_steps`` (the verify's rollback picks one)."""
+    n = meta.tokens_per_seq
+    if n == 1:
+        return causal_conv1d_update(x.contiguous(), state, w, activation="silu", state_indices=meta.state_indices)
+    xs, out = x.view(-1, n, x.shape[-1]), []
+    stash = None if meta.state_steps is None else meta.state_steps.next("conv")
+    for i in range(n):
+        out.append(causal_conv1d_update(xs[:, i].contiguous(), state, w, activation="silu",
+                                        state_indices=meta.state_indices))
+        if stash is not None and i < n - 1:
+            stash[i, : xs.shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
+    return torch.stack(out, 1).flatten(0, 1)
+
+
+def delta_decode(q, k, v, g, beta, state, scale, meta):
+    """The gated delta-rule decode step; ``meta.tokens_per_seq`` > 1 steps through each sequence's tokens in order
+    (see ``conv_decode``)."""
+    n = meta.tokens_per_seq
+    if n == 1:
+        return fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale=scale,
+                                                     state_indices=meta.state_indices)
+    per, out = [x.view(-1, n, *x.shape[1:]) for x in (q, k, v, g, beta)], []
+    stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
+    for i in range(n):
+        out.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), state, scale=scale,
+                                                         state_indices=meta.state_indices))
+        if stash is not None and i < n - 1:
+            stash[i, : per[0].shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
+    return torch.stack(out, 1).flatten(0, 1)
+
+
 # ---- KDA -----------------------------------------------------------------------------------------------------------
 
 
@@ -216,7 +250,7 @@ class KimiDeltaAttention(nn.Module):
         if kv_cache is None:
             qkv, _ = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu)
         elif decode:
-            qkv = causal_conv1d_update(mixed, kv_cache[0], w, activation="silu", state_indices=meta.state_indices)
+            qkv = conv_decode(mixed, kv_cache[0], w, meta)
         else:
             idx, s0 = carried_state(kv_cache[0], meta)
             qkv, final = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu, initial_state=s0,
@@ -230,8 +264,7 @@ class KimiDeltaAttention(nn.Module):
         if kv_cache is None:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu)
         elif decode:
-            o = fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, kv_cache[1], scale=d**-0.5,
-                                                      state_indices=meta.state_indices)
+            o = delta_decode(q, k, v, g, beta, kv_cache[1], d**-0.5, meta)
         else:
             idx, s0 = carried_state(kv_cache[1], meta)
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu, initial_state=s0,

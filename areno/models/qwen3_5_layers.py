@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
-from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_update
+from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule
+from areno.kernels.linear_attn.short_conv import causal_conv1d
 from areno.kernels.norm import rms_norm
 from areno.models import bailing_hybrid_layers
-from areno.models.bailing_hybrid_layers import carried_state
+from areno.models.bailing_hybrid_layers import carried_state, conv_decode, delta_decode
 from areno.models.base import MLP, Attention, CausalLM, DecoderLayer
 from areno.models.layers import Linear, RMSNorm
 from areno.models.model_config import ModelConfig, dense_config, get
@@ -237,8 +237,7 @@ class GatedDeltaNet(nn.Module):
         if kv_cache is None:
             qkv, _ = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu)
         elif decode:
-            qkv = causal_conv1d_update(mixed.contiguous(), kv_cache[0], w, activation="silu",
-                                       state_indices=meta.state_indices)
+            qkv = conv_decode(mixed, kv_cache[0], w, meta)
         else:
             idx, s0 = carried_state(kv_cache[0], meta)
             qkv, final = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu, initial_state=s0,
@@ -247,7 +246,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.to(x.dtype).split([kd, kd, vd], dim=-1)
         q, k = l2norm(q.reshape(t, nk, dk)).to(x.dtype), l2norm(k.reshape(t, nk, dk)).to(x.dtype)
         if nv != nk:
-            q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+            rep = nv // nk  # each key head's value heads (repeat_interleave's values, no host read under capture)
+            q, k = (x.unsqueeze(2).expand(t, nk, rep, dk).reshape(t, nv, dk) for x in (q, k))
         v = v.reshape(t, nv, dv)
         g = -self.decay.A_log.float().exp() * F.softplus(a.float() + self.decay.dt_bias.float())
         beta = torch.sigmoid(b).float()
@@ -255,8 +255,7 @@ class GatedDeltaNet(nn.Module):
         if kv_cache is None:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu)
         elif decode:
-            o = fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, kv_cache[1], scale=scale,
-                                                      state_indices=meta.state_indices)
+            o = delta_decode(q, k, v, g, beta, kv_cache[1], scale, meta)
         else:
             idx, s0 = carried_state(kv_cache[1], meta)
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu, initial_state=s0,

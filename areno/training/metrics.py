@@ -30,6 +30,7 @@ LINE = (
     ("zero_variance_groups", "zero_var", "{:.0f}"),
     ("rollout_tok_s", "rollout", "{:.0f} tok/s"),
     ("spec_accept_len", "accept", "{:.2f}"),
+    ("spec_gated_steps", "gated", "{:.0f}"),
     ("train_tok_s", "train", "{:.0f} tok/s"),
 )
 

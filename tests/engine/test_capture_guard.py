@@ -3,8 +3,9 @@ kernels: on a GPU they run wherever a Triton kernel leaves a dtype or shape to t
 
 The guard itself first (it flags each class of capture-breaking operation and passes sync-free code), then the
 native decode paths of the kernels a decode step calls, then the body the engine captures per graph
-(``ModelRunner.decode_steps`` on the static graph buffers) for qwen3, qwen3_moe, the hybrid bailing_hybrid and olmo3
-(sliding-window layers: a block table per KV-cache group in the graph buffers): the
+(``ModelRunner.decode_steps`` on the static graph buffers) for qwen3, qwen3_moe, the hybrids bailing_hybrid and
+qwen3_5 (value heads grouped over key heads) and olmo3 (sliding-window layers: a block table per KV-cache group in
+the graph buffers): the
 "graphs" are captured under the guard and their replays give the eager engine's tokens, log-probs and routes."""
 
 import pytest
@@ -99,7 +100,7 @@ def test_native_decode_kernels_are_sync_free_and_skip_padding_rows():
 PROMPTS = ["hello world, 12 + 3 =", "tool call: {\"name\": \"add\"} and more", "x"]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "bailing_hybrid", "olmo3"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "bailing_hybrid", "olmo3", "qwen3_5"])
 def family(request, tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param, seed=2)
     return load_model(path, dtype=torch.float32, device="cpu"), load_tokenizer(path)

@@ -53,8 +53,8 @@ def test_greedy_equals_plain_decoding(echo, k):
     stats = e.spec.stats()
     assert 1.1 < stats["spec_accept_len"] < k + 1  # drafts were accepted and rejected
     assert stats["spec_accept_len"] == stats["emitted"] / stats["verify_rows"]
-    assert e.spec.take_stats() == {"spec_accept_len": stats["spec_accept_len"]}  # the train metric, per rollout
-    assert e.spec.take_stats() == {"spec_accept_len": 0.0}
+    assert e.spec.take_stats() == {"spec_accept_len": stats["spec_accept_len"], "spec_gated_steps": 0}  # per rollout
+    assert e.spec.take_stats() == {"spec_accept_len": 0.0, "spec_gated_steps": 0}
     if family != "deepseek_v3":  # the hybrids: rejections rolled their recurrent states back
         assert e.runner.states is not None
 
@@ -130,9 +130,8 @@ def test_refused_for_a_model_without_mtp_layers(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    ([], "--speculative-tokens with CUDA graphs (add --eager-decode) is not built yet"),
-    (["--eager-decode", "--kv-cache-dtype", "fp8"], "--speculative-tokens with --kv-cache-dtype fp8 is not built"),
-    (["--eager-decode"], "--speculative-tokens needs a model with MTP (multi-token-prediction) layers"),
+    (["--kv-cache-dtype", "fp8"], "--speculative-tokens with --kv-cache-dtype fp8 is not built"),
+    ([], "--speculative-tokens needs a model with MTP (multi-token-prediction) layers"),
 ])
 def test_serve_refuses_the_flag_with_exit_2(tmp_path, capsys, extra, message):
     """`areno serve`: the combinations not built yet, and a checkpoint without MTP layers (qwen3), exit 2 naming it."""

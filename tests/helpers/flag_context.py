@@ -24,7 +24,7 @@ FOLDERS = ("save_path", "metrics_dir", "rollout_dump_dir", "optimizer_state_offl
 COMPANIONS = {"tp_size": ["--world-size", "2"], "rollout_devices": ["--train-devices", "0"],
               "merge_lora": ["--save-path", "lora-out"]}
 # companions given after the flag (where they do not apply either, the refusal names the flag first)
-AFTER = {"speculative_tokens": ["--decode-steps", "1", "--eager-decode"]}
+AFTER = {"speculative_tokens": ["--decode-steps", "1"]}
 
 
 @dataclasses.dataclass
@@ -82,7 +82,7 @@ def condition_argv(needs: str | None, algo: str, files: Files) -> list[str]:
         "tis": ["--off-policy-correction", "seq-tis"] if algo == "gspo" else [],
         "evalsets": ["--eval-dataset-path", files["reward"]], "wandb": ["--wandb-project", "p"],
         "nodes": ["--nnodes", "2"],
-        "speculative": ["--speculative-tokens", "2", "--decode-steps", "1", "--eager-decode"],
+        "speculative": ["--speculative-tokens", "2", "--decode-steps", "1"],
     }[needs]
 
 

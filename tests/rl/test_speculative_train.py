@@ -35,4 +35,5 @@ def test_grpo_run_logs_the_accept_length(tmp_path, tp, monkeypatch):
     assert rc == 0
     steps = [json.loads(x) for x in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 1 and all(1.0 <= s["spec_accept_len"] <= 3.0 for s in steps)
+    assert all(s["spec_gated_steps"] == 0 for s in steps)  # beside it: the gate (auto: 32 on the CPU) never closed
     assert steps[0]["logprob_diff"] < 1e-4

@@ -351,6 +351,7 @@ class RemoteRollout:
         accept = [s["spec_accept_len"] for _, _, s in answers if "spec_accept_len" in s]
         if accept:  # --speculative-tokens: the engines' mean accept length over this command
             idle["spec_accept_len"] = sum(accept) / len(accept)
+            idle["spec_gated_steps"] = sum(s.get("spec_gated_steps", 0) for _, _, s in answers)
         return tag, version, sizes, [a for a, _, _ in answers], idle
 
     def _collect(self):
@@ -440,7 +441,8 @@ def rollout_policy(cfg, layout, device, dtype):
 
 
 def spec_stats(engine) -> dict:
-    """What a rollout rank reports of a command besides its answer: ``spec_accept_len`` with --speculative-tokens."""
+    """What a rollout rank reports of a command besides its answer: ``spec_accept_len`` and ``spec_gated_steps``
+    with --speculative-tokens."""
     return {} if engine.spec is None else engine.spec.take_stats()
 
 

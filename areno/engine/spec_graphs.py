@@ -1,0 +1,191 @@
+"""The steady speculative step's target verify forward, eager or replayed from a CUDA graph (``spec_exec``).
+
+A steady step: every row decodes and verifies a full draft of K tokens (no prefill chunk, no fresh fork, no shorter
+draft, not gated). Its forward runs in decode mode over B x (K + 1) rows (``AttentionMetadata.tokens_per_seq`` =
+K + 1: each row a query token over its ``seq_lens`` keys, the step's K/V all stored first, so causal within the step;
+the hybrids' recurrent layers step through each sequence's K + 1 rows in order, as K + 1 decode steps do), then the
+logits of every row. Without graphs it runs on the step's own tensors; with graphs a graph per (batch-size bucket, K)
+replays it on static buffers (``verify_buffers``), padding rows at slot -1 and state slot -1 writing nothing, as the
+plain decode graphs do (``decode_graphs``), captured on first use into the runner's graph pool. Both call the same
+body (``verify_body``), so a replay gives the eager step's hidden rows and logits.
+
+The hybrids' rollback needs no second forward here: the recurrent layers keep the states after each of the first K
+tokens (``StateSteps``, written inside the graph), and a rejecting row's slot takes the one after its last accepted
+input (``roll_back``: two indexed copies; the K/V and hidden rows of accepted positions are already right).
+After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
+once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
+rollback's two copies and the host's planning. Graphs are captured on first use (not at server start), the verify's
+keep their logits ``[bucket x (K + 1), V]`` fp32, and a bucket is replayed only while bucket x (K + 1) is within the
+largest decode bucket (larger steady steps run the same bodies eagerly).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from areno.engine.step_inputs import StepInputs
+from areno.models.attention_metadata import AttentionMetadata
+
+
+def verify_meta(r, buf: dict, width: int) -> AttentionMetadata:
+    """The decode-mode metadata of a verify over ``buf`` (static graph buffers or the step's own tensors)."""
+    meta = AttentionMetadata(
+        slot_mapping=buf["slots"], is_prefill=False, cu_seqlens_q=buf["cu"], max_seqlen_q=1,
+        max_seqlen_k=buf["table"].shape[1] * r.block_size, block_table=buf["table"], seq_lens=buf["lens"],
+        state_indices=buf.get("state_idx"), routing_out=buf.get("routing"), tokens_per_seq=width,
+    )  # fmt: skip
+    if "gslots" in buf:  # KV-cache groups 1.. (sliding-window layers)
+        meta.layer_groups, meta.group_slot_mappings = r.layer_groups, list(buf["gslots"])
+        meta.group_block_tables = list(buf["gtables"])
+    return meta
+
+
+class StateSteps:
+    """The hybrids' recurrent states after each of a verify's first K tokens: ``conv [L, K, rows, ...]`` and
+    ``recurrent [L, K, rows, ...]`` (the pools' layouts, ``state_cache``); each recurrent layer takes its own with
+    ``next(kind)``, in layer order."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.bufs, self.used = {"conv": conv, "recurrent": recurrent}, {"conv": 0, "recurrent": 0}
+
+    def next(self, kind: str) -> torch.Tensor:
+        j = self.used[kind]
+        self.used[kind] = j + 1
+        return self.bufs[kind][j]
+
+
+def verify_body(r, buf: dict, width: int, stash: tuple | None = None):
+    """The verify forward and the logits of every row: (hidden [R, H], logits [R, V]); no host sync. ``stash``: the
+    hybrids' (conv, recurrent) buffers the states after each token go to."""
+    meta = verify_meta(r, buf, width)
+    meta.state_steps = None if stash is None else StateSteps(*stash)
+    hidden = r.model(buf["ids"], buf["pos"], kv_caches=r.kv_caches, attn_metadata=meta)
+    return hidden, r.logits(hidden)
+
+
+def roll_back(r, stash: tuple, rows: list[int], slots: list[int], accepted: list[int]) -> None:
+    """A hybrid's rollback after a steady step: each rejecting row's state slot takes the states after its last
+    accepted input (the verify's ``stash``, index = accepted drafts); the K/V there are already the right ones."""
+    dev = r.device
+    b, s, a = (torch.tensor(x, device=dev) for x in (rows, slots, accepted))
+    for pool, kept in zip((r.states.conv, r.states.recurrent), stash):
+        pool[:, s] = kept[:, a, b]
+
+
+def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int) -> dict:
+    """The verify's inputs on the host, padded to ``rows`` token rows and ``seqs`` sequences (padding rows at slot
+    -1, state slot -1), the block tables ``table_width`` blocks wide."""
+    pad = rows - len(inp.ids)
+    table = np.zeros((rows, table_width), dtype=np.int32)
+    for i, tb in enumerate(inp.tables):
+        table[i, : len(tb)] = tb
+    host = {"ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
+            "slots": torch.tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
+            "lens": torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32)}
+    if inp.group_tables is not None:
+        gtables = np.zeros((len(inp.group_tables), rows, table_width), dtype=np.int32)
+        for g, tables in enumerate(inp.group_tables):
+            for i, tb in enumerate(tables):
+                gtables[g, i, : len(tb)] = tb
+        host["gtables"] = torch.from_numpy(gtables)
+        host["gslots"] = torch.tensor([x + [-1] * pad for x in inp.group_slots])
+    if inp.state_slots is not None:
+        host["state_idx"] = torch.tensor(inp.state_slots + [-1] * (seqs - len(inp.state_slots)), dtype=torch.int32)
+    return host
+
+
+def verify_buffers(r, bsz: int, width: int) -> dict:
+    """The static inputs of the verify graph of ``bsz`` sequences x ``width`` rows (routes recorded when the runner
+    records them)."""
+    dev, rows = r.device, bsz * width
+    buf = {name: val.to(dev) for name, val in verify_host(r, _empty(r), rows, bsz, r.max_blocks_per_seq).items()}
+    buf["cu"] = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+    if r.record_routing:
+        buf["routing"] = torch.zeros(r.model.num_moe_layers, rows, r.model.moe_top_k, dtype=torch.int32, device=dev)
+    return buf
+
+
+def _empty(r) -> StepInputs:
+    groups = None if r.layer_groups is None else [[] for _ in range(len(r.group_windows) - 1)]
+    return StepInputs([], [], [], [0], [], [], True, [], [], [], [], [], [], 0, [], group_tables=groups,
+                      group_slots=groups, state_slots=[] if r.states is not None else None)
+
+
+class VerifyGraphs:
+    """One runner's verify graphs, keyed ("verify", bucket, K + 1) in the runner's ``graphs`` (dropped with them),
+    and the hybrids' state stash they write (``StateSteps``): grown to the largest batch that verified so far (its
+    graphs then dropped and captured again): K x rows x a slot's state bytes."""
+
+    def __init__(self):
+        self.stash, self.bucket = None, None
+        self.vbuf, self.width = None, 1  # the last verify's inputs (a graph's static buffers, or the step's own)
+
+    def _stash(self, r, rows: int, width: int) -> tuple | None:
+        if r.states is None:
+            return None
+        if self.stash is None or self.stash[0].shape[1] != width - 1 or self.stash[0].shape[2] < rows:
+            for key in [key for key in r.graphs if key[0] in ("verify", "spec_draw", "spec_chain")]:  # theirs too
+                del r.graphs[key]
+            self.stash = None  # freed before the larger one is made
+            self.stash = tuple(torch.empty(pool.shape[0], width - 1, rows, *pool.shape[2:], dtype=pool.dtype,
+                                           device=pool.device) for pool in (r.states.conv, r.states.recurrent))
+        return self.stash
+
+    def run(self, r, inp: StepInputs, width: int, routes: bool):
+        """The verify of ``inp`` (B x ``width`` rows): (hidden, logits, metadata, positions), each covering at least
+        the step's rows in order (a replay's: its bucket's, padding rows after them). ``routes``: keep the routes
+        (eager: only then recorded). ``self.bucket``: the replayed graph's bucket (None: eager)."""
+        self.bucket = None
+        n = len(inp.ids) // width
+        if not self.graphable(r, n, width):
+            buf = self.vbuf = self._eager_buffers(r, inp, width, routes)
+            self.width = width
+            hidden, logits = verify_body(r, buf, width, self._stash(r, n, width))
+            return hidden, logits, verify_meta(r, buf, width), buf["pos"]
+        bsz = r._bucket(n)
+        key, stash = ("verify", bsz, width), self._stash(r, bsz, width)
+        if key not in r.graphs:
+            r.graphs[key] = self.capture(r, bsz, width, stash)
+        graph, buf, (hidden, logits) = r.graphs[key]
+        for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq).items():
+            buf[name].copy_(val, non_blocking=True)
+        graph.replay()
+        self.bucket, self.vbuf, self.width = bsz, buf, width
+        meta = verify_meta(r, buf, width)
+        meta.routing_out = buf["routing"] if routes else None
+        return hidden, logits, meta, buf["pos"]
+
+    @staticmethod
+    def graphable(r, n: int, width: int) -> bool:
+        """Replayed when the runner uses graphs and the bucket's rows stay within the largest decode bucket."""
+        return r.use_graphs and n <= r.graph_buckets[-1] and r._bucket(n) * width <= r.graph_buckets[-1]
+
+    @staticmethod
+    def _eager_buffers(r, inp: StepInputs, width: int, routes: bool) -> dict:
+        rows = len(inp.ids)
+        width_blocks = max(len(tb) for tables in [inp.tables, *(inp.group_tables or [])] for tb in tables)
+        buf = {name: val.to(r.device) for name, val in verify_host(r, inp, rows, rows // width, width_blocks).items()}
+        buf["cu"] = torch.arange(rows + 1, dtype=torch.int32, device=r.device)
+        if routes:
+            buf["routing"] = torch.empty(r.model.num_moe_layers, rows, r.model.moe_top_k, dtype=torch.int32,
+                                         device=r.device)  # fmt: skip
+        return buf
+
+    @staticmethod
+    def capture(r, bsz: int, width: int, stash: tuple | None) -> tuple:
+        """Capture the verify graph of ``bsz`` sequences (two warm-ups on a side stream first, as ``_capture``):
+        (graph, static buffers, (hidden, logits))."""
+        buf = verify_buffers(r, bsz, width)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                verify_body(r, buf, width, stash)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=r.graph_pool):
+            out = verify_body(r, buf, width, stash)
+        if r.graph_pool is None:
+            r.graph_pool = graph.pool()
+        return graph, buf, out

@@ -1,0 +1,111 @@
+"""A steady speculative step's rejection sampling (``verify_draft``), on the leader, eager or replayed from a CUDA
+graph right after the verify forward's (``spec_graphs``), and its one read back to the host.
+
+The graph per (batch bucket, K + 1, logit-adjustment width, filters used) reads the forward graph's static logits
+and its own static inputs: the drafts' tokens and distributions (``[bucket, K]``, ``[bucket, K, V]``), each row's
+temperature, seed, offset, top-k/top-p (only when a row filters: otherwise the sampler skips them, as eagerly) and
+logit adjustments (padded as the decode graphs pad theirs, penalties always present: neutral rows count nothing).
+Padding rows verify zeros and are never read. Its output is packed in one float64 tensor ``[bucket, 2 (K + 1) + 1]``
+(tokens, log-probs, accepted drafts: all exact in float64), copied to the host once. Without graphs the same body
+runs on the step's own tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areno.engine.decode_graphs import SPARSE_MIN_WIDTH
+from areno.engine.logit_adjust import adjust_host
+from areno.engine.spec_exec import filters
+from areno.engine.speculative import verify_draft
+
+
+def sample_body(r, buf: dict):
+    """verify_draft on ``buf`` (no host sync), packed: [rows, 2 (K + 1) + 1] float64."""
+    adj = buf.get("adjust")
+    out = verify_draft(buf["logits"], buf["draft_tokens"], buf["draft_probs"], buf["num_draft"],
+                       temperature=buf["temp"], seeds=buf["seeds"], offsets=buf["offsets"], top_k=buf.get("top_k"),
+                       top_p=buf.get("top_p"), adjust=adj, check=False,
+                       token_state=r.adjuster.token_state if adj is not None and "pen_slot" in adj else None)
+    return torch.cat([out.tokens.double(), out.logprobs.double(), out.accepted[:, None].double()], dim=1)
+
+
+def _host(inp, bsz: int, k: int, tokens: list[list[int]], adjust_width: int | None) -> dict:
+    """The sampling inputs on the host, padded to ``bsz`` rows (the filters only where some row uses them)."""
+    pad = bsz - len(tokens)
+    top_k, top_p = filters(inp.top_k, inp.top_p)
+    host = {"draft_tokens": torch.tensor(tokens + [[0] * k] * pad, dtype=torch.int64),
+            "num_draft": torch.full((bsz,), k, dtype=torch.int64),
+            "temp": torch.tensor(inp.temperature + [1.0] * pad, dtype=torch.float32),
+            "seeds": torch.tensor(inp.seeds + [0] * pad, dtype=torch.int64),
+            "offsets": torch.tensor(inp.offsets + [0] * pad, dtype=torch.int64)}
+    if top_k is not None:
+        host["top_k"] = torch.tensor(top_k + [0] * pad, dtype=torch.int64)
+    if top_p is not None:
+        host["top_p"] = torch.tensor(top_p + [1.0] * pad, dtype=torch.float32)
+    if inp.adjust is not None:
+        graph = adjust_width is not None
+        host["adjust"] = adjust_host(inp.adjust, bsz, adjust_width if graph else inp.adjust.width,
+                                     penalties=True if graph else None)
+    return host
+
+
+def _to(host: dict, dev) -> dict:
+    """Device copies (new tensors on the CPU too: a graph's buffers never alias the host's)."""
+    return {n: (_to(v, dev) if isinstance(v, dict) else v.to(dev, copy=True)) for n, v in host.items()}
+
+
+def _copy(buf: dict, host: dict) -> None:
+    for name, val in host.items():
+        if isinstance(val, dict):
+            _copy(buf[name], val)
+        else:
+            buf[name].copy_(val, non_blocking=True)
+
+
+def draw(r, inp, drafts: list, k: int, logits, bsz: int | None):
+    """The steady step's tokens, log-probs and accepted drafts per row (lists; one host read). ``drafts``: each row's
+    (tokens, probs [K, V]); ``logits``: the verify's (every row, a replay's padded to ``bsz``; None: eager)."""
+    B, width, V = len(drafts), k + 1, r.vocab_size
+    probs = torch.stack([p for _, p in drafts])
+    tokens = [list(t) for t, _ in drafts]
+    if bsz is None:
+        buf = _to(_host(inp, B, k, tokens, None), r.device)
+        buf["logits"], buf["draft_probs"] = logits[: B * width].view(B, width, V), probs
+        packed = sample_body(r, buf)
+    else:
+        aw = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
+        top_k, top_p = filters(inp.top_k, inp.top_p)
+        key = ("spec_draw", bsz, width, aw, top_k is not None, top_p is not None)
+        host = _host(inp, bsz, k, tokens, aw if inp.adjust is not None else None)
+        if key not in r.graphs:
+            buf = _to(host, r.device)
+            if "pen_slot" in buf.get("adjust", {}):  # the warm-ups and capture count into no slot
+                buf["adjust"]["pen_slot"].fill_(-1)
+            buf["logits"] = logits.view(bsz, width, V)
+            buf["draft_probs"] = torch.zeros(bsz, k, V, dtype=probs.dtype, device=r.device)
+            r.graphs[key] = capture_draw(r, buf)
+        graph, buf, packed = r.graphs[key]
+        _copy(buf, host)
+        buf["draft_probs"][:B].copy_(probs)
+        graph.replay()
+    rows = packed[:B].cpu()
+    n = (rows[:, -1].long() + 1).tolist()
+    toks = rows[:, :width].long().tolist()
+    lps = rows[:, width : 2 * width].float().tolist()
+    return [t[:m] for t, m in zip(toks, n)], [lp[:m] for lp, m in zip(lps, n)], [m - 1 for m in n]
+
+
+def capture_draw(r, buf: dict) -> tuple:
+    """Capture ``sample_body`` on ``buf`` (warm-ups on a side stream, the runner's pool): (graph, buf, packed).
+    The warm-ups count padding tokens into no penalty slot (every slot -1 until a step copies its own in)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            sample_body(r, buf)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=r.graph_pool):
+        packed = sample_body(r, buf)
+    return graph, buf, packed

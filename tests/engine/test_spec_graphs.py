@@ -1,0 +1,163 @@
+"""Speculative decoding under CUDA graphs (``areno.engine.spec_graphs``), checked on the CPU as
+``test_capture_guard`` checks the decode graphs: each steady step's verify graph is "captured" under ``capture_guard``
+(any host sync fails it) and replayed under it on the static, padded buffers, and the engine gives exactly the eager
+speculative engine's tokens (log-probs to float tolerance: padded rows change no real row's math, but the CPU's GEMM
+may block differently), greedy and seeded temperature-1 sampling with penalties, for the hybrid Qwen3.5 and Ling
+(recurrent states stepped through the K + 1 rows, rolled back eagerly), DeepSeek-V3 (MLA); with requests arriving
+mid-run (prefill chunks and forks: eager steps between replays) and the gate turning speculation off and on. One GPU
+test replays the real graphs against eager speculation."""
+
+import re
+
+import pytest
+import torch
+
+from areno.config import SamplingParams
+from areno.engine import spec_chain, spec_sample
+from areno.engine.engine import Engine, EngineConfig
+from areno.engine.spec_chain import chain_body
+from areno.engine.spec_graphs import verify_body, verify_buffers
+from areno.engine.spec_sample import sample_body
+from areno.models import load_model
+from areno.testing import make_tiny_checkpoint
+from tests.helpers.capture_guard import capture_guard
+from tests.helpers.mtp import GATE_PROMPTS, LATE, make_echo_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "deepseek_v3", "bailing_hybrid"])
+def echo(request, tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param, seed=1)
+    return make_echo_model(load_model(path, dtype=torch.float32, device="cpu"), scale=2.0, block_scale=0.5)
+
+
+class _GuardedGraph:
+    """``torch.cuda.CUDAGraph`` on the CPU as ``VerifyGraphs.capture`` drives it: two warm-ups, the "capture" under the
+    guard; a replay reruns the body on the same static buffers under the guard, into the captured outputs."""
+
+    def __init__(self, body):
+        self.body, self.replays = body, 0
+        for _ in range(2):
+            body()
+        with capture_guard():
+            self.out = body()
+
+    def replay(self):
+        self.replays += 1
+        with capture_guard():
+            for dst, src in zip(self.out, self.body()):
+                dst.copy_(src)
+
+
+def _engine(model, k, graphs, monkeypatch=None, **kw):
+    kw = {"block_size": 4, "max_running": 8, "max_batched_tokens": 16, "speculative_tokens": k, **kw}
+    e = Engine(model, None, EngineConfig(**kw), eos_token_ids=[])
+    if graphs:
+        r = e.runner
+        r.use_graphs, r.graph_buckets = True, [1, 2, 4, 8, 16, 32]
+
+        def capture(r, bsz, width, stash):
+            buf = verify_buffers(r, bsz, width)
+            graph = _GuardedGraph(lambda: verify_body(r, buf, width, stash))
+            return graph, buf, graph.out
+
+        def capture_draw(r, buf):
+            graph = _GuardedGraph(lambda: (sample_body(r, buf),))
+            return graph, buf, graph.out[0]
+
+        def capture_chain(r, ex, vbuf, hidden, host, width, k):
+            buf = {name: v.clone() for name, v in host.items()}
+            graph = _GuardedGraph(lambda: chain_body(r, ex, vbuf, hidden, buf, width, k))
+            return graph, buf, graph.out
+
+        r.spec_exec.graphs.capture = capture
+        monkeypatch.setattr(spec_sample, "capture_draw", capture_draw)
+        monkeypatch.setattr(spec_chain, "capture_chain", capture_chain)
+    return e
+
+
+def _run(e, options, late_after=None, trace=None):
+    """GATE_PROMPTS (each with its options), LATE joining after ``late_after`` steps; every sequence's output.
+    ``trace``: gets each step's kind ("gated", "replayed" or "eager"); ``late_after`` "replayed": LATE join after the
+    first replay."""
+    seqs = [s for p, o in zip(GATE_PROMPTS, options) for s in e.add_request(p, o)]
+    steps = 0
+    while e.has_work():
+        before = (e.spec.counts["spec_gated_steps"], sum(_replays(e).values()))
+        e.step()
+        if trace is not None:
+            after = (e.spec.counts["spec_gated_steps"], sum(_replays(e).values()))
+            trace.append("gated" if after[0] > before[0] else "replayed" if after[1] > before[1] else "eager")
+        steps += 1
+        first_replay = late_after == "replayed" and trace[-1:] == ["replayed"] and trace.count("replayed") == 1
+        if steps == late_after or first_replay:
+            seqs += [s for p, o in zip(LATE, options) for s in e.add_request(p, o)]
+    return [(s.output_ids, list(s.logprobs)) for s in seqs]
+
+
+def _options(sampled: bool):
+    if not sampled:
+        return [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2) for n in (4, 12, 20, 30)]
+    return [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, n=2, seed=i, repetition_penalty=1.3,
+                           frequency_penalty=0.2, presence_penalty=0.1) for i, n in enumerate((4, 12, 20, 30))]
+
+
+def _assert_same(got, want):
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
+
+
+def _replays(e, kind="verify") -> dict:
+    return {key: g[0].replays for key, g in e.runner.graphs.items() if key[0] == kind}
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-penalties"])
+def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
+    """K = 3, requests arriving after 4 steps: replays of the steady steps between eager prefill/fork steps."""
+    opts = _options(sampled)
+    want = _run(_engine(echo, 3, graphs=False), opts, late_after=4)
+    e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch)
+    got = _run(e, opts, late_after=4)
+    _assert_same(got, want)
+    replays = _replays(e)
+    assert replays and sum(replays.values()) >= 3 and all(key[2] == 4 for key in replays)  # (bucket, K + 1)
+    assert len(replays) > 1  # several buckets as sequences finish
+    draws = _replays(e, "spec_draw")  # the rejection sampling replayed after each verify replay
+    assert sum(draws.values()) == sum(replays.values())
+    assert all(key[3:] == ((16, False, False) if sampled else (0, False, False)) for key in draws)
+    assert 0 < sum(_replays(e, "spec_chain").values()) <= sum(replays.values())  # the drafts after them
+    assert e.spec.stats()["spec_accept_len"] > 1.1  # drafts accepted and rejected
+    assert (e.runner.states is None) == (e.runner.spec_exec.graphs.stash is None)  # hybrids: states kept per token
+
+
+def test_gate_turns_speculation_off_and_on_under_graphs(echo, monkeypatch):
+    """--speculative-disable-by-batch-size 3: gated (eager plain) steps while more than 3 decode, replays once fewer
+    do, gated again when LATE join (after the first replay), replays again at the end."""
+    opts = _options(False)
+    e = _engine(echo, 2, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
+    trace = []
+    got = _run(e, opts, late_after="replayed", trace=trace)
+    want = _run(_engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3), opts,
+                late_after=trace.index("replayed") + 1)
+    _assert_same(got, want)
+    kinds = "".join(k[0] for k in trace)  # g(ated), r(eplayed), e(ager)
+    assert re.search("g.*r.*g.*r", kinds), kinds  # off, on (replayed), off, on
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "bailing_hybrid"])
+def test_real_graphs_equal_eager_speculation_on_the_gpu(tmp_path, family):
+    """The real CUDA graphs (captured per bucket and K on first use) against eager speculation: greedy equal."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
+    model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0, block_scale=0.5)
+    opts = _options(False)
+    out = {}
+    for eager in (True, False):
+        e = Engine(model, None, EngineConfig(block_size=16, max_running=8, speculative_tokens=2, eager_decode=eager),
+                   eos_token_ids=[])
+        out[eager] = _run(e, opts, late_after=4)
+    assert [t for t, _ in out[False]] == [t for t, _ in out[True]]
+    assert any(key[0] == "verify" for key in e.runner.graphs)
