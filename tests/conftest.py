@@ -39,3 +39,11 @@ def triton_kernels(monkeypatch):
 def native_kernels(monkeypatch):
     monkeypatch.setenv("ARENO_KERNELS", "native")
     yield
+
+
+@pytest.fixture(scope="session")
+def quickstart_home(tmp_path_factory):
+    """One $ARENO_HOME for the session's runs of `areno train --preset quickstart` (subprocesses): the first trains
+    the preset's 500-step SFT warm-up, the next ones with the same inputs load its cached state (bit for bit the
+    same: areno/rl/warmup_cache.py, tests/rl/test_warmup_cache.py)."""
+    return tmp_path_factory.mktemp("areno-home")

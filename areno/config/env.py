@@ -16,7 +16,10 @@ class EnvVar:
 VARIABLES = (
     EnvVar("ARENO_HOME", "$XDG_CACHE_HOME/areno, else ~/.cache/areno",
            "areno's cache folder: the attention-setup record scripts/install.sh writes (setup.json) and the "
-           "quickstart checkpoints and data", "platform, quickstart"),
+           "quickstart checkpoints and data, the quickstart's cached warm-up", "platform, quickstart, rl/warmup_cache"),
+    EnvVar("ARENO_WARMUP_CACHE", "on", "off: `areno train --preset quickstart` trains its SFT warm-up every time "
+           "instead of reusing the post-warm-up state an earlier run with the same inputs cached under "
+           "$ARENO_HOME/warmup/ (bit-identical either way)", "rl/warmup_cache"),
     EnvVar("ARENO_KERNELS", "auto", "native forces the PyTorch path of every kernel, triton forces Triton; auto: "
            "Triton for CUDA tensors (and CPU ones under TRITON_INTERPRET=1), native otherwise",
            "kernels/dispatch (kernels/warmup sets it)"),

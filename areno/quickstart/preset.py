@@ -9,8 +9,9 @@ imperfect demonstrations.
 
 The model is created once (random weights from a fixed seed, the byte-level tokenizer of ``areno.testing``) and
 cached under ``$ARENO_HOME/quickstart/`` (default ``~/.cache/areno/quickstart/``). On two CPU cores the whole run
-takes about two minutes: 500 SFT steps (~65 s), 40 GRPO steps (~40 s). Every flag given on the command line still
-overrides the preset's value, e.g. ``--max-steps 10``, ``--seed 1`` or
+takes about two minutes: 500 SFT steps (~65 s), 40 GRPO steps (~40 s); the state the SFT steps leave is cached
+(``areno/rl/warmup_cache.py``), so a later run with the same warm-up inputs starts at RL, bit for bit. Every flag
+given on the command line still overrides the preset's value, e.g. ``--max-steps 10``, ``--seed 1`` or
 ``--dataset-path teacher_error=0`` (a perfect teacher, leaving RL little to fix).
 """
 

@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from areno.config import ConfigError, RunError
 from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
-from areno.rl import resume, setup
+from areno.rl import resume, setup, warmup_cache
 from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
 from areno.rl.eval_schedule import SetEvaluator
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
@@ -169,6 +170,9 @@ class TrainLoop:
         from areno.training.data import PromptIterator
         from areno.training.schedule import LRSchedule
 
+        cache = warmup_cache.entry(cfg, rows, self.model, self.device, self.dp_size * cfg.tp_size)  # quickstart
+        if cache is not None and cache.load(self.model, self.trainer, self.logger, self.is_main):
+            return cache.last
         data = iter(PromptIterator(rows, cfg.batch_size, seed=cfg.seed + 1, epochs=None))
         # the warm-up has a schedule of its own (same shape, peak --sft-warmup-lr or --lr, over its own updates) and
         # trains at temperature 1: the RL schedule and the rollout temperature apply to the RL steps only
@@ -182,18 +186,14 @@ class TrainLoop:
                                 style=cfg.lr_decay_style)
         t.group_schedules = multimodal.group_schedules(cfg, t.optimizer.groups, lr=lr, total_updates=updates)
         t.temperature = 1.0
-        m, bar = {}, None
-        if self.is_main:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.sft_warmup_steps, desc="sft warm-up", dynamic_ncols=True)
+        m, log = {}, cache.recorder(self.logger.log) if cache is not None else self.logger.log
+        bar = tqdm(total=cfg.sft_warmup_steps, desc="sft warm-up", dynamic_ncols=True) if self.is_main else None
         try:
             for i in range(cfg.sft_warmup_steps):
                 m = sft.step(self.ctx, next(data))
                 if self.is_main and (i + 1) % max(1, cfg.log_interval) == 0:
                     # JSON lines only: the progress bar carries the loss instead of one stdout line per step
-                    self.logger.log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()},
-                                    stdout=False)
+                    log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()}, stdout=False)
                 if bar is not None:
                     bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}", refresh=False)
                     bar.update(1)
@@ -206,6 +206,8 @@ class TrainLoop:
             if full:
                 lora.end_train_base(self.model)
                 self.ctx.trainer = self.trainer
+        if cache is not None:
+            cache.save(self.model, self.trainer)
         return m
 
     # ---- the run -------------------------------------------------------------------------------------------
@@ -244,8 +246,6 @@ class TrainLoop:
 
     def run(self) -> dict:
         cfg = self.cfg
-        from tqdm import tqdm
-
         if self.data is None:
             raise ConfigError("--dataset-path", "gives no rows to train on")
         bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.is_main, desc=cfg.algo,

@@ -83,6 +83,25 @@ def areno(files, out, *extra, steps=3, **env_extra):
     return proc
 
 
+def started(files, out, *extra, steps=3, **env_extra) -> subprocess.Popen:
+    """``areno`` run in the background, for a test's runs that do not depend on each other: they overlap (each
+    process of a run uses one thread, and a tiny run keeps less than a core busy); ``ended`` waits for it."""
+    return subprocess.Popen([sys.executable, "-m", "areno", *train_args(files, out, *extra, steps=steps)],
+                            env=env(**env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def ended(proc: subprocess.Popen, *, ok: bool = True) -> subprocess.CompletedProcess:
+    """Wait for a ``started`` run (10 minutes at most); with ``ok``, assert it succeeded."""
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if ok:
+        assert proc.returncode == 0, err[-4000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def metrics(out):
     return [json.loads(x) for x in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
 

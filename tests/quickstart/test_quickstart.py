@@ -81,11 +81,12 @@ def test_metrics_follow_the_save_path(areno_home):
     assert folder("--save-path", "/elsewhere/run", "--metrics-dir", "/m") == "/m"
 
 
-def test_quickstart_end_to_end(areno_home, tmp_path):
-    """The README's command as it runs (CPU, the default seed), with only --save-path added."""
+def test_quickstart_end_to_end(quickstart_home, tmp_path):
+    """The README's command as it runs (CPU, the default seed), with only --save-path added (its SFT warm-up may come
+    from the cache of another quickstart run of the session: the same bits)."""
     save, work = tmp_path / "run", tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "ARENO_HOME": str(areno_home), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+    env = {**os.environ, "ARENO_HOME": str(quickstart_home), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "areno", "train", "--preset", "quickstart", "--save-path", str(save)]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)

@@ -4,15 +4,13 @@ sampled it (the token service answers with it); what trains stays within K versi
 runs on gloo (CPU), the tiny checkpoint and the three-turn agent of the split tests (tests/helpers/split_runs.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from areno.rl.agentic.session import token_versions
-from tests.helpers.split_runs import AGENT, ROOT, areno, env, metrics, needs_gpus, train_args
+from tests.helpers.split_runs import AGENT, areno, ended, metrics, needs_gpus, started
 
 SPLIT = ["--train-devices", "0", "--rollout-devices", "1", "--max-context-len", "400"]
 
@@ -116,10 +114,10 @@ def test_agent_batches_run_one_step_ahead_and_a_killed_run_resumes_at_the_batch_
     agent.write_text(KILLING)
     args = ["--agent-fn", str(agent), *SPLIT, "--max-staleness", "1", "--save-interval", "1"]
     full, part = tmp_path / "full", tmp_path / "part"
+    killed = started(files, part, *args, KILL_AFTER=str(part / "step-2"))  # overlaps the uninterrupted run
     areno(files, full, *args, "--rollout-dump-dir", str(tmp_path / "dump-full"))
     check_ran_ahead(metrics(full), tmp_path / "dump-full", 1, 3)  # K = 1: one batch ahead
-    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, part, *args)], cwd=ROOT, timeout=600,
-                          env=env(KILL_AFTER=str(part / "step-2")), capture_output=True, text=True)
+    proc = ended(killed, ok=False)
     assert proc.returncode != 0 and (part / "step-2").is_dir() and not (part / "step-3").exists()
     areno(files, part, *args, "--resume", "--rollout-dump-dir", str(tmp_path / "dump-part"))
     a, b = metrics(full), metrics(part)

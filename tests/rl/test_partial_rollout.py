@@ -19,7 +19,7 @@ from areno.engine.engine import Engine, EngineConfig
 from areno.models import load_model, load_tokenizer
 from areno.rl.rollout.partial import PartialRollout
 from areno.testing import make_tiny_checkpoint
-from tests.helpers.split_runs import KILLING_REWARD, ROOT, areno, env, metrics, needs_gpus, train_args
+from tests.helpers.split_runs import KILLING_REWARD, areno, ended, env, metrics, needs_gpus, started
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +136,9 @@ def test_partial_rollout_resumes_exactly(files, tmp_path):
     files = (files[0], files[1], reward)
     args = [*PARTIAL[:-4], "--max-staleness", "2", "--max-new-tokens", "12", "--save-interval", "1"]
     full, part = tmp_path / "full", tmp_path / "part"
+    killed = started(files, part, *args, steps=5, KILL_AT_CALL=str(2 * 8 + 1))  # overlaps the uninterrupted run
     areno(files, full, *args, "--rollout-dump-dir", str(tmp_path / "dump-full"), steps=5)
-    proc = subprocess.run([sys.executable, "-m", "areno", *train_args(files, part, *args, steps=5)],
-                          env=env(KILL_AT_CALL=str(2 * 8 + 1)), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = ended(killed, ok=False)
     assert proc.returncode != 0  # killed while scoring step 3 (or later), after step 2's save
     assert (part / "step-2").is_dir() and not (part / "step-5").exists()
     areno(files, part, *args, "--resume", "--rollout-dump-dir", str(tmp_path / "dump-part"), steps=5)

@@ -172,16 +172,17 @@ def test_sdk_split_mode_under_torchrun_matches_the_colocated_sdk(files, tmp_path
     assert a == b and a[:2] != a[2:]  # same samples before and after the update, and the update changed them
 
 
-def test_async_split_quickstart_still_learns(tmp_path):
+def test_async_split_quickstart_still_learns(tmp_path, quickstart_home):
     """--max-staleness 1 on the quickstart task: one step of policy lag, corrected by truncated importance sampling,
     still gains at least 10 points of held-out accuracy in 12 of the preset's 40 steps (measured on two cores: 68.5%
     -> 95.5%, +27 points, 115 s, most of it the preset's 500-step SFT warm-up; before the CPU attention path batched
     its sequences: 66.5% -> 90.5%, and --seed 1..4 +14.5 to +26 after 12 steps). The sync quickstart test proves the
-    full preset learns."""
+    full preset learns. With the session's shared $ARENO_HOME the warm-up is that test's, loaded from the cache (the
+    split trainer's warm-up is the colocated one's, bit for bit: areno/rl/warmup_cache.py)."""
     save = tmp_path / "run"
     cmd = [sys.executable, "-m", "areno", "train", "--preset", "quickstart", "--save-path", str(save),
            "--train-devices", "0", "--rollout-devices", "1", "--max-staleness", "1", "--max-steps", "12"]
-    proc = subprocess.run(cmd, env=env(ARENO_HOME=str(tmp_path / "home")), cwd=tmp_path, capture_output=True,
+    proc = subprocess.run(cmd, env=env(ARENO_HOME=str(quickstart_home)), cwd=tmp_path, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(x) for x in (save / "metrics" / "metrics.jsonl").read_text().splitlines()]
