@@ -199,7 +199,8 @@ def test_capture_graphs_captures_every_steady_graph_at_start(echo, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "bailing_hybrid"])
 def test_real_graphs_equal_eager_speculation_on_the_gpu(tmp_path, family):
-    """The real CUDA graphs (captured per bucket and K on first use) against eager speculation: greedy equal."""
+    """The real CUDA graphs (captured per bucket and K at start) against eager speculation: greedy equal; the run
+    captures nothing more."""
     path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
     model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0, block_scale=0.5)
     opts = _options(False)
@@ -207,6 +208,9 @@ def test_real_graphs_equal_eager_speculation_on_the_gpu(tmp_path, family):
     for eager in (True, False):
         e = Engine(model, None, EngineConfig(block_size=16, max_running=8, speculative_tokens=2, eager_decode=eager),
                    eos_token_ids=[])
+        assert (e.capture_graphs() > 0) == (not eager)
+        keys = set(e.runner.graphs)
         out[eager] = _run(e, opts, late_after=4)
+        assert set(e.runner.graphs) == keys
     assert [t for t, _ in out[False]] == [t for t, _ in out[True]]
-    assert any(key[0] == "verify" for key in e.runner.graphs)
+    assert {key[:2] for key in e.runner.graphs if key[0] == "verify"} == {("verify", 1), ("verify", 2)}  # 3 b <= 8
