@@ -18,6 +18,15 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 SPARSE_MIN_WIDTH = 16  # the graphs' per-row logit-bias/ban list: a power of two, at least this wide
 
 
+def graph_plan(max_running: int, eager: bool, device: torch.device) -> tuple[bool, list[int]]:
+    """(whether a runner replays CUDA graphs, its batch-size buckets): the buckets up to ``max_running``, which is
+    the last one (known before the runner exists: the speculative stash is sized from them, ``spec_graphs``)."""
+    buckets = [b for b in GRAPH_BUCKETS if b <= max(1, max_running)]
+    if buckets[-1] < max_running:
+        buckets.append(max_running)
+    return (not eager) and device.type == "cuda", buckets
+
+
 def graph_key(bsz: int, k: int, width: int, rope_off: bool) -> tuple:
     """A graph's key: (rows, chained steps, logit-adjustment width), plus a mark for per-row position offsets
     (graphs without offsets, all of a text-only model's, do no extra work)."""

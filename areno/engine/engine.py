@@ -33,7 +33,7 @@ from areno.engine.lora_slots import LoraSlots, slots_of
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import Sequence
-from areno.engine.spec_decode import check_request, spec_decoder
+from areno.engine.spec_decode import check_request, spec_budget, spec_decoder
 from areno.engine.stopping import StopChecker
 
 log = logging.getLogger("areno.engine")
@@ -121,10 +121,11 @@ class Engine:
         device, dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
         check_kv_cache_dtype(self.model, cfg.kv_cache_dtype)
         kv_dtype = cache_dtype(cfg.kv_cache_dtype, dtype)
+        self.spec_budget = getattr(self, "spec_budget", None) or spec_budget(self, device, dtype)  # kept on rebuilds
         num_blocks = plan_num_blocks(
             self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
             max_running=cfg.max_running, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
-            extra_layers=int(cfg.speculative_tokens > 0))  # the MTP draft's cache layer
+            extra_layers=int(cfg.speculative_tokens > 0), reserved=self.spec_budget.reserved if self.spec_budget else 0)
         hybrid = self.model.is_hybrid
         record = cfg.record_routing and self.model.is_moe
         if cfg.prefix_caching and (hybrid or record):
@@ -183,12 +184,11 @@ class Engine:
             self._build()
 
     def capture_graphs(self, decode_steps=(1,)) -> int:
-        """Capture every batch bucket's decode graph now instead of on first use (``ModelRunner.capture_graphs``);
-        nothing under TP (the ranks capture together on first use) or speculation (``spec_graphs``: on first use)."""
+        """Capture graphs now, not on first use: ``ModelRunner.capture_graphs``, ``SpecDecoder``'s with speculation."""
         self._ensure_built()
-        if self.model.tp_group is not None or self.spec is not None:
+        if self.model.tp_group is not None:
             return 0
-        return self.runner.capture_graphs(decode_steps)
+        return self.spec.capture_graphs() if self.spec is not None else self.runner.capture_graphs(decode_steps)
 
     def warm_up(self, *, on_cpu: bool = False) -> dict:
         """Compile and autotune what eager steps run before the first request does (a server calls this at start):

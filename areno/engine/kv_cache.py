@@ -120,11 +120,12 @@ def state_bytes(model, max_running: int, dtype: torch.dtype) -> int:
 
 
 def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_running, max_model_len,
-                    kv_dtype=None, extra_layers: int = 0) -> int:
+                    kv_dtype=None, extra_layers: int = 0, reserved: int = 0) -> int:
     """Blocks for the KV cache: the memory budget, capped by what max_running full-length sequences hold (a
     sliding group: its window's blocks; at least one whole full-length sequence in every group). ``dtype``: the
     model's (recurrent states); ``kv_dtype``: the K/V elements' (default ``dtype``; FP8 counts its scales);
-    ``extra_layers``: cache layers beside the model's sharing the blocks (the MTP draft's, speculation)."""
+    ``extra_layers``: cache layers beside the model's sharing the blocks (the MTP draft's, speculation);
+    ``reserved``: device bytes allocated beside the cache out of the same budget (speculation's, ``spec_budget``)."""
     groups = kv_groups(model, max_model_len)
     per_block = kv_bytes_per_block(model, block_size, kv_dtype or dtype, max_model_len, extra_layers)
     full = math.ceil(max_model_len / block_size)
@@ -141,6 +142,7 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
     else:
         budget = int(kv_cache_memory)
     budget -= state_bytes(model, max_running, dtype)  # the recurrent-state slots come out of the same budget
+    budget -= reserved
     blocks = max(1, min(cap, budget // per_block))
     if dist.is_initialized() and model.tp_group is not None:  # every TP rank the same size
         t = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")

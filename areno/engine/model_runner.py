@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areno.engine.decode_graphs import GRAPH_BUCKETS, DecodeGraphs
+from areno.engine.decode_graphs import DecodeGraphs, graph_plan
 from areno.engine.grammar import apply_token_mask
 from areno.engine.images import ImageEmbeddings
 from areno.engine.kv_cache import kv_cache_layout, kv_groups, kv_scale_shape
@@ -97,10 +97,7 @@ class ModelRunner(DecodeGraphs):
                 self.kv_caches[i] = pools
         self.record_routing = bool(record_routing and model.is_moe)
         self.last_routing = None
-        self.use_graphs = (not eager) and self.device.type == "cuda"
-        self.graph_buckets = [b for b in GRAPH_BUCKETS if b <= max(1, max_running)]
-        if self.graph_buckets[-1] < max_running:
-            self.graph_buckets.append(max_running)
+        self.use_graphs, self.graph_buckets = graph_plan(max_running, eager, self.device)
         self.graphs: dict[int, tuple] = {}
         self.graph_pool = None
         self.last_step_used_graph = False

@@ -9,7 +9,9 @@ of every chain row at position len - 2 + j, the rows with K_b <= j (and padding 
 and read by no one; each step's tokens are drawn on the leader (the draft's Philox stream, as ``SpecExec._draw``)
 and broadcast to the TP followers in the body. Outputs: tokens ``[K, rows]`` (read back once) and the draft
 distributions ``[K, rows, V]`` (copied out for the next verify). A graph per (batch bucket, K + 1, filters used)
-reads the verify graph's static hidden rows and metadata; eagerly the same body runs on the step's own tensors.
+reads the verify graph's static hidden rows and metadata (captured on first use, or at server start without filters:
+``capture_plain``; its tokens read back through a pinned buffer); eagerly the same body runs on the step's own
+tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from areno.engine.spec_graphs import verify_meta
+from areno.engine.spec_graphs import read_back, verify_meta
 from areno.kernels.sampler import philox_bits, sampling_probs
 from areno.models.attention_metadata import AttentionMetadata
 
@@ -99,11 +101,26 @@ def run_chain(r, ex, c, nxt: list[int]) -> list | None:
         for name, val in host.items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
+        if ex.leader:
+            toks = read_back(r, buf, toks)  # pinned, then synchronised
     if not ex.leader:
         return None
     tk = toks[:, :n].cpu().t().tolist()
     pr = probs[:, :n].transpose(0, 1).clone()  # the next verify's, out of the graph's buffer
     return [(t[:kb], p[:kb]) for t, p, kb in zip(tk, pr, c.kbs)]
+
+
+def capture_plain(r, ex, bsz: int, width: int, c) -> int:
+    """Capture (at start) the chain graph of bucket ``bsz`` for rows without top-k/top-p, on the verify graph's
+    static buffers and hidden rows (every slot -1 then: nothing written); ``c``: an empty ``Chain``. 1 if
+    captured, 0 if it was there."""
+    key = ("spec_chain", bsz, width, False, False)
+    if key in r.graphs:
+        return 0
+    _, vbuf, (hidden, _) = r.graphs[("verify", bsz, width)]
+    host = chain_host(c, [], hidden.shape[0], bsz, width - 1, r.max_blocks_per_seq, ex.leader)
+    r.graphs[key] = capture_chain(r, ex, vbuf, hidden, host, width, width - 1)
+    return 1
 
 
 def capture_chain(r, ex, vbuf, hidden, host: dict, width: int, k: int) -> tuple:

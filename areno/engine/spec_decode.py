@@ -46,7 +46,9 @@ or gate) runs on static shapes, each part replayed from a graph per (batch bucke
 as the same body without (so both give the same tokens): the verify forward in decode mode over B x (K + 1) rows
 with the hybrids' per-token states kept (``spec_graphs``; the rollback then two copies, no second forward), the
 rejection sampling (``spec_sample``) and the MTP catch-up and chain (``spec_chain``). Every other step (prefill
-chunks, fresh forks, shorter drafts, gated steps) runs eagerly as described above.
+chunks, fresh forks, shorter drafts, gated steps) runs eagerly as described above. ``capture_graphs`` captures the
+steady steps' graphs of every bucket at server start (without TP). Memory beside the KV cache (the hybrids' state
+stash, the deferred catch-ups' rows) is sized at build and taken out of its budget (``spec_budget``).
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start):
 multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
 """
@@ -54,21 +56,26 @@ multi-step decode, LoRA slots, vision-language models; per request: grammars, to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from areno.engine import spec_chain, spec_sample
+from areno.engine.decode_graphs import graph_plan
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.model_runner import broadcast_step
 from areno.engine.scheduler import Chunk, Step
 from areno.engine.sequence import Status
 from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
 from areno.engine.spec_gate import resolve_gate
+from areno.engine.spec_graphs import stash_bytes, stash_rows
 from areno.engine.spec_sample import draw
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
 from areno.models.mtp import build_mtp_draft
 
 DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gated steps before it runs anyway
+# (fewer where max_running x max_model_len rows are fewer); taken out of the KV-cache budget (``spec_budget``)
 
 
 @dataclass
@@ -99,13 +106,35 @@ def check_speculative(engine) -> None:
             raise ValueError(f"--speculative-tokens with {name} is not built yet")
 
 
-def spec_decoder(engine) -> SpecDecoder | None:
-    """The engine's ``SpecDecoder`` for its (new) runner with ``--speculative-tokens`` (the draft built and the gate
-    resolved once), else None."""
-    k = engine.config.speculative_tokens
+class SpecBudget(NamedTuple):
+    limit: int | None  # the gate's largest speculating batch (None: every step speculates)
+    rows: int  # the most sequences a steady step verifies (its graph bucket where replayed): the stash's rows
+    defer_rows: int  # hidden rows of deferred catch-ups held before they run anyway (DEFER_BYTES, or all there are)
+    reserved: int  # device bytes beside the KV cache from its budget: the stash, the held rows where gated
+
+
+def spec_budget(engine, device, dtype) -> SpecBudget | None:
+    """Speculation's sizes, known before the KV cache is planned (None without ``--speculative-tokens``): the gate
+    resolved, the hybrids' state stash (``spec_graphs.stash_rows``/``stash_bytes``) and, where the gate can make a
+    step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one step's beyond them: ``_defer``)."""
+    cfg, k = engine.config, engine.config.speculative_tokens
     if not k:
         return None
     check_speculative(engine)
+    limit = resolve_gate(cfg.speculative_disable_by_batch_size, engine.model, k, device)
+    rows = stash_rows(limit, cfg.max_running, *graph_plan(cfg.max_running, cfg.eager_decode, device), k + 1)
+    row_bytes = engine.model.config.hidden_size * dtype.itemsize
+    defer = max(1, min(DEFER_BYTES // row_bytes, cfg.max_running * engine.max_model_len))
+    held = defer + cfg.max_running if limit is not None and limit < cfg.max_running else 0  # + one step's past it
+    return SpecBudget(limit, rows, defer, stash_bytes(engine.model, rows, k, dtype) + held * row_bytes)
+
+
+def spec_decoder(engine) -> SpecDecoder | None:
+    """The engine's ``SpecDecoder`` for its (new) runner with ``--speculative-tokens`` (the draft built once, the
+    gate and sizes those of ``engine.spec_budget``), else None."""
+    k = engine.config.speculative_tokens
+    if not k:
+        return None
     old = getattr(engine, "spec", None)
     return SpecDecoder(engine, k, old)
 
@@ -121,19 +150,18 @@ class SpecDecoder:
     (a follower only runs the ``SpecExec`` it attaches to the runner)."""
 
     def __init__(self, engine, k: int, old: SpecDecoder | None = None):
-        """``old``: the decoder of the engine's previous runner, whose draft and gate this one keeps."""
+        """``old``: the decoder of the engine's previous runner, whose draft this one keeps."""
         self.engine, self.k = engine, k
         self.draft = old.draft if old is not None else build_mtp_draft(engine.model)
         runner = engine.runner
-        runner.spec_exec = SpecExec(runner, self.draft)  # the device side (released with the runner)
+        budget = engine.spec_budget
+        runner.spec_exec = SpecExec(runner, self.draft, budget.rows, k + 1)  # the device side (released with it)
         self.drafts: dict[int, Draft] = {}
         # the deferred MTP catch-up of gated steps: seq_id -> [seq, first position, rows held], at most defer_rows
         self.deferred: dict[int, list] = {}
         self._dropped: list[int] = []  # seq_ids whose held rows the device side drops at the next FinishWork
-        self.defer_rows = max(1, DEFER_BYTES // (engine.model.config.hidden_size * runner.dtype.itemsize))
-        # the largest batch that speculates (None: every step does)
-        self.limit = old.limit if old is not None else resolve_gate(engine.config.speculative_disable_by_batch_size,
-                                                                    engine.model, k, runner.device)
+        self.defer_rows = budget.defer_rows
+        self.limit = budget.limit  # the largest batch that speculates (None: every step does)
         self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
 
     @property
@@ -152,6 +180,24 @@ class SpecDecoder:
         out = {"spec_accept_len": self.stats()["spec_accept_len"], "spec_gated_steps": self.counts["spec_gated_steps"]}
         self.counts = dict.fromkeys(self.counts, 0)
         return out
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture the steady steps' graphs of every bucket they replay now (``Engine.capture_graphs``, at server
+        start): the verify, the sampling and the chain for rows without logit adjustments or filters (those with
+        them capture theirs on first use); returns how many. None under TP (the ranks capture together on first
+        use) or without graphs."""
+        r, width = self.engine.runner, self.k + 1
+        if r.tp_group is not None or not r.use_graphs:
+            return 0
+        ex, n = r.spec_exec, 0
+        for bsz in ex.graphs.capture_buckets(r, width):
+            key = ("verify", bsz, width)
+            if key not in r.graphs:
+                r.graphs[key], n = ex.graphs.capture(r, bsz, width, ex.graphs.stash), n + 1
+            n += spec_sample.capture_plain(r, bsz, self.k, r.graphs[key][2][1])
+            n += spec_chain.capture_plain(r, ex, bsz, width, Chain([], [], [], [], [], [], [], [], []))
+        return n
 
     def _run(self, work):
         """Device work on every rank: broadcast to the TP followers first, then run here."""

@@ -88,7 +88,9 @@ class FinishWork:
 class SpecExec:
     """One runner's device state and work for speculative decoding (see the module docstring)."""
 
-    def __init__(self, runner, draft):
+    def __init__(self, runner, draft, rows: int, width: int):
+        """``rows``: the most sequences a steady step verifies, ``width`` its K + 1 (the stash's size,
+        ``spec_graphs``)."""
         self.draft = draft
         self.mtp_cache = torch.zeros_like(runner.kv_cache[0])  # the MTP layer's paged K/V: one more cache layer
         self.group = runner.tp_group
@@ -97,7 +99,7 @@ class SpecExec:
         self.saved = None  # (slots, conv, recurrent) of the drafting hybrid rows before the target forward
         self.last = None  # (hidden, meta, positions) of the step's target forward
         self.logits = None  # a steady step's verify logits (every row), else None
-        self.graphs = VerifyGraphs()
+        self.graphs = VerifyGraphs(runner, rows, width)
 
     @property
     def mtp_kv(self) -> tuple:

@@ -6,17 +6,21 @@ K + 1: each row a query token over its ``seq_lens`` keys, the step's K/V all sto
 the hybrids' recurrent layers step through each sequence's K + 1 rows in order, as K + 1 decode steps do), then the
 logits of every row. Without graphs it runs on the step's own tensors; with graphs a graph per (batch-size bucket, K)
 replays it on static buffers (``verify_buffers``), padding rows at slot -1 and state slot -1 writing nothing, as the
-plain decode graphs do (``decode_graphs``), captured on first use into the runner's graph pool. Both call the same
-body (``verify_body``), so a replay gives the eager step's hidden rows and logits.
+plain decode graphs do (``decode_graphs``), captured into the runner's graph pool at server start
+(``Engine.capture_graphs``: every bucket a steady step replays) or on first use. Both call the same body
+(``verify_body``), so a replay gives the eager step's hidden rows and logits.
 
 The hybrids' rollback needs no second forward here: the recurrent layers keep the states after each of the first K
 tokens (``StateSteps``, written inside the graph), and a rejecting row's slot takes the one after its last accepted
 input (``roll_back``: two indexed copies; the K/V and hidden rows of accepted positions are already right).
 After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
 once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
-rollback's two copies and the host's planning. Graphs are captured on first use (not at server start), the verify's
-keep their logits ``[bucket x (K + 1), V]`` fp32, and a bucket is replayed only while bucket x (K + 1) is within the
-largest decode bucket (larger steady steps run the same bodies eagerly).
+rollback's two copies and the host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
+and a bucket is replayed only while bucket x (K + 1) is within the largest decode bucket (larger steady steps run the
+same bodies eagerly). Memory: the stash (K x rows x one slot's states) is allocated once with the runner, rows the
+largest speculating batch rounded up to its bucket (``stash_rows``), and its bytes come out of the KV-cache budget
+(``stash_bytes``, ``spec_decode.spec_budget``); a step never grows it. The sampling and chain replays are read back
+through pinned buffers (``read_back``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from areno.engine.state_cache import RecurrentStates
 from areno.engine.step_inputs import StepInputs
 from areno.models.attention_metadata import AttentionMetadata
 
@@ -112,24 +117,55 @@ def _empty(r) -> StepInputs:
                       group_slots=groups, state_slots=[] if r.states is not None else None)
 
 
+def stash_rows(limit: int | None, max_running: int, use_graphs: bool, buckets: list[int], width: int) -> int:
+    """Rows of the stash: the most a steady step verifies, its largest speculating batch N = min(max_running, the
+    gate's limit) rounded up to its graph bucket when that bucket is replayed (``VerifyGraphs.graphable``)."""
+    n = max_running if limit is None else max(1, min(limit, max_running))
+    if use_graphs and _graphable(buckets, n, width):
+        return next(b for b in buckets if b >= n)
+    return n
+
+
+def stash_bytes(model, rows: int, k: int, dtype: torch.dtype) -> int:
+    """Device bytes of the stash of a hybrid ``model`` (0 for attention-only ones): K x rows x one state slot."""
+    shapes = model.recurrent_state_shapes()
+    return k * rows * RecurrentStates.bytes_per_slot(shapes, dtype) if shapes else 0
+
+
+def _graphable(buckets: list[int], n: int, width: int) -> bool:
+    return n <= buckets[-1] and next(b for b in buckets if b >= n) * width <= buckets[-1]
+
+
+def read_back(r, buf: dict, out: torch.Tensor) -> torch.Tensor:
+    """A replay's output on the host: copied into a pinned buffer kept in ``buf`` (one per graph: read before the
+    next replay), then the stream synchronised (the caller reads it at once)."""
+    host = buf.get("read_back")
+    if host is None:
+        host = buf["read_back"] = torch.empty(out.shape, dtype=out.dtype, pin_memory=r.device.type == "cuda")
+    host.copy_(out, non_blocking=True)
+    if r.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    return host
+
+
 class VerifyGraphs:
     """One runner's verify graphs, keyed ("verify", bucket, K + 1) in the runner's ``graphs`` (dropped with them),
-    and the hybrids' state stash they write (``StateSteps``): grown to the largest batch that verified so far (its
-    graphs then dropped and captured again): K x rows x a slot's state bytes."""
+    and the hybrids' state stash they write (``StateSteps``): allocated once, K x ``rows`` x a slot's state bytes,
+    ``rows`` the most a steady step verifies (``stash_rows``; the engine takes its bytes out of the KV-cache budget,
+    ``stash_bytes``), never grown."""
 
-    def __init__(self):
-        self.stash, self.bucket = None, None
-        self.vbuf, self.width = None, 1  # the last verify's inputs (a graph's static buffers, or the step's own)
-
-    def _stash(self, r, rows: int, width: int) -> tuple | None:
-        if r.states is None:
-            return None
-        if self.stash is None or self.stash[0].shape[1] != width - 1 or self.stash[0].shape[2] < rows:
-            for key in [key for key in r.graphs if key[0] in ("verify", "spec_draw", "spec_chain")]:  # theirs too
-                del r.graphs[key]
-            self.stash = None  # freed before the larger one is made
+    def __init__(self, r, rows: int, width: int):
+        self.rows, self.stash = rows, None
+        if r.states is not None:
             self.stash = tuple(torch.empty(pool.shape[0], width - 1, rows, *pool.shape[2:], dtype=pool.dtype,
                                            device=pool.device) for pool in (r.states.conv, r.states.recurrent))
+        self.bucket = None
+        self.vbuf, self.width = None, 1  # the last verify's inputs (a graph's static buffers, or the step's own)
+
+    def _stash(self, rows: int, width: int) -> tuple | None:
+        if self.stash is not None and (self.stash[0].shape[1] != width - 1 or rows > self.rows):
+            raise RuntimeError(f"a steady step of {rows} sequences x {width} rows past the stash sized at start "
+                               f"({self.rows} x {self.stash[0].shape[1] + 1})")
         return self.stash
 
     def run(self, r, inp: StepInputs, width: int, routes: bool):
@@ -141,10 +177,10 @@ class VerifyGraphs:
         if not self.graphable(r, n, width):
             buf = self.vbuf = self._eager_buffers(r, inp, width, routes)
             self.width = width
-            hidden, logits = verify_body(r, buf, width, self._stash(r, n, width))
+            hidden, logits = verify_body(r, buf, width, self._stash(n, width))
             return hidden, logits, verify_meta(r, buf, width), buf["pos"]
         bsz = r._bucket(n)
-        key, stash = ("verify", bsz, width), self._stash(r, bsz, width)
+        key, stash = ("verify", bsz, width), self._stash(bsz, width)
         if key not in r.graphs:
             r.graphs[key] = self.capture(r, bsz, width, stash)
         graph, buf, (hidden, logits) = r.graphs[key]
@@ -159,7 +195,11 @@ class VerifyGraphs:
     @staticmethod
     def graphable(r, n: int, width: int) -> bool:
         """Replayed when the runner uses graphs and the bucket's rows stay within the largest decode bucket."""
-        return r.use_graphs and n <= r.graph_buckets[-1] and r._bucket(n) * width <= r.graph_buckets[-1]
+        return r.use_graphs and _graphable(r.graph_buckets, n, width)
+
+    def capture_buckets(self, r, width: int) -> list[int]:
+        """The buckets steady steps replay (all within the stash's rows, ``stash_rows``): ``Engine.capture_graphs``."""
+        return [b for b in r.graph_buckets if b <= self.rows and self.graphable(r, b, width)]
 
     @staticmethod
     def _eager_buffers(r, inp: StepInputs, width: int, routes: bool) -> dict:

@@ -6,8 +6,9 @@ and its own static inputs: the drafts' tokens and distributions (``[bucket, K]``
 temperature, seed, offset, top-k/top-p (only when a row filters: otherwise the sampler skips them, as eagerly) and
 logit adjustments (padded as the decode graphs pad theirs, penalties always present: neutral rows count nothing).
 Padding rows verify zeros and are never read. Its output is packed in one float64 tensor ``[bucket, 2 (K + 1) + 1]``
-(tokens, log-probs, accepted drafts: all exact in float64), copied to the host once. Without graphs the same body
-runs on the step's own tensors.
+(tokens, log-probs, accepted drafts: all exact in float64), copied to the host once (a pinned buffer,
+``spec_graphs.read_back``). Captured on first use, or at server start for rows without adjustments or filters
+(``capture_plain``). Without graphs the same body runs on the step's own tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 from areno.engine.decode_graphs import SPARSE_MIN_WIDTH
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.spec_exec import filters
+from areno.engine.spec_graphs import read_back
 from areno.engine.speculative import verify_draft
+from areno.engine.step_inputs import StepInputs
 
 
 def sample_body(r, buf: dict):
@@ -76,24 +79,45 @@ def draw(r, inp, drafts: list, k: int, logits, bsz: int | None):
     else:
         aw = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
         top_k, top_p = filters(inp.top_k, inp.top_p)
-        key = ("spec_draw", bsz, width, aw, top_k is not None, top_p is not None)
+        key = draw_key(bsz, width, aw, top_k is not None, top_p is not None)
         host = _host(inp, bsz, k, tokens, aw if inp.adjust is not None else None)
         if key not in r.graphs:
-            buf = _to(host, r.device)
-            if "pen_slot" in buf.get("adjust", {}):  # the warm-ups and capture count into no slot
-                buf["adjust"]["pen_slot"].fill_(-1)
-            buf["logits"] = logits.view(bsz, width, V)
-            buf["draft_probs"] = torch.zeros(bsz, k, V, dtype=probs.dtype, device=r.device)
-            r.graphs[key] = capture_draw(r, buf)
+            r.graphs[key] = _capture(r, host, logits, bsz, k, probs.dtype)
         graph, buf, packed = r.graphs[key]
         _copy(buf, host)
         buf["draft_probs"][:B].copy_(probs)
         graph.replay()
+        packed = read_back(r, buf, packed)  # pinned, then synchronised
     rows = packed[:B].cpu()
     n = (rows[:, -1].long() + 1).tolist()
     toks = rows[:, :width].long().tolist()
     lps = rows[:, width : 2 * width].float().tolist()
     return [t[:m] for t, m in zip(toks, n)], [lp[:m] for lp, m in zip(lps, n)], [m - 1 for m in n]
+
+
+def draw_key(bsz: int, width: int, aw: int, top_k: bool, top_p: bool) -> tuple:
+    """The sampling graph's key: (bucket, K + 1, logit-adjustment width, top-k used, top-p used)."""
+    return "spec_draw", bsz, width, aw, top_k, top_p
+
+
+def _capture(r, host: dict, logits, bsz: int, k: int, dtype) -> tuple:
+    buf = _to(host, r.device)
+    if "pen_slot" in buf.get("adjust", {}):  # the warm-ups and capture count into no slot
+        buf["adjust"]["pen_slot"].fill_(-1)
+    buf["logits"] = logits.view(bsz, k + 1, r.vocab_size)
+    buf["draft_probs"] = torch.zeros(bsz, k, r.vocab_size, dtype=dtype, device=r.device)
+    return capture_draw(r, buf)
+
+
+def capture_plain(r, bsz: int, k: int, logits) -> int:
+    """Capture (at start) the sampling graph of bucket ``bsz`` for rows without logit adjustments or filters, on
+    the verify graph's static ``logits``; 1 if captured, 0 if it was there."""
+    key = draw_key(bsz, k + 1, 0, False, False)
+    if key in r.graphs:
+        return 0
+    empty = StepInputs([], [], [], [0], [], [], True, [], [], [], [], [], [], 0, [])
+    r.graphs[key] = _capture(r, _host(empty, bsz, k, [], None), logits, bsz, k, torch.float32)
+    return 1
 
 
 def capture_draw(r, buf: dict) -> tuple:

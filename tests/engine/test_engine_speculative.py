@@ -12,6 +12,7 @@ import torch
 from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
+from areno.engine.spec_graphs import stash_bytes
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.families import assert_routes_match_forward
@@ -86,6 +87,7 @@ def test_preemption_keeps_greedy_tokens(echo):
     """A cache small enough to preempt: recomputed sequences draft again from their new prefill, same tokens."""
     family, model, (plain, _) = echo
     budget = 10 * kv_bytes_per_block(model, 4, torch.float32, extra_layers=1) + state_bytes(model, 6, torch.float32)
+    budget += stash_bytes(model, 6, 2, torch.float32)  # the hybrids' verify state stash: K x 6 rows
     e = _engine(model, 2, max_running=6, kv_cache_memory=budget)
     out = e.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, n=2))
     assert e.scheduler.num_preemptions > 0

@@ -4,8 +4,10 @@
 speculative engine's tokens (log-probs to float tolerance: padded rows change no real row's math, but the CPU's GEMM
 may block differently), greedy and seeded temperature-1 sampling with penalties, for the hybrid Qwen3.5 and Ling
 (recurrent states stepped through the K + 1 rows, rolled back eagerly), DeepSeek-V3 (MLA); with requests arriving
-mid-run (prefill chunks and forks: eager steps between replays) and the gate turning speculation off and on. One GPU
-test replays the real graphs against eager speculation."""
+mid-run (prefill chunks and forks: eager steps between replays) and the gate turning speculation off and on. The
+memory: the state stash allocated once at the limit batch and taken out of the KV-cache budget (never grown); the
+graphs captured at start (``Engine.capture_graphs``: a run captures nothing more). One GPU test replays the real
+graphs against eager speculation."""
 
 import re
 
@@ -13,8 +15,9 @@ import pytest
 import torch
 
 from areno.config import SamplingParams
-from areno.engine import spec_chain, spec_sample
+from areno.engine import model_runner, spec_chain, spec_decode, spec_sample
 from areno.engine.engine import Engine, EngineConfig
+from areno.engine.kv_cache import kv_bytes_per_block, plan_num_blocks, state_bytes
 from areno.engine.spec_chain import chain_body
 from areno.engine.spec_graphs import verify_body, verify_buffers
 from areno.engine.spec_sample import sample_body
@@ -52,10 +55,14 @@ class _GuardedGraph:
 
 def _engine(model, k, graphs, monkeypatch=None, **kw):
     kw = {"block_size": 4, "max_running": 8, "max_batched_tokens": 16, "speculative_tokens": k, **kw}
-    e = Engine(model, None, EngineConfig(**kw), eos_token_ids=[])
+    with pytest.MonkeyPatch.context() as m:
+        if graphs:  # the runner and the stash's sizing see graphs at build (as on the GPU), the buckets below
+            plan = lambda max_running, eager, device: (True, [1, 2, 4, 8, 16, 32])  # noqa: E731
+            m.setattr(model_runner, "graph_plan", plan)
+            m.setattr(spec_decode, "graph_plan", plan)
+        e = Engine(model, None, EngineConfig(**kw), eos_token_ids=[])
     if graphs:
         r = e.runner
-        r.use_graphs, r.graph_buckets = True, [1, 2, 4, 8, 16, 32]
 
         def capture(r, bsz, width, stash):
             buf = verify_buffers(r, bsz, width)
@@ -119,8 +126,12 @@ def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
     opts = _options(sampled)
     want = _run(_engine(echo, 3, graphs=False), opts, late_after=4)
     e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch)
+    stash = e.runner.spec_exec.graphs.stash
+    ptrs = None if stash is None else [t.data_ptr() for t in stash]
     got = _run(e, opts, late_after=4)
     _assert_same(got, want)
+    now = e.runner.spec_exec.graphs.stash  # batches 1 .. 8 (the limit) verified: nothing allocated, nothing grown
+    assert now is stash and (now is None or [t.data_ptr() for t in now] == ptrs)
     replays = _replays(e)
     assert replays and sum(replays.values()) >= 3 and all(key[2] == 4 for key in replays)  # (bucket, K + 1)
     assert len(replays) > 1  # several buckets as sequences finish
@@ -146,11 +157,50 @@ def test_gate_turns_speculation_off_and_on_under_graphs(echo, monkeypatch):
     assert re.search("g.*r.*g.*r", kinds), kinds  # off, on (replayed), off, on
 
 
+@pytest.mark.parametrize("gate", ["off", 3])
+def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, monkeypatch):
+    """The blocks planned are those of the budget less the recurrent-state slots, the stash actually allocated
+    (hybrids: K x the limit batch's bucket x a slot; attention-only models: none) and, where the gate can make a
+    step plain, the deferred catch-up's rows."""
+    k, mem, mml = 3, 600 << 10, 128  # the budget binds, not the cap (8 full-length sequences)
+    e = _engine(echo, k, graphs=True, monkeypatch=monkeypatch, kv_cache_memory=mem, max_model_len=mml,
+                speculative_disable_by_batch_size=gate)
+    r = e.runner
+    stash = r.spec_exec.graphs.stash
+    assert (stash is None) == (r.states is None)
+    stashed = 0 if stash is None else sum(t.numel() * t.element_size() for t in stash)
+    if stash is not None:
+        assert stash[0].shape[1:3] == (k, 4 if gate == 3 else 8)  # the limit batch (3: bucket 4, off: max_running)
+    held = (e.spec.defer_rows + 8) * echo.config.hidden_size * r.dtype.itemsize if gate == 3 else 0
+    assert e.spec_budget.reserved == stashed + held
+    per_block = kv_bytes_per_block(echo, 4, r.dtype, mml, extra_layers=1)
+    plan = dict(block_size=4, dtype=r.dtype, device=r.device, kv_cache_memory=mem, max_running=8,
+                max_model_len=mml, extra_layers=1)
+    assert 0 < e.blocks.num_blocks == (mem - state_bytes(echo, 8, r.dtype) - stashed - held) // per_block < 8 * 32
+    unreserved = plan_num_blocks(echo, **plan)
+    assert e.blocks.num_blocks == plan_num_blocks(echo, **plan, reserved=stashed + held)
+    assert (e.blocks.num_blocks < unreserved) == (stashed + held > per_block)
+
+
+def test_capture_graphs_captures_every_steady_graph_at_start(echo, monkeypatch):
+    """``Engine.capture_graphs`` under speculation: the verify, sampling and chain graphs of every bucket a steady
+    step replays (the gate at 3: buckets 1, 2, 4); a run then replays them and captures nothing more."""
+    opts = _options(False)
+    e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
+    assert e.capture_graphs() == 9
+    keys = set(e.runner.graphs)
+    assert {key[:2] for key in keys} == {(kind, b) for kind in ("verify", "spec_draw", "spec_chain") for b in (1, 2, 4)}
+    got = _run(e, opts, late_after=4)
+    assert set(e.runner.graphs) == keys and sum(_replays(e).values()) >= 2
+    _assert_same(got, _run(_engine(echo, 3, graphs=False, speculative_disable_by_batch_size=3), opts, late_after=4))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "bailing_hybrid"])
 def test_real_graphs_equal_eager_speculation_on_the_gpu(tmp_path, family):
-    """The real CUDA graphs (captured per bucket and K on first use) against eager speculation: greedy equal."""
+    """The real CUDA graphs (captured per bucket and K at start) against eager speculation: greedy equal; the run
+    captures nothing more."""
     path = make_tiny_checkpoint(tmp_path / family, family=family, seed=1)
     model = make_echo_model(load_model(path, dtype=torch.float32, device="cuda"), scale=2.0, block_scale=0.5)
     opts = _options(False)
@@ -158,6 +208,9 @@ def test_real_graphs_equal_eager_speculation_on_the_gpu(tmp_path, family):
     for eager in (True, False):
         e = Engine(model, None, EngineConfig(block_size=16, max_running=8, speculative_tokens=2, eager_decode=eager),
                    eos_token_ids=[])
+        assert (e.capture_graphs() > 0) == (not eager)
+        keys = set(e.runner.graphs)
         out[eager] = _run(e, opts, late_after=4)
+        assert set(e.runner.graphs) == keys
     assert [t for t, _ in out[False]] == [t for t, _ in out[True]]
-    assert any(key[0] == "verify" for key in e.runner.graphs)
+    assert {key[:2] for key in e.runner.graphs if key[0] == "verify"} == {("verify", 1), ("verify", 2)}  # 3 b <= 8
