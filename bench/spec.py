@@ -13,8 +13,9 @@ DeltaNet : 1 gated attention, hidden 4096, one MTP layer); ``bailing_hybrid`` a 
 Random MTP layers never agree with the model, so ``--mtp-train-steps N`` first trains the MTP layer for N Adam
 steps on the model's own greedy outputs (teacher forcing: step 0 of the draft predicts token t + 2 from the target's
 hidden state at t and token t + 1), which makes acceptance realistic; the accept length is reported either way.
-Both engines run eager (speculation is not built with CUDA graphs yet), sampling at temperature 1 as R1-R3 do, and
-``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement).
+Both engines decode under CUDA graphs (``--eager``: both eager), sampling at temperature 1 as R1-R3 do, and
+``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). Each engine runs its workload
+twice and the warm call is the measurement (the graphs are captured on the first).
 
 The gate (``--speculative-disable-by-batch-size``, areno/engine/spec_gate.py): ``--spec-gate auto,off`` runs the
 speculative engine once per setting (default auto), each record with the N it resolved to (``spec_limit``) and the
@@ -111,7 +112,7 @@ def load_draft_model(args, device):
 
     model = load_model(mtp_checkpoint(args.mtp_family, args.smoke), device=device)
     base = dict(block_size=16, max_running=256, max_batched_tokens=args.max_batched_tokens,
-                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, eager_decode=True)
+                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, eager_decode=args.eager)
     train = {}
     if args.mtp_train_steps:
         plain = Engine(model, None, EngineConfig(**base), eos_token_ids=[])
@@ -146,8 +147,7 @@ def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
     tokens = sum(len(c.token_ids) for g in out for c in g)
     rec = dict(output_tokens=tokens, wall_s=dt, tok_s=tokens / dt)
     if engine.spec is not None:
-        rec.update(spec_limit=engine.spec.limit, spec_gated_steps=engine.spec.stats()["spec_gated_steps"],
-                   **engine.spec.take_stats())
+        rec.update(spec_limit=engine.spec.limit, **engine.spec.take_stats())  # accept length, gated steps
     return rec, out
 
 
@@ -202,6 +202,7 @@ def run_batch_sweep(args, device) -> list[dict]:
         engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate, **base),
                         eos_token_ids=[])
         opts = SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True)
+        engine.capture_graphs()  # every batch's graphs before any is timed (none under --eager)
         engine.generate(models.random_prompts(4, plen, vocab, seed=99), opts)  # compile and warm the kernels
         for b in batches:
             rec, _ = timed_generate(engine, models.random_prompts(b, plen, vocab, seed=b), opts, device)
