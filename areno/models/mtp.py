@@ -64,10 +64,11 @@ class KeptMTP:
         optimizer): each is held in the model's dtype, as the policy's own tensors (a checkpoint's other dtype would
         round every update's write), and marked ``streamed``, so split mode's policy sync carries them with the
         trainable ones. Called on the train ranks and on split mode's rollout ranks alike."""
-        dtype = self.embed_tokens.weight.dtype
-        for p in self.mtp.parameters():
+        dtype, fp32 = self.embed_tokens.weight.dtype, fp32_hub_names(self)
+        for j, name in enumerate(self.mtp.names):  # the draft's fp32 parameters' (routers) stay fp32, as the policy's
+            p = getattr(self.mtp, f"t{j}")
             if p.is_floating_point():
-                p.data = p.data.to(dtype)
+                p.data = p.data.to(torch.float32 if name in fp32 else dtype)
             p.streamed = True
 
     @property
@@ -196,6 +197,22 @@ class MTPDraft(nn.Module):
         for pname, lays in self.layouts.items():
             for pc in pieces(lays, self.tp_rank, self.tp_size):
                 hub[pc.hf_name][pc.src].copy_(params[pname][pc.dst])
+
+
+def fp32_hub_names(model) -> set[str]:
+    """The kept Hub tensors that feed a draft parameter held in float32 (a router's weight, a decay parameter)."""
+    parts = getattr(model, "mtp_draft_parts", None)
+    if parts is None or not getattr(model, "num_mtp_layers", 0):
+        return set()
+    with torch.device("meta"):
+        draft = MTPDraft(**parts())
+    names = set()
+    for mname, module in draft.named_modules():
+        for pname in getattr(module, "fp32_params", ()):
+            lays = draft.layouts.get(f"{mname}.{pname}" if mname else pname)
+            if lays:
+                names.update(pc.hf_name for pc in pieces(lays, 0, 1))
+    return names
 
 
 def build_mtp_draft(model, *, trainable: bool = False) -> MTPDraft | None:

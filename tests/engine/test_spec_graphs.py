@@ -91,8 +91,8 @@ def _run(e, options, late_after=None, trace=None):
     seqs = [s for p, o in zip(GATE_PROMPTS, options) for s in e.add_request(p, o)]
     steps = 0
     while e.has_work():
-        before = (e.spec.counts["spec_gated_steps"], sum(_replays(e).values()))
-        e.step()
+        before = (e.spec.counts["spec_gated_steps"], sum(_replays(e).values())) if trace is not None else None
+        e.step()  # (a real CUDAGraph counts no replays: traces are for the CPU stand-in)
         if trace is not None:
             after = (e.spec.counts["spec_gated_steps"], sum(_replays(e).values()))
             trace.append("gated" if after[0] > before[0] else "replayed" if after[1] > before[1] else "eager")

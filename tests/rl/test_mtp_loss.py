@@ -88,13 +88,14 @@ def engine_drafts_with_the_trainers_weights(loop) -> bool:
     return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3"])
-def test_the_colocated_engine_drafts_with_the_trained_weights(family, files, tmp_path):
+@pytest.mark.parametrize("family, dtype", [("deepseek_v3", "float32"), ("deepseek_v3", "bfloat16")])
+def test_the_colocated_engine_drafts_with_the_trained_weights(family, dtype, files, tmp_path):
     _, data, reward = files
-    # a bf16 checkpoint trained in float32: the MTP tensors are held in the run's dtype, as the rest of the policy
+    # a bf16 checkpoint trained in float32 or bf16: the MTP tensors are held in the run's dtype, as the rest of the
+    # policy, and the router's in float32 (a bf16 kept copy would round the fp32 router the engine reloads)
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", family=family, seed=0, dtype=torch.bfloat16)
     cfg = TrainConfig(ckpt=str(ckpt), dataset_path=str(data), reward_fn_path=str(reward), batch_size=2, n_samples=2,
-                      mini_bs=2, max_steps=2, max_new_tokens=6, dtype="float32", lr=1e-2, tensorboard=False,
+                      mini_bs=2, max_steps=2, max_new_tokens=6, dtype=dtype, lr=1e-2, tensorboard=False,
                       metrics_dir=str(tmp_path / "m"), speculative_tokens=2, eager_decode=True, decode_steps=1,
                       mtp_loss_weight=1.0)
     loop = TrainLoop(cfg)
