@@ -17,9 +17,45 @@ if not HAS_CUDA:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: two workers share the cores, one intra-op thread each
+    torch.set_num_threads(1)
+
+# Session fixtures cheap enough to build once per xdist worker; the other session fixtures of tests/ (whole training
+# runs) keep every test that uses them on one worker.
+CHEAP_SESSION_FIXTURES = {"files"}
+
+
+def _xdist_groups(items):
+    """Under ``--dist loadgroup``: tests sharing a module-scoped fixture, or one of tests/' costly session fixtures,
+    are joined (transitively) into one ``xdist_group``, so no fixture is built on two workers."""
+    parent = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    keys = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        own = []
+        for name, defs in (info.name2fixturedefs.items() if info else ()):
+            scope, baseid = defs[-1].scope, defs[-1].baseid or ""
+            if scope == "module":
+                own.append(item.nodeid.split("::")[0])
+            elif scope == "session" and baseid.startswith("tests") and name not in CHEAP_SESSION_FIXTURES:
+                own.append("session:" + name)
+        for key in own[1:]:
+            parent[find(key)] = find(own[0])
+        keys[item] = own
+    for item, own in keys.items():
+        if own:
+            item.add_marker(pytest.mark.xdist_group(find(own[0])))
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _xdist_groups(items)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

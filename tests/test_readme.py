@@ -77,7 +77,7 @@ def test_readme_quickstart_describes_the_preset(monkeypatch):
 
 # --------------------------------------------------------------------------------------------- flags and commands
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?:-\*)?")
-OTHER_TOOLS = {"--index-url"}  # pip's, in the GPU install command
+OTHER_TOOLS = {"--index-url", "--dist"}  # pip's, in the GPU install command; pytest-xdist's, in the test one
 
 
 def _areno_flags() -> set[str]:
