@@ -44,6 +44,7 @@ def _worker(rank, path, port, out):
     greedy = engine.generate(_prompts(tok), SamplingParams(**OPTS))
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"greedy": [g[0].token_ids for g in greedy], "sampled": [g[0].token_ids for g in sampled]}, f)
+    dist.barrier()  # neither rank tears gloo down while the other still uses it (an abort seen once under load)
     dist.destroy_process_group()
 
 
