@@ -83,3 +83,13 @@ def quickstart_home(tmp_path_factory):
     the preset's 500-step SFT warm-up, the next ones with the same inputs load its cached state (bit for bit the
     same: areno/rl/warmup_cache.py, tests/rl/test_warmup_cache.py)."""
     return tmp_path_factory.mktemp("areno-home")
+
+
+@pytest.fixture
+def areno_home(tmp_path, monkeypatch):
+    """A fresh $ARENO_HOME (the quickstart's data, models and warm-up cache); the preset's thread count undone."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("ARENO_HOME", str(home))
+    threads = torch.get_num_threads()  # the preset picks one CPU thread for this process
+    yield home
+    torch.set_num_threads(threads)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from areno import presets
 from areno.cli import make_parser, parse_config
@@ -23,15 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # (enough for the copying to set in), 4 RL steps at twice the preset's RL learning rate, 50 held-out problems.
 SHORT = ["--sft-warmup-steps", "130", "--max-steps", "4", "--lr", "2e-3", "--dataset-path",
          "n_train=3000,n_eval=50,digits=3", "--eval-interval", "0"]
-
-
-@pytest.fixture
-def areno_home(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    monkeypatch.setenv("ARENO_HOME", str(home))
-    threads = torch.get_num_threads()  # the preset picks one CPU thread for this process
-    yield home
-    torch.set_num_threads(threads)
 
 
 def operands(row) -> tuple[int, int]:

@@ -29,15 +29,6 @@ BEFORE_RL = (55.0, 85.0)
 AFTER_RL = (90.0, 100.0)
 
 
-@pytest.fixture
-def areno_home(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    monkeypatch.setenv("ARENO_HOME", str(home))
-    threads = torch.get_num_threads()  # the preset picks one CPU thread for this process
-    yield home
-    torch.set_num_threads(threads)
-
-
 def test_task_teacher_forgets_carries_and_the_reward_checks_the_true_sum():
     assert task.carry_forgotten(47, 85) == "122" and task.true_sum(47, 85) == "132"
     assert task.carry_forgotten(23, 19) == "32" and task.carry_forgotten(12, 34) == "46"

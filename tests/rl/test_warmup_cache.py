@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -23,15 +22,6 @@ from areno.training.optimizer import MasterAdamW
 SHORT = ["--sft-warmup-steps", "4", "--max-steps", "2", "--batch-size", "8", "--n-samples", "2",
          "--dataset-path", "n_eval=8", "--eval-interval", "0", "--log-interval", "1"]
 TIMED = ("time", "peak_mem_gib", "overlap_groups")
-
-
-@pytest.fixture
-def areno_home(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    monkeypatch.setenv("ARENO_HOME", str(home))
-    threads = torch.get_num_threads()  # the preset picks one CPU thread for this process
-    yield home
-    torch.set_num_threads(threads)
 
 
 def config(*argv) -> TrainConfig:
