@@ -120,7 +120,22 @@ CASES = [  # (T, Hq, Hkv, D, rotary_dim)
     (7, 3, 1, 80, 32),  # partial rotary, pass-through width 48: not a power of two
     (9, 2, 1, 48, 48),  # D/2 = 24: masked half columns
     (13, 4, 2, 64, 32),  # partial rotary, GQA, many tiles and several per backward program
+    (11, 2, 1, 24, 8),  # padded rows 24 wide: the interpreter's 128-element tile holds 5 rows, rounded down to 4
 ]
+
+
+@pytest.mark.parametrize("width", [320, 96, 24, 40, 128, 4096, 8192])
+def test_row_tiles_are_powers_of_two(width):
+    """Qwen3.5's partial RoPE (D=256, rotary 64) pads a head row to 32 + 32 + 256 = 320 elements: every tiling of the
+    forward, the backward and its autotuned candidates is still a power of 2 (tl.arange's rule; it failed to compile
+    on the GPU before)."""
+    for rows in (1, 3, 100, 10**6):
+        for elements in (mod._FWD_TILE, mod._BWD_TILE, mod._INTERPRETER_TILE, *(t for t, _ in mod._BWD_TILES)):
+            r = mod._tiles(rows, width, elements)
+            assert r >= 1 and r & (r - 1) == 0, (rows, width, elements, r)
+    for cfg in mod._tuned_bwd(width, 256).configs:
+        for key in ("BLOCK_R", "BLOCK_RV"):
+            assert cfg.kwargs[key] & (cfg.kwargs[key] - 1) == 0, (width, cfg.kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
