@@ -6,6 +6,7 @@
     python bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps   # where the GPU idles
     python bench/profile_step.py decode    # 256 sequences, 128-token prompts, CUDA-graph decode steps
     python bench/profile_step.py decode --eager
+    python bench/profile_step.py decode --family qwen3_5-9b   # issue 38's shapes (bench/families.py), random weights
 
 Prints the top GPU kernels by total time and the step's wall time; a diagnostic, nothing is saved.
 """
@@ -119,18 +120,34 @@ def decode(args, device):
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model, load_tokenizer
 
-    path = models.checkpoint(args.smoke)
-    model = load_model(path, device=device)
-    engine = Engine(model, load_tokenizer(path), EngineConfig(block_size=16, max_running=256, max_model_len=2064,
-                                                              eager_decode=args.eager),
+    if args.family:
+        import families
+
+        layers = 4 if args.smoke else families.SHAPES[args.family][1]
+        raw = families.config_of(args.family, layers, args.smoke)
+        model, tokenizer = models.random_model(raw, torch.bfloat16, device, unit_norms=True), None
+    else:
+        path = models.checkpoint(args.smoke)
+        model, tokenizer = load_model(path, device=device), load_tokenizer(path)
+    n = 8 if args.smoke else args.seqs
+    engine = Engine(model, tokenizer, EngineConfig(block_size=16, max_running=n, max_model_len=2064,
+                                                   eager_decode=args.eager),
                     eos_token_ids=[models.EOS_ID])
-    n = 8 if args.smoke else 256
     opts = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
+    opts = SamplingParams(temperature=1.0, max_new_tokens=args.context + 64, ignore_eos=True)
     for p in models.random_prompts(n, 128, model.config.vocab_size, seed=2):
         engine.add_request(p, opts)
-    for _ in range(8):  # prefill and a few decode steps
+    engine.step()  # prefill
+    while engine.scheduler.running and engine.scheduler.running[0].num_computed < 128 + args.context:
+        engine.step()  # decode up to the asked context
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    for _ in range(10):
         engine.step()
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    print(f"{n} sequences at ~{128 + args.context} tokens of context: {(time.perf_counter() - t0) * 100:.2f} ms a "
+          "scheduling step (unprofiled, 10 steps)")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(10):
@@ -145,6 +162,10 @@ def main():
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--train-cuda-graphs", default="off", choices=["auto", "on", "off"],
                     help="train: the trainer's CUDA-graph mode (off: the eager step, as before)")
+    ap.add_argument("--family", default=None, help="decode: a bench/families.py shape (qwen3_5-9b, qwen3_5-35b-a3b) "
+                    "instead of the Qwen3-0.6B checkpoint")
+    ap.add_argument("--seqs", type=int, default=256, help="decode: running sequences (128-token prompts)")
+    ap.add_argument("--context", type=int, default=8, help="decode: tokens generated before the profiled steps")
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--top", type=int, default=None, help="rows of the profiler table (default 30 train, 40 decode)")

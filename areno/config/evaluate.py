@@ -86,6 +86,9 @@ class EvalConfig:
     top_k: int = opt(0, "sample among the k most likely tokens (0 = off)", "rollout")
     max_new_tokens: int = opt(512, "tokens generated per completion at most", "rollout")
     max_running_prompts: int = opt(256, "cap on active sequences in the engine's continuous batch", "rollout")
+    decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds (one CUDA graph; a "
+                            "completion that stops early drops the surplus; on a GPU the next chain is queued before "
+                            "the current one's tokens are read); 1 = every token", "rollout")
     output_dir: Optional[str] = opt(None, "write every sample (dataset, prompt, completion, answer, score) to "
                                     "DIR/samples.jsonl, and the results to DIR/results.json", "observability",
                                     metavar="DIR")
@@ -120,6 +123,6 @@ class EvalConfig:
             raise ConfigError("--lora-path", f"folder not found: {self.lora_path}")
         check_int("--seed", self.seed, 0)
         check_choice("--dtype", self.dtype, DTYPES, optional=True)
-        check_sizes(self, ("n_samples", "max_new_tokens", "max_running_prompts"))
+        check_sizes(self, ("n_samples", "max_new_tokens", "max_running_prompts", "decode_steps"))
         check_sampling(self, lambda name: "--" + name.replace("_", "-"))
         check_prompt_options(self)

@@ -76,12 +76,13 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
                  eager_decode=False, attn_backend=None, decode_progress_interval_s=None, dtype=None, seed=0,
                  kv_cache_memory=None, block_size=16, device=None, max_loras=0, max_lora_rank=16, lora_modules=None,
                  rollout_dtype="bf16", kv_cache_dtype="auto", speculative_tokens=0,
-                 speculative_disable_by_batch_size=None):
+                 speculative_disable_by_batch_size=None, decode_steps=1):
     """(Engine, tokenizer) for ``model_path`` (a local folder or a Hugging Face repo id); ``max_loras`` > 0: LoRA
     adapter slots of ``max_lora_rank``, ``lora_modules`` ({name: PEFT folder}) loaded into them (a ``ConfigError``
     naming --lora-modules for one that cannot be served); ``rollout_dtype`` fp8: the linear weights quantised to
     blockwise FP8 and run by the FP8 GEMM (models/fp8_rollout.py); ``kv_cache_dtype`` fp8: the paged KV cache in
-    E4M3 with per-token, per-head scales (engine/kv_cache.py; a ``ConfigError`` naming --kv-cache-dtype for MLA)."""
+    E4M3 with per-token, per-head scales (engine/kv_cache.py; a ``ConfigError`` naming --kv-cache-dtype for MLA);
+    ``decode_steps`` > 1: ``Engine.generate`` chains that many decode steps per scheduling round."""
     from areno.distributed.parallel import get_tp_group
     from areno.models import load_model, load_tokenizer
 
@@ -98,7 +99,7 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
         tokenizer = load_tokenizer(model_path)
     config = engine_config(model, block_size=block_size, max_running=max_running, max_model_len=max_model_len,
                            eager_decode=eager_decode, decode_progress_interval_s=decode_progress_interval_s,
-                           seed=seed, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+                           decode_steps=decode_steps, seed=seed, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                            speculative_tokens=speculative_tokens,
                            speculative_disable_by_batch_size=speculative_disable_by_batch_size)
     config.max_loras, config.max_lora_rank = max_loras, max_lora_rank

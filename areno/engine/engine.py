@@ -263,19 +263,19 @@ class Engine:
     def step(self, decode_steps: int = 1) -> list[Sequence]:
         """One forward step; returns the sequences that received a token (finished ones included).
 
-        ``decode_steps`` k > 1: when the step only decodes and nothing waits, run k decode steps in one go (the
-        runner chains them on the device) and give each sequence up to k tokens; a sequence that stops early keeps
-        only its tokens up to the stop (the rest were computed and are dropped).
+        ``decode_steps`` k > 1: when the step only decodes and no waiting request fits (``Scheduler.can_admit``), run
+        k decode steps in one go (the runner chains them on the device) and give each sequence up to k tokens; a
+        sequence that stops early keeps only its tokens up to the stop (the rest were computed and are dropped).
 
         Requests that arrive while sequences decode (agent turns, a stream of clients) would otherwise hold every step
         to one token: after a step that admitted with requests waiting, the next step leaves the few that arrived since
         (at most a quarter of the running count: many arrivals are worth admitting at once) waiting and decodes k
         tokens, so waiting costs at most one k-step group and steady arrivals still let chained steps run.
 
-        Lookahead (inside :meth:`generate`, ``config.lookahead``): when a k-step group is launched and nothing
-        waits, the next group of the same rows is queued right behind it, its input tokens taken on the device
-        from the first group's last step, before the host reads the first group's tokens; the next call returns
-        that group's tokens (queuing the one after it first). So the host's read-back, stop checks and input
+        Lookahead (inside :meth:`generate`, ``config.lookahead``): when a k-step group is launched and nothing that
+        could be admitted waits, the next group of the same rows is queued right behind it, its input tokens taken on
+        the device from the first group's last step, before the host reads the first group's tokens; the next call
+        returns that group's tokens (queuing the one after it first). So the host's read-back, stop checks and input
         packing overlap the device's decoding instead of leaving it idle between groups. A row that stops in a
         group has already been queued for the next one: those tokens are dropped (the device work is wasted,
         nothing else: the tokens and log-probs kept are those of the plain chain)."""
@@ -327,10 +327,10 @@ class Engine:
         return rows
 
     def _reserve_decode_steps(self, step: Step, rows: list[Sequence], k: int, hold: bool = False) -> bool:
-        """Whether ``step`` can run as k decode steps: decodes only, nothing waiting (unless ``hold``: waiting ones
-        were admitted one step ago), no top log-probs or grammars (the host masks every token), every position inside
-        the context, and the blocks of all k positions reserved (they are, when this says yes)."""
-        if not step.is_decode or (self.scheduler.waiting and not hold):
+        """Whether ``step`` can run as k decode steps: decodes only, nothing waiting that could be admitted (unless
+        ``hold``: waiting ones were admitted one step ago), no top log-probs or grammars (the host masks every token),
+        every position inside the context, and the blocks of all k positions reserved (they are, when this says yes)."""
+        if not step.is_decode or (self.scheduler.can_admit() and not hold):
             return False
         if any(s.options.top_logprobs or s.grammar is not None for s in rows):
             return False
@@ -361,7 +361,7 @@ class Engine:
         ``launch``, still on the device) when every row surely runs k more tokens and the blocks for them are
         there; else queue nothing (the next step schedules as usual)."""
         k = launch.k
-        if not self._lookahead or self.scheduler.waiting or self.runner.tp_group is not None:
+        if not self._lookahead or self.scheduler.can_admit() or self.runner.tp_group is not None:
             return
         if self.runner.record_routing or self.runner.states is not None or self.runner.images is not None:
             return  # routing capture, recurrent state and image offsets are read or set per group on the host

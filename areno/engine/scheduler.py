@@ -95,6 +95,13 @@ class Scheduler:
         self.blocks.free_seq(seq)
 
     # ---- one step ------------------------------------------------------------------------------------------
+    def can_admit(self) -> bool:
+        """Whether a waiting request could join the batch at the next schedule: one waits and its group (the prompt's
+        n samples) fits under max_running (KV blocks aside). While none can, decode steps may be chained as if
+        nothing waited: an evaluation's queue of thousands behind a full batch costs nothing but the few steps a
+        finished sequence's slot stays empty."""
+        return bool(self.waiting) and len(self.running) + self._group_size(self.waiting[0]) <= self.max_running
+
     def _group_size(self, seq: Sequence) -> int:
         return 1 + len(getattr(seq, "children", []))
 

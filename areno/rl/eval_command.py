@@ -34,7 +34,8 @@ def build(cfg):
         except LoraError as e:
             raise ConfigError("--lora-path", str(e).removeprefix("--lora-path: ")) from e
     model.eval()
-    return build_engine(cfg.model_path, model=model, max_running=cfg.max_running_prompts, seed=cfg.seed)
+    return build_engine(cfg.model_path, model=model, max_running=cfg.max_running_prompts, seed=cfg.seed,
+                        decode_steps=cfg.decode_steps)
 
 
 def format_table(results, k: int) -> str:

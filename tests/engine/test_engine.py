@@ -297,6 +297,30 @@ def test_requests_arriving_during_decode_wait_one_chain_at_most(qwen3):
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+@pytest.mark.parametrize("lookahead", [False, True], ids=["chained", "lookahead"])
+def test_a_full_batch_with_a_queue_behind_it_chains_decode_steps(qwen3, lookahead):
+    """An evaluation queues thousands of samples behind a full batch: while no waiting group fits under max_running,
+    the running ones decode in chains of k (and, with lookahead, the next chain is queued before the tokens are
+    read), as if nothing waited; a group is admitted once its n slots are free. Every sample gets the tokens of a
+    run with k = 1 (noise keyed by seed and position), lengths differing so that slots free at different steps."""
+    _, model, tok = qwen3
+    prompts = [tok.encode(p) for p in PROMPTS] * 2
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=5 + 3 * i, n=2, ignore_eos=True, seed=60 + i)
+            for i in range(len(prompts))]
+    plain = engine(model, tok, max_running=4).generate(prompts, opts)
+    eng = engine(model, tok, max_running=4, decode_steps=4, lookahead=lookahead)
+    waiting = []
+    run = eng.runner.launch_decode_steps
+    eng.runner.launch_decode_steps = lambda *a, run=run, **kw: waiting.append(len(eng.scheduler.waiting)) or run(
+        *a, **kw)
+    out = eng.generate(prompts, opts)
+    assert max(waiting) >= 4  # chains ran with groups waiting that the full batch had no room for
+    assert [[c.token_ids for c in g] for g in out] == [[c.token_ids for c in g] for g in plain]
+    lp = lambda groups: torch.tensor([x for g in groups for c in g for x in c.logprobs])  # noqa: E731
+    torch.testing.assert_close(lp(out), lp(plain), rtol=0, atol=1e-4)  # fp32 rows batched differently
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
 def test_final_only_stream_delivers_a_sample_once_with_the_streamed_tokens(qwen3):
     _, model, tok = qwen3
     ae = AsyncEngine(engine(model, tok), decode_steps=4)
