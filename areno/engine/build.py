@@ -99,8 +99,8 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
         tokenizer = load_tokenizer(model_path)
     config = engine_config(model, block_size=block_size, max_running=max_running, max_model_len=max_model_len,
                            eager_decode=eager_decode, decode_progress_interval_s=decode_progress_interval_s,
-                           decode_steps=decode_steps, seed=seed, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
-                           speculative_tokens=speculative_tokens,
+                           decode_steps=decode_steps, seed=seed, kv_cache_memory=kv_cache_memory,
+                           kv_cache_dtype=kv_cache_dtype, speculative_tokens=speculative_tokens,
                            speculative_disable_by_batch_size=speculative_disable_by_batch_size)
     config.max_loras, config.max_lora_rank = max_loras, max_lora_rank
     engine = Engine(model, tokenizer, config, eos_token_ids=eos_token_ids(model_path, tokenizer))

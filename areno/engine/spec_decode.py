@@ -43,11 +43,13 @@ would hold the whole MTP layer (its own embedding and head too, for DeepSeek-V3)
 K/V cache of its own. Every token, verified or drafted, is the leader's.
 CUDA graphs: a steady step (every row verifying a full draft of K tokens: no prefill chunk, fresh fork, shorter draft
 or gate) runs on static shapes, each part replayed from a graph per (batch bucket, K) under graphs and run eagerly
-as the same body without (so both give the same tokens): the verify forward in decode mode over B x (K + 1) rows
+as the same body without (so both give the same tokens), and so does a gated step of decodes only (its forward
+at width 1, then the runner's sampling): the verify forward in decode mode over B x (K + 1) rows
 with the hybrids' per-token states kept (``spec_graphs``; the rollback then two copies, no second forward), the
 rejection sampling (``spec_sample``) and the MTP catch-up and chain (``spec_chain``). Every other step (prefill
-chunks, fresh forks, shorter drafts, gated steps) runs eagerly as described above. ``capture_graphs`` captures the
-steady steps' graphs of every bucket at server start (without TP). Memory beside the KV cache (the hybrids' state
+chunks, fresh forks, shorter drafts, gated steps with prefill chunks) runs eagerly as described above.
+``capture_graphs`` captures the steady steps' graphs of every bucket at server start (without TP), and the gated
+forwards' of the buckets above the gate's limit. Memory beside the KV cache (the hybrids' state
 stash, the deferred catch-ups' rows) is sized at build and taken out of its budget (``spec_budget``).
 Routing capture (routing replay) keeps the experts of the accepted inputs only. Not built (refused at start):
 multi-step decode, LoRA slots, vision-language models; per request: grammars, top log-probs.
@@ -197,6 +199,11 @@ class SpecDecoder:
                 r.graphs[key], n = ex.graphs.capture(r, bsz, width, ex.graphs.stash), n + 1
             n += spec_sample.capture_plain(r, bsz, self.k, r.graphs[key][2][1])
             n += spec_chain.capture_plain(r, ex, bsz, width, Chain([], [], [], [], [], [], [], [], []))
+        most = self.engine.config.max_running  # the gated steps' forwards: the buckets above the gate's limit
+        for bsz in r.graph_buckets if self.limit is not None and ex.graphs.graphable(r, most, 1) else ():
+            key = ("verify", bsz, 1)
+            if self.limit < bsz <= r._bucket(most) and key not in r.graphs:
+                r.graphs[key], n = ex.graphs.capture(r, bsz, 1, None), n + 1
         return n
 
     def _run(self, work):
@@ -236,7 +243,7 @@ class SpecDecoder:
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
         save = save if width == 1 else []  # a steady step's verify keeps the states after each token itself
         with torch.inference_mode():
-            hidden = self._run(TargetWork(inp, save, logit_rows, width))
+            hidden = self._run(TargetWork(inp, save, logit_rows, width, gated and step.is_decode))
             verified = self._verify(inp, rows, hidden, logit_rows)
         redo = self._redo(rows, verified, width > 1)
         meta = e.runner.spec_exec.last[1]

@@ -8,7 +8,8 @@ of deferred catch-ups) as two records, each first sent through the engine's step
 - ``TargetWork``: block copies (the MTP cache's too), the states of drafting hybrid rows saved, the target forward,
   and the logits of the rows the leader verifies or samples (gathered over the vocab shards, a collective). A steady
   step's (``width`` > 1) is the verify of ``spec_graphs``, the logits inside it, replayed from a CUDA graph on every
-  rank when the runner uses graphs (and its catch-up and chain those of ``spec_chain``).
+  rank when the runner uses graphs (and its catch-up and chain those of ``spec_chain``); a gated step of decodes
+  runs the same body at width 1 (its forward replayed per bucket too; the runner's sampling after it).
 - ``FinishWork``, after the leader verified, appended and decided: the rollback of rejecting hybrid rows (states
   restored, a forward over their accepted inputs) and the MTP ops in the leader's order: ``hold`` a hidden row of a
   gated step (its catch-up deferred), ``drop`` held rows, ``flush`` the held rows' catch-up, ``catch_up`` over the
@@ -47,6 +48,7 @@ class TargetWork:
     save: list[int]
     logit_rows: list[int]
     width: int = 1  # > 1: a steady step's verify (``spec_graphs``), B x width decode rows, logits of every row
+    gated_decode: bool = False  # a gated step of decodes only: the verify body at width 1 (graph-replayed), no logits
 
     @torch.inference_mode()
     def __call__(self, runner) -> None:  # a follower: the forward, then its part of the leader's logits gather
@@ -116,7 +118,7 @@ class SpecExec:
         if r.states is not None and work.save:
             slots = torch.tensor(work.save, device=r.device)
             self.saved = (slots, r.states.conv[:, slots].clone(), r.states.recurrent[:, slots].clone())
-        if work.width > 1:
+        if work.width > 1 or work.gated_decode:
             hidden, self.logits, meta, pos = self.graphs.run(r, inp, work.width, r.record_routing and self.leader)
             self.last = (hidden, meta, pos)
             return hidden
@@ -136,10 +138,12 @@ class SpecExec:
             roll_back(r, self.graphs.stash, *work.redo[1:])
         elif work.redo is not None:
             self._rollback(r, *work.redo)
-        drafts = None
+        drafts, source = None, None
         for op in work.ops:
-            if op[0] == "hold":
-                self.held.setdefault(op[2], []).append(self.last[0][op[1]])
+            if op[0] == "hold":  # a replayed forward's hidden rows are the graph's: the next replay overwrites them
+                if source is None:
+                    source = self.last[0] if self.graphs.bucket is None else self.last[0].clone()
+                self.held.setdefault(op[2], []).append(source[op[1]])
             elif op[0] == "drop":
                 for i in op[1]:
                     self.held.pop(i, None)

@@ -1,4 +1,5 @@
-"""The steady speculative step's target verify forward, eager or replayed from a CUDA graph (``spec_exec``).
+"""The steady speculative step's target verify forward, eager or replayed from a CUDA graph (``spec_exec``), and at
+width 1 the forward of a gated step of decodes (the gate made it plain: no draft), replayed the same way.
 
 A steady step: every row decodes and verifies a full draft of K tokens (no prefill chunk, no fresh fork, no shorter
 draft, not gated). Its forward runs in decode mode over B x (K + 1) rows (``AttentionMetadata.tokens_per_seq`` =
@@ -62,11 +63,12 @@ class StateSteps:
 
 def verify_body(r, buf: dict, width: int, stash: tuple | None = None):
     """The verify forward and the logits of every row: (hidden [R, H], logits [R, V]); no host sync. ``stash``: the
-    hybrids' (conv, recurrent) buffers the states after each token go to."""
+    hybrids' (conv, recurrent) buffers the states after each token go to. ``width`` 1 (a gated step of decodes):
+    the forward only, logits None (the runner's sampling takes them from the hidden rows)."""
     meta = verify_meta(r, buf, width)
     meta.state_steps = None if stash is None else StateSteps(*stash)
     hidden = r.model(buf["ids"], buf["pos"], kv_caches=r.kv_caches, attn_metadata=meta)
-    return hidden, r.logits(hidden)
+    return hidden, (r.logits(hidden) if width > 1 else None)
 
 
 def roll_back(r, stash: tuple, rows: list[int], slots: list[int], accepted: list[int]) -> None:
@@ -163,6 +165,8 @@ class VerifyGraphs:
         self.vbuf, self.width = None, 1  # the last verify's inputs (a graph's static buffers, or the step's own)
 
     def _stash(self, rows: int, width: int) -> tuple | None:
+        if width == 1:  # a gated step of decodes: no draft, no state after each token to keep
+            return None
         if self.stash is not None and (self.stash[0].shape[1] != width - 1 or rows > self.rows):
             raise RuntimeError(f"a steady step of {rows} sequences x {width} rows past the stash sized at start "
                                f"({self.rows} x {self.stash[0].shape[1] + 1})")

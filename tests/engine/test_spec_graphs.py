@@ -50,7 +50,8 @@ class _GuardedGraph:
         self.replays += 1
         with capture_guard():
             for dst, src in zip(self.out, self.body()):
-                dst.copy_(src)
+                if dst is not None:  # a gated forward's logits (None: the runner's sampling computes them)
+                    dst.copy_(src)
 
 
 def _engine(model, k, graphs, monkeypatch=None, **kw):
@@ -144,17 +145,21 @@ def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
 
 
 def test_gate_turns_speculation_off_and_on_under_graphs(echo, monkeypatch):
-    """--speculative-disable-by-batch-size 3: gated (eager plain) steps while more than 3 decode, replays once fewer
-    do, gated again when LATE join (after the first replay), replays again at the end."""
+    """--speculative-disable-by-batch-size 3: gated (plain) steps while more than 3 decode, replays once fewer do,
+    gated again when LATE join (after the first replay), replays again at the end. A gated step of decodes replays
+    the forward at width 1 (the 9B shape ran its gated steps eagerly at 0.28x the plain engine)."""
     opts = _options(False)
     e = _engine(echo, 2, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
     trace = []
     got = _run(e, opts, late_after="replayed", trace=trace)
-    want = _run(_engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3), opts,
-                late_after=trace.index("replayed") + 1)
+    plain = _engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3)
+    want = _run(plain, opts, late_after=trace.index("replayed") + 1)
     _assert_same(got, want)
+    assert e.spec.stats() == plain.spec.stats()  # the same drafts: the deferred catch-ups read the held rows intact
     kinds = "".join(k[0] for k in trace)  # g(ated), r(eplayed), e(ager)
     assert re.search("g.*r.*g.*r", kinds), kinds  # off, on (replayed), off, on
+    gated = {key: n for key, n in _replays(e).items() if key[2] == 1}
+    assert gated and sum(gated.values()) >= 2 and all(key[1] > 3 for key in gated)
 
 
 @pytest.mark.parametrize("gate", ["off", 3])
@@ -184,12 +189,15 @@ def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, mon
 
 def test_capture_graphs_captures_every_steady_graph_at_start(echo, monkeypatch):
     """``Engine.capture_graphs`` under speculation: the verify, sampling and chain graphs of every bucket a steady
-    step replays (the gate at 3: buckets 1, 2, 4); a run then replays them and captures nothing more."""
+    step replays (the gate at 3: buckets 1, 2, 4), and the gated steps' forwards (width 1) of the buckets above the
+    limit up to max_running's (4, 8); a run then replays them and captures nothing more."""
     opts = _options(False)
     e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
-    assert e.capture_graphs() == 9
+    assert e.capture_graphs() == 11
     keys = set(e.runner.graphs)
-    assert {key[:2] for key in keys} == {(kind, b) for kind in ("verify", "spec_draw", "spec_chain") for b in (1, 2, 4)}
+    steady = {(kind, b) for kind in ("verify", "spec_draw", "spec_chain") for b in (1, 2, 4)}
+    assert {key[:2] for key in keys if key[-1] != 1 or key[0] != "verify"} == steady
+    assert {key for key in keys if key[0] == "verify" and key[2] == 1} == {("verify", 4, 1), ("verify", 8, 1)}
     got = _run(e, opts, late_after=4)
     assert set(e.runner.graphs) == keys and sum(_replays(e).values()) >= 2
     _assert_same(got, _run(_engine(echo, 3, graphs=False, speculative_disable_by_batch_size=3), opts, late_after=4))

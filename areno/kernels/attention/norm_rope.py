@@ -231,9 +231,9 @@ def _qk_norm_rope_bwd_kernel(
 
 
 def _tiles(rows: int, width: int, elements: int) -> int:
-    """Rows per tile: about ``elements`` elements of rows ``width`` wide (padded), at most rows' next power of 2; a power
-    of 2 (``tl.arange``'s rule) also where ``width`` is not one (partial RoPE: two halves of 32 and 192 dims past them
-    padded to 256 are 320 wide)."""
+    """Rows per tile: about ``elements`` elements of rows ``width`` wide (padded), at most rows' next power of 2; a
+    power of 2 (``tl.arange``'s rule) also where ``width`` is not one (partial RoPE: two halves of 32 and 192 dims
+    past them padded to 256 are 320 wide)."""
     return min(triton.next_power_of_2(max(rows, 1)), _pow2_floor(elements // width))
 
 
@@ -259,8 +259,8 @@ _BWD_TILES = [(1024, 4), (2048, 8), (2048, 4), (4096, 8), (512, 2), (1024, 2)]
 @functools.cache
 def _tuned_bwd(width: int, width_v: int):
     """The backward autotuned over _BWD_TILES for head rows ``width`` (padded) and v rows ``width_v`` wide."""
-    configs = [triton.Config({"BLOCK_R": _pow2_floor(tile // width), "BLOCK_RV": _pow2_floor(tile // width_v)}, num_warps=w)
-               for tile, w in _BWD_TILES]
+    configs = [triton.Config({"BLOCK_R": _pow2_floor(tile // width), "BLOCK_RV": _pow2_floor(tile // width_v)},
+                             num_warps=w) for tile, w in _BWD_TILES]
     return triton.autotune(autotune_candidates(configs), key=["ROWS_BUCKET", "D", "HALF", "HAS_NORM", "COMPUTE_DW"])(
         _qk_norm_rope_bwd_kernel)
 
