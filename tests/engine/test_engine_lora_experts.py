@@ -4,7 +4,7 @@ log-probs equal the trainer's and PEFT's (float64 reference); the adapter off gi
 
 import pytest
 import torch
-from test_engine_lora import check_greedy, check_sampled, mean_logprob_gap
+from test_engine_lora import assert_lora_gap, check_greedy, check_sampled
 
 from areno.models import load_model, load_tokenizer
 from areno.models.lora import LoraSpec, attach
@@ -39,10 +39,12 @@ def test_greedy_tokens_are_peft_s_and_logprobs_the_trainer_s(adapted):
 def test_bf16_expert_lora_logprobs_match_the_trainer_with_cuda_graphs(tmp_path):
     """H200: a bf16 Qwen3-MoE at a 30B-A3B-like layer width (2 layers, 32 experts), rank-16 expert + attention
     adapter (fp32, as PEFT), the CUDA-graphed decode applying it unmerged (the masked sync-free expert path):
-    mean |engine - trainer| log-prob <= 0.01 (the issue's bar)."""
+    ``assert_lora_gap`` (weights at a real model's scale, std 0.02: the tiny checkpoints' 0.1 amplifies bf16
+    rounding)."""
     path = make_tiny_checkpoint(tmp_path / "ckpt", "qwen3_moe", seed=0, dtype=torch.bfloat16, hidden_size=2048,
                                 moe_intermediate_size=768, num_hidden_layers=2, num_attention_heads=32,
-                                num_key_value_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=8)
+                                num_key_value_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=8,
+                                initializer_range=0.02)
     model = load_model(path, dtype=torch.bfloat16, device="cuda")
     adapter = attach(model, LoraSpec(rank=16, alpha=32.0, target_modules=("experts", "q_proj", "v_proj")))
     g = torch.Generator().manual_seed(0)
@@ -50,5 +52,4 @@ def test_bf16_expert_lora_logprobs_match_the_trainer_with_cuda_graphs(tmp_path):
         for p in adapter.parameters():
             p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.02)
     model.eval()
-    gap = mean_logprob_gap(model, path)
-    assert gap <= 0.01, gap
+    assert_lora_gap(model, adapter, path)
