@@ -118,8 +118,9 @@ def test_logprobs_stay_near_the_unquantised_models(ckpt):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_fp8_experts_on_the_gpu_match_the_native_reference(family, tmp_path, monkeypatch):
     """bf16 on a GPU: the engine's Triton FP8 expert kernels (CUDA graphs included) give the native path's
-    log-probs."""
-    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=3)
+    log-probs (weights at a real model's scale, std 0.02: at the tiny checkpoints' 0.1 bf16 rounding alone flips
+    routes and moved log-probs past the bar, 0.052 and 0.123 on the H200)."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, seed=3, initializer_range=0.02)
     model, tok = load_model(path, dtype=torch.bfloat16, device="cuda"), load_tokenizer(path)
     fp8_rollout.quantize(model)
     with fp8_rollout.fp8_forward(model):
