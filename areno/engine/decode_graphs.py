@@ -27,10 +27,11 @@ def graph_plan(max_running: int, eager: bool, device: torch.device) -> tuple[boo
     return (not eager) and device.type == "cuda", buckets
 
 
-def graph_key(bsz: int, k: int, width: int, rope_off: bool) -> tuple:
+def graph_key(bsz: int, k: int, width: int, rope_off: bool, hidden: bool = False) -> tuple:
     """A graph's key: (rows, chained steps, logit-adjustment width), plus a mark for per-row position offsets
-    (graphs without offsets, all of a text-only model's, do no extra work)."""
-    return (bsz, k, width, "rope_off") if rope_off else (bsz, k, width)
+    (graphs without offsets, all of a text-only model's, do no extra work) and one for graphs that keep each step's
+    hidden rows (speculation's gated chains, ``keep_hidden``)."""
+    return (bsz, k, width) + (("rope_off",) if rope_off else ()) + (("hidden",) if hidden else ())
 
 
 class DecodeGraphs:
@@ -42,7 +43,9 @@ class DecodeGraphs:
     def decode_steps(self, buf: dict, k: int):
         """``k`` chained decode steps from the inputs in ``buf`` (device tensors, see ``_capture``); no host sync.
         Rows whose slot is -1 (graph padding) stay put and write nothing. Returns tokens/logprobs ``[k, rows]``.
-        ``buf["rope_off"]`` (prompts with images): the model's position is the cache position plus the row's offset."""
+        ``buf["rope_off"]`` (prompts with images): the model's position is the cache position plus the row's offset.
+        ``buf["hidden"]`` ``[k, rows, H]``: each step's final hidden rows are kept there (speculation's gated chains:
+        the MTP catch-up of those positions runs later from them)."""
         ids, pos, slots, lens, offsets = buf["ids"], buf["pos"], buf["slots"], buf["lens"], buf["offsets"]
         table, bs = buf["table"], self.block_size
         if self.record_routing and "routing" not in buf:  # made on the first (warm-up) call: static in the graph
@@ -73,6 +76,8 @@ class DecodeGraphs:
                 meta.group_block_tables = list(buf["gtables"])
             rope = pos + buf["rope_off"] if "rope_off" in buf else pos
             hidden = self.model(ids, rope, kv_caches=self.kv_caches, attn_metadata=meta)
+            if "hidden" in buf:
+                buf["hidden"][i].copy_(hidden)
             logits = self.logits(hidden)
             if adjust:
                 self.adjuster.apply(logits, buf, min_left)
@@ -119,8 +124,10 @@ class DecodeGraphs:
                 LogitAdjust([], [], [], [], [], [], [], []), bsz, width, penalties=True).items()})
         return buf
 
-    def _capture(self, bsz: int, k: int, width: int = 0, rope_off: bool = False):
+    def _capture(self, bsz: int, k: int, width: int = 0, rope_off: bool = False, hidden: bool = False):
         buf = self._graph_buffers(bsz, width, rope_off)
+        if hidden:
+            buf["hidden"] = self._hidden_rows(k, bsz)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -132,7 +139,10 @@ class DecodeGraphs:
             out = self.decode_steps(buf, k)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()
-        self.graphs[graph_key(bsz, k, width, rope_off)] = (graph, buf, out)
+        self.graphs[graph_key(bsz, k, width, rope_off, hidden)] = (graph, buf, out)
+
+    def _hidden_rows(self, k: int, rows: int) -> torch.Tensor:
+        return torch.empty(k, rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def capture_graphs(self, decode_steps=(1,)) -> int:
@@ -156,11 +166,13 @@ class DecodeGraphs:
         n, k = len(inp.seq_lens), inp.decode_steps
         bsz = self._bucket(n)
         width = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
-        rope_off = inp.rope_offsets is not None
-        key = graph_key(bsz, k, width, rope_off)
+        rope_off, hidden = inp.rope_offsets is not None, self.keep_hidden
+        key = graph_key(bsz, k, width, rope_off, hidden)
         if key not in self.graphs:
-            self._capture(bsz, k, width, rope_off=True) if rope_off else self._capture(bsz, k, width)
+            kw = {"rope_off": True} if rope_off else {}
+            self._capture(bsz, k, width, **kw, **({"hidden": True} if hidden else {}))
         graph, buf, (tokens, logprobs) = self.graphs[key]
+        self.last_hidden = buf.get("hidden")
         for name, val in self._graph_host(inp, bsz, sparse_width=width).items():
             buf[name].copy_(val, non_blocking=True)
         if ids_from is not None:
@@ -206,6 +218,9 @@ class DecodeGraphs:
                 buf[name] = None
         if ids_from is not None:
             buf["ids"] = self._ids_from(ids_from)
+        if self.keep_hidden:
+            buf["hidden"] = self._hidden_rows(inp.decode_steps, n)
+        self.last_hidden = buf.get("hidden")
         tokens, logprobs = self.decode_steps(buf, inp.decode_steps)
         self.last_routing = buf["routing"].cpu() if self.record_routing else None
         return DecodeLaunch(inp.decode_steps, n, tokens, (tokens.cpu(), logprobs.float().cpu()))

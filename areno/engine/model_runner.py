@@ -97,6 +97,8 @@ class ModelRunner(DecodeGraphs):
                 self.kv_caches[i] = pools
         self.record_routing = bool(record_routing and model.is_moe)
         self.last_routing = None
+        self.keep_hidden = False  # decode launches keep each step's hidden rows in ``last_hidden`` [k, rows, H]
+        self.last_hidden = None  # (speculation's gated chains: a graph's static buffer, read before the next replay)
         self.use_graphs, self.graph_buckets = graph_plan(max_running, eager, self.device)
         self.graphs: dict[int, tuple] = {}
         self.graph_pool = None

@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 import torch
 
-from areno.engine import spec_chain, spec_sample
+from areno.engine import spec_chain, spec_gated, spec_sample
 from areno.engine.decode_graphs import graph_plan
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.model_runner import broadcast_step
@@ -118,7 +118,7 @@ class SpecBudget(NamedTuple):
 def spec_budget(engine, device, dtype) -> SpecBudget | None:
     """Speculation's sizes, known before the KV cache is planned (None without ``--speculative-tokens``): the gate
     resolved, the hybrids' state stash (``spec_graphs.stash_rows``/``stash_bytes``) and, where the gate can make a
-    step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one step's beyond them: ``_defer``)."""
+    step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one gated chain's beyond them: ``_defer``)."""
     cfg, k = engine.config, engine.config.speculative_tokens
     if not k:
         return None
@@ -127,7 +127,8 @@ def spec_budget(engine, device, dtype) -> SpecBudget | None:
     rows = stash_rows(limit, cfg.max_running, *graph_plan(cfg.max_running, cfg.eager_decode, device), k + 1)
     row_bytes = engine.model.config.hidden_size * dtype.itemsize
     defer = max(1, min(DEFER_BYTES // row_bytes, cfg.max_running * engine.max_model_len))
-    held = defer + cfg.max_running if limit is not None and limit < cfg.max_running else 0  # + one step's past it
+    chain = spec_gated.GATED_CHAIN * cfg.max_running  # one gated chain's rows past defer_rows before the flush
+    held = defer + chain if limit is not None and limit < cfg.max_running else 0
     return SpecBudget(limit, rows, defer, stash_bytes(engine.model, rows, k, dtype) + held * row_bytes)
 
 
@@ -199,12 +200,7 @@ class SpecDecoder:
                 r.graphs[key], n = ex.graphs.capture(r, bsz, width, ex.graphs.stash), n + 1
             n += spec_sample.capture_plain(r, bsz, self.k, r.graphs[key][2][1])
             n += spec_chain.capture_plain(r, ex, bsz, width, Chain([], [], [], [], [], [], [], [], []))
-        most = self.engine.config.max_running  # the gated steps' forwards: the buckets above the gate's limit
-        for bsz in r.graph_buckets if self.limit is not None and ex.graphs.graphable(r, most, 1) else ():
-            key = ("verify", bsz, 1)
-            if self.limit < bsz <= r._bucket(most) and key not in r.graphs:
-                r.graphs[key], n = ex.graphs.capture(r, bsz, 1, None), n + 1
-        return n
+        return n + spec_gated.capture_gated(self)
 
     def _run(self, work):
         """Device work on every rank: broadcast to the TP followers first, then run here."""
@@ -231,6 +227,8 @@ class SpecDecoder:
         e.blocks.pending_copies.clear()
         e.blocks.pending_state_copies.clear()
         gated = self._gated(step)
+        if gated and (k := spec_gated.chain_length(self, step)):
+            return spec_gated.gated_chain(self, step, copies, state_copies, k)
         chunks, rows, next_known = self._plan(step, gated)
         width = self.k + 1 if self._steady(chunks, rows) else 1
         inp = self._prepare(chunks, rows, copies, gated and step.is_decode, width)
@@ -435,9 +433,10 @@ class SpecDecoder:
         return toks
 
     # ---- drafting ------------------------------------------------------------------------------------------
-    def _defer(self, chunks, ops: list) -> None:
+    def _defer(self, chunks, ops: list, k: int = 1) -> None:
         """A gated step of decodes only that another gated step follows: its MTP catch-up waits, each sequence's hidden
-        row held, until a step needs the draft's K/V whole (``_flush``) or more than ``defer_rows`` rows are held."""
+        row held, until a step needs the draft's K/V whole (``_flush``) or more than ``defer_rows`` rows are held.
+        ``k`` > 1: a gated chain's, k rows (positions) per sequence."""
         for i, c in enumerate(chunks):
             held = self.deferred.get(c.seq.seq_id)
             if held is not None and held[1] + held[2] != c.start:  # not the position after them: keep both
@@ -445,7 +444,7 @@ class SpecDecoder:
                 held = None
             if held is None:
                 held = self.deferred[c.seq.seq_id] = [c.seq, c.start, 0]
-            held[2] += 1
+            held[2] += k
             ops.append(("hold", i, c.seq.seq_id))
         finished = [i for i, d in self.deferred.items() if d[0].is_finished]
         if finished:

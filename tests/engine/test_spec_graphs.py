@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from areno.config import SamplingParams
-from areno.engine import model_runner, spec_chain, spec_decode, spec_sample
+from areno.engine import model_runner, spec_chain, spec_decode, spec_gated, spec_sample
+from areno.engine.decode_graphs import graph_key
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, plan_num_blocks, state_bytes
 from areno.engine.spec_chain import chain_body
+from areno.engine.spec_gated import CHAIN_LENGTHS, GATED_CHAIN
 from areno.engine.spec_graphs import verify_body, verify_buffers
 from areno.engine.spec_sample import sample_body
 from areno.models import load_model
@@ -80,6 +82,15 @@ def _engine(model, k, graphs, monkeypatch=None, **kw):
             return graph, buf, graph.out
 
         r.spec_exec.graphs.capture = capture
+
+        def capture_decode(bsz, k, width=0, rope_off=False, hidden=False):  # the gated chains' plain decode graphs
+            buf = r._graph_buffers(bsz, width, rope_off)
+            if hidden:
+                buf["hidden"] = r._hidden_rows(k, bsz)
+            graph = _GuardedGraph(lambda: r.decode_steps(buf, k))
+            r.graphs[graph_key(bsz, k, width, rope_off, hidden)] = (graph, buf, graph.out)
+
+        r._capture = capture_decode
         monkeypatch.setattr(spec_sample, "capture_draw", capture_draw)
         monkeypatch.setattr(spec_chain, "capture_chain", capture_chain)
     return e
@@ -109,6 +120,11 @@ def _options(sampled: bool):
         return [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2) for n in (4, 12, 20, 30)]
     return [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, n=2, seed=i, repetition_penalty=1.3,
                            frequency_penalty=0.2, presence_penalty=0.1) for i, n in enumerate((4, 12, 20, 30))]
+
+
+def _long_options():
+    """Greedy, lengths such that gated chains of GATED_CHAIN steps leave a long pair decoding alone at the end."""
+    return [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, n=2) for n in (4, 12, 40, 90)]
 
 
 def _assert_same(got, want):
@@ -146,9 +162,10 @@ def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
 
 def test_gate_turns_speculation_off_and_on_under_graphs(echo, monkeypatch):
     """--speculative-disable-by-batch-size 3: gated (plain) steps while more than 3 decode, replays once fewer do,
-    gated again when LATE join (after the first replay), replays again at the end. A gated step of decodes replays
-    the forward at width 1 (the 9B shape ran its gated steps eagerly at 0.28x the plain engine)."""
-    opts = _options(False)
+    gated again when LATE join (after the first replay), replays again at the end. Gated stretches run as chains of
+    GATED_CHAIN plain decode steps (graph-replayed, hidden rows kept): the drafts after them are those of a run whose
+    gated steps ran one at a time."""
+    opts = _long_options()
     e = _engine(echo, 2, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
     trace = []
     got = _run(e, opts, late_after="replayed", trace=trace)
@@ -158,6 +175,39 @@ def test_gate_turns_speculation_off_and_on_under_graphs(echo, monkeypatch):
     assert e.spec.stats() == plain.spec.stats()  # the same drafts: the deferred catch-ups read the held rows intact
     kinds = "".join(k[0] for k in trace)  # g(ated), r(eplayed), e(ager)
     assert re.search("g.*r.*g.*r", kinds), kinds  # off, on (replayed), off, on
+    chains = {key: g[0].replays for key, g in e.runner.graphs.items() if key[-1] == "hidden"}
+    assert chains and sum(chains.values()) >= 2 and all(key[0] > 3 and key[1] in CHAIN_LENGTHS for key in chains)
+    assert e.step_counts["chained"] >= 2 * GATED_CHAIN
+
+
+def test_a_gated_chain_holds_the_hidden_rows_of_its_positions(echo, monkeypatch):
+    """The rows a gated chain holds for the deferred MTP catch-up (replayed graphs: copied before the next replay)
+    are the target's hidden states at those positions (a packed forward over each sequence's tokens)."""
+    e = _engine(echo, 2, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
+    for p, o in zip(GATE_PROMPTS, _long_options()):
+        e.add_request(p, o)
+    while e.step_counts["chained"] < 2 * GATED_CHAIN:
+        e.step()
+    ex, deferred = e.runner.spec_exec, e.spec.deferred
+    assert deferred and all(n >= 2 * GATED_CHAIN for _, _, n in deferred.values())
+    for sid, (seq, first, n) in deferred.items():
+        held = torch.cat(ex.held[sid])
+        ids = torch.tensor(seq.tokens[: first + n])
+        with torch.no_grad():
+            hidden = echo(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)], dtype=torch.int32), len(ids))
+        torch.testing.assert_close(held, hidden[first : first + n], rtol=1e-4, atol=1e-4)
+
+
+def test_a_gated_step_that_cannot_chain_replays_its_forward(echo, monkeypatch):
+    """A gated step of decodes that does not chain (here: chains off) replays the verify body at width 1 from a graph
+    per bucket (the 9B shape ran its gated steps eagerly at 0.28x the plain engine), equal to eager."""
+    monkeypatch.setattr(spec_gated, "chain_length", lambda spec, step: 0)
+    opts = _long_options()
+    e = _engine(echo, 2, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
+    got = _run(e, opts, late_after=4)
+    plain = _engine(echo, 2, graphs=False, speculative_disable_by_batch_size=3)
+    _assert_same(got, _run(plain, opts, late_after=4))
+    assert e.spec.stats() == plain.spec.stats()
     gated = {key: n for key, n in _replays(e).items() if key[2] == 1}
     assert gated and sum(gated.values()) >= 2 and all(key[1] > 3 for key in gated)
 
@@ -176,7 +226,7 @@ def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, mon
     stashed = 0 if stash is None else sum(t.numel() * t.element_size() for t in stash)
     if stash is not None:
         assert stash[0].shape[1:3] == (k, 4 if gate == 3 else 8)  # the limit batch (3: bucket 4, off: max_running)
-    held = (e.spec.defer_rows + 8) * echo.config.hidden_size * r.dtype.itemsize if gate == 3 else 0
+    held = (e.spec.defer_rows + 8 * GATED_CHAIN) * echo.config.hidden_size * r.dtype.itemsize if gate == 3 else 0
     assert e.spec_budget.reserved == stashed + held
     per_block = kv_bytes_per_block(echo, 4, r.dtype, mml, extra_layers=1)
     plan = dict(block_size=4, dtype=r.dtype, device=r.device, kv_cache_memory=mem, max_running=8,
@@ -189,15 +239,18 @@ def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, mon
 
 def test_capture_graphs_captures_every_steady_graph_at_start(echo, monkeypatch):
     """``Engine.capture_graphs`` under speculation: the verify, sampling and chain graphs of every bucket a steady
-    step replays (the gate at 3: buckets 1, 2, 4), and the gated steps' forwards (width 1) of the buckets above the
-    limit up to max_running's (4, 8); a run then replays them and captures nothing more."""
-    opts = _options(False)
+    step replays (the gate at 3: buckets 1, 2, 4), and the gated steps' forwards (width 1) and gated chains (plain
+    decode graphs keeping hidden rows) of the buckets above the limit up to max_running's (4, 8); a run then
+    replays them and captures nothing more."""
+    opts = _long_options()
     e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
-    assert e.capture_graphs() == 11
+    assert e.capture_graphs() == 11 + 2 * len(CHAIN_LENGTHS)
     keys = set(e.runner.graphs)
     steady = {(kind, b) for kind in ("verify", "spec_draw", "spec_chain") for b in (1, 2, 4)}
-    assert {key[:2] for key in keys if key[-1] != 1 or key[0] != "verify"} == steady
+    assert {key[:2] for key in keys if isinstance(key[0], str) and (key[-1] != 1 or key[0] != "verify")} == steady
     assert {key for key in keys if key[0] == "verify" and key[2] == 1} == {("verify", 4, 1), ("verify", 8, 1)}
+    assert {key for key in keys if not isinstance(key[0], str)} == {(b, k, 0, "hidden") for b in (4, 8)
+                                                                   for k in CHAIN_LENGTHS}
     got = _run(e, opts, late_after=4)
     assert set(e.runner.graphs) == keys and sum(_replays(e).values()) >= 2
     _assert_same(got, _run(_engine(echo, 3, graphs=False, speculative_disable_by_batch_size=3), opts, late_after=4))

@@ -1,0 +1,82 @@
+"""Speculation's gated stretches (``spec_decode``): while the gate keeps a batch plain, its steps run as chains of
+plain decode steps, as a plain engine's multi-step decode does, instead of one step per scheduling round.
+
+A gated step of decodes only that more gated steps follow runs ``k`` chained decode steps (the runner's
+``launch_decode_steps``: one CUDA graph per bucket and k, sampling on the device), ``k`` from ``CHAIN_LENGTHS`` and
+never past the step after which the gate would lift (the sequences that reach max_new_tokens in between counted; one
+that stops earlier on a stop token only ends its own tokens, as in a plain chain). The graph keeps each step's final
+hidden rows (``ModelRunner.keep_hidden``, a ``[k, rows, H]`` buffer): they are held for the deferred MTP catch-up
+(``SpecDecoder._defer``, k rows a sequence), copied out of the graph's buffer before the next replay, so the draft
+K/V of every position a chain computed is written later exactly as after k single gated steps. Not chained (a
+single gated step, ``spec_graphs``' width-1 forward): under TP (the held rows are the leader's), with routing
+capture, with requests waiting that fit, or fewer than 2 steps before the gate lifts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from areno.engine.decode_graphs import graph_key
+from areno.engine.scheduler import Step
+from areno.engine.spec_exec import FinishWork
+
+GATED_CHAIN = 8  # decode steps a gated stretch chains per round (as the rollout's --decode-steps default)
+CHAIN_LENGTHS = (GATED_CHAIN, 4, 2)  # shorter chains before the gate lifts (one decode graph per length and bucket)
+
+
+def chain_length(spec, step: Step) -> int:
+    """How many plain decode steps the gated ``step`` chains (0: it runs alone): the longest of ``CHAIN_LENGTHS``
+    whose steps are all gated; decodes only, one rank, no routing capture, and the blocks of every position
+    reserved (``Engine._reserve_decode_steps``: nothing waiting that fits, every position inside the context)."""
+    e = spec.engine
+    if not step.is_decode or e.runner.tp_group is not None or e.runner.record_routing:
+        return 0
+    seqs = [c.seq for c in step.chunks]
+    left = sorted(s.options.max_new_tokens - s.num_output for s in seqs)
+    most = left[len(seqs) - spec.limit - 1]  # steps 1..k gated: fewer than n - limit finished before each
+    k = next((k for k in CHAIN_LENGTHS if k <= most), 0)
+    return k if k and e._reserve_decode_steps(step, seqs, k) else 0
+
+
+def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
+    """``k`` plain decode steps of every sequence of ``step``, as ``Engine._multi_step``; each step's hidden rows
+    held for the MTP catch-up. Returns the sequences that took tokens."""
+    e = spec.engine
+    r, seqs = e.runner, [c.seq for c in step.chunks]
+    r.spec_exec.copy_draft_blocks(r, copies)
+    r.keep_hidden = True
+    try:
+        launch = r.launch_decode_steps(step, seqs, k, copies, state_copies)
+        tokens, logprobs = r.wait_decode(launch)
+    finally:
+        r.keep_hidden = False
+    r.spec_exec.last = (r.last_hidden, None, None)  # FinishWork's "hold" copies k rows a sequence out of it
+    e.step_counts["chained"] += k
+    spec.counts["spec_gated_steps"] += k - 1  # the gate counted the first
+    took = e._take_group(seqs, tokens, logprobs)
+    ops = [("drop", spec._dropped)] if spec._dropped else []
+    spec._dropped = []
+    spec._defer(step.chunks, ops, k)
+    with torch.inference_mode():
+        spec._run(FinishWork(None, ops))
+    return took
+
+
+def capture_gated(spec) -> int:
+    """At server start (``SpecDecoder.capture_graphs``): the gated steps' graphs of every bucket above the gate's
+    limit up to max_running's, the width-1 forward (``spec_graphs``) and the chains' decode graphs keeping hidden
+    rows (one per chain length). Returns how many were captured."""
+    r, n = spec.engine.runner, 0
+    most, graphs = spec.engine.config.max_running, r.spec_exec.graphs
+    if spec.limit is None or not graphs.graphable(r, most, 1):
+        return 0
+    for bsz in r.graph_buckets:
+        if not spec.limit < bsz <= r._bucket(most):
+            continue
+        if ("verify", bsz, 1) not in r.graphs:
+            r.graphs[("verify", bsz, 1)], n = graphs.capture(r, bsz, 1, None), n + 1
+        for k in () if r.record_routing else CHAIN_LENGTHS:
+            if graph_key(bsz, k, 0, False, True) not in r.graphs:
+                r._capture(bsz, k, 0, hidden=True)
+                n += 1
+    return n
