@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule
+from areno.kernels.linear_attn.gdn_decode import gdn_decode_step
 from areno.kernels.linear_attn.short_conv import causal_conv1d
 from areno.kernels.norm import rms_norm
 from areno.models import bailing_hybrid_layers
@@ -243,6 +244,11 @@ class GatedDeltaNet(nn.Module):
             qkv, final = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu, initial_state=s0,
                                        output_final_state=True)
             kv_cache[0].index_copy_(0, idx, final)
+        if decode and meta.tokens_per_seq == 1:  # one kernel from the conv output to the recurrence's (gdn_decode)
+            o = gdn_decode_step(qkv.to(x.dtype), a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1],
+                                num_k_heads=nk, num_v_heads=nv, scale=dk**-0.5, state_indices=meta.state_indices)
+            o = gated_rms_norm_silu(o, z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
+            return self.out_proj(o.reshape(t, vd))
         q, k, v = qkv.to(x.dtype).split([kd, kd, vd], dim=-1)
         q, k = l2norm(q.reshape(t, nk, dk)).to(x.dtype), l2norm(k.reshape(t, nk, dk)).to(x.dtype)
         if nv != nk:

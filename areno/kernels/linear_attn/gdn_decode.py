@@ -1,0 +1,116 @@
+"""Qwen3.5's gated DeltaNet decode step in one kernel: from the short conv's output and the ``a``/``b`` projections to
+the recurrence's output, the state updated in place.
+
+Per sequence b and value head h (key head ``h // rep``, ``rep = nv / nk``), from ``qkv [B, 2 nk dk + nv dv]`` (the conv
+output: q, k and v by heads) and ``a, b [B, nv]``:
+
+    q, k = l2norm(q), l2norm(k)          (fp32, then rounded to the input dtype, as the layer's unfused path does)
+    g    = -exp(A_log[h]) * softplus(a + dt_bias[h])      (fp32)
+    beta = sigmoid(b)                    (rounded to the input dtype)
+    S   <- e^g S;  S <- S + beta k (v - S^T k)^T;  o = scale S^T q
+
+The layer's unfused decode runs these as about twenty small kernels a layer (norms, casts, the key heads' repeat,
+the decay's exp/softplus, contiguous copies) around ``fused_recurrent_gated_delta_rule_step``; at Qwen3.5-9B's 24
+linear-attention layers that is ~500 launches and ~2-3 ms of a 19 ms decode step at 256 rows on the H200 (profile).
+Here they are one kernel that reads q/k/v/a/b once where the step kernel reads them anyway.
+
+Tiling as the step kernel's (``delta_rule._step_kernel``): one program per (sequence, value head, block of BV value
+columns), the [K, BV] fp32 state tile in registers; each program recomputes its heads' norms (K <= 128 values).
+``state_indices``: the pool row of each sequence (-1: skipped, output 0, nothing written). Inference only, no host
+sync (CUDA-graph capturable). ``gdn_decode_step_native`` is the layer's unfused path (the test oracle, and the CPU's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from areno.kernels.dispatch import use_triton
+from areno.kernels.linear_attn.delta_rule import MAX_DIM, gated_delta_rule_step_native
+
+_TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _gdn_step_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, O, scale, eps, H, REP, KD, K, V,
+                     HAS_IDX: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = QKV.dtype.element_ty
+    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    kmask, vmask = offs_k < K, offs_v < V
+    slot = tl.load(IDX + b) if HAS_IDX else b
+    ok = slot >= 0
+    row = QKV + b.to(tl.int64) * stride_x
+    kh = h // REP
+    q = tl.load(row + kh * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(row + KD + kh * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * KD + h * V + offs_v, mask=vmask, other=0.0).to(tl.float32)
+    q = (q / tl.sqrt(tl.sum(q * q) + eps)).to(dtype).to(tl.float32)
+    k = (k / tl.sqrt(tl.sum(k * k) + eps)).to(dtype).to(tl.float32)
+    x = tl.load(A + b.to(tl.int64) * stride_ab + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
+    soft = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+    g = -tl.exp(tl.load(A_LOG + h).to(tl.float32)) * soft
+    braw = tl.load(B_ + b.to(tl.int64) * stride_ab + h).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-braw))).to(dtype).to(tl.float32)
+    smask = (kmask[:, None] & vmask[None, :]) & ok
+    soffs = (tl.maximum(slot, 0).to(tl.int64) * H + h) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(STATE + soffs, mask=smask, other=0.0) * tl.exp(g)
+    w = beta * (v - tl.sum(S * k[:, None], axis=0))
+    S += k[:, None] * w[None, :]
+    o = scale * tl.sum(S * q[:, None], axis=0)
+    tl.store(STATE + soffs, S, mask=smask)
+    tl.store(O + (b.to(tl.int64) * H + h) * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
+
+
+def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_decode_step_native(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_heads, scale=None,
+                           state_indices=None, eps=1e-6):
+    """The layer's unfused decode in PyTorch (see the module docstring): returns o ``[B, nv, dv]`` in qkv's dtype."""
+    nk, nv = num_k_heads, num_v_heads
+    B, dk = qkv.shape[0], state.shape[-2]
+    kd = nk * dk
+    q, k, v = qkv.split([kd, kd, qkv.shape[1] - 2 * kd], dim=-1)
+    q, k = (_l2norm(x.reshape(B, nk, dk), eps).to(qkv.dtype) for x in (q, k))
+    if nv != nk:
+        q, k = (x.unsqueeze(2).expand(B, nk, nv // nk, dk).reshape(B, nv, dk) for x in (q, k))
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = torch.sigmoid(b).float()
+    return gated_delta_rule_step_native(q, k, v.reshape(B, nv, -1), g, beta, state, scale=scale,
+                                        state_indices=state_indices)
+
+
+def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_heads, scale=None, state_indices=None,
+                    eps=1e-6):
+    """One decode token per sequence of a gated DeltaNet layer: ``qkv [B, 2 nk dk + nv dv]`` (the conv output, unit
+    last stride), ``a, b [B, nv]`` (unit last stride), ``A_log, dt_bias [nv]``, ``state`` fp32 ``[S, nv, dk, dv]``
+    updated in place (rows ``state_indices``, or ``[B, ...]`` without). Returns o ``[B, nv, dv]`` in qkv's dtype."""
+    nk, nv = num_k_heads, num_v_heads
+    B, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
+    if qkv.shape[1] != 2 * nk * K + nv * V or a.shape != (B, nv) or b.shape != (B, nv) or state.shape[1] != nv:
+        raise ValueError(f"gdn_decode_step: qkv {tuple(qkv.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, state "
+                         f"{tuple(state.shape)} do not fit {nk} key / {nv} value heads")
+    if nv % nk:
+        raise ValueError(f"gdn_decode_step: {nv} value heads are not a multiple of {nk} key heads")
+    supported = (state.dtype == torch.float32 and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
+                 and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
+                 and a.stride() == b.stride())
+    scale = K**-0.5 if scale is None else scale
+    if not use_triton(qkv, a, b, state, supported=supported):
+        with torch.no_grad():
+            return gdn_decode_step_native(qkv, a, b, A_log, dt_bias, state, num_k_heads=nk, num_v_heads=nv,
+                                          scale=scale, state_indices=state_indices, eps=eps)
+    o = torch.empty(B, nv, V, dtype=qkv.dtype, device=qkv.device)
+    if B == 0:
+        return o
+    BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+    _gdn_step_kernel[(B, nv, triton.cdiv(V, BV))](
+        qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, o, float(scale), float(eps),
+        nv, nv // nk, nk * K, K, V, HAS_IDX=state_indices is not None, BK=BK, BV=BV,
+    )  # fmt: skip
+    return o

@@ -1,0 +1,88 @@
+"""Qwen3.5's fused gated-DeltaNet decode step (areno/kernels/linear_attn/gdn_decode.py): the Triton kernel against the
+layer's unfused path (native) and a float64 oracle, outputs and the state pool, over odd shapes (value heads sharing
+key heads, value dims that are not a power of two, several value blocks, skipped rows, permuted slots)."""
+
+import pytest
+import torch
+
+from areno.kernels.linear_attn.gdn_decode import gdn_decode_step, gdn_decode_step_native
+
+CASES = [  # (B, nk, nv, dk, dv)
+    (3, 2, 4, 16, 24),  # two value heads per key head, dv masked in one block
+    (2, 1, 1, 8, 40),  # two value blocks (BV = 32), the second masked
+    (5, 3, 3, 32, 16),  # nv == nk
+]
+
+
+def _inputs(B, nk, nv, dk, dv, dtype, seed, slots=8):
+    """qkv (the conv output), a and b as strided views of one projection row (as the layer's split gives them), the
+    decay parameters, a state pool and each row's slot (permuted; the middle row skipped, -1)."""
+    g = torch.Generator().manual_seed(seed)
+    cols = 2 * nk * dk + nv * dv
+    proj = torch.randn(B, cols + 2 * nv, generator=g)
+    proj[:, cols : cols + nv] *= 8.0  # a: reach softplus' linear and exponential ends
+    proj = proj.to(dtype)
+    qkv, a, b = proj[:, :cols].contiguous(), proj[:, cols : cols + nv], proj[:, cols + nv :]
+    A_log = torch.randn(nv, generator=g) * 0.5
+    dt_bias = torch.randn(nv, generator=g)
+    pool = torch.randn(slots, nv, dk, dv, generator=g) * 0.3
+    idx = torch.randperm(slots, generator=g)[:B].to(torch.int32)
+    idx[B // 2] = -1
+    return qkv, a, b, A_log, dt_bias, pool, idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("B,nk,nv,dk,dv", CASES)
+def test_triton_matches_native_and_float64(B, nk, nv, dk, dv, dtype, triton_kernels):
+    qkv, a, b, A_log, dt_bias, pool, idx = _inputs(B, nk, nv, dk, dv, dtype, seed=B * 100 + nv * 10 + dk)
+    kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
+    state = pool.clone()
+    o = gdn_decode_step(qkv, a, b, A_log, dt_bias, state, **kw)
+    ref_state = pool.clone()
+    ref = gdn_decode_step_native(qkv, a, b, A_log, dt_bias, ref_state, **kw)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(o, ref, **tol)
+    torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=1e-5)
+    # float64 oracle: the same math on inputs rounded as the kernel sees them
+    d_state = pool.double()
+    oracle = gdn_decode_step_native(qkv.double(), a.double(), b.double(), A_log.double(), dt_bias.double(), d_state,
+                                    **kw)  # fmt: skip
+    o_tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(o.double(), oracle, **o_tol)
+    torch.testing.assert_close(state.double(), d_state, **o_tol)
+    assert (o[B // 2] == 0).all()  # the skipped row
+    untouched = sorted(set(range(pool.shape[0])) - set(idx.tolist()))
+    assert torch.equal(state[untouched], pool[untouched])
+
+
+def test_without_a_pool_the_state_is_the_batch(triton_kernels):
+    qkv, a, b, A_log, dt_bias, pool, _ = _inputs(3, 2, 4, 16, 24, torch.float32, seed=7, slots=3)
+    state, ref_state = pool.clone(), pool.clone()
+    o = gdn_decode_step(qkv, a, b, A_log, dt_bias, state, num_k_heads=2, num_v_heads=4)
+    ref = gdn_decode_step_native(qkv, a, b, A_log, dt_bias, ref_state, num_k_heads=2, num_v_heads=4)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_name_the_mismatch():
+    qkv, a, b, A_log, dt_bias, pool, idx = _inputs(3, 2, 4, 16, 24, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="do not fit 3 key / 4 value heads"):
+        gdn_decode_step(qkv, a, b, A_log, dt_bias, pool, num_k_heads=3, num_v_heads=4, state_indices=idx)
+    with pytest.raises(ValueError, match="not a multiple"):
+        gdn_decode_step(qkv[:, :-24], a[:, :3], b[:, :3], A_log[:3], dt_bias[:3], pool[:, :3], num_k_heads=2,
+                        num_v_heads=3, state_indices=idx)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_bf16_at_the_9b_shape():
+    """H200: Qwen3.5-9B's heads (16 key / 32 value heads of 128), 256 rows of a 300-slot pool, bf16 inputs: the
+    kernel equals the unfused path."""
+    qkv, a, b, A_log, dt_bias, pool, idx = (t.cuda() for t in _inputs(256, 16, 32, 128, 128, torch.bfloat16, seed=3,
+                                                                        slots=300))  # fmt: skip
+    kw = dict(num_k_heads=16, num_v_heads=32, state_indices=idx)
+    state, ref_state = pool.clone(), pool.clone()
+    o = gdn_decode_step(qkv, a, b, A_log, dt_bias, state, **kw)
+    ref = gdn_decode_step_native(qkv, a, b, A_log, dt_bias, ref_state, **kw)
+    torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
