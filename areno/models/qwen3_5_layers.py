@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule
-from areno.kernels.linear_attn.gdn_decode import gdn_decode_step
+from areno.kernels.linear_attn.gdn_decode import gated_rms_norm_silu, gated_rms_norm_silu_native, gdn_decode_step
 from areno.kernels.linear_attn.short_conv import causal_conv1d
 from areno.kernels.norm import rms_norm
 from areno.models import bailing_hybrid_layers
@@ -178,13 +178,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def gated_rms_norm_silu(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``w * rmsnorm(o) * silu(z)`` over the head dim (normalised in fp32, rounded as transformers does)."""
-    of = o.float()
-    n = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(o.dtype)
-    return (weight * n * F.silu(z.float())).to(o.dtype)
-
-
 class ShortConv(bailing_hybrid_layers.ShortConv):
     """Ling 3's conv kernels ``[C, 1, W]`` (split by heads under TP), in the model dtype as transformers keeps them."""
 
@@ -267,7 +260,7 @@ class GatedDeltaNet(nn.Module):
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu, initial_state=s0,
                                               output_final_state=True)
             kv_cache[1].index_copy_(0, idx, final)
-        o = gated_rms_norm_silu(o.to(x.dtype), z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
+        o = gated_rms_norm_silu_native(o.to(x.dtype), z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, vd))
 
     def layouts(self, name: str, hf: str, cfg: Qwen35Config) -> dict:

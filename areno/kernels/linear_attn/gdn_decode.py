@@ -12,7 +12,8 @@ output: q, k and v by heads) and ``a, b [B, nv]``:
 The layer's unfused decode runs these as about twenty small kernels a layer (norms, casts, the key heads' repeat,
 the decay's exp/softplus, contiguous copies) around ``fused_recurrent_gated_delta_rule_step``; at Qwen3.5-9B's 24
 linear-attention layers that is ~500 launches and ~2-3 ms of a 19 ms decode step at 256 rows on the H200 (profile).
-Here they are one kernel that reads q/k/v/a/b once where the step kernel reads them anyway.
+Here they are one kernel that reads q/k/v/a/b once where the step kernel reads them anyway; the output's gated
+RMSNorm (``gated_rms_norm_silu``: w * rmsnorm(o) * silu(z) per head, another ~9 kernels) is a second one.
 
 Tiling as the step kernel's (``delta_rule._step_kernel``): one program per (sequence, value head, block of BV value
 columns), the [K, BV] fp32 state tile in registers; each program recomputes its heads' norms (K <= 128 values).
@@ -62,6 +63,48 @@ def _gdn_step_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX
     o = scale * tl.sum(S * q[:, None], axis=0)
     tl.store(STATE + soffs, S, mask=smask)
     tl.store(O + (b.to(tl.int64) * H + h) * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _gated_norm_kernel(O, Z, W, OUT, stride_z, eps, H, V, ROUND_WN: tl.constexpr, BV: tl.constexpr):
+    r = tl.program_id(0)  # one (token, head) row
+    t, h = r // H, r % H
+    dtype = O.dtype.element_ty
+    offs = tl.arange(0, BV)
+    m = offs < V
+    o = tl.load(O + r.to(tl.int64) * V + offs, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(Z + t.to(tl.int64) * stride_z + h * V + offs, mask=m, other=0.0).to(tl.float32)
+    n = (o / tl.sqrt(tl.sum(o * o) / V + eps)).to(dtype).to(tl.float32)
+    wn = tl.load(W + offs, mask=m, other=0.0).to(tl.float32) * n
+    if ROUND_WN:  # weight and n of one low-precision dtype: torch multiplies them in it
+        wn = wn.to(dtype).to(tl.float32)
+    tl.store(OUT + r.to(tl.int64) * V + offs, (wn * z / (1.0 + tl.exp(-z))).to(dtype), mask=m)
+
+
+def gated_rms_norm_silu_native(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * rmsnorm(o) * silu(z)`` over the head dim (normalised in fp32, rounded as transformers does): the layer's
+    output norm (autograd through it in training)."""
+    of = o.float()
+    n = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(o.dtype)
+    return (weight * n * F.silu(z.float())).to(o.dtype)
+
+
+def gated_rms_norm_silu(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The output norm of ``o [T, H, V]`` (contiguous) gated by ``z [T, H, V]`` (unit last stride, rows of any
+    stride), in one kernel where it can run and nothing needs its gradient, else the native path. The layer uses it
+    in decode only (the training and prefill forwards keep the native path: their rounding is the trainer's)."""
+    T, H, V = o.shape
+    supported = (o.is_contiguous() and z.stride(2) == 1 and z.stride(1) == V and o.dtype in _TRITON_FLOATS
+                 and z.dtype == o.dtype and V <= 1024)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (o, z, weight))
+    if grad or not use_triton(o, z, weight, supported=supported):
+        return gated_rms_norm_silu_native(o, z, weight, eps)
+    out = torch.empty_like(o)
+    if T:
+        round_wn = weight.dtype == o.dtype and o.dtype != torch.float32
+        _gated_norm_kernel[(T * H,)](o, z, weight, out, z.stride(0), float(eps), H, V, ROUND_WN=round_wn,
+                                     BV=triton.next_power_of_2(V))  # fmt: skip
+    return out
 
 
 def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
