@@ -15,7 +15,7 @@
 #   kernels           K1 attention, K2 log-probs, sampler, speculative verify, small ops, K3 MoE
 #   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep)
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
-#   rollout           R1-R3 ($ROLLOUT_ARGS); rollout-fallback: a smoke run first, eager decode if graphs fail
+#   rollout           R1-R3 ($ROLLOUT_ARGS, $ROLLOUT_LIMIT s); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS)
 #   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate auto,off vs plain; spec-sweep: the
 #                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
@@ -97,7 +97,7 @@ for stage in "$@"; do
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
       step k1-sweep 300 python3 bench/attention.py --variants --seqs 4096 --sweep ${SWEEP:-near}
       step k2-no-liger 120 python3 bench/logprob.py --impls torch areno areno_loss --no-liger ;;
-    rollout) step rollout 190 python3 bench/rollout.py ${ROLLOUT_ARGS:-} ;;
+    rollout) step rollout ${ROLLOUT_LIMIT:-190} python3 bench/rollout.py ${ROLLOUT_ARGS:-} ;;
     rollout-fallback)  # a tiny run first: if CUDA-graph decode fails there, measure eager decode rather than nothing
       if timeout 120 python3 bench/rollout.py --smoke >"$OUT/smoke.txt" 2>&1 && ! grep -q "Traceback" "$OUT/smoke.txt"
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
