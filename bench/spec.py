@@ -15,7 +15,9 @@ steps on the model's own greedy outputs (teacher forcing: step 0 of the draft pr
 hidden state at t and token t + 1), which makes acceptance realistic; the accept length is reported either way.
 Both engines decode under CUDA graphs (``--eager``: both eager), sampling at temperature 1 as R1-R3 do, and
 ``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). Each engine runs its workload
-twice and the warm call is the measurement (the graphs are captured on the first).
+twice and the warm call is the measurement (the graphs are captured on the first). The plain engine chains 8
+decode steps per scheduling round (``PLAIN_DECODE_STEPS``, the rollout's ``--decode-steps`` default: what a user
+without speculation runs); the speculative one chains its gated stretches likewise (areno/engine/spec_gated.py).
 
 The gate (``--speculative-disable-by-batch-size``, areno/engine/spec_gate.py): ``--spec-gate auto,off`` runs the
 speculative engine once per setting (default auto), each record with the N it resolved to (``spec_limit``) and the
@@ -161,7 +163,8 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
     vocab = model.config.vocab_size
     records = []
     for k, gate in [(0, "auto")] + [(args.speculative_tokens, g) for g in gates(args)]:
-        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate, **base),
+        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
+                                                  decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
                         eos_token_ids=[])
         for name in names:
             for call, seed in (("first", 1), ("warm", 2)):
@@ -183,6 +186,7 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
 
 
 SWEEP_BATCHES = (1, 4, 16, 64, 256)
+PLAIN_DECODE_STEPS = 8
 
 
 def run_batch_sweep(args, device) -> list[dict]:
@@ -199,7 +203,8 @@ def run_batch_sweep(args, device) -> list[dict]:
     temp = 0.0 if args.spec_greedy else 1.0
     records = []
     for k, gate in ((0, "auto"), (args.speculative_tokens, "off")):
-        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate, **base),
+        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
+                                                  decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
                         eos_token_ids=[])
         opts = SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True)
         engine.capture_graphs()  # every batch's graphs before any is timed (none under --eager)
