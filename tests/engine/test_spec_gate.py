@@ -100,6 +100,21 @@ def test_a_gated_step_samples_what_a_plain_step_does(echo):
     assert e.spec.limit == 1 and e.spec.stats()["spec_gated_steps"] == 7
 
 
+def test_gated_chains_sample_with_penalties_as_plain_steps(echo):
+    """Every step gated (N = 1, four sequences of equal length) with repetition/frequency/presence penalties, seeded
+    temperature 1: the gated chains (plain multi-step decode, penalty slots per chain) give the plain engine's tokens
+    and log-probs."""
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=21, ignore_eos=True, seed=50 + i,
+                           repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1) for i in range(4)]
+    plain = _engine(echo, 0).generate(PROMPTS, opts)
+    e = _engine(echo, 2, gate=1)
+    out = e.generate(PROMPTS, opts)
+    assert [g[0].token_ids for g in out] == [g[0].token_ids for g in plain]
+    for g, h in zip(out, plain):
+        np.testing.assert_allclose(g[0].logprobs, h[0].logprobs, atol=1e-4)
+    assert e.step_counts["chained"] > 0 and e.spec.stats()["verify_rows"] == 0
+
+
 def _mtp_kv(engine, seq, n):
     """The MTP layer's cached entries of ``seq``'s positions 0..n-1 ([n, ...] per cache tensor)."""
     bs, table = engine.config.block_size, seq.block_table
