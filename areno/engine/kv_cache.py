@@ -141,9 +141,14 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
             budget = int(kv_cache_memory * 2**30)
     else:
         budget = int(kv_cache_memory)
-    budget -= state_bytes(model, max_running, dtype)  # the recurrent-state slots come out of the same budget
-    budget -= reserved
-    blocks = max(1, min(cap, budget // per_block))
+    states = state_bytes(model, max_running, dtype)  # the recurrent-state slots come out of the same budget
+    if budget - states - reserved < per_block:
+        raise ConfigError(
+            "--kv-cache-memory", f"({budget:,} bytes) holds no KV block ({per_block:,} bytes) after the "
+            f"recurrent-state slots of {max_running} sequences ({states:,} bytes) and speculation's reserve "
+            f"({reserved:,} bytes): raise it or lower --max-running-prompts"
+        )
+    blocks = min(cap, (budget - states - reserved) // per_block)
     if dist.is_initialized() and model.tp_group is not None:  # every TP rank the same size
         t = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=model.tp_group)

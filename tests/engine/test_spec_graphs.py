@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from areno.config import SamplingParams
+from areno.config import ConfigError, SamplingParams
 from areno.engine import model_runner, spec_chain, spec_decode, spec_gated, spec_sample
 from areno.engine.decode_graphs import graph_key
 from areno.engine.engine import Engine, EngineConfig
@@ -275,3 +275,15 @@ def test_real_graphs_equal_eager_speculation_on_the_gpu(tmp_path, family):
         assert set(e.runner.graphs) == keys
     assert [t for t, _ in out[False]] == [t for t, _ in out[True]]
     assert {key[:2] for key in e.runner.graphs if key[0] == "verify"} == {("verify", 1), ("verify", 2)}  # 3 b <= 8
+
+
+def test_a_budget_that_holds_no_block_is_refused(echo):
+    """A --kv-cache-memory budget that the state slots and speculation's reserve leave no KV block of: a ConfigError
+    naming the flag and the numbers (exit 2 from the CLI), never a one-block cache that refuses every request later."""
+    per_block = kv_bytes_per_block(echo, 4, torch.float32, 128, extra_layers=1)
+    plan = dict(block_size=4, dtype=torch.float32, device=torch.device("cpu"), max_running=8, max_model_len=128,
+                extra_layers=1)
+    states = state_bytes(echo, 8, torch.float32)
+    assert plan_num_blocks(echo, **plan, kv_cache_memory=states + 1000 + 3 * per_block, reserved=1000) == 3
+    with pytest.raises(ConfigError, match=r"^--kv-cache-memory \(.* bytes\) holds no KV block .*raise it"):
+        plan_num_blocks(echo, **plan, kv_cache_memory=states + 1000 + per_block - 1, reserved=1000)
