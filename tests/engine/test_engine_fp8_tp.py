@@ -58,6 +58,7 @@ def _worker(rank, paths, port, root):
         if rank == 0:
             torch.save({"tokens": [c.token_ids for c in out], "logprobs": [c.logprobs for c in out],
                         "copies": copies}, f"{root}/{family}.pt")
+    dist.barrier()  # neither rank tears gloo down while the other still uses it (an abort seen under load)
     dist.destroy_process_group()
 
 

@@ -78,6 +78,7 @@ def _worker(rank, path, port, out, device):
             json.dump(result, f)
     else:
         torch.save(_caches(gated), f"{out}.rank1.pt")
+    dist.barrier()  # neither rank tears gloo down while the other still uses it (an abort seen under load)
     dist.destroy_process_group()
 
 

@@ -23,6 +23,7 @@ def _worker(rank, port, seed):
         for mode in ("native", "triton"):  # one pair of processes for both paths: spawning is the slow part
             os.environ["ARENO_KERNELS"] = mode
             _compare(rank, seed + (mode == "triton"))
+        dist.barrier()  # neither rank tears gloo down while the other still uses it (an abort seen under load)
     finally:
         dist.destroy_process_group()
 

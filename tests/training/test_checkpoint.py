@@ -213,6 +213,7 @@ def _worker(rank, port, root):
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
         assert not torch.equal(sd["exp_avg"][0], torch.load(
             os.path.join(path, "training_state", f"optimizer-rank{1 - rank}.pt"))["exp_avg"][0])
+        dist.barrier()  # neither rank tears gloo down while the other still uses it (an abort seen under load)
     finally:
         dist.destroy_process_group()
 

@@ -228,6 +228,7 @@ def _worker(rank, port, tmp):
     try:
         _check_zero1(rank, tmp)
         _check_tp_norm(rank)
+        dist.barrier()  # neither rank tears gloo down while the other still uses it (an abort seen under load)
     finally:
         dist.destroy_process_group()
 
