@@ -303,13 +303,21 @@ class MasterAdamW:
         index = {id(b): i for i, b in enumerate(self.buckets)}
         for group, dev in self._state_groups():
             for b in group:
-                g = shards[index[id(b)]].float()  # a copy for bf16 buckets, the shard itself otherwise
-                if coef < 1.0:
-                    g.mul_(coef)
                 start = b.file_offset if self.offload == "disk" else 0
                 s = dev[start : start + b.state_numel]
                 w = s[: b.shard] if b.has_master else self._read_params(b)
                 b_lr = lr if b.group is None else group_lrs[b.group]
+                shard = shards[index[id(b)]]
+                if b.moments8 is not None and shard.device == w.device:  # the kernel reads the gradient as it is
+                    b.moments8.step_(w, shard, lr=b_lr, step=self.num_steps, beta1=self.betas[0], beta2=self.betas[1],
+                                     eps=self.eps, weight_decay=self.weight_decay,
+                                     divisor=1.0 / coef if coef < 1.0 else 1.0)
+                    self._publish(b, w)
+                    shards[index[id(b)]] = None
+                    continue
+                g = shard.float()  # a copy for bf16 buckets, the shard itself otherwise
+                if coef < 1.0:
+                    g.mul_(coef)
                 if b.moments8 is not None:
                     b.moments8.step_(w, g, lr=b_lr, step=self.num_steps, beta1=self.betas[0], beta2=self.betas[1],
                                      eps=self.eps, weight_decay=self.weight_decay)
