@@ -13,9 +13,10 @@ whose fraction gets the bits the exponent leaves, so small values keep their rel
 
 Quantising a block: ``absmax = max |x|`` over the block, each ``x / absmax`` (0 where ``absmax`` is 0) rounded to the
 nearest code (ties to the lower one); dequantising: ``code_value * absmax``. One step per element, in one kernel
-(one program per block): dequantise ``m`` and ``v``, the AdamW update of ``areno.kernels.adamw`` (``masked_adamw``) on
-the fp32 master ``w`` with the fp32 moments, then requantise the new moments with the block's new absmax. The master
-stays fp32 (updated in place); the caller rounds it into the parameter, as for the fp32 states.
+(a program per ``_ROWS`` blocks, a [rows, 256] tile): dequantise ``m`` and ``v``, the AdamW update of
+``areno.kernels.adamw`` (``_adamw_math``) on the fp32 master ``w`` with the fp32 moments, then requantise the new
+moments with the block's new absmax. The master stays fp32 (updated in place); the caller rounds it into the
+parameter, as for the fp32 states.
 
 The scalars follow ``master_adamw_``: ``lr``, ``step_size``, ``bc2_sqrt`` (``bias_corrections``), ``scale`` (the
 gradient's divisor) and ``skip`` (1 leaves everything as it is) are 0-dim fp32 tensors on the device.
@@ -29,10 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.adamw import bias_corrections, masked_adamw
-from areno.kernels.dispatch import use_triton
+from areno.kernels.adamw import _adamw_math, bias_corrections
+from areno.kernels.dispatch import interpreting, use_triton
 
 QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimizers)
+_ROWS = 8  # blocks a program updates on the GPU (one a program was 17 M programs a step at a 4.4B-parameter shape)
+
+
+def rows_per_program() -> int:
+    """Absmax blocks a program of the kernel updates: ``_ROWS``, 2 interpreted (tiny shapes span several programs,
+    the last one part-masked)."""
+    return 2 if interpreting() else _ROWS
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -61,9 +69,9 @@ def n_blocks(n: int) -> int:
 # ---- Triton ----------------------------------------------------------------------------------------------------
 @triton.jit
 def _quantise(x, QMAP):
-    """``x`` (a block) to its nearest codes of the map at ``QMAP``, and the block's absmax."""
-    absmax = tl.max(tl.abs(x), axis=0)
-    xn = tl.where(absmax > 0, tl.div_rn(x, tl.where(absmax > 0, absmax, 1.0)), 0.0)
+    """``x`` ([rows, QBLOCK] blocks) to the nearest codes of the map at ``QMAP``, and each block's absmax."""
+    absmax = tl.max(tl.abs(x), axis=1)
+    xn = tl.where(absmax[:, None] > 0, tl.div_rn(x, tl.where(absmax > 0, absmax, 1.0)[:, None]), 0.0)
     lo = tl.zeros(x.shape, dtype=tl.int32)  # binary search: the last code <= xn (code 0 below the map)
     for s in tl.static_range(7, -1, -1):
         cand = lo + (1 << s)
@@ -76,24 +84,31 @@ def _quantise(x, QMAP):
 @triton.jit
 def adamw8bit_kernel(
     W, G, MQ, VQ, MA, VA, SMAP, UMAP, n, LR, STEP_SIZE, BC2_SQRT, SCALE, SKIP, beta1, beta2, eps, weight_decay,
-    HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
+    """ROWS absmax blocks of BLOCK elements a program, as a [ROWS, BLOCK] tile."""
     if tl.load(SKIP) == 0.0:
-        b = tl.program_id(0)
-        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = offs < n
+        rmask = rows * BLOCK < n
         w = tl.load(W + offs, mask=mask, other=0.0)
-        m = tl.load(SMAP + tl.load(MQ + offs, mask=mask, other=0).to(tl.int32)) * tl.load(MA + b)
-        v = tl.load(UMAP + tl.load(VQ + offs, mask=mask, other=0).to(tl.int32)) * tl.load(VA + b)
-        w, m, v = masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
-                               HAS_GRAD, BLOCK)
+        ma, va = tl.load(MA + rows, mask=rmask)[:, None], tl.load(VA + rows, mask=rmask)[:, None]
+        m = tl.load(SMAP + tl.load(MQ + offs, mask=mask, other=0).to(tl.int32)) * ma
+        v = tl.load(UMAP + tl.load(VQ + offs, mask=mask, other=0).to(tl.int32)) * va
+        if HAS_GRAD:
+            g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
+        else:
+            g = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        w, m, v = _adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
+                              weight_decay)
         mq, ma = _quantise(tl.where(mask, m, 0.0), SMAP)
         vq, va = _quantise(tl.where(mask, v, 0.0), UMAP)
         tl.store(W + offs, w, mask=mask)
         tl.store(MQ + offs, mq, mask=mask)
         tl.store(VQ + offs, vq, mask=mask)
-        tl.store(MA + b, ma)
-        tl.store(VA + b, va)
+        tl.store(MA + rows, ma, mask=rmask)
+        tl.store(VA + rows, va, mask=rmask)
 
 
 # ---- native reference ------------------------------------------------------------------------------------------
@@ -157,9 +172,10 @@ def adamw8bit_(w, grad, mq, vq, ma, va, lr, step_size, bc2_sqrt, scale, skip, *,
         adamw8bit_native(w, grad, mq, vq, ma, va, *scalars, **hp)
         return
     smap, umap = code_books(w.device)
-    adamw8bit_kernel[(n_blocks(n),)](
+    rows = rows_per_program()
+    adamw8bit_kernel[(triton.cdiv(n_blocks(n), rows),)](
         w, grad if grad is not None else w, mq, vq, ma, va, smap, umap, n, *scalars, beta1, beta2, eps, weight_decay,
-        HAS_GRAD=grad is not None, BLOCK=QBLOCK, num_warps=4,
+        HAS_GRAD=grad is not None, BLOCK=QBLOCK, ROWS=rows, num_warps=8 if rows > 1 else 4,
     )  # fmt: skip
 
 
