@@ -39,7 +39,7 @@ _SQ_BLOCK = 4096  # of the multi-tensor sum of squares
 
 
 @triton.jit
-def _adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_decay):
+def adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_decay):
     w = w * (1.0 - lr * weight_decay)
     m = m + (g - m) * (1.0 - beta1)
     v = v * beta2 + (1.0 - beta2) * g * g
@@ -50,14 +50,14 @@ def _adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_d
 @triton.jit
 def masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
                  HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """The AdamW update (``_adamw_math``) of one masked block, the gradient read at ``G + offs`` and divided by the
+    """The AdamW update (``adamw_math``) of one masked block, the gradient read at ``G + offs`` and divided by the
     clip divisor (zeros without a gradient), the scalars read from their device pointers (also
     ``areno.kernels.adamw8bit``'s)."""
     if HAS_GRAD:
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
     else:
         g = tl.zeros([BLOCK], dtype=tl.float32)
-    return _adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
+    return adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
                        weight_decay)
 
 
@@ -101,7 +101,7 @@ def multi_adamw_kernel(
         offs = start + tl.arange(0, BLOCK)
         lr, step_size, bc2_sqrt, scale = tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), tl.load(SCALE)
         if start + BLOCK <= n:  # a full block: no mask
-            w, m, v = _adamw_math(tl.load(W + offs), tl.load(M + offs), tl.load(V + offs),
+            w, m, v = adamw_math(tl.load(W + offs), tl.load(M + offs), tl.load(V + offs),
                                   tl.load(G + offs).to(tl.float32) / scale, lr, step_size, bc2_sqrt, beta1, beta2,
                                   eps, weight_decay)
             tl.store(W + offs, w)
@@ -110,7 +110,7 @@ def multi_adamw_kernel(
             tl.store(P + offs, w.to(P.dtype.element_ty))
         else:
             mask = offs < n
-            w, m, v = _adamw_math(tl.load(W + offs, mask=mask, other=0.0), tl.load(M + offs, mask=mask, other=0.0),
+            w, m, v = adamw_math(tl.load(W + offs, mask=mask, other=0.0), tl.load(M + offs, mask=mask, other=0.0),
                                   tl.load(V + offs, mask=mask, other=0.0),
                                   tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / scale, lr, step_size,
                                   bc2_sqrt, beta1, beta2, eps, weight_decay)

@@ -14,7 +14,7 @@ whose fraction gets the bits the exponent leaves, so small values keep their rel
 Quantising a block: ``absmax = max |x|`` over the block, each ``x / absmax`` (0 where ``absmax`` is 0) rounded to the
 nearest code (ties to the lower one); dequantising: ``code_value * absmax``. One step per element, in one kernel
 (a program per ``_ROWS`` blocks, a [rows, 256] tile): dequantise ``m`` and ``v``, the AdamW update of
-``areno.kernels.adamw`` (``_adamw_math``) on the fp32 master ``w`` with the fp32 moments, then requantise the new
+``areno.kernels.adamw`` (``adamw_math``) on the fp32 master ``w`` with the fp32 moments, then requantise the new
 moments with the block's new absmax. The master stays fp32 (updated in place); the caller rounds it into the
 parameter, as for the fp32 states.
 
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areno.kernels.adamw import _adamw_math, bias_corrections
+from areno.kernels.adamw import adamw_math, bias_corrections
 from areno.kernels.dispatch import interpreting, use_triton
 
 QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimizers)
@@ -100,7 +100,7 @@ def adamw8bit_kernel(
             g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
         else:
             g = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        w, m, v = _adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
+        w, m, v = adamw_math(w, m, v, g, tl.load(LR), tl.load(STEP_SIZE), tl.load(BC2_SQRT), beta1, beta2, eps,
                               weight_decay)
         mq, ma = _quantise(tl.where(mask, m, 0.0), SMAP)
         vq, va = _quantise(tl.where(mask, v, 0.0), UMAP)
