@@ -48,6 +48,7 @@ SHAPES = {
                            moe_intermediate_size=1024, num_mtp_layers=1, max_position_embeddings=8192),
 }
 SMOKE = {"qwen3_5": {}, "bailing_hybrid": {}}  # the test families' own tiny defaults
+PLAIN_DECODE_STEPS = 8  # the plain engine: the rollout's --decode-steps default
 
 
 def mtp_checkpoint(family: str, smoke: bool) -> Path:
@@ -186,7 +187,6 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
 
 
 SWEEP_BATCHES = (1, 4, 16, 64, 256)
-PLAIN_DECODE_STEPS = 8
 
 
 def run_batch_sweep(args, device) -> list[dict]:

@@ -227,11 +227,12 @@ class SpecDecoder:
         e.blocks.pending_copies.clear()
         e.blocks.pending_state_copies.clear()
         gated = self._gated(step)
-        if gated and (k := spec_gated.chain_length(self, step)):
+        gated_decode = gated and step.is_decode
+        if gated_decode and (k := spec_gated.chain_length(self, step)):
             return spec_gated.gated_chain(self, step, copies, state_copies, k)
         chunks, rows, next_known = self._plan(step, gated)
         width = self.k + 1 if self._steady(chunks, rows) else 1
-        inp = self._prepare(chunks, rows, copies, gated and step.is_decode, width)
+        inp = self._prepare(chunks, rows, copies, gated_decode, width)
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
@@ -241,7 +242,7 @@ class SpecDecoder:
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
         save = save if width == 1 else []  # a steady step's verify keeps the states after each token itself
         with torch.inference_mode():
-            hidden = self._run(TargetWork(inp, save, logit_rows, width, gated and step.is_decode))
+            hidden = self._run(TargetWork(inp, save, logit_rows, width, gated_decode))
             verified = self._verify(inp, rows, hidden, logit_rows)
         redo = self._redo(rows, verified, width > 1)
         meta = e.runner.spec_exec.last[1]
@@ -251,7 +252,7 @@ class SpecDecoder:
         ops = [("drop", self._dropped)] if self._dropped else []
         self._dropped = []
         chain = None
-        if gated and step.is_decode and not self._speculates_next():
+        if gated_decode and not self._speculates_next():
             self._defer(chunks, ops)
         else:
             self._flush(ops)

@@ -144,10 +144,9 @@ class SpecExec:
             self._rollback(r, *work.redo)
         drafts, source = None, None
         for op in work.ops:
-            if op[0] == "hold":  # a replayed forward's hidden rows are the graph's: the next replay overwrites them
+            if op[0] == "hold":  # copied: a replayed forward's hidden rows are the graph's, the next replay's too
                 if source is None:  # [rows, H] of a gated step, [k, rows, H] of a gated chain (k rows each)
-                    source = self.last[0] if self.graphs.bucket is None and self.last[1] is not None else \
-                        self.last[0].clone()
+                    source = self.last[0].clone()
                 rows = source[op[1]] if source.dim() == 2 else source[:, op[1]]
                 self.held.setdefault(op[2], []).append(rows.reshape(-1, rows.shape[-1]))
             elif op[0] == "drop":

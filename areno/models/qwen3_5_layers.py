@@ -29,11 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule
-from areno.kernels.linear_attn.gdn_decode import gated_rms_norm_silu, gated_rms_norm_silu_native, gdn_decode_step
+from areno.kernels.linear_attn.gdn_decode import (
+    gated_rms_norm_silu,
+    gated_rms_norm_silu_native,
+    gdn_decode_step,
+    gdn_inputs,
+)
 from areno.kernels.linear_attn.short_conv import causal_conv1d
 from areno.kernels.norm import rms_norm
 from areno.models import bailing_hybrid_layers
@@ -172,12 +176,6 @@ class GatedAttention(Attention):
         return out
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x * rsqrt(sum x^2 + eps)`` over the last dim, in fp32."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 class ShortConv(bailing_hybrid_layers.ShortConv):
     """Ling 3's conv kernels ``[C, 1, W]`` (split by heads under TP), in the model dtype as transformers keeps them."""
 
@@ -224,7 +222,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, positions, rope, meta, kv_cache=None):
         t, nk, nv, dk, dv = x.shape[0], self.nk, self.nv, self.dk, self.dv
-        kd, vd = nk * dk, nv * dv
+        vd = nv * dv
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, vd, nv, nv], dim=-1)
         w, cu = self.conv.weight.squeeze(1), meta.cu_seqlens_q
         decode = kv_cache is not None and not meta.is_prefill
@@ -242,14 +240,8 @@ class GatedDeltaNet(nn.Module):
                                 num_k_heads=nk, num_v_heads=nv, scale=dk**-0.5, state_indices=meta.state_indices)
             o = gated_rms_norm_silu(o, z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
             return self.out_proj(o.reshape(t, vd))
-        q, k, v = qkv.to(x.dtype).split([kd, kd, vd], dim=-1)
-        q, k = l2norm(q.reshape(t, nk, dk)).to(x.dtype), l2norm(k.reshape(t, nk, dk)).to(x.dtype)
-        if nv != nk:
-            rep = nv // nk  # each key head's value heads (repeat_interleave's values, no host read under capture)
-            q, k = (x.unsqueeze(2).expand(t, nk, rep, dk).reshape(t, nv, dk) for x in (q, k))
-        v = v.reshape(t, nv, dv)
-        g = -self.decay.A_log.float().exp() * F.softplus(a.float() + self.decay.dt_bias.float())
-        beta = torch.sigmoid(b).float()
+        q, k, v, g, beta = gdn_inputs(qkv.to(x.dtype), a, b, self.decay.A_log, self.decay.dt_bias, num_k_heads=nk,
+                                      num_v_heads=nv, head_k_dim=dk)
         scale = dk**-0.5
         if kv_cache is None:
             o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu)

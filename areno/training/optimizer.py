@@ -312,17 +312,15 @@ class MasterAdamW:
                     b.moments8.step_(w, shard, lr=b_lr, step=self.num_steps, beta1=self.betas[0], beta2=self.betas[1],
                                      eps=self.eps, weight_decay=self.weight_decay,
                                      divisor=1.0 / coef if coef < 1.0 else 1.0)
-                    self._publish(b, w)
-                    shards[index[id(b)]] = None
-                    continue
-                g = shard.float()  # a copy for bf16 buckets, the shard itself otherwise
-                if coef < 1.0:
-                    g.mul_(coef)
-                if b.moments8 is not None:
-                    b.moments8.step_(w, g, lr=b_lr, step=self.num_steps, beta1=self.betas[0], beta2=self.betas[1],
-                                     eps=self.eps, weight_decay=self.weight_decay)
                 else:
-                    self._adamw(w, g, *b.moments(s), b_lr)
+                    g = shard.float()  # a copy for bf16 buckets, the shard itself otherwise
+                    if coef < 1.0:
+                        g.mul_(coef)
+                    if b.moments8 is not None:
+                        b.moments8.step_(w, g, lr=b_lr, step=self.num_steps, beta1=self.betas[0],
+                                         beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay)
+                    else:
+                        self._adamw(w, g, *b.moments(s), b_lr)
                 self._publish(b, w)
                 shards[index[id(b)]] = None
         if self.offload == "cpu" and torch.cuda.is_available():

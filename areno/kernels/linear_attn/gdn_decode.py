@@ -107,25 +107,33 @@ def gated_rms_norm_silu(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
     return out
 
 
-def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum x^2 + eps)`` over the last dim, in fp32."""
     x = x.float()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_inputs(qkv, a, b, A_log, dt_bias, *, num_k_heads, num_v_heads, head_k_dim, eps=1e-6):
+    """The recurrence's inputs from the conv output ``qkv [T, 2 nk dk + nv dv]`` and ``a, b [T, nv]``, as the
+    layer computes them (differentiable): q, k ``[T, nv, dk]`` L2-normed in fp32 and rounded to qkv's dtype, each
+    key head repeated for its value heads; v ``[T, nv, dv]``; g = -exp(A_log) softplus(a + dt_bias) and beta =
+    sigmoid(b), fp32 ``[T, nv]``."""
+    nk, nv, dk = num_k_heads, num_v_heads, head_k_dim
+    T, kd = qkv.shape[0], nk * dk
+    q, k, v = qkv.split([kd, kd, qkv.shape[1] - 2 * kd], dim=-1)
+    q, k = (l2norm(x.reshape(T, nk, dk), eps).to(qkv.dtype) for x in (q, k))
+    if nv != nk:  # each key head's value heads (repeat_interleave's values, no host read under capture)
+        q, k = (x.unsqueeze(2).expand(T, nk, nv // nk, dk).reshape(T, nv, dk) for x in (q, k))
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return q, k, v.reshape(T, nv, -1), g, torch.sigmoid(b).float()
 
 
 def gdn_decode_step_native(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_heads, scale=None,
                            state_indices=None, eps=1e-6):
     """The layer's unfused decode in PyTorch (see the module docstring): returns o ``[B, nv, dv]`` in qkv's dtype."""
-    nk, nv = num_k_heads, num_v_heads
-    B, dk = qkv.shape[0], state.shape[-2]
-    kd = nk * dk
-    q, k, v = qkv.split([kd, kd, qkv.shape[1] - 2 * kd], dim=-1)
-    q, k = (_l2norm(x.reshape(B, nk, dk), eps).to(qkv.dtype) for x in (q, k))
-    if nv != nk:
-        q, k = (x.unsqueeze(2).expand(B, nk, nv // nk, dk).reshape(B, nv, dk) for x in (q, k))
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    beta = torch.sigmoid(b).float()
-    return gated_delta_rule_step_native(q, k, v.reshape(B, nv, -1), g, beta, state, scale=scale,
-                                        state_indices=state_indices)
+    q, k, v, g, beta = gdn_inputs(qkv, a, b, A_log, dt_bias, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+                                  head_k_dim=state.shape[-2], eps=eps)
+    return gated_delta_rule_step_native(q, k, v, g, beta, state, scale=scale, state_indices=state_indices)
 
 
 def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_heads, scale=None, state_indices=None,
