@@ -5,6 +5,7 @@ key heads, value dims that are not a power of two, several value blocks, skipped
 import pytest
 import torch
 
+from areno.kernels.linear_attn import gdn_decode
 from areno.kernels.linear_attn.gdn_decode import (
     gated_rms_norm_silu,
     gated_rms_norm_silu_native,
@@ -14,7 +15,7 @@ from areno.kernels.linear_attn.gdn_decode import (
 
 CASES = [  # (B, nk, nv, dk, dv)
     (3, 2, 4, 16, 24),  # two value heads per key head, dv masked in one block
-    (2, 1, 1, 8, 40),  # two value blocks (BV = 32), the second masked
+    (2, 1, 1, 8, 40),  # three value blocks at BV = 16, the last masked
     (5, 3, 3, 32, 16),  # nv == nk
 ]
 
@@ -36,9 +37,12 @@ def _inputs(B, nk, nv, dk, dv, dtype, seed, slots=8):
     return qkv, a, b, A_log, dt_bias, pool, idx
 
 
+@pytest.mark.parametrize("bv", [None, 16], ids=["default_tile", "bv16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("B,nk,nv,dk,dv", CASES)
-def test_triton_matches_native_and_float64(B, nk, nv, dk, dv, dtype, triton_kernels):
+def test_triton_matches_native_and_float64(B, nk, nv, dk, dv, dtype, bv, triton_kernels, monkeypatch):
+    if bv:  # value columns split over several programs, the last one masked where dv is not a multiple
+        monkeypatch.setitem(gdn_decode.STEP_CONFIG, torch.float32, {"BV": bv, "num_warps": 2})
     qkv, a, b, A_log, dt_bias, pool, idx = _inputs(B, nk, nv, dk, dv, dtype, seed=B * 100 + nv * 10 + dk)
     kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
     state = pool.clone()
@@ -67,6 +71,24 @@ def test_without_a_pool_the_state_is_the_batch(triton_kernels):
     ref = gdn_decode_step_native(qkv, a, b, A_log, dt_bias, ref_state, num_k_heads=2, num_v_heads=4)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_bf16_state_pool_math_in_fp32(dtype, triton_kernels):
+    """A bf16 state pool (half the bytes a decode step moves): read and written in bf16, the step's math in fp32;
+    the kernel and the native path agree, and both stay within bf16 rounding of the fp32 pool's result."""
+    qkv, a, b, A_log, dt_bias, pool, idx = _inputs(5, 3, 3, 32, 16, dtype, seed=11)
+    kw = dict(num_k_heads=3, num_v_heads=3, state_indices=idx)
+    state, ref_state, full = pool.bfloat16(), pool.bfloat16(), pool.bfloat16().float()
+    o = gdn_decode_step(qkv, a, b, A_log, dt_bias, state, **kw)
+    ref = gdn_decode_step_native(qkv, a, b, A_log, dt_bias, ref_state, **kw)
+    o32 = gdn_decode_step_native(qkv, a, b, A_log, dt_bias, full, **kw)
+    assert state.dtype == ref_state.dtype == torch.bfloat16
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(o, ref, **tol)
+    torch.testing.assert_close(o, o32, **tol)  # the output is computed before the state is rounded
+    torch.testing.assert_close(state.float(), ref_state.float(), atol=1e-2, rtol=8e-3)  # one bf16 ulp apart at most
+    torch.testing.assert_close(state.float(), full, atol=1e-2, rtol=8e-3)
 
 
 def test_bad_shapes_name_the_mismatch():
@@ -115,7 +137,10 @@ def test_gpu_bf16_at_the_9b_shape():
     o = gdn_decode_step(qkv, a, b, A_log, dt_bias, state, **kw)
     ref = gdn_decode_step_native(qkv, a, b, A_log, dt_bias, ref_state, **kw)
     torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
+    # q and k are rounded to bf16 after their fp32 norms: a last-bit difference in a norm flips a rounding now and
+    # then (~1e-5 of the state's elements here), moving those elements by up to a bf16 ulp of k v; the rest agree
+    torch.testing.assert_close(state, ref_state, atol=5e-3, rtol=1e-3)
+    assert ((state - ref_state).abs() > 1e-4 + 1e-4 * ref_state.abs()).float().mean() < 1e-4
     o = (torch.randn(256, 32, 128, device="cuda") * 3).bfloat16()
     z = torch.randn(256, 32 * 128 + 64, device="cuda").bfloat16()[:, : 32 * 128].view(256, 32, 128)
     w = (1 + 0.3 * torch.randn(128, device="cuda")).bfloat16()

@@ -662,15 +662,15 @@ def gated_delta_rule_step_native(q, k, v, g, beta, state, *, scale=None, state_i
     host sync, so it can be captured in a CUDA graph. Returns o [B, H, V] in q's dtype (0 for skipped rows)."""
     B, H, K = k.shape
     scale = K**-0.5 if scale is None else scale
-    f, out_dtype = state.dtype, q.dtype
+    f, out_dtype = torch.promote_types(state.dtype, torch.float32), q.dtype  # a bf16 state: fp32 math, bf16 stored
     q, k, v, beta = q.to(f), k.to(f), v.to(f), beta.to(f)
     gk = (g if g.dim() == 3 else g[..., None].expand(B, H, K)).to(f)
     if state_indices is None:
-        S = state
+        S = state.to(f)
     else:
         ok = state_indices >= 0
         slot = state_indices.long().clamp(min=0)
-        S = state.index_select(0, slot)
+        S = state.index_select(0, slot).to(f)
     S = S * gk.exp()[..., None]
     kv = torch.einsum("bhkv,bhk->bhv", S, k)
     S = S + k[..., None] * (beta[..., None] * (v - kv))[:, :, None, :]
@@ -686,7 +686,7 @@ def gated_delta_rule_step_native(q, k, v, g, beta, state, *, scale=None, state_i
     j = torch.argmax(ok.to(torch.int32)).view(1)
     target = torch.where(ok, slot, slot.index_select(0, j))
     S = torch.where(ok[:, None, None, None], S, S.index_select(0, j))
-    state.index_copy_(0, target, S)
+    state.index_copy_(0, target, S.to(state.dtype))
     return torch.where(ok[:, None, None], o, 0.0).to(out_dtype)
 
 

@@ -32,6 +32,11 @@ from areno.kernels.dispatch import use_triton
 from areno.kernels.linear_attn.delta_rule import MAX_DIM, gated_delta_rule_step_native
 
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # the state pool's: fp32 (the trainer's), or bf16 (half the bytes)
+# The step kernel's tile by state dtype: BV value columns a program (the [K, BV] fp32 state tile in registers) and
+# its warps. bench/gdn_decode.py sweeps them at Qwen3.5-9B's decode shape (H100, 256 rows: fp32 BV 128 / 4 warps
+# 0.403 ms = 80% of HBM, BV 32 0.438; bf16 BV 64 / 2 warps 0.216 ms).
+STEP_CONFIG = {torch.float32: {"BV": 128, "num_warps": 4}, torch.bfloat16: {"BV": 64, "num_warps": 2}}
 
 
 @triton.jit
@@ -61,7 +66,7 @@ def _gdn_step_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX
     w = beta * (v - tl.sum(S * k[:, None], axis=0))
     S += k[:, None] * w[None, :]
     o = scale * tl.sum(S * q[:, None], axis=0)
-    tl.store(STATE + soffs, S, mask=smask)
+    tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
     tl.store(O + (b.to(tl.int64) * H + h) * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
 
 
@@ -140,7 +145,8 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
                     eps=1e-6):
     """One decode token per sequence of a gated DeltaNet layer: ``qkv [B, 2 nk dk + nv dv]`` (the conv output, unit
     last stride), ``a, b [B, nv]`` (unit last stride), ``A_log, dt_bias [nv]``, ``state`` fp32 ``[S, nv, dk, dv]``
-    updated in place (rows ``state_indices``, or ``[B, ...]`` without). Returns o ``[B, nv, dv]`` in qkv's dtype."""
+    updated in place (rows ``state_indices``, or ``[B, ...]`` without; bf16 states are read and written in bf16, the
+    math in fp32). Returns o ``[B, nv, dv]`` in qkv's dtype."""
     nk, nv = num_k_heads, num_v_heads
     B, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
     if qkv.shape[1] != 2 * nk * K + nv * V or a.shape != (B, nv) or b.shape != (B, nv) or state.shape[1] != nv:
@@ -148,7 +154,7 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
                          f"{tuple(state.shape)} do not fit {nk} key / {nv} value heads")
     if nv % nk:
         raise ValueError(f"gdn_decode_step: {nv} value heads are not a multiple of {nk} key heads")
-    supported = (state.dtype == torch.float32 and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
+    supported = (state.dtype in STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
                  and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
                  and a.stride() == b.stride())
     scale = K**-0.5 if scale is None else scale
@@ -159,9 +165,11 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
     o = torch.empty(B, nv, V, dtype=qkv.dtype, device=qkv.device)
     if B == 0:
         return o
-    BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+    cfg = STEP_CONFIG[state.dtype]
+    BK, BV = triton.next_power_of_2(K), min(cfg["BV"], triton.next_power_of_2(V))
     _gdn_step_kernel[(B, nv, triton.cdiv(V, BV))](
         qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, o, float(scale), float(eps),
         nv, nv // nk, nk * K, K, V, HAS_IDX=state_indices is not None, BK=BK, BV=BV,
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return o
