@@ -11,8 +11,12 @@ Shapes (random bf16 weights, made once under the bench cache): ``qwen3_5`` a Qwe
 DeltaNet : 1 gated attention, hidden 4096, one MTP layer); ``bailing_hybrid`` a Ling-3-Flash-width shape (hidden
 4096, MLA + KDA, 256 experts of 1024, top 8, one MTP layer) cut to 8 decoder layers so it fits one H200 in bf16.
 Random MTP layers never agree with the model, so ``--mtp-train-steps N`` first trains the MTP layer for N Adam
-steps on the model's own greedy outputs (teacher forcing: step 0 of the draft predicts token t + 2 from the target's
-hidden state at t and token t + 1), which makes acceptance realistic; the accept length is reported either way.
+steps on the model's own greedy continuations of the very prompts the bench then times (teacher forcing: step 0 of
+the draft predicts token t + 2 from the target's hidden state at t and token t + 1). A random model's outputs have
+no structure a draft could learn in general: trained on other prompts, the draft's greedy acceptance stayed at 1.0
+(H100, the 9B shape, 152k vocabulary), so this stands in for a real model's MTP layers, which agree with their
+model on its own text. Use ``--spec-greedy`` with it (the draft learned the argmax path); the accept length is
+reported either way.
 Both engines decode under CUDA graphs (``--eager``: both eager), sampling at temperature 1 as R1-R3 do, and
 ``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). Each engine runs its workload
 twice and the warm call is the measurement (the graphs are captured on the first). The plain engine chains 8
@@ -49,6 +53,7 @@ SHAPES = {
 }
 SMOKE = {"qwen3_5": {}, "bailing_hybrid": {}}  # the test families' own tiny defaults
 PLAIN_DECODE_STEPS = 8  # the plain engine: the rollout's --decode-steps default
+MTP_EPOCHS = 4  # --mtp-train-steps packs each step so every training sequence is seen this many times
 
 
 def mtp_checkpoint(family: str, smoke: bool) -> Path:
@@ -70,46 +75,57 @@ def mtp_checkpoint(family: str, smoke: bool) -> Path:
     return path
 
 
-def greedy_outputs(engine, vocab: int, n: int, prompt_len: int, new: int) -> list[list[int]]:
-    """``n`` random prompts with their greedy continuations (the sequences the MTP layer is trained on)."""
+def greedy_outputs(engine, prompt_sets) -> list[list[int]]:
+    """Each prompt of ``prompt_sets`` (``[(prompts, new tokens of each)]``) with its greedy continuation: the
+    sequences the MTP layer is trained on."""
     from areno.config import SamplingParams
 
-    prompts = models.random_prompts(n, prompt_len, vocab, seed=11)
-    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True))
-    return [p + g[0].token_ids for p, g in zip(prompts, out)]
+    seqs = []
+    for prompts, new in prompt_sets:
+        out = engine.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+                                        for n in new])  # fmt: skip
+        seqs += [list(p) + list(g[0].token_ids) for p, g in zip(prompts, out)]
+    return seqs
 
 
 def train_mtp(model, sequences: list[list[int]], steps: int, lr: float = 1e-3) -> dict:
-    """``steps`` Adam steps of the model's MTP draft on ``sequences`` (one sequence a step, in turn), teacher
-    forced; the trained weights written back into the kept MTP tensors. Returns the first and last losses."""
+    """``steps`` Adam steps of the model's MTP draft on ``sequences``, teacher forced, each step a packed batch of
+    enough sequences (in turn) that every one is seen ``MTP_EPOCHS`` times; the trained weights written back into the
+    kept MTP tensors. Returns the first and last losses (mean cross-entropy a labelled position)."""
     from areno.models.mtp import build_mtp_draft, mtp_loss
 
     model.requires_grad_(False)  # only the draft's own weights train
     draft = build_mtp_draft(model, trainable=True)
     opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
     dev = model.embed_tokens.weight.device
+    pack = max(1, -(-len(sequences) * MTP_EPOCHS // max(steps, 1)))
     losses = []
     for step in range(steps):
-        ids = torch.tensor(sequences[step % len(sequences)], device=dev)
-        t = ids.shape[0]
+        batch = [sequences[(step * pack + i) % len(sequences)] for i in range(pack)]
+        ids = torch.tensor([t for s in batch for t in s], device=dev)
+        pos = torch.cat([torch.arange(len(s), device=dev) for s in batch])
+        cu = torch.tensor([0, *torch.tensor([len(s) for s in batch]).cumsum(0).tolist()], dtype=torch.int32,
+                          device=dev)  # fmt: skip
         with torch.no_grad():
-            hidden = model(ids, torch.arange(t, device=dev))
+            hidden = model(ids, pos, cu_seqlens=cu, max_seqlen=max(len(s) for s in batch))
         # every position scored: the label of position t is token t + 2 (areno.models.mtp.teacher_forced)
-        targets = torch.cat([ids[1:], torch.full((1,), -100, device=dev)])
-        ce, _, count = mtp_loss(model, draft, hidden, ids, torch.arange(t, device=dev),
-                                torch.tensor([0, t], dtype=torch.int32, device=dev), targets)
+        targets = torch.cat([torch.cat([ids[a + 1 : b], torch.full((1,), -100, device=dev)])
+                             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])  # fmt: skip
+        ce, _, count = mtp_loss(model, draft, hidden, ids, pos, cu, targets)
         loss = ce / count
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     draft.store_kept(model)
-    return {"mtp_loss_first": losses[0] if losses else None, "mtp_loss_last": losses[-1] if losses else None}
+    return {"mtp_loss_first": losses[0] if losses else None, "mtp_loss_last": losses[-1] if losses else None,
+            "mtp_train_sequences": len(sequences)}
 
 
-def load_draft_model(args, device):
-    """The family's model on ``device`` with its MTP layer trained first when ``--mtp-train-steps`` asks, the
-    engines' shared settings, and the training record."""
+def load_draft_model(args, device, prompt_sets):
+    """The family's model on ``device`` with its MTP layer trained first when ``--mtp-train-steps`` asks (on the
+    greedy continuations of ``prompt_sets(vocab)``: the prompts the bench then times), the engines' shared settings,
+    and the training record."""
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model
 
@@ -119,8 +135,7 @@ def load_draft_model(args, device):
     train = {}
     if args.mtp_train_steps:
         plain = Engine(model, None, EngineConfig(**base), eos_token_ids=[])
-        seqs = greedy_outputs(plain, model.config.vocab_size, 16 if args.smoke else 64, 16 if args.smoke else 128,
-                              16 if args.smoke else 256)  # fmt: skip
+        seqs = greedy_outputs(plain, prompt_sets(model.config.vocab_size))
         plain.drop_rollout_state()
         del plain
         t0 = time.perf_counter()
@@ -160,7 +175,8 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
     from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig
 
-    model, base, train = load_draft_model(args, device)
+    sets = lambda vocab: [workload(n, args.smoke, vocab, seed) for n in names for seed in (1, 2)]  # noqa: E731
+    model, base, train = load_draft_model(args, device, sets)
     vocab = model.config.vocab_size
     records = []
     for k, gate in [(0, "auto")] + [(args.speculative_tokens, g) for g in gates(args)]:
@@ -197,9 +213,11 @@ def run_batch_sweep(args, device) -> list[dict]:
     from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig
 
-    model, base, train = load_draft_model(args, device)
-    vocab, plen, new = model.config.vocab_size, (16 if args.smoke else 128), (16 if args.smoke else 128)
+    plen, new = (16 if args.smoke else 128), (16 if args.smoke else 128)
     batches = [b for b in SWEEP_BATCHES if b <= 16] if args.smoke else SWEEP_BATCHES
+    sets = lambda vocab: [(models.random_prompts(b, plen, vocab, seed=b), [new] * b) for b in batches]  # noqa: E731
+    model, base, train = load_draft_model(args, device, sets)
+    vocab = model.config.vocab_size
     temp = 0.0 if args.spec_greedy else 1.0
     records = []
     for k, gate in ((0, "auto"), (args.speculative_tokens, "off")):
