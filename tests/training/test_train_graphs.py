@@ -307,3 +307,36 @@ def test_unsupported_on_cpu_and_the_flag_refused(ckpt, tmp_path, capsys, monkeyp
         main(["train", "--ckpt", "m", "--dataset-path", "d.jsonl", "--algo", "sft", "--train-cuda-graphs", "on"])
     assert info.value.code == 2
     assert "--train-cuda-graphs on needs --no-activation-checkpointing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_step_runs_fused_where_it_applies(device, monkeypatch):
+    """On CUDA (one rank, fp32 states, no offload) ``step()`` is ``device_step`` plus the norm's read: the same
+    updates, norms, step count and consumed gradients as the bucketed eager step (``fused = False``); on the CPU the
+    fused path is forced to check it there too."""
+    if device == "cpu":
+        monkeypatch.setattr(MasterAdamW, "fused_step", property(lambda self: self.fused))
+    low = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    shapes = (((7, 5), low), ((13,), torch.float32), ((3, 4, 6), low))
+    base = [torch.randn(s, generator=g).to(d) for s, d in shapes]
+    pa = [torch.nn.Parameter(t.clone().to(device)) for t in base]
+    pb = [torch.nn.Parameter(t.clone().to(device)) for t in base]
+    ref = MasterAdamW([pa[0], {"name": "tower", "params": [pa[1]]}, pa[2]], betas=(0.9, 0.95), weight_decay=0.1,
+                      bucket_bytes=256)  # fmt: skip
+    ref.fused = False
+    opt = MasterAdamW([pb[0], {"name": "tower", "params": [pb[1]]}, pb[2]], betas=(0.9, 0.95), weight_decay=0.1,
+                      bucket_bytes=256)  # fmt: skip
+    assert opt.fused_step and not ref.fused_step
+    for i, scale in enumerate([1.0, 30.0, float("nan"), 0.01, 0.5]):  # plain, clipped, skipped, plain, one missing
+        gi = torch.Generator().manual_seed(i)
+        for j, (p, q) in enumerate(zip(pa, pb)):
+            grad = (torch.randn(p.shape, generator=gi) * scale).to(device=device, dtype=p.dtype)
+            p.grad, q.grad = (grad, grad.clone()) if i < 4 or j < 2 else (None, None)
+        na = ref.step(lr=2e-2, grad_clip=4.0, group_lrs={"tower": 5e-3})
+        nb = opt.step(lr=2e-2, grad_clip=4.0, group_lrs={"tower": 5e-3})
+        assert nb == pytest.approx(na, rel=1e-5, nan_ok=True) and opt.num_steps == ref.num_steps
+        assert all(q.grad is None for q in pb)
+        for p, q in zip(pa, pb):  # the clip factor divided vs multiplied: a last-bit difference at most
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6 if p.dtype == torch.float32 else 1e-2)
