@@ -6,7 +6,14 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, GROUP_ALGOS, KV_CACHE_DTYPES, RL_ALGOS, ROLLOUT_DTYPES
+from areno.config.constants import (
+    ATTN_BACKENDS,
+    GROUP_ALGOS,
+    KV_CACHE_DTYPES,
+    MAMBA_SSM_CACHE_DTYPES,
+    RL_ALGOS,
+    ROLLOUT_DTYPES,
+)
 from areno.config.fields import (
     ConfigError,
     check_choice,
@@ -23,6 +30,11 @@ SPECULATIVE_HELP = ("MTP speculative decoding: draft tokens per sequence and ste
                     "prediction layers (Qwen3.5, DeepSeek-V3, Ling 3), verified in one forward by exact rejection "
                     "sampling, so the tokens are distributed as without it (0 = off; needs a model with MTP layers; "
                     "under CUDA graphs a step verifying K drafts per sequence replays a graph per batch bucket)")
+
+
+MAMBA_SSM_HELP = ("state pool of the hybrid models' linear-attention layers (Qwen3.5, Ling 3, Kimi Linear; vLLM's "
+                  "flag): float32 (default, the trainer's precision) or bfloat16 (half the memory and decode traffic; "
+                  "rollout log-probs drift further from the trainer's); refused for a model without such layers")
 
 
 SPEC_GATE_HELP = ("speculative decoding's automatic gate (vLLM's speculative disable_by_batch_size): a step "
@@ -145,6 +157,8 @@ class RolloutSection:
         "token and KV head, quantised on write and dequantised by the attention kernel (about twice the tokens in "
         "the same --kv-cache-memory; not for MLA latent caches)", "rollout", choices=KV_CACHE_DTYPES,
         algos=RL_ALGOS)
+    mamba_ssm_cache_dtype: str = opt("float32", MAMBA_SSM_HELP, "rollout", choices=MAMBA_SSM_CACHE_DTYPES,
+                                     algos=RL_ALGOS)
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
                             "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "
                             "chain is queued before the current one's tokens are read); 1 = every token",
@@ -196,6 +210,7 @@ class RolloutSection:
     def _check_rollout_dtype(self):
         check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
         check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("--mamba-ssm-cache-dtype", self.mamba_ssm_cache_dtype, MAMBA_SSM_CACHE_DTYPES)
         if self.rollout_dtype != "fp8":
             return
         if self.lora_rank > 0:  # (under TP a shard off the 128-block grid is refused before launch: cli)

@@ -6,7 +6,14 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from areno.config.constants import ATTN_BACKENDS, DTYPES, KV_CACHE_DTYPES, ROLLOUT_DTYPES, TOOL_CALL_FORMATS
+from areno.config.constants import (
+    ATTN_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    MAMBA_SSM_CACHE_DTYPES,
+    ROLLOUT_DTYPES,
+    TOOL_CALL_FORMATS,
+)
 from areno.config.env import env_value
 from areno.config.fields import (
     ConfigError,
@@ -20,7 +27,7 @@ from areno.config.fields import (
     opt,
 )
 from areno.config.multimodal import IMAGE_BYTES_HELP, IMAGE_PIXELS_HELP, IMAGES_HELP
-from areno.config.rollout import SPEC_GATE_HELP, SPECULATIVE_HELP, check_speculative, spec_gate
+from areno.config.rollout import MAMBA_SSM_HELP, SPEC_GATE_HELP, SPECULATIVE_HELP, check_speculative, spec_gate
 
 
 @dataclass
@@ -78,6 +85,7 @@ class ServeConfig:
         "quantised on write and dequantised by the attention kernel (about twice the tokens in the same "
         "--kv-cache-memory; vLLM's --kv-cache-dtype fp8; not for MLA latent caches)", "rollout",
         choices=KV_CACHE_DTYPES)
+    mamba_ssm_cache_dtype: str = opt("float32", MAMBA_SSM_HELP, "rollout", choices=MAMBA_SSM_CACHE_DTYPES)
     speculative_tokens: int = opt(0, SPECULATIVE_HELP, "rollout")
     speculative_disable_by_batch_size: Optional[str] = opt(None, SPEC_GATE_HELP, "rollout", metavar="auto|N|off",
                                                            default_help="auto")
@@ -113,6 +121,7 @@ class ServeConfig:
         check_choice("--tool-call-format", self.tool_call_format, TOOL_CALL_FORMATS)
         check_choice("--rollout-dtype", self.rollout_dtype, ROLLOUT_DTYPES)
         check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("--mamba-ssm-cache-dtype", self.mamba_ssm_cache_dtype, MAMBA_SSM_CACHE_DTYPES)
         if self.rollout_dtype == "fp8" and self.lora_enabled:
             raise ConfigError("--rollout-dtype", "fp8 with LoRA adapters (--lora-modules, --max-loras) is not built "
                                                  "yet")

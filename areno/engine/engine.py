@@ -34,6 +34,7 @@ from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
 from areno.engine.scheduler import Chunk, Scheduler, Step
 from areno.engine.sequence import Sequence
 from areno.engine.spec_decode import check_request, spec_budget, spec_decoder
+from areno.engine.state_cache import state_dtype
 from areno.engine.stopping import StopChecker
 
 log = logging.getLogger("areno.engine")
@@ -59,6 +60,9 @@ class EngineConfig:
     max_loras: int = 0  # > 0: that many LoRA adapter slots (areno.engine.lora_slots); requests pick one by name
     max_lora_rank: int = 16
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the paged cache in the model's dtype, or fp8 (E4M3 + scales)
+    # --mamba-ssm-cache-dtype: the hybrids' delta-rule state pool, float32 (the trainer's precision) or bfloat16
+    # (half the bytes; fp32 math, stored rounded); bfloat16 is refused for a model without recurrent layers
+    mamba_ssm_cache_dtype: str = "float32"
     speculative_tokens: int = 0  # > 0: MTP speculative decoding with up to that many draft tokens (spec_decode.py)
     # the gate (spec_gate.py): speculate while at most N sequences decode in a step; "auto" (None too): N from the
     # device's roofline; 0 or "off": never gated
@@ -120,11 +124,11 @@ class Engine:
         cfg = self.config
         device, dtype = next(self.model.parameters()).device, next(self.model.parameters()).dtype
         check_kv_cache_dtype(self.model, cfg.kv_cache_dtype)
-        kv_dtype = cache_dtype(cfg.kv_cache_dtype, dtype)
-        self.spec_budget = getattr(self, "spec_budget", None) or spec_budget(self, device, dtype)  # kept on rebuilds
+        kv_dtype, sd = cache_dtype(cfg.kv_cache_dtype, dtype), state_dtype(self.model, cfg.mamba_ssm_cache_dtype)
+        self.spec_budget = getattr(self, "spec_budget", None) or spec_budget(self, device, dtype, sd)  # kept: rebuilds
         num_blocks = plan_num_blocks(
             self.model, block_size=cfg.block_size, dtype=dtype, device=device, kv_cache_memory=cfg.kv_cache_memory,
-            max_running=cfg.max_running, max_model_len=self.max_model_len, kv_dtype=kv_dtype,
+            max_running=cfg.max_running, max_model_len=self.max_model_len, kv_dtype=kv_dtype, state_dtype=sd,
             extra_layers=int(cfg.speculative_tokens > 0), reserved=self.spec_budget.reserved if self.spec_budget else 0)
         hybrid = self.model.is_hybrid
         record = cfg.record_routing and self.model.is_moe
@@ -141,7 +145,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, block_size=cfg.block_size, max_model_len=self.max_model_len,
             max_running=cfg.max_running, eager=cfg.eager_decode, device=device, eos_token_ids=self.stopper.eos,
-            record_routing=record, lora=self.lora, kv_dtype=kv_dtype,
+            record_routing=record, lora=self.lora, kv_dtype=kv_dtype, state_dtype=sd,
         )
         self.spec = spec_decoder(self)  # a SpecDecoder with --speculative-tokens, else None
 

@@ -12,7 +12,8 @@ of any sequence next. A model without windows has one group of all its layers: t
 FP8 cache (``--kv-cache-dtype fp8``, ``cache_dtype`` here): K and V held as float8_e4m3fn, each token's KV-head
 vector with its own fp32 scale (``k_scale``/``v_scale`` of kernels/attention/paged.py), so a token of a layer takes
 ``2 * Hkv * (D + 4)`` bytes instead of ``2 * Hkv * D * 2`` in bf16: 1.94x the tokens at D = 128 in one budget.
-The hybrids' recurrent states keep the model's dtype; ``check_kv_cache_dtype`` refuses fp8 for a model with a
+The hybrids' recurrent states are not in the KV cache (their pools' dtypes: ``state_cache``, --mamba-ssm-cache-dtype;
+their bytes come out of the same budget, ``state_bytes``); ``check_kv_cache_dtype`` refuses fp8 for a model with a
 latent-attention layer (MLA) or a cache layout of its own without ``kv_scale_heads`` (Gemma 4 has them: its flat
 per-layer rows get ``[.., kv_scale_heads]`` scales, each layer viewing its first Hkv).
 """
@@ -113,17 +114,20 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype, max_model_len
     return layers * n * block_size * (math.prod(shape) * elem + scales)
 
 
-def state_bytes(model, max_running: int, dtype: torch.dtype) -> int:
-    """Device bytes of a hybrid model's recurrent-state slots (0 for attention-only models)."""
+def state_bytes(model, max_running: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+    """Device bytes of a hybrid model's recurrent-state slots (0 for attention-only models): conv states at the
+    model's ``dtype``, delta-rule states at ``state_dtype`` (--mamba-ssm-cache-dtype)."""
     shapes = model.recurrent_state_shapes()
-    return max_running * RecurrentStates.bytes_per_slot(shapes, dtype) if shapes else 0
+    return max_running * RecurrentStates.bytes_per_slot(shapes, dtype, state_dtype) if shapes else 0
 
 
 def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_running, max_model_len,
-                    kv_dtype=None, extra_layers: int = 0, reserved: int = 0) -> int:
+                    kv_dtype=None, extra_layers: int = 0, reserved: int = 0,
+                    state_dtype: torch.dtype = torch.float32) -> int:
     """Blocks for the KV cache: the memory budget, capped by what max_running full-length sequences hold (a
     sliding group: its window's blocks; at least one whole full-length sequence in every group). ``dtype``: the
-    model's (recurrent states); ``kv_dtype``: the K/V elements' (default ``dtype``; FP8 counts its scales);
+    model's (the conv states); ``kv_dtype``: the K/V elements' (default ``dtype``; FP8 counts its scales);
+    ``state_dtype``: the delta-rule states' (--mamba-ssm-cache-dtype);
     ``extra_layers``: cache layers beside the model's sharing the blocks (the MTP draft's, speculation);
     ``reserved``: device bytes allocated beside the cache out of the same budget (speculation's, ``spec_budget``)."""
     groups = kv_groups(model, max_model_len)
@@ -141,7 +145,7 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
             budget = int(kv_cache_memory * 2**30)
     else:
         budget = int(kv_cache_memory)
-    states = state_bytes(model, max_running, dtype)  # the recurrent-state slots come out of the same budget
+    states = state_bytes(model, max_running, dtype, state_dtype)  # the recurrent-state slots: out of the same budget
     if budget - states - reserved < per_block:
         raise ConfigError(
             "--kv-cache-memory", f"({budget:,} bytes) holds no KV block ({per_block:,} bytes) after the "

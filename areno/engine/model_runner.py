@@ -31,7 +31,9 @@ and slots (``AttentionMetadata.for_layer``).
 Its size comes from a memory budget (a fraction of free GPU memory, or bytes)
 capped by what ``max_running`` sequences of ``max_model_len`` tokens can use. Hybrid models: only the attention
 layers (``model.kv_cache_layers``) have K/V blocks; the recurrent layers get ``max_running`` state slots
-(``state_cache.py``, addressed by ``StepInputs.state_slots``; graph padding rows use slot -1), taken from the budget.
+(``state_cache.py``, addressed by ``StepInputs.state_slots``; graph padding rows use slot -1), taken from the budget;
+their delta-rule states are ``state_dtype`` (--mamba-ssm-cache-dtype: fp32, or bf16 read and written by the layers'
+kernels with fp32 math).
 
 Routing capture (``record_routing``, sparse-MoE models, for routing replay in training): every step also returns the
 expert ids each MoE layer chose for each token it computed, ``last_routing`` (CPU int32 ``[num_moe_layers, T, k]``,
@@ -67,7 +69,7 @@ from areno.models.layers import gather_from_tp
 
 class ModelRunner(DecodeGraphs):
     def __init__(self, model, *, num_blocks, block_size, max_model_len, max_running, eager=False, device=None,
-                 eos_token_ids=(), record_routing=False, lora=None, kv_dtype=None):
+                 eos_token_ids=(), record_routing=False, lora=None, kv_dtype=None, state_dtype=torch.float32):
         self.model = model
         self.lora = lora  # LoraSlots, or None: no adapters served
         self.device = device or next(model.parameters()).device
@@ -91,7 +93,8 @@ class ModelRunner(DecodeGraphs):
                 if self.layer_groups is not None:
                     self.layer_groups[i] = g
         shapes = model.recurrent_state_shapes()
-        self.states = RecurrentStates(shapes, max_running, dtype=self.dtype, device=self.device) if shapes else None
+        self.states = RecurrentStates(shapes, max_running, dtype=self.dtype, device=self.device,
+                                      state_dtype=state_dtype) if shapes else None
         if self.states is not None:
             for i, pools in self.states.caches().items():
                 self.kv_caches[i] = pools

@@ -115,10 +115,11 @@ class SpecBudget(NamedTuple):
     reserved: int  # device bytes beside the KV cache from its budget: the stash, the held rows where gated
 
 
-def spec_budget(engine, device, dtype) -> SpecBudget | None:
+def spec_budget(engine, device, dtype, state_dtype=torch.float32) -> SpecBudget | None:
     """Speculation's sizes, known before the KV cache is planned (None without ``--speculative-tokens``): the gate
     resolved, the hybrids' state stash (``spec_graphs.stash_rows``/``stash_bytes``) and, where the gate can make a
-    step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one gated chain's beyond them: ``_defer``)."""
+    step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one gated chain's beyond them: ``_defer``).
+    ``state_dtype``: the delta-rule state pool's (--mamba-ssm-cache-dtype), the stash's too."""
     cfg, k = engine.config, engine.config.speculative_tokens
     if not k:
         return None
@@ -129,7 +130,7 @@ def spec_budget(engine, device, dtype) -> SpecBudget | None:
     defer = max(1, min(DEFER_BYTES // row_bytes, cfg.max_running * engine.max_model_len))
     chain = spec_gated.GATED_CHAIN * cfg.max_running  # one gated chain's rows past defer_rows before the flush
     held = defer + chain if limit is not None and limit < cfg.max_running else 0
-    return SpecBudget(limit, rows, defer, stash_bytes(engine.model, rows, k, dtype) + held * row_bytes)
+    return SpecBudget(limit, rows, defer, stash_bytes(engine.model, rows, k, dtype, state_dtype) + held * row_bytes)
 
 
 def spec_decoder(engine) -> SpecDecoder | None:

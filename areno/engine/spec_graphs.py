@@ -128,10 +128,11 @@ def stash_rows(limit: int | None, max_running: int, use_graphs: bool, buckets: l
     return n
 
 
-def stash_bytes(model, rows: int, k: int, dtype: torch.dtype) -> int:
-    """Device bytes of the stash of a hybrid ``model`` (0 for attention-only ones): K x rows x one state slot."""
+def stash_bytes(model, rows: int, k: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+    """Device bytes of the stash of a hybrid ``model`` (0 for attention-only ones): K x rows x one state slot (the
+    pools' dtypes: ``dtype`` the conv states', ``state_dtype`` the delta-rule states')."""
     shapes = model.recurrent_state_shapes()
-    return k * rows * RecurrentStates.bytes_per_slot(shapes, dtype) if shapes else 0
+    return k * rows * RecurrentStates.bytes_per_slot(shapes, dtype, state_dtype) if shapes else 0
 
 
 def _graphable(buckets: list[int], n: int, width: int) -> bool:

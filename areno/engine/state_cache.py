@@ -2,7 +2,9 @@
 
 Each recurrent layer keeps, per slot, its short-conv state and its delta-rule state (shapes from the model's
 ``recurrent_state_shapes()``). All layers' pools are one tensor per kind, ``conv [L, S, D, W-1]`` (model dtype) and
-``recurrent [L, S, H, K, V]`` (fp32), so forking a sequence (slot a copied to slot b) is one indexed copy of each.
+``recurrent [L, S, H, K, V]`` (``state_dtype``: fp32, the trainer's precision, or bf16 with
+``--mamba-ssm-cache-dtype bfloat16``: half the bytes a decode step reads and writes, the math still fp32 and the
+result stored rounded), so forking a sequence (slot a copied to slot b) is one indexed copy of each.
 There are ``max_running`` slots; the block manager hands one to each running sequence (``seq.state_slot``) and takes
 it back with its blocks. A layer reads and writes its pools through its ``kv_caches`` entry ``(conv[l],
 recurrent[l])`` at ``AttentionMetadata.state_indices``; nothing here needs zeroing, since a sequence's first chunk
@@ -18,19 +20,39 @@ from __future__ import annotations
 
 import torch
 
+from areno.config import ConfigError
+
+FIELD = "--mamba-ssm-cache-dtype"
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # its choices (vLLM's flag and names)
+
+
+def state_dtype(model, name: str) -> torch.dtype:
+    """The recurrent pool's element type of ``--mamba-ssm-cache-dtype`` ``name``; a ``ConfigError`` naming the flag
+    for an unknown name, or for bfloat16 with a model that has no recurrent layers (no pool: the flag would do
+    nothing)."""
+    if name not in STATE_DTYPES:
+        raise ConfigError(FIELD, f"must be one of {', '.join(STATE_DTYPES)}, got {name!r}")
+    if name != "float32" and model.recurrent_state_shapes() is None:
+        raise ConfigError(FIELD, f"{name} applies only to hybrid models (recurrent linear-attention layers with a "
+                          f"state pool): {type(model).__name__} has none")
+    return STATE_DTYPES[name]
+
 
 class RecurrentStates:
-    def __init__(self, shapes: dict, num_slots: int, *, dtype: torch.dtype, device):
+    def __init__(self, shapes: dict, num_slots: int, *, dtype: torch.dtype, device,
+                 state_dtype: torch.dtype = torch.float32):
         self.layers = list(shapes["layers"])
         n = len(self.layers)
         self.conv = torch.zeros(n, num_slots, *shapes["conv"], dtype=dtype, device=device)
-        self.recurrent = torch.zeros(n, num_slots, *shapes["recurrent"], dtype=torch.float32, device=device)
+        self.recurrent = torch.zeros(n, num_slots, *shapes["recurrent"], dtype=state_dtype, device=device)
 
     @staticmethod
-    def bytes_per_slot(shapes: dict, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
+    def bytes_per_slot(shapes: dict, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of one slot over every recurrent layer: the conv state at ``dtype``, the delta-rule state at
+        ``state_dtype``."""
         conv, rec = shapes["conv"], shapes["recurrent"]
-        return len(shapes["layers"]) * (elem * conv[0] * conv[1] + 4 * rec[0] * rec[1] * rec[2])
+        return len(shapes["layers"]) * (dtype.itemsize * conv[0] * conv[1] + state_dtype.itemsize * rec[0] * rec[1]
+                                        * rec[2])
 
     def caches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """``{layer index: (conv pool, recurrent pool)}``: the layers' ``kv_caches`` entries."""

@@ -12,9 +12,10 @@ are loaded, kept (frozen, replicated) and saved untouched. The router weight, th
 
 In the rollout engine (``kv_caches``, see ``attention_metadata``): a KDA layer's cache entry is its pair of
 per-sequence state pools, ``conv_state [S, 3*H*D, W-1]`` (model dtype: the last W-1 conv inputs) and the delta-rule
-state ``[S, H, D, D]`` (fp32), addressed by ``state_indices``; prefill chunks start from the slot's state and leave
-theirs in it (``causal_conv1d`` / ``chunk_gated_delta_rule`` with initial and final states), decode updates it in place
-(``causal_conv1d_update`` / ``fused_recurrent_gated_delta_rule_step``, graph-capturable).
+state ``[S, H, D, D]`` (fp32; bf16 with --mamba-ssm-cache-dtype bfloat16, the math still fp32), addressed by
+``state_indices``; prefill chunks start from the slot's state and leave theirs in it (``causal_conv1d`` /
+``chunk_gated_delta_rule`` with initial and final states), decode updates it in place (``causal_conv1d_update`` /
+``fused_recurrent_gated_delta_rule_step``, graph-capturable).
 MLA layers keep K/V expanded per head by default (``kv_head_dim`` = max(d_nope + d_rope, d_v), v zero-padded) with
 ``store_kvcache`` / ``paged_attention``: measured on an H200 (``bench/rollout_hybrid.py``, Ling-3.0-Flash widths, 6
 layers, 256 sequences) it decodes 3.0x faster than the latent cache below (15.6k vs 5.1k tok/s; at one sequence the
@@ -66,7 +67,8 @@ class BailingHybridForCausalLM(LatentCacheLM, SigmoidMoELM, KeptMTP, CausalLM):
 
     def recurrent_state_shapes(self) -> dict | None:
         """Per KDA layer and sequence: ``{"layers": [i, ...], "conv": (3*H*D, W-1), "recurrent": (H, D, D)}``
-        (local heads under TP); the conv state in the model dtype, the recurrent state fp32."""
+        (local heads under TP); the conv state in the model dtype, the recurrent state fp32 (or
+        --mamba-ssm-cache-dtype's)."""
         kda = [i for i, t in enumerate(self.config.layer_types) if t == "linear_attention"]
         if not kda:
             return None

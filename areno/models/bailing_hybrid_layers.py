@@ -266,10 +266,10 @@ class KimiDeltaAttention(nn.Module):
         elif decode:
             o = delta_decode(q, k, v, g, beta, kv_cache[1], d**-0.5, meta)
         else:
-            idx, s0 = carried_state(kv_cache[1], meta)
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu, initial_state=s0,
+            idx, s0 = carried_state(kv_cache[1], meta)  # a bf16 pool (--mamba-ssm-cache-dtype): fp32 in, rounded out
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu, initial_state=s0.float(),
                                               output_final_state=True)
-            kv_cache[1].index_copy_(0, idx, final)
+            kv_cache[1].index_copy_(0, idx, final.to(kv_cache[1].dtype))
         gate = self.gate_input(x).view(t, hh, d)
         return self.o_proj(gated_rms_norm(o.to(x.dtype), gate, self.o_norm).reshape(t, hh * d))
 

@@ -248,10 +248,10 @@ class GatedDeltaNet(nn.Module):
         elif decode:
             o = delta_decode(q, k, v, g, beta, kv_cache[1], scale, meta)
         else:
-            idx, s0 = carried_state(kv_cache[1], meta)
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu, initial_state=s0,
+            idx, s0 = carried_state(kv_cache[1], meta)  # a bf16 pool (--mamba-ssm-cache-dtype): fp32 in, rounded out
+            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu, initial_state=s0.float(),
                                               output_final_state=True)
-            kv_cache[1].index_copy_(0, idx, final)
+            kv_cache[1].index_copy_(0, idx, final.to(kv_cache[1].dtype))
         o = gated_rms_norm_silu_native(o.to(x.dtype), z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, vd))
 
@@ -335,7 +335,7 @@ class Qwen35ForCausalLM(KeptMTP, Qwen3MoeForCausalLM):
 
     def recurrent_state_shapes(self) -> dict | None:
         """Per gated-delta-net layer and sequence: ``{"layers": [i, ...], "conv": (C, W-1), "recurrent":
-        (nv, dk, dv)}``; the conv state in the model dtype, the recurrent state fp32."""
+        (nv, dk, dv)}``; the conv state in the model dtype, the recurrent state fp32 (or --mamba-ssm-cache-dtype's)."""
         linear = [i for i, t in enumerate(self.config.layer_types) if t == "linear_attention"]
         if not linear:
             return None

@@ -589,11 +589,11 @@ def build_pool(config, num_replicas: int) -> ReplicaPool:
     """Start the replicas for a ServeConfig (each loads the model itself)."""
     gpus = visible_gpus()
     engine_kwargs = dict(
-        model_path=config.model_path, tp_size=config.tp_size, max_running=config.max_running_prompts,
+        model_path=config.model_path, tp_size=config.tp_size, max_running=config.max_running_prompts, seed=config.seed,
         max_model_len=config.max_model_len, eager_decode=config.eager_decode, attn_backend=config.attn_backend,
-        decode_progress_interval_s=config.decode_progress_interval_s or None, dtype=config.dtype, seed=config.seed,
-        kv_cache_memory=config.kv_cache_memory, rollout_dtype=config.rollout_dtype,
-        kv_cache_dtype=config.kv_cache_dtype, **config.lora_engine_kwargs(),
+        decode_progress_interval_s=config.decode_progress_interval_s or None, kv_cache_memory=config.kv_cache_memory,
+        dtype=config.dtype, rollout_dtype=config.rollout_dtype, kv_cache_dtype=config.kv_cache_dtype,
+        mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype, **config.lora_engine_kwargs(),
     )
     if not gpus:
         log.warning("no CUDA device: all %d replicas run on the CPU", num_replicas)

@@ -90,7 +90,8 @@ def build_app(config, *, model=None, tokenizer=None):
         eager_decode=config.eager_decode, attn_backend=config.attn_backend,
         decode_progress_interval_s=config.decode_progress_interval_s or None, dtype=config.dtype,
         seed=config.seed, kv_cache_memory=config.kv_cache_memory, rollout_dtype=config.rollout_dtype,
-        kv_cache_dtype=config.kv_cache_dtype, **config.lora_engine_kwargs(),
+        kv_cache_dtype=config.kv_cache_dtype, mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
+        **config.lora_engine_kwargs(),
     )
     engine.capture_graphs((1,))  # every decode bucket before the first request: no capture stalls a request later
     engine.warm_up()  # nor a JIT compile or an autotune of an eager (prefill or mixed) step

@@ -36,6 +36,7 @@ def main() -> int:
         max_model_len=config.max_model_len, eager_decode=config.eager_decode, attn_backend=config.attn_backend,
         dtype=config.dtype, seed=config.seed, kv_cache_memory=config.kv_cache_memory,
         kv_cache_dtype=config.kv_cache_dtype, rollout_dtype=config.rollout_dtype,  # rank 0's cache and weights
+        mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,  # and its state pools (the same bytes to plan)
         # the MTP draft's shard and cache layer, for the speculative steps rank 0 plans
         speculative_tokens=config.speculative_tokens,
         speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,

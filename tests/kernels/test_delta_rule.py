@@ -1,5 +1,5 @@
 """Gated delta rule: Triton (interpreted on CPU) and the native chunked path vs a float64 token-by-token recurrence,
-forward and every gradient; the decode step vs the chunked forward, token by token."""
+forward and every gradient; the decode step vs the chunked forward, token by token, and on a bf16 state pool."""
 
 
 import pytest
@@ -126,6 +126,29 @@ def test_decode_step_follows_chunked_forward(monkeypatch, kernels, gate):
         o = fused_recurrent_gated_delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], st)
         torch.testing.assert_close(o[0], o_full[t], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(st[0], st_full[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["native", "triton"])
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_decode_step_on_a_bf16_pool(monkeypatch, kernels, gate):
+    """A bf16 state pool (--mamba-ssm-cache-dtype bfloat16): read in bf16, stepped in fp32, stored rounded to bf16:
+    the fp32 step's output from the same state and its new state within one bf16 ulp (Triton's interpreter truncates
+    fp32 to bf16 where the GPU rounds to nearest); a padding row and the slots no row names are left alone."""
+    H, K, V = 2, 8, 8
+    (q, k, v, g, beta, _), _ = _inputs([3], H, K, V, gate)  # 3 rows of one step
+    monkeypatch.setenv("ARENO_KERNELS", kernels)
+    pool = torch.randn(5, H, K, V).bfloat16()
+    ref = pool.float()
+    idx = torch.tensor([3, -1, 0], dtype=torch.int32)
+    o = fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, pool, state_indices=idx)
+    monkeypatch.setenv("ARENO_KERNELS", "native")
+    o_ref = fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, ref, state_indices=idx)
+    assert pool.dtype == torch.bfloat16 and (o[1] == 0).all()
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.float(), ref.bfloat16().float(), rtol=2**-7, atol=1e-6)
+    assert torch.equal(pool[[1, 2, 4]].float(), ref[[1, 2, 4]])
+    with pytest.raises(ValueError, match="state must be fp32, bf16 or fp64"):
+        fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, pool.half(), state_indices=idx)
 
 
 def test_rejects_bad_shapes():

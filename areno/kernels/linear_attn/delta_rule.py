@@ -43,6 +43,7 @@ __all__ = [
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+STEP_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)  # the decode step's state (bf16: fp32 math)
 CHUNKS = (16, 32, 64)
 MAX_DIM = 128  # head dims the Triton tiles hold (K = V = 128 fits sm_90 shared memory, checked by compiling)
 SUB = 16  # sub-block rows for the intra-chunk decay factorisation
@@ -522,7 +523,8 @@ def _bwd_chunk_kernel(Q, K_, V_, BETA, GAM, TM, W, DW, SBUF, DHBUF, DO, DQ, DK, 
 @triton.jit
 def _step_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V,
                  HAS_IDX: tl.constexpr, SCALAR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """One token: S <- e^g S; S <- S + beta k (v - S^T k)^T; o = scale S^T q, on slot IDX[b] (-1: skip, o = 0)."""
+    """One token: S <- e^g S; S <- S + beta k (v - S^T k)^T; o = scale S^T q, on slot IDX[b] (-1: skip, o = 0).
+    The state is read in its dtype (fp32 or bf16), updated in fp32 and stored back rounded to its dtype."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     kmask, vmask = offs_k < K, offs_v < V
@@ -530,7 +532,7 @@ def _step_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V,
     ok = slot >= 0
     smask = (kmask[:, None] & vmask[None, :]) & ok
     soffs = (tl.maximum(slot, 0).to(tl.int64) * H + h) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(STATE + soffs, mask=smask, other=0.0)
+    S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
     row = b * H + h
     q = tl.load(Q + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(K_ + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
@@ -543,7 +545,7 @@ def _step_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V,
     w = beta * (v - tl.sum(S * k[:, None], axis=0))
     S += k[:, None] * w[None, :]
     o = scale * tl.sum(S * q[:, None], axis=0)
-    tl.store(STATE + soffs, S, mask=smask)
+    tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
     tl.store(O + row * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
 
 
@@ -735,18 +737,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 def fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, state_indices=None):
     """One decode token per sequence: q, k [B, H, K], v [B, H, V], g [B, H, K] or [B, H], beta [B, H].
 
-    ``state`` fp32 is updated in place: [B, H, K, V], or with ``state_indices`` int [B] a pool [S, H, K, V] of which
-    row b uses slot state_indices[b] (-1: skipped, output 0). Fixed shapes and no host sync (CUDA-graph capturable).
-    Returns o [B, H, V] in q's dtype. Not differentiable (inference only).
+    ``state`` fp32 (or bf16: --mamba-ssm-cache-dtype; read in bf16, the math fp32, stored rounded) is updated in place:
+    [B, H, K, V], or with ``state_indices`` int [B] a pool [S, H, K, V] of which row b uses slot state_indices[b] (-1:
+    skipped, output 0). Fixed shapes and no host sync (CUDA-graph capturable). Returns o [B, H, V] in q's dtype. Not
+    differentiable (inference only).
     """
-    if state.dtype != torch.float32 and state.dtype != torch.float64:
-        raise ValueError(f"fused_recurrent_gated_delta_rule_step: state must be fp32, got {state.dtype}")
+    if state.dtype not in STEP_STATE_DTYPES:
+        raise ValueError(f"fused_recurrent_gated_delta_rule_step: state must be fp32, bf16 or fp64, got {state.dtype}")
     if state_indices is None and state.shape[0] != q.shape[0]:
         raise ValueError(f"fused_recurrent_gated_delta_rule_step: state has {state.shape[0]} rows for batch "
                          f"{q.shape[0]} (pass state_indices to address a pool)")
     B, H, K = k.shape
     V = v.shape[-1]
-    supported = (state.dtype == torch.float32 and state.is_contiguous() and q.dtype in _TRITON_FLOATS
+    supported = (state.dtype != torch.float64 and state.is_contiguous() and q.dtype in _TRITON_FLOATS
                  and K <= MAX_DIM and V <= MAX_DIM)
     if use_triton(q, k, v, g, beta, state, supported=supported):
         scale = K**-0.5 if scale is None else scale

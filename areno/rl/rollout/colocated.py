@@ -27,7 +27,7 @@ def engine_config(cfg, model, tokenizer, dp_rank: int = 0, *, record_routing: bo
         decode_steps=cfg.decode_steps, seed=cfg.seed + 7919 * dp_rank,
         kv_cache_memory=cfg.kv_cache_memory if cfg.kv_cache_memory is not None else 0.3,
         decode_progress_interval_s=cfg.decode_progress_interval_s or None, record_routing=record_routing,
-        kv_cache_dtype=cfg.kv_cache_dtype,
+        kv_cache_dtype=cfg.kv_cache_dtype, mamba_ssm_cache_dtype=cfg.mamba_ssm_cache_dtype,
         speculative_tokens=cfg.speculative_tokens,
         speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,
     )
