@@ -3,6 +3,7 @@ rollout at R1's shape and a train step, areno against transformers in the same r
 
     python bench/families.py            # H200: both shapes, rollout then train step (about 8 minutes)
     python bench/families.py --smoke    # CPU: tiny shapes of both families, checks the script (times meaningless)
+    python bench/families.py --parts rollout --state-dtypes float32,bfloat16   # R1 with the bf16 state pool too
 
 Shapes (the published text configs): Qwen3.5-9B: hidden 4096, 32 layers of [GDN, GDN, GDN, gated attention] x 8,
 16 query / 4 KV heads of 256 (partial RoPE 0.25, theta 1e7), gated delta net 16 key / 32 value heads of 128, short
@@ -175,17 +176,18 @@ def failed(rec: dict, e: Exception) -> dict:
     return show({**rec, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]})
 
 
-def rollout_areno(model, args, device, base: dict) -> list[dict]:
-    """R1 twice on one engine (first: capture and compile; warm: fresh prompts, the headline)."""
+def rollout_areno(model, args, device, base: dict, state_dtype: str = "float32") -> list[dict]:
+    """R1 twice on one engine (first: capture and compile; warm: fresh prompts, the headline), the recurrent state
+    pool at ``state_dtype`` (--mamba-ssm-cache-dtype)."""
     from areno.engine.engine import Engine, EngineConfig
 
     cfg = EngineConfig(block_size=16, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
-                       eager_decode=args.eager, decode_steps=args.decode_steps)
+                       eager_decode=args.eager, decode_steps=args.decode_steps, mamba_ssm_cache_dtype=state_dtype)
     engine = Engine(model, None, cfg, eos_token_ids=[models.EOS_ID])
     records = []
     for call, seed in (("first", 1), ("warm", 2)):
-        rec = dict(base, impl="areno", call=call, decode_steps=args.decode_steps)
+        rec = dict(base, impl="areno", call=call, decode_steps=args.decode_steps, mamba_ssm_cache_dtype=state_dtype)
         try:
             prompts, new = rollout.workload("R1", args.smoke, model.config.vocab_size, seed)
             out, dt = rollout.areno_generate(engine, prompts, new, device)
@@ -234,7 +236,7 @@ def run_rollout(name: str, args, device, dtype) -> list[dict]:
     base = dict(workload="R1", shape=name, layers=layers, parameters=sum(p.numel() for p in model.parameters()))
     print(f"{name}: {layers} layers, {base['parameters'] / 1e9:.2f}B parameters, built in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
-    records = rollout_areno(model, args, device, base)
+    records = [r for sd in args.state_dtypes.split(",") for r in rollout_areno(model, args, device, base, sd)]
     why = hf_missing(raw) if "transformers" in args.impls else "not asked (--impls)"
     if why is None:
         try:
@@ -332,8 +334,9 @@ def verdicts(records: list[dict]) -> None:
         if r.get("impl") != "areno" or "speedup_vs_hf" not in r:
             continue
         if r["workload"] == "R1" and r.get("call") == "warm":
+            sd = r.get("mamba_ssm_cache_dtype", "float32")
             print(f"{r['shape']} R1 target (>= 10x transformers' generate): {r['speedup_vs_hf']:.1f}x "
-                  f"({r['tok_s']:.0f} tok/s)")
+                  f"({r['tok_s']:.0f} tok/s, {sd} states)")
         elif r["workload"] == "T1":
             mem = r.get("memory_vs_hf", float("nan"))
             ok = r["speedup_vs_hf"] >= 1.5 and mem <= 1.0
@@ -364,6 +367,8 @@ def parse(argv=None):
     ap.add_argument("--attn-backend", default=None, help="areno's attention backend (default: load_model's choice)")
     ap.add_argument("--eager", action="store_true", help="areno's rollout without CUDA graphs")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps chained per scheduling round")
+    ap.add_argument("--state-dtypes", default="float32", help="R1: areno's recurrent state pool, each of float32, "
+                    "bfloat16 (--mamba-ssm-cache-dtype; the default float32 is the trainer's precision)")
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=128 + 256 + 16)
@@ -415,7 +420,7 @@ def main(argv=None) -> list[dict]:
             if not args.no_save and not args.smoke:  # each part's rows kept at once (a run cut short keeps them)
                 print("results:", append_jsonl("families", rows, env), flush=True)
             records += rows
-    cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "sequences", "tok_s", "wall_s",
+    cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "mamba_ssm_cache_dtype", "sequences", "tok_s", "wall_s",
             "step_ms", "mfu", "peak_gib", "speedup_vs_hf", "memory_vs_hf", "logprob_diff_mean", "note",
             "error"]  # fmt: skip
     print_table(records, cols)
