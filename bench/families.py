@@ -420,7 +420,8 @@ def main(argv=None) -> list[dict]:
             if not args.no_save and not args.smoke:  # each part's rows kept at once (a run cut short keeps them)
                 print("results:", append_jsonl("families", rows, env), flush=True)
             records += rows
-    cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "mamba_ssm_cache_dtype", "sequences", "tok_s", "wall_s",
+    cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "mamba_ssm_cache_dtype", "sequences",
+            "tok_s", "wall_s",
             "step_ms", "mfu", "peak_gib", "speedup_vs_hf", "memory_vs_hf", "logprob_diff_mean", "note",
             "error"]  # fmt: skip
     print_table(records, cols)
