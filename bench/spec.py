@@ -88,46 +88,13 @@ def greedy_outputs(engine, prompt_sets) -> list[list[int]]:
     return seqs
 
 
-def train_mtp(model, sequences: list[list[int]], steps: int, lr: float = 1e-3) -> dict:
-    """``steps`` Adam steps of the model's MTP draft on ``sequences``, teacher forced, each step a packed batch of
-    enough sequences (in turn) that every one is seen ``MTP_EPOCHS`` times; the trained weights written back into the
-    kept MTP tensors. Returns the first and last losses (mean cross-entropy a labelled position)."""
-    from areno.models.mtp import build_mtp_draft, mtp_loss
-
-    model.requires_grad_(False)  # only the draft's own weights train
-    draft = build_mtp_draft(model, trainable=True)
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
-    dev = model.embed_tokens.weight.device
-    pack = max(1, -(-len(sequences) * MTP_EPOCHS // max(steps, 1)))
-    losses = []
-    for step in range(steps):
-        batch = [sequences[(step * pack + i) % len(sequences)] for i in range(pack)]
-        ids = torch.tensor([t for s in batch for t in s], device=dev)
-        pos = torch.cat([torch.arange(len(s), device=dev) for s in batch])
-        cu = torch.tensor([0, *torch.tensor([len(s) for s in batch]).cumsum(0).tolist()], dtype=torch.int32,
-                          device=dev)  # fmt: skip
-        with torch.no_grad():
-            hidden = model(ids, pos, cu_seqlens=cu, max_seqlen=max(len(s) for s in batch))
-        # every position scored: the label of position t is token t + 2 (areno.models.mtp.teacher_forced)
-        targets = torch.cat([torch.cat([ids[a + 1 : b], torch.full((1,), -100, device=dev)])
-                             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])  # fmt: skip
-        ce, _, count = mtp_loss(model, draft, hidden, ids, pos, cu, targets)
-        loss = ce / count
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    draft.store_kept(model)
-    return {"mtp_loss_first": losses[0] if losses else None, "mtp_loss_last": losses[-1] if losses else None,
-            "mtp_train_sequences": len(sequences)}
-
-
 def load_draft_model(args, device, prompt_sets):
     """The family's model on ``device`` with its MTP layer trained first when ``--mtp-train-steps`` asks (on the
     greedy continuations of ``prompt_sets(vocab)``: the prompts the bench then times), the engines' shared settings,
     and the training record."""
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model
+    from areno.training.mtp import fit_draft
 
     model = load_model(mtp_checkpoint(args.mtp_family, args.smoke), device=device)
     base = dict(block_size=16, max_running=256, max_batched_tokens=args.max_batched_tokens,
@@ -139,7 +106,7 @@ def load_draft_model(args, device, prompt_sets):
         plain.drop_rollout_state()
         del plain
         t0 = time.perf_counter()
-        train = train_mtp(model, seqs, args.mtp_train_steps)
+        train = fit_draft(model, seqs, args.mtp_train_steps, epochs=MTP_EPOCHS)
         train["mtp_train_s"] = time.perf_counter() - t0
         print("MTP training:", train, flush=True)
     return model, base, train

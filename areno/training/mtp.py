@@ -11,9 +11,14 @@ policy's gradient. After each optimizer update the draft's weights are written i
 (``store_kept``): checkpoints save them under their Hub names, the colocated engine's draft reloads them, split mode's
 sync streams them (``KeptMTP.stream_mtp``). Metrics per step: ``mtp_loss`` (mean cross-entropy per labelled token),
 ``mtp_accuracy`` (the draft's top-1 agreement), ``mtp_grad_norm``.
+
+``fit_draft`` fits the draft alone to given sequences (e.g. the model's own outputs) before any engine is built: the
+speculation bench's stand-in for a released model's MTP layers on random-weight checkpoints, and the tests'.
 """
 
 from __future__ import annotations
+
+import torch
 
 from areno.config import ConfigError
 from areno.models.mtp import build_mtp_draft, mtp_loss
@@ -85,3 +90,37 @@ def draft_state(trainer) -> dict:
     mtp = getattr(trainer, "mtp", None)
     return {} if mtp is None else {"mtp": mtp.optimizer}
 
+
+
+def fit_draft(model, sequences: list[list[int]], steps: int, *, lr: float = 1e-3, epochs: int = 4) -> dict:
+    """Fit the MTP draft of ``model`` to ``sequences`` (token lists, e.g. the model's own outputs) alone: ``steps``
+    Adam steps, teacher forced from the target's final hidden states (no gradient to the model), each step a packed
+    batch of enough sequences (in turn) that each is seen ``epochs`` times; the trained weights written into the
+    kept MTP tensors (an engine built after drafts with them). Returns the first and last mean cross-entropy."""
+    check_model(model)
+    model.requires_grad_(False)
+    draft = build_mtp_draft(model, trainable=True)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    dev = model.embed_tokens.weight.device
+    pack = max(1, -(-len(sequences) * epochs // max(steps, 1)))
+    losses = []
+    for step in range(steps):
+        batch = [sequences[(step * pack + i) % len(sequences)] for i in range(pack)]
+        lens = [len(s) for s in batch]
+        ids = torch.tensor([t for s in batch for t in s], device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        with torch.no_grad():
+            hidden = model(ids, pos, cu_seqlens=cu, max_seqlen=max(lens))
+        # every position scored: the label of position t is token t + 2 (areno.models.mtp.teacher_forced)
+        targets = torch.roll(ids, -1)
+        targets[cu[1:].long() - 1] = -100
+        ce, _, count = mtp_loss(model, draft, hidden, ids, pos, cu, targets)
+        loss = ce / count
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    draft.store_kept(model)
+    return {"mtp_loss_first": losses[0] if losses else None, "mtp_loss_last": losses[-1] if losses else None,
+            "mtp_train_sequences": len(sequences)}
