@@ -8,7 +8,8 @@ loss curve of a short SFT run of a small model both ways.
 Rows: ``part=memory``: ``state_gib`` (``MasterAdamW.state_bytes()``: fp32 master + moments), ``moments_gib``
 (without the master) and the CUDA allocation the optimizer's construction added (``alloc_gib``); ``vs_fp32`` is
 the 8-bit run's ``moments_gib`` over fp32's (the acceptance bar: <= 0.3) and ``state_vs_fp32`` the same with the
-master. ``part=step``: median ms of one eager step (gradient flatten, norm, update, parameters written).
+master. ``part=step``: median ms of one eager step (gradient flatten, norm, update, parameters written), ``path``
+bucketed (a bucket at a time) or fused (one rank: areno.training.optimizer_fused, the default).
 ``part=loss``: ``--steps`` (200) next-token steps of a tiny Qwen3 (``areno.testing.make_tiny_checkpoint``) on 64
 fixed random batches at lr 1e-3: the mean loss of the last 20 steps per run and the largest per-step difference
 from fp32 seed 0; ``noise`` is fp32's spread between two data seeds (the 8-bit curve is within noise when its
@@ -57,8 +58,10 @@ def memory_and_step(smoke: bool, dev: torch.device) -> list[dict]:
                 p.grad = gr
             opt.step(lr=1e-6, grad_clip=1.0)
 
-        rows.append(dict(part="step", states=states, elements=n,
-                         ms=gpu_time_ms(step, warmup=2, iters=3 if smoke else 20)))
+        for fused in (False, True):  # the bucketed step, then many buckets a launch (training/optimizer_fused.py)
+            opt.fused = fused
+            rows.append(dict(part="step", states=states, path="fused" if fused else "bucketed", elements=n,
+                             ms=gpu_time_ms(step, warmup=2, iters=3 if smoke else 20)))
         del opt
     fp32 = {r["part"]: r for r in rows if r["states"] == "fp32"}
     for r in rows:
@@ -114,7 +117,7 @@ def main():
     on_gpu = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if on_gpu else "cpu")
     rows = memory_and_step(args.smoke, dev) + loss_rows(10 if args.smoke else args.steps, dev)
-    print_table(rows, ["part", "states", "seed", "elements", "state_gib", "moments_gib", "alloc_gib", "vs_fp32",
+    print_table(rows, ["part", "states", "path", "seed", "elements", "state_gib", "moments_gib", "alloc_gib", "vs_fp32",
                        "state_vs_fp32", "ms", "first_loss", "final_loss", "max_step_diff_vs_fp32", "noise"])
     if not args.no_save and not args.smoke:
         print("results:", append_jsonl("optimizer_8bit", rows))

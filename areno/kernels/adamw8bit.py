@@ -199,6 +199,14 @@ class Moments8bit:
         self.codes = torch.zeros(2, n, dtype=torch.uint8, device=device)
         self.absmax = torch.zeros(2, n_blocks(n), dtype=torch.float32, device=device)
 
+    @classmethod
+    def of(cls, codes: torch.Tensor, absmax: torch.Tensor) -> Moments8bit:
+        """Moments held in given tensors (``codes`` [2, n] uint8, ``absmax`` [2, n_blocks(n)] fp32, each row
+        contiguous): views of a larger buffer shared by several slices (areno.training.optimizer_fused)."""
+        m = cls.__new__(cls)
+        m.codes, m.absmax = codes, absmax
+        return m
+
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.absmax.nbytes

@@ -27,6 +27,8 @@ runtime scratch, never a checkpoint). ``states="8bit"`` (``--optimizer-states 8b
 blockwise-quantised to 8 bits (``areno.kernels.adamw8bit``: ~2 bytes per element instead of 8; the fp32 master
 stays), saved and restored exactly (codes and absmax); it has no offload and no ``device_step``. A step whose grad
 norm is not finite is skipped (no state or weight change).
+Alone on one rank (no DP or TP group, no offload) ``step`` updates many buckets a launch (``optimizer_fused``: fp32
+states through ``device_step`` on CUDA, 8-bit states in chunks of buckets); ``fused = False`` keeps the bucketed step.
 ``device_step`` is the same update without a host sync (norm, clip factor and skip on the device) for CUDA-graph
 capture of a single-rank step; a step it skips writes the unchanged master back (the parameters are its rounding).
 """
@@ -49,6 +51,7 @@ from areno.config.constants import OFFLOAD_MODES, OPTIMIZER_STATES
 from areno.distributed.collectives import group_rank, group_size
 from areno.kernels.adamw import AdamwPlan, SumsqPlan, bias_corrections, grad_sumsq, master_adamw_multi_
 from areno.kernels.adamw8bit import Moments8bit
+from areno.training.optimizer_fused import alone, chunk_8bit, chunked_8bit_step, fused_fp32, fused_fp32_step
 
 _OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
 
@@ -176,7 +179,8 @@ class MasterAdamW:
         self.dp_size, self.dp_rank = group_size(self.dp_group), group_rank(self.dp_group)
         self.offload, self.offload_batch_size = offload, offload_batch_size
         self.num_steps = 0
-        self.fused = True  # step() as device_step where it applies (fused_step)
+        self.fused = True  # one rank: step() updates many buckets a launch (areno.training.optimizer_fused)
+        self.chunks: list = []  # one rank, 8-bit states: the buckets' chunks (optimizer_fused.Chunk8bit)
         self._step_tensor: tuple[float, torch.Tensor] | None = None  # (step, its device tensor) for fused AdamW
         self.buckets = _make_buckets(params, self.group_of, bucket_bytes, self.dp_size, self.dp_rank,
                                      group_rank(self.tp_group))
@@ -223,9 +227,12 @@ class MasterAdamW:
             return
         pin = self.offload == "cpu" and torch.cuda.is_available()
         where = "cpu" if self.offload == "cpu" else self.device
+        if self.states == "8bit" and alone(self):
+            self.chunks = chunk_8bit(self.buckets, self.device)  # the low-precision buckets' storage and moments
         for b in self.buckets:
-            b.moments8 = Moments8bit(b.shard, where) if self.states == "8bit" else None
-            b.storage = torch.zeros(b.state_numel, dtype=torch.float32, device=where, pin_memory=pin)
+            if b.storage is None:
+                b.moments8 = Moments8bit(b.shard, where) if self.states == "8bit" else None
+                b.storage = torch.zeros(b.state_numel, dtype=torch.float32, device=where, pin_memory=pin)
             if b.has_master:
                 b.storage[: b.shard].copy_(self._read_params(b))
 
@@ -287,8 +294,10 @@ class MasterAdamW:
         missing = [g for g in self.groups if g not in (group_lrs or {})]
         if missing:
             raise ValueError(f"MasterAdamW.step: no learning rate for the parameter groups {missing}")
-        if self.fused_step:
-            return self._fused_step(lr, grad_clip, group_lrs or {})
+        if fused_fp32(self):  # one rank: many buckets a launch (optimizer_fused)
+            return fused_fp32_step(self, lr, grad_clip, group_lrs or {})
+        if self.chunks and self.fused:
+            return chunked_8bit_step(self, lr, grad_clip, group_lrs or {})
         shards = [self._grad_shard(b) for b in self.buckets]
         parts = [g[a:e] for b, g in zip(self.buckets, shards) for a, e in b.counted]
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -328,26 +337,6 @@ class MasterAdamW:
                 shards[index[id(b)]] = None
         if self.offload == "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned host copies must be complete before anyone reads them
-        return norm
-
-    @property
-    def fused_step(self) -> bool:
-        """Whether ``step`` runs as ``device_step`` (one rank, no offload, fp32 states, on CUDA): one fused pass
-        reading the bf16 gradients where they are (~30 bytes a parameter moved) instead of a flat gradient copy, its
-        norm, an fp32 copy and torch's fused AdamW per bucket, and the publish (~48). ``fused = False`` turns it
-        off (the tests' reference)."""
-        alone = self.dp_group is None and self.tp_group is None and self.offload == "none"
-        return self.fused and alone and self.states == "fp32" and self.device.type == "cuda"
-
-    def _fused_step(self, lr: float, grad_clip: float, group_lrs: dict[str, float]) -> float:
-        """``step`` through ``device_step`` (one host read: the norm); the gradients consumed as ``step`` does."""
-        dev = self.device
-        scalar = lambda x: torch.tensor(float(x), dtype=torch.float32, device=dev)  # noqa: E731
-        norm = float(self.device_step(scalar(lr), grad_clip, scalar(self.num_steps),
-                                      group_lrs={k: scalar(v) for k, v in group_lrs.items()}))  # fmt: skip
-        self.zero_grad()
-        if math.isfinite(norm):
-            self.num_steps += 1
         return norm
 
     @torch.no_grad()

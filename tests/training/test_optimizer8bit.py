@@ -211,3 +211,44 @@ def test_gpu_loss_curve_within_noise_of_fp32():
     (first, fp32), (_, fp32_b), (_, q8) = final_loss("fp32", 0), final_loss("fp32", 1), final_loss("8bit", 0)
     assert fp32 < 0.8 * first and q8 < 0.8 * first
     assert abs(q8 - fp32) <= max(2 * abs(fp32_b - fp32), 0.03 * fp32), (q8, fp32, fp32_b)
+
+
+@pytest.mark.parametrize("kernels", ["native", "triton"])
+def test_chunked_step_equals_the_bucketed_step(kernels, monkeypatch):
+    """Alone on a rank the 8-bit buckets live in chunks (optimizer_fused): several buckets a kernel launch, each on
+    its own 256-element blocks; the step equals the bucketed one (``fused = False``) bit for bit without clipping
+    (the norm is summed differently: with clipping, to rounding), over two chunks, a named group, fp32 parameters,
+    missing gradients and a skipped step."""
+    from areno.training import optimizer_fused
+
+    monkeypatch.setenv("ARENO_KERNELS", kernels)
+    monkeypatch.setattr(optimizer_fused, "CHUNK_ELEMENTS", 800)  # the bf16 buckets fill two chunks
+
+    def make():
+        ps = make_params([torch.bfloat16] * 4 + [torch.float32, torch.bfloat16])
+        return ps, MasterAdamW([*ps[:5], {"name": "tower", "params": [ps[5]]}], **HP, states="8bit",
+                               bucket_bytes=1200)  # fmt: skip
+
+    (pa, ref), (pb, opt) = make(), make()
+    ref.fused = False
+    assert len(opt.chunks) >= 3 and sum(len(c.buckets) > 1 for c in opt.chunks) >= 1  # tower: a chunk of its own
+    assert all(s % 256 == 0 for c in opt.chunks for s in c.starts)
+    for clip in (0.0, 1.5):
+        for i, scale in enumerate([1.0, 30.0, float("nan"), 0.5]):
+            for params in (pa, pb):
+                set_grads(params, [g * scale for g in grads_for(i)])
+                if i == 3:
+                    params[1].grad = None  # counts as zero
+            na = ref.step(lr=1e-2, grad_clip=clip, group_lrs={"tower": 3e-3})
+            nb = opt.step(lr=1e-2, grad_clip=clip, group_lrs={"tower": 3e-3})
+            assert (math.isnan(na) and math.isnan(nb)) or nb == pytest.approx(na, rel=1e-6)
+            assert opt.num_steps == ref.num_steps and all(p.grad is None for p in pb)
+            exact = dict(rtol=0, atol=0) if clip == 0 else dict(rtol=1e-5, atol=1e-6)
+            for p, q in zip(pa, pb):
+                torch.testing.assert_close(q.float(), p.float(), **exact)
+            for a, b in zip(ref.buckets, opt.buckets):
+                if clip == 0:
+                    assert torch.equal(a.moments8.codes, b.moments8.codes)
+                torch.testing.assert_close(b.moments8.absmax, a.moments8.absmax, **exact)
+    saved = opt.state_dict()  # the chunk's views saved and restored as the bucketed layout's
+    assert saved["layout"] == ref.state_dict()["layout"]
