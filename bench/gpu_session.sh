@@ -17,6 +17,9 @@
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS, $ROLLOUT_LIMIT s); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS)
+#   spec-bisect       where a fitted MTP draft stops being accepted on the GPU (the 9B bench's greedy accept was 1.0 under
+#                     graphs, 3.0 eager at the smoke shape): the GPU test of fitted drafts, real graphs vs eager, then
+#                     R3 at the 9B shape eager ($SPEC_ARGS)
 #   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate auto,off vs plain; spec-sweep: the
 #                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
@@ -102,6 +105,10 @@ for stage in "$@"; do
       if timeout 120 python3 bench/rollout.py --smoke >"$OUT/smoke.txt" 2>&1 && ! grep -q "Traceback" "$OUT/smoke.txt"
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
+    spec-bisect)
+      gpu_pytest spec-trained 240 tests/engine/test_spec_graphs.py -k "trained"
+      step spec-9b-eager ${SPEC_LIMIT:-300} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 --eager \
+        --spec-greedy --mtp-train-steps 300 ${SPEC_ARGS:-} ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
         --spec-gate auto,off ${SPEC_ARGS:-} ;;
     spec-sweep) step spec-sweep ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --spec-batch-sweep \
