@@ -15,8 +15,8 @@ steps on the model's own greedy continuations of the very prompts the bench then
 the draft predicts token t + 2 from the target's hidden state at t and token t + 1). A random model's outputs have
 no structure a draft could learn in general (the smoke model on the CPU, fitted on 8 prompts' continuations: greedy
 acceptance 2.8 on those prompts, 1.25 on fresh ones), so this stands in for a real model's MTP layers, which agree
-with their model on its own text. Use ``--spec-greedy`` with it (the draft learned the argmax path); the accept length is
-reported either way.
+with their model on its own text. Use ``--spec-greedy`` with it (the draft learned the argmax path); the accept
+length is reported either way.
 Both engines decode under CUDA graphs (``--eager``: both eager), sampling at temperature 1 as R1-R3 do, and
 ``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). Each engine runs its workload
 twice and the warm call is the measurement (the graphs are captured on the first). The plain engine chains 8

@@ -32,7 +32,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 def _rms_norm_fwd_kernel(
     X, R, W, Y, H, RSTD,
     M, N, B, sx0, sx1, sr0, sr1, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -50,9 +50,12 @@ def _rms_norm_fwd_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd, mask=rmask)
-    n = (xf * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    n = xf * rstd[:, None]
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    y = n * w[None, :]
+    if ZERO_CENTERED:  # Qwen3.5's: (n * (1 + w)) in fp32, rounded once
+        y = n * (1.0 + w[None, :])
+    else:
+        y = n.to(X.dtype.element_ty).to(tl.float32) * w[None, :]
     tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -61,7 +64,7 @@ def _rms_norm_bwd_kernel(
     DY, DH, X, W, RSTD, DX, DW_PART,
     M, N, B, sx0, sx1, M_BUCKET,
     HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PER_SM: tl.constexpr,
+    PER_SM: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
 ):  # fmt: skip
     # M_BUCKET (next power of two of M) and PER_SM (programs per SM, read by the grid) only key the autotuner
     # dn = dy * w;  dx = rstd * (dn - n * mean(dn * n));  dw = sum_rows dy * n.to(dtype)
@@ -69,6 +72,8 @@ def _rms_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = 1.0 + w
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     num_tiles = tl.cdiv(M, BLOCK_M)
     for tile in range(pid, num_tiles, tl.num_programs(0)):
@@ -82,8 +87,8 @@ def _rms_norm_bwd_kernel(
         offs = rows64[:, None] * N + cols[None, :]
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         n = x * rstd[:, None]
-        if COMPUTE_DW:
-            dw += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+        if COMPUTE_DW:  # the forward's n: rounded to x's dtype before the weight, or not (zero-centred)
+            dw += tl.sum(dy * (n if ZERO_CENTERED else n.to(X.dtype.element_ty).to(tl.float32)), axis=0)
         dn = dy * w[None, :]
         c = tl.sum(dn * n, axis=1) / N
         dx = rstd[:, None] * (dn - n * c[:, None])
@@ -168,12 +173,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         assert residual.device == x.device, f"rms_norm: residual on {residual.device} but x on {x.device}"
 
 
-def rms_norm_fwd(x, weight, eps=1e-6, residual=None):
-    """Launch the forward. Returns (y, h, rstd): h is x + residual (None without residual), rstd fp32 [rows]."""
+def rms_norm_fwd(x, weight, eps=1e-6, residual=None, zero_centered=False):
+    """Launch the forward. Returns (y, h, rstd): h is x + residual (None without residual), rstd fp32 [rows].
+    ``zero_centered``: y = (n * (1 + weight)) in fp32 rounded once to x's dtype (Qwen3.5's norm)."""
     _check(x, weight, residual)
     n = x.shape[-1]
     m = x.numel() // n if n else 0
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y_dtype = x.dtype if zero_centered else torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
@@ -191,12 +198,13 @@ def rms_norm_fwd(x, weight, eps=1e-6, residual=None):
     _rms_norm_fwd_kernel[grid](
         xv, rv, weight, y, h if h is not None else y, rstd,
         m, n, b, sx0, sx1, sr0, sr1, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, ZERO_CENTERED=zero_centered,
+        num_warps=num_warps,
     )  # fmt: skip
     return y, h, rstd
 
 
-def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
+def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True, zero_centered=False):
     """Launch the backward. ``x`` is the normalised input (h with a residual). Returns (dx, dweight or None)."""
     n = x.shape[-1]
     m = x.numel() // n if n else 0
@@ -211,7 +219,7 @@ def rms_norm_bwd(dy, x, weight, rstd, dh=None, compute_dweight=True):
     xv, b, sx0, sx1 = row_view(x)
     block_m, block_n, num_warps = _tiles(m, n)
     args = (dy, dh if dh is not None else dy, xv, weight, rstd, dx)
-    meta = dict(HAS_DH=dh is not None, COMPUTE_DW=compute_dweight, BLOCK_N=block_n)
+    meta = dict(HAS_DH=dh is not None, COMPUTE_DW=compute_dweight, BLOCK_N=block_n, ZERO_CENTERED=zero_centered)
     if not x.is_cuda or interpreting() or block_n > 4096:  # one tiling (the interpreter cannot autotune)
         programs = max(1, min(triton.cdiv(m, block_m), 4 * (sm_count(x.device.index or 0) if x.is_cuda else 1)))
         dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if compute_dweight else dx
@@ -247,38 +255,46 @@ def tuned_bwd(block_n: int):
     distinct = dict.fromkeys((max(1, tile // block_n), per_sm, w, st) for tile, w, per_sm, st in BWD_TILES)
     configs = [triton.Config({"BLOCK_M": bm, "PER_SM": per_sm}, num_warps=w, num_stages=st)
                for bm, per_sm, w, st in distinct]
-    return triton.autotune(configs=autotune_candidates(configs), key=["N", "M_BUCKET", "HAS_DH", "COMPUTE_DW"])(
+    return triton.autotune(configs=autotune_candidates(configs),
+                           key=["N", "M_BUCKET", "HAS_DH", "COMPUTE_DW", "ZERO_CENTERED"])(
         _rms_norm_bwd_kernel)
 
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, residual, eps):
-        y, h, rstd = rms_norm_fwd(x, weight, eps, residual)
-        ctx.has_residual = residual is not None
+    def forward(ctx, x, weight, residual, eps, zero_centered=False):
+        y, h, rstd = rms_norm_fwd(x, weight, eps, residual, zero_centered)
+        ctx.has_residual, ctx.zero_centered = residual is not None, zero_centered
         ctx.save_for_backward(h if h is not None else x, weight, rstd)
         return (y, h) if h is not None else y
 
     @staticmethod
     def backward(ctx, dy, dh=None):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh, compute_dweight=ctx.needs_input_grad[1])
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd, dh, compute_dweight=ctx.needs_input_grad[1],
+                              zero_centered=ctx.zero_centered)  # fmt: skip
         # h = x + residual, so both receive the same gradient.
-        return dx, dw, (dx if ctx.has_residual else None), None
+        return dx, dw, (dx if ctx.has_residual else None), None, None
 
 
-def rms_norm_native(x, weight, eps=1e-6, residual=None):
-    """Plain PyTorch reference, in Hugging Face's order; differentiable through autograd."""
+def rms_norm_native(x, weight, eps=1e-6, residual=None, zero_centered=False):
+    """Plain PyTorch reference, in Hugging Face's order; differentiable through autograd. ``zero_centered``: Qwen3.5's
+    ``(n * (1 + weight))`` in fp32, rounded once to x's dtype."""
     if residual is not None:
         h = x + residual
-        return rms_norm_native(h, weight, eps), h
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32, or fp64 for a float64 reference
+        return rms_norm_native(h, weight, eps, zero_centered=zero_centered), h
+    f = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for a float64 reference
+    xf = x.to(f)
     n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (n * (1.0 + weight.to(f))).to(x.dtype)
     return weight * n.to(x.dtype)
 
 
-def rms_norm(x, weight, eps=1e-6, residual=None):
-    """RMSNorm over the last dim of ``x``; with ``residual`` returns ``(rms_norm(x + residual), x + residual)``."""
+def rms_norm(x, weight, eps=1e-6, residual=None, zero_centered=False):
+    """RMSNorm over the last dim of ``x``; with ``residual`` returns ``(rms_norm(x + residual), x + residual)``.
+    ``zero_centered`` (Qwen3.5): the weight scales by ``1 + weight``, ``n * (1 + weight)`` in fp32 rounded once to
+    x's dtype (the plain norm rounds ``n`` first, as Llama/Qwen3 do)."""
     supported = (
         x.dtype in _FLOATS
         and weight.dtype in _FLOATS
@@ -286,5 +302,5 @@ def rms_norm(x, weight, eps=1e-6, residual=None):
         and (residual is None or residual.dtype == x.dtype)
     )
     if use_triton(x, weight, residual, supported=supported):
-        return RMSNormFunction.apply(x, weight, residual, eps)
-    return rms_norm_native(x, weight, eps, residual)
+        return RMSNormFunction.apply(x, weight, residual, eps, zero_centered)
+    return rms_norm_native(x, weight, eps, residual, zero_centered)

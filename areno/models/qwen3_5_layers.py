@@ -130,17 +130,15 @@ def _refuse(name: str, text, base: ModelConfig) -> None:
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaling by ``1 + weight``, rounded as transformers does: ``(n * (1 + w)).to(dtype)`` with ``n`` and
-    the product in fp32 (rounding ``n`` to bf16 first, as the plain RMSNorm does, doubles the bf16 logit error).
-    The residual sum is rounded to the input dtype first (as transformers adds it), so the fused residual add of
-    ``rms_norm`` is not used here."""
+    the product in fp32 (rounding ``n`` to bf16 first, as the plain RMSNorm does, doubles the bf16 logit error); the
+    residual sum rounded to the input dtype first (as transformers adds it). One kernel with the residual add
+    (``rms_norm(zero_centered=True)``); it keeps ``x + residual`` in the input dtype for the backward, not in fp32."""
 
     def scale(self) -> torch.Tensor:
         return 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        h = x if residual is None else x + residual
-        out = rms_norm(h.float(), self.scale(), self.eps).to(x.dtype)
-        return out if residual is None else (out, h)
+        return rms_norm(x, self.weight, self.eps, residual, zero_centered=True)
 
 
 class GatedAttention(Attention):

@@ -46,11 +46,11 @@ def _inputs(rows, hidden, dtype, residual, device="cpu"):
     return [t.requires_grad_() if t is not None else None for t in (x, w, r)]
 
 
-def _check_against_references(x, w, r, eps, dtype):
+def _check_against_references(x, w, r, eps, dtype, zero_centered=False):
     upstream = [torch.randn_like(x)] + ([torch.randn_like(x)] if r is not None else [])
-    fn = lambda x, w, r: rms_norm(x, w, eps, residual=r)
+    fn = lambda x, w, r: rms_norm(x, w, eps, residual=r, zero_centered=zero_centered)
     outs, grads = _grads(fn, (x, w, r), upstream)
-    ref = lambda x, w, r: rms_norm_native(x, w, eps, residual=r)
+    ref = lambda x, w, r: rms_norm_native(x, w, eps, residual=r, zero_centered=zero_centered)
     as64 = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, r)]
     ref_outs, ref_grads = _grads(ref, as64, [u.double() for u in upstream])
     with torch.no_grad():
@@ -72,6 +72,27 @@ def _check_against_references(x, w, r, eps, dtype):
 def test_rms_norm_triton_matches_references(triton_kernels, nan_empty, rows, hidden, dtype, residual):
     x, w, r = _inputs(rows, hidden, dtype, residual)
     _check_against_references(x, w, r, 1e-6, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rows,hidden", [(1, 80), (7, 96), (129, 96)])
+def test_zero_centered_matches_references(triton_kernels, nan_empty, rows, hidden, dtype, residual):
+    """Qwen3.5's norm (``1 + weight``, the product in fp32 rounded once): forward and every gradient."""
+    x, w, r = _inputs(rows, hidden, dtype, residual)
+    with torch.no_grad():
+        w.sub_(1.0)  # zero-centred weights sit around 0
+    _check_against_references(x, w, r, 1e-6, dtype, zero_centered=True)
+
+
+def test_zero_centered_equals_the_layer_s_former_composition(triton_kernels, nan_empty):
+    """Bit for bit the forward Qwen3.5's layers computed before the fused kernel: the residual sum in the input
+    dtype, then rms_norm of its fp32 copy with the fp32 scale 1 + w, rounded to the input dtype."""
+    x, w, r = (t.detach() for t in _inputs(33, 96, torch.float16, True))
+    y, h = rms_norm(x, w, 1e-6, residual=r, zero_centered=True)
+    h_ref = x + r
+    y_ref = rms_norm(h_ref.float(), 1.0 + w.float(), 1e-6).to(x.dtype)
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref)
 
 
 def test_rms_norm_eps_and_leading_shape(triton_kernels, nan_empty):
@@ -244,3 +265,16 @@ def test_sum_rows_matches_float64(shape, dtype, triton_kernels, monkeypatch):
     assert got.dtype == dtype and got.shape == want.shape and len(launched) == 1
     rtol = 1e-6 if dtype == torch.float32 else {torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_zero_centered_gpu_bf16_equals_the_former_composition():
+    """H200, Qwen3.5-9B's hidden size: the fused zero-centred norm's bf16 forward equals, bit for bit, the
+    composition Qwen3.5's layers ran before it (residual add, fp32 copy, rms_norm with the fp32 scale, cast)."""
+    x, w, r = (t.detach() for t in _inputs(300, 4096, torch.bfloat16, True, device="cuda"))
+    w = w - 1.0
+    y, h = rms_norm(x, w, 1e-6, residual=r, zero_centered=True)
+    h_ref = x + r
+    assert torch.equal(h, h_ref)
+    assert torch.equal(y, rms_norm(h_ref.float(), 1.0 + w.float(), 1e-6).to(torch.bfloat16))
