@@ -34,7 +34,6 @@ from torch import nn
 from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule
 from areno.kernels.linear_attn.gdn_decode import (
     gated_rms_norm_silu,
-    gated_rms_norm_silu_native,
     gdn_decode_step,
     gdn_inputs,
 )
@@ -250,7 +249,7 @@ class GatedDeltaNet(nn.Module):
             o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu, initial_state=s0.float(),
                                               output_final_state=True)
             kv_cache[1].index_copy_(0, idx, final.to(kv_cache[1].dtype))
-        o = gated_rms_norm_silu_native(o.to(x.dtype), z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
+        o = gated_rms_norm_silu(o.to(x.dtype).contiguous(), z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, vd))
 
     def layouts(self, name: str, hf: str, cfg: Qwen35Config) -> dict:

@@ -19,6 +19,8 @@ Tiling as the step kernel's (``delta_rule._step_kernel``): one program per (sequ
 columns), the [K, BV] fp32 state tile in registers; each program recomputes its heads' norms (K <= 128 values).
 ``state_indices``: the pool row of each sequence (-1: skipped, output 0, nothing written). Inference only, no host
 sync (CUDA-graph capturable). ``gdn_decode_step_native`` is the layer's unfused path (the test oracle, and the CPU's).
+The gated norm also serves prefill and training (``GatedNormSilu``: its forward kernel and a backward kernel, o and
+z saved in their dtype; ``gated_rms_norm_silu_native`` is the reference).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from areno.kernels.dispatch import use_triton
+from areno.kernels.dispatch import interpreting, use_triton
 from areno.kernels.linear_attn.delta_rule import MAX_DIM, gated_delta_rule_step_native
+from areno.kernels.norm import sum_rows
 
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)  # the state pool's: fp32 (the trainer's), or bf16 (half the bytes)
@@ -94,22 +97,87 @@ def gated_rms_norm_silu_native(o: torch.Tensor, z: torch.Tensor, weight: torch.T
     return (weight * n * F.silu(z.float())).to(o.dtype)
 
 
-def gated_rms_norm_silu(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The output norm of ``o [T, H, V]`` (contiguous) gated by ``z [T, H, V]`` (unit last stride, rows of any
-    stride), in one kernel where it can run and nothing needs its gradient, else the native path. The layer uses it
-    in decode only (the training and prefill forwards keep the native path: their rounding is the trainer's)."""
+@triton.jit
+def _gated_norm_bwd_kernel(O, Z, W, DY, DO, DZ, DW_PART, stride_z, eps, R, H, V, ROWS: tl.constexpr,
+                           BV: tl.constexpr):  # fmt: skip
+    """``ROWS`` (token, head) rows a program: do, dz (fp32 math, stored in o's dtype) and this program's partial
+    dweight (fp32). y = w n s with n = o rstd, s = silu(z): dz = dy w n silu'(z); dn = dy s w;
+    do = rstd (dn - n mean(dn n)); dw = sum dy s n."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BV)
+    m = offs < V
+    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+    dw = tl.zeros([BV], dtype=tl.float32)
+    for i in range(ROWS):
+        r = pid * ROWS + i
+        if r < R:
+            t, h = r // H, r % H
+            o = tl.load(O + r.to(tl.int64) * V + offs, mask=m, other=0.0).to(tl.float32)
+            z = tl.load(Z + t.to(tl.int64) * stride_z + h * V + offs, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + r.to(tl.int64) * V + offs, mask=m, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(o * o) / V + eps)
+            n = o * rstd
+            sig = 1.0 / (1.0 + tl.exp(-z))
+            s = z * sig
+            dz = dy * w * n * sig * (1.0 + z * (1.0 - sig))
+            dn = dy * s * w
+            do = rstd * (dn - n * (tl.sum(dn * n) / V))
+            dw += dy * s * n
+            tl.store(DO + r.to(tl.int64) * V + offs, do.to(DO.dtype.element_ty), mask=m)
+            tl.store(DZ + r.to(tl.int64) * V + offs, dz.to(DZ.dtype.element_ty), mask=m)
+    tl.store(DW_PART + pid.to(tl.int64) * V + offs, dw, mask=m)
+
+
+def _gated_norm_fwd(o, z, weight, eps):
     T, H, V = o.shape
-    supported = (o.is_contiguous() and z.stride(2) == 1 and z.stride(1) == V and o.dtype in _TRITON_FLOATS
-                 and z.dtype == o.dtype and V <= 1024)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (o, z, weight))
-    if grad or not use_triton(o, z, weight, supported=supported):
-        return gated_rms_norm_silu_native(o, z, weight, eps)
     out = torch.empty_like(o)
     if T:
         round_wn = weight.dtype == o.dtype and o.dtype != torch.float32
         _gated_norm_kernel[(T * H,)](o, z, weight, out, z.stride(0), float(eps), H, V, ROUND_WN=round_wn,
                                      BV=triton.next_power_of_2(V))  # fmt: skip
     return out
+
+
+class GatedNormSilu(torch.autograd.Function):
+    """The output norm with its gradients in two kernels (training): the forward saves o and z in their dtype (the
+    native composition kept ~16 bytes of fp32 and bf16 intermediates an element for its backward)."""
+
+    @staticmethod
+    def forward(ctx, o, z, weight, eps):
+        ctx.save_for_backward(o, z, weight)
+        ctx.eps = eps
+        return _gated_norm_fwd(o, z, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        o, z, weight = ctx.saved_tensors
+        T, H, V = o.shape
+        do, dz = torch.empty_like(o), torch.empty(o.shape, dtype=z.dtype, device=z.device)
+        rows_each = 16 if not interpreting() else 2
+        programs = max(1, triton.cdiv(T * H, rows_each))
+        part = torch.empty(programs, V, dtype=torch.float32, device=o.device)
+        if T:
+            _gated_norm_bwd_kernel[(programs,)](o, z, weight, dy.contiguous(), do, dz, part, z.stride(0),
+                                                float(ctx.eps), T * H, H, V, ROWS=rows_each,
+                                                BV=triton.next_power_of_2(V))  # fmt: skip
+        else:
+            part.zero_()
+        dw = sum_rows(part, weight.dtype) if ctx.needs_input_grad[2] else None
+        return do, dz, dw, None
+
+
+def gated_rms_norm_silu(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The output norm of ``o [T, H, V]`` (contiguous) gated by ``z [T, H, V]`` (unit last stride, rows of any
+    stride): one kernel where it can run (with gradients: ``GatedNormSilu``, a backward kernel), else the native
+    path."""
+    T, H, V = o.shape
+    supported = (o.is_contiguous() and z.stride(2) == 1 and z.stride(1) == V and o.dtype in _TRITON_FLOATS
+                 and z.dtype == o.dtype and V <= 1024)
+    if not use_triton(o, z, weight, supported=supported):
+        return gated_rms_norm_silu_native(o, z, weight, eps)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (o, z, weight)):
+        return GatedNormSilu.apply(o, z, weight, float(eps))
+    return _gated_norm_fwd(o, z, weight, eps)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
