@@ -165,3 +165,21 @@ def test_gpu_bf16_at_the_9b_shape():
     out, ref = gated_rms_norm_silu(o, z, w, 1e-6), gated_rms_norm_silu_native(o, z, w, 1e-6)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert (out != ref).float().mean() < 0.01  # the native path's roundings (weight x norm in bf16) kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_gated_norm_training_bf16():
+    """H200, the 9B train shape's gated norm (1,024 tokens x 32 heads of 128, bf16): gradients against float64."""
+    T, H, V = 1024, 32, 128
+    o = (torch.randn(T, H, V, device="cuda") * 3).bfloat16().requires_grad_()
+    zw = torch.randn(T, H * V + 64, device="cuda").bfloat16().requires_grad_()
+    w = (0.2 * torch.randn(V, device="cuda")).bfloat16().requires_grad_()
+    dy = torch.randn(T, H, V, device="cuda").bfloat16()
+    grads = torch.autograd.grad(gated_rms_norm_silu(o, zw[:, : H * V].view(T, H, V), w, 1e-6), (o, zw, w), dy)
+    ref = [t.detach().double().requires_grad_() for t in (o, zw, w)]
+    want = torch.autograd.grad(gated_rms_norm_silu_native(ref[0], ref[1][:, : H * V].view(T, H, V), ref[2], 1e-6),
+                               ref, dy.double())  # fmt: skip
+    for got, exp in zip(grads, want):
+        scale = max(exp.abs().max().item(), 1.0)
+        torch.testing.assert_close(got.double() / scale, exp / scale, atol=2e-2, rtol=2e-2)
