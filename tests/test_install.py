@@ -13,6 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "install.sh"
+# One worker for the whole file under `pytest -n 2 --dist loadgroup`: a real install (second_run_is_a_no_op) writes
+# the venv's install stamp, which the dry run's before/after snapshot must not see change under it (the group's name
+# is the one conftest gives the tests here that share a module fixture).
+pytestmark = pytest.mark.xdist_group("tests/test_install.py")
 CHECK_LINE = re.compile(r"^(OK  |WARN|FAIL) [a-z ]+: ")
 # Other engineers edit source files while these tests run; install.sh writes none (only .venv, areno.egg-info, the
 # setup record and pip's packages), so changes to source files are left out of the dry-run comparison.
