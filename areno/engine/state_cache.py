@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from areno.config import ConfigError
+from areno.config.constants import MAMBA_SSM_CACHE_DTYPES
 
 FIELD = "--mamba-ssm-cache-dtype"
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # its choices (vLLM's flag and names)
+STATE_DTYPES = {name: getattr(torch, name) for name in MAMBA_SSM_CACHE_DTYPES}  # the flag's choices, as dtypes
 
 
 def state_dtype(model, name: str) -> torch.dtype:

@@ -51,8 +51,7 @@ def adamw_math(w, m, v, g, lr, step_size, bc2_sqrt, beta1, beta2, eps, weight_de
 def masked_adamw(w, m, v, G, offs, mask, LR, STEP_SIZE, BC2_SQRT, SCALE, beta1, beta2, eps, weight_decay,
                  HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     """The AdamW update (``adamw_math``) of one masked block, the gradient read at ``G + offs`` and divided by the
-    clip divisor (zeros without a gradient), the scalars read from their device pointers (also
-    ``areno.kernels.adamw8bit``'s)."""
+    clip divisor (zeros without a gradient), the scalars read from their device pointers."""
     if HAS_GRAD:
         g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(SCALE)
     else:

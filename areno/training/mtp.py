@@ -18,6 +18,8 @@ speculation bench's stand-in for a released model's MTP layers on random-weight 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from areno.config import ConfigError
@@ -109,7 +111,7 @@ def fit_draft(model, sequences: list[list[int]], steps: int, *, lr: float = 1e-3
         lens = [len(s) for s in batch]
         ids = torch.tensor([t for s in batch for t in s], device=dev)
         pos = torch.cat([torch.arange(n, device=dev) for n in lens])
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
         with torch.no_grad():
             hidden = model(ids, pos, cu_seqlens=cu, max_seqlen=max(lens))
         # every position scored: the label of position t is token t + 2 (areno.models.mtp.teacher_forced)

@@ -43,7 +43,8 @@ __all__ = [
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-STEP_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)  # the decode step's state (bf16: fp32 math)
+TRITON_STATE_DTYPES = (torch.float32, torch.bfloat16)  # the decode steps' state pools in Triton (bf16: fp32 math)
+STEP_STATE_DTYPES = (*TRITON_STATE_DTYPES, torch.float64)  # and the native step's (fp64: the tests' oracle)
 CHUNKS = (16, 32, 64)
 MAX_DIM = 128  # head dims the Triton tiles hold (K = V = 128 fits sm_90 shared memory, checked by compiling)
 SUB = 16  # sub-block rows for the intra-chunk decay factorisation
@@ -749,7 +750,7 @@ def fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None
                          f"{q.shape[0]} (pass state_indices to address a pool)")
     B, H, K = k.shape
     V = v.shape[-1]
-    supported = (state.dtype != torch.float64 and state.is_contiguous() and q.dtype in _TRITON_FLOATS
+    supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and q.dtype in _TRITON_FLOATS
                  and K <= MAX_DIM and V <= MAX_DIM)
     if use_triton(q, k, v, g, beta, state, supported=supported):
         scale = K**-0.5 if scale is None else scale

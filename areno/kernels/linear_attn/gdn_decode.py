@@ -31,11 +31,10 @@ import triton
 import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
-from areno.kernels.linear_attn.delta_rule import MAX_DIM, gated_delta_rule_step_native
+from areno.kernels.linear_attn.delta_rule import MAX_DIM, TRITON_STATE_DTYPES, gated_delta_rule_step_native
 from areno.kernels.norm import sum_rows
 
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-STATE_DTYPES = (torch.float32, torch.bfloat16)  # the state pool's: fp32 (the trainer's), or bf16 (half the bytes)
 # The step kernel's tile by state dtype: BV value columns a program (the [K, BV] fp32 state tile in registers) and
 # its warps. bench/gdn_decode.py sweeps them at Qwen3.5-9B's decode shape (H100, 256 rows: fp32 BV 128 / 4 warps
 # 0.403 ms = 80% of HBM, BV 32 0.438; bf16 BV 64 / 2 warps 0.216 ms).
@@ -152,7 +151,7 @@ class GatedNormSilu(torch.autograd.Function):
     def backward(ctx, dy):
         o, z, weight = ctx.saved_tensors
         T, H, V = o.shape
-        do, dz = torch.empty_like(o), torch.empty(o.shape, dtype=z.dtype, device=z.device)
+        do, dz = torch.empty_like(o), torch.empty_like(o)  # z has o's dtype (supported) and gets a contiguous grad
         rows_each = 16 if not interpreting() else 2
         programs = max(1, triton.cdiv(T * H, rows_each))
         part = torch.empty(programs, V, dtype=torch.float32, device=o.device)
@@ -222,7 +221,7 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
                          f"{tuple(state.shape)} do not fit {nk} key / {nv} value heads")
     if nv % nk:
         raise ValueError(f"gdn_decode_step: {nv} value heads are not a multiple of {nk} key heads")
-    supported = (state.dtype in STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
+    supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
                  and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
                  and a.stride() == b.stride())
     scale = K**-0.5 if scale is None else scale
