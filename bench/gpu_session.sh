@@ -106,6 +106,7 @@ for stage in "$@"; do
       then step rollout 330 python3 bench/rollout.py ${ROLLOUT_ARGS:-}
       else cat "$OUT/smoke.txt" >>"$LOG"; step rollout-eager 330 python3 bench/rollout.py --eager ${ROLLOUT_ARGS:-}; fi ;;
     spec-bisect)
+      [ -n "${SPEC_SKIP_TEST:-}" ] ||
       gpu_pytest spec-trained 240 tests/engine/test_spec_graphs.py -k "trained"
       step spec-9b-eager ${SPEC_LIMIT:-300} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 --eager \
         --spec-greedy --mtp-train-steps 300 ${SPEC_ARGS:-} ;;

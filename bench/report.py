@@ -106,8 +106,9 @@ SPECS = {  # bench: Spec(default command, keys, metrics, ratios, workload, skip,
         variants=("call",)),
     "sampler": Spec("python bench/sampler.py", ("impl", "mode", "B", "V"), ("ms", "GB/s"),
         ratios=("speedup_vs_torch_eager",)),
-    # serve: load "startup" is the record of a server that failed to start, not a measurement
-    "serve": Spec("python bench/serve.py", ("load",),
+    # serve: load "startup" is the record of a server that failed to start, not a measurement; one row per GPU model
+    # (an H100 run does not stand for the H200's figure)
+    "serve": Spec("python bench/serve.py", ("load", "gpu"),
         ("requests", "failed", "tok_s", "engine_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "error"),
         ratios=("vs_engine",), workload="V1", variants=("server_args", "clients"), skip=(("load", "startup"),)),
     "spec_verify": Spec("python bench/spec_verify.py", ("B", "K", "V"),
