@@ -17,9 +17,9 @@
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS, $ROLLOUT_LIMIT s); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS)
-#   spec-bisect       where a fitted MTP draft stops being accepted on the GPU (the 9B bench's greedy accept was 1.0 under
-#                     graphs, 3.0 eager at the smoke shape): the GPU test of fitted drafts, real graphs vs eager, then
-#                     R3 at the 9B shape eager ($SPEC_ARGS)
+#   spec-bisect       why a fitted MTP draft was not accepted at the 9B shape (greedy accept 1.0; 3.0 at the smoke shape):
+#                     the GPU test of fitted drafts under real graphs (passed on the H100), then R3 at the 9B shape
+#                     with the refit rounds and where speculation's greedy path leaves the plain one ($SPEC_ARGS)
 #   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate auto,off vs plain; spec-sweep: the
 #                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
@@ -108,8 +108,8 @@ for stage in "$@"; do
     spec-bisect)
       [ -n "${SPEC_SKIP_TEST:-}" ] ||
       gpu_pytest spec-trained 240 tests/engine/test_spec_graphs.py -k "trained"
-      step spec-9b-eager ${SPEC_LIMIT:-300} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 --eager \
-        --spec-greedy --mtp-train-steps 300 ${SPEC_ARGS:-} ;;
+      step spec-9b ${SPEC_LIMIT:-300} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 \
+        --spec-greedy --mtp-train-steps 300 --mtp-fit-rounds ${SPEC_ROUNDS:-3} ${SPEC_ARGS:-} ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
         --spec-gate auto,off ${SPEC_ARGS:-} ;;
     spec-sweep) step spec-sweep ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --spec-batch-sweep \

@@ -365,6 +365,8 @@ def main():
     ap.add_argument("--speculative-tokens", type=int, default=0, help="MTP speculation with K draft tokens vs none")
     ap.add_argument("--mtp-family", default="qwen3_5", choices=("qwen3_5", "bailing_hybrid"))
     ap.add_argument("--mtp-train-steps", type=int, default=0, help="train the MTP layer first (own greedy outputs)")
+    ap.add_argument("--mtp-fit-rounds", type=int, default=1, help="with --mtp-train-steps: refit on the speculative "
+                    "engine's own greedy answers this many rounds in all (bench/spec.py)")
     ap.add_argument("--spec-greedy", action="store_true", help="speculation runs: greedy sampling (temperature 0)")
     ap.add_argument("--spec-gate", default="auto", help="speculation runs: --speculative-disable-by-batch-size "
                     "settings, comma-separated runs: auto, off, N")
@@ -455,7 +457,7 @@ def run_speculative(args, device, names):
         records = spec.run_spec(args, device, names, workload)
         print_table(records, ["workload", "call", "family", "speculative_tokens", "spec_gate", "spec_limit",
                               "sequences", "output_tokens", "wall_s", "tok_s", "spec_accept_len", "spec_gated_steps",
-                              "speedup_vs_plain", "mtp_loss_last"])
+                              "speedup_vs_plain", "mtp_loss_last", "greedy_same", "first_diff_mean"])
         r1 = [r for r in records if r["workload"] == "R1" and r.get("spec_gate") == "auto" and r["call"] == "warm"]
         if r1 and "speedup_vs_plain" in r1[0]:
             print(f"R1 bar (speculation with the gate auto never slower than 0.98x plain): "

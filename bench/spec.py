@@ -1,7 +1,8 @@
 """MTP speculative decoding in bench/rollout.py (``--speculative-tokens K``): the same workload with and without
 speculation on a random-weight checkpoint of an MTP family, side by side (tok/s, speed-up, mean accept length).
 
-    python bench/rollout.py --speculative-tokens 2 --workloads R3,R2 --mtp-family qwen3_5 --mtp-train-steps 300
+    python bench/rollout.py --speculative-tokens 2 --workloads R3,R2 --mtp-family qwen3_5 --mtp-train-steps 300 \
+        --mtp-fit-rounds 3 --spec-greedy
     python bench/rollout.py --speculative-tokens 2 --workloads R3 --mtp-family bailing_hybrid --mtp-train-steps 300
     python bench/rollout.py --speculative-tokens 2 --workloads R1 --spec-gate auto,off --mtp-train-steps 300
     python bench/rollout.py --speculative-tokens 2 --spec-batch-sweep --mtp-train-steps 300   # the crossover table
@@ -16,7 +17,11 @@ the draft predicts token t + 2 from the target's hidden state at t and token t +
 no structure a draft could learn in general (the smoke model on the CPU, fitted on 8 prompts' continuations: greedy
 acceptance 2.8 on those prompts, 1.25 on fresh ones), so this stands in for a real model's MTP layers, which agree
 with their model on its own text. Use ``--spec-greedy`` with it (the draft learned the argmax path); the accept
-length is reported either way.
+length is reported either way, and under ``--spec-greedy`` how far each speculative answer follows the plain
+engine's (``greedy_same``, ``first_diff_mean``). In bf16 a K + 1-row verify rounds differently from a one-row decode
+step, so speculation's greedy path can leave the plain one at a near-tie, and the memorised draft knows nothing past
+it (the suspected cause of the Qwen3.5-9B shape's accept length 1.0 on an H100): ``--mtp-fit-rounds 3`` refits twice
+more on the speculative engine's own greedy answers, so the draft learns the path speculation itself takes.
 Both engines decode under CUDA graphs (``--eager``: both eager), sampling at temperature 1 as R1-R3 do, and
 ``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). Each engine runs its workload
 twice and the warm call is the measurement (the graphs are captured on the first). The plain engine chains 8
@@ -91,7 +96,13 @@ def greedy_outputs(engine, prompt_sets) -> list[list[int]]:
 def load_draft_model(args, device, prompt_sets):
     """The family's model on ``device`` with its MTP layer trained first when ``--mtp-train-steps`` asks (on the
     greedy continuations of ``prompt_sets(vocab)``: the prompts the bench then times), the engines' shared settings,
-    and the training record."""
+    and the training record.
+
+    ``--mtp-fit-rounds R`` > 1 refits R - 1 more times on what the speculative engine itself then answers greedily
+    (with the plain engine's continuations): in bf16 a verify of K + 1 rows rounds differently from a one-row decode
+    step, so the speculative engine's greedy path can leave the plain one at a near-tie, and a random model's draft
+    knows nothing past it (it only memorised; see the module docstring). Each round's accept length and
+    agreement with the plain continuations are recorded (``mtp_rounds``)."""
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model
     from areno.training.mtp import fit_draft
@@ -101,15 +112,42 @@ def load_draft_model(args, device, prompt_sets):
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, eager_decode=args.eager)
     train = {}
     if args.mtp_train_steps:
+        sets = prompt_sets(model.config.vocab_size)
         plain = Engine(model, None, EngineConfig(**base), eos_token_ids=[])
-        seqs = greedy_outputs(plain, prompt_sets(model.config.vocab_size))
+        seqs = greedy_outputs(plain, sets)
         plain.drop_rollout_state()
         del plain
-        t0 = time.perf_counter()
-        train = fit_draft(model, seqs, args.mtp_train_steps, epochs=MTP_EPOCHS)
-        train["mtp_train_s"] = time.perf_counter() - t0
+        t0, rounds = time.perf_counter(), []
+        for r in range(max(1, args.mtp_fit_rounds)):
+            if r:
+                spec = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens, decode_steps=1,
+                                                        speculative_disable_by_batch_size="off", **base),
+                              eos_token_ids=[])  # fmt: skip
+                spec.spec.take_stats()
+                answered = greedy_outputs(spec, sets)
+                starts = [len(p) for prompts, _ in sets for p in prompts]
+                rounds.append({**spec.spec.take_stats(), **agreement(seqs[: len(answered)], answered, starts)})
+                spec.drop_rollout_state()
+                del spec
+                seqs += [s for s in answered if s not in seqs]
+                print(f"MTP fit round {r}: before it {rounds[-1]}", flush=True)
+            train = fit_draft(model, seqs, args.mtp_train_steps, epochs=MTP_EPOCHS)
+        train.update(mtp_train_s=time.perf_counter() - t0, mtp_fit_rounds=max(1, args.mtp_fit_rounds))
+        if rounds:
+            train["mtp_rounds"] = rounds
         print("MTP training:", train, flush=True)
     return model, base, train
+
+
+def agreement(reference: list[list[int]], answered: list[list[int]], starts=None) -> dict:
+    """How far greedy answers follow reference ones (the same prompts; ``starts``: each sequence's prompt length,
+    where the answer begins, 0 when only answers are given): ``greedy_same`` the fraction identical,
+    ``first_diff_mean`` the mean index of the answer where they first differ (its length where they do not)."""
+    starts = starts or [0] * len(reference)
+    firsts = [next((i for i, (a, b) in enumerate(zip(x[s:], y[s:])) if a != b), min(len(x), len(y)) - s)
+              for x, y, s in zip(reference, answered, starts)]
+    same = sum(x == y for x, y in zip(reference, answered))
+    return {"greedy_same": same / max(len(firsts), 1), "first_diff_mean": sum(firsts) / max(len(firsts), 1)}
 
 
 def gates(args) -> list:
@@ -145,7 +183,7 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
     sets = lambda vocab: [workload(n, args.smoke, vocab, seed) for n in names for seed in (1, 2)]  # noqa: E731
     model, base, train = load_draft_model(args, device, sets)
     vocab = model.config.vocab_size
-    records = []
+    records, plain_answers = [], {}
     for k, gate in [(0, "auto")] + [(args.speculative_tokens, g) for g in gates(args)]:
         engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
                                                   decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
@@ -155,7 +193,12 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
                 prompts, new = workload(name, args.smoke, vocab, seed)
                 temp = 0.0 if args.spec_greedy else 1.0
                 opts = [SamplingParams(temperature=temp, max_new_tokens=n, ignore_eos=True) for n in new]
-                rec, _ = timed_generate(engine, prompts, opts, device)
+                rec, out = timed_generate(engine, prompts, opts, device)
+                answers = [list(g[0].token_ids) for g in out]
+                if not k:
+                    plain_answers[name, call] = answers
+                elif args.spec_greedy:  # where speculation's greedy path leaves the plain engine's (bf16 rounding)
+                    rec.update(agreement(plain_answers[name, call], answers))
                 rec = dict(impl="areno", workload=name, call=call, family=args.mtp_family, speculative_tokens=k,
                            spec_gate=str(gate) if k else None, sequences=len(prompts), **rec, **train)
                 print({a: round(b, 4) if isinstance(b, float) else b for a, b in rec.items()}, flush=True)
