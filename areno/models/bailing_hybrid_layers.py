@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
-from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_update
 from areno.models.layers import Linear, RMSNorm
+from areno.models.linear_state import delta_rule, short_conv
 from areno.models.mla import MLAConfig
 from areno.models.model_config import get
 from areno.models.tp import layout, one_layout
@@ -127,50 +126,6 @@ def bailing_hybrid_config(hf) -> BailingHybridConfig:
     )
 
 
-
-
-def carried_state(pool, meta):
-    """The state each prefill sequence starts from: its slot's, when tokens precede its chunk, else zeros."""
-    idx = meta.state_indices.long()
-    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-    carry = (meta.seq_lens > q_lens).view(-1, *[1] * (pool.dim() - 1))
-    return idx, torch.where(carry, pool.index_select(0, idx), torch.zeros((), dtype=pool.dtype, device=pool.device))
-
-
-def conv_decode(x, state, w, meta):
-    """The short-conv decode update; ``meta.tokens_per_seq`` n > 1 (a speculative verify: each sequence's n tokens
-    in consecutive rows, ``state_indices`` one per sequence) steps through them in order, as n decode steps do, the
-    state after each of the first n - 1 kept in ``meta.state_steps`` (the verify's rollback picks one)."""
-    n = meta.tokens_per_seq
-    if n == 1:
-        return causal_conv1d_update(x.contiguous(), state, w, activation="silu", state_indices=meta.state_indices)
-    xs, out = x.view(-1, n, x.shape[-1]), []
-    stash = None if meta.state_steps is None else meta.state_steps.next("conv")
-    for i in range(n):
-        out.append(causal_conv1d_update(xs[:, i].contiguous(), state, w, activation="silu",
-                                        state_indices=meta.state_indices))
-        if stash is not None and i < n - 1:
-            stash[i, : xs.shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
-    return torch.stack(out, 1).flatten(0, 1)
-
-
-def delta_decode(q, k, v, g, beta, state, scale, meta):
-    """The gated delta-rule decode step; ``meta.tokens_per_seq`` > 1 steps through each sequence's tokens in order
-    (see ``conv_decode``)."""
-    n = meta.tokens_per_seq
-    if n == 1:
-        return fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale=scale,
-                                                     state_indices=meta.state_indices)
-    per, out = [x.view(-1, n, *x.shape[1:]) for x in (q, k, v, g, beta)], []
-    stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
-    for i in range(n):
-        out.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), state, scale=scale,
-                                                         state_indices=meta.state_indices))
-        if stash is not None and i < n - 1:
-            stash[i, : per[0].shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
-    return torch.stack(out, 1).flatten(0, 1)
-
-
 # ---- KDA -----------------------------------------------------------------------------------------------------------
 
 
@@ -245,31 +200,13 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x, positions, rope, meta, kv_cache=None):
         t, hh, d = x.shape[0], self.num_heads, self.head_dim
-        mixed, w, cu = self.qkv_proj(x), self.conv.weight.squeeze(1), meta.cu_seqlens_q
-        decode = kv_cache is not None and not meta.is_prefill
-        if kv_cache is None:
-            qkv, _ = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu)
-        elif decode:
-            qkv = conv_decode(mixed, kv_cache[0], w, meta)
-        else:
-            idx, s0 = carried_state(kv_cache[0], meta)
-            qkv, final = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu, initial_state=s0,
-                                       output_final_state=True)
-            kv_cache[0].index_copy_(0, idx, final)
+        qkv = short_conv(self.qkv_proj(x), self.conv.weight.squeeze(1), meta, kv_cache)
         q, k, v = qkv.to(x.dtype).view(t, 3, hh, d).unbind(1)
         q, k = l2norm(q).to(x.dtype), l2norm(k).to(x.dtype)  # normalised in fp32, as the reference does
         g = self.log_decay(x).to(x.dtype).float()
         beta = torch.sigmoid(self.b_proj(x)).float()
         # q/k/v in the model dtype (bf16 tensor-core matmuls on a GPU), gates fp32; the state is fp32 inside
-        if kv_cache is None:
-            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu)
-        elif decode:
-            o = delta_decode(q, k, v, g, beta, kv_cache[1], d**-0.5, meta)
-        else:
-            idx, s0 = carried_state(kv_cache[1], meta)  # a bf16 pool (--mamba-ssm-cache-dtype): fp32 in, rounded out
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=d**-0.5, cu_seqlens=cu, initial_state=s0.float(),
-                                              output_final_state=True)
-            kv_cache[1].index_copy_(0, idx, final.to(kv_cache[1].dtype))
+        o = delta_rule(q, k, v, g, beta, d**-0.5, meta, kv_cache)
         gate = self.gate_input(x).view(t, hh, d)
         return self.o_proj(gated_rms_norm(o.to(x.dtype), gate, self.o_norm).reshape(t, hh * d))
 

@@ -31,18 +31,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule
 from areno.kernels.linear_attn.gdn_decode import (
     gated_rms_norm_silu,
     gdn_decode_step,
     gdn_inputs,
 )
-from areno.kernels.linear_attn.short_conv import causal_conv1d
 from areno.kernels.norm import rms_norm
 from areno.models import bailing_hybrid_layers
-from areno.models.bailing_hybrid_layers import carried_state, conv_decode, delta_decode
 from areno.models.base import MLP, Attention, CausalLM, DecoderLayer
 from areno.models.layers import Linear, RMSNorm
+from areno.models.linear_state import delta_rule, short_conv
 from areno.models.model_config import ModelConfig, dense_config, get
 from areno.models.mtp import KeptMTP, block_layouts, mtp_layer_indices
 from areno.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
@@ -221,17 +219,8 @@ class GatedDeltaNet(nn.Module):
         t, nk, nv, dk, dv = x.shape[0], self.nk, self.nv, self.dk, self.dv
         vd = nv * dv
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, vd, nv, nv], dim=-1)
-        w, cu = self.conv.weight.squeeze(1), meta.cu_seqlens_q
+        qkv = short_conv(mixed, self.conv.weight.squeeze(1), meta, kv_cache)
         decode = kv_cache is not None and not meta.is_prefill
-        if kv_cache is None:
-            qkv, _ = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu)
-        elif decode:
-            qkv = conv_decode(mixed, kv_cache[0], w, meta)
-        else:
-            idx, s0 = carried_state(kv_cache[0], meta)
-            qkv, final = causal_conv1d(mixed, w, activation="silu", cu_seqlens=cu, initial_state=s0,
-                                       output_final_state=True)
-            kv_cache[0].index_copy_(0, idx, final)
         if decode and meta.tokens_per_seq == 1:  # one kernel from the conv output to the recurrence's (gdn_decode)
             o = gdn_decode_step(qkv.to(x.dtype), a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1],
                                 num_k_heads=nk, num_v_heads=nv, scale=dk**-0.5, state_indices=meta.state_indices)
@@ -239,16 +228,7 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(o.reshape(t, vd))
         q, k, v, g, beta = gdn_inputs(qkv.to(x.dtype), a, b, self.decay.A_log, self.decay.dt_bias, num_k_heads=nk,
                                       num_v_heads=nv, head_k_dim=dk)
-        scale = dk**-0.5
-        if kv_cache is None:
-            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu)
-        elif decode:
-            o = delta_decode(q, k, v, g, beta, kv_cache[1], scale, meta)
-        else:
-            idx, s0 = carried_state(kv_cache[1], meta)  # a bf16 pool (--mamba-ssm-cache-dtype): fp32 in, rounded out
-            o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, cu_seqlens=cu, initial_state=s0.float(),
-                                              output_final_state=True)
-            kv_cache[1].index_copy_(0, idx, final.to(kv_cache[1].dtype))
+        o = delta_rule(q, k, v, g, beta, dk**-0.5, meta, kv_cache)
         o = gated_rms_norm_silu(o.to(x.dtype).contiguous(), z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, vd))
 
