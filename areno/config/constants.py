@@ -21,8 +21,9 @@ ATTN_BACKENDS = ("flash", "native")
 DTYPES = ("bfloat16", "float16", "float32")
 ROLLOUT_DTYPES = ("bf16", "fp8")  # --rollout-dtype: the rollout engine's linear weights as trained, or blockwise FP8
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: the paged KV cache in the model's dtype, or E4M3 + scales
-# --mamba-ssm-cache-dtype (vLLM's flag): the hybrids' delta-rule state pool in fp32 (the trainer's precision) or bf16
-MAMBA_SSM_CACHE_DTYPES = ("float32", "bfloat16")
+# --mamba-ssm-cache-dtype (vLLM's flag): the hybrids' delta-rule state pool as the checkpoint's config.json asks
+# (mamba_ssm_dtype; fp32 where it does not), in fp32 (the trainer's precision) or in bf16
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ROUTING_REPLAY = ("auto", "on", "off")

@@ -33,8 +33,10 @@ SPECULATIVE_HELP = ("MTP speculative decoding: draft tokens per sequence and ste
 
 
 MAMBA_SSM_HELP = ("state pool of the hybrid models' linear-attention layers (Qwen3.5, Ling 3, Kimi Linear; vLLM's "
-                  "flag): float32 (default, the trainer's precision) or bfloat16 (half the memory and decode traffic; "
-                  "rollout log-probs drift further from the trainer's); refused for a model without such layers")
+                  "flag): auto (default: the checkpoint config's mamba_ssm_dtype where it names float32 or bfloat16, "
+                  "else float32, the trainer's precision), float32, or bfloat16 (half the memory and decode traffic; "
+                  "rollout log-probs drift further from the trainer's); a named dtype is refused for a model without "
+                  "such layers")
 
 
 SPEC_GATE_HELP = ("speculative decoding's automatic gate (vLLM's speculative disable_by_batch_size): a step "
@@ -157,7 +159,7 @@ class RolloutSection:
         "token and KV head, quantised on write and dequantised by the attention kernel (about twice the tokens in "
         "the same --kv-cache-memory; not for MLA latent caches)", "rollout", choices=KV_CACHE_DTYPES,
         algos=RL_ALGOS)
-    mamba_ssm_cache_dtype: str = opt("float32", MAMBA_SSM_HELP, "rollout", choices=MAMBA_SSM_CACHE_DTYPES,
+    mamba_ssm_cache_dtype: str = opt("auto", MAMBA_SSM_HELP, "rollout", choices=MAMBA_SSM_CACHE_DTYPES,
                                      algos=RL_ALGOS)
     decode_steps: int = opt(8, "decode steps chained on the device between two scheduling rounds of the rollout "
                             "(one CUDA graph; a completion that stops early drops the surplus; on a GPU the next "

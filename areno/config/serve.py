@@ -85,7 +85,7 @@ class ServeConfig:
         "quantised on write and dequantised by the attention kernel (about twice the tokens in the same "
         "--kv-cache-memory; vLLM's --kv-cache-dtype fp8; not for MLA latent caches)", "rollout",
         choices=KV_CACHE_DTYPES)
-    mamba_ssm_cache_dtype: str = opt("float32", MAMBA_SSM_HELP, "rollout", choices=MAMBA_SSM_CACHE_DTYPES)
+    mamba_ssm_cache_dtype: str = opt("auto", MAMBA_SSM_HELP, "rollout", choices=MAMBA_SSM_CACHE_DTYPES)
     speculative_tokens: int = opt(0, SPECULATIVE_HELP, "rollout")
     speculative_disable_by_batch_size: Optional[str] = opt(None, SPEC_GATE_HELP, "rollout", metavar="auto|N|off",
                                                            default_help="auto")

@@ -57,11 +57,12 @@ def eos_token_ids(model_path, tokenizer) -> list[int] | None:
 def engine_config(model, *, max_running: int = 256, max_model_len: int | None = None, eager_decode: bool = False,
                   decode_steps: int = 1, seed: int = 0, kv_cache_memory: float | None = None,
                   decode_progress_interval_s: float | None = None, block_size: int = 16,
-                  record_routing: bool = False, kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "float32",
+                  record_routing: bool = False, kv_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
                   speculative_tokens: int = 0, speculative_disable_by_batch_size=None) -> EngineConfig:
     """The ``EngineConfig`` for ``model`` and a command's values; ``record_routing`` (routing replay) only applies to
     a sparse-MoE model (``model.is_moe``); ``kv_cache_dtype``: --kv-cache-dtype (auto, fp8);
-    ``mamba_ssm_cache_dtype``: --mamba-ssm-cache-dtype (float32, bfloat16: the hybrids' delta-rule state pool);
+    ``mamba_ssm_cache_dtype``: --mamba-ssm-cache-dtype (auto, float32, bfloat16: the hybrids' delta-rule state
+    pool);
     ``speculative_tokens`` > 0: MTP speculative decoding, ``speculative_disable_by_batch_size`` its gate (None:
     auto)."""
     return EngineConfig(
@@ -77,14 +78,15 @@ def build_engine(model_path, *, model=None, tokenizer=None, tp_size=1, max_runni
                  eager_decode=False, attn_backend=None, decode_progress_interval_s=None, dtype=None, seed=0,
                  kv_cache_memory=None, block_size=16, device=None, max_loras=0, max_lora_rank=16, lora_modules=None,
                  rollout_dtype="bf16", kv_cache_dtype="auto", speculative_tokens=0,
-                 speculative_disable_by_batch_size=None, decode_steps=1, mamba_ssm_cache_dtype="float32"):
+                 speculative_disable_by_batch_size=None, decode_steps=1, mamba_ssm_cache_dtype="auto"):
     """(Engine, tokenizer) for ``model_path`` (a local folder or a Hugging Face repo id); ``max_loras`` > 0: LoRA
     adapter slots of ``max_lora_rank``, ``lora_modules`` ({name: PEFT folder}) loaded into them (a ``ConfigError``
     naming --lora-modules for one that cannot be served); ``rollout_dtype`` fp8: the linear weights quantised to
     blockwise FP8 and run by the FP8 GEMM (models/fp8_rollout.py); ``kv_cache_dtype`` fp8: the paged KV cache in
     E4M3 with per-token, per-head scales (engine/kv_cache.py; a ``ConfigError`` naming --kv-cache-dtype for MLA);
-    ``mamba_ssm_cache_dtype`` bfloat16: a hybrid model's delta-rule state pool in bf16 (engine/state_cache.py; a
-    ``ConfigError`` naming --mamba-ssm-cache-dtype for a model without recurrent layers);
+    ``mamba_ssm_cache_dtype`` bfloat16: a hybrid model's delta-rule state pool in bf16 (auto: the checkpoint's
+    ``mamba_ssm_dtype``, else fp32; engine/state_cache.py; a ``ConfigError`` naming --mamba-ssm-cache-dtype for a
+    named dtype with a model without recurrent layers);
     ``decode_steps`` > 1: ``Engine.generate`` chains that many decode steps per scheduling round."""
     from areno.distributed.parallel import get_tp_group
     from areno.models import load_model, load_tokenizer

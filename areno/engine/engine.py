@@ -62,7 +62,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype: the paged cache in the model's dtype, or fp8 (E4M3 + scales)
     # --mamba-ssm-cache-dtype: the hybrids' delta-rule state pool, float32 (the trainer's precision) or bfloat16
     # (half the bytes; fp32 math, stored rounded); bfloat16 is refused for a model without recurrent layers
-    mamba_ssm_cache_dtype: str = "float32"
+    mamba_ssm_cache_dtype: str = "auto"
     speculative_tokens: int = 0  # > 0: MTP speculative decoding with up to that many draft tokens (spec_decode.py)
     # the gate (spec_gate.py): speculate while at most N sequences decode in a step; "auto" (None too): N from the
     # device's roofline; 0 or "off": never gated

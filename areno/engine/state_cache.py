@@ -24,16 +24,19 @@ from areno.config import ConfigError
 from areno.config.constants import MAMBA_SSM_CACHE_DTYPES
 
 FIELD = "--mamba-ssm-cache-dtype"
-STATE_DTYPES = {name: getattr(torch, name) for name in MAMBA_SSM_CACHE_DTYPES}  # the flag's choices, as dtypes
+STATE_DTYPES = {name: getattr(torch, name) for name in MAMBA_SSM_CACHE_DTYPES if name != "auto"}  # as dtypes
 
 
 def state_dtype(model, name: str) -> torch.dtype:
-    """The recurrent pool's element type of ``--mamba-ssm-cache-dtype`` ``name``; a ``ConfigError`` naming the flag
-    for an unknown name, or for bfloat16 with a model that has no recurrent layers (no pool: the flag would do
-    nothing)."""
-    if name not in STATE_DTYPES:
-        raise ConfigError(FIELD, f"must be one of {', '.join(STATE_DTYPES)}, got {name!r}")
-    if name != "float32" and model.recurrent_state_shapes() is None:
+    """The recurrent pool's element type of ``--mamba-ssm-cache-dtype`` ``name``: ``auto`` (the default) is the
+    checkpoint's ``mamba_ssm_dtype`` where its config names float32 or bfloat16 (as vLLM reads it; Qwen3.5's say
+    float32), else float32, the trainer's precision. A ``ConfigError`` naming the flag for an unknown name, or for
+    a named dtype with a model that has no recurrent layers (no pool: the flag would do nothing)."""
+    if name not in MAMBA_SSM_CACHE_DTYPES:
+        raise ConfigError(FIELD, f"must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {name!r}")
+    if name == "auto":
+        return STATE_DTYPES.get(model.config.mamba_ssm_dtype or "float32", torch.float32)
+    if model.recurrent_state_shapes() is None:
         raise ConfigError(FIELD, f"{name} applies only to hybrid models (recurrent linear-attention layers with a "
                           f"state pool): {type(model).__name__} has none")
     return STATE_DTYPES[name]

@@ -101,6 +101,7 @@ def bailing_hybrid_config(hf) -> BailingHybridConfig:
         max_position_embeddings=get(hf, "max_position_embeddings", None) or get(hf, "model_max_length", 4096),
         tie_word_embeddings=bool(get(hf, "tie_word_embeddings", False)),
         attention_bias=bool(get(hf, "attention_bias", False)),
+        mamba_ssm_dtype=get(hf, "mamba_ssm_dtype", None),
         num_experts=experts,
         num_experts_per_tok=get(hf, "num_experts_per_tok", None) or get(hf, "num_experts_per_token", 8),
         moe_intermediate_size=get(hf, "moe_intermediate_size"),

@@ -41,6 +41,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # the recurrent state's dtype a hybrid checkpoint asks for (config.json "mamba_ssm_dtype"; --mamba-ssm-cache-dtype
+    # auto follows it)
+    mamba_ssm_dtype: str | None = None
 
     def is_moe_layer(self, i: int) -> bool:
         return (
@@ -71,6 +74,7 @@ def decoder_fields(hf, model_type: str) -> dict:
         rms_norm_eps=get(hf, "rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(get(hf, "tie_word_embeddings", False)),
         attention_bias=bool(get(hf, "attention_bias", False)),
+        mamba_ssm_dtype=get(hf, "mamba_ssm_dtype", None),
     )
 
 

@@ -1,9 +1,12 @@
 """--mamba-ssm-cache-dtype (vLLM's flag): the hybrids' delta-rule state pool in bf16 (engine/state_cache.py). A bf16
 pool on tiny Qwen3.5 and Ling 3 engines (chunked prefill carrying the state, n forked samples, multi-step decode,
 speculative decoding's stash and rollback) gives the fp32 pool's greedy tokens with log-probs close to them; the
-memory plan counts the pool at 2 bytes an element; a model without recurrent layers and an unknown value are refused
-naming the flag; the flag reaches the engine from `areno serve` and the train rollout's config. The Triton decode
-step on a bf16 pool: tests/kernels/test_delta_rule.py."""
+memory plan counts the pool at 2 bytes an element; auto (the default) follows the checkpoint's mamba_ssm_dtype; a
+named dtype with a model without recurrent layers and an unknown value are refused naming the flag; the flag reaches
+the engine from `areno serve` and the train rollout's config. The Triton decode step on a bf16 pool:
+tests/kernels/test_delta_rule.py."""
+
+import json
 
 import numpy as np
 import pytest
@@ -67,7 +70,7 @@ def test_bf16_pool_follows_the_fp32_pool(hybrid, decode_steps):
     out = e.generate(prompts, GREEDY)
     assert states.recurrent.abs().sum() > 0  # the layers wrote it
     ref = engine(model, tok, decode_steps=decode_steps)
-    assert ref.runner.states.recurrent.dtype == torch.float32  # the default
+    assert ref.runner.states.recurrent.dtype == torch.float32  # auto: the tiny config names no mamba_ssm_dtype
     assert_close_runs(ref.generate(prompts, GREEDY), out)
     assert sorted(e.blocks.free_state_slots) == list(range(8))
 
@@ -115,12 +118,32 @@ def test_memory_plan_counts_the_pool_at_its_dtype(hybrid):
     assert e.blocks.num_blocks == 20 + 8 * (fp32 - bf16) // per_block
 
 
+@pytest.mark.parametrize("asked, pool", [(None, torch.float32), ("float32", torch.float32),
+                                         ("bfloat16", torch.bfloat16), ("float16", torch.float32)])
+def test_auto_follows_the_checkpoints_mamba_ssm_dtype(tmp_path, asked, pool):
+    """auto (the default) reads config.json's ``mamba_ssm_dtype`` as vLLM does (Qwen3.5's checkpoints say float32),
+    fp32 where it is absent or names a dtype the pool does not take; a named value overrides it."""
+    if not HAS["qwen3_5"]:
+        pytest.skip(f"transformers {transformers.__version__} has no qwen3_5")
+    path = make_tiny_checkpoint(tmp_path, family="qwen3_5", seed=1)
+    if asked is not None:
+        raw = json.loads((path / "config.json").read_text())
+        (raw.get("text_config") or raw)["mamba_ssm_dtype"] = asked
+        (path / "config.json").write_text(json.dumps(raw))
+    model, tok = load_model(path, dtype=torch.float32, device="cpu"), load_tokenizer(path)
+    assert model.config.mamba_ssm_dtype == asked
+    assert engine(model, tok).runner.states.recurrent.dtype == pool
+    named = engine(model, tok, mamba_ssm_cache_dtype="float32" if pool == torch.bfloat16 else "bfloat16")
+    assert named.runner.states.recurrent.dtype != pool
+
+
 def test_refused_for_a_model_without_recurrent_layers_and_for_other_values(qwen3):
     model, tok = load_model(qwen3, dtype=torch.float32, device="cpu"), load_tokenizer(qwen3)
-    with pytest.raises(ConfigError, match="--mamba-ssm-cache-dtype bfloat16 applies only to hybrid models"):
-        engine(model, tok, mamba_ssm_cache_dtype="bfloat16")
-    assert engine(model, tok).runner.states is None  # float32, the default: nothing to refuse
-    with pytest.raises(ConfigError, match="--mamba-ssm-cache-dtype must be one of float32, bfloat16"):
+    for name in ("bfloat16", "float32"):  # a named dtype would do nothing without a pool
+        with pytest.raises(ConfigError, match=f"--mamba-ssm-cache-dtype {name} applies only to hybrid models"):
+            engine(model, tok, mamba_ssm_cache_dtype=name)
+    assert engine(model, tok).runner.states is None  # auto, the default: nothing to refuse
+    with pytest.raises(ConfigError, match="--mamba-ssm-cache-dtype must be one of auto, float32, bfloat16"):
         engine(model, tok, mamba_ssm_cache_dtype="float16")
     for cls, kw in ((ServeConfig, {"model_path": "x"}), (TrainConfig, {"ckpt": "m", "algo": "grpo"})):
         with pytest.raises(ConfigError, match="--mamba-ssm-cache-dtype"):
