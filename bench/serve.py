@@ -391,7 +391,7 @@ def main():
         log.seek(0)
         full = log.read()
         tail = full[-3000:]
-        if os.environ.get("ARENO_TRACE_STEPS_MS"):  # the server's stall trace (areno/serve/replicas.py)
+        if os.environ.get("ARENO_TRACE_STEPS_MS"):  # the server's stall trace (areno/serve/replica_worker.py)
             print("--- server stall trace ---", *[ln for ln in full.splitlines() if "slow step" in ln
                                                   or "triton compiled" in ln][:200], sep="\n", flush=True)
         log.close()
