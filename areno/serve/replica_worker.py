@@ -49,7 +49,11 @@ def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events,
         engine.warm_up()  # nor a JIT compile or an autotune of an eager (prefill or mixed) step
         gc.freeze()  # the model and engine objects leave the collector's scans: shorter GC pauses while serving
     except BaseException as exc:  # report, so the front end fails at start with the reason
-        events.put((rank, "failed", f"{type(exc).__name__}: {exc}"))
+        from areno.config import ConfigError
+
+        # a refused flag travels as (flag, reason): the front end raises the same ConfigError (exit 2 naming it)
+        why = (exc.flag, exc.reason) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        events.put((rank, "failed", why))
         return
     events.put((rank, "ready", engine.max_model_len))
     try:

@@ -17,10 +17,10 @@ asyncio stream, and ``abort`` (client disconnect, shutdown) is forwarded to the 
 Wire protocol, front end -> replica (one queue each): ``("add", rid, prompt_ids, options[, pickled mm])`` (a
 prompt's images: its ``MultimodalPrompt``), ``("abort", rid)``, ``("call", cid, fn, args)`` (``fn(engine, *args)``
 between two engine steps: prompt log-probs), ``("shutdown", drain)``. Replica -> front end (one shared queue):
-``(rank, "ready", max_model_len)``, ``(rank, "failed", message)``, ``(rank, "tokens", [(rid, index, tokens,
-logprobs, finish, stop_text, tops), ...])`` (one message per engine step: each sequence's new tokens), ``(rank,
-"error", (rid, is_value_error, message))``, ``(rank, "result", (cid, ok, value or (is_value_error, message)))``,
-``(rank, "closed", None)``.
+``(rank, "ready", max_model_len)``, ``(rank, "failed", message or (flag, reason))`` (the pair: a ConfigError, raised
+again by the front end), ``(rank, "tokens", [(rid, index, tokens, logprobs, finish, stop_text, tops), ...])`` (one
+message per engine step: each sequence's new tokens), ``(rank, "error", (rid, is_value_error, message))``, ``(rank,
+"result", (cid, ok, value or (is_value_error, message)))``, ``(rank, "closed", None)``.
 
 With T > 1 a replica is a tensor-parallel group of T processes, all started by the front end: the first (TP rank 0)
 runs the replica's engine and speaks the wire protocol, the other T - 1 hold their weight shards and execute the
@@ -175,6 +175,8 @@ class ReplicaPool:
                     raise RuntimeError(f"replicas not ready after {STARTUP_TIMEOUT_S:.0f} s")
                 continue
             if kind == "failed":
+                if isinstance(payload, tuple):  # a flag the replica's engine refused
+                    raise ConfigError(*payload)
                 raise RuntimeError(f"replica {rank} failed to start: {payload}")
             ready[rank] = payload
             log.info("replica %d ready on %s", rank, ",".join(self.replicas[rank].devices) or "cpu")

@@ -41,3 +41,20 @@ def test_a_model_that_does_not_load_is_one_line_and_exit_2(tiny_ckpt, tmp_path, 
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith(f"areno serve: error: --model-path {folder} could not be loaded: "), err
     assert len(lines[-1]) < 600
+
+
+def test_a_flag_the_replicas_engine_refuses_is_named_as_in_process(tiny_ckpt, capsys, monkeypatch):
+    """A ConfigError raised while the engine-core process builds its engine crosses the process boundary as itself:
+    the same one line naming the refused flag (not --model-path) and exit 2 as `--engine-thread` gives."""
+
+    def no_server(*a, **k):
+        raise AssertionError("the engine was built: the flag was not refused")
+
+    monkeypatch.setattr("areno.serve.server._make_server", no_server)
+    line = "areno serve: error: --mamba-ssm-cache-dtype bfloat16 applies only to hybrid models"
+    for extra in ([], ["--engine-thread"]):
+        rc = main(["serve", "--model-path", str(tiny_ckpt), "--port", "0", "--dtype", "float32",
+                   "--mamba-ssm-cache-dtype", "bfloat16", *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and "Traceback" not in err, err
+        assert [ln for ln in err.splitlines() if ln.strip()][-1].startswith(line), (extra, err)
