@@ -24,6 +24,7 @@ import torch
 
 from areno.config import ConfigError
 from areno.models.mtp import build_mtp_draft, mtp_loss
+from areno.training.optimizer import MasterAdamW
 
 FLAG = "--mtp-loss-weight"
 RAW = ("mtp_ce_total", "mtp_correct", "mtp_tokens")  # summed per step, turned into the metrics by ``metrics``
@@ -96,13 +97,16 @@ def draft_state(trainer) -> dict:
 
 def fit_draft(model, sequences: list[list[int]], steps: int, *, lr: float = 1e-3, epochs: int = 4) -> dict:
     """Fit the MTP draft of ``model`` to ``sequences`` (token lists, e.g. the model's own outputs) alone: ``steps``
-    Adam steps, teacher forced from the target's final hidden states (no gradient to the model), each step a packed
-    batch of enough sequences (in turn) that each is seen ``epochs`` times; the trained weights written into the
-    kept MTP tensors (an engine built after drafts with them). Returns the first and last mean cross-entropy."""
+    Adam steps (``MasterAdamW``: fp32 master weights and moments whatever the model's dtype), teacher forced from
+    the target's final hidden states (no gradient to the model), each step a packed batch of enough sequences (in
+    turn) that each is seen ``epochs`` times; the trained weights written into the kept MTP tensors (an engine built
+    after drafts with them). Returns the first and last mean cross-entropy."""
     check_model(model)
     model.requires_grad_(False)
     draft = build_mtp_draft(model, trainable=True)
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    # fp32 master weights and moments (as MTPTrainer's): Adam on fp16 parameters overflows to NaN, on bf16 ones it
+    # loses the small late updates
+    opt = MasterAdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
     dev = model.embed_tokens.weight.device
     pack = max(1, -(-len(sequences) * epochs // max(steps, 1)))
     losses = []
@@ -119,7 +123,7 @@ def fit_draft(model, sequences: list[list[int]], steps: int, *, lr: float = 1e-3
         targets[cu[1:].long() - 1] = -100
         ce, _, count = mtp_loss(model, draft, hidden, ids, pos, cu, targets)
         loss = ce / count
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
