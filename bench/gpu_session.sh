@@ -108,7 +108,7 @@ for stage in "$@"; do
     spec-bisect)
       [ -n "${SPEC_SKIP_TEST:-}" ] ||
       gpu_pytest spec-trained 240 tests/engine/test_spec_graphs.py -k "trained"
-      step spec-9b ${SPEC_LIMIT:-300} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 \
+      step spec-9b ${SPEC_LIMIT:-420} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 \
         --spec-greedy --mtp-train-steps 300 --mtp-fit-rounds ${SPEC_ROUNDS:-3} ${SPEC_ARGS:-} ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
         --spec-gate auto,off ${SPEC_ARGS:-} ;;
