@@ -16,12 +16,15 @@ from tests.helpers.split_runs import ROOT, env  # the split tests' `files` (tiny
 
 @pytest.fixture(scope="module")
 def plugins(files, tmp_path_factory):  # noqa: F811
-    """The split tests' checkpoint and data, with a reward function that calls os._exit(0) at call EXIT_AT_CALL and
-    takes REWARD_SLEEP_S seconds a call."""
+    """The split tests' checkpoint and data, with a reward function that calls os._exit(0) at call EXIT_AT_CALL,
+    takes REWARD_SLEEP_S seconds a call and appends a byte a call to REWARD_LOG."""
     reward = tmp_path_factory.mktemp("signals") / "reward.py"
     reward.write_text("import os, time\ncalls = [0]\n"
                       "def reward_fn(record):\n"
                       "    calls[0] += 1\n"
+                      "    if os.environ.get('REWARD_LOG'):\n"
+                      "        with open(os.environ['REWARD_LOG'], 'a') as f:\n"
+                      "            f.write('x')\n"
                       "    time.sleep(float(os.environ.get('REWARD_SLEEP_S', '0')))\n"
                       "    if os.environ.get('EXIT_AT_CALL') and calls[0] == int(os.environ['EXIT_AT_CALL']):\n"
                       "        os._exit(0)\n"
@@ -88,13 +91,18 @@ def test_ctrl_c_saves_and_a_second_one_stops_at_once(plugins, tmp_path):
     code, err = signal_after_first_step(plugins, out, lambda p: os.killpg(p.pid, signal.SIGINT))  # the terminal's
     assert_saved_and_stopped(out, code, err, "SIGINT")
 
+    calls = tmp_path / "reward-calls"  # one byte a reward call: a step scores 2 x 2 samples, one after another
+
     def twice(p):  # as a person presses it: the second well after the first, within the same (slowed) step
+        deadline = time.monotonic() + 120
+        while (calls.stat().st_size if calls.exists() else 0) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)  # inside step 2's rewards (its second call: >= 1.5 s of them left), not at a boundary
         os.killpg(p.pid, signal.SIGINT)
         time.sleep(0.5)
         os.killpg(p.pid, signal.SIGINT)
 
     out = tmp_path / "twice"
-    code, err = signal_after_first_step(plugins, out, twice, REWARD_SLEEP_S="0.5")  # a step takes >= 2 s
+    code, err = signal_after_first_step(plugins, out, twice, REWARD_SLEEP_S="0.5", REWARD_LOG=str(calls))
     assert code == 130 and err.strip().splitlines()[-1].startswith("areno train: stopped at once by a second Ctrl-C")
     assert not list(out.glob("step-*"))
 
