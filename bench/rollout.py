@@ -376,6 +376,8 @@ def main():
     dtypes, kv_dtypes = args.rollout_dtype.split(","), args.kv_cache_dtype.split(",")
     if not set(kv_dtypes) <= {"auto", "fp8"}:
         ap.error("--kv-cache-dtype takes auto and/or fp8")
+    if args.mtp_fit_rounds < 1 or (args.mtp_fit_rounds > 1 and not (args.mtp_train_steps and args.speculative_tokens)):
+        ap.error("--mtp-fit-rounds takes 1 or more; above 1 it needs --mtp-train-steps and --speculative-tokens")
     if not set(dtypes) <= {"bf16", "fp8"} or (args.shape in SHAPES and "transformers" in args.impls.split(",")):
         ap.error("--rollout-dtype takes bf16 and/or fp8; --shape 8b / 30b-a3b runs --impls areno only")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -118,21 +118,20 @@ def load_draft_model(args, device, prompt_sets):
         plain.drop_rollout_state()
         del plain
         t0, rounds = time.perf_counter(), []
-        for r in range(max(1, args.mtp_fit_rounds)):
+        starts = [len(p) for prompts, _ in sets for p in prompts]
+        for r in range(args.mtp_fit_rounds):
             if r:
                 spec = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens, decode_steps=1,
                                                         speculative_disable_by_batch_size="off", **base),
                               eos_token_ids=[])  # fmt: skip
-                spec.spec.take_stats()
                 answered = greedy_outputs(spec, sets)
-                starts = [len(p) for prompts, _ in sets for p in prompts]
                 rounds.append({**spec.spec.take_stats(), **agreement(seqs[: len(answered)], answered, starts)})
                 spec.drop_rollout_state()
                 del spec
                 seqs += [s for s in answered if s not in seqs]
                 print(f"MTP fit round {r}: before it {rounds[-1]}", flush=True)
             train = fit_draft(model, seqs, args.mtp_train_steps, epochs=MTP_EPOCHS)
-        train.update(mtp_train_s=time.perf_counter() - t0, mtp_fit_rounds=max(1, args.mtp_fit_rounds))
+        train.update(mtp_train_s=time.perf_counter() - t0, mtp_fit_rounds=args.mtp_fit_rounds)
         if rounds:
             train["mtp_rounds"] = rounds
         print("MTP training:", train, flush=True)

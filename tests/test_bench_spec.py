@@ -41,3 +41,9 @@ def test_fit_rounds_smoke_records_each_round():
     spec = [r for r in rows if "'speculative_tokens': 2" in r]
     assert len(rows) == 4 and len(spec) == 2
     assert all("'greedy_same'" in r and "'mtp_fit_rounds': 2" in r for r in spec)
+
+
+def test_fit_rounds_without_a_draft_to_fit_is_refused():
+    out = subprocess.run([sys.executable, "bench/rollout.py", "--smoke", "--workloads", "R3", "--mtp-fit-rounds", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--mtp-fit-rounds" in out.stderr, out.stderr[-2000:]

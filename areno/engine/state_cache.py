@@ -35,7 +35,7 @@ def state_dtype(model, name: str) -> torch.dtype:
     if name not in MAMBA_SSM_CACHE_DTYPES:
         raise ConfigError(FIELD, f"must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {name!r}")
     if name == "auto":
-        return STATE_DTYPES.get(model.config.mamba_ssm_dtype or "float32", torch.float32)
+        return STATE_DTYPES.get(model.config.mamba_ssm_dtype, torch.float32)
     if model.recurrent_state_shapes() is None:
         raise ConfigError(FIELD, f"{name} applies only to hybrid models (recurrent linear-attention layers with a "
                           f"state pool): {type(model).__name__} has none")

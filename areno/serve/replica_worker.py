@@ -14,6 +14,7 @@ import queue
 import signal
 import time
 
+from areno.config import ConfigError
 from areno.config.env import env_value
 
 log = logging.getLogger("areno.serve")
@@ -49,8 +50,6 @@ def replica_main(rank: int, engine_kwargs: dict, threads: int, commands, events,
         engine.warm_up()  # nor a JIT compile or an autotune of an eager (prefill or mixed) step
         gc.freeze()  # the model and engine objects leave the collector's scans: shorter GC pauses while serving
     except BaseException as exc:  # report, so the front end fails at start with the reason
-        from areno.config import ConfigError
-
         # a refused flag travels as (flag, reason): the front end raises the same ConfigError (exit 2 naming it)
         why = (exc.flag, exc.reason) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         events.put((rank, "failed", why))
