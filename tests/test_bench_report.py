@@ -92,3 +92,19 @@ def test_default_command_marked_and_check_detects_staleness(tmp_path):
     out.write_text(text.replace("6.01", "5.01"))
     assert report.main([*args, "--check"]) == 1  # edited by hand
     assert report.fmt(117466.04) == "117,466" and report.fmt(0.0063591) == "0.006359" and report.fmt(True) == "yes"
+
+
+def test_a_run_on_another_gpu_stands_beside_the_earlier_one(tmp_path):
+    report = _report()
+    h200 = dict(git_sha="aaa", time="2026-12-01T10:00:00+00:00", step_ms=80.0)
+    h100 = dict(git_sha="bbb", time="2026-12-03T10:00:00+00:00", step_ms=95.0, gpu="NVIDIA H100 80GB HBM3")
+    later = dict(git_sha="ccc", time="2026-12-04T10:00:00+00:00", step_ms=78.0)
+    _write(tmp_path / "results", "train_step", [_row(impl="areno", **h200), _row(impl="areno", **h100)])
+    tables = report.current_rows(report.load_rows(tmp_path / "results"))
+    got = [(r["gpu"], r["step_ms"]) for r in tables[("T1", "train_step")]]
+    assert got == [("NVIDIA H100 80GB HBM3", 95.0), ("NVIDIA H200", 80.0)]  # the H100 run does not hide the H200's
+    _write(tmp_path / "results", "train_step", [_row(impl="areno", **h200), _row(impl="areno", **h100),
+                                                 _row(impl="areno", **later)])
+    tables = report.current_rows(report.load_rows(tmp_path / "results"))
+    got = [(r["gpu"], r["step_ms"]) for r in tables[("T1", "train_step")]]
+    assert got == [("NVIDIA H100 80GB HBM3", 95.0), ("NVIDIA H200", 78.0)]  # a later H200 run replaces the H200 row
