@@ -58,34 +58,37 @@ def carried_state(pool, meta):
 
 
 def conv_decode(x, state, w, meta):
-    """The short-conv decode update; ``meta.tokens_per_seq`` n > 1 (a speculative verify: each sequence's n tokens
-    in consecutive rows, ``state_indices`` one per sequence) steps through them in order, as n decode steps do, the
-    state after each of the first n - 1 kept in ``meta.state_steps`` (the verify's rollback picks one)."""
-    n = meta.tokens_per_seq
-    if n == 1:
+    """The short-conv decode update; ``meta.tokens_per_seq`` n > 1 (a speculative verify) steps through each
+    sequence's tokens in order (``step_through``)."""
+    if meta.tokens_per_seq == 1:
         return causal_conv1d_update(x.contiguous(), state, w, activation="silu", state_indices=meta.state_indices)
-    xs, out = x.view(-1, n, x.shape[-1]), []
-    stash = None if meta.state_steps is None else meta.state_steps.next("conv")
-    for i in range(n):
-        out.append(causal_conv1d_update(xs[:, i].contiguous(), state, w, activation="silu",
-                                        state_indices=meta.state_indices))
-        if stash is not None and i < n - 1:
-            stash[i, : xs.shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
-    return torch.stack(out, 1).flatten(0, 1)
+    return step_through(meta, "conv", state, lambda xi: causal_conv1d_update(
+        xi.contiguous(), state, w, activation="silu", state_indices=meta.state_indices), x)
 
 
 def delta_decode(q, k, v, g, beta, state, scale, meta):
     """The gated delta-rule decode step; ``meta.tokens_per_seq`` > 1 steps through each sequence's tokens in order
-    (see ``conv_decode``)."""
+    (``step_through``)."""
+    def step(*rows):
+        return fused_recurrent_gated_delta_rule_step(*rows, state, scale=scale, state_indices=meta.state_indices)
+
+    return step(q, k, v, g, beta) if meta.tokens_per_seq == 1 else step_through(meta, "recurrent", state, step,
+                                                                                  q, k, v, g, beta)
+
+
+def step_through(meta, kind: str, state, step, *rows):
+    """A speculative verify's decode of one state pool: each sequence's n = ``meta.tokens_per_seq`` tokens sit in
+    consecutive rows of ``rows`` (``state_indices`` one per sequence); ``step(*token_rows)`` (one decode step, the
+    pool ``state`` updated in place) runs for token 0, 1, ... in order, as n decode steps would, through the same
+    kernel (so a verify computes what plain decoding does), and the state after each of the first n - 1 is copied
+    to ``meta.state_steps`` (``kind``: "conv" or "recurrent"; the verify's rollback picks one). Returns the steps'
+    outputs in the rows' order."""
     n = meta.tokens_per_seq
-    if n == 1:
-        return fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale=scale,
-                                                     state_indices=meta.state_indices)
-    per, out = [x.view(-1, n, *x.shape[1:]) for x in (q, k, v, g, beta)], []
-    stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
+    per = [x.view(-1, n, *x.shape[1:]) for x in rows]
+    stash = None if meta.state_steps is None else meta.state_steps.next(kind)
+    out = []
     for i in range(n):
-        out.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), state, scale=scale,
-                                                         state_indices=meta.state_indices))
+        out.append(step(*(x[:, i] for x in per)))
         if stash is not None and i < n - 1:
             stash[i, : per[0].shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
     return torch.stack(out, 1).flatten(0, 1)
