@@ -90,5 +90,5 @@ def step_through(meta, kind: str, state, step, *rows):
     for i in range(n):
         out.append(step(*(x[:, i] for x in per)))
         if stash is not None and i < n - 1:
-            stash[i, : per[0].shape[0]].copy_(state.index_select(0, meta.state_indices.clamp(min=0)))
+            torch.index_select(state, 0, meta.state_indices.clamp(min=0), out=stash[i, : per[0].shape[0]])
     return torch.stack(out, 1).flatten(0, 1)
