@@ -63,6 +63,15 @@ class AttentionMetadata:
     state_steps: object = None  # with tokens_per_seq > 1 (hybrids): where the states after each token go
     _group_views: list | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
+    @property
+    def split_rows(self) -> int | None:
+        """The row count a decode-mode attention kernel picks its split-K factor for: a speculative verify's
+        sequence count (its rows then reduce their keys in the order a plain decode step of those sequences does,
+        so greedy speculation follows plain decoding's numbers), else None (the kernel's own rows)."""
+        if self.tokens_per_seq == 1 or self.block_table is None:
+            return None
+        return max(self.block_table.shape[0] // self.tokens_per_seq, 1)
+
     def for_layer(self, i: int) -> AttentionMetadata:
         """The metadata layer ``i`` attends with: its KV-cache group's slots and block table (made on the first
         call, so fields set before the forward, e.g. ``routing_out``, are shared)."""

@@ -110,7 +110,7 @@ class Attention(nn.Module):
         k_cache, v_cache, scales = paged_kv(kv_cache)  # an FP8 cache: the kernel dequantises with its scales
         if not meta.is_prefill:
             return paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,
-                                   window=self.window, **scales, **extra)
+                                   window=self.window, split_rows=meta.split_rows, **scales, **extra)
         if meta.has_prefix:  # the cached prefix (and this chunk, just written) read back from the cache
             return paged_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale,

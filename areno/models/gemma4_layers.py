@@ -76,7 +76,8 @@ class Gemma4Attention(nn.Module):
             k_cache, v_cache, scales = paged_kv(kv_cache)
             o = paged_attention(
                 q, k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale=1.0, window=self.window, **scales,
-                **({"cu_seqlens_q": meta.cu_seqlens_q, "max_seqlen_q": meta.max_seqlen_q} if meta.is_prefill else {}),
+                **({"cu_seqlens_q": meta.cu_seqlens_q, "max_seqlen_q": meta.max_seqlen_q} if meta.is_prefill
+                   else {"split_rows": meta.split_rows}),
             )  # fmt: skip
         else:
             o = attention(

@@ -125,7 +125,8 @@ class LatentAttention(nn.Module):
         if kv_cache is not None and not latent_cache:
             store_kvcache(k, v, *kv_cache, meta.slot_mapping)
         if kv_cache is not None and not latent_cache and (not meta.is_prefill or meta.has_prefix):
-            multi = dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q) if meta.is_prefill else {}
+            multi = (dict(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q) if meta.is_prefill
+                     else {"split_rows": meta.split_rows})
             o = paged_attention(q, *kv_cache, meta.block_table, meta.seq_lens, softmax_scale=self.scale, **multi)
         else:
             o = attention(
@@ -141,7 +142,7 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(hh, nope + self.v_dim, self.rank)
         q_lat = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [T, H, r]
         o_lat = mla_decode(torch.cat([q_lat, q[..., nope:]], dim=-1), cache, meta.block_table, meta.seq_lens,
-                           kv_lora_rank=self.rank, softmax_scale=self.scale)
+                           kv_lora_rank=self.rank, softmax_scale=self.scale, split_rows=meta.split_rows)
         return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
 
     def _output(self, o, x):

@@ -51,6 +51,20 @@ def test_triton_and_native_match_float64(triton_kernels, lens, heads, rank, rope
     check(q, cache, table, seq_lens, rank, (rank + rope) ** -0.5 * 1.7, TOL[torch.float32], num_splits=splits)
 
 
+def test_split_rows_chooses_the_split_for_that_many_sequences(triton_kernels, monkeypatch):
+    """As paged_attention's: a speculative verify's rows split their keys as a decode of its sequences does."""
+    from areno.kernels.attention import mla
+
+    seen = []
+    monkeypatch.setattr(mla, "num_splits_for", lambda q, programs, keys: seen.append(programs) or 1)
+    g = torch.Generator().manual_seed(1)
+    cache, table, seq_lens = make_cache([20, 21, 22, 5], 24 + 8, 8, torch.float32, g)
+    q = torch.randn(4, 2, 24 + 8, generator=g)
+    base = mla_decode(q, cache, table, seq_lens, kv_lora_rank=24)
+    same = mla_decode(q, cache, table, seq_lens, kv_lora_rank=24, split_rows=2)
+    assert seen[1] * 2 == seen[0] and torch.equal(base, same)
+
+
 def test_absorbed_equals_expanded_heads():
     """``q_lat = q_nope W_uk`` against the latent rows, then ``W_uv o_lat``, equals attention over per-head keys
     ``[W_uk c | k_rope]`` and values ``W_uv c`` (float64, the identity the model's decode relies on)."""

@@ -87,6 +87,26 @@ def test_decode_head_dims_and_many_splits(d, triton_kernels, nan_buffers):
               num_splits=splits)
 
 
+def test_a_verify_splits_its_rows_as_a_decode_of_its_sequences_does(triton_kernels, monkeypatch):
+    """``split_rows``: the split-K factor is chosen for that many sequences (a speculative verify's K + 1 decode rows
+    a sequence), so each row reduces its keys in the order a plain decode step splits them; the model passes
+    ``AttentionMetadata.split_rows``, the verify's sequence count."""
+    from areno.kernels.attention import paged
+    from areno.models import AttentionMetadata
+
+    seen = []
+    monkeypatch.setattr(paged, "num_splits_for", lambda q, programs, keys: seen.append(programs) or 1)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache, table, lens = make_cache([40, 41, 42, 9, 10, 11], 2, 64, 16, torch.float32, g)
+    q = torch.randn(6, 4, 64, generator=g)
+    paged_attention(q, k_cache, v_cache, table, lens)
+    paged_attention(q, k_cache, v_cache, table, lens, split_rows=2)
+    assert seen == [6 * 2, 2 * 2]  # programs: rows (or sequences) x KV heads
+    meta = AttentionMetadata(slot_mapping=None, is_prefill=False, block_table=table, seq_lens=lens, tokens_per_seq=3)
+    assert meta.split_rows == 2
+    assert AttentionMetadata(slot_mapping=None, is_prefill=False, block_table=table).split_rows is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("page,group", [(16, 2), (64, 4), (16, 8)])
 def test_multi_token_queries_over_cached_prefix(page, group, dtype, triton_kernels, nan_buffers):

@@ -127,13 +127,13 @@ def _tile_config(heads: int, rank: int, dtype: torch.dtype):
     return min(block_h, 32), block_n, 8 if rank >= 256 else 4, 2
 
 
-def mla_decode_triton(q, cache, block_table, seq_lens, rank, scale, num_splits=None, config=None):
+def mla_decode_triton(q, cache, block_table, seq_lens, rank, scale, num_splits=None, config=None, split_rows=None):
     B, H, W = q.shape
     page = cache.shape[1]
     block_h, block_n, warps, stages = config or _tile_config(H, rank, q.dtype)
     h_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
-        num_splits = num_splits_for(q, B * h_tiles, block_table.shape[1] * page)
+        num_splits = num_splits_for(q, (split_rows or B) * h_tiles, block_table.shape[1] * page)
     out = q.new_empty((B, H, rank))
     if B == 0:
         return out
@@ -223,14 +223,16 @@ def _check(q, cache, block_table, seq_lens, rank):
                          f"{tuple(q.shape)}, {tuple(block_table.shape)}, {tuple(seq_lens.shape)}")
 
 
-def mla_decode(q, latent_cache, block_table, seq_lens, *, kv_lora_rank, softmax_scale=None, num_splits=None):
+def mla_decode(q, latent_cache, block_table, seq_lens, *, kv_lora_rank, softmax_scale=None, num_splits=None,
+               split_rows=None):
     """One decode query per sequence against the paged latent cache (see the module docstring); returns the latent
     output ``o_lat [B, H, kv_lora_rank]`` in q's dtype (no gradients).
 
     ``q [B, H, R + P]``: the absorbed nope part ``q_nope W_uk`` then the roped part; ``latent_cache [num_blocks,
     block_size, R + P]``; ``block_table`` int32 ``[B, max_blocks]``; ``seq_lens`` int32 ``[B]`` (at least 1).
     ``softmax_scale`` defaults to ``1/sqrt(R + P)`` (MLA passes ``1/sqrt(d_nope + d_rope)``); ``num_splits``
-    overrides the split-K factor (default: chosen from shapes).
+    overrides the split-K factor (default: chosen from shapes, for ``split_rows`` sequences where given, as
+    ``paged_attention``'s).
     """
     _check(q, latent_cache, block_table, seq_lens, kv_lora_rank)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -241,7 +243,7 @@ def mla_decode(q, latent_cache, block_table, seq_lens, *, kv_lora_rank, softmax_
     if latent_cache.stride(-1) != 1:
         raise ValueError("mla_decode: latent_cache needs a unit stride on its last dim")
     return mla_decode_triton(q, latent_cache, block_table.to(torch.int32), seq_lens.to(torch.int32), kv_lora_rank,
-                              scale, num_splits)
+                              scale, num_splits, split_rows=split_rows)
 
 
 def store_latent(x, latent_cache, slot_mapping):

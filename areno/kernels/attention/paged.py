@@ -232,7 +232,7 @@ def _tile_config(group_pad: int, multi_token: bool, head_dim: int):
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu_q, max_q, num_splits=None,
-                            config=None, window=None, sinks=None, k_scale=None, v_scale=None):
+                            config=None, window=None, sinks=None, k_scale=None, v_scale=None, split_rows=None):
     T, Hq, D = q.shape
     B = block_table.shape[0]
     _, page_size, Hkv, _ = k_cache.shape
@@ -242,10 +242,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     block_m, block_n, warps, stages = config or _tile_config(group_pad, multi, D)
     block_m = max(block_m, group_pad)
     q_tiles = triton.cdiv(max_q, block_m // group_pad) if multi else 1
-    if num_splits is None:
-        keys = block_table.shape[1] * page_size  # a window bounds the keys a query tile reads
-        keys = keys if window is None else min(keys, window + max_q + block_n)
-        num_splits = num_splits_for(q, B * Hkv * q_tiles, keys)
+    if num_splits is None:  # from shapes: the rows' (or ``split_rows``') programs, the keys a query tile reads
+        keys = block_table.shape[1] * page_size
+        keys = keys if window is None else min(keys, window + (max_q if multi else 1) + block_n)
+        num_splits = num_splits_for(q, (split_rows or B) * Hkv * q_tiles, keys)
     out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
@@ -411,12 +411,15 @@ def _check(q, k_cache, v_cache, block_table, seq_lens, cu_q, fp8=False):
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale=None, cu_seqlens_q=None,
-                    max_seqlen_q=None, num_splits=None, window=None, sinks=None, k_scale=None, v_scale=None):
+                    max_seqlen_q=None, num_splits=None, window=None, sinks=None, k_scale=None, v_scale=None,
+                    split_rows=None):
     """Attention of new queries against a paged KV cache; returns ``[Tq, Hq, D]`` in q's dtype (no gradients).
 
     ``q [B, Hq, D]`` (decode) or, with ``cu_seqlens_q`` int32 ``[B+1]``, ``[Tq, Hq, D]`` (each sequence's last
     tokens; ``max_seqlen_q``, a host int, bounds the per-sequence query count and defaults to Tq).
-    ``num_splits`` overrides the split-K factor (default: chosen from shapes). ``window``: sliding-window size in
+    ``num_splits`` overrides the split-K factor (default: chosen from shapes, for ``split_rows`` sequences where
+    given: a speculative verify's K + 1 decode rows a sequence pass their sequence count, so each row's keys are
+    split, and rounded, as a plain decode step of those sequences splits them). ``window``: sliding-window size in
     keys (as ``attention_reference``); the kernel skips key blocks left of it. ``sinks``: ``[Hq]`` per-head sink
     logits (as ``attention_reference``): the kernel adds the sink to each row's softmax denominator (split-K: once,
     in the combine). ``k_scale``/``v_scale``: an FP8 cache's scales (module docstring).
@@ -437,7 +440,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, *, softmax_scale
     cu_q = None if cu_seqlens_q is None else cu_seqlens_q.to(torch.int32)
     return paged_attention_triton(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(torch.int32),
                                    scale, cu_q, max_q, num_splits, window=window, sinks=sinks, k_scale=k_scale,
-                                   v_scale=v_scale)
+                                   v_scale=v_scale, split_rows=split_rows)
 
 
 def warm_paged_attention(k_cache, v_cache, num_q_heads: int, features=((False, None),), k_scale=None, v_scale=None,
