@@ -20,6 +20,7 @@
 #   spec-bisect       why a fitted MTP draft was not accepted at the 9B shape (greedy accept 1.0; 3.0 at the smoke shape):
 #                     the GPU test of fitted drafts under real graphs (passed on the H100), then R3 at the 9B shape
 #                     with the refit rounds and where speculation's greedy path leaves the plain one ($SPEC_ARGS)
+#   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
 #   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate auto,off vs plain; spec-sweep: the
 #                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
@@ -110,6 +111,7 @@ for stage in "$@"; do
       gpu_pytest spec-trained 240 tests/engine/test_spec_graphs.py -k "trained"
       step spec-9b ${SPEC_LIMIT:-420} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 \
         --spec-greedy --mtp-train-steps 300 --mtp-fit-rounds ${SPEC_ROUNDS:-3} ${SPEC_ARGS:-} ;;
+    batch-invariance) step batch_invariance 120 python3 bench/batch_invariance.py ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
         --spec-gate auto,off ${SPEC_ARGS:-} ;;
     spec-sweep) step spec-sweep ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --spec-batch-sweep \
