@@ -270,11 +270,18 @@ def test_sum_rows_matches_float64(shape, dtype, triton_kernels, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_zero_centered_gpu_bf16_equals_the_former_composition():
-    """H200, Qwen3.5-9B's hidden size: the fused zero-centred norm's bf16 forward equals, bit for bit, the
-    composition Qwen3.5's layers ran before it (residual add, fp32 copy, rms_norm with the fp32 scale, cast)."""
+    """H200, Qwen3.5-9B's hidden size: the fused zero-centred norm's bf16 forward equals the composition Qwen3.5's
+    layers ran before it (residual add, fp32 copy, rms_norm with the fp32 scale, cast): the residual sum bit for
+    bit; the output but for bf16 rounding ties (the two kernels' fp32 rsqrt and products differ in the last bit on
+    the GPU, which moves a value sitting half-way between two bf16 numbers: seen on the H200 in 2026-12, a few
+    elements one bf16 step apart; the CPU test in fp16 is bit for bit)."""
     x, w, r = (t.detach() for t in _inputs(300, 4096, torch.bfloat16, True, device="cuda"))
     w = w - 1.0
     y, h = rms_norm(x, w, 1e-6, residual=r, zero_centered=True)
     h_ref = x + r
     assert torch.equal(h, h_ref)
-    assert torch.equal(y, rms_norm(h_ref.float(), 1.0 + w.float(), 1e-6).to(torch.bfloat16))
+    want = rms_norm(h_ref.float(), 1.0 + w.float(), 1e-6)
+    apart = y != want.to(torch.bfloat16)
+    step = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((y.float() - want).abs() <= step).all()  # within one bf16 step of the fp32 value: a rounding, no more
+    assert apart.float().mean().item() <= 1e-3, f"{apart.sum().item()} of {apart.numel()} elements differ"
