@@ -16,7 +16,8 @@
 #   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep)
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS, $ROLLOUT_LIMIT s); rollout-fallback: a smoke run first, eager decode if graphs fail
-#   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS)
+#   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS for decode_profile.py,
+#                     $PROF_ARGS for profile_step.py decode: e.g. "--family 8b --rollout-dtype fp8", FP8 rollout's step)
 #   spec-bisect       why a fitted MTP draft was not accepted at the 9B shape (greedy accept 1.0; 3.0 at the smoke shape):
 #                     the GPU test of fitted drafts under real graphs (passed on the H100), then R3 at the 9B shape
 #                     with the refit rounds and where speculation's greedy path leaves the plain one ($SPEC_ARGS)
@@ -118,7 +119,7 @@ for stage in "$@"; do
         ${SPEC_ARGS:-} ;;
     rollout-profile)
       step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-}
-      step prof_decode 60 python3 bench/profile_step.py decode ;;
+      step prof_decode ${PROF_LIMIT:-90} python3 bench/profile_step.py decode ${PROF_ARGS:-} ;;
     train)
       step model_step 100 python3 bench/model_step.py
       step train_step 150 python3 bench/train_step.py

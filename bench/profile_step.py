@@ -7,6 +7,7 @@
     python bench/profile_step.py decode    # 256 sequences, 128-token prompts, CUDA-graph decode steps
     python bench/profile_step.py decode --eager
     python bench/profile_step.py decode --family qwen3_5-9b   # issue 38's shapes (bench/families.py), random weights
+    python bench/profile_step.py decode --family 8b --rollout-dtype fp8   # FP8 rollout's step (bench/rollout.py's 8B)
 
 Prints the top GPU kernels by total time and the step's wall time; a diagnostic, nothing is saved.
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import models  # noqa: E402
+import rollout  # noqa: E402
 
 
 def table(prof, n=30):
@@ -120,7 +122,12 @@ def decode(args, device):
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model, load_tokenizer
 
-    if args.family:
+    if args.family in rollout.SHAPES:  # bench/rollout.py's dense / MoE shapes (FP8 rollout's)
+        family, raw = rollout.SHAPES[args.family]
+        raw = rollout.SMOKE_SHAPES[args.family] if args.smoke else raw
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        model, tokenizer = models.random_model(raw, dtype, device, family=family, unit_norms=True), None
+    elif args.family:
         import families
 
         layers = 4 if args.smoke else families.SHAPES[args.family][1]
@@ -129,6 +136,10 @@ def decode(args, device):
     else:
         path = models.checkpoint(args.smoke)
         model, tokenizer = load_model(path, device=device), load_tokenizer(path)
+    if args.rollout_dtype == "fp8":  # the linear weights and routed experts as blockwise FP8 copies
+        from areno.models import fp8_rollout
+
+        fp8_rollout.enable(model)
     n = 8 if args.smoke else args.seqs
     engine = Engine(model, tokenizer, EngineConfig(block_size=16, max_running=n, max_model_len=2064,
                                                    eager_decode=args.eager),
@@ -163,7 +174,9 @@ def main():
     ap.add_argument("--train-cuda-graphs", default="off", choices=["auto", "on", "off"],
                     help="train: the trainer's CUDA-graph mode (off: the eager step, as before)")
     ap.add_argument("--family", default=None, help="decode: a bench/families.py shape (qwen3_5-9b, qwen3_5-35b-a3b) "
-                    "instead of the Qwen3-0.6B checkpoint")
+                    "or bench/rollout.py's 8b / 30b-a3b instead of the Qwen3-0.6B checkpoint")
+    ap.add_argument("--rollout-dtype", default="bf16", choices=["bf16", "fp8"],
+                    help="decode: fp8 profiles FP8 rollout's step (the model's linear weights as FP8 copies)")
     ap.add_argument("--seqs", type=int, default=256, help="decode: running sequences (128-token prompts)")
     ap.add_argument("--context", type=int, default=8, help="decode: tokens generated before the profiled steps")
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
@@ -177,6 +190,8 @@ def main():
         ap.error("--gaps applies to the train profile on a GPU only")
     if args.shape != "8x1024" and (args.what != "train" or args.smoke):
         ap.error("--shape applies to the full train profile only (not decode, not --smoke)")
+    if args.rollout_dtype != "bf16" and args.what != "decode":
+        ap.error("--rollout-dtype applies to the decode profile only")
     if args.top is not None and args.top < 1:
         ap.error(f"--top must be >= 1, got {args.top}")
     try:
