@@ -99,6 +99,45 @@ def test_kernel_matches_native(n, dtype, grad, monkeypatch, triton_kernels):
         assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.002, f"seed={seed}"
 
 
+def _hard_values() -> torch.Tensor:
+    """Every code and midpoint of both maps with their fp32 neighbours, decade edges, 0, +-1 and values under the
+    smallest code: for the signed map as they are, for the unsigned one their square roots (v = g^2)."""
+    out = []
+    for signed in (True, False):
+        q = dynamic_map(signed)
+        mids = (q[1:] + q[:-1]) / 2
+        edges = torch.tensor([10.0**-k for k in range(0, 9)] + [0.0, 1e-12, 3e-7, 1.0], dtype=torch.float32)
+        vals = torch.cat([q, mids, edges])
+        vals = torch.cat([vals, torch.nextafter(vals, torch.tensor(2.0)), torch.nextafter(vals, torch.tensor(-2.0))])
+        vals = vals.clamp(-1.0, 1.0) if signed else vals.clamp(0.0, 1.0).sqrt()
+        out.append(vals if signed else torch.cat([vals, -vals]))
+    return torch.cat(out)
+
+
+def test_kernel_codes_at_every_code_midpoint_and_neighbour(triton_kernels):
+    """The kernel finds each value's code from the map's layout (three comparisons, not a binary search): its codes
+    equal the native search's bit for bit where that is hardest (``_hard_values``; midpoints tie to the lower code).
+    beta1 = beta2 = 0 make the new moments the gradient (m) and its square (v) exactly, and a 1.0 opening every
+    block makes x / absmax = x."""
+    vals = _hard_values()
+    per = QBLOCK - 1
+    vals = torch.cat([vals, vals.new_zeros((-vals.numel()) % per)]).view(-1, per)
+    grad = torch.cat([torch.ones(vals.shape[0], 1), vals], 1).reshape(-1).to(DEV)
+    n = grad.numel()
+    hp = dict(beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
+    lr_t, t_t = torch.tensor(1e-3), torch.tensor(1.0)
+    sc = [x.to(DEV) for x in (lr_t, *bias_corrections(lr_t, t_t, 0.0, 0.0), torch.tensor(1.0), torch.tensor(0.0))]
+    got, want = ([torch.zeros(n, device=DEV), grad, torch.zeros(n, dtype=torch.uint8, device=DEV),
+                  torch.zeros(n, dtype=torch.uint8, device=DEV), torch.zeros(n_blocks(n), device=DEV),
+                  torch.zeros(n_blocks(n), device=DEV)] for _ in range(2))
+    adamw8bit_(*got, *sc, **hp)
+    adamw8bit_native(*want, *sc, **hp)
+    assert torch.equal(got[4], want[4]) and torch.equal(got[5], want[5]) and bool((got[4] == 1).all())
+    for q, q0, name in ((got[2], want[2], "exp_avg"), (got[3], want[3], "exp_avg_sq")):
+        bad = (q != q0).nonzero().flatten()
+        assert bad.numel() == 0, f"{name}: {bad.numel()} codes differ, e.g. at {grad[bad[:4]].tolist()}"
+
+
 @pytest.mark.parametrize("fn", [adamw8bit_, adamw8bit_native])
 def test_skip_changes_nothing(fn, triton_kernels):
     st = states(300, torch.float16, 1)
