@@ -74,9 +74,10 @@ def _quantise(x, QMAP, SIGNED: tl.constexpr):
     binary search (eight dependent gathers an element): |xn| in decade i = e + 7 (|xn| in [10^e, 10^(e+1)), e in
     -7..-1) lies among that decade's ``per`` evenly spaced codes (2^i signed, 2^(i+1) unsigned; ``base`` codes in the
     decades below it), at position t = (|xn| 10^(-e-1) - 0.1) per / 0.9 - 0.5; its index, from the zero code (127
-    signed, 0 unsigned) up or, negative, down, is within one of ``lo`` (fp32 rounding near a code or a decade's edge;
-    bench: every code, midpoint and their fp32 neighbours), so three comparisons with the codes around it give
-    ``lo`` exactly, and the same codes as the search."""
+    signed, 0 unsigned) up or, negative, down, is within one of ``lo`` (its floor moves by one only where t is next
+    to a whole number: at a code, or past a decade's edge where the next decade's formula gives the same index; the
+    GPU's approximate log2/exp2 move t by ~1e-5), so three comparisons with the codes around it give ``lo`` exactly
+    and the same codes as the search (tests/kernels/test_adamw8bit.py: every code, midpoint and fp32 neighbour)."""
     absmax = tl.max(tl.abs(x), axis=1)
     xn = tl.where(absmax[:, None] > 0, tl.div_rn(x, tl.where(absmax > 0, absmax, 1.0)[:, None]), 0.0)
     a = tl.abs(xn)
