@@ -52,7 +52,9 @@ wheels() {  # wheels DIR TARGET: install DIR's wheels into TARGET (no index, no 
 }
 if wheels "$WHEELS" /tmp/site; then export PYTHONPATH=/tmp/site:$PWD; fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+{ [ -n "${ARENO_GIT_SHA:-}" ] || echo "ARENO_GIT_SHA is unset: the rows name this copy's commit, stale where its .git" \
+    "was copied earlier (the device tool's): start the command with ARENO_GIT_SHA=<the commit> to name it"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 } >>"$LOG" 2>&1
 step() {  # step NAME TIMEOUT CMD...
