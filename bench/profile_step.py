@@ -123,10 +123,7 @@ def decode(args, device):
     from areno.models import load_model, load_tokenizer
 
     if args.family in rollout.SHAPES:  # bench/rollout.py's dense / MoE shapes (FP8 rollout's)
-        family, raw = rollout.SHAPES[args.family]
-        raw = rollout.SMOKE_SHAPES[args.family] if args.smoke else raw
-        dtype = torch.float32 if args.smoke else torch.bfloat16
-        model, tokenizer = models.random_model(raw, dtype, device, family=family, unit_norms=True), None
+        model, tokenizer = rollout.shape_model(args.family, args.smoke, device)
     elif args.family:
         import families
 

@@ -100,16 +100,22 @@ def sync(device):
 # ---------------------------------------------------------------------------------------------------- areno
 
 
+def shape_model(name: str, smoke: bool, device):
+    """A random model of ``SHAPES[name]`` (bf16, unit norms; ``smoke``: the family at a tiny fp32 shape, where the
+    30b-a3b one runs FP8 experts on CPU) and its word tokenizer."""
+    family, shape = SHAPES[name]
+    shape = SMOKE_SHAPES[name] if smoke else shape
+    dtype = torch.float32 if smoke else torch.bfloat16
+    return models.random_model(shape, dtype, device, family=family, unit_norms=True), models.word_tokenizer(
+        shape["vocab_size"])
+
+
 def make_engine(path, device, args, rollout_dtype="bf16", kv_cache_dtype="auto"):
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import fp8_rollout, load_model, load_tokenizer
 
-    if args.shape in SHAPES:  # --smoke: the family at a tiny shape, fp32 (the 30b-a3b one runs FP8 experts on CPU)
-        family, shape = SHAPES[args.shape]
-        shape = SMOKE_SHAPES[args.shape] if args.smoke else shape
-        dtype = torch.float32 if args.smoke else torch.bfloat16
-        model = models.random_model(shape, dtype, device, family=family, unit_norms=True)
-        tok = models.word_tokenizer(shape["vocab_size"])
+    if args.shape in SHAPES:
+        model, tok = shape_model(args.shape, args.smoke, device)
     else:
         model = load_model(path, device=device)
         tok = load_tokenizer(path)
