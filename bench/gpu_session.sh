@@ -13,11 +13,13 @@
 #                     about 9 minutes on a fresh H200: set ALL_LIMIT, or pass test paths in $ALL_TESTS to run fewer
 #   parity            rollout-vs-trainer log-prob parity (bench/logprob_parity.py)
 #   kernels           K1 attention, K2 log-probs, sampler, speculative verify, small ops, K3 MoE
-#   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep)
+#   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep;
+#                     $FP8_LIMIT s)
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS, $ROLLOUT_LIMIT s); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS for decode_profile.py,
-#                     $PROF_ARGS for profile_step.py decode: e.g. "--family 8b --rollout-dtype fp8", FP8 rollout's step)
+#                     $PROF_ARGS for profile_step.py decode: e.g. "--family 8b --rollout-dtype fp8", FP8 rollout's step;
+#                     PROF_ONLY=1: profile_step.py alone)
 #   spec-bisect       why a fitted MTP draft was not accepted at the 9B shape (greedy accept 1.0; 3.0 at the smoke shape):
 #                     the GPU test of fitted drafts under real graphs (passed on the H100), then R3 at the 9B shape
 #                     with the refit rounds and where speculation's greedy path leaves the plain one ($SPEC_ARGS)
@@ -99,7 +101,7 @@ for stage in "$@"; do
       step small_ops 90 python3 bench/small_ops.py
       step moe 150 python3 bench/moe.py ;;
     fp8-gemm) gpu_pytest fp8-gemm-tests 300 tests/kernels/test_fp8.py ;;
-    fp8-gemm-bench) step fp8_gemm 560 python3 bench/fp8_gemm.py ;;
+    fp8-gemm-bench) step fp8_gemm ${FP8_LIMIT:-560} python3 bench/fp8_gemm.py ;;
     kernel-variants)
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
       step k1-sweep 300 python3 bench/attention.py --variants --seqs 4096 --sweep ${SWEEP:-near}
@@ -120,7 +122,7 @@ for stage in "$@"; do
     spec-sweep) step spec-sweep ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --spec-batch-sweep \
         ${SPEC_ARGS:-} ;;
     rollout-profile)
-      step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-}
+      [ -n "${PROF_ONLY:-}" ] || step decode_profile 120 python3 bench/decode_profile.py ${PROFILE_ARGS:-}
       step prof_decode ${PROF_LIMIT:-90} python3 bench/profile_step.py decode ${PROF_ARGS:-} ;;
     train)
       step model_step 100 python3 bench/model_step.py
