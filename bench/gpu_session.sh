@@ -33,7 +33,8 @@
 #   grpo-split        G1 colocated vs split sync/async vs TRL (nvidia-h200-x2)
 #   sync              S1 policy sync and the split-mode tests (nvidia-h200-x2)
 #   tp                serve/train TP vs TP=1 on every GPU of the machine (nvidia-h200-x2 or -x4)
-#   serve             V1: the engine alone, then the server under 500 streams and 16 req/s
+#   serve             V1: the engine alone, then the server under 500 streams and 16 req/s; serve-lora: 4 rank-16
+#                     adapters under 500 streams vs the base model (bench/serve_lora.py, $SERVE_LIMIT s)
 #   eval              `areno eval` throughput (bench/eval.py, $EVAL_ARGS); optimizer-8bit: bench/optimizer_8bit.py
 #   learn             proof of learning (SFT then GRPO/GSPO from scratch, $LEARN_ARGS)
 #   families          issue 38's speed bench: Qwen3.5-9B / 35B-A3B shapes, R1 rollout and T1 train step vs
@@ -153,6 +154,7 @@ for stage in "$@"; do
         tests/training/test_train_graphs_gpu.py -k "not quickstart and not memory" ;;
     tp) step tp ${TP_LIMIT:-500} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
     serve) step serve 480 python3 bench/serve.py ;;
+    serve-lora) step serve_lora ${SERVE_LIMIT:-480} python3 bench/serve_lora.py ;;
     eval) step eval ${EVAL_LIMIT:-240} python3 bench/eval.py ${EVAL_ARGS:-} ;;
     optimizer-8bit) step optimizer_8bit ${OPT_LIMIT:-200} python3 bench/optimizer_8bit.py ;;  # the engine alone on the same batch first, then the server
     learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
