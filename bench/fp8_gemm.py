@@ -1,4 +1,4 @@
-"""FP8 block GEMM (FP8 rollout's projections, issue 41): areno's Triton path vs bf16 ``torch.matmul`` on the
+"""FP8 block GEMM (FP8 rollout's projections, issue 41): areno's fp8 paths vs bf16 ``torch.matmul`` on the
 unquantised weight vs the baseline that dequantises the whole fp8 weight then multiplies, in the same process.
 
     python bench/fp8_gemm.py                              # H200: the shapes below
@@ -7,9 +7,11 @@ unquantised weight vs the baseline that dequantises the whole fp8 weight then mu
 Shapes: y = x @ W'^T, W [N, K] as E4M3 with 128 x 128 block scales, x [M, K] bf16. An 8B dense model (Qwen3-8B:
 hidden 4096, qkv 4096 + 2 x 1024, intermediate 12288) and one expert of a 30B-A3B MoE (Qwen3-30B-A3B: hidden 2048,
 expert intermediate 768); M in 1, 16, 64, 256, 1024, 8192 (decode batches to prefill chunks).
-Paths: ``triton`` (``fp8_linear``: the activation quantised per token and 128 columns by its kernel, then the fp8 x
-fp8 GEMM), ``triton gemm`` (the GEMM alone on pre-quantised x, default tiles), ``triton gemm best`` (the fastest of a
-tile sweep, its ``config`` recorded: what ``fp8.fp8_config`` should learn), ``dequant+matmul``
+Paths: ``fp8_linear`` (what FP8 rollout calls: the activation quantised per token and 128 columns by its kernel,
+then cuBLAS's block-scaled GEMM where it applies, else Triton's), ``triton`` (the same, the Triton GEMM pinned),
+``cublas scaled_mm`` (cuBLAS's GEMM alone on pre-quantised x, where torch and the GPU have it), ``triton gemm``
+(the Triton GEMM alone on pre-quantised x, default tiles), ``triton gemm best`` (the fastest of a tile sweep, its
+``config`` recorded: what ``fp8.fp8_config`` should learn), ``dequant+matmul``
 (``dequantize_weight_fp8`` to bf16, then ``torch.matmul``), ``bf16 matmul`` (cuBLAS on the bf16 weight: what FP8
 rollout must beat).
 Timing: ``common.gpu_time_ms`` (CUDA events, median, L2 flushed); each row records the max abs error against the
@@ -58,7 +60,8 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     x = torch.randn(m, k, device=w.device, dtype=w.dtype)
     xq, xs = quantize_act_fp8(x)
     paths = {
-        "triton": (lambda: fp8_linear(x, q), q.nbytes()),
+        "fp8_linear": (lambda: fp8_linear(x, q), q.nbytes()),
+        "triton": (lambda: fp8_linear(x, q, _gemm="triton"), q.nbytes()),
         "triton gemm": (lambda: fp8_matmul(xq, xs, q, out_dtype=w.dtype), q.nbytes()),
         "dequant+matmul": (lambda: torch.matmul(x, dequantize_weight_fp8(q, w.dtype).T), q.nbytes()),
         "bf16 matmul": (lambda: torch.matmul(x, w.T), w.numel() * w.element_size()),

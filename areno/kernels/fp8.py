@@ -25,6 +25,13 @@ partial dot covers at most 128 K, then is promoted to the fp32 accumulator with 
 Hopper's limited fp8 accumulator precision. Bytes read: N K (weight) + N K / 16384 * 4 (scales) + M K (xq), half of
 bf16's weight read.
 
+Where cuBLAS has the same recipe (sm_90, CUDA >= 12.9: ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` x
+``BlockWise128x128`` scales), ``fp8_linear`` multiplies there instead (:func:`fp8_linear_cublas`): the same kernel
+quantises x (rows padded to a multiple of 4, scales written outer-dim-major, as cuBLAS asks), the weight is the same
+Fp8Weight. bench/fp8_gemm.py on an H100: cuBLAS's GEMM matches the Triton GEMM's error against the native reference
+on every shape, is as fast as its best tiles at decode sizes and 1.5-1.9x faster from M = 256 up (1.6x bf16's
+cuBLAS GEMM in prefill).
+
 The E4M3 rounding is done in fp32 before the cast (:func:`round_e4m3`), so the value cast is exact: the Triton
 interpreter's fp32 -> fp8 conversion rounds ties away and drops the carry into the exponent (1.9375001 -> 1.0), and
 the same code then runs bit for bit on the CPU and the GPU (where the cast is ``cvt.rn.satfinite``).
@@ -32,6 +39,7 @@ the same code then runs bit for bit on the CPU and the GPU (where the cast is ``
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -151,21 +159,23 @@ def round_e4m3(v):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
-                      ROWS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    # Program (i, g): rows [i ROWS, i ROWS + ROWS), columns of group g: s = max(amax, EPS) / 448, q = rne(x / s).
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_sm, stride_sg, EPS: tl.constexpr,
+                      FP8_MAX: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    # Program (i, g): rows [i ROWS, i ROWS + ROWS), columns of group g: s = max(amax, EPS) / 448, q = rne(x / s);
+    # rows M .. M_OUT (cuBLAS's padding to a multiple of 4) are written as zeros (scale EPS / 448).
     offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     offs_k = g * GROUP + tl.arange(0, GROUP)
-    m_ok = offs_m < M
-    mask = m_ok[:, None] & (offs_k < K)[None, :]
-    x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    k_ok = (offs_k < K)[None, :]
+    x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=(offs_m < M)[:, None] & k_ok,
+                other=0.0)
     x = x.to(tl.float32)
     s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), EPS), FP8_MAX)
     v = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX)
+    out_ok = offs_m < M_OUT
     tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :], round_e4m3(v).to(q_ptr.dtype.element_ty),
-             mask=mask)
-    tl.store(s_ptr + offs_m.to(tl.int64) * G + g, s, mask=m_ok)
+             mask=out_ok[:, None] & k_ok)
+    tl.store(s_ptr + offs_m.to(tl.int64) * stride_sm + g * stride_sg, s, mask=out_ok)
 
 
 @triton.jit
@@ -214,24 +224,73 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, ws_ptr, M, N
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: ``x [M, K]`` (unit last stride) -> (``xq`` fp8 ``[M, K]``, ``s`` fp32 ``[M, ceil(K/128)]``), the
     same bytes as :func:`quantize_act_fp8_native`."""
+    return _quantize_act(x, x.shape[0], scales_by_column=False)
+
+
+def quantize_act_fp8_cublas(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_act_fp8`` in cuBLAS's layout: ``xq`` [M4, K] and ``s`` [M4, G] for M4 = M rounded up to a multiple
+    of 4 (rows past M zero, their scales EPS / 448), ``s`` a view of a ``[G, M4]`` tensor (outer-dim-major)."""
+    return _quantize_act(x, -(-max(x.shape[0], 1) // 4) * 4, scales_by_column=True)
+
+
+def _quantize_act(x: torch.Tensor, rows: int, scales_by_column: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_act_fp8`` into ``rows`` >= M rows (the extra ones zero), the scales row-major ``[rows, G]`` or,
+    ``scales_by_column``, a ``[rows, G]`` view of a ``[G, rows]`` tensor."""
     assert x.dim() == 2 and x.stride(1) == 1, f"fp8: x [M, K] with unit last stride expected, got {tuple(x.shape)}"
     m, k = x.shape
     g = triton.cdiv(k, BLOCK)
-    xq = torch.empty(m, k, dtype=FP8, device=x.device)
-    s = torch.empty(m, g, dtype=torch.float32, device=x.device)
-    if m and k:
-        rows = 4 if interpreting() else 8
-        _act_quant_kernel[(triton.cdiv(m, rows), g)](x, xq, s, m, k, g, x.stride(0), EPS=EPS, FP8_MAX=FP8_MAX,
-                                                     ROWS=rows, GROUP=BLOCK, num_warps=4)  # fmt: skip
+    xq = torch.empty(rows, k, dtype=FP8, device=x.device)
+    s = torch.empty(g, rows, dtype=torch.float32, device=x.device).t() if scales_by_column else \
+        torch.empty(rows, g, dtype=torch.float32, device=x.device)  # fmt: skip
+    if rows and k:
+        r = 4 if interpreting() else 8
+        _act_quant_kernel[(triton.cdiv(rows, r), g)](x, xq, s, m, rows, k, x.stride(0), s.stride(0), s.stride(1),
+                                                    EPS=EPS, FP8_MAX=FP8_MAX, ROWS=r, GROUP=BLOCK,
+                                                    num_warps=4)  # fmt: skip
     return xq, s
 
 
+@functools.lru_cache(maxsize=16)
+def cublas_fp8_ready(device: torch.device) -> bool:
+    """Whether cuBLAS's block-scaled fp8 GEMM (DeepSeek's recipe: 1 x 128 activation and 128 x 128 weight scales,
+    ``torch.nn.functional.scaled_mm``) runs here: torch implements it for sm_90 (H100 / H200) on CUDA >= 12.9."""
+    if device.type != "cuda" or not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return False
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return (torch.cuda.get_device_capability(device) == (9, 0) and cuda >= (12, 9)
+            and hasattr(F.ScalingType, "BlockWise1x128") and hasattr(F.ScalingType, "BlockWise128x128"))
+
+
+def cublas_fp8_applies(x: torch.Tensor, q: Fp8Weight) -> bool:
+    """cuBLAS's path: on a GPU that has it, for whole 128-blocks (N and K multiples of 128)."""
+    n, k = q.shape
+    return x.is_cuda and n % BLOCK == 0 and k % BLOCK == 0 and q.qweight.dim() == 2 and cublas_fp8_ready(x.device)
+
+
+def fp8_linear_cublas(x2: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x2 [M, K] @ W'^T (+ bias)`` through cuBLAS: x quantised by :func:`quantize_act_fp8_cublas`, the weight
+    scales padded to a multiple of 4 K-groups and transposed (the layouts cuBLAS asks for); the rows past M are
+    dropped (a view: the output stays contiguous). Measured
+    (bench/fp8_gemm.py, H100): as fast as the best Triton tiles at decode sizes, 1.5-1.9x faster from M = 256 up."""
+    m = x2.shape[0]
+    xq, xs = quantize_act_fp8_cublas(x2)
+    g = xs.shape[1]
+    sw = q.scale.contiguous() if g % 4 == 0 else F.pad(q.scale, (0, 4 - g % 4))  # [N / 128, G4]; .t() is [G4, N / 128]
+    st = F.ScalingType
+    y = F.scaled_mm(xq, q.qweight.t(), xs, st.BlockWise1x128, sw.t(), st.BlockWise128x128, output_dtype=x2.dtype)
+    y = y[:m]
+    return y if bias is None else y + bias
+
+
 def fp8_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """The tile config: small tiles in the interpreter (speed); on a GPU the small-M GEMM's heuristic (16-row tiles to
-    M = 16, columns widened while tiles outnumber SMs, K split to about one program per SM) with 128-wide K steps
-    (one scale group; an fp8 step of 128 is a bf16 step of 64 in bytes). To be swept by bench/fp8_gemm.py."""
+    """The tile config: small tiles in the interpreter (speed); on a GPU 64 x 128 tiles, 3 stages past M = 256 (the
+    sweep's best at M = 1024 and 8192 on every bench/fp8_gemm.py shape), else the small-M GEMM's heuristic (16-row
+    tiles to M = 16, columns widened while tiles outnumber SMs, K split to about one program per SM) with 128-wide K
+    steps (one scale group; an fp8 step of 128 is a bf16 step of 64 in bytes)."""
     if interpreting():
         return GemmConfig(16, 32, 64, 1, 1, 1)
+    if m > 256:  # prefill: the H100 sweep's best from M = 1024 up, ~4x the heuristic's 128 x 128 tiles on 4 warps
+        return GemmConfig(64, 128, BLOCK, 1, 4, 3)
     return heuristic_config(m, n, k, sm_count(device.index or 0))._replace(block_k=BLOCK)
 
 
@@ -272,9 +331,11 @@ def fp8_linear_native(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None =
     return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
 
 
-def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ W'^T (+ bias) -> [..., N]`` in x's dtype, x quantised per token and 128 columns: the Triton
-    kernels or the native reference. Inference only (rollout): there is no gradient through the rounding."""
+def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, *, _gemm: str = "auto") -> torch.Tensor:
+    """``x [..., K] @ W'^T (+ bias) -> [..., N]`` in x's dtype, x quantised per token and 128 columns: on the Triton
+    path the activation kernel, then cuBLAS's block-scaled GEMM where it applies (:func:`cublas_fp8_applies`; bf16 /
+    fp16 x) or areno's Triton GEMM (``_gemm="triton"`` pins it: benchmarks, tests); else the native reference.
+    Inference only (rollout): there is no gradient through the rounding."""
     _check_float(x, "x")
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"fp8_linear: x's last dim is {x.shape[-1]}, the weight is {tuple(q.shape)}")
@@ -284,5 +345,14 @@ def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) 
         return fp8_linear_native(x, q, bias)
     x2 = as_rows(x)
     b = None if bias is None else bias.contiguous()
-    y = fp8_matmul(*quantize_act_fp8(x2), q, out_dtype=x.dtype, bias=b)
+    if _gemm not in ("auto", "triton", "cublas"):
+        raise ValueError(f"fp8_linear: _gemm is 'auto', 'triton' or 'cublas', got {_gemm!r}")
+    cublas = cublas_fp8_applies(x2, q) and x.dtype != torch.float32
+    if _gemm == "cublas" and not cublas:
+        raise RuntimeError(f"fp8_linear(_gemm='cublas'): cuBLAS's block-scaled GEMM does not apply here ({x.device}, "
+                           f"{x.dtype}, weight {tuple(q.shape)}: sm_90, CUDA >= 12.9, bf16/fp16, N and K % 128)")
+    if cublas and _gemm != "triton":
+        y = fp8_linear_cublas(x2, q, b)
+    else:
+        y = fp8_matmul(*quantize_act_fp8(x2), q, out_dtype=x.dtype, bias=b)
     return y.view(*x.shape[:-1], q.shape[0])

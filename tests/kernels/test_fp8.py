@@ -129,6 +129,28 @@ def test_triton_activation_quant_matches_native_bytes(triton_kernels, case):
     assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))  # ties to even, signed zeros, subnormals
 
 
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_triton_activation_quant_in_cublas_layout(triton_kernels, m):
+    """cuBLAS's layout: rows padded to a multiple of 4 (zeros), scales outer-dim-major; the first M rows are
+    quantize_act_fp8's bytes."""
+    x = _weight((m, 300), seed=m) * 3
+    xq, s = fp8.quantize_act_fp8_cublas(x)
+    m4 = -(-m // 4) * 4
+    assert xq.shape == (m4, 300) and s.shape == (m4, 3) and s.stride() == (1, m4)
+    rq, rs = quantize_act_fp8_native(x)
+    assert torch.equal(s[:m], rs) and torch.equal(xq[:m].view(torch.uint8), rq.view(torch.uint8))
+    assert not xq[m:].view(torch.uint8).any() and torch.all(s[m:] == fp8.EPS / fp8.FP8_MAX)
+
+
+def test_linear_refuses_a_pinned_cublas_gemm_where_it_does_not_apply(triton_kernels):
+    q = quantize_weight_fp8(_weight((128, 128), seed=3))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="cuBLAS"):
+            fp8_linear(_weight((2, 128), seed=4), q, _gemm="cublas")
+        with pytest.raises(ValueError, match="_gemm"):
+            fp8_linear(_weight((2, 128), seed=4), q, _gemm="cutlass")
+
+
 @pytest.mark.parametrize("M,N,K", [(5, 37, 70), (3, 130, 300), (1, 1, 1)])
 def test_native_gemm_against_float64(M, N, K):
     x, w = _weight((M, K), seed=M), _weight((N, K), seed=N)
@@ -217,6 +239,29 @@ def test_triton_bf16_at_real_widths_against_native(M, N, K):
     # and the quantised product stays near the bf16 one (the rollout's log-prob mismatch starts here)
     exact = x.float() @ w.float().T
     assert (y.float() - exact).norm() <= 0.08 * exact.norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 16, 256, 1000])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (2048, 768), (4096, 12288)])
+def test_cublas_path_against_native_and_triton(M, N, K):
+    """fp8_linear's cuBLAS GEMM (where this GPU has it): the native reference's product within bf16 rounding, as the
+    Triton GEMM is; odd M (padded rows), K / 128 not a multiple of 4 (padded weight scales)."""
+    if not fp8.cublas_fp8_ready(torch.device("cuda")):
+        pytest.skip("cuBLAS's block-scaled fp8 GEMM needs sm_90 and CUDA >= 12.9 with torch's F.scaled_mm")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(2, M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    b = torch.randn(N, device="cuda", generator=g, dtype=torch.bfloat16)
+    q = quantize_weight_fp8(w)
+    with torch.no_grad():
+        y = fp8_linear(x, q, b, _gemm="cublas")
+        y_triton = fp8_linear(x, q, b, _gemm="triton")
+        assert torch.equal(fp8_linear(x, q, b), y)  # the default path is cuBLAS's here
+    ref = fp8_linear_native(x.float(), q, b.float())
+    assert y.shape == (2, M, N) and y.is_contiguous()
+    torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(y.float(), y_triton.float(), rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
