@@ -96,7 +96,9 @@ def greedy_outputs(engine, prompt_sets) -> list[list[int]]:
 def load_draft_model(args, device, prompt_sets):
     """The family's model on ``device`` with its MTP layer trained first when ``--mtp-train-steps`` asks (on the
     greedy continuations of ``prompt_sets(vocab)``: the prompts the bench then times), the engines' shared settings,
-    and the training record.
+    and the training record. The engines run as many sequences as the largest prompt set (at least 4): a hybrid's
+    recurrent-state slots and speculation's rollback stash are reserved per running sequence, and at the 9B shape
+    256 of them (39.6 GB) left no KV block on an H100 for R3's single stream.
 
     ``--mtp-fit-rounds R`` > 1 refits R - 1 more times on what the speculative engine itself then answers greedily
     (with the plain engine's continuations): in bf16 a verify of K + 1 rows rounds differently from a one-row decode
@@ -108,7 +110,8 @@ def load_draft_model(args, device, prompt_sets):
     from areno.training.mtp import fit_draft
 
     model = load_model(mtp_checkpoint(args.mtp_family, args.smoke), device=device)
-    base = dict(block_size=16, max_running=256, max_batched_tokens=args.max_batched_tokens,
+    running = max(len(prompts) for prompts, _ in prompt_sets(model.config.vocab_size))  # R3 alone: 1 sequence
+    base = dict(block_size=16, max_running=max(4, running), max_batched_tokens=args.max_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, eager_decode=args.eager)
     train = {}
     if args.mtp_train_steps:
