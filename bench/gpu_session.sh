@@ -28,6 +28,7 @@
 #                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
 #   train-profile     kernel tables of T1 and T2 steps, graph gaps, graphed-step memory
+#   families-profile  kernel tables of issue 38's T1 step (35B-A3B shape; $PROF_TRAIN_ARGS) with 8-bit and fp32 states
 #   grpo              G1 vs TRL (TRL from $WHEELS_TRL if present), graphs off and on; grpo-default: the default command
 #   lora              G1-lora / G8B-lora LoRA GRPO steps vs TRL + PEFT (bench/lora_step.py); lora-qlora: G32B-qlora
 #   grpo-split        G1 colocated vs split sync/async vs TRL (nvidia-h200-x2)
@@ -136,6 +137,10 @@ for stage in "$@"; do
       step prof-t2 120 python3 bench/profile_step.py train --shape 4x4096 --top 45
       step gaps-t2 70 python3 bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps --top 8
       step graph-memory 200 bash -c "python3 bench/graph_memory.py && python3 bench/graph_memory.py --shape t1" ;;
+    families-profile)  # where issue 38's T1 step goes with 8-bit AdamW, fp32 states beside it
+      step prof_t1_8bit 150 python3 bench/profile_step.py train ${PROF_TRAIN_ARGS:---family qwen3_5-35b-a3b} \
+        --optimizer-states 8bit --top 40
+      step prof_t1_fp32 150 python3 bench/profile_step.py train ${PROF_TRAIN_ARGS:---family qwen3_5-35b-a3b} --top 40 ;;
     grpo)
       wheels "$WHEELS_TRL" /tmp/trl
       step grpo_step ${G1_LIMIT:-420} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py \

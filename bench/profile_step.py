@@ -6,6 +6,7 @@
     python bench/profile_step.py train --shape 4x4096 --train-cuda-graphs on --gaps   # where the GPU idles
     python bench/profile_step.py decode    # 256 sequences, 128-token prompts, CUDA-graph decode steps
     python bench/profile_step.py decode --eager
+    python bench/profile_step.py train --family qwen3_5-35b-a3b --optimizer-states 8bit   # issue 38's T1, 8-bit AdamW
     python bench/profile_step.py decode --family qwen3_5-9b   # issue 38's shapes (bench/families.py), random weights
     python bench/profile_step.py decode --family 8b --rollout-dtype fp8   # FP8 rollout's step (bench/rollout.py's 8B)
 
@@ -72,9 +73,17 @@ def train(args, device):
     from areno.training.schedule import LRSchedule
     from areno.training.trainer import PolicyTrainer
 
-    model = load_model(models.checkpoint(args.smoke), device=device).train()
+    if args.family:  # issue 38's T1: the family's train layers at full width (bench/families.py), random weights
+        import families
+
+        layers = 4 if args.smoke else families.SHAPES[args.family][2]
+        raw = families.config_of(args.family, layers, args.smoke)
+        model = models.random_model(raw, torch.bfloat16 if device.type == "cuda" else torch.float32, device,
+                                    unit_norms=True).train()  # fmt: skip
+    else:
+        model = load_model(models.checkpoint(args.smoke), device=device).train()
     model.set_activation_checkpointing(False)
-    opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    opt = MasterAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, states=args.optimizer_states)
     trainer = PolicyTrainer(model, opt, LRSchedule(1e-6), grad_clip=1.0, train_cuda_graphs=args.train_cuda_graphs)
     b, s = (2, 64) if args.smoke else (args.rows, args.tokens)
     ids = torch.randint(models.FIRST_TOKEN, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
@@ -170,8 +179,10 @@ def main():
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--train-cuda-graphs", default="off", choices=["auto", "on", "off"],
                     help="train: the trainer's CUDA-graph mode (off: the eager step, as before)")
-    ap.add_argument("--family", default=None, help="decode: a bench/families.py shape (qwen3_5-9b, qwen3_5-35b-a3b) "
-                    "or bench/rollout.py's 8b / 30b-a3b instead of the Qwen3-0.6B checkpoint")
+    ap.add_argument("--family", default=None, help="a bench/families.py shape (qwen3_5-9b, qwen3_5-35b-a3b; train: its "
+                    "T1 layers) or, decode, bench/rollout.py's 8b / 30b-a3b instead of the Qwen3-0.6B checkpoint")
+    ap.add_argument("--optimizer-states", default="fp32", choices=["fp32", "8bit"],
+                    help="train: MasterAdamW's moments (8bit: --optimizer-states 8bit's kernels in the table)")
     ap.add_argument("--rollout-dtype", default="bf16", choices=["bf16", "fp8"],
                     help="decode: fp8 profiles FP8 rollout's step (the model's linear weights as FP8 copies)")
     ap.add_argument("--seqs", type=int, default=256, help="decode: running sequences (128-token prompts)")
@@ -187,6 +198,11 @@ def main():
         ap.error("--gaps applies to the train profile on a GPU only")
     if args.shape != "8x1024" and (args.what != "train" or args.smoke):
         ap.error("--shape applies to the full train profile only (not decode, not --smoke)")
+    if args.optimizer_states != "fp32" and args.what != "train":
+        ap.error("--optimizer-states applies to the train profile only")
+    if args.what == "train" and args.family in rollout.SHAPES:
+        ap.error(f"--family {args.family}: the train profile takes bench/families.py's shapes (qwen3_5-9b, "
+                 "qwen3_5-35b-a3b)")
     if args.rollout_dtype != "bf16" and args.what != "decode":
         ap.error("--rollout-dtype applies to the decode profile only")
     if args.top is not None and args.top < 1:
