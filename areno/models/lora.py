@@ -135,8 +135,9 @@ def linear_sites(model) -> list[Site]:
     routers = {id(m.gate) for m in model.modules() if getattr(m, "has_router", False) and hasattr(m, "gate")}
     media = {id(p) for p in [*model.tower_parameters(), *model.projector_parameters()]}
     out = []
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or id(module) in routers or name == "lm_head" or id(module.weight) in media:
+    for name, module in model.named_modules():  # an NF4 module (QLoRA) holds no weight parameter: never media's
+        if (not isinstance(module, Linear) or id(module) in routers or name == "lm_head"
+                or id(module._parameters.get("weight")) in media):
             continue
         lays = layouts.get(f"{name}.weight")
         if not lays or len(lays) != 1 or lays[0].expert is not None:
@@ -144,10 +145,10 @@ def linear_sites(model) -> list[Site]:
         lay = lays[0]
         if lay.dim == 1 and len(lay.parts) != 1:
             continue  # a row-concatenation of several modules' inputs: never one PEFT module
-        in_features = lay.parts[0].size if lay.dim == 1 else module.weight.shape[1]
+        in_features = lay.parts[0].size if lay.dim == 1 else module.weight_shape()[1]
         offset = 0
         for i, part in enumerate(lay.parts):
-            rows = part.size if lay.dim == 0 else module.weight.shape[0]
+            rows = part.size if lay.dim == 0 else module.weight_shape()[0]
             hf = peft_module(model, part.hf_name.removesuffix(".weight"))
             last = out[-1] if out else None
             if last is not None and (last.module, last.hf_module, last.offset + last.rows) == (name, hf, offset):
@@ -320,7 +321,7 @@ class LoraAdapter(nn.Module):
         for name, sites in by_module.items():
             linear = modules[name]
             self._handles.append(linear.register_forward_hook(self._hook_for(sorted(sites, key=lambda s: s.offset),
-                                                                             linear.weight.shape[0])))
+                                                                             linear.weight_shape()[0])))
         lora_experts.hook(model, self, self.expert_pair_list())
 
     def _hook_for(self, sites: list[Site], out_features: int):
@@ -331,6 +332,10 @@ class LoraAdapter(nn.Module):
             if not self.enabled:
                 return out
             x = args[0]
+            if not torch.is_grad_enabled() and out.is_contiguous() and (
+                    not module.training or not any(p.dropout > 0 for p in pairs)) and all(
+                    p.style is None for p in pairs):  # fmt: skip
+                return add_in_place(x, out)
             if len(sites) == 1 and spans[0][1] == out_features:
                 return out + pairs[0](x, module.training).to(out.dtype)
             pieces_, cursor = [], 0
@@ -342,6 +347,17 @@ class LoraAdapter(nn.Module):
             if cursor < out_features:
                 pieces_.append(out.new_zeros(*out.shape[:-1], out_features - cursor))
             return out + torch.cat(pieces_, dim=-1)
+
+        def add_in_place(x, out):
+            """Inference (rollout, evaluation; no TP, no dropout): x cast once for every site, each delta added into
+            its rows of ``out`` with the scaling folded into the add (one rounding to ``out``'s dtype, not two):
+            about half the kernels of the differentiable path, which a decode step pays per projection and layer."""
+            xs = x.reshape(-1, x.shape[-1]).to(pairs[0].lora_A.dtype)
+            rows_out = out.view(-1, out_features)
+            for (offset, rows), p in zip(spans, pairs):
+                delta = (xs @ p.lora_A.t()) @ p.lora_B.t()
+                rows_out[:, offset : offset + rows].add_(delta, alpha=p.scaling)
+            return out
 
         return add_delta
 

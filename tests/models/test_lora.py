@@ -154,3 +154,24 @@ def test_a_bf16_base_gets_fp32_adapter_weights_as_peft(tiny_checkpoint):
     assert all(p.dtype == torch.float32 for p in adapter.parameters())
     _randomise(adapter)
     assert model.logits(IDS).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_adds_the_deltas_in_place_as_the_differentiable_path_does(tiny_checkpoint, dtype):
+    """Without gradients (rollout, evaluation) the deltas are added into the projections' rows in place (scaling folded
+    into the add); the logits are the differentiable path's within one rounding of the base dtype."""
+    model = load_model(tiny_checkpoint("qwen3"), dtype=dtype, device="cpu", attn_backend="native").eval()
+    adapter = attach(model, LoraSpec(rank=4, alpha=8.0))
+    _randomise(adapter)
+    exact = model.logits(IDS)  # gradients on: PEFT's differentiable path
+    assert exact.requires_grad
+    with torch.no_grad():
+        fast = model.logits(IDS)
+        with adapter.disabled():
+            base = model.logits(IDS)
+    effect = (exact.detach() - base).float().norm()
+    assert effect > 1e-2
+    if dtype == torch.float32:
+        torch.testing.assert_close(fast, exact.detach(), rtol=1e-5, atol=1e-5)
+    else:  # bf16: a rounding apart per projection, compounding over the layers: small against the adapter's effect
+        assert (fast - exact.detach()).float().norm() <= 0.02 * effect
