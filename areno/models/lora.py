@@ -332,10 +332,8 @@ class LoraAdapter(nn.Module):
             if not self.enabled:
                 return out
             x = args[0]
-            if not torch.is_grad_enabled() and out.is_contiguous() and (
-                    not module.training or not any(p.dropout > 0 for p in pairs)) and all(
-                    p.style is None for p in pairs):  # fmt: skip
-                return add_in_place(x, out)
+            if out.is_contiguous() and all(p.style is None for p in pairs):
+                return add_in_place(x, out, module.training)
             if len(sites) == 1 and spans[0][1] == out_features:
                 return out + pairs[0](x, module.training).to(out.dtype)
             pieces_, cursor = [], 0
@@ -348,15 +346,16 @@ class LoraAdapter(nn.Module):
                 pieces_.append(out.new_zeros(*out.shape[:-1], out_features - cursor))
             return out + torch.cat(pieces_, dim=-1)
 
-        def add_in_place(x, out):
-            """Inference (rollout, evaluation; no TP, no dropout): x cast once for every site, each delta added into
-            its rows of ``out`` with the scaling folded into the add (one rounding to ``out``'s dtype, not two):
-            about half the kernels of the differentiable path, which a decode step pays per projection and layer."""
+        def add_in_place(x, out, training: bool):
+            """Without TP: x cast once for every site (dropout, while training, per site as PEFT's), each delta
+            ``B(A(x))`` added into its rows of ``out`` in place with the scaling folded into the add (one rounding
+            to ``out``'s dtype instead of two, no zero pieces, no concatenation): ~25 kernels a layer instead of 41
+            for an all-linear adapter, and one saved fp32 copy of x per projection instead of one per site."""
             xs = x.reshape(-1, x.shape[-1]).to(pairs[0].lora_A.dtype)
             rows_out = out.view(-1, out_features)
             for (offset, rows), p in zip(spans, pairs):
-                delta = (xs @ p.lora_A.t()) @ p.lora_B.t()
-                rows_out[:, offset : offset + rows].add_(delta, alpha=p.scaling)
+                xi = torch.nn.functional.dropout(xs, p.dropout, training=True) if training and p.dropout > 0 else xs
+                rows_out[:, offset : offset + rows].add_((xi @ p.lora_A.t()) @ p.lora_B.t(), alpha=p.scaling)
             return out
 
         return add_delta
