@@ -15,9 +15,9 @@ all-linear`` runs) with the LoRA fields added. Shapes:
   weights drawn on the GPU (no checkpoint is written: areno's loader builds the model, the weights are filled in
   place); 64 prompts x 8 samples x 512 new tokens, 16 microbatches of 32, activation checkpointing on.
 - ``--qlora`` (G32B-qlora): Qwen3-32B's config (hidden 5120, 64 layers, 64/8 heads, intermediate 25600), random
-  weights on the GPU (the build time is printed and recorded as ``build_s``, the bf16 base's memory as
-  ``load_peak_gib``), ``--quantize-base nf4``; 8 prompts x 4 samples x 256 new tokens, one microbatch, checkpointing
-  on.
+  weights on the GPU, ``--quantize-base nf4`` (each projection quantised as it is drawn, as areno's loader does as it
+  reads one: the build time is printed and recorded as ``build_s``, the load's memory peak, the NF4 base plus one
+  projection in bf16, as ``load_peak_gib``); 8 prompts x 4 samples x 256 new tokens, one microbatch, checkpointing on.
 
 Per row: step_s (mean of the steps after the first), the split as G1 rows give it (rollout_s; logprob_s: the
 reference and old log-probs, none at beta 0 when the rollout's own log-probs serve; train_s: the update; reward_s,
@@ -87,27 +87,33 @@ def write_config(folder: Path, shape: dict, dtype) -> Path:
 @contextlib.contextmanager
 def random_weights(timing: dict):
     """While open, areno's loader fills each model's parameters in place on their device (std 0.02, norms 1)
-    instead of reading a checkpoint; ``timing["build_s"]`` is the time spent filling, ``timing["load_peak_gib"]``
-    the GPU memory peak then (the bf16 base before --quantize-base nf4 shrinks it)."""
+    instead of reading a checkpoint, the loader's ``deferred`` weights (--quantize-base nf4) made and quantised one
+    at a time as it does; ``timing["build_s"]`` is the time spent filling, ``timing["load_peak_gib"]`` the GPU memory
+    peak then (the load's: with nf4 the NF4 base, the rest in bf16 and one projection's bf16 weight)."""
     from areno.models import loader
 
     real = loader.load_hf_weights
 
     @torch.no_grad()
-    def fill(model, source):
+    def fill(model, source, deferred=None):
         t0 = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()  # from the materialised model on: earlier cases' peaks left out
         gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(0)
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+        drawn = 0
+        for name, p in list(model.named_parameters()):  # listed first: a deferred weight leaves its module
+            with (deferred or {}).get(name) or contextlib.nullcontext(p) as t:  # nf4: quantised on leaving
+                if t.dim() == 1:
+                    t.fill_(1.0)
+                else:
+                    t.normal_(0.0, 0.02, generator=gen)
+                drawn += t.numel()
+            del t
         grpo_step.sync()
         timing["build_s"] = timing.get("build_s", 0.0) + time.perf_counter() - t0
-        if torch.cuda.is_available():  # the base in bf16 before any quantisation: the load's peak
+        if torch.cuda.is_available():
             timing["load_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        print(f"random weights: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters drawn in "
-              f"{timing['build_s']:.1f}s", flush=True)
+        print(f"random weights: {drawn / 1e9:.2f}B parameters drawn in {timing['build_s']:.1f}s", flush=True)
 
     loader.load_hf_weights = fill
     try:

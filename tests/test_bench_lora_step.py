@@ -1,11 +1,13 @@
 """bench/lora_step.py --smoke on the CPU: LoRA GRPO rows through areno's train path (the cached checkpoint and the
-GPU-build path with QLoRA), with the fields the H200 run reports, and bench/report.py renders them."""
+GPU-build path with QLoRA), with the fields the H200 run reports, and bench/report.py renders them; its random weights
+go through the loader's quantise-on-load as a checkpoint's would (the 32B shape's load peak: the NF4 base)."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,3 +40,21 @@ def test_lora_step_smoke_rows_and_report(tmp_path, monkeypatch):
     text = report.render([{**env, **r} for r in records])
     table = text[text.index("## LoRA GRPO step: `bench/lora_step.py`"):]
     assert "| areno | 0.6b | none |" in table and "| areno | 32b-qlora | nf4 |" in table
+
+
+def test_random_weights_are_quantised_as_they_are_drawn(tmp_path):
+    from areno.models import load_model
+    from areno.models.qlora import nf4_state, quantizable, quantize_base, quantized_modules
+
+    bench = _module("lora_step")
+    path = bench.write_config(tmp_path / "model", bench.SMOKE_BUILT, torch.float32)
+    timing = {}
+    with bench.random_weights(timing):
+        onload = load_model(path, device="cpu", dtype=torch.float32, quantize_base="nf4")
+        plain = load_model(path, device="cpu", dtype=torch.float32)
+    assert timing["build_s"] >= 0 and set(quantized_modules(onload)) == set(quantizable(onload))
+    quantize_base(plain)  # the draws are the same (one generator, parameter order): so are the bytes
+    theirs, mine = nf4_state(plain), nf4_state(onload)
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    theirs, mine = dict(plain.named_parameters()), dict(onload.named_parameters())
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)

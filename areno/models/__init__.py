@@ -1,9 +1,10 @@
 """areno.models: adapters (qwen3, qwen3_moe, llama, bailing_hybrid, qwen3_vl), Hugging Face load/save, TP sharding.
 
 Entry points (docs/design.md): ``load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None,
-attn_backend=None)``, ``load_tokenizer(path_or_repo_id)``, ``save_model(model, dir, tokenizer=None)`` and
-``model.logits(input_ids [B, T]) -> [B, T, V]``. What the engine and the trainer may call and read on a model is
-declared in ``protocol.py`` (``ModelProtocol``, ``TrainedModel``).
+attn_backend=None, quantize_base=None)`` (``"nf4"``: QLoRA's base quantised as it loads),
+``load_tokenizer(path_or_repo_id)``, ``save_model(model, dir, tokenizer=None)`` and ``model.logits(input_ids [B, T])
+-> [B, T, V]``. What the engine and the trainer may call and read on a model is declared in ``protocol.py``
+(``ModelProtocol``, ``TrainedModel``).
 """
 
 from areno.models.attention_metadata import AttentionMetadata

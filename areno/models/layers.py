@@ -123,6 +123,10 @@ class Linear(nn.Module):
     def nf4(self) -> Nf4Weight:
         return Nf4Weight(*(self._buffers[n] for n in NF4_BUFFERS), self.nf4_shape)
 
+    def weight_shape(self) -> tuple:
+        """The weight's ``(out, in)`` (this rank's shard); an NF4 one's without dequantising it."""
+        return self.nf4_shape or tuple(self.weight.shape)
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)

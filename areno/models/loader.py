@@ -1,14 +1,18 @@
 """Hugging Face checkpoint -> areno model: resolve the folder, read the config, build on the meta device, shard,
 and copy each weight slice from safetensors straight into its parameter on the target device.
 
-Peak memory is the model shard plus one tensor slice in host memory; no full second copy of the model exists.
+Peak memory is the model shard plus one tensor slice in host memory; no full second copy of the model exists. With
+``quantize_base="nf4"`` (QLoRA) the projections ``qlora.quantizable`` names are quantised as they load: each weight is
+made on the device just before its slices are copied and NF4-quantised (its full-precision tensor freed) right after,
+so the device holds the NF4 model, the parts kept in ``dtype`` and one projection's weight (and its
+quantisation's scratch) at a time.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -197,21 +201,53 @@ class TensorDict:
         return tuple(self.tensors[name].shape)
 
 
-def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace every (meta) parameter by an uninitialised one on ``device``; buffers are made by ``init_buffers``."""
-    for module in model.modules():
-        fp32 = getattr(module, "fp32_params", ())  # kept fp32 in any model dtype (routers, decay parameters)
-        for name, p in list(module.named_parameters(recurse=False)):
-            new = torch.empty(p.shape, dtype=torch.float32 if name in fp32 else dtype, device=device)
-            setattr(module, name, nn.Parameter(new, requires_grad=p.requires_grad))
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, skip=()) -> None:
+    """Replace every (meta) parameter but those named in ``skip`` by an uninitialised one on ``device``; buffers are
+    made by ``init_buffers``."""
+    for mname, module in model.named_modules():
+        for name, _ in list(module.named_parameters(recurse=False)):
+            if (f"{mname}.{name}" if mname else name) not in skip:
+                make_parameter(module, name, dtype, device)
+
+
+def make_parameter(module: nn.Module, name: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """``module.<name>`` replaced by an uninitialised parameter of its shape on ``device`` (in ``dtype``, or fp32 if
+    the module keeps it so: routers, decay parameters); returns it."""
+    p = module._parameters[name]
+    fp32 = getattr(module, "fp32_params", ())
+    new = nn.Parameter(torch.empty(p.shape, dtype=torch.float32 if name in fp32 else dtype, device=device),
+                       requires_grad=p.requires_grad)
+    setattr(module, name, new)
+    return new
+
+
+@contextmanager
+def _made_then(module: nn.Module, name: str, dtype, device, then):
+    """``module.<name>`` made on ``device`` for the block (``make_parameter``), ``then()`` run on leaving it."""
+    yield make_parameter(module, name, dtype, device)
+    then()
+
+
+def nf4_on_load(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict:
+    """``load_hf_weights``' ``deferred`` for QLoRA: the weight of every projection ``qlora.quantizable`` names (what
+    is not built is refused there, before any weight is read), made when its slices are about to be copied and
+    NF4-quantised once they are (``Linear.quantize_nf4_``, which frees it)."""
+    from areno.models.qlora import quantizable
+
+    modules = dict(model.named_modules())
+    return {f"{n}.weight": _made_then(modules[n], "weight", dtype, device, modules[n].quantize_nf4_)
+            for n in quantizable(model)}
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, source) -> None:
+def load_hf_weights(model: nn.Module, source, deferred: dict | None = None) -> None:
     """Copy this rank's slice of every Hugging Face tensor in ``source`` into the model's parameters.
 
     ``source`` is a ``SafetensorsFiles``, a ``TensorDict`` or a plain ``{hf_name: full tensor}`` dict.
     Every parameter must be covered; unknown tensors are an error (except ignorable buffers and a tied LM head).
+    ``deferred``: ``{parameter name: context manager}`` for parameters ``materialize`` skipped (``nf4_on_load``'s);
+    each is entered just before that parameter's slices are copied (it gives the tensor to fill) and left right
+    after, one at a time.
     """
     if isinstance(source, dict):
         source = TensorDict(source)
@@ -219,13 +255,14 @@ def load_hf_weights(model: nn.Module, source) -> None:
     available = set(source.keys())
     expected, missing = set(), []
     for pname, lays in model._tp_layouts.items():
-        param = params[pname]
-        for pc in pieces(lays, model.tp_rank, model.tp_size):
-            expected.add(pc.hf_name)
-            if pc.hf_name not in available:
-                missing.append(pc.hf_name)
-                continue
-            _copy_piece(param[pc.dst], source, pc)
+        with (deferred or {}).get(pname) or nullcontext(params[pname]) as param:
+            for pc in pieces(lays, model.tp_rank, model.tp_size):
+                expected.add(pc.hf_name)
+                if pc.hf_name not in available:
+                    missing.append(pc.hf_name)
+                    continue
+                _copy_piece(param[pc.dst], source, pc)
+        del param  # a deferred tensor (quantised on leaving) is not kept alive past its block
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:5]} (does "
                        "config.json match the weights?)")
@@ -286,8 +323,12 @@ def meta_model(path_or_repo_id, *, attn_backend: str = "flash", tp_group=None):
     return model, raw, path
 
 
-def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_backend=None):
-    """Build an areno model from a Hugging Face folder or repo id (see the module docstring); returned in eval mode."""
+def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_backend=None, quantize_base=None):
+    """Build an areno model from a Hugging Face folder or repo id (see the module docstring); returned in eval mode.
+    ``quantize_base="nf4"``: QLoRA's projections quantised as they load (``nf4_on_load``), the same bytes as
+    ``qlora.quantize_base`` after a plain load; ``None``/``"none"``: every weight in ``dtype``."""
+    if quantize_base not in (None, "none", "nf4"):
+        raise ValueError(f"quantize_base must be None, 'none' or 'nf4', got {quantize_base!r}")
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -297,9 +338,10 @@ def load_model(path_or_repo_id, *, dtype=None, device=None, tp_group=None, attn_
         attn_backend = default_attn_backend() if device.type == "cuda" else "flash"  # CPU: kernel dispatch decides
     model, raw, path = meta_model(path_or_repo_id, attn_backend=attn_backend, tp_group=tp_group)
     dtype = resolve_dtype(dtype, raw, device)
-    materialize(model, dtype, device)
+    deferred = nf4_on_load(model, dtype, device) if quantize_base == "nf4" else {}
+    materialize(model, dtype, device, skip=deferred)
     with ExitStack() as stack:
-        load_hf_weights(model, model.checkpoint_source(SafetensorsFiles(path, stack)))
+        load_hf_weights(model, model.checkpoint_source(SafetensorsFiles(path, stack)), deferred=deferred)
     model.init_buffers(device)
     register_grad_hooks(model)
     model.hf_config, model.source_dir, model.name_or_path = raw, path, str(path_or_repo_id)

@@ -6,6 +6,10 @@ whatever ``--lora-target-modules`` names. The full-precision weights are freed; 
 colocated rollout and the reference (the adapter off). Not built yet, refused in one line: tensor parallelism, MoE
 experts (the fused expert kernels read bf16 stacks), MLA (its decode kernel absorbs ``kv_b_proj``'s weight).
 
+When: as the model loads (``load_model(..., quantize_base="nf4")``: one projection's full-precision weight on the
+device at a time, never the whole base; ``lora.attach`` then hooks the adapter onto the NF4 modules), or on a loaded
+model (``quantize_base``: after a warm-up that trains the base); the same bytes either way.
+
 Files: ``nf4_state`` / ``load_nf4_state`` give the quantised tensors by module name (a checkpoint whose base the
 run's warm-up trained holds them, so resume gets the same bytes back); ``dequantized`` lends each quantised module
 its dequantised weight as a parameter for the length of a block (saving, merging).

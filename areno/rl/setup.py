@@ -82,11 +82,11 @@ def init_groups(cfg) -> Groups:
 
 def load_policy(cfg, device, dtype, tp_group, *, model=None, tokenizer=None):
     """The policy (in train mode, frozen parts frozen) and its tokenizer; ``model``/``tokenizer``: the SDK's own."""
-    from areno.models import load_model, load_tokenizer
+    from areno.models import load_tokenizer
 
-    with checkpoint_flag("--ckpt", cfg.ckpt):
-        model = model or load_model(cfg.ckpt, dtype=dtype, device=device, tp_group=tp_group,
-                                    attn_backend=cfg.attn_backend)
+    with checkpoint_flag("--ckpt", cfg.ckpt):  # QLoRA: the base quantised as it loads (lora.load_base)
+        model = model or lora.load_base(cfg, dtype=dtype, device=device, tp_group=tp_group,
+                                        attn_backend=cfg.attn_backend)
         tok = tokenizer or load_tokenizer(cfg.ckpt)
     multimodal.check_flags(cfg, model)
     multimodal.freeze(model, cfg)  # the tower and projector stay frozen (and in eval mode) unless unfrozen

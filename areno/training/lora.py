@@ -10,8 +10,9 @@ base's own training: LoRA adapts a trained base; the quickstart's is random); fr
 base in ``<checkpoint>/base`` (the adapter's base) and resume reads it back. Under TP the adapter is sharded with its
 layers (models/lora.py): every rank takes part in a save (the shards are gathered), rank 0 writes whole files.
 
-QLoRA (--quantize-base nf4, ``models/qlora.py``): the base's projections are quantised once the adapter is attached,
-or at the end of the warm-up when one trains the base (the warm-up stands in for the base's own training); a
+QLoRA (--quantize-base nf4, ``models/qlora.py``): the base's projections are quantised as --ckpt loads
+(``load_base``: one projection in --dtype on the device at a time), or, when an --sft-warmup-steps warm-up trains the
+base (it loads in --dtype then), at the end of the warm-up (which stands in for the base's own training); a
 checkpoint's ``base/`` then holds the dequantised base (what the adapter saw) and ``base_nf4.safetensors`` its NF4
 bytes, which resume reads back; without a warm-up, resume quantises --ckpt again (deterministic: the same bytes).
 """
@@ -50,10 +51,23 @@ def spec_of(cfg) -> LoraSpec:
     return LoraSpec(spec.rank, spec.alpha, cfg.lora_dropout, spec.target_modules)
 
 
+def load_base(cfg, **kwargs):
+    """``load_model(cfg.ckpt, **kwargs)``; with --lora-rank and --quantize-base nf4 the base quantised as it loads
+    (``models/loader.py``), unless an --sft-warmup-steps warm-up trains it first (``apply`` leaves it to the warm-up's
+    end). What QLoRA does not build (MoE, MLA, TP) is refused naming --quantize-base, before any weight is read."""
+    from areno.models import load_model
+
+    nf4 = cfg.lora_rank and cfg.quantize_base == "nf4" and not cfg.sft_warmup_steps
+    try:
+        return load_model(cfg.ckpt, quantize_base="nf4" if nf4 else None, **kwargs)
+    except LoraError as e:
+        raise ConfigError(e.field, str(e).split(": ", 1)[1]) from e
+
+
 def apply(cfg, model):
     """With --lora-rank > 0: freeze ``model``, hook in the adapter (from --lora-path if given) and with
-    --quantize-base nf4 quantise the base (after the warm-up when --sft-warmup-steps trains it); returns the adapter
-    or None."""
+    --quantize-base nf4 quantise what ``load_base`` left unquantised (after the warm-up when --sft-warmup-steps trains
+    the base); returns the adapter or None."""
     if not cfg.lora_rank:
         return None
     try:

@@ -1,9 +1,12 @@
 """QLoRA (`--quantize-base nf4`): the base's projections held as NF4 (bitsandbytes' format), the same function as the
 dequantised weights, one step trains the adapter only (loss down, base bytes unchanged), the reference is the
-quantised base with the adapter off; through `areno train`: PEFT files, --merge-lora into the dequantised base, exact
-resume of a warm-up-trained quantised base, and what is not built exits 2 naming the flag."""
+quantised base with the adapter off; quantised as it loads: the bytes, adapter and logits of load-then-quantise, one
+full-precision projection alive at a time, refusals before any weight is read; through `areno train`: the base
+quantised at load, PEFT files, --merge-lora into the dequantised base, exact resume of a warm-up-trained quantised
+base, and what is not built exits 2 naming the flag."""
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -12,8 +15,9 @@ from safetensors.torch import load_file
 from areno.cli import main
 from areno.kernels.nf4 import dequantize_nf4
 from areno.models import load_model
-from areno.models.lora import LoraSpec, attach
-from areno.models.qlora import dequantized, nf4_state, quantize_base, quantized_modules
+from areno.models.layers import Linear
+from areno.models.lora import LoraError, LoraSpec, attach
+from areno.models.qlora import dequantized, nf4_state, quantizable, quantize_base, quantized_modules
 from areno.training.lora import BaseModel
 
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6]])
@@ -149,3 +153,137 @@ def _exit_code(argv) -> int:
     except SystemExit as e:
         return e.code
 
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3", torch.float32), ("qwen3", torch.bfloat16),
+                                          ("qwen3_5", torch.float32)])
+def test_quantise_on_load_gives_the_bytes_adapter_and_logits_of_load_then_quantise(tmp_path, family, dtype):
+    from areno.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / family, family, seed=1)
+    torch.manual_seed(0)
+    after = load_model(ckpt, device="cpu", dtype=dtype, attn_backend="native")
+    adapter_after = attach(after, LoraSpec(4, 8.0))
+    quantize_base(after)
+    torch.manual_seed(0)  # the adapter's init draws the same numbers whichever order
+    onload = load_model(ckpt, device="cpu", dtype=dtype, attn_backend="native", quantize_base="nf4")
+    assert set(quantized_modules(onload)) == set(quantizable(onload))  # all quantised by the loader itself
+    adapter = attach(onload, LoraSpec(4, 8.0))
+    assert quantize_base(onload) == (0, 0)  # nothing left to do
+    theirs, mine = nf4_state(after), nf4_state(onload)
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    assert all(m.nf4_dtype == dtype for m in quantized_modules(onload).values())
+    theirs, mine = dict(after.named_parameters()), dict(onload.named_parameters())
+    assert theirs.keys() == mine.keys() and all(torch.equal(theirs[k], mine[k]) for k in theirs)
+    assert all(p.dtype == theirs[k].dtype and not p.requires_grad for k, p in mine.items())
+    a, b = dict(adapter_after.named_parameters()), dict(adapter.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert [s.module for s in adapter.sites] == [s.module for s in adapter_after.sites]
+    assert [id(p) for p in adapter.base_trainable] == [id(mine[k]) for k, p in theirs.items()
+                                                       if any(p is q for q in adapter_after.base_trainable)]
+    with torch.no_grad():
+        for x, y in zip(adapter_after.parameters(), adapter.parameters()):  # B moved: the adapter counts too
+            x.normal_(0, 0.1, generator=torch.Generator().manual_seed(x.numel()))
+            y.copy_(x)
+        assert torch.equal(onload.logits(IDS), after.logits(IDS))
+        with adapter.disabled(), adapter_after.disabled():  # the reference: the quantised base
+            assert torch.equal(onload.logits(IDS), after.logits(IDS))
+
+
+def _spy_full_precision(monkeypatch) -> tuple[list, list]:
+    """``(seen, holder)``: ``seen`` gets, each time a quantisable projection's weight is made on the device and each
+    time one is quantised, the bytes of those full-precision weights then alive (held by the model ``holder[0]``, or
+    by anything else: weakrefs of every one made); ``holder`` gets the model ``loader.materialize`` is given."""
+    from areno.models import loader
+
+    seen, holder, made = [], [], []
+    real_materialize, real_make, real_quantize = loader.materialize, loader.make_parameter, Linear.quantize_nf4_
+
+    def alive_bytes():
+        modules = dict(holder[0].named_modules())
+        weights = [r() for r in made] + [modules[n]._parameters.get("weight") for n in quantizable(holder[0])]
+        alive = {id(w): w for w in weights if w is not None and not w.is_meta}
+        return sum(w.numel() * w.element_size() for w in alive.values())
+
+    def materialize(model, *args, **kwargs):
+        holder[:] = [model]
+        real_materialize(model, *args, **kwargs)
+
+    def make(module, name, *args):
+        p = real_make(module, name, *args)
+        if any(module is dict(holder[0].named_modules())[n] for n in quantizable(holder[0])):
+            made.append(weakref.ref(p))
+            seen.append(alive_bytes())
+        return p
+
+    def quantize(self, q=None):
+        made.append(weakref.ref(self.weight))
+        seen.append(alive_bytes())
+        real_quantize(self, q)
+
+    monkeypatch.setattr(loader, "materialize", materialize)
+    monkeypatch.setattr(loader, "make_parameter", make)
+    monkeypatch.setattr(Linear, "quantize_nf4_", quantize)
+    return seen, holder
+
+
+def test_quantise_on_load_holds_one_full_precision_projection_at_a_time(tmp_path, monkeypatch):
+    from areno.testing import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=0, num_hidden_layers=3)
+    seen, holder = _spy_full_precision(monkeypatch)
+    model = load_model(ckpt, device="cpu", dtype=torch.float32, quantize_base="nf4")
+    sizes = [m.nf4_shape[0] * m.nf4_shape[1] * 4 for m in quantized_modules(model).values()]
+    assert len(sizes) == 4 * 3
+    # made, then quantised, one projection after the other: never a second one alive (nor the whole base)
+    assert seen == [size for size in sizes for _ in range(2)] and max(seen) == max(sizes)
+    # the bound is real: load-then-quantise holds every projection at the first quantisation
+    seen.clear()
+    plain = load_model(ckpt, device="cpu", dtype=torch.float32)
+    seen.clear()
+    quantize_base(plain)
+    assert seen[0] == sum(sizes)
+
+
+def test_quantise_on_load_refuses_before_reading_a_weight(tmp_path, monkeypatch):
+    from areno.models import loader
+    from areno.testing import make_tiny_checkpoint
+
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=0)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(loader, "materialize", never)
+    monkeypatch.setattr(loader, "load_hf_weights", never)
+    with pytest.raises(LoraError, match="--quantize-base: nf4 on the MoE model qwen3_moe"):
+        load_model(moe, device="cpu", quantize_base="nf4")
+    with pytest.raises(ValueError, match="quantize_base"):
+        load_model(moe, device="cpu", quantize_base="int4")
+
+
+def test_a_qlora_sft_run_quantises_the_base_as_it_loads(inputs, tmp_path, monkeypatch):
+    """`areno train --quantize-base nf4` without a warm-up: the loader quantises every projection (apply finds
+    nothing left), the adapter trains, and the saved adapter gives the same logits on either way's base."""
+    from areno.models import loader, qlora
+
+    loads, left = [], []
+    real_on_load, real_quantize = loader.nf4_on_load, qlora.quantize_base
+    monkeypatch.setattr(loader, "nf4_on_load", lambda *a: loads.append(a[0]) or real_on_load(*a))
+    monkeypatch.setattr(qlora, "quantize_base", lambda model: left.append(real_quantize(model)) or left[-1])
+    assert main(_argv(inputs, tmp_path / "out", "sft", steps=2)) == 0
+    assert len(loads) == 1 and left == [(0, 0)]  # the policy only (the reference is the base, adapter off)
+    saved = tmp_path / "out" / "step-2"
+    tensors = load_file(str(saved / "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in tensors.items())  # B moved
+    assert not (saved / "base").exists() and not (saved / "base_nf4.safetensors").exists()
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "out" / "metrics" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in x]
+    assert len(losses) == 2 and all(x == x for x in losses)
+    ours = load_model(inputs[0], device="cpu", dtype=torch.float32, attn_backend="native")
+    attach(ours, LoraSpec(4, 8.0)).load_weights(saved)
+    real_quantize(ours)
+    again = load_model(inputs[0], device="cpu", dtype=torch.float32, attn_backend="native", quantize_base="nf4")
+    attach(again, LoraSpec(4, 8.0)).load_weights(saved)
+    with torch.no_grad():
+        assert torch.equal(again.logits(IDS), ours.logits(IDS))
