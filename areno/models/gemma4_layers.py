@@ -47,7 +47,8 @@ class Gemma4Attention(nn.Module):
         self.register_buffer("v_scale", None, persistent=False)  # ones: v's RMSNorm has no weight
 
     def init_buffers(self, device) -> None:
-        self.v_scale = torch.ones(self.head_dim, dtype=self.o_proj.weight.dtype, device=device)
+        dtype = self.o_proj.nf4_dtype or self.o_proj.weight.dtype  # an NF4 o_proj's without dequantising it
+        self.v_scale = torch.ones(self.head_dim, dtype=dtype, device=device)
 
     def shard_heads(self, rank: int, size: int) -> None:
         """Local head counts under TP: query heads split, this layer's KV heads split or replicated."""
