@@ -270,8 +270,8 @@ def cublas_fp8_applies(x: torch.Tensor, q: Fp8Weight) -> bool:
 def fp8_linear_cublas(x2: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x2 [M, K] @ W'^T (+ bias)`` through cuBLAS: x quantised by :func:`quantize_act_fp8_cublas`, the weight
     scales padded to a multiple of 4 K-groups and transposed (the layouts cuBLAS asks for); the rows past M are
-    dropped (a view: the output stays contiguous). Measured
-    (bench/fp8_gemm.py, H100): as fast as the best Triton tiles at decode sizes, 1.5-1.9x faster from M = 256 up."""
+    dropped (a view: the output stays contiguous). bench/fp8_gemm.py on an H100: as fast as the best Triton tiles at
+    decode sizes, 1.5-1.9x faster from M = 256 up."""
     m = x2.shape[0]
     xq, xs = quantize_act_fp8_cublas(x2)
     g = xs.shape[1]
