@@ -29,7 +29,8 @@
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
 #   train-profile     kernel tables of T1 and T2 steps, graph gaps, graphed-step memory
 #   families-profile  kernel tables of issue 38's T1 step (35B-A3B shape; $PROF_TRAIN_ARGS) with 8-bit and fp32 states
-#   grpo              G1 vs TRL (TRL from $WHEELS_TRL if present), graphs off and on; grpo-default: the default command
+#   grpo              G1 vs TRL (TRL from $WHEELS_TRL if present), graphs off and on ($G1_ARGS instead, e.g.
+#                     "--rollout-dtypes bf16,fp8": FP8 rollout's G1); grpo-default: the default command
 #   lora              G1-lora / G8B-lora LoRA GRPO steps vs TRL + PEFT (bench/lora_step.py); lora-qlora: G32B-qlora
 #   grpo-split        G1 colocated vs split sync/async vs TRL (nvidia-h200-x2)
 #   sync              S1 policy sync and the split-mode tests (nvidia-h200-x2)
@@ -37,7 +38,8 @@
 #   serve             V1: the engine alone, then the server under 500 streams and 16 req/s; serve-lora: 4 rank-16
 #                     adapters under 500 streams vs the base model (bench/serve_lora.py, $SERVE_LIMIT s)
 #   eval              `areno eval` throughput (bench/eval.py, $EVAL_ARGS); optimizer-8bit: bench/optimizer_8bit.py
-#   learn             proof of learning (SFT then GRPO/GSPO from scratch, $LEARN_ARGS)
+#   learn             proof of learning (SFT then GRPO/GSPO from scratch, $LEARN_ARGS; "--algos grpo
+#                     --rollout-dtypes bf16,fp8": FP8 rollout's curve beside bf16's)
 #   families          issue 38's speed bench: Qwen3.5-9B / 35B-A3B shapes, R1 rollout and T1 train step vs
 #                     transformers (>= 5.24 from $WHEELS_TF; older: areno's rows only), $FAMILIES_ARGS
 # Wheels for Python 3.12 that the GPU machine lacks, carried with the tree (bench/README.md says how to fetch them):
@@ -144,7 +146,7 @@ for stage in "$@"; do
     grpo)
       wheels "$WHEELS_TRL" /tmp/trl
       step grpo_step ${G1_LIMIT:-420} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/grpo_step.py \
-        --train-cuda-graphs off,on ;;
+        ${G1_ARGS:---train-cuda-graphs off,on} ;;
     lora)
       wheels "$WHEELS_TRL" /tmp/trl
       step lora_step ${LORA_LIMIT:-560} env PYTHONPATH=$PYTHONPATH:/tmp/trl python3 bench/lora_step.py ${LORA_ARGS:-} ;;

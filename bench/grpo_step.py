@@ -4,6 +4,7 @@
     python bench/grpo_step.py --smoke   # CPU: a tiny shape, 4 prompts x 4 samples (times meaningless)
     python bench/grpo_step.py --split   # also split mode, sync and async: train on GPU 0, rollout on GPU 1
     python bench/grpo_step.py --split --tail --impls none   # G2: long-tailed lengths, sync split vs partial rollout
+    python bench/grpo_step.py --impls areno --rollout-dtypes bf16,fp8   # issue 41: G1 with FP8 rollout beside bf16
 
 The batch (BENCH.md G1): 32 prompts of 128 random tokens, 8 samples each (256 completions), up to 512 new tokens at
 temperature 1 (EOS may stop a completion; with random weights almost none stops early: see response_len), bf16,
@@ -115,7 +116,7 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto", extra: dict | None
         train_cuda_graphs=graphs,
         **(extra or {}),
     )
-    rec = dict(impl="areno", checkpointing=ckpt, train_cuda_graphs=graphs)
+    rec = dict(impl="areno", checkpointing=ckpt, train_cuda_graphs=graphs, rollout_dtype=cfg.rollout_dtype)
     loop = TrainLoop(cfg)
     t0 = time.perf_counter()
     loop.setup()
@@ -280,6 +281,16 @@ def run_trl(path, texts, s, args, tmp, peft_config=None) -> dict:
     return rec
 
 
+def bf16_twin(records: list[dict], r: dict) -> dict | None:
+    """For an FP8-rollout areno row, the bf16 row of the same checkpointing and graph setting (else None)."""
+    if r["impl"] != "areno" or r.get("rollout_dtype") != "fp8" or not r.get("step_s"):
+        return None
+    same = lambda b: (b.get("checkpointing"), b.get("train_cuda_graphs")) == (r.get("checkpointing"),  # noqa: E731
+                                                                              r.get("train_cuda_graphs"))
+    return next((b for b in records if b["impl"] == "areno" and b.get("rollout_dtype") == "bf16" and b.get("step_s")
+                 and same(b)), None)  # fmt: skip
+
+
 def breakdown(r: dict) -> str:
     """One line: where an areno step's wall time goes (steady-state means), and the scoring work the overlap hid."""
     names = dict(rollout_s="rollout", reward_s="reward wait", pack_s="pack", logprob_s="log-probs", train_s="update",
@@ -302,6 +313,8 @@ def main():
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/grpo_step.jsonl")
     ap.add_argument("--train-cuda-graphs", default="auto", help="areno's --train-cuda-graphs: auto (eager in "
                     "colocated RL), on, off, or a comma list measured in turn (e.g. off,on)")
+    ap.add_argument("--rollout-dtypes", default="bf16", help="areno's --rollout-dtype, one run each: bf16, fp8 or "
+                    "bf16,fp8 (issue 41: G1 with FP8 rollout beside bf16's)")
     ap.add_argument("--split", action="store_true", help="also areno in split mode, sync and async (2 devices)")
     ap.add_argument("--tail", action="store_true", help="with --split: long-tailed completion lengths, the sync "
                     "split step vs partial rollout (G2, issue 42)")
@@ -324,11 +337,12 @@ def main():
         for impl in impls:
             variants = [c == "on" for c in args.checkpointing.split(",")] if impl.startswith("areno") else [False]
             graph_modes = args.train_cuda_graphs.split(",") if impl == "areno" else [None]
-            for ckpt, graphs in [(c, g) for c in variants for g in graph_modes]:
+            dtypes = args.rollout_dtypes.split(",") if impl == "areno" else [None]
+            for ckpt, graphs, dtype in [(c, g, d) for c in variants for g in graph_modes for d in dtypes]:
                 t0 = time.perf_counter()
                 try:
                     if impl == "areno":
-                        rec = run_areno(path, texts, s, ckpt, args, tmp, graphs)
+                        rec = run_areno(path, texts, s, ckpt, args, tmp, graphs, extra={"rollout_dtype": dtype})
                     elif impl.startswith("areno-split"):
                         rec = run_areno_split(path, texts, s, ckpt, args, tmp, impl.removeprefix("areno-split-"))
                     else:
@@ -357,10 +371,13 @@ def main():
     for r in records:
         if r["impl"].startswith("areno") and r.get("step_s") and trl_rec:
             r["speedup_vs_trl"] = trl_rec["step_s"] / r["step_s"]
-    cols = ["impl", "checkpointing", "train_cuda_graphs", "step_s", "rollout_s", "reward_s", "pack_s", "logprob_s",
-            "train_s", "other_s", "overlap_saved_s", "response_len_mean", "logprob_diff", "policy_sync_time_s",
-            "train_idle_s", "staleness_max", "tail_cut", "peak_gib", "speedup_vs_trl", "speedup_vs_sync_split",
-            "step_s_all", "error"]  # fmt: skip
+        bf16 = bf16_twin(records, r)
+        if bf16:
+            r["speedup_vs_bf16"] = bf16["step_s"] / r["step_s"]  # issue 41: FP8 rollout's G1 against bf16's
+    cols = ["impl", "checkpointing", "train_cuda_graphs", "rollout_dtype", "step_s", "rollout_s", "reward_s", "pack_s",
+            "logprob_s", "train_s", "other_s", "overlap_saved_s", "response_len_mean", "logprob_diff",
+            "policy_sync_time_s", "train_idle_s", "staleness_max", "tail_cut", "peak_gib", "speedup_vs_trl",
+            "speedup_vs_bf16", "speedup_vs_sync_split", "step_s_all", "error"]  # fmt: skip
     print_table(records, cols)
     for r in records:
         if r["impl"].startswith("areno") and r.get("step_s"):

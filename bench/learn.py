@@ -3,6 +3,7 @@ sloppy teacher, then GRPO and GSPO (each from the SFT checkpoint) against the ex
 
     python bench/learn.py              # H200: ~20M-parameter qwen3, about 4 minutes
     python bench/learn.py --smoke      # CPU: tiny model, a few steps (checks the script; numbers meaningless)
+    python bench/learn.py --algos grpo --rollout-dtypes bf16,fp8   # issue 41: FP8 rollout learns as bf16 does
 
 The task is ``areno/quickstart/task.py`` with ``digits=3``: the teacher forgets every carry in ``--teacher-error``
 of its demonstrations (``478+385=753`` instead of 863), held-out problems are never trained on, and the reward is 1
@@ -68,6 +69,8 @@ def main():
     ap.add_argument("--rl-steps", type=int, default=60)
     ap.add_argument("--rl-lr", type=float, default=2e-4)
     ap.add_argument("--algos", default="grpo,gspo")
+    ap.add_argument("--rollout-dtypes", default="bf16", help="each RL stage once per --rollout-dtype (bf16,fp8: "
+                    "issue 41's learning check, FP8 rollout within 2 points of bf16's held-out accuracy)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     from areno.cli import main as areno
@@ -101,21 +104,30 @@ def main():
                         "--lr", str(args.sft_lr), "--lr-decay-style", "cosine", "--warmup-steps", "50",
                         "--max-steps", str(sft_steps), "--eval-interval", str(max(1, sft_steps // 5))])
     sft_ckpt = latest(sft)
-    for algo in [a for a in args.algos.split(",") if a]:
-        out = stage(algo, ["--algo", algo, "--ckpt", str(sft_ckpt), "--batch-size", "128", "--n-samples", "8",
+    for algo, dtype in [(a, d) for a in args.algos.split(",") if a for d in args.rollout_dtypes.split(",")]:
+        name = algo if dtype == "bf16" else f"{algo}-{dtype}"  # the same seed: only the rollout's weights differ
+        out = stage(name, ["--algo", algo, "--ckpt", str(sft_ckpt), "--batch-size", "128", "--n-samples", "8",
                            "--mini-bs", "1024", "--lr", str(args.rl_lr), "--max-steps", str(rl_steps),
-                           "--temperature", "1.0", "--eval-interval", "10"])
+                           "--temperature", "1.0", "--eval-interval", "10", "--rollout-dtype", dtype])
         if not args.smoke and not args.no_save:
             RESULTS.mkdir(parents=True, exist_ok=True)
             png = out / "metrics" / "reward_curve.png"
             if png.exists():
-                shutil.copy(png, RESULTS / f"learn_{algo}.png")
-            shutil.copy(out / "metrics" / "metrics.jsonl", RESULTS / f"learn_{algo}.jsonl")
+                shutil.copy(png, RESULTS / f"learn_{name}.png")
+            shutil.copy(out / "metrics" / "metrics.jsonl", RESULTS / f"learn_{name}.jsonl")
     for rec in records:
         ok = rec["gain_points"] is not None and rec["gain_points"] >= 10
         bar = "" if rec["stage"] == "sft" else " bar >= +10: " + ("pass" if ok else "FAIL")
         print(f"{rec['stage']:5s} held-out accuracy {rec['accuracy_before']:.1%} -> {rec['accuracy_after']:.1%} "
               f"({rec['gain_points']:+.1f} points){bar}")
+    after = {r["stage"]: r["accuracy_after"] for r in records}
+    for name, acc in after.items():  # FP8 rollout's runs against bf16's, same algorithm and seed
+        base = after.get(name.rsplit("-", 1)[0]) if "-" in name else None
+        if base is not None and acc is not None:
+            gap = round(100 * (acc - base), 1)
+            next(r for r in records if r["stage"] == name)["gap_vs_bf16_points"] = gap
+            print(f"{name}: {gap:+.1f} points against bf16 rollout (bar: within 2): " + ("pass" if abs(gap) <= 2 else
+                                                                                          "FAIL"))
     if not args.smoke and not args.no_save:
         append_jsonl("learn", records, env_info())
     shutil.rmtree(work, ignore_errors=True)
