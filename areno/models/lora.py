@@ -5,7 +5,8 @@ An adapter is a set of (A, B) pairs, one per Hugging Face linear module it targe
 ...), named and initialised as PEFT does: ``A [r, in]`` kaiming-uniform (a = sqrt 5), ``B [out, r]`` zeros, the delta
 ``B(A(dropout(x))) * alpha / r`` added to the base projection's output. areno fuses some projections (``qkv_proj`` is
 q, k and v; ``gate_up_proj`` is gate and up): ``hf_layouts`` says which output rows each Hugging Face module owns, so
-one forward hook on the fused ``Linear`` adds each targeted module's delta to its own rows (zeros elsewhere).
+one forward hook on the fused ``Linear`` adds each targeted module's delta to its own rows (in place without TP;
+under TP with zero pieces for the rest).
 
 The adapter is not a submodule of the model: the model's parameters, their Hugging Face names, loading, saving and
 TP plans are unchanged; ``attach`` freezes the base and hooks the projections; ``disabled()`` runs the base policy
