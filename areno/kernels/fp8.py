@@ -333,8 +333,8 @@ def fp8_linear_native(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None =
 
 def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, *, _gemm: str = "auto") -> torch.Tensor:
     """``x [..., K] @ W'^T (+ bias) -> [..., N]`` in x's dtype, x quantised per token and 128 columns: on the Triton
-    path the activation kernel, then cuBLAS's block-scaled GEMM where it applies (:func:`cublas_fp8_applies`; bf16 /
-    fp16 x) or areno's Triton GEMM (``_gemm="triton"`` pins it: benchmarks, tests); else the native reference.
+    path the activation kernel, then cuBLAS's block-scaled GEMM where it applies (:func:`cublas_fp8_applies`; bf16 x)
+    or areno's Triton GEMM (``_gemm="triton"`` pins it: benchmarks, tests); else the native reference.
     Inference only (rollout): there is no gradient through the rounding."""
     _check_float(x, "x")
     if x.shape[-1] != q.shape[1]:
@@ -347,10 +347,10 @@ def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, 
     b = None if bias is None else bias.contiguous()
     if _gemm not in ("auto", "triton", "cublas"):
         raise ValueError(f"fp8_linear: _gemm is 'auto', 'triton' or 'cublas', got {_gemm!r}")
-    cublas = cublas_fp8_applies(x2, q) and x.dtype != torch.float32
+    cublas = cublas_fp8_applies(x2, q) and x.dtype == torch.bfloat16  # the output dtype the bench measured
     if _gemm == "cublas" and not cublas:
         raise RuntimeError(f"fp8_linear(_gemm='cublas'): cuBLAS's block-scaled GEMM does not apply here ({x.device}, "
-                           f"{x.dtype}, weight {tuple(q.shape)}: sm_90, CUDA >= 12.9, bf16/fp16, N and K % 128)")
+                           f"{x.dtype}, weight {tuple(q.shape)}: sm_90, CUDA >= 12.9, bf16 x, N and K % 128)")
     if cublas and _gemm != "triton":
         y = fp8_linear_cublas(x2, q, b)
     else:
