@@ -36,12 +36,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import gemm_row, weight_gemm_bench  # noqa: E402
 
 from areno.kernels.fp8 import (  # noqa: E402
+    cublas_fp8_applies,
     dequantize_weight_fp8,
     fp8_config,
     fp8_linear,
     fp8_matmul,
+    fp8_matmul_cublas,
     fp8_matmul_native,
     quantize_act_fp8,
+    quantize_act_fp8_cublas,
     quantize_weight_fp8,
 )
 from areno.kernels.gemm import GemmConfig  # noqa: E402
@@ -66,10 +69,11 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
         "dequant+matmul": (lambda: torch.matmul(x, dequantize_weight_fp8(q, w.dtype).T), q.nbytes()),
         "bf16 matmul": (lambda: torch.matmul(x, w.T), w.numel() * w.element_size()),
     }
-    try:  # cuBLAS's block-scaled fp8 GEMM where this torch and GPU have it
-        paths["cublas scaled_mm"] = (scaled_mm_fn(xq, xs, q, w.dtype), q.nbytes())
-    except Exception as e:  # noqa: BLE001 - a probe: say why and measure the rest
-        print(f"cublas scaled_mm unavailable at {name} M={m}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if cublas_fp8_applies(x, q):  # cuBLAS's block-scaled fp8 GEMM alone, on operands in its layout
+        xq4, xs4 = quantize_act_fp8_cublas(x)
+        paths["cublas scaled_mm"] = (lambda: fp8_matmul_cublas(xq4, xs4, q, w.dtype, rows=m), q.nbytes())
+    elif cuda:
+        print(f"cublas scaled_mm: not on this GPU / torch (fp8.cublas_fp8_ready), {name} M={m}", flush=True)
     ref = fp8_matmul_native(xq, xs, q)
     rows = []
     for path, (fn, nbytes) in paths.items():
@@ -83,29 +87,6 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     rows.append({**best, "default_config": list(default), "weight_mb": round(q.nbytes() / 2**20, 2),
                  "weight_gb_s": round(q.nbytes() / best["ms"] / 1e6, 1)})  # fmt: skip
     return rows
-
-
-def scaled_mm_fn(xq: torch.Tensor, xs: torch.Tensor, q, out_dtype: torch.dtype):
-    """``y = x' W'^T`` by cuBLAS's DeepSeek recipe (``torch.nn.functional.scaled_mm``, 1 x 128 activation and
-    128 x 128 weight scales; CUDA >= 12.9, sm_90), operands laid out as cuBLAS asks (rows padded to a multiple of 4,
-    activation scales outer-dim-major, weight scales padded to a multiple of 4 groups and transposed) outside the timed
-    call. Raises where this torch or GPU lacks it; a probe for whether the fp8 path should call it."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    m, g = xs.shape
-    m4, g4 = -(-m // 4) * 4, -(-g // 4) * 4
-    a = torch.zeros(m4, xq.shape[1], dtype=xq.dtype, device=xq.device)
-    a[:m] = xq
-    sa = torch.ones(m4, g, device=xs.device)
-    sa[:m] = xs
-    sa = sa.t().contiguous().t()
-    sb = torch.zeros(q.scale.shape[0], g4, device=xs.device)
-    sb[:, :g] = q.scale
-    b = q.qweight.t()
-    fn = lambda: scaled_mm(a, b, sa, ScalingType.BlockWise1x128, sb.t(), ScalingType.BlockWise128x128,  # noqa: E731
-                           output_dtype=out_dtype)[:m]  # fmt: skip
-    fn()
-    return fn
 
 
 def candidates(m: int, default: GemmConfig, cuda: bool) -> list[GemmConfig]:

@@ -332,6 +332,8 @@ def main():
         impls = [i for i in args.impls.split(",") if i != "none"]
         if args.tail and not args.split:
             ap.error("--tail needs --split")
+        if args.rollout_dtypes != "bf16" and ("areno" not in impls or args.split):
+            ap.error("--rollout-dtypes applies to the colocated areno runs only (--impls areno, without --split)")
         if args.split:
             impls[1:1] = [f"areno-split-{m}" for m in (("sync", "partial") if args.tail else ("sync", "async"))]
         for impl in impls:

@@ -73,6 +73,8 @@ def main():
                     "issue 41's learning check, FP8 rollout within 2 points of bf16's held-out accuracy)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
+    if args.rollout_dtypes != "bf16" and not [a for a in args.algos.split(",") if a]:
+        ap.error("--rollout-dtypes applies to the RL stages (--algos)")
     from areno.cli import main as areno
     from areno.testing import make_tiny_checkpoint
 

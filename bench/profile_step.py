@@ -65,6 +65,16 @@ def print_gaps(prof, n, min_us=20.0):
         print(f"  {dur / 1e3:7.2f} ms at +{(a - merged[0][0]) / 1e3:7.1f} ms: {names}")
 
 
+def families_model(name: str, part: str, smoke: bool, device):
+    """A random-weight bench/families.py shape with that bench's layer count for ``part`` (rollout, train; 4 under
+    ``smoke``): bf16 on a GPU, fp32 on the CPU."""
+    import families
+
+    layers = 4 if smoke else families.SHAPES[name][1 if part == "rollout" else 2]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return models.random_model(families.config_of(name, layers, smoke), dtype, device, unit_norms=True)
+
+
 def train(args, device):
     from areno.models import load_model
     from areno.rl.algorithms import sft_loss_fn
@@ -73,13 +83,8 @@ def train(args, device):
     from areno.training.schedule import LRSchedule
     from areno.training.trainer import PolicyTrainer
 
-    if args.family:  # issue 38's T1: the family's train layers at full width (bench/families.py), random weights
-        import families
-
-        layers = 4 if args.smoke else families.SHAPES[args.family][2]
-        raw = families.config_of(args.family, layers, args.smoke)
-        model = models.random_model(raw, torch.bfloat16 if device.type == "cuda" else torch.float32, device,
-                                    unit_norms=True).train()  # fmt: skip
+    if args.family:  # issue 38's T1: the family's train layers at full width (bench/families.py)
+        model = families_model(args.family, "train", args.smoke, device).train()
     else:
         model = load_model(models.checkpoint(args.smoke), device=device).train()
     model.set_activation_checkpointing(False)
@@ -134,11 +139,7 @@ def decode(args, device):
     if args.family in rollout.SHAPES:  # bench/rollout.py's dense / MoE shapes (FP8 rollout's)
         model, tokenizer = rollout.shape_model(args.family, args.smoke, device)
     elif args.family:
-        import families
-
-        layers = 4 if args.smoke else families.SHAPES[args.family][1]
-        raw = families.config_of(args.family, layers, args.smoke)
-        model, tokenizer = models.random_model(raw, torch.bfloat16, device, unit_norms=True), None
+        model, tokenizer = families_model(args.family, "rollout", args.smoke, device), None
     else:
         path = models.checkpoint(args.smoke)
         model, tokenizer = load_model(path, device=device), load_tokenizer(path)

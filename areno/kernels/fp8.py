@@ -262,23 +262,30 @@ def cublas_fp8_ready(device: torch.device) -> bool:
 
 
 def cublas_fp8_applies(x: torch.Tensor, q: Fp8Weight) -> bool:
-    """cuBLAS's path: on a GPU that has it, for whole 128-blocks (N and K multiples of 128)."""
+    """cuBLAS's path: bf16 x (the output dtype bench/fp8_gemm.py measured) on a GPU that has it, for whole 128-blocks
+    (N and K multiples of 128)."""
     n, k = q.shape
-    return x.is_cuda and n % BLOCK == 0 and k % BLOCK == 0 and q.qweight.dim() == 2 and cublas_fp8_ready(x.device)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and n % BLOCK == 0 and k % BLOCK == 0 and q.qweight.dim() == 2
+            and cublas_fp8_ready(x.device))
 
 
-def fp8_linear_cublas(x2: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x2 [M, K] @ W'^T (+ bias)`` through cuBLAS: x quantised by :func:`quantize_act_fp8_cublas`, the weight
-    scales padded to a multiple of 4 K-groups and transposed (the layouts cuBLAS asks for); the rows past M are
-    dropped (a view: the output stays contiguous). bench/fp8_gemm.py on an H100: as fast as the best Triton tiles at
-    decode sizes, 1.5-1.9x faster from M = 256 up."""
-    m = x2.shape[0]
-    xq, xs = quantize_act_fp8_cublas(x2)
+def fp8_matmul_cublas(xq: torch.Tensor, xs: torch.Tensor, q: Fp8Weight, out_dtype=torch.bfloat16,
+                      rows: int | None = None) -> torch.Tensor:  # fmt: skip
+    """cuBLAS's ``x' W'^T`` on :func:`quantize_act_fp8_cublas`'s operands, the weight scales padded to a multiple of
+    4 K-groups and transposed (the layouts cuBLAS asks for); the first ``rows`` rows of the product (a view: the
+    output stays contiguous), all by default."""
     g = xs.shape[1]
     sw = q.scale.contiguous() if g % 4 == 0 else F.pad(q.scale, (0, 4 - g % 4))  # [N / 128, G4]; .t() is [G4, N / 128]
     st = F.ScalingType
-    y = F.scaled_mm(xq, q.qweight.t(), xs, st.BlockWise1x128, sw.t(), st.BlockWise128x128, output_dtype=x2.dtype)
-    y = y[:m]
+    y = F.scaled_mm(xq, q.qweight.t(), xs, st.BlockWise1x128, sw.t(), st.BlockWise128x128, output_dtype=out_dtype)
+    return y if rows is None else y[:rows]
+
+
+def fp8_linear_cublas(x2: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x2 [M, K] @ W'^T (+ bias)`` through cuBLAS (:func:`quantize_act_fp8_cublas`, then
+    :func:`fp8_matmul_cublas`). bench/fp8_gemm.py on an H100: as fast as the best Triton tiles at decode sizes,
+    1.5-1.9x faster from M = 256 up."""
+    y = fp8_matmul_cublas(*quantize_act_fp8_cublas(x2), q, x2.dtype, rows=x2.shape[0])
     return y if bias is None else y + bias
 
 
@@ -347,7 +354,7 @@ def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, 
     b = None if bias is None else bias.contiguous()
     if _gemm not in ("auto", "triton", "cublas"):
         raise ValueError(f"fp8_linear: _gemm is 'auto', 'triton' or 'cublas', got {_gemm!r}")
-    cublas = cublas_fp8_applies(x2, q) and x.dtype == torch.bfloat16  # the output dtype the bench measured
+    cublas = cublas_fp8_applies(x2, q)
     if _gemm == "cublas" and not cublas:
         raise RuntimeError(f"fp8_linear(_gemm='cublas'): cuBLAS's block-scaled GEMM does not apply here ({x.device}, "
                            f"{x.dtype}, weight {tuple(q.shape)}: sm_90, CUDA >= 12.9, bf16 x, N and K % 128)")

@@ -19,6 +19,7 @@ bytes, which resume reads back; without a warm-up, resume quantises --ckpt again
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -58,8 +59,15 @@ def load_base(cfg, **kwargs):
     from areno.models import load_model
 
     nf4 = cfg.lora_rank and cfg.quantize_base == "nf4" and not cfg.sft_warmup_steps
-    try:
+    with flag_errors():
         return load_model(cfg.ckpt, quantize_base="nf4" if nf4 else None, **kwargs)
+
+
+@contextlib.contextmanager
+def flag_errors():
+    """A ``LoraError`` raised in the block becomes the ``ConfigError`` of the flag it names (exit 2 naming it)."""
+    try:
+        yield
     except LoraError as e:
         raise ConfigError(e.field, str(e).split(": ", 1)[1]) from e
 
@@ -70,7 +78,7 @@ def apply(cfg, model):
     the base); returns the adapter or None."""
     if not cfg.lora_rank:
         return None
-    try:
+    with flag_errors():
         adapter = attach(model, spec_of(cfg))
         if adapter.expert_sites and getattr(cfg, "rollout_devices", None) is not None:
             raise LoraError("--lora-target-modules", f"{adapter.expert_sites[0].target}: LoRA on MoE experts in split "
@@ -83,8 +91,6 @@ def apply(cfg, model):
             adapter.quantize_pending = True
             if not cfg.sft_warmup_steps:
                 quantize_pending(model)
-    except LoraError as e:
-        raise ConfigError(e.field, str(e).split(": ", 1)[1]) from e
     return adapter
 
 
