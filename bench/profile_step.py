@@ -8,6 +8,7 @@
     python bench/profile_step.py decode --eager
     python bench/profile_step.py train --family qwen3_5-35b-a3b --optimizer-states 8bit   # issue 38's T1, 8-bit AdamW
     python bench/profile_step.py decode --family qwen3_5-9b   # issue 38's shapes (bench/families.py), random weights
+    python bench/profile_step.py decode --family qwen3_5-9b --state-dtype bfloat16 --decode-steps 8 --gaps
     python bench/profile_step.py decode --family 8b --rollout-dtype fp8   # FP8 rollout's step (bench/rollout.py's 8B)
 
 Prints the top GPU kernels by total time and the step's wall time; a diagnostic, nothing is saved.
@@ -56,7 +57,7 @@ def print_gaps(prof, n, min_us=20.0):
     span = merged[-1][1] - merged[0][0]
     busy = sum(b - a for a, b in merged)
     gaps = [(b2 - a1, a1, b2) for (_, a1), (b2, _) in zip(merged, merged[1:]) if b2 - a1 > min_us]
-    print(f"2 steps: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+    print(f"2 (scheduling) steps: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
           f"({len(gaps)} gaps > {min_us:.0f} us: {sum(g[0] for g in gaps) / 1e3:.1f} ms)")
     for dur, a, b in sorted(gaps, reverse=True)[:n]:
         mid = (a + b) / 2
@@ -149,8 +150,10 @@ def decode(args, device):
         fp8_rollout.enable(model)
     n = 8 if args.smoke else args.seqs
     engine = Engine(model, tokenizer, EngineConfig(block_size=16, max_running=n, max_model_len=2064,
-                                                   eager_decode=args.eager),
+                                                   eager_decode=args.eager, decode_steps=args.decode_steps,
+                                                   mamba_ssm_cache_dtype=args.state_dtype),
                     eos_token_ids=[models.EOS_ID])
+    k = args.decode_steps
     opts = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
     opts = SamplingParams(temperature=1.0, max_new_tokens=args.context + 64, ignore_eos=True)
@@ -162,15 +165,19 @@ def decode(args, device):
     torch.cuda.synchronize() if device.type == "cuda" else None
     t0 = time.perf_counter()
     for _ in range(10):
-        engine.step()
+        engine.step(k)
     torch.cuda.synchronize() if device.type == "cuda" else None
-    print(f"{n} sequences at ~{128 + args.context} tokens of context: {(time.perf_counter() - t0) * 100:.2f} ms a "
-          "scheduling step (unprofiled, 10 steps)")
+    print(f"{n} sequences at ~{128 + args.context} tokens of context: {(time.perf_counter() - t0) * 100 / k:.2f} ms a "
+          f"decode step (unprofiled, 10 scheduling steps of {k})")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(10):
-            engine.step()
-    print(f"10 decode steps, graph replay: {engine.runner.last_step_used_graph}")
+    with profile(activities=acts, with_stack=args.gaps) as prof:
+        for _ in range(2 if args.gaps else 10):
+            engine.step(k)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+    if args.gaps:
+        print_gaps(prof, args.top or 15)
+        return
+    print(f"10 scheduling steps of {k} decode steps, graph replay: {engine.runner.last_step_used_graph}")
     table(prof, args.top or 40)
 
 
@@ -186,17 +193,24 @@ def main():
                     help="train: MasterAdamW's moments (8bit: --optimizer-states 8bit's kernels in the table)")
     ap.add_argument("--rollout-dtype", default="bf16", choices=["bf16", "fp8"],
                     help="decode: fp8 profiles FP8 rollout's step (the model's linear weights as FP8 copies)")
+    ap.add_argument("--state-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="decode: a hybrid's recurrent state pool (--mamba-ssm-cache-dtype)")
+    ap.add_argument("--decode-steps", type=int, default=1, help="decode: steps chained per scheduling step (R1: 8)")
     ap.add_argument("--seqs", type=int, default=256, help="decode: running sequences (128-token prompts)")
     ap.add_argument("--context", type=int, default=8, help="decode: tokens generated before the profiled steps")
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--top", type=int, default=None, help="rows of the profiler table (default 30 train, 40 decode)")
     ap.add_argument("--gaps", action="store_true",
-                    help="train, GPU: instead of the table, where the GPU idles over two steps and what the host runs "
-                         "meanwhile (--top gaps, default 15)")
+                    help="GPU: instead of the table, where the GPU idles over two (scheduling) steps and what the host "
+                         "runs meanwhile (--top gaps, default 15)")
     args = ap.parse_args()
-    if args.gaps and (args.what != "train" or not torch.cuda.is_available()):
-        ap.error("--gaps applies to the train profile on a GPU only")
+    if args.gaps and not torch.cuda.is_available():
+        ap.error("--gaps needs a GPU")
+    if args.what != "decode" and (args.state_dtype != "auto" or args.decode_steps != 1):
+        ap.error("--state-dtype and --decode-steps apply to the decode profile only")
+    if args.decode_steps < 1:
+        ap.error(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if args.shape != "8x1024" and (args.what != "train" or args.smoke):
         ap.error("--shape applies to the full train profile only (not decode, not --smoke)")
     if args.optimizer_states != "fp32" and args.what != "train":
