@@ -48,6 +48,10 @@ def print_gaps(prof, n, min_us=20.0):
     gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
     host = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "user_annotation") and "dur" in e]
+    if not gpu:
+        cats = sorted({str(e.get("cat")) for e in events})
+        print(f"no GPU activity in the trace (event categories: {', '.join(cats)})")
+        return
     merged = [list(gpu[0])]
     for a, b in gpu[1:]:
         if a <= merged[-1][1]:
