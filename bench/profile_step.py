@@ -61,7 +61,8 @@ def print_gaps(prof, n, min_us=20.0):
     span = merged[-1][1] - merged[0][0]
     busy = sum(b - a for a, b in merged)
     gaps = [(b2 - a1, a1, b2) for (_, a1), (b2, _) in zip(merged, merged[1:]) if b2 - a1 > min_us]
-    print(f"2 (scheduling) steps: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+    print(f"2 (scheduling) steps: GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, "
+          f"idle {(span - busy) / 1e3:.1f} ms "
           f"({len(gaps)} gaps > {min_us:.0f} us: {sum(g[0] for g in gaps) / 1e3:.1f} ms)")
     for dur, a, b in sorted(gaps, reverse=True)[:n]:
         mid = (a + b) / 2

@@ -21,6 +21,8 @@ picks the nibble, looks the code and the block's doubly quantised scale up (16- 
 rounds the dequantised tile to x's dtype (as the native path rounds W') and feeds ``tl.dot``. The same kernel with
 ``TRANS`` computes the input gradient ``dx = dy W'`` (reduction over N): the base weight has no gradient, x does (the
 LoRA layers below it train). Bytes read per GEMM: 0.52 N K for the weight (vs 2 N K for bf16) plus the activations.
+From ``DEQUANT_MIN_M`` rows (prefill, training) a one-pass Triton dequantisation writes W' in x's dtype and
+``torch.matmul`` multiplies (bitsandbytes' training path): the GEMM's work dwarfs the pass there.
 """
 
 from __future__ import annotations
@@ -164,23 +166,59 @@ def _nf4_matmul_kernel(a_ptr, q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & p_ok[None, :])
 
 
+@triton.jit
+def _nf4_dequant_kernel(q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr, n,
+                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # W' flat [n] in out's dtype: element i from packed byte i // 2 and block i // BLOCKSIZE's scale, in fp32.
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    byte = tl.load(q_ptr + i // 2, mask=ok, other=0).to(tl.int32)
+    nib = (byte >> ((1 - (i % 2)) * 4).to(tl.int32)) & 0xF
+    blk = i // BLOCKSIZE
+    qa = tl.load(qabs_ptr + blk, mask=ok, other=0).to(tl.int32)
+    scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=ok, other=0.0) + tl.load(off_ptr)
+    tl.store(out_ptr + i, (tl.load(code_ptr + nib) * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_nf4_triton(q: Nf4Weight, dtype=torch.bfloat16) -> torch.Tensor:
+    """``dequantize_nf4`` in one Triton pass (the same fp32 arithmetic): reads 0.52 bytes a weight, writes W'."""
+    code, code2 = tables(str(q.packed.device))
+    n = q.shape[0] * q.shape[1]
+    out = torch.empty(q.shape, dtype=dtype, device=q.packed.device)
+    block = 256 if interpreting() else 2048
+    if n:
+        _nf4_dequant_kernel[(triton.cdiv(n, block),)](q.packed, q.qabs, q.absmax2, q.offset, code, code2, out, n,
+                                                      BLOCKSIZE=BLOCKSIZE, BLOCKSIZE2=BLOCKSIZE2, BLOCK=block)
+    return out
+
+
+# From this many rows nf4_matmul dequantises W' once (0.52 bytes read and 2 written a weight) and multiplies with
+# cuBLAS / torch.matmul, as bitsandbytes does for training: a [M, N K] GEMM's work then dwarfs the extra pass, and
+# the fused prologue's gathers (byte, code, two scale levels a tile) cost more than they save. Fewer rows (decode
+# steps) keep the fused GEMM, which reads the weight in 0.52 bytes and nothing else.
+DEQUANT_MIN_M = 128
+
+
 def _config(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_P, BLOCK_R, num_warps, num_stages): small tiles in the interpreter (speed), else by M."""
+    """(BLOCK_M, BLOCK_P, BLOCK_R, num_warps, num_stages) of the fused GEMM (m < DEQUANT_MIN_M): small tiles in the
+    interpreter (speed), else by M."""
     if interpreting():
         return 16, 32, 32, 1, 1
     if m <= 16:
         return 16, 64, 128, 4, 3
-    if m <= 64:
-        return 64, 64, 64, 4, 3
-    return 128, 128, 64, 8, 3
+    return 64, 64, 64, 4, 3
 
 
 def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False) -> torch.Tensor:
-    """Triton: ``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation."""
+    """Triton: ``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation
+    (from ``DEQUANT_MIN_M`` rows: W' dequantised in x's dtype, then ``torch.matmul``)."""
     n, k = q.shape
     p, r = (k, n) if trans else (n, k)
     assert a.dim() == 2 and a.shape[1] == r and a.stride(1) == 1, f"nf4: a [M, {r}] expected, got {tuple(a.shape)}"
     m = a.shape[0]
+    if m >= DEQUANT_MIN_M:
+        w = dequantize_nf4_triton(q, a.dtype)
+        return a @ w if trans else a @ w.t()
     out = torch.empty(m, p, dtype=a.dtype, device=a.device)
     if m == 0 or p == 0:
         return out

@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from areno.kernels import nf4
-from areno.kernels.nf4 import NF4, Nf4LinearFunction, dequantize_nf4, nf4_linear, quantize_nf4
+from areno.kernels.nf4 import (
+    DEQUANT_MIN_M,
+    NF4,
+    Nf4LinearFunction,
+    dequantize_nf4,
+    dequantize_nf4_triton,
+    nf4_linear,
+    quantize_nf4,
+)
 
 SHAPES = [(37, 70), (64, 128), (33, 200), (300, 257)]  # flat blocks crossing rows, a short last block, odd counts
 
@@ -107,6 +115,29 @@ def test_triton_forward_and_input_grad_against_float64(triton_kernels, M, N, K, 
     torch.testing.assert_close(x.grad.double(), dy.double() @ wd, rtol=rtol, atol=atol * N**0.5)
 
 
+@pytest.mark.parametrize("shape", [(37, 70), (130, 129), (3, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_dequantisation_equals_native(triton_kernels, shape, dtype):
+    q = quantize_nf4(_weight(shape, seed=shape[0]))
+    got = dequantize_nf4_triton(q, dtype)
+    assert got.dtype == dtype and got.shape == shape
+    torch.testing.assert_close(got, dequantize_nf4(q, dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_many_rows_dequantise_then_multiply_against_float64(triton_kernels, dtype):
+    M, N, K = DEQUANT_MIN_M + 3, 40, 67  # prefill / training sizes: W' written once, then torch.matmul
+    q = quantize_nf4(_weight((N, K), seed=5))
+    wd = _ref(q).to(dtype).double()
+    x = torch.randn(M, K).to(dtype).requires_grad_(True)
+    y = nf4_linear(x, q)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(y.double(), x.detach().double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
+    dy = torch.randn(M, N).to(dtype)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad.double(), dy.double() @ wd, rtol=rtol, atol=atol * N**0.5)
+
+
 def test_triton_matches_native_on_3d_input_with_bias(triton_kernels, monkeypatch):
     q = quantize_nf4(_weight((40, 96), seed=3))
     x = torch.randn(2, 5, 96)
@@ -126,7 +157,7 @@ def test_no_weight_gradient():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 64, 512])
+@pytest.mark.parametrize("M", [1, 64, 127, 512])
 def test_triton_bf16_at_4096_against_native(M):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
