@@ -158,10 +158,10 @@ def decode(args, device):
                                                    eager_decode=args.eager, decode_steps=args.decode_steps,
                                                    mamba_ssm_cache_dtype=args.state_dtype),
                     eos_token_ids=[models.EOS_ID])
-    k = args.decode_steps
     opts = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
-    opts = SamplingParams(temperature=1.0, max_new_tokens=args.context + 64, ignore_eos=True)
+    k = args.decode_steps  # enough new tokens that no sequence finishes inside the timed and profiled steps
+    opts = SamplingParams(temperature=1.0, max_new_tokens=args.context + 21 * k + 8, ignore_eos=True)
     for p in models.random_prompts(n, 128, model.config.vocab_size, seed=2):
         engine.add_request(p, opts)
     engine.step()  # prefill
