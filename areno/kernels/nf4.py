@@ -209,14 +209,17 @@ def _config(m: int) -> tuple[int, int, int, int, int]:
     return 64, 64, 64, 4, 3
 
 
-def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False) -> torch.Tensor:
+def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = "auto") -> torch.Tensor:
     """Triton: ``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation
-    (from ``DEQUANT_MIN_M`` rows: W' dequantised in x's dtype, then ``torch.matmul``)."""
+    (from ``DEQUANT_MIN_M`` rows: W' dequantised in x's dtype, then ``torch.matmul``; ``_path`` "fused" /
+    "dequant" pins one way, for bench/nf4_gemm.py)."""
     n, k = q.shape
     p, r = (k, n) if trans else (n, k)
     assert a.dim() == 2 and a.shape[1] == r and a.stride(1) == 1, f"nf4: a [M, {r}] expected, got {tuple(a.shape)}"
     m = a.shape[0]
-    if m >= DEQUANT_MIN_M:
+    if _path not in ("auto", "fused", "dequant"):
+        raise ValueError(f"nf4_matmul: _path must be auto, fused or dequant, got {_path!r}")
+    if _path == "dequant" or (_path == "auto" and m >= DEQUANT_MIN_M):
         w = dequantize_nf4_triton(q, a.dtype)
         return a @ w if trans else a @ w.t()
     out = torch.empty(m, p, dtype=a.dtype, device=a.device)
