@@ -7,10 +7,11 @@ in the same process.
     TRITON_INTERPRET=1 python bench/nf4_gemm.py --smoke   # CPU: tiny shapes, checks the script (times meaningless)
 
 Shapes: y = x @ W'^T with W [N, K] in NF4 (block 64, double-quantised scales), x [M, K] bf16: 4096 x 4096 (an 8B
-model's attention projection), Qwen3-32B's gate_up (5120 -> 2 x 25600) and down (25600 -> 5120), M in 1, 16, 256,
-64, 127, 256, 2048, 8192 (decode to training microbatches; ``nf4.DEQUANT_MIN_M`` = 128 is where ``triton`` switches
-from the fused GEMM to the dequantising pass); ``dx`` is the backward's input gradient dy @ W' (trans). Also bf16
-``F.linear`` on the unquantised weight for reference (the time QLoRA trades for 3.9x less weight memory).
+model's attention projection), Qwen3-32B's gate_up (5120 -> 2 x 25600) and down (25600 -> 5120), M in 1, 16, 64,
+127, 256, 2048, 8192 (decode to training microbatches; ``nf4.DEQUANT_MIN_M`` = 128 is where ``triton`` switches from
+the fused GEMM to the dequantising pass); ``dx`` is the backward's input gradient dy @ W' (trans: always the
+dequantising pass, no fused row). Also bf16 ``F.linear`` on the unquantised weight for reference (the time QLoRA
+trades for 3.9x less weight memory).
 Timing: ``common.gpu_time_ms`` (CUDA events, median); each line records the max abs error of Triton vs the baseline.
 One JSON line per (shape, M, path, op) to bench/results/nf4_gemm.jsonl.
 """
@@ -34,7 +35,7 @@ from areno.kernels.nf4 import dequantize_nf4, nf4_matmul, quantize_nf4  # noqa: 
 
 SHAPES = [("4096x4096", 4096, 4096), ("32b_gate_up", 5120, 51200), ("32b_down", 25600, 5120)]  # (name, K, N)
 MS = [1, 16, 64, 127, 256, 2048, 8192]
-SMOKE_SHAPES, SMOKE_MS = [("smoke", 96, 80)], [3, 17]
+SMOKE_SHAPES, SMOKE_MS = [("smoke", 128, 80)], [3, 17]  # K % 64 == 0: the fused GEMM's blocks
 
 
 def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
@@ -49,7 +50,6 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
         ("fwd", "dequant+linear"): lambda: F.linear(x, dequantize_nf4(q, w.dtype)),
         ("fwd", "bf16 linear"): lambda: F.linear(x, w),
         ("dx", "triton"): lambda: nf4_matmul(dy, q, trans=True),
-        ("dx", "fused"): lambda: nf4_matmul(dy, q, trans=True, _path="fused"),
         ("dx", "triton dequant"): lambda: nf4_matmul(dy, q, trans=True, _path="dequant"),
         ("dx", "dequant+linear"): lambda: dy @ dequantize_nf4(q, w.dtype),
         ("dx", "bf16 linear"): lambda: dy @ w,

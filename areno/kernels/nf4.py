@@ -15,13 +15,15 @@ QLoRA users load): the weight ``W [N, K]`` is read flat (row-major, element ``i 
 
 Storage per weight element: 0.5 byte + 1/64 byte (qabs) + 4/16384 byte (absmax2) = 0.516 byte, vs 2 in bf16.
 
-GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype): program (i, j) owns a ``[BLOCK_M, BLOCK_P]``
-tile of the output and walks the reduction in ``BLOCK_R`` steps; each step loads the packed bytes of its weight tile,
-picks the nibble, looks the code and the block's doubly quantised scale up (16- and 256-entry tables, L1-resident),
-rounds the dequantised tile to x's dtype (as the native path rounds W') and feeds ``tl.dot``. The same kernel with
-``TRANS`` computes the input gradient ``dx = dy W'`` (reduction over N): the base weight has no gradient, x does (the
-LoRA layers below it train). Bytes read per GEMM: 0.52 N K for the weight (vs 2 N K for bf16) plus the activations.
-From ``DEQUANT_MIN_M`` rows (prefill, training) a one-pass Triton dequantisation writes W' in x's dtype and
+GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), below ``DEQUANT_MIN_M`` rows (decode)
+and with K % 64 == 0 (every model's): program (i, j) owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and walks the
+reduction one NF4 block (64 columns) at a time, where each weight row's 32 packed bytes are contiguous (one vector
+load a row) and its doubly quantised scale is one value a row; the nibbles index the 16-entry code table
+(L1-resident), the tile is rounded to x's dtype (as the native path rounds W') and the high and low nibbles, W''s
+even and odd columns, each meet x's matching columns in ``tl.dot``. Bytes read: 0.52 N K for the weight (vs 2 N K
+in bf16) plus the activations. From ``DEQUANT_MIN_M`` rows (prefill, training), for the input gradient ``dx = dy W'``
+(the base weight has no gradient, x does: the LoRA layers below it train) and for a K that splits NF4 blocks across
+rows, a one-pass Triton dequantisation writes W' in x's dtype (32 bytes and one scale a block in, 64 values out) and
 ``torch.matmul`` multiplies (bitsandbytes' training path): the GEMM's work dwarfs the pass there.
 """
 
@@ -130,54 +132,58 @@ def dequantize_nf4(q: Nf4Weight, dtype=torch.float32) -> torch.Tensor:
 
 
 @triton.jit
-def _nf4_matmul_kernel(a_ptr, q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr,
-                       M, P, R, K, stride_am, stride_om,
-                       TRANS: tl.constexpr, DOT_PREC: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                       BLOCKSIZE2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_R: tl.constexpr):  # fmt: skip
-    # out [M, P] = a [M, R] @ B [R, P], B[r, p] = W'[p, r] (forward: P = N, R = K) or W'[r, p] (TRANS, dx: P = K,
-    # R = N); W' [N, K] dequantised on the fly from element n K + k of the packed stream.
+def _nf4_matmul_kernel(a_ptr, q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr, M, N, K,
+                       stride_am, stride_om, DOT_PREC: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    # out [M, N] = a [M, K] @ W'^T with K % 64 == 0: step t of the reduction is NF4 block t of each weight row, its
+    # 32 packed bytes contiguous (one vector load a row) and its scale one value a row; the high nibbles are W''s
+    # even columns 64 t + 2 c, the low ones the odd columns, each multiplied by a's matching columns.
     pid_m = tl.program_id(0)
-    pid_p = tl.program_id(1)
+    pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, 32)
+    offs_j = tl.arange(0, 64)
     m_ok = offs_m < M
-    p_ok = offs_p < P
+    n_ok = offs_n < N
     offset = tl.load(off_ptr)
-    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        a = tl.load(a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_r[None, :],
-                    mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        if TRANS:
-            flat = offs_r.to(tl.int64)[:, None] * K + offs_p[None, :]
-        else:
-            flat = offs_p.to(tl.int64)[None, :] * K + offs_r[:, None]
-        w_ok = r_ok[:, None] & p_ok[None, :]
-        byte = tl.load(q_ptr + flat // 2, mask=w_ok, other=0).to(tl.int32)
-        nib = (byte >> ((1 - (flat % 2)) * 4).to(tl.int32)) & 0xF
-        blk = flat // BLOCKSIZE
-        qa = tl.load(qabs_ptr + blk, mask=w_ok, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=w_ok, other=0.0) + offset
-        w = tl.where(w_ok, tl.load(code_ptr + nib) * scale, 0.0)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_p[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & p_ok[None, :])
+    nblk = K // 64
+    row_bytes = offs_n.to(tl.int64) * (K // 2)
+    row_blk = offs_n.to(tl.int64) * nblk
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_j[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(0, nblk):
+        byte = tl.load(q_ptr + row_bytes[:, None] + t * 32 + offs_c[None, :], mask=n_ok[:, None], other=0)
+        byte = byte.to(tl.int32)
+        blk = row_blk + t
+        qa = tl.load(qabs_ptr + blk, mask=n_ok, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=n_ok, other=0.0) + offset
+        a = tl.load(a_rows + t * 64, mask=m_ok[:, None], other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 32, 2)))
+        hi = (tl.load(code_ptr + (byte >> 4)) * scale[:, None]).to(a.dtype)
+        lo = (tl.load(code_ptr + (byte & 0xF)) * scale[:, None]).to(a.dtype)
+        acc = tl.dot(a_even, tl.trans(hi), acc, input_precision=DOT_PREC)
+        acc = tl.dot(a_odd, tl.trans(lo), acc, input_precision=DOT_PREC)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _nf4_dequant_kernel(q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr, n,
-                        BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # W' flat [n] in out's dtype: element i from packed byte i // 2 and block i // BLOCKSIZE's scale, in fp32.
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    byte = tl.load(q_ptr + i // 2, mask=ok, other=0).to(tl.int32)
-    nib = (byte >> ((1 - (i % 2)) * 4).to(tl.int32)) & 0xF
-    blk = i // BLOCKSIZE
-    qa = tl.load(qabs_ptr + blk, mask=ok, other=0).to(tl.int32)
-    scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=ok, other=0.0) + tl.load(off_ptr)
-    tl.store(out_ptr + i, (tl.load(code_ptr + nib) * scale).to(out_ptr.dtype.element_ty), mask=ok)
+def _nf4_dequant_kernel(q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr, n, nblocks,
+                        BLOCKSIZE2: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    # W' flat [n] in out's dtype, ROWS NF4 blocks a program: [ROWS, 32] packed bytes (contiguous) and one scale a
+    # block in, [ROWS, 64] elements out (high nibble, then low), in fp32 then rounded.
+    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    b_ok = blk < nblocks
+    byte_idx = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    byte = tl.load(q_ptr + byte_idx, mask=b_ok[:, None] & (byte_idx < (n + 1) // 2), other=0).to(tl.int32)
+    qa = tl.load(qabs_ptr + blk, mask=b_ok, other=0).to(tl.int32)
+    scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=b_ok, other=0.0) + tl.load(off_ptr)
+    hi = tl.load(code_ptr + (byte >> 4)) * scale[:, None]
+    lo = tl.load(code_ptr + (byte & 0xF)) * scale[:, None]
+    w = tl.reshape(tl.join(hi, lo), (ROWS, 64))
+    e = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+    tl.store(out_ptr + e, w.to(out_ptr.dtype.element_ty), mask=e < n)
 
 
 def dequantize_nf4_triton(q: Nf4Weight, dtype=torch.bfloat16) -> torch.Tensor:
@@ -185,54 +191,57 @@ def dequantize_nf4_triton(q: Nf4Weight, dtype=torch.bfloat16) -> torch.Tensor:
     code, code2 = tables(str(q.packed.device))
     n = q.shape[0] * q.shape[1]
     out = torch.empty(q.shape, dtype=dtype, device=q.packed.device)
-    block = 256 if interpreting() else 2048
+    rows = 4 if interpreting() else 32
+    nblocks = q.qabs.numel()
     if n:
-        _nf4_dequant_kernel[(triton.cdiv(n, block),)](q.packed, q.qabs, q.absmax2, q.offset, code, code2, out, n,
-                                                      BLOCKSIZE=BLOCKSIZE, BLOCKSIZE2=BLOCKSIZE2, BLOCK=block)
+        _nf4_dequant_kernel[(triton.cdiv(nblocks, rows),)](q.packed, q.qabs, q.absmax2, q.offset, code, code2, out,
+                                                           n, nblocks, BLOCKSIZE2=BLOCKSIZE2, ROWS=rows)  # fmt: skip
     return out
 
 
 # From this many rows nf4_matmul dequantises W' once (0.52 bytes read and 2 written a weight) and multiplies with
-# cuBLAS / torch.matmul, as bitsandbytes does for training: a [M, N K] GEMM's work then dwarfs the extra pass, and
-# the fused prologue's gathers (byte, code, two scale levels a tile) cost more than they save. Fewer rows (decode
-# steps) keep the fused GEMM, which reads the weight in 0.52 bytes and nothing else.
+# cuBLAS / torch.matmul, as bitsandbytes does for training: a [M, N K] GEMM's work then dwarfs the extra pass. Fewer
+# rows (decode steps) keep the fused GEMM, which reads the weight in 0.52 bytes and nothing else. The input gradient
+# (``trans``) and weights whose rows do not hold whole NF4 blocks (K % 64) always take the pass.
 DEQUANT_MIN_M = 128
 
 
-def _config(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_P, BLOCK_R, num_warps, num_stages) of the fused GEMM (m < DEQUANT_MIN_M): small tiles in the
-    interpreter (speed), else by M."""
+def _config(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused GEMM (m < DEQUANT_MIN_M): small tiles in the
+    interpreter (speed); else 16 or 64 rows by M and 64 weight rows a program, 32 where that leaves fewer than
+    ~2 programs an SM (decode's down projection: 5120 rows)."""
     if interpreting():
-        return 16, 32, 32, 1, 1
-    if m <= 16:
-        return 16, 64, 128, 4, 3
-    return 64, 64, 64, 4, 3
+        return 16, 16, 1, 1
+    return (16 if m <= 16 else 64), (64 if n >= 64 * 256 else 32), 4, 3
 
 
 def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = "auto") -> torch.Tensor:
-    """Triton: ``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation
-    (from ``DEQUANT_MIN_M`` rows: W' dequantised in x's dtype, then ``torch.matmul``; ``_path`` "fused" /
-    "dequant" pins one way, for bench/nf4_gemm.py)."""
+    """``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation: the fused
+    Triton GEMM below ``DEQUANT_MIN_M`` rows (forward, K % 64 == 0), else W' dequantised in a's dtype by the Triton
+    pass, then ``torch.matmul``; ``_path`` "fused" / "dequant" pins one way (bench/nf4_gemm.py)."""
     n, k = q.shape
     p, r = (k, n) if trans else (n, k)
     assert a.dim() == 2 and a.shape[1] == r and a.stride(1) == 1, f"nf4: a [M, {r}] expected, got {tuple(a.shape)}"
     m = a.shape[0]
     if _path not in ("auto", "fused", "dequant"):
         raise ValueError(f"nf4_matmul: _path must be auto, fused or dequant, got {_path!r}")
-    if _path == "dequant" or (_path == "auto" and m >= DEQUANT_MIN_M):
+    fused_ok = not trans and k % BLOCKSIZE == 0
+    if _path == "fused" and not fused_ok:
+        raise ValueError(f"nf4_matmul: the fused GEMM is forward only, over whole NF4 blocks (K % {BLOCKSIZE} == 0): "
+                         f"trans={trans}, weight {tuple(q.shape)}")
+    if _path == "dequant" or (_path == "auto" and (m >= DEQUANT_MIN_M or not fused_ok)):
         w = dequantize_nf4_triton(q, a.dtype)
         return a @ w if trans else a @ w.t()
-    out = torch.empty(m, p, dtype=a.dtype, device=a.device)
-    if m == 0 or p == 0:
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
         return out
     code, code2 = tables(str(a.device))
-    bm, bp, br, warps, stages = _config(m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(p, bp))
-    _nf4_matmul_kernel[grid](a, q.packed, q.qabs, q.absmax2, q.offset, code, code2, out, m, p, r, k,
-                             a.stride(0), out.stride(0), TRANS=trans,
-                             DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32", BLOCKSIZE=BLOCKSIZE,
-                             BLOCKSIZE2=BLOCKSIZE2, BLOCK_M=bm, BLOCK_P=bp, BLOCK_R=br,
-                             num_warps=warps, num_stages=stages)  # fmt: skip
+    bm, bn, warps, stages = _config(m, n)
+    _nf4_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        a, q.packed, q.qabs, q.absmax2, q.offset, code, code2, out, m, n, k, a.stride(0), out.stride(0),
+        DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32", BLOCKSIZE2=BLOCKSIZE2, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out
 
 

@@ -115,7 +115,32 @@ def test_triton_forward_and_input_grad_against_float64(triton_kernels, M, N, K, 
     torch.testing.assert_close(x.grad.double(), dy.double() @ wd, rtol=rtol, atol=atol * N**0.5)
 
 
-@pytest.mark.parametrize("shape", [(37, 70), (130, 129), (3, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 37, 128), (7, 65, 192), (20, 48, 64), (17, 16, 256)])
+def test_fused_gemm_over_whole_blocks_against_float64(triton_kernels, M, N, K, dtype):
+    # K % 64 == 0 and M < DEQUANT_MIN_M: the fused GEMM (a weight row's NF4 blocks, even / odd columns by nibble)
+    q = quantize_nf4(_weight((N, K), seed=M + K))
+    wd = _ref(q).to(dtype).double()
+    x = torch.randn(M, K).to(dtype)
+    rtol, atol = TOL[dtype]
+    for path in ("fused", "auto"):
+        y = nf4.nf4_matmul(x, q, _path=path)
+        assert y.dtype == dtype and y.shape == (M, N)
+        torch.testing.assert_close(y.double(), x.double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
+
+
+def test_fused_gemm_refuses_what_it_does_not_cover(triton_kernels):
+    q = quantize_nf4(_weight((16, 96)))  # K = 96: blocks straddle rows
+    with pytest.raises(ValueError, match="whole NF4 blocks"):
+        nf4.nf4_matmul(torch.randn(2, 96), q, _path="fused")
+    q = quantize_nf4(_weight((16, 64)))
+    with pytest.raises(ValueError, match="forward only"):
+        nf4.nf4_matmul(torch.randn(2, 16), q, trans=True, _path="fused")
+    with pytest.raises(ValueError, match="_path"):
+        nf4.nf4_matmul(torch.randn(2, 64), q, _path="cublas")
+
+
+@pytest.mark.parametrize("shape", [(37, 70), (130, 129), (3, 64), (3, 21)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_dequantisation_equals_native(triton_kernels, shape, dtype):
     q = quantize_nf4(_weight(shape, seed=shape[0]))
