@@ -103,8 +103,9 @@ SPECS = {  # bench: Spec(default command, keys, metrics, ratios, workload, skip,
         ("ms_per_layer", "gb_s", "frac_copy_bw"), ratios=("speedup_vs_unfused",), workload="QKV prologue"),
     "rollout": Spec("python bench/rollout.py", ("impl", "shape", "sequences"),
         ("tok_s", "wall_s", "frac_limit", "ms_per_token", "logprob_diff_mean", "spec_accept_len", "spec_gated_steps"),
-        ratios=("speedup_vs_hf", "speedup_vs_plain"),
-        variants=("call", "decode_steps", "lookahead", "speculative_tokens", "spec_gate", "batch")),
+        ratios=("speedup_vs_hf", "speedup_vs_plain", "fp8_speedup", "kv_fp8_speedup"),
+        variants=("rollout_dtype", "kv_cache_dtype", "call", "decode_steps", "lookahead", "speculative_tokens",
+                  "spec_gate", "batch")),
     "rollout_vl": Spec("python bench/rollout_vl.py", ("impl", "shape", "sequences"),
         ("tok_s", "wall_s", "tower_s", "logprob_diff_mean"), ratios=("speedup_vs_hf", "vs_text"),
         variants=("call",)),
@@ -234,7 +235,7 @@ def render_table(workload: str, bench: str, rows: list[dict]) -> list[str]:
     shown = ("workload",) if any(r.get("workload", workload) != workload for r in rows) else ()
     cols = [
         c
-        for c in (*shown, *spec.keys, *spec.variants, *spec.metrics, *spec.ratios, "note")
+        for c in dict.fromkeys((*shown, *spec.keys, *spec.variants, *spec.metrics, *spec.ratios, "note", "error"))
         if any(c in r for r in rows)
     ]
     head = [*cols, "commit", "date", "GPU", "versions", "command"]

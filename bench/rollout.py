@@ -415,7 +415,8 @@ def main():
                 records += run_hf(path, device, args, names, shape["vocab_size"])
         except Exception as e:  # e.g. the model fails to load: report it, keep the other implementation
             traceback.print_exc()
-            records.append(dict(impl=impl, error=f"{type(e).__name__}: {e}"[:300]))
+            records.append(dict(impl=impl, workload=",".join(names), rollout_dtype=dtype, kv_cache_dtype=kv,
+                                error=f"{type(e).__name__}: {e}"[:300]))  # fmt: skip
         free(device)
         print(f"{impl} done in {time.perf_counter() - t0:.1f}s", flush=True)
 
