@@ -4,6 +4,7 @@
     python bench/rollout.py --smoke     # CPU: a tiny shape, checks the script (times meaningless)
     python bench/rollout.py --impls areno --workloads R1 --rollout-dtype bf16,fp8 --shape 8b       # FP8 rollout
     python bench/rollout.py --impls areno --workloads R1 --rollout-dtype bf16,fp8 --shape 30b-a3b  # (issue 41)
+    python bench/rollout.py --impls areno --workloads R1 --rollout-dtype bf16,fp8 --shape 30b-a3b --layers 32  # 80 GB
     python bench/rollout.py --impls areno --workloads R1,RL --kv-cache-dtype auto,fp8 --shape 8b   # FP8 KV cache
     python bench/rollout.py --speculative-tokens 2 --workloads R3,R2 --mtp-train-steps 300   # MTP speculation
 
@@ -100,11 +101,14 @@ def sync(device):
 # ---------------------------------------------------------------------------------------------------- areno
 
 
-def shape_model(name: str, smoke: bool, device):
+def shape_model(name: str, smoke: bool, device, layers: int | None = None):
     """A random model of ``SHAPES[name]`` (bf16, unit norms; ``smoke``: the family at a tiny fp32 shape, where the
-    30b-a3b one runs FP8 experts on CPU) and its word tokenizer."""
+    30b-a3b one runs FP8 experts on CPU; ``layers``: that many decoder layers, else the shape's) and its word
+    tokenizer."""
     family, shape = SHAPES[name]
     shape = SMOKE_SHAPES[name] if smoke else shape
+    if layers:
+        shape = {**shape, "num_hidden_layers": layers}
     dtype = torch.float32 if smoke else torch.bfloat16
     return models.random_model(shape, dtype, device, family=family, unit_norms=True), models.word_tokenizer(
         shape["vocab_size"])
@@ -115,7 +119,7 @@ def make_engine(path, device, args, rollout_dtype="bf16", kv_cache_dtype="auto")
     from areno.models import fp8_rollout, load_model, load_tokenizer
 
     if args.shape in SHAPES:
-        model, tok = shape_model(args.shape, args.smoke, device)
+        model, tok = shape_model(args.shape, args.smoke, device, args.layers)
     else:
         model = load_model(path, device=device)
         tok = load_tokenizer(path)
@@ -368,6 +372,8 @@ def main():
     ap.add_argument("--rollout-dtype", default="bf16", help="areno's linear weights, comma-separated runs: bf16, fp8")
     ap.add_argument("--kv-cache-dtype", default="auto", help="areno's KV cache, comma-separated runs: auto, fp8")
     ap.add_argument("--shape", default="0.6b", choices=("0.6b", *SHAPES), help="8b / 30b-a3b: random models, areno")
+    ap.add_argument("--layers", type=int, default=None, help="--shape 8b / 30b-a3b: that many decoder layers at full "
+                    "width (default: all; e.g. 32 of 30b-a3b's 48 fit bf16 and its FP8 copy on an 80 GB card)")
     ap.add_argument("--speculative-tokens", type=int, default=0, help="MTP speculation with K draft tokens vs none")
     ap.add_argument("--mtp-family", default="qwen3_5", choices=("qwen3_5", "bailing_hybrid"))
     ap.add_argument("--mtp-train-steps", type=int, default=0, help="train the MTP layer first (own greedy outputs)")
@@ -386,6 +392,8 @@ def main():
         ap.error("--mtp-fit-rounds takes 1 or more; above 1 it needs --mtp-train-steps and --speculative-tokens")
     if not set(dtypes) <= {"bf16", "fp8"} or (args.shape in SHAPES and "transformers" in args.impls.split(",")):
         ap.error("--rollout-dtype takes bf16 and/or fp8; --shape 8b / 30b-a3b runs --impls areno only")
+    if args.layers is not None and (args.shape not in SHAPES or args.layers < 1):
+        ap.error("--layers takes a count >= 1 and applies to --shape 8b / 30b-a3b only")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.max_model_len = 128
@@ -451,6 +459,8 @@ def main():
     if not args.no_save and not args.smoke:
         env = env_info()
         env["shape"] = "qwen3-0.6b" if not big else {"8b": "qwen3-8b", "30b-a3b": "qwen3-30b-a3b"}[args.shape]
+        if args.layers:
+            env.update(shape=f"{env['shape']}-{args.layers}l", layers=args.layers)
         print("results:", append_jsonl("rollout", records, env))
 
 
