@@ -159,6 +159,17 @@ def round_e4m3(v):
 
 
 @triton.jit
+def quant_groups(y, EPS: tl.constexpr, FP8_MAX: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # y fp32 [ROWS, COLS], COLS a multiple of 128 -> (E4M3 values as fp32 [ROWS, COLS], scales [ROWS, COLS / 128]),
+    # _act_quant_kernel's arithmetic per 128-column group: for producers that quantise their own output (the FP8
+    # rollout's norm and SwiGLU: kernels/norm.py, kernels/activation.py).
+    g = tl.reshape(y, (ROWS, COLS // 128, 128))
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(g), axis=2), EPS), FP8_MAX)
+    v = tl.minimum(tl.maximum(tl.div_rn(g, s[:, :, None]), -FP8_MAX), FP8_MAX)
+    return tl.reshape(round_e4m3(v), (ROWS, COLS)), s
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_xm, stride_sm, stride_sg, EPS: tl.constexpr,
                       FP8_MAX: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
     # Program (i, g): rows [i ROWS, i ROWS + ROWS), columns of group g: s = max(amax, EPS) / 448, q = rne(x / s);
@@ -231,6 +242,35 @@ def quantize_act_fp8_cublas(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """``quantize_act_fp8`` in cuBLAS's layout: ``xq`` [M4, K] and ``s`` [M4, G] for M4 = M rounded up to a multiple
     of 4 (rows past M zero, their scales EPS / 448), ``s`` a view of a ``[G, M4]`` tensor (outer-dim-major)."""
     return _quantize_act(x, -(-max(x.shape[0], 1) // 4) * 4, scales_by_column=True)
+
+
+def cublas_act_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (``xq`` ``[M4, K]`` fp8, ``s`` ``[M4, G]`` fp32 as a view of ``[G, M4]``): cuBLAS's activation layout
+    (:func:`quantize_act_fp8_cublas`), for kernels that quantise their own output into it."""
+    rows = -(-max(m, 1) // 4) * 4
+    g = triton.cdiv(k, BLOCK)
+    return (torch.empty(rows, k, dtype=FP8, device=device),
+            torch.empty(g, rows, dtype=torch.float32, device=device).t())  # fmt: skip
+
+
+def quantize_act_fp8_cublas_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of :func:`quantize_act_fp8_cublas` (and of the producers that fill :func:`cublas_act_buffers`):
+    ``quantize_act_fp8_native`` on x with zero rows appended up to a multiple of 4, scales outer-dim-major."""
+    m, k = x.shape
+    bq, bs = cublas_act_buffers(m, k, x.device)
+    xq, s = quantize_act_fp8_native(F.pad(x, (0, 0, 0, bq.shape[0] - m)))
+    bq.copy_(xq)
+    bs.copy_(s)
+    return bq, bs
+
+
+def fused_act_applies(y: torch.Tensor, k: int | None = None) -> bool:
+    """Whether a producer (the FP8 rollout's norm, SwiGLU) should quantise its output ``y`` for the FP8 GEMMs that
+    read it: inference, bf16 on a GPU with cuBLAS's block-scaled GEMM (the layout is cuBLAS's), whole 128-column
+    groups (``k``: the width, default y's last dim)."""
+    k = y.shape[-1] if k is None else k
+    return (not torch.is_grad_enabled() and y.dtype == torch.bfloat16 and k % BLOCK == 0 and y.is_cuda
+            and cublas_fp8_ready(y.device))
 
 
 def _quantize_act(x: torch.Tensor, rows: int, scales_by_column: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,11 +378,14 @@ def fp8_linear_native(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None =
     return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
 
 
-def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, *, _gemm: str = "auto") -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, *, act=None,
+               _gemm: str = "auto") -> torch.Tensor:  # fmt: skip
     """``x [..., K] @ W'^T (+ bias) -> [..., N]`` in x's dtype, x quantised per token and 128 columns: on the Triton
     path the activation kernel, then cuBLAS's block-scaled GEMM where it applies (:func:`cublas_fp8_applies`; bf16 x)
-    or areno's Triton GEMM (``_gemm="triton"`` pins it: benchmarks, tests); else the native reference.
-    Inference only (rollout): there is no gradient through the rounding."""
+    or areno's Triton GEMM (``_gemm="triton"`` pins it: benchmarks, tests); else the native reference. ``act``: x
+    already quantised in cuBLAS's layout by the kernel that produced it (``(xq, s)`` of :func:`cublas_act_buffers`,
+    the same bytes as :func:`quantize_act_fp8_cublas` of x): the cuBLAS path multiplies it and skips the activation
+    kernel; the other paths ignore it. Inference only (rollout): there is no gradient through the rounding."""
     _check_float(x, "x")
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"fp8_linear: x's last dim is {x.shape[-1]}, the weight is {tuple(q.shape)}")
@@ -359,7 +402,12 @@ def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, 
         raise RuntimeError(f"fp8_linear(_gemm='cublas'): cuBLAS's block-scaled GEMM does not apply here ({x.device}, "
                            f"{x.dtype}, weight {tuple(q.shape)}: sm_90, CUDA >= 12.9, bf16 x, N and K % 128)")
     if cublas and _gemm != "triton":
-        y = fp8_linear_cublas(x2, q, b)
+        rows = -(-max(x2.shape[0], 1) // 4) * 4
+        if act is not None and act[0].shape == (rows, x2.shape[1]) and act[1].shape == (rows, q.scale.shape[1]):
+            y = fp8_matmul_cublas(act[0], act[1], q, x2.dtype, rows=x2.shape[0])
+            y = y if b is None else y + b
+        else:
+            y = fp8_linear_cublas(x2, q, b)
     else:
         y = fp8_matmul(*quantize_act_fp8(x2), q, out_dtype=x.dtype, bias=b)
     return y.view(*x.shape[:-1], q.shape[0])

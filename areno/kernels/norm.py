@@ -23,6 +23,8 @@ import triton.language as tl
 
 from areno.kernels._device import sm_count
 from areno.kernels.dispatch import autotune_candidates, interpreting, use_triton
+from areno.kernels.fp8 import BLOCK, FP8_MAX, cublas_act_buffers, quant_groups, quantize_act_fp8_cublas_native
+from areno.kernels.fp8 import EPS as FP8_EPS
 
 MAX_N = 65536  # one row must fit one tile
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,10 +32,14 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, R, W, Y, H, RSTD,
-    M, N, B, sx0, sx1, sr0, sr1, eps,
+    X, R, W, Y, H, RSTD, Q, S,
+    M, N, B, sx0, sx1, sr0, sr1, eps, M_OUT, stride_sm, stride_sg,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
+    QUANT: tl.constexpr = False, Q_EPS: tl.constexpr = 1e-10, Q_MAX: tl.constexpr = 448.0,
 ):  # fmt: skip
+    # QUANT (rms_norm_fp8): y also quantised to E4M3 per 128 columns into Q [M_OUT, N] and S (fp8.quant_groups, from
+    # y rounded to its dtype, as fp8_linear's activation kernel would read it); rows M .. M_OUT (programs over
+    # M_OUT rows) are zero rows of Q, the padding cuBLAS asks for.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
@@ -57,6 +63,15 @@ def _rms_norm_fwd_kernel(
     else:
         y = n.to(X.dtype.element_ty).to(tl.float32) * w[None, :]
     tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if QUANT:
+        yq = tl.where(rmask[:, None], y.to(Y.dtype.element_ty).to(tl.float32), 0.0)  # padding rows: +0, not w * 0
+        codes, sc = quant_groups(yq, Q_EPS, Q_MAX, BLOCK_M, BLOCK_N)
+        out = rows < M_OUT
+        tl.store(Q + rows64[:, None] * N + cols[None, :], codes.to(Q.dtype.element_ty),
+                 mask=out[:, None] & (cols < N)[None, :])
+        grp = tl.arange(0, BLOCK_N // 128)
+        tl.store(S + rows64[:, None] * stride_sm + grp[None, :] * stride_sg, sc,
+                 mask=out[:, None] & (grp < N // 128)[None, :])
 
 
 @triton.jit
@@ -173,9 +188,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         assert residual.device == x.device, f"rms_norm: residual on {residual.device} but x on {x.device}"
 
 
-def rms_norm_fwd(x, weight, eps=1e-6, residual=None, zero_centered=False):
+def rms_norm_fwd(x, weight, eps=1e-6, residual=None, zero_centered=False, fp8_out=None):
     """Launch the forward. Returns (y, h, rstd): h is x + residual (None without residual), rstd fp32 [rows].
-    ``zero_centered``: y = (n * (1 + weight)) in fp32 rounded once to x's dtype (Qwen3.5's norm)."""
+    ``zero_centered``: y = (n * (1 + weight)) in fp32 rounded once to x's dtype (Qwen3.5's norm). ``fp8_out``:
+    ``fp8.cublas_act_buffers`` that y's E4M3 quantisation fills as well (``rms_norm_fp8``; N % 128 == 0)."""
     _check(x, weight, residual)
     n = x.shape[-1]
     m = x.numel() // n if n else 0
@@ -194,12 +210,14 @@ def rms_norm_fwd(x, weight, eps=1e-6, residual=None, zero_centered=False):
     else:
         rv, sr0, sr1 = xv, 0, 0
     block_m, block_n, num_warps = _tiles(m, n)
-    grid = (triton.cdiv(m, block_m),)
+    q, sc = fp8_out if fp8_out is not None else (y, rstd)
+    m_out = q.shape[0] if fp8_out is not None else m
+    grid = (triton.cdiv(m_out, block_m),)
     _rms_norm_fwd_kernel[grid](
-        xv, rv, weight, y, h if h is not None else y, rstd,
-        m, n, b, sx0, sx1, sr0, sr1, float(eps),
+        xv, rv, weight, y, h if h is not None else y, rstd, q, sc,
+        m, n, b, sx0, sx1, sr0, sr1, float(eps), m_out, sc.stride(0), sc.stride(-1),
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, ZERO_CENTERED=zero_centered,
-        num_warps=num_warps,
+        QUANT=fp8_out is not None, Q_EPS=FP8_EPS, Q_MAX=FP8_MAX, num_warps=num_warps,
     )  # fmt: skip
     return y, h, rstd
 
@@ -289,6 +307,25 @@ def rms_norm_native(x, weight, eps=1e-6, residual=None, zero_centered=False):
     if zero_centered:
         return (n * (1.0 + weight.to(f))).to(x.dtype)
     return weight * n.to(x.dtype)
+
+
+def rms_norm_fp8(x, weight, eps=1e-6, residual=None, zero_centered=False):
+    """Inference: ``rms_norm``'s ``y`` (and ``h`` with ``residual``, else None) plus ``act``, y quantised for the FP8
+    GEMMs that read it in cuBLAS's layout (``fp8.quantize_act_fp8_cublas`` of y's rows, the same bytes): one pass
+    where the norm and fp8_linear's activation kernel were two (FP8 rollout). Last dim a multiple of 128."""
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"rms_norm_fp8: the last dim ({x.shape[-1]}) must be a multiple of {BLOCK}")
+    n = x.shape[-1]
+    m = x.numel() // n
+    supported = (x.dtype in _FLOATS and weight.dtype in _FLOATS and n <= MAX_N
+                 and (residual is None or residual.dtype == x.dtype))  # fmt: skip
+    if not use_triton(x, weight, residual, supported=supported):
+        out = rms_norm_native(x, weight, eps, residual, zero_centered)
+        y, h = out if residual is not None else (out, None)
+        return y, h, quantize_act_fp8_cublas_native(y.reshape(m, n))
+    act = cublas_act_buffers(m, n, x.device)
+    y, h, _ = rms_norm_fwd(x, weight, eps, residual, zero_centered, fp8_out=act)
+    return y, h, act
 
 
 def rms_norm(x, weight, eps=1e-6, residual=None, zero_centered=False):

@@ -20,15 +20,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from areno.config.constants import ATTN_BACKENDS
-from areno.kernels.activation import silu_and_mul
+from areno.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from areno.kernels.attention import attention
 from areno.kernels.attention.norm_rope import qk_norm_rope
 from areno.kernels.attention.paged import paged_attention, paged_kv, store_kvcache
 from areno.kernels.attention.prologue import qkv_prologue
+from areno.kernels.fp8 import fused_act_applies
 from areno.kernels.logprobs.forward import linear_logprobs
 from areno.kernels.rope import apply_rope, rope_cos_sin
 from areno.models.attention_metadata import AttentionMetadata
-from areno.models.layers import Linear, RMSNorm, VocabEmbedding, vocab_parallel_logits
+from areno.models.layers import Linear, RMSNorm, VocabEmbedding, vocab_parallel_logits, with_fp8_act
 from areno.models.model_config import ModelConfig
 from areno.models.tp import layout
 
@@ -151,7 +152,10 @@ class MLP(nn.Module):
         return ()
 
     def compute(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.down_proj.fp8_on and fused_act_applies(h, h.shape[-1] // 2):  # FP8 rollout: one pass for both
+            return self.down_proj(with_fp8_act(*silu_and_mul_fp8(h)))
+        return self.down_proj(silu_and_mul(h))
 
     def forward(self, x):
         return self.compute(x)

@@ -10,7 +10,10 @@ path, kernels/moe/fp8.py) of every family built on them: Qwen3-MoE, Qwen3.5-MoE,
 (``bailing_hybrid``), Kimi-Linear and Gemma 4 (its GeGLU experts too). In a 30B-A3B MoE the experts are 95% of the
 weight bytes. GPT-OSS's experts stay bf16 (their biased, clamped SwiGLU runs on kernels/moe/biased.py, which has no
 FP8 path; they load as MXFP4 or bf16 stacks of their own); LoRA on experts is refused with any LoRA adapter below.
-Embeddings and norms are not ``Linear``. Each module keeps its weights and holds the copies beside them
+Embeddings and norms are not ``Linear``; while FP8 runs on cuBLAS's GEMM, the decoder layers' hidden-size norms and the
+SwiGLU MLPs quantise their own output for the projections that read it (``act_norms``, ``layers.with_fp8_act``: the
+norm / activation kernel writes the E4M3 copy in the same pass, saving qkv, gate_up and down their activation kernel;
+o_proj's input, the attention output, is quantised by fp8_linear). Each module keeps its weights and holds the copies beside them
 (``layers.hold_fp8_``: buffers ``fp8_qweight``/``fp8_scale``, ``fp8_w13_qweight``/... for experts): the copies are
 read only inside ``fp8_forward`` (colocated rollout: the engine's generate, the trainer's own forward stays bf16) or
 always after ``enable`` (a server, a split-mode rollout rank).
@@ -62,7 +65,7 @@ from torch import nn
 from areno.config.fields import ConfigError
 from areno.kernels.fp8 import BLOCK, EXPERT_CHUNK, FP8, Fp8Weight, dequantize_weight_fp8, quantize_weight_fp8
 from areno.models import tp
-from areno.models.layers import Linear, fp8_buffer_names, held_fp8
+from areno.models.layers import Linear, RMSNorm, fp8_buffer_names, held_fp8
 
 FIELD = "--rollout-dtype"
 PREFIX = "fp8:"
@@ -125,9 +128,25 @@ def quantize(model) -> tuple[int, int]:
     return before, after
 
 
+def act_norms(model) -> list[nn.Module]:
+    """The norms whose output FP8 projections read (``RMSNorm.fp8_act_source``, hidden size wide, inside the decoder
+    layers: their input and post-attention norms; not the final norm, whose output lm_head reads in bf16): while FP8
+    runs they quantise it themselves (``RMSNorm.fp8_act``)."""
+    hidden = getattr(model.config, "hidden_size", None)
+    layers = getattr(model, "layers", None)
+    return [m for m in (layers.modules() if isinstance(layers, nn.Module) else ())
+            if isinstance(m, RMSNorm) and m.fp8_act_source and m.weight.shape[0] == hidden]  # fmt: skip
+
+
 def set_active(model, on: bool) -> None:
-    for m in fp8_modules(model).values():
+    """FP8 forward on (the quantised modules read their copies, the norms feeding them quantise their output) or
+    off."""
+    modules = fp8_modules(model).values()
+    for m in modules:
         m.fp8_on = on and _held(m)
+    active = any(m.fp8_on for m in modules)
+    for m in act_norms(model):
+        m.fp8_act = active
 
 
 def enable(model) -> tuple[int, int]:
@@ -141,12 +160,15 @@ def enable(model) -> tuple[int, int]:
 def fp8_forward(model, on: bool = True):
     """The quantised modules run FP8 inside the block (``on``; else their weights), as before after it."""
     before = [(m, m.fp8_on) for m in fp8_modules(model).values()]
+    norms = [(m, m.fp8_act) for m in act_norms(model)]
     set_active(model, on)
     try:
         yield
     finally:
         for m, was in before:
             m.fp8_on = was
+        for m, was in norms:
+            m.fp8_act = was
 
 
 def wire_bytes(model) -> tuple[int, int]:

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.kernels.fp8 import Fp8Weight, fp8_linear, quantize_weight_fp8
+from areno.kernels.fp8 import Fp8Weight, fp8_linear, fused_act_applies, quantize_weight_fp8
 from areno.kernels.gemm import linear
 from areno.kernels.nf4 import Nf4Weight, dequantize_nf4, nf4_linear, quantize_nf4
-from areno.kernels.norm import rms_norm
+from areno.kernels.norm import rms_norm, rms_norm_fp8
 from areno.models.tp import copy_to_tp, gather_from_tp, layout, reduce_from_tp
 
 
@@ -77,20 +77,22 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = getattr(x, FP8_ACT, None) if self.fp8_on else None  # x's producer quantised it (with_fp8_act)
         if self.tp_style == "row":
-            y = reduce_from_tp(self._product(x, None), self.tp_group)
+            y = reduce_from_tp(self._product(x, None, act), self.tp_group)
             return y if self.bias is None else y + self.bias
         if self.tp_style == "column":
             x = copy_to_tp(x, self.tp_group)
-        return self._product(x, self.bias)
+        return self._product(x, self.bias, act)
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T + bias`` on this rank's weight: the FP8 copy while ``fp8_on``, the NF4 one, or the weight."""
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None, act=None) -> torch.Tensor:
+        """``x W^T + bias`` on this rank's weight: the FP8 copy while ``fp8_on`` (``act``: x already quantised), the
+        NF4 one, or the weight."""
         if self.fp8_on:
             r = self.fp8_rows
             if r is None:
-                return fp8_linear(x, self.fp8(), bias)
-            head = fp8_linear(x, self.fp8(), None if bias is None else bias[:r])  # the rest: rows kept in its dtype
+                return fp8_linear(x, self.fp8(), bias, act=act)
+            head = fp8_linear(x, self.fp8(), None if bias is None else bias[:r], act=act)  # the rest: rows kept
             return torch.cat([head, linear(x, self.weight[r:], None if bias is None else bias[r:])], dim=-1)
         if self.nf4_shape is not None:
             return nf4_linear(x, self.nf4(), bias)
@@ -165,10 +167,18 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group) -> 
 
 
 class RMSNorm(nn.Module):
-    """``rms_norm`` over the last dim; ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``."""
+    """``rms_norm`` over the last dim; ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``.
+
+    While ``fp8_act`` (FP8 rollout's forward: ``fp8_rollout.set_active`` marks the hidden-size norms of a model
+    whose projections run FP8) the kernel also writes the output quantised for the FP8 GEMMs that read it
+    (``rms_norm_fp8``) and the output carries it (``with_fp8_act``): the projection then skips its own activation
+    kernel."""
 
     tp_style: str | None = None
     tp_group = None
+    zero_centered = False  # scale by 1 + weight (Qwen3.5's, rms_norm(zero_centered=True))
+    fp8_act_source = True  # may feed a projection (fp8_rollout marks it; a norm over a projection's output is not)
+    fp8_act = False  # set by fp8_rollout.set_active
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype=None):
         super().__init__()
@@ -176,7 +186,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual=residual)
+        if self.fp8_act and fused_act_applies(x):
+            y, h, act = rms_norm_fp8(x, self.weight, self.eps, residual, self.zero_centered)
+            y = with_fp8_act(y, act)
+            return y if residual is None else (y, h)
+        return rms_norm(x, self.weight, self.eps, residual=residual, zero_centered=self.zero_centered)
+
+
+FP8_ACT = "_areno_fp8_act"  # a tensor's own FP8 quantisation in cuBLAS's layout, written by the kernel that made it
+
+
+def with_fp8_act(y: torch.Tensor, act) -> torch.Tensor:
+    """``y`` carrying ``act`` (``(xq, s)``, ``fp8.cublas_act_buffers``' layout, y's rows quantised): a ``Linear``
+    running FP8 multiplies it instead of quantising y again. Only for a tensor nothing modifies in place."""
+    setattr(y, FP8_ACT, act)
+    return y
 
 
 class KeptTensors(nn.Module):

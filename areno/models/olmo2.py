@@ -31,6 +31,8 @@ def olmo2_config(hf) -> ModelConfig:
 class ProjectionNorm(RMSNorm):
     """RMSNorm over a projection split by heads under TP: this rank's columns, the mean square of all of them."""
 
+    fp8_act_source = False  # its output feeds attention, not a projection
+
     def __init__(self, dim: int, eps: float):
         super().__init__(dim, eps)
         self.full_dim = dim

@@ -36,7 +36,6 @@ from areno.kernels.linear_attn.gdn_decode import (
     gdn_decode_step,
     gdn_inputs,
 )
-from areno.kernels.norm import rms_norm
 from areno.models import bailing_hybrid_layers
 from areno.models.base import MLP, Attention, CausalLM, DecoderLayer
 from areno.models.layers import Linear, RMSNorm
@@ -131,11 +130,10 @@ class ZeroCenteredRMSNorm(RMSNorm):
     residual sum rounded to the input dtype first (as transformers adds it). One kernel with the residual add
     (``rms_norm(zero_centered=True)``); it keeps ``x + residual`` in the input dtype for the backward, not in fp32."""
 
+    zero_centered = True
+
     def scale(self) -> torch.Tensor:
         return 1.0 + self.weight.float()
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual, zero_centered=True)
 
 
 class GatedAttention(Attention):

@@ -142,6 +142,79 @@ def test_triton_activation_quant_in_cublas_layout(triton_kernels, m):
     assert not xq[m:].view(torch.uint8).any() and torch.all(s[m:] == fp8.EPS / fp8.FP8_MAX)
 
 
+def _cublas_act_reference(y: torch.Tensor):
+    return fp8.quantize_act_fp8_cublas_native(y.reshape(-1, y.shape[-1]))
+
+
+def _same_act(got, ref):
+    (q, s), (rq, rs) = got, ref
+    assert q.shape == rq.shape and s.shape == rs.shape and s.stride() == rs.stride()
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+@pytest.mark.parametrize("case", ["residual", "plain", "zero-centered", "3d", "fp16"])
+def test_norm_writes_its_output_quantised_for_the_fp8_gemm(monkeypatch, kernels, case):
+    """rms_norm_fp8 (FP8 rollout's norm): rms_norm's outputs, and the output's quantisation in cuBLAS's layout with
+    quantize_act_fp8_cublas's bytes (padding rows +0 whatever the weight's sign)."""
+    from areno.kernels.norm import rms_norm, rms_norm_fp8
+
+    monkeypatch.setenv("ARENO_KERNELS", kernels)
+    dtype = torch.float16 if case == "fp16" else torch.float32
+    shape = (2, 3, 256) if case == "3d" else (5, 384)
+    g = torch.Generator().manual_seed(len(case))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)  # negative entries too: -0 products in the padding rows
+    r = torch.randn(shape, generator=g).to(dtype) if case in ("residual", "3d") else None
+    zc = case == "zero-centered"
+    y, h, act = rms_norm_fp8(x, w, 1e-6, r, zc)
+    ref = rms_norm(x, w, 1e-6, r, zc)
+    ry, rh = ref if r is not None else (ref, None)
+    assert torch.equal(y, ry) and (h is None if r is None else torch.equal(h, rh))
+    _same_act(act, _cublas_act_reference(y))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        rms_norm_fp8(torch.randn(3, 200), torch.randn(200))
+
+
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+@pytest.mark.parametrize("m,i", [(5, 384), (1, 1280), (4, 128)])
+def test_swiglu_writes_its_output_quantised_for_the_fp8_gemm(monkeypatch, kernels, m, i):
+    from areno.kernels.activation import silu_and_mul, silu_and_mul_fp8
+
+    monkeypatch.setenv("ARENO_KERNELS", kernels)
+    x = torch.randn(m, 2 * i, generator=torch.Generator().manual_seed(i)) * 3
+    y, act = silu_and_mul_fp8(x)
+    assert torch.equal(y, silu_and_mul(x))
+    _same_act(act, _cublas_act_reference(y))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        silu_and_mul_fp8(torch.randn(2, 200))
+
+
+def test_linear_multiplies_a_given_activation_on_the_cublas_path(triton_kernels, monkeypatch):
+    """fp8_linear(act=...) on the cuBLAS path multiplies the producer's quantisation (no activation kernel of its
+    own); the other paths ignore it. cuBLAS is emulated here: dequantise both operands, fp32 matmul."""
+    calls = []
+
+    def emulated(xq, xs, q, out_dtype=torch.bfloat16, rows=None):
+        calls.append(xq)
+        return fp8_matmul_native(xq, xs.contiguous(), q).to(out_dtype)[:rows]
+
+    monkeypatch.setattr(fp8, "cublas_fp8_applies", lambda x, q: True)
+    monkeypatch.setattr(fp8, "fp8_matmul_cublas", emulated)
+    q = quantize_weight_fp8(_weight((256, 384), seed=7))
+    x = _weight((5, 384), seed=8) * 2
+    act = fp8.quantize_act_fp8_cublas_native(x)
+    with torch.no_grad():
+        given = fp8_linear(x, q, act=act)
+        assert calls[-1] is act[0]
+        own = fp8_linear(x, q)
+        assert calls[-1] is not act[0]
+        assert torch.equal(given, own)
+        wrong = fp8_linear(x[:3], q, act=act)  # rows that are not act's: quantised again
+        assert calls[-1] is not act[0] and torch.equal(wrong, own[:3])
+        assert torch.equal(fp8_linear(x, q, act=act, _gemm="triton"), fp8_linear(x, q, _gemm="triton"))
+
+
 def test_linear_refuses_a_pinned_cublas_gemm_where_it_does_not_apply(triton_kernels):
     q = quantize_weight_fp8(_weight((128, 128), seed=3))
     with torch.no_grad():
@@ -262,6 +335,30 @@ def test_cublas_path_against_native_and_triton(M, N, K):
     assert y.shape == (2, M, N) and y.is_contiguous()
     torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(y.float(), y_triton.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 256])
+def test_fused_producers_feed_cublas_on_gpu(m):
+    """bf16 on the GPU: rms_norm_fp8 and silu_and_mul_fp8 write quantize_act_fp8_cublas's bytes of their outputs,
+    and fp8_linear on them (act=) gives fp8_linear's product exactly."""
+    from areno.kernels.activation import silu_and_mul_fp8
+    from areno.kernels.norm import rms_norm_fp8
+
+    if not fp8.cublas_fp8_ready(torch.device("cuda")):
+        pytest.skip("cuBLAS's block-scaled fp8 GEMM needs sm_90 and CUDA >= 12.9")
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    r = torch.randn(m, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", generator=g, dtype=torch.bfloat16) + 0.5
+    q = quantize_weight_fp8(torch.randn(6144, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02)
+    with torch.no_grad():
+        y, _, act = rms_norm_fp8(x, w, 1e-6, r)
+        _same_act(act, fp8.quantize_act_fp8_cublas(y))
+        assert torch.equal(fp8_linear(y, q, act=act), fp8_linear(y, q))
+        h = torch.randn(m, 2 * 12288, device="cuda", generator=g, dtype=torch.bfloat16)
+        a, act = silu_and_mul_fp8(h)
+        _same_act(act, fp8.quantize_act_fp8_cublas(a))
 
 
 @pytest.mark.gpu
