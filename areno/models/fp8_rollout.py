@@ -10,13 +10,13 @@ path, kernels/moe/fp8.py) of every family built on them: Qwen3-MoE, Qwen3.5-MoE,
 (``bailing_hybrid``), Kimi-Linear and Gemma 4 (its GeGLU experts too). In a 30B-A3B MoE the experts are 95% of the
 weight bytes. GPT-OSS's experts stay bf16 (their biased, clamped SwiGLU runs on kernels/moe/biased.py, which has no
 FP8 path; they load as MXFP4 or bf16 stacks of their own); LoRA on experts is refused with any LoRA adapter below.
-Embeddings and norms are not ``Linear``; while FP8 runs on cuBLAS's GEMM, the decoder layers' hidden-size norms and the
-SwiGLU MLPs quantise their own output for the projections that read it (``act_norms``, ``layers.with_fp8_act``: the
-norm / activation kernel writes the E4M3 copy in the same pass, saving qkv, gate_up and down their activation kernel;
-o_proj's input, the attention output, is quantised by fp8_linear). Each module keeps its weights and holds the copies beside them
-(``layers.hold_fp8_``: buffers ``fp8_qweight``/``fp8_scale``, ``fp8_w13_qweight``/... for experts): the copies are
-read only inside ``fp8_forward`` (colocated rollout: the engine's generate, the trainer's own forward stays bf16) or
-always after ``enable`` (a server, a split-mode rollout rank).
+Embeddings and norms are not ``Linear``; while FP8 runs on cuBLAS's GEMM, the decoder layers' hidden-size norms and
+the SwiGLU MLPs quantise their own output for the projections that read it (``act_norms``, ``layers.with_fp8_act``:
+the norm / activation kernel writes the E4M3 copy in the same pass, saving qkv, gate_up and down their activation
+kernel; o_proj's input, the attention output, is quantised by fp8_linear). Each module keeps its weights and holds
+the copies beside them (``layers.hold_fp8_``: buffers ``fp8_qweight``/``fp8_scale``, ``fp8_w13_qweight``/... for
+experts): the copies are read only inside ``fp8_forward`` (colocated rollout: the engine's generate, the trainer's
+own forward stays bf16) or always after ``enable`` (a server, a split-mode rollout rank).
 
 When the copies are (re)made: at load (``quantize``), and whenever the engine receives new weights: colocated,
 before the first rollout after an optimizer step (the trainer's bf16 weights quantised again, in place; expert
