@@ -102,7 +102,13 @@ def test_triton_tiles_and_geglu(triton_kernels):
     for act in ("silu", "gelu_tanh"):
         y = fused_moe_fp8(x, q13, q2, w, ids, activation=act, configs={"gate_up": cfg, "down": cfg})
         ref = fused_moe_fp8_native(x, q13, q2, w, ids, activation=act)
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        # h (the activation between the two GEMMs) is quantised to E4M3: where the Triton and native gate_up sums
+        # differ in their last bit across a rounding boundary, one element of h moves by an E4M3 step and its whole
+        # output row by ~1e-4 of the largest output (measured 1.5e-4, on 7.6% of the elements, with numpy 2.4's
+        # interpreter); a wrong tile or scale moves outputs by their own size
+        big = ref.abs().max().item()
+        torch.testing.assert_close(y, ref, rtol=0, atol=2e-3 * big)
+        assert torch.isclose(y, ref, rtol=1e-5, atol=1e-5 * big).float().mean() >= 0.85
 
 
 def test_fused_moe_dispatches_on_fp8_weights_and_refuses_gradients(native_kernels):

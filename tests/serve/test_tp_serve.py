@@ -90,7 +90,10 @@ def _tp2_matches_tp1(tiny_ckpt, *extra):
     assert tp2 == tp1
     for a, b in zip(tp2_scored, tp1_scored):
         assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
-        assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=1e-4)
+        # FP8: the row-parallel projections' partial sums reach the next layer's activation quantisation in another
+        # summation order, which can move an element across an E4M3 rounding boundary (up to 0.03 seen)
+        tol = 0.05 if "fp8" in extra else 1e-4
+        assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=tol)
         assert [list(e or {}) for e in a["prompt_logprobs"]] == [list(e or {}) for e in b["prompt_logprobs"]]
 
 
