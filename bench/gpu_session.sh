@@ -15,6 +15,7 @@
 #   kernels           K1 attention, K2 log-probs, sampler, speculative verify, small ops, K3 MoE
 #   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep;
 #                     $FP8_LIMIT s)
+#   nf4               QLoRA's NF4 GEMM: its GPU tests, then bench/nf4_gemm.py (fused vs dequantising pass vs bf16)
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS, $ROLLOUT_LIMIT s); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS for decode_profile.py,
@@ -106,6 +107,9 @@ for stage in "$@"; do
       step moe 150 python3 bench/moe.py ;;
     fp8-gemm) gpu_pytest fp8-gemm-tests 300 tests/kernels/test_fp8.py ;;
     fp8-gemm-bench) step fp8_gemm ${FP8_LIMIT:-560} python3 bench/fp8_gemm.py ;;
+    nf4)
+      gpu_pytest nf4-tests 200 tests/kernels/test_nf4.py
+      step nf4_gemm ${NF4_LIMIT:-240} python3 bench/nf4_gemm.py ;;
     kernel-variants)
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
       step k1-sweep 300 python3 bench/attention.py --variants --seqs 4096 --sweep ${SWEEP:-near}
