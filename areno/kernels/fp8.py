@@ -241,13 +241,18 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_act_fp8_cublas(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_act_fp8`` in cuBLAS's layout: ``xq`` [M4, K] and ``s`` [M4, G] for M4 = M rounded up to a multiple
     of 4 (rows past M zero, their scales EPS / 448), ``s`` a view of a ``[G, M4]`` tensor (outer-dim-major)."""
-    return _quantize_act(x, -(-max(x.shape[0], 1) // 4) * 4, scales_by_column=True)
+    return _quantize_act(x, cublas_rows(x.shape[0]), scales_by_column=True)
+
+
+def cublas_rows(m: int) -> int:
+    """The rows of cuBLAS's activation layout for M rows: M rounded up to a multiple of 4 (at least 4)."""
+    return -(-max(m, 1) // 4) * 4
 
 
 def cublas_act_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty (``xq`` ``[M4, K]`` fp8, ``s`` ``[M4, G]`` fp32 as a view of ``[G, M4]``): cuBLAS's activation layout
     (:func:`quantize_act_fp8_cublas`), for kernels that quantise their own output into it."""
-    rows = -(-max(m, 1) // 4) * 4
+    rows = cublas_rows(m)
     g = triton.cdiv(k, BLOCK)
     return (torch.empty(rows, k, dtype=FP8, device=device),
             torch.empty(g, rows, dtype=torch.float32, device=device).t())  # fmt: skip
@@ -402,7 +407,7 @@ def fp8_linear(x: torch.Tensor, q: Fp8Weight, bias: torch.Tensor | None = None, 
         raise RuntimeError(f"fp8_linear(_gemm='cublas'): cuBLAS's block-scaled GEMM does not apply here ({x.device}, "
                            f"{x.dtype}, weight {tuple(q.shape)}: sm_90, CUDA >= 12.9, bf16 x, N and K % 128)")
     if cublas and _gemm != "triton":
-        rows = -(-max(x2.shape[0], 1) // 4) * 4
+        rows = cublas_rows(x2.shape[0])
         if act is not None and act[0].shape == (rows, x2.shape[1]) and act[1].shape == (rows, q.scale.shape[1]):
             y = fp8_matmul_cublas(act[0], act[1], q, x2.dtype, rows=x2.shape[0])
             y = y if b is None else y + b

@@ -309,6 +309,12 @@ def rms_norm_native(x, weight, eps=1e-6, residual=None, zero_centered=False):
     return weight * n.to(x.dtype)
 
 
+def _supported(x, weight, residual) -> bool:
+    """What the Triton kernel takes: float dtypes, a row within one tile, the residual in x's dtype."""
+    return (x.dtype in _FLOATS and weight.dtype in _FLOATS and x.shape[-1] <= MAX_N
+            and (residual is None or residual.dtype == x.dtype))  # fmt: skip
+
+
 def rms_norm_fp8(x, weight, eps=1e-6, residual=None, zero_centered=False):
     """Inference: ``rms_norm``'s ``y`` (and ``h`` with ``residual``, else None) plus ``act``, y quantised for the FP8
     GEMMs that read it in cuBLAS's layout (``fp8.quantize_act_fp8_cublas`` of y's rows, the same bytes): one pass
@@ -317,9 +323,7 @@ def rms_norm_fp8(x, weight, eps=1e-6, residual=None, zero_centered=False):
         raise ValueError(f"rms_norm_fp8: the last dim ({x.shape[-1]}) must be a multiple of {BLOCK}")
     n = x.shape[-1]
     m = x.numel() // n
-    supported = (x.dtype in _FLOATS and weight.dtype in _FLOATS and n <= MAX_N
-                 and (residual is None or residual.dtype == x.dtype))  # fmt: skip
-    if not use_triton(x, weight, residual, supported=supported):
+    if not use_triton(x, weight, residual, supported=_supported(x, weight, residual)):
         out = rms_norm_native(x, weight, eps, residual, zero_centered)
         y, h = out if residual is not None else (out, None)
         return y, h, quantize_act_fp8_cublas_native(y.reshape(m, n))
@@ -332,12 +336,6 @@ def rms_norm(x, weight, eps=1e-6, residual=None, zero_centered=False):
     """RMSNorm over the last dim of ``x``; with ``residual`` returns ``(rms_norm(x + residual), x + residual)``.
     ``zero_centered`` (Qwen3.5): the weight scales by ``1 + weight``, ``n * (1 + weight)`` in fp32 rounded once to
     x's dtype (the plain norm rounds ``n`` first, as Llama/Qwen3 do)."""
-    supported = (
-        x.dtype in _FLOATS
-        and weight.dtype in _FLOATS
-        and x.shape[-1] <= MAX_N
-        and (residual is None or residual.dtype == x.dtype)
-    )
-    if use_triton(x, weight, residual, supported=supported):
+    if use_triton(x, weight, residual, supported=_supported(x, weight, residual)):
         return RMSNormFunction.apply(x, weight, residual, eps, zero_centered)
     return rms_norm_native(x, weight, eps, residual, zero_centered)
