@@ -5,6 +5,7 @@
     python bench/grpo_step.py --split   # also split mode, sync and async: train on GPU 0, rollout on GPU 1
     python bench/grpo_step.py --split --tail --impls none   # G2: long-tailed lengths, sync split vs partial rollout
     python bench/grpo_step.py --impls areno --rollout-dtypes bf16,fp8   # issue 41: G1 with FP8 rollout beside bf16
+    python bench/grpo_step.py --impls areno --rollout-dtypes bf16,fp8 --kv-cache-dtypes auto,fp8   # FP8 KV cache too
 
 The batch (BENCH.md G1): 32 prompts of 128 random tokens, 8 samples each (256 completions), up to 512 new tokens at
 temperature 1 (EOS may stop a completion; with random weights almost none stops early: see response_len), bf16,
@@ -116,7 +117,8 @@ def run_areno(path, texts, s, ckpt, args, tmp, graphs="auto", extra: dict | None
         train_cuda_graphs=graphs,
         **(extra or {}),
     )
-    rec = dict(impl="areno", checkpointing=ckpt, train_cuda_graphs=graphs, rollout_dtype=cfg.rollout_dtype)
+    rec = dict(impl="areno", checkpointing=ckpt, train_cuda_graphs=graphs, rollout_dtype=cfg.rollout_dtype,
+               kv_cache_dtype=cfg.kv_cache_dtype)
     loop = TrainLoop(cfg)
     t0 = time.perf_counter()
     loop.setup()
@@ -282,13 +284,15 @@ def run_trl(path, texts, s, args, tmp, peft_config=None) -> dict:
 
 
 def bf16_twin(records: list[dict], r: dict) -> dict | None:
-    """For an FP8-rollout areno row, the bf16 row of the same checkpointing and graph setting (else None)."""
-    if r["impl"] != "areno" or r.get("rollout_dtype") != "fp8" or not r.get("step_s"):
+    """For an areno row with FP8 rollout or an FP8 KV cache, the bf16 row (bf16 KV cache) of the same
+    checkpointing and graph setting (else None)."""
+    fp8 = r.get("rollout_dtype") == "fp8" or r.get("kv_cache_dtype") == "fp8"
+    if r["impl"] != "areno" or not fp8 or not r.get("step_s"):
         return None
     same = lambda b: (b.get("checkpointing"), b.get("train_cuda_graphs")) == (r.get("checkpointing"),  # noqa: E731
                                                                               r.get("train_cuda_graphs"))
     return next((b for b in records if b["impl"] == "areno" and b.get("rollout_dtype") == "bf16" and b.get("step_s")
-                 and same(b)), None)  # fmt: skip
+                 and b.get("kv_cache_dtype", "auto") == "auto" and same(b)), None)  # fmt: skip
 
 
 def breakdown(r: dict) -> str:
@@ -315,6 +319,8 @@ def main():
                     "colocated RL), on, off, or a comma list measured in turn (e.g. off,on)")
     ap.add_argument("--rollout-dtypes", default="bf16", help="areno's --rollout-dtype, one run each: bf16, fp8 or "
                     "bf16,fp8 (issue 41: G1 with FP8 rollout beside bf16's)")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="areno's --kv-cache-dtype, one run each (times each "
+                    "rollout dtype): auto, fp8 or auto,fp8")
     ap.add_argument("--split", action="store_true", help="also areno in split mode, sync and async (2 devices)")
     ap.add_argument("--tail", action="store_true", help="with --split: long-tailed completion lengths, the sync "
                     "split step vs partial rollout (G2, issue 42)")
@@ -332,19 +338,23 @@ def main():
         impls = [i for i in args.impls.split(",") if i != "none"]
         if args.tail and not args.split:
             ap.error("--tail needs --split")
-        if args.rollout_dtypes != "bf16" and ("areno" not in impls or args.split):
-            ap.error("--rollout-dtypes applies to the colocated areno runs only (--impls areno, without --split)")
+        if (args.rollout_dtypes, args.kv_cache_dtypes) != ("bf16", "auto") and ("areno" not in impls or args.split):
+            ap.error("--rollout-dtypes / --kv-cache-dtypes apply to the colocated areno runs only (--impls areno, "
+                     "without --split)")
         if args.split:
             impls[1:1] = [f"areno-split-{m}" for m in (("sync", "partial") if args.tail else ("sync", "async"))]
         for impl in impls:
             variants = [c == "on" for c in args.checkpointing.split(",")] if impl.startswith("areno") else [False]
             graph_modes = args.train_cuda_graphs.split(",") if impl == "areno" else [None]
             dtypes = args.rollout_dtypes.split(",") if impl == "areno" else [None]
-            for ckpt, graphs, dtype in [(c, g, d) for c in variants for g in graph_modes for d in dtypes]:
+            kvs = args.kv_cache_dtypes.split(",") if impl == "areno" else [None]
+            for ckpt, graphs, dtype, kv in [(c, g, d, k) for c in variants for g in graph_modes for d in dtypes
+                                            for k in kvs]:  # fmt: skip
                 t0 = time.perf_counter()
                 try:
                     if impl == "areno":
-                        rec = run_areno(path, texts, s, ckpt, args, tmp, graphs, extra={"rollout_dtype": dtype})
+                        rec = run_areno(path, texts, s, ckpt, args, tmp, graphs, extra={"rollout_dtype": dtype,
+                                                                                        "kv_cache_dtype": kv})
                     elif impl.startswith("areno-split"):
                         rec = run_areno_split(path, texts, s, ckpt, args, tmp, impl.removeprefix("areno-split-"))
                     else:
@@ -376,8 +386,9 @@ def main():
         bf16 = bf16_twin(records, r)
         if bf16:
             r["speedup_vs_bf16"] = bf16["step_s"] / r["step_s"]  # issue 41: FP8 rollout's G1 against bf16's
-    cols = ["impl", "checkpointing", "train_cuda_graphs", "rollout_dtype", "step_s", "rollout_s", "reward_s", "pack_s",
-            "logprob_s", "train_s", "other_s", "overlap_saved_s", "response_len_mean", "logprob_diff",
+    cols = ["impl", "checkpointing", "train_cuda_graphs", "rollout_dtype", "kv_cache_dtype", "step_s", "rollout_s",
+            "reward_s", "pack_s", "logprob_s", "train_s", "other_s", "overlap_saved_s", "response_len_mean",
+            "logprob_diff",
             "policy_sync_time_s", "train_idle_s", "staleness_max", "tail_cut", "peak_gib", "speedup_vs_trl",
             "speedup_vs_bf16", "speedup_vs_sync_split", "step_s_all", "error"]  # fmt: skip
     print_table(records, cols)

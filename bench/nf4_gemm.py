@@ -1,5 +1,6 @@
 """NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls; ``fused``: the Triton GEMM
-that dequantises NF4 in its prologue; ``triton dequant``: W' written by the one-pass Triton dequantisation, then
+that dequantises NF4 in its prologue; ``fused 2 blocks`` / ``fused no split``: its config
+with 2 NF4 blocks a step / without split-K; ``triton dequant``: W' written by the one-pass Triton dequantisation, then
 cuBLAS) vs the baseline that dequantises the whole weight (native ``dequantize_nf4``) then runs cuBLAS ``F.linear``,
 in the same process.
 
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import gemm_row, weight_gemm_bench  # noqa: E402
 
-from areno.kernels.nf4 import dequantize_nf4, nf4_matmul, quantize_nf4  # noqa: E402
+from areno.kernels.nf4 import DEQUANT_MIN_M, dequantize_nf4, fused_config, nf4_matmul, quantize_nf4  # noqa: E402
 
 SHAPES = [("4096x4096", 4096, 4096), ("32b_gate_up", 5120, 51200), ("32b_down", 25600, 5120)]  # (name, K, N)
 MS = [1, 16, 64, 127, 256, 2048, 8192]
@@ -43,9 +44,16 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     n, k = w.shape
     x = torch.randn(m, k, device=w.device, dtype=w.dtype)
     dy = torch.randn(m, n, device=w.device, dtype=w.dtype)
+    bm, bn, blocks, split, warps, stages = fused_config(m, n, k)
+
+    def variant(blocks=blocks, split=split):  # the fused GEMM's config with one field changed
+        return bm, bn, blocks, split, warps, stages
+
     ops = {
         ("fwd", "triton"): lambda: nf4_matmul(x, q),
         ("fwd", "fused"): lambda: nf4_matmul(x, q, _path="fused"),
+        ("fwd", "fused 2 blocks"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(blocks=2)),
+        ("fwd", "fused no split"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(split=1)),
         ("fwd", "triton dequant"): lambda: nf4_matmul(x, q, _path="dequant"),
         ("fwd", "dequant+linear"): lambda: F.linear(x, dequantize_nf4(q, w.dtype)),
         ("fwd", "bf16 linear"): lambda: F.linear(x, w),
@@ -54,6 +62,8 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
         ("dx", "dequant+linear"): lambda: dy @ dequantize_nf4(q, w.dtype),
         ("dx", "bf16 linear"): lambda: dy @ w,
     }
+    if m >= DEQUANT_MIN_M:  # the fused GEMM serves decode's rows only (hundreds of ms a call at 8192)
+        ops = {key: fn for key, fn in ops.items() if not key[1].startswith("fused")}
     ref = {op: ops[(op, "dequant+linear")]().float() for op in ("fwd", "dx")}
     return [gemm_row(fn, ref[op], cuda, m, n, k, shape=name, op=op, path=path,
                      weight_mb=round((q.nbytes() if path != "bf16 linear" else w.numel() * 2) / 2**20, 2))

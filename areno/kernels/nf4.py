@@ -133,39 +133,48 @@ def dequantize_nf4(q: Nf4Weight, dtype=torch.float32) -> torch.Tensor:
 
 @triton.jit
 def _nf4_matmul_kernel(a_ptr, q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr, M, N, K,
-                       stride_am, stride_om, DOT_PREC: tl.constexpr, BLOCKSIZE2: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    # out [M, N] = a [M, K] @ W'^T with K % 64 == 0: step t of the reduction is NF4 block t of each weight row, its
-    # 32 packed bytes contiguous (one vector load a row) and its scale one value a row; the high nibbles are W''s
-    # even columns 64 t + 2 c, the low ones the odd columns, each multiplied by a's matching columns.
+                       stride_am, stride_om, stride_os, STEPS, DOT_PREC: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    # out [M, N] (split s of K: out + s stride_os) = a [M, K] @ W'^T with K % 64 == 0. A step covers BLOCKS NF4
+    # blocks of each weight row: 32 BLOCKS packed bytes, contiguous (vector loads), and one scale a block; the high
+    # nibbles are W''s even columns, the low ones the odd columns, each multiplied by a's matching columns (strided
+    # loads of the small activation). Program (i, j, s) walks STEPS steps from step s STEPS (split-K).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    R: tl.constexpr = BLOCKS * 32
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, 32)
-    offs_j = tl.arange(0, 64)
+    offs_r = tl.arange(0, R)
+    offs_b = tl.arange(0, BLOCKS)
     m_ok = offs_m < M
     n_ok = offs_n < N
     offset = tl.load(off_ptr)
     nblk = K // 64
     row_bytes = offs_n.to(tl.int64) * (K // 2)
     row_blk = offs_n.to(tl.int64) * nblk
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_j[None, :]
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(0, nblk):
-        byte = tl.load(q_ptr + row_bytes[:, None] + t * 32 + offs_c[None, :], mask=n_ok[:, None], other=0)
-        byte = byte.to(tl.int32)
-        blk = row_blk + t
-        qa = tl.load(qabs_ptr + blk, mask=n_ok, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=n_ok, other=0.0) + offset
-        a = tl.load(a_rows + t * 64, mask=m_ok[:, None], other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, 32, 2)))
-        hi = (tl.load(code_ptr + (byte >> 4)) * scale[:, None]).to(a.dtype)
-        lo = (tl.load(code_ptr + (byte & 0xF)) * scale[:, None]).to(a.dtype)
+    for t in range(pid_s * STEPS, pid_s * STEPS + STEPS):
+        b0 = t * BLOCKS  # the step's first NF4 block of each row
+        r_ok = b0 * 32 + offs_r < K // 2
+        byte = tl.load(q_ptr + row_bytes[:, None] + b0 * 32 + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                       other=0).to(tl.int32)  # fmt: skip
+        blk = row_blk[:, None] + b0 + offs_b[None, :]
+        b_ok = n_ok[:, None] & (b0 + offs_b < nblk)[None, :]
+        qa = tl.load(qabs_ptr + blk, mask=b_ok, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=b_ok, other=0.0) + offset
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCKS, 32)), (BLOCK_N, R))
+        col = (b0 * 32 + offs_r) * 2  # the even columns of a that the high nibbles meet
+        a_mask = m_ok[:, None] & r_ok[None, :]
+        a_even = tl.load(a_rows + col[None, :], mask=a_mask, other=0.0)
+        a_odd = tl.load(a_rows + col[None, :] + 1, mask=a_mask, other=0.0)
+        hi = (tl.load(code_ptr + (byte >> 4)) * scale).to(a_even.dtype)
+        lo = (tl.load(code_ptr + (byte & 0xF)) * scale).to(a_even.dtype)
         acc = tl.dot(a_even, tl.trans(hi), acc, input_precision=DOT_PREC)
         acc = tl.dot(a_odd, tl.trans(lo), acc, input_precision=DOT_PREC)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -206,19 +215,31 @@ def dequantize_nf4_triton(q: Nf4Weight, dtype=torch.bfloat16) -> torch.Tensor:
 DEQUANT_MIN_M = 128
 
 
-def _config(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused GEMM (m < DEQUANT_MIN_M): small tiles in the
-    interpreter (speed); else 16 or 64 rows by M and 64 weight rows a program, 32 where that leaves fewer than
-    ~2 programs an SM (decode's down projection: 5120 rows)."""
+def fused_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCKS, split, num_warps, num_stages) of the fused GEMM (m < DEQUANT_MIN_M): small tiles in
+    the interpreter (speed); else 16 / 32 / 64 rows by M, 64 weight rows and 4 NF4 blocks (256 columns) a step, and
+    K split until about four programs an SM run (decode's tiles alone leave most SMs idle: 80 at N = 5120), each
+    split writing fp32 partials that one sum adds in a fixed order (no atomics: the same rows give the same bits)."""
     if interpreting():
-        return 16, 16, 1, 1
-    return (16 if m <= 16 else 64), (64 if n >= 64 * 256 else 32), 4, 3
+        return 16, 16, 1, (2 if k >= 128 else 1), 1, 1
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn, blocks = 64, 4
+    steps = triton.cdiv(k // BLOCKSIZE, blocks)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = max(1, min(steps, 16, (4 * _sms()) // tiles))
+    return bm, bn, blocks, split, 4, 3
 
 
-def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = "auto") -> torch.Tensor:
+@functools.cache
+def _sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = "auto", _cfg=None) -> torch.Tensor:
     """``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation: the fused
     Triton GEMM below ``DEQUANT_MIN_M`` rows (forward, K % 64 == 0), else W' dequantised in a's dtype by the Triton
-    pass, then ``torch.matmul``; ``_path`` "fused" / "dequant" pins one way (bench/nf4_gemm.py)."""
+    pass, then ``torch.matmul``; ``_path`` "fused" / "dequant" pins one way and ``_cfg`` the fused GEMM's
+    ``fused_config`` tuple (bench/nf4_gemm.py)."""
     n, k = q.shape
     p, r = (k, n) if trans else (n, k)
     assert a.dim() == 2 and a.shape[1] == r and a.stride(1) == 1, f"nf4: a [M, {r}] expected, got {tuple(a.shape)}"
@@ -232,17 +253,19 @@ def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = 
     if _path == "dequant" or (_path == "auto" and (m >= DEQUANT_MIN_M or not fused_ok)):
         w = dequantize_nf4_triton(q, a.dtype)
         return a @ w if trans else a @ w.t()
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
-        return out
+        return torch.empty(m, n, dtype=a.dtype, device=a.device)
     code, code2 = tables(str(a.device))
-    bm, bn, warps, stages = _config(m, n)
-    _nf4_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        a, q.packed, q.qabs, q.absmax2, q.offset, code, code2, out, m, n, k, a.stride(0), out.stride(0),
-        DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32", BLOCKSIZE2=BLOCKSIZE2, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=warps, num_stages=stages,
+    bm, bn, blocks, split, warps, stages = _cfg or fused_config(m, n, k)
+    steps = triton.cdiv(triton.cdiv(k // BLOCKSIZE, blocks), split)
+    split = triton.cdiv(triton.cdiv(k // BLOCKSIZE, blocks), steps)  # no split left without a step
+    out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else a.dtype, device=a.device)
+    _nf4_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        a, q.packed, q.qabs, q.absmax2, q.offset, code, code2, out, m, n, k, a.stride(0), out.stride(1),
+        out.stride(0), steps, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32", BLOCKSIZE2=BLOCKSIZE2,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCKS=blocks, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return out
+    return out[0] if split == 1 else out.sum(0).to(a.dtype)
 
 
 class Nf4LinearFunction(torch.autograd.Function):

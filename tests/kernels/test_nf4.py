@@ -129,6 +129,19 @@ def test_fused_gemm_over_whole_blocks_against_float64(triton_kernels, M, N, K, d
         torch.testing.assert_close(y.double(), x.double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
 
 
+@pytest.mark.parametrize("cfg", [(16, 16, 2, 2, 1, 1), (16, 32, 4, 3, 1, 1), (32, 16, 1, 5, 1, 1)])
+def test_fused_gemm_steps_and_splits_against_float64(triton_kernels, cfg):
+    # several NF4 blocks a step and K split unevenly: K = 320 is 5 blocks, so a step or a split runs past the row's
+    # end (masked); split > 1 writes fp32 partials that one sum adds
+    M, N, K = 18, 40, 320
+    q = quantize_nf4(_weight((N, K), seed=3))
+    wd = _ref(q).double()
+    x = torch.randn(M, K)
+    y = nf4.nf4_matmul(x, q, _path="fused", _cfg=cfg)
+    rtol, atol = TOL[torch.float32]
+    torch.testing.assert_close(y.double(), x.double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
+
+
 def test_fused_gemm_refuses_what_it_does_not_cover(triton_kernels):
     q = quantize_nf4(_weight((16, 96)))  # K = 96: blocks straddle rows
     with pytest.raises(ValueError, match="whole NF4 blocks"):
@@ -182,7 +195,7 @@ def test_no_weight_gradient():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 64, 127, 512])
+@pytest.mark.parametrize("M", [1, 16, 33, 64, 127, 512])
 def test_triton_bf16_at_4096_against_native(M):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
