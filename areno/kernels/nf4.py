@@ -15,16 +15,18 @@ QLoRA users load): the weight ``W [N, K]`` is read flat (row-major, element ``i 
 
 Storage per weight element: 0.5 byte + 1/64 byte (qabs) + 4/16384 byte (absmax2) = 0.516 byte, vs 2 in bf16.
 
-GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), below ``DEQUANT_MIN_M`` rows (decode)
-and with K % 64 == 0 (every model's): program (i, j) owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and walks the
-reduction one NF4 block (64 columns) at a time, where each weight row's 32 packed bytes are contiguous (one vector
-load a row) and its doubly quantised scale is one value a row; the nibbles index the 16-entry code table
-(L1-resident), the tile is rounded to x's dtype (as the native path rounds W') and the high and low nibbles, W''s
-even and odd columns, each meet x's matching columns in ``tl.dot``. Bytes read: 0.52 N K for the weight (vs 2 N K
-in bf16) plus the activations. From ``DEQUANT_MIN_M`` rows (prefill, training), for the input gradient ``dx = dy W'``
-(the base weight has no gradient, x does: the LoRA layers below it train) and for a K that splits NF4 blocks across
-rows, a one-pass Triton dequantisation writes W' in x's dtype (32 bytes and one scale a block in, 64 values out) and
-``torch.matmul`` multiplies (bitsandbytes' training path): the GEMM's work dwarfs the pass there.
+GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), forward and input gradient: a one-pass
+Triton dequantisation writes W' in x's dtype (32 packed bytes and one scale a block in, 64 values out, in fp32 then
+rounded) and cuBLAS (``torch.matmul``) multiplies, bitsandbytes' training path. Measured on an H100 (bench/nf4_gemm.py)
+this is also the fastest way at decode sizes: 0.23 ms for the 32B shape's down projection at M = 1..127 and 0.45 ms
+for its gate_up, where the fused GEMM below takes 0.6-4.6 ms and 1.4-8.9 ms (a G32B-qlora step 24.0 s with the pass,
+80.4 s with the fused GEMM at decode). The fused GEMM (``nf4_matmul(..., _path="fused")``, K % 64 == 0, forward)
+dequantises in its prologue and reads only the 0.52 bytes a weight: program (i, j, s) owns a ``[BLOCK_M, BLOCK_N]``
+output tile and split s of the reduction, a step covering 4 NF4 blocks of each weight row (128 contiguous packed
+bytes, one scale a block), the nibbles indexing the 16-entry code table, the high and low nibbles (W''s even and odd
+columns) each meeting x's matching columns in ``tl.dot``, splits adding fp32 partials in a fixed order. It is tested
+and benchmarked beside the pass, and the default takes it once it wins there (where its time goes is not yet
+profiled: the per-element table lookups and the tile's conversion to ``tl.dot``'s layout are the suspects).
 """
 
 from __future__ import annotations
@@ -208,18 +210,11 @@ def dequantize_nf4_triton(q: Nf4Weight, dtype=torch.bfloat16) -> torch.Tensor:
     return out
 
 
-# From this many rows nf4_matmul dequantises W' once (0.52 bytes read and 2 written a weight) and multiplies with
-# cuBLAS / torch.matmul, as bitsandbytes does for training: a [M, N K] GEMM's work then dwarfs the extra pass. Fewer
-# rows (decode steps) keep the fused GEMM, which reads the weight in 0.52 bytes and nothing else. The input gradient
-# (``trans``) and weights whose rows do not hold whole NF4 blocks (K % 64) always take the pass.
-DEQUANT_MIN_M = 128
-
-
 def fused_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCKS, split, num_warps, num_stages) of the fused GEMM (m < DEQUANT_MIN_M): small tiles in
-    the interpreter (speed); else 16 / 32 / 64 rows by M, 64 weight rows and 4 NF4 blocks (256 columns) a step, and
-    K split until about four programs an SM run (decode's tiles alone leave most SMs idle: 80 at N = 5120), each
-    split writing fp32 partials that one sum adds in a fixed order (no atomics: the same rows give the same bits)."""
+    """(BLOCK_M, BLOCK_N, BLOCKS, split, num_warps, num_stages) of the fused GEMM: small tiles in the
+    interpreter (speed); else 16 / 32 / 64 rows by M, 64 weight rows and 4 NF4 blocks (256 columns) a step, and K
+    split until about four programs an SM run (decode's tiles alone leave most SMs idle: 80 at N = 5120), each split
+    writing fp32 partials that one sum adds in a fixed order (no atomics: the same rows give the same bits)."""
     if interpreting():
         return 16, 16, 1, (2 if k >= 128 else 1), 1, 1
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -236,10 +231,10 @@ def _sms() -> int:
 
 
 def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = "auto", _cfg=None) -> torch.Tensor:
-    """``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation: the fused
-    Triton GEMM below ``DEQUANT_MIN_M`` rows (forward, K % 64 == 0), else W' dequantised in a's dtype by the Triton
-    pass, then ``torch.matmul``; ``_path`` "fused" / "dequant" pins one way and ``_cfg`` the fused GEMM's
-    ``fused_config`` tuple (bench/nf4_gemm.py)."""
+    """``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation: W'
+    dequantised in a's dtype by the Triton pass, then ``torch.matmul`` ("auto" and "dequant"); ``_path="fused"`` the
+    GEMM that dequantises in its prologue (forward, K % 64 == 0), ``_cfg`` its ``fused_config`` tuple
+    (bench/nf4_gemm.py compares them)."""
     n, k = q.shape
     p, r = (k, n) if trans else (n, k)
     assert a.dim() == 2 and a.shape[1] == r and a.stride(1) == 1, f"nf4: a [M, {r}] expected, got {tuple(a.shape)}"
@@ -250,7 +245,7 @@ def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = 
     if _path == "fused" and not fused_ok:
         raise ValueError(f"nf4_matmul: the fused GEMM is forward only, over whole NF4 blocks (K % {BLOCKSIZE} == 0): "
                          f"trans={trans}, weight {tuple(q.shape)}")
-    if _path == "dequant" or (_path == "auto" and (m >= DEQUANT_MIN_M or not fused_ok)):
+    if _path != "fused":
         w = dequantize_nf4_triton(q, a.dtype)
         return a @ w if trans else a @ w.t()
     if m == 0 or n == 0:
