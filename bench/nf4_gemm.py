@@ -1,6 +1,6 @@
-"""NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls, today the
-dequantising pass; ``fused``: the Triton GEMM that dequantises NF4 in its prologue; ``fused 2 blocks`` / ``fused no
-split``: its config with 2 NF4 blocks a step / without split-K; ``triton dequant``: W' written by the one-pass Triton
+"""NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls, today the dequantising
+pass; ``fused``: the Triton GEMM that dequantises NF4 in its prologue; ``fused 4 blocks`` / ``fused no split``: its
+config with 4 NF4 blocks a step / without split-K; ``triton dequant``: W' written by the one-pass Triton
 dequantisation, then cuBLAS) vs the baseline that dequantises the whole weight (native ``dequantize_nf4``) then runs
 cuBLAS ``F.linear``, in the same process.
 
@@ -52,7 +52,7 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     ops = {
         ("fwd", "triton"): lambda: nf4_matmul(x, q),
         ("fwd", "fused"): lambda: nf4_matmul(x, q, _path="fused"),
-        ("fwd", "fused 2 blocks"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(blocks=2)),
+        ("fwd", "fused 4 blocks"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(blocks=4)),
         ("fwd", "fused no split"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(split=1)),
         ("fwd", "triton dequant"): lambda: nf4_matmul(x, q, _path="dequant"),
         ("fwd", "dequant+linear"): lambda: F.linear(x, dequantize_nf4(q, w.dtype)),

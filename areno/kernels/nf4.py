@@ -15,18 +15,19 @@ QLoRA users load): the weight ``W [N, K]`` is read flat (row-major, element ``i 
 
 Storage per weight element: 0.5 byte + 1/64 byte (qabs) + 4/16384 byte (absmax2) = 0.516 byte, vs 2 in bf16.
 
-GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), forward and input gradient: a one-pass
-Triton dequantisation writes W' in x's dtype (32 packed bytes and one scale a block in, 64 values out, in fp32 then
-rounded) and cuBLAS (``torch.matmul``) multiplies, bitsandbytes' training path. Measured on an H100 (bench/nf4_gemm.py)
-this is also the fastest way at decode sizes: 0.23 ms for the 32B shape's down projection at M = 1..127 and 0.45 ms
-for its gate_up, where the fused GEMM below takes 0.6-4.6 ms and 1.4-8.9 ms (a G32B-qlora step 24.0 s with the pass,
-80.4 s with the fused GEMM at decode). The fused GEMM (``nf4_matmul(..., _path="fused")``, K % 64 == 0, forward)
-dequantises in its prologue and reads only the 0.52 bytes a weight: program (i, j, s) owns a ``[BLOCK_M, BLOCK_N]``
-output tile and split s of the reduction, a step covering 4 NF4 blocks of each weight row (128 contiguous packed
-bytes, one scale a block), the nibbles indexing the 16-entry code table, the high and low nibbles (W''s even and odd
-columns) each meeting x's matching columns in ``tl.dot``, splits adding fp32 partials in a fixed order. It is tested
-and benchmarked beside the pass, and the default takes it once it wins there (where its time goes is not yet
-profiled: the per-element table lookups and the tile's conversion to ``tl.dot``'s layout are the suspects).
+GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), forward and input gradient: a one-pass Triton
+dequantisation writes W' in x's dtype (32 packed bytes and one scale a block in, 64 values out, in fp32 then rounded)
+and cuBLAS (``torch.matmul``) multiplies, bitsandbytes' training path. Measured on an H100 (bench/nf4_gemm.py) this is
+also the fastest way at decode sizes: 0.23 ms for the 32B shape's down projection at M = 1..127 and 0.45 ms for its
+gate_up, where the fused GEMM below takes 0.6-4.6 ms and 1.4-8.9 ms (a G32B-qlora step 25.7 s with the pass, 80.4 s with
+the fused GEMM at decode). The fused GEMM (``nf4_matmul(..., _path="fused")``, K % 64 == 0, forward) dequantises in its
+prologue and reads only the 0.52 bytes a weight: program (i, j, s) owns a ``[BLOCK_M, BLOCK_N]`` output tile and split s
+of the reduction, a step covering 2 NF4 blocks of each weight row (64 contiguous packed bytes, one scale a block), the
+nibbles indexing the 16-entry code table, the high and low nibbles (W''s even and odd columns) each the A operand of
+``tl.dot`` against x's matching columns (out^T = W' x^T), splits adding fp32 partials in a fixed order, one pipeline
+stage (see the kernel). It is tested and benchmarked beside the pass, and the default takes it once it wins there (the
+2026-12-06 H100 rows were taken before the kernel left Triton's pipeliner, which staged its table lookups through shared
+memory).
 """
 
 from __future__ import annotations
@@ -156,12 +157,21 @@ def _nf4_matmul_kernel(a_ptr, q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code
     row_bytes = offs_n.to(tl.int64) * (K // 2)
     row_blk = offs_n.to(tl.int64) * nblk
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(pid_s * STEPS, pid_s * STEPS + STEPS):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # Run with num_stages=1: Triton's pipeliner would stage the code-table lookups (gathers indexed by the loaded
+    # bytes) through shared memory as 4-byte async copies, 32 KB a table and stage: one program an SM, and slow. The
+    # packed bytes of step t + 1 are loaded instead while step t computes (a register double buffer).
+    t0 = pid_s * STEPS
+    r_ok = t0 * BLOCKS * 32 + offs_r < K // 2
+    nxt = tl.load(q_ptr + row_bytes[:, None] + t0 * BLOCKS * 32 + offs_r[None, :],
+                  mask=n_ok[:, None] & r_ok[None, :], other=0)  # fmt: skip
+    for t in range(t0, t0 + STEPS):
         b0 = t * BLOCKS  # the step's first NF4 block of each row
         r_ok = b0 * 32 + offs_r < K // 2
-        byte = tl.load(q_ptr + row_bytes[:, None] + b0 * 32 + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                       other=0).to(tl.int32)  # fmt: skip
+        byte = nxt.to(tl.int32)
+        r_next = (b0 + BLOCKS) * 32 + offs_r
+        nxt = tl.load(q_ptr + row_bytes[:, None] + r_next[None, :],
+                      mask=n_ok[:, None] & ((r_next < K // 2) & (t + 1 < t0 + STEPS))[None, :], other=0)  # fmt: skip
         blk = row_blk[:, None] + b0 + offs_b[None, :]
         b_ok = n_ok[:, None] & (b0 + offs_b < nblk)[None, :]
         qa = tl.load(qabs_ptr + blk, mask=b_ok, other=0).to(tl.int32)
@@ -173,10 +183,12 @@ def _nf4_matmul_kernel(a_ptr, q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code
         a_odd = tl.load(a_rows + col[None, :] + 1, mask=a_mask, other=0.0)
         hi = (tl.load(code_ptr + (byte >> 4)) * scale).to(a_even.dtype)
         lo = (tl.load(code_ptr + (byte & 0xF)) * scale).to(a_even.dtype)
-        acc = tl.dot(a_even, tl.trans(hi), acc, input_precision=DOT_PREC)
-        acc = tl.dot(a_odd, tl.trans(lo), acc, input_precision=DOT_PREC)
-    tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+        # out^T = W' a^T: the dequantised weight tile is the MMA's A operand (from registers: no shared-memory round
+        # trip), the small activation its B
+        acc = tl.dot(hi, tl.trans(a_even), acc, input_precision=DOT_PREC)
+        acc = tl.dot(lo, tl.trans(a_odd), acc, input_precision=DOT_PREC)
+    tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -212,17 +224,17 @@ def dequantize_nf4_triton(q: Nf4Weight, dtype=torch.bfloat16) -> torch.Tensor:
 
 def fused_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCKS, split, num_warps, num_stages) of the fused GEMM: small tiles in the
-    interpreter (speed); else 16 / 32 / 64 rows by M, 64 weight rows and 4 NF4 blocks (256 columns) a step, and K
+    interpreter (speed); else 16 / 32 / 64 rows by M, 64 weight rows and 2 NF4 blocks (128 columns) a step, and K
     split until about four programs an SM run (decode's tiles alone leave most SMs idle: 80 at N = 5120), each split
     writing fp32 partials that one sum adds in a fixed order (no atomics: the same rows give the same bits)."""
     if interpreting():
         return 16, 16, 1, (2 if k >= 128 else 1), 1, 1
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    bn, blocks = 64, 4
+    bn, blocks = 64, 2  # 4 blocks a step spill registers (ptxas for sm_90: 255 and a stack of 192 B to 2 KB)
     steps = triton.cdiv(k // BLOCKSIZE, blocks)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = max(1, min(steps, 16, (4 * _sms()) // tiles))
-    return bm, bn, blocks, split, 4, 3
+    return bm, bn, blocks, split, (4 if bm == 16 else 8), 1  # one stage: see _nf4_matmul_kernel
 
 
 @functools.cache
