@@ -105,9 +105,13 @@ def _paged_attn_kernel(
         k = tl.load(K_CACHE + page[:, None] * stride_kb + within[:, None] * stride_ks + hk * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         if HAS_SCALE:  # FP8 cache: one scale per (slot, KV head), scales [num_blocks, PAGE_SIZE, Hkv], unit head stride
+            # A key's scale multiplies its column of q k^T (and a value's scale its column of p) after the dot: the
+            # E4M3 tile only widens to q's dtype (exactly), no fp32 pass over it
             scale_at = page * stride_sb + within * stride_ss + hk
-            k = (k.to(tl.float32) * tl.load(K_SCALE + scale_at, mask=col_ok, other=0.0)[:, None]).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            k_scale = tl.load(K_SCALE + scale_at, mask=col_ok, other=0.0)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * (k_scale * qk_scale)[None, :]
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         keep = col_ok[None, :] & (cols[None, :] <= t[:, None] + diag)
         if HAS_WINDOW:
             keep = keep & (cols[None, :] > t[:, None] + diag - WINDOW)
@@ -120,7 +124,8 @@ def _paged_attn_kernel(
         v = tl.load(V_CACHE + page[:, None] * stride_vb + within[:, None] * stride_vs + hk * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         if HAS_SCALE:
-            v = (v.to(tl.float32) * tl.load(V_SCALE + scale_at, mask=col_ok, other=0.0)[:, None]).to(q.dtype)
+            p = p * tl.load(V_SCALE + scale_at, mask=col_ok, other=0.0)[None, :]
+            v = v.to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
