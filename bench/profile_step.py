@@ -10,6 +10,8 @@
     python bench/profile_step.py decode --family qwen3_5-9b   # issue 38's shapes (bench/families.py), random weights
     python bench/profile_step.py decode --family qwen3_5-9b --state-dtype bfloat16 --decode-steps 8 --gaps
     python bench/profile_step.py decode --family 8b --rollout-dtype fp8   # FP8 rollout's step (bench/rollout.py's 8B)
+    python bench/profile_step.py decode --speculative-tokens 2 --gaps   # R1 with MTP speculation gated (issue 41):
+        # bench/spec.py's 9B-shaped Qwen3.5 with its MTP layer; without --speculative-tokens, --mtp the same model plain
 
 Prints the top GPU kernels by total time and the step's wall time; a diagnostic, nothing is saved.
 """
@@ -142,7 +144,11 @@ def decode(args, device):
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model, load_tokenizer
 
-    if args.family in rollout.SHAPES:  # bench/rollout.py's dense / MoE shapes (FP8 rollout's)
+    if args.speculative_tokens or args.mtp:  # bench/spec.py's MTP model (its R1 with --spec-gate auto vs plain)
+        import spec
+
+        model, tokenizer = load_model(spec.mtp_checkpoint("qwen3_5", args.smoke), device=device), None
+    elif args.family in rollout.SHAPES:  # bench/rollout.py's dense / MoE shapes (FP8 rollout's)
         model, tokenizer = rollout.shape_model(args.family, args.smoke, device)
     elif args.family:
         model, tokenizer = families_model(args.family, "rollout", args.smoke, device), None
@@ -156,24 +162,30 @@ def decode(args, device):
     n = 8 if args.smoke else args.seqs
     engine = Engine(model, tokenizer, EngineConfig(block_size=16, max_running=n, max_model_len=2064,
                                                    eager_decode=args.eager, decode_steps=args.decode_steps,
-                                                   mamba_ssm_cache_dtype=args.state_dtype),
+                                                   mamba_ssm_cache_dtype=args.state_dtype,
+                                                   speculative_tokens=args.speculative_tokens,
+                                                   speculative_disable_by_batch_size="auto"),
                     eos_token_ids=[models.EOS_ID])
     opts = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
     k = args.decode_steps  # enough new tokens that no sequence finishes inside the timed and profiled steps
-    opts = SamplingParams(temperature=1.0, max_new_tokens=args.context + 21 * k + 8, ignore_eos=True)
+    per = max(k, 8) if args.speculative_tokens else k  # a gated scheduling step chains up to 8 decode steps
+    opts = SamplingParams(temperature=1.0, max_new_tokens=args.context + 21 * per + 8, ignore_eos=True)
     for p in models.random_prompts(n, 128, model.config.vocab_size, seed=2):
         engine.add_request(p, opts)
     engine.step()  # prefill
     while engine.scheduler.running and engine.scheduler.running[0].num_computed < 128 + args.context:
         engine.step()  # decode up to the asked context
     torch.cuda.synchronize() if device.type == "cuda" else None
-    t0 = time.perf_counter()
+    seqs = list(engine.scheduler.running)
+    made = lambda: sum(s.num_output for s in seqs)  # noqa: E731
+    t0, before = time.perf_counter(), made()
     for _ in range(10):
         engine.step(k)
     torch.cuda.synchronize() if device.type == "cuda" else None
-    print(f"{n} sequences at ~{128 + args.context} tokens of context: {(time.perf_counter() - t0) * 100 / k:.2f} ms a "
-          f"decode step (unprofiled, 10 scheduling steps of {k})")
+    steps = (made() - before) / n  # tokens a sequence took: speculation's scheduling steps chain or verify several
+    print(f"{n} sequences at ~{128 + args.context} tokens of context: {(time.perf_counter() - t0) * 1e3 / steps:.2f} "
+          f"ms a decode step (unprofiled, 10 scheduling steps of {k}: {steps:.0f} tokens a sequence)")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts, with_stack=args.gaps) as prof:
         for _ in range(2 if args.gaps else 10):
@@ -202,6 +214,9 @@ def main():
                     help="decode: a hybrid's recurrent state pool (--mamba-ssm-cache-dtype)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode: steps chained per scheduling step (R1: 8)")
     ap.add_argument("--seqs", type=int, default=256, help="decode: running sequences (128-token prompts)")
+    ap.add_argument("--speculative-tokens", type=int, default=0, help="decode: MTP speculation on bench/spec.py's "
+                    "Qwen3.5 9B-shaped model, gate auto (at 256 sequences every step is gated: what gating costs)")
+    ap.add_argument("--mtp", action="store_true", help="decode: that model without speculation (the plain baseline)")
     ap.add_argument("--context", type=int, default=8, help="decode: tokens generated before the profiled steps")
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
     ap.add_argument("--smoke", action="store_true")
@@ -214,6 +229,10 @@ def main():
         ap.error("--gaps needs a GPU")
     if args.what != "decode" and (args.state_dtype != "auto" or args.decode_steps != 1):
         ap.error("--state-dtype and --decode-steps apply to the decode profile only")
+    if (args.speculative_tokens or args.mtp) and (args.what != "decode" or args.family or args.rollout_dtype != "bf16"):
+        ap.error("--speculative-tokens / --mtp: the decode profile of bench/spec.py's model only (bf16, no --family)")
+    if args.speculative_tokens and args.decode_steps != 1:
+        ap.error("--speculative-tokens: speculation chains gated steps itself (leave --decode-steps at 1)")
     if args.decode_steps < 1:
         ap.error(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if args.shape != "8x1024" and (args.what != "train" or args.smoke):
