@@ -164,13 +164,18 @@ def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
         engine.spec.take_stats()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    preempted, counts = engine.scheduler.num_preemptions, dict(engine.step_counts)
     t0 = time.perf_counter()
     out = engine.generate(prompts, opts)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for g in out for c in g)
-    rec = dict(output_tokens=tokens, wall_s=dt, tok_s=tokens / dt)
+    # the KV cache's token capacity and what the call preempted (speculation's reserve shrinks the cache), and its
+    # scheduling steps run alone and chained
+    rec = dict(output_tokens=tokens, wall_s=dt, tok_s=tokens / dt, preemptions=engine.scheduler.num_preemptions -
+               preempted, kv_tokens=engine.blocks.num_blocks * engine.config.block_size,
+               **{f"steps_{k}": v - counts.get(k, 0) for k, v in engine.step_counts.items()})  # fmt: skip
     if engine.spec is not None:
         rec.update(spec_limit=engine.spec.limit, **engine.spec.take_stats())  # accept length, gated steps
     return rec, out
@@ -180,6 +185,7 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
     """Each workload with the plain engine and with ``--speculative-tokens`` under each ``--spec-gate`` setting, warm
     calls, on fresh prompts."""
     from areno.config import SamplingParams
+    from areno.config.fields import ConfigError
     from areno.engine.engine import Engine, EngineConfig
 
     sets = lambda vocab: [workload(n, args.smoke, vocab, seed) for n in names for seed in (1, 2)]  # noqa: E731
@@ -187,9 +193,17 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
     vocab = model.config.vocab_size
     records, plain_answers = [], {}
     for k, gate in [(0, "auto")] + [(args.speculative_tokens, g) for g in gates(args)]:
-        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
-                                                  decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
-                        eos_token_ids=[])
+        try:
+            engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
+                                                      decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
+                            eos_token_ids=[])
+        except (ConfigError, torch.OutOfMemoryError) as e:  # e.g. no KV block left beside speculation's reserve
+            print(f"speculative_tokens {k}, gate {gate}: {type(e).__name__}: {e}", flush=True)
+            records += [dict(impl="areno", workload=name, call="warm", family=args.mtp_family, speculative_tokens=k,
+                             spec_gate=str(gate) if k else None, error=f"{type(e).__name__}: {e}"[:300])
+                        for name in names]  # fmt: skip
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            continue
         for name in names:
             for call, seed in (("first", 1), ("warm", 2)):
                 prompts, new = workload(name, args.smoke, vocab, seed)
@@ -209,7 +223,7 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
         del engine
     plain = {r["workload"]: r for r in records if r["call"] == "warm" and not r["speculative_tokens"]}
     for r in records:
-        if r["call"] == "warm" and r["speculative_tokens"] and r["workload"] in plain:
+        if r["call"] == "warm" and r["speculative_tokens"] and r.get("tok_s") and r["workload"] in plain:
             r["speedup_vs_plain"] = r["tok_s"] / plain[r["workload"]]["tok_s"]
     return records
 
