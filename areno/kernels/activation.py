@@ -37,10 +37,10 @@ def _silu_and_mul_fwd_kernel(X, Y, I, sx, BLOCK: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(X, Y, Q, S, M, I, sx, stride_sm, stride_sg, Q_EPS: tl.constexpr, Q_MAX: tl.constexpr,
-                             BLOCK: tl.constexpr):  # fmt: skip
-    # The forward for rows < M, its output also quantised to E4M3 per 128 columns (fp8.quant_groups) into Q and S;
-    # rows M .. (programs over Q's rows) are zero rows of Q. BLOCK is a multiple of 128, so a program's groups are
-    # whole.
+                             BLOCK: tl.constexpr, WRITE_Y: tl.constexpr):  # fmt: skip
+    # The forward for rows < M, its output also quantised to E4M3 per 128 columns (fp8.quant_groups) into Q and S
+    # (and, WRITE_Y, stored in Y); rows M .. (programs over Q's rows) are zero rows of Q. BLOCK is a multiple of 128,
+    # so a program's groups are whole.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -49,7 +49,8 @@ def _silu_and_mul_fp8_kernel(X, Y, Q, S, M, I, sx, stride_sm, stride_sg, Q_EPS: 
     u = tl.load(X + row * sx + I + cols, mask=mask & ok, other=0.0).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
     y = (a * u).to(Y.dtype.element_ty)
-    tl.store(Y + row * I + cols, y, mask=mask & ok)
+    if WRITE_Y:
+        tl.store(Y + row * I + cols, y, mask=mask & ok)
     codes, sc = quant_groups(tl.reshape(y.to(tl.float32), (1, BLOCK)), Q_EPS, Q_MAX, 1, BLOCK)
     tl.store(Q + row * I + cols, tl.reshape(codes, (BLOCK,)).to(Q.dtype.element_ty), mask=mask)
     grp = tl.program_id(1) * (BLOCK // 128) + tl.arange(0, BLOCK // 128)
@@ -121,23 +122,26 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
-def silu_and_mul_fp8(x: torch.Tensor):
+def silu_and_mul_fp8(x: torch.Tensor, keep_y: bool = True):
     """Inference: ``silu_and_mul(x)`` and ``act``, the output quantised for the FP8 GEMM that reads it (the MLP's
     down projection under FP8 rollout) in cuBLAS's layout (``fp8.quantize_act_fp8_cublas`` of its rows, the same
-    bytes): one pass where the activation and fp8_linear's activation kernel were two. I a multiple of 128."""
+    bytes): one pass where the activation and fp8_linear's activation kernel were two. I a multiple of 128.
+    ``keep_y=False``: for a consumer that reads ``act`` alone, y is only its shape's carrier, never written by the
+    Triton kernel (2 I bytes a row less) and NaN on the native path (so a reader of its values shows up in tests)."""
     i = x.shape[-1] // 2
     if x.shape[-1] % 2 or i % BLOCK_Q:
         raise ValueError(f"silu_and_mul_fp8: x's last dim ({x.shape[-1]}) must be 2 I with I a multiple of {BLOCK_Q}")
     m = x.numel() // x.shape[-1]
     if not use_triton(x, supported=x.dtype in _FLOATS):
         y = silu_and_mul_native(x)
-        return y, quantize_act_fp8_cublas_native(y.reshape(m, i))
+        act = quantize_act_fp8_cublas_native(y.reshape(m, i))
+        return (y if keep_y else torch.full_like(y, float("nan"))), act
     y = torch.empty((*x.shape[:-1], i), dtype=x.dtype, device=x.device)
     q, sc = act = cublas_act_buffers(m, i, x.device)
     x2 = as_rows(x)
     block, col_blocks = _launch_shape(i)
     _silu_and_mul_fp8_kernel[(q.shape[0], col_blocks)](x2, y, q, sc, m, i, x2.stride(0), sc.stride(0), sc.stride(1),
-                                                       Q_EPS=FP8_EPS, Q_MAX=FP8_MAX, BLOCK=block,
+                                                       Q_EPS=FP8_EPS, Q_MAX=FP8_MAX, BLOCK=block, WRITE_Y=keep_y,
                                                        num_warps=4)  # fmt: skip
     return y, act
 

@@ -314,6 +314,12 @@ def cublas_fp8_applies(x: torch.Tensor, q: Fp8Weight) -> bool:
             and cublas_fp8_ready(x.device))
 
 
+def act_alone_applies(x: torch.Tensor, q: Fp8Weight) -> bool:
+    """Whether :func:`fp8_linear` of x given ``act`` (its producer's quantisation, :func:`cublas_act_buffers`' shape
+    for x's rows) multiplies that alone and never reads x's values: the Triton path with cuBLAS's GEMM."""
+    return use_triton(x, q.qweight, supported=x.dtype in _FLOATS) and cublas_fp8_applies(x, q)
+
+
 def fp8_matmul_cublas(xq: torch.Tensor, xs: torch.Tensor, q: Fp8Weight, out_dtype=torch.bfloat16,
                       rows: int | None = None) -> torch.Tensor:  # fmt: skip
     """cuBLAS's ``x' W'^T`` on :func:`quantize_act_fp8_cublas`'s operands, the weight scales padded to a multiple of

@@ -154,7 +154,9 @@ class MLP(nn.Module):
     def compute(self, x):
         h = self.gate_up_proj(x)
         if self.down_proj.fp8_on and fused_act_applies(h, h.shape[-1] // 2):  # FP8 rollout: one pass for both
-            return self.down_proj(with_fp8_act(*silu_and_mul_fp8(h)))
+            alone = self.down_proj.multiplies_act_alone(h)  # then the bf16 product is never written (nor read)
+            y, act = silu_and_mul_fp8(h, keep_y=not alone)
+            return self.down_proj(with_fp8_act(y, act, values=not alone))
         return self.down_proj(silu_and_mul(h))
 
     def forward(self, x):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from areno.kernels.fp8 import Fp8Weight, fp8_linear, fused_act_applies, quantize_weight_fp8
+from areno.kernels.fp8 import Fp8Weight, act_alone_applies, fp8_linear, fused_act_applies, quantize_weight_fp8
 from areno.kernels.gemm import linear
 from areno.kernels.nf4 import Nf4Weight, dequantize_nf4, nf4_linear, quantize_nf4
 from areno.kernels.norm import rms_norm, rms_norm_fp8
@@ -78,12 +78,20 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = getattr(x, FP8_ACT, None) if self.fp8_on else None  # x's producer quantised it (with_fp8_act)
+        if getattr(x, FP8_ONLY, False) and not self.multiplies_act_alone(x):
+            raise RuntimeError("an activation carried only as its FP8 quantisation reached a projection that reads its "
+                               "values (with_fp8_act(values=False) is for multiplies_act_alone consumers)")
         if self.tp_style == "row":
             y = reduce_from_tp(self._product(x, None, act), self.tp_group)
             return y if self.bias is None else y + self.bias
         if self.tp_style == "column":
             x = copy_to_tp(x, self.tp_group)
         return self._product(x, self.bias, act)
+
+    def multiplies_act_alone(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` of x carrying its FP8 quantisation reads that alone, never x's values: FP8 over the
+        whole weight on cuBLAS's path (x's dtype and device as given)."""
+        return self.fp8_on and self.fp8_rows is None and act_alone_applies(x, self.fp8())
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None, act=None) -> torch.Tensor:
         """``x W^T + bias`` on this rank's weight: the FP8 copy while ``fp8_on`` (``act``: x already quantised), the
@@ -194,12 +202,17 @@ class RMSNorm(nn.Module):
 
 
 FP8_ACT = "_areno_fp8_act"  # a tensor's own FP8 quantisation in cuBLAS's layout, written by the kernel that made it
+FP8_ONLY = "_areno_fp8_only"  # ... and its own values were never written (only that quantisation is to be read)
 
 
-def with_fp8_act(y: torch.Tensor, act) -> torch.Tensor:
+def with_fp8_act(y: torch.Tensor, act, values: bool = True) -> torch.Tensor:
     """``y`` carrying ``act`` (``(xq, s)``, ``fp8.cublas_act_buffers``' layout, y's rows quantised): a ``Linear``
-    running FP8 multiplies it instead of quantising y again. Only for a tensor nothing modifies in place."""
+    running FP8 multiplies it instead of quantising y again. Only for a tensor nothing modifies in place.
+    ``values=False``: y's values were not written (``silu_and_mul_fp8(keep_y=False)``); a Linear that would read them
+    (not ``multiplies_act_alone``) refuses it."""
     setattr(y, FP8_ACT, act)
+    if not values:
+        setattr(y, FP8_ONLY, True)
     return y
 
 

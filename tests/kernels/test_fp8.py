@@ -190,6 +190,41 @@ def test_swiglu_writes_its_output_quantised_for_the_fp8_gemm(monkeypatch, kernel
         silu_and_mul_fp8(torch.randn(2, 200))
 
 
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+def test_swiglu_without_its_bf16_output(monkeypatch, kernels):
+    # keep_y=False (the down projection reads the quantised act alone): the same act; y never written by Triton,
+    # NaN on the native path
+    from areno.kernels.activation import silu_and_mul_fp8
+
+    monkeypatch.setenv("ARENO_KERNELS", kernels)
+    x = torch.randn(5, 2 * 256, generator=torch.Generator().manual_seed(0)) * 3
+    y, act = silu_and_mul_fp8(x)
+    y2, act2 = silu_and_mul_fp8(x, keep_y=False)
+    assert y2.shape == y.shape and y2.dtype == y.dtype
+    _same_act(act2, act)
+    if kernels == "native":
+        assert y2.isnan().all()
+
+
+def test_a_projection_refuses_values_it_was_not_given(monkeypatch):
+    # with_fp8_act(values=False) reaching a Linear that would read x's values (not FP8, or only some rows in FP8)
+    from areno.models import layers
+
+    lin = layers.Linear(256, 128, bias=False, dtype=torch.float32)
+    torch.nn.init.normal_(lin.weight, std=0.02)
+    x = torch.randn(3, 256)
+    act = fp8.cublas_act_buffers(3, 256, x.device)
+    with pytest.raises(RuntimeError, match="reads its values"):
+        lin(layers.with_fp8_act(x.clone(), act, values=False))
+    lin.set_fp8_()
+    lin.fp8_on = True
+    monkeypatch.setattr(layers, "act_alone_applies", lambda x, q: False)  # (the CPU: no cuBLAS path)
+    with pytest.raises(RuntimeError, match="reads its values"):
+        lin(layers.with_fp8_act(x.clone(), act, values=False))
+    monkeypatch.setattr(layers, "act_alone_applies", lambda x, q: True)
+    assert lin.multiplies_act_alone(x)
+
+
 def test_linear_multiplies_a_given_activation_on_the_cublas_path(triton_kernels, monkeypatch):
     """fp8_linear(act=...) on the cuBLAS path multiplies the producer's quantisation (no activation kernel of its
     own); the other paths ignore it. cuBLAS is emulated here: dequantise both operands, fp32 matmul."""
