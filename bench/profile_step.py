@@ -142,6 +142,7 @@ def train(args, device):
 def decode(args, device):
     from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig
+    from areno.engine.spec_gated import GATED_CHAIN
     from areno.models import load_model, load_tokenizer
 
     if args.speculative_tokens or args.mtp:  # bench/spec.py's MTP model (its R1 with --spec-gate auto vs plain)
@@ -169,7 +170,7 @@ def decode(args, device):
     opts = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
     k = args.decode_steps  # enough new tokens that no sequence finishes inside the timed and profiled steps
-    per = max(k, 8) if args.speculative_tokens else k  # a gated scheduling step chains up to 8 decode steps
+    per = max(k, GATED_CHAIN) if args.speculative_tokens else k  # a gated scheduling step chains up to that many
     opts = SamplingParams(temperature=1.0, max_new_tokens=args.context + 21 * per + 8, ignore_eos=True)
     for p in models.random_prompts(n, 128, model.config.vocab_size, seed=2):
         engine.add_request(p, opts)
@@ -231,6 +232,8 @@ def main():
         ap.error("--state-dtype and --decode-steps apply to the decode profile only")
     if (args.speculative_tokens or args.mtp) and (args.what != "decode" or args.family or args.rollout_dtype != "bf16"):
         ap.error("--speculative-tokens / --mtp: the decode profile of bench/spec.py's model only (bf16, no --family)")
+    if args.speculative_tokens < 0:
+        ap.error(f"--speculative-tokens must be >= 0, got {args.speculative_tokens}")
     if args.speculative_tokens and args.decode_steps != 1:
         ap.error("--speculative-tokens: speculation chains gated steps itself (leave --decode-steps at 1)")
     if args.decode_steps < 1:
