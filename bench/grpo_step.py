@@ -338,6 +338,9 @@ def main():
         impls = [i for i in args.impls.split(",") if i != "none"]
         if args.tail and not args.split:
             ap.error("--tail needs --split")
+        bad = [d for d in args.kv_cache_dtypes.split(",") if d not in ("auto", "fp8")]
+        if bad:
+            ap.error(f"--kv-cache-dtypes: auto or fp8 each, got {bad}")
         if (args.rollout_dtypes, args.kv_cache_dtypes) != ("bf16", "auto") and ("areno" not in impls or args.split):
             ap.error("--rollout-dtypes / --kv-cache-dtypes apply to the colocated areno runs only (--impls areno, "
                      "without --split)")
