@@ -1,17 +1,17 @@
-"""NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls, today the dequantising
-pass; ``fused``: the Triton GEMM that dequantises NF4 in its prologue; ``fused 4 blocks`` / ``fused no split``: its
-config with 4 NF4 blocks a step / without split-K; ``triton dequant``: W' written by the one-pass Triton
-dequantisation, then cuBLAS) vs the baseline that dequantises the whole weight (native ``dequantize_nf4``) then runs
-cuBLAS ``F.linear``, in the same process.
+"""NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls, the fused GEMM up to
+``FUSED_MAX_ROWS`` rows and the dequantising pass above; ``fused``: the Triton GEMM that dequantises NF4 in its
+prologue; ``fused 4 blocks`` / ``fused no split``: its config with 4 NF4 blocks a step / without split-K; ``triton
+dequant``: W' written by the one-pass Triton dequantisation, then cuBLAS) vs the baseline that dequantises the whole
+weight (native ``dequantize_nf4``) then runs cuBLAS ``F.linear``, in the same process.
 
     python bench/nf4_gemm.py                              # H200: the shapes below, forward and input gradient
     TRITON_INTERPRET=1 python bench/nf4_gemm.py --smoke   # CPU: tiny shapes, checks the script (times meaningless)
 
 Shapes: y = x @ W'^T with W [N, K] in NF4 (block 64, double-quantised scales), x [M, K] bf16: 4096 x 4096 (an 8B model's
-attention projection), Qwen3-32B's gate_up (5120 -> 2 x 25600) and down (25600 -> 5120), M in 1, 16, 64, 127, 256, 2048,
-8192 (decode to training microbatches; the fused rows below 128 only); ``dx`` is the backward's input gradient dy @ W'
-(trans: always the dequantising pass, no fused row). Also bf16 ``F.linear`` on the unquantised weight for reference (the
-time QLoRA trades for 3.9x less weight memory).
+attention projection), Qwen3-32B's gate_up (5120 -> 2 x 25600) and down (25600 -> 5120), M in 1, 2, 4, 8, 16, 32, 64,
+127, 256, 2048, 8192 (decode to training microbatches; the fused rows below 128 only); ``dx`` is the backward's input
+gradient dy @ W' (trans: always the dequantising pass, no fused row). Also bf16 ``F.linear`` on the unquantised weight
+for reference (the time QLoRA trades for 3.9x less weight memory).
 Timing: ``common.gpu_time_ms`` (CUDA events, median); each line records the max abs error of Triton vs the baseline.
 One JSON line per (shape, M, path, op) to bench/results/nf4_gemm.jsonl.
 """
@@ -34,7 +34,7 @@ from common import gemm_row, weight_gemm_bench  # noqa: E402
 from areno.kernels.nf4 import dequantize_nf4, fused_config, nf4_matmul, quantize_nf4  # noqa: E402
 
 SHAPES = [("4096x4096", 4096, 4096), ("32b_gate_up", 5120, 51200), ("32b_down", 25600, 5120)]  # (name, K, N)
-MS = [1, 16, 64, 127, 256, 2048, 8192]
+MS = [1, 2, 4, 8, 16, 32, 64, 127, 256, 2048, 8192]
 FUSED_MAX_M = 128  # fused rows below this many rows only
 SMOKE_SHAPES, SMOKE_MS = [("smoke", 128, 80)], [3, 17]  # K % 64 == 0: the fused GEMM's blocks
 

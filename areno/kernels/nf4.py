@@ -242,10 +242,14 @@ def _sms() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+FUSED_MAX_ROWS = 8  # "auto" takes the fused GEMM up to this many rows (forward, whole blocks); the pass above
+
+
 def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = "auto", _cfg=None) -> torch.Tensor:
-    """``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation: W'
-    dequantised in a's dtype by the Triton pass, then ``torch.matmul`` ("auto" and "dequant"); ``_path="fused"`` the
-    GEMM that dequantises in its prologue (forward, K % 64 == 0), ``_cfg`` its ``fused_config`` tuple
+    """``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation.
+    ``_path``: "fused" the GEMM that dequantises in its prologue (forward, K % 64 == 0; ``_cfg`` its ``fused_config``
+    tuple), "dequant" W' dequantised in a's dtype by the Triton pass then ``torch.matmul``, "auto" (the default)
+    the fused GEMM up to ``FUSED_MAX_ROWS`` rows where it applies, the pass elsewhere
     (bench/nf4_gemm.py compares them)."""
     n, k = q.shape
     p, r = (k, n) if trans else (n, k)
@@ -257,6 +261,8 @@ def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = 
     if _path == "fused" and not fused_ok:
         raise ValueError(f"nf4_matmul: the fused GEMM is forward only, over whole NF4 blocks (K % {BLOCKSIZE} == 0): "
                          f"trans={trans}, weight {tuple(q.shape)}")
+    if _path == "auto":
+        _path = "fused" if fused_ok and m <= FUSED_MAX_ROWS else "dequant"
     if _path != "fused":
         w = dequantize_nf4_triton(q, a.dtype)
         return a @ w if trans else a @ w.t()

@@ -147,6 +147,21 @@ def test_fused_gemm_steps_and_splits_against_float64(triton_kernels, cfg):
     torch.testing.assert_close(y.double(), x.double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
 
 
+def test_auto_takes_the_fused_gemm_at_decode_rows_only(triton_kernels, monkeypatch):
+    # "auto": the fused GEMM up to FUSED_MAX_ROWS rows over whole blocks; the dequantising pass for more rows, the
+    # input gradient (trans) and K not a multiple of 64
+    passes = []
+    real = nf4.dequantize_nf4_triton
+    monkeypatch.setattr(nf4, "dequantize_nf4_triton", lambda *a: passes.append(1) or real(*a))
+    q, q96 = quantize_nf4(_weight((16, 128))), quantize_nf4(_weight((16, 96)))
+    rows = nf4.FUSED_MAX_ROWS
+    calls = [(rows, q, False, 0), (rows + 1, q, False, 1), (1, q, True, 1), (1, q96, False, 1)]
+    for m, w, trans, expect in calls:
+        passes.clear()
+        nf4.nf4_matmul(torch.randn(m, w.shape[0] if trans else w.shape[1]), w, trans=trans)
+        assert len(passes) == expect, (m, w.shape, trans)
+
+
 def test_fused_gemm_refuses_what_it_does_not_cover(triton_kernels):
     q = quantize_nf4(_weight((16, 96)))  # K = 96: blocks straddle rows
     with pytest.raises(ValueError, match="whole NF4 blocks"):
@@ -213,6 +228,27 @@ def test_triton_bf16_at_4096_against_native(M):
     dy = torch.randn_like(y)
     y.backward(dy)
     torch.testing.assert_close(x.grad.float(), dy.float() @ wd.float(), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 8, 9])
+def test_auto_path_under_cuda_graph_equals_eager(M):
+    # "auto" takes the fused GEMM up to FUSED_MAX_ROWS rows (split-K partials in a graph-pool buffer): a replay
+    # gives the eager call's bits, and both match the dequantised weight's product
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(5120, 2048, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    q = quantize_nf4(w)
+    x = torch.randn(M, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+    eager = nf4.nf4_matmul(x, q)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nf4.nf4_matmul(x, q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    ref = x.float() @ dequantize_nf4(q, torch.bfloat16).float().T
+    torch.testing.assert_close(out.float(), ref, rtol=1.6e-2, atol=1e-2)
 
 
 _COMPILE_SM90 = """
