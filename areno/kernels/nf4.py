@@ -15,19 +15,19 @@ QLoRA users load): the weight ``W [N, K]`` is read flat (row-major, element ``i 
 
 Storage per weight element: 0.5 byte + 1/64 byte (qabs) + 4/16384 byte (absmax2) = 0.516 byte, vs 2 in bf16.
 
-GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), forward and input gradient: a one-pass Triton
-dequantisation writes W' in x's dtype (32 packed bytes and one scale a block in, 64 values out, in fp32 then rounded)
-and cuBLAS (``torch.matmul``) multiplies, bitsandbytes' training path. Measured on an H100 (bench/nf4_gemm.py) this is
-also the fastest way at decode sizes: 0.23 ms for the 32B shape's down projection at M = 1..127 and 0.45 ms for its
-gate_up, where the fused GEMM below takes 0.6-4.6 ms and 1.4-8.9 ms (a G32B-qlora step 25.7 s with the pass, 80.4 s with
-the fused GEMM at decode). The fused GEMM (``nf4_matmul(..., _path="fused")``, K % 64 == 0, forward) dequantises in its
-prologue and reads only the 0.52 bytes a weight: program (i, j, s) owns a ``[BLOCK_M, BLOCK_N]`` output tile and split s
-of the reduction, a step covering 2 NF4 blocks of each weight row (64 contiguous packed bytes, one scale a block), the
-nibbles indexing the 16-entry code table, the high and low nibbles (W''s even and odd columns) each the A operand of
-``tl.dot`` against x's matching columns (out^T = W' x^T), splits adding fp32 partials in a fixed order, one pipeline
-stage (see the kernel). It is tested and benchmarked beside the pass, and the default takes it once it wins there (the
-2026-12-06 H100 rows were taken before the kernel left Triton's pipeliner, which staged its table lookups through shared
-memory).
+GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), two paths chosen by rows (``nf4_matmul``):
+- up to ``FUSED_MAX_ROWS`` rows (decode), forward, K % 64 == 0: the fused GEMM, which dequantises in its prologue and
+  reads only the 0.52 bytes a weight: program (i, j, s) owns a ``[BLOCK_M, BLOCK_N]`` output tile and split s of the
+  reduction, a step covering 2 NF4 blocks of each weight row (64 contiguous packed bytes, one scale a block), the
+  nibbles indexing the 16-entry code table, the high and low nibbles (W''s even and odd columns) each the A operand of
+  ``tl.dot`` against x's matching columns (out^T = W' x^T), splits adding fp32 partials in a fixed order, one
+  pipeline stage (see the kernel);
+- else (and the input gradient): a one-pass Triton dequantisation writes W' in x's dtype (32 packed bytes and one
+  scale a block in, 64 values out, in fp32 then rounded) and cuBLAS (``torch.matmul``) multiplies, bitsandbytes'
+  training path.
+Measured on an H100 (bench/nf4_gemm.py, 261adea): at the 32B shape's gate_up the fused GEMM takes 0.29-0.34 ms at M =
+1-8 where the pass takes 0.45, at its down 0.16-0.21 vs 0.23; both 0.43-0.46 / 0.23-0.26 at 16; from 32 rows the pass
+wins 2-8x. At M = 1 the fused GEMM reads its 0.52 bytes a weight at ~13% of HBM's rate: there is room left.
 """
 
 from __future__ import annotations
