@@ -107,6 +107,27 @@ def test_paged_attention_reads_the_fp8_cache(dtype, group, splits, monkeypatch):
     assert err < 0.25  # quantisation error only (measured 0.05-0.1; the keys' errors scale the logits')
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_small_values_keep_their_precision_under_fp16_queries(splits, monkeypatch, triton_kernels):
+    # the kernel's dots run in fp16 under 16-bit queries: value scales as small as 1e-9 (values of 1e-6) must not
+    # fall below fp16's normals in p (the scales relative to the tile's largest go into p), nor keys' into q k^T
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    lens = [37, 90]
+    slots = torch.cat([torch.arange(37), 96 + torch.arange(90)]).to(torch.int32)
+    table = torch.tensor([[0, 1, 2, -1, -1, -1], [6, 7, 8, 9, 10, 11]], dtype=torch.int32)
+    mag = 10.0 ** -torch.randint(2, 7, (127, HKV, 1), generator=g).double()  # each head row 1e-2 .. 1e-6
+    k, v = torch.randn(127, HKV, D, generator=g) * 3, torch.randn(127, HKV, D, generator=g).double() * mag
+    (kc, vc), (ks, vs) = fp8_cache(12)
+    store_kvcache(k, v.float(), kc, vc, slots, ks, vs)
+    q = torch.randn(2, HKV * 2, D, generator=g).half()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = paged_attention_reference(q.double(), dequantized(kc, ks), dequantized(vc, vs), table, seq_lens)
+    got = paged_attention(q, kc, vc, table, seq_lens, num_splits=splits, k_scale=ks, v_scale=vs)
+    for b in range(2):  # each sequence against its own outputs' size (tiny where its values are)
+        err = (got[b].double() - want[b]).abs().max() / want[b].abs().max()
+        assert err < 2e-3, (b, err.item())
+
+
 def test_fp8_cache_arguments_are_checked():
     (kc, vc), (ks, vs) = fp8_cache(2)
     q = torch.randn(1, HKV, D)

@@ -16,12 +16,14 @@ Decode bytes (the bound): sum_b seq_lens[b] * Hkv * D * 2 (K and V) * element si
 O(W) keys. ``sinks [Hq]`` (as ``attention``): added to each row's softmax denominator at the end of the kernel, or
 once in the split-K combine.
 
-FP8 cache (``k_scale``/``v_scale`` given; the engine's ``--kv-cache-dtype fp8``, whose cache entries are
-``(k_cache, v_cache, k_scale, v_scale)``: ``paged_kv`` splits one): the caches hold float8_e4m3fn and each
-token's head vector has its own fp32 scale, ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``; ``store_kvcache``
-quantises on write (``s = max(amax over D, EPS) / 448``, E4M3 round to nearest even, kernels/fp8.py's rounding) and
-the attention kernel dequantises each K/V tile on load (``x' = q s``, in q's dtype): half a bf16 cache's bytes (plus
-4 per D). Round trip per element: within 2^-4 |x| (2^-10 s below E4M3's smallest normal).
+FP8 cache (``k_scale``/``v_scale`` given; the engine's ``--kv-cache-dtype fp8``, whose cache entries are ``(k_cache,
+v_cache, k_scale, v_scale)``: ``paged_kv`` splits one): the caches hold float8_e4m3fn and each token's head vector has
+its own fp32 scale, ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``; ``store_kvcache`` quantises on write (``s =
+max(amax over D, EPS) / 448``, E4M3 round to nearest even, kernels/fp8.py's rounding) and the attention kernel widens
+each E4M3 tile as it loads it (to fp16 under 16-bit queries, one instruction a pair; bf16 would take a scalar conversion
+per element more) and multiplies a key's scale into its column of q k^T, a value's (over the tile's largest, which
+scales the product) into its column of p (the dots in fp16, q and p rounded to it): half a bf16 cache's bytes (plus 4
+per D). Round trip per element: within 2^-4 |x| (2^-10 s below E4M3's smallest normal).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def _paged_attn_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_CU: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    KV_F16: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     hk = tl.program_id(1) // NUM_SPLITS
@@ -79,6 +82,8 @@ def _paged_attn_kernel(
     d_ok = offs_d < D
     q = tl.load(Q + tok[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_F16:  # FP8 cache, 16-bit queries: the dots run in fp16, which E4M3 widens to in one instruction per pair
+        q = q.to(tl.float16)  # (to bf16 it takes a scalar conversion per element more: F2F, a quarter of the loop)
 
     # Keys this tile needs, cut into NUM_SPLITS chunks of whole BLOCK_N blocks; this program takes one. With a
     # sliding window, whole blocks left of the tile's first query's window are skipped (query t sees keys
@@ -123,10 +128,16 @@ def _paged_attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_CACHE + page[:, None] * stride_vb + within[:, None] * stride_vs + hk * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        if HAS_SCALE:
-            p = p * tl.load(V_SCALE + scale_at, mask=col_ok, other=0.0)[None, :]
+        if HAS_SCALE:  # the value scales relative to the tile's largest go into p (p stays in [0, 1]: an fp16 p
+            # times a small scale would fall below fp16's normals), the largest multiplies the product
+            v_scale = tl.load(V_SCALE + scale_at, mask=col_ok, other=0.0)
+            v_top = tl.max(v_scale, 0)
+            v_top = tl.where(v_top > 0.0, v_top, 1.0)
+            p = p * (v_scale / v_top)[None, :]
             v = v.to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC) * v_top
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
     if HAS_SINKS and NUM_SPLITS == 1:  # (split-K: the combine adds the sink once)
@@ -269,8 +280,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, scale, cu
         *((0, 0) if k_scale is None else k_scale.stride()[:2]), group, window or 0, D=D, BLOCK_D=block_d,
         PAGE_SIZE=page_size, GROUP_PAD=group_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_CU=multi, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_SCALE=k_scale is not None, num_warps=warps,
-        num_stages=stages,
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_SCALE=k_scale is not None,
+        KV_F16=k_scale is not None and q.dtype != torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if num_splits > 1:
         split_pad = triton.next_power_of_2(num_splits)
@@ -317,7 +328,7 @@ def paged_attention_native(q, k_cache, v_cache, block_table, seq_lens, scale, cu
     blocks = block_table.long().clamp(min=0)
     kg = k_cache[blocks].reshape(B, cap, Hkv, D).to(compute)
     vg = v_cache[blocks].reshape(B, cap, Hkv, D).to(compute)
-    if k_scale is not None:  # FP8 cache: dequantised in fp32, then the compute dtype (as the kernel)
+    if k_scale is not None:  # FP8 cache: dequantised in fp32, then the compute dtype (the kernel scales its dots)
         kg = (kg.float() * k_scale[blocks].reshape(B, cap, Hkv, 1)).to(q.dtype).to(compute)
         vg = (vg.float() * v_scale[blocks].reshape(B, cap, Hkv, 1)).to(q.dtype).to(compute)
     if cu_q is None:
