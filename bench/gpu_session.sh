@@ -24,6 +24,7 @@
 #   spec-bisect       why a fitted MTP draft was not accepted at the 9B shape (greedy accept 1.0; 3.0 at the smoke shape):
 #                     the GPU test of fitted drafts under real graphs (passed on the H100), then R3 at the 9B shape
 #                     with the refit rounds and where speculation's greedy path leaves the plain one ($SPEC_ARGS)
+#   spec-r2           MTP speculation at R2 (issue 41's >= 1.3x), the draft fitted first (one 10-minute call)
 #   spec-profile      MTP speculation gated at R1 (0.894x of plain on the H100, 12-06): kernel tables of the MTP model's
 #                     decode step plain and gated, and the gated step's host gaps
 #   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
@@ -126,6 +127,9 @@ for stage in "$@"; do
       gpu_pytest spec-trained 240 tests/engine/test_spec_graphs.py -k "trained"
       step spec-9b ${SPEC_LIMIT:-420} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 \
         --spec-greedy --mtp-train-steps 300 --mtp-fit-rounds ${SPEC_ROUNDS:-3} ${SPEC_ARGS:-} ;;
+    spec-r2)  # R2 (moderate batch) with an MTP draft fitted to the model: the fit alone takes ~2 min at the 9B shape
+      step spec-r2 ${SPEC_LIMIT:-580} python3 bench/rollout.py --speculative-tokens 2 --workloads R2 --spec-greedy \
+        --mtp-train-steps 300 ${SPEC_ARGS:-} ;;
     spec-profile)  # what gating costs at R1's 256 sequences: the MTP model's decode plain (8 steps chained) and gated
       step prof_plain 150 python3 bench/profile_step.py decode --mtp --decode-steps 8
       step prof_gated 150 python3 bench/profile_step.py decode --speculative-tokens 2
