@@ -133,6 +133,7 @@ for stage in "$@"; do
     spec-profile)  # what gating costs at R1's 256 sequences: the MTP model's decode plain (8 steps chained) and gated
       step prof_plain 150 python3 bench/profile_step.py decode --mtp --decode-steps 8
       step prof_gated 150 python3 bench/profile_step.py decode --speculative-tokens 2
+      step gaps_plain 120 python3 bench/profile_step.py decode --mtp --decode-steps 8 --gaps
       step gaps_gated 120 python3 bench/profile_step.py decode --speculative-tokens 2 --gaps ;;
     batch-invariance) step batch_invariance 120 python3 bench/batch_invariance.py ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
