@@ -1,6 +1,7 @@
 """NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls, the fused GEMM up to
 ``FUSED_MAX_ROWS`` rows and the dequantising pass above; ``fused``: the Triton GEMM that dequantises NF4 in its
-prologue; ``fused 4 blocks`` / ``fused no split``: its config with 4 NF4 blocks a step / without split-K; ``triton
+prologue; ``fused 4 blocks`` / ``fused no split`` / ``fused 16-row tiles``: its config with 4 NF4 blocks a step /
+without split-K / with 16-row tiles on 4 warps past 16 rows (each tile dequantises the weight again); ``triton
 dequant``: W' written by the one-pass Triton dequantisation, then cuBLAS) vs the baseline that dequantises the whole
 weight (native ``dequantize_nf4``) then runs cuBLAS ``F.linear``, in the same process.
 
@@ -46,7 +47,7 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     dy = torch.randn(m, n, device=w.device, dtype=w.dtype)
     bm, bn, blocks, split, warps, stages = fused_config(m, n, k)
 
-    def variant(blocks=blocks, split=split):  # the fused GEMM's config with one field changed
+    def variant(blocks=blocks, split=split, bm=bm, warps=warps):  # the fused GEMM's config with fields changed
         return bm, bn, blocks, split, warps, stages
 
     ops = {
@@ -54,6 +55,7 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
         ("fwd", "fused"): lambda: nf4_matmul(x, q, _path="fused"),
         ("fwd", "fused 4 blocks"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(blocks=4)),
         ("fwd", "fused no split"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(split=1)),
+        ("fwd", "fused 16-row tiles"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(bm=16, warps=4)),
         ("fwd", "triton dequant"): lambda: nf4_matmul(x, q, _path="dequant"),
         ("fwd", "dequant+linear"): lambda: F.linear(x, dequantize_nf4(q, w.dtype)),
         ("fwd", "bf16 linear"): lambda: F.linear(x, w),
@@ -64,6 +66,8 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     }
     if m >= FUSED_MAX_M:  # the fused GEMM is for decode's rows (hundreds of ms a call at 8192)
         ops = {key: fn for key, fn in ops.items() if not key[1].startswith("fused")}
+    if bm == 16:  # fused_config's own tile already
+        ops.pop(("fwd", "fused 16-row tiles"), None)
     ref = {op: ops[(op, "dequant+linear")]().float() for op in ("fwd", "dx")}
     return [gemm_row(fn, ref[op], cuda, m, n, k, shape=name, op=op, path=path,
                      weight_mb=round((q.nbytes() if path != "bf16 linear" else w.numel() * 2) / 2**20, 2))
