@@ -1,9 +1,10 @@
 """NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls, the fused GEMM up to
 ``FUSED_MAX_ROWS`` rows and the dequantising pass above; ``fused``: the Triton GEMM that dequantises NF4 in its
-prologue; ``fused 4 blocks`` / ``fused no split`` / ``fused 16-row tiles``: its config with 4 NF4 blocks a step /
-without split-K / with 16-row tiles on 4 warps past 16 rows (each tile dequantises the weight again); ``triton
-dequant``: W' written by the one-pass Triton dequantisation, then cuBLAS) vs the baseline that dequantises the whole
-weight (native ``dequantize_nf4``) then runs cuBLAS ``F.linear``, in the same process.
+prologue; ``fused 1 block`` / ``fused 4 blocks`` / ``fused no split`` / ``fused 16-row tiles``: its config with 1 or 4
+NF4 blocks a step (2 and 1 alike take ~250 registers a thread on sm_90: 2 programs an SM) / without split-K / with
+16-row tiles on 4 warps past 16 rows (each tile dequantises the weight again); ``triton dequant``: W' written by the
+one-pass Triton dequantisation, then cuBLAS) vs the baseline that dequantises the whole weight (native
+``dequantize_nf4``) then runs cuBLAS ``F.linear``, in the same process.
 
     python bench/nf4_gemm.py                              # H200: the shapes below, forward and input gradient
     TRITON_INTERPRET=1 python bench/nf4_gemm.py --smoke   # CPU: tiny shapes, checks the script (times meaningless)
@@ -53,6 +54,7 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
     ops = {
         ("fwd", "triton"): lambda: nf4_matmul(x, q),
         ("fwd", "fused"): lambda: nf4_matmul(x, q, _path="fused"),
+        ("fwd", "fused 1 block"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(blocks=1)),
         ("fwd", "fused 4 blocks"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(blocks=4)),
         ("fwd", "fused no split"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(split=1)),
         ("fwd", "fused 16-row tiles"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(bm=16, warps=4)),
