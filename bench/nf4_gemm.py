@@ -1,10 +1,12 @@
 """NF4 GEMM (QLoRA's base projections): areno's ``nf4_matmul`` (``triton``: what QLoRA calls, the fused GEMM up to
 ``FUSED_MAX_ROWS`` rows and the dequantising pass above; ``fused``: the Triton GEMM that dequantises NF4 in its
-prologue; ``fused 1 block`` / ``fused 4 blocks`` / ``fused no split`` / ``fused 16-row tiles``: its config with 1 or 4
-NF4 blocks a step (2 and 1 alike take ~250 registers a thread on sm_90: 2 programs an SM) / without split-K / with
-16-row tiles on 4 warps past 16 rows (each tile dequantises the weight again); ``triton dequant``: W' written by the
-one-pass Triton dequantisation, then cuBLAS) vs the baseline that dequantises the whole weight (native
-``dequantize_nf4``) then runs cuBLAS ``F.linear``, in the same process.
+prologue; ``planes`` / ``planes 4 warps``: the same GEMM reading int32 words, one nibble plane at a time (128 registers
+a thread on sm_90 where ``fused`` takes ~250), fused_config's tiles / on 4 warps past 16 rows; ``fused 1 block`` /
+``fused 4 blocks`` / ``fused no split`` / ``fused 16-row tiles``: its config with 1 or 4 NF4 blocks a step (2 and 1
+alike take ~250 registers a thread on sm_90: 2 programs an SM) / without split-K / with 16-row tiles on 4 warps past 16
+rows (each tile dequantises the weight again); ``triton dequant``: W' written by the one-pass Triton dequantisation,
+then cuBLAS) vs the baseline that dequantises the whole weight (native ``dequantize_nf4``) then runs cuBLAS
+``F.linear``, in the same process.
 
     python bench/nf4_gemm.py                              # H200: the shapes below, forward and input gradient
     TRITON_INTERPRET=1 python bench/nf4_gemm.py --smoke   # CPU: tiny shapes, checks the script (times meaningless)
@@ -58,6 +60,8 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
         ("fwd", "fused 4 blocks"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(blocks=4)),
         ("fwd", "fused no split"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(split=1)),
         ("fwd", "fused 16-row tiles"): lambda: nf4_matmul(x, q, _path="fused", _cfg=variant(bm=16, warps=4)),
+        ("fwd", "planes"): lambda: nf4_matmul(x, q, _path="planes"),
+        ("fwd", "planes 4 warps"): lambda: nf4_matmul(x, q, _path="planes", _cfg=variant(warps=4)),
         ("fwd", "triton dequant"): lambda: nf4_matmul(x, q, _path="dequant"),
         ("fwd", "dequant+linear"): lambda: F.linear(x, dequantize_nf4(q, w.dtype)),
         ("fwd", "bf16 linear"): lambda: F.linear(x, w),
@@ -66,10 +70,11 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
         ("dx", "dequant+linear"): lambda: dy @ dequantize_nf4(q, w.dtype),
         ("dx", "bf16 linear"): lambda: dy @ w,
     }
-    if m >= FUSED_MAX_M:  # the fused GEMM is for decode's rows (hundreds of ms a call at 8192)
-        ops = {key: fn for key, fn in ops.items() if not key[1].startswith("fused")}
-    if bm == 16:  # fused_config's own tile already
+    if m >= FUSED_MAX_M:  # the fused GEMMs are for decode's rows (hundreds of ms a call at 8192)
+        ops = {key: fn for key, fn in ops.items() if not key[1].startswith(("fused", "planes"))}
+    if bm == 16:  # fused_config's own tile (16 rows, 4 warps) already
         ops.pop(("fwd", "fused 16-row tiles"), None)
+        ops.pop(("fwd", "planes 4 warps"), None)
     ref = {op: ops[(op, "dequant+linear")]().float() for op in ("fwd", "dx")}
     return [gemm_row(fn, ref[op], cuda, m, n, k, shape=name, op=op, path=path,
                      weight_mb=round((q.nbytes() if path != "bf16 linear" else w.numel() * 2) / 2**20, 2))

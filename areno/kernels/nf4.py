@@ -25,6 +25,9 @@ GEMM ``y = x W'^T`` (``x [M, K]``, fp32 accumulation, ``y`` in x's dtype), two p
 - else (and the input gradient): a one-pass Triton dequantisation writes W' in x's dtype (32 packed bytes and one
   scale a block in, 64 values out, in fp32 then rounded) and cuBLAS (``torch.matmul``) multiplies, bitsandbytes'
   training path.
+A variant (``_path="planes"``, bench rows only until measured) reads the packed bytes as int32 words and dequantises
+and multiplies one nibble plane of them at a time: 128 registers a thread on sm_90 where the fused GEMM takes ~250
+(a byte a register, 64 codes a thread live), so 4 programs an SM instead of 2.
 Measured on an H100 (bench/nf4_gemm.py, 261adea): at the 32B shape's gate_up the fused GEMM takes 0.29-0.34 ms at M =
 1-8 where the pass takes 0.45, at its down 0.16-0.21 vs 0.23; both 0.43-0.46 / 0.23-0.26 at 16; from 32 rows the pass
 wins 2-8x. At M = 1 the fused GEMM reads its 0.52 bytes a weight at ~13% of HBM's rate: there is room left.
@@ -192,6 +195,53 @@ def _nf4_matmul_kernel(a_ptr, q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code
 
 
 @triton.jit
+def _nf4_planes_kernel(a_ptr, w_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr, M, N, K,
+                       stride_am, stride_om, stride_os, STEPS, DOT_PREC: tl.constexpr, BLOCKSIZE2: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    # As _nf4_matmul_kernel, with the packed bytes read as int32 words (4 bytes, 8 NF4 codes: 4x fewer registers
+    # than a byte a register) and each word's 8 nibble planes dequantised and multiplied one at a time: nibble p
+    # (bits 4p..4p+3) of word w is element 8 w + (p ^ 1) of the row (little-endian bytes, the high nibble first in
+    # a byte), so plane p is a [BLOCK_N, 8 BLOCKS] A operand against a's columns 8 w + (p ^ 1). BLOCKS >= 2 (a dot's
+    # K is at least 16).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    W: tl.constexpr = BLOCKS * 8  # words a row a step
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, W)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    offset = tl.load(off_ptr)
+    nblk = K // 64
+    nwords = K // 8
+    row_words = offs_n.to(tl.int64) * nwords
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t0 = pid_s * STEPS  # one stage, the next step's words loaded while a step computes (see _nf4_matmul_kernel)
+    nxt = tl.load(w_ptr + row_words[:, None] + t0 * W + offs_w[None, :],
+                  mask=n_ok[:, None] & (t0 * W + offs_w < nwords)[None, :], other=0)  # fmt: skip
+    for t in range(t0, t0 + STEPS):
+        words = nxt
+        w_at = t * W + offs_w  # the step's words of each row
+        w_ok = w_at < nwords
+        w_next = w_at + W
+        nxt = tl.load(w_ptr + row_words[:, None] + w_next[None, :],
+                      mask=n_ok[:, None] & ((w_next < nwords) & (t + 1 < t0 + STEPS))[None, :], other=0)  # fmt: skip
+        blk = offs_n.to(tl.int64)[:, None] * nblk + (w_at // 8)[None, :]  # each word's NF4 block
+        b_ok = n_ok[:, None] & w_ok[None, :]
+        qa = tl.load(qabs_ptr + blk, mask=b_ok, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + qa) * tl.load(abs2_ptr + blk // BLOCKSIZE2, mask=b_ok, other=0.0) + offset
+        a_mask = m_ok[:, None] & w_ok[None, :]
+        for p in tl.static_range(8):
+            a_p = tl.load(a_rows + (w_at * 8 + (p ^ 1))[None, :], mask=a_mask, other=0.0)
+            w_p = (tl.load(code_ptr + ((words >> (4 * p)) & 0xF)) * scale).to(a_p.dtype)
+            acc = tl.dot(w_p, tl.trans(a_p), acc, input_precision=DOT_PREC)
+    tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])  # fmt: skip
+
+
+@triton.jit
 def _nf4_dequant_kernel(q_ptr, qabs_ptr, abs2_ptr, off_ptr, code_ptr, code2_ptr, out_ptr, n, nblocks,
                         BLOCKSIZE2: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     # W' flat [n] in out's dtype, ROWS NF4 blocks a program: [ROWS, 32] packed bytes (contiguous) and one scale a
@@ -248,33 +298,40 @@ FUSED_MAX_ROWS = 8  # "auto" takes the fused GEMM up to this many rows (forward,
 def nf4_matmul(a: torch.Tensor, q: Nf4Weight, trans: bool = False, _path: str = "auto", _cfg=None) -> torch.Tensor:
     """``a [M, K] @ W'^T -> [M, N]``, or with ``trans`` ``a [M, N] @ W' -> [M, K]``, fp32 accumulation.
     ``_path``: "fused" the GEMM that dequantises in its prologue (forward, K % 64 == 0; ``_cfg`` its ``fused_config``
-    tuple), "dequant" W' dequantised in a's dtype by the Triton pass then ``torch.matmul``, "auto" (the default)
-    the fused GEMM up to ``FUSED_MAX_ROWS`` rows where it applies, the pass elsewhere
-    (bench/nf4_gemm.py compares them)."""
+    tuple), "planes" the same GEMM reading int32 words a nibble plane at a time (2 or more blocks a step), "dequant"
+    W' dequantised in a's dtype by the Triton pass then ``torch.matmul``, "auto" (the default) the fused GEMM up to
+    ``FUSED_MAX_ROWS`` rows where it applies, the pass elsewhere (bench/nf4_gemm.py compares them)."""
     n, k = q.shape
     p, r = (k, n) if trans else (n, k)
     assert a.dim() == 2 and a.shape[1] == r and a.stride(1) == 1, f"nf4: a [M, {r}] expected, got {tuple(a.shape)}"
     m = a.shape[0]
-    if _path not in ("auto", "fused", "dequant"):
-        raise ValueError(f"nf4_matmul: _path must be auto, fused or dequant, got {_path!r}")
+    if _path not in ("auto", "fused", "planes", "dequant"):
+        raise ValueError(f"nf4_matmul: _path must be auto, fused, planes or dequant, got {_path!r}")
     fused_ok = not trans and k % BLOCKSIZE == 0
-    if _path == "fused" and not fused_ok:
+    if _path in ("fused", "planes") and not fused_ok:
         raise ValueError(f"nf4_matmul: the fused GEMM is forward only, over whole NF4 blocks (K % {BLOCKSIZE} == 0): "
                          f"trans={trans}, weight {tuple(q.shape)}")
     if _path == "auto":
         _path = "fused" if fused_ok and m <= FUSED_MAX_ROWS else "dequant"
-    if _path != "fused":
+    if _path == "dequant":
         w = dequantize_nf4_triton(q, a.dtype)
         return a @ w if trans else a @ w.t()
     if m == 0 or n == 0:
         return torch.empty(m, n, dtype=a.dtype, device=a.device)
     code, code2 = tables(str(a.device))
     bm, bn, blocks, split, warps, stages = _cfg or fused_config(m, n, k)
+    if _path == "planes" and blocks < 2:  # a dot's K is at least 16: 8 words a block, 2 blocks
+        if _cfg is not None:
+            raise ValueError(f"nf4_matmul: the planes GEMM takes 2 or more NF4 blocks a step, got {blocks}")
+        blocks = 2
     steps = triton.cdiv(triton.cdiv(k // BLOCKSIZE, blocks), split)
     split = triton.cdiv(triton.cdiv(k // BLOCKSIZE, blocks), steps)  # no split left without a step
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else a.dtype, device=a.device)
-    _nf4_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        a, q.packed, q.qabs, q.absmax2, q.offset, code, code2, out, m, n, k, a.stride(0), out.stride(1),
+    kernel, packed = _nf4_matmul_kernel, q.packed
+    if _path == "planes":  # the packed bytes as int32 words (K % 64 == 0: whole words a row)
+        kernel, packed = _nf4_planes_kernel, q.packed.view(torch.int32)
+    kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
+        a, packed, q.qabs, q.absmax2, q.offset, code, code2, out, m, n, k, a.stride(0), out.stride(1),
         out.stride(0), steps, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32", BLOCKSIZE2=BLOCKSIZE2,
         BLOCK_M=bm, BLOCK_N=bn, BLOCKS=blocks, num_warps=warps, num_stages=stages,
     )  # fmt: skip

@@ -128,7 +128,7 @@ def test_fused_gemm_over_whole_blocks_against_float64(triton_kernels, M, N, K, d
     wd = _ref(q).to(dtype).double()
     x = torch.randn(M, K).to(dtype)
     rtol, atol = TOL[dtype]
-    for path in ("fused", "auto"):
+    for path in ("fused", "planes", "auto"):
         y = nf4.nf4_matmul(x, q, _path=path)
         assert y.dtype == dtype and y.shape == (M, N)
         torch.testing.assert_close(y.double(), x.double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
@@ -142,9 +142,10 @@ def test_fused_gemm_steps_and_splits_against_float64(triton_kernels, cfg):
     q = quantize_nf4(_weight((N, K), seed=3))
     wd = _ref(q).double()
     x = torch.randn(M, K)
-    y = nf4.nf4_matmul(x, q, _path="fused", _cfg=cfg)
     rtol, atol = TOL[torch.float32]
-    torch.testing.assert_close(y.double(), x.double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
+    for path in ("fused", "planes") if cfg[2] >= 2 else ("fused",):  # planes: 2 or more blocks a step
+        y = nf4.nf4_matmul(x, q, _path=path, _cfg=cfg)
+        torch.testing.assert_close(y.double(), x.double() @ wd.T, rtol=rtol, atol=atol * K**0.5)
 
 
 def test_auto_takes_the_fused_gemm_at_decode_rows_only(triton_kernels, monkeypatch):
@@ -171,6 +172,8 @@ def test_fused_gemm_refuses_what_it_does_not_cover(triton_kernels):
         nf4.nf4_matmul(torch.randn(2, 16), q, trans=True, _path="fused")
     with pytest.raises(ValueError, match="_path"):
         nf4.nf4_matmul(torch.randn(2, 64), q, _path="cublas")
+    with pytest.raises(ValueError, match="2 or more NF4 blocks"):
+        nf4.nf4_matmul(torch.randn(2, 64), q, _path="planes", _cfg=(16, 16, 1, 1, 1, 1))
 
 
 @pytest.mark.parametrize("shape", [(37, 70), (130, 129), (3, 64), (3, 21)])
@@ -228,6 +231,18 @@ def test_triton_bf16_at_4096_against_native(M):
     dy = torch.randn_like(y)
     y.backward(dy)
     torch.testing.assert_close(x.grad.float(), dy.float() @ wd.float(), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["fused", "planes"])
+@pytest.mark.parametrize("M", [1, 8, 32, 100])
+def test_fused_gemms_bf16_on_the_gpu(M, path):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(5120, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    q = quantize_nf4(w)
+    x = torch.randn(M, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    ref = x.float() @ dequantize_nf4(q, torch.bfloat16).float().T
+    torch.testing.assert_close(nf4.nf4_matmul(x, q, _path=path).float(), ref, rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.gpu
