@@ -367,8 +367,12 @@ class Engine:
         k = launch.k
         if not self._lookahead or self.scheduler.can_admit() or self.runner.tp_group is not None:
             return
-        if self.runner.record_routing or self.runner.states is not None or self.runner.images is not None:
-            return  # routing capture, recurrent state and image offsets are read or set per group on the host
+        if self.runner.record_routing or self.runner.images is not None:
+            return  # routing capture and image offsets are read or set per group on the host
+        if self.blocks.pending_state_copies:
+            return  # a fork's state copy goes with the next scheduled launch, ahead of its rows' decode
+        # (a hybrid's recurrent-state slots stay with their rows while they run; a row that stops in this group still
+        # writes its slot in the queued one, before any later sequence given that slot runs its prefill: stream order)
         for s in rows:  # each has up to k unread tokens in ``launch``: the next group covers k after those
             if s.num_output + k >= s.options.max_new_tokens or len(s) + 2 * k - 1 > self.max_model_len:
                 return

@@ -71,6 +71,17 @@ def test_sampled_forks_preemption_and_routes(hybrid):
             assert_routes_match_forward(model, group)
     multi = engine(model, tok, decode_steps=3).generate(prompts, opts)
     assert [[c.token_ids for c in g] for g in multi] == [[c.token_ids for c in g] for g in out]
+    # lookahead (CUDA's default): the next chain queued before the host reads this one, the state slots with it
+    ahead = engine(model, tok, decode_steps=2, lookahead=True)
+    launch, queued = ahead.runner.launch_decode_steps, []
+    ahead.runner.launch_decode_steps = lambda *a, **kw: (queued.append(kw.get("ids_from") is not None)
+                                                         or launch(*a, **kw))
+    looked = ahead.generate(prompts, opts)
+    assert any(queued) and sorted(ahead.blocks.free_state_slots) == list(range(8))
+    for g1, g2 in zip(out, looked):
+        for a, b in zip(g1, g2):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     budget = 12 * kv_bytes_per_block(model, 4, torch.float32) + state_bytes(model, 6, torch.float32)
     small = engine(model, tok, max_running=6, kv_cache_memory=budget)
     tight = small.generate(prompts, opts)
