@@ -472,7 +472,7 @@ class Engine:
         ahead = self.config.lookahead
         if ahead is None:
             ahead = self.runner.device.type == "cuda"
-        self._lookahead = ahead and self.config.decode_steps > 1
+        self._lookahead = ahead and (self.config.decode_steps > 1 or self.spec is not None)  # spec: gated chains
         try:
             while self.has_work():
                 rows = self.step(self.config.decode_steps)

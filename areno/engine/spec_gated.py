@@ -7,7 +7,11 @@ never past the step after which the gate would lift (the sequences that reach ma
 that stops earlier on a stop token only ends its own tokens, as in a plain chain). The graph keeps each step's final
 hidden rows (``ModelRunner.keep_hidden``, a ``[k, rows, H]`` buffer): they are held for the deferred MTP catch-up
 (``SpecDecoder._defer``, k rows a sequence), copied out of the graph's buffer before the next replay, so the draft
-K/V of every position a chain computed is written later exactly as after k single gated steps. Not chained (a
+K/V of every position a chain computed is written later exactly as after k single gated steps. With the engine's
+lookahead (``generate()``, ``EngineConfig.lookahead``: on CUDA by default) the next gated chain is queued before the
+host reads the one in flight, as ``Engine._queue_next`` does for a plain engine, when all its k steps stay gated and
+every row surely runs them; each chain's hidden rows are copied on the stream right behind it, before the queued
+chain replays into the same buffer. Not chained (a
 single gated step, ``spec_graphs``' width-1 forward): under TP (the held rows are the leader's), with routing
 capture, with requests waiting that fit, or fewer than 2 steps before the gate lifts.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from areno.engine.decode_graphs import graph_key
-from areno.engine.scheduler import Step
+from areno.engine.scheduler import Chunk, Step
 from areno.engine.spec_exec import FinishWork
 
 GATED_CHAIN = 8  # decode steps a gated stretch chains per round (as the rollout's --decode-steps default)
@@ -44,19 +48,68 @@ def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
     e = spec.engine
     r, seqs = e.runner, [c.seq for c in step.chunks]
     r.spec_exec.copy_draft_blocks(r, copies)
+    launch, hidden = _launch(r, step, seqs, k, copies, state_copies)
+    spec.counts["spec_gated_steps"] += k - 1  # the gate counted the first
+    _queue_next(spec, seqs, launch, range(len(seqs)))
+    return _finish(spec, step.chunks, seqs, launch, hidden)
+
+
+def step_ahead(spec) -> list:
+    """The gated chain queued ahead (``Engine._ahead``): the one after it queued first for the rows still running,
+    then its tokens read and its hidden rows held, as ``gated_chain``."""
+    e = spec.engine
+    seqs, launch, hidden, chunks = e._ahead
+    e._ahead = None
+    live = [i for i, s in enumerate(seqs) if not s.is_finished]
+    if live:
+        _queue_next(spec, [seqs[i] for i in live], launch, live)
+    return _finish(spec, chunks, seqs, launch, hidden)
+
+
+def _launch(r, step: Step, seqs: list, k: int, copies=(), state_copies=(), ids_from=None):
+    """Queue a chain keeping its hidden rows; returns the launch and a copy of its rows ``[k, rows, H]`` made on
+    the stream right behind it (a chain queued ahead replays the same graph, into the same buffer)."""
     r.keep_hidden = True
     try:
-        launch = r.launch_decode_steps(step, seqs, k, copies, state_copies)
-        tokens, logprobs = r.wait_decode(launch)
+        launch = r.launch_decode_steps(step, seqs, k, copies, state_copies, ids_from=ids_from)
     finally:
         r.keep_hidden = False
-    r.spec_exec.last = (r.last_hidden, None, None)  # FinishWork's "hold" copies k rows a sequence out of it
+    return launch, r.last_hidden.clone()
+
+
+def _queue_next(spec, seqs: list, launch, index) -> None:
+    """Lookahead (``Engine._queue_next``'s, for gated chains): queue the next ``k`` gated steps of ``seqs`` (row i's
+    input: row ``index[i]``'s last token of ``launch``, on the device) when every row surely runs k more tokens,
+    all k steps stay gated (more than the gate's limit still decode through them) and their blocks are there."""
+    e, k = spec.engine, launch.k
+    if not e._lookahead or spec.limit is None or e.scheduler.can_admit() or e.runner.images is not None:
+        return
+    if e.blocks.pending_copies or e.blocks.pending_state_copies:
+        return
+    left = sorted(s.options.max_new_tokens - s.num_output - k for s in seqs)  # after the chain in flight
+    if len(seqs) <= spec.limit or left[0] <= 0 or left[len(seqs) - spec.limit - 1] < k:
+        return
+    if any(s.options.adjusts_logits or len(s) + 2 * k - 1 > e.max_model_len for s in seqs):
+        return
+    if not all(e.blocks.reserve_tokens(s, len(s) + 2 * k - 1) for s in seqs):
+        return
+    nxt = Step([Chunk(s, len(s) + k - 1, len(s) + k) for s in seqs], is_decode=True)
+    launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)))
+    spec.counts["spec_gated_steps"] += k
+    e._ahead = (seqs, launch2, hidden, nxt.chunks)
+
+
+def _finish(spec, chunks, seqs: list, launch, hidden) -> list:
+    """A chain's tokens taken up to each row's stop and its hidden rows held (``SpecDecoder._defer``); returns the
+    sequences that took tokens."""
+    e, r, k = spec.engine, spec.engine.runner, launch.k
+    tokens, logprobs = r.wait_decode(launch)
+    r.spec_exec.last = (hidden, None, None)  # FinishWork's "hold" takes k rows a sequence out of it
     e.step_counts["chained"] += k
-    spec.counts["spec_gated_steps"] += k - 1  # the gate counted the first
     took = e._take_group(seqs, tokens, logprobs)
     ops = [("drop", spec._dropped)] if spec._dropped else []
     spec._dropped = []
-    spec._defer(step.chunks, ops, k)
+    spec._defer(chunks, ops, k)
     with torch.inference_mode():
         spec._run(FinishWork(None, ops))
     return took

@@ -146,6 +146,62 @@ def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
     torch.testing.assert_close(_mtp_kv(e, seq, n), _mtp_kv(fresh, ref, n), atol=1e-4, rtol=1e-4)
 
 
+def test_gated_chains_queued_ahead_keep_tokens_and_the_mtp_cache(checkpoint, echo):
+    """Lookahead (generate()'s default on CUDA): a gated chain is queued before the host reads the one in flight,
+    its hidden rows copied on the stream before the queued chain replays. Greedy tokens and log-probs equal the
+    plain engine's across gate transitions (rows finishing, requests arriving), the gated steps are the threshold's,
+    and the MTP K/V of every computed position equals a fresh prefill's once the gate has lifted."""
+    def queued_launches(e):
+        launch, queued = e.runner.launch_decode_steps, []
+        e.runner.launch_decode_steps = lambda *a, **kw: (queued.append(kw.get("ids_from") is not None)
+                                                         or launch(*a, **kw))
+        return queued
+
+    news = [20, 30, 60]
+    plain = _engine(echo, 0).generate(PROMPTS[:3], [_greedy(n) for n in news])
+    e = _engine(echo, 2, gate=1, lookahead=True)
+    queued = queued_launches(e)
+    out = e.generate(PROMPTS[:3], [_greedy(n) for n in news])
+    assert [g[0].token_ids for g in out] == [g[0].token_ids for g in plain] and any(queued)
+    for g, h in zip(out, plain):
+        np.testing.assert_allclose(g[0].logprobs, h[0].logprobs, atol=1e-4)
+    assert e.spec.stats()["spec_gated_steps"] == sorted(news)[1] - 1 and e._ahead is None
+    # sampled, one row stopping on a token mid-run (while a chain is queued: the queued chain's rows map to the
+    # live ones of the chain in flight); once the gate lifts speculation samples its own tokens, so the oracle is
+    # the same engine without the lookahead
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=n + 20, ignore_eos=True, seed=60 + i)
+            for i, n in enumerate(news)]
+    first = _engine(echo, 0).generate(PROMPTS[:3], opts)[0][0].token_ids
+    opts[0] = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=60, stop_token_ids=[first[21]])
+    plain = _engine(echo, 2, gate=1, lookahead=False).generate(PROMPTS[:3], opts)
+    e = _engine(echo, 2, gate=1, lookahead=True)
+    queued = queued_launches(e)
+    out = e.generate(PROMPTS[:3], opts)
+    assert [g[0].token_ids for g in out] == [g[0].token_ids for g in plain] and any(queued)
+    assert out[0][0].finish_reason == "stop"
+    # arrivals mid-run: steps driven one by one with the lookahead on, as generate() does
+    e = _engine(echo, 2, gate=2)
+    e._lookahead = True
+    queued = queued_launches(e)
+    gated = run_with_arrivals(e, news=(3, 40, 50, 60), late=(8, 6), after=6)
+    ref = run_with_arrivals(_engine(echo, 0), news=(3, 40, 50, 60), late=(8, 6), after=6)
+    assert [t for t, _ in gated] == [t for t, _ in ref] and any(queued)
+    # the MTP layer's K/V after queued gated chains and speculating steps (the random MTP layer reads its own K/V)
+    model = load_model(checkpoint, dtype=torch.float32, device="cpu")
+    e = _engine(model, 2, gate=1)
+    e._lookahead = True
+    queued = queued_launches(e)
+    seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS[:3], news)]
+    while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
+        e.step()
+    assert any(queued) and not seqs[2].is_finished
+    seq, n = seqs[2], seqs[2].num_computed
+    fresh = _engine(model, 2, gate="off")
+    (ref_seq,) = fresh.add_request(list(seq.tokens[: n + 1]), _greedy(2))
+    fresh.step()
+    torch.testing.assert_close(_mtp_kv(e, seq, n), _mtp_kv(fresh, ref_seq, n), atol=1e-4, rtol=1e-4)
+
+
 def test_every_draft_after_the_gate_is_accepted_when_the_draft_is_exact(checkpoint):
     """A target that always repeats its input token and a draft that proposes it: once the batch shrinks to N, the
     next step already verifies drafts and accepts every one of them, as an ungated engine does."""
