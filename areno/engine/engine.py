@@ -6,10 +6,12 @@ CUDA graphs persist across calls until :meth:`Engine.drop_rollout_state`.
 
 Hybrid models (recurrent layers, e.g. ``bailing_hybrid``) get a recurrent-state slot per running sequence
 (``state_cache.py``); their prefix caching across requests is off (a cached prefix would need the state at its
-end), while the n samples of a prompt still share its prefill (state copied at the fork). ``record_routing``
-(sparse-MoE models, routing replay): each completion carries the expert ids every MoE layer chose for each of its
-tokens (``Completion.routed_experts``); prefix caching across requests is then off too, so every prompt token's
-routing comes from this request.
+end), while the n samples of a prompt still share its prefill (state copied at the fork). Their decode chains queue
+ahead like any model's (lookahead): a slot stays with its row while it runs, and a row that stops in a chain still
+writes its slot in the one queued behind it, before any later sequence given that slot prefills (stream order).
+``record_routing`` (sparse-MoE models, routing replay): each completion carries the expert ids every MoE layer chose
+for each of its tokens (``Completion.routed_experts``); prefix caching across requests is then off too, so every
+prompt token's routing comes from this request.
 """
 
 from __future__ import annotations
@@ -367,12 +369,8 @@ class Engine:
         k = launch.k
         if not self._lookahead or self.scheduler.can_admit() or self.runner.tp_group is not None:
             return
-        if self.runner.record_routing or self.runner.images is not None:
-            return  # routing capture and image offsets are read or set per group on the host
-        if self.blocks.pending_state_copies:
-            return  # a fork's state copy goes with the next scheduled launch, ahead of its rows' decode
-        # (a hybrid's recurrent-state slots stay with their rows while they run; a row that stops in this group still
-        # writes its slot in the queued one, before any later sequence given that slot runs its prefill: stream order)
+        if self.runner.record_routing or self.runner.images is not None or self.blocks.pending_state_copies:
+            return  # routes and image offsets are per group on the host; a fork's state copy waits for a schedule
         for s in rows:  # each has up to k unread tokens in ``launch``: the next group covers k after those
             if s.num_output + k >= s.options.max_new_tokens or len(s) + 2 * k - 1 > self.max_model_len:
                 return
