@@ -50,7 +50,9 @@ def _compare(rank, seed):
     shard = weight[rank * V_LOCAL : (rank + 1) * V_LOCAL]
     tlp, tent, tdh, tdw = run(shard, dist.group.WORLD)
     torch.testing.assert_close(tlp, lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tent, ent, rtol=1e-5, atol=1e-5)
+    # entropy = log s - a / s of two terms several times its size: CI once saw 5.3e-5 (2.7e-5 relative) where this
+    # machine's 2,400 seeded runs stay under 2e-6, so the bound leaves room for another CPU's rounding
+    torch.testing.assert_close(tent, ent, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(tdh, dh, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(tdw, dw[rank * V_LOCAL : (rank + 1) * V_LOCAL], rtol=1e-4, atol=1e-5)
     assert (tlp[:3] == 0).all() and (tdh.abs().sum(1) > 0).all()

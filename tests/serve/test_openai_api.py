@@ -116,7 +116,9 @@ def test_a_server_that_falls_behind_sends_several_tokens_per_chunk(server):
     slow, usage_slow = read(True)
     assert "".join(fast) == "".join(slow) == full["choices"][0]["text"]
     assert usage_fast["completion_tokens"] == usage_slow["completion_tokens"] == 128
-    assert len(slow) < len(fast) - 5
+    # The stall spans about a dozen tokens, so at least 6 of them share a chunk. Not compared with the unstalled read:
+    # on a loaded machine that one coalesces too (CI saw 102 chunks for 128 tokens)
+    assert len(slow) <= 128 - 6 and len(fast) <= 128
 
 
 def test_request_stream_pending_keeps_order_and_defers_errors():
