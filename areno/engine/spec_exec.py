@@ -145,8 +145,9 @@ class SpecExec:
         drafts, source = None, None
         for op in work.ops:
             if op[0] == "hold":  # copied: a replayed forward's hidden rows are the graph's, the next replay's too
-                if source is None:  # [rows, H] of a gated step, [k, rows, H] of a gated chain (k rows each)
-                    source = self.last[0].clone()
+                if source is None:  # [rows, H] of a gated step; [k, rows, H] of a gated chain (k rows each), which
+                    source = self.last[0]  # spec_gated._launch already copied out of the graph's buffer
+                    source = source if source.dim() == 3 else source.clone()
                 rows = source[op[1]] if source.dim() == 2 else source[:, op[1]]
                 self.held.setdefault(op[2], []).append(rows.reshape(-1, rows.shape[-1]))
             elif op[0] == "drop":
