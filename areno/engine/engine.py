@@ -6,9 +6,8 @@ CUDA graphs persist across calls until :meth:`Engine.drop_rollout_state`.
 
 Hybrid models (recurrent layers, e.g. ``bailing_hybrid``) get a recurrent-state slot per running sequence
 (``state_cache.py``); their prefix caching across requests is off (a cached prefix would need the state at its
-end), while the n samples of a prompt still share its prefill (state copied at the fork). Their decode chains queue
-ahead like any model's (lookahead): a slot stays with its row while it runs, and a row that stops in a chain still
-writes its slot in the one queued behind it, before any later sequence given that slot prefills (stream order).
+end), while the n samples of a prompt still share its prefill (state copied at the fork). Chained decode steps and
+the lookahead that queues the next chain early: ``decode_chain.py``.
 ``record_routing`` (sparse-MoE models, routing replay): each completion carries the expert ids every MoE layer chose
 for each of its tokens (``Completion.routed_experts``); prefix caching across requests is then off too, so every
 prompt token's routing comes from this request.
@@ -28,12 +27,13 @@ import torch.distributed as dist
 from areno.config import SamplingParams
 from areno.config.rollout import spec_gate
 from areno.engine.block_manager import BlockManager
+from areno.engine.decode_chain import DecodeChains
 from areno.engine.grammar import EngineGrammars, token_mask
 from areno.engine.images import PromptImages
 from areno.engine.kv_cache import cache_dtype, check_kv_cache_dtype, kv_groups, plan_num_blocks
 from areno.engine.lora_slots import LoraSlots, slots_of
 from areno.engine.model_runner import ModelRunner, TPWorker, broadcast_step
-from areno.engine.scheduler import Chunk, Scheduler, Step
+from areno.engine.scheduler import Scheduler, Step
 from areno.engine.sequence import Sequence
 from areno.engine.spec_decode import check_request, spec_budget, spec_decoder
 from areno.engine.state_cache import state_dtype
@@ -119,8 +119,7 @@ class Engine:
         self._progress_tokens = 0
         self._hold_waiting = False  # the last step admitted while requests waited: the next one may decode k steps
         self.step_counts = {"single": 0, "chained": 0}  # forward steps run one at a time / inside k-step chains
-        self._lookahead = False  # set by generate() (config.lookahead): step() may queue the next group early
-        self._ahead = None  # (rows, DecodeLaunch) of a queued k-step group whose tokens are not read yet
+        self.chains = DecodeChains(self)  # k-step decode groups and the lookahead's queued one
 
     def _build(self):
         cfg = self.config
@@ -264,31 +263,23 @@ class Engine:
                 self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self._ahead is not None or self.scheduler.has_work() or bool(self.grammars.waiting)
+        return self.chains.ahead is not None or self.scheduler.has_work() or bool(self.grammars.waiting)
 
     def step(self, decode_steps: int = 1) -> list[Sequence]:
         """One forward step; returns the sequences that received a token (finished ones included).
 
         ``decode_steps`` k > 1: when the step only decodes and no waiting request fits (``Scheduler.can_admit``), run
-        k decode steps in one go (the runner chains them on the device) and give each sequence up to k tokens; a
-        sequence that stops early keeps only its tokens up to the stop (the rest were computed and are dropped).
+        k decode steps in one go and give each sequence up to k tokens (``decode_chain.py``, with the lookahead that
+        queues the next group before the host reads this one).
 
         Requests that arrive while sequences decode (agent turns, a stream of clients) would otherwise hold every step
         to one token: after a step that admitted with requests waiting, the next step leaves the few that arrived since
         (at most a quarter of the running count: many arrivals are worth admitting at once) waiting and decodes k
-        tokens, so waiting costs at most one k-step group and steady arrivals still let chained steps run.
-
-        Lookahead (inside :meth:`generate`, ``config.lookahead``): when a k-step group is launched and nothing that
-        could be admitted waits, the next group of the same rows is queued right behind it, its input tokens taken on
-        the device from the first group's last step, before the host reads the first group's tokens; the next call
-        returns that group's tokens (queuing the one after it first). So the host's read-back, stop checks and input
-        packing overlap the device's decoding instead of leaving it idle between groups. A row that stops in a
-        group has already been queued for the next one: those tokens are dropped (the device work is wasted,
-        nothing else: the tokens and log-probs kept are those of the plain chain)."""
+        tokens, so waiting costs at most one k-step group and steady arrivals still let chained steps run."""
         if self.spec is not None:
             return self.spec.step()
-        if self._ahead is not None:
-            return self._step_ahead()
+        if self.chains.ahead is not None:
+            return self.chains.step_ahead()
         if self.grammars.waiting and (failed := self.grammars.admit()):
             return failed  # their compile failed: finished
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
@@ -308,14 +299,14 @@ class Engine:
                 for seq in [chunk.seq] + [c for c in getattr(chunk.seq, "children", []) if not c.is_finished]:
                     rows.append(seq)
                     row_index.append(offset - 1)
-        if decode_steps > 1 and self._reserve_decode_steps(step, rows, decode_steps, hold):
-            return self._multi_step(step, rows, decode_steps, copies, state_copies)
+        if decode_steps > 1 and self.chains.reserve(step, rows, decode_steps, hold):
+            return self.chains.run(step, rows, decode_steps, copies, state_copies)
         self._hold_waiting = waited and not hold  # a held step is followed by an admitting one
         mask = token_mask([s.grammar for s in rows]) if self.grammars.cache is not None else None
         self.step_counts["single"] += 1
         tokens, logprobs, top = self.runner.run(step, rows, row_index, copies, token_mask=mask,
                                                 state_copies=state_copies)
-        self._keep_routing(step)
+        self.keep_routing(step)
         self.scheduler.after_step(step)
         tokens, logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()  # .cpu() waits without the GIL
         for i, seq in enumerate(rows):
@@ -329,79 +320,10 @@ class Engine:
             if reason is not None:
                 seq.finish(reason)
                 self.scheduler.finish(seq)
-        self._progress(step, len(rows))
+        self.note_progress(len(rows))
         return rows
 
-    def _reserve_decode_steps(self, step: Step, rows: list[Sequence], k: int, hold: bool = False) -> bool:
-        """Whether ``step`` can run as k decode steps: decodes only, nothing waiting that could be admitted (unless
-        ``hold``: waiting ones were admitted one step ago), no top log-probs or grammars (the host masks every token),
-        every position inside the context, and the blocks of all k positions reserved (they are, when this says yes)."""
-        if not step.is_decode or (self.scheduler.can_admit() and not hold):
-            return False
-        if any(s.options.top_logprobs or s.grammar is not None for s in rows):
-            return False
-        if any(len(s) + k - 1 > self.max_model_len for s in rows):
-            return False
-        return all(self.blocks.reserve_tokens(s, len(s) + k - 1) for s in rows)
-
-    def _multi_step(self, step: Step, rows: list[Sequence], k: int, copies, state_copies=()) -> list[Sequence]:
-        launch = self.runner.launch_decode_steps(step, rows, k, copies, state_copies)
-        self.step_counts["chained"] += k
-        self._queue_next(rows, launch, range(len(rows)))
-        tokens, logprobs = self.runner.wait_decode(launch)
-        self._keep_routing(step)
-        return self._take_group(rows, tokens, logprobs)
-
-    def _step_ahead(self) -> list[Sequence]:
-        """The queued group's tokens, after queuing the group after it for the rows still running."""
-        rows, launch = self._ahead
-        self._ahead = None
-        live = [i for i, s in enumerate(rows) if not s.is_finished]
-        if live:
-            self._queue_next([rows[i] for i in live], launch, live)
-        tokens, logprobs = self.runner.wait_decode(launch)
-        return self._take_group(rows, tokens, logprobs)
-
-    def _queue_next(self, rows: list[Sequence], launch, index) -> None:
-        """Lookahead: queue k more decode steps of ``rows`` (row i's input: row ``index[i]``'s last token of
-        ``launch``, still on the device) when every row surely runs k more tokens and the blocks for them are
-        there; else queue nothing (the next step schedules as usual)."""
-        k = launch.k
-        if not self._lookahead or self.scheduler.can_admit() or self.runner.tp_group is not None:
-            return
-        if self.runner.record_routing or self.runner.images is not None or self.blocks.pending_state_copies:
-            return  # routes and image offsets are per group on the host; a fork's state copy waits for a schedule
-        for s in rows:  # each has up to k unread tokens in ``launch``: the next group covers k after those
-            if s.num_output + k >= s.options.max_new_tokens or len(s) + 2 * k - 1 > self.max_model_len:
-                return
-        if any(s.options.adjusts_logits for s in rows):
-            return  # penalty slots are filled and released per group on the host
-        if not all(self.blocks.reserve_tokens(s, len(s) + 2 * k - 1) for s in rows):
-            return
-        nxt = Step([Chunk(s, len(s) + k - 1, len(s) + k) for s in rows], is_decode=True)
-        self._ahead = (rows, self.runner.launch_decode_steps(nxt, rows, k, ids_from=(launch, list(index))))
-        self.step_counts["chained"] += k
-
-    def _take_group(self, rows: list[Sequence], tokens, logprobs) -> list[Sequence]:
-        """Append a k-step group's tokens ([k, rows] CPU) to its rows up to each one's stop; rows that finished
-        before the group (queued ahead, see :meth:`step`) drop theirs. Returns the rows that took tokens."""
-        tokens, logprobs = tokens.t().tolist(), logprobs.t().tolist()  # [rows][k]
-        appended, took = 0, []
-        for seq, toks, lps in zip(rows, tokens, logprobs):
-            if seq.is_finished:
-                continue
-            before = len(seq)
-            reason = self.stopper.extend(seq, toks, lps)
-            appended += len(seq) - before
-            took.append(seq)
-            self.scheduler.after_decode(seq)
-            if reason is not None:
-                seq.finish(reason)
-                self.scheduler.finish(seq)
-        self._progress(None, appended)
-        return took
-
-    def _keep_routing(self, step: Step) -> None:
+    def keep_routing(self, step: Step) -> None:
         """Routing capture: each chunk's sequence keeps the expert ids of the tokens the step computed for it;
         samples not yet forked from a head that finished its prompt take the prompt's."""
         r = self.runner.last_routing
@@ -421,7 +343,8 @@ class Engine:
                 for child in getattr(c.seq, "children", []):
                     child.routing = list(c.seq.routing)
 
-    def _progress(self, step: Step, n_tokens: int):
+    def note_progress(self, n_tokens: int) -> None:
+        """Count decoded tokens; log the rate every ``decode_progress_interval_s``."""
         interval = self.config.decode_progress_interval_s
         self._progress_tokens += n_tokens
         if not interval:
@@ -470,7 +393,7 @@ class Engine:
         ahead = self.config.lookahead
         if ahead is None:
             ahead = self.runner.device.type == "cuda"
-        self._lookahead = ahead and (self.config.decode_steps > 1 or self.spec is not None)  # spec: gated chains
+        self.chains.lookahead = ahead and (self.config.decode_steps > 1 or self.spec is not None)  # spec: gated chains
         try:
             while self.has_work():
                 rows = self.step(self.config.decode_steps)
@@ -480,7 +403,7 @@ class Engine:
                             done[i] = [self.completion(s) for s in groups[i]]
                             on_finished(i, done[i])
         finally:
-            self._lookahead = False
+            self.chains.lookahead = False
         out = [done.get(i) or [self.completion(s) for s in g] for i, g in enumerate(groups)]
         if on_finished is not None:
             for i in range(len(groups)):
@@ -506,10 +429,7 @@ def swap_weights(engine: Engine, load, *, recompute: bool = False) -> None:
     the new weights in place (the CUDA graphs keep their pointers), the prefix cache is dropped and, with
     ``recompute``, every running sequence goes back to the queue to have its K/V computed again under the new weights
     (its tokens are kept); else their K/V, computed under the old weights, stay."""
-    lookahead, engine._lookahead = engine._lookahead, False
-    while engine._ahead is not None:
-        engine.step()
-    engine._lookahead = lookahead
+    engine.chains.drain()
     load()
     if recompute and engine.runner is not None:
         for seq in list(reversed(engine.scheduler.running)):  # youngest first: the oldest ends up first in line

@@ -213,7 +213,7 @@ class SpecDecoder:
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list:
         e = self.engine
-        if e._ahead is not None:  # a gated chain queued ahead (spec_gated's lookahead)
+        if e.chains.ahead is not None:  # a gated chain queued ahead (spec_gated's lookahead)
             return spec_gated.step_ahead(self)
         if e.grammars.waiting and (failed := e.grammars.admit()):
             return failed

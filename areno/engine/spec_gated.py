@@ -9,11 +9,11 @@ hidden rows (``ModelRunner.keep_hidden``, a ``[k, rows, H]`` buffer): they are h
 (``SpecDecoder._defer``, k rows a sequence), copied out of the graph's buffer before the next replay, so the draft
 K/V of every position a chain computed is written later exactly as after k single gated steps. With the engine's
 lookahead (``generate()``, ``EngineConfig.lookahead``: on CUDA by default) the next gated chain is queued before the
-host reads the one in flight, as ``Engine._queue_next`` does for a plain engine, when all its k steps stay gated and
-every row surely runs them; each chain's hidden rows are copied on the stream right behind it, before the queued
-chain replays into the same buffer. Not chained (a
-single gated step, ``spec_graphs``' width-1 forward): under TP (the held rows are the leader's), with routing
-capture, with requests waiting that fit, or fewer than 2 steps before the gate lifts.
+host reads the one in flight, as ``DecodeChains.queue_next`` does for a plain engine, when all its k steps stay
+gated and every row surely runs them; each chain's hidden rows are copied on the stream right behind it, before the
+queued chain replays into the same buffer. Not chained (a single gated step, ``spec_graphs``' width-1 forward):
+under TP (the held rows are the leader's), with routing capture, with requests waiting that fit, or fewer than 2
+steps before the gate lifts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CHAIN_LENGTHS = (GATED_CHAIN, 4, 2)  # shorter chains before the gate lifts (one
 def chain_length(spec, step: Step) -> int:
     """How many plain decode steps the gated ``step`` chains (0: it runs alone): the longest of ``CHAIN_LENGTHS``
     whose steps are all gated; decodes only, one rank, no routing capture, and the blocks of every position
-    reserved (``Engine._reserve_decode_steps``: nothing waiting that fits, every position inside the context)."""
+    reserved (``DecodeChains.reserve``: nothing waiting that fits, every position inside the context)."""
     e = spec.engine
     if not step.is_decode or e.runner.tp_group is not None or e.runner.record_routing:
         return 0
@@ -39,11 +39,11 @@ def chain_length(spec, step: Step) -> int:
     left = sorted(s.options.max_new_tokens - s.num_output for s in seqs)
     most = left[len(seqs) - spec.limit - 1]  # steps 1..k gated: fewer than n - limit finished before each
     k = next((k for k in CHAIN_LENGTHS if k <= most), 0)
-    return k if k and e._reserve_decode_steps(step, seqs, k) else 0
+    return k if k and e.chains.reserve(step, seqs, k) else 0
 
 
 def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
-    """``k`` plain decode steps of every sequence of ``step``, as ``Engine._multi_step``; each step's hidden rows
+    """``k`` plain decode steps of every sequence of ``step``, as ``DecodeChains.run``; each step's hidden rows
     held for the MTP catch-up. Returns the sequences that took tokens."""
     e = spec.engine
     r, seqs = e.runner, [c.seq for c in step.chunks]
@@ -55,11 +55,11 @@ def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
 
 
 def step_ahead(spec) -> list:
-    """The gated chain queued ahead (``Engine._ahead``): the one after it queued first for the rows still running,
+    """The gated chain queued ahead (``Engine.chains.ahead``): the one after it queued first for the rows still running,
     then its tokens read and its hidden rows held, as ``gated_chain``."""
     e = spec.engine
-    seqs, launch, hidden, chunks = e._ahead
-    e._ahead = None
+    seqs, launch, hidden, chunks = e.chains.ahead
+    e.chains.ahead = None
     live = [i for i, s in enumerate(seqs) if not s.is_finished]
     if live:
         _queue_next(spec, [seqs[i] for i in live], launch, live)
@@ -78,11 +78,12 @@ def _launch(r, step: Step, seqs: list, k: int, copies=(), state_copies=(), ids_f
 
 
 def _queue_next(spec, seqs: list, launch, index) -> None:
-    """Lookahead (``Engine._queue_next``'s, for gated chains): queue the next ``k`` gated steps of ``seqs`` (row i's
-    input: row ``index[i]``'s last token of ``launch``, on the device) when every row surely runs k more tokens,
-    all k steps stay gated (more than the gate's limit still decode through them) and their blocks are there."""
+    """Lookahead (``DecodeChains.queue_next``'s, for gated chains): queue the next ``k`` gated steps of ``seqs``
+    (row i's input: row ``index[i]``'s last token of ``launch``, on the device) when every row surely runs k more
+    tokens, all k steps stay gated (more than the gate's limit still decode through them) and their blocks are
+    there."""
     e, k = spec.engine, launch.k
-    if not e._lookahead or spec.limit is None or e.scheduler.can_admit() or e.runner.images is not None:
+    if not e.chains.lookahead or spec.limit is None or e.scheduler.can_admit() or e.runner.images is not None:
         return
     if e.blocks.pending_copies or e.blocks.pending_state_copies:
         return
@@ -96,7 +97,7 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
     nxt = Step([Chunk(s, len(s) + k - 1, len(s) + k) for s in seqs], is_decode=True)
     launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)))
     spec.counts["spec_gated_steps"] += k
-    e._ahead = (seqs, launch2, hidden, nxt.chunks)
+    e.chains.ahead = (seqs, launch2, hidden, nxt.chunks)
 
 
 def _finish(spec, chunks, seqs: list, launch, hidden) -> list:
@@ -106,7 +107,7 @@ def _finish(spec, chunks, seqs: list, launch, hidden) -> list:
     tokens, logprobs = r.wait_decode(launch)
     r.spec_exec.last = (hidden, None, None)  # FinishWork's "hold" takes k rows a sequence out of it
     e.step_counts["chained"] += k
-    took = e._take_group(seqs, tokens, logprobs)
+    took = e.chains.take(seqs, tokens, logprobs)
     ops = [("drop", spec._dropped)] if spec._dropped else []
     spec._dropped = []
     spec._defer(chunks, ops, k)

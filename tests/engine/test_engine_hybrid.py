@@ -77,7 +77,7 @@ def test_sampled_forks_and_multi_step_decode_match_the_forward(hybrid):
     assert [[c.token_ids for c in g] for g in multi] == [[c.token_ids for c in g] for g in out]
     ahead = engine(model, tok, decode_steps=3, lookahead=True)  # the next chain queued with the rows' state slots
     looked = ahead.generate(prompts, opts)
-    assert ahead._ahead is None and sorted(ahead.blocks.free_state_slots) == list(range(8))
+    assert ahead.chains.ahead is None and sorted(ahead.blocks.free_state_slots) == list(range(8))
     assert [[c.token_ids for c in g] for g in looked] == [[c.token_ids for c in g] for g in out]
     assert_preemption_keeps_tokens(model, tok, prompts, opts, engine, out)
 

@@ -165,7 +165,7 @@ def test_gated_chains_queued_ahead_keep_tokens_and_the_mtp_cache(checkpoint, ech
     assert [g[0].token_ids for g in out] == [g[0].token_ids for g in plain] and any(queued)
     for g, h in zip(out, plain):
         np.testing.assert_allclose(g[0].logprobs, h[0].logprobs, atol=1e-4)
-    assert e.spec.stats()["spec_gated_steps"] == sorted(news)[1] - 1 and e._ahead is None
+    assert e.spec.stats()["spec_gated_steps"] == sorted(news)[1] - 1 and e.chains.ahead is None
     # sampled, one row stopping on a token mid-run (while a chain is queued: the queued chain's rows map to the
     # live ones of the chain in flight); once the gate lifts speculation samples its own tokens, so the oracle is
     # the same engine without the lookahead
@@ -181,7 +181,7 @@ def test_gated_chains_queued_ahead_keep_tokens_and_the_mtp_cache(checkpoint, ech
     assert out[0][0].finish_reason == "stop"
     # arrivals mid-run: steps driven one by one with the lookahead on, as generate() does
     e = _engine(echo, 2, gate=2)
-    e._lookahead = True
+    e.chains.lookahead = True
     queued = queued_launches(e)
     gated = run_with_arrivals(e, news=(3, 40, 50, 60), late=(8, 6), after=6)
     ref = run_with_arrivals(_engine(echo, 0), news=(3, 40, 50, 60), late=(8, 6), after=6)
@@ -189,7 +189,7 @@ def test_gated_chains_queued_ahead_keep_tokens_and_the_mtp_cache(checkpoint, ech
     # the MTP layer's K/V after queued gated chains and speculating steps (the random MTP layer reads its own K/V)
     model = load_model(checkpoint, dtype=torch.float32, device="cpu")
     e = _engine(model, 2, gate=1)
-    e._lookahead = True
+    e.chains.lookahead = True
     queued = queued_launches(e)
     seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS[:3], news)]
     while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
