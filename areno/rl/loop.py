@@ -2,7 +2,8 @@
 algorithm of ``areno.rl.algorithms`` (SFT, DPO, GRPO, GSPO, PPO).
 
 Each step is ``ALGORITHMS[cfg.algo].step(ctx, batch)``: the algorithm's module owns what a step does (rollout,
-rewards, advantages, updates); the loop owns the order of things, the metrics, the checkpoints and the stop rules.
+rewards, advantages, updates); the loop owns the order of things, the metrics, the checkpoints and the stop rules
+(``stop_rules``), with the SFT warm-up before the RL steps in ``sft_warmup``.
 The rollout is one interface (``areno.rl.rollout.Rollout``) with two implementations: colocated (the engine decodes
 with the very parameter tensors the optimizer updates in place, no weight copy) and split (engines on
 ``--rollout-devices``, the policy streamed to them after each optimizer step). Every step the trainer recomputes the
@@ -21,15 +22,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from areno.config import ConfigError, RunError
+from areno.config import ConfigError
 from areno.distributed.watchdog import watch_ranks
 from areno.engine.build import device_and_dtype
-from areno.rl import resume, setup, warmup_cache
-from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise, updates_per_step
+from areno.rl import resume, setup
+from areno.rl.algorithms import ALGORITHMS, LOSSES, StepContext, normalise
 from areno.rl.eval_schedule import SetEvaluator
 from areno.rl.evaluate import evaluate, plot_reward_curve, report_before
 from areno.rl.routing_replay import routing_replay_enabled
-from areno.training import lora, multimodal, plugins
+from areno.rl.sft_warmup import sft_warmup
+from areno.rl.stop_rules import check_reward_failures, check_stop
+from areno.training import lora
 from areno.training.batch import Row
 from areno.training.data import Prompt, prompt_ids, tokenize_prompts
 from areno.training.multimodal import DatasetMedia, media_limits
@@ -79,8 +82,8 @@ class TrainLoop:
                                                        tokenizer=self._tokenizer)
         self.context = setup.check_context(cfg, self.model, inputs)  # before any row is tokenized or step run
         self.media = DatasetMedia(cfg.ckpt, cfg.dataset_path, limits=media_limits(cfg))
-        self.rows = self._tokenize(inputs.rows)
-        self.eval_data = self._tokenize(inputs.eval_rows)
+        self.rows = self.tokenize(inputs.rows)
+        self.eval_data = self.tokenize(inputs.eval_rows)
         self.eval_sets = SetEvaluator(cfg, self.tokenizer, self.reward_fn)  # --eval-dataset-path
         from areno.training.data import PromptIterator
 
@@ -106,7 +109,7 @@ class TrainLoop:
         if cfg.resume:
             self._resume()
 
-    def _tokenize(self, indexed_rows, responses=None, label="rows") -> list[Prompt]:
+    def tokenize(self, indexed_rows, responses=None, label="rows") -> list[Prompt]:
         return tokenize_prompts([r for _, r in indexed_rows], self.tokenizer, self.media,
                                 max_prompt_tokens=self.cfg.max_prompt_tokens,
                                 responses=self.algorithm.responses if responses is None else responses,
@@ -156,59 +159,8 @@ class TrainLoop:
         return self.step_rollout(batch, upcoming)
 
     def warmup(self) -> dict:
-        """``--sft-warmup-steps`` SFT steps on the rows' responses before RL (skipped when resuming past them)."""
-        from areno.rl.algorithms import sft
-
-        cfg = self.cfg
-        if not cfg.sft_warmup_steps or not self.algorithm.needs_reward or self.step_index > 0:
-            lora.quantize_pending(self.model)  # --quantize-base nf4 waited for a warm-up that does not run
-            return {}
-        rows = self._tokenize([(p.index, p.row) for p in self.rows if p.row.get("response") is not None],
-                              responses=("response",), label="--sft-warmup-steps rows")  # none past the context
-        if not rows:
-            raise ConfigError("--sft-warmup-steps", "needs rows with a `response` (that fits the model's context)")
-        from areno.training.data import PromptIterator
-        from areno.training.schedule import LRSchedule
-
-        cache = warmup_cache.entry(cfg, rows, self.model, self.device, self.dp_size * cfg.tp_size)  # quickstart
-        if cache is not None and cache.load(self.model, self.trainer, self.logger, self.is_main):
-            return cache.last
-        data = iter(PromptIterator(rows, cfg.batch_size, seed=cfg.seed + 1, epochs=None))
-        # the warm-up has a schedule of its own (same shape, peak --sft-warmup-lr or --lr, over its own updates) and
-        # trains at temperature 1: the RL schedule and the rollout temperature apply to the RL steps only
-        lr, t = cfg.sft_warmup_lr or cfg.lr, self.trainer
-        full = lora.train_base(self.model)  # LoRA: the warm-up trains the base (its optimizer, adapter off)
-        if full:
-            self.ctx.trainer = t = setup.make_trainer(cfg, self.model, lr, 1, self.groups)
-        saved = t.schedule, t.temperature, t.group_schedules
-        updates = cfg.sft_warmup_steps * updates_per_step(cfg, cfg.batch_size, self.dp_size)
-        t.schedule = LRSchedule(lr, min_lr=min(cfg.min_lr, lr), warmup_steps=cfg.warmup_steps, total_steps=updates,
-                                style=cfg.lr_decay_style)
-        t.group_schedules = multimodal.group_schedules(cfg, t.optimizer.groups, lr=lr, total_updates=updates)
-        t.temperature = 1.0
-        m, log = {}, cache.recorder(self.logger.log) if cache is not None else self.logger.log
-        bar = tqdm(total=cfg.sft_warmup_steps, desc="sft warm-up", dynamic_ncols=True) if self.is_main else None
-        try:
-            for i in range(cfg.sft_warmup_steps):
-                m = sft.step(self.ctx, next(data))
-                if self.is_main and (i + 1) % max(1, cfg.log_interval) == 0:
-                    # JSON lines only: the progress bar carries the loss instead of one stdout line per step
-                    log(-(cfg.sft_warmup_steps - i - 1), {"warmup_" + k: v for k, v in m.items()}, stdout=False)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}", refresh=False)
-                    bar.update(1)
-                self._check_stop(saved=True)  # no step to save during the warm-up
-        finally:
-            if bar is not None:
-                bar.close()
-            t.schedule, t.temperature, t.group_schedules = saved
-            t.num_updates = 0  # the RL schedule starts fresh
-            if full:
-                lora.end_train_base(self.model)
-                self.ctx.trainer = self.trainer
-        if cache is not None:
-            cache.save(self.model, self.trainer)
-        return m
+        """``--sft-warmup-steps`` SFT steps on the rows' responses before RL (``sft_warmup``)."""
+        return sft_warmup(self)
 
     # ---- the run -------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -293,56 +245,9 @@ class TrainLoop:
                 self.save()
             bar.update(1)
             last = m
-            self._check_reward_failures(m, saved)
-            self._check_stop(saved)
+            check_reward_failures(self, m, saved)
+            check_stop(self, saved)
         return last
-
-    def _check_stop(self, saved: bool) -> None:
-        """At a step boundary: once SIGTERM/SIGINT reached any train rank, save (unless this step just did) and stop
-        with one line (every train rank agrees on the step)."""
-        signum = self.stop_request.agreed(self.groups.train_group) if self.stop_request is not None else 0
-        if not signum:
-            return
-        from areno.distributed.stop import Stopped
-
-        if self.cfg.save_path and self.step_index > 0 and not saved:
-            self.save()
-        name = __import__("signal").Signals(signum).name
-        if self.step_index == 0:
-            kept = "before the first step: nothing to save yet"
-        elif self.cfg.save_path:
-            kept = f"after step {self.step_index}: saved at {self.last_save} (--resume continues from there)"
-        else:
-            kept = f"after step {self.step_index}: nothing saved (no --save-path)"
-        raise Stopped(signum, f"stopped by {name} {kept}")
-
-    def _check_reward_failures(self, m: dict, saved: bool) -> None:
-        """Stop (after saving) once every reward of ``--max-reward-failure-steps`` steps in a row failed."""
-        cfg = self.cfg
-        if m.get("stuck_calls", 0) >= plugins.STUCK_CALL_LIMIT:  # hung plugin calls: stop before more threads leak
-            self._stop_stuck(m["stuck_calls"], saved)
-        if "samples" not in m or not cfg.max_reward_failure_steps:
-            return
-        all_failed = m["samples"] > 0 and m["reward_failures"] >= m["samples"]
-        self.failed_reward_steps = self.failed_reward_steps + 1 if all_failed else 0
-        if self.failed_reward_steps < cfg.max_reward_failure_steps:
-            return
-        if cfg.save_path and not saved:
-            self.save()
-        n = self.failed_reward_steps
-        kept = f"; the run is saved at {self.last_save} (fix the reward function, then --resume)" if cfg.save_path \
-            else ""
-        raise RunError(f"stopping: every reward failed in the last {n} steps (steps {self.step_index - n + 1}-"
-                       f"{self.step_index}): {_plugins(cfg)} raised, timed out or returned no number on every "
-                       f"sample (its first traceback is logged above){kept}")
-
-    def _stop_stuck(self, stuck: int, saved: bool) -> None:
-        cfg = self.cfg
-        if cfg.save_path and not saved:
-            self.save()
-        kept = f"; the run is saved at {self.last_save} (fix the hang, then --resume)" if cfg.save_path else ""
-        raise RunError(f"stopping after step {self.step_index}: {stuck} calls of {_plugins(cfg)} are stuck past "
-                       f"their timeout, each holding a thread (a blocking call with no timeout of its own?){kept}")
 
     def _dump(self, rows: list[Row], m: dict) -> None:
         """``--rollout-dump-dir``: this step's rows as JSON lines (rank 0)."""
@@ -451,10 +356,3 @@ def read_ahead(ahead, batches, data, depth: int) -> list:
         upcoming.append(nxt)
     return upcoming
 
-
-def _plugins(cfg) -> str:
-    """The user code that scores samples, for a stop line: the agent and/or the reward function, with timeouts."""
-    named = [f"--agent-fn {cfg.agent_fn} (> --agent-timeout-s {cfg.agent_timeout_s:g})"] if cfg.agent_fn else []
-    if cfg.reward_fn_path or not named:
-        named.append(f"--reward-fn-path {cfg.reward_fn_path} (> --reward-timeout-s {cfg.reward_timeout_s:g})")
-    return " or ".join(named)
