@@ -49,9 +49,18 @@ import torch.distributed as dist
 
 from areno.config.constants import OFFLOAD_MODES, OPTIMIZER_STATES
 from areno.distributed.collectives import group_rank, group_size
-from areno.kernels.adamw import AdamwPlan, SumsqPlan, bias_corrections, grad_sumsq, master_adamw_multi_
 from areno.kernels.adamw8bit import Moments8bit
-from areno.training.optimizer_fused import alone, chunk_8bit, chunked_8bit_step, fused_fp32, fused_fp32_step
+from areno.training.optimizer_fused import (
+    alone,
+    chunk_8bit,
+    chunked_8bit_step,
+    device_norm,
+    device_plan,
+    device_step,
+    device_update,
+    fused_fp32,
+    fused_fp32_step,
+)
 
 _OFFLOAD_DIRS: set[str] = set()  # disk-offload folders of this process, removed at exit
 
@@ -189,7 +198,7 @@ class MasterAdamW:
         self._init_state(offload_dir)
 
     # ---- layout --------------------------------------------------------------------------------------------
-    def _read_params(self, b: _Bucket) -> torch.Tensor:
+    def read_params(self, b: _Bucket) -> torch.Tensor:
         """This rank's shard of the bucket's parameters as fp32 (zeros in the padding)."""
         lo, hi = self.dp_rank * b.shard, (self.dp_rank + 1) * b.shard
         out = torch.zeros(b.shard, dtype=torch.float32, device=self.device)
@@ -221,7 +230,7 @@ class MasterAdamW:
                 mm = np.memmap(path, dtype=np.float32, mode="r+", shape=(off,))
                 for b in group:
                     if b.has_master:
-                        torch.from_numpy(mm[b.file_offset : b.file_offset + b.shard]).copy_(self._read_params(b))
+                        torch.from_numpy(mm[b.file_offset : b.file_offset + b.shard]).copy_(self.read_params(b))
                 mm.flush()
                 self._files.append(mm)
             return
@@ -234,7 +243,7 @@ class MasterAdamW:
                 b.moments8 = Moments8bit(b.shard, where) if self.states == "8bit" else None
                 b.storage = torch.zeros(b.state_numel, dtype=torch.float32, device=where, pin_memory=pin)
             if b.has_master:
-                b.storage[: b.shard].copy_(self._read_params(b))
+                b.storage[: b.shard].copy_(self.read_params(b))
 
     def _host_view(self, b: _Bucket) -> torch.Tensor:
         """The bucket's state where it lives between steps (device, host, or a view of its mmap file)."""
@@ -317,7 +326,7 @@ class MasterAdamW:
             for b in group:
                 start = b.file_offset if self.offload == "disk" else 0
                 s = dev[start : start + b.state_numel]
-                w = s[: b.shard] if b.has_master else self._read_params(b)
+                w = s[: b.shard] if b.has_master else self.read_params(b)
                 b_lr = lr if b.group is None else group_lrs[b.group]
                 shard = shards[index[id(b)]]
                 if b.moments8 is not None and shard.device == w.device:  # the kernel reads the gradient as it is
@@ -333,107 +342,32 @@ class MasterAdamW:
                                          beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay)
                     else:
                         self._adamw(w, g, *b.moments(s), b_lr)
-                self._publish(b, w)
+                self.publish(b, w)
                 shards[index[id(b)]] = None
         if self.offload == "cpu" and torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned host copies must be complete before anyone reads them
         return norm
 
-    @torch.no_grad()
+    # ---- the step without host syncs (one rank, fp32 states: CUDA graphs; optimizer_fused has the code) -------
     def device_step(self, lr: torch.Tensor, grad_clip: float, step: torch.Tensor, *,
                     group_lrs: dict[str, torch.Tensor] | None = None, skip: torch.Tensor | None = None,
                     plan: dict | None = None) -> torch.Tensor:
-        """``step()`` without a host sync, so a CUDA graph can capture it (areno.training.graphs). Single rank
-        (no DP/TP group), no offload. ``lr`` and each ``group_lrs`` value are 0-dim fp32 device tensors, ``step``
-        the fp32 device step count before this step (incremented here unless skipped), ``skip`` an optional 0-dim
-        fp32 tensor (1 skips the update: a dry run). Reads ``p.grad`` (``None`` counts as zero) and leaves it. The
-        norm is taken from the gradients themselves (fp32 sums per block, added in fp64: ``grad_sumsq``); the clip
-        factor and the skip of a non-finite norm happen on the device: the gradient is divided by ``max(1, (norm +
-        1e-6) / grad_clip)`` and a skipped step changes nothing, in one fused pass over the master-bucket
-        parameters of each learning-rate group (``areno.kernels.adamw.master_adamw_multi_``: bf16 gradient in,
-        master and moments updated, parameter written; one launch for all of them) and through
-        torch's fused AdamW (``grad_scale``, ``found_inf``) for fp32 buckets. Returns the fp64 norm tensor; the
-        caller adds 1 to ``num_steps`` once it has read a finite one. The master, moments and parameters change in
-        place exactly as ``step()`` changes them (up to the rounding of the clip factor). It is ``device_norm``
-        then ``device_update``: a caller may read the norm between the two while the update runs. ``plan``:
-        ``device_plan()``'s launch tables, built ahead of a CUDA graph capture."""
-        norm, bad, scale = self.device_norm(grad_clip, skip=skip, plan=plan)
-        self.device_update(lr, step, bad, scale, group_lrs=group_lrs, plan=plan)
-        return norm
+        """``step()`` without a host sync, so a CUDA graph can capture it: ``device_norm`` then ``device_update``
+        (``optimizer_fused.device_step``). Returns the fp64 norm tensor."""
+        return device_step(self, lr, grad_clip, step, group_lrs=group_lrs, skip=skip, plan=plan)
 
     def device_plan(self) -> dict:
-        """The multi-tensor launch tables of ``device_norm`` and ``device_update`` over the current ``p.grad``
-        tensors (``areno.kernels.adamw``: one gradient sum-of-squares launch and one master-AdamW launch per
-        learning-rate group, instead of one or two per parameter). Built outside a CUDA graph capture and passed
-        to both while capturing; whoever replays the graphs holds it (the tables carry the tensors' addresses)."""
-        plan = {"norm": SumsqPlan([p.grad for p in self.params if p.grad is not None])}
-        for name, entries in self._master_entries().items():
-            plan[("adamw", name)] = AdamwPlan(entries)
-        return plan
+        """The multi-tensor launch tables of ``device_norm`` and ``device_update`` (``optimizer_fused``)."""
+        return device_plan(self)
 
-    def _master_entries(self) -> dict:
-        """``(w, m, v, grad, param)`` of every master-bucket parameter, per learning-rate group (None: the main)."""
-        out: dict = {}
-        for b in self.buckets:
-            if b.has_master:
-                w, m, v = b.storage.view(3, b.shard).unbind(0)
-                for p, off in zip(b.params, b.offsets):
-                    sl = slice(off, off + p.numel())
-                    out.setdefault(b.group, []).append((w[sl], m[sl], v[sl], p.grad, p.detach()))
-        return out
-
-    @torch.no_grad()
     def device_norm(self, grad_clip: float, *, skip: torch.Tensor | None = None, plan: dict | None = None):
-        """The first half of ``device_step``: ``(norm fp64, bad, scale)`` device tensors from the gradients
-        (``bad`` 1 skips the update: a non-finite norm or ``skip``; ``scale`` divides the gradient). ``plan``:
-        ``device_plan()``'s tables, built ahead (needed under a CUDA graph capture)."""
-        if self.dp_group is not None or self.tp_group is not None or self.offload != "none" or self.states != "fp32":
-            raise RuntimeError("MasterAdamW.device_step: one rank, fp32 states, no --optimizer-state-offload only")
-        grads = [p.grad for p in self.params if p.grad is not None]
-        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if grads:
-            sumsq = grad_sumsq(grads, None if plan is None else plan["norm"])
-        norm = sumsq.sqrt()
-        bad = (~torch.isfinite(norm)).float()
-        if skip is not None:
-            bad = torch.maximum(bad, skip)
-        scale = ((norm + 1e-6) / grad_clip).clamp(min=1.0).float() if grad_clip > 0 else torch.ones_like(bad)
-        return norm, bad, scale
+        """``(norm fp64, bad, scale)`` device tensors from the gradients (``optimizer_fused.device_norm``)."""
+        return device_norm(self, grad_clip, skip=skip, plan=plan)
 
-    @torch.no_grad()
     def device_update(self, lr: torch.Tensor, step: torch.Tensor, bad: torch.Tensor, scale: torch.Tensor, *,
                       group_lrs: dict[str, torch.Tensor] | None = None, plan: dict | None = None) -> None:
-        """The second half of ``device_step``: the update from ``device_norm``'s ``bad`` and ``scale`` (``plan``:
-        as ``device_norm``'s)."""
-        missing = [g for g in self.groups if g not in (group_lrs or {})]
-        if missing:
-            raise ValueError(f"MasterAdamW.device_step: no learning rate for the parameter groups {missing}")
-        step.add_(1.0 - bad)
-        beta1, beta2 = self.betas
-        # master buckets: one fused pass over every parameter of a learning-rate group (gradient in, master and
-        # moments updated, parameter out; areno.kernels.adamw)
-        for name, entries in self._master_entries().items():
-            g_lr = lr if name is None else group_lrs[name]
-            master_adamw_multi_(entries, g_lr, *bias_corrections(g_lr, step, beta1, beta2), scale, bad, beta1=beta1,
-                                beta2=beta2, eps=self.eps, weight_decay=self.weight_decay,
-                                plan=None if plan is None else plan[("adamw", name)])
-        for b in self.buckets:
-            b_lr = lr if b.group is None else group_lrs[b.group]
-            if b.has_master:
-                continue
-            # one rank: the parameters tile the bucket, so with every gradient present nothing is left to zero
-            full = all(p.grad is not None for p in b.params) and b.numel == b.shard
-            g = (torch.empty if full else torch.zeros)(b.shard, dtype=torch.float32, device=self.device)
-            pairs = [(g[off : off + p.numel()], p.grad.reshape(-1)) for p, off in zip(b.params, b.offsets)
-                     if p.grad is not None]
-            if pairs:
-                torch._foreach_copy_(*map(list, zip(*pairs)))
-            w = self._read_params(b)
-            m, v = b.storage.view(2, b.shard).unbind(0)
-            torch._fused_adamw_([w], [g], [m], [v], [], [step], lr=b_lr,
-                                beta1=beta1, beta2=beta2, weight_decay=self.weight_decay, eps=self.eps,
-                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=bad)
-            self._publish(b, w)
+        """The update from ``device_norm``'s ``bad`` and ``scale`` (``optimizer_fused.device_update``)."""
+        device_update(self, lr, step, bad, scale, group_lrs=group_lrs, plan=plan)
 
     def _adamw(self, w, g, m, v, lr, fused=None) -> None:
         """torch.optim.AdamW's update: on CUDA its fused kernel (one pass over w, g, m, v instead of ~9), elsewhere
@@ -455,7 +389,7 @@ class MasterAdamW:
         denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
         w.addcdiv_(m, denom, value=-step_size)
 
-    def _publish(self, b: _Bucket, w: torch.Tensor) -> None:
+    def publish(self, b: _Bucket, w: torch.Tensor) -> None:
         """Round the master shard to the parameter dtype, gather the bucket over DP and write it in place. One rank
         with the master on the parameters' device: each parameter is rounded straight from its master slice (no
         rounded copy of the bucket in between); an offloaded master is rounded first (half the bytes to move)."""
@@ -487,7 +421,7 @@ class MasterAdamW:
         for b in self.buckets:
             s = self._host_view(b)
             # fp32 params are their own master: a host copy of this shard
-            out["master"].append(s[: b.shard] if b.has_master else self._read_params(b).cpu())
+            out["master"].append(s[: b.shard] if b.has_master else self.read_params(b).cpu())
             moments = b.moments8.state() if b.moments8 else dict(zip(("exp_avg", "exp_avg_sq"), b.moments(s)))
             for key, t in moments.items():
                 out.setdefault(key, []).append(t)
@@ -518,7 +452,7 @@ class MasterAdamW:
                 parts += [sd["exp_avg"][i], sd["exp_avg_sq"][i]]
             if parts:
                 s.copy_(torch.cat([t.reshape(-1).to(s.device, torch.float32) for t in parts]))
-            self._publish(b, sd["master"][i].to(self.device, torch.float32))
+            self.publish(b, sd["master"][i].to(self.device, torch.float32))
         for mm in self._files:
             mm.flush()
 
