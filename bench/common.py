@@ -157,7 +157,19 @@ def weight_gemm_bench(name: str, doc: str, shapes, ms, smoke_shapes, smoke_ms, p
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script)")
+    ap.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
+    ap.add_argument("--ms", default=None, help="comma-separated row counts M (default: the bench's)")
     args = ap.parse_args()
+    if args.shapes and args.smoke:
+        sys.exit("--shapes picks among the GPU shapes; --smoke runs its own tiny one")
+    if args.shapes:
+        known = {s[0] for s in shapes}
+        unknown = sorted(set(args.shapes.split(",")) - known)
+        if unknown:
+            sys.exit(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    if args.ms:
+        ms = smoke_ms = [int(v) for v in args.ms.split(",")]
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         sys.exit(f"bench/{name}.py needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
@@ -180,10 +192,21 @@ def time_ms(fn, cuda: bool) -> float:
     return gpu_time_ms(fn) if cuda else gpu_time_ms(fn, warmup=0, iters=1)
 
 
-def gemm_row(fn, ref: torch.Tensor, cuda: bool, m: int, n: int, k: int, **fields) -> dict:
+def gemm_row(fn, ref: torch.Tensor, cuda: bool, m: int, n: int, k: int, graph: bool = True, **fields) -> dict:
     """One GEMM bench row: ``fields``, then ``fn``'s time, its TFLOP/s (2 M N K) and its max abs error against
-    ``ref``."""
+    ``ref``. On a GPU also ``graph_ms``: the same call replayed from a CUDA graph, as decode runs it (the eager time
+    of a call of a few microseconds can be the host's launches: Triton's launcher, several kernels a call); None
+    where the call cannot be captured (``graph=False``: not taken)."""
     err = (fn().float() - ref.float()).abs().max().item()
     ms = time_ms(fn, cuda)
-    return {**fields, "M": m, "N": n, "K": k, "ms": round(ms, 4), "tflops": round(2 * m * n * k / ms / 1e9, 2),
-            "max_abs_err": err}
+    row = {**fields, "M": m, "N": n, "K": k, "ms": round(ms, 4), "tflops": round(2 * m * n * k / ms / 1e9, 2),
+           "max_abs_err": err}
+    if cuda and graph:
+        try:
+            replay = graph_replay(fn)
+        except RuntimeError as e:  # e.g. a host sync inside the call
+            print(f"graph capture failed for {fields}: {e}", flush=True)
+            torch.cuda.synchronize()
+            return {**row, "graph_ms": None}
+        row["graph_ms"] = round(gpu_time_ms(replay), 4)
+    return row

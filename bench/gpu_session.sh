@@ -13,9 +13,10 @@
 #                     about 9 minutes on a fresh H200: set ALL_LIMIT, or pass test paths in $ALL_TESTS to run fewer
 #   parity            rollout-vs-trainer log-prob parity (bench/logprob_parity.py)
 #   kernels           K1 attention, K2 log-probs, sampler, speculative verify, small ops, K3 MoE
-#   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, sweep;
-#                     $FP8_LIMIT s)
-#   nf4               QLoRA's NF4 GEMM: its GPU tests, then bench/nf4_gemm.py (fused vs dequantising pass vs bf16)
+#   fp8-gemm          the FP8 block GEMM's GPU tests; fp8-gemm-bench: bench/fp8_gemm.py (8B, 30B-A3B expert, 0.6B,
+#                     sweep; $FP8_LIMIT s; $FP8_ARGS, e.g. "--shapes 0.6b_qkv,0.6b_o,0.6b_gate_up,0.6b_down --ms 64,256")
+#   nf4               QLoRA's NF4 GEMM: its GPU tests, then bench/nf4_gemm.py (fused vs dequantising pass vs bf16;
+#                     $NF4_LIMIT s, $NF4_ARGS e.g. "--shapes 32b_gate_up,32b_down --ms 1,8,32")
 #   kernel-variants   K1 attention variants at 4k (and the TMA sweep), K2 without Liger
 #   rollout           R1-R3 ($ROLLOUT_ARGS, $ROLLOUT_LIMIT s); rollout-fallback: a smoke run first, eager decode if graphs fail
 #   rollout-profile   where a decode step's time goes, and its kernel table ($PROFILE_ARGS for decode_profile.py,
@@ -109,10 +110,10 @@ for stage in "$@"; do
       step small_ops 90 python3 bench/small_ops.py
       step moe 150 python3 bench/moe.py ;;
     fp8-gemm) gpu_pytest fp8-gemm-tests 300 tests/kernels/test_fp8.py ;;
-    fp8-gemm-bench) step fp8_gemm ${FP8_LIMIT:-560} python3 bench/fp8_gemm.py ;;
+    fp8-gemm-bench) step fp8_gemm ${FP8_LIMIT:-560} python3 bench/fp8_gemm.py ${FP8_ARGS:-} ;;
     nf4)
       gpu_pytest nf4-tests 200 tests/kernels/test_nf4.py
-      step nf4_gemm ${NF4_LIMIT:-240} python3 bench/nf4_gemm.py ;;
+      step nf4_gemm ${NF4_LIMIT:-240} python3 bench/nf4_gemm.py ${NF4_ARGS:-} ;;
     kernel-variants)
       step k1-variants 200 python3 bench/attention.py --variants --seqs 4096
       step k1-sweep 300 python3 bench/attention.py --variants --seqs 4096 --sweep ${SWEEP:-near}

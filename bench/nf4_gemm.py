@@ -16,7 +16,8 @@ attention projection), Qwen3-32B's gate_up (5120 -> 2 x 25600) and down (25600 -
 127, 256, 2048, 8192 (decode to training microbatches; the fused rows below 128 only); ``dx`` is the backward's input
 gradient dy @ W' (trans: always the dequantising pass, no fused row). Also bf16 ``F.linear`` on the unquantised weight
 for reference (the time QLoRA trades for 3.9x less weight memory).
-Timing: ``common.gpu_time_ms`` (CUDA events, median); each line records the max abs error of Triton vs the baseline.
+Timing: ``common.gpu_time_ms`` (CUDA events, median), eager (``ms``) and replayed from a CUDA graph (``graph_ms``: as
+the rollout's decode graphs run it); each line records the max abs error of Triton vs the baseline.
 One JSON line per (shape, M, path, op) to bench/results/nf4_gemm.jsonl.
 """
 
@@ -83,7 +84,7 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
 
 def main() -> None:
     weight_gemm_bench("nf4_gemm", __doc__, SHAPES, MS, SMOKE_SHAPES, SMOKE_MS, quantize_nf4, measure,
-                      ["shape", "M", "op", "path", "ms", "tflops", "max_abs_err", "weight_mb"])
+                      ["shape", "M", "op", "path", "ms", "graph_ms", "tflops", "max_abs_err", "weight_mb"])
 
 
 if __name__ == "__main__":
