@@ -18,6 +18,8 @@ prefills (stream order). Only a fork's pending state copy waits for a scheduled 
 
 from __future__ import annotations
 
+import contextlib
+
 from areno.engine.scheduler import Chunk, Step
 
 
@@ -28,6 +30,22 @@ class DecodeChains:
         self.engine = engine
         self.lookahead = False  # set by Engine.generate (config.lookahead): a step may queue the next group early
         self.ahead = None  # a queued group whose tokens are not read yet: (rows, DecodeLaunch); spec_gated's own tuple
+
+    @contextlib.contextmanager
+    def on(self, decode_steps: int):
+        """The lookahead for a stretch of ``Engine.step(decode_steps)`` calls driven by one loop (``Engine.generate``,
+        partial rollout's ``run``): ``EngineConfig.lookahead``, by default on CUDA devices, where steps chain
+        (``decode_steps`` > 1) or speculation's gated chains can queue. A group may still be queued after the
+        stretch: the next step reads it (``drain`` reads it at once)."""
+        e = self.engine
+        want = e.config.lookahead
+        if want is None:
+            want = next(e.model.parameters()).device.type == "cuda"
+        self.lookahead = want and (decode_steps > 1 or e.spec is not None)
+        try:
+            yield
+        finally:
+            self.lookahead = False
 
     def reserve(self, step: Step, rows: list, k: int, hold: bool = False) -> bool:
         """Whether ``step`` can run as k decode steps: decodes only, nothing waiting that could be admitted (unless

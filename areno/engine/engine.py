@@ -390,11 +390,7 @@ class Engine:
         groups = [self.add_request(None, o, request_id=i, mm=p) if hasattr(p, "input_ids") else
                   self.add_request(p, o, request_id=i) for i, (p, o) in enumerate(zip(prompts, options))]  # fmt: skip
         done: dict[int, list[Completion]] = {}
-        ahead = self.config.lookahead
-        if ahead is None:
-            ahead = self.runner.device.type == "cuda"
-        self.chains.lookahead = ahead and (self.config.decode_steps > 1 or self.spec is not None)  # spec: gated chains
-        try:
+        with self.chains.on(self.config.decode_steps):
             while self.has_work():
                 rows = self.step(self.config.decode_steps)
                 if on_finished is not None:
@@ -402,8 +398,6 @@ class Engine:
                         if all(s.is_finished for s in groups[i]):
                             done[i] = [self.completion(s) for s in groups[i]]
                             on_finished(i, done[i])
-        finally:
-            self.chains.lookahead = False
         out = [done.get(i) or [self.completion(s) for s in g] for i, g in enumerate(groups)]
         if on_finished is not None:
             for i in range(len(groups)):

@@ -67,6 +67,52 @@ def test_weights_swapped_mid_generation(two_policies, kv):
     assert driver.batches == {} and driver.versions == {}
 
 
+def test_lookahead_reads_the_queued_group_before_a_swap(two_policies):
+    """With the engine's lookahead (CUDA's default; forced here) a decode group is queued before the one in flight is
+    read, so a command whose batch ends on a stop token mid-group ends with a group of the other batch's rows queued
+    under the old weights: the swap reads it first and its tokens carry the old version (the old policy's
+    log-probs). Every token before that is the run without lookahead's, and the versions change once, one group
+    later than there."""
+    old, new, tok = two_policies
+    prompts = [tok.encode(t) for t in ("the cat", "1 + 1 =", "tool call")]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=3 + i)
+            for i, n in enumerate((30, 24, 21))]
+    ref = Engine(copy.deepcopy(old), tok, EngineConfig(block_size=4, max_running=8)).generate(prompts[:1], opts[:1])
+    stop = ref[0][0].token_ids[6]  # the first batch stops here: inside its second 3-step group
+    opts[0] = SamplingParams(temperature=1.0, max_new_tokens=30, ignore_eos=True, seed=3, stop_token_ids=[stop])
+    out, queued = {}, {}
+    for ahead in (False, True):
+        model = copy.deepcopy(old)
+        engine = Engine(model, tok, EngineConfig(block_size=4, max_running=8, lookahead=ahead))
+        launch, queued[ahead] = engine.runner.launch_decode_steps, []
+        engine.runner.launch_decode_steps = lambda *a, run=launch, q=queued[ahead], **kw: (
+            q.append("ids_from" in kw) or run(*a, **kw))
+        driver = PartialRollout(engine, decode_steps=3, recompute=False, tail_steps=0)
+        driver.add(0, prompts[:1], opts[:1], keys=[0])
+        driver.add(1, prompts[1:], opts[1:], keys=[1, 2])
+        first = driver.run(0)  # batch 1 decodes alongside and is still running
+
+        def load(model=model):
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), new.parameters()):
+                    p.copy_(q)
+
+        driver.swap(load, version=1)
+        out[ahead] = {k: c for k, [c] in first + driver.run(1)}
+        assert not engine.has_work() and driver.versions == {}
+    assert any(queued[True]) and not any(queued[False])
+    assert out[True][0].token_ids == out[False][0].token_ids and out[True][0].finish_reason == "stop"
+    for key in (1, 2):
+        plain, looked = out[False][key], out[True][key]
+        n = opts[key].max_new_tokens
+        assert len(looked.token_ids) == n and len(looked.versions) == n
+        before, kept = plain.versions.count(0), looked.versions.count(0)
+        assert looked.versions == [0] * kept + [1] * (n - kept) and kept == before + 3  # the queued group's 3
+        assert looked.token_ids[:before] == plain.token_ids[:before]
+        lp = torch.tensor(looked.logprobs[:kept], dtype=torch.float64)
+        assert torch.allclose(lp, _logprobs(old, prompts[key], looked.token_ids)[:kept], atol=1e-4)
+
+
 def test_a_long_tail_is_cut_into_the_next_batch(two_policies):
     old, _, tok = two_policies
     prompts = [tok.encode(t) for t in ("a", "the cat", "1 + 1 =", "tool call")]

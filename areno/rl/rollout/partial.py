@@ -8,7 +8,10 @@ the batch to finish (``until``). The rank adds the prompts as requests and steps
 of that batch has finished (the other batches' sequences decode alongside), and answers with those groups, each
 completion carrying ``versions``. Between commands the engine sits at a step boundary: a ``sync`` then swaps the
 weights in place (``engine.swap_weights``: prefix cache dropped, the running sequences' K/V kept or recomputed as
---partial-rollout-kv says) and the sequences still running continue under the new policy.
+--partial-rollout-kv says) and the sequences still running continue under the new policy. The engine's lookahead
+(on CUDA) works here as in ``Engine.generate``: a command may end with a decode group of the other batches' rows
+queued under the old weights, which the swap reads first, so those tokens (at most ``--decode-steps`` a sequence)
+carry the old version.
 
 Cut tail (--max-tail-steps N): once half of the batch's groups have finished, the groups still decoding N decode
 rounds later move to the next batch in the engine (they keep decoding; the command that finishes that batch delivers
@@ -69,7 +72,9 @@ class PartialRollout:
                     v.extend([self.version] * (s.num_output - len(v)))
 
     def swap(self, load, version: int) -> None:
-        """New weights (``load()`` copies them in place) between two steps, sequences in flight."""
+        """New weights (``load()`` copies them in place) between two steps, sequences in flight. A decode group the
+        lookahead queued under the old weights is read first: its tokens are the old version's."""
+        self.engine.chains.drain()
         self._stamp()
         swap_weights(self.engine, load, recompute=self.recompute)
         self.version = version
@@ -81,17 +86,18 @@ class PartialRollout:
         later = sorted(t for t in self.batches if until is None or t > until)
         done = lambda g: all(s.is_finished for s in g[1])  # noqa: E731
         rounds, tail_from = 0, None
-        while not all(done(g) for g in target):
-            if tail_from is None and 2 * sum(map(done, target)) >= len(target):
-                tail_from = rounds
-            if self.tail_steps and later and tail_from is not None and rounds - tail_from >= self.tail_steps:
-                running = [g for g in target if not done(g)]
-                self.batches[later[0]] = running + self.batches[later[0]]  # delivered with the next batch
-                self.cut += len(running)
-                target = [g for g in target if done(g)]
-                break
-            self.engine.step(self.decode_steps)
-            rounds += 1
+        with self.engine.chains.on(self.decode_steps):  # the next decode group queued before this one is read
+            while not all(done(g) for g in target):
+                if tail_from is None and 2 * sum(map(done, target)) >= len(target):
+                    tail_from = rounds
+                if self.tail_steps and later and tail_from is not None and rounds - tail_from >= self.tail_steps:
+                    running = [g for g in target if not done(g)]
+                    self.batches[later[0]] = running + self.batches[later[0]]  # delivered with the next batch
+                    self.cut += len(running)
+                    target = [g for g in target if done(g)]
+                    break
+                self.engine.step(self.decode_steps)
+                rounds += 1
         self._stamp([target])
         return [(key, [self._completion(s) for s in seqs]) for key, seqs in target]
 
