@@ -127,7 +127,11 @@ def deliver(batch) -> None:
 
 class AsyncEngine:
     """``decode_steps`` k > 1 lets a step that only decodes run k tokens in one go (``Engine.step``): each sequence
-    then yields up to k events at once (agentic rollout uses the RL rollout's k; the server keeps 1)."""
+    then yields up to k events at once (agentic rollout uses the RL rollout's k; the server keeps 1). Each step runs
+    with the engine's lookahead (``DecodeChains.on``: on CUDA by default), as ``Engine.generate``'s do: while nothing
+    that fits waits, the next group of k is queued before this one's tokens are read. A request that arrives then
+    waits for that group (at most k steps) before it is admitted; one aborted meanwhile just drops its queued
+    tokens (its blocks go to later steps, which the stream orders after the group's writes)."""
 
     def __init__(self, engine: Engine, decode_steps: int = 1):
         self.engine = engine
@@ -211,9 +215,11 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                seqs = self.engine.step(self.decode_steps)
+                with self.engine.chains.on(self.decode_steps):
+                    seqs = self.engine.step(self.decode_steps)
             except Exception as exc:  # keep serving: fail the requests in flight, not the process
                 log.exception("engine step failed")
+                self.engine.chains.ahead = None  # a group queued by the failed step is not read
                 for stream in {id(s): s for s in self._streams.values()}.values():
                     self.engine.abort(stream.seqs)
                     stream.push(exc)

@@ -321,6 +321,45 @@ def test_a_full_batch_with_a_queue_behind_it_chains_decode_steps(qwen3, lookahea
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+def test_async_engine_queues_groups_ahead_with_an_arrival_and_an_abort(qwen3):
+    """AsyncEngine steps with the engine's lookahead (forced here; CUDA's default): streams decoding 4 steps a group
+    get the tokens of generate() one step at a time, while a request that arrives mid-run and one aborted mid-run
+    (its queued tokens dropped) leave the others untouched; groups were queued ahead and every block comes back."""
+    _, model, tok = qwen3
+    prompts = [tok.encode(p) for p in PROMPTS]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=24 + 4 * i, ignore_eos=True, seed=70 + i)
+            for i in range(4)]
+    plain = [g[0].token_ids for g in engine(model, tok).generate(prompts, opts)]
+    e = engine(model, tok, lookahead=True)
+    queued, run = [], e.runner.launch_decode_steps
+    e.runner.launch_decode_steps = lambda *a, run=run, **kw: queued.append("ids_from" in kw) or run(*a, **kw)
+    ae = AsyncEngine(e, decode_steps=4)
+
+    async def main():
+        got = {i: [] for i in range(4)}
+
+        async def read(i, stream, abort_after=None):
+            async for first in stream:
+                got[i] += [x.token_id for x in (first, *stream.pending()) if x.token_id is not None]
+                if abort_after is not None and len(got[i]) >= abort_after:
+                    stream.abort()
+                    return
+
+        tasks = [asyncio.create_task(read(i, await ae.submit(prompts[i], opts[i]), 6 if i == 1 else None))
+                 for i in range(3)]
+        while len(got[0]) < 8:
+            await asyncio.sleep(0.005)
+        tasks.append(asyncio.create_task(read(3, await ae.submit(prompts[3], opts[3]))))  # arrives mid-run
+        await asyncio.gather(*tasks)
+        return got
+
+    got = asyncio.run(main())
+    ae.shutdown()
+    assert [got[i] for i in (0, 2, 3)] == [plain[i] for i in (0, 2, 3)]
+    assert 6 <= len(got[1]) < len(plain[1]) and got[1] == plain[1][: len(got[1])]
+    assert any(queued) and not e.has_work() and e.blocks.num_free == e.blocks.num_blocks
+
+
 def test_final_only_stream_delivers_a_sample_once_with_the_streamed_tokens(qwen3):
     _, model, tok = qwen3
     ae = AsyncEngine(engine(model, tok), decode_steps=4)
