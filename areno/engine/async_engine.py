@@ -11,6 +11,7 @@ reader at most once per batch, so a reader that fell behind takes everything que
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -127,11 +128,12 @@ def deliver(batch) -> None:
 
 class AsyncEngine:
     """``decode_steps`` k > 1 lets a step that only decodes run k tokens in one go (``Engine.step``): each sequence
-    then yields up to k events at once (agentic rollout uses the RL rollout's k; the server keeps 1). Each step runs
-    with the engine's lookahead (``DecodeChains.on``: on CUDA by default), as ``Engine.generate``'s do: while nothing
-    that fits waits, the next group of k is queued before this one's tokens are read. A request that arrives then
-    waits for that group (at most k steps) before it is admitted; one aborted meanwhile just drops its queued
-    tokens (its blocks go to later steps, which the stream orders after the group's writes)."""
+    then yields up to k events at once (agentic rollout uses the RL rollout's k; the server keeps 1). With k > 1 each
+    step runs with the engine's lookahead (``DecodeChains.on``: on CUDA by default), as ``Engine.generate``'s do:
+    while nothing that fits waits, the next group of k is queued before this one's tokens are read. A request that
+    arrives then waits for that group (at most k steps) before it is admitted; one aborted meanwhile just drops its
+    queued tokens (its blocks go to later steps, which the stream orders after the group's writes). With k = 1 (the
+    server, whose ``ServeEngine`` runs calls on the engine between steps) nothing is queued between two steps."""
 
     def __init__(self, engine: Engine, decode_steps: int = 1):
         self.engine = engine
@@ -215,7 +217,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                with self.engine.chains.on(self.decode_steps):
+                with self.engine.chains.on(self.decode_steps) if self.decode_steps > 1 else contextlib.nullcontext():
                     seqs = self.engine.step(self.decode_steps)
             except Exception as exc:  # keep serving: fail the requests in flight, not the process
                 log.exception("engine step failed")
