@@ -385,6 +385,36 @@ def test_capture_graphs_is_a_no_op_without_graphs(qwen3):
 
 
 @pytest.mark.gpu
+def test_async_engine_lookahead_under_cuda_graphs_matches_generate(tmp_path):
+    """On the GPU (bf16, CUDA graphs, the lookahead on by default): an AsyncEngine decoding 4 steps a group, as
+    agentic rollout does, gives every stream the tokens of generate() with the same groups and no lookahead (the
+    requests submitted together, so both run the same batches), with groups queued ahead and every block back."""
+    path = make_tiny_checkpoint(tmp_path, family="qwen3", seed=2)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    opts = [SamplingParams(temperature=1.0, max_new_tokens=40 + 8 * i, ignore_eos=True, seed=80 + i)
+            for i in range(len(prompts))]
+    ref = engine(model, tok, block_size=16, decode_steps=4, lookahead=False).generate(prompts, opts)
+    e = engine(model, tok, block_size=16)
+    queued, run = [], e.runner.launch_decode_steps
+    e.runner.launch_decode_steps = lambda *a, run=run, **kw: queued.append("ids_from" in kw) or run(*a, **kw)
+    ae = AsyncEngine(e, decode_steps=4)
+
+    async def main():
+        streams = [await ae.submit(p, o, final_only=True) for p, o in zip(prompts, opts)]  # no await suspends
+        out = []
+        for stream in streams:
+            out.append([x.token_id async for x in stream if x.token_id is not None])
+        return out
+
+    got = asyncio.run(main())
+    ae.shutdown()
+    assert got == [g[0].token_ids for g in ref]
+    assert any(queued) and not e.has_work() and e.blocks.num_free == e.blocks.num_blocks
+
+
+@pytest.mark.gpu
 def test_capture_graphs_captures_every_bucket_before_the_first_request(tmp_path):
     """A server captures every decode bucket at start: later steps of any batch size replay without capturing."""
     path = make_tiny_checkpoint(tmp_path, family="qwen3", seed=2)
