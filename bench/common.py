@@ -202,11 +202,17 @@ def gemm_row(fn, ref: torch.Tensor, cuda: bool, m: int, n: int, k: int, graph: b
     row = {**fields, "M": m, "N": n, "K": k, "ms": round(ms, 4), "tflops": round(2 * m * n * k / ms / 1e9, 2),
            "max_abs_err": err}
     if cuda and graph:
-        try:
-            replay = graph_replay(fn)
-        except RuntimeError as e:  # e.g. a host sync inside the call
-            print(f"graph capture failed for {fields}: {e}", flush=True)
-            torch.cuda.synchronize()
-            return {**row, "graph_ms": None}
-        row["graph_ms"] = round(gpu_time_ms(replay), 4)
+        row["graph_ms"] = graph_time_ms(fn, fields)
     return row
+
+
+def graph_time_ms(fn, what) -> float | None:
+    """``gpu_time_ms`` of ``fn()`` replayed from a CUDA graph (rounded); None, said on stdout, where the call
+    cannot be captured (``what``: names it)."""
+    try:
+        replay = graph_replay(fn)
+    except RuntimeError as e:  # e.g. a host sync inside the call
+        print(f"graph capture failed for {what}: {e}", flush=True)
+        torch.cuda.synchronize()
+        return None
+    return round(gpu_time_ms(replay), 4)

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import gemm_row, weight_gemm_bench  # noqa: E402
+from common import gemm_row, graph_time_ms, weight_gemm_bench  # noqa: E402
 
 from areno.kernels.fp8 import (  # noqa: E402
     cublas_fp8_applies,
@@ -88,8 +88,8 @@ def measure(name: str, w: torch.Tensor, q, m: int, cuda: bool) -> list[dict]:
                        graph=False, shape=name, path="triton gemm best", config=list(cfg))  # fmt: skip
         best = (row, cfg) if best is None or row["ms"] < best[0]["ms"] else best
     cfg = best[1]
-    graphed = gemm_row(lambda: fp8_matmul(xq, xs, q, out_dtype=w.dtype, config=cfg), ref, cuda, m, n, k)
-    rows.append({**best[0], "graph_ms": graphed.get("graph_ms"), "default_config": list(default),
+    graphed = graph_time_ms(lambda: fp8_matmul(xq, xs, q, out_dtype=w.dtype, config=cfg), best[0]) if cuda else None
+    rows.append({**best[0], "graph_ms": graphed, "default_config": list(default),
                  "weight_mb": round(q.nbytes() / 2**20, 2), "weight_gb_s": round(q.nbytes() / best[0]["ms"] / 1e6, 1)})
     return rows
 

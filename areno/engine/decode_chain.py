@@ -28,7 +28,7 @@ class DecodeChains:
 
     def __init__(self, engine):
         self.engine = engine
-        self.lookahead = False  # set by Engine.generate (config.lookahead): a step may queue the next group early
+        self.lookahead = False  # set by ``on`` (config.lookahead): a step may queue the next group early
         self.ahead = None  # a queued group whose tokens are not read yet: (rows, DecodeLaunch); spec_gated's own tuple
 
     @contextlib.contextmanager
@@ -85,20 +85,31 @@ class DecodeChains:
         ``launch``, still on the device) when every row surely runs k more tokens and the blocks for them are
         there; else queue nothing (the next step schedules as usual)."""
         e, k = self.engine, launch.k
+        if self.can_queue(rows, k):
+            nxt = self.next_step(rows, k)
+            self.ahead = (rows, e.runner.launch_decode_steps(nxt, rows, k, ids_from=(launch, list(index))))
+            e.step_counts["chained"] += k
+
+    def can_queue(self, rows: list, k: int) -> bool:
+        """Whether the k steps after the group in flight (k unread tokens a row) can be queued now: the lookahead on,
+        nothing waiting that fits, one rank, no per-group host work (routes, image offsets, a fork's state copy,
+        penalty slots), every row surely running k more tokens inside the context; reserves their blocks when yes."""
+        e = self.engine
         if not self.lookahead or e.scheduler.can_admit() or e.runner.tp_group is not None:
-            return
+            return False
         if e.runner.record_routing or e.runner.images is not None or e.blocks.pending_state_copies:
-            return  # routes and image offsets are per group on the host; a fork's state copy waits for a schedule
-        for s in rows:  # each has up to k unread tokens in ``launch``: the next group covers k after those
+            return False  # routes and image offsets are per group on the host; a fork's state copy waits for a schedule
+        for s in rows:  # each has up to k unread tokens in the group in flight: the next group covers k after those
             if s.num_output + k >= s.options.max_new_tokens or len(s) + 2 * k - 1 > e.max_model_len:
-                return
+                return False
         if any(s.options.adjusts_logits for s in rows):
-            return  # penalty slots are filled and released per group on the host
-        if not all(e.blocks.reserve_tokens(s, len(s) + 2 * k - 1) for s in rows):
-            return
-        nxt = Step([Chunk(s, len(s) + k - 1, len(s) + k) for s in rows], is_decode=True)
-        self.ahead = (rows, e.runner.launch_decode_steps(nxt, rows, k, ids_from=(launch, list(index))))
-        e.step_counts["chained"] += k
+            return False  # penalty slots are filled and released per group on the host
+        return all(e.blocks.reserve_tokens(s, len(s) + 2 * k - 1) for s in rows)
+
+    @staticmethod
+    def next_step(rows: list, k: int) -> Step:
+        """The decode step of ``rows`` queued behind a group of k in flight: each row's input is its last token."""
+        return Step([Chunk(s, len(s) + k - 1, len(s) + k) for s in rows], is_decode=True)
 
     def take(self, rows: list, tokens, logprobs) -> list:
         """Append a k-step group's tokens ([k, rows] CPU) to its rows up to each one's stop; rows that finished

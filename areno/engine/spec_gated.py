@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from areno.engine.decode_graphs import graph_key
-from areno.engine.scheduler import Chunk, Step
+from areno.engine.scheduler import Step
 from areno.engine.spec_exec import FinishWork
 
 GATED_CHAIN = 8  # decode steps a gated stretch chains per round (as the rollout's --decode-steps default)
@@ -83,18 +83,12 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
     tokens, all k steps stay gated (more than the gate's limit still decode through them) and their blocks are
     there."""
     e, k = spec.engine, launch.k
-    if not e.chains.lookahead or spec.limit is None or e.scheduler.can_admit() or e.runner.images is not None:
-        return
-    if e.blocks.pending_copies or e.blocks.pending_state_copies:
-        return
+    if spec.limit is None or len(seqs) <= spec.limit or e.blocks.pending_copies:
+        return  # a draft block copy waits for a scheduled step
     left = sorted(s.options.max_new_tokens - s.num_output - k for s in seqs)  # after the chain in flight
-    if len(seqs) <= spec.limit or left[0] <= 0 or left[len(seqs) - spec.limit - 1] < k:
+    if left[len(seqs) - spec.limit - 1] < k or not e.chains.can_queue(seqs, k):
         return
-    if any(s.options.adjusts_logits or len(s) + 2 * k - 1 > e.max_model_len for s in seqs):
-        return
-    if not all(e.blocks.reserve_tokens(s, len(s) + 2 * k - 1) for s in seqs):
-        return
-    nxt = Step([Chunk(s, len(s) + k - 1, len(s) + k) for s in seqs], is_decode=True)
+    nxt = e.chains.next_step(seqs, k)
     launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)))
     spec.counts["spec_gated_steps"] += k
     e.chains.ahead = (seqs, launch2, hidden, nxt.chunks)
