@@ -29,7 +29,7 @@
 #   spec-profile      MTP speculation gated at R1 (0.894x of plain on the H100, 12-06): kernel tables of the MTP model's
 #                     decode step plain and gated, and the gated step's host gaps
 #   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
-#   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate auto,off vs plain; spec-sweep: the
+#   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate $SPEC_GATES (auto,off) vs plain; spec-sweep: the
 #                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
 #   train-profile     kernel tables of T1 and T2 steps, graph gaps, graphed-step memory
@@ -138,7 +138,7 @@ for stage in "$@"; do
       step gaps_gated 120 python3 bench/profile_step.py decode --speculative-tokens 2 --gaps ;;
     batch-invariance) step batch_invariance 120 python3 bench/batch_invariance.py ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
-        --spec-gate auto,off ${SPEC_ARGS:-} ;;
+        --spec-gate ${SPEC_GATES:-auto,off} ${SPEC_ARGS:-} ;;
     spec-sweep) step spec-sweep ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --spec-batch-sweep \
         ${SPEC_ARGS:-} ;;
     rollout-profile)
