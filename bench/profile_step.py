@@ -164,6 +164,7 @@ def decode(args, device):
     engine = Engine(model, tokenizer, EngineConfig(block_size=16, max_running=n, max_model_len=2064,
                                                    eager_decode=args.eager, decode_steps=args.decode_steps,
                                                    mamba_ssm_cache_dtype=args.state_dtype,
+                                                   kv_cache_dtype=args.kv_cache_dtype,
                                                    speculative_tokens=args.speculative_tokens,
                                                    speculative_disable_by_batch_size="auto"),
                     eos_token_ids=[models.EOS_ID])
@@ -211,6 +212,8 @@ def main():
                     help="train: MasterAdamW's moments (8bit: --optimizer-states 8bit's kernels in the table)")
     ap.add_argument("--rollout-dtype", default="bf16", choices=["bf16", "fp8"],
                     help="decode: fp8 profiles FP8 rollout's step (the model's linear weights as FP8 copies)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="decode: the paged cache's dtype (fp8: E4M3 with per-head scales, --kv-cache-dtype fp8)")
     ap.add_argument("--state-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="decode: a hybrid's recurrent state pool (--mamba-ssm-cache-dtype)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode: steps chained per scheduling step (R1: 8)")
@@ -245,8 +248,8 @@ def main():
     if args.what == "train" and args.family in rollout.SHAPES:
         ap.error(f"--family {args.family}: the train profile takes bench/families.py's shapes (qwen3_5-9b, "
                  "qwen3_5-35b-a3b)")
-    if args.rollout_dtype != "bf16" and args.what != "decode":
-        ap.error("--rollout-dtype applies to the decode profile only")
+    if (args.rollout_dtype != "bf16" or args.kv_cache_dtype != "auto") and args.what != "decode":
+        ap.error("--rollout-dtype and --kv-cache-dtype apply to the decode profile only")
     if args.top is not None and args.top < 1:
         ap.error(f"--top must be >= 1, got {args.top}")
     try:
