@@ -29,12 +29,12 @@ The gate (``spec_gate.py``, ``--speculative-disable-by-batch-size``): a step whe
 plain step (its drafts dropped, decode-mode metadata and the runner's sampling when it only decodes), and the chain
 drafts only when the next step will speculate. The MTP layer's K/V must still cover every position such a step
 computes (the first draft after the gate lifts attends to them): a gated step of decodes that another gated step
-follows keeps its hidden rows instead (``_defer``), and their catch-up runs in one prefill-mode pass (``_flush``) before
-the next step that runs a catch-up, or once more than ``DEFER_BYTES`` of rows are held; a sequence that finishes while
-gated never pays for it. (A prefix-cache hit on a decoded block whose catch-up is still held reads stale draft K/V
-there: drafts may differ, the output distribution never does.) ``stats()``: ``spec_accept_len``, the mean
-tokens emitted per drafting sequence and verify step (accepted drafts + 1); ``spec_gated_steps``, the steps the gate
-made plain.
+follows keeps its hidden rows instead (``spec_gated.DeferredCatchUp``), and their catch-up runs in one prefill-mode
+pass before the next step that runs a catch-up, or once more than ``DEFER_BYTES`` of rows are held; a sequence that
+finishes while gated never pays for it. (A prefix-cache hit on a decoded block whose catch-up is still held reads
+stale draft K/V there: drafts may differ, the output distribution never does.) ``stats()``: ``spec_accept_len``, the
+mean tokens emitted per drafting sequence and verify step (accepted drafts + 1); ``spec_gated_steps``, the steps the
+gate made plain.
 Tensor parallelism: this class runs on rank 0 (the leader) and plans; the device work of a step (the target forward,
 the rollback, the MTP catch-up and chain) lives in ``spec_exec.SpecExec``, which every rank runs in the same order
 from the records the leader broadcasts (see there). The MTP draft is sharded like a decoder block
@@ -67,7 +67,6 @@ from areno.engine.decode_graphs import graph_plan
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.model_runner import broadcast_step
 from areno.engine.scheduler import Chunk, Step
-from areno.engine.sequence import Status
 from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
 from areno.engine.spec_gate import resolve_gate
 from areno.engine.spec_graphs import stash_bytes, stash_rows
@@ -118,7 +117,8 @@ class SpecBudget(NamedTuple):
 def spec_budget(engine, device, dtype, state_dtype=torch.float32) -> SpecBudget | None:
     """Speculation's sizes, known before the KV cache is planned (None without ``--speculative-tokens``): the gate
     resolved, the hybrids' state stash (``spec_graphs.stash_rows``/``stash_bytes``) and, where the gate can make a
-    step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one gated chain's beyond them: ``_defer``).
+    step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one gated chain's beyond them:
+    ``DeferredCatchUp.hold``).
     ``state_dtype``: the delta-rule state pool's (--mamba-ssm-cache-dtype), the stash's too."""
     cfg, k = engine.config, engine.config.speculative_tokens
     if not k:
@@ -161,10 +161,7 @@ class SpecDecoder:
         budget = engine.spec_budget
         runner.spec_exec = SpecExec(runner, self.draft, budget.rows, k + 1)  # the device side (released with it)
         self.drafts: dict[int, Draft] = {}
-        # the deferred MTP catch-up of gated steps: seq_id -> [seq, first position, rows held], at most defer_rows
-        self.deferred: dict[int, list] = {}
-        self._dropped: list[int] = []  # seq_ids whose held rows the device side drops at the next FinishWork
-        self.defer_rows = budget.defer_rows
+        self.deferred = spec_gated.DeferredCatchUp(engine, budget.defer_rows)  # gated steps' MTP catch-up
         self.limit = budget.limit  # the largest batch that speculates (None: every step does)
         self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
 
@@ -221,8 +218,7 @@ class SpecDecoder:
         if not step.chunks:
             return []
         for seq in step.preempted:  # recomputed from their prompt: what they held is gone with their blocks
-            if self.deferred.pop(seq.seq_id, None) is not None:
-                self._dropped.append(seq.seq_id)
+            self.deferred.forget(seq)
         if len(self.drafts) > len(e.scheduler.running):  # those of finished, aborted or preempted sequences
             running = {s.seq_id for s in e.scheduler.running}
             self.drafts = {i: d for i, d in self.drafts.items() if i in running}
@@ -252,13 +248,12 @@ class SpecDecoder:
         self._keep_routing(chunks, rows, meta, verified)
         e.scheduler.after_step(step)
         emitted = self._append(rows, verified)
-        ops = [("drop", self._dropped)] if self._dropped else []
-        self._dropped = []
+        ops = self.deferred.take_drops()
         chain = None
         if gated_decode and not self._speculates_next():
-            self._defer(chunks, ops)
+            self.deferred.hold(chunks, ops)
         else:
-            self._flush(ops)
+            self.deferred.flush(ops)
             chain = self._catch_up(rows, emitted, next_known, ops, width > 1)
         with torch.inference_mode():
             drafts = self._run(FinishWork(redo, ops))
@@ -437,42 +432,6 @@ class SpecDecoder:
         return toks
 
     # ---- drafting ------------------------------------------------------------------------------------------
-    def _defer(self, chunks, ops: list, k: int = 1) -> None:
-        """A gated step of decodes only that another gated step follows: its MTP catch-up waits, each sequence's hidden
-        row held, until a step needs the draft's K/V whole (``_flush``) or more than ``defer_rows`` rows are held.
-        ``k`` > 1: a gated chain's, k rows (positions) per sequence."""
-        for i, c in enumerate(chunks):
-            held = self.deferred.get(c.seq.seq_id)
-            if held is not None and held[1] + held[2] != c.start:  # not the position after them: keep both
-                self._flush(ops)
-                held = None
-            if held is None:
-                held = self.deferred[c.seq.seq_id] = [c.seq, c.start, 0]
-            held[2] += k
-            ops.append(("hold", i, c.seq.seq_id))
-        finished = [i for i, d in self.deferred.items() if d[0].is_finished]
-        if finished:
-            self.deferred = {i: d for i, d in self.deferred.items() if i not in finished}
-            ops.append(("drop", finished))
-        if sum(d[2] for d in self.deferred.values()) > self.defer_rows:
-            self._flush(ops)
-
-    def _flush(self, ops: list) -> None:
-        """The deferred MTP catch-up: step 0 of the draft over every held position of the running sequences in one
-        prefill-mode pass, which writes the draft's K/V there (no draft is made from them: a later step's catch-up
-        does that). Finished and preempted sequences' rows are dropped."""
-        if not self.deferred:
-            return
-        held = [d for d in self.deferred.values() if d[0].status is Status.RUNNING]
-        self.deferred = {}
-        if not held:
-            ops.append(("flush", [], None, None))
-            return
-        inp = self.engine.runner.prepare(Step([Chunk(seq, p, p + n) for seq, p, n in held], is_decode=False), [], [],
-                                         [])  # fmt: skip
-        nxt = [seq.tokens[q + 1] for seq, p, n in held for q in range(p, p + n)]
-        ops.append(("flush", [seq.seq_id for seq, _, _ in held], inp, nxt))
-
     def _catch_up(self, rows, emitted, next_known, ops: list, steady: bool = False) -> list | None:
         """The catch-up op (MTP step 0 over every computed position, its K/V written) and the chain for live rows;
         returns the rows the chain drafts for (None: no chain)."""

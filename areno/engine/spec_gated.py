@@ -6,7 +6,7 @@ A gated step of decodes only that more gated steps follow runs ``k`` chained dec
 never past the step after which the gate would lift (the sequences that reach max_new_tokens in between counted; one
 that stops earlier on a stop token only ends its own tokens, as in a plain chain). The graph keeps each step's final
 hidden rows (``ModelRunner.keep_hidden``, a ``[k, rows, H]`` buffer): they are held for the deferred MTP catch-up
-(``SpecDecoder._defer``, k rows a sequence), copied out of the graph's buffer before the next replay, so the draft
+(``DeferredCatchUp.hold``, k rows a sequence), copied out of the graph's buffer before the next replay, so the draft
 K/V of every position a chain computed is written later exactly as after k single gated steps. With the engine's
 lookahead (``generate()``, ``EngineConfig.lookahead``: on CUDA by default) the next gated chain is queued before the
 host reads the one in flight, as ``DecodeChains.queue_next`` does for a plain engine, when all its k steps stay
@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from areno.engine.decode_graphs import graph_key
-from areno.engine.scheduler import Step
+from areno.engine.scheduler import Chunk, Step
+from areno.engine.sequence import Status
 from areno.engine.spec_exec import FinishWork
 
 GATED_CHAIN = 8  # decode steps a gated stretch chains per round (as the rollout's --decode-steps default)
@@ -95,19 +96,76 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
 
 
 def _finish(spec, chunks, seqs: list, launch, hidden) -> list:
-    """A chain's tokens taken up to each row's stop and its hidden rows held (``SpecDecoder._defer``); returns the
+    """A chain's tokens taken up to each row's stop and its hidden rows held (``DeferredCatchUp.hold``); returns the
     sequences that took tokens."""
     e, r, k = spec.engine, spec.engine.runner, launch.k
     tokens, logprobs = r.wait_decode(launch)
     r.spec_exec.last = (hidden, None, None)  # FinishWork's "hold" takes k rows a sequence out of it
     e.step_counts["chained"] += k
     took = e.chains.take(seqs, tokens, logprobs)
-    ops = [("drop", spec._dropped)] if spec._dropped else []
-    spec._dropped = []
-    spec._defer(chunks, ops, k)
+    ops = spec.deferred.take_drops()
+    spec.deferred.hold(chunks, ops, k)
     with torch.inference_mode():
         spec._run(FinishWork(None, ops))
     return took
+
+
+class DeferredCatchUp:
+    """The MTP catch-up of gated steps, deferred (``SpecDecoder.deferred``): a gated step of decodes only that another
+    gated step follows holds each sequence's hidden rows (``hold``; the device side keeps them at ``FinishWork``'s
+    "hold" ops) until a step needs the draft's K/V whole (``flush``) or more than ``rows`` rows are held; a sequence
+    that finishes while gated never pays for it. ``held``: ``{seq_id: [seq, first position, rows held]}``."""
+
+    def __init__(self, engine, rows: int):
+        self.engine, self.rows = engine, rows
+        self.held: dict[int, list] = {}
+        self.dropped: list[int] = []  # seq_ids whose held rows the device side drops at the next FinishWork
+
+    def forget(self, seq) -> None:
+        """``seq`` was preempted (recomputed from its prompt): what it held is dropped at the next FinishWork."""
+        if self.held.pop(seq.seq_id, None) is not None:
+            self.dropped.append(seq.seq_id)
+
+    def take_drops(self) -> list:
+        """A FinishWork's first ops: drop the rows of the sequences forgotten since the last one."""
+        ops = [("drop", self.dropped)] if self.dropped else []
+        self.dropped = []
+        return ops
+
+    def hold(self, chunks, ops: list, k: int = 1) -> None:
+        """Hold the hidden rows of a gated step's ``chunks`` (``k`` > 1: a gated chain's, k positions a sequence);
+        a sequence's rows not right after those it holds, or more than ``rows`` rows in all, flush first / after."""
+        for i, c in enumerate(chunks):
+            held = self.held.get(c.seq.seq_id)
+            if held is not None and held[1] + held[2] != c.start:  # not the position after them: keep both
+                self.flush(ops)
+                held = None
+            if held is None:
+                held = self.held[c.seq.seq_id] = [c.seq, c.start, 0]
+            held[2] += k
+            ops.append(("hold", i, c.seq.seq_id))
+        finished = [i for i, d in self.held.items() if d[0].is_finished]
+        if finished:
+            self.held = {i: d for i, d in self.held.items() if i not in finished}
+            ops.append(("drop", finished))
+        if sum(d[2] for d in self.held.values()) > self.rows:
+            self.flush(ops)
+
+    def flush(self, ops: list) -> None:
+        """The deferred catch-up: step 0 of the draft over every held position of the running sequences in one
+        prefill-mode pass, which writes the draft's K/V there (no draft is made from them: a later step's catch-up
+        does that). Finished and preempted sequences' rows are dropped."""
+        if not self.held:
+            return
+        held = [d for d in self.held.values() if d[0].status is Status.RUNNING]
+        self.held = {}
+        if not held:
+            ops.append(("flush", [], None, None))
+            return
+        inp = self.engine.runner.prepare(Step([Chunk(seq, p, p + n) for seq, p, n in held], is_decode=False), [], [],
+                                         [])  # fmt: skip
+        nxt = [seq.tokens[q + 1] for seq, p, n in held for q in range(p, p + n)]
+        ops.append(("flush", [seq.seq_id for seq, _, _ in held], inp, nxt))
 
 
 def capture_gated(spec) -> int:

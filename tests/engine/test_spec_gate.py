@@ -130,13 +130,13 @@ def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
     position of a running sequence equals a fresh engine's after prefilling the same tokens."""
     model = load_model(checkpoint, dtype=torch.float32, device="cpu")
     e = _engine(model, 2, gate=1)
-    e.spec.defer_rows = defer_rows or e.spec.defer_rows
+    e.spec.deferred.rows = defer_rows or e.spec.deferred.rows
     seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS[:3], (4, 6, 30))]
     held = 0
     while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
         e.step()
-        held = max(held, sum(d[2] for d in e.spec.deferred.values()))
-    assert (held <= 2 if defer_rows else held >= 8) and not e.spec.deferred, held  # deferred, then run
+        held = max(held, sum(d[2] for d in e.spec.deferred.held.values()))
+    assert (held <= 2 if defer_rows else held >= 8) and not e.spec.deferred.held, held  # deferred, then run
     seq = seqs[2]
     assert e.spec.counts["spec_gated_steps"] >= 4 and not seq.is_finished
     n = seq.num_computed

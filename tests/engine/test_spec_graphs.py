@@ -189,7 +189,7 @@ def test_a_gated_chain_holds_the_hidden_rows_of_its_positions(echo, monkeypatch)
         e.add_request(p, o)
     while e.step_counts["chained"] < 2 * GATED_CHAIN:
         e.step()
-    ex, deferred = e.runner.spec_exec, e.spec.deferred
+    ex, deferred = e.runner.spec_exec, e.spec.deferred.held
     assert deferred and all(n >= 2 * GATED_CHAIN for _, _, n in deferred.values())
     for sid, (seq, first, n) in deferred.items():
         held = torch.cat(ex.held[sid])
@@ -227,7 +227,7 @@ def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, mon
     stashed = 0 if stash is None else sum(t.numel() * t.element_size() for t in stash)
     if stash is not None:
         assert stash[0].shape[1:3] == (k, 4 if gate == 3 else 8)  # the limit batch (3: bucket 4, off: max_running)
-    held = (e.spec.defer_rows + 8 * GATED_CHAIN) * echo.config.hidden_size * r.dtype.itemsize if gate == 3 else 0
+    held = (e.spec.deferred.rows + 8 * GATED_CHAIN) * echo.config.hidden_size * r.dtype.itemsize if gate == 3 else 0
     assert e.spec_budget.reserved == stashed + held
     per_block = kv_bytes_per_block(echo, 4, r.dtype, mml, extra_layers=1)
     plan = dict(block_size=4, dtype=r.dtype, device=r.device, kv_cache_memory=mem, max_running=8,
