@@ -382,9 +382,18 @@ def main():
     ap.add_argument("--spec-greedy", action="store_true", help="speculation runs: greedy sampling (temperature 0)")
     ap.add_argument("--spec-gate", default="auto", help="speculation runs: --speculative-disable-by-batch-size "
                     "settings, comma-separated runs: auto, off, N")
+    ap.add_argument("--spec-batches", default=None, help="--spec-batch-sweep's batch sizes, comma-separated "
+                    "(default 1,4,16,64,256)")
     ap.add_argument("--spec-batch-sweep", action="store_true", help="speculation: tok/s with and without it at "
                     "batch 1, 4, 16, 64, 256 (the crossover table) instead of the workloads")
     args = ap.parse_args()
+    if args.spec_batches is not None:
+        try:
+            args.spec_batches = tuple(int(b) for b in args.spec_batches.split(","))
+        except ValueError:
+            ap.error(f"--spec-batches takes comma-separated batch sizes, got {args.spec_batches!r}")
+        if not args.spec_batch_sweep or min(args.spec_batches) < 1:
+            ap.error("--spec-batches takes sizes >= 1 and applies to --spec-batch-sweep only")
     dtypes, kv_dtypes = args.rollout_dtype.split(","), args.kv_cache_dtype.split(",")
     if not set(kv_dtypes) <= {"auto", "fp8"}:
         ap.error("--kv-cache-dtype takes auto and/or fp8")
@@ -470,7 +479,7 @@ def run_speculative(args, device, names):
     if args.spec_batch_sweep:
         records = spec.run_batch_sweep(args, device)
         print_table(records, ["workload", "family", "speculative_tokens", "batch", "output_tokens", "wall_s", "tok_s",
-                              "spec_accept_len", "speedup_vs_plain", "auto_limit", "mtp_loss_last"])
+                              "spec_accept_len", "speedup_vs_plain", "accept_needed", "auto_limit", "mtp_loss_last"])
         print(spec.crossover(records))
     else:
         records = spec.run_spec(args, device, names, workload)

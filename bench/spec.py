@@ -32,7 +32,9 @@ The gate (``--speculative-disable-by-batch-size``, areno/engine/spec_gate.py): `
 speculative engine once per setting (default auto), each record with the N it resolved to (``spec_limit``) and the
 steps it ran plain (``spec_gated_steps``); the bar is R1 (256 streams) with auto never below 0.98x the plain engine.
 ``--spec-batch-sweep`` measures instead the plain engine and speculation never gated at batch sizes 1, 4, 16, 64 and
-256 (128-token prompts, 128 new tokens) and prints where speculation stops paying next to auto's N.
+256 (``--spec-batches`` for others; 128-token prompts, 128 new tokens) and prints where speculation stops paying next
+to auto's N; ``accept_needed`` is the accept length at which it would break even at each batch (the speculative
+step's cost in plain steps: accept length / speed-up), what an acceptance-aware gate would compare with.
 """
 
 from __future__ import annotations
@@ -240,7 +242,8 @@ def run_batch_sweep(args, device) -> list[dict]:
     from areno.engine.engine import Engine, EngineConfig
 
     plen, new = (16 if args.smoke else 128), (16 if args.smoke else 128)
-    batches = [b for b in SWEEP_BATCHES if b <= 16] if args.smoke else SWEEP_BATCHES
+    sizes = args.spec_batches or SWEEP_BATCHES
+    batches = [b for b in sizes if b <= 16] if args.smoke else sizes
     sets = lambda vocab: [(models.random_prompts(b, plen, vocab, seed=b), [new] * b) for b in batches]  # noqa: E731
     model, base, train = load_draft_model(args, device, sets)
     vocab = model.config.vocab_size
@@ -266,6 +269,8 @@ def run_batch_sweep(args, device) -> list[dict]:
     for r in records:
         if r["speculative_tokens"]:
             r["speedup_vs_plain"], r["auto_limit"] = r["tok_s"] / plain[r["batch"]], auto.spec.limit
+            if r.get("spec_accept_len"):  # a step's cost over a plain step's: the accept length where it breaks even
+                r["accept_needed"] = r["spec_accept_len"] / r["speedup_vs_plain"]
     auto.drop_rollout_state()
     return records
 
@@ -283,5 +288,6 @@ def crossover(records: list[dict]) -> str:
     limit = spec[0]["auto_limit"] if spec else None
     losses = [r["batch"] for r in spec if r["speedup_vs_plain"] < 1.0]
     tail = f"it loses from batch {stop} on" if stop is not None else "it pays at the largest batch measured"
+    needed = ", ".join(f"{r['batch']}: {r['accept_needed']:.2f}" for r in spec if r.get("accept_needed"))
     return (f"speculation pays at batch {wins or 'none'}, loses at {losses or 'none'}; {tail}; auto speculates up to "
-            f"batch {limit}")
+            f"batch {limit}; accept length needed to break even by batch: {needed or 'n/a'}")
