@@ -29,8 +29,9 @@
 #   spec-profile      MTP speculation gated at R1 (0.894x of plain on the H100, 12-06): kernel tables of the MTP model's
 #                     decode step plain and gated, and the gated step's host gaps
 #   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
-#   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate $SPEC_GATES (auto,off) vs plain; spec-sweep: the
-#                     crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g. --mtp-train-steps 300)
+#   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate $SPEC_GATES (default auto,off) vs plain;
+#                     spec-sweep: the crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g.
+#                     "--mtp-train-steps 300 --spec-batches 1,16,64,128,256"), with the accept length each batch needs
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step
 #   train-profile     kernel tables of T1 and T2 steps, graph gaps, graphed-step memory
 #   families-profile  kernel tables of issue 38's T1 step (35B-A3B shape; $PROF_TRAIN_ARGS) with 8-bit and fp32 states
