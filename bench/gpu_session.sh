@@ -26,6 +26,8 @@
 #                     the GPU test of fitted drafts under real graphs (passed on the H100), then R3 at the 9B shape
 #                     with the refit rounds and where speculation's greedy path leaves the plain one ($SPEC_ARGS)
 #   spec-r2           MTP speculation at R2 (issue 41's >= 1.3x), the draft fitted first (one 10-minute call)
+#   spec-ling         R3 with MTP at the Ling-3-Flash shape (issue 41's second R3 bar), its draft fitted first: an H200
+#                     (~100 GB: 7 layers of 256 experts, and the MTP layer's 3.2B expert weights under fp32 Adam)
 #   spec-profile      MTP speculation gated at R1 (0.894x of plain on the H100, 12-06): kernel tables of the MTP model's
 #                     decode step plain and gated, and the gated step's host gaps
 #   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
@@ -132,6 +134,8 @@ for stage in "$@"; do
     spec-r2)  # R2 (moderate batch) with an MTP draft fitted to the model: the fit alone takes ~2 min at the 9B shape
       step spec-r2 ${SPEC_LIMIT:-580} python3 bench/rollout.py --speculative-tokens 2 --workloads R2 --spec-greedy \
         --mtp-train-steps 300 ${SPEC_ARGS:-} ;;
+    spec-ling) step spec-ling ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R3 \
+        --mtp-family bailing_hybrid --spec-greedy --mtp-train-steps 300 ${SPEC_ARGS:-} ;;
     spec-profile)  # what gating costs at R1's 256 sequences: the MTP model's decode plain (8 steps chained) and gated
       step prof_plain 150 python3 bench/profile_step.py decode --mtp --decode-steps 8
       step prof_gated 150 python3 bench/profile_step.py decode --speculative-tokens 2
