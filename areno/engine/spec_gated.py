@@ -37,10 +37,19 @@ def chain_length(spec, step: Step) -> int:
     if not step.is_decode or e.runner.tp_group is not None or e.runner.record_routing:
         return 0
     seqs = [c.seq for c in step.chunks]
-    left = sorted(s.options.max_new_tokens - s.num_output for s in seqs)
-    most = left[len(seqs) - spec.limit - 1]  # steps 1..k gated: fewer than n - limit finished before each
+    most = steps_gated(spec, seqs)
     k = next((k for k in CHAIN_LENGTHS if k <= most), 0)
     return k if k and e.chains.reserve(step, seqs, k) else 0
+
+
+def steps_gated(spec, seqs: list, unread: int = 0) -> int:
+    """How many decode steps of ``seqs`` surely stay gated (more than the gate's limit still decoding through each:
+    fewer than n - limit of them reach max_new_tokens before it), after ``unread`` tokens a row not read yet (a
+    chain in flight); 0 when the batch is not above the limit."""
+    if spec.limit is None or len(seqs) <= spec.limit:
+        return 0
+    left = sorted(s.options.max_new_tokens - s.num_output - unread for s in seqs)
+    return left[len(seqs) - spec.limit - 1]
 
 
 def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
@@ -84,10 +93,9 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
     tokens, all k steps stay gated (more than the gate's limit still decode through them) and their blocks are
     there."""
     e, k = spec.engine, launch.k
-    if spec.limit is None or len(seqs) <= spec.limit or e.blocks.pending_copies:
+    if e.blocks.pending_copies:
         return  # a draft block copy waits for a scheduled step
-    left = sorted(s.options.max_new_tokens - s.num_output - k for s in seqs)  # after the chain in flight
-    if left[len(seqs) - spec.limit - 1] < k or not e.chains.can_queue(seqs, k):
+    if steps_gated(spec, seqs, unread=k) < k or not e.chains.can_queue(seqs, k):
         return
     nxt = e.chains.next_step(seqs, k)
     launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)))
