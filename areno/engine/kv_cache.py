@@ -121,6 +121,19 @@ def state_bytes(model, max_running: int, dtype: torch.dtype, state_dtype: torch.
     return max_running * RecurrentStates.bytes_per_slot(shapes, dtype, state_dtype) if shapes else 0
 
 
+def kv_budget(device, kv_cache_memory) -> int:
+    """Device bytes of ``--kv-cache-memory`` (None: half the free GPU memory, 256 MiB on the CPU; <= 1: that fraction
+    of the free device memory, of 1 GiB on the CPU; else bytes): the KV cache's, with what shares it."""
+    if kv_cache_memory is None:
+        kv_cache_memory = 0.5 if device.type == "cuda" else 256 * 2**20
+    if kv_cache_memory > 1.0:
+        return int(kv_cache_memory)
+    if device.type == "cuda":  # a fraction of the free device memory
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * kv_cache_memory)
+    return int(kv_cache_memory * 2**30)
+
+
 def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_running, max_model_len,
                     kv_dtype=None, extra_layers: int = 0, reserved: int = 0,
                     state_dtype: torch.dtype = torch.float32) -> int:
@@ -135,16 +148,7 @@ def plan_num_blocks(model, *, block_size, dtype, device, kv_cache_memory, max_ru
     full = math.ceil(max_model_len / block_size)
     held = sum(full if g.window is None else min(full, window_blocks(g.window, block_size)) for g in groups)
     cap = max(max_running * held, len(groups) * full) + max_running  # + one spare per sequence
-    if kv_cache_memory is None:
-        kv_cache_memory = 0.5 if device.type == "cuda" else 256 * 2**20
-    if kv_cache_memory <= 1.0:  # a fraction of the free device memory
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * kv_cache_memory)
-        else:
-            budget = int(kv_cache_memory * 2**30)
-    else:
-        budget = int(kv_cache_memory)
+    budget = kv_budget(device, kv_cache_memory)
     states = state_bytes(model, max_running, dtype, state_dtype)  # the recurrent-state slots: out of the same budget
     if budget - states - reserved < per_block:
         raise ConfigError(

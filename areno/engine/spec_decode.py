@@ -25,9 +25,10 @@ A sample forked from a prompt drafts from its second step (its first position's 
 caching, the MTP entry at the last position of a cached prefix was computed with the next token of the sequence that
 cached it: drafts may differ there, the output distribution never does.
 
-The gate (``spec_gate.py``, ``--speculative-disable-by-batch-size``): a step where more than N sequences decode is a
-plain step (its drafts dropped, decode-mode metadata and the runner's sampling when it only decodes), and the chain
-drafts only when the next step will speculate. The MTP layer's K/V must still cover every position such a step
+The gate (``spec_gate.py``, ``--speculative-disable-by-batch-size``): a step where more than N sequences decode (N
+fixed, or under ``auto`` a function of the accept length since the last ``take_stats``) is a plain step (its drafts
+dropped, decode-mode metadata and the runner's sampling when it only decodes), and the chain drafts only when the
+next step will speculate. The MTP layer's K/V must still cover every position such a step
 computes (the first draft after the gate lifts attends to them): a gated step of decodes that another gated step
 follows keeps its hidden rows instead (``spec_gated.DeferredCatchUp``), and their catch-up runs in one prefill-mode
 pass before the next step that runs a catch-up, or once more than ``DEFER_BYTES`` of rows are held; a sequence that
@@ -57,23 +58,27 @@ multi-step decode, LoRA slots, vision-language models; per request: grammars, to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
 from areno.engine import spec_chain, spec_gated, spec_sample
 from areno.engine.decode_graphs import graph_plan
+from areno.engine.kv_cache import kv_budget, state_bytes
 from areno.engine.logit_adjust import adjust_host
 from areno.engine.model_runner import broadcast_step
 from areno.engine.scheduler import Chunk, Step
 from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
-from areno.engine.spec_gate import resolve_gate
+from areno.engine.spec_gate import Gate, resolve_gate
 from areno.engine.spec_graphs import stash_bytes, stash_rows
 from areno.engine.spec_sample import draw
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
 from areno.models.mtp import build_mtp_draft
+
+log = logging.getLogger("areno.engine")
 
 DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gated steps before it runs anyway
 # (fewer where max_running x max_model_len rows are fewer); taken out of the KV-cache budget (``spec_budget``)
@@ -108,7 +113,7 @@ def check_speculative(engine) -> None:
 
 
 class SpecBudget(NamedTuple):
-    limit: int | None  # the gate's largest speculating batch (None: every step speculates)
+    gate: Gate | None  # the gate (None: every step speculates)
     rows: int  # the most sequences a steady step verifies (its graph bucket where replayed): the stash's rows
     defer_rows: int  # hidden rows of deferred catch-ups held before they run anyway (DEFER_BYTES, or all there are)
     reserved: int  # device bytes beside the KV cache from its budget: the stash, the held rows where gated
@@ -124,13 +129,32 @@ def spec_budget(engine, device, dtype, state_dtype=torch.float32) -> SpecBudget 
     if not k:
         return None
     check_speculative(engine)
-    limit = resolve_gate(cfg.speculative_disable_by_batch_size, engine.model, k, device)
-    rows = stash_rows(limit, cfg.max_running, *graph_plan(cfg.max_running, cfg.eager_decode, device), k + 1)
+    gate = stash_cap(engine, resolve_gate(cfg.speculative_disable_by_batch_size, engine.model, k, device), device,
+                     dtype, state_dtype)
+    most = None if gate is None else gate.most
+    rows = stash_rows(most, cfg.max_running, *graph_plan(cfg.max_running, cfg.eager_decode, device), k + 1)
     row_bytes = engine.model.config.hidden_size * dtype.itemsize
     defer = max(1, min(DEFER_BYTES // row_bytes, cfg.max_running * engine.max_model_len))
     chain = spec_gated.GATED_CHAIN * cfg.max_running  # one gated chain's rows past defer_rows before the flush
-    held = defer + chain if limit is not None and limit < cfg.max_running else 0
-    return SpecBudget(limit, rows, defer, stash_bytes(engine.model, rows, k, dtype, state_dtype) + held * row_bytes)
+    held = defer + chain if gate is not None and gate.least < cfg.max_running else 0
+    return SpecBudget(gate, rows, defer, stash_bytes(engine.model, rows, k, dtype, state_dtype) + held * row_bytes)
+
+
+def stash_cap(engine, gate: Gate | None, device, dtype, state_dtype) -> Gate | None:
+    """``auto``'s gate capped where a hybrid's rollback stash (K state slots a speculating row) at the gate's largest
+    N would take more than half of the KV-cache budget left after the recurrent-state slots: the stash holds that
+    half's rows, and the gate speculates at no larger batch (logged)."""
+    cfg, model = engine.config, engine.model
+    row = stash_bytes(model, 1, gate.k, dtype, state_dtype) if gate is not None and gate.fixed is None else 0
+    if not row:
+        return gate
+    left = kv_budget(device, cfg.kv_cache_memory) - state_bytes(model, cfg.max_running, dtype, state_dtype)
+    fits = max(1, left // 2 // row)
+    if fits >= gate.most:
+        return gate
+    log.info("speculative decoding: auto gate capped at %d sequences (the rollback stash's %.1f GB, half the KV-cache "
+             "budget left after the state slots)", fits, fits * row / 1e9)
+    return replace(gate, cap=fits)
 
 
 def spec_decoder(engine) -> SpecDecoder | None:
@@ -162,12 +186,19 @@ class SpecDecoder:
         runner.spec_exec = SpecExec(runner, self.draft, budget.rows, k + 1)  # the device side (released with it)
         self.drafts: dict[int, Draft] = {}
         self.deferred = spec_gated.DeferredCatchUp(engine, budget.defer_rows)  # gated steps' MTP catch-up
-        self.limit = budget.limit  # the largest batch that speculates (None: every step does)
+        self.gate = budget.gate  # the largest batch that speculates, by the accept length (None: every step does)
         self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
 
     @property
     def mtp_cache(self) -> torch.Tensor:
         return self.engine.runner.spec_exec.mtp_cache
+
+    @property
+    def limit(self) -> int | None:
+        """The largest batch that speculates now (None: every step does): the gate's N at the accept length since
+        the last ``take_stats`` (a rollout's; ``auto``), constant while steps are gated (they verify nothing)."""
+        c = self.counts
+        return None if self.gate is None else self.gate.limit(c["emitted"], c["verify_rows"])
 
     def stats(self) -> dict:
         """Since the engine started: ``spec_accept_len`` (tokens emitted per drafting sequence and verify step),
@@ -287,16 +318,18 @@ class SpecDecoder:
     def _gated(self, step: Step) -> bool:
         """Whether the gate makes ``step`` plain: more sequences decode in it than the limit (counted)."""
         decoding = sum(1 for c in step.chunks if c.samples and c.start == len(c.seq) - 1)
-        gated = self.limit is not None and decoding > self.limit
+        limit = self.limit
+        gated = limit is not None and decoding > limit
         self.counts["spec_gated_steps"] += gated
         return gated
 
     def _speculates_next(self) -> bool:
         """Whether the next step will speculate: the sequences that will decode in it (the running ones with their
         prompt computed; preemption can only lower that) are within the limit."""
-        if self.limit is None:
+        limit = self.limit
+        if limit is None:
             return True
-        return sum(1 for s in self.engine.scheduler.running if s.num_computed >= len(s) - 1) <= self.limit
+        return sum(1 for s in self.engine.scheduler.running if s.num_computed >= len(s) - 1) <= limit
 
     def _plan(self, step: Step, gated: bool = False):
         """The step's chunks extended by each drafting sequence's K_b tokens (none when ``gated``), its sampled rows,

@@ -1,35 +1,46 @@
-"""The automatic gate of speculative decoding (``--speculative-disable-by-batch-size``, vLLM's
-``disable_by_batch_size``): a step speculates only while at most N sequences decode in it.
+"""The gate of speculative decoding (``--speculative-disable-by-batch-size``, vLLM's ``disable_by_batch_size``): a
+step speculates only while at most N sequences decode in it; ``auto`` makes N follow the accept length.
 
 Why: a decode step of B sequences reads every weight once and does 2 x (active parameters) FLOPs per token. While
 B is small the step is memory-bound and verifying K + 1 positions per sequence costs about what one position does,
 so the accepted drafts are nearly free tokens; once B (K + 1) tokens pass the device's ridge point the step is
-compute-bound and the verify costs (K + 1)x a plain step, which the accepted drafts no longer pay for (verl measured
-a 50% loss there). Above N a step is a plain decode step: no drafts verified, one token per sequence, decode-mode
-attention and the runner's own sampling when nothing else shares the step. The MTP layer's paged K/V must still cover
-every position (its catch-up, step 0 of the draft, one layer): ``spec_decode`` defers it for gated decode steps and
-runs it in one pass when the gate lifts (see there), so drafting resumes exactly when the batch shrinks again. Drafts
-are made at the end of a step only when the next step speculates: when the sequences that will decode in it (every
-running sequence with its prompt computed) are at most N.
+compute-bound and the verify costs up to (K + 1)x a plain step, which the accepted drafts pay for only while enough
+of them are accepted (verl measured a 50% loss where they were not). Above N a step is a plain decode step: no drafts
+verified, one token per sequence, decode-mode attention and the runner's own sampling when nothing else shares the
+step. The MTP layer's paged K/V must still cover every position (its catch-up, step 0 of the draft, one layer):
+``spec_decode`` defers it for gated decode steps and runs it in one pass when the gate lifts (see there), so drafting
+resumes exactly when the batch shrinks again. Drafts are made at the end of a step only when the next step
+speculates: when the sequences that will decode in it (every running sequence with its prompt computed) are at most N.
 
-``auto``: the verify step's tokens per step where it turns compute-bound, T = ridge x (weight bytes a step reads) /
-(FLOPs per token), with ridge = peak dense bf16 FLOP/s / memory bandwidth of the device
-(``areno.platform.roofline``), and N = max(1, floor(T / (K + 1))). Weight bytes: every parameter the target's
+``auto`` (``Gate``): with T = ridge x (weight bytes a step reads) / (FLOPs per token) the tokens at which a step turns
+compute-bound (ridge = peak dense bf16 FLOP/s / memory bandwidth of the device, ``areno.platform.roofline``), a
+plain step of B sequences costs max(T, B) token-times and a speculative one max(T, B (K + 1)) plus K draft steps of
+mu max(T, B) each (mu: a draft step's FLOPs over the target's, its MTP layer and the head it uses). It pays while the
+accept length a (tokens emitted per sequence and verify step) is at least their ratio, which holds for
+B <= N(a) = floor(T (a - K mu) / (K + 1)) (0 once a < 1 + K mu: speculation loses at every batch). The engine
+reads a as the running accept length since its last ``take_stats`` (a rollout's window; from its start in a server),
+started from an optimistic prior of ``PRIOR_ROWS`` rows at K + 1, so a rollout that starts at a batch above N(K + 1)
+stays plain, and one that starts below it learns its drafts' acceptance within its first steps. The rule is a
+function of the tokens (no timings), so runs and resumes stay exact. Weight bytes: every parameter the target's
 forward reads, in its dtype (embedding rows are gathered, not read whole: the table counts only as a tied LM head);
 FLOPs: 2 per parameter and token, a routed expert's weighted by top-k / experts (the experts a token runs). K/V
-reads and attention FLOPs are left out (they grow the memory side, so speculation pays a little beyond N). On a
-device without a known roofline (the CPU, other GPUs) ``auto`` is ``AUTO_FALLBACK``.
+reads and attention FLOPs are left out (they grow the memory side, so speculation pays a little beyond N), and so
+are a small batch's fixed costs (kernel launches, host work), so at one or two sequences the gate speculates at
+accept lengths a little below the true break-even. On a device without a known roofline (the CPU, other GPUs)
+``auto`` is the fixed ``AUTO_FALLBACK``. An integer N is a fixed gate.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from areno.platform.roofline import Roofline, device_roofline
 
 log = logging.getLogger("areno.engine")
 
 AUTO_FALLBACK = 32  # auto's N on a device without a known roofline
+PRIOR_ROWS = 8  # auto: verify rows' worth of the prior accept length K + 1 the running one starts from
 
 
 def decode_counts(model) -> tuple[float, float]:
@@ -51,26 +62,79 @@ def decode_counts(model) -> tuple[float, float]:
     return nbytes, flops
 
 
-def auto_threshold(model, k: int, roof: Roofline | None) -> tuple[int, str]:
-    """``auto``'s N for ``model`` with K = ``k`` draft tokens on a device of roofline ``roof`` (None: not known),
+def draft_flops(model) -> float:
+    """FLOPs a token of one MTP draft step (one MTP layer and the head it uses: its own, else the target's), as
+    ``decode_counts`` counts them (a routed expert's weighted by top-k / experts); 0 without MTP layers."""
+    layers = getattr(model, "num_mtp_layers", 0)
+    if not layers:
+        return 0.0
+    share = next((m.top_k / m.num_experts for m in model.modules()
+                  if getattr(m, "has_router", False) and getattr(m, "num_experts", 0)), 1.0)  # fmt: skip
+    flops, own_head = 0.0, False
+    for j, name in enumerate(model.mtp.names):
+        if "embed_tokens" in name:  # a layer's own embedding: rows gathered
+            continue
+        own_head |= name.endswith("head.weight")
+        flops += 2.0 * getattr(model.mtp, f"t{j}").numel() * (share if ".experts." in name else 1.0)
+    head = 0.0 if own_head else 2.0 * model.lm_head_weight.numel()
+    return flops / layers + head
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The largest batch that speculates, as a function of the running accept length (``limit``): a fixed N, or
+    ``auto``'s N(a) on a known roofline (module docstring)."""
+
+    k: int
+    fixed: int | None = None  # a fixed N (also auto on a device without a roofline); None: auto's rule
+    tokens: float = 0.0  # auto: T, the tokens at which a step turns compute-bound
+    draft: float = 0.0  # auto: mu, a draft step's FLOPs over the target's a token
+    cap: int | None = None  # auto: the most rows the hybrids' rollback stash holds (``spec_decode.spec_budget``)
+
+    def at(self, accept: float) -> int:
+        """N at accept length ``accept``."""
+        if self.fixed is not None:
+            return self.fixed
+        pays = accept - self.k * self.draft
+        n = int(self.tokens * pays // (self.k + 1)) if pays >= 1.0 else 0
+        return n if self.cap is None else min(n, self.cap)
+
+    def limit(self, emitted: int = 0, rows: int = 0) -> int:
+        """N for ``emitted`` tokens over ``rows`` verified rows (the window's counts; none yet: the prior alone)."""
+        return self.at((emitted + PRIOR_ROWS * (self.k + 1)) / (rows + PRIOR_ROWS))
+
+    @property
+    def most(self) -> int:
+        """The largest N it can take (every draft accepted): the verify's stash and graphs are sized for it."""
+        return self.at(self.k + 1)
+
+    @property
+    def least(self) -> int:
+        """The smallest N it can take (no draft accepted): gated steps' graphs cover every batch above it."""
+        return self.at(1.0)
+
+
+def auto_gate(model, k: int, roof: Roofline | None) -> tuple[Gate, str]:
+    """``auto``'s gate for ``model`` with K = ``k`` draft tokens on a device of roofline ``roof`` (None: not known),
     and how it was chosen (for the log)."""
     if roof is None:
-        return AUTO_FALLBACK, "the fixed value for a device without a known roofline"
+        return Gate(k, AUTO_FALLBACK), f"{AUTO_FALLBACK}, the fixed value for a device without a known roofline"
     nbytes, flops = decode_counts(model)
-    tokens = roof.ridge * nbytes / flops
-    n = max(1, int(tokens // (k + 1)))
-    return n, (f"{roof.name}: ridge {roof.ridge:.0f} FLOP/byte x {nbytes / 1e9:.2f} GB of weights / "
-               f"{flops / 1e9:.2f} GFLOP a token = {tokens:.0f} tokens a step, over K + 1 = {k + 1}")
+    gate = Gate(k, None, roof.ridge * nbytes / flops, draft_flops(model) / flops)
+    return gate, (f"{roof.name}: ridge {roof.ridge:.0f} FLOP/byte x {nbytes / 1e9:.2f} GB of weights / "
+                  f"{flops / 1e9:.2f} GFLOP a token = T {gate.tokens:.0f} tokens a step; a draft step {gate.draft:.3f}"
+                  f" of the target's FLOPs: N = T (a - K mu) / (K + 1) = {gate.most} at accept length a = {k + 1}, "
+                  f"{gate.at((k + 3) / 2)} at a = {(k + 3) / 2:g}, 0 below a = {1 + k * gate.draft:.2f}")
 
 
-def resolve_gate(setting, model, k: int, device) -> int | None:
-    """The step's largest speculating batch for the engine's setting ("auto" or N >= 0), None: never gated; logged."""
+def resolve_gate(setting, model, k: int, device) -> Gate | None:
+    """The engine's gate for its setting ("auto" or N >= 0), None: never gated; logged."""
     if setting == "auto":
-        n, why = auto_threshold(model, k, device_roofline(device))
-        log.info("speculative decoding: speculating while at most %d sequences decode in a step (auto: %s)", n, why)
-        return n
+        gate, why = auto_gate(model, k, device_roofline(device))
+        log.info("speculative decoding: auto gate, speculating while the batch is at most N (%s)", why)
+        return gate
     if not setting:
         log.info("speculative decoding: every step speculates (--speculative-disable-by-batch-size off)")
         return None
     log.info("speculative decoding: speculating while at most %d sequences decode in a step", setting)
-    return int(setting)
+    return Gate(k, int(setting))

@@ -46,10 +46,11 @@ def steps_gated(spec, seqs: list, unread: int = 0) -> int:
     """How many decode steps of ``seqs`` surely stay gated (more than the gate's limit still decoding through each:
     fewer than n - limit of them reach max_new_tokens before it), after ``unread`` tokens a row not read yet (a
     chain in flight); 0 when the batch is not above the limit."""
-    if spec.limit is None or len(seqs) <= spec.limit:
+    limit = spec.limit  # constant through gated steps: they verify nothing
+    if limit is None or len(seqs) <= limit:
         return 0
     left = sorted(s.options.max_new_tokens - s.num_output - unread for s in seqs)
-    return left[len(seqs) - spec.limit - 1]
+    return left[len(seqs) - limit - 1]
 
 
 def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
@@ -178,14 +179,14 @@ class DeferredCatchUp:
 
 def capture_gated(spec) -> int:
     """At server start (``SpecDecoder.capture_graphs``): the gated steps' graphs of every bucket above the gate's
-    limit up to max_running's, the width-1 forward (``spec_graphs``) and the chains' decode graphs keeping hidden
-    rows (one per chain length). Returns how many were captured."""
+    smallest limit up to max_running's, the width-1 forward (``spec_graphs``) and the chains' decode graphs keeping
+    hidden rows (one per chain length). Returns how many were captured."""
     r, n = spec.engine.runner, 0
     most, graphs = spec.engine.config.max_running, r.spec_exec.graphs
-    if spec.limit is None or not graphs.graphable(r, most, 1):
+    if spec.gate is None or not graphs.graphable(r, most, 1):
         return 0
     for bsz in r.graph_buckets:
-        if not spec.limit < bsz <= r._bucket(most):
+        if not spec.gate.least < bsz <= r._bucket(most):
             continue
         if ("verify", bsz, 1) not in r.graphs:
             r.graphs[("verify", bsz, 1)], n = graphs.capture(r, bsz, 1, None), n + 1

@@ -3,7 +3,8 @@ DeepSeek-V3 checkpoints: across gate transitions (sequences finishing at differe
 greedy tokens and log-probs equal the plain engine's and the gated steps are the ones the threshold implies; a gated
 step samples at temperature 1 exactly what a plain step does; the MTP layer's paged K/V covers the positions gated
 steps computed (a fresh prefill of the same tokens is the oracle); with a draft that predicts the target exactly every
-draft after the gate lifts is accepted; ``auto`` resolves from the roofline (a number on the CPU); bad values and the
+draft after the gate lifts is accepted; ``auto`` resolves from the roofline (a number on the CPU) and follows the
+accept length; bad values and the
 flag without --speculative-tokens are refused naming it; preemption under the gate keeps greedy tokens."""
 
 import numpy as np
@@ -11,11 +12,13 @@ import pytest
 import torch
 
 from areno.config import ConfigError, SamplingParams, ServeConfig
+from areno.engine import spec_gate
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block
-from areno.engine.spec_gate import AUTO_FALLBACK, auto_threshold, decode_counts
+from areno.engine.spec_gate import AUTO_FALLBACK, Gate, auto_gate, decode_counts, draft_flops
 from areno.models import load_model
-from areno.platform.roofline import H100, H200, roofline_of
+from areno.models.mtp import build_mtp_draft
+from areno.platform.roofline import H100, H200, Roofline, roofline_of
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.mtp import GATE_PROMPTS as PROMPTS
 from tests.helpers.mtp import make_echo_model, run_with_arrivals
@@ -216,11 +219,12 @@ def test_every_draft_after_the_gate_is_accepted_when_the_draft_is_exact(checkpoi
     assert s["spec_gated_steps"] == news[1] - 1  # plain while three or four decode, then speculating at once
 
 
-def test_auto_is_the_roofline_threshold(checkpoint, echo):
-    """Weight bytes over FLOPs a token against the ridge, over K + 1; a fixed value without a roofline (the CPU)."""
+def test_auto_is_the_roofline_rule(checkpoint, echo):
+    """Weight bytes over FLOPs a token against the ridge (T), a draft step's FLOPs over the target's (mu): N(a) =
+    T (a - K mu) / (K + 1), 0 below a = 1 + K mu; a fixed value without a roofline (the CPU)."""
     assert _engine(echo, 2).spec.limit == AUTO_FALLBACK  # auto, on the CPU
     assert roofline_of("NVIDIA H200") is H200 and roofline_of("NVIDIA H100 80GB HBM3") is H100
-    assert roofline_of("NVIDIA A10G") is None and auto_threshold(echo, 2, None)[0] == AUTO_FALLBACK
+    assert roofline_of("NVIDIA A10G") is None and auto_gate(echo, 2, None)[0] == Gate(2, AUTO_FALLBACK)
     nbytes, flops = decode_counts(echo)
     # the oracle: fp32 parameters (4 bytes) read once; 2 FLOPs each a token, a routed expert's at top-k / experts
     params = {n: p for n, p in echo.named_parameters() if not n.startswith("mtp.")}
@@ -231,9 +235,56 @@ def test_auto_is_the_roofline_threshold(checkpoint, echo):
     expected = sum(2 * p.numel() * (share if ".experts." in n else 1.0) for n, p in params.items())
     assert flops == pytest.approx(expected)
     assert flops < nbytes / 2  # an MoE: fewer FLOPs than parameters
+    # a draft step: the MTP layer as the draft runs it (its own head here; no embedding: rows gathered)
+    draft = build_mtp_draft(echo)
+    assert draft.head is not None
+    oracle = sum(2 * p.numel() * (share if "experts" in n and "shared" not in n else 1.0)
+                 for n, p in draft.named_parameters() if not n.startswith("embed."))
+    assert draft_flops(echo) == pytest.approx(oracle)
     for k in (1, 3):
-        n, why = auto_threshold(echo, k, H200)
-        assert n == int(790 / 4.3 * nbytes / flops // (k + 1)) and "H200" in why
+        gate, why = auto_gate(echo, k, H200)
+        t, mu = 790 / 4.3 * nbytes / flops, oracle / flops
+        assert gate.tokens == pytest.approx(t) and gate.draft == pytest.approx(mu) and "H200" in why
+        for a in (1.0, 1.0 + k * mu + 0.5, k + 1.0):
+            n = int(t * (a - k * mu) // (k + 1)) if a >= 1 + k * mu else 0
+            assert gate.at(a) == n
+        assert gate.most == gate.at(k + 1) and gate.least == 0 and gate.limit() == gate.most  # the prior: K + 1
+        assert gate.limit(8, 8) == gate.at((8 + 8 * (k + 1)) / 16)  # accept 1 over 8 rows, against the prior's 8
+    fixed = Gate(2, 5)
+    assert fixed.limit(0, 100) == fixed.most == fixed.least == 5
+
+
+def _test_roofline(model, tokens: float) -> Roofline:
+    """A roofline whose ridge makes T = ``tokens`` for ``model``."""
+    nbytes, flops = decode_counts(model)
+    return Roofline("TEST", tokens * flops / nbytes * 1e12, 1e12)
+
+
+@pytest.mark.parametrize("scale", [0.5, 30.0])
+def test_auto_follows_the_accept_length(checkpoint, scale, monkeypatch):
+    """``auto`` on a roofline (a test one, T = 14): N starts at the prior's (every draft accepted: above the batch),
+    so the first steps speculate. A draft the target mostly rejects (echo scale 0.5, accept ~1.2) brings the running
+    accept length under 1 + K mu within the run and the remaining steps are plain; a draft it mostly accepts (scale
+    30) keeps every step speculating. Either way greedy tokens and log-probs equal the plain engine's; take_stats
+    starts a new window (N back at the prior's)."""
+    model = make_echo_model(load_model(checkpoint, dtype=torch.float32, device="cpu"), scale=scale)
+    roof = _test_roofline(model, 14.0)
+    monkeypatch.setattr(spec_gate, "device_roofline", lambda device: roof)
+    plain = run_with_arrivals(_engine(model, 0))
+    e = _engine(model, 2)
+    assert e.spec.gate.most >= 6 and e.spec.limit == e.spec.gate.most  # above run_with_arrivals' largest batch
+    out = run_with_arrivals(e)
+    assert [t for t, _ in out] == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(out, plain):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    s = e.spec.stats()
+    assert s["verify_rows"] > 0
+    if scale < 1:
+        assert s["spec_accept_len"] < 1.5 and s["spec_gated_steps"] > 0 and e.spec.limit == 0
+    else:
+        assert s["spec_accept_len"] > 2.5 and s["spec_gated_steps"] == 0 and e.spec.limit >= 6
+    e.spec.take_stats()
+    assert e.spec.limit == e.spec.gate.most
 
 
 @pytest.mark.parametrize("value,ok", [("auto", "auto"), ("off", 0), ("0", 0), ("12", 12), (5, 5), ("-1", None),
@@ -279,4 +330,23 @@ def test_gate_transitions_keep_greedy_tokens_on_the_gpu(tmp_path, family):
     assert [t for t, _ in run_with_arrivals(e)] == [t for t, _ in plain]
     assert e.spec.stats()["spec_gated_steps"] > 0 and e.spec.stats()["verify_rows"] > 0
     roof = roofline_of(torch.cuda.get_device_name())
-    assert _engine(model, 2, eager_decode=True).spec.limit == auto_threshold(model, 2, roof)[0]
+    assert _engine(model, 2, eager_decode=True).spec.limit == auto_gate(model, 2, roof)[0].most
+
+
+def test_auto_is_capped_where_the_rollback_stash_would_crowd_the_cache(tmp_path, monkeypatch):
+    """A hybrid (Qwen3.5: recurrent states rolled back from a stash of K slots a speculating row): where the stash at
+    auto's largest N would take more than half the budget left after the state slots (T = 10^6 here), the gate stops
+    at the rows that half holds; with T = 14 it is not capped."""
+    from areno.engine.kv_cache import state_bytes
+    from areno.engine.spec_graphs import stash_bytes
+
+    path = make_tiny_checkpoint(tmp_path / "q", family="qwen3_5", seed=1)
+    model = make_echo_model(load_model(path, dtype=torch.float32, device="cpu"), scale=2.0)
+    budget = 16 * 2**20
+    fits = (budget - state_bytes(model, 8, torch.float32)) // 2 // stash_bytes(model, 1, 2, torch.float32)
+    for tokens, cap in ((1e6, fits), (14.0, None)):
+        roof = _test_roofline(model, tokens)
+        monkeypatch.setattr(spec_gate, "device_roofline", lambda device: roof)  # noqa: B023
+        gate = _engine(model, 2, kv_cache_memory=budget, eager_decode=True).spec.gate
+        assert gate.fixed is None and gate.cap == cap and gate.tokens == pytest.approx(tokens)
+        assert gate.most == fits if cap else gate.most < fits
