@@ -282,7 +282,7 @@ class SpecDecoder:
         ops = self.deferred.take_drops()
         chain = None
         if gated_decode and not self._speculates_next():
-            self.deferred.hold(chunks, ops)
+            self.deferred.hold(chunks, ops, never=spec_gated.finish_gated(self))
         else:
             self.deferred.flush(ops)
             chain = self._catch_up(rows, emitted, next_known, ops, width > 1)
@@ -479,7 +479,8 @@ class SpecDecoder:
         for row, toks in zip(rows, emitted) if self._speculates_next() else ():
             seq = row.seq
             kb = min(self.k, e.max_model_len - len(seq), seq.options.max_new_tokens - seq.num_output - 1)
-            if row.fresh_fork or seq.is_finished or kb < 1 or not e.blocks.reserve_tokens(seq, len(seq) + kb):
+            if row.fresh_fork or seq.is_finished or kb < 1 or seq.seq_id in self.deferred.blind or \
+                    not e.blocks.reserve_tokens(seq, len(seq) + kb):
                 continue
             live.append((row, kb, row.index[len(toks) - 1]))
         chain = self._chain(live, steady) if live else None

@@ -7,7 +7,10 @@ never past the step after which the gate would lift (the sequences that reach ma
 that stops earlier on a stop token only ends its own tokens, as in a plain chain). The graph keeps each step's final
 hidden rows (``ModelRunner.keep_hidden``, a ``[k, rows, H]`` buffer): they are held for the deferred MTP catch-up
 (``DeferredCatchUp.hold``, k rows a sequence), copied out of the graph's buffer before the next replay, so the draft
-K/V of every position a chain computed is written later exactly as after k single gated steps. With the engine's
+K/V of every position a chain computed is written later exactly as after k single gated steps. A sequence sure to
+reach max_new_tokens before the gate lifts (``finish_gated``) will never draft again: its rows are not held, and a
+chain of only such rows is a plain chain keeping no hidden rows (R1's 256 equal rollouts: no catch-up at all; such a
+sequence turns blind, drafting no more, in case preemption lifts the gate before it ends). With the engine's
 lookahead (``generate()``, ``EngineConfig.lookahead``: on CUDA by default) the next gated chain is queued before the
 host reads the one in flight, as ``DecodeChains.queue_next`` does for a plain engine, when all its k steps stay
 gated and every row surely runs them; each chain's hidden rows are copied on the stream right behind it, before the
@@ -17,6 +20,8 @@ steps before the gate lifts.
 """
 
 from __future__ import annotations
+
+from itertools import product
 
 import torch
 
@@ -59,10 +64,26 @@ def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
     e = spec.engine
     r, seqs = e.runner, [c.seq for c in step.chunks]
     r.spec_exec.copy_draft_blocks(r, copies)
-    launch, hidden = _launch(r, step, seqs, k, copies, state_copies)
+    launch, hidden = _launch(r, step, seqs, k, copies, state_copies, keep=_keeps(spec, seqs))
     spec.counts["spec_gated_steps"] += k - 1  # the gate counted the first
     _queue_next(spec, seqs, launch, range(len(seqs)))
     return _finish(spec, step.chunks, seqs, launch, hidden)
+
+
+def finish_gated(spec) -> set[int]:
+    """The decoding sequences that surely finish (reach max_new_tokens) before the gate lifts: their catch-up is
+    never needed, so their hidden rows are not held (``DeferredCatchUp.hold``'s ``never``). A row's tokens not read
+    yet shift its tokens left and the gated steps alike, so the running counts decide."""
+    e = spec.engine
+    decoding = [s for s in e.scheduler.running if s.num_computed >= len(s) - 1]
+    gated = steps_gated(spec, decoding)
+    return {s.seq_id for s in decoding if s.options.max_new_tokens - s.num_output <= gated}
+
+
+def _keeps(spec, seqs: list) -> bool:
+    """Whether a gated chain of ``seqs`` keeps its hidden rows: some row may still draft after the gate lifts."""
+    never = finish_gated(spec)
+    return any(s.seq_id not in never for s in seqs)
 
 
 def step_ahead(spec) -> list:
@@ -77,15 +98,16 @@ def step_ahead(spec) -> list:
     return _finish(spec, chunks, seqs, launch, hidden)
 
 
-def _launch(r, step: Step, seqs: list, k: int, copies=(), state_copies=(), ids_from=None):
-    """Queue a chain keeping its hidden rows; returns the launch and a copy of its rows ``[k, rows, H]`` made on
-    the stream right behind it (a chain queued ahead replays the same graph, into the same buffer)."""
-    r.keep_hidden = True
+def _launch(r, step: Step, seqs: list, k: int, copies=(), state_copies=(), ids_from=None, keep: bool = True):
+    """Queue a chain keeping its hidden rows (``keep``; else a plain chain); returns the launch and a copy of its
+    rows ``[k, rows, H]`` made on the stream right behind it (a chain queued ahead replays the same graph, into the
+    same buffer), None without ``keep``."""
+    r.keep_hidden = keep
     try:
         launch = r.launch_decode_steps(step, seqs, k, copies, state_copies, ids_from=ids_from)
     finally:
         r.keep_hidden = False
-    return launch, r.last_hidden.clone()
+    return launch, r.last_hidden.clone() if keep else None
 
 
 def _queue_next(spec, seqs: list, launch, index) -> None:
@@ -99,7 +121,7 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
     if steps_gated(spec, seqs, unread=k) < k or not e.chains.can_queue(seqs, k):
         return
     nxt = e.chains.next_step(seqs, k)
-    launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)))
+    launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)), keep=_keeps(spec, seqs))
     spec.counts["spec_gated_steps"] += k
     e.chains.ahead = (seqs, launch2, hidden, nxt.chunks)
 
@@ -113,7 +135,7 @@ def _finish(spec, chunks, seqs: list, launch, hidden) -> list:
     e.step_counts["chained"] += k
     took = e.chains.take(seqs, tokens, logprobs)
     ops = spec.deferred.take_drops()
-    spec.deferred.hold(chunks, ops, k)
+    spec.deferred.hold(chunks, ops, k, finish_gated(spec) if hidden is not None else {c.seq.seq_id for c in chunks})
     with torch.inference_mode():
         spec._run(FinishWork(None, ops))
     return took
@@ -123,15 +145,20 @@ class DeferredCatchUp:
     """The MTP catch-up of gated steps, deferred (``SpecDecoder.deferred``): a gated step of decodes only that another
     gated step follows holds each sequence's hidden rows (``hold``; the device side keeps them at ``FinishWork``'s
     "hold" ops) until a step needs the draft's K/V whole (``flush``) or more than ``rows`` rows are held; a sequence
-    that finishes while gated never pays for it. ``held``: ``{seq_id: [seq, first position, rows held]}``."""
+    that finishes while gated never pays for it, and one sure to (``finish_gated``) holds nothing. ``held``:
+    ``{seq_id: [seq, first position, rows held]}``; ``blind``: ``{seq_id: seq}`` of the sequences whose rows were
+    not held, which draft no more (the gate may still lift before they finish: preemption shrinks the batch)."""
 
     def __init__(self, engine, rows: int):
         self.engine, self.rows = engine, rows
         self.held: dict[int, list] = {}
+        self.blind: dict[int, object] = {}
         self.dropped: list[int] = []  # seq_ids whose held rows the device side drops at the next FinishWork
 
     def forget(self, seq) -> None:
-        """``seq`` was preempted (recomputed from its prompt): what it held is dropped at the next FinishWork."""
+        """``seq`` was preempted (recomputed from its prompt, its draft's K/V with it): what it held is dropped at the
+        next FinishWork."""
+        self.blind.pop(seq.seq_id, None)
         if self.held.pop(seq.seq_id, None) is not None:
             self.dropped.append(seq.seq_id)
 
@@ -141,10 +168,19 @@ class DeferredCatchUp:
         self.dropped = []
         return ops
 
-    def hold(self, chunks, ops: list, k: int = 1) -> None:
-        """Hold the hidden rows of a gated step's ``chunks`` (``k`` > 1: a gated chain's, k positions a sequence);
+    def hold(self, chunks, ops: list, k: int = 1, never=frozenset()) -> None:
+        """Hold the hidden rows of a gated step's ``chunks`` (``k`` > 1: a gated chain's, k positions a sequence)
+        but those of ``never`` (seq_ids: they finish before the gate lifts, ``finish_gated``; they turn blind);
         a sequence's rows not right after those it holds, or more than ``rows`` rows in all, flush first / after."""
+        blinded = []
         for i, c in enumerate(chunks):
+            if c.seq.is_finished and c.seq.seq_id not in self.held:
+                continue
+            if c.seq.seq_id in never:
+                self.blind[c.seq.seq_id] = c.seq
+                if self.held.pop(c.seq.seq_id, None) is not None:
+                    blinded.append(c.seq.seq_id)
+                continue
             held = self.held.get(c.seq.seq_id)
             if held is not None and held[1] + held[2] != c.start:  # not the position after them: keep both
                 self.flush(ops)
@@ -154,16 +190,18 @@ class DeferredCatchUp:
             held[2] += k
             ops.append(("hold", i, c.seq.seq_id))
         finished = [i for i, d in self.held.items() if d[0].is_finished]
-        if finished:
+        if finished or blinded:
             self.held = {i: d for i, d in self.held.items() if i not in finished}
-            ops.append(("drop", finished))
+            ops.append(("drop", finished + blinded))
+        self.blind = {i: s for i, s in self.blind.items() if not s.is_finished}
         if sum(d[2] for d in self.held.values()) > self.rows:
             self.flush(ops)
 
     def flush(self, ops: list) -> None:
         """The deferred catch-up: step 0 of the draft over every held position of the running sequences in one
         prefill-mode pass, which writes the draft's K/V there (no draft is made from them: a later step's catch-up
-        does that). Finished and preempted sequences' rows are dropped."""
+        does that). Finished and preempted sequences' rows are dropped (and the finished blind ones forgotten)."""
+        self.blind = {i: s for i, s in self.blind.items() if not s.is_finished}
         if not self.held:
             return
         held = [d for d in self.held.values() if d[0].status is Status.RUNNING]
@@ -179,8 +217,8 @@ class DeferredCatchUp:
 
 def capture_gated(spec) -> int:
     """At server start (``SpecDecoder.capture_graphs``): the gated steps' graphs of every bucket above the gate's
-    smallest limit up to max_running's, the width-1 forward (``spec_graphs``) and the chains' decode graphs keeping
-    hidden rows (one per chain length). Returns how many were captured."""
+    smallest limit up to max_running's, the width-1 forward (``spec_graphs``) and the chains' decode graphs, keeping
+    hidden rows and not (one each per chain length). Returns how many were captured."""
     r, n = spec.engine.runner, 0
     most, graphs = spec.engine.config.max_running, r.spec_exec.graphs
     if spec.gate is None or not graphs.graphable(r, most, 1):
@@ -190,8 +228,8 @@ def capture_gated(spec) -> int:
             continue
         if ("verify", bsz, 1) not in r.graphs:
             r.graphs[("verify", bsz, 1)], n = graphs.capture(r, bsz, 1, None), n + 1
-        for k in () if r.record_routing else CHAIN_LENGTHS:
-            if graph_key(bsz, k, 0, False, True) not in r.graphs:
-                r._capture(bsz, k, 0, hidden=True)
+        for k, hidden in product(() if r.record_routing else CHAIN_LENGTHS, (True, False)):  # plain: finish_gated
+            if graph_key(bsz, k, 0, False, hidden) not in r.graphs:
+                r._capture(bsz, k, 0, hidden=hidden)
                 n += 1
     return n

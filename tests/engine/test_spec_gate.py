@@ -135,11 +135,14 @@ def test_gated_steps_keep_the_mtp_cache_whole(checkpoint, defer_rows):
     e = _engine(model, 2, gate=1)
     e.spec.deferred.rows = defer_rows or e.spec.deferred.rows
     seqs = [e.add_request(p, _greedy(n))[0] for p, n in zip(PROMPTS[:3], (4, 6, 30))]
-    held = 0
+    held, blind = 0, set()
     while not seqs[1].is_finished or e.spec.counts["verify_rows"] < 3:
         e.step()
         held = max(held, sum(d[2] for d in e.spec.deferred.held.values()))
-    assert (held <= 2 if defer_rows else held >= 8) and not e.spec.deferred.held, held  # deferred, then run
+        blind |= set(e.spec.deferred.blind)
+    # the two shorter ones finish while gated: only the third holds its rows (5 gated steps), the others turn blind
+    assert (held <= 2 if defer_rows else held >= 4) and not e.spec.deferred.held, held  # deferred, then run
+    assert seqs[1].seq_id in blind <= {seqs[0].seq_id, seqs[1].seq_id} and not e.spec.deferred.blind  # pruned
     seq = seqs[2]
     assert e.spec.counts["spec_gated_steps"] >= 4 and not seq.is_finished
     n = seq.num_computed
