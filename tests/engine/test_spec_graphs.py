@@ -241,17 +241,17 @@ def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, mon
 def test_capture_graphs_captures_every_steady_graph_at_start(echo, monkeypatch):
     """``Engine.capture_graphs`` under speculation: the verify, sampling and chain graphs of every bucket a steady
     step replays (the gate at 3: buckets 1, 2, 4), and the gated steps' forwards (width 1) and gated chains (plain
-    decode graphs keeping hidden rows) of the buckets above the limit up to max_running's (4, 8); a run then
+    decode graphs, keeping hidden rows and not) of the buckets above the limit up to max_running's (4, 8); a run then
     replays them and captures nothing more."""
     opts = _long_options()
     e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
-    assert e.capture_graphs() == 11 + 2 * len(CHAIN_LENGTHS)
+    assert e.capture_graphs() == 11 + 4 * len(CHAIN_LENGTHS)
     keys = set(e.runner.graphs)
     steady = {(kind, b) for kind in ("verify", "spec_draw", "spec_chain") for b in (1, 2, 4)}
     assert {key[:2] for key in keys if isinstance(key[0], str) and (key[-1] != 1 or key[0] != "verify")} == steady
     assert {key for key in keys if key[0] == "verify" and key[2] == 1} == {("verify", 4, 1), ("verify", 8, 1)}
-    assert {key for key in keys if not isinstance(key[0], str)} == {(b, k, 0, "hidden") for b in (4, 8)
-                                                                   for k in CHAIN_LENGTHS}
+    assert {key for key in keys if not isinstance(key[0], str)} == {(b, k, 0, *h) for b in (4, 8)
+                                                                   for k in CHAIN_LENGTHS for h in ((), ("hidden",))}
     got = _run(e, opts, late_after=4)
     assert set(e.runner.graphs) == keys and sum(_replays(e).values()) >= 2
     _assert_same(got, _run(_engine(echo, 3, graphs=False, speculative_disable_by_batch_size=3), opts, late_after=4))
