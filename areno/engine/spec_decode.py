@@ -208,8 +208,12 @@ class SpecDecoder:
         return {"spec_accept_len": self.counts["emitted"] / n if n else 0.0, **self.counts}
 
     def take_stats(self) -> dict:
-        """``spec_accept_len`` and ``spec_gated_steps`` since the last call (a rollout's), every count restarted."""
+        """``spec_accept_len`` and ``spec_gated_steps`` since the last call (a rollout's), and with a gate
+        ``spec_limit``, its N at the end (under ``auto``: at the window's accept length); every count restarted, so
+        ``auto``'s next window starts from its prior."""
         out = {"spec_accept_len": self.stats()["spec_accept_len"], "spec_gated_steps": self.counts["spec_gated_steps"]}
+        if self.gate is not None:
+            out["spec_limit"] = self.limit
         self.counts = dict.fromkeys(self.counts, 0)
         return out
 

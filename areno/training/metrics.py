@@ -31,6 +31,7 @@ LINE = (
     ("rollout_tok_s", "rollout", "{:.0f} tok/s"),
     ("spec_accept_len", "accept", "{:.2f}"),
     ("spec_gated_steps", "gated", "{:.0f}"),
+    ("spec_limit", "spec_N", "{:.0f}"),
     ("train_tok_s", "train", "{:.0f} tok/s"),
 )
 

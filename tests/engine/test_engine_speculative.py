@@ -12,6 +12,7 @@ import torch
 from areno.config import SamplingParams
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, state_bytes
+from areno.engine.spec_gate import AUTO_FALLBACK
 from areno.engine.spec_graphs import stash_bytes
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
@@ -54,8 +55,9 @@ def test_greedy_equals_plain_decoding(echo, k):
     stats = e.spec.stats()
     assert 1.1 < stats["spec_accept_len"] < k + 1  # drafts were accepted and rejected
     assert stats["spec_accept_len"] == stats["emitted"] / stats["verify_rows"]
-    assert e.spec.take_stats() == {"spec_accept_len": stats["spec_accept_len"], "spec_gated_steps": 0}  # per rollout
-    assert e.spec.take_stats() == {"spec_accept_len": 0.0, "spec_gated_steps": 0}
+    limit = {"spec_limit": AUTO_FALLBACK}  # auto, on the CPU: the fixed N
+    assert e.spec.take_stats() == {"spec_accept_len": stats["spec_accept_len"], "spec_gated_steps": 0, **limit}
+    assert e.spec.take_stats() == {"spec_accept_len": 0.0, "spec_gated_steps": 0, **limit}  # per rollout
     if family != "deepseek_v3":  # the hybrids: rejections rolled their recurrent states back
         assert e.runner.states is not None
 

@@ -1,8 +1,8 @@
 """--speculative-tokens in a GRPO run: the colocated engine drafts with the policy's MTP layer (DeepSeek-V3, MoE:
-routing replay on by default) and every logged step carries ``spec_accept_len``; so does a run whose engine is
-tensor parallel (two gloo ranks, the MTP layer sharded): colocated with --tp-size 2, and split mode with
---rollout-tp-size 2 (each rank's draft shard reloaded after the policy sync); the rollout's log-probs are those the
-trainer computes."""
+routing replay on by default) and every logged step carries ``spec_accept_len`` (and the gate's N, ``spec_limit``);
+so does a run whose engine is tensor parallel (two gloo ranks, the MTP layer sharded): colocated with --tp-size 2,
+and split mode with --rollout-tp-size 2 (each rank's draft shard reloaded after the policy sync); the rollout's
+log-probs are those the trainer computes."""
 
 import json
 
@@ -36,4 +36,5 @@ def test_grpo_run_logs_the_accept_length(tmp_path, tp, monkeypatch):
     steps = [json.loads(x) for x in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 1 and all(1.0 <= s["spec_accept_len"] <= 3.0 for s in steps)
     assert all(s["spec_gated_steps"] == 0 for s in steps)  # beside it: the gate (auto: 32 on the CPU) never closed
+    assert all(s["spec_limit"] == 32 for s in steps)  # and its N
     assert steps[0]["logprob_diff"] < 1e-4

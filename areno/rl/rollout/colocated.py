@@ -109,10 +109,10 @@ class ColocatedRollout:
             model.train()
 
     def rollout(self, prompt_ids, options, upcoming=None, *, on_group=None, keys=None):
-        """This step's completions and the rollout's own stats (with --speculative-tokens: ``spec_accept_len`` and
-        ``spec_gated_steps`` of this rollout; nothing else, the weights are the trainer's). ``on_group(i,
-        completions)``: called as soon as every sample of prompt ``i`` has finished, while the others still decode
-        (``Engine.generate``'s ``on_finished``)."""
+        """This step's completions and the rollout's own stats (with --speculative-tokens: ``spec_accept_len``,
+        ``spec_gated_steps`` and the gate's ``spec_limit`` of this rollout; nothing else, the weights are the
+        trainer's). ``on_group(i, completions)``: called as soon as every sample of prompt ``i`` has finished, while
+        the others still decode (``Engine.generate``'s ``on_finished``)."""
         out = self.generate(prompt_ids, options, on_finished=on_group)
         return out, ({} if self.engine.spec is None else self.engine.spec.take_stats())
 

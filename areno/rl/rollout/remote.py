@@ -352,6 +352,9 @@ class RemoteRollout:
         if accept:  # --speculative-tokens: the engines' mean accept length over this command
             idle["spec_accept_len"] = sum(accept) / len(accept)
             idle["spec_gated_steps"] = sum(s.get("spec_gated_steps", 0) for _, _, s in answers)
+            limits = [s["spec_limit"] for _, _, s in answers if "spec_limit" in s]
+            if limits:  # the gates' N at the command's end (each engine's own accept length under auto)
+                idle["spec_limit"] = sum(limits) / len(limits)
         return tag, version, sizes, [a for a, _, _ in answers], idle
 
     def _collect(self):
@@ -441,8 +444,8 @@ def rollout_policy(cfg, layout, device, dtype):
 
 
 def spec_stats(engine) -> dict:
-    """What a rollout rank reports of a command besides its answer: ``spec_accept_len`` and ``spec_gated_steps``
-    with --speculative-tokens."""
+    """What a rollout rank reports of a command besides its answer: ``spec_accept_len``, ``spec_gated_steps`` and the
+    gate's ``spec_limit`` with --speculative-tokens."""
     return {} if engine.spec is None else engine.spec.take_stats()
 
 
