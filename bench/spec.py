@@ -179,7 +179,7 @@ def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
                preempted, kv_tokens=engine.blocks.num_blocks * engine.config.block_size,
                **{f"steps_{k}": v - counts.get(k, 0) for k, v in engine.step_counts.items()})  # fmt: skip
     if engine.spec is not None:
-        rec.update(spec_limit=engine.spec.limit, **engine.spec.take_stats())  # accept length, gated steps
+        rec.update({"spec_limit": None, **engine.spec.take_stats()})  # accept length, gated steps, the gate's last N
     return rec, out
 
 
