@@ -64,25 +64,26 @@ def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
     e = spec.engine
     r, seqs = e.runner, [c.seq for c in step.chunks]
     r.spec_exec.copy_draft_blocks(r, copies)
-    launch, hidden = _launch(r, step, seqs, k, copies, state_copies, keep=_keeps(spec, seqs))
+    never = finish_gated(spec)
+    launch, hidden = _launch(r, step, seqs, k, copies, state_copies, keep=_keeps(seqs, never))
     spec.counts["spec_gated_steps"] += k - 1  # the gate counted the first
     _queue_next(spec, seqs, launch, range(len(seqs)))
-    return _finish(spec, step.chunks, seqs, launch, hidden)
+    return _finish(spec, step.chunks, seqs, launch, hidden, never)
 
 
 def finish_gated(spec) -> set[int]:
     """The decoding sequences that surely finish (reach max_new_tokens) before the gate lifts: their catch-up is
     never needed, so their hidden rows are not held (``DeferredCatchUp.hold``'s ``never``). A row's tokens not read
-    yet shift its tokens left and the gated steps alike, so the running counts decide."""
+    yet shift its tokens left and the gated steps alike, so the running counts decide, and the set a chain is
+    launched with still holds when its tokens are read (arrivals can only add to it)."""
     e = spec.engine
     decoding = [s for s in e.scheduler.running if s.num_computed >= len(s) - 1]
     gated = steps_gated(spec, decoding)
     return {s.seq_id for s in decoding if s.options.max_new_tokens - s.num_output <= gated}
 
 
-def _keeps(spec, seqs: list) -> bool:
+def _keeps(seqs: list, never: set[int]) -> bool:
     """Whether a gated chain of ``seqs`` keeps its hidden rows: some row may still draft after the gate lifts."""
-    never = finish_gated(spec)
     return any(s.seq_id not in never for s in seqs)
 
 
@@ -90,12 +91,12 @@ def step_ahead(spec) -> list:
     """The gated chain queued ahead (``Engine.chains.ahead``): the one after it queued first for the rows still running,
     then its tokens read and its hidden rows held, as ``gated_chain``."""
     e = spec.engine
-    seqs, launch, hidden, chunks = e.chains.ahead
+    seqs, launch, hidden, chunks, never = e.chains.ahead
     e.chains.ahead = None
     live = [i for i, s in enumerate(seqs) if not s.is_finished]
     if live:
         _queue_next(spec, [seqs[i] for i in live], launch, live)
-    return _finish(spec, chunks, seqs, launch, hidden)
+    return _finish(spec, chunks, seqs, launch, hidden, never)
 
 
 def _launch(r, step: Step, seqs: list, k: int, copies=(), state_copies=(), ids_from=None, keep: bool = True):
@@ -121,12 +122,13 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
     if steps_gated(spec, seqs, unread=k) < k or not e.chains.can_queue(seqs, k):
         return
     nxt = e.chains.next_step(seqs, k)
-    launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)), keep=_keeps(spec, seqs))
+    never = finish_gated(spec)
+    launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)), keep=_keeps(seqs, never))
     spec.counts["spec_gated_steps"] += k
-    e.chains.ahead = (seqs, launch2, hidden, nxt.chunks)
+    e.chains.ahead = (seqs, launch2, hidden, nxt.chunks, never)
 
 
-def _finish(spec, chunks, seqs: list, launch, hidden) -> list:
+def _finish(spec, chunks, seqs: list, launch, hidden, never: set[int]) -> list:
     """A chain's tokens taken up to each row's stop and its hidden rows held (``DeferredCatchUp.hold``); returns the
     sequences that took tokens."""
     e, r, k = spec.engine, spec.engine.runner, launch.k
@@ -135,7 +137,7 @@ def _finish(spec, chunks, seqs: list, launch, hidden) -> list:
     e.step_counts["chained"] += k
     took = e.chains.take(seqs, tokens, logprobs)
     ops = spec.deferred.take_drops()
-    spec.deferred.hold(chunks, ops, k, finish_gated(spec) if hidden is not None else {c.seq.seq_id for c in chunks})
+    spec.deferred.hold(chunks, ops, k, never)  # without hidden rows every row is in ``never``
     with torch.inference_mode():
         spec._run(FinishWork(None, ops))
     return took
