@@ -133,7 +133,11 @@ class AsyncEngine:
     while nothing that fits waits, the next group of k is queued before this one's tokens are read. A request that
     arrives then waits for that group (at most k steps) before it is admitted; one aborted meanwhile just drops its
     queued tokens (its blocks go to later steps, which the stream orders after the group's writes). With k = 1 (the
-    server, whose ``ServeEngine`` runs calls on the engine between steps) nothing is queued between two steps."""
+    server, whose ``ServeEngine`` runs calls on the engine between steps) nothing is queued between two steps.
+    ``reopen_when_idle`` (the server's): the speculative gate's window restarts each time the engine runs dry
+    (``SpecDecoder.reopen``); a rollout's windows are its own (``take_stats``), a function of its tokens."""
+
+    reopen_when_idle = False
 
     def __init__(self, engine: Engine, decode_steps: int = 1):
         self.engine = engine
@@ -213,6 +217,8 @@ class AsyncEngine:
             if self._stop and not self.engine.has_work():
                 return
             if not self.engine.has_work():
+                if self.reopen_when_idle and self.engine.spec is not None:
+                    self.engine.spec.reopen()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue

@@ -217,6 +217,14 @@ class SpecDecoder:
         self.counts = dict.fromkeys(self.counts, 0)
         return out
 
+    def reopen(self) -> None:
+        """Restart ``auto``'s window from its prior while the engine is idle (a server's, ``areno serve``: its
+        windows run idle to idle). A window whose accept length fell below break-even verifies nothing more, so
+        without this a server would never see its drafts improve with a new mix of requests. Stats since the last
+        ``take_stats`` restart too; nothing else changes."""
+        if self.gate is not None and self.gate.fixed is None and self.counts["verify_rows"]:
+            self.take_stats()
+
     @torch.inference_mode()
     def capture_graphs(self) -> int:
         """Capture the steady steps' graphs of every bucket they replay now (``Engine.capture_graphs``, at server

@@ -18,7 +18,7 @@ plain step of B sequences costs max(T, B) token-times and a speculative one max(
 mu max(T, B) each (mu: a draft step's FLOPs over the target's, its MTP layer and the head it uses). It pays while the
 accept length a (tokens emitted per sequence and verify step) is at least their ratio, which holds for
 B <= N(a) = floor(T (a - K mu) / (K + 1)) (0 once a < 1 + K mu: speculation loses at every batch). The engine
-reads a as the running accept length since its last ``take_stats`` (a rollout's window; from its start in a server),
+reads a as the running accept length since its last ``take_stats`` (a rollout's window; a server's, idle to idle),
 started from an optimistic prior of ``PRIOR_ROWS`` rows at K + 1, so a rollout that starts at a batch above N(K + 1)
 stays plain, and one that starts below it learns its drafts' acceptance within its first steps. The rule is a
 function of the tokens (no timings), so runs and resumes stay exact. Weight bytes: every parameter the target's

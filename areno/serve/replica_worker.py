@@ -157,6 +157,8 @@ class ReplicaWorker:
             if self.parent is not None and not self.parent.is_alive():
                 return  # orphaned: nobody is left to read the results
             if not engine.has_work():
+                if engine.spec is not None:
+                    engine.spec.reopen()  # the server's gate window: idle to idle (``AsyncEngine.reopen_when_idle``)
                 if self.stopping:
                     break
                 continue

@@ -109,6 +109,8 @@ class ServeEngine(AsyncEngine):
     """``AsyncEngine`` plus :meth:`run_on_engine`. The call goes through the engine thread's command queue, so it
     runs between two engine steps (a decode step never sees it half done)."""
 
+    reopen_when_idle = True
+
     async def run_on_engine(self, fn, *args):
         loop = asyncio.get_running_loop()
         future = loop.create_future()

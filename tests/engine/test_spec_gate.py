@@ -7,18 +7,23 @@ draft after the gate lifts is accepted; ``auto`` resolves from the roofline (a n
 accept length; bad values and the
 flag without --speculative-tokens are refused naming it; preemption under the gate keeps greedy tokens."""
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from areno.config import ConfigError, SamplingParams, ServeConfig
 from areno.engine import spec_gate
+from areno.engine.async_engine import AsyncEngine
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block
 from areno.engine.spec_gate import AUTO_FALLBACK, Gate, auto_gate, decode_counts, draft_flops
 from areno.models import load_model
 from areno.models.mtp import build_mtp_draft
 from areno.platform.roofline import H100, H200, Roofline, roofline_of
+from areno.serve.scoring import ServeEngine
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.mtp import GATE_PROMPTS as PROMPTS
 from tests.helpers.mtp import make_echo_model, run_with_arrivals
@@ -289,6 +294,39 @@ def test_auto_follows_the_accept_length(checkpoint, scale, monkeypatch):
     end = e.spec.limit
     assert e.spec.take_stats()["spec_limit"] == end  # the window's last N, for the train metrics
     assert e.spec.limit == e.spec.gate.most
+
+
+@pytest.mark.parametrize("server", [True, False])
+def test_a_server_reopens_the_window_when_idle(checkpoint, server, monkeypatch):
+    """``areno serve``'s engine (``ServeEngine``) restarts ``auto``'s window each time it runs dry, so a window whose
+    drafts fell below break-even (N = 0: nothing more verified) probes again with the next requests; agentic
+    rollout's ``AsyncEngine`` keeps its window (a function of its tokens) until ``take_stats``."""
+    model = make_echo_model(load_model(checkpoint, dtype=torch.float32, device="cpu"), scale=0.5)
+    roof = _test_roofline(model, 14.0)
+    monkeypatch.setattr(spec_gate, "device_roofline", lambda device: roof)
+    engine = _engine(model, 2)
+    taken, take = [], engine.spec.take_stats
+    monkeypatch.setattr(engine.spec, "take_stats", lambda: taken.append(take()) or taken[-1])
+    aengine = (ServeEngine if server else AsyncEngine)(engine)
+
+    async def serve(n=20):
+        lengths = []
+        for stream in [await aengine.submit(p, _greedy(n)) for p in PROMPTS]:
+            lengths.append(len([ev async for ev in stream]))
+        return lengths
+
+    try:
+        assert asyncio.run(serve()) == [20] * len(PROMPTS)
+        deadline = time.monotonic() + 10
+        while server and not taken and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine thread reopens once it finds no work
+    finally:
+        aengine.close()
+    if server:  # one window: the request's, ended gated (N = 0); the next starts from the prior
+        assert len(taken) == 1 and taken[0]["spec_limit"] == 0 and taken[0]["spec_gated_steps"] > 0
+        assert engine.spec.counts["verify_rows"] == 0 and engine.spec.limit == engine.spec.gate.most
+    else:
+        assert not taken and engine.spec.counts["spec_gated_steps"] > 0 and engine.spec.limit == 0
 
 
 @pytest.mark.parametrize("value,ok", [("auto", "auto"), ("off", 0), ("0", 0), ("12", 12), (5, 5), ("-1", None),
