@@ -243,16 +243,23 @@ def copy_bandwidth_gbs():
     return 2 * x.numel() / t / 1e6
 
 
-def make_paged(batch, ctx, hq, hkv, d, page, dtype, dev):
+def make_paged(batch, ctx, hq, hkv, d, page, dtype, dev, fp8=False):
+    """A decode problem over a paged cache: (q, k_cache, v_cache, table, lens, nbytes, scales); ``fp8``: an FP8
+    cache (E4M3 K/V, one fp32 scale per slot and KV head, ``scales`` the kernel's k_scale / v_scale keywords)."""
     blocks_per_seq = triton.cdiv(ctx, page)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, page, hkv, d, device=dev, dtype=dtype)
     v_cache = torch.randn(num_blocks, page, hkv, d, device=dev, dtype=dtype)
+    scales = {}
+    if fp8:
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        scales = {name: torch.rand(num_blocks, page, hkv, device=dev) + 0.5 for name in ("k_scale", "v_scale")}
     table = torch.randperm(num_blocks, device=dev).view(batch, blocks_per_seq).to(torch.int32)
     lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
-    nbytes = (2 * batch * ctx * hkv * d + 2 * batch * hq * d) * k_cache.element_size() + table.numel() * 4
-    return q, k_cache, v_cache, table, lens, nbytes
+    nbytes = 2 * batch * ctx * hkv * (d * k_cache.element_size() + (4 if fp8 else 0))
+    nbytes += 2 * batch * hq * d * q.element_size() + table.numel() * 4
+    return q, k_cache, v_cache, table, lens, nbytes, scales
 
 
 def decode_row(impl, fn, nbytes, copy_gbs, **info):
@@ -268,7 +275,7 @@ def bench_decode(batches, ctxs, pages, hq, hkv, d, dtype, copy_gbs):
     dev = "cuda" if CUDA else "cpu"
     rows = []
     for batch, ctx, page in itertools.product(batches, ctxs, pages):
-        q, k_cache, v_cache, table, lens, nbytes = make_paged(batch, ctx, hq, hkv, d, page, dtype, dev)
+        q, k_cache, v_cache, table, lens, nbytes, _ = make_paged(batch, ctx, hq, hkv, d, page, dtype, dev)
         info = dict(batch=batch, ctx=ctx, heads_q=hq, heads_kv=hkv, head_dim=d)
         rows.append(decode_row("areno", lambda a=(q, k_cache, v_cache, table, lens): paged_attention(*a), nbytes,
                                copy_gbs, block_size=page, **info))
@@ -286,10 +293,10 @@ def bench_decode(batches, ctxs, pages, hq, hkv, d, dtype, copy_gbs):
 def sweep_row(paged, splits, cfg, copy_gbs, **fields):
     """Time one kernel config (``cfg`` (BLOCK_M, BLOCK_N, warps, stages) or None) and split count on the decode
     problem ``paged`` (from make_paged) in a CUDA graph; a sweep row, or None if it failed."""
-    q, k_cache, v_cache, table, lens, nbytes = paged
+    q, k_cache, v_cache, table, lens, nbytes, scales = paged
     args = (q, k_cache, v_cache, table, lens, q.shape[-1] ** -0.5, None, 1, splits, cfg)
     try:
-        t = time_ms(lambda: paged_attention_triton(*args), graph=True)
+        t = time_ms(lambda: paged_attention_triton(*args, **scales), graph=True)
     except Exception as e:
         print(f"  {fields} splits {splits} config {cfg}: failed: {type(e).__name__}: {str(e)[:120]}")
         return None
@@ -314,20 +321,27 @@ def sweep_decode(hq, hkv, d, dtype, copy_gbs, big_batch=256, ctx=2048, small_bat
     return rows
 
 
-def sweep_rollout_decode(hq, hkv, d, dtype, copy_gbs, batch=256, ctxs=(160, 384, 640)):
-    """Tile configs and split counts at the contexts of an RL rollout (batch 256, 128 + up to 512 tokens)."""
+def sweep_rollout_decode(hq, hkv, d, dtype, copy_gbs, batch=256, ctxs=(160, 384, 640), kv_dtypes=("bf16",)):
+    """Tile configs and split counts at the contexts of an RL rollout (batch 256, 128 + up to 512 tokens), for
+    each KV cache dtype of ``kv_dtypes`` (bf16: the model's; fp8: ``--kv-cache-dtype fp8``'s E4M3 with scales)."""
     rows = []
     dev = "cuda" if CUDA else "cpu"
-    configs = list(itertools.product([16, 32, 64], [2, 4], [2, 3, 4]))
-    for ctx in ctxs:
-        paged = make_paged(batch, ctx, hq, hkv, d, 16, dtype, dev)
+    configs = list(itertools.product([32, 64, 128], [4, 8], [2, 3, 4]))
+    for kv, ctx in itertools.product(kv_dtypes, ctxs):
+        paged = make_paged(batch, ctx, hq, hkv, d, 16, dtype, dev, fp8=kv == "fp8")
+        mine = []
         for (bn, w, st), splits in itertools.product(configs, (1, 2)):
             row = sweep_row(paged, splits, (16, bn, w, st), copy_gbs, workload="paged_decode_rollout_sweep",
-                            batch=batch, ctx=ctx, config=f"BLOCK_N={bn} warps={w} stages={st} splits={splits}")
-            rows += [row] if row else []
-        best = max((r for r in rows if r["ctx"] == ctx), key=lambda r: r["GB/s"], default=None)
-        if best:
-            print(f"  rollout sweep ctx {ctx}: best {best['config']} {best['ms'] * 1e3:.1f} us {best['GB/s']:.0f} GB/s")
+                            batch=batch, ctx=ctx, kv_cache_dtype=kv,
+                            config=f"BLOCK_N={bn} warps={w} stages={st} splits={splits}")
+            mine += [row] if row else []
+        default = sweep_row(paged, None, None, copy_gbs, workload="paged_decode_rollout_default", batch=batch,
+                            ctx=ctx, kv_cache_dtype=kv, config="default")
+        best = max(mine, key=lambda r: r["GB/s"], default=None)
+        if best and default:
+            print(f"  rollout sweep {kv} ctx {ctx}: best {best['config']} {best['ms'] * 1e3:.1f} us "
+                  f"{best['GB/s']:.0f} GB/s; default config {default['ms'] * 1e3:.1f} us {default['GB/s']:.0f} GB/s")
+        rows += mine + ([default] if default else [])
         del paged
     return rows
 
@@ -374,6 +388,10 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="skip the decode config / split sweep")
     ap.add_argument("--rollout-sweep", action="store_true",
                     help="only the decode config sweep at rollout contexts (batch 256, ctx 160 / 384 / 640)")
+    ap.add_argument("--ctxs", default=None,
+                    help="--rollout-sweep only: contexts, comma-separated (default 160,384,640)")
+    ap.add_argument("--kv-cache-dtypes", default="bf16",
+                    help="--rollout-sweep only: the KV cache dtypes to sweep, comma-separated (bf16, fp8)")
     ap.add_argument("--bwd-variants", action="store_true",
                     help="K1 only: areno once per backward variant (attention's _bwd, all of BWD_VARIANTS) beside "
                          "SDPA")
@@ -414,12 +432,19 @@ def main():
                          f"{attention_module.BWD_VARIANTS}, got {args.pairs!r}")
         bench_bwd_variants(args.smoke, variants, args.seqs or [1024, 4096, 8192], args.batch or 8)
         return
+    kv_dtypes = tuple(args.kv_cache_dtypes.split(","))
+    if not set(kv_dtypes) <= {"bf16", "fp8"} or (kv_dtypes != ("bf16",) and not args.rollout_sweep):
+        ap.error("--kv-cache-dtypes takes bf16 and/or fp8, and applies to --rollout-sweep only")
+    if args.ctxs is not None and not args.rollout_sweep:
+        ap.error("--ctxs applies to --rollout-sweep only")
     if args.rollout_sweep:
         dtype = torch.bfloat16 if CUDA else torch.float16
         shape = (16, 8, 128) if CUDA else (4, 2, 64)
         copy_gbs = copy_bandwidth_gbs() if CUDA else None
-        rows = sweep_rollout_decode(*shape, dtype, copy_gbs, **({} if CUDA else dict(batch=2, ctxs=(40,))))
-        print_table(rows, ["ctx", "config", "ms", "GB/s", "frac_copy_bw"])
+        rows = sweep_rollout_decode(*shape, dtype, copy_gbs, kv_dtypes=kv_dtypes,
+                                    **({} if CUDA else dict(batch=2, ctxs=(40,))),
+                                    **({} if args.ctxs is None else dict(ctxs=tuple(map(int, args.ctxs.split(","))))))
+        print_table(rows, ["kv_cache_dtype", "ctx", "config", "ms", "GB/s", "frac_copy_bw"])
         if CUDA:
             append_jsonl("attention", rows, env_info())
         return
