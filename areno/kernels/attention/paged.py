@@ -240,14 +240,15 @@ def num_splits_for(q: torch.Tensor, programs: int, capacity: int) -> int:
 
 def _tile_config(group_pad: int, multi_token: bool, head_dim: int, fp8: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so small M and a deep-enough key tile.
-    An FP8 cache's tiles are half the bytes: twice the keys a tile and one more stage keep as many bytes in flight
-    (bench/attention.py --rollout-sweep --kv-cache-dtypes bf16,fp8, H100, 256 x 384 keys: 100 us against 158 us
-    with the bf16 cache's config, and bf16's 138 us)."""
+    An FP8 cache's tiles are half the bytes: at one query a sequence (decode), twice the keys a tile and one more
+    stage keep as many bytes in flight (bench/attention.py --rollout-sweep --kv-cache-dtypes bf16,fp8, H100, 256 x
+    384 keys: 100 us against 158 us with the bf16 cache's config, and bf16's 138 us); the multi-token tiles (64
+    query rows) keep bf16's config, not swept."""
     if interpreting():  # big tiles: the interpreter pays per program and per loop step, not per element
         return max(64 if multi_token else 16, group_pad), 32, 4, 1
     block_m = max(64 if multi_token else 16, group_pad)
     block_n = 64 if head_dim <= 128 else 32
-    if fp8:
+    if fp8 and not multi_token:
         return block_m, 2 * block_n, 4, 3
     return block_m, block_n, 4, 2
 
