@@ -188,6 +188,7 @@ class SpecDecoder:
         self.deferred = spec_gated.DeferredCatchUp(engine, budget.defer_rows)  # gated steps' MTP catch-up
         self.gate = budget.gate  # the largest batch that speculates, by the accept length (None: every step does)
         self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
+        self.totals = dict(old.lifetime()) if old is not None else dict.fromkeys(self.counts, 0)  # windows ended
 
     @property
     def mtp_cache(self) -> torch.Tensor:
@@ -214,8 +215,13 @@ class SpecDecoder:
         out = {"spec_accept_len": self.stats()["spec_accept_len"], "spec_gated_steps": self.counts["spec_gated_steps"]}
         if self.gate is not None:
             out["spec_limit"] = self.limit
+        self.totals = self.lifetime()
         self.counts = dict.fromkeys(self.counts, 0)
         return out
+
+    def lifetime(self) -> dict:
+        """The counts since the engine started (every window's; ``areno serve``'s ``/metrics``)."""
+        return {name: self.totals[name] + n for name, n in self.counts.items()}
 
     def reopen(self) -> None:
         """Restart ``auto``'s window from its prior while the engine is idle (a server's, ``areno serve``: its

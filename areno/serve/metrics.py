@@ -11,7 +11,12 @@ The names are vLLM's (``vllm:`` prefix), so dashboards and autoscalers written f
 - per engine (label ``engine``: the replica's rank, 0 without replicas), read from its ``BlockManager`` at scrape
   time: ``vllm:kv_cache_usage_perc`` (fraction of the paged KV cache's blocks in use, 0..1) and the counters
   ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt tokens looked up in the prefix
-  cache / served from it: hit rate = hits / queries).
+  cache / served from it: hit rate = hits / queries);
+- with ``--speculative-tokens``, per engine, the counters ``vllm:spec_decode_num_drafts`` (drafts verified: one per
+  speculating sequence and step), ``vllm:spec_decode_num_draft_tokens`` (their tokens) and
+  ``vllm:spec_decode_num_accepted_tokens`` (those the target accepted: mean acceptance length = 1 + accepted /
+  drafts), and areno's own ``areno:spec_decode_gated_steps`` (counter: steps the gate ran plain) and
+  ``areno:spec_decode_limit`` (gauge: the gate's N now, the largest batch that speculates; absent without a gate).
 
 Every series carries ``model_name``; no ``*_created`` series are written. Each app has its own
 ``CollectorRegistry``, so several servers in one process never clash. Every engine stream the app reads goes
@@ -46,8 +51,12 @@ KV_STATS_WAIT_S = 0.5  # how long a scrape waits for the engines' KV-cache count
 def kv_stats(engine) -> dict:
     """An ``Engine``'s KV-cache and prefix-cache counters (run where the engine lives: its thread or replica)."""
     b = engine.blocks
-    return {"num_blocks": b.num_blocks, "used_blocks": b.num_used, "prefix_queries": b.prefix_queries,
-            "prefix_hits": b.prefix_hits}
+    out = {"num_blocks": b.num_blocks, "used_blocks": b.num_used, "prefix_queries": b.prefix_queries,
+           "prefix_hits": b.prefix_hits}
+    spec = getattr(engine, "spec", None)
+    if spec is not None:
+        out["spec"] = {**spec.lifetime(), "limit": spec.limit}
+    return out
 
 
 async def engine_kv_stats(engine) -> dict[int, dict]:
@@ -80,12 +89,41 @@ class _Collector:
                                       labels=labels)
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (hit "
                                    "rate = hits / queries).", labels=labels)
+        spec = _spec_families(labels)
         for rank, s in sorted(self.snapshot.items()):
             lb = [self.model_name, str(rank)]
             usage.add_metric(lb, s["used_blocks"] / s["num_blocks"] if s["num_blocks"] else 0.0)
             queries.add_metric(lb, s["prefix_queries"])
             hits.add_metric(lb, s["prefix_hits"])
-        return [generated, usage, queries, hits] if self.snapshot else [generated]
+            if "spec" in s:
+                _add_spec(spec, lb, s["spec"])
+        spec_series = [f for f in spec.values() if f.samples]
+        return [generated, usage, queries, hits, *spec_series] if self.snapshot else [generated]
+
+
+def _spec_families(labels: list[str]) -> dict:
+    return {
+        "drafts": CounterMetricFamily("vllm:spec_decode_num_drafts", "Speculative drafts verified (one per "
+                                      "speculating sequence and step).", labels=labels),
+        "draft_tokens": CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                            labels=labels),
+        "accepted": CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Draft tokens the target model "
+                                        "accepted (mean acceptance length = 1 + accepted / drafts).", labels=labels),
+        "gated": CounterMetricFamily("areno:spec_decode_gated_steps", "Steps the speculative gate ran plain (more "
+                                     "sequences decoding than its limit).", labels=labels),
+        "limit": GaugeMetricFamily("areno:spec_decode_limit", "The speculative gate's limit now: the largest batch "
+                                   "that speculates.", labels=labels),
+    }
+
+
+def _add_spec(families: dict, lb: list[str], counts: dict) -> None:
+    """One engine's speculation counts (``SpecDecoder.lifetime`` and the gate's ``limit``) into ``families``."""
+    families["drafts"].add_metric(lb, counts["verify_rows"])
+    families["draft_tokens"].add_metric(lb, counts["proposed"])
+    families["accepted"].add_metric(lb, counts["emitted"] - counts["verify_rows"])
+    families["gated"].add_metric(lb, counts["spec_gated_steps"])
+    if counts["limit"] is not None:
+        families["limit"].add_metric(lb, counts["limit"])
 
 
 class ServeMetrics:

@@ -1,6 +1,7 @@
 """``areno serve --speculative-tokens 2 --eager-decode`` with a DeepSeek-V3 checkpoint whose MTP layer agrees with
 it in part (``tests.helpers.mtp``): greedy completions, streamed and not, through the official ``openai`` client equal
-the plain engine's text; a request for top log-probs gets a 400 naming the flag."""
+the plain engine's text; a request for top log-probs gets a 400 naming the flag; ``/metrics`` counts the drafts,
+their tokens and those accepted (vLLM's ``vllm:spec_decode_*`` counters) and shows the gate's limit."""
 
 import shutil
 
@@ -14,6 +15,7 @@ from areno.models import load_model, load_tokenizer, save_model
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.mtp import make_echo_model
 from tests.serve.conftest import RunningServer
+from tests.serve.test_endpoints import scrape, value
 
 PROMPT = "hello world, 12 + 3 ="
 
@@ -40,5 +42,14 @@ def test_greedy_completions_equal_the_plain_engine(tmp_path):
         assert streamed == text
         with pytest.raises(openai.BadRequestError, match="--speculative-tokens"):
             client.completions.create(logprobs=3, **args)
+        m = scrape(server)
+        drafts = value(m, "vllm:spec_decode_num_drafts_total")
+        tokens = value(m, "vllm:spec_decode_num_draft_tokens_total")
+        accepted = value(m, "vllm:spec_decode_num_accepted_tokens_total", engine="0")
+        assert drafts > 0 and drafts <= tokens <= 2 * drafts and 0 < accepted <= tokens
+        # each draft verified emits 1 + its accepted tokens, of the 48 generated
+        assert accepted + drafts <= value(m, "vllm:generation_tokens_total") == 48
+        assert value(m, "areno:spec_decode_limit") == 32 and ("areno:spec_decode_gated_steps_total",
+                                                              frozenset({("model_name", "tiny"), ("engine", "0")})) in m
     finally:
         server.stop()
