@@ -486,7 +486,7 @@ def run_speculative(args, device, names):
         print_table(records, ["workload", "call", "family", "speculative_tokens", "spec_gate", "spec_limit",
                               "sequences", "output_tokens", "wall_s", "tok_s", "spec_accept_len", "spec_gated_steps",
                               "speedup_vs_plain", "preemptions", "kv_tokens", "steps_single", "steps_chained",
-                              "mtp_loss_last", "greedy_same", "first_diff_mean", "error"])
+                              "graphs_captured", "mtp_loss_last", "greedy_same", "first_diff_mean", "error"])
         r1 = [r for r in records if r["workload"] == "R1" and r.get("spec_gate") == "auto" and r["call"] == "warm"]
         if r1 and "speedup_vs_plain" in r1[0]:
             print(f"R1 bar (speculation with the gate auto never slower than 0.98x plain): "

@@ -167,17 +167,20 @@ def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     preempted, counts = engine.scheduler.num_preemptions, dict(engine.step_counts)
+    graphs = len(engine.runner.graphs)
     t0 = time.perf_counter()
     out = engine.generate(prompts, opts)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for g in out for c in g)
-    # the KV cache's token capacity and what the call preempted (speculation's reserve shrinks the cache), and its
-    # scheduling steps run alone and chained
+    # the KV cache's token capacity and what the call preempted (speculation's reserve shrinks the cache), its
+    # scheduling steps run alone and chained, and the CUDA graphs it captured (inside the timing: a warm call that
+    # captures any pays for it)
     rec = dict(output_tokens=tokens, wall_s=dt, tok_s=tokens / dt, preemptions=engine.scheduler.num_preemptions -
                preempted, kv_tokens=engine.blocks.num_blocks * engine.config.block_size,
-               **{f"steps_{k}": v - counts.get(k, 0) for k, v in engine.step_counts.items()})  # fmt: skip
+               **{f"steps_{k}": v - counts.get(k, 0) for k, v in engine.step_counts.items()},
+               graphs_captured=len(engine.runner.graphs) - graphs)  # fmt: skip
     if engine.spec is not None:
         rec.update({"spec_limit": None, **engine.spec.take_stats()})  # accept length, gated steps, the gate's last N
     return rec, out
