@@ -187,8 +187,9 @@ class SpecDecoder:
         self.drafts: dict[int, Draft] = {}
         self.deferred = spec_gated.DeferredCatchUp(engine, budget.defer_rows)  # gated steps' MTP catch-up
         self.gate = budget.gate  # the largest batch that speculates, by the accept length (None: every step does)
-        self.counts = {"verify_rows": 0, "emitted": 0, "proposed": 0, "drafted": 0, "spec_gated_steps": 0}
-        self.totals = dict(old.lifetime()) if old is not None else dict.fromkeys(self.counts, 0)  # windows ended
+        names = ("verify_rows", "emitted", "accepted", "proposed", "drafted", "spec_gated_steps")
+        self.counts = dict.fromkeys(names, 0)  # the window's (since the last take_stats)
+        self.totals = old.lifetime() if old is not None else dict(self.counts)  # since the engine started
 
     @property
     def mtp_cache(self) -> torch.Tensor:
@@ -202,9 +203,9 @@ class SpecDecoder:
         return None if self.gate is None else self.gate.limit(c["emitted"], c["verify_rows"])
 
     def stats(self) -> dict:
-        """Since the engine started: ``spec_accept_len`` (tokens emitted per drafting sequence and verify step),
-        ``verify_rows``, ``emitted``, ``proposed`` (draft tokens verified), ``drafted`` (drafts made),
-        ``spec_gated_steps`` (steps run plain: too many sequences decoding)."""
+        """Since the last ``take_stats`` (the window): ``spec_accept_len`` (tokens emitted per drafting sequence and
+        verify step), ``verify_rows``, ``emitted``, ``accepted`` (draft tokens accepted), ``proposed`` (draft tokens
+        verified), ``drafted`` (drafts made), ``spec_gated_steps`` (steps run plain: too many sequences decoding)."""
         n = self.counts["verify_rows"]
         return {"spec_accept_len": self.counts["emitted"] / n if n else 0.0, **self.counts}
 
@@ -215,13 +216,19 @@ class SpecDecoder:
         out = {"spec_accept_len": self.stats()["spec_accept_len"], "spec_gated_steps": self.counts["spec_gated_steps"]}
         if self.gate is not None:
             out["spec_limit"] = self.limit
-        self.totals = self.lifetime()
         self.counts = dict.fromkeys(self.counts, 0)
         return out
 
+    def count(self, **counts: int) -> None:
+        """Add to the window's counts and the engine's totals alike."""
+        for name, n in counts.items():
+            self.counts[name] += n
+            self.totals[name] += n
+
     def lifetime(self) -> dict:
-        """The counts since the engine started (every window's; ``areno serve``'s ``/metrics``)."""
-        return {name: self.totals[name] + n for name, n in self.counts.items()}
+        """The counts since the engine started (``areno serve``'s ``/metrics``; another thread may read them: each
+        only grows)."""
+        return dict(self.totals)
 
     def reopen(self) -> None:
         """Restart ``auto``'s window from its prior while the engine is idle (a server's, ``areno serve``: its
@@ -308,7 +315,7 @@ class SpecDecoder:
             drafts = self._run(FinishWork(redo, ops))
         for row, (toks, probs) in zip(chain or (), drafts or ()):
             self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, probs)
-            self.counts["drafted"] += 1
+            self.count(drafted=1)
         return [r.seq for r in rows]
 
     def _steady(self, chunks, rows) -> bool:
@@ -338,7 +345,7 @@ class SpecDecoder:
         decoding = sum(1 for c in step.chunks if c.samples and c.start == len(c.seq) - 1)
         limit = self.limit
         gated = limit is not None and decoding > limit
-        self.counts["spec_gated_steps"] += gated
+        self.count(spec_gated_steps=int(gated))
         return gated
 
     def _speculates_next(self) -> bool:
@@ -471,9 +478,7 @@ class SpecDecoder:
         toks, lps, nd, _ = verified
         for row, t, lp, k in zip(rows, toks, lps, nd):
             if k:
-                self.counts["verify_rows"] += 1
-                self.counts["emitted"] += len(t)
-                self.counts["proposed"] += k
+                self.count(verify_rows=1, emitted=len(t), accepted=len(t) - 1, proposed=k)
             reason = e.stopper.extend(row.seq, t, lp)
             if k or len(t) > 1:
                 e.scheduler.after_decode(row.seq)

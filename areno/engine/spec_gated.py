@@ -66,7 +66,7 @@ def gated_chain(spec, step: Step, copies, state_copies, k: int) -> list:
     r.spec_exec.copy_draft_blocks(r, copies)
     never = finish_gated(spec)
     launch, hidden = _launch(r, step, seqs, k, copies, state_copies, keep=_keeps(seqs, never))
-    spec.counts["spec_gated_steps"] += k - 1  # the gate counted the first
+    spec.count(spec_gated_steps=k - 1)  # the gate counted the first
     _queue_next(spec, seqs, launch, range(len(seqs)))
     return _finish(spec, step.chunks, seqs, launch, hidden, never)
 
@@ -124,7 +124,7 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
     nxt = e.chains.next_step(seqs, k)
     never = finish_gated(spec)
     launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)), keep=_keeps(seqs, never))
-    spec.counts["spec_gated_steps"] += k
+    spec.count(spec_gated_steps=k)
     e.chains.ahead = (seqs, launch2, hidden, nxt.chunks, never)
 
 

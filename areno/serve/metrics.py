@@ -120,7 +120,7 @@ def _add_spec(families: dict, lb: list[str], counts: dict) -> None:
     """One engine's speculation counts (``SpecDecoder.lifetime`` and the gate's ``limit``) into ``families``."""
     families["drafts"].add_metric(lb, counts["verify_rows"])
     families["draft_tokens"].add_metric(lb, counts["proposed"])
-    families["accepted"].add_metric(lb, counts["emitted"] - counts["verify_rows"])
+    families["accepted"].add_metric(lb, counts["accepted"])
     families["gated"].add_metric(lb, counts["spec_gated_steps"])
     if counts["limit"] is not None:
         families["limit"].add_metric(lb, counts["limit"])

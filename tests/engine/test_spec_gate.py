@@ -325,6 +325,8 @@ def test_a_server_reopens_the_window_when_idle(checkpoint, server, monkeypatch):
     if server:  # one window: the request's, ended gated (N = 0); the next starts from the prior
         assert len(taken) == 1 and taken[0]["spec_limit"] == 0 and taken[0]["spec_gated_steps"] > 0
         assert engine.spec.counts["verify_rows"] == 0 and engine.spec.limit == engine.spec.gate.most
+        total = engine.spec.lifetime()  # the engine's totals outlive the window (areno serve's /metrics)
+        assert total["verify_rows"] > 0 and total["spec_gated_steps"] == taken[0]["spec_gated_steps"]
     else:
         assert not taken and engine.spec.counts["spec_gated_steps"] > 0 and engine.spec.limit == 0
 
