@@ -42,10 +42,13 @@ MAMBA_SSM_HELP = ("state pool of the hybrid models' linear-attention layers (Qwe
 SPEC_GATE_HELP = ("speculative decoding's automatic gate (vLLM's speculative disable_by_batch_size): a step "
                   "speculates only while at most N sequences decode in it, and above that is a plain decode step "
                   "(verifying K + 1 positions a sequence costs up to (K + 1)x once the step is compute-bound); "
-                  "auto: N follows the running accept length a (since the rollout started) on the device's roofline: "
+                  "auto: N follows the running accept length a (since the rollout started; a server's: since it was "
+                  "last idle) on the device's roofline: "
                   "N = T (a - K mu) / (K + 1), T the tokens where a step turns compute-bound (dense bf16 FLOP/s over "
                   "memory bandwidth, times the model's weight bytes per FLOP of a token), mu a draft step's share of "
-                  "the model's FLOPs; 32 on a device without a roofline, e.g. the CPU; off or 0: never gated")
+                  "the model's FLOPs; auto also keeps a step that prefills prompts plain unless its verify rows cost "
+                  "less than the tokens they add would in the decode after it; 32 on a device without a roofline, "
+                  "e.g. the CPU; off or 0: never gated")
 
 
 def spec_gate(value) -> str | int:

@@ -341,10 +341,15 @@ class SpecDecoder:
         return inp
 
     def _gated(self, step: Step) -> bool:
-        """Whether the gate makes ``step`` plain: more sequences decode in it than the limit (counted)."""
-        decoding = sum(1 for c in step.chunks if c.samples and c.start == len(c.seq) - 1)
-        limit = self.limit
-        gated = limit is not None and decoding > limit
+        """Whether the gate makes ``step`` plain (counted): more sequences decode in it than the limit, or under
+        ``auto`` its prompt tokens make the verify rows cost more than they give (``Gate.speculates``)."""
+        if self.gate is None:
+            return False
+        decode = [c.samples and c.start == len(c.seq) - 1 for c in step.chunks]
+        prefill = sum(c.end - c.start for c, d in zip(step.chunks, decode) if not d)
+        sched, c = self.engine.scheduler, self.counts
+        future = len(sched.running) + len(sched.waiting)
+        gated = not self.gate.speculates(sum(decode), prefill, future, c["emitted"], c["verify_rows"])
         self.count(spec_gated_steps=int(gated))
         return gated
 

@@ -20,7 +20,12 @@ accept length a (tokens emitted per sequence and verify step) is at least their 
 B <= N(a) = floor(T (a - K mu) / (K + 1)) (0 once a < 1 + K mu: speculation loses at every batch). The engine
 reads a as the running accept length since its last ``take_stats`` (a rollout's window; a server's, idle to idle),
 started from an optimistic prior of ``PRIOR_ROWS`` rows at K + 1, so a rollout that starts at a batch above N(K + 1)
-stays plain, and one that starts below it learns its drafts' acceptance within its first steps. The rule is a
+stays plain, and one that starts below it learns its drafts' acceptance within its first steps. A step that also
+prefills P prompt tokens (``Gate.speculates``) costs max(T, B (K + 1) + P) against max(T, B + P): its verify rows
+cost their full compute once the prompt chunk fills the step, which the B (a - 1) tokens they add pay for only at
+what those tokens would cost later, max(T, F) / F each, F the sequences decoding once the prompts are in (running
+and waiting): a rollout's admission of 256 prompts runs plain (and its greedy path stays the plain one's), a
+server's new request beside a few streams speculates. The rule is a
 function of the tokens (no timings), so runs and resumes stay exact. Weight bytes: every parameter the target's
 forward reads, in its dtype (embedding rows are gathered, not read whole: the table counts only as a tied LM head);
 FLOPs: 2 per parameter and token, a routed expert's weighted by top-k / experts (the experts a token runs). K/V
@@ -102,6 +107,23 @@ class Gate:
     def limit(self, emitted: int = 0, rows: int = 0) -> int:
         """N for ``emitted`` tokens over ``rows`` verified rows (the window's counts; none yet: the prior alone)."""
         return self.at((emitted + PRIOR_ROWS * (self.k + 1)) / (rows + PRIOR_ROWS))
+
+    def speculates(self, decoding: int, prefill: int = 0, future: int = 0, emitted: int = 0, rows: int = 0) -> bool:
+        """Whether a step of ``decoding`` sequences decoding and ``prefill`` prompt tokens speculates, at the window's
+        counts. A fixed N (vLLM's rule) and a step without prefill: ``decoding <= limit``. ``auto`` with prefill:
+        that step costs max(T, B + P) token-times plain and max(T, B (K + 1) + P) + K mu max(T, B) speculating;
+        the B (a - 1) tokens the drafts add are worth what a token costs in the steps after it, max(T, F) / F with
+        F = max(``future``, B) the sequences that will decode once the prompts are in (running and waiting): a
+        prompt chunk that fills the step makes its verify rows cost their full compute, which pays only where the
+        decode that follows is memory-bound (few sequences; a server's new request beside a few streams), not in
+        a rollout's admission of 256 prompts."""
+        limit = self.limit(emitted, rows)
+        if self.fixed is not None or not prefill or not decoding or decoding > self.most:  # most: stash, graphs
+            return decoding <= limit
+        a = (emitted + PRIOR_ROWS * (self.k + 1)) / (rows + PRIOR_ROWS)
+        t, b, f = self.tokens, decoding, max(future, decoding)
+        extra = max(t, b * (self.k + 1) + prefill) - max(t, b + prefill) + self.k * self.draft * max(t, b)
+        return extra <= b * (a - 1.0) * max(t, f) / f
 
     @property
     def most(self) -> int:

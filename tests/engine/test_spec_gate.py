@@ -268,6 +268,54 @@ def _test_roofline(model, tokens: float) -> Roofline:
     return Roofline("TEST", tokens * flops / nbytes * 1e12, 1e12)
 
 
+def test_auto_weighs_a_steps_prompt_tokens():
+    """``Gate.speculates``: a fixed N and a step without prompt tokens compare the decoding count with N; under
+    ``auto`` a step with prompt tokens speculates where the verify rows' extra token-times (max(T, B (K + 1) + P) -
+    max(T, B + P) + K mu max(T, B)) are at most what the B (a - 1) extra tokens cost later (max(T, F) / F each, F the
+    sequences decoding once the prompts are in)."""
+    gate = Gate(2, None, 184.0, 0.115)  # the 9B bench shape on the H200: N(3) = 169
+    for b in (1, 50, 169, 170, 300):
+        assert gate.speculates(b) == (b <= gate.most) and Gate(2, 60).speculates(b, 5000, 256) == (b <= 60)
+    assert gate.speculates(0, 8192, 256)  # nothing decodes: nothing to gate
+    assert not gate.speculates(64, 8128, 256)  # a rollout's admission: 256 prompts, 64 of them decoding
+    assert gate.speculates(4, 2000, 5)  # a server: a new prompt beside four streams
+    assert not gate.speculates(170, 10, 170)  # above N(3): the stash and graphs hold no more
+    cases = [(64, 8128, 256, 0, 0), (4, 2000, 5, 30, 20), (20, 100, 40, 20, 20), (8, 64, 8, 0, 0)]
+    for b, p, f, emitted, rows in cases:
+        a = (emitted + 24) / (rows + 8)
+        extra = max(184, 3 * b + p) - max(184, b + p) + 2 * 0.115 * max(184, b)
+        assert gate.speculates(b, p, f, emitted, rows) == (extra <= b * (a - 1) * max(184, f) / f)
+
+
+def test_a_prompt_chunk_gates_a_step_under_auto(checkpoint, monkeypatch):
+    """On a test roofline (T = 14): two sequences decode speculatively; eight 40-token prompts then arrive, and
+    the steps that prefill them beside the two are gated (their verify rows would cost full compute for tokens
+    the ten-sequence decode after them makes cheaply); greedy tokens equal the plain engine's throughout."""
+    model = make_echo_model(load_model(checkpoint, dtype=torch.float32, device="cpu"), scale=30.0)
+    roof = _test_roofline(model, 14.0)
+    monkeypatch.setattr(spec_gate, "device_roofline", lambda device: roof)
+    prompts = [[7 + i] * 40 for i in range(8)]
+
+    def run(e):
+        seqs = [e.add_request(p, _greedy(24))[0] for p in PROMPTS[:2]]
+        for _ in range(3):
+            e.step()
+        seqs += [e.add_request(p, _greedy(6))[0] for p in prompts]
+        while e.has_work():
+            e.step()
+        return [s.output_ids for s in seqs]
+
+    plain = run(_engine(model, 0, max_running=16))
+    e = _engine(model, 2, max_running=16)
+    calls, speculates = [], e.spec.gate.speculates
+    monkeypatch.setattr(e.spec.gate.__class__, "speculates", lambda g, *a: calls.append((a[:3], speculates(*a))) or
+                        calls[-1][1])
+    assert run(e) == plain
+    mixed = [(args, ok) for args, ok in calls if args[1] and args[0]]
+    assert mixed and not any(ok for _, ok in mixed)  # every step with prompt tokens and decoding rows: gated
+    assert any(ok for args, ok in calls if not args[1] and args[0] == 2)  # the two alone speculate
+
+
 @pytest.mark.parametrize("scale", [0.5, 30.0])
 def test_auto_follows_the_accept_length(checkpoint, scale, monkeypatch):
     """``auto`` on a roofline (a test one, T = 14): N starts at the prior's (every draft accepted: above the batch),
