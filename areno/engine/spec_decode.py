@@ -354,12 +354,18 @@ class SpecDecoder:
         return gated
 
     def _speculates_next(self) -> bool:
-        """Whether the next step will speculate: the sequences that will decode in it (the running ones with their
-        prompt computed; preemption can only lower that) are within the limit."""
-        limit = self.limit
-        if limit is None:
+        """Whether the next step will speculate (its drafts are made now): the sequences that will decode in it
+        (the running ones with their prompt computed; preemption can only lower that) are within the limit and,
+        under ``auto``, the prompt tokens it will likely prefill (those left, up to the token budget) leave it
+        speculating (``Gate.speculates``). A wrong guess costs drafts or their absence for a step, never tokens."""
+        if self.gate is None:
             return True
-        return sum(1 for s in self.engine.scheduler.running if s.num_computed >= len(s) - 1) <= limit
+        sched, c = self.engine.scheduler, self.counts
+        decoding = sum(1 for s in sched.running if s.num_computed >= len(s) - 1)
+        prompts = sum(len(s) - 1 - s.num_computed for s in sched.running if s.num_computed < len(s) - 1)
+        prompts = min(prompts + sum(len(s) for s in sched.waiting), max(sched.max_batched_tokens - decoding, 0))
+        future = len(sched.running) + len(sched.waiting)
+        return self.gate.speculates(decoding, prompts, future, c["emitted"], c["verify_rows"])
 
     def _plan(self, step: Step, gated: bool = False):
         """The step's chunks extended by each drafting sequence's K_b tokens (none when ``gated``), its sampled rows,
