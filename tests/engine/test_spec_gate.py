@@ -23,7 +23,6 @@ from areno.engine.spec_gate import AUTO_FALLBACK, Gate, auto_gate, decode_counts
 from areno.models import load_model
 from areno.models.mtp import build_mtp_draft
 from areno.platform.roofline import H100, H200, Roofline, roofline_of
-from areno.serve.scoring import ServeEngine
 from areno.testing import make_tiny_checkpoint
 from tests.helpers.mtp import GATE_PROMPTS as PROMPTS
 from tests.helpers.mtp import make_echo_model, run_with_arrivals
@@ -352,6 +351,9 @@ def test_a_server_reopens_the_window_when_idle(checkpoint, server, monkeypatch):
     model = make_echo_model(load_model(checkpoint, dtype=torch.float32, device="cpu"), scale=0.5)
     roof = _test_roofline(model, 14.0)
     monkeypatch.setattr(spec_gate, "device_roofline", lambda device: roof)
+    if server:
+        pytest.importorskip("fastapi", reason="areno serve's engine needs the serve extra")
+        from areno.serve.scoring import ServeEngine
     engine = _engine(model, 2)
     taken, take = [], engine.spec.take_stats
     monkeypatch.setattr(engine.spec, "take_stats", lambda: taken.append(take()) or taken[-1])
