@@ -24,8 +24,8 @@ stays plain, and one that starts below it learns its drafts' acceptance within i
 prefills P prompt tokens (``Gate.speculates``) costs max(T, B (K + 1) + P) against max(T, B + P): its verify rows
 cost their full compute once the prompt chunk fills the step, which the B (a - 1) tokens they add pay for only at
 what those tokens would cost later, max(T, F) / F each, F the sequences decoding once the prompts are in (running
-and waiting): a rollout's admission of 256 prompts runs plain (and its greedy path stays the plain one's), a
-server's new request beside a few streams speculates. The rule is a
+and waiting): a rollout's admission of 256 prompts runs plain, a server's new request beside a few streams
+speculates. The rule is a
 function of the tokens (no timings), so runs and resumes stay exact. Weight bytes: every parameter the target's
 forward reads, in its dtype (embedding rows are gathered, not read whole: the table counts only as a tied LM head);
 FLOPs: 2 per parameter and token, a routed expert's weighted by top-k / experts (the experts a token runs). K/V
