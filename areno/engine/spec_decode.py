@@ -58,6 +58,7 @@ multi-step decode, LoRA slots, vision-language models; per request: grammars, to
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -347,9 +348,7 @@ class SpecDecoder:
             return False
         decode = [c.samples and c.start == len(c.seq) - 1 for c in step.chunks]
         prefill = sum(c.end - c.start for c, d in zip(step.chunks, decode) if not d)
-        sched, c = self.engine.scheduler, self.counts
-        future = len(sched.running) + len(sched.waiting)
-        gated = not self.gate.speculates(sum(decode), prefill, future, c["emitted"], c["verify_rows"])
+        gated = not self._speculates(sum(decode), prefill)
         self.count(spec_gated_steps=int(gated))
         return gated
 
@@ -360,10 +359,21 @@ class SpecDecoder:
         speculating (``Gate.speculates``). A wrong guess costs drafts or their absence for a step, never tokens."""
         if self.gate is None:
             return True
-        sched, c = self.engine.scheduler, self.counts
+        sched = self.engine.scheduler
         decoding = sum(1 for s in sched.running if s.num_computed >= len(s) - 1)
-        prompts = sum(len(s) - 1 - s.num_computed for s in sched.running if s.num_computed < len(s) - 1)
-        prompts = min(prompts + sum(len(s) for s in sched.waiting), max(sched.max_batched_tokens - decoding, 0))
+        budget, prompts = max(sched.max_batched_tokens - decoding, 0), 0
+        if self.gate.fixed is None:  # (a fixed N ignores them) summed until the budget is full: a long queue costs
+            left = (len(s) - 1 - s.num_computed for s in sched.running if s.num_computed < len(s) - 1)
+            for n in itertools.chain(left, (len(s) for s in sched.waiting)):  # no more than its first few prompts
+                prompts += n
+                if prompts >= budget:
+                    break
+        return self._speculates(decoding, min(prompts, budget))
+
+    def _speculates(self, decoding: int, prompts: int) -> bool:
+        """``Gate.speculates`` for a step of ``decoding`` sequences decoding and ``prompts`` prompt tokens, with
+        every sequence in the engine (running and waiting) as the batch that follows, at the window's counts."""
+        sched, c = self.engine.scheduler, self.counts
         future = len(sched.running) + len(sched.waiting)
         return self.gate.speculates(decoding, prompts, future, c["emitted"], c["verify_rows"])
 

@@ -104,9 +104,14 @@ class Gate:
         n = int(self.tokens * pays // (self.k + 1)) if pays >= 1.0 else 0
         return n if self.cap is None else min(n, self.cap)
 
+    def accept(self, emitted: int = 0, rows: int = 0) -> float:
+        """The running accept length of ``emitted`` tokens over ``rows`` verified rows (the window's counts), from
+        the prior of ``PRIOR_ROWS`` rows at K + 1."""
+        return (emitted + PRIOR_ROWS * (self.k + 1)) / (rows + PRIOR_ROWS)
+
     def limit(self, emitted: int = 0, rows: int = 0) -> int:
         """N for ``emitted`` tokens over ``rows`` verified rows (the window's counts; none yet: the prior alone)."""
-        return self.at((emitted + PRIOR_ROWS * (self.k + 1)) / (rows + PRIOR_ROWS))
+        return self.at(self.accept(emitted, rows))
 
     def speculates(self, decoding: int, prefill: int = 0, future: int = 0, emitted: int = 0, rows: int = 0) -> bool:
         """Whether a step of ``decoding`` sequences decoding and ``prefill`` prompt tokens speculates, at the window's
@@ -117,11 +122,9 @@ class Gate:
         prompt chunk that fills the step makes its verify rows cost their full compute, which pays only where the
         decode that follows is memory-bound (few sequences; a server's new request beside a few streams), not in
         a rollout's admission of 256 prompts."""
-        limit = self.limit(emitted, rows)
         if self.fixed is not None or not prefill or not decoding or decoding > self.most:  # most: stash, graphs
-            return decoding <= limit
-        a = (emitted + PRIOR_ROWS * (self.k + 1)) / (rows + PRIOR_ROWS)
-        t, b, f = self.tokens, decoding, max(future, decoding)
+            return decoding <= self.limit(emitted, rows)
+        a, t, b, f = self.accept(emitted, rows), self.tokens, decoding, max(future, decoding)
         extra = max(t, b * (self.k + 1) + prefill) - max(t, b + prefill) + self.k * self.draft * max(t, b)
         return extra <= b * (a - 1.0) * max(t, f) / f
 

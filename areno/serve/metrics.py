@@ -49,7 +49,8 @@ KV_STATS_WAIT_S = 0.5  # how long a scrape waits for the engines' KV-cache count
 
 
 def kv_stats(engine) -> dict:
-    """An ``Engine``'s KV-cache and prefix-cache counters (run where the engine lives: its thread or replica)."""
+    """An ``Engine``'s KV-cache and prefix-cache counters, and with speculation its totals and gate limit (``spec``),
+    run where the engine lives: its thread or replica."""
     b = engine.blocks
     out = {"num_blocks": b.num_blocks, "used_blocks": b.num_used, "prefix_queries": b.prefix_queries,
            "prefix_hits": b.prefix_hits}
