@@ -39,6 +39,7 @@ step's cost in plain steps: accept length / speed-up), what an acceptance-aware 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -159,6 +160,36 @@ def gates(args) -> list:
     return [g if g in ("auto", "off") else int(g) for g in args.spec_gate.split(",")]
 
 
+@contextlib.contextmanager
+def step_times(engine):
+    """Host wall time of the call's ``Engine.step`` calls by kind, into the yielded dict: ``step_s_chained`` (steps
+    that ran chained decode groups, speculation's gated chains among them), ``step_s_verify`` (steps that verified
+    drafts), ``step_s_single`` (the others: prefill and mixed steps, single plain decode steps). A step returns once
+    its tokens are read, so the sums split the call's time (a queued lookahead group's time falls to the step that
+    reads it)."""
+    spent, step = {"step_s_chained": 0.0, "step_s_verify": 0.0, "step_s_single": 0.0}, engine.step
+
+    def timed(*a, **kw):
+        chained, rows = engine.step_counts.get("chained", 0), engine.spec.counts["verify_rows"] if engine.spec else 0
+        t = time.perf_counter()
+        try:
+            return step(*a, **kw)
+        finally:
+            dt = time.perf_counter() - t
+            if engine.step_counts.get("chained", 0) > chained:
+                spent["step_s_chained"] += dt
+            elif engine.spec is not None and engine.spec.counts["verify_rows"] > rows:
+                spent["step_s_verify"] += dt
+            else:
+                spent["step_s_single"] += dt
+
+    engine.step = timed
+    try:
+        yield spent
+    finally:
+        del engine.step
+
+
 def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
     """One ``generate`` call timed: ({output_tokens, wall_s, tok_s, and with speculation the engine's accept length
     and gated steps over the call}, completions)."""
@@ -169,7 +200,8 @@ def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
     preempted, counts = engine.scheduler.num_preemptions, dict(engine.step_counts)
     graphs = len(engine.runner.graphs)
     t0 = time.perf_counter()
-    out = engine.generate(prompts, opts)
+    with step_times(engine) as spent:
+        out = engine.generate(prompts, opts)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
@@ -180,7 +212,7 @@ def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:
     rec = dict(output_tokens=tokens, wall_s=dt, tok_s=tokens / dt, preemptions=engine.scheduler.num_preemptions -
                preempted, kv_tokens=engine.blocks.num_blocks * engine.config.block_size,
                **{f"steps_{k}": v - counts.get(k, 0) for k, v in engine.step_counts.items()},
-               graphs_captured=len(engine.runner.graphs) - graphs)  # fmt: skip
+               graphs_captured=len(engine.runner.graphs) - graphs, **spent)  # fmt: skip
     if engine.spec is not None:
         rec.update({"spec_limit": None, **engine.spec.take_stats()})  # accept length, gated steps, the gate's last N
     return rec, out
