@@ -40,6 +40,8 @@ step's cost in plain steps: accept length / speed-up), what an acceptance-aware 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import shutil
 import tempfile
 import time
@@ -119,6 +121,12 @@ def load_draft_model(args, device, prompt_sets):
     train = {}
     if args.mtp_train_steps:
         sets = prompt_sets(model.config.vocab_size)
+        cached = fit_cache(args, sets)
+        if cached.with_suffix(".json").is_file():  # fitted by an earlier run on this machine: the same fit
+            load_fit(model, cached)
+            train = {**json.loads(cached.with_suffix(".json").read_text()), "mtp_fit_cached": True}
+            print("MTP training (cached):", train, flush=True)
+            return model, base, train
         plain = Engine(model, None, EngineConfig(**base), eos_token_ids=[])
         seqs = greedy_outputs(plain, sets)
         plain.drop_rollout_state()
@@ -141,7 +149,40 @@ def load_draft_model(args, device, prompt_sets):
         if rounds:
             train["mtp_rounds"] = rounds
         print("MTP training:", train, flush=True)
+        save_fit(model, cached, train)
     return model, base, train
+
+
+def fit_cache(args, sets) -> Path:
+    """Where a fitted draft is kept (its ``.safetensors`` and ``.json``) under the bench cache, named by what decides
+    the fit: the family and shape, K, the steps, rounds and epochs, and the prompts it is fitted on. A fit can take
+    most of a 10-minute device call (R2's 256 prompts: ~2.5 min a round), so a second call on the same machine
+    reuses it."""
+    key = json.dumps([args.mtp_family, args.smoke, args.speculative_tokens, args.mtp_train_steps, args.mtp_fit_rounds,
+                      MTP_EPOCHS, [[list(p) for p in prompts] + [list(new)] for prompts, new in sets]])
+    name = f"{args.mtp_family}-{'smoke' if args.smoke else 'bench'}-fit-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    return models.cache_root() / "mtp-fits" / name
+
+
+def save_fit(model, path: Path, train: dict) -> None:
+    """The fitted MTP tensors (the model's kept ones) and the fit's record, written atomically (the record last)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: getattr(model.mtp, f"t{j}").contiguous() for j, name in enumerate(model.mtp.names)}
+    save_file(tensors, str(path.with_suffix(".tmp")))
+    path.with_suffix(".tmp").rename(path.with_suffix(".safetensors"))
+    path.with_suffix(".json").write_text(json.dumps(train))
+
+
+@torch.no_grad()
+def load_fit(model, path: Path) -> None:
+    """Copy a saved fit into the model's kept MTP tensors (the engines build their drafts from those)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path.with_suffix(".safetensors")), device=str(model.embed_tokens.weight.device))
+    for j, name in enumerate(model.mtp.names):
+        getattr(model.mtp, f"t{j}").copy_(saved[name])
 
 
 def agreement(reference: list[list[int]], answered: list[list[int]], starts=None) -> dict:
