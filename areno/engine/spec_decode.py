@@ -130,8 +130,9 @@ def spec_budget(engine, device, dtype, state_dtype=torch.float32) -> SpecBudget 
     if not k:
         return None
     check_speculative(engine)
-    gate = stash_cap(engine, resolve_gate(cfg.speculative_disable_by_batch_size, engine.model, k, device), device,
-                     dtype, state_dtype)
+    slot = state_bytes(engine.model, 1, dtype, state_dtype)  # a hybrid's state slot, each decode row's traffic
+    gate = stash_cap(engine, resolve_gate(cfg.speculative_disable_by_batch_size, engine.model, k, device, slot),
+                     device, dtype, state_dtype)
     most = None if gate is None else gate.most
     rows = stash_rows(most, cfg.max_running, *graph_plan(cfg.max_running, cfg.eager_decode, device), k + 1)
     row_bytes = engine.model.config.hidden_size * dtype.itemsize

@@ -17,7 +17,13 @@ compute-bound (ridge = peak dense bf16 FLOP/s / memory bandwidth of the device, 
 plain step of B sequences costs max(T, B) token-times and a speculative one max(T, B (K + 1)) plus K draft steps of
 mu max(T, B) each (mu: a draft step's FLOPs over the target's, its MTP layer and the head it uses). It pays while the
 accept length a (tokens emitted per sequence and verify step) is at least their ratio, which holds for
-B <= N(a) = floor(T (a - K mu) / (K + 1)) (0 once a < 1 + K mu: speculation loses at every batch). The engine
+B <= N(a) = floor(T (a - K mu) / (K + 1)) (0 once a < 1 + K mu: speculation loses at every batch). A hybrid's
+decode row also reads and writes its recurrent-state slot, sigma = 2 x (slot bytes) x ridge / (FLOPs a token)
+token-times, and a verify row reads it once and writes it K + 1 times (the rollback stash's K and the last): a plain
+step costs max(T + B sigma, B), a speculative one max(T + B sigma (K + 2) / 2, B (K + 1)) + K mu max(T, B), and N(a)
+is the largest B where a x plain(B) >= speculative(B) (the batches that pay are all those up to it). With the 9B
+bench shape's fp32 states (100 MB a row) a plain step stays memory-bound at any batch, so N at a high accept length
+is unbounded but for the stash's cap (``spec_decode.stash_cap``), and a low one still gates it. The engine
 reads a as the running accept length since its last ``take_stats`` (a rollout's window; a server's, idle to idle),
 started from an optimistic prior of ``PRIOR_ROWS`` rows at K + 1, so a rollout that starts at a batch above N(K + 1)
 stays plain, and one that starts below it learns its drafts' acceptance within its first steps. A step that also
@@ -29,7 +35,8 @@ speculates. The rule is a
 function of the tokens (no timings), so runs and resumes stay exact. Weight bytes: every parameter the target's
 forward reads, in its dtype (embedding rows are gathered, not read whole: the table counts only as a tied LM head);
 FLOPs: 2 per parameter and token, a routed expert's weighted by top-k / experts (the experts a token runs). K/V
-reads and attention FLOPs are left out (they grow the memory side, so speculation pays a little beyond N), and so
+reads (a function of the context, the same for a plain and a verify row) and attention FLOPs are left out (they
+grow the memory side, so speculation pays a little beyond N), and so
 are a small batch's fixed costs (kernel launches, host work), so at one or two sequences the gate speculates at
 accept lengths a little below the true break-even. On a device without a known roofline (the CPU, other GPUs)
 ``auto`` is the fixed ``AUTO_FALLBACK``. An integer N is a fixed gate.
@@ -46,6 +53,7 @@ log = logging.getLogger("areno.engine")
 
 AUTO_FALLBACK = 32  # auto's N on a device without a known roofline
 PRIOR_ROWS = 8  # auto: verify rows' worth of the prior accept length K + 1 the running one starts from
+MOST = 1 << 20  # auto: the largest N (a hybrid's at a high accept length can be unbounded: the stash caps it)
 
 
 def decode_counts(model) -> tuple[float, float]:
@@ -95,13 +103,31 @@ class Gate:
     tokens: float = 0.0  # auto: T, the tokens at which a step turns compute-bound
     draft: float = 0.0  # auto: mu, a draft step's FLOPs over the target's a token
     cap: int | None = None  # auto: the most rows the hybrids' rollback stash holds (``spec_decode.spec_budget``)
+    state: float = 0.0  # auto: sigma, a plain decode row's recurrent-state traffic in token-times (hybrids; else 0)
+
+    def plain(self, b: float, prefill: float = 0.0) -> float:
+        """Token-times of a plain step of ``b`` decoding sequences and ``prefill`` prompt tokens: max(T + b sigma,
+        b + P) (weights and each row's state slot read and written, against the FLOPs)."""
+        return max(self.tokens + b * self.state, b + prefill)
+
+    def speculative(self, b: float, prefill: float = 0.0) -> float:
+        """Token-times of the same step verifying K drafts a sequence, with its K draft steps: max(T + b sigma (K +
+        2) / 2, b (K + 1) + P) + K mu max(T, b) (a verify row reads its state once and writes it after each of its
+        K + 1 tokens, the rollback stash's K and the last)."""
+        k = self.k
+        return max(self.tokens + b * self.state * (k + 2) / 2, b * (k + 1) + prefill) + k * self.draft * max(
+            self.tokens, b)
 
     def at(self, accept: float) -> int:
-        """N at accept length ``accept``."""
+        """N at accept length ``accept``: the largest batch at which ``accept`` tokens a verify row pay for its
+        step, accept x plain(B) >= speculative(B) (those that pay are always the batches up to one), capped."""
         if self.fixed is not None:
             return self.fixed
-        pays = accept - self.k * self.draft
-        n = int(self.tokens * pays // (self.k + 1)) if pays >= 1.0 else 0
+        if not self.state:  # the closed form: B (K + 1) <= T (a - K mu)
+            pays = accept - self.k * self.draft
+            n = int(self.tokens * pays // (self.k + 1)) if pays >= 1.0 else 0
+        else:
+            n = _last(lambda b: accept * self.plain(b) >= self.speculative(b))
         return n if self.cap is None else min(n, self.cap)
 
     def accept(self, emitted: int = 0, rows: int = 0) -> float:
@@ -124,9 +150,9 @@ class Gate:
         a rollout's admission of 256 prompts."""
         if self.fixed is not None or not prefill or not decoding or decoding > self.most:  # most: stash, graphs
             return decoding <= self.limit(emitted, rows)
-        a, t, b, f = self.accept(emitted, rows), self.tokens, decoding, max(future, decoding)
-        extra = max(t, b * (self.k + 1) + prefill) - max(t, b + prefill) + self.k * self.draft * max(t, b)
-        return extra <= b * (a - 1.0) * max(t, f) / f
+        a, b, f = self.accept(emitted, rows), decoding, max(future, decoding)
+        extra = self.speculative(b, prefill) - self.plain(b, prefill)
+        return extra <= b * (a - 1.0) * self.plain(f) / f
 
     @property
     def most(self) -> int:
@@ -139,23 +165,42 @@ class Gate:
         return self.at(1.0)
 
 
-def auto_gate(model, k: int, roof: Roofline | None) -> tuple[Gate, str]:
+def _last(pays, most: int = MOST) -> int:
+    """The largest batch in [0, ``most``] where ``pays`` holds, those where it holds being the ones up to it."""
+    if not pays(1):
+        return 0
+    lo, hi = 1, most
+    if pays(hi):
+        return hi
+    while hi - lo > 1:  # pays(lo), not pays(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if pays(mid) else (lo, mid)
+    return lo
+
+
+def auto_gate(model, k: int, roof: Roofline | None, slot_bytes: int = 0) -> tuple[Gate, str]:
     """``auto``'s gate for ``model`` with K = ``k`` draft tokens on a device of roofline ``roof`` (None: not known),
-    and how it was chosen (for the log)."""
+    and how it was chosen (for the log). ``slot_bytes``: a hybrid's recurrent-state slot (one sequence's states
+    over its recurrent layers, ``RecurrentStates.bytes_per_slot``), read and written by each decode row."""
     if roof is None:
         return Gate(k, AUTO_FALLBACK), f"{AUTO_FALLBACK}, the fixed value for a device without a known roofline"
     nbytes, flops = decode_counts(model)
-    gate = Gate(k, None, roof.ridge * nbytes / flops, draft_flops(model) / flops)
+    gate = Gate(k, None, roof.ridge * nbytes / flops, draft_flops(model) / flops, state=2 * slot_bytes * roof.ridge
+                / flops)  # fmt: skip
+    rule = "T (a - K mu) / (K + 1)" if not slot_bytes else "the largest B with a plain(B) >= speculative(B)"
+    states = f"; each row's states {2 * slot_bytes / 1e6:.1f} MB = sigma {gate.state:.2f} token-times" if slot_bytes \
+        else ""
     return gate, (f"{roof.name}: ridge {roof.ridge:.0f} FLOP/byte x {nbytes / 1e9:.2f} GB of weights / "
-                  f"{flops / 1e9:.2f} GFLOP a token = T {gate.tokens:.0f} tokens a step; a draft step {gate.draft:.3f}"
-                  f" of the target's FLOPs: N = T (a - K mu) / (K + 1) = {gate.most} at accept length a = {k + 1}, "
-                  f"{gate.at((k + 3) / 2)} at a = {(k + 3) / 2:g}, 0 below a = {1 + k * gate.draft:.2f}")
+                  f"{flops / 1e9:.2f} GFLOP a token = T {gate.tokens:.0f} tokens a step{states}; a draft step "
+                  f"{gate.draft:.3f} of the target's FLOPs: N = {rule} = {gate.most} at accept length a = {k + 1}, "
+                  f"{gate.at((k + 3) / 2)} at a = {(k + 3) / 2:g}, {gate.at(1.5)} at a = 1.5")
 
 
-def resolve_gate(setting, model, k: int, device) -> Gate | None:
-    """The engine's gate for its setting ("auto" or N >= 0), None: never gated; logged."""
+def resolve_gate(setting, model, k: int, device, slot_bytes: int = 0) -> Gate | None:
+    """The engine's gate for its setting ("auto" or N >= 0), None: never gated; logged. ``slot_bytes``: a hybrid's
+    recurrent-state slot (``auto_gate``)."""
     if setting == "auto":
-        gate, why = auto_gate(model, k, device_roofline(device))
+        gate, why = auto_gate(model, k, device_roofline(device), slot_bytes)
         log.info("speculative decoding: auto gate, speculating while the batch is at most N (%s)", why)
         return gate
     if not setting:

@@ -267,6 +267,44 @@ def _test_roofline(model, tokens: float) -> Roofline:
     return Roofline("TEST", tokens * flops / nbytes * 1e12, 1e12)
 
 
+def test_auto_weighs_a_hybrids_state_traffic(tmp_path, monkeypatch):
+    """A hybrid's decode row reads and writes its recurrent-state slot (sigma token-times: 2 x slot bytes x ridge /
+    FLOPs a token), a verify row reads it once and writes it K + 1 times (the stash's K and the last): N(a) is the
+    largest batch with a plain(B) >= speculative(B) (the batches that pay are those up to it), the closed form
+    without states; a prompt chunk's step weighs the same costs. The engine gives a Qwen3.5 its slot's bytes."""
+    from areno.engine.kv_cache import state_bytes
+
+    def oracle(t, sigma, mu, k, a):
+        plain = lambda b: max(t + b * sigma, b)  # noqa: E731
+        spec = lambda b: max(t + b * sigma * (k + 2) / 2, b * (k + 1)) + k * mu * max(t, b)  # noqa: E731
+        pays = [a * plain(b) >= spec(b) for b in range(1, 4097)]
+        n = max((b for b, p in enumerate(pays, 1) if p), default=0)
+        assert all(pays[:n])  # a prefix
+        return n
+
+    for t, sigma, mu, k in ((184.0, 1.02, 0.115, 2), (263.0, 1.46, 0.115, 2), (60.0, 0.3, 0.05, 3), (184, 0, 0.1, 2)):
+        gate = Gate(k, None, t, mu, state=sigma)
+        for a in (1.0, 1.3, 1.5, 1.86, 2.2, k + 1.0):
+            n = oracle(t, sigma, mu, k, a)  # 4096: it pays at every batch tried (unbounded but for the stash's cap)
+            assert gate.at(a) == n if n < 4096 else gate.at(a) >= 4096, (t, sigma, a)
+        closed = Gate(k, None, t, mu)
+        assert [closed.at(a) for a in (1.3, 2.2)] == [int(t * (a - k * mu) // (k + 1)) for a in (1.3, 2.2)]
+    gate = Gate(2, None, 184.0, 0.115, state=1.02)
+    assert gate.at(3.0) > 10 * Gate(2, None, 184.0, 0.115).at(3.0)  # the state reads keep a plain step memory-bound
+    for b, p, f, emitted, rows in [(64, 8128, 256, 0, 0), (4, 2000, 5, 30, 20), (20, 100, 40, 20, 20)]:
+        a = (emitted + 24) / (rows + 8)
+        extra = (max(184 + b * 2.04, 3 * b + p) + 0.23 * max(184, b)) - max(184 + b * 1.02, b + p)
+        assert gate.speculates(b, p, f, emitted, rows) == (extra <= b * (a - 1) * max(184 + f * 1.02, f) / f)
+    path = make_tiny_checkpoint(tmp_path / "q", family="qwen3_5", seed=1)
+    model = make_echo_model(load_model(path, dtype=torch.float32, device="cpu"), scale=2.0)
+    roof = _test_roofline(model, 14.0)
+    monkeypatch.setattr(spec_gate, "device_roofline", lambda device: roof)
+    gate = _engine(model, 2, eager_decode=True).spec.gate
+    slot, (_, flops) = state_bytes(model, 1, torch.float32), decode_counts(model)
+    assert slot > 0 and gate.state == pytest.approx(2 * slot * roof.ridge / flops)
+    assert gate == auto_gate(model, 2, roof, slot)[0] and auto_gate(model, 2, roof)[0].state == 0
+
+
 def test_auto_weighs_a_steps_prompt_tokens():
     """``Gate.speculates``: a fixed N and a step without prompt tokens compare the decoding count with N; under
     ``auto`` a step with prompt tokens speculates where the verify rows' extra token-times (max(T, B (K + 1) + P) -
@@ -424,7 +462,9 @@ def test_gate_transitions_keep_greedy_tokens_on_the_gpu(tmp_path, family):
     assert [t for t, _ in run_with_arrivals(e)] == [t for t, _ in plain]
     assert e.spec.stats()["spec_gated_steps"] > 0 and e.spec.stats()["verify_rows"] > 0
     roof = roofline_of(torch.cuda.get_device_name())
-    assert _engine(model, 2, eager_decode=True).spec.limit == auto_gate(model, 2, roof)[0].most
+    gate, expected = _engine(model, 2, eager_decode=True).spec.gate, auto_gate(model, 2, roof)[0]
+    assert (gate.fixed, gate.tokens) == (expected.fixed, pytest.approx(expected.tokens))  # (+ a hybrid's states)
+    assert (gate.state > 0) == (family != "deepseek_v3" and roof is not None)
 
 
 def test_auto_is_capped_where_the_rollback_stash_would_crowd_the_cache(tmp_path, monkeypatch):
