@@ -347,6 +347,9 @@ def run_batch_sweep(args, device) -> list[dict]:
             r["speedup_vs_plain"], r["auto_limit"] = r["tok_s"] / plain[r["batch"]], auto.spec.limit
             if r.get("spec_accept_len"):  # a step's cost over a plain step's: the accept length where it breaks even
                 r["accept_needed"] = r["spec_accept_len"] / r["speedup_vs_plain"]
+            gate = auto.spec.gate
+            if gate is not None and gate.fixed is None:  # what auto's roofline rule takes that ratio to be
+                r["accept_model"] = gate.speculative(r["batch"]) / gate.plain(r["batch"])
     auto.drop_rollout_state()
     return records
 
