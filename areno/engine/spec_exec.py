@@ -11,10 +11,11 @@ of deferred catch-ups) as two records, each first sent through the engine's step
   rank when the runner uses graphs (and its catch-up and chain those of ``spec_chain``); a gated step of decodes
   runs the same body at width 1 (its forward replayed per bucket too; the runner's sampling after it).
 - ``FinishWork``, after the leader verified, appended and decided: the rollback of rejecting hybrid rows (states
-  restored, a forward over their accepted inputs) and the MTP ops in the leader's order: ``hold`` a hidden row of a
-  gated step (its catch-up deferred), ``drop`` held rows, ``flush`` the held rows' catch-up, ``catch_up`` over the
-  step's positions and then the ``Chain`` of draft steps. The chain's tokens are drawn on the leader (its
-  Philox streams, the requests' settings) and broadcast to the followers before the next draft step needs them.
+  restored, a forward over their accepted inputs) and the MTP ops in the leader's order: ``hold`` the hidden rows of
+  a gated step's sequences (their catch-up deferred; one indexed gather), ``drop`` held rows, ``flush`` the held
+  rows' catch-up, ``catch_up`` over the step's positions and then the ``Chain`` of draft steps. The chain's tokens
+  are drawn on the leader (its Philox streams, the requests' settings) and broadcast to the followers before the next
+  draft step needs them.
 
 The followers never sample: every token is the leader's; they run the same forwards in the same order on their shard
 of the weights, so their K/V, MTP K/V and recurrent states stay those of the leader's shard.
@@ -144,12 +145,13 @@ class SpecExec:
             self._rollback(r, *work.redo)
         drafts, source = None, None
         for op in work.ops:
-            if op[0] == "hold":  # copied: a replayed forward's hidden rows are the graph's, the next replay's too
-                if source is None:  # [rows, H] of a gated step; [k, rows, H] of a gated chain (k rows each), which
-                    source = self.last[0]  # spec_gated._launch already copied out of the graph's buffer
-                    source = source if source.dim() == 3 else source.clone()
-                rows = source[op[1]] if source.dim() == 2 else source[:, op[1]]
-                self.held.setdefault(op[2], []).append(rows.reshape(-1, rows.shape[-1]))
+            if op[0] == "hold":  # gathered: a replayed forward's hidden rows are the graph's, the next replay's too
+                source = self.last[0]  # [rows, H] of a gated step; [k, rows, H] of a gated chain (k rows each)
+                idx = torch.tensor(op[1], device=source.device)
+                rows = source.index_select(0, idx) if source.dim() == 2 else \
+                    source.index_select(1, idx).transpose(0, 1).contiguous()  # [n, k, H]: a sequence's k contiguous
+                for j, seq_id in enumerate(op[2]):  # views, no copy each
+                    self.held.setdefault(seq_id, []).append(rows[j].reshape(-1, rows.shape[-1]))
             elif op[0] == "drop":
                 for i in op[1]:
                     self.held.pop(i, None)

@@ -174,7 +174,7 @@ class DeferredCatchUp:
         """Hold the hidden rows of a gated step's ``chunks`` (``k`` > 1: a gated chain's, k positions a sequence)
         but those of ``never`` (seq_ids: they finish before the gate lifts, ``finish_gated``; they turn blind);
         a sequence's rows not right after those it holds, or more than ``rows`` rows in all, flush first / after."""
-        blinded = []
+        blinded, rows = [], []  # rows: (chunk index, seq_id) to hold, one "hold" op for them all
         for i, c in enumerate(chunks):
             if c.seq.is_finished and c.seq.seq_id not in self.held:
                 continue
@@ -185,12 +185,14 @@ class DeferredCatchUp:
                 continue
             held = self.held.get(c.seq.seq_id)
             if held is not None and held[1] + held[2] != c.start:  # not the position after them: keep both
+                _hold(ops, rows)  # those held so far in this step go into the flush
                 self.flush(ops)
                 held = None
             if held is None:
                 held = self.held[c.seq.seq_id] = [c.seq, c.start, 0]
             held[2] += k
-            ops.append(("hold", i, c.seq.seq_id))
+            rows.append((i, c.seq.seq_id))
+        _hold(ops, rows)
         finished = [i for i, d in self.held.items() if d[0].is_finished]
         if finished or blinded:
             self.held = {i: d for i, d in self.held.items() if i not in finished}
@@ -215,6 +217,14 @@ class DeferredCatchUp:
                                          [])  # fmt: skip
         nxt = [seq.tokens[q + 1] for seq, p, n in held for q in range(p, p + n)]
         ops.append(("flush", [seq.seq_id for seq, _, _ in held], inp, nxt))
+
+
+def _hold(ops: list, rows: list) -> None:
+    """One "hold" op for ``rows`` ((chunk index, seq_id) pairs), emptied: the device side gathers their hidden rows
+    in one indexed copy."""
+    if rows:
+        ops.append(("hold", [i for i, _ in rows], [s for _, s in rows]))
+        rows.clear()
 
 
 def capture_gated(spec) -> int:
