@@ -25,7 +25,8 @@
 #   spec-bisect       why a fitted MTP draft was not accepted at the 9B shape (greedy accept 1.0; 3.0 at the smoke shape):
 #                     the GPU test of fitted drafts under real graphs (passed on the H100), then R3 at the 9B shape
 #                     with the refit rounds and where speculation's greedy path leaves the plain one ($SPEC_ARGS)
-#   spec-r2           MTP speculation at R2 (issue 41's >= 1.3x), the draft fitted first (one 10-minute call)
+#   spec-r2           MTP speculation at R2 (issue 41's >= 1.3x), the draft fitted first (one 10-minute call; a fit
+#                     with refit rounds that outlasts it is kept, and the same command again on the warm machine times it)
 #   spec-ling         R3 with MTP at the Ling-3-Flash shape (issue 41's second R3 bar), its draft fitted first: an H200
 #                     (~100 GB: 7 layers of 256 experts, and the MTP layer's 3.2B expert weights under fp32 Adam)
 #   spec-profile      MTP speculation gated at R1 (0.894x of plain on the H100, 12-06): kernel tables of the MTP model's

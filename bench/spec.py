@@ -22,6 +22,10 @@ engine's (``greedy_same``, ``first_diff_mean``). In bf16 a K + 1-row verify roun
 step, so speculation's greedy path can leave the plain one at a near-tie, and the memorised draft knows nothing past
 it (the suspected cause of the Qwen3.5-9B shape's accept length 1.0 on an H100): ``--mtp-fit-rounds 3`` refits twice
 more on the speculative engine's own greedy answers, so the draft learns the path speculation itself takes.
+A fitted draft is kept under the bench cache (``mtp-fits/``, named by the family, K, the steps, rounds and the
+prompts) and reused by a later run with the same settings, so a fit that takes most of a 10-minute device call (R2
+with ``--mtp-fit-rounds 2``) and its timing can be two calls on one machine. Each timed record splits its wall time
+by step kind (``step_s_chained``, ``step_s_verify``, ``step_s_single``: prefill, mixed and single plain steps).
 Both engines decode under CUDA graphs (``--eager``: both eager), sampling at temperature 1 as R1-R3 do, and
 ``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). Each engine runs its workload
 twice and the warm call is the measurement (the graphs are captured on the first). The plain engine chains 8
