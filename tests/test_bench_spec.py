@@ -2,7 +2,9 @@
 plain engine's (``agreement``), and a smoke run of ``--mtp-fit-rounds 2``: the refit round records its accept length
 and agreement, and the timed speculative rows carry theirs."""
 
+import ast
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,16 +33,26 @@ def test_agreement_counts_identical_answers_and_where_the_others_leave():
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(transformers, "Qwen3_5TextConfig"),
                     reason=f"transformers {transformers.__version__} has no qwen3_5")
-def test_fit_rounds_smoke_records_each_round():
-    out = subprocess.run([sys.executable, "bench/rollout.py", "--smoke", "--speculative-tokens", "2", "--workloads",
-                          "R3", "--spec-greedy", "--mtp-train-steps", "20", "--mtp-fit-rounds", "2", "--no-save"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "MTP fit round 1: before it {'spec_accept_len'" in out.stdout
-    rows = [line for line in out.stdout.splitlines() if line.startswith("{'impl': 'areno'")]
-    spec = [r for r in rows if "'speculative_tokens': 2" in r]
-    assert len(rows) == 4 and len(spec) == 2
-    assert all("'greedy_same'" in r and "'mtp_fit_rounds': 2" in r for r in spec)
+def test_fit_rounds_smoke_records_each_round(tmp_path):
+    """Then the same command again reuses the fitted draft kept under the bench cache (this test's own): the same
+    accept lengths without fitting, the rows marked ``mtp_fit_cached``."""
+    cmd = [sys.executable, "bench/rollout.py", "--smoke", "--speculative-tokens", "2", "--workloads", "R3",
+           "--spec-greedy", "--mtp-train-steps", "20", "--mtp-fit-rounds", "2", "--no-save"]
+    env = {**os.environ, "ARENO_BENCH_CACHE": str(tmp_path)}
+    rows = []
+    for _ in range(2):
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows.append([ast.literal_eval(line) for line in out.stdout.splitlines() if line.startswith("{'impl': 'areno'")])
+        assert ("MTP fit round 1: before it {'spec_accept_len'" in out.stdout) == (len(rows) == 1)
+    spec = [r for r in rows[0] if r["speculative_tokens"] == 2]
+    assert len(rows[0]) == 4 and len(spec) == 2
+    assert all("greedy_same" in r and r["mtp_fit_rounds"] == 2 and r["mtp_rounds"] for r in spec)
+    again = [r for r in rows[1] if r["speculative_tokens"] == 2]
+    assert [r["spec_accept_len"] for r in again] == [r["spec_accept_len"] for r in spec]
+    assert all(r["mtp_fit_cached"] and r["mtp_loss_last"] == spec[0]["mtp_loss_last"] for r in again)
+    assert len(list((tmp_path / "mtp-fits").glob("*.safetensors"))) == 1
+    assert all(r["step_s_verify"] > 0 and r["step_s_single"] > 0 for r in spec)
 
 
 def test_fit_rounds_without_a_draft_to_fit_is_refused():
