@@ -162,8 +162,9 @@ def fit_cache(args, sets) -> Path:
     the fit: the family and shape, K, the steps, rounds and epochs, and the prompts it is fitted on. A fit can take
     most of a 10-minute device call (R2's 256 prompts: ~2.5 min a round), so a second call on the same machine
     reuses it."""
-    key = json.dumps([args.mtp_family, args.smoke, args.speculative_tokens, args.mtp_train_steps, args.mtp_fit_rounds,
-                      MTP_EPOCHS, [[list(p) for p in prompts] + [list(new)] for prompts, new in sets]])
+    shape = (SMOKE if args.smoke else SHAPES)[args.mtp_family]
+    key = json.dumps([args.mtp_family, shape, args.speculative_tokens, args.mtp_train_steps, args.mtp_fit_rounds,
+                      MTP_EPOCHS, [[list(p) for p in prompts] + [list(new)] for prompts, new in sets]], sort_keys=True)
     name = f"{args.mtp_family}-{'smoke' if args.smoke else 'bench'}-fit-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
     return models.cache_root() / "mtp-fits" / name
 
