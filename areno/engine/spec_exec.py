@@ -143,7 +143,7 @@ class SpecExec:
             roll_back(r, self.graphs.stash, *work.redo[1:])
         elif work.redo is not None:
             self._rollback(r, *work.redo)
-        drafts, source = None, None
+        drafts = None
         for op in work.ops:
             if op[0] == "hold":  # gathered: a replayed forward's hidden rows are the graph's, the next replay's too
                 source = self.last[0]  # [rows, H] of a gated step; [k, rows, H] of a gated chain (k rows each)

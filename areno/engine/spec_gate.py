@@ -44,6 +44,7 @@ accept lengths a little below the true break-even. On a device without a known r
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -142,24 +143,24 @@ class Gate:
     def speculates(self, decoding: int, prefill: int = 0, future: int = 0, emitted: int = 0, rows: int = 0) -> bool:
         """Whether a step of ``decoding`` sequences decoding and ``prefill`` prompt tokens speculates, at the window's
         counts. A fixed N (vLLM's rule) and a step without prefill: ``decoding <= limit``. ``auto`` with prefill:
-        that step costs max(T, B + P) token-times plain and max(T, B (K + 1) + P) + K mu max(T, B) speculating;
-        the B (a - 1) tokens the drafts add are worth what a token costs in the steps after it, max(T, F) / F with
-        F = max(``future``, B) the sequences that will decode once the prompts are in (running and waiting): a
-        prompt chunk that fills the step makes its verify rows cost their full compute, which pays only where the
-        decode that follows is memory-bound (few sequences; a server's new request beside a few streams), not in
-        a rollout's admission of 256 prompts."""
+        that step costs ``plain(B, P)`` token-times plain and ``speculative(B, P)`` speculating (without states
+        max(T, B + P) and max(T, B (K + 1) + P) + K mu max(T, B)); the B (a - 1) tokens the drafts add are worth
+        what a token costs in the steps after it, plain(F) / F with F = max(``future``, B) the sequences that will
+        decode once the prompts are in (running and waiting): a prompt chunk that fills the step makes its verify
+        rows cost their full compute, which pays only where the decode that follows is memory-bound (few sequences;
+        a server's new request beside a few streams), not in a rollout's admission of 256 prompts."""
         if self.fixed is not None or not prefill or not decoding or decoding > self.most:  # most: stash, graphs
             return decoding <= self.limit(emitted, rows)
         a, b, f = self.accept(emitted, rows), decoding, max(future, decoding)
         extra = self.speculative(b, prefill) - self.plain(b, prefill)
         return extra <= b * (a - 1.0) * self.plain(f) / f
 
-    @property
+    @functools.cached_property
     def most(self) -> int:
         """The largest N it can take (every draft accepted): the verify's stash and graphs are sized for it."""
         return self.at(self.k + 1)
 
-    @property
+    @functools.cached_property
     def least(self) -> int:
         """The smallest N it can take (no draft accepted): gated steps' graphs cover every batch above it."""
         return self.at(1.0)
