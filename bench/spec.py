@@ -331,12 +331,9 @@ def run_batch_sweep(args, device) -> list[dict]:
     temp = 0.0 if args.spec_greedy else 1.0
     records = []
     for k, gate in ((0, "auto"), (args.speculative_tokens, "off")):
-        # never gated, speculation reserves its stash for every row: at the 9B shape 256 rows' (26 GB) beside their
-        # state slots (13 GB) outgrow the default half of free memory on an H100, so that engine takes three quarters
-        mem = base["kv_cache_memory"] if base["kv_cache_memory"] is not None or not k else 0.75
         engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
-                                                  decode_steps=1 if k else PLAIN_DECODE_STEPS,
-                                                  **{**base, "kv_cache_memory": mem}), eos_token_ids=[])
+                                                  decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
+                        eos_token_ids=[])
         opts = SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True)
         engine.capture_graphs()  # every batch's graphs before any is timed (none under --eager)
         engine.generate(models.random_prompts(4, plen, vocab, seed=99), opts)  # compile and warm the kernels
