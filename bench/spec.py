@@ -139,8 +139,9 @@ def load_draft_model(args, device, prompt_sets):
         starts = [len(p) for prompts, _ in sets for p in prompts]
         for r in range(args.mtp_fit_rounds):
             if r:
+                # gated as the timed engine is (auto): never gated, 256 rows' stash outgrows an H100's KV budget
                 spec = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens, decode_steps=1,
-                                                        speculative_disable_by_batch_size="off", **base),
+                                                        **base),
                               eos_token_ids=[])  # fmt: skip
                 answered = greedy_outputs(spec, sets)
                 rounds.append({**spec.spec.take_stats(), **agreement(seqs[: len(answered)], answered, starts)})
