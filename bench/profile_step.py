@@ -166,7 +166,7 @@ def decode(args, device):
                                                    mamba_ssm_cache_dtype=args.state_dtype,
                                                    kv_cache_dtype=args.kv_cache_dtype,
                                                    speculative_tokens=args.speculative_tokens,
-                                                   speculative_disable_by_batch_size="auto"),
+                                                   speculative_disable_by_batch_size=args.spec_gate),
                     eos_token_ids=[models.EOS_ID])
     opts = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True)
     engine.generate(models.random_prompts(n, 128, model.config.vocab_size, seed=1), opts)
@@ -220,6 +220,8 @@ def main():
     ap.add_argument("--seqs", type=int, default=256, help="decode: running sequences (128-token prompts)")
     ap.add_argument("--speculative-tokens", type=int, default=0, help="decode: MTP speculation on bench/spec.py's "
                     "Qwen3.5 9B-shaped model, gate auto (at 256 sequences every step is gated: what gating costs)")
+    ap.add_argument("--spec-gate", default="auto", help="decode: --speculative-disable-by-batch-size (off: every step "
+                    "a verify, the sweep's never-gated speculation)")
     ap.add_argument("--mtp", action="store_true", help="decode: that model without speculation (the plain baseline)")
     ap.add_argument("--context", type=int, default=8, help="decode: tokens generated before the profiled steps")
     ap.add_argument("--shape", default="8x1024", help="train: rows x tokens per row (T1 8x1024, T2 4x4096)")
