@@ -100,10 +100,15 @@ class Scheduler:
         n samples) fits under max_running (KV blocks aside). While none can, decode steps may be chained as if
         nothing waited: an evaluation's queue of thousands behind a full batch costs nothing but the few steps a
         finished sequence's slot stays empty."""
-        return bool(self.waiting) and len(self.running) + self._group_size(self.waiting[0]) <= self.max_running
+        return bool(self.waiting) and self._occupied() + self._group_size(self.waiting[0]) <= self.max_running
 
     def _group_size(self, seq: Sequence) -> int:
         return 1 + len(getattr(seq, "children", []))
+
+    def _occupied(self) -> int:
+        """The running sequences with the unforked siblings of the heads among them: each will hold a slot (and a
+        hybrid's state slot) once its head's prompt is computed."""
+        return sum(self._group_size(s) for s in self.running)
 
     def _preempt(self, seq: Sequence, step: Step) -> None:
         self.running.remove(seq)
@@ -157,7 +162,7 @@ class Scheduler:
         # 3. admit waiting requests while a slot, blocks and budget allow
         while admit and self.waiting and budget > 0 and not step.preempted:
             seq = self.waiting[0]
-            if len(self.running) + self._group_size(seq) > self.max_running:
+            if self._occupied() + self._group_size(seq) > self.max_running:
                 break
             # keep one free block per running sequence so admitted work does not immediately preempt decodes
             if not self.blocks.can_allocate(len(seq), reserve=len(self.running), chunk=budget):

@@ -85,3 +85,27 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
     bm.free_seq(parent)
     bm.free_seq(child)
     assert bm.num_free == 8
+
+
+def test_admission_counts_the_unforked_siblings_of_running_heads():
+    """Two n=2 requests waiting, five sequences running, eight state slots: the first head's sibling takes a slot once
+    its prompt is computed, so the second group (2 more) waits; admitting both forked a ninth sequence past the eight
+    slots ("no recurrent-state slot free", seen under speculation's timing on the GPU)."""
+    from areno.engine.scheduler import Scheduler
+
+    bm = BlockManager(64, 4, state_slots=8)
+    sched = Scheduler(bm, max_running=8, max_batched_tokens=64, max_model_len=64)
+    for i in range(5):
+        sched.add([seq(range(10 * i, 10 * i + 3))])
+    sched.after_step(sched.schedule())
+    groups = [[Sequence(list(range(200 + 5 * g, 203 + 5 * g)), SamplingParams(max_new_tokens=8), sample_index=j)
+               for j in range(2)] for g in range(2)]
+    for group in groups:
+        sched.add(group)
+    step = sched.schedule()
+    assert [c.seq for c in step.chunks if c.seq.prompt_len == 3 and c.seq in groups[1]] == []
+    for c in step.chunks:
+        c.samples = c.end == len(c.seq)
+    sched.after_step(step)
+    assert len(sched.running) == 7 and len(bm.free_state_slots) == 1 and sched.waiting[0] is groups[1][0]
+    assert not sched.can_admit()
