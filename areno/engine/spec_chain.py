@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from areno.engine.spec_graphs import read_back, verify_meta
-from areno.kernels.sampler import philox_bits, sampling_probs
+from areno.kernels.draft_draw import draw_from_probs
+from areno.kernels.sampler import sampling_probs
 from areno.models.attention_metadata import AttentionMetadata
 
 DRAFT_STREAM = 3 << 40  # Philox offset added for the draft tokens' noise (above verify_draft's streams)
@@ -70,8 +71,7 @@ def chain_body(r, ex, vbuf: dict, hidden, buf: dict, width: int, k: int):
         logits = r.logits(o, ex.draft.head_weight(r.model, j))
         if ex.leader:
             q = sampling_probs(logits, temperature=buf["temp"], top_k=buf.get("top_k"), top_p=buf.get("top_p"))
-            u = (philox_bits(buf["seeds"], buf["lengths"] + j + DRAFT_STREAM, q.shape[1]).double() + 0.5) * 2.0**-32
-            t = (torch.log(q.double()) - torch.log(-torch.log(u))).argmax(dim=1)
+            t = draw_from_probs(q, buf["seeds"], buf["lengths"] + j + DRAFT_STREAM)
             probs.append(q)
         else:
             t = torch.empty(o.shape[0], dtype=torch.int64, device=o.device)

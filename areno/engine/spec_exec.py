@@ -31,7 +31,8 @@ import torch.distributed as dist
 from areno.engine.spec_chain import DRAFT_STREAM, run_chain
 from areno.engine.spec_graphs import VerifyGraphs, roll_back
 from areno.engine.step_inputs import StepInputs, unused_filters
-from areno.kernels.sampler import philox_bits, sampling_probs
+from areno.kernels.draft_draw import draw_from_probs
+from areno.kernels.sampler import sampling_probs
 
 
 def filters(top_k: list[int], top_p: list[float]) -> tuple:
@@ -236,5 +237,4 @@ class SpecExec:
                            top_p=None if top_p is None else torch.tensor(top_p, device=dev))
         seeds = torch.tensor([c.seeds[i] for i in rows], dtype=torch.int64, device=dev)
         offsets = torch.tensor([c.lengths[i] + j + DRAFT_STREAM for i in rows], dtype=torch.int64, device=dev)
-        u = (philox_bits(seeds, offsets, q.shape[1]).double() + 0.5) * 2.0**-32
-        return (torch.log(q.double()) - torch.log(-torch.log(u))).argmax(dim=1), q
+        return draw_from_probs(q, seeds, offsets), q
