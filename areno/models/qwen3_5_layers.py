@@ -35,11 +35,12 @@ from areno.kernels.linear_attn.gdn_decode import (
     gated_rms_norm_silu,
     gdn_decode_step,
     gdn_inputs,
+    gdn_verify_steps,
 )
 from areno.models import bailing_hybrid_layers
 from areno.models.base import MLP, Attention, CausalLM, DecoderLayer
 from areno.models.layers import Linear, RMSNorm
-from areno.models.linear_state import delta_rule, short_conv, step_through
+from areno.models.linear_state import delta_rule, short_conv
 from areno.models.model_config import ModelConfig, dense_config, get
 from areno.models.mtp import KeptMTP, block_layouts, mtp_layer_indices
 from areno.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoE
@@ -219,13 +220,14 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, vd, nv, nv], dim=-1)
         qkv = short_conv(mixed, self.conv.weight.squeeze(1), meta, kv_cache)
         if kv_cache is not None and not meta.is_prefill:  # one kernel from the conv output to the recurrence's
-            def step(qkv, a, b):  # (gdn_decode); a speculative verify steps its tokens through the same kernel
-                return gdn_decode_step(qkv, a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1], num_k_heads=nk,
-                                       num_v_heads=nv, scale=dk**-0.5, state_indices=meta.state_indices)
-
-            qkv = qkv.to(x.dtype)
-            o = step(qkv, a, b) if meta.tokens_per_seq == 1 else step_through(meta, "recurrent", kv_cache[1], step,
-                                                                                qkv, a, b)
+            qkv, n = qkv.to(x.dtype), meta.tokens_per_seq  # (gdn_decode); n > 1: a speculative verify's n tokens a
+            kw = dict(num_k_heads=nk, num_v_heads=nv, scale=dk**-0.5, state_indices=meta.state_indices)  # sequence
+            if n == 1:
+                o = gdn_decode_step(qkv, a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1], **kw)
+            else:  # in one kernel, the states after each of the first n - 1 stashed for the rollback
+                stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
+                o = gdn_verify_steps(qkv, a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1], n=n, stash=stash,
+                                     **kw)  # fmt: skip
             o = gated_rms_norm_silu(o, z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
             return self.out_proj(o.reshape(t, vd))
         q, k, v, g, beta = gdn_inputs(qkv.to(x.dtype), a, b, self.decay.A_log, self.decay.dt_bias, num_k_heads=nk,

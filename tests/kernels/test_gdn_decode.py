@@ -11,6 +11,7 @@ from areno.kernels.linear_attn.gdn_decode import (
     gated_rms_norm_silu_native,
     gdn_decode_step,
     gdn_decode_step_native,
+    gdn_verify_steps,
 )
 
 CASES = [  # (B, nk, nv, dk, dv)
@@ -143,6 +144,62 @@ def test_gated_norm_gradients_match_float64(T, H, V, dtype, triton_kernels):
     assert (dzw[:, :2] == 0).all() and (dzw[:, 2 + H * V :] == 0).all()  # outside the view: no gradient
 
 
+def _stepped(qkv, a, b, A_log, dt_bias, pool, idx, n, nk, nv):
+    """The verify the reference way: the step kernel n times (each sequence's i-th token), the states copied out."""
+    B = idx.shape[0]
+    per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
+    stash = torch.full((n - 1, B + 1, *pool.shape[1:]), 7.0, dtype=pool.dtype)
+    outs = []
+    for i in range(n):
+        outs.append(gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, pool, num_k_heads=nk,
+                                    num_v_heads=nv, state_indices=idx))  # fmt: skip
+        if i < n - 1:
+            stash[i, :B] = pool[idx.clamp(min=0).long()]
+    return torch.stack(outs, 1).flatten(0, 1), stash
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("B,nk,nv,dk,dv", CASES)
+def test_verify_steps_equal_the_step_kernel_bit_for_bit(B, nk, nv, dk, dv, n, pool_dtype, triton_kernels):
+    """The fused verify (the state in registers between a sequence's n tokens) against the step kernel stepped n
+    times: the same outputs, states after each of the first n - 1 tokens (stash) and final pool, to the bit; a
+    padding row (slot -1) writes nothing; rows past B of the stash are untouched."""
+    qkv, a, b, A_log, dt_bias, pool, idx = _inputs(B * n, nk, nv, dk, dv, torch.float16, seed=B * 10 + n + dv,
+                                                   slots=2 * B * n)  # fmt: skip
+    idx = idx[:B].clone()
+    idx[B // 2] = -1
+    pool = pool.to(pool_dtype)
+    ref_pool = pool.clone()
+    ref_o, ref_stash = _stepped(qkv, a, b, A_log, dt_bias, ref_pool, idx, n, nk, nv)
+    got_pool, stash = pool.clone(), torch.full_like(ref_stash, 7.0)
+    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, stash=stash, num_k_heads=nk, num_v_heads=nv,
+                         state_indices=idx)  # fmt: skip
+    assert torch.equal(o, ref_o) and torch.equal(got_pool, ref_pool)
+    real = [i for i in range(B) if idx[i] >= 0]
+    assert torch.equal(stash[:, real], ref_stash[:, real]) and bool((stash[:, B:] == 7.0).all())
+    assert bool((o.view(B, n, nv, dv)[B // 2] == 0).all())
+    # the native path (the CPU's): the same steps and copies
+    nat_pool, nat_stash = pool.clone(), torch.full_like(ref_stash, 7.0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("ARENO_KERNELS", "native")
+        nat = gdn_verify_steps(qkv, a, b, A_log, dt_bias, nat_pool, n=n, stash=nat_stash, num_k_heads=nk,
+                               num_v_heads=nv, state_indices=idx)  # fmt: skip
+    tol = dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(nat, o, **tol)
+    torch.testing.assert_close(nat_pool.float(), got_pool.float(), atol=1e-2 if pool_dtype != torch.float32 else 1e-5,
+                               rtol=1e-2 if pool_dtype != torch.float32 else 1e-5)  # fmt: skip
+
+
+def test_verify_steps_refuse_rows_that_are_not_sequences_times_tokens():
+    qkv, a, b, A_log, dt_bias, pool, idx = _inputs(5, 1, 1, 8, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="gdn_verify_steps: 5 rows are not 2 sequences x 2 tokens"):
+        gdn_verify_steps(qkv, a, b, A_log, dt_bias, pool, n=2, num_k_heads=1, num_v_heads=1, state_indices=idx[:2])
+    with pytest.raises(ValueError, match="gdn_verify_steps: .*stash"):
+        gdn_verify_steps(qkv[:4], a[:4], b[:4], A_log, dt_bias, pool, n=2, stash=torch.zeros(2, 2, 1, 8, 8),
+                         num_k_heads=1, num_v_heads=1, state_indices=idx[:2])  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_bf16_at_the_9b_shape():
@@ -183,3 +240,47 @@ def test_gpu_gated_norm_training_bf16():
     for got, exp in zip(grads, want):
         scale = max(exp.abs().max().item(), 1.0)
         torch.testing.assert_close(got.double() / scale, exp / scale, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
+def test_gpu_verify_steps_at_the_9b_shape(pool_dtype):
+    """The compiled verify kernel at Qwen3.5-9B's linear-attention shape (64 sequences x 3 tokens, 16 key / 32 value
+    heads of 128, bf16 activations) against the step kernel stepped three times: the same bits (outputs, the
+    stash's two states, the pool); then its time against the stepping's (printed: bench/gdn_decode.py's shape)."""
+    B, n, nk, nv, d = 64, 3, 16, 32, 128
+    qkv, a, b, A_log, dt_bias, pool, idx = _inputs(B * n, nk, nv, d, d, torch.bfloat16, seed=3, slots=2 * B)
+    qkv, a, b, A_log, dt_bias = (x.cuda() for x in (qkv, a, b, A_log, dt_bias))
+    pool, idx = pool.to("cuda", pool_dtype), idx[:B].clone().cuda()
+    ref_pool = pool.clone()
+    per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
+    ref_o, ref_stash = [], torch.zeros(n - 1, B, nv, d, d, dtype=pool_dtype, device="cuda")
+    for i in range(n):
+        ref_o.append(gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, ref_pool,
+                                     num_k_heads=nk, num_v_heads=nv, state_indices=idx))  # fmt: skip
+        if i < n - 1:
+            ref_stash[i] = ref_pool[idx.clamp(min=0).long()]
+    got_pool, stash = pool.clone(), torch.zeros_like(ref_stash)
+    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, stash=stash, num_k_heads=nk, num_v_heads=nv,
+                         state_indices=idx)  # fmt: skip
+    real = (idx >= 0).nonzero()[:, 0]
+    assert torch.equal(o, torch.stack(ref_o, 1).flatten(0, 1)) and torch.equal(got_pool, ref_pool)
+    assert torch.equal(stash[:, real], ref_stash[:, real])
+    fused = lambda: gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, stash=stash, num_k_heads=nk,  # noqa
+                                     num_v_heads=nv, state_indices=idx)
+    stepped = lambda: [gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, ref_pool,  # noqa
+                                       num_k_heads=nk, num_v_heads=nv, state_indices=idx) for i in range(n)]
+    times = {}
+    for name, fn in (("fused", fused), ("stepped", stepped)):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 20
+    print(f"verify of {B} x {n} tokens, one layer, {pool_dtype}: fused {times['fused']:.3f} ms, stepped (no stash "
+          f"copies) {times['stepped']:.3f} ms")
+    assert times["fused"] < times["stepped"]

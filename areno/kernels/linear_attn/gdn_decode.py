@@ -42,34 +42,70 @@ STEP_CONFIG = {torch.float32: {"BV": 128, "num_warps": 4}, torch.bfloat16: {"BV"
 
 
 @triton.jit
-def _gdn_step_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, O, scale, eps, H, REP, KD, K, V,
-                     HAS_IDX: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
-    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    dtype = QKV.dtype.element_ty
-    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
-    kmask, vmask = offs_k < K, offs_v < V
-    slot = tl.load(IDX + b) if HAS_IDX else b
-    ok = slot >= 0
-    row = QKV + b.to(tl.int64) * stride_x
-    kh = h // REP
+def _gdn_token(row, ab, A, B_, A_LOG, DT_BIAS, S, h, kh, KD, K, V, offs_k, offs_v, kmask, vmask, scale, eps):
+    """One token of one (sequence, value head, value block): S <- e^g S + beta k (v - S^T k)^T, o = scale S^T q
+    (``row``: its qkv row, ``ab``: its a/b row offset); returns (S, o)."""
+    dtype = row.dtype.element_ty
     q = tl.load(row + kh * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(row + KD + kh * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
     v = tl.load(row + 2 * KD + h * V + offs_v, mask=vmask, other=0.0).to(tl.float32)
     q = (q / tl.sqrt(tl.sum(q * q) + eps)).to(dtype).to(tl.float32)
     k = (k / tl.sqrt(tl.sum(k * k) + eps)).to(dtype).to(tl.float32)
-    x = tl.load(A + b.to(tl.int64) * stride_ab + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
+    x = tl.load(A + ab + h).to(tl.float32) + tl.load(DT_BIAS + h).to(tl.float32)
     soft = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
     g = -tl.exp(tl.load(A_LOG + h).to(tl.float32)) * soft
-    braw = tl.load(B_ + b.to(tl.int64) * stride_ab + h).to(tl.float32)
+    braw = tl.load(B_ + ab + h).to(tl.float32)
     beta = (1.0 / (1.0 + tl.exp(-braw))).to(dtype).to(tl.float32)
-    smask = (kmask[:, None] & vmask[None, :]) & ok
-    soffs = (tl.maximum(slot, 0).to(tl.int64) * H + h) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(STATE + soffs, mask=smask, other=0.0) * tl.exp(g)
+    S = S * tl.exp(g)
     w = beta * (v - tl.sum(S * k[:, None], axis=0))
     S += k[:, None] * w[None, :]
-    o = scale * tl.sum(S * q[:, None], axis=0)
+    return S, scale * tl.sum(S * q[:, None], axis=0)
+
+
+@triton.jit
+def _gdn_step_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, O, scale, eps, H, REP, KD, K, V,
+                     HAS_IDX: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    kmask, vmask = offs_k < K, offs_v < V
+    slot = tl.load(IDX + b) if HAS_IDX else b
+    ok = slot >= 0
+    smask = (kmask[:, None] & vmask[None, :]) & ok
+    soffs = (tl.maximum(slot, 0).to(tl.int64) * H + h) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
+    S, o = _gdn_token(QKV + b.to(tl.int64) * stride_x, b.to(tl.int64) * stride_ab, A, B_, A_LOG, DT_BIAS, S, h,
+                      h // REP, KD, K, V, offs_k, offs_v, kmask, vmask, scale, eps)  # fmt: skip
     tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
     tl.store(O + (b.to(tl.int64) * H + h) * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _gdn_verify_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, STASH, stride_si, stride_sb, O,
+                       scale, eps, H, REP, KD, K, V, N: tl.constexpr, HAS_STASH: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr):  # fmt: skip
+    """A verify's N tokens of sequence b (rows b N .. b N + N - 1) on its state, held in registers between them: the
+    state after each of the first N - 1 to the stash (rounded to the pool's dtype, as the step kernel's store and
+    reload round it), the last to the pool."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    kmask, vmask = offs_k < K, offs_v < V
+    slot = tl.load(IDX + b)
+    ok = slot >= 0
+    smask = (kmask[:, None] & vmask[None, :]) & ok
+    tile = h * K * V + offs_k[:, None] * V + offs_v[None, :]
+    soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + tile
+    S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
+    for i in tl.static_range(N):
+        t = b.to(tl.int64) * N + i
+        S, o = _gdn_token(QKV + t * stride_x, t * stride_ab, A, B_, A_LOG, DT_BIAS, S, h, h // REP, KD, K, V,
+                          offs_k, offs_v, kmask, vmask, scale, eps)  # fmt: skip
+        tl.store(O + (t * H + h) * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
+        if i < N - 1:
+            S = S.to(STATE.dtype.element_ty).to(tl.float32)
+            if HAS_STASH:
+                tl.store(STASH + i * stride_si + b.to(tl.int64) * stride_sb + tile, S.to(STASH.dtype.element_ty),
+                         mask=smask)  # fmt: skip
+    tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
 
 @triton.jit
@@ -208,6 +244,15 @@ def gdn_decode_step_native(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num
     return gated_delta_rule_step_native(q, k, v, g, beta, state, scale=scale, state_indices=state_indices)
 
 
+def _check(name, qkv, a, b, state, nk, nv) -> None:
+    T, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
+    if qkv.shape[1] != 2 * nk * K + nv * V or a.shape != (T, nv) or b.shape != (T, nv) or state.shape[1] != nv:
+        raise ValueError(f"{name}: qkv {tuple(qkv.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, state "
+                         f"{tuple(state.shape)} do not fit {nk} key / {nv} value heads")
+    if nv % nk:
+        raise ValueError(f"{name}: {nv} value heads are not a multiple of {nk} key heads")
+
+
 def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_heads, scale=None, state_indices=None,
                     eps=1e-6):
     """One decode token per sequence of a gated DeltaNet layer: ``qkv [B, 2 nk dk + nv dv]`` (the conv output, unit
@@ -216,11 +261,7 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
     math in fp32). Returns o ``[B, nv, dv]`` in qkv's dtype."""
     nk, nv = num_k_heads, num_v_heads
     B, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
-    if qkv.shape[1] != 2 * nk * K + nv * V or a.shape != (B, nv) or b.shape != (B, nv) or state.shape[1] != nv:
-        raise ValueError(f"gdn_decode_step: qkv {tuple(qkv.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, state "
-                         f"{tuple(state.shape)} do not fit {nk} key / {nv} value heads")
-    if nv % nk:
-        raise ValueError(f"gdn_decode_step: {nv} value heads are not a multiple of {nk} key heads")
+    _check("gdn_decode_step", qkv, a, b, state, nk, nv)
     supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
                  and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
                  and a.stride() == b.stride())
@@ -238,5 +279,52 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
         qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, o, float(scale), float(eps),
         nv, nv // nk, nk * K, K, V, HAS_IDX=state_indices is not None, BK=BK, BV=BV,
         num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return o
+
+
+def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, stash=None, num_k_heads, num_v_heads, scale=None,
+                     state_indices, eps=1e-6):
+    """A speculative verify's ``n`` tokens per sequence through the decode step: rows ``s n .. s n + n - 1`` of
+    ``qkv``, ``a`` and ``b`` are sequence s's in order (``state_indices [B]`` its pool row, -1: a padding row), each
+    token computed as ``gdn_decode_step`` computes it (the same tile, the same bits); ``stash [n - 1, >= B, nv, dk,
+    dv]`` (the pool's dtype, contiguous after dim 1) gets each sequence's state after each of its first n - 1 tokens
+    (the rollback's), the pool the state after the last. Returns o ``[B n, nv, dv]``.
+
+    One kernel reads each state once and writes it n times (n - 1 to the stash); stepping the decode kernel n times
+    and copying the states out read it 2n - 1 times and wrote it 2n - 1 times (10 passes of 52 MB a sequence a step at
+    Qwen3.5-9B's 24 layers and K = 2). Elsewhere (the CPU, unsupported layouts): those n steps and copies."""
+    nk, nv = num_k_heads, num_v_heads
+    T, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
+    B = state_indices.shape[0]
+    _check("gdn_verify_steps", qkv, a, b, state, nk, nv)
+    if T != B * n or (stash is not None and (stash.shape[0] != n - 1 or stash.shape[1] < B
+                                              or stash.shape[2:] != state.shape[1:])):
+        raise ValueError(f"gdn_verify_steps: {T} rows are not {B} sequences x {n} tokens, or the stash "
+                         f"{None if stash is None else tuple(stash.shape)} does not hold {n - 1} states of each")
+    supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
+                 and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
+                 and a.stride() == b.stride() and (stash is None or (stash.dtype == state.dtype
+                                                                     and stash[0, 0].is_contiguous())))
+    if not use_triton(qkv, a, b, state, supported=supported):
+        per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
+        out = []
+        for i in range(n):
+            out.append(gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, state,
+                                       num_k_heads=nk, num_v_heads=nv, scale=scale, state_indices=state_indices,
+                                       eps=eps))  # fmt: skip
+            if stash is not None and i < n - 1:
+                torch.index_select(state, 0, state_indices.clamp(min=0), out=stash[i, :B])
+        return torch.stack(out, 1).flatten(0, 1)
+    o = torch.empty(T, nv, V, dtype=qkv.dtype, device=qkv.device)
+    if B == 0:
+        return o
+    cfg = STEP_CONFIG[state.dtype]  # the step kernel's tile: the same reductions, the same bits
+    BK, BV = triton.next_power_of_2(K), min(cfg["BV"], triton.next_power_of_2(V))
+    st = stash if stash is not None else state
+    _gdn_verify_kernel[(B, nv, triton.cdiv(V, BV))](
+        qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, st, st.stride(0),
+        st.stride(1), o, float(K**-0.5 if scale is None else scale), float(eps), nv, nv // nk, nk * K, K, V, N=n,
+        HAS_STASH=stash is not None, BK=BK, BV=BV, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return o
