@@ -321,6 +321,7 @@ def run_batch_sweep(args, device) -> list[dict]:
     after one warm-up call of each engine; the crossover is where speculation stops paying, to set against the N that
     ``auto`` resolves to (``auto_limit``)."""
     from areno.config import SamplingParams
+    from areno.config.fields import ConfigError
     from areno.engine.engine import Engine, EngineConfig
 
     plen, new = (16 if args.smoke else 128), (16 if args.smoke else 128)
@@ -332,13 +333,23 @@ def run_batch_sweep(args, device) -> list[dict]:
     temp = 0.0 if args.spec_greedy else 1.0
     records = []
     for k, gate in ((0, "auto"), (args.speculative_tokens, "off")):
-        engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
-                                                  decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
-                        eos_token_ids=[])
+        engine, sizes = None, list(batches)
+        while engine is None and sizes:
+            try:  # never gated, speculation's stash holds every row's states: the largest batches may not fit
+                engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
+                                                          decode_steps=1 if k else PLAIN_DECODE_STEPS,
+                                                          **{**base, "max_running": max(4, *sizes)}), eos_token_ids=[])
+            except (ConfigError, torch.OutOfMemoryError) as e:  # that batch's row names why; the next smaller one
+                print(f"speculative_tokens {k}, batch {max(sizes)}: {type(e).__name__}: {e}", flush=True)
+                records.append(dict(impl="areno", workload="spec-sweep", family=args.mtp_family, speculative_tokens=k,
+                                    batch=sizes.pop(), error=f"{type(e).__name__}: {e}"[:300]))  # fmt: skip
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+        if engine is None:
+            continue
         opts = SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True)
         engine.capture_graphs()  # every batch's graphs before any is timed (none under --eager)
         engine.generate(models.random_prompts(4, plen, vocab, seed=99), opts)  # compile and warm the kernels
-        for b in batches:
+        for b in sizes:
             rec, _ = timed_generate(engine, models.random_prompts(b, plen, vocab, seed=b), opts, device)
             rec = dict(impl="areno", workload="spec-sweep", family=args.mtp_family, speculative_tokens=k, batch=b,
                        **rec, **train)
@@ -346,10 +357,13 @@ def run_batch_sweep(args, device) -> list[dict]:
             records.append(rec)
         engine.drop_rollout_state()
         del engine
-    auto = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens, **base), eos_token_ids=[])
-    plain = {r["batch"]: r["tok_s"] for r in records if not r["speculative_tokens"]}
+    if not sizes:  # not even the smallest batch fits never gated
+        return records
+    auto = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens,  # the never-gated one's size
+                                            **{**base, "max_running": max(4, *sizes)}), eos_token_ids=[])
+    plain = {r["batch"]: r["tok_s"] for r in records if not r["speculative_tokens"] and r.get("tok_s")}
     for r in records:
-        if r["speculative_tokens"]:
+        if r["speculative_tokens"] and r.get("tok_s") and r["batch"] in plain:
             r["speedup_vs_plain"], r["auto_limit"] = r["tok_s"] / plain[r["batch"]], auto.spec.limit
             if r.get("spec_accept_len"):  # a step's cost over a plain step's: the accept length where it breaks even
                 r["accept_needed"] = r["spec_accept_len"] / r["speedup_vs_plain"]

@@ -59,3 +59,21 @@ def test_fit_rounds_without_a_draft_to_fit_is_refused():
     out = subprocess.run([sys.executable, "bench/rollout.py", "--smoke", "--workloads", "R3", "--mtp-fit-rounds", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--mtp-fit-rounds" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Qwen3_5TextConfig"),
+                    reason=f"transformers {transformers.__version__} has no qwen3_5")
+def test_batch_sweep_smoke_names_the_batch_that_does_not_fit(tmp_path):
+    """``--spec-batch-sweep`` at the smoke shape with a KV budget that holds 16 plain rows but not 16 never-gated
+    speculating ones (their stash): rows for batches 1 and 4 of both engines and plain's at 16, speculation's
+    16 refused naming --kv-cache-memory, and the crossover line with the break-even accept lengths."""
+    cmd = [sys.executable, "bench/rollout.py", "--smoke", "--speculative-tokens", "2", "--spec-batch-sweep",
+           "--spec-batches", "1,4,16", "--spec-greedy", "--no-save", "--kv-cache-memory", "200000"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "ARENO_BENCH_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [ast.literal_eval(line) for line in out.stdout.splitlines() if line.startswith("{'impl': 'areno'")]
+    assert sorted((r["speculative_tokens"], r["batch"]) for r in rows) == [(0, 1), (0, 4), (0, 16), (2, 1), (2, 4)]
+    assert "speculative_tokens 2, batch 16: ConfigError: --kv-cache-memory" in out.stdout
+    assert "speculation pays at batch" in out.stdout
+    assert "accept length needed to break even by batch: 1: " in out.stdout
