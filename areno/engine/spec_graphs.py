@@ -31,6 +31,7 @@ import torch
 
 from areno.engine.state_cache import RecurrentStates
 from areno.engine.step_inputs import StepInputs
+from areno.kernels.state_copy import copy_rows
 from areno.models.attention_metadata import AttentionMetadata
 
 
@@ -76,8 +77,8 @@ def roll_back(r, stash: tuple, rows: list[int], slots: list[int], accepted: list
     accepted input (the verify's ``stash``, index = accepted drafts); the K/V there are already the right ones."""
     dev = r.device
     b, s, a = (torch.tensor(x, device=dev) for x in (rows, slots, accepted))
-    for pool, kept in zip((r.states.conv, r.states.recurrent), stash):
-        pool[:, s] = kept[:, a, b]
+    for pool, kept in zip((r.states.conv, r.states.recurrent), stash):  # each row read once, written once
+        copy_rows(pool, s, kept.flatten(1, 2), a * kept.shape[2] + b)
 
 
 def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int) -> dict:
