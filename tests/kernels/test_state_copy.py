@@ -33,3 +33,31 @@ def test_no_rows_is_a_no_op_and_bad_shapes_are_refused(triton_kernels):
         copy_rows(pool, torch.zeros(1, dtype=torch.long), torch.ones(2, 4, 5), torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="copy_rows"):
         copy_rows(pool, torch.zeros(1, dtype=torch.long), torch.ones(2, 4, 3).half(), torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_matches_indexing_at_the_9b_shape_on_the_gpu():
+    """24 layers of 32 x 128 x 128 fp32 states, 64 rejecting rows of a K = 2 stash: the same pool as torch's
+    indexing, in less time (printed)."""
+    L, S, K, rows, row = 24, 80, 2, 64, (32, 128, 128)
+    pool = torch.randn(L, S, *row, device="cuda")
+    stash = torch.randn(L, K, rows, *row, device="cuda")
+    slots = torch.randperm(S, device="cuda")[:rows]
+    src = torch.randint(0, K, (rows,), device="cuda") * rows + torch.arange(rows, device="cuda")
+    got, want = pool.clone(), pool.clone()
+    copy_rows(got, slots, stash.flatten(1, 2), src)
+    copy_rows_native(want, slots, stash.flatten(1, 2), src)
+    assert torch.equal(got, want)
+    times = {}
+    for name, fn in (("kernel", copy_rows), ("indexing", copy_rows_native)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn(got, slots, stash.flatten(1, 2), src)
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 10
+    print(f"rollback of {rows} rows x {L} layers ({rows * L * 2 * 2**17 * 4 / 1e9:.1f} GB moved): kernel "
+          f"{times['kernel']:.2f} ms, indexing {times['indexing']:.2f} ms")
+    assert times["kernel"] < times["indexing"]
