@@ -288,6 +288,8 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
                         for name in names]  # fmt: skip
             torch.cuda.empty_cache() if device.type == "cuda" else None
             continue
+        if k:  # every steady and gated graph now, as a server's start does: the gate's N moves with the accept
+            engine.capture_graphs()  # length, and a bucket first gated in the timed warm call captured there (R2)
         for name in names:
             for call, seed in (("first", 1), ("warm", 2)):
                 prompts, new = workload(name, args.smoke, vocab, seed)
