@@ -43,7 +43,7 @@ def _draw_kernel(q_ptr, stride_q, seed_ptr, off_ptr, best_ptr, idx_ptr, B, V, co
     v_begin = pid_s * cols_per_split
     v_end = tl.minimum(v_begin + cols_per_split, V)
     best_vec = tl.full([ROWS, 4 * Q], float("-inf"), dtype=tl.float64)
-    idx_vec = tl.full([ROWS, 4 * Q], _BIG, dtype=tl.int32)
+    idx_vec = tl.full([ROWS, 4 * Q], 2147483647, dtype=tl.int32)  # (a global is no constant to a compiled kernel)
     for v0 in range(v_begin, v_end, 4 * Q):
         c0 = tl.broadcast_to((v0 // 4 + tl.arange(0, Q)).to(tl.uint32)[None, :], (ROWS, Q))
         r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
@@ -58,7 +58,7 @@ def _draw_kernel(q_ptr, stride_q, seed_ptr, off_ptr, best_ptr, idx_ptr, B, V, co
         best_vec = tl.where(better, score, best_vec)
         idx_vec = tl.where(better, cols[None, :], idx_vec)
     best = tl.max(best_vec, axis=1)
-    best_idx = tl.min(tl.where(best_vec == best[:, None], idx_vec, _BIG), axis=1)
+    best_idx = tl.min(tl.where(best_vec == best[:, None], idx_vec, 2147483647), axis=1)
     out = rows * splits + pid_s
     tl.store(best_ptr + out, best, mask=row_ok)
     tl.store(idx_ptr + out, best_idx, mask=row_ok)
@@ -80,7 +80,8 @@ def _draw_triton(q, seeds, offsets):
     _draw_kernel[(triton.cdiv(B, rows), splits)](q, q.stride(0), seeds, offsets, best, idx, B, V, cols_per_split,
                                                  ROWS=rows, Q=qn, num_warps=4)  # fmt: skip
     top = best.max(dim=1, keepdim=True).values
-    return torch.where(best == top, idx, _BIG).min(dim=1).values.long()
+    tok = torch.where(best == top, idx, _BIG).min(dim=1).values.long()
+    return torch.where(tok == _BIG, 0, tok)  # a row of zeros only: argmax's 0
 
 
 def draw_native(q, seeds, offsets):

@@ -42,6 +42,13 @@ def test_draws_follow_the_distribution(triton_kernels):
     assert chi2 < 18.47  # chi-square, 4 degrees of freedom, p = 0.001
 
 
+def test_a_row_of_zeros_draws_token_zero_as_argmax_does(triton_kernels):
+    q = torch.zeros(2, 300)
+    q[1, 299] = 1.0
+    seeds, offsets = torch.tensor([3, 4]), torch.tensor([0, 1])
+    assert draw_from_probs(q, seeds, offsets).tolist() == draw_native(q, seeds, offsets).tolist() == [0, 299]
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="draw_from_probs"):
         draw_from_probs(torch.ones(2, 4), torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
