@@ -160,9 +160,10 @@ class Scheduler:
                 step.chunks.append(Chunk(seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
         # 3. admit waiting requests while a slot, blocks and budget allow
+        occupied = self._occupied()
         while admit and self.waiting and budget > 0 and not step.preempted:
             seq = self.waiting[0]
-            if self._occupied() + self._group_size(seq) > self.max_running:
+            if occupied + self._group_size(seq) > self.max_running:
                 break
             # keep one free block per running sequence so admitted work does not immediately preempt decodes
             if not self.blocks.can_allocate(len(seq), reserve=len(self.running), chunk=budget):
@@ -171,6 +172,7 @@ class Scheduler:
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            occupied += self._group_size(seq)
             start = seq.num_computed
             if start >= len(seq):  # fully cached cannot happen (the last token is always recomputed)
                 start = len(seq) - 1
