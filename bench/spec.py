@@ -371,7 +371,8 @@ def run_batch_sweep(args, device) -> list[dict]:
                 r["accept_needed"] = r["spec_accept_len"] / r["speedup_vs_plain"]
             gate = auto.spec.gate
             if gate is not None and gate.fixed is None:  # what auto's roofline rule takes that ratio to be
-                r["accept_model"] = gate.speculative(r["batch"]) / gate.plain(r["batch"])
+                b = r["batch"]
+                r["accept_model"] = gate.speculative(b, accept=r.get("spec_accept_len")) / gate.plain(b)
     auto.drop_rollout_state()
     return records
 
