@@ -5,7 +5,8 @@ gated DeltaNet): the short convolution and the gated delta rule over a packed ba
 - prefill (``meta.is_prefill``): each sequence's chunk starts from its slot's carried state (zeros when no tokens
   precede the chunk) and the final state is written back to the slot;
 - decode: one step a token on the slot's state; ``meta.tokens_per_seq`` n > 1 (a speculative verify) steps through
-  each sequence's n rows in order, the states after the first n - 1 stashed in ``meta.state_steps`` for the rollback.
+  each sequence's n rows in order, the states after the first n - 1 stashed in ``meta.state_steps`` for the rollback
+  (the delta rule's n tokens in one kernel that computes what n steps do, the conv's through ``step_through``).
 
 ``kv_cache`` is the layer's ``(conv state pool, recurrent state pool)``, indexed by ``meta.state_indices``; the
 recurrent pool may be bf16 (``--mamba-ssm-cache-dtype``): the chunked kernel starts from it in fp32 and its final
@@ -16,7 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from areno.kernels.linear_attn.delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_step
+from areno.kernels.linear_attn.delta_rule import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_step,
+    fused_recurrent_gated_delta_rule_verify,
+)
 from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_update
 
 
@@ -67,13 +72,16 @@ def conv_decode(x, state, w, meta):
 
 
 def delta_decode(q, k, v, g, beta, state, scale, meta):
-    """The gated delta-rule decode step; ``meta.tokens_per_seq`` > 1 steps through each sequence's tokens in order
-    (``step_through``)."""
-    def step(*rows):
-        return fused_recurrent_gated_delta_rule_step(*rows, state, scale=scale, state_indices=meta.state_indices)
-
-    return step(q, k, v, g, beta) if meta.tokens_per_seq == 1 else step_through(meta, "recurrent", state, step,
-                                                                                  q, k, v, g, beta)
+    """The gated delta-rule decode step; ``meta.tokens_per_seq`` n > 1 (a speculative verify): each sequence's n
+    tokens in one kernel, as n decode steps compute them, the states after the first n - 1 stashed in
+    ``meta.state_steps`` (``fused_recurrent_gated_delta_rule_verify``)."""
+    n = meta.tokens_per_seq
+    if n == 1:
+        return fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale=scale,
+                                                     state_indices=meta.state_indices)  # fmt: skip
+    stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
+    return fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, n=n, stash=stash, scale=scale,
+                                                   state_indices=meta.state_indices)  # fmt: skip
 
 
 def step_through(meta, kind: str, state, step, *rows):

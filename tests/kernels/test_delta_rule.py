@@ -12,6 +12,7 @@ from areno.kernels.linear_attn.delta_rule import (
     chunk_gated_delta_rule_native,
     delta_rule_reference,
     fused_recurrent_gated_delta_rule_step,
+    fused_recurrent_gated_delta_rule_verify,
 )
 
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
@@ -151,6 +152,38 @@ def test_decode_step_on_a_bf16_pool(monkeypatch, kernels, gate):
         fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, pool.half(), state_indices=idx)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_verify_equals_the_step_kernel_stepped_bit_for_bit(monkeypatch, gate, n, pool_dtype):
+    """A speculative verify's n tokens a sequence in one kernel (the state in registers between them) against the
+    step kernel stepped n times with the states copied out: the same outputs, stash and pool to the bit; a padding
+    row (slot -1) writes nothing; rows of the stash past B are untouched; the native path alike within rounding."""
+    monkeypatch.setenv("ARENO_KERNELS", "triton")
+    B, H, K, V = 3, 2, 8, 12
+    (q, k, v, g, beta, _), _ = _inputs([B * n], H, K, V, gate, seed=n)
+    pool = (torch.randn(7, H, K, V) * 0.5).to(pool_dtype)
+    idx = torch.tensor([5, -1, 2], dtype=torch.int32)
+    ref_pool, ref_stash, outs = pool.clone(), torch.full((n - 1, B + 1, H, K, V), 7.0, dtype=pool_dtype), []
+    per = [x.view(B, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
+    for i in range(n):
+        outs.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), ref_pool, state_indices=idx))
+        if i < n - 1:
+            ref_stash[i, :B] = ref_pool[idx.clamp(min=0).long()]
+    got_pool, stash = pool.clone(), torch.full_like(ref_stash, 7.0)
+    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, stash=stash, state_indices=idx)
+    assert torch.equal(o, torch.stack(outs, 1).flatten(0, 1)) and torch.equal(got_pool, ref_pool)
+    assert torch.equal(stash[:, [0, 2]], ref_stash[:, [0, 2]]) and bool((stash[:, B:] == 7.0).all())
+    assert bool((o.view(B, n, H, V)[1] == 0).all())
+    monkeypatch.setenv("ARENO_KERNELS", "native")
+    nat_pool = pool.clone()
+    nat = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, nat_pool, n=n, stash=None, state_indices=idx)
+    tol = 1e-4 if pool_dtype == torch.float32 else 2e-2  # the interpreter truncates to bf16, torch rounds
+    torch.testing.assert_close(nat, o, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match=f"are not 2 sequences x {n} tokens"):
+        fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, nat_pool, n=n, state_indices=idx[:2])
+
+
 def test_rejects_bad_shapes():
     ts, cu = _inputs([4], 2, 8, 8, "channel")
     with pytest.raises(ValueError, match="g must be"):
@@ -214,3 +247,29 @@ def test_decode_step_cuda_graph_replay():
     o_ref = mod.gated_delta_rule_step_native(q, k, v, g, beta, ref_pool, state_indices=idx)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(pool, ref_pool, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_verify_equals_stepping_on_the_gpu(monkeypatch, gate):
+    """The compiled verify kernel at KDA's head size (64 sequences x 3 tokens, 16 heads of 128, bf16 inputs, fp32
+    pool) against the compiled step kernel stepped three times: the same bits."""
+    monkeypatch.setenv("ARENO_KERNELS", "triton")
+    B, n, H, D = 64, 3, 16, 128
+    (q, k, v, g, beta, _), _ = _inputs([B * n], H, D, D, gate, dtype=torch.bfloat16, device="cuda")
+    g = g.float()
+    pool = torch.randn(2 * B, H, D, D, device="cuda") * 0.1
+    idx = torch.randperm(2 * B, device="cuda")[:B].int()
+    idx[5] = -1
+    ref_pool, ref_stash, outs = pool.clone(), torch.zeros(n - 1, B, H, D, D, device="cuda"), []
+    per = [x.view(B, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
+    for i in range(n):
+        outs.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), ref_pool, state_indices=idx))
+        if i < n - 1:
+            ref_stash[i] = ref_pool[idx.clamp(min=0).long()]
+    got_pool, stash = pool.clone(), torch.zeros_like(ref_stash)
+    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, stash=stash, state_indices=idx)
+    real = (idx >= 0).nonzero()[:, 0]
+    assert torch.equal(o, torch.stack(outs, 1).flatten(0, 1)) and torch.equal(got_pool, ref_pool)
+    assert torch.equal(stash[:, real], ref_stash[:, real])

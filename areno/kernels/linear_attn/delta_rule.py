@@ -37,7 +37,8 @@ import triton.language as tl
 from areno.kernels.dispatch import interpreting, use_triton
 
 __all__ = [
-    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_step", "delta_rule_reference",
+    "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_step", "fused_recurrent_gated_delta_rule_verify",
+    "delta_rule_reference",
     "chunk_gated_delta_rule_native", "gated_delta_rule_step_native",
 ]
 
@@ -522,6 +523,23 @@ def _bwd_chunk_kernel(Q, K_, V_, BETA, GAM, TM, W, DW, SBUF, DHBUF, DO, DQ, DK, 
 
 
 @triton.jit
+def _delta_token(Q, K_, V_, G, BETA, row, S, offs_k, offs_v, kmask, vmask, scale, K, V, SCALAR: tl.constexpr):
+    """One token of row ``row`` (token x H + head): S <- e^g S; S <- S + beta k (v - S^T k)^T; o = scale S^T q;
+    returns (S, o)."""
+    q = tl.load(Q + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(K_ + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(V_ + row * V + offs_v, mask=vmask, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + row).to(tl.float32)
+    if SCALAR:
+        S = S * tl.exp(tl.load(G + row).to(tl.float32))
+    else:
+        S = S * tl.exp(tl.load(G + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32))[:, None]
+    w = beta * (v - tl.sum(S * k[:, None], axis=0))
+    S += k[:, None] * w[None, :]
+    return S, scale * tl.sum(S * q[:, None], axis=0)
+
+
+@triton.jit
 def _step_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V,
                  HAS_IDX: tl.constexpr, SCALAR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """One token: S <- e^g S; S <- S + beta k (v - S^T k)^T; o = scale S^T q, on slot IDX[b] (-1: skip, o = 0).
@@ -535,19 +553,36 @@ def _step_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V,
     soffs = (tl.maximum(slot, 0).to(tl.int64) * H + h) * K * V + offs_k[:, None] * V + offs_v[None, :]
     S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
     row = b * H + h
-    q = tl.load(Q + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
-    k = tl.load(K_ + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32)
-    v = tl.load(V_ + row * V + offs_v, mask=vmask, other=0.0).to(tl.float32)
-    beta = tl.load(BETA + row).to(tl.float32)
-    if SCALAR:
-        S = S * tl.exp(tl.load(G + row).to(tl.float32))
-    else:
-        S = S * tl.exp(tl.load(G + row * K + offs_k, mask=kmask, other=0.0).to(tl.float32))[:, None]
-    w = beta * (v - tl.sum(S * k[:, None], axis=0))
-    S += k[:, None] * w[None, :]
-    o = scale * tl.sum(S * q[:, None], axis=0)
+    S, o = _delta_token(Q, K_, V_, G, BETA, row, S, offs_k, offs_v, kmask, vmask, scale, K, V, SCALAR)
     tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
     tl.store(O + row * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _verify_kernel(Q, K_, V_, G, BETA, STATE, IDX, STASH, stride_si, stride_sb, O, scale, H, K, V, N: tl.constexpr,
+                   HAS_STASH: tl.constexpr, SCALAR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """A speculative verify's N tokens of sequence b (tokens b N .. b N + N - 1) as N ``_step_kernel`` tokens with the
+    state held in registers between them (rounded to the pool's dtype, as a store and reload round it): the state
+    after each of the first N - 1 to the stash, the last to the pool."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    kmask, vmask = offs_k < K, offs_v < V
+    slot = tl.load(IDX + b)
+    ok = slot >= 0
+    smask = (kmask[:, None] & vmask[None, :]) & ok
+    tile = h * K * V + offs_k[:, None] * V + offs_v[None, :]
+    soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + tile
+    S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
+    for i in tl.static_range(N):
+        row = (b * N + i) * H + h
+        S, o = _delta_token(Q, K_, V_, G, BETA, row, S, offs_k, offs_v, kmask, vmask, scale, K, V, SCALAR)
+        tl.store(O + row * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
+        if i < N - 1:
+            S = S.to(STATE.dtype.element_ty).to(tl.float32)
+            if HAS_STASH:
+                tl.store(STASH + i * stride_si + b.to(tl.int64) * stride_sb + tile, S.to(STASH.dtype.element_ty),
+                         mask=smask)  # fmt: skip
+    tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -763,3 +798,42 @@ def fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None
         return o
     with torch.no_grad():
         return gated_delta_rule_step_native(q, k, v, g, beta, state, scale=scale, state_indices=state_indices)
+
+
+def fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, *, n, stash=None, scale=None, state_indices):
+    """A speculative verify's ``n`` tokens per sequence through the decode step: rows ``s n .. s n + n - 1`` of q, k
+    [T, H, K], v [T, H, V], g [T, H, K] or [T, H], beta [T, H] are sequence s's in order (``state_indices [B]`` its
+    pool row, -1: a padding row), each token as ``fused_recurrent_gated_delta_rule_step`` computes it (the same bits);
+    ``stash [n - 1, >= B, H, K, V]`` (the pool's dtype, contiguous after dim 1) gets each sequence's state after each
+    of its first n - 1 tokens, the pool the state after the last. One kernel: each state read once and written n
+    times (stepping n times and copying the states out: 2n - 1 reads and writes). Returns o [T, H, V]."""
+    T, H, K = k.shape
+    V, B = v.shape[-1], state_indices.shape[0]
+    if T != B * n or (stash is not None and (stash.shape[0] != n - 1 or stash.shape[1] < B
+                                              or stash.shape[2:] != state.shape[1:])):
+        raise ValueError(f"fused_recurrent_gated_delta_rule_verify: {T} rows are not {B} sequences x {n} tokens, or "
+                         f"the stash {None if stash is None else tuple(stash.shape)} does not hold {n - 1} states "
+                         "of each")  # fmt: skip
+    supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and q.dtype in _TRITON_FLOATS
+                 and K <= MAX_DIM and V <= MAX_DIM
+                 and (stash is None or (stash.dtype == state.dtype and stash[0, 0].is_contiguous())))
+    if not use_triton(q, k, v, g, beta, state, supported=supported):
+        per = [x.view(B, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
+        out = []
+        for i in range(n):
+            out.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), state, scale=scale,
+                                                             state_indices=state_indices))  # fmt: skip
+            if stash is not None and i < n - 1:
+                torch.index_select(state, 0, state_indices.clamp(min=0), out=stash[i, :B])
+        return torch.stack(out, 1).flatten(0, 1)
+    o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
+    BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))  # the step kernel's tile: its bits
+    st = stash if stash is not None else state
+    _verify_kernel[(B, H, triton.cdiv(V, BV))](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, state_indices, st,
+        st.stride(0), st.stride(1), o, float(K**-0.5 if scale is None else scale), H, K, V, N=n,
+        HAS_STASH=stash is not None, SCALAR=g.dim() == 2, BK=BK, BV=BV,
+    )  # fmt: skip
+    return o
