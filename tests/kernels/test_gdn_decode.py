@@ -13,6 +13,7 @@ from areno.kernels.linear_attn.gdn_decode import (
     gdn_decode_step_native,
     gdn_verify_steps,
 )
+from tests.helpers.timing import cuda_ms
 
 CASES = [  # (B, nk, nv, dk, dv)
     (3, 2, 4, 16, 24),  # two value heads per key head, dv masked in one block
@@ -271,16 +272,7 @@ def test_gpu_verify_steps_at_the_9b_shape(pool_dtype):
                                      num_v_heads=nv, state_indices=idx)
     stepped = lambda: [gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, ref_pool,  # noqa
                                        num_k_heads=nk, num_v_heads=nv, state_indices=idx) for i in range(n)]
-    times = {}
-    for name, fn in (("fused", fused), ("stepped", stepped)):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times[name] = start.elapsed_time(end) / 20
+    times = {"fused": cuda_ms(fused), "stepped": cuda_ms(stepped)}
     print(f"verify of {B} x {n} tokens, one layer, {pool_dtype}: fused {times['fused']:.3f} ms, stepped (no stash "
           f"copies) {times['stepped']:.3f} ms")
     assert times["fused"] < times["stepped"]

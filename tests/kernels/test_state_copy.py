@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from areno.kernels.state_copy import copy_rows, copy_rows_native
+from tests.helpers.timing import cuda_ms
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -49,15 +50,9 @@ def test_kernel_matches_indexing_at_the_9b_shape_on_the_gpu():
     copy_rows(got, slots, stash.flatten(1, 2), src)
     copy_rows_native(want, slots, stash.flatten(1, 2), src)
     assert torch.equal(got, want)
-    times = {}
-    for name, fn in (("kernel", copy_rows), ("indexing", copy_rows_native)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn(got, slots, stash.flatten(1, 2), src)
-        end.record()
-        torch.cuda.synchronize()
-        times[name] = start.elapsed_time(end) / 10
+    flat = stash.flatten(1, 2)
+    times = {"kernel": cuda_ms(lambda: copy_rows(got, slots, flat, src), 10),
+             "indexing": cuda_ms(lambda: copy_rows_native(got, slots, flat, src), 10)}
     print(f"rollback of {rows} rows x {L} layers ({rows * L * 2 * pool[0, 0].numel() * 4 / 1e9:.1f} GB moved): kernel "
           f"{times['kernel']:.2f} ms, indexing {times['indexing']:.2f} ms")
     assert times["kernel"] < times["indexing"]
