@@ -134,8 +134,10 @@ def test_a_long_tail_is_cut_into_the_next_batch(two_policies):
 
 pytestmark = needs_gpus(2)
 SPLIT = ["--train-devices", "0", "--rollout-devices", "1"]
-PARTIAL = [*SPLIT, "--max-staleness", "3", "--partial-rollout", "--max-tail-steps", "1", "--stop", "1",
-           "--max-new-tokens", "12"]
+# a batch and a half (12 sequences; the engine holds --max-running-prompts sequences, forks included): the rollout
+# rank starts the next batch while the last one's tail decodes, and cut tails continue under newer weights
+PARTIAL = [*SPLIT, "--max-staleness", "3", "--partial-rollout", "--max-tail-steps", "1", "--max-running-prompts", "12",
+           "--stop", "1", "--max-new-tokens", "12"]
 
 
 def test_partial_rollout_with_staleness_3_keeps_samples_within_k(files, tmp_path):
