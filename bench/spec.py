@@ -321,7 +321,9 @@ def run_batch_sweep(args, device) -> list[dict]:
     """``--spec-batch-sweep``: tok/s of the plain engine and of speculation never gated (``off``) at batch sizes 1, 4,
     16, 64, 256 (prompts of 128 random tokens, 128 new tokens each; smoke: 16 and 16, batches up to 16), warm calls
     after one warm-up call of each engine; the crossover is where speculation stops paying, to set against the N that
-    ``auto`` resolves to (``auto_limit``)."""
+    ``auto`` resolves to (``auto_limit``). A batch an engine cannot hold (never gated, the rollback stash takes every
+    row's states: 256 rows of the 9B shape on an H100) gets a row naming the error, and the engine is built for the
+    next smaller one."""
     from areno.config import SamplingParams
     from areno.config.fields import ConfigError
     from areno.engine.engine import Engine, EngineConfig
