@@ -6,7 +6,8 @@ gated DeltaNet): the short convolution and the gated delta rule over a packed ba
   precede the chunk) and the final state is written back to the slot;
 - decode: one step a token on the slot's state; ``meta.tokens_per_seq`` n > 1 (a speculative verify) steps through
   each sequence's n rows in order, the states after the first n - 1 stashed in ``meta.state_steps`` for the rollback
-  (the delta rule's n tokens in one kernel that computes what n steps do, the conv's through ``step_through``).
+  (the delta rule's n tokens in one kernel that computes what n steps do, the conv's through
+  ``kernels.linear_attn.steps.step_through``).
 
 ``kv_cache`` is the layer's ``(conv state pool, recurrent state pool)``, indexed by ``meta.state_indices``; the
 recurrent pool may be bf16 (``--mamba-ssm-cache-dtype``): the chunked kernel starts from it in fp32 and its final
@@ -23,6 +24,7 @@ from areno.kernels.linear_attn.delta_rule import (
     fused_recurrent_gated_delta_rule_verify,
 )
 from areno.kernels.linear_attn.short_conv import causal_conv1d, causal_conv1d_update
+from areno.kernels.linear_attn.steps import step_through
 
 
 def short_conv(mixed, w, meta, kv_cache=None):
@@ -67,7 +69,8 @@ def conv_decode(x, state, w, meta):
     sequence's tokens in order (``step_through``)."""
     if meta.tokens_per_seq == 1:
         return causal_conv1d_update(x.contiguous(), state, w, activation="silu", state_indices=meta.state_indices)
-    return step_through(meta, "conv", state, lambda xi: causal_conv1d_update(
+    stash = None if meta.state_steps is None else meta.state_steps.next("conv")
+    return step_through(meta.tokens_per_seq, state, stash, meta.state_indices, lambda xi: causal_conv1d_update(
         xi.contiguous(), state, w, activation="silu", state_indices=meta.state_indices), x)
 
 
@@ -82,21 +85,3 @@ def delta_decode(q, k, v, g, beta, state, scale, meta):
     stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
     return fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, n=n, stash=stash, scale=scale,
                                                    state_indices=meta.state_indices)  # fmt: skip
-
-
-def step_through(meta, kind: str, state, step, *rows):
-    """A speculative verify's decode of one state pool: each sequence's n = ``meta.tokens_per_seq`` tokens sit in
-    consecutive rows of ``rows`` (``state_indices`` one per sequence); ``step(*token_rows)`` (one decode step, the
-    pool ``state`` updated in place) runs for token 0, 1, ... in order, as n decode steps would, through the same
-    kernel (so a verify computes what plain decoding does), and the state after each of the first n - 1 is copied
-    to ``meta.state_steps`` (``kind``: "conv" or "recurrent"; the verify's rollback picks one). Returns the steps'
-    outputs in the rows' order."""
-    n = meta.tokens_per_seq
-    per = [x.view(-1, n, *x.shape[1:]) for x in rows]
-    stash = None if meta.state_steps is None else meta.state_steps.next(kind)
-    out = []
-    for i in range(n):
-        out.append(step(*(x[:, i] for x in per)))
-        if stash is not None and i < n - 1:
-            torch.index_select(state, 0, meta.state_indices.clamp(min=0), out=stash[i, : per[0].shape[0]])
-    return torch.stack(out, 1).flatten(0, 1)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
+from areno.kernels.linear_attn.steps import step_through
 
 __all__ = [
     "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule_step", "fused_recurrent_gated_delta_rule_verify",
@@ -818,14 +819,8 @@ def fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, *, n, stash
                  and K <= MAX_DIM and V <= MAX_DIM
                  and (stash is None or (stash.dtype == state.dtype and stash[0, 0].is_contiguous())))
     if not use_triton(q, k, v, g, beta, state, supported=supported):
-        per = [x.view(B, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
-        out = []
-        for i in range(n):
-            out.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), state, scale=scale,
-                                                             state_indices=state_indices))  # fmt: skip
-            if stash is not None and i < n - 1:
-                torch.index_select(state, 0, state_indices.clamp(min=0), out=stash[i, :B])
-        return torch.stack(out, 1).flatten(0, 1)
+        return step_through(n, state, stash, state_indices, lambda *x: fused_recurrent_gated_delta_rule_step(
+            *x, state, scale=scale, state_indices=state_indices), q, k, v, g, beta)
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     if B == 0:
         return o

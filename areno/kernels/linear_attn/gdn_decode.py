@@ -32,6 +32,7 @@ import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
 from areno.kernels.linear_attn.delta_rule import MAX_DIM, TRITON_STATE_DTYPES, gated_delta_rule_step_native
+from areno.kernels.linear_attn.steps import step_through
 from areno.kernels.norm import sum_rows
 
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -307,15 +308,9 @@ def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, stash=None, num_k_h
                  and a.stride() == b.stride() and (stash is None or (stash.dtype == state.dtype
                                                                      and stash[0, 0].is_contiguous())))
     if not use_triton(qkv, a, b, state, supported=supported):
-        per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
-        out = []
-        for i in range(n):
-            out.append(gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, state,
-                                       num_k_heads=nk, num_v_heads=nv, scale=scale, state_indices=state_indices,
-                                       eps=eps))  # fmt: skip
-            if stash is not None and i < n - 1:
-                torch.index_select(state, 0, state_indices.clamp(min=0), out=stash[i, :B])
-        return torch.stack(out, 1).flatten(0, 1)
+        return step_through(n, state, stash, state_indices, lambda x, ai, bi: gdn_decode_step(
+            x, ai, bi, A_log, dt_bias, state, num_k_heads=nk, num_v_heads=nv, scale=scale,
+            state_indices=state_indices, eps=eps), qkv, a, b)
     o = torch.empty(T, nv, V, dtype=qkv.dtype, device=qkv.device)
     if B == 0:
         return o
