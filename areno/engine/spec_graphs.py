@@ -17,11 +17,12 @@ input (``roll_back``: two indexed copies; the K/V and hidden rows of accepted po
 After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
 once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
 rollback's two copies and the host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
-and a bucket is replayed only while bucket x (K + 1) is within the largest decode bucket (larger steady steps run the
-same bodies eagerly). Memory: the stash (K x rows x one slot's states) is allocated once with the runner, rows the
-largest speculating batch rounded up to its bucket (``stash_rows``), and its bytes come out of the KV-cache budget
-(``stash_bytes``, ``spec_decode.spec_budget``); a step never grows it. The sampling and chain replays are read back
-through pinned buffers (``read_back``).
+and a bucket is replayed while bucket x (K + 1) rows stay within ``VERIFY_GRAPH_ROWS`` or the largest decode bucket,
+whichever is more (larger steady steps run the same bodies eagerly: their logits and the sampling's temporaries,
+several times rows x V x 4 bytes, are then not held in the graph pool). Memory: the stash (K x rows x one slot's
+states) is allocated once with the runner, rows the largest speculating batch rounded up to its bucket
+(``stash_rows``), and its bytes come out of the KV-cache budget (``stash_bytes``, ``spec_decode.spec_budget``); a
+step never grows it. The sampling and chain replays are read back through pinned buffers (``read_back``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from areno.engine.state_cache import RecurrentStates
 from areno.engine.step_inputs import StepInputs
 from areno.kernels.state_copy import copy_rows
 from areno.models.attention_metadata import AttentionMetadata
+
+# Token rows a verify graph may hold whatever the decode buckets (64 rows x K = 2 at --max-running-prompts 64: eager,
+# hence host-bound, while 1..8 rows were replayed; 512 rows of the 152k vocabulary keep ~0.3 GB of fp32 logits).
+VERIFY_GRAPH_ROWS = 512
 
 
 def verify_meta(r, buf: dict, width: int) -> AttentionMetadata:
@@ -137,7 +142,7 @@ def stash_bytes(model, rows: int, k: int, dtype: torch.dtype, state_dtype: torch
 
 
 def _graphable(buckets: list[int], n: int, width: int) -> bool:
-    return n <= buckets[-1] and next(b for b in buckets if b >= n) * width <= buckets[-1]
+    return n <= buckets[-1] and next(b for b in buckets if b >= n) * width <= max(buckets[-1], VERIFY_GRAPH_ROWS)
 
 
 def read_back(r, buf: dict, out: torch.Tensor) -> torch.Tensor:
@@ -200,7 +205,8 @@ class VerifyGraphs:
 
     @staticmethod
     def graphable(r, n: int, width: int) -> bool:
-        """Replayed when the runner uses graphs and the bucket's rows stay within the largest decode bucket."""
+        """Replayed when the runner uses graphs and the bucket's rows stay within the largest decode bucket or
+        ``VERIFY_GRAPH_ROWS``."""
         return r.use_graphs and _graphable(r.graph_buckets, n, width)
 
     def capture_buckets(self, r, width: int) -> list[int]:
