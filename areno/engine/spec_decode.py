@@ -294,7 +294,8 @@ class SpecDecoder:
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
         drafting = any(row.draft is not None for row in rows)
-        logit_rows = [i for row in rows for i in self._padded(row, rows)] if drafting else list(inp.row_index)
+        width = max((len(row.index) for row in rows), default=1)
+        logit_rows = [i for row in rows for i in self._padded(row, width)] if drafting else list(inp.row_index)
         logit_rows = logit_rows if width == 1 else []  # a steady step's verify takes the logits of every row itself
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
         save = save if width == 1 else []  # a steady step's verify keeps the states after each token itself
@@ -411,10 +412,10 @@ class SpecDecoder:
         return head + (list(d.tokens) if d else [])
 
     @staticmethod
-    def _padded(row: Row, rows: list[Row]) -> list[int]:
-        """A row's K_b + 1 hidden rows padded to the step's K + 1 (its last one repeated): the verify's logits."""
-        k = max(len(r.index) for r in rows)
-        return row.index + [row.index[-1]] * (k - len(row.index))
+    def _padded(row: Row, width: int) -> list[int]:
+        """A row's K_b + 1 hidden rows padded to the step's ``width`` K + 1 (its last one repeated): the verify's
+        logits."""
+        return row.index + [row.index[-1]] * (width - len(row.index))
 
     def _keep_routing(self, chunks, rows, meta, verified) -> None:
         """Routing capture: each chunk's sequence keeps the experts of the tokens it computed (a drafting sequence:
