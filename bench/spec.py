@@ -351,7 +351,9 @@ def run_batch_sweep(args, device) -> list[dict]:
         if engine is None:
             continue
         opts = SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True)
-        engine.capture_graphs()  # every batch's graphs before any is timed (none under --eager)
+        # every batch's graphs before any is timed (none under --eager); the plain engine's chains of
+        # PLAIN_DECODE_STEPS too (until 12-07 each plain row's timed call captured its bucket's: graphs_captured 1)
+        engine.capture_graphs((1, PLAIN_DECODE_STEPS))
         engine.generate(models.random_prompts(4, plen, vocab, seed=99), opts)  # compile and warm the kernels
         for b in sizes:
             rec, _ = timed_generate(engine, models.random_prompts(b, plen, vocab, seed=b), opts, device)
