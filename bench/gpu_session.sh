@@ -33,7 +33,8 @@
 #                     decode step plain and gated, and the gated step's host gaps
 #   spec-verify-profile  kernel tables of the never-gated verify step (the sweep's: 2.6x a plain step's time at 16
 #                     rows, 6x at 64 on the H100, 12-07) at $SPEC_SEQS rows and of a plain step; $PROF_LIMIT s each
-#                     (a fresh machine writes the 9B checkpoint first: 100 s was not enough)
+#                     (a fresh machine writes the 9B checkpoint first: 100 s was not enough); SPEC_PROF_ARGS=--gaps:
+#                     the host gaps between its kernels instead (a verify step at 1 row costs ~2x a plain one, 12-07)
 #   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
 #   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate $SPEC_GATES (default auto,off) vs plain;
 #                     spec-sweep: the crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g.
@@ -147,7 +148,7 @@ for stage in "$@"; do
       step gaps_gated 120 python3 bench/profile_step.py decode --speculative-tokens 2 --gaps ;;
     spec-verify-profile)  # the sweep's never-gated verify step at $SPEC_SEQS (64) rows against a plain step
       step prof_verify ${PROF_LIMIT:-300} python3 bench/profile_step.py decode --speculative-tokens 2 --spec-gate off \
-        --seqs ${SPEC_SEQS:-64} --top 45
+        --seqs ${SPEC_SEQS:-64} --top 45 ${SPEC_PROF_ARGS:-}
       step prof_plain1 ${PROF_LIMIT:-300} python3 bench/profile_step.py decode --mtp --seqs ${SPEC_SEQS:-64} --top 25 ;;
     batch-invariance) step batch_invariance 120 python3 bench/batch_invariance.py ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
