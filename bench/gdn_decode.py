@@ -2,6 +2,7 @@
 the memory limit and the layer's unfused path in the same process.
 
     python bench/gdn_decode.py                            # GPU: 256 rows, 16 key / 32 value heads of 128
+    python bench/gdn_decode.py --rows 64 --verify-tokens 3 --bv 32,64,128 --warps 2,4,8  # speculation's verify too
     TRITON_INTERPRET=1 python bench/gdn_decode.py --smoke # CPU: tiny shapes, checks the script (times meaningless)
 
 One layer's step over B rows of a state pool (slots permuted). A step must read and write each row's state
@@ -10,6 +11,13 @@ written plus q/k/v/a/b read and o written. Rows: the unfused path (``gdn_decode_
 the baseline), then the Triton kernel for every tile of the sweep (BV value columns a program, warps), fp32 and bf16
 state pools. The fastest tile of each state dtype is the one to set in ``STEP_CONFIG``. One JSON line per row:
 bench/results/gdn_decode.jsonl.
+
+``--verify-tokens n`` also times each tile's speculative verify (``gdn_verify_steps``: n tokens a row, the state read
+once and written n times, n - 1 of them to the rollback stash; rows ``impl`` "triton-verify"), which must share the
+step kernel's tile (its outputs are bit-equal to n steps only then). At the 9B shape on the H100 (12-07) the verify
+ran at 1.9 TB/s where the step ran at 2.7, both on the step's fp32 tile (BV 128, 4 warps); compiled offline with
+Triton 3.7.1's ptxas that tile keeps 32 registers and 4.4 KB (step) / 6.7 KB (verify) of stack a thread, BV 64 with 4
+warps 0.3 / 1.7 KB, BV 32 with 4 warps none.
 """
 
 from __future__ import annotations
@@ -51,17 +59,24 @@ def make(B, nk, nv, K, V, state_dtype, dev):
     return qkv, a, b, A_log, dt_bias, pool, idx
 
 
-def measure(impl, B, nk, nv, K, V, state_dtype, config, peak):
+def measure(impl, B, nk, nv, K, V, state_dtype, config, peak, n=1):
+    """One row: ``impl`` "native" / "triton" (a decode step of B rows) or "triton-verify" (``n`` tokens each of B
+    rows through ``gdn_verify_steps``, its stash filled)."""
     dev = "cuda" if CUDA else "cpu"
-    qkv, a, b, A_log, dt_bias, pool, idx = make(B, nk, nv, K, V, state_dtype, dev)
+    qkv, a, b, A_log, dt_bias, pool, idx = make(B * n, nk, nv, K, V, state_dtype, dev)
+    pool, idx = pool[:B].contiguous(), idx[idx < B][:B].contiguous()  # B slots; the inputs' rows are B n tokens
     kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
-    fn = gdn_decode.gdn_decode_step if impl == "triton" else gdn_decode.gdn_decode_step_native
     if config:
         gdn_decode.STEP_CONFIG[state_dtype] = config
-    ms = time_ms(lambda: fn(qkv, a, b, A_log, dt_bias, pool, **kw))
-    moved = 2 * pool.numel() * pool.element_size() + qkv.numel() * 2 + 4 * B * nv + B * nv * V * 2
+    if impl == "triton-verify":
+        stash = torch.empty(n - 1, B, nv, K, V, dtype=state_dtype, device=dev)
+        ms = time_ms(lambda: gdn_decode.gdn_verify_steps(qkv, a, b, A_log, dt_bias, pool, n=n, stash=stash, **kw))
+    else:
+        fn = gdn_decode.gdn_decode_step if impl == "triton" else gdn_decode.gdn_decode_step_native
+        ms = time_ms(lambda: fn(qkv, a, b, A_log, dt_bias, pool, **kw))
+    moved = (1 + n) * pool.numel() * pool.element_size() + qkv.numel() * 2 + 4 * B * n * nv + B * n * nv * V * 2
     gbs = moved / ms / 1e6
-    return {"impl": impl, "rows": B, "k_heads": nk, "v_heads": nv, "dk": K, "dv": V,
+    return {"impl": impl, "rows": B, "tokens": n, "k_heads": nk, "v_heads": nv, "dk": K, "dv": V,
             "state_dtype": str(state_dtype).removeprefix("torch."), **(config or {}), "ms": round(ms, 4),
             "gb_s": round(gbs, 1), "hbm_frac": round(gbs / (peak * 1000), 3) if peak else None}  # fmt: skip
 
@@ -72,6 +87,8 @@ def main():
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--bv", default="16,32,64,128", help="value columns a program, swept")
     ap.add_argument("--warps", default="1,2,4,8", help="warps a program, swept")
+    ap.add_argument("--verify-tokens", type=int, default=0,
+                    help="n > 1: also each tile's speculative verify of n tokens a row (K + 1; 0: off)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     B, nk, nv, K, V = (args.rows, 16, 32, 128, 128) if not args.smoke else (3, 2, 4, 16, 32)
@@ -85,17 +102,21 @@ def main():
         for bv, w in sweep if not args.smoke else sweep[:2]:
             try:
                 rows.append(measure("triton", B, nk, nv, K, V, state_dtype, {"BV": bv, "num_warps": w}, peak))
+                if args.verify_tokens > 1:
+                    rows.append(measure("triton-verify", B, nk, nv, K, V, state_dtype, {"BV": bv, "num_warps": w},
+                                        peak, args.verify_tokens))  # fmt: skip
             except Exception as e:  # a tile that does not compile is a row, not the end of the sweep
                 rows.append({"impl": "triton", "state_dtype": str(state_dtype), "BV": bv, "num_warps": w,
                              "error": repr(e)[:200]})  # fmt: skip
     gdn_decode.STEP_CONFIG.update(default)
-    print_table(rows, ["impl", "state_dtype", "BV", "num_warps", "ms", "gb_s", "hbm_frac", "error"])
+    print_table(rows, ["impl", "tokens", "state_dtype", "BV", "num_warps", "ms", "gb_s", "hbm_frac", "error"])
     for sd in ("float32", "bfloat16"):
-        ok = [r for r in rows if r["impl"] == "triton" and "ms" in r and r["state_dtype"] == sd]
-        if ok:
-            best = min(ok, key=lambda r: r["ms"])
-            print(f"best {sd} tile: BV={best['BV']} warps={best['num_warps']} {best['ms']} ms {best['gb_s']} GB/s "
-                  f"({rows[0]['ms'] / best['ms']:.1f}x the unfused fp32 path)")
+        for impl in ("triton", "triton-verify"):
+            ok = [r for r in rows if r["impl"] == impl and "ms" in r and r["state_dtype"] == sd]
+            if ok:
+                best = min(ok, key=lambda r: r["ms"])
+                print(f"best {sd} tile of {impl}: BV={best['BV']} warps={best['num_warps']} {best['ms']} ms "
+                      f"{best['gb_s']} GB/s ({rows[0]['ms'] / best['ms']:.1f}x the unfused fp32 step)")
     print("STEP_CONFIG now:", default)
     if not args.no_save and not args.smoke:
         print("results:", append_jsonl("gdn_decode", rows, env))
