@@ -89,6 +89,7 @@ class DecodeChains:
             nxt = self.next_step(rows, k)
             self.ahead = (rows, e.runner.launch_decode_steps(nxt, rows, k, ids_from=(launch, list(index))))
             e.step_counts["chained"] += k
+            e.step_counts["ahead"] += k
 
     def can_queue(self, rows: list, k: int) -> bool:
         """Whether the k steps after the group in flight (k unread tokens a row) can be queued now: the lookahead on,

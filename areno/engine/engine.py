@@ -118,7 +118,9 @@ class Engine:
         self._progress_t = time.perf_counter()
         self._progress_tokens = 0
         self._hold_waiting = False  # the last step admitted while requests waited: the next one may decode k steps
-        self.step_counts = {"single": 0, "chained": 0}  # forward steps run one at a time / inside k-step chains
+        # forward steps run one at a time / inside k-step chains / of those, queued by the lookahead behind a chain in
+        # flight (the host's turn hidden behind the device's work)
+        self.step_counts = {"single": 0, "chained": 0, "ahead": 0}
         self.chains = DecodeChains(self)  # k-step decode groups and the lookahead's queued one
 
     def _build(self):

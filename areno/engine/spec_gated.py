@@ -125,6 +125,7 @@ def _queue_next(spec, seqs: list, launch, index) -> None:
     never = finish_gated(spec)
     launch2, hidden = _launch(e.runner, nxt, seqs, k, ids_from=(launch, list(index)), keep=_keeps(seqs, never))
     spec.count(spec_gated_steps=k)
+    e.step_counts["ahead"] += k  # its "chained" count comes when its tokens are read (``_finish``)
     e.chains.ahead = (seqs, launch2, hidden, nxt.chunks, never)
 
 

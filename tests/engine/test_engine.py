@@ -239,11 +239,12 @@ def test_lookahead_under_preemption_with_forks_and_a_reused_prefix(qwen3):
     launch = e.runner.launch_decode_steps
     e.runner.launch_decode_steps = lambda *a, run=launch, **kw: queued.append("ids_from" in kw) or run(*a, **kw)
     for call in range(2):
-        hits = e.blocks.prefix_hits
+        hits, ahead = e.blocks.prefix_hits, e.step_counts["ahead"]
         out = [[c.token_ids for c in g] for g in e.generate(prompts, opts)]
         assert out == ref, call
         assert e.blocks.num_free == e.blocks.num_blocks and not e.has_work()
         assert any(queued) and not all(queued)
+        assert e.step_counts["ahead"] - ahead == 4 * sum(queued)  # the steps the lookahead queued, counted
         queued.clear()
     assert e.scheduler.num_preemptions > 0 and e.blocks.prefix_hits > hits
 

@@ -176,6 +176,7 @@ def test_gated_chains_queued_ahead_keep_tokens_and_the_mtp_cache(checkpoint, ech
     for g, h in zip(out, plain):
         np.testing.assert_allclose(g[0].logprobs, h[0].logprobs, atol=1e-4)
     assert e.spec.stats()["spec_gated_steps"] == sorted(news)[1] - 1 and e.chains.ahead is None
+    assert 0 < e.step_counts["ahead"] < e.step_counts["chained"]  # gated chains queued behind one in flight, counted
     # sampled, one row stopping on a token mid-run (while a chain is queued: the queued chain's rows map to the
     # live ones of the chain in flight); once the gate lifts speculation samples its own tokens, so the oracle is
     # the same engine without the lookahead
