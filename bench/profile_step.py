@@ -198,7 +198,8 @@ def decode(args, device):
         return
     ex = getattr(engine.runner, "spec_exec", None)  # a steady speculative step replays its verify graph
     replayed = engine.runner.last_step_used_graph or (ex is not None and ex.graphs.bucket is not None)
-    gpu_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 10 if device.type == "cuda" else 0.0
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]  # not their ops too
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / 10
     print(f"10 scheduling steps of {k} decode steps, graph replay: {replayed}; {gpu_ms:.2f} ms of GPU kernels a "
           "scheduling step")
     table(prof, args.top or 40)
