@@ -38,6 +38,8 @@
 #   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
 #   gdn-tiles         Qwen3.5's gated-DeltaNet decode step and speculative verify per tile (bench/gdn_decode.py, 9B
 #                     shape, $GDN_ARGS): the verify ran at 1.9 TB/s on the step's tile, 2.7 the step (H100, 12-07)
+#   kernel-resources  those kernels' registers and spills per tile from the machine's own Triton and ptxas
+#                     (bench/kernel_resources.py: on the CPU, Triton 3.7.1's, the step's tile spills)
 #   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate $SPEC_GATES (default auto,off) vs plain;
 #                     spec-sweep: the crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g.
 #                     "--mtp-train-steps 300 --spec-batches 1,16,64,128,256"), with the accept length each batch needs
@@ -153,6 +155,7 @@ for stage in "$@"; do
         --seqs ${SPEC_SEQS:-64} --top 45 ${SPEC_PROF_ARGS:-}
       step prof_plain1 ${PROF_LIMIT:-300} python3 bench/profile_step.py decode --mtp --seqs ${SPEC_SEQS:-64} --top 25 ;;
     batch-invariance) step batch_invariance 120 python3 bench/batch_invariance.py ;;
+    kernel-resources) step kernel_resources 120 python3 bench/kernel_resources.py ;;
     gdn-tiles) step gdn_tiles ${GDN_LIMIT:-300} python3 bench/gdn_decode.py ${GDN_ARGS:---rows 64 --verify-tokens 3 \
         --bv 32,64,128 --warps 2,4,8} ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \

@@ -1,0 +1,95 @@
+"""What a Triton kernel's tile costs in registers and stack on an NVIDIA GPU, found with no GPU: each kernel compiled
+for the target (``triton.compile`` on a ``GPUTarget``: Triton's own LLVM and ptxas, from the wheel) and ptxas's
+report on its PTX (registers a thread, stack frame, spill stores and loads). A tile whose state does not fit the
+registers spills to local memory; whether that costs time is the GPU's to say (bench/gdn_decode.py times the tiles),
+but a CPU machine can rule tiles in or out before a GPU session.
+
+    python bench/kernel_resources.py                      # Qwen3.5's GDN decode step and verify, every tile, sm_90a
+    python bench/kernel_resources.py --tiles 64x4 --arch 100
+
+The report is of the Triton and ptxas that run it: the GPU machine's own (stage ``kernel-resources``) may differ
+from a CPU machine's. Kernels: ``gdn_step`` (``gdn_decode._gdn_step_kernel``) and ``gdn_verify``
+(``_gdn_verify_kernel``, 3 tokens) at the 9B shape's head dims (128), fp32 and bf16 state pools, one row per (kernel,
+state dtype, tile). Rows go to bench/results/kernel_resources.jsonl (the Triton version and target in each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import append_jsonl, env_info, print_table  # noqa: E402
+
+from areno.kernels.linear_attn import gdn_decode  # noqa: E402
+
+_STEP = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 O:*bf16 "
+         "scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
+_VERIFY = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 "
+           "STASH:*S stride_si:i64 stride_sb:i64 O:*bf16 scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
+KERNELS = {  # name: (jit function, runtime signature, constexprs given the tile's BV)
+    "gdn_step": (gdn_decode._gdn_step_kernel, _STEP, lambda bv: {"HAS_IDX": True, "BK": 128, "BV": bv}),
+    "gdn_verify": (gdn_decode._gdn_verify_kernel, _VERIFY,
+                   lambda bv: {"N": 3, "HAS_STASH": True, "BK": 128, "BV": bv}),
+}
+STATE_TYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def ptxas_report(ptx: str, arch: str) -> dict:
+    """ptxas -v on ``ptx`` for ``arch`` (e.g. "sm_90a"): registers, stack bytes, spill store / load bytes."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", "--gpu-name", arch, src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    text = out.stdout + out.stderr
+    num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
+    return {"registers": num(r"Used (\d+) registers"), "stack_bytes": num(r"(\d+) bytes stack frame"),
+            "spill_store_bytes": num(r"(\d+) bytes spill stores"), "spill_load_bytes": num(r"(\d+) bytes spill loads")}
+
+
+def resources(kernel: str, state: str, bv: int, warps: int, capability: int) -> dict:
+    """One row: ``kernel`` compiled for ``capability`` (90: sm_90a) with a ``state`` pool and the tile (BV, warps)."""
+    fn, sig, constexprs = KERNELS[kernel]
+    const = constexprs(bv)
+    signature = {p.split(":")[0]: p.split(":")[1].replace("S", STATE_TYPES[state]) for p in sig.split()}
+    signature.update({name: "constexpr" for name in const})
+    compiled = triton.compile(ASTSource(fn, signature=signature, constexprs=const),
+                              target=GPUTarget("cuda", capability, 32), options={"num_warps": warps})  # fmt: skip
+    arch = f"sm_{capability}" + ("a" if capability >= 90 else "")
+    return {"kernel": kernel, "state_dtype": state, "BV": bv, "num_warps": warps, "arch": arch,
+            **ptxas_report(compiled.asm["ptx"], arch)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default="gdn_step,gdn_verify")
+    ap.add_argument("--states", default="float32,bfloat16")
+    ap.add_argument("--tiles", default="128x4,128x8,64x2,64x4,32x2,32x4,16x2", help="BVxwarps, comma-separated")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+    rows = [resources(k, s, bv, w, args.arch) for k in args.kernels.split(",") for s in args.states.split(",")
+            for bv, w in tiles]  # fmt: skip
+    print_table(rows, ["kernel", "state_dtype", "BV", "num_warps", "arch", "registers", "stack_bytes",
+                       "spill_store_bytes", "spill_load_bytes"])  # fmt: skip
+    print("STEP_CONFIG now:", {str(k).removeprefix("torch."): v for k, v in gdn_decode.STEP_CONFIG.items()})
+    if not args.no_save:
+        print("results:", append_jsonl("kernel_resources", rows, env_info()))
+
+
+if __name__ == "__main__":
+    main()
