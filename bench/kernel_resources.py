@@ -47,7 +47,10 @@ STATE_TYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 def ptxas_report(ptx: str, arch: str) -> dict:
     """ptxas -v on ``ptx`` for ``arch`` (e.g. "sm_90a"): registers, stack bytes, spill store / load bytes."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    binaries = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(binaries, "ptxas")
+    if int(re.sub(r"\D", "", arch)) >= 100 and os.path.exists(ptxas + "-blackwell"):  # as Triton picks it
+        ptxas += "-blackwell"
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
