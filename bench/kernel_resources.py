@@ -8,9 +8,9 @@ but a CPU machine can rule tiles in or out before a GPU session.
     python bench/kernel_resources.py --tiles 64x4 --arch 100
 
 The report is of the Triton and ptxas that run it: the GPU machine's own (stage ``kernel-resources``) may differ
-from a CPU machine's. Kernels: ``gdn_step`` (``gdn_decode._gdn_step_kernel``) and ``gdn_verify``
-(``_gdn_verify_kernel``, 3 tokens) at the 9B shape's head dims (128), fp32 and bf16 state pools, one row per (kernel,
-state dtype, tile). Rows go to bench/results/kernel_resources.jsonl (the Triton version and target in each).
+from a CPU machine's. Kernels (``gdn_decode.TILED_KERNELS``): ``gdn_step``, the decode step, and ``gdn_verify``, the
+verify of 3 tokens, at the 9B shape's head dims (128), fp32 and bf16 state pools, one row per (kernel, state dtype,
+tile). Rows go to bench/results/kernel_resources.jsonl (the Triton version and target in each).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ _STEP = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_B
 _VERIFY = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 "
            "STASH:*S stride_si:i64 stride_sb:i64 O:*bf16 scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
 KERNELS = {  # name: (jit function, runtime signature, constexprs given the tile's BV)
-    "gdn_step": (gdn_decode._gdn_step_kernel, _STEP, lambda bv: {"HAS_IDX": True, "BK": 128, "BV": bv}),
-    "gdn_verify": (gdn_decode._gdn_verify_kernel, _VERIFY,
+    "gdn_step": (gdn_decode.TILED_KERNELS["gdn_step"], _STEP, lambda bv: {"HAS_IDX": True, "BK": 128, "BV": bv}),
+    "gdn_verify": (gdn_decode.TILED_KERNELS["gdn_verify"], _VERIFY,
                    lambda bv: {"N": 3, "HAS_STASH": True, "BK": 128, "BV": bv}),
 }
 STATE_TYPES = {"float32": "fp32", "bfloat16": "bf16"}

@@ -109,6 +109,11 @@ def _gdn_verify_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, I
     tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
 
+# The decode kernels sharing STEP_CONFIG's tile, by name: bench/kernel_resources.py compiles them for a GPU target
+# offline (registers and spills per tile).
+TILED_KERNELS = {"gdn_step": _gdn_step_kernel, "gdn_verify": _gdn_verify_kernel}
+
+
 @triton.jit
 def _gated_norm_kernel(O, Z, W, OUT, stride_z, eps, H, V, ROUND_WN: tl.constexpr, BV: tl.constexpr):
     r = tl.program_id(0)  # one (token, head) row
