@@ -194,39 +194,61 @@ class HealthPoller:
         self._thread.join(60)
 
 
-def assert_health_kept_answering(latencies: list[float], took: float):
-    """/health kept answering through a request that took ``took`` seconds: most polls fast, polls kept coming (at
-    least 10 a second), and none held for half the request (or a quarter second, whichever is longer). A loop blocked
-    for the request's work fails the last two: with the 2 MB prompt's tokenisation moved onto the loop, one poll
-    waited ~0.96 * took and 3-6 were answered a second. Unblocked: ~125 a second, the slowest ~10 ms; with three
-    busy loops beside the test on two cores, ~19 a second (median 25 ms) and the slowest 0.27 s. A single poll
-    descheduled on loaded cores (one took 1.0 s in CI) fails none of them where the request is long enough to tell
-    the two apart."""
-    assert latencies, f"no /health poll overlapped the request ({took:.2f} s)"
+def health_failure(latencies: list[float], took: float) -> str | None:
+    """None where /health kept answering through a request that took ``took`` seconds: most polls fast, polls kept
+    coming (at least 10 a second), and none held for half the request (or a quarter second, whichever is longer);
+    else what failed. A loop blocked for the request's work fails the last two: with the 2 MB prompt's tokenisation
+    moved onto the loop, one poll waited ~0.96 * took and 3-6 were answered a second. Unblocked: ~125 a second, the
+    slowest ~10 ms; with two busy torch loops beside the test on two cores, ~125 a second and the slowest 22 ms."""
+    if not latencies:
+        return f"no /health poll overlapped the request ({took:.2f} s)"
     summary = (f"request {took:.2f} s; {len(latencies)} polls during it, median {statistics.median(latencies):.3f} s, "
                f"max {max(latencies):.3f} s")
-    assert statistics.median(latencies) < 0.1, summary
-    assert len(latencies) >= 10 * took, summary
-    assert max(latencies) < max(0.25, 0.5 * took), summary
+    ok = (statistics.median(latencies) < 0.1 and len(latencies) >= 10 * took
+          and max(latencies) < max(0.25, 0.5 * took))
+    return None if ok else summary
+
+
+def assert_health_kept_answering(base_url: str, send, attempts: int = 2):
+    """``send()`` (a request) with /health polled meanwhile, kept answering (:func:`health_failure`); returns
+    ``send``'s response. A loop the request blocks fails every attempt; one that a loaded CI machine stalled once
+    (a single poll held 1.0-1.26 s there, twice in months, never on an idle machine) gets a second measurement."""
+    failures = []
+    for _ in range(attempts):
+        with HealthPoller(base_url) as poller:
+            t = time.perf_counter()
+            r = send()
+            t1 = time.perf_counter()
+        failure = health_failure(poller.during(t, t1), t1 - t)
+        if failure is None:
+            return r
+        failures.append(failure)
+    raise AssertionError("/health stalled during the request in every attempt: " + " | ".join(failures))
 
 
 def test_tokenising_a_huge_prompt_does_not_block_the_event_loop(server):
-    """Without the character precheck (a tokenizer that gives no bound), the prompt is tokenised on a worker
-    thread and its length checked before its ids become a list: /health keeps answering meanwhile."""
+    """Without the character precheck (a tokenizer that gives no bound), the prompt is tokenised on a prep thread
+    (never the event loop's) and its length checked before its ids become a list: /health keeps answering
+    meanwhile."""
     encoder = server.app.state.prompt_encoder
     bound, encoder.bytes_per_token = encoder.bytes_per_token, None
+    encode_batch, threads = encoder.encode_batch, []
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode_batch(*args, **kwargs)
+
+    encoder.encode_batch = recording
     # 2 MB: tokenising it takes ~2 s on two cores, long enough that one descheduled poll cannot pass for a blocked loop
     body = json.dumps({"model": "tiny", "prompt": "a b c d " * 250_000, "max_tokens": 2}).encode()
     try:
-        with HealthPoller(server.base_url) as poller:
-            t = time.perf_counter()
-            r = httpx.post(server.base_url + "/v1/completions", content=body,
-                           headers={"content-type": "application/json"}, timeout=120)
-            t1 = time.perf_counter()
+        r = assert_health_kept_answering(server.base_url, lambda: httpx.post(
+            server.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+            timeout=120))
     finally:
-        encoder.bytes_per_token = bound
+        encoder.bytes_per_token, encoder.encode_batch = bound, encode_batch
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("the prompt has 1000001 tokens;")
-    assert_health_kept_answering(poller.during(t, t1), t1 - t)
+    assert threads and all(name.startswith("areno-prep") for name in threads), threads
 
 
 def test_8mb_prompt_is_refused_without_blocking_health_and_memory_returns(serve):
@@ -239,14 +261,10 @@ def test_8mb_prompt_is_refused_without_blocking_health_and_memory_returns(serve)
         httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
                    timeout=30)
     before = server.rss()
-    with HealthPoller(server.base_url) as poller:
-        t = time.perf_counter()
-        r = httpx.post(server.base_url + "/v1/completions", content=body,
-                       headers={"content-type": "application/json"}, timeout=120)
-        t1 = time.perf_counter()
+    r = assert_health_kept_answering(server.base_url, lambda: httpx.post(
+        server.base_url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=120))
     assert r.status_code in (400, 413), r.text
     assert r.json()["error"]["code"] in ("context_length_exceeded", "request_too_large")
-    assert_health_kept_answering(poller.during(t, t1), t1 - t)
     deadline = time.time() + 10
     while abs(server.rss() - before) > 0.2 * before and time.time() < deadline:  # the trim follows the response
         time.sleep(0.1)
@@ -265,13 +283,9 @@ def test_tokenize_counts_past_the_context_but_refuses_past_its_cap_without_block
     assert r.status_code == 200 and 512 < r.json()["count"] <= cap, r.text
     for body in ({"prompt": "a b c d " * 250_000}, {"messages": [{"role": "user", "content": "a b c " * 300_000}]}):
         raw = json.dumps(body).encode()
-        with HealthPoller(server.base_url) as poller:
-            t = time.perf_counter()
-            r = httpx.post(server.base_url + "/tokenize", content=raw, headers={"content-type": "application/json"},
-                           timeout=120)
-            t1 = time.perf_counter()
+        r = assert_health_kept_answering(server.base_url, lambda raw=raw: httpx.post(
+            server.base_url + "/tokenize", content=raw, headers={"content-type": "application/json"}, timeout=120))
         assert r.status_code == 400, r.text[:200]
         error = r.json()["error"]
         assert error["param"] == ("messages" if "messages" in body else "prompt")
         assert f"/tokenize counts at most {cap} tokens" in error["message"], error
-        assert_health_kept_answering(poller.during(t, t1), t1 - t)
