@@ -48,10 +48,11 @@ def time_ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
-def make(B, nk, nv, K, V, state_dtype, dev):
+def make(B, nk, nv, K, V, state_dtype, dev, tokens=1):
+    """Inputs of ``tokens`` rows for each of B sequences, and B state slots in a shuffled order."""
     g = torch.Generator(device=dev).manual_seed(0)
     cols = 2 * nk * K + nv * V
-    proj = torch.randn(B, cols + 2 * nv, device=dev, generator=g).bfloat16()
+    proj = torch.randn(B * tokens, cols + 2 * nv, device=dev, generator=g).bfloat16()
     qkv, a, b = proj[:, :cols].contiguous(), proj[:, cols : cols + nv], proj[:, cols + nv :]
     A_log, dt_bias = torch.randn(nv, device=dev) * 0.5, torch.randn(nv, device=dev)
     pool = (torch.randn(B, nv, K, V, device=dev, generator=g) * 0.3).to(state_dtype)
@@ -63,8 +64,7 @@ def measure(impl, B, nk, nv, K, V, state_dtype, config, peak, n=1):
     """One row: ``impl`` "native" / "triton" (a decode step of B rows) or "triton-verify" (``n`` tokens each of B
     rows through ``gdn_verify_steps``, its stash filled)."""
     dev = "cuda" if CUDA else "cpu"
-    qkv, a, b, A_log, dt_bias, pool, idx = make(B * n, nk, nv, K, V, state_dtype, dev)
-    pool, idx = pool[:B].contiguous(), idx[idx < B][:B].contiguous()  # B slots; the inputs' rows are B n tokens
+    qkv, a, b, A_log, dt_bias, pool, idx = make(B, nk, nv, K, V, state_dtype, dev, tokens=n)
     kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
     if config:
         gdn_decode.STEP_CONFIG[state_dtype] = config

@@ -45,12 +45,21 @@ KERNELS = {  # name: (jit function, runtime signature, constexprs given the tile
 STATE_TYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
+def ptxas_path(capability: int) -> str:
+    """The ptxas Triton itself runs for ``capability`` (``TRITON_PTXAS_PATH`` honoured; ptxas-blackwell from sm_100
+    on), or, on a Triton without ``get_ptxas``, the wheel's own by the same rule."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(capability).path
+    except (ImportError, AttributeError, TypeError):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        return ptxas + "-blackwell" if capability >= 100 and os.path.exists(ptxas + "-blackwell") else ptxas
+
+
 def ptxas_report(ptx: str, arch: str) -> dict:
     """ptxas -v on ``ptx`` for ``arch`` (e.g. "sm_90a"): registers, stack bytes, spill store / load bytes."""
-    binaries = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = os.path.join(binaries, "ptxas")
-    if int(re.sub(r"\D", "", arch)) >= 100 and os.path.exists(ptxas + "-blackwell"):  # as Triton picks it
-        ptxas += "-blackwell"
+    ptxas = ptxas_path(int(re.sub(r"\D", "", arch)))
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:

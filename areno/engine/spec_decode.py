@@ -294,8 +294,11 @@ class SpecDecoder:
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
         drafting = any(row.draft is not None for row in rows)
-        widest = max((len(row.index) for row in rows), default=1)
-        logit_rows = [i for row in rows for i in self._padded(row, widest)] if drafting else list(inp.row_index)
+        if drafting:  # every row's logit rows, padded to the widest row's
+            widest = max(len(row.index) for row in rows)
+            logit_rows = [i for row in rows for i in self._padded(row, widest)]
+        else:
+            logit_rows = list(inp.row_index)
         logit_rows = logit_rows if width == 1 else []  # a steady step's verify takes the logits of every row itself
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
         save = save if width == 1 else []  # a steady step's verify keeps the states after each token itself
