@@ -55,6 +55,7 @@
 #   serve             V1: the engine alone, then the server under 500 streams and 16 req/s; serve-lora: 4 rank-16
 #                     adapters under 500 streams vs the base model (bench/serve_lora.py, $SERVE_LIMIT s)
 #   eval              `areno eval` throughput (bench/eval.py, $EVAL_ARGS); optimizer-8bit: bench/optimizer_8bit.py
+#                     ($OPT_ARGS, e.g. "--parts kernel": the 8-bit kernel's tiles)
 #   learn             proof of learning (SFT then GRPO/GSPO from scratch, $LEARN_ARGS; "--algos grpo
 #                     --rollout-dtypes bf16,fp8": FP8 rollout's curve beside bf16's)
 #   families          issue 38's speed bench: Qwen3.5-9B / 35B-A3B shapes, R1 rollout and T1 train step vs
@@ -200,7 +201,7 @@ for stage in "$@"; do
     serve) step serve 480 python3 bench/serve.py ;;
     serve-lora) step serve_lora ${SERVE_LIMIT:-480} python3 bench/serve_lora.py ;;
     eval) step eval ${EVAL_LIMIT:-240} python3 bench/eval.py ${EVAL_ARGS:-} ;;
-    optimizer-8bit) step optimizer_8bit ${OPT_LIMIT:-200} python3 bench/optimizer_8bit.py ;;  # the engine alone on the same batch first, then the server
+    optimizer-8bit) step optimizer_8bit ${OPT_LIMIT:-200} python3 bench/optimizer_8bit.py ${OPT_ARGS:-} ;;  # the engine alone on the same batch first, then the server
     learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
     families)
       wheels "$WHEELS_TF" /tmp/tf

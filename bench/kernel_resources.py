@@ -6,6 +6,7 @@ but a CPU machine can rule tiles in or out before a GPU session.
 
     python bench/kernel_resources.py                      # Qwen3.5's GDN decode step and verify, every tile, sm_90a
     python bench/kernel_resources.py --tiles 64x4 --arch 100
+    python bench/kernel_resources.py --kernels adamw8bit  # the 8-bit AdamW kernel's tiles (absmax blocks x warps)
 
 The report is of the Triton and ptxas that run it: the GPU machine's own (stage ``kernel-resources``) may differ
 from a CPU machine's. Kernels (``gdn_decode.TILED_KERNELS``): ``gdn_step``, the decode step, and ``gdn_verify``, the
@@ -31,18 +32,33 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import append_jsonl, env_info, print_table  # noqa: E402
 
+from areno.kernels import adamw8bit  # noqa: E402
 from areno.kernels.linear_attn import gdn_decode  # noqa: E402
 
 _STEP = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 O:*bf16 "
          "scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
 _VERIFY = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 "
            "STASH:*S stride_si:i64 stride_sb:i64 O:*bf16 scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
-KERNELS = {  # name: (jit function, runtime signature, constexprs given the tile's BV)
-    "gdn_step": (gdn_decode.TILED_KERNELS["gdn_step"], _STEP, lambda bv: {"HAS_IDX": True, "BK": 128, "BV": bv}),
-    "gdn_verify": (gdn_decode.TILED_KERNELS["gdn_verify"], _VERIFY,
-                   lambda bv: {"N": 3, "HAS_STASH": True, "BK": 128, "BV": bv}),
+_ADAMW8BIT = ("W:*fp32 G:*bf16 MQ:*u8 VQ:*u8 MA:*fp32 VA:*fp32 SMAP:*fp32 UMAP:*fp32 n:i64 LR:*fp32 STEP_SIZE:*fp32 "
+              "BC2_SQRT:*fp32 SCALE:*fp32 SKIP:*fp32 beta1:fp32 beta2:fp32 eps:fp32 weight_decay:fp32")
+# name: (jit function, runtime signature (S: the state pool's type), the tile's first number's name, constexprs
+# given it, default tiles)
+KERNELS = {
+    "gdn_step": (gdn_decode.TILED_KERNELS["gdn_step"], _STEP, "BV", lambda bv: {"HAS_IDX": True, "BK": 128, "BV": bv},
+                 "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
+    "gdn_verify": (gdn_decode.TILED_KERNELS["gdn_verify"], _VERIFY, "BV",
+                   lambda bv: {"N": 3, "HAS_STASH": True, "BK": 128, "BV": bv}, "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
+    "adamw8bit": (adamw8bit.adamw8bit_kernel, _ADAMW8BIT, "rows",
+                  lambda rows: {"HAS_GRAD": True, "BLOCK": adamw8bit.QBLOCK, "ROWS": rows}, "8x8,4x16,4x8,2x8,2x4,1x4"),
 }
 STATE_TYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def resident_warps(registers: int, warps: int) -> int:
+    """Warps an SM keeps resident for a program of ``warps`` warps at ``registers`` a thread, by the register file
+    alone (65,536 a multiprocessor, a warp's allocated in units of 256; at most 64 warps and 32 programs)."""
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 32, 64 // warps) * warps
 
 
 def ptxas_path(capability: int) -> str:
@@ -72,32 +88,41 @@ def ptxas_report(ptx: str, arch: str) -> dict:
             "spill_store_bytes": num(r"(\d+) bytes spill stores"), "spill_load_bytes": num(r"(\d+) bytes spill loads")}
 
 
-def resources(kernel: str, state: str, bv: int, warps: int, capability: int) -> dict:
-    """One row: ``kernel`` compiled for ``capability`` (90: sm_90a) with a ``state`` pool and the tile (BV, warps)."""
-    fn, sig, constexprs = KERNELS[kernel]
-    const = constexprs(bv)
-    signature = {p.split(":")[0]: p.split(":")[1].replace("S", STATE_TYPES[state]) for p in sig.split()}
+def resources(kernel: str, state: str | None, t: int, warps: int, capability: int) -> dict:
+    """One row: ``kernel`` compiled for ``capability`` (90: sm_90a) with a ``state`` pool (None: a kernel without
+    one) and the tile (``t``, warps)."""
+    fn, sig, tile_name, constexprs, _ = KERNELS[kernel]
+    const = constexprs(t)
+    signature = dict(p.split(":") for p in sig.split())
+    signature = {k: "*" + STATE_TYPES[state] if v == "*S" else v for k, v in signature.items()}
     signature.update({name: "constexpr" for name in const})
     compiled = triton.compile(ASTSource(fn, signature=signature, constexprs=const),
                               target=GPUTarget("cuda", capability, 32), options={"num_warps": warps})  # fmt: skip
     arch = f"sm_{capability}" + ("a" if capability >= 90 else "")
-    return {"kernel": kernel, "state_dtype": state, "BV": bv, "num_warps": warps, "arch": arch,
-            **ptxas_report(compiled.asm["ptx"], arch)}
+    report = ptxas_report(compiled.asm["ptx"], arch)
+    return {"kernel": kernel, "state_dtype": state, tile_name: t, "num_warps": warps, "arch": arch, **report,
+            "resident_warps": resident_warps(report["registers"], warps)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernels", default="gdn_step,gdn_verify")
-    ap.add_argument("--states", default="float32,bfloat16")
-    ap.add_argument("--tiles", default="128x4,128x8,64x2,64x4,32x2,32x4,16x2", help="BVxwarps, comma-separated")
+    ap.add_argument("--kernels", default="gdn_step,gdn_verify", help=f"comma-separated, of {', '.join(KERNELS)}")
+    ap.add_argument("--states", default="float32,bfloat16", help="the GDN kernels' state pools")
+    ap.add_argument("--tiles", default=None, help="BVxwarps (GDN) or ROWSxwarps (adamw8bit), comma-separated "
+                    "(default: each kernel's own list)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
-    tiles = [tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
-    rows = [resources(k, s, bv, w, args.arch) for k in args.kernels.split(",") for s in args.states.split(",")
-            for bv, w in tiles]  # fmt: skip
-    print_table(rows, ["kernel", "state_dtype", "BV", "num_warps", "arch", "registers", "stack_bytes",
-                       "spill_store_bytes", "spill_load_bytes"])  # fmt: skip
+    kernels = args.kernels.split(",")
+    if unknown := [k for k in kernels if k not in KERNELS]:
+        ap.error(f"--kernels: unknown {unknown}; known: {', '.join(KERNELS)}")
+    rows = []
+    for k in kernels:
+        tiles = [tuple(map(int, t.split("x"))) for t in (args.tiles or KERNELS[k][4]).split(",")]
+        states = args.states.split(",") if "*S" in KERNELS[k][1] else [None]
+        rows += [resources(k, s, t, w, args.arch) for s in states for t, w in tiles]
+    print_table(rows, ["kernel", "state_dtype", "BV", "rows", "num_warps", "arch", "registers", "stack_bytes",
+                       "spill_store_bytes", "spill_load_bytes", "resident_warps"])  # fmt: skip
     print("STEP_CONFIG now:", {str(k).removeprefix("torch."): v for k, v in gdn_decode.STEP_CONFIG.items()})
     if not args.no_save:
         print("results:", append_jsonl("kernel_resources", rows, env_info()))

@@ -4,12 +4,18 @@ loss curve of a short SFT run of a small model both ways.
 
     python bench/optimizer_8bit.py           # H200
     python bench/optimizer_8bit.py --smoke   # CPU: a tiny list and a few steps, checks the script
+    python bench/optimizer_8bit.py --parts kernel --tiles 8x8,4x16,2x8,1x4   # the 8-bit kernel's tile, alone
 
 Rows: ``part=memory``: ``state_gib`` (``MasterAdamW.state_bytes()``: fp32 master + moments), ``moments_gib``
 (without the master) and the CUDA allocation the optimizer's construction added (``alloc_gib``); ``vs_fp32`` is
 the 8-bit run's ``moments_gib`` over fp32's (the acceptance bar: <= 0.3) and ``state_vs_fp32`` the same with the
 master. ``part=step``: median ms of one eager step (gradient flatten, norm, update, parameters written), ``path``
 bucketed (a bucket at a time) or fused (one rank: areno.training.optimizer_fused, the default).
+``part=kernel`` (``--tiles ROWSxWARPS,...``): the 8-bit kernel alone (``adamw8bit_``) over one flat tensor of as
+many elements, per tile of ``adamw8bit.TILE`` (absmax blocks a program, warps), its median ms and the bytes it
+moves (14 an element: the fp32 master read and written, the bf16 gradient read, both moments' codes read and
+written) as GB/s and the fraction of the card's memory bandwidth (``hbm_frac``, areno.platform.roofline's); the step
+rows use the module's tile (their ``tile``).
 ``part=loss``: ``--steps`` (200) next-token steps of a tiny Qwen3 (``areno.testing.make_tiny_checkpoint``) on 64
 fixed random batches at lr 1e-3: the mean loss of the last 20 steps per run and the largest per-step difference
 from fp32 seed 0; ``noise`` is fp32's spread between two data seeds (the 8-bit curve is within noise when its
@@ -31,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl, gpu_time_ms, print_table  # noqa: E402
 from optimizer_step import shapes  # noqa: E402
 
+from areno.kernels import adamw8bit  # noqa: E402
+from areno.platform.roofline import roofline_of  # noqa: E402
 from areno.training.optimizer import MasterAdamW  # noqa: E402
 
 GIB = 2**30
@@ -60,7 +68,8 @@ def memory_and_step(smoke: bool, dev: torch.device) -> list[dict]:
 
         for fused in (False, True):  # the bucketed step, then many buckets a launch (training/optimizer_fused.py)
             opt.fused = fused
-            rows.append(dict(part="step", states=states, path="fused" if fused else "bucketed", elements=n,
+            tile = f"{adamw8bit.TILE['rows']}x{adamw8bit.TILE['num_warps']}" if states == "8bit" else None
+            rows.append(dict(part="step", states=states, path="fused" if fused else "bucketed", tile=tile, elements=n,
                              ms=gpu_time_ms(step, warmup=2, iters=3 if smoke else 20)))
         del opt
     fp32 = {r["part"]: r for r in rows if r["states"] == "fp32"}
@@ -68,6 +77,31 @@ def memory_and_step(smoke: bool, dev: torch.device) -> list[dict]:
         if r["states"] == "8bit" and r["part"] == "memory":
             r["vs_fp32"] = r["moments_gib"] / fp32["memory"]["moments_gib"]
             r["state_vs_fp32"] = r["state_gib"] / fp32["memory"]["state_gib"]
+    return rows
+
+
+def kernel_rows(tiles: list[tuple[int, int]], smoke: bool, dev: torch.device) -> list[dict]:
+    """The 8-bit kernel alone over the step's element count, one row per (rows, warps) tile."""
+    n = sum(torch.Size(s).numel() for s in shapes(smoke))
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(n, generator=g, device=dev) * 0.02
+    grad = (torch.randn(n, generator=g, device=dev) * 1e-3).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    moments = adamw8bit.Moments8bit(n, dev)
+    hp = dict(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    roof = roofline_of(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
+    default, rows = dict(adamw8bit.TILE), []
+    try:
+        for tile_rows, warps in tiles:
+            adamw8bit.TILE.update(rows=tile_rows, num_warps=warps)
+            steps = iter(range(1, 10**6))
+            ms = gpu_time_ms(lambda steps=steps: moments.step_(w, grad, step=next(steps), **hp), warmup=3,
+                             iters=3 if smoke else 20)  # fmt: skip
+            gbs = 14 * n / ms / 1e6
+            rows.append(dict(part="kernel", states="8bit", tile=f"{tile_rows}x{warps}", elements=n, ms=ms,
+                             gb_s=round(gbs, 1), hbm_frac=round(gbs * 1e9 / roof.bytes_per_s, 3) if roof else None,
+                             default=(tile_rows, warps) == (default["rows"], default["num_warps"])))
+    finally:
+        adamw8bit.TILE.update(default)
     return rows
 
 
@@ -112,13 +146,28 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny parameter list and few steps (checks the script)")
     ap.add_argument("--steps", type=int, default=200, help="SFT steps of each loss curve (--smoke: 10)")
+    ap.add_argument("--parts", default="memory,step,loss", help="comma-separated: memory,step (one pass), kernel, loss")
+    ap.add_argument("--tiles", default="8x8,4x16,4x8,2x8,2x4,1x4",
+                    help="part kernel: the 8-bit kernel's tiles, ROWSxWARPS (absmax blocks a program x warps)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/optimizer_8bit.jsonl")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"memory", "step", "kernel", "loss"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'memory', 'step', 'kernel', 'loss'})}")
+    try:
+        tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    except ValueError:
+        ap.error(f"--tiles: ROWSxWARPS pairs, comma-separated (got {args.tiles!r})")
+    if any(len(t) != 2 or t[0] < 1 or t[1] not in (1, 2, 4, 8, 16, 32) for t in tiles):
+        ap.error(f"--tiles: rows >= 1 and warps a power of two up to 32 (got {args.tiles!r})")
     on_gpu = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if on_gpu else "cpu")
-    rows = memory_and_step(args.smoke, dev) + loss_rows(10 if args.smoke else args.steps, dev)
-    print_table(rows, ["part", "states", "path", "seed", "elements", "state_gib", "moments_gib", "alloc_gib", "vs_fp32",
-                       "state_vs_fp32", "ms", "first_loss", "final_loss", "max_step_diff_vs_fp32", "noise"])
+    rows = kernel_rows(tiles, args.smoke, dev) if "kernel" in parts else []  # (the module's tile put back after)
+    rows += memory_and_step(args.smoke, dev) if parts & {"memory", "step"} else []
+    rows += loss_rows(10 if args.smoke else args.steps, dev) if "loss" in parts else []
+    print_table(rows, ["part", "states", "path", "tile", "seed", "elements", "state_gib", "moments_gib", "alloc_gib",
+                       "vs_fp32", "state_vs_fp32", "ms", "gb_s", "hbm_frac", "first_loss", "final_loss",
+                       "max_step_diff_vs_fp32", "noise"])
     if not args.no_save and not args.smoke:
         print("results:", append_jsonl("optimizer_8bit", rows))
 

@@ -13,7 +13,7 @@ whose fraction gets the bits the exponent leaves, so small values keep their rel
 
 Quantising a block: ``absmax = max |x|`` over the block, each ``x / absmax`` (0 where ``absmax`` is 0) rounded to the
 nearest code (ties to the lower one); dequantising: ``code_value * absmax``. One step per element, in one kernel
-(a program per ``_ROWS`` blocks, a [rows, 256] tile): dequantise ``m`` and ``v``, the AdamW update of
+(a program per ``TILE["rows"]`` blocks, a [rows, 256] tile): dequantise ``m`` and ``v``, the AdamW update of
 ``areno.kernels.adamw`` (``adamw_math``) on the fp32 master ``w`` with the fp32 moments, then requantise the new
 moments with the block's new absmax. The master stays fp32 (updated in place); the caller rounds it into the
 parameter, as for the fp32 states.
@@ -34,13 +34,18 @@ from areno.kernels.adamw import adamw_math, bias_corrections
 from areno.kernels.dispatch import interpreting, use_triton
 
 QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimizers)
-_ROWS = 8  # blocks a program updates on the GPU (one a program was 17 M programs a step at a 4.4B-parameter shape)
+# The GPU tile: absmax blocks a program updates and its warps (one block a program was 17 M programs a step at a
+# 4.4B-parameter shape). Compiled for sm_90a (Triton 3.7.1, bench/kernel_resources.py --kernels adamw8bit) this
+# 8 x 256 tile on 8 warps keeps 214 registers a thread: one program resident an SM (8 of its 64 warps) for a kernel
+# whose moments go through dependent gathers of the code books; 4 x 256 on 16 warps keeps 61 (32 warps), 2 x 256 on
+# 8 warps 48 (40). bench/optimizer_8bit.py --tiles times them on the GPU; this is the tile it measured last.
+TILE = {"rows": 8, "num_warps": 8}
 
 
 def rows_per_program() -> int:
-    """Absmax blocks a program of the kernel updates: ``_ROWS``, 2 interpreted (tiny shapes span several programs,
-    the last one part-masked)."""
-    return 2 if interpreting() else _ROWS
+    """Absmax blocks a program of the kernel updates: ``TILE["rows"]``, 2 interpreted (tiny shapes span several
+    programs, the last one part-masked)."""
+    return 2 if interpreting() else TILE["rows"]
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
@@ -195,7 +200,7 @@ def adamw8bit_(w, grad, mq, vq, ma, va, lr, step_size, bc2_sqrt, scale, skip, *,
     rows = rows_per_program()
     adamw8bit_kernel[(triton.cdiv(n_blocks(n), rows),)](
         w, grad if grad is not None else w, mq, vq, ma, va, smap, umap, n, *scalars, beta1, beta2, eps, weight_decay,
-        HAS_GRAD=grad is not None, BLOCK=QBLOCK, ROWS=rows, num_warps=8 if rows > 1 else 4,
+        HAS_GRAD=grad is not None, BLOCK=QBLOCK, ROWS=rows, num_warps=4 if interpreting() else TILE["num_warps"],
     )  # fmt: skip
 
 
