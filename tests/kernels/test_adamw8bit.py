@@ -99,6 +99,21 @@ def test_kernel_matches_native(n, dtype, grad, monkeypatch, triton_kernels):
         assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.002, f"seed={seed}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(4, 16), (4, 8), (2, 8), (2, 4), (1, 4), (8, 8)])
+def test_every_tile_updates_bit_for_bit_as_the_default_one(tile, monkeypatch):
+    """The tiles bench/optimizer_8bit.py --tiles sweeps (``adamw8bit.TILE``: absmax blocks a program, warps) change
+    where the work runs, not what it computes: master, codes and absmax equal the default tile's bit for bit."""
+    n = 1_000_003
+    got, want = states(n, torch.bfloat16, 5), states(n, torch.bfloat16, 5)
+    adamw8bit_(*want, *scalars(), **HP)
+    monkeypatch.setitem(mod.TILE, "rows", tile[0])
+    monkeypatch.setitem(mod.TILE, "num_warps", tile[1])
+    adamw8bit_(*got, *scalars(), **HP)
+    for name, a, b in zip(("w", "grad", "mq", "vq", "ma", "va"), got, want):
+        assert torch.equal(a, b), f"tile {tile}: {name} differs from the default tile's"
+
+
 def _hard_values() -> torch.Tensor:
     """Every code and midpoint of both maps with their fp32 neighbours, decade edges, 0, +-1 and values under the
     smallest code: for the signed map as they are, for the unsigned one their square roots (v = g^2)."""
