@@ -158,8 +158,9 @@ def main():
         tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
     except ValueError:
         ap.error(f"--tiles: ROWSxWARPS pairs, comma-separated (got {args.tiles!r})")
-    if any(len(t) != 2 or t[0] < 1 or t[1] not in (1, 2, 4, 8, 16, 32) for t in tiles):
-        ap.error(f"--tiles: rows >= 1 and warps a power of two up to 32 (got {args.tiles!r})")
+    powers = {2**i for i in range(6)}  # a tile's rows are a tl.arange's length: a power of two, as its warps
+    if any(len(t) != 2 or t[0] not in powers or t[1] not in powers for t in tiles):
+        ap.error(f"--tiles: rows and warps each a power of two up to 32 (got {args.tiles!r})")
     on_gpu = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if on_gpu else "cpu")
     rows = kernel_rows(tiles, args.smoke, dev) if "kernel" in parts else []  # (the module's tile put back after)

@@ -38,7 +38,8 @@ QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimiz
 # 4.4B-parameter shape). Compiled for sm_90a (Triton 3.7.1, bench/kernel_resources.py --kernels adamw8bit) this
 # 8 x 256 tile on 8 warps keeps 214 registers a thread: one program resident an SM (8 of its 64 warps) for a kernel
 # whose moments go through dependent gathers of the code books; 4 x 256 on 16 warps keeps 61 (32 warps), 2 x 256 on
-# 8 warps 48 (40). bench/optimizer_8bit.py --tiles times them on the GPU; this is the tile it measured last.
+# 8 warps 48 (40). Chosen before any sweep; bench/optimizer_8bit.py --parts kernel --tiles times the tiles on the GPU
+# (the best one belongs here). Rows and warps: powers of two.
 TILE = {"rows": 8, "num_warps": 8}
 
 

@@ -212,7 +212,8 @@ def health_failure(latencies: list[float], took: float) -> str | None:
 def assert_health_kept_answering(base_url: str, send, attempts: int = 2):
     """``send()`` (a request) with /health polled meanwhile, kept answering (:func:`health_failure`); returns
     ``send``'s response. A loop the request blocks fails every attempt; one that a loaded CI machine stalled once
-    (a single poll held 1.0-1.26 s there, twice in months, never on an idle machine) gets a second measurement."""
+    (a single poll held 1.0 s in one CI run, 1.26 s of a 1.54 s request in another; never here, idle or beside
+    two busy torch loops) gets a second measurement."""
     failures = []
     for _ in range(attempts):
         with HealthPoller(base_url) as poller:
