@@ -4,6 +4,7 @@ rollout at R1's shape and a train step, areno against transformers in the same r
     python bench/families.py            # H200: both shapes, rollout then train step (about 8 minutes)
     python bench/families.py --smoke    # CPU: tiny shapes of both families, checks the script (times meaningless)
     python bench/families.py --parts rollout --state-dtypes float32,bfloat16   # R1 with the bf16 state pool too
+    python bench/families.py --parts train --shapes qwen3_5-35b-a3b --adamw8bit-tiles 8x8,2x8   # a T1 row per tile
 
 Shapes (the published text configs): Qwen3.5-9B: hidden 4096, 32 layers of [GDN, GDN, GDN, gated attention] x 8,
 16 query / 4 KV heads of 256 (partial RoPE 0.25, theta 1e7), gated delta net 16 key / 32 value heads of 128, short
@@ -29,7 +30,8 @@ it runs 8 layers of the 9B and 4 layers of the 35B-A3B (one group), at full widt
   counts the tokens it made; a note says when it stopped early or ran fewer prompts). Target: >= 10x.
 - T1 (``bench/train_step.py``'s T1: 8 x 1024 tokens, every next token a target): areno's ``PolicyTrainer.train``
   with ``MasterAdamW`` (grad clip 1.0, no activation checkpointing, eager by default; fp32 master weights, its
-  moments fp32 and, in a second row, 8-bit: ``--optimizer-states``) against transformers'
+  moments fp32 and, in a second row, 8-bit: ``--optimizer-states``; ``--adamw8bit-tiles``: an 8-bit row per tile
+  of its kernel, ``adamw8bit.TILE``, each row naming its ``adamw8bit_tile``) against transformers'
   ``model(ids, labels=ids).loss.backward(); torch.optim.AdamW.step()`` on the bf16 parameters, timed by
   ``train_step.measure`` (median step, back-to-back loop, peak allocated memory with one model resident). MFU:
   6 x active parameters x tokens / step time / 790 TFLOP/s, the active parameters being every matrix but the
@@ -276,6 +278,23 @@ def train_areno(model, args, device, base: dict, n_active: int, states: str) -> 
     return show({**base, **rec, "optimizer_states": states})
 
 
+def train_8bit_tile(tile, model, args, device, base: dict, n_active: int, states: str) -> dict:
+    """``train_areno`` with the 8-bit kernel's tile (``adamw8bit.TILE``) set to ``tile`` ((rows, warps); None: as it
+    is) for the row and put back after; an 8-bit row names its tile (``adamw8bit_tile``)."""
+    from areno.kernels import adamw8bit
+
+    default = dict(adamw8bit.TILE)
+    if tile is not None:
+        adamw8bit.TILE.update(rows=tile[0], num_warps=tile[1])
+    try:
+        rec = train_areno(model, args, device, base, n_active, states)
+        if states == "8bit":
+            rec["adamw8bit_tile"] = f"{adamw8bit.TILE['rows']}x{adamw8bit.TILE['num_warps']}"
+        return rec
+    finally:
+        adamw8bit.TILE.update(default)
+
+
 def train_hf(hf, args, device, base: dict, n_active: int) -> dict:
     state = (hf.train(), torch.optim.AdamW(hf.parameters(), lr=1e-6))
     rec = train_step.measure("transformers", state, "T1", base["batch"], base["seqlen"], False, device, args,
@@ -293,8 +312,9 @@ def run_train(name: str, args, device, dtype) -> list[dict]:
                 parameters=sum(p.numel() for p in model.parameters()), active_parameters=n_active)
     records = []
     for states in args.optimizer_states.split(","):
-        records.append(train_areno(model, args, device, base, n_active, states))
-        free(device)
+        for tile in (args.adamw8bit_tiles or [None]) if states == "8bit" else [None]:
+            records.append(train_8bit_tile(tile, model, args, device, base, n_active, states))
+            free(device)
     why = hf_missing(raw) if "transformers" in args.impls else "not asked (--impls)"
     if why is None:
         try:
@@ -340,9 +360,21 @@ def verdicts(records: list[dict]) -> None:
         elif r["workload"] == "T1":
             mem = r.get("memory_vs_hf", float("nan"))
             ok = r["speedup_vs_hf"] >= 1.5 and mem <= 1.0
-            print(f"{r['shape']} T1 ({r['optimizer_states']} moments) target (>= 1.5x transformers + AdamW, no more "
-                  "memory): "
+            tile = f", tile {r['adamw8bit_tile']}" if r.get("adamw8bit_tile") else ""
+            print(f"{r['shape']} T1 ({r['optimizer_states']} moments{tile}) target (>= 1.5x transformers + AdamW, "
+                  "no more memory): "
                   f"{'PASS' if ok else 'FAIL'} ({r['speedup_vs_hf']:.2f}x, {mem:.2f}x peak memory, MFU {r['mfu']:.1%})")
+
+
+def tiles(text: str) -> list[tuple[int, int]]:
+    """``ROWSxWARPS,...`` (e.g. ``8x8,2x8``) -> [(rows, warps)], each a power of two up to 32."""
+    out, powers = [], {2**i for i in range(6)}
+    for item in filter(None, text.split(",")):
+        rows, _, warps = item.partition("x")
+        if not (rows.isdigit() and warps.isdigit() and int(rows) in powers and int(warps) in powers):
+            raise argparse.ArgumentTypeError(f"expected ROWSxWARPS, each a power of two up to 32, got {item!r}")
+        out.append((int(rows), int(warps)))
+    return out
 
 
 def layer_counts(text: str) -> dict:
@@ -378,6 +410,8 @@ def parse(argv=None):
     ap.add_argument("--graphs", default="off", choices=["off", "on"], help="areno's train step as CUDA graphs")
     ap.add_argument("--optimizer-states", default="fp32,8bit",
                     help="areno's AdamW moments, one T1 row each: fp32, 8bit or fp32,8bit (--optimizer-states)")
+    ap.add_argument("--adamw8bit-tiles", type=tiles, default=[], help="T1 8bit: one row per tile of the 8-bit "
+                    "AdamW kernel, ROWSxWARPS,... (adamw8bit.TILE; default: the module's)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--hf-warmup", type=int, default=1)
@@ -389,6 +423,8 @@ def parse(argv=None):
     bad += sorted(set(args.optimizer_states.split(",")) - {"fp32", "8bit"})
     if bad:
         ap.error(f"unknown --shapes / --parts / --impls entries {bad}")
+    if args.adamw8bit_tiles and "8bit" not in args.optimizer_states.split(","):
+        ap.error("--adamw8bit-tiles: the 8-bit moments' kernel; add 8bit to --optimizer-states")
     if args.smoke:
         args.max_running, args.max_model_len, args.hf_prompts = 16, 128, min(args.hf_prompts, 8)
         args.warmup, args.iters, args.hf_warmup, args.hf_iters = 1, 1, 1, 1
@@ -420,7 +456,8 @@ def main(argv=None) -> list[dict]:
             if not args.no_save and not args.smoke:  # each part's rows kept at once (a run cut short keeps them)
                 print("results:", append_jsonl("families", rows, env), flush=True)
             records += rows
-    cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "mamba_ssm_cache_dtype", "sequences",
+    cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "adamw8bit_tile",
+            "mamba_ssm_cache_dtype", "sequences",
             "tok_s", "wall_s",
             "step_ms", "mfu", "peak_gib", "speedup_vs_hf", "memory_vs_hf", "logprob_diff_mean", "note",
             "error"]  # fmt: skip

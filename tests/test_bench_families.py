@@ -65,3 +65,31 @@ def test_smoke_rows_and_report():
     r1 = text[text.index("## R1: `bench/families.py`"):]
     t1 = text[text.index("## T1: `bench/families.py`"):]
     assert "| areno | qwen3_5-35b-a3b | 4 | 8 |" in r1 and "| areno | qwen3_5-9b | 4 |" in t1
+
+
+def test_an_8bit_row_per_adamw8bit_tile_each_run_with_its_tile(monkeypatch):
+    """``--adamw8bit-tiles``: T1 runs areno's 8-bit step once per tile of the 8-bit kernel (``adamw8bit.TILE`` set
+    for that row, put back after), each row naming it; fp32 rows run once; a tile that is not ROWSxWARPS in powers
+    of two, or tiles without 8-bit moments, exit 2 naming the flag."""
+    families = _module("families")
+    from areno.kernels import adamw8bit
+
+    seen = []
+
+    def fake_train(model, args, device, base, n_active, states):
+        seen.append((states, dict(adamw8bit.TILE)))
+        return {**base, "impl": "areno", "optimizer_states": states, "step_ms": 1.0}
+
+    monkeypatch.setattr(families, "train_areno", fake_train)
+    default = dict(adamw8bit.TILE)
+    args = families.parse(["--smoke", "--impls", "areno", "--attn-backend", "flash", "--optimizer-states", "fp32,8bit",
+                           "--adamw8bit-tiles", "2x8,1x4"])
+    rows = families.run_train("qwen3_5-9b", args, torch.device("cpu"), torch.float32)
+    assert seen == [("fp32", default), ("8bit", {"rows": 2, "num_warps": 8}), ("8bit", {"rows": 1, "num_warps": 4})]
+    assert [r.get("adamw8bit_tile") for r in rows] == [None, "2x8", "1x4"]
+    assert adamw8bit.TILE == default
+    for argv in (["--adamw8bit-tiles", "3x8"], ["--adamw8bit-tiles", "8by8"],
+                 ["--optimizer-states", "fp32", "--adamw8bit-tiles", "2x8"]):
+        with pytest.raises(SystemExit) as e:
+            families.parse(argv)
+        assert e.value.code == 2
