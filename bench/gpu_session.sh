@@ -40,7 +40,8 @@
 #                     shape, $GDN_ARGS): the verify ran at 1.9 TB/s on the step's tile, 2.7 the step (H100, 12-07)
 #   kernel-resources  those kernels' registers and spills per tile from the machine's own Triton and ptxas
 #                     (bench/kernel_resources.py: on the CPU, Triton 3.7.1's, the step's tile spills)
-#   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate $SPEC_GATES (default auto,off) vs plain;
+#   spec-gate         MTP speculation's gate (issue 41): R1 with --spec-gate $SPEC_GATES (default auto,off) vs plain
+#                     ($SPEC_ARGS="--spec-plain-after": plain before and after, the speed-up against both);
 #                     spec-sweep: the crossover table, speculation vs plain at batch 1..256 ($SPEC_ARGS, e.g.
 #                     "--mtp-train-steps 300 --spec-batches 1,16,64,128,256"), with the accept length each batch needs
 #   train             T1/T2 model step and train step (default, then graphs on without checkpointing), optimizer step

@@ -382,6 +382,8 @@ def main():
     ap.add_argument("--spec-greedy", action="store_true", help="speculation runs: greedy sampling (temperature 0)")
     ap.add_argument("--spec-gate", default="auto", help="speculation runs: --speculative-disable-by-batch-size "
                     "settings, comma-separated runs: auto, off, N")
+    ap.add_argument("--spec-plain-after", action="store_true", help="speculation runs: the plain engine again after "
+                    "the speculative ones, the speed-up against the mean of both (bench/spec.py)")
     ap.add_argument("--spec-batches", default=None, help="--spec-batch-sweep's batch sizes, comma-separated "
                     "(default 1,4,16,64,256)")
     ap.add_argument("--spec-batch-sweep", action="store_true", help="speculation: tok/s with and without it at "
@@ -394,6 +396,8 @@ def main():
             ap.error(f"--spec-batches takes comma-separated batch sizes, got {args.spec_batches!r}")
         if not args.spec_batch_sweep or min(args.spec_batches) < 1:
             ap.error("--spec-batches takes sizes >= 1 and applies to --spec-batch-sweep only")
+    if args.spec_plain_after and (not args.speculative_tokens or args.spec_batch_sweep):
+        ap.error("--spec-plain-after applies to --speculative-tokens runs of the workloads (not --spec-batch-sweep)")
     dtypes, kv_dtypes = args.rollout_dtype.split(","), args.kv_cache_dtype.split(",")
     if not set(kv_dtypes) <= {"auto", "fp8"}:
         ap.error("--kv-cache-dtype takes auto and/or fp8")
@@ -484,9 +488,10 @@ def run_speculative(args, device, names):
     else:
         records = spec.run_spec(args, device, names, workload)
         print_table(records, ["workload", "call", "family", "speculative_tokens", "spec_gate", "spec_limit",
-                              "sequences", "output_tokens", "wall_s", "tok_s", "spec_accept_len", "spec_gated_steps",
-                              "speedup_vs_plain", "preemptions", "kv_tokens", "steps_single", "steps_chained",
-                              "graphs_captured", "mtp_loss_last", "greedy_same", "first_diff_mean", "error"])
+                              "plain_pass", "sequences", "output_tokens", "wall_s", "tok_s", "spec_accept_len",
+                              "spec_gated_steps", "speedup_vs_plain", "preemptions", "kv_tokens", "steps_single",
+                              "steps_chained", "graphs_captured", "mtp_loss_last", "greedy_same", "first_diff_mean",
+                              "error"])
         r1 = [r for r in records if r["workload"] == "R1" and r.get("spec_gate") == "auto" and r["call"] == "warm"]
         if r1 and "speedup_vs_plain" in r1[0]:
             print(f"R1 bar (speculation with the gate auto never slower than 0.98x plain): "

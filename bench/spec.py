@@ -27,10 +27,13 @@ prompts) and reused by a later run with the same settings, so a fit that takes m
 with ``--mtp-fit-rounds 2``) and its timing can be two calls on one machine. Each timed record splits its wall time
 by step kind (``step_s_chained``, ``step_s_verify``, ``step_s_single``: prefill, mixed and single plain steps).
 Both engines decode under CUDA graphs (``--eager``: both eager), sampling at temperature 1 as R1-R3 do, and
-``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). Each engine runs its workload
-twice and the warm call is the measurement (the graphs are captured on the first). The plain engine chains 8
-decode steps per scheduling round (``PLAIN_DECODE_STEPS``, the rollout's ``--decode-steps`` default: what a user
-without speculation runs); the speculative one chains its gated stretches likewise (areno/engine/spec_gated.py).
+``--spec-greedy`` samples greedily instead (acceptance then is the argmax agreement). ``--spec-plain-after`` runs
+the plain engine again after the speculative ones (rows ``plain_pass`` before / after) and takes the speed-up against
+the mean of its two warm calls: a drift of the device over the run (clocks, heat) then weighs on both sides alike,
+where plain-then-speculative charges it all to speculation (R1's bar is 0.98x: a 2% drift decides it). Each engine
+runs its workload twice and the warm call is the measurement (the graphs are captured on the first). The plain engine
+chains 8 decode steps per scheduling round (``PLAIN_DECODE_STEPS``, the rollout's ``--decode-steps`` default: what a
+user without speculation runs); the speculative one chains its gated stretches likewise (areno/engine/spec_gated.py).
 
 The gate (``--speculative-disable-by-batch-size``, areno/engine/spec_gate.py): ``--spec-gate auto,off`` runs the
 speculative engine once per setting (default auto), each record with the N it resolved to (``spec_limit``) and the
@@ -276,7 +279,9 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
     model, base, train = load_draft_model(args, device, sets)
     vocab = model.config.vocab_size
     records, plain_answers = [], {}
-    for k, gate in [(0, "auto")] + [(args.speculative_tokens, g) for g in gates(args)]:
+    runs = [(0, "auto", "before")] + [(args.speculative_tokens, g, None) for g in gates(args)]
+    runs += [(0, "auto", "after")] if args.spec_plain_after else []
+    for k, gate, plain_pass in runs:
         try:
             engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
                                                       decode_steps=1 if k else PLAIN_DECODE_STEPS, **base),
@@ -297,20 +302,28 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
                 opts = [SamplingParams(temperature=temp, max_new_tokens=n, ignore_eos=True) for n in new]
                 rec, out = timed_generate(engine, prompts, opts, device)
                 answers = [list(g[0].token_ids) for g in out]
-                if not k:
+                if not k and plain_pass == "before":
                     plain_answers[name, call] = answers
                 elif args.spec_greedy:  # where speculation's greedy path leaves the plain engine's (bf16 rounding)
                     rec.update(agreement(plain_answers[name, call], answers))
                 rec = dict(impl="areno", workload=name, call=call, family=args.mtp_family, speculative_tokens=k,
                            spec_gate=str(gate) if k else None, sequences=len(prompts), **rec, **train)
+                if not k and args.spec_plain_after:
+                    rec["plain_pass"] = plain_pass
                 print({a: round(b, 4) if isinstance(b, float) else b for a, b in rec.items()}, flush=True)
                 records.append(rec)
         engine.drop_rollout_state()
         del engine
-    plain = {r["workload"]: r for r in records if r["call"] == "warm" and not r["speculative_tokens"]}
+    plain = {}  # workload: the plain engine's warm tok/s (the mean of its passes before and after speculation)
+    for r in records:
+        if r["call"] == "warm" and not r["speculative_tokens"] and r.get("tok_s"):
+            plain.setdefault(r["workload"], []).append(r["tok_s"])
     for r in records:
         if r["call"] == "warm" and r["speculative_tokens"] and r.get("tok_s") and r["workload"] in plain:
-            r["speedup_vs_plain"] = r["tok_s"] / plain[r["workload"]]["tok_s"]
+            base = plain[r["workload"]]
+            r["speedup_vs_plain"] = r["tok_s"] / (sum(base) / len(base))
+            print(f"{r['workload']} gate {r['spec_gate']}: {r['tok_s']:.6g} tok/s, {r['speedup_vs_plain']:.6g}x the "
+                  f"plain engine's {' / '.join(f'{t:.6g}' for t in base)} tok/s", flush=True)
     return records
 
 

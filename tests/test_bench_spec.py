@@ -5,6 +5,7 @@ and agreement, and the timed speculative rows carry theirs."""
 import ast
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,8 @@ def test_fit_rounds_smoke_records_each_round(tmp_path):
            "--spec-greedy", "--mtp-train-steps", "20", "--mtp-fit-rounds", "2", "--no-save"]
     env = {**os.environ, "ARENO_BENCH_CACHE": str(tmp_path)}
     rows = []
-    for _ in range(2):
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    for extra in ([], ["--spec-plain-after"]):  # the second run: the plain engine before and after speculation
+        out = subprocess.run(cmd + extra, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         rows.append([ast.literal_eval(line) for line in out.stdout.splitlines() if line.startswith("{'impl': 'areno'")])
         assert ("MTP fit round 1: before it {'spec_accept_len'" in out.stdout) == (len(rows) == 1)
@@ -50,9 +51,25 @@ def test_fit_rounds_smoke_records_each_round(tmp_path):
     assert all("greedy_same" in r and r["mtp_fit_rounds"] == 2 and r["mtp_rounds"] for r in spec)
     again = [r for r in rows[1] if r["speculative_tokens"] == 2]
     assert [r["spec_accept_len"] for r in again] == [r["spec_accept_len"] for r in spec]
+    plain = [r for r in rows[1] if r["speculative_tokens"] == 0]
+    assert [(r["plain_pass"], r["call"]) for r in plain] == [("before", "first"), ("before", "warm"),
+                                                             ("after", "first"), ("after", "warm")]
+    # the speed-up against both plain passes' warm calls (the printed rows round tok/s to 4 decimals)
+    num = r"([\d.]+)"
+    line = re.search(rf"R3 gate auto: {num} tok/s, {num}x the plain engine's {num} / {num} tok/s", out.stdout)
+    tok_s, speedup, before, after = map(float, line.groups())
+    assert [tok_s, before, after] == pytest.approx([again[1]["tok_s"], plain[1]["tok_s"], plain[3]["tok_s"]], rel=1e-4)
+    assert speedup == pytest.approx(tok_s / ((before + after) / 2), rel=1e-4)
+    assert "plain_pass" not in rows[0][0]
     assert all(r["mtp_fit_cached"] and r["mtp_loss_last"] == spec[0]["mtp_loss_last"] for r in again)
     assert len(list((tmp_path / "mtp-fits").glob("*.safetensors"))) == 1
     assert all(r["step_s_verify"] > 0 and r["step_s_single"] > 0 for r in spec)
+
+
+def test_plain_after_without_speculation_is_refused():
+    out = subprocess.run([sys.executable, "bench/rollout.py", "--smoke", "--workloads", "R3", "--spec-plain-after"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--spec-plain-after" in out.stderr, out.stderr[-2000:]
 
 
 def test_fit_rounds_without_a_draft_to_fit_is_refused():
