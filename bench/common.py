@@ -6,6 +6,7 @@ Every bench script appends one JSON line per measurement to ``bench/results/<nam
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -216,3 +217,33 @@ def graph_time_ms(fn, what) -> float | None:
         torch.cuda.synchronize()
         return None
     return round(gpu_time_ms(replay), 4)
+
+
+@contextlib.contextmanager
+def step_times(engine):
+    """Host wall time of the call's ``Engine.step`` calls by kind, into the yielded dict: ``step_s_chained`` (steps
+    that ran chained decode groups, speculation's gated chains among them), ``step_s_verify`` (steps that verified
+    drafts), ``step_s_single`` (the others: prefill and mixed steps, single plain decode steps). A step returns once
+    its tokens are read, so the sums split the call's time (a queued lookahead group's time falls to the step that
+    reads it)."""
+    spent, step = {"step_s_chained": 0.0, "step_s_verify": 0.0, "step_s_single": 0.0}, engine.step
+
+    def timed(*a, **kw):
+        chained, rows = engine.step_counts.get("chained", 0), engine.spec.counts["verify_rows"] if engine.spec else 0
+        t = time.perf_counter()
+        try:
+            return step(*a, **kw)
+        finally:
+            dt = time.perf_counter() - t
+            if engine.step_counts.get("chained", 0) > chained:
+                spent["step_s_chained"] += dt
+            elif engine.spec is not None and engine.spec.counts["verify_rows"] > rows:
+                spent["step_s_verify"] += dt
+            else:
+                spent["step_s_single"] += dt
+
+    engine.step = timed
+    try:
+        yield spent
+    finally:
+        del engine.step

@@ -27,7 +27,9 @@ it runs 8 layers of the 9B and 4 layers of the 35B-A3B (one group), at full widt
   fresh prompts is the headline (``call`` warm), whose tokens also go through the training forward (mean |log-prob
   difference|). transformers: ``generate(do_sample, min_new_tokens = max_new_tokens)`` on ``--hf-prompts`` of the
   same prompts (all 256 by default) as one batch after a short warm-up, capped by ``--hf-max-time-s`` (its tok/s
-  counts the tokens it made; a note says when it stopped early or ran fewer prompts). Target: >= 10x.
+  counts the tokens it made; a note says when it stopped early or ran fewer prompts). Target: >= 10x. areno's rows
+  split their wall time by step kind (``step_s_single``: prefill and mixed steps; ``step_s_chained``: the decode
+  chains; ``steps_*`` the counts), the first thing to read against the decode step's HBM floor.
 - T1 (``bench/train_step.py``'s T1: 8 x 1024 tokens, every next token a target): areno's ``PolicyTrainer.train``
   with ``MasterAdamW`` (grad clip 1.0, no activation checkpointing, eager by default; fp32 master weights, its
   moments fp32 and, in a second row, 8-bit: ``--optimizer-states``; ``--adamw8bit-tiles``: an 8-bit row per tile
@@ -60,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train_step  # noqa: E402
-from common import append_jsonl, env_info, print_table  # noqa: E402
+from common import append_jsonl, env_info, print_table, step_times  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
 COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
@@ -192,10 +194,14 @@ def rollout_areno(model, args, device, base: dict, state_dtype: str = "float32")
         rec = dict(base, impl="areno", call=call, decode_steps=args.decode_steps, mamba_ssm_cache_dtype=state_dtype)
         try:
             prompts, new = rollout.workload("R1", args.smoke, model.config.vocab_size, seed)
-            out, dt = rollout.areno_generate(engine, prompts, new, device)
+            counts = dict(engine.step_counts)
+            with step_times(engine) as spent:  # where the call's time goes: prefill and mixed steps, decode chains
+                out, dt = rollout.areno_generate(engine, prompts, new, device)
             tokens = sum(len(c.token_ids) for g in out for c in g)
             rec.update(sequences=len(prompts), output_tokens=tokens, wall_s=dt, tok_s=tokens / dt,
-                       complete=tokens == sum(new), kv_blocks=engine.blocks.num_blocks)
+                       complete=tokens == sum(new), kv_blocks=engine.blocks.num_blocks,
+                       **{k: v for k, v in spent.items() if k != "step_s_verify"},
+                       **{f"steps_{k}": v - counts.get(k, 0) for k, v in engine.step_counts.items()})
             if call == "warm":
                 rec.update(rollout.logprob_diff(model, out, device))
             records.append(show(rec))

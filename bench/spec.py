@@ -46,7 +46,6 @@ step's cost in plain steps: accept length / speed-up), what an acceptance-aware 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import shutil
@@ -56,6 +55,7 @@ from pathlib import Path
 
 import models
 import torch
+from common import step_times
 
 SHAPES = {
     "qwen3_5": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
@@ -208,36 +208,6 @@ def agreement(reference: list[list[int]], answered: list[list[int]], starts=None
 def gates(args) -> list:
     """``--spec-gate``'s settings (auto, off, N), as EngineConfig takes them."""
     return [g if g in ("auto", "off") else int(g) for g in args.spec_gate.split(",")]
-
-
-@contextlib.contextmanager
-def step_times(engine):
-    """Host wall time of the call's ``Engine.step`` calls by kind, into the yielded dict: ``step_s_chained`` (steps
-    that ran chained decode groups, speculation's gated chains among them), ``step_s_verify`` (steps that verified
-    drafts), ``step_s_single`` (the others: prefill and mixed steps, single plain decode steps). A step returns once
-    its tokens are read, so the sums split the call's time (a queued lookahead group's time falls to the step that
-    reads it)."""
-    spent, step = {"step_s_chained": 0.0, "step_s_verify": 0.0, "step_s_single": 0.0}, engine.step
-
-    def timed(*a, **kw):
-        chained, rows = engine.step_counts.get("chained", 0), engine.spec.counts["verify_rows"] if engine.spec else 0
-        t = time.perf_counter()
-        try:
-            return step(*a, **kw)
-        finally:
-            dt = time.perf_counter() - t
-            if engine.step_counts.get("chained", 0) > chained:
-                spent["step_s_chained"] += dt
-            elif engine.spec is not None and engine.spec.counts["verify_rows"] > rows:
-                spent["step_s_verify"] += dt
-            else:
-                spent["step_s_single"] += dt
-
-    engine.step = timed
-    try:
-        yield spent
-    finally:
-        del engine.step
 
 
 def timed_generate(engine, prompts, opts, device) -> tuple[dict, list]:

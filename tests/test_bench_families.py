@@ -49,6 +49,9 @@ def test_smoke_rows_and_report():
     for r in records:
         if r["workload"] == "R1":
             assert r["sequences"] == 8 and r["output_tokens"] == 8 * 16 and r["complete"] and r["tok_s"] > 0
+            if r["impl"] == "areno":  # the call's time split: prefill steps, decode chains
+                assert r["step_s_single"] > 0 and r["step_s_chained"] > 0 and r["steps_chained"] > 0
+                assert r["step_s_single"] + r["step_s_chained"] <= r["wall_s"]
         else:
             assert (r["batch"], r["seqlen"]) == (2, 64) and r["step_ms"] > 0
             assert 0 < r["active_parameters"] <= r["parameters"]
