@@ -29,7 +29,9 @@ it runs 8 layers of the 9B and 4 layers of the 35B-A3B (one group), at full widt
   same prompts (all 256 by default) as one batch after a short warm-up, capped by ``--hf-max-time-s`` (its tok/s
   counts the tokens it made; a note says when it stopped early or ran fewer prompts). Target: >= 10x. areno's rows
   split their wall time by step kind (``step_s_single``: prefill and mixed steps; ``step_s_chained``: the decode
-  chains; ``steps_*`` the counts), the first thing to read against the decode step's HBM floor.
+  chains; ``steps_*`` the counts), and a chained decode step's time (``decode_ms``) beside its HBM floor
+  (``decode_floor_ms``: every weight read, each row's recurrent states read and written and its K/V at the mean
+  context read, at the card's bandwidth; ``decode_frac_floor`` their ratio).
 - T1 (``bench/train_step.py``'s T1: 8 x 1024 tokens, every next token a target): areno's ``PolicyTrainer.train``
   with ``MasterAdamW`` (grad clip 1.0, no activation checkpointing, eager by default; fp32 master weights, its
   moments fp32 and, in a second row, 8-bit: ``--optimizer-states``; ``--adamw8bit-tiles``: an 8-bit row per tile
@@ -180,6 +182,25 @@ def failed(rec: dict, e: Exception) -> dict:
     return show({**rec, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]})
 
 
+def decode_floor_ms(engine, rows: int, context: float, device) -> float | None:
+    """The HBM floor of one decode step of ``rows`` sequences ``context`` tokens long (ms; None off a known GPU,
+    areno.platform.roofline's bandwidth): every weight read once (the input embedding but its rows not: untied),
+    each row's recurrent states read and written, its K/V read."""
+    from areno.engine.state_cache import RecurrentStates
+    from areno.platform.roofline import device_roofline
+
+    roof = device_roofline(device)
+    if roof is None:
+        return None
+    r, model = engine.runner, engine.runner.model
+    skip = {id(model.embed_tokens.weight)} if model.lm_head is not None else set()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    kv = r.kv_cache.numel() * r.kv_cache.element_size() / (r.num_blocks * r.block_size)  # every layer's, a token
+    shapes = model.recurrent_state_shapes()
+    state = RecurrentStates.bytes_per_slot(shapes, r.dtype, r.states.recurrent.dtype) if shapes else 0
+    return (weights + rows * (2 * state + context * kv)) / roof.bytes_per_s * 1e3
+
+
 def rollout_areno(model, args, device, base: dict, state_dtype: str = "float32") -> list[dict]:
     """R1 twice on one engine (first: capture and compile; warm: fresh prompts, the headline), the recurrent state
     pool at ``state_dtype`` (--mamba-ssm-cache-dtype)."""
@@ -202,6 +223,11 @@ def rollout_areno(model, args, device, base: dict, state_dtype: str = "float32")
                        complete=tokens == sum(new), kv_blocks=engine.blocks.num_blocks,
                        **{k: v for k, v in spent.items() if k != "step_s_verify"},
                        **{f"steps_{k}": v - counts.get(k, 0) for k, v in engine.step_counts.items()})
+            if rec["steps_chained"]:  # a chained decode step's wall time against its HBM floor (mean context)
+                rec["decode_ms"] = rec["step_s_chained"] / rec["steps_chained"] * 1e3
+                floor = decode_floor_ms(engine, len(prompts), len(prompts[0]) + max(new) / 2, device)
+                if floor is not None:
+                    rec.update(decode_floor_ms=floor, decode_frac_floor=floor / rec["decode_ms"])
             if call == "warm":
                 rec.update(rollout.logprob_diff(model, out, device))
             records.append(show(rec))

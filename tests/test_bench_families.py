@@ -96,3 +96,29 @@ def test_an_8bit_row_per_adamw8bit_tile_each_run_with_its_tile(monkeypatch):
         with pytest.raises(SystemExit) as e:
             families.parse(argv)
         assert e.value.code == 2
+
+
+def test_decode_floor_counts_weights_states_and_kv(monkeypatch):
+    """``decode_floor_ms``: one decode step's bytes at the card's bandwidth: the weights but the untied input
+    embedding, then per row its recurrent states read and written and its K/V at the given context."""
+    families = _module("families")
+    from areno.engine.engine import Engine, EngineConfig
+    from areno.platform import roofline
+
+    raw = families.config_of("qwen3_5-9b", 4, smoke=True)
+    model = families.models.random_model(raw, torch.float32, torch.device("cpu"), unit_norms=True)
+    engine = Engine(model, None, EngineConfig(block_size=16, max_running=4, max_batched_tokens=256, max_model_len=128),
+                    eos_token_ids=[])  # fmt: skip
+    cpu = torch.device("cpu")
+    assert families.decode_floor_ms(engine, 4, 64, cpu) is None  # no known card: no floor
+    monkeypatch.setattr(roofline, "device_roofline", lambda device: roofline.H200)
+    bw = roofline.H200.bytes_per_s / 1e3  # bytes a ms
+    embed = model.embed_tokens.weight
+    weights = sum(p.numel() * 4 for p in model.parameters()) - (embed.numel() * 4 if model.lm_head is not None else 0)
+    assert families.decode_floor_ms(engine, 0, 64, cpu) == pytest.approx(weights / bw)
+    pools = engine.runner.states
+    state = (pools.conv[:, 0].numel() * pools.conv.element_size()
+             + pools.recurrent[:, 0].numel() * pools.recurrent.element_size())  # one slot, every recurrent layer
+    kv = engine.runner.kv_cache[:, :, 0, 0].numel() * 4  # one token, every attention layer, K and V
+    want = (weights + 3 * (2 * state + 10 * kv)) / bw
+    assert families.decode_floor_ms(engine, 3, 10, cpu) == pytest.approx(want)
