@@ -490,7 +490,7 @@ def main(argv=None) -> list[dict]:
             records += rows
     cols = ["shape", "workload", "impl", "layers", "call", "optimizer_states", "adamw8bit_tile",
             "mamba_ssm_cache_dtype", "sequences",
-            "tok_s", "wall_s",
+            "tok_s", "wall_s", "decode_ms", "decode_frac_floor",
             "step_ms", "mfu", "peak_gib", "speedup_vs_hf", "memory_vs_hf", "logprob_diff_mean", "note",
             "error"]  # fmt: skip
     print_table(records, cols)
