@@ -6,6 +6,7 @@ Every bench script appends one JSON line per measurement to ``bench/results/<nam
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import json
@@ -247,3 +248,17 @@ def step_times(engine):
         yield spent
     finally:
         del engine.step
+
+
+def tiles(text: str) -> list[tuple[int, int]]:
+    """``AxW,...`` (e.g. ``8x8,2x8``: a kernel's tile size, rows or value columns, and its warps) -> [(a, w)], an
+    argparse type: each a power of two (a ``tl.arange`` length), the warps at most 32."""
+    out = []
+    for item in filter(None, text.split(",")):
+        a, _, w = item.partition("x")
+        ok = a.isdigit() and w.isdigit() and int(a) > 0 and int(w) <= 32 and all(
+            int(x) > 0 and int(x) & (int(x) - 1) == 0 for x in (a, w))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected SIZExWARPS, each a power of two (warps up to 32), got {item!r}")
+        out.append((int(a), int(w)))
+    return out

@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train_step  # noqa: E402
-from common import append_jsonl, env_info, print_table, step_times  # noqa: E402
+from common import append_jsonl, env_info, print_table, step_times, tiles  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
 COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
@@ -396,17 +396,6 @@ def verdicts(records: list[dict]) -> None:
             print(f"{r['shape']} T1 ({r['optimizer_states']} moments{tile}) target (>= 1.5x transformers + AdamW, "
                   "no more memory): "
                   f"{'PASS' if ok else 'FAIL'} ({r['speedup_vs_hf']:.2f}x, {mem:.2f}x peak memory, MFU {r['mfu']:.1%})")
-
-
-def tiles(text: str) -> list[tuple[int, int]]:
-    """``ROWSxWARPS,...`` (e.g. ``8x8,2x8``) -> [(rows, warps)], each a power of two up to 32."""
-    out, powers = [], {2**i for i in range(6)}
-    for item in filter(None, text.split(",")):
-        rows, _, warps = item.partition("x")
-        if not (rows.isdigit() and warps.isdigit() and int(rows) in powers and int(warps) in powers):
-            raise argparse.ArgumentTypeError(f"expected ROWSxWARPS, each a power of two up to 32, got {item!r}")
-        out.append((int(rows), int(warps)))
-    return out
 
 
 def layer_counts(text: str) -> dict:

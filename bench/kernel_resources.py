@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import append_jsonl, env_info, print_table  # noqa: E402
+from common import append_jsonl, env_info, print_table, tiles  # noqa: E402
 
 from areno.kernels import adamw8bit  # noqa: E402
 from areno.kernels.linear_attn import gdn_decode  # noqa: E402
@@ -108,8 +108,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default="gdn_step,gdn_verify", help=f"comma-separated, of {', '.join(KERNELS)}")
     ap.add_argument("--states", default="float32,bfloat16", help="the GDN kernels' state pools")
-    ap.add_argument("--tiles", default=None, help="BVxwarps (GDN) or ROWSxwarps (adamw8bit), comma-separated "
-                    "(default: each kernel's own list)")
+    ap.add_argument("--tiles", type=tiles, default=None, help="BVxwarps (GDN) or ROWSxwarps (adamw8bit), "
+                    "comma-separated (default: each kernel's own list)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
@@ -118,9 +118,8 @@ def main():
         ap.error(f"--kernels: unknown {unknown}; known: {', '.join(KERNELS)}")
     rows = []
     for k in kernels:
-        tiles = [tuple(map(int, t.split("x"))) for t in (args.tiles or KERNELS[k][4]).split(",")]
         states = args.states.split(",") if "*S" in KERNELS[k][1] else [None]
-        rows += [resources(k, s, t, w, args.arch) for s in states for t, w in tiles]
+        rows += [resources(k, s, t, w, args.arch) for s in states for t, w in args.tiles or tiles(KERNELS[k][4])]
     print_table(rows, ["kernel", "state_dtype", "BV", "rows", "num_warps", "arch", "registers", "stack_bytes",
                        "spill_store_bytes", "spill_load_bytes", "resident_warps"])  # fmt: skip
     print("STEP_CONFIG now:", {str(k).removeprefix("torch."): v for k, v in gdn_decode.STEP_CONFIG.items()})

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import append_jsonl, gpu_time_ms, print_table  # noqa: E402
+from common import append_jsonl, gpu_time_ms, print_table, tiles  # noqa: E402
 from optimizer_step import shapes  # noqa: E402
 
 from areno.kernels import adamw8bit  # noqa: E402
@@ -147,23 +147,16 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny parameter list and few steps (checks the script)")
     ap.add_argument("--steps", type=int, default=200, help="SFT steps of each loss curve (--smoke: 10)")
     ap.add_argument("--parts", default="memory,step,loss", help="comma-separated: memory,step (one pass), kernel, loss")
-    ap.add_argument("--tiles", default="8x8,4x16,4x8,2x8,2x4,1x4",
+    ap.add_argument("--tiles", type=tiles, default="8x8,4x16,4x8,2x8,2x4,1x4",
                     help="part kernel: the 8-bit kernel's tiles, ROWSxWARPS (absmax blocks a program x warps)")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/optimizer_8bit.jsonl")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if parts - {"memory", "step", "kernel", "loss"}:
         ap.error(f"--parts: unknown {sorted(parts - {'memory', 'step', 'kernel', 'loss'})}")
-    try:
-        tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
-    except ValueError:
-        ap.error(f"--tiles: ROWSxWARPS pairs, comma-separated (got {args.tiles!r})")
-    powers = {2**i for i in range(6)}  # a tile's rows are a tl.arange's length: a power of two, as its warps
-    if any(len(t) != 2 or t[0] not in powers or t[1] not in powers for t in tiles):
-        ap.error(f"--tiles: rows and warps each a power of two up to 32 (got {args.tiles!r})")
     on_gpu = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if on_gpu else "cpu")
-    rows = kernel_rows(tiles, args.smoke, dev) if "kernel" in parts else []  # (the module's tile put back after)
+    rows = kernel_rows(args.tiles, args.smoke, dev) if "kernel" in parts else []  # (the module's tile put back after)
     rows += memory_and_step(args.smoke, dev) if parts & {"memory", "step"} else []
     rows += loss_rows(10 if args.smoke else args.steps, dev) if "loss" in parts else []
     print_table(rows, ["part", "states", "path", "tile", "seed", "elements", "state_gib", "moments_gib", "alloc_gib",

@@ -272,8 +272,8 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
                 opts = [SamplingParams(temperature=temp, max_new_tokens=n, ignore_eos=True) for n in new]
                 rec, out = timed_generate(engine, prompts, opts, device)
                 answers = [list(g[0].token_ids) for g in out]
-                if not k and plain_pass == "before":
-                    plain_answers[name, call] = answers
+                if not k:
+                    plain_answers.setdefault((name, call), answers)  # the first plain pass's
                 elif args.spec_greedy:  # where speculation's greedy path leaves the plain engine's (bf16 rounding)
                     rec.update(agreement(plain_answers[name, call], answers))
                 rec = dict(impl="areno", workload=name, call=call, family=args.mtp_family, speculative_tokens=k,
