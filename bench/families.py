@@ -444,8 +444,9 @@ def parse(argv=None):
     bad += sorted(set(args.optimizer_states.split(",")) - {"fp32", "8bit"})
     if bad:
         ap.error(f"unknown --shapes / --parts / --impls entries {bad}")
-    if args.adamw8bit_tiles and "8bit" not in args.optimizer_states.split(","):
-        ap.error("--adamw8bit-tiles: the 8-bit moments' kernel; add 8bit to --optimizer-states")
+    t1_8bit = "8bit" in args.optimizer_states.split(",") and "train" in args.parts.split(",")
+    if args.adamw8bit_tiles and not t1_8bit:
+        ap.error("--adamw8bit-tiles: T1's 8-bit moments' kernel; needs train in --parts, 8bit in --optimizer-states")
     if args.smoke:
         args.max_running, args.max_model_len, args.hf_prompts = 16, 128, min(args.hf_prompts, 8)
         args.warmup, args.iters, args.hf_warmup, args.hf_iters = 1, 1, 1, 1

@@ -91,6 +91,8 @@ def main():
                     help="n > 1: also each tile's speculative verify of n tokens a row (K + 1; 0: off)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
+    if args.verify_tokens == 1 or args.verify_tokens < 0:
+        ap.error(f"--verify-tokens: tokens a row, 2 or more (K + 1), or 0 for none; got {args.verify_tokens}")
     B, nk, nv, K, V = (args.rows, 16, 32, 128, 128) if not args.smoke else (3, 2, 4, 16, 32)
     env = env_info()
     name = torch.cuda.get_device_name() if CUDA else ""

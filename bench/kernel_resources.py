@@ -107,7 +107,7 @@ def resources(kernel: str, state: str | None, t: int, warps: int, capability: in
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default="gdn_step,gdn_verify", help=f"comma-separated, of {', '.join(KERNELS)}")
-    ap.add_argument("--states", default="float32,bfloat16", help="the GDN kernels' state pools")
+    ap.add_argument("--states", default=None, help="the GDN kernels' state pools (default float32,bfloat16)")
     ap.add_argument("--tiles", type=tiles, default=None, help="BVxwarps (GDN) or ROWSxwarps (adamw8bit), "
                     "comma-separated (default: each kernel's own list)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
@@ -116,9 +116,11 @@ def main():
     kernels = args.kernels.split(",")
     if unknown := [k for k in kernels if k not in KERNELS]:
         ap.error(f"--kernels: unknown {unknown}; known: {', '.join(KERNELS)}")
+    if args.states is not None and not any("*S" in KERNELS[k][1] for k in kernels):
+        ap.error("--states: the GDN kernels' state pools; none of --kernels has one")
     rows = []
     for k in kernels:
-        states = args.states.split(",") if "*S" in KERNELS[k][1] else [None]
+        states = (args.states or "float32,bfloat16").split(",") if "*S" in KERNELS[k][1] else [None]
         rows += [resources(k, s, t, w, args.arch) for s in states for t, w in args.tiles or tiles(KERNELS[k][4])]
     print_table(rows, ["kernel", "state_dtype", "BV", "rows", "num_warps", "arch", "registers", "stack_bytes",
                        "spill_store_bytes", "spill_load_bytes", "resident_warps"])  # fmt: skip

@@ -42,6 +42,7 @@ from areno.platform.roofline import roofline_of  # noqa: E402
 from areno.training.optimizer import MasterAdamW  # noqa: E402
 
 GIB = 2**30
+DEFAULT_TILES = "8x8,4x16,4x8,2x8,2x4,1x4"  # --tiles: the kernel part's sweep
 
 
 def memory_and_step(smoke: bool, dev: torch.device) -> list[dict]:
@@ -147,16 +148,19 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny parameter list and few steps (checks the script)")
     ap.add_argument("--steps", type=int, default=200, help="SFT steps of each loss curve (--smoke: 10)")
     ap.add_argument("--parts", default="memory,step,loss", help="comma-separated: memory,step (one pass), kernel, loss")
-    ap.add_argument("--tiles", type=tiles, default="8x8,4x16,4x8,2x8,2x4,1x4",
-                    help="part kernel: the 8-bit kernel's tiles, ROWSxWARPS (absmax blocks a program x warps)")
+    ap.add_argument("--tiles", type=tiles, default=None, help="part kernel: the 8-bit kernel's tiles, ROWSxWARPS "
+                    f"(absmax blocks a program x warps; default {DEFAULT_TILES})")
     ap.add_argument("--no-save", action="store_true", help="do not append to bench/results/optimizer_8bit.jsonl")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if parts - {"memory", "step", "kernel", "loss"}:
         ap.error(f"--parts: unknown {sorted(parts - {'memory', 'step', 'kernel', 'loss'})}")
+    if args.tiles is not None and "kernel" not in parts:
+        ap.error("--tiles: the kernel part's tiles; add kernel to --parts")
     on_gpu = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if on_gpu else "cpu")
-    rows = kernel_rows(args.tiles, args.smoke, dev) if "kernel" in parts else []  # (the module's tile put back after)
+    sweep = args.tiles or tiles(DEFAULT_TILES)
+    rows = kernel_rows(sweep, args.smoke, dev) if "kernel" in parts else []  # (the module's tile put back after)
     rows += memory_and_step(args.smoke, dev) if parts & {"memory", "step"} else []
     rows += loss_rows(10 if args.smoke else args.steps, dev) if "loss" in parts else []
     print_table(rows, ["part", "states", "path", "tile", "seed", "elements", "state_gib", "moments_gib", "alloc_gib",

@@ -92,7 +92,8 @@ def test_an_8bit_row_per_adamw8bit_tile_each_run_with_its_tile(monkeypatch):
     assert [r.get("adamw8bit_tile") for r in rows] == [None, "2x8", "1x4"]
     assert adamw8bit.TILE == default
     for argv in (["--adamw8bit-tiles", "3x8"], ["--adamw8bit-tiles", "8by8"],
-                 ["--optimizer-states", "fp32", "--adamw8bit-tiles", "2x8"]):
+                 ["--optimizer-states", "fp32", "--adamw8bit-tiles", "2x8"],
+                 ["--parts", "rollout", "--adamw8bit-tiles", "2x8"]):
         with pytest.raises(SystemExit) as e:
             families.parse(argv)
         assert e.value.code == 2

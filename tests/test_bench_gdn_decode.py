@@ -20,3 +20,10 @@ def test_smoke_sweeps_the_step_and_the_verify_per_tile():
                                                         ("triton-verify", "3", "bfloat16"),
                                                         ("triton-verify", "3", "float32")]
     assert "best float32 tile of triton-verify: BV=16 warps=1" in out.stdout
+
+
+def test_a_verify_of_one_token_is_refused():
+    out = subprocess.run([sys.executable, "bench/gdn_decode.py", "--smoke", "--verify-tokens", "1", "--no-save"],
+                         cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 2 and "--verify-tokens" in out.stderr

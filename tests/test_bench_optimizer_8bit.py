@@ -32,3 +32,5 @@ def test_a_malformed_tile_is_refused_naming_the_flag():
         assert out.returncode == 2 and "--tiles" in out.stderr, (tiles, out.stderr[-500:])
     out = run("--parts", "kernel,speed")
     assert out.returncode == 2 and "--parts" in out.stderr
+    out = run("--parts", "step", "--tiles", "2x8")  # tiles without the part that sweeps them
+    assert out.returncode == 2 and "--tiles" in out.stderr
