@@ -199,10 +199,10 @@ for stage in "$@"; do
       step gpu2-tests 280 python3 -m pytest -q --timeout 240 --tb=short -p no:cacheprovider tests/rl/test_split.py \
         tests/training/test_train_graphs_gpu.py -k "not quickstart and not memory" ;;
     tp) step tp ${TP_LIMIT:-500} python3 bench/tp.py --gpus "$(nvidia-smi -L | wc -l)" ;;
-    serve) step serve 480 python3 bench/serve.py ;;
+    serve) step serve 480 python3 bench/serve.py ;;  # the engine alone on the same batch first, then the server
     serve-lora) step serve_lora ${SERVE_LIMIT:-480} python3 bench/serve_lora.py ;;
     eval) step eval ${EVAL_LIMIT:-240} python3 bench/eval.py ${EVAL_ARGS:-} ;;
-    optimizer-8bit) step optimizer_8bit ${OPT_LIMIT:-200} python3 bench/optimizer_8bit.py ${OPT_ARGS:-} ;;  # the engine alone on the same batch first, then the server
+    optimizer-8bit) step optimizer_8bit ${OPT_LIMIT:-200} python3 bench/optimizer_8bit.py ${OPT_ARGS:-} ;;
     learn) step learn ${LEARN_LIMIT:-280} python3 bench/learn.py ${LEARN_ARGS:-} ;;
     families)
       wheels "$WHEELS_TF" /tmp/tf
