@@ -14,6 +14,7 @@ from areno.kernels.linear_attn.delta_rule import (
     fused_recurrent_gated_delta_rule_step,
     fused_recurrent_gated_delta_rule_verify,
 )
+from areno.kernels.linear_attn.steps import VerifyInputs
 
 NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
 
@@ -182,6 +183,38 @@ def test_verify_equals_the_step_kernel_stepped_bit_for_bit(monkeypatch, gate, n,
     torch.testing.assert_close(nat, o, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match=f"are not 2 sequences x {n} tokens"):
         fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, nat_pool, n=n, state_indices=idx[:2])
+
+
+@pytest.mark.parametrize("path", ["triton", "native"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_a_kept_verify_writes_no_state_and_its_replay_commits_the_accepted_tokens(monkeypatch, gate, n, pool_dtype,
+                                                                                   path):
+    """The engine's verify (``keep``): the outputs of stepping with the pool untouched; ``keep.replay`` with each
+    sequence's accepted count (0..n; a padding row and a count of 0 untouched) leaves the pool as that many steps of
+    the step kernel do, to the bit."""
+    monkeypatch.setenv("ARENO_KERNELS", path)
+    B, H, K, V = 5, 2, 8, 12
+    (q, k, v, g, beta, _), _ = _inputs([B * n], H, K, V, gate, seed=n + 10)
+    pool = (torch.randn(9, H, K, V) * 0.5).to(pool_dtype)
+    idx = torch.tensor([5, -1, 2, 0, 7], dtype=torch.int32)
+    counts = torch.tensor([n, n, 0, 1, n - 1], dtype=torch.int32)
+    per = [x.view(B, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
+    ref_pool, aside, outs = pool.clone(), pool.clone(), []
+    for i in range(n):  # the outputs: n plain steps
+        outs.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), aside, state_indices=idx))
+        fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), ref_pool,
+                                              state_indices=torch.where(counts > i, idx, -1))  # the commit
+    keep, got_pool = VerifyInputs(B * n), pool.clone()
+    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, keep=keep, state_indices=idx)
+    assert torch.equal(o, torch.stack(outs, 1).flatten(0, 1)) and torch.equal(got_pool, pool)
+    k.fill_(3.0)  # the replay reads the kept copies
+    keep.replay(got_pool, idx, counts)
+    assert torch.equal(got_pool, ref_pool) and torch.equal(got_pool[2], pool[2])
+    with pytest.raises(ValueError, match="or comes with keep"):
+        fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, keep=keep, state_indices=idx,
+                                                stash=torch.zeros(n - 1, B, H, K, V, dtype=pool_dtype))
 
 
 def test_rejects_bad_shapes():

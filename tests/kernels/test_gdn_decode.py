@@ -13,6 +13,7 @@ from areno.kernels.linear_attn.gdn_decode import (
     gdn_decode_step_native,
     gdn_verify_steps,
 )
+from areno.kernels.linear_attn.steps import VerifyInputs
 from tests.helpers.timing import cuda_ms
 
 CASES = [  # (B, nk, nv, dk, dv)
@@ -190,6 +191,40 @@ def test_verify_steps_equal_the_step_kernel_bit_for_bit(B, nk, nv, dk, dv, n, po
     torch.testing.assert_close(nat, o, **tol)
     torch.testing.assert_close(nat_pool.float(), got_pool.float(), atol=1e-2 if pool_dtype != torch.float32 else 1e-5,
                                rtol=1e-2 if pool_dtype != torch.float32 else 1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("B,nk,nv,dk,dv", CASES)
+@pytest.mark.parametrize("path", ["triton", "native"])
+def test_a_kept_verify_writes_no_state_and_its_replay_commits_the_accepted_tokens(B, nk, nv, dk, dv, n, pool_dtype,
+                                                                                   path, triton_kernels, monkeypatch):
+    """The engine's verify (``keep``): the outputs of stepping, the pool untouched; then ``keep.replay`` with each
+    sequence's count of accepted tokens (0..n; a padding row and a count of 0 untouched) leaves the pool the step
+    kernel leaves after that many steps, to the bit (the native path: its own steps, to the bit too)."""
+    if path == "native":
+        monkeypatch.setenv("ARENO_KERNELS", "native")
+    qkv, a, b, A_log, dt_bias, pool, idx = _inputs(B * n, nk, nv, dk, dv, torch.float16, seed=B * 7 + n + dv,
+                                                   slots=2 * B * n)  # fmt: skip
+    idx = idx[:B].clone()
+    idx[B // 2] = -1
+    pool = pool.to(pool_dtype)
+    counts = torch.tensor([(n - i) % (n + 1) for i in range(B)], dtype=torch.int32)  # n, n - 1, .., 0, n, ..
+    kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
+    ref_pool, ref_o = pool.clone(), _stepped(qkv, a, b, A_log, dt_bias, pool.clone(), idx, n, nk, nv)[0]
+    per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
+    for i in range(n):  # the reference commit: step i for the sequences that accepted more than i tokens
+        step_idx = torch.where(counts > i, idx, -1)
+        gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, ref_pool, num_k_heads=nk,
+                        num_v_heads=nv, state_indices=step_idx)  # fmt: skip
+    keep, got_pool = VerifyInputs(B * n + 5), pool.clone()
+    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, keep=keep, **kw)
+    assert torch.equal(o, ref_o) and torch.equal(got_pool, pool)
+    qkv.fill_(9.0)  # the replay reads the kept copies, not the layer's tensors
+    keep.replay(got_pool, idx, counts)
+    assert torch.equal(got_pool, ref_pool)
+    untouched = [int(s) for s, c in zip(idx.tolist(), counts.tolist()) if c == 0 and s >= 0]
+    assert all(torch.equal(got_pool[s], pool[s]) for s in untouched)
 
 
 def test_verify_steps_refuse_rows_that_are_not_sequences_times_tokens():

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
 from areno.kernels.linear_attn.delta_rule import MAX_DIM, TRITON_STATE_DTYPES, gated_delta_rule_step_native
-from areno.kernels.linear_attn.steps import step_through
+from areno.kernels.linear_attn.steps import replay_through, step_aside, step_through
 from areno.kernels.norm import sum_rows
 
 _TRITON_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -82,11 +82,12 @@ def _gdn_step_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX
 
 @triton.jit
 def _gdn_verify_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, STASH, stride_si, stride_sb, O,
-                       scale, eps, H, REP, KD, K, V, N: tl.constexpr, HAS_STASH: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr):  # fmt: skip
-    """A verify's N tokens of sequence b (rows b N .. b N + N - 1) on its state, held in registers between them: the
-    state after each of the first N - 1 to the stash (rounded to the pool's dtype, as the step kernel's store and
-    reload round it), the last to the pool."""
+                       scale, eps, H, REP, KD, K, V, N: tl.constexpr, HAS_STASH: tl.constexpr, WRITE: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """A verify's N tokens of sequence b (rows b N .. b N + N - 1) on its state, held in registers between them
+    (rounded to the pool's dtype, as the step kernel's store and reload round it). ``WRITE``: the state after each
+    of the first N - 1 to the stash (``HAS_STASH``), the last to the pool; else nothing is written but the outputs
+    (the replay commits the accepted tokens, ``_gdn_replay_kernel``)."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     kmask, vmask = offs_k < K, offs_v < V
@@ -106,12 +107,33 @@ def _gdn_verify_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, I
             if HAS_STASH:
                 tl.store(STASH + i * stride_si + b.to(tl.int64) * stride_sb + tile, S.to(STASH.dtype.element_ty),
                          mask=smask)  # fmt: skip
+    if WRITE:
+        tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def _gdn_replay_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, CNT, eps, H, REP, KD, K, V,
+                       N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """The first CNT[b] of sequence b's N kept verify tokens on its state (read once, written once; rounded to the
+    pool's dtype after each token, as the step kernel's store rounds it: the same bits as stepping)."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    kmask, vmask = offs_k < K, offs_v < V
+    slot, cnt = tl.load(IDX + b), tl.load(CNT + b)
+    smask = (kmask[:, None] & vmask[None, :]) & (slot >= 0) & (cnt > 0)
+    soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + h * K * V + offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
+    for i in tl.static_range(N):
+        t = b.to(tl.int64) * N + i
+        S2, _ = _gdn_token(QKV + t * stride_x, t * stride_ab, A, B_, A_LOG, DT_BIAS, S, h, h // REP, KD, K, V,
+                           offs_k, offs_v, kmask, vmask, 1.0, eps)  # fmt: skip
+        S = tl.where(i < cnt, S2.to(STATE.dtype.element_ty).to(tl.float32), S)
     tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
 
 # The decode kernels sharing STEP_CONFIG's tile, by name: bench/kernel_resources.py compiles them for a GPU target
 # offline (registers and spills per tile).
-TILED_KERNELS = {"gdn_step": _gdn_step_kernel, "gdn_verify": _gdn_verify_kernel}
+TILED_KERNELS = {"gdn_step": _gdn_step_kernel, "gdn_verify": _gdn_verify_kernel, "gdn_replay": _gdn_replay_kernel}
 
 
 @triton.jit
@@ -289,33 +311,41 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
     return o
 
 
-def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, stash=None, num_k_heads, num_v_heads, scale=None,
-                     state_indices, eps=1e-6):
+def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, stash=None, keep=None, num_k_heads, num_v_heads,
+                     scale=None, state_indices, eps=1e-6):
     """A speculative verify's ``n`` tokens per sequence through the decode step: rows ``s n .. s n + n - 1`` of
     ``qkv``, ``a`` and ``b`` are sequence s's in order (``state_indices [B]`` its pool row, -1: a padding row), each
-    token computed as ``gdn_decode_step`` computes it (the same tile, the same bits); ``stash [n - 1, >= B, nv, dk,
-    dv]`` (the pool's dtype, contiguous after dim 1) gets each sequence's state after each of its first n - 1 tokens
-    (the rollback's), the pool the state after the last. Returns o ``[B n, nv, dv]``.
+    token computed as ``gdn_decode_step`` computes it (the same tile, the same bits). Returns o ``[B n, nv, dv]``.
 
-    One kernel reads each state once and writes it n times (n - 1 to the stash); stepping the decode kernel n times
-    and copying the states out read it 2n - 1 times and wrote it 2n - 1 times (10 passes of 52 MB a sequence a step at
-    Qwen3.5-9B's 24 layers and K = 2). Elsewhere (the CPU, unsupported layouts): those n steps and copies."""
+    With ``keep`` (a ``steps.VerifyInputs``: the engine's) the pool is not written: the tokens' inputs are kept and
+    ``keep.replay`` commits each sequence's accepted ones (``gdn_replay``), each state read twice and written once.
+    Without, the pool gets the state after the last token and ``stash [n - 1, >= B, nv, dk, dv]`` (the pool's
+    dtype, contiguous after dim 1; or None) the state after each of the first n - 1. Elsewhere (the CPU,
+    unsupported layouts): the step kernel n times (on a copy of the states, with ``keep``)."""
     nk, nv = num_k_heads, num_v_heads
     T, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
     B = state_indices.shape[0]
     _check("gdn_verify_steps", qkv, a, b, state, nk, nv)
-    if T != B * n or (stash is not None and (stash.shape[0] != n - 1 or stash.shape[1] < B
+    if T != B * n or (stash is not None and (keep is not None or stash.shape[0] != n - 1 or stash.shape[1] < B
                                               or stash.shape[2:] != state.shape[1:])):
         raise ValueError(f"gdn_verify_steps: {T} rows are not {B} sequences x {n} tokens, or the stash "
-                         f"{None if stash is None else tuple(stash.shape)} does not hold {n - 1} states of each")
+                         f"{None if stash is None else tuple(stash.shape)} does not hold {n - 1} states of each "
+                         "(or comes with keep)")
+    scale = K**-0.5 if scale is None else scale
+    kw = dict(num_k_heads=nk, num_v_heads=nv, scale=scale, eps=eps)
+    if keep is not None:
+        keep.keep(n, lambda pool, idx, counts, n, qkv, a, b: gdn_replay(
+            qkv, a, b, A_log, dt_bias, pool, n=n, counts=counts, state_indices=idx, **kw), qkv=qkv, a=a, b=b)
     supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
                  and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
                  and a.stride() == b.stride() and (stash is None or (stash.dtype == state.dtype
                                                                      and stash[0, 0].is_contiguous())))
     if not use_triton(qkv, a, b, state, supported=supported):
-        return step_through(n, state, stash, state_indices, lambda x, ai, bi: gdn_decode_step(
-            x, ai, bi, A_log, dt_bias, state, num_k_heads=nk, num_v_heads=nv, scale=scale,
-            state_indices=state_indices, eps=eps), qkv, a, b)
+        step = lambda pool, idx, x, ai, bi: gdn_decode_step(x, ai, bi, A_log, dt_bias, pool, state_indices=idx,  # noqa
+                                                            **kw)
+        if keep is not None:
+            return step_aside(n, state, state_indices, step, qkv, a, b)
+        return step_through(n, state, stash, state_indices, lambda *x: step(state, state_indices, *x), qkv, a, b)
     o = torch.empty(T, nv, V, dtype=qkv.dtype, device=qkv.device)
     if B == 0:
         return o
@@ -324,7 +354,37 @@ def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, stash=None, num_k_h
     st = stash if stash is not None else state
     _gdn_verify_kernel[(B, nv, triton.cdiv(V, BV))](
         qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, st, st.stride(0),
-        st.stride(1), o, float(K**-0.5 if scale is None else scale), float(eps), nv, nv // nk, nk * K, K, V, N=n,
-        HAS_STASH=stash is not None, BK=BK, BV=BV, num_warps=cfg["num_warps"],
+        st.stride(1), o, float(scale), float(eps), nv, nv // nk, nk * K, K, V, N=n, HAS_STASH=stash is not None,
+        WRITE=keep is None, BK=BK, BV=BV, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return o
+
+
+def gdn_replay(qkv, a, b, A_log, dt_bias, state, *, n, counts, state_indices, num_k_heads, num_v_heads, scale=None,
+               eps=1e-6) -> None:
+    """Commit a verify's accepted tokens (``gdn_verify_steps`` with ``keep``): the first ``counts[b]`` (int32 [B],
+    0..n) of sequence b's ``n`` token rows of ``qkv``, ``a``, ``b`` on its pool row ``state_indices[b]`` (-1 or a
+    count of 0: untouched), as that many decode steps compute them, bit for bit; one read and one write a state."""
+    nk, nv = num_k_heads, num_v_heads
+    T, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
+    B = state_indices.shape[0]
+    _check("gdn_replay", qkv, a, b, state, nk, nv)
+    if T != B * n or counts.shape != (B,):
+        raise ValueError(f"gdn_replay: {T} rows are not {B} sequences x {n} tokens, or counts {tuple(counts.shape)}"
+                         f" is not one per sequence")
+    supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
+                 and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
+                 and a.stride() == b.stride())
+    kw = dict(num_k_heads=nk, num_v_heads=nv, scale=scale, eps=eps)
+    if not use_triton(qkv, a, b, state, supported=supported):
+        replay_through(n, state_indices, counts, lambda idx, x, ai, bi: gdn_decode_step(
+            x, ai, bi, A_log, dt_bias, state, state_indices=idx, **kw), qkv, a, b)
+        return
+    if B == 0:
+        return
+    cfg = STEP_CONFIG[state.dtype]
+    BK, BV = triton.next_power_of_2(K), min(cfg["BV"], triton.next_power_of_2(V))
+    _gdn_replay_kernel[(B, nv, triton.cdiv(V, BV))](
+        qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, counts.to(torch.int32),
+        float(eps), nv, nv // nk, nk * K, K, V, N=n, BK=BK, BV=BV, num_warps=cfg["num_warps"],
+    )  # fmt: skip
