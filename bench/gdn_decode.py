@@ -12,12 +12,12 @@ the baseline), then the Triton kernel for every tile of the sweep (BV value colu
 state pools. The fastest tile of each state dtype is the one to set in ``STEP_CONFIG``. One JSON line per row:
 bench/results/gdn_decode.jsonl.
 
-``--verify-tokens n`` also times each tile's speculative verify (``gdn_verify_steps``: n tokens a row, the state read
-once and written n times, n - 1 of them to the rollback stash; rows ``impl`` "triton-verify"), which must share the
-step kernel's tile (its outputs are bit-equal to n steps only then). At the 9B shape on the H100 (12-07) the verify
-ran at 1.9 TB/s where the step ran at 2.7, both on the step's fp32 tile (BV 128, 4 warps); compiled offline with
-Triton 3.7.1's ptxas that tile keeps 32 registers and 4.4 KB (step) / 6.7 KB (verify) of stack a thread, BV 64 with 4
-warps 0.3 / 1.7 KB, BV 32 with 4 warps none.
+``--verify-tokens n`` also times each tile's speculative verify as the engine runs it (rows ``impl``
+"triton-verify"): ``gdn_verify_steps`` with its inputs kept (n tokens a row, the state read once, nothing written;
+``ms_verify``) and then ``gdn_replay`` committing each row's accepted tokens (a count drawn in 1..n a row; the state
+read and written once; ``ms_replay``), ``ms`` their sum, against 3 state passes. Both must share the step kernel's
+tile (their results are bit-equal to n steps only then). Compiled offline with Triton 3.7.1's ptxas the step's fp32
+tile (BV 128, 4 warps) keeps 32 registers and 4.4 KB of stack a thread, BV 64 with 4 warps 0.3 KB, BV 32 none.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_jsonl, env_info, gpu_time_ms, print_table  # noqa: E402
 
 from areno.kernels.linear_attn import gdn_decode  # noqa: E402
+from areno.kernels.linear_attn.steps import VerifyInputs  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 HBM_TBS = {"H100": 3.35, "H200": 4.8}  # peak memory bandwidth by card
@@ -62,23 +63,29 @@ def make(B, nk, nv, K, V, state_dtype, dev, tokens=1):
 
 def measure(impl, B, nk, nv, K, V, state_dtype, config, peak, n=1):
     """One row: ``impl`` "native" / "triton" (a decode step of B rows) or "triton-verify" (``n`` tokens each of B
-    rows through ``gdn_verify_steps``, its stash filled)."""
+    rows through ``gdn_verify_steps`` with its inputs kept, then ``gdn_replay`` of a count in 1..n a row)."""
     dev = "cuda" if CUDA else "cpu"
     qkv, a, b, A_log, dt_bias, pool, idx = make(B, nk, nv, K, V, state_dtype, dev, tokens=n)
     kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
     if config:
         gdn_decode.STEP_CONFIG[state_dtype] = config
+    parts = {}
     if impl == "triton-verify":
-        stash = torch.empty(n - 1, B, nv, K, V, dtype=state_dtype, device=dev)
-        ms = time_ms(lambda: gdn_decode.gdn_verify_steps(qkv, a, b, A_log, dt_bias, pool, n=n, stash=stash, **kw))
+        keep, counts = VerifyInputs(B * n), torch.randint(1, n + 1, (B,), dtype=torch.int32, device=dev)
+        parts["ms_verify"] = time_ms(lambda: gdn_decode.gdn_verify_steps(qkv, a, b, A_log, dt_bias, pool, n=n,
+                                                                         keep=keep, **kw))  # fmt: skip
+        parts["ms_replay"] = time_ms(lambda: keep.replay(pool, idx, counts))
+        ms = parts["ms_verify"] + parts["ms_replay"]
     else:
         fn = gdn_decode.gdn_decode_step if impl == "triton" else gdn_decode.gdn_decode_step_native
         ms = time_ms(lambda: fn(qkv, a, b, A_log, dt_bias, pool, **kw))
-    moved = (1 + n) * pool.numel() * pool.element_size() + qkv.numel() * 2 + 4 * B * n * nv + B * n * nv * V * 2
+    passes = 3 if impl == "triton-verify" else 2  # the state read and written (a verify: read, then the replay's)
+    moved = passes * pool.numel() * pool.element_size() + qkv.numel() * 2 + 4 * B * n * nv + B * n * nv * V * 2
     gbs = moved / ms / 1e6
     return {"impl": impl, "rows": B, "tokens": n, "k_heads": nk, "v_heads": nv, "dk": K, "dv": V,
             "state_dtype": str(state_dtype).removeprefix("torch."), **(config or {}), "ms": round(ms, 4),
-            "gb_s": round(gbs, 1), "hbm_frac": round(gbs / (peak * 1000), 3) if peak else None}  # fmt: skip
+            **{k: round(v, 4) for k, v in parts.items()}, "gb_s": round(gbs, 1),
+            "hbm_frac": round(gbs / (peak * 1000), 3) if peak else None}  # fmt: skip
 
 
 def main():
@@ -111,7 +118,8 @@ def main():
                 rows.append({"impl": "triton", "state_dtype": str(state_dtype), "BV": bv, "num_warps": w,
                              "error": repr(e)[:200]})  # fmt: skip
     gdn_decode.STEP_CONFIG.update(default)
-    print_table(rows, ["impl", "tokens", "state_dtype", "BV", "num_warps", "ms", "gb_s", "hbm_frac", "error"])
+    print_table(rows, ["impl", "tokens", "state_dtype", "BV", "num_warps", "ms", "ms_verify", "ms_replay", "gb_s",
+                       "hbm_frac", "error"])
     for sd in ("float32", "bfloat16"):
         for impl in ("triton", "triton-verify"):
             ok = [r for r in rows if r["impl"] == impl and "ms" in r and r["state_dtype"] == sd]

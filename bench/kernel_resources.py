@@ -9,9 +9,10 @@ but a CPU machine can rule tiles in or out before a GPU session.
     python bench/kernel_resources.py --kernels adamw8bit  # the 8-bit AdamW kernel's tiles (absmax blocks x warps)
 
 The report is of the Triton and ptxas that run it: the GPU machine's own (stage ``kernel-resources``) may differ
-from a CPU machine's. Kernels (``gdn_decode.TILED_KERNELS``): ``gdn_step``, the decode step, and ``gdn_verify``, the
-verify of 3 tokens, at the 9B shape's head dims (128), fp32 and bf16 state pools, one row per (kernel, state dtype,
-tile). Rows go to bench/results/kernel_resources.jsonl (the Triton version and target in each).
+from a CPU machine's. Kernels (``gdn_decode.TILED_KERNELS``): ``gdn_step``, the decode step, ``gdn_verify``, the
+verify of 3 tokens (as the engine runs it: no state written), and ``gdn_replay``, its commit, at the 9B shape's
+head dims (128), fp32 and bf16 state pools, one row per (kernel, state dtype, tile). Rows go to
+bench/results/kernel_resources.jsonl (the Triton version and target in each).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ _STEP = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_B
          "scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
 _VERIFY = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 "
            "STASH:*S stride_si:i64 stride_sb:i64 O:*bf16 scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
+_REPLAY = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 "
+           "CNT:*i32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
 _ADAMW8BIT = ("W:*fp32 G:*bf16 MQ:*u8 VQ:*u8 MA:*fp32 VA:*fp32 SMAP:*fp32 UMAP:*fp32 n:i64 LR:*fp32 STEP_SIZE:*fp32 "
               "BC2_SQRT:*fp32 SCALE:*fp32 SKIP:*fp32 beta1:fp32 beta2:fp32 eps:fp32 weight_decay:fp32")
 # name: (jit function, runtime signature (S: the state pool's type), the tile's first number's name, constexprs
@@ -46,8 +49,11 @@ _ADAMW8BIT = ("W:*fp32 G:*bf16 MQ:*u8 VQ:*u8 MA:*fp32 VA:*fp32 SMAP:*fp32 UMAP:*
 KERNELS = {
     "gdn_step": (gdn_decode.TILED_KERNELS["gdn_step"], _STEP, "BV", lambda bv: {"HAS_IDX": True, "BK": 128, "BV": bv},
                  "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
-    "gdn_verify": (gdn_decode.TILED_KERNELS["gdn_verify"], _VERIFY, "BV",
-                   lambda bv: {"N": 3, "HAS_STASH": True, "BK": 128, "BV": bv}, "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
+    "gdn_verify": (gdn_decode.TILED_KERNELS["gdn_verify"], _VERIFY, "BV",  # as the engine runs it: nothing written
+                   lambda bv: {"N": 3, "HAS_STASH": False, "WRITE": False, "BK": 128, "BV": bv},
+                   "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
+    "gdn_replay": (gdn_decode.TILED_KERNELS["gdn_replay"], _REPLAY, "BV", lambda bv: {"N": 3, "BK": 128, "BV": bv},
+                   "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
     "adamw8bit": (adamw8bit.adamw8bit_kernel, _ADAMW8BIT, "rows",
                   lambda rows: {"HAS_GRAD": True, "BLOCK": adamw8bit.QBLOCK, "ROWS": rows}, "8x8,4x16,4x8,2x8,2x4,1x4"),
 }

@@ -359,7 +359,7 @@ def run_batch_sweep(args, device) -> list[dict]:
             gate = auto.spec.gate
             if gate is not None and gate.fixed is None:  # what auto's roofline rule takes that ratio to be
                 b = r["batch"]
-                r["accept_model"] = gate.speculative(b, accept=r.get("spec_accept_len")) / gate.plain(b)
+                r["accept_model"] = gate.speculative(b) / gate.plain(b)
     auto.drop_rollout_state()
     return records
 

@@ -125,7 +125,7 @@ def spec_budget(engine, device, dtype, state_dtype=torch.float32) -> SpecBudget 
     resolved, the hybrids' state stash (``spec_graphs.stash_rows``/``stash_bytes``) and, where the gate can make a
     step plain, the deferred catch-ups' hidden rows (``defer_rows`` and one gated chain's beyond them:
     ``DeferredCatchUp.hold``).
-    ``state_dtype``: the delta-rule state pool's (--mamba-ssm-cache-dtype), the stash's too."""
+    ``state_dtype``: the delta-rule state pool's (--mamba-ssm-cache-dtype): each decode row's traffic (the gate)."""
     cfg, k = engine.config, engine.config.speculative_tokens
     if not k:
         return None
@@ -139,15 +139,15 @@ def spec_budget(engine, device, dtype, state_dtype=torch.float32) -> SpecBudget 
     defer = max(1, min(DEFER_BYTES // row_bytes, cfg.max_running * engine.max_model_len))
     chain = spec_gated.GATED_CHAIN * cfg.max_running  # one gated chain's rows past defer_rows before the flush
     held = defer + chain if gate is not None and gate.least < cfg.max_running else 0
-    return SpecBudget(gate, rows, defer, stash_bytes(engine.model, rows, k, dtype, state_dtype) + held * row_bytes)
+    return SpecBudget(gate, rows, defer, stash_bytes(engine.model, rows, k, dtype) + held * row_bytes)
 
 
 def stash_cap(engine, gate: Gate | None, device, dtype, state_dtype) -> Gate | None:
-    """``auto``'s gate capped where a hybrid's rollback stash (K state slots a speculating row) at the gate's largest
-    N would take more than half of the KV-cache budget left after the recurrent-state slots: the stash holds that
-    half's rows, and the gate speculates at no larger batch (logged)."""
+    """``auto``'s gate capped where a hybrid's rollback stash (``spec_graphs.stash_bytes`` a speculating row) at the
+    gate's largest N would take more than half of the KV-cache budget left after the recurrent-state slots: the
+    stash holds that half's rows, and the gate speculates at no larger batch (logged)."""
     cfg, model = engine.config, engine.model
-    row = stash_bytes(model, 1, gate.k, dtype, state_dtype) if gate is not None and gate.fixed is None else 0
+    row = stash_bytes(model, 1, gate.k, dtype) if gate is not None and gate.fixed is None else 0
     if not row:
         return gate
     left = kv_budget(device, cfg.kv_cache_memory) - state_bytes(model, cfg.max_running, dtype, state_dtype)
@@ -301,7 +301,7 @@ class SpecDecoder:
             logit_rows = list(inp.row_index)
         logit_rows = logit_rows if width == 1 else []  # a steady step's verify takes the logits of every row itself
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
-        save = save if width == 1 else []  # a steady step's verify keeps the states after each token itself
+        save = save if width == 1 else []  # a steady step's verify leaves the states to its replay (roll_back)
         with torch.inference_mode():
             hidden = self._run(TargetWork(inp, save, logit_rows, width, gated_decode))
             verified = self._verify(inp, rows, hidden, logit_rows)
@@ -481,13 +481,12 @@ class SpecDecoder:
         if r.states is None:
             return None
         _, _, nd, accepted = verified
+        if steady:  # every row's accepted inputs replayed on its state, which the verify left (spec_graphs.roll_back)
+            return "steps", [row.seq.state_slot for row in rows], list(accepted[: len(rows)])
         drafting = [b for b, row in enumerate(rows) if row.draft is not None]
         redo = [(n, b) for n, b in enumerate(drafting) if accepted[b] < nd[b]]
         if not redo:
             return None
-        if steady:  # the verify kept each row's states after each input (spec_graphs.roll_back)
-            rej = [b for _, b in redo]
-            return "steps", rej, [rows[b].seq.state_slot for b in rej], [accepted[b] for b in rej]
         chunks = []
         for _, b in redo:
             seq, a = rows[b].seq, accepted[b]

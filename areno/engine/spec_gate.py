@@ -19,13 +19,12 @@ mu max(T, B) each (mu: a draft step's FLOPs over the target's, its MTP layer and
 accept length a (tokens emitted per sequence and verify step) is at least their ratio, which holds for
 B <= N(a) = floor(T (a - K mu) / (K + 1)) (0 once a < 1 + K mu: speculation loses at every batch). A hybrid's
 decode row also reads and writes its recurrent-state slot, sigma = 2 x (slot bytes) x ridge / (FLOPs a token)
-token-times, a verify row reads it once and writes it K + 1 times (the rollback stash's K and the last), and a row
-that rejects a draft has a stashed state copied back into its slot (one more read and write; rho = (K + 1 - a) / K of
-the rows, exact at a = 1 and a = K + 1): a plain step costs max(T + B sigma, B), a speculative one max(T + B sigma
-((K + 2) / 2 + rho), B (K + 1)) + K mu max(T, B), and N(a) is the largest B where a x plain(B) >= speculative(B) (the
-batches that pay are all those up to it). With the 9B
-bench shape's fp32 states (100 MB a row) a plain step stays memory-bound at any batch, so N at a high accept length
-is unbounded but for the stash's cap (``spec_decode.stash_cap``), and a low one still gates it. The engine
+token-times, and a verify row reads it once (the verify writes no state) and its rollback's replay of the accepted
+tokens reads and writes it once more (``spec_graphs.roll_back``), 3/2 sigma whatever the drafts' fate: a plain step
+costs max(T + B sigma, B), a speculative one max(T + 3/2 B sigma, B (K + 1)) + K mu max(T, B), and N(a) is the
+largest B where a x plain(B) >= speculative(B) (the batches that pay are all those up to it). With the 9B bench
+shape's fp32 states (100 MB a row) a plain step stays memory-bound at any batch, so N at a high accept length is
+unbounded but for the stash's cap (``spec_decode.stash_cap``), and a low one still gates it. The engine
 reads a as the running accept length since its last ``take_stats`` (a rollout's window; a server's, idle to idle),
 started from an optimistic prior of ``PRIOR_ROWS`` rows at K + 1, so a rollout that starts at a batch above N(K + 1)
 stays plain, and one that starts below it learns its drafts' acceptance within its first steps. A step that also
@@ -113,15 +112,11 @@ class Gate:
         b + P) (weights and each row's state slot read and written, against the FLOPs)."""
         return max(self.tokens + b * self.state, b + prefill)
 
-    def speculative(self, b: float, prefill: float = 0.0, accept: float | None = None) -> float:
-        """Token-times of the same step verifying K drafts a sequence, with its K draft steps: max(T + b sigma ((K +
-        2) / 2 + rho), b (K + 1) + P) + K mu max(T, b) (a verify row reads its state once and writes it after each
-        of its K + 1 tokens, the rollback stash's K and the last; a rejecting row's rollback copies a stashed state
-        into its slot, one more read and write: rho = (K + 1 - a) / K of the rows at accept length ``accept``, all
-        of them when not given)."""
-        k = self.k
-        rho = 1.0 if accept is None else min(1.0, max(0.0, (k + 1 - accept) / k))
-        return max(self.tokens + b * self.state * ((k + 2) / 2 + rho), b * (k + 1) + prefill) + k * self.draft * max(
+    def speculative(self, b: float, prefill: float = 0.0) -> float:
+        """Token-times of the same step verifying K drafts a sequence, with its K draft steps: max(T + 3/2 b sigma,
+        b (K + 1) + P) + K mu max(T, b) (a verify row reads its state once, the rollback's replay of its accepted
+        tokens reads and writes it once)."""
+        return max(self.tokens + 1.5 * b * self.state, b * (self.k + 1) + prefill) + self.k * self.draft * max(
             self.tokens, b)
 
     def at(self, accept: float) -> int:
@@ -133,7 +128,7 @@ class Gate:
             pays = accept - self.k * self.draft
             n = int(self.tokens * pays // (self.k + 1)) if pays >= 1.0 else 0
         else:
-            n = _last(lambda b: accept * self.plain(b) >= self.speculative(b, accept=accept))
+            n = _last(lambda b: accept * self.plain(b) >= self.speculative(b))
         return n if self.cap is None else min(n, self.cap)
 
     def accept(self, emitted: int = 0, rows: int = 0) -> float:
@@ -157,7 +152,7 @@ class Gate:
         if self.fixed is not None or not prefill or not decoding or decoding > self.most:  # most: stash, graphs
             return decoding <= self.limit(emitted, rows)
         a, b, f = self.accept(emitted, rows), decoding, max(future, decoding)
-        extra = self.speculative(b, prefill, a) - self.plain(b, prefill)
+        extra = self.speculative(b, prefill) - self.plain(b, prefill)
         return extra <= b * (a - 1.0) * self.plain(f) / f
 
     @functools.cached_property

@@ -11,18 +11,22 @@ plain decode graphs do (``decode_graphs``), captured into the runner's graph poo
 (``Engine.capture_graphs``: every bucket a steady step replays) or on first use. Both call the same body
 (``verify_body``), so a replay gives the eager step's hidden rows and logits.
 
-The hybrids' rollback needs no second forward here: the recurrent layers keep the states after each of the first K
-tokens (``StateSteps``, written inside the graph), and a rejecting row's slot takes the one after its last accepted
-input (``roll_back``: two indexed copies; the K/V and hidden rows of accepted positions are already right).
+The hybrids' rollback needs no second forward here (``StateSteps``, written inside the graph): the delta-rule layers
+write no state in a verify but keep its tokens' inputs (``kernels.linear_attn.steps.VerifyInputs``), and
+``roll_back`` replays each row's accepted tokens on its state (one read and one write of it); the short convs (a
+small state) step in place and keep their states after each of the first K tokens, a rejecting row's slot taking
+the one after its last accepted input (one indexed copy). The K/V and hidden rows of accepted positions are
+already right.
 After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
 once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
 rollback's two copies and the host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
 and a bucket is replayed while bucket x (K + 1) rows stay within ``VERIFY_GRAPH_ROWS`` or the largest decode bucket,
 whichever is more (larger steady steps run the same bodies eagerly: their logits and the sampling's temporaries,
 several times rows x V x 4 bytes, are then not held in the graph pool). Memory: the stash (K x rows x one slot's
-states) is allocated once with the runner, rows the largest speculating batch rounded up to its bucket
-(``stash_rows``), and its bytes come out of the KV-cache budget (``stash_bytes``, ``spec_decode.spec_budget``); a
-step never grows it. The sampling and chain replays are read back through pinned buffers (``read_back``).
+conv states, rows x (K + 1) tokens' delta-rule inputs) is sized once with the runner, rows the largest speculating
+batch rounded up to its bucket (``stash_rows``), and its bytes come out of the KV-cache budget (``stash_bytes``,
+``spec_decode.spec_budget``); a step never grows it. The sampling and chain replays are read back through pinned
+buffers (``read_back``).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from areno.engine.state_cache import RecurrentStates
 from areno.engine.step_inputs import StepInputs
+from areno.kernels.linear_attn.steps import VerifyInputs
 from areno.kernels.state_copy import copy_rows
 from areno.models.attention_metadata import AttentionMetadata
 
@@ -54,11 +58,12 @@ def verify_meta(r, buf: dict, width: int) -> AttentionMetadata:
 
 
 class StateSteps:
-    """The hybrids' recurrent states after each of a verify's first K tokens: ``conv [L, K, rows, ...]`` and
-    ``recurrent [L, K, rows, ...]`` (the pools' layouts, ``state_cache``); each recurrent layer takes its own with
-    ``next(kind)``, in layer order."""
+    """What a hybrid's verify keeps for its rollback: ``conv [L, K, rows, ...]``, the short convs' states after each
+    of its first K tokens (the pool's layout, ``state_cache``), and ``recurrent``, one ``VerifyInputs`` a delta-rule
+    layer (its tokens' inputs, for the replay); each recurrent layer takes its own with ``next(kind)``, in layer
+    order."""
 
-    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+    def __init__(self, conv: torch.Tensor, recurrent: list[VerifyInputs]):
         self.bufs, self.used = {"conv": conv, "recurrent": recurrent}, {"conv": 0, "recurrent": 0}
 
     def next(self, kind: str) -> torch.Tensor:
@@ -77,13 +82,20 @@ def verify_body(r, buf: dict, width: int, stash: tuple | None = None):
     return hidden, (r.logits(hidden) if width > 1 else None)
 
 
-def roll_back(r, stash: tuple, rows: list[int], slots: list[int], accepted: list[int]) -> None:
-    """A hybrid's rollback after a steady step: each rejecting row's state slot takes the states after its last
-    accepted input (the verify's ``stash``, index = accepted drafts); the K/V there are already the right ones."""
-    dev = r.device
-    b, s, a = (torch.tensor(x, device=dev) for x in (rows, slots, accepted))
-    for pool, kept in zip((r.states.conv, r.states.recurrent), stash):  # each row read once, written once
-        copy_rows(pool, s, kept.flatten(1, 2), a * kept.shape[2] + b)
+def roll_back(r, stash: tuple, slots: list[int], accepted: list[int]) -> None:
+    """A hybrid's commit after a steady step of rows with state ``slots`` (in the verify's row order) and
+    ``accepted`` drafts each: every delta-rule layer replays each row's accepted inputs (accepted + 1 tokens) on its
+    state, which the verify left as it was; a rejecting row's conv states take those after its last accepted input
+    (the verify's ``stash``, index = accepted drafts; each such row read once, written once). The K/V are already
+    the right ones."""
+    dev, (conv, kept) = r.device, stash
+    s, a = (torch.tensor(x, dtype=torch.int32, device=dev) for x in (slots, accepted))
+    for layer, inputs in enumerate(kept):
+        inputs.replay(r.states.recurrent[layer], s, a + 1)
+    rej = [b for b, n in enumerate(accepted) if n < conv.shape[1]]
+    if rej:
+        b = torch.tensor(rej, device=dev)
+        copy_rows(r.states.conv, s[b].long(), conv.flatten(1, 2), a[b].long() * conv.shape[2] + b)
 
 
 def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int) -> dict:
@@ -134,11 +146,17 @@ def stash_rows(limit: int | None, max_running: int, use_graphs: bool, buckets: l
     return n
 
 
-def stash_bytes(model, rows: int, k: int, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> int:
-    """Device bytes of the stash of a hybrid ``model`` (0 for attention-only ones): K x rows x one state slot (the
-    pools' dtypes: ``dtype`` the conv states', ``state_dtype`` the delta-rule states')."""
+def stash_bytes(model, rows: int, k: int, dtype: torch.dtype) -> int:
+    """Device bytes of the stash of a hybrid ``model`` (0 for attention-only ones): K x rows x one slot's conv states
+    (``dtype``) and rows x (K + 1) tokens' delta-rule inputs a layer, bounded by the conv's channels in ``dtype``
+    and fp32 gates and betas (Qwen3.5's q/k/v rows and a, b; KDA's k, v, per-channel g and beta); no delta-rule
+    state (the verify keeps none), whatever the pool's dtype."""
     shapes = model.recurrent_state_shapes()
-    return k * rows * RecurrentStates.bytes_per_slot(shapes, dtype, state_dtype) if shapes else 0
+    if not shapes:
+        return 0
+    (c, w), (h, kd, _) = shapes["conv"], shapes["recurrent"]
+    token = dtype.itemsize * c + 4 * h * (kd + 2)
+    return len(shapes["layers"]) * rows * (k * dtype.itemsize * c * w + (k + 1) * token)
 
 
 def _graphable(buckets: list[int], n: int, width: int) -> bool:
@@ -159,15 +177,16 @@ def read_back(r, buf: dict, out: torch.Tensor) -> torch.Tensor:
 
 class VerifyGraphs:
     """One runner's verify graphs, keyed ("verify", bucket, K + 1) in the runner's ``graphs`` (dropped with them),
-    and the hybrids' state stash they write (``StateSteps``): allocated once, K x ``rows`` x a slot's state bytes,
-    ``rows`` the most a steady step verifies (``stash_rows``; the engine takes its bytes out of the KV-cache budget,
-    ``stash_bytes``), never grown."""
+    and the hybrids' stash they write (``StateSteps``): sized once for ``rows``, the most a steady step verifies
+    (``stash_rows``; the engine takes its bytes out of the KV-cache budget, ``stash_bytes``), never grown."""
 
     def __init__(self, r, rows: int, width: int):
         self.rows, self.stash = rows, None
         if r.states is not None:
-            self.stash = tuple(torch.empty(pool.shape[0], width - 1, rows, *pool.shape[2:], dtype=pool.dtype,
-                                           device=pool.device) for pool in (r.states.conv, r.states.recurrent))
+            conv = r.states.conv
+            self.stash = (torch.empty(conv.shape[0], width - 1, rows, *conv.shape[2:], dtype=conv.dtype,
+                                      device=conv.device),
+                          [VerifyInputs(rows * width) for _ in range(r.states.recurrent.shape[0])])
         self.bucket = None
         self.vbuf, self.width = None, 1  # the last verify's inputs (a graph's static buffers, or the step's own)
 

@@ -20,9 +20,10 @@ set to the expanded ``(k_cache, v_cache)`` layout.
 
 A speculative verify runs in decode mode over ``tokens_per_seq`` n > 1 consecutive rows per sequence (each row a
 query token attending over its ``seq_lens`` keys, all of the step's K/V stored first, so causal within the step);
-recurrent layers step through each sequence's n rows in order, ``state_indices`` then one per sequence, and keep the
-state after each of the first n - 1 tokens in ``state_steps`` (``areno.engine.spec_graphs.StateSteps``: layer j's
-``next(kind)`` is its ``[n - 1, rows, ...]`` buffer, in layer order).
+recurrent layers step through each sequence's n rows in order, ``state_indices`` then one per sequence; with
+``state_steps`` (``areno.engine.spec_graphs.StateSteps``, the engine's: each layer's ``next(kind)`` in layer order)
+the short convs keep their states after each of the first n - 1 tokens (a ``[n - 1, rows, ...]`` buffer) and the
+delta-rule layers write no state but keep the tokens' inputs for the rollback's replay.
 
 Sliding-window layers (several KV-cache groups, see ``areno.engine.kv_cache``): ``layer_groups`` names each
 layer's group; group 0's blocks are ``slot_mapping`` / ``block_table``, group g's (g >= 1)
@@ -60,7 +61,7 @@ class AttentionMetadata:
     group_slot_mappings: list[torch.Tensor] | None = None  # groups 1..: slot_mapping of each
     group_block_tables: list[torch.Tensor] | None = None  # groups 1..: block_table of each
     tokens_per_seq: int = 1  # decode: each sequence's new tokens in consecutive rows (a speculative verify)
-    state_steps: object = None  # with tokens_per_seq > 1 (hybrids): where the states after each token go
+    state_steps: object = None  # with tokens_per_seq > 1 (hybrids): what the verify keeps for the rollback
     _group_views: list | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -5,9 +5,9 @@ gated DeltaNet): the short convolution and the gated delta rule over a packed ba
 - prefill (``meta.is_prefill``): each sequence's chunk starts from its slot's carried state (zeros when no tokens
   precede the chunk) and the final state is written back to the slot;
 - decode: one step a token on the slot's state; ``meta.tokens_per_seq`` n > 1 (a speculative verify) steps through
-  each sequence's n rows in order, the states after the first n - 1 stashed in ``meta.state_steps`` for the rollback
-  (the delta rule's n tokens in one kernel that computes what n steps do, the conv's through
-  ``kernels.linear_attn.steps.step_through``).
+  each sequence's n rows in order (the delta rule's n tokens in one kernel that computes what n steps do, the conv's
+  through ``kernels.linear_attn.steps.step_through``); with ``meta.state_steps`` the conv's states after the first
+  n - 1 are stashed and the delta rule's state left as it was, its inputs kept, for the rollback's replay.
 
 ``kv_cache`` is the layer's ``(conv state pool, recurrent state pool)``, indexed by ``meta.state_indices``; the
 recurrent pool may be bf16 (``--mamba-ssm-cache-dtype``): the chunked kernel starts from it in fp32 and its final
@@ -76,12 +76,13 @@ def conv_decode(x, state, w, meta):
 
 def delta_decode(q, k, v, g, beta, state, scale, meta):
     """The gated delta-rule decode step; ``meta.tokens_per_seq`` n > 1 (a speculative verify): each sequence's n
-    tokens in one kernel, as n decode steps compute them, the states after the first n - 1 stashed in
-    ``meta.state_steps`` (``fused_recurrent_gated_delta_rule_verify``)."""
+    tokens in one kernel, as n decode steps compute them; with ``meta.state_steps`` (the engine's) the states are
+    left for the rollback to replay the accepted tokens on, their inputs kept (``fused_recurrent_gated_delta_rule_
+    verify`` with ``keep``)."""
     n = meta.tokens_per_seq
     if n == 1:
         return fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, scale=scale,
                                                      state_indices=meta.state_indices)  # fmt: skip
-    stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
-    return fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, n=n, stash=stash, scale=scale,
+    keep = None if meta.state_steps is None else meta.state_steps.next("recurrent")
+    return fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, n=n, keep=keep, scale=scale,
                                                    state_indices=meta.state_indices)  # fmt: skip

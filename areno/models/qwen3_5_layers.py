@@ -224,9 +224,9 @@ class GatedDeltaNet(nn.Module):
             kw = dict(num_k_heads=nk, num_v_heads=nv, scale=dk**-0.5, state_indices=meta.state_indices)  # sequence
             if n == 1:
                 o = gdn_decode_step(qkv, a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1], **kw)
-            else:  # in one kernel, the states after each of the first n - 1 stashed for the rollback
-                stash = None if meta.state_steps is None else meta.state_steps.next("recurrent")
-                o = gdn_verify_steps(qkv, a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1], n=n, stash=stash,
+            else:  # in one kernel; a speculative step's leaves the states to its rollback's replay (its inputs kept)
+                keep = None if meta.state_steps is None else meta.state_steps.next("recurrent")
+                o = gdn_verify_steps(qkv, a, b, self.decay.A_log, self.decay.dt_bias, kv_cache[1], n=n, keep=keep,
                                      **kw)  # fmt: skip
             o = gated_rms_norm_silu(o, z.reshape(t, nv, dv), self.norm.weight, self.norm.eps)
             return self.out_proj(o.reshape(t, vd))

@@ -76,9 +76,9 @@ def test_bf16_pool_follows_the_fp32_pool(hybrid, decode_steps):
 
 
 def test_speculative_stash_and_rollback_at_the_pool_dtype(tmp_path):
-    """MTP speculation (Qwen3.5, an echo model whose drafts are accepted in part): the verify's state stash is bf16
-    like the pool and rejections roll back to it; greedy tokens stay the fp32 pool's. The stash's bytes out of the
-    budget are counted at bf16."""
+    """MTP speculation (Qwen3.5, an echo model whose drafts are accepted in part) on a bf16 pool: the rollback
+    replays the accepted tokens on it (rejections among them); greedy tokens stay the fp32 pool's. The stash's bytes
+    out of the budget do not depend on the pool's dtype (it keeps inputs, no delta-rule state)."""
     if not HAS["qwen3_5"]:
         pytest.skip(f"transformers {transformers.__version__} has no qwen3_5")
     path = make_tiny_checkpoint(tmp_path / "q35", family="qwen3_5", seed=1)
@@ -88,15 +88,14 @@ def test_speculative_stash_and_rollback_at_the_pool_dtype(tmp_path):
     spec = Engine(model, None, EngineConfig(block_size=4, max_running=8, mamba_ssm_cache_dtype="bfloat16", **kw),
                   eos_token_ids=[])
     out = spec.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, n=2))
-    assert all(t.dtype == torch.bfloat16 for t in spec.runner.spec_exec.graphs.stash[1:])
     assert 1.0 < spec.spec.stats()["spec_accept_len"] < 3  # drafts accepted and rejected: states rolled back
     plain = Engine(model, None, EngineConfig(block_size=4, max_running=8), eos_token_ids=[])
     assert_close_runs(plain.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True,
                                                              n=2)), out)
     fp32 = Engine(model, None, EngineConfig(block_size=4, max_running=8, **kw), eos_token_ids=[])
+    assert spec.runner.states.recurrent.dtype == torch.bfloat16
     rows = spec.spec_budget.rows
-    saved = stash_bytes(model, rows, 2, torch.float32) - stash_bytes(model, rows, 2, torch.float32, torch.bfloat16)
-    assert saved > 0 and fp32.spec_budget.reserved - spec.spec_budget.reserved == saved
+    assert fp32.spec_budget.reserved == spec.spec_budget.reserved >= stash_bytes(model, rows, 2, torch.float32) > 0
 
 
 def test_memory_plan_counts_the_pool_at_its_dtype(hybrid):

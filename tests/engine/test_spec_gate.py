@@ -270,16 +270,15 @@ def _test_roofline(model, tokens: float) -> Roofline:
 
 def test_auto_weighs_a_hybrids_state_traffic(tmp_path, monkeypatch):
     """A hybrid's decode row reads and writes its recurrent-state slot (sigma token-times: 2 x slot bytes x ridge /
-    FLOPs a token), a verify row reads it once and writes it K + 1 times (the stash's K and the last), and a
-    rejecting row's rollback reads and writes it once more (rho = (K + 1 - a) / K of the rows): N(a) is the largest
-    batch with a plain(B) >= speculative(B) (the batches that pay are those up to it), the closed form without
-    states; a prompt chunk's step weighs the same costs. The engine gives a Qwen3.5 its slot's bytes."""
+    FLOPs a token), a verify row reads it once and the rollback's replay reads and writes it once more (3/2 sigma,
+    accepted or not): N(a) is the largest batch with a plain(B) >= speculative(B) (the batches that pay are those up
+    to it), the closed form without states; a prompt chunk's step weighs the same costs. The engine gives a Qwen3.5
+    its slot's bytes."""
     from areno.engine.kv_cache import state_bytes
 
     def oracle(t, sigma, mu, k, a):
-        rho = (k + 1 - a) / k
         plain = lambda b: max(t + b * sigma, b)  # noqa: E731
-        spec = lambda b: max(t + b * sigma * ((k + 2) / 2 + rho), b * (k + 1)) + k * mu * max(t, b)  # noqa: E731
+        spec = lambda b: max(t + b * sigma * 1.5, b * (k + 1)) + k * mu * max(t, b)  # noqa: E731
         pays = [a * plain(b) >= spec(b) for b in range(1, 4097)]
         n = max((b for b, p in enumerate(pays, 1) if p), default=0)
         assert all(pays[:n])  # a prefix
@@ -296,7 +295,7 @@ def test_auto_weighs_a_hybrids_state_traffic(tmp_path, monkeypatch):
     assert gate.at(3.0) > 10 * Gate(2, None, 184.0, 0.115).at(3.0)  # the state reads keep a plain step memory-bound
     for b, p, f, emitted, rows in [(64, 8128, 256, 0, 0), (4, 2000, 5, 30, 20), (20, 100, 40, 20, 20)]:
         a = (emitted + 24) / (rows + 8)
-        extra = (max(184 + b * 1.02 * (2 + (3 - a) / 2), 3 * b + p) + 0.23 * max(184, b)) - max(184 + b * 1.02, b + p)
+        extra = (max(184 + b * 1.02 * 1.5, 3 * b + p) + 0.23 * max(184, b)) - max(184 + b * 1.02, b + p)
         assert gate.speculates(b, p, f, emitted, rows) == (extra <= b * (a - 1) * max(184 + f * 1.02, f) / f)
     path = make_tiny_checkpoint(tmp_path / "q", family="qwen3_5", seed=1)
     model = make_echo_model(load_model(path, dtype=torch.float32, device="cpu"), scale=2.0)

@@ -21,7 +21,7 @@ from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, plan_num_blocks, state_bytes
 from areno.engine.spec_chain import chain_body
 from areno.engine.spec_gated import CHAIN_LENGTHS, GATED_CHAIN
-from areno.engine.spec_graphs import stash_rows, verify_body, verify_buffers
+from areno.engine.spec_graphs import stash_bytes, stash_rows, verify_body, verify_buffers
 from areno.engine.spec_sample import sample_body
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
@@ -145,11 +145,15 @@ def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
     want = _run(_engine(echo, 3, graphs=False), opts, late_after=4)
     e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch)
     stash = e.runner.spec_exec.graphs.stash
-    ptrs = None if stash is None else [t.data_ptr() for t in stash]
+    ptr = None if stash is None else stash[0].data_ptr()
     got = _run(e, opts, late_after=4)
     _assert_same(got, want)
     now = e.runner.spec_exec.graphs.stash  # batches 1 .. 8 (the limit) verified: nothing allocated, nothing grown
-    assert now is stash and (now is None or [t.data_ptr() for t in now] == ptrs)
+    assert now is stash and (now is None or now[0].data_ptr() == ptr)
+    if stash is not None:  # each delta-rule layer's kept inputs: sized once for the stash's rows x (K + 1)
+        rows = e.runner.spec_exec.graphs.rows * 4
+        assert all(buf.shape[0] == rows for keep in stash[1] for buf in keep.bufs.values())
+        assert all(keep.bufs for keep in stash[1])
     replays = _replays(e)
     assert replays and sum(replays.values()) >= 3 and all(key[2] == 4 for key in replays)  # (bucket, K + 1)
     assert len(replays) > 1  # several buckets as sequences finish
@@ -215,18 +219,22 @@ def test_a_gated_step_that_cannot_chain_replays_its_forward(echo, monkeypatch):
 
 @pytest.mark.parametrize("gate", ["off", 3])
 def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, monkeypatch):
-    """The blocks planned are those of the budget less the recurrent-state slots, the stash actually allocated
-    (hybrids: K x the limit batch's bucket x a slot; attention-only models: none) and, where the gate can make a
-    step plain, the deferred catch-up's rows."""
+    """The blocks planned are those of the budget less the recurrent-state slots, the stash (hybrids: K x the limit
+    batch's bucket x a slot's conv states and that bucket x (K + 1) tokens' delta-rule inputs, which the buffers a
+    verify allocates stay within; attention-only models: none) and, where the gate can make a step plain, the
+    deferred catch-up's rows."""
     k, mem, mml = 3, 600 << 10, 128  # the budget binds, not the cap (8 full-length sequences)
     e = _engine(echo, k, graphs=True, monkeypatch=monkeypatch, kv_cache_memory=mem, max_model_len=mml,
                 speculative_disable_by_batch_size=gate)
     r = e.runner
     stash = r.spec_exec.graphs.stash
     assert (stash is None) == (r.states is None)
-    stashed = 0 if stash is None else sum(t.numel() * t.element_size() for t in stash)
+    stashed = 0 if stash is None else stash_bytes(echo, r.spec_exec.graphs.rows, k, r.dtype)
     if stash is not None:
         assert stash[0].shape[1:3] == (k, 4 if gate == 3 else 8)  # the limit batch (3: bucket 4, off: max_running)
+        _run(e, _options(False)[:2])
+        kept = sum(buf.numel() * buf.element_size() for keep in stash[1] for buf in keep.bufs.values())
+        assert 0 < stash[0].numel() * stash[0].element_size() + kept <= stashed
     held = (e.spec.deferred.rows + 8 * GATED_CHAIN) * echo.config.hidden_size * r.dtype.itemsize if gate == 3 else 0
     assert e.spec_budget.reserved == stashed + held
     per_block = kv_bytes_per_block(echo, 4, r.dtype, mml, extra_layers=1)

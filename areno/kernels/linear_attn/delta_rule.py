@@ -602,9 +602,10 @@ def _replay_kernel(K_, V_, G, BETA, STATE, IDX, CNT, H, K, V, N: tl.constexpr, S
     soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + h * K * V + offs_k[:, None] * V + offs_v[None, :]
     S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
     for i in tl.static_range(N):
-        row = (b * N + i) * H + h  # no output: the keys stand in for the queries
-        S2, _ = _delta_token(K_, K_, V_, G, BETA, row, S, offs_k, offs_v, kmask, vmask, 1.0, K, V, SCALAR)
-        S = tl.where(i < cnt, S2.to(STATE.dtype.element_ty).to(tl.float32), S)
+        if i < cnt:  # a branch, not a select: one state tile in registers
+            row = (b * N + i) * H + h  # no output: the keys stand in for the queries
+            S, _ = _delta_token(K_, K_, V_, G, BETA, row, S, offs_k, offs_v, kmask, vmask, 1.0, K, V, SCALAR)
+            S = S.to(STATE.dtype.element_ty).to(tl.float32)
     tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
 

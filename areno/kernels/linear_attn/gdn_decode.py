@@ -124,10 +124,11 @@ def _gdn_replay_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, I
     soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + h * K * V + offs_k[:, None] * V + offs_v[None, :]
     S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
     for i in tl.static_range(N):
-        t = b.to(tl.int64) * N + i
-        S2, _ = _gdn_token(QKV + t * stride_x, t * stride_ab, A, B_, A_LOG, DT_BIAS, S, h, h // REP, KD, K, V,
-                           offs_k, offs_v, kmask, vmask, 1.0, eps)  # fmt: skip
-        S = tl.where(i < cnt, S2.to(STATE.dtype.element_ty).to(tl.float32), S)
+        if i < cnt:  # a branch, not a select: one state tile in registers
+            t = b.to(tl.int64) * N + i
+            S, _ = _gdn_token(QKV + t * stride_x, t * stride_ab, A, B_, A_LOG, DT_BIAS, S, h, h // REP, KD, K, V,
+                              offs_k, offs_v, kmask, vmask, 1.0, eps)  # fmt: skip
+            S = S.to(STATE.dtype.element_ty).to(tl.float32)
     tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
 
