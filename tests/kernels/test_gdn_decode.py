@@ -311,3 +311,19 @@ def test_gpu_verify_steps_at_the_9b_shape(pool_dtype):
     print(f"verify of {B} x {n} tokens, one layer, {pool_dtype}: fused {times['fused']:.3f} ms, stepped (no stash "
           f"copies) {times['stepped']:.3f} ms")
     assert times["fused"] < times["stepped"]
+    # the engine's verify: inputs kept, no state written; the replay of each row's accepted count (1..n) commits
+    counts = torch.randint(1, n + 1, (B,), dtype=torch.int32, device="cuda")
+    want = pool.clone()
+    for i in range(n):
+        gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, want, num_k_heads=nk,
+                        num_v_heads=nv, state_indices=torch.where(counts > i, idx, -1))  # fmt: skip
+    keep, got_pool = VerifyInputs(B * n), pool.clone()
+    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, keep=keep, num_k_heads=nk, num_v_heads=nv,
+                         state_indices=idx)  # fmt: skip
+    assert torch.equal(o, torch.stack(ref_o, 1).flatten(0, 1)) and torch.equal(got_pool, pool)
+    keep.replay(got_pool, idx, counts)
+    assert torch.equal(got_pool, want)
+    kept = cuda_ms(lambda: gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, keep=keep, num_k_heads=nk,
+                                            num_v_heads=nv, state_indices=idx)) + cuda_ms(  # fmt: skip
+        lambda: keep.replay(got_pool, idx, counts))
+    print(f"the engine's verify + replay: {kept:.3f} ms against the stash's {times['fused']:.3f} ms")
