@@ -142,7 +142,8 @@ def load_draft_model(args, device, prompt_sets):
         starts = [len(p) for prompts, _ in sets for p in prompts]
         for r in range(args.mtp_fit_rounds):
             if r:
-                # gated as the timed engine is (auto): never gated, 256 rows' stash outgrows an H100's KV budget
+                # gated as the timed engine is (auto): never gated, 256 rows' stash outgrew an H100's KV budget when
+                # it held K states a row (before 12-07's replay)
                 spec = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens, decode_steps=1,
                                                         **base),
                               eos_token_ids=[])  # fmt: skip
@@ -304,9 +305,9 @@ def run_batch_sweep(args, device) -> list[dict]:
     """``--spec-batch-sweep``: tok/s of the plain engine and of speculation never gated (``off``) at batch sizes 1, 4,
     16, 64, 256 (prompts of 128 random tokens, 128 new tokens each; smoke: 16 and 16, batches up to 16), warm calls
     after one warm-up call of each engine; the crossover is where speculation stops paying, to set against the N that
-    ``auto`` resolves to (``auto_limit``). A batch an engine cannot hold (never gated, the rollback stash takes every
-    row's states: 256 rows of the 9B shape on an H100) gets a row naming the error, and the engine is built for the
-    next smaller one."""
+    ``auto`` resolves to (``auto_limit``). A batch an engine cannot hold (never gated, every row's state slot and
+    stash; 256 rows of the 9B shape on an H100 did not fit while the stash held K states a row) gets a row naming the
+    error, and the engine is built for the next smaller one."""
     from areno.config import SamplingParams
     from areno.config.fields import ConfigError
     from areno.engine.engine import Engine, EngineConfig
@@ -322,7 +323,7 @@ def run_batch_sweep(args, device) -> list[dict]:
     for k, gate in ((0, "auto"), (args.speculative_tokens, "off")):
         engine, sizes = None, list(batches)
         while engine is None and sizes:
-            try:  # never gated, speculation's stash holds every row's states: the largest batches may not fit
+            try:  # never gated, every row's state slot and stash are reserved: the largest batches may not fit
                 engine = Engine(model, None, EngineConfig(speculative_tokens=k, speculative_disable_by_batch_size=gate,
                                                           decode_steps=1 if k else PLAIN_DECODE_STEPS,
                                                           **{**base, "max_running": max(4, *sizes)}), eos_token_ids=[])
