@@ -65,7 +65,7 @@ from typing import NamedTuple
 
 import torch
 
-from areno.engine import spec_chain, spec_gated, spec_sample
+from areno.engine import spec_chain, spec_gated, spec_graphs, spec_sample
 from areno.engine.decode_graphs import graph_plan
 from areno.engine.kv_cache import kv_budget, state_bytes
 from areno.engine.logit_adjust import adjust_host
@@ -243,9 +243,9 @@ class SpecDecoder:
     @torch.inference_mode()
     def capture_graphs(self) -> int:
         """Capture the steady steps' graphs of every bucket they replay now (``Engine.capture_graphs``, at server
-        start): the verify, the sampling and the chain for rows without logit adjustments or filters (those with
-        them capture theirs on first use); returns how many. None under TP (the ranks capture together on first
-        use) or without graphs."""
+        start): the verify, a hybrid's replay of the accepted tokens, the sampling and the chain for rows without
+        logit adjustments or filters (those with them capture theirs on first use); returns how many. None under TP
+        (the ranks capture together on first use) or without graphs."""
         r, width = self.engine.runner, self.k + 1
         if r.tp_group is not None or not r.use_graphs:
             return 0
@@ -254,6 +254,8 @@ class SpecDecoder:
             key = ("verify", bsz, width)
             if key not in r.graphs:
                 r.graphs[key], n = ex.graphs.capture(r, bsz, width, ex.graphs.stash), n + 1
+            if ex.graphs.stash is not None and ("replay", bsz) not in r.graphs:  # a hybrid's commit (its inputs kept)
+                r.graphs[("replay", bsz)], n = spec_graphs.capture_replay(r, ex.graphs.stash, bsz), n + 1
             n += spec_sample.capture_plain(r, bsz, self.k, r.graphs[key][2][1])
             n += spec_chain.capture_plain(r, ex, bsz, width, Chain([], [], [], [], [], [], [], [], []))
         return n + spec_gated.capture_gated(self)
@@ -481,7 +483,7 @@ class SpecDecoder:
         if r.states is None:
             return None
         _, _, nd, accepted = verified
-        if steady:  # every row's accepted inputs replayed on its state, which the verify left (spec_graphs.roll_back)
+        if steady:  # every row's accepted inputs replayed on its state, which the verify left (VerifyGraphs.roll_back)
             return "steps", [row.seq.state_slot for row in rows], list(accepted[: len(rows)])
         drafting = [b for b, row in enumerate(rows) if row.draft is not None]
         redo = [(n, b) for n, b in enumerate(drafting) if accepted[b] < nd[b]]

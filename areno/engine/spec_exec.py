@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from areno.engine.spec_chain import DRAFT_STREAM, run_chain
-from areno.engine.spec_graphs import VerifyGraphs, roll_back
+from areno.engine.spec_graphs import VerifyGraphs
 from areno.engine.step_inputs import StepInputs, unused_filters
 from areno.kernels.draft_draw import draw_from_probs
 from areno.kernels.sampler import sampling_probs
@@ -141,7 +141,7 @@ class SpecExec:
         """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, probs [K_b, V])] per
         drafting sequence), else None."""
         if work.redo is not None and work.redo[0] == "steps":  # a steady step's: the verify kept the states
-            roll_back(r, self.graphs.stash, *work.redo[1:])
+            self.graphs.roll_back(r, *work.redo[1:])
         elif work.redo is not None:
             self._rollback(r, *work.redo)
         drafts = None

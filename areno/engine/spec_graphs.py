@@ -13,7 +13,8 @@ plain decode graphs do (``decode_graphs``), captured into the runner's graph poo
 
 The hybrids' rollback needs no second forward here (``StateSteps``, written inside the graph): the delta-rule layers
 write no state in a verify but keep its tokens' inputs (``kernels.linear_attn.steps.VerifyInputs``), and
-``roll_back`` replays each row's accepted tokens on its state (one read and one write of it); the short convs (a
+``VerifyGraphs.roll_back`` replays each row's accepted tokens on its state (one read and one write of it; a graph a
+bucket after a replayed verify); the short convs (a
 small state) step in place and keep their states after each of the first K tokens, a rejecting row's slot taking
 the one after its last accepted input (one indexed copy). The K/V and hidden rows of accepted positions are
 already right.
@@ -82,20 +83,29 @@ def verify_body(r, buf: dict, width: int, stash: tuple | None = None):
     return hidden, (r.logits(hidden) if width > 1 else None)
 
 
-def roll_back(r, stash: tuple, slots: list[int], accepted: list[int]) -> None:
-    """A hybrid's commit after a steady step of rows with state ``slots`` (in the verify's row order) and
-    ``accepted`` drafts each: every delta-rule layer replays each row's accepted inputs (accepted + 1 tokens) on its
-    state, which the verify left as it was; a rejecting row's conv states take those after its last accepted input
-    (the verify's ``stash``, index = accepted drafts; each such row read once, written once). The K/V are already
-    the right ones."""
-    dev, (conv, kept) = r.device, stash
-    s, a = (torch.tensor(x, dtype=torch.int32, device=dev) for x in (slots, accepted))
-    for layer, inputs in enumerate(kept):
-        inputs.replay(r.states.recurrent[layer], s, a + 1)
-    rej = [b for b, n in enumerate(accepted) if n < conv.shape[1]]
-    if rej:
-        b = torch.tensor(rej, device=dev)
-        copy_rows(r.states.conv, s[b].long(), conv.flatten(1, 2), a[b].long() * conv.shape[2] + b)
+def replay_body(r, stash: tuple, buf: dict) -> tuple:
+    """Every delta-rule layer's replay of the verify's kept inputs: the first ``buf["counts"][b]`` tokens of row b on
+    state slot ``buf["slots"][b]`` (-1 / 0: a padding row, untouched); no host sync."""
+    for layer, inputs in enumerate(stash[1]):
+        inputs.replay(r.states.recurrent[layer], buf["slots"], buf["counts"])
+    return ()
+
+
+def capture_replay(r, stash: tuple, bsz: int) -> tuple:
+    """Capture ``replay_body`` for a verify bucket of ``bsz`` rows (after that bucket's verify kept its inputs; the
+    warm-ups' slots are all -1, so they write nothing): (graph, static buffers, ())."""
+    buf = {"slots": torch.full((bsz,), -1, dtype=torch.int32, device=r.device),
+           "counts": torch.zeros(bsz, dtype=torch.int32, device=r.device)}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            replay_body(r, stash, buf)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=r.graph_pool):
+        replay_body(r, stash, buf)
+    return graph, buf, ()
 
 
 def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int) -> dict:
@@ -197,6 +207,32 @@ class VerifyGraphs:
             raise RuntimeError(f"a steady step of {rows} sequences x {width} rows past the stash sized at start "
                                f"({self.rows} x {self.stash[0].shape[1] + 1})")
         return self.stash
+
+    def roll_back(self, r, slots: list[int], accepted: list[int]) -> None:
+        """A hybrid's commit after a steady step of rows with state ``slots`` (in the verify's row order) and
+        ``accepted`` drafts each: every delta-rule layer replays each row's accepted inputs (accepted + 1 tokens) on
+        its state, which the verify left as it was (one launch a layer, or one graph replay a bucket, keyed
+        ("replay", bucket), after a replayed verify); a rejecting row's conv states take those after its last
+        accepted input (the stash's, index = accepted drafts; each such row read once, written once). The K/V are
+        already the right ones."""
+        dev, (conv, _) = r.device, self.stash
+        counts = [a + 1 for a in accepted]
+        if self.bucket is None:
+            replay_body(r, self.stash, {"slots": torch.tensor(slots, dtype=torch.int32, device=dev),
+                                        "counts": torch.tensor(counts, dtype=torch.int32, device=dev)})
+        else:
+            key, pad = ("replay", self.bucket), self.bucket - len(slots)
+            if key not in r.graphs:
+                r.graphs[key] = capture_replay(r, self.stash, self.bucket)
+            graph, buf, _ = r.graphs[key]
+            buf["slots"].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int32), non_blocking=True)
+            buf["counts"].copy_(torch.tensor(counts + [0] * pad, dtype=torch.int32), non_blocking=True)
+            graph.replay()
+        rej = [b for b, n in enumerate(accepted) if n < conv.shape[1]]
+        if rej:
+            b, a = torch.tensor(rej, device=dev), torch.tensor([accepted[i] for i in rej], device=dev)
+            s = torch.tensor([slots[i] for i in rej], device=dev)
+            copy_rows(r.states.conv, s, conv.flatten(1, 2), a * conv.shape[2] + b)
 
     def run(self, r, inp: StepInputs, width: int, routes: bool):
         """The verify of ``inp`` (B x ``width`` rows): (hidden, logits, metadata, positions), each covering at least

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from areno.config import ConfigError, SamplingParams
-from areno.engine import model_runner, spec_chain, spec_decode, spec_gated, spec_sample
+from areno.engine import model_runner, spec_chain, spec_decode, spec_gated, spec_graphs, spec_sample
 from areno.engine.decode_graphs import graph_key, graph_plan
 from areno.engine.engine import Engine, EngineConfig
 from areno.engine.kv_cache import kv_bytes_per_block, plan_num_blocks, state_bytes
 from areno.engine.spec_chain import chain_body
 from areno.engine.spec_gated import CHAIN_LENGTHS, GATED_CHAIN
-from areno.engine.spec_graphs import stash_bytes, stash_rows, verify_body, verify_buffers
+from areno.engine.spec_graphs import replay_body, stash_bytes, stash_rows, verify_body, verify_buffers
 from areno.engine.spec_sample import sample_body
 from areno.models import load_model
 from areno.testing import make_tiny_checkpoint
@@ -84,6 +84,11 @@ def _engine(model, k, graphs, monkeypatch=None, **kw):
 
         r.spec_exec.graphs.capture = capture
 
+        def capture_replay(r, stash, bsz):
+            buf = {"slots": torch.full((bsz,), -1, dtype=torch.int32), "counts": torch.zeros(bsz, dtype=torch.int32)}
+            graph = _GuardedGraph(lambda: replay_body(r, stash, buf))
+            return graph, buf, graph.out
+
         def capture_decode(bsz, k, width=0, rope_off=False, hidden=False):  # the gated chains' plain decode graphs
             buf = r._graph_buffers(bsz, width, rope_off)
             if hidden:
@@ -93,6 +98,7 @@ def _engine(model, k, graphs, monkeypatch=None, **kw):
 
         r._capture = capture_decode
         monkeypatch.setattr(spec_sample, "capture_draw", capture_draw)
+        monkeypatch.setattr(spec_graphs, "capture_replay", capture_replay)
         monkeypatch.setattr(spec_chain, "capture_chain", capture_chain)
     return e
 
@@ -161,6 +167,8 @@ def test_graphed_speculation_equals_eager(echo, sampled, monkeypatch):
     assert sum(draws.values()) == sum(replays.values())
     assert all(key[3:] == ((16, False, False) if sampled else (0, False, False)) for key in draws)
     assert 0 < sum(_replays(e, "spec_chain").values()) <= sum(replays.values())  # the drafts after them
+    if e.runner.states is not None:  # a hybrid commits each replayed verify's accepted tokens by a replay too
+        assert sum(_replays(e, "replay").values()) == sum(replays.values())
     assert e.spec.stats()["spec_accept_len"] > 1.1  # drafts accepted and rejected
     assert (e.runner.states is None) == (e.runner.spec_exec.graphs.stash is None)  # hybrids: states kept per token
 
@@ -248,14 +256,16 @@ def test_speculation_takes_its_memory_out_of_the_kv_cache_budget(echo, gate, mon
 
 def test_capture_graphs_captures_every_steady_graph_at_start(echo, monkeypatch):
     """``Engine.capture_graphs`` under speculation: the verify, sampling and chain graphs of every bucket a steady
-    step replays (the gate at 3: buckets 1, 2, 4), and the gated steps' forwards (width 1) and gated chains (plain
-    decode graphs, keeping hidden rows and not) of the buckets above the limit up to max_running's (4, 8); a run then
-    replays them and captures nothing more."""
+    step replays (the gate at 3: buckets 1, 2, 4; a hybrid's replay of the accepted tokens too), and the gated steps'
+    forwards (width 1) and gated chains (plain decode graphs, keeping hidden rows and not) of the buckets above the
+    limit up to max_running's (4, 8); a run then replays them and captures nothing more."""
     opts = _long_options()
     e = _engine(echo, 3, graphs=True, monkeypatch=monkeypatch, speculative_disable_by_batch_size=3)
-    assert e.capture_graphs() == 11 + 4 * len(CHAIN_LENGTHS)
+    hybrid = e.runner.states is not None
+    assert e.capture_graphs() == 11 + 3 * hybrid + 4 * len(CHAIN_LENGTHS)
     keys = set(e.runner.graphs)
-    steady = {(kind, b) for kind in ("verify", "spec_draw", "spec_chain") for b in (1, 2, 4)}
+    kinds = ("verify", "spec_draw", "spec_chain") + (("replay",) if hybrid else ())
+    steady = {(kind, b) for kind in kinds for b in (1, 2, 4)}
     assert {key[:2] for key in keys if isinstance(key[0], str) and (key[-1] != 1 or key[0] != "verify")} == steady
     assert {key for key in keys if key[0] == "verify" and key[2] == 1} == {("verify", 4, 1), ("verify", 8, 1)}
     assert {key for key in keys if not isinstance(key[0], str)} == {(b, k, 0, *h) for b in (4, 8)
