@@ -39,7 +39,7 @@ from areno.kernels.linear_attn import gdn_decode  # noqa: E402
 _STEP = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 O:*bf16 "
          "scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
 _VERIFY = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 "
-           "STASH:*S stride_si:i64 stride_sb:i64 O:*bf16 scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
+           "O:*bf16 scale:fp32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
 _REPLAY = ("QKV:*bf16 stride_x:i32 A:*bf16 B_:*bf16 stride_ab:i32 A_LOG:*fp32 DT_BIAS:*fp32 STATE:*S IDX:*i32 "
            "CNT:*i32 eps:fp32 H:i32 REP:i32 KD:i32 K:i32 V:i32")
 _ADAMW8BIT = ("W:*fp32 G:*bf16 MQ:*u8 VQ:*u8 MA:*fp32 VA:*fp32 SMAP:*fp32 UMAP:*fp32 n:i64 LR:*fp32 STEP_SIZE:*fp32 "
@@ -50,7 +50,7 @@ KERNELS = {
     "gdn_step": (gdn_decode.TILED_KERNELS["gdn_step"], _STEP, "BV", lambda bv: {"HAS_IDX": True, "BK": 128, "BV": bv},
                  "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
     "gdn_verify": (gdn_decode.TILED_KERNELS["gdn_verify"], _VERIFY, "BV",  # as the engine runs it: nothing written
-                   lambda bv: {"N": 3, "HAS_STASH": False, "WRITE": False, "BK": 128, "BV": bv},
+                   lambda bv: {"N": 3, "WRITE": False, "BK": 128, "BV": bv},
                    "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
     "gdn_replay": (gdn_decode.TILED_KERNELS["gdn_replay"], _REPLAY, "BV", lambda bv: {"N": 3, "BK": 128, "BV": bv},
                    "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),

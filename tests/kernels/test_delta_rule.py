@@ -158,27 +158,24 @@ def test_decode_step_on_a_bf16_pool(monkeypatch, kernels, gate):
 @pytest.mark.parametrize("gate", ["channel", "head"])
 def test_verify_equals_the_step_kernel_stepped_bit_for_bit(monkeypatch, gate, n, pool_dtype):
     """A speculative verify's n tokens a sequence in one kernel (the state in registers between them) against the
-    step kernel stepped n times with the states copied out: the same outputs, stash and pool to the bit; a padding
-    row (slot -1) writes nothing; rows of the stash past B are untouched; the native path alike within rounding."""
+    step kernel stepped n times: the same outputs and pool to the bit; a padding row (slot -1) writes nothing; the
+    native path alike within rounding."""
     monkeypatch.setenv("ARENO_KERNELS", "triton")
     B, H, K, V = 3, 2, 8, 12
     (q, k, v, g, beta, _), _ = _inputs([B * n], H, K, V, gate, seed=n)
     pool = (torch.randn(7, H, K, V) * 0.5).to(pool_dtype)
     idx = torch.tensor([5, -1, 2], dtype=torch.int32)
-    ref_pool, ref_stash, outs = pool.clone(), torch.full((n - 1, B + 1, H, K, V), 7.0, dtype=pool_dtype), []
+    ref_pool, outs = pool.clone(), []
     per = [x.view(B, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
     for i in range(n):
         outs.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), ref_pool, state_indices=idx))
-        if i < n - 1:
-            ref_stash[i, :B] = ref_pool[idx.clamp(min=0).long()]
-    got_pool, stash = pool.clone(), torch.full_like(ref_stash, 7.0)
-    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, stash=stash, state_indices=idx)
+    got_pool = pool.clone()
+    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, state_indices=idx)
     assert torch.equal(o, torch.stack(outs, 1).flatten(0, 1)) and torch.equal(got_pool, ref_pool)
-    assert torch.equal(stash[:, [0, 2]], ref_stash[:, [0, 2]]) and bool((stash[:, B:] == 7.0).all())
     assert bool((o.view(B, n, H, V)[1] == 0).all())
     monkeypatch.setenv("ARENO_KERNELS", "native")
     nat_pool = pool.clone()
-    nat = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, nat_pool, n=n, stash=None, state_indices=idx)
+    nat = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, nat_pool, n=n, state_indices=idx)
     tol = 1e-4 if pool_dtype == torch.float32 else 2e-2  # the interpreter truncates to bf16, torch rounds
     torch.testing.assert_close(nat, o, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match=f"are not 2 sequences x {n} tokens"):
@@ -212,9 +209,6 @@ def test_a_kept_verify_writes_no_state_and_its_replay_commits_the_accepted_token
     k.fill_(3.0)  # the replay reads the kept copies
     keep.replay(got_pool, idx, counts)
     assert torch.equal(got_pool, ref_pool) and torch.equal(got_pool[2], pool[2])
-    with pytest.raises(ValueError, match="or comes with keep"):
-        fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, keep=keep, state_indices=idx,
-                                                stash=torch.zeros(n - 1, B, H, K, V, dtype=pool_dtype))
 
 
 def test_rejects_bad_shapes():
@@ -287,7 +281,8 @@ def test_decode_step_cuda_graph_replay():
 @pytest.mark.parametrize("gate", ["channel", "head"])
 def test_verify_equals_stepping_on_the_gpu(monkeypatch, gate):
     """The compiled verify kernel at KDA's head size (64 sequences x 3 tokens, 16 heads of 128, bf16 inputs, fp32
-    pool) against the compiled step kernel stepped three times: the same bits."""
+    pool) against the compiled step kernel stepped three times: the same bits; the engine's verify (inputs kept, no
+    state written) and the replay of each row's accepted count: the bits of that many steps."""
     monkeypatch.setenv("ARENO_KERNELS", "triton")
     B, n, H, D = 64, 3, 16, 128
     (q, k, v, g, beta, _), _ = _inputs([B * n], H, D, D, gate, dtype=torch.bfloat16, device="cuda")
@@ -295,14 +290,19 @@ def test_verify_equals_stepping_on_the_gpu(monkeypatch, gate):
     pool = torch.randn(2 * B, H, D, D, device="cuda") * 0.1
     idx = torch.randperm(2 * B, device="cuda")[:B].int()
     idx[5] = -1
-    ref_pool, ref_stash, outs = pool.clone(), torch.zeros(n - 1, B, H, D, D, device="cuda"), []
+    ref_pool, outs = pool.clone(), []
     per = [x.view(B, n, *x.shape[1:]) for x in (q, k, v, g, beta)]
     for i in range(n):
         outs.append(fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), ref_pool, state_indices=idx))
-        if i < n - 1:
-            ref_stash[i] = ref_pool[idx.clamp(min=0).long()]
-    got_pool, stash = pool.clone(), torch.zeros_like(ref_stash)
-    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, stash=stash, state_indices=idx)
-    real = (idx >= 0).nonzero()[:, 0]
+    got_pool = pool.clone()
+    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, state_indices=idx)
     assert torch.equal(o, torch.stack(outs, 1).flatten(0, 1)) and torch.equal(got_pool, ref_pool)
-    assert torch.equal(stash[:, real], ref_stash[:, real])
+    counts, want = torch.randint(1, n + 1, (B,), dtype=torch.int32, device="cuda"), pool.clone()
+    for i in range(n):
+        fused_recurrent_gated_delta_rule_step(*(x[:, i] for x in per), want,
+                                              state_indices=torch.where(counts > i, idx, -1))  # fmt: skip
+    keep, got_pool = VerifyInputs(B * n), pool.clone()
+    o = fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, got_pool, n=n, keep=keep, state_indices=idx)
+    assert torch.equal(o, torch.stack(outs, 1).flatten(0, 1)) and torch.equal(got_pool, pool)
+    keep.replay(got_pool, idx, counts)
+    assert torch.equal(got_pool, want)

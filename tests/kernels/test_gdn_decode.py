@@ -147,17 +147,12 @@ def test_gated_norm_gradients_match_float64(T, H, V, dtype, triton_kernels):
 
 
 def _stepped(qkv, a, b, A_log, dt_bias, pool, idx, n, nk, nv):
-    """The verify the reference way: the step kernel n times (each sequence's i-th token), the states copied out."""
+    """The verify the reference way: the step kernel n times (each sequence's i-th token) on ``pool``."""
     B = idx.shape[0]
     per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
-    stash = torch.full((n - 1, B + 1, *pool.shape[1:]), 7.0, dtype=pool.dtype)
-    outs = []
-    for i in range(n):
-        outs.append(gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, pool, num_k_heads=nk,
-                                    num_v_heads=nv, state_indices=idx))  # fmt: skip
-        if i < n - 1:
-            stash[i, :B] = pool[idx.clamp(min=0).long()]
-    return torch.stack(outs, 1).flatten(0, 1), stash
+    outs = [gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, pool, num_k_heads=nk,
+                            num_v_heads=nv, state_indices=idx) for i in range(n)]  # fmt: skip
+    return torch.stack(outs, 1).flatten(0, 1)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
@@ -165,28 +160,24 @@ def _stepped(qkv, a, b, A_log, dt_bias, pool, idx, n, nk, nv):
 @pytest.mark.parametrize("B,nk,nv,dk,dv", CASES)
 def test_verify_steps_equal_the_step_kernel_bit_for_bit(B, nk, nv, dk, dv, n, pool_dtype, triton_kernels):
     """The fused verify (the state in registers between a sequence's n tokens) against the step kernel stepped n
-    times: the same outputs, states after each of the first n - 1 tokens (stash) and final pool, to the bit; a
-    padding row (slot -1) writes nothing; rows past B of the stash are untouched."""
+    times: the same outputs and final pool, to the bit; a padding row (slot -1) writes nothing."""
     qkv, a, b, A_log, dt_bias, pool, idx = _inputs(B * n, nk, nv, dk, dv, torch.float16, seed=B * 10 + n + dv,
                                                    slots=2 * B * n)  # fmt: skip
     idx = idx[:B].clone()
     idx[B // 2] = -1
     pool = pool.to(pool_dtype)
     ref_pool = pool.clone()
-    ref_o, ref_stash = _stepped(qkv, a, b, A_log, dt_bias, ref_pool, idx, n, nk, nv)
-    got_pool, stash = pool.clone(), torch.full_like(ref_stash, 7.0)
-    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, stash=stash, num_k_heads=nk, num_v_heads=nv,
-                         state_indices=idx)  # fmt: skip
+    ref_o = _stepped(qkv, a, b, A_log, dt_bias, ref_pool, idx, n, nk, nv)
+    got_pool = pool.clone()
+    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, num_k_heads=nk, num_v_heads=nv, state_indices=idx)
     assert torch.equal(o, ref_o) and torch.equal(got_pool, ref_pool)
-    real = [i for i in range(B) if idx[i] >= 0]
-    assert torch.equal(stash[:, real], ref_stash[:, real]) and bool((stash[:, B:] == 7.0).all())
     assert bool((o.view(B, n, nv, dv)[B // 2] == 0).all())
-    # the native path (the CPU's): the same steps and copies
-    nat_pool, nat_stash = pool.clone(), torch.full_like(ref_stash, 7.0)
+    # the native path (the CPU's): the same steps
+    nat_pool = pool.clone()
     with pytest.MonkeyPatch.context() as m:
         m.setenv("ARENO_KERNELS", "native")
-        nat = gdn_verify_steps(qkv, a, b, A_log, dt_bias, nat_pool, n=n, stash=nat_stash, num_k_heads=nk,
-                               num_v_heads=nv, state_indices=idx)  # fmt: skip
+        nat = gdn_verify_steps(qkv, a, b, A_log, dt_bias, nat_pool, n=n, num_k_heads=nk, num_v_heads=nv,
+                               state_indices=idx)  # fmt: skip
     tol = dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(nat, o, **tol)
     torch.testing.assert_close(nat_pool.float(), got_pool.float(), atol=1e-2 if pool_dtype != torch.float32 else 1e-5,
@@ -211,7 +202,7 @@ def test_a_kept_verify_writes_no_state_and_its_replay_commits_the_accepted_token
     pool = pool.to(pool_dtype)
     counts = torch.tensor([(n - i) % (n + 1) for i in range(B)], dtype=torch.int32)  # n, n - 1, .., 0, n, ..
     kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
-    ref_pool, ref_o = pool.clone(), _stepped(qkv, a, b, A_log, dt_bias, pool.clone(), idx, n, nk, nv)[0]
+    ref_pool, ref_o = pool.clone(), _stepped(qkv, a, b, A_log, dt_bias, pool.clone(), idx, n, nk, nv)
     per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
     for i in range(n):  # the reference commit: step i for the sequences that accepted more than i tokens
         step_idx = torch.where(counts > i, idx, -1)
@@ -231,9 +222,6 @@ def test_verify_steps_refuse_rows_that_are_not_sequences_times_tokens():
     qkv, a, b, A_log, dt_bias, pool, idx = _inputs(5, 1, 1, 8, 8, torch.float32, seed=0)
     with pytest.raises(ValueError, match="gdn_verify_steps: 5 rows are not 2 sequences x 2 tokens"):
         gdn_verify_steps(qkv, a, b, A_log, dt_bias, pool, n=2, num_k_heads=1, num_v_heads=1, state_indices=idx[:2])
-    with pytest.raises(ValueError, match="gdn_verify_steps: .*stash"):
-        gdn_verify_steps(qkv[:4], a[:4], b[:4], A_log, dt_bias, pool, n=2, stash=torch.zeros(2, 2, 1, 8, 8),
-                         num_k_heads=1, num_v_heads=1, state_indices=idx[:2])  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -283,47 +271,38 @@ def test_gpu_gated_norm_training_bf16():
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool"])
 def test_gpu_verify_steps_at_the_9b_shape(pool_dtype):
     """The compiled verify kernel at Qwen3.5-9B's linear-attention shape (64 sequences x 3 tokens, 16 key / 32 value
-    heads of 128, bf16 activations) against the step kernel stepped three times: the same bits (outputs, the
-    stash's two states, the pool); then its time against the stepping's (printed: bench/gdn_decode.py's shape)."""
+    heads of 128, bf16 activations) against the step kernel stepped three times: the same bits (outputs, the pool);
+    then the engine's verify (inputs kept, no state written) and the replay of each row's accepted count, the same
+    bits as that many steps; times printed (bench/gdn_decode.py's shape)."""
     B, n, nk, nv, d = 64, 3, 16, 32, 128
     qkv, a, b, A_log, dt_bias, pool, idx = _inputs(B * n, nk, nv, d, d, torch.bfloat16, seed=3, slots=2 * B)
     qkv, a, b, A_log, dt_bias = (x.cuda() for x in (qkv, a, b, A_log, dt_bias))
     pool, idx = pool.to("cuda", pool_dtype), idx[:B].clone().cuda()
+    kw = dict(num_k_heads=nk, num_v_heads=nv, state_indices=idx)
     ref_pool = pool.clone()
     per = [x.view(B, n, *x.shape[1:]) for x in (qkv, a, b)]
-    ref_o, ref_stash = [], torch.zeros(n - 1, B, nv, d, d, dtype=pool_dtype, device="cuda")
-    for i in range(n):
-        ref_o.append(gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, ref_pool,
-                                     num_k_heads=nk, num_v_heads=nv, state_indices=idx))  # fmt: skip
-        if i < n - 1:
-            ref_stash[i] = ref_pool[idx.clamp(min=0).long()]
-    got_pool, stash = pool.clone(), torch.zeros_like(ref_stash)
-    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, stash=stash, num_k_heads=nk, num_v_heads=nv,
-                         state_indices=idx)  # fmt: skip
-    real = (idx >= 0).nonzero()[:, 0]
-    assert torch.equal(o, torch.stack(ref_o, 1).flatten(0, 1)) and torch.equal(got_pool, ref_pool)
-    assert torch.equal(stash[:, real], ref_stash[:, real])
-    fused = lambda: gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, stash=stash, num_k_heads=nk,  # noqa
-                                     num_v_heads=nv, state_indices=idx)
-    stepped = lambda: [gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, ref_pool,  # noqa
-                                       num_k_heads=nk, num_v_heads=nv, state_indices=idx) for i in range(n)]
-    times = {"fused": cuda_ms(fused), "stepped": cuda_ms(stepped)}
-    print(f"verify of {B} x {n} tokens, one layer, {pool_dtype}: fused {times['fused']:.3f} ms, stepped (no stash "
-          f"copies) {times['stepped']:.3f} ms")
-    assert times["fused"] < times["stepped"]
-    # the engine's verify: inputs kept, no state written; the replay of each row's accepted count (1..n) commits
+    ref_o = torch.stack([gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, ref_pool, **kw)
+                         for i in range(n)], 1).flatten(0, 1)  # fmt: skip
+    got_pool = pool.clone()
+    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, **kw)
+    assert torch.equal(o, ref_o) and torch.equal(got_pool, ref_pool)
     counts = torch.randint(1, n + 1, (B,), dtype=torch.int32, device="cuda")
     want = pool.clone()
     for i in range(n):
         gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias, want, num_k_heads=nk,
                         num_v_heads=nv, state_indices=torch.where(counts > i, idx, -1))  # fmt: skip
     keep, got_pool = VerifyInputs(B * n), pool.clone()
-    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, keep=keep, num_k_heads=nk, num_v_heads=nv,
-                         state_indices=idx)  # fmt: skip
-    assert torch.equal(o, torch.stack(ref_o, 1).flatten(0, 1)) and torch.equal(got_pool, pool)
+    o = gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, keep=keep, **kw)
+    assert torch.equal(o, ref_o) and torch.equal(got_pool, pool)
     keep.replay(got_pool, idx, counts)
     assert torch.equal(got_pool, want)
-    kept = cuda_ms(lambda: gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, keep=keep, num_k_heads=nk,
-                                            num_v_heads=nv, state_indices=idx)) + cuda_ms(  # fmt: skip
-        lambda: keep.replay(got_pool, idx, counts))
-    print(f"the engine's verify + replay: {kept:.3f} ms against the stash's {times['fused']:.3f} ms")
+    times = {
+        "fused": cuda_ms(lambda: gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, **kw)),
+        "kept": cuda_ms(lambda: gdn_verify_steps(qkv, a, b, A_log, dt_bias, got_pool, n=n, keep=keep, **kw)),
+        "replay": cuda_ms(lambda: keep.replay(got_pool, idx, counts)),
+        "stepped": cuda_ms(lambda: [gdn_decode_step(per[0][:, i], per[1][:, i], per[2][:, i], A_log, dt_bias,
+                                                    ref_pool, **kw) for i in range(n)]),  # fmt: skip
+    }
+    print(f"verify of {B} x {n} tokens, one layer, {pool_dtype}: " + ", ".join(f"{k} {v:.3f} ms"
+                                                                              for k, v in times.items()))
+    assert times["fused"] < times["stepped"] and times["kept"] + times["replay"] < times["stepped"]

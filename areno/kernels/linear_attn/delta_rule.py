@@ -560,13 +560,11 @@ def _step_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V,
 
 
 @triton.jit
-def _verify_kernel(Q, K_, V_, G, BETA, STATE, IDX, STASH, stride_si, stride_sb, O, scale, H, K, V, N: tl.constexpr,
-                   HAS_STASH: tl.constexpr, WRITE: tl.constexpr, SCALAR: tl.constexpr, BK: tl.constexpr,
-                   BV: tl.constexpr):  # fmt: skip
+def _verify_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V, N: tl.constexpr, WRITE: tl.constexpr,
+                   SCALAR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     """A speculative verify's N tokens of sequence b (tokens b N .. b N + N - 1) as N ``_step_kernel`` tokens with the
     state held in registers between them (rounded to the pool's dtype, as a store and reload round it). ``WRITE``:
-    the state after each of the first N - 1 to the stash (``HAS_STASH``), the last to the pool; else only the
-    outputs (``_replay_kernel`` commits the accepted tokens)."""
+    the state after the last to the pool; else only the outputs (``_replay_kernel`` commits the accepted tokens)."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     kmask, vmask = offs_k < K, offs_v < V
@@ -582,9 +580,6 @@ def _verify_kernel(Q, K_, V_, G, BETA, STATE, IDX, STASH, stride_si, stride_sb, 
         tl.store(O + row * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
         if i < N - 1:
             S = S.to(STATE.dtype.element_ty).to(tl.float32)
-            if HAS_STASH:
-                tl.store(STASH + i * stride_si + b.to(tl.int64) * stride_sb + tile, S.to(STASH.dtype.element_ty),
-                         mask=smask)  # fmt: skip
     if WRITE:
         tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
@@ -824,44 +819,38 @@ def fused_recurrent_gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None
         return gated_delta_rule_step_native(q, k, v, g, beta, state, scale=scale, state_indices=state_indices)
 
 
-def fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, *, n, stash=None, keep=None, scale=None,
-                                            state_indices):
+def fused_recurrent_gated_delta_rule_verify(q, k, v, g, beta, state, *, n, keep=None, scale=None, state_indices):
     """A speculative verify's ``n`` tokens per sequence through the decode step: rows ``s n .. s n + n - 1`` of q, k
     [T, H, K], v [T, H, V], g [T, H, K] or [T, H], beta [T, H] are sequence s's in order (``state_indices [B]`` its
-    pool row, -1: a padding row), each token as ``fused_recurrent_gated_delta_rule_step`` computes it (the same bits).
-    With ``keep`` (a ``steps.VerifyInputs``) the pool is not written: k, v, g and beta are kept and ``keep.replay``
-    commits each sequence's accepted tokens (``fused_recurrent_gated_delta_rule_replay``). Without, ``stash [n - 1,
-    >= B, H, K, V]`` (the pool's dtype, contiguous after dim 1; or None) gets each sequence's state after each of its
-    first n - 1 tokens, the pool the state after the last. One kernel, each state read once. Returns o [T, H, V]."""
+    pool row, -1: a padding row), each token as ``fused_recurrent_gated_delta_rule_step`` computes it (the same bits),
+    in one kernel that holds the state between them. With ``keep`` (a ``steps.VerifyInputs``) the pool is not
+    written: k, v, g and beta are kept and ``keep.replay`` commits each sequence's accepted tokens
+    (``fused_recurrent_gated_delta_rule_replay``). Without, the pool gets the state after the last. Returns o
+    [T, H, V]."""
     T, H, K = k.shape
     V, B = v.shape[-1], state_indices.shape[0]
-    if T != B * n or (stash is not None and (keep is not None or stash.shape[0] != n - 1 or stash.shape[1] < B
-                                              or stash.shape[2:] != state.shape[1:])):
-        raise ValueError(f"fused_recurrent_gated_delta_rule_verify: {T} rows are not {B} sequences x {n} tokens, or "
-                         f"the stash {None if stash is None else tuple(stash.shape)} does not hold {n - 1} states "
-                         "of each (or comes with keep)")  # fmt: skip
+    if T != B * n:
+        raise ValueError(f"fused_recurrent_gated_delta_rule_verify: {T} rows are not {B} sequences x {n} tokens")
     if keep is not None:
         keep.keep(n, lambda pool, idx, counts, n, **x: fused_recurrent_gated_delta_rule_replay(
             **x, state=pool, n=n, counts=counts, state_indices=idx), k=k, v=v, g=g, beta=beta)
     supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and q.dtype in _TRITON_FLOATS
-                 and K <= MAX_DIM and V <= MAX_DIM
-                 and (stash is None or (stash.dtype == state.dtype and stash[0, 0].is_contiguous())))
+                 and K <= MAX_DIM and V <= MAX_DIM)
     if not use_triton(q, k, v, g, beta, state, supported=supported):
         step = lambda pool, idx, *x: fused_recurrent_gated_delta_rule_step(  # noqa: E731
             *x, pool, scale=scale, state_indices=idx)
         if keep is not None:
             return step_aside(n, state, state_indices, step, q, k, v, g, beta)
-        return step_through(n, state, stash, state_indices, lambda *x: step(state, state_indices, *x),
+        return step_through(n, state, None, state_indices, lambda *x: step(state, state_indices, *x),
                             q, k, v, g, beta)  # fmt: skip
     o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     if B == 0:
         return o
     BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))  # the step kernel's tile: its bits
-    st = stash if stash is not None else state
     _verify_kernel[(B, H, triton.cdiv(V, BV))](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, state_indices, st,
-        st.stride(0), st.stride(1), o, float(K**-0.5 if scale is None else scale), H, K, V, N=n,
-        HAS_STASH=stash is not None, WRITE=keep is None, SCALAR=g.dim() == 2, BK=BK, BV=BV,
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, state_indices, o,
+        float(K**-0.5 if scale is None else scale), H, K, V, N=n, WRITE=keep is None, SCALAR=g.dim() == 2, BK=BK,
+        BV=BV,
     )  # fmt: skip
     return o
 

@@ -81,21 +81,19 @@ def _gdn_step_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX
 
 
 @triton.jit
-def _gdn_verify_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, STASH, stride_si, stride_sb, O,
-                       scale, eps, H, REP, KD, K, V, N: tl.constexpr, HAS_STASH: tl.constexpr, WRITE: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+def _gdn_verify_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, IDX, O, scale, eps, H, REP, KD, K, V,
+                       N: tl.constexpr, WRITE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
     """A verify's N tokens of sequence b (rows b N .. b N + N - 1) on its state, held in registers between them
-    (rounded to the pool's dtype, as the step kernel's store and reload round it). ``WRITE``: the state after each
-    of the first N - 1 to the stash (``HAS_STASH``), the last to the pool; else nothing is written but the outputs
-    (the replay commits the accepted tokens, ``_gdn_replay_kernel``)."""
+    (rounded to the pool's dtype, as the step kernel's store and reload round it). ``WRITE``: the state after the
+    last to the pool; else nothing is written but the outputs (the replay commits the accepted tokens,
+    ``_gdn_replay_kernel``)."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     kmask, vmask = offs_k < K, offs_v < V
     slot = tl.load(IDX + b)
     ok = slot >= 0
     smask = (kmask[:, None] & vmask[None, :]) & ok
-    tile = h * K * V + offs_k[:, None] * V + offs_v[None, :]
-    soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + tile
+    soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + h * K * V + offs_k[:, None] * V + offs_v[None, :]
     S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
     for i in tl.static_range(N):
         t = b.to(tl.int64) * N + i
@@ -104,9 +102,6 @@ def _gdn_verify_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, I
         tl.store(O + (t * H + h) * V + offs_v, tl.where(ok, o, 0.0).to(O.dtype.element_ty), mask=vmask)
         if i < N - 1:
             S = S.to(STATE.dtype.element_ty).to(tl.float32)
-            if HAS_STASH:
-                tl.store(STASH + i * stride_si + b.to(tl.int64) * stride_sb + tile, S.to(STASH.dtype.element_ty),
-                         mask=smask)  # fmt: skip
     if WRITE:
         tl.store(STATE + soffs, S.to(STATE.dtype.element_ty), mask=smask)
 
@@ -312,26 +307,23 @@ def gdn_decode_step(qkv, a, b, A_log, dt_bias, state, *, num_k_heads, num_v_head
     return o
 
 
-def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, stash=None, keep=None, num_k_heads, num_v_heads,
-                     scale=None, state_indices, eps=1e-6):
+def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, keep=None, num_k_heads, num_v_heads, scale=None,
+                     state_indices, eps=1e-6):
     """A speculative verify's ``n`` tokens per sequence through the decode step: rows ``s n .. s n + n - 1`` of
     ``qkv``, ``a`` and ``b`` are sequence s's in order (``state_indices [B]`` its pool row, -1: a padding row), each
-    token computed as ``gdn_decode_step`` computes it (the same tile, the same bits). Returns o ``[B n, nv, dv]``.
+    token computed as ``gdn_decode_step`` computes it (the same tile, the same bits), the state held between them.
+    Returns o ``[B n, nv, dv]``.
 
     With ``keep`` (a ``steps.VerifyInputs``: the engine's) the pool is not written: the tokens' inputs are kept and
     ``keep.replay`` commits each sequence's accepted ones (``gdn_replay``), each state read twice and written once.
-    Without, the pool gets the state after the last token and ``stash [n - 1, >= B, nv, dk, dv]`` (the pool's
-    dtype, contiguous after dim 1; or None) the state after each of the first n - 1. Elsewhere (the CPU,
+    Without, the pool gets the state after the last token (read once, written once). Elsewhere (the CPU,
     unsupported layouts): the step kernel n times (on a copy of the states, with ``keep``)."""
     nk, nv = num_k_heads, num_v_heads
     T, K, V = qkv.shape[0], state.shape[-2], state.shape[-1]
     B = state_indices.shape[0]
     _check("gdn_verify_steps", qkv, a, b, state, nk, nv)
-    if T != B * n or (stash is not None and (keep is not None or stash.shape[0] != n - 1 or stash.shape[1] < B
-                                              or stash.shape[2:] != state.shape[1:])):
-        raise ValueError(f"gdn_verify_steps: {T} rows are not {B} sequences x {n} tokens, or the stash "
-                         f"{None if stash is None else tuple(stash.shape)} does not hold {n - 1} states of each "
-                         "(or comes with keep)")
+    if T != B * n:
+        raise ValueError(f"gdn_verify_steps: {T} rows are not {B} sequences x {n} tokens")
     scale = K**-0.5 if scale is None else scale
     kw = dict(num_k_heads=nk, num_v_heads=nv, scale=scale, eps=eps)
     if keep is not None:
@@ -339,24 +331,21 @@ def gdn_verify_steps(qkv, a, b, A_log, dt_bias, state, *, n, stash=None, keep=No
             qkv, a, b, A_log, dt_bias, pool, n=n, counts=counts, state_indices=idx, **kw), qkv=qkv, a=a, b=b)
     supported = (state.dtype in TRITON_STATE_DTYPES and state.is_contiguous() and qkv.dtype in _TRITON_FLOATS
                  and K <= MAX_DIM and V <= MAX_DIM and qkv.stride(1) == 1 and a.stride(1) == 1
-                 and a.stride() == b.stride() and (stash is None or (stash.dtype == state.dtype
-                                                                     and stash[0, 0].is_contiguous())))
+                 and a.stride() == b.stride())
     if not use_triton(qkv, a, b, state, supported=supported):
         step = lambda pool, idx, x, ai, bi: gdn_decode_step(x, ai, bi, A_log, dt_bias, pool, state_indices=idx,  # noqa
                                                             **kw)
         if keep is not None:
             return step_aside(n, state, state_indices, step, qkv, a, b)
-        return step_through(n, state, stash, state_indices, lambda *x: step(state, state_indices, *x), qkv, a, b)
+        return step_through(n, state, None, state_indices, lambda *x: step(state, state_indices, *x), qkv, a, b)
     o = torch.empty(T, nv, V, dtype=qkv.dtype, device=qkv.device)
     if B == 0:
         return o
     cfg = STEP_CONFIG[state.dtype]  # the step kernel's tile: the same reductions, the same bits
     BK, BV = triton.next_power_of_2(K), min(cfg["BV"], triton.next_power_of_2(V))
-    st = stash if stash is not None else state
     _gdn_verify_kernel[(B, nv, triton.cdiv(V, BV))](
-        qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, st, st.stride(0),
-        st.stride(1), o, float(scale), float(eps), nv, nv // nk, nk * K, K, V, N=n, HAS_STASH=stash is not None,
-        WRITE=keep is None, BK=BK, BV=BV, num_warps=cfg["num_warps"],
+        qkv, qkv.stride(0), a, b, a.stride(0), A_log, dt_bias, state, state_indices, o, float(scale), float(eps), nv,
+        nv // nk, nk * K, K, V, N=n, WRITE=keep is None, BK=BK, BV=BV, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return o
 
