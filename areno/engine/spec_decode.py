@@ -478,7 +478,9 @@ class SpecDecoder:
     def _redo(self, rows: list[Row], verified, steady: bool = False) -> tuple | None:
         """Hybrid models: (which saved states to restore, the inputs of their accepted tokens) for the drafting rows
         that rejected a draft token, whose target forward runs again over the accepted inputs (K/V rewritten with
-        the same values); None when none did (planned before the rows' tokens are appended)."""
+        the same values); None when none did (planned before the rows' tokens are appended). A steady step's:
+        ("steps", every row's state slot, its accepted drafts), the replay that commits them (its verify wrote no
+        delta-rule state)."""
         r = self.engine.runner
         if r.states is None:
             return None

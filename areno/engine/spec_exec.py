@@ -11,7 +11,8 @@ of deferred catch-ups) as two records, each first sent through the engine's step
   rank when the runner uses graphs (and its catch-up and chain those of ``spec_chain``); a gated step of decodes
   runs the same body at width 1 (its forward replayed per bucket too; the runner's sampling after it).
 - ``FinishWork``, after the leader verified, appended and decided: the rollback of rejecting hybrid rows (states
-  restored, a forward over their accepted inputs) and the MTP ops in the leader's order: ``hold`` the hidden rows of
+  restored, a forward over their accepted inputs; a steady step's: every row's accepted tokens replayed on its
+  delta-rule states, ``VerifyGraphs.roll_back``) and the MTP ops in the leader's order: ``hold`` the hidden rows of
   a gated step's sequences (their catch-up deferred; one indexed gather), ``drop`` held rows, ``flush`` the held
   rows' catch-up, ``catch_up`` over the step's positions and then the ``Chain`` of draft steps. The chain's tokens
   are drawn on the leader (its Philox streams, the requests' settings) and broadcast to the followers before the next
@@ -78,8 +79,8 @@ class Chain:
 @dataclass
 class FinishWork:
     """After the verify: ``redo`` (indices into the saved states, the inputs of the accepted tokens; a steady step's:
-    ("steps", rows, state slots, accepted drafts) of its rejecting rows) or None, then the MTP ``ops`` in order (see
-    the module docstring)."""
+    ("steps", state slots, accepted drafts) of every row, ``VerifyGraphs.roll_back``) or None, then the MTP ``ops``
+    in order (see the module docstring)."""
 
     redo: tuple | None
     ops: list
@@ -140,7 +141,7 @@ class SpecExec:
     def finish(self, r, work: FinishWork) -> list | None:
         """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, probs [K_b, V])] per
         drafting sequence), else None."""
-        if work.redo is not None and work.redo[0] == "steps":  # a steady step's: the verify kept the states
+        if work.redo is not None and work.redo[0] == "steps":  # a steady step's: its accepted tokens replayed
             self.graphs.roll_back(r, *work.redo[1:])
         elif work.redo is not None:
             self._rollback(r, *work.redo)

@@ -14,13 +14,12 @@ plain decode graphs do (``decode_graphs``), captured into the runner's graph poo
 The hybrids' rollback needs no second forward here (``StateSteps``, written inside the graph): the delta-rule layers
 write no state in a verify but keep its tokens' inputs (``kernels.linear_attn.steps.VerifyInputs``), and
 ``VerifyGraphs.roll_back`` replays each row's accepted tokens on its state (one read and one write of it; a graph a
-bucket after a replayed verify); the short convs (a
-small state) step in place and keep their states after each of the first K tokens, a rejecting row's slot taking
-the one after its last accepted input (one indexed copy). The K/V and hidden rows of accepted positions are
-already right.
+bucket after a replayed verify); the short convs (a small state) step in place and keep their states after each of
+the first K tokens, a rejecting row's slot taking the one after its last accepted input (one indexed copy). The K/V
+and hidden rows of accepted positions are already right.
 After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
 once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
-rollback's two copies and the host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
+convs' rollback copy and the host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
 and a bucket is replayed while bucket x (K + 1) rows stay within ``VERIFY_GRAPH_ROWS`` or the largest decode bucket,
 whichever is more (larger steady steps run the same bodies eagerly: their logits and the sampling's temporaries,
 several times rows x V x 4 bytes, are then not held in the graph pool). Memory: the stash (K x rows x one slot's
