@@ -585,17 +585,26 @@ def _verify_kernel(Q, K_, V_, G, BETA, STATE, IDX, O, scale, H, K, V, N: tl.cons
 
 
 @triton.jit
-def _replay_kernel(K_, V_, G, BETA, STATE, IDX, CNT, H, K, V, N: tl.constexpr, SCALAR: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
-    """The first CNT[b] of sequence b's N kept verify tokens on its state: ``_step_kernel``'s update a token (rounded
-    to the pool's dtype after each, as its store rounds it), the state read once and written once."""
-    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def replay_tile(STATE, IDX, CNT, b, h, vb, H, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """A replay program's (sequence b, head h, value block vb) state tile: (S fp32, its offsets, its mask, the
+    count of tokens to replay, offs_k, offs_v, kmask, vmask); a slot of -1 or a count of 0 loads and stores
+    nothing."""
     offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     kmask, vmask = offs_k < K, offs_v < V
     slot, cnt = tl.load(IDX + b), tl.load(CNT + b)
     smask = (kmask[:, None] & vmask[None, :]) & (slot >= 0) & (cnt > 0)
     soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + h * K * V + offs_k[:, None] * V + offs_v[None, :]
     S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
+    return S, soffs, smask, cnt, offs_k, offs_v, kmask, vmask
+
+
+@triton.jit
+def _replay_kernel(K_, V_, G, BETA, STATE, IDX, CNT, H, K, V, N: tl.constexpr, SCALAR: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr):  # fmt: skip
+    """The first CNT[b] of sequence b's N kept verify tokens on its state: ``_step_kernel``'s update a token (rounded
+    to the pool's dtype after each, as its store rounds it), the state read once and written once."""
+    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    S, soffs, smask, cnt, offs_k, offs_v, kmask, vmask = replay_tile(STATE, IDX, CNT, b, h, vb, H, K, V, BK, BV)
     for i in tl.static_range(N):
         if i < cnt:  # a branch, not a select: one state tile in registers
             row = (b * N + i) * H + h  # no output: the keys stand in for the queries

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from areno.kernels.dispatch import interpreting, use_triton
-from areno.kernels.linear_attn.delta_rule import MAX_DIM, TRITON_STATE_DTYPES, gated_delta_rule_step_native
+from areno.kernels.linear_attn.delta_rule import MAX_DIM, TRITON_STATE_DTYPES, gated_delta_rule_step_native, replay_tile
 from areno.kernels.linear_attn.steps import replay_through, step_aside, step_through
 from areno.kernels.norm import sum_rows
 
@@ -112,12 +112,7 @@ def _gdn_replay_kernel(QKV, stride_x, A, B_, stride_ab, A_LOG, DT_BIAS, STATE, I
     """The first CNT[b] of sequence b's N kept verify tokens on its state (read once, written once; rounded to the
     pool's dtype after each token, as the step kernel's store rounds it: the same bits as stepping)."""
     b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_k, offs_v = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
-    kmask, vmask = offs_k < K, offs_v < V
-    slot, cnt = tl.load(IDX + b), tl.load(CNT + b)
-    smask = (kmask[:, None] & vmask[None, :]) & (slot >= 0) & (cnt > 0)
-    soffs = tl.maximum(slot, 0).to(tl.int64) * H * K * V + h * K * V + offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(STATE + soffs, mask=smask, other=0.0).to(tl.float32)
+    S, soffs, smask, cnt, offs_k, offs_v, kmask, vmask = replay_tile(STATE, IDX, CNT, b, h, vb, H, K, V, BK, BV)
     for i in tl.static_range(N):
         if i < cnt:  # a branch, not a select: one state tile in registers
             t = b.to(tl.int64) * N + i
