@@ -38,9 +38,10 @@ QBLOCK = 256  # elements per absmax block (bitsandbytes' block for 8-bit optimiz
 # 4.4B-parameter shape). Compiled for sm_90a (Triton 3.7.1, bench/kernel_resources.py --kernels adamw8bit) this
 # 8 x 256 tile on 8 warps keeps 214 registers a thread: one program resident an SM (8 of its 64 warps) for a kernel
 # whose moments go through dependent gathers of the code books; 4 x 256 on 16 warps keeps 61 (32 warps), 2 x 256 on
-# 8 warps 48 (40). Chosen before any sweep; bench/optimizer_8bit.py --parts kernel --tiles times the tiles on the GPU
-# (the best one belongs here). Rows and warps: powers of two.
-TILE = {"rows": 8, "num_warps": 8}
+# 8 warps 48 (40). bench/optimizer_8bit.py --parts kernel --tiles on the H100 (12-07, 596M elements): 8x8 14.8 ms
+# (0.19 of HBM), 4x16 10.6, 2x8 9.7, 2x4 7.9, 1x8 8.0, 1x4 7.3, 1x2 6.7 (0.41), 1x1 8.7. Rows and warps: powers of
+# two.
+TILE = {"rows": 1, "num_warps": 2}
 
 
 def rows_per_program() -> int:

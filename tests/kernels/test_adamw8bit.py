@@ -100,7 +100,7 @@ def test_kernel_matches_native(n, dtype, grad, monkeypatch, triton_kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(4, 16), (4, 8), (2, 8), (2, 4), (1, 4), (8, 8)])
+@pytest.mark.parametrize("tile", [(4, 16), (4, 8), (2, 8), (2, 4), (1, 4), (8, 8), (1, 2), (1, 1)])
 def test_every_tile_updates_bit_for_bit_as_the_default_one(tile, monkeypatch):
     """The tiles bench/optimizer_8bit.py --tiles sweeps (``adamw8bit.TILE``: absmax blocks a program, warps) change
     where the work runs, not what it computes: master, codes and absmax equal the default tile's bit for bit."""
