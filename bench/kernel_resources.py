@@ -55,7 +55,8 @@ KERNELS = {
     "gdn_replay": (gdn_decode.TILED_KERNELS["gdn_replay"], _REPLAY, "BV", lambda bv: {"N": 3, "BK": 128, "BV": bv},
                    "128x4,128x8,64x2,64x4,32x2,32x4,16x2"),
     "adamw8bit": (adamw8bit.adamw8bit_kernel, _ADAMW8BIT, "rows",
-                  lambda rows: {"HAS_GRAD": True, "BLOCK": adamw8bit.QBLOCK, "ROWS": rows}, "8x8,4x16,4x8,2x8,2x4,1x4"),
+                  lambda rows: {"HAS_GRAD": True, "BLOCK": adamw8bit.QBLOCK, "ROWS": rows},
+                  "8x8,4x16,4x8,2x8,2x4,1x4,1x2,1x1"),
 }
 STATE_TYPES = {"float32": "fp32", "bfloat16": "bf16"}
 

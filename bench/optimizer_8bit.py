@@ -42,7 +42,7 @@ from areno.platform.roofline import roofline_of  # noqa: E402
 from areno.training.optimizer import MasterAdamW  # noqa: E402
 
 GIB = 2**30
-DEFAULT_TILES = "8x8,4x16,4x8,2x8,2x4,1x4"  # --tiles: the kernel part's sweep
+DEFAULT_TILES = "8x8,4x16,4x8,2x8,2x4,1x4,1x2,1x1"  # --tiles: the kernel part's sweep
 
 
 def memory_and_step(smoke: bool, dev: torch.device) -> list[dict]:
