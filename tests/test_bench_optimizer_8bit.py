@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from areno.kernels.adamw8bit import TILE
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,7 +25,8 @@ def test_kernel_rows_per_tile_and_the_step_rows_name_theirs():
     steps = [r for r in table if r and r[0] == "step"]
     assert sorted((r[1], r[2]) for r in steps) == [("8bit", "bucketed"), ("8bit", "fused"), ("fp32", "bucketed"),
                                                    ("fp32", "fused")]
-    assert all(r[3] == "8x8" for r in steps if r[1] == "8bit")  # the module's tile, put back after the sweep
+    default = f"{TILE['rows']}x{TILE['num_warps']}"  # the module's tile, put back after the sweep
+    assert all(r[3] == default for r in steps if r[1] == "8bit")
 
 
 def test_a_malformed_tile_is_refused_naming_the_flag():
