@@ -306,10 +306,11 @@ def test_triton_gemm_split_k_and_tiles(triton_kernels, config):
 
 def test_triton_matches_native_on_3d_input(triton_kernels, monkeypatch):
     q = quantize_weight_fp8(_weight((40, 96), seed=3))
-    x = torch.randn(2, 5, 96)
+    x = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(4))  # the suite's RNG state varies by worker
     got = fp8_linear(x.transpose(0, 1), q)  # strided rows
     monkeypatch.setenv("ARENO_KERNELS", "native")
-    torch.testing.assert_close(got, fp8_linear(x.transpose(0, 1), q), rtol=1e-5, atol=1e-5)
+    # fp32 sums over 96 products in another order: CI's draw differed by 1.2e-5 in one of 400 (an absolute 1e-5 bound)
+    torch.testing.assert_close(got, fp8_linear(x.transpose(0, 1), q), rtol=1e-4, atol=1e-4)
     assert got.shape == (5, 2, 40)
 
 
