@@ -483,7 +483,8 @@ def run_speculative(args, device, names):
     if args.spec_batch_sweep:
         records = spec.run_batch_sweep(args, device)
         print_table(records, ["workload", "family", "speculative_tokens", "batch", "output_tokens", "wall_s", "tok_s",
-                              "spec_accept_len", "speedup_vs_plain", "accept_needed", "auto_limit", "mtp_loss_last"])
+                              "spec_accept_len", "speedup_vs_plain", "accept_needed", "auto_limit", "mtp_loss_last",
+                              "greedy_same", "first_diff_mean"])
         print(spec.crossover(records))
     else:
         records = spec.run_spec(args, device, names, workload)

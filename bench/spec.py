@@ -41,7 +41,12 @@ steps it ran plain (``spec_gated_steps``); the bar is R1 (256 streams) with auto
 ``--spec-batch-sweep`` measures instead the plain engine and speculation never gated at batch sizes 1, 4, 16, 64 and
 256 (``--spec-batches`` for others; 128-token prompts, 128 new tokens) and prints where speculation stops paying next
 to auto's N; ``accept_needed`` is the accept length at which it would break even at each batch (the speculative
-step's cost in plain steps: accept length / speed-up), what an acceptance-aware gate would compare with.
+step's cost in plain steps: accept length / speed-up), what an acceptance-aware gate would compare with. Under
+``--spec-greedy`` each speculating row says how far its answers follow the plain engine's at that batch
+(``greedy_same``, ``first_diff_mean``): the 12-07 sweep's accept length 2.8 at batch 1 but ~1.05 from 16 on, with
+one fitted draft, is what a path that leaves the memorised one early looks like (a K + 1-row verify of 16 rows is a
+48-row GEMM, rounded otherwise than the plain step's 16), and ``--mtp-fit-rounds 2`` refits on the never-gated
+engine's own greedy answers at each batch.
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def greedy_outputs(engine, prompt_sets) -> list[list[int]]:
     return seqs
 
 
-def load_draft_model(args, device, prompt_sets):
+def load_draft_model(args, device, prompt_sets, refit_gate="auto"):
     """The family's model on ``device`` with its MTP layer trained first when ``--mtp-train-steps`` asks (on the
     greedy continuations of ``prompt_sets(vocab)``: the prompts the bench then times), the engines' shared settings,
     and the training record. The engines run as many sequences as the largest prompt set (at least 4): a hybrid's
@@ -116,7 +121,9 @@ def load_draft_model(args, device, prompt_sets):
     (with the plain engine's continuations): in bf16 a verify of K + 1 rows rounds differently from a one-row decode
     step, so the speculative engine's greedy path can leave the plain one at a near-tie, and a random model's draft
     knows nothing past it (it only memorised; see the module docstring). Each round's accept length and
-    agreement with the plain continuations are recorded (``mtp_rounds``)."""
+    agreement with the plain continuations are recorded (``mtp_rounds``). ``refit_gate``: the refitting engine's
+    ``--speculative-disable-by-batch-size``, the timed engine's (the sweep's ``off``: a gated refit would answer
+    its large batches plainly, the path the first fit already learned)."""
     from areno.engine.engine import Engine, EngineConfig
     from areno.models import load_model
     from areno.training.mtp import fit_draft
@@ -128,7 +135,7 @@ def load_draft_model(args, device, prompt_sets):
     train = {}
     if args.mtp_train_steps:
         sets = prompt_sets(model.config.vocab_size)
-        cached = fit_cache(args, sets)
+        cached = fit_cache(args, sets, refit_gate)
         if cached.with_suffix(".json").is_file():  # fitted by an earlier run on this machine: the same fit
             load_fit(model, cached)
             train = {**json.loads(cached.with_suffix(".json").read_text()), "mtp_fit_cached": True}
@@ -142,10 +149,8 @@ def load_draft_model(args, device, prompt_sets):
         starts = [len(p) for prompts, _ in sets for p in prompts]
         for r in range(args.mtp_fit_rounds):
             if r:
-                # gated as the timed engine is (auto): never gated, 256 rows' stash outgrew an H100's KV budget when
-                # it held K states a row (before 12-07's replay)
                 spec = Engine(model, None, EngineConfig(speculative_tokens=args.speculative_tokens, decode_steps=1,
-                                                        **base),
+                                                        speculative_disable_by_batch_size=refit_gate, **base),
                               eos_token_ids=[])  # fmt: skip
                 answered = greedy_outputs(spec, sets)
                 rounds.append({**spec.spec.take_stats(), **agreement(seqs[: len(answered)], answered, starts)})
@@ -162,13 +167,15 @@ def load_draft_model(args, device, prompt_sets):
     return model, base, train
 
 
-def fit_cache(args, sets) -> Path:
+def fit_cache(args, sets, refit_gate="auto") -> Path:
     """Where a fitted draft is kept (its ``.safetensors`` and ``.json``) under the bench cache, named by what decides
-    the fit: the family and shape, K, the steps, rounds and epochs, and the prompts it is fitted on. A fit can take
+    the fit: the family and shape, K, the steps, rounds (and the refitting engine's gate) and epochs, and the prompts
+    it is fitted on. A fit can take
     most of a 10-minute device call (R2's 256 prompts: ~2.5 min a round), so a second call on the same machine
     reuses it."""
     shape = (SMOKE if args.smoke else SHAPES)[args.mtp_family]
-    key = json.dumps([args.mtp_family, shape, args.speculative_tokens, args.mtp_train_steps, args.mtp_fit_rounds,
+    rounds = [args.mtp_fit_rounds] + ([str(refit_gate)] if args.mtp_fit_rounds > 1 else [])
+    key = json.dumps([args.mtp_family, shape, args.speculative_tokens, args.mtp_train_steps, *rounds,
                       MTP_EPOCHS, [[list(p) for p in prompts] + [list(new)] for prompts, new in sets]], sort_keys=True)
     name = f"{args.mtp_family}-{'smoke' if args.smoke else 'bench'}-fit-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
     return models.cache_root() / "mtp-fits" / name
@@ -247,7 +254,7 @@ def run_spec(args, device, names: list[str], workload) -> list[dict]:
     from areno.engine.engine import Engine, EngineConfig
 
     sets = lambda vocab: [workload(n, args.smoke, vocab, seed) for n in names for seed in (1, 2)]  # noqa: E731
-    model, base, train = load_draft_model(args, device, sets)
+    model, base, train = load_draft_model(args, device, sets, gates(args)[0])
     vocab = model.config.vocab_size
     records, plain_answers = [], {}
     runs = [(0, "auto", "before")] + [(args.speculative_tokens, g, None) for g in gates(args)]
@@ -316,10 +323,10 @@ def run_batch_sweep(args, device) -> list[dict]:
     sizes = args.spec_batches or SWEEP_BATCHES
     batches = [b for b in sizes if b <= 16] if args.smoke else sizes
     sets = lambda vocab: [(models.random_prompts(b, plen, vocab, seed=b), [new] * b) for b in batches]  # noqa: E731
-    model, base, train = load_draft_model(args, device, sets)
+    model, base, train = load_draft_model(args, device, sets, "off")
     vocab = model.config.vocab_size
     temp = 0.0 if args.spec_greedy else 1.0
-    records = []
+    records, plain_answers = [], {}
     for k, gate in ((0, "auto"), (args.speculative_tokens, "off")):
         engine, sizes = None, list(batches)
         while engine is None and sizes:
@@ -340,7 +347,12 @@ def run_batch_sweep(args, device) -> list[dict]:
         engine.capture_graphs((1, PLAIN_DECODE_STEPS))
         engine.generate(models.random_prompts(4, plen, vocab, seed=99), opts)  # compile and warm the kernels
         for b in sizes:
-            rec, _ = timed_generate(engine, models.random_prompts(b, plen, vocab, seed=b), opts, device)
+            rec, out = timed_generate(engine, models.random_prompts(b, plen, vocab, seed=b), opts, device)
+            answers = [list(g[0].token_ids) for g in out]
+            if not k:
+                plain_answers[b] = answers
+            elif args.spec_greedy and b in plain_answers:  # whether speculation's greedy path left the plain one
+                rec.update(agreement(plain_answers[b], answers))
             rec = dict(impl="areno", workload="spec-sweep", family=args.mtp_family, speculative_tokens=k, batch=b,
                        **rec, **train)
             print({a: round(v, 4) if isinstance(v, float) else v for a, v in rec.items()}, flush=True)
