@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from areno.engine.logit_adjust import adjust_host
-from areno.engine.step_inputs import DecodeLaunch, LogitAdjust, StepInputs, unused_filters
+from areno.engine.step_inputs import DecodeLaunch, LogitAdjust, StepInputs, pad_tables, unused_filters
 from areno.kernels.sampler import sample
 from areno.models.attention_metadata import AttentionMetadata
 
@@ -230,9 +230,7 @@ class DecodeGraphs:
         the block table ``width`` blocks wide (default: the graphs' full width); with logit adjustments, their
         sparse lists ``sparse_width`` wide and every entry a graph has (default: as wide and as many as needed)."""
         pad = bsz - len(inp.seq_lens)
-        table = np.zeros((bsz, width or self.max_blocks_per_seq), dtype=np.int32)  # numpy: cheap per-row fills
-        for i, tb in enumerate(inp.tables):
-            table[i, : len(tb)] = tb
+        table = pad_tables(inp.tables, bsz, width or self.max_blocks_per_seq)
         host = {
             "ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
             "slots": torch.tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
@@ -242,10 +240,7 @@ class DecodeGraphs:
             "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
         }
         if inp.group_tables is not None:
-            gtables = np.zeros((len(inp.group_tables), bsz, table.shape[1]), dtype=np.int32)
-            for g, tables in enumerate(inp.group_tables):
-                for i, tb in enumerate(tables):
-                    gtables[g, i, : len(tb)] = tb
+            gtables = np.stack([pad_tables(tables, bsz, table.shape[1]) for tables in inp.group_tables])
             host["gtables"] = torch.from_numpy(gtables)
             host["gslots"] = torch.tensor([x + [-1] * pad for x in inp.group_slots])
         if inp.rope_offsets is not None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from areno.engine.spec_graphs import read_back, verify_meta
+from areno.engine.step_inputs import pad_tables
 from areno.kernels.draft_draw import draw_from_probs
 from areno.kernels.sampler import sampling_probs
 from areno.models.attention_metadata import AttentionMetadata
@@ -31,9 +32,7 @@ def chain_host(c, nxt: list[int], rows: int, bsz: int, k: int, mb: int, leader: 
     """The chain's inputs on the host: ``nxt`` padded to ``rows`` verify rows, the chain's own padded to ``bsz``
     (padding rows: K_b = 0, never live), block tables ``mb`` wide; the sampling settings on the leader only."""
     pad = bsz - len(c.pick)
-    table = torch.zeros(bsz, mb, dtype=torch.int32)
-    for i, tb in enumerate(c.tables):
-        table[i, : len(tb)] = torch.tensor(tb, dtype=torch.int32)
+    table = torch.from_numpy(pad_tables(c.tables, bsz, mb))
     host = {"nxt": torch.tensor(nxt + [0] * (rows - len(nxt)), dtype=torch.int64),
             "pick": torch.tensor(c.pick + [0] * pad, dtype=torch.int64),
             "kb": torch.tensor(c.kbs + [0] * pad, dtype=torch.int64),
@@ -82,8 +81,8 @@ def chain_body(r, ex, vbuf: dict, hidden, buf: dict, width: int, k: int):
 
 
 def run_chain(r, ex, c, nxt: list[int]) -> list | None:
-    """The steady step's catch-up and chain; on the leader the drafts [(tokens, probs [K_b, V])] per chain row,
-    else None."""
+    """The steady step's catch-up and chain; on the leader the drafts [(tokens, probs [n, K, V], row)] per chain row
+    (their distributions one tensor, each row's its row of it), else None."""
     vg = ex.graphs
     hidden, width = ex.last[0], vg.width
     k, n, mb = width - 1, len(c.pick), r.max_blocks_per_seq
@@ -106,8 +105,8 @@ def run_chain(r, ex, c, nxt: list[int]) -> list | None:
     if not ex.leader:
         return None
     tk = toks[:, :n].cpu().t().tolist()
-    pr = probs[:, :n].transpose(0, 1).clone()  # the next verify's, out of the graph's buffer
-    return [(t[:kb], p[:kb]) for t, p, kb in zip(tk, pr, c.kbs)]
+    pr = probs[:, :n].transpose(0, 1).clone(memory_format=torch.contiguous_format)  # [n, K, V], out of the graph's
+    return [(t[:kb], pr, i) for i, (t, kb) in enumerate(zip(tk, c.kbs))]
 
 
 def capture_plain(r, ex, bsz: int, width: int, c) -> int:

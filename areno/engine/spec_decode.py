@@ -89,7 +89,25 @@ DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gat
 class Draft:
     length: int  # len(seq) when drafted: used only while the sequence still has that length
     tokens: list[int]
-    probs: torch.Tensor  # [K_b, V] fp32, the draft distribution each token was drawn from
+    batch: torch.Tensor  # the draft distributions each token was drawn from: [K_b, V] fp32, or a chain's [n, K, V]
+    row: int | None = None  # this draft's row of a chain's ``batch`` (None: ``batch`` is its own)
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """[K_b, V]: the distribution each of its tokens was drawn from."""
+        return self.batch if self.row is None else self.batch[self.row, : len(self.tokens)]
+
+
+def draft_probs(drafts: list[Draft]) -> torch.Tensor:
+    """The drafts' distributions ``[B, K, V]`` (every draft K tokens): a view of their chain's when they are its rows
+    0 .. B - 1 in order (a steady batch), one gather when they are rows of one chain, else stacked."""
+    first = drafts[0]
+    if first.row is not None and all(d.batch is first.batch for d in drafts):
+        idx = [d.row for d in drafts]
+        if idx == list(range(len(idx))):
+            return first.batch[: len(idx)]
+        return first.batch.index_select(0, torch.tensor(idx, device=first.batch.device))
+    return torch.stack([d.probs for d in drafts])
 
 
 @dataclass
@@ -295,15 +313,15 @@ class SpecDecoder:
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
-        drafting = any(row.draft is not None for row in rows)
+        drafting = width == 1 and any(row.draft is not None for row in rows)
         if drafting:  # every row's logit rows, padded to the widest row's
             widest = max(len(row.index) for row in rows)
             logit_rows = [i for row in rows for i in self._padded(row, widest)]
         else:
             logit_rows = list(inp.row_index)
-        logit_rows = logit_rows if width == 1 else []  # a steady step's verify takes the logits of every row itself
+        # a steady step's verify takes the logits of every row itself and leaves the states to its replay (roll_back)
         save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
-        save = save if width == 1 else []  # a steady step's verify leaves the states to its replay (roll_back)
+        logit_rows, save = (logit_rows, save) if width == 1 else ([], [])
         with torch.inference_mode():
             hidden = self._run(TargetWork(inp, save, logit_rows, width, gated_decode))
             verified = self._verify(inp, rows, hidden, logit_rows)
@@ -321,9 +339,9 @@ class SpecDecoder:
             chain = self._catch_up(rows, emitted, next_known, ops, width > 1)
         with torch.inference_mode():
             drafts = self._run(FinishWork(redo, ops))
-        for row, (toks, probs) in zip(chain or (), drafts or ()):
-            self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, probs)
-            self.count(drafted=1)
+        for row, (toks, probs, i) in zip(chain or (), drafts or ()):
+            self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, probs, i)
+        self.count(drafted=len(drafts or ()))
         return [r.seq for r in rows]
 
     def _steady(self, chunks, rows) -> bool:
@@ -454,7 +472,7 @@ class SpecDecoder:
             return [[t] for t in toks.tolist()], [[lp] for lp in lps.tolist()], nd, nd
         ex = r.spec_exec
         if ex.logits is not None:  # a steady step: its rejection sampling eager or replayed (spec_sample)
-            toks, lps, accepted = draw(r, inp, [(row.draft.tokens, row.draft.probs) for row in rows], self.k,
+            toks, lps, accepted = draw(r, inp, [row.draft for row in rows], self.k,
                                        ex.logits, ex.graphs.bucket)
             return toks, lps, nd, accepted
         V = r.vocab_size

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from areno.engine.step_inputs import StepInputs
+from areno.engine.step_inputs import StepInputs, pad_tables
 from areno.kernels.linear_attn.steps import VerifyInputs
 from areno.kernels.state_copy import copy_rows
 from areno.models.attention_metadata import AttentionMetadata
@@ -107,21 +107,17 @@ def capture_replay(r, stash: tuple, bsz: int) -> tuple:
     return graph, buf, ()
 
 
-def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int) -> dict:
+def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int, width: int = 1) -> dict:
     """The verify's inputs on the host, padded to ``rows`` token rows and ``seqs`` sequences (padding rows at slot
-    -1, state slot -1), the block tables ``table_width`` blocks wide."""
+    -1, state slot -1), the block tables ``table_width`` blocks wide (``width``: token rows a sequence, each
+    sequence's ``width`` rows one table)."""
     pad = rows - len(inp.ids)
-    table = np.zeros((rows, table_width), dtype=np.int32)
-    for i, tb in enumerate(inp.tables):
-        table[i, : len(tb)] = tb
+    table = pad_tables(inp.tables[::width], rows, table_width, width)
     host = {"ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
             "slots": torch.tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
             "lens": torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32)}
     if inp.group_tables is not None:
-        gtables = np.zeros((len(inp.group_tables), rows, table_width), dtype=np.int32)
-        for g, tables in enumerate(inp.group_tables):
-            for i, tb in enumerate(tables):
-                gtables[g, i, : len(tb)] = tb
+        gtables = np.stack([pad_tables(tables[::width], rows, table_width, width) for tables in inp.group_tables])
         host["gtables"] = torch.from_numpy(gtables)
         host["gslots"] = torch.tensor([x + [-1] * pad for x in inp.group_slots])
     if inp.state_slots is not None:
@@ -249,7 +245,7 @@ class VerifyGraphs:
         if key not in r.graphs:
             r.graphs[key] = self.capture(r, bsz, width, stash)
         graph, buf, (hidden, logits) = r.graphs[key]
-        for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq).items():
+        for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq, width).items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
         self.bucket, self.vbuf, self.width = bsz, buf, width
@@ -271,7 +267,8 @@ class VerifyGraphs:
     def _eager_buffers(r, inp: StepInputs, width: int, routes: bool) -> dict:
         rows = len(inp.ids)
         width_blocks = max(len(tb) for tables in [inp.tables, *(inp.group_tables or [])] for tb in tables)
-        buf = {name: val.to(r.device) for name, val in verify_host(r, inp, rows, rows // width, width_blocks).items()}
+        host = verify_host(r, inp, rows, rows // width, width_blocks, width)
+        buf = {name: val.to(r.device) for name, val in host.items()}
         buf["cu"] = torch.arange(rows + 1, dtype=torch.int32, device=r.device)
         if routes:
             buf["routing"] = torch.empty(r.model.num_moe_layers, rows, r.model.moe_top_k, dtype=torch.int32,

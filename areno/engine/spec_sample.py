@@ -68,10 +68,13 @@ def _copy(buf: dict, host: dict) -> None:
 
 def draw(r, inp, drafts: list, k: int, logits, bsz: int | None):
     """The steady step's tokens, log-probs and accepted drafts per row (lists; one host read). ``drafts``: each row's
-    (tokens, probs [K, V]); ``logits``: the verify's (every row, a replay's padded to ``bsz``; None: eager)."""
+    ``spec_decode.Draft`` (K tokens); ``logits``: the verify's (every row, a replay's padded to ``bsz``; None:
+    eager)."""
+    from areno.engine.spec_decode import draft_probs
+
     B, width, V = len(drafts), k + 1, r.vocab_size
-    probs = torch.stack([p for _, p in drafts])
-    tokens = [list(t) for t, _ in drafts]
+    probs = draft_probs(drafts)
+    tokens = [d.tokens for d in drafts]
     if bsz is None:
         buf = _to(_host(inp, B, k, tokens, None), r.device)
         buf["logits"], buf["draft_probs"] = logits[: B * width].view(B, width, V), probs

@@ -3,8 +3,10 @@ its ``LogitAdjust`` rows, and ``DecodeLaunch``, a queued k-step decode group (se
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from areno.engine.images import ImageStep
@@ -82,3 +84,26 @@ def unused_filters(top_k: list[int], top_p: list[float]) -> tuple[bool, bool]:
     the sampler is then given None for that filter and skips its threshold (on the native path a sort of every row),
     drawing the same tokens."""
     return all(k <= 0 for k in top_k), all(p >= 1.0 for p in top_p)
+
+
+def pad_tables(tables: list[list[int]], rows: int, width: int, repeat: int = 1) -> np.ndarray:
+    """Block tables as an int32 ``[rows, width]`` array, zero-padded: row ``i * repeat + j`` holds ``tables[i]``
+    for j < ``repeat`` (a verify's K + 1 rows of one sequence share its table), rows past them zeros. One scatter
+    whatever the count (a row-by-row fill cost ~1.5 us a row, 0.9 ms a step at 128 sequences where each row was a
+    tensor of its own)."""
+    out = np.zeros((rows, width), dtype=np.int32)
+    n = len(tables)
+    if not n:
+        return out
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+    total = int(lens.sum())
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=total)
+    row = np.repeat(np.arange(n), lens)
+    col = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    if repeat == 1:
+        out[row, col] = flat
+    else:
+        one = np.zeros((n, width), dtype=np.int32)
+        one[row, col] = flat
+        out[: n * repeat] = np.repeat(one, repeat, axis=0)
+    return out
