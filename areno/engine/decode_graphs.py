@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from areno.engine.logit_adjust import adjust_host
-from areno.engine.step_inputs import DecodeLaunch, LogitAdjust, StepInputs, pad_tables, unused_filters
+from areno.engine.step_inputs import DecodeLaunch, LogitAdjust, StepInputs, host_tensor, pad_tables, unused_filters
 from areno.kernels.sampler import sample
 from areno.models.attention_metadata import AttentionMetadata
 
@@ -232,23 +232,23 @@ class DecodeGraphs:
         pad = bsz - len(inp.seq_lens)
         table = pad_tables(inp.tables, bsz, width or self.max_blocks_per_seq)
         host = {
-            "ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
-            "slots": torch.tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
-            "lens": torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32),
-            "temp": torch.tensor(inp.temperature + [1.0] * pad, dtype=torch.float32),
-            "top_k": torch.tensor(inp.top_k + [0] * pad), "top_p": torch.tensor(inp.top_p + [1.0] * pad),
-            "seeds": torch.tensor(inp.seeds + [0] * pad), "offsets": torch.tensor(inp.offsets + [0] * pad),
+            "ids": host_tensor(inp.ids + [0] * pad), "pos": host_tensor(inp.positions + [0] * pad),
+            "slots": host_tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
+            "lens": host_tensor(inp.seq_lens + [1] * pad, torch.int32),
+            "temp": host_tensor(inp.temperature + [1.0] * pad, torch.float32),
+            "top_k": host_tensor(inp.top_k + [0] * pad), "top_p": host_tensor(inp.top_p + [1.0] * pad, torch.float32),
+            "seeds": host_tensor(inp.seeds + [0] * pad), "offsets": host_tensor(inp.offsets + [0] * pad),
         }
         if inp.group_tables is not None:
             gtables = np.stack([pad_tables(tables, bsz, table.shape[1]) for tables in inp.group_tables])
             host["gtables"] = torch.from_numpy(gtables)
-            host["gslots"] = torch.tensor([x + [-1] * pad for x in inp.group_slots])
+            host["gslots"] = host_tensor([x + [-1] * pad for x in inp.group_slots])
         if inp.rope_offsets is not None:
-            host["rope_off"] = torch.tensor(inp.rope_offsets + [0] * pad)
+            host["rope_off"] = host_tensor(inp.rope_offsets + [0] * pad)
         if inp.state_slots is not None:
-            host["state_idx"] = torch.tensor(inp.state_slots + [-1] * pad, dtype=torch.int32)
+            host["state_idx"] = host_tensor(inp.state_slots + [-1] * pad, torch.int32)
         if self.lora is not None:
-            host["lora"] = torch.tensor((inp.lora or [-1] * len(inp.seq_lens)) + [-1] * pad, dtype=torch.int32)
+            host["lora"] = host_tensor((inp.lora or [-1] * len(inp.seq_lens)) + [-1] * pad, torch.int32)
         if inp.adjust is not None:
             graph = sparse_width is not None
             host.update(adjust_host(inp.adjust, bsz, sparse_width if graph else inp.adjust.width,

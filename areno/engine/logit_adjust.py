@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from areno.engine.sequence import Status
-from areno.engine.step_inputs import LogitAdjust
+from areno.engine.step_inputs import LogitAdjust, host_tensor
 from areno.kernels.penalties import apply_logit_bias, apply_penalties, record_tokens, reset_token_state
 
 
@@ -109,12 +109,12 @@ def adjust_host(adj: LogitAdjust, bsz: int, width: int, penalties: bool | None =
     for i, entries in enumerate(adj.sparse):
         for j, (t, b, banned) in enumerate(entries):
             ids[i, j], bias[i, j], ban[i, j] = t, b, banned
-    host = {"min_p": torch.tensor(adj.min_p + [0.0] * pad, dtype=torch.float32),
-            "min_left": torch.tensor(adj.min_left + [0] * pad, dtype=torch.int32),
+    host = {"min_p": host_tensor(adj.min_p + [0.0] * pad, torch.float32),
+            "min_left": host_tensor(adj.min_left + [0] * pad, torch.int32),
             "sp_ids": torch.from_numpy(ids), "sp_bias": torch.from_numpy(bias), "sp_ban": torch.from_numpy(ban)}
     if penalties or (penalties is None and max(adj.slots) >= 0):
-        host.update(pen_slot=torch.tensor(adj.slots + [-1] * pad, dtype=torch.int64),
-                    rep=torch.tensor(adj.repetition + [1.0] * pad, dtype=torch.float32),
-                    pres=torch.tensor(adj.presence + [0.0] * pad, dtype=torch.float32),
-                    freq=torch.tensor(adj.frequency + [0.0] * pad, dtype=torch.float32))
+        host.update(pen_slot=host_tensor(adj.slots + [-1] * pad),
+                    rep=host_tensor(adj.repetition + [1.0] * pad, torch.float32),
+                    pres=host_tensor(adj.presence + [0.0] * pad, torch.float32),
+                    freq=host_tensor(adj.frequency + [0.0] * pad, torch.float32))
     return host

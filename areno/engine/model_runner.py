@@ -60,7 +60,7 @@ from areno.engine.kv_cache import kv_cache_layout, kv_groups, kv_scale_shape
 from areno.engine.logit_adjust import LogitAdjuster, adjust_host
 from areno.engine.scheduler import Step
 from areno.engine.state_cache import RecurrentStates
-from areno.engine.step_inputs import DecodeLaunch, StepInputs, unused_filters
+from areno.engine.step_inputs import DecodeLaunch, StepInputs, host_tensor, unused_filters
 from areno.kernels.fp8 import FP8
 from areno.kernels.sampler import logits_f32, sample
 from areno.models.attention_metadata import AttentionMetadata
@@ -331,7 +331,7 @@ class ModelRunner(DecodeGraphs):
 
     def step_tensors(self, inp: StepInputs):
         dev = self.device
-        t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+        t = lambda x, dt=torch.int32: host_tensor(x, dt).to(dev)  # noqa: E731
         width = max(len(tb) for tables in [inp.tables, *(inp.group_tables or [])] for tb in tables)  # as needed
         tables = [tb + [0] * (width - len(tb)) for tb in inp.tables]
         cu_k = [0]
@@ -362,10 +362,9 @@ class ModelRunner(DecodeGraphs):
         """Per-row sampling settings; the offset (the token's position) makes each step draw fresh noise. top_k and
         top_p are None when no row uses them (``unused_filters``): the sampler then skips their thresholds."""
         top_k, top_p = unused_filters(inp.top_k, inp.top_p)
-        out = (torch.tensor(inp.temperature, dtype=torch.float32),
-               None if top_k else torch.tensor(inp.top_k, dtype=torch.int64),
-               None if top_p else torch.tensor(inp.top_p, dtype=torch.float32),
-               torch.tensor(inp.seeds, dtype=torch.int64), torch.tensor(inp.offsets, dtype=torch.int64))
+        out = (host_tensor(inp.temperature, torch.float32), None if top_k else host_tensor(inp.top_k),
+               None if top_p else host_tensor(inp.top_p, torch.float32), host_tensor(inp.seeds),
+               host_tensor(inp.offsets))
         return [None if x is None else x.to(device, non_blocking=True) for x in out]
     def warm_kernels(self) -> int:
         """Compile every paged-attention variant each distinct KV-cache layout can pick (``warm_paged_attention``);

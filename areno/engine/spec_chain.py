@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from areno.engine.spec_graphs import read_back, verify_meta
-from areno.engine.step_inputs import pad_tables
+from areno.engine.step_inputs import host_tensor, pad_tables
 from areno.kernels.draft_draw import draw_from_probs
 from areno.kernels.sampler import sampling_probs
 from areno.models.attention_metadata import AttentionMetadata
@@ -33,18 +33,16 @@ def chain_host(c, nxt: list[int], rows: int, bsz: int, k: int, mb: int, leader: 
     (padding rows: K_b = 0, never live), block tables ``mb`` wide; the sampling settings on the leader only."""
     pad = bsz - len(c.pick)
     table = torch.from_numpy(pad_tables(c.tables, bsz, mb))
-    host = {"nxt": torch.tensor(nxt + [0] * (rows - len(nxt)), dtype=torch.int64),
-            "pick": torch.tensor(c.pick + [0] * pad, dtype=torch.int64),
-            "kb": torch.tensor(c.kbs + [0] * pad, dtype=torch.int64),
-            "base": torch.tensor([x - 2 for x in c.lengths] + [0] * pad, dtype=torch.int64), "table": table}
+    host = {"nxt": host_tensor(nxt + [0] * (rows - len(nxt))), "pick": host_tensor(c.pick + [0] * pad),
+            "kb": host_tensor(c.kbs + [0] * pad), "base": host_tensor([x - 2 for x in c.lengths] + [0] * pad),
+            "table": table}
     if leader:
-        host.update(temp=torch.tensor(c.temperature + [1.0] * pad, dtype=torch.float32),
-                    seeds=torch.tensor(c.seeds + [0] * pad, dtype=torch.int64),
-                    lengths=torch.tensor(c.lengths + [0] * pad, dtype=torch.int64))
+        host.update(temp=host_tensor(c.temperature + [1.0] * pad, torch.float32),
+                    seeds=host_tensor(c.seeds + [0] * pad), lengths=host_tensor(c.lengths + [0] * pad))
         if any(c.top_k):
-            host["top_k"] = torch.tensor(c.top_k + [0] * pad, dtype=torch.int64)
+            host["top_k"] = host_tensor(c.top_k + [0] * pad)
         if any(p < 1.0 for p in c.top_p):
-            host["top_p"] = torch.tensor(c.top_p + [1.0] * pad, dtype=torch.float32)
+            host["top_p"] = host_tensor(c.top_p + [1.0] * pad, torch.float32)
     return host
 
 

@@ -73,7 +73,7 @@ from areno.engine.model_runner import broadcast_step
 from areno.engine.scheduler import Chunk, Step
 from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
 from areno.engine.spec_gate import Gate, resolve_gate
-from areno.engine.spec_graphs import stash_bytes, stash_rows
+from areno.engine.spec_graphs import stash_bytes, stash_rows, verify_inputs
 from areno.engine.spec_sample import draw
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs
@@ -356,11 +356,7 @@ class SpecDecoder:
         recurrent-state slots per sequence)."""
         r, seqs = self.engine.runner, [row.seq for row in rows]
         if width > 1:
-            flat = [Chunk(s, len(s) - 1 + j, len(s) + j) for s in seqs for j in range(width)]
-            inp = r.prepare(Step(flat, is_decode=True), seqs, [row.index[0] for row in rows], copies)
-            inp.offsets = [len(s) for s in seqs]
-            if inp.state_slots is not None:
-                inp.state_slots = [s.state_slot for s in seqs]
+            inp = verify_inputs(r, seqs, width, [row.index[0] for row in rows], copies)
         else:
             inp = r.prepare(Step(chunks, is_decode=decode), seqs, [row.index[0] for row in rows], copies)
         inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
@@ -523,9 +519,12 @@ class SpecDecoder:
         """Each row's emitted tokens appended up to its stop; returns them (all of them, for the MTP catch-up)."""
         e = self.engine
         toks, lps, nd, _ = verified
+        verifying = [(len(t), k) for t, k in zip(toks, nd) if k]
+        if verifying:  # counted once for the step (a call a row cost ~2 us)
+            emitted = sum(n for n, _ in verifying)
+            self.count(verify_rows=len(verifying), emitted=emitted, accepted=emitted - len(verifying),
+                       proposed=sum(k for _, k in verifying))
         for row, t, lp, k in zip(rows, toks, lps, nd):
-            if k:
-                self.count(verify_rows=1, emitted=len(t), accepted=len(t) - 1, proposed=k)
             reason = e.stopper.extend(row.seq, t, lp)
             if k or len(t) > 1:
                 e.scheduler.after_decode(row.seq)

@@ -34,7 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from areno.engine.step_inputs import StepInputs, pad_tables
+from areno.engine.scheduler import Chunk, Step
+from areno.engine.step_inputs import StepInputs, host_tensor, pad_tables
 from areno.kernels.linear_attn.steps import VerifyInputs
 from areno.kernels.state_copy import copy_rows
 from areno.models.attention_metadata import AttentionMetadata
@@ -107,21 +108,47 @@ def capture_replay(r, stash: tuple, bsz: int) -> tuple:
     return graph, buf, ()
 
 
+def verify_inputs(r, seqs: list, width: int, row_index: list[int], copies) -> StepInputs:
+    """A steady step's inputs: each sequence's ``width`` rows at positions len - 1 .. len - 2 + width (their blocks
+    reserved), sampling settings and state slot per sequence, ``offsets`` each length (the ids are the caller's).
+    Built per sequence (one ``Chunk`` a row through ``ModelRunner.prepare``, the path of sliding-window groups, cost
+    ~3 us a row on the host)."""
+    if r.layer_groups is not None or r.lora is not None or r.images is not None:
+        flat = [Chunk(s, len(s) - 1 + j, len(s) + j) for s in seqs for j in range(width)]
+        inp = r.prepare(Step(flat, is_decode=True), seqs, row_index, copies)
+        inp.offsets = [len(s) for s in seqs]
+        if inp.state_slots is not None:
+            inp.state_slots = [s.state_slot for s in seqs]
+        return inp
+    bs, lens, tables = r.block_size, [len(s) for s in seqs], [s.block_table for s in seqs]
+    pos = [n - 1 + j for n in lens for j in range(width)]
+    slots = [tb[p // bs] * bs + p % bs for tb, n in zip(tables, lens) for p in range(n - 1, n - 1 + width)]
+    opts = [s.options for s in seqs]
+    return StepInputs(
+        ids=[], positions=pos, slots=slots, cu_q=list(range(len(pos) + 1)), seq_lens=[p + 1 for p in pos],
+        tables=[tb for tb in tables for _ in range(width)], is_decode=True,
+        row_index=list(row_index), temperature=[o.temperature for o in opts], top_k=[o.top_k for o in opts],
+        top_p=[o.top_p for o in opts], seeds=[s.seed for s in seqs], offsets=lens,
+        top_logprobs=max((o.top_logprobs for o in opts), default=0), copies=list(copies),
+        state_slots=[s.state_slot for s in seqs] if r.states is not None else None,
+    )  # fmt: skip
+
+
 def verify_host(r, inp: StepInputs, rows: int, seqs: int, table_width: int, width: int = 1) -> dict:
     """The verify's inputs on the host, padded to ``rows`` token rows and ``seqs`` sequences (padding rows at slot
     -1, state slot -1), the block tables ``table_width`` blocks wide (``width``: token rows a sequence, each
     sequence's ``width`` rows one table)."""
     pad = rows - len(inp.ids)
     table = pad_tables(inp.tables[::width], rows, table_width, width)
-    host = {"ids": torch.tensor(inp.ids + [0] * pad), "pos": torch.tensor(inp.positions + [0] * pad),
-            "slots": torch.tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
-            "lens": torch.tensor(inp.seq_lens + [1] * pad, dtype=torch.int32)}
+    host = {"ids": host_tensor(inp.ids + [0] * pad), "pos": host_tensor(inp.positions + [0] * pad),
+            "slots": host_tensor(inp.slots + [-1] * pad), "table": torch.from_numpy(table),
+            "lens": host_tensor(inp.seq_lens + [1] * pad, torch.int32)}
     if inp.group_tables is not None:
         gtables = np.stack([pad_tables(tables[::width], rows, table_width, width) for tables in inp.group_tables])
         host["gtables"] = torch.from_numpy(gtables)
-        host["gslots"] = torch.tensor([x + [-1] * pad for x in inp.group_slots])
+        host["gslots"] = host_tensor([x + [-1] * pad for x in inp.group_slots])
     if inp.state_slots is not None:
-        host["state_idx"] = torch.tensor(inp.state_slots + [-1] * (seqs - len(inp.state_slots)), dtype=torch.int32)
+        host["state_idx"] = host_tensor(inp.state_slots + [-1] * (seqs - len(inp.state_slots)), torch.int32)
     return host
 
 
@@ -220,8 +247,8 @@ class VerifyGraphs:
             if key not in r.graphs:
                 r.graphs[key] = capture_replay(r, self.stash, self.bucket)
             graph, buf, _ = r.graphs[key]
-            buf["slots"].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int32), non_blocking=True)
-            buf["counts"].copy_(torch.tensor(counts + [0] * pad, dtype=torch.int32), non_blocking=True)
+            buf["slots"].copy_(host_tensor(slots + [-1] * pad, torch.int32), non_blocking=True)
+            buf["counts"].copy_(host_tensor(counts + [0] * pad, torch.int32), non_blocking=True)
             graph.replay()
         rej = [b for b, n in enumerate(accepted) if n < conv.shape[1]]
         if rej:

@@ -20,7 +20,7 @@ from areno.engine.logit_adjust import adjust_host
 from areno.engine.spec_exec import filters
 from areno.engine.spec_graphs import read_back
 from areno.engine.speculative import verify_draft
-from areno.engine.step_inputs import StepInputs
+from areno.engine.step_inputs import StepInputs, host_tensor
 
 
 def sample_body(r, buf: dict):
@@ -37,15 +37,14 @@ def _host(inp, bsz: int, k: int, tokens: list[list[int]], adjust_width: int | No
     """The sampling inputs on the host, padded to ``bsz`` rows (the filters only where some row uses them)."""
     pad = bsz - len(tokens)
     top_k, top_p = filters(inp.top_k, inp.top_p)
-    host = {"draft_tokens": torch.tensor(tokens + [[0] * k] * pad, dtype=torch.int64),
+    host = {"draft_tokens": host_tensor(tokens + [[0] * k] * pad),
             "num_draft": torch.full((bsz,), k, dtype=torch.int64),
-            "temp": torch.tensor(inp.temperature + [1.0] * pad, dtype=torch.float32),
-            "seeds": torch.tensor(inp.seeds + [0] * pad, dtype=torch.int64),
-            "offsets": torch.tensor(inp.offsets + [0] * pad, dtype=torch.int64)}
+            "temp": host_tensor(inp.temperature + [1.0] * pad, torch.float32),
+            "seeds": host_tensor(inp.seeds + [0] * pad), "offsets": host_tensor(inp.offsets + [0] * pad)}
     if top_k is not None:
-        host["top_k"] = torch.tensor(top_k + [0] * pad, dtype=torch.int64)
+        host["top_k"] = host_tensor(top_k + [0] * pad)
     if top_p is not None:
-        host["top_p"] = torch.tensor(top_p + [1.0] * pad, dtype=torch.float32)
+        host["top_p"] = host_tensor(top_p + [1.0] * pad, torch.float32)
     if inp.adjust is not None:
         graph = adjust_width is not None
         host["adjust"] = adjust_host(inp.adjust, bsz, adjust_width if graph else inp.adjust.width,
