@@ -403,11 +403,11 @@ class SpecDecoder:
         and for every computed position the next token when it is known before sampling (else None)."""
         e, rows, chunks, next_known, off = self.engine, [], [], [], 0
         for c in step.chunks:
-            seq, kb = c.seq, 0
+            seq, kb, length = c.seq, 0, len(c.seq)
             d = self.drafts.pop(seq.seq_id, None) if c.samples else None
-            if d is not None and not gated and d.length == len(seq) and c.start == len(seq) - 1:
+            if d is not None and not gated and d.length == length and c.start == length - 1:
                 kb = len(d.tokens)
-                if not e.blocks.reserve_tokens(seq, len(seq) + kb):
+                if not e.blocks.reserve_tokens(seq, length + kb):
                     kb, d = 0, None
             else:
                 d = None
@@ -415,7 +415,10 @@ class SpecDecoder:
             chunk.draft = d
             chunks.append(chunk)
             n = c.end - c.start
-            next_known += [seq.tokens[t + 1] if t + 1 < len(seq) else None for t in range(c.start, c.end)]
+            if c.start < length - 1:  # prompt positions: the next token is known (a decode's last one is not)
+                next_known += [seq.tokens[t + 1] if t + 1 < length else None for t in range(c.start, c.end)]
+            else:
+                next_known.append(None)
             next_known += [None] * kb
             if c.samples:
                 last = off + n - 1
