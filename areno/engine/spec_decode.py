@@ -46,7 +46,7 @@ CUDA graphs: a steady step (every row verifying a full draft of K tokens: no pre
 or gate) runs on static shapes, each part replayed from a graph per (batch bucket, K) under graphs and run eagerly
 as the same body without (so both give the same tokens), and so does a gated step of decodes only (its forward
 at width 1, then the runner's sampling): the verify forward in decode mode over B x (K + 1) rows
-with the hybrids' per-token states kept (``spec_graphs``; the rollback then two copies, no second forward), the
+with the delta-rule layers' inputs kept (``spec_graphs``; the rollback then one replay graph, no second forward), the
 rejection sampling (``spec_sample``) and the MTP catch-up and chain (``spec_chain``). Every other step (prefill
 chunks, fresh forks, shorter drafts, gated steps with prefill chunks) runs eagerly as described above.
 ``capture_graphs`` captures the steady steps' graphs of every bucket at server start (without TP), and the gated

@@ -15,11 +15,11 @@ The hybrids' rollback needs no second forward here (``StateSteps``, written insi
 write no state in a verify but keep its tokens' inputs (``kernels.linear_attn.steps.VerifyInputs``), and
 ``VerifyGraphs.roll_back`` replays each row's accepted tokens on its state (one read and one write of it; a graph a
 bucket after a replayed verify); the short convs (a small state) step in place and keep their states after each of
-the first K tokens, a rejecting row's slot taking the one after its last accepted input (one indexed copy). The K/V
-and hidden rows of accepted positions are already right.
+the first K tokens, a rejecting row's slot taking the one after its last accepted input (one row copy, in the same
+replay body: ``replay_body``). The K/V and hidden rows of accepted positions are already right.
 After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
 once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
-convs' rollback copy and the host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
+host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
 and a bucket is replayed while bucket x (K + 1) rows stay within ``VERIFY_GRAPH_ROWS`` or the largest decode bucket,
 whichever is more (larger steady steps run the same bodies eagerly: their logits and the sampling's temporaries,
 several times rows x V x 4 bytes, are then not held in the graph pool). Memory: the stash (K x rows x one slot's
@@ -85,9 +85,17 @@ def verify_body(r, buf: dict, width: int, stash: tuple | None = None):
 
 def replay_body(r, stash: tuple, buf: dict) -> tuple:
     """Every delta-rule layer's replay of the verify's kept inputs: the first ``buf["counts"][b]`` tokens of row b on
-    state slot ``buf["slots"][b]`` (-1 / 0: a padding row, untouched); no host sync."""
+    state slot ``buf["slots"][b]`` (-1 / 0: a padding row, untouched); then the conv states of the rows that rejected
+    a draft (counts[b] - 1 < K accepted) from the stash's entry after their last accepted input (one row copy each,
+    the others skipped). No host sync."""
+    slots, counts = buf["slots"], buf["counts"]
     for layer, inputs in enumerate(stash[1]):
-        inputs.replay(r.states.recurrent[layer], buf["slots"], buf["counts"])
+        inputs.replay(r.states.recurrent[layer], slots, counts)
+    conv = stash[0]  # [L, K, rows, ...]: the states after each of a verify's first K tokens
+    k, accepted = conv.shape[1], counts.long() - 1
+    rejected = torch.where((accepted < k) & (slots >= 0), slots, -1)
+    src = accepted.clamp(0, k - 1) * conv.shape[2] + torch.arange(slots.shape[0], device=slots.device)
+    copy_rows(r.states.conv, rejected, conv.flatten(1, 2), src)
     return ()
 
 
@@ -234,14 +242,12 @@ class VerifyGraphs:
         """A hybrid's commit after a steady step of rows with state ``slots`` (in the verify's row order) and
         ``accepted`` drafts each: every delta-rule layer replays each row's accepted inputs (accepted + 1 tokens) on
         its state, which the verify left as it was (one launch a layer, or one graph replay a bucket, keyed
-        ("replay", bucket), after a replayed verify); a rejecting row's conv states take those after its last
-        accepted input (the stash's, index = accepted drafts; each such row read once, written once). The K/V are
-        already the right ones."""
-        dev, (conv, _) = r.device, self.stash
+        ("replay", bucket), after a replayed verify), and a rejecting row's conv states take those after its last
+        accepted input in the same body (``replay_body``). The K/V are already the right ones."""
         counts = [a + 1 for a in accepted]
         if self.bucket is None:
-            replay_body(r, self.stash, {"slots": torch.tensor(slots, dtype=torch.int32, device=dev),
-                                        "counts": torch.tensor(counts, dtype=torch.int32, device=dev)})
+            replay_body(r, self.stash, {"slots": host_tensor(slots, torch.int32).to(r.device),
+                                        "counts": host_tensor(counts, torch.int32).to(r.device)})
         else:
             key, pad = ("replay", self.bucket), self.bucket - len(slots)
             if key not in r.graphs:
@@ -250,11 +256,6 @@ class VerifyGraphs:
             buf["slots"].copy_(host_tensor(slots + [-1] * pad, torch.int32), non_blocking=True)
             buf["counts"].copy_(host_tensor(counts + [0] * pad, torch.int32), non_blocking=True)
             graph.replay()
-        rej = [b for b, n in enumerate(accepted) if n < conv.shape[1]]
-        if rej:
-            b, a = torch.tensor(rej, device=dev), torch.tensor([accepted[i] for i in rej], device=dev)
-            s = torch.tensor([slots[i] for i in rej], device=dev)
-            copy_rows(r.states.conv, s, conv.flatten(1, 2), a * conv.shape[2] + b)
 
     def run(self, r, inp: StepInputs, width: int, routes: bool):
         """The verify of ``inp`` (B x ``width`` rows): (hidden, logits, metadata, positions), each covering at least

@@ -56,3 +56,24 @@ def test_kernel_matches_indexing_at_the_9b_shape_on_the_gpu():
     print(f"rollback of {rows} rows x {L} layers ({rows * L * 2 * pool[0, 0].numel() * 4 / 1e9:.1f} GB moved): kernel "
           f"{times['kernel']:.2f} ms, indexing {times['indexing']:.2f} ms")
     assert times["kernel"] < times["indexing"]
+
+
+@pytest.mark.parametrize("kernels", ["triton", "native"])
+@pytest.mark.parametrize("case", ["some", "none", "first"])
+def test_rows_at_minus_one_are_skipped(kernels, case, monkeypatch):
+    """-1 in dst_idx skips the row (a rollback copies every row's conv state that way, the rejecting ones only),
+    the native path without a host sync: the pool is what copying the other rows alone gives."""
+    monkeypatch.setenv("ARENO_KERNELS", kernels)
+    g = torch.Generator().manual_seed(len(case))
+    L, S, rows = 2, 6, 4
+    pool = torch.randn(L, S, 3, 5, generator=g)
+    src = torch.randn(L, rows, 3, 5, generator=g)
+    dst = {"some": [3, -1, 0, -1], "none": [-1, -1, -1, -1], "first": [-1, 5, 2, 1]}[case]
+    which = torch.tensor([2, 0, 3, 1])
+    got = pool.clone()
+    copy_rows(got, torch.tensor(dst, dtype=torch.int32), src, which)
+    want = pool.clone()
+    for d, s in zip(dst, which.tolist()):
+        if d >= 0:
+            want[:, d] = src[:, s]
+    assert torch.equal(got, want)
