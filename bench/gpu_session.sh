@@ -36,6 +36,8 @@
 #                     (a fresh machine writes the 9B checkpoint first: 100 s was not enough); SPEC_PROF_ARGS=--gaps:
 #                     the host gaps between its kernels instead (a verify step at 1 row costs ~2x a plain one, 12-07)
 #   batch-invariance  whether a 9B decode GEMM's row depends on the rows sharing the call (bench/batch_invariance.py)
+#   spec-host         the host time of a steady speculative step by batch on this machine, graphs replayed (a tiny
+#                     Qwen3.5: the device work is small, so the step is its host time and waits; bench/spec_host.py)
 #   gdn-tiles         Qwen3.5's gated-DeltaNet decode step and speculative verify per tile (bench/gdn_decode.py, 9B
 #                     shape, $GDN_ARGS): the verify ran at 1.9 TB/s on the step's tile, 2.7 the step (H100, 12-07)
 #   kernel-resources  those kernels' registers and spills per tile from the machine's own Triton and ptxas
@@ -158,6 +160,7 @@ for stage in "$@"; do
       step prof_plain1 ${PROF_LIMIT:-300} python3 bench/profile_step.py decode --mtp --seqs ${SPEC_SEQS:-64} --top 25 ;;
     batch-invariance) step batch_invariance 120 python3 bench/batch_invariance.py ;;
     kernel-resources) step kernel_resources 120 python3 bench/kernel_resources.py ;;
+    spec-host) step spec_host ${SPEC_HOST_LIMIT:-240} python3 bench/spec_host.py ${SPEC_HOST_ARGS:-} ;;
     gdn-tiles) step gdn_tiles ${GDN_LIMIT:-300} python3 bench/gdn_decode.py ${GDN_ARGS:---rows 64 --verify-tokens 3 \
         --bv 32,64,128 --warps 2,4,8} ;;
     spec-gate) step spec-gate ${SPEC_LIMIT:-560} python3 bench/rollout.py --speculative-tokens 2 --workloads R1 \
