@@ -297,6 +297,7 @@ class SpecDecoder:
             return []
         for seq in step.preempted:  # recomputed from their prompt: what they held is gone with their blocks
             self.deferred.forget(seq)
+            self.drafts.pop(seq.seq_id, None)  # (a draft holds its whole chain's distributions: not kept stale)
         if len(self.drafts) > len(e.scheduler.running):  # those of finished, aborted or preempted sequences
             running = {s.seq_id for s in e.scheduler.running}
             self.drafts = {i: d for i, d in self.drafts.items() if i in running}
