@@ -79,8 +79,9 @@ def chain_body(r, ex, vbuf: dict, hidden, buf: dict, width: int, k: int):
 
 
 def run_chain(r, ex, c, nxt: list[int]) -> list | None:
-    """The steady step's catch-up and chain; on the leader the drafts [(tokens, probs [n, K, V], row)] per chain row
-    (their distributions one tensor, each row's its row of it), else None."""
+    """The steady step's catch-up and chain; on the leader the drafts [(tokens, K_b, probs [n, K, V], row, ids [n,
+    K])] per chain row (their distributions and tokens one device tensor each, each row's its row of them; the host
+    ``tokens`` None without TP: nothing is read back, the next verify takes them on the device), else None."""
     vg = ex.graphs
     hidden, width = ex.last[0], vg.width
     k, n, mb = width - 1, len(c.pick), r.max_blocks_per_seq
@@ -98,13 +99,14 @@ def run_chain(r, ex, c, nxt: list[int]) -> list | None:
         for name, val in host.items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
-        if ex.leader:
+        if ex.leader and ex.group is not None:  # TP: the next verify's ids are broadcast as host lists
             toks = read_back(r, buf, toks)  # pinned, then synchronised
     if not ex.leader:
         return None
-    tk = toks[:, :n].cpu().t().tolist()
-    pr = probs[:, :n].transpose(0, 1).clone(memory_format=torch.contiguous_format)  # [n, K, V], out of the graph's
-    return [(t[:kb], pr, i) for i, (t, kb) in enumerate(zip(tk, c.kbs))]
+    ids = toks[:, :n].t().clone(memory_format=torch.contiguous_format)  # [n, K], out of the graph's buffers
+    pr = probs[:, :n].transpose(0, 1).clone(memory_format=torch.contiguous_format)  # [n, K, V]
+    tk = ids.cpu().tolist() if ex.group is not None else [None] * n
+    return [(t if t is None else t[:kb], kb, pr, i, ids) for i, (t, kb) in enumerate(zip(tk, c.kbs))]
 
 
 def capture_plain(r, ex, bsz: int, width: int, c) -> int:

@@ -76,7 +76,7 @@ from areno.engine.spec_gate import Gate, resolve_gate
 from areno.engine.spec_graphs import stash_bytes, stash_rows, verify_inputs
 from areno.engine.spec_sample import draw
 from areno.engine.speculative import verify_draft
-from areno.engine.step_inputs import StepInputs
+from areno.engine.step_inputs import StepInputs, host_tensor
 from areno.models.mtp import build_mtp_draft
 
 log = logging.getLogger("areno.engine")
@@ -87,27 +87,53 @@ DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gat
 
 @dataclass
 class Draft:
+    """One sequence's draft: ``size`` (K_b) tokens drawn from ``batch`` (their distributions: ``[K_b, V]`` fp32, or row
+    ``row`` of a steady chain's ``[n, K, V]``). A steady chain's tokens stay on the device (``ids [n, K]``, row ``row``:
+    the next verify reads them there, nothing is read back); ``tokens`` reads them to the host on first use (the eager
+    paths: a step with prefill chunks, a rollback's second forward)."""
+
     length: int  # len(seq) when drafted: used only while the sequence still has that length
-    tokens: list[int]
-    batch: torch.Tensor  # the draft distributions each token was drawn from: [K_b, V] fp32, or a chain's [n, K, V]
-    row: int | None = None  # this draft's row of a chain's ``batch`` (None: ``batch`` is its own)
+    listed: list[int] | None  # the tokens on the host (None: not read yet)
+    size: int
+    batch: torch.Tensor
+    row: int | None = None
+    ids: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        if self.listed is None:
+            self.listed = self.ids[self.row, : self.size].tolist()
+        return self.listed
 
     @property
     def probs(self) -> torch.Tensor:
         """[K_b, V]: the distribution each of its tokens was drawn from."""
-        return self.batch if self.row is None else self.batch[self.row, : len(self.tokens)]
+        return self.batch if self.row is None else self.batch[self.row, : self.size]
+
+
+def _rows_of(drafts: list[Draft], field: str) -> torch.Tensor | None:
+    """The drafts' rows of one chain's tensor ``field`` (``batch`` or ``ids``): a view when they are its rows 0 ..
+    B - 1 in order (a steady batch), one gather when in another order; None when they are not all of one chain."""
+    first = getattr(drafts[0], field)
+    if drafts[0].row is None or first is None or any(getattr(d, field) is not first for d in drafts):
+        return None
+    idx = [d.row for d in drafts]
+    if idx == list(range(len(idx))):
+        return first[: len(idx)]
+    return first.index_select(0, torch.tensor(idx, device=first.device))
 
 
 def draft_probs(drafts: list[Draft]) -> torch.Tensor:
-    """The drafts' distributions ``[B, K, V]`` (every draft K tokens): a view of their chain's when they are its rows
-    0 .. B - 1 in order (a steady batch), one gather when they are rows of one chain, else stacked."""
-    first = drafts[0]
-    if first.row is not None and all(d.batch is first.batch for d in drafts):
-        idx = [d.row for d in drafts]
-        if idx == list(range(len(idx))):
-            return first.batch[: len(idx)]
-        return first.batch.index_select(0, torch.tensor(idx, device=first.batch.device))
-    return torch.stack([d.probs for d in drafts])
+    """The drafts' distributions ``[B, K, V]`` (every draft K tokens): their chain's rows, else stacked."""
+    rows = _rows_of(drafts, "batch")
+    return rows if rows is not None else torch.stack([d.probs for d in drafts])
+
+
+def draft_ids(drafts: list[Draft], device) -> torch.Tensor:
+    """The drafts' tokens ``[B, K]`` int64 on ``device`` (every draft K tokens): their chain's rows, else from the
+    host."""
+    rows = _rows_of(drafts, "ids")
+    return rows if rows is not None else host_tensor([d.tokens for d in drafts]).to(device)
 
 
 @dataclass
@@ -340,8 +366,8 @@ class SpecDecoder:
             chain = self._catch_up(rows, emitted, next_known, ops, width > 1)
         with torch.inference_mode():
             drafts = self._run(FinishWork(redo, ops))
-        for row, (toks, probs, i) in zip(chain or (), drafts or ()):
-            self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, probs, i)
+        for row, (toks, size, probs, i, ids) in zip(chain or (), drafts or ()):
+            self.drafts[row.seq.seq_id] = Draft(len(row.seq), toks, size, probs, i, ids)
         self.count(drafted=len(drafts or ()))
         return [r.seq for r in rows]
 
@@ -349,7 +375,7 @@ class SpecDecoder:
         """A steady step (its verify replayed from a graph under CUDA graphs, ``spec_graphs``): every chunk a decode
         row verifying a full draft of K tokens (no prefill chunk, no fresh fork, no shorter draft)."""
         return bool(rows) and len(rows) == len(chunks) and all(
-            row.draft is not None and len(row.draft.tokens) == self.k for row in rows)
+            row.draft is not None and row.draft.size == self.k for row in rows)
 
     def _prepare(self, chunks, rows, copies, decode: bool, width: int) -> StepInputs:
         """The step's inputs: prefill-mode (each chunk a query run), decode-mode for a gated step of decodes, or a
@@ -358,6 +384,10 @@ class SpecDecoder:
         r, seqs = self.engine.runner, [row.seq for row in rows]
         if width > 1:
             inp = verify_inputs(r, seqs, width, [row.index[0] for row in rows], copies)
+            if r.tp_group is None:  # the drafts' tokens stay on the device: the verify takes them there
+                inp.ids = [t for s in seqs for t in [s.tokens[-1]] + [0] * self.k]
+                inp.draft_ids = draft_ids([row.draft for row in rows], r.device)
+                return inp
         else:
             inp = r.prepare(Step(chunks, is_decode=decode), seqs, [row.index[0] for row in rows], copies)
         inp.ids = [t for c in chunks for t in self._chunk_ids(c)]
@@ -407,7 +437,7 @@ class SpecDecoder:
             seq, kb, length = c.seq, 0, len(c.seq)
             d = self.drafts.pop(seq.seq_id, None) if c.samples else None
             if d is not None and not gated and d.length == length and c.start == length - 1:
-                kb = len(d.tokens)
+                kb = d.size
                 if not e.blocks.reserve_tokens(seq, length + kb):
                     kb, d = 0, None
             else:
@@ -431,7 +461,7 @@ class SpecDecoder:
     @staticmethod
     def _chunk_ids(c: Chunk) -> list[int]:
         d = getattr(c, "draft", None)
-        head = c.seq.tokens[c.start : c.end - (len(d.tokens) if d else 0)]
+        head = c.seq.tokens[c.start : c.end - (d.size if d else 0)]
         return head + (list(d.tokens) if d else [])
 
     @staticmethod
@@ -513,7 +543,7 @@ class SpecDecoder:
         for _, b in redo:
             seq, a = rows[b].seq, accepted[b]
             c = Chunk(seq, len(seq) - 1, len(seq) + a)
-            c.draft = Draft(len(seq), rows[b].draft.tokens[:a], rows[b].draft.probs[:a])
+            c.draft = Draft(len(seq), rows[b].draft.tokens[:a], a, rows[b].draft.probs[:a])
             chunks.append(c)
         inp = r.prepare(Step(chunks, is_decode=False), [], [], [])
         inp.ids = [t for c in chunks for t in self._chunk_ids(c)]

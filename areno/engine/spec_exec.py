@@ -139,8 +139,8 @@ class SpecExec:
             self.mtp_cache[:, dst] = self.mtp_cache[:, src]
 
     def finish(self, r, work: FinishWork) -> list | None:
-        """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, probs, row)] per
-        drafting sequence), else None."""
+        """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, K_b, probs, row, ids)]
+        per drafting sequence, ``spec_decode.Draft``'s fields), else None."""
         if work.redo is not None and work.redo[0] == "steps":  # a steady step's: its accepted tokens replayed
             self.graphs.roll_back(r, *work.redo[1:])
         elif work.redo is not None:
@@ -225,7 +225,7 @@ class SpecExec:
             for a, (i, tok) in enumerate(zip(rows, t.tolist())):
                 toks[i].append(tok)
                 probs[i].append(q[a])
-        return [(tk, torch.stack(pr), None) for tk, pr in zip(toks, probs)]
+        return [(tk, len(tk), torch.stack(pr), None, None) for tk, pr in zip(toks, probs)]
 
     @staticmethod
     def _draw(c: Chain, rows: list[int], j: int, logits):

@@ -265,6 +265,8 @@ class VerifyGraphs:
         n = len(inp.ids) // width
         if not self.graphable(r, n, width):
             buf = self.vbuf = self._eager_buffers(r, inp, width, routes)
+            if inp.draft_ids is not None:  # the drafts' tokens, on the device (spec_decode.draft_ids)
+                buf["ids"].view(n, width)[:, 1:].copy_(inp.draft_ids)
             self.width = width
             hidden, logits = verify_body(r, buf, width, self._stash(n, width))
             return hidden, logits, verify_meta(r, buf, width), buf["pos"]
@@ -275,6 +277,8 @@ class VerifyGraphs:
         graph, buf, (hidden, logits) = r.graphs[key]
         for name, val in verify_host(r, inp, bsz * width, bsz, r.max_blocks_per_seq, width).items():
             buf[name].copy_(val, non_blocking=True)
+        if inp.draft_ids is not None:
+            buf["ids"].view(bsz, width)[:n, 1:].copy_(inp.draft_ids)
         graph.replay()
         self.bucket, self.vbuf, self.width = bsz, buf, width
         meta = verify_meta(r, buf, width)

@@ -33,11 +33,12 @@ def sample_body(r, buf: dict):
     return torch.cat([out.tokens.double(), out.logprobs.double(), out.accepted[:, None].double()], dim=1)
 
 
-def _host(inp, bsz: int, k: int, tokens: list[list[int]], adjust_width: int | None) -> dict:
-    """The sampling inputs on the host, padded to ``bsz`` rows (the filters only where some row uses them)."""
-    pad = bsz - len(tokens)
+def _host(inp, bsz: int, k: int, tokens: list[list[int]] | None, adjust_width: int | None) -> dict:
+    """The sampling inputs on the host, padded to ``bsz`` rows (the filters only where some row uses them); the
+    draft tokens zeros where ``tokens`` is None (the caller writes them on the device)."""
+    pad = bsz - len(inp.temperature)
     top_k, top_p = filters(inp.top_k, inp.top_p)
-    host = {"draft_tokens": host_tensor(tokens + [[0] * k] * pad),
+    host = {"draft_tokens": host_tensor((tokens or [[0] * k] * len(inp.temperature)) + [[0] * k] * pad),
             "num_draft": torch.full((bsz,), k, dtype=torch.int64),
             "temp": host_tensor(inp.temperature + [1.0] * pad, torch.float32),
             "seeds": host_tensor(inp.seeds + [0] * pad), "offsets": host_tensor(inp.offsets + [0] * pad)}
@@ -69,25 +70,25 @@ def draw(r, inp, drafts: list, k: int, logits, bsz: int | None):
     """The steady step's tokens, log-probs and accepted drafts per row (lists; one host read). ``drafts``: each row's
     ``spec_decode.Draft`` (K tokens); ``logits``: the verify's (every row, a replay's padded to ``bsz``; None:
     eager)."""
-    from areno.engine.spec_decode import draft_probs
+    from areno.engine.spec_decode import draft_ids, draft_probs
 
     B, width, V = len(drafts), k + 1, r.vocab_size
-    probs = draft_probs(drafts)
-    tokens = [d.tokens for d in drafts]
+    probs, tokens = draft_probs(drafts), draft_ids(drafts, r.device)  # on the device, from the chain
     if bsz is None:
-        buf = _to(_host(inp, B, k, tokens, None), r.device)
-        buf["logits"], buf["draft_probs"] = logits[: B * width].view(B, width, V), probs
+        buf = _to(_host(inp, B, k, None, None), r.device)
+        buf["logits"], buf["draft_probs"], buf["draft_tokens"] = logits[: B * width].view(B, width, V), probs, tokens
         packed = sample_body(r, buf)
     else:
         aw = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
         top_k, top_p = filters(inp.top_k, inp.top_p)
         key = draw_key(bsz, width, aw, top_k is not None, top_p is not None)
-        host = _host(inp, bsz, k, tokens, aw if inp.adjust is not None else None)
+        host = _host(inp, bsz, k, None, aw if inp.adjust is not None else None)
         if key not in r.graphs:
             r.graphs[key] = _capture(r, host, logits, bsz, k, probs.dtype)
         graph, buf, packed = r.graphs[key]
         _copy(buf, host)
         buf["draft_probs"][:B].copy_(probs)
+        buf["draft_tokens"][:B].copy_(tokens)
         graph.replay()
         packed = read_back(r, buf, packed)  # pinned, then synchronised
     rows = packed[:B].cpu()

@@ -66,6 +66,9 @@ class StepInputs:
     group_slots: list[list[int]] | None = None
     # LoRA serving (areno.engine.lora_slots): the adapter slot of each token row (-1: the base); None when none has one
     lora: list[int] | None = None
+    # a steady speculative step without TP: its drafts' tokens [B, K] on the device (``ids`` holds zeros there),
+    # written into the verify's ids by ``spec_graphs.VerifyGraphs.run``; never broadcast (TP steps list them)
+    draft_ids: torch.Tensor | None = None
 
 
 @dataclass
