@@ -74,66 +74,15 @@ from areno.engine.scheduler import Chunk, Step
 from areno.engine.spec_exec import Chain, FinishWork, SpecExec, TargetWork, filters
 from areno.engine.spec_gate import Gate, resolve_gate
 from areno.engine.spec_graphs import stash_bytes, stash_rows, verify_inputs
-from areno.engine.spec_sample import draw
+from areno.engine.spec_sample import Draft, draft_ids, draw
 from areno.engine.speculative import verify_draft
-from areno.engine.step_inputs import StepInputs, host_tensor
+from areno.engine.step_inputs import StepInputs
 from areno.models.mtp import build_mtp_draft
 
 log = logging.getLogger("areno.engine")
 
 DEFER_BYTES = 256 << 20  # hidden rows held for the deferred MTP catch-up of gated steps before it runs anyway
 # (fewer where max_running x max_model_len rows are fewer); taken out of the KV-cache budget (``spec_budget``)
-
-
-@dataclass
-class Draft:
-    """One sequence's draft: ``size`` (K_b) tokens drawn from ``batch`` (their distributions: ``[K_b, V]`` fp32, or row
-    ``row`` of a steady chain's ``[n, K, V]``). A steady chain's tokens stay on the device (``ids [n, K]``, row ``row``:
-    the next verify reads them there, nothing is read back); ``tokens`` reads them to the host on first use (the eager
-    paths: a step with prefill chunks, a rollback's second forward)."""
-
-    length: int  # len(seq) when drafted: used only while the sequence still has that length
-    listed: list[int] | None  # the tokens on the host (None: not read yet)
-    size: int
-    batch: torch.Tensor
-    row: int | None = None
-    ids: torch.Tensor | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        if self.listed is None:
-            self.listed = self.ids[self.row, : self.size].tolist()
-        return self.listed
-
-    @property
-    def probs(self) -> torch.Tensor:
-        """[K_b, V]: the distribution each of its tokens was drawn from."""
-        return self.batch if self.row is None else self.batch[self.row, : self.size]
-
-
-def _rows_of(drafts: list[Draft], field: str) -> torch.Tensor | None:
-    """The drafts' rows of one chain's tensor ``field`` (``batch`` or ``ids``): a view when they are its rows 0 ..
-    B - 1 in order (a steady batch), one gather when in another order; None when they are not all of one chain."""
-    first = getattr(drafts[0], field)
-    if drafts[0].row is None or first is None or any(getattr(d, field) is not first for d in drafts):
-        return None
-    idx = [d.row for d in drafts]
-    if idx == list(range(len(idx))):
-        return first[: len(idx)]
-    return first.index_select(0, torch.tensor(idx, device=first.device))
-
-
-def draft_probs(drafts: list[Draft]) -> torch.Tensor:
-    """The drafts' distributions ``[B, K, V]`` (every draft K tokens): their chain's rows, else stacked."""
-    rows = _rows_of(drafts, "batch")
-    return rows if rows is not None else torch.stack([d.probs for d in drafts])
-
-
-def draft_ids(drafts: list[Draft], device) -> torch.Tensor:
-    """The drafts' tokens ``[B, K]`` int64 on ``device`` (every draft K tokens): their chain's rows, else from the
-    host."""
-    rows = _rows_of(drafts, "ids")
-    return rows if rows is not None else host_tensor([d.tokens for d in drafts]).to(device)
 
 
 @dataclass

@@ -140,7 +140,7 @@ class SpecExec:
 
     def finish(self, r, work: FinishWork) -> list | None:
         """The rollback and the MTP ops; returns the chain's drafts on the leader ([(tokens, K_b, probs, row, ids)]
-        per drafting sequence, ``spec_decode.Draft``'s fields), else None."""
+        per drafting sequence, ``spec_sample.Draft``'s fields), else None."""
         if work.redo is not None and work.redo[0] == "steps":  # a steady step's: its accepted tokens replayed
             self.graphs.roll_back(r, *work.redo[1:])
         elif work.redo is not None:

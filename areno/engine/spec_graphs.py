@@ -265,7 +265,7 @@ class VerifyGraphs:
         n = len(inp.ids) // width
         if not self.graphable(r, n, width):
             buf = self.vbuf = self._eager_buffers(r, inp, width, routes)
-            if inp.draft_ids is not None:  # the drafts' tokens, on the device (spec_decode.draft_ids)
+            if inp.draft_ids is not None:  # the drafts' tokens, on the device (spec_sample.draft_ids)
                 buf["ids"].view(n, width)[:, 1:].copy_(inp.draft_ids)
             self.width = width
             hidden, logits = verify_body(r, buf, width, self._stash(n, width))

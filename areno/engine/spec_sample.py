@@ -8,10 +8,14 @@ logit adjustments (padded as the decode graphs pad theirs, penalties always pres
 Padding rows verify zeros and are never read. Its output is packed in one float64 tensor ``[bucket, 2 (K + 1) + 1]``
 (tokens, log-probs, accepted drafts: all exact in float64), copied to the host once (a pinned buffer,
 ``spec_graphs.read_back``). Captured on first use, or at server start for rows without adjustments or filters
-(``capture_plain``). Without graphs the same body runs on the step's own tensors.
+(``capture_plain``). Without graphs the same body runs on the step's own tensors. A sequence's draft is a ``Draft``;
+a steady chain's drafts share its device tensors (tokens ``[n, K]``, distributions ``[n, K, V]``), which the next
+step's verify and sampling read as they are (``draft_ids``, ``draft_probs``): no read back between the steps.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +25,58 @@ from areno.engine.spec_exec import filters
 from areno.engine.spec_graphs import read_back
 from areno.engine.speculative import verify_draft
 from areno.engine.step_inputs import StepInputs, host_tensor
+
+
+@dataclass
+class Draft:
+    """One sequence's draft: ``size`` (K_b) tokens drawn from ``batch`` (their distributions: ``[K_b, V]`` fp32, or row
+    ``row`` of a steady chain's ``[n, K, V]``). A steady chain's tokens stay on the device (``ids [n, K]``, row ``row``:
+    the next verify reads them there, nothing is read back); ``tokens`` reads them to the host on first use (the eager
+    paths: a step with prefill chunks, a rollback's second forward)."""
+
+    length: int  # len(seq) when drafted: used only while the sequence still has that length
+    listed: list[int] | None  # the tokens on the host (None: not read yet)
+    size: int
+    batch: torch.Tensor
+    row: int | None = None
+    ids: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        if self.listed is None:
+            self.listed = self.ids[self.row, : self.size].tolist()
+        return self.listed
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """[K_b, V]: the distribution each of its tokens was drawn from."""
+        return self.batch if self.row is None else self.batch[self.row, : self.size]
+
+
+def _rows_of(drafts: list[Draft], field: str) -> torch.Tensor | None:
+    """The drafts' rows of one chain's tensor ``field`` (``batch`` or ``ids``): a view when they are its rows 0 ..
+    B - 1 in order (a steady batch), one gather when in another order; None when they are not all of one chain."""
+    first = getattr(drafts[0], field)
+    if drafts[0].row is None or first is None or any(getattr(d, field) is not first for d in drafts):
+        return None
+    idx = [d.row for d in drafts]
+    if idx == list(range(len(idx))):
+        return first[: len(idx)]
+    return first.index_select(0, torch.tensor(idx, device=first.device))
+
+
+def draft_probs(drafts: list[Draft]) -> torch.Tensor:
+    """The drafts' distributions ``[B, K, V]`` (every draft K tokens): their chain's rows, else stacked."""
+    rows = _rows_of(drafts, "batch")
+    return rows if rows is not None else torch.stack([d.probs for d in drafts])
+
+
+def draft_ids(drafts: list[Draft], device) -> torch.Tensor:
+    """The drafts' tokens ``[B, K]`` int64 on ``device`` (every draft K tokens): their chain's rows, else from the
+    host."""
+    rows = _rows_of(drafts, "ids")
+    return rows if rows is not None else host_tensor([d.tokens for d in drafts]).to(device)
+
 
 
 def sample_body(r, buf: dict):
@@ -68,10 +124,8 @@ def _copy(buf: dict, host: dict) -> None:
 
 def draw(r, inp, drafts: list, k: int, logits, bsz: int | None):
     """The steady step's tokens, log-probs and accepted drafts per row (lists; one host read). ``drafts``: each row's
-    ``spec_decode.Draft`` (K tokens); ``logits``: the verify's (every row, a replay's padded to ``bsz``; None:
+    ``Draft`` (K tokens); ``logits``: the verify's (every row, a replay's padded to ``bsz``; None:
     eager)."""
-    from areno.engine.spec_decode import draft_ids, draft_probs
-
     B, width, V = len(drafts), k + 1, r.vocab_size
     probs, tokens = draft_probs(drafts), draft_ids(drafts, r.device)  # on the device, from the chain
     if bsz is None:
