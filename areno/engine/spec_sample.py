@@ -78,7 +78,6 @@ def draft_ids(drafts: list[Draft], device) -> torch.Tensor:
     return rows if rows is not None else host_tensor([d.tokens for d in drafts]).to(device)
 
 
-
 def sample_body(r, buf: dict):
     """verify_draft on ``buf`` (no host sync), packed: [rows, 2 (K + 1) + 1] float64."""
     adj = buf.get("adjust")
@@ -89,12 +88,12 @@ def sample_body(r, buf: dict):
     return torch.cat([out.tokens.double(), out.logprobs.double(), out.accepted[:, None].double()], dim=1)
 
 
-def _host(inp, bsz: int, k: int, tokens: list[list[int]] | None, adjust_width: int | None) -> dict:
+def _host(inp, bsz: int, k: int, adjust_width: int | None) -> dict:
     """The sampling inputs on the host, padded to ``bsz`` rows (the filters only where some row uses them); the
-    draft tokens zeros where ``tokens`` is None (the caller writes them on the device)."""
+    draft tokens zeros (the caller writes them on the device: ``draft_ids``)."""
     pad = bsz - len(inp.temperature)
     top_k, top_p = filters(inp.top_k, inp.top_p)
-    host = {"draft_tokens": host_tensor((tokens or [[0] * k] * len(inp.temperature)) + [[0] * k] * pad),
+    host = {"draft_tokens": torch.zeros(bsz, k, dtype=torch.int64),
             "num_draft": torch.full((bsz,), k, dtype=torch.int64),
             "temp": host_tensor(inp.temperature + [1.0] * pad, torch.float32),
             "seeds": host_tensor(inp.seeds + [0] * pad), "offsets": host_tensor(inp.offsets + [0] * pad)}
@@ -129,14 +128,14 @@ def draw(r, inp, drafts: list, k: int, logits, bsz: int | None):
     B, width, V = len(drafts), k + 1, r.vocab_size
     probs, tokens = draft_probs(drafts), draft_ids(drafts, r.device)  # on the device, from the chain
     if bsz is None:
-        buf = _to(_host(inp, B, k, None, None), r.device)
+        buf = _to(_host(inp, B, k, None), r.device)
         buf["logits"], buf["draft_probs"], buf["draft_tokens"] = logits[: B * width].view(B, width, V), probs, tokens
         packed = sample_body(r, buf)
     else:
         aw = 0 if inp.adjust is None else max(SPARSE_MIN_WIDTH, 1 << (inp.adjust.width - 1).bit_length())
         top_k, top_p = filters(inp.top_k, inp.top_p)
         key = draw_key(bsz, width, aw, top_k is not None, top_p is not None)
-        host = _host(inp, bsz, k, None, aw if inp.adjust is not None else None)
+        host = _host(inp, bsz, k, aw if inp.adjust is not None else None)
         if key not in r.graphs:
             r.graphs[key] = _capture(r, host, logits, bsz, k, probs.dtype)
         graph, buf, packed = r.graphs[key]
@@ -173,7 +172,7 @@ def capture_plain(r, bsz: int, k: int, logits) -> int:
     if key in r.graphs:
         return 0
     empty = StepInputs([], [], [], [0], [], [], True, [], [], [], [], [], [], 0, [])
-    r.graphs[key] = _capture(r, _host(empty, bsz, k, [], None), logits, bsz, k, torch.float32)
+    r.graphs[key] = _capture(r, _host(empty, bsz, k, None), logits, bsz, k, torch.float32)
     return 1
 
 
