@@ -7,11 +7,11 @@ length K_b, block table (grown for the draft), length and sampling settings. The
 (K + 1) rows of the verify (writing the draft's K/V at the verify's slots), then for j = 1 .. K - 1 an MTP decode step
 of every chain row at position len - 2 + j, the rows with K_b <= j (and padding rows) at slot -1 writing nothing
 and read by no one; each step's tokens are drawn on the leader (the draft's Philox stream, as ``SpecExec._draw``)
-and broadcast to the TP followers in the body. Outputs: tokens ``[K, rows]`` (read back once) and the draft
-distributions ``[K, rows, V]`` (copied out for the next verify). A graph per (batch bucket, K + 1, filters used)
-reads the verify graph's static hidden rows and metadata (captured on first use, or at server start without filters:
-``capture_plain``; its tokens read back through a pinned buffer); eagerly the same body runs on the step's own
-tensors.
+and broadcast to the TP followers in the body. Outputs: tokens ``[K, rows]`` and the draft distributions ``[K, rows,
+V]``, both copied out of the graph's buffers and kept on the device for the next verify (``spec_sample.Draft``; the
+tokens read to the host only under TP, whose verify ids are broadcast as lists). A graph per (batch bucket, K + 1,
+filters used) reads the verify graph's static hidden rows and metadata (captured on first use, or at server start
+without filters: ``capture_plain``); eagerly the same body runs on the step's own tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from areno.engine.spec_graphs import read_back, verify_meta
+from areno.engine.spec_graphs import verify_meta
 from areno.engine.step_inputs import host_tensor, pad_tables
 from areno.kernels.draft_draw import draw_from_probs
 from areno.kernels.sampler import sampling_probs
@@ -99,13 +99,11 @@ def run_chain(r, ex, c, nxt: list[int]) -> list | None:
         for name, val in host.items():
             buf[name].copy_(val, non_blocking=True)
         graph.replay()
-        if ex.leader and ex.group is not None:  # TP: the next verify's ids are broadcast as host lists
-            toks = read_back(r, buf, toks)  # pinned, then synchronised
     if not ex.leader:
         return None
     ids = toks[:, :n].t().clone(memory_format=torch.contiguous_format)  # [n, K], out of the graph's buffers
     pr = probs[:, :n].transpose(0, 1).clone(memory_format=torch.contiguous_format)  # [n, K, V]
-    tk = ids.cpu().tolist() if ex.group is not None else [None] * n
+    tk = ids.tolist() if ex.group is not None else [None] * n  # TP: the next verify's ids are broadcast as lists
     return [(t if t is None else t[:kb], kb, pr, i, ids) for i, (t, kb) in enumerate(zip(tk, c.kbs))]
 
 

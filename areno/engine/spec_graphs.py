@@ -18,15 +18,16 @@ bucket after a replayed verify); the short convs (a small state) step in place a
 the first K tokens, a rejecting row's slot taking the one after its last accepted input (one row copy, in the same
 replay body: ``replay_body``). The K/V and hidden rows of accepted positions are already right.
 After the forward, on static shapes too: the rejection sampling (``spec_sample``, the leader's, read back once) and,
-once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts read back once). Eager: the
+once the leader appended and decided, the MTP catch-up and chain (``spec_chain``, drafts kept on the device for the
+next verify, which writes their tokens into its ids: ``StepInputs.draft_ids``). Eager: the
 host's planning. The verify's graphs keep their logits ``[bucket x (K + 1), V]`` fp32,
 and a bucket is replayed while bucket x (K + 1) rows stay within ``VERIFY_GRAPH_ROWS`` or the largest decode bucket,
 whichever is more (larger steady steps run the same bodies eagerly: their logits and the sampling's temporaries,
 several times rows x V x 4 bytes, are then not held in the graph pool). Memory: the stash (K x rows x one slot's
 conv states, rows x (K + 1) tokens' delta-rule inputs) is sized once with the runner, rows the largest speculating
 batch rounded up to its bucket (``stash_rows``), and its bytes come out of the KV-cache budget (``stash_bytes``,
-``spec_decode.spec_budget``); a step never grows it. The sampling and chain replays are read back through pinned
-buffers (``read_back``).
+``spec_decode.spec_budget``); a step never grows it. The sampling replay is read back through a pinned buffer
+(``read_back``).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def draft_ids(drafts: list[Draft], device) -> torch.Tensor:
     """The drafts' tokens ``[B, K]`` int64 on ``device`` (every draft K tokens): their chain's rows, else from the
     host."""
     rows = _rows_of(drafts, "ids")
-    return rows if rows is not None else host_tensor([d.tokens for d in drafts]).to(device)
+    return (rows if rows is not None else host_tensor([d.tokens for d in drafts])).to(device)
 
 
 def sample_body(r, buf: dict):
