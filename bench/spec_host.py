@@ -92,8 +92,6 @@ def instrument() -> Spent:
 
 def measure(engine, prompts, opts, spent: Spent, repeats: int) -> dict:
     """The warm call's steps (best of ``repeats``): wall and host ms a step, host by phase."""
-    from areno.engine.engine import Engine
-
     engine.generate(prompts, opts)  # warm: first-call work (allocation, kernels) out of the timing
     best = None
     for _ in range(repeats):
@@ -112,7 +110,6 @@ def measure(engine, prompts, opts, spent: Spent, repeats: int) -> dict:
         if best is None or host < best[1]:
             best = (wall, host, steps, {k: v for k, v in spent.acc.items() if k != "BODY"})
     wall, host, steps, phases = best
-    assert isinstance(engine, Engine)
     return {"steps": steps, "wall_ms": 1e3 * wall / steps, "host_ms": 1e3 * host / steps,
             "phases": {k: round(1e3 * v / steps, 4) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}}
 
