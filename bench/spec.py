@@ -170,9 +170,8 @@ def load_draft_model(args, device, prompt_sets, refit_gate="auto"):
 def fit_cache(args, sets, refit_gate="auto") -> Path:
     """Where a fitted draft is kept (its ``.safetensors`` and ``.json``) under the bench cache, named by what decides
     the fit: the family and shape, K, the steps, rounds (and the refitting engine's gate) and epochs, and the prompts
-    it is fitted on. A fit can take
-    most of a 10-minute device call (R2's 256 prompts: ~2.5 min a round), so a second call on the same machine
-    reuses it."""
+    it is fitted on. A fit can take most of a 10-minute device call (R2's 256 prompts: ~2.5 min a round), so a second
+    call on the same machine reuses it."""
     shape = (SMOKE if args.smoke else SHAPES)[args.mtp_family]
     rounds = [args.mtp_fit_rounds] + ([str(refit_gate)] if args.mtp_fit_rounds > 1 else [])
     key = json.dumps([args.mtp_family, shape, args.speculative_tokens, args.mtp_train_steps, *rounds,

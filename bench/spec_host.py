@@ -116,20 +116,26 @@ def measure(engine, prompts, opts, spent: Spent, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,16,64,128", help="sequences decoding together, comma-separated")
+    ap.add_argument("--batches", default=None, help="sequences decoding together, comma-separated (default "
+                    "1,16,64,128; --smoke: 1,4)")
     ap.add_argument("--k", type=int, default=2, help="draft tokens a step (--speculative-tokens)")
-    ap.add_argument("--new", type=int, default=100, help="tokens each sequence generates (greedy, no early stop)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per engine and batch (the best is kept)")
-    ap.add_argument("--smoke", action="store_true", help="batches 1 and 4, 12 tokens, one call: checks the script")
+    ap.add_argument("--new", type=int, default=None, help="tokens each sequence generates (greedy, no early stop; "
+                    "default 100, --smoke 12)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls per engine and batch, the best kept "
+                    "(default 3, --smoke 1)")
+    ap.add_argument("--smoke", action="store_true", help="the defaults above made small, nothing saved: checks the "
+                    "script")
     args = ap.parse_args(argv)
+    small = args.smoke  # --smoke changes the defaults only: a size given is used as given
+    args.batches = args.batches if args.batches is not None else ("1,4" if small else "1,16,64,128")
+    args.new = args.new if args.new is not None else (12 if small else 100)
+    args.repeats = args.repeats if args.repeats is not None else (1 if small else 3)
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         ap.error(f"--batches takes comma-separated sizes, got {args.batches!r}")
     if min(batches) < 1 or args.k < 1 or args.new < 2 or args.repeats < 1:
         ap.error("--batches sizes, --k and --repeats take 1 or more, --new 2 or more")
-    if args.smoke:
-        batches, args.new, args.repeats = [1, 4], 12, 1
 
     from areno.config import SamplingParams
     from areno.engine.engine import Engine, EngineConfig

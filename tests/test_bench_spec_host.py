@@ -23,6 +23,15 @@ def test_smoke_measures_both_engines_at_each_batch():
     assert "results:" not in out.stdout  # --smoke saves nothing
 
 
+def test_smoke_takes_the_sizes_it_is_given():
+    out = subprocess.run([sys.executable, "bench/spec_host.py", "--smoke", "--batches", "2", "--new", "5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("plain ", "speculative "))]
+    assert [(r[0], r[1]) for r in rows] == [("plain", "2"), ("speculative", "2")]
+    assert int(rows[0][3]) == 5  # the plain engine's steps: one a token (the first is the prefill's)
+
+
 def test_bad_sizes_are_refused():
     out = subprocess.run([sys.executable, "bench/spec_host.py", "--batches", "0,4"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)  # fmt: skip

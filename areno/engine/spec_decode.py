@@ -289,15 +289,16 @@ class SpecDecoder:
         inp.state_copies = state_copies or None
         inp.adjust = e.runner.adjuster.plan([r.seq for r in rows])
         e.step_counts["single"] += 1
-        drafting = width == 1 and any(row.draft is not None for row in rows)
-        if drafting:  # every row's logit rows, padded to the widest row's
-            widest = max(len(row.index) for row in rows)
-            logit_rows = [i for row in rows for i in self._padded(row, widest)]
-        else:
-            logit_rows = list(inp.row_index)
         # a steady step's verify takes the logits of every row itself and leaves the states to its replay (roll_back)
-        save = [row.seq.state_slot for row in rows if row.draft is not None] if e.runner.states is not None else []
-        logit_rows, save = (logit_rows, save) if width == 1 else ([], [])
+        logit_rows, save = [], []
+        if width == 1:
+            if any(row.draft is not None for row in rows):  # every row's logit rows, padded to the widest row's
+                widest = max(len(row.index) for row in rows)
+                logit_rows = [i for row in rows for i in self._padded(row, widest)]
+            else:
+                logit_rows = list(inp.row_index)
+            if e.runner.states is not None:
+                save = [row.seq.state_slot for row in rows if row.draft is not None]
         with torch.inference_mode():
             hidden = self._run(TargetWork(inp, save, logit_rows, width, gated_decode))
             verified = self._verify(inp, rows, hidden, logit_rows)

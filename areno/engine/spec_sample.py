@@ -126,7 +126,8 @@ def draw(r, inp, drafts: list, k: int, logits, bsz: int | None):
     ``Draft`` (K tokens); ``logits``: the verify's (every row, a replay's padded to ``bsz``; None:
     eager)."""
     B, width, V = len(drafts), k + 1, r.vocab_size
-    probs, tokens = draft_probs(drafts), draft_ids(drafts, r.device)  # on the device, from the chain
+    tokens = inp.draft_ids if inp.draft_ids is not None else draft_ids(drafts, r.device)  # the verify's, or gathered
+    probs = draft_probs(drafts)  # on the device, from the chain
     if bsz is None:
         buf = _to(_host(inp, B, k, None), r.device)
         buf["logits"], buf["draft_probs"], buf["draft_tokens"] = logits[: B * width].view(B, width, V), probs, tokens
